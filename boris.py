@@ -1,0 +1,1769 @@
+#!/usr/bin/env python3
+"""boris.py - an MCP server that gives an AI agent a coding workspace.
+
+Shell, file view/edit/create, content and name search, workspace file tools and
+web fetch, in one Python file with no dependencies (Python 3.8+, standard library).
+
+    python3 boris.py                      # serve MCP over stdio (the default)
+    python3 boris.py --transport http     # serve streamable HTTP on 127.0.0.1:8080/mcp
+    python3 boris.py --help               # every flag, with its environment variable
+
+The file reads top to bottom as layers, each under a banner, each using only the
+layers above it: limits, errors, configuration, paths, files, search, shell, web,
+session, tools, protocol, transports, main.
+
+License: MIT.
+"""
+
+__version__ = "0.1.0"
+__license__ = "MIT"
+
+import json
+import os
+import re
+import signal
+import stat
+import sys
+import threading
+import time
+
+###############################################################################
+# Limits and constants ########################################################
+###############################################################################
+
+SERVER_NAME = "boris"
+PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
+MODERN_VERSIONS = ("2026-07-28",)          # stateless revision: server/discover
+META_VERSION_KEY = "io.modelcontextprotocol/protocolVersion"
+UNSUPPORTED_PROTOCOL_VERSION = -32022
+
+VIEW_MAX_LINES = 2000                      # lines shown by view without a range
+VIEW_MAX_LINE_CHARS = 2000                 # longer lines are cut
+SNIFF_BYTES = 8192                         # header read for binary/image sniffing
+LISTING_DEPTH = 2                          # view of a directory
+LISTING_MAX_ENTRIES = 1000
+LISTING_SKIP = frozenset((".git", "node_modules"))
+SNIPPET_CONTEXT = 4                        # lines around an edit in str_replace's answer
+MAX_PATH_CHARS = 4096
+
+OUTPUT_MAX_CHARS = 30000                   # bash stdout/stderr, grep, glob output
+BASH_MAX_TIMEOUT_MS = 600000
+KILL_GRACE_S = 5.0                         # SIGTERM -> SIGKILL
+MAX_BACKGROUND_TASKS = 10
+PROGRESS_INTERVAL_S = 0.1                  # at most ~10 progress notifications a second
+LEFTOVER_DRAIN_S = 0.2                     # after a command exits, wait this long for its pipes
+
+GREP_BINARY_SNIFF = 512
+WEB_MAX_CHARS = 5000
+WEB_MAX_BYTES = 5 * 1024 * 1024
+WEB_MAX_REDIRECTS = 5
+
+HTTP_SESSION_IDLE_S = 600.0
+HTTP_MAX_BODY = 4 * 1024 * 1024
+EOF_GRACE_S = 2.0                          # stdin closed: let in-flight calls finish
+
+###############################################################################
+# Errors ######################################################################
+###############################################################################
+
+
+class ToolError(Exception):
+    """A tool failure the model should see: rendered as `[CODE] message.`"""
+
+    def __init__(self, code, message):
+        Exception.__init__(self, message)
+        self.code = code
+        self.message = message
+
+    def render(self):
+        msg = self.message.rstrip()
+        if not msg.endswith((".", "?", "!")):
+            msg += "."
+        return "[%s] %s" % (self.code, msg)
+
+
+class PlainToolError(Exception):
+    """A failure rendered verbatim (the seed-004 tools answer in fixed strings)."""
+
+
+class ParamsError(Exception):
+    """Arguments that do not fit a tool's schema: JSON-RPC -32602."""
+
+
+class ConfigError(Exception):
+    """A bad flag or environment value: one line on stderr, exit code 2."""
+
+
+def human_size(n):
+    """1536 -> '1.5 KB'; the form used in every size message."""
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return ("%d %s" % (n, unit)) if unit == "bytes" else ("%.1f %s" % (n, unit))
+        n /= 1024.0
+
+
+_LOG_LEVELS = {"debug": 10, "info": 20, "warn": 30, "error": 40}
+_log_state = {"level": 20, "format": "text"}
+_log_lock = threading.Lock()
+
+
+def log(level, message, **fields):
+    """Write one log line to stderr (never stdout: stdout carries the protocol)."""
+    if _LOG_LEVELS[level] < _log_state["level"]:
+        return
+    if _log_state["format"] == "json":
+        rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "level": level.upper(), "msg": message}
+        rec.update(fields)
+        line = json.dumps(rec, default=str)
+    else:
+        extra = "".join(" %s=%s" % (k, json.dumps(v, default=str)) for k, v in fields.items())
+        line = "%s %s boris: %s%s" % (time.strftime("%H:%M:%S"), level.upper(), message, extra)
+    with _log_lock:
+        try:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+###############################################################################
+# Configuration ###############################################################
+###############################################################################
+
+# (flag, env, default, kind, help). Kinds: str, choice:<a|b>, port, seconds, size,
+# bool, tristate, list. The table drives parsing, env fallback and --help alike.
+FLAGS = (
+    ("transport", "BORIS_TRANSPORT", "stdio", "choice:stdio|http", "transport to serve"),
+    ("host", "BORIS_HOST", "127.0.0.1", "str", "HTTP bind address"),
+    ("port", "BORIS_PORT", "8080", "port", "HTTP port"),
+    ("workdir", "BORIS_WORKDIR", ".", "str", "starting cwd and the workspace root of read_file/write_file/list_directory"),
+    ("timeout", "BORIS_TIMEOUT", "120", "seconds", "default bash timeout in seconds"),
+    ("allow-dir", "BORIS_ALLOW_DIRS", "", "list", "directory the file tools may touch (repeatable; env comma-separated; none = all)"),
+    ("deny-dir", "BORIS_DENY_DIRS", "", "list", "directory or glob the file tools may not touch, e.g. '**/.env' (repeatable)"),
+    ("token", "BORIS_TOKEN", "", "str", "bearer token required by the HTTP transport"),
+    ("generate-token", "BORIS_GENERATE_TOKEN", "false", "bool", "generate a bearer token and print it to stderr (HTTP)"),
+    ("disable-tools", "BORIS_DISABLE_TOOLS", "", "list", "tool names not to register (repeatable or comma-separated)"),
+    ("background-task-timeout", "BORIS_BACKGROUND_TASK_TIMEOUT", "0", "seconds", "kill background tasks running longer than this (0 = never)"),
+    ("max-file-size", "BORIS_MAX_FILE_SIZE", "10MB", "size", "largest file read or written (e.g. 512KB, 10MB, 1GB, bytes)"),
+    ("require-view-before-edit", "BORIS_REQUIRE_VIEW_BEFORE_EDIT", "auto", "tristate", "edits need a prior view of the file: auto|true|false"),
+    ("anthropic-compat", "BORIS_ANTHROPIC_COMPAT", "false", "bool", "expose str_replace_editor and Claude Code's grep parameter names"),
+    ("log-level", "BORIS_LOG_LEVEL", "info", "choice:debug|info|warn|error", "stderr log level"),
+    ("log-format", "BORIS_LOG_FORMAT", "text", "choice:text|json", "stderr log format"),
+)
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 1024, "K": 1024, "MB": 1024 ** 2, "M": 1024 ** 2,
+               "GB": 1024 ** 3, "G": 1024 ** 3}
+
+
+class Config(object):
+    """Resolved settings: every value typed, `auto` already decided."""
+
+    def __init__(self, values):
+        for k, v in values.items():
+            setattr(self, k.replace("-", "_"), v)
+
+
+def parse_size(text):
+    m = re.match(r"^\s*(\d+)\s*([A-Za-z]*)\s*$", text)
+    if not m or m.group(2).upper() not in _SIZE_UNITS:
+        raise ValueError("expected a size such as 10MB, 512KB, 1GB or a number of bytes")
+    return int(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]
+
+
+def _convert(flag, kind, raw):
+    """Turn one raw string into the flag's typed value, or raise ConfigError."""
+    text = raw.strip()
+    try:
+        if kind == "str":
+            return text
+        if kind.startswith("choice:"):
+            choices = kind[7:].split("|")
+            if text.lower() not in choices:
+                raise ValueError("expected one of " + ", ".join(choices))
+            return text.lower()
+        if kind == "port":
+            port = int(text)
+            if not 0 < port < 65536:
+                raise ValueError("expected a port from 1 to 65535")
+            return port
+        if kind == "seconds":
+            secs = float(text)
+            if secs < 0 or secs != secs:
+                raise ValueError("expected a number of seconds >= 0")
+            return secs
+        if kind == "size":
+            size = parse_size(text)
+            if size <= 0:
+                raise ValueError("expected a size above 0")
+            return size
+        if kind in ("bool", "tristate"):
+            low = text.lower()
+            if kind == "tristate" and low == "auto":
+                return True      # auto resolves to true in this release (seed 003)
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError("expected true or false" + (" or auto" if kind == "tristate" else ""))
+    except ValueError as e:
+        raise ConfigError("invalid value %r for --%s: %s" % (raw, flag, e))
+    raise AssertionError(kind)
+
+
+def help_text():
+    lines = ["usage: python3 boris.py [flags]", "",
+             "boris %s - an MCP server giving an AI agent a coding workspace" % __version__,
+             "(shell, view/edit/create files, grep/glob, workspace file tools, web fetch).", "",
+             "flags (flag beats environment variable):"]
+    for flag, env, default, kind, text in FLAGS:
+        arg = "" if kind == "bool" else " " + (kind[7:] if kind.startswith("choice:") else
+                                                {"tristate": "auto|true|false"}.get(kind, kind.upper()))
+        lines.append("  --%s%s" % (flag, arg))
+        lines.append("      %s [env %s, default %s]" % (text, env, default or "none"))
+    lines.append("  --version\n      print the version and exit")
+    lines.append("  --help\n      print this help and exit")
+    lines += ["", "The shell is not confined by --allow-dir/--deny-dir: run boris in a container",
+              "or sandbox when the agent must not reach the rest of the machine."]
+    return "\n".join(lines)
+
+
+def parse_config(argv, environ):
+    """Build a Config from argv and environ; raise ConfigError on any bad value.
+
+    `--help` and `--version` raise SystemExit(0) after printing (to stdout: the
+    protocol has not started)."""
+    given = {}
+    spec = dict((f[0], f) for f in FLAGS)
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg in ("-h", "--help"):
+            sys.stdout.write(help_text() + "\n")
+            raise SystemExit(0)
+        if arg == "--version":
+            sys.stdout.write("boris %s\n" % __version__)
+            raise SystemExit(0)
+        if not arg.startswith("--"):
+            raise ConfigError("unexpected argument %r (flags start with --; see --help)" % arg)
+        name, eq, value = arg[2:].partition("=")
+        if name not in spec:
+            raise ConfigError("unknown flag --%s (see --help for the list)" % name)
+        kind = spec[name][3]
+        if not eq:
+            if kind == "bool":
+                value = "true"
+            elif i < len(argv):
+                value = argv[i]
+                i += 1
+            else:
+                raise ConfigError("flag --%s needs a value" % name)
+        given.setdefault(name, []).append(value)
+
+    values = {}
+    for flag, env, default, kind, _ in FLAGS:
+        if flag in given:
+            raws, source = given[flag], "flag"
+        elif environ.get(env, "") != "":
+            raws, source = [environ[env]], "env"
+        else:
+            raws, source = ([default] if default else []), "default"
+        if kind == "list":
+            items = []
+            for raw in raws:
+                items += [p.strip() for p in raw.split(",") if p.strip()]
+            values[flag] = items
+        elif not raws:
+            values[flag] = ""
+        else:
+            try:
+                values[flag] = _convert(flag, kind, raws[-1])
+            except ConfigError as e:
+                if source == "env":
+                    raise ConfigError("%s (from environment variable %s)" % (e, env))
+                raise
+    if values["token"] and values["generate-token"]:
+        raise ConfigError("--token and --generate-token exclude each other: give one of them")
+    workdir = os.path.abspath(os.path.expanduser(values["workdir"]))
+    if not os.path.isdir(workdir):
+        raise ConfigError("--workdir %r is not a directory" % values["workdir"])
+    values["workdir"] = os.path.realpath(workdir)
+    values["timeout"] = values["timeout"] or 120.0
+    cfg = Config(values)
+    cfg.disabled = resolve_disabled_tools(values["disable-tools"], values["anthropic-compat"])
+    return cfg
+
+###############################################################################
+# Paths #######################################################################
+###############################################################################
+
+
+def compile_glob(pattern):
+    """Translate a glob (`*`, `**`, `?`, `[a-z]`, `[!a]`, `{a,b}`, `\\x`) to a regex
+    matched against a whole '/'-separated path. Raise ValueError naming the flaw."""
+    out, i, n, depth = [], 0, len(pattern), 0
+    while i < n:
+        c = pattern[i]
+        if c == "*":
+            if pattern.startswith("**", i):
+                at_start = i == 0 or pattern[i - 1] == "/"
+                i += 2
+                if at_start and pattern.startswith("/", i):
+                    out.append("(?:.*/)?")         # '**/' : any number of directories
+                    i += 1
+                elif at_start and i == n and i > 2:
+                    out.append(".*")               # trailing '/**' : everything below
+                else:
+                    out.append(".*")
+                continue
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[":
+            j = i + 1
+            if j < n and pattern[j] in "!^":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 1
+            if j >= n:
+                raise ValueError("unclosed '[' at position %d" % i)
+            body = pattern[i + 1:j]
+            neg = body[:1] in ("!", "^")
+            if neg:
+                body = body[1:]
+            body = body.replace("\\", "\\\\").replace("]", "\\]")
+            out.append("[%s%s]" % ("^/" if neg else "", body) if neg else "[%s]" % body)
+            i = j
+        elif c == "{":
+            depth += 1
+            out.append("(?:")
+        elif c == "}" and depth:
+            depth -= 1
+            out.append(")")
+        elif c == "," and depth:
+            out.append("|")
+        elif c == "\\" and i + 1 < n:
+            i += 1
+            out.append(re.escape(pattern[i]))
+        else:
+            out.append(re.escape(c))
+        i += 1
+    if depth:
+        raise ValueError("unclosed '{' (every '{' needs a matching '}')")
+    return re.compile("".join(out) + r"\Z", re.DOTALL)
+
+
+def is_within(path, root):
+    """Component-wise containment of canonical paths: /ws2 is not inside /ws."""
+    if root == "/":
+        return path.startswith("/")
+    return path == root or path.startswith(root + "/")
+
+
+def canonical(path):
+    """realpath: symlinks resolved as far as the path exists, the rest appended."""
+    return os.path.realpath(path)
+
+
+class PathPolicy(object):
+    """Resolve first, check second, touch the disk third. Only realpath/stat here."""
+
+    def __init__(self, allow=(), deny=(), workdir="/"):
+        self.workdir = canonical(workdir)
+        self.allow = [canonical(os.path.join(self.workdir, os.path.expanduser(a))) for a in allow]
+        self.deny_dirs, self.deny_globs, self.deny_names = [], [], []
+        for d in deny:
+            if any(ch in d for ch in "*?[{"):
+                rx = compile_glob(d.lstrip("/") if not d.startswith("/") else d[1:])
+                (self.deny_globs if "/" in d else self.deny_names).append(rx)
+            else:
+                self.deny_dirs.append(canonical(os.path.join(self.workdir, os.path.expanduser(d))))
+        self.deny_raw = list(deny)
+
+    @staticmethod
+    def validate(path, name="path"):
+        if not isinstance(path, str) or not path:
+            raise ToolError("INVALID_INPUT", "%s must be a non-empty string" % name)
+        if "\x00" in path:
+            raise ToolError("INVALID_INPUT", "%s contains a NUL byte; pass a plain file path" % name)
+        if len(path) > MAX_PATH_CHARS:
+            raise ToolError("INVALID_INPUT", "%s is %d characters long; the limit is %d"
+                            % (name, len(path), MAX_PATH_CHARS))
+
+    def resolve(self, base, path, name="path"):
+        """The canonical absolute form of `path`, relative paths taken from `base`."""
+        self.validate(path, name)
+        return canonical(os.path.join(base, os.path.expanduser(path)))
+
+    def denial(self, real):
+        """Why `real` (canonical) is out of scope, or None when it is allowed."""
+        if self.allow and not any(is_within(real, a) for a in self.allow):
+            return "is outside the allowed directories (%s)" % ", ".join(self.allow)
+        for d in self.deny_dirs:
+            if is_within(real, d):
+                return "is inside the denied directory %s" % d
+        if self.deny_globs or self.deny_names:
+            parts = real.strip("/").split("/")
+            for k in range(len(parts), 0, -1):
+                sub = "/".join(parts[:k])
+                if any(rx.match(sub) for rx in self.deny_globs) or \
+                        any(rx.match(parts[k - 1]) for rx in self.deny_names):
+                    return "matches a denied pattern (%s)" % ", ".join(self.deny_raw)
+        return None
+
+    def is_denied(self, real):
+        return self.denial(real) is not None
+
+    def check(self, real, shown):
+        reason = self.denial(real)
+        if reason:
+            raise ToolError("ACCESS_DENIED", "%s %s; use a path inside the allowed scope" % (shown, reason))
+        return real
+
+    def confine(self, path):
+        """The seed-004 `_assert_safe_path`: resolve against the workspace root, then
+        require the canonical path to stay inside it (and inside allow/deny).
+        Raises PermissionError, which the seed-004 tools turn into their fixed string."""
+        self.validate(path)
+        real = canonical(os.path.join(self.workdir, path))
+        if not is_within(real, self.workdir) or self.is_denied(real):
+            log("warn", "path escape attempt refused", path=path, resolved=real, root=self.workdir)
+            raise PermissionError(path)
+        return real
+
+###############################################################################
+# Files #######################################################################
+###############################################################################
+
+IMAGE_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+    (b"BM", "image/bmp"),
+    (b"\x00\x00\x01\x00", "image/x-icon"),
+)
+
+
+def sniff(head, path):
+    """('image', mime) | ('binary', None) | ('text', None) from the first bytes."""
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image", "image/webp"
+    for magic, mime in IMAGE_MAGIC:
+        if head.startswith(magic):
+            if mime == "image/bmp" and (len(head) < 26 or b"\x00" not in head[:64]):
+                continue       # 'BM' alone is too weak: require a binary header after it
+            return "image", mime
+    if path.lower().endswith(".svg"):
+        return "image", "image/svg+xml"
+    if b"\x00" in head:
+        return "binary", None
+    return "text", None
+
+
+def display_line(raw):
+    """A raw line (bytes, newline included) as view shows it: decoded, newline
+    and CR stripped, cut at VIEW_MAX_LINE_CHARS with the full length named."""
+    text = raw.decode("utf-8", "replace").rstrip("\n")
+    if text.endswith("\r"):
+        text = text[:-1]
+    if len(text) > VIEW_MAX_LINE_CHARS:
+        text = "%s... [truncated, %d chars total]" % (text[:VIEW_MAX_LINE_CHARS], len(text))
+    return text
+
+
+def number_lines(lines, first):
+    return "\n".join("%6d\t%s" % (first + k, line) for k, line in enumerate(lines))
+
+
+def count_rest(fh):
+    """Count the lines left in a binary file object without holding them."""
+    n, last = 0, b"\n"
+    while True:
+        block = fh.read(1 << 20)
+        if not block:
+            return n + (0 if last == b"\n" else 1)
+        n += block.count(b"\n")
+        last = block[-1:]
+
+
+def read_limited(real, shown, limit):
+    """The whole file as bytes, refused when larger than `limit`."""
+    size = os.stat(real).st_size
+    if size > limit:
+        raise ToolError("FILE_TOO_LARGE", "%s is %s; the limit is %s (--max-file-size)"
+                        % (shown, human_size(size), human_size(limit)))
+    with open(real, "rb") as fh:
+        return fh.read()
+
+
+def io_error(e, shown):
+    """An OSError as the ToolError a model can act on."""
+    import errno
+    if e.errno in (errno.ENOENT, errno.ENOTDIR):
+        return ToolError("PATH_NOT_FOUND", "%s does not exist; check the path (view a directory to list it)" % shown)
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return ToolError("ACCESS_DENIED", "%s: permission denied by the operating system" % shown)
+    if e.errno == errno.EISDIR:
+        return ToolError("INVALID_INPUT", "%s is a directory, not a file" % shown)
+    return ToolError("IO_ERROR", "%s: %s" % (shown, e.strerror or e))
+
+
+def make_dirs(path):
+    """mkdir -p with 0755 for each directory created, whatever the umask."""
+    missing = []
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o755)
+            os.chmod(d, 0o755)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+
+
+def atomic_write(real, data, new_mode=0o644):
+    """The one writer: temp file in the same directory, fsync, rename over `real`.
+
+    `real` is canonical, so writing through a symlink updates its target and keeps the
+    link. An existing file keeps its mode (and owner when we may); a new one gets
+    `new_mode` whatever the umask. On Linux the temp file is an unnamed O_TMPFILE,
+    given a name only for the instant before the rename, so a kill -9 mid-write
+    leaves nothing behind."""
+    directory = os.path.dirname(real)
+    try:
+        st = os.stat(real)
+        mode, owner = stat.S_IMODE(st.st_mode), (st.st_uid, st.st_gid)
+    except FileNotFoundError:
+        mode, owner = new_mode, None
+    fd, tmp_name = _open_temp(directory, os.path.basename(real))
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fchmod(fd, mode)
+        if owner and owner != (os.geteuid(), os.getegid()):
+            try:
+                os.fchown(fd, owner[0], owner[1])
+            except OSError:
+                pass
+        os.fsync(fd)
+        if tmp_name is None:
+            tmp_name = _link_temp(fd, directory, os.path.basename(real))
+        os.replace(tmp_name, real)
+        tmp_name = None
+    finally:
+        os.close(fd)
+        if tmp_name is not None:
+            try:
+                os.unlink(tmp_name)
+            except OSError:
+                pass
+    try:
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def _temp_name(directory, base):
+    return os.path.join(directory, ".%s.boris-%d-%s.tmp" % (base[:64], os.getpid(), os.urandom(4).hex()))
+
+
+def _open_temp(directory, base):
+    """(fd, name or None): an unnamed O_TMPFILE where the filesystem has it."""
+    if hasattr(os, "O_TMPFILE"):
+        try:
+            return os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o600), None
+        except OSError:
+            pass
+    name = _temp_name(directory, base)
+    return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), name
+
+
+def _link_temp(fd, directory, base):
+    """Name an O_TMPFILE. os.link calls linkat(AT_SYMLINK_FOLLOW), which /proc/self/fd
+    needs, only when given a dir fd; the absolute source path makes its value moot."""
+    name = _temp_name(directory, base)
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.link("/proc/self/fd/%d" % fd, name, src_dir_fd=dfd, follow_symlinks=True)
+    finally:
+        os.close(dfd)
+    return name
+
+###############################################################################
+# Shell #######################################################################
+###############################################################################
+
+SHELL = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
+CAPTURE_HEAD_BYTES = OUTPUT_MAX_CHARS * 4      # enough bytes for 30,000 characters
+CAPTURE_TAIL_BYTES = 8192                      # where the cwd sentinel lives
+
+
+class Capture(object):
+    """A stream's output, bounded: the head (what is shown), the tail (where the
+    sentinel is) and the full length in characters."""
+
+    def __init__(self):
+        import codecs
+        self.head = bytearray()
+        self.tail = b""
+        self.total = 0
+        self.chars = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def add(self, data):
+        self.total += len(data)
+        self.chars += len(self._decoder.decode(data))
+        room = CAPTURE_HEAD_BYTES - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+        self.tail = (self.tail + data)[-CAPTURE_TAIL_BYTES:]
+
+    def complete(self):
+        return self.total == len(self.head)
+
+    def strip_sentinel(self, marker):
+        """Remove `\\nMARKER<cwd>\\n` from the end; return the cwd it named, or None."""
+        data = bytes(self.head) if self.complete() else self.tail
+        m = re.search(re.escape(b"\n" + marker) + rb"([^\n]*)\n\Z", data)
+        if not m:
+            return None
+        cut = len(data) - m.start()
+        self.total -= cut
+        self.chars -= len(data[m.start():].decode("utf-8", "replace"))
+        if self.complete() or len(self.head) > self.total:
+            del self.head[self.total:]
+        return m.group(1).decode("utf-8", "surrogateescape")
+
+    def render(self, label):
+        text = bytes(self.head).decode("utf-8", "replace")
+        if self.chars > OUTPUT_MAX_CHARS or not self.complete():
+            text = text[:OUTPUT_MAX_CHARS]
+            text += "\n[%s truncated: %d of %d characters shown]" % (label, len(text), self.chars)
+        return text
+
+
+def start_process(script, cwd):
+    """Popen of `script` under the shell, in its own process group, stdin /dev/null."""
+    import subprocess
+    env = dict(os.environ)
+    env.setdefault("PAGER", "cat")
+    env.setdefault("GIT_PAGER", "cat")
+    env.setdefault("GIT_TERMINAL_PROMPT", "0")
+    return subprocess.Popen([SHELL, "-c", script], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            close_fds=True)
+
+
+def signal_group(proc, sig):
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_group(proc, grace=KILL_GRACE_S):
+    """SIGTERM the process group, give the leader `grace` seconds, SIGKILL the group
+    (stragglers included), reap the leader."""
+    import subprocess
+    if proc.poll() is None:
+        signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    signal_group(proc, signal.SIGKILL)
+    proc.wait()
+
+
+def pump(proc, out, err, deadline=None, stop=None, on_output=None):
+    """Read both pipes of `proc` into Captures until it is done.
+
+    Ends the group on `deadline` (monotonic) or when `stop` is set: SIGTERM, then
+    SIGKILL after the grace period. When the leader exits, leftover members holding
+    the pipes get LEFTOVER_DRAIN_S before they are killed, so nothing outlives the
+    call. Returns 'exited', 'timeout' or 'stopped'."""
+    import selectors
+    sel = selectors.DefaultSelector()
+    for f, cap in ((proc.stdout, out), (proc.stderr, err)):
+        os.set_blocking(f.fileno(), False)
+        sel.register(f, selectors.EVENT_READ, cap)
+    why, kill_at, leader_gone_at = "exited", None, None
+    try:
+        while sel.get_map() or proc.poll() is None:
+            now = time.monotonic()
+            if why == "exited":
+                if stop is not None and stop.is_set():
+                    why = "stopped"
+                elif deadline is not None and now >= deadline:
+                    why = "timeout"
+                if why != "exited":
+                    signal_group(proc, signal.SIGTERM)
+                    kill_at = now + KILL_GRACE_S
+            if kill_at is not None and now >= kill_at:
+                signal_group(proc, signal.SIGKILL)
+                kill_at = None
+            if leader_gone_at is None and proc.poll() is not None:
+                leader_gone_at = now
+            if leader_gone_at is not None and now - leader_gone_at > LEFTOVER_DRAIN_S:
+                signal_group(proc, signal.SIGKILL)
+                break
+            if not sel.get_map():
+                time.sleep(0.05)        # pipes closed, leader still running
+                continue
+            for key, _ in sel.select(0.05):
+                try:
+                    data = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    sel.unregister(key.fileobj)
+                    continue
+                key.data.add(data)
+                if on_output is not None:
+                    on_output(key.data is err, data)
+    finally:
+        sel.close()
+        proc.stdout.close()
+        proc.stderr.close()
+        signal_group(proc, signal.SIGKILL)
+        proc.wait()
+    return why
+
+
+def describe_exit(proc):
+    code = proc.returncode
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "signal %d" % -code
+        return "killed by %s" % name
+    return "exit code: %s" % code
+
+
+def render_output(out, err):
+    parts = []
+    if out.total:
+        parts.append("--- stdout ---\n" + out.render("stdout").rstrip("\n"))
+    if err.total:
+        parts.append("--- stderr ---\n" + err.render("stderr").rstrip("\n"))
+    return "\n".join(parts) if parts else "(no output)"
+
+
+class Task(object):
+    """A background command: its process, captures and, once done, its ending."""
+
+    def __init__(self, task_id, command, proc, timeout_s):
+        self.id, self.command, self.proc = task_id, command, proc
+        self.out, self.err = Capture(), Capture()
+        self.started = time.monotonic()
+        self.stop = threading.Event()
+        self.done = threading.Event()
+        self.why = None
+        deadline = self.started + timeout_s if timeout_s else None
+        self.thread = threading.Thread(target=self._run, args=(deadline,), daemon=True)
+        self.thread.start()
+
+    def _run(self, deadline):
+        try:
+            self.why = pump(self.proc, self.out, self.err, deadline, self.stop)
+        finally:
+            self.done.set()
+
+
+def kill_all(tasks):
+    """Stop every task at once, then wait for each (grace period shared, not summed)."""
+    for t in tasks:
+        t.stop.set()
+    for t in tasks:
+        t.done.wait(KILL_GRACE_S + 2)
+
+###############################################################################
+# Session #####################################################################
+###############################################################################
+
+
+class Session(object):
+    """One client's state: cwd, sentinel nonce, viewed set, tasks, in-flight calls.
+    Everything mutable sits behind one lock."""
+
+    def __init__(self, config):
+        self.config = config
+        self.cwd = config.workdir
+        self.nonce = os.urandom(12).hex()
+        self.lock = threading.Lock()
+        self.viewed = set()
+        self.tasks = {}
+        self.inflight = {}          # request id -> threading.Event (set = cancelled)
+        self.foreground = set()     # Popen objects of running foreground commands
+        self.closed = False
+        self.last_seen = time.monotonic()
+        self.log_level = None
+
+    def mark_viewed(self, real):
+        with self.lock:
+            self.viewed.add(real)
+
+    def has_viewed(self, real):
+        with self.lock:
+            return real in self.viewed
+
+    def set_cwd(self, path):
+        with self.lock:
+            self.cwd = path
+
+    def get_cwd(self):
+        with self.lock:
+            cwd = self.cwd
+        return cwd if os.path.isdir(cwd) else self.config.workdir
+
+    def begin(self, rid):
+        ev = threading.Event()
+        with self.lock:
+            self.inflight[rid] = ev
+        return ev
+
+    def end(self, rid):
+        with self.lock:
+            self.inflight.pop(rid, None)
+
+    def cancel(self, rid):
+        with self.lock:
+            ev = self.inflight.get(rid)
+        if ev is not None:
+            ev.set()
+        return ev is not None
+
+    def close(self):
+        """Cancel in-flight calls and kill every background task (TERM, grace, KILL)."""
+        with self.lock:
+            self.closed = True
+            events = list(self.inflight.values())
+            tasks = list(self.tasks.values())
+            procs = list(self.foreground)
+            self.tasks.clear()
+        for ev in events:
+            ev.set()
+        kill_all(tasks)
+        for proc in procs:
+            stop_group(proc)
+
+###############################################################################
+# Tools: file viewing and editing #############################################
+###############################################################################
+
+
+class CallContext(object):
+    """What a handler may use besides its arguments: settings, scope, cancellation,
+    and a progress callback (a no-op unless the client asked for progress)."""
+
+    def __init__(self, config, policy, cancelled=None, progress=None):
+        self.config = config
+        self.policy = policy
+        self.cancelled = cancelled or threading.Event()
+        self.progress = progress or (lambda text: None)
+
+
+def text_block(text):
+    return {"type": "text", "text": text}
+
+
+def resolve_checked(session, ctx, path, name="path"):
+    """The one resolver for cwd-relative tools: canonical path, scope-checked."""
+    return ctx.policy.check(ctx.policy.resolve(session.get_cwd(), path, name), path)
+
+
+def stat_existing(real, shown):
+    try:
+        return os.stat(real)
+    except OSError as e:
+        raise io_error(e, shown)
+
+
+def tool_view(session, args, ctx):
+    shown = args["path"]
+    real = resolve_checked(session, ctx, shown)
+    st = stat_existing(real, shown)
+    if stat.S_ISDIR(st.st_mode):
+        if args.get("view_range") is not None:
+            raise ToolError("INVALID_INPUT", "view_range applies to files, and %s is a directory" % shown)
+        return list_tree(real, ctx.policy)
+    if not stat.S_ISREG(st.st_mode):
+        raise ToolError("INVALID_INPUT", "%s is not a regular file (a device, socket or pipe)" % shown)
+    limit = ctx.config.max_file_size
+    if st.st_size > limit:
+        raise ToolError("FILE_TOO_LARGE", "%s is %s; the limit is %s (--max-file-size). Use grep to search it,"
+                        " or raise --max-file-size" % (shown, human_size(st.st_size), human_size(limit)))
+    vr = parse_view_range(args.get("view_range"))
+    try:
+        with open(real, "rb") as fh:
+            head = fh.read(SNIFF_BYTES)
+            kind, mime = sniff(head, real)
+            if kind == "image":
+                import base64
+                data = head + fh.read()
+                session.mark_viewed(real)
+                return [{"type": "image", "data": base64.b64encode(data).decode("ascii"), "mimeType": mime}]
+            if kind == "binary":
+                return "Binary file (%s): %s is not shown as text" % (human_size(st.st_size), shown)
+            fh.seek(0)
+            text = read_numbered(fh, vr, shown)
+    except OSError as e:
+        raise io_error(e, shown)
+    session.mark_viewed(real)
+    return text
+
+
+def parse_view_range(vr):
+    if vr is None:
+        return None
+    start, end = vr
+    if start < 1:
+        raise ToolError("INVALID_INPUT", "view_range start %d is below 1; lines are numbered from 1" % start)
+    if end != -1 and end < start:
+        raise ToolError("INVALID_INPUT", "view_range [%d, %d] ends before it starts; give start <= end,"
+                        " or end = -1 for the end of the file" % (start, end))
+    return start, end
+
+
+def read_numbered(fh, vr, shown):
+    """Stream a text file into `cat -n` form: memory stays flat whatever its size."""
+    lines = []
+    if vr is None:
+        for raw in fh:
+            if len(lines) == VIEW_MAX_LINES:
+                total = VIEW_MAX_LINES + 1 + count_rest(fh)
+                return "%s\n\nTruncated: file has %d lines. Use view_range to read specific sections" \
+                       " (e.g. [%d, %d])." % (number_lines(lines, 1), total, VIEW_MAX_LINES + 1,
+                                              min(total, 2 * VIEW_MAX_LINES))
+            lines.append(display_line(raw))
+        if not lines:
+            return "(%s is empty)" % shown
+        return number_lines(lines, 1)
+    start, end = vr
+    n = 0
+    for raw in fh:
+        n += 1
+        if n >= start:
+            lines.append(display_line(raw))
+            if n == end:
+                break
+    if not lines:
+        raise ToolError("INVALID_INPUT", "view_range start %d exceeds the file's %d lines; give a start"
+                        " between 1 and %d" % (start, n, max(n, 1)))
+    return number_lines(lines, start)
+
+
+class _ListingFull(Exception):
+    pass
+
+
+def list_tree(root, policy):
+    """Two levels below `root`, sorted, directories marked '/', links as 'name -> target'."""
+    out = []
+
+    def walk(directory, rel, level):
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError as e:
+            out.append("%s  [unreadable: %s]" % (rel or ".", e.strerror))
+            return
+        for e in entries:
+            if e.name in LISTING_SKIP or policy.is_denied(e.path):
+                continue
+            if len(out) >= LISTING_MAX_ENTRIES:
+                raise _ListingFull()
+            name = rel + e.name
+            if e.is_symlink():
+                try:
+                    out.append("%s -> %s" % (name, os.readlink(e.path)))
+                except OSError:
+                    out.append(name + " -> ?")
+            elif e.is_dir():
+                out.append(name + "/")
+                if level < LISTING_DEPTH:
+                    walk(e.path, name + "/", level + 1)
+            else:
+                out.append(name)
+
+    try:
+        walk(root, "", 1)
+        note = ""
+    except _ListingFull:
+        note = "\n[listing cut at %d entries; view a subdirectory to see more]" % LISTING_MAX_ENTRIES
+    header = "%s/ (%d levels deep; .git and node_modules left out)" % (root.rstrip("/"), LISTING_DEPTH)
+    return header + "\n" + ("\n".join(out) if out else "(empty directory)") + note
+
+
+def require_viewed(session, ctx, real, shown):
+    if ctx.config.require_view_before_edit and not session.has_viewed(real):
+        raise ToolError("FILE_NOT_VIEWED", "%s has not been viewed in this session; view it first"
+                        " (view-before-edit is on), then retry the edit" % shown)
+
+
+def load_for_edit(session, ctx, shown):
+    """(real, text, crlf) of an existing file that may be edited now."""
+    real = resolve_checked(session, ctx, shown)
+    st = stat_existing(real, shown)
+    if stat.S_ISDIR(st.st_mode):
+        raise ToolError("INVALID_INPUT", "%s is a directory; edits apply to files" % shown)
+    require_viewed(session, ctx, real, shown)
+    try:
+        data = read_limited(real, shown, ctx.config.max_file_size)
+    except OSError as e:
+        raise io_error(e, shown)
+    text = data.decode("utf-8", "surrogateescape")
+    return real, text, "\r\n" in text
+
+
+def to_crlf(s):
+    return s.replace("\r\n", "\n").replace("\n", "\r\n")
+
+
+def encode_text(text, name="content"):
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raise ToolError("INVALID_INPUT", "%s holds an unpaired surrogate character; send valid UTF-8 text" % name)
+
+
+def write_checked(session, ctx, real, shown, data):
+    limit = ctx.config.max_file_size
+    if len(data) > limit:
+        raise ToolError("FILE_TOO_LARGE", "the new content of %s is %s; the limit is %s (--max-file-size);"
+                        " nothing was written" % (shown, human_size(len(data)), human_size(limit)))
+    try:
+        atomic_write(real, data)
+    except OSError as e:
+        raise io_error(e, shown)
+    session.mark_viewed(real)
+
+
+def snippet(text, first_line, span):
+    lines = text.split("\n")
+    lo = max(0, first_line - SNIPPET_CONTEXT)
+    hi = min(len(lines), first_line + span + SNIPPET_CONTEXT + 1)
+    return number_lines([display_line(l.encode("utf-8", "surrogateescape")) for l in lines[lo:hi]], lo + 1)
+
+
+def tool_str_replace(session, args, ctx):
+    shown, old, new = args["path"], args["old_str"], args.get("new_str") or ""
+    if old == "":
+        raise ToolError("INVALID_INPUT", "old_str is empty; give the exact text to replace"
+                        " (to write a whole file use create_file)")
+    if old == new:
+        raise ToolError("INVALID_INPUT", "old_str and new_str are identical; there is nothing to change")
+    real, text, crlf = load_for_edit(session, ctx, shown)
+    if crlf and "\r\n" not in old:
+        old, new = to_crlf(old), to_crlf(new)
+    count = text.count(old)
+    if count == 0:
+        raise ToolError("STR_REPLACE_NOT_FOUND", "old_str was not found in %s; view the file and copy the"
+                        " text exactly, whitespace and indentation included" % shown)
+    if count > 1 and not args.get("replace_all"):
+        raise ToolError("STR_REPLACE_AMBIGUOUS", "old_str occurs %d times in %s and must be unique; add"
+                        " surrounding lines to old_str to pick one, or set replace_all to true" % (count, shown))
+    pos = text.find(old)
+    updated = text.replace(old, new) if args.get("replace_all") else text[:pos] + new + text[pos + len(old):]
+    write_checked(session, ctx, real, shown, encode_text(updated, "new_str"))
+    shown_new = updated.replace("\r\n", "\n")
+    line = updated.count("\n", 0, pos)
+    return "Replaced %d occurrence%s in %s:\n%s" % (count, "" if count == 1 else "s", real,
+                                                  snippet(shown_new, line, new.replace("\r\n", "\n").count("\n")))
+
+
+def tool_create_file(session, args, ctx, content_key="content"):
+    shown = args["path"]
+    real = resolve_checked(session, ctx, shown)
+    existed = os.path.lexists(real)
+    if existed:
+        if os.path.isdir(real):
+            raise ToolError("INVALID_INPUT", "%s is a directory; give a file path" % shown)
+        require_viewed(session, ctx, real, shown)
+    data = encode_text(args[content_key], content_key)
+    try:
+        make_dirs(os.path.dirname(real))
+    except OSError as e:
+        raise io_error(e, os.path.dirname(shown) or shown)
+    write_checked(session, ctx, real, shown, data)
+    return "%s %s (%d bytes)" % ("Overwrote" if existed else "Created", real, len(data))
+
+
+def tool_insert(session, args, ctx):
+    shown = args["path"]
+    text_in = args.get("insert_text", args.get("new_str"))
+    if text_in is None or args.get("insert_line") is None:
+        raise ToolError("INVALID_INPUT", "insert needs insert_line and insert_text (or new_str)")
+    real, text, crlf = load_for_edit(session, ctx, shown)
+    nl = "\r\n" if crlf else "\n"
+    lines = text.split(nl)
+    trailing = text.endswith(nl)
+    total = len(lines) - 1 if trailing else (0 if text == "" else len(lines))
+    at = args["insert_line"]
+    if not 0 <= at <= total:
+        raise ToolError("INVALID_INPUT", "insert_line %d is outside the file; give 0 (the top) to %d (after"
+                        " the last line)" % (at, total))
+    body = lines[:total]
+    new_lines = (to_crlf(text_in) if crlf else text_in).split(nl)
+    if text_in.endswith("\n"):
+        new_lines = new_lines[:-1]
+    body[at:at] = new_lines
+    updated = nl.join(body) + (nl if trailing or at == total else "")
+    write_checked(session, ctx, real, shown, encode_text(updated, "insert_text"))
+    return "Inserted %d line%s after line %d of %s:\n%s" % (
+        len(new_lines), "" if len(new_lines) == 1 else "s", at, real,
+        snippet(updated.replace("\r\n", "\n"), at, len(new_lines) - 1))
+
+
+def tool_str_replace_editor(session, args, ctx):
+    """Anthropic's text-editor tool: one name, the same handlers underneath."""
+    cmd = args["command"]
+    need = {"view": (), "str_replace": ("old_str",), "create": ("file_text",), "insert": ("insert_line",)}[cmd]
+    for key in need:
+        if args.get(key) is None:
+            raise ToolError("INVALID_INPUT", "command %r needs the argument %r" % (cmd, key))
+    if cmd == "view":
+        return tool_view(session, args, ctx)
+    if cmd == "str_replace":
+        return tool_str_replace(session, args, ctx)
+    if cmd == "create":
+        return tool_create_file(session, args, ctx, content_key="file_text")
+    return tool_insert(session, args, ctx)
+
+###############################################################################
+# Tools: shell ################################################################
+###############################################################################
+
+
+def bash_timeout_ms(args, config):
+    ms = args.get("timeout")
+    if ms is None:
+        ms = int(config.timeout * 1000)
+    if ms <= 0:
+        raise ToolError("INVALID_INPUT", "timeout %d ms must be above 0 (it is in milliseconds, at most %d)"
+                        % (ms, BASH_MAX_TIMEOUT_MS))
+    return min(ms, BASH_MAX_TIMEOUT_MS)
+
+
+def launch(session, script):
+    cwd = session.get_cwd()
+    try:
+        return start_process(script, cwd)
+    except OSError as e:
+        raise ToolError("BASH_START_FAILED", "could not start %s in %s: %s" % (SHELL, cwd, e.strerror or e))
+
+
+class ProgressLines(object):
+    """Forward new output to the client as progress, whole lines only, at most
+    ~10 messages a second, with the cwd sentinel held back."""
+
+    def __init__(self, ctx, marker):
+        self.ctx, self.marker = ctx, marker
+        self.pending = b""
+        self.last = 0.0
+
+    def __call__(self, is_err, data):
+        self.pending += data
+        now = time.monotonic()
+        if now - self.last < PROGRESS_INTERVAL_S or b"\n" not in self.pending:
+            return
+        cut = self.pending.rindex(b"\n") + 1
+        chunk, self.pending = self.pending[:cut], self.pending[cut:]
+        lines = [l for l in chunk.split(b"\n") if self.marker not in l]
+        text = b"\n".join(lines).decode("utf-8", "replace").strip("\n")
+        if text:
+            self.last = now
+            self.ctx.progress(text[:OUTPUT_MAX_CHARS])
+
+
+def tool_bash(session, args, ctx):
+    command = args["command"]
+    if not command.strip():
+        raise ToolError("BASH_EMPTY_COMMAND", "command is empty; give a shell command to run")
+    timeout_ms = bash_timeout_ms(args, ctx.config)
+    if args.get("run_in_background"):
+        return start_task(session, command, ctx)
+    marker = ("__BORIS_CWD_%s__" % session.nonce).encode()
+    script = "%s\n__boris_status=$?\nprintf '\\n%%s%%s\\n' '%s' \"$PWD\"\nexit $__boris_status\n" % (
+        command, marker.decode())
+    proc = launch(session, script)
+    with session.lock:
+        session.foreground.add(proc)
+    out, err = Capture(), Capture()
+    try:
+        why = pump(proc, out, err, time.monotonic() + timeout_ms / 1000.0, ctx.cancelled,
+                   ProgressLines(ctx, marker) if args.get("_progress", True) else None)
+    finally:
+        with session.lock:
+            session.foreground.discard(proc)
+    new_cwd = out.strip_sentinel(marker)
+    head = []
+    if why == "timeout":
+        head.append("Command timed out after %d ms and was killed; output so far is below." % timeout_ms)
+    elif why == "stopped":
+        head.append("Command was cancelled and killed.")
+    head.append(describe_exit(proc))
+    if new_cwd and new_cwd != session.get_cwd() and os.path.isdir(new_cwd):
+        session.set_cwd(new_cwd)
+        head.append("cwd: %s" % new_cwd)
+    return "\n".join(head) + "\n" + render_output(out, err)
+
+
+def start_task(session, command, ctx):
+    with session.lock:
+        running = [t for t in session.tasks.values() if not t.done.is_set()]
+        if len(running) >= MAX_BACKGROUND_TASKS:
+            raise ToolError("BASH_TASK_LIMIT", "%d background tasks are already running (the limit); wait for"
+                            " one with task_output or run this one in the foreground" % len(running))
+        session.task_seq = getattr(session, "task_seq", 0) + 1
+        task_id = "task_%d" % session.task_seq
+    proc = launch(session, command)
+    task = Task(task_id, command, proc, ctx.config.background_task_timeout)
+    with session.lock:
+        session.tasks[task_id] = task
+    return ("Started background task %s (pid %d). Read its output with task_output(task_id=%r);"
+            " its cd does not move this session." % (task_id, proc.pid, task_id))
+
+
+def tool_task_output(session, args, ctx):
+    task_id = args["task_id"]
+    with session.lock:
+        task = session.tasks.get(task_id)
+        known = sorted(session.tasks)
+    if task is None:
+        raise ToolError("BASH_TASK_NOT_FOUND", "no background task %r in this session (running or unread: %s);"
+                        " a completed task is forgotten once its output is read"
+                        % (task_id, ", ".join(known) or "none"))
+    wait_ms = min(args.get("wait_ms") or 0, BASH_MAX_TIMEOUT_MS)
+    if wait_ms > 0:
+        task.done.wait(wait_ms / 1000.0) if not ctx.cancelled.wait(0) else None
+    runtime = time.monotonic() - task.started
+    if not task.done.is_set():
+        return "status: running (%.1f s)\ncommand: %s\n%s" % (runtime, task.command,
+                                                             render_output(task.out, task.err))
+    with session.lock:
+        session.tasks.pop(task_id, None)
+    if task.why == "timeout":
+        status = "status: killed by the background task timeout (%g s)" % ctx.config.background_task_timeout
+    elif task.why == "stopped":
+        status = "status: killed"
+    else:
+        status = "status: completed"
+    return "%s\n%s\ncommand: %s\n%s" % (status, describe_exit(task.proc), task.command,
+                                       render_output(task.out, task.err))
+
+
+BASH_DESC = ("Run a shell command (bash -c) in the session's working directory and return its exit code, "
+             "stdout and stderr (each cut at 30,000 characters). The working directory persists between "
+             "calls (cd moves it). stdin is /dev/null, so interactive programs get no input. A command is "
+             "killed, with everything it started, after `timeout` ms (default 120000, max 600000) or when it "
+             "returns. For servers and long jobs set run_in_background and read the output with task_output.")
+TASK_DESC = ("Read the output of a background bash task by its task_id: 'status: running' with the output "
+             "so far, or 'status: completed' with the exit code and full output, after which the task is "
+             "forgotten. wait_ms waits up to that long for the task to finish first.")
+
+
+def shell_tools(config):
+    return [
+        Tool("bash", BASH_DESC, obj({
+            "command": prop("string", "The shell command to run."),
+            "timeout": prop("integer", "Timeout in milliseconds (default %d, max %d)."
+                            % (int(config.timeout * 1000), BASH_MAX_TIMEOUT_MS)),
+            "run_in_background": prop("boolean", "Start the command and return its task_id at once."),
+            "description": prop("string", "A few words saying what the command does (for logs)."),
+        }, ["command"]), notes("Run shell command", destructive=True, open_world=True), tool_bash),
+        Tool("task_output", TASK_DESC, obj({
+            "task_id": prop("string", "The task_id bash returned."),
+            "wait_ms": prop("integer", "Wait up to this many milliseconds for the task to finish (default 0)."),
+        }, ["task_id"]), notes("Read background task output", read_only=True), tool_task_output),
+    ]
+
+###############################################################################
+# Tools: the registry #########################################################
+###############################################################################
+
+ALL_TOOL_NAMES = ("bash", "task_output", "view", "str_replace", "create_file", "grep", "glob",
+                  "search_text", "search_files", "read_file", "write_file", "list_directory",
+                  "web_fetch", "str_replace_editor")
+EDITOR_PARTS = ("view", "str_replace", "create_file")
+
+
+class Tool(object):
+    __slots__ = ("name", "description", "schema", "annotations", "handler")
+
+    def __init__(self, name, description, schema, annotations, handler):
+        self.name, self.description, self.schema = name, description, schema
+        self.annotations, self.handler = annotations, handler
+
+    def listing(self):
+        return {"name": self.name, "description": self.description,
+                "inputSchema": self.schema, "annotations": self.annotations}
+
+
+def prop(kind, description, **extra):
+    d = {"type": kind, "description": description}
+    d.update(extra)
+    return d
+
+
+def obj(properties, required=()):
+    return {"type": "object", "properties": properties, "required": list(required),
+            "additionalProperties": False}
+
+
+def notes(title, read_only=False, destructive=False, open_world=False, idempotent=False):
+    return {"title": title, "readOnlyHint": read_only, "destructiveHint": destructive,
+            "idempotentHint": idempotent, "openWorldHint": open_world}
+
+
+PATH_PROP = prop("string", "File or directory path, absolute or relative to the session's working directory.")
+RANGE_PROP = prop("array", "Optional [start, end] line range, 1-indexed and inclusive; end -1 means to the end"
+                  " of the file. Use it for files over 2,000 lines.",
+                  items={"type": "integer"}, minItems=2, maxItems=2)
+
+VIEW_DESC = ("Read a text file with line numbers (cat -n style: number, tab, line), list a directory two "
+             "levels deep, or see an image (PNG, JPEG, GIF, WebP, SVG) as an image. Files over 2,000 lines "
+             "show their first 2,000 lines unless view_range is given; lines over 2,000 characters are cut. "
+             "Binary files are reported by size only. Viewing a file is required before editing it.")
+STR_REPLACE_DESC = ("Edit a file by replacing old_str with new_str. old_str must match the file exactly "
+                    "(whitespace and indentation included, without the line-number prefix view shows) and "
+                    "occur exactly once, unless replace_all is true. Omit new_str to delete. View the file "
+                    "first. Line endings, encoding and permissions are kept.")
+CREATE_DESC = ("Create a file with the given content, or overwrite an existing one (view it first). Missing "
+               "parent directories are created. Prefer str_replace for changing part of an existing file.")
+EDITOR_DESC = ("View, create and edit files. command=view shows a file with line numbers or lists a "
+               "directory (view_range optional); create writes file_text to path; str_replace replaces the "
+               "unique old_str with new_str; insert adds insert_text after line insert_line (0 = top). "
+               "Files must be viewed before they are edited.")
+
+
+def file_tools():
+    return [
+        Tool("view", VIEW_DESC, obj({"path": PATH_PROP, "view_range": RANGE_PROP}, ["path"]),
+             notes("View file or directory", read_only=True, idempotent=True), tool_view),
+        Tool("str_replace", STR_REPLACE_DESC, obj({
+            "path": PATH_PROP,
+            "old_str": prop("string", "The exact text to replace."),
+            "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
+            "replace_all": prop("boolean", "Replace every occurrence instead of requiring one (default false)."),
+        }, ["path", "old_str"]), notes("Replace text in a file", destructive=True), tool_str_replace),
+        Tool("create_file", CREATE_DESC, obj({
+            "path": PATH_PROP, "content": prop("string", "The complete file content."),
+        }, ["path", "content"]), notes("Create or overwrite a file", destructive=True), tool_create_file),
+    ]
+
+
+def editor_tool():
+    return Tool("str_replace_editor", EDITOR_DESC, obj({
+        "command": prop("string", "The operation.", enum=["view", "create", "str_replace", "insert"]),
+        "path": PATH_PROP,
+        "view_range": RANGE_PROP,
+        "file_text": prop("string", "command=create: the complete file content."),
+        "old_str": prop("string", "command=str_replace: the exact, unique text to replace."),
+        "new_str": prop("string", "command=str_replace: the replacement; command=insert: the text to insert."),
+        "insert_line": prop("integer", "command=insert: insert after this line (0 = top of file)."),
+        "insert_text": prop("string", "command=insert: the text to insert."),
+        "replace_all": prop("boolean", "command=str_replace: replace every occurrence."),
+    }, ["command", "path"]), notes("Text editor", destructive=True), tool_str_replace_editor)
+
+
+def resolve_disabled_tools(names, compat):
+    """The registered names that --disable-tools removes; unknown names stop start-up."""
+    unknown = [n for n in names if n not in ALL_TOOL_NAMES]
+    if unknown:
+        raise ConfigError("unknown tool name(s) for --disable-tools: %s; valid names: %s"
+                          % (", ".join(unknown), ", ".join(ALL_TOOL_NAMES)))
+    off = set(names)
+    if "bash" in off:
+        off.add("task_output")
+    if compat and off.intersection(EDITOR_PARTS):
+        off.add("str_replace_editor")
+    return off
+
+
+def build_tools(config):
+    """The tools this server registers, in listing order, after compat and disabling."""
+    tools = []
+    for group in TOOL_GROUPS:
+        tools += group(config)
+    return dict((t.name, t) for t in tools if t.name not in config.disabled)
+
+
+def _editor_group(config):
+    return [editor_tool()] if config.anthropic_compat else file_tools()
+
+
+TOOL_GROUPS = [shell_tools, _editor_group]
+
+###############################################################################
+# Protocol ####################################################################
+###############################################################################
+
+
+def check_value(name, spec, value):
+    kind = spec.get("type")
+    if kind == "string":
+        ok = isinstance(value, str)
+    elif kind == "integer":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind == "number":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind == "boolean":
+        ok = isinstance(value, bool)
+    elif kind == "array":
+        ok = isinstance(value, list)
+    else:
+        ok = True
+    if not ok:
+        raise ParamsError("argument %r must be %s %s, got %s" % (
+            name, "an" if kind[0] in "aeiou" else "a", kind, json.dumps(value)[:80]))
+    if "enum" in spec and value not in spec["enum"]:
+        raise ParamsError("argument %r must be one of %s, got %s"
+                          % (name, ", ".join(spec["enum"]), json.dumps(value)[:80]))
+    if kind == "array":
+        lo, hi = spec.get("minItems", 0), spec.get("maxItems")
+        if len(value) < lo or (hi is not None and len(value) > hi):
+            raise ParamsError("argument %r must have %s items, got %d" % (
+                name, lo if lo == hi else "%d to %s" % (lo, hi), len(value)))
+        for k, item in enumerate(value):
+            check_value("%s[%d]" % (name, k), spec.get("items", {}), item)
+
+
+def check_arguments(schema, args):
+    """Validate tool arguments against the tool's schema; null means 'not given'."""
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise ParamsError("arguments must be an object")
+    props = schema["properties"]
+    args = dict((k, v) for k, v in args.items() if v is not None)
+    for k in args:
+        if k not in props:
+            raise ParamsError("unknown argument %r; this tool takes: %s" % (k, ", ".join(sorted(props))))
+    for k in schema.get("required", ()):
+        if k not in args:
+            raise ParamsError("missing required argument %r" % k)
+    for k, v in args.items():
+        check_value(k, props[k], v)
+    return args
+
+
+class WorkerPool(object):
+    """Threads that run tool calls so the reader never blocks; one more is started
+    whenever none is idle, so a long command never starves a quick view."""
+
+    def __init__(self):
+        import queue
+        self.jobs = queue.Queue()
+        self.lock = threading.Lock()
+        self.idle = 0
+
+    def submit(self, fn):
+        with self.lock:
+            spawn = self.idle == 0
+            if not spawn:
+                self.idle -= 1
+        self.jobs.put(fn)
+        if spawn:
+            threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while True:
+            fn = self.jobs.get()
+            try:
+                fn()
+            except Exception:
+                log("error", "worker crashed", error=_traceback())
+            with self.lock:
+                self.idle += 1
+
+
+def _traceback():
+    import traceback
+    return traceback.format_exc()
+
+
+def error_response(rid, code, message, data=None):
+    err = {"code": code, "message": message}
+    if data is not None:
+        err["data"] = data
+    return {"jsonrpc": "2.0", "id": rid, "error": err}
+
+
+def result_response(rid, result):
+    return {"jsonrpc": "2.0", "id": rid, "result": result}
+
+
+class McpServer(object):
+    """JSON-RPC dispatch for MCP. Knows nothing about stdio or HTTP: a transport hands
+    it a message, a session and an `emit(message)` callback (thread-safe), and every
+    answer, progress notification included, goes out through `emit`."""
+
+    def __init__(self, config, policy):
+        self.config = config
+        self.policy = policy
+        self.tools = build_tools(config)
+        self.pool = WorkerPool()
+        self._tool_list = [t.listing() for t in self.tools.values()]
+
+    # -- entry point ---------------------------------------------------------
+    def dispatch(self, msg, session, emit):
+        session.last_seen = time.monotonic()
+        if not isinstance(msg, dict):
+            emit(error_response(None, -32600, "Invalid Request: expected a JSON-RPC object"
+                                + (" (batches are not supported)" if isinstance(msg, list) else "")))
+            return
+        method, rid, has_id = msg.get("method"), msg.get("id"), "id" in msg
+        if method is None and ("result" in msg or "error" in msg):
+            return                                  # a response to us: we send no requests
+        if msg.get("jsonrpc") != "2.0" or not isinstance(method, str) or \
+                (has_id and (isinstance(rid, bool) or not isinstance(rid, (str, int)))):
+            emit(error_response(rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None,
+                                -32600, "Invalid Request: need jsonrpc '2.0', a string method and a"
+                                        " string or integer id"))
+            return
+        params = msg.get("params")
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            if has_id:
+                emit(error_response(rid, -32602, "params must be an object"))
+            return
+        if not has_id:
+            self.notification(method, params, session)
+            return
+        modern = None
+        meta = params.get("_meta")
+        if isinstance(meta, dict) and META_VERSION_KEY in meta:
+            modern = meta[META_VERSION_KEY]
+            if modern not in MODERN_VERSIONS:
+                emit(error_response(rid, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version",
+                                    {"supported": list(MODERN_VERSIONS), "requested": modern}))
+                return
+        if method == "tools/call":
+            self.call_tool(rid, params, session, emit, modern)
+            return
+        handler = self.METHODS.get(method)
+        if handler is None:
+            emit(error_response(rid, -32601, "Method not found: %s" % method))
+            return
+        try:
+            result = handler(self, params, session)
+        except ParamsError as e:
+            emit(error_response(rid, -32602, "Invalid params: %s" % e))
+            return
+        except Exception:
+            log("error", "internal error", method=method, error=_traceback())
+            emit(error_response(rid, -32603, "Internal error while handling %s" % method))
+            return
+        if modern is not None:
+            result = dict(result, resultType="complete")
+            if method == "tools/list":
+                result.update(cacheScope="private", ttlMs=0)
+        emit(result_response(rid, result))
+
+    def notification(self, method, params, session):
+        if method == "notifications/cancelled":
+            rid = params.get("requestId")
+            if session.cancel(rid):
+                log("debug", "request cancelled", id=rid, reason=params.get("reason"))
+
+    # -- methods -------------------------------------------------------------
+    def instructions(self):
+        cfg = self.config
+        lines = ["Working directory: %s" % cfg.workdir]
+        if self.policy.allow:
+            lines.append("Allowed directories: %s" % ", ".join(self.policy.allow))
+        if self.policy.deny_raw:
+            lines.append("Denied patterns: %s" % ", ".join(self.policy.deny_raw))
+        lines.append("View before edit: %s" % ("on (view a file before str_replace or overwriting it)"
+                                               if cfg.require_view_before_edit else "off"))
+        if cfg.anthropic_compat:
+            lines.append("Anthropic compatibility: on (str_replace_editor, Claude Code grep names)")
+        return "\n".join(lines)
+
+    def server_info(self):
+        return {"name": SERVER_NAME, "version": __version__}
+
+    def capabilities(self):
+        return {"tools": {"listChanged": False}, "logging": {}}
+
+    def m_initialize(self, params, session):
+        asked = params.get("protocolVersion")
+        version = asked if asked in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
+        return {"protocolVersion": version, "capabilities": self.capabilities(),
+                "serverInfo": self.server_info(), "instructions": self.instructions()}
+
+    def m_discover(self, params, session):
+        return {"supportedVersions": list(MODERN_VERSIONS) + list(PROTOCOL_VERSIONS),
+                "capabilities": self.capabilities(), "serverInfo": self.server_info(),
+                "instructions": self.instructions(), "cacheScope": "private", "ttlMs": 0,
+                "resultType": "complete",
+                "_meta": {"io.modelcontextprotocol/serverInfo": self.server_info()}}
+
+    def m_ping(self, params, session):
+        return {}
+
+    def m_tools_list(self, params, session):
+        return {"tools": self._tool_list}
+
+    def m_set_level(self, params, session):
+        level = params.get("level")
+        if not isinstance(level, str):
+            raise ParamsError("level must be a string such as 'info'")
+        session.log_level = level
+        return {}
+
+    METHODS = {"initialize": m_initialize, "server/discover": m_discover, "ping": m_ping,
+               "tools/list": m_tools_list, "logging/setLevel": m_set_level}
+
+    # -- tools/call ----------------------------------------------------------
+    def call_tool(self, rid, params, session, emit, modern):
+        name = params.get("name")
+        tool = self.tools.get(name) if isinstance(name, str) else None
+        if tool is None:
+            emit(error_response(rid, -32602, "Invalid params: unknown tool %r; available: %s"
+                                % (name, ", ".join(self.tools))))
+            return
+        try:
+            args = check_arguments(tool.schema, params.get("arguments"))
+        except ParamsError as e:
+            emit(error_response(rid, -32602, "Invalid params for %s: %s" % (name, e)))
+            return
+        cancelled = session.begin(rid)
+        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        token = meta.get("progressToken")
+        progress = None
+        if token is not None:
+            counter = [0]
+
+            def progress(text):
+                counter[0] += 1
+                emit({"jsonrpc": "2.0", "method": "notifications/progress",
+                      "params": {"progressToken": token, "progress": counter[0], "message": text}})
+        ctx = CallContext(self.config, self.policy, cancelled, progress)
+
+        def run():
+            try:
+                result = self.run_tool(tool, session, args, ctx)
+                if modern is not None:
+                    result["resultType"] = "complete"
+                response = result_response(rid, result)
+            except Exception:
+                log("error", "tool crashed", tool=name, error=_traceback())
+                response = error_response(rid, -32603, "Internal error in tool %s" % name)
+            finally:
+                session.end(rid)
+            if not cancelled.is_set():
+                emit(response)
+        self.pool.submit(run)
+
+    @staticmethod
+    def run_tool(tool, session, args, ctx):
+        """Call a handler and shape its answer as a CallToolResult."""
+        try:
+            out = tool.handler(session, args, ctx)
+        except ToolError as e:
+            return {"content": [text_block(e.render())], "isError": True}
+        except PlainToolError as e:
+            return {"content": [text_block(str(e))], "isError": True}
+        if isinstance(out, str):
+            out = [text_block(out)]
+        return {"content": out, "isError": False}
+
+###############################################################################
+# Transports ##################################################################
+###############################################################################
+
+
+class _Shutdown(Exception):
+    pass
+
+
+def _raise_shutdown(signum, frame):
+    raise _Shutdown()
+
+
+def serve_stdio(server, session, stdin=None, stdout=None):
+    """One JSON message per line on stdin/stdout; only protocol on stdout."""
+    stdin = stdin or sys.stdin.buffer
+    stdout = stdout or sys.stdout.buffer
+    lock = threading.Lock()
+    broken = threading.Event()
+
+    def emit(msg):
+        data = (json.dumps(msg, separators=(",", ":")) + "\n").encode("ascii")
+        with lock:
+            if broken.is_set():
+                return
+            try:
+                stdout.write(data)
+                stdout.flush()
+            except (OSError, ValueError):
+                broken.set()
+
+    try:
+        while not broken.is_set():
+            line = stdin.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                msg = json.loads(line.decode("utf-8", "replace"))
+            except ValueError as e:
+                emit(error_response(None, -32700, "Parse error: %s" % e))
+                continue
+            server.dispatch(msg, session, emit)
+        deadline = time.monotonic() + EOF_GRACE_S
+        while session.inflight and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except (_Shutdown, KeyboardInterrupt):
+        log("info", "signal received, shutting down")
+    finally:
+        session.close()
+
+###############################################################################
+# main ########################################################################
+###############################################################################
+
+
+def main(argv=None, environ=None):
+    argv = sys.argv[1:] if argv is None else argv
+    environ = os.environ if environ is None else environ
+    try:
+        config = parse_config(argv, environ)
+        policy = PathPolicy(config.allow_dir, config.deny_dir, config.workdir)
+    except ConfigError as e:
+        sys.stderr.write("boris: error: %s\n" % e)
+        return 2
+    except ValueError as e:
+        sys.stderr.write("boris: error: invalid --deny-dir pattern: %s\n" % e)
+        return 2
+    _log_state["level"] = _LOG_LEVELS[config.log_level]
+    _log_state["format"] = config.log_format
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_shutdown)
+    server = McpServer(config, policy)
+    if config.transport == "http":
+        return serve_http(server, config)
+    session = Session(config)
+    log("debug", "serving stdio", workdir=config.workdir, tools=list(server.tools))
+    serve_stdio(server, session)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1117 @@
+"""Tests for boris.py (standard library only): `python3 -m unittest -v test_boris`.
+
+Layers mirror boris.py. Most tests call handlers directly; the Stdio*/Http* classes drive
+a real `python3 boris.py` the way a client does. Test names carry the seed scenario
+they cover (seed000_..., seed001_..., ...)."""
+
+import base64
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+import boris
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BORIS = os.path.join(HERE, "boris.py")
+PNG_1PX = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==")
+
+
+def wait_until(predicate, timeout=10.0, interval=0.02):
+    """Poll `predicate` until true or the deadline; return its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def procs_with(marker):
+    """Live (non-zombie) processes whose command line contains `marker`."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open("/proc/%s/cmdline" % pid, "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+            with open("/proc/%s/stat" % pid) as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z" and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found
+
+
+def zombie_children(ppid):
+    n = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % pid) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and int(fields[1]) == ppid:
+            n += 1
+    return n
+
+
+class Base(unittest.TestCase):
+    """A temp workspace, a server built from flags, one session; `call` runs a tool."""
+    flags = []
+    env = {}
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="boris-test-")
+        self.root = os.path.realpath(self.tmp)
+        self.cfg = boris.parse_config(["--workdir", self.root] + list(self.flags), dict(self.env))
+        self.policy = boris.PathPolicy(self.cfg.allow_dir, self.cfg.deny_dir, self.cfg.workdir)
+        self.server = boris.McpServer(self.cfg, self.policy)
+        self.session = boris.Session(self.cfg)
+
+    def tearDown(self):
+        self.session.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def path(self, *parts):
+        return os.path.join(self.root, *parts)
+
+    def write(self, rel, data, mode=None):
+        p = self.path(rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        if mode is not None:
+            os.chmod(p, mode)
+        return p
+
+    def read(self, rel):
+        with open(self.path(rel), "rb") as f:
+            return f.read()
+
+    def result(self, name, **args):
+        tool = self.server.tools[name]
+        args = boris.check_arguments(tool.schema, args)
+        ctx = boris.CallContext(self.cfg, self.policy)
+        return boris.McpServer.run_tool(tool, self.session, args, ctx)
+
+    def call(self, name, **args):
+        """(text, is_error) of a tool call."""
+        r = self.result(name, **args)
+        return "".join(c.get("text", "") for c in r["content"]), r["isError"]
+
+    def ok(self, name, **args):
+        text, err = self.call(name, **args)
+        self.assertFalse(err, text)
+        return text
+
+    def fails(self, name, code, **args):
+        text, err = self.call(name, **args)
+        self.assertTrue(err, text)
+        self.assertTrue(text.startswith("[%s] " % code), text)
+        return text
+
+
+class NoViewBase(Base):
+    flags = ["--require-view-before-edit", "false"]
+
+# ---------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------
+
+
+class TestConfig(unittest.TestCase):
+    def parse(self, argv, env=None):
+        return boris.parse_config(argv, env or {})
+
+    def test_defaults(self):
+        c = self.parse([])
+        self.assertEqual(c.transport, "stdio")
+        self.assertEqual(c.port, 8080)
+        self.assertEqual(c.host, "127.0.0.1")
+        self.assertEqual(c.timeout, 120)
+        self.assertEqual(c.max_file_size, 10 * 1024 * 1024)
+        self.assertIs(c.require_view_before_edit, True)
+        self.assertIs(c.anthropic_compat, False)
+        self.assertEqual(c.background_task_timeout, 0)
+
+    def test_flag_beats_env_and_env_is_fallback(self):
+        self.assertEqual(self.parse([], {"BORIS_PORT": "9000"}).port, 9000)
+        self.assertEqual(self.parse(["--port", "9001"], {"BORIS_PORT": "9000"}).port, 9001)
+        self.assertEqual(self.parse(["--port=9002"]).port, 9002)
+
+    def test_sizes(self):
+        for text, n in (("512KB", 512 * 1024), ("10MB", 10 << 20), ("1GB", 1 << 30), ("1234", 1234)):
+            self.assertEqual(self.parse(["--max-file-size", text]).max_file_size, n)
+
+    def test_bad_values_are_config_errors(self):
+        for argv in (["--transport", "smtp"], ["--port", "70000"], ["--port", "x"],
+                     ["--max-file-size", "10XB"], ["--anthropic-compat=maybe"],
+                     ["--require-view-before-edit", "sometimes"], ["--nope"], ["stray"],
+                     ["--timeout", "-1"], ["--workdir", "/definitely/not/here"]):
+            with self.assertRaises(boris.ConfigError, msg=argv):
+                self.parse(argv)
+
+    def test_bad_env_value_names_the_variable(self):
+        with self.assertRaises(boris.ConfigError) as cm:
+            self.parse([], {"BORIS_MAX_FILE_SIZE": "huge"})
+        self.assertIn("BORIS_MAX_FILE_SIZE", str(cm.exception))
+
+    def test_seed003_view_before_edit_auto_true_false(self):
+        self.assertIs(self.parse([]).require_view_before_edit, True)
+        self.assertIs(self.parse(["--require-view-before-edit=true"]).require_view_before_edit, True)
+        self.assertIs(self.parse(["--require-view-before-edit=false"]).require_view_before_edit, False)
+        self.assertIs(self.parse([], {"BORIS_REQUIRE_VIEW_BEFORE_EDIT": "false"}).require_view_before_edit, False)
+
+    def test_seed003_disable_bash_removes_task_output(self):
+        names = boris.build_tools(self.parse(["--disable-tools", "bash"]))
+        self.assertNotIn("bash", names)
+        self.assertNotIn("task_output", names)
+        self.assertIn("view", names)
+
+    def test_seed003_disable_multiple_repeated_flag(self):
+        names = boris.build_tools(self.parse(["--disable-tools", "bash", "--disable-tools", "create_file"]))
+        for gone in ("bash", "task_output", "create_file"):
+            self.assertNotIn(gone, names)
+        self.assertIn("str_replace", names)
+
+    def test_seed003_disable_via_env(self):
+        names = boris.build_tools(self.parse([], {"BORIS_DISABLE_TOOLS": "bash,grep"}))
+        for gone in ("bash", "task_output", "grep"):
+            self.assertNotIn(gone, names)
+
+    def test_seed003_unknown_tool_name_lists_valid_names(self):
+        with self.assertRaises(boris.ConfigError) as cm:
+            self.parse(["--disable-tools", "nonexistent"])
+        msg = str(cm.exception)
+        self.assertIn("nonexistent", msg)
+        for name in ("bash", "view", "grep", "web_fetch", "str_replace_editor"):
+            self.assertIn(name, msg)
+
+    def test_seed003_compat_disable_view_removes_editor(self):
+        names = boris.build_tools(self.parse(["--anthropic-compat", "--disable-tools", "view"]))
+        self.assertNotIn("str_replace_editor", names)
+        self.assertNotIn("view", names)
+        names = boris.build_tools(self.parse(["--anthropic-compat"]))
+        self.assertIn("str_replace_editor", names)
+        self.assertNotIn("view", names)
+
+    def test_seed003_background_task_timeout_flag_and_env(self):
+        self.assertEqual(self.parse(["--background-task-timeout=300"]).background_task_timeout, 300)
+        self.assertEqual(self.parse([], {"BORIS_BACKGROUND_TASK_TIMEOUT": "7"}).background_task_timeout, 7)
+        with self.assertRaises(boris.ConfigError):
+            self.parse(["--bg-timeout", "5"])
+
+    def test_token_and_generate_token_exclusive(self):
+        with self.assertRaises(boris.ConfigError):
+            self.parse(["--token", "abc", "--generate-token"])
+
+    def test_help_lists_every_flag_and_env(self):
+        text = boris.help_text()
+        for flag, env, _, _, _ in boris.FLAGS:
+            self.assertIn("--" + flag, text)
+            self.assertIn(env, text)
+
+    def test_cli_bad_value_exits_2_with_one_line(self):
+        p = subprocess.run([sys.executable, BORIS, "--transport", "carrier-pigeon"],
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+        self.assertEqual(p.returncode, 2)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        self.assertIn("carrier-pigeon", p.stderr)
+        self.assertNotIn("Traceback", p.stderr)
+
+    def test_cli_version_and_help(self):
+        p = subprocess.run([sys.executable, BORIS, "--version"], capture_output=True, text=True, timeout=30)
+        self.assertEqual(p.stdout.strip(), "boris " + boris.__version__)
+        p = subprocess.run([sys.executable, BORIS, "--help"], capture_output=True, text=True, timeout=30)
+        self.assertEqual(p.returncode, 0)
+        self.assertIn("BORIS_WORKDIR", p.stdout)
+
+# ---------------------------------------------------------------------------
+# Paths
+# ---------------------------------------------------------------------------
+
+
+class TestGlobCompiler(unittest.TestCase):
+    def m(self, pattern, path):
+        return bool(boris.compile_glob(pattern).match(path))
+
+    def test_forms(self):
+        self.assertTrue(self.m("*.py", "a.py"))
+        self.assertFalse(self.m("*.py", "d/a.py"))
+        self.assertTrue(self.m("**/*.py", "a.py"))
+        self.assertTrue(self.m("**/*.py", "d/e/a.py"))
+        self.assertTrue(self.m("src/**/*.ts", "src/a/b/c.ts"))
+        self.assertTrue(self.m("src/**/*.ts", "src/c.ts"))
+        self.assertTrue(self.m("*.{js,ts}", "x.ts"))
+        self.assertFalse(self.m("*.{js,ts}", "x.py"))
+        self.assertTrue(self.m("file?.txt", "file1.txt"))
+        self.assertTrue(self.m("[abc].txt", "b.txt"))
+        self.assertTrue(self.m("[a-c].txt", "c.txt"))
+        self.assertFalse(self.m("[!a].txt", "a.txt"))
+        self.assertTrue(self.m("[!a].txt", "z.txt"))
+        self.assertTrue(self.m("dir/**", "dir/x/y"))
+
+    def test_malformed(self):
+        for bad in ("[abc", "{a,b", "x{y"):
+            with self.assertRaises(ValueError):
+                boris.compile_glob(bad)
+
+
+class TestPathPolicy(Base):
+    def setUp(self):
+        Base.setUp(self)
+        self.ws = self.path("ws")
+        self.sibling = self.path("ws2")
+        os.makedirs(os.path.join(self.ws, "sub"))
+        os.makedirs(self.sibling)
+        self.secret = os.path.join(self.sibling, "secret.txt")
+        with open(self.secret, "w") as f:
+            f.write("secret\n")
+        os.symlink(self.secret, os.path.join(self.ws, "link_out"))
+        os.symlink(self.sibling, os.path.join(self.ws, "dirlink_out"))
+        with open(os.path.join(self.ws, "sub", "ok.txt"), "w") as f:
+            f.write("fine\n")
+        self.cfg = boris.parse_config(["--workdir", self.ws, "--allow-dir", self.ws,
+                                       "--deny-dir", "**/.env", "--require-view-before-edit", "false"], {})
+        self.policy = boris.PathPolicy(self.cfg.allow_dir, self.cfg.deny_dir, self.cfg.workdir)
+        self.server = boris.McpServer(self.cfg, self.policy)
+        self.session = boris.Session(self.cfg)
+
+    def test_component_wise_not_prefix(self):
+        self.assertTrue(boris.is_within("/ws/a", "/ws"))
+        self.assertTrue(boris.is_within("/ws", "/ws"))
+        self.assertFalse(boris.is_within("/ws2/a", "/ws"))
+        self.assertTrue(boris.is_within("/anything", "/"))
+
+    def test_hostile_paths_denied_and_nothing_read(self):
+        for p in ("../ws2/secret.txt", self.secret, "link_out", "dirlink_out/secret.txt",
+                  os.path.join(self.sibling, "new.txt"), "sub/../../ws2/secret.txt"):
+            text = self.fails("view", "ACCESS_DENIED", path=p)
+            self.assertNotIn("secret\n", text)
+
+    def test_hostile_paths_nothing_written(self):
+        before = os.listdir(self.sibling)
+        for p in ("../ws2/new.txt", os.path.join(self.sibling, "new.txt"), "dirlink_out/new.txt"):
+            self.fails("create_file", "ACCESS_DENIED", path=p, content="x")
+        self.fails("str_replace", "ACCESS_DENIED", path="link_out", old_str="secret", new_str="pwned")
+        self.assertEqual(os.listdir(self.sibling), before)
+        with open(self.secret) as f:
+            self.assertEqual(f.read(), "secret\n")
+
+    def test_seed000_scoping_enforced_for_str_replace_and_create(self):
+        self.fails("str_replace", "ACCESS_DENIED", path=self.secret, old_str="secret", new_str="x")
+        self.fails("create_file", "ACCESS_DENIED", path="/tmp/boris-should-not-exist", content="x")
+        self.assertFalse(os.path.exists("/tmp/boris-should-not-exist"))
+
+    def test_deny_pattern_at_any_depth(self):
+        for rel in (".env", "sub/.env", "sub/deeper/.env"):
+            p = os.path.join(self.ws, rel)
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            with open(p, "w") as f:
+                f.write("TOKEN=1\n")
+            text = self.fails("view", "ACCESS_DENIED", path=p)
+            self.assertNotIn("TOKEN", text)
+
+    def test_deny_dir_beats_allow(self):
+        cfg = boris.parse_config(["--workdir", self.ws, "--allow-dir", self.ws, "--deny-dir", "sub"], {})
+        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        self.assertTrue(policy.is_denied(os.path.join(self.ws, "sub", "ok.txt")))
+        self.assertFalse(policy.is_denied(os.path.join(self.ws, "other.txt")))
+
+    def test_deny_glob_on_directory_covers_children(self):
+        policy = boris.PathPolicy([], ["**/.git"], self.ws)
+        self.assertTrue(policy.is_denied(os.path.join(self.ws, ".git", "config")))
+        self.assertFalse(policy.is_denied(os.path.join(self.ws, ".github", "x")))
+
+    def test_nul_and_overlong_paths(self):
+        self.fails("view", "INVALID_INPUT", path="sub/ok.txt\x00.png")
+        self.fails("view", "INVALID_INPUT", path="a" * 5000)
+
+    def test_inside_is_fine(self):
+        self.assertIn("fine", self.ok("view", path="sub/ok.txt"))
+
+# ---------------------------------------------------------------------------
+# view
+# ---------------------------------------------------------------------------
+
+
+class TestView(Base):
+    def lines_file(self, n, name="f.txt"):
+        return self.write(name, "".join("line %d\n" % i for i in range(1, n + 1)))
+
+    def test_seed000_read_entire_file(self):
+        self.write("three.txt", "a\nb\nc\n")
+        self.assertEqual(self.ok("view", path="three.txt"), "     1\ta\n     2\tb\n     3\tc")
+
+    def test_seed000_read_line_range(self):
+        self.lines_file(100)
+        text = self.ok("view", path="f.txt", view_range=[10, 20])
+        rows = text.split("\n")
+        self.assertEqual(len(rows), 11)
+        self.assertEqual(rows[0], "    10\tline 10")
+        self.assertEqual(rows[-1], "    20\tline 20")
+
+    def test_seed001_end_clamped(self):
+        self.lines_file(42)
+        rows = self.ok("view", path="f.txt", view_range=[10, 100]).split("\n")
+        self.assertEqual(rows[0], "    10\tline 10")
+        self.assertEqual(rows[-1], "    42\tline 42")
+
+    def test_end_minus_one_means_to_end(self):
+        self.lines_file(42)
+        rows = self.ok("view", path="f.txt", view_range=[40, -1]).split("\n")
+        self.assertEqual([r.split("\t")[1] for r in rows], ["line 40", "line 41", "line 42"])
+
+    def test_seed001_start_exceeds_length(self):
+        self.lines_file(42)
+        text = self.fails("view", "INVALID_INPUT", path="f.txt", view_range=[100, 200])
+        self.assertIn("42", text)
+
+    def test_seed001_invalid_start(self):
+        self.lines_file(42)
+        self.assertIn("1", self.fails("view", "INVALID_INPUT", path="f.txt", view_range=[0, 5]))
+        self.assertIn("start", self.fails("view", "INVALID_INPUT", path="f.txt", view_range=[20, 10]))
+
+    def test_view_range_shape_is_checked(self):
+        self.lines_file(5)
+        with self.assertRaises(boris.ParamsError):
+            self.call("view", path="f.txt", view_range=[1])
+        with self.assertRaises(boris.ParamsError):
+            self.call("view", path="f.txt", view_range=["1", 2])
+
+    def test_seed000_large_file_truncation(self):
+        self.lines_file(5000)
+        text = self.ok("view", path="f.txt")
+        rows = text.split("\n")
+        self.assertEqual(rows[1999], "  2000\tline 2000")
+        self.assertNotIn("line 2001\n", text)
+        self.assertIn("Truncated: file has 5000 lines. Use view_range to read specific sections", text)
+
+    def test_seed001_long_line_truncation(self):
+        self.write("min.js", "x" * 5000 + "\nshort\n")
+        text = self.ok("view", path="min.js")
+        first = text.split("\n")[0]
+        self.assertEqual(first, "     1\t" + "x" * 2000 + "... [truncated, 5000 chars total]")
+        self.assertIn("     2\tshort", text)
+
+    def test_seed001_efficient_range_read_streams(self):
+        # A file with no newline for 8 MB after line 10: a range read must stop at line 10.
+        p = self.write("big.log", "".join("row %d\n" % i for i in range(1, 11)))
+        with open(p, "ab") as f:
+            f.write(b"y" * (8 << 20))
+        opened = []
+        real_open = boris.open if hasattr(boris, "open") else open
+
+        class Spy(object):
+            def __init__(self, fh):
+                self.fh, self.read_bytes = fh, 0
+
+            def __iter__(self):
+                for line in self.fh:
+                    self.read_bytes += len(line)
+                    yield line
+
+            def __getattr__(self, name):
+                return getattr(self.fh, name)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                self.fh.close()
+
+        def spy_open(*a, **k):
+            s = Spy(real_open(*a, **k))
+            opened.append(s)
+            return s
+        boris.open = spy_open
+        try:
+            text = self.ok("view", path="big.log", view_range=[1, 10])
+        finally:
+            del boris.open
+        self.assertTrue(text.endswith("    10\trow 10"), text[-50:])
+        self.assertLess(opened[0].read_bytes, 1 << 20)
+
+    def test_seed000_binary_file(self):
+        self.write("prog.exe", b"MZ\x90\x00\x03\x00\x00\x00" + os.urandom(3000) + b"\x00" * 100)
+        text = self.ok("view", path="prog.exe")
+        self.assertRegex(text, r"^Binary file \(\d+\.\d KB\)")
+
+    def test_seed001_wasm_is_binary_not_image(self):
+        self.write("m.wasm", b"\x00asm\x01\x00\x00\x00" + b"\x00" * 2_500_000)
+        r = self.result("view", path="m.wasm")
+        self.assertEqual(r["content"][0]["type"], "text")
+        self.assertIn("Binary file (2.4 MB)", r["content"][0]["text"])
+
+    def test_seed001_png_as_image_content(self):
+        self.write("a.png", PNG_1PX)
+        r = self.result("view", path="a.png")
+        block = r["content"][0]
+        self.assertEqual(block["type"], "image")
+        self.assertEqual(block["mimeType"], "image/png")
+        self.assertEqual(base64.b64decode(block["data"]), PNG_1PX)
+
+    def test_seed001_jpeg_gif_webp(self):
+        for name, data, mime in (("a.jpg", b"\xff\xd8\xff\xe0" + b"\x00" * 20, "image/jpeg"),
+                                 ("a.gif", b"GIF89a" + b"\x00" * 20, "image/gif"),
+                                 ("a.webp", b"RIFF\x10\x00\x00\x00WEBPVP8 " + b"\x00" * 20, "image/webp")):
+            self.write(name, data)
+            self.assertEqual(self.result("view", path=name)["content"][0]["mimeType"], mime)
+
+    def test_seed001_image_with_wrong_extension(self):
+        self.write("photo.dat", PNG_1PX)
+        self.assertEqual(self.result("view", path="photo.dat")["content"][0]["mimeType"], "image/png")
+
+    def test_seed001_svg_by_extension(self):
+        self.write("icon.svg", '<svg xmlns="http://www.w3.org/2000/svg"/>')
+        block = self.result("view", path="icon.svg")["content"][0]
+        self.assertEqual((block["type"], block["mimeType"]), ("image", "image/svg+xml"))
+
+    def test_seed001_image_over_size_limit(self):
+        self.write("big.png", PNG_1PX + b"\x00" * 3000)
+        cfg = boris.parse_config(["--workdir", self.root, "--max-file-size", "1KB"], {})
+        self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
+        text = self.fails("view", "FILE_TOO_LARGE", path="big.png")
+        self.assertIn("1.0 KB", text)
+
+    def test_seed000_file_exceeds_max_size(self):
+        self.write("big.txt", "z" * 5000)
+        cfg = boris.parse_config(["--workdir", self.root, "--max-file-size", "4KB"], {})
+        self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
+        text = self.fails("view", "FILE_TOO_LARGE", path="big.txt")
+        self.assertIn("4.9 KB", text)
+        self.assertIn("4.0 KB", text)
+
+    def test_seed000_directory_listing_two_levels(self):
+        self.write("src/pkg/deep/x.go", "")
+        self.write("src/main.go", "")
+        self.write("README.md", "")
+        text = self.ok("view", path=".")
+        lines = text.split("\n")[1:]
+        self.assertIn("src/", lines)
+        self.assertIn("src/main.go", lines)
+        self.assertIn("src/pkg/", lines)
+        self.assertIn("README.md", lines)
+        self.assertNotIn("src/pkg/deep/", lines)
+        self.assertEqual(lines, [l for l in lines])  # order is stable
+        self.assertLess(lines.index("README.md"), lines.index("src/"))
+
+    def test_seed001_dotfiles_visible_except_git_and_node_modules(self):
+        for d in (".github/workflows", ".git/objects", "node_modules/pkg", "src"):
+            os.makedirs(self.path(d))
+        for f in (".dockerignore", ".env", ".env.example"):
+            self.write(f, "")
+        lines = self.ok("view", path=self.root).split("\n")[1:]
+        for want in (".github/", ".dockerignore", ".env", ".env.example", "src/"):
+            self.assertIn(want, lines)
+        for gone in (".git/", "node_modules/"):
+            self.assertNotIn(gone, lines)
+        self.assertFalse(any(l.startswith((".git/", "node_modules/")) for l in lines))
+
+    def test_seed001_symlink_in_listing(self):
+        os.symlink("/usr/local/bin", self.path("link"))
+        self.assertIn("link -> /usr/local/bin", self.ok("view", path=".").split("\n"))
+
+    def test_seed000_symlink_followed(self):
+        self.write("target.txt", "through the link\n")
+        os.symlink(self.path("target.txt"), self.path("alias.txt"))
+        self.assertIn("through the link", self.ok("view", path="alias.txt"))
+
+    def test_seed000_relative_to_session_cwd(self):
+        self.write("project/src/main.go", "package main\n")
+        self.session.set_cwd(self.path("project"))
+        self.assertIn("package main", self.ok("view", path="src/main.go"))
+
+    def test_seed000_not_found(self):
+        text = self.fails("view", "PATH_NOT_FOUND", path="nope.txt")
+        self.assertIn("nope.txt", text)
+
+    def test_error_format(self):
+        text = self.fails("view", "PATH_NOT_FOUND", path="nope.txt")
+        self.assertRegex(text, r"^\[PATH_NOT_FOUND\] .+\.$")
+
+    def test_crlf_shown_without_cr(self):
+        self.write("w.txt", b"one\r\ntwo\r\n")
+        self.assertEqual(self.ok("view", path="w.txt"), "     1\tone\n     2\ttwo")
+
+    def test_empty_file(self):
+        self.write("empty.txt", "")
+        self.assertIn("empty", self.ok("view", path="empty.txt"))
+
+# ---------------------------------------------------------------------------
+# view before edit (seed 003)
+# ---------------------------------------------------------------------------
+
+
+class TestViewBeforeEdit(Base):
+    def test_seed003_mark_and_check(self):
+        s = boris.Session(self.cfg)
+        self.assertFalse(s.has_viewed("/workspace/src/main.go"))
+        s.mark_viewed("/workspace/src/main.go")
+        self.assertTrue(s.has_viewed("/workspace/src/main.go"))
+
+    def test_seed003_viewed_set_is_per_session(self):
+        a, b = boris.Session(self.cfg), boris.Session(self.cfg)
+        a.mark_viewed("/workspace/file.go")
+        self.assertFalse(b.has_viewed("/workspace/file.go"))
+
+    def test_seed003_concurrent_mark_and_check(self):
+        s = boris.Session(self.cfg)
+        errors = []
+
+        def worker(k):
+            try:
+                for i in range(500):
+                    s.mark_viewed("/f/%d/%d" % (k, i))
+                    assert s.has_viewed("/f/%d/%d" % (k, i))
+            except Exception as e:
+                errors.append(e)
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+        self.assertEqual(len(s.viewed), 4000)
+
+    def test_seed003_view_marks_resolved_path(self):
+        p = self.write("a.txt", "x\n")
+        os.symlink(p, self.path("alias.txt"))
+        self.ok("view", path="alias.txt")
+        self.assertTrue(self.session.has_viewed(p))
+
+    def test_seed003_directory_listing_does_not_mark(self):
+        self.write("d/a.txt", "x\n")
+        self.ok("view", path="d")
+        self.assertEqual(self.session.viewed, set())
+
+    def test_seed003_failed_view_does_not_mark(self):
+        self.fails("view", "PATH_NOT_FOUND", path="missing.txt")
+        self.assertEqual(self.session.viewed, set())
+
+    def test_seed003_edit_rejected_without_view(self):
+        self.write("a.txt", "hello\n")
+        self.fails("str_replace", "FILE_NOT_VIEWED", path="a.txt", old_str="hello", new_str="bye")
+        self.assertEqual(self.read("a.txt"), b"hello\n")
+
+    def test_seed003_edit_succeeds_after_view(self):
+        self.write("a.txt", "hello\n")
+        self.ok("view", path="a.txt")
+        self.ok("str_replace", path="a.txt", old_str="hello", new_str="bye")
+        self.assertEqual(self.read("a.txt"), b"bye\n")
+
+    def test_seed003_overwrite_rejected_without_view(self):
+        self.write("a.txt", "old\n")
+        self.fails("create_file", "FILE_NOT_VIEWED", path="a.txt", content="new\n")
+        self.assertEqual(self.read("a.txt"), b"old\n")
+
+    def test_seed003_overwrite_succeeds_after_view(self):
+        self.write("a.txt", "old\n")
+        self.ok("view", path="a.txt")
+        self.ok("create_file", path="a.txt", content="new\n")
+        self.assertEqual(self.read("a.txt"), b"new\n")
+
+    def test_seed003_new_file_skips_view_check(self):
+        self.ok("create_file", path="brand/new.txt", content="hi\n")
+        self.assertEqual(self.read("brand/new.txt"), b"hi\n")
+
+    def test_own_write_counts_as_known(self):
+        self.ok("create_file", path="mine.txt", content="v1\n")
+        self.ok("str_replace", path="mine.txt", old_str="v1", new_str="v2")
+        self.assertEqual(self.read("mine.txt"), b"v2\n")
+
+
+class TestViewBeforeEditDisabled(NoViewBase):
+    def test_seed003_edit_succeeds_when_enforcement_disabled(self):
+        self.write("a.txt", "hello\n")
+        self.ok("str_replace", path="a.txt", old_str="hello", new_str="bye")
+        self.assertEqual(self.read("a.txt"), b"bye\n")
+
+# ---------------------------------------------------------------------------
+# str_replace
+# ---------------------------------------------------------------------------
+
+
+class TestStrReplace(NoViewBase):
+    def test_seed001_unique_replacement_with_snippet(self):
+        self.write("a.py", "".join("line%d\n" % i for i in range(1, 21)))
+        text = self.ok("str_replace", path="a.py", old_str="line10\n", new_str="changed\n")
+        self.assertIn("Replaced 1 occurrence in %s" % self.path("a.py"), text)
+        self.assertIn("    10\tchanged", text)
+        self.assertIn("     6\tline6", text)
+        self.assertIn("    14\tline14", text)
+        self.assertNotIn("line20", text)
+        self.assertIn(b"changed\nline11\n", self.read("a.py"))
+
+    def test_seed000_not_found(self):
+        self.write("a.txt", "alpha\n")
+        self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="a.txt", old_str="beta", new_str="x")
+
+    def test_seed001_ambiguous_names_count(self):
+        self.write("a.txt", "x=1\nx=1\nx=1\n")
+        text = self.fails("str_replace", "STR_REPLACE_AMBIGUOUS", path="a.txt", old_str="x=1", new_str="y")
+        self.assertIn("3 times", text)
+        self.assertIn("replace_all", text)
+        self.assertEqual(self.read("a.txt"), b"x=1\nx=1\nx=1\n")
+
+    def test_seed000_deletion(self):
+        self.write("a.txt", "keep DROP keep\n")
+        self.ok("str_replace", path="a.txt", old_str=" DROP")
+        self.assertEqual(self.read("a.txt"), b"keep keep\n")
+        self.write("b.txt", "keep DROP keep\n")
+        self.ok("str_replace", path="b.txt", old_str=" DROP", new_str="")
+        self.assertEqual(self.read("b.txt"), b"keep keep\n")
+
+    def test_seed001_replace_all_15(self):
+        self.write("a.txt", "foo bar\n" * 15)
+        text = self.ok("str_replace", path="a.txt", old_str="foo", new_str="baz", replace_all=True)
+        self.assertIn("Replaced 15 occurrences", text)
+        self.assertEqual(self.read("a.txt"), b"baz bar\n" * 15)
+
+    def test_seed001_replace_all_no_match(self):
+        self.write("a.txt", "foo\n")
+        self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="a.txt", old_str="nope", replace_all=True)
+
+    def test_seed000_permissions_preserved(self):
+        self.write("run.sh", "#!/bin/sh\necho a\n", mode=0o755)
+        self.ok("str_replace", path="run.sh", old_str="echo a", new_str="echo b")
+        self.assertEqual(stat.S_IMODE(os.stat(self.path("run.sh")).st_mode), 0o755)
+
+    def test_seed000_crlf_preserved_with_lf_old_str(self):
+        self.write("w.txt", b"one\r\ntwo\r\nthree\r\n")
+        self.ok("str_replace", path="w.txt", old_str="one\ntwo", new_str="uno\ndos")
+        self.assertEqual(self.read("w.txt"), b"uno\r\ndos\r\nthree\r\n")
+
+    def test_non_utf8_bytes_round_trip(self):
+        data = b"caf\xe9 = 1\nbroken \xff\xfe here\nname = 'x'\n"
+        self.write("latin.txt", data)
+        self.ok("str_replace", path="latin.txt", old_str="name = 'x'", new_str="name = 'y'")
+        self.assertEqual(self.read("latin.txt"), data.replace(b"'x'", b"'y'"))
+
+    def test_seed000_not_found_path(self):
+        self.fails("str_replace", "PATH_NOT_FOUND", path="ghost.txt", old_str="a", new_str="b")
+
+    def test_identical_strings_refused(self):
+        self.write("a.txt", "same\n")
+        self.fails("str_replace", "INVALID_INPUT", path="a.txt", old_str="same", new_str="same")
+
+    def test_write_through_symlink_keeps_link(self):
+        self.write("real.txt", "v1\n")
+        os.symlink("real.txt", self.path("link.txt"))
+        self.ok("str_replace", path="link.txt", old_str="v1", new_str="v2")
+        self.assertTrue(os.path.islink(self.path("link.txt")))
+        self.assertEqual(self.read("real.txt"), b"v2\n")
+
+    def test_no_temp_files_left(self):
+        self.write("a.txt", "x\n")
+        self.ok("str_replace", path="a.txt", old_str="x", new_str="y")
+        self.assertEqual(sorted(os.listdir(self.root)), ["a.txt"])
+
+# ---------------------------------------------------------------------------
+# create_file
+# ---------------------------------------------------------------------------
+
+
+class TestCreateFile(NoViewBase):
+    def test_seed001_create_new_file_reports_path_and_size(self):
+        text = self.ok("create_file", path="new.txt", content="hello\n")
+        self.assertIn(self.path("new.txt"), text)
+        self.assertIn("6 bytes", text)
+        self.assertEqual(self.read("new.txt"), b"hello\n")
+
+    def test_seed001_overwrite_existing(self):
+        self.write("a.txt", "old\n")
+        self.ok("create_file", path="a.txt", content="new\n")
+        self.assertEqual(self.read("a.txt"), b"new\n")
+
+    def test_seed001_overwrite_param_is_gone(self):
+        with self.assertRaises(boris.ParamsError):
+            self.call("create_file", path="a.txt", content="x", overwrite=True)
+
+    def test_seed000_nested_parents_created_0755(self):
+        old = os.umask(0o077)
+        try:
+            self.ok("create_file", path="src/pkg/new/file.go", content="package new\n")
+        finally:
+            os.umask(old)
+        self.assertEqual(self.read("src/pkg/new/file.go"), b"package new\n")
+        for d in ("src", "src/pkg", "src/pkg/new"):
+            self.assertEqual(stat.S_IMODE(os.stat(self.path(d)).st_mode), 0o755, d)
+
+    def test_seed000_new_file_mode_0644_whatever_umask(self):
+        old = os.umask(0o077)
+        try:
+            self.ok("create_file", path="m.txt", content="x")
+        finally:
+            os.umask(old)
+        self.assertEqual(stat.S_IMODE(os.stat(self.path("m.txt")).st_mode), 0o644)
+
+    def test_overwrite_keeps_mode(self):
+        self.write("run.sh", "old", mode=0o700)
+        self.ok("create_file", path="run.sh", content="new")
+        self.assertEqual(stat.S_IMODE(os.stat(self.path("run.sh")).st_mode), 0o700)
+
+    def test_seed000_content_exceeds_max_size(self):
+        cfg = boris.parse_config(["--workdir", self.root, "--max-file-size", "1KB",
+                                  "--require-view-before-edit", "false"], {})
+        self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
+        text = self.fails("create_file", "FILE_TOO_LARGE", path="big.txt", content="x" * 2048)
+        self.assertIn("2.0 KB", text)
+        self.assertFalse(os.path.exists(self.path("big.txt")))
+
+    def test_directory_target_refused(self):
+        os.makedirs(self.path("adir"))
+        self.fails("create_file", "INVALID_INPUT", path="adir", content="x")
+
+# ---------------------------------------------------------------------------
+# --anthropic-compat: str_replace_editor
+# ---------------------------------------------------------------------------
+
+
+class TestCompatEditor(Base):
+    flags = ["--anthropic-compat"]
+
+    def test_tool_table(self):
+        names = set(self.server.tools)
+        self.assertIn("str_replace_editor", names)
+        self.assertFalse(names & {"view", "str_replace", "create_file"})
+        schema = self.server.tools["str_replace_editor"].schema
+        self.assertEqual(schema["properties"]["command"]["enum"], ["view", "create", "str_replace", "insert"])
+
+    def test_seed003_view_via_editor_marks_viewed(self):
+        p = self.write("a.txt", "one\ntwo\n")
+        self.assertIn("     2\ttwo", self.ok("str_replace_editor", command="view", path="a.txt"))
+        self.assertTrue(self.session.has_viewed(p))
+
+    def test_create_str_replace_insert(self):
+        self.ok("str_replace_editor", command="create", path="n.txt", file_text="a\nb\n")
+        self.ok("str_replace_editor", command="str_replace", path="n.txt", old_str="b", new_str="B")
+        self.ok("str_replace_editor", command="insert", path="n.txt", insert_line=1, insert_text="mid\n")
+        self.ok("str_replace_editor", command="insert", path="n.txt", insert_line=0, new_str="top")
+        self.assertEqual(self.read("n.txt"), b"top\na\nmid\nB\n")
+
+    def test_editor_requires_view(self):
+        self.write("x.txt", "1\n")
+        self.fails("str_replace_editor", "FILE_NOT_VIEWED", command="str_replace", path="x.txt",
+                   old_str="1", new_str="2")
+        self.fails("str_replace_editor", "FILE_NOT_VIEWED", command="insert", path="x.txt",
+                   insert_line=0, insert_text="z")
+
+    def test_insert_line_out_of_range(self):
+        self.ok("str_replace_editor", command="create", path="n.txt", file_text="a\n")
+        text = self.fails("str_replace_editor", "INVALID_INPUT", command="insert", path="n.txt",
+                          insert_line=5, insert_text="x")
+        self.assertIn("0", text)
+
+    def test_missing_command_argument(self):
+        text = self.fails("str_replace_editor", "INVALID_INPUT", command="create", path="n.txt")
+        self.assertIn("file_text", text)
+
+# ---------------------------------------------------------------------------
+# Protocol (dispatch called directly)
+# ---------------------------------------------------------------------------
+
+
+class TestProtocol(Base):
+    def send(self, msg, wait=True):
+        out = []
+        got = threading.Event()
+
+        def emit(m):
+            out.append(m)
+            if "id" in m and ("result" in m or "error" in m):
+                got.set()
+        self.server.dispatch(msg, self.session, emit)
+        if wait:
+            got.wait(10)
+        return out
+
+    def req(self, method, params=None, rid=1):
+        msg = {"jsonrpc": "2.0", "id": rid, "method": method}
+        if params is not None:
+            msg["params"] = params
+        return self.send(msg)[-1]
+
+    def test_initialize_negotiates_version(self):
+        for v in ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"):
+            r = self.req("initialize", {"protocolVersion": v, "capabilities": {}})["result"]
+            self.assertEqual(r["protocolVersion"], v)
+        r = self.req("initialize", {"protocolVersion": "1999-01-01"})["result"]
+        self.assertEqual(r["protocolVersion"], "2025-11-25")
+        self.assertEqual(r["serverInfo"]["name"], "boris")
+        self.assertEqual(r["capabilities"]["tools"], {"listChanged": False})
+        self.assertIn("logging", r["capabilities"])
+        self.assertIn("Working directory: %s" % self.root, r["instructions"])
+
+    def test_instructions_name_scope(self):
+        cfg = boris.parse_config(["--workdir", self.root, "--allow-dir", self.root, "--deny-dir", "**/.env"], {})
+        srv = boris.McpServer(cfg, boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir))
+        text = srv.instructions()
+        self.assertIn("Allowed directories: %s" % self.root, text)
+        self.assertIn("Denied patterns: **/.env", text)
+        self.assertIn("View before edit: on", text)
+
+    def test_ping_and_set_level(self):
+        self.assertEqual(self.req("ping")["result"], {})
+        self.assertEqual(self.req("logging/setLevel", {"level": "debug"})["result"], {})
+
+    def test_tools_list_shapes(self):
+        tools = self.req("tools/list")["result"]["tools"]
+        names = [t["name"] for t in tools]
+        for t in tools:
+            self.assertEqual(t["inputSchema"]["type"], "object")
+            self.assertIs(t["inputSchema"]["additionalProperties"], False)
+            self.assertTrue(t["description"])
+            self.assertIn("readOnlyHint", t["annotations"])
+        by = dict((t["name"], t) for t in tools)
+        self.assertTrue(by["view"]["annotations"]["readOnlyHint"])
+        self.assertTrue(by["bash"]["annotations"]["destructiveHint"])
+        self.assertTrue(by["create_file"]["annotations"]["destructiveHint"])
+        self.assertIn("view", names)
+
+    def test_error_codes(self):
+        self.assertEqual(self.req("no/such")["error"]["code"], -32601)
+        self.assertEqual(self.send([1, 2])[-1]["error"]["code"], -32600)
+        self.assertEqual(self.send({"jsonrpc": "1.0", "id": 1, "method": "ping"})[-1]["error"]["code"], -32600)
+        self.assertEqual(self.send({"jsonrpc": "2.0", "id": {"x": 1}, "method": "ping"})[-1]["error"]["code"], -32600)
+        self.assertEqual(self.send({"jsonrpc": "2.0", "id": 1, "method": "ping", "params": [1]})[-1]["error"]["code"], -32602)
+
+    def test_tools_call_param_errors_name_the_argument(self):
+        e = self.req("tools/call", {"name": "nope", "arguments": {}})["error"]
+        self.assertEqual(e["code"], -32602)
+        self.assertIn("nope", e["message"])
+        e = self.req("tools/call", {"name": "view", "arguments": {}})["error"]
+        self.assertEqual(e["code"], -32602)
+        self.assertIn("'path'", e["message"])
+        e = self.req("tools/call", {"name": "view", "arguments": {"path": 5}})["error"]
+        self.assertIn("'path'", e["message"])
+        e = self.req("tools/call", {"name": "view", "arguments": {"path": "x", "color": "red"}})["error"]
+        self.assertIn("'color'", e["message"])
+
+    def test_notifications_get_no_answer(self):
+        self.assertEqual(self.send({"jsonrpc": "2.0", "method": "notifications/initialized"}, wait=False), [])
+        self.assertEqual(self.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                                    "params": {"requestId": 99}}, wait=False), [])
+
+    def test_handler_bug_is_internal_error_and_server_lives(self):
+        def broken(self_, params, session):
+            raise RuntimeError("boom")
+        boris.McpServer.METHODS["test/broken"] = broken
+        try:
+            self.assertEqual(self.req("test/broken")["error"]["code"], -32603)
+        finally:
+            del boris.McpServer.METHODS["test/broken"]
+        self.assertEqual(self.req("ping")["result"], {})
+
+    def test_modern_discover_and_meta_requests(self):
+        r = self.req("server/discover", {"_meta": {boris.META_VERSION_KEY: "2026-07-28"}})["result"]
+        self.assertIn("2026-07-28", r["supportedVersions"])
+        self.assertEqual(r["cacheScope"], "private")
+        self.assertEqual(r["resultType"], "complete")
+        self.assertEqual(r["serverInfo"]["name"], "boris")
+        r = self.req("tools/list", {"_meta": {boris.META_VERSION_KEY: "2026-07-28"}})["result"]
+        self.assertEqual((r["resultType"], r["cacheScope"]), ("complete", "private"))
+        self.write("m.txt", "hi\n")
+        r = self.req("tools/call", {"name": "view", "arguments": {"path": "m.txt"},
+                                    "_meta": {boris.META_VERSION_KEY: "2026-07-28"}})["result"]
+        self.assertEqual(r["resultType"], "complete")
+        e = self.req("tools/list", {"_meta": {boris.META_VERSION_KEY: "2099-01-01"}})["error"]
+        self.assertEqual(e["code"], -32022)
+        self.assertEqual(e["data"]["requested"], "2099-01-01")
+
+# ---------------------------------------------------------------------------
+# A real server over stdio
+# ---------------------------------------------------------------------------
+
+
+class StdioClient(object):
+    """Drives `python3 boris.py` over pipes, as an MCP client does."""
+
+    def __init__(self, args, cwd=None):
+        self.p = subprocess.Popen([sys.executable, BORIS] + args, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
+        self.lines = []
+        self.cond = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.errbuf = []
+        threading.Thread(target=lambda: self.errbuf.extend(self.p.stderr), daemon=True).start()
+        self.next_id = 0
+
+    def _read(self):
+        for line in self.p.stdout:
+            with self.cond:
+                self.lines.append(json.loads(line))
+                self.cond.notify_all()
+        with self.cond:
+            self.lines.append(None)
+            self.cond.notify_all()
+
+    def send_raw(self, data):
+        self.p.stdin.write(data)
+        self.p.stdin.flush()
+
+    def send(self, msg):
+        self.send_raw((json.dumps(msg) + "\n").encode())
+
+    def wait_for(self, pred, timeout=20):
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for m in self.lines:
+                    if m is not None and pred(m):
+                        return m
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.lines and self.lines[-1] is None):
+                    raise AssertionError("no matching message; got %r" % self.lines[-5:])
+                self.cond.wait(left)
+
+    def request(self, method, params=None, timeout=20):
+        self.next_id += 1
+        rid = self.next_id
+        self.send({"jsonrpc": "2.0", "id": rid, "method": method, "params": params or {}})
+        return self.wait_for(lambda m: m.get("id") == rid and ("result" in m or "error" in m), timeout)
+
+    def initialize(self):
+        r = self.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                        "clientInfo": {"name": "test", "version": "0"}})
+        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        return r
+
+    def call(self, name, args, timeout=20):
+        return self.request("tools/call", {"name": name, "arguments": args}, timeout)["result"]
+
+    def close(self):
+        try:
+            self.p.stdin.close()
+        except OSError:
+            pass
+        try:
+            return self.p.wait(15)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            return self.p.wait()
+
+
+class StdioBase(unittest.TestCase):
+    args = []
+
+    def setUp(self):
+        self.tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-stdio-"))
+        self.c = StdioClient(["--workdir", self.tmp] + self.args)
+        self.c.initialize()
+
+    def tearDown(self):
+        self.c.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class TestStdioProtocol(StdioBase):
+    def test_garbage_gets_errors_and_server_keeps_answering(self):
+        c = self.c
+        c.send_raw(b"this is not json\n")
+        self.assertEqual(c.wait_for(lambda m: m.get("error", {}).get("code") == -32700)["id"], None)
+        c.send_raw(b"[1,2,3]\n")
+        c.wait_for(lambda m: m.get("error", {}).get("code") == -32600)
+        c.send_raw(b'"just a string"\n')
+        c.send_raw(b'{"jsonrpc":"2.0","id":77,"method":42}\n')
+        c.wait_for(lambda m: m.get("id") == 77 and m["error"]["code"] == -32600)
+        self.assertEqual(c.request("unknown/method")["error"]["code"], -32601)
+        self.assertEqual(c.request("tools/call", {"name": "nope"})["error"]["code"], -32602)
+        self.assertEqual(c.request("tools/call", {"name": "view", "arguments": {"path": ["x"]}})["error"]["code"], -32602)
+        c.send_raw(b"\xff\xfe\n")
+        self.assertEqual(c.request("ping")["result"], {})
+
+    def test_stdout_is_protocol_only_and_view_works(self):
+        with open(os.path.join(self.tmp, "a.txt"), "w") as f:
+            f.write("alpha\nbeta\n")
+        r = self.c.call("view", {"path": "a.txt"})
+        self.assertEqual(r["content"][0]["text"], "     1\talpha\n     2\tbeta")
+        tools = self.c.request("tools/list")["result"]["tools"]
+        self.assertIn("bash", [t["name"] for t in tools])
+
+    def test_eof_exits_zero(self):
+        self.assertEqual(self.c.close(), 0)
+
+    def test_sigterm_exits_zero(self):
+        self.c.p.send_signal(signal.SIGTERM)
+        self.assertEqual(self.c.p.wait(15), 0)
+
+
+class TestStdioDisabled(StdioBase):
+    args = ["--disable-tools", "bash", "--disable-tools", "create_file"]
+
+    def test_seed003_disabled_tools_not_listed(self):
+        names = [t["name"] for t in self.c.request("tools/list")["result"]["tools"]]
+        for gone in ("bash", "task_output", "create_file"):
+            self.assertNotIn(gone, names)
+        self.assertIn("view", names)
+
+
+class TestStdioCompat(StdioBase):
+    args = ["--anthropic-compat", "--disable-tools", "view"]
+
+    def test_seed003_compat_disable_mapping(self):
+        names = [t["name"] for t in self.c.request("tools/list")["result"]["tools"]]
+        self.assertNotIn("str_replace_editor", names)
+        self.assertNotIn("view", names)
+
+
+class TestAtomicWriteUnderKill(unittest.TestCase):
+    def test_kill_9_never_leaves_torn_file_or_temp(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-kill-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        target = os.path.join(tmp, "data.txt")
+        size = 3 << 20
+        contents = {b"a" * size, b"b" * size}
+        for round_no in range(8):
+            c = StdioClient(["--workdir", tmp, "--require-view-before-edit", "false",
+                             "--max-file-size", "64MB"])
+            c.initialize()
+            for k in range(6):
+                letter = "ab"[(round_no + k) % 2]
+                c.send({"jsonrpc": "2.0", "id": 100 + k, "method": "tools/call",
+                        "params": {"name": "create_file", "arguments": {"path": "data.txt",
+                                                                        "content": letter * size}}})
+            time.sleep(random.uniform(0.01, 0.25))   # the kill lands at a random moment
+            c.p.kill()
+            c.p.wait()
+            if os.path.exists(target):
+                with open(target, "rb") as f:
+                    self.assertIn(f.read(), contents, "torn file after kill in round %d" % round_no)
+            self.assertEqual([n for n in os.listdir(tmp) if n != "data.txt"], [])
+            if round_no % 2:      # str_replace under kill too
+                c = StdioClient(["--workdir", tmp, "--require-view-before-edit", "false",
+                                 "--max-file-size", "64MB"])
+                c.initialize()
+                with open(target, "rb") as f:
+                    cur = f.read()[:1].decode()
+                other = "b" if cur == "a" else "a"
+                c.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+                    "name": "str_replace", "arguments": {"path": "data.txt", "old_str": cur,
+                                                         "new_str": other, "replace_all": True}}})
+                time.sleep(random.uniform(0.0, 0.2))
+                c.p.kill()
+                c.p.wait()
+                with open(target, "rb") as f:
+                    self.assertIn(f.read(), contents)
+                self.assertEqual(os.listdir(tmp), ["data.txt"])
+
+
+if __name__ == "__main__":
+    unittest.main()
