@@ -912,10 +912,13 @@ class TestProtocol(Base):
         def broken(self_, params, session):
             raise RuntimeError("boom")
         boris.McpServer.METHODS["test/broken"] = broken
+        level = boris._log_state["level"]
+        boris._log_state["level"] = 99          # the traceback is expected: keep the run quiet
         try:
             self.assertEqual(self.req("test/broken")["error"]["code"], -32603)
         finally:
             del boris.McpServer.METHODS["test/broken"]
+            boris._log_state["level"] = level
         self.assertEqual(self.req("ping")["result"], {})
 
     def test_modern_discover_and_meta_requests(self):
@@ -1002,10 +1005,17 @@ class StdioClient(object):
         except OSError:
             pass
         try:
-            return self.p.wait(15)
+            code = self.p.wait(15)
         except subprocess.TimeoutExpired:
             self.p.kill()
-            return self.p.wait()
+            code = self.p.wait()
+        self.reader.join(5)
+        for f in (self.p.stdout, self.p.stderr):
+            try:
+                f.close()
+            except (OSError, ValueError):
+                pass
+        return code
 
 
 class StdioBase(unittest.TestCase):
@@ -1090,7 +1100,7 @@ class TestAtomicWriteUnderKill(unittest.TestCase):
                                                                         "content": letter * size}}})
             time.sleep(random.uniform(0.01, 0.25))   # the kill lands at a random moment
             c.p.kill()
-            c.p.wait()
+            c.close()
             if os.path.exists(target):
                 with open(target, "rb") as f:
                     self.assertIn(f.read(), contents, "torn file after kill in round %d" % round_no)
@@ -1107,10 +1117,230 @@ class TestAtomicWriteUnderKill(unittest.TestCase):
                                                          "new_str": other, "replace_all": True}}})
                 time.sleep(random.uniform(0.0, 0.2))
                 c.p.kill()
-                c.p.wait()
+                c.close()
                 with open(target, "rb") as f:
                     self.assertIn(f.read(), contents)
                 self.assertEqual(os.listdir(tmp), ["data.txt"])
+
+
+# ---------------------------------------------------------------------------
+# bash and task_output
+# ---------------------------------------------------------------------------
+
+
+def unique_sleep():
+    """A sleep duration no other process on the machine is using: a findable marker."""
+    return "%d.%03d" % (random.randint(5000, 9000), random.randint(0, 999))
+
+
+class TestBash(NoViewBase):
+    def test_exit_code_stdout_stderr(self):
+        text = self.ok("bash", command="echo out; echo err >&2; exit 3")
+        self.assertTrue(text.startswith("exit code: 3"), text)
+        self.assertIn("--- stdout ---\nout", text)
+        self.assertIn("--- stderr ---\nerr", text)
+
+    def test_nonzero_exit_is_data_not_error(self):
+        text, err = self.call("bash", command="false")
+        self.assertFalse(err)
+        self.assertIn("exit code: 1", text)
+
+    def test_empty_command(self):
+        self.fails("bash", "BASH_EMPTY_COMMAND", command="   ")
+
+    def test_cwd_persists_and_sentinel_is_stripped(self):
+        os.makedirs(self.path("sub/dir"))
+        text = self.ok("bash", command="cd sub/dir && echo moved")
+        self.assertNotIn("__BORIS", text)
+        self.assertIn("moved", text)
+        self.assertEqual(self.session.get_cwd(), self.path("sub", "dir"))
+        self.assertIn(self.path("sub", "dir"), self.ok("bash", command="pwd"))
+        self.write("sub/dir/f.txt", "here\n")
+        self.assertIn("here", self.ok("view", path="f.txt"))
+
+    def test_fake_sentinel_does_not_move_cwd(self):
+        fake = "__BORIS_CWD_0123456789abcdef01234567__/etc"
+        text = self.ok("bash", command="printf '\\n%s\\n' '" + fake + "'")
+        self.assertIn(fake, text)
+        self.assertEqual(self.session.get_cwd(), self.root)
+        other = "__BORIS_CWD_%s__/etc" % ("0" * 24)
+        self.ok("bash", command="cd /tmp; printf '\\n%s\\n' '" + other + "'")
+        self.assertEqual(self.session.get_cwd(), "/tmp")
+
+    def test_exit_leaves_cwd_unchanged(self):
+        self.ok("bash", command="cd /tmp; exit 0")
+        self.assertEqual(self.session.get_cwd(), self.root)
+
+    def test_output_without_trailing_newline(self):
+        text = self.ok("bash", command="printf abc")
+        self.assertTrue(text.endswith("--- stdout ---\nabc"), text)
+
+    def test_stdin_is_dev_null(self):
+        self.assertIn("exit code: 0", self.ok("bash", command="cat", timeout=5000))
+
+    def test_megabyte_of_output_does_not_hang_and_is_cut(self):
+        text = self.ok("bash", command="head -c 1048576 /dev/zero | tr '\\0' x; echo done >&2")
+        self.assertIn("[stdout truncated: 30000 of 1048576 characters shown]", text)
+        self.assertIn("done", text)
+        self.assertLess(len(text), 40000)
+
+    def test_timeout_kills_grandchildren_and_keeps_output(self):
+        s1, s2 = unique_sleep(), unique_sleep()
+        text = self.ok("bash", command="echo before; sleep %s & bash -c 'sleep %s'; echo never" % (s1, s2),
+                       timeout=700)
+        self.assertIn("timed out after 700 ms", text)
+        self.assertIn("before", text)
+        self.assertNotIn("never", text)
+        self.assertEqual(wait_until(lambda: not procs_with(s1) and not procs_with(s2), 10), True)
+
+    def test_timeout_escalates_to_sigkill(self):
+        s = unique_sleep()
+        t0 = time.monotonic()
+        text = self.ok("bash", command="trap '' TERM; sleep %s & wait; sleep %s" % (s, s), timeout=300)
+        self.assertIn("timed out", text)
+        self.assertGreaterEqual(time.monotonic() - t0, boris.KILL_GRACE_S - 0.5)
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
+
+    def test_leftover_background_job_is_reaped_on_return(self):
+        s = unique_sleep()
+        text = self.ok("bash", command="sleep %s & echo started" % s)
+        self.assertIn("started", text)
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
+
+    def test_timeout_cap_and_default(self):
+        self.assertEqual(boris.bash_timeout_ms({"timeout": 10 ** 9}, self.cfg), 600000)
+        self.assertEqual(boris.bash_timeout_ms({}, self.cfg), 120000)
+        cfg = boris.parse_config(["--workdir", self.root, "--timeout", "7"], {})
+        self.assertEqual(boris.bash_timeout_ms({}, cfg), 7000)
+        self.fails("bash", "INVALID_INPUT", command="true", timeout=0)
+
+    def test_no_zombies_after_200_commands(self):
+        for _ in range(200):
+            self.assertIn("exit code: 0", self.ok("bash", command="true"))
+        self.assertEqual(zombie_children(os.getpid()), 0)
+
+    def test_cancel_kills_process_group(self):
+        s = unique_sleep()
+        ev = threading.Event()
+        ctx = boris.CallContext(self.cfg, self.policy, ev)
+        out = []
+        t = threading.Thread(target=lambda: out.append(boris.tool_bash(
+            self.session, {"command": "sleep %s & sleep %s" % (s, s)}, ctx)))
+        t.start()
+        self.assertTrue(wait_until(lambda: len(procs_with(s)) >= 2, 10))
+        ev.set()
+        t.join(15)
+        self.assertIn("cancelled", out[0])
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
+
+    def test_progress_streams_lines(self):
+        got = []
+        ctx = boris.CallContext(self.cfg, self.policy, progress=got.append)
+        text = boris.tool_bash(self.session, {"command": "for i in 1 2 3; do echo tick$i; sleep 0.25; done"}, ctx)
+        self.assertIn("tick3", text)
+        joined = "\n".join(got)
+        self.assertIn("tick1", joined)
+        self.assertGreaterEqual(len(got), 2)
+        self.assertNotIn("__BORIS", joined)
+
+
+class TestBackgroundTasks(NoViewBase):
+    def task_id(self, text):
+        import re
+        return re.search(r"task_\d+", text).group(0)
+
+    def test_background_lifecycle(self):
+        tid = self.task_id(self.ok("bash", command="echo first; sleep 0.4; echo second", run_in_background=True))
+        text = self.ok("task_output", task_id=tid)
+        self.assertIn("status: running", text)
+        done = self.ok("task_output", task_id=tid, wait_ms=10000)
+        self.assertIn("status: completed", done)
+        self.assertIn("exit code: 0", done)
+        self.assertIn("first\nsecond", done)
+        self.fails("task_output", "BASH_TASK_NOT_FOUND", task_id=tid)
+
+    def test_unknown_task(self):
+        self.assertIn("nope", self.fails("task_output", "BASH_TASK_NOT_FOUND", task_id="nope"))
+
+    def test_background_cd_does_not_move_session(self):
+        tid = self.task_id(self.ok("bash", command="cd /tmp && pwd", run_in_background=True))
+        self.assertIn("/tmp", self.ok("task_output", task_id=tid, wait_ms=10000))
+        self.assertEqual(self.session.get_cwd(), self.root)
+
+    def test_eleventh_task_refused(self):
+        s = unique_sleep()
+        for _ in range(10):
+            self.ok("bash", command="sleep %s" % s, run_in_background=True)
+        text = self.fails("bash", "BASH_TASK_LIMIT", command="sleep %s" % s, run_in_background=True)
+        self.assertIn("10", text)
+        self.session.close()
+        self.assertTrue(wait_until(lambda: not procs_with(s), 15))
+
+    def test_session_close_kills_tasks_and_grandchildren(self):
+        s = unique_sleep()
+        self.ok("bash", command="sleep %s & sleep %s" % (s, s), run_in_background=True)
+        self.assertTrue(wait_until(lambda: len(procs_with(s)) >= 2, 10))
+        self.session.close()
+        self.assertEqual(procs_with(s), [])
+
+
+class TestBackgroundTimeout(Base):
+    flags = ["--background-task-timeout", "0.5"]
+
+    def test_seed003_background_task_timeout_kills(self):
+        s = unique_sleep()
+        text = self.ok("bash", command="echo hi; sleep %s" % s, run_in_background=True)
+        tid = text.split()[3]
+        done = self.ok("task_output", task_id=tid, wait_ms=15000)
+        self.assertIn("killed by the background task timeout", done)
+        self.assertIn("hi", done)
+        self.assertEqual(procs_with(s), [])
+
+
+class TestStdioShell(StdioBase):
+    args = ["--require-view-before-edit", "false"]
+
+    def test_ping_answered_while_command_runs_and_cancel_kills(self):
+        s = unique_sleep()
+        self.c.send({"jsonrpc": "2.0", "id": 500, "method": "tools/call",
+                     "params": {"name": "bash", "arguments": {"command": "sleep %s" % s}}})
+        self.assertTrue(wait_until(lambda: procs_with(s), 10))
+        t0 = time.monotonic()
+        self.assertEqual(self.c.request("ping")["result"], {})
+        self.assertLess(time.monotonic() - t0, 5)
+        self.c.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                     "params": {"requestId": 500, "reason": "test"}})
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
+        self.assertEqual(self.c.request("ping")["result"], {})
+        self.assertFalse(any(m and m.get("id") == 500 for m in self.c.lines))
+
+    def test_progress_notifications(self):
+        self.c.send({"jsonrpc": "2.0", "id": 600, "method": "tools/call",
+                     "params": {"name": "bash", "_meta": {"progressToken": "tok"},
+                                "arguments": {"command": "for i in 1 2 3 4; do echo step$i; sleep 0.2; done"}}})
+        final = self.c.wait_for(lambda m: m.get("id") == 600)
+        self.assertIn("step4", final["result"]["content"][0]["text"])
+        prog = [m for m in self.c.lines if m and m.get("method") == "notifications/progress"]
+        self.assertGreaterEqual(len(prog), 2)
+        self.assertEqual(prog[0]["params"]["progressToken"], "tok")
+        self.assertIn("step1", prog[0]["params"]["message"])
+
+    def test_shutdown_kills_background_and_foreground(self):
+        s1, s2 = unique_sleep(), unique_sleep()
+        self.c.call("bash", {"command": "sleep %s & sleep %s" % (s1, s1), "run_in_background": True})
+        self.c.send({"jsonrpc": "2.0", "id": 700, "method": "tools/call",
+                     "params": {"name": "bash", "arguments": {"command": "sleep %s" % s2}}})
+        self.assertTrue(wait_until(lambda: len(procs_with(s1)) >= 2 and procs_with(s2), 10))
+        self.c.p.send_signal(signal.SIGTERM)
+        self.assertEqual(self.c.p.wait(20), 0)
+        self.assertEqual(procs_with(s1) + procs_with(s2), [])
+
+    def test_eof_kills_background_tasks(self):
+        s = unique_sleep()
+        self.c.call("bash", {"command": "sleep %s" % s, "run_in_background": True})
+        self.assertTrue(wait_until(lambda: procs_with(s), 10))
+        self.assertEqual(self.c.close(), 0)
+        self.assertEqual(procs_with(s), [])
 
 
 if __name__ == "__main__":
