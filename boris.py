@@ -601,6 +601,535 @@ def _link_temp(fd, directory, base):
     return name
 
 ###############################################################################
+# Search ######################################################################
+###############################################################################
+# One walker (gitignore-aware, cycle-safe, scope-filtered), one glob compiler (in
+# Paths above), one grep engine. grep, glob, search_text and search_files are thin
+# front-ends over these.
+
+WALK_SKIP = frozenset((".git", "node_modules"))
+GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
+GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
+PARALLEL_MIN_FILES = 4000              # below this a helper process costs more than it saves
+_REGEX_META = frozenset("\\.^$*+?{}[]|()")
+
+TYPES = {
+    "c": "*.c *.h", "cpp": "*.cpp *.cc *.cxx *.c++ *.hpp *.hh *.hxx *.h++ *.inl",
+    "cs": "*.cs *.csx", "css": "*.css *.scss *.sass *.less", "clojure": "*.clj *.cljs *.cljc *.edn",
+    "cmake": "*.cmake CMakeLists.txt", "d": "*.d", "dart": "*.dart", "docker": "Dockerfile *.dockerfile",
+    "elixir": "*.ex *.exs", "elm": "*.elm", "erlang": "*.erl *.hrl", "fsharp": "*.fs *.fsi *.fsx",
+    "go": "*.go", "graphql": "*.graphql *.gql", "groovy": "*.groovy *.gradle", "haskell": "*.hs *.lhs",
+    "html": "*.html *.htm *.xhtml", "java": "*.java", "js": "*.js *.jsx *.mjs *.cjs", "json": "*.json *.jsonc",
+    "julia": "*.jl", "kotlin": "*.kt *.kts", "lua": "*.lua", "make": "Makefile makefile GNUmakefile *.mk *.mak",
+    "markdown": "*.md *.markdown *.mdx", "nim": "*.nim", "nix": "*.nix", "objc": "*.m *.mm *.h",
+    "ocaml": "*.ml *.mli", "perl": "*.pl *.pm *.t", "php": "*.php *.phtml", "proto": "*.proto",
+    "py": "*.py *.pyi *.pyw", "r": "*.r *.R *.Rmd", "ruby": "*.rb *.rake *.gemspec Gemfile Rakefile",
+    "rust": "*.rs", "scala": "*.scala *.sc", "sh": "*.sh *.bash *.zsh .bashrc .zshrc", "sql": "*.sql",
+    "svelte": "*.svelte", "swift": "*.swift", "tex": "*.tex *.sty *.cls *.bib", "toml": "*.toml",
+    "ts": "*.ts *.tsx *.mts *.cts", "txt": "*.txt", "vue": "*.vue", "xml": "*.xml *.xsd *.xsl *.svg",
+    "yaml": "*.yaml *.yml", "zig": "*.zig",
+}
+TYPE_ALIASES = {"python": "py", "typescript": "ts", "javascript": "js", "md": "markdown", "rs": "rust",
+                "rb": "ruby", "golang": "go", "c++": "cpp", "csharp": "cs", "shell": "sh", "bash": "sh",
+                "yml": "yaml", "kt": "kotlin", "hs": "haskell", "makefile": "make", "dockerfile": "docker"}
+
+
+def type_matcher(name):
+    """A function basename -> bool for a language name, or ToolError(GREP_INVALID_TYPE)."""
+    key = TYPE_ALIASES.get(name.lower(), name.lower())
+    if key not in TYPES:
+        raise ToolError("GREP_INVALID_TYPE", "unknown type %r; valid types: %s (aliases: %s)" % (
+            name, ", ".join(sorted(TYPES)), ", ".join("%s=%s" % kv for kv in sorted(TYPE_ALIASES.items()))))
+    rx = re.compile("|".join("(?:%s)" % compile_glob(g).pattern for g in TYPES[key].split()))
+    return lambda base: rx.match(base) is not None
+
+
+# -- .gitignore ---------------------------------------------------------------
+
+class IgnoreFile(object):
+    """The rules of one .gitignore (or info/exclude), relative to its directory."""
+
+    def __init__(self, base, lines):
+        self.base = base
+        self.rules = []                      # (regex, negated, dir_only, anchored)
+        for raw in lines:
+            line = raw.rstrip("\n").rstrip("\r")
+            if not line or line.startswith("#"):
+                continue
+            while line.endswith(" ") and not line.endswith("\\ "):
+                line = line[:-1]
+            neg = line.startswith("!")
+            if neg:
+                line = line[1:]
+            elif line.startswith("\\!") or line.startswith("\\#"):
+                line = line[1:]
+            dir_only = line.endswith("/")
+            line = line.rstrip("/")
+            if not line:
+                continue
+            anchored = "/" in line
+            try:
+                rx = compile_glob(line.lstrip("/"))
+            except ValueError:
+                continue                     # git ignores a malformed pattern too
+            self.rules.append((rx, neg, dir_only, anchored))
+
+    def verdict(self, rel, name, is_dir):
+        """True (ignored), False (re-included by '!') or None (no rule matched)."""
+        for rx, neg, dir_only, anchored in reversed(self.rules):
+            if dir_only and not is_dir:
+                continue
+            if rx.match(rel if anchored else name):
+                return not neg
+        return None
+
+
+def load_ignore(directory):
+    try:
+        with open(os.path.join(directory, ".gitignore"), "r", encoding="utf-8", errors="replace") as f:
+            rules = IgnoreFile(directory, f.readlines())
+    except OSError:
+        return None
+    return rules if rules.rules else None
+
+
+def git_top(start):
+    """The work tree containing `start` (a directory holding .git), or None."""
+    d = start
+    while True:
+        if os.path.exists(os.path.join(d, ".git")):
+            return d
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+
+
+def ignored(stack, path, name, is_dir):
+    for rules in reversed(stack):
+        v = rules.verdict(path[len(rules.base) + 1:], name, is_dir)
+        if v is not None:
+            return v
+    return False
+
+
+def outer_ignores(root):
+    """.gitignore rules that apply to `root` from its work tree's top down to it
+    (and .git/info/exclude). Outside a git work tree none apply, as with ripgrep."""
+    top = git_top(root)
+    if top is None:
+        return None
+    stack = []
+    try:
+        with open(os.path.join(top, ".git", "info", "exclude"), encoding="utf-8", errors="replace") as f:
+            ex = IgnoreFile(top, f.readlines())
+        if ex.rules:
+            stack.append(ex)
+    except OSError:
+        pass
+    d = top
+    rel = root[len(top):].strip("/")
+    for part in [p for p in rel.split("/") if p]:
+        rules = load_ignore(d)
+        if rules:
+            stack.append(rules)
+        d = os.path.join(d, part)
+    return stack
+
+
+# -- the walker -----------------------------------------------------------------
+
+def walk(root, policy, follow_links, want_dirs=False, cancelled=None, name_ok=None, with_mtime=False):
+    """Yield (path, is_dir, mtime) under `root` (canonical directory), depth first;
+    mtime is None unless `with_mtime` (then taken with fstatat on the open directory,
+    which is far cheaper than a stat of the full path later).
+
+    Prunes .git and node_modules, honours .gitignore inside a git work tree, drops
+    what the path policy denies, and yields only files whose name passes `name_ok`
+    (directories are walked whatever their name). Followed directory symlinks are
+    visited after the real tree and only once per directory (dev, inode), so cycles
+    end and a tree reached both ways is listed under its real path."""
+    stack0 = outer_ignores(root)
+    use_ignore = stack0 is not None
+    check = bool(policy.allow or policy.deny_dirs or policy.deny_globs or policy.deny_names)
+    seen = set()
+    if follow_links:
+        try:
+            st = os.stat(root)
+        except OSError:
+            return
+        seen.add((st.st_dev, st.st_ino))
+    pending = [(root, stack0 or [])]
+    deferred = []
+    while pending or deferred:
+        if not pending:
+            link_path, target, ign = deferred.pop(0)
+            try:
+                st = os.stat(target)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            pending.append((link_path, ign))
+            if want_dirs:
+                yield link_path, True, (st.st_mtime if with_mtime else None)
+            continue
+        if cancelled is not None and cancelled.is_set():
+            return
+        directory, ign = pending.pop()
+        dfd = None
+        try:
+            if with_mtime:                         # entries of scandir(fd) stat with fstatat
+                dfd = os.open(directory, _DIR_FLAGS)
+                entries = list(os.scandir(dfd))
+            else:
+                with os.scandir(directory) as it:
+                    entries = list(it)
+        except OSError:
+            if dfd is not None:
+                os.close(dfd)
+            continue
+        try:
+            prefix = directory + "/" if directory != "/" else "/"
+            if use_ignore and any(e.name == ".gitignore" for e in entries):
+                rules = load_ignore(directory)
+                if rules:
+                    ign = ign + [rules]
+            filtering = use_ignore and ign
+            subdirs = []
+            for e in entries:
+                name = e.name
+                if name in WALK_SKIP:
+                    continue
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        path = prefix + name
+                        if (filtering and ignored(ign, path, name, True)) or (check and policy.is_denied(path)):
+                            continue
+                        subdirs.append(path)
+                        if follow_links or (with_mtime and want_dirs):
+                            st = e.stat(follow_symlinks=False)
+                            seen.add((st.st_dev, st.st_ino))
+                        if want_dirs:
+                            yield path, True, (st.st_mtime if with_mtime else None)
+                        continue
+                    if e.is_file(follow_symlinks=False):
+                        if name_ok is not None and not name_ok(name):
+                            continue
+                        path = prefix + name
+                        if (filtering and ignored(ign, path, name, False)) or (check and policy.is_denied(path)):
+                            continue
+                        yield path, False, (e.stat(follow_symlinks=False).st_mtime if with_mtime else None)
+                        continue
+                    if not e.is_symlink():
+                        continue                         # sockets, fifos, devices
+                    path = prefix + name
+                    is_dir = e.is_dir()
+                except OSError:
+                    continue
+                if (filtering and ignored(ign, path, name, is_dir)) or (not is_dir and name_ok is not None
+                                                                         and not name_ok(name)):
+                    continue
+                target = canonical(path)
+                if check and policy.is_denied(target):
+                    continue
+                if is_dir:
+                    if follow_links:
+                        deferred.append((path, target, ign))
+                    elif want_dirs:
+                        yield path, True, (mtime(target) if with_mtime else None)   # listed, not entered
+                elif os.path.isfile(target):              # broken links are skipped
+                    yield path, False, (mtime(target) if with_mtime else None)
+            for d in reversed(subdirs):
+                pending.append((d, ign))
+        finally:
+            if dfd is not None:
+                os.close(dfd)
+
+
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+# -- the grep engine -----------------------------------------------------------------
+
+class Matcher(object):
+    """A compiled grep pattern: a literal (bytes.find: exact on UTF-8) where it can be,
+    else a regex. The regex runs on bytes for pure-ASCII text and on decoded text
+    otherwise, so '.' and classes mean characters, not bytes."""
+
+    def __init__(self, pattern, regex=True, ignore_case=False, multiline=False):
+        self.multiline = multiline
+        if regex and not (set(pattern) & _REGEX_META):
+            regex = False
+        self.literal = self.rx = self.rx_text = None
+        if not regex and not ignore_case:
+            self.literal = pattern.encode("utf-8")
+            return
+        src = pattern if regex else re.escape(pattern)
+        flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0) | (re.DOTALL if multiline else 0)
+        try:
+            self.rx_text = re.compile(src, flags)
+            if pattern.isascii():
+                self.rx = re.compile(src.encode("ascii"), flags)
+        except re.error as e:
+            raise ToolError("GREP_INVALID_PATTERN", "pattern %r is not a valid regular expression: %s%s" % (
+                pattern, e, "" if regex else "") + "; escape special characters or fix the syntax")
+        except (OverflowError, RecursionError, ValueError) as e:
+            raise ToolError("GREP_INVALID_PATTERN", "pattern %r cannot be compiled: %s" % (pattern, e))
+
+    def needs_text(self, buf, end):
+        """Whether this chunk must be searched as decoded text."""
+        return self.literal is None and (self.rx is None or not buf[:end].isascii())
+
+    def spans(self, hay, end, first_only=False):
+        """(start, end) offsets of matching regions in hay[:end]; in line mode at
+        most one per line, each within a single line."""
+        nl = b"\n" if isinstance(hay, (bytes, bytearray)) else "\n"
+        out, pos = [], 0
+        if self.literal is not None:
+            needle, size = self.literal, len(self.literal)
+            while True:
+                i = hay.find(needle, pos, end)
+                if i < 0:
+                    return out
+                out.append((i, i + size))
+                if first_only:
+                    return out
+                j = hay.find(nl, i + size, end)
+                if j < 0:
+                    return out
+                pos = j + 1
+        rx = self.rx_text if isinstance(hay, str) else self.rx
+        while pos <= end:
+            m = rx.search(hay, pos, end)
+            if m is None:
+                return out
+            s, e = m.span()
+            if not self.multiline and hay.find(nl, s, e) >= 0:
+                ls = hay.rfind(nl, 0, s) + 1                 # spans lines: retry within its line
+                le = hay.find(nl, s, end)
+                le = end if le < 0 else le
+                m = rx.search(hay, ls, le)
+                if m is None:
+                    pos = le + 1
+                    continue
+                s, e = m.span()
+            out.append((s, e))
+            if first_only:
+                return out
+            if self.multiline:
+                pos = e if e > s else e + 1
+            else:
+                j = hay.find(nl, e, end)
+                if j < 0:
+                    return out
+                pos = j + 1
+        return out
+
+
+def read_chunks(fd, buf):
+    """Yield (hay, end, first_line) pieces of a file ending at line boundaries;
+    one piece for any file that fits in `buf`. None first for a binary file."""
+    n = os.readv(fd, [buf])
+    if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
+        yield None
+        return
+    line, filled = 1, n
+    while True:
+        if filled < len(buf):
+            yield buf, filled, line
+            return
+        end = buf.rfind(b"\n", 0, filled) + 1
+        if end == 0:
+            if len(buf) < GREP_CHUNK_MAX:
+                buf.extend(bytes(len(buf)))          # one very long line: grow and read on
+                filled += os.readv(fd, [memoryview(buf)[filled:]])
+                continue
+            end = filled
+        yield buf, end, line
+        line += buf.count(b"\n", 0, end)
+        carry = filled - end
+        buf[0:carry] = buf[end:filled]
+        filled = carry + os.readv(fd, [memoryview(buf)[carry:]])
+
+
+def line_text(hay, start, end):
+    text = hay[start:end]
+    if not isinstance(text, str):
+        text = bytes(text).decode("utf-8", "replace")
+    if text.endswith("\r"):
+        text = text[:-1]
+    if len(text) > VIEW_MAX_LINE_CHARS:
+        text = "%s... [truncated, %d chars total]" % (text[:VIEW_MAX_LINE_CHARS], len(text))
+    return text
+
+
+def region_records(hay, end, first_line, spans, before, after, state):
+    """Turn match spans into (line_no, is_match, text) records with context; a None
+    record marks a break between non-adjacent groups."""
+    nl = b"\n" if not isinstance(hay, str) else "\n"
+    out = []
+    starts = {}
+
+    def bounds(pos):
+        ls = hay.rfind(nl, 0, pos) + 1
+        le = hay.find(nl, pos, end)
+        return ls, (end if le < 0 else le)
+
+    line_no, cursor = first_line, 0
+    matched = []                                  # (line_no, start, stop)
+    for s, e in spans:
+        line_no += hay.count(nl, cursor, s)
+        cursor = s
+        ls, le = bounds(s)
+        last = e - 1 if e > s else s
+        k, pos = line_no, ls
+        while True:
+            matched.append((k, pos, le))
+            if le >= last or le >= end:
+                break
+            pos, k = le + 1, k + 1
+            le = hay.find(nl, pos, end)
+            le = end if le < 0 else le
+    for k, ls, le in matched:
+        starts[k] = (ls, le)
+    want = {}
+    for k, ls, le in matched:
+        want[k] = True
+        pos_b, kb = ls, k
+        for _ in range(before):
+            if pos_b == 0:
+                break
+            pb = hay.rfind(nl, 0, pos_b - 1) + 1
+            kb -= 1
+            starts.setdefault(kb, (pb, pos_b - 1))
+            want.setdefault(kb, False)
+            pos_b = pb
+        pos_a, ka = le, k
+        for _ in range(after):
+            if pos_a >= end - 1:
+                break
+            na = hay.find(nl, pos_a + 1, end)
+            na = end if na < 0 else na
+            ka += 1
+            starts.setdefault(ka, (pos_a + 1, na))
+            want.setdefault(ka, False)
+            pos_a = na
+    prev = state.get("last")
+    for k in sorted(want):
+        if prev is not None and k > prev + 1 and (before or after):
+            out.append(None)
+        ls, le = starts[k]
+        out.append((k, want[k], line_text(hay, ls, le)))
+        prev = k
+    state["last"] = prev
+    return out
+
+
+def grep_file(path, matcher, mode, before=0, after=0, buf=None):
+    """One file's result: None (binary, unreadable or no match), True (files mode),
+    a count (count mode) or a list of records (content mode)."""
+    buf = buf if buf is not None else bytearray(GREP_BUFFER)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        count, records, state = 0, [], {}
+        for piece in read_chunks(fd, buf):
+            if piece is None:
+                return None
+            hay, end, first = piece
+            if matcher.needs_text(hay, end):
+                hay = hay[:end].decode("utf-8", "surrogateescape")
+                end = len(hay)
+            spans = matcher.spans(hay, end, first_only=(mode == "files_with_matches"))
+            if not spans:
+                continue
+            if mode == "files_with_matches":
+                return True
+            if mode == "count":
+                count += len(spans) if not matcher.multiline else \
+                    len([r for r in region_records(hay, end, first, spans, 0, 0, {}) if r])
+                continue
+            records += region_records(hay, end, first, spans, before, after, state)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if mode == "count":
+        return count or None
+    return records or None
+
+
+def grep_many(files, spec):
+    """Run the engine over a list of paths: [(index, result)] for the matching ones."""
+    matcher = Matcher(spec["pattern"], spec["regex"], spec["ignore_case"], spec["multiline"])
+    buf = bytearray(GREP_BUFFER)
+    out = []
+    for i, path in enumerate(files):
+        r = grep_file(path, matcher, spec["mode"], spec["before"], spec["after"], buf)
+        if r is not None:
+            out.append((i, r))
+    return out
+
+
+def grep_worker():
+    """Entry point of a helper process: a job on stdin, results on stdout (JSON)."""
+    job = json.loads(sys.stdin.buffer.read().decode("utf-8", "surrogateescape"))
+    res = grep_many(job["files"], job["spec"])
+    sys.stdout.write(json.dumps(res))
+    sys.stdout.flush()
+
+
+_WORKER_CODE = ("import importlib.util as u,sys;s=u.spec_from_file_location('boris_grep_worker',sys.argv[1]);"
+                "m=u.module_from_spec(s);s.loader.exec_module(m);m.grep_worker()")
+
+
+def grep_parallel(files, spec, cancelled):
+    """grep_many over the machine's cores: helper processes (each the same engine,
+    loaded from this file) take shares of a large file list; this process takes one.
+    Small lists stay in-process: a helper costs ~30 ms to start."""
+    helpers = min((os.cpu_count() or 1), 4) - 1
+    if helpers < 1 or len(files) < PARALLEL_MIN_FILES:
+        return grep_many(files, spec)
+    import subprocess
+    shares = [files[k::helpers + 1] for k in range(helpers + 1)]
+    procs = []
+    try:
+        for k in range(1, helpers + 1):
+            p = subprocess.Popen([sys.executable, "-S", "-c", _WORKER_CODE, os.path.abspath(__file__)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            procs.append((k, p))
+            job = json.dumps({"spec": spec, "files": shares[k]}).encode("utf-8", "surrogateescape")
+            threading.Thread(target=_feed, args=(p, job), daemon=True).start()
+        results = [(i * (helpers + 1), r) for i, r in grep_many(shares[0], spec)]
+        for k, p in procs:
+            data = p.stdout.read() if not cancelled.is_set() else b""
+            p.wait()
+            if p.returncode != 0 or not data:
+                results += [(i * (helpers + 1) + k, r) for i, r in grep_many(shares[k], spec)]
+                continue
+            results += [(i * (helpers + 1) + k, r) for i, r in json.loads(data.decode("utf-8"))]
+    finally:
+        for _, p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+    results.sort(key=lambda x: x[0])
+    return results
+
+
+def _feed(proc, data):
+    try:
+        proc.stdin.write(data)
+        proc.stdin.close()
+    except OSError:
+        pass
+
+###############################################################################
 # Shell #######################################################################
 ###############################################################################
 
@@ -860,8 +1389,37 @@ class Session(object):
             stop_group(proc)
 
 ###############################################################################
-# Tools: file viewing and editing #############################################
+# Tools: building blocks ######################################################
 ###############################################################################
+
+
+class Tool(object):
+    __slots__ = ("name", "description", "schema", "annotations", "handler")
+
+    def __init__(self, name, description, schema, annotations, handler):
+        self.name, self.description, self.schema = name, description, schema
+        self.annotations, self.handler = annotations, handler
+
+    def listing(self):
+        return {"name": self.name, "description": self.description,
+                "inputSchema": self.schema, "annotations": self.annotations}
+
+
+def prop(kind, description, **extra):
+    d = {"type": kind, "description": description}
+    d.update(extra)
+    return d
+
+
+def obj(properties, required=()):
+    return {"type": "object", "properties": properties, "required": list(required),
+            "additionalProperties": False}
+
+
+def notes(title, read_only=False, destructive=False, open_world=False, idempotent=False):
+    return {"title": title, "readOnlyHint": read_only, "destructiveHint": destructive,
+            "idempotentHint": idempotent, "openWorldHint": open_world}
+
 
 
 class CallContext(object):
@@ -889,6 +1447,11 @@ def stat_existing(real, shown):
         return os.stat(real)
     except OSError as e:
         raise io_error(e, shown)
+
+
+###############################################################################
+# Tools: file viewing and editing #############################################
+###############################################################################
 
 
 def tool_view(session, args, ctx):
@@ -1290,6 +1853,287 @@ def shell_tools(config):
     ]
 
 ###############################################################################
+# Tools: search ###############################################################
+###############################################################################
+
+GREP_MODES = ("files_with_matches", "content", "count")
+
+
+def name_filter(include, type_name):
+    """(rel, name) -> bool from an include glob and a language type."""
+    tests = []
+    if include:
+        try:
+            rx = compile_glob(include)
+        except ValueError as e:
+            raise ToolError("INVALID_INPUT", "include glob %r is malformed: %s" % (include, e))
+        on_path = "/" in include
+        tests.append(lambda rel, name: rx.match(rel if on_path else name) is not None)
+    if type_name:
+        by_type = type_matcher(type_name)
+        tests.append(lambda rel, name: by_type(name))
+    return lambda rel, name: all(t(rel, name) for t in tests)
+
+
+def search_root(session, ctx, shown):
+    """Resolve and scope-check a search root: (real, is_dir)."""
+    real = resolve_checked(session, ctx, shown)
+    st = stat_existing(real, shown)
+    return real, stat.S_ISDIR(st.st_mode)
+
+
+def collect_files(real, is_dir, ctx, keep):
+    """The files a search reads under a root: (path, rel) pairs passing `keep`."""
+    if not is_dir:
+        return [(real, None)]
+    files = []
+    cut = len(real) + 1 if real != "/" else 1
+    for path, _, _ in walk(real, ctx.policy, follow_links=True, cancelled=ctx.cancelled):
+        rel = path[cut:]
+        if keep(rel, rel.rsplit("/", 1)[-1]):
+            files.append((path, rel))
+    return files
+
+
+def run_grep(files, ctx, pattern, regex, ignore_case, multiline, mode, before=0, after=0):
+    spec = {"pattern": pattern, "regex": regex, "ignore_case": ignore_case, "multiline": multiline,
+            "mode": mode, "before": before, "after": after}
+    Matcher(pattern, regex, ignore_case, multiline)           # fail fast on a bad pattern
+    return grep_parallel([p for p, _ in files], spec, ctx.cancelled)
+
+
+def format_records(label, records, numbers):
+    out = []
+    for rec in records:
+        if rec is None:
+            out.append("--")
+            continue
+        k, is_match, text = rec
+        sep = ":" if is_match else "-"
+        out.append("%s%s%s%s" % (label, sep, ("%d%s" % (k, sep)) if numbers else "", text))
+    return out
+
+
+def cap_lines(lines, what):
+    """Join output lines, cut at OUTPUT_MAX_CHARS with a notice of what was left out."""
+    total, kept = 0, []
+    for i, line in enumerate(lines):
+        total += len(line) + 1
+        if total > OUTPUT_MAX_CHARS:
+            kept.append("[output truncated at %d characters: %d more %s not shown; narrow the search"
+                        " (path, include, type) or use head_limit/offset]" % (OUTPUT_MAX_CHARS, len(lines) - i, what))
+            break
+        kept.append(line)
+    return "\n".join(kept)
+
+
+def page(items, args):
+    offset = args.get("offset") or 0
+    limit = args.get("head_limit")
+    if offset < 0 or (limit is not None and limit < 0):
+        raise ToolError("INVALID_INPUT", "offset and head_limit must be 0 or more")
+    items = items[offset:]
+    return items[:limit] if limit else items
+
+
+def mtime(path):
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def newest_first(found):
+    """Relative paths of (path, rel, mtime) triples, newest first, ties by path.
+    Two stable C-level sorts: much cheaper than a Python key for 30k paths."""
+    from operator import itemgetter
+    found = sorted(found, key=itemgetter(1))
+    found.sort(key=itemgetter(2), reverse=True)
+    return [rel for _, rel, _ in found]
+
+
+def by_mtime(pairs):
+    """Relative paths of (path, rel) pairs, newest first."""
+    return newest_first([(p, rel, mtime(p)) for p, rel in pairs])
+
+
+def tool_grep(session, args, ctx):
+    pattern = args["pattern"]
+    mode = args.get("output_mode") or "files_with_matches"
+    if mode not in GREP_MODES:
+        raise ToolError("GREP_INVALID_OUTPUT_MODE", "output_mode %r is not one of %s" % (mode, ", ".join(GREP_MODES)))
+    if pattern == "":
+        raise ToolError("GREP_INVALID_PATTERN", "pattern is empty; give a regular expression to search for")
+    shown = args.get("path") or "."
+    real, is_dir = search_root(session, ctx, shown)
+    keep = name_filter(args.get("include"), args.get("type"))
+    ctx_n = args.get("context") or 0
+    before = args.get("context_before", ctx_n) if mode == "content" else 0
+    after = args.get("context_after", ctx_n) if mode == "content" else 0
+    if min(before, after) < 0:
+        raise ToolError("INVALID_INPUT", "context lines must be 0 or more")
+    Matcher(pattern, True, bool(args.get("case_insensitive")), bool(args.get("multiline")))
+    files = collect_files(real, is_dir, ctx, keep)
+    results = run_grep(files, ctx, pattern, True, bool(args.get("case_insensitive")),
+                       bool(args.get("multiline")), mode, before, after)
+    if not results:
+        return "No matches found for pattern %r in %s" % (pattern, shown)
+    hits = [(files[i][0], files[i][1] if is_dir else shown, r) for i, r in results]
+    if mode == "files_with_matches":
+        return cap_lines(page(by_mtime([(p, rel) for p, rel, _ in hits]), args), "files")
+    hits.sort(key=lambda h: h[1])
+    if mode == "count":
+        return cap_lines(page(["%s:%d" % (rel, n) for _, rel, n in hits], args), "files")
+    lines, grouped = [], before > 0 or after > 0
+    for _, rel, records in hits:
+        if lines and grouped:
+            lines.append("--")
+        lines += format_records(rel, records, args.get("line_numbers", True))
+    return cap_lines(page(lines, args), "lines")
+
+
+def glob_plan(pattern):
+    """(static directory prefix, pattern rest, match on base name only)."""
+    parts = pattern.split("/")
+    static = []
+    while len(parts) > 1 and not any(ch in parts[0] for ch in "*?[{\\"):
+        static.append(parts.pop(0))
+    rest = "/".join(parts)
+    if rest.startswith("**/") and "/" not in rest[3:]:
+        return "/".join(static), rest[3:], True
+    return "/".join(static), rest, "/" not in rest
+
+
+def find_paths(session, ctx, pattern, shown, kind):
+    """The one glob engine: (path, rel, mtime) under `shown` matching `pattern`."""
+    if not pattern.strip():
+        raise ToolError("GLOB_INVALID_PATTERN", "pattern is empty; give a glob such as **/*.py")
+    if kind not in (None, "file", "directory"):
+        raise ToolError("GLOB_INVALID_TYPE", "type %r is not 'file' or 'directory'" % kind)
+    real = resolve_checked(session, ctx, shown)
+    prefix, rest, base_only = glob_plan(pattern[1:] if pattern.startswith("/") else pattern)
+    if pattern.startswith("/"):
+        real, prefix = "/", prefix
+    try:
+        rx = compile_glob(rest)
+    except ValueError as e:
+        raise ToolError("GLOB_INVALID_PATTERN", "pattern %r is malformed: %s" % (pattern, e))
+    start = canonical(os.path.join(real, prefix)) if prefix else real
+    if not os.path.isdir(start) or ctx.policy.is_denied(start):
+        return []
+    cut = len(start) + 1 if start != "/" else 1
+    lead = len(real) + 1 if real != "/" else 1
+    name_ok = None
+    if base_only and kind == "file":
+        simple = re.match(r"^\*(\.[\w.+-]+)$", rest)      # '*.c': a suffix test, no regex
+        name_ok = (lambda name, sfx=simple.group(1): name.endswith(sfx)) if simple else \
+            (lambda name: rx.match(name) is not None)
+    entries = walk(start, ctx.policy, follow_links=False, want_dirs=kind != "file", cancelled=ctx.cancelled,
+                   name_ok=name_ok, with_mtime=True)
+    if name_ok is not None:                      # the walker already matched the names
+        return [(path, path[lead:], when) for path, _, when in entries]
+    return [(path, path[lead:], when) for path, is_dir, when in entries
+            if is_dir == (kind == "directory")
+            and rx.match(path[path.rfind("/") + 1:] if base_only else path[cut:])]
+
+
+def tool_glob(session, args, ctx):
+    found = find_paths(session, ctx, args["pattern"], args.get("path") or ".", args.get("type") or "file")
+    if not found:
+        return "No files found"
+    return cap_lines(newest_first(found), "paths")
+
+
+def tool_search_text(session, args, ctx):
+    query = args["query"]
+    if query == "":
+        raise ToolError("INVALID_INPUT", "query is empty; give the text to search for")
+    regex = bool(args.get("regex"))
+    if regex:
+        Matcher(query, True)
+    lines = []
+    for shown in args.get("paths") or ["."]:
+        real, is_dir = search_root(session, ctx, shown)
+        files = collect_files(real, is_dir, ctx, lambda rel, name: True)
+        for i, records in sorted(run_grep(files, ctx, query, regex, False, False, "content"),
+                                 key=lambda r: files[r[0]][0]):
+            label = os.path.join(shown, files[i][1]) if is_dir else shown
+            lines += format_records(label, records, True)
+    if not lines:
+        return "No matches found for %r in %s" % (query, ", ".join(args.get("paths") or ["."]))
+    return cap_lines(lines, "lines")
+
+
+def tool_search_files(session, args, ctx):
+    found = find_paths(session, ctx, args["pattern"], ".", "file")
+    if not found:
+        return "No files found matching %r" % args["pattern"]
+    return cap_lines(newest_first(found), "paths")
+
+
+GREP_DESC = ("Search file contents with a regular expression (Python re syntax; ripgrep-like). Walks the "
+             "directory at `path` (default: the working directory) skipping .git, node_modules, binary "
+             "files and what .gitignore ignores. output_mode: files_with_matches (default; paths, newest "
+             "first), content (path:line:text, with optional context lines) or count (path:count). Filter "
+             "files with include (a glob such as *.{ts,tsx}) or type (py, js, ts, go, rust, ...). Use "
+             "head_limit/offset to page through long results.")
+GLOB_DESC = ("Find files by name with a glob pattern (**, *, ?, {a,b}, [a-z]); a pattern without '/' matches "
+             "file names at any depth. Returns paths relative to `path` (default: the working directory), "
+             "newest first; skips .git, node_modules and .gitignore'd files.")
+
+GREP_PROPS = {
+    "pattern": prop("string", "The regular expression to search for."),
+    "path": prop("string", "File or directory to search (default: the working directory)."),
+    "include": prop("string", "Only search files whose name matches this glob, e.g. *.py or *.{ts,tsx}."),
+    "type": prop("string", "Only search files of this language: py, js, ts, go, rust, java, c, cpp, ..."),
+    "output_mode": prop("string", "files_with_matches (default), content or count."),
+    "case_insensitive": prop("boolean", "Ignore case (default false)."),
+    "line_numbers": prop("boolean", "content mode: show line numbers (default true)."),
+    "context_before": prop("integer", "content mode: lines of context before each match."),
+    "context_after": prop("integer", "content mode: lines of context after each match."),
+    "context": prop("integer", "content mode: lines of context before and after each match."),
+    "multiline": prop("boolean", "Let . match newlines and patterns span lines (default false)."),
+    "head_limit": prop("integer", "Show at most this many lines (content) or entries (other modes)."),
+    "offset": prop("integer", "Skip this many lines/entries first (default 0)."),
+}
+COMPAT_GREP_NAMES = {"glob": "include", "-i": "case_insensitive", "-n": "line_numbers",
+                     "-A": "context_after", "-B": "context_before", "-C": "context"}
+
+
+def renamed(handler, names):
+    """A handler that takes other parameter names and calls `handler` with ours."""
+    return lambda session, args, ctx: handler(session, dict((names.get(k, k), v) for k, v in args.items()), ctx)
+
+
+def search_tools(config):
+    glob_props = {"pattern": prop("string", "The glob pattern, e.g. **/*.py or src/**/*.{ts,tsx}."),
+                  "path": prop("string", "Directory to search in (default: the working directory).")}
+    if config.anthropic_compat:
+        back = dict((v, k) for k, v in COMPAT_GREP_NAMES.items())
+        grep_props = dict((back.get(k, k), v) for k, v in GREP_PROPS.items())
+        grep = Tool("grep", GREP_DESC, obj(grep_props, ["pattern"]), notes("Search file contents", read_only=True),
+                    renamed(tool_grep, COMPAT_GREP_NAMES))
+    else:
+        grep = Tool("grep", GREP_DESC, obj(GREP_PROPS, ["pattern"]), notes("Search file contents", read_only=True),
+                    tool_grep)
+        glob_props["type"] = prop("string", "file (default) or directory.")
+    return [
+        grep,
+        Tool("glob", GLOB_DESC, obj(glob_props, ["pattern"]), notes("Find files by name", read_only=True), tool_glob),
+        Tool("search_text", "Search for text in files: every line containing `query` (literal, or a regular "
+             "expression when regex is true) under each of `paths`, as path:line:content.", obj({
+                 "query": prop("string", "The text (or regex) to find."),
+                 "paths": prop("array", "Files or directories to search (default: the working directory).",
+                               items={"type": "string"}),
+                 "regex": prop("boolean", "Treat query as a regular expression (default false)."),
+             }, ["query", "paths"]), notes("Search text", read_only=True), tool_search_text),
+        Tool("search_files", "Find files whose path matches a glob pattern (e.g. src/**/*.ts or **/*.md), "
+             "searched from the working directory; returns one path per line.", obj({
+                 "pattern": prop("string", "The glob pattern."),
+             }, ["pattern"]), notes("Find files", read_only=True), tool_search_files),
+    ]
+
+###############################################################################
 # Tools: the registry #########################################################
 ###############################################################################
 
@@ -1297,34 +2141,6 @@ ALL_TOOL_NAMES = ("bash", "task_output", "view", "str_replace", "create_file", "
                   "search_text", "search_files", "read_file", "write_file", "list_directory",
                   "web_fetch", "str_replace_editor")
 EDITOR_PARTS = ("view", "str_replace", "create_file")
-
-
-class Tool(object):
-    __slots__ = ("name", "description", "schema", "annotations", "handler")
-
-    def __init__(self, name, description, schema, annotations, handler):
-        self.name, self.description, self.schema = name, description, schema
-        self.annotations, self.handler = annotations, handler
-
-    def listing(self):
-        return {"name": self.name, "description": self.description,
-                "inputSchema": self.schema, "annotations": self.annotations}
-
-
-def prop(kind, description, **extra):
-    d = {"type": kind, "description": description}
-    d.update(extra)
-    return d
-
-
-def obj(properties, required=()):
-    return {"type": "object", "properties": properties, "required": list(required),
-            "additionalProperties": False}
-
-
-def notes(title, read_only=False, destructive=False, open_world=False, idempotent=False):
-    return {"title": title, "readOnlyHint": read_only, "destructiveHint": destructive,
-            "idempotentHint": idempotent, "openWorldHint": open_world}
 
 
 PATH_PROP = prop("string", "File or directory path, absolute or relative to the session's working directory.")
@@ -1404,7 +2220,7 @@ def _editor_group(config):
     return [editor_tool()] if config.anthropic_compat else file_tools()
 
 
-TOOL_GROUPS = [shell_tools, _editor_group]
+TOOL_GROUPS = [shell_tools, _editor_group, search_tools]
 
 ###############################################################################
 # Protocol ####################################################################

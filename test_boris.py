@@ -1343,5 +1343,378 @@ class TestStdioShell(StdioBase):
         self.assertEqual(procs_with(s), [])
 
 
+# ---------------------------------------------------------------------------
+# Search: grep, glob, search_text, search_files
+# ---------------------------------------------------------------------------
+
+
+class SearchBase(NoViewBase):
+    def setUp(self):
+        NoViewBase.setUp(self)
+        self.write("src/app.py", "import os\ndef main():\n    return 42\n# TODO: fix\n")
+        self.write("src/util.py", "def helper():\n    pass\n")
+        self.write("src/web/index.ts", "const x = 1;\n// TODO later\n")
+        self.write("src/web/view.tsx", "export const V = () => null;\n")
+        self.write("docs/guide.md", "# Guide\nTODO write\n")
+        self.write("docs/deep/more/notes.md", "notes\n")
+        self.write("bin/blob.bin", b"TODO\x00\x01\x02")
+        self.write(".git/config", "TODO in git\n")
+        self.write("node_modules/pkg/index.js", "TODO in deps\n")
+        self.write(".hidden/secret.txt", "TODO hidden\n")
+
+
+class TestGrep(SearchBase):
+    def test_files_with_matches_default_newest_first(self):
+        now = time.time()
+        os.utime(self.path("src/app.py"), (now - 100, now - 100))
+        os.utime(self.path("docs/guide.md"), (now, now))
+        os.utime(self.path("src/web/index.ts"), (now - 50, now - 50))
+        out = self.ok("grep", pattern="TODO").split("\n")
+        self.assertEqual(out, ["docs/guide.md", ".hidden/secret.txt", "src/web/index.ts", "src/app.py"][0:1]
+                         + [x for x in out[1:]])
+        self.assertEqual(out[0], "docs/guide.md")
+        self.assertLess(out.index("src/web/index.ts"), out.index("src/app.py"))
+        self.assertIn(".hidden/secret.txt", out)
+        for gone in ("bin/blob.bin", ".git/config", "node_modules/pkg/index.js"):
+            self.assertNotIn(gone, out)
+
+    def test_content_mode_format(self):
+        out = self.ok("grep", pattern="TODO", output_mode="content", path="src")
+        self.assertIn("app.py:4:# TODO: fix", out.split("\n"))
+        self.assertIn("web/index.ts:2:// TODO later", out.split("\n"))
+
+    def test_content_without_line_numbers(self):
+        out = self.ok("grep", pattern="return", output_mode="content", line_numbers=False)
+        self.assertEqual(out, "src/app.py:    return 42")
+
+    def test_context_and_separators(self):
+        self.write("ctx.txt", "".join("line%d\n" % i for i in range(1, 21)))
+        out = self.ok("grep", pattern="line(5|15)$", path="ctx.txt", output_mode="content", context=1)
+        self.assertEqual(out.split("\n"), ["ctx.txt-4-line4", "ctx.txt:5:line5", "ctx.txt-6-line6", "--",
+                                           "ctx.txt-14-line14", "ctx.txt:15:line15", "ctx.txt-16-line16"])
+        out = self.ok("grep", pattern="line10$", path="ctx.txt", output_mode="content",
+                      context=3, context_before=1)
+        self.assertEqual(out.split("\n"), ["ctx.txt-9-line9", "ctx.txt:10:line10", "ctx.txt-11-line11",
+                                           "ctx.txt-12-line12", "ctx.txt-13-line13"])
+
+    def test_adjacent_groups_merge(self):
+        self.write("m.txt", "a\nhit\nb\nhit\nc\n")
+        out = self.ok("grep", pattern="hit", path="m.txt", output_mode="content", context=1)
+        self.assertEqual(out.split("\n"), ["m.txt-1-a", "m.txt:2:hit", "m.txt-3-b", "m.txt:4:hit", "m.txt-5-c"])
+
+    def test_separator_between_files_with_context(self):
+        out = self.ok("grep", pattern="TODO", path="src", output_mode="content", context=1)
+        self.assertIn("--", out.split("\n"))
+
+    def test_count_mode(self):
+        self.write("c.txt", "x\nx x\ny\nx\n")
+        self.assertEqual(self.ok("grep", pattern="x", path="c.txt", output_mode="count"), "c.txt:3")
+
+    def test_case_insensitive(self):
+        self.write("c.txt", "Hello\nHELLO\nhello\n")
+        self.assertEqual(self.ok("grep", pattern="hello", path="c.txt", output_mode="count",
+                                 case_insensitive=True), "c.txt:3")
+        self.assertEqual(self.ok("grep", pattern="hello", path="c.txt", output_mode="count"), "c.txt:1")
+
+    def test_multiline_reports_spanned_lines(self):
+        self.write("ml.py", "def f(\n    a,\n    b):\n    pass\n")
+        out = self.ok("grep", pattern=r"def f\(.*?\):", path="ml.py", output_mode="content", multiline=True)
+        self.assertEqual(out.split("\n"), ["ml.py:1:def f(", "ml.py:2:    a,", "ml.py:3:    b):"])
+        self.assertIn("No matches", self.ok("grep", pattern=r"def f\(.*?\):", path="ml.py"))
+
+    def test_line_mode_never_spans_lines(self):
+        self.write("s.txt", "foo\nbar\nfoo bar\n")
+        out = self.ok("grep", pattern=r"foo\s+bar", path="s.txt", output_mode="content")
+        self.assertEqual(out, "s.txt:3:foo bar")
+
+    def test_head_limit_and_offset(self):
+        self.write("h.txt", "".join("hit %d\n" % i for i in range(1, 11)))
+        out = self.ok("grep", pattern="hit", path="h.txt", output_mode="content", head_limit=3, offset=2)
+        self.assertEqual(out.split("\n"), ["h.txt:3:hit 3", "h.txt:4:hit 4", "h.txt:5:hit 5"])
+        out = self.ok("grep", pattern="TODO", head_limit=1)
+        self.assertEqual(len(out.split("\n")), 1)
+
+    def test_include_and_type(self):
+        self.assertEqual(self.ok("grep", pattern="TODO", include="*.{ts,tsx}"), "src/web/index.ts")
+        self.assertEqual(self.ok("grep", pattern="def", type="python").split("\n").__len__(), 2)
+        self.assertEqual(sorted(self.ok("grep", pattern="def", type="py").split("\n")),
+                         ["src/app.py", "src/util.py"])
+        self.assertEqual(self.ok("grep", pattern="TODO", type="md"), "docs/guide.md")
+        self.assertEqual(self.ok("grep", pattern="TODO", type="typescript"), "src/web/index.ts")
+
+    def test_invalid_type_lists_valid(self):
+        text = self.fails("grep", "GREP_INVALID_TYPE", pattern="x", type="klingon")
+        for t in ("py", "rust", "go", "markdown"):
+            self.assertIn(t, text)
+        self.assertGreaterEqual(len(boris.TYPES), 40)
+
+    def test_invalid_pattern_and_mode(self):
+        self.assertIn("(unclosed", self.fails("grep", "GREP_INVALID_PATTERN", pattern="(unclosed"))
+        text = self.fails("grep", "GREP_INVALID_OUTPUT_MODE", pattern="x", output_mode="lines")
+        self.assertIn("files_with_matches", text)
+
+    def test_single_file_path_shown_as_given(self):
+        out = self.ok("grep", pattern="helper", path="src/util.py", output_mode="content")
+        self.assertEqual(out, "src/util.py:1:def helper():")
+
+    def test_no_match_is_not_error(self):
+        self.assertIn("No matches found", self.ok("grep", pattern="zzzqqq"))
+
+    def test_missing_root(self):
+        self.fails("grep", "PATH_NOT_FOUND", pattern="x", path="nowhere")
+
+    def test_binary_skipped(self):
+        self.assertNotIn("blob", self.ok("grep", pattern="TODO"))
+
+    def test_output_cap(self):
+        self.write("big.txt", "needle %s\n" % ("x" * 100) * 2000)
+        out = self.ok("grep", pattern="needle", path="big.txt", output_mode="content")
+        self.assertLessEqual(len(out), boris.OUTPUT_MAX_CHARS + 300)
+        self.assertIn("[output truncated at 30000 characters", out)
+
+    def test_big_file_read_in_chunks_keeps_line_numbers(self):
+        line = "y" * 99 + "\n"
+        n = (3 * boris.GREP_BUFFER) // len(line)
+        self.write("huge.txt", line * n + "needle\n" + line * 10 + "needle\n")
+        out = self.ok("grep", pattern="needle", path="huge.txt", output_mode="content")
+        self.assertEqual(out.split("\n"), ["huge.txt:%d:needle" % (n + 1), "huge.txt:%d:needle" % (n + 12)])
+        self.assertEqual(self.ok("grep", pattern="needle", path="huge.txt", output_mode="count"), "huge.txt:2")
+
+    def test_non_ascii_pattern(self):
+        self.write("u.txt", "café\nCAFÉ\nnaïve\n")
+        self.assertEqual(self.ok("grep", pattern="café", path="u.txt", output_mode="count",
+                                 case_insensitive=True), "u.txt:2")
+        self.assertEqual(self.ok("grep", pattern="na.ve", path="u.txt", output_mode="content"), "u.txt:3:naïve")
+
+    def test_directory_symlink_followed_with_cycle(self):
+        self.write("outside_target/t.txt", "FINDME\n")
+        os.symlink(self.path("outside_target"), self.path("src/linked"))
+        os.symlink(self.path("src"), self.path("src/web/loop"))
+        out = self.ok("grep", pattern="FINDME|helper", path="src").split("\n")
+        self.assertIn("linked/t.txt", out)
+        self.assertEqual(sorted(out), sorted(set(out)))         # each file once despite the cycle
+        self.assertEqual(len([o for o in out if o.endswith("util.py")]), 1)
+
+    def test_gitignore_in_work_tree(self):
+        self.write(".gitignore", "*.log\nbuild/\n/rootonly.txt\n!keep.log\n")
+        self.write("a.log", "TODO\n")
+        self.write("keep.log", "TODO\n")
+        self.write("build/out.txt", "TODO\n")
+        self.write("rootonly.txt", "TODO\n")
+        self.write("sub/rootonly.txt", "TODO\n")
+        self.write("sub/.gitignore", "*.md\n")
+        self.write("sub/x.md", "TODO\n")
+        out = self.ok("grep", pattern="TODO").split("\n")
+        for gone in ("a.log", "build/out.txt", "rootonly.txt", "sub/x.md"):
+            self.assertNotIn(gone, out)
+        for kept in ("keep.log", "sub/rootonly.txt", "docs/guide.md"):
+            self.assertIn(kept, out)
+        sub = self.ok("grep", pattern="TODO", path="sub").split("\n")
+        self.assertEqual(sub, ["rootonly.txt"])                 # parent .gitignore applies to a subdir root
+
+    def test_gitignore_ignored_outside_work_tree(self):
+        shutil.rmtree(self.path(".git"))
+        self.write(".gitignore", "*.md\n")
+        self.assertIn("docs/guide.md", self.ok("grep", pattern="TODO").split("\n"))
+
+    def test_parallel_helpers_agree_with_in_process(self):
+        for i in range(60):
+            self.write("many/f%02d.txt" % i, ("hit\n" if i % 3 == 0 else "miss\n") * 3)
+        serial = self.ok("grep", pattern="hit", path="many", output_mode="content")
+        old = boris.PARALLEL_MIN_FILES
+        boris.PARALLEL_MIN_FILES = 1
+        try:
+            parallel = self.ok("grep", pattern="hit", path="many", output_mode="content")
+            files = self.ok("grep", pattern="hit", path="many")
+        finally:
+            boris.PARALLEL_MIN_FILES = old
+        self.assertEqual(parallel, serial)
+        self.assertEqual(len(files.split("\n")), 20)
+
+
+class TestGrepScope(SearchBase):
+    flags = ["--require-view-before-edit", "false", "--deny-dir", "**/.env", "--deny-dir", "**/private"]
+
+    def test_denied_files_never_appear(self):
+        self.write(".env", "TODO=secret\n")
+        self.write("src/.env", "TODO=secret\n")
+        self.write("private/p.txt", "TODO private\n")
+        os.symlink(self.path("private/p.txt"), self.path("src/alias.txt"))
+        for out in (self.ok("grep", pattern="TODO", output_mode="content"),
+                    self.ok("search_text", query="TODO", paths=["."]),
+                    self.ok("glob", pattern="**/*"), self.ok("search_files", pattern="**/*")):
+            self.assertNotIn(".env", out)
+            self.assertNotIn("private", out)
+            self.assertNotIn("alias.txt", out)
+
+    def test_denied_root(self):
+        self.write("private/p.txt", "x\n")
+        self.fails("grep", "ACCESS_DENIED", pattern="x", path="private")
+        self.fails("search_text", "ACCESS_DENIED", query="x", paths=["private"])
+
+
+class TestGitignoreAgreesWithGit(unittest.TestCase):
+    PATTERNS = ["*.log", "!important.log", "build/", "/root.txt", "docs/**/*.tmp", "**/cache",
+                "a/**/b", "[Tt]emp*", "\\#hash", "*.o", "!keep/*.o", "nested/deep/", "?x.c",
+                "trailing   ", "dir-only-file/"]
+
+    @unittest.skipUnless(shutil.which("git"), "git is not installed")
+    def test_matches_git_check_ignore(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-gi-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        subprocess.run(["git", "init", "-q", tmp], check=True)
+        with open(os.path.join(tmp, ".gitignore"), "w") as f:
+            f.write("\n".join(self.PATTERNS) + "\n")
+        os.makedirs(os.path.join(tmp, "sub"))
+        with open(os.path.join(tmp, "sub", ".gitignore"), "w") as f:
+            f.write("*.md\n!README.md\n/local.txt\n")
+        files = ["a.log", "important.log", "x/important.log", "build/x.c", "src/build/y.c", "root.txt",
+                 "sub/root.txt", "docs/a/b/c.tmp", "docs/c.tmp", "other/x.tmp", "p/cache/z", "cache/y",
+                 "a/b", "a/x/y/b", "a/x/b/c", "Temp1", "temp2/f", "#hash", "m.o", "keep/m.o", "keep/sub/m.o",
+                 "nested/deep/f", "nested/deep", "ax.c", "abx.c", "trailing", "dir-only-file", "sub/x.md",
+                 "sub/README.md", "sub/local.txt", "sub/deeper/local.txt", "sub/deeper/y.md", "plain.txt"]
+        for rel in files:
+            p = os.path.join(tmp, rel)
+            if os.path.isdir(p):
+                continue
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            with open(p, "w") as f:
+                f.write("x\n")
+        out = subprocess.run(["git", "-C", tmp, "status", "--porcelain", "--untracked-files=all",
+                              "--ignored=matching"], capture_output=True, text=True).stdout
+        git_visible = set(l[3:] for l in out.splitlines() if l.startswith("??"))
+        git_visible.discard(".gitignore")
+        git_visible.discard("sub/.gitignore")
+        policy = boris.PathPolicy([], [], tmp)
+        ours = set(p[len(tmp) + 1:] for p, d, _ in boris.walk(tmp, policy, False) if not d)
+        ours.discard(".gitignore")
+        ours.discard("sub/.gitignore")
+        self.assertEqual(sorted(ours), sorted(git_visible))
+
+
+class TestGlob(SearchBase):
+    def test_basename_at_any_depth(self):
+        out = sorted(self.ok("glob", pattern="*.md").split("\n"))
+        self.assertEqual(out, ["docs/deep/more/notes.md", "docs/guide.md"])
+
+    def test_path_patterns(self):
+        self.assertEqual(sorted(self.ok("glob", pattern="src/**/*.ts*").split("\n")),
+                         ["src/web/index.ts", "src/web/view.tsx"])
+        self.assertEqual(self.ok("glob", pattern="src/*.py", path=".").count("\n"), 1)
+        self.assertEqual(sorted(self.ok("glob", pattern="**/*.{ts,tsx}").split("\n")),
+                         ["src/web/index.ts", "src/web/view.tsx"])
+        self.assertEqual(self.ok("glob", pattern="src/[a]pp.py"), "src/app.py")
+        self.assertEqual(self.ok("glob", pattern="src/[!a]til.py"), "src/util.py")
+        self.assertEqual(self.ok("glob", pattern="src/?pp.py"), "src/app.py")
+
+    def test_relative_to_path_and_newest_first(self):
+        now = time.time()
+        os.utime(self.path("src/util.py"), (now, now))
+        os.utime(self.path("src/app.py"), (now - 500, now - 500))
+        self.assertEqual(self.ok("glob", pattern="*.py", path="src"), "util.py\napp.py")
+
+    def test_type_directory(self):
+        out = self.ok("glob", pattern="**/web", type="directory")
+        self.assertEqual(out, "src/web")
+        self.fails("glob", "GLOB_INVALID_TYPE", pattern="*", type="socket")
+
+    def test_hidden_included_git_and_node_modules_skipped(self):
+        out = self.ok("glob", pattern="**/*").split("\n")
+        self.assertIn(".hidden/secret.txt", out)
+        self.assertFalse(any(o.startswith((".git/", "node_modules/")) for o in out))
+
+    def test_no_files_found_and_missing_root(self):
+        self.assertEqual(self.ok("glob", pattern="*.nothing"), "No files found")
+        self.assertEqual(self.ok("glob", pattern="*", path="does/not/exist"), "No files found")
+
+    def test_bad_patterns(self):
+        self.fails("glob", "GLOB_INVALID_PATTERN", pattern="")
+        self.fails("glob", "GLOB_INVALID_PATTERN", pattern="src/[abc")
+        self.fails("glob", "GLOB_INVALID_PATTERN", pattern="*.{a,b")
+
+    def test_symlinks_not_followed_broken_skipped(self):
+        os.symlink(self.path("docs"), self.path("src/docs_link"))
+        os.symlink(self.path("nothing-here"), self.path("src/broken.py"))
+        out = self.ok("glob", pattern="**/*.md").split("\n")
+        self.assertFalse(any("docs_link" in o for o in out))
+        self.assertNotIn("src/broken.py", self.ok("glob", pattern="**/*.py"))
+
+    def test_gitignore_respected(self):
+        self.write(".gitignore", "docs/\n")
+        self.assertEqual(self.ok("glob", pattern="*.md"), "No files found")
+
+    def test_output_cap(self):
+        for i in range(700):
+            self.write("many/file_with_a_rather_long_name_%04d.txt" % i, "")
+        out = self.ok("glob", pattern="many/*.txt")
+        self.assertLessEqual(len(out), boris.OUTPUT_MAX_CHARS + 300)
+        self.assertIn("more paths not shown", out)
+
+
+class TestCompatSearch(SearchBase):
+    flags = ["--anthropic-compat", "--require-view-before-edit", "false"]
+
+    def test_claude_code_parameter_names(self):
+        props = self.server.tools["grep"].schema["properties"]
+        for name in ("glob", "-i", "-n", "-A", "-B", "-C", "pattern", "path", "type", "output_mode"):
+            self.assertIn(name, props)
+        self.assertNotIn("include", props)
+        self.assertNotIn("type", self.server.tools["glob"].schema["properties"])
+        self.write("c.txt", "a\nHIT\nb\n")
+        out = self.ok("grep", **{"pattern": "hit", "path": "c.txt", "output_mode": "content",
+                                 "-i": True, "-C": 1, "-n": True})
+        self.assertEqual(out.split("\n"), ["c.txt-1-a", "c.txt:2:HIT", "c.txt-3-b"])
+        self.assertEqual(self.ok("grep", **{"pattern": "TODO", "glob": "*.ts"}), "src/web/index.ts")
+        self.assertEqual(self.ok("grep", **{"pattern": "HIT", "path": "c.txt", "output_mode": "content",
+                                            "-A": 1, "-B": 0}).split("\n"), ["c.txt:2:HIT", "c.txt-3-b"])
+
+
+class TestSearchText(SearchBase):
+    def test_seed002_literal_search_in_file(self):
+        self.write("lit.txt", "a.b\naxb\na.b again\n")
+        out = self.ok("search_text", query="a.b", paths=["lit.txt"])
+        self.assertEqual(out.split("\n"), ["lit.txt:1:a.b", "lit.txt:3:a.b again"])
+
+    def test_seed002_regex_search(self):
+        self.write("lit.txt", "a.b\naxb\nab\n")
+        out = self.ok("search_text", query="a.b", paths=["lit.txt"], regex=True)
+        self.assertEqual(out.split("\n"), ["lit.txt:1:a.b", "lit.txt:2:axb"])
+
+    def test_seed002_directory_recursive(self):
+        out = self.ok("search_text", query="TODO", paths=["src", "docs"]).split("\n")
+        self.assertIn("src/app.py:4:# TODO: fix", out)
+        self.assertIn("src/web/index.ts:2:// TODO later", out)
+        self.assertIn("docs/guide.md:2:TODO write", out)
+        self.assertFalse(any("node_modules" in o or "blob" in o for o in out))
+
+    def test_seed002_no_matches(self):
+        self.assertIn("No matches found", self.ok("search_text", query="absent-text", paths=["src"]))
+
+    def test_seed002_invalid_regex(self):
+        self.fails("search_text", "GREP_INVALID_PATTERN", query="([", paths=["src"], regex=True)
+
+    def test_seed002_output_truncation(self):
+        self.write("big.txt", ("match me %s\n" % ("z" * 80)) * 1500)
+        out = self.ok("search_text", query="match me", paths=["big.txt"])
+        self.assertLessEqual(len(out), boris.OUTPUT_MAX_CHARS + 300)
+        self.assertIn("truncated", out)
+
+
+class TestSearchFiles(SearchBase):
+    def test_seed002_glob_pattern(self):
+        self.assertEqual(sorted(self.ok("search_files", pattern="src/**/*.ts").split("\n")), ["src/web/index.ts"])
+
+    def test_seed002_no_files(self):
+        self.assertIn("No files found", self.ok("search_files", pattern="**/*.nope"))
+
+    def test_seed002_nested_levels(self):
+        out = sorted(self.ok("search_files", pattern="**/*.md").split("\n"))
+        self.assertEqual(out, ["docs/deep/more/notes.md", "docs/guide.md"])
+
+    def test_from_session_cwd(self):
+        self.session.set_cwd(self.path("src"))
+        self.assertEqual(sorted(self.ok("search_files", pattern="*.py").split("\n")), ["app.py", "util.py"])
+
+
 if __name__ == "__main__":
     unittest.main()
