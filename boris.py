@@ -1319,6 +1319,145 @@ def kill_all(tasks):
         t.done.wait(KILL_GRACE_S + 2)
 
 ###############################################################################
+# Web #########################################################################
+###############################################################################
+# urllib and html.parser are imported inside these functions: start-up never pays.
+
+HTML_SKIP = frozenset(("script", "style", "noscript", "template", "svg", "head"))
+HTML_BLOCKS = frozenset(("p", "div", "br", "li", "ul", "ol", "h1", "h2", "h3", "h4", "h5", "h6", "tr", "table",
+                         "section", "article", "header", "footer", "nav", "main", "aside", "blockquote", "pre",
+                         "hr", "form", "dl", "dt", "dd", "figure", "figcaption", "title", "body", "html", "td",
+                         "th"))
+
+
+def html_to_text(markup):
+    """Visible text of an HTML page: script/style/noscript/template dropped, block
+    elements as line breaks, runs of blank space folded."""
+    from html.parser import HTMLParser
+
+    class Extractor(HTMLParser):
+        def __init__(self):
+            HTMLParser.__init__(self, convert_charrefs=True)
+            self.parts, self.skip, self.title = [], 0, []
+            self.in_title = False
+
+        def handle_starttag(self, tag, attrs):
+            if tag in HTML_SKIP and tag != "head":
+                self.skip += 1
+            elif tag == "title":
+                self.in_title = True
+            elif tag in HTML_BLOCKS:
+                self.parts.append("\n")
+
+        def handle_endtag(self, tag):
+            if tag in HTML_SKIP and tag != "head":
+                self.skip = max(0, self.skip - 1)
+            elif tag == "title":
+                self.in_title = False
+            elif tag in HTML_BLOCKS:
+                self.parts.append("\n")
+
+        def handle_data(self, data):
+            if self.in_title:
+                self.title.append(data)
+            elif not self.skip:
+                self.parts.append(data)
+
+    p = Extractor()
+    try:
+        p.feed(markup)
+        p.close()
+    except Exception:                    # html.parser is lenient; never let a page crash a call
+        pass
+    lines = [" ".join(line.split()) for line in "".join(p.parts).split("\n")]
+    body = "\n".join(line for line in lines if line)
+    title = " ".join("".join(p.title).split())
+    return (title + "\n" + body).strip() if title and not body.startswith(title) else body
+
+
+class WebError(Exception):
+    """A fetch failure, already worded for the model (seed 004's strings)."""
+
+
+def http_get(url, timeout):
+    """(content_type, charset, body bytes) of a GET, or WebError. At most
+    WEB_MAX_REDIRECTS redirects (http/https only), at most WEB_MAX_BYTES read, the
+    whole exchange bounded by `timeout` seconds."""
+    import socket
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    class Redirects(urllib.request.HTTPRedirectHandler):
+        max_redirections = WEB_MAX_REDIRECTS
+
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
+                raise WebError("错误：重定向到不支持的协议: %s: %s" % (newurl, url))
+            return urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
+
+    opener = urllib.request.build_opener(Redirects)
+    req = urllib.request.Request(url, headers={"User-Agent": "boris/%s" % __version__,
+                                               "Accept": "text/html,application/json,text/*;q=0.9,*/*;q=0.5"})
+    deadline = time.monotonic() + timeout
+    try:
+        with opener.open(req, timeout=timeout) as resp:
+            ctype = resp.headers.get_content_type() if resp.headers.get("Content-Type") else ""
+            charset = resp.headers.get_content_charset()
+            chunks, size = [], 0
+            while size < WEB_MAX_BYTES:
+                if time.monotonic() > deadline:
+                    raise socket.timeout()
+                block = resp.read(min(65536, WEB_MAX_BYTES - size))
+                if not block:
+                    break
+                chunks.append(block)
+                size += len(block)
+            return ctype, charset, b"".join(chunks)
+    except WebError:
+        raise
+    except urllib.error.HTTPError as e:
+        if e.code in (301, 302, 303, 307, 308):
+            raise WebError("错误：重定向次数过多（超过 %d 次）: %s" % (WEB_MAX_REDIRECTS, url))
+        raise WebError("错误：HTTP %d: %s" % (e.code, url))
+    except urllib.error.URLError as e:
+        reason = e.reason
+        if isinstance(reason, socket.timeout) or "timed out" in str(reason):
+            raise WebError("错误：请求超时（%ss）: %s" % (timeout, url))
+        if isinstance(reason, socket.gaierror):
+            raise WebError("错误：无法解析主机 %s: %s" % (urllib.parse.urlsplit(url).hostname, url))
+        if isinstance(reason, ConnectionRefusedError):
+            raise WebError("错误：连接被拒绝: %s" % url)
+        raise WebError("错误：请求失败（%s）: %s" % (reason, url))
+    except socket.timeout:
+        raise WebError("错误：请求超时（%ss）: %s" % (timeout, url))
+    except (OSError, ValueError) as e:
+        if "timed out" in str(e):
+            raise WebError("错误：请求超时（%ss）: %s" % (timeout, url))
+        raise WebError("错误：请求失败（%s）: %s" % (e, url))
+
+
+def fetch_text(url, timeout):
+    """The readable text of a URL, cut to WEB_MAX_CHARS; WebError otherwise."""
+    import urllib.parse
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
+        raise WebError("错误：只支持 http 和 https 网址: %s" % url)
+    ctype, charset, body = http_get(url, timeout)
+    try:
+        text = body.decode(charset or "utf-8", "replace")
+    except LookupError:
+        text = body.decode("utf-8", "replace")
+    is_html = ctype in ("text/html", "application/xhtml+xml") or (
+        not ctype and text.lstrip()[:1] == "<")
+    if is_html:
+        text = html_to_text(text)
+    elif not (ctype.startswith("text/") or ctype in ("application/json", "application/xml", "application/javascript")
+              or ctype.endswith(("+json", "+xml")) or not ctype):
+        raise WebError("错误：不支持的内容类型 %s: %s" % (ctype, url))
+    return text[:WEB_MAX_CHARS]
+
+###############################################################################
 # Session #####################################################################
 ###############################################################################
 
@@ -2134,6 +2273,127 @@ def search_tools(config):
     ]
 
 ###############################################################################
+# Tools: workspace (seed 004) #################################################
+###############################################################################
+# These answer in seed 004's fixed Chinese strings; an answer starting with 错误 is an
+# error. Paths are confined to the workspace root (--workdir) by PathPolicy.confine.
+
+ESCAPE = "错误：路径越出工作区限制"
+
+
+def _assert_safe_path(ctx, path):
+    """Seed 004's check: the canonical path inside PROJECT_ROOT (and allow/deny)."""
+    try:
+        return ctx.policy.confine(path)
+    except PermissionError:
+        raise PlainToolError(ESCAPE)
+    except ToolError as e:                      # NUL byte, over-long path
+        raise PlainToolError("错误：路径无效: %s" % e.message)
+
+
+def tool_read_file(session, args, ctx):
+    path, encoding = args["path"], args.get("encoding") or "utf-8"
+    real = _assert_safe_path(ctx, path)
+    if not os.path.exists(real):
+        raise PlainToolError("错误：文件不存在: %s" % path)
+    if os.path.isdir(real):
+        raise PlainToolError("错误：%s 不是文件" % path)
+    try:
+        data = read_limited(real, path, ctx.config.max_file_size)
+    except ToolError:
+        raise PlainToolError("错误：文件过大: %s（%s，上限 %s）" % (
+            path, human_size(os.path.getsize(real)), human_size(ctx.config.max_file_size)))
+    except OSError as e:
+        raise PlainToolError("错误：无法读取文件 %s: %s" % (path, e.strerror or e))
+    try:
+        return data.decode(encoding)
+    except LookupError:
+        raise PlainToolError("错误：不支持的编码: %s" % encoding)
+    except UnicodeDecodeError:
+        try:
+            return data.decode("latin-1")
+        except UnicodeDecodeError:
+            raise PlainToolError("错误：文件编码无法识别")
+
+
+def tool_write_file(session, args, ctx):
+    path, content = args["path"], args["content"]
+    real = _assert_safe_path(ctx, path)
+    if os.path.isdir(real):
+        raise PlainToolError("错误：%s 是目录" % path)
+    try:
+        data = encode_text(content)
+    except ToolError:
+        raise PlainToolError("错误：内容含有无效字符（不成对的代理字符）")
+    if len(data) > ctx.config.max_file_size:
+        raise PlainToolError("错误：内容过大（%s，上限 %s），未写入: %s" % (
+            human_size(len(data)), human_size(ctx.config.max_file_size), path))
+    try:
+        make_dirs(os.path.dirname(real))
+        atomic_write(real, data)
+    except OSError as e:
+        raise PlainToolError("错误：无法写入 %s: %s" % (path, e.strerror or e))
+    session.mark_viewed(real)
+    return "成功：已写入 %s" % path
+
+
+def tool_list_directory(session, args, ctx):
+    path = args.get("path") or "."
+    real = _assert_safe_path(ctx, path)
+    if not os.path.exists(real):
+        raise PlainToolError("错误：目录不存在: %s" % path)
+    if not os.path.isdir(real):
+        raise PlainToolError("错误：%s 不是目录" % path)
+    try:
+        entries = sorted(os.scandir(real), key=lambda e: e.name)
+    except OSError as e:
+        raise PlainToolError("错误：无法列出目录 %s: %s" % (path, e.strerror or e))
+    lines = []
+    for e in entries:
+        if ctx.policy.is_denied(e.path):
+            continue
+        try:
+            is_dir = e.is_dir()
+        except OSError:
+            is_dir = False
+        lines.append("[%s] %s" % ("D" if is_dir else "F", e.name))
+    return "\n".join(lines) if lines else "(空目录)"
+
+
+def tool_web_fetch(session, args, ctx):
+    url, timeout = args["url"], args.get("timeout", 10)
+    if not 0 < timeout <= 120:
+        raise PlainToolError("错误：timeout 必须在 1 到 120 秒之间: %s" % timeout)
+    try:
+        return fetch_text(url, timeout)
+    except WebError as e:
+        raise PlainToolError(str(e))
+
+
+def workspace_tools(config):
+    ws = "Paths are relative to the workspace root (%s) and may not leave it." % config.workdir
+    return [
+        Tool("read_file", "Read a whole text file from the workspace and return its content. " + ws, obj({
+            "path": prop("string", "File path inside the workspace."),
+            "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
+        }, ["path"]), notes("Read file", read_only=True, idempotent=True), tool_read_file),
+        Tool("write_file", "Write content to a file in the workspace, creating parent directories; "
+             "overwrites an existing file. " + ws, obj({
+                 "path": prop("string", "File path inside the workspace."),
+                 "content": prop("string", "The complete file content."),
+             }, ["path", "content"]), notes("Write file", destructive=True), tool_write_file),
+        Tool("list_directory", "List a workspace directory: one entry per line, [D] for directories and "
+             "[F] for files, sorted by name. " + ws, obj({
+                 "path": prop("string", "Directory path inside the workspace (default: the root)."),
+             }, ["path"]), notes("List directory", read_only=True, idempotent=True), tool_list_directory),
+        Tool("web_fetch", "Fetch a web page (http or https) and return its readable text (HTML tags, "
+             "scripts and styles removed; JSON and plain text as they are), cut to 5,000 characters.", obj({
+                 "url": prop("string", "The http:// or https:// URL."),
+                 "timeout": prop("integer", "Seconds to wait (default 10, max 120)."),
+             }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), tool_web_fetch),
+    ]
+
+###############################################################################
 # Tools: the registry #########################################################
 ###############################################################################
 
@@ -2220,7 +2480,7 @@ def _editor_group(config):
     return [editor_tool()] if config.anthropic_compat else file_tools()
 
 
-TOOL_GROUPS = [shell_tools, _editor_group, search_tools]
+TOOL_GROUPS = [shell_tools, _editor_group, search_tools, workspace_tools]
 
 ###############################################################################
 # Protocol ####################################################################

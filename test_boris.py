@@ -1716,5 +1716,311 @@ class TestSearchFiles(SearchBase):
         self.assertEqual(sorted(self.ok("search_files", pattern="*.py").split("\n")), ["app.py", "util.py"])
 
 
+# ---------------------------------------------------------------------------
+# Workspace tools and web_fetch (seed 004)
+# ---------------------------------------------------------------------------
+
+
+class TestWorkspaceTools(NoViewBase):
+    def setUp(self):
+        NoViewBase.setUp(self)
+        # workspace = <tmp>/ws ; a sibling <tmp>/ws2 shares its prefix
+        self.ws = self.path("ws")
+        os.makedirs(os.path.join(self.ws, "data"))
+        os.makedirs(self.path("ws2"))
+        with open(self.path("ws2", "secret.txt"), "w") as f:
+            f.write("secret\n")
+        os.symlink(self.path("ws2"), os.path.join(self.ws, "escape_link"))
+        self.cfg = boris.parse_config(["--workdir", self.ws], {})
+        self.policy = boris.PathPolicy(self.cfg.allow_dir, self.cfg.deny_dir, self.cfg.workdir)
+        self.server = boris.McpServer(self.cfg, self.policy)
+        self.session = boris.Session(self.cfg)
+        import io
+        self.stderr = io.StringIO()
+        self.real_stderr, sys.stderr = sys.stderr, self.stderr
+        self.addCleanup(setattr, sys, "stderr", self.real_stderr)
+
+    def test_seed004_read_file(self):
+        with open(os.path.join(self.ws, "data", "file.txt"), "w") as f:
+            f.write("hello\nworld\n")
+        self.assertEqual(self.ok("read_file", path="./data/file.txt"), "hello\nworld\n")
+        self.assertEqual(self.ok("read_file", path="data/file.txt"), "hello\nworld\n")
+
+    def test_seed004_read_escape_refused_and_logged(self):
+        for p in ("../../../etc/passwd", "/etc/passwd", "escape_link/secret.txt", "../ws2/secret.txt"):
+            text, err = self.call("read_file", path=p)
+            self.assertTrue(err)
+            self.assertEqual(text, "错误：路径越出工作区限制")
+        self.assertIn("WARN", self.stderr.getvalue())
+        self.assertEqual(self.stderr.getvalue().count("path escape attempt"), 4)
+
+    def test_seed004_read_missing(self):
+        text, err = self.call("read_file", path="nope.txt")
+        self.assertTrue(err)
+        self.assertEqual(text, "错误：文件不存在: nope.txt")
+
+    def test_seed004_encoding_fallback_to_latin1(self):
+        with open(os.path.join(self.ws, "l1.txt"), "wb") as f:
+            f.write(b"caf\xe9\n")
+        self.assertEqual(self.ok("read_file", path="l1.txt"), "caf\xe9\n")
+        with open(os.path.join(self.ws, "u16.txt"), "wb") as f:
+            f.write("hi".encode("utf-16"))
+        self.assertEqual(self.ok("read_file", path="u16.txt", encoding="utf-16"), "hi")
+
+    def test_seed004_encoding_unrecognised(self):
+        with open(os.path.join(self.ws, "x.txt"), "wb") as f:
+            f.write(b"\xff\xfe\xfd")
+        # latin-1 decodes every byte, so the seed's last-resort string needs a decoder that fails twice
+        with open(os.path.join(self.ws, "x.txt"), "rb") as f:
+            data = f.read()
+
+        class Bad(bytes):
+            def decode(self, *a, **k):
+                raise UnicodeDecodeError("x", b"", 0, 1, "bad")
+        old = boris.read_limited
+        boris.read_limited = lambda *a, **k: Bad(data)
+        try:
+            text, err = self.call("read_file", path="x.txt")
+        finally:
+            boris.read_limited = old
+        self.assertTrue(err)
+        self.assertEqual(text, "错误：文件编码无法识别")
+
+    def test_seed004_write_file_and_parents(self):
+        self.assertEqual(self.ok("write_file", path="a/b/c.txt", content="内容\n"), "成功：已写入 a/b/c.txt")
+        with open(os.path.join(self.ws, "a", "b", "c.txt"), encoding="utf-8") as f:
+            self.assertEqual(f.read(), "内容\n")
+        self.assertEqual(stat.S_IMODE(os.stat(os.path.join(self.ws, "a")).st_mode), 0o755)
+
+    def test_seed004_write_escape_refused(self):
+        for p in ("../../outside.txt", "../ws2/new.txt", "escape_link/new.txt", self.path("ws2", "abs.txt")):
+            text, err = self.call("write_file", path=p, content="x")
+            self.assertTrue(err)
+            self.assertEqual(text, "错误：路径越出工作区限制")
+        self.assertEqual(os.listdir(self.path("ws2")), ["secret.txt"])
+        self.assertFalse(os.path.exists(self.path("outside.txt")))
+        self.assertFalse(os.path.exists(os.path.join(os.path.dirname(self.root), "outside.txt")))
+
+    def test_seed004_list_directory(self):
+        os.makedirs(os.path.join(self.ws, "zdir"))
+        with open(os.path.join(self.ws, "b.txt"), "w") as f:
+            f.write("")
+        self.assertEqual(self.ok("list_directory", path="."),
+                         "[F] b.txt\n[D] data\n[D] escape_link\n[D] zdir")
+
+    def test_seed004_list_directory_on_file(self):
+        with open(os.path.join(self.ws, "f.txt"), "w") as f:
+            f.write("")
+        text, err = self.call("list_directory", path="f.txt")
+        self.assertTrue(err)
+        self.assertEqual(text, "错误：f.txt 不是目录")
+
+    def test_seed004_list_escape(self):
+        self.assertEqual(self.call("list_directory", path="..")[0], "错误：路径越出工作区限制")
+
+    def test_seed004_symlink_escape_blocked(self):
+        self.assertEqual(self.call("read_file", path="escape_link/secret.txt")[0], "错误：路径越出工作区限制")
+
+    def test_seed004_relative_path_resolves_against_root(self):
+        with open(os.path.join(self.ws, "data", "file.txt"), "w") as f:
+            f.write("root-relative\n")
+        self.session.set_cwd(self.path("ws2"))           # bash moved; workspace tools ignore it
+        self.assertEqual(self.ok("read_file", path="./data/file.txt"), "root-relative\n")
+
+    def test_assert_safe_path_raises_permission_error(self):
+        with self.assertRaises(PermissionError):
+            self.policy.confine("../ws2/secret.txt")
+        self.assertEqual(self.policy.confine("data"), os.path.join(self.ws, "data"))
+
+    def test_deny_dir_applies(self):
+        cfg = boris.parse_config(["--workdir", self.ws, "--deny-dir", "**/data"], {})
+        self.policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
+        self.assertEqual(self.call("read_file", path="data/x")[0], "错误：路径越出工作区限制")
+        self.assertNotIn("data", self.ok("list_directory", path="."))
+
+    def test_read_file_size_limit(self):
+        cfg = boris.parse_config(["--workdir", self.ws, "--max-file-size", "1KB"], {})
+        self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
+        with open(os.path.join(self.ws, "big.txt"), "w") as f:
+            f.write("x" * 4096)
+        text, err = self.call("read_file", path="big.txt")
+        self.assertTrue(err)
+        self.assertTrue(text.startswith("错误：文件过大"), text)
+
+
+class WebHandler(object):
+    """Routes of the local test web server (127.0.0.1 only)."""
+    sent_big = [0]
+
+
+def make_web_server():
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def send(self, code, ctype, body, extra=()):
+            self.send_response(code)
+            if ctype:
+                self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            for k, v in extra:
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            p = self.path
+            if p == "/page":
+                body = ("<html><head><title>T</title><style>.x{color:red}</style></head><body>"
+                        "<script>var secret=1;</script><noscript>no js</noscript><template>tmpl</template>"
+                        "<h1>Heading</h1><p>First para</p><div>Second <b>bold</b> block</div>"
+                        "<ul><li>one</li><li>two</li></ul></body></html>")
+                self.send(200, "text/html; charset=utf-8", body.encode())
+            elif p == "/long":
+                self.send(200, "text/html", ("<p>%s</p>" % ("word " * 3000)).encode())
+            elif p == "/json":
+                self.send(200, "application/json", json.dumps({"a": [1, 2], "b": "<p>x</p>"}).encode())
+            elif p == "/text":
+                self.send(200, "text/plain", ("t" * 9000).encode())
+            elif p == "/latin1":
+                self.send(200, "text/plain; charset=iso-8859-1", "café".encode("latin-1"))
+            elif p == "/png":
+                self.send(200, "image/png", PNG_1PX)
+            elif p in ("/404", "/500"):
+                self.send(int(p[1:]), "text/html", b"<p>nope</p>")
+            elif p == "/slow":
+                time.sleep(3)
+                self.send(200, "text/plain", b"late")
+            elif p == "/loop":
+                self.send(302, None, b"", [("Location", "/loop")])
+            elif p.startswith("/hop"):
+                n = int(p[4:] or 0)
+                self.send(302, None, b"", [("Location", "/hop%d" % (n + 1) if n < 10 else "/page")])
+            elif p == "/to-page":
+                self.send(301, None, b"", [("Location", "/page")])
+            elif p == "/to-ftp":
+                self.send(302, None, b"", [("Location", "ftp://127.0.0.1/x")])
+            elif p == "/big":
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(50 << 20))
+                self.end_headers()
+                chunk = b"b" * 65536
+                try:
+                    for _ in range((50 << 20) // 65536):
+                        self.wfile.write(chunk)
+                        WebHandler.sent_big[0] += len(chunk)
+                except OSError:
+                    pass
+            else:
+                self.send(404, "text/plain", b"")
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+class TestWebFetch(NoViewBase):
+    @classmethod
+    def setUpClass(cls):
+        for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+            os.environ.pop(k, None)
+        cls.srv = make_web_server()
+        cls.base = "http://127.0.0.1:%d" % cls.srv.server_address[1]
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.srv.shutdown()
+        cls.srv.server_close()
+
+    def fetch(self, path, **kw):
+        return self.call("web_fetch", url=self.base + path, **kw)
+
+    def test_seed004_html_page_text(self):
+        text, err = self.fetch("/page")
+        self.assertFalse(err, text)
+        for want in ("Heading", "First para", "Second bold block", "one", "two"):
+            self.assertIn(want, text)
+        for gone in ("secret", "color:red", "no js", "tmpl", "<p>", "<"):
+            self.assertNotIn(gone, text)
+        self.assertIn("First para\nSecond bold block", text)
+
+    def test_seed004_cut_to_5000(self):
+        text, err = self.fetch("/long")
+        self.assertFalse(err)
+        self.assertEqual(len(text), 5000)
+
+    def test_seed004_json_and_text_returned_as_is(self):
+        text, err = self.fetch("/json")
+        self.assertFalse(err)
+        self.assertEqual(json.loads(text), {"a": [1, 2], "b": "<p>x</p>"})
+        text, _ = self.fetch("/text")
+        self.assertEqual(text, "t" * 5000)
+
+    def test_charset_from_header(self):
+        self.assertEqual(self.fetch("/latin1")[0], "café")
+
+    def test_seed004_http_errors(self):
+        for code in (404, 500):
+            text, err = self.fetch("/%d" % code)
+            self.assertTrue(err)
+            self.assertEqual(text, "错误：HTTP %d: %s/%d" % (code, self.base, code))
+
+    def test_seed004_timeout(self):
+        text, err = self.fetch("/slow", timeout=1)
+        self.assertTrue(err)
+        self.assertEqual(text, "错误：请求超时（1s）: %s/slow" % self.base)
+
+    def test_redirects_followed_and_bounded(self):
+        self.assertIn("Heading", self.fetch("/to-page")[0])
+        text, err = self.fetch("/loop")
+        self.assertTrue(err)
+        self.assertIn("重定向", text)
+        text, err = self.fetch("/hop0")
+        self.assertTrue(err)
+        self.assertIn("重定向", text)
+        text, err = self.fetch("/to-ftp")
+        self.assertTrue(err)
+        self.assertIn("ftp://", text)
+
+    def test_schemes_refused(self):
+        for url in ("file:///etc/passwd", "ftp://127.0.0.1/x", "gopher://x", "javascript:alert(1)", "notaurl"):
+            text, err = self.call("web_fetch", url=url)
+            self.assertTrue(err)
+            self.assertTrue(text.startswith("错误："), text)
+            self.assertNotIn("root:", text)
+
+    def test_big_body_not_read_whole(self):
+        WebHandler.sent_big[0] = 0
+        text, err = self.fetch("/big")
+        self.assertFalse(err)
+        self.assertEqual(text, "b" * 5000)
+        time.sleep(0.2)
+        self.assertLess(WebHandler.sent_big[0], 20 << 20)
+
+    def test_non_text_content(self):
+        text, err = self.fetch("/png")
+        self.assertTrue(err)
+        self.assertIn("image/png", text)
+
+    def test_connection_refused(self):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        text, err = self.call("web_fetch", url="http://127.0.0.1:%d/" % port)
+        self.assertTrue(err)
+        self.assertTrue(text.startswith("错误：连接被拒绝"), text)
+
+    def test_dns_failure(self):
+        text, err = self.call("web_fetch", url="http://no-such-host.invalid/", timeout=5)
+        self.assertTrue(err)
+        self.assertTrue(text.startswith("错误："), text)
+
+
 if __name__ == "__main__":
     unittest.main()
