@@ -2739,10 +2739,11 @@ class McpServer(object):
             except Exception:
                 log("error", "tool crashed", tool=name, error=_traceback())
                 response = error_response(rid, -32603, "Internal error in tool %s" % name)
+            try:
+                if not cancelled.is_set():
+                    emit(response)
             finally:
-                session.end(rid)
-            if not cancelled.is_set():
-                emit(response)
+                session.end(rid)        # after emit: a transport waiting on inflight sees the answer first
         self.pool.submit(run)
 
     @staticmethod
@@ -2810,6 +2811,322 @@ def serve_stdio(server, session, stdin=None, stdout=None):
         log("info", "signal received, shutting down")
     finally:
         session.close()
+
+LOCAL_HOSTS = frozenset(("localhost", "127.0.0.1", "::1", "[::1]"))
+
+
+def host_of(value):
+    """'host' of 'host:port', '[::1]:port' or a URL's netloc, lower-cased."""
+    value = value.strip().lower()
+    if "://" in value:
+        value = value.split("://", 1)[1].split("/", 1)[0]
+    if value.startswith("["):
+        return value[:value.find("]") + 1]
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def is_loopback(host):
+    return host in LOCAL_HOSTS or host.startswith("127.")
+
+
+class HttpTransport(object):
+    """Streamable HTTP on /mcp (POST, GET -> 405, DELETE) and GET /health.
+
+    Sessions are keyed by an unguessable Mcp-Session-Id; each owns its cwd, viewed set
+    and tasks. Requests of the stateless 2026-07-28 revision (protocol version in
+    _meta) need no session and share one. Knows nothing about tools."""
+
+    def __init__(self, server, config, token=None):
+        self.server, self.config, self.token = server, config, token
+        self.sessions = {}
+        self.lock = threading.Lock()
+        self.idle_s = HTTP_SESSION_IDLE_S
+        self.stateless = Session(config)
+        self.local_bind = is_loopback(host_of(config.host))
+        self.httpd = None
+        self.stopping = threading.Event()
+
+    # -- sessions ------------------------------------------------------------
+    def new_session(self):
+        import secrets
+        sid = secrets.token_hex(32)
+        with self.lock:
+            self.sessions[sid] = Session(self.config)
+        return sid
+
+    def get_session(self, sid):
+        with self.lock:
+            return self.sessions.get(sid)
+
+    def end_session(self, sid):
+        with self.lock:
+            session = self.sessions.pop(sid, None)
+        if session is not None:
+            session.close()
+        return session is not None
+
+    def reap_idle(self):
+        now = time.monotonic()
+        with self.lock:
+            stale = [sid for sid, s in self.sessions.items()
+                     if now - s.last_seen > self.idle_s and not s.inflight]
+        for sid in stale:
+            log("info", "closing idle HTTP session", session=sid[:8])
+            self.end_session(sid)
+
+    def _reaper(self):
+        while not self.stopping.wait(min(30.0, max(0.05, self.idle_s / 4))):
+            self.reap_idle()
+
+    def close_all(self):
+        with self.lock:
+            sids = list(self.sessions)
+        for sid in sids:
+            self.end_session(sid)
+        self.stateless.close()
+
+    # -- serving -------------------------------------------------------------
+    def bind(self):
+        from http.server import ThreadingHTTPServer
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+        handler = make_http_handler_class()
+        handler.transport = self
+        self.httpd = Server((self.config.host, self.config.port), handler)
+        threading.Thread(target=self._reaper, daemon=True).start()
+        return self.httpd.server_address
+
+    def serve(self):
+        try:
+            self.httpd.serve_forever(poll_interval=0.2)
+        finally:
+            self.stopping.set()
+            self.close_all()
+            self.httpd.server_close()
+
+    def shutdown(self):
+        self.stopping.set()
+        if self.httpd is not None:
+            self.httpd.shutdown()
+
+
+def make_http_handler_class():
+    import hmac
+    import queue
+    import select
+    import socket
+    from http.server import BaseHTTPRequestHandler
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "boris/" + __version__
+        sys_version = ""
+        transport = None
+
+        def log_message(self, fmt, *args):
+            log("debug", "http " + (fmt % args))
+
+        # -- replies ----------------------------------------------------------
+        def reply(self, code, body=None, headers=()):
+            data = b"" if body is None else json.dumps(body).encode("utf-8")
+            self.send_response(code)
+            if body is not None:
+                self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in headers:
+                self.send_header(k, v)
+            self.end_headers()
+            if data:
+                self.wfile.write(data)
+
+        def rpc_error(self, code, http_code, message, rid=None, data=None):
+            self.reply(http_code, error_response(rid, code, message, data))
+
+        # -- checks --------------------------------------------------------------
+        def guarded(self):
+            """Origin, Host and bearer checks; False once a refusal is sent."""
+            origin = self.headers.get("Origin")
+            if origin and origin != "null" and not is_loopback(host_of(origin)):
+                self.reply(403, {"error": "forbidden", "detail": "Origin %s is not allowed" % origin})
+                return False
+            if self.transport.local_bind and not is_loopback(host_of(self.headers.get("Host", "localhost"))):
+                self.reply(403, {"error": "forbidden", "detail": "Host header is not a local address"})
+                return False
+            token = self.transport.token
+            if token:
+                auth = self.headers.get("Authorization", "")
+                given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+                if not given or not hmac.compare_digest(given.encode(), token.encode()):
+                    self.reply(401, {"error": "unauthorized"}, [("WWW-Authenticate", "Bearer")])
+                    return False
+            return True
+
+        def on_mcp_path(self):
+            if self.path.split("?", 1)[0].rstrip("/") != "/mcp":
+                self.reply(404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
+                return False
+            return True
+
+        # -- methods ------------------------------------------------------------
+        def do_GET(self):
+            if self.path.split("?", 1)[0] == "/health":
+                self.reply(200, {"status": "ok", "name": SERVER_NAME, "version": __version__,
+                                 "sessions": len(self.transport.sessions)})
+                return
+            if self.on_mcp_path() and self.guarded():
+                self.reply(405, {"error": "method not allowed", "detail": "this server sends no unsolicited"
+                                 " messages; POST requests to /mcp"}, [("Allow", "POST, DELETE")])
+
+        def do_DELETE(self):
+            if not (self.on_mcp_path() and self.guarded()):
+                return
+            sid = self.headers.get("Mcp-Session-Id")
+            if not sid:
+                self.reply(400, {"error": "missing Mcp-Session-Id header"})
+            elif self.transport.end_session(sid):
+                self.reply(204)
+            else:
+                self.reply(404, {"error": "unknown or ended session"})
+
+        def do_POST(self):
+            if not (self.on_mcp_path() and self.guarded()):
+                return
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                self.reply(411, {"error": "Content-Length required"})
+                return
+            if length > HTTP_MAX_BODY:
+                self.reply(413, {"error": "body over %d bytes" % HTTP_MAX_BODY})
+                self.close_connection = True
+                return
+            raw = self.rfile.read(length)
+            try:
+                msg = json.loads(raw.decode("utf-8"))
+            except ValueError as e:
+                self.rpc_error(-32700, 400, "Parse error: %s" % e)
+                return
+            if not isinstance(msg, dict):
+                self.rpc_error(-32600, 400, "Invalid Request: expected one JSON-RPC object")
+                return
+            session, sid = self.pick_session(msg)
+            if session is None:
+                return
+            if "id" not in msg or "method" not in msg:
+                self.transport.server.dispatch(msg, session, lambda m: None)
+                self.reply(202)
+                return
+            self.answer(msg, session, sid)
+
+        def pick_session(self, msg):
+            """(session, new id or None); None after a refusal was sent."""
+            t = self.transport
+            params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
+            meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+            header_version = self.headers.get("MCP-Protocol-Version")
+            if META_VERSION_KEY in meta:
+                if header_version and header_version != meta[META_VERSION_KEY]:
+                    self.rpc_error(-32600, 400, "MCP-Protocol-Version header does not match _meta", msg.get("id"))
+                    return None, None
+            elif header_version and header_version not in PROTOCOL_VERSIONS + MODERN_VERSIONS:
+                self.rpc_error(-32600, 400, "Unsupported MCP-Protocol-Version: %s" % header_version, msg.get("id"))
+                return None, None
+            sid = self.headers.get("Mcp-Session-Id")
+            if msg.get("method") == "initialize" and "id" in msg:
+                sid = t.new_session()
+                return t.get_session(sid), sid
+            if sid:
+                session = t.get_session(sid)
+                if session is None:
+                    self.rpc_error(-32001, 404, "Session not found: it ended or never existed; initialize again",
+                                   msg.get("id"))
+                return session, None
+            if META_VERSION_KEY in meta or msg.get("method") == "server/discover":
+                return t.stateless, None
+            self.rpc_error(-32600, 400, "Bad Request: missing Mcp-Session-Id header (initialize first)",
+                           msg.get("id"))
+            return None, None
+
+        def client_gone(self):
+            try:
+                r, _, _ = select.select([self.connection], [], [], 0)
+                return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            except (OSError, ValueError):
+                return True
+
+        def answer(self, msg, session, sid):
+            """Dispatch one request; reply with JSON, or with an SSE stream once a
+            progress notification arrives before the result."""
+            rid = msg["id"]
+            box = queue.Queue()
+            self.transport.server.dispatch(msg, session, box.put)
+            streaming = False
+            headers = [("Mcp-Session-Id", sid)] if sid else []
+            while True:
+                try:
+                    out = box.get(timeout=0.25)
+                except queue.Empty:
+                    if self.client_gone():
+                        session.cancel(rid)
+                        self.close_connection = True
+                        return
+                    with session.lock:
+                        alive = rid in session.inflight
+                    if alive or not box.empty():
+                        continue
+                    out = None                               # cancelled: no response is sent
+                final = out is None or (out.get("id") == rid and ("result" in out or "error" in out))
+                if not streaming:
+                    if final:
+                        if out is None:
+                            self.reply(204, None, headers)
+                        else:
+                            self.reply(200, out, headers)
+                        return
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Cache-Control", "no-cache")
+                    self.send_header("Connection", "close")
+                    for k, v in headers:
+                        self.send_header(k, v)
+                    self.end_headers()
+                    self.close_connection = True
+                    streaming = True
+                try:
+                    if out is not None:
+                        self.wfile.write(("event: message\ndata: %s\n\n" % json.dumps(out)).encode("utf-8"))
+                        self.wfile.flush()
+                except OSError:
+                    session.cancel(rid)
+                    return
+                if final:
+                    return
+
+    return Handler
+
+
+def serve_http(server, config):
+    token = config.token or None
+    if config.generate_token:
+        import secrets
+        token = secrets.token_hex(32)
+        sys.stderr.write("bearer token: %s\n" % token)
+        sys.stderr.flush()
+    transport = HttpTransport(server, config, token)
+    try:
+        host, port = transport.bind()[:2]
+    except OSError as e:
+        sys.stderr.write("boris: error: cannot listen on %s:%s: %s\n" % (config.host, config.port, e.strerror or e))
+        return 2
+    log("info", "serving MCP over HTTP", url="http://%s:%d/mcp" % (config.host, port), auth=bool(token))
+    try:
+        transport.serve()
+    except (_Shutdown, KeyboardInterrupt):
+        log("info", "signal received, shutting down")
+    return 0
+
 
 ###############################################################################
 # main ########################################################################
