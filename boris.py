@@ -2826,7 +2826,8 @@ def host_of(value):
 
 
 def is_loopback(host):
-    return host in LOCAL_HOSTS or host.startswith("127.")
+    """localhost, ::1 or an IPv4 address in 127.0.0.0/8 (not a name that starts with 127.)."""
+    return host in LOCAL_HOSTS or re.match(r"^127(\.(25[0-5]|2[0-4]\d|1?\d?\d)){3}$", host) is not None
 
 
 class HttpTransport(object):
@@ -2875,7 +2876,7 @@ class HttpTransport(object):
             self.end_session(sid)
 
     def _reaper(self):
-        while not self.stopping.wait(min(30.0, max(0.05, self.idle_s / 4))):
+        while not self.stopping.wait(min(1.0, max(0.05, self.idle_s / 4))):
             self.reap_idle()
 
     def close_all(self):

@@ -2022,5 +2022,268 @@ class TestWebFetch(NoViewBase):
         self.assertTrue(text.startswith("错误："), text)
 
 
+# ---------------------------------------------------------------------------
+# HTTP transport
+# ---------------------------------------------------------------------------
+
+
+def http(port, method, path="/mcp", body=None, headers=None, timeout=30):
+    """(status, headers dict, parsed body or raw text) of one request to 127.0.0.1."""
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    data = json.dumps(body).encode() if body is not None and not isinstance(body, bytes) else body
+    h = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    h.update(headers or {})
+    conn.request(method, path, body=data, headers=h)
+    resp = conn.getresponse()
+    raw = resp.read().decode("utf-8")
+    conn.close()
+    hdrs = dict((k.lower(), v) for k, v in resp.getheaders())
+    if hdrs.get("content-type", "").startswith("text/event-stream"):
+        events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
+        return resp.status, hdrs, events
+    try:
+        return resp.status, hdrs, json.loads(raw) if raw else None
+    except ValueError:
+        return resp.status, hdrs, raw
+
+
+class HttpBase(unittest.TestCase):
+    flags = ["--require-view-before-edit", "true"]
+    token = None
+
+    def setUp(self):
+        self.tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-http-"))
+        os.makedirs(os.path.join(self.tmp, "sub"))
+        with open(os.path.join(self.tmp, "f.txt"), "w") as f:
+            f.write("one\n")
+        cfg = boris.parse_config(["--workdir", self.tmp, "--transport", "http"] + self.flags, {})
+        cfg.port = 0
+        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        self.transport = boris.HttpTransport(boris.McpServer(cfg, policy), cfg, self.token)
+        self.port = self.transport.bind()[1]
+        self.thread = threading.Thread(target=self.transport.serve, daemon=True)
+        self.thread.start()
+
+    def tearDown(self):
+        self.transport.shutdown()
+        self.thread.join(15)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def auth(self):
+        return {"Authorization": "Bearer %s" % self.token} if self.token else {}
+
+    def init(self):
+        st, h, body = http(self.port, "POST", body={"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                                                    "params": {"protocolVersion": "2025-06-18", "capabilities": {}}},
+                           headers=self.auth())
+        self.assertEqual(st, 200, body)
+        return h["mcp-session-id"]
+
+    def rpc(self, sid, method, params=None, rid=2, extra=None):
+        hdrs = dict(self.auth())
+        if sid:
+            hdrs["Mcp-Session-Id"] = sid
+        hdrs.update(extra or {})
+        return http(self.port, "POST", body={"jsonrpc": "2.0", "id": rid, "method": method, "params": params or {}},
+                    headers=hdrs)
+
+    def tool(self, sid, name, args):
+        st, _, body = self.rpc(sid, "tools/call", {"name": name, "arguments": args})
+        self.assertEqual(st, 200, body)
+        return body["result"]["content"][0]["text"]
+
+
+class TestHttpTransport(HttpBase):
+    def test_health_is_open(self):
+        st, _, body = http(self.port, "GET", "/health")
+        self.assertEqual((st, body["status"], body["name"]), (200, "ok", "boris"))
+
+    def test_session_lifecycle(self):
+        sid = self.init()
+        self.assertRegex(sid, r"^[0-9a-f]{64}$")
+        self.assertEqual(self.rpc(sid, "ping")[2]["result"], {})
+        st, _, body = self.rpc(None, "ping")
+        self.assertEqual(st, 400)
+        st, _, body = self.rpc("0" * 64, "ping")
+        self.assertEqual(st, 404)
+        self.assertEqual(http(self.port, "DELETE", headers={"Mcp-Session-Id": sid})[0], 204)
+        self.assertEqual(self.rpc(sid, "ping")[0], 404)
+        self.assertEqual(http(self.port, "DELETE", headers={"Mcp-Session-Id": sid})[0], 404)
+
+    def test_get_is_405_and_other_paths_404(self):
+        self.assertEqual(http(self.port, "GET")[0], 405)
+        self.assertEqual(http(self.port, "POST", "/elsewhere", body={})[0], 404)
+
+    def test_notification_gets_202(self):
+        sid = self.init()
+        st, _, body = http(self.port, "POST", body={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                           headers={"Mcp-Session-Id": sid})
+        self.assertEqual((st, body), (202, None))
+
+    def test_bad_json_and_bad_version_header(self):
+        st, _, body = http(self.port, "POST", body=b"{nope")
+        self.assertEqual((st, body["error"]["code"]), (400, -32700))
+        sid = self.init()
+        st, _, _ = self.rpc(sid, "ping", extra={"MCP-Protocol-Version": "1999-01-01"})
+        self.assertEqual(st, 400)
+        self.assertEqual(self.rpc(sid, "ping", extra={"MCP-Protocol-Version": "2025-06-18"})[0], 200)
+
+    def test_two_sessions_have_independent_cwd_and_viewed_sets(self):
+        a, b = self.init(), self.init()
+        self.assertNotEqual(a, b)
+        self.tool(a, "bash", {"command": "cd sub"})
+        self.assertIn(os.path.join(self.tmp, "sub"), self.tool(a, "bash", {"command": "pwd"}))
+        self.assertIn(self.tmp + "\n", self.tool(b, "bash", {"command": "pwd"}) + "\n")
+        self.tool(a, "view", {"path": os.path.join(self.tmp, "f.txt")})
+        self.assertIn("FILE_NOT_VIEWED", self.tool(b, "str_replace", {"path": "f.txt", "old_str": "one",
+                                                                       "new_str": "two"}))
+        self.assertIn("Replaced", self.tool(a, "str_replace", {"path": os.path.join(self.tmp, "f.txt"),
+                                                               "old_str": "one", "new_str": "two"}))
+
+    def test_delete_kills_session_tasks(self):
+        sid = self.init()
+        s = unique_sleep()
+        self.tool(sid, "bash", {"command": "sleep %s" % s, "run_in_background": True})
+        self.assertTrue(wait_until(lambda: procs_with(s), 10))
+        self.assertEqual(http(self.port, "DELETE", headers={"Mcp-Session-Id": sid})[0], 204)
+        self.assertEqual(procs_with(s), [])
+
+    def test_idle_session_expires_and_its_tasks_die(self):
+        self.transport.idle_s = 0.5
+        sid = self.init()
+        s = unique_sleep()
+        self.tool(sid, "bash", {"command": "sleep %s" % s, "run_in_background": True})
+        self.assertTrue(wait_until(lambda: procs_with(s), 10))
+        self.assertTrue(wait_until(lambda: self.transport.get_session(sid) is None, 20))
+        self.assertTrue(wait_until(lambda: not procs_with(s), 15))
+        self.assertEqual(self.rpc(sid, "ping")[0], 404)
+
+    def test_origin_and_host_checks(self):
+        sid = self.init()
+        for hdrs in ({"Origin": "http://evil.example.com"}, {"Origin": "https://127.0.0.1.evil.com"},
+                     {"Host": "evil.example.com"}):
+            st, _, _ = self.rpc(sid, "ping", extra=hdrs)
+            self.assertEqual(st, 403, hdrs)
+        for hdrs in ({"Origin": "http://localhost:3000"}, {"Origin": "http://127.0.0.1:%d" % self.port},
+                     {"Origin": "http://[::1]:8080"}, {}):
+            self.assertEqual(self.rpc(sid, "ping", extra=hdrs)[0], 200, hdrs)
+
+    def test_progress_streams_as_sse(self):
+        sid = self.init()
+        st, h, events = self.rpc(sid, "tools/call", {
+            "name": "bash", "_meta": {"progressToken": 7},
+            "arguments": {"command": "for i in 1 2 3; do echo p$i; sleep 0.25; done"}})
+        self.assertEqual(st, 200)
+        self.assertTrue(h["content-type"].startswith("text/event-stream"))
+        self.assertEqual(events[0]["method"], "notifications/progress")
+        self.assertEqual(events[0]["params"]["progressToken"], 7)
+        self.assertIn("p3", events[-1]["result"]["content"][0]["text"])
+
+    def test_cancel_over_http(self):
+        sid = self.init()
+        s = unique_sleep()
+        out = []
+        t = threading.Thread(target=lambda: out.append(self.rpc(sid, "tools/call", {
+            "name": "bash", "arguments": {"command": "sleep %s" % s}}, rid=41)))
+        t.start()
+        self.assertTrue(wait_until(lambda: procs_with(s), 10))
+        st, _, _ = http(self.port, "POST", body={"jsonrpc": "2.0", "method": "notifications/cancelled",
+                                                 "params": {"requestId": 41}}, headers={"Mcp-Session-Id": sid})
+        self.assertEqual(st, 202)
+        t.join(15)
+        self.assertEqual(out[0][0], 204)
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
+
+    def test_client_disconnect_mid_request(self):
+        sid = self.init()
+        s = unique_sleep()
+        body = json.dumps({"jsonrpc": "2.0", "id": 9, "method": "tools/call",
+                           "params": {"name": "bash", "arguments": {"command": "sleep %s" % s}}}).encode()
+        sock = socket.create_connection(("127.0.0.1", self.port))
+        sock.sendall(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Mcp-Session-Id: " + sid.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        self.assertTrue(wait_until(lambda: procs_with(s), 10))
+        sock.close()
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
+        self.assertEqual(http(self.port, "GET", "/health")[0], 200)
+        self.assertEqual(self.rpc(sid, "ping")[2]["result"], {})
+
+    def test_stateless_modern_requests(self):
+        meta = {"_meta": {boris.META_VERSION_KEY: "2026-07-28"}}
+        st, _, body = self.rpc(None, "server/discover", meta, extra={"MCP-Protocol-Version": "2026-07-28"})
+        self.assertEqual(st, 200)
+        self.assertIn("2026-07-28", body["result"]["supportedVersions"])
+        st, _, body = self.rpc(None, "tools/list", meta)
+        self.assertEqual(body["result"]["resultType"], "complete")
+        st, _, body = self.rpc(None, "tools/list", meta, extra={"MCP-Protocol-Version": "2025-06-18"})
+        self.assertEqual(st, 400)
+
+
+class TestHttpAuth(HttpBase):
+    token = "s3cret-token"
+
+    def test_auth_cases(self):
+        init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": "2025-06-18"}}
+        for hdrs in ({}, {"Authorization": "Basic abc"}, {"Authorization": "Bearer"},
+                     {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer s3cret-token-x"}):
+            st, h, body = http(self.port, "POST", body=init, headers=hdrs)
+            self.assertEqual((st, body), (401, {"error": "unauthorized"}), hdrs)
+            self.assertEqual(h.get("www-authenticate"), "Bearer")
+        self.assertEqual(http(self.port, "GET", "/health")[0], 200)
+        sid = self.init()
+        self.assertEqual(self.rpc(sid, "ping")[2]["result"], {})
+        self.assertEqual(http(self.port, "DELETE", headers={"Mcp-Session-Id": sid})[0], 401)
+
+
+class TestHttpSubprocess(unittest.TestCase):
+    def test_generate_token_sigterm_and_task_cleanup(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-httpp-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        p = subprocess.Popen([sys.executable, BORIS, "--transport", "http", "--port", str(port), "--workdir", tmp,
+                              "--generate-token"], stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        try:
+            line = p.stderr.readline().decode()
+            self.assertRegex(line, r"^bearer token: [0-9a-f]{64}\n$")
+            token = line.split(": ")[1].strip()
+            self.assertTrue(wait_until(lambda: self._up(port), 10))
+            auth = {"Authorization": "Bearer " + token}
+            st, h, _ = http(port, "POST", body={"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                                                "params": {"protocolVersion": "2025-06-18"}}, headers=auth)
+            self.assertEqual(st, 200)
+            sid = h["mcp-session-id"]
+            mark = unique_sleep()
+            auth["Mcp-Session-Id"] = sid
+            http(port, "POST", body={"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+                "name": "bash", "arguments": {"command": "sleep %s" % mark, "run_in_background": True}}}, headers=auth)
+            self.assertTrue(wait_until(lambda: procs_with(mark), 10))
+            p.send_signal(signal.SIGTERM)
+            self.assertEqual(p.wait(20), 0)
+            self.assertEqual(procs_with(mark), [])
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stderr.close()
+
+    @staticmethod
+    def _up(port):
+        try:
+            return http(port, "GET", "/health", timeout=2)[0] == 200
+        except OSError:
+            return False
+
+    def test_token_flags_ignored_under_stdio(self):
+        c = StdioClient(["--token", "abc"])
+        try:
+            self.assertEqual(c.initialize()["result"]["serverInfo"]["name"], "boris")
+        finally:
+            c.close()
+
+
 if __name__ == "__main__":
     unittest.main()
