@@ -2064,6 +2064,8 @@ class HttpBase(unittest.TestCase):
         self.port = self.transport.bind()[1]
         self.thread = threading.Thread(target=self.transport.serve, daemon=True)
         self.thread.start()
+        level, boris._log_state["level"] = boris._log_state["level"], 30   # info lines would split -v output
+        self.addCleanup(boris._log_state.__setitem__, "level", level)
 
     def tearDown(self):
         self.transport.shutdown()
