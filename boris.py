@@ -1223,6 +1223,7 @@ def pump(proc, out, err, deadline=None, stop=None, on_output=None):
     the pipes get LEFTOVER_DRAIN_S before they are killed, so nothing outlives the
     call. Returns 'exited', 'timeout' or 'stopped'."""
     import selectors
+    import subprocess
     sel = selectors.DefaultSelector()
     for f, cap in ((proc.stdout, out), (proc.stderr, err)):
         os.set_blocking(f.fileno(), False)
@@ -1248,7 +1249,10 @@ def pump(proc, out, err, deadline=None, stop=None, on_output=None):
                 signal_group(proc, signal.SIGKILL)
                 break
             if not sel.get_map():
-                time.sleep(0.05)        # pipes closed, leader still running
+                try:                    # pipes closed, leader exiting: wait briefly, not a full tick
+                    proc.wait(0.05)
+                except subprocess.TimeoutExpired:
+                    pass
                 continue
             for key, _ in sel.select(0.05):
                 try:
@@ -2888,11 +2892,14 @@ class HttpTransport(object):
 
     # -- serving -------------------------------------------------------------
     def bind(self):
+        import socket
         from http.server import ThreadingHTTPServer
 
         class Server(ThreadingHTTPServer):
             daemon_threads = True
             allow_reuse_address = True
+            request_queue_size = 128        # the default 5 resets bursts of new clients
+            address_family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         handler = make_http_handler_class()
         handler.transport = self
         self.httpd = Server((self.config.host, self.config.port), handler)
@@ -2925,6 +2932,12 @@ def make_http_handler_class():
         server_version = "boris/" + __version__
         sys_version = ""
         transport = None
+
+        def setup(self):
+            BaseHTTPRequestHandler.setup(self)
+            # Headers and body go out as separate writes: without this, Nagle holds the
+            # body until the client's delayed ACK, 40 ms on every reply.
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
         def log_message(self, fmt, *args):
             log("debug", "http " + (fmt % args))
