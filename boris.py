@@ -10,7 +10,8 @@ web fetch, in one Python file with no dependencies (Python 3.8+, standard librar
 
 The file reads top to bottom as layers, each under a banner, each using only the
 layers above it: limits, errors, configuration, paths, files, search, shell, web,
-session, tools, protocol, transports, main.
+session, tools, protocol, transports, main. The rooms a tool call needs are compiled
+on first use; see "Rooms compiled on first use" below.
 
 License: MIT.
 """
@@ -26,6 +27,59 @@ import stat
 import sys
 import threading
 import time
+
+###############################################################################
+# Rooms compiled on first use #################################################
+###############################################################################
+# CPython compiles the whole text of a script before it runs a line of it, about 9 us
+# a line, and answering `initialize` has a budget of 1.6 x bare Python (SPEC 7). So
+# the rooms only a tool call needs - files, search, shell, web, the tool handlers and
+# the HTTP transport - are written as ordinary code inside room(r'''...''') and
+# compiled into this module, in file order, the first time any of them is needed:
+# by a tool handler (through `deferred`), by HTTP start-up, or by `boris.<name>` from
+# outside (module __getattr__, PEP 562). Read them as if the quotes were not there;
+# tracebacks show this file's own line numbers.
+
+_rooms = []                                # (line of the room( call, source), in file order
+_rooms_state = {"loaded": False}
+_rooms_lock = threading.Lock()
+
+
+def room(source):
+    _rooms.append((sys._getframe(1).f_lineno, source))
+
+
+def load_rooms():
+    if _rooms_state["loaded"]:
+        return
+    with _rooms_lock:
+        if _rooms_state["loaded"]:
+            return
+        scope = globals()
+        for line, source in _rooms:
+            exec(compile("\n" * (line - 1) + source, scope.get("__file__", "<boris>"), "exec"), scope)
+        _rooms_state["loaded"] = True
+
+
+def deferred(name):
+    """A stand-in for the function `name` of a room: calling it compiles the rooms."""
+    def call(*args, **kwargs):
+        load_rooms()
+        target = globals().get(name, call)
+        if target is call:
+            raise NameError("no room defines %r" % name)
+        return target(*args, **kwargs)
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def __getattr__(name):
+    """`boris.<name>` from outside for a name that lives in a room."""
+    if not name.startswith("__") and not _rooms_state["loaded"]:
+        load_rooms()
+        if name in globals():
+            return globals()[name]
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
 
 ###############################################################################
 # Limits and constants ########################################################
@@ -437,6 +491,7 @@ class PathPolicy(object):
 ###############################################################################
 # Files #######################################################################
 ###############################################################################
+room(r'''
 
 IMAGE_MAGIC = (
     (b"\x89PNG\r\n\x1a\n", "image/png"),
@@ -510,6 +565,13 @@ def io_error(e, shown):
     if e.errno == errno.EISDIR:
         return ToolError("INVALID_INPUT", "%s is a directory, not a file" % shown)
     return ToolError("IO_ERROR", "%s: %s" % (shown, e.strerror or e))
+
+
+def stat_existing(real, shown):
+    try:
+        return os.stat(real)
+    except OSError as e:
+        raise io_error(e, shown)
 
 
 def make_dirs(path):
@@ -599,6 +661,7 @@ def _link_temp(fd, directory, base):
     finally:
         os.close(dfd)
     return name
+''')
 
 ###############################################################################
 # Search ######################################################################
@@ -606,6 +669,7 @@ def _link_temp(fd, directory, base):
 # One walker (gitignore-aware, cycle-safe, scope-filtered), one glob compiler (in
 # Paths above), one grep engine. grep, glob, search_text and search_files are thin
 # front-ends over these.
+room(r'''
 
 WALK_SKIP = frozenset((".git", "node_modules"))
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
@@ -1128,10 +1192,12 @@ def _feed(proc, data):
         proc.stdin.close()
     except OSError:
         pass
+''')
 
 ###############################################################################
 # Shell #######################################################################
 ###############################################################################
+room(r'''
 
 SHELL = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
 CAPTURE_HEAD_BYTES = OUTPUT_MAX_CHARS * 4      # enough bytes for 30,000 characters
@@ -1321,11 +1387,13 @@ def kill_all(tasks):
         t.stop.set()
     for t in tasks:
         t.done.wait(KILL_GRACE_S + 2)
+''')
 
 ###############################################################################
 # Web #########################################################################
 ###############################################################################
 # urllib and html.parser are imported inside these functions: start-up never pays.
+room(r'''
 
 HTML_SKIP = frozenset(("script", "style", "noscript", "template", "svg", "head"))
 HTML_BLOCKS = frozenset(("p", "div", "br", "li", "ul", "ol", "h1", "h2", "h3", "h4", "h5", "h6", "tr", "table",
@@ -1460,6 +1528,7 @@ def fetch_text(url, timeout):
               or ctype.endswith(("+json", "+xml")) or not ctype):
         raise WebError("错误：不支持的内容类型 %s: %s" % (ctype, url))
     return text[:WEB_MAX_CHARS]
+''')
 
 ###############################################################################
 # Session #####################################################################
@@ -1527,9 +1596,10 @@ class Session(object):
             self.tasks.clear()
         for ev in events:
             ev.set()
-        kill_all(tasks)
-        for proc in procs:
-            stop_group(proc)
+        if tasks or procs:                  # only a tool call (rooms compiled) makes these
+            deferred("kill_all")(tasks)
+            for proc in procs:
+                deferred("stop_group")(proc)
 
 ###############################################################################
 # Tools: building blocks ######################################################
@@ -1585,17 +1655,10 @@ def resolve_checked(session, ctx, path, name="path"):
     return ctx.policy.check(ctx.policy.resolve(session.get_cwd(), path, name), path)
 
 
-def stat_existing(real, shown):
-    try:
-        return os.stat(real)
-    except OSError as e:
-        raise io_error(e, shown)
-
-
 ###############################################################################
 # Tools: file viewing and editing #############################################
 ###############################################################################
-
+room(r'''
 
 def tool_view(session, args, ctx):
     shown = args["path"]
@@ -1846,11 +1909,12 @@ def tool_str_replace_editor(session, args, ctx):
     if cmd == "create":
         return tool_create_file(session, args, ctx, content_key="file_text")
     return tool_insert(session, args, ctx)
+''')
 
 ###############################################################################
 # Tools: shell ################################################################
 ###############################################################################
-
+room(r'''
 
 def bash_timeout_ms(args, config):
     ms = args.get("timeout")
@@ -1968,36 +2032,12 @@ def tool_task_output(session, args, ctx):
         status = "status: completed"
     return "%s\n%s\ncommand: %s\n%s" % (status, describe_exit(task.proc), task.command,
                                        render_output(task.out, task.err))
-
-
-BASH_DESC = ("Run a shell command (bash -c) in the session's working directory and return its exit code, "
-             "stdout and stderr (each cut at 30,000 characters). The working directory persists between "
-             "calls (cd moves it). stdin is /dev/null, so interactive programs get no input. A command is "
-             "killed, with everything it started, after `timeout` ms (default 120000, max 600000) or when it "
-             "returns. For servers and long jobs set run_in_background and read the output with task_output.")
-TASK_DESC = ("Read the output of a background bash task by its task_id: 'status: running' with the output "
-             "so far, or 'status: completed' with the exit code and full output, after which the task is "
-             "forgotten. wait_ms waits up to that long for the task to finish first.")
-
-
-def shell_tools(config):
-    return [
-        Tool("bash", BASH_DESC, obj({
-            "command": prop("string", "The shell command to run."),
-            "timeout": prop("integer", "Timeout in milliseconds (default %d, max %d)."
-                            % (int(config.timeout * 1000), BASH_MAX_TIMEOUT_MS)),
-            "run_in_background": prop("boolean", "Start the command and return its task_id at once."),
-            "description": prop("string", "A few words saying what the command does (for logs)."),
-        }, ["command"]), notes("Run shell command", destructive=True, open_world=True), tool_bash),
-        Tool("task_output", TASK_DESC, obj({
-            "task_id": prop("string", "The task_id bash returned."),
-            "wait_ms": prop("integer", "Wait up to this many milliseconds for the task to finish (default 0)."),
-        }, ["task_id"]), notes("Read background task output", read_only=True), tool_task_output),
-    ]
+''')
 
 ###############################################################################
 # Tools: search ###############################################################
 ###############################################################################
+room(r'''
 
 GREP_MODES = ("files_with_matches", "content", "count")
 
@@ -2212,75 +2252,14 @@ def tool_search_files(session, args, ctx):
     if not found:
         return "No files found matching %r" % args["pattern"]
     return cap_lines(newest_first(found), "paths")
-
-
-GREP_DESC = ("Search file contents with a regular expression (Python re syntax; ripgrep-like). Walks the "
-             "directory at `path` (default: the working directory) skipping .git, node_modules, binary "
-             "files and what .gitignore ignores. output_mode: files_with_matches (default; paths, newest "
-             "first), content (path:line:text, with optional context lines) or count (path:count). Filter "
-             "files with include (a glob such as *.{ts,tsx}) or type (py, js, ts, go, rust, ...). Use "
-             "head_limit/offset to page through long results.")
-GLOB_DESC = ("Find files by name with a glob pattern (**, *, ?, {a,b}, [a-z]); a pattern without '/' matches "
-             "file names at any depth. Returns paths relative to `path` (default: the working directory), "
-             "newest first; skips .git, node_modules and .gitignore'd files.")
-
-GREP_PROPS = {
-    "pattern": prop("string", "The regular expression to search for."),
-    "path": prop("string", "File or directory to search (default: the working directory)."),
-    "include": prop("string", "Only search files whose name matches this glob, e.g. *.py or *.{ts,tsx}."),
-    "type": prop("string", "Only search files of this language: py, js, ts, go, rust, java, c, cpp, ..."),
-    "output_mode": prop("string", "files_with_matches (default), content or count."),
-    "case_insensitive": prop("boolean", "Ignore case (default false)."),
-    "line_numbers": prop("boolean", "content mode: show line numbers (default true)."),
-    "context_before": prop("integer", "content mode: lines of context before each match."),
-    "context_after": prop("integer", "content mode: lines of context after each match."),
-    "context": prop("integer", "content mode: lines of context before and after each match."),
-    "multiline": prop("boolean", "Let . match newlines and patterns span lines (default false)."),
-    "head_limit": prop("integer", "Show at most this many lines (content) or entries (other modes)."),
-    "offset": prop("integer", "Skip this many lines/entries first (default 0)."),
-}
-COMPAT_GREP_NAMES = {"glob": "include", "-i": "case_insensitive", "-n": "line_numbers",
-                     "-A": "context_after", "-B": "context_before", "-C": "context"}
-
-
-def renamed(handler, names):
-    """A handler that takes other parameter names and calls `handler` with ours."""
-    return lambda session, args, ctx: handler(session, dict((names.get(k, k), v) for k, v in args.items()), ctx)
-
-
-def search_tools(config):
-    glob_props = {"pattern": prop("string", "The glob pattern, e.g. **/*.py or src/**/*.{ts,tsx}."),
-                  "path": prop("string", "Directory to search in (default: the working directory).")}
-    if config.anthropic_compat:
-        back = dict((v, k) for k, v in COMPAT_GREP_NAMES.items())
-        grep_props = dict((back.get(k, k), v) for k, v in GREP_PROPS.items())
-        grep = Tool("grep", GREP_DESC, obj(grep_props, ["pattern"]), notes("Search file contents", read_only=True),
-                    renamed(tool_grep, COMPAT_GREP_NAMES))
-    else:
-        grep = Tool("grep", GREP_DESC, obj(GREP_PROPS, ["pattern"]), notes("Search file contents", read_only=True),
-                    tool_grep)
-        glob_props["type"] = prop("string", "file (default) or directory.")
-    return [
-        grep,
-        Tool("glob", GLOB_DESC, obj(glob_props, ["pattern"]), notes("Find files by name", read_only=True), tool_glob),
-        Tool("search_text", "Search for text in files: every line containing `query` (literal, or a regular "
-             "expression when regex is true) under each of `paths`, as path:line:content.", obj({
-                 "query": prop("string", "The text (or regex) to find."),
-                 "paths": prop("array", "Files or directories to search (default: the working directory).",
-                               items={"type": "string"}),
-                 "regex": prop("boolean", "Treat query as a regular expression (default false)."),
-             }, ["query", "paths"]), notes("Search text", read_only=True), tool_search_text),
-        Tool("search_files", "Find files whose path matches a glob pattern (e.g. src/**/*.ts or **/*.md), "
-             "searched from the working directory; returns one path per line.", obj({
-                 "pattern": prop("string", "The glob pattern."),
-             }, ["pattern"]), notes("Find files", read_only=True), tool_search_files),
-    ]
+''')
 
 ###############################################################################
 # Tools: workspace (seed 004) #################################################
 ###############################################################################
 # These answer in seed 004's fixed Chinese strings; an answer starting with 错误 is an
 # error. Paths are confined to the workspace root (--workdir) by PathPolicy.confine.
+room(r'''
 
 ESCAPE = "错误：路径越出工作区限制"
 
@@ -2372,30 +2351,7 @@ def tool_web_fetch(session, args, ctx):
         return fetch_text(url, timeout)
     except WebError as e:
         raise PlainToolError(str(e))
-
-
-def workspace_tools(config):
-    ws = "Paths are relative to the workspace root (%s) and may not leave it." % config.workdir
-    return [
-        Tool("read_file", "Read a whole text file from the workspace and return its content. " + ws, obj({
-            "path": prop("string", "File path inside the workspace."),
-            "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
-        }, ["path"]), notes("Read file", read_only=True, idempotent=True), tool_read_file),
-        Tool("write_file", "Write content to a file in the workspace, creating parent directories; "
-             "overwrites an existing file. " + ws, obj({
-                 "path": prop("string", "File path inside the workspace."),
-                 "content": prop("string", "The complete file content."),
-             }, ["path", "content"]), notes("Write file", destructive=True), tool_write_file),
-        Tool("list_directory", "List a workspace directory: one entry per line, [D] for directories and "
-             "[F] for files, sorted by name. " + ws, obj({
-                 "path": prop("string", "Directory path inside the workspace (default: the root)."),
-             }, ["path"]), notes("List directory", read_only=True, idempotent=True), tool_list_directory),
-        Tool("web_fetch", "Fetch a web page (http or https) and return its readable text (HTML tags, "
-             "scripts and styles removed; JSON and plain text as they are), cut to 5,000 characters.", obj({
-                 "url": prop("string", "The http:// or https:// URL."),
-                 "timeout": prop("integer", "Seconds to wait (default 10, max 120)."),
-             }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), tool_web_fetch),
-    ]
+''')
 
 ###############################################################################
 # Tools: the registry #########################################################
@@ -2431,16 +2387,16 @@ EDITOR_DESC = ("View, create and edit files. command=view shows a file with line
 def file_tools():
     return [
         Tool("view", VIEW_DESC, obj({"path": PATH_PROP, "view_range": RANGE_PROP}, ["path"]),
-             notes("View file or directory", read_only=True, idempotent=True), tool_view),
+             notes("View file or directory", read_only=True, idempotent=True), deferred("tool_view")),
         Tool("str_replace", STR_REPLACE_DESC, obj({
             "path": PATH_PROP,
             "old_str": prop("string", "The exact text to replace."),
             "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
             "replace_all": prop("boolean", "Replace every occurrence instead of requiring one (default false)."),
-        }, ["path", "old_str"]), notes("Replace text in a file", destructive=True), tool_str_replace),
+        }, ["path", "old_str"]), notes("Replace text in a file", destructive=True), deferred("tool_str_replace")),
         Tool("create_file", CREATE_DESC, obj({
             "path": PATH_PROP, "content": prop("string", "The complete file content."),
-        }, ["path", "content"]), notes("Create or overwrite a file", destructive=True), tool_create_file),
+        }, ["path", "content"]), notes("Create or overwrite a file", destructive=True), deferred("tool_create_file")),
     ]
 
 
@@ -2455,7 +2411,121 @@ def editor_tool():
         "insert_line": prop("integer", "command=insert: insert after this line (0 = top of file)."),
         "insert_text": prop("string", "command=insert: the text to insert."),
         "replace_all": prop("boolean", "command=str_replace: replace every occurrence."),
-    }, ["command", "path"]), notes("Text editor", destructive=True), tool_str_replace_editor)
+    }, ["command", "path"]), notes("Text editor", destructive=True), deferred("tool_str_replace_editor"))
+
+
+BASH_DESC = ("Run a shell command (bash -c) in the session's working directory and return its exit code, "
+             "stdout and stderr (each cut at 30,000 characters). The working directory persists between "
+             "calls (cd moves it). stdin is /dev/null, so interactive programs get no input. A command is "
+             "killed, with everything it started, after `timeout` ms (default 120000, max 600000) or when it "
+             "returns. For servers and long jobs set run_in_background and read the output with task_output.")
+TASK_DESC = ("Read the output of a background bash task by its task_id: 'status: running' with the output "
+             "so far, or 'status: completed' with the exit code and full output, after which the task is "
+             "forgotten. wait_ms waits up to that long for the task to finish first.")
+
+
+def shell_tools(config):
+    return [
+        Tool("bash", BASH_DESC, obj({
+            "command": prop("string", "The shell command to run."),
+            "timeout": prop("integer", "Timeout in milliseconds (default %d, max %d)."
+                            % (int(config.timeout * 1000), BASH_MAX_TIMEOUT_MS)),
+            "run_in_background": prop("boolean", "Start the command and return its task_id at once."),
+            "description": prop("string", "A few words saying what the command does (for logs)."),
+        }, ["command"]), notes("Run shell command", destructive=True, open_world=True), deferred("tool_bash")),
+        Tool("task_output", TASK_DESC, obj({
+            "task_id": prop("string", "The task_id bash returned."),
+            "wait_ms": prop("integer", "Wait up to this many milliseconds for the task to finish (default 0)."),
+        }, ["task_id"]), notes("Read background task output", read_only=True), deferred("tool_task_output")),
+    ]
+
+
+GREP_DESC = ("Search file contents with a regular expression (Python re syntax; ripgrep-like). Walks the "
+             "directory at `path` (default: the working directory) skipping .git, node_modules, binary "
+             "files and what .gitignore ignores. output_mode: files_with_matches (default; paths, newest "
+             "first), content (path:line:text, with optional context lines) or count (path:count). Filter "
+             "files with include (a glob such as *.{ts,tsx}) or type (py, js, ts, go, rust, ...). Use "
+             "head_limit/offset to page through long results.")
+GLOB_DESC = ("Find files by name with a glob pattern (**, *, ?, {a,b}, [a-z]); a pattern without '/' matches "
+             "file names at any depth. Returns paths relative to `path` (default: the working directory), "
+             "newest first; skips .git, node_modules and .gitignore'd files.")
+
+GREP_PROPS = {
+    "pattern": prop("string", "The regular expression to search for."),
+    "path": prop("string", "File or directory to search (default: the working directory)."),
+    "include": prop("string", "Only search files whose name matches this glob, e.g. *.py or *.{ts,tsx}."),
+    "type": prop("string", "Only search files of this language: py, js, ts, go, rust, java, c, cpp, ..."),
+    "output_mode": prop("string", "files_with_matches (default), content or count."),
+    "case_insensitive": prop("boolean", "Ignore case (default false)."),
+    "line_numbers": prop("boolean", "content mode: show line numbers (default true)."),
+    "context_before": prop("integer", "content mode: lines of context before each match."),
+    "context_after": prop("integer", "content mode: lines of context after each match."),
+    "context": prop("integer", "content mode: lines of context before and after each match."),
+    "multiline": prop("boolean", "Let . match newlines and patterns span lines (default false)."),
+    "head_limit": prop("integer", "Show at most this many lines (content) or entries (other modes)."),
+    "offset": prop("integer", "Skip this many lines/entries first (default 0)."),
+}
+COMPAT_GREP_NAMES = {"glob": "include", "-i": "case_insensitive", "-n": "line_numbers",
+                     "-A": "context_after", "-B": "context_before", "-C": "context"}
+
+
+def renamed(handler, names):
+    """A handler that takes other parameter names and calls `handler` with ours."""
+    return lambda session, args, ctx: handler(session, dict((names.get(k, k), v) for k, v in args.items()), ctx)
+
+
+def search_tools(config):
+    glob_props = {"pattern": prop("string", "The glob pattern, e.g. **/*.py or src/**/*.{ts,tsx}."),
+                  "path": prop("string", "Directory to search in (default: the working directory).")}
+    if config.anthropic_compat:
+        back = dict((v, k) for k, v in COMPAT_GREP_NAMES.items())
+        grep_props = dict((back.get(k, k), v) for k, v in GREP_PROPS.items())
+        grep = Tool("grep", GREP_DESC, obj(grep_props, ["pattern"]), notes("Search file contents", read_only=True),
+                    renamed(deferred("tool_grep"), COMPAT_GREP_NAMES))
+    else:
+        grep = Tool("grep", GREP_DESC, obj(GREP_PROPS, ["pattern"]), notes("Search file contents", read_only=True),
+                    deferred("tool_grep"))
+        glob_props["type"] = prop("string", "file (default) or directory.")
+    return [
+        grep,
+        Tool("glob", GLOB_DESC, obj(glob_props, ["pattern"]), notes("Find files by name", read_only=True),
+             deferred("tool_glob")),
+        Tool("search_text", "Search for text in files: every line containing `query` (literal, or a regular "
+             "expression when regex is true) under each of `paths`, as path:line:content.", obj({
+                 "query": prop("string", "The text (or regex) to find."),
+                 "paths": prop("array", "Files or directories to search (default: the working directory).",
+                               items={"type": "string"}),
+                 "regex": prop("boolean", "Treat query as a regular expression (default false)."),
+             }, ["query", "paths"]), notes("Search text", read_only=True), deferred("tool_search_text")),
+        Tool("search_files", "Find files whose path matches a glob pattern (e.g. src/**/*.ts or **/*.md), "
+             "searched from the working directory; returns one path per line.", obj({
+                 "pattern": prop("string", "The glob pattern."),
+             }, ["pattern"]), notes("Find files", read_only=True), deferred("tool_search_files")),
+    ]
+
+
+def workspace_tools(config):
+    ws = "Paths are relative to the workspace root (%s) and may not leave it." % config.workdir
+    return [
+        Tool("read_file", "Read a whole text file from the workspace and return its content. " + ws, obj({
+            "path": prop("string", "File path inside the workspace."),
+            "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
+        }, ["path"]), notes("Read file", read_only=True, idempotent=True), deferred("tool_read_file")),
+        Tool("write_file", "Write content to a file in the workspace, creating parent directories; "
+             "overwrites an existing file. " + ws, obj({
+                 "path": prop("string", "File path inside the workspace."),
+                 "content": prop("string", "The complete file content."),
+             }, ["path", "content"]), notes("Write file", destructive=True), deferred("tool_write_file")),
+        Tool("list_directory", "List a workspace directory: one entry per line, [D] for directories and "
+             "[F] for files, sorted by name. " + ws, obj({
+                 "path": prop("string", "Directory path inside the workspace (default: the root)."),
+             }, ["path"]), notes("List directory", read_only=True, idempotent=True), deferred("tool_list_directory")),
+        Tool("web_fetch", "Fetch a web page (http or https) and return its readable text (HTML tags, "
+             "scripts and styles removed; JSON and plain text as they are), cut to 5,000 characters.", obj({
+                 "url": prop("string", "The http:// or https:// URL."),
+                 "timeout": prop("integer", "Seconds to wait (default 10, max 120)."),
+             }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), deferred("tool_web_fetch")),
+    ]
 
 
 def resolve_disabled_tools(names, compat):
@@ -2816,6 +2886,10 @@ def serve_stdio(server, session, stdin=None, stdout=None):
     finally:
         session.close()
 
+# -- streamable HTTP ----------------------------------------------------------
+
+room(r'''
+
 LOCAL_HOSTS = frozenset(("localhost", "127.0.0.1", "::1", "[::1]"))
 
 
@@ -3140,7 +3214,7 @@ def serve_http(server, config):
     except (_Shutdown, KeyboardInterrupt):
         log("info", "signal received, shutting down")
     return 0
-
+''')
 
 ###############################################################################
 # main ########################################################################
@@ -3165,7 +3239,7 @@ def main(argv=None, environ=None):
         signal.signal(sig, _raise_shutdown)
     server = McpServer(config, policy)
     if config.transport == "http":
-        return serve_http(server, config)
+        return deferred("serve_http")(server, config)
     session = Session(config)
     log("debug", "serving stdio", workdir=config.workdir, tools=list(server.tools))
     serve_stdio(server, session)
