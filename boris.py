@@ -803,10 +803,8 @@ def outer_ignores(root):
 
 # -- the walker -----------------------------------------------------------------
 
-def walk(root, policy, follow_links, want_dirs=False, cancelled=None, name_ok=None, with_mtime=False):
-    """Yield (path, is_dir, mtime) under `root` (canonical directory), depth first;
-    mtime is None unless `with_mtime` (then taken with fstatat on the open directory,
-    which is far cheaper than a stat of the full path later).
+def walk(root, policy, follow_links, want_dirs=False, cancelled=None, name_ok=None):
+    """Yield (path, is_dir) under `root` (canonical directory), depth first.
 
     Prunes .git and node_modules, honours .gitignore inside a git work tree, drops
     what the path policy denies, and yields only files whose name passes `name_ok`
@@ -824,10 +822,10 @@ def walk(root, policy, follow_links, want_dirs=False, cancelled=None, name_ok=No
             return
         seen.add((st.st_dev, st.st_ino))
     pending = [(root, stack0 or [])]
-    deferred = []
-    while pending or deferred:
+    linked_dirs = []
+    while pending or linked_dirs:
         if not pending:
-            link_path, target, ign = deferred.pop(0)
+            link_path, target, ign = linked_dirs.pop(0)
             try:
                 st = os.stat(target)
             except OSError:
@@ -837,82 +835,68 @@ def walk(root, policy, follow_links, want_dirs=False, cancelled=None, name_ok=No
             seen.add((st.st_dev, st.st_ino))
             pending.append((link_path, ign))
             if want_dirs:
-                yield link_path, True, (st.st_mtime if with_mtime else None)
+                yield link_path, True
             continue
         if cancelled is not None and cancelled.is_set():
             return
         directory, ign = pending.pop()
-        dfd = None
         try:
-            if with_mtime:                         # entries of scandir(fd) stat with fstatat
-                dfd = os.open(directory, _DIR_FLAGS)
-                entries = list(os.scandir(dfd))
-            else:
-                with os.scandir(directory) as it:
-                    entries = list(it)
+            with os.scandir(directory) as it:
+                entries = list(it)
         except OSError:
-            if dfd is not None:
-                os.close(dfd)
             continue
-        try:
-            prefix = directory + "/" if directory != "/" else "/"
-            if use_ignore and any(e.name == ".gitignore" for e in entries):
-                rules = load_ignore(directory)
-                if rules:
-                    ign = ign + [rules]
-            filtering = use_ignore and ign
-            subdirs = []
-            for e in entries:
-                name = e.name
-                if name in WALK_SKIP:
-                    continue
-                try:
-                    if e.is_dir(follow_symlinks=False):
-                        path = prefix + name
-                        if (filtering and ignored(ign, path, name, True)) or (check and policy.is_denied(path)):
-                            continue
-                        subdirs.append(path)
-                        if follow_links or (with_mtime and want_dirs):
-                            st = e.stat(follow_symlinks=False)
-                            seen.add((st.st_dev, st.st_ino))
-                        if want_dirs:
-                            yield path, True, (st.st_mtime if with_mtime else None)
+        prefix = directory + "/" if directory != "/" else "/"
+        if use_ignore and any(e.name == ".gitignore" for e in entries):
+            rules = load_ignore(directory)
+            if rules:
+                ign = ign + [rules]
+        filtering = use_ignore and ign
+        subdirs = []
+        for e in entries:
+            name = e.name
+            if name in WALK_SKIP:
+                continue
+            try:
+                if e.is_file(follow_symlinks=False):          # most entries: test files first
+                    if name_ok is not None and not name_ok(name):
                         continue
-                    if e.is_file(follow_symlinks=False):
-                        if name_ok is not None and not name_ok(name):
-                            continue
-                        path = prefix + name
-                        if (filtering and ignored(ign, path, name, False)) or (check and policy.is_denied(path)):
-                            continue
-                        yield path, False, (e.stat(follow_symlinks=False).st_mtime if with_mtime else None)
-                        continue
-                    if not e.is_symlink():
-                        continue                         # sockets, fifos, devices
                     path = prefix + name
-                    is_dir = e.is_dir()
-                except OSError:
+                    if (filtering and ignored(ign, path, name, False)) or (check and policy.is_denied(path)):
+                        continue
+                    yield path, False
                     continue
-                if (filtering and ignored(ign, path, name, is_dir)) or (not is_dir and name_ok is not None
-                                                                         and not name_ok(name)):
-                    continue
-                target = canonical(path)
-                if check and policy.is_denied(target):
-                    continue
-                if is_dir:
+                if e.is_dir(follow_symlinks=False):
+                    path = prefix + name
+                    if (filtering and ignored(ign, path, name, True)) or (check and policy.is_denied(path)):
+                        continue
+                    subdirs.append(path)
                     if follow_links:
-                        deferred.append((path, target, ign))
-                    elif want_dirs:
-                        yield path, True, (mtime(target) if with_mtime else None)   # listed, not entered
-                elif os.path.isfile(target):              # broken links are skipped
-                    yield path, False, (mtime(target) if with_mtime else None)
-            for d in reversed(subdirs):
-                pending.append((d, ign))
-        finally:
-            if dfd is not None:
-                os.close(dfd)
-
-
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+                        st = e.stat(follow_symlinks=False)
+                        seen.add((st.st_dev, st.st_ino))
+                    if want_dirs:
+                        yield path, True
+                    continue
+                if not e.is_symlink():
+                    continue                         # sockets, fifos, devices
+                path = prefix + name
+                is_dir = e.is_dir()
+            except OSError:
+                continue
+            if (filtering and ignored(ign, path, name, is_dir)) or (not is_dir and name_ok is not None
+                                                                     and not name_ok(name)):
+                continue
+            target = canonical(path)
+            if check and policy.is_denied(target):
+                continue
+            if is_dir:
+                if follow_links:
+                    linked_dirs.append((path, target, ign))
+                elif want_dirs:
+                    yield path, True                         # listed, not entered
+            elif os.path.isfile(target):              # broken links are skipped
+                yield path, False
+        for d in reversed(subdirs):
+            pending.append((d, ign))
 
 
 # -- the grep engine -----------------------------------------------------------------
@@ -1139,59 +1123,163 @@ def grep_many(files, spec):
     return out
 
 
-def grep_worker():
-    """Entry point of a helper process: a job on stdin, results on stdout (JSON)."""
-    job = json.loads(sys.stdin.buffer.read().decode("utf-8", "surrogateescape"))
-    res = grep_many(job["files"], job["spec"])
-    sys.stdout.write(json.dumps(res))
+# -- helper processes -------------------------------------------------------------
+# A big search shares its work with helper processes (python -S, so no site-packages
+# start-up). A job is a kind line, then its input on stdin; the answer is JSON on stdout.
+# "grep" runs this same file's engine on a JSON {files, spec} (~50 ms to start).
+# "mtimes" is a few lines of its own, so it starts in ~15 ms: it stats NUL-terminated
+# paths as they stream in, while the walk that finds them goes on (same rule as mtime():
+# os.stat, 0.0 when the path has gone). Only lists of PARALLEL_MIN_FILES or more use a
+# helper; when one fails or the call is cancelled, this process does its share itself.
+
+_HELPER_CODE = ("import importlib.util as u,sys;s=u.spec_from_file_location('boris_helper',sys.argv[1]);"
+                "m=u.module_from_spec(s);s.loader.exec_module(m);m.helper_main()")
+_MTIME_HELPER_CODE = r"""
+import json, os, sys
+stdin, answer, rest = sys.stdin.buffer, [], b""
+stdin.readline()
+for chunk in iter(lambda: stdin.read1(1 << 16), b""):
+    paths = (rest + chunk).split(b"\0")
+    rest = paths.pop()
+    for p in paths:
+        try:
+            answer.append(os.stat(p).st_mtime)
+        except OSError:
+            answer.append(0.0)
+sys.stdout.write(json.dumps(answer))
+"""
+
+
+def helper_main():
+    """Entry point of a grep helper: the kind line, then JSON {files, spec}."""
+    stdin = sys.stdin.buffer
+    stdin.readline()
+    job = json.loads(stdin.read().decode("utf-8", "surrogateescape"))
+    sys.stdout.write(json.dumps(grep_many(job["files"], job["spec"])))
     sys.stdout.flush()
 
 
-_WORKER_CODE = ("import importlib.util as u,sys;s=u.spec_from_file_location('boris_grep_worker',sys.argv[1]);"
-                "m=u.module_from_spec(s);s.loader.exec_module(m);m.grep_worker()")
+def helper_count(n_files):
+    """How many helpers a list of n_files earns: none for small lists or one core."""
+    if n_files < PARALLEL_MIN_FILES or not globals().get("__file__"):
+        return 0
+    return min(os.cpu_count() or 1, 4) - 1
+
+
+class Helper(object):
+    """One helper process. Input goes through a queue to a feeding thread, so a helper
+    still starting up (or a full pipe) never blocks the caller."""
+
+    def __init__(self, kind):
+        import queue
+        import subprocess
+        code = _MTIME_HELPER_CODE if kind == "mtimes" else _HELPER_CODE
+        self.proc = subprocess.Popen([sys.executable, "-S", "-c", code, os.path.abspath(__file__)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.inbox = queue.SimpleQueue()
+        self.inbox.put(kind.encode("ascii") + b"\n")
+        threading.Thread(target=self._feed, daemon=True).start()
+
+    def _feed(self):
+        try:
+            for data in iter(self.inbox.get, None):
+                self.proc.stdin.write(data)
+        except OSError:                                 # the helper died: answer() says so
+            pass
+        finally:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def send(self, data, last=False):
+        self.inbox.put(data)
+        if last:
+            self.inbox.put(None)
+
+    def answer(self, cancelled):
+        """The decoded answer, or None if the helper failed or the call was cancelled."""
+        try:
+            data = self.proc.stdout.read() if not cancelled.is_set() else b""
+            self.proc.wait()
+            return json.loads(data.decode("utf-8")) if self.proc.returncode == 0 and data else None
+        finally:
+            self.close()
+
+    def close(self):
+        """Kill (if still running), reap, release; safe to repeat."""
+        self.inbox.put(None)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+def start_helper(kind):
+    try:
+        return Helper(kind)
+    except OSError:
+        return None
 
 
 def grep_parallel(files, spec, cancelled):
-    """grep_many over the machine's cores: helper processes (each the same engine,
-    loaded from this file) take shares of a large file list; this process takes one.
-    Small lists stay in-process: a helper costs ~30 ms to start."""
-    helpers = min((os.cpu_count() or 1), 4) - 1
-    if helpers < 1 or len(files) < PARALLEL_MIN_FILES:
+    """grep_many over the machine's cores: helpers take shares of a large file list,
+    this process takes one."""
+    helpers = [h for h in (start_helper("grep") for _ in range(helper_count(len(files)))) if h is not None]
+    if not helpers:
         return grep_many(files, spec)
-    import subprocess
-    shares = [files[k::helpers + 1] for k in range(helpers + 1)]
-    procs = []
+    n = len(helpers) + 1
+    shares = [files[k::n] for k in range(n)]
     try:
-        for k in range(1, helpers + 1):
-            p = subprocess.Popen([sys.executable, "-S", "-c", _WORKER_CODE, os.path.abspath(__file__)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-            procs.append((k, p))
-            job = json.dumps({"spec": spec, "files": shares[k]}).encode("utf-8", "surrogateescape")
-            threading.Thread(target=_feed, args=(p, job), daemon=True).start()
-        results = [(i * (helpers + 1), r) for i, r in grep_many(shares[0], spec)]
-        for k, p in procs:
-            data = p.stdout.read() if not cancelled.is_set() else b""
-            p.wait()
-            if p.returncode != 0 or not data:
-                results += [(i * (helpers + 1) + k, r) for i, r in grep_many(shares[k], spec)]
-                continue
-            results += [(i * (helpers + 1) + k, r) for i, r in json.loads(data.decode("utf-8"))]
+        for k, h in enumerate(helpers, 1):
+            h.send(json.dumps({"files": shares[k], "spec": spec}).encode("utf-8", "surrogateescape"), last=True)
+        results = [(i * n, r) for i, r in grep_many(shares[0], spec)]
+        for k, h in enumerate(helpers, 1):
+            answer = h.answer(cancelled)
+            if answer is None:
+                answer = grep_many(shares[k], spec)
+            results += [(i * n + k, r) for i, r in answer]
     finally:
-        for _, p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            p.stdout.close()
+        for h in helpers:                      # reaped even when our own share raised
+            h.close()
     results.sort(key=lambda x: x[0])
     return results
 
 
-def _feed(proc, data):
+def mtime(path):
     try:
-        proc.stdin.write(data)
-        proc.stdin.close()
+        return os.stat(path).st_mtime
     except OSError:
-        pass
+        return 0.0
+
+
+def with_mtimes(paths, cancelled):
+    """[(path, mtime)] for an iterable of paths (a walk, typically). Once the list
+    reaches PARALLEL_MIN_FILES, a helper stats every later path as it is found, while
+    the walk goes on; this process stats the first ones at the end."""
+    found, helper, handed = [], None, 0
+    try:
+        for path in paths:
+            found.append(path)
+            if helper is not None:
+                if len(found) - handed >= 1024:
+                    helper.send(b"".join(os.fsencode(p) + b"\0" for p in found[handed:]))
+                    handed = len(found)
+            elif len(found) == PARALLEL_MIN_FILES and helper_count(len(found)):
+                helper = start_helper("mtimes")
+                handed = len(found)
+        if helper is None:
+            return [(p, mtime(p)) for p in found]
+        first = PARALLEL_MIN_FILES
+        helper.send(b"".join(os.fsencode(p) + b"\0" for p in found[handed:]), last=True)
+        mine = [mtime(p) for p in found[:first]]
+        theirs = helper.answer(cancelled)
+        if theirs is None or len(theirs) != len(found) - first:
+            theirs = [mtime(p) for p in found[first:]]
+        return list(zip(found, mine + theirs))
+    finally:
+        if helper is not None:
+            helper.close()
 ''')
 
 ###############################################################################
@@ -2071,7 +2159,7 @@ def collect_files(real, is_dir, ctx, keep):
         return [(real, None)]
     files = []
     cut = len(real) + 1 if real != "/" else 1
-    for path, _, _ in walk(real, ctx.policy, follow_links=True, cancelled=ctx.cancelled):
+    for path, _ in walk(real, ctx.policy, follow_links=True, cancelled=ctx.cancelled):
         rel = path[cut:]
         if keep(rel, rel.rsplit("/", 1)[-1]):
             files.append((path, rel))
@@ -2117,13 +2205,6 @@ def page(items, args):
         raise ToolError("INVALID_INPUT", "offset and head_limit must be 0 or more")
     items = items[offset:]
     return items[:limit] if limit else items
-
-
-def mtime(path):
-    try:
-        return os.stat(path).st_mtime
-    except OSError:
-        return 0.0
 
 
 def newest_first(found):
@@ -2207,17 +2288,18 @@ def find_paths(session, ctx, pattern, shown, kind):
     cut = len(start) + 1 if start != "/" else 1
     lead = len(real) + 1 if real != "/" else 1
     name_ok = None
-    if base_only and kind == "file":
+    if base_only and kind == "file":                  # C-level tests: called once per file walked
+        from operator import methodcaller
         simple = re.match(r"^\*(\.[\w.+-]+)$", rest)      # '*.c': a suffix test, no regex
-        name_ok = (lambda name, sfx=simple.group(1): name.endswith(sfx)) if simple else \
-            (lambda name: rx.match(name) is not None)
-    entries = walk(start, ctx.policy, follow_links=False, want_dirs=kind != "file", cancelled=ctx.cancelled,
-                   name_ok=name_ok, with_mtime=True)
+        name_ok = methodcaller("endswith", simple.group(1)) if simple else rx.match
+    walked = walk(start, ctx.policy, follow_links=False, want_dirs=kind != "file", cancelled=ctx.cancelled,
+                  name_ok=name_ok)
     if name_ok is not None:                      # the walker already matched the names
-        return [(path, path[lead:], when) for path, _, when in entries]
-    return [(path, path[lead:], when) for path, is_dir, when in entries
-            if is_dir == (kind == "directory")
-            and rx.match(path[path.rfind("/") + 1:] if base_only else path[cut:])]
+        matched = (path for path, _ in walked)
+    else:
+        matched = (path for path, is_dir in walked if is_dir == (kind == "directory")
+                   and rx.match(path[path.rfind("/") + 1:] if base_only else path[cut:]))
+    return [(path, path[lead:], when) for path, when in with_mtimes(matched, ctx.cancelled)]
 
 
 def tool_glob(session, args, ctx):

@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 import unittest
+from unittest import mock
 
 import boris
 
@@ -1656,7 +1657,7 @@ class TestGitignoreAgreesWithGit(unittest.TestCase):
         git_visible.discard(".gitignore")
         git_visible.discard("sub/.gitignore")
         policy = boris.PathPolicy([], [], tmp)
-        ours = set(p[len(tmp) + 1:] for p, d, _ in boris.walk(tmp, policy, False) if not d)
+        ours = set(p[len(tmp) + 1:] for p, d in boris.walk(tmp, policy, False) if not d)
         ours.discard(".gitignore")
         ours.discard("sub/.gitignore")
         self.assertEqual(sorted(ours), sorted(git_visible))
@@ -1719,6 +1720,48 @@ class TestGlob(SearchBase):
         out = self.ok("glob", pattern="many/*.txt")
         self.assertLessEqual(len(out), boris.OUTPUT_MAX_CHARS + 300)
         self.assertIn("more paths not shown", out)
+
+    def _many_with_mtimes(self, n):
+        now = time.time()
+        for i in range(n):
+            self.write("many/f%04d.dat" % i, "")
+            os.utime(self.path("many/f%04d.dat" % i), (now - 7 * i, now - 7 * i))
+        return ["f%04d.dat" % i for i in range(n)]          # newest first
+
+    def _glob_with_helper(self, **patches):
+        """glob many/*.dat with the mtime helper forced on; the helpers it started."""
+        started = []
+        real_start = boris.start_helper
+
+        def start(kind):
+            h = real_start(kind)
+            started.append(h)
+            return h
+        with mock.patch.object(boris, "PARALLEL_MIN_FILES", 5), mock.patch.object(boris, "start_helper", start), \
+                mock.patch("os.cpu_count", return_value=2):
+            for name, value in patches.items():
+                mock.patch.object(boris, name, value).start()
+            try:
+                out = self.ok("glob", pattern="*.dat", path="many")
+            finally:
+                mock.patch.stopall()
+        return out, started
+
+    def test_big_glob_shares_stat_calls_with_a_helper(self):
+        expected = self._many_with_mtimes(2600)          # > two 1024-path batches, then a tail
+        out, started = self._glob_with_helper()
+        self.assertEqual(len(started), 1)
+        self.assertIsNotNone(started[0])
+        self.assertIsNotNone(started[0].proc.returncode, "helper not reaped")
+        self.assertEqual(out.split("\n"), expected)       # newest first across both shares
+        self.assertEqual(self.ok("glob", pattern="*.dat", path="many"), out)   # same as in-process
+
+    def test_big_glob_survives_a_failing_helper(self):
+        expected = self._many_with_mtimes(1200)
+        out, started = self._glob_with_helper(_MTIME_HELPER_CODE="import sys; sys.exit(3)")
+        self.assertEqual(len(started), 1)
+        self.assertEqual(started[0].proc.returncode, 3)
+        self.assertEqual(out.split("\n"), expected)
 
 
 class TestCompatSearch(SearchBase):
