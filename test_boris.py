@@ -304,6 +304,20 @@ class TestRooms(unittest.TestCase):
             self.assertEqual(lines[fn.__code__.co_firstlineno - 1].lstrip().split("(")[0], "def " + fn.__name__)
             self.assertEqual(fn.__code__.co_filename, boris.__file__)
 
+    @unittest.skipUnless(hasattr(sys, "stdlib_module_names"), "needs Python 3.10+")
+    def test_rooms_import_only_the_standard_library(self):
+        # Code inside room(r'''...''') is a string to tools that parse the file: check it here.
+        import ast
+        found = set()
+        for _, source in boris._rooms:
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.Import):
+                    found |= set(a.name.split(".")[0] for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    found.add(node.module.split(".")[0])
+        self.assertIn("subprocess", found)
+        self.assertEqual(sorted(found - set(sys.stdlib_module_names)), [])
+
     def test_deferred_and_module_getattr(self):
         self.assertEqual(boris.deferred("tool_view").__name__, "tool_view")
         with self.assertRaises(NameError):
