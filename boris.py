@@ -1258,20 +1258,23 @@ def with_mtimes(paths, cancelled):
     reaches PARALLEL_MIN_FILES, a helper stats every later path as it is found, while
     the walk goes on; this process stats the first ones at the end."""
     found, helper, handed = [], None, 0
+
+    def hand_over(last=False):
+        helper.send(b"".join(os.fsencode(p) + b"\0" for p in found[handed:]), last)
+        return len(found)
     try:
         for path in paths:
             found.append(path)
             if helper is not None:
                 if len(found) - handed >= 1024:
-                    helper.send(b"".join(os.fsencode(p) + b"\0" for p in found[handed:]))
-                    handed = len(found)
+                    handed = hand_over()
             elif len(found) == PARALLEL_MIN_FILES and helper_count(len(found)):
                 helper = start_helper("mtimes")
                 handed = len(found)
         if helper is None:
             return [(p, mtime(p)) for p in found]
         first = PARALLEL_MIN_FILES
-        helper.send(b"".join(os.fsencode(p) + b"\0" for p in found[handed:]), last=True)
+        hand_over(last=True)
         mine = [mtime(p) for p in found[:first]]
         theirs = helper.answer(cancelled)
         if theirs is None or len(theirs) != len(found) - first:

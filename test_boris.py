@@ -5,6 +5,7 @@ a real `python3 boris.py` the way a client does. Test names carry the seed scena
 they cover (seed000_..., seed001_..., ...)."""
 
 import base64
+import contextlib
 import json
 import os
 import random
@@ -284,18 +285,22 @@ print(json.dumps({"unknown": unknown, "loaded": boris._rooms_state["loaded"],
 
 
 class TestRooms(unittest.TestCase):
-    def test_initialize_and_tools_list_compile_no_room(self):
+    @classmethod
+    def setUpClass(cls):
         p = subprocess.run([sys.executable, "-c", HOT_CHECK, HERE], capture_output=True, text=True, timeout=60)
-        self.assertEqual(p.returncode, 0, p.stderr)
-        got = json.loads(p.stdout)
+        cls.fresh = json.loads(p.stdout) if p.returncode == 0 else {"failed": p.stderr}
+
+    def test_initialize_and_tools_list_compile_no_room(self):
+        got = self.fresh
+        self.assertNotIn("failed", got)
         self.assertEqual(got["errors"], [])
         self.assertGreaterEqual(got["tools"], 10)
         self.assertFalse(got["loaded"], "answering initialize/tools/list compiled the rooms")
 
     def test_code_outside_rooms_names_no_room_global(self):
         # A name defined only in a room would be a NameError before the rooms load.
-        p = subprocess.run([sys.executable, "-c", HOT_CHECK, HERE], capture_output=True, text=True, timeout=60)
-        self.assertEqual(json.loads(p.stdout)["unknown"], [])
+        self.assertNotIn("failed", self.fresh)
+        self.assertEqual(self.fresh["unknown"], [])
 
     def test_room_code_keeps_file_line_numbers(self):
         with open(BORIS, encoding="utf-8") as fh:
@@ -1751,14 +1756,12 @@ class TestGlob(SearchBase):
             h = real_start(kind)
             started.append(h)
             return h
-        with mock.patch.object(boris, "PARALLEL_MIN_FILES", 5), mock.patch.object(boris, "start_helper", start), \
-                mock.patch("os.cpu_count", return_value=2):
+        patches.update(PARALLEL_MIN_FILES=5, start_helper=start)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mock.patch("os.cpu_count", return_value=2))
             for name, value in patches.items():
-                mock.patch.object(boris, name, value).start()
-            try:
-                out = self.ok("glob", pattern="*.dat", path="many")
-            finally:
-                mock.patch.stopall()
+                stack.enter_context(mock.patch.object(boris, name, value))
+            out = self.ok("glob", pattern="*.dat", path="many")
         return out, started
 
     def test_big_glob_shares_stat_calls_with_a_helper(self):
