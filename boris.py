@@ -10,8 +10,8 @@ web fetch, in one Python file with no dependencies (Python 3.8+, standard librar
 
 The file reads top to bottom as layers, each under a banner, each using only the
 layers above it: limits, errors, configuration, paths, files, search, shell, web,
-session, tools, protocol, transports, main. The rooms a tool call needs are compiled
-on first use; see "Rooms compiled on first use" below.
+session, tools, protocol, transports, main. Heavy standard-library modules that only
+some calls need are imported inside the functions that use them.
 
 License: MIT.
 """
@@ -27,59 +27,6 @@ import stat
 import sys
 import threading
 import time
-
-###############################################################################
-# Rooms compiled on first use #################################################
-###############################################################################
-# CPython compiles the whole text of a script before it runs a line of it, about 9 us
-# a line, and answering `initialize` has a budget of 1.6 x bare Python (SPEC 7). So
-# the rooms only a tool call needs - files, search, shell, web, the tool handlers and
-# the HTTP transport - are written as ordinary code inside room(r'''...''') and
-# compiled into this module, in file order, the first time any of them is needed:
-# by a tool handler (through `deferred`), by HTTP start-up, or by `boris.<name>` from
-# outside (module __getattr__, PEP 562). Read them as if the quotes were not there;
-# tracebacks show this file's own line numbers.
-
-_rooms = []                                # (line of the room( call, source), in file order
-_rooms_state = {"loaded": False}
-_rooms_lock = threading.Lock()
-
-
-def room(source):
-    _rooms.append((sys._getframe(1).f_lineno, source))
-
-
-def load_rooms():
-    if _rooms_state["loaded"]:
-        return
-    with _rooms_lock:
-        if _rooms_state["loaded"]:
-            return
-        scope = globals()
-        for line, source in _rooms:
-            exec(compile("\n" * (line - 1) + source, scope.get("__file__", "<boris>"), "exec"), scope)
-        _rooms_state["loaded"] = True
-
-
-def deferred(name):
-    """A stand-in for the function `name` of a room: calling it compiles the rooms."""
-    def call(*args, **kwargs):
-        load_rooms()
-        target = globals().get(name, call)
-        if target is call:
-            raise NameError("no room defines %r" % name)
-        return target(*args, **kwargs)
-    call.__name__ = call.__qualname__ = name
-    return call
-
-
-def __getattr__(name):
-    """`boris.<name>` from outside for a name that lives in a room."""
-    if not name.startswith("__") and not _rooms_state["loaded"]:
-        load_rooms()
-        if name in globals():
-            return globals()[name]
-    raise AttributeError("module %r has no attribute %r" % (__name__, name))
 
 ###############################################################################
 # Limits and constants ########################################################
@@ -491,7 +438,6 @@ class PathPolicy(object):
 ###############################################################################
 # Files #######################################################################
 ###############################################################################
-room(r'''
 
 IMAGE_MAGIC = (
     (b"\x89PNG\r\n\x1a\n", "image/png"),
@@ -661,7 +607,6 @@ def _link_temp(fd, directory, base):
     finally:
         os.close(dfd)
     return name
-''')
 
 ###############################################################################
 # Search ######################################################################
@@ -669,7 +614,6 @@ def _link_temp(fd, directory, base):
 # One walker (gitignore-aware, cycle-safe, scope-filtered), one glob compiler (in
 # Paths above), one grep engine. grep, glob, search_text and search_files are thin
 # front-ends over these.
-room(r'''
 
 WALK_SKIP = frozenset((".git", "node_modules"))
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
@@ -1124,39 +1068,77 @@ def grep_many(files, spec):
 
 
 # -- helper processes -------------------------------------------------------------
-# A big search shares its work with helper processes (python -S, so no site-packages
-# start-up). A job is a kind line, then its input on stdin; the answer is JSON on stdout.
-# "grep" runs this same file's engine on a JSON {files, spec} (~50 ms to start).
-# "mtimes" is a few lines of its own, so it starts in ~15 ms: it stats NUL-terminated
-# paths as they stream in, while the walk that finds them goes on (same rule as mtime():
-# os.stat, 0.0 when the path has gone). Only lists of PARALLEL_MIN_FILES or more use a
-# helper; when one fails or the call is cancelled, this process does its share itself.
-
-_HELPER_CODE = ("import importlib.util as u,sys;s=u.spec_from_file_location('boris_helper',sys.argv[1]);"
-                "m=u.module_from_spec(s);s.loader.exec_module(m);m.helper_main()")
-_MTIME_HELPER_CODE = r"""
-import json, os, sys
-stdin, answer, rest = sys.stdin.buffer, [], b""
-stdin.readline()
-for chunk in iter(lambda: stdin.read1(1 << 16), b""):
-    paths = (rest + chunk).split(b"\0")
-    rest = paths.pop()
-    for p in paths:
-        try:
-            answer.append(os.stat(p).st_mtime)
-        except OSError:
-            answer.append(0.0)
-sys.stdout.write(json.dumps(answer))
-"""
+# A big search shares its work with helper processes: this same file run as
+# `python3 -S -m boris --helper KIND` (no site-packages; the bytecode is cached under a
+# private pycache prefix, so a helper starts in ~20 ms and writes nothing next to
+# boris.py). A job is its input on stdin; the answer is JSON on stdout.
+# "grep" runs the engine on a JSON {files, spec}. "mtimes" stats NUL-terminated paths
+# as they stream in, while the walk that finds them goes on (same rule as mtime()).
+# Only lists of PARALLEL_MIN_FILES or more use a helper; when one fails or the call is
+# cancelled, this process does its share itself.
 
 
-def helper_main():
-    """Entry point of a grep helper: the kind line, then JSON {files, spec}."""
-    stdin = sys.stdin.buffer
-    stdin.readline()
-    job = json.loads(stdin.read().decode("utf-8", "surrogateescape"))
-    sys.stdout.write(json.dumps(grep_many(job["files"], job["spec"])))
+def mtime(path):
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def helper_grep():
+    """A grep helper: JSON {files, spec} on stdin, [(index, result)] on stdout."""
+    job = json.loads(sys.stdin.buffer.read().decode("utf-8", "surrogateescape"))
+    return grep_many(job["files"], job["spec"])
+
+
+def helper_mtimes():
+    """An mtime helper: NUL-terminated paths on stdin, their mtimes on stdout."""
+    answer, rest = [], b""
+    for chunk in iter(lambda: sys.stdin.buffer.read1(1 << 16), b""):
+        paths = (rest + chunk).split(b"\0")
+        rest = paths.pop()
+        answer += [mtime(p) for p in paths]
+    return answer
+
+
+HELPER_KINDS = {"grep": helper_grep, "mtimes": helper_mtimes}
+
+
+def helper_main(kind):
+    """Entry point of `boris.py --helper KIND`: run one job, exit 0 (2 for no such kind)."""
+    job = HELPER_KINDS.get(kind)
+    if job is None:
+        sys.stderr.write("boris: error: unknown helper kind %r\n" % kind)
+        return 2
+    answer = job()
+    sys.stdout.write(json.dumps(answer))
     sys.stdout.flush()
+    return 0
+
+
+def pycache_prefix():
+    """A private directory for the helpers' cached bytecode, or None when none is safe."""
+    import tempfile
+    path = os.path.join(tempfile.gettempdir(), "boris-pycache-%d" % os.geteuid())
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return None
+    return path
+
+
+def helper_command(kind):
+    """argv and cwd that run this file as a helper of `kind`."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    prefix = pycache_prefix()
+    cache = ["-X", "pycache_prefix=" + prefix] if prefix else ["-B"]
+    module = os.path.splitext(os.path.basename(__file__))[0]
+    return [sys.executable, "-S"] + cache + ["-m", module, "--helper", kind], here
 
 
 def helper_count(n_files):
@@ -1173,11 +1155,10 @@ class Helper(object):
     def __init__(self, kind):
         import queue
         import subprocess
-        code = _MTIME_HELPER_CODE if kind == "mtimes" else _HELPER_CODE
-        self.proc = subprocess.Popen([sys.executable, "-S", "-c", code, os.path.abspath(__file__)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        argv, cwd = helper_command(kind)
+        self.proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL)
         self.inbox = queue.SimpleQueue()
-        self.inbox.put(kind.encode("ascii") + b"\n")
         threading.Thread(target=self._feed, daemon=True).start()
 
     def _feed(self):
@@ -1246,13 +1227,6 @@ def grep_parallel(files, spec, cancelled):
     return results
 
 
-def mtime(path):
-    try:
-        return os.stat(path).st_mtime
-    except OSError:
-        return 0.0
-
-
 def with_mtimes(paths, cancelled):
     """[(path, mtime)] for an iterable of paths (a walk, typically). Once the list
     reaches PARALLEL_MIN_FILES, a helper stats every later path as it is found, while
@@ -1283,12 +1257,10 @@ def with_mtimes(paths, cancelled):
     finally:
         if helper is not None:
             helper.close()
-''')
 
 ###############################################################################
 # Shell #######################################################################
 ###############################################################################
-room(r'''
 
 SHELL = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
 CAPTURE_HEAD_BYTES = OUTPUT_MAX_CHARS * 4      # enough bytes for 30,000 characters
@@ -1478,13 +1450,11 @@ def kill_all(tasks):
         t.stop.set()
     for t in tasks:
         t.done.wait(KILL_GRACE_S + 2)
-''')
 
 ###############################################################################
 # Web #########################################################################
 ###############################################################################
 # urllib and html.parser are imported inside these functions: start-up never pays.
-room(r'''
 
 HTML_SKIP = frozenset(("script", "style", "noscript", "template", "svg", "head"))
 HTML_BLOCKS = frozenset(("p", "div", "br", "li", "ul", "ol", "h1", "h2", "h3", "h4", "h5", "h6", "tr", "table",
@@ -1619,7 +1589,6 @@ def fetch_text(url, timeout):
               or ctype.endswith(("+json", "+xml")) or not ctype):
         raise WebError("错误：不支持的内容类型 %s: %s" % (ctype, url))
     return text[:WEB_MAX_CHARS]
-''')
 
 ###############################################################################
 # Session #####################################################################
@@ -1687,10 +1656,10 @@ class Session(object):
             self.tasks.clear()
         for ev in events:
             ev.set()
-        if tasks or procs:                  # only a tool call (rooms compiled) makes these
-            deferred("kill_all")(tasks)
+        if tasks or procs:
+            kill_all(tasks)
             for proc in procs:
-                deferred("stop_group")(proc)
+                stop_group(proc)
 
 ###############################################################################
 # Tools: building blocks ######################################################
@@ -1749,7 +1718,6 @@ def resolve_checked(session, ctx, path, name="path"):
 ###############################################################################
 # Tools: file viewing and editing #############################################
 ###############################################################################
-room(r'''
 
 def tool_view(session, args, ctx):
     shown = args["path"]
@@ -2000,12 +1968,10 @@ def tool_str_replace_editor(session, args, ctx):
     if cmd == "create":
         return tool_create_file(session, args, ctx, content_key="file_text")
     return tool_insert(session, args, ctx)
-''')
 
 ###############################################################################
 # Tools: shell ################################################################
 ###############################################################################
-room(r'''
 
 def bash_timeout_ms(args, config):
     ms = args.get("timeout")
@@ -2123,12 +2089,10 @@ def tool_task_output(session, args, ctx):
         status = "status: completed"
     return "%s\n%s\ncommand: %s\n%s" % (status, describe_exit(task.proc), task.command,
                                        render_output(task.out, task.err))
-''')
 
 ###############################################################################
 # Tools: search ###############################################################
 ###############################################################################
-room(r'''
 
 GREP_MODES = ("files_with_matches", "content", "count")
 
@@ -2337,14 +2301,12 @@ def tool_search_files(session, args, ctx):
     if not found:
         return "No files found matching %r" % args["pattern"]
     return cap_lines(newest_first(found), "paths")
-''')
 
 ###############################################################################
 # Tools: workspace (seed 004) #################################################
 ###############################################################################
 # These answer in seed 004's fixed Chinese strings; an answer starting with 错误 is an
 # error. Paths are confined to the workspace root (--workdir) by PathPolicy.confine.
-room(r'''
 
 ESCAPE = "错误：路径越出工作区限制"
 
@@ -2436,7 +2398,6 @@ def tool_web_fetch(session, args, ctx):
         return fetch_text(url, timeout)
     except WebError as e:
         raise PlainToolError(str(e))
-''')
 
 ###############################################################################
 # Tools: the registry #########################################################
@@ -2472,16 +2433,16 @@ EDITOR_DESC = ("View, create and edit files. command=view shows a file with line
 def file_tools():
     return [
         Tool("view", VIEW_DESC, obj({"path": PATH_PROP, "view_range": RANGE_PROP}, ["path"]),
-             notes("View file or directory", read_only=True, idempotent=True), deferred("tool_view")),
+             notes("View file or directory", read_only=True, idempotent=True), tool_view),
         Tool("str_replace", STR_REPLACE_DESC, obj({
             "path": PATH_PROP,
             "old_str": prop("string", "The exact text to replace."),
             "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
             "replace_all": prop("boolean", "Replace every occurrence instead of requiring one (default false)."),
-        }, ["path", "old_str"]), notes("Replace text in a file", destructive=True), deferred("tool_str_replace")),
+        }, ["path", "old_str"]), notes("Replace text in a file", destructive=True), tool_str_replace),
         Tool("create_file", CREATE_DESC, obj({
             "path": PATH_PROP, "content": prop("string", "The complete file content."),
-        }, ["path", "content"]), notes("Create or overwrite a file", destructive=True), deferred("tool_create_file")),
+        }, ["path", "content"]), notes("Create or overwrite a file", destructive=True), tool_create_file),
     ]
 
 
@@ -2496,7 +2457,7 @@ def editor_tool():
         "insert_line": prop("integer", "command=insert: insert after this line (0 = top of file)."),
         "insert_text": prop("string", "command=insert: the text to insert."),
         "replace_all": prop("boolean", "command=str_replace: replace every occurrence."),
-    }, ["command", "path"]), notes("Text editor", destructive=True), deferred("tool_str_replace_editor"))
+    }, ["command", "path"]), notes("Text editor", destructive=True), tool_str_replace_editor)
 
 
 BASH_DESC = ("Run a shell command (bash -c) in the session's working directory and return its exit code, "
@@ -2517,11 +2478,11 @@ def shell_tools(config):
                             % (int(config.timeout * 1000), BASH_MAX_TIMEOUT_MS)),
             "run_in_background": prop("boolean", "Start the command and return its task_id at once."),
             "description": prop("string", "A few words saying what the command does (for logs)."),
-        }, ["command"]), notes("Run shell command", destructive=True, open_world=True), deferred("tool_bash")),
+        }, ["command"]), notes("Run shell command", destructive=True, open_world=True), tool_bash),
         Tool("task_output", TASK_DESC, obj({
             "task_id": prop("string", "The task_id bash returned."),
             "wait_ms": prop("integer", "Wait up to this many milliseconds for the task to finish (default 0)."),
-        }, ["task_id"]), notes("Read background task output", read_only=True), deferred("tool_task_output")),
+        }, ["task_id"]), notes("Read background task output", read_only=True), tool_task_output),
     ]
 
 
@@ -2566,26 +2527,26 @@ def search_tools(config):
         back = dict((v, k) for k, v in COMPAT_GREP_NAMES.items())
         grep_props = dict((back.get(k, k), v) for k, v in GREP_PROPS.items())
         grep = Tool("grep", GREP_DESC, obj(grep_props, ["pattern"]), notes("Search file contents", read_only=True),
-                    renamed(deferred("tool_grep"), COMPAT_GREP_NAMES))
+                    renamed(tool_grep, COMPAT_GREP_NAMES))
     else:
         grep = Tool("grep", GREP_DESC, obj(GREP_PROPS, ["pattern"]), notes("Search file contents", read_only=True),
-                    deferred("tool_grep"))
+                    tool_grep)
         glob_props["type"] = prop("string", "file (default) or directory.")
     return [
         grep,
         Tool("glob", GLOB_DESC, obj(glob_props, ["pattern"]), notes("Find files by name", read_only=True),
-             deferred("tool_glob")),
+             tool_glob),
         Tool("search_text", "Search for text in files: every line containing `query` (literal, or a regular "
              "expression when regex is true) under each of `paths`, as path:line:content.", obj({
                  "query": prop("string", "The text (or regex) to find."),
                  "paths": prop("array", "Files or directories to search (default: the working directory).",
                                items={"type": "string"}),
                  "regex": prop("boolean", "Treat query as a regular expression (default false)."),
-             }, ["query", "paths"]), notes("Search text", read_only=True), deferred("tool_search_text")),
+             }, ["query", "paths"]), notes("Search text", read_only=True), tool_search_text),
         Tool("search_files", "Find files whose path matches a glob pattern (e.g. src/**/*.ts or **/*.md), "
              "searched from the working directory; returns one path per line.", obj({
                  "pattern": prop("string", "The glob pattern."),
-             }, ["pattern"]), notes("Find files", read_only=True), deferred("tool_search_files")),
+             }, ["pattern"]), notes("Find files", read_only=True), tool_search_files),
     ]
 
 
@@ -2595,21 +2556,21 @@ def workspace_tools(config):
         Tool("read_file", "Read a whole text file from the workspace and return its content. " + ws, obj({
             "path": prop("string", "File path inside the workspace."),
             "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
-        }, ["path"]), notes("Read file", read_only=True, idempotent=True), deferred("tool_read_file")),
+        }, ["path"]), notes("Read file", read_only=True, idempotent=True), tool_read_file),
         Tool("write_file", "Write content to a file in the workspace, creating parent directories; "
              "overwrites an existing file. " + ws, obj({
                  "path": prop("string", "File path inside the workspace."),
                  "content": prop("string", "The complete file content."),
-             }, ["path", "content"]), notes("Write file", destructive=True), deferred("tool_write_file")),
+             }, ["path", "content"]), notes("Write file", destructive=True), tool_write_file),
         Tool("list_directory", "List a workspace directory: one entry per line, [D] for directories and "
              "[F] for files, sorted by name. " + ws, obj({
                  "path": prop("string", "Directory path inside the workspace (default: the root)."),
-             }, ["path"]), notes("List directory", read_only=True, idempotent=True), deferred("tool_list_directory")),
+             }, ["path"]), notes("List directory", read_only=True, idempotent=True), tool_list_directory),
         Tool("web_fetch", "Fetch a web page (http or https) and return its readable text (HTML tags, "
              "scripts and styles removed; JSON and plain text as they are), cut to 5,000 characters.", obj({
                  "url": prop("string", "The http:// or https:// URL."),
                  "timeout": prop("integer", "Seconds to wait (default 10, max 120)."),
-             }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), deferred("tool_web_fetch")),
+             }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), tool_web_fetch),
     ]
 
 
@@ -2973,7 +2934,6 @@ def serve_stdio(server, session, stdin=None, stdout=None):
 
 # -- streamable HTTP ----------------------------------------------------------
 
-room(r'''
 
 LOCAL_HOSTS = frozenset(("localhost", "127.0.0.1", "::1", "[::1]"))
 
@@ -3299,7 +3259,6 @@ def serve_http(server, config):
     except (_Shutdown, KeyboardInterrupt):
         log("info", "signal received, shutting down")
     return 0
-''')
 
 ###############################################################################
 # main ########################################################################
@@ -3308,6 +3267,8 @@ def serve_http(server, config):
 
 def main(argv=None, environ=None):
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--helper"]:
+        return helper_main(argv[1] if len(argv) > 1 else "")
     environ = os.environ if environ is None else environ
     try:
         config = parse_config(argv, environ)
@@ -3324,7 +3285,7 @@ def main(argv=None, environ=None):
         signal.signal(sig, _raise_shutdown)
     server = McpServer(config, policy)
     if config.transport == "http":
-        return deferred("serve_http")(server, config)
+        return serve_http(server, config)
     session = Session(config)
     log("debug", "serving stdio", workdir=config.workdir, tools=list(server.tools))
     serve_stdio(server, session)

@@ -244,94 +244,6 @@ class TestConfig(unittest.TestCase):
         self.assertIn("BORIS_WORKDIR", p.stdout)
 
 # ---------------------------------------------------------------------------
-# Rooms compiled on first use
-# ---------------------------------------------------------------------------
-
-# Run in a fresh interpreter: this process has long since compiled the rooms.
-HOT_CHECK = r"""
-import builtins, dis, json, sys, types
-sys.path.insert(0, sys.argv[1])
-import boris
-scope = vars(boris)
-
-def codes(co):
-    yield co
-    for c in co.co_consts:
-        if isinstance(c, types.CodeType):
-            yield from codes(c)
-
-def functions(obj):
-    if isinstance(obj, types.FunctionType):
-        return [obj]
-    if isinstance(obj, type) and obj.__module__ == "boris":
-        return [v for v in vars(obj).values() if isinstance(v, types.FunctionType)]
-    return []
-
-unknown = sorted(set("%s uses %s" % (f.__qualname__, i.argval)
-                     for obj in list(scope.values()) for f in functions(obj) for co in codes(f.__code__)
-                     for i in dis.get_instructions(co)
-                     if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")
-                     and i.argval not in scope and not hasattr(builtins, i.argval)))
-config = boris.parse_config(["--workdir", sys.argv[1]], {})
-server = boris.McpServer(config, boris.PathPolicy(config.allow_dir, config.deny_dir, config.workdir))
-session, out = boris.Session(server.config), []
-for i, method in enumerate(("initialize", "tools/list", "ping")):
-    params = {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
-    server.dispatch({"jsonrpc": "2.0", "id": i, "method": method, "params": params}, session, out.append)
-session.close()
-print(json.dumps({"unknown": unknown, "loaded": boris._rooms_state["loaded"],
-                  "tools": len(out[1]["result"]["tools"]), "errors": [m for m in out if "error" in m]}))
-"""
-
-
-class TestRooms(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        p = subprocess.run([sys.executable, "-c", HOT_CHECK, HERE], capture_output=True, text=True, timeout=60)
-        cls.fresh = json.loads(p.stdout) if p.returncode == 0 else {"failed": p.stderr}
-
-    def test_initialize_and_tools_list_compile_no_room(self):
-        got = self.fresh
-        self.assertNotIn("failed", got)
-        self.assertEqual(got["errors"], [])
-        self.assertGreaterEqual(got["tools"], 10)
-        self.assertFalse(got["loaded"], "answering initialize/tools/list compiled the rooms")
-
-    def test_code_outside_rooms_names_no_room_global(self):
-        # A name defined only in a room would be a NameError before the rooms load.
-        self.assertNotIn("failed", self.fresh)
-        self.assertEqual(self.fresh["unknown"], [])
-
-    def test_room_code_keeps_file_line_numbers(self):
-        with open(BORIS, encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
-        for fn in (boris.tool_view, boris.walk, boris.pump, boris.fetch_text, boris.serve_http):
-            self.assertEqual(lines[fn.__code__.co_firstlineno - 1].lstrip().split("(")[0], "def " + fn.__name__)
-            self.assertEqual(fn.__code__.co_filename, boris.__file__)
-
-    @unittest.skipUnless(hasattr(sys, "stdlib_module_names"), "needs Python 3.10+")
-    def test_rooms_import_only_the_standard_library(self):
-        # Code inside room(r'''...''') is a string to tools that parse the file: check it here.
-        import ast
-        found = set()
-        for _, source in boris._rooms:
-            for node in ast.walk(ast.parse(source)):
-                if isinstance(node, ast.Import):
-                    found |= set(a.name.split(".")[0] for a in node.names)
-                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    found.add(node.module.split(".")[0])
-        self.assertIn("subprocess", found)
-        self.assertEqual(sorted(found - set(sys.stdlib_module_names)), [])
-
-    def test_deferred_and_module_getattr(self):
-        self.assertEqual(boris.deferred("tool_view").__name__, "tool_view")
-        with self.assertRaises(NameError):
-            boris.deferred("no_such_room_function")()
-        with self.assertRaises(AttributeError):
-            boris.no_such_attribute
-
-
-# ---------------------------------------------------------------------------
 # Paths
 # ---------------------------------------------------------------------------
 
@@ -1775,7 +1687,8 @@ class TestGlob(SearchBase):
 
     def test_big_glob_survives_a_failing_helper(self):
         expected = self._many_with_mtimes(1200)
-        out, started = self._glob_with_helper(_MTIME_HELPER_CODE="import sys; sys.exit(3)")
+        out, started = self._glob_with_helper(
+            helper_command=lambda kind: ([sys.executable, "-c", "import sys; sys.exit(3)"], HERE))
         self.assertEqual(len(started), 1)
         self.assertEqual(started[0].proc.returncode, 3)
         self.assertEqual(out.split("\n"), expected)
