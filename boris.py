@@ -69,26 +69,38 @@ EOF_GRACE_S = 2.0                          # stdin closed: let in-flight calls f
 
 
 class ToolError(Exception):
-    """A tool failure the model should see: rendered as `[CODE] message.`"""
+    """The one way a tool fails: a code and a message the model can act on.
 
-    def __init__(self, code, message):
+    render() is the one place an error becomes text: `[CODE] message.`, or the message
+    verbatim for the seed-004 tools (`plain`), which answer in seed 004's fixed strings."""
+
+    def __init__(self, code, message, plain=False):
         Exception.__init__(self, message)
         self.code = code
         self.message = message
+        self.plain = plain
 
     def render(self):
+        if self.plain:
+            return self.message
         msg = self.message.rstrip()
         if not msg.endswith((".", "?", "!")):
             msg += "."
         return "[%s] %s" % (self.code, msg)
 
 
-class PlainToolError(Exception):
-    """A failure rendered verbatim (the seed-004 tools answer in fixed strings)."""
+def plain_error(message, code="IO_ERROR"):
+    """A seed-004 tool's error: its fixed Chinese string, shown verbatim."""
+    return ToolError(code, message, plain=True)
 
 
-class ParamsError(Exception):
-    """Arguments that do not fit a tool's schema: JSON-RPC -32602."""
+class RpcError(Exception):
+    """A JSON-RPC error answer (protocol layer only: bad params of a non-tool method)."""
+
+    def __init__(self, code, message):
+        Exception.__init__(self, message)
+        self.code = code
+        self.message = message
 
 
 class ConfigError(Exception):
@@ -149,6 +161,8 @@ FLAGS = (
     ("anthropic-compat", "BORIS_ANTHROPIC_COMPAT", "false", "bool", "expose str_replace_editor and Claude Code's grep parameter names"),
     ("log-level", "BORIS_LOG_LEVEL", "info", "choice:debug|info|warn|error", "stderr log level"),
     ("log-format", "BORIS_LOG_FORMAT", "text", "choice:text|json", "stderr log format"),
+    ("web-fetch-block-private", "BORIS_WEB_FETCH_BLOCK_PRIVATE", "false", "bool",
+     "web_fetch also refuses loopback and private addresses (link-local is always refused)"),
 )
 
 _TRUE = ("1", "true", "yes", "on")
@@ -158,11 +172,32 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 1024, "K": 1024, "MB": 1024 ** 2, "M": 1024 
 
 
 class Config(object):
-    """Resolved settings: every value typed, `auto` already decided."""
+    """Resolved settings: every value typed, `auto` already decided. The defaults are
+    the FLAGS defaults, so Config() alone is a working configuration rooted at '.'."""
 
-    def __init__(self, values):
-        for k, v in values.items():
-            setattr(self, k.replace("-", "_"), v)
+    def __init__(self, transport="stdio", host="127.0.0.1", port=8080, workdir=".", timeout=120.0,
+                 allow_dir=(), deny_dir=(), token="", generate_token=False, disable_tools=(),
+                 background_task_timeout=0.0, max_file_size=10 * 1024 ** 2, require_view_before_edit=True,
+                 anthropic_compat=False, log_level="info", log_format="text", web_fetch_block_private=False,
+                 disabled=frozenset()):
+        self.transport = transport                      # "stdio" | "http"
+        self.host = host
+        self.port = port
+        self.workdir = workdir                          # canonical: session cwd start, workspace root
+        self.timeout = timeout                          # default bash timeout, seconds
+        self.allow_dir = list(allow_dir)
+        self.deny_dir = list(deny_dir)
+        self.token = token
+        self.generate_token = generate_token
+        self.disable_tools = list(disable_tools)
+        self.background_task_timeout = background_task_timeout
+        self.max_file_size = max_file_size              # bytes
+        self.require_view_before_edit = require_view_before_edit
+        self.anthropic_compat = anthropic_compat
+        self.log_level = log_level
+        self.log_format = log_format
+        self.web_fetch_block_private = web_fetch_block_private
+        self.disabled = frozenset(disabled)             # registered tool names switched off
 
 
 def parse_size(text):
@@ -229,6 +264,26 @@ def help_text():
     return "\n".join(lines)
 
 
+ALL_TOOL_NAMES = ("bash", "task_output", "view", "str_replace", "create_file", "grep", "glob",
+                  "search_text", "search_files", "read_file", "write_file", "list_directory",
+                  "web_fetch", "str_replace_editor")
+EDITOR_PARTS = ("view", "str_replace", "create_file")
+
+
+def resolve_disabled_tools(names, compat):
+    """The registered names that --disable-tools removes; unknown names stop start-up."""
+    unknown = [n for n in names if n not in ALL_TOOL_NAMES]
+    if unknown:
+        raise ConfigError("unknown tool name(s) for --disable-tools: %s; valid names: %s"
+                          % (", ".join(unknown), ", ".join(ALL_TOOL_NAMES)))
+    off = set(names)
+    if "bash" in off:
+        off.add("task_output")
+    if compat and off.intersection(EDITOR_PARTS):
+        off.add("str_replace_editor")
+    return off
+
+
 def parse_config(argv, environ):
     """Build a Config from argv and environ; raise ConfigError on any bad value.
 
@@ -291,9 +346,8 @@ def parse_config(argv, environ):
         raise ConfigError("--workdir %r is not a directory" % values["workdir"])
     values["workdir"] = os.path.realpath(workdir)
     values["timeout"] = values["timeout"] or 120.0
-    cfg = Config(values)
-    cfg.disabled = resolve_disabled_tools(values["disable-tools"], values["anthropic-compat"])
-    return cfg
+    values["disabled"] = resolve_disabled_tools(values["disable-tools"], values["anthropic-compat"])
+    return Config(**dict((k.replace("-", "_"), v) for k, v in values.items()))
 
 ###############################################################################
 # Paths #######################################################################
@@ -1508,12 +1562,8 @@ def html_to_text(markup):
     return (title + "\n" + body).strip() if title and not body.startswith(title) else body
 
 
-class WebError(Exception):
-    """A fetch failure, already worded for the model (seed 004's strings)."""
-
-
 def http_get(url, timeout):
-    """(content_type, charset, body bytes) of a GET, or WebError. At most
+    """(content_type, charset, body bytes) of a GET, or a seed-004 ToolError. At most
     WEB_MAX_REDIRECTS redirects (http/https only), at most WEB_MAX_BYTES read, the
     whole exchange bounded by `timeout` seconds."""
     import socket
@@ -1526,7 +1576,7 @@ def http_get(url, timeout):
 
         def redirect_request(self, req, fp, code, msg, headers, newurl):
             if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
-                raise WebError("错误：重定向到不支持的协议: %s: %s" % (newurl, url))
+                raise plain_error("错误：重定向到不支持的协议: %s: %s" % (newurl, url))
             return urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
 
     opener = urllib.request.build_opener(Redirects)
@@ -1547,35 +1597,35 @@ def http_get(url, timeout):
                 chunks.append(block)
                 size += len(block)
             return ctype, charset, b"".join(chunks)
-    except WebError:
+    except ToolError:
         raise
     except urllib.error.HTTPError as e:
         if e.code in (301, 302, 303, 307, 308):
-            raise WebError("错误：重定向次数过多（超过 %d 次）: %s" % (WEB_MAX_REDIRECTS, url))
-        raise WebError("错误：HTTP %d: %s" % (e.code, url))
+            raise plain_error("错误：重定向次数过多（超过 %d 次）: %s" % (WEB_MAX_REDIRECTS, url))
+        raise plain_error("错误：HTTP %d: %s" % (e.code, url))
     except urllib.error.URLError as e:
         reason = e.reason
         if isinstance(reason, socket.timeout) or "timed out" in str(reason):
-            raise WebError("错误：请求超时（%ss）: %s" % (timeout, url))
+            raise plain_error("错误：请求超时（%ss）: %s" % (timeout, url))
         if isinstance(reason, socket.gaierror):
-            raise WebError("错误：无法解析主机 %s: %s" % (urllib.parse.urlsplit(url).hostname, url))
+            raise plain_error("错误：无法解析主机 %s: %s" % (urllib.parse.urlsplit(url).hostname, url))
         if isinstance(reason, ConnectionRefusedError):
-            raise WebError("错误：连接被拒绝: %s" % url)
-        raise WebError("错误：请求失败（%s）: %s" % (reason, url))
+            raise plain_error("错误：连接被拒绝: %s" % url)
+        raise plain_error("错误：请求失败（%s）: %s" % (reason, url))
     except socket.timeout:
-        raise WebError("错误：请求超时（%ss）: %s" % (timeout, url))
+        raise plain_error("错误：请求超时（%ss）: %s" % (timeout, url))
     except (OSError, ValueError) as e:
         if "timed out" in str(e):
-            raise WebError("错误：请求超时（%ss）: %s" % (timeout, url))
-        raise WebError("错误：请求失败（%s）: %s" % (e, url))
+            raise plain_error("错误：请求超时（%ss）: %s" % (timeout, url))
+        raise plain_error("错误：请求失败（%s）: %s" % (e, url))
 
 
 def fetch_text(url, timeout):
-    """The readable text of a URL, cut to WEB_MAX_CHARS; WebError otherwise."""
+    """The readable text of a URL, cut to WEB_MAX_CHARS; a seed-004 ToolError otherwise."""
     import urllib.parse
     parts = urllib.parse.urlsplit(url)
     if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
-        raise WebError("错误：只支持 http 和 https 网址: %s" % url)
+        raise plain_error("错误：只支持 http 和 https 网址: %s" % url)
     ctype, charset, body = http_get(url, timeout)
     try:
         text = body.decode(charset or "utf-8", "replace")
@@ -1587,7 +1637,7 @@ def fetch_text(url, timeout):
         text = html_to_text(text)
     elif not (ctype.startswith("text/") or ctype in ("application/json", "application/xml", "application/javascript")
               or ctype.endswith(("+json", "+xml")) or not ctype):
-        raise WebError("错误：不支持的内容类型 %s: %s" % (ctype, url))
+        raise plain_error("错误：不支持的内容类型 %s: %s" % (ctype, url))
     return text[:WEB_MAX_CHARS]
 
 ###############################################################################
@@ -2316,53 +2366,53 @@ def _assert_safe_path(ctx, path):
     try:
         return ctx.policy.confine(path)
     except PermissionError:
-        raise PlainToolError(ESCAPE)
+        raise plain_error(ESCAPE, "ACCESS_DENIED")
     except ToolError as e:                      # NUL byte, over-long path
-        raise PlainToolError("错误：路径无效: %s" % e.message)
+        raise plain_error("错误：路径无效: %s" % e.message)
 
 
 def tool_read_file(session, args, ctx):
     path, encoding = args["path"], args.get("encoding") or "utf-8"
     real = _assert_safe_path(ctx, path)
     if not os.path.exists(real):
-        raise PlainToolError("错误：文件不存在: %s" % path)
+        raise plain_error("错误：文件不存在: %s" % path)
     if os.path.isdir(real):
-        raise PlainToolError("错误：%s 不是文件" % path)
+        raise plain_error("错误：%s 不是文件" % path)
     try:
         data = read_limited(real, path, ctx.config.max_file_size)
     except ToolError:
-        raise PlainToolError("错误：文件过大: %s（%s，上限 %s）" % (
+        raise plain_error("错误：文件过大: %s（%s，上限 %s）" % (
             path, human_size(os.path.getsize(real)), human_size(ctx.config.max_file_size)))
     except OSError as e:
-        raise PlainToolError("错误：无法读取文件 %s: %s" % (path, e.strerror or e))
+        raise plain_error("错误：无法读取文件 %s: %s" % (path, e.strerror or e))
     try:
         return data.decode(encoding)
     except LookupError:
-        raise PlainToolError("错误：不支持的编码: %s" % encoding)
+        raise plain_error("错误：不支持的编码: %s" % encoding)
     except UnicodeDecodeError:
         try:
             return data.decode("latin-1")
         except UnicodeDecodeError:
-            raise PlainToolError("错误：文件编码无法识别")
+            raise plain_error("错误：文件编码无法识别")
 
 
 def tool_write_file(session, args, ctx):
     path, content = args["path"], args["content"]
     real = _assert_safe_path(ctx, path)
     if os.path.isdir(real):
-        raise PlainToolError("错误：%s 是目录" % path)
+        raise plain_error("错误：%s 是目录" % path)
     try:
         data = encode_text(content)
     except ToolError:
-        raise PlainToolError("错误：内容含有无效字符（不成对的代理字符）")
+        raise plain_error("错误：内容含有无效字符（不成对的代理字符）")
     if len(data) > ctx.config.max_file_size:
-        raise PlainToolError("错误：内容过大（%s，上限 %s），未写入: %s" % (
+        raise plain_error("错误：内容过大（%s，上限 %s），未写入: %s" % (
             human_size(len(data)), human_size(ctx.config.max_file_size), path))
     try:
         make_dirs(os.path.dirname(real))
         atomic_write(real, data)
     except OSError as e:
-        raise PlainToolError("错误：无法写入 %s: %s" % (path, e.strerror or e))
+        raise plain_error("错误：无法写入 %s: %s" % (path, e.strerror or e))
     session.mark_viewed(real)
     return "成功：已写入 %s" % path
 
@@ -2371,13 +2421,13 @@ def tool_list_directory(session, args, ctx):
     path = args.get("path") or "."
     real = _assert_safe_path(ctx, path)
     if not os.path.exists(real):
-        raise PlainToolError("错误：目录不存在: %s" % path)
+        raise plain_error("错误：目录不存在: %s" % path)
     if not os.path.isdir(real):
-        raise PlainToolError("错误：%s 不是目录" % path)
+        raise plain_error("错误：%s 不是目录" % path)
     try:
         entries = sorted(os.scandir(real), key=lambda e: e.name)
     except OSError as e:
-        raise PlainToolError("错误：无法列出目录 %s: %s" % (path, e.strerror or e))
+        raise plain_error("错误：无法列出目录 %s: %s" % (path, e.strerror or e))
     lines = []
     for e in entries:
         if ctx.policy.is_denied(e.path):
@@ -2393,20 +2443,13 @@ def tool_list_directory(session, args, ctx):
 def tool_web_fetch(session, args, ctx):
     url, timeout = args["url"], args.get("timeout", 10)
     if not 0 < timeout <= 120:
-        raise PlainToolError("错误：timeout 必须在 1 到 120 秒之间: %s" % timeout)
-    try:
-        return fetch_text(url, timeout)
-    except WebError as e:
-        raise PlainToolError(str(e))
+        raise plain_error("错误：timeout 必须在 1 到 120 秒之间: %s" % timeout)
+    return fetch_text(url, timeout)
 
 ###############################################################################
 # Tools: the registry #########################################################
 ###############################################################################
 
-ALL_TOOL_NAMES = ("bash", "task_output", "view", "str_replace", "create_file", "grep", "glob",
-                  "search_text", "search_files", "read_file", "write_file", "list_directory",
-                  "web_fetch", "str_replace_editor")
-EDITOR_PARTS = ("view", "str_replace", "create_file")
 
 
 PATH_PROP = prop("string", "File or directory path, absolute or relative to the session's working directory.")
@@ -2574,20 +2617,6 @@ def workspace_tools(config):
     ]
 
 
-def resolve_disabled_tools(names, compat):
-    """The registered names that --disable-tools removes; unknown names stop start-up."""
-    unknown = [n for n in names if n not in ALL_TOOL_NAMES]
-    if unknown:
-        raise ConfigError("unknown tool name(s) for --disable-tools: %s; valid names: %s"
-                          % (", ".join(unknown), ", ".join(ALL_TOOL_NAMES)))
-    off = set(names)
-    if "bash" in off:
-        off.add("task_output")
-    if compat and off.intersection(EDITOR_PARTS):
-        off.add("str_replace_editor")
-    return off
-
-
 def build_tools(config):
     """The tools this server registers, in listing order, after compat and disabling."""
     tools = []
@@ -2622,15 +2651,15 @@ def check_value(name, spec, value):
     else:
         ok = True
     if not ok:
-        raise ParamsError("argument %r must be %s %s, got %s" % (
-            name, "an" if kind[0] in "aeiou" else "a", kind, json.dumps(value)[:80]))
+        raise ToolError("INVALID_INPUT", "argument %r must be %s %s, got %s; send it as JSON %s" % (
+            name, "an" if kind[0] in "aeiou" else "a", kind, json.dumps(value)[:80], kind))
     if "enum" in spec and value not in spec["enum"]:
-        raise ParamsError("argument %r must be one of %s, got %s"
+        raise ToolError("INVALID_INPUT", "argument %r must be one of %s, got %s"
                           % (name, ", ".join(spec["enum"]), json.dumps(value)[:80]))
     if kind == "array":
         lo, hi = spec.get("minItems", 0), spec.get("maxItems")
         if len(value) < lo or (hi is not None and len(value) > hi):
-            raise ParamsError("argument %r must have %s items, got %d" % (
+            raise ToolError("INVALID_INPUT", "argument %r must have %s items, got %d" % (
                 name, lo if lo == hi else "%d to %s" % (lo, hi), len(value)))
         for k, item in enumerate(value):
             check_value("%s[%d]" % (name, k), spec.get("items", {}), item)
@@ -2641,15 +2670,16 @@ def check_arguments(schema, args):
     if args is None:
         args = {}
     if not isinstance(args, dict):
-        raise ParamsError("arguments must be an object")
+        raise ToolError("INVALID_INPUT", "arguments must be a JSON object of argument names and values")
     props = schema["properties"]
     args = dict((k, v) for k, v in args.items() if v is not None)
     for k in args:
         if k not in props:
-            raise ParamsError("unknown argument %r; this tool takes: %s" % (k, ", ".join(sorted(props))))
+            raise ToolError("INVALID_INPUT", "unknown argument %r; this tool takes: %s" % (k, ", ".join(sorted(props))))
     for k in schema.get("required", ()):
         if k not in args:
-            raise ParamsError("missing required argument %r" % k)
+            raise ToolError("INVALID_INPUT", "missing required argument %r (%s); add it to the call"
+                            % (k, props[k].get("description", "").rstrip(".")))
     for k, v in args.items():
         check_value(k, props[k], v)
     return args
@@ -2688,6 +2718,17 @@ class WorkerPool(object):
 def _traceback():
     import traceback
     return traceback.format_exc()
+
+
+def progress_sender(token, emit):
+    """A progress callback that sends notifications/progress with `token`."""
+    counter = [0]
+
+    def progress(text):
+        counter[0] += 1
+        emit({"jsonrpc": "2.0", "method": "notifications/progress",
+              "params": {"progressToken": token, "progress": counter[0], "message": text}})
+    return progress
 
 
 def error_response(rid, code, message, data=None):
@@ -2756,8 +2797,8 @@ class McpServer(object):
             return
         try:
             result = handler(self, params, session)
-        except ParamsError as e:
-            emit(error_response(rid, -32602, "Invalid params: %s" % e))
+        except RpcError as e:
+            emit(error_response(rid, e.code, "Invalid params: %s" % e.message))
             return
         except Exception:
             log("error", "internal error", method=method, error=_traceback())
@@ -2817,7 +2858,7 @@ class McpServer(object):
     def m_set_level(self, params, session):
         level = params.get("level")
         if not isinstance(level, str):
-            raise ParamsError("level must be a string such as 'info'")
+            raise RpcError(-32602, "level must be a string such as 'info'")
         session.log_level = level
         return {}
 
@@ -2832,22 +2873,11 @@ class McpServer(object):
             emit(error_response(rid, -32602, "Invalid params: unknown tool %r; available: %s"
                                 % (name, ", ".join(self.tools))))
             return
-        try:
-            args = check_arguments(tool.schema, params.get("arguments"))
-        except ParamsError as e:
-            emit(error_response(rid, -32602, "Invalid params for %s: %s" % (name, e)))
-            return
+        args = params.get("arguments")
         cancelled = session.begin(rid)
         meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
         token = meta.get("progressToken")
-        progress = None
-        if token is not None:
-            counter = [0]
-
-            def progress(text):
-                counter[0] += 1
-                emit({"jsonrpc": "2.0", "method": "notifications/progress",
-                      "params": {"progressToken": token, "progress": counter[0], "message": text}})
+        progress = None if token is None else progress_sender(token, emit)
         ctx = CallContext(self.config, self.policy, cancelled, progress)
 
         def run():
@@ -2868,13 +2898,11 @@ class McpServer(object):
 
     @staticmethod
     def run_tool(tool, session, args, ctx):
-        """Call a handler and shape its answer as a CallToolResult."""
+        """Check the arguments, call the handler and shape its answer as a CallToolResult."""
         try:
-            out = tool.handler(session, args, ctx)
+            out = tool.handler(session, check_arguments(tool.schema, args), ctx)
         except ToolError as e:
             return {"content": [text_block(e.render())], "isError": True}
-        except PlainToolError as e:
-            return {"content": [text_block(str(e))], "isError": True}
         if isinstance(out, str):
             out = [text_block(out)]
         return {"content": out, "isError": False}

@@ -107,7 +107,6 @@ class Base(unittest.TestCase):
 
     def result(self, name, **args):
         tool = self.server.tools[name]
-        args = boris.check_arguments(tool.schema, args)
         ctx = boris.CallContext(self.cfg, self.policy)
         return boris.McpServer.run_tool(tool, self.session, args, ctx)
 
@@ -391,10 +390,10 @@ class TestView(Base):
 
     def test_view_range_shape_is_checked(self):
         self.lines_file(5)
-        with self.assertRaises(boris.ParamsError):
-            self.call("view", path="f.txt", view_range=[1])
-        with self.assertRaises(boris.ParamsError):
-            self.call("view", path="f.txt", view_range=["1", 2])
+        self.assertIn("'view_range' must have 2 items", self.fails("view", "INVALID_INPUT", path="f.txt",
+                                                                   view_range=[1]))
+        self.assertIn("'view_range[0]' must be an integer", self.fails("view", "INVALID_INPUT", path="f.txt",
+                                                                       view_range=["1", 2]))
 
     def test_seed000_large_file_truncation(self):
         self.lines_file(5000)
@@ -742,8 +741,9 @@ class TestCreateFile(NoViewBase):
         self.assertEqual(self.read("a.txt"), b"new\n")
 
     def test_seed001_overwrite_param_is_gone(self):
-        with self.assertRaises(boris.ParamsError):
-            self.call("create_file", path="a.txt", content="x", overwrite=True)
+        self.assertIn("unknown argument 'overwrite'",
+                      self.fails("create_file", "INVALID_INPUT", path="a.txt", content="x", overwrite=True))
+        self.assertFalse(os.path.exists(self.path("a.txt")))
 
     def test_seed000_nested_parents_created_0755(self):
         old = os.umask(0o077)
@@ -897,13 +897,14 @@ class TestProtocol(Base):
         e = self.req("tools/call", {"name": "nope", "arguments": {}})["error"]
         self.assertEqual(e["code"], -32602)
         self.assertIn("nope", e["message"])
-        e = self.req("tools/call", {"name": "view", "arguments": {}})["error"]
-        self.assertEqual(e["code"], -32602)
-        self.assertIn("'path'", e["message"])
-        e = self.req("tools/call", {"name": "view", "arguments": {"path": 5}})["error"]
-        self.assertIn("'path'", e["message"])
-        e = self.req("tools/call", {"name": "view", "arguments": {"path": "x", "color": "red"}})["error"]
-        self.assertIn("'color'", e["message"])
+        # Argument errors are tool results the model sees (SEP-1303), naming the argument.
+        for args, named in (({}, "missing required argument 'path'"), ({"path": 5}, "'path' must be a string"),
+                            ({"path": "x", "color": "red"}, "unknown argument 'color'"),
+                            ([1], "arguments must be a JSON object")):
+            r = self.req("tools/call", {"name": "view", "arguments": args})["result"]
+            self.assertTrue(r["isError"])
+            self.assertTrue(r["content"][0]["text"].startswith("[INVALID_INPUT] "), r)
+            self.assertIn(named, r["content"][0]["text"])
 
     def test_notifications_get_no_answer(self):
         self.assertEqual(self.send({"jsonrpc": "2.0", "method": "notifications/initialized"}, wait=False), [])
@@ -1045,7 +1046,8 @@ class TestStdioProtocol(StdioBase):
         c.wait_for(lambda m: m.get("id") == 77 and m["error"]["code"] == -32600)
         self.assertEqual(c.request("unknown/method")["error"]["code"], -32601)
         self.assertEqual(c.request("tools/call", {"name": "nope"})["error"]["code"], -32602)
-        self.assertEqual(c.request("tools/call", {"name": "view", "arguments": {"path": ["x"]}})["error"]["code"], -32602)
+        r = c.request("tools/call", {"name": "view", "arguments": {"path": ["x"]}})["result"]
+        self.assertTrue(r["isError"] and r["content"][0]["text"].startswith("[INVALID_INPUT] argument 'path'"), r)
         c.send_raw(b"\xff\xfe\n")
         self.assertEqual(c.request("ping")["result"], {})
 
