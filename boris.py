@@ -19,6 +19,7 @@ License: MIT.
 __version__ = "0.1.0"
 __license__ = "MIT"
 
+import errno
 import json
 import os
 import re
@@ -40,12 +41,14 @@ UNSUPPORTED_PROTOCOL_VERSION = -32022
 
 VIEW_MAX_LINES = 2000                      # lines shown by view without a range
 VIEW_MAX_LINE_CHARS = 2000                 # longer lines are cut
+LINE_READ_MAX = 1 << 20                    # a longer line is read in pieces, its head kept
 SNIFF_BYTES = 8192                         # header read for binary/image sniffing
 LISTING_DEPTH = 2                          # view of a directory
 LISTING_MAX_ENTRIES = 1000
 LISTING_SKIP = frozenset((".git", "node_modules"))
 SNIPPET_CONTEXT = 4                        # lines around an edit in str_replace's answer
 MAX_PATH_CHARS = 4096
+MAX_SYMLINKS = 40                          # links followed in one path, as the kernel's ELOOP
 
 OUTPUT_MAX_CHARS = 30000                   # bash stdout/stderr, grep, glob output
 BASH_MAX_TIMEOUT_MS = 600000
@@ -419,24 +422,78 @@ def is_within(path, root):
 
 
 def canonical(path):
-    """realpath: symlinks resolved as far as the path exists, the rest appended."""
-    return os.path.realpath(path)
+    """The canonical form of the absolute `path`, resolved one component at a time.
+
+    Each symlink met is read and its target resolved in its place, so '..' is only
+    ever applied to a resolved directory (never folded over an unresolved link, as
+    os.path.realpath does after a loop). Components that do not exist are kept as
+    they are (a path about to be created). Raises OSError: ELOOP past MAX_SYMLINKS
+    links (a loop or a long chain), ENOTDIR when a file is used as a directory, and
+    whatever lstat/readlink raise (EACCES, ENAMETOOLONG)."""
+    todo = path.split("/")
+    todo.reverse()
+    done, links = "", 0
+    while todo:
+        part = todo.pop()
+        if part == "" or part == ".":
+            continue
+        if part == "..":
+            done = done[:done.rfind("/")]
+            continue
+        here = done + "/" + part
+        try:
+            mode = os.lstat(here).st_mode
+        except FileNotFoundError:
+            done = here
+            continue
+        if stat.S_ISLNK(mode):
+            links += 1
+            if links > MAX_SYMLINKS:
+                raise OSError(errno.ELOOP, "too many levels of symbolic links", here)
+            target = os.readlink(here)
+            if target.startswith("/"):
+                done = ""
+            more = target.split("/")
+            more.reverse()
+            todo += more
+            continue
+        if not stat.S_ISDIR(mode) and any(p not in ("", ".") for p in todo):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", here)
+        done = here
+    return done or "/"
+
+
+def resolve_error(e, shown):
+    """Why `shown` could not be resolved, as the ToolError a model can act on."""
+    if e.errno == errno.ELOOP:
+        return ToolError("ACCESS_DENIED", "%s runs into a symlink loop (or a chain of over %d links) at %s;"
+                         " give a path without the loop" % (shown, MAX_SYMLINKS, e.filename))
+    if e.errno == errno.ENOTDIR:
+        return ToolError("INVALID_INPUT", "%s uses %s as a directory, but it is a file; check the path"
+                         % (shown, e.filename))
+    if e.errno == errno.ENAMETOOLONG:
+        return ToolError("INVALID_INPUT", "%s has a name over the file system's limit (255 bytes a name)" % shown)
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return ToolError("ACCESS_DENIED", "%s: the operating system denies looking up %s"
+                         % (shown, e.filename or shown))
+    return ToolError("IO_ERROR", "%s cannot be resolved: %s" % (shown, e.strerror or e))
 
 
 class PathPolicy(object):
-    """Resolve first, check second, touch the disk third. Only realpath/stat here."""
+    """Resolve first, check second, touch the disk third. Only lstat/readlink here."""
 
     def __init__(self, allow=(), deny=(), workdir="/"):
-        self.workdir = canonical(workdir)
-        self.allow = [canonical(os.path.join(self.workdir, os.path.expanduser(a))) for a in allow]
+        self.workdir = os.path.realpath(workdir)
+        self.allow = [os.path.realpath(os.path.join(self.workdir, os.path.expanduser(a))) for a in allow]
         self.deny_dirs, self.deny_globs, self.deny_names = [], [], []
         for d in deny:
             if any(ch in d for ch in "*?[{"):
-                rx = compile_glob(d.lstrip("/") if not d.startswith("/") else d[1:])
+                rx = compile_glob(d[1:] if d.startswith("/") else d)
                 (self.deny_globs if "/" in d else self.deny_names).append(rx)
             else:
-                self.deny_dirs.append(canonical(os.path.join(self.workdir, os.path.expanduser(d))))
+                self.deny_dirs.append(os.path.realpath(os.path.join(self.workdir, os.path.expanduser(d))))
         self.deny_raw = list(deny)
+        self.restricted = bool(self.allow or self.deny_dirs or self.deny_globs or self.deny_names)
 
     @staticmethod
     def validate(path, name="path"):
@@ -447,11 +504,19 @@ class PathPolicy(object):
         if len(path) > MAX_PATH_CHARS:
             raise ToolError("INVALID_INPUT", "%s is %d characters long; the limit is %d"
                             % (name, len(path), MAX_PATH_CHARS))
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ToolError("INVALID_INPUT", "%s holds a lone surrogate character (%r), which names no file;"
+                            " send the path as valid UTF-8" % (name, path))
 
     def resolve(self, base, path, name="path"):
         """The canonical absolute form of `path`, relative paths taken from `base`."""
         self.validate(path, name)
-        return canonical(os.path.join(base, os.path.expanduser(path)))
+        try:
+            return canonical(os.path.join(base, os.path.expanduser(path)))
+        except OSError as e:
+            raise resolve_error(e, path)
 
     def denial(self, real):
         """Why `real` (canonical) is out of scope, or None when it is allowed."""
@@ -470,10 +535,10 @@ class PathPolicy(object):
         return None
 
     def is_denied(self, real):
-        return self.denial(real) is not None
+        return self.restricted and self.denial(real) is not None
 
     def check(self, real, shown):
-        reason = self.denial(real)
+        reason = self.denial(real) if self.restricted else None
         if reason:
             raise ToolError("ACCESS_DENIED", "%s %s; use a path inside the allowed scope" % (shown, reason))
         return real
@@ -481,10 +546,16 @@ class PathPolicy(object):
     def confine(self, path):
         """The seed-004 `_assert_safe_path`: resolve against the workspace root, then
         require the canonical path to stay inside it (and inside allow/deny).
-        Raises PermissionError, which the seed-004 tools turn into their fixed string."""
+        Raises PermissionError, which the seed-004 tools turn into their fixed string;
+        a path that cannot be resolved at all (a loop) is an escape attempt too."""
         self.validate(path)
-        real = canonical(os.path.join(self.workdir, path))
-        if not is_within(real, self.workdir) or self.is_denied(real):
+        try:
+            real = canonical(os.path.join(self.workdir, path))
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise resolve_error(e, path)
+            real = None
+        if real is None or not is_within(real, self.workdir) or self.is_denied(real):
             log("warn", "path escape attempt refused", path=path, resolved=real, root=self.workdir)
             raise PermissionError(path)
         return real
@@ -519,10 +590,9 @@ def sniff(head, path):
     return "text", None
 
 
-def display_line(raw):
-    """A raw line (bytes, newline included) as view shows it: decoded, newline
-    and CR stripped, cut at VIEW_MAX_LINE_CHARS with the full length named."""
-    text = raw.decode("utf-8", "replace").rstrip("\n")
+def clip_line(text):
+    """A line as the tools show it: trailing CR dropped, cut at VIEW_MAX_LINE_CHARS
+    with the full length named."""
     if text.endswith("\r"):
         text = text[:-1]
     if len(text) > VIEW_MAX_LINE_CHARS:
@@ -530,137 +600,414 @@ def display_line(raw):
     return text
 
 
+def display_line(raw, more_chars=0):
+    """A raw line (bytes, newline included) as view shows it; `more_chars` counts the
+    characters of a very long line that were read past and not kept."""
+    text = raw.decode("utf-8", "replace").rstrip("\n")
+    if more_chars:
+        return "%s... [truncated, %d chars total]" % (text[:VIEW_MAX_LINE_CHARS], len(text) + more_chars)
+    return clip_line(text)
+
+
 def number_lines(lines, first):
     return "\n".join("%6d\t%s" % (first + k, line) for k, line in enumerate(lines))
 
 
-def count_rest(fh):
-    """Count the lines left in a binary file object without holding them."""
-    n, last = 0, b"\n"
-    while True:
-        block = fh.read(1 << 20)
-        if not block:
-            return n + (0 if last == b"\n" else 1)
-        n += block.count(b"\n")
-        last = block[-1:]
+class LineReader(object):
+    """Lines of a binary file object with memory bounded whatever the file holds:
+    a line over LINE_READ_MAX bytes keeps its head and counts the rest; at most
+    `budget` bytes are read in all (FileTooLarge past it)."""
+
+    def __init__(self, fh, budget):
+        self.fh, self.budget, self.used = fh, budget, 0
+
+    def _take(self, size):
+        data = self.fh.readline(size)
+        self.used += len(data)
+        if self.used > self.budget:
+            raise FileTooLarge(self.used)
+        return data
+
+    def __iter__(self):
+        while True:
+            raw = self._take(LINE_READ_MAX)
+            if not raw:
+                return
+            more = 0
+            while not raw.endswith(b"\n") and len(raw) >= LINE_READ_MAX:
+                rest = self._take(LINE_READ_MAX)
+                if not rest:
+                    break
+                more += len(rest.rstrip(b"\n").decode("utf-8", "replace"))
+                if rest.endswith(b"\n"):
+                    break
+            yield raw, more
+
+    def count_rest(self):
+        """Count the lines left without holding them."""
+        n, last = 0, b"\n"
+        while True:
+            block = self.fh.read(1 << 20)
+            self.used += len(block)
+            if self.used > self.budget:
+                raise FileTooLarge(self.used)
+            if not block:
+                return n + (0 if last == b"\n" else 1)
+            n += block.count(b"\n")
+            last = block[-1:]
 
 
-def read_limited(real, shown, limit):
-    """The whole file as bytes, refused when larger than `limit`."""
-    size = os.stat(real).st_size
-    if size > limit:
-        raise ToolError("FILE_TOO_LARGE", "%s is %s; the limit is %s (--max-file-size)"
-                        % (shown, human_size(size), human_size(limit)))
-    with open(real, "rb") as fh:
-        return fh.read()
+class FileTooLarge(Exception):
+    """More bytes than the size limit came out of a file (one that grows, or /proc)."""
 
 
 def io_error(e, shown):
     """An OSError as the ToolError a model can act on."""
-    import errno
-    if e.errno in (errno.ENOENT, errno.ENOTDIR):
+    if e.errno == errno.ENOENT:
         return ToolError("PATH_NOT_FOUND", "%s does not exist; check the path (view a directory to list it)" % shown)
+    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+        # The path was resolved without links a moment ago: one was swapped in since.
+        return ToolError("ACCESS_DENIED", "%s changed while it was being opened (a directory or file on the"
+                         " way was replaced, e.g. by a symlink); nothing was read or written" % shown)
     if e.errno in (errno.EACCES, errno.EPERM):
         return ToolError("ACCESS_DENIED", "%s: permission denied by the operating system" % shown)
     if e.errno == errno.EISDIR:
         return ToolError("INVALID_INPUT", "%s is a directory, not a file" % shown)
+    if e.errno == errno.ENAMETOOLONG:
+        return ToolError("INVALID_INPUT", "%s has a name over the file system's limit (255 bytes a name)" % shown)
+    if e.errno == errno.EAGAIN:
+        return ToolError("IO_ERROR", "%s has no data ready (a file that blocks readers); it is not read" % shown)
     return ToolError("IO_ERROR", "%s: %s" % (shown, e.strerror or e))
 
 
-def stat_existing(real, shown):
+def kind_of(mode):
+    """A file type as words, for errors about things that are not regular files."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def not_regular(shown, mode, doing="read"):
+    return ToolError("INVALID_INPUT", "%s is %s, not a regular file; it is not %s" % (shown, kind_of(mode), doing))
+
+
+# -- opening what was checked ---------------------------------------------------
+# A canonical path is opened one component at a time from '/', each directory with
+# O_NOFOLLOW|O_DIRECTORY relative to the one before and the file with O_NOFOLLOW
+# relative to its directory. A symlink swapped in anywhere after the check makes the
+# open fail (ELOOP/ENOTDIR) instead of leading outside the scope. O_PATH (Linux) needs
+# only search permission on the directories; elsewhere they are opened read-only.
+
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_DIR_STEP = (getattr(os, "O_PATH", 0) or os.O_RDONLY) | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC
+O_FILE = O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
+
+
+def open_dir(real, create=False, flags=O_DIR_STEP):
+    """An fd of the directory `real` (canonical), reached without following any link.
+    create=True makes missing directories, 0755 whatever the umask."""
+    fd = os.open("/", O_DIR_STEP)
     try:
-        return os.stat(real)
+        parts = [p for p in real.split("/") if p]
+        for k, part in enumerate(parts):
+            step = flags if k == len(parts) - 1 else O_DIR_STEP
+            try:
+                nfd = os.open(part, step, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=fd)
+                try:
+                    os.fchmod(nfd, 0o755)
+                except OSError:
+                    pass
+            os.close(fd)
+            fd = nfd
+        if not parts and flags != O_DIR_STEP:
+            os.close(fd)
+            fd = os.open("/", flags)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_file(real, flags=os.O_RDONLY):
+    """An fd of `real` (canonical) opened relative to its checked directory: never
+    through a link, never blocking on a FIFO, never a controlling terminal."""
+    directory, base = os.path.split(real)
+    if not base:
+        return os.open("/", flags | O_CLOEXEC)
+    dfd = open_dir(directory)
+    try:
+        return os.open(base, flags | O_FILE, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def open_regular(real, shown, doing="read"):
+    """(fd, stat) of an existing regular file; ToolError for anything else (the
+    fd is closed then). A directory raises IsADirectoryError for the caller to handle."""
+    try:
+        fd = open_file(real)
     except OSError as e:
         raise io_error(e, shown)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", shown)
+        raise not_regular(shown, st.st_mode, doing)
+    return fd, st
 
 
-def make_dirs(path):
-    """mkdir -p with 0755 for each directory created, whatever the umask."""
-    missing = []
-    while path and not os.path.isdir(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, 0o755)
-            os.chmod(d, 0o755)
-        except FileExistsError:
-            if not os.path.isdir(d):
-                raise
+def read_fd(fd, limit, shown):
+    """All of a file as bytes, never more than limit + 1 read (FILE_TOO_LARGE then)."""
+    chunks, size = [], 0
+    while True:
+        block = os.read(fd, min(1 << 20, limit + 1 - size))
+        if not block:
+            return b"".join(chunks)
+        chunks.append(block)
+        size += len(block)
+        if size > limit:
+            raise too_large(shown, size, limit, more=True)
+
+
+def too_large(shown, size, limit, more=False):
+    e = ToolError("FILE_TOO_LARGE", "%s is %s%s; the limit is %s (--max-file-size)"
+                  % (shown, "over " if more else "", human_size(size), human_size(limit)))
+    e.limit = limit
+    return e
+
+
+def read_regular(real, shown, limit):
+    """(bytes, stat) of an existing regular file no larger than `limit`."""
+    fd, st = open_regular(real, shown)
+    try:
+        if st.st_size > limit:
+            raise too_large(shown, st.st_size, limit)
+        return read_fd(fd, limit, shown), st
+    except OSError as e:
+        raise io_error(e, shown)
+    finally:
+        os.close(fd)
+
+
+def list_entries(real):
+    """[(name, is_dir, link target or None)] of the directory `real` (canonical), sorted
+    by name, read through a checked fd. is_dir follows links; an entry that cannot be
+    stat'ed counts as a file. The one directory lister of view, list_directory."""
+    fd = open_dir(real, flags=os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+    try:
+        out = []
+        with os.scandir(fd) as it:
+            for e in it:
+                link = None
+                try:
+                    if e.is_symlink():
+                        link = os.readlink(e.name, dir_fd=fd)
+                    is_dir = e.is_dir()
+                except OSError:
+                    is_dir = False
+                out.append((e.name, is_dir, link))
+        out.sort()
+        return out
+    finally:
+        os.close(fd)
+
+
+# -- the one writer ---------------------------------------------------------------
+
+class edit_lock(object):
+    """Serialise read-modify-write of one canonical path across every session and
+    thread of this process, so parallel edits of a file all land."""
+
+    _locks = {}
+    _guard = threading.Lock()
+
+    def __init__(self, real):
+        self.real = real
+
+    def __enter__(self):
+        with self._guard:
+            entry = self._locks.setdefault(self.real, [threading.Lock(), 0])
+            entry[1] += 1
+        entry[0].acquire()
+        self.entry = entry
+        return self
+
+    def __exit__(self, *exc):
+        self.entry[0].release()
+        with self._guard:
+            self.entry[1] -= 1
+            if not self.entry[1]:
+                del self._locks[self.real]
 
 
 def atomic_write(real, data, new_mode=0o644):
-    """The one writer: temp file in the same directory, fsync, rename over `real`.
+    """The one writer: a temp file in the target's directory, fsync, rename over it.
 
-    `real` is canonical, so writing through a symlink updates its target and keeps the
-    link. An existing file keeps its mode (and owner when we may); a new one gets
-    `new_mode` whatever the umask. On Linux the temp file is an unnamed O_TMPFILE,
-    given a name only for the instant before the rename, so a kill -9 mid-write
-    leaves nothing behind."""
-    directory = os.path.dirname(real)
+    `real` is canonical: writing through a symlink updates its target and keeps the
+    link. The directory is opened by open_dir (missing ones made 0755) and every
+    step is relative to it, so a swapped path cannot redirect the write. Only regular
+    files are replaced. An existing file keeps its mode and owner (chown first: it
+    clears setuid/setgid); a new one gets `new_mode` whatever the umask. Where the
+    directory refuses a new file or the rename (a writable file in a read-only
+    directory, a single-file bind mount), the file is rewritten in place instead,
+    which is not crash-atomic. Returns True when written atomically."""
+    directory, base = os.path.split(real)
+    dfd = open_dir(directory, create=True)
     try:
-        st = os.stat(real)
-        mode, owner = stat.S_IMODE(st.st_mode), (st.st_uid, st.st_gid)
-    except FileNotFoundError:
-        mode, owner = new_mode, None
-    fd, tmp_name = _open_temp(directory, os.path.basename(real))
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fchmod(fd, mode)
-        if owner and owner != (os.geteuid(), os.getegid()):
-            try:
-                os.fchown(fd, owner[0], owner[1])
-            except OSError:
-                pass
-        os.fsync(fd)
-        if tmp_name is None:
-            tmp_name = _link_temp(fd, directory, os.path.basename(real))
-        os.replace(tmp_name, real)
-        tmp_name = None
-    finally:
-        os.close(fd)
-        if tmp_name is not None:
-            try:
-                os.unlink(tmp_name)
-            except OSError:
-                pass
-    try:
-        dfd = os.open(directory, os.O_RDONLY)
         try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
-
-
-def _temp_name(directory, base):
-    return os.path.join(directory, ".%s.boris-%d-%s.tmp" % (base[:64], os.getpid(), os.urandom(4).hex()))
-
-
-def _open_temp(directory, base):
-    """(fd, name or None): an unnamed O_TMPFILE where the filesystem has it."""
-    if hasattr(os, "O_TMPFILE"):
+            st = os.stat(base, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise not_regular(real, st.st_mode, "replaced; nothing was written")
+        clean_leftovers(dfd)
         try:
-            return os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o600), None
-        except OSError:
-            pass
-    name = _temp_name(directory, base)
-    return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), name
-
-
-def _link_temp(fd, directory, base):
-    """Name an O_TMPFILE. os.link calls linkat(AT_SYMLINK_FOLLOW), which /proc/self/fd
-    needs, only when given a dir fd; the absolute source path makes its value moot."""
-    name = _temp_name(directory, base)
-    dfd = os.open(directory, os.O_RDONLY)
-    try:
-        os.link("/proc/self/fd/%d" % fd, name, src_dir_fd=dfd, follow_symlinks=True)
+            replace_file(dfd, base, data, st, new_mode)
+            atomic = True
+        except OSError as e:
+            if st is None or e.errno not in (errno.EACCES, errno.EPERM, errno.EBUSY, errno.EXDEV, errno.EROFS):
+                raise
+            rewrite_in_place(dfd, base, data, st)
+            atomic = False
+        sync_dir(dfd)
+        return atomic
     finally:
         os.close(dfd)
-    return name
+
+
+def replace_file(dfd, base, data, st, new_mode):
+    fd, tmp = open_temp(dfd, base)
+    try:
+        write_all(fd, data)
+        if st is not None and (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+            try:
+                os.fchown(fd, st.st_uid, st.st_gid)
+            except OSError:
+                pass
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) if st is not None else new_mode)
+        os.fsync(fd)
+        if tmp is None:
+            tmp = temp_name(base)
+            os.link("/proc/self/fd/%d" % fd, tmp, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=True)
+        os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+        tmp = None
+    finally:
+        os.close(fd)
+        if tmp is not None:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+
+
+def rewrite_in_place(dfd, base, data, st):
+    """Overwrite the checked file itself (same inode): the fallback when the directory
+    refuses a rename. Not crash-atomic."""
+    fd = os.open(base, os.O_WRONLY | O_FILE, dir_fd=dfd)
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(now.st_mode):
+            raise OSError(errno.ELOOP, "the file changed while it was being written")
+        os.ftruncate(fd, 0)
+        write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def sync_dir(dfd):
+    try:
+        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC, dir_fd=dfd)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# Temp files are named `.NAME.boris-PID-RUNRAND.tmp`: RUN is this process's token, so a
+# leftover of a killed run (same PID again as PID 1 in a container) is told apart.
+_RUN_TOKEN = os.urandom(4).hex()
+_TEMP_RX = re.compile(r"^\..*\.boris-(\d+)-([0-9a-f]{8})[0-9a-f]{8}\.tmp\Z", re.DOTALL)
+_cleaned_dirs = set()
+
+
+def temp_name(base):
+    """A temp name for `base` within the 255-byte name limit (the base is cut by bytes)."""
+    short = base.encode("utf-8", "surrogateescape")[:96].decode("utf-8", "ignore")
+    return ".%s.boris-%d-%s%s.tmp" % (short, os.getpid(), _RUN_TOKEN, os.urandom(4).hex())
+
+
+def open_temp(dfd, base):
+    """(fd, name or None): an unnamed O_TMPFILE where the file system has it, else a
+    named one created exclusively."""
+    if hasattr(os, "O_TMPFILE"):
+        try:
+            return os.open(".", os.O_TMPFILE | os.O_WRONLY | O_CLOEXEC, 0o600, dir_fd=dfd), None
+        except OSError:
+            pass
+    name = temp_name(base)
+    return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_FILE, 0o600, dir_fd=dfd), name
+
+
+def clean_leftovers(dfd):
+    """Remove temp files a killed boris left in this directory (once per directory
+    per run): those of a process that is gone, or of an earlier run with our PID."""
+    try:
+        st = os.fstat(dfd)
+    except OSError:
+        return
+    if (st.st_dev, st.st_ino) in _cleaned_dirs:
+        return
+    _cleaned_dirs.add((st.st_dev, st.st_ino))
+    try:
+        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC, dir_fd=dfd)
+        with os.scandir(fd) as it:
+            names = [e.name for e in it if e.name.startswith(".") and e.name.endswith(".tmp")]
+        os.close(fd)
+    except OSError:
+        return
+    for name in names:
+        m = _TEMP_RX.match(name)
+        if m and is_stale(int(m.group(1)), m.group(2)):
+            try:
+                os.unlink(name, dir_fd=dfd)
+            except OSError:
+                pass
+
+
+def is_stale(pid, token):
+    if pid == os.getpid():
+        return token != _RUN_TOKEN
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 ###############################################################################
 # Search ######################################################################
@@ -801,100 +1148,151 @@ def outer_ignores(root):
 
 # -- the walker -----------------------------------------------------------------
 
-def walk(root, policy, follow_links, want_dirs=False, cancelled=None, name_ok=None):
-    """Yield (path, is_dir) under `root` (canonical directory), depth first.
+O_SCAN = os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC
+
+
+class Walker(object):
+    """Iterate (path, real, is_dir, inode) under `root` (a canonical directory), depth
+    first. `path` is what the user sees (through followed links), `real` the canonical
+    path that was checked and is opened.
 
     Prunes .git and node_modules, honours .gitignore inside a git work tree, drops
-    what the path policy denies, and yields only files whose name passes `name_ok`
-    (directories are walked whatever their name). Followed directory symlinks are
-    visited after the real tree and only once per directory (dev, inode), so cycles
-    end and a tree reached both ways is listed under its real path."""
-    stack0 = outer_ignores(root)
-    use_ignore = stack0 is not None
-    check = bool(policy.allow or policy.deny_dirs or policy.deny_globs or policy.deny_names)
-    seen = set()
-    if follow_links:
-        try:
-            st = os.stat(root)
-        except OSError:
-            return
-        seen.add((st.st_dev, st.st_ino))
-    pending = [(root, stack0 or [])]
-    linked_dirs = []
-    while pending or linked_dirs:
-        if not pending:
-            link_path, target, ign = linked_dirs.pop(0)
-            try:
-                st = os.stat(target)
-            except OSError:
+    what the path policy denies (judged by the real path, also below followed links),
+    and yields only files whose name passes `name_ok` (directories are walked whatever
+    their name). Each directory is opened without following a link and must be the
+    inode its parent listed, so a directory swapped for a symlink mid-walk is skipped.
+    Followed directory symlinks are visited after the real tree, once per (dev, inode),
+    so cycles end and a tree reached both ways is listed under its real path."""
+
+    def __init__(self, root, policy, follow_links, want_dirs=False, cancelled=None, name_ok=None,
+                 max_depth=None):
+        self.root, self.policy, self.follow_links = root, policy, follow_links
+        self.want_dirs, self.cancelled, self.name_ok = want_dirs, cancelled, name_ok
+        self.max_depth = max_depth
+        self.seen = set()
+        self.linked = []                           # (path, real, ignore stack, depth) to enter later
+
+    def __iter__(self):
+        ign = outer_ignores(self.root)
+        self.use_ignore = ign is not None
+        pending = [(self.root, self.root, ign or [], 0, None)]
+        while pending or self.linked:
+            if not pending:
+                entry = self.enter_link(*self.linked.pop(0))
+                if entry is not None:
+                    pending.append(entry)
+                    if self.want_dirs:
+                        yield entry[0], entry[1], True, entry[4]
                 continue
-            if (st.st_dev, st.st_ino) in seen:
-                continue
-            seen.add((st.st_dev, st.st_ino))
-            pending.append((link_path, ign))
-            if want_dirs:
-                yield link_path, True
-            continue
-        if cancelled is not None and cancelled.is_set():
-            return
-        directory, ign = pending.pop()
+            if self.cancelled is not None and self.cancelled.is_set():
+                return
+            path, real, ign, depth, ino = pending.pop()
+            subdirs = []
+            for item in self.visit(path, real, ign, depth, ino, subdirs):
+                yield item
+            pending += reversed(subdirs)
+
+    def scan(self, real, ino):
+        """(fd, entries) of a directory that is still the inode its parent listed."""
         try:
-            with os.scandir(directory) as it:
-                entries = list(it)
+            fd = os.open(real, O_SCAN)
         except OSError:
-            continue
-        prefix = directory + "/" if directory != "/" else "/"
-        if use_ignore and any(e.name == ".gitignore" for e in entries):
-            rules = load_ignore(directory)
+            return None, []
+        try:
+            st = os.fstat(fd)
+            if ino is not None and st.st_ino != ino:
+                os.close(fd)
+                return None, []
+            if self.follow_links:
+                self.seen.add((st.st_dev, st.st_ino))
+            with os.scandir(fd) as it:
+                return fd, list(it)
+        except OSError:
+            os.close(fd)
+            return None, []
+
+    def rules(self, path, entries, ign):
+        if self.use_ignore and any(e.name == ".gitignore" for e in entries):
+            rules = load_ignore(path)
             if rules:
-                ign = ign + [rules]
-        filtering = use_ignore and ign
-        subdirs = []
-        for e in entries:
-            name = e.name
-            if name in WALK_SKIP:
-                continue
-            try:
-                if e.is_file(follow_symlinks=False):          # most entries: test files first
-                    if name_ok is not None and not name_ok(name):
-                        continue
-                    path = prefix + name
-                    if (filtering and ignored(ign, path, name, False)) or (check and policy.is_denied(path)):
-                        continue
-                    yield path, False
+                return ign + [rules]
+        return ign
+
+    def visit(self, path, real, ign, depth, ino, subdirs):
+        """Yield what one directory holds; append its subdirectories to `subdirs`."""
+        fd, entries = self.scan(real, ino)
+        if fd is None:
+            return
+        try:
+            ign = self.rules(path, entries, ign)
+            filtering = self.use_ignore and ign
+            check = self.policy.restricted
+            name_ok = self.name_ok
+            deeper = self.max_depth is None or depth + 1 < self.max_depth
+            prefix = path + "/" if path != "/" else "/"
+            rprefix = real + "/" if real != "/" else "/"
+            for e in entries:
+                name = e.name
+                if name in WALK_SKIP:
                     continue
-                if e.is_dir(follow_symlinks=False):
-                    path = prefix + name
-                    if (filtering and ignored(ign, path, name, True)) or (check and policy.is_denied(path)):
+                try:
+                    if e.is_file(follow_symlinks=False):          # most entries: test files first
+                        if name_ok is not None and not name_ok(name):
+                            continue
+                        r = rprefix + name
+                        if (filtering and ignored(ign, prefix + name, name, False)) or \
+                                (check and self.policy.is_denied(r)):
+                            continue
+                        yield prefix + name, r, False, e.inode()
                         continue
-                    subdirs.append(path)
-                    if follow_links:
-                        st = e.stat(follow_symlinks=False)
-                        seen.add((st.st_dev, st.st_ino))
-                    if want_dirs:
-                        yield path, True
+                    if e.is_dir(follow_symlinks=False):
+                        r = rprefix + name
+                        if (filtering and ignored(ign, prefix + name, name, True)) or \
+                                (check and self.policy.is_denied(r)):
+                            continue
+                        if self.want_dirs:
+                            yield prefix + name, r, True, e.inode()
+                        if deeper:
+                            subdirs.append((prefix + name, r, ign, depth + 1, e.inode()))
+                        continue
+                    if not e.is_symlink():
+                        continue                                 # sockets, fifos, devices
+                except OSError:
                     continue
-                if not e.is_symlink():
-                    continue                         # sockets, fifos, devices
-                path = prefix + name
-                is_dir = e.is_dir()
-            except OSError:
-                continue
-            if (filtering and ignored(ign, path, name, is_dir)) or (not is_dir and name_ok is not None
-                                                                     and not name_ok(name)):
-                continue
-            target = canonical(path)
-            if check and policy.is_denied(target):
-                continue
-            if is_dir:
-                if follow_links:
-                    linked_dirs.append((path, target, ign))
-                elif want_dirs:
-                    yield path, True                         # listed, not entered
-            elif os.path.isfile(target):              # broken links are skipped
-                yield path, False
-        for d in reversed(subdirs):
-            pending.append((d, ign))
+                for item in self.link(prefix + name, rprefix + name, name, ign, filtering, depth, deeper):
+                    yield item
+        finally:
+            os.close(fd)
+
+    def link(self, path, at, name, ign, filtering, depth, deeper):
+        """A symlink: its target is resolved and checked by its real path."""
+        try:
+            target = canonical(at)
+            st = os.stat(target)
+        except OSError:
+            return                                               # broken or looping links are skipped
+        is_dir = stat.S_ISDIR(st.st_mode)
+        if (filtering and ignored(ign, path, name, is_dir)) or self.policy.is_denied(target):
+            return
+        if is_dir:
+            if self.follow_links:
+                if deeper:
+                    self.linked.append((path, target, ign, depth + 1))
+            elif self.want_dirs:
+                yield path, target, True, st.st_ino                # listed, not entered
+        elif stat.S_ISREG(st.st_mode) and (self.name_ok is None or self.name_ok(name)):
+            yield path, target, False, st.st_ino
+
+    def enter_link(self, path, real, ign, depth):
+        """The pending entry of a followed directory link, or None when seen before."""
+        try:
+            st = os.stat(real)
+        except OSError:
+            return None
+        if (st.st_dev, st.st_ino) in self.seen:
+            return None
+        self.seen.add((st.st_dev, st.st_ino))
+        return path, real, ign, depth, st.st_ino
 
 
 # -- the grep engine -----------------------------------------------------------------
@@ -1073,15 +1471,19 @@ def region_records(hay, end, first_line, spans, before, after, state):
     return out
 
 
-def grep_file(path, matcher, mode, before=0, after=0, buf=None):
-    """One file's result: None (binary, unreadable or no match), True (files mode),
-    a count (count mode) or a list of records (content mode)."""
+def grep_file(path, ino, matcher, mode, before=0, after=0, buf=None):
+    """One file's result: None (binary, unreadable, not a regular file, no longer the
+    inode `ino` the walk listed, or no match), True (files mode), a count (count mode)
+    or a list of records (content mode)."""
     buf = buf if buf is not None else bytearray(GREP_BUFFER)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | O_FILE)
     except OSError:
         return None
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
+            return None
         count, records, state = 0, [], {}
         for piece in read_chunks(fd, buf):
             if piece is None:
@@ -1109,13 +1511,17 @@ def grep_file(path, matcher, mode, before=0, after=0, buf=None):
     return records or None
 
 
-def grep_many(files, spec):
-    """Run the engine over a list of paths: [(index, result)] for the matching ones."""
-    matcher = Matcher(spec["pattern"], spec["regex"], spec["ignore_case"], spec["multiline"])
+def matcher_of(spec):
+    return Matcher(spec["pattern"], spec["regex"], spec["ignore_case"], spec["multiline"])
+
+
+def grep_many(files, spec, matcher=None):
+    """Run the engine over (path, inode) pairs: [(index, result)] for the matching ones."""
+    matcher = matcher or matcher_of(spec)
     buf = bytearray(GREP_BUFFER)
     out = []
-    for i, path in enumerate(files):
-        r = grep_file(path, matcher, spec["mode"], spec["before"], spec["after"], buf)
+    for i, (path, ino) in enumerate(files):
+        r = grep_file(path, ino, matcher, spec["mode"], spec["before"], spec["after"], buf)
         if r is not None:
             out.append((i, r))
     return out
@@ -1257,22 +1663,22 @@ def start_helper(kind):
         return None
 
 
-def grep_parallel(files, spec, cancelled):
+def grep_parallel(files, spec, matcher, cancelled):
     """grep_many over the machine's cores: helpers take shares of a large file list,
     this process takes one."""
     helpers = [h for h in (start_helper("grep") for _ in range(helper_count(len(files)))) if h is not None]
     if not helpers:
-        return grep_many(files, spec)
+        return grep_many(files, spec, matcher)
     n = len(helpers) + 1
     shares = [files[k::n] for k in range(n)]
     try:
         for k, h in enumerate(helpers, 1):
             h.send(json.dumps({"files": shares[k], "spec": spec}).encode("utf-8", "surrogateescape"), last=True)
-        results = [(i * n, r) for i, r in grep_many(shares[0], spec)]
+        results = [(i * n, r) for i, r in grep_many(shares[0], spec, matcher)]
         for k, h in enumerate(helpers, 1):
             answer = h.answer(cancelled)
             if answer is None:
-                answer = grep_many(shares[k], spec)
+                answer = grep_many(shares[k], spec, matcher)
             results += [(i * n + k, r) for i, r in answer]
     finally:
         for h in helpers:                      # reaped even when our own share raised
@@ -1772,33 +2178,34 @@ def resolve_checked(session, ctx, path, name="path"):
 def tool_view(session, args, ctx):
     shown = args["path"]
     real = resolve_checked(session, ctx, shown)
-    st = stat_existing(real, shown)
-    if stat.S_ISDIR(st.st_mode):
-        if args.get("view_range") is not None:
-            raise ToolError("INVALID_INPUT", "view_range applies to files, and %s is a directory" % shown)
-        return list_tree(real, ctx.policy)
-    if not stat.S_ISREG(st.st_mode):
-        raise ToolError("INVALID_INPUT", "%s is not a regular file (a device, socket or pipe)" % shown)
-    limit = ctx.config.max_file_size
-    if st.st_size > limit:
-        raise ToolError("FILE_TOO_LARGE", "%s is %s; the limit is %s (--max-file-size). Use grep to search it,"
-                        " or raise --max-file-size" % (shown, human_size(st.st_size), human_size(limit)))
     vr = parse_view_range(args.get("view_range"))
     try:
-        with open(real, "rb") as fh:
+        fd, st = open_regular(real, shown)
+    except IsADirectoryError:
+        if vr is not None:
+            raise ToolError("INVALID_INPUT", "view_range applies to files, and %s is a directory" % shown)
+        return list_tree(real, ctx.policy, shown)
+    limit = ctx.config.max_file_size
+    with os.fdopen(fd, "rb") as fh:
+        if st.st_size > limit:
+            raise ToolError("FILE_TOO_LARGE", "%s is %s; the limit is %s (--max-file-size). Use grep to search"
+                            " it, or raise --max-file-size" % (shown, human_size(st.st_size), human_size(limit)))
+        try:
             head = fh.read(SNIFF_BYTES)
             kind, mime = sniff(head, real)
             if kind == "image":
                 import base64
-                data = head + fh.read()
+                data = head + read_fd(fh.fileno(), limit - len(head), shown) if len(head) == SNIFF_BYTES else head
                 session.mark_viewed(real)
                 return [{"type": "image", "data": base64.b64encode(data).decode("ascii"), "mimeType": mime}]
             if kind == "binary":
                 return "Binary file (%s): %s is not shown as text" % (human_size(st.st_size), shown)
             fh.seek(0)
-            text = read_numbered(fh, vr, shown)
-    except OSError as e:
-        raise io_error(e, shown)
+            text = read_numbered(LineReader(fh, max(limit, st.st_size) + 1), vr, shown)
+        except FileTooLarge as e:
+            raise too_large(shown, e.args[0], limit, more=True)
+        except OSError as e:
+            raise io_error(e, shown)
     session.mark_viewed(real)
     return text
 
@@ -1815,26 +2222,26 @@ def parse_view_range(vr):
     return start, end
 
 
-def read_numbered(fh, vr, shown):
+def read_numbered(reader, vr, shown):
     """Stream a text file into `cat -n` form: memory stays flat whatever its size."""
     lines = []
     if vr is None:
-        for raw in fh:
+        for raw, more in reader:
             if len(lines) == VIEW_MAX_LINES:
-                total = VIEW_MAX_LINES + 1 + count_rest(fh)
+                total = VIEW_MAX_LINES + 1 + reader.count_rest()
                 return "%s\n\nTruncated: file has %d lines. Use view_range to read specific sections" \
                        " (e.g. [%d, %d])." % (number_lines(lines, 1), total, VIEW_MAX_LINES + 1,
                                               min(total, 2 * VIEW_MAX_LINES))
-            lines.append(display_line(raw))
+            lines.append(display_line(raw, more))
         if not lines:
             return "(%s is empty)" % shown
         return number_lines(lines, 1)
     start, end = vr
     n = 0
-    for raw in fh:
+    for raw, more in reader:
         n += 1
         if n >= start:
-            lines.append(display_line(raw))
+            lines.append(display_line(raw, more))
             if n == end:
                 break
     if not lines:
@@ -1847,33 +2254,32 @@ class _ListingFull(Exception):
     pass
 
 
-def list_tree(root, policy):
+def list_tree(root, policy, shown):
     """Two levels below `root`, sorted, directories marked '/', links as 'name -> target'."""
     out = []
 
     def walk(directory, rel, level):
         try:
-            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+            entries = list_entries(directory)
         except OSError as e:
+            if level == 1:
+                raise io_error(e, shown)
             out.append("%s  [unreadable: %s]" % (rel or ".", e.strerror))
             return
-        for e in entries:
-            if e.name in LISTING_SKIP or policy.is_denied(e.path):
+        for name, is_dir, link in entries:
+            path = directory.rstrip("/") + "/" + name
+            if name in LISTING_SKIP or policy.is_denied(path):
                 continue
             if len(out) >= LISTING_MAX_ENTRIES:
                 raise _ListingFull()
-            name = rel + e.name
-            if e.is_symlink():
-                try:
-                    out.append("%s -> %s" % (name, os.readlink(e.path)))
-                except OSError:
-                    out.append(name + " -> ?")
-            elif e.is_dir():
-                out.append(name + "/")
+            if link is not None:
+                out.append("%s%s -> %s" % (rel, name, link))
+            elif is_dir:
+                out.append(rel + name + "/")
                 if level < LISTING_DEPTH:
-                    walk(e.path, name + "/", level + 1)
+                    walk(path, rel + name + "/", level + 1)
             else:
-                out.append(name)
+                out.append(rel + name)
 
     try:
         walk(root, "", 1)
@@ -1890,19 +2296,24 @@ def require_viewed(session, ctx, real, shown):
                         " (view-before-edit is on), then retry the edit" % shown)
 
 
-def load_for_edit(session, ctx, shown):
-    """(real, text, crlf) of an existing file that may be edited now."""
-    real = resolve_checked(session, ctx, shown)
-    st = stat_existing(real, shown)
-    if stat.S_ISDIR(st.st_mode):
-        raise ToolError("INVALID_INPUT", "%s is a directory; edits apply to files" % shown)
-    require_viewed(session, ctx, real, shown)
+def load_for_edit(session, ctx, real, shown):
+    """The text of an existing regular file that may be edited now (call it under
+    edit_lock(real)): bytes decoded with surrogateescape, so any byte round-trips."""
     try:
-        data = read_limited(real, shown, ctx.config.max_file_size)
+        fd, st = open_regular(real, shown, "edited")
+    except IsADirectoryError:
+        raise ToolError("INVALID_INPUT", "%s is a directory; edits apply to files" % shown)
+    try:
+        require_viewed(session, ctx, real, shown)
+        limit = ctx.config.max_file_size
+        if st.st_size > limit:
+            raise too_large(shown, st.st_size, limit)
+        data = read_fd(fd, limit, shown)
     except OSError as e:
         raise io_error(e, shown)
-    text = data.decode("utf-8", "surrogateescape")
-    return real, text, "\r\n" in text
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", "surrogateescape")
 
 
 def to_crlf(s):
@@ -1917,22 +2328,59 @@ def encode_text(text, name="content"):
 
 
 def write_checked(session, ctx, real, shown, data):
+    """Write through the one writer; a note when it had to write in place."""
     limit = ctx.config.max_file_size
     if len(data) > limit:
         raise ToolError("FILE_TOO_LARGE", "the new content of %s is %s; the limit is %s (--max-file-size);"
                         " nothing was written" % (shown, human_size(len(data)), human_size(limit)))
     try:
-        atomic_write(real, data)
+        atomic = atomic_write(real, data)
     except OSError as e:
         raise io_error(e, shown)
     session.mark_viewed(real)
+    return "" if atomic else " (rewritten in place: its directory refuses new files or renames)"
 
 
 def snippet(text, first_line, span):
     lines = text.split("\n")
     lo = max(0, first_line - SNIPPET_CONTEXT)
     hi = min(len(lines), first_line + span + SNIPPET_CONTEXT + 1)
-    return number_lines([display_line(l.encode("utf-8", "surrogateescape")) for l in lines[lo:hi]], lo + 1)
+    return number_lines([clip_line(l) for l in lines[lo:hi]], lo + 1)
+
+
+def newline_at(text, pos):
+    """The line ending of the line holding offset `pos` ('\\n' at the end of the text)."""
+    j = text.find("\n", pos)
+    return "\r\n" if j > 0 and text[j - 1] == "\r" else "\n"
+
+
+def replace_text(text, old, new, replace_all, shown):
+    """(updated text, count, offset of the first match) of replacing `old` by `new`.
+
+    `old` is matched verbatim first; only when that fails in a file with CRLF endings
+    is an LF-only `old` tried with CRLF. Each inserted `new` takes the line ending of
+    the region it replaces, so an LF line never gets a CR and a CRLF line keeps it."""
+    count = text.count(old)
+    if count == 0 and "\n" in old and "\r\n" not in old and "\r\n" in text:
+        old = to_crlf(old)
+        count = text.count(old)
+    if count == 0:
+        raise ToolError("STR_REPLACE_NOT_FOUND", "old_str was not found in %s; view the file and copy the"
+                        " text exactly, whitespace and indentation included" % shown)
+    if count > 1 and not replace_all:
+        raise ToolError("STR_REPLACE_AMBIGUOUS", "old_str occurs %d times in %s and must be unique; add"
+                        " surrounding lines to old_str to pick one, or set replace_all to true" % (count, shown))
+    bare = new.replace("\r\n", "\n")
+    parts, pos, first = [], 0, text.find(old)
+    while True:
+        i = text.find(old, pos)
+        if i < 0:
+            break
+        nl = "\r\n" if "\r\n" in old else ("\n" if "\n" in old else newline_at(text, i))
+        parts += [text[pos:i], bare if nl == "\n" else to_crlf(bare)]
+        pos = i + len(old)
+    parts.append(text[pos:])
+    return "".join(parts), count, first
 
 
 def tool_str_replace(session, args, ctx):
@@ -1942,40 +2390,41 @@ def tool_str_replace(session, args, ctx):
                         " (to write a whole file use create_file)")
     if old == new:
         raise ToolError("INVALID_INPUT", "old_str and new_str are identical; there is nothing to change")
-    real, text, crlf = load_for_edit(session, ctx, shown)
-    if crlf and "\r\n" not in old:
-        old, new = to_crlf(old), to_crlf(new)
-    count = text.count(old)
-    if count == 0:
-        raise ToolError("STR_REPLACE_NOT_FOUND", "old_str was not found in %s; view the file and copy the"
-                        " text exactly, whitespace and indentation included" % shown)
-    if count > 1 and not args.get("replace_all"):
-        raise ToolError("STR_REPLACE_AMBIGUOUS", "old_str occurs %d times in %s and must be unique; add"
-                        " surrounding lines to old_str to pick one, or set replace_all to true" % (count, shown))
-    pos = text.find(old)
-    updated = text.replace(old, new) if args.get("replace_all") else text[:pos] + new + text[pos + len(old):]
-    write_checked(session, ctx, real, shown, encode_text(updated, "new_str"))
-    shown_new = updated.replace("\r\n", "\n")
+    real = resolve_checked(session, ctx, shown)
+    with edit_lock(real):
+        text = load_for_edit(session, ctx, real, shown)
+        updated, count, pos = replace_text(text, old, new, bool(args.get("replace_all")), shown)
+        note = write_checked(session, ctx, real, shown, encode_text(updated, "new_str"))
     line = updated.count("\n", 0, pos)
-    return "Replaced %d occurrence%s in %s:\n%s" % (count, "" if count == 1 else "s", real,
-                                                  snippet(shown_new, line, new.replace("\r\n", "\n").count("\n")))
+    return "Replaced %d occurrence%s in %s%s:\n%s" % (count, "" if count == 1 else "s", real, note, snippet(
+        updated.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")))
+
+
+def existing_kind(real, shown):
+    """None when nothing is at `real`, else its lstat; a directory or special file is refused."""
+    try:
+        st = os.lstat(real)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise io_error(e, shown)
+    if stat.S_ISDIR(st.st_mode):
+        raise ToolError("INVALID_INPUT", "%s is a directory; give a file path" % shown)
+    if not stat.S_ISREG(st.st_mode):
+        raise not_regular(shown, st.st_mode, "overwritten")
+    return st
 
 
 def tool_create_file(session, args, ctx, content_key="content"):
     shown = args["path"]
     real = resolve_checked(session, ctx, shown)
-    existed = os.path.lexists(real)
-    if existed:
-        if os.path.isdir(real):
-            raise ToolError("INVALID_INPUT", "%s is a directory; give a file path" % shown)
-        require_viewed(session, ctx, real, shown)
     data = encode_text(args[content_key], content_key)
-    try:
-        make_dirs(os.path.dirname(real))
-    except OSError as e:
-        raise io_error(e, os.path.dirname(shown) or shown)
-    write_checked(session, ctx, real, shown, data)
-    return "%s %s (%d bytes)" % ("Overwrote" if existed else "Created", real, len(data))
+    with edit_lock(real):
+        existed = existing_kind(real, shown) is not None
+        if existed:
+            require_viewed(session, ctx, real, shown)
+        note = write_checked(session, ctx, real, shown, data)
+    return "%s %s (%d bytes)%s" % ("Overwrote" if existed else "Created", real, len(data), note)
 
 
 def tool_insert(session, args, ctx):
@@ -1983,24 +2432,26 @@ def tool_insert(session, args, ctx):
     text_in = args.get("insert_text", args.get("new_str"))
     if text_in is None or args.get("insert_line") is None:
         raise ToolError("INVALID_INPUT", "insert needs insert_line and insert_text (or new_str)")
-    real, text, crlf = load_for_edit(session, ctx, shown)
-    nl = "\r\n" if crlf else "\n"
-    lines = text.split(nl)
-    trailing = text.endswith(nl)
-    total = len(lines) - 1 if trailing else (0 if text == "" else len(lines))
-    at = args["insert_line"]
-    if not 0 <= at <= total:
-        raise ToolError("INVALID_INPUT", "insert_line %d is outside the file; give 0 (the top) to %d (after"
-                        " the last line)" % (at, total))
-    body = lines[:total]
-    new_lines = (to_crlf(text_in) if crlf else text_in).split(nl)
-    if text_in.endswith("\n"):
-        new_lines = new_lines[:-1]
-    body[at:at] = new_lines
-    updated = nl.join(body) + (nl if trailing or at == total else "")
-    write_checked(session, ctx, real, shown, encode_text(updated, "insert_text"))
-    return "Inserted %d line%s after line %d of %s:\n%s" % (
-        len(new_lines), "" if len(new_lines) == 1 else "s", at, real,
+    real = resolve_checked(session, ctx, shown)
+    with edit_lock(real):
+        text = load_for_edit(session, ctx, real, shown)
+        nl = "\r\n" if "\r\n" in text else "\n"
+        lines = text.split(nl)
+        trailing = text.endswith(nl)
+        total = len(lines) - 1 if trailing else (0 if text == "" else len(lines))
+        at = args["insert_line"]
+        if not 0 <= at <= total:
+            raise ToolError("INVALID_INPUT", "insert_line %d is outside the file; give 0 (the top) to %d (after"
+                            " the last line)" % (at, total))
+        body = lines[:total]
+        new_lines = (to_crlf(text_in) if nl == "\r\n" else text_in).split(nl)
+        if text_in.endswith("\n"):
+            new_lines = new_lines[:-1]
+        body[at:at] = new_lines
+        updated = nl.join(body) + (nl if trailing or at == total else "")
+        note = write_checked(session, ctx, real, shown, encode_text(updated, "insert_text"))
+    return "Inserted %d line%s after line %d of %s%s:\n%s" % (
+        len(new_lines), "" if len(new_lines) == 1 else "s", at, real, note,
         snippet(updated.replace("\r\n", "\n"), at, len(new_lines) - 1))
 
 
@@ -2166,28 +2617,38 @@ def name_filter(include, type_name):
 def search_root(session, ctx, shown):
     """Resolve and scope-check a search root: (real, is_dir)."""
     real = resolve_checked(session, ctx, shown)
-    st = stat_existing(real, shown)
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise io_error(e, shown)
+    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        raise not_regular(shown, st.st_mode, "searched")
     return real, stat.S_ISDIR(st.st_mode)
 
 
 def collect_files(real, is_dir, ctx, keep):
-    """The files a search reads under a root: (path, rel) pairs passing `keep`."""
+    """The files a search reads under a root: (real path, rel, inode) triples passing
+    `keep`; the real path is what is opened, the inode what it must still be."""
     if not is_dir:
-        return [(real, None)]
+        return [(real, None, None)]
     files = []
     cut = len(real) + 1 if real != "/" else 1
-    for path, _ in walk(real, ctx.policy, follow_links=True, cancelled=ctx.cancelled):
+    for path, at, _, ino in Walker(real, ctx.policy, follow_links=True, cancelled=ctx.cancelled):
         rel = path[cut:]
         if keep(rel, rel.rsplit("/", 1)[-1]):
-            files.append((path, rel))
+            files.append((at, rel, ino))
     return files
 
 
-def run_grep(files, ctx, pattern, regex, ignore_case, multiline, mode, before=0, after=0):
+def grep_spec(pattern, regex, ignore_case, multiline, mode, before=0, after=0):
+    """A search's settings (as sent to helpers) and its matcher, compiled once."""
     spec = {"pattern": pattern, "regex": regex, "ignore_case": ignore_case, "multiline": multiline,
             "mode": mode, "before": before, "after": after}
-    Matcher(pattern, regex, ignore_case, multiline)           # fail fast on a bad pattern
-    return grep_parallel([p for p, _ in files], spec, ctx.cancelled)
+    return spec, matcher_of(spec)
+
+
+def run_grep(files, ctx, spec, matcher):
+    return grep_parallel([(p, ino) for p, _, ino in files], spec, matcher, ctx.cancelled)
 
 
 def format_records(label, records, numbers):
@@ -2253,10 +2714,10 @@ def tool_grep(session, args, ctx):
     after = args.get("context_after", ctx_n) if mode == "content" else 0
     if min(before, after) < 0:
         raise ToolError("INVALID_INPUT", "context lines must be 0 or more")
-    Matcher(pattern, True, bool(args.get("case_insensitive")), bool(args.get("multiline")))
+    spec, matcher = grep_spec(pattern, True, bool(args.get("case_insensitive")), bool(args.get("multiline")),
+                              mode, before, after)
     files = collect_files(real, is_dir, ctx, keep)
-    results = run_grep(files, ctx, pattern, True, bool(args.get("case_insensitive")),
-                       bool(args.get("multiline")), mode, before, after)
+    results = run_grep(files, ctx, spec, matcher)
     if not results:
         return "No matches found for pattern %r in %s" % (pattern, shown)
     hits = [(files[i][0], files[i][1] if is_dir else shown, r) for i, r in results]
@@ -2282,7 +2743,7 @@ def glob_plan(pattern):
     rest = "/".join(parts)
     if rest.startswith("**/") and "/" not in rest[3:]:
         return "/".join(static), rest[3:], True
-    return "/".join(static), rest, "/" not in rest
+    return "/".join(static), rest, "/" not in pattern    # 'src/*.c': direct children of src only
 
 
 def find_paths(session, ctx, pattern, shown, kind):
@@ -2299,7 +2760,10 @@ def find_paths(session, ctx, pattern, shown, kind):
         rx = compile_glob(rest)
     except ValueError as e:
         raise ToolError("GLOB_INVALID_PATTERN", "pattern %r is malformed: %s" % (pattern, e))
-    start = canonical(os.path.join(real, prefix)) if prefix else real
+    try:
+        start = canonical(os.path.join(real, prefix)) if prefix else real
+    except OSError:
+        return []
     if not os.path.isdir(start) or ctx.policy.is_denied(start):
         return []
     cut = len(start) + 1 if start != "/" else 1
@@ -2309,12 +2773,13 @@ def find_paths(session, ctx, pattern, shown, kind):
         from operator import methodcaller
         simple = re.match(r"^\*(\.[\w.+-]+)$", rest)      # '*.c': a suffix test, no regex
         name_ok = methodcaller("endswith", simple.group(1)) if simple else rx.match
-    walked = walk(start, ctx.policy, follow_links=False, want_dirs=kind != "file", cancelled=ctx.cancelled,
-                  name_ok=name_ok)
+    depth = None if base_only or "**" in rest else rest.count("/") + 1
+    walked = Walker(start, ctx.policy, follow_links=False, want_dirs=kind != "file", cancelled=ctx.cancelled,
+                    name_ok=name_ok, max_depth=depth)
     if name_ok is not None:                      # the walker already matched the names
-        matched = (path for path, _ in walked)
+        matched = (path for path, _, _, _ in walked)
     else:
-        matched = (path for path, is_dir in walked if is_dir == (kind == "directory")
+        matched = (path for path, _, is_dir, _ in walked if is_dir == (kind == "directory")
                    and rx.match(path[path.rfind("/") + 1:] if base_only else path[cut:]))
     return [(path, path[lead:], when) for path, when in with_mtimes(matched, ctx.cancelled)]
 
@@ -2330,15 +2795,12 @@ def tool_search_text(session, args, ctx):
     query = args["query"]
     if query == "":
         raise ToolError("INVALID_INPUT", "query is empty; give the text to search for")
-    regex = bool(args.get("regex"))
-    if regex:
-        Matcher(query, True)
+    spec, matcher = grep_spec(query, bool(args.get("regex")), False, False, "content")
     lines = []
     for shown in args.get("paths") or ["."]:
         real, is_dir = search_root(session, ctx, shown)
         files = collect_files(real, is_dir, ctx, lambda rel, name: True)
-        for i, records in sorted(run_grep(files, ctx, query, regex, False, False, "content"),
-                                 key=lambda r: files[r[0]][0]):
+        for i, records in sorted(run_grep(files, ctx, spec, matcher), key=lambda r: files[r[0]][1] or ""):
             label = os.path.join(shown, files[i][1]) if is_dir else shown
             lines += format_records(label, records, True)
     if not lines:
@@ -2368,27 +2830,35 @@ def _assert_safe_path(ctx, path):
     except PermissionError:
         raise plain_error(ESCAPE, "ACCESS_DENIED")
     except ToolError as e:                      # NUL byte, over-long path
-        raise plain_error("错误：路径无效: %s" % e.message)
+        raise plain_error("错误：路径无效: %s" % e.message, "INVALID_INPUT")
+
+
+def seed004_error(e, path, doing):
+    """A shared layer's ToolError in seed 004's words."""
+    if e.code == "PATH_NOT_FOUND":
+        return plain_error("错误：文件不存在: %s" % path, e.code)
+    if e.code == "ACCESS_DENIED" and "changed while" in e.message:
+        log("warn", "path escape attempt refused (swapped while opening)", path=path)
+        return plain_error(ESCAPE, e.code)
+    if e.code == "FILE_TOO_LARGE":
+        return plain_error("错误：文件过大: %s（上限 %s）" % (path, human_size(e.limit)), e.code)
+    return plain_error("错误：无法%s %s: %s" % (doing, path, e.message), e.code)
 
 
 def tool_read_file(session, args, ctx):
     path, encoding = args["path"], args.get("encoding") or "utf-8"
     real = _assert_safe_path(ctx, path)
-    if not os.path.exists(real):
-        raise plain_error("错误：文件不存在: %s" % path)
-    if os.path.isdir(real):
-        raise plain_error("错误：%s 不是文件" % path)
     try:
-        data = read_limited(real, path, ctx.config.max_file_size)
-    except ToolError:
-        raise plain_error("错误：文件过大: %s（%s，上限 %s）" % (
-            path, human_size(os.path.getsize(real)), human_size(ctx.config.max_file_size)))
-    except OSError as e:
-        raise plain_error("错误：无法读取文件 %s: %s" % (path, e.strerror or e))
+        data, _ = read_regular(real, path, ctx.config.max_file_size)
+    except IsADirectoryError:
+        raise plain_error("错误：%s 不是文件" % path, "INVALID_INPUT")
+    except ToolError as e:
+        raise seed004_error(e, path, "读取文件")
+    session.mark_viewed(real)
     try:
         return data.decode(encoding)
     except LookupError:
-        raise plain_error("错误：不支持的编码: %s" % encoding)
+        raise plain_error("错误：不支持的编码: %s" % encoding, "INVALID_INPUT")
     except UnicodeDecodeError:
         try:
             return data.decode("latin-1")
@@ -2399,44 +2869,37 @@ def tool_read_file(session, args, ctx):
 def tool_write_file(session, args, ctx):
     path, content = args["path"], args["content"]
     real = _assert_safe_path(ctx, path)
-    if os.path.isdir(real):
-        raise plain_error("错误：%s 是目录" % path)
     try:
         data = encode_text(content)
     except ToolError:
-        raise plain_error("错误：内容含有无效字符（不成对的代理字符）")
+        raise plain_error("错误：内容含有无效字符（不成对的代理字符）", "INVALID_INPUT")
     if len(data) > ctx.config.max_file_size:
         raise plain_error("错误：内容过大（%s，上限 %s），未写入: %s" % (
-            human_size(len(data)), human_size(ctx.config.max_file_size), path))
-    try:
-        make_dirs(os.path.dirname(real))
-        atomic_write(real, data)
-    except OSError as e:
-        raise plain_error("错误：无法写入 %s: %s" % (path, e.strerror or e))
-    session.mark_viewed(real)
+            human_size(len(data)), human_size(ctx.config.max_file_size), path), "FILE_TOO_LARGE")
+    with edit_lock(real):
+        try:
+            existing_kind(real, path)
+            write_checked(session, ctx, real, path, data)
+        except ToolError as e:
+            if e.message.endswith("is a directory; give a file path"):
+                raise plain_error("错误：%s 是目录" % path, e.code)
+            raise seed004_error(e, path, "写入")
     return "成功：已写入 %s" % path
 
 
 def tool_list_directory(session, args, ctx):
     path = args.get("path") or "."
     real = _assert_safe_path(ctx, path)
-    if not os.path.exists(real):
-        raise plain_error("错误：目录不存在: %s" % path)
-    if not os.path.isdir(real):
-        raise plain_error("错误：%s 不是目录" % path)
     try:
-        entries = sorted(os.scandir(real), key=lambda e: e.name)
+        entries = list_entries(real)
+    except FileNotFoundError:
+        raise plain_error("错误：目录不存在: %s" % path, "PATH_NOT_FOUND")
+    except NotADirectoryError:
+        raise plain_error("错误：%s 不是目录" % path, "INVALID_INPUT")
     except OSError as e:
-        raise plain_error("错误：无法列出目录 %s: %s" % (path, e.strerror or e))
-    lines = []
-    for e in entries:
-        if ctx.policy.is_denied(e.path):
-            continue
-        try:
-            is_dir = e.is_dir()
-        except OSError:
-            is_dir = False
-        lines.append("[%s] %s" % ("D" if is_dir else "F", e.name))
+        raise seed004_error(io_error(e, path), path, "列出目录")
+    lines = ["[%s] %s" % ("D" if is_dir else "F", name) for name, is_dir, _ in entries
+             if not ctx.policy.is_denied(real.rstrip("/") + "/" + name)]
     return "\n".join(lines) if lines else "(空目录)"
 
 

@@ -415,38 +415,16 @@ class TestView(Base):
         p = self.write("big.log", "".join("row %d\n" % i for i in range(1, 11)))
         with open(p, "ab") as f:
             f.write(b"y" * (8 << 20))
-        opened = []
-        real_open = boris.open if hasattr(boris, "open") else open
+        readers = []
+        real_init = boris.LineReader.__init__
 
-        class Spy(object):
-            def __init__(self, fh):
-                self.fh, self.read_bytes = fh, 0
-
-            def __iter__(self):
-                for line in self.fh:
-                    self.read_bytes += len(line)
-                    yield line
-
-            def __getattr__(self, name):
-                return getattr(self.fh, name)
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *a):
-                self.fh.close()
-
-        def spy_open(*a, **k):
-            s = Spy(real_open(*a, **k))
-            opened.append(s)
-            return s
-        boris.open = spy_open
-        try:
+        def spy_init(reader, fh, budget):
+            real_init(reader, fh, budget)
+            readers.append(reader)
+        with mock.patch.object(boris.LineReader, "__init__", spy_init):
             text = self.ok("view", path="big.log", view_range=[1, 10])
-        finally:
-            del boris.open
         self.assertTrue(text.endswith("    10\trow 10"), text[-50:])
-        self.assertLess(opened[0].read_bytes, 1 << 20)
+        self.assertLess(readers[0].used, 1 << 20)
 
     def test_seed000_binary_file(self):
         self.write("prog.exe", b"MZ\x90\x00\x03\x00\x00\x00" + os.urandom(3000) + b"\x00" * 100)
@@ -1590,7 +1568,7 @@ class TestGitignoreAgreesWithGit(unittest.TestCase):
         git_visible.discard(".gitignore")
         git_visible.discard("sub/.gitignore")
         policy = boris.PathPolicy([], [], tmp)
-        ours = set(p[len(tmp) + 1:] for p, d in boris.walk(tmp, policy, False) if not d)
+        ours = set(p[len(tmp) + 1:] for p, _, d, _ in boris.Walker(tmp, policy, False) if not d)
         ours.discard(".gitignore")
         ours.discard("sub/.gitignore")
         self.assertEqual(sorted(ours), sorted(git_visible))
@@ -1822,12 +1800,8 @@ class TestWorkspaceTools(NoViewBase):
         class Bad(bytes):
             def decode(self, *a, **k):
                 raise UnicodeDecodeError("x", b"", 0, 1, "bad")
-        old = boris.read_limited
-        boris.read_limited = lambda *a, **k: Bad(data)
-        try:
+        with mock.patch.object(boris, "read_regular", lambda *a, **k: (Bad(data), None)):
             text, err = self.call("read_file", path="x.txt")
-        finally:
-            boris.read_limited = old
         self.assertTrue(err)
         self.assertEqual(text, "错误：文件编码无法识别")
 
