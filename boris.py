@@ -19,13 +19,19 @@ License: MIT.
 __version__ = "0.1.0"
 __license__ = "MIT"
 
+import sys
+
+if sys.version_info < (3, 8):
+    sys.stderr.write("boris: error: Python %d.%d is too old; boris.py needs Python 3.8 or newer\n"
+                     % sys.version_info[:2])
+    sys.exit(2)
+
 import errno
 import json
 import os
 import re
 import signal
 import stat
-import sys
 import threading
 import time
 
@@ -48,6 +54,7 @@ LISTING_MAX_ENTRIES = 1000
 LISTING_SKIP = frozenset((".git", "node_modules"))
 SNIPPET_CONTEXT = 4                        # lines around an edit in str_replace's answer
 MAX_PATH_CHARS = 4096
+MAX_BRACE_DEPTH = 16                       # {a,{b,c}} nesting in a glob
 MAX_SYMLINKS = 40                          # links followed in one path, as the kernel's ELOOP
 
 OUTPUT_MAX_CHARS = 30000                   # bash stdout/stderr, grep, glob output
@@ -64,6 +71,10 @@ WEB_MAX_REDIRECTS = 5
 
 HTTP_SESSION_IDLE_S = 600.0
 HTTP_MAX_BODY = 4 * 1024 * 1024
+HTTP_MAX_CONNECTIONS = 256                 # more at once get 503 (each holds a thread and an fd)
+HTTP_READ_TIMEOUT_S = 30.0                 # a request's headers and body must arrive within this
+STDIO_MAX_LINE = 64 * 1024 * 1024          # one stdio message at most
+REAP_INTERVAL_S = 0.5                      # orphans re-parented to boris are reaped this often
 EOF_GRACE_S = 2.0                          # stdin closed: let in-flight calls finish
 
 ###############################################################################
@@ -287,6 +298,24 @@ def resolve_disabled_tools(names, compat):
     return off
 
 
+LOCAL_HOSTS = frozenset(("localhost", "127.0.0.1", "::1", "[::1]"))
+
+
+def host_of(value):
+    """'host' of 'host:port', '[::1]:port' or a URL's netloc, lower-cased."""
+    value = value.strip().lower()
+    if "://" in value:
+        value = value.split("://", 1)[1].split("/", 1)[0]
+    if value.startswith("["):
+        return value[:value.find("]") + 1]
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def is_loopback(host):
+    """localhost, ::1 or an IPv4 address in 127.0.0.0/8 (not a name that starts with 127.)."""
+    return host in LOCAL_HOSTS or re.match(r"^127(\.(25[0-5]|2[0-4]\d|1?\d?\d)){3}$", host) is not None
+
+
 def parse_config(argv, environ):
     """Build a Config from argv and environ; raise ConfigError on any bad value.
 
@@ -344,6 +373,11 @@ def parse_config(argv, environ):
                 raise
     if values["token"] and values["generate-token"]:
         raise ConfigError("--token and --generate-token exclude each other: give one of them")
+    if values["transport"] == "http" and not (values["token"] or values["generate-token"]) \
+            and not is_loopback(host_of(values["host"])):
+        raise ConfigError("--host %s is reachable from other machines, and without a token anyone there could"
+                          " run commands: pass --token TOKEN or --generate-token, or bind 127.0.0.1"
+                          % values["host"])
     workdir = os.path.abspath(os.path.expanduser(values["workdir"]))
     if not os.path.isdir(workdir):
         raise ConfigError("--workdir %r is not a directory" % values["workdir"])
@@ -357,9 +391,47 @@ def parse_config(argv, environ):
 ###############################################################################
 
 
+POSIX_CLASSES = {"alpha": "a-zA-Z", "digit": "0-9", "alnum": "a-zA-Z0-9", "upper": "A-Z", "lower": "a-z",
+                 "space": " \\t\\n\\r\\f\\v", "blank": " \\t", "xdigit": "0-9A-Fa-f", "word": "\\w",
+                 "punct": re.escape("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"), "cntrl": "\\x00-\\x1f\\x7f",
+                 "print": "\\x20-\\x7e", "graph": "\\x21-\\x7e"}
+
+
+def glob_class(pattern, i):
+    """(regex, index after it) of the bracket expression starting at pattern[i]:
+    ranges, '!'/'^' negation, POSIX classes such as [:digit:], backslash escapes."""
+    n, j = len(pattern), i + 1
+    neg = j < n and pattern[j] in "!^"
+    j += neg
+    items = []
+    while True:
+        if j >= n:
+            raise ValueError("unclosed '[' at position %d" % i)
+        c = pattern[j]
+        if c == "]" and items:
+            break
+        if pattern.startswith("[:", j):
+            k = pattern.find(":]", j + 2)
+            name = pattern[j + 2:k] if k > 0 else ""
+            if name not in POSIX_CLASSES:
+                raise ValueError("unknown character class [:%s:] at position %d (known: %s)"
+                                 % (name, j, ", ".join(sorted(POSIX_CLASSES))))
+            items.append(POSIX_CLASSES[name])
+            j = k + 2
+            continue
+        if c == "\\" and j + 1 < n:
+            items.append(re.escape(pattern[j + 1]))
+            j += 2
+            continue
+        ranged = c == "-" and items and j + 1 < n and pattern[j + 1] != "]"
+        items.append("-" if ranged else re.escape(c))
+        j += 1
+    return ("[^/%s]" if neg else "[%s]") % "".join(items), j + 1
+
+
 def compile_glob(pattern):
-    """Translate a glob (`*`, `**`, `?`, `[a-z]`, `[!a]`, `{a,b}`, `\\x`) to a regex
-    matched against a whole '/'-separated path. Raise ValueError naming the flaw."""
+    """Translate a glob (`*`, `**`, `?`, `[a-z]`, `[!a]`, `[[:digit:]]`, `{a,b}`, `\\x`)
+    to a regex matched against a whole '/'-separated path. Raise ValueError naming the flaw."""
     out, i, n, depth = [], 0, len(pattern), 0
     while i < n:
         c = pattern[i]
@@ -370,33 +442,20 @@ def compile_glob(pattern):
                 if at_start and pattern.startswith("/", i):
                     out.append("(?:.*/)?")         # '**/' : any number of directories
                     i += 1
-                elif at_start and i == n and i > 2:
-                    out.append(".*")               # trailing '/**' : everything below
                 else:
-                    out.append(".*")
+                    out.append(".*")               # trailing '/**' : everything below
                 continue
             out.append("[^/]*")
         elif c == "?":
             out.append("[^/]")
         elif c == "[":
-            j = i + 1
-            if j < n and pattern[j] in "!^":
-                j += 1
-            if j < n and pattern[j] == "]":
-                j += 1
-            while j < n and pattern[j] != "]":
-                j += 1
-            if j >= n:
-                raise ValueError("unclosed '[' at position %d" % i)
-            body = pattern[i + 1:j]
-            neg = body[:1] in ("!", "^")
-            if neg:
-                body = body[1:]
-            body = body.replace("\\", "\\\\").replace("]", "\\]")
-            out.append("[%s%s]" % ("^/" if neg else "", body) if neg else "[%s]" % body)
-            i = j
+            rx, i = glob_class(pattern, i)
+            out.append(rx)
+            continue
         elif c == "{":
             depth += 1
+            if depth > MAX_BRACE_DEPTH:
+                raise ValueError("braces nested over %d deep" % MAX_BRACE_DEPTH)
             out.append("(?:")
         elif c == "}" and depth:
             depth -= 1
@@ -411,7 +470,10 @@ def compile_glob(pattern):
         i += 1
     if depth:
         raise ValueError("unclosed '{' (every '{' needs a matching '}')")
-    return re.compile("".join(out) + r"\Z", re.DOTALL)
+    try:
+        return re.compile("".join(out) + r"\Z", re.DOTALL)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise ValueError(str(e))
 
 
 def is_within(path, root):
@@ -1010,6 +1072,128 @@ def is_stale(pid, token):
     return False
 
 ###############################################################################
+# Child processes #############################################################
+###############################################################################
+# Every process boris starts goes through spawn(), which records its pid until its
+# Popen has collected the exit status, so the orphan reaper never steals one. On
+# Linux boris is a child subreaper: what a command leaves running (`cmd &`, setsid,
+# double-forked daemons) is re-parented to boris instead of init, and is killed
+# when its call ends (found by the BORIS_CALL marker every command's environment
+# carries). As PID 1 or subreaper, orphans are reaped by a background thread.
+
+_spawn_lock = threading.Lock()
+_live_pids = set()
+_reaper_state = {"on": False}
+
+
+def spawn(argv, **kwargs):
+    """subprocess.Popen(argv, **kwargs), its pid recorded until reaped()."""
+    import subprocess
+    with _spawn_lock:
+        proc = subprocess.Popen(argv, **kwargs)
+        _live_pids.add(proc.pid)
+    return proc
+
+
+def reaped(proc):
+    """Forget a Popen whose exit status has been collected."""
+    with _spawn_lock:
+        _live_pids.discard(proc.pid)
+
+
+def set_subreaper():
+    """PR_SET_CHILD_SUBREAPER through ctypes (Linux); False where it is not to be had."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0          # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError, ImportError):
+        return False
+
+
+def child_pids():
+    """Pids whose parent is this process (any of its threads)."""
+    pids = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return pids
+    for tid in tasks:
+        try:
+            with open("/proc/self/task/%s/children" % tid) as f:
+                pids.update(int(p) for p in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def orphans():
+    """Children of ours that no Popen owns: re-parented orphans."""
+    kids = child_pids()
+    with _spawn_lock:
+        return kids - _live_pids
+
+
+def reap_orphans():
+    for pid in orphans():
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+def start_reaper():
+    """Become a subreaper (Linux) and, as one or as PID 1, reap orphans every
+    REAP_INTERVAL_S. Returns whether the reaper runs."""
+    if _reaper_state["on"]:
+        return True
+    if not (set_subreaper() or os.getpid() == 1):
+        return False
+    _reaper_state["on"] = True
+
+    def loop():
+        while True:
+            time.sleep(REAP_INTERVAL_S)
+            try:
+                reap_orphans()
+            except Exception:
+                log("error", "orphan reaper failed", error=_traceback())
+    threading.Thread(target=loop, daemon=True, name="boris-reaper").start()
+    return True
+
+
+def call_marker():
+    """A value for BORIS_CALL unique to one command of this process."""
+    return "%d-%s" % (os.getpid(), os.urandom(6).hex())
+
+
+def kill_marked(marker):
+    """SIGKILL what is left of a command: processes re-parented to us (or still
+    anywhere) whose environment carries BORIS_CALL=marker. Only scans /proc when
+    some orphan exists, so a clean command costs one read of our children."""
+    if not _reaper_state["on"] or not orphans():
+        return 0
+    needle = ("BORIS_CALL=%s\0" % marker).encode()
+    killed = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open("/proc/%s/environ" % name, "rb") as f:
+                if needle not in f.read():
+                    continue
+            os.kill(int(name), signal.SIGKILL)
+            killed += 1
+        except (OSError, ValueError):
+            continue
+    if killed:
+        reap_orphans()
+    return killed
+
+
+###############################################################################
 # Search ######################################################################
 ###############################################################################
 # One walker (gitignore-aware, cycle-safe, scope-filtered), one glob compiler (in
@@ -1598,7 +1782,7 @@ def helper_command(kind):
     prefix = pycache_prefix()
     cache = ["-X", "pycache_prefix=" + prefix] if prefix else ["-B"]
     module = os.path.splitext(os.path.basename(__file__))[0]
-    return [sys.executable, "-S"] + cache + ["-m", module, "--helper", kind], here
+    return [sys.executable, "-S", "-X", "utf8"] + cache + ["-m", module, "--helper", kind], here
 
 
 def helper_count(n_files):
@@ -1616,8 +1800,8 @@ class Helper(object):
         import queue
         import subprocess
         argv, cwd = helper_command(kind)
-        self.proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL)
         self.inbox = queue.SimpleQueue()
         threading.Thread(target=self._feed, daemon=True).start()
 
@@ -1653,6 +1837,7 @@ class Helper(object):
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        reaped(self.proc)
         self.proc.stdout.close()
 
 
@@ -1778,9 +1963,11 @@ def start_process(script, cwd):
     env.setdefault("PAGER", "cat")
     env.setdefault("GIT_PAGER", "cat")
     env.setdefault("GIT_TERMINAL_PROMPT", "0")
-    return subprocess.Popen([SHELL, "-c", script], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            close_fds=True)
+    env["BORIS_CALL"] = marker = call_marker()
+    proc = spawn([SHELL, "-c", script], cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+    proc.boris_call = marker
+    return proc
 
 
 def signal_group(proc, sig):
@@ -1802,6 +1989,13 @@ def stop_group(proc, grace=KILL_GRACE_S):
             pass
     signal_group(proc, signal.SIGKILL)
     proc.wait()
+    finish(proc)
+
+
+def finish(proc):
+    """After a command's leader is reaped: forget it, kill what it left behind."""
+    reaped(proc)
+    kill_marked(proc.boris_call)
 
 
 def pump(proc, out, err, deadline=None, stop=None, on_output=None):
@@ -1860,6 +2054,7 @@ def pump(proc, out, err, deadline=None, stop=None, on_output=None):
         proc.stderr.close()
         signal_group(proc, signal.SIGKILL)
         proc.wait()
+        finish(proc)
     return why
 
 
@@ -2062,7 +2257,7 @@ class Session(object):
         self.lock = threading.Lock()
         self.viewed = set()
         self.tasks = {}
-        self.inflight = {}          # request id -> threading.Event (set = cancelled)
+        self.inflight = {}          # request id -> [threading.Event] (set = cancelled)
         self.foreground = set()     # Popen objects of running foreground commands
         self.closed = False
         self.last_seen = time.monotonic()
@@ -2086,27 +2281,39 @@ class Session(object):
         return cwd if os.path.isdir(cwd) else self.config.workdir
 
     def begin(self, rid):
+        """A cancel event for request `rid`; ids may repeat, each call has its own."""
         ev = threading.Event()
         with self.lock:
-            self.inflight[rid] = ev
+            self.inflight.setdefault(rid, []).append(ev)
         return ev
 
-    def end(self, rid):
+    def end(self, rid, ev):
         with self.lock:
-            self.inflight.pop(rid, None)
+            events = self.inflight.get(rid, [])
+            if ev in events:
+                events.remove(ev)
+            if not events:
+                self.inflight.pop(rid, None)
+
+    def is_inflight(self, rid):
+        with self.lock:
+            return rid in self.inflight
 
     def cancel(self, rid):
+        """Cancel every in-flight call with id `rid`; False when there is none."""
+        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+            return False
         with self.lock:
-            ev = self.inflight.get(rid)
-        if ev is not None:
+            events = list(self.inflight.get(rid, ()))
+        for ev in events:
             ev.set()
-        return ev is not None
+        return bool(events)
 
     def close(self):
         """Cancel in-flight calls and kill every background task (TERM, grace, KILL)."""
         with self.lock:
             self.closed = True
-            events = list(self.inflight.values())
+            events = [ev for evs in self.inflight.values() for ev in evs]
             tasks = list(self.tasks.values())
             procs = list(self.foreground)
             self.tasks.clear()
@@ -3183,6 +3390,30 @@ def _traceback():
     return traceback.format_exc()
 
 
+_LONE_SURROGATE = re.compile(r"\\\\|\\ud[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|\\ud[89a-f][0-9a-f]{2}")
+
+
+def dump_json(msg):
+    """A message as ASCII JSON that strict parsers accept: a lone surrogate (an
+    undecodable byte of a file name that slipped through) becomes U+FFFD."""
+    text = json.dumps(msg, separators=(",", ":"))
+    if "\\ud" not in text:
+        return text
+    return _LONE_SURROGATE.sub(lambda m: m.group(0) if len(m.group(0)) != 6 else "\\ufffd", text)
+
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def scrub(text):
+    """Tool output made valid Unicode: undecodable bytes (lone surrogates) become
+    U+FFFD, with a note saying so."""
+    clean, bad = _SURROGATES.subn("\ufffd", text)
+    if not bad:
+        return text
+    return clean + "\n[%d byte%s that are not UTF-8 shown as U+FFFD]" % (bad, "" if bad == 1 else "s")
+
+
 def progress_sender(token, emit):
     """A progress callback that sends notifications/progress with `token`."""
     counter = [0]
@@ -3356,7 +3587,7 @@ class McpServer(object):
                 if not cancelled.is_set():
                     emit(response)
             finally:
-                session.end(rid)        # after emit: a transport waiting on inflight sees the answer first
+                session.end(rid, cancelled)     # after emit: a transport waiting on inflight sees the answer first
         self.pool.submit(run)
 
     @staticmethod
@@ -3365,9 +3596,12 @@ class McpServer(object):
         try:
             out = tool.handler(session, check_arguments(tool.schema, args), ctx)
         except ToolError as e:
-            return {"content": [text_block(e.render())], "isError": True}
+            return {"content": [text_block(scrub(e.render()))], "isError": True}
         if isinstance(out, str):
             out = [text_block(out)]
+        for block in out:
+            if block.get("type") == "text":
+                block["text"] = scrub(block["text"])
         return {"content": out, "isError": False}
 
 ###############################################################################
@@ -3375,23 +3609,101 @@ class McpServer(object):
 ###############################################################################
 
 
-class _Shutdown(Exception):
-    pass
+class Stopper(object):
+    """How the process is told to stop: by a signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT)
+    or by a transport (stdin EOF). Signal handlers only note the reason and write a
+    byte to a pipe; they never raise or take a lock, so no signal is lost whatever
+    the main thread is doing, and a repeated one during shutdown changes nothing.
+    The main thread owns shutdown: it waits here, then cleans up."""
+
+    SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+    def __init__(self):
+        self.reason = None
+        self.r, self.w = os.pipe()
+        os.set_blocking(self.w, False)
+
+    def stop(self, reason):
+        if self.reason is None:
+            self.reason = reason
+        try:
+            os.write(self.w, b"!")
+        except OSError:                  # pipe full: a wakeup is already pending
+            pass
+
+    def is_set(self):
+        return self.reason is not None
+
+    def install(self):
+        """Route the shutdown signals here (main thread only)."""
+        for name in self.SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                signal.signal(sig, lambda signum, frame: self.stop(signal.Signals(signum).name))
+
+    def wait(self, timeout=None):
+        """Block until stopped (True) or `timeout` seconds pass (False)."""
+        import select
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.reason is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            select.select([self.r], [], [], left)
+        return True
 
 
-def _raise_shutdown(signum, frame):
-    raise _Shutdown()
+def parse_message(raw):
+    """One JSON-RPC message from bytes; ValueError for anything that is not JSON
+    (however deeply nested: RecursionError is a parse error too)."""
+    try:
+        return json.loads(raw.decode("utf-8", "replace"))
+    except RecursionError:
+        raise ValueError("nesting too deep")
 
 
-def serve_stdio(server, session, stdin=None, stdout=None):
-    """One JSON message per line on stdin/stdout; only protocol on stdout."""
-    stdin = stdin or sys.stdin.buffer
+def json_line(msg):
+    """A message as one line of ASCII JSON."""
+    return (dump_json(msg) + "\n").encode("ascii")
+
+
+def read_lines(fd, on_line):
+    """Read `fd` (raw reads: no buffered-stdin lock left held at exit) and call
+    on_line(bytes) for each line; return at EOF. A line over STDIO_MAX_LINE is
+    answered as a parse error and skipped."""
+    pending = b""
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+        if not chunk:
+            if pending.strip():
+                on_line(pending)
+            return
+        pending += chunk
+        while True:
+            i = pending.find(b"\n")
+            if i < 0:
+                break
+            line, pending = pending[:i], pending[i + 1:]
+            on_line(line)
+        if len(pending) > STDIO_MAX_LINE:
+            on_line(None)
+            pending = b""
+
+
+def serve_stdio(server, session, stopper, stdin_fd=0, stdout=None):
+    """One JSON message per line on stdin/stdout; only protocol on stdout. Returns
+    when stdin ends or `stopper` is told to stop, after closing the session."""
     stdout = stdout or sys.stdout.buffer
     lock = threading.Lock()
     broken = threading.Event()
 
     def emit(msg):
-        data = (json.dumps(msg, separators=(",", ":")) + "\n").encode("ascii")
+        data = json_line(msg)
         with lock:
             if broken.is_set():
                 return
@@ -3400,49 +3712,44 @@ def serve_stdio(server, session, stdin=None, stdout=None):
                 stdout.flush()
             except (OSError, ValueError):
                 broken.set()
+                stopper.stop("stdout closed")
 
-    try:
-        while not broken.is_set():
-            line = stdin.readline()
-            if not line:
-                break
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                msg = json.loads(line.decode("utf-8", "replace"))
-            except ValueError as e:
-                emit(error_response(None, -32700, "Parse error: %s" % e))
-                continue
+    def on_line(line):
+        if line is None:
+            emit(error_response(None, -32700, "Parse error: line over %d bytes" % STDIO_MAX_LINE))
+            return
+        if not line.strip():
+            return
+        try:
+            msg = parse_message(line)
+        except ValueError as e:
+            emit(error_response(None, -32700, "Parse error: %s" % e))
+            return
+        try:
             server.dispatch(msg, session, emit)
+        except Exception:
+            log("error", "internal error", error=_traceback())
+            emit(error_response(None, -32603, "Internal error"))
+
+    def reader():
+        read_lines(stdin_fd, on_line)
+        stopper.stop("eof")
+
+    threading.Thread(target=reader, daemon=True).start()
+    stopper.wait()
+    if stopper.reason == "eof":
         deadline = time.monotonic() + EOF_GRACE_S
-        while session.inflight and time.monotonic() < deadline:
+        while session.inflight and time.monotonic() < deadline and stopper.reason == "eof":
             time.sleep(0.01)
-    except (_Shutdown, KeyboardInterrupt):
-        log("info", "signal received, shutting down")
-    finally:
-        session.close()
+    else:
+        log("info", "shutting down", reason=stopper.reason)
+    session.close()
+
 
 # -- streamable HTTP ----------------------------------------------------------
-
-
-LOCAL_HOSTS = frozenset(("localhost", "127.0.0.1", "::1", "[::1]"))
-
-
-def host_of(value):
-    """'host' of 'host:port', '[::1]:port' or a URL's netloc, lower-cased."""
-    value = value.strip().lower()
-    if "://" in value:
-        value = value.split("://", 1)[1].split("/", 1)[0]
-    if value.startswith("["):
-        return value[:value.find("]") + 1]
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
-
-
-def is_loopback(host):
-    """localhost, ::1 or an IPv4 address in 127.0.0.0/8 (not a name that starts with 127.)."""
-    return host in LOCAL_HOSTS or re.match(r"^127(\.(25[0-5]|2[0-4]\d|1?\d?\d)){3}$", host) is not None
-
+# http.server, hmac and socket are imported inside these functions: stdio never pays.
+# The request handler class is assembled by make_http_handler_class from the plain
+# functions below (http_*), each taking the handler `h` as its first argument.
 
 class HttpTransport(object):
     """Streamable HTTP on /mcp (POST, GET -> 405, DELETE) and GET /health.
@@ -3460,6 +3767,7 @@ class HttpTransport(object):
         self.local_bind = is_loopback(host_of(config.host))
         self.httpd = None
         self.stopping = threading.Event()
+        self.slots = threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS)
 
     # -- sessions ------------------------------------------------------------
     def new_session(self):
@@ -3502,17 +3810,7 @@ class HttpTransport(object):
 
     # -- serving -------------------------------------------------------------
     def bind(self):
-        import socket
-        from http.server import ThreadingHTTPServer
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-            request_queue_size = 128        # the default 5 resets bursts of new clients
-            address_family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
-        handler = make_http_handler_class()
-        handler.transport = self
-        self.httpd = Server((self.config.host, self.config.port), handler)
+        self.httpd = make_http_server(self)
         threading.Thread(target=self._reaper, daemon=True).start()
         return self.httpd.server_address
 
@@ -3530,10 +3828,257 @@ class HttpTransport(object):
             self.httpd.shutdown()
 
 
-def make_http_handler_class():
-    import hmac
-    import queue
+def make_http_server(transport):
+    """A ThreadingHTTPServer for `transport`: capped connections, quiet disconnects."""
+    import socket
+    from http.server import ThreadingHTTPServer
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        allow_reuse_address = True
+        request_queue_size = 128        # the default 5 resets bursts of new clients
+        address_family = socket.AF_INET6 if ":" in transport.config.host else socket.AF_INET
+
+        def process_request(self, request, client_address):
+            if not transport.slots.acquire(blocking=False):
+                http_refuse_busy(request)
+                self.shutdown_request(request)
+                return
+            ThreadingHTTPServer.process_request(self, request, client_address)
+
+        def process_request_thread(self, request, client_address):
+            try:
+                ThreadingHTTPServer.process_request_thread(self, request, client_address)
+            finally:
+                transport.slots.release()
+
+        def handle_error(self, request, client_address):
+            http_log_error(client_address)
+
+    handler = make_http_handler_class()
+    handler.transport = transport
+    return Server((transport.config.host, transport.config.port), handler)
+
+
+def http_refuse_busy(sock):
+    """503 to a connection over the cap, without reading it (it is closed next)."""
+    try:
+        sock.settimeout(1.0)
+        sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 27\r\nConnection: close\r\n\r\n{\"error\": \"server is busy\"}")
+    except OSError:
+        pass
+
+
+def http_log_error(client_address):
+    """One line for a failed connection (a dropped client is normal), never a traceback."""
+    e = sys.exc_info()[1]
+    if isinstance(e, (ConnectionError, TimeoutError, OSError)):
+        log("debug", "http connection ended", client=str(client_address[0]), reason=type(e).__name__)
+    else:
+        log("error", "http handler failed", client=str(client_address[0]), error=_traceback())
+
+
+# -- the request handler's steps ------------------------------------------------------
+
+def http_reply(h, code, body=None, headers=(), close=False):
+    """Send a JSON (or empty) reply. close=True ends the connection after it, which is
+    how every early refusal makes sure an unread body is never taken as a request."""
+    data = b"" if body is None else dump_json(body).encode("ascii")
+    h.send_response(code)
+    if body is not None:
+        h.send_header("Content-Type", "application/json")
+    h.send_header("Content-Length", str(len(data)))
+    for k, v in headers:
+        h.send_header(k, v)
+    if close:
+        h.send_header("Connection", "close")
+        h.close_connection = True
+    h.end_headers()
+    if data:
+        h.wfile.write(data)
+
+
+def http_refuse(h, code, body, headers=()):
+    http_reply(h, code, body, headers, close=True)
+    return False
+
+
+def http_guarded(h):
+    """Path, Origin, Host and bearer checks; False once a refusal is sent."""
+    if h.path.split("?", 1)[0].rstrip("/") != "/mcp":
+        return http_refuse(h, 404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
+    origin = h.headers.get("Origin")
+    if origin is not None and not is_loopback(host_of(origin)):
+        return http_refuse(h, 403, {"error": "forbidden", "detail": "Origin %s is not allowed" % origin})
+    if h.transport.local_bind and not is_loopback(host_of(h.headers.get("Host", "localhost"))):
+        return http_refuse(h, 403, {"error": "forbidden", "detail": "Host header is not a local address"})
+    token = h.transport.token
+    if token:
+        import hmac
+        auth = h.headers.get("Authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if not given or not hmac.compare_digest(given.encode("utf-8", "replace"), token.encode()):
+            return http_refuse(h, 401, {"error": "unauthorized"}, [("WWW-Authenticate", "Bearer")])
+    return True
+
+
+def http_read_body(h):
+    """The POST body as a parsed JSON value, or None once a refusal is sent."""
+    ctype = h.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+    if ctype != "application/json":
+        return http_refuse(h, 415, {"error": "Content-Type must be application/json"}) or None
+    raw_length = h.headers.get("Content-Length", "")
+    if not raw_length.strip().isdigit():
+        if raw_length.strip():
+            return http_refuse(h, 400, {"error": "invalid Content-Length %r" % raw_length[:40]}) or None
+        return http_refuse(h, 411, {"error": "Content-Length required"}) or None
+    length = int(raw_length)
+    if length > HTTP_MAX_BODY:
+        return http_refuse(h, 413, {"error": "body over %d bytes" % HTTP_MAX_BODY}) or None
+    raw = h.rfile.read(length)
+    if len(raw) < length:
+        h.close_connection = True
+        return None
+    try:
+        return [parse_message(raw)]
+    except ValueError as e:
+        http_reply(h, 400, error_response(None, -32700, "Parse error: %s" % e))
+        return None
+
+
+def http_pick_session(h, msg):
+    """(session, new id or None); (None, None) after a refusal was sent."""
+    t = h.transport
+    params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
+    meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+    header_version = h.headers.get("MCP-Protocol-Version")
+    rid = msg.get("id") if isinstance(msg.get("id"), (str, int)) else None
+    if META_VERSION_KEY in meta:
+        if header_version and header_version != meta[META_VERSION_KEY]:
+            http_reply(h, 400, error_response(rid, -32600, "MCP-Protocol-Version header does not match _meta"))
+            return None, None
+    elif header_version and header_version not in PROTOCOL_VERSIONS + MODERN_VERSIONS:
+        http_reply(h, 400, error_response(rid, -32600, "Unsupported MCP-Protocol-Version: %s" % header_version))
+        return None, None
+    sid = h.headers.get("Mcp-Session-Id")
+    if msg.get("method") == "initialize" and "id" in msg:
+        sid = t.new_session()
+        return t.get_session(sid), sid
+    if sid:
+        session = t.get_session(sid)
+        if session is None:
+            http_reply(h, 404, error_response(rid, -32001, "Session not found: it ended or never existed;"
+                                                           " initialize again"))
+        return session, None
+    if META_VERSION_KEY in meta or msg.get("method") == "server/discover":
+        return t.stateless, None
+    http_reply(h, 400, error_response(rid, -32600, "Bad Request: missing Mcp-Session-Id header (initialize first)"))
+    return None, None
+
+
+def http_client_gone(h):
     import select
+    import socket
+    try:
+        r, _, _ = select.select([h.connection], [], [], 0)
+        return bool(r) and h.connection.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
+def http_start_stream(h, headers):
+    h.send_response(200)
+    h.send_header("Content-Type", "text/event-stream")
+    h.send_header("Cache-Control", "no-cache")
+    h.send_header("Connection", "close")
+    for k, v in headers:
+        h.send_header(k, v)
+    h.end_headers()
+    h.close_connection = True
+
+
+def http_answer(h, msg, session, sid):
+    """Dispatch one request; reply with JSON, or with an SSE stream once a progress
+    notification arrives before the result."""
+    import queue
+    rid = msg["id"]
+    box = queue.Queue()
+    h.transport.server.dispatch(msg, session, box.put)
+    streaming = False
+    headers = [("Mcp-Session-Id", sid)] if sid else []
+    while True:
+        try:
+            out = box.get(timeout=0.25)
+        except queue.Empty:
+            if http_client_gone(h):
+                session.cancel(rid)
+                h.close_connection = True
+                return
+            if session.is_inflight(rid) or not box.empty():
+                continue
+            out = None                               # cancelled: no response is sent
+        final = out is None or (out.get("id") == rid and ("result" in out or "error" in out))
+        if not streaming:
+            if final:
+                http_reply(h, 204 if out is None else 200, out, headers)
+                return
+            http_start_stream(h, headers)
+            streaming = True
+        try:
+            if out is not None:
+                h.wfile.write(("event: message\ndata: %s\n\n" % dump_json(out)).encode("ascii"))
+                h.wfile.flush()
+        except OSError:
+            session.cancel(rid)
+            return
+        if final:
+            return
+
+
+def http_on_get(h):
+    if h.path.split("?", 1)[0] == "/health":
+        http_reply(h, 200, {"status": "ok", "name": SERVER_NAME, "version": __version__,
+                            "sessions": len(h.transport.sessions)})
+    elif http_guarded(h):
+        http_refuse(h, 405, {"error": "method not allowed", "detail": "this server sends no unsolicited"
+                             " messages; POST requests to /mcp"}, [("Allow", "POST, DELETE")])
+
+
+def http_on_delete(h):
+    if not http_guarded(h):
+        return
+    sid = h.headers.get("Mcp-Session-Id")
+    if not sid:
+        http_refuse(h, 400, {"error": "missing Mcp-Session-Id header"})
+    elif h.transport.end_session(sid):
+        http_reply(h, 204)
+    else:
+        http_refuse(h, 404, {"error": "unknown or ended session"})
+
+
+def http_on_post(h):
+    if not http_guarded(h):
+        return
+    body = http_read_body(h)
+    if body is None:
+        return
+    msg = body[0]
+    if not isinstance(msg, dict):
+        http_reply(h, 400, error_response(None, -32600, "Invalid Request: expected one JSON-RPC object"))
+        return
+    session, sid = http_pick_session(h, msg)
+    if session is None:
+        return
+    if "id" not in msg or "method" not in msg:
+        h.transport.server.dispatch(msg, session, lambda m: None)
+        http_reply(h, 202)
+        return
+    http_answer(h, msg, session, sid)
+
+
+def make_http_handler_class():
+    """The request handler: HTTP/1.1 keep-alive, TCP_NODELAY, reads time out."""
     import socket
     from http.server import BaseHTTPRequestHandler
 
@@ -3541,6 +4086,7 @@ def make_http_handler_class():
         protocol_version = "HTTP/1.1"
         server_version = "boris/" + __version__
         sys_version = ""
+        timeout = HTTP_READ_TIMEOUT_S              # header and body reads (socket timeout)
         transport = None
 
         def setup(self):
@@ -3552,186 +4098,15 @@ def make_http_handler_class():
         def log_message(self, fmt, *args):
             log("debug", "http " + (fmt % args))
 
-        # -- replies ----------------------------------------------------------
-        def reply(self, code, body=None, headers=()):
-            data = b"" if body is None else json.dumps(body).encode("utf-8")
-            self.send_response(code)
-            if body is not None:
-                self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in headers:
-                self.send_header(k, v)
-            self.end_headers()
-            if data:
-                self.wfile.write(data)
-
-        def rpc_error(self, code, http_code, message, rid=None, data=None):
-            self.reply(http_code, error_response(rid, code, message, data))
-
-        # -- checks --------------------------------------------------------------
-        def guarded(self):
-            """Origin, Host and bearer checks; False once a refusal is sent."""
-            origin = self.headers.get("Origin")
-            if origin and origin != "null" and not is_loopback(host_of(origin)):
-                self.reply(403, {"error": "forbidden", "detail": "Origin %s is not allowed" % origin})
-                return False
-            if self.transport.local_bind and not is_loopback(host_of(self.headers.get("Host", "localhost"))):
-                self.reply(403, {"error": "forbidden", "detail": "Host header is not a local address"})
-                return False
-            token = self.transport.token
-            if token:
-                auth = self.headers.get("Authorization", "")
-                given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-                if not given or not hmac.compare_digest(given.encode(), token.encode()):
-                    self.reply(401, {"error": "unauthorized"}, [("WWW-Authenticate", "Bearer")])
-                    return False
-            return True
-
-        def on_mcp_path(self):
-            if self.path.split("?", 1)[0].rstrip("/") != "/mcp":
-                self.reply(404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
-                return False
-            return True
-
-        # -- methods ------------------------------------------------------------
-        def do_GET(self):
-            if self.path.split("?", 1)[0] == "/health":
-                self.reply(200, {"status": "ok", "name": SERVER_NAME, "version": __version__,
-                                 "sessions": len(self.transport.sessions)})
-                return
-            if self.on_mcp_path() and self.guarded():
-                self.reply(405, {"error": "method not allowed", "detail": "this server sends no unsolicited"
-                                 " messages; POST requests to /mcp"}, [("Allow", "POST, DELETE")])
-
-        def do_DELETE(self):
-            if not (self.on_mcp_path() and self.guarded()):
-                return
-            sid = self.headers.get("Mcp-Session-Id")
-            if not sid:
-                self.reply(400, {"error": "missing Mcp-Session-Id header"})
-            elif self.transport.end_session(sid):
-                self.reply(204)
-            else:
-                self.reply(404, {"error": "unknown or ended session"})
-
-        def do_POST(self):
-            if not (self.on_mcp_path() and self.guarded()):
-                return
-            try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                self.reply(411, {"error": "Content-Length required"})
-                return
-            if length > HTTP_MAX_BODY:
-                self.reply(413, {"error": "body over %d bytes" % HTTP_MAX_BODY})
-                self.close_connection = True
-                return
-            raw = self.rfile.read(length)
-            try:
-                msg = json.loads(raw.decode("utf-8"))
-            except ValueError as e:
-                self.rpc_error(-32700, 400, "Parse error: %s" % e)
-                return
-            if not isinstance(msg, dict):
-                self.rpc_error(-32600, 400, "Invalid Request: expected one JSON-RPC object")
-                return
-            session, sid = self.pick_session(msg)
-            if session is None:
-                return
-            if "id" not in msg or "method" not in msg:
-                self.transport.server.dispatch(msg, session, lambda m: None)
-                self.reply(202)
-                return
-            self.answer(msg, session, sid)
-
-        def pick_session(self, msg):
-            """(session, new id or None); None after a refusal was sent."""
-            t = self.transport
-            params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
-            meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
-            header_version = self.headers.get("MCP-Protocol-Version")
-            if META_VERSION_KEY in meta:
-                if header_version and header_version != meta[META_VERSION_KEY]:
-                    self.rpc_error(-32600, 400, "MCP-Protocol-Version header does not match _meta", msg.get("id"))
-                    return None, None
-            elif header_version and header_version not in PROTOCOL_VERSIONS + MODERN_VERSIONS:
-                self.rpc_error(-32600, 400, "Unsupported MCP-Protocol-Version: %s" % header_version, msg.get("id"))
-                return None, None
-            sid = self.headers.get("Mcp-Session-Id")
-            if msg.get("method") == "initialize" and "id" in msg:
-                sid = t.new_session()
-                return t.get_session(sid), sid
-            if sid:
-                session = t.get_session(sid)
-                if session is None:
-                    self.rpc_error(-32001, 404, "Session not found: it ended or never existed; initialize again",
-                                   msg.get("id"))
-                return session, None
-            if META_VERSION_KEY in meta or msg.get("method") == "server/discover":
-                return t.stateless, None
-            self.rpc_error(-32600, 400, "Bad Request: missing Mcp-Session-Id header (initialize first)",
-                           msg.get("id"))
-            return None, None
-
-        def client_gone(self):
-            try:
-                r, _, _ = select.select([self.connection], [], [], 0)
-                return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
-            except (OSError, ValueError):
-                return True
-
-        def answer(self, msg, session, sid):
-            """Dispatch one request; reply with JSON, or with an SSE stream once a
-            progress notification arrives before the result."""
-            rid = msg["id"]
-            box = queue.Queue()
-            self.transport.server.dispatch(msg, session, box.put)
-            streaming = False
-            headers = [("Mcp-Session-Id", sid)] if sid else []
-            while True:
-                try:
-                    out = box.get(timeout=0.25)
-                except queue.Empty:
-                    if self.client_gone():
-                        session.cancel(rid)
-                        self.close_connection = True
-                        return
-                    with session.lock:
-                        alive = rid in session.inflight
-                    if alive or not box.empty():
-                        continue
-                    out = None                               # cancelled: no response is sent
-                final = out is None or (out.get("id") == rid and ("result" in out or "error" in out))
-                if not streaming:
-                    if final:
-                        if out is None:
-                            self.reply(204, None, headers)
-                        else:
-                            self.reply(200, out, headers)
-                        return
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/event-stream")
-                    self.send_header("Cache-Control", "no-cache")
-                    self.send_header("Connection", "close")
-                    for k, v in headers:
-                        self.send_header(k, v)
-                    self.end_headers()
-                    self.close_connection = True
-                    streaming = True
-                try:
-                    if out is not None:
-                        self.wfile.write(("event: message\ndata: %s\n\n" % json.dumps(out)).encode("utf-8"))
-                        self.wfile.flush()
-                except OSError:
-                    session.cancel(rid)
-                    return
-                if final:
-                    return
+        do_GET = http_on_get
+        do_POST = http_on_post
+        do_DELETE = http_on_delete
 
     return Handler
 
 
-def serve_http(server, config):
+def serve_http(server, config, stop):
+    """Serve until `stop` is set; 0, or 2 when the port cannot be had."""
     token = config.token or None
     if config.generate_token:
         import secrets
@@ -3744,12 +4119,18 @@ def serve_http(server, config):
     except OSError as e:
         sys.stderr.write("boris: error: cannot listen on %s:%s: %s\n" % (config.host, config.port, e.strerror or e))
         return 2
+    if not token:
+        log("warn", "HTTP without a bearer token: any local process can use these tools;"
+                    " pass --token or --generate-token to require one")
     log("info", "serving MCP over HTTP", url="http://%s:%d/mcp" % (config.host, port), auth=bool(token))
-    try:
-        transport.serve()
-    except (_Shutdown, KeyboardInterrupt):
-        log("info", "signal received, shutting down")
+    thread = threading.Thread(target=transport.serve, daemon=True)
+    thread.start()
+    stop.wait()
+    log("info", "shutting down")
+    transport.shutdown()
+    thread.join(KILL_GRACE_S + 5)
     return 0
+
 
 ###############################################################################
 # main ########################################################################
@@ -3761,6 +4142,10 @@ def main(argv=None, environ=None):
     if argv[:1] == ["--helper"]:
         return helper_main(argv[1] if len(argv) > 1 else "")
     environ = os.environ if environ is None else environ
+    if sys.getfilesystemencoding().lower().replace("-", "") != "utf8" and __name__ == "__main__":
+        # An ASCII locale (LC_ALL=C) would make every non-ASCII path or command fail:
+        # run again in Python's UTF-8 mode, before anything is read.
+        os.execv(sys.executable, [sys.executable, "-X", "utf8", os.path.abspath(__file__)] + argv)
     try:
         config = parse_config(argv, environ)
         policy = PathPolicy(config.allow_dir, config.deny_dir, config.workdir)
@@ -3772,14 +4157,14 @@ def main(argv=None, environ=None):
         return 2
     _log_state["level"] = _LOG_LEVELS[config.log_level]
     _log_state["format"] = config.log_format
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _raise_shutdown)
+    stopper = Stopper()
+    stopper.install()
+    start_reaper()
     server = McpServer(config, policy)
     if config.transport == "http":
-        return serve_http(server, config)
-    session = Session(config)
+        return serve_http(server, config, stopper)
     log("debug", "serving stdio", workdir=config.workdir, tools=list(server.tools))
-    serve_stdio(server, session)
+    serve_stdio(server, Session(config), stopper)
     return 0
 
 
