@@ -2163,14 +2163,120 @@ def html_to_text(markup):
     return (title + "\n" + body).strip() if title and not body.startswith(title) else body
 
 
-def http_get(url, timeout):
-    """(content_type, charset, body bytes) of a GET, or a seed-004 ToolError. At most
-    WEB_MAX_REDIRECTS redirects (http/https only), at most WEB_MAX_BYTES read, the
-    whole exchange bounded by `timeout` seconds."""
+def address_refusal(address, block_private=False):
+    """Why web_fetch must not connect to the IP `address`, or None. Link-local
+    addresses (169.254.0.0/16, fe80::/10: cloud metadata services) are always refused;
+    with block_private also loopback, private, unspecified, multicast and reserved."""
+    import ipaddress
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return "not an IP address"
+    mapped = getattr(ip, "ipv4_mapped", None)
+    if mapped is not None:
+        ip = mapped
+    if ip.is_link_local:
+        return "a link-local address (cloud metadata services live there)"
+    if block_private and (ip.is_loopback or ip.is_private or ip.is_unspecified or ip.is_multicast
+                          or ip.is_reserved):
+        return "a loopback or private address (--web-fetch-block-private)"
+    return None
+
+
+def vetted_addresses(host, port, block_private, url):
+    """getaddrinfo of `host`, every address checked; a seed-004 ToolError otherwise."""
     import socket
-    import urllib.error
+    try:
+        infos = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        raise plain_error("错误：无法解析主机 %s: %s" % (host, url))
+    for info in infos:
+        why = address_refusal(info[4][0], block_private)
+        if why:
+            log("warn", "web_fetch refused an address", host=host, address=info[4][0], reason=why)
+            raise plain_error("错误：拒绝连接 %s（%s 是%s）: %s" % (host, info[4][0], why, url), "ACCESS_DENIED")
+    return infos
+
+
+class FetchWatch(object):
+    """The deadline and cancellation of one fetch: when either comes, every socket it
+    opened is shut down, so a blocked read returns at once whatever the server does."""
+
+    def __init__(self, timeout, cancelled):
+        self.deadline = time.monotonic() + timeout
+        self.cancelled = cancelled
+        self.sockets = []
+        self.fired = threading.Event()
+        self.done = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while not self.done.is_set():
+            left = self.deadline - time.monotonic()
+            if left <= 0 or self.cancelled.is_set():
+                self.fired.set()
+                for sock in list(self.sockets):
+                    try:
+                        sock.shutdown(2)
+                    except OSError:
+                        pass
+                return
+            self.done.wait(min(left, 0.05))
+
+    def left(self):
+        return max(0.01, self.deadline - time.monotonic())
+
+    def close(self):
+        self.done.set()
+
+
+def guarded_opener(watch, block_private, url):
+    """A urllib opener whose connections go only to vetted addresses (checked after
+    DNS, on every redirect too), registered with `watch`, redirects bounded."""
+    import http.client
+    import socket
     import urllib.parse
     import urllib.request
+
+    def connect(conn):
+        host = conn._tunnel_host or conn.host
+        error = OSError("could not connect to %s" % conn.host)
+        for family, kind, proto, _, address in vetted_addresses(conn.host, conn.port, block_private, url):
+            sock = socket.socket(family, kind, proto)
+            watch.sockets.append(sock)
+            sock.settimeout(watch.left())
+            try:
+                sock.connect(address)
+                return sock, host
+            except OSError as e:
+                sock.close()
+                error = e
+                if watch.fired.is_set():
+                    break
+        raise error
+
+    class Plain(http.client.HTTPConnection):
+        def connect(self):
+            self.sock = connect(self)[0]
+            if self._tunnel_host:
+                self._tunnel()
+
+    class Secure(http.client.HTTPSConnection):
+        def connect(self):
+            sock, host = connect(self)
+            if self._tunnel_host:
+                self.sock = sock
+                self._tunnel()
+                sock = self.sock
+            self.sock = self._context.wrap_socket(sock, server_hostname=host)
+
+    class PlainHandler(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(Plain, req)
+
+    class SecureHandler(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(Secure, req, context=self._context)
 
     class Redirects(urllib.request.HTTPRedirectHandler):
         max_redirections = WEB_MAX_REDIRECTS
@@ -2180,23 +2286,36 @@ def http_get(url, timeout):
                 raise plain_error("错误：重定向到不支持的协议: %s: %s" % (newurl, url))
             return urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
 
-    opener = urllib.request.build_opener(Redirects)
+    return urllib.request.build_opener(PlainHandler, SecureHandler, Redirects)
+
+
+def http_fetch(url, timeout, cancelled=None, block_private=False):
+    """(content_type, charset, body bytes) of a GET, or a seed-004 ToolError. At most
+    WEB_MAX_REDIRECTS redirects (http/https only), at most WEB_MAX_BYTES read; `timeout`
+    bounds the whole call, and `cancelled` ends it at once."""
+    import socket
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    watch = FetchWatch(timeout, cancelled or threading.Event())
+    opener = guarded_opener(watch, block_private, url)
     req = urllib.request.Request(url, headers={"User-Agent": "boris/%s" % __version__,
                                                "Accept": "text/html,application/json,text/*;q=0.9,*/*;q=0.5"})
-    deadline = time.monotonic() + timeout
+    timed_out = plain_error("错误：请求超时（%ss）: %s" % (timeout, url))
     try:
         with opener.open(req, timeout=timeout) as resp:
             ctype = resp.headers.get_content_type() if resp.headers.get("Content-Type") else ""
             charset = resp.headers.get_content_charset()
             chunks, size = [], 0
-            while size < WEB_MAX_BYTES:
-                if time.monotonic() > deadline:
-                    raise socket.timeout()
-                block = resp.read(min(65536, WEB_MAX_BYTES - size))
+            while size < WEB_MAX_BYTES and not watch.fired.is_set():
+                block = resp.read1(min(65536, WEB_MAX_BYTES - size))
                 if not block:
                     break
                 chunks.append(block)
                 size += len(block)
+            if watch.fired.is_set():
+                raise timed_out
             return ctype, charset, b"".join(chunks)
     except ToolError:
         raise
@@ -2204,30 +2323,30 @@ def http_get(url, timeout):
         if e.code in (301, 302, 303, 307, 308):
             raise plain_error("错误：重定向次数过多（超过 %d 次）: %s" % (WEB_MAX_REDIRECTS, url))
         raise plain_error("错误：HTTP %d: %s" % (e.code, url))
-    except urllib.error.URLError as e:
-        reason = e.reason
-        if isinstance(reason, socket.timeout) or "timed out" in str(reason):
-            raise plain_error("错误：请求超时（%ss）: %s" % (timeout, url))
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, ToolError):
+            raise reason
+        if watch.fired.is_set() or isinstance(reason, socket.timeout) or "timed out" in str(reason):
+            raise timed_out
         if isinstance(reason, socket.gaierror):
             raise plain_error("错误：无法解析主机 %s: %s" % (urllib.parse.urlsplit(url).hostname, url))
         if isinstance(reason, ConnectionRefusedError):
             raise plain_error("错误：连接被拒绝: %s" % url)
         raise plain_error("错误：请求失败（%s）: %s" % (reason, url))
-    except socket.timeout:
-        raise plain_error("错误：请求超时（%ss）: %s" % (timeout, url))
-    except (OSError, ValueError) as e:
-        if "timed out" in str(e):
-            raise plain_error("错误：请求超时（%ss）: %s" % (timeout, url))
-        raise plain_error("错误：请求失败（%s）: %s" % (e, url))
+    finally:
+        watch.close()
+        for sock in watch.sockets:
+            sock.close()
 
 
-def fetch_text(url, timeout):
+def fetch_text(url, timeout, cancelled=None, block_private=False):
     """The readable text of a URL, cut to WEB_MAX_CHARS; a seed-004 ToolError otherwise."""
     import urllib.parse
     parts = urllib.parse.urlsplit(url)
     if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
         raise plain_error("错误：只支持 http 和 https 网址: %s" % url)
-    ctype, charset, body = http_get(url, timeout)
+    ctype, charset, body = http_fetch(url, timeout, cancelled, block_private)
     try:
         text = body.decode(charset or "utf-8", "replace")
     except LookupError:
@@ -3114,7 +3233,7 @@ def tool_web_fetch(session, args, ctx):
     url, timeout = args["url"], args.get("timeout", 10)
     if not 0 < timeout <= 120:
         raise plain_error("错误：timeout 必须在 1 到 120 秒之间: %s" % timeout)
-    return fetch_text(url, timeout)
+    return fetch_text(url, timeout, ctx.cancelled, ctx.config.web_fetch_block_private)
 
 ###############################################################################
 # Tools: the registry #########################################################
