@@ -1379,7 +1379,7 @@ class Walker(object):
     def scan(self, real, ino):
         """(fd, entries) of a directory that is still the inode its parent listed."""
         try:
-            fd = os.open(real, O_SCAN)
+            fd = os.open(real, O_SCAN) if ino is not None else open_dir(real, flags=O_SCAN)
         except OSError:
             return None, []
         try:
@@ -2941,22 +2941,25 @@ def name_filter(include, type_name):
 
 
 def search_root(session, ctx, shown):
-    """Resolve and scope-check a search root: (real, is_dir)."""
+    """Resolve and scope-check a search root: (real, is_dir, inode of a file root)."""
     real = resolve_checked(session, ctx, shown)
     try:
         st = os.stat(real)
     except OSError as e:
         raise io_error(e, shown)
-    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
-        raise not_regular(shown, st.st_mode, "searched")
-    return real, stat.S_ISDIR(st.st_mode)
+    if stat.S_ISDIR(st.st_mode):
+        return real, True, None
+    fd, st = open_regular(real, shown, "searched")          # the inode the search must read
+    os.close(fd)
+    return real, False, st.st_ino
 
 
-def collect_files(real, is_dir, ctx, keep):
-    """The files a search reads under a root: (real path, rel, inode) triples passing
-    `keep`; the real path is what is opened, the inode what it must still be."""
+def collect_files(root, ctx, keep):
+    """The files a search reads under a root (search_root's triple): (real path, rel,
+    inode) triples passing `keep`; the real path is opened, the inode it must still be."""
+    real, is_dir, ino = root
     if not is_dir:
-        return [(real, None, None)]
+        return [(real, None, ino)]
     files = []
     cut = len(real) + 1 if real != "/" else 1
     for path, at, _, ino in Walker(real, ctx.policy, follow_links=True, cancelled=ctx.cancelled):
@@ -3033,7 +3036,8 @@ def tool_grep(session, args, ctx):
     if pattern == "":
         raise ToolError("GREP_INVALID_PATTERN", "pattern is empty; give a regular expression to search for")
     shown = args.get("path") or "."
-    real, is_dir = search_root(session, ctx, shown)
+    root = search_root(session, ctx, shown)
+    is_dir = root[1]
     keep = name_filter(args.get("include"), args.get("type"))
     ctx_n = args.get("context") or 0
     before = args.get("context_before", ctx_n) if mode == "content" else 0
@@ -3042,7 +3046,7 @@ def tool_grep(session, args, ctx):
         raise ToolError("INVALID_INPUT", "context lines must be 0 or more")
     spec, matcher = grep_spec(pattern, True, bool(args.get("case_insensitive")), bool(args.get("multiline")),
                               mode, before, after)
-    files = collect_files(real, is_dir, ctx, keep)
+    files = collect_files(root, ctx, keep)
     results = run_grep(files, ctx, spec, matcher)
     if not results:
         return "No matches found for pattern %r in %s" % (pattern, shown)
@@ -3076,6 +3080,10 @@ def find_paths(session, ctx, pattern, shown, kind):
     """The one glob engine: (path, rel, mtime) under `shown` matching `pattern`."""
     if not pattern.strip():
         raise ToolError("GLOB_INVALID_PATTERN", "pattern is empty; give a glob such as **/*.py")
+    try:
+        PathPolicy.validate(pattern, "pattern")
+    except ToolError as e:
+        raise ToolError("GLOB_INVALID_PATTERN", e.message)
     if kind not in (None, "file", "directory"):
         raise ToolError("GLOB_INVALID_TYPE", "type %r is not 'file' or 'directory'" % kind)
     real = resolve_checked(session, ctx, shown)
@@ -3124,8 +3132,9 @@ def tool_search_text(session, args, ctx):
     spec, matcher = grep_spec(query, bool(args.get("regex")), False, False, "content")
     lines = []
     for shown in args.get("paths") or ["."]:
-        real, is_dir = search_root(session, ctx, shown)
-        files = collect_files(real, is_dir, ctx, lambda rel, name: True)
+        root = search_root(session, ctx, shown)
+        is_dir = root[1]
+        files = collect_files(root, ctx, lambda rel, name: True)
         for i, records in sorted(run_grep(files, ctx, spec, matcher), key=lambda r: files[r[0]][1] or ""):
             label = os.path.join(shown, files[i][1]) if is_dir else shown
             lines += format_records(label, records, True)

@@ -2042,6 +2042,393 @@ class TestWebFetch(NoViewBase):
 
 
 # ---------------------------------------------------------------------------
+# Hostile paths: loops, swaps, special files, odd names (scope must hold)
+# ---------------------------------------------------------------------------
+
+SECRET = "SECRET-7f3a"                       # what no file tool may ever show from out of scope
+
+
+def quiet_logs(test):
+    """Only errors on stderr while `test` runs (refusals log a WARNING each)."""
+    level, boris._log_state["level"] = boris._log_state["level"], 40
+    test.addCleanup(boris._log_state.__setitem__, "level", level)
+
+
+def tree_snapshot(root, skip=None):
+    """{relative path: (kind, bytes or link target)} of everything under root."""
+    snap = {}
+    for d, dirs, files in os.walk(root):
+        if skip and os.path.realpath(d).startswith(skip):
+            dirs[:] = []
+            continue
+        for name in dirs + files:
+            p = os.path.join(d, name)
+            rel = os.path.relpath(p, root)
+            if skip and os.path.realpath(p).startswith(skip + os.sep) and not os.path.islink(p):
+                continue
+            if os.path.islink(p):
+                snap[rel] = ("link", os.readlink(p))
+            elif os.path.isfile(p):
+                with open(p, "rb") as f:
+                    snap[rel] = ("file", f.read())
+            else:
+                snap[rel] = ("dir", stat.S_IMODE(os.lstat(p).st_mode))
+    return snap
+
+
+class HostileTree(object):
+    """base/ws (the workspace: allowed) with links that loop, chain and lead out;
+    base/outside, base/ws2 (a sibling sharing the prefix), ws/secret and ws/denied
+    (denied) hold SECRET. Every file tool is called on generated paths."""
+
+    def __init__(self):
+        self.base = os.path.realpath(tempfile.mkdtemp(prefix="boris-hostile-"))
+        b, ws = self.base, os.path.join(self.base, "ws")
+        self.ws = ws
+        for d in ("ws/sub", "ws/secret", "ws/denied", "ws2", "outside/deep"):
+            os.makedirs(os.path.join(b, d))
+        files = {"ws/a.txt": "inside\n", "ws/sub/b.txt": "inside b\n", "ws/secret/s.txt": SECRET + "\n",
+                 "ws/denied/d.txt": SECRET + "\n", "ws2/w.txt": SECRET + "\n", "outside/o.txt": SECRET + "\n",
+                 "outside/deep/x.txt": SECRET + "\n", "outside/zz-%s-name.txt" % SECRET: SECRET + "\n",
+                 "ws/secret/zz-%s-name.txt" % SECRET: "x\n"}
+        for rel, text in files.items():
+            with open(os.path.join(b, rel), "w") as f:
+                f.write(text)
+        links = {"ws/l_self": "l_self", "ws/loop_a": "loop_b", "ws/loop_b": "loop_a", "ws/out": "../outside",
+                 "ws/out_abs": os.path.join(b, "outside"), "ws/up": "..", "ws/f_out": "../outside/o.txt",
+                 "ws/sub/lnk": "../secret", "ws/sub/up2": "..", "ws/to_ws2": "../ws2", "ws/in": "sub",
+                 "ws/dangling": "nowhere/at/all", "ws/proc": "/proc/self"}
+        for k in range(45):
+            links["ws/chain%d" % k] = "chain%d" % (k + 1)
+        links["ws/chain45"] = "../outside"
+        for rel, target in links.items():
+            os.symlink(target, os.path.join(b, rel))
+        self.flags = ["--workdir", ws, "--allow-dir", ws, "--deny-dir", "**/secret/**",
+                      "--deny-dir", os.path.join(ws, "denied"), "--require-view-before-edit", "false"]
+
+    def server(self, extra=()):
+        cfg = boris.parse_config(self.flags + list(extra), {})
+        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        return boris.McpServer(cfg, policy), cfg, policy
+
+    def outside_snapshot(self):
+        snap = tree_snapshot(self.base, skip=self.ws)
+        for rel in ("ws/secret", "ws/denied"):
+            for k, v in tree_snapshot(os.path.join(self.base, rel)).items():
+                snap[os.path.join(rel, k)] = v
+        return snap
+
+    def cleanup(self):
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+PATH_PARTS = ["..", ".", "", "sub", "l_self", "loop_a", "out", "out_abs", "up", "f_out", "chain0", "chain30",
+              "in", "secret", "denied", "sub/lnk", "sub/up2", "to_ws2", "ws2", "ws", "outside", "dangling",
+              "proc", "a.txt", "nonexist", "deep"]
+PATH_ENDS = ["o.txt", "s.txt", "d.txt", "w.txt", "x.txt", "a.txt", "b.txt", "new.txt", "", "..", "f_out",
+             "x" * 300, "\udc80bad", "nul\x00byte", "\U0001F600" * 63, "emoji\U0001F600.txt"]
+
+
+def hostile_path(rng, tree):
+    parts = [rng.choice(PATH_PARTS) for _ in range(rng.randint(0, 5))] + [rng.choice(PATH_ENDS)]
+    lead = rng.choice(["", "", "./", tree.ws + "/", tree.base + "/", tree.base + "/ws/../", "/",
+                       tree.base + "/ws2/", "~/"])
+    return lead + "/".join(parts)
+
+
+class TestHostilePathCampaign(unittest.TestCase):
+    """Generated hostile paths against every file tool: no escape, no internal error."""
+
+    CASES = 11000
+
+    def setUp(self):
+        quiet_logs(self)
+        self.tree = HostileTree()
+        self.addCleanup(self.tree.cleanup)
+
+    def run_campaign(self, server, cfg, policy, tools, n, seed):
+        rng = random.Random(seed)
+        session = boris.Session(cfg)
+        self.addCleanup(session.close)
+        stats = {"cases": 0, "ok": 0, "errors": 0}
+        for i in range(n):
+            name = tools[i % len(tools)]
+            p = hostile_path(rng, self.tree)
+            args = {
+                "view": {"path": p}, "read_file": {"path": p}, "list_directory": {"path": p},
+                "str_replace": {"path": p, "old_str": SECRET, "new_str": "PWNED"},
+                "create_file": {"path": p, "content": "PWNED %d\n" % i},
+                "write_file": {"path": p, "content": "PWNED %d\n" % i},
+                "grep": {"pattern": "SECRET-7f.a", "path": p, "output_mode": "content"},
+                "glob": {"pattern": rng.choice(["**/*", "*", "**/*.txt", "o*"]), "path": p},
+                "search_text": {"query": "SECRET-7f.a", "paths": [p], "regex": True},
+                "search_files": {"pattern": p.lstrip("/") + rng.choice(["", "/*", "/**/*"])},
+                "str_replace_editor": rng.choice([{"command": "view", "path": p},
+                                                  {"command": "create", "path": p, "file_text": "PWNED\n"},
+                                                  {"command": "str_replace", "path": p, "old_str": SECRET,
+                                                   "new_str": "PWNED"}]),
+            }[name]
+            ctx = boris.CallContext(cfg, policy)
+            try:
+                r = boris.McpServer.run_tool(server.tools[name], session, args, ctx)
+            except Exception as e:                       # would be -32603 over the wire
+                self.fail("%s(%r) raised %r" % (name, args, e))
+            text = "".join(c.get("text", "") for c in r["content"])
+            stats["cases"] += 1
+            stats["errors" if r["isError"] else "ok"] += 1
+            if name not in ("str_replace", "str_replace_editor"):
+                self.assertNotIn(SECRET, text, "%s(%r) showed out-of-scope content" % (name, args))
+            json.dumps(r)
+        return stats
+
+    def test_campaign_finds_no_escape_and_no_internal_error(self):
+        before = self.tree.outside_snapshot()
+        server, cfg, policy = self.tree.server()
+        tools = ["view", "read_file", "list_directory", "str_replace", "create_file", "write_file", "grep",
+                 "glob", "search_text", "search_files"]
+        stats = self.run_campaign(server, cfg, policy, tools, self.CASES - 1000, seed=13)
+        compat, ccfg, cpolicy = self.tree.server(["--anthropic-compat"])
+        cstats = self.run_campaign(compat, ccfg, cpolicy, ["str_replace_editor"], 1000, seed=14)
+        self.assertEqual(self.tree.outside_snapshot(), before, "a write landed out of scope")
+        self.assertGreaterEqual(stats["cases"] + cstats["cases"], 10000)
+        self.assertGreater(stats["ok"], 500)                # the campaign also reached real files
+        self.assertGreater(stats["errors"], 2000)
+
+    def test_loop_then_dotdot_cannot_leave_scope(self):
+        # realpath gives up at a loop and '..' was folded lexically: l_self/../out/o.txt read outside.
+        server, cfg, policy = self.tree.server()
+        session = boris.Session(cfg)
+        self.addCleanup(session.close)
+
+        def call(name, **args):
+            r = boris.McpServer.run_tool(server.tools[name], session, args, boris.CallContext(cfg, policy))
+            return "".join(c.get("text", "") for c in r["content"]), r["isError"]
+        for path in ("l_self/../out/o.txt", "loop_a/../out/o.txt", "l_self/../../outside/o.txt",
+                     "chain0/o.txt", "sub/l_self/../../out/o.txt"):
+            for tool in ("view", "read_file"):
+                text, err = call(tool, path=path)
+                self.assertTrue(err, text)
+                self.assertNotIn(SECRET, text)
+            text, err = call("grep", pattern="SECRET", path=path)
+            self.assertTrue(err, text)
+        text, err = call("view", path="l_self/x")
+        self.assertTrue(text.startswith("[ACCESS_DENIED] l_self/x runs into a symlink loop"), text)
+        text, err = call("list_directory", path="l_self/../out")
+        self.assertEqual(text, "错误：路径越出工作区限制")
+        for tool, args in (("create_file", {"content": "x"}), ("write_file", {"content": "x"})):
+            text, err = call(tool, path="l_self/../out/new.txt", **args)
+            self.assertTrue(err, text)
+        self.assertFalse(os.path.exists(os.path.join(self.tree.base, "outside", "new.txt")))
+
+    def test_loop_beats_deny_and_workspace_root_no_more(self):
+        # Unconfined server: the deny rule and the seed-004 root are all that guard.
+        cfg = boris.parse_config(["--workdir", self.tree.ws, "--deny-dir", os.path.join(self.tree.base, "outside"),
+                                  "--require-view-before-edit", "false"], {})
+        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        server, session = boris.McpServer(cfg, policy), boris.Session(cfg)
+        self.addCleanup(session.close)
+        for name, args in (("view", {"path": "l_self/../out/o.txt"}), ("read_file", {"path": "l_self/../out/o.txt"}),
+                           ("read_file", {"path": "l_self/../../outside/o.txt"})):
+            r = boris.McpServer.run_tool(server.tools[name], session, args, boris.CallContext(cfg, policy))
+            self.assertTrue(r["isError"], r)
+            self.assertNotIn(SECRET, r["content"][0]["text"])
+
+
+class TestSwapRace(unittest.TestCase):
+    """A thread swaps a directory and a symlink to outside (renameat2 RENAME_EXCHANGE)
+    while tools read and write through the directory: nothing may cross."""
+
+    def test_swapping_thread_finds_no_escape(self):
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if not hasattr(libc, "renameat2"):
+            self.skipTest("renameat2 not available")
+        quiet_logs(self)
+        tree = HostileTree()
+        self.addCleanup(tree.cleanup)
+        d = os.path.join(tree.ws, "d")
+        os.makedirs(d)
+        with open(os.path.join(d, "f.txt"), "w") as f:
+            f.write("inside\n")
+        with open(os.path.join(tree.base, "outside", "f.txt"), "w") as f:
+            f.write(SECRET + "\n")
+        os.symlink("../outside", os.path.join(tree.ws, "swap"))
+        before = tree.outside_snapshot()
+        server, cfg, policy = tree.server()
+        session = boris.Session(cfg)
+        self.addCleanup(session.close)
+        stop = threading.Event()
+        swaps = [0]
+
+        def swapper():
+            a, b = os.fsencode(d), os.fsencode(os.path.join(tree.ws, "swap"))
+            while not stop.is_set():
+                if libc.renameat2(-100, a, -100, b, 2) == 0:      # AT_FDCWD, RENAME_EXCHANGE
+                    swaps[0] += 1
+        t = threading.Thread(target=swapper)
+        t.start()
+        escapes, calls = [], 0
+        try:
+            for i in range(600):
+                for name, args in (("read_file", {"path": "d/f.txt"}), ("view", {"path": "d/f.txt"}),
+                                   ("grep", {"pattern": "SECRET", "path": "d/f.txt", "output_mode": "content"}),
+                                   ("list_directory", {"path": "d"}),
+                                   ("write_file", {"path": "d/f.txt", "content": "inside\n"}),
+                                   ("create_file", {"path": "d/n%d.txt" % i, "content": "new\n"})):
+                    r = boris.McpServer.run_tool(server.tools[name], session, args, boris.CallContext(cfg, policy))
+                    calls += 1
+                    if SECRET in r["content"][0]["text"]:
+                        escapes.append((name, r["content"][0]["text"][:80]))
+        finally:
+            stop.set()
+            t.join()
+        if os.path.islink(d):                                      # leave the tree as it was
+            libc.renameat2(-100, os.fsencode(d), -100, os.fsencode(os.path.join(tree.ws, "swap")), 2)
+        self.assertGreater(swaps[0], 100)
+        self.assertEqual(escapes, [], "%d of %d calls read outside" % (len(escapes), calls))
+        self.assertEqual(tree.outside_snapshot(), before, "a write landed outside")
+
+
+class TestLinkedDenyInSearch(Base):
+    """Everything a search yields is checked by its real path, also under links."""
+    flags = ["--deny-dir", "**/secret/**", "--require-view-before-edit", "false"]
+
+    def test_followed_link_into_denied_dir(self):
+        self.write("secret/k.txt", SECRET + "\n")
+        self.write("sub/a.txt", "x\n")
+        os.symlink("../secret", self.path("sub", "lnk"))
+        for name, args in (("grep", {"pattern": "SECRET", "output_mode": "content"}),
+                           ("grep", {"pattern": "SECRET", "path": "sub"}),
+                           ("search_text", {"query": "SECRET", "paths": ["sub"]}),
+                           ("glob", {"pattern": "**/*.txt"})):
+            text = self.ok(name, **args)
+            self.assertNotIn(SECRET, text, name)
+            self.assertNotIn("k.txt", text, name)
+
+    def test_up_link_beats_absolute_deny_no_more(self):
+        outside = os.path.realpath(tempfile.mkdtemp(prefix="boris-out-"))
+        self.addCleanup(shutil.rmtree, outside, True)
+        os.makedirs(os.path.join(outside, "ws", "sub"))
+        with open(os.path.join(outside, "ws", "k.txt"), "w") as f:
+            f.write(SECRET + "\n")
+        os.symlink("..", os.path.join(outside, "ws", "sub", "up"))
+        cfg = boris.parse_config(["--workdir", outside, "--deny-dir", os.path.join(outside, "ws", "k.txt")], {})
+        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        server = boris.McpServer(cfg, policy)
+        r = boris.McpServer.run_tool(server.tools["grep"], self.session,
+                                     {"pattern": "SECRET", "path": os.path.join(outside, "ws", "sub"),
+                                      "output_mode": "content"}, boris.CallContext(cfg, policy))
+        self.assertNotIn(SECRET, r["content"][0]["text"])
+
+
+def run_with_deadline(fn, seconds=10):
+    """fn() on a thread; (finished, result or exception)."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(_catch(fn)), daemon=True)
+    t.start()
+    t.join(seconds)
+    return (bool(box), box[0] if box else None)
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as e:
+        return e
+
+
+class TestSpecialFiles(NoViewBase):
+    """FIFOs and devices are refused with a clear error: no hang, no unbounded read,
+    never replaced by a write."""
+
+    def test_fifo_is_refused_by_every_tool_without_hanging(self):
+        fifo = self.path("pipe")
+        os.mkfifo(fifo)
+        cases = (("view", {"path": "pipe"}), ("str_replace", {"path": "pipe", "old_str": "a", "new_str": "b"}),
+                 ("grep", {"pattern": "x", "path": "pipe"}), ("search_text", {"query": "x", "paths": ["pipe"]}),
+                 ("create_file", {"path": "pipe", "content": "x"}), ("read_file", {"path": "pipe"}),
+                 ("write_file", {"path": "pipe", "content": "x"}))
+        for name, args in cases:
+            done, out = run_with_deadline(lambda: self.call(name, **args), 10)
+            self.assertTrue(done, "%s blocked on a FIFO" % name)
+            text, err = out
+            self.assertTrue(err, "%s: %s" % (name, text))
+            self.assertIn("FIFO", text, name) if not text.startswith("错误") else None
+        self.assertTrue(stat.S_ISFIFO(os.lstat(fifo).st_mode), "the FIFO was replaced")
+
+    def test_character_devices_are_not_read_or_replaced(self):
+        for name, args in (("view", {"path": "/dev/zero"}),
+                           ("str_replace", {"path": "/dev/zero", "old_str": "a", "new_str": "b"}),
+                           ("create_file", {"path": "/dev/null", "content": "x"}),
+                           ("grep", {"pattern": "x", "path": "/dev/zero"})):
+            done, out = run_with_deadline(lambda: self.call(name, **args), 10)
+            self.assertTrue(done, "%s on a device did not return" % name)
+            text, err = out
+            self.assertTrue(err and "character device" in text, "%s: %s" % (name, text))
+        self.assertTrue(stat.S_ISCHR(os.stat("/dev/null").st_mode))
+
+    def test_seed004_read_file_of_a_device_in_the_workspace(self):
+        cfg = boris.parse_config(["--workdir", "/dev"], {})
+        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        server = boris.McpServer(cfg, policy)
+        done, r = run_with_deadline(lambda: boris.McpServer.run_tool(
+            server.tools["read_file"], self.session, {"path": "zero"}, boris.CallContext(cfg, policy)), 10)
+        self.assertTrue(done)
+        self.assertTrue(r["isError"])
+        self.assertTrue(r["content"][0]["text"].startswith("错误："), r)
+
+    def test_proc_files_read_within_the_limit(self):
+        text = self.ok("view", path="/proc/self/status")
+        self.assertIn("Pid:", text)
+        self.assertIn("fd", self.ok("view", path="/proc/self"))
+
+
+class TestOddPaths(NoViewBase):
+    def test_lone_surrogate_and_nul(self):
+        for tool, key in (("view", "path"), ("create_file", "path"), ("grep", "path"), ("glob", "path")):
+            for bad in ("a\udc80b", "x\ud800", "a\x00b"):
+                args = {key: bad}
+                args.update({"create_file": {"content": "x"}, "grep": {"pattern": "x"},
+                             "glob": {"pattern": "*"}}.get(tool, {}))
+                self.fails(tool, "INVALID_INPUT", **args)
+        text, err = self.call("read_file", path="a\udc80b")
+        self.assertTrue(err and text.startswith("错误：路径无效"), text)
+
+    def test_chain_of_1000_links_is_access_denied(self):
+        for k in range(1000):
+            os.symlink("c%d" % (k + 1), self.path("c%d" % k))
+        self.write("c1000", "end\n")
+        self.assertIn("symlink loop", self.fails("view", "ACCESS_DENIED", path="c0"))
+        self.fails("view", "ACCESS_DENIED", path="c0/../x")
+        self.assertEqual(self.ok("view", path="c990"), "     1\tend")
+
+    def test_file_used_as_a_directory_is_named(self):
+        self.write("a.txt", "x\n")
+        text = self.fails("create_file", "INVALID_INPUT", path="a.txt/sub/x", content="y")
+        self.assertIn("a.txt as a directory, but it is a file", text)
+        self.fails("view", "INVALID_INPUT", path="a.txt/x")
+
+    def test_longest_legal_name_is_writable(self):
+        name = "\U0001F600" * 63                    # 252 bytes: legal, while a char-cut temp name is not
+        self.ok("create_file", path=name, content="x\n")
+        self.assertEqual(self.read(name), b"x\n")
+        self.ok("str_replace", path=name, old_str="x", new_str="y")
+        self.assertEqual(self.read(name), b"y\n")
+        self.fails("create_file", "INVALID_INPUT", path="\U0001F600" * 64, content="x")
+
+    def test_bad_globs_are_pattern_errors(self):
+        for pattern in ("[z-a]", "{" * 5000 + "a" + "}" * 5000, "[[:nope:]]", "a[b"):
+            self.fails("glob", "GLOB_INVALID_PATTERN", pattern=pattern)
+            self.fails("search_files", "GLOB_INVALID_PATTERN", pattern=pattern)
+            self.fails("grep", "INVALID_INPUT", pattern="x", include=pattern)
+
+    def test_posix_class_in_glob(self):
+        self.write("f1.txt", "")
+        self.write("fx.txt", "")
+        self.assertEqual(self.ok("glob", pattern="f[[:digit:]].txt"), "f1.txt")
+
+
+# ---------------------------------------------------------------------------
 # HTTP transport
 # ---------------------------------------------------------------------------
 
