@@ -6,6 +6,7 @@ they cover (seed000_..., seed001_..., ...)."""
 
 import base64
 import contextlib
+import io
 import json
 import os
 import random
@@ -13,6 +14,7 @@ import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -1920,6 +1922,22 @@ def make_web_server():
                 self.send(302, None, b"", [("Location", "/hop%d" % (n + 1) if n < 10 else "/page")])
             elif p == "/to-page":
                 self.send(301, None, b"", [("Location", "/page")])
+            elif p == "/trickle":
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", "1000")
+                self.end_headers()
+                try:
+                    for _ in range(150):                   # a byte every 0.2 s: 30 s in all
+                        self.wfile.write(b"t")
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                except OSError:
+                    pass
+            elif p == "/to-metadata":
+                self.send(302, None, b"", [("Location", "http://169.254.169.254/latest/meta-data/")])
+            elif p == "/to-v6-link-local":
+                self.send(302, None, b"", [("Location", "http://[fe80::1]/")])
             elif p == "/to-ftp":
                 self.send(302, None, b"", [("Location", "ftp://127.0.0.1/x")])
             elif p == "/big":
@@ -1956,8 +1974,64 @@ class TestWebFetch(NoViewBase):
         cls.srv.shutdown()
         cls.srv.server_close()
 
+    def setUp(self):
+        NoViewBase.setUp(self)
+        quiet_logs(self)
+
     def fetch(self, path, **kw):
         return self.call("web_fetch", url=self.base + path, **kw)
+
+    def test_link_local_decision(self):
+        refuse = boris.address_refusal
+        for addr in ("169.254.169.254", "169.254.0.1", "fe80::1", "fe80::1%eth0", "::ffff:169.254.169.254"):
+            self.assertIn("link-local", refuse(addr) or "", addr)
+            self.assertIn("link-local", refuse(addr, True) or "", addr)
+        for addr in ("127.0.0.1", "10.0.0.1", "192.168.1.1", "172.16.0.1", "::1", "fd00:ec2::254", "0.0.0.0"):
+            self.assertIsNone(refuse(addr), addr)
+            self.assertIn("private", refuse(addr, True) or "", addr)
+        for addr in ("93.184.216.34", "2606:2800:220:1::1"):
+            self.assertIsNone(refuse(addr, True), addr)
+
+    def test_metadata_address_refused_before_connecting(self):
+        connects = []
+        real_connect = socket.socket.connect
+
+        def spy(sock, address):
+            connects.append(address)
+            return real_connect(sock, address)
+        with mock.patch.object(socket.socket, "connect", spy):
+            for url in ("http://169.254.169.254/latest/meta-data/", "http://[fe80::1]/",
+                        "http://[::ffff:169.254.169.254]/"):
+                text, err = self.call("web_fetch", url=url)
+                self.assertTrue(err and text.startswith("错误：拒绝连接"), text)
+            for path in ("/to-metadata", "/to-v6-link-local"):           # checked again on a redirect
+                text, err = self.fetch(path)
+                self.assertTrue(err and text.startswith("错误：拒绝连接"), text)
+        self.assertEqual([a for a in connects if a[0] != "127.0.0.1"], [])
+
+    def test_block_private_flag(self):
+        cfg = boris.parse_config(["--workdir", self.root, "--web-fetch-block-private"], {})
+        server = boris.McpServer(cfg, self.policy)
+        r = boris.McpServer.run_tool(server.tools["web_fetch"], self.session, {"url": self.base + "/page"},
+                                     boris.CallContext(cfg, self.policy))
+        self.assertTrue(r["isError"])
+        self.assertIn("loopback or private", r["content"][0]["text"])
+
+    def test_timeout_is_a_deadline_for_the_whole_call(self):
+        t = time.monotonic()
+        text, err = self.fetch("/trickle", timeout=1)
+        self.assertLess(time.monotonic() - t, 4)
+        self.assertTrue(err and text.startswith("错误：请求超时（1s）"), text)
+
+    def test_cancel_ends_a_fetch_at_once(self):
+        cancelled = threading.Event()
+        threading.Timer(0.3, cancelled.set).start()
+        ctx = boris.CallContext(self.cfg, self.policy, cancelled)
+        t = time.monotonic()
+        r = boris.McpServer.run_tool(self.server.tools["web_fetch"], self.session,
+                                     {"url": self.base + "/trickle", "timeout": 60}, ctx)
+        self.assertLess(time.monotonic() - t, 3)
+        self.assertTrue(r["isError"])
 
     def test_seed004_html_page_text(self):
         text, err = self.fetch("/page")
@@ -2642,6 +2716,166 @@ class TestHttpAuth(HttpBase):
         sid = self.init()
         self.assertEqual(self.rpc(sid, "ping")[2]["result"], {})
         self.assertEqual(http(self.port, "DELETE", headers={"Mcp-Session-Id": sid})[0], 401)
+
+
+def raw_exchange(port, data, wait=5.0):
+    """Send raw bytes to 127.0.0.1:port; return everything read until the server
+    closes the connection (or `wait` seconds pass)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=wait)
+    try:
+        s.sendall(data)
+        got = b""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                break
+            if not chunk:
+                break
+            got += chunk
+        return got
+    finally:
+        s.close()
+
+
+def raw_post(body, headers, path="/mcp"):
+    head = "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\n" % path + "".join("%s: %s\r\n" % kv for kv in headers)
+    return (head + "Content-Length: %d\r\n\r\n" % len(body)).encode() + body
+
+
+def modern_bash(command, rid=7):
+    """A stateless 2026-07-28 tools/call: no session needed."""
+    return json.dumps({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {
+        "name": "bash", "arguments": {"command": command},
+        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28"}}}).encode()
+
+
+class TestHttpHostileRequests(HttpBase):
+    """A web page must not reach the tools; refused requests must not smuggle one."""
+    flags = ["--require-view-before-edit", "false"]
+
+    def marker(self):
+        return os.path.join(self.tmp, "ran-%s" % os.urandom(4).hex())
+
+    def test_origin_null_and_text_plain_are_refused(self):
+        mark = self.marker()
+        body = modern_bash("touch %s" % mark)
+        st, _, _ = http(self.port, "POST", body=body, headers={"Origin": "null"})
+        self.assertEqual(st, 403)
+        st, _, out = http(self.port, "POST", body=body, headers={"Content-Type": "text/plain"})
+        self.assertEqual(st, 415, out)
+        st, _, _ = http(self.port, "POST", body=body, headers={"Content-Type": "application/x-www-form-urlencoded"})
+        self.assertEqual(st, 415)
+        self.assertEqual(http(self.port, "POST", body=body)[0], 200)          # the same call, sent properly
+        self.assertTrue(os.path.exists(mark))
+        os.unlink(mark)
+        time.sleep(0.2)
+        self.assertFalse(os.path.exists(mark))
+
+    def test_refused_request_body_is_never_parsed_as_a_request(self):
+        for refusal in ([("Origin", "http://evil.example.com")], [("Host", "evil.example.com")],
+                        [("Origin", "null")], [("Content-Type", "text/plain")]):
+            mark = self.marker()
+            inner = raw_post(modern_bash("touch %s" % mark), [("Content-Type", "application/json")])
+            headers = [kv for kv in [("Content-Type", "application/json")] if kv[0] != refusal[0][0]] + refusal
+            if refusal[0][0] == "Host":
+                data = raw_post(inner, [h for h in headers if h[0] != "Host"]).replace(
+                    b"Host: 127.0.0.1", b"Host: evil.example.com", 1)
+            else:
+                data = raw_post(inner, headers)
+            got = raw_exchange(self.port, data)
+            self.assertRegex(got, rb"^HTTP/1\.1 (403|415) ", got[:80])
+            self.assertEqual(got.count(b"HTTP/1.1 "), 1, got)
+            self.assertFalse(os.path.exists(mark), "the body of a refused request ran: %r" % refusal)
+        for path in ("/nope", "/mcp"):                                      # 404 and 401 as well
+            mark = self.marker()
+            inner = raw_post(modern_bash("touch %s" % mark), [("Content-Type", "application/json")])
+            got = raw_exchange(self.port, raw_post(inner, [("Content-Type", "application/json")], path=path)
+                               if path == "/nope" else raw_post(inner, [("Content-Type", "text/plain")]))
+            self.assertEqual(got.count(b"HTTP/1.1 "), 1, got)
+            self.assertFalse(os.path.exists(mark))
+
+    def test_content_length_checks(self):
+        head = b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        for value, code in ((b"-1", b"400"), (b"abc", b"400"), (b"99999999999", b"413")):
+            got = raw_exchange(self.port, head + b"Content-Length: " + value + b"\r\n\r\n" + b"x" * 100)
+            self.assertTrue(got.startswith(b"HTTP/1.1 " + code), got[:60])
+        got = raw_exchange(self.port, head + b"\r\n")
+        self.assertTrue(got.startswith(b"HTTP/1.1 411"), got[:60])
+
+    def test_deep_json_nesting_is_a_parse_error(self):
+        st, _, body = http(self.port, "POST", body=b"[" * 100000)
+        self.assertEqual(st, 400)
+        self.assertEqual(body["error"]["code"], -32700)
+        self.assertEqual(http(self.port, "GET", "/health")[0], 200)
+
+
+class TestHttpLimits(unittest.TestCase):
+    """Slow and numerous clients: reads time out, connections are capped, a dropped
+    client is one quiet line, not a traceback."""
+
+    def start(self, **patches):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-httpl-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        cfg = boris.parse_config(["--workdir", tmp, "--transport", "http"], {})
+        cfg.port = 0
+        with contextlib.ExitStack() as stack:
+            for k, v in patches.items():
+                stack.enter_context(mock.patch.object(boris, k, v))
+            t = boris.HttpTransport(boris.McpServer(cfg, boris.PathPolicy(workdir=tmp)), cfg)
+            port = t.bind()[1]
+        th = threading.Thread(target=t.serve, daemon=True)
+        th.start()
+        self.addCleanup(th.join, 15)
+        self.addCleanup(t.shutdown)
+        return port
+
+    def test_half_open_connection_times_out(self):
+        port = self.start(HTTP_READ_TIMEOUT_S=0.5)
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n")          # and then nothing
+        t = time.monotonic()
+        self.assertEqual(s.recv(100), b"")                                 # closed by the server
+        self.assertLess(time.monotonic() - t, 5)
+        s.close()
+
+    def test_connections_over_the_cap_get_503(self):
+        port = self.start(HTTP_MAX_CONNECTIONS=2)
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+        self.addCleanup(lambda: [s.close() for s in idle])
+        for s in idle:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            self.assertIn(b"200 OK", s.recv(1000))                       # both slots are held now
+        got = raw_exchange(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        self.assertTrue(got.startswith(b"HTTP/1.1 503"), got[:60])
+        for s in idle:
+            s.close()
+        self.assertTrue(wait_until(lambda: http(port, "GET", "/health")[0] == 200, 10))
+
+    def test_dropped_clients_write_no_traceback(self):
+        port = self.start()
+        err = io.StringIO()
+        with mock.patch.object(sys, "stderr", err):
+            for _ in range(40):
+                s = socket.create_connection(("127.0.0.1", port))
+                s.sendall(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 500\r\n\r\n{\"jsonrpc\"")
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()                                                    # RST mid-body
+            self.assertTrue(wait_until(lambda: http(port, "GET", "/health")[0] == 200, 10))
+        self.assertNotIn("Traceback", err.getvalue())
+
+    def test_non_loopback_host_needs_a_token(self):
+        with self.assertRaises(boris.ConfigError) as cm:
+            boris.parse_config(["--transport", "http", "--host", "0.0.0.0"], {})
+        self.assertIn("--token", str(cm.exception))
+        for extra in (["--token", "t"], ["--generate-token"], ["--host", "::1"], ["--transport", "stdio"]):
+            boris.parse_config(["--transport", "http", "--host", "0.0.0.0"] + extra, {})
+        p = subprocess.run([sys.executable, BORIS, "--transport", "http", "--host", "0.0.0.0"],
+                           capture_output=True, text=True, timeout=30)
+        self.assertEqual(p.returncode, 2)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
 
 
 class TestHttpSubprocess(unittest.TestCase):
