@@ -75,6 +75,8 @@ HTTP_MAX_CONNECTIONS = 256                 # more at once get 503 (each holds a 
 HTTP_READ_TIMEOUT_S = 30.0                 # a request's headers and body must arrive within this
 STDIO_MAX_LINE = 64 * 1024 * 1024          # one stdio message at most
 REAP_INTERVAL_S = 0.5                      # orphans re-parented to boris are reaped this often
+MAX_WORKERS = 64                           # tool calls running at once; more wait in a queue
+WORKER_IDLE_S = 30.0                       # an idle worker thread retires after this
 EOF_GRACE_S = 2.0                          # stdin closed: let in-flight calls finish
 
 ###############################################################################
@@ -1908,18 +1910,20 @@ def with_mtimes(paths, cancelled):
 ###############################################################################
 
 SHELL = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
-CAPTURE_HEAD_BYTES = OUTPUT_MAX_CHARS * 4      # enough bytes for 30,000 characters
-CAPTURE_TAIL_BYTES = 8192                      # where the cwd sentinel lives
+CAPTURE_HEAD_CHARS = OUTPUT_MAX_CHARS * 2 // 3  # a long output shows its first 20,000 characters
+CAPTURE_TAIL_CHARS = OUTPUT_MAX_CHARS // 3      # and its last 10,000 (where summaries and the sentinel are)
+CAPTURE_HEAD_BYTES = CAPTURE_HEAD_CHARS * 4
+CAPTURE_TAIL_BYTES = CAPTURE_TAIL_CHARS * 4
 
 
 class Capture(object):
-    """A stream's output, bounded: the head (what is shown), the tail (where the
-    sentinel is) and the full length in characters."""
+    """A stream's output in bounded memory, in time linear in its size: the head and
+    the tail kept as bytes, the full length counted in characters."""
 
     def __init__(self):
         import codecs
         self.head = bytearray()
-        self.tail = b""
+        self.tail = bytearray()
         self.total = 0
         self.chars = 0
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -1930,30 +1934,43 @@ class Capture(object):
         room = CAPTURE_HEAD_BYTES - len(self.head)
         if room > 0:
             self.head += data[:room]
-        self.tail = (self.tail + data)[-CAPTURE_TAIL_BYTES:]
+        self.tail += data
+        if len(self.tail) > 2 * CAPTURE_TAIL_BYTES:
+            del self.tail[:-CAPTURE_TAIL_BYTES]
 
     def complete(self):
         return self.total == len(self.head)
 
     def strip_sentinel(self, marker):
-        """Remove `\\nMARKER<cwd>\\n` from the end; return the cwd it named, or None."""
-        data = bytes(self.head) if self.complete() else self.tail
-        m = re.search(re.escape(b"\n" + marker) + rb"([^\n]*)\n\Z", data)
+        """Remove the sentinel line from the end; return the cwd it named, or None."""
+        m = re.search(re.escape(b"\n" + marker) + rb"([^\n]*)\n\Z", self.tail)
         if not m:
             return None
-        cut = len(data) - m.start()
+        cwd = bytes(m.group(1)).decode("utf-8", "surrogateescape")
+        cut = len(self.tail) - m.start()
+        self.chars -= len(bytes(self.tail[m.start():]).decode("utf-8", "replace"))
         self.total -= cut
-        self.chars -= len(data[m.start():].decode("utf-8", "replace"))
-        if self.complete() or len(self.head) > self.total:
+        del self.tail[m.start():]
+        if len(self.head) > self.total:
             del self.head[self.total:]
-        return m.group(1).decode("utf-8", "surrogateescape")
+        return cwd
 
     def render(self, label):
-        text = bytes(self.head).decode("utf-8", "replace")
-        if self.chars > OUTPUT_MAX_CHARS or not self.complete():
-            text = text[:OUTPUT_MAX_CHARS]
-            text += "\n[%s truncated: %d of %d characters shown]" % (label, len(text), self.chars)
-        return text
+        """All of it, or the first and the last part with what was left out between."""
+        if self.complete():
+            text = bytes(self.head).decode("utf-8", "replace")
+            if len(text) <= OUTPUT_MAX_CHARS:
+                return text
+            head, tail = text[:CAPTURE_HEAD_CHARS], text[-CAPTURE_TAIL_CHARS:]
+        else:
+            head = bytes(self.head).decode("utf-8", "replace")[:CAPTURE_HEAD_CHARS]
+            tail = bytes(self.tail).lstrip(bytes(range(0x80, 0xC0))).decode("utf-8", "replace")
+            tail = tail[-CAPTURE_TAIL_CHARS:]
+        omitted = self.chars - len(head) - len(tail)
+        tail = tail.rstrip("\n")
+        return "%s\n\n... %d characters omitted ...\n\n%s\n[%s: %d characters in all; the first %d and the last" \
+               " %d are shown. Pipe long output through tail, head or grep.]" % (
+                   head, omitted, tail, label, self.chars, len(head), len(tail))
 
 
 def start_process(script, cwd):
@@ -2485,6 +2502,7 @@ class CallContext(object):
         self.config = config
         self.policy = policy
         self.cancelled = cancelled or threading.Event()
+        self.wants_progress = progress is not None
         self.progress = progress or (lambda text: None)
 
 
@@ -2819,26 +2837,34 @@ def launch(session, script):
 
 
 class ProgressLines(object):
-    """Forward new output to the client as progress, whole lines only, at most
-    ~10 messages a second, with the cwd sentinel held back."""
+    """Forward new output to the client as progress, whole lines where it can, at most
+    ~10 messages a second, with the cwd sentinel held back. Holds at most
+    OUTPUT_MAX_CHARS * 4 bytes: a flood without newlines costs linear time."""
 
     def __init__(self, ctx, marker):
         self.ctx, self.marker = ctx, marker
-        self.pending = b""
+        self.pending = bytearray()
         self.last = 0.0
 
     def __call__(self, is_err, data):
         self.pending += data
+        limit = OUTPUT_MAX_CHARS * 4
+        if len(self.pending) > 2 * limit:
+            del self.pending[:-limit]
         now = time.monotonic()
-        if now - self.last < PROGRESS_INTERVAL_S or b"\n" not in self.pending:
+        if now - self.last < PROGRESS_INTERVAL_S:
             return
-        cut = self.pending.rindex(b"\n") + 1
-        chunk, self.pending = self.pending[:cut], self.pending[cut:]
+        cut = self.pending.rfind(b"\n") + 1
+        if cut == 0 and len(self.pending) < limit:
+            return
+        cut = cut or len(self.pending)
+        chunk = bytes(self.pending[:cut])
+        del self.pending[:cut]
         lines = [l for l in chunk.split(b"\n") if self.marker not in l]
         text = b"\n".join(lines).decode("utf-8", "replace").strip("\n")
         if text:
             self.last = now
-            self.ctx.progress(text[:OUTPUT_MAX_CHARS])
+            self.ctx.progress(text[-OUTPUT_MAX_CHARS:])
 
 
 def tool_bash(session, args, ctx):
@@ -2857,7 +2883,7 @@ def tool_bash(session, args, ctx):
     out, err = Capture(), Capture()
     try:
         why = pump(proc, out, err, time.monotonic() + timeout_ms / 1000.0, ctx.cancelled,
-                   ProgressLines(ctx, marker) if args.get("_progress", True) else None)
+                   ProgressLines(ctx, marker) if ctx.wants_progress else None)
     finally:
         with session.lock:
             session.foreground.discard(proc)
@@ -2876,6 +2902,8 @@ def tool_bash(session, args, ctx):
 
 def start_task(session, command, ctx):
     with session.lock:
+        if session.closed:
+            raise ToolError("BASH_START_FAILED", "the session is closing; no background task was started")
         running = [t for t in session.tasks.values() if not t.done.is_set()]
         if len(running) >= MAX_BACKGROUND_TASKS:
             raise ToolError("BASH_TASK_LIMIT", "%d background tasks are already running (the limit); wait for"
@@ -2885,7 +2913,12 @@ def start_task(session, command, ctx):
     proc = launch(session, command)
     task = Task(task_id, command, proc, ctx.config.background_task_timeout)
     with session.lock:
-        session.tasks[task_id] = task
+        closed = session.closed
+        if not closed:
+            session.tasks[task_id] = task
+    if closed:                                 # the session closed while it started: never orphaned
+        kill_all([task])
+        raise ToolError("BASH_START_FAILED", "the session closed while the task started; it was stopped")
     return ("Started background task %s (pid %d). Read its output with task_output(task_id=%r);"
             " its cd does not move this session." % (task_id, proc.pid, task_id))
 
@@ -2900,8 +2933,9 @@ def tool_task_output(session, args, ctx):
                         " a completed task is forgotten once its output is read"
                         % (task_id, ", ".join(known) or "none"))
     wait_ms = min(args.get("wait_ms") or 0, BASH_MAX_TIMEOUT_MS)
-    if wait_ms > 0:
-        task.done.wait(wait_ms / 1000.0) if not ctx.cancelled.wait(0) else None
+    deadline = time.monotonic() + wait_ms / 1000.0
+    while not task.done.is_set() and not ctx.cancelled.is_set() and time.monotonic() < deadline:
+        task.done.wait(min(0.05, max(0.0, deadline - time.monotonic())))   # a cancel frees the worker
     runtime = time.monotonic() - task.started
     if not task.done.is_set():
         return "status: running (%.1f s)\ncommand: %s\n%s" % (runtime, task.command,
@@ -3301,8 +3335,9 @@ def editor_tool():
     }, ["command", "path"]), notes("Text editor", destructive=True), tool_str_replace_editor)
 
 
-BASH_DESC = ("Run a shell command (bash -c) in the session's working directory and return its exit code, "
-             "stdout and stderr (each cut at 30,000 characters). The working directory persists between "
+BASH_DESC = ("Run a shell command (%s -c) in the session's working directory and return its exit code, "
+             "stdout and stderr (a long output keeps its first 20,000 and last 10,000 characters: pipe it "
+             "through tail or grep). The working directory persists between "
              "calls (cd moves it). stdin is /dev/null, so interactive programs get no input. A command is "
              "killed, with everything it started, after `timeout` ms (default 120000, max 600000) or when it "
              "returns. For servers and long jobs set run_in_background and read the output with task_output.")
@@ -3311,9 +3346,17 @@ TASK_DESC = ("Read the output of a background bash task by its task_id: 'status:
              "forgotten. wait_ms waits up to that long for the task to finish first.")
 
 
+def bash_description():
+    """BASH_DESC naming the shell this machine has (/bin/sh where there is no /bin/bash)."""
+    desc = BASH_DESC % ("bash" if SHELL == "/bin/bash" else "/bin/sh")
+    if SHELL != "/bin/bash":
+        desc += " This machine has no /bin/bash: commands run under /bin/sh, so bash-only syntax fails."
+    return desc
+
+
 def shell_tools(config):
     return [
-        Tool("bash", BASH_DESC, obj({
+        Tool("bash", bash_description(), obj({
             "command": prop("string", "The shell command to run."),
             "timeout": prop("integer", "Timeout in milliseconds (default %d, max %d)."
                             % (int(config.timeout * 1000), BASH_MAX_TIMEOUT_MS)),
@@ -3484,27 +3527,42 @@ def check_arguments(schema, args):
 
 
 class WorkerPool(object):
-    """Threads that run tool calls so the reader never blocks; one more is started
-    whenever none is idle, so a long command never starves a quick view."""
+    """Threads that run tool calls so the reader never blocks. A new worker starts
+    whenever none is idle (a long command never starves a quick view), up to
+    MAX_WORKERS; beyond that calls wait in the queue. Idle workers retire after
+    WORKER_IDLE_S."""
 
-    def __init__(self):
+    def __init__(self, max_workers=MAX_WORKERS):
         import queue
         self.jobs = queue.Queue()
         self.lock = threading.Lock()
         self.idle = 0
+        self.workers = 0
+        self.max_workers = max_workers
 
     def submit(self, fn):
         with self.lock:
-            spawn = self.idle == 0
-            if not spawn:
+            start = self.idle == 0 and self.workers < self.max_workers
+            if start:
+                self.workers += 1
+            elif self.idle:
                 self.idle -= 1
         self.jobs.put(fn)
-        if spawn:
-            threading.Thread(target=self._run, daemon=True).start()
+        if start:
+            threading.Thread(target=self._run, daemon=True, name="boris-worker").start()
 
     def _run(self):
+        import queue
         while True:
-            fn = self.jobs.get()
+            try:
+                fn = self.jobs.get(timeout=WORKER_IDLE_S)
+            except queue.Empty:
+                with self.lock:
+                    if self.idle > 0:
+                        self.idle -= 1
+                        self.workers -= 1
+                        return
+                continue
             try:
                 fn()
             except Exception:

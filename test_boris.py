@@ -1164,9 +1164,16 @@ class TestBash(NoViewBase):
 
     def test_megabyte_of_output_does_not_hang_and_is_cut(self):
         text = self.ok("bash", command="head -c 1048576 /dev/zero | tr '\\0' x; echo done >&2")
-        self.assertIn("[stdout truncated: 30000 of 1048576 characters shown]", text)
+        self.assertIn("... 1018576 characters omitted ...", text)
+        self.assertIn("[stdout: 1048576 characters in all; the first 20000 and the last 10000 are shown.", text)
         self.assertIn("done", text)
-        self.assertLess(len(text), 40000)
+        self.assertLess(len(text), 31000)
+
+    def test_long_output_keeps_its_end(self):
+        text = self.ok("bash", command="seq 1 200000; echo SUMMARY: 3 failed")
+        self.assertIn("\n1\n2\n", text)
+        self.assertIn("199999\n200000\nSUMMARY: 3 failed\n[stdout:", text)
+        self.assertLess(len(text), 31000)
 
     def test_timeout_kills_grandchildren_and_keeps_output(self):
         s1, s2 = unique_sleep(), unique_sleep()
