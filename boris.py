@@ -65,6 +65,9 @@ PROGRESS_INTERVAL_S = 0.1                  # at most ~10 progress notifications 
 LEFTOVER_DRAIN_S = 0.2                     # after a command exits, wait this long for its pipes
 
 GREP_BINARY_SNIFF = 512
+SEARCH_TIMEOUT_S = 60.0                    # a search is stopped here, its partial results kept
+SEARCH_BATCH = 1000                        # results a helper sends at a time
+SEARCH_IDLE_HELPERS = 2                    # search helpers kept warm for the next search
 WEB_MAX_CHARS = 5000
 WEB_MAX_BYTES = 5 * 1024 * 1024
 WEB_MAX_REDIRECTS = 5
@@ -1701,15 +1704,22 @@ def matcher_of(spec):
     return Matcher(spec["pattern"], spec["regex"], spec["ignore_case"], spec["multiline"])
 
 
-def grep_many(files, spec, matcher=None):
-    """Run the engine over (path, inode) pairs: [(index, result)] for the matching ones."""
+def grep_many(files, spec, matcher=None, emit=None):
+    """Run the engine over (path, inode) pairs: [(index, result)] for the matching
+    ones, returned, or handed to emit() in batches as they are found."""
     matcher = matcher or matcher_of(spec)
     buf = bytearray(GREP_BUFFER)
-    out = []
+    out, sent = [], time.monotonic()
     for i, (path, ino) in enumerate(files):
         r = grep_file(path, ino, matcher, spec["mode"], spec["before"], spec["after"], buf)
         if r is not None:
             out.append((i, r))
+            if emit is not None and (len(out) >= SEARCH_BATCH or time.monotonic() - sent > 0.2):
+                emit(out)
+                out, sent = [], time.monotonic()
+    if emit is not None:
+        emit(out)
+        return []
     return out
 
 
@@ -1747,7 +1757,6 @@ def helper_mtimes():
     return answer
 
 
-HELPER_KINDS = {"grep": helper_grep, "mtimes": helper_mtimes}
 
 
 def helper_main(kind):
@@ -1757,8 +1766,9 @@ def helper_main(kind):
         sys.stderr.write("boris: error: unknown helper kind %r\n" % kind)
         return 2
     answer = job()
-    sys.stdout.write(json.dumps(answer))
-    sys.stdout.flush()
+    if answer is not None:
+        sys.stdout.write(json.dumps(answer))
+        sys.stdout.flush()
     return 0
 
 
@@ -1784,7 +1794,7 @@ def helper_command(kind):
     prefix = pycache_prefix()
     cache = ["-X", "pycache_prefix=" + prefix] if prefix else ["-B"]
     module = os.path.splitext(os.path.basename(__file__))[0]
-    return [sys.executable, "-S", "-X", "utf8"] + cache + ["-m", module, "--helper", kind], here
+    return [sys.executable, "-E", "-S", "-X", "utf8"] + cache + ["-m", module, "--helper", kind], here
 
 
 def helper_count(n_files):
@@ -1850,28 +1860,29 @@ def start_helper(kind):
         return None
 
 
-def grep_parallel(files, spec, matcher, cancelled):
-    """grep_many over the machine's cores: helpers take shares of a large file list,
-    this process takes one."""
+def grep_parallel(files, spec, matcher, emit):
+    """grep over the machine's cores: helpers take shares of a large file list, this
+    process takes one. emit([(index, result)]) is called as results come: per batch
+    of this process's share, then per helper."""
+    never = threading.Event()
     helpers = [h for h in (start_helper("grep") for _ in range(helper_count(len(files)))) if h is not None]
     if not helpers:
-        return grep_many(files, spec, matcher)
+        grep_many(files, spec, matcher, emit)
+        return
     n = len(helpers) + 1
     shares = [files[k::n] for k in range(n)]
     try:
         for k, h in enumerate(helpers, 1):
             h.send(json.dumps({"files": shares[k], "spec": spec}).encode("utf-8", "surrogateescape"), last=True)
-        results = [(i * n, r) for i, r in grep_many(shares[0], spec, matcher)]
+        grep_many(shares[0], spec, matcher, lambda found: emit([(i * n, r) for i, r in found]))
         for k, h in enumerate(helpers, 1):
-            answer = h.answer(cancelled)
+            answer = h.answer(never)
             if answer is None:
                 answer = grep_many(shares[k], spec, matcher)
-            results += [(i * n + k, r) for i, r in answer]
+            emit([(i * n + k, r) for i, r in answer])
     finally:
         for h in helpers:                      # reaped even when our own share raised
             h.close()
-    results.sort(key=lambda x: x[0])
-    return results
 
 
 def with_mtimes(paths, cancelled):
@@ -1904,6 +1915,227 @@ def with_mtimes(paths, cancelled):
     finally:
         if helper is not None:
             helper.close()
+
+# -- searches run where they can be killed -----------------------------------------
+# Python's re holds the interpreter while it matches, so a catastrophic pattern (or a
+# glob such as *a*a*a*a*b) run in this process would freeze ping, cancel and every
+# other session. Every search therefore runs as a job in a search helper process
+# (its own process group, so its grep/mtime helpers go with it): this process only
+# waits on a pipe, reads result batches as they come, and kills the group on cancel
+# or at SEARCH_TIMEOUT_S, keeping what had arrived. Idle helpers are kept for the
+# next search (SEARCH_IDLE_HELPERS) and exit when this process's end of the pipe closes.
+
+def policy_spec(policy):
+    """What a helper needs to rebuild `policy`."""
+    return {"allow": policy.allow, "deny": policy.deny_raw, "workdir": policy.workdir}
+
+
+def name_filter(include, type_name):
+    """(rel, name) -> bool from an include glob and a language type."""
+    tests = []
+    if include:
+        try:
+            rx = compile_glob(include)
+        except ValueError as e:
+            raise ToolError("INVALID_INPUT", "include glob %r is malformed: %s" % (include, e))
+        on_path = "/" in include
+        tests.append(lambda rel, name: rx.match(rel if on_path else name) is not None)
+    if type_name:
+        by_type = type_matcher(type_name)
+        tests.append(lambda rel, name: by_type(name))
+    return lambda rel, name: all(t(rel, name) for t in tests)
+
+
+def collect_files(root, policy, keep, cancelled=None):
+    """The files a search reads under a root (real, is_dir, inode of a file root):
+    (real path, rel, inode) triples passing `keep`; the real path is opened, the
+    inode is what it must still be."""
+    real, is_dir, ino = root
+    if not is_dir:
+        return [(real, None, ino)]
+    files = []
+    cut = len(real) + 1 if real != "/" else 1
+    for path, at, _, ino in Walker(real, policy, follow_links=True, cancelled=cancelled):
+        rel = path[cut:]
+        if keep(rel, rel.rsplit("/", 1)[-1]):
+            files.append((at, rel, ino))
+    return files
+
+
+def grep_job(job, emit):
+    """Helper side of grep and search_text: emit [real, rel, mtime, result, root index]
+    per matching file (mtime only in files_with_matches mode)."""
+    policy = PathPolicy(**job["policy"])
+    keep = name_filter(job.get("include"), job.get("type"))
+    spec = job["spec"]
+    matcher = matcher_of(spec)
+    with_time = spec["mode"] == "files_with_matches"
+    for k, root in enumerate(job["roots"]):
+        files = collect_files(root, policy, keep)
+
+        def out(found, files=files, k=k):
+            emit([[files[i][0], files[i][1], mtime(files[i][0]) if with_time else 0.0, r, k] for i, r in found])
+        grep_parallel([(p, ino) for p, _, ino in files], spec, matcher, out)
+
+
+def glob_job(job, emit):
+    """Helper side of glob and search_files: emit [path, rel, mtime] per match."""
+    policy = PathPolicy(**job["policy"])
+    start, rest, base_only, kind = job["start"], job["rest"], job["base_only"], job["kind"]
+    rx = compile_glob(rest)
+    cut = len(start) + 1 if start != "/" else 1
+    lead = job["lead"]
+    name_ok = None
+    if base_only and kind == "file":                  # C-level tests: called once per file walked
+        from operator import methodcaller
+        simple = re.match(r"^\*(\.[\w.+-]+)$", rest)      # '*.c': a suffix test, no regex
+        name_ok = methodcaller("endswith", simple.group(1)) if simple else rx.match
+    depth = None if base_only or "**" in rest else rest.count("/") + 1
+    walked = Walker(start, policy, follow_links=False, want_dirs=kind != "file", name_ok=name_ok, max_depth=depth)
+    if name_ok is not None:                      # the walker already matched the names
+        matched = (path for path, _, _, _ in walked)
+    else:
+        matched = (path for path, _, is_dir, _ in walked if is_dir == (kind == "directory")
+                   and rx.match(path[path.rfind("/") + 1:] if base_only else path[cut:]))
+    found = [[path, path[lead:], when] for path, when in with_mtimes(matched, threading.Event())]
+    for k in range(0, len(found), SEARCH_BATCH):
+        emit(found[k:k + SEARCH_BATCH])
+
+
+SEARCH_JOBS = {"grep": grep_job, "glob": glob_job}
+
+
+def helper_search():
+    """A search helper: one JSON job a line on stdin, until it closes; for each, lines
+    {"items": [...]} as results come, then {"end": "ok"} or {"end": "error", ...}."""
+    out = sys.stdout
+
+    def emit(items):
+        if items:
+            out.write(json.dumps({"items": items}) + "\n")
+            out.flush()
+    for line in iter(sys.stdin.buffer.readline, b""):
+        job = json.loads(line.decode("utf-8", "surrogateescape"))
+        try:
+            SEARCH_JOBS[job["op"]](job, emit)
+            end = {"end": "ok"}
+        except ToolError as e:
+            end = {"end": "error", "code": e.code, "message": e.message}
+        except Exception as e:
+            end = {"end": "error", "code": "IO_ERROR", "message": "the search failed: %r" % e}
+        out.write(json.dumps(end) + "\n")
+        out.flush()
+    return None
+
+
+_search_idle = []
+_search_lock = threading.Lock()
+
+
+def take_search_helper():
+    """An idle search helper, or a new one (its own process group)."""
+    import subprocess
+    with _search_lock:
+        while _search_idle:
+            proc = _search_idle.pop()
+            if proc.poll() is None:
+                return proc
+            reaped(proc)
+    argv, cwd = helper_command("search")
+    return spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                 start_new_session=True)
+
+
+def release_search_helper(proc, healthy):
+    if healthy and proc.poll() is None:
+        with _search_lock:
+            if len(_search_idle) < SEARCH_IDLE_HELPERS:
+                _search_idle.append(proc)
+                return
+    kill_search_helper(proc)
+
+
+def kill_search_helper(proc):
+    """Kill a search helper with every process it started, and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    proc.wait()
+    reaped(proc)
+    for f in (proc.stdin, proc.stdout):
+        try:
+            f.close()
+        except OSError:
+            pass
+
+
+def close_search_helpers():
+    with _search_lock:
+        idle = list(_search_idle)
+        del _search_idle[:]
+    for proc in idle:
+        kill_search_helper(proc)
+
+
+def run_search(job, cancelled, timeout=None):
+    """(items, None) of a search job run in a helper; (items so far, 'deadline' or
+    'cancelled') when it had to be killed. A helper that cannot be started leaves the
+    job to this process."""
+    try:
+        proc = take_search_helper()
+        proc.stdin.write(json.dumps(job).encode("utf-8", "surrogateescape") + b"\n")
+        proc.stdin.flush()
+    except OSError:
+        items = []
+        SEARCH_JOBS[job["op"]](job, items.extend)
+        return items, None
+    import select
+    deadline = time.monotonic() + (SEARCH_TIMEOUT_S if timeout is None else timeout)
+    fd, pending, items = proc.stdout.fileno(), b"", []
+    try:
+        while True:
+            if cancelled.is_set():
+                kill_search_helper(proc)
+                return items, "cancelled"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                kill_search_helper(proc)
+                return items, "deadline"
+            if not select.select([fd], [], [], min(0.05, left))[0]:
+                continue
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                kill_search_helper(proc)
+                raise ToolError("IO_ERROR", "the search helper process ended unexpectedly; try again")
+            pending += chunk
+            lines = pending.split(b"\n")
+            pending = lines.pop()
+            for line in lines:
+                msg = json.loads(line.decode("utf-8"))
+                if "items" in msg:
+                    items += msg["items"]
+                    continue
+                release_search_helper(proc, True)
+                if msg["end"] != "ok":
+                    raise ToolError(msg["code"], msg["message"])
+                return items, None
+    except (OSError, ValueError) as e:
+        kill_search_helper(proc)
+        raise ToolError("IO_ERROR", "the search helper failed: %s" % e)
+
+
+def partial_notice(why, timeout=None):
+    """The line a cut search ends with."""
+    if why == "deadline":
+        return ("[search stopped after %g s: the results above are partial. Narrow the path, include or type,"
+                " or simplify the pattern (nested quantifiers such as (a+)+ can take forever)]"
+                % (SEARCH_TIMEOUT_S if timeout is None else timeout))
+    return "[search cancelled: partial results]"
+
+
+HELPER_KINDS = {"grep": helper_grep, "mtimes": helper_mtimes, "search": helper_search}
+
 
 ###############################################################################
 # Shell #######################################################################
@@ -2958,22 +3190,6 @@ def tool_task_output(session, args, ctx):
 GREP_MODES = ("files_with_matches", "content", "count")
 
 
-def name_filter(include, type_name):
-    """(rel, name) -> bool from an include glob and a language type."""
-    tests = []
-    if include:
-        try:
-            rx = compile_glob(include)
-        except ValueError as e:
-            raise ToolError("INVALID_INPUT", "include glob %r is malformed: %s" % (include, e))
-        on_path = "/" in include
-        tests.append(lambda rel, name: rx.match(rel if on_path else name) is not None)
-    if type_name:
-        by_type = type_matcher(type_name)
-        tests.append(lambda rel, name: by_type(name))
-    return lambda rel, name: all(t(rel, name) for t in tests)
-
-
 def search_root(session, ctx, shown):
     """Resolve and scope-check a search root: (real, is_dir, inode of a file root)."""
     real = resolve_checked(session, ctx, shown)
@@ -2988,21 +3204,6 @@ def search_root(session, ctx, shown):
     return real, False, st.st_ino
 
 
-def collect_files(root, ctx, keep):
-    """The files a search reads under a root (search_root's triple): (real path, rel,
-    inode) triples passing `keep`; the real path is opened, the inode it must still be."""
-    real, is_dir, ino = root
-    if not is_dir:
-        return [(real, None, ino)]
-    files = []
-    cut = len(real) + 1 if real != "/" else 1
-    for path, at, _, ino in Walker(real, ctx.policy, follow_links=True, cancelled=ctx.cancelled):
-        rel = path[cut:]
-        if keep(rel, rel.rsplit("/", 1)[-1]):
-            files.append((at, rel, ino))
-    return files
-
-
 def grep_spec(pattern, regex, ignore_case, multiline, mode, before=0, after=0):
     """A search's settings (as sent to helpers) and its matcher, compiled once."""
     spec = {"pattern": pattern, "regex": regex, "ignore_case": ignore_case, "multiline": multiline,
@@ -3010,8 +3211,12 @@ def grep_spec(pattern, regex, ignore_case, multiline, mode, before=0, after=0):
     return spec, matcher_of(spec)
 
 
-def run_grep(files, ctx, spec, matcher):
-    return grep_parallel([(p, ino) for p, _, ino in files], spec, matcher, ctx.cancelled)
+def grep_job_of(ctx, roots, spec, include=None, type_name=None):
+    """A grep job for run_search: roots from search_root, names filtered by
+    include/type (checked here first, so a malformed one is reported at once)."""
+    name_filter(include, type_name)
+    return {"op": "grep", "policy": policy_spec(ctx.policy), "roots": roots, "spec": spec,
+            "include": include, "type": type_name}
 
 
 def format_records(label, records, numbers):
@@ -3057,11 +3262,6 @@ def newest_first(found):
     return [rel for _, rel, _ in found]
 
 
-def by_mtime(pairs):
-    """Relative paths of (path, rel) pairs, newest first."""
-    return newest_first([(p, rel, mtime(p)) for p, rel in pairs])
-
-
 def tool_grep(session, args, ctx):
     pattern = args["pattern"]
     mode = args.get("output_mode") or "files_with_matches"
@@ -3072,30 +3272,29 @@ def tool_grep(session, args, ctx):
     shown = args.get("path") or "."
     root = search_root(session, ctx, shown)
     is_dir = root[1]
-    keep = name_filter(args.get("include"), args.get("type"))
     ctx_n = args.get("context") or 0
     before = args.get("context_before", ctx_n) if mode == "content" else 0
     after = args.get("context_after", ctx_n) if mode == "content" else 0
     if min(before, after) < 0:
         raise ToolError("INVALID_INPUT", "context lines must be 0 or more")
-    spec, matcher = grep_spec(pattern, True, bool(args.get("case_insensitive")), bool(args.get("multiline")),
-                              mode, before, after)
-    files = collect_files(root, ctx, keep)
-    results = run_grep(files, ctx, spec, matcher)
-    if not results:
-        return "No matches found for pattern %r in %s" % (pattern, shown)
-    hits = [(files[i][0], files[i][1] if is_dir else shown, r) for i, r in results]
+    spec, _ = grep_spec(pattern, True, bool(args.get("case_insensitive")), bool(args.get("multiline")),
+                        mode, before, after)
+    items, why = run_search(grep_job_of(ctx, [root], spec, args.get("include"), args.get("type")), ctx.cancelled)
+    notice = [partial_notice(why)] if why else []
+    if not items:
+        return "\n".join(["No matches found for pattern %r in %s" % (pattern, shown)] + notice)
+    hits = [(real, rel if is_dir else shown, when, r) for real, rel, when, r, _ in items]
     if mode == "files_with_matches":
-        return cap_lines(page(by_mtime([(p, rel) for p, rel, _ in hits]), args), "files")
+        return cap_lines(page(newest_first([(h[0], h[1], h[2]) for h in hits]), args) + notice, "files")
     hits.sort(key=lambda h: h[1])
     if mode == "count":
-        return cap_lines(page(["%s:%d" % (rel, n) for _, rel, n in hits], args), "files")
+        return cap_lines(page(["%s:%d" % (rel, n) for _, rel, _, n in hits], args) + notice, "files")
     lines, grouped = [], before > 0 or after > 0
-    for _, rel, records in hits:
+    for _, rel, _, records in hits:
         if lines and grouped:
             lines.append("--")
         lines += format_records(rel, records, args.get("line_numbers", True))
-    return cap_lines(page(lines, args), "lines")
+    return cap_lines(page(lines, args) + notice, "lines")
 
 
 def glob_plan(pattern):
@@ -3111,7 +3310,8 @@ def glob_plan(pattern):
 
 
 def find_paths(session, ctx, pattern, shown, kind):
-    """The one glob engine: (path, rel, mtime) under `shown` matching `pattern`."""
+    """The one glob front: ([[path, rel, mtime]], None or why the list is partial)
+    under `shown` matching `pattern`; the walk and the matching run in a helper."""
     if not pattern.strip():
         raise ToolError("GLOB_INVALID_PATTERN", "pattern is empty; give a glob such as **/*.py")
     try:
@@ -3123,65 +3323,55 @@ def find_paths(session, ctx, pattern, shown, kind):
     real = resolve_checked(session, ctx, shown)
     prefix, rest, base_only = glob_plan(pattern[1:] if pattern.startswith("/") else pattern)
     if pattern.startswith("/"):
-        real, prefix = "/", prefix
+        real = "/"
     try:
-        rx = compile_glob(rest)
+        compile_glob(rest)
     except ValueError as e:
         raise ToolError("GLOB_INVALID_PATTERN", "pattern %r is malformed: %s" % (pattern, e))
     try:
         start = canonical(os.path.join(real, prefix)) if prefix else real
     except OSError:
-        return []
+        return [], None
     if not os.path.isdir(start) or ctx.policy.is_denied(start):
-        return []
-    cut = len(start) + 1 if start != "/" else 1
-    lead = len(real) + 1 if real != "/" else 1
-    name_ok = None
-    if base_only and kind == "file":                  # C-level tests: called once per file walked
-        from operator import methodcaller
-        simple = re.match(r"^\*(\.[\w.+-]+)$", rest)      # '*.c': a suffix test, no regex
-        name_ok = methodcaller("endswith", simple.group(1)) if simple else rx.match
-    depth = None if base_only or "**" in rest else rest.count("/") + 1
-    walked = Walker(start, ctx.policy, follow_links=False, want_dirs=kind != "file", cancelled=ctx.cancelled,
-                    name_ok=name_ok, max_depth=depth)
-    if name_ok is not None:                      # the walker already matched the names
-        matched = (path for path, _, _, _ in walked)
-    else:
-        matched = (path for path, _, is_dir, _ in walked if is_dir == (kind == "directory")
-                   and rx.match(path[path.rfind("/") + 1:] if base_only else path[cut:]))
-    return [(path, path[lead:], when) for path, when in with_mtimes(matched, ctx.cancelled)]
+        return [], None
+    job = {"op": "glob", "policy": policy_spec(ctx.policy), "start": start, "rest": rest, "base_only": base_only,
+           "kind": kind, "lead": len(real) + 1 if real != "/" else 1}
+    return run_search(job, ctx.cancelled)
 
 
 def tool_glob(session, args, ctx):
-    found = find_paths(session, ctx, args["pattern"], args.get("path") or ".", args.get("type") or "file")
+    found, why = find_paths(session, ctx, args["pattern"], args.get("path") or ".", args.get("type") or "file")
+    notice = [partial_notice(why)] if why else []
     if not found:
-        return "No files found"
-    return cap_lines(newest_first(found), "paths")
+        return "\n".join(["No files found"] + notice)
+    return cap_lines(newest_first(found) + notice, "paths")
 
 
 def tool_search_text(session, args, ctx):
     query = args["query"]
     if query == "":
         raise ToolError("INVALID_INPUT", "query is empty; give the text to search for")
-    spec, matcher = grep_spec(query, bool(args.get("regex")), False, False, "content")
+    spec, _ = grep_spec(query, bool(args.get("regex")), False, False, "content")
+    shown_paths = args.get("paths") or ["."]
+    roots = [search_root(session, ctx, shown) for shown in shown_paths]
+    items, why = run_search(grep_job_of(ctx, roots, spec), ctx.cancelled)
     lines = []
-    for shown in args.get("paths") or ["."]:
-        root = search_root(session, ctx, shown)
-        is_dir = root[1]
-        files = collect_files(root, ctx, lambda rel, name: True)
-        for i, records in sorted(run_grep(files, ctx, spec, matcher), key=lambda r: files[r[0]][1] or ""):
-            label = os.path.join(shown, files[i][1]) if is_dir else shown
-            lines += format_records(label, records, True)
+    for real, rel, _, records, k in sorted(items, key=lambda h: (h[4], h[1] or "")):
+        label = os.path.join(shown_paths[k], rel) if roots[k][1] else shown_paths[k]
+        lines += format_records(label, records, True)
+    notice = [partial_notice(why)] if why else []
     if not lines:
-        return "No matches found for %r in %s" % (query, ", ".join(args.get("paths") or ["."]))
-    return cap_lines(lines, "lines")
+        return "\n".join(["No matches found for %r in %s" % (query, ", ".join(shown_paths))] + notice)
+    return cap_lines(lines + notice, "lines")
 
 
 def tool_search_files(session, args, ctx):
-    found = find_paths(session, ctx, args["pattern"], ".", "file")
+    found, why = find_paths(session, ctx, args["pattern"], ".", "file")
+    notice = [partial_notice(why)] if why else []
     if not found:
-        return "No files found matching %r" % args["pattern"]
-    return cap_lines(newest_first(found), "paths")
+        return "\n".join(["No files found matching %r" % args["pattern"]] + notice)
+    return cap_lines(newest_first(found) + notice, "paths")
+
 
 ###############################################################################
 # Tools: workspace (seed 004) #################################################
@@ -3821,21 +4011,25 @@ class Stopper(object):
         return self.reason is not None
 
     def install(self):
-        """Route the shutdown signals here (main thread only)."""
+        """Route the shutdown signals here (main thread only). The wakeup fd matters: a
+        signal may land on any thread, and only the C handler runs there; it writes
+        to the pipe, which wakes the main thread to run the Python handler."""
         for name in self.SIGNALS:
             sig = getattr(signal, name, None)
             if sig is not None:
                 signal.signal(sig, lambda signum, frame: self.stop(signal.Signals(signum).name))
+        signal.set_wakeup_fd(self.w, warn_on_full_buffer=False)
 
     def wait(self, timeout=None):
         """Block until stopped (True) or `timeout` seconds pass (False)."""
         import select
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.reason is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+            left = 1.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
                 return False
-            select.select([self.r], [], [], left)
+            if select.select([self.r], [], [], min(left, 1.0))[0]:
+                os.read(self.r, 512)
         return True
 
 

@@ -6,10 +6,12 @@ they cover (seed000_..., seed001_..., ...)."""
 
 import base64
 import contextlib
+import errno
 import io
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -29,6 +31,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BORIS = os.path.join(HERE, "boris.py")
 PNG_1PX = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==")
+
+
+def search_in_process():
+    """Run searches in this process (as when no helper can start), so that patches of
+    the search engine apply to them."""
+    def refuse():
+        raise OSError("no search helper in this test")
+    return mock.patch.object(boris, "take_search_helper", refuse)
 
 
 def wait_until(predicate, timeout=10.0, interval=0.02):
@@ -1512,13 +1522,14 @@ class TestGrep(SearchBase):
         for i in range(60):
             self.write("many/f%02d.txt" % i, ("hit\n" if i % 3 == 0 else "miss\n") * 3)
         serial = self.ok("grep", pattern="hit", path="many", output_mode="content")
-        old = boris.PARALLEL_MIN_FILES
-        boris.PARALLEL_MIN_FILES = 1
-        try:
+        started = []
+        real_start = boris.start_helper
+        with search_in_process(), mock.patch.object(boris, "PARALLEL_MIN_FILES", 1), \
+                mock.patch("os.cpu_count", return_value=2), \
+                mock.patch.object(boris, "start_helper", lambda kind: started.append(kind) or real_start(kind)):
             parallel = self.ok("grep", pattern="hit", path="many", output_mode="content")
             files = self.ok("grep", pattern="hit", path="many")
-        finally:
-            boris.PARALLEL_MIN_FILES = old
+        self.assertEqual(started, ["grep", "grep"])
         self.assertEqual(parallel, serial)
         self.assertEqual(len(files.split("\n")), 20)
 
@@ -1657,7 +1668,9 @@ class TestGlob(SearchBase):
             h = real_start(kind)
             started.append(h)
             return h
-        patches.update(PARALLEL_MIN_FILES=5, start_helper=start)
+        def in_process():
+            raise OSError("the search runs in this process, where the patches apply")
+        patches.update(PARALLEL_MIN_FILES=5, start_helper=start, take_search_helper=in_process)
         with contextlib.ExitStack() as stack:
             stack.enter_context(mock.patch("os.cpu_count", return_value=2))
             for name, value in patches.items():
@@ -2507,6 +2520,458 @@ class TestOddPaths(NoViewBase):
         self.write("f1.txt", "")
         self.write("fx.txt", "")
         self.assertEqual(self.ok("glob", pattern="f[[:digit:]].txt"), "f1.txt")
+
+
+# ---------------------------------------------------------------------------
+# Nothing lost, nothing frozen, nothing left behind
+# ---------------------------------------------------------------------------
+
+CATASTROPHIC = "(a+)+$"
+CATASTROPHIC_LINE = "a" * 27 + "b\n"
+
+
+def helper_pids(server_pid, kind="search"):
+    """Live helper processes of `kind` whose parent is server_pid."""
+    out = []
+    for pid in procs_with("--helper %s" % kind):
+        try:
+            with open("/proc/%d/stat" % pid) as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == server_pid:
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+class TestParallelEdits(NoViewBase):
+    def parallel(self, calls):
+        threads = [threading.Thread(target=lambda a=a: self.ok(*a[0], **a[1])) for a in calls]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def test_sixty_parallel_edits_of_distinct_lines_all_land(self):
+        self.write("f.txt", "".join("line %d\n" % i for i in range(60)))
+        self.parallel([(("str_replace",), {"path": "f.txt", "old_str": "line %d\n" % i, "new_str": "edited %d\n" % i})
+                       for i in range(60)])
+        self.assertEqual(self.read("f.txt").decode(), "".join("edited %d\n" % i for i in range(60)))
+
+    def test_parallel_edits_across_sessions_and_tools(self):
+        self.write("f.txt", "a\nb\n")
+        other = boris.Session(self.cfg)
+        self.addCleanup(other.close)
+        for trial in range(30):
+            self.write("f.txt", "a\nb\n")
+            ctx = boris.CallContext(self.cfg, self.policy)
+            t = threading.Thread(target=boris.McpServer.run_tool, args=(
+                self.server.tools["str_replace"], other, {"path": "f.txt", "old_str": "a\n", "new_str": "A\n"}, ctx))
+            t.start()
+            self.ok("str_replace", path="f.txt", old_str="b\n", new_str="B\n")
+            t.join()
+            self.assertEqual(self.read("f.txt"), b"A\nB\n", "trial %d lost an edit" % trial)
+
+
+class TestLineEndingsAndModes(NoViewBase):
+    def test_mixed_endings_match_verbatim_and_keep_each_lines_ending(self):
+        self.write("m.txt", b"l1\nl2\nl3\r\nl4\n")
+        self.ok("str_replace", path="m.txt", old_str="l1\nl2", new_str="L1\nL2")
+        self.assertEqual(self.read("m.txt"), b"L1\nL2\nl3\r\nl4\n")
+        self.ok("str_replace", path="m.txt", old_str="l4", new_str="l4\nl5")
+        self.assertEqual(self.read("m.txt"), b"L1\nL2\nl3\r\nl4\nl5\n")
+        self.ok("str_replace", path="m.txt", old_str="l3", new_str="l3\nl3b")
+        self.assertEqual(self.read("m.txt"), b"L1\nL2\nl3\r\nl3b\r\nl4\nl5\n")
+
+    def test_crlf_file_with_lf_old_str_still_works(self):
+        self.write("c.txt", b"a\r\nb\r\nc\r\n")
+        self.ok("str_replace", path="c.txt", old_str="a\nb", new_str="x\ny")
+        self.assertEqual(self.read("c.txt"), b"x\r\ny\r\nc\r\n")
+
+    @unittest.skipUnless(os.geteuid() == 0, "needs root to own a file as another user")
+    def test_setuid_and_owner_survive_an_edit(self):
+        p = self.write("s.sh", "echo a\n")
+        os.chown(p, 65534, 65534)
+        os.chmod(p, 0o6755)
+        self.ok("str_replace", path="s.sh", old_str="a", new_str="b")
+        st = os.stat(p)
+        self.assertEqual((st.st_uid, st.st_gid), (65534, 65534))
+        self.assertEqual(stat.S_IMODE(st.st_mode), 0o6755)
+
+    def test_leftover_temp_files_of_a_killed_run_are_cleaned(self):
+        d = self.path("d")
+        os.makedirs(d)
+        dead = ".f.txt.boris-%d-%s%s.tmp" % (2 ** 22 + 7, "0" * 8, "1" * 8)        # no such pid
+        same_pid_old_run = ".f.txt.boris-%d-%s%s.tmp" % (os.getpid(), "f" * 8, "2" * 8)
+        live_other = ".f.txt.boris-%d-%s%s.tmp" % (1, "a" * 8, "3" * 8)
+        for name in (dead, same_pid_old_run, live_other, ".keep.tmp"):
+            with open(os.path.join(d, name), "w") as f:
+                f.write("torn")
+        with mock.patch.object(boris, "_RUN_TOKEN", "e" * 8):
+            self.ok("create_file", path="d/f.txt", content="x\n")
+        self.assertEqual(sorted(os.listdir(d)), sorted(["f.txt", live_other, ".keep.tmp"]))
+
+    def test_rename_refused_falls_back_to_writing_in_place(self):
+        p = self.write("bind.txt", "old\n")
+        ino = os.stat(p).st_ino
+
+        def busy(*a, **k):
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        with mock.patch.object(boris, "replace_file", busy):
+            text = self.ok("str_replace", path="bind.txt", old_str="old", new_str="new")
+        self.assertIn("rewritten in place", text)
+        self.assertEqual(self.read("bind.txt"), b"new\n")
+        self.assertEqual(os.stat(p).st_ino, ino)
+        with mock.patch.object(boris, "replace_file", busy):
+            self.fails("create_file", "IO_ERROR", path="new.txt", content="x")       # nothing to rewrite
+
+
+class TestKillableSearch(SearchBase):
+    def setUp(self):
+        SearchBase.setUp(self)
+        self.write("cat/evil.txt", CATASTROPHIC_LINE * 3)
+        self.write("cat/fine.txt", "aaa\n")
+
+    def test_catastrophic_grep_stops_at_the_deadline_with_a_notice(self):
+        with mock.patch.object(boris, "SEARCH_TIMEOUT_S", 1.0):
+            t = time.monotonic()
+            text = self.ok("grep", pattern=CATASTROPHIC, path="cat", output_mode="content")
+        self.assertLess(time.monotonic() - t, 8)
+        self.assertIn("[search stopped after 1 s: the results above are partial.", text)
+
+    def test_catastrophic_globs_and_includes_stop_too(self):
+        self.write("g/" + "a" * 60 + "c", "x\n")
+        with mock.patch.object(boris, "SEARCH_TIMEOUT_S", 1.0):
+            for name, args in (("glob", {"pattern": "*a*a*a*a*a*a*a*a*a*b", "path": "g"}),
+                               ("search_files", {"pattern": "g/*a*a*a*a*a*a*a*a*a*b"}),
+                               ("grep", {"pattern": "x", "path": "g", "include": "*a*a*a*a*a*a*a*a*a*b"})):
+                t = time.monotonic()
+                text = self.ok(name, **args)
+                self.assertLess(time.monotonic() - t, 8, name)
+                self.assertIn("[search stopped after 1 s", text, name)
+
+    def test_cancel_kills_the_search_at_once(self):
+        cancelled = threading.Event()
+        threading.Timer(0.3, cancelled.set).start()
+        ctx = boris.CallContext(self.cfg, self.policy, cancelled)
+        t = time.monotonic()
+        boris.McpServer.run_tool(self.server.tools["grep"], self.session,
+                                 {"pattern": CATASTROPHIC, "path": "cat", "output_mode": "content"}, ctx)
+        self.assertLess(time.monotonic() - t, 3)
+        self.assertEqual(helper_pids(os.getpid()), [], "the cancelled helper was not killed")
+
+
+class TestNothingFrozenOverStdio(StdioBase):
+    def test_ping_answers_during_a_catastrophic_search_and_cancel_frees_the_cpu(self):
+        with open(os.path.join(self.tmp, "evil.txt"), "w") as f:
+            f.write(CATASTROPHIC_LINE * 2)
+        self.c.send({"jsonrpc": "2.0", "id": 900, "method": "tools/call",
+                     "params": {"name": "grep", "arguments": {"pattern": CATASTROPHIC, "output_mode": "content"}}})
+        self.assertTrue(wait_until(lambda: helper_pids(self.c.p.pid), 10))
+        worst = 0.0
+        for _ in range(10):
+            t = time.monotonic()
+            self.assertEqual(self.c.request("ping")["result"], {})
+            worst = max(worst, time.monotonic() - t)
+        self.assertLess(worst, 0.5)
+        self.c.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 900}})
+        self.assertTrue(wait_until(lambda: not helper_pids(self.c.p.pid), 5), "the search still runs")
+        self.assertEqual(self.c.request("ping")["result"], {})
+        self.assertFalse(any(m and m.get("id") == 900 for m in self.c.lines))
+
+
+class TestOutputAtScale(NoViewBase):
+    def test_forty_megabytes_without_newlines_is_cut_and_bounded(self):
+        text = self.ok("bash", command="head -c 41943040 /dev/zero | tr '\\0' y")
+        self.assertIn("... 41913040 characters omitted ...", text)
+        self.assertLess(len(text), 31000)
+
+    def test_progress_floods_stay_bounded(self):
+        got = []
+        ctx = boris.CallContext(self.cfg, self.policy, progress=got.append)
+        boris.tool_bash(self.session, {"command": "head -c 5000000 /dev/zero | tr '\\0' z"}, ctx)
+        self.assertTrue(got)
+        self.assertTrue(all(len(m) <= boris.OUTPUT_MAX_CHARS for m in got))
+
+    def test_no_progress_work_without_a_progress_token(self):
+        made = []
+        real = boris.ProgressLines
+        with mock.patch.object(boris, "ProgressLines", lambda *a: made.append(1) or real(*a)):
+            self.ok("bash", command="echo hi")
+        self.assertEqual(made, [])
+
+
+class TestWaitsAndWorkers(NoViewBase):
+    def test_cancelled_task_output_wait_returns_at_once(self):
+        out = self.ok("bash", command="sleep 30", run_in_background=True)
+        task = re.search(r"task_\d+", out).group(0)
+        cancelled = threading.Event()
+        threading.Timer(0.2, cancelled.set).start()
+        t = time.monotonic()
+        boris.McpServer.run_tool(self.server.tools["task_output"], self.session,
+                                 {"task_id": task, "wait_ms": 600000},
+                                 boris.CallContext(self.cfg, self.policy, cancelled))
+        self.assertLess(time.monotonic() - t, 3)
+
+    def test_worker_pool_is_capped_and_shrinks(self):
+        pool = boris.WorkerPool(max_workers=4)
+        gate, done = threading.Event(), []
+        with mock.patch.object(boris, "WORKER_IDLE_S", 0.2):
+            for i in range(20):
+                pool.submit(lambda i=i: (gate.wait(10), done.append(i)))
+            self.assertTrue(wait_until(lambda: pool.workers == 4, 5))
+            self.assertEqual(pool.workers, 4)
+            gate.set()
+            self.assertTrue(wait_until(lambda: len(done) == 20, 10))
+            self.assertTrue(wait_until(lambda: pool.workers == 0, 10), pool.workers)
+
+    def test_task_started_as_the_session_closes_is_stopped(self):
+        s = unique_sleep()
+        real_launch = boris.launch
+
+        def close_meanwhile(session, script):
+            proc = real_launch(session, script)
+            session.close()
+            return proc
+        with mock.patch.object(boris, "launch", close_meanwhile):
+            text, err = self.call("bash", command="sleep %s" % s, run_in_background=True)
+        self.assertTrue(err, text)
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10), "the task outlived its session")
+
+
+class TestProcessesLeftBehind(StdioBase):
+    """In a real server (a child subreaper on Linux): what a call leaves running dies
+    with the call, and orphans re-parented to the server are reaped."""
+
+    def bash(self, command, **extra):
+        args = dict(extra, command=command)
+        r = self.c.request("tools/call", {"name": "bash", "arguments": args}, timeout=30)
+        return r["result"]["content"][0]["text"]
+
+    def test_setsid_and_double_fork_daemons_die_with_their_call(self):
+        marks = [unique_sleep() for _ in range(3)]
+        self.bash("setsid sleep %s & (setsid -f sleep %s) ; (sleep %s &) ; true" % tuple(marks))
+        self.assertTrue(wait_until(lambda: not any(procs_with(m) for m in marks), 10),
+                        [m for m in marks if procs_with(m)])
+
+    def test_background_task_keeps_its_daemons_until_it_ends(self):
+        s = unique_sleep()
+        out = self.bash("setsid sleep %s & sleep 0.5" % s, run_in_background=True)
+        task = re.search(r"task_\d+", out).group(0)
+        self.assertTrue(wait_until(lambda: procs_with(s), 5))
+        self.c.request("tools/call", {"name": "task_output", "arguments": {"task_id": task, "wait_ms": 5000}})
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
+
+    def test_orphans_are_reaped(self):
+        for _ in range(30):
+            self.bash("(sleep 0.05 &) ; (true &) ; true")
+        self.assertTrue(wait_until(lambda: zombie_children(self.c.p.pid) == 0, 10),
+                        "%d zombies" % zombie_children(self.c.p.pid))
+
+
+class TestSignalsOverStdio(unittest.TestCase):
+    def spawn(self, tmp):
+        return subprocess.Popen([sys.executable, BORIS, "--workdir", tmp], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def handshake(self, p):
+        p.stdin.write(b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}\n')
+        p.stdin.flush()
+        return json.loads(p.stdout.readline())
+
+    def test_every_shutdown_signal_exits_zero_and_kills_tasks(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-sig-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT) * 3:
+            p = self.spawn(tmp)
+            self.handshake(p)
+            s = unique_sleep()
+            p.stdin.write(json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+                "name": "bash", "arguments": {"command": "sleep %s" % s, "run_in_background": True}}}).encode() + b"\n")
+            p.stdin.flush()
+            p.stdout.readline()
+            p.send_signal(sig)
+            self.assertEqual(p.wait(15), 0, signal.Signals(sig).name)
+            p.stdout.close()
+            p.stdin.close()
+            self.assertNotIn(b"Traceback", p.stderr.read())
+            p.stderr.close()
+            self.assertTrue(wait_until(lambda: not procs_with(s), 10))
+
+    def test_second_signal_during_cleanup_changes_nothing(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-sig-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        p = self.spawn(tmp)
+        self.handshake(p)
+        s = unique_sleep()
+        cmd = "trap '' TERM; sleep %s" % s                   # ignores TERM: cleanup waits the grace period
+        p.stdin.write(json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+            "name": "bash", "arguments": {"command": cmd, "run_in_background": True}}}).encode() + b"\n")
+        p.stdin.flush()
+        p.stdout.readline()
+        self.assertTrue(wait_until(lambda: procs_with(s), 5))
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            p.send_signal(sig)
+        self.assertEqual(p.wait(20), 0)
+        err = p.stderr.read()
+        for f in (p.stdin, p.stdout, p.stderr):
+            f.close()
+        self.assertNotIn(b"Traceback", err)
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10), "a TERM-ignoring task was orphaned")
+
+    def test_signal_right_after_start_is_never_lost(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-sig-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        for _ in range(25):
+            p = self.spawn(tmp)
+            self.handshake(p)                               # handlers are in place once it answers
+            p.send_signal(signal.SIGTERM)
+            try:
+                self.assertEqual(p.wait(10), 0)
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                for f in (p.stdin, p.stdout, p.stderr):
+                    f.close()
+
+
+class TestCrashesOnOneMessage(StdioBase):
+    def test_odd_messages_get_errors_and_the_server_lives(self):
+        c = self.c
+        c.send_raw(b"[" * 1000 + b"\n")
+        self.assertEqual(c.wait_for(lambda m: m.get("error", {}).get("code") == -32700)["id"], None)
+        for bad in ([], {}, "x", 1.5, None, True, {"a": 1}, [1, 2]):
+            c.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": bad}})
+        self.assertEqual(c.request("ping")["result"], {})
+
+    def test_duplicate_ids_both_cancelled(self):
+        marks = [unique_sleep(), unique_sleep()]
+        for m in marks:
+            self.c.send({"jsonrpc": "2.0", "id": 77, "method": "tools/call",
+                         "params": {"name": "bash", "arguments": {"command": "sleep %s" % m}}})
+        self.assertTrue(wait_until(lambda: all(procs_with(m) for m in marks), 10))
+        self.c.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 77}})
+        self.assertTrue(wait_until(lambda: not any(procs_with(m) for m in marks), 10))
+
+    def test_fuzzed_messages_never_stop_the_server(self):
+        rng = random.Random(15)
+        atoms = [None, True, False, 0, -1, 2 ** 70, 1.5, "", "x", "\udc80", [], {}, "tools/call", "ping",
+                 "initialize", "notifications/cancelled", "2.0", {"name": "view"}, {"name": "nope"}]
+        methods = ["ping", "tools/call", "tools/list", "initialize", "logging/setLevel", "server/discover",
+                   "notifications/cancelled", "notifications/initialized", "nope", 5, None]
+
+        def value(depth=0):
+            k = rng.random()
+            if depth > 3 or k < 0.5:
+                return rng.choice(atoms)
+            if k < 0.75:
+                return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+            return dict(("k%d" % i, value(depth + 1)) for i in range(rng.randint(0, 3)))
+        sent = 0
+        for i in range(5000):
+            kind = rng.random()
+            if kind < 0.1:
+                raw = bytes(rng.randrange(256) for _ in range(rng.randint(1, 40))).replace(b"\n", b" ")
+            elif kind < 0.2:
+                raw = rng.choice([b"[", b"{", b'{"a":']) * rng.randint(1, 3000)
+            else:
+                msg = {"jsonrpc": rng.choice(["2.0", "2.0", "1.0", None]), "method": rng.choice(methods)}
+                if rng.random() < 0.7:
+                    msg["id"] = rng.choice([i, "s%d" % i, None, [], {}, 1.5, True])
+                if rng.random() < 0.8:
+                    params = value()
+                    if msg["method"] == "tools/call" and rng.random() < 0.7:
+                        params = {"name": rng.choice(["view", "glob", "grep", "nope", 3]),
+                                  "arguments": rng.choice([value(), {"path": value()}, {"pattern": "*.txt"}])}
+                    msg["params"] = params
+                raw = json.dumps(msg).encode()
+            self.c.send_raw(raw + b"\n")
+            sent += 1
+            if i % 500 == 499:
+                self.assertEqual(self.c.request("ping", timeout=30)["result"], {}, "died after %d messages" % sent)
+        self.assertEqual(self.c.request("ping", timeout=30)["result"], {})
+        self.assertIsNone(self.c.p.poll())
+        self.assertNotIn(-32603, [m.get("error", {}).get("code") for m in self.c.lines if m])
+
+
+class TestEnvironments(unittest.TestCase):
+    def test_ascii_locale_serves_non_ascii_paths_and_commands(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-ascii-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        os.makedirs(os.path.join(tmp, "d\u00e9"))
+        with open(os.path.join(tmp, "d\u00e9", "f\u00e9.txt"), "w", encoding="utf-8") as f:
+            f.write("h\u00e9llo\n")
+        env = dict(os.environ, LC_ALL="C", LANG="C", PYTHONUTF8="0")
+        env.pop("PYTHONIOENCODING", None)
+        p = subprocess.Popen([sys.executable, BORIS, "--workdir", tmp], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+        msgs = [{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}},
+                {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                 "params": {"name": "view", "arguments": {"path": "d\u00e9/f\u00e9.txt"}}},
+                {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+                 "params": {"name": "bash", "arguments": {"command": "cat d\u00e9/f\u00e9.txt"}}}]
+        out, err = p.communicate(b"".join(json.dumps(m).encode() + b"\n" for m in msgs), timeout=30)
+        answers = [json.loads(line) for line in out.splitlines()]
+        self.assertEqual(answers[1]["result"]["content"][0]["text"], "     1\th\u00e9llo", answers[1])
+        self.assertIn("h\u00e9llo", answers[2]["result"]["content"][0]["text"])
+
+    def test_undecodable_names_and_bytes_leave_as_valid_utf8(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-bytes-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        with open(os.path.join(os.fsencode(tmp), b"bad\xff.txt"), "wb") as f:
+            f.write(b"hit \xfe\n")
+        p = subprocess.Popen([sys.executable, BORIS, "--workdir", tmp], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+        msgs = [{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}}] + [
+            {"jsonrpc": "2.0", "id": k, "method": "tools/call", "params": {"name": name, "arguments": args}}
+            for k, (name, args) in enumerate((("glob", {"pattern": "*"}), ("list_directory", {"path": "."}),
+                                               ("grep", {"pattern": "hit", "output_mode": "content"}),
+                                               ("bash", {"command": "ls; cat *"})), 2)]
+        out, _ = p.communicate(b"".join(json.dumps(m).encode() + b"\n" for m in msgs), timeout=30)
+        for line in out.splitlines():
+            line.decode("utf-8")                                    # strict UTF-8
+            self.assertNotRegex(line, rb"\\ud[89a-f][0-9a-f]{2}", line)   # no lone surrogate escapes
+            msg = json.loads(line)
+            if msg["id"] in (2, 3, 4):
+                text = msg["result"]["content"][0]["text"]
+                self.assertIn("bad\ufffd.txt", text)
+                self.assertIn("not UTF-8 shown as U+FFFD", text)
+
+    def test_old_python_stops_with_one_line(self):
+        old = [v for v in ("3.7.16", "3.6.15") if os.path.isdir(os.path.expanduser("~/.pyenv/versions/" + v))]
+        if not old:
+            self.skipTest("no Python older than 3.8 installed")
+        exe = os.path.expanduser("~/.pyenv/versions/%s/bin/python3" % old[0])
+        p = subprocess.run([exe, BORIS], capture_output=True, text=True, timeout=30)
+        self.assertEqual(p.returncode, 2)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1)
+        self.assertIn("needs Python 3.8 or newer", p.stderr)
+
+    def test_bash_description_names_sh_when_there_is_no_bash(self):
+        with mock.patch.object(boris, "SHELL", "/bin/sh"):
+            self.assertIn("no /bin/bash: commands run under /bin/sh", boris.bash_description())
+        self.assertNotIn("/bin/sh", boris.bash_description() if boris.SHELL == "/bin/bash" else "/bin/sh")
+
+    def test_helpers_write_no_pycache_next_to_boris(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-copy-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        shutil.copy(BORIS, os.path.join(tmp, "boris.py"))
+        os.makedirs(os.path.join(tmp, "w"))
+        for i in range(30):
+            with open(os.path.join(tmp, "w", "f%d.txt" % i), "w") as f:
+                f.write("hit\n")
+        env = dict(os.environ)
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        p = subprocess.Popen([sys.executable, os.path.join(tmp, "boris.py"), "--workdir", os.path.join(tmp, "w")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        msgs = [{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}},
+                {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "grep",
+                                                                              "arguments": {"pattern": "hit"}}}]
+        out, _ = p.communicate(b"".join(json.dumps(m).encode() + b"\n" for m in msgs), timeout=30)
+        self.assertIn("f1.txt", out.decode())
+        self.assertFalse(os.path.exists(os.path.join(tmp, "__pycache__")))
 
 
 # ---------------------------------------------------------------------------
