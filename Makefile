@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: test test-all run
+.PHONY: test test-all run lint
 
 test:
 	$(PYTHON) -m unittest -v test_boris
@@ -18,3 +18,8 @@ test-all:
 
 run:
 	$(PYTHON) boris.py
+
+# pyflakes over both files when it is importable; never a dependency (use a throwaway venv).
+lint:
+	@if $(PYTHON) -c "import pyflakes" 2>/dev/null; then $(PYTHON) -m pyflakes boris.py test_boris.py && echo "pyflakes: clean"; \
+	else echo "pyflakes is not installed for $(PYTHON); try: python3 -m venv /tmp/lint && /tmp/lint/bin/pip install pyflakes && make lint PYTHON=/tmp/lint/bin/python"; fi

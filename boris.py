@@ -52,6 +52,7 @@ SNIFF_BYTES = 8192                         # header read for binary/image sniffi
 LISTING_DEPTH = 2                          # view of a directory
 LISTING_MAX_ENTRIES = 1000
 LISTING_SKIP = frozenset((".git", "node_modules"))
+MISS_CONTEXT_LINES = 12                    # lines of the closest region a str_replace miss shows
 SNIPPET_CONTEXT = 4                        # lines around an edit in str_replace's answer
 MAX_PATH_CHARS = 4096
 MAX_BRACE_DEPTH = 16                       # {a,{b,c}} nesting in a glob
@@ -103,7 +104,7 @@ class ToolError(Exception):
         if self.plain:
             return self.message
         msg = self.message.rstrip()
-        if not msg.endswith((".", "?", "!")):
+        if "\n" not in msg and not msg.endswith((".", "?", "!")):
             msg += "."
         return "[%s] %s" % (self.code, msg)
 
@@ -283,8 +284,8 @@ def help_text():
     return "\n".join(lines)
 
 
-ALL_TOOL_NAMES = ("bash", "task_output", "view", "str_replace", "create_file", "grep", "glob",
-                  "search_text", "search_files", "read_file", "write_file", "list_directory",
+ALL_TOOL_NAMES = ("bash", "task_output", "task_stop", "view", "str_replace", "multi_edit", "create_file", "grep",
+                  "glob", "search_text", "search_files", "read_file", "write_file", "list_directory",
                   "web_fetch", "str_replace_editor")
 EDITOR_PARTS = ("view", "str_replace", "create_file")
 
@@ -297,7 +298,7 @@ def resolve_disabled_tools(names, compat):
                           % (", ".join(unknown), ", ".join(ALL_TOOL_NAMES)))
     off = set(names)
     if "bash" in off:
-        off.add("task_output")
+        off.update(("task_output", "task_stop"))
     if compat and off.intersection(EDITOR_PARTS):
         off.add("str_replace_editor")
     return off
@@ -2327,12 +2328,35 @@ def render_output(out, err):
     return "\n".join(parts) if parts else "(no output)"
 
 
+class Unread(object):
+    """A stream's output not yet returned by task_output: a Capture (bounded, head and
+    tail) swapped for a fresh one at each read."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.cap = Capture()
+
+    def add(self, data):
+        with self.lock:
+            self.cap.add(data)
+
+    def take(self):
+        with self.lock:
+            cap, self.cap = self.cap, Capture()
+        return cap
+
+    def recent(self):
+        """The last few KB of unread output, as text (what wait_for looks at)."""
+        with self.lock:
+            return bytes(self.cap.tail[-8192:]).decode("utf-8", "replace")
+
+
 class Task(object):
-    """A background command: its process, captures and, once done, its ending."""
+    """A background command: its process, unread output and, once done, its ending."""
 
     def __init__(self, task_id, command, proc, timeout_s):
         self.id, self.command, self.proc = task_id, command, proc
-        self.out, self.err = Capture(), Capture()
+        self.out, self.err = Unread(), Unread()
         self.started = time.monotonic()
         self.stop = threading.Event()
         self.done = threading.Event()
@@ -2930,6 +2954,58 @@ def newline_at(text, pos):
     return "\r\n" if j > 0 and text[j - 1] == "\r" else "\n"
 
 
+def match_lines(text, old, most=20):
+    """'3, 17, 40' - the line of each occurrence of `old` (the first `most`)."""
+    lines, pos, line, at = [], 0, 1, 0
+    while len(lines) < most:
+        i = text.find(old, pos)
+        if i < 0:
+            return ", ".join(lines)
+        line += text.count("\n", at, i)
+        at = i
+        lines.append(str(line))
+        pos = i + max(1, len(old))
+    return ", ".join(lines) + ", ..."
+
+
+def closest_region(text, old):
+    """A note on where `old` nearly is: the most similar run of lines with its line
+    numbers and a short diff (or a word on line-number prefixes and whitespace)."""
+    import difflib
+    lines = text.replace("\r\n", "\n").split("\n")
+    want = old.replace("\r\n", "\n").split("\n")
+    if len(want) > 1 and want[-1] == "":
+        want.pop()
+    if re.match(r"^\s*\d+\t", want[0]) and all(re.match(r"^\s*\d+\t", w) for w in want if w):
+        return " old_str starts its lines with view's line-number prefixes (number, tab); leave them out."
+    stripped = [l.strip() for l in lines]
+    keys = dict((w.strip(), k) for k, w in reversed(list(enumerate(want))) if w.strip())
+    starts = sorted(set(i - keys[s] for i, s in enumerate(stripped) if s in keys))[:400]
+    if not starts and len(lines) <= 20000:
+        first = next((w for w in want if w.strip()), "")
+        close = difflib.get_close_matches(first.strip(), stripped, n=5, cutoff=0.6)
+        starts = sorted(set(i - want.index(first) for i, s in enumerate(stripped) if s in close))[:400]
+    n = len(want)
+    best, at = 0.0, None
+    for s in starts:
+        s = max(0, min(s, len(lines) - n)) if len(lines) >= n else 0
+        ratio = difflib.SequenceMatcher(None, "\n".join(lines[s:s + n]), "\n".join(want), autojunk=False).ratio()
+        if ratio > best:
+            best, at = ratio, s
+    if at is None or best < 0.5:
+        return ""
+    region = lines[at:at + n]
+    if [l.strip() for l in region] == [w.strip() for w in want]:
+        hint = " They differ only in indentation or trailing spaces: copy the whitespace exactly."
+    else:
+        hint = ""
+    diff = list(difflib.unified_diff(region, want, "file", "old_str", n=0, lineterm=""))[2:]
+    shown = number_lines([clip_line(l)[:200] for l in region[:MISS_CONTEXT_LINES]], at + 1)
+    return ("\nThe closest text is at lines %d-%d (%d%% similar):%s\n%s\nHow old_str differs (- file, + old_str):\n%s"
+            % (at + 1, at + len(region), int(best * 100), hint, shown,
+               "\n".join(d[:200] for d in diff[:MISS_CONTEXT_LINES])))
+
+
 def replace_text(text, old, new, replace_all, shown):
     """(updated text, count, offset of the first match) of replacing `old` by `new`.
 
@@ -2942,10 +3018,11 @@ def replace_text(text, old, new, replace_all, shown):
         count = text.count(old)
     if count == 0:
         raise ToolError("STR_REPLACE_NOT_FOUND", "old_str was not found in %s; view the file and copy the"
-                        " text exactly, whitespace and indentation included" % shown)
+                        " text exactly, whitespace and indentation included.%s" % (shown, closest_region(text, old)))
     if count > 1 and not replace_all:
-        raise ToolError("STR_REPLACE_AMBIGUOUS", "old_str occurs %d times in %s and must be unique; add"
-                        " surrounding lines to old_str to pick one, or set replace_all to true" % (count, shown))
+        raise ToolError("STR_REPLACE_AMBIGUOUS", "old_str occurs %d times in %s (at lines %s) and must be unique;"
+                        " add surrounding lines to old_str to pick one, or set replace_all to true"
+                        % (count, shown, match_lines(text, old)))
     bare = new.replace("\r\n", "\n")
     parts, pos, first = [], 0, text.find(old)
     while True:
@@ -2974,6 +3051,33 @@ def tool_str_replace(session, args, ctx):
     line = updated.count("\n", 0, pos)
     return "Replaced %d occurrence%s in %s%s:\n%s" % (count, "" if count == 1 else "s", real, note, snippet(
         updated.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")))
+
+
+def tool_multi_edit(session, args, ctx):
+    """Several str_replace edits of one file: each applies to the result of the one
+    before; all of them or none are written, in one atomic write."""
+    shown, edits = args["path"], args["edits"]
+    real = resolve_checked(session, ctx, shown)
+    with edit_lock(real):
+        text = load_for_edit(session, ctx, real, shown)
+        replaced, pos = 0, 0
+        for k, edit in enumerate(edits, 1):
+            old, new = edit["old_str"], edit.get("new_str") or ""
+            try:
+                if old == "":
+                    raise ToolError("INVALID_INPUT", "old_str is empty; give the exact text to replace")
+                if old == new:
+                    raise ToolError("INVALID_INPUT", "old_str and new_str are identical; there is nothing to change")
+                text, count, pos = replace_text(text, old, new, bool(edit.get("replace_all")), shown)
+            except ToolError as e:
+                raise ToolError(e.code, "edit %d of %d: %s\nNothing was written (the edits apply all or none)"
+                                % (k, len(edits), e.message.rstrip(".")))
+            replaced += count
+        note = write_checked(session, ctx, real, shown, encode_text(text, "new_str"))
+    line = text.count("\n", 0, pos)
+    return "Applied %d edit%s (%d replacement%s) to %s%s; around the last one:\n%s" % (
+        len(edits), "" if len(edits) == 1 else "s", replaced, "" if replaced == 1 else "s", real, note,
+        snippet(text.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")))
 
 
 def existing_kind(real, shown):
@@ -3155,33 +3259,77 @@ def start_task(session, command, ctx):
             " its cd does not move this session." % (task_id, proc.pid, task_id))
 
 
-def tool_task_output(session, args, ctx):
-    task_id = args["task_id"]
+def task_status(task, config):
+    """'status: ...' of a task, first line of every task_output answer."""
+    runtime = time.monotonic() - task.started
+    if not task.done.is_set():
+        return "status: running (%.1f s)" % runtime
+    if task.why == "timeout":
+        return "status: killed by the background task timeout (%g s); %s" % (
+            config.background_task_timeout, describe_exit(task.proc))
+    if task.why == "stopped":
+        return "status: stopped; %s" % describe_exit(task.proc)
+    return "status: completed; %s (after %.1f s)" % (describe_exit(task.proc), runtime)
+
+
+def find_task(session, task_id):
     with session.lock:
         task = session.tasks.get(task_id)
         known = sorted(session.tasks)
     if task is None:
         raise ToolError("BASH_TASK_NOT_FOUND", "no background task %r in this session (running or unread: %s);"
-                        " a completed task is forgotten once its output is read"
-                        % (task_id, ", ".join(known) or "none"))
-    wait_ms = min(args.get("wait_ms") or 0, BASH_MAX_TIMEOUT_MS)
-    deadline = time.monotonic() + wait_ms / 1000.0
-    while not task.done.is_set() and not ctx.cancelled.is_set() and time.monotonic() < deadline:
-        task.done.wait(min(0.05, max(0.0, deadline - time.monotonic())))   # a cancel frees the worker
-    runtime = time.monotonic() - task.started
-    if not task.done.is_set():
-        return "status: running (%.1f s)\ncommand: %s\n%s" % (runtime, task.command,
-                                                             render_output(task.out, task.err))
+                        " a completed task is forgotten once its output is read; call task_output without"
+                        " task_id to list the tasks" % (task_id, ", ".join(known) or "none"))
+    return task
+
+
+def list_tasks(session, config):
     with session.lock:
-        session.tasks.pop(task_id, None)
-    if task.why == "timeout":
-        status = "status: killed by the background task timeout (%g s)" % ctx.config.background_task_timeout
-    elif task.why == "stopped":
-        status = "status: killed"
-    else:
-        status = "status: completed"
-    return "%s\n%s\ncommand: %s\n%s" % (status, describe_exit(task.proc), task.command,
-                                       render_output(task.out, task.err))
+        tasks = sorted(session.tasks.values(), key=lambda t: t.started)
+    if not tasks:
+        return "No background tasks in this session."
+    return "\n".join("%s  %s  %s" % (t.id, task_status(t, config)[8:], t.command[:200]) for t in tasks)
+
+
+def new_output(task, session):
+    """The output not returned before; a finished task is forgotten once it is read."""
+    text = render_output(task.out.take(), task.err.take())
+    if task.done.is_set():
+        with session.lock:
+            session.tasks.pop(task.id, None)
+    return text
+
+
+def tool_task_output(session, args, ctx):
+    if not args.get("task_id"):
+        return list_tasks(session, ctx.config)
+    task = find_task(session, args["task_id"])
+    wait_for = None
+    if args.get("wait_for"):
+        try:
+            wait_for = re.compile(args["wait_for"], re.MULTILINE)
+        except (re.error, RecursionError, OverflowError) as e:
+            raise ToolError("INVALID_INPUT", "wait_for %r is not a valid regular expression: %s"
+                            % (args["wait_for"], e))
+    wait_ms = min(args.get("wait_ms") or (BASH_MAX_TIMEOUT_MS if wait_for else 0), BASH_MAX_TIMEOUT_MS)
+    deadline = time.monotonic() + wait_ms / 1000.0
+    seen = None
+    while not task.done.is_set() and not ctx.cancelled.is_set() and time.monotonic() < deadline:
+        if wait_for is not None:
+            recent = task.out.recent() + "\n" + task.err.recent()
+            if recent != seen and any(wait_for.search(line[:1000]) for line in recent.splitlines()):
+                break
+            seen = recent
+        task.done.wait(min(0.05, max(0.0, deadline - time.monotonic())))   # a cancel frees the worker
+    return "%s\ncommand: %s\n%s" % (task_status(task, ctx.config), task.command, new_output(task, session))
+
+
+def tool_task_stop(session, args, ctx):
+    task = find_task(session, args["task_id"])
+    if not task.done.is_set():
+        kill_all([task])
+    return "%s\ncommand: %s\n%s" % (task_status(task, ctx.config), task.command, new_output(task, session))
+
 
 ###############################################################################
 # Tools: search ###############################################################
@@ -3487,6 +3635,9 @@ STR_REPLACE_DESC = ("Edit a file by replacing old_str with new_str. old_str must
                     "(whitespace and indentation included, without the line-number prefix view shows) and "
                     "occur exactly once, unless replace_all is true. Omit new_str to delete. View the file "
                     "first. Line endings, encoding and permissions are kept.")
+MULTI_EDIT_DESC = ("Make several edits to one file in one call: each {old_str, new_str, replace_all?} works as "
+                   "str_replace does and applies to the result of the edit before it. All edits land or none "
+                   "does (one atomic write); an error names the failing edit by its number. View the file first.")
 CREATE_DESC = ("Create a file with the given content, or overwrite an existing one (view it first). Missing "
                "parent directories are created. Prefer str_replace for changing part of an existing file.")
 EDITOR_DESC = ("View, create and edit files. command=view shows a file with line numbers or lists a "
@@ -3508,7 +3659,20 @@ def file_tools():
         Tool("create_file", CREATE_DESC, obj({
             "path": PATH_PROP, "content": prop("string", "The complete file content."),
         }, ["path", "content"]), notes("Create or overwrite a file", destructive=True), tool_create_file),
+        multi_edit_tool(),
     ]
+
+
+def multi_edit_tool():
+    return Tool("multi_edit", MULTI_EDIT_DESC, obj({
+        "path": PATH_PROP,
+        "edits": prop("array", "The edits, applied in order, each to the result of the one before.", minItems=1,
+                      items=obj({
+                          "old_str": prop("string", "The exact text to replace (unique unless replace_all)."),
+                          "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
+                          "replace_all": prop("boolean", "Replace every occurrence (default false)."),
+                      }, ["old_str"])),
+    }, ["path", "edits"]), notes("Edit a file in several places", destructive=True), tool_multi_edit)
 
 
 def editor_tool():
@@ -3531,9 +3695,13 @@ BASH_DESC = ("Run a shell command (%s -c) in the session's working directory and
              "calls (cd moves it). stdin is /dev/null, so interactive programs get no input. A command is "
              "killed, with everything it started, after `timeout` ms (default 120000, max 600000) or when it "
              "returns. For servers and long jobs set run_in_background and read the output with task_output.")
-TASK_DESC = ("Read the output of a background bash task by its task_id: 'status: running' with the output "
-             "so far, or 'status: completed' with the exit code and full output, after which the task is "
-             "forgotten. wait_ms waits up to that long for the task to finish first.")
+TASK_DESC = ("Read a background bash task: its status first ('running', or 'completed' with the exit code), "
+             "then only the output not returned by an earlier call. wait_ms waits up to that long for the task "
+             "to finish; wait_for (a regular expression) returns as soon as new output matches it, e.g. "
+             "'listening on|error'. A finished task is forgotten once read. Without task_id it lists the "
+             "session's tasks.")
+TASK_STOP_DESC = ("Stop a background bash task (its whole process group: SIGTERM, then SIGKILL after 5 s) and "
+                  "return its status and the output not read before.")
 
 
 def bash_description():
@@ -3554,9 +3722,14 @@ def shell_tools(config):
             "description": prop("string", "A few words saying what the command does (for logs)."),
         }, ["command"]), notes("Run shell command", destructive=True, open_world=True), tool_bash),
         Tool("task_output", TASK_DESC, obj({
+            "task_id": prop("string", "The task_id bash returned (omit it to list the session's tasks)."),
+            "wait_ms": prop("integer", "Wait up to this many milliseconds for the task to finish (default 0, or"
+                                       " up to 600000 with wait_for)."),
+            "wait_for": prop("string", "Return as soon as new output matches this regular expression."),
+        }), notes("Read background task output", read_only=True), tool_task_output),
+        Tool("task_stop", TASK_STOP_DESC, obj({
             "task_id": prop("string", "The task_id bash returned."),
-            "wait_ms": prop("integer", "Wait up to this many milliseconds for the task to finish (default 0)."),
-        }, ["task_id"]), notes("Read background task output", read_only=True), tool_task_output),
+        }, ["task_id"]), notes("Stop a background task", destructive=True), tool_task_stop),
     ]
 
 
@@ -3575,7 +3748,8 @@ GREP_PROPS = {
     "path": prop("string", "File or directory to search (default: the working directory)."),
     "include": prop("string", "Only search files whose name matches this glob, e.g. *.py or *.{ts,tsx}."),
     "type": prop("string", "Only search files of this language: py, js, ts, go, rust, java, c, cpp, ..."),
-    "output_mode": prop("string", "files_with_matches (default), content or count."),
+    "output_mode": prop("string", "files_with_matches (default), content or count.",
+                        enum=["files_with_matches", "content", "count"]),
     "case_insensitive": prop("boolean", "Ignore case (default false)."),
     "line_numbers": prop("boolean", "content mode: show line numbers (default true)."),
     "context_before": prop("integer", "content mode: lines of context before each match."),
@@ -3605,7 +3779,7 @@ def search_tools(config):
     else:
         grep = Tool("grep", GREP_DESC, obj(GREP_PROPS, ["pattern"]), notes("Search file contents", read_only=True),
                     tool_grep)
-        glob_props["type"] = prop("string", "file (default) or directory.")
+        glob_props["type"] = prop("string", "file (default) or directory.", enum=["file", "directory"])
     return [
         grep,
         Tool("glob", GLOB_DESC, obj(glob_props, ["pattern"]), notes("Find files by name", read_only=True),
@@ -3616,7 +3790,7 @@ def search_tools(config):
                  "paths": prop("array", "Files or directories to search (default: the working directory).",
                                items={"type": "string"}),
                  "regex": prop("boolean", "Treat query as a regular expression (default false)."),
-             }, ["query", "paths"]), notes("Search text", read_only=True), tool_search_text),
+             }, ["query"]), notes("Search text", read_only=True), tool_search_text),
         Tool("search_files", "Find files whose path matches a glob pattern (e.g. src/**/*.ts or **/*.md), "
              "searched from the working directory; returns one path per line.", obj({
                  "pattern": prop("string", "The glob pattern."),
@@ -3625,7 +3799,8 @@ def search_tools(config):
 
 
 def workspace_tools(config):
-    ws = "Paths are relative to the workspace root (%s) and may not leave it." % config.workdir
+    ws = ("Paths are relative to the workspace root (%s) and may not leave it. Errors come back as text"
+          " starting with 错误 (error)." % config.workdir)
     return [
         Tool("read_file", "Read a whole text file from the workspace and return its content. " + ws, obj({
             "path": prop("string", "File path inside the workspace."),
@@ -3639,9 +3814,10 @@ def workspace_tools(config):
         Tool("list_directory", "List a workspace directory: one entry per line, [D] for directories and "
              "[F] for files, sorted by name. " + ws, obj({
                  "path": prop("string", "Directory path inside the workspace (default: the root)."),
-             }, ["path"]), notes("List directory", read_only=True, idempotent=True), tool_list_directory),
+             }), notes("List directory", read_only=True, idempotent=True), tool_list_directory),
         Tool("web_fetch", "Fetch a web page (http or https) and return its readable text (HTML tags, "
-             "scripts and styles removed; JSON and plain text as they are), cut to 5,000 characters.", obj({
+             "scripts and styles removed; JSON and plain text as they are), cut to 5,000 characters. "
+             "Errors come back as text starting with 错误 (error).", obj({
                  "url": prop("string", "The http:// or https:// URL."),
                  "timeout": prop("integer", "Seconds to wait (default 10, max 120)."),
              }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), tool_web_fetch),
@@ -3657,7 +3833,7 @@ def build_tools(config):
 
 
 def _editor_group(config):
-    return [editor_tool()] if config.anthropic_compat else file_tools()
+    return [editor_tool(), multi_edit_tool()] if config.anthropic_compat else file_tools()
 
 
 TOOL_GROUPS = [shell_tools, _editor_group, search_tools, workspace_tools]
@@ -3665,6 +3841,10 @@ TOOL_GROUPS = [shell_tools, _editor_group, search_tools, workspace_tools]
 ###############################################################################
 # Protocol ####################################################################
 ###############################################################################
+
+
+# The error code of an argument outside its enum, where the tools have their own.
+ENUM_CODES = {"output_mode": "GREP_INVALID_OUTPUT_MODE", "type": "GLOB_INVALID_TYPE"}
 
 
 def check_value(name, spec, value):
@@ -3679,13 +3859,15 @@ def check_value(name, spec, value):
         ok = isinstance(value, bool)
     elif kind == "array":
         ok = isinstance(value, list)
+    elif kind == "object":
+        ok = isinstance(value, dict)
     else:
         ok = True
     if not ok:
         raise ToolError("INVALID_INPUT", "argument %r must be %s %s, got %s; send it as JSON %s" % (
             name, "an" if kind[0] in "aeiou" else "a", kind, json.dumps(value)[:80], kind))
     if "enum" in spec and value not in spec["enum"]:
-        raise ToolError("INVALID_INPUT", "argument %r must be one of %s, got %s"
+        raise ToolError(ENUM_CODES.get(name, "INVALID_INPUT"), "argument %r must be one of %s, got %s"
                           % (name, ", ".join(spec["enum"]), json.dumps(value)[:80]))
     if kind == "array":
         lo, hi = spec.get("minItems", 0), spec.get("maxItems")
@@ -3694,6 +3876,23 @@ def check_value(name, spec, value):
                 name, lo if lo == hi else "%d to %s" % (lo, hi), len(value)))
         for k, item in enumerate(value):
             check_value("%s[%d]" % (name, k), spec.get("items", {}), item)
+    if kind == "object" and "properties" in spec:
+        check_fields(name + ".", spec, value)
+
+
+def check_fields(prefix, schema, args):
+    """Unknown, missing and mistyped fields of an object; `prefix` names where it sits."""
+    props = schema["properties"]
+    for k in args:
+        if k not in props:
+            raise ToolError("INVALID_INPUT", "unknown argument %r; %s takes: %s"
+                            % (prefix + k, "this tool" if not prefix else prefix[:-1], ", ".join(sorted(props))))
+    for k in schema.get("required", ()):
+        if k not in args:
+            raise ToolError("INVALID_INPUT", "missing required argument %r (%s); add it to the call"
+                            % (prefix + k, props[k].get("description", "").rstrip(".")))
+    for k, v in args.items():
+        check_value(prefix + k, props[k], v)
 
 
 def check_arguments(schema, args):
@@ -3702,17 +3901,8 @@ def check_arguments(schema, args):
         args = {}
     if not isinstance(args, dict):
         raise ToolError("INVALID_INPUT", "arguments must be a JSON object of argument names and values")
-    props = schema["properties"]
     args = dict((k, v) for k, v in args.items() if v is not None)
-    for k in args:
-        if k not in props:
-            raise ToolError("INVALID_INPUT", "unknown argument %r; this tool takes: %s" % (k, ", ".join(sorted(props))))
-    for k in schema.get("required", ()):
-        if k not in args:
-            raise ToolError("INVALID_INPUT", "missing required argument %r (%s); add it to the call"
-                            % (k, props[k].get("description", "").rstrip(".")))
-    for k, v in args.items():
-        check_value(k, props[k], v)
+    check_fields("", schema, args)
     return args
 
 
@@ -3898,13 +4088,20 @@ class McpServer(object):
                                                if cfg.require_view_before_edit else "off"))
         if cfg.anthropic_compat:
             lines.append("Anthropic compatibility: on (str_replace_editor, Claude Code grep names)")
+        lines += ["Prefer the view, grep and glob tools over cat, grep and find in bash: their results are"
+                  " bounded and numbered.",
+                  "Each bash call is a new shell: environment variables and aliases do not persist between"
+                  " calls (the working directory does).",
+                  "Pipe long command output through tail, head or grep; the middle of a long output is"
+                  " left out."]
         return "\n".join(lines)
 
     def server_info(self):
         return {"name": SERVER_NAME, "version": __version__}
 
-    def capabilities(self):
-        return {"tools": {"listChanged": False}, "logging": {}}
+    def capabilities(self, modern=False):
+        """Server capabilities; 2026-07-28 has no logging capability (SEP-2577)."""
+        return {"tools": {"listChanged": False}} if modern else {"tools": {"listChanged": False}, "logging": {}}
 
     def m_initialize(self, params, session):
         asked = params.get("protocolVersion")
@@ -3914,7 +4111,7 @@ class McpServer(object):
 
     def m_discover(self, params, session):
         return {"supportedVersions": list(MODERN_VERSIONS) + list(PROTOCOL_VERSIONS),
-                "capabilities": self.capabilities(), "serverInfo": self.server_info(),
+                "capabilities": self.capabilities(modern=True), "serverInfo": self.server_info(),
                 "instructions": self.instructions(), "cacheScope": "private", "ttlMs": 0,
                 "resultType": "complete",
                 "_meta": {"io.modelcontextprotocol/serverInfo": self.server_info()}}
@@ -4541,11 +4738,14 @@ def main(argv=None, environ=None):
     stopper.install()
     start_reaper()
     server = McpServer(config, policy)
-    if config.transport == "http":
-        return serve_http(server, config, stopper)
-    log("debug", "serving stdio", workdir=config.workdir, tools=list(server.tools))
-    serve_stdio(server, Session(config), stopper)
-    return 0
+    try:
+        if config.transport == "http":
+            return serve_http(server, config, stopper)
+        log("debug", "serving stdio", workdir=config.workdir, tools=list(server.tools))
+        serve_stdio(server, Session(config), stopper)
+        return 0
+    finally:
+        close_search_helpers()
 
 
 if __name__ == "__main__":
