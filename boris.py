@@ -1018,7 +1018,7 @@ def sync_dir(dfd):
 # Temp files are named `.NAME.boris-PID-RUNRAND.tmp`: RUN is this process's token, so a
 # leftover of a killed run (same PID again as PID 1 in a container) is told apart.
 _RUN_TOKEN = os.urandom(4).hex()
-_TEMP_RX = re.compile(r"^\..*\.boris-(\d+)-([0-9a-f]{8})[0-9a-f]{8}\.tmp\Z", re.DOTALL)
+_TEMP_NAME = r"^\..*\.boris-(\d+)-([0-9a-f]{8})[0-9a-f]{8}\.tmp\Z"     # re caches it once used
 _cleaned_dirs = set()
 
 
@@ -1058,7 +1058,7 @@ def clean_leftovers(dfd):
     except OSError:
         return
     for name in names:
-        m = _TEMP_RX.match(name)
+        m = re.match(_TEMP_NAME, name, re.DOTALL)
         if m and is_stale(int(m.group(1)), m.group(2)):
             try:
                 os.unlink(name, dir_fd=dfd)
@@ -1089,12 +1089,15 @@ def is_stale(pid, token):
 
 _spawn_lock = threading.Lock()
 _live_pids = set()
-_reaper_state = {"on": False}
+_reaper_state = {"on": False, "wanted": False}   # main() wants it; a library user's process is left alone
 
 
 def spawn(argv, **kwargs):
-    """subprocess.Popen(argv, **kwargs), its pid recorded until reaped()."""
+    """subprocess.Popen(argv, **kwargs), its pid recorded until reaped(). In the server
+    (main), the first spawn makes this process a subreaper (start-up never loads ctypes)."""
     import subprocess
+    if _reaper_state["wanted"]:
+        start_reaper()
     with _spawn_lock:
         proc = subprocess.Popen(argv, **kwargs)
         _live_pids.add(proc.pid)
@@ -3956,7 +3959,7 @@ def _traceback():
     return traceback.format_exc()
 
 
-_LONE_SURROGATE = re.compile(r"\\\\|\\ud[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|\\ud[89a-f][0-9a-f]{2}")
+_LONE_SURROGATE = r"\\\\|\\ud[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|\\ud[89a-f][0-9a-f]{2}"
 
 
 def dump_json(msg):
@@ -3965,16 +3968,16 @@ def dump_json(msg):
     text = json.dumps(msg, separators=(",", ":"))
     if "\\ud" not in text:
         return text
-    return _LONE_SURROGATE.sub(lambda m: m.group(0) if len(m.group(0)) != 6 else "\\ufffd", text)
+    return re.sub(_LONE_SURROGATE, lambda m: m.group(0) if len(m.group(0)) != 6 else "\\ufffd", text)
 
 
-_SURROGATES = re.compile("[\ud800-\udfff]")
+_SURROGATES = "[\ud800-\udfff]"
 
 
 def scrub(text):
     """Tool output made valid Unicode: undecodable bytes (lone surrogates) become
     U+FFFD, with a note saying so."""
-    clean, bad = _SURROGATES.subn("\ufffd", text)
+    clean, bad = re.subn(_SURROGATES, "\ufffd", text)
     if not bad:
         return text
     return clean + "\n[%d byte%s that are not UTF-8 shown as U+FFFD]" % (bad, "" if bad == 1 else "s")
@@ -4736,7 +4739,9 @@ def main(argv=None, environ=None):
     _log_state["format"] = config.log_format
     stopper = Stopper()
     stopper.install()
-    start_reaper()
+    _reaper_state["wanted"] = True        # every child of this process is spawn()'s: reaping steals nothing
+    if os.getpid() == 1:
+        start_reaper()                    # PID 1 reaps orphans from the start; others on their first spawn
     server = McpServer(config, policy)
     try:
         if config.transport == "http":
