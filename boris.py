@@ -58,6 +58,7 @@ MAX_PATH_CHARS = 4096
 MAX_BRACE_DEPTH = 16                       # {a,{b,c}} nesting in a glob
 MAX_SYMLINKS = 40                          # links followed in one path, as the kernel's ELOOP
 
+RESULT_MAX_CHARS = 100000                  # no tool result is longer; a cut one says how to read on
 OUTPUT_MAX_CHARS = 30000                   # bash stdout/stderr, grep, glob output
 BASH_MAX_TIMEOUT_MS = 600000
 KILL_GRACE_S = 5.0                         # SIGTERM -> SIGKILL
@@ -1664,7 +1665,7 @@ def region_records(hay, end, first_line, spans, before, after, state):
     return out
 
 
-def grep_file(path, ino, matcher, mode, before=0, after=0, buf=None):
+def grep_file(path, ino, matcher, mode, before=0, after=0, buf=None, max_records=OUTPUT_MAX_CHARS // 2):
     """One file's result: None (binary, unreadable, not a regular file, no longer the
     inode `ino` the walk listed, or no match), True (files mode), a count (count mode)
     or a list of records (content mode)."""
@@ -1695,6 +1696,9 @@ def grep_file(path, ino, matcher, mode, before=0, after=0, buf=None):
                     len([r for r in region_records(hay, end, first, spans, 0, 0, {}) if r])
                 continue
             records += region_records(hay, end, first, spans, before, after, state)
+            if len(records) >= max_records:
+                del records[max_records:]                  # more could never be shown
+                break
     except OSError:
         return None
     finally:
@@ -1715,7 +1719,8 @@ def grep_many(files, spec, matcher=None, emit=None):
     buf = bytearray(GREP_BUFFER)
     out, sent = [], time.monotonic()
     for i, (path, ino) in enumerate(files):
-        r = grep_file(path, ino, matcher, spec["mode"], spec["before"], spec["after"], buf)
+        r = grep_file(path, ino, matcher, spec["mode"], spec["before"], spec["after"], buf,
+                      spec.get("max_records") or OUTPUT_MAX_CHARS // 2)
         if r is not None:
             out.append((i, r))
             if emit is not None and (len(out) >= SEARCH_BATCH or time.monotonic() - sent > 0.2):
@@ -2826,27 +2831,30 @@ def parse_view_range(vr):
 
 
 def read_numbered(reader, vr, shown):
-    """Stream a text file into `cat -n` form: memory stays flat whatever its size."""
-    lines = []
-    if vr is None:
-        for raw, more in reader:
-            if len(lines) == VIEW_MAX_LINES:
-                total = VIEW_MAX_LINES + 1 + reader.count_rest()
-                return "%s\n\nTruncated: file has %d lines. Use view_range to read specific sections" \
-                       " (e.g. [%d, %d])." % (number_lines(lines, 1), total, VIEW_MAX_LINES + 1,
-                                              min(total, 2 * VIEW_MAX_LINES))
-            lines.append(display_line(raw, more))
-        if not lines:
-            return "(%s is empty)" % shown
-        return number_lines(lines, 1)
-    start, end = vr
+    """Stream a text file into `cat -n` form: memory stays flat whatever its size, and
+    the answer stops at RESULT_MAX_CHARS with the view_range that reads on."""
+    lines, size = [], 0
+    start, end = vr or (1, -1)
     n = 0
     for raw, more in reader:
         n += 1
-        if n >= start:
-            lines.append(display_line(raw, more))
-            if n == end:
-                break
+        if n < start:
+            continue
+        if vr is None and len(lines) == VIEW_MAX_LINES:
+            total = n + reader.count_rest()
+            return "%s\n\nTruncated: file has %d lines. Use view_range to read specific sections" \
+                   " (e.g. [%d, %d])." % (number_lines(lines, 1), total, VIEW_MAX_LINES + 1,
+                                          min(total, 2 * VIEW_MAX_LINES))
+        line = display_line(raw, more)
+        size += len(line) + 8
+        if size > RESULT_MAX_CHARS and lines:
+            return "%s\n\n[cut at %d characters after line %d; read on with view_range [%d, %d]]" % (
+                number_lines(lines, start), RESULT_MAX_CHARS, n - 1, n, end)
+        lines.append(line)
+        if n == end:
+            break
+    if vr is None:
+        return number_lines(lines, 1) if lines else "(%s is empty)" % shown
     if not lines:
         raise ToolError("INVALID_INPUT", "view_range start %d exceeds the file's %d lines; give a start"
                         " between 1 and %d" % (start, n, max(n, 1)))
@@ -3430,6 +3438,7 @@ def tool_grep(session, args, ctx):
         raise ToolError("INVALID_INPUT", "context lines must be 0 or more")
     spec, _ = grep_spec(pattern, True, bool(args.get("case_insensitive")), bool(args.get("multiline")),
                         mode, before, after)
+    spec["max_records"] = (args.get("offset") or 0) + (args.get("head_limit") or OUTPUT_MAX_CHARS // 2)
     items, why = run_search(grep_job_of(ctx, [root], spec, args.get("include"), args.get("type")), ctx.cancelled)
     notice = [partial_notice(why)] if why else []
     if not items:
@@ -3566,14 +3575,40 @@ def tool_read_file(session, args, ctx):
         raise seed004_error(e, path, "读取文件")
     session.mark_viewed(real)
     try:
-        return data.decode(encoding)
+        text = data.decode(encoding)
     except LookupError:
         raise plain_error("错误：不支持的编码: %s" % encoding, "INVALID_INPUT")
     except UnicodeDecodeError:
         try:
-            return data.decode("latin-1")
+            text = data.decode("latin-1")
         except UnicodeDecodeError:
             raise plain_error("错误：文件编码无法识别")
+    return line_window(text, args.get("offset"), args.get("limit"))
+
+
+def line_window(text, offset, limit):
+    """Lines offset.. (1-based) of text, at most `limit` of them, the whole within
+    RESULT_MAX_CHARS; a cut result ends with the offset that reads on."""
+    if offset is None and limit is None and len(text) <= RESULT_MAX_CHARS:
+        return text
+    lines = text.splitlines(True)
+    first = max(1, offset or 1)
+    if first > max(1, len(lines)):
+        raise plain_error("错误：offset %d 超出文件行数（%d 行）" % (first, len(lines)), "INVALID_INPUT")
+    last = len(lines) if limit is None else min(len(lines), first - 1 + max(0, limit))
+    out, size, k = [], 0, first - 1
+    while k < last and size + len(lines[k]) <= RESULT_MAX_CHARS:
+        out.append(lines[k])
+        size += len(lines[k])
+        k += 1
+    if k == first - 1 and k < last:                      # one line longer than the bound
+        out.append(lines[k][:RESULT_MAX_CHARS])
+        k += 1
+    body = "".join(out)
+    if k < len(lines):
+        body += "\n[已显示第 %d-%d 行，共 %d 行；用 offset=%d 继续读取 / lines %d-%d of %d shown; read on with" \
+                " offset=%d]" % (first, k, len(lines), k + 1, first, k, len(lines), k + 1)
+    return body
 
 
 def tool_write_file(session, args, ctx):
@@ -3610,7 +3645,14 @@ def tool_list_directory(session, args, ctx):
         raise seed004_error(io_error(e, path), path, "列出目录")
     lines = ["[%s] %s" % ("D" if is_dir else "F", name) for name, is_dir, _ in entries
              if not ctx.policy.is_denied(real.rstrip("/") + "/" + name)]
-    return "\n".join(lines) if lines else "(空目录)"
+    if not lines:
+        return "(空目录)"
+    text = "\n".join(lines)
+    if len(text) > RESULT_MAX_CHARS:
+        shown = text[:RESULT_MAX_CHARS].count("\n")
+        text = "\n".join(lines[:shown]) + "\n[共 %d 项，只列出前 %d 项；请用 glob 或列出子目录 / %d entries, the" \
+            " first %d shown; use glob or list a subdirectory]" % (len(lines), shown, len(lines), shown)
+    return text
 
 
 def tool_web_fetch(session, args, ctx):
@@ -3805,10 +3847,13 @@ def workspace_tools(config):
     ws = ("Paths are relative to the workspace root (%s) and may not leave it. Errors come back as text"
           " starting with 错误 (error)." % config.workdir)
     return [
-        Tool("read_file", "Read a whole text file from the workspace and return its content. " + ws, obj({
-            "path": prop("string", "File path inside the workspace."),
-            "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
-        }, ["path"]), notes("Read file", read_only=True, idempotent=True), tool_read_file),
+        Tool("read_file", "Read a text file from the workspace and return its content (a long one up to "
+             "100,000 characters, with the offset to read on). " + ws, obj({
+                 "path": prop("string", "File path inside the workspace."),
+                 "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
+                 "offset": prop("integer", "First line to return, 1-based (default 1)."),
+                 "limit": prop("integer", "How many lines to return (default: the rest)."),
+             }, ["path"]), notes("Read file", read_only=True, idempotent=True), tool_read_file),
         Tool("write_file", "Write content to a file in the workspace, creating parent directories; "
              "overwrites an existing file. " + ws, obj({
                  "path": prop("string", "File path inside the workspace."),
@@ -4178,6 +4223,9 @@ class McpServer(object):
         for block in out:
             if block.get("type") == "text":
                 block["text"] = scrub(block["text"])
+                if len(block["text"]) > RESULT_MAX_CHARS + 1000:
+                    block["text"] = block["text"][:RESULT_MAX_CHARS] + "\n[result cut at %d characters]" \
+                        % RESULT_MAX_CHARS
         return {"content": out, "isError": False}
 
 ###############################################################################

@@ -3077,6 +3077,83 @@ class TestSchemasTellTheTruth(Base):
         self.assertIn("logging", self.server.m_initialize({}, self.session)["capabilities"])
 
 
+class TestBoundedResults(NoViewBase):
+    def test_view_of_long_lines_is_bounded_and_says_how_to_read_on(self):
+        self.write("wide.txt", ("x" * 3000 + "\n") * 3000)
+        text = self.ok("view", path="wide.txt")
+        self.assertLess(len(text), boris.RESULT_MAX_CHARS + 500)
+        m = re.search(r"read on with view_range \[(\d+), -1\]\]$", text)
+        self.assertTrue(m, text[-200:])
+        nxt = self.ok("view", path="wide.txt", view_range=[int(m.group(1)), -1])
+        self.assertTrue(nxt.startswith("%6d\t" % int(m.group(1))))
+
+    def test_view_range_to_the_end_of_millions_of_lines_stops_early(self):
+        p = self.path("empty_lines.txt")
+        with open(p, "wb") as f:
+            f.write(b"\n" * 3000000)
+        readers = []
+        real_init = boris.LineReader.__init__
+
+        def spy(reader, fh, budget):
+            real_init(reader, fh, budget)
+            readers.append(reader)
+        with mock.patch.object(boris.LineReader, "__init__", spy):
+            text = self.ok("view", path="empty_lines.txt", view_range=[1, -1])
+        self.assertLess(len(text), boris.RESULT_MAX_CHARS + 500)
+        self.assertIn("read on with view_range", text)
+        self.assertLess(readers[0].used, 1 << 20)
+
+    def test_list_directory_of_many_entries_is_bounded(self):
+        d = self.path("big")
+        os.makedirs(d)
+        for i in range(12000):
+            open(os.path.join(d, "file-with-a-longish-name-%05d.txt" % i), "w").close()
+        cfg = boris.parse_config(["--workdir", self.root], {})
+        server = boris.McpServer(cfg, self.policy)
+        r = boris.McpServer.run_tool(server.tools["list_directory"], self.session, {"path": "big"},
+                                     boris.CallContext(cfg, self.policy))
+        text = r["content"][0]["text"]
+        self.assertLess(len(text), boris.RESULT_MAX_CHARS + 500)
+        self.assertIn("12000 entries", text)
+
+    def test_grep_head_limit_on_a_file_where_every_line_matches(self):
+        p = self.path("all.txt")
+        with open(p, "wb") as f:
+            f.write(b"match me\n" * 2000000)                  # 18 MB, every line a match
+        with search_in_process():
+            readers = []
+            real = boris.region_records
+
+            def spy(*a):
+                out = real(*a)
+                readers.append(len(out))
+                return out
+            with mock.patch.object(boris, "region_records", spy):
+                text = self.ok("grep", pattern="match", path="all.txt", output_mode="content", head_limit=1)
+        self.assertEqual(text, "all.txt:1:match me")
+        self.assertLess(sum(readers), 300000)               # stopped after the first chunk, not 2M records
+
+    def test_read_file_offset_and_limit(self):
+        cfg = boris.parse_config(["--workdir", self.root], {})
+        server = boris.McpServer(cfg, self.policy)
+
+        def read(**args):
+            r = boris.McpServer.run_tool(server.tools["read_file"], self.session, args,
+                                         boris.CallContext(cfg, self.policy))
+            return r["content"][0]["text"]
+        self.write("n.txt", "".join("line %d\n" % i for i in range(1, 11)))
+        self.assertEqual(read(path="n.txt"), "".join("line %d\n" % i for i in range(1, 11)))
+        part = read(path="n.txt", offset=3, limit=2)
+        self.assertTrue(part.startswith("line 3\nline 4\n"), part)
+        self.assertIn("offset=5", part)
+        self.assertTrue(read(path="n.txt", offset=99).startswith("错误："))
+        self.write("huge.txt", "y" * 150 + "\n" * 1)
+        self.write("huge.txt", ("z" * 99 + "\n") * 3000)
+        big = read(path="huge.txt")
+        self.assertLess(len(big), boris.RESULT_MAX_CHARS + 300)
+        self.assertIn("read on with offset=1001", big)
+
+
 # ---------------------------------------------------------------------------
 # HTTP transport
 # ---------------------------------------------------------------------------
