@@ -48,6 +48,8 @@ UNSUPPORTED_PROTOCOL_VERSION = -32022
 VIEW_MAX_LINES = 2000                      # lines shown by view without a range
 VIEW_MAX_LINE_CHARS = 2000                 # longer lines are cut
 LINE_READ_MAX = 1 << 20                    # a longer line is read in pieces, its head kept
+IMAGE_MAX_BYTES = 5 * 1024 * 1024          # the largest image a model API takes
+IMAGE_MAX_SIDE = 8000                      # pixels, either side
 SNIFF_BYTES = 8192                         # header read for binary/image sniffing
 LISTING_DEPTH = 2                          # view of a directory
 LISTING_MAX_ENTRIES = 1000
@@ -687,15 +689,28 @@ class LineReader(object):
     a line over LINE_READ_MAX bytes keeps its head and counts the rest; at most
     `budget` bytes are read in all (FileTooLarge past it)."""
 
-    def __init__(self, fh, budget):
+    def __init__(self, fh, budget, whole=False):
         self.fh, self.budget, self.used = fh, budget, 0
+        self.hash, self.at_end = None, False
+        if whole:                                   # digest the bytes, to know a file read to its end
+            import hashlib
+            self.hash = hashlib.sha1()
 
     def _take(self, size):
         data = self.fh.readline(size)
         self.used += len(data)
         if self.used > self.budget:
             raise FileTooLarge(self.used)
+        if self.hash is not None:
+            self.hash.update(data)
+        self.at_end = not data
         return data
+
+    def digest(self):
+        """The digest of the whole file when it was read to its end, else None."""
+        if self.hash is None or not (self.at_end or self.fh.read(1) == b""):
+            return None
+        return self.hash.hexdigest()
 
     def __iter__(self):
         while True:
@@ -720,7 +735,10 @@ class LineReader(object):
             self.used += len(block)
             if self.used > self.budget:
                 raise FileTooLarge(self.used)
+            if self.hash is not None:
+                self.hash.update(block)
             if not block:
+                self.at_end = True
                 return n + (0 if last == b"\n" else 1)
             n += block.count(b"\n")
             last = block[-1:]
@@ -894,6 +912,42 @@ def list_entries(real):
         os.close(fd)
 
 
+class Seen(object):
+    """What a file held when a session last saw it: its stat stamp (size, mtime,
+    inode) and, when the whole file was read, a digest of its bytes."""
+    __slots__ = ("stamp", "size", "mtime", "digest")
+
+    def __init__(self, st, digest=None):
+        self.stamp = (st.st_size, st.st_mtime_ns, st.st_ino)
+        self.size, self.mtime, self.digest = st.st_size, st.st_mtime, digest
+
+
+def digest_of(data):
+    import hashlib
+    return hashlib.sha1(data).hexdigest()
+
+
+def changed_since(seen, real, limit):
+    """None when `real` still holds what `seen` recorded (a touch is no change), else a
+    short summary of the change."""
+    try:
+        st = os.stat(real)
+    except OSError:
+        return "it was removed"
+    if (st.st_size, st.st_mtime_ns, st.st_ino) == seen.stamp:
+        return None
+    if seen.digest is not None and st.st_size <= limit:
+        try:
+            data, _ = read_regular(real, real, limit)
+        except ToolError:
+            data = None
+        if data is not None and digest_of(data) == seen.digest:
+            return None
+    when = time.time() - st.st_mtime
+    return "%s bytes then, %s bytes now; modified %s" % (
+        seen.size, st.st_size, "%.0f s ago" % when if when < 600 else time.strftime("%H:%M:%S", time.localtime(st.st_mtime)))
+
+
 # -- the one writer ---------------------------------------------------------------
 
 class edit_lock(object):
@@ -942,7 +996,7 @@ def atomic_write(real, data, new_mode=0o644):
             st = None
         if st is not None and not stat.S_ISREG(st.st_mode):
             raise not_regular(real, st.st_mode, "replaced; nothing was written")
-        clean_leftovers(dfd)
+        clean_leftovers(dfd, directory)
         try:
             replace_file(dfd, base, data, st, new_mode)
             atomic = True
@@ -1041,16 +1095,17 @@ def open_temp(dfd, base):
     return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_FILE, 0o600, dir_fd=dfd), name
 
 
-def clean_leftovers(dfd):
+def clean_leftovers(dfd, directory):
     """Remove temp files a killed boris left in this directory (once per directory
     per run): those of a process that is gone, or of an earlier run with our PID."""
     try:
         st = os.fstat(dfd)
     except OSError:
         return
-    if (st.st_dev, st.st_ino) in _cleaned_dirs:
+    key = (directory, st.st_dev, st.st_ino)            # the path too: inode numbers are reused
+    if key in _cleaned_dirs:
         return
-    _cleaned_dirs.add((st.st_dev, st.st_ino))
+    _cleaned_dirs.add(key)
     try:
         fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC, dir_fd=dfd)
         with os.scandir(fd) as it:
@@ -2655,7 +2710,8 @@ class Session(object):
         self.cwd = config.workdir
         self.nonce = os.urandom(12).hex()
         self.lock = threading.Lock()
-        self.viewed = set()
+        self.viewed = {}            # canonical path -> Seen: what this session last saw there
+        self.client = ""            # clientInfo.name from initialize
         self.tasks = {}
         self.inflight = {}          # request id -> [threading.Event] (set = cancelled)
         self.foreground = set()     # Popen objects of running foreground commands
@@ -2663,13 +2719,19 @@ class Session(object):
         self.last_seen = time.monotonic()
         self.log_level = None
 
-    def mark_viewed(self, real):
+    def mark_viewed(self, real, seen=None):
+        """Note that the session has seen `real` (view, read_file or its own write);
+        `seen` is what it held then (a Seen), when known."""
         with self.lock:
-            self.viewed.add(real)
+            self.viewed[real] = seen
 
     def has_viewed(self, real):
         with self.lock:
             return real in self.viewed
+
+    def seen_of(self, real):
+        with self.lock:
+            return self.viewed.get(real)
 
     def set_cwd(self, path):
         with self.lock:
@@ -2802,20 +2864,78 @@ def tool_view(session, args, ctx):
             head = fh.read(SNIFF_BYTES)
             kind, mime = sniff(head, real)
             if kind == "image":
-                import base64
                 data = head + read_fd(fh.fileno(), limit - len(head), shown) if len(head) == SNIFF_BYTES else head
-                session.mark_viewed(real)
-                return [{"type": "image", "data": base64.b64encode(data).decode("ascii"), "mimeType": mime}]
+                session.mark_viewed(real, Seen(st, digest_of(data)))
+                return image_result(session, real, shown, data, mime)
             if kind == "binary":
                 return "Binary file (%s): %s is not shown as text" % (human_size(st.st_size), shown)
             fh.seek(0)
-            text = read_numbered(LineReader(fh, max(limit, st.st_size) + 1), vr, shown)
+            reader = LineReader(fh, max(limit, st.st_size) + 1, whole=True)
+            text = read_numbered(reader, vr, shown)
+            seen = Seen(st, reader.digest())
         except FileTooLarge as e:
             raise too_large(shown, e.args[0], limit, more=True)
         except OSError as e:
             raise io_error(e, shown)
-    session.mark_viewed(real)
+    session.mark_viewed(real, seen)
     return text
+
+
+def image_result(session, real, shown, data, mime):
+    """An image as MCP image content, within what a model API accepts (IMAGE_MAX_BYTES,
+    IMAGE_MAX_SIDE); SVG as its source text for Claude clients, whose API takes no SVG."""
+    import base64
+    if mime == "image/svg+xml" and session.client.lower().startswith("claude"):
+        return ("%s is an SVG image, shown as its source (this client's model API takes no SVG images):\n%s"
+                % (shown, data.decode("utf-8", "replace")))
+    if len(data) > IMAGE_MAX_BYTES:
+        raise ToolError("FILE_TOO_LARGE", "%s is a %s image of %s; a model API takes images up to %s. Shrink it"
+                        " first, e.g. in bash: convert %s -resize 50%% /tmp/small.png, then view that"
+                        % (shown, mime, human_size(len(data)), human_size(IMAGE_MAX_BYTES), shown))
+    size = image_size(data, mime)
+    if size and max(size) > IMAGE_MAX_SIDE:
+        raise ToolError("INVALID_INPUT", "%s is %dx%d pixels; a model API takes at most %d a side. Shrink it"
+                        " first, e.g. in bash: convert %s -resize %dx%d /tmp/small.png, then view that"
+                        % (shown, size[0], size[1], IMAGE_MAX_SIDE, shown, IMAGE_MAX_SIDE, IMAGE_MAX_SIDE))
+    return [{"type": "image", "data": base64.b64encode(data).decode("ascii"), "mimeType": mime}]
+
+
+def image_size(data, mime):
+    """(width, height) read from an image's header, or None when it cannot be told."""
+    import struct
+    try:
+        if mime == "image/png" and data[12:16] == b"IHDR":
+            return struct.unpack(">II", data[16:24])
+        if mime == "image/gif":
+            return struct.unpack("<HH", data[6:10])
+        if mime == "image/bmp":
+            w, h = struct.unpack("<ii", data[18:26])
+            return w, abs(h)
+        if mime == "image/x-icon":
+            return data[6] or 256, data[7] or 256
+        if mime == "image/webp":
+            chunk = data[12:16]
+            if chunk == b"VP8X":
+                return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+            if chunk == b"VP8 ":
+                w, h = struct.unpack("<HH", data[26:30])
+                return w & 0x3FFF, h & 0x3FFF
+            if chunk == b"VP8L":
+                b = int.from_bytes(data[21:25], "little")
+                return (b & 0x3FFF) + 1, ((b >> 14) & 0x3FFF) + 1
+        if mime == "image/jpeg":
+            i = 2
+            while i + 9 < len(data):
+                if data[i] != 0xFF:
+                    return None
+                marker, length = data[i + 1], struct.unpack(">H", data[i + 2:i + 4])[0]
+                if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+                    h, w = struct.unpack(">HH", data[i + 5:i + 9])
+                    return w, h
+                i += 2 + length
+    except (struct.error, IndexError):
+        return None
+    return None
 
 
 def parse_view_range(vr):
@@ -2946,10 +3066,21 @@ def write_checked(session, ctx, real, shown, data):
                         " nothing was written" % (shown, human_size(len(data)), human_size(limit)))
     try:
         atomic = atomic_write(real, data)
+        session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
     except OSError as e:
         raise io_error(e, shown)
-    session.mark_viewed(real)
     return "" if atomic else " (rewritten in place: its directory refuses new files or renames)"
+
+
+def check_unchanged(session, ctx, real, shown):
+    """FILE_CHANGED when `real` no longer holds what this session last saw there."""
+    seen = session.seen_of(real)
+    if seen is None:
+        return
+    change = changed_since(seen, real, ctx.config.max_file_size)
+    if change:
+        raise ToolError("FILE_CHANGED", "%s changed since this session last saw it (%s); view it again before"
+                        " overwriting it, so that no one else's change is lost" % (shown, change))
 
 
 def snippet(text, first_line, span):
@@ -3114,6 +3245,7 @@ def tool_create_file(session, args, ctx, content_key="content"):
         existed = existing_kind(real, shown) is not None
         if existed:
             require_viewed(session, ctx, real, shown)
+            check_unchanged(session, ctx, real, shown)
         note = write_checked(session, ctx, real, shown, data)
     return "%s %s (%d bytes)%s" % ("Overwrote" if existed else "Created", real, len(data), note)
 
@@ -3568,12 +3700,12 @@ def tool_read_file(session, args, ctx):
     path, encoding = args["path"], args.get("encoding") or "utf-8"
     real = _assert_safe_path(ctx, path)
     try:
-        data, _ = read_regular(real, path, ctx.config.max_file_size)
+        data, st = read_regular(real, path, ctx.config.max_file_size)
     except IsADirectoryError:
         raise plain_error("错误：%s 不是文件" % path, "INVALID_INPUT")
     except ToolError as e:
         raise seed004_error(e, path, "读取文件")
-    session.mark_viewed(real)
+    session.mark_viewed(real, Seen(st, digest_of(data)) if st is not None else None)
     try:
         text = data.decode(encoding)
     except LookupError:
@@ -3623,11 +3755,15 @@ def tool_write_file(session, args, ctx):
             human_size(len(data)), human_size(ctx.config.max_file_size), path), "FILE_TOO_LARGE")
     with edit_lock(real):
         try:
-            existing_kind(real, path)
+            if existing_kind(real, path) is not None:
+                check_unchanged(session, ctx, real, path)
             write_checked(session, ctx, real, path, data)
         except ToolError as e:
             if e.message.endswith("is a directory; give a file path"):
                 raise plain_error("错误：%s 是目录" % path, e.code)
+            if e.code == "FILE_CHANGED":
+                raise plain_error("错误：文件在上次读取后已被修改（%s）：请先用 read_file 重新读取 %s 再写入" % (
+                    e.message.split("(", 1)[1].split(")", 1)[0], path), e.code)
             raise seed004_error(e, path, "写入")
     return "成功：已写入 %s" % path
 
@@ -4152,6 +4288,9 @@ class McpServer(object):
         return {"tools": {"listChanged": False}} if modern else {"tools": {"listChanged": False}, "logging": {}}
 
     def m_initialize(self, params, session):
+        info = params.get("clientInfo")
+        if isinstance(info, dict) and isinstance(info.get("name"), str):
+            session.client = info["name"]
         asked = params.get("protocolVersion")
         version = asked if asked in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
         return {"protocolVersion": version, "capabilities": self.capabilities(),

@@ -430,8 +430,8 @@ class TestView(Base):
         readers = []
         real_init = boris.LineReader.__init__
 
-        def spy_init(reader, fh, budget):
-            real_init(reader, fh, budget)
+        def spy_init(reader, fh, budget, **kw):
+            real_init(reader, fh, budget, **kw)
             readers.append(reader)
         with mock.patch.object(boris.LineReader, "__init__", spy_init):
             text = self.ok("view", path="big.log", view_range=[1, 10])
@@ -589,11 +589,11 @@ class TestViewBeforeEdit(Base):
     def test_seed003_directory_listing_does_not_mark(self):
         self.write("d/a.txt", "x\n")
         self.ok("view", path="d")
-        self.assertEqual(self.session.viewed, set())
+        self.assertEqual(self.session.viewed, {})
 
     def test_seed003_failed_view_does_not_mark(self):
         self.fails("view", "PATH_NOT_FOUND", path="missing.txt")
-        self.assertEqual(self.session.viewed, set())
+        self.assertEqual(self.session.viewed, {})
 
     def test_seed003_edit_rejected_without_view(self):
         self.write("a.txt", "hello\n")
@@ -3094,8 +3094,8 @@ class TestBoundedResults(NoViewBase):
         readers = []
         real_init = boris.LineReader.__init__
 
-        def spy(reader, fh, budget):
-            real_init(reader, fh, budget)
+        def spy(reader, fh, budget, **kw):
+            real_init(reader, fh, budget, **kw)
             readers.append(reader)
         with mock.patch.object(boris.LineReader, "__init__", spy):
             text = self.ok("view", path="empty_lines.txt", view_range=[1, -1])
@@ -3152,6 +3152,82 @@ class TestBoundedResults(NoViewBase):
         big = read(path="huge.txt")
         self.assertLess(len(big), boris.RESULT_MAX_CHARS + 300)
         self.assertIn("read on with offset=1001", big)
+
+
+class TestChangedFiles(NoViewBase):
+    def overwrite(self, name, **args):
+        return self.call(name, **args)
+
+    def test_overwrite_of_a_file_changed_since_it_was_seen_fails(self):
+        p = self.write("c.txt", "one\n")
+        self.ok("view", path="c.txt")
+        with open(p, "w") as f:
+            f.write("someone else's\n")
+        text = self.fails("create_file", "FILE_CHANGED", path="c.txt", content="mine\n")
+        self.assertIn("view it again", text)
+        self.assertIn("4 bytes then, 15 bytes now", text)
+        self.assertEqual(self.read("c.txt"), b"someone else's\n")
+        self.ok("view", path="c.txt")
+        self.ok("create_file", path="c.txt", content="mine\n")
+        self.ok("create_file", path="c.txt", content="mine again\n")             # its own write counts as seen
+
+    def test_a_touch_is_not_a_change(self):
+        p = self.write("t.txt", "same\n")
+        self.ok("view", path="t.txt")
+        os.utime(p, (time.time() + 100, time.time() + 100))
+        self.ok("create_file", path="t.txt", content="new\n")
+
+    def test_read_file_counts_as_seen_and_write_file_speaks_seed004(self):
+        cfg = boris.parse_config(["--workdir", self.root, "--require-view-before-edit", "true"], {})
+        server = boris.McpServer(cfg, self.policy)
+
+        def call(name, **args):
+            r = boris.McpServer.run_tool(server.tools[name], self.session, args, boris.CallContext(cfg, self.policy))
+            return r["content"][0]["text"], r["isError"]
+        p = self.write("w.txt", "a\n")
+        call("read_file", path="w.txt")
+        text, err = call("str_replace", path="w.txt", old_str="a", new_str="b")     # read_file counts as a view
+        self.assertFalse(err, text)
+        with open(p, "w") as f:
+            f.write("theirs\n")
+        text, err = call("write_file", path="w.txt", content="mine\n")
+        self.assertTrue(err and text.startswith("错误：文件在上次读取后已被修改"), text)
+
+
+class TestImages(NoViewBase):
+    def png(self, w, h):
+        import struct
+        import zlib
+        raw = b"".join(b"\x00" + b"\x00" * w for _ in range(1))
+        ihdr = struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0)
+        chunk = lambda kind, data: struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+    def test_image_too_wide_or_too_big_is_an_error_that_says_how_to_shrink(self):
+        self.write("wide.png", self.png(9000, 10))
+        text = self.fails("view", "INVALID_INPUT", path="wide.png")
+        self.assertIn("9000x10 pixels", text)
+        self.assertIn("-resize", text)
+        self.write("big.png", self.png(10, 10) + b"\x00" * (6 << 20))
+        self.assertIn("up to 5.0 MB", self.fails("view", "FILE_TOO_LARGE", path="big.png"))
+        r = self.result("view", path="ok.png") if self.write("ok.png", self.png(100, 50)) else None
+        self.assertEqual(r["content"][0]["type"], "image")
+
+    def test_header_sizes(self):
+        import struct
+        self.assertEqual(boris.image_size(self.png(123, 45), "image/png"), (123, 45))
+        self.assertEqual(boris.image_size(b"GIF89a" + struct.pack("<HH", 640, 480), "image/gif"), (640, 480))
+        jpeg = b"\xff\xd8" + b"\xff\xe0" + struct.pack(">H", 16) + b"\x00" * 14 + \
+            b"\xff\xc0" + struct.pack(">HBHH", 17, 8, 300, 9001) + b"\x00" * 10
+        self.assertEqual(boris.image_size(jpeg, "image/jpeg"), (9001, 300))
+
+    def test_svg_is_text_for_claude_clients(self):
+        self.write("i.svg", "<svg xmlns='http://www.w3.org/2000/svg'/>")
+        self.assertEqual(self.result("view", path="i.svg")["content"][0]["mimeType"], "image/svg+xml")
+        self.server.m_initialize({"clientInfo": {"name": "claude-ai", "version": "1"}}, self.session)
+        text = self.ok("view", path="i.svg")
+        self.assertIn("shown as its source", text)
+        self.assertIn("<svg", text)
 
 
 # ---------------------------------------------------------------------------
