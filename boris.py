@@ -2447,56 +2447,123 @@ def kill_all(tasks):
 ###############################################################################
 # urllib and html.parser are imported inside these functions: start-up never pays.
 
-HTML_SKIP = frozenset(("script", "style", "noscript", "template", "svg", "head"))
-HTML_BLOCKS = frozenset(("p", "div", "br", "li", "ul", "ol", "h1", "h2", "h3", "h4", "h5", "h6", "tr", "table",
-                         "section", "article", "header", "footer", "nav", "main", "aside", "blockquote", "pre",
-                         "hr", "form", "dl", "dt", "dd", "figure", "figcaption", "title", "body", "html", "td",
-                         "th"))
+HTML_SKIP = frozenset(("script", "style", "noscript", "template", "svg", "head", "iframe", "object"))
+HTML_PARAGRAPHS = frozenset(("p", "div", "section", "article", "header", "footer", "nav", "main", "aside",
+                             "blockquote", "form", "dl", "dt", "dd", "figure", "figcaption", "table",
+                             "body", "html", "hr", "details", "summary"))
 
 
-def html_to_text(markup):
-    """Visible text of an HTML page: script/style/noscript/template dropped, block
-    elements as line breaks, runs of blank space folded."""
+def html_to_markdown(markup, base_url=""):
+    """A page's visible content as light Markdown: headings '#', list items '- ',
+    links [text](absolute url), <pre> fenced with its indentation, table rows
+    '| a | b |'; script, style and the like dropped, blank space folded."""
     from html.parser import HTMLParser
+    import urllib.parse
 
-    class Extractor(HTMLParser):
+    class Markdown(HTMLParser):
         def __init__(self):
             HTMLParser.__init__(self, convert_charrefs=True)
-            self.parts, self.skip, self.title = [], 0, []
+            self.out, self.title, self.links = [], [], []
+            self.skip = self.pre = self.lists = 0
             self.in_title = False
 
         def handle_starttag(self, tag, attrs):
-            if tag in HTML_SKIP and tag != "head":
-                self.skip += 1
-            elif tag == "title":
+            if tag in HTML_SKIP:
+                self.skip += tag != "head"
+                return
+            if tag == "title":
                 self.in_title = True
-            elif tag in HTML_BLOCKS:
-                self.parts.append("\n")
+            elif self.skip:
+                return
+            elif tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
+                self.out.append("\n\n%s " % ("#" * int(tag[1])))
+            elif tag == "pre":
+                self.pre += 1
+                self.out.append("\n\n```\n")
+            elif tag == "li":
+                self.out.append("\n%s- " % ("  " * max(0, self.lists - 1)))
+            elif tag in ("ul", "ol"):
+                self.out.append("" if self.lists else "\n\n")
+                self.lists += 1
+            elif tag == "tr":
+                self.out.append("\n|")
+            elif tag in ("td", "th"):
+                self.out.append(" ")
+            elif tag == "br":
+                self.out.append("\n")
+            elif tag == "a":
+                href = dict(attrs).get("href") or ""
+                self.links.append((href, len(self.out)))
+            elif tag == "code" and not self.pre:
+                self.out.append("`")
+            elif tag in HTML_PARAGRAPHS:
+                self.out.append("\n\n")
 
         def handle_endtag(self, tag):
-            if tag in HTML_SKIP and tag != "head":
-                self.skip = max(0, self.skip - 1)
-            elif tag == "title":
+            if tag in HTML_SKIP:
+                self.skip = max(0, self.skip - (tag != "head"))
+                return
+            if tag == "title":
                 self.in_title = False
-            elif tag in HTML_BLOCKS:
-                self.parts.append("\n")
+            elif self.skip:
+                return
+            elif tag == "pre" and self.pre:
+                self.pre -= 1
+                self.out.append("\n```\n\n")
+            elif tag in ("td", "th"):
+                self.out.append(" |")
+            elif tag in ("ul", "ol"):
+                self.lists = max(0, self.lists - 1)
+                self.out.append("" if self.lists else "\n\n")
+            elif tag == "a" and self.links:
+                href, at = self.links.pop()
+                text = " ".join("".join(self.out[at:]).split())
+                url = urllib.parse.urljoin(base_url, href) if href else ""
+                if text and url and not href.startswith(("#", "javascript:")):
+                    self.out[at:] = ["[%s](%s)" % (text, url)]
+            elif tag == "code" and not self.pre:
+                self.out.append("`")
+            elif tag in HTML_PARAGRAPHS or tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
+                self.out.append("\n\n")
 
         def handle_data(self, data):
             if self.in_title:
                 self.title.append(data)
             elif not self.skip:
-                self.parts.append(data)
+                self.out.append(data if self.pre else re.sub(r"\s+", " ", data))
 
-    p = Extractor()
+    p = Markdown()
     try:
         p.feed(markup)
         p.close()
     except Exception:                    # html.parser is lenient; never let a page crash a call
         pass
-    lines = [" ".join(line.split()) for line in "".join(p.parts).split("\n")]
-    body = "\n".join(line for line in lines if line)
+    lines, fenced = [], False
+    for line in "".join(p.out).split("\n"):
+        if line.strip() == "```":
+            fenced = not fenced
+            lines.append("```")
+        elif fenced:
+            lines.append(line.rstrip())
+        elif line.strip() or (lines and lines[-1]):
+            item = re.match(r"^( *)- ", line)               # a nested list item keeps its indent
+            lines.append((item.group(1) if item else "") + line.strip())
+    body = "\n".join(lines).strip()
     title = " ".join("".join(p.title).split())
-    return (title + "\n" + body).strip() if title and not body.startswith(title) else body
+    return ("# %s\n\n%s" % (title, body)).strip() if title and title not in body[:len(title) + 4] else body
+
+
+def web_window(text, start):
+    """text[start:] within WEB_MAX_CHARS in all; a cut one ends with the start_index
+    that reads on."""
+    if start > len(text):
+        raise plain_error("错误：start_index %d 超出内容长度（%d 字符）" % (start, len(text)), "INVALID_INPUT")
+    if len(text) - start <= WEB_MAX_CHARS:
+        return text[start:]
+    end = start + WEB_MAX_CHARS - 200                        # room for the notice
+    return text[start:end] + ("\n\n[已截断：共 %d 字符，已显示 %d-%d；用 start_index=%d 继续 / cut: characters"
+                              " %d-%d of %d shown; read on with start_index=%d]"
+                              % (len(text), start, end, end, start, end, len(text), end))
 
 
 def address_refusal(address, block_private=False):
@@ -2676,8 +2743,9 @@ def http_fetch(url, timeout, cancelled=None, block_private=False):
             sock.close()
 
 
-def fetch_text(url, timeout, cancelled=None, block_private=False):
-    """The readable text of a URL, cut to WEB_MAX_CHARS; a seed-004 ToolError otherwise."""
+def fetch_text(url, timeout, cancelled=None, block_private=False, start=0):
+    """The readable text of a URL (HTML as light Markdown) from `start`, within
+    WEB_MAX_CHARS; a seed-004 ToolError otherwise."""
     import urllib.parse
     parts = urllib.parse.urlsplit(url)
     if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
@@ -2690,11 +2758,11 @@ def fetch_text(url, timeout, cancelled=None, block_private=False):
     is_html = ctype in ("text/html", "application/xhtml+xml") or (
         not ctype and text.lstrip()[:1] == "<")
     if is_html:
-        text = html_to_text(text)
+        text = html_to_markdown(text, url)
     elif not (ctype.startswith("text/") or ctype in ("application/json", "application/xml", "application/javascript")
               or ctype.endswith(("+json", "+xml")) or not ctype):
         raise plain_error("错误：不支持的内容类型 %s: %s" % (ctype, url))
-    return text[:WEB_MAX_CHARS]
+    return web_window(text, start)
 
 ###############################################################################
 # Session #####################################################################
@@ -3795,7 +3863,10 @@ def tool_web_fetch(session, args, ctx):
     url, timeout = args["url"], args.get("timeout", 10)
     if not 0 < timeout <= 120:
         raise plain_error("错误：timeout 必须在 1 到 120 秒之间: %s" % timeout)
-    return fetch_text(url, timeout, ctx.cancelled, ctx.config.web_fetch_block_private)
+    start = args.get("start_index") or 0
+    if start < 0:
+        raise plain_error("错误：start_index 不能为负数: %d" % start, "INVALID_INPUT")
+    return fetch_text(url, timeout, ctx.cancelled, ctx.config.web_fetch_block_private, start)
 
 ###############################################################################
 # Tools: the registry #########################################################
@@ -3999,11 +4070,13 @@ def workspace_tools(config):
              "[F] for files, sorted by name. " + ws, obj({
                  "path": prop("string", "Directory path inside the workspace (default: the root)."),
              }), notes("List directory", read_only=True, idempotent=True), tool_list_directory),
-        Tool("web_fetch", "Fetch a web page (http or https) and return its readable text (HTML tags, "
-             "scripts and styles removed; JSON and plain text as they are), cut to 5,000 characters. "
-             "Errors come back as text starting with 错误 (error).", obj({
+        Tool("web_fetch", "Fetch a web page (http or https) and return its readable content: HTML as light "
+             "Markdown (headings, lists, [text](url) links, fenced <pre> blocks, table rows; scripts and styles "
+             "removed), JSON and plain text as they are; at most 5,000 characters, and a cut page ends with "
+             "the start_index to read on. Errors come back as text starting with 错误 (error).", obj({
                  "url": prop("string", "The http:// or https:// URL."),
-                 "timeout": prop("integer", "Seconds to wait (default 10, max 120)."),
+                 "timeout": prop("integer", "Seconds the whole fetch may take (default 10, max 120)."),
+                 "start_index": prop("integer", "Character offset to read on from (default 0)."),
              }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), tool_web_fetch),
     ]
 
