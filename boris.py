@@ -1272,7 +1272,7 @@ PARALLEL_MIN_FILES = 4000              # below this a helper process costs more 
 _REGEX_META = frozenset("\\.^$*+?{}[]|()")
 
 TYPES = {
-    "c": "*.c *.h", "cpp": "*.cpp *.cc *.cxx *.c++ *.hpp *.hh *.hxx *.h++ *.inl",
+    "c": "*.c *.h *.H", "cpp": "*.C *.cpp *.cc *.cxx *.c++ *.h *.H *.hpp *.hh *.hxx *.h++ *.inl *.cppm *.ixx",
     "cs": "*.cs *.csx", "css": "*.css *.scss *.sass *.less", "clojure": "*.clj *.cljs *.cljc *.edn",
     "cmake": "*.cmake CMakeLists.txt", "d": "*.d", "dart": "*.dart", "docker": "Dockerfile *.dockerfile",
     "elixir": "*.ex *.exs", "elm": "*.elm", "erlang": "*.erl *.hrl", "fsharp": "*.fs *.fsi *.fsx",
@@ -1546,6 +1546,33 @@ class Walker(object):
 
 # -- the grep engine -----------------------------------------------------------------
 
+REGEX_HINTS = ((r"\\p\{L\}|\\pL", r"[^\W\d_]"), (r"\\p\{N\}|\\pN|\\p\{Nd\}", r"\d"),
+               (r"\\P\{L\}", r"[\W\d_]"), (r"\\p\{", r"an explicit class such as [a-z] or [^\W\d_]"),
+               (r"\\x\{[0-9a-fA-F]+\}", r"\uXXXX (or \U0001XXXX)"), (r"\\z", r"\Z"),
+               (r"\\[<>]", r"\b"), (r"\(\?<[a-zA-Z]", r"(?P<name>...)"), (r"\\h", r"[ \t]"))
+
+
+def python_regex(pattern):
+    """An agent's regex in Python's dialect: POSIX classes ([[:digit:]]) translated;
+    constructs of other dialects (\\p{L}, \\x{263A}, \\z, \\<word\\>, [a-z&&[^b]])
+    refused with the Python spelling to use instead."""
+    for other, python in REGEX_HINTS:
+        m = re.search(r"(?<!\\)(?:\\\\)*(" + other + ")", pattern)
+        if m:
+            raise ToolError("GREP_INVALID_PATTERN", "pattern %r uses %s, which Python's re does not know; write %s"
+                            " instead" % (pattern, m.group(1), python))
+    if re.search(r"\[[^\]]*&&", pattern):
+        raise ToolError("GREP_INVALID_PATTERN", "pattern %r uses a class intersection (&&), which Python's re does"
+                        " not have; list the characters ([ac-z]) or use a lookahead ((?![b])[a-z])" % pattern)
+
+    def posix(m):
+        if m.group(1) not in POSIX_CLASSES:
+            raise ToolError("GREP_INVALID_PATTERN", "pattern %r uses the unknown class [:%s:]; known: %s"
+                            % (pattern, m.group(1), ", ".join(sorted(POSIX_CLASSES))))
+        return POSIX_CLASSES[m.group(1)]
+    return re.sub(r"(?<=[\[^\w\]-])\[:(\w+):\]", posix, pattern) if "[:" in pattern else pattern
+
+
 class Matcher(object):
     """A compiled grep pattern: a literal (bytes.find: exact on UTF-8) where it can be,
     else a regex. The regex runs on bytes for pure-ASCII text and on decoded text
@@ -1559,27 +1586,31 @@ class Matcher(object):
         if not regex and not ignore_case:
             self.literal = pattern.encode("utf-8")
             return
-        src = pattern if regex else re.escape(pattern)
+        src = python_regex(pattern) if regex else re.escape(pattern)
         flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0) | (re.DOTALL if multiline else 0)
         try:
             self.rx_text = re.compile(src, flags)
-            if pattern.isascii():
-                self.rx = re.compile(src.encode("ascii"), flags)
         except re.error as e:
-            raise ToolError("GREP_INVALID_PATTERN", "pattern %r is not a valid regular expression: %s%s" % (
-                pattern, e, "" if regex else "") + "; escape special characters or fix the syntax")
+            raise ToolError("GREP_INVALID_PATTERN", "pattern %r is not a valid regular expression: %s; escape"
+                            " special characters or fix the syntax (the dialect is Python's re)" % (pattern, e))
         except (OverflowError, RecursionError, ValueError) as e:
             raise ToolError("GREP_INVALID_PATTERN", "pattern %r cannot be compiled: %s" % (pattern, e))
+        if src.isascii() and not re.search(r"\\[sS]", src):          # \s differs between str and bytes
+            try:
+                self.rx = re.compile(src.encode("ascii"), flags)        # ASCII text: search the bytes as they are
+            except (re.error, ValueError):
+                self.rx = None                                          # \u263A, \N{...}: text only
 
     def needs_text(self, buf, end):
         """Whether this chunk must be searched as decoded text."""
         return self.literal is None and (self.rx is None or not buf[:end].isascii())
 
-    def spans(self, hay, end, first_only=False):
-        """(start, end) offsets of matching regions in hay[:end]; in line mode at
-        most one per line, each within a single line."""
+    def spans(self, hay, end, first_only=False, pos=0):
+        """(start, end) offsets of matching regions in hay[pos:end]; in line mode at
+        most one per line, each within a single line. Nothing matches at `end`: the
+        text after a final newline is no line."""
         nl = b"\n" if isinstance(hay, (bytes, bytearray)) else "\n"
-        out, pos = [], 0
+        out = []
         if self.literal is not None:
             needle, size = self.literal, len(self.literal)
             while True:
@@ -1594,7 +1625,7 @@ class Matcher(object):
                     return out
                 pos = j + 1
         rx = self.rx_text if isinstance(hay, str) else self.rx
-        while pos <= end:
+        while pos < end:
             m = rx.search(hay, pos, end)
             if m is None:
                 return out
@@ -1621,10 +1652,17 @@ class Matcher(object):
         return out
 
 
-def read_chunks(fd, buf):
-    """Yield (hay, end, first_line) pieces of a file ending at line boundaries;
-    one piece for any file that fits in `buf`. None first for a binary file."""
+def read_chunks(fd, buf, whole=False):
+    """Yield (hay, end, first_line) pieces of a file ending at line boundaries; one
+    piece for any file that fits in `buf`, or (whole=True: context lines or multiline
+    matches must not be cut at a seam) up to GREP_CHUNK_MAX. None first for a binary
+    file. A UTF-16 file with a BOM comes as one piece transcoded to UTF-8."""
     n = os.readv(fd, [buf])
+    if buf[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        data = bytes(buf[:n]) + read_fd(fd, GREP_CHUNK_MAX, "")
+        text = data.decode("utf-16", "replace").encode("utf-8", "surrogateescape")
+        yield text, len(text), 1
+        return
     if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
         yield None
         return
@@ -1634,12 +1672,12 @@ def read_chunks(fd, buf):
             yield buf, filled, line
             return
         end = buf.rfind(b"\n", 0, filled) + 1
-        if end == 0:
+        if end == 0 or whole:
             if len(buf) < GREP_CHUNK_MAX:
-                buf.extend(bytes(len(buf)))          # one very long line: grow and read on
+                buf.extend(bytes(len(buf)))          # a very long line, or a whole file: grow and read on
                 filled += os.readv(fd, [memoryview(buf)[filled:]])
                 continue
-            end = filled
+            end = end or filled
         yield buf, end, line
         line += buf.count(b"\n", 0, end)
         carry = filled - end
@@ -1648,14 +1686,12 @@ def read_chunks(fd, buf):
 
 
 def line_text(hay, start, end):
+    """A line of a grep haystack as shown: decoded (undecodable bytes kept as lone
+    surrogates, which scrub() turns into U+FFFD and counts), clipped."""
     text = hay[start:end]
     if not isinstance(text, str):
-        text = bytes(text).decode("utf-8", "replace")
-    if text.endswith("\r"):
-        text = text[:-1]
-    if len(text) > VIEW_MAX_LINE_CHARS:
-        text = "%s... [truncated, %d chars total]" % (text[:VIEW_MAX_LINE_CHARS], len(text))
-    return text
+        text = bytes(text).decode("utf-8", "surrogateescape")      # scrub() shows and counts the bad bytes
+    return clip_line(text)
 
 
 def region_records(hay, end, first_line, spans, before, after, state):
@@ -1734,13 +1770,17 @@ def grep_file(path, ino, matcher, mode, before=0, after=0, buf=None, max_records
         if not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
             return None
         count, records, state = 0, [], {}
-        for piece in read_chunks(fd, buf):
+        whole = mode == "content" and (before or after or matcher.multiline)
+        for piece in read_chunks(fd, buf, whole):
             if piece is None:
                 return None
             hay, end, first = piece
             if matcher.needs_text(hay, end):
                 hay = hay[:end].decode("utf-8", "surrogateescape")
                 end = len(hay)
+            if first == 1 and hay[:1] in ("\ufeff", b"\xef"):       # a UTF-8 BOM is not part of line 1
+                bom = 1 if isinstance(hay, str) else 3 if hay[:3] == b"\xef\xbb\xbf" else 0
+                hay, end = hay[bom:end], end - bom
             spans = matcher.spans(hay, end, first_only=(mode == "files_with_matches"))
             if not spans:
                 continue
@@ -3604,12 +3644,15 @@ def cap_lines(lines, what):
 
 
 def page(items, args):
+    """items[offset:offset + head_limit]; past the end, a line that says so."""
     offset = args.get("offset") or 0
     limit = args.get("head_limit")
     if offset < 0 or (limit is not None and limit < 0):
         raise ToolError("INVALID_INPUT", "offset and head_limit must be 0 or more")
-    items = items[offset:]
-    return items[:limit] if limit else items
+    if offset and offset >= len(items):
+        return ["No more results: offset %d is past the end (%d in total)." % (offset, len(items))]
+    rest = items[offset:]
+    return rest[:limit] if limit else rest
 
 
 def newest_first(found):
@@ -3704,7 +3747,7 @@ def tool_glob(session, args, ctx):
     notice = [partial_notice(why)] if why else []
     if not found:
         return "\n".join(["No files found"] + notice)
-    return cap_lines(newest_first(found) + notice, "paths")
+    return cap_lines(page(newest_first(found), args) + notice, "paths")
 
 
 def tool_search_text(session, args, ctx):
@@ -3992,8 +4035,9 @@ GREP_DESC = ("Search file contents with a regular expression (Python re syntax; 
              "files with include (a glob such as *.{ts,tsx}) or type (py, js, ts, go, rust, ...). Use "
              "head_limit/offset to page through long results.")
 GLOB_DESC = ("Find files by name with a glob pattern (**, *, ?, {a,b}, [a-z]); a pattern without '/' matches "
-             "file names at any depth. Returns paths relative to `path` (default: the working directory), "
-             "newest first; skips .git, node_modules and .gitignore'd files.")
+             "file names at any depth, one with '/' whole relative paths (src/*.c: the direct children of src). "
+             "Returns paths relative to `path` (default: the working directory), newest first; skips .git, "
+             "node_modules and .gitignore'd files. Page long lists with head_limit/offset.")
 
 GREP_PROPS = {
     "pattern": prop("string", "The regular expression to search for."),
@@ -4022,7 +4066,9 @@ def renamed(handler, names):
 
 def search_tools(config):
     glob_props = {"pattern": prop("string", "The glob pattern, e.g. **/*.py or src/**/*.{ts,tsx}."),
-                  "path": prop("string", "Directory to search in (default: the working directory).")}
+                  "path": prop("string", "Directory to search in (default: the working directory)."),
+                  "head_limit": prop("integer", "Show at most this many paths."),
+                  "offset": prop("integer", "Skip this many paths first (default 0).")}
     if config.anthropic_compat:
         back = dict((v, k) for k, v in COMPAT_GREP_NAMES.items())
         grep_props = dict((back.get(k, k), v) for k, v in GREP_PROPS.items())

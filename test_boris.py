@@ -3260,6 +3260,89 @@ class TestImages(NoViewBase):
 
 
 # ---------------------------------------------------------------------------
+# Search that agrees with ripgrep and git
+# ---------------------------------------------------------------------------
+
+
+class TestSearchAgreesWithRipgrep(SearchBase):
+    def test_dir_slash_glob_lists_direct_children_only(self):
+        for rel in ("kernel/a.c", "kernel/sub/b.c", "kernel/sub/deep/c.c", "x.c", "arch/x86/kernel/d.c"):
+            self.write(rel, "")
+        self.assertEqual(self.ok("glob", pattern="kernel/*.c"), "kernel/a.c")
+        self.assertEqual(self.ok("search_files", pattern="kernel/*.c"), "kernel/a.c")
+        self.assertEqual(self.ok("glob", pattern="arch/x86/*.c"), "No files found")
+        self.assertEqual(sorted(self.ok("glob", pattern="kernel/**/*.c").split("\n")),
+                         ["kernel/a.c", "kernel/sub/b.c", "kernel/sub/deep/c.c"])
+        self.assertIn("x.c", self.ok("glob", pattern="*.c").split("\n"))
+
+    def test_glob_pages_and_says_when_past_the_end(self):
+        now = time.time()
+        for i in range(5):
+            p = self.write("pg/f%d.txt" % i, "")
+            os.utime(p, (now - i, now - i))
+        self.assertEqual(self.ok("glob", pattern="*.txt", path="pg", head_limit=2), "f0.txt\nf1.txt")
+        self.assertEqual(self.ok("glob", pattern="*.txt", path="pg", head_limit=2, offset=2), "f2.txt\nf3.txt")
+        self.assertEqual(self.ok("glob", pattern="*.txt", path="pg", offset=9),
+                         "No more results: offset 9 is past the end (5 in total).")
+        self.assertEqual(self.ok("grep", pattern="^", path="pg", output_mode="files_with_matches", offset=9),
+                         "No matches found for pattern '^' in pg")                    # empty files: no lines
+
+    def test_empty_matches_report_only_real_lines(self):
+        self.write("two.txt", "a\nb\n")
+        self.write("empty.txt", "")
+        for pattern in ("^", "^$|a|b", "x*", "a|"):
+            self.assertEqual(self.ok("grep", pattern=pattern, path="two.txt", output_mode="count"), "two.txt:2", pattern)
+        self.assertTrue(self.ok("grep", pattern="^", path="empty.txt").startswith("No matches"))
+
+    def test_context_and_multiline_across_the_read_seam(self):
+        line = "y" * 99 + "\n"
+        n = (boris.GREP_BUFFER // len(line)) + 50
+        rows = [line] * n
+        seam = boris.GREP_BUFFER // len(line)                 # the first line of the second 1 MiB chunk
+        rows[seam] = "HIT" + "y" * 96 + "\n"
+        rows[seam - 1] = "before" + "y" * 93 + "\n"
+        rows[seam + 1] = "after" + "y" * 94 + "\n"
+        self.write("seam.txt", "".join(rows))
+        with search_in_process():
+            text = self.ok("grep", pattern="HIT", path="seam.txt", output_mode="content", context=1)
+            self.assertEqual([l.split("-", 2)[1] if "-" in l[:10] else l.split(":", 2)[1] for l in text.split("\n")],
+                             [str(seam), str(seam + 1), str(seam + 2)])
+            text = self.ok("grep", pattern="before.*\\nHIT", path="seam.txt", output_mode="content", multiline=True)
+            self.assertIn("seam.txt:%d:before" % seam, text)
+
+    def test_encodings_bom_utf16_and_bad_bytes(self):
+        self.write("bom.txt", b"\xef\xbb\xbfhello\n")
+        self.assertEqual(self.ok("grep", pattern="^hello", path="bom.txt", output_mode="content"), "bom.txt:1:hello")
+        self.write("u16.txt", "h\u00e9llo sixteen\n".encode("utf-16"))
+        self.assertEqual(self.ok("grep", pattern="sixteen", path="u16.txt", output_mode="content"),
+                         "u16.txt:1:h\u00e9llo sixteen")
+        self.write("bad.txt", b"caf\xe9 hit\n")
+        for args in ({"pattern": "hit"}, {"pattern": "h.t"}):
+            text = self.ok("grep", path="bad.txt", output_mode="content", **args)
+            self.assertTrue(text.startswith("bad.txt:1:caf\ufffd hit\n[1 byte that are not UTF-8"), text)
+
+    def test_regex_dialect(self):
+        self.write("d.txt", "abc 123\n")
+        self.assertEqual(self.ok("grep", pattern="[[:digit:]]+", path="d.txt", output_mode="content"), "d.txt:1:abc 123")
+        self.assertEqual(self.ok("grep", pattern="[^[:alpha:][:space:]]", path="d.txt", output_mode="count"), "d.txt:1")
+        for bad, fix in (("\\p{L}+", "[^\\W\\d_]"), ("\\x{263A}", "\\uXXXX"), ("abc\\z", "\\Z"), ("\\<abc\\>", "\\b"),
+                         ("[a-z&&[^b]]", "lookahead")):
+            self.assertIn(fix, self.fails("grep", "GREP_INVALID_PATTERN", pattern=bad, path="d.txt"))
+        self.write("u.txt", "\u263a smile \u2022 dot\n")
+        for ok in ("\\u263A", "\\N{BULLET}", "(?u)\\w+"):
+            self.assertIn("u.txt:1:", self.ok("grep", pattern=ok, path="u.txt", output_mode="content"), ok)
+        self.write("s.txt", "a\x1cb\n")
+        self.write("s2.txt", "a\x1cb \u00e9\n")
+        self.assertEqual(self.ok("grep", pattern="a\\sb", path="s.txt", output_mode="count"),
+                         self.ok("grep", pattern="a\\sb", path="s2.txt", output_mode="count").replace("s2", "s"))
+
+    def test_cpp_type_has_headers(self):
+        self.write("t/a.h", "X\n")
+        self.write("t/b.cpp", "X\n")
+        self.assertEqual(sorted(self.ok("grep", pattern="X", path="t", type="cpp").split("\n")), ["a.h", "b.cpp"])
+
+
+# ---------------------------------------------------------------------------
 # HTTP transport
 # ---------------------------------------------------------------------------
 
