@@ -438,9 +438,10 @@ def glob_class(pattern, i):
     return ("[^/%s]" if neg else "[%s]") % "".join(items), j + 1
 
 
-def compile_glob(pattern):
+def compile_glob(pattern, git=False):
     """Translate a glob (`*`, `**`, `?`, `[a-z]`, `[!a]`, `[[:digit:]]`, `{a,b}`, `\\x`)
-    to a regex matched against a whole '/'-separated path. Raise ValueError naming the flaw."""
+    to a regex matched against a whole '/'-separated path. Raise ValueError naming the
+    flaw. git=True: gitignore's rules - no braces, and a `**` not bounded by '/' is `*`."""
     out, i, n, depth = [], 0, len(pattern), 0
     while i < n:
         c = pattern[i]
@@ -451,6 +452,8 @@ def compile_glob(pattern):
                 if at_start and pattern.startswith("/", i):
                     out.append("(?:.*/)?")         # '**/' : any number of directories
                     i += 1
+                elif git and not (at_start and i == n):
+                    out.append("[^/]*")            # git: 'a**b' is 'a*b'
                 else:
                     out.append(".*")               # trailing '/**' : everything below
                 continue
@@ -461,7 +464,7 @@ def compile_glob(pattern):
             rx, i = glob_class(pattern, i)
             out.append(rx)
             continue
-        elif c == "{":
+        elif c == "{" and not git:
             depth += 1
             if depth > MAX_BRACE_DEPTH:
                 raise ValueError("braces nested over %d deep" % MAX_BRACE_DEPTH)
@@ -1322,24 +1325,32 @@ class IgnoreFile(object):
             elif line.startswith("\\!") or line.startswith("\\#"):
                 line = line[1:]
             dir_only = line.endswith("/")
-            line = line.rstrip("/")
+            if dir_only:
+                line = line[:-1]             # one slash: 'foo//' is 'foo/' anchored, which names nothing
             if not line:
                 continue
             anchored = "/" in line
-            try:
-                rx = compile_glob(line.lstrip("/"))
+            try:                             # git matches bytes: '?' is one byte of UTF-8
+                rx = compile_glob(as_bytes(line[1:] if line.startswith("/") else line), git=True)
             except ValueError:
                 continue                     # git ignores a malformed pattern too
             self.rules.append((rx, neg, dir_only, anchored))
 
     def verdict(self, rel, name, is_dir):
         """True (ignored), False (re-included by '!') or None (no rule matched)."""
+        if not rel.isascii():
+            rel, name = as_bytes(rel), as_bytes(name)
         for rx, neg, dir_only, anchored in reversed(self.rules):
             if dir_only and not is_dir:
                 continue
             if rx.match(rel if anchored else name):
                 return not neg
         return None
+
+
+def as_bytes(text):
+    """Text as its UTF-8 bytes, one character a byte (latin-1): how git's fnmatch sees it."""
+    return text if text.isascii() else text.encode("utf-8", "surrogateescape").decode("latin-1")
 
 
 def load_ignore(directory):
@@ -1371,20 +1382,23 @@ def ignored(stack, path, name, is_dir):
     return False
 
 
+def repo_excludes(top):
+    """The ignore stack a work tree starts with: its .git/info/exclude, if any."""
+    try:
+        with open(os.path.join(top, ".git", "info", "exclude"), encoding="utf-8", errors="replace") as f:
+            ex = IgnoreFile(top, f.readlines())
+    except OSError:
+        return []
+    return [ex] if ex.rules else []
+
+
 def outer_ignores(root):
     """.gitignore rules that apply to `root` from its work tree's top down to it
     (and .git/info/exclude). Outside a git work tree none apply, as with ripgrep."""
     top = git_top(root)
     if top is None:
         return None
-    stack = []
-    try:
-        with open(os.path.join(top, ".git", "info", "exclude"), encoding="utf-8", errors="replace") as f:
-            ex = IgnoreFile(top, f.readlines())
-        if ex.rules:
-            stack.append(ex)
-    except OSError:
-        pass
+    stack = repo_excludes(top)
     d = top
     rel = root[len(top):].strip("/")
     for part in [p for p in rel.split("/") if p]:
@@ -1461,7 +1475,14 @@ class Walker(object):
             return None, []
 
     def rules(self, path, entries, ign):
-        if self.use_ignore and any(e.name == ".gitignore" for e in entries):
+        """The ignore stack inside `path`: a nested repository (a .git of its own)
+        starts over with its own exclude file; a .gitignore adds its rules."""
+        if not self.use_ignore:
+            return ign
+        names = set(e.name for e in entries if e.name in (".git", ".gitignore"))
+        if ".git" in names and path != self.root:
+            ign = repo_excludes(path)
+        if ".gitignore" in names:
             rules = load_ignore(path)
             if rules:
                 return ign + [rules]
@@ -1625,9 +1646,10 @@ class Matcher(object):
                     return out
                 pos = j + 1
         rx = self.rx_text if isinstance(hay, str) else self.rx
+        phantom = end == 0 or hay[end - 1:end] in ("\n", b"\n")       # nothing after a final newline
         while pos < end:
             m = rx.search(hay, pos, end)
-            if m is None:
+            if m is None or (m.start() == end and phantom):
                 return out
             s, e = m.span()
             if not self.multiline and hay.find(nl, s, e) >= 0:

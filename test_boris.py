@@ -3342,6 +3342,104 @@ class TestSearchAgreesWithRipgrep(SearchBase):
         self.assertEqual(sorted(self.ok("grep", pattern="X", path="t", type="cpp").split("\n")), ["a.h", "b.cpp"])
 
 
+class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
+    """Generated ignore trees (nested .gitignore files, nested repositories, byte-wise
+    '?', unbounded '**', 'foo//', POSIX classes): the walker lists what
+    `git ls-files -co --exclude-standard` lists."""
+
+    PATTERNS = ["*.log", "!keep.log", "build/", "/top.txt", "**/cache/", "a/**/b", "doc/*.md", "[Tt]mp*", "?x",
+                "x?", "[!a]*.c", "*.o", "!important.o", "dir/", "/dir/sub", "**/z", "a**b", "foo//",
+                "[[:digit:]]*.txt", "\\!bang", "\u00e9?.txt", "?.dat", "sub/", "*.tmp", "!sub/*.tmp", "deep/**",
+                "n*/", "[\\]]*", "*.[oa]"]
+    NAMES = ["a.log", "keep.log", "build", "top.txt", "cache", "a", "b", "doc", "x.md", "Tmp1", "tmpx", "ax", "xa",
+             "c.c", "a.c", "m.o", "important.o", "dir", "sub", "z", "aXb", "axyb", "foo", "1.txt", "!bang",
+             "\u00e9a.txt", "\u00e9.dat", "q.dat", "t.tmp", "deep", "n1", "plain", "]x", "lib.a"]
+
+    def git_files(self, top):
+        out = subprocess.run(["git", "-C", top, "ls-files", "-co", "--exclude-standard", "-z"],
+                             capture_output=True).stdout
+        return [os.fsdecode(p) for p in out.split(b"\0") if p]
+
+    @unittest.skipUnless(shutil.which("git"), "git is not installed")
+    def test_generated_trees(self):
+        rng = random.Random(16)
+        trees = 0
+        for trial in range(40):
+            tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-gt-"))
+            self.addCleanup(shutil.rmtree, tmp, True)
+            subprocess.run(["git", "init", "-q", tmp], check=True)
+            files = set()
+            for _ in range(rng.randint(10, 30)):
+                rel = "/".join(rng.choice(self.NAMES) for _ in range(rng.randint(1, 3)))
+                files.add(rel)
+            nested = "vendor/lib" if trial % 4 == 0 else None
+            if nested:
+                files |= set("%s/%s" % (nested, rng.choice(self.NAMES)) for _ in range(6))
+            written = []
+            for rel in sorted(files, key=len):
+                p = os.path.join(tmp, rel)
+                if any(os.path.isfile(os.path.join(tmp, *rel.split("/")[:k])) for k in range(1, rel.count("/") + 1)):
+                    continue
+                if os.path.isdir(p):
+                    continue
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+                with open(p, "w") as f:
+                    f.write("x\n")
+                written.append(rel)
+            dirs = sorted(set(os.path.dirname(r) for r in written))
+            for d in [""] + rng.sample(dirs, min(2, len(dirs))):
+                with open(os.path.join(tmp, d, ".gitignore"), "w", encoding="utf-8") as f:
+                    f.write("\n".join(rng.sample(self.PATTERNS, rng.randint(3, 7))) + "\n")
+            expected = set(self.git_files(tmp))
+            if nested:
+                top = os.path.join(tmp, nested)
+                subprocess.run(["git", "init", "-q", top], check=True)
+                with open(os.path.join(top, ".gitignore"), "w") as f:
+                    f.write("\n".join(rng.sample(self.PATTERNS, 3)) + "\n")
+                expected = set(self.git_files(tmp))
+                inner = set(nested + "/" + p for p in self.git_files(top))
+                expected = set(p for p in expected if not p.startswith(nested + "/")) | inner
+                if any(p == nested + "/" or p.startswith(nested + "/") for p in self.git_files(tmp)) is False:
+                    expected -= inner                          # the parent ignores the whole repository
+            policy = boris.PathPolicy([], [], tmp)
+            ours = set(p[len(tmp) + 1:] for p, _, d, _ in boris.Walker(tmp, policy, False) if not d)
+            self.assertEqual(sorted(ours), sorted(expected), "tree %d (%s)" % (trial, tmp))
+            trees += 1
+        self.assertEqual(trees, 40)
+
+    @unittest.skipUnless(shutil.which("rg"), "ripgrep is not installed")
+    def test_grep_files_agree_with_ripgrep(self):
+        rng = random.Random(61)
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-rg-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        subprocess.run(["git", "init", "-q", tmp], check=True)
+        words = ["alpha", "beta", "Gamma", "delta_1", "x=1", "foo(bar)", "TODO: fix", "caf\u00e9", "  indented"]
+        for i in range(60):
+            rel = "d%d/f%d.%s" % (i % 5, i, rng.choice(["py", "c", "h", "txt", "md"]))
+            os.makedirs(os.path.join(tmp, os.path.dirname(rel)), exist_ok=True)
+            with open(os.path.join(tmp, rel), "w", encoding="utf-8") as f:
+                f.write("\n".join(rng.choice(words) for _ in range(rng.randint(0, 12))) + "\n")
+        with open(os.path.join(tmp, ".gitignore"), "w") as f:
+            f.write("d3/\n*.md\n")
+        cfg = boris.parse_config(["--workdir", tmp], {})
+        server, session = boris.McpServer(cfg, boris.PathPolicy(workdir=tmp)), boris.Session(cfg)
+        self.addCleanup(session.close)
+        agreed = 0
+        for pattern in ("alpha", "^beta$", "[Gg]amma", "delta_\\d", "foo\\(", "TODO:.*fix", "caf\u00e9", "^\\s+ind",
+                        "x=1|beta", "^$", "a.p", "(?i)GAMMA"):
+            r = boris.McpServer.run_tool(server.tools["grep"], session, {"pattern": pattern, "output_mode": "count"},
+                                         boris.CallContext(cfg, server.policy))
+            text = r["content"][0]["text"]
+            ours = {} if text.startswith("No matches") else dict(
+                (l.rsplit(":", 1)[0], int(l.rsplit(":", 1)[1])) for l in text.split("\n"))
+            rg = subprocess.run(["rg", "--count", "--hidden", "-g", "!.git", "--no-messages", pattern, "."], cwd=tmp,
+                                capture_output=True, text=True).stdout
+            theirs = dict((l.rsplit(":", 1)[0][2:], int(l.rsplit(":", 1)[1])) for l in rg.splitlines())
+            self.assertEqual(ours, theirs, pattern)
+            agreed += 1
+        self.assertEqual(agreed, 12)
+
+
 # ---------------------------------------------------------------------------
 # HTTP transport
 # ---------------------------------------------------------------------------
