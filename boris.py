@@ -1594,6 +1594,17 @@ def python_regex(pattern):
     return re.sub(r"(?<=[\[^\w\]-])\[:(\w+):\]", posix, pattern) if "[:" in pattern else pattern
 
 
+def drop_dot_stars(src):
+    """A line-mode regex without a leading or trailing '.*' (or '.*?'): in line mode
+    they change no line's verdict, but make a long line quadratic to search."""
+    core = src
+    while core.startswith(".*"):
+        core = core[3:] if core.startswith(".*?") else core[2:]
+    while core.endswith(".*") and not core.endswith("\\.*") and (len(core) == 2 or core[-3] != "\\"):
+        core = core[:-2]
+    return core if core and "|" not in src else src
+
+
 class Matcher(object):
     """A compiled grep pattern: a literal (bytes.find: exact on UTF-8) where it can be,
     else a regex. The regex runs on bytes for pure-ASCII text and on decoded text
@@ -1604,10 +1615,14 @@ class Matcher(object):
         if regex and not (set(pattern) & _REGEX_META):
             regex = False
         self.literal = self.rx = self.rx_text = None
-        if not regex and not ignore_case:
-            self.literal = pattern.encode("utf-8")
+        self.folded = False
+        if not regex and (not ignore_case or pattern.isascii()):
+            self.literal = (pattern.lower() if ignore_case else pattern).encode("utf-8")
+            self.folded = ignore_case                     # -i on ASCII: bytes.lower() and find, no regex
             return
         src = python_regex(pattern) if regex else re.escape(pattern)
+        if regex and not multiline:
+            src = drop_dot_stars(src)                     # '.*TODO.*' matches the lines 'TODO' does
         flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0) | (re.DOTALL if multiline else 0)
         try:
             self.rx_text = re.compile(src, flags)
@@ -1634,6 +1649,8 @@ class Matcher(object):
         out = []
         if self.literal is not None:
             needle, size = self.literal, len(self.literal)
+            if self.folded:
+                hay = hay[:end].lower()                   # same offsets: only ASCII letters change
             while True:
                 i = hay.find(needle, pos, end)
                 if i < 0:

@@ -3336,6 +3336,17 @@ class TestSearchAgreesWithRipgrep(SearchBase):
         self.assertEqual(self.ok("grep", pattern="a\\sb", path="s.txt", output_mode="count"),
                          self.ok("grep", pattern="a\\sb", path="s2.txt", output_mode="count").replace("s2", "s"))
 
+    def test_dot_star_on_a_minified_line_is_linear(self):
+        self.write("min.js", "var a=1;" * 60000 + "/*TODO*/\n")
+        with mock.patch.object(boris, "SEARCH_TIMEOUT_S", 10.0):
+            text = self.ok("grep", pattern=".*TODO.*", path="min.js", output_mode="count")
+        self.assertEqual(text, "min.js:1")
+
+    def test_case_insensitive_literal(self):
+        self.write("ci.txt", "Export_Symbol(x)\nnothing\nEXPORT_SYMBOL(y)\n")
+        self.assertEqual(self.ok("grep", pattern="export_symbol", path="ci.txt", output_mode="content",
+                                 case_insensitive=True), "ci.txt:1:Export_Symbol(x)\nci.txt:3:EXPORT_SYMBOL(y)")
+
     def test_cpp_type_has_headers(self):
         self.write("t/a.h", "X\n")
         self.write("t/b.cpp", "X\n")
