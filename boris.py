@@ -687,6 +687,11 @@ def number_lines(lines, first):
     return "\n".join("%6d\t%s" % (first + k, line) for k, line in enumerate(lines))
 
 
+def crc32(data, value=0):
+    import zlib
+    return zlib.crc32(data, value)
+
+
 class LineReader(object):
     """Lines of a binary file object with memory bounded whatever the file holds:
     a line over LINE_READ_MAX bytes keeps its head and counts the rest; at most
@@ -694,26 +699,25 @@ class LineReader(object):
 
     def __init__(self, fh, budget, whole=False):
         self.fh, self.budget, self.used = fh, budget, 0
-        self.hash, self.at_end = None, False
+        self.crc, self.at_end = None, False
         if whole:                                   # digest the bytes, to know a file read to its end
-            import hashlib
-            self.hash = hashlib.sha1()
+            self.crc = 0
 
     def _take(self, size):
         data = self.fh.readline(size)
         self.used += len(data)
         if self.used > self.budget:
             raise FileTooLarge(self.used)
-        if self.hash is not None:
-            self.hash.update(data)
+        if self.crc is not None:
+            self.crc = crc32(data, self.crc)
         self.at_end = not data
         return data
 
     def digest(self):
-        """The digest of the whole file when it was read to its end, else None."""
-        if self.hash is None or not (self.at_end or self.fh.read(1) == b""):
+        """digest_of() the whole file when it was read to its end, else None."""
+        if self.crc is None or not (self.at_end or self.fh.read(1) == b""):
             return None
-        return self.hash.hexdigest()
+        return "%d:%08x" % (self.used, self.crc)
 
     def __iter__(self):
         while True:
@@ -738,8 +742,8 @@ class LineReader(object):
             self.used += len(block)
             if self.used > self.budget:
                 raise FileTooLarge(self.used)
-            if self.hash is not None:
-                self.hash.update(block)
+            if self.crc is not None:
+                self.crc = crc32(block, self.crc)
             if not block:
                 self.at_end = True
                 return n + (0 if last == b"\n" else 1)
@@ -926,8 +930,9 @@ class Seen(object):
 
 
 def digest_of(data):
-    import hashlib
-    return hashlib.sha1(data).hexdigest()
+    """A content digest for change detection (with the size; zlib is light to load)."""
+    import zlib
+    return "%d:%08x" % (len(data), zlib.crc32(data))
 
 
 def changed_since(seen, real, limit):
@@ -2113,12 +2118,35 @@ def grep_job(job, emit):
     spec = job["spec"]
     matcher = matcher_of(spec)
     with_time = spec["mode"] == "files_with_matches"
+    if spec.get("stop_after"):
+        grep_until(job["roots"], policy, keep, spec, matcher, emit)
+        return
     for k, root in enumerate(job["roots"]):
         files = collect_files(root, policy, keep)
 
         def out(found, files=files, k=k):
             emit([[files[i][0], files[i][1], mtime(files[i][0]) if with_time else 0.0, r, k] for i, r in found])
         grep_parallel([(p, ino) for p, _, ino in files], spec, matcher, out)
+
+
+def grep_until(roots, policy, keep, spec, matcher, emit):
+    """grep_job for a search that stops at spec['stop_after'] records: each file is
+    searched as the walk finds it, in walk order, and the walk ends with the search."""
+    buf, left = bytearray(GREP_BUFFER), spec["stop_after"]
+    for k, root in enumerate(roots):
+        real, is_dir, ino = root
+        walked = [(real, None, ino)] if not is_dir else (
+            (at, path[len(real) + 1 if real != "/" else 1:], i)
+            for path, at, _, i in Walker(real, policy, follow_links=True))
+        for at, rel, i in walked:
+            if rel is not None and not keep(rel, rel.rsplit("/", 1)[-1]):
+                continue
+            r = grep_file(at, i, matcher, spec["mode"], spec["before"], spec["after"], buf, left)
+            if r:
+                emit([[at, rel, 0.0, r, k]])
+                left -= len(r)
+                if left <= 0:
+                    return
 
 
 def glob_job(job, emit):
@@ -3721,6 +3749,8 @@ def tool_grep(session, args, ctx):
     spec, _ = grep_spec(pattern, True, bool(args.get("case_insensitive")), bool(args.get("multiline")),
                         mode, before, after)
     spec["max_records"] = (args.get("offset") or 0) + (args.get("head_limit") or OUTPUT_MAX_CHARS // 2)
+    if mode == "content" and args.get("head_limit"):
+        spec["stop_after"] = spec["max_records"]       # the search ends once that many lines are in
     items, why = run_search(grep_job_of(ctx, [root], spec, args.get("include"), args.get("type")), ctx.cancelled)
     notice = [partial_notice(why)] if why else []
     if not items:
@@ -3728,7 +3758,8 @@ def tool_grep(session, args, ctx):
     hits = [(real, rel if is_dir else shown, when, r) for real, rel, when, r, _ in items]
     if mode == "files_with_matches":
         return cap_lines(page(newest_first([(h[0], h[1], h[2]) for h in hits]), args) + notice, "files")
-    hits.sort(key=lambda h: h[1])
+    if not spec.get("stop_after"):
+        hits.sort(key=lambda h: h[1])                  # a head_limit search keeps the order it found
     if mode == "count":
         return cap_lines(page(["%s:%d" % (rel, n) for _, rel, _, n in hits], args) + notice, "files")
     lines, grouped = [], before > 0 or after > 0

@@ -3342,6 +3342,16 @@ class TestSearchAgreesWithRipgrep(SearchBase):
             text = self.ok("grep", pattern=".*TODO.*", path="min.js", output_mode="count")
         self.assertEqual(text, "min.js:1")
 
+    def test_head_limit_stops_the_walk(self):
+        for i in range(200):
+            self.write("hl/f%03d.txt" % i, "match\n" * 3)
+        calls = []
+        real = boris.grep_file
+        with search_in_process(), mock.patch.object(boris, "grep_file", lambda *a: calls.append(1) or real(*a)):
+            text = self.ok("grep", pattern="match", path="hl", output_mode="content", head_limit=2)
+        self.assertEqual(len(text.split("\n")), 2)
+        self.assertEqual(len(calls), 1)
+
     def test_case_insensitive_literal(self):
         self.write("ci.txt", "Export_Symbol(x)\nnothing\nEXPORT_SYMBOL(y)\n")
         self.assertEqual(self.ok("grep", pattern="export_symbol", path="ci.txt", output_mode="content",
