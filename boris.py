@@ -1279,21 +1279,28 @@ GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
 PARALLEL_MIN_FILES = 4000              # below this a helper process costs more than it saves
 _REGEX_META = frozenset("\\.^$*+?{}[]|()")
 
-TYPES = {
-    "c": "*.c *.h *.H", "cpp": "*.C *.cpp *.cc *.cxx *.c++ *.h *.H *.hpp *.hh *.hxx *.h++ *.inl *.cppm *.ixx",
-    "cs": "*.cs *.csx", "css": "*.css *.scss *.sass *.less", "clojure": "*.clj *.cljs *.cljc *.edn",
-    "cmake": "*.cmake CMakeLists.txt", "d": "*.d", "dart": "*.dart", "docker": "Dockerfile *.dockerfile",
-    "elixir": "*.ex *.exs", "elm": "*.elm", "erlang": "*.erl *.hrl", "fsharp": "*.fs *.fsi *.fsx",
-    "go": "*.go", "graphql": "*.graphql *.gql", "groovy": "*.groovy *.gradle", "haskell": "*.hs *.lhs",
-    "html": "*.html *.htm *.xhtml", "java": "*.java", "js": "*.js *.jsx *.mjs *.cjs", "json": "*.json *.jsonc",
-    "julia": "*.jl", "kotlin": "*.kt *.kts", "lua": "*.lua", "make": "Makefile makefile GNUmakefile *.mk *.mak",
-    "markdown": "*.md *.markdown *.mdx", "nim": "*.nim", "nix": "*.nix", "objc": "*.m *.mm *.h",
-    "ocaml": "*.ml *.mli", "perl": "*.pl *.pm *.t", "php": "*.php *.phtml", "proto": "*.proto",
-    "py": "*.py *.pyi *.pyw", "r": "*.r *.R *.Rmd", "ruby": "*.rb *.rake *.gemspec Gemfile Rakefile",
-    "rust": "*.rs", "scala": "*.scala *.sc", "sh": "*.sh *.bash *.zsh .bashrc .zshrc", "sql": "*.sql",
-    "svelte": "*.svelte", "swift": "*.swift", "tex": "*.tex *.sty *.cls *.bib", "toml": "*.toml",
-    "ts": "*.ts *.tsx *.mts *.cts", "txt": "*.txt", "vue": "*.vue", "xml": "*.xml *.xsd *.xsl *.svg",
-    "yaml": "*.yaml *.yml", "zig": "*.zig",
+TYPES = {                      # ripgrep's globs for these languages, and a few more
+    "c": "*.c *.h *.H *.c.in *.h.in *.cats",
+    "cpp": "*.C *.cpp *.cc *.cxx *.c++ *.h *.H *.hpp *.hh *.hxx *.h++ *.inl *.cppm *.ixx *.cpp.in *.hpp.in *.cc.in",
+    "cs": "*.cs *.csx", "css": "*.css *.scss *.sass *.less", "clojure": "*.clj *.cljs *.cljc *.cljx *.edn",
+    "cmake": "*.cmake CMakeLists.txt", "d": "*.d", "dart": "*.dart", "docker": "*Dockerfile* *.dockerfile",
+    "elixir": "*.ex *.exs *.eex", "elm": "*.elm", "erlang": "*.erl *.hrl", "fsharp": "*.fs *.fsi *.fsx",
+    "go": "*.go", "graphql": "*.graphql *.gql", "groovy": "*.groovy *.gradle", "haskell": "*.hs *.lhs *.hsc",
+    "html": "*.html *.htm *.xhtml *.ejs", "java": "*.java *.jsp *.jspx *.properties",
+    "js": "*.js *.jsx *.mjs *.cjs *.vue", "json": "*.json *.jsonc composer.lock", "julia": "*.jl",
+    "kotlin": "*.kt *.kts", "lua": "*.lua",
+    "make": "Makefile makefile GNUmakefile gnumakefile *.mk *.mak Makefile.am Makefile.in",
+    "markdown": "*.md *.markdown *.mdown *.mkdn *.mdx", "nim": "*.nim *.nimble *.nimf *.nims", "nix": "*.nix",
+    "objc": "*.m *.mm *.h", "ocaml": "*.ml *.mli *.mll *.mly", "perl": "*.pl *.pm *.t *.PL *.perl *.plh *.plx",
+    "php": "*.php *.php3 *.php4 *.php5 *.phtml", "proto": "*.proto", "py": "*.py *.pyi *.pyw",
+    "r": "*.r *.R *.Rmd *.Rnw", "ruby": "*.rb *.rbw *.rake *.gemspec Gemfile Rakefile .irbrc config.ru",
+    "rust": "*.rs", "scala": "*.scala *.sc *.sbt",
+    "sh": "*.sh *.bash *.zsh *.csh *.ksh *.tcsh .bashrc .zshrc .bash_profile .bash_login .profile .zshenv"
+          " .zprofile .cshrc .kshrc",
+    "sql": "*.sql *.psql", "svelte": "*.svelte", "swift": "*.swift",
+    "tex": "*.tex *.sty *.cls *.bib *.ltx *.dtx *.ins", "toml": "*.toml Cargo.lock",
+    "ts": "*.ts *.tsx *.mts *.cts", "txt": "*.txt", "vue": "*.vue",
+    "xml": "*.xml *.xsd *.xsl *.xslt *.dtd *.rng *.xml.dist *.svg", "yaml": "*.yaml *.yml", "zig": "*.zig",
 }
 TYPE_ALIASES = {"python": "py", "typescript": "ts", "javascript": "js", "md": "markdown", "rs": "rust",
                 "rb": "ruby", "golang": "go", "c++": "cpp", "csharp": "cs", "shell": "sh", "bash": "sh",

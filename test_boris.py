@@ -3825,6 +3825,22 @@ class TestHttpLimits(unittest.TestCase):
             self.assertTrue(wait_until(lambda: http(port, "GET", "/health")[0] == 200, 10))
         self.assertNotIn("Traceback", err.getvalue())
 
+    def test_loopback_without_a_token_warns_once(self):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        p = subprocess.Popen([sys.executable, BORIS, "--transport", "http", "--port", str(port)],
+                             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            first = p.stderr.readline().decode()
+            self.assertIn("WARN", first)
+            self.assertIn("--token or --generate-token", first)
+        finally:
+            p.send_signal(signal.SIGTERM)
+            self.assertEqual(p.wait(20), 0)
+            p.stderr.close()
+
     def test_non_loopback_host_needs_a_token(self):
         with self.assertRaises(boris.ConfigError) as cm:
             boris.parse_config(["--transport", "http", "--host", "0.0.0.0"], {})
