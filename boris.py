@@ -4731,6 +4731,31 @@ class HttpTransport(object):
         self.httpd = None
         self.stopping = threading.Event()
         self.slots = threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS)
+        self.idle = {}                  # connection -> when it started waiting for a request's headers
+
+    # -- connections -----------------------------------------------------------
+    def waiting(self, conn, yes):
+        """Note whether `conn` is waiting for the headers of a request."""
+        with self.lock:
+            if yes:
+                self.idle[conn] = time.monotonic()
+            else:
+                self.idle.pop(conn, None)
+
+    def make_room(self):
+        """At the connection cap: end the connection that has waited longest for a
+        request (a half-open one, typically), so a new client is served, not refused.
+        True once a slot is free."""
+        with self.lock:
+            oldest = min(self.idle, key=self.idle.get) if self.idle else None
+            if oldest is not None:
+                del self.idle[oldest]
+        if oldest is not None:
+            try:
+                oldest.shutdown(2)
+            except OSError:
+                pass
+        return self.slots.acquire(timeout=1.0)
 
     # -- sessions ------------------------------------------------------------
     def new_session(self):
@@ -4803,7 +4828,7 @@ def make_http_server(transport):
         address_family = socket.AF_INET6 if ":" in transport.config.host else socket.AF_INET
 
         def process_request(self, request, client_address):
-            if not transport.slots.acquire(blocking=False):
+            if not transport.slots.acquire(blocking=False) and not transport.make_room():
                 http_refuse_busy(request)
                 self.shutdown_request(request)
                 return
@@ -5060,6 +5085,18 @@ def make_http_handler_class():
 
         def log_message(self, fmt, *args):
             log("debug", "http " + (fmt % args))
+
+        def handle_one_request(self):
+            self.transport.waiting(self.connection, True)
+            try:
+                BaseHTTPRequestHandler.handle_one_request(self)
+            finally:
+                self.transport.waiting(self.connection, False)
+
+        def parse_request(self):
+            ok = BaseHTTPRequestHandler.parse_request(self)       # reads the headers
+            self.transport.waiting(self.connection, False)      # they are in: a request, not a wait
+            return ok
 
         do_GET = http_on_get
         do_POST = http_on_post
