@@ -3784,6 +3784,7 @@ class TestHttpLimits(unittest.TestCase):
                 stack.enter_context(mock.patch.object(boris, k, v))
             t = boris.HttpTransport(boris.McpServer(cfg, boris.PathPolicy(workdir=tmp)), cfg)
             port = t.bind()[1]
+        self.transport = t
         th = threading.Thread(target=t.serve, daemon=True)
         th.start()
         self.addCleanup(th.join, 15)
@@ -3815,8 +3816,10 @@ class TestHttpLimits(unittest.TestCase):
                       b"Content-Length: 100\r\n\r\n{")
             busy.append(s)
         self.addCleanup(lambda: [s.close() for s in busy])
-        health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
-        self.assertTrue(wait_until(lambda: raw_exchange(port, health).startswith(b"HTTP/1.1 503"), 10))
+        tr = self.transport                                  # both slots taken, neither waiting for headers
+        self.assertTrue(wait_until(lambda: tr.slots._value == 0 and not tr.idle, 10))
+        got = raw_exchange(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        self.assertTrue(got.startswith(b"HTTP/1.1 503"), got[:60])
         for s in busy:
             s.close()
         self.assertTrue(wait_until(lambda: http(port, "GET", "/health")[0] == 200, 10))
