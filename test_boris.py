@@ -33,6 +33,19 @@ PNG_1PX = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==")
 
 
+@contextlib.contextmanager
+def line_readers():
+    """The LineReaders made while the block runs (to see how much a view read)."""
+    readers = []
+    real_init = boris.LineReader.__init__
+
+    def spy(reader, fh, budget, **kw):
+        real_init(reader, fh, budget, **kw)
+        readers.append(reader)
+    with mock.patch.object(boris.LineReader, "__init__", spy):
+        yield readers
+
+
 def search_in_process():
     """Run searches in this process (as when no helper can start), so that patches of
     the search engine apply to them."""
@@ -427,13 +440,7 @@ class TestView(Base):
         p = self.write("big.log", "".join("row %d\n" % i for i in range(1, 11)))
         with open(p, "ab") as f:
             f.write(b"y" * (8 << 20))
-        readers = []
-        real_init = boris.LineReader.__init__
-
-        def spy_init(reader, fh, budget, **kw):
-            real_init(reader, fh, budget, **kw)
-            readers.append(reader)
-        with mock.patch.object(boris.LineReader, "__init__", spy_init):
+        with line_readers() as readers:
             text = self.ok("view", path="big.log", view_range=[1, 10])
         self.assertTrue(text.endswith("    10\trow 10"), text[-50:])
         self.assertLess(readers[0].used, 1 << 20)
@@ -3120,13 +3127,7 @@ class TestBoundedResults(NoViewBase):
         p = self.path("empty_lines.txt")
         with open(p, "wb") as f:
             f.write(b"\n" * 3000000)
-        readers = []
-        real_init = boris.LineReader.__init__
-
-        def spy(reader, fh, budget, **kw):
-            real_init(reader, fh, budget, **kw)
-            readers.append(reader)
-        with mock.patch.object(boris.LineReader, "__init__", spy):
+        with line_readers() as readers:
             text = self.ok("view", path="empty_lines.txt", view_range=[1, -1])
         self.assertLess(len(text), boris.RESULT_MAX_CHARS + 500)
         self.assertIn("read on with view_range", text)
