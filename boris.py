@@ -2258,19 +2258,16 @@ def close_search_helpers():
 
 def run_search(job, cancelled, timeout=None):
     """(items, None) of a search job run in a helper; (items so far, 'deadline' or
-    'cancelled') when it had to be killed. A helper that cannot be started leaves the
-    job to this process."""
-    try:
-        proc = take_search_helper()
-        proc.stdin.write(json.dumps(job).encode("utf-8", "surrogateescape") + b"\n")
-        proc.stdin.flush()
-    except OSError:
+    'cancelled') when it had to be killed. A helper that cannot be started (twice)
+    leaves the job to this process."""
+    proc = start_search(job)
+    if proc is None:
         items = []
         SEARCH_JOBS[job["op"]](job, items.extend)
         return items, None
     import select
     deadline = time.monotonic() + (SEARCH_TIMEOUT_S if timeout is None else timeout)
-    fd, pending, items = proc.stdout.fileno(), b"", []
+    fd, parts, items = proc.stdout.fileno(), [], []
     try:
         while True:
             if cancelled.is_set():
@@ -2286,9 +2283,11 @@ def run_search(job, cancelled, timeout=None):
             if not chunk:
                 kill_search_helper(proc)
                 raise ToolError("IO_ERROR", "the search helper process ended unexpectedly; try again")
-            pending += chunk
-            lines = pending.split(b"\n")
-            pending = lines.pop()
+            parts.append(chunk)
+            if b"\n" not in chunk:                       # a long batch: join once its line is whole
+                continue
+            lines = b"".join(parts).split(b"\n")
+            parts = [lines.pop()]
             for line in lines:
                 msg = json.loads(line.decode("utf-8"))
                 if "items" in msg:
@@ -2301,6 +2300,23 @@ def run_search(job, cancelled, timeout=None):
     except (OSError, ValueError) as e:
         kill_search_helper(proc)
         raise ToolError("IO_ERROR", "the search helper failed: %s" % e)
+
+
+def start_search(job):
+    """A search helper that has taken `job`, or None when none could (a warm one that
+    died is replaced once)."""
+    for _ in range(2):
+        try:
+            proc = take_search_helper()
+        except OSError:
+            return None
+        try:
+            proc.stdin.write(json.dumps(job).encode("utf-8", "surrogateescape") + b"\n")
+            proc.stdin.flush()
+            return proc
+        except OSError:
+            kill_search_helper(proc)
+    return None
 
 
 def partial_notice(why, timeout=None):

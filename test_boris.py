@@ -2704,6 +2704,14 @@ class TestKillableSearch(SearchBase):
                 self.assertLess(time.monotonic() - t, 8, name)
                 self.assertIn("[search stopped after 0.5 s", text, name)
 
+    def test_a_dead_warm_helper_is_replaced(self):
+        self.assertIn("fine.txt", self.ok("grep", pattern="aaa", path="cat"))      # leaves a warm helper
+        self.assertTrue(boris._search_idle)
+        for proc in list(boris._search_idle):
+            proc.kill()
+            proc.wait()
+        self.assertIn("fine.txt", self.ok("grep", pattern="aaa", path="cat"))
+
     def test_cancel_kills_the_search_at_once(self):
         cancelled = threading.Event()
         threading.Timer(0.3, cancelled.set).start()
