@@ -2157,7 +2157,7 @@ def grep_until(roots, policy, keep, spec, matcher, emit):
 
 
 def glob_job(job, emit):
-    """Helper side of glob and search_files: emit [path, rel, mtime] per match."""
+    """Helper side of glob and search_files: emit [0, rel, mtime] per match."""
     policy = PathPolicy(**job["policy"])
     start, rest, base_only, kind = job["start"], job["rest"], job["base_only"], job["kind"]
     rx = compile_glob(rest)
@@ -2175,7 +2175,8 @@ def glob_job(job, emit):
     else:
         matched = (path for path, _, is_dir, _ in walked if is_dir == (kind == "directory")
                    and rx.match(path[path.rfind("/") + 1:] if base_only else path[cut:]))
-    found = [[path, path[lead:], when] for path, when in with_mtimes(matched, threading.Event())]
+    # [0, rel, mtime]: all glob shows (the full path would double what the pipe carries)
+    found = [[0, path[lead:], when] for path, when in with_mtimes(matched, threading.Event())]
     for k in range(0, len(found), SEARCH_BATCH):
         emit(found[k:k + SEARCH_BATCH])
 
@@ -3806,7 +3807,7 @@ def glob_plan(pattern):
 
 
 def find_paths(session, ctx, pattern, shown, kind):
-    """The one glob front: ([[path, rel, mtime]], None or why the list is partial)
+    """The one glob front: ([[0, rel, mtime]], None or why the list is partial)
     under `shown` matching `pattern`; the walk and the matching run in a helper."""
     if not pattern.strip():
         raise ToolError("GLOB_INVALID_PATTERN", "pattern is empty; give a glob such as **/*.py")
