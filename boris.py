@@ -2209,6 +2209,7 @@ def helper_search():
 
 _search_idle = []
 _search_lock = threading.Lock()
+_search_state = {"atexit": False}
 
 
 def take_search_helper():
@@ -2221,8 +2222,13 @@ def take_search_helper():
                 return proc
             reaped(proc)
     argv, cwd = helper_command("search")
-    return spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    proc = spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                  start_new_session=True)
+    if not _search_state["atexit"]:                   # idle helpers go with the process, whoever runs it
+        import atexit
+        atexit.register(close_search_helpers)
+        _search_state["atexit"] = True
+    return proc
 
 
 def release_search_helper(proc, healthy):
