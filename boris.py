@@ -97,11 +97,12 @@ class ToolError(Exception):
     render() is the one place an error becomes text: `[CODE] message.`, or the message
     verbatim for the seed-004 tools (`plain`), which answer in seed 004's fixed strings."""
 
-    def __init__(self, code, message, plain=False):
+    def __init__(self, code, message, plain=False, detail=None):
         Exception.__init__(self, message)
         self.code = code
         self.message = message
         self.plain = plain
+        self.detail = detail            # for callers that word it their own way: a limit, "swapped"
 
     def render(self):
         if self.plain:
@@ -762,7 +763,8 @@ def io_error(e, shown):
     if e.errno in (errno.ELOOP, errno.ENOTDIR):
         # The path was resolved without links a moment ago: one was swapped in since.
         return ToolError("ACCESS_DENIED", "%s changed while it was being opened (a directory or file on the"
-                         " way was replaced, e.g. by a symlink); nothing was read or written" % shown)
+                         " way was replaced, e.g. by a symlink); nothing was read or written" % shown,
+                         detail="swapped")
     if e.errno in (errno.EACCES, errno.EPERM):
         return ToolError("ACCESS_DENIED", "%s: permission denied by the operating system" % shown)
     if e.errno == errno.EISDIR:
@@ -877,10 +879,8 @@ def read_fd(fd, limit, shown):
 
 
 def too_large(shown, size, limit, more=False):
-    e = ToolError("FILE_TOO_LARGE", "%s is %s%s; the limit is %s (--max-file-size)"
-                  % (shown, "over " if more else "", human_size(size), human_size(limit)))
-    e.limit = limit
-    return e
+    return ToolError("FILE_TOO_LARGE", "%s is %s%s; the limit is %s (--max-file-size)"
+                     % (shown, "over " if more else "", human_size(size), human_size(limit)), detail=limit)
 
 
 def read_regular(real, shown, limit):
@@ -922,11 +922,11 @@ def list_entries(real):
 class Seen(object):
     """What a file held when a session last saw it: its stat stamp (size, mtime,
     inode) and, when the whole file was read, a digest of its bytes."""
-    __slots__ = ("stamp", "size", "mtime", "digest")
+    __slots__ = ("stamp", "size", "digest")
 
     def __init__(self, st, digest=None):
         self.stamp = (st.st_size, st.st_mtime_ns, st.st_ino)
-        self.size, self.mtime, self.digest = st.st_size, st.st_mtime, digest
+        self.size, self.digest = st.st_size, digest
 
 
 def digest_of(data):
@@ -1439,10 +1439,9 @@ class Walker(object):
     Followed directory symlinks are visited after the real tree, once per (dev, inode),
     so cycles end and a tree reached both ways is listed under its real path."""
 
-    def __init__(self, root, policy, follow_links, want_dirs=False, cancelled=None, name_ok=None,
-                 max_depth=None):
+    def __init__(self, root, policy, follow_links, want_dirs=False, name_ok=None, max_depth=None):
         self.root, self.policy, self.follow_links = root, policy, follow_links
-        self.want_dirs, self.cancelled, self.name_ok = want_dirs, cancelled, name_ok
+        self.want_dirs, self.name_ok = want_dirs, name_ok
         self.max_depth = max_depth
         self.seen = set()
         self.linked = []                           # (path, real, ignore stack, depth) to enter later
@@ -1459,8 +1458,6 @@ class Walker(object):
                     if self.want_dirs:
                         yield entry[0], entry[1], True, entry[4]
                 continue
-            if self.cancelled is not None and self.cancelled.is_set():
-                return
             path, real, ign, depth, ino = pending.pop()
             subdirs = []
             for item in self.visit(path, real, ign, depth, ino, subdirs):
@@ -2101,7 +2098,7 @@ def name_filter(include, type_name):
     return lambda rel, name: all(t(rel, name) for t in tests)
 
 
-def collect_files(root, policy, keep, cancelled=None):
+def collect_files(root, policy, keep):
     """The files a search reads under a root (real, is_dir, inode of a file root):
     (real path, rel, inode) triples passing `keep`; the real path is opened, the
     inode is what it must still be."""
@@ -2110,7 +2107,7 @@ def collect_files(root, policy, keep, cancelled=None):
         return [(real, None, ino)]
     files = []
     cut = len(real) + 1 if real != "/" else 1
-    for path, at, _, ino in Walker(real, policy, follow_links=True, cancelled=cancelled):
+    for path, at, _, ino in Walker(real, policy, follow_links=True):
         rel = path[cut:]
         if keep(rel, rel.rsplit("/", 1)[-1]):
             files.append((at, rel, ino))
@@ -2263,7 +2260,7 @@ def close_search_helpers():
         kill_search_helper(proc)
 
 
-def run_search(job, cancelled, timeout=None):
+def run_search(job, cancelled):
     """(items, None) of a search job run in a helper; (items so far, 'deadline' or
     'cancelled') when it had to be killed. A helper that cannot be started (twice)
     leaves the job to this process."""
@@ -2273,7 +2270,7 @@ def run_search(job, cancelled, timeout=None):
         SEARCH_JOBS[job["op"]](job, items.extend)
         return items, None
     import select
-    deadline = time.monotonic() + (SEARCH_TIMEOUT_S if timeout is None else timeout)
+    deadline = time.monotonic() + SEARCH_TIMEOUT_S
     fd, parts, items = proc.stdout.fileno(), [], []
     try:
         while True:
@@ -2326,12 +2323,11 @@ def start_search(job):
     return None
 
 
-def partial_notice(why, timeout=None):
+def partial_notice(why):
     """The line a cut search ends with."""
     if why == "deadline":
         return ("[search stopped after %g s: the results above are partial. Narrow the path, include or type,"
-                " or simplify the pattern (nested quantifiers such as (a+)+ can take forever)]"
-                % (SEARCH_TIMEOUT_S if timeout is None else timeout))
+                " or simplify the pattern (nested quantifiers such as (a+)+ can take forever)]" % SEARCH_TIMEOUT_S)
     return "[search cancelled: partial results]"
 
 
@@ -3899,11 +3895,11 @@ def seed004_error(e, path, doing):
     """A shared layer's ToolError in seed 004's words."""
     if e.code == "PATH_NOT_FOUND":
         return plain_error("错误：文件不存在: %s" % path, e.code)
-    if e.code == "ACCESS_DENIED" and "changed while" in e.message:
+    if e.detail == "swapped":
         log("warn", "path escape attempt refused (swapped while opening)", path=path)
         return plain_error(ESCAPE, e.code)
     if e.code == "FILE_TOO_LARGE":
-        return plain_error("错误：文件过大: %s（上限 %s）" % (path, human_size(e.limit)), e.code)
+        return plain_error("错误：文件过大: %s（上限 %s）" % (path, human_size(e.detail)), e.code)
     return plain_error("错误：无法%s %s: %s" % (doing, path, e.message), e.code)
 
 
@@ -3965,16 +3961,17 @@ def tool_write_file(session, args, ctx):
         raise plain_error("错误：内容过大（%s，上限 %s），未写入: %s" % (
             human_size(len(data)), human_size(ctx.config.max_file_size), path), "FILE_TOO_LARGE")
     with edit_lock(real):
+        if os.path.isdir(real):
+            raise plain_error("错误：%s 是目录" % path, "INVALID_INPUT")
+        seen = session.seen_of(real)
+        change = seen is not None and os.path.lexists(real) and changed_since(seen, real, ctx.config.max_file_size)
+        if change:
+            raise plain_error("错误：文件在上次读取后已被修改（%s）：请先用 read_file 重新读取 %s 再写入"
+                              % (change, path), "FILE_CHANGED")
         try:
-            if existing_kind(real, path) is not None:
-                check_unchanged(session, ctx, real, path)
+            existing_kind(real, path)                   # refuses FIFOs and devices
             write_checked(session, ctx, real, path, data)
         except ToolError as e:
-            if e.message.endswith("is a directory; give a file path"):
-                raise plain_error("错误：%s 是目录" % path, e.code)
-            if e.code == "FILE_CHANGED":
-                raise plain_error("错误：文件在上次读取后已被修改（%s）：请先用 read_file 重新读取 %s 再写入" % (
-                    e.message.split("(", 1)[1].split(")", 1)[0], path), e.code)
             raise seed004_error(e, path, "写入")
     return "成功：已写入 %s" % path
 
