@@ -1276,7 +1276,10 @@ def kill_marked(marker):
 WALK_SKIP = frozenset((".git", "node_modules"))
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
 GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
-PARALLEL_MIN_FILES = 4000              # below this a helper process costs more than it saves
+SHARE_MIN_ENTRIES = 3000               # a walk is shared once it has listed this many entries
+SHARE_MIN_UNITS = 8                    # ... and has this many directories left to walk
+SHARE_SLICES = 48                      # a partner is given about 1/48 of its share at a time
+SHARE_AHEAD = 4                        # ... and kept that many slices ahead
 _REGEX_META = frozenset("\\.^$*+?{}[]|()")
 
 TYPES = {                      # ripgrep's globs for these languages, and a few more
@@ -1320,10 +1323,10 @@ def type_matcher(name):
 # -- .gitignore ---------------------------------------------------------------
 
 class IgnoreFile(object):
-    """The rules of one .gitignore (or info/exclude), relative to its directory."""
+    """The rules of one .gitignore (or info/exclude) at `source`, relative to `base`."""
 
-    def __init__(self, base, lines):
-        self.base = base
+    def __init__(self, base, lines, source=None):
+        self.base, self.source = base, source
         self.rules = []                      # (regex, negated, dir_only, anchored)
         for raw in lines:
             line = raw.rstrip("\n").rstrip("\r")
@@ -1365,13 +1368,18 @@ def as_bytes(text):
     return text if text.isascii() else text.encode("utf-8", "surrogateescape").decode("latin-1")
 
 
-def load_ignore(directory):
+def read_ignore(base, source):
+    """The rules of the ignore file `source` for directory `base`, or None if it has none."""
     try:
-        with open(os.path.join(directory, ".gitignore"), "r", encoding="utf-8", errors="replace") as f:
-            rules = IgnoreFile(directory, f.readlines())
+        with open(source, "r", encoding="utf-8", errors="replace") as f:
+            rules = IgnoreFile(base, f.readlines(), source)
     except OSError:
         return None
     return rules if rules.rules else None
+
+
+def load_ignore(directory):
+    return read_ignore(directory, os.path.join(directory, ".gitignore"))
 
 
 def git_top(start):
@@ -1396,12 +1404,8 @@ def ignored(stack, path, name, is_dir):
 
 def repo_excludes(top):
     """The ignore stack a work tree starts with: its .git/info/exclude, if any."""
-    try:
-        with open(os.path.join(top, ".git", "info", "exclude"), encoding="utf-8", errors="replace") as f:
-            ex = IgnoreFile(top, f.readlines())
-    except OSError:
-        return []
-    return [ex] if ex.rules else []
+    ex = read_ignore(top, os.path.join(top, ".git", "info", "exclude"))
+    return [ex] if ex else []
 
 
 def outer_ignores(root):
@@ -1437,7 +1441,8 @@ class Walker(object):
     their name). Each directory is opened without following a link and must be the
     inode its parent listed, so a directory swapped for a symlink mid-walk is skipped.
     Followed directory symlinks are visited after the real tree, once per (dev, inode),
-    so cycles end and a tree reached both ways is listed under its real path."""
+    so cycles end and a tree reached both ways is listed under its real path (or,
+    reached by links only, under the link path that sorts first)."""
 
     def __init__(self, root, policy, follow_links, want_dirs=False, name_ok=None, max_depth=None):
         self.root, self.policy, self.follow_links = root, policy, follow_links
@@ -1445,24 +1450,38 @@ class Walker(object):
         self.max_depth = max_depth
         self.seen = set()
         self.linked = []                           # (path, real, ignore stack, depth) to enter later
+        self.defer_links = False                   # True: leave self.linked to whoever shares the walk
+        self.use_ignore = False
+        self.listed = 0                            # entries listed so far
+        self.tick = None                           # called after each directory listed
 
     def __iter__(self):
+        return self.walk([self.start()])
+
+    def start(self):
+        """The root's pending entry (path, real, ignore stack, depth, inode)."""
         ign = outer_ignores(self.root)
         self.use_ignore = ign is not None
-        pending = [(self.root, self.root, ign or [], 0, None)]
-        while pending or self.linked:
+        return self.root, self.root, ign or [], 0, None
+
+    def walk(self, pending):
+        """Depth first from the pending entries, then the followed links."""
+        pending = list(pending)
+        while pending or (self.linked and not self.defer_links):
             if not pending:
+                self.linked.sort(key=lambda link: link[0])      # a tree linked twice shows under the first name
                 entry = self.enter_link(*self.linked.pop(0))
                 if entry is not None:
                     pending.append(entry)
                     if self.want_dirs:
                         yield entry[0], entry[1], True, entry[4]
                 continue
-            path, real, ign, depth, ino = pending.pop()
             subdirs = []
-            for item in self.visit(path, real, ign, depth, ino, subdirs):
+            for item in self.visit(*pending.pop(), subdirs=subdirs):
                 yield item
             pending += reversed(subdirs)
+            if self.tick is not None:
+                self.tick()
 
     def scan(self, real, ino):
         """(fd, entries) of a directory that is still the inode its parent listed."""
@@ -1478,10 +1497,12 @@ class Walker(object):
             if self.follow_links:
                 self.seen.add((st.st_dev, st.st_ino))
             with os.scandir(fd) as it:
-                return fd, list(it)
+                entries = list(it)
         except OSError:
             os.close(fd)
             return None, []
+        self.listed += len(entries)
+        return fd, entries
 
     def rules(self, path, entries, ign):
         """The ignore stack inside `path`: a nested repository (a .git of its own)
@@ -1646,6 +1667,12 @@ class Matcher(object):
             except (re.error, ValueError):
                 self.rx = None                                          # \u263A, \N{...}: text only
 
+    def any_in(self, buf, end):
+        """Whether the literal occurs in buf[:end] (a whole file without a BOM)."""
+        if self.folded:
+            return buf[:end].lower().find(self.literal) >= 0
+        return buf.find(self.literal, 0, end) >= 0
+
     def needs_text(self, buf, end):
         """Whether this chunk must be searched as decoded text."""
         return self.literal is None and (self.rx is None or not buf[:end].isascii())
@@ -1700,12 +1727,12 @@ class Matcher(object):
         return out
 
 
-def read_chunks(fd, buf, whole=False):
-    """Yield (hay, end, first_line) pieces of a file ending at line boundaries; one
-    piece for any file that fits in `buf`, or (whole=True: context lines or multiline
-    matches must not be cut at a seam) up to GREP_CHUNK_MAX. None first for a binary
-    file. A UTF-16 file with a BOM comes as one piece transcoded to UTF-8."""
-    n = os.readv(fd, [buf])
+def read_chunks(fd, buf, n, whole=False, numbered=True):
+    """Yield (hay, end, first_line) pieces of a file ending at line boundaries, `buf`
+    holding its first n bytes already; one piece for any file that fits in `buf`, or
+    (whole=True: context lines or multiline matches must not be cut at a seam) up to
+    GREP_CHUNK_MAX. None first for a binary file. A UTF-16 file with a BOM comes as
+    one piece transcoded to UTF-8. first_line is 1 for every piece unless numbered."""
     if buf[:2] in (b"\xff\xfe", b"\xfe\xff"):
         data = bytes(buf[:n]) + read_fd(fd, GREP_CHUNK_MAX, "")
         text = data.decode("utf-16", "replace").encode("utf-8", "surrogateescape")
@@ -1727,7 +1754,8 @@ def read_chunks(fd, buf, whole=False):
                 continue
             end = end or filled
         yield buf, end, line
-        line += buf.count(b"\n", 0, end)
+        if numbered:
+            line += buf.count(b"\n", 0, end)
         carry = filled - end
         buf[0:carry] = buf[end:filled]
         filled = carry + os.readv(fd, [memoryview(buf)[carry:]])
@@ -1817,9 +1845,18 @@ def grep_file(path, ino, matcher, mode, before=0, after=0, buf=None, max_records
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
             return None
+        n = os.readv(fd, [buf])
+        if n < len(buf) and buf[:2] not in (b"\xff\xfe", b"\xfe\xff"):     # most files: one piece, read
+            if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
+                return None
+            if matcher.literal is not None and mode == "files_with_matches" and buf[:1] != b"\xef":
+                return matcher.any_in(buf, n) or None
+            pieces = ((buf, n, 1),)
+        else:
+            pieces = read_chunks(fd, buf, n, mode == "content" and (before or after or matcher.multiline),
+                                 numbered=mode == "content")
         count, records, state = 0, [], {}
-        whole = mode == "content" and (before or after or matcher.multiline)
-        for piece in read_chunks(fd, buf, whole):
+        for piece in pieces:
             if piece is None:
                 return None
             hay, end, first = piece
@@ -1855,35 +1892,12 @@ def matcher_of(spec):
     return Matcher(spec["pattern"], spec["regex"], spec["ignore_case"], spec["multiline"])
 
 
-def grep_many(files, spec, matcher=None, emit=None):
-    """Run the engine over (path, inode) pairs: [(index, result)] for the matching
-    ones, returned, or handed to emit() in batches as they are found."""
-    matcher = matcher or matcher_of(spec)
-    buf = bytearray(GREP_BUFFER)
-    out, sent = [], time.monotonic()
-    for i, (path, ino) in enumerate(files):
-        r = grep_file(path, ino, matcher, spec["mode"], spec["before"], spec["after"], buf,
-                      spec.get("max_records") or OUTPUT_MAX_CHARS // 2)
-        if r is not None:
-            out.append((i, r))
-            if emit is not None and (len(out) >= SEARCH_BATCH or time.monotonic() - sent > 0.2):
-                emit(out)
-                out, sent = [], time.monotonic()
-    if emit is not None:
-        emit(out)
-        return []
-    return out
-
-
 # -- helper processes -------------------------------------------------------------
-# A big search shares its work with helper processes: this same file run as
-# `python3 -S -m boris --helper KIND` (no site-packages; the bytecode is cached under a
-# private pycache prefix, so a helper starts in ~20 ms and writes nothing next to
-# boris.py). A job is its input on stdin; the answer is JSON on stdout.
-# "grep" runs the engine on a JSON {files, spec}. "mtimes" stats NUL-terminated paths
-# as they stream in, while the walk that finds them goes on (same rule as mtime()).
-# Only lists of PARALLEL_MIN_FILES or more use a helper; when one fails or the call is
-# cancelled, this process does its share itself.
+# Every search runs in a search helper (below); a big one shares its walk with partner
+# processes: this same file run as `python3 -E -S -m boris --helper KIND` (no
+# site-packages; the bytecode is cached under a private pycache prefix, so a helper
+# starts in ~25 ms and writes nothing next to boris.py). A helper reads JSON lines on
+# stdin and answers in JSON lines on stdout.
 
 
 def mtime(path):
@@ -1893,34 +1907,13 @@ def mtime(path):
         return 0.0
 
 
-def helper_grep():
-    """A grep helper: JSON {files, spec} on stdin, [(index, result)] on stdout."""
-    job = json.loads(sys.stdin.buffer.read().decode("utf-8", "surrogateescape"))
-    return grep_many(job["files"], job["spec"])
-
-
-def helper_mtimes():
-    """An mtime helper: NUL-terminated paths on stdin, their mtimes on stdout."""
-    answer, rest = [], b""
-    for chunk in iter(lambda: sys.stdin.buffer.read1(1 << 16), b""):
-        paths = (rest + chunk).split(b"\0")
-        rest = paths.pop()
-        answer += [mtime(p) for p in paths]
-    return answer
-
-
-
-
 def helper_main(kind):
-    """Entry point of `boris.py --helper KIND`: run one job, exit 0 (2 for no such kind)."""
+    """Entry point of `boris.py --helper KIND`: serve stdin, exit 0 (2 for no such kind)."""
     job = HELPER_KINDS.get(kind)
     if job is None:
         sys.stderr.write("boris: error: unknown helper kind %r\n" % kind)
         return 2
-    answer = job()
-    if answer is not None:
-        sys.stdout.write(json.dumps(answer))
-        sys.stdout.flush()
+    job()
     return 0
 
 
@@ -1949,13 +1942,6 @@ def helper_command(kind):
     return [sys.executable, "-E", "-S", "-X", "utf8"] + cache + ["-m", module, "--helper", kind], here
 
 
-def helper_count(n_files):
-    """How many helpers a list of n_files earns: none for small lists or one core."""
-    if n_files < PARALLEL_MIN_FILES or not globals().get("__file__"):
-        return 0
-    return min(os.cpu_count() or 1, 4) - 1
-
-
 class Helper(object):
     """One helper process. Input goes through a queue to a feeding thread, so a helper
     still starting up (or a full pipe) never blocks the caller."""
@@ -1967,13 +1953,15 @@ class Helper(object):
         self.proc = spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL)
         self.inbox = queue.SimpleQueue()
-        threading.Thread(target=self._feed, daemon=True).start()
+        self.feeder = threading.Thread(target=self._feed, daemon=True)
+        self.feeder.start()
 
     def _feed(self):
         try:
             for data in iter(self.inbox.get, None):
                 self.proc.stdin.write(data)
-        except OSError:                                 # the helper died: answer() says so
+                self.proc.stdin.flush()
+        except OSError:                                 # the helper died: its reader sees the end
             pass
         finally:
             try:
@@ -1981,19 +1969,8 @@ class Helper(object):
             except OSError:
                 pass
 
-    def send(self, data, last=False):
+    def send(self, data):
         self.inbox.put(data)
-        if last:
-            self.inbox.put(None)
-
-    def answer(self, cancelled):
-        """The decoded answer, or None if the helper failed or the call was cancelled."""
-        try:
-            data = self.proc.stdout.read() if not cancelled.is_set() else b""
-            self.proc.wait()
-            return json.loads(data.decode("utf-8")) if self.proc.returncode == 0 and data else None
-        finally:
-            self.close()
 
     def close(self):
         """Kill (if still running), reap, release; safe to repeat."""
@@ -2002,80 +1979,18 @@ class Helper(object):
             self.proc.kill()
             self.proc.wait()
         reaped(self.proc)
+        self.feeder.join()                  # it closes stdin (a write to the dead helper fails at once)
         self.proc.stdout.close()
 
-
-def start_helper(kind):
-    try:
-        return Helper(kind)
-    except OSError:
-        return None
-
-
-def grep_parallel(files, spec, matcher, emit):
-    """grep over the machine's cores: helpers take shares of a large file list, this
-    process takes one. emit([(index, result)]) is called as results come: per batch
-    of this process's share, then per helper."""
-    never = threading.Event()
-    helpers = [h for h in (start_helper("grep") for _ in range(helper_count(len(files)))) if h is not None]
-    if not helpers:
-        grep_many(files, spec, matcher, emit)
-        return
-    n = len(helpers) + 1
-    shares = [files[k::n] for k in range(n)]
-    try:
-        for k, h in enumerate(helpers, 1):
-            h.send(json.dumps({"files": shares[k], "spec": spec}).encode("utf-8", "surrogateescape"), last=True)
-        grep_many(shares[0], spec, matcher, lambda found: emit([(i * n, r) for i, r in found]))
-        for k, h in enumerate(helpers, 1):
-            answer = h.answer(never)
-            if answer is None:
-                answer = grep_many(shares[k], spec, matcher)
-            emit([(i * n + k, r) for i, r in answer])
-    finally:
-        for h in helpers:                      # reaped even when our own share raised
-            h.close()
-
-
-def with_mtimes(paths, cancelled):
-    """[(path, mtime)] for an iterable of paths (a walk, typically). Once the list
-    reaches PARALLEL_MIN_FILES, a helper stats every later path as it is found, while
-    the walk goes on; this process stats the first ones at the end."""
-    found, helper, handed = [], None, 0
-
-    def hand_over(last=False):
-        helper.send(b"".join(os.fsencode(p) + b"\0" for p in found[handed:]), last)
-        return len(found)
-    try:
-        for path in paths:
-            found.append(path)
-            if helper is not None:
-                if len(found) - handed >= 1024:
-                    handed = hand_over()
-            elif len(found) == PARALLEL_MIN_FILES and helper_count(len(found)):
-                helper = start_helper("mtimes")
-                handed = len(found)
-        if helper is None:
-            return [(p, mtime(p)) for p in found]
-        first = PARALLEL_MIN_FILES
-        hand_over(last=True)
-        mine = [mtime(p) for p in found[:first]]
-        theirs = helper.answer(cancelled)
-        if theirs is None or len(theirs) != len(found) - first:
-            theirs = [mtime(p) for p in found[first:]]
-        return list(zip(found, mine + theirs))
-    finally:
-        if helper is not None:
-            helper.close()
 
 # -- searches run where they can be killed -----------------------------------------
 # Python's re holds the interpreter while it matches, so a catastrophic pattern (or a
 # glob such as *a*a*a*a*b) run in this process would freeze ping, cancel and every
 # other session. Every search therefore runs as a job in a search helper process
-# (its own process group, so its grep/mtime helpers go with it): this process only
-# waits on a pipe, reads result batches as they come, and kills the group on cancel
-# or at SEARCH_TIMEOUT_S, keeping what had arrived. Idle helpers are kept for the
-# next search (SEARCH_IDLE_HELPERS) and exit when this process's end of the pipe closes.
+# (its own process group, so its partners go with it): this process only waits on a
+# pipe, reads result batches as they come, and kills the group on cancel or at
+# SEARCH_TIMEOUT_S, keeping what had arrived. Idle helpers are kept for the next
+# search (SEARCH_IDLE_HELPERS) and exit when this process's end of the pipe closes.
 
 def policy_spec(policy):
     """What a helper needs to rebuild `policy`."""
@@ -2098,109 +2013,339 @@ def name_filter(include, type_name):
     return lambda rel, name: all(t(rel, name) for t in tests)
 
 
-def collect_files(root, policy, keep):
-    """The files a search reads under a root (real, is_dir, inode of a file root):
-    (real path, rel, inode) triples passing `keep`; the real path is opened, the
-    inode is what it must still be."""
-    real, is_dir, ino = root
-    if not is_dir:
-        return [(real, None, ino)]
-    files = []
-    cut = len(real) + 1 if real != "/" else 1
-    for path, at, _, ino in Walker(real, policy, follow_links=True):
-        rel = path[cut:]
-        if keep(rel, rel.rsplit("/", 1)[-1]):
-            files.append((at, rel, ino))
-    return files
+class GrepWork(object):
+    """A grep or search_text job as each of its workers runs it: roots are (real,
+    is_dir, inode of a file root); take() turns what a walk found into a result
+    [real, rel, mtime, result, root index] (mtime only in files_with_matches mode)."""
+
+    def __init__(self, job):
+        self.job, self.roots = job, job["roots"]
+        self.policy = PathPolicy(**job["policy"])
+        self.keep = name_filter(job.get("include"), job.get("type"))
+        self.spec = job["spec"]
+        self.matcher = matcher_of(self.spec)
+        self.mode, self.before, self.after = self.spec["mode"], self.spec["before"], self.spec["after"]
+        self.max_records = self.spec.get("max_records") or OUTPUT_MAX_CHARS // 2
+        self.buf = bytearray(GREP_BUFFER)
+
+    def walker(self, k):
+        return Walker(self.roots[k][0], self.policy, follow_links=True)
+
+    def take(self, k, path, real, is_dir, ino):
+        root, root_is_dir = self.roots[k][0], self.roots[k][1]
+        rel = None
+        if root_is_dir:
+            rel = path[len(root) + 1 if root != "/" else 1:]
+            if not self.keep(rel, rel[rel.rfind("/") + 1:]):
+                return None
+        r = grep_file(real, ino, self.matcher, self.mode, self.before, self.after, self.buf, self.max_records)
+        if r is None:
+            return None
+        return [real, rel, mtime(real) if self.mode == "files_with_matches" else 0.0, r, k]
 
 
-def grep_job(job, emit):
-    """Helper side of grep and search_text: emit [real, rel, mtime, result, root index]
-    per matching file (mtime only in files_with_matches mode)."""
-    policy = PathPolicy(**job["policy"])
-    keep = name_filter(job.get("include"), job.get("type"))
-    spec = job["spec"]
-    matcher = matcher_of(spec)
-    with_time = spec["mode"] == "files_with_matches"
-    if spec.get("stop_after"):
-        grep_until(job["roots"], policy, keep, spec, matcher, emit)
+class GlobWork(object):
+    """A glob or search_files job as each of its workers runs it: one root, the
+    static directory `start`; take() gives [0, rel, mtime] for a match."""
+
+    def __init__(self, job):
+        self.job = job
+        self.policy = PathPolicy(**job["policy"])
+        start, rest, self.base_only, kind = job["start"], job["rest"], job["base_only"], job["kind"]
+        self.roots = [(start, True, None)]
+        self.rx, self.lead = compile_glob(rest), job["lead"]
+        self.cut = len(start) + 1 if start != "/" else 1
+        self.want_dir = kind == "directory"
+        self.want_dirs = kind != "file"
+        self.name_ok = None
+        if self.base_only and kind == "file":          # C-level tests: called once per file walked
+            from operator import methodcaller
+            simple = re.match(r"^\*(\.[\w.+-]+)$", rest)      # '*.c': a suffix test, no regex
+            self.name_ok = methodcaller("endswith", simple.group(1)) if simple else self.rx.match
+        self.depth = None if self.base_only or "**" in rest else rest.count("/") + 1
+
+    def walker(self, k):
+        return Walker(self.roots[0][0], self.policy, follow_links=False, want_dirs=self.want_dirs,
+                      name_ok=self.name_ok, max_depth=self.depth)
+
+    def take(self, k, path, real, is_dir, ino):
+        if self.name_ok is None and (is_dir != self.want_dir or not self.rx.match(
+                path[path.rfind("/") + 1:] if self.base_only else path[self.cut:])):
+            return None
+        return [0, path[self.lead:], mtime(path)]     # the full path would double what the pipe carries
+
+
+SEARCH_WORK = {"grep": GrepWork, "glob": GlobWork}
+
+
+class Batches(object):
+    """Results handed to emit() in batches: at SEARCH_BATCH, after 0.2 s, and at the end."""
+
+    def __init__(self, emit, raw=None):
+        self.emit, self.items, self.sent = emit, [], time.monotonic()
+        self.raw = raw or (lambda line: self.extend(json.loads(line.decode("utf-8"))["items"]))
+
+    def add(self, item):
+        if item is not None:
+            self.items.append(item)
+            if len(self.items) >= SEARCH_BATCH:
+                self.flush()
+
+    def extend(self, items):
+        self.items += items
+        if len(self.items) >= SEARCH_BATCH or time.monotonic() - self.sent > 0.2:
+            self.flush()
+
+    def flush(self):
+        if self.items:
+            self.emit(self.items)
+        self.items, self.sent = [], time.monotonic()
+
+
+def search_job(job, emit, raw=None):
+    """Run a search job, handing results to emit() as they come (and a partner's
+    result lines, when given, to raw() as they are). Each directory root
+    is walked breadth first until it has listed SHARE_MIN_ENTRIES entries with
+    SHARE_MIN_UNITS directories still to go; those subtrees are then shared with
+    partner processes. Followed directory links come last, walked here."""
+    from collections import deque
+    work = SEARCH_WORK[job["op"]](job)
+    if job["op"] == "grep" and work.spec.get("stop_after"):
+        grep_until(work, emit)
         return
-    for k, root in enumerate(job["roots"]):
-        files = collect_files(root, policy, keep)
+    out = Batches(emit, raw)
+    for k, (real, is_dir, ino) in enumerate(work.roots):
+        if not is_dir:
+            out.add(work.take(k, real, real, False, ino))
+            continue
+        walker = work.walker(k)
+        left = deque([walker.start()])
+        while left and not (walker.listed >= SHARE_MIN_ENTRIES and len(left) >= SHARE_MIN_UNITS):
+            subdirs = []
+            for found in walker.visit(*left.popleft(), subdirs=subdirs):
+                out.add(work.take(k, *found))
+            left += subdirs
+            if time.monotonic() - out.sent > 0.2:
+                out.flush()
+        if left:
+            share_walk(work, walker, k, left, out)
+        for found in walker.walk([]):
+            out.add(work.take(k, *found))
+    out.flush()
 
-        def out(found, files=files, k=k):
-            emit([[files[i][0], files[i][1], mtime(files[i][0]) if with_time else 0.0, r, k] for i, r in found])
-        grep_parallel([(p, ino) for p, _, ino in files], spec, matcher, out)
 
-
-def grep_until(roots, policy, keep, spec, matcher, emit):
-    """grep_job for a search that stops at spec['stop_after'] records: each file is
-    searched as the walk finds it, in walk order, and the walk ends with the search."""
-    buf, left = bytearray(GREP_BUFFER), spec["stop_after"]
-    for k, root in enumerate(roots):
-        real, is_dir, ino = root
-        walked = [(real, None, ino)] if not is_dir else (
-            (at, path[len(real) + 1 if real != "/" else 1:], i)
-            for path, at, _, i in Walker(real, policy, follow_links=True))
-        for at, rel, i in walked:
-            if rel is not None and not keep(rel, rel.rsplit("/", 1)[-1]):
-                continue
-            r = grep_file(at, i, matcher, spec["mode"], spec["before"], spec["after"], buf, left)
-            if r:
-                emit([[at, rel, 0.0, r, k]])
-                left -= len(r)
+def grep_until(work, emit):
+    """A grep that stops at spec['stop_after'] records: each file is searched as the
+    walk finds it, in walk order, and the walk ends with the search."""
+    left = work.spec["stop_after"]
+    for k, (real, is_dir, ino) in enumerate(work.roots):
+        for found in work.walker(k) if is_dir else [(real, real, False, ino)]:
+            work.max_records = left
+            item = work.take(k, *found)
+            if item:
+                emit([item])
+                left -= len(item[3])
                 if left <= 0:
                     return
 
 
-def glob_job(job, emit):
-    """Helper side of glob and search_files: emit [0, rel, mtime] per match."""
-    policy = PathPolicy(**job["policy"])
-    start, rest, base_only, kind = job["start"], job["rest"], job["base_only"], job["kind"]
-    rx = compile_glob(rest)
-    cut = len(start) + 1 if start != "/" else 1
-    lead = job["lead"]
-    name_ok = None
-    if base_only and kind == "file":                  # C-level tests: called once per file walked
-        from operator import methodcaller
-        simple = re.match(r"^\*(\.[\w.+-]+)$", rest)      # '*.c': a suffix test, no regex
-        name_ok = methodcaller("endswith", simple.group(1)) if simple else rx.match
-    depth = None if base_only or "**" in rest else rest.count("/") + 1
-    walked = Walker(start, policy, follow_links=False, want_dirs=kind != "file", name_ok=name_ok, max_depth=depth)
-    if name_ok is not None:                      # the walker already matched the names
-        matched = (path for path, _, _, _ in walked)
-    else:
-        matched = (path for path, _, is_dir, _ in walked if is_dir == (kind == "directory")
-                   and rx.match(path[path.rfind("/") + 1:] if base_only else path[cut:]))
-    # [0, rel, mtime]: all glob shows (the full path would double what the pipe carries)
-    found = [[0, path[lead:], when] for path, when in with_mtimes(matched, threading.Event())]
-    for k in range(0, len(found), SEARCH_BATCH):
-        emit(found[k:k + SEARCH_BATCH])
+def ignore_spec(ign):
+    return [[rules.base, rules.source] for rules in ign]
 
 
-SEARCH_JOBS = {"grep": grep_job, "glob": glob_job}
+def ignore_stack(spec, cache):
+    """An ignore stack from ignore_spec(), each file read once per `cache`."""
+    stack = []
+    for base, source in spec:
+        if source not in cache:
+            cache[source] = read_ignore(base, source)
+        if cache[source] is not None:
+            stack.append(cache[source])
+    return stack
+
+
+def unit_spec(entry):
+    path, real, ign, depth, ino = entry
+    return [path, real, ignore_spec(ign), depth, ino]
+
+
+class Partner(Helper):
+    """A partner process of a search helper: takes a job, then units of it (lists of
+    subtrees to walk), and answers each unit with one line."""
+
+    def __init__(self):
+        Helper.__init__(self, "partner")
+        self.units, self.rest, self.job, self.held = [], b"", None, []
+
+    def give(self, work, k, use_ignore, entries):
+        if self.job is not work.job:
+            self.send(json.dumps({"job": work.job}).encode("utf-8", "surrogateescape") + b"\n")
+            self.job = work.job
+        self.units.append(entries)
+        msg = {"unit": [k, use_ignore, [unit_spec(e) for e in entries]]}
+        self.send(json.dumps(msg).encode("utf-8", "surrogateescape") + b"\n")
+
+    def replies(self, forward):
+        """The ends of units that have arrived (call when readable); their result
+        lines go to forward() as they are, once the unit is whole. OSError when it
+        died: the units it still owes are in self.units, none of them forwarded."""
+        chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+        if not chunk:
+            raise OSError("partner ended")
+        lines = (self.rest + chunk).split(b"\n")
+        self.rest = lines.pop()
+        ends = []
+        for line in lines:
+            if line.startswith(b'{"items": '):
+                self.held.append(line)
+                continue
+            ends.append(json.loads(line.decode("utf-8")))
+            for held in self.held:
+                forward(held)
+            self.held = []
+            del self.units[0]
+        return ends
+
+
+_partners = []
+_share_state = {"warm": False}                 # a search helper keeps its partners for the next job
+
+
+def partners_for(job):
+    """Partners for a shared walk, as many as the cores allow beside this process: a
+    search helper keeps its partners for the next job; elsewhere (searches may run in
+    parallel threads) each walk starts its own."""
+    import select
+    if not _share_state["warm"]:
+        return [p for p in (new_partner() for _ in range(partner_count())) if p is not None]
+    live = []
+    for p in _partners:
+        if p.proc.poll() is None and not select.select([p.proc.stdout], [], [], 0)[0]:
+            live.append(p)                        # (an idle partner has nothing to say)
+        else:
+            p.close()
+    _partners[:] = live
+    for _ in range(partner_count() - len(_partners)):
+        p = new_partner()
+        if p is not None:
+            _partners.append(p)
+    return list(_partners)
+
+
+def new_partner():
+    try:
+        return Partner()
+    except OSError:
+        return None
+
+
+def partner_count():
+    """How many partners a shared walk uses: the cores beside this one, at most 3."""
+    if not globals().get("__file__"):
+        return 0
+    return min(os.cpu_count() or 1, 4) - 1
+
+
+def share_walk(work, walker, k, units, out):
+    """Walk the subtrees `units` (walker entries, shallowest first) with partners.
+    This process takes them one by one from the front and, at least every
+    millisecond, keeps each partner SHARE_AHEAD slices ahead, also from the front:
+    the big subtrees go first, so all end at about the same time. A partner that dies
+    leaves the units it had not finished to this process."""
+    import select
+    from collections import deque
+    partners = partners_for(work.job)
+    queue = deque(units)
+    size = max(1, len(queue) // (SHARE_SLICES * (len(partners) + 1)))
+    cache, mark = {}, [0]
+
+    def service(wait):
+        """Keep partners fed, take in what they answered; False once none is busy."""
+        for p in partners:
+            while queue and len(p.units) < SHARE_AHEAD:
+                p.give(work, k, walker.use_ignore, [queue.popleft() for _ in range(min(size, len(queue)))])
+        busy = [p for p in partners if p.units]
+        ready = select.select([p.proc.stdout for p in busy], [], [], None if wait else 0)[0] if busy else []
+        for p in busy:
+            if p.proc.stdout not in ready:
+                continue
+            try:
+                for reply in p.replies(out.raw):
+                    walker.linked += [(path, real, ignore_stack(ign, cache), depth)
+                                      for path, real, ign, depth in reply["links"]]
+                    walker.seen.update(tuple(x) for x in reply["seen"])
+            except (OSError, ValueError):
+                for entries in p.units:
+                    queue.extend(entries)
+                p.units = []
+                partners.remove(p)
+                p.close()
+        return bool(busy)
+
+    def tick():
+        now = time.monotonic()
+        if now >= mark[0]:
+            mark[0] = now + 0.001
+            service(False)
+    walker.defer_links, walker.tick = True, tick
+    try:
+        while service(wait=not queue) or queue:
+            if queue:
+                for found in walker.walk([queue.popleft()]):
+                    out.add(work.take(k, *found))
+    finally:
+        walker.defer_links, walker.tick = False, None
+        if not _share_state["warm"]:
+            for p in partners:
+                p.close()
+
+
+def helper_partner():
+    """A partner: {"job": ...} then {"unit": [root index, use_ignore, entries]} lines on
+    stdin; per unit a line {"items": [...]} (when it found any; the search helper
+    passes it on as it is) and a line {"links", "seen"} on stdout."""
+    work, cache, out = None, {}, sys.stdout.buffer
+    for line in iter(sys.stdin.buffer.readline, b""):
+        msg = json.loads(line.decode("utf-8", "surrogateescape"))
+        if "job" in msg:
+            work, cache = SEARCH_WORK[msg["job"]["op"]](msg["job"]), {}
+            continue
+        k, use_ignore, entries = msg["unit"]
+        walker = work.walker(k)
+        walker.use_ignore, walker.defer_links = use_ignore, True
+        pending = [(path, real, ignore_stack(ign, cache), depth, ino) for path, real, ign, depth, ino in entries]
+        items = [x for x in (work.take(k, *found) for found in walker.walk(pending)) if x is not None]
+        end = {"links": [[path, real, ignore_spec(ign), depth] for path, real, ign, depth in walker.linked],
+               "seen": list(walker.seen)}
+        if items:
+            out.write(json.dumps({"items": items}).encode("ascii") + b"\n")
+        out.write(json.dumps(end).encode("ascii") + b"\n")
+        out.flush()
 
 
 def helper_search():
     """A search helper: one JSON job a line on stdin, until it closes; for each, lines
     {"items": [...]} as results come, then {"end": "ok"} or {"end": "error", ...}."""
-    out = sys.stdout
+    out = sys.stdout.buffer
+    _share_state["warm"] = True
+
+    def raw(line):
+        out.write(line + b"\n")
+        out.flush()
 
     def emit(items):
         if items:
-            out.write(json.dumps({"items": items}) + "\n")
-            out.flush()
+            raw(json.dumps({"items": items}).encode("ascii"))
     for line in iter(sys.stdin.buffer.readline, b""):
         job = json.loads(line.decode("utf-8", "surrogateescape"))
         try:
-            SEARCH_JOBS[job["op"]](job, emit)
+            search_job(job, emit, raw)
             end = {"end": "ok"}
         except ToolError as e:
             end = {"end": "error", "code": e.code, "message": e.message}
         except Exception as e:
             end = {"end": "error", "code": "IO_ERROR", "message": "the search failed: %r" % e}
-        out.write(json.dumps(end) + "\n")
-        out.flush()
+        raw(json.dumps(end).encode("ascii"))
     return None
 
 
@@ -2267,7 +2412,7 @@ def run_search(job, cancelled):
     proc = start_search(job)
     if proc is None:
         items = []
-        SEARCH_JOBS[job["op"]](job, items.extend)
+        search_job(job, items.extend)
         return items, None
     import select
     deadline = time.monotonic() + SEARCH_TIMEOUT_S
@@ -2331,7 +2476,7 @@ def partial_notice(why):
     return "[search cancelled: partial results]"
 
 
-HELPER_KINDS = {"grep": helper_grep, "mtimes": helper_mtimes, "search": helper_search}
+HELPER_KINDS = {"search": helper_search, "partner": helper_partner}
 
 
 ###############################################################################

@@ -54,6 +54,35 @@ def search_in_process():
     return mock.patch.object(boris, "take_search_helper", refuse)
 
 
+@contextlib.contextmanager
+def shared_walks(**patches):
+    """Searches in this process whose walks are shared with a partner process from
+    the first directory on; one partner serves them all (as in a search helper) and
+    is reaped at the end. Yields the lists of units the partners were given."""
+    given = []
+    real_give = boris.Partner.give
+
+    def give(partner, work, k, use_ignore, entries):
+        given.append(entries)
+        real_give(partner, work, k, use_ignore, entries)
+    patches = dict(dict(SHARE_MIN_ENTRIES=1, SHARE_MIN_UNITS=1, SHARE_SLICES=1000), **patches)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(search_in_process())
+        stack.enter_context(mock.patch("os.cpu_count", return_value=2))
+        stack.enter_context(mock.patch.dict(boris._share_state, warm=True))
+        stack.enter_context(mock.patch.object(boris.Partner, "give", give))
+        for name, value in patches.items():
+            stack.enter_context(mock.patch.object(boris, name, value))
+        try:
+            yield given
+        finally:
+            partners = list(boris._partners)
+            del boris._partners[:]
+            for partner in partners:
+                partner.close()
+                assert partner.proc.returncode is not None, "partner not reaped"
+
+
 def wait_until(predicate, timeout=10.0, interval=0.02):
     """Poll `predicate` until true or the deadline; return its last value."""
     deadline = time.monotonic() + timeout
@@ -1545,20 +1574,58 @@ class TestGrep(SearchBase):
         self.write(".gitignore", "*.md\n")
         self.assertIn("docs/guide.md", self.ok("grep", pattern="TODO").split("\n"))
 
-    def test_parallel_helpers_agree_with_in_process(self):
-        for i in range(60):
-            self.write("many/f%02d.txt" % i, ("hit\n" if i % 3 == 0 else "miss\n") * 3)
-        serial = self.ok("grep", pattern="hit", path="many", output_mode="content")
-        started = []
-        real_start = boris.start_helper
-        with search_in_process(), mock.patch.object(boris, "PARALLEL_MIN_FILES", 1), \
-                mock.patch("os.cpu_count", return_value=2), \
-                mock.patch.object(boris, "start_helper", lambda kind: started.append(kind) or real_start(kind)):
-            parallel = self.ok("grep", pattern="hit", path="many", output_mode="content")
-            files = self.ok("grep", pattern="hit", path="many")
-        self.assertEqual(started, ["grep", "grep"])
-        self.assertEqual(parallel, serial)
-        self.assertEqual(len(files.split("\n")), 20)
+    def _shared_tree(self):
+        """A tree worth sharing: 48 files in nested directories (distinct mtimes), a
+        followed link to a directory also reached directly, a link cycle, a nested
+        .gitignore, a name the include filter drops, a binary file."""
+        now = time.time()
+        for i in range(48):
+            rel = "many/d%d/s%d/f%02d.%s" % (i % 4, i % 3, i, "py" if i % 5 else "txt")
+            self.write(rel, ("hit %d\n" % i if i % 3 == 0 else "miss\n") * 3)
+            os.utime(self.path(rel), (now - 7 * i, now - 7 * i))
+        self.write("many/d2/.gitignore", "*.skip\n")
+        self.write("many/d2/s0/x.skip", "hit\n")
+        self.write("many/d1/s1/blob.bin", b"hit\x00")
+        os.symlink(self.path("many/d0"), self.path("many/d3/alias"))
+        os.symlink(self.path("many"), self.path("many/d1/up"))
+        self.write("outside/o.txt", "hit outside\n")
+        for d in range(4):                  # one tree outside, linked four times: shown once, via d0
+            os.symlink(self.path("outside"), self.path("many/d%d/s2/ext" % d))
+
+    def _searches(self):
+        return [self.ok("grep", pattern="hit", path="many", output_mode="content"),
+                self.ok("grep", pattern="hit", path="many"),
+                self.ok("grep", pattern="hit", path="many", output_mode="count", include="*.py"),
+                self.ok("grep", pattern="HIT \\d+", path="many", output_mode="content", case_insensitive=True,
+                        context=1),
+                self.ok("search_text", query="hit 3", paths=["many/d3", "many/d0/s0/f00.txt"]),
+                self.ok("glob", pattern="**/*.py", path="many"), self.ok("glob", pattern="many/**/s1/*"),
+                self.ok("glob", pattern="**/s*", path="many", type="directory")]
+
+    def test_a_shared_walk_agrees_with_one_process(self):
+        self._shared_tree()
+        alone = self._searches()
+        self.assertEqual(len(alone[1].split("\n")), 16 + 1)        # d0 reached twice counts once
+        self.assertIn("d0/s2/ext/o.txt", alone[1])
+        self.assertNotIn("x.skip", alone[0])
+        self.assertNotIn("alias", alone[1])
+        for ahead in (4, 1):                          # the partner walks all of many/, or some of it
+            with shared_walks(SHARE_AHEAD=ahead) as given:
+                shared = self._searches()
+            self.assertGreaterEqual(len(given), 16 if ahead == 4 else 8, "the partner was given too little")
+            for one, two in zip(alone, shared):
+                self.assertEqual(two, one)
+
+    def test_a_shared_walk_survives_partners_that_die(self):
+        self._shared_tree()
+        alone = self._searches()
+        for code in ("import sys; sys.exit(3)",                                  # dies at once
+                     "import sys; sys.stdin.readline(); sys.stdin.readline(); sys.exit(3)",  # after a unit
+                     "import sys; sys.stdin.readline(); print('{\"items\": [[0, \"bogus\", 1]]}'); sys.exit(3)"):
+            argv = [sys.executable, "-c", code]
+            with shared_walks(helper_command=lambda kind: (argv, HERE)) as given:
+                self.assertEqual(self._searches(), alone, code)
+            self.assertTrue(given)
 
 
 class TestGrepScope(SearchBase):
@@ -1679,48 +1746,17 @@ class TestGlob(SearchBase):
         self.assertLessEqual(len(out), boris.OUTPUT_MAX_CHARS + 300)
         self.assertIn("more paths not shown", out)
 
-    def _many_with_mtimes(self, n):
+    def test_big_glob_newest_first_across_shares(self):
         now = time.time()
-        for i in range(n):
-            self.write("many/f%04d.dat" % i, "")
-            os.utime(self.path("many/f%04d.dat" % i), (now - 7 * i, now - 7 * i))
-        return ["f%04d.dat" % i for i in range(n)]          # newest first
-
-    def _glob_with_helper(self, **patches):
-        """glob many/*.dat with the mtime helper forced on; the helpers it started."""
-        started = []
-        real_start = boris.start_helper
-
-        def start(kind):
-            h = real_start(kind)
-            started.append(h)
-            return h
-        def in_process():
-            raise OSError("the search runs in this process, where the patches apply")
-        patches.update(PARALLEL_MIN_FILES=5, start_helper=start, take_search_helper=in_process)
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(mock.patch("os.cpu_count", return_value=2))
-            for name, value in patches.items():
-                stack.enter_context(mock.patch.object(boris, name, value))
-            out = self.ok("glob", pattern="*.dat", path="many")
-        return out, started
-
-    def test_big_glob_shares_stat_calls_with_a_helper(self):
-        expected = self._many_with_mtimes(2600)          # > two 1024-path batches, then a tail
-        out, started = self._glob_with_helper()
-        self.assertEqual(len(started), 1)
-        self.assertIsNotNone(started[0])
-        self.assertIsNotNone(started[0].proc.returncode, "helper not reaped")
-        self.assertEqual(out.split("\n"), expected)       # newest first across both shares
-        self.assertEqual(self.ok("glob", pattern="*.dat", path="many"), out)   # same as in-process
-
-    def test_big_glob_survives_a_failing_helper(self):
-        expected = self._many_with_mtimes(1200)
-        out, started = self._glob_with_helper(
-            helper_command=lambda kind: ([sys.executable, "-c", "import sys; sys.exit(3)"], HERE))
-        self.assertEqual(len(started), 1)
-        self.assertEqual(started[0].proc.returncode, 3)
-        self.assertEqual(out.split("\n"), expected)
+        for i in range(300):
+            rel = "many/d%d/f%03d.dat" % (i % 7, i)
+            self.write(rel, "")
+            os.utime(self.path(rel), (now - 7 * i, now - 7 * i))
+        expected = ["many/d%d/f%03d.dat" % (i % 7, i) for i in range(300)]
+        self.assertEqual(self.ok("glob", pattern="**/*.dat").split("\n"), expected)
+        with shared_walks() as given:
+            self.assertEqual(self.ok("glob", pattern="**/*.dat").split("\n"), expected)
+        self.assertTrue(given)
 
 
 class TestCompatSearch(SearchBase):
@@ -3443,6 +3479,12 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
             policy = boris.PathPolicy([], [], tmp)
             ours = set(p[len(tmp) + 1:] for p, _, d, _ in boris.Walker(tmp, policy, False) if not d)
             self.assertEqual(sorted(ours), sorted(expected), "tree %d (%s)" % (trial, tmp))
+            if trial % 4 == 0:                          # the ignore stacks a partner rebuilds agree too
+                found = []
+                with shared_walks():
+                    boris.search_job({"op": "glob", "policy": boris.policy_spec(policy), "start": tmp, "rest": "*",
+                                      "base_only": True, "kind": "file", "lead": len(tmp) + 1}, found.extend)
+                self.assertEqual(sorted(rel for _, rel, _ in found), sorted(expected), "shared, tree %d" % trial)
             trees += 1
         self.assertEqual(trees, 40)
 
