@@ -1477,8 +1477,7 @@ class Walker(object):
                         yield entry[0], entry[1], True, entry[4]
                 continue
             subdirs = []
-            for item in self.visit(*pending.pop(), subdirs=subdirs):
-                yield item
+            yield from self.visit(*pending.pop(), subdirs=subdirs)
             pending += reversed(subdirs)
             if self.tick is not None:
                 self.tick()
@@ -1901,10 +1900,11 @@ def matcher_of(spec):
 
 
 def mtime(path):
+    """Modification time in ns (an int: a fifth of the JSON cost of a float), 0 if gone."""
     try:
-        return os.stat(path).st_mtime
+        return os.stat(path).st_mtime_ns
     except OSError:
-        return 0.0
+        return 0
 
 
 def helper_main(kind):
@@ -2015,8 +2015,9 @@ def name_filter(include, type_name):
 
 class GrepWork(object):
     """A grep or search_text job as each of its workers runs it: roots are (real,
-    is_dir, inode of a file root); take() turns what a walk found into a result
-    [real, rel, mtime, result, root index] (mtime only in files_with_matches mode)."""
+    is_dir, inode of a file root); take() turns what a walk found into the items to
+    send, [[real, rel, mtime, result, root index]] (mtime only in files_with_matches
+    mode), or None."""
 
     def __init__(self, job):
         self.job, self.roots = job, job["roots"]
@@ -2041,12 +2042,13 @@ class GrepWork(object):
         r = grep_file(real, ino, self.matcher, self.mode, self.before, self.after, self.buf, self.max_records)
         if r is None:
             return None
-        return [real, rel, mtime(real) if self.mode == "files_with_matches" else 0.0, r, k]
+        return [[real, rel, mtime(real) if self.mode == "files_with_matches" else 0, r, k]]
 
 
 class GlobWork(object):
     """A glob or search_files job as each of its workers runs it: one root, the
-    static directory `start`; take() gives [0, rel, mtime] for a match."""
+    static directory `start`; take() gives [rel, mtime] for a match, items sent
+    flat (rel, mtime, rel, mtime, ...: a list per match would double the JSON work)."""
 
     def __init__(self, job):
         self.job = job
@@ -2072,24 +2074,30 @@ class GlobWork(object):
         if self.name_ok is None and (is_dir != self.want_dir or not self.rx.match(
                 path[path.rfind("/") + 1:] if self.base_only else path[self.cut:])):
             return None
-        return [0, path[self.lead:], mtime(path)]     # the full path would double what the pipe carries
+        return [path[self.lead:], mtime(path)]        # the full path would double what the pipe carries
 
 
 SEARCH_WORK = {"grep": GrepWork, "glob": GlobWork}
 
 
 class Batches(object):
-    """Results handed to emit() in batches: at SEARCH_BATCH, after 0.2 s, and at the end."""
+    """Items handed to emit() in batches: at SEARCH_BATCH, after 0.2 s, and at the end."""
 
     def __init__(self, emit, raw=None):
         self.emit, self.items, self.sent = emit, [], time.monotonic()
         self.raw = raw or (lambda line: self.extend(json.loads(line.decode("utf-8"))["items"]))
 
-    def add(self, item):
-        if item is not None:
-            self.items.append(item)
+    def add(self, items):
+        if items is not None:
+            self.items += items
             if len(self.items) >= SEARCH_BATCH:
                 self.flush()
+
+    def take(self, work, k, walked):
+        """add() what work.take() makes of each (path, real, is_dir, inode) walked."""
+        take, add = work.take, self.add
+        for path, real, is_dir, ino in walked:
+            add(take(k, path, real, is_dir, ino))
 
     def extend(self, items):
         self.items += items
@@ -2122,15 +2130,13 @@ def search_job(job, emit, raw=None):
         left = deque([walker.start()])
         while left and not (walker.listed >= SHARE_MIN_ENTRIES and len(left) >= SHARE_MIN_UNITS):
             subdirs = []
-            for found in walker.visit(*left.popleft(), subdirs=subdirs):
-                out.add(work.take(k, *found))
+            out.take(work, k, walker.visit(*left.popleft(), subdirs=subdirs))
             left += subdirs
             if time.monotonic() - out.sent > 0.2:
                 out.flush()
         if left:
             share_walk(work, walker, k, left, out)
-        for found in walker.walk([]):
-            out.add(work.take(k, *found))
+        out.take(work, k, walker.walk([]))
     out.flush()
 
 
@@ -2141,10 +2147,10 @@ def grep_until(work, emit):
     for k, (real, is_dir, ino) in enumerate(work.roots):
         for found in work.walker(k) if is_dir else [(real, real, False, ino)]:
             work.max_records = left
-            item = work.take(k, *found)
-            if item:
-                emit([item])
-                left -= len(item[3])
+            items = work.take(k, *found)
+            if items:
+                emit(items)
+                left -= len(items[0][3])
                 if left <= 0:
                     return
 
@@ -2250,8 +2256,10 @@ def share_walk(work, walker, k, units, out):
     """Walk the subtrees `units` (walker entries, shallowest first) with partners.
     This process takes them one by one from the front and, at least every
     millisecond, keeps each partner SHARE_AHEAD slices ahead, also from the front:
-    the big subtrees go first, so all end at about the same time. A partner that dies
-    leaves the units it had not finished to this process."""
+    the big subtrees go first, and when the queue runs short this process lists the
+    next one's top directory only, queueing its subdirectories, so all end at about
+    the same time. A partner that dies leaves the units it had not finished to this
+    process."""
     import select
     from collections import deque
     partners = partners_for(work.job)
@@ -2290,9 +2298,12 @@ def share_walk(work, walker, k, units, out):
     walker.defer_links, walker.tick = True, tick
     try:
         while service(wait=not queue) or queue:
-            if queue:
-                for found in walker.walk([queue.popleft()]):
-                    out.add(work.take(k, *found))
+            if queue and len(queue) < 2 * SHARE_AHEAD * len(partners):    # running short: split the next
+                subdirs = []
+                out.take(work, k, walker.visit(*queue.popleft(), subdirs=subdirs))
+                queue.extendleft(reversed(subdirs))
+            elif queue:
+                out.take(work, k, walker.walk([queue.popleft()]))
     finally:
         walker.defer_links, walker.tick = False, None
         if not _share_state["warm"]:
@@ -2314,7 +2325,9 @@ def helper_partner():
         walker = work.walker(k)
         walker.use_ignore, walker.defer_links = use_ignore, True
         pending = [(path, real, ignore_stack(ign, cache), depth, ino) for path, real, ign, depth, ino in entries]
-        items = [x for x in (work.take(k, *found) for found in walker.walk(pending)) if x is not None]
+        items = []
+        for found in walker.walk(pending):
+            items += work.take(k, *found) or ()
         end = {"links": [[path, real, ignore_spec(ign), depth] for path, real, ign, depth in walker.linked],
                "seen": list(walker.seen)}
         if items:
@@ -3894,12 +3907,12 @@ def page(items, args):
 
 
 def newest_first(found):
-    """Relative paths of (path, rel, mtime) triples, newest first, ties by path.
+    """Relative paths of (rel, mtime) pairs, newest first, ties by path.
     Two stable C-level sorts: much cheaper than a Python key for 30k paths."""
     from operator import itemgetter
-    found = sorted(found, key=itemgetter(1))
-    found.sort(key=itemgetter(2), reverse=True)
-    return [rel for _, rel, _ in found]
+    found = sorted(found, key=itemgetter(0))
+    found.sort(key=itemgetter(1), reverse=True)
+    return [rel for rel, _ in found]
 
 
 def tool_grep(session, args, ctx):
@@ -3928,7 +3941,7 @@ def tool_grep(session, args, ctx):
         return "\n".join(["No matches found for pattern %r in %s" % (pattern, shown)] + notice)
     hits = [(real, rel if is_dir else shown, when, r) for real, rel, when, r, _ in items]
     if mode == "files_with_matches":
-        return cap_lines(page(newest_first([(h[0], h[1], h[2]) for h in hits]), args) + notice, "files")
+        return cap_lines(page(newest_first([(h[1], h[2]) for h in hits]), args) + notice, "files")
     if not spec.get("stop_after"):
         hits.sort(key=lambda h: h[1])                  # a head_limit search keeps the order it found
     if mode == "count":
@@ -3954,7 +3967,7 @@ def glob_plan(pattern):
 
 
 def find_paths(session, ctx, pattern, shown, kind):
-    """The one glob front: ([[0, rel, mtime]], None or why the list is partial)
+    """The one glob front: ([rel, mtime, rel, mtime, ...], None or why the list is partial)
     under `shown` matching `pattern`; the walk and the matching run in a helper."""
     if not pattern.strip():
         raise ToolError("GLOB_INVALID_PATTERN", "pattern is empty; give a glob such as **/*.py")
@@ -3988,7 +4001,7 @@ def tool_glob(session, args, ctx):
     notice = [partial_notice(why)] if why else []
     if not found:
         return "\n".join(["No files found"] + notice)
-    return cap_lines(page(newest_first(found), args) + notice, "paths")
+    return cap_lines(page(newest_first(zip(found[0::2], found[1::2])), args) + notice, "paths")
 
 
 def tool_search_text(session, args, ctx):
@@ -4014,7 +4027,7 @@ def tool_search_files(session, args, ctx):
     notice = [partial_notice(why)] if why else []
     if not found:
         return "\n".join(["No files found matching %r" % args["pattern"]] + notice)
-    return cap_lines(newest_first(found) + notice, "paths")
+    return cap_lines(newest_first(zip(found[0::2], found[1::2])) + notice, "paths")
 
 
 ###############################################################################
