@@ -1666,12 +1666,6 @@ class Matcher(object):
             except (re.error, ValueError):
                 self.rx = None                                          # \u263A, \N{...}: text only
 
-    def any_in(self, buf, end):
-        """Whether the literal occurs in buf[:end] (a whole file without a BOM)."""
-        if self.folded:
-            return buf[:end].lower().find(self.literal) >= 0
-        return buf.find(self.literal, 0, end) >= 0
-
     def needs_text(self, buf, end):
         """Whether this chunk must be searched as decoded text."""
         return self.literal is None and (self.rx is None or not buf[:end].isascii())
@@ -1845,11 +1839,14 @@ def grep_file(path, ino, matcher, mode, before=0, after=0, buf=None, max_records
         if not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
             return None
         n = os.readv(fd, [buf])
-        if n < len(buf) and buf[:2] not in (b"\xff\xfe", b"\xfe\xff"):     # most files: one piece, read
+        lead = buf[0] if n else 0                   # 0xff/0xfe: UTF-16 BOM? 0xef: UTF-8 BOM?
+        if n < len(buf) and lead < 0xfe:           # most files: one piece, read
             if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
                 return None
-            if matcher.literal is not None and mode == "files_with_matches" and buf[:1] != b"\xef":
-                return matcher.any_in(buf, n) or None
+            if matcher.literal is not None and mode == "files_with_matches" and lead != 0xef:
+                if matcher.folded:
+                    return buf[:n].lower().find(matcher.literal) >= 0 or None
+                return buf.find(matcher.literal, 0, n) >= 0 or None
             pieces = ((buf, n, 1),)
         else:
             pieces = read_chunks(fd, buf, n, mode == "content" and (before or after or matcher.multiline),
@@ -1998,7 +1995,7 @@ def policy_spec(policy):
 
 
 def name_filter(include, type_name):
-    """(rel, name) -> bool from an include glob and a language type."""
+    """(rel, name) -> bool from an include glob and a language type; None without either."""
     tests = []
     if include:
         try:
@@ -2010,7 +2007,9 @@ def name_filter(include, type_name):
     if type_name:
         by_type = type_matcher(type_name)
         tests.append(lambda rel, name: by_type(name))
-    return lambda rel, name: all(t(rel, name) for t in tests)
+    if not tests:
+        return None
+    return tests[0] if len(tests) == 1 else lambda rel, name: all(t(rel, name) for t in tests)
 
 
 class GrepWork(object):
@@ -2034,14 +2033,14 @@ class GrepWork(object):
 
     def take(self, k, path, real, is_dir, ino):
         root, root_is_dir = self.roots[k][0], self.roots[k][1]
-        rel = None
-        if root_is_dir:
+        if root_is_dir and self.keep is not None:
             rel = path[len(root) + 1 if root != "/" else 1:]
             if not self.keep(rel, rel[rel.rfind("/") + 1:]):
                 return None
         r = grep_file(real, ino, self.matcher, self.mode, self.before, self.after, self.buf, self.max_records)
         if r is None:
             return None
+        rel = path[len(root) + 1 if root != "/" else 1:] if root_is_dir else None
         return [[real, rel, mtime(real) if self.mode == "files_with_matches" else 0, r, k]]
 
 
