@@ -2787,6 +2787,39 @@ class TestNothingFrozenOverStdio(StdioBase):
         self.assertFalse(any(m and m.get("id") == 900 for m in self.c.lines))
 
 
+    def test_a_cancelled_shared_walk_takes_its_partners_along(self):
+        for d in range(40):                            # past SHARE_MIN_ENTRIES: the walk is shared
+            os.makedirs(os.path.join(self.tmp, "d%02d" % d))
+            for i in range(80):
+                open(os.path.join(self.tmp, "d%02d" % d, "f%02d.txt" % i), "w").close()
+            os.makedirs(os.path.join(self.tmp, "d%02d" % d, "sub"))        # walked once the sharing starts
+            with open(os.path.join(self.tmp, "d%02d" % d, "sub", "evil.txt"), "w") as f:
+                f.write(CATASTROPHIC_LINE)
+        self.c.send({"jsonrpc": "2.0", "id": 901, "method": "tools/call",
+                     "params": {"name": "grep", "arguments": {"pattern": CATASTROPHIC, "output_mode": "count"}}})
+        self.assertTrue(wait_until(lambda: helper_pids(self.c.p.pid), 10))
+        helper = helper_pids(self.c.p.pid)[0]
+        self.assertTrue(wait_until(lambda: helper_pids(helper, "partner"), 10), "the walk was not shared")
+        self.assertEqual(self.c.request("ping")["result"], {})
+        self.c.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 901}})
+        self.assertTrue(wait_until(lambda: not procs_with("--helper partner"), 5), "a partner outlived its search")
+
+        def zombies():
+            kids = []
+            for tid in os.listdir("/proc/%d/task" % self.c.p.pid):
+                with open("/proc/%d/task/%s/children" % (self.c.p.pid, tid)) as f:
+                    kids += f.read().split()
+            states = []
+            for pid in kids:
+                try:
+                    with open("/proc/%s/stat" % pid) as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except OSError:
+                    pass
+            return [s for s in states if s == "Z"]
+        self.assertTrue(wait_until(lambda: not zombies(), 5), "a partner was left a zombie")
+
+
 class TestOutputAtScale(NoViewBase):
     def test_forty_megabytes_without_newlines_is_cut_and_bounded(self):
         text = self.ok("bash", command="head -c 41943040 /dev/zero | tr '\\0' y")
