@@ -2089,7 +2089,7 @@ class Batches(object):
     def add(self, items):
         if items is not None:
             self.items += items
-            if len(self.items) >= SEARCH_BATCH:
+            if len(self.items) >= SEARCH_BATCH or time.monotonic() - self.sent > 0.2:
                 self.flush()
 
     def take(self, work, k, walked):
@@ -2294,6 +2294,8 @@ def share_walk(work, walker, k, units, out):
         if now >= mark[0]:
             mark[0] = now + 0.001
             service(False)
+            if now - out.sent > 0.2:
+                out.flush()
     walker.defer_links, walker.tick = True, tick
     try:
         while service(wait=not queue) or queue:
@@ -2305,9 +2307,11 @@ def share_walk(work, walker, k, units, out):
                 out.take(work, k, walker.walk([queue.popleft()]))
     finally:
         walker.defer_links, walker.tick = False, None
-        if not _share_state["warm"]:
-            for p in partners:
+        for p in partners:
+            if p.units or not _share_state["warm"]:    # one still at work (this walk failed) is not reused
                 p.close()
+                if p in _partners:
+                    _partners.remove(p)
 
 
 def helper_partner():

@@ -1616,6 +1616,22 @@ class TestGrep(SearchBase):
             for one, two in zip(alone, shared):
                 self.assertEqual(two, one)
 
+    def test_a_failed_shared_walk_reuses_no_busy_partner(self):
+        self._shared_tree()
+        alone = self._searches()
+        real_take = boris.GrepWork.take
+
+        def failing(work, k, path, *rest):
+            if "/many/" in path:
+                raise RuntimeError("the disk caught fire")
+            return real_take(work, k, path, *rest)
+        with shared_walks(SHARE_AHEAD=1) as given:
+            with mock.patch.object(boris.GrepWork, "take", failing):
+                with self.assertRaises(RuntimeError):              # (a search helper reports it)
+                    self.call("grep", pattern="hit", path="many")
+            self.assertTrue(given)
+            self.assertEqual(self._searches(), alone)          # no answer of the failed walk leaks in
+
     def test_a_shared_walk_survives_partners_that_die(self):
         self._shared_tree()
         alone = self._searches()
