@@ -1280,6 +1280,7 @@ SHARE_MIN_ENTRIES = 3000               # a walk is shared once it has listed thi
 SHARE_MIN_UNITS = 8                    # ... and has this many directories left to walk
 SHARE_SLICES = 48                      # a partner is given about 1/48 of its share at a time
 SHARE_AHEAD = 4                        # ... and kept that many slices ahead
+SHARE_SERVICE_S = 0.001                # the helper feeds its partners at least this often
 _REGEX_META = frozenset("\\.^$*+?{}[]|()")
 
 TYPES = {                      # ripgrep's globs for these languages, and a few more
@@ -2043,10 +2044,18 @@ class GrepWork(object):
         rel = path[len(root) + 1 if root != "/" else 1:] if root_is_dir else None
         return [[real, rel, mtime(real) if self.mode == "files_with_matches" else 0, r, k]]
 
+    def gather(self, k, walked, items):
+        """Append to `items` what take() makes of each (path, real, is_dir, inode) walked."""
+        take = self.take
+        for path, real, is_dir, ino in walked:
+            r = take(k, path, real, is_dir, ino)
+            if r is not None:
+                items += r
+
 
 class GlobWork(object):
     """A glob or search_files job as each of its workers runs it: one root, the
-    static directory `start`; take() gives [rel, mtime] for a match, items sent
+    static directory `start`; gather() appends rel, mtime for each match, items sent
     flat (rel, mtime, rel, mtime, ...: a list per match would double the JSON work)."""
 
     def __init__(self, job):
@@ -2069,11 +2078,20 @@ class GlobWork(object):
         return Walker(self.roots[0][0], self.policy, follow_links=False, want_dirs=self.want_dirs,
                       name_ok=self.name_ok, max_depth=self.depth)
 
-    def take(self, k, path, real, is_dir, ino):
-        if self.name_ok is None and (is_dir != self.want_dir or not self.rx.match(
-                path[path.rfind("/") + 1:] if self.base_only else path[self.cut:])):
-            return None
-        return [path[self.lead:], mtime(path)]        # the full path would double what the pipe carries
+    def gather(self, k, walked, items):
+        """Append rel, mtime to `items` for each match walked (one loop, no call per
+        path but the stat: a big glob is mostly this loop)."""
+        lead, cut, rx, base_only, want_dir, stat_of = self.lead, self.cut, self.rx, self.base_only, self.want_dir, os.stat
+        filtered = self.name_ok is not None                 # the walker has matched the names already
+        for path, real, is_dir, ino in walked:
+            if not filtered and (is_dir != want_dir or not rx.match(
+                    path[path.rfind("/") + 1:] if base_only else path[cut:])):
+                continue
+            try:
+                when = stat_of(path).st_mtime_ns
+            except OSError:
+                when = 0
+            items += (path[lead:], when)                # the full path would double what the pipe carries
 
 
 SEARCH_WORK = {"grep": GrepWork, "glob": GlobWork}
@@ -2086,27 +2104,26 @@ class Batches(object):
         self.emit, self.items, self.sent = emit, [], time.monotonic()
         self.raw = raw or (lambda line: self.extend(json.loads(line.decode("utf-8"))["items"]))
 
-    def add(self, items):
-        if items is not None:
-            self.items += items
-            if len(self.items) >= SEARCH_BATCH or time.monotonic() - self.sent > 0.2:
-                self.flush()
-
     def take(self, work, k, walked):
-        """add() what work.take() makes of each (path, real, is_dir, inode) walked."""
-        take, add = work.take, self.add
-        for path, real, is_dir, ino in walked:
-            add(take(k, path, real, is_dir, ino))
+        """Add what `work` makes of the entries walked."""
+        work.gather(k, walked, self.items)
+        self.flush_due()
 
     def extend(self, items):
         self.items += items
+        self.flush_due()
+
+    def flush_due(self):
         if len(self.items) >= SEARCH_BATCH or time.monotonic() - self.sent > 0.2:
             self.flush()
 
     def flush(self):
+        """Emit what is in; the list stays the same object (a gather() may be adding to it)."""
         if self.items:
-            self.emit(self.items)
-        self.items, self.sent = [], time.monotonic()
+            batch = self.items[:]
+            del self.items[:]
+            self.emit(batch)
+        self.sent = time.monotonic()
 
 
 def search_job(job, emit, raw=None):
@@ -2123,7 +2140,7 @@ def search_job(job, emit, raw=None):
     out = Batches(emit, raw)
     for k, (real, is_dir, ino) in enumerate(work.roots):
         if not is_dir:
-            out.add(work.take(k, real, real, False, ino))
+            out.take(work, k, [(real, real, False, ino)])
             continue
         walker = work.walker(k)
         left = deque([walker.start()])
@@ -2254,7 +2271,7 @@ def partner_count():
 def share_walk(work, walker, k, units, out):
     """Walk the subtrees `units` (walker entries, shallowest first) with partners.
     This process takes them one by one from the front and, at least every
-    millisecond, keeps each partner SHARE_AHEAD slices ahead, also from the front:
+    SHARE_SERVICE_S, keeps each partner SHARE_AHEAD slices ahead, also from the front:
     the big subtrees go first, and when the queue runs short this process lists the
     next one's top directory only, queueing its subdirectories, so all end at about
     the same time. A partner that dies leaves the units it had not finished to this
@@ -2292,7 +2309,7 @@ def share_walk(work, walker, k, units, out):
     def tick():
         now = time.monotonic()
         if now >= mark[0]:
-            mark[0] = now + 0.001
+            mark[0] = now + SHARE_SERVICE_S
             service(False)
             if now - out.sent > 0.2:
                 out.flush()
@@ -2329,8 +2346,7 @@ def helper_partner():
         walker.use_ignore, walker.defer_links = use_ignore, True
         pending = [(path, real, ignore_stack(ign, cache), depth, ino) for path, real, ign, depth, ino in entries]
         items = []
-        for found in walker.walk(pending):
-            items += work.take(k, *found) or ()
+        work.gather(k, walker.walk(pending), items)
         end = {"links": [[path, real, ignore_spec(ign), depth] for path, real, ign, depth in walker.linked],
                "seen": list(walker.seen)}
         if items:

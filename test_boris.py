@@ -1610,11 +1610,25 @@ class TestGrep(SearchBase):
         self.assertNotIn("x.skip", alone[0])
         self.assertNotIn("alias", alone[1])
         for ahead in (4, 1):                          # the partner walks all of many/, or some of it
-            with shared_walks(SHARE_AHEAD=ahead) as given:
+            with shared_walks(SHARE_AHEAD=ahead, SEARCH_BATCH=2 if ahead == 1 else 1000, SHARE_SERVICE_S=0) as given:
                 shared = self._searches()
             self.assertGreaterEqual(len(given), 16 if ahead == 4 else 8, "the partner was given too little")
             for one, two in zip(alone, shared):
                 self.assertEqual(two, one)
+
+    def test_results_that_arrive_during_a_gather_are_all_kept(self):
+        got = []
+        out = boris.Batches(got.extend)
+
+        class Work(object):
+            def gather(self, k, walked, items):
+                for x in walked:
+                    items.append(x)
+                    out.extend(["partner %s" % x])        # a partner's line, taken in by a tick mid-walk
+        with mock.patch.object(boris, "SEARCH_BATCH", 2):
+            out.take(Work(), 0, ["a", "b", "c"])
+            out.flush()
+        self.assertEqual(sorted(got), ["a", "b", "c", "partner a", "partner b", "partner c"])
 
     def test_a_failed_shared_walk_reuses_no_busy_partner(self):
         self._shared_tree()
