@@ -2193,7 +2193,8 @@ def unit_spec(entry):
 
 class Partner(Helper):
     """A partner process of a search helper: takes a job, then units of it (lists of
-    subtrees to walk), and answers each unit with one line."""
+    subtrees to walk), and answers each unit with its results (a line, if any) and
+    an end line (the links it left to follow, the directories it saw)."""
 
     def __init__(self):
         Helper.__init__(self, "partner")
@@ -2233,7 +2234,7 @@ _partners = []
 _share_state = {"warm": False}                 # a search helper keeps its partners for the next job
 
 
-def partners_for(job):
+def partners_for():
     """Partners for a shared walk, as many as the cores allow beside this process: a
     search helper keeps its partners for the next job; elsewhere (searches may run in
     parallel threads) each walk starts its own."""
@@ -2278,7 +2279,7 @@ def share_walk(work, walker, k, units, out):
     process."""
     import select
     from collections import deque
-    partners = partners_for(work.job)
+    partners = partners_for()
     queue = deque(units)
     size = max(1, len(queue) // (SHARE_SLICES * (len(partners) + 1)))
     cache, mark = {}, [0]
@@ -2415,13 +2416,23 @@ def release_search_helper(proc, healthy):
 
 
 def kill_search_helper(proc):
-    """Kill a search helper with every process it started, and reap it."""
+    """Kill a search helper with every process it started, and reap it. Its partners,
+    re-parented here when this process is a subreaper, are reaped as they die (within
+    a second), not left to the periodic reaper."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
         pass
     proc.wait()
     reaped(proc)
+    deadline = time.monotonic() + 1.0
+    while _reaper_state["on"] and time.monotonic() < deadline:
+        reap_orphans()
+        try:
+            os.killpg(proc.pid, 0)                       # a member left, zombie or not?
+        except OSError:
+            break
+        time.sleep(0.005)
     for f in (proc.stdin, proc.stdout):
         try:
             f.close()
