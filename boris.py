@@ -1281,6 +1281,7 @@ SHARE_MIN_UNITS = 8                    # ... and has this many directories left 
 SHARE_SLICES = 48                      # a partner is given about 1/48 of its share at a time
 SHARE_AHEAD = 4                        # ... and kept that many slices ahead
 SHARE_SERVICE_S = 0.001                # the helper feeds its partners at least this often
+PARTNER_IDLE_S = 60.0                  # a search helper's partners are closed after this long idle
 _REGEX_META = frozenset("\\.^$*+?{}[]|()")
 
 TYPES = {                      # ripgrep's globs for these languages, and a few more
@@ -2356,10 +2357,12 @@ def helper_partner():
         out.flush()
 
 
-def helper_search():
+def helper_search(inp=None, out=None):
     """A search helper: one JSON job a line on stdin, until it closes; for each, lines
-    {"items": [...]} as results come, then {"end": "ok"} or {"end": "error", ...}."""
-    out = sys.stdout.buffer
+    {"items": [...]} as results come, then {"end": "ok"} or {"end": "error", ...}.
+    Partners idle for PARTNER_IDLE_S are closed (they hold ~14 MB each)."""
+    import select
+    inp, out = inp or sys.stdin.buffer, out or sys.stdout.buffer
     _share_state["warm"] = True
 
     def raw(line):
@@ -2369,7 +2372,13 @@ def helper_search():
     def emit(items):
         if items:
             raw(json.dumps({"items": items}).encode("ascii"))
-    for line in iter(sys.stdin.buffer.readline, b""):
+    while True:
+        if _partners and not select.select([inp], [], [], PARTNER_IDLE_S)[0]:
+            close_partners()                    # (a job comes alone: nothing waits in inp's buffer)
+            continue
+        line = inp.readline()
+        if not line:
+            return None
         job = json.loads(line.decode("utf-8", "surrogateescape"))
         try:
             search_job(job, emit, raw)
@@ -2379,7 +2388,13 @@ def helper_search():
         except Exception as e:
             end = {"end": "error", "code": "IO_ERROR", "message": "the search failed: %r" % e}
         raw(json.dumps(end).encode("ascii"))
-    return None
+
+
+def close_partners():
+    partners = list(_partners)
+    del _partners[:]
+    for p in partners:
+        p.close()
 
 
 _search_idle = []

@@ -77,9 +77,8 @@ def shared_walks(**patches):
             yield given
         finally:
             partners = list(boris._partners)
-            del boris._partners[:]
+            boris.close_partners()
             for partner in partners:
-                partner.close()
                 assert partner.proc.returncode is not None, "partner not reaped"
 
 
@@ -1615,6 +1614,30 @@ class TestGrep(SearchBase):
             self.assertGreaterEqual(len(given), 16 if ahead == 4 else 8, "the partner was given too little")
             for one, two in zip(alone, shared):
                 self.assertEqual(two, one)
+
+    def test_idle_partners_are_closed(self):
+        r, w = os.pipe()
+        got = io.BytesIO()
+        with os.fdopen(r, "rb") as inp, shared_walks(PARTNER_IDLE_S=0.1) as given:
+            self._shared_tree()
+            partners = []
+            helper = threading.Thread(target=boris.helper_search, args=(inp, got))
+            helper.start()
+            try:
+                job = boris.grep_job_of(boris.CallContext(self.cfg, self.policy), [boris.search_root(
+                    self.session, boris.CallContext(self.cfg, self.policy), "many")], boris.grep_spec(
+                    "hit", True, False, False, "files_with_matches")[0])
+                os.write(w, json.dumps(job).encode() + b"\n")
+                self.assertTrue(wait_until(lambda: b'{"end": "ok"}' in got.getvalue()), got.getvalue()[-300:])
+                partners = list(boris._partners)
+                self.assertTrue(partners and given, "the walk was not shared")
+                self.assertTrue(wait_until(lambda: not boris._partners, 5), "idle partners were kept")
+            finally:
+                os.close(w)
+                helper.join(5)
+        self.assertFalse(helper.is_alive())
+        for partner in partners:
+            self.assertIsNotNone(partner.proc.returncode, "partner not reaped")
 
     def test_results_that_arrive_during_a_gather_are_all_kept(self):
         got = []
