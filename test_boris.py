@@ -1585,6 +1585,8 @@ class TestGrep(SearchBase):
         self.write("many/d2/.gitignore", "*.skip\n")
         self.write("many/d2/s0/x.skip", "hit\n")
         self.write("many/d1/s1/blob.bin", b"hit\x00")
+        with open(os.path.join(self.path("many/d2/s1").encode(), b"caf\xe9 \xff.py"), "wb") as f:
+            f.write(b"hit in a name that is not UTF-8\n")     # a surrogate in every message about it
         os.symlink(self.path("many/d0"), self.path("many/d3/alias"))
         os.symlink(self.path("many"), self.path("many/d1/up"))
         self.write("outside/o.txt", "hit outside\n")
@@ -1604,7 +1606,8 @@ class TestGrep(SearchBase):
     def test_a_shared_walk_agrees_with_one_process(self):
         self._shared_tree()
         alone = self._searches()
-        self.assertEqual(len(alone[1].split("\n")), 16 + 1)        # d0 reached twice counts once
+        self.assertEqual(len(alone[1].split("\n")), 16 + 2 + 1)    # d0 reached twice counts once; a notice
+        self.assertIn("d2/s1/caf\ufffd \ufffd.py", alone[1])
         self.assertIn("d0/s2/ext/o.txt", alone[1])
         self.assertNotIn("x.skip", alone[0])
         self.assertNotIn("alias", alone[1])
