@@ -1452,6 +1452,8 @@ class Walker(object):
         self.max_depth = max_depth
         self.seen = set()
         self.linked = []                           # (path, real, ignore stack, depth) to enter later
+        self.link_heap = []                        # ... ordered by path once the real tree is done
+        self.links_queued = 0
         self.defer_links = False                   # True: leave self.linked to whoever shares the walk
         self.use_ignore = False
         self.listed = 0                            # entries listed so far
@@ -1468,11 +1470,15 @@ class Walker(object):
 
     def walk(self, pending):
         """Depth first from the pending entries, then the followed links."""
+        import heapq
         pending = list(pending)
-        while pending or (self.linked and not self.defer_links):
+        while pending or ((self.linked or self.link_heap) and not self.defer_links):
             if not pending:
-                self.linked.sort(key=lambda link: link[0])      # a tree linked twice shows under the first name
-                entry = self.enter_link(*self.linked.pop(0))
+                for link in self.linked:                 # a tree linked twice shows under the first name
+                    self.links_queued += 1
+                    heapq.heappush(self.link_heap, (link[0], self.links_queued, link))
+                del self.linked[:]
+                entry = self.enter_link(*heapq.heappop(self.link_heap)[2])
                 if entry is not None:
                     pending.append(entry)
                     if self.want_dirs:
