@@ -1947,47 +1947,6 @@ def helper_command(kind):
     return [sys.executable, "-E", "-S", "-X", "utf8"] + cache + ["-m", module, "--helper", kind], here
 
 
-class Helper(object):
-    """One helper process. Input goes through a queue to a feeding thread, so a helper
-    still starting up (or a full pipe) never blocks the caller."""
-
-    def __init__(self, kind):
-        import queue
-        import subprocess
-        argv, cwd = helper_command(kind)
-        self.proc = spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL)
-        self.inbox = queue.SimpleQueue()
-        self.feeder = threading.Thread(target=self._feed, daemon=True)
-        self.feeder.start()
-
-    def _feed(self):
-        try:
-            for data in iter(self.inbox.get, None):
-                self.proc.stdin.write(data)
-                self.proc.stdin.flush()
-        except OSError:                                 # the helper died: its reader sees the end
-            pass
-        finally:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
-
-    def send(self, data):
-        self.inbox.put(data)
-
-    def close(self):
-        """Kill (if still running), reap, release; safe to repeat."""
-        self.inbox.put(None)
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        reaped(self.proc)
-        self.feeder.join()                  # it closes stdin (a write to the dead helper fails at once)
-        self.proc.stdout.close()
-
-
 # -- searches run where they can be killed -----------------------------------------
 # Python's re holds the interpreter while it matches, so a catastrophic pattern (or a
 # glob such as *a*a*a*a*b) run in this process would freeze ping, cancel and every
@@ -2198,14 +2157,49 @@ def unit_spec(entry):
     return [path, real, ignore_spec(ign), depth, ino]
 
 
-class Partner(Helper):
+class Partner(object):
     """A partner process of a search helper: takes a job, then units of it (lists of
     subtrees to walk), and answers each unit with its results (a line, if any) and
-    an end line (the links it left to follow, the directories it saw)."""
+    an end line (the links it left to follow, the directories it saw). What it is
+    sent goes through a queue to a feeding thread, so a partner still starting up
+    (or a full pipe) never blocks the search helper."""
 
     def __init__(self):
-        Helper.__init__(self, "partner")
+        import queue
+        import subprocess
+        argv, cwd = helper_command("partner")
+        self.proc = spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL)
         self.units, self.rest, self.job, self.held = [], b"", None, []
+        self.inbox = queue.SimpleQueue()
+        self.feeder = threading.Thread(target=self._feed, daemon=True)
+        self.feeder.start()
+
+    def _feed(self):
+        try:
+            for data in iter(self.inbox.get, None):
+                self.proc.stdin.write(data)
+                self.proc.stdin.flush()
+        except OSError:                                 # it died: replies() sees the end
+            pass
+        finally:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def send(self, data):
+        self.inbox.put(data)
+
+    def close(self):
+        """Kill (if still running), reap, release; safe to repeat."""
+        self.inbox.put(None)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        reaped(self.proc)
+        self.feeder.join()                  # it closes stdin (a write to the dead partner fails at once)
+        self.proc.stdout.close()
 
     def give(self, work, k, use_ignore, entries):
         if self.job is not work.job:
