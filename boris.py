@@ -21,6 +21,12 @@ __license__ = "MIT"
 
 import sys
 
+if __name__ == "__main__" and sys.path and not (sys.flags.isolated or getattr(sys.flags, "safe_path", False)):
+    # sys.path[0] is this file's directory (or the cwd, for -m): often the workspace,
+    # where a model can write json.py or difflib.py. Drop it before the first import,
+    # so that every module, now and imported lazily later, comes from the standard library.
+    del sys.path[0]
+
 if sys.version_info < (3, 8):
     sys.stderr.write("boris: error: Python %d.%d is too old; boris.py needs Python 3.8 or newer\n"
                      % sys.version_info[:2])
@@ -57,6 +63,8 @@ LISTING_SKIP = frozenset((".git", "node_modules"))
 MISS_CONTEXT_LINES = 12                    # lines of the closest region a str_replace miss shows
 SNIPPET_CONTEXT = 4                        # lines around an edit in str_replace's answer
 MAX_PATH_CHARS = 4096
+MAX_PATTERN_CHARS = 8192                   # a regex, glob, include or wait_for from the model
+MAX_INT_ARG = 2 ** 53 - 1                  # integers beyond this are not JSON-safe in every client
 MAX_BRACE_DEPTH = 16                       # {a,{b,c}} nesting in a glob
 MAX_SYMLINKS = 40                          # links followed in one path, as the kernel's ELOOP
 
@@ -72,9 +80,11 @@ GREP_BINARY_SNIFF = 512
 SEARCH_TIMEOUT_S = 60.0                    # a search is stopped here, its partial results kept
 SEARCH_BATCH = 1000                        # results a helper sends at a time
 SEARCH_IDLE_HELPERS = 2                    # search helpers kept warm for the next search
+DEADLINE_GRACE_S = 5.0                     # a helper past its job's deadline by this much ends itself
 WEB_MAX_CHARS = 5000
 WEB_MAX_BYTES = 5 * 1024 * 1024
 WEB_MAX_REDIRECTS = 5
+MAX_URL_CHARS = 8192
 
 HTTP_SESSION_IDLE_S = 600.0
 HTTP_MAX_BODY = 4 * 1024 * 1024
@@ -85,6 +95,7 @@ REAP_INTERVAL_S = 0.5                      # orphans re-parented to boris are re
 MAX_WORKERS = 64                           # tool calls running at once; more wait in a queue
 WORKER_IDLE_S = 30.0                       # an idle worker thread retires after this
 EOF_GRACE_S = 2.0                          # stdin closed: let in-flight calls finish
+HELPER_WATCH_S = 0.2                       # a helper checks this often that its parent lives
 
 ###############################################################################
 # Errors ######################################################################
@@ -693,6 +704,65 @@ def crc32(data, value=0):
     return zlib.crc32(data, value)
 
 
+NOT_FILE_CODECS = frozenset(("undefined", "punycode", "idna", "raw-unicode-escape", "unicode-escape"))
+
+
+def text_codec(name):
+    """The canonical name of `name` when it is a text encoding a file or page can be
+    decoded with, else None: unknown names, bytes-to-bytes codecs (base64, zlib,
+    rot13) and label codecs that are not file encodings (idna, punycode, undefined)."""
+    import codecs
+    try:
+        info = codecs.lookup(name)
+    except (LookupError, ValueError, TypeError, UnicodeError):
+        return None
+    if not getattr(info, "_is_text_encoding", True) or info.name in NOT_FILE_CODECS:
+        return None
+    return info.name
+
+
+class LineBuffer(object):
+    """Bytes in, whole lines out, in time linear in what is fed: one bytearray,
+    searched for newlines only past where the last search stopped, consumed from
+    the front (which a bytearray does without copying the rest). A line longer than
+    `limit` comes out as None once, and is skipped to its end."""
+
+    def __init__(self, limit=None):
+        self.buf = bytearray()
+        self.scanned = 0
+        self.limit = limit
+        self.skipping = False
+
+    def feed(self, data):
+        """The lines (bytes, newline dropped) that `data` completes."""
+        buf = self.buf
+        buf += data
+        lines, start = [], 0
+        while True:
+            i = buf.find(b"\n", max(start, self.scanned))
+            if i < 0:
+                break
+            if self.skipping:
+                self.skipping = False
+            else:
+                lines.append(bytes(buf[start:i]))
+            start = i + 1
+        if start:
+            del buf[:start]
+        self.scanned = len(buf)
+        if self.limit is not None and len(buf) > self.limit:
+            if not self.skipping:
+                lines.append(None)
+            self.skipping = True
+            del buf[:]
+            self.scanned = 0
+        return lines
+
+    def rest(self):
+        """What is left after the last newline (at the end of input)."""
+        return b"" if self.skipping else bytes(self.buf)
+
+
 class LineReader(object):
     """Lines of a binary file object with memory bounded whatever the file holds:
     a line over LINE_READ_MAX bytes keeps its head and counts the rest; at most
@@ -1174,16 +1244,25 @@ def reaped(proc):
         _live_pids.discard(proc.pid)
 
 
-def set_subreaper():
-    """PR_SET_CHILD_SUBREAPER through ctypes (Linux); False where it is not to be had."""
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def prctl(option, value):
+    """prctl(2) through ctypes (Linux); False where it is not to be had."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(36, 1, 0, 0, 0) == 0          # PR_SET_CHILD_SUBREAPER
+        return libc.prctl(option, int(value), 0, 0, 0) == 0
     except (OSError, AttributeError, ImportError):
         return False
+
+
+def set_subreaper():
+    """Become a child subreaper (Linux); False where it is not to be had."""
+    return prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def child_pids():
@@ -1897,11 +1976,14 @@ def matcher_of(spec):
 
 
 # -- helper processes -------------------------------------------------------------
-# Every search runs in a search helper (below); a big one shares its walk with partner
-# processes: this same file run as `python3 -E -S -m boris --helper KIND` (no
-# site-packages; the bytecode is cached under a private pycache prefix, so a helper
-# starts in ~25 ms and writes nothing next to boris.py). A helper reads JSON lines on
-# stdin and answers in JSON lines on stdout.
+# Every search, and every wait_for match, runs in a search helper; a big search shares
+# its walk with partner processes. A helper is this same file run as
+# `python3 -E -S -X utf8 -m boris_XXXXXXXX --helper KIND PARENT_PID` from a private
+# directory (0700, ours) that holds nothing but a link to this file and the cached
+# bytecode: no site-packages, and neither the workspace nor any cwd is ever on a
+# helper's import path, while it starts in ~25 ms. A helper reads JSON lines on stdin,
+# answers in JSON lines on stdout, writes its tracebacks to the server's stderr, and
+# dies with its parent however the parent dies (guard_helper).
 
 
 def mtime(path):
@@ -1912,18 +1994,38 @@ def mtime(path):
         return 0
 
 
-def helper_main(kind):
-    """Entry point of `boris.py --helper KIND`: serve stdin, exit 0 (2 for no such kind)."""
+def helper_main(kind, parent=None):
+    """Entry point of `boris.py --helper KIND [PARENT_PID]`: serve stdin, exit 0 (2 for
+    no such kind)."""
     job = HELPER_KINDS.get(kind)
     if job is None:
         sys.stderr.write("boris: error: unknown helper kind %r\n" % kind)
         return 2
+    guard_helper(int(parent) if parent and parent.isdigit() else None)
     job()
     return 0
 
 
+def guard_helper(parent):
+    """Make this helper die with `parent`: PR_SET_PDEATHSIG (Linux: the kernel kills it
+    even while it is deep in a regex) and a thread that watches getppid() (everywhere,
+    and for a parent that died before the prctl)."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent is None:
+        return
+    if os.getppid() != parent:
+        os._exit(0)
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(HELPER_WATCH_S)
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True, name="boris-parent-watch").start()
+
+
 def pycache_prefix():
-    """A private directory for the helpers' cached bytecode, or None when none is safe."""
+    """A private directory for the helpers' cached bytecode and the link they are run
+    through, or None when none is safe (not a directory of ours, or open to others)."""
     import tempfile
     path = os.path.join(tempfile.gettempdir(), "boris-pycache-%d" % os.geteuid())
     try:
@@ -1938,13 +2040,41 @@ def pycache_prefix():
     return path
 
 
+def helper_link(private, real):
+    """The module name under which `private` holds a symlink to `real` (this file),
+    made atomically when missing or stale; None when it cannot be made."""
+    name = "boris_%08x" % crc32(real.encode("utf-8", "surrogateescape"))
+    link = os.path.join(private, name + ".py")
+    try:
+        if os.readlink(link) == real:
+            return name
+    except OSError:
+        pass
+    tmp = "%s.%d-%s" % (link, os.getpid(), os.urandom(4).hex())
+    try:
+        os.symlink(real, tmp)
+        os.replace(tmp, link)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return None
+    return name
+
+
 def helper_command(kind):
-    """argv and cwd that run this file as a helper of `kind`."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    prefix = pycache_prefix()
-    cache = ["-X", "pycache_prefix=" + prefix] if prefix else ["-B"]
-    module = os.path.splitext(os.path.basename(__file__))[0]
-    return [sys.executable, "-E", "-S", "-X", "utf8"] + cache + ["-m", module, "--helper", kind], here
+    """argv and cwd that run this file as a helper of `kind`, child of this process.
+    Without a private directory it runs isolated (-I: no cwd, no script directory on
+    the path) and compiles this file at every start."""
+    real = os.path.realpath(__file__)
+    parent = str(os.getpid())
+    private = pycache_prefix()
+    name = helper_link(private, real) if private else None
+    if name:
+        return ([sys.executable, "-E", "-S", "-X", "utf8", "-X", "pycache_prefix=" + private, "-m", name,
+                 "--helper", kind, parent], private)
+    return [sys.executable, "-I", "-S", "-X", "utf8", real, "--helper", kind, parent], "/"
 
 
 # -- searches run where they can be killed -----------------------------------------
@@ -2092,13 +2222,19 @@ class Batches(object):
         self.sent = time.monotonic()
 
 
-def search_job(job, emit, raw=None):
+def search_job(job, emit, raw=None, partners=None):
     """Run a search job, handing results to emit() as they come (and a partner's
     result lines, when given, to raw() as they are). Each directory root
     is walked breadth first until it has listed SHARE_MIN_ENTRIES entries with
     SHARE_MIN_UNITS directories still to go; those subtrees are then shared with
-    partner processes. Followed directory links come last, walked here."""
+    `partners` (a Partners; fresh ones for this job when None). Followed directory
+    links come last, walked here. A 'match' job tests a wait_for pattern."""
     from collections import deque
+    if job["op"] == "match":
+        emit(match_job(job))
+        return
+    if partners is None:
+        partners = Partners(warm=False)
     work = SEARCH_WORK[job["op"]](job)
     if job["op"] == "grep" and work.spec.get("stop_after"):
         grep_until(work, emit)
@@ -2117,7 +2253,7 @@ def search_job(job, emit, raw=None):
             if time.monotonic() - out.sent > 0.2:
                 out.flush()
         if left:
-            share_walk(work, walker, k, left, out)
+            share_walk(work, walker, k, left, out, partners)
         out.take(work, k, walker.walk([]))
     out.flush()
 
@@ -2169,8 +2305,8 @@ class Partner(object):
         import subprocess
         argv, cwd = helper_command("partner")
         self.proc = spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL)
-        self.units, self.rest, self.job, self.held = [], b"", None, []
+                          stderr=None)                 # its tracebacks reach the server's stderr
+        self.units, self.pending, self.job, self.held = [], LineBuffer(), None, []
         self.inbox = queue.SimpleQueue()
         self.feeder = threading.Thread(target=self._feed, daemon=True)
         self.feeder.start()
@@ -2216,10 +2352,8 @@ class Partner(object):
         chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
         if not chunk:
             raise OSError("partner ended")
-        lines = (self.rest + chunk).split(b"\n")
-        self.rest = lines.pop()
         ends = []
-        for line in lines:
+        for line in self.pending.feed(chunk):
             if line.startswith(b'{"items": '):
                 self.held.append(line)
                 continue
@@ -2231,35 +2365,54 @@ class Partner(object):
         return ends
 
 
-_partners = []
-_share_state = {"warm": False}                 # a search helper keeps its partners for the next job
+class Partners(object):
+    """The partner processes a search helper (or an in-process HelperPool) shares its
+    walks with. warm=True keeps them for the next job, until close() or
+    PARTNER_IDLE_S without one; warm=False starts fresh ones for each walk (searches
+    may then run in parallel threads) and closes them when it ends."""
 
+    def __init__(self, warm=True):
+        self.warm = warm
+        self.procs = []
 
-def partners_for():
-    """Partners for a shared walk, as many as the cores allow beside this process: a
-    search helper keeps its partners for the next job; elsewhere (searches may run in
-    parallel threads) each walk starts its own."""
-    import select
-    if not _share_state["warm"]:
-        return [p for p in (new_partner() for _ in range(partner_count())) if p is not None]
-    live = []
-    for p in _partners:
-        if p.proc.poll() is None and not select.select([p.proc.stdout], [], [], 0)[0]:
-            live.append(p)                        # (an idle partner has nothing to say)
-        else:
+    def for_walk(self):
+        """Partners for a shared walk, as many as the cores allow beside this process."""
+        import select
+        if not self.warm:
+            return [p for p in (new_partner() for _ in range(partner_count())) if p is not None]
+        live = []
+        for p in self.procs:
+            if p.proc.poll() is None and not select.select([p.proc.stdout], [], [], 0)[0]:
+                live.append(p)                    # (an idle partner has nothing to say)
+            else:
+                p.close()
+        self.procs = live
+        for _ in range(partner_count() - len(self.procs)):
+            p = new_partner()
+            if p is not None:
+                self.procs.append(p)
+        return list(self.procs)
+
+    def done(self, used):
+        """After a walk: a partner still at work (the walk failed) is closed, never
+        reused; without warm, all of them are."""
+        for p in used:
+            if p.units or not self.warm:
+                p.close()
+                if p in self.procs:
+                    self.procs.remove(p)
+
+    def close(self):
+        procs, self.procs = self.procs, []
+        for p in procs:
             p.close()
-    _partners[:] = live
-    for _ in range(partner_count() - len(_partners)):
-        p = new_partner()
-        if p is not None:
-            _partners.append(p)
-    return list(_partners)
 
 
 def new_partner():
     try:
         return Partner()
-    except OSError:
+    except OSError as e:
+        log("warn", "a search partner could not start; the walk goes on without it", error=str(e))
         return None
 
 
@@ -2270,27 +2423,28 @@ def partner_count():
     return min(os.cpu_count() or 1, 4) - 1
 
 
-def share_walk(work, walker, k, units, out):
-    """Walk the subtrees `units` (walker entries, shallowest first) with partners.
-    This process takes them one by one from the front and, at least every
-    SHARE_SERVICE_S, keeps each partner SHARE_AHEAD slices ahead, also from the front:
-    the big subtrees go first, and when the queue runs short this process lists the
-    next one's top directory only, queueing its subdirectories, so all end at about
-    the same time. A partner that dies leaves the units it had not finished to this
-    process."""
+def share_walk(work, walker, k, units, out, partners):
+    """Walk the subtrees `units` (walker entries, shallowest first) with `partners`
+    (a Partners). This process takes them one by one from the front and, at least
+    every SHARE_SERVICE_S, keeps each partner SHARE_AHEAD slices ahead, also from the
+    front: the big subtrees go first, and when the queue runs short this process
+    lists the next one's top directory only, queueing its subdirectories, so all end
+    at about the same time. A partner that dies leaves the units it had not finished
+    to this process."""
     import select
     from collections import deque
-    partners = partners_for()
+    used = partners.for_walk()
+    active = list(used)
     queue = deque(units)
-    size = max(1, len(queue) // (SHARE_SLICES * (len(partners) + 1)))
+    size = max(1, len(queue) // (SHARE_SLICES * (len(active) + 1)))
     cache, mark = {}, [0]
 
     def service(wait):
         """Keep partners fed, take in what they answered; False once none is busy."""
-        for p in partners:
+        for p in active:
             while queue and len(p.units) < SHARE_AHEAD:
                 p.give(work, k, walker.use_ignore, [queue.popleft() for _ in range(min(size, len(queue)))])
-        busy = [p for p in partners if p.units]
+        busy = [p for p in active if p.units]
         ready = select.select([p.proc.stdout for p in busy], [], [], None if wait else 0)[0] if busy else []
         for p in busy:
             if p.proc.stdout not in ready:
@@ -2304,7 +2458,7 @@ def share_walk(work, walker, k, units, out):
                 for entries in p.units:
                     queue.extend(entries)
                 p.units = []
-                partners.remove(p)
+                active.remove(p)
                 p.close()
         return bool(busy)
 
@@ -2318,7 +2472,7 @@ def share_walk(work, walker, k, units, out):
     walker.defer_links, walker.tick = True, tick
     try:
         while service(wait=not queue) or queue:
-            if queue and len(queue) < 2 * SHARE_AHEAD * len(partners):    # running short: split the next
+            if queue and len(queue) < 2 * SHARE_AHEAD * len(active):    # running short: split the next
                 subdirs = []
                 out.take(work, k, walker.visit(*queue.popleft(), subdirs=subdirs))
                 queue.extendleft(reversed(subdirs))
@@ -2326,11 +2480,7 @@ def share_walk(work, walker, k, units, out):
                 out.take(work, k, walker.walk([queue.popleft()]))
     finally:
         walker.defer_links, walker.tick = False, None
-        for p in partners:
-            if p.units or not _share_state["warm"]:    # one still at work (this walk failed) is not reused
-                p.close()
-                if p in _partners:
-                    _partners.remove(p)
+        partners.done(used)
 
 
 def helper_partner():
@@ -2357,13 +2507,17 @@ def helper_partner():
         out.flush()
 
 
-def helper_search(inp=None, out=None):
+def helper_search(inp=None, out=None, partners=None):
     """A search helper: one JSON job a line on stdin, until it closes; for each, lines
     {"items": [...]} as results come, then {"end": "ok"} or {"end": "error", ...}.
-    Partners idle for PARTNER_IDLE_S are closed (they hold ~14 MB each)."""
+    Partners idle for PARTNER_IDLE_S are closed (they hold ~14 MB each). Run as a
+    process (inp None), each job also carries its deadline here: SIGALRM, whose
+    default action the kernel carries out even while a regex holds the interpreter,
+    ends the helper DEADLINE_GRACE_S after it."""
     import select
+    alarms = inp is None and hasattr(signal, "setitimer")
     inp, out = inp or sys.stdin.buffer, out or sys.stdout.buffer
-    _share_state["warm"] = True
+    partners = partners or Partners(warm=True)
 
     def raw(line):
         out.write(line + b"\n")
@@ -2372,68 +2526,223 @@ def helper_search(inp=None, out=None):
     def emit(items):
         if items:
             raw(json.dumps({"items": items}).encode("ascii"))
-    while True:
-        if _partners and not select.select([inp], [], [], PARTNER_IDLE_S)[0]:
-            close_partners()                    # (a job comes alone: nothing waits in inp's buffer)
-            continue
-        line = inp.readline()
-        if not line:
-            return None
-        job = json.loads(line.decode("utf-8", "surrogateescape"))
+    try:
+        while True:
+            if partners.procs and not select.select([inp], [], [], PARTNER_IDLE_S)[0]:
+                partners.close()                # (a job comes alone: nothing waits in inp's buffer)
+                continue
+            line = inp.readline()
+            if not line:
+                return None
+            job = json.loads(line.decode("utf-8", "surrogateescape"))
+            if alarms and job.get("deadline_s"):
+                signal.setitimer(signal.ITIMER_REAL, job["deadline_s"] + DEADLINE_GRACE_S)
+            try:
+                search_job(job, emit, raw, partners)
+                end = {"end": "ok"}
+            except ToolError as e:
+                end = {"end": "error", "code": e.code, "message": e.message}
+            except Exception as e:
+                import traceback
+                sys.stderr.write("boris: search helper %d: the job failed:\n%s" % (os.getpid(), traceback.format_exc()))
+                sys.stderr.flush()
+                end = {"end": "error", "code": "IO_ERROR", "message": "the search failed: %r" % e}
+            finally:
+                if alarms:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            raw(json.dumps(end).encode("ascii"))
+    finally:
+        partners.close()
+
+
+def match_job(job):
+    """[True] when a line (its first 1,000 characters) of job['text'] matches the
+    regex job['pattern'], else [False]: a wait_for test, run where it can be killed."""
+    try:
+        rx = re.compile(job["pattern"], re.MULTILINE)
+    except (re.error, RecursionError, OverflowError, ValueError) as e:
+        raise ToolError("INVALID_INPUT", "wait_for %r is not a valid regular expression: %s"
+                        % (job["pattern"][:200], e))
+    return [any(rx.search(line[:1000]) for line in job["text"].splitlines())]
+
+
+class HelperPool(object):
+    """The one owner of a server's search helpers, busy or idle: it starts them (from
+    a thread of its own, since PR_SET_PDEATHSIG fires when the thread that forked a
+    child ends, and worker threads retire), hands each job to one, keeps up to
+    `idle_max` warm for the next job, kills a busy one's whole process group on
+    cancel or at the deadline, and kills them all on close(). A helper that cannot
+    be started is an IO_ERROR: a search never falls back to this process, where
+    neither cancel nor the deadline could stop it.
+
+    in_process=True runs jobs in the calling thread instead, with partners kept in
+    this process: for tests that patch the search engine, never as a fallback."""
+
+    def __init__(self, idle_max=SEARCH_IDLE_HELPERS, in_process=False):
+        self.idle_max = idle_max
+        self.in_process = in_process
+        self.lock = threading.Lock()
+        self.idle, self.busy = [], set()
+        self.closed = False
+        self.requests = None                   # spawn requests to the pool's own thread
+        self.partners = Partners(warm=True) if in_process else None
+
+    def run(self, job, cancelled, deadline_s=None):
+        """(items, None) of a job run in a helper; (items so far, 'deadline' or
+        'cancelled') when it had to be killed."""
+        deadline_s = SEARCH_TIMEOUT_S if deadline_s is None else deadline_s
+        if self.in_process:
+            items = []
+            search_job(job, items.extend, partners=self.partners)
+            return items, None
+        import select
+        proc = self.start(dict(job, deadline_s=deadline_s))
+        deadline = time.monotonic() + deadline_s
+        reader = LineBuffer()
+        items = []
+        fd = proc.stdout.fileno()
         try:
-            search_job(job, emit, raw)
-            end = {"end": "ok"}
-        except ToolError as e:
-            end = {"end": "error", "code": e.code, "message": e.message}
-        except Exception as e:
-            end = {"end": "error", "code": "IO_ERROR", "message": "the search failed: %r" % e}
-        raw(json.dumps(end).encode("ascii"))
+            while True:
+                if cancelled.is_set():
+                    self.discard(proc)
+                    return items, "cancelled"
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.discard(proc)
+                    return items, "deadline"
+                if not select.select([fd], [], [], min(0.05, left))[0]:
+                    continue
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    self.discard(proc)
+                    raise ToolError("IO_ERROR", "the search helper process ended unexpectedly (its error, if"
+                                                " any, is in the server's log); try again")
+                for line in reader.feed(chunk):
+                    msg = json.loads(line.decode("utf-8"))
+                    if "items" in msg:
+                        items += msg["items"]
+                        continue
+                    self.release(proc)
+                    if msg["end"] != "ok":
+                        raise ToolError(msg["code"], msg["message"])
+                    return items, None
+        except (OSError, ValueError) as e:
+            self.discard(proc)
+            raise ToolError("IO_ERROR", "the search helper failed: %s" % e)
 
-
-def close_partners():
-    partners = list(_partners)
-    del _partners[:]
-    for p in partners:
-        p.close()
-
-
-_search_idle = []
-_search_lock = threading.Lock()
-_search_state = {"atexit": False}
-
-
-def take_search_helper():
-    """An idle search helper, or a new one (its own process group)."""
-    import subprocess
-    with _search_lock:
-        while _search_idle:
-            proc = _search_idle.pop()
-            if proc.poll() is None:
+    def start(self, job):
+        """A helper that has taken `job` (a warm one that died is replaced once)."""
+        data = json.dumps(job).encode("utf-8", "surrogateescape") + b"\n"
+        error = None
+        for _ in range(2):
+            try:
+                proc = self.take()
+            except OSError as e:
+                error = e
+                continue
+            try:
+                proc.stdin.write(data)
+                proc.stdin.flush()
                 return proc
-            reaped(proc)
-    argv, cwd = helper_command("search")
-    proc = spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                 start_new_session=True)
-    if not _search_state["atexit"]:                   # idle helpers go with the process, whoever runs it
-        import atexit
-        atexit.register(close_search_helpers)
-        _search_state["atexit"] = True
-    return proc
+            except OSError as e:
+                error = e
+                self.discard(proc)
+        raise ToolError("IO_ERROR", "no search helper process could be started (%s), so the search was not run;"
+                                    " check that %s can start and that the temp directory is writable"
+                        % (getattr(error, "strerror", None) or error, sys.executable))
+
+    def take(self):
+        """An idle helper, or a new one (its own process group); marked busy."""
+        with self.lock:
+            if self.closed:
+                raise OSError(errno.ESHUTDOWN, "the server is shutting down")
+            while self.idle:
+                proc = self.idle.pop()
+                if proc.poll() is None:
+                    self.busy.add(proc)
+                    return proc
+                dead = proc
+                break
+            else:
+                dead = None
+        if dead is not None:
+            kill_group(dead)                      # reaped, pipes closed; then try again
+            return self.take()
+        proc = self.spawn()
+        with self.lock:
+            self.busy.add(proc)
+            closed = self.closed
+        if closed:
+            self.discard(proc)
+            raise OSError(errno.ESHUTDOWN, "the server is shutting down")
+        return proc
+
+    def spawn(self):
+        """A new helper, forked by the pool's own thread."""
+        import queue
+        with self.lock:
+            if self.requests is None:
+                self.requests = queue.SimpleQueue()
+                threading.Thread(target=self._spawner, args=(self.requests,), daemon=True,
+                                 name="boris-helper-spawner").start()
+                import atexit
+                atexit.register(self.close)           # idle helpers go with the process, whoever runs it
+            requests = self.requests
+        box = queue.SimpleQueue()
+        requests.put(box)
+        proc = box.get()
+        if isinstance(proc, Exception):
+            raise proc
+        return proc
+
+    @staticmethod
+    def _spawner(requests):
+        import subprocess
+        for box in iter(requests.get, None):
+            try:
+                argv, cwd = helper_command("search")
+                box.put(spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              start_new_session=True))
+            except (OSError, ValueError) as e:
+                box.put(e if isinstance(e, OSError) else OSError(str(e)))
+
+    def release(self, proc):
+        """A helper that finished its job: kept warm, or closed."""
+        with self.lock:
+            self.busy.discard(proc)
+            keep = not self.closed and len(self.idle) < self.idle_max and proc.poll() is None
+            if keep:
+                self.idle.append(proc)
+        if not keep:
+            kill_group(proc)
+
+    def discard(self, proc):
+        """Kill a helper (and its partners) and forget it."""
+        with self.lock:
+            self.busy.discard(proc)
+            if proc in self.idle:
+                self.idle.remove(proc)
+        kill_group(proc)
+
+    def close(self):
+        """Kill every helper, busy or idle, with its partners; no new one starts."""
+        with self.lock:
+            self.closed = True
+            procs = self.idle + list(self.busy)
+            self.idle, self.busy = [], set()
+            requests, self.requests = self.requests, None
+        if requests is not None:
+            requests.put(None)
+        for proc in procs:
+            kill_group(proc)
+        if self.partners is not None:
+            self.partners.close()
 
 
-def release_search_helper(proc, healthy):
-    if healthy and proc.poll() is None:
-        with _search_lock:
-            if len(_search_idle) < SEARCH_IDLE_HELPERS:
-                _search_idle.append(proc)
-                return
-    kill_search_helper(proc)
-
-
-def kill_search_helper(proc):
-    """Kill a search helper with every process it started, and reap it. Its partners,
-    re-parented here when this process is a subreaper, are reaped as they die (within
-    a second), not left to the periodic reaper."""
+def kill_group(proc):
+    """Kill a helper with every process it started, reap it and close its pipes. Its
+    partners, re-parented here when this process is a subreaper, are reaped as they
+    die (within a second), not left to the periodic reaper."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
@@ -2453,77 +2762,6 @@ def kill_search_helper(proc):
             f.close()
         except OSError:
             pass
-
-
-def close_search_helpers():
-    with _search_lock:
-        idle = list(_search_idle)
-        del _search_idle[:]
-    for proc in idle:
-        kill_search_helper(proc)
-
-
-def run_search(job, cancelled):
-    """(items, None) of a search job run in a helper; (items so far, 'deadline' or
-    'cancelled') when it had to be killed. A helper that cannot be started (twice)
-    leaves the job to this process."""
-    proc = start_search(job)
-    if proc is None:
-        items = []
-        search_job(job, items.extend)
-        return items, None
-    import select
-    deadline = time.monotonic() + SEARCH_TIMEOUT_S
-    fd, parts, items = proc.stdout.fileno(), [], []
-    try:
-        while True:
-            if cancelled.is_set():
-                kill_search_helper(proc)
-                return items, "cancelled"
-            left = deadline - time.monotonic()
-            if left <= 0:
-                kill_search_helper(proc)
-                return items, "deadline"
-            if not select.select([fd], [], [], min(0.05, left))[0]:
-                continue
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                kill_search_helper(proc)
-                raise ToolError("IO_ERROR", "the search helper process ended unexpectedly; try again")
-            parts.append(chunk)
-            if b"\n" not in chunk:                       # a long batch: join once its line is whole
-                continue
-            lines = b"".join(parts).split(b"\n")
-            parts = [lines.pop()]
-            for line in lines:
-                msg = json.loads(line.decode("utf-8"))
-                if "items" in msg:
-                    items += msg["items"]
-                    continue
-                release_search_helper(proc, True)
-                if msg["end"] != "ok":
-                    raise ToolError(msg["code"], msg["message"])
-                return items, None
-    except (OSError, ValueError) as e:
-        kill_search_helper(proc)
-        raise ToolError("IO_ERROR", "the search helper failed: %s" % e)
-
-
-def start_search(job):
-    """A search helper that has taken `job`, or None when none could (a warm one that
-    died is replaced once)."""
-    for _ in range(2):
-        try:
-            proc = take_search_helper()
-        except OSError:
-            return None
-        try:
-            proc.stdin.write(json.dumps(job).encode("utf-8", "surrogateescape") + b"\n")
-            proc.stdin.flush()
-            return proc
-        except OSError:
-            kill_search_helper(proc)
-    return None
 
 
 def partial_notice(why):
@@ -3039,10 +3277,10 @@ def http_fetch(url, timeout, cancelled=None, block_private=False):
 
     watch = FetchWatch(timeout, cancelled or threading.Event())
     opener = guarded_opener(watch, block_private, url)
-    req = urllib.request.Request(url, headers={"User-Agent": "boris/%s" % __version__,
-                                               "Accept": "text/html,application/json,text/*;q=0.9,*/*;q=0.5"})
     timed_out = plain_error("错误：请求超时（%ss）: %s" % (timeout, url))
     try:
+        req = urllib.request.Request(url, headers={"User-Agent": "boris/%s" % __version__,
+                                                   "Accept": "text/html,application/json,text/*;q=0.9,*/*;q=0.5"})
         with opener.open(req, timeout=timeout) as resp:
             ctype = resp.headers.get_content_type() if resp.headers.get("Content-Type") else ""
             charset = resp.headers.get_content_charset()
@@ -3079,17 +3317,52 @@ def http_fetch(url, timeout, cancelled=None, block_private=False):
             sock.close()
 
 
+def checked_url(url):
+    """`url` ready to request (non-ASCII in the path and query percent-encoded), or a
+    seed-004 error naming what is wrong with it: not http(s), no host, a port that is
+    no number, a malformed IPv6 literal, spaces or control characters."""
+    import urllib.parse
+    shown = re.sub(r"[\x00-\x1f\x7f]", lambda m: "\\x%02x" % ord(m.group(0)), url[:200]) + \
+        ("..." if len(url) > 200 else "")
+
+    def refuse(reason, code="INVALID_INPUT"):
+        return plain_error("错误：无效的网址（%s）: %s" % (reason, shown), code)
+    if len(url) > MAX_URL_CHARS:
+        raise refuse("长度 %d 超过 %d 字符 / over %d characters" % (len(url), MAX_URL_CHARS, MAX_URL_CHARS))
+    bad = re.search(r"[\x00-\x20\x7f]", url)
+    if bad:
+        raise refuse("第 %d 个字符是空格或控制字符，请用百分号编码（如 %%20）/ a space or control character at"
+                     " %d: percent-encode it, e.g. %%20" % (bad.start() + 1, bad.start() + 1))
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+        host = parts.hostname
+    except ValueError as e:
+        raise refuse("%s" % e)
+    if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
+        raise plain_error("错误：只支持 http 和 https 网址: %s" % shown)
+    if not host:
+        raise refuse("没有主机名 / no host name")
+    if port == 0:
+        raise refuse("端口 0 无效 / port 0 is not a port")
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        raise refuse("主机名 %s 无法编码 / the host name cannot be IDNA-encoded" % host[:100])
+    safe = "/?#[]@!$&'()*+,;=%~:"
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, urllib.parse.quote(parts.path, safe=safe),
+                                    urllib.parse.quote(parts.query, safe=safe),
+                                    urllib.parse.quote(parts.fragment, safe=safe)))
+
+
 def fetch_text(url, timeout, cancelled=None, block_private=False, start=0):
     """The readable text of a URL (HTML as light Markdown) from `start`, within
     WEB_MAX_CHARS; a seed-004 ToolError otherwise."""
-    import urllib.parse
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
-        raise plain_error("错误：只支持 http 和 https 网址: %s" % url)
+    url = checked_url(url)
     ctype, charset, body = http_fetch(url, timeout, cancelled, block_private)
     try:
-        text = body.decode(charset or "utf-8", "replace")
-    except LookupError:
+        text = body.decode(text_codec(charset or "utf-8") or "utf-8", "replace")
+    except (UnicodeError, ValueError):
         text = body.decode("utf-8", "replace")
     is_html = ctype in ("text/html", "application/xhtml+xml") or (
         not ctype and text.lstrip()[:1] == "<")
@@ -3196,11 +3469,12 @@ class Session(object):
 
 
 class Tool(object):
-    __slots__ = ("name", "description", "schema", "annotations", "handler")
+    __slots__ = ("name", "description", "schema", "annotations", "handler", "plain")
 
-    def __init__(self, name, description, schema, annotations, handler):
+    def __init__(self, name, description, schema, annotations, handler, plain=False):
         self.name, self.description, self.schema = name, description, schema
         self.annotations, self.handler = annotations, handler
+        self.plain = plain              # answers in the workspace tools' fixed Chinese strings
 
     def listing(self):
         return {"name": self.name, "description": self.description,
@@ -3226,11 +3500,13 @@ def notes(title, read_only=False, destructive=False, open_world=False, idempoten
 
 class CallContext(object):
     """What a handler may use besides its arguments: settings, scope, cancellation,
-    and a progress callback (a no-op unless the client asked for progress)."""
+    a progress callback (a no-op unless the client asked for progress) and the
+    server's HelperPool, where searches and wait_for matches run."""
 
-    def __init__(self, config, policy, cancelled=None, progress=None):
+    def __init__(self, config, policy, cancelled=None, progress=None, helpers=None):
         self.config = config
         self.policy = policy
+        self.helpers = helpers
         self.cancelled = cancelled or threading.Event()
         self.wants_progress = progress is not None
         self.progress = progress or (lambda text: None)
@@ -3847,24 +4123,38 @@ def new_output(task, session):
     return text
 
 
+def output_test(ctx, pattern, deadline):
+    """text -> whether a line of text (its first 1,000 characters) matches the
+    wait_for `pattern`. A literal is tested here with `in`; a regex only ever runs
+    in a helper (ctx.helpers), bounded by `deadline` and cancel, and is checked
+    there once now, so a malformed one is an error at once."""
+    check_pattern(pattern, "wait_for")
+    if not set(pattern) & _REGEX_META:
+        return lambda text: any(pattern in line[:1000] for line in text.splitlines())
+
+    def matches(text):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        items, _ = ctx.helpers.run({"op": "match", "pattern": pattern, "text": text}, ctx.cancelled, left)
+        return items == [True]
+    ctx.helpers.run({"op": "match", "pattern": pattern, "text": ""}, ctx.cancelled, SEARCH_TIMEOUT_S)
+    return matches
+
+
 def tool_task_output(session, args, ctx):
     if not args.get("task_id"):
         return list_tasks(session, ctx.config)
     task = find_task(session, args["task_id"])
-    wait_for = None
-    if args.get("wait_for"):
-        try:
-            wait_for = re.compile(args["wait_for"], re.MULTILINE)
-        except (re.error, RecursionError, OverflowError) as e:
-            raise ToolError("INVALID_INPUT", "wait_for %r is not a valid regular expression: %s"
-                            % (args["wait_for"], e))
-    wait_ms = min(args.get("wait_ms") or (BASH_MAX_TIMEOUT_MS if wait_for else 0), BASH_MAX_TIMEOUT_MS)
+    wait_for = args.get("wait_for") or None
+    wait_ms = min(max(0, args.get("wait_ms") or (BASH_MAX_TIMEOUT_MS if wait_for else 0)), BASH_MAX_TIMEOUT_MS)
     deadline = time.monotonic() + wait_ms / 1000.0
+    matches = output_test(ctx, wait_for, deadline) if wait_for else None
     seen = None
     while not task.done.is_set() and not ctx.cancelled.is_set() and time.monotonic() < deadline:
-        if wait_for is not None:
+        if matches is not None:
             recent = task.out.recent() + "\n" + task.err.recent()
-            if recent != seen and any(wait_for.search(line[:1000]) for line in recent.splitlines()):
+            if recent != seen and matches(recent):
                 break
             seen = recent
         task.done.wait(min(0.05, max(0.0, deadline - time.monotonic())))   # a cancel frees the worker
@@ -3900,15 +4190,25 @@ def search_root(session, ctx, shown):
 
 
 def grep_spec(pattern, regex, ignore_case, multiline, mode, before=0, after=0):
-    """A search's settings (as sent to helpers) and its matcher, compiled once."""
-    spec = {"pattern": pattern, "regex": regex, "ignore_case": ignore_case, "multiline": multiline,
+    """A search's settings, as sent to helpers. The pattern is compiled there, never in
+    this process: a pathological one (160,000 '[') takes its time where it can be killed."""
+    check_pattern(pattern, "pattern" if regex else "query", "GREP_INVALID_PATTERN")
+    return {"pattern": pattern, "regex": regex, "ignore_case": ignore_case, "multiline": multiline,
             "mode": mode, "before": before, "after": after}
-    return spec, matcher_of(spec)
+
+
+def check_pattern(value, name, code="INVALID_INPUT"):
+    """A pattern from the model within MAX_PATTERN_CHARS, or a ToolError that says so."""
+    if len(value) > MAX_PATTERN_CHARS:
+        raise ToolError(code, "%s is %d characters long; the limit is %d. Search for a shorter, distinctive part"
+                        % (name, len(value), MAX_PATTERN_CHARS))
 
 
 def grep_job_of(ctx, roots, spec, include=None, type_name=None):
-    """A grep job for run_search: roots from search_root, names filtered by
+    """A grep job for HelperPool.run: roots from search_root, names filtered by
     include/type (checked here first, so a malformed one is reported at once)."""
+    if include:
+        check_pattern(include, "include")
     name_filter(include, type_name)
     return {"op": "grep", "policy": policy_spec(ctx.policy), "roots": roots, "spec": spec,
             "include": include, "type": type_name}
@@ -3975,12 +4275,13 @@ def tool_grep(session, args, ctx):
     after = args.get("context_after", ctx_n) if mode == "content" else 0
     if min(before, after) < 0:
         raise ToolError("INVALID_INPUT", "context lines must be 0 or more")
-    spec, _ = grep_spec(pattern, True, bool(args.get("case_insensitive")), bool(args.get("multiline")),
+    spec = grep_spec(pattern, True, bool(args.get("case_insensitive")), bool(args.get("multiline")),
                         mode, before, after)
     spec["max_records"] = (args.get("offset") or 0) + (args.get("head_limit") or OUTPUT_MAX_CHARS // 2)
     if mode == "content" and args.get("head_limit"):
         spec["stop_after"] = spec["max_records"]       # the search ends once that many lines are in
-    items, why = run_search(grep_job_of(ctx, [root], spec, args.get("include"), args.get("type")), ctx.cancelled)
+    items, why = ctx.helpers.run(grep_job_of(ctx, [root], spec, args.get("include"), args.get("type")),
+                                 ctx.cancelled)
     notice = [partial_notice(why)] if why else []
     if not items:
         return "\n".join(["No matches found for pattern %r in %s" % (pattern, shown)] + notice)
@@ -4038,7 +4339,7 @@ def find_paths(session, ctx, pattern, shown, kind):
         return [], None
     job = {"op": "glob", "policy": policy_spec(ctx.policy), "start": start, "rest": rest, "base_only": base_only,
            "kind": kind, "lead": len(real) + 1 if real != "/" else 1}
-    return run_search(job, ctx.cancelled)
+    return ctx.helpers.run(job, ctx.cancelled)
 
 
 def tool_glob(session, args, ctx):
@@ -4053,10 +4354,10 @@ def tool_search_text(session, args, ctx):
     query = args["query"]
     if query == "":
         raise ToolError("INVALID_INPUT", "query is empty; give the text to search for")
-    spec, _ = grep_spec(query, bool(args.get("regex")), False, False, "content")
+    spec = grep_spec(query, bool(args.get("regex")), False, False, "content")
     shown_paths = args.get("paths") or ["."]
     roots = [search_root(session, ctx, shown) for shown in shown_paths]
-    items, why = run_search(grep_job_of(ctx, roots, spec), ctx.cancelled)
+    items, why = ctx.helpers.run(grep_job_of(ctx, roots, spec), ctx.cancelled)
     lines = []
     for real, rel, _, records, k in sorted(items, key=lambda h: (h[4], h[1] or "")):
         label = os.path.join(shown_paths[k], rel) if roots[k][1] else shown_paths[k]
@@ -4115,15 +4416,17 @@ def tool_read_file(session, args, ctx):
         raise plain_error("错误：%s 不是文件" % path, "INVALID_INPUT")
     except ToolError as e:
         raise seed004_error(e, path, "读取文件")
+    codec = text_codec(encoding)
+    if codec is None:
+        raise plain_error("错误：不支持的编码: %s（请用 utf-8、gbk、latin-1 等文本编码 / use a text encoding such as"
+                          " utf-8, gbk or latin-1）" % encoding[:100], "INVALID_INPUT")
     session.mark_viewed(real, Seen(st, digest_of(data)) if st is not None else None)
     try:
-        text = data.decode(encoding)
-    except LookupError:
-        raise plain_error("错误：不支持的编码: %s" % encoding, "INVALID_INPUT")
-    except UnicodeDecodeError:
+        text = data.decode(codec)
+    except (UnicodeError, ValueError):
         try:
             text = data.decode("latin-1")
-        except UnicodeDecodeError:
+        except UnicodeError:
             raise plain_error("错误：文件编码无法识别")
     return line_window(text, args.get("offset"), args.get("limit"))
 
@@ -4406,16 +4709,16 @@ def workspace_tools(config):
                  "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
                  "offset": prop("integer", "First line to return, 1-based (default 1)."),
                  "limit": prop("integer", "How many lines to return (default: the rest)."),
-             }, ["path"]), notes("Read file", read_only=True, idempotent=True), tool_read_file),
+             }, ["path"]), notes("Read file", read_only=True, idempotent=True), tool_read_file, plain=True),
         Tool("write_file", "Write content to a file in the workspace, creating parent directories; "
              "overwrites an existing file. " + ws, obj({
                  "path": prop("string", "File path inside the workspace."),
                  "content": prop("string", "The complete file content."),
-             }, ["path", "content"]), notes("Write file", destructive=True), tool_write_file),
+             }, ["path", "content"]), notes("Write file", destructive=True), tool_write_file, plain=True),
         Tool("list_directory", "List a workspace directory: one entry per line, [D] for directories and "
              "[F] for files, sorted by name. " + ws, obj({
                  "path": prop("string", "Directory path inside the workspace (default: the root)."),
-             }), notes("List directory", read_only=True, idempotent=True), tool_list_directory),
+             }), notes("List directory", read_only=True, idempotent=True), tool_list_directory, plain=True),
         Tool("web_fetch", "Fetch a web page (http or https) and return its readable content: HTML as light "
              "Markdown (headings, lists, [text](url) links, fenced <pre> blocks, table rows; scripts and styles "
              "removed), JSON and plain text as they are; at most 5,000 characters, and a cut page ends with "
@@ -4423,7 +4726,7 @@ def workspace_tools(config):
                  "url": prop("string", "The http:// or https:// URL."),
                  "timeout": prop("integer", "Seconds the whole fetch may take (default 10, max 120)."),
                  "start_index": prop("integer", "Character offset to read on from (default 0)."),
-             }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), tool_web_fetch),
+             }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), tool_web_fetch, plain=True),
     ]
 
 
@@ -4450,12 +4753,46 @@ TOOL_GROUPS = [shell_tools, _editor_group, search_tools, workspace_tools]
 ENUM_CODES = {"output_mode": "GREP_INVALID_OUTPUT_MODE", "type": "GLOB_INVALID_TYPE"}
 
 
+def brief(value, most=80):
+    """A value as JSON for an error message, at most `most` characters."""
+    if isinstance(value, str):
+        value = value[:most]
+    elif isinstance(value, int) and value.bit_length() > 200:
+        return "a %d-bit number" % value.bit_length()
+    try:
+        return json.dumps(value)[:most]
+    except (ValueError, TypeError, RecursionError):
+        return type(value).__name__
+
+
+def text_flaw(value):
+    """Why a string cannot be taken as text (a NUL, a lone surrogate), or None."""
+    if "\x00" in value:
+        return "contains a NUL character (\\u0000), which no path, command or file text may hold"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return ("holds a lone surrogate (%s at character %d), which is not Unicode text; send valid UTF-8"
+                % (json.dumps(value[e.start]), e.start))
+    return None
+
+
 def check_value(name, spec, value):
+    """Check one argument against its schema: the type, then what every value of that
+    type must be (strings are text without NUL or lone surrogates; numbers are whole
+    and within MAX_INT_ARG), the enum, items and fields."""
     kind = spec.get("type")
     if kind == "string":
         ok = isinstance(value, str)
+        flaw = ok and text_flaw(value)
+        if flaw:
+            raise ToolError("INVALID_INPUT", "argument %r %s" % (name, flaw), detail=name)
     elif kind == "integer":
         ok = isinstance(value, int) and not isinstance(value, bool)
+        if ok and abs(value) > MAX_INT_ARG:
+            raise ToolError("INVALID_INPUT", "argument %r is %s, out of range (at most %d either side)"
+                            % (name, ("%d" % value) if value.bit_length() < 200 else "a %d-bit number"
+                               % value.bit_length(), MAX_INT_ARG))
     elif kind == "number":
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     elif kind == "boolean":
@@ -4468,10 +4805,10 @@ def check_value(name, spec, value):
         ok = True
     if not ok:
         raise ToolError("INVALID_INPUT", "argument %r must be %s %s, got %s; send it as JSON %s" % (
-            name, "an" if kind[0] in "aeiou" else "a", kind, json.dumps(value)[:80], kind))
+            name, "an" if kind[0] in "aeiou" else "a", kind, brief(value), kind))
     if "enum" in spec and value not in spec["enum"]:
         raise ToolError(ENUM_CODES.get(name, "INVALID_INPUT"), "argument %r must be one of %s, got %s"
-                          % (name, ", ".join(spec["enum"]), json.dumps(value)[:80]))
+                          % (name, ", ".join(spec["enum"]), brief(value)))
     if kind == "array":
         lo, hi = spec.get("minItems", 0), spec.get("maxItems")
         if len(value) < lo or (hi is not None and len(value) > hi):
@@ -4564,11 +4901,38 @@ _LONE_SURROGATE = r"\\\\|\\ud[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|\\ud[89a-f][0
 
 def dump_json(msg):
     """A message as ASCII JSON that strict parsers accept: a lone surrogate (an
-    undecodable byte of a file name that slipped through) becomes U+FFFD."""
-    text = json.dumps(msg, separators=(",", ":"))
+    undecodable byte of a file name that slipped through) becomes U+FFFD, and a
+    non-finite number (which strict input never brings) null."""
+    try:
+        text = json.dumps(msg, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        text = json.dumps(finite(msg), separators=(",", ":"), allow_nan=False)
     if "\\ud" not in text:
         return text
     return re.sub(_LONE_SURROGATE, lambda m: m.group(0) if len(m.group(0)) != 6 else "\\ufffd", text)
+
+
+def finite(value):
+    """`value` with every NaN or infinity inside it replaced by None."""
+    if isinstance(value, float):
+        return value if value - value == 0 else None
+    if isinstance(value, dict):
+        return dict((k, finite(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def echoable(value):
+    """Whether a request id or progress token may be sent back as it came: a string
+    that is Unicode text, or a number (bool is not one)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 _SURROGATES = "[\ud800-\udfff]"
@@ -4615,7 +4979,12 @@ class McpServer(object):
         self.policy = policy
         self.tools = build_tools(config)
         self.pool = WorkerPool()
+        self.helpers = HelperPool()
         self._tool_list = [t.listing() for t in self.tools.values()]
+
+    def close(self):
+        """Kill every helper process this server started (sessions close their own)."""
+        self.helpers.close()
 
     # -- entry point ---------------------------------------------------------
     def dispatch(self, msg, session, emit):
@@ -4627,11 +4996,11 @@ class McpServer(object):
         method, rid, has_id = msg.get("method"), msg.get("id"), "id" in msg
         if method is None and ("result" in msg or "error" in msg):
             return                                  # a response to us: we send no requests
-        if msg.get("jsonrpc") != "2.0" or not isinstance(method, str) or \
-                (has_id and (isinstance(rid, bool) or not isinstance(rid, (str, int)))):
-            emit(error_response(rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None,
+        id_ok = not has_id or (isinstance(rid, (str, int)) and echoable(rid))
+        if msg.get("jsonrpc") != "2.0" or not isinstance(method, str) or not id_ok:
+            emit(error_response(rid if has_id and id_ok else None,
                                 -32600, "Invalid Request: need jsonrpc '2.0', a string method and a"
-                                        " string or integer id"))
+                                        " string (valid Unicode) or integer id"))
             return
         params = msg.get("params")
         if params is None:
@@ -4649,7 +5018,8 @@ class McpServer(object):
             modern = meta[META_VERSION_KEY]
             if modern not in MODERN_VERSIONS:
                 emit(error_response(rid, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version",
-                                    {"supported": list(MODERN_VERSIONS), "requested": modern}))
+                                    {"supported": list(MODERN_VERSIONS),
+                                     "requested": modern[:100] if isinstance(modern, str) else brief(modern)}))
                 return
         if method == "tools/call":
             self.call_tool(rid, params, session, emit, modern)
@@ -4750,8 +5120,8 @@ class McpServer(object):
         cancelled = session.begin(rid)
         meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
         token = meta.get("progressToken")
-        progress = None if token is None else progress_sender(token, emit)
-        ctx = CallContext(self.config, self.policy, cancelled, progress)
+        progress = progress_sender(token, emit) if isinstance(token, (str, int)) and echoable(token) else None
+        ctx = CallContext(self.config, self.policy, cancelled, progress, self.helpers)
 
         def run():
             try:
@@ -4773,7 +5143,13 @@ class McpServer(object):
     def run_tool(tool, session, args, ctx):
         """Check the arguments, call the handler and shape its answer as a CallToolResult."""
         try:
-            out = tool.handler(session, check_arguments(tool.schema, args), ctx)
+            try:
+                checked = check_arguments(tool.schema, args)
+            except ToolError as e:
+                if tool.plain and e.detail == "path":
+                    raise plain_error("错误：路径无效: %s" % e.message, e.code)
+                raise
+            out = tool.handler(session, checked, ctx)
         except ToolError as e:
             return {"content": [text_block(scrub(e.render()))], "isError": True}
         if isinstance(out, str):
@@ -4839,11 +5215,30 @@ class Stopper(object):
         return True
 
 
+def _no_constant(name):
+    raise ValueError("%s is not a JSON number (non-finite numbers are refused)" % name)
+
+
+def _finite_float(text):
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError("the number %s is out of range (non-finite numbers are refused)" % text[:40])
+    return value
+
+
+def _bounded_int(text):
+    if len(text) > 1000:                      # int() of a huge literal is quadratic and holds the GIL
+        raise ValueError("an integer of %d digits is out of range" % len(text))
+    return int(text)
+
+
 def parse_message(raw):
-    """One JSON-RPC message from bytes; ValueError for anything that is not JSON
-    (however deeply nested: RecursionError is a parse error too)."""
+    """One JSON-RPC message from bytes; ValueError for anything that is not strict
+    JSON: NaN, Infinity and numbers that overflow to them (1e400) are refused, as is
+    an integer of over 1,000 digits, and any nesting too deep to parse."""
     try:
-        return json.loads(raw.decode("utf-8", "replace"))
+        return json.loads(raw.decode("utf-8", "replace"), parse_constant=_no_constant,
+                          parse_float=_finite_float, parse_int=_bounded_int)
     except RecursionError:
         raise ValueError("nesting too deep")
 
@@ -4857,7 +5252,7 @@ def read_lines(fd, on_line):
     """Read `fd` (raw reads: no buffered-stdin lock left held at exit) and call
     on_line(bytes) for each line; return at EOF. A line over STDIO_MAX_LINE is
     answered as a parse error and skipped."""
-    pending = b""
+    lines = LineBuffer(STDIO_MAX_LINE)
     while True:
         try:
             chunk = os.read(fd, 1 << 16)
@@ -4866,19 +5261,11 @@ def read_lines(fd, on_line):
         except OSError:
             return
         if not chunk:
-            if pending.strip():
-                on_line(pending)
+            if lines.rest().strip():
+                on_line(lines.rest())
             return
-        pending += chunk
-        while True:
-            i = pending.find(b"\n")
-            if i < 0:
-                break
-            line, pending = pending[:i], pending[i + 1:]
+        for line in lines.feed(chunk):
             on_line(line)
-        if len(pending) > STDIO_MAX_LINE:
-            on_line(None)
-            pending = b""
 
 
 def serve_stdio(server, session, stopper, stdin_fd=0, stdout=None):
@@ -5363,7 +5750,7 @@ def serve_http(server, config, stop):
 def main(argv=None, environ=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--helper"]:
-        return helper_main(argv[1] if len(argv) > 1 else "")
+        return helper_main(argv[1] if len(argv) > 1 else "", argv[2] if len(argv) > 2 else None)
     environ = os.environ if environ is None else environ
     if sys.getfilesystemencoding().lower().replace("-", "") != "utf8" and __name__ == "__main__":
         # An ASCII locale (LC_ALL=C) would make every non-ASCII path or command fail:
@@ -5393,7 +5780,7 @@ def main(argv=None, environ=None):
         serve_stdio(server, Session(config), stopper)
         return 0
     finally:
-        close_search_helpers()
+        server.close()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,18 @@ PNG_1PX = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==")
 
 
+TEST_HELPERS = boris.HelperPool()         # the helper processes of the suite's direct calls
+
+
+def tearDownModule():
+    TEST_HELPERS.close()
+
+
+def ctx_of(cfg, policy, cancelled=None, progress=None):
+    """A CallContext for a direct handler call, searching through TEST_HELPERS."""
+    return boris.CallContext(cfg, policy, cancelled, progress, TEST_HELPERS)
+
+
 @contextlib.contextmanager
 def line_readers():
     """The LineReaders made while the block runs (to see how much a view read)."""
@@ -46,12 +58,14 @@ def line_readers():
         yield readers
 
 
-def search_in_process():
-    """Run searches in this process (as when no helper can start), so that patches of
-    the search engine apply to them."""
-    def refuse():
-        raise OSError("no search helper in this test")
-    return mock.patch.object(boris, "take_search_helper", refuse)
+def search_in_process(partners=None):
+    """Run searches in this process, so that patches of the search engine apply to
+    them; `partners` (a boris.Partners) serve their shared walks."""
+    def run(pool, job, cancelled, deadline_s=None):
+        items = []
+        boris.search_job(job, items.extend, partners=partners)
+        return items, None
+    return mock.patch.object(boris.HelperPool, "run", run)
 
 
 @contextlib.contextmanager
@@ -66,19 +80,19 @@ def shared_walks(**patches):
         given.append(entries)
         real_give(partner, work, k, use_ignore, entries)
     patches = dict(dict(SHARE_MIN_ENTRIES=1, SHARE_MIN_UNITS=1, SHARE_SLICES=1000), **patches)
+    partners = boris.Partners(warm=True)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(search_in_process())
+        stack.enter_context(search_in_process(partners))
         stack.enter_context(mock.patch("os.cpu_count", return_value=2))
-        stack.enter_context(mock.patch.dict(boris._share_state, warm=True))
         stack.enter_context(mock.patch.object(boris.Partner, "give", give))
         for name, value in patches.items():
             stack.enter_context(mock.patch.object(boris, name, value))
         try:
             yield given
         finally:
-            partners = list(boris._partners)
-            boris.close_partners()
-            for partner in partners:
+            procs = list(partners.procs)
+            partners.close()
+            for partner in procs:
                 assert partner.proc.returncode is not None, "partner not reaped"
 
 
@@ -160,7 +174,7 @@ class Base(unittest.TestCase):
 
     def result(self, name, **args):
         tool = self.server.tools[name]
-        ctx = boris.CallContext(self.cfg, self.policy)
+        ctx = ctx_of(self.cfg, self.policy)
         return boris.McpServer.run_tool(tool, self.session, args, ctx)
 
     def call(self, name, **args):
@@ -1259,7 +1273,7 @@ class TestBash(NoViewBase):
     def test_cancel_kills_process_group(self):
         s = unique_sleep()
         ev = threading.Event()
-        ctx = boris.CallContext(self.cfg, self.policy, ev)
+        ctx = ctx_of(self.cfg, self.policy, ev)
         out = []
         t = threading.Thread(target=lambda: out.append(boris.tool_bash(
             self.session, {"command": "sleep %s & sleep %s" % (s, s)}, ctx)))
@@ -1272,7 +1286,7 @@ class TestBash(NoViewBase):
 
     def test_progress_streams_lines(self):
         got = []
-        ctx = boris.CallContext(self.cfg, self.policy, progress=got.append)
+        ctx = ctx_of(self.cfg, self.policy, progress=got.append)
         text = boris.tool_bash(self.session, {"command": "for i in 1 2 3; do echo tick$i; sleep 0.25; done"}, ctx)
         self.assertIn("tick3", text)
         joined = "\n".join(got)
@@ -1621,20 +1635,21 @@ class TestGrep(SearchBase):
     def test_idle_partners_are_closed(self):
         r, w = os.pipe()
         got = io.BytesIO()
+        warm = boris.Partners(warm=True)
         with os.fdopen(r, "rb") as inp, shared_walks(PARTNER_IDLE_S=0.1) as given:
             self._shared_tree()
             partners = []
-            helper = threading.Thread(target=boris.helper_search, args=(inp, got))
+            helper = threading.Thread(target=boris.helper_search, args=(inp, got, warm))
             helper.start()
             try:
-                job = boris.grep_job_of(boris.CallContext(self.cfg, self.policy), [boris.search_root(
-                    self.session, boris.CallContext(self.cfg, self.policy), "many")], boris.grep_spec(
-                    "hit", True, False, False, "files_with_matches")[0])
+                job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [boris.search_root(
+                    self.session, ctx_of(self.cfg, self.policy), "many")], boris.grep_spec(
+                    "hit", True, False, False, "files_with_matches"))
                 os.write(w, json.dumps(job).encode() + b"\n")
                 self.assertTrue(wait_until(lambda: b'{"end": "ok"}' in got.getvalue()), got.getvalue()[-300:])
-                partners = list(boris._partners)
+                partners = list(warm.procs)
                 self.assertTrue(partners and given, "the walk was not shared")
-                self.assertTrue(wait_until(lambda: not boris._partners, 5), "idle partners were kept")
+                self.assertTrue(wait_until(lambda: not warm.procs, 5), "idle partners were kept")
             finally:
                 os.close(w)
                 helper.join(5)
@@ -2167,7 +2182,7 @@ class TestWebFetch(NoViewBase):
         cfg = boris.parse_config(["--workdir", self.root, "--web-fetch-block-private"], {})
         server = boris.McpServer(cfg, self.policy)
         r = boris.McpServer.run_tool(server.tools["web_fetch"], self.session, {"url": self.base + "/page"},
-                                     boris.CallContext(cfg, self.policy))
+                                     ctx_of(cfg, self.policy))
         self.assertTrue(r["isError"])
         self.assertIn("loopback or private", r["content"][0]["text"])
 
@@ -2180,7 +2195,7 @@ class TestWebFetch(NoViewBase):
     def test_cancel_ends_a_fetch_at_once(self):
         cancelled = threading.Event()
         threading.Timer(0.3, cancelled.set).start()
-        ctx = boris.CallContext(self.cfg, self.policy, cancelled)
+        ctx = ctx_of(self.cfg, self.policy, cancelled)
         t = time.monotonic()
         r = boris.McpServer.run_tool(self.server.tools["web_fetch"], self.session,
                                      {"url": self.base + "/trickle", "timeout": 60}, ctx)
@@ -2417,7 +2432,7 @@ class TestHostilePathCampaign(unittest.TestCase):
                                                   {"command": "str_replace", "path": p, "old_str": SECRET,
                                                    "new_str": "PWNED"}]),
             }[name]
-            ctx = boris.CallContext(cfg, policy)
+            ctx = ctx_of(cfg, policy)
             try:
                 r = boris.McpServer.run_tool(server.tools[name], session, args, ctx)
             except Exception as e:                       # would be -32603 over the wire
@@ -2450,7 +2465,7 @@ class TestHostilePathCampaign(unittest.TestCase):
         self.addCleanup(session.close)
 
         def call(name, **args):
-            r = boris.McpServer.run_tool(server.tools[name], session, args, boris.CallContext(cfg, policy))
+            r = boris.McpServer.run_tool(server.tools[name], session, args, ctx_of(cfg, policy))
             return "".join(c.get("text", "") for c in r["content"]), r["isError"]
         for path in ("l_self/../out/o.txt", "loop_a/../out/o.txt", "l_self/../../outside/o.txt",
                      "chain0/o.txt", "sub/l_self/../../out/o.txt"):
@@ -2478,7 +2493,7 @@ class TestHostilePathCampaign(unittest.TestCase):
         self.addCleanup(session.close)
         for name, args in (("view", {"path": "l_self/../out/o.txt"}), ("read_file", {"path": "l_self/../out/o.txt"}),
                            ("read_file", {"path": "l_self/../../outside/o.txt"})):
-            r = boris.McpServer.run_tool(server.tools[name], session, args, boris.CallContext(cfg, policy))
+            r = boris.McpServer.run_tool(server.tools[name], session, args, ctx_of(cfg, policy))
             self.assertTrue(r["isError"], r)
             self.assertNotIn(SECRET, r["content"][0]["text"])
 
@@ -2524,7 +2539,7 @@ class TestSwapRace(unittest.TestCase):
                                    ("list_directory", {"path": "d"}),
                                    ("write_file", {"path": "d/f.txt", "content": "inside\n"}),
                                    ("create_file", {"path": "d/n%d.txt" % i, "content": "new\n"})):
-                    r = boris.McpServer.run_tool(server.tools[name], session, args, boris.CallContext(cfg, policy))
+                    r = boris.McpServer.run_tool(server.tools[name], session, args, ctx_of(cfg, policy))
                     calls += 1
                     if SECRET in r["content"][0]["text"]:
                         escapes.append((name, r["content"][0]["text"][:80]))
@@ -2566,7 +2581,7 @@ class TestLinkedDenyInSearch(Base):
         server = boris.McpServer(cfg, policy)
         r = boris.McpServer.run_tool(server.tools["grep"], self.session,
                                      {"pattern": "SECRET", "path": os.path.join(outside, "ws", "sub"),
-                                      "output_mode": "content"}, boris.CallContext(cfg, policy))
+                                      "output_mode": "content"}, ctx_of(cfg, policy))
         self.assertNotIn(SECRET, r["content"][0]["text"])
 
 
@@ -2622,7 +2637,7 @@ class TestSpecialFiles(NoViewBase):
         policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
         server = boris.McpServer(cfg, policy)
         done, r = run_with_deadline(lambda: boris.McpServer.run_tool(
-            server.tools["read_file"], self.session, {"path": "zero"}, boris.CallContext(cfg, policy)), 10)
+            server.tools["read_file"], self.session, {"path": "zero"}, ctx_of(cfg, policy)), 10)
         self.assertTrue(done)
         self.assertTrue(r["isError"])
         self.assertTrue(r["content"][0]["text"].startswith("错误："), r)
@@ -2719,7 +2734,7 @@ class TestParallelEdits(NoViewBase):
         self.addCleanup(other.close)
         for trial in range(30):
             self.write("f.txt", "a\nb\n")
-            ctx = boris.CallContext(self.cfg, self.policy)
+            ctx = ctx_of(self.cfg, self.policy)
             t = threading.Thread(target=boris.McpServer.run_tool, args=(
                 self.server.tools["str_replace"], other, {"path": "f.txt", "old_str": "a\n", "new_str": "A\n"}, ctx))
             t.start()
@@ -2807,8 +2822,8 @@ class TestKillableSearch(SearchBase):
 
     def test_a_dead_warm_helper_is_replaced(self):
         self.assertIn("fine.txt", self.ok("grep", pattern="aaa", path="cat"))      # leaves a warm helper
-        self.assertTrue(boris._search_idle)
-        for proc in list(boris._search_idle):
+        self.assertTrue(TEST_HELPERS.idle)
+        for proc in list(TEST_HELPERS.idle):
             proc.kill()
             proc.wait()
         self.assertIn("fine.txt", self.ok("grep", pattern="aaa", path="cat"))
@@ -2816,7 +2831,7 @@ class TestKillableSearch(SearchBase):
     def test_cancel_kills_the_search_at_once(self):
         cancelled = threading.Event()
         threading.Timer(0.3, cancelled.set).start()
-        ctx = boris.CallContext(self.cfg, self.policy, cancelled)
+        ctx = ctx_of(self.cfg, self.policy, cancelled)
         t = time.monotonic()
         boris.McpServer.run_tool(self.server.tools["grep"], self.session,
                                  {"pattern": CATASTROPHIC, "path": "cat", "output_mode": "content"}, ctx)
@@ -2872,7 +2887,7 @@ class TestOutputAtScale(NoViewBase):
 
     def test_progress_floods_stay_bounded(self):
         got = []
-        ctx = boris.CallContext(self.cfg, self.policy, progress=got.append)
+        ctx = ctx_of(self.cfg, self.policy, progress=got.append)
         boris.tool_bash(self.session, {"command": "head -c 5000000 /dev/zero | tr '\\0' z"}, ctx)
         self.assertTrue(got)
         self.assertTrue(all(len(m) <= boris.OUTPUT_MAX_CHARS for m in got))
@@ -2894,7 +2909,7 @@ class TestWaitsAndWorkers(NoViewBase):
         t = time.monotonic()
         boris.McpServer.run_tool(self.server.tools["task_output"], self.session,
                                  {"task_id": task, "wait_ms": 600000},
-                                 boris.CallContext(self.cfg, self.policy, cancelled))
+                                 ctx_of(self.cfg, self.policy, cancelled))
         self.assertLess(time.monotonic() - t, 3)
 
     def test_worker_pool_is_capped_and_shrinks(self):
@@ -3081,6 +3096,139 @@ class TestCrashesOnOneMessage(StdioBase):
         self.assertNotIn(-32603, [m.get("error", {}).get("code") for m in self.c.lines if m])
 
 
+# ---------------------------------------------------------------------------
+# Generated campaign: every tool x every property x hostile values
+# ---------------------------------------------------------------------------
+
+HOSTILE_STRINGS = ["a\x00b", "\x00", "\ud800", "x\udcff", "\udfff\ud800", "\x01\x1b[31m\r\n\t\x7f",
+                   "\u202e\u200b", "", " ", "\n", "a" * (1 << 20), "[" * 160000, "(a+)+$", "\\", "../" * 50,
+                   "http://[", "http://127.0.0.1:abc/", "http://127.0.0.1:1/a b", "http://127.0.0.1:1/\r\nX: y",
+                   "undefined", "punycode", "idna", "rot13", "base64", "utf-16", "\\p{L}", "*{a,b", "**/**/**/x"]
+HOSTILE_NUMBERS = [0, -1, -(10 ** 30), 10 ** 30, 2 ** 63, 1.5, -0.0, 1e300, 10 ** 400]
+HOSTILE_OTHERS = [True, False, [], {}, ["a"], [1, 2], {"a": 1}, [None], [["x"]], [{"a": "\x00"}]]
+HOSTILE_VALUES = HOSTILE_STRINGS + HOSTILE_NUMBERS + HOSTILE_OTHERS
+
+
+class ArgumentCampaign(object):
+    """Base arguments that work for each tool of a workspace, and a generator of calls
+    that spoil them: one property (or an extra one) set to a hostile value, or several."""
+
+    def __init__(self, root, web_port):
+        self.root = root
+        with open(os.path.join(root, "a.txt"), "w") as f:
+            f.write("alpha\n\n  beta\ngamma\n" * 5)
+        os.makedirs(os.path.join(root, "sub"), exist_ok=True)
+        with open(os.path.join(root, "sub", "b.py"), "w") as f:
+            f.write("print('aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa')\n")
+        self.base = {
+            "bash": {"command": "true"},
+            "task_output": {"task_id": "task_1"},
+            "task_stop": {"task_id": "task_1"},
+            "view": {"path": "a.txt"},
+            "str_replace": {"path": "a.txt", "old_str": "not there", "new_str": "x"},
+            "multi_edit": {"path": "a.txt", "edits": [{"old_str": "not there", "new_str": "x"}]},
+            "create_file": {"path": "new.txt", "content": "c\n"},
+            "grep": {"pattern": "a+", "path": "."},
+            "glob": {"pattern": "**/*.py"},
+            "search_text": {"query": "beta", "paths": ["."]},
+            "search_files": {"pattern": "**/*.txt"},
+            "read_file": {"path": "a.txt"},
+            "write_file": {"path": "w.txt", "content": "w\n"},
+            "list_directory": {"path": "."},
+            "web_fetch": {"url": "http://127.0.0.1:%d/page" % web_port, "timeout": 5},
+            "str_replace_editor": {"command": "view", "path": "a.txt"},
+        }
+
+    def cases(self, tools, rng, n):
+        """`n` (tool name, arguments) pairs: first each property x each hostile value,
+        then random spoilings of one to three properties."""
+        out = []
+        for name in sorted(tools):
+            props = sorted(tools[name].schema["properties"]) + ["zz_extra", "wait_for_previous"]
+            for key in props:
+                for value in HOSTILE_VALUES:
+                    args = dict(self.base.get(name, {}))
+                    args[key] = value
+                    out.append((name, args))
+        names = sorted(tools)
+        while len(out) < n:
+            name = rng.choice(names)
+            args = dict(self.base.get(name, {}))
+            props = sorted(tools[name].schema["properties"])
+            for key in rng.sample(props, min(len(props), rng.randint(1, 3))):
+                args[key] = rng.choice(HOSTILE_VALUES)
+            if rng.random() < 0.1:
+                args = rng.choice([None, [], "x", 3, {"\x00": 1}])
+            out.append((name, args))
+        return out[:n] if len(out) > n else out
+
+
+class TestArgumentCampaign(unittest.TestCase):
+    """Thousands of calls whose arguments are spoiled one property at a time: NUL, lone
+    surrogates, control characters, 1 MB strings, wrong types, huge, negative and
+    float numbers, unknown extras. None may crash a call (-32603), log a traceback
+    or put anything but strict JSON on the wire."""
+
+    CASES = 6000
+
+    @classmethod
+    def setUpClass(cls):
+        cls.web = make_web_server()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.web.shutdown()
+        cls.web.server_close()
+
+    def setUp(self):
+        self.tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-campaign-"))
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.logged = []
+        real_log = boris.log
+
+        def spy(level, message, **fields):
+            if level == "error":
+                self.logged.append((message, fields))
+            elif level == "debug":
+                real_log(level, message, **fields)
+        patcher = mock.patch.object(boris, "log", spy)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+    def run_calls(self, flags, n, seed):
+        cfg = boris.parse_config(["--workdir", self.tmp, "--require-view-before-edit", "false"] + flags, {})
+        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        server = boris.McpServer(cfg, policy)
+        session = boris.Session(cfg)
+        self.addCleanup(session.close)
+        campaign = ArgumentCampaign(self.tmp, self.web.server_address[1])
+        stats = {"calls": 0, "errors": 0, "crashes": []}
+        for name, args in campaign.cases(server.tools, random.Random(seed), n):
+            cancelled = threading.Event()
+            timer = threading.Timer(3.0, cancelled.set)            # a wait of 600 s ends here
+            timer.start()
+            try:
+                r = boris.McpServer.run_tool(server.tools[name], session, args,
+                                             ctx_of(cfg, policy, cancelled))
+                json.dumps(r, allow_nan=False).encode("utf-8")        # strict: no NaN, no lone surrogate
+                stats["errors"] += r["isError"]
+            except Exception as e:                                  # -32603 over the wire
+                stats["crashes"].append("%s(%r): %r" % (name, repr(args)[:200], e))
+            finally:
+                timer.cancel()
+            stats["calls"] += 1
+        return stats
+
+    def test_thousands_of_spoiled_calls_crash_nothing(self):
+        stats = self.run_calls([], self.CASES - 1000, seed=23)
+        compat = self.run_calls(["--anthropic-compat"], 1000, seed=24)
+        crashes = stats["crashes"] + compat["crashes"]
+        self.assertEqual(crashes, [], "%d crashes, e.g. %s" % (len(crashes), "\n".join(crashes[:10])))
+        self.assertEqual(self.logged, [], "tracebacks logged: %r" % self.logged[:3])
+        self.assertGreaterEqual(stats["calls"] + compat["calls"], 5000)
+        self.assertGreater(stats["errors"], 2000)
+
+
 class TestEnvironments(unittest.TestCase):
     def test_ascii_locale_serves_non_ascii_paths_and_commands(self):
         tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-ascii-"))
@@ -3211,7 +3359,7 @@ class TestEditsThatLand(NoViewBase):
         self.write("v.txt", "a\n")
         r = boris.McpServer.run_tool(server.tools["multi_edit"], self.session,
                                      {"path": "v.txt", "edits": [{"old_str": "a", "new_str": "b"}]},
-                                     boris.CallContext(cfg, self.policy))
+                                     ctx_of(cfg, self.policy))
         self.assertTrue(r["content"][0]["text"].startswith("[FILE_NOT_VIEWED]"), r)
 
     def test_multi_edit_in_compat_mode(self):
@@ -3274,7 +3422,7 @@ class TestBoundedResults(NoViewBase):
         cfg = boris.parse_config(["--workdir", self.root], {})
         server = boris.McpServer(cfg, self.policy)
         r = boris.McpServer.run_tool(server.tools["list_directory"], self.session, {"path": "big"},
-                                     boris.CallContext(cfg, self.policy))
+                                     ctx_of(cfg, self.policy))
         text = r["content"][0]["text"]
         self.assertLess(len(text), boris.RESULT_MAX_CHARS + 500)
         self.assertIn("3000 entries", text)
@@ -3302,7 +3450,7 @@ class TestBoundedResults(NoViewBase):
 
         def read(**args):
             r = boris.McpServer.run_tool(server.tools["read_file"], self.session, args,
-                                         boris.CallContext(cfg, self.policy))
+                                         ctx_of(cfg, self.policy))
             return r["content"][0]["text"]
         self.write("n.txt", "".join("line %d\n" % i for i in range(1, 11)))
         self.assertEqual(read(path="n.txt"), "".join("line %d\n" % i for i in range(1, 11)))
@@ -3344,7 +3492,7 @@ class TestChangedFiles(NoViewBase):
         server = boris.McpServer(cfg, self.policy)
 
         def call(name, **args):
-            r = boris.McpServer.run_tool(server.tools[name], self.session, args, boris.CallContext(cfg, self.policy))
+            r = boris.McpServer.run_tool(server.tools[name], self.session, args, ctx_of(cfg, self.policy))
             return r["content"][0]["text"], r["isError"]
         p = self.write("w.txt", "a\n")
         call("read_file", path="w.txt")
@@ -3588,7 +3736,7 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
         for pattern in ("alpha", "^beta$", "[Gg]amma", "delta_\\d", "foo\\(", "TODO:.*fix", "caf\u00e9", "^\\s+ind",
                         "x=1|beta", "^$", "a.p", "(?i)GAMMA"):
             r = boris.McpServer.run_tool(server.tools["grep"], session, {"pattern": pattern, "output_mode": "count"},
-                                         boris.CallContext(cfg, server.policy))
+                                         ctx_of(cfg, server.policy))
             text = r["content"][0]["text"]
             ours = {} if text.startswith("No matches") else dict(
                 (l.rsplit(":", 1)[0], int(l.rsplit(":", 1)[1])) for l in text.split("\n"))
