@@ -61,6 +61,9 @@ LISTING_DEPTH = 2                          # view of a directory
 LISTING_MAX_ENTRIES = 1000
 LISTING_SKIP = frozenset((".git", "node_modules"))
 MISS_CONTEXT_LINES = 12                    # lines of the closest region a str_replace miss shows
+MISS_WINDOW_LINES = 60                     # the closest-match help locates old_str by this many lines
+MISS_CANDIDATES = 20                       # ... scores this many candidate places
+MISS_SCAN_LINES = 50000                    # ... and compares at most this many lines one by one
 SNIPPET_CONTEXT = 4                        # lines around an edit in str_replace's answer
 MAX_PATH_CHARS = 4096
 MAX_PATTERN_CHARS = 8192                   # a regex, glob, include or wait_for from the model
@@ -80,7 +83,7 @@ GREP_BINARY_SNIFF = 512
 SEARCH_TIMEOUT_S = 60.0                    # a search is stopped here, its partial results kept
 SEARCH_BATCH = 1000                        # results a helper sends at a time
 SEARCH_IDLE_HELPERS = 2                    # search helpers kept warm for the next search
-DEADLINE_GRACE_S = 5.0                     # a helper past its job's deadline by this much ends itself
+DEADLINE_GRACE_S = 2.0                     # a helper past its job's deadline by this much ends itself
 WEB_MAX_CHARS = 5000
 WEB_MAX_BYTES = 5 * 1024 * 1024
 WEB_MAX_REDIRECTS = 5
@@ -93,6 +96,7 @@ HTTP_READ_TIMEOUT_S = 30.0                 # a request's headers and body must a
 STDIO_MAX_LINE = 64 * 1024 * 1024          # one stdio message at most
 REAP_INTERVAL_S = 0.5                      # orphans re-parented to boris are reaped this often
 MAX_WORKERS = 64                           # tool calls running at once; more wait in a queue
+SESSION_MAX_RUNNING = 16                   # ... of them one session's; a session's first always starts
 WORKER_IDLE_S = 30.0                       # an idle worker thread retires after this
 EOF_GRACE_S = 2.0                          # stdin closed: let in-flight calls finish
 HELPER_WATCH_S = 0.2                       # a helper checks this often that its parent lives
@@ -140,6 +144,11 @@ class RpcError(Exception):
 
 class ConfigError(Exception):
     """A bad flag or environment value: one line on stderr, exit code 2."""
+
+
+def shorten(text, most=200):
+    """`text` for a message: whole, or its first `most` characters and its length."""
+    return text if len(text) <= most else "%s... (%d characters)" % (text[:most], len(text))
 
 
 def human_size(n):
@@ -873,9 +882,10 @@ O_DIR_STEP = (getattr(os, "O_PATH", 0) or os.O_RDONLY) | os.O_DIRECTORY | O_NOFO
 O_FILE = O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
 
 
-def open_dir(real, create=False, flags=O_DIR_STEP):
+def open_dir(real, create=False, flags=O_DIR_STEP, made=None):
     """An fd of the directory `real` (canonical), reached without following any link.
-    create=True makes missing directories, 0755 whatever the umask."""
+    create=True makes missing directories, 0755 whatever the umask, and appends the
+    path of each one it made to `made` (when given)."""
     fd = os.open("/", O_DIR_STEP)
     try:
         parts = [p for p in real.split("/") if p]
@@ -888,6 +898,8 @@ def open_dir(real, create=False, flags=O_DIR_STEP):
                     raise
                 try:
                     os.mkdir(part, 0o755, dir_fd=fd)
+                    if made is not None:
+                        made.append("/" + "/".join(parts[:k + 1]))
                 except FileExistsError:
                     pass
                 nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=fd)
@@ -1066,27 +1078,44 @@ def atomic_write(real, data, new_mode=0o644):
     directory, a single-file bind mount), the file is rewritten in place instead,
     which is not crash-atomic. Returns True when written atomically."""
     directory, base = os.path.split(real)
-    dfd = open_dir(directory, create=True)
+    made, dfd = [], None
     try:
-        try:
-            st = os.stat(base, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            st = None
-        if st is not None and not stat.S_ISREG(st.st_mode):
-            raise not_regular(real, st.st_mode, "replaced; nothing was written")
-        clean_leftovers(dfd, directory)
-        try:
-            replace_file(dfd, base, data, st, new_mode)
-            atomic = True
-        except OSError as e:
-            if st is None or e.errno not in (errno.EACCES, errno.EPERM, errno.EBUSY, errno.EXDEV, errno.EROFS):
-                raise
-            rewrite_in_place(dfd, base, data, st)
-            atomic = False
-        sync_dir(dfd)
-        return atomic
+        dfd = open_dir(directory, create=True, made=made)
+        return write_in(dfd, directory, base, real, data, new_mode)
+    except BaseException:
+        if dfd is not None:
+            os.close(dfd)
+            dfd = None
+        for path in reversed(made):                # nothing half-done: the directories made go too
+            try:
+                os.rmdir(path)
+            except OSError:
+                break
+        raise
     finally:
-        os.close(dfd)
+        if dfd is not None:
+            os.close(dfd)
+
+
+def write_in(dfd, directory, base, real, data, new_mode):
+    """atomic_write's work once the directory is open as `dfd`."""
+    try:
+        st = os.stat(base, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise not_regular(real, st.st_mode, "replaced; nothing was written")
+    clean_leftovers(dfd, directory)
+    try:
+        replace_file(dfd, base, data, st, new_mode)
+        atomic = True
+    except OSError as e:
+        if st is None or e.errno not in (errno.EACCES, errno.EPERM, errno.EBUSY, errno.EXDEV, errno.EROFS):
+            raise
+        rewrite_in_place(dfd, base, data, st)
+        atomic = False
+    sync_dir(dfd)
+    return atomic
 
 
 def replace_file(dfd, base, data, st, new_mode):
@@ -1152,7 +1181,8 @@ def sync_dir(dfd):
 # leftover of a killed run (same PID again as PID 1 in a container) is told apart.
 _RUN_TOKEN = os.urandom(4).hex()
 _TEMP_NAME = r"^\..*\.boris-(\d+)-([0-9a-f]{8})[0-9a-f]{8}\.tmp\Z"     # re caches it once used
-_cleaned_dirs = set()
+_cleaned_dirs = set()                   # (directory, dev, inode) already cleaned, at most CLEANED_DIRS_MAX
+CLEANED_DIRS_MAX = 4096
 
 
 def temp_name(base):
@@ -1183,6 +1213,8 @@ def clean_leftovers(dfd, directory):
     key = (directory, st.st_dev, st.st_ino)            # the path too: inode numbers are reused
     if key in _cleaned_dirs:
         return
+    if len(_cleaned_dirs) >= CLEANED_DIRS_MAX:         # bounded: a directory may be cleaned twice
+        _cleaned_dirs.clear()
     _cleaned_dirs.add(key)
     try:
         fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC, dir_fd=dfd)
@@ -1299,11 +1331,12 @@ def reap_orphans():
 def start_reaper():
     """Become a subreaper (Linux) and, as one or as PID 1, reap orphans every
     REAP_INTERVAL_S. Returns whether the reaper runs."""
-    if _reaper_state["on"]:
-        return True
-    if not (set_subreaper() or os.getpid() == 1):
-        return False
-    _reaper_state["on"] = True
+    with _spawn_lock:                           # two first spawns at once start one reaper
+        if _reaper_state["on"]:
+            return True
+        if not (set_subreaper() or os.getpid() == 1):
+            return False
+        _reaper_state["on"] = True
 
     def loop():
         while True:
@@ -1697,15 +1730,15 @@ def python_regex(pattern):
         m = re.search(r"(?<!\\)(?:\\\\)*(" + other + ")", pattern)
         if m:
             raise ToolError("GREP_INVALID_PATTERN", "pattern %r uses %s, which Python's re does not know; write %s"
-                            " instead" % (pattern, m.group(1), python))
+                            " instead" % (shorten(pattern), m.group(1), python))
     if re.search(r"\[[^\]]*&&", pattern):
         raise ToolError("GREP_INVALID_PATTERN", "pattern %r uses a class intersection (&&), which Python's re does"
-                        " not have; list the characters ([ac-z]) or use a lookahead ((?![b])[a-z])" % pattern)
+                        " not have; list the characters ([ac-z]) or use a lookahead ((?![b])[a-z])" % shorten(pattern))
 
     def posix(m):
         if m.group(1) not in POSIX_CLASSES:
             raise ToolError("GREP_INVALID_PATTERN", "pattern %r uses the unknown class [:%s:]; known: %s"
-                            % (pattern, m.group(1), ", ".join(sorted(POSIX_CLASSES))))
+                            % (shorten(pattern), m.group(1), ", ".join(sorted(POSIX_CLASSES))))
         return POSIX_CLASSES[m.group(1)]
     return re.sub(r"(?<=[\[^\w\]-])\[:(\w+):\]", posix, pattern) if "[:" in pattern else pattern
 
@@ -1744,9 +1777,9 @@ class Matcher(object):
             self.rx_text = re.compile(src, flags)
         except re.error as e:
             raise ToolError("GREP_INVALID_PATTERN", "pattern %r is not a valid regular expression: %s; escape"
-                            " special characters or fix the syntax (the dialect is Python's re)" % (pattern, e))
+                            " special characters or fix the syntax (the dialect is Python's re)" % (shorten(pattern), e))
         except (OverflowError, RecursionError, ValueError) as e:
-            raise ToolError("GREP_INVALID_PATTERN", "pattern %r cannot be compiled: %s" % (pattern, e))
+            raise ToolError("GREP_INVALID_PATTERN", "pattern %r cannot be compiled: %s" % (shorten(pattern), e))
         if src.isascii() and not re.search(r"\\[sS]", src):          # \s differs between str and bytes
             try:
                 self.rx = re.compile(src.encode("ascii"), flags)        # ASCII text: search the bytes as they are
@@ -2562,7 +2595,7 @@ def match_job(job):
         rx = re.compile(job["pattern"], re.MULTILINE)
     except (re.error, RecursionError, OverflowError, ValueError) as e:
         raise ToolError("INVALID_INPUT", "wait_for %r is not a valid regular expression: %s"
-                        % (job["pattern"][:200], e))
+                        % (shorten(job["pattern"]), e))
     return [any(rx.search(line[:1000]) for line in job["text"].splitlines())]
 
 
@@ -3266,20 +3299,22 @@ def guarded_opener(watch, block_private, url):
     return urllib.request.build_opener(PlainHandler, SecureHandler, Redirects)
 
 
-def http_fetch(url, timeout, cancelled=None, block_private=False):
-    """(content_type, charset, body bytes) of a GET, or a seed-004 ToolError. At most
-    WEB_MAX_REDIRECTS redirects (http/https only), at most WEB_MAX_BYTES read; `timeout`
-    bounds the whole call, and `cancelled` ends it at once."""
+def http_fetch(url, timeout, cancelled=None, block_private=False, shown=None):
+    """(content_type, charset, body bytes) of a GET, or a seed-004 ToolError naming
+    the URL as `shown` (as the model gave it). At most WEB_MAX_REDIRECTS redirects
+    (http/https only), at most WEB_MAX_BYTES read; `timeout` bounds the whole call,
+    and `cancelled` ends it at once."""
     import socket
     import urllib.error
     import urllib.parse
     import urllib.request
 
+    request_url, url = url, shown or url
     watch = FetchWatch(timeout, cancelled or threading.Event())
     opener = guarded_opener(watch, block_private, url)
     timed_out = plain_error("错误：请求超时（%ss）: %s" % (timeout, url))
     try:
-        req = urllib.request.Request(url, headers={"User-Agent": "boris/%s" % __version__,
+        req = urllib.request.Request(request_url, headers={"User-Agent": "boris/%s" % __version__,
                                                    "Accept": "text/html,application/json,text/*;q=0.9,*/*;q=0.5"})
         with opener.open(req, timeout=timeout) as resp:
             ctype = resp.headers.get_content_type() if resp.headers.get("Content-Type") else ""
@@ -3358,8 +3393,7 @@ def checked_url(url):
 def fetch_text(url, timeout, cancelled=None, block_private=False, start=0):
     """The readable text of a URL (HTML as light Markdown) from `start`, within
     WEB_MAX_CHARS; a seed-004 ToolError otherwise."""
-    url = checked_url(url)
-    ctype, charset, body = http_fetch(url, timeout, cancelled, block_private)
+    ctype, charset, body = http_fetch(checked_url(url), timeout, cancelled, block_private, shown=url)
     try:
         text = body.decode(text_codec(charset or "utf-8") or "utf-8", "replace")
     except (UnicodeError, ValueError):
@@ -3380,7 +3414,8 @@ def fetch_text(url, timeout, cancelled=None, block_private=False, start=0):
 
 class Session(object):
     """One client's state: cwd, sentinel nonce, viewed set, tasks, in-flight calls.
-    Everything mutable sits behind one lock."""
+    Everything mutable (viewed, tasks, inflight, foreground, cwd, closed) is read and
+    changed under `lock`; `client` and `last_seen` are single values a transport sets."""
 
     def __init__(self, config):
         self.config = config
@@ -3433,6 +3468,11 @@ class Session(object):
                 events.remove(ev)
             if not events:
                 self.inflight.pop(rid, None)
+
+    def busy(self):
+        """Whether any call of this session is in flight."""
+        with self.lock:
+            return bool(self.inflight)
 
     def is_inflight(self, rid):
         with self.lock:
@@ -3790,30 +3830,35 @@ def match_lines(text, old, most=20):
     return ", ".join(lines) + ", ..."
 
 
-def closest_region(text, old):
+def closest_region(text, old, cancelled=None):
     """A note on where `old` nearly is: the most similar run of lines with its line
-    numbers and a short diff (or a word on line-number prefixes and whitespace)."""
+    numbers and a short diff (or a word on line-number prefixes and whitespace).
+
+    The work is bounded whatever the sizes, and a cancel ends it with no note:
+    candidate places come from file lines equal to a line of old_str but for the
+    whitespace around it (one dict lookup a line), or, when there are none, from the
+    lines closest to old_str's first line (at most MISS_SCAN_LINES, each cut to 200
+    characters); at most MISS_CANDIDATES places of at most MISS_WINDOW_LINES lines
+    are scored, line by line, in time linear in their length."""
     import difflib
     lines = text.replace("\r\n", "\n").split("\n")
     want = old.replace("\r\n", "\n").split("\n")
     if len(want) > 1 and want[-1] == "":
         want.pop()
-    if re.match(r"^\s*\d+\t", want[0]) and all(re.match(r"^\s*\d+\t", w) for w in want if w):
+    numbered = re.compile(r"^ *\d+\t")
+    if numbered.match(want[0]) and all(numbered.match(w) for w in want if w):
         return " old_str starts its lines with view's line-number prefixes (number, tab); leave them out."
-    stripped = [l.strip() for l in lines]
-    keys = dict((w.strip(), k) for k, w in reversed(list(enumerate(want))) if w.strip())
-    starts = sorted(set(i - keys[s] for i, s in enumerate(stripped) if s in keys))[:400]
-    if not starts and len(lines) <= 20000:
-        first = next((w for w in want if w.strip()), "")
-        close = difflib.get_close_matches(first.strip(), stripped, n=5, cutoff=0.6)
-        starts = sorted(set(i - want.index(first) for i, s in enumerate(stripped) if s in close))[:400]
+    want = want[:MISS_WINDOW_LINES]
     n = len(want)
+    starts = candidate_starts(lines, want, cancelled)
     best, at = 0.0, None
-    for s in starts:
-        s = max(0, min(s, len(lines) - n)) if len(lines) >= n else 0
-        ratio = difflib.SequenceMatcher(None, "\n".join(lines[s:s + n]), "\n".join(want), autojunk=False).ratio()
-        if ratio > best:
-            best, at = ratio, s
+    for start in starts:
+        if cancelled is not None and cancelled.is_set():
+            return ""
+        s = max(0, min(start, len(lines) - n)) if len(lines) >= n else 0
+        score = window_similarity(lines[s:s + n], want)
+        if score > best:
+            best, at = score, s
     if at is None or best < 0.5:
         return ""
     region = lines[at:at + n]
@@ -3821,14 +3866,62 @@ def closest_region(text, old):
         hint = " They differ only in indentation or trailing spaces: copy the whitespace exactly."
     else:
         hint = ""
-    diff = list(difflib.unified_diff(region, want, "file", "old_str", n=0, lineterm=""))[2:]
+    diff = list(difflib.unified_diff([l[:200] for l in region], [w[:200] for w in want], "file", "old_str", n=0,
+                                     lineterm=""))[2:]
     shown = number_lines([clip_line(l)[:200] for l in region[:MISS_CONTEXT_LINES]], at + 1)
     return ("\nThe closest text is at lines %d-%d (%d%% similar):%s\n%s\nHow old_str differs (- file, + old_str):\n%s"
             % (at + 1, at + len(region), int(best * 100), hint, shown,
                "\n".join(d[:200] for d in diff[:MISS_CONTEXT_LINES])))
 
 
-def replace_text(text, old, new, replace_all, shown):
+def candidate_starts(lines, want, cancelled):
+    """Up to MISS_CANDIDATES line indexes where `want` may start in `lines`, most
+    likely first (see closest_region)."""
+    import difflib
+    import heapq
+    from collections import Counter
+    keys = {}
+    for k, w in enumerate(want):
+        if w.strip():
+            keys.setdefault(w.strip(), k)
+    votes = Counter()
+    for i, line in enumerate(lines):
+        k = keys.get(line.strip())
+        if k is not None:
+            votes[i - k] += 1
+    if not votes:
+        first = next((k for k, w in enumerate(want) if w.strip()), None)
+        if first is None:
+            return []
+        matcher = difflib.SequenceMatcher(autojunk=False)
+        matcher.set_seq2(want[first].strip()[:200])
+        close = []
+        for i, line in enumerate(lines[:MISS_SCAN_LINES]):
+            if i % 1000 == 0 and cancelled is not None and cancelled.is_set():
+                return []
+            matcher.set_seq1(line.strip()[:200])
+            if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6 and matcher.ratio() >= 0.6:
+                close.append((matcher.ratio(), -i))
+        return [-i - first for _, i in heapq.nlargest(MISS_CANDIDATES, close)]
+    return [start for start, _ in votes.most_common(MISS_CANDIDATES)]
+
+
+def window_similarity(region, want):
+    """0..1: how alike two runs of lines are, line by line (a line equal but for its
+    surrounding whitespace counts 0.95; others by their characters, cut at 200)."""
+    import difflib
+    total = 0.0
+    for a, b in zip(region, want):
+        if a == b:
+            total += 1.0
+        elif a.strip() == b.strip():
+            total += 0.95
+        else:
+            total += difflib.SequenceMatcher(None, a[:200], b[:200], autojunk=False).quick_ratio()
+    return total / max(len(want), 1)
+
+
+def replace_text(text, old, new, replace_all, shown, cancelled=None):
     """(updated text, count, offset of the first match) of replacing `old` by `new`.
 
     `old` is matched verbatim first; only when that fails in a file with CRLF endings
@@ -3840,7 +3933,7 @@ def replace_text(text, old, new, replace_all, shown):
         count = text.count(old)
     if count == 0:
         raise ToolError("STR_REPLACE_NOT_FOUND", "old_str was not found in %s; view the file and copy the"
-                        " text exactly, whitespace and indentation included.%s" % (shown, closest_region(text, old)))
+                        " text exactly, whitespace and indentation included.%s" % (shown, closest_region(text, old, cancelled)))
     if count > 1 and not replace_all:
         raise ToolError("STR_REPLACE_AMBIGUOUS", "old_str occurs %d times in %s (at lines %s) and must be unique;"
                         " add surrounding lines to old_str to pick one, or set replace_all to true"
@@ -3868,7 +3961,7 @@ def tool_str_replace(session, args, ctx):
     real = resolve_checked(session, ctx, shown)
     with edit_lock(real):
         text = load_for_edit(session, ctx, real, shown)
-        updated, count, pos = replace_text(text, old, new, bool(args.get("replace_all")), shown)
+        updated, count, pos = replace_text(text, old, new, bool(args.get("replace_all")), shown, ctx.cancelled)
         note = write_checked(session, ctx, real, shown, encode_text(updated, "new_str"))
     line = updated.count("\n", 0, pos)
     return "Replaced %d occurrence%s in %s%s:\n%s" % (count, "" if count == 1 else "s", real, note, snippet(
@@ -3890,7 +3983,7 @@ def tool_multi_edit(session, args, ctx):
                     raise ToolError("INVALID_INPUT", "old_str is empty; give the exact text to replace")
                 if old == new:
                     raise ToolError("INVALID_INPUT", "old_str and new_str are identical; there is nothing to change")
-                text, count, pos = replace_text(text, old, new, bool(edit.get("replace_all")), shown)
+                text, count, pos = replace_text(text, old, new, bool(edit.get("replace_all")), shown, ctx.cancelled)
             except ToolError as e:
                 raise ToolError(e.code, "edit %d of %d: %s\nNothing was written (the edits apply all or none)"
                                 % (k, len(edits), e.message.rstrip(".")))
@@ -4067,8 +4160,7 @@ def start_task(session, command, ctx):
         if len(running) >= MAX_BACKGROUND_TASKS:
             raise ToolError("BASH_TASK_LIMIT", "%d background tasks are already running (the limit); wait for"
                             " one with task_output or run this one in the foreground" % len(running))
-        session.task_seq = getattr(session, "task_seq", 0) + 1
-        task_id = "task_%d" % session.task_seq
+        task_id = "task_%s" % os.urandom(8).hex()       # a handle: only whoever was given it can use it
     proc = launch(session, command)
     task = Task(task_id, command, proc, ctx.config.background_task_timeout)
     with session.lock:
@@ -4226,9 +4318,10 @@ def format_records(label, records, numbers):
     return out
 
 
-def cap_lines(lines, what):
-    """Join output lines, cut at OUTPUT_MAX_CHARS with a notice of what was left out."""
-    total, kept = 0, []
+def cap_lines(lines, what, notice=()):
+    """Join output lines, cut at OUTPUT_MAX_CHARS with a notice of what was left out;
+    the `notice` lines (a partial search's) always come last, cut or not."""
+    total, kept = sum(len(n) + 1 for n in notice) + 200, []        # 200: room for the truncation line
     for i, line in enumerate(lines):
         total += len(line) + 1
         if total > OUTPUT_MAX_CHARS:
@@ -4236,7 +4329,7 @@ def cap_lines(lines, what):
                         " (path, include, type) or use head_limit/offset]" % (OUTPUT_MAX_CHARS, len(lines) - i, what))
             break
         kept.append(line)
-    return "\n".join(kept)
+    return "\n".join(kept + list(notice))
 
 
 def page(items, args):
@@ -4284,20 +4377,20 @@ def tool_grep(session, args, ctx):
                                  ctx.cancelled)
     notice = [partial_notice(why)] if why else []
     if not items:
-        return "\n".join(["No matches found for pattern %r in %s" % (pattern, shown)] + notice)
+        return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)] + notice)
     hits = [(real, rel if is_dir else shown, when, r) for real, rel, when, r, _ in items]
     if mode == "files_with_matches":
-        return cap_lines(page(newest_first([(h[1], h[2]) for h in hits]), args) + notice, "files")
+        return cap_lines(page(newest_first([(h[1], h[2]) for h in hits]), args), "files", notice)
     if not spec.get("stop_after"):
         hits.sort(key=lambda h: h[1])                  # a head_limit search keeps the order it found
     if mode == "count":
-        return cap_lines(page(["%s:%d" % (rel, n) for _, rel, _, n in hits], args) + notice, "files")
+        return cap_lines(page(["%s:%d" % (rel, n) for _, rel, _, n in hits], args), "files", notice)
     lines, grouped = [], before > 0 or after > 0
     for _, rel, _, records in hits:
         if lines and grouped:
             lines.append("--")
         lines += format_records(rel, records, args.get("line_numbers", True))
-    return cap_lines(page(lines, args) + notice, "lines")
+    return cap_lines(page(lines, args), "lines", notice)
 
 
 def glob_plan(pattern):
@@ -4330,7 +4423,7 @@ def find_paths(session, ctx, pattern, shown, kind):
     try:
         compile_glob(rest)
     except ValueError as e:
-        raise ToolError("GLOB_INVALID_PATTERN", "pattern %r is malformed: %s" % (pattern, e))
+        raise ToolError("GLOB_INVALID_PATTERN", "pattern %r is malformed: %s" % (shorten(pattern), e))
     try:
         start = canonical(os.path.join(real, prefix)) if prefix else real
     except OSError:
@@ -4347,7 +4440,7 @@ def tool_glob(session, args, ctx):
     notice = [partial_notice(why)] if why else []
     if not found:
         return "\n".join(["No files found"] + notice)
-    return cap_lines(page(newest_first(zip(found[0::2], found[1::2])), args) + notice, "paths")
+    return cap_lines(page(newest_first(zip(found[0::2], found[1::2])), args), "paths", notice)
 
 
 def tool_search_text(session, args, ctx):
@@ -4365,7 +4458,7 @@ def tool_search_text(session, args, ctx):
     notice = [partial_notice(why)] if why else []
     if not lines:
         return "\n".join(["No matches found for %r in %s" % (query, ", ".join(shown_paths))] + notice)
-    return cap_lines(lines + notice, "lines")
+    return cap_lines(lines, "lines", notice)
 
 
 def tool_search_files(session, args, ctx):
@@ -4373,7 +4466,7 @@ def tool_search_files(session, args, ctx):
     notice = [partial_notice(why)] if why else []
     if not found:
         return "\n".join(["No files found matching %r" % args["pattern"]] + notice)
-    return cap_lines(newest_first(zip(found[0::2], found[1::2])) + notice, "paths")
+    return cap_lines(newest_first(zip(found[0::2], found[1::2])), "paths", notice)
 
 
 ###############################################################################
@@ -4847,27 +4940,53 @@ def check_arguments(schema, args):
 
 
 class WorkerPool(object):
-    """Threads that run tool calls so the reader never blocks. A new worker starts
-    whenever none is idle (a long command never starves a quick view), up to
-    MAX_WORKERS; beyond that calls wait in the queue. Idle workers retire after
-    WORKER_IDLE_S."""
+    """Threads that run tool calls so the reader never blocks, fair between sessions.
 
-    def __init__(self, max_workers=MAX_WORKERS):
+    A call starts at once when its owner (a session) runs fewer than `per_session`
+    calls and the pool fewer than `max_workers`; a session with nothing running
+    always starts its call at once, so one busy session never delays another's next
+    call. Other calls wait in their owner's own queue, in order, and as calls end the
+    owners take turns. A new thread starts whenever none is idle; idle threads
+    retire after WORKER_IDLE_S."""
+
+    def __init__(self, max_workers=MAX_WORKERS, per_session=SESSION_MAX_RUNNING):
         import queue
-        self.jobs = queue.Queue()
+        from collections import OrderedDict
+        self.ready = queue.Queue()
         self.lock = threading.Lock()
         self.idle = 0
         self.workers = 0
         self.max_workers = max_workers
+        self.per_session = per_session
+        self.running = {}                       # owner -> calls running
+        self.total = 0
+        self.waiting = OrderedDict()            # owner -> deque of calls, owners in turn order
 
-    def submit(self, fn):
+    def submit(self, fn, owner=None):
+        from collections import deque
         with self.lock:
-            start = self.idle == 0 and self.workers < self.max_workers
-            if start:
-                self.workers += 1
-            elif self.idle:
-                self.idle -= 1
-        self.jobs.put(fn)
+            if owner in self.waiting or not self._may_start(owner):
+                self.waiting.setdefault(owner, deque()).append(fn)
+                return
+            start = self._admit(owner)
+        self._dispatch(fn, owner, start)
+
+    def _may_start(self, owner):
+        n = self.running.get(owner, 0)
+        return n < self.per_session and (self.total < self.max_workers or n == 0)
+
+    def _admit(self, owner):
+        """Count a call as running (lock held); True when it needs a new thread."""
+        self.running[owner] = self.running.get(owner, 0) + 1
+        self.total += 1
+        if self.idle:
+            self.idle -= 1
+            return False
+        self.workers += 1
+        return True
+
+    def _dispatch(self, fn, owner, start):
+        self.ready.put((fn, owner))
         if start:
             threading.Thread(target=self._run, daemon=True, name="boris-worker").start()
 
@@ -4875,7 +4994,7 @@ class WorkerPool(object):
         import queue
         while True:
             try:
-                fn = self.jobs.get(timeout=WORKER_IDLE_S)
+                fn, owner = self.ready.get(timeout=WORKER_IDLE_S)
             except queue.Empty:
                 with self.lock:
                     if self.idle > 0:
@@ -4887,8 +5006,32 @@ class WorkerPool(object):
                 fn()
             except Exception:
                 log("error", "worker crashed", error=_traceback())
-            with self.lock:
-                self.idle += 1
+            self._finish(owner)
+
+    def _finish(self, owner):
+        """A call ended: admit waiting calls, one owner's at a time in turn."""
+        admitted = []
+        with self.lock:
+            self.running[owner] -= 1
+            if not self.running[owner]:
+                del self.running[owner]
+            self.total -= 1
+            self.idle += 1
+            progress = True
+            while progress:
+                progress = False
+                for o in list(self.waiting):
+                    if not self._may_start(o):
+                        continue
+                    calls = self.waiting[o]
+                    admitted.append((calls.popleft(), o, self._admit(o)))
+                    progress = True
+                    if calls:
+                        self.waiting.move_to_end(o)
+                    else:
+                        del self.waiting[o]
+        for fn, o, start in admitted:
+            self._dispatch(fn, o, start)
 
 
 def _traceback():
@@ -4921,6 +5064,12 @@ def finite(value):
     if isinstance(value, (list, tuple)):
         return [finite(v) for v in value]
     return value
+
+
+def valid_id(rid):
+    """A JSON-RPC request id this server answers to: a string of valid Unicode or an
+    integer (not a bool, a float, null, a list or an object)."""
+    return isinstance(rid, (str, int)) and echoable(rid)
 
 
 def echoable(value):
@@ -4996,7 +5145,7 @@ class McpServer(object):
         method, rid, has_id = msg.get("method"), msg.get("id"), "id" in msg
         if method is None and ("result" in msg or "error" in msg):
             return                                  # a response to us: we send no requests
-        id_ok = not has_id or (isinstance(rid, (str, int)) and echoable(rid))
+        id_ok = not has_id or valid_id(rid)
         if msg.get("jsonrpc") != "2.0" or not isinstance(method, str) or not id_ok:
             emit(error_response(rid if has_id and id_ok else None,
                                 -32600, "Invalid Request: need jsonrpc '2.0', a string method and a"
@@ -5061,6 +5210,10 @@ class McpServer(object):
                                                if cfg.require_view_before_edit else "off"))
         if cfg.anthropic_compat:
             lines.append("Anthropic compatibility: on (str_replace_editor, Claude Code grep names)")
+        if cfg.transport == "http":
+            lines.append("State across calls (working directory, viewed files, background tasks) is kept per"
+                         " MCP session; requests without a session share the state of their bearer token (or of"
+                         " the local user when no token is set). A task id is a random handle: keep it.")
         lines += ["Prefer the view, grep and glob tools over cat, grep and find in bash: their results are"
                   " bounded and numbered.",
                   "Each bash call is a new shell: environment variables and aliases do not persist between"
@@ -5137,7 +5290,7 @@ class McpServer(object):
                     emit(response)
             finally:
                 session.end(rid, cancelled)     # after emit: a transport waiting on inflight sees the answer first
-        self.pool.submit(run)
+        self.pool.submit(run, owner=session)
 
     @staticmethod
     def run_tool(tool, session, args, ctx):
@@ -5312,7 +5465,7 @@ def serve_stdio(server, session, stopper, stdin_fd=0, stdout=None):
     stopper.wait()
     if stopper.reason == "eof":
         deadline = time.monotonic() + EOF_GRACE_S
-        while session.inflight and time.monotonic() < deadline and stopper.reason == "eof":
+        while session.busy() and time.monotonic() < deadline and stopper.reason == "eof":
             time.sleep(0.01)
     else:
         log("info", "shutting down", reason=stopper.reason)
@@ -5329,14 +5482,16 @@ class HttpTransport(object):
 
     Sessions are keyed by an unguessable Mcp-Session-Id; each owns its cwd, viewed set
     and tasks. Requests of the stateless 2026-07-28 revision (protocol version in
-    _meta) need no session and share one. Knows nothing about tools."""
+    _meta) need no session: their state belongs to their principal (the bearer token,
+    or the local user without one), whose task ids are random handles. Knows nothing
+    about tools."""
 
     def __init__(self, server, config, token=None):
         self.server, self.config, self.token = server, config, token
         self.sessions = {}
         self.lock = threading.Lock()
         self.idle_s = HTTP_SESSION_IDLE_S
-        self.stateless = Session(config)
+        self.principals = {}            # who -> Session: the state of requests without a session
         self.local_bind = is_loopback(host_of(config.host))
         self.httpd = None
         self.stopping = threading.Event()
@@ -5375,6 +5530,15 @@ class HttpTransport(object):
             self.sessions[sid] = Session(self.config)
         return sid
 
+    def principal_session(self, who):
+        """The state of `who`'s requests that carry no session (2026-07-28 has none):
+        one per principal, made on first use and kept until the server stops."""
+        with self.lock:
+            session = self.principals.get(who)
+            if session is None:
+                session = self.principals[who] = Session(self.config)
+        return session
+
     def get_session(self, sid):
         with self.lock:
             return self.sessions.get(sid)
@@ -5390,7 +5554,7 @@ class HttpTransport(object):
         now = time.monotonic()
         with self.lock:
             stale = [sid for sid, s in self.sessions.items()
-                     if now - s.last_seen > self.idle_s and not s.inflight]
+                     if now - s.last_seen > self.idle_s and not s.busy()]
         for sid in stale:
             log("info", "closing idle HTTP session", session=sid[:8])
             self.end_session(sid)
@@ -5404,7 +5568,11 @@ class HttpTransport(object):
             sids = list(self.sessions)
         for sid in sids:
             self.end_session(sid)
-        self.stateless.close()
+        with self.lock:
+            principals = list(self.principals.values())
+            self.principals.clear()
+        for session in principals:
+            session.close()
 
     # -- serving -------------------------------------------------------------
     def bind(self):
@@ -5551,7 +5719,7 @@ def http_pick_session(h, msg):
     params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
     meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
     header_version = h.headers.get("MCP-Protocol-Version")
-    rid = msg.get("id") if isinstance(msg.get("id"), (str, int)) else None
+    rid = msg.get("id") if valid_id(msg.get("id")) else None
     if META_VERSION_KEY in meta:
         if header_version and header_version != meta[META_VERSION_KEY]:
             http_reply(h, 400, error_response(rid, -32600, "MCP-Protocol-Version header does not match _meta"))
@@ -5570,9 +5738,19 @@ def http_pick_session(h, msg):
                                                            " initialize again"))
         return session, None
     if META_VERSION_KEY in meta or msg.get("method") == "server/discover":
-        return t.stateless, None
+        return t.principal_session(principal(h)), None
     http_reply(h, 400, error_response(rid, -32600, "Bad Request: missing Mcp-Session-Id header (initialize first)"))
     return None, None
+
+
+def principal(h):
+    """Who sent a request, for state without a session: the bearer token it proved
+    (by a digest, never the token itself), or the local user when none is required."""
+    if not h.transport.token:
+        return "local user"
+    import hashlib
+    auth = h.headers.get("Authorization", "")
+    return "token " + hashlib.sha256(auth[7:].strip().encode("utf-8", "replace")).hexdigest()[:16]
 
 
 def http_client_gone(h):
@@ -5664,6 +5842,10 @@ def http_on_post(h):
     msg = body[0]
     if not isinstance(msg, dict):
         http_reply(h, 400, error_response(None, -32600, "Invalid Request: expected one JSON-RPC object"))
+        return
+    if "id" in msg and not valid_id(msg["id"]):
+        http_reply(h, 400, error_response(None, -32600, "Invalid Request: the id must be a string (valid Unicode)"
+                                                        " or an integer"))
         return
     session, sid = http_pick_session(h, msg)
     if session is None:

@@ -36,8 +36,24 @@ PNG_1PX = base64.b64decode(
 TEST_HELPERS = boris.HelperPool()         # the helper processes of the suite's direct calls
 
 
+UNRAISABLE = []                           # exceptions raised where nothing catches them (__del__: ResourceWarning)
+
+
+def setUpModule():
+    if hasattr(sys, "unraisablehook"):
+        real = sys.unraisablehook
+
+        def hook(unraisable):
+            UNRAISABLE.append("%s: %s" % (unraisable.exc_type.__name__, unraisable.exc_value))
+            real(unraisable)
+        sys.unraisablehook = hook
+
+
 def tearDownModule():
     TEST_HELPERS.close()
+    if UNRAISABLE:
+        raise AssertionError("unraisable exceptions during the suite (make test turns ResourceWarning into"
+                             " one): %s" % "; ".join(UNRAISABLE[:5]))
 
 
 def ctx_of(cfg, policy, cancelled=None, progress=None):
@@ -988,20 +1004,29 @@ class StdioClient(object):
     """Drives `python3 boris.py` over pipes, as an MCP client does."""
 
     def __init__(self, args, cwd=None):
-        self.p = subprocess.Popen([sys.executable, BORIS] + args, stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
+        self.adopt(subprocess.Popen([sys.executable, BORIS] + args, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd))
+
+    def adopt(self, p):
+        """Drive the server process `p` (its stdin and stdout pipes)."""
+        self.p = p
         self.lines = []
+        self.bad = []                   # stdout lines that were not strict JSON
         self.cond = threading.Condition()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
         self.errbuf = []
-        threading.Thread(target=lambda: self.errbuf.extend(self.p.stderr), daemon=True).start()
+        if self.p.stderr is not None:
+            threading.Thread(target=lambda: self.errbuf.extend(self.p.stderr), daemon=True).start()
         self.next_id = 0
 
     def _read(self):
         for line in self.p.stdout:
             with self.cond:
-                self.lines.append(json.loads(line))
+                try:
+                    self.lines.append(strict_loads(line))
+                except ValueError:                           # not strict JSON: StdioBase fails the test
+                    self.bad.append(line[:300])
                 self.cond.notify_all()
         with self.cond:
             self.lines.append(None)
@@ -1054,7 +1079,8 @@ class StdioClient(object):
         self.reader.join(5)
         for f in (self.p.stdout, self.p.stderr):
             try:
-                f.close()
+                if f is not None:
+                    f.close()
             except (OSError, ValueError):
                 pass
         return code
@@ -1071,6 +1097,7 @@ class StdioBase(unittest.TestCase):
     def tearDown(self):
         self.c.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+        self.assertEqual(self.c.bad, [], "stdout carried lines that are not strict JSON")
 
 
 class TestStdioProtocol(StdioBase):
@@ -1298,7 +1325,7 @@ class TestBash(NoViewBase):
 class TestBackgroundTasks(NoViewBase):
     def task_id(self, text):
         import re
-        return re.search(r"task_\d+", text).group(0)
+        return re.search(r"task_[0-9a-f]+", text).group(0)
 
     def test_background_lifecycle(self):
         tid = self.task_id(self.ok("bash", command="echo first; sleep 0.4; echo second", run_in_background=True))
@@ -2903,7 +2930,7 @@ class TestOutputAtScale(NoViewBase):
 class TestWaitsAndWorkers(NoViewBase):
     def test_cancelled_task_output_wait_returns_at_once(self):
         out = self.ok("bash", command="sleep 30", run_in_background=True)
-        task = re.search(r"task_\d+", out).group(0)
+        task = re.search(r"task_[0-9a-f]+", out).group(0)
         cancelled = threading.Event()
         threading.Timer(0.2, cancelled.set).start()
         t = time.monotonic()
@@ -2956,7 +2983,7 @@ class TestProcessesLeftBehind(StdioBase):
     def test_background_task_keeps_its_daemons_until_it_ends(self):
         s = unique_sleep()
         out = self.bash("setsid sleep %s & sleep 0.5" % s, run_in_background=True)
-        task = re.search(r"task_\d+", out).group(0)
+        task = re.search(r"task_[0-9a-f]+", out).group(0)
         self.assertTrue(wait_until(lambda: procs_with(s), 5))
         self.c.request("tools/call", {"name": "task_output", "arguments": {"task_id": task, "wait_ms": 5000}})
         self.assertTrue(wait_until(lambda: not procs_with(s), 10))
@@ -3119,7 +3146,7 @@ class ArgumentCampaign(object):
             f.write("alpha\n\n  beta\ngamma\n" * 5)
         os.makedirs(os.path.join(root, "sub"), exist_ok=True)
         with open(os.path.join(root, "sub", "b.py"), "w") as f:
-            f.write("print('aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa')\n")
+            f.write("print('ab')\n")
         self.base = {
             "bash": {"command": "true"},
             "task_output": {"task_id": "task_1"},
@@ -3196,7 +3223,8 @@ class TestArgumentCampaign(unittest.TestCase):
         self.addCleanup(patcher.stop)
 
     def run_calls(self, flags, n, seed):
-        cfg = boris.parse_config(["--workdir", self.tmp, "--require-view-before-edit", "false"] + flags, {})
+        cfg = boris.parse_config(["--workdir", self.tmp, "--allow-dir", self.tmp, "--require-view-before-edit", "false"]
+                                 + flags, {})
         policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
         server = boris.McpServer(cfg, policy)
         session = boris.Session(cfg)
@@ -3205,7 +3233,7 @@ class TestArgumentCampaign(unittest.TestCase):
         stats = {"calls": 0, "errors": 0, "crashes": []}
         for name, args in campaign.cases(server.tools, random.Random(seed), n):
             cancelled = threading.Event()
-            timer = threading.Timer(3.0, cancelled.set)            # a wait of 600 s ends here
+            timer = threading.Timer(1.0, cancelled.set)            # a wait of 600 s ends here
             timer.start()
             try:
                 r = boris.McpServer.run_tool(server.tools[name], session, args,
@@ -3219,6 +3247,25 @@ class TestArgumentCampaign(unittest.TestCase):
             stats["calls"] += 1
         return stats
 
+    def test_spoiled_calls_over_stdio_put_only_strict_json_on_stdout(self):
+        c = StdioClient(["--workdir", self.tmp, "--allow-dir", self.tmp, "--require-view-before-edit", "false"])
+        self.addCleanup(c.close)
+        c.initialize()
+        tools = dict((t["name"], boris.Tool(t["name"], "", t["inputSchema"], {}, None))
+                     for t in c.request("tools/list")["result"]["tools"])
+        cases = ArgumentCampaign(self.tmp, self.web.server_address[1]).cases(tools, random.Random(25), 600)
+        for k, (name, args) in enumerate(cases):
+            c.send({"jsonrpc": "2.0", "id": 10000 + k, "method": "tools/call",
+                    "params": {"name": name, "arguments": args}})
+        answered = lambda: len([m for m in c.lines if m and isinstance(m.get("id"), int) and m["id"] >= 10000])
+        self.assertTrue(wait_until(lambda: answered() == len(cases), 60), "%d of %d answered" % (answered(), len(cases)))
+        c.close()
+        self.assertEqual(c.bad, [], "stdout lines that are not strict JSON")
+        self.assertNotIn(-32603, [m.get("error", {}).get("code") for m in c.lines if m])
+        errors = b"".join(c.errbuf).decode("utf-8", "replace")
+        self.assertNotIn("Traceback", errors)
+        self.assertGreater(len([m for m in c.lines if m and m.get("result", {}).get("isError")]), 300)
+
     def test_thousands_of_spoiled_calls_crash_nothing(self):
         stats = self.run_calls([], self.CASES - 1000, seed=23)
         compat = self.run_calls(["--anthropic-compat"], 1000, seed=24)
@@ -3227,6 +3274,659 @@ class TestArgumentCampaign(unittest.TestCase):
         self.assertEqual(self.logged, [], "tracebacks logged: %r" % self.logged[:3])
         self.assertGreaterEqual(stats["calls"] + compat["calls"], 5000)
         self.assertGreater(stats["errors"], 2000)
+
+
+# ---------------------------------------------------------------------------
+# Guarantees that hold by construction (strings, JSON, regexes, helpers, imports,
+# sessions, buffers)
+# ---------------------------------------------------------------------------
+
+BAD_TEXT = ("a\x00b", "\x00", "\ud800", "x\udcff", "\udfff\ud800z")
+
+
+def string_paths(schema, prefix=""):
+    """(dotted name, setter) for every string a tool's schema takes, nested ones too:
+    setter(args, value) puts `value` there in a copy of args."""
+    out = []
+    for key, spec in sorted(schema.get("properties", {}).items()):
+        name = prefix + key
+        if spec.get("type") == "string":
+            out.append((name, key, None))
+        elif spec.get("type") == "array" and spec.get("items", {}).get("type") == "string":
+            out.append((name + "[0]", key, "list"))
+        elif spec.get("type") == "array" and spec.get("items", {}).get("type") == "object":
+            for sub in sorted(spec["items"]["properties"]):
+                if spec["items"]["properties"][sub].get("type") == "string":
+                    out.append(("%s[0].%s" % (name, sub), key, sub))
+    return out
+
+
+class TestEveryStringIsCheckedAtTheSchema(NoViewBase):
+    """Item 1: no string argument with a NUL or a lone surrogate reaches a handler."""
+
+    def check_server(self, server):
+        campaign = ArgumentCampaign(self.root, 9)
+        checked = 0
+        for name, tool in sorted(server.tools.items()):
+            for shown, key, how in string_paths(tool.schema):
+                for bad in BAD_TEXT:
+                    args = json.loads(json.dumps(campaign.base[name]))
+                    if how is None:
+                        args[key] = bad
+                    elif how == "list":
+                        args[key] = [bad]
+                    else:
+                        args[key] = [dict({"old_str": "x"}, **{how: bad})]
+                    r = boris.McpServer.run_tool(tool, self.session, args, ctx_of(server.config, self.policy))
+                    text = r["content"][0]["text"]
+                    self.assertTrue(r["isError"], "%s %s=%r: %s" % (name, shown, bad, text))
+                    self.assertTrue(text.startswith(("[INVALID_INPUT] argument '%s'" % shown, "错误：路径无效")),
+                                    "%s %s=%r: %s" % (name, shown, bad, text))
+                    checked += 1
+        return checked
+
+    def test_nul_and_lone_surrogates_are_invalid_input_naming_the_argument(self):
+        n = self.check_server(self.server)
+        cfg = boris.parse_config(["--workdir", self.root, "--anthropic-compat"], {})
+        n += self.check_server(boris.McpServer(cfg, self.policy))
+        self.assertGreater(n, 150)
+
+    def test_integers_beyond_json_safe_are_refused(self):
+        for value in (2 ** 53, -(2 ** 60), 10 ** 400):
+            text = self.fails("view", "INVALID_INPUT", path="x", view_range=[1, value])
+            self.assertIn("out of range", text)
+
+    def test_read_file_encodings_must_be_text_codecs(self):
+        self.write("e.txt", "café\n")
+        for enc in ("undefined", "punycode", "idna", "base64", "rot13", "zlib_codec", "hex", "no-such", "utf-9"):
+            text, err = self.call("read_file", path="e.txt", encoding=enc)
+            self.assertTrue(err and text.startswith("错误：不支持的编码"), (enc, text))
+        self.assertEqual(self.call("read_file", path="e.txt", encoding="UTF8"), ("café\n", False))
+        self.assertEqual(self.call("read_file", path="e.txt", encoding="latin-1")[0], "cafÃ©\n")
+        text, err = self.call("read_file", path="e.txt", encoding="utf-16")     # odd length: latin-1 fallback
+        self.assertFalse(err, text)
+
+    def test_str_replace_miss_of_whitespace_needs_no_crash(self):
+        self.write("w.txt", "a\n\nb\n\n\n")
+        for old in (" ", "\t", " \n ", "  \n\n  \n"):
+            self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="w.txt", old_str=old, new_str="x")
+            self.fails("multi_edit", "STR_REPLACE_NOT_FOUND", path="w.txt", edits=[{"old_str": old}])
+
+
+class TestUrlsAndCharsets(NoViewBase):
+    @classmethod
+    def setUpClass(cls):
+        cls.web = make_web_server()
+        cls.base = "http://127.0.0.1:%d" % cls.web.server_address[1]
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.web.shutdown()
+        cls.web.server_close()
+
+    def test_malformed_urls_are_refused_with_the_reason(self):
+        port = self.web.server_address[1]
+        for url in ("http://[", "http://[::1", "http://127.0.0.1:abc/", "http://127.0.0.1:99999/",
+                    "http://127.0.0.1:%d/a b" % port, "http://127.0.0.1:%d/\r\nX-Y: z" % port,
+                    "http://127.0.0.1:%d/\t" % port, "http://:80/", "http://127.0.0.1:0/",
+                    "http://" + "a" * 70 + ".example/", "http://" + "x" * 9000):
+            text, err = self.call("web_fetch", url=url)
+            self.assertTrue(err, (url, text))
+            self.assertTrue(text.startswith(("错误：无效的网址", "错误：只支持", "错误：无法解析主机")), (url, text))
+            self.assertNotIn("\r", text)
+        for url in ("ftp://127.0.0.1/", "file:///etc/passwd", "javascript:alert(1)", "//127.0.0.1/"):
+            self.assertTrue(self.call("web_fetch", url=url)[0].startswith("错误：只支持"), url)
+
+    def test_non_ascii_paths_are_percent_encoded(self):
+        text, err = self.call("web_fetch", url=self.base + "/caf\u00e9?q=\u00e4")
+        self.assertEqual((text, err), ("错误：HTTP 404: %s/caf\u00e9?q=\u00e4" % self.base, True))
+
+    def test_a_charset_that_is_no_text_codec_falls_back_to_utf8(self):
+        for charset in ("idna", "undefined", "punycode", "base64", "rot13", "no-such-charset", "utf-8"):
+            with mock.patch.object(boris, "http_fetch", lambda *a, **k: ("text/plain", charset, "café".encode())):
+                text, err = self.call("web_fetch", url=self.base + "/text")
+            self.assertEqual((text, err), ("café", False), charset)
+
+
+def strict_loads(line):
+    """json.loads that refuses what strict parsers refuse (NaN, Infinity) and lone
+    surrogates (which no UTF-8 JSON can carry)."""
+    def refuse(name):
+        raise ValueError("non-strict JSON: %s" % name)
+    value = json.loads(line, parse_constant=refuse)
+    json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    return value
+
+
+class TestStrictJsonOnTheWire(StdioBase):
+    """Item 2: nothing non-finite or unmatchable goes out (StdioClient parses strictly)."""
+
+    def test_non_finite_numbers_are_parse_errors_wherever_they_are(self):
+        lines = [b'{"jsonrpc":"2.0","id":NaN,"method":"ping"}',
+                 b'{"jsonrpc":"2.0","id":1e400,"method":"ping"}',
+                 b'{"jsonrpc":"2.0","id":5,"method":"ping","params":{"_meta":{"progressToken":NaN}}}',
+                 b'{"jsonrpc":"2.0","id":6,"method":"tools/call","params":{"name":"bash","arguments":'
+                 b'{"command":"echo hi"},"_meta":{"progressToken":1e400}}}',
+                 b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"bash","arguments":'
+                 b'{"command":"echo hi"},"_meta":{"progressToken":-Infinity}}}',
+                 b'{"jsonrpc":"2.0","id":8,"method":"ping","params":{"_meta":{"io.modelcontextprotocol/'
+                 b'protocolVersion":-Infinity}}}',
+                 b'{"jsonrpc":"2.0","id":9,"method":"tools/call","params":{"name":"view","arguments":'
+                 b'{"path":"x","view_range":[1,Infinity]}}}',
+                 b'{"jsonrpc":"2.0","id":' + b"9" * 5000 + b',"method":"ping"}']
+        for line in lines:
+            self.c.send_raw(line + b"\n")
+        self.assertEqual(self.c.request("ping")["result"], {})
+        codes = [m["error"]["code"] for m in self.c.lines[1:] if m and "error" in m]
+        self.assertEqual(codes, [-32700] * len(lines))
+        self.assertFalse([m for m in self.c.lines if m and m.get("method") == "notifications/progress"])
+
+    def test_ids_and_tokens_are_echoed_only_when_valid(self):
+        self.c.send_raw(b'{"jsonrpc":"2.0","id":"\\ud800","method":"ping"}\n')
+        self.c.send_raw(b'{"jsonrpc":"2.0","id":"a\\udc80b","method":"ping"}\n')
+        self.assertEqual(self.c.request("ping")["result"], {})
+        bad = [m for m in self.c.lines[1:] if m and "error" in m]
+        self.assertEqual([(m["id"], m["error"]["code"]) for m in bad], [(None, -32600)] * 2)
+        self.c.send_raw(b'{"jsonrpc":"2.0","id":31,"method":"tools/call","params":{"name":"bash","arguments":'
+                        b'{"command":"for i in 1 2 3; do echo $i; sleep 0.15; done"},'
+                        b'"_meta":{"progressToken":"t\\udfff"}}}\n')
+        r = self.c.wait_for(lambda m: m.get("id") == 31)
+        self.assertIn("exit code: 0", r["result"]["content"][0]["text"])
+        self.assertFalse([m for m in self.c.lines if m and m.get("method") == "notifications/progress"])
+
+
+def ping_times(client, n=10):
+    out = []
+    for _ in range(n):
+        t = time.monotonic()
+        assert client.request("ping", timeout=30)["result"] == {}
+        out.append(time.monotonic() - t)
+    return out
+
+
+class TestModelRegexesRunWhereTheyCanBeKilled(StdioBase):
+    """Item 3: ping answers while wait_for, grep and the closest-match help chew on
+    pathological input; each call ends by its own bound."""
+
+    def assert_responsive(self):
+        times = ping_times(self.c)
+        self.assertLess(sorted(times)[len(times) // 2], 0.1, times)     # the median ping: < 100 ms
+        self.assertLess(max(times), 1.0, times)
+
+    def test_catastrophic_wait_for_freezes_nothing(self):
+        r = self.c.call("bash", {"command": "python3 -c \"print('a' * 30 + '!')\"; sleep 60",
+                                 "run_in_background": True})
+        tid = re.search(r"task_[0-9a-f]+", r["content"][0]["text"]).group(0)
+        for k, pattern in enumerate(("(a+)+$", "(a|aa)+$", "(a*)*b", "^(a|a?)+$", "(.*a){25}$")):
+            self.c.send({"jsonrpc": "2.0", "id": 600 + k, "method": "tools/call", "params": {
+                "name": "task_output", "arguments": {"task_id": tid, "wait_for": pattern, "wait_ms": 1500}}})
+        self.assert_responsive()
+        for k in range(5):
+            m = self.c.wait_for(lambda m: m.get("id") == 600 + k, 30)
+            self.assertIn("status: running", m["result"]["content"][0]["text"])
+        self.c.call("task_stop", {"task_id": tid})
+
+    def test_pathological_grep_patterns_freeze_nothing(self):
+        with open(os.path.join(self.tmp, "a.txt"), "w") as f:
+            f.write("x\n")
+        patterns = ["[" * 160000, "[" * 8000, "(" * 4000, "\\" * 8001, "[[:alpha:]" * 800, "a{1,65535}" * 700]
+        for k, pattern in enumerate(patterns):
+            self.c.send({"jsonrpc": "2.0", "id": 700 + k, "method": "tools/call",
+                         "params": {"name": "grep", "arguments": {"pattern": pattern}}})
+        self.assert_responsive()
+        for k in range(len(patterns)):
+            m = self.c.wait_for(lambda m: m.get("id") == 700 + k, 70)
+            text = m["result"]["content"][0]["text"]
+            self.assertTrue(text.startswith("[GREP_INVALID_PATTERN]") or "No matches" in text, text[:300])
+            self.assertLess(len(text), 2000)
+        self.assertIn("the limit is 8192", self.c.lines[-1 if False else 0] and [
+            m for m in self.c.lines if m and m.get("id") == 700][0]["result"]["content"][0]["text"])
+
+    def test_closest_match_of_a_big_miss_freezes_nothing(self):
+        with open(os.path.join(self.tmp, "big.py"), "w") as f:
+            f.write("\n".join("    x_%d = compute(%d, %d)" % (i, i % 7, i) for i in range(4000)) + "\n")
+        self.c.call("view", {"path": "big.py", "view_range": [1, 2]})
+        for k, n in enumerate((200, 1000, 3000)):
+            old = "\n".join("    y_%d = compute2(%d)" % (i, i) for i in range(n))
+            self.c.send({"jsonrpc": "2.0", "id": 800 + k, "method": "tools/call",
+                         "params": {"name": "str_replace", "arguments": {"path": "big.py", "old_str": old}}})
+        self.assert_responsive()
+        for k in range(3):
+            m = self.c.wait_for(lambda m: m.get("id") == 800 + k, 60)
+            self.assertTrue(m["result"]["content"][0]["text"].startswith("[STR_REPLACE_NOT_FOUND]"))
+
+
+class TestModelRegexesStayOutOfTheServer(SearchBase):
+    def test_grep_patterns_are_compiled_only_in_helpers(self):
+        self.write("s/a.txt", "needle here\n")
+
+        def refuse(*a, **k):
+            raise AssertionError("a grep pattern was compiled in the server process")
+        with mock.patch.object(boris.Matcher, "__init__", refuse), mock.patch.object(boris, "python_regex", refuse):
+            self.assertIn("a.txt", self.ok("grep", pattern="ne+dle", path="s"))
+            self.assertIn("needle", self.ok("search_text", query="needle", paths=["s"], regex=True))
+            self.fails("grep", "GREP_INVALID_PATTERN", pattern="(", path="s")
+
+    def test_wait_for_regexes_are_matched_only_in_helpers(self):
+        out = self.ok("bash", command="echo ready-42; sleep 30", run_in_background=True)
+        tid = re.search(r"task_[0-9a-f]+", out).group(0)
+
+        def refuse(*a, **k):
+            raise AssertionError("a wait_for regex ran in the server process")
+        with mock.patch.object(boris, "match_job", refuse):
+            self.assertIn("ready-42", self.ok("task_output", task_id=tid, wait_for="ready-\\d+", wait_ms=20000))
+            self.fails("task_output", "INVALID_INPUT", task_id=tid, wait_for="(")
+        self.ok("task_stop", task_id=tid)
+
+    def test_long_patterns_are_refused_with_the_limit(self):
+        for name, args, code in (("grep", {"pattern": "a" * 9000}, "GREP_INVALID_PATTERN"),
+                                 ("search_text", {"query": "a" * 9000}, "GREP_INVALID_PATTERN"),
+                                 ("grep", {"pattern": "a", "include": "*" * 9000}, "INVALID_INPUT"),
+                                 ("glob", {"pattern": "a" * 5000}, "GLOB_INVALID_PATTERN")):
+            self.assertIn("limit", self.fails(name, code, **args))
+
+    def test_closest_match_honours_cancel(self):
+        text = "\n".join("line %d of many" % i for i in range(20000))
+        cancelled = threading.Event()
+        cancelled.set()
+        self.assertEqual(boris.closest_region(text, "lime 5 of mani\nzzz", cancelled), "")
+        self.assertIn("The closest text is at lines 6-7", boris.closest_region(text, "lime 5 of mani\nline 6 of many"))
+
+
+def search_tree(root):
+    """A tree that a grep shares with partners (40 directories of 80 files), whose
+    every subdirectory holds a line that (a+)+$ chews on for ever."""
+    empty = os.path.join(root, "empty.txt")
+    open(empty, "w").close()
+    for d in range(40):
+        os.makedirs(os.path.join(root, "d%02d" % d, "sub"))
+        for i in range(80):
+            os.link(empty, os.path.join(root, "d%02d" % d, "f%02d.txt" % i))
+        with open(os.path.join(root, "d%02d" % d, "sub", "evil.txt"), "w") as f:
+            f.write(CATASTROPHIC_LINE)
+
+
+def process_tree(pid):
+    """pid and its live descendants."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        for task in os.listdir("/proc/%d/task" % p) if os.path.exists("/proc/%d/task" % p) else []:
+            try:
+                with open("/proc/%d/task/%s/children" % (p, task)) as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+    return found
+
+
+def alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class TestHelpersDieWithTheServer(unittest.TestCase):
+    """Item 4: however the server ends during a search, its helpers and partners are
+    gone 3 s later (SIGKILL included: PR_SET_PDEATHSIG)."""
+
+    def setUp(self):
+        self.tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-orphans-"))
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        search_tree(self.tmp)
+
+    def start_search(self):
+        c = StdioClient(["--workdir", self.tmp])
+        self.addCleanup(c.close)
+        c.initialize()
+        c.send({"jsonrpc": "2.0", "id": 5, "method": "tools/call",
+                "params": {"name": "grep", "arguments": {"pattern": CATASTROPHIC, "output_mode": "count"}}})
+        helpers = wait_until(lambda: helper_pids(c.p.pid), 10)
+        self.assertTrue(helpers, "no search helper started")
+        partners = wait_until(lambda: helper_pids(helpers[0], "partner"), 10)
+        self.assertTrue(partners, "the walk was not shared")
+        return c, helpers + partners
+
+    def assert_gone(self, pids, how):
+        self.assertTrue(wait_until(lambda: not any(alive(p) for p in pids), 3.0),
+                        "%s left %s alive" % (how, [p for p in pids if alive(p)]))
+
+    def test_every_way_the_server_ends_takes_the_helpers_along(self):
+        for how in ("eof", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGKILL"):
+            c, pids = self.start_search()
+            if how == "eof":
+                c.p.stdin.close()
+            else:
+                os.kill(c.p.pid, getattr(signal, how))
+            self.assertTrue(wait_until(lambda: c.p.poll() is not None, 10), how)
+            self.assert_gone(pids, how)
+
+    def test_a_helper_ends_itself_past_its_deadline(self):
+        argv, cwd = boris.helper_command("search")
+        argv[-1] = str(os.getpid())
+        p = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.addCleanup(p.stdout.close)
+        self.addCleanup(p.stdin.close)
+        job = boris.grep_job_of(ctx_of(boris.Config(workdir=self.tmp), boris.PathPolicy(workdir=self.tmp)),
+                                [(self.tmp, True, None)], boris.grep_spec(CATASTROPHIC, True, False, False, "count"))
+        job["deadline_s"] = 0.2
+        p.stdin.write(json.dumps(job).encode() + b"\n")
+        p.stdin.flush()
+        t = time.monotonic()
+        self.assertEqual(p.wait(30), -signal.SIGALRM)         # nobody killed it: it ended itself
+        self.assertGreater(time.monotonic() - t, 0.2)
+
+    def test_a_helper_whose_parent_is_gone_exits(self):
+        argv, cwd = boris.helper_command("search")
+        argv[-1] = "1" if os.getpid() != 1 else "2"            # not its parent: as if the parent had died
+        p = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.addCleanup(p.stdout.close)
+        self.addCleanup(p.stdin.close)
+        self.assertEqual(p.wait(10), 0)
+
+
+class TestHelperPool(SearchBase):
+    def pool(self):
+        pool = boris.HelperPool()
+        self.addCleanup(pool.close)
+        return pool
+
+    def run_job(self, pool, pattern="hit", cancelled=None):
+        self.write("p/a.txt", "hit\n")
+        job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(self.path("p"), True, None)],
+                                boris.grep_spec(pattern, True, False, False, "files_with_matches"))
+        return pool.run(job, cancelled or threading.Event())
+
+    def test_a_helper_that_cannot_start_is_an_io_error_not_a_search_here(self):
+        pool = self.pool()
+        with mock.patch.object(boris, "helper_command", lambda kind: (["/nonexistent/python3"], "/")), \
+                mock.patch.object(boris, "search_job", lambda *a, **k: self.fail("searched in the server")):
+            with self.assertRaises(boris.ToolError) as e:
+                self.run_job(pool)
+        self.assertEqual(e.exception.code, "IO_ERROR")
+        self.assertIn("no search helper process could be started", e.exception.message)
+
+    def test_a_helper_traceback_reaches_the_server_stderr(self):
+        pool = self.pool()
+        with tempfile.TemporaryFile() as err:
+            saved = os.dup(2)
+            os.dup2(err.fileno(), 2)
+            try:
+                with self.assertRaises(boris.ToolError) as e:
+                    pool.run({"op": "no-such-op"}, threading.Event())
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            err.seek(0)
+            logged = err.read().decode()
+        self.assertIn("the search failed", e.exception.message)
+        self.assertIn("Traceback", logged)
+        self.assertIn("KeyError: 'no-such-op'", logged)
+
+    def test_dead_idle_helpers_are_reaped_with_their_pipes_closed(self):
+        pool = self.pool()
+        self.assertEqual(self.run_job(pool)[0][0][1], "a.txt")
+        dead = list(pool.idle)
+        for proc in dead:
+            proc.kill()
+            proc.wait()
+        self.assertEqual(self.run_job(pool)[0][0][1], "a.txt")
+        for proc in dead:
+            self.assertTrue(proc.stdout.closed and proc.stdin.closed)
+
+    def test_close_kills_busy_helpers_and_refuses_new_jobs(self):
+        pool = self.pool()
+        self.write("p/evil.txt", CATASTROPHIC_LINE)
+        done = []
+        worker = threading.Thread(target=lambda: done.append(_catch(lambda: self.run_job(pool, CATASTROPHIC))))
+        worker.start()
+        self.assertTrue(wait_until(lambda: pool.busy, 10))
+        busy = [p.pid for p in pool.busy]
+        pool.close()
+        worker.join(10)
+        self.assertFalse(worker.is_alive())
+        self.assertFalse([p for p in busy if alive(p)])
+        with self.assertRaises(boris.ToolError):
+            self.run_job(pool)
+
+    def test_helpers_are_forked_by_a_thread_that_lives_as_long_as_the_pool(self):
+        pool = self.pool()
+        forked_by = []
+        real_spawn = boris.spawn
+        with mock.patch.object(boris, "spawn", lambda *a, **k: forked_by.append(threading.current_thread().name)
+                               or real_spawn(*a, **k)):
+            threading.Thread(target=self.run_job, args=(pool,)).start()      # a short-lived caller
+            self.assertTrue(wait_until(lambda: forked_by and pool.idle, 10))
+        self.assertEqual(forked_by, ["boris-helper-spawner"])
+
+
+SHADOW = """import os, sys
+with open(os.path.join(%r, "%%s-%%d" %% (__name__, os.getpid())), "w") as f:
+    f.write(" ".join(sys.argv))
+"""
+
+
+def imported_modules():
+    """Every top-level module name boris.py imports, at start-up or lazily."""
+    import ast
+    with open(BORIS) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return sorted(names - {"sys", "boris"})
+
+
+class TestTheWorkspaceCannotShadowImports(unittest.TestCase):
+    """Item 5: with boris.py in the workspace and a module written there for every
+    name it imports, none of them runs, in the server or in a helper."""
+
+    def test_no_module_written_to_the_workspace_runs(self):
+        base = os.path.realpath(tempfile.mkdtemp(prefix="boris-shadow-"))
+        self.addCleanup(shutil.rmtree, base, True)
+        ws, marks = os.path.join(base, "ws"), os.path.join(base, "marks")
+        os.makedirs(ws)
+        os.makedirs(marks)
+        shutil.copy(BORIS, ws)
+        names = imported_modules()
+        self.assertGreater(len(names), 25, names)
+        for name in names:
+            with open(os.path.join(ws, name + ".py"), "w") as f:
+                f.write(SHADOW % marks)
+        with open(os.path.join(ws, "page.html"), "w") as f:
+            f.write("<h1>x</h1>")
+        with open(os.path.join(ws, "pic.png"), "wb") as f:
+            f.write(PNG_1PX)
+        web = make_web_server()
+        self.addCleanup(web.server_close)
+        self.addCleanup(web.shutdown)
+        p = subprocess.Popen([sys.executable, "boris.py", "--disable-tools", "bash"], cwd=ws, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        c = StdioClient.__new__(StdioClient)
+        StdioClient.adopt(c, p)
+        try:
+            c.initialize()
+            for name, args in (("view", {"path": "pic.png"}), ("view", {"path": "boris.py", "view_range": [1, 3]}),
+                               ("str_replace", {"path": "boris.py", "old_str": "no such text"}),
+                               ("grep", {"pattern": "def ma+in", "output_mode": "content"}),
+                               ("glob", {"pattern": "**/*.py"}), ("search_text", {"query": "x"}),
+                               ("read_file", {"path": "page.html", "encoding": "gbk"}),
+                               ("write_file", {"path": "out/w.txt", "content": "w"}),
+                               ("create_file", {"path": "out/c.txt", "content": "c"}),
+                               ("web_fetch", {"url": "http://127.0.0.1:%d/rich" % web.server_address[1]})):
+                c.call(name, args, timeout=60)
+            self.assertEqual(c.request("ping")["result"], {})
+        finally:
+            c.close()
+        self.assertEqual(os.listdir(marks), [], "workspace modules ran")
+
+
+class TestSessionsAreFairAndSeparate(unittest.TestCase):
+    """Item 6."""
+
+    def test_a_busy_session_does_not_delay_another(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-fair-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        cfg = boris.parse_config(["--workdir", tmp], {})
+        server = boris.McpServer(cfg, boris.PathPolicy(workdir=tmp))
+        busy, quiet = boris.Session(cfg), boris.Session(cfg)
+        self.addCleanup(busy.close)
+        self.addCleanup(quiet.close)
+        got = queue_list = []
+        mark = unique_sleep()
+        for i in range(boris.MAX_WORKERS + 6):
+            server.dispatch({"jsonrpc": "2.0", "id": i, "method": "tools/call", "params": {
+                "name": "bash", "arguments": {"command": "sleep %s" % mark}}}, busy, got.append)
+
+        def sleeping():
+            found = []
+            for pid in procs_with(mark):
+                try:
+                    with open("/proc/%d/cmdline" % pid, "rb") as f:
+                        if f.read().startswith(b"sleep"):
+                            found.append(pid)
+                except OSError:
+                    pass
+            return found
+        self.assertTrue(wait_until(lambda: len(sleeping()) >= boris.SESSION_MAX_RUNNING, 20))
+        answered = threading.Event()
+        server.dispatch({"jsonrpc": "2.0", "id": "q", "method": "tools/call", "params": {
+            "name": "glob", "arguments": {"pattern": "*"}}}, quiet, lambda m: answered.set())
+        self.assertTrue(answered.wait(20), "the quiet session's call waited behind the busy one")
+        self.assertEqual(queue_list, [], "a busy call ended before the quiet one was answered")
+        self.assertLessEqual(len(sleeping()), boris.SESSION_MAX_RUNNING)
+
+    def test_worker_pool_takes_turns_between_owners(self):
+        pool = boris.WorkerPool(max_workers=2, per_session=2)
+        gate, order = threading.Event(), []
+        for i in range(6):
+            pool.submit(lambda i=i: (gate.wait(10), order.append(("a", i))), owner="a")
+        for i in range(3):
+            pool.submit(lambda i=i: (gate.wait(10), order.append(("b", i))), owner="b")
+        self.assertTrue(wait_until(lambda: pool.total == 3, 5))        # a's two, and b's first at once
+        gate.set()
+        self.assertTrue(wait_until(lambda: len(order) == 9, 10))
+        self.assertEqual(sorted(order), sorted([("a", i) for i in range(6)] + [("b", i) for i in range(3)]))
+
+    def test_task_ids_are_random_handles(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-ids-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        cfg = boris.parse_config(["--workdir", tmp], {})
+        server = boris.McpServer(cfg, boris.PathPolicy(workdir=tmp))
+        session = boris.Session(cfg)
+        self.addCleanup(session.close)
+        ids = set()
+        for _ in range(3):
+            r = server.run_tool(server.tools["bash"], session, {"command": "sleep 20", "run_in_background": True},
+                                ctx_of(cfg, server.policy))
+            ids.add(re.search(r"task_([0-9a-f]+)", r["content"][0]["text"]).group(1))
+        self.assertEqual(len(ids), 3)
+        self.assertTrue(all(len(i) >= 16 for i in ids), ids)
+        for guess in ("task_1", "task_2", "task_0"):
+            r = server.run_tool(server.tools["task_stop"], session, {"task_id": guess}, ctx_of(cfg, server.policy))
+            self.assertTrue(r["content"][0]["text"].startswith("[BASH_TASK_NOT_FOUND]"))
+
+    def test_sessionless_state_belongs_to_the_principal(self):
+        class H(object):
+            def __init__(self, token, auth):
+                self.transport = mock.Mock(token=token)
+                self.headers = {"Authorization": auth} if auth else {}
+        self.assertEqual(boris.principal(H(None, None)), "local user")
+        a, b = boris.principal(H("t", "Bearer one")), boris.principal(H("t", "Bearer two"))
+        self.assertNotEqual(a, b)
+        self.assertNotIn("one", a)
+        cfg = boris.parse_config(["--transport", "http"], {})
+        t = boris.HttpTransport(boris.McpServer(cfg, boris.PathPolicy()), cfg)
+        self.assertIsNot(t.principal_session(a), t.principal_session(b))
+        self.assertIs(t.principal_session(a), t.principal_session(a))
+        t.close_all()
+
+
+class TestLinearBuffers(unittest.TestCase):
+    """Item 7."""
+
+    def test_line_buffer_splits_and_bounds(self):
+        b = boris.LineBuffer(limit=10)
+        self.assertEqual(b.feed(b"ab"), [])
+        self.assertEqual(b.feed(b"c\nde\n\nf"), [b"abc", b"de", b""])
+        self.assertEqual(b.feed(b"0123456789ABC"), [None])          # over the limit: once
+        self.assertEqual(b.feed(b"DEFGHIJKLMNOP"), [])
+        self.assertEqual(b.feed(b"Q\nok\n"), [b"ok"])               # the long line is skipped to its end
+        self.assertEqual(b.feed(b"tail"), [])
+        self.assertEqual(b.rest(), b"tail")
+
+    def test_line_buffer_scans_each_byte_once(self):
+        b = boris.LineBuffer()
+        scanned = []
+        real = bytearray.find
+
+        class Spy(bytearray):
+            def find(self, sub, start=0, *rest):
+                scanned.append(start)
+                return real(self, sub, start, *rest)
+        b.buf = Spy()
+        for _ in range(200):
+            b.feed(b"x" * 1000)
+        self.assertEqual(b.feed(b"\n"), [b"x" * 200000])
+        self.assertEqual(scanned[:3], [0, 1000, 2000])          # each search starts where the last stopped
+
+    def test_a_64_mb_line_is_refused_and_the_server_answers(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-big-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        c = StdioClient(["--workdir", tmp])
+        self.addCleanup(c.close)
+        c.initialize()
+        chunk = b"x" * (1 << 20)
+        for _ in range(66):
+            c.send_raw(chunk)
+        c.send_raw(b"\n")
+        self.assertEqual(c.request("ping", timeout=60)["result"], {})
+        self.assertEqual([m["error"]["code"] for m in c.lines if m and "error" in m], [-32700])
+
+
+class TestSmallGuarantees(SearchBase):
+    """Item 8."""
+
+    def test_a_cut_search_keeps_its_partial_notice(self):
+        lines = ["line %05d" % i for i in range(10000)]
+        text = boris.cap_lines(lines, "lines", ["[search stopped after 60 s: partial]"])
+        self.assertTrue(text.endswith("[search stopped after 60 s: partial]"))
+        self.assertIn("[output truncated at", text)
+        self.assertLessEqual(len(text), boris.OUTPUT_MAX_CHARS)
+
+    def test_a_failed_create_leaves_no_directories_behind(self):
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        with mock.patch.object(boris, "replace_file", full):
+            self.fails("create_file", "IO_ERROR", path="new/deeper/still/f.txt", content="x")
+            text, err = self.call("write_file", path="w1/w2/f.txt", content="x")
+            self.assertTrue(err, text)
+        self.assertFalse(os.path.exists(self.path("new")))
+        self.assertFalse(os.path.exists(self.path("w1")))
+
+    def test_one_reaper_however_many_first_spawns(self):
+        with mock.patch.dict(boris._reaper_state, on=False), mock.patch.object(boris, "set_subreaper",
+                                                                                  lambda: True):
+            before = [t for t in threading.enumerate() if t.name == "boris-reaper"]
+            threads = [threading.Thread(target=boris.start_reaper) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            now = [t for t in threading.enumerate() if t.name == "boris-reaper"]
+        self.assertEqual(len(now) - len(before), 1)
+
+    def test_cleaned_directories_are_bounded(self):
+        with mock.patch.object(boris, "CLEANED_DIRS_MAX", 3), mock.patch.object(boris, "_cleaned_dirs", set()):
+            for i in range(10):
+                self.ok("create_file", path="c%d/f.txt" % i, content="x")
+                self.assertLessEqual(len(boris._cleaned_dirs), 3)
 
 
 class TestEnvironments(unittest.TestCase):
