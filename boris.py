@@ -46,9 +46,13 @@ import time
 ###############################################################################
 
 SERVER_NAME = "boris"
+# The first line of `instructions` says what the server is: Codex shows a deferred server to
+# its model by this line alone, and its tool search looks for tools in it.
+INSTRUCTIONS_FIRST_LINE = "boris: coding workspace - shell, view/edit files, grep/glob search, web fetch"
 PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 MODERN_VERSIONS = ("2026-07-28",)          # stateless revision: server/discover
 META_VERSION_KEY = "io.modelcontextprotocol/protocolVersion"
+CLIENT_INFO_KEY = "io.modelcontextprotocol/clientInfo"
 UNSUPPORTED_PROTOCOL_VERSION = -32022
 
 VIEW_MAX_LINES = 2000                      # lines shown by view without a range
@@ -71,12 +75,15 @@ MAX_INT_ARG = 2 ** 53 - 1                  # integers beyond this are not JSON-s
 MAX_BRACE_DEPTH = 16                       # {a,{b,c}} nesting in a glob
 MAX_SYMLINKS = 40                          # links followed in one path, as the kernel's ELOOP
 
-RESULT_MAX_CHARS = 100000                  # no tool result is longer; a cut one says how to read on
+MIN_RESULT_CHARS = 4000                    # --max-result-chars range; the default is 40,000: Claude Code
+MAX_RESULT_CHARS = 1000000                 # spills results over 50,000 to a file, Gemini keeps 40,000
 OUTPUT_MAX_CHARS = 30000                   # bash stdout/stderr, grep, glob output
 BASH_MAX_TIMEOUT_MS = 600000
 KILL_GRACE_S = 5.0                         # SIGTERM -> SIGKILL
 MAX_BACKGROUND_TASKS = 10
 PROGRESS_INTERVAL_S = 0.1                  # at most ~10 progress notifications a second
+PROGRESS_LINE_CHARS = 200                  # a progress message shows the last line cut to this
+PROGRESS_TAIL_BYTES = 4096
 LEFTOVER_DRAIN_S = 0.2                     # after a command exits, wait this long for its pipes
 
 GREP_BINARY_SNIFF = 512
@@ -207,6 +214,10 @@ FLAGS = (
     ("log-format", "BORIS_LOG_FORMAT", "text", "choice:text|json", "stderr log format"),
     ("web-fetch-block-private", "BORIS_WEB_FETCH_BLOCK_PRIVATE", "false", "bool",
      "web_fetch also refuses loopback and private addresses (link-local is always refused)"),
+    ("max-result-chars", "BORIS_MAX_RESULT_CHARS", "40000", "chars",
+     "longest tool result in characters; a cut one says first and last how to read on (clients cut at 40-50k)"),
+    ("svg", "BORIS_SVG", "auto", "choice:auto|image|text",
+     "SVG files as image content or as their source text; auto: text for Claude, Codex and Gemini clients"),
 )
 
 _TRUE = ("1", "true", "yes", "on")
@@ -223,7 +234,7 @@ class Config(object):
                  allow_dir=(), deny_dir=(), token="", generate_token=False, disable_tools=(),
                  background_task_timeout=0.0, max_file_size=10 * 1024 ** 2, require_view_before_edit=True,
                  anthropic_compat=False, log_level="info", log_format="text", web_fetch_block_private=False,
-                 disabled=frozenset()):
+                 max_result_chars=40000, svg="auto", disabled=frozenset()):
         self.transport = transport                      # "stdio" | "http"
         self.host = host
         self.port = port
@@ -241,6 +252,8 @@ class Config(object):
         self.log_level = log_level
         self.log_format = log_format
         self.web_fetch_block_private = web_fetch_block_private
+        self.max_result_chars = max_result_chars        # no result is longer (images aside)
+        self.svg = svg                                  # "auto" | "image" | "text"
         self.disabled = frozenset(disabled)             # registered tool names switched off
 
 
@@ -272,6 +285,11 @@ def _convert(flag, kind, raw):
             if secs < 0 or secs != secs:
                 raise ValueError("expected a number of seconds >= 0")
             return secs
+        if kind == "chars":
+            n = int(text)
+            if not MIN_RESULT_CHARS <= n <= MAX_RESULT_CHARS:
+                raise ValueError("expected a number of characters from %d to %d" % (MIN_RESULT_CHARS, MAX_RESULT_CHARS))
+            return n
         if kind == "size":
             size = parse_size(text)
             if size <= 0:
@@ -298,7 +316,7 @@ def help_text():
              "flags (flag beats environment variable):"]
     for flag, env, default, kind, text in FLAGS:
         arg = "" if kind == "bool" else " " + (kind[7:] if kind.startswith("choice:") else
-                                                {"tristate": "auto|true|false"}.get(kind, kind.upper()))
+                                                {"tristate": "auto|true|false", "chars": "N"}.get(kind, kind.upper()))
         lines.append("  --%s%s" % (flag, arg))
         lines.append("      %s [env %s, default %s]" % (text, env, default or "none"))
     lines.append("  --version\n      print the version and exit")
@@ -2858,22 +2876,26 @@ class Capture(object):
             del self.head[self.total:]
         return cwd
 
-    def render(self, label):
-        """All of it, or the first and the last part with what was left out between."""
+    def render(self, label, limit=OUTPUT_MAX_CHARS):
+        """(text, notice): all of it and None, or its first two thirds and its last
+        third of `limit` characters with the length left out between, and the notice
+        that says so."""
+        head_n = limit * 2 // 3
+        tail_n = limit - head_n
         if self.complete():
             text = bytes(self.head).decode("utf-8", "replace")
-            if len(text) <= OUTPUT_MAX_CHARS:
-                return text
-            head, tail = text[:CAPTURE_HEAD_CHARS], text[-CAPTURE_TAIL_CHARS:]
+            if len(text) <= limit:
+                return text, None
+            head, tail = text[:head_n], text[-tail_n:]
         else:
-            head = bytes(self.head).decode("utf-8", "replace")[:CAPTURE_HEAD_CHARS]
+            head = bytes(self.head).decode("utf-8", "replace")[:head_n]
             tail = bytes(self.tail).lstrip(bytes(range(0x80, 0xC0))).decode("utf-8", "replace")
-            tail = tail[-CAPTURE_TAIL_CHARS:]
-        omitted = self.chars - len(head) - len(tail)
+            tail = tail[-tail_n:]
+        omitted = max(0, self.chars - len(head) - len(tail))
         tail = tail.rstrip("\n")
-        return "%s\n\n... %d characters omitted ...\n\n%s\n[%s: %d characters in all; the first %d and the last" \
-               " %d are shown. Pipe long output through tail, head or grep.]" % (
-                   head, omitted, tail, label, self.chars, len(head), len(tail))
+        notice = ("[%s: %d characters in all; the first %d and the last %d are shown. Pipe long output through"
+                  " tail, head or grep.]" % (label, self.chars, len(head), len(tail)))
+        return "%s\n\n... %d characters omitted ...\n\n%s" % (head, omitted, tail), notice
 
 
 def start_process(script, cwd):
@@ -2989,13 +3011,36 @@ def describe_exit(proc):
     return "exit code: %s" % code
 
 
-def render_output(out, err):
-    parts = []
-    if out.total:
-        parts.append("--- stdout ---\n" + out.render("stdout").rstrip("\n"))
-    if err.total:
-        parts.append("--- stderr ---\n" + err.render("stderr").rstrip("\n"))
-    return "\n".join(parts) if parts else "(no output)"
+def render_output(out, err, total):
+    """(text, notice): both streams within `total` characters (each within
+    OUTPUT_MAX_CHARS; a short one whole, the rest to the other), and None or the
+    notice of what was cut."""
+    parts, notices = [], []
+    for cap, label, limit in zip((out, err), ("stdout", "stderr"), stream_limits(out.chars, err.chars, total)):
+        if cap.total:
+            text, notice = cap.render(label, max(limit, 1000))
+            parts.append("--- %s ---\n%s" % (label, text.rstrip("\n")))
+            if notice:
+                notices.append(notice)
+    return ("\n".join(parts) if parts else "(no output)"), (" ".join(notices) or None)
+
+
+def stream_limits(out_chars, err_chars, total):
+    """How many characters of stdout and of stderr fit in `total`."""
+    a, b = min(out_chars, OUTPUT_MAX_CHARS), min(err_chars, OUTPUT_MAX_CHARS)
+    if a + b <= total:
+        return a, b
+    half = total // 2
+    if a <= half:
+        return a, total - a
+    if b <= half:
+        return total - b, b
+    return half, total - half
+
+
+def read_on(body, notice):
+    """A cut result: the line that says it was cut and how to read on, first and last."""
+    return "%s\n%s\n%s" % (notice, body, notice) if notice else body
 
 
 class Unread(object):
@@ -3543,10 +3588,11 @@ class CallContext(object):
     a progress callback (a no-op unless the client asked for progress) and the
     server's HelperPool, where searches and wait_for matches run."""
 
-    def __init__(self, config, policy, cancelled=None, progress=None, helpers=None):
+    def __init__(self, config, policy, cancelled=None, progress=None, helpers=None, client=""):
         self.config = config
         self.policy = policy
         self.helpers = helpers
+        self.client = client            # clientInfo.name of this request's client ('' when unknown)
         self.cancelled = cancelled or threading.Event()
         self.wants_progress = progress is not None
         self.progress = progress or (lambda text: None)
@@ -3583,15 +3629,19 @@ def tool_view(session, args, ctx):
         try:
             head = fh.read(SNIFF_BYTES)
             kind, mime = sniff(head, real)
+            note = ""
+            if mime == "image/svg+xml" and svg_as_text(ctx):
+                kind, note = "text", "(%s is an SVG image, shown as its source: this client's model takes no SVG" \
+                                     " images)\n" % shown
             if kind == "image":
                 data = head + read_fd(fh.fileno(), limit - len(head), shown) if len(head) == SNIFF_BYTES else head
                 session.mark_viewed(real, Seen(st, digest_of(data)))
-                return image_result(session, real, shown, data, mime)
+                return image_result(ctx, shown, data, mime)
             if kind == "binary":
                 return "Binary file (%s): %s is not shown as text" % (human_size(st.st_size), shown)
             fh.seek(0)
             reader = LineReader(fh, max(limit, st.st_size) + 1, whole=True)
-            text = read_numbered(reader, vr, shown)
+            text = note + read_numbered(reader, vr, shown, ctx.config.max_result_chars - len(note))
             seen = Seen(st, reader.digest())
         except FileTooLarge as e:
             raise too_large(shown, e.args[0], limit, more=True)
@@ -3601,18 +3651,50 @@ def tool_view(session, args, ctx):
     return text
 
 
-def image_result(session, real, shown, data, mime):
+# What the model APIs behind the coding agents take (clientInfo.name prefix -> image
+# types): no SVG anywhere, no GIF for Gemini, no BMP or ICO for any. Other clients get
+# every image as image content (seed 001); --svg overrides for SVG.
+CLIENT_IMAGE_TYPES = (
+    ("claude", ("image/png", "image/jpeg", "image/gif", "image/webp")),
+    ("codex", ("image/png", "image/jpeg", "image/gif", "image/webp")),
+    ("gemini", ("image/png", "image/jpeg", "image/webp")),
+)
+
+
+def client_image_types(client):
+    """The image types the model behind `client` (a clientInfo name) takes, or None
+    when it is not a client known to refuse some."""
+    name = (client or "").lower()
+    for prefix, types in CLIENT_IMAGE_TYPES:
+        if name.startswith(prefix):
+            return types
+    return None
+
+
+def svg_as_text(ctx):
+    """Whether an SVG goes to this call's client as its source text (--svg, or auto:
+    for clients whose model API takes no SVG)."""
+    if ctx.config.svg != "auto":
+        return ctx.config.svg == "text"
+    return client_image_types(ctx.client) is not None
+
+
+def image_result(ctx, shown, data, mime):
     """An image as MCP image content, within what a model API accepts (IMAGE_MAX_BYTES,
-    IMAGE_MAX_SIDE); SVG as its source text for Claude clients, whose API takes no SVG."""
+    IMAGE_MAX_SIDE, and the types the client's model takes)."""
     import base64
-    if mime == "image/svg+xml" and session.client.lower().startswith("claude"):
-        return ("%s is an SVG image, shown as its source (this client's model API takes no SVG images):\n%s"
-                % (shown, data.decode("utf-8", "replace")))
+    size = image_size(data, mime)
+    takes = client_image_types(ctx.client)
+    if takes is not None and mime not in takes and mime != "image/svg+xml":     # (SVG: svg_as_text decided)
+        kind = mime.split("/")[1].upper().replace("X-ICON", "ICO")
+        return ("%s is a %s image%s (%s); this client's model takes only %s images, so it is not shown. Convert it"
+                " first, e.g. in bash: convert %s /tmp/image.png, then view that"
+                % (shown, kind, " of %dx%d pixels" % size if size else "", human_size(len(data)),
+                   ", ".join(t.split("/")[1].upper() for t in takes), shown))
     if len(data) > IMAGE_MAX_BYTES:
         raise ToolError("FILE_TOO_LARGE", "%s is a %s image of %s; a model API takes images up to %s. Shrink it"
                         " first, e.g. in bash: convert %s -resize 50%% /tmp/small.png, then view that"
                         % (shown, mime, human_size(len(data)), human_size(IMAGE_MAX_BYTES), shown))
-    size = image_size(data, mime)
     if size and max(size) > IMAGE_MAX_SIDE:
         raise ToolError("INVALID_INPUT", "%s is %dx%d pixels; a model API takes at most %d a side. Shrink it"
                         " first, e.g. in bash: convert %s -resize %dx%d /tmp/small.png, then view that"
@@ -3670,9 +3752,10 @@ def parse_view_range(vr):
     return start, end
 
 
-def read_numbered(reader, vr, shown):
+def read_numbered(reader, vr, shown, cap):
     """Stream a text file into `cat -n` form: memory stays flat whatever its size, and
-    the answer stops at RESULT_MAX_CHARS with the view_range that reads on."""
+    the answer stops within `cap` characters; a cut one starts and ends with the
+    view_range that reads on."""
     lines, size = [], 0
     start, end = vr or (1, -1)
     n = 0
@@ -3682,14 +3765,14 @@ def read_numbered(reader, vr, shown):
             continue
         if vr is None and len(lines) == VIEW_MAX_LINES:
             total = n + reader.count_rest()
-            return "%s\n\nTruncated: file has %d lines. Use view_range to read specific sections" \
-                   " (e.g. [%d, %d])." % (number_lines(lines, 1), total, VIEW_MAX_LINES + 1,
-                                          min(total, 2 * VIEW_MAX_LINES))
+            return read_on(number_lines(lines, 1), "[Truncated: file has %d lines. Use view_range to read specific"
+                           " sections (e.g. [%d, %d]); lines 1-%d are shown.]" % (
+                               total, VIEW_MAX_LINES + 1, min(total, 2 * VIEW_MAX_LINES), VIEW_MAX_LINES))
         line = display_line(raw, more)
         size += len(line) + 8
-        if size > RESULT_MAX_CHARS and lines:
-            return "%s\n\n[cut at %d characters after line %d; read on with view_range [%d, %d]]" % (
-                number_lines(lines, start), RESULT_MAX_CHARS, n - 1, n, end)
+        if size > cap - 400 and lines:
+            return read_on(number_lines(lines, start), "[cut at %d characters after line %d; read on with view_range"
+                           " [%d, %d]]" % (cap, n - 1, n, end))
         lines.append(line)
         if n == end:
             break
@@ -4089,34 +4172,34 @@ def launch(session, script):
 
 
 class ProgressLines(object):
-    """Forward new output to the client as progress, whole lines where it can, at most
-    ~10 messages a second, with the cwd sentinel held back. Holds at most
-    OUTPUT_MAX_CHARS * 4 bytes: a flood without newlines costs linear time."""
+    """Tell the client how a command is getting on, at most ~10 times a second: a
+    short status ('12 lines, 3.4 KB so far; last: <its last line, cut to ~200
+    characters>'), never the output itself, which belongs in the result. Keeps
+    counters and the last PROGRESS_TAIL_BYTES only; the cwd sentinel never shows."""
 
     def __init__(self, ctx, marker):
         self.ctx, self.marker = ctx, marker
-        self.pending = bytearray()
+        self.tail = bytearray()
+        self.lines = self.size = 0
         self.last = 0.0
 
     def __call__(self, is_err, data):
-        self.pending += data
-        limit = OUTPUT_MAX_CHARS * 4
-        if len(self.pending) > 2 * limit:
-            del self.pending[:-limit]
+        self.size += len(data)
+        self.lines += data.count(b"\n")
+        self.tail += data
+        if len(self.tail) > 2 * PROGRESS_TAIL_BYTES:
+            del self.tail[:-PROGRESS_TAIL_BYTES]
         now = time.monotonic()
         if now - self.last < PROGRESS_INTERVAL_S:
             return
-        cut = self.pending.rfind(b"\n") + 1
-        if cut == 0 and len(self.pending) < limit:
+        shown = [l for l in bytes(self.tail).split(b"\n") if l.strip() and self.marker not in l]
+        if not shown:
             return
-        cut = cut or len(self.pending)
-        chunk = bytes(self.pending[:cut])
-        del self.pending[:cut]
-        lines = [l for l in chunk.split(b"\n") if self.marker not in l]
-        text = b"\n".join(lines).decode("utf-8", "replace").strip("\n")
-        if text:
-            self.last = now
-            self.ctx.progress(text[-OUTPUT_MAX_CHARS:])
+        self.last = now
+        last = shown[-1].decode("utf-8", "replace").strip()
+        self.ctx.progress("%d line%s, %s so far; last: %s" % (
+            self.lines, "" if self.lines == 1 else "s", human_size(self.size),
+            last if len(last) <= PROGRESS_LINE_CHARS else last[:PROGRESS_LINE_CHARS] + "..."))
 
 
 def tool_bash(session, args, ctx):
@@ -4149,7 +4232,8 @@ def tool_bash(session, args, ctx):
     if new_cwd and new_cwd != session.get_cwd() and os.path.isdir(new_cwd):
         session.set_cwd(new_cwd)
         head.append("cwd: %s" % new_cwd)
-    return "\n".join(head) + "\n" + render_output(out, err)
+    body, notice = render_output(out, err, output_budget(ctx))
+    return read_on("\n".join(head) + "\n" + body, notice)
 
 
 def start_task(session, command, ctx):
@@ -4206,13 +4290,19 @@ def list_tasks(session, config):
     return "\n".join("%s  %s  %s" % (t.id, task_status(t, config)[8:], t.command[:200]) for t in tasks)
 
 
-def new_output(task, session):
-    """The output not returned before; a finished task is forgotten once it is read."""
-    text = render_output(task.out.take(), task.err.take())
+def output_budget(ctx):
+    """Characters of command output a result may carry (the rest of the cap is its header)."""
+    return max(2000, ctx.config.max_result_chars - 1000)
+
+
+def task_answer(task, session, ctx):
+    """A task's status, its command and the output not returned before; a finished
+    task is forgotten once it is read."""
+    body, notice = render_output(task.out.take(), task.err.take(), output_budget(ctx))
     if task.done.is_set():
         with session.lock:
             session.tasks.pop(task.id, None)
-    return text
+    return read_on("%s\ncommand: %s\n%s" % (task_status(task, ctx.config), shorten(task.command), body), notice)
 
 
 def output_test(ctx, pattern, deadline):
@@ -4250,14 +4340,14 @@ def tool_task_output(session, args, ctx):
                 break
             seen = recent
         task.done.wait(min(0.05, max(0.0, deadline - time.monotonic())))   # a cancel frees the worker
-    return "%s\ncommand: %s\n%s" % (task_status(task, ctx.config), task.command, new_output(task, session))
+    return task_answer(task, session, ctx)
 
 
 def tool_task_stop(session, args, ctx):
     task = find_task(session, args["task_id"])
     if not task.done.is_set():
         kill_all([task])
-    return "%s\ncommand: %s\n%s" % (task_status(task, ctx.config), task.command, new_output(task, session))
+    return task_answer(task, session, ctx)
 
 
 ###############################################################################
@@ -4318,18 +4408,24 @@ def format_records(label, records, numbers):
     return out
 
 
-def cap_lines(lines, what, notice=()):
-    """Join output lines, cut at OUTPUT_MAX_CHARS with a notice of what was left out;
-    the `notice` lines (a partial search's) always come last, cut or not."""
-    total, kept = sum(len(n) + 1 for n in notice) + 200, []        # 200: room for the truncation line
+def cap_lines(lines, what, notice=(), limit=OUTPUT_MAX_CHARS):
+    """Join output lines within `limit` characters; a cut list starts and ends with
+    the line that says what was left out and how to page on. The `notice` lines (a
+    partial search's) always come last, cut or not."""
+    total, kept = sum(len(n) + 1 for n in notice) + 400, []        # 400: room for the two cut lines
     for i, line in enumerate(lines):
         total += len(line) + 1
-        if total > OUTPUT_MAX_CHARS:
-            kept.append("[output truncated at %d characters: %d more %s not shown; narrow the search"
-                        " (path, include, type) or use head_limit/offset]" % (OUTPUT_MAX_CHARS, len(lines) - i, what))
-            break
+        if total > limit:
+            cut = ("[output truncated at %d characters: %d more %s not shown; narrow the search (path, include,"
+                   " type) or page on with head_limit/offset (offset=%d)]" % (limit, len(lines) - i, what, i))
+            return "\n".join([cut] + kept + [cut] + list(notice))
         kept.append(line)
     return "\n".join(kept + list(notice))
+
+
+def search_cap(ctx):
+    """How long a search's output may be: OUTPUT_MAX_CHARS within the result cap."""
+    return min(OUTPUT_MAX_CHARS, ctx.config.max_result_chars - 500)
 
 
 def page(items, args):
@@ -4380,17 +4476,17 @@ def tool_grep(session, args, ctx):
         return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)] + notice)
     hits = [(real, rel if is_dir else shown, when, r) for real, rel, when, r, _ in items]
     if mode == "files_with_matches":
-        return cap_lines(page(newest_first([(h[1], h[2]) for h in hits]), args), "files", notice)
+        return cap_lines(page(newest_first([(h[1], h[2]) for h in hits]), args), "files", notice, search_cap(ctx))
     if not spec.get("stop_after"):
         hits.sort(key=lambda h: h[1])                  # a head_limit search keeps the order it found
     if mode == "count":
-        return cap_lines(page(["%s:%d" % (rel, n) for _, rel, _, n in hits], args), "files", notice)
+        return cap_lines(page(["%s:%d" % (rel, n) for _, rel, _, n in hits], args), "files", notice, search_cap(ctx))
     lines, grouped = [], before > 0 or after > 0
     for _, rel, _, records in hits:
         if lines and grouped:
             lines.append("--")
         lines += format_records(rel, records, args.get("line_numbers", True))
-    return cap_lines(page(lines, args), "lines", notice)
+    return cap_lines(page(lines, args), "lines", notice, search_cap(ctx))
 
 
 def glob_plan(pattern):
@@ -4440,7 +4536,7 @@ def tool_glob(session, args, ctx):
     notice = [partial_notice(why)] if why else []
     if not found:
         return "\n".join(["No files found"] + notice)
-    return cap_lines(page(newest_first(zip(found[0::2], found[1::2])), args), "paths", notice)
+    return cap_lines(page(newest_first(zip(found[0::2], found[1::2])), args), "paths", notice, search_cap(ctx))
 
 
 def tool_search_text(session, args, ctx):
@@ -4458,7 +4554,7 @@ def tool_search_text(session, args, ctx):
     notice = [partial_notice(why)] if why else []
     if not lines:
         return "\n".join(["No matches found for %r in %s" % (query, ", ".join(shown_paths))] + notice)
-    return cap_lines(lines, "lines", notice)
+    return cap_lines(lines, "lines", notice, search_cap(ctx))
 
 
 def tool_search_files(session, args, ctx):
@@ -4466,7 +4562,7 @@ def tool_search_files(session, args, ctx):
     notice = [partial_notice(why)] if why else []
     if not found:
         return "\n".join(["No files found matching %r" % args["pattern"]] + notice)
-    return cap_lines(newest_first(zip(found[0::2], found[1::2])), "paths", notice)
+    return cap_lines(newest_first(zip(found[0::2], found[1::2])), "paths", notice, search_cap(ctx))
 
 
 ###############################################################################
@@ -4521,13 +4617,13 @@ def tool_read_file(session, args, ctx):
             text = data.decode("latin-1")
         except UnicodeError:
             raise plain_error("错误：文件编码无法识别")
-    return line_window(text, args.get("offset"), args.get("limit"))
+    return line_window(text, args.get("offset"), args.get("limit"), ctx.config.max_result_chars - 300)
 
 
-def line_window(text, offset, limit):
+def line_window(text, offset, limit, cap):
     """Lines offset.. (1-based) of text, at most `limit` of them, the whole within
-    RESULT_MAX_CHARS; a cut result ends with the offset that reads on."""
-    if offset is None and limit is None and len(text) <= RESULT_MAX_CHARS:
+    `cap` characters; a cut result starts and ends with the offset that reads on."""
+    if offset is None and limit is None and len(text) <= cap:
         return text
     lines = text.splitlines(True)
     first = max(1, offset or 1)
@@ -4535,17 +4631,18 @@ def line_window(text, offset, limit):
         raise plain_error("错误：offset %d 超出文件行数（%d 行）" % (first, len(lines)), "INVALID_INPUT")
     last = len(lines) if limit is None else min(len(lines), first - 1 + max(0, limit))
     out, size, k = [], 0, first - 1
-    while k < last and size + len(lines[k]) <= RESULT_MAX_CHARS:
+    while k < last and size + len(lines[k]) <= cap:
         out.append(lines[k])
         size += len(lines[k])
         k += 1
     if k == first - 1 and k < last:                      # one line longer than the bound
-        out.append(lines[k][:RESULT_MAX_CHARS])
+        out.append(lines[k][:cap])
         k += 1
     body = "".join(out)
     if k < len(lines):
-        body += "\n[已显示第 %d-%d 行，共 %d 行；用 offset=%d 继续读取 / lines %d-%d of %d shown; read on with" \
-                " offset=%d]" % (first, k, len(lines), k + 1, first, k, len(lines), k + 1)
+        notice = ("[已显示第 %d-%d 行，共 %d 行；用 offset=%d 继续读取 / lines %d-%d of %d shown; read on with"
+                  " offset=%d]" % (first, k, len(lines), k + 1, first, k, len(lines), k + 1))
+        return read_on(body.rstrip("\n"), notice)
     return body
 
 
@@ -4591,10 +4688,11 @@ def tool_list_directory(session, args, ctx):
     if not lines:
         return "(空目录)"
     text = "\n".join(lines)
-    if len(text) > RESULT_MAX_CHARS:
-        shown = text[:RESULT_MAX_CHARS].count("\n")
-        text = "\n".join(lines[:shown]) + "\n[共 %d 项，只列出前 %d 项；请用 glob 或列出子目录 / %d entries, the" \
-            " first %d shown; use glob or list a subdirectory]" % (len(lines), shown, len(lines), shown)
+    cap = ctx.config.max_result_chars - 400
+    if len(text) > cap:
+        shown = text[:cap].count("\n")
+        text = read_on("\n".join(lines[:shown]), "[共 %d 项，只列出前 %d 项；请用 glob 或列出子目录 / %d entries, the"
+                       " first %d shown; use glob or list a subdirectory]" % (len(lines), shown, len(lines), shown))
     return text
 
 
@@ -4620,8 +4718,10 @@ RANGE_PROP = prop("array", "Optional [start, end] line range, 1-indexed and incl
 
 VIEW_DESC = ("Read a text file with line numbers (cat -n style: number, tab, line), list a directory two "
              "levels deep, or see an image (PNG, JPEG, GIF, WebP, SVG) as an image. Files over 2,000 lines "
-             "show their first 2,000 lines unless view_range is given; lines over 2,000 characters are cut. "
-             "Binary files are reported by size only. Viewing a file is required before editing it.")
+             "show their first 2,000 lines unless view_range is given; lines over 2,000 characters are cut; a "
+             "result stops at about 40,000 characters. A cut result starts and ends with a line giving the "
+             "view_range that reads on. Binary files are reported by size only. Viewing a file is required "
+             "before editing it.")
 STR_REPLACE_DESC = ("Edit a file by replacing old_str with new_str. old_str must match the file exactly "
                     "(whitespace and indentation included, without the line-number prefix view shows) and "
                     "occur exactly once, unless replace_all is true. Omit new_str to delete. View the file "
@@ -4685,7 +4785,9 @@ BASH_DESC = ("Run a shell command (%s -c) in the session's working directory and
              "through tail or grep). The working directory persists between "
              "calls (cd moves it). stdin is /dev/null, so interactive programs get no input. A command is "
              "killed, with everything it started, after `timeout` ms (default 120000, max 600000) or when it "
-             "returns. For servers and long jobs set run_in_background and read the output with task_output.")
+             "returns. Clients give up on a call long before that (often after 60 s, and progress does not "
+             "extend it): run anything that may take longer, servers and watchers with run_in_background, and "
+             "read the output with task_output.")
 TASK_DESC = ("Read a background bash task: its status first ('running', or 'completed' with the exit code), "
              "then only the output not returned by an earlier call. wait_ms waits up to that long for the task "
              "to finish; wait_for (a regular expression) returns as soon as new output matches it, e.g. "
@@ -4842,6 +4944,10 @@ TOOL_GROUPS = [shell_tools, _editor_group, search_tools, workspace_tools]
 ###############################################################################
 
 
+# Arguments clients add to every tool for themselves, dropped unseen (other unknown
+# arguments stay errors: they catch typos). Gemini CLI: wait_for_previous.
+INJECTED_ARGUMENTS = frozenset(("wait_for_previous",))
+
 # The error code of an argument outside its enum, where the tools have their own.
 ENUM_CODES = {"output_mode": "GREP_INVALID_OUTPUT_MODE", "type": "GLOB_INVALID_TYPE"}
 
@@ -4934,7 +5040,8 @@ def check_arguments(schema, args):
         args = {}
     if not isinstance(args, dict):
         raise ToolError("INVALID_INPUT", "arguments must be a JSON object of argument names and values")
-    args = dict((k, v) for k, v in args.items() if v is not None)
+    props = schema["properties"]
+    args = dict((k, v) for k, v in args.items() if v is not None and (k in props or k not in INJECTED_ARGUMENTS))
     check_fields("", schema, args)
     return args
 
@@ -5096,6 +5203,15 @@ def scrub(text):
     return clean + "\n[%d byte%s that are not UTF-8 shown as U+FFFD]" % (bad, "" if bad == 1 else "s")
 
 
+def client_name(meta, session):
+    """Who is calling: the name in the request's _meta clientInfo (2026-07-28 clients such
+    as Claude Code send it there, never in initialize), else initialize's."""
+    info = meta.get(CLIENT_INFO_KEY) if isinstance(meta, dict) else None
+    if isinstance(info, dict) and isinstance(info.get("name"), str) and echoable(info["name"]):
+        return info["name"]
+    return session.client
+
+
 def progress_sender(token, emit):
     """A progress callback that sends notifications/progress with `token`."""
     counter = [0]
@@ -5201,7 +5317,7 @@ class McpServer(object):
     # -- methods -------------------------------------------------------------
     def instructions(self):
         cfg = self.config
-        lines = ["Working directory: %s" % cfg.workdir]
+        lines = [INSTRUCTIONS_FIRST_LINE, "Working directory: %s" % cfg.workdir]
         if self.policy.allow:
             lines.append("Allowed directories: %s" % ", ".join(self.policy.allow))
         if self.policy.deny_raw:
@@ -5274,7 +5390,7 @@ class McpServer(object):
         meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
         token = meta.get("progressToken")
         progress = progress_sender(token, emit) if isinstance(token, (str, int)) and echoable(token) else None
-        ctx = CallContext(self.config, self.policy, cancelled, progress, self.helpers)
+        ctx = CallContext(self.config, self.policy, cancelled, progress, self.helpers, client_name(meta, session))
 
         def run():
             try:
@@ -5304,16 +5420,19 @@ class McpServer(object):
                 raise
             out = tool.handler(session, checked, ctx)
         except ToolError as e:
-            return {"content": [text_block(scrub(e.render()))], "isError": True}
+            return {"content": [text_block(scrub(e.render()))], "isError": True,
+                    "_meta": {"anthropic/maxResultSizeChars": ctx.config.max_result_chars}}
         if isinstance(out, str):
             out = [text_block(out)]
+        cap = ctx.config.max_result_chars
         for block in out:
             if block.get("type") == "text":
                 block["text"] = scrub(block["text"])
-                if len(block["text"]) > RESULT_MAX_CHARS + 1000:
-                    block["text"] = block["text"][:RESULT_MAX_CHARS] + "\n[result cut at %d characters]" \
-                        % RESULT_MAX_CHARS
-        return {"content": out, "isError": False}
+                if len(block["text"]) > cap:              # a tool's own bound failed: still never longer
+                    notice = "[result cut at %d of %d characters: ask for less (view_range, offset/limit," \
+                             " head_limit)]" % (cap - 300, len(block["text"]))
+                    block["text"] = read_on(block["text"][:cap - 300], notice)
+        return {"content": out, "isError": False, "_meta": {"anthropic/maxResultSizeChars": cap}}
 
 ###############################################################################
 # Transports ##################################################################
@@ -5672,6 +5791,9 @@ def http_refuse(h, code, body, headers=()):
 
 def http_guarded(h):
     """Path, Origin, Host and bearer checks; False once a refusal is sent."""
+    if h.path.startswith("/.well-known/"):              # OAuth discovery: none here, say so at once
+        return http_refuse(h, 404, {"error": "not found", "detail": "no OAuth here: this server expects a static"
+                                    " bearer token (Authorization: Bearer <token>, see --token)"})
     if h.path.split("?", 1)[0].rstrip("/") != "/mcp":
         return http_refuse(h, 404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
     origin = h.headers.get("Origin")
@@ -5685,7 +5807,10 @@ def http_guarded(h):
         auth = h.headers.get("Authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         if not given or not hmac.compare_digest(given.encode("utf-8", "replace"), token.encode()):
-            return http_refuse(h, 401, {"error": "unauthorized"}, [("WWW-Authenticate", "Bearer")])
+            return http_refuse(h, 401, {"error": "unauthorized", "detail": "this server expects a static bearer token:"
+                                        " send 'Authorization: Bearer <token>' with the token given to boris by"
+                                        " --token or printed by --generate-token; it does not do OAuth"},
+                               [("WWW-Authenticate", 'Bearer realm="boris"')])
     return True
 
 

@@ -56,9 +56,9 @@ def tearDownModule():
                              " one): %s" % "; ".join(UNRAISABLE[:5]))
 
 
-def ctx_of(cfg, policy, cancelled=None, progress=None):
+def ctx_of(cfg, policy, cancelled=None, progress=None, client=""):
     """A CallContext for a direct handler call, searching through TEST_HELPERS."""
-    return boris.CallContext(cfg, policy, cancelled, progress, TEST_HELPERS)
+    return boris.CallContext(cfg, policy, cancelled, progress, TEST_HELPERS, client)
 
 
 @contextlib.contextmanager
@@ -190,7 +190,7 @@ class Base(unittest.TestCase):
 
     def result(self, name, **args):
         tool = self.server.tools[name]
-        ctx = ctx_of(self.cfg, self.policy)
+        ctx = ctx_of(self.cfg, self.policy, client=self.session.client)
         return boris.McpServer.run_tool(tool, self.session, args, ctx)
 
     def call(self, name, **args):
@@ -482,7 +482,9 @@ class TestView(Base):
         self.lines_file(5000)
         text = self.ok("view", path="f.txt")
         rows = text.split("\n")
-        self.assertEqual(rows[1999], "  2000\tline 2000")
+        self.assertEqual(rows[1], "     1\tline 1")               # after the line that says it was cut
+        self.assertEqual(rows[2000], "  2000\tline 2000")
+        self.assertEqual(rows[0], rows[-1])                       # which ends it too
         self.assertNotIn("line 2001\n", text)
         self.assertIn("Truncated: file has 5000 lines. Use view_range to read specific sections", text)
 
@@ -3240,6 +3242,9 @@ class TestArgumentCampaign(unittest.TestCase):
                                              ctx_of(cfg, policy, cancelled))
                 json.dumps(r, allow_nan=False).encode("utf-8")        # strict: no NaN, no lone surrogate
                 stats["errors"] += r["isError"]
+                text = r["content"][0].get("text", "")
+                if r["isError"] and not re.match(r"\[[A-Z_]+\] |错误：", text):   # the code first: it survives rewrapping
+                    stats["crashes"].append("%s error without its code first: %r" % (name, text[:200]))
             except Exception as e:                                  # -32603 over the wire
                 stats["crashes"].append("%s(%r): %r" % (name, repr(args)[:200], e))
             finally:
@@ -4096,11 +4101,12 @@ class TestBoundedResults(NoViewBase):
     def test_view_of_long_lines_is_bounded_and_says_how_to_read_on(self):
         self.write("wide.txt", ("x" * 3000 + "\n") * 3000)
         text = self.ok("view", path="wide.txt")
-        self.assertLess(len(text), boris.RESULT_MAX_CHARS + 500)
+        self.assertLess(len(text), 40000 + 500)
         m = re.search(r"read on with view_range \[(\d+), -1\]\]$", text)
         self.assertTrue(m, text[-200:])
+        self.assertEqual(text.split("\n", 1)[0], text.rsplit("\n", 1)[1])      # the same line first and last
         nxt = self.ok("view", path="wide.txt", view_range=[int(m.group(1)), -1])
-        self.assertTrue(nxt.startswith("%6d\t" % int(m.group(1))))
+        self.assertTrue(nxt.split("\n", 1)[1].startswith("%6d\t" % int(m.group(1))), nxt[:200])
 
     def test_view_range_to_the_end_of_millions_of_lines_stops_early(self):
         p = self.path("empty_lines.txt")
@@ -4108,7 +4114,7 @@ class TestBoundedResults(NoViewBase):
             f.write(b"\n" * 3000000)
         with line_readers() as readers:
             text = self.ok("view", path="empty_lines.txt", view_range=[1, -1])
-        self.assertLess(len(text), boris.RESULT_MAX_CHARS + 500)
+        self.assertLess(len(text), 40000 + 500)
         self.assertIn("read on with view_range", text)
         self.assertLess(readers[0].used, 1 << 20)
 
@@ -4124,7 +4130,7 @@ class TestBoundedResults(NoViewBase):
         r = boris.McpServer.run_tool(server.tools["list_directory"], self.session, {"path": "big"},
                                      ctx_of(cfg, self.policy))
         text = r["content"][0]["text"]
-        self.assertLess(len(text), boris.RESULT_MAX_CHARS + 500)
+        self.assertLess(len(text), 40000 + 500)
         self.assertIn("3000 entries", text)
 
     def test_grep_head_limit_on_a_file_where_every_line_matches(self):
@@ -4155,13 +4161,18 @@ class TestBoundedResults(NoViewBase):
         self.write("n.txt", "".join("line %d\n" % i for i in range(1, 11)))
         self.assertEqual(read(path="n.txt"), "".join("line %d\n" % i for i in range(1, 11)))
         part = read(path="n.txt", offset=3, limit=2)
-        self.assertTrue(part.startswith("line 3\nline 4\n"), part)
-        self.assertIn("offset=5", part)
+        first, rest = part.split("\n", 1)
+        self.assertIn("offset=5", first)                         # a cut result says how to read on, first
+        self.assertTrue(rest.startswith("line 3\nline 4\n"), part)
+        self.assertEqual(part.rsplit("\n", 1)[1], first)          # and last
         self.assertTrue(read(path="n.txt", offset=99).startswith("错误："))
         self.write("huge.txt", ("z" * 99 + "\n") * 3000)
         big = read(path="huge.txt")
-        self.assertLess(len(big), boris.RESULT_MAX_CHARS + 300)
-        self.assertIn("read on with offset=1001", big)
+        self.assertLessEqual(len(big), 40000)
+        m = re.match(r"\[.*read on with offset=(\d+)\]\n", big)
+        self.assertTrue(m, big[:300])
+        self.assertTrue(big.endswith(m.group(0).strip()))
+        self.assertTrue(read(path="huge.txt", offset=int(m.group(1)), limit=1).split("\n")[1].startswith("zzz"))
 
 
 class TestChangedFiles(NoViewBase):
@@ -4656,8 +4667,9 @@ class TestHttpAuth(HttpBase):
         for hdrs in ({}, {"Authorization": "Basic abc"}, {"Authorization": "Bearer"},
                      {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer s3cret-token-x"}):
             st, h, body = http(self.port, "POST", body=init, headers=hdrs)
-            self.assertEqual((st, body), (401, {"error": "unauthorized"}), hdrs)
-            self.assertEqual(h.get("www-authenticate"), "Bearer")
+            self.assertEqual((st, body["error"]), (401, "unauthorized"), hdrs)
+            self.assertIn("static bearer token", body["detail"])
+            self.assertEqual(h.get("www-authenticate"), 'Bearer realm="boris"')
         self.assertEqual(http(self.port, "GET", "/health")[0], 200)
         sid = self.init()
         self.assertEqual(self.rpc(sid, "ping")[2]["result"], {})
@@ -4912,3 +4924,210 @@ class TestHttpSubprocess(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+# ---------------------------------------------------------------------------
+# At home in Claude Code, Codex CLI and Gemini CLI
+# ---------------------------------------------------------------------------
+
+GIF_1PX = base64.b64decode("R0lGODlhAQABAIAAAP///wAAACH5BAEAAAAALAAAAAABAAEAAAICRAEAOw==")
+BMP_1PX = b"BM" + struct.pack("<IHHI", 58, 0, 0, 54) + struct.pack("<IiiHHIIiiII", 40, 1, 1, 1, 24, 0, 4, 0, 0, 0, 0) \
+    + b"\x00\x00\xff\x00"
+SVG_SRC = "<svg xmlns='http://www.w3.org/2000/svg' width='4' height='4'><rect width='4' height='4'/></svg>\n"
+CLIENTS = {"claude-code": ("image/png", "image/jpeg", "image/gif", "image/webp"),
+           "codex-mcp-client": ("image/png", "image/jpeg", "image/gif", "image/webp"),
+           "gemini-cli-mcp-client": ("image/png", "image/jpeg", "image/webp"),
+           "my-agent": None}
+
+
+def modern_call(rid, name, args, client=None, token=None):
+    """A 2026-07-28 tools/call: no initialize, the client named only in _meta (as Claude Code does)."""
+    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28"}
+    if client:
+        meta["io.modelcontextprotocol/clientInfo"] = {"name": client, "version": "2.1.328"}
+    if token is not None:
+        meta["progressToken"] = token
+    return {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+            "params": {"name": name, "arguments": args, "_meta": meta}}
+
+
+class TestClientsOverStdio(unittest.TestCase):
+    """Each client as it really speaks: Claude Code names itself only in each request's
+    _meta (2026-07-28, no initialize); Codex and Gemini in initialize."""
+
+    def setUp(self):
+        self.tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-clients-"))
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        for name, data in (("i.svg", SVG_SRC.encode()), ("i.png", PNG_1PX), ("i.gif", GIF_1PX), ("i.bmp", BMP_1PX)):
+            with open(os.path.join(self.tmp, name), "wb") as f:
+                f.write(data)
+
+    def client(self, *flags):
+        c = StdioClient(["--workdir", self.tmp] + list(flags))
+        self.addCleanup(c.close)
+        return c
+
+    def view(self, c, path, client, rid, modern):
+        if modern:
+            c.send(modern_call(rid, "view", {"path": path}, client))
+            return c.wait_for(lambda m: m.get("id") == rid)["result"]["content"][0]
+        return c.call("view", {"path": path})["content"][0]
+
+    def test_images_fit_the_model_behind_each_client(self):
+        rid = 100
+        for client, takes in sorted(CLIENTS.items()):
+            for modern in (True, False):
+                c = self.client()
+                if not modern:
+                    c.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                             "clientInfo": {"name": client, "version": "1"}})
+                for path, mime in (("i.svg", "image/svg+xml"), ("i.png", "image/png"), ("i.gif", "image/gif"),
+                                   ("i.bmp", "image/bmp")):
+                    rid += 1
+                    block = self.view(c, path, client, rid, modern)
+                    if takes is None or mime in takes:
+                        self.assertEqual((block["type"], block.get("mimeType")), ("image", mime), (client, path))
+                    elif mime == "image/svg+xml":
+                        self.assertEqual(block["type"], "text", client)
+                        self.assertIn("shown as its source", block["text"])
+                        self.assertIn("1\t<svg xmlns=", block["text"])
+                    else:
+                        self.assertEqual(block["type"], "text", (client, path))
+                        self.assertIn("Convert it first", block["text"])
+                c.close()
+
+    def test_svg_flag_and_environment_override_the_client(self):
+        for flags, client, want in ((["--svg", "image"], "claude-code", "image"), (["--svg", "text"], "my-agent", "text"),
+                                    (["--svg", "auto"], "gemini-cli-mcp-client", "text")):
+            c = self.client(*flags)
+            c.send(modern_call(9, "view", {"path": "i.svg"}, client))
+            self.assertEqual(c.wait_for(lambda m: m.get("id") == 9)["result"]["content"][0]["type"], want, flags)
+            c.close()
+        with self.assertRaises(boris.ConfigError):
+            boris.parse_config(["--svg", "png"], {})
+        self.assertEqual(boris.parse_config([], {"BORIS_SVG": "text"}).svg, "text")
+
+    def test_gemini_injected_argument_is_dropped_and_typos_still_fail(self):
+        c = self.client("--require-view-before-edit", "false")
+        c.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                 "clientInfo": {"name": "gemini-cli-mcp-client", "version": "0.61.0"}})
+        tools = [t["name"] for t in c.request("tools/list")["result"]["tools"]]
+        args = {"bash": {"command": "echo ok"}, "view": {"path": "i.svg"}, "grep": {"pattern": "svg"},
+                "glob": {"pattern": "*"}, "create_file": {"path": "n.txt", "content": "x"},
+                "read_file": {"path": "i.svg"}, "list_directory": {}, "task_output": {},
+                "search_files": {"pattern": "*"}, "search_text": {"query": "svg"}}
+        for name in tools:
+            if name not in args:
+                continue
+            for flag in (True, False):
+                r = c.call(name, dict(args[name], wait_for_previous=flag))
+                self.assertFalse(r["isError"], (name, r))
+            r = c.call(name, dict(args[name], wait_for_previuos=True))
+            self.assertTrue(r["isError"])
+            self.assertTrue(r["content"][0]["text"].startswith("[INVALID_INPUT] unknown argument 'wait_for_previuos'"))
+
+    def test_progress_is_a_short_status_line(self):
+        c = self.client()
+        c.send(modern_call(7, "bash", {"command": "seq 1 300000; sleep 0.3; echo the-end"}, "claude-code", "p1"))
+        final = c.wait_for(lambda m: m.get("id") == 7, 60)
+        prog = [m["params"]["message"] for m in c.lines if m and m.get("method") == "notifications/progress"]
+        self.assertTrue(prog)
+        self.assertTrue(all(len(m) < 300 for m in prog), max(prog, key=len))
+        self.assertRegex(prog[-1], r"^\d+ lines, [\d.]+ (KB|MB) so far; last: ")
+        self.assertLessEqual(len(final["result"]["content"][0]["text"]), 40000)
+
+    def test_instructions_start_with_what_the_server_is(self):
+        c = self.client()
+        first = c.initialize()["result"]["instructions"].split("\n")[0]
+        self.assertEqual(first, "boris: coding workspace - shell, view/edit files, grep/glob search, web fetch")
+        self.assertEqual(c.request("server/discover")["result"]["instructions"].split("\n")[0], first)
+
+
+class TestResultsFitTheClients(NoViewBase):
+    """Every result within --max-result-chars; a cut one starts and ends with one line
+    that says it was cut and how to read on."""
+
+    def big_tree(self):
+        self.write("big.txt", "".join("line %05d %s\n" % (i, "x" * 100) for i in range(1200)))   # 120 KB
+        for i in range(600):
+            self.write("many/f%03d-%s.txt" % (i, "n" * 60), "hit %d\n" % i)
+
+    def assert_fits(self, text, cap, reads_on):
+        self.assertLessEqual(len(text), cap)
+        first, last = text.split("\n", 1)[0], text.rsplit("\n", 1)[-1]
+        self.assertTrue(first.startswith("[") and first == last, (first[:200], last[:200]))
+        self.assertTrue(any(w in first for w in reads_on), first)
+
+    def test_every_long_result_is_cut_with_a_notice_first_and_last(self):
+        self.big_tree()
+        for cap in (4000, 10000, 40000):
+            cfg = boris.parse_config(["--workdir", self.root, "--require-view-before-edit", "false",
+                                      "--max-result-chars", str(cap)], {})
+            server = boris.McpServer(cfg, self.policy)
+
+            def run(name, **args):
+                r = server.run_tool(server.tools[name], self.session, args, ctx_of(cfg, self.policy))
+                self.assertEqual(r["_meta"], {"anthropic/maxResultSizeChars": cap})
+                self.assertFalse(r["isError"], r)
+                return r["content"][0]["text"]
+            self.assert_fits(run("view", path="big.txt"), cap, ["view_range"])
+            self.assert_fits(run("read_file", path="big.txt"), cap, ["offset="])
+            self.assert_fits(run("grep", pattern="hit", path="many", output_mode="content"), cap, ["offset="])
+            self.assert_fits(run("glob", pattern="**/*.txt"), cap, ["offset="])
+            self.assert_fits(run("bash", command="cat big.txt"), cap, ["tail, head or grep"])
+            self.assert_fits(run("bash", command="cat big.txt; cat big.txt >&2"), cap, ["tail, head or grep"])
+            if cap < 40000:
+                self.assert_fits(run("list_directory", path="many"), cap, ["list a subdirectory"])
+            tid = re.search(r"task_[0-9a-f]+", run("bash", command="cat big.txt", run_in_background=True)).group(0)
+            self.assert_fits(run("task_output", task_id=tid, wait_ms=20000), cap, ["tail, head or grep"])
+
+    def test_a_120_kb_view_fits_claude_codex_and_gemini(self):
+        self.big_tree()
+        text = self.ok("view", path="big.txt")
+        self.assertLessEqual(len(text), 40000)              # Gemini keeps 40,000; Claude inlines up to 50,000
+        m = re.match(r"\[cut at \d+ characters after line (\d+); read on with view_range \[(\d+), -1\]\]", text)
+        self.assertTrue(m, text[:200])
+        rest = self.ok("view", path="big.txt", view_range=[int(m.group(2)), -1])
+        self.assertIn("%6d\tline %05d" % (int(m.group(2)), int(m.group(2)) - 1), rest)
+
+    def test_the_result_cap_is_a_flag_and_an_environment_variable(self):
+        self.assertEqual(boris.parse_config([], {}).max_result_chars, 40000)
+        self.assertEqual(boris.parse_config([], {"BORIS_MAX_RESULT_CHARS": "12000"}).max_result_chars, 12000)
+        self.assertEqual(boris.parse_config(["--max-result-chars", "9000"], {}).max_result_chars, 9000)
+        for bad in ("0", "100", "abc", "-5", "99999999"):
+            with self.assertRaises(boris.ConfigError):
+                boris.parse_config(["--max-result-chars", bad], {})
+
+    def test_errors_start_with_their_code_for_clients_that_drop_is_error(self):
+        for name, args in (("view", {"path": "nope"}), ("view", {}), ("view", {"path": 3}),
+                           ("grep", {"pattern": "("}), ("bash", {"command": " "}), ("glob", {"pattern": ""}),
+                           ("str_replace", {"path": "x", "old_str": "a", "bogus": 1}), ("task_output", {"task_id": "t"})):
+            text, err = self.call(name, **args)
+            self.assertTrue(err)
+            self.assertRegex(text, r"^\[[A-Z_]+\] ", (name, args))
+
+
+class TestHttpForClients(HttpBase):
+    token = "s3cret-token"
+
+    def test_oauth_discovery_gets_404_at_once_and_401_names_the_bearer_token(self):
+        for method in ("GET", "POST"):
+            for path in ("/.well-known/oauth-protected-resource", "/.well-known/oauth-authorization-server",
+                         "/.well-known/oauth-protected-resource/mcp", "/.well-known/openid-configuration"):
+                st, _, body = http(self.port, method, path, body={} if method == "POST" else None)
+                self.assertEqual(st, 404, (method, path))
+                self.assertIn("static bearer token", body["detail"])
+        st, h, body = http(self.port, "POST", body={"jsonrpc": "2.0", "id": 1, "method": "ping"})
+        self.assertEqual(st, 401)
+        self.assertIn("Authorization: Bearer <token>", body["detail"])
+
+    def test_client_name_from_meta_per_request_without_a_session(self):
+        with open(os.path.join(self.tmp, "i.svg"), "w") as f:
+            f.write(SVG_SRC)
+        kinds = []
+        for rid, client in ((1, "claude-code"), (2, "my-agent"), (3, "codex-mcp-client"), (4, None)):
+            st, _, body = http(self.port, "POST", body=modern_call(rid, "view", {"path": "i.svg"}, client),
+                               headers=self.auth())
+            self.assertEqual(st, 200, body)
+            kinds.append(body["result"]["content"][0]["type"])
+        self.assertEqual(kinds, ["text", "image", "text", "image"])
