@@ -218,6 +218,11 @@ FLAGS = (
      "longest tool result in characters; a cut one says first and last how to read on (clients cut at 40-50k)"),
     ("svg", "BORIS_SVG", "auto", "choice:auto|image|text",
      "SVG files as image content or as their source text; auto: text for Claude, Codex and Gemini clients"),
+    ("sandbox", "BORIS_SANDBOX", "auto", "choice:auto|off|workspace-write|read-only",
+     "confine bash with the kernel (Landlock): writes only under --allow-dir (or --workdir) and the temp"
+     " directory, or nowhere but temp; auto: workspace-write when --allow-dir is given and the kernel can"),
+    ("sandbox-network", "BORIS_SANDBOX_NETWORK", "", "choice:on|off",
+     "whether sandboxed commands may use the network (TCP); default off when sandboxed"),
 )
 
 _TRUE = ("1", "true", "yes", "on")
@@ -234,7 +239,7 @@ class Config(object):
                  allow_dir=(), deny_dir=(), token="", generate_token=False, disable_tools=(),
                  background_task_timeout=0.0, max_file_size=10 * 1024 ** 2, require_view_before_edit=True,
                  anthropic_compat=False, log_level="info", log_format="text", web_fetch_block_private=False,
-                 max_result_chars=40000, svg="auto", disabled=frozenset()):
+                 max_result_chars=40000, svg="auto", sandbox="auto", sandbox_network=None, disabled=frozenset()):
         self.transport = transport                      # "stdio" | "http"
         self.host = host
         self.port = port
@@ -254,6 +259,8 @@ class Config(object):
         self.web_fetch_block_private = web_fetch_block_private
         self.max_result_chars = max_result_chars        # no result is longer (images aside)
         self.svg = svg                                  # "auto" | "image" | "text"
+        self.sandbox = sandbox                          # "auto" | "off" | "workspace-write" | "read-only"
+        self.sandbox_network = sandbox_network          # None (the sandbox decides), True, False
         self.disabled = frozenset(disabled)             # registered tool names switched off
 
 
@@ -432,6 +439,7 @@ def parse_config(argv, environ):
     values["workdir"] = os.path.realpath(workdir)
     values["timeout"] = values["timeout"] or 120.0
     values["disabled"] = resolve_disabled_tools(values["disable-tools"], values["anthropic-compat"])
+    values["sandbox-network"] = {"on": True, "off": False}.get(values["sandbox-network"])
     return Config(**dict((k.replace("-", "_"), v) for k, v in values.items()))
 
 ###############################################################################
@@ -2045,9 +2053,14 @@ def mtime(path):
         return 0
 
 
-def helper_main(kind, parent=None):
-    """Entry point of `boris.py --helper KIND [PARENT_PID]`: serve stdin, exit 0 (2 for
-    no such kind)."""
+def helper_main(args):
+    """Entry point of `boris.py --helper KIND [PARENT_PID [...]]`: serve stdin, exit 0
+    (2 for no such kind). The sandbox launcher takes SPEC and the command after the
+    parent, and becomes the command."""
+    kind = args[0] if args else ""
+    parent = args[1] if len(args) > 1 else None
+    if kind == "sandbox" and len(args) > 3:
+        return helper_sandbox(args[2], args[3:])
     job = HELPER_KINDS.get(kind)
     if job is None:
         sys.stderr.write("boris: error: unknown helper kind %r\n" % kind)
@@ -2074,21 +2087,34 @@ def guard_helper(parent):
     threading.Thread(target=watch, daemon=True, name="boris-parent-watch").start()
 
 
-def pycache_prefix():
+def pycache_prefix(avoid=()):
     """A private directory for the helpers' cached bytecode and the link they are run
-    through, or None when none is safe (not a directory of ours, or open to others)."""
+    through, or None when none is safe: a directory of ours, open to no one else, and
+    not beneath `avoid` (the roots a sandboxed command may write, where a planted .pyc
+    would run unconfined). The temp directory first, then /var/tmp and ~/.cache."""
     import tempfile
-    path = os.path.join(tempfile.gettempdir(), "boris-pycache-%d" % os.geteuid())
+    for base in (tempfile.gettempdir(), "/var/tmp", os.path.expanduser("~/.cache")):
+        path = os.path.join(os.path.realpath(base), "boris-pycache-%d" % os.geteuid())
+        if any(is_within(path, a) for a in avoid) or not private_ok(path, create=True):
+            continue
+        return path
+    return None
+
+
+def private_ok(path, create=False):
+    """Whether `path` is a directory of ours that no one else may write (made 0700)."""
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError:
+            return False
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
+        st = os.lstat(path)
     except OSError:
-        return None
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        return None
-    return path
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
 def helper_link(private, real):
@@ -2114,13 +2140,19 @@ def helper_link(private, real):
     return name
 
 
-def helper_command(kind):
+def helper_command(kind, avoid=()):
     """argv and cwd that run this file as a helper of `kind`, child of this process.
+    A helper starting another (a partner) uses the private directory it runs from.
     Without a private directory it runs isolated (-I: no cwd, no script directory on
     the path) and compiles this file at every start."""
     real = os.path.realpath(__file__)
     parent = str(os.getpid())
-    private = pycache_prefix()
+    here = os.path.dirname(os.path.abspath(__file__))
+    if os.path.basename(__file__).startswith("boris_") and private_ok(here) and \
+            not any(is_within(here, a) for a in avoid):
+        private = here
+    else:
+        private = pycache_prefix(avoid)
     name = helper_link(private, real) if private else None
     if name:
         return ([sys.executable, "-E", "-S", "-X", "utf8", "-X", "pycache_prefix=" + private, "-m", name,
@@ -2629,9 +2661,10 @@ class HelperPool(object):
     in_process=True runs jobs in the calling thread instead, with partners kept in
     this process: for tests that patch the search engine, never as a fallback."""
 
-    def __init__(self, idle_max=SEARCH_IDLE_HELPERS, in_process=False):
+    def __init__(self, idle_max=SEARCH_IDLE_HELPERS, in_process=False, avoid=()):
         self.idle_max = idle_max
         self.in_process = in_process
+        self.avoid = list(avoid)               # roots sandboxed commands may write: no helper code there
         self.lock = threading.Lock()
         self.idle, self.busy = [], set()
         self.closed = False
@@ -2734,7 +2767,7 @@ class HelperPool(object):
         with self.lock:
             if self.requests is None:
                 self.requests = queue.SimpleQueue()
-                threading.Thread(target=self._spawner, args=(self.requests,), daemon=True,
+                threading.Thread(target=self._spawner, args=(self.requests, self.avoid), daemon=True,
                                  name="boris-helper-spawner").start()
                 import atexit
                 atexit.register(self.close)           # idle helpers go with the process, whoever runs it
@@ -2747,15 +2780,15 @@ class HelperPool(object):
         return proc
 
     @staticmethod
-    def _spawner(requests):
+    def _spawner(requests, avoid):
         import subprocess
         for box in iter(requests.get, None):
             try:
-                argv, cwd = helper_command("search")
+                argv, cwd = helper_command("search", avoid)
                 box.put(spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               start_new_session=True))
-            except (OSError, ValueError) as e:
-                box.put(e if isinstance(e, OSError) else OSError(str(e)))
+            except Exception as e:                    # any failure is an answer: no caller waits for ever
+                box.put(e if isinstance(e, OSError) else OSError(repr(e)))
 
     def release(self, proc):
         """A helper that finished its job: kept warm, or closed."""
@@ -2898,15 +2931,216 @@ class Capture(object):
         return "%s\n\n... %d characters omitted ...\n\n%s" % (head, omitted, tail), notice
 
 
-def start_process(script, cwd):
-    """Popen of `script` under the shell, in its own process group, stdin /dev/null."""
+# -- the sandbox ------------------------------------------------------------------
+# --sandbox confines every process a bash call starts, with the kernel: Landlock
+# (Linux 5.13+, unprivileged, inherited by every descendant and never lifted). A
+# launcher - this file run as `--helper sandbox PARENT SPEC SHELL -c SCRIPT`, started
+# like the search helpers - builds the ruleset from SPEC, restricts itself and execs
+# the shell, so the confinement is in place before the command's first instruction.
+# Only write-like rights are handled: reads and exec stay as they were; writes are
+# allowed beneath the writable roots only. Network off: no TCP bind or connect
+# (Landlock ABI 4+), else a fresh network namespace (unprivileged user namespace).
+# Signals and abstract unix sockets are scoped to the command's own domain (ABI 6+).
+
+LANDLOCK_CREATE_RULESET, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT_SELF = 444, 445, 446
+LL_WRITE_FILE, LL_REMOVE_DIR, LL_REMOVE_FILE = 1 << 1, 1 << 4, 1 << 5
+LL_MAKE_ALL = sum(1 << k for k in range(6, 13))     # char, dir, reg, sock, fifo, block, sym
+LL_REFER, LL_TRUNCATE = 1 << 13, 1 << 14
+LL_NET_BIND_TCP, LL_NET_CONNECT_TCP = 1 << 0, 1 << 1
+LL_SCOPE_ABSTRACT_UNIX, LL_SCOPE_SIGNAL = 1 << 0, 1 << 1
+PR_SET_NO_NEW_PRIVS = 38
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+SANDBOX_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx")
+SANDBOX_DEVICE_DIRS = ("/dev/pts", "/dev/shm")
+SANDBOX_EXIT = 126                         # the launcher could not confine: the command does not run
+
+
+def _libc():
+    import ctypes
+    return ctypes, ctypes.CDLL(None, use_errno=True)
+
+
+def landlock_abi():
+    """The kernel's Landlock ABI version, 0 where it has none (not Linux, too old,
+    or Landlock not enabled among the LSMs)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        ctypes, libc = _libc()
+        abi = libc.syscall(LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    except (OSError, AttributeError, ImportError):
+        return 0
+    return max(0, abi)
+
+
+class Sandbox(object):
+    """How commands are confined: the mode ('off', 'workspace-write', 'read-only'),
+    the directories they may write beneath, whether they may use the network, and
+    the kernel features that do it. off() confines nothing."""
+
+    def __init__(self, mode="off", writable=(), network=True, abi=0, why=""):
+        self.mode, self.writable, self.network, self.abi = mode, list(writable), network, abi
+        self.why = why                                  # how the mode was chosen, for the log
+
+    @classmethod
+    def off(cls, why="--sandbox off"):
+        return cls(why=why)
+
+    @property
+    def on(self):
+        return self.mode != "off"
+
+    def net_mechanism(self):
+        """'landlock' or 'netns' when the network is cut, else None."""
+        if not self.on or self.network:
+            return None
+        return "landlock" if self.abi >= 4 else "netns"
+
+    def spec(self, cwd):
+        """What the launcher needs, as JSON: it starts in its private directory and
+        moves to the command's `cwd` once confined."""
+        return json.dumps({"mode": self.mode, "writable": self.writable, "abi": self.abi,
+                           "net": self.net_mechanism(), "cwd": cwd})
+
+    def describe(self):
+        """One line for the instructions and the start-up log."""
+        if not self.on:
+            return "Sandbox: off (bash commands can write anywhere this user can)"
+        where = ", ".join(self.writable)
+        return "Sandbox: %s (bash commands may write only under %s; network %s; Landlock ABI %d)" % (
+            self.mode, where, "on" if self.network else "off", self.abi)
+
+    def hint(self, text):
+        """The line a failed sandboxed command's result ends with, when its output
+        shows a refused write or connect; else ''."""
+        if not self.on or not re.search(r"Permission denied|Read-only file system|Operation not permitted"
+                                        r"|Network is unreachable|Connection refused", text):
+            return ""
+        return ("[sandbox %s: commands may write only under %s%s; the server's --allow-dir adds directories,%s"
+                " --sandbox off lifts it]" % (self.mode, ", ".join(self.writable),
+                                              "" if self.network else " and may not use the network",
+                                              "" if self.network else " --sandbox-network on allows the network,"))
+
+
+def resolve_sandbox(config, policy, abi=None):
+    """The Sandbox that --sandbox/--sandbox-network ask for on this kernel. An explicit
+    mode the kernel cannot give raises ConfigError (one line, exit 2); auto without it
+    falls back to off with a warning."""
+    import tempfile
+    mode = config.sandbox
+    if mode == "off" or (mode == "auto" and not policy.allow):
+        return Sandbox.off("--sandbox off" if mode == "off" else "--sandbox auto: no --allow-dir")
+    abi = landlock_abi() if abi is None else abi
+    if not abi:
+        why = ("this kernel has no Landlock (Linux 5.13+ with landlock among its LSMs)" if sys.platform.startswith(
+            "linux") else "the sandbox needs Linux Landlock; %s is not supported" % sys.platform)
+        if mode == "auto":
+            log("warn", "sandbox off: %s; bash commands can write anywhere this user can" % why)
+            return Sandbox.off("--sandbox auto: " + why)
+        raise ConfigError("--sandbox %s cannot be honoured: %s" % (mode, why))
+    network = config.sandbox_network if config.sandbox_network is not None else False
+    if not network and abi < 4 and not userns_works():
+        raise ConfigError("--sandbox-network off cannot be honoured: Landlock ABI %d has no TCP rules and user"
+                          " namespaces are not available; pass --sandbox-network on" % abi)
+    roots = [] if mode == "read-only" else (list(policy.allow) or [policy.workdir])
+    roots.append(os.path.realpath(tempfile.gettempdir()))
+    roots = sorted(set(r for r in roots if not any(r != o and is_within(r, o) for o in roots)))
+    return Sandbox("workspace-write" if mode == "auto" else mode, roots, network, abi,
+                   "--sandbox %s" % mode)
+
+
+def userns_works():
+    """Whether this process may make an unprivileged user and network namespace."""
+    import subprocess
+    try:
+        return subprocess.call(["unshare", "-Urn", "true"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL) == 0
+    except OSError:
+        return False
+
+
+def helper_sandbox(spec, argv):
+    """The launcher: confine this process as `spec` says, then exec `argv`. Any
+    failure ends it with SANDBOX_EXIT and a line on stderr: a command never runs
+    less confined than asked."""
+    try:
+        spec = json.loads(spec)
+        if spec["net"] == "netns":
+            enter_network_namespace()
+        apply_landlock(spec)
+        os.chdir(spec["cwd"])
+    except Exception as e:                      # whatever failed, the command must not run unconfined
+        sys.stderr.write("boris: the sandbox could not be set up (%s); the command was not run\n" % e)
+        sys.stderr.flush()
+        os._exit(SANDBOX_EXIT)
+    os.execv(argv[0], argv)
+
+
+def apply_landlock(spec):
+    """Restrict this process (and all it will start) to writing beneath spec['writable']
+    and the harmless devices; no TCP when spec['net'] is 'landlock'; signals and
+    abstract unix sockets scoped to its own domain (ABI 6+)."""
+    import struct
+    ctypes, libc = _libc()
+    abi = spec["abi"]
+    write = LL_WRITE_FILE | LL_REMOVE_DIR | LL_REMOVE_FILE | LL_MAKE_ALL
+    write |= (LL_REFER if abi >= 2 else 0) | (LL_TRUNCATE if abi >= 3 else 0)
+    net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP if spec["net"] == "landlock" else 0
+    scoped = LL_SCOPE_SIGNAL | (LL_SCOPE_ABSTRACT_UNIX if spec["net"] else 0) if abi >= 6 else 0
+    attr = struct.pack("<QQQ", write, net, scoped)[:8 if abi < 4 else 16 if abi < 6 else 24]
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    ruleset = libc.syscall(LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset: %s" % os.strerror(ctypes.get_errno()))
+    try:
+        file_rights = LL_WRITE_FILE | (LL_TRUNCATE if abi >= 3 else 0)
+        for path, rights in ([(p, write) for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)] +
+                             [(p, file_rights) for p in SANDBOX_DEVICES]):
+            try:
+                fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC)
+            except OSError:
+                continue                                   # (a device or directory this system lacks)
+            try:
+                rule = ctypes.create_string_buffer(struct.pack("<Qi", rights, fd), 12)
+                if libc.syscall(LANDLOCK_ADD_RULE, ruleset, 1, rule, ctypes.c_uint32(0)) < 0:
+                    raise OSError(ctypes.get_errno(), "landlock_add_rule %s: %s"
+                                  % (path, os.strerror(ctypes.get_errno())))
+            finally:
+                os.close(fd)
+        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if libc.syscall(LANDLOCK_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)) < 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self: %s" % os.strerror(ctypes.get_errno()))
+    finally:
+        os.close(ruleset)
+
+
+def enter_network_namespace():
+    """unshare a user and a network namespace (no interface but a down loopback), the
+    user mapped to itself so files keep their owner."""
+    ctypes, libc = _libc()
+    uid, gid = os.geteuid(), os.getegid()
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER|CLONE_NEWNET): %s" % os.strerror(ctypes.get_errno()))
+    for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)), ("gid_map", "%d %d 1" % (gid, gid))):
+        with open("/proc/self/" + name, "w") as f:
+            f.write(text)
+
+
+def start_process(script, cwd, sandbox=None):
+    """Popen of `script` under the shell, in its own process group, stdin /dev/null;
+    through the sandbox launcher when `sandbox` is on."""
     import subprocess
     env = dict(os.environ)
     env.setdefault("PAGER", "cat")
     env.setdefault("GIT_PAGER", "cat")
     env.setdefault("GIT_TERMINAL_PROMPT", "0")
     env["BORIS_CALL"] = marker = call_marker()
-    proc = spawn([SHELL, "-c", script], cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    argv = [SHELL, "-c", script]
+    if sandbox is not None and sandbox.on:
+        launcher, private = helper_command("sandbox", avoid=sandbox.writable)
+        argv, cwd = launcher + [sandbox.spec(cwd)] + argv, private
+    proc = spawn(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                  stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
     proc.boris_call = marker
     return proc
@@ -3588,11 +3822,12 @@ class CallContext(object):
     a progress callback (a no-op unless the client asked for progress) and the
     server's HelperPool, where searches and wait_for matches run."""
 
-    def __init__(self, config, policy, cancelled=None, progress=None, helpers=None, client=""):
+    def __init__(self, config, policy, cancelled=None, progress=None, helpers=None, client="", sandbox=None):
         self.config = config
         self.policy = policy
         self.helpers = helpers
         self.client = client            # clientInfo.name of this request's client ('' when unknown)
+        self.sandbox = sandbox or Sandbox.off()
         self.cancelled = cancelled or threading.Event()
         self.wants_progress = progress is not None
         self.progress = progress or (lambda text: None)
@@ -4163,10 +4398,10 @@ def bash_timeout_ms(args, config):
     return min(ms, BASH_MAX_TIMEOUT_MS)
 
 
-def launch(session, script):
+def launch(session, script, sandbox=None):
     cwd = session.get_cwd()
     try:
-        return start_process(script, cwd)
+        return start_process(script, cwd, sandbox)
     except OSError as e:
         raise ToolError("BASH_START_FAILED", "could not start %s in %s: %s" % (SHELL, cwd, e.strerror or e))
 
@@ -4212,7 +4447,7 @@ def tool_bash(session, args, ctx):
     marker = ("__BORIS_CWD_%s__" % session.nonce).encode()
     script = "%s\n__boris_status=$?\nprintf '\\n%%s%%s\\n' '%s' \"$PWD\"\nexit $__boris_status\n" % (
         command, marker.decode())
-    proc = launch(session, script)
+    proc = launch(session, script, ctx.sandbox)
     with session.lock:
         session.foreground.add(proc)
     out, err = Capture(), Capture()
@@ -4233,7 +4468,8 @@ def tool_bash(session, args, ctx):
         session.set_cwd(new_cwd)
         head.append("cwd: %s" % new_cwd)
     body, notice = render_output(out, err, output_budget(ctx))
-    return read_on("\n".join(head) + "\n" + body, notice)
+    hint = ctx.sandbox.hint(body) if proc.returncode else ""
+    return read_on("\n".join(head) + "\n" + body + ("\n" + hint if hint else ""), notice)
 
 
 def start_task(session, command, ctx):
@@ -4245,7 +4481,7 @@ def start_task(session, command, ctx):
             raise ToolError("BASH_TASK_LIMIT", "%d background tasks are already running (the limit); wait for"
                             " one with task_output or run this one in the foreground" % len(running))
         task_id = "task_%s" % os.urandom(8).hex()       # a handle: only whoever was given it can use it
-    proc = launch(session, command)
+    proc = launch(session, command, ctx.sandbox)
     task = Task(task_id, command, proc, ctx.config.background_task_timeout)
     with session.lock:
         closed = session.closed
@@ -5239,12 +5475,13 @@ class McpServer(object):
     it a message, a session and an `emit(message)` callback (thread-safe), and every
     answer, progress notification included, goes out through `emit`."""
 
-    def __init__(self, config, policy):
+    def __init__(self, config, policy, sandbox=None):
         self.config = config
         self.policy = policy
         self.tools = build_tools(config)
         self.pool = WorkerPool()
-        self.helpers = HelperPool()
+        self.sandbox = sandbox if sandbox is not None else resolve_sandbox(config, policy)
+        self.helpers = HelperPool(avoid=self.sandbox.writable)
         self._tool_list = [t.listing() for t in self.tools.values()]
 
     def close(self):
@@ -5317,7 +5554,7 @@ class McpServer(object):
     # -- methods -------------------------------------------------------------
     def instructions(self):
         cfg = self.config
-        lines = [INSTRUCTIONS_FIRST_LINE, "Working directory: %s" % cfg.workdir]
+        lines = [INSTRUCTIONS_FIRST_LINE, self.sandbox.describe(), "Working directory: %s" % cfg.workdir]
         if self.policy.allow:
             lines.append("Allowed directories: %s" % ", ".join(self.policy.allow))
         if self.policy.deny_raw:
@@ -5390,7 +5627,8 @@ class McpServer(object):
         meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
         token = meta.get("progressToken")
         progress = progress_sender(token, emit) if isinstance(token, (str, int)) and echoable(token) else None
-        ctx = CallContext(self.config, self.policy, cancelled, progress, self.helpers, client_name(meta, session))
+        ctx = CallContext(self.config, self.policy, cancelled, progress, self.helpers, client_name(meta, session),
+                          self.sandbox)
 
         def run():
             try:
@@ -6040,6 +6278,7 @@ def serve_http(server, config, stop):
         log("warn", "HTTP without a bearer token: any local process can use these tools;"
                     " pass --token or --generate-token to require one")
     log("info", "serving MCP over HTTP", url="http://%s:%d/mcp" % (config.host, port), auth=bool(token))
+    log("info", server.sandbox.describe(), why=server.sandbox.why)
     thread = threading.Thread(target=transport.serve, daemon=True)
     thread.start()
     stop.wait()
@@ -6057,7 +6296,7 @@ def serve_http(server, config, stop):
 def main(argv=None, environ=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--helper"]:
-        return helper_main(argv[1] if len(argv) > 1 else "", argv[2] if len(argv) > 2 else None)
+        return helper_main(argv[1:])
     environ = os.environ if environ is None else environ
     if sys.getfilesystemencoding().lower().replace("-", "") != "utf8" and __name__ == "__main__":
         # An ASCII locale (LC_ALL=C) would make every non-ASCII path or command fail:
@@ -6074,15 +6313,21 @@ def main(argv=None, environ=None):
         return 2
     _log_state["level"] = _LOG_LEVELS[config.log_level]
     _log_state["format"] = config.log_format
+    try:
+        sandbox = resolve_sandbox(config, policy)
+    except ConfigError as e:
+        sys.stderr.write("boris: error: %s\n" % e)
+        return 2
     stopper = Stopper()
     stopper.install()
     _reaper_state["wanted"] = True        # every child of this process is spawn()'s: reaping steals nothing
     if os.getpid() == 1:
         start_reaper()                    # PID 1 reaps orphans from the start; others on their first spawn
-    server = McpServer(config, policy)
+    server = McpServer(config, policy, sandbox)
     try:
         if config.transport == "http":
             return serve_http(server, config, stopper)
+        log("info", sandbox.describe(), why=sandbox.why)
         log("debug", "serving stdio", workdir=config.workdir, tools=list(server.tools))
         serve_stdio(server, Session(config), stopper)
         return 0

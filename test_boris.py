@@ -1723,7 +1723,7 @@ class TestGrep(SearchBase):
                      "import sys; sys.stdin.readline(); sys.stdin.readline(); sys.exit(3)",  # after a unit
                      "import sys; sys.stdin.readline(); print('{\"items\": [[0, \"bogus\", 1]]}'); sys.exit(3)"):
             argv = [sys.executable, "-c", code]
-            with shared_walks(helper_command=lambda kind: (argv, HERE)) as given:
+            with shared_walks(helper_command=lambda *a: (argv, HERE)) as given:
                 self.assertEqual(self._searches(), alone, code)
             self.assertTrue(given)
 
@@ -2957,8 +2957,8 @@ class TestWaitsAndWorkers(NoViewBase):
         s = unique_sleep()
         real_launch = boris.launch
 
-        def close_meanwhile(session, script):
-            proc = real_launch(session, script)
+        def close_meanwhile(session, script, *rest):
+            proc = real_launch(session, script, *rest)
             session.close()
             return proc
         with mock.patch.object(boris, "launch", close_meanwhile):
@@ -3647,7 +3647,7 @@ class TestHelperPool(SearchBase):
 
     def test_a_helper_that_cannot_start_is_an_io_error_not_a_search_here(self):
         pool = self.pool()
-        with mock.patch.object(boris, "helper_command", lambda kind: (["/nonexistent/python3"], "/")), \
+        with mock.patch.object(boris, "helper_command", lambda *a: (["/nonexistent/python3"], "/")), \
                 mock.patch.object(boris, "search_job", lambda *a, **k: self.fail("searched in the server")):
             with self.assertRaises(boris.ToolError) as e:
                 self.run_job(pool)
@@ -5131,3 +5131,325 @@ class TestHttpForClients(HttpBase):
             self.assertEqual(st, 200, body)
             kinds.append(body["result"]["content"][0]["type"])
         self.assertEqual(kinds, ["text", "image", "text", "image"])
+
+
+# ---------------------------------------------------------------------------
+# A shell the kernel confines (Landlock)
+# ---------------------------------------------------------------------------
+
+LANDLOCK_ABI = boris.landlock_abi()
+NEEDS_LANDLOCK = unittest.skipUnless(LANDLOCK_ABI >= 1, "this kernel has no Landlock (Linux 5.13+ with landlock"
+                                                        " among its LSMs): the sandbox cannot be tested here")
+
+
+class SandboxBase(unittest.TestCase):
+    """A workspace and an outside tree under /var/tmp (the temp directory is writable
+    in the sandbox); a server whose bash runs sandboxed."""
+    mode = "workspace-write"
+    network = "off"
+
+    def setUp(self):
+        self.base = os.path.realpath(tempfile.mkdtemp(prefix="boris-sandbox-", dir="/var/tmp"))
+        self.addCleanup(shutil.rmtree, self.base, True)
+        self.ws, self.out = os.path.join(self.base, "ws"), os.path.join(self.base, "outside")
+        os.makedirs(self.ws)
+        os.makedirs(os.path.join(self.out, "dir"))
+        with open(os.path.join(self.out, "keep.txt"), "w") as f:
+            f.write("outside\n")
+        os.symlink(self.out, os.path.join(self.ws, "out-link"))
+        with open(os.path.join(self.ws, "mine.txt"), "w") as f:
+            f.write("inside\n")
+        self.cfg = boris.parse_config(["--workdir", self.ws, "--allow-dir", self.ws, "--sandbox", self.mode,
+                                       "--sandbox-network", self.network, "--require-view-before-edit", "false"], {})
+        self.policy = boris.PathPolicy(self.cfg.allow_dir, self.cfg.deny_dir, self.cfg.workdir)
+        self.server = boris.McpServer(self.cfg, self.policy)
+        self.addCleanup(self.server.close)
+        self.session = boris.Session(self.cfg)
+        self.addCleanup(self.session.close)
+
+    def bash(self, command, **extra):
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, sandbox=self.server.sandbox)
+        r = boris.McpServer.run_tool(self.server.tools["bash"], self.session, dict(command=command, **extra), ctx)
+        return r["content"][0]["text"]
+
+    def outside(self):
+        return tree_snapshot(self.out)
+
+
+@NEEDS_LANDLOCK
+class TestSandboxWorkspaceWrite(SandboxBase):
+    ATTACKS = ["echo x > {o}/new.txt", "echo x >> {o}/keep.txt", ": > {o}/keep.txt", "truncate -s 0 {o}/keep.txt",
+               "rm -f {o}/keep.txt", "mkdir {o}/d2", "rmdir {o}/dir", "touch {o}/t", "ln -s /etc/passwd {o}/sl",
+               "ln mine.txt {o}/hard", "mv mine.txt {o}/moved", "cp mine.txt {o}/copy", "mv {o}/keep.txt here.txt",
+               "echo x > out-link/via-link.txt", "echo x > ../outside/dotdot.txt", "mkfifo {o}/fifo",
+               "sh -c 'echo x > {o}/sh.txt'", "python3 -c \"open('{o}/py.txt', 'w').write('x')\"",
+               "python3 -c \"import os; os.rename('mine.txt', '{o}/pymv')\"",
+               "setsid sh -c 'echo x > {o}/daemon.txt' </dev/null >/dev/null 2>&1 & sleep 0.3",
+               "nohup sh -c 'echo x > {o}/nohup.txt' >/dev/null 2>&1 & sleep 0.3",
+               "(sh -c '(echo x > {o}/double.txt) &' &); sleep 0.3"]
+
+    def test_no_write_outside_lands_from_any_command(self):
+        before = self.outside()
+        for attack in self.ATTACKS:
+            text = self.bash(attack.format(o=self.out))
+            self.assertEqual(self.outside(), before, "%s\n%s" % (attack, text))
+        self.assertEqual(self.bash("cat mine.txt").split("\n")[-1], "inside")
+
+    def test_a_background_task_is_confined_too(self):
+        before = self.outside()
+        text = self.bash("echo x > {o}/bg.txt; touch {o}/bg2; echo done-bg".format(o=self.out),
+                         run_in_background=True)
+        tid = re.search(r"task_[0-9a-f]+", text).group(0)
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, sandbox=self.server.sandbox)
+        r = boris.McpServer.run_tool(self.server.tools["task_output"], self.session,
+                                     {"task_id": tid, "wait_ms": 20000}, ctx)
+        self.assertIn("done-bg", r["content"][0]["text"])
+        self.assertIn("Permission denied", r["content"][0]["text"])
+        self.assertEqual(self.outside(), before)
+
+    def test_the_workspace_and_the_temp_directory_work(self):
+        steps = ["mkdir -p a/b && echo hi > a/b/c.txt && mv a/b/c.txt a/d.txt && cat a/d.txt",
+                 "t=$(mktemp) && echo tmp > $t && cat $t && rm $t",
+                 "ln -s a/d.txt l && cat l && ln a/d.txt h && rm h l && truncate -s 0 a/d.txt && wc -c < a/d.txt"]
+        if shutil.which("git"):
+            steps.append("git init -q r && cd r && git -c user.email=a@b -c user.name=n commit -q --allow-empty"
+                         " -m first && git log --oneline | wc -l")
+        if shutil.which("cc"):
+            steps.append("printf 'int main(void){return 7;}' > m.c && cc -o m m.c && ./m; echo rc=$?")
+        steps.append("python3 -m venv --without-pip v && v/bin/python -c 'print(41+1)'")
+        for step in steps:
+            text = self.bash(step)
+            self.assertIn("exit code: 0", text, "%s\n%s" % (step, text))
+            self.assertNotIn("Permission denied", text, step)
+        self.assertIn("42", text)
+
+    def test_a_refused_write_says_which_sandbox_and_the_flag(self):
+        text = self.bash("touch %s/x" % self.out)
+        self.assertIn("Permission denied", text)
+        self.assertIn("[sandbox workspace-write: commands may write only under", text)
+        self.assertIn("--sandbox off", text)
+        self.assertNotIn("[sandbox", self.bash("touch inside.txt"))
+        self.assertNotIn("[sandbox", self.bash("false"))
+
+    def test_network_off_refuses_tcp_to_loopback(self):
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(4)
+        self.addCleanup(srv.close)
+        probe = ("python3 -c \"import socket; socket.create_connection(('127.0.0.1', %d), 3); print('connected')\""
+                 % srv.getsockname()[1])
+        text = self.bash(probe)
+        self.assertNotIn("connected", text.split("--- stderr ---")[0])
+        self.assertIn("and may not use the network", text)
+
+    def test_the_sandbox_is_in_the_instructions(self):
+        first = self.server.instructions().split("\n")[1]
+        self.assertEqual(first, "Sandbox: workspace-write (bash commands may write only under %s, %s; network off;"
+                                " Landlock ABI %d)" % tuple(sorted([self.ws, os.path.realpath(tempfile.gettempdir())]) +
+                                                            [LANDLOCK_ABI]))
+
+
+@NEEDS_LANDLOCK
+class TestSandboxNetworkOn(SandboxBase):
+    network = "on"
+
+    def test_network_on_allows_loopback(self):
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(4)
+        self.addCleanup(srv.close)
+        text = self.bash("python3 -c \"import socket; socket.create_connection(('127.0.0.1', %d), 3);"
+                         " print('connected')\"" % srv.getsockname()[1])
+        self.assertIn("connected", text)
+
+
+@NEEDS_LANDLOCK
+class TestSandboxReadOnly(SandboxBase):
+    mode = "read-only"
+
+    def test_read_only_refuses_writes_in_the_workspace_too(self):
+        for attack in ("echo x > new.txt", "echo x >> mine.txt", "rm mine.txt", "mkdir d"):
+            self.assertNotEqual(self.bash(attack).split("\n")[0], "exit code: 0", attack)
+        self.assertEqual(sorted(os.listdir(self.ws)), ["mine.txt", "out-link"])
+        self.assertIn("inside", self.bash("cat mine.txt; t=$(mktemp) && echo ok > $t && cat $t && rm $t"))
+
+
+@NEEDS_LANDLOCK
+class TestSandboxNetworkNamespace(SandboxBase):
+    """Where Landlock has no TCP rules (ABI < 4), network off is a fresh network namespace."""
+
+    def test_a_network_namespace_cuts_loopback(self):
+        if not boris.userns_works():
+            self.skipTest("unprivileged user namespaces are not available here")
+        self.server.sandbox.abi = 3
+        self.assertEqual(self.server.sandbox.net_mechanism(), "netns")
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(4)
+        self.addCleanup(srv.close)
+        text = self.bash("id -u; python3 -c \"import socket; socket.create_connection(('127.0.0.1', %d), 3);"
+                         " print('connected')\"; touch %s/x" % (srv.getsockname()[1], self.out))
+        self.assertNotIn("connected", text)
+        self.assertIn("--- stdout ---\n%d" % os.geteuid(), text)             # the user is still itself
+        self.assertFalse(os.path.exists(os.path.join(self.out, "x")))
+
+
+@NEEDS_LANDLOCK
+class TestSandboxOverStdio(unittest.TestCase):
+    def test_commands_cannot_signal_the_server(self):
+        if LANDLOCK_ABI < 6:
+            self.skipTest("Landlock ABI %d cannot scope signals (needs 6)" % LANDLOCK_ABI)
+        base = os.path.realpath(tempfile.mkdtemp(prefix="boris-sandbox-", dir="/var/tmp"))
+        self.addCleanup(shutil.rmtree, base, True)
+        c = StdioClient(["--workdir", base, "--allow-dir", base])
+        self.addCleanup(c.close)
+        c.initialize()
+        pid = c.p.pid
+        for command in ("kill -TERM $PPID", "kill -9 %d" % pid, "python3 -c 'import os,signal; os.kill(%d, 9)'" % pid,
+                        "kill -HUP %d; kill -INT %d" % (pid, pid)):
+            text = c.call("bash", {"command": command})["content"][0]["text"]
+            self.assertIn("Operation not permitted", text, command)
+            self.assertEqual(c.request("ping")["result"], {})
+        c.call("bash", {"command": "sleep 0.2; kill -9 %d" % pid, "run_in_background": True})
+        time.sleep(0.5)
+        self.assertEqual(c.request("ping")["result"], {})
+        self.assertIsNone(c.p.poll())
+
+    def test_sandboxed_round_trip_works_over_the_wire(self):
+        base = os.path.realpath(tempfile.mkdtemp(prefix="boris-sandbox-", dir="/var/tmp"))
+        self.addCleanup(shutil.rmtree, base, True)
+        c = StdioClient(["--workdir", base, "--allow-dir", base, "--sandbox", "workspace-write"])
+        self.addCleanup(c.close)
+        inst = c.initialize()["result"]["instructions"]
+        self.assertIn("Sandbox: workspace-write", inst)
+        self.assertIn("hi", c.call("bash", {"command": "echo hi > f && cat f"})["content"][0]["text"])
+        c.close()
+        self.assertIn("Sandbox: workspace-write", b"".join(c.errbuf).decode())
+
+
+class TestSandboxConfiguration(unittest.TestCase):
+    def test_an_explicit_sandbox_the_kernel_cannot_give_stops_start_up(self):
+        for mode in ("workspace-write", "read-only"):
+            cfg = boris.parse_config(["--sandbox", mode, "--allow-dir", "/tmp"], {})
+            with self.assertRaises(boris.ConfigError) as e:
+                boris.resolve_sandbox(cfg, boris.PathPolicy(cfg.allow_dir, (), cfg.workdir), abi=0)
+            self.assertIn("--sandbox %s cannot be honoured" % mode, str(e.exception))
+        err = io.StringIO()
+        with mock.patch.object(boris, "landlock_abi", lambda: 0), mock.patch("sys.stderr", err):
+            self.assertEqual(boris.main(["--sandbox", "read-only", "--workdir", "/tmp"]), 2)
+        self.assertEqual(len(err.getvalue().strip().split("\n")), 1, err.getvalue())
+        self.assertIn("Landlock", err.getvalue())
+
+    def test_auto_falls_back_to_off_out_loud(self):
+        cfg = boris.parse_config(["--allow-dir", "/tmp"], {})
+        policy = boris.PathPolicy(cfg.allow_dir, (), cfg.workdir)
+        logged = []
+        with mock.patch.object(boris, "log", lambda level, msg, **k: logged.append((level, msg))):
+            sb = boris.resolve_sandbox(cfg, policy, abi=0)
+        self.assertFalse(sb.on)
+        self.assertEqual([l for l, m in logged], ["warn"])
+        self.assertIn("sandbox off", logged[0][1])
+        self.assertFalse(boris.resolve_sandbox(boris.parse_config([], {}), boris.PathPolicy(), abi=7).on)
+        on = boris.resolve_sandbox(cfg, policy, abi=7)
+        self.assertEqual((on.mode, on.network), ("workspace-write", False))
+        self.assertEqual(boris.parse_config(["--sandbox-network", "on"], {}).sandbox_network, True)
+        self.assertEqual(boris.parse_config([], {"BORIS_SANDBOX": "off"}).sandbox, "off")
+        with self.assertRaises(boris.ConfigError):
+            boris.parse_config(["--sandbox", "strict"], {})
+
+    def test_helper_code_never_lives_where_a_sandboxed_command_may_write(self):
+        tmp = os.path.realpath(tempfile.gettempdir())
+        argv, cwd = boris.helper_command("search", avoid=[tmp])
+        self.assertFalse(boris.is_within(cwd, tmp), cwd)
+        self.assertFalse(any(a.startswith("pycache_prefix=" + tmp) for a in argv), argv)
+
+    def test_a_launcher_that_cannot_confine_runs_nothing(self):
+        argv, cwd = boris.helper_command("sandbox")
+        for spec in ({"mode": "workspace-write", "writable": [BORIS], "abi": max(LANDLOCK_ABI, 1), "net": None,
+                      "cwd": "/"},                                    # directory rights on a file: refused
+                     {"mode": "workspace-write", "writable": [], "abi": "seven", "net": None, "cwd": "/"},
+                     {"mode": "workspace-write", "writable": []}):
+            p = subprocess.run(argv + [json.dumps(spec), "/bin/sh", "-c", "echo RAN"], cwd=cwd, capture_output=True)
+            self.assertEqual(p.returncode, boris.SANDBOX_EXIT, spec)
+            self.assertNotIn(b"RAN", p.stdout)
+            self.assertIn(b"the sandbox could not be set up", p.stderr)
+
+
+@NEEDS_LANDLOCK
+class TestSandboxCampaign(SandboxBase):
+    """Generated write attempts - paths, link tricks, rename/link/mkdir/truncate -
+    through bash, sh, python and perl: none may land outside."""
+
+    def attempts(self, rng):
+        o = self.out
+        targets = [o + "/g%d.txt", o + "/dir/g%d", "out-link/g%d", "out-link/dir/g%d", "../outside/g%d",
+                   "./../outside/dir/../g%d", o + "/keep.txt", o + "/dir", "%s/../outside/g%%d" % self.ws,
+                   "/var/tmp/boris-sandbox-escape-%d", os.path.expanduser("~") + "/boris-escape-%d"]
+        shell = ["echo x > {t}", "echo x >> {t}", "printf x | tee {t}", ": > {t}", "truncate -s 1 {t}", "touch {t}",
+                 "mkdir -p {t}/sub", "cp mine.txt {t}", "ln -s mine.txt {t}", "ln mine.txt {t}", "mv mine2.txt {t}",
+                 "rm -rf {t}", "dd if=/dev/zero of={t} bs=1 count=1", "install -m 644 mine.txt {t}",
+                 "sh -c 'echo x > {t}'", "bash -c 'exec 3>{t}; echo x >&3'", "find {o} -name keep.txt -delete",
+                 "sed -i s/outside/pwned/ {o}/keep.txt", "chmod 777 {o}/keep.txt", "mkfifo {t}"]
+        py = ["open('{t}', 'w').write('x')", "import os; os.mkdir('{t}')", "import os; os.rename('mine2.txt', '{t}')",
+              "import os; os.link('mine.txt', '{t}')", "import os; os.symlink('/etc', '{t}')",
+              "import os; os.truncate('{o}/keep.txt', 0)", "import os; os.remove('{o}/keep.txt')",
+              "import shutil; shutil.rmtree('{o}/dir')"]
+        perl = ["open(F, '>', '{t}'); print F 'x'", "unlink('{o}/keep.txt')", "rename('mine2.txt', '{t}')",
+                "mkdir('{t}')"]
+        out = []
+        for i in range(1200):
+            t = rng.choice(targets)
+            t = t % i if "%d" in t else t
+            kind = rng.random()
+            if kind < 0.6:
+                out.append(("sh", rng.choice(shell).format(t=t, o=o)))
+            elif kind < 0.85:
+                out.append(("python", rng.choice(py).format(t=t, o=o)))
+            else:
+                out.append(("perl", rng.choice(perl).format(t=t, o=o)))
+        return out
+
+    @staticmethod
+    def script(batch):
+        """One bash script for a batch: each shell attempt a line; the python and perl
+        attempts each in one interpreter, every attempt on its own."""
+        lines = ["cp -f mine.txt mine2.txt"] + ["%s 2>/dev/null" % a for kind, a in batch if kind == "sh"]
+        py = [a for kind, a in batch if kind == "python"]
+        if py:
+            lines += ["python3 - <<'PY'", "for a in %r:" % py, "    try:", "        exec(a)",
+                      "    except Exception:", "        pass", "PY"]
+        pl = [a for kind, a in batch if kind == "perl"]
+        if pl and shutil.which("perl"):
+            lines += ["perl - <<'PL' 2>/dev/null"] + ["eval { %s };" % a for a in pl] + ["PL"]
+        return "\n".join(lines + ["echo batch-done"])
+
+    def test_a_thousand_generated_writes_land_nowhere_outside(self):
+        have_perl = shutil.which("perl") is not None
+        attempts = [a for a in self.attempts(random.Random(24)) if have_perl or a[0] != "perl"]
+        before = self.outside()
+        sandbox, self.server.sandbox = self.server.sandbox, boris.Sandbox.off()      # the control: unconfined,
+        for k in range(0, 120, 60):                                                  # the same attempts land
+            self.bash(self.script(attempts[k:k + 60]))
+        landed = set(self.outside()) ^ set(before)
+        self.assertGreater(len(landed), 20, "the attempts do not write even without a sandbox")
+        for kind in ("python", "perl") if have_perl else ("python",):
+            self.assertTrue(any(a[0] == kind for a in attempts[:120]))
+        home = os.path.expanduser("~")
+        for d, prefix in (("/var/tmp", "boris-sandbox-escape"), (home, "boris-escape")):
+            for name in os.listdir(d):
+                if name.startswith(prefix):
+                    p = os.path.join(d, name)
+                    shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
+        shutil.rmtree(self.out)
+        os.makedirs(os.path.join(self.out, "dir"))
+        with open(os.path.join(self.out, "keep.txt"), "w") as f:
+            f.write("outside\n")
+        self.assertEqual(self.outside(), before)
+        self.server.sandbox = sandbox
+        for k in range(0, len(attempts), 60):
+            self.assertIn("batch-done", self.bash(self.script(attempts[k:k + 60]), timeout=120000))
+            self.assertEqual(self.outside(), before, "a write landed outside in batch %d" % k)
+        self.assertGreaterEqual(len(attempts), 1000)
+        escaped = [n for n in os.listdir("/var/tmp") if n.startswith("boris-sandbox-escape")] + \
+            [n for n in os.listdir(home) if n.startswith("boris-escape")]
+        self.assertEqual(escaped, [])
