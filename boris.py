@@ -328,8 +328,10 @@ def help_text():
         lines.append("      %s [env %s, default %s]" % (text, env, default or "none"))
     lines.append("  --version\n      print the version and exit")
     lines.append("  --help\n      print this help and exit")
-    lines += ["", "The shell is not confined by --allow-dir/--deny-dir: run boris in a container",
-              "or sandbox when the agent must not reach the rest of the machine."]
+    lines += ["", "--allow-dir/--deny-dir scope the file tools. The shell is confined by --sandbox (Linux",
+              "Landlock; on by default with --allow-dir): commands may then write only under the allowed",
+              "directories and the temp directory, and use no network unless --sandbox-network on. Deny",
+              "patterns do not apply inside the shell; where Landlock is missing, use a container."]
     return "\n".join(lines)
 
 
