@@ -782,7 +782,8 @@ class LineBuffer(object):
             if self.skipping:
                 self.skipping = False
             else:
-                lines.append(bytes(buf[start:i]))
+                with memoryview(buf) as view:         # one copy of the line, not two
+                    lines.append(bytes(view[start:i]))
             start = i + 1
         if start:
             del buf[:start]
@@ -5748,9 +5749,12 @@ def parse_message(raw):
     """One JSON-RPC message from bytes; ValueError for anything that is not strict
     JSON: NaN, Infinity and numbers that overflow to them (1e400) are refused, as is
     an integer of over 1,000 digits, and any nesting too deep to parse."""
+    hooks = {"parse_constant": _no_constant, "parse_float": _finite_float, "parse_int": _bounded_int}
     try:
-        return json.loads(raw.decode("utf-8", "replace"), parse_constant=_no_constant,
-                          parse_float=_finite_float, parse_int=_bounded_int)
+        try:
+            return json.loads(raw, **hooks)                # bytes as they are: no decoded copy of a big line
+        except UnicodeDecodeError:
+            return json.loads(raw.decode("utf-8", "replace"), **hooks)
     except RecursionError:
         raise ValueError("nesting too deep")
 

@@ -3359,18 +3359,12 @@ class TestEveryStringIsCheckedAtTheSchema(NoViewBase):
 
 
 class TestUrlsAndCharsets(NoViewBase):
-    @classmethod
-    def setUpClass(cls):
-        cls.web = make_web_server()
-        cls.base = "http://127.0.0.1:%d" % cls.web.server_address[1]
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.web.shutdown()
-        cls.web.server_close()
+    """web_fetch's URL and charset checks, against TestWebFetch's local server."""
+    setUpClass = TestWebFetch.__dict__["setUpClass"]
+    tearDownClass = TestWebFetch.__dict__["tearDownClass"]
 
     def test_malformed_urls_are_refused_with_the_reason(self):
-        port = self.web.server_address[1]
+        port = self.srv.server_address[1]
         for url in ("http://[", "http://[::1", "http://127.0.0.1:abc/", "http://127.0.0.1:99999/",
                     "http://127.0.0.1:%d/a b" % port, "http://127.0.0.1:%d/\r\nX-Y: z" % port,
                     "http://127.0.0.1:%d/\t" % port, "http://:80/", "http://127.0.0.1:0/",
@@ -5236,10 +5230,10 @@ class TestSandboxWorkspaceWrite(SandboxBase):
         srv.bind(("127.0.0.1", 0))
         srv.listen(4)
         self.addCleanup(srv.close)
-        probe = ("python3 -c \"import socket; socket.create_connection(('127.0.0.1', %d), 3); print('connected')\""
+        probe = ("python3 -c \"import socket; socket.create_connection(('127.0.0.1', %d), 3); print('CON' + 'NECTED')\""
                  % srv.getsockname()[1])
         text = self.bash(probe)
-        self.assertNotIn("connected", text.split("--- stderr ---")[0])
+        self.assertNotIn("CONNECTED", text)
         self.assertIn("and may not use the network", text)
 
     def test_the_sandbox_is_in_the_instructions(self):
@@ -5259,8 +5253,8 @@ class TestSandboxNetworkOn(SandboxBase):
         srv.listen(4)
         self.addCleanup(srv.close)
         text = self.bash("python3 -c \"import socket; socket.create_connection(('127.0.0.1', %d), 3);"
-                         " print('connected')\"" % srv.getsockname()[1])
-        self.assertIn("connected", text)
+                         " print('CON' + 'NECTED')\"" % srv.getsockname()[1])
+        self.assertIn("CONNECTED", text)
 
 
 @NEEDS_LANDLOCK
@@ -5288,8 +5282,8 @@ class TestSandboxNetworkNamespace(SandboxBase):
         srv.listen(4)
         self.addCleanup(srv.close)
         text = self.bash("id -u; python3 -c \"import socket; socket.create_connection(('127.0.0.1', %d), 3);"
-                         " print('connected')\"; touch %s/x" % (srv.getsockname()[1], self.out))
-        self.assertNotIn("connected", text)
+                         " print('CON' + 'NECTED')\"; touch %s/x" % (srv.getsockname()[1], self.out))
+        self.assertNotIn("CONNECTED", text)
         self.assertIn("--- stdout ---\n%d" % os.geteuid(), text)             # the user is still itself
         self.assertFalse(os.path.exists(os.path.join(self.out, "x")))
 
