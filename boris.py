@@ -335,9 +335,9 @@ def help_text():
     return "\n".join(lines)
 
 
-ALL_TOOL_NAMES = ("bash", "task_output", "task_stop", "view", "str_replace", "multi_edit", "create_file", "grep",
-                  "glob", "search_text", "search_files", "read_file", "write_file", "list_directory",
-                  "web_fetch", "str_replace_editor")
+ALL_TOOL_NAMES = ("bash", "task_output", "task_stop", "view", "str_replace", "multi_edit", "apply_patch",
+                  "create_file", "grep", "glob", "search_text", "search_files", "read_file", "write_file",
+                  "list_directory", "web_fetch", "str_replace_editor")
 EDITOR_PARTS = ("view", "str_replace", "create_file")
 
 
@@ -4372,6 +4372,313 @@ def tool_insert(session, args, ctx):
         snippet(updated.replace("\r\n", "\n"), at, len(new_lines) - 1))
 
 
+# -- apply_patch (Codex's patch format) ---------------------------------------------
+# *** Begin Patch / *** Add File: P (every line '+') / *** Delete File: P /
+# *** Update File: P [*** Move to: Q] then hunks: '@@' or '@@ header' lines (stacked to
+# narrow where the hunk is), lines ' ' context, '-' removed, '+' added, and an optional
+# '*** End of File' / *** End Patch. Every hunk of every file is located before anything
+# is written; a patch lands whole or not at all.
+
+PATCH_LEVELS = (("exactly", lambda s: s), ("ignoring trailing whitespace", str.rstrip),
+                ("ignoring surrounding whitespace", str.strip))
+
+
+class Hunk(object):
+    """One '@@' section: the header lines that narrow where it applies, its lines as
+    (kind, text) with kind ' ', '-' or '+', and whether it ends the file."""
+
+    def __init__(self, header=None):
+        self.headers = [header] if header else []
+        self.lines = []
+        self.eof = False
+
+    def old(self):
+        return [t for k, t in self.lines if k != "+"]
+
+
+    def label(self, k):
+        return "hunk %d%s" % (k, " (@@ %s)" % " @@ ".join(self.headers) if self.headers else "")
+
+
+def parse_patch(text):
+    """[(op, path, ...)] of a patch: ('add', path, lines), ('delete', path),
+    ('update', path, move_to or None, [Hunk]); ToolError(INVALID_INPUT) naming the
+    line that breaks the format."""
+    lines = text.replace("\r\n", "\n").split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    if not lines or lines[0].strip() != "*** Begin Patch":
+        raise ToolError("INVALID_INPUT", "a patch starts with the line '*** Begin Patch' (and ends with"
+                        " '*** End Patch')")
+    if lines[-1].strip() != "*** End Patch":
+        raise ToolError("INVALID_INPUT", "a patch ends with the line '*** End Patch'; the last line is %r"
+                        % shorten(lines[-1], 80))
+    ops, i, end = [], 1, len(lines) - 1
+
+    def bad(k, why):
+        return ToolError("INVALID_INPUT", "patch line %d (%s): %s" % (k + 1, shorten(repr(lines[k]), 80), why))
+    while i < end:
+        line = lines[i]
+        if line.startswith("*** Add File: "):
+            path, body, i = line[14:].strip(), [], i + 1
+            while i < end and not lines[i].startswith("*** "):
+                if not lines[i].startswith("+"):
+                    raise bad(i, "every line of an added file starts with '+'")
+                body.append(lines[i][1:])
+                i += 1
+            ops.append(("add", path, body))
+        elif line.startswith("*** Delete File: "):
+            ops.append(("delete", line[17:].strip()))
+            i += 1
+        elif line.startswith("*** Update File: "):
+            path, move, i = line[17:].strip(), None, i + 1
+            if i < end and lines[i].startswith("*** Move to: "):
+                move, i = lines[i][13:].strip(), i + 1
+            hunks = []
+            while i < end and (not lines[i].startswith("*** ") or lines[i].strip() == "*** End of File"):
+                l = lines[i]
+                if l.startswith("@@"):
+                    if hunks and not hunks[-1].lines and not hunks[-1].eof:
+                        hunks[-1].headers.append(l[2:].strip())      # stacked headers narrow one hunk
+                    else:
+                        hunks.append(Hunk(l[2:].strip()))
+                elif l.strip() == "*** End of File":
+                    if not hunks:
+                        raise bad(i, "'*** End of File' closes a hunk, and none is open")
+                    hunks[-1].eof = True
+                elif l[:1] in (" ", "-", "+") or l == "":
+                    if not hunks or hunks[-1].eof:
+                        hunks.append(Hunk())
+                    hunks[-1].lines.append((l[:1] or " ", l[1:]))
+                else:
+                    raise bad(i, "a hunk line starts with ' ' (context), '-' (removed) or '+' (added)")
+                i += 1
+            if not hunks or not any(h.lines for h in hunks):
+                raise bad(i - 1, "the update of %s has no hunk" % path)
+            ops.append(("update", path, move, hunks))
+        elif not line.strip():
+            i += 1
+        else:
+            raise bad(i, "expected '*** Add File: ', '*** Delete File: ' or '*** Update File: '")
+    if not ops:
+        raise ToolError("INVALID_INPUT", "the patch changes no file")
+    return ops
+
+
+def find_run(lines, want, start, norm):
+    """Indexes >= start where `want` (a run of lines) stands in `lines`, as `norm` sees them."""
+    if not want:
+        return []
+    first, n = norm(want[0]), len(want)
+    wanted = [norm(w) for w in want]
+    return [i for i in range(start, len(lines) - n + 1)
+            if norm(lines[i]) == first and [norm(l) for l in lines[i:i + n]] == wanted]
+
+
+def locate_hunk(lines, hunk, cursor, shown, k):
+    """(index, length) where `hunk`'s old lines stand in `lines` at or after `cursor`,
+    past its headers: exactly, then ignoring trailing whitespace, then surrounding
+    whitespace (never fuzzier). ToolError naming the file, the hunk and its first line
+    that was not found, or every place an ambiguous hunk matches."""
+    label = hunk.label(k)
+    for h in hunk.headers:
+        for _, norm in PATCH_LEVELS:
+            hits = [j for j in range(cursor, len(lines)) if norm(lines[j]) == norm(h)]
+            if hits:
+                cursor = hits[0] + 1
+                break
+        else:
+            raise ToolError("STR_REPLACE_NOT_FOUND", "%s, %s: its header line %r was not found%s; nothing was"
+                            " written" % (shown, label, shorten(h, 120), after(cursor)))
+    old = hunk.old()
+    if not old:                                        # only additions: after the headers, or at the end
+        return (cursor if hunk.headers and not hunk.eof else len(lines)), 0
+    for how, norm in PATCH_LEVELS:
+        hits = find_run(lines, old, cursor, norm)
+        if hunk.eof:
+            hits = [i for i in hits if i + len(old) == len(lines)]
+        if len(hits) == 1:
+            return hits[0], len(old)
+        if hits:
+            raise ToolError("STR_REPLACE_AMBIGUOUS", "%s, %s matches %s at lines %s; add context lines or an"
+                            " '@@ header' line (e.g. @@ def name) to pick one; nothing was written"
+                            % (shown, label, how, ", ".join(str(i + 1) for i in hits[:20])))
+    got = 0
+    while got < len(old) and any(find_run(lines, old[:got + 1], cursor, norm) for _, norm in PATCH_LEVELS):
+        got += 1
+    raise ToolError("STR_REPLACE_NOT_FOUND", "%s, %s: the line %r was not found%s%s; nothing was written.%s"
+                    % (shown, label, shorten(old[got], 120), " after the %d line%s before it" % (
+                        got, "" if got == 1 else "s") if got else "", after(cursor),
+                       closest_region("\n".join(lines), "\n".join(old))))
+
+
+def after(cursor):
+    return " (searching from line %d, after the hunks before it)" % (cursor + 1) if cursor else ""
+
+
+def patched_text(text, hunks, shown):
+    """`text` with every hunk applied in order, line endings kept (a CRLF file stays
+    CRLF), or the ToolError of the first hunk that does not apply."""
+    nl = "\r\n" if "\r\n" in text else "\n"
+    final = text.endswith(nl) or text == ""
+    lines = text.split(nl)
+    if final:
+        lines.pop()
+    cursor, edits = 0, []
+    for k, hunk in enumerate(hunks, 1):
+        at, size = locate_hunk(lines, hunk, cursor, shown, k)
+        new, j = [], at
+        for kind, line in hunk.lines:           # context keeps the file's own text (whitespace and all)
+            if kind == " ":
+                new.append(lines[j])
+            elif kind == "+":
+                new.append(line)
+            j += kind != "+"
+        edits.append((at, size, new))
+        cursor = at + size
+    for at, size, new in reversed(edits):
+        lines[at:at + size] = new
+    return nl.join(lines) + (nl if lines and (final or not text) else "")
+
+
+class PatchPlan(object):
+    """What a patch will do, every path resolved and checked, every hunk located:
+    writes [(real, shown, data or None to delete, mode of a new file)] and the
+    summary lines A/M/D/R."""
+
+    def __init__(self):
+        self.writes, self.summary, self.paths = [], [], set()
+
+    def claim(self, real, shown):
+        if real in self.paths:
+            raise ToolError("INVALID_INPUT", "%s appears twice in the patch; put all its changes in one section"
+                            % shown)
+        self.paths.add(real)
+
+
+def plan_patch(session, ctx, ops):
+    """A PatchPlan of parsed `ops`: nothing is touched yet."""
+    plan = PatchPlan()
+    for op in ops:
+        shown = op[1]
+        real = resolve_checked(session, ctx, shown)
+        plan.claim(real, shown)
+        if op[0] == "add":
+            if os.path.lexists(real):
+                raise ToolError("INVALID_INPUT", "*** Add File: %s, but it exists; use *** Update File: to change"
+                                " it; nothing was written" % shown)
+            plan.writes.append((real, shown, encode_text("\n".join(op[2]) + "\n" if op[2] else "", "input"), 0o644))
+            plan.summary.append("A " + shown)
+        elif op[0] == "delete":
+            existing_or_missing(real, shown, "*** Delete File")
+            plan.writes.append((real, shown, None, None))
+            plan.summary.append("D " + shown)
+        else:
+            _, _, move, hunks = op
+            st = existing_or_missing(real, shown, "*** Update File")
+            text = read_regular(real, shown, ctx.config.max_file_size)[0].decode("utf-8", "surrogateescape")
+            data = encode_text(patched_text(text, hunks, shown), "input")
+            if move:
+                target = resolve_checked(session, ctx, move, "*** Move to")
+                plan.claim(target, move)
+                if os.path.lexists(target):
+                    raise ToolError("INVALID_INPUT", "*** Move to: %s, but it exists; nothing was written" % move)
+                plan.writes += [(target, move, data, stat.S_IMODE(st.st_mode)), (real, shown, None, None)]
+                plan.summary.append("R %s -> %s" % (shown, move))
+            else:
+                plan.writes.append((real, shown, data, None))
+                plan.summary.append("M " + shown)
+    return plan
+
+
+def existing_or_missing(real, shown, section):
+    """The lstat of the regular file a section changes; ToolError when there is none."""
+    st = existing_kind(real, shown)
+    if st is None:
+        raise ToolError("PATH_NOT_FOUND", "%s: %s does not exist; nothing was written" % (section, shown))
+    return st
+
+
+def run_plan(session, ctx, plan):
+    """Write a plan with the one writer, under every file's edit lock (taken in one
+    order); if a write fails, the files written before it are put back as they were."""
+    from contextlib import ExitStack
+    with ExitStack() as locks:
+        for real in sorted(plan.paths):
+            locks.enter_context(edit_lock(real))
+        done = []
+        try:
+            for real, shown, data, mode in plan.writes:
+                before = read_regular(real, shown, ctx.config.max_file_size) if os.path.lexists(real) else None
+                if before is None:
+                    done.append((missing_parent(real), "dir"))       # removed again if the patch is undone
+                if data is None:
+                    remove_file(real)
+                else:
+                    atomic_write(real, data, new_mode=mode or 0o644)
+                    session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
+                done.append((real, before))
+        except (OSError, ToolError) as e:
+            undone = restore(done)
+            why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
+            raise ToolError("IO_ERROR", "writing %s failed (%s); %s" % (shown, why, undone))
+
+
+def restore(done):
+    """Put written files back (in reverse); a sentence saying how that went."""
+    failed = []
+    for real, before in reversed(done):               # before: (bytes, stat), None for a new file, "dir"
+        try:
+            if before == "dir":
+                remove_dirs(real)
+            elif before is None:
+                remove_file(real)
+            else:
+                atomic_write(real, before[0], new_mode=stat.S_IMODE(before[1].st_mode))
+        except OSError:
+            failed.append(real)
+    if failed:
+        return "the files written before it could not all be restored: %s" % ", ".join(failed)
+    files = len([1 for _, before in done if before != "dir"])
+    return "the %d file%s written before it were restored, so nothing changed" % (files, "" if files == 1 else "s")
+
+
+def missing_parent(real):
+    """The shallowest ancestor of `real` that does not exist yet (None when its
+    directory exists): what writing `real` would create."""
+    top, d = None, os.path.dirname(real)
+    while not os.path.lexists(d):
+        top, d = d, os.path.dirname(d)
+    return top
+
+
+def remove_dirs(top):
+    """Remove the empty directories from `top` down (those a write made)."""
+    if top is None:
+        return
+    for d, subdirs, files in sorted(os.walk(top), reverse=True):
+        os.rmdir(d)
+
+
+def remove_file(real):
+    """Unlink a checked regular file relative to its directory (never through a link)."""
+    directory, base = os.path.split(real)
+    dfd = open_dir(directory)
+    try:
+        os.unlink(base, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def tool_apply_patch(session, args, ctx):
+    """Codex's apply_patch: parse, plan every file (scope, existence, hunks), then write."""
+    plan = plan_patch(session, ctx, parse_patch(args["input"]))
+    run_plan(session, ctx, plan)
+    return "Success. Updated the following files:\n" + "\n".join(plan.summary)
+
+
 def tool_str_replace_editor(session, args, ctx):
     """Anthropic's text-editor tool: one name, the same handlers underneath."""
     cmd = args["command"]
@@ -4968,6 +5275,12 @@ STR_REPLACE_DESC = ("Edit a file by replacing old_str with new_str. old_str must
 MULTI_EDIT_DESC = ("Make several edits to one file in one call: each {old_str, new_str, replace_all?} works as "
                    "str_replace does and applies to the result of the edit before it. All edits land or none "
                    "does (one atomic write); an error names the failing edit by its number. View the file first.")
+PATCH_DESC = ("Edit, add, delete and move files with one patch in the apply_patch format: '*** Begin Patch', "
+              "then per file '*** Add File: path' (every line starting with +), '*** Delete File: path' or "
+              "'*** Update File: path' (optionally '*** Move to: new/path') followed by hunks: '@@' (or '@@ def "
+              "name' to say where), lines ' ' context, '-' removed, '+' added, three context lines around each "
+              "change; then '*** End Patch'. Context must match the file (trailing and surrounding whitespace "
+              "may differ). All files change or none does; no prior view is needed.")
 CREATE_DESC = ("Create a file with the given content, or overwrite an existing one (view it first). Missing "
                "parent directories are created. Prefer str_replace for changing part of an existing file.")
 EDITOR_DESC = ("View, create and edit files. command=view shows a file with line numbers or lists a "
@@ -5173,7 +5486,13 @@ def build_tools(config):
 
 
 def _editor_group(config):
-    return [editor_tool(), multi_edit_tool()] if config.anthropic_compat else file_tools()
+    return ([editor_tool(), multi_edit_tool()] if config.anthropic_compat else file_tools()) + [patch_tool()]
+
+
+def patch_tool():
+    return Tool("apply_patch", PATCH_DESC, obj({
+        "input": prop("string", "The whole patch, from '*** Begin Patch' to '*** End Patch'."),
+    }, ["input"]), notes("Apply a patch", destructive=True), tool_apply_patch)
 
 
 TOOL_GROUPS = [shell_tools, _editor_group, search_tools, workspace_tools]

@@ -3166,6 +3166,7 @@ class ArgumentCampaign(object):
             "list_directory": {"path": "."},
             "web_fetch": {"url": "http://127.0.0.1:%d/page" % web_port, "timeout": 5},
             "str_replace_editor": {"command": "view", "path": "a.txt"},
+            "apply_patch": {"input": "*** Begin Patch\n*** Update File: a.txt\n@@\n-gamma\n+gamma\n*** End Patch\n"},
         }
 
     def cases(self, tools, rng, n):
@@ -5447,3 +5448,200 @@ class TestSandboxCampaign(SandboxBase):
         escaped = [n for n in os.listdir("/var/tmp") if n.startswith("boris-sandbox-escape")] + \
             [n for n in os.listdir(home) if n.startswith("boris-escape")]
         self.assertEqual(escaped, [])
+
+
+# ---------------------------------------------------------------------------
+# apply_patch (Codex's format)
+# ---------------------------------------------------------------------------
+
+def codex_patch(files):
+    """A patch in Codex's format from {path: (old text or None, new text or None)}:
+    hunks of difflib's grouped opcodes with three lines of context."""
+    import difflib
+    out = ["*** Begin Patch"]
+    for path, (old, new) in files.items():
+        if old is None:
+            out.append("*** Add File: " + path)
+            out += ["+" + l for l in new.split("\n")[:-1]]
+            continue
+        if new is None:
+            out.append("*** Delete File: " + path)
+            continue
+        out.append("*** Update File: " + path)
+        a, b = old.split("\n")[:-1], new.split("\n")[:-1]
+        for group in difflib.SequenceMatcher(None, a, b, autojunk=False).get_grouped_opcodes(3):
+            out.append("@@")
+            for tag, i1, i2, j1, j2 in group:
+                if tag == "equal":
+                    out += [" " + l for l in a[i1:i2]]
+                else:
+                    out += ["-" + l for l in a[i1:i2]] + ["+" + l for l in b[j1:j2]]
+    out.append("*** End Patch")
+    return "\n".join(out) + "\n"
+
+
+class TestApplyPatch(NoViewBase):
+    def tree(self):
+        self.write("keep.py", "def a():\n    return 1\n\n\ndef b():\n    return 2\n")
+        self.write("crlf.txt", b"one\r\ntwo\r\nthree\r\n")
+        self.write("old/name.sh", "#!/bin/sh\necho old\n", mode=0o755)
+        self.write("gone.txt", "bye\n")
+        self.write("bytes.txt", b"caf\xe9 = 1\nx = 2\n")
+
+    FIVE = """*** Begin Patch
+*** Add File: new/added.md
++# Title
++text
+*** Update File: keep.py
+@@ def b():
+-    return 2
++    return 20
+*** Update File: crlf.txt
+ one
+-two
++TWO
+ three
+*** Update File: old/name.sh
+*** Move to: bin/renamed.sh
+@@
+ #!/bin/sh
+-echo old
++echo new
+*** Delete File: gone.txt
+*** Update File: bytes.txt
+ caf\ufffd = 1
+-x = 2
++x = 3
+*** End Patch
+"""
+
+    def test_a_five_file_patch_adds_updates_moves_and_deletes(self):
+        self.tree()
+        patch = self.FIVE.replace("caf\ufffd = 1", "caf\udce9 = 1")
+        text = self.fails("apply_patch", "INVALID_INPUT", input=patch)        # a lone surrogate is no text
+        self.assertIn("argument 'input'", text)
+        patch = self.FIVE.replace(" caf\ufffd = 1\n", "")
+        text = self.ok("apply_patch", input=patch)
+        self.assertEqual(text, "Success. Updated the following files:\nA new/added.md\nM keep.py\nM crlf.txt\n"
+                               "R old/name.sh -> bin/renamed.sh\nD gone.txt\nM bytes.txt")
+        self.assertEqual(self.read("new/added.md"), b"# Title\ntext\n")
+        self.assertEqual(self.read("keep.py"), b"def a():\n    return 1\n\n\ndef b():\n    return 20\n")
+        self.assertEqual(self.read("crlf.txt"), b"one\r\nTWO\r\nthree\r\n")
+        self.assertEqual(self.read("bin/renamed.sh"), b"#!/bin/sh\necho new\n")
+        self.assertEqual(stat.S_IMODE(os.stat(self.path("bin/renamed.sh")).st_mode), 0o755)
+        self.assertFalse(os.path.exists(self.path("old/name.sh")) or os.path.exists(self.path("gone.txt")))
+        self.assertEqual(self.read("bytes.txt"), b"caf\xe9 = 1\nx = 3\n")            # the other bytes kept
+
+    def test_one_bad_hunk_changes_nothing(self):
+        self.tree()
+        before = tree_snapshot(self.root)
+        bad = self.FIVE.replace(" caf\ufffd = 1\n", "").replace("-    return 2\n", "-    return 99\n")
+        text = self.fails("apply_patch", "STR_REPLACE_NOT_FOUND", input=bad)
+        self.assertIn("keep.py, hunk 1 (@@ def b():): the line '    return 99' was not found", text)
+        self.assertIn("nothing was written", text)
+        self.assertEqual(tree_snapshot(self.root), before)
+
+    def test_paths_outside_the_scope_are_refused_before_anything_is_written(self):
+        self.tree()
+        cfg = boris.parse_config(["--workdir", self.root, "--allow-dir", os.path.join(self.root, "old"),
+                                  "--require-view-before-edit", "false"], {})
+        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        server = boris.McpServer(cfg, policy)
+        before = tree_snapshot(self.root)
+        for patch in ("*** Begin Patch\n*** Update File: old/name.sh\n-echo old\n+echo x\n*** Add File: ../../x.txt\n"
+                      "+x\n*** End Patch", "*** Begin Patch\n*** Update File: old/name.sh\n*** Move to: bin/n.sh\n"
+                      "-echo old\n+echo x\n*** End Patch", "*** Begin Patch\n*** Delete File: gone.txt\n*** End Patch",
+                      "*** Begin Patch\n*** Update File: old/../keep.py\n-    return 2\n+    return 3\n*** End Patch"):
+            r = server.run_tool(server.tools["apply_patch"], self.session, {"input": patch}, ctx_of(cfg, policy))
+            self.assertTrue(r["content"][0]["text"].startswith("[ACCESS_DENIED]"), r)
+        self.assertEqual(tree_snapshot(self.root), before)
+
+    def test_existing_missing_and_ambiguous_targets_are_named(self):
+        self.tree()
+        self.write("dup.txt", "x = 1\ny\nx = 1\nz\n")
+        cases = (("*** Add File: keep.py\n+x", "INVALID_INPUT", "*** Add File: keep.py, but it exists"),
+                 ("*** Delete File: nope.txt", "PATH_NOT_FOUND", "nope.txt does not exist"),
+                 ("*** Update File: gone.txt\n*** Move to: keep.py\n-bye\n+hi", "INVALID_INPUT",
+                  "*** Move to: keep.py, but it exists"),
+                 ("*** Update File: dup.txt\n-x = 1\n+x = 2", "STR_REPLACE_AMBIGUOUS", "at lines 1, 3"),
+                 ("*** Update File: keep.py\n@@ def c():\n-    return 2\n+    return 3", "STR_REPLACE_NOT_FOUND",
+                  "header line 'def c():' was not found"),
+                 ("*** Update File: keep.py\n-    return 2\n+x\n*** Update File: keep.py\n-x\n+y", "INVALID_INPUT",
+                  "keep.py appears twice"))
+        for body, code, words in cases:
+            text = self.fails("apply_patch", code, input="*** Begin Patch\n%s\n*** End Patch\n" % body)
+            self.assertIn(words, text)
+        self.assertIn("y\nx = 2\nz", self.ok("apply_patch", input="*** Begin Patch\n*** Update File: dup.txt\n"
+                                             " y\n-x = 1\n+x = 2\n z\n*** End Patch") and self.read("dup.txt").decode())
+
+    def test_whitespace_tolerance_goes_no_further(self):
+        self.write("w.py", "def f():  \n    return 1\n")
+        self.ok("apply_patch", input="*** Begin Patch\n*** Update File: w.py\n def f():\n-  return 1\n+    return 2\n"
+                                     "*** End Patch")
+        self.assertEqual(self.read("w.py"), b"def f():  \n    return 2\n")
+        self.fails("apply_patch", "STR_REPLACE_NOT_FOUND", input="*** Begin Patch\n*** Update File: w.py\n"
+                   " def g():\n-    return 2\n+    return 3\n*** End Patch")
+
+    def test_format_errors_name_the_line(self):
+        self.write("f.txt", "a\n")
+        for patch, words in (("*** Update File: f.txt\n-a\n+b\n*** End Patch", "starts with the line '*** Begin Patch'"),
+                             ("*** Begin Patch\n*** Update File: f.txt\n-a\n+b", "ends with the line '*** End Patch'"),
+                             ("*** Begin Patch\n*** Frobnicate: f.txt\n*** End Patch", "patch line 2"),
+                             ("*** Begin Patch\n*** Add File: n.txt\nno plus\n*** End Patch", "starts with '+'"),
+                             ("*** Begin Patch\n*** Update File: f.txt\n*** End Patch", "has no hunk")):
+            self.assertIn(words, self.fails("apply_patch", "INVALID_INPUT", input=patch))
+        self.assertEqual(self.read("f.txt"), b"a\n")
+
+    def test_a_failed_write_puts_back_what_was_written(self):
+        self.tree()
+        before = tree_snapshot(self.root)
+        real, calls = boris.atomic_write, []
+
+        def third_fails(*a, **k):
+            calls.append(a[0])
+            if len(calls) == 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(*a, **k)
+        with mock.patch.object(boris, "atomic_write", third_fails):
+            text = self.fails("apply_patch", "IO_ERROR", input=self.FIVE.replace(" caf\ufffd = 1\n", ""))
+        self.assertIn("No space left on device", text)
+        self.assertIn("restored, so nothing changed", text)
+        self.assertEqual(tree_snapshot(self.root), before)
+
+    def test_generated_patches_reproduce_the_edited_files(self):
+        rng = random.Random(22)
+        words = ["alpha", "beta", "gamma", "delta", "if x:", "return y", "}", "", "    pass"]
+        for case in range(150):
+            files = {}
+            for f in range(rng.randint(1, 4)):
+                lines = ["%s %d %s" % (rng.choice(words), rng.randrange(10 ** 6), rng.choice(words))
+                         for _ in range(rng.randint(1, 60))]
+                new = list(lines)
+                for _ in range(rng.randint(1, 5)):
+                    at = rng.randrange(len(new) + 1)
+                    kind = rng.random()
+                    if kind < 0.4 and new:
+                        del new[at:at + rng.randint(1, 3)]
+                    elif kind < 0.7:
+                        new[at:at] = ["added %d" % rng.randrange(10 ** 6) for _ in range(rng.randint(1, 3))]
+                    elif new:
+                        new[min(at, len(new) - 1)] = "changed %d" % rng.randrange(10 ** 6)
+                old_text, new_text = "\n".join(lines) + "\n", "\n".join(new) + "\n" if new else ""
+                if old_text == new_text:
+                    continue
+                path = "g%d/f%d.txt" % (case, f)
+                self.write(path, old_text)
+                files[path] = (old_text, new_text)
+            if not files:
+                continue
+            text = self.ok("apply_patch", input=codex_patch(files))
+            self.assertTrue(text.startswith("Success."), text)
+            for path, (_, new_text) in files.items():
+                self.assertEqual(self.read(path).decode(), new_text, (case, path))
+
+    def test_apply_patch_is_in_both_modes_and_can_be_disabled(self):
+        names = lambda flags: set(boris.build_tools(boris.parse_config(flags, {})))
+        self.assertIn("apply_patch", names([]))
+        self.assertIn("apply_patch", names(["--anthropic-compat"]))
+        self.assertNotIn("apply_patch", names(["--disable-tools", "apply_patch"]))
+        self.assertIn("apply_patch", names(["--disable-tools", "bash"]))
