@@ -335,7 +335,7 @@ def help_text():
     return "\n".join(lines)
 
 
-ALL_TOOL_NAMES = ("bash", "task_output", "task_stop", "view", "str_replace", "multi_edit", "apply_patch",
+ALL_TOOL_NAMES = ("bash", "task_output", "task_input", "task_stop", "view", "str_replace", "multi_edit", "apply_patch",
                   "create_file", "grep", "glob", "search_text", "search_files", "read_file", "write_file",
                   "list_directory", "web_fetch", "str_replace_editor")
 EDITOR_PARTS = ("view", "str_replace", "create_file")
@@ -349,7 +349,7 @@ def resolve_disabled_tools(names, compat):
                           % (", ".join(unknown), ", ".join(ALL_TOOL_NAMES)))
     off = set(names)
     if "bash" in off:
-        off.update(("task_output", "task_stop"))
+        off.update(("task_output", "task_input", "task_stop"))
     if compat and off.intersection(EDITOR_PARTS):
         off.add("str_replace_editor")
     return off
@@ -2956,6 +2956,10 @@ CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 SANDBOX_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx")
 SANDBOX_DEVICE_DIRS = ("/dev/pts", "/dev/shm")
 SANDBOX_EXIT = 126                         # the launcher could not confine: the command does not run
+TTY_COLUMNS, TTY_ROWS = 80, 24             # the terminal of a tty task
+TASK_INPUT_WAIT_S = 5.0                    # task_input: how long a task may take to read its input
+TASK_SETTLE_S = 0.15                       # ... then, without wait_for/wait_ms: quiet this long after output
+TASK_SETTLE_MAX_S = 2.0                    # ... or at most this long
 
 
 def _libc():
@@ -2999,11 +3003,12 @@ class Sandbox(object):
             return None
         return "landlock" if self.abi >= 4 else "netns"
 
-    def spec(self, cwd):
+    def spec(self, cwd, ctty=False):
         """What the launcher needs, as JSON: it starts in its private directory and
-        moves to the command's `cwd` once confined."""
+        moves to the command's `cwd` once confined; `ctty`: make stdin (a terminal)
+        the controlling terminal, so Ctrl-C reaches the command."""
         return json.dumps({"mode": self.mode, "writable": self.writable, "abi": self.abi,
-                           "net": self.net_mechanism(), "cwd": cwd})
+                           "net": self.net_mechanism(), "cwd": cwd, "ctty": ctty})
 
     def describe(self):
         """One line for the instructions and the start-up log."""
@@ -3068,9 +3073,14 @@ def helper_sandbox(spec, argv):
     less confined than asked."""
     try:
         spec = json.loads(spec)
-        if spec["net"] == "netns":
-            enter_network_namespace()
-        apply_landlock(spec)
+        if spec.get("ctty"):                    # a session leader (start_new_session) takes its tty
+            import fcntl
+            import termios
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        if spec["mode"] != "off":
+            if spec["net"] == "netns":
+                enter_network_namespace()
+            apply_landlock(spec)
         os.chdir(spec["cwd"])
     except Exception as e:                      # whatever failed, the command must not run unconfined
         sys.stderr.write("boris: the sandbox could not be set up (%s); the command was not run\n" % e)
@@ -3130,21 +3140,43 @@ def enter_network_namespace():
             f.write(text)
 
 
-def start_process(script, cwd, sandbox=None):
-    """Popen of `script` under the shell, in its own process group, stdin /dev/null;
-    through the sandbox launcher when `sandbox` is on."""
+def start_process(script, cwd, sandbox=None, stdin="null"):
+    """Popen of `script` under the shell, in its own process group; through the
+    launcher when `sandbox` is on or the command gets a terminal. stdin: 'null'
+    (/dev/null: a prompt fails fast), 'pipe' (kept open for task_input) or 'tty' (a
+    pseudo-terminal of TTY_COLUMNS x TTY_ROWS, TERM=dumb, stdout and stderr merged on
+    it; proc.stdout reads its master, proc.stderr is None)."""
     import subprocess
+    sandbox = sandbox or Sandbox.off()
     env = dict(os.environ)
     env.setdefault("PAGER", "cat")
     env.setdefault("GIT_PAGER", "cat")
     env.setdefault("GIT_TERMINAL_PROMPT", "0")
     env["BORIS_CALL"] = marker = call_marker()
     argv = [SHELL, "-c", script]
-    if sandbox is not None and sandbox.on:
+    if sandbox.on or stdin == "tty":
         launcher, private = helper_command("sandbox", avoid=sandbox.writable)
-        argv, cwd = launcher + [sandbox.spec(cwd)] + argv, private
-    proc = spawn(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                 stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+        argv, cwd = launcher + [sandbox.spec(cwd, ctty=stdin == "tty")] + argv, private
+    if stdin != "tty":
+        proc = spawn(argv, cwd=cwd, env=env, stdin=subprocess.PIPE if stdin == "pipe" else subprocess.DEVNULL,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+        proc.boris_call = marker
+        return proc
+    import fcntl
+    import struct
+    import termios
+    master, slave = os.openpty()
+    try:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", TTY_ROWS, TTY_COLUMNS, 0, 0))
+        env["TERM"] = "dumb"
+        proc = spawn(argv, cwd=cwd, env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+                     close_fds=True)
+    except BaseException:
+        os.close(master)
+        raise
+    finally:
+        os.close(slave)
+    proc.stdout = os.fdopen(master, "rb", buffering=0)
     proc.boris_call = marker
     return proc
 
@@ -3188,8 +3220,9 @@ def pump(proc, out, err, deadline=None, stop=None, on_output=None):
     import subprocess
     sel = selectors.DefaultSelector()
     for f, cap in ((proc.stdout, out), (proc.stderr, err)):
-        os.set_blocking(f.fileno(), False)
-        sel.register(f, selectors.EVENT_READ, cap)
+        if f is not None:                        # (a terminal has one stream)
+            os.set_blocking(f.fileno(), False)
+            sel.register(f, selectors.EVENT_READ, cap)
     why, kill_at, leader_gone_at = "exited", None, None
     try:
         while sel.get_map() or proc.poll() is None:
@@ -3221,6 +3254,10 @@ def pump(proc, out, err, deadline=None, stop=None, on_output=None):
                     data = os.read(key.fd, 65536)
                 except BlockingIOError:
                     continue
+                except OSError as e:
+                    if e.errno != errno.EIO:             # EIO: a terminal whose every writer is gone
+                        raise
+                    data = b""
                 if not data:
                     sel.unregister(key.fileobj)
                     continue
@@ -3229,8 +3266,12 @@ def pump(proc, out, err, deadline=None, stop=None, on_output=None):
                     on_output(key.data is err, data)
     finally:
         sel.close()
-        proc.stdout.close()
-        proc.stderr.close()
+        for f in (proc.stdout, proc.stderr, proc.stdin):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
         signal_group(proc, signal.SIGKILL)
         proc.wait()
         finish(proc)
@@ -3304,10 +3345,13 @@ class Unread(object):
 
 
 class Task(object):
-    """A background command: its process, unread output and, once done, its ending."""
+    """A background command: its process, unread output and, once done, its ending.
+    An interactive one takes input: `stdin` is 'pipe' or 'tty' (else 'null')."""
 
-    def __init__(self, task_id, command, proc, timeout_s):
+    def __init__(self, task_id, command, proc, timeout_s, stdin="null"):
         self.id, self.command, self.proc = task_id, command, proc
+        self.stdin = stdin
+        self.input_lock = threading.Lock()
         self.out, self.err = Unread(), Unread()
         self.started = time.monotonic()
         self.stop = threading.Event()
@@ -3322,6 +3366,32 @@ class Task(object):
             self.why = pump(self.proc, self.out, self.err, deadline, self.stop)
         finally:
             self.done.set()
+
+    def write(self, data, deadline):
+        """Give the task `data` as its input (through the terminal's line discipline on
+        a tty: Ctrl-C is an interrupt there); OSError when it cannot take it by `deadline`."""
+        import select
+        with self.input_lock:
+            f = self.proc.stdout if self.stdin == "tty" else self.proc.stdin
+            if f is None or f.closed:
+                raise OSError(errno.EPIPE, "its input is closed")
+            fd = f.fileno()
+            view = memoryview(data)
+            while view:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([], [fd], [], left)[1]:
+                    raise OSError(errno.ETIMEDOUT, "it took %d of %d bytes and reads no more" % (
+                        len(data) - len(view), len(data)))
+                view = view[os.write(fd, view[:65536]):]
+
+    def close_input(self):
+        """End of input: the pipe closed, or Ctrl-D on a terminal."""
+        if self.stdin == "tty":
+            self.write(b"\x04", time.monotonic() + 5)
+            return
+        with self.input_lock:
+            if self.proc.stdin is not None and not self.proc.stdin.closed:
+                self.proc.stdin.close()
 
 
 def kill_all(tasks):
@@ -4708,10 +4778,10 @@ def bash_timeout_ms(args, config):
     return min(ms, BASH_MAX_TIMEOUT_MS)
 
 
-def launch(session, script, sandbox=None):
+def launch(session, script, sandbox=None, stdin="null"):
     cwd = session.get_cwd()
     try:
-        return start_process(script, cwd, sandbox)
+        return start_process(script, cwd, sandbox, stdin)
     except OSError as e:
         raise ToolError("BASH_START_FAILED", "could not start %s in %s: %s" % (SHELL, cwd, e.strerror or e))
 
@@ -4752,8 +4822,9 @@ def tool_bash(session, args, ctx):
     if not command.strip():
         raise ToolError("BASH_EMPTY_COMMAND", "command is empty; give a shell command to run")
     timeout_ms = bash_timeout_ms(args, ctx.config)
-    if args.get("run_in_background"):
-        return start_task(session, command, ctx)
+    if args.get("run_in_background") or args.get("interactive") or args.get("tty"):
+        return start_task(session, command, ctx, "tty" if args.get("tty") else
+                          "pipe" if args.get("interactive") else "null")
     marker = ("__BORIS_CWD_%s__" % session.nonce).encode()
     script = "%s\n__boris_status=$?\nprintf '\\n%%s%%s\\n' '%s' \"$PWD\"\nexit $__boris_status\n" % (
         command, marker.decode())
@@ -4770,7 +4841,9 @@ def tool_bash(session, args, ctx):
     new_cwd = out.strip_sentinel(marker)
     head = []
     if why == "timeout":
-        head.append("Command timed out after %d ms and was killed; output so far is below." % timeout_ms)
+        head.append("Command timed out after %d ms and was killed; output so far is below.%s" % (
+            timeout_ms, " It may be waiting for input: run it with interactive: true (tty: true if it wants a"
+                        " terminal) and answer with task_input." if looks_like_prompt(out, err) else ""))
     elif why == "stopped":
         head.append("Command was cancelled and killed.")
     head.append(describe_exit(proc))
@@ -4782,7 +4855,17 @@ def tool_bash(session, args, ctx):
     return read_on("\n".join(head) + "\n" + body + ("\n" + hint if hint else ""), notice)
 
 
-def start_task(session, command, ctx):
+def looks_like_prompt(out, err):
+    """Whether a command's output ends like a prompt waiting for an answer: a last
+    line with no newline ending in ':', '?', '>', '$', '#' or ']'."""
+    for cap in (out, err):
+        tail = bytes(cap.tail[-200:]).decode("utf-8", "replace")
+        if tail and not tail.endswith("\n") and tail.rstrip()[-1:] in (":", "?", ">", "$", "#", "]"):
+            return True
+    return False
+
+
+def start_task(session, command, ctx, stdin="null"):
     with session.lock:
         if session.closed:
             raise ToolError("BASH_START_FAILED", "the session is closing; no background task was started")
@@ -4791,8 +4874,8 @@ def start_task(session, command, ctx):
             raise ToolError("BASH_TASK_LIMIT", "%d background tasks are already running (the limit); wait for"
                             " one with task_output or run this one in the foreground" % len(running))
         task_id = "task_%s" % os.urandom(8).hex()       # a handle: only whoever was given it can use it
-    proc = launch(session, command, ctx.sandbox)
-    task = Task(task_id, command, proc, ctx.config.background_task_timeout)
+    proc = launch(session, command, ctx.sandbox, stdin)
+    task = Task(task_id, command, proc, ctx.config.background_task_timeout, stdin)
     with session.lock:
         closed = session.closed
         if not closed:
@@ -4800,8 +4883,10 @@ def start_task(session, command, ctx):
     if closed:                                 # the session closed while it started: never orphaned
         kill_all([task])
         raise ToolError("BASH_START_FAILED", "the session closed while the task started; it was stopped")
-    return ("Started background task %s (pid %d). Read its output with task_output(task_id=%r);"
-            " its cd does not move this session." % (task_id, proc.pid, task_id))
+    return ("Started background task %s (pid %d%s). Read its output with task_output(task_id=%r)%s;"
+            " its cd does not move this session." % (
+                task_id, proc.pid, {"pipe": ", interactive", "tty": ", on a terminal"}.get(stdin, ""), task_id,
+                "; give it input with task_input" if stdin != "null" else ""))
 
 
 def task_status(task, config):
@@ -4845,10 +4930,22 @@ def task_answer(task, session, ctx):
     """A task's status, its command and the output not returned before; a finished
     task is forgotten once it is read."""
     body, notice = render_output(task.out.take(), task.err.take(), output_budget(ctx))
+    if task.stdin == "tty":
+        body = terminal_text(body)
     if task.done.is_set():
         with session.lock:
             session.tasks.pop(task.id, None)
     return read_on("%s\ncommand: %s\n%s" % (task_status(task, ctx.config), shorten(task.command), body), notice)
+
+
+_TERMINAL_CODES = r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]|\x1b[()][0-9A-Za-z]"
+
+
+def terminal_text(text):
+    """What a terminal shows, as text: escape sequences (colours, cursor moves,
+    titles) dropped, CR LF line ends as LF, a lone CR (a redrawn line) as a line end."""
+    text = re.sub(_TERMINAL_CODES, "", text)
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def output_test(ctx, pattern, deadline):
@@ -4874,18 +4971,55 @@ def tool_task_output(session, args, ctx):
     if not args.get("task_id"):
         return list_tasks(session, ctx.config)
     task = find_task(session, args["task_id"])
-    wait_for = args.get("wait_for") or None
-    wait_ms = min(max(0, args.get("wait_ms") or (BASH_MAX_TIMEOUT_MS if wait_for else 0)), BASH_MAX_TIMEOUT_MS)
+    await_task(task, ctx, args.get("wait_for") or None, args.get("wait_ms"), settle=False)
+    return task_answer(task, session, ctx)
+
+
+def await_task(task, ctx, wait_for, wait_ms, settle):
+    """Wait until the task ends, its new output matches `wait_for`, `wait_ms` pass or
+    the call is cancelled. wait_ms defaults to 0 (600 s with wait_for); settle=True
+    (task_input without either) waits up to TASK_SETTLE_MAX_S for an answer to come
+    and then go quiet for TASK_SETTLE_S."""
+    if wait_ms is None and settle and not wait_for:
+        wait_ms = TASK_SETTLE_MAX_S * 1000
+    else:
+        settle = False
+    wait_ms = min(max(0, wait_ms or (BASH_MAX_TIMEOUT_MS if wait_for else 0)), BASH_MAX_TIMEOUT_MS)
     deadline = time.monotonic() + wait_ms / 1000.0
     matches = output_test(ctx, wait_for, deadline) if wait_for else None
-    seen = None
+    seen, quiet_since = None, None
     while not task.done.is_set() and not ctx.cancelled.is_set() and time.monotonic() < deadline:
-        if matches is not None:
+        if matches is not None or settle:
             recent = task.out.recent() + "\n" + task.err.recent()
-            if recent != seen and matches(recent):
-                break
+            if matches is not None and recent != seen and matches(recent):
+                return
+            if settle and recent.strip():
+                if recent != seen:
+                    quiet_since = time.monotonic()
+                elif time.monotonic() - quiet_since >= TASK_SETTLE_S:
+                    return
             seen = recent
         task.done.wait(min(0.05, max(0.0, deadline - time.monotonic())))   # a cancel frees the worker
+
+
+def tool_task_input(session, args, ctx):
+    """Write to an interactive task's stdin, then answer like task_output."""
+    task = find_task(session, args["task_id"])
+    if task.stdin == "null":
+        raise ToolError("BASH_TASK_NOT_INTERACTIVE", "task %s was not started with interactive: true, so its stdin is"
+                        " /dev/null; start the command again with bash(interactive=true) (tty=true for a"
+                        " terminal)" % task.id)
+    if task.done.is_set():
+        raise ToolError("BASH_TASK_NOT_FOUND", "task %s has ended (%s), so it takes no more input; read its last"
+                        " output with task_output" % (task.id, task_status(task, ctx.config)[8:]))
+    try:
+        if args.get("input"):
+            task.write(args["input"].encode("utf-8"), time.monotonic() + TASK_INPUT_WAIT_S)
+        if args.get("close_stdin"):
+            task.close_input()
+    except OSError as e:
+        raise ToolError("IO_ERROR", "the input could not be given to task %s: %s" % (task.id, e.strerror or e))
+    await_task(task, ctx, args.get("wait_for") or None, args.get("wait_ms"), settle=True)
     return task_answer(task, session, ctx)
 
 
@@ -5335,7 +5469,9 @@ def editor_tool():
 BASH_DESC = ("Run a shell command (%s -c) in the session's working directory and return its exit code, "
              "stdout and stderr (a long output keeps its first 20,000 and last 10,000 characters: pipe it "
              "through tail or grep). The working directory persists between "
-             "calls (cd moves it). stdin is /dev/null, so interactive programs get no input. A command is "
+             "calls (cd moves it). stdin is /dev/null, so a command that asks for input fails at once instead of "
+             "hanging; for REPLs, prompts and debuggers set interactive (stdin kept open; send input with "
+             "task_input) and tty for a terminal (Ctrl-C is \\u0003, end of input \\u0004). A command is "
              "killed, with everything it started, after `timeout` ms (default 120000, max 600000) or when it "
              "returns. Clients give up on a call long before that (often after 60 s, and progress does not "
              "extend it): run anything that may take longer, servers and watchers with run_in_background, and "
@@ -5345,6 +5481,10 @@ TASK_DESC = ("Read a background bash task: its status first ('running', or 'comp
              "to finish; wait_for (a regular expression) returns as soon as new output matches it, e.g. "
              "'listening on|error'. A finished task is forgotten once read. Without task_id it lists the "
              "session's tasks.")
+TASK_INPUT_DESC = ("Type into an interactive background task (bash with interactive or tty true): writes `input` "
+                   "to its stdin, then answers like task_output - status, then only the new output - returning "
+                   "once the answer has come and gone quiet, or when wait_for matches. Use it for REPLs, "
+                   "prompts (passwords, confirmations) and debuggers.")
 TASK_STOP_DESC = ("Stop a background bash task (its whole process group: SIGTERM, then SIGKILL after 5 s) and "
                   "return its status and the output not read before.")
 
@@ -5364,6 +5504,9 @@ def shell_tools(config):
             "timeout": prop("integer", "Timeout in milliseconds (default %d, max %d)."
                             % (int(config.timeout * 1000), BASH_MAX_TIMEOUT_MS)),
             "run_in_background": prop("boolean", "Start the command and return its task_id at once."),
+            "interactive": prop("boolean", "Keep its stdin open for task_input (implies run_in_background)."),
+            "tty": prop("boolean", "Run it on a pseudo-terminal (80x24, TERM=dumb; implies interactive): for"
+                                   " programs that want a terminal. Escape sequences are removed from its output."),
             "description": prop("string", "A few words saying what the command does (for logs)."),
         }, ["command"]), notes("Run shell command", destructive=True, open_world=True), tool_bash),
         Tool("task_output", TASK_DESC, obj({
@@ -5372,6 +5515,15 @@ def shell_tools(config):
                                        " up to 600000 with wait_for)."),
             "wait_for": prop("string", "Return as soon as new output matches this regular expression."),
         }), notes("Read background task output", read_only=True), tool_task_output),
+        Tool("task_input", TASK_INPUT_DESC, obj({
+            "task_id": prop("string", "The task_id of a task started with interactive (or tty) true."),
+            "input": prop("string", "What to type, usually ending with \\n. On a tty \\u0003 is Ctrl-C and"
+                                    " \\u0004 end of input."),
+            "wait_for": prop("string", "Return as soon as new output matches this regular expression."),
+            "wait_ms": prop("integer", "Wait up to this many milliseconds (default: until the answer goes quiet, at"
+                                       " most 2000)."),
+            "close_stdin": prop("boolean", "Close the task's input after writing (end of file)."),
+        }, ["task_id"]), notes("Send input to a background task", destructive=True), tool_task_input),
         Tool("task_stop", TASK_STOP_DESC, obj({
             "task_id": prop("string", "The task_id bash returned."),
         }, ["task_id"]), notes("Stop a background task", destructive=True), tool_task_stop),

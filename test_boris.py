@@ -3152,6 +3152,7 @@ class ArgumentCampaign(object):
         self.base = {
             "bash": {"command": "true"},
             "task_output": {"task_id": "task_1"},
+            "task_input": {"task_id": "task_1", "input": "x\n"},
             "task_stop": {"task_id": "task_1"},
             "view": {"path": "a.txt"},
             "str_replace": {"path": "a.txt", "old_str": "not there", "new_str": "x"},
@@ -5645,3 +5646,83 @@ class TestApplyPatch(NoViewBase):
         self.assertIn("apply_patch", names(["--anthropic-compat"]))
         self.assertNotIn("apply_patch", names(["--disable-tools", "apply_patch"]))
         self.assertIn("apply_patch", names(["--disable-tools", "bash"]))
+
+
+# ---------------------------------------------------------------------------
+# Interactive processes: interactive, tty, task_input
+# ---------------------------------------------------------------------------
+
+class TestInteractiveTasks(NoViewBase):
+    def start(self, command, **flags):
+        text = self.ok("bash", command=command, **flags)
+        return re.search(r"task_[0-9a-f]+", text).group(0)
+
+    def test_a_python_repl_through_three_inputs(self):
+        tid = self.start("python3 -i -q", interactive=True)
+        self.assertIn("--- stdout ---\n2\n", self.ok("task_input", task_id=tid, input="1+1\n"))
+        self.ok("task_input", task_id=tid, input="x = 'ab' * 3\n")
+        self.assertIn("--- stdout ---\nababab\n", self.ok("task_input", task_id=tid, input="print(x)\n"))
+        done = self.ok("task_input", task_id=tid, close_stdin=True, wait_ms=10000)
+        self.assertIn("status: completed; exit code: 0", done)
+
+    def test_a_prompt_answered_on_a_tty(self):
+        tid = self.start("read -p 'Name: ' n; echo hello $n; [ -t 0 ] && echo on-a-terminal", tty=True)
+        self.assertIn("Name: ", self.ok("task_output", task_id=tid, wait_for="Name:", wait_ms=10000))
+        text = self.ok("task_input", task_id=tid, input="bob\n", wait_ms=10000)
+        self.assertIn("hello bob\non-a-terminal", text)
+
+    def test_ctrl_c_on_a_tty_stops_the_loop_and_the_shell_lives(self):
+        tid = self.start("PS1='$ ' bash --norc --noprofile -i", tty=True)
+        self.ok("task_input", task_id=tid, input="while true; do sleep 0.1; done\n", wait_ms=300)
+        self.ok("task_input", task_id=tid, input="\u0003", wait_ms=500)
+        text = self.ok("task_input", task_id=tid, input="echo alive-$((40+2))\n", wait_for="alive-42", wait_ms=10000)
+        self.assertIn("alive-42", text)
+        self.assertIn("status: running", text)
+        self.assertIn("status: completed", self.ok("task_input", task_id=tid, input="\u0004", wait_ms=10000))
+
+    def test_eof_ends_cat(self):
+        tid = self.start("cat; echo cat-ended", interactive=True)
+        text = self.ok("task_input", task_id=tid, input="abc\n", close_stdin=True, wait_ms=10000)
+        self.assertIn("abc\ncat-ended", text)
+        self.assertIn("status: completed", text)
+
+    def test_terminal_escape_sequences_are_removed(self):
+        tid = self.start("printf '\\033[31mred\\033[0m \\033]0;title\\007plain\\r\\n'; tput cols 2>/dev/null; "
+                         "stty size", tty=True)
+        text = self.ok("task_output", task_id=tid, wait_ms=10000)
+        self.assertIn("red plain\n", text)
+        self.assertIn("24 80", text)
+        self.assertNotIn("\x1b", text)
+        self.assertNotIn("\r", text)
+
+    def test_input_to_tasks_that_take_none(self):
+        tid = self.start("sleep 5", run_in_background=True)
+        self.assertIn("interactive", self.fails("task_input", "BASH_TASK_NOT_INTERACTIVE", task_id=tid, input="x"))
+        self.fails("task_input", "BASH_TASK_NOT_FOUND", task_id="task_00", input="x")
+        tid = self.start("true", interactive=True)
+        self.assertTrue(wait_until(lambda: "completed" in self.ok("task_output")))
+        self.assertIn("has ended", self.fails("task_input", "BASH_TASK_NOT_FOUND", task_id=tid, input="x"))
+
+    def test_without_interactive_stdin_stays_dev_null(self):
+        text = self.ok("bash", command="read x; echo got=[$x] rc=$?; [ -t 0 ] || echo no-terminal")
+        self.assertIn("got=[] rc=1\nno-terminal", text)            # EOF at once: read fails
+        text = self.ok("bash", command="printf 'Continue? [y/N] '; sleep 30", timeout=300)
+        self.assertIn("It may be waiting for input: run it with interactive: true", text)
+        self.assertNotIn("waiting for input", self.ok("bash", command="echo done; sleep 30", timeout=300))
+
+    def test_disabling_bash_takes_task_input_along(self):
+        names = set(boris.build_tools(boris.parse_config(["--disable-tools", "bash"], {})))
+        self.assertNotIn("task_input", names)
+        self.assertIn("task_input", set(self.server.tools))
+
+
+@NEEDS_LANDLOCK
+class TestInteractiveSandboxed(SandboxBase):
+    def test_a_tty_task_is_sandboxed_too(self):
+        text = self.bash("read -p 'go? ' a; touch %s/x; echo wrote=$?" % self.out, tty=True)
+        tid = re.search(r"task_[0-9a-f]+", text).group(0)
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, sandbox=self.server.sandbox)
+        r = boris.McpServer.run_tool(self.server.tools["task_input"], self.session,
+                                     {"task_id": tid, "input": "y\n", "wait_ms": 10000}, ctx)
+        self.assertIn("wrote=1", r["content"][0]["text"])
+        self.assertFalse(os.path.exists(os.path.join(self.out, "x")))
