@@ -335,8 +335,8 @@ def help_text():
     return "\n".join(lines)
 
 
-ALL_TOOL_NAMES = ("bash", "task_output", "task_input", "task_stop", "view", "str_replace", "multi_edit", "apply_patch",
-                  "create_file", "grep", "glob", "search_text", "search_files", "read_file", "write_file",
+ALL_TOOL_NAMES = ("bash", "task_output", "task_input", "task_stop", "view", "str_replace", "multi_edit",
+                  "apply_patch", "notebook_edit", "create_file", "grep", "glob", "search_text", "search_files", "read_file", "write_file",
                   "list_directory", "web_fetch", "str_replace_editor")
 EDITOR_PARTS = ("view", "str_replace", "create_file")
 
@@ -3947,6 +3947,14 @@ def tool_view(session, args, ctx):
                 return image_result(ctx, shown, data, mime)
             if kind == "binary":
                 return "Binary file (%s): %s is not shown as text" % (human_size(st.st_size), shown)
+            if real.endswith(".ipynb"):
+                data = head + read_fd(fh.fileno(), limit - len(head), shown) if len(head) == SNIFF_BYTES else head
+                try:
+                    blocks = render_notebook(ctx, shown, data.decode("utf-8", "replace"), vr)
+                    session.mark_viewed(real, Seen(st, digest_of(data)))
+                    return blocks
+                except (ValueError, RecursionError) as e:
+                    note = "(%s is not a valid notebook (%s); shown as text)\n" % (shown, shorten(str(e), 120))
             fh.seek(0)
             reader = LineReader(fh, max(limit, st.st_size) + 1, whole=True)
             text = note + read_numbered(reader, vr, shown, ctx.config.max_result_chars - len(note))
@@ -4749,6 +4757,249 @@ def tool_apply_patch(session, args, ctx):
     return "Success. Updated the following files:\n" + "\n".join(plan.summary)
 
 
+# -- notebooks (.ipynb) -------------------------------------------------------------
+# view renders a notebook: per cell a header, its numbered source and its outputs
+# (text bounded, errors short, PNG/JPEG as images). notebook_edit rewrites the bytes of
+# one cell only - every other byte of the file (other cells, key order, indentation,
+# nbformat) stays as it was - from the cells' spans found with raw_decode.
+
+NOTEBOOK_OUTPUT_CHARS = 2000               # one output's text shown in a notebook view
+
+
+def notebook_cells(text):
+    """(cells, spans, array_end) of a notebook's JSON text: the cell dicts, the
+    (start, end) offsets of each cell object in `text`, the offset of the cells
+    array's ']'. ValueError when it is not a notebook (JSON with a 'cells' array)."""
+    dec = json.JSONDecoder()
+    ws = re.compile(r"[ \t\n\r]*")
+
+    def skip(i):
+        return ws.match(text, i).end()
+    i = skip(0)
+    if text[i:i + 1] != "{":
+        raise ValueError("not a JSON object")
+    i = skip(i + 1)
+    while text[i:i + 1] != "}":
+        key, i = dec.raw_decode(text, i)
+        i = skip(i)
+        if text[i:i + 1] != ":":
+            raise ValueError("expected ':' at offset %d" % i)
+        i = skip(i + 1)
+        if key == "cells":
+            if text[i:i + 1] != "[":
+                raise ValueError("'cells' is not an array")
+            cells, spans, j = [], [], skip(i + 1)
+            while text[j:j + 1] != "]":
+                cell, end = dec.raw_decode(text, j)
+                if not isinstance(cell, dict):
+                    raise ValueError("cell %d is not an object" % (len(cells) + 1))
+                cells.append(cell)
+                spans.append((j, end))
+                j = skip(end)
+                if text[j:j + 1] == ",":
+                    j = skip(j + 1)
+                elif text[j:j + 1] != "]":
+                    raise ValueError("expected ',' or ']' at offset %d" % j)
+            return cells, spans, j
+        _, i = dec.raw_decode(text, i)
+        i = skip(i)
+        if text[i:i + 1] == ",":
+            i = skip(i + 1)
+    raise ValueError("it has no 'cells' array")
+
+
+def cell_source(cell):
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else str(src)
+
+
+def render_notebook(ctx, shown, text, vr):
+    """view of a notebook: content blocks (text, and images of outputs) for the cells
+    in `vr` (cell numbers, from 1), within the result cap; a cut one says how to read on."""
+    cells, _, _ = notebook_cells(text)
+    start, end = vr or (1, -1)
+    last = len(cells) if end == -1 else min(end, len(cells))
+    if vr is not None and (start > max(len(cells), 1)):
+        raise ToolError("INVALID_INPUT", "view_range counts cells for a notebook: %s has %d; give a start between 1"
+                        " and %d" % (shown, len(cells), max(len(cells), 1)))
+    blocks, parts, size = [], ["%s: notebook, %d cells (view_range counts cells)" % (shown, len(cells))], 0
+    cap = ctx.config.max_result_chars - 600
+    for k in range(start, last + 1):
+        cell = cells[k - 1]
+        piece = [cell_header(k, cell)] + [number_lines([clip_line(l) for l in cell_source(cell).split("\n")], 1)]
+        images = []
+        for out in cell.get("outputs", []) if isinstance(cell.get("outputs"), list) else []:
+            text_out, image = render_output_of(out)
+            if text_out:
+                piece.append(text_out)
+            if image:
+                images.append(image)
+        piece = "\n".join(piece)
+        if size + len(piece) > cap and k > start:
+            notice = "[cells %d-%d of %d shown; read on with view_range [%d, %d]]" % (start, k - 1, len(cells), k, end)
+            blocks = [text_block(notice)] + blocks + [text_block("\n".join(parts)), text_block(notice)]
+            return blocks
+        size += len(piece)
+        parts.append(piece)
+        for mime, data in images:
+            try:
+                image = image_result(ctx, "%s cell %d" % (shown, k), data, mime)
+            except ToolError as e:
+                parts.append("[output image not shown: %s]" % e.message)
+                continue
+            if isinstance(image, str):                  # a type this client's model does not take
+                parts.append(image)
+                continue
+            blocks.append(text_block("\n".join(parts)))
+            parts = []
+            blocks += image
+    if parts:
+        blocks.append(text_block("\n".join(parts)))
+    return blocks
+
+
+def cell_header(k, cell):
+    bits = ["[cell %d] %s" % (k, cell.get("cell_type", "?"))]
+    if cell.get("id"):
+        bits.append("id %s" % cell["id"])
+    if cell.get("cell_type") == "code":
+        bits.append("execution_count %s" % cell.get("execution_count"))
+    return " · ".join(bits)
+
+
+def render_output_of(out):
+    """(text or '', (mime, image bytes) or None) of one cell output."""
+    import base64
+    if not isinstance(out, dict):
+        return "", None
+    kind = out.get("output_type")
+    if kind == "stream":
+        return "--- %s ---\n%s" % (out.get("name", "stream"), bounded(cell_source({"source": out.get("text", "")}))), None
+    if kind == "error":
+        tb = [terminal_text(str(l)) for l in out.get("traceback", [])][-6:]
+        return "--- error ---\n%s: %s\n%s" % (out.get("ename"), out.get("evalue"), bounded("\n".join(tb))), None
+    data = out.get("data") if isinstance(out.get("data"), dict) else {}
+    for mime in ("image/png", "image/jpeg"):
+        if mime in data:
+            try:
+                raw = base64.b64decode(cell_source({"source": data[mime]}), validate=False)
+            except ValueError:
+                return "--- %s (not valid base64) ---" % mime, None
+            return "--- %s ---" % mime, (mime, raw)
+    if "text/plain" in data:
+        return "--- result ---\n%s" % bounded(cell_source({"source": data["text/plain"]})), None
+    return ("--- %s ---" % ", ".join(sorted(data)) if data else ""), None
+
+
+def bounded(text):
+    text = text.rstrip("\n")
+    if len(text) <= NOTEBOOK_OUTPUT_CHARS:
+        return text
+    return "%s\n... [%d characters in all; the first %d shown]" % (text[:NOTEBOOK_OUTPUT_CHARS], len(text),
+                                                                   NOTEBOOK_OUTPUT_CHARS)
+
+
+def tool_notebook_edit(session, args, ctx):
+    """Replace, insert or delete one cell of a notebook, leaving every other byte."""
+    shown = args["path"]
+    mode = args.get("edit_mode") or "replace"
+    real = resolve_checked(session, ctx, shown)
+    if not real.endswith(".ipynb"):
+        raise ToolError("INVALID_INPUT", "%s is not a notebook (.ipynb); edit it with str_replace" % shown)
+    with edit_lock(real):
+        text = load_for_edit(session, ctx, real, shown)
+        try:
+            cells, spans, array_end = notebook_cells(text)
+        except ValueError as e:
+            raise ToolError("INVALID_INPUT", "%s is not a notebook that can be edited: %s" % (shown, e))
+        k = find_cell(cells, args, shown, mode)
+        updated = edit_cells(text, cells, spans, array_end, k, mode, args, shown)
+        note = write_checked(session, ctx, real, shown, encode_text(updated, "new_source"))
+    done = {"replace": "Replaced cell %d", "insert": "Inserted a cell as cell %d", "delete": "Deleted cell %d"}[mode]
+    return done % (k + 2 if mode == "insert" else k + 1) + " of %s%s" % (shown, note)
+
+
+def find_cell(cells, args, shown, mode):
+    """The index (from 0) of the cell named by cell_id or cell_number (from 1); for an
+    insert, -1 means 'at the top' when neither is given."""
+    if args.get("cell_id"):
+        for k, cell in enumerate(cells):
+            if cell.get("id") == args["cell_id"]:
+                return k
+        raise ToolError("INVALID_INPUT", "%s has no cell with id %r (ids: %s)" % (
+            shown, args["cell_id"], ", ".join(str(c.get("id")) for c in cells[:30]) or "none"))
+    if args.get("cell_number") is not None:
+        n = args["cell_number"]
+        if not 1 <= n <= len(cells):
+            raise ToolError("INVALID_INPUT", "cell_number %d is outside %s's cells (1 to %d, as view shows them)"
+                            % (n, shown, len(cells)))
+        return n - 1
+    if mode == "insert":
+        return -1
+    raise ToolError("INVALID_INPUT", "say which cell: cell_id or cell_number (as view shows them)")
+
+
+def edit_cells(text, cells, spans, array_end, k, mode, args, shown):
+    """`text` with cell k replaced, deleted, or a new cell inserted after it."""
+    if mode == "delete":
+        start, end = spans[k]
+        if k + 1 < len(spans):
+            end = spans[k + 1][0]                       # its comma and the space before the next cell
+        elif k > 0:
+            start = spans[k - 1][1]                     # the comma before the last cell
+        return text[:start] + text[end:]
+    if args.get("new_source") is None:
+        raise ToolError("INVALID_INPUT", "new_source is needed to %s a cell" % mode)
+    if mode == "replace":
+        cell = dict(cells[k])
+        cell_type = args.get("cell_type") or cell.get("cell_type", "code")
+    else:
+        cell_type = args.get("cell_type")
+        if not cell_type:
+            raise ToolError("INVALID_INPUT", "cell_type (code, markdown or raw) is needed to insert a cell")
+        cell = {"cell_type": cell_type}
+        if any("id" in c for c in cells):
+            cell["id"] = os.urandom(4).hex()
+        cell["metadata"] = {}
+    cell["cell_type"] = cell_type
+    cell["source"] = args["new_source"].splitlines(True)
+    if cell_type == "code":
+        cell["execution_count"] = None
+        cell["outputs"] = []
+    else:
+        cell.pop("execution_count", None)
+        cell.pop("outputs", None)
+    anchor = spans[k][0] if spans and k >= 0 else array_end
+    base, unit = notebook_indent(text, spans, anchor)
+    body = json.dumps(cell, indent=unit, ensure_ascii=False) if unit is not None else \
+        json.dumps(cell, ensure_ascii=False, separators=(",", ":"))
+    body = body.replace("\n", "\n" + base)
+    if mode == "replace":
+        start, end = spans[k]
+        return text[:start] + body + text[end:]
+    sep = ",\n" + base if unit is not None else ","
+    if k == -1:                                          # at the top
+        if not spans:
+            return text[:array_end] + ("\n" + base if unit is not None else "") + body + text[array_end:]
+        return text[:spans[0][0]] + body + sep + text[spans[0][0]:]
+    end = spans[k][1]
+    return text[:end] + sep + body + text[end:]
+
+
+def notebook_indent(text, spans, anchor):
+    """(the whitespace before a cell's '{' on its line, the indent unit inside it),
+    as the file has them; unit None for a file written without newlines."""
+    if not spans:
+        return "  ", 1
+    start, end = spans[0]
+    line_start = text.rfind("\n", 0, start) + 1
+    base = text[line_start:start]
+    inner = re.search(r"\n([ \t]*)\"", text[start:end])
+    if inner is None or base.strip():
+        return "", None
+    return base, max(1, len(inner.group(1)) - len(base))
+
+
 def tool_str_replace_editor(session, args, ctx):
     """Anthropic's text-editor tool: one name, the same handlers underneath."""
     cmd = args["command"]
@@ -5409,6 +5660,10 @@ STR_REPLACE_DESC = ("Edit a file by replacing old_str with new_str. old_str must
 MULTI_EDIT_DESC = ("Make several edits to one file in one call: each {old_str, new_str, replace_all?} works as "
                    "str_replace does and applies to the result of the edit before it. All edits land or none "
                    "does (one atomic write); an error names the failing edit by its number. View the file first.")
+NOTEBOOK_DESC = ("Edit one cell of a Jupyter notebook (.ipynb): replace its source, insert a new cell after it, or "
+                 "delete it; name it by cell_id or cell_number as view shows them (view renders a notebook's cells "
+                 "and outputs; view_range counts cells). Other cells stay byte for byte; an edited code cell's "
+                 "outputs and execution count are cleared. View the notebook first.")
 PATCH_DESC = ("Edit, add, delete and move files with one patch in the apply_patch format: '*** Begin Patch', "
               "then per file '*** Add File: path' (every line starting with +), '*** Delete File: path' or "
               "'*** Update File: path' (optionally '*** Move to: new/path') followed by hunks: '@@' (or '@@ def "
@@ -5638,7 +5893,21 @@ def build_tools(config):
 
 
 def _editor_group(config):
-    return ([editor_tool(), multi_edit_tool()] if config.anthropic_compat else file_tools()) + [patch_tool()]
+    return ([editor_tool(), multi_edit_tool()] if config.anthropic_compat else file_tools()) + [patch_tool(),
+                                                                                                notebook_tool()]
+
+
+def notebook_tool():
+    return Tool("notebook_edit", NOTEBOOK_DESC, obj({
+        "path": PATH_PROP,
+        "cell_id": prop("string", "The id of the cell (view shows it in each cell's header)."),
+        "cell_number": prop("integer", "The cell's number as view shows it, from 1 (when it has no id)."),
+        "new_source": prop("string", "The cell's new source (replace, insert)."),
+        "cell_type": prop("string", "code, markdown or raw (needed to insert; changes the type on replace).",
+                          enum=["code", "markdown", "raw"]),
+        "edit_mode": prop("string", "replace (default), insert (after the cell named; at the top if none) or delete.",
+                          enum=["replace", "insert", "delete"]),
+    }, ["path"]), notes("Edit a notebook cell", destructive=True), tool_notebook_edit)
 
 
 def patch_tool():

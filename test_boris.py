@@ -3153,6 +3153,7 @@ class ArgumentCampaign(object):
             "bash": {"command": "true"},
             "task_output": {"task_id": "task_1"},
             "task_input": {"task_id": "task_1", "input": "x\n"},
+            "notebook_edit": {"path": "n.ipynb", "cell_number": 1, "new_source": "x"},
             "task_stop": {"task_id": "task_1"},
             "view": {"path": "a.txt"},
             "str_replace": {"path": "a.txt", "old_str": "not there", "new_str": "x"},
@@ -5726,3 +5727,117 @@ class TestInteractiveSandboxed(SandboxBase):
                                      {"task_id": tid, "input": "y\n", "wait_ms": 10000}, ctx)
         self.assertIn("wrote=1", r["content"][0]["text"])
         self.assertFalse(os.path.exists(os.path.join(self.out, "x")))
+
+
+# ---------------------------------------------------------------------------
+# Notebooks: view renders cells and outputs; notebook_edit touches one cell
+# ---------------------------------------------------------------------------
+
+def sample_notebook():
+    """A notebook as nbformat writes it (indent 1, sorted keys): code, markdown and raw
+    cells; stream, error and PNG outputs."""
+    nb = {"cells": [
+        {"cell_type": "markdown", "id": "a1b2", "metadata": {}, "source": ["# Title\n", "Some *text*."]},
+        {"cell_type": "code", "execution_count": 5, "id": "7f2c", "metadata": {"tags": ["x"]},
+         "outputs": [{"name": "stdout", "output_type": "stream", "text": ["hello\n", "world\n"]},
+                     {"data": {"image/png": base64.b64encode(PNG_1PX).decode(), "text/plain": ["<Figure>"]},
+                      "metadata": {}, "output_type": "display_data"}],
+         "source": ["print('hello')\n", "print('world')"]},
+        {"cell_type": "code", "execution_count": 6, "id": "e3e3", "metadata": {},
+         "outputs": [{"ename": "ZeroDivisionError", "evalue": "division by zero", "output_type": "error",
+                      "traceback": ["\u001b[0;31mZeroDivisionError\u001b[0m  Traceback", "----> 1 1/0"]}],
+         "source": ["1/0"]},
+        {"cell_type": "raw", "id": "r4r4", "metadata": {}, "source": ["raw text"]}],
+        "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+        "nbformat": 4, "nbformat_minor": 5}
+    return json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+class TestNotebooks(Base):
+    def setUp(self):
+        Base.setUp(self)
+        self.write("n.ipynb", sample_notebook())
+
+    def test_view_renders_cells_outputs_and_images(self):
+        r = self.result("view", path="n.ipynb")
+        self.assertFalse(r["isError"], r)
+        text = "\n".join(b["text"] for b in r["content"] if b["type"] == "text")
+        self.assertIn("[cell 1] markdown · id a1b2\n     1\t# Title\n     2\tSome *text*.", text)
+        self.assertIn("[cell 2] code · id 7f2c · execution_count 5\n     1\tprint('hello')", text)
+        self.assertIn("--- stdout ---\nhello\nworld", text)
+        self.assertIn("--- error ---\nZeroDivisionError: division by zero", text)
+        self.assertNotIn("\x1b", text)
+        self.assertIn("[cell 4] raw · id r4r4", text)
+        self.assertEqual([b.get("mimeType") for b in r["content"] if b["type"] == "image"], ["image/png"])
+        part = "".join(b.get("text", "") for b in self.result("view", path="n.ipynb", view_range=[3, 4])["content"])
+        self.assertNotIn("[cell 2]", part)
+        self.assertIn("[cell 3]", part)
+
+    def test_a_broken_notebook_is_viewed_as_text_with_a_note(self):
+        self.write("bad.ipynb", "{\"cells\": [ oops\n")
+        text = self.ok("view", path="bad.ipynb")
+        self.assertTrue(text.startswith("(bad.ipynb is not a valid notebook ("), text)
+        self.assertIn("     1\t{\"cells\": [ oops", text)
+
+    def edit(self, **args):
+        self.ok("view", path="n.ipynb")
+        return self.ok("notebook_edit", path="n.ipynb", **args)
+
+    def changed_lines(self, before, after):
+        import difflib
+        return [l for l in difflib.unified_diff(before.split("\n"), after.split("\n"), lineterm="", n=0)
+                if l[:1] in ("+", "-") and not l.startswith(("+++", "---"))]
+
+    def test_replace_touches_only_that_cell_and_clears_its_outputs(self):
+        before = self.read("n.ipynb").decode()
+        self.assertEqual(self.edit(cell_id="7f2c", new_source="x = 1\nprint(x)"), "Replaced cell 2 of n.ipynb")
+        after = self.read("n.ipynb").decode()
+        nb, old = json.loads(after), json.loads(before)
+        self.assertEqual(nb["cells"][1]["source"], ["x = 1\n", "print(x)"])
+        self.assertEqual((nb["cells"][1]["outputs"], nb["cells"][1]["execution_count"]), ([], None))
+        self.assertEqual(nb["cells"][1]["metadata"], {"tags": ["x"]})
+        self.assertEqual([c for k, c in enumerate(nb["cells"]) if k != 1], [c for k, c in enumerate(old["cells"])
+                                                                            if k != 1])
+        start, end = before.index('"id": "7f2c"'), before.index('"id": "e3e3"')
+        cell_lines = set(before[before.rfind("{", 0, start):end].split("\n"))
+        for line in self.changed_lines(before, after):
+            self.assertTrue(line[0] == "+" or line[1:] in cell_lines, line)      # only that cell's lines go
+        self.assertEqual(before[:before.rfind("{", 0, start)], after[:before.rfind("{", 0, start)])
+
+    def test_git_diff_of_an_edit_touches_only_that_cell(self):
+        if not shutil.which("git"):
+            self.skipTest("git is not installed")
+        run = lambda *a: subprocess.run(["git", "-c", "user.email=a@b", "-c", "user.name=n"] + list(a), cwd=self.root,
+                                        capture_output=True, text=True).stdout
+        run("init", "-q")
+        run("add", "n.ipynb")
+        run("commit", "-qm", "nb")
+        self.edit(cell_number=4, new_source="new raw")
+        diff = run("diff", "-U0")
+        changed = [l for l in diff.split("\n") if l[:1] in ("+", "-") and not l.startswith(("+++", "---"))]
+        self.assertEqual(changed, ['-    "raw text"', '+    "new raw"'])
+
+    def test_insert_and_delete(self):
+        self.assertEqual(self.edit(cell_id="a1b2", edit_mode="insert", cell_type="code", new_source="y = 2"),
+                         "Inserted a cell as cell 2 of n.ipynb")
+        nb = json.loads(self.read("n.ipynb"))
+        self.assertEqual([c["cell_type"] for c in nb["cells"]], ["markdown", "code", "code", "code", "raw"])
+        self.assertEqual((nb["cells"][1]["source"], nb["cells"][1]["outputs"]), (["y = 2"], []))
+        self.assertRegex(nb["cells"][1]["id"], r"^[0-9a-f]{8}$")
+        self.edit(edit_mode="insert", cell_type="markdown", new_source="top")
+        self.assertEqual(json.loads(self.read("n.ipynb"))["cells"][0]["source"], ["top"])
+        self.assertEqual(self.edit(cell_id="r4r4", edit_mode="delete"), "Deleted cell 6 of n.ipynb")
+        self.assertEqual(self.edit(cell_number=1, edit_mode="delete"), "Deleted cell 1 of n.ipynb")
+        nb = json.loads(self.read("n.ipynb"))
+        self.assertEqual([c.get("id") for c in nb["cells"]][-2:], ["7f2c", "e3e3"])
+        self.assertEqual((nb["nbformat"], nb["nbformat_minor"]), (4, 5))
+
+    def test_notebook_edit_needs_a_view_and_a_real_cell(self):
+        self.fails("notebook_edit", "FILE_NOT_VIEWED", path="n.ipynb", cell_number=1, new_source="x")
+        self.ok("view", path="n.ipynb")
+        self.assertIn("1 to 4", self.fails("notebook_edit", "INVALID_INPUT", path="n.ipynb", cell_number=9,
+                                           new_source="x"))
+        self.assertIn("no cell with id 'zz'", self.fails("notebook_edit", "INVALID_INPUT", path="n.ipynb",
+                                                         cell_id="zz", new_source="x"))
+        self.assertIn("cell_type", self.fails("notebook_edit", "INVALID_INPUT", path="n.ipynb", cell_number=1,
+                                              edit_mode="insert", new_source="x"))
