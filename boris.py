@@ -3040,8 +3040,7 @@ def resolve_sandbox(config, policy, abi=None):
         return Sandbox.off("--sandbox off" if mode == "off" else "--sandbox auto: no --allow-dir")
     abi = landlock_abi() if abi is None else abi
     if not abi:
-        why = ("this kernel has no Landlock (Linux 5.13+ with landlock among its LSMs)" if sys.platform.startswith(
-            "linux") else "the sandbox needs Linux Landlock; %s is not supported" % sys.platform)
+        why = no_sandbox_reason()
         if mode == "auto":
             log("warn", "sandbox off: %s; bash commands can write anywhere this user can" % why)
             return Sandbox.off("--sandbox auto: " + why)
@@ -3055,6 +3054,13 @@ def resolve_sandbox(config, policy, abi=None):
     roots = sorted(set(r for r in roots if not any(r != o and is_within(r, o) for o in roots)))
     return Sandbox("workspace-write" if mode == "auto" else mode, roots, network, abi,
                    "--sandbox %s" % mode)
+
+
+def no_sandbox_reason():
+    """Why this system gives no sandbox, in a few words."""
+    if sys.platform.startswith("linux"):
+        return "this kernel has no Landlock (Linux 5.13+ with landlock among its LSMs)"
+    return "the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is not done yet)" % sys.platform
 
 
 def userns_works():
@@ -4229,7 +4235,7 @@ def match_lines(text, old, most=20):
     return ", ".join(lines) + ", ..."
 
 
-def closest_region(text, old, cancelled=None):
+def closest_region(text, old, cancelled=None, what="old_str"):
     """A note on where `old` nearly is: the most similar run of lines with its line
     numbers and a short diff (or a word on line-number prefixes and whitespace).
 
@@ -4239,7 +4245,6 @@ def closest_region(text, old, cancelled=None):
     lines closest to old_str's first line (at most MISS_SCAN_LINES, each cut to 200
     characters); at most MISS_CANDIDATES places of at most MISS_WINDOW_LINES lines
     are scored, line by line, in time linear in their length."""
-    import difflib
     lines = text.replace("\r\n", "\n").split("\n")
     want = old.replace("\r\n", "\n").split("\n")
     if len(want) > 1 and want[-1] == "":
@@ -4260,16 +4265,21 @@ def closest_region(text, old, cancelled=None):
             best, at = score, s
     if at is None or best < 0.5:
         return ""
-    region = lines[at:at + n]
+    return region_report(lines[at:at + n], want, at, best, what)
+
+
+def region_report(region, want, at, best, what):
+    """The closest region (starting at line index `at`) and how `want` differs from it."""
+    import difflib
     if [l.strip() for l in region] == [w.strip() for w in want]:
         hint = " They differ only in indentation or trailing spaces: copy the whitespace exactly."
     else:
         hint = ""
-    diff = list(difflib.unified_diff([l[:200] for l in region], [w[:200] for w in want], "file", "old_str", n=0,
+    diff = list(difflib.unified_diff([l[:200] for l in region], [w[:200] for w in want], "file", what, n=0,
                                      lineterm=""))[2:]
     shown = number_lines([clip_line(l)[:200] for l in region[:MISS_CONTEXT_LINES]], at + 1)
-    return ("\nThe closest text is at lines %d-%d (%d%% similar):%s\n%s\nHow old_str differs (- file, + old_str):\n%s"
-            % (at + 1, at + len(region), int(best * 100), hint, shown,
+    return ("\nThe closest text is at lines %d-%d (%d%% similar):%s\n%s\nHow %s differs (- file, + %s):\n%s"
+            % (at + 1, at + len(region), int(best * 100), hint, shown, what, what,
                "\n".join(d[:200] for d in diff[:MISS_CONTEXT_LINES])))
 
 
@@ -4493,56 +4503,76 @@ def parse_patch(text):
     if lines[-1].strip() != "*** End Patch":
         raise ToolError("INVALID_INPUT", "a patch ends with the line '*** End Patch'; the last line is %r"
                         % shorten(lines[-1], 80))
-    ops, i, end = [], 1, len(lines) - 1
-
-    def bad(k, why):
-        return ToolError("INVALID_INPUT", "patch line %d (%s): %s" % (k + 1, shorten(repr(lines[k]), 80), why))
-    while i < end:
-        line = lines[i]
+    reader = PatchReader(lines)
+    ops = []
+    while reader.i < reader.end:
+        line = lines[reader.i]
         if line.startswith("*** Add File: "):
-            path, body, i = line[14:].strip(), [], i + 1
-            while i < end and not lines[i].startswith("*** "):
-                if not lines[i].startswith("+"):
-                    raise bad(i, "every line of an added file starts with '+'")
-                body.append(lines[i][1:])
-                i += 1
-            ops.append(("add", path, body))
+            ops.append(reader.add_section(line[14:].strip()))
         elif line.startswith("*** Delete File: "):
             ops.append(("delete", line[17:].strip()))
-            i += 1
+            reader.i += 1
         elif line.startswith("*** Update File: "):
-            path, move, i = line[17:].strip(), None, i + 1
-            if i < end and lines[i].startswith("*** Move to: "):
-                move, i = lines[i][13:].strip(), i + 1
-            hunks = []
-            while i < end and (not lines[i].startswith("*** ") or lines[i].strip() == "*** End of File"):
-                l = lines[i]
-                if l.startswith("@@"):
-                    if hunks and not hunks[-1].lines and not hunks[-1].eof:
-                        hunks[-1].headers.append(l[2:].strip())      # stacked headers narrow one hunk
-                    else:
-                        hunks.append(Hunk(l[2:].strip()))
-                elif l.strip() == "*** End of File":
-                    if not hunks:
-                        raise bad(i, "'*** End of File' closes a hunk, and none is open")
-                    hunks[-1].eof = True
-                elif l[:1] in (" ", "-", "+") or l == "":
-                    if not hunks or hunks[-1].eof:
-                        hunks.append(Hunk())
-                    hunks[-1].lines.append((l[:1] or " ", l[1:]))
-                else:
-                    raise bad(i, "a hunk line starts with ' ' (context), '-' (removed) or '+' (added)")
-                i += 1
-            if not hunks or not any(h.lines for h in hunks):
-                raise bad(i - 1, "the update of %s has no hunk" % path)
-            ops.append(("update", path, move, hunks))
+            ops.append(reader.update_section(line[17:].strip()))
         elif not line.strip():
-            i += 1
+            reader.i += 1
         else:
-            raise bad(i, "expected '*** Add File: ', '*** Delete File: ' or '*** Update File: '")
+            raise reader.bad(reader.i, "expected '*** Add File: ', '*** Delete File: ' or '*** Update File: '")
     if not ops:
         raise ToolError("INVALID_INPUT", "the patch changes no file")
     return ops
+
+
+class PatchReader(object):
+    """The lines of a patch between Begin and End, read section by section from i."""
+
+    def __init__(self, lines):
+        self.lines, self.i, self.end = lines, 1, len(lines) - 1
+
+    def bad(self, k, why):
+        return ToolError("INVALID_INPUT", "patch line %d (%s): %s" % (k + 1, shorten(repr(self.lines[k]), 80), why))
+
+    def add_section(self, path):
+        """('add', path, lines) of an Add File section: every line starts with '+'."""
+        body, self.i = [], self.i + 1
+        while self.i < self.end and not self.lines[self.i].startswith("*** "):
+            if not self.lines[self.i].startswith("+"):
+                raise self.bad(self.i, "every line of an added file starts with '+'")
+            body.append(self.lines[self.i][1:])
+            self.i += 1
+        return "add", path, body
+
+    def update_section(self, path):
+        """('update', path, move, hunks) of an Update File section."""
+        move, self.i = None, self.i + 1
+        if self.i < self.end and self.lines[self.i].startswith("*** Move to: "):
+            move, self.i = self.lines[self.i][13:].strip(), self.i + 1
+        hunks = []
+        while self.i < self.end and (not self.lines[self.i].startswith("*** ")
+                                     or self.lines[self.i].strip() == "*** End of File"):
+            self.hunk_line(self.lines[self.i], hunks)
+            self.i += 1
+        if not hunks or not any(h.lines for h in hunks):
+            raise self.bad(self.i - 1, "the update of %s has no hunk" % path)
+        return "update", path, move, hunks
+
+    def hunk_line(self, line, hunks):
+        """Take one line of an Update section into `hunks`."""
+        if line.startswith("@@"):
+            if hunks and not hunks[-1].lines and not hunks[-1].eof:
+                hunks[-1].headers.append(line[2:].strip())          # stacked headers narrow one hunk
+            else:
+                hunks.append(Hunk(line[2:].strip()))
+        elif line.strip() == "*** End of File":
+            if not hunks:
+                raise self.bad(self.i, "'*** End of File' closes a hunk, and none is open")
+            hunks[-1].eof = True
+        elif line[:1] in (" ", "-", "+") or line == "":
+            if not hunks or hunks[-1].eof:
+                hunks.append(Hunk())
+            hunks[-1].lines.append((line[:1] or " ", line[1:]))
+        else:
+            raise self.bad(self.i, "a hunk line starts with ' ' (context), '-' (removed) or '+' (added)")
 
 
 def find_run(lines, want, start, norm):
@@ -4561,15 +4591,7 @@ def locate_hunk(lines, hunk, cursor, shown, k):
     whitespace (never fuzzier). ToolError naming the file, the hunk and its first line
     that was not found, or every place an ambiguous hunk matches."""
     label = hunk.label(k)
-    for h in hunk.headers:
-        for _, norm in PATCH_LEVELS:
-            hits = [j for j in range(cursor, len(lines)) if norm(lines[j]) == norm(h)]
-            if hits:
-                cursor = hits[0] + 1
-                break
-        else:
-            raise ToolError("STR_REPLACE_NOT_FOUND", "%s, %s: its header line %r was not found%s; nothing was"
-                            " written" % (shown, label, shorten(h, 120), after(cursor)))
+    cursor = past_headers(lines, hunk, cursor, shown, label)
     old = hunk.old()
     if not old:                                        # only additions: after the headers, or at the end
         return (cursor if hunk.headers and not hunk.eof else len(lines)), 0
@@ -4583,13 +4605,34 @@ def locate_hunk(lines, hunk, cursor, shown, k):
             raise ToolError("STR_REPLACE_AMBIGUOUS", "%s, %s matches %s at lines %s; add context lines or an"
                             " '@@ header' line (e.g. @@ def name) to pick one; nothing was written"
                             % (shown, label, how, ", ".join(str(i + 1) for i in hits[:20])))
+    raise hunk_miss(lines, old, cursor, shown, label)
+
+
+def past_headers(lines, hunk, cursor, shown, label):
+    """The line after the last of the hunk's '@@ header' lines, each found after the one
+    before (exactly, then with less whitespace)."""
+    for h in hunk.headers:
+        for _, norm in PATCH_LEVELS:
+            hits = [j for j in range(cursor, len(lines)) if norm(lines[j]) == norm(h)]
+            if hits:
+                cursor = hits[0] + 1
+                break
+        else:
+            raise ToolError("STR_REPLACE_NOT_FOUND", "%s, %s: its header line %r was not found%s; nothing was"
+                            " written" % (shown, label, shorten(h, 120), after(cursor)))
+    return cursor
+
+
+def hunk_miss(lines, old, cursor, shown, label):
+    """The ToolError of a hunk that is nowhere: its first line that is not found after
+    the ones before it, and the closest region of the file."""
     got = 0
     while got < len(old) and any(find_run(lines, old[:got + 1], cursor, norm) for _, norm in PATCH_LEVELS):
         got += 1
-    raise ToolError("STR_REPLACE_NOT_FOUND", "%s, %s: the line %r was not found%s%s; nothing was written.%s"
-                    % (shown, label, shorten(old[got], 120), " after the %d line%s before it" % (
-                        got, "" if got == 1 else "s") if got else "", after(cursor),
-                       closest_region("\n".join(lines), "\n".join(old))))
+    return ToolError("STR_REPLACE_NOT_FOUND", "%s, %s: the line %r was not found%s%s; nothing was written.%s"
+                     % (shown, label, shorten(old[got], 120), " after the %d line%s before it" % (
+                         got, "" if got == 1 else "s") if got else "", after(cursor),
+                        closest_region("\n".join(lines), "\n".join(old), what="the hunk")))
 
 
 def after(cursor):
@@ -4948,6 +4991,28 @@ def edit_cells(text, cells, spans, array_end, k, mode, args, shown):
         elif k > 0:
             start = spans[k - 1][1]                     # the comma before the last cell
         return text[:start] + text[end:]
+    cell = edited_cell(cells, k, mode, args)
+    anchor = spans[k][0] if spans and k >= 0 else array_end
+    base, unit = notebook_indent(text, spans, anchor)
+    body = json.dumps(cell, indent=unit, ensure_ascii=False) if unit is not None else \
+        json.dumps(cell, ensure_ascii=False, separators=(",", ":"))
+    body = body.replace("\n", "\n" + base)
+    if mode == "replace":
+        start, end = spans[k]
+        return text[:start] + body + text[end:]
+    sep = ",\n" + base if unit is not None else ","
+    if k == -1:                                          # at the top
+        if not spans:
+            return text[:array_end] + ("\n" + base if unit is not None else "") + body + text[array_end:]
+        return text[:spans[0][0]] + body + sep + text[spans[0][0]:]
+    end = spans[k][1]
+    return text[:end] + sep + body + text[end:]
+
+
+def edited_cell(cells, k, mode, args):
+    """The cell that replaces cell k (its key order and metadata kept) or is inserted
+    after it: the new source in nbformat's list of lines; a code cell's outputs and
+    execution count cleared; a new cell gets an id when the others have one."""
     if args.get("new_source") is None:
         raise ToolError("INVALID_INPUT", "new_source is needed to %s a cell" % mode)
     if mode == "replace":
@@ -4969,21 +5034,7 @@ def edit_cells(text, cells, spans, array_end, k, mode, args, shown):
     else:
         cell.pop("execution_count", None)
         cell.pop("outputs", None)
-    anchor = spans[k][0] if spans and k >= 0 else array_end
-    base, unit = notebook_indent(text, spans, anchor)
-    body = json.dumps(cell, indent=unit, ensure_ascii=False) if unit is not None else \
-        json.dumps(cell, ensure_ascii=False, separators=(",", ":"))
-    body = body.replace("\n", "\n" + base)
-    if mode == "replace":
-        start, end = spans[k]
-        return text[:start] + body + text[end:]
-    sep = ",\n" + base if unit is not None else ","
-    if k == -1:                                          # at the top
-        if not spans:
-            return text[:array_end] + ("\n" + base if unit is not None else "") + body + text[array_end:]
-        return text[:spans[0][0]] + body + sep + text[spans[0][0]:]
-    end = spans[k][1]
-    return text[:end] + sep + body + text[end:]
+    return cell
 
 
 def notebook_indent(text, spans, anchor):
@@ -5955,47 +6006,46 @@ def text_flaw(value):
     return None
 
 
+JSON_TYPES = {"string": lambda v: isinstance(v, str),
+              "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "boolean": lambda v: isinstance(v, bool),
+              "array": lambda v: isinstance(v, list),
+              "object": lambda v: isinstance(v, dict)}
+
+
 def check_value(name, spec, value):
     """Check one argument against its schema: the type, then what every value of that
-    type must be (strings are text without NUL or lone surrogates; numbers are whole
-    and within MAX_INT_ARG), the enum, items and fields."""
+    type must be (strings are text without NUL or lone surrogates; integers within
+    MAX_INT_ARG), the enum, items and fields."""
     kind = spec.get("type")
-    if kind == "string":
-        ok = isinstance(value, str)
-        flaw = ok and text_flaw(value)
-        if flaw:
-            raise ToolError("INVALID_INPUT", "argument %r %s" % (name, flaw), detail=name)
-    elif kind == "integer":
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        if ok and abs(value) > MAX_INT_ARG:
-            raise ToolError("INVALID_INPUT", "argument %r is %s, out of range (at most %d either side)"
-                            % (name, ("%d" % value) if value.bit_length() < 200 else "a %d-bit number"
-                               % value.bit_length(), MAX_INT_ARG))
-    elif kind == "number":
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif kind == "boolean":
-        ok = isinstance(value, bool)
-    elif kind == "array":
-        ok = isinstance(value, list)
-    elif kind == "object":
-        ok = isinstance(value, dict)
-    else:
-        ok = True
-    if not ok:
+    if not JSON_TYPES.get(kind, lambda v: True)(value):
         raise ToolError("INVALID_INPUT", "argument %r must be %s %s, got %s; send it as JSON %s" % (
             name, "an" if kind[0] in "aeiou" else "a", kind, brief(value), kind))
+    if kind == "string":
+        flaw = text_flaw(value)
+        if flaw:
+            raise ToolError("INVALID_INPUT", "argument %r %s" % (name, flaw), detail=name)
+    elif kind == "integer" and abs(value) > MAX_INT_ARG:
+        raise ToolError("INVALID_INPUT", "argument %r is %s, out of range (at most %d either side)"
+                        % (name, brief(value), MAX_INT_ARG))
     if "enum" in spec and value not in spec["enum"]:
         raise ToolError(ENUM_CODES.get(name, "INVALID_INPUT"), "argument %r must be one of %s, got %s"
-                          % (name, ", ".join(spec["enum"]), brief(value)))
+                        % (name, ", ".join(spec["enum"]), brief(value)))
     if kind == "array":
-        lo, hi = spec.get("minItems", 0), spec.get("maxItems")
-        if len(value) < lo or (hi is not None and len(value) > hi):
-            raise ToolError("INVALID_INPUT", "argument %r must have %s items, got %d" % (
-                name, lo if lo == hi else "%d to %s" % (lo, hi), len(value)))
-        for k, item in enumerate(value):
-            check_value("%s[%d]" % (name, k), spec.get("items", {}), item)
+        check_items(name, spec, value)
     if kind == "object" and "properties" in spec:
         check_fields(name + ".", spec, value)
+
+
+def check_items(name, spec, value):
+    """An array argument's length and each of its items."""
+    lo, hi = spec.get("minItems", 0), spec.get("maxItems")
+    if len(value) < lo or (hi is not None and len(value) > hi):
+        raise ToolError("INVALID_INPUT", "argument %r must have %s items, got %d" % (
+            name, lo if lo == hi else "%d to %s" % (lo, hi), len(value)))
+    for k, item in enumerate(value):
+        check_value("%s[%d]" % (name, k), spec.get("items", {}), item)
 
 
 def check_fields(prefix, schema, args):
