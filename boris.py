@@ -2062,6 +2062,8 @@ def helper_main(args):
     parent, and becomes the command."""
     kind = args[0] if args else ""
     parent = args[1] if len(args) > 1 else None
+    if kind == "sandbox" and len(args) == 3 and args[2].startswith("@"):
+        return helper_warm_launcher(int(args[2][1:]))
     if kind == "sandbox" and len(args) > 3:
         return helper_sandbox(args[2], args[3:])
     job = HELPER_KINDS.get(kind)
@@ -2988,6 +2990,10 @@ class Sandbox(object):
     def __init__(self, mode="off", writable=(), network=True, abi=0, why=""):
         self.mode, self.writable, self.network, self.abi = mode, list(writable), network, abi
         self.why = why                                  # how the mode was chosen, for the log
+        self.launchers = Launchers(self)                # (a spare one starts with the first command)
+
+    def close(self):
+        self.launchers.close()
 
     @classmethod
     def off(cls, why="--sandbox off"):
@@ -3071,6 +3077,94 @@ def userns_works():
                                stderr=subprocess.DEVNULL) == 0
     except OSError:
         return False
+
+
+def helper_warm_launcher(fd):
+    """A launcher started ahead: load what confining needs, then wait on pipe `fd` for
+    one JSON line {spec, argv, env} and become that command (helper_sandbox). The end
+    of the pipe without a line (the server stopped, or closed this spare) ends it."""
+    _libc()
+    with os.fdopen(fd, "rb") as control:
+        line = control.readline()
+    if not line:
+        os._exit(0)
+    try:
+        job = json.loads(line.decode("utf-8", "surrogateescape"))
+        os.environ.clear()
+        os.environ.update(job["env"])
+    except (ValueError, KeyError, TypeError) as e:
+        sys.stderr.write("boris: the sandbox launcher got no usable command (%s); nothing was run\n" % e)
+        os._exit(SANDBOX_EXIT)
+    return helper_sandbox(job["spec"], job["argv"])
+
+
+class Launchers(object):
+    """Sandbox launchers started ahead, so that a sandboxed command need not wait for
+    Python to start and load this file: one waits, loaded, on a pipe; a command takes
+    it and a new one starts behind it. Owned by the server's Sandbox; close() ends the
+    spare."""
+
+    def __init__(self, sandbox):
+        self.sandbox = sandbox
+        self.lock = threading.Lock()
+        self.spare = None
+
+    def start(self, argv, cwd, env, marker):
+        """A Popen that becomes `argv`, confined, in `cwd` with `env` (stdin /dev/null)."""
+        with self.lock:
+            proc, self.spare = self.spare, None
+            if proc is None or proc.poll() is not None:
+                if proc is not None:
+                    discard_launcher(proc)
+                proc = self.spawn()
+            try:
+                msg = json.dumps({"spec": self.sandbox.spec(cwd), "argv": argv, "env": env})
+                os.write(proc.control, msg.encode("utf-8", "surrogateescape") + b"\n")
+            except OSError:
+                discard_launcher(proc)
+                raise
+            finally:
+                os.close(proc.control)
+            proc.boris_call = marker
+            try:
+                self.spare = self.spawn()
+            except OSError:
+                self.spare = None
+            return proc
+
+    def spawn(self):
+        import subprocess
+        r, w = os.pipe()
+        try:
+            launcher, private = helper_command("sandbox", avoid=self.sandbox.writable)
+            proc = spawn(launcher + ["@%d" % r], cwd=private, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, start_new_session=True, close_fds=True, pass_fds=(r,))
+        except BaseException:
+            os.close(w)
+            raise
+        finally:
+            os.close(r)
+        proc.control = w
+        return proc
+
+    def close(self):
+        with self.lock:
+            proc, self.spare = self.spare, None
+        if proc is not None:
+            os.close(proc.control)                  # its end of input: it exits
+            discard_launcher(proc)
+
+
+def discard_launcher(proc):
+    """Kill and reap a launcher that runs no command, and close its pipes."""
+    try:
+        proc.kill()
+    except OSError:
+        pass
+    proc.wait()
+    reaped(proc)
+    for f in (proc.stdout, proc.stderr):
+        f.close()
 
 
 def helper_sandbox(spec, argv):
@@ -3160,6 +3254,8 @@ def start_process(script, cwd, sandbox=None, stdin="null"):
     env.setdefault("GIT_TERMINAL_PROMPT", "0")
     env["BORIS_CALL"] = marker = call_marker()
     argv = [SHELL, "-c", script]
+    if sandbox.on and stdin == "null":
+        return sandbox.launchers.start(argv, cwd, env, marker)
     if sandbox.on or stdin == "tty":
         launcher, private = helper_command("sandbox", avoid=sandbox.writable)
         argv, cwd = launcher + [sandbox.spec(cwd, ctty=stdin == "tty")] + argv, private
@@ -6280,6 +6376,7 @@ class McpServer(object):
     def close(self):
         """Kill every helper process this server started (sessions close their own)."""
         self.helpers.close()
+        self.sandbox.close()
 
     # -- entry point ---------------------------------------------------------
     def dispatch(self, msg, session, emit):

@@ -5841,3 +5841,25 @@ class TestNotebooks(Base):
                                                          cell_id="zz", new_source="x"))
         self.assertIn("cell_type", self.fails("notebook_edit", "INVALID_INPUT", path="n.ipynb", cell_number=1,
                                               edit_mode="insert", new_source="x"))
+
+
+@NEEDS_LANDLOCK
+class TestWarmLaunchers(SandboxBase):
+    """A sandboxed command starts from a launcher started ahead; the spare is reaped
+    with the server, and a dead one is replaced."""
+
+    def test_spares_are_used_replaced_and_reaped(self):
+        self.assertIn("one", self.bash("echo one"))
+        spare = self.server.sandbox.launchers.spare
+        self.assertIsNotNone(spare)
+        self.assertIsNone(spare.poll())
+        spare.kill()
+        spare.wait()
+        text = self.bash("echo $BORIS_CALL; pwd; touch %s/x" % self.out)       # a dead spare: a fresh one
+        self.assertRegex(text, r"--- stdout ---\n%d-[0-9a-f]{12}\n%s\n" % (os.getpid(), re.escape(self.ws)))
+        self.assertIn("Permission denied", text)
+        self.assertFalse(os.path.exists(os.path.join(self.out, "x")))
+        last = self.server.sandbox.launchers.spare
+        self.server.close()
+        self.assertIsNotNone(last.returncode)
+        self.assertTrue(last.stdout.closed and last.stderr.closed)
