@@ -2153,8 +2153,8 @@ def helper_command(kind, avoid=()):
     real = os.path.realpath(__file__)
     parent = str(os.getpid())
     here = os.path.dirname(os.path.abspath(__file__))
-    if os.path.basename(__file__).startswith("boris_") and private_ok(here) and \
-            not any(is_within(here, a) for a in avoid):
+    if os.path.basename(__file__).startswith("boris_") and os.path.basename(here).startswith("boris-pycache-") \
+            and private_ok(here) and not any(is_within(here, a) for a in avoid):
         private = here
     else:
         private = pycache_prefix(avoid)
@@ -5415,8 +5415,9 @@ def tool_task_input(session, args, ctx):
             task.write(args["input"].encode("utf-8"), time.monotonic() + TASK_INPUT_WAIT_S)
         if args.get("close_stdin"):
             task.close_input()
-    except OSError as e:
-        raise ToolError("IO_ERROR", "the input could not be given to task %s: %s" % (task.id, e.strerror or e))
+    except (OSError, ValueError) as e:                  # ValueError: the task ended and its pipe closed meanwhile
+        raise ToolError("IO_ERROR", "the input could not be given to task %s: %s" % (task.id, getattr(
+            e, "strerror", None) or e))
     await_task(task, ctx, args.get("wait_for") or None, args.get("wait_ms"), settle=True)
     return task_answer(task, session, ctx)
 
