@@ -336,8 +336,8 @@ def help_text():
 
 
 ALL_TOOL_NAMES = ("bash", "task_output", "task_input", "task_stop", "view", "str_replace", "multi_edit",
-                  "apply_patch", "notebook_edit", "create_file", "grep", "glob", "search_text", "search_files", "read_file", "write_file",
-                  "list_directory", "web_fetch", "str_replace_editor")
+                  "apply_patch", "notebook_edit", "create_file", "grep", "glob", "search_text", "search_files",
+                  "read_file", "write_file", "list_directory", "web_fetch", "str_replace_editor")
 EDITOR_PARTS = ("view", "str_replace", "create_file")
 
 
@@ -1107,23 +1107,20 @@ def atomic_write(real, data, new_mode=0o644):
     directory, a single-file bind mount), the file is rewritten in place instead,
     which is not crash-atomic. Returns True when written atomically."""
     directory, base = os.path.split(real)
-    made, dfd = [], None
+    made = []
     try:
         dfd = open_dir(directory, create=True, made=made)
-        return write_in(dfd, directory, base, real, data, new_mode)
-    except BaseException:
-        if dfd is not None:
+        try:
+            return write_in(dfd, directory, base, real, data, new_mode)
+        finally:
             os.close(dfd)
-            dfd = None
+    except BaseException:
         for path in reversed(made):                # nothing half-done: the directories made go too
             try:
                 os.rmdir(path)
             except OSError:
                 break
         raise
-    finally:
-        if dfd is not None:
-            os.close(dfd)
 
 
 def write_in(dfd, directory, base, real, data, new_mode):
@@ -1309,13 +1306,18 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
 
+def _libc():
+    """(ctypes, the C library) for the few system calls the standard library lacks."""
+    import ctypes
+    return ctypes, ctypes.CDLL(None, use_errno=True)
+
+
 def prctl(option, value):
     """prctl(2) through ctypes (Linux); False where it is not to be had."""
     if not sys.platform.startswith("linux"):
         return False
     try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
+        _, libc = _libc()
         return libc.prctl(option, int(value), 0, 0, 0) == 0
     except (OSError, AttributeError, ImportError):
         return False
@@ -2661,29 +2663,20 @@ class HelperPool(object):
     `idle_max` warm for the next job, kills a busy one's whole process group on
     cancel or at the deadline, and kills them all on close(). A helper that cannot
     be started is an IO_ERROR: a search never falls back to this process, where
-    neither cancel nor the deadline could stop it.
+    neither cancel nor the deadline could stop it."""
 
-    in_process=True runs jobs in the calling thread instead, with partners kept in
-    this process: for tests that patch the search engine, never as a fallback."""
-
-    def __init__(self, idle_max=SEARCH_IDLE_HELPERS, in_process=False, avoid=()):
+    def __init__(self, idle_max=SEARCH_IDLE_HELPERS, avoid=()):
         self.idle_max = idle_max
-        self.in_process = in_process
         self.avoid = list(avoid)               # roots sandboxed commands may write: no helper code there
         self.lock = threading.Lock()
         self.idle, self.busy = [], set()
         self.closed = False
         self.requests = None                   # spawn requests to the pool's own thread
-        self.partners = Partners(warm=True) if in_process else None
 
     def run(self, job, cancelled, deadline_s=None):
         """(items, None) of a job run in a helper; (items so far, 'deadline' or
         'cancelled') when it had to be killed."""
         deadline_s = SEARCH_TIMEOUT_S if deadline_s is None else deadline_s
-        if self.in_process:
-            items = []
-            search_job(job, items.extend, partners=self.partners)
-            return items, None
         import select
         proc = self.start(dict(job, deadline_s=deadline_s))
         deadline = time.monotonic() + deadline_s
@@ -2745,17 +2738,12 @@ class HelperPool(object):
         with self.lock:
             if self.closed:
                 raise OSError(errno.ESHUTDOWN, "the server is shutting down")
-            while self.idle:
-                proc = self.idle.pop()
-                if proc.poll() is None:
-                    self.busy.add(proc)
-                    return proc
-                dead = proc
-                break
-            else:
-                dead = None
-        if dead is not None:
-            kill_group(dead)                      # reaped, pipes closed; then try again
+            idle = self.idle.pop() if self.idle else None
+            if idle is not None and idle.poll() is None:
+                self.busy.add(idle)
+                return idle
+        if idle is not None:
+            kill_group(idle)                      # it died while idle: reaped, pipes closed; try again
             return self.take()
         proc = self.spawn()
         with self.lock:
@@ -2824,8 +2812,6 @@ class HelperPool(object):
             requests.put(None)
         for proc in procs:
             kill_group(proc)
-        if self.partners is not None:
-            self.partners.close()
 
 
 def kill_group(proc):
@@ -2964,11 +2950,6 @@ TASK_SETTLE_S = 0.15                       # ... then, without wait_for/wait_ms:
 TASK_SETTLE_MAX_S = 2.0                    # ... or at most this long
 
 
-def _libc():
-    import ctypes
-    return ctypes, ctypes.CDLL(None, use_errno=True)
-
-
 def landlock_abi():
     """The kernel's Landlock ABI version, 0 where it has none (not Linux, too old,
     or Landlock not enabled among the LSMs)."""
@@ -3027,8 +3008,8 @@ class Sandbox(object):
     def hint(self, text):
         """The line a failed sandboxed command's result ends with, when its output
         shows a refused write or connect; else ''."""
-        if not self.on or not re.search(r"Permission denied|Read-only file system|Operation not permitted"
-                                        r"|Network is unreachable|Connection refused", text):
+        refusals = r"Permission denied|Read-only file system|Operation not permitted"
+        if not self.on or not re.search(refusals + ("" if self.network else "|Network is unreachable"), text):
             return ""
         return ("[sandbox %s: commands may write only under %s%s; the server's --allow-dir adds directories,%s"
                 " --sandbox off lifts it]" % (self.mode, ", ".join(self.writable),
@@ -4405,9 +4386,11 @@ def candidate_starts(lines, want, cancelled):
             if i % 1000 == 0 and cancelled is not None and cancelled.is_set():
                 return []
             matcher.set_seq1(line.strip()[:200])
-            if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6 and matcher.ratio() >= 0.6:
-                close.append((matcher.ratio(), -i))
-        return [-i - first for _, i in heapq.nlargest(MISS_CANDIDATES, close)]
+            if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6:
+                ratio = matcher.ratio()
+                if ratio >= 0.6:
+                    close.append((ratio, -i))                  # (-i: the first of equal ones wins)
+        return [-neg_i - first for _, neg_i in heapq.nlargest(MISS_CANDIDATES, close)]
     return [start for start, _ in votes.most_common(MISS_CANDIDATES)]
 
 
@@ -4578,7 +4561,6 @@ class Hunk(object):
 
     def old(self):
         return [t for k, t in self.lines if k != "+"]
-
 
     def label(self, k):
         return "hunk %d%s" % (k, " (@@ %s)" % " @@ ".join(self.headers) if self.headers else "")
@@ -4762,8 +4744,8 @@ def patched_text(text, hunks, shown):
 
 class PatchPlan(object):
     """What a patch will do, every path resolved and checked, every hunk located:
-    writes [(real, shown, data or None to delete, mode of a new file)] and the
-    summary lines A/M/D/R."""
+    writes [(real, shown, data or None to delete, mode of a new file, what the path
+    holds now: (bytes, stat) or None)] and the summary lines A/M/D/R."""
 
     def __init__(self):
         self.writes, self.summary, self.paths = [], [], set()
@@ -4786,26 +4768,28 @@ def plan_patch(session, ctx, ops):
             if os.path.lexists(real):
                 raise ToolError("INVALID_INPUT", "*** Add File: %s, but it exists; use *** Update File: to change"
                                 " it; nothing was written" % shown)
-            plan.writes.append((real, shown, encode_text("\n".join(op[2]) + "\n" if op[2] else "", "input"), 0o644))
+            data = encode_text("\n".join(op[2]) + "\n" if op[2] else "", "input")
+            plan.writes.append((real, shown, data, 0o644, None))
             plan.summary.append("A " + shown)
-        elif op[0] == "delete":
-            existing_or_missing(real, shown, "*** Delete File")
-            plan.writes.append((real, shown, None, None))
+            continue
+        existing_or_missing(real, shown, "*** %s File" % op[0].title())
+        before = read_regular(real, shown, ctx.config.max_file_size)          # (bytes, stat): kept for a rollback
+        if op[0] == "delete":
+            plan.writes.append((real, shown, None, None, before))
             plan.summary.append("D " + shown)
         else:
             _, _, move, hunks = op
-            st = existing_or_missing(real, shown, "*** Update File")
-            text = read_regular(real, shown, ctx.config.max_file_size)[0].decode("utf-8", "surrogateescape")
-            data = encode_text(patched_text(text, hunks, shown), "input")
+            st = before[1]
+            data = encode_text(patched_text(before[0].decode("utf-8", "surrogateescape"), hunks, shown), "input")
             if move:
                 target = resolve_checked(session, ctx, move, "*** Move to")
                 plan.claim(target, move)
                 if os.path.lexists(target):
                     raise ToolError("INVALID_INPUT", "*** Move to: %s, but it exists; nothing was written" % move)
-                plan.writes += [(target, move, data, stat.S_IMODE(st.st_mode)), (real, shown, None, None)]
+                plan.writes += [(target, move, data, stat.S_IMODE(st.st_mode), None), (real, shown, None, None, before)]
                 plan.summary.append("R %s -> %s" % (shown, move))
             else:
-                plan.writes.append((real, shown, data, None))
+                plan.writes.append((real, shown, data, None, before))
                 plan.summary.append("M " + shown)
     return plan
 
@@ -4819,28 +4803,23 @@ def existing_or_missing(real, shown, section):
 
 
 def run_plan(session, ctx, plan):
-    """Write a plan with the one writer, under every file's edit lock (taken in one
-    order); if a write fails, the files written before it are put back as they were."""
-    from contextlib import ExitStack
-    with ExitStack() as locks:
-        for real in sorted(plan.paths):
-            locks.enter_context(edit_lock(real))
-        done = []
-        try:
-            for real, shown, data, mode in plan.writes:
-                before = read_regular(real, shown, ctx.config.max_file_size) if os.path.lexists(real) else None
-                if before is None:
-                    done.append((missing_parent(real), "dir"))       # removed again if the patch is undone
-                if data is None:
-                    remove_file(real)
-                else:
-                    atomic_write(real, data, new_mode=mode or 0o644)
-                    session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
-                done.append((real, before))
-        except (OSError, ToolError) as e:
-            undone = restore(done)
-            why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
-            raise ToolError("IO_ERROR", "writing %s failed (%s); %s" % (shown, why, undone))
+    """Write a plan with the one writer (the caller holds the files' edit locks); if a
+    write fails, the files written before it are put back as they were."""
+    done = []
+    try:
+        for real, shown, data, mode, before in plan.writes:
+            if before is None:
+                done.append((missing_parent(real), "dir"))       # removed again if the patch is undone
+            if data is None:
+                remove_file(real)
+            else:
+                atomic_write(real, data, new_mode=mode or 0o644)
+                session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
+            done.append((real, before))
+    except (OSError, ToolError) as e:
+        undone = restore(done)
+        why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
+        raise ToolError("IO_ERROR", "writing %s failed (%s); %s" % (shown, why, undone))
 
 
 def restore(done):
@@ -4890,9 +4869,17 @@ def remove_file(real):
 
 
 def tool_apply_patch(session, args, ctx):
-    """Codex's apply_patch: parse, plan every file (scope, existence, hunks), then write."""
-    plan = plan_patch(session, ctx, parse_patch(args["input"]))
-    run_plan(session, ctx, plan)
+    """Codex's apply_patch: parse; resolve and scope-check every path; then, under every
+    file's edit lock (taken in one order), plan every file (existence, hunks) and write."""
+    from contextlib import ExitStack
+    ops = parse_patch(args["input"])
+    reals = set(resolve_checked(session, ctx, op[1]) for op in ops)
+    reals.update(resolve_checked(session, ctx, op[2], "*** Move to") for op in ops if op[0] == "update" and op[2])
+    with ExitStack() as locks:
+        for real in sorted(reals):
+            locks.enter_context(edit_lock(real))
+        plan = plan_patch(session, ctx, ops)
+        run_plan(session, ctx, plan)
     return "Success. Updated the following files:\n" + "\n".join(plan.summary)
 
 
@@ -5088,8 +5075,7 @@ def edit_cells(text, cells, spans, array_end, k, mode, args, shown):
             start = spans[k - 1][1]                     # the comma before the last cell
         return text[:start] + text[end:]
     cell = edited_cell(cells, k, mode, args)
-    anchor = spans[k][0] if spans and k >= 0 else array_end
-    base, unit = notebook_indent(text, spans, anchor)
+    base, unit = notebook_indent(text, spans)
     body = json.dumps(cell, indent=unit, ensure_ascii=False) if unit is not None else \
         json.dumps(cell, ensure_ascii=False, separators=(",", ":"))
     body = body.replace("\n", "\n" + base)
@@ -5133,7 +5119,7 @@ def edited_cell(cells, k, mode, args):
     return cell
 
 
-def notebook_indent(text, spans, anchor):
+def notebook_indent(text, spans):
     """(the whitespace before a cell's '{' on its line, the indent unit inside it),
     as the file has them; unit None for a file written without newlines."""
     if not spans:
