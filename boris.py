@@ -40,6 +40,8 @@ import signal
 import stat
 import threading
 import time
+from collections import namedtuple
+from operator import attrgetter
 
 ###############################################################################
 # Limits and constants ########################################################
@@ -239,7 +241,7 @@ class Config(object):
                  allow_dir=(), deny_dir=(), token="", generate_token=False, disable_tools=(),
                  background_task_timeout=0.0, max_file_size=10 * 1024 ** 2, require_view_before_edit=True,
                  anthropic_compat=False, log_level="info", log_format="text", web_fetch_block_private=False,
-                 max_result_chars=40000, svg="auto", sandbox="auto", sandbox_network=None, disabled=frozenset()):
+                 max_result_chars=40000, svg="auto", sandbox="auto", sandbox_network=None):
         self.transport = transport                      # "stdio" | "http"
         self.host = host
         self.port = port
@@ -261,7 +263,6 @@ class Config(object):
         self.svg = svg                                  # "auto" | "image" | "text"
         self.sandbox = sandbox                          # "auto" | "off" | "workspace-write" | "read-only"
         self.sandbox_network = sandbox_network          # None (the sandbox decides), True, False
-        self.disabled = frozenset(disabled)             # registered tool names switched off
 
 
 def parse_size(text):
@@ -271,49 +272,55 @@ def parse_size(text):
     return int(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]
 
 
+def in_range(value, low, high, expected):
+    """value if low <= value <= high (NaN is not), else ValueError(expected)."""
+    if not low <= value <= high:
+        raise ValueError(expected)
+    return value
+
+
+def as_choice(kind, text):
+    """A `choice:a|b` flag's value, lower-cased."""
+    choices = kind[7:].split("|")
+    if text.lower() not in choices:
+        raise ValueError("expected one of " + ", ".join(choices))
+    return text.lower()
+
+
+def as_bool(kind, text):
+    """A bool or tristate flag's value; `auto` resolves to true in this release (seed 003)."""
+    low = text.lower()
+    if kind == "tristate" and low == "auto":
+        return True
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError("expected true or false" + (" or auto" if kind == "tristate" else ""))
+
+
+# Flag kind -> its parser (text -> value, or ValueError saying what was expected).
+_PARSERS = {
+    "str": lambda text: text,
+    "port": lambda text: in_range(int(text), 1, 65535, "expected a port from 1 to 65535"),
+    "seconds": lambda text: in_range(float(text), 0, float("inf"), "expected a number of seconds >= 0"),
+    "chars": lambda text: in_range(int(text), MIN_RESULT_CHARS, MAX_RESULT_CHARS, "expected a number of"
+                                   " characters from %d to %d" % (MIN_RESULT_CHARS, MAX_RESULT_CHARS)),
+    "size": lambda text: in_range(parse_size(text), 1, float("inf"), "expected a size above 0"),
+}
+
+
 def _convert(flag, kind, raw):
     """Turn one raw string into the flag's typed value, or raise ConfigError."""
     text = raw.strip()
     try:
-        if kind == "str":
-            return text
         if kind.startswith("choice:"):
-            choices = kind[7:].split("|")
-            if text.lower() not in choices:
-                raise ValueError("expected one of " + ", ".join(choices))
-            return text.lower()
-        if kind == "port":
-            port = int(text)
-            if not 0 < port < 65536:
-                raise ValueError("expected a port from 1 to 65535")
-            return port
-        if kind == "seconds":
-            secs = float(text)
-            if secs < 0 or secs != secs:
-                raise ValueError("expected a number of seconds >= 0")
-            return secs
-        if kind == "chars":
-            n = int(text)
-            if not MIN_RESULT_CHARS <= n <= MAX_RESULT_CHARS:
-                raise ValueError("expected a number of characters from %d to %d" % (MIN_RESULT_CHARS, MAX_RESULT_CHARS))
-            return n
-        if kind == "size":
-            size = parse_size(text)
-            if size <= 0:
-                raise ValueError("expected a size above 0")
-            return size
+            return as_choice(kind, text)
         if kind in ("bool", "tristate"):
-            low = text.lower()
-            if kind == "tristate" and low == "auto":
-                return True      # auto resolves to true in this release (seed 003)
-            if low in _TRUE:
-                return True
-            if low in _FALSE:
-                return False
-            raise ValueError("expected true or false" + (" or auto" if kind == "tristate" else ""))
+            return as_bool(kind, text)
+        return _PARSERS[kind](text)
     except ValueError as e:
         raise ConfigError("invalid value %r for --%s: %s" % (raw, flag, e))
-    raise AssertionError(kind)
 
 
 def help_text():
@@ -333,26 +340,6 @@ def help_text():
               "directories and the temp directory, and use no network unless --sandbox-network on. Deny",
               "patterns do not apply inside the shell; where Landlock is missing, use a container."]
     return "\n".join(lines)
-
-
-ALL_TOOL_NAMES = ("bash", "task_output", "task_input", "task_stop", "view", "str_replace", "multi_edit",
-                  "apply_patch", "notebook_edit", "create_file", "grep", "glob", "search_text", "search_files",
-                  "read_file", "write_file", "list_directory", "web_fetch", "str_replace_editor")
-EDITOR_PARTS = ("view", "str_replace", "create_file")
-
-
-def resolve_disabled_tools(names, compat):
-    """The registered names that --disable-tools removes; unknown names stop start-up."""
-    unknown = [n for n in names if n not in ALL_TOOL_NAMES]
-    if unknown:
-        raise ConfigError("unknown tool name(s) for --disable-tools: %s; valid names: %s"
-                          % (", ".join(unknown), ", ".join(ALL_TOOL_NAMES)))
-    off = set(names)
-    if "bash" in off:
-        off.update(("task_output", "task_input", "task_stop"))
-    if compat and off.intersection(EDITOR_PARTS):
-        off.add("str_replace_editor")
-    return off
 
 
 LOCAL_HOSTS = frozenset(("localhost", "127.0.0.1", "::1", "[::1]"))
@@ -378,56 +365,65 @@ def parse_config(argv, environ):
 
     `--help` and `--version` raise SystemExit(0) after printing (to stdout: the
     protocol has not started)."""
+    given = given_flags(argv)
+    values = {}
+    for flag, env, default, kind, _ in FLAGS:
+        values[flag] = flag_value(flag, env, default, kind, given, environ)
+    check_config(values)
+    workdir = os.path.abspath(os.path.expanduser(values["workdir"]))
+    if not os.path.isdir(workdir):
+        raise ConfigError("--workdir %r is not a directory" % values["workdir"])
+    values["workdir"] = os.path.realpath(workdir)
+    values["timeout"] = values["timeout"] or 120.0
+    values["sandbox-network"] = {"on": True, "off": False}.get(values["sandbox-network"])
+    return Config(**dict((k.replace("-", "_"), v) for k, v in values.items()))
+
+
+def given_flags(argv):
+    """{flag: [raw values, in order]} from argv; --help and --version print and exit."""
     given = {}
     spec = dict((f[0], f) for f in FLAGS)
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        i += 1
-        if arg in ("-h", "--help"):
-            sys.stdout.write(help_text() + "\n")
-            raise SystemExit(0)
-        if arg == "--version":
-            sys.stdout.write("boris %s\n" % __version__)
+    args = iter(argv)
+    for arg in args:
+        if arg in ("-h", "--help", "--version"):
+            sys.stdout.write((help_text() if arg != "--version" else "boris %s" % __version__) + "\n")
             raise SystemExit(0)
         if not arg.startswith("--"):
             raise ConfigError("unexpected argument %r (flags start with --; see --help)" % arg)
         name, eq, value = arg[2:].partition("=")
         if name not in spec:
             raise ConfigError("unknown flag --%s (see --help for the list)" % name)
-        kind = spec[name][3]
         if not eq:
-            if kind == "bool":
-                value = "true"
-            elif i < len(argv):
-                value = argv[i]
-                i += 1
-            else:
-                raise ConfigError("flag --%s needs a value" % name)
+            value = "true" if spec[name][3] == "bool" else next(args, None)
+        if value is None:
+            raise ConfigError("flag --%s needs a value" % name)
         given.setdefault(name, []).append(value)
+    return given
 
-    values = {}
-    for flag, env, default, kind, _ in FLAGS:
-        if flag in given:
-            raws, source = given[flag], "flag"
-        elif environ.get(env, "") != "":
-            raws, source = [environ[env]], "env"
-        else:
-            raws, source = ([default] if default else []), "default"
-        if kind == "list":
-            items = []
-            for raw in raws:
-                items += [p.strip() for p in raw.split(",") if p.strip()]
-            values[flag] = items
-        elif not raws:
-            values[flag] = ""
-        else:
-            try:
-                values[flag] = _convert(flag, kind, raws[-1])
-            except ConfigError as e:
-                if source == "env":
-                    raise ConfigError("%s (from environment variable %s)" % (e, env))
-                raise
+
+def flag_value(flag, env, default, kind, given, environ):
+    """One flag's typed value: the last one given, else its environment variable, else
+    the default; a list flag joins every value given (comma-separated too)."""
+    if flag in given:
+        raws, source = given[flag], "flag"
+    elif environ.get(env, "") != "":
+        raws, source = [environ[env]], "env"
+    else:
+        raws, source = ([default] if default else []), "default"
+    if kind == "list":
+        return [p.strip() for raw in raws for p in raw.split(",") if p.strip()]
+    if not raws:
+        return ""
+    try:
+        return _convert(flag, kind, raws[-1])
+    except ConfigError as e:
+        if source == "env":
+            raise ConfigError("%s (from environment variable %s)" % (e, env))
+        raise
+
+
+def check_config(values):
+    """The checks that involve more than one flag."""
     if values["token"] and values["generate-token"]:
         raise ConfigError("--token and --generate-token exclude each other: give one of them")
     if values["transport"] == "http" and not (values["token"] or values["generate-token"]) \
@@ -435,14 +431,6 @@ def parse_config(argv, environ):
         raise ConfigError("--host %s is reachable from other machines, and without a token anyone there could"
                           " run commands: pass --token TOKEN or --generate-token, or bind 127.0.0.1"
                           % values["host"])
-    workdir = os.path.abspath(os.path.expanduser(values["workdir"]))
-    if not os.path.isdir(workdir):
-        raise ConfigError("--workdir %r is not a directory" % values["workdir"])
-    values["workdir"] = os.path.realpath(workdir)
-    values["timeout"] = values["timeout"] or 120.0
-    values["disabled"] = resolve_disabled_tools(values["disable-tools"], values["anthropic-compat"])
-    values["sandbox-network"] = {"on": True, "off": False}.get(values["sandbox-network"])
-    return Config(**dict((k.replace("-", "_"), v) for k, v in values.items()))
 
 ###############################################################################
 # Paths #######################################################################
@@ -1627,8 +1615,8 @@ class Walker(object):
                     if self.want_dirs:
                         yield entry[0], entry[1], True, entry[4]
                 continue
-            subdirs = []
-            yield from self.visit(*pending.pop(), subdirs=subdirs)
+            found, subdirs = self.visit(*pending.pop())
+            yield from found
             pending += reversed(subdirs)
             if self.tick is not None:
                 self.tick()
@@ -1668,70 +1656,91 @@ class Walker(object):
                 return ign + [rules]
         return ign
 
-    def visit(self, path, real, ign, depth, ino, subdirs):
-        """Yield what one directory holds; append its subdirectories to `subdirs`."""
+    def visit(self, path, real, ign, depth, ino):
+        """What one directory holds: (found, subdirs), found as (path, real, is_dir,
+        inode) for the caller to yield, subdirs as pending entries to walk."""
         fd, entries = self.scan(real, ino)
         if fd is None:
-            return
-        try:
+            return [], []
+        try:                                    # (the fd stays open: DT_UNKNOWN entries lstat through it)
             ign = self.rules(path, entries, ign)
-            filtering = self.use_ignore and ign
-            check = self.policy.restricted
-            name_ok = self.name_ok
-            deeper = self.max_depth is None or depth + 1 < self.max_depth
-            prefix = path + "/" if path != "/" else "/"
-            rprefix = real + "/" if real != "/" else "/"
-            for e in entries:
-                name = e.name
-                if name in WALK_SKIP:
-                    continue
-                try:
-                    if e.is_file(follow_symlinks=False):          # most entries: test files first
-                        if name_ok is not None and not name_ok(name):
-                            continue
-                        r = rprefix + name
-                        if (filtering and ignored(ign, prefix + name, name, False)) or \
-                                (check and self.policy.is_denied(r)):
-                            continue
-                        yield prefix + name, r, False, e.inode()
-                        continue
-                    if e.is_dir(follow_symlinks=False):
-                        r = rprefix + name
-                        if (filtering and ignored(ign, prefix + name, name, True)) or \
-                                (check and self.policy.is_denied(r)):
-                            continue
-                        if self.want_dirs:
-                            yield prefix + name, r, True, e.inode()
-                        if deeper:
-                            subdirs.append((prefix + name, r, ign, depth + 1, e.inode()))
-                        continue
-                    if not e.is_symlink():
-                        continue                                 # sockets, fifos, devices
-                except OSError:
-                    continue
-                for item in self.link(prefix + name, rprefix + name, name, ign, filtering, depth, deeper):
-                    yield item
+            return self.sort_entries([e for e in entries if e.name not in WALK_SKIP], path, real, ign, depth)
         finally:
             os.close(fd)
 
-    def link(self, path, at, name, ign, filtering, depth, deeper):
-        """A symlink: its target is resolved and checked by its real path."""
+    def sort_entries(self, entries, path, real, ign, depth):
+        """visit()'s (found, subdirs) from a directory's entries: files that pass
+        name_ok, ignore rules and the policy; directories (listed if want_dirs, walked
+        within max_depth); symlinks resolved by link(); sockets, fifos, devices never."""
+        found, subdirs = [], []
+        filtering, screened = self.screening(ign)
+        name_ok = self.name_ok
+        prefix, rprefix = child_prefix(path), child_prefix(real)
+        for e in entries:
+            name = e.name
+            try:
+                if e.is_file(follow_symlinks=False):          # most entries: test files first
+                    if (name_ok is None or name_ok(name)) and not (
+                            screened and self.hidden(ign, filtering, prefix + name, rprefix + name, name, False)):
+                        found.append((prefix + name, rprefix + name, False, e.inode()))
+                elif e.is_dir(follow_symlinks=False):
+                    self.subdir(prefix + name, rprefix + name, e.inode(), ign, filtering, depth, found, subdirs)
+                elif e.is_symlink():
+                    found += self.link(prefix + name, rprefix + name, name, ign, filtering, depth)
+            except OSError:
+                continue                                      # gone since listed: skipped
+        return found, subdirs
+
+    def screening(self, ign):
+        """(whether ignore rules apply here, whether anything may hide an entry)."""
+        filtering = bool(self.use_ignore and ign)
+        return filtering, filtering or self.policy.restricted
+
+    def hidden(self, ign, filtering, path, real, name, is_dir):
+        """Whether an ignore rule or the path policy hides this entry."""
+        return bool(filtering and ignored(ign, path, name, is_dir)) or self.policy.is_denied(real)
+
+    def subdir(self, path, real, ino, ign, filtering, depth, found, subdirs):
+        """A directory entry: listed (want_dirs) and walked (within max_depth) unless hidden."""
+        if self.hidden(ign, filtering, path, real, path[path.rfind("/") + 1:], True):
+            return
+        if self.want_dirs:
+            found.append((path, real, True, ino))
+        if self.max_depth is None or depth + 1 < self.max_depth:
+            subdirs.append((path, real, ign, depth + 1, ino))
+
+    def link(self, path, at, name, ign, filtering, depth):
+        """A symlink's entries for visit(): its target is resolved and checked by its real
+        path; a directory it names is entered later (follow_links) or listed."""
         try:
             target = canonical(at)
             st = os.stat(target)
         except OSError:
-            return                                               # broken or looping links are skipped
+            return ()                                            # broken or looping links are skipped
         is_dir = stat.S_ISDIR(st.st_mode)
-        if (filtering and ignored(ign, path, name, is_dir)) or self.policy.is_denied(target):
-            return
+        if self.hidden(ign, filtering, path, target, name, is_dir):
+            return ()
+        if is_dir and self.follow_links:
+            if self.max_depth is None or depth + 1 < self.max_depth:
+                self.linked.append((path, target, ign, depth + 1))
+            return ()
         if is_dir:
-            if self.follow_links:
-                if deeper:
-                    self.linked.append((path, target, ign, depth + 1))
-            elif self.want_dirs:
-                yield path, target, True, st.st_ino                # listed, not entered
-        elif stat.S_ISREG(st.st_mode) and (self.name_ok is None or self.name_ok(name)):
-            yield path, target, False, st.st_ino
+            return ((path, target, True, st.st_ino),) if self.want_dirs else ()     # listed, not entered
+        if stat.S_ISREG(st.st_mode) and (self.name_ok is None or self.name_ok(name)):
+            return ((path, target, False, st.st_ino),)
+        return ()
+
+    def adopt(self, links, seen):
+        """What a partner reports at the end of a unit it walked: the directory links it
+        left to follow (entered here, in order, once the real tree is done) and the
+        directories it saw (so a link to one of them is not walked twice)."""
+        self.linked += links
+        self.seen.update(seen)
+
+    def share(self, tick):
+        """Walk for a shared walk: links are left in self.linked for the sharer, and
+        `tick` is called after each directory (None: back to walking alone)."""
+        self.defer_links, self.tick = tick is not None, tick
 
     def enter_link(self, path, real, ign, depth):
         """The pending entry of a followed directory link, or None when seen before."""
@@ -1751,6 +1760,11 @@ REGEX_HINTS = ((r"\\p\{L\}|\\pL", r"[^\W\d_]"), (r"\\p\{N\}|\\pN|\\p\{Nd\}", r"\
                (r"\\P\{L\}", r"[\W\d_]"), (r"\\p\{", r"an explicit class such as [a-z] or [^\W\d_]"),
                (r"\\x\{[0-9a-fA-F]+\}", r"\uXXXX (or \U0001XXXX)"), (r"\\z", r"\Z"),
                (r"\\[<>]", r"\b"), (r"\(\?<[a-zA-Z]", r"(?P<name>...)"), (r"\\h", r"[ \t]"))
+
+
+def child_prefix(path):
+    """`path/` (just `/` for the root): what a child's name is appended to."""
+    return path + "/" if path != "/" else "/"
 
 
 def python_regex(pattern):
@@ -1804,13 +1818,7 @@ class Matcher(object):
         if regex and not multiline:
             src = drop_dot_stars(src)                     # '.*TODO.*' matches the lines 'TODO' does
         flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0) | (re.DOTALL if multiline else 0)
-        try:
-            self.rx_text = re.compile(src, flags)
-        except re.error as e:
-            raise ToolError("GREP_INVALID_PATTERN", "pattern %r is not a valid regular expression: %s; escape"
-                            " special characters or fix the syntax (the dialect is Python's re)" % (shorten(pattern), e))
-        except (OverflowError, RecursionError, ValueError) as e:
-            raise ToolError("GREP_INVALID_PATTERN", "pattern %r cannot be compiled: %s" % (shorten(pattern), e))
+        self.rx_text = compile_pattern(pattern, src, flags)
         if src.isascii() and not re.search(r"\\[sS]", src):          # \s differs between str and bytes
             try:
                 self.rx = re.compile(src.encode("ascii"), flags)        # ASCII text: search the bytes as they are
@@ -1821,27 +1829,44 @@ class Matcher(object):
         """Whether this chunk must be searched as decoded text."""
         return self.literal is None and (self.rx is None or not buf[:end].isascii())
 
+    def literal_in(self, buf, n):
+        """Whether the literal occurs in buf[:n] (files mode's quick answer)."""
+        if self.folded:
+            return buf[:n].lower().find(self.literal) >= 0
+        return buf.find(self.literal, 0, n) >= 0
+
     def spans(self, hay, end, first_only=False, pos=0):
         """(start, end) offsets of matching regions in hay[pos:end]; in line mode at
         most one per line, each within a single line. Nothing matches at `end`: the
         text after a final newline is no line."""
+        if self.literal is not None:
+            return self.literal_spans(hay, end, first_only, pos)
+        return self.regex_spans(hay, end, first_only, pos)
+
+    def literal_spans(self, hay, end, first_only, pos):
+        """spans() of a literal: bytes.find, then on from the next line."""
         nl = b"\n" if isinstance(hay, (bytes, bytearray)) else "\n"
         out = []
-        if self.literal is not None:
-            needle, size = self.literal, len(self.literal)
-            if self.folded:
-                hay = hay[:end].lower()                   # same offsets: only ASCII letters change
-            while True:
-                i = hay.find(needle, pos, end)
-                if i < 0:
-                    return out
-                out.append((i, i + size))
-                if first_only:
-                    return out
-                j = hay.find(nl, i + size, end)
-                if j < 0:
-                    return out
-                pos = j + 1
+        needle, size = self.literal, len(self.literal)
+        if self.folded:
+            hay = hay[:end].lower()                   # same offsets: only ASCII letters change
+        while True:
+            i = hay.find(needle, pos, end)
+            if i < 0:
+                return out
+            out.append((i, i + size))
+            if first_only:
+                return out
+            j = hay.find(nl, i + size, end)
+            if j < 0:
+                return out
+            pos = j + 1
+
+    def regex_spans(self, hay, end, first_only, pos):
+        """spans() of a regex: on the bytes or the text, a match that spans lines in
+        line mode retried within its first line."""
+        nl = b"\n" if isinstance(hay, (bytes, bytearray)) else "\n"
+        out = []
         rx = self.rx_text if isinstance(hay, str) else self.rx
         phantom = end == 0 or hay[end - 1:end] in ("\n", b"\n")       # nothing after a final newline
         while pos < end:
@@ -1850,25 +1875,47 @@ class Matcher(object):
                 return out
             s, e = m.span()
             if not self.multiline and hay.find(nl, s, e) >= 0:
-                ls = hay.rfind(nl, 0, s) + 1                 # spans lines: retry within its line
-                le = hay.find(nl, s, end)
-                le = end if le < 0 else le
-                m = rx.search(hay, ls, le)
-                if m is None:
-                    pos = le + 1
+                s, e, pos = within_line(rx, hay, nl, s, end)      # spans lines: retry within its line
+                if s is None:
                     continue
-                s, e = m.span()
             out.append((s, e))
             if first_only:
                 return out
-            if self.multiline:
-                pos = e if e > s else e + 1
-            else:
-                j = hay.find(nl, e, end)
-                if j < 0:
-                    return out
-                pos = j + 1
+            pos = self.after_match(hay, nl, s, e, end)
+            if pos is None:
+                return out
         return out
+
+    def after_match(self, hay, nl, s, e, end):
+        """Where the search goes on after a match at s..e: at its end (multiline), or
+        at the next line (line mode: one match a line); None past the last line."""
+        if self.multiline:
+            return e if e > s else e + 1
+        j = hay.find(nl, e, end)
+        return None if j < 0 else j + 1
+
+
+def within_line(rx, hay, nl, s, end):
+    """A line-mode retry: the first match of rx within the line holding offset s, as
+    (start, end, pos); (None, None, next line's start) when that line has none."""
+    ls = hay.rfind(nl, 0, s) + 1
+    le = hay.find(nl, s, end)
+    le = end if le < 0 else le
+    m = rx.search(hay, ls, le)
+    if m is None:
+        return None, None, le + 1
+    return m.start(), m.end(), None
+
+
+def compile_pattern(pattern, src, flags):
+    """re.compile(src) of the model's `pattern`, or [GREP_INVALID_PATTERN] naming it."""
+    try:
+        return re.compile(src, flags)
+    except re.error as e:
+        raise ToolError("GREP_INVALID_PATTERN", "pattern %r is not a valid regular expression: %s; escape"
+                        " special characters or fix the syntax (the dialect is Python's re)" % (shorten(pattern), e))
+    except (OverflowError, RecursionError, ValueError) as e:
+        raise ToolError("GREP_INVALID_PATTERN", "pattern %r cannot be compiled: %s" % (shorten(pattern), e))
 
 
 def read_chunks(fd, buf, n, whole=False, numbered=True):
@@ -1919,52 +1966,17 @@ def region_records(hay, end, first_line, spans, before, after, state):
     record marks a break between non-adjacent groups."""
     nl = b"\n" if not isinstance(hay, str) else "\n"
     out = []
-    starts = {}
-
-    def bounds(pos):
-        ls = hay.rfind(nl, 0, pos) + 1
-        le = hay.find(nl, pos, end)
-        return ls, (end if le < 0 else le)
-
-    line_no, cursor = first_line, 0
-    matched = []                                  # (line_no, start, stop)
-    for s, e in spans:
-        line_no += hay.count(nl, cursor, s)
-        cursor = s
-        ls, le = bounds(s)
-        last = e - 1 if e > s else s
-        k, pos = line_no, ls
-        while True:
-            matched.append((k, pos, le))
-            if le >= last or le >= end:
-                break
-            pos, k = le + 1, k + 1
-            le = hay.find(nl, pos, end)
-            le = end if le < 0 else le
-    for k, ls, le in matched:
-        starts[k] = (ls, le)
-    want = {}
+    matched = matched_lines(hay, nl, end, first_line, spans)
+    starts = dict((k, (ls, le)) for k, ls, le in matched)       # line number -> (start, stop)
+    want = {}                                                   # line number -> is a match line
     for k, ls, le in matched:
         want[k] = True
-        pos_b, kb = ls, k
-        for _ in range(before):
-            if pos_b == 0:
-                break
-            pb = hay.rfind(nl, 0, pos_b - 1) + 1
-            kb -= 1
-            starts.setdefault(kb, (pb, pos_b - 1))
+        for kb, span in lines_before(hay, nl, k, ls, before):
+            starts.setdefault(kb, span)
             want.setdefault(kb, False)
-            pos_b = pb
-        pos_a, ka = le, k
-        for _ in range(after):
-            if pos_a >= end - 1:
-                break
-            na = hay.find(nl, pos_a + 1, end)
-            na = end if na < 0 else na
-            ka += 1
-            starts.setdefault(ka, (pos_a + 1, na))
+        for ka, span in lines_after(hay, nl, k, le, end, after):
+            starts.setdefault(ka, span)
             want.setdefault(ka, False)
-            pos_a = na
     prev = state.get("last")
     for k in sorted(want):
         if prev is not None and k > prev + 1 and (before or after):
@@ -1976,62 +1988,145 @@ def region_records(hay, end, first_line, spans, before, after, state):
     return out
 
 
+def matched_lines(hay, nl, end, first_line, spans):
+    """(line number, start, stop) of every line a match span touches (several for a
+    multiline match), in order."""
+    line_no, cursor = first_line, 0
+    matched = []
+    for s, e in spans:
+        line_no += hay.count(nl, cursor, s)
+        cursor = s
+        pos = hay.rfind(nl, 0, s) + 1
+        last = e - 1 if e > s else s
+        k = line_no
+        while True:
+            le = hay.find(nl, pos, end)
+            le = end if le < 0 else le
+            matched.append((k, pos, le))
+            if le >= last or le >= end:
+                break
+            pos, k = le + 1, k + 1
+    return matched
+
+
+def lines_before(hay, nl, k, ls, before):
+    """Up to `before` (line number, (start, stop)) context lines above line k at ls."""
+    for _ in range(before):
+        if ls == 0:
+            return
+        pb = hay.rfind(nl, 0, ls - 1) + 1
+        k -= 1
+        yield k, (pb, ls - 1)
+        ls = pb
+
+
+def lines_after(hay, nl, k, le, end, after):
+    """Up to `after` (line number, (start, stop)) context lines below line k ending at le."""
+    for _ in range(after):
+        if le >= end - 1:
+            return
+        na = hay.find(nl, le + 1, end)
+        na = end if na < 0 else na
+        k += 1
+        yield k, (le + 1, na)
+        le = na
+
+
 def grep_file(path, ino, matcher, mode, before=0, after=0, buf=None, max_records=OUTPUT_MAX_CHARS // 2):
     """One file's result: None (binary, unreadable, not a regular file, no longer the
     inode `ino` the walk listed, or no match), True (files mode), a count (count mode)
-    or a list of records (content mode)."""
+    or a list of records (content mode). Steps: open it if it is still the file the
+    walk listed, read the first piece, answer `-l` of a literal from it at once, else
+    run the matcher over the pieces (grep_count or grep_records)."""
     buf = buf if buf is not None else bytearray(GREP_BUFFER)
-    try:
-        fd = os.open(path, os.O_RDONLY | O_FILE)
-    except OSError:
+    fd = open_listed(path, ino)
+    if fd is None:
         return None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
-            return None
         n = os.readv(fd, [buf])
         lead = buf[0] if n else 0                   # 0xff/0xfe: UTF-16 BOM? 0xef: UTF-8 BOM?
         if n < len(buf) and lead < 0xfe:           # most files: one piece, read
             if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
                 return None
             if matcher.literal is not None and mode == "files_with_matches" and lead != 0xef:
-                if matcher.folded:
-                    return buf[:n].lower().find(matcher.literal) >= 0 or None
-                return buf.find(matcher.literal, 0, n) >= 0 or None
+                return matcher.literal_in(buf, n) or None
             pieces = ((buf, n, 1),)
         else:
             pieces = read_chunks(fd, buf, n, mode == "content" and (before or after or matcher.multiline),
                                  numbered=mode == "content")
-        count, records, state = 0, [], {}
-        for piece in pieces:
-            if piece is None:
-                return None
-            hay, end, first = piece
-            if matcher.needs_text(hay, end):
-                hay = hay[:end].decode("utf-8", "surrogateescape")
-                end = len(hay)
-            if first == 1 and hay[:1] in ("\ufeff", b"\xef"):       # a UTF-8 BOM is not part of line 1
-                bom = 1 if isinstance(hay, str) else 3 if hay[:3] == b"\xef\xbb\xbf" else 0
-                hay, end = hay[bom:end], end - bom
-            spans = matcher.spans(hay, end, first_only=(mode == "files_with_matches"))
-            if not spans:
-                continue
-            if mode == "files_with_matches":
-                return True
-            if mode == "count":
-                count += len(spans) if not matcher.multiline else \
-                    len([r for r in region_records(hay, end, first, spans, 0, 0, {}) if r])
-                continue
-            records += region_records(hay, end, first, spans, before, after, state)
-            if len(records) >= max_records:
-                del records[max_records:]                  # more could never be shown
-                break
-    except OSError:
+        if mode == "content":
+            return grep_records(pieces, matcher, before, after, max_records)
+        return grep_count(pieces, matcher, mode == "files_with_matches")
+    except OSError as exc:
+        log("debug", "grep: read failed, file skipped", path=path, error=str(exc))
         return None
     finally:
         os.close(fd)
-    if mode == "count":
-        return count or None
+
+
+def open_listed(path, ino):
+    """A read-only descriptor of `path` if it is still the regular file (inode `ino`,
+    when given) the walk listed; None when it is gone, unreadable or another file now:
+    grep skips such a file, as it skips one that changed while the walk ran."""
+    try:
+        fd = os.open(path, os.O_RDONLY | O_FILE)
+    except OSError:
+        return None                                 # gone or unreadable since listed: skipped
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
+        os.close(fd)
+        return None
+    return fd
+
+
+def text_piece(piece, matcher):
+    """A piece (haystack, end, first line) as the matcher reads it: decoded when the
+    pattern needs text, without the UTF-8 BOM that is not part of line 1."""
+    hay, end, first = piece
+    if matcher.needs_text(hay, end):
+        hay = hay[:end].decode("utf-8", "surrogateescape")
+        end = len(hay)
+    if first == 1 and hay[:1] in ("\ufeff", b"\xef"):
+        bom = 1 if isinstance(hay, str) else 3 if hay[:3] == b"\xef\xbb\xbf" else 0
+        hay, end = hay[bom:end], end - bom
+    return hay, end, first
+
+
+def grep_count(pieces, matcher, files_only):
+    """Files and count modes over a file's pieces: True on the first match (files
+    mode), the number of matches (count mode; a multiline match counts its lines), or
+    None for no match and for a binary file."""
+    count = 0
+    for piece in pieces:
+        if piece is None:
+            return None                             # binary, found past the first piece
+        hay, end, first = text_piece(piece, matcher)
+        spans = matcher.spans(hay, end, first_only=files_only)
+        if spans and files_only:
+            return True
+        if spans and matcher.multiline:
+            spans = [r for r in region_records(hay, end, first, spans, 0, 0, {}) if r]
+        count += len(spans)
+    return count or None
+
+
+def grep_records(pieces, matcher, before, after, max_records):
+    """Content mode over a file's pieces: the records region_records makes, at most
+    `max_records` (more could never be shown), or None for no match and binary files."""
+    records, state = [], {}
+    for piece in pieces:
+        if piece is None:
+            return None
+        hay, end, first = text_piece(piece, matcher)
+        spans = matcher.spans(hay, end, first_only=False)
+        if spans:
+            records += region_records(hay, end, first, spans, before, after, state)
+        if len(records) >= max_records:
+            del records[max_records:]
+            break
     return records or None
 
 
@@ -2048,6 +2143,39 @@ def matcher_of(spec):
 # helper's import path, while it starts in ~25 ms. A helper reads JSON lines on stdin,
 # answers in JSON lines on stdout, writes its tracebacks to the server's stderr, and
 # dies with its parent however the parent dies (guard_helper).
+#
+# The search wire protocol: every message is one JSON object on one line.
+#
+#   from -> to                 message                              when
+#   server -> search helper    a job: {"op": "grep"|"glob"|"match",  one per search; grep_job_of,
+#                              ..., "deadline_s"}                    find_paths, wait_for
+#   search helper -> server    {"items": [...]}                     as results come (Batches:
+#                                                                   SEARCH_BATCH items or 0.2 s)
+#   search helper -> server    {"end": "ok"} or {"end": "error",    the job's last line
+#                              "code", "message"}
+#   search helper -> partner   {"job": job}                         before its first unit
+#   search helper -> partner   {"unit": [root index, use_ignore,    SHARE_AHEAD slices ahead
+#                              [[path, real, ignores, depth, ino]]]}   (share_walk)
+#   partner -> search helper   {"items": [...]}                     a unit's results, if any;
+#                                                                   forwarded as they are
+#   partner -> search helper   {"links": [...], "seen": [...]}      a unit's end: links left to
+#                                                                   follow, directories seen
+#
+# Items: a grep job's are GrepHit records (JSON arrays); a glob job's are flat,
+# [rel, mtime, rel, mtime, ...] (a list per path would double the JSON work), read
+# back as GlobHit pairs by glob_hits(). A match job's one item is true or false.
+
+GrepHit = namedtuple("GrepHit", "real rel mtime result root")
+GrepHit.__doc__ = """One file's grep result: its real path, its path relative to the
+root (None for a file root), mtime in ns (files_with_matches mode only, else 0),
+result (grep_file's: True, a count or records) and the index of its root."""
+GlobHit = namedtuple("GlobHit", "rel mtime")
+GlobHit.__doc__ = """One glob match: its path relative to the search root, mtime in ns."""
+
+
+def glob_hits(flat):
+    """GlobHit pairs of a glob job's flat items."""
+    return [GlobHit(rel, when) for rel, when in zip(flat[0::2], flat[1::2])]
 
 
 def mtime(path):
@@ -2202,8 +2330,7 @@ def name_filter(include, type_name):
 class GrepWork(object):
     """A grep or search_text job as each of its workers runs it: roots are (real,
     is_dir, inode of a file root); take() turns what a walk found into the items to
-    send, [[real, rel, mtime, result, root index]] (mtime only in files_with_matches
-    mode), or None."""
+    send, [GrepHit], or None."""
 
     def __init__(self, job):
         self.job, self.roots = job, job["roots"]
@@ -2228,7 +2355,7 @@ class GrepWork(object):
         if r is None:
             return None
         rel = path[len(root) + 1 if root != "/" else 1:] if root_is_dir else None
-        return [[real, rel, mtime(real) if self.mode == "files_with_matches" else 0, r, k]]
+        return [GrepHit(real, rel, mtime(real) if self.mode == "files_with_matches" else 0, r, k)]
 
     def gather(self, k, walked, items):
         """Append to `items` what take() makes of each (path, real, is_dir, inode) walked."""
@@ -2337,8 +2464,8 @@ def search_job(job, emit, raw=None, partners=None):
         walker = work.walker(k)
         left = deque([walker.start()])
         while left and not (walker.listed >= SHARE_MIN_ENTRIES and len(left) >= SHARE_MIN_UNITS):
-            subdirs = []
-            out.take(work, k, walker.visit(*left.popleft(), subdirs=subdirs))
+            found, subdirs = walker.visit(*left.popleft())
+            out.take(work, k, found)
             left += subdirs
             if time.monotonic() - out.sent > 0.2:
                 out.flush()
@@ -2358,7 +2485,7 @@ def grep_until(work, emit):
             items = work.take(k, *found)
             if items:
                 emit(items)
-                left -= len(items[0][3])
+                left -= len(items[0].result)
                 if left <= 0:
                     return
 
@@ -2541,9 +2668,8 @@ def share_walk(work, walker, k, units, out, partners):
                 continue
             try:
                 for reply in p.replies(out.raw):
-                    walker.linked += [(path, real, ignore_stack(ign, cache), depth)
-                                      for path, real, ign, depth in reply["links"]]
-                    walker.seen.update(tuple(x) for x in reply["seen"])
+                    walker.adopt([(path, real, ignore_stack(ign, cache), depth)
+                                  for path, real, ign, depth in reply["links"]], map(tuple, reply["seen"]))
             except (OSError, ValueError):
                 for entries in p.units:
                     queue.extend(entries)
@@ -2559,17 +2685,17 @@ def share_walk(work, walker, k, units, out, partners):
             service(False)
             if now - out.sent > 0.2:
                 out.flush()
-    walker.defer_links, walker.tick = True, tick
+    walker.share(tick)
     try:
         while service(wait=not queue) or queue:
             if queue and len(queue) < 2 * SHARE_AHEAD * len(active):    # running short: split the next
-                subdirs = []
-                out.take(work, k, walker.visit(*queue.popleft(), subdirs=subdirs))
+                found, subdirs = walker.visit(*queue.popleft())
+                out.take(work, k, found)
                 queue.extendleft(reversed(subdirs))
             elif queue:
                 out.take(work, k, walker.walk([queue.popleft()]))
     finally:
-        walker.defer_links, walker.tick = False, None
+        walker.share(None)
         partners.done(used)
 
 
@@ -2585,7 +2711,7 @@ def helper_partner():
             continue
         k, use_ignore, entries = msg["unit"]
         walker = work.walker(k)
-        walker.use_ignore, walker.defer_links = use_ignore, True
+        walker.use_ignore, walker.defer_links = use_ignore, True       # its links are the helper's to follow
         pending = [(path, real, ignore_stack(ign, cache), depth, ino) for path, real, ign, depth, ino in entries]
         items = []
         work.gather(k, walker.walk(pending), items)
@@ -3306,59 +3432,93 @@ def pump(proc, out, err, deadline=None, stop=None, on_output=None):
         if f is not None:                        # (a terminal has one stream)
             os.set_blocking(f.fileno(), False)
             sel.register(f, selectors.EVENT_READ, cap)
-    why, kill_at, leader_gone_at = "exited", None, None
+    clock = PumpClock(proc, deadline, stop)
     try:
         while sel.get_map() or proc.poll() is None:
-            now = time.monotonic()
-            if why == "exited":
-                if stop is not None and stop.is_set():
-                    why = "stopped"
-                elif deadline is not None and now >= deadline:
-                    why = "timeout"
-                if why != "exited":
-                    signal_group(proc, signal.SIGTERM)
-                    kill_at = now + KILL_GRACE_S
-            if kill_at is not None and now >= kill_at:
-                signal_group(proc, signal.SIGKILL)
-                kill_at = None
-            if leader_gone_at is None and proc.poll() is not None:
-                leader_gone_at = now
-            if leader_gone_at is not None and now - leader_gone_at > LEFTOVER_DRAIN_S:
-                signal_group(proc, signal.SIGKILL)
+            if clock.tick(time.monotonic()):
                 break
             if not sel.get_map():
                 try:                    # pipes closed, leader exiting: wait briefly, not a full tick
                     proc.wait(0.05)
                 except subprocess.TimeoutExpired:
-                    pass
+                    pass                # still exiting: the next tick decides
                 continue
             for key, _ in sel.select(0.05):
-                try:
-                    data = os.read(key.fd, 65536)
-                except BlockingIOError:
-                    continue
-                except OSError as e:
-                    if e.errno != errno.EIO:             # EIO: a terminal whose every writer is gone
-                        raise
-                    data = b""
-                if not data:
+                data = read_ready(key.fd)
+                if data:
+                    key.data.add(data)
+                    if on_output is not None:
+                        on_output(key.data is err, data)
+                elif data is not None:
                     sel.unregister(key.fileobj)
-                    continue
-                key.data.add(data)
-                if on_output is not None:
-                    on_output(key.data is err, data)
     finally:
         sel.close()
-        for f in (proc.stdout, proc.stderr, proc.stdin):
-            if f is not None:
-                try:
-                    f.close()
-                except OSError:
-                    pass
+        close_pipes(proc)
         signal_group(proc, signal.SIGKILL)
         proc.wait()
         finish(proc)
-    return why
+    return clock.why
+
+
+class PumpClock(object):
+    """What time means to one pump(): why the command ends (`exited`, `timeout`,
+    `stopped`), and which signal its group gets when."""
+
+    def __init__(self, proc, deadline, stop):
+        self.proc, self.deadline, self.stop = proc, deadline, stop
+        self.why = "exited"
+        self.kill_at = None                 # SIGKILL due (a grace after SIGTERM)
+        self.leader_gone_at = None          # when the leader was first seen exited
+
+    def tick(self, now):
+        """Signal the group as `now` demands: SIGTERM at the deadline or on stop, SIGKILL
+        a grace later, SIGKILL once leftovers held the pipes LEFTOVER_DRAIN_S after the
+        leader exited (then True: stop reading)."""
+        if self.why == "exited":
+            self.why = self.end_reason(now)
+            if self.why != "exited":
+                signal_group(self.proc, signal.SIGTERM)
+                self.kill_at = now + KILL_GRACE_S
+        if self.kill_at is not None and now >= self.kill_at:
+            signal_group(self.proc, signal.SIGKILL)
+            self.kill_at = None
+        if self.leader_gone_at is None and self.proc.poll() is not None:
+            self.leader_gone_at = now
+        if self.leader_gone_at is not None and now - self.leader_gone_at > LEFTOVER_DRAIN_S:
+            signal_group(self.proc, signal.SIGKILL)
+            return True
+        return False
+
+    def end_reason(self, now):
+        """`stopped` when asked to stop, `timeout` past the deadline, else `exited`."""
+        if self.stop is not None and self.stop.is_set():
+            return "stopped"
+        if self.deadline is not None and now >= self.deadline:
+            return "timeout"
+        return "exited"
+
+
+def read_ready(fd):
+    """What a readable pipe or terminal holds: bytes, b"" at its end, None if nothing
+    was there after all."""
+    try:
+        return os.read(fd, 65536)
+    except BlockingIOError:
+        return None
+    except OSError as e:
+        if e.errno != errno.EIO:             # EIO: a terminal whose every writer is gone
+            raise
+        return b""
+
+
+def close_pipes(proc):
+    """Close our ends of a command's pipes."""
+    for f in (proc.stdout, proc.stderr, proc.stdin):
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass                         # a close error on a pipe loses nothing
 
 
 def describe_exit(proc):
@@ -5506,12 +5666,11 @@ def page(items, args):
 
 
 def newest_first(found):
-    """Relative paths of (rel, mtime) pairs, newest first, ties by path.
+    """The rel paths of GrepHit or GlobHit records, newest first, ties by path.
     Two stable C-level sorts: much cheaper than a Python key for 30k paths."""
-    from operator import itemgetter
-    found = sorted(found, key=itemgetter(0))
-    found.sort(key=itemgetter(1), reverse=True)
-    return [rel for rel, _ in found]
+    found = sorted(found, key=attrgetter("rel"))
+    found.sort(key=attrgetter("mtime"), reverse=True)
+    return [hit.rel for hit in found]
 
 
 def tool_grep(session, args, ctx):
@@ -5539,19 +5698,25 @@ def tool_grep(session, args, ctx):
     notice = [partial_notice(why)] if why else []
     if not items:
         return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)] + notice)
-    hits = [(real, rel if is_dir else shown, when, r) for real, rel, when, r, _ in items]
+    hits = [GrepHit(*item)._replace(rel=item[1] if is_dir else shown) for item in items]
     if mode == "files_with_matches":
-        return cap_lines(page(newest_first([(h[1], h[2]) for h in hits]), args), "files", notice, search_cap(ctx))
+        return cap_lines(page(newest_first(hits), args), "files", notice, search_cap(ctx))
     if not spec.get("stop_after"):
-        hits.sort(key=lambda h: h[1])                  # a head_limit search keeps the order it found
+        hits.sort(key=attrgetter("rel"))               # a head_limit search keeps the order it found
     if mode == "count":
-        return cap_lines(page(["%s:%d" % (rel, n) for _, rel, _, n in hits], args), "files", notice, search_cap(ctx))
-    lines, grouped = [], before > 0 or after > 0
-    for _, rel, _, records in hits:
+        return cap_lines(page(["%s:%d" % (h.rel, h.result) for h in hits], args), "files", notice, search_cap(ctx))
+    return cap_lines(page(grep_lines(hits, before or after, args.get("line_numbers", True)), args), "lines",
+                     notice, search_cap(ctx))
+
+
+def grep_lines(hits, grouped, numbers):
+    """Content mode's lines: each hit's records, `--` between files when there is context."""
+    lines = []
+    for hit in hits:
         if lines and grouped:
             lines.append("--")
-        lines += format_records(rel, records, args.get("line_numbers", True))
-    return cap_lines(page(lines, args), "lines", notice, search_cap(ctx))
+        lines += format_records(hit.rel, hit.result, numbers)
+    return lines
 
 
 def glob_plan(pattern):
@@ -5601,7 +5766,7 @@ def tool_glob(session, args, ctx):
     notice = [partial_notice(why)] if why else []
     if not found:
         return "\n".join(["No files found"] + notice)
-    return cap_lines(page(newest_first(zip(found[0::2], found[1::2])), args), "paths", notice, search_cap(ctx))
+    return cap_lines(page(newest_first(glob_hits(found)), args), "paths", notice, search_cap(ctx))
 
 
 def tool_search_text(session, args, ctx):
@@ -5613,9 +5778,9 @@ def tool_search_text(session, args, ctx):
     roots = [search_root(session, ctx, shown) for shown in shown_paths]
     items, why = ctx.helpers.run(grep_job_of(ctx, roots, spec), ctx.cancelled)
     lines = []
-    for real, rel, _, records, k in sorted(items, key=lambda h: (h[4], h[1] or "")):
-        label = os.path.join(shown_paths[k], rel) if roots[k][1] else shown_paths[k]
-        lines += format_records(label, records, True)
+    for hit in sorted((GrepHit(*item) for item in items), key=lambda h: (h.root, h.rel or "")):
+        label = os.path.join(shown_paths[hit.root], hit.rel) if roots[hit.root][1] else shown_paths[hit.root]
+        lines += format_records(label, hit.result, True)
     notice = [partial_notice(why)] if why else []
     if not lines:
         return "\n".join(["No matches found for %r in %s" % (query, ", ".join(shown_paths))] + notice)
@@ -5627,7 +5792,7 @@ def tool_search_files(session, args, ctx):
     notice = [partial_notice(why)] if why else []
     if not found:
         return "\n".join(["No files found matching %r" % args["pattern"]] + notice)
-    return cap_lines(newest_first(zip(found[0::2], found[1::2])), "paths", notice, search_cap(ctx))
+    return cap_lines(newest_first(glob_hits(found)), "paths", notice, search_cap(ctx))
 
 
 ###############################################################################
@@ -6019,11 +6184,44 @@ def workspace_tools(config):
 
 
 def build_tools(config):
-    """The tools this server registers, in listing order, after compat and disabling."""
+    """The tools this server registers, in listing order, after compat and disabling;
+    a ConfigError for a --disable-tools name no tool has."""
+    off = disabled_tools(config)
     tools = []
     for group in TOOL_GROUPS:
         tools += group(config)
-    return dict((t.name, t) for t in tools if t.name not in config.disabled)
+    return dict((t.name, t) for t in tools if t.name not in off)
+
+
+def tool_names(config):
+    """Every name a tool can be registered under, with or without --anthropic-compat,
+    in listing order: the names --disable-tools accepts, read off the registry itself."""
+    import copy
+    names = []
+    for compat in (False, True):
+        probe = copy.copy(config)
+        probe.anthropic_compat = compat
+        for group in TOOL_GROUPS:
+            names += [t.name for t in group(probe) if t.name not in names]
+    return names
+
+
+def disabled_tools(config):
+    """The registered names --disable-tools removes: a task tool goes with bash, and
+    the compat editor with any of the tools it stands for."""
+    off = set(config.disable_tools)
+    if not off:
+        return off
+    valid = tool_names(config)
+    unknown = [n for n in config.disable_tools if n not in valid]
+    if unknown:
+        raise ConfigError("unknown tool name(s) for --disable-tools: %s; valid names: %s"
+                          % (", ".join(unknown), ", ".join(valid)))
+    if "bash" in off:
+        off.update(("task_output", "task_input", "task_stop"))
+    if config.anthropic_compat and off.intersection(("view", "str_replace", "create_file")):
+        off.add("str_replace_editor")
+    return off
 
 
 def _editor_group(config):
@@ -6343,7 +6541,45 @@ def error_response(rid, code, message, data=None):
 
 
 def result_response(rid, result):
+    """A JSON-RPC result answer."""
     return {"jsonrpc": "2.0", "id": rid, "result": result}
+
+
+def envelope_check(msg):
+    """A message's JSON-RPC envelope: (True, None) to go on; (False, an error answer)
+    for an invalid one; (False, None) for one to drop (a response to us, a notification
+    with bad params)."""
+    if not isinstance(msg, dict):
+        return False, error_response(None, -32600, "Invalid Request: expected a JSON-RPC object"
+                                     + (" (batches are not supported)" if isinstance(msg, list) else ""))
+    method, rid, has_id = msg.get("method"), msg.get("id"), "id" in msg
+    if method is None and ("result" in msg or "error" in msg):
+        return False, None                          # a response to us: we send no requests
+    id_ok = not has_id or valid_id(rid)
+    if msg.get("jsonrpc") != "2.0" or not isinstance(method, str) or not id_ok:
+        return False, error_response(rid if has_id and id_ok else None, -32600, "Invalid Request: need jsonrpc"
+                                     " '2.0', a string method and a string (valid Unicode) or integer id")
+    return params_check(msg.get("params"), rid, has_id)
+
+
+def params_check(params, rid, has_id):
+    """envelope_check's last step: params, when given, must be an object."""
+    if params is None or isinstance(params, dict):
+        return True, None
+    return False, (error_response(rid, -32602, "params must be an object") if has_id else None)
+
+
+def requested_version(rid, params):
+    """The stateless revision a request names in its _meta (None for the session-based
+    ones), and the error answer when it names one this server does not speak."""
+    meta = params.get("_meta")
+    if not isinstance(meta, dict) or META_VERSION_KEY not in meta:
+        return None, None
+    modern = meta[META_VERSION_KEY]
+    if modern in MODERN_VERSIONS:
+        return modern, None
+    return modern, error_response(rid, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version", {
+        "supported": list(MODERN_VERSIONS), "requested": modern[:100] if isinstance(modern, str) else brief(modern)})
 
 
 class McpServer(object):
@@ -6367,42 +6603,30 @@ class McpServer(object):
 
     # -- entry point ---------------------------------------------------------
     def dispatch(self, msg, session, emit):
+        """One incoming message, in three steps: its envelope (envelope_check), its
+        protocol version (requested_version), then its route: a notification, a tool
+        call, or another method (call_method)."""
         session.last_seen = time.monotonic()
-        if not isinstance(msg, dict):
-            emit(error_response(None, -32600, "Invalid Request: expected a JSON-RPC object"
-                                + (" (batches are not supported)" if isinstance(msg, list) else "")))
+        go, refusal = envelope_check(msg)
+        if not go:
+            if refusal is not None:
+                emit(refusal)
             return
-        method, rid, has_id = msg.get("method"), msg.get("id"), "id" in msg
-        if method is None and ("result" in msg or "error" in msg):
-            return                                  # a response to us: we send no requests
-        id_ok = not has_id or valid_id(rid)
-        if msg.get("jsonrpc") != "2.0" or not isinstance(method, str) or not id_ok:
-            emit(error_response(rid if has_id and id_ok else None,
-                                -32600, "Invalid Request: need jsonrpc '2.0', a string method and a"
-                                        " string (valid Unicode) or integer id"))
-            return
-        params = msg.get("params")
-        if params is None:
-            params = {}
-        if not isinstance(params, dict):
-            if has_id:
-                emit(error_response(rid, -32602, "params must be an object"))
-            return
+        method, rid, has_id = msg["method"], msg.get("id"), "id" in msg
+        params = msg.get("params") or {}             # envelope_check let only an object or null by
         if not has_id:
             self.notification(method, params, session)
             return
-        modern = None
-        meta = params.get("_meta")
-        if isinstance(meta, dict) and META_VERSION_KEY in meta:
-            modern = meta[META_VERSION_KEY]
-            if modern not in MODERN_VERSIONS:
-                emit(error_response(rid, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version",
-                                    {"supported": list(MODERN_VERSIONS),
-                                     "requested": modern[:100] if isinstance(modern, str) else brief(modern)}))
-                return
-        if method == "tools/call":
+        modern, refusal = requested_version(rid, params)
+        if refusal is not None:
+            emit(refusal)
+        elif method == "tools/call":
             self.call_tool(rid, params, session, emit, modern)
-            return
+        else:
+            self.call_method(rid, method, params, session, emit, modern)
+
+    def call_method(self, rid, method, params, session, emit, modern):
+        """A request other than tools/call: its handler's result, or the JSON-RPC error."""
         handler = self.METHODS.get(method)
         if handler is None:
             emit(error_response(rid, -32601, "Method not found: %s" % method))
@@ -7184,6 +7408,7 @@ def main(argv=None, environ=None):
         os.execv(sys.executable, [sys.executable, "-X", "utf8", os.path.abspath(__file__)] + argv)
     try:
         config = parse_config(argv, environ)
+        build_tools(config)                           # an unknown --disable-tools name stops start-up
         policy = PathPolicy(config.allow_dir, config.deny_dir, config.workdir)
     except ConfigError as e:
         sys.stderr.write("boris: error: %s\n" % e)

@@ -280,11 +280,18 @@ class TestConfig(unittest.TestCase):
 
     def test_seed003_unknown_tool_name_lists_valid_names(self):
         with self.assertRaises(boris.ConfigError) as cm:
-            self.parse(["--disable-tools", "nonexistent"])
+            boris.build_tools(self.parse(["--disable-tools", "nonexistent"]))
         msg = str(cm.exception)
         self.assertIn("nonexistent", msg)
         for name in ("bash", "view", "grep", "web_fetch", "str_replace_editor"):
             self.assertIn(name, msg)
+        # The valid names are the registry's own, in either compat mode: every tool either
+        # mode registers can be disabled, and nothing else is listed.
+        listed = msg.split("valid names: ")[1].split(", ")
+        both = set(boris.build_tools(self.parse([]))) | set(boris.build_tools(self.parse(["--anthropic-compat"])))
+        self.assertEqual(set(listed), both)
+        for name in listed:
+            boris.build_tools(self.parse(["--disable-tools", name]))
 
     def test_seed003_compat_disable_view_removes_editor(self):
         names = boris.build_tools(self.parse(["--anthropic-compat", "--disable-tools", "view"]))
