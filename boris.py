@@ -457,22 +457,32 @@ def glob_class(pattern, i):
         if c == "]" and items:
             break
         if pattern.startswith("[:", j):
-            k = pattern.find(":]", j + 2)
-            name = pattern[j + 2:k] if k > 0 else ""
-            if name not in POSIX_CLASSES:
-                raise ValueError("unknown character class [:%s:] at position %d (known: %s)"
-                                 % (name, j, ", ".join(sorted(POSIX_CLASSES))))
-            items.append(POSIX_CLASSES[name])
-            j = k + 2
-            continue
-        if c == "\\" and j + 1 < n:
-            items.append(re.escape(pattern[j + 1]))
-            j += 2
-            continue
-        ranged = c == "-" and items and j + 1 < n and pattern[j + 1] != "]"
-        items.append("-" if ranged else re.escape(c))
-        j += 1
+            item, j = posix_class(pattern, j)
+        else:
+            item, j = class_char(pattern, j, bool(items))
+        items.append(item)
     return ("[^/%s]" if neg else "[%s]") % "".join(items), j + 1
+
+
+def class_char(pattern, j, after_item):
+    """(regex, index after it) of a bracket expression's character at pattern[j]: a
+    backslash escapes the next one; `-` between two items is a range."""
+    c, following = pattern[j], pattern[j + 1:j + 2]
+    if c == "\\" and following:
+        return re.escape(following), j + 2
+    if c == "-" and after_item and following not in ("]", ""):
+        return "-", j + 1
+    return re.escape(c), j + 1
+
+
+def posix_class(pattern, j):
+    """(regex, index after it) of the `[:name:]` at pattern[j]; ValueError for an unknown name."""
+    k = pattern.find(":]", j + 2)
+    name = pattern[j + 2:k] if k > 0 else ""
+    if name not in POSIX_CLASSES:
+        raise ValueError("unknown character class [:%s:] at position %d (known: %s)"
+                         % (name, j, ", ".join(sorted(POSIX_CLASSES))))
+    return POSIX_CLASSES[name], k + 2
 
 
 def compile_glob(pattern, git=False):
@@ -483,40 +493,17 @@ def compile_glob(pattern, git=False):
     while i < n:
         c = pattern[i]
         if c == "*":
-            if pattern.startswith("**", i):
-                at_start = i == 0 or pattern[i - 1] == "/"
-                i += 2
-                if at_start and pattern.startswith("/", i):
-                    out.append("(?:.*/)?")         # '**/' : any number of directories
-                    i += 1
-                elif git and not (at_start and i == n):
-                    out.append("[^/]*")            # git: 'a**b' is 'a*b'
-                else:
-                    out.append(".*")               # trailing '/**' : everything below
-                continue
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
+            rx, i = glob_star(pattern, i, git)
         elif c == "[":
             rx, i = glob_class(pattern, i)
-            out.append(rx)
-            continue
-        elif c == "{" and not git:
-            depth += 1
-            if depth > MAX_BRACE_DEPTH:
-                raise ValueError("braces nested over %d deep" % MAX_BRACE_DEPTH)
-            out.append("(?:")
-        elif c == "}" and depth:
-            depth -= 1
-            out.append(")")
-        elif c == "," and depth:
-            out.append("|")
-        elif c == "\\" and i + 1 < n:
+        elif c in "{},":
+            rx, depth = glob_brace(c, depth, git)
             i += 1
-            out.append(re.escape(pattern[i]))
+        elif c == "\\" and i + 1 < n:
+            rx, i = re.escape(pattern[i + 1]), i + 2
         else:
-            out.append(re.escape(c))
-        i += 1
+            rx, i = ("[^/]" if c == "?" else re.escape(c)), i + 1
+        out.append(rx)
     if depth:
         raise ValueError("unclosed '{' (every '{' needs a matching '}')")
     try:
@@ -525,11 +512,55 @@ def compile_glob(pattern, git=False):
         raise ValueError(str(e))
 
 
+def glob_star(pattern, i, git):
+    """(regex, index after it) of the `*` or `**` at pattern[i]."""
+    if not pattern.startswith("**", i):
+        return "[^/]*", i + 1
+    at_start = i == 0 or pattern[i - 1] == "/"
+    i += 2
+    if at_start and pattern.startswith("/", i):
+        return "(?:.*/)?", i + 1                   # '**/' : any number of directories
+    if git and not (at_start and i == len(pattern)):
+        return "[^/]*", i                          # git: 'a**b' is 'a*b'
+    return ".*", i                                 # trailing '/**' : everything below
+
+
+def glob_brace(c, depth, git):
+    """(regex, brace depth after it) of a `{`, `}` or `,`: an alternation's parts
+    (not in gitignore patterns), else the character itself."""
+    if c == "{" and not git:
+        if depth >= MAX_BRACE_DEPTH:
+            raise ValueError("braces nested over %d deep" % MAX_BRACE_DEPTH)
+        return "(?:", depth + 1
+    if c == "}" and depth:
+        return ")", depth - 1
+    if c == "," and depth:
+        return "|", depth
+    return re.escape(c), depth
+
+
 def is_within(path, root):
     """Component-wise containment of canonical paths: /ws2 is not inside /ws."""
     if root == "/":
         return path.startswith("/")
     return path == root or path.startswith(root + "/")
+
+
+def make_dir_at(fd, part, path, made):
+    """An fd of the directory `part` in directory fd, made 0755 (whatever the umask)
+    when missing; its `path` appended to `made` (when given) if this call made it."""
+    try:
+        os.mkdir(part, 0o755, dir_fd=fd)
+        if made is not None:
+            made.append(path)
+    except FileExistsError:
+        pass                            # made meanwhile by someone else: used as it is
+    nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=fd)
+    try:
+        os.fchmod(nfd, 0o755)
+    except OSError:
+        pass                            # not ours to change: it still works as a directory
+    return nfd
 
 
 def canonical(path):
@@ -562,11 +593,8 @@ def canonical(path):
             if links > MAX_SYMLINKS:
                 raise OSError(errno.ELOOP, "too many levels of symbolic links", here)
             target = os.readlink(here)
-            if target.startswith("/"):
-                done = ""
-            more = target.split("/")
-            more.reverse()
-            todo += more
+            done = "" if target.startswith("/") else done
+            todo += reversed(target.split("/"))
             continue
         if not stat.S_ISDIR(mode) and any(p not in ("", ".") for p in todo):
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", here)
@@ -913,17 +941,7 @@ def open_dir(real, create=False, flags=O_DIR_STEP, made=None):
             except FileNotFoundError:
                 if not create:
                     raise
-                try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
-                    if made is not None:
-                        made.append("/" + "/".join(parts[:k + 1]))
-                except FileExistsError:
-                    pass
-                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=fd)
-                try:
-                    os.fchmod(nfd, 0o755)
-                except OSError:
-                    pass
+                nfd = make_dir_at(fd, part, "/" + "/".join(parts[:k + 1]), made)
             os.close(fd)
             fd = nfd
         if not parts and flags != O_DIR_STEP:
@@ -1813,7 +1831,12 @@ class Matcher(object):
         if not regex and (not ignore_case or pattern.isascii()):
             self.literal = (pattern.lower() if ignore_case else pattern).encode("utf-8")
             self.folded = ignore_case                     # -i on ASCII: bytes.lower() and find, no regex
-            return
+        else:
+            self.compile(pattern, regex, ignore_case, multiline)
+
+    def compile(self, pattern, regex, ignore_case, multiline):
+        """The regexes: rx_text on decoded text, and rx on bytes for pure-ASCII text
+        where the pattern means the same there."""
         src = python_regex(pattern) if regex else re.escape(pattern)
         if regex and not multiline:
             src = drop_dot_stars(src)                     # '.*TODO.*' matches the lines 'TODO' does
@@ -2043,17 +2066,9 @@ def grep_file(path, ino, matcher, mode, before=0, after=0, buf=None, max_records
     if fd is None:
         return None
     try:
-        n = os.readv(fd, [buf])
-        lead = buf[0] if n else 0                   # 0xff/0xfe: UTF-16 BOM? 0xef: UTF-8 BOM?
-        if n < len(buf) and lead < 0xfe:           # most files: one piece, read
-            if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
-                return None
-            if matcher.literal is not None and mode == "files_with_matches" and lead != 0xef:
-                return matcher.literal_in(buf, n) or None
-            pieces = ((buf, n, 1),)
-        else:
-            pieces = read_chunks(fd, buf, n, mode == "content" and (before or after or matcher.multiline),
-                                 numbered=mode == "content")
+        answer, pieces = first_pieces(fd, buf, matcher, mode, before or after)
+        if pieces is None:
+            return answer
         if mode == "content":
             return grep_records(pieces, matcher, before, after, max_records)
         return grep_count(pieces, matcher, mode == "files_with_matches")
@@ -2062,6 +2077,21 @@ def grep_file(path, ino, matcher, mode, before=0, after=0, buf=None, max_records
         return None
     finally:
         os.close(fd)
+
+
+def first_pieces(fd, buf, matcher, mode, context):
+    """(answer, None) when the first read settles a file (binary; `-l` of a literal),
+    else (None, its pieces): the one piece read for most files, else read_chunks'."""
+    n = os.readv(fd, [buf])
+    lead = buf[0] if n else 0                   # 0xff/0xfe: UTF-16 BOM? 0xef: UTF-8 BOM?
+    if n >= len(buf) or lead >= 0xfe:
+        return None, read_chunks(fd, buf, n, mode == "content" and (context or matcher.multiline),
+                                 numbered=mode == "content")
+    if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
+        return None, None
+    if matcher.literal is not None and mode == "files_with_matches" and lead != 0xef:
+        return matcher.literal_in(buf, n) or None, None
+    return None, ((buf, n, 1),)                 # most files: one piece, read
 
 
 def open_listed(path, ino):
@@ -2648,55 +2678,80 @@ def share_walk(work, walker, k, units, out, partners):
     lists the next one's top directory only, queueing its subdirectories, so all end
     at about the same time. A partner that dies leaves the units it had not finished
     to this process."""
-    import select
-    from collections import deque
     used = partners.for_walk()
-    active = list(used)
-    queue = deque(units)
-    size = max(1, len(queue) // (SHARE_SLICES * (len(active) + 1)))
-    cache, mark = {}, [0]
-
-    def service(wait):
-        """Keep partners fed, take in what they answered; False once none is busy."""
-        for p in active:
-            while queue and len(p.units) < SHARE_AHEAD:
-                p.give(work, k, walker.use_ignore, [queue.popleft() for _ in range(min(size, len(queue)))])
-        busy = [p for p in active if p.units]
-        ready = select.select([p.proc.stdout for p in busy], [], [], None if wait else 0)[0] if busy else []
-        for p in busy:
-            if p.proc.stdout not in ready:
-                continue
-            try:
-                for reply in p.replies(out.raw):
-                    walker.adopt([(path, real, ignore_stack(ign, cache), depth)
-                                  for path, real, ign, depth in reply["links"]], map(tuple, reply["seen"]))
-            except (OSError, ValueError):
-                for entries in p.units:
-                    queue.extend(entries)
-                p.units = []
-                active.remove(p)
-                p.close()
-        return bool(busy)
-
-    def tick():
-        now = time.monotonic()
-        if now >= mark[0]:
-            mark[0] = now + SHARE_SERVICE_S
-            service(False)
-            if now - out.sent > 0.2:
-                out.flush()
-    walker.share(tick)
+    shared = SharedWalk(work, walker, k, units, out, used)
+    walker.share(shared.tick)
     try:
-        while service(wait=not queue) or queue:
-            if queue and len(queue) < 2 * SHARE_AHEAD * len(active):    # running short: split the next
-                found, subdirs = walker.visit(*queue.popleft())
-                out.take(work, k, found)
-                queue.extendleft(reversed(subdirs))
-            elif queue:
-                out.take(work, k, walker.walk([queue.popleft()]))
+        shared.run()
     finally:
         walker.share(None)
         partners.done(used)
+
+
+class SharedWalk(object):
+    """One share_walk: the queue of units left, the partners still at work, and the
+    ignore files their replies name (read once)."""
+
+    def __init__(self, work, walker, k, units, out, partners):
+        from collections import deque
+        self.work, self.walker, self.k, self.out = work, walker, k, out
+        self.active = list(partners)
+        self.queue = deque(units)
+        self.size = max(1, len(self.queue) // (SHARE_SLICES * (len(self.active) + 1)))
+        self.cache, self.mark = {}, 0
+
+    def run(self):
+        """Walk here from the queue's front while the partners walk their slices."""
+        queue, walker = self.queue, self.walker
+        while self.service(wait=not queue) or queue:
+            if queue and len(queue) < 2 * SHARE_AHEAD * len(self.active):    # running short: split the next
+                found, subdirs = walker.visit(*queue.popleft())
+                self.out.take(self.work, self.k, found)
+                queue.extendleft(reversed(subdirs))
+            elif queue:
+                self.out.take(self.work, self.k, walker.walk([queue.popleft()]))
+
+    def tick(self):
+        """Called by the walker after each directory: service the partners every
+        SHARE_SERVICE_S, flush results every 0.2 s."""
+        now = time.monotonic()
+        if now >= self.mark:
+            self.mark = now + SHARE_SERVICE_S
+            self.service(False)
+            if now - self.out.sent > 0.2:
+                self.out.flush()
+
+    def service(self, wait):
+        """Keep partners fed, take in what they answered; False once none is busy."""
+        import select
+        for p in self.active:
+            self.feed(p)
+        busy = [p for p in self.active if p.units]
+        ready = select.select([p.proc.stdout for p in busy], [], [], None if wait else 0)[0] if busy else []
+        for p in busy:
+            if p.proc.stdout in ready:
+                self.answered(p)
+        return bool(busy)
+
+    def feed(self, p):
+        """Give partner p slices from the queue's front until it is SHARE_AHEAD ahead."""
+        queue = self.queue
+        while queue and len(p.units) < SHARE_AHEAD:
+            p.give(self.work, self.k, self.walker.use_ignore, [queue.popleft() for _ in range(min(self.size, len(queue)))])
+
+    def answered(self, p):
+        """Take in partner p's replies; a partner that died gives its units back."""
+        try:
+            for reply in p.replies(self.out.raw):
+                self.walker.adopt([(path, real, ignore_stack(ign, self.cache), depth)
+                                   for path, real, ign, depth in reply["links"]], map(tuple, reply["seen"]))
+        except (OSError, ValueError) as e:
+            log("debug", "search partner lost; its units are walked here", error=str(e))
+            for entries in p.units:
+                self.queue.extend(entries)
+            p.units = []
+            self.active.remove(p)
+            p.close()
 
 
 def helper_partner():
@@ -3143,30 +3198,62 @@ class Sandbox(object):
                                               "" if self.network else " --sandbox-network on allows the network,"))
 
 
+def fetch_error(e, url, fired, timed_out):
+    """web_fetch's fixed-string error for what urllib raised (`timed_out` when the
+    whole-call timeout `fired` or the socket timed out)."""
+    import socket
+    import urllib.error
+    import urllib.parse
+    if isinstance(e, urllib.error.HTTPError):
+        if e.code in (301, 302, 303, 307, 308):
+            return plain_error("错误：重定向次数过多（超过 %d 次）: %s" % (WEB_MAX_REDIRECTS, url))
+        return plain_error("错误：HTTP %d: %s" % (e.code, url))
+    reason = getattr(e, "reason", e)
+    if isinstance(reason, ToolError):
+        return reason
+    if fired or isinstance(reason, socket.timeout) or "timed out" in str(reason):
+        return timed_out
+    if isinstance(reason, socket.gaierror):
+        return plain_error("错误：无法解析主机 %s: %s" % (urllib.parse.urlsplit(url).hostname, url))
+    if isinstance(reason, ConnectionRefusedError):
+        return plain_error("错误：连接被拒绝: %s" % url)
+    return plain_error("错误：请求失败（%s）: %s" % (reason, url))
+
+
 def resolve_sandbox(config, policy, abi=None):
     """The Sandbox that --sandbox/--sandbox-network ask for on this kernel. An explicit
     mode the kernel cannot give raises ConfigError (one line, exit 2); auto without it
     falls back to off with a warning."""
-    import tempfile
     mode = config.sandbox
     if mode == "off" or (mode == "auto" and not policy.allow):
         return Sandbox.off("--sandbox off" if mode == "off" else "--sandbox auto: no --allow-dir")
     abi = landlock_abi() if abi is None else abi
     if not abi:
-        why = no_sandbox_reason()
-        if mode == "auto":
-            log("warn", "sandbox off: %s; bash commands can write anywhere this user can" % why)
-            return Sandbox.off("--sandbox auto: " + why)
-        raise ConfigError("--sandbox %s cannot be honoured: %s" % (mode, why))
-    network = config.sandbox_network if config.sandbox_network is not None else False
+        return no_landlock(mode)
+    network = bool(config.sandbox_network)              # None: the sandbox decides, and it says off
     if not network and abi < 4 and not userns_works():
         raise ConfigError("--sandbox-network off cannot be honoured: Landlock ABI %d has no TCP rules and user"
                           " namespaces are not available; pass --sandbox-network on" % abi)
+    return Sandbox("workspace-write" if mode == "auto" else mode, writable_roots(mode, policy), network, abi,
+                   "--sandbox %s" % mode)
+
+
+def no_landlock(mode):
+    """Without Landlock: auto falls back to off, saying so; an explicit mode is a ConfigError."""
+    why = no_sandbox_reason()
+    if mode == "auto":
+        log("warn", "sandbox off: %s; bash commands can write anywhere this user can" % why)
+        return Sandbox.off("--sandbox auto: " + why)
+    raise ConfigError("--sandbox %s cannot be honoured: %s" % (mode, why))
+
+
+def writable_roots(mode, policy):
+    """Where sandboxed commands may write: the allowed directories (or the workspace)
+    and the temp directory; only the temp directory when read-only. Nested ones go."""
+    import tempfile
     roots = [] if mode == "read-only" else (list(policy.allow) or [policy.workdir])
     roots.append(os.path.realpath(tempfile.gettempdir()))
-    roots = sorted(set(r for r in roots if not any(r != o and is_within(r, o) for o in roots)))
-    return Sandbox("workspace-write" if mode == "auto" else mode, roots, network, abi,
-                   "--sandbox %s" % mode)
+    return sorted(set(r for r in roots if not any(r != o and is_within(r, o) for o in roots)))
 
 
 def no_sandbox_reason():
@@ -3300,33 +3387,14 @@ def apply_landlock(spec):
     """Restrict this process (and all it will start) to writing beneath spec['writable']
     and the harmless devices; no TCP when spec['net'] is 'landlock'; signals and
     abstract unix sockets scoped to its own domain (ABI 6+)."""
-    import struct
     ctypes, libc = _libc()
     abi = spec["abi"]
-    write = LL_WRITE_FILE | LL_REMOVE_DIR | LL_REMOVE_FILE | LL_MAKE_ALL
-    write |= (LL_REFER if abi >= 2 else 0) | (LL_TRUNCATE if abi >= 3 else 0)
-    net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP if spec["net"] == "landlock" else 0
-    scoped = LL_SCOPE_SIGNAL | (LL_SCOPE_ABSTRACT_UNIX if spec["net"] else 0) if abi >= 6 else 0
-    attr = struct.pack("<QQQ", write, net, scoped)[:8 if abi < 4 else 16 if abi < 6 else 24]
-    buf = ctypes.create_string_buffer(attr, len(attr))
-    ruleset = libc.syscall(LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
-    if ruleset < 0:
-        raise OSError(ctypes.get_errno(), "landlock_create_ruleset: %s" % os.strerror(ctypes.get_errno()))
+    write, ruleset = landlock_ruleset(spec)
     try:
         file_rights = LL_WRITE_FILE | (LL_TRUNCATE if abi >= 3 else 0)
         for path, rights in ([(p, write) for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)] +
                              [(p, file_rights) for p in SANDBOX_DEVICES]):
-            try:
-                fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC)
-            except OSError:
-                continue                                   # (a device or directory this system lacks)
-            try:
-                rule = ctypes.create_string_buffer(struct.pack("<Qi", rights, fd), 12)
-                if libc.syscall(LANDLOCK_ADD_RULE, ruleset, 1, rule, ctypes.c_uint32(0)) < 0:
-                    raise OSError(ctypes.get_errno(), "landlock_add_rule %s: %s"
-                                  % (path, os.strerror(ctypes.get_errno())))
-            finally:
-                os.close(fd)
+            landlock_allow(ruleset, path, rights)
         if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         if libc.syscall(LANDLOCK_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)) < 0:
@@ -3899,9 +3967,7 @@ def http_fetch(url, timeout, cancelled=None, block_private=False, shown=None):
     the URL as `shown` (as the model gave it). At most WEB_MAX_REDIRECTS redirects
     (http/https only), at most WEB_MAX_BYTES read; `timeout` bounds the whole call,
     and `cancelled` ends it at once."""
-    import socket
     import urllib.error
-    import urllib.parse
     import urllib.request
 
     request_url, url = url, shown or url
@@ -3926,21 +3992,8 @@ def http_fetch(url, timeout, cancelled=None, block_private=False, shown=None):
             return ctype, charset, b"".join(chunks)
     except ToolError:
         raise
-    except urllib.error.HTTPError as e:
-        if e.code in (301, 302, 303, 307, 308):
-            raise plain_error("错误：重定向次数过多（超过 %d 次）: %s" % (WEB_MAX_REDIRECTS, url))
-        raise plain_error("错误：HTTP %d: %s" % (e.code, url))
     except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        if isinstance(reason, ToolError):
-            raise reason
-        if watch.fired.is_set() or isinstance(reason, socket.timeout) or "timed out" in str(reason):
-            raise timed_out
-        if isinstance(reason, socket.gaierror):
-            raise plain_error("错误：无法解析主机 %s: %s" % (urllib.parse.urlsplit(url).hostname, url))
-        if isinstance(reason, ConnectionRefusedError):
-            raise plain_error("错误：连接被拒绝: %s" % url)
-        raise plain_error("错误：请求失败（%s）: %s" % (reason, url))
+        raise fetch_error(e, url, watch.fired.is_set(), timed_out)
     finally:
         watch.close()
         for sock in watch.sockets:
@@ -4163,6 +4216,8 @@ def resolve_checked(session, ctx, path, name="path"):
 ###############################################################################
 
 def tool_view(session, args, ctx):
+    """view: a file's numbered lines (a view_range of them), an image, a notebook's
+    cells, or a directory's tree two levels deep."""
     shown = args["path"]
     real = resolve_checked(session, ctx, shown)
     vr = parse_view_range(args.get("view_range"))
@@ -4184,20 +4239,13 @@ def tool_view(session, args, ctx):
             if mime == "image/svg+xml" and svg_as_text(ctx):
                 kind, note = "text", "(%s is an SVG image, shown as its source: this client's model takes no SVG" \
                                      " images)\n" % shown
-            if kind == "image":
-                data = head + read_fd(fh.fileno(), limit - len(head), shown) if len(head) == SNIFF_BYTES else head
-                session.mark_viewed(real, Seen(st, digest_of(data)))
-                return image_result(ctx, shown, data, mime)
             if kind == "binary":
                 return "Binary file (%s): %s is not shown as text" % (human_size(st.st_size), shown)
-            if real.endswith(".ipynb"):
+            if kind == "image" or real.endswith(".ipynb"):
                 data = head + read_fd(fh.fileno(), limit - len(head), shown) if len(head) == SNIFF_BYTES else head
-                try:
-                    blocks = render_notebook(ctx, shown, data.decode("utf-8", "replace"), vr)
-                    session.mark_viewed(real, Seen(st, digest_of(data)))
-                    return blocks
-                except (ValueError, RecursionError) as e:
-                    note = "(%s is not a valid notebook (%s); shown as text)\n" % (shown, shorten(str(e), 120))
+                shown_as, note = view_whole(session, ctx, real, shown, st, data, mime if kind == "image" else None, vr)
+                if shown_as is not None:
+                    return shown_as
             fh.seek(0)
             reader = LineReader(fh, max(limit, st.st_size) + 1, whole=True)
             text = note + read_numbered(reader, vr, shown, ctx.config.max_result_chars - len(note))
@@ -4208,6 +4256,20 @@ def tool_view(session, args, ctx):
             raise io_error(e, shown)
     session.mark_viewed(real, seen)
     return text
+
+
+def view_whole(session, ctx, real, shown, st, data, image_mime, vr):
+    """(content, "") for an image (image_mime) or a notebook read whole; (None, a note)
+    for a notebook that is not valid JSON, then shown as text after the note."""
+    if image_mime is not None:
+        session.mark_viewed(real, Seen(st, digest_of(data)))
+        return image_result(ctx, shown, data, image_mime), ""
+    try:
+        blocks = render_notebook(ctx, shown, data.decode("utf-8", "replace"), vr)
+    except (ValueError, RecursionError) as e:
+        return None, "(%s is not a valid notebook (%s); shown as text)\n" % (shown, shorten(str(e), 120))
+    session.mark_viewed(real, Seen(st, digest_of(data)))
+    return blocks, ""
 
 
 # What the model APIs behind the coding agents take (clientInfo.name prefix -> image
@@ -4275,27 +4337,41 @@ def image_size(data, mime):
         if mime == "image/x-icon":
             return data[6] or 256, data[7] or 256
         if mime == "image/webp":
-            chunk = data[12:16]
-            if chunk == b"VP8X":
-                return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
-            if chunk == b"VP8 ":
-                w, h = struct.unpack("<HH", data[26:30])
-                return w & 0x3FFF, h & 0x3FFF
-            if chunk == b"VP8L":
-                b = int.from_bytes(data[21:25], "little")
-                return (b & 0x3FFF) + 1, ((b >> 14) & 0x3FFF) + 1
+            return webp_size(data)
         if mime == "image/jpeg":
-            i = 2
-            while i + 9 < len(data):
-                if data[i] != 0xFF:
-                    return None
-                marker, length = data[i + 1], struct.unpack(">H", data[i + 2:i + 4])[0]
-                if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-                    h, w = struct.unpack(">HH", data[i + 5:i + 9])
-                    return w, h
-                i += 2 + length
+            return jpeg_size(data)
     except (struct.error, IndexError):
-        return None
+        return None                       # a header cut short: the size cannot be told
+    return None
+
+
+def webp_size(data):
+    """(width, height) from a WebP header (VP8X, VP8 or VP8L), or None."""
+    import struct
+    chunk = data[12:16]
+    if chunk == b"VP8X":
+        return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+    if chunk == b"VP8 ":
+        w, h = struct.unpack("<HH", data[26:30])
+        return w & 0x3FFF, h & 0x3FFF
+    if chunk == b"VP8L":
+        b = int.from_bytes(data[21:25], "little")
+        return (b & 0x3FFF) + 1, ((b >> 14) & 0x3FFF) + 1
+    return None
+
+
+def jpeg_size(data):
+    """(width, height) from a JPEG's first start-of-frame marker, or None."""
+    import struct
+    i = 2
+    while i + 9 < len(data):
+        if data[i] != 0xFF:
+            return None
+        marker, length = data[i + 1], struct.unpack(">H", data[i + 2:i + 4])[0]
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            h, w = struct.unpack(">HH", data[i + 5:i + 9])
+            return w, h
+        i += 2 + length
     return None
 
 
@@ -4472,6 +4548,23 @@ def match_lines(text, old, most=20):
     return ", ".join(lines) + ", ..."
 
 
+def patch_lines(text):
+    """A patch's lines from `*** Begin Patch` to `*** End Patch` (blank lines around
+    them dropped), or INVALID_INPUT saying which is missing."""
+    lines = text.replace("\r\n", "\n").split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    if not lines or lines[0].strip() != "*** Begin Patch":
+        raise ToolError("INVALID_INPUT", "a patch starts with the line '*** Begin Patch' (and ends with"
+                        " '*** End Patch')")
+    if lines[-1].strip() != "*** End Patch":
+        raise ToolError("INVALID_INPUT", "a patch ends with the line '*** End Patch'; the last line is %r"
+                        % shorten(lines[-1], 80))
+    return lines
+
+
 def closest_region(text, old, cancelled=None, what="old_str"):
     """A note on where `old` nearly is: the most similar run of lines with its line
     numbers and a short diff (or a word on line-number prefixes and whitespace).
@@ -4491,18 +4584,25 @@ def closest_region(text, old, cancelled=None, what="old_str"):
         return " old_str starts its lines with view's line-number prefixes (number, tab); leave them out."
     want = want[:MISS_WINDOW_LINES]
     n = len(want)
-    starts = candidate_starts(lines, want, cancelled)
+    best, at = best_window(lines, want, candidate_starts(lines, want, cancelled), cancelled)
+    if at is None or best < 0.5:
+        return ""
+    return region_report(lines[at:at + n], want, at, best, what)
+
+
+def best_window(lines, want, starts, cancelled):
+    """(score, first line) of the candidate window most like `want`; (0.0, None) when
+    there is none or the call was cancelled."""
+    n = len(want)
     best, at = 0.0, None
     for start in starts:
         if cancelled is not None and cancelled.is_set():
-            return ""
+            return 0.0, None
         s = max(0, min(start, len(lines) - n)) if len(lines) >= n else 0
         score = window_similarity(lines[s:s + n], want)
         if score > best:
             best, at = score, s
-    if at is None or best < 0.5:
-        return ""
-    return region_report(lines[at:at + n], want, at, best, what)
+    return best, at
 
 
 def region_report(region, want, at, best, what):
@@ -4523,8 +4623,6 @@ def region_report(region, want, at, best, what):
 def candidate_starts(lines, want, cancelled):
     """Up to MISS_CANDIDATES line indexes where `want` may start in `lines`, most
     likely first (see closest_region)."""
-    import difflib
-    import heapq
     from collections import Counter
     keys = {}
     for k, w in enumerate(want):
@@ -4536,22 +4634,29 @@ def candidate_starts(lines, want, cancelled):
         if k is not None:
             votes[i - k] += 1
     if not votes:
-        first = next((k for k, w in enumerate(want) if w.strip()), None)
-        if first is None:
-            return []
-        matcher = difflib.SequenceMatcher(autojunk=False)
-        matcher.set_seq2(want[first].strip()[:200])
-        close = []
-        for i, line in enumerate(lines[:MISS_SCAN_LINES]):
-            if i % 1000 == 0 and cancelled is not None and cancelled.is_set():
-                return []
-            matcher.set_seq1(line.strip()[:200])
-            if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6:
-                ratio = matcher.ratio()
-                if ratio >= 0.6:
-                    close.append((ratio, -i))                  # (-i: the first of equal ones wins)
-        return [-neg_i - first for _, neg_i in heapq.nlargest(MISS_CANDIDATES, close)]
+        return closest_first_lines(lines, want, cancelled)
     return [start for start, _ in votes.most_common(MISS_CANDIDATES)]
+
+
+def closest_first_lines(lines, want, cancelled):
+    """candidate_starts without a single line in common: the places whose line is
+    closest (ratio >= 0.6) to want's first non-blank line, among the first
+    MISS_SCAN_LINES lines."""
+    import difflib
+    import heapq
+    first = next((k for k, w in enumerate(want) if w.strip()), None)
+    if first is None:
+        return []
+    matcher = difflib.SequenceMatcher(autojunk=False)
+    matcher.set_seq2(want[first].strip()[:200])
+    close = []
+    for i, line in enumerate(lines[:MISS_SCAN_LINES]):
+        if i % 1000 == 0 and cancelled is not None and cancelled.is_set():
+            return []
+        matcher.set_seq1(line.strip()[:200])
+        if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6 and matcher.ratio() >= 0.6:
+            close.append((matcher.ratio(), -i))                  # (-i: the first of equal ones wins)
+    return [-neg_i - first for _, neg_i in heapq.nlargest(MISS_CANDIDATES, close)]
 
 
 def window_similarity(region, want):
@@ -4586,8 +4691,13 @@ def replace_text(text, old, new, replace_all, shown, cancelled=None):
         raise ToolError("STR_REPLACE_AMBIGUOUS", "old_str occurs %d times in %s (at lines %s) and must be unique;"
                         " add surrounding lines to old_str to pick one, or set replace_all to true"
                         % (count, shown, match_lines(text, old)))
+    return replaced(text, old, new), count, text.find(old)
+
+
+def replaced(text, old, new):
+    """text with every `old` replaced by `new` in the line ending of where it goes."""
     bare = new.replace("\r\n", "\n")
-    parts, pos, first = [], 0, text.find(old)
+    parts, pos = [], 0
     while True:
         i = text.find(old, pos)
         if i < 0:
@@ -4596,7 +4706,7 @@ def replace_text(text, old, new, replace_all, shown, cancelled=None):
         parts += [text[pos:i], bare if nl == "\n" else to_crlf(bare)]
         pos = i + len(old)
     parts.append(text[pos:])
-    return "".join(parts), count, first
+    return "".join(parts)
 
 
 def tool_str_replace(session, args, ctx):
@@ -4730,17 +4840,7 @@ def parse_patch(text):
     """[(op, path, ...)] of a patch: ('add', path, lines), ('delete', path),
     ('update', path, move_to or None, [Hunk]); ToolError(INVALID_INPUT) naming the
     line that breaks the format."""
-    lines = text.replace("\r\n", "\n").split("\n")
-    while lines and not lines[-1].strip():
-        lines.pop()
-    while lines and not lines[0].strip():
-        lines.pop(0)
-    if not lines or lines[0].strip() != "*** Begin Patch":
-        raise ToolError("INVALID_INPUT", "a patch starts with the line '*** Begin Patch' (and ends with"
-                        " '*** End Patch')")
-    if lines[-1].strip() != "*** End Patch":
-        raise ToolError("INVALID_INPUT", "a patch ends with the line '*** End Patch'; the last line is %r"
-                        % shorten(lines[-1], 80))
+    lines = patch_lines(text)
     reader = PatchReader(lines)
     ops = []
     while reader.i < reader.end:
@@ -5111,37 +5211,44 @@ def render_notebook(ctx, shown, text, vr):
     blocks, parts, size = [], ["%s: notebook, %d cells (view_range counts cells)" % (shown, len(cells))], 0
     cap = ctx.config.max_result_chars - 600
     for k in range(start, last + 1):
-        cell = cells[k - 1]
-        piece = [cell_header(k, cell)] + [number_lines([clip_line(l) for l in cell_source(cell).split("\n")], 1)]
-        images = []
-        for out in cell.get("outputs", []) if isinstance(cell.get("outputs"), list) else []:
-            text_out, image = render_output_of(out)
-            if text_out:
-                piece.append(text_out)
-            if image:
-                images.append(image)
-        piece = "\n".join(piece)
+        piece, images = rendered_cell(k, cells[k - 1])
         if size + len(piece) > cap and k > start:
             notice = "[cells %d-%d of %d shown; read on with view_range [%d, %d]]" % (start, k - 1, len(cells), k, end)
-            blocks = [text_block(notice)] + blocks + [text_block("\n".join(parts)), text_block(notice)]
-            return blocks
+            return [text_block(notice)] + blocks + [text_block("\n".join(parts)), text_block(notice)]
         size += len(piece)
         parts.append(piece)
         for mime, data in images:
-            try:
-                image = image_result(ctx, "%s cell %d" % (shown, k), data, mime)
-            except ToolError as e:
-                parts.append("[output image not shown: %s]" % e.message)
-                continue
-            if isinstance(image, str):                  # a type this client's model does not take
-                parts.append(image)
-                continue
-            blocks.append(text_block("\n".join(parts)))
-            parts = []
-            blocks += image
+            parts = add_output_image(ctx, "%s cell %d" % (shown, k), data, mime, blocks, parts)
     if parts:
         blocks.append(text_block("\n".join(parts)))
     return blocks
+
+
+def rendered_cell(k, cell):
+    """(text, [(mime, data) of its output images]) of notebook cell number k."""
+    piece = [cell_header(k, cell)] + [number_lines([clip_line(l) for l in cell_source(cell).split("\n")], 1)]
+    images = []
+    for out in cell.get("outputs", []) if isinstance(cell.get("outputs"), list) else []:
+        text_out, image = render_output_of(out)
+        if text_out:
+            piece.append(text_out)
+        if image:
+            images.append(image)
+    return "\n".join(piece), images
+
+
+def add_output_image(ctx, label, data, mime, blocks, parts):
+    """Add an output image after the text so far (`parts`, then flushed to `blocks`), or
+    a line saying why it is not shown; the text parts still open, returned."""
+    try:
+        image = image_result(ctx, label, data, mime)
+    except ToolError as e:
+        return parts + ["[output image not shown: %s]" % e.message]
+    if isinstance(image, str):                  # a type this client's model does not take
+        return parts + [image]
+    blocks.append(text_block("\n".join(parts)))
+    blocks += image
+    return []
 
 
 def cell_header(k, cell):
@@ -5361,14 +5468,37 @@ class ProgressLines(object):
             last if len(last) <= PROGRESS_LINE_CHARS else last[:PROGRESS_LINE_CHARS] + "..."))
 
 
+def task_stdin(args):
+    """A task's stdin for bash's arguments: `tty`, `pipe` (interactive), `null` (in the
+    background), or None for a foreground command."""
+    if args.get("tty"):
+        return "tty"
+    if args.get("interactive"):
+        return "pipe"
+    return "null" if args.get("run_in_background") else None
+
+
+def ending_line(why, timeout_ms, out, err):
+    """The line a foreground command's answer starts with when it did not just exit."""
+    if why == "timeout":
+        return "Command timed out after %d ms and was killed; output so far is below.%s" % (
+            timeout_ms, " It may be waiting for input: run it with interactive: true (tty: true if it wants a"
+                        " terminal) and answer with task_input." if looks_like_prompt(out, err) else "")
+    if why == "stopped":
+        return "Command was cancelled and killed."
+    return ""
+
+
 def tool_bash(session, args, ctx):
+    """bash: run a command in the session's shell state (cwd), in the foreground
+    within its timeout, or as a task (run_in_background, interactive, tty)."""
     command = args["command"]
     if not command.strip():
         raise ToolError("BASH_EMPTY_COMMAND", "command is empty; give a shell command to run")
     timeout_ms = bash_timeout_ms(args, ctx.config)
-    if args.get("run_in_background") or args.get("interactive") or args.get("tty"):
-        return start_task(session, command, ctx, "tty" if args.get("tty") else
-                          "pipe" if args.get("interactive") else "null")
+    stdin = task_stdin(args)
+    if stdin is not None:
+        return start_task(session, command, ctx, stdin)
     marker = ("__BORIS_CWD_%s__" % session.nonce).encode()
     script = "%s\n__boris_status=$?\nprintf '\\n%%s%%s\\n' '%s' \"$PWD\"\nexit $__boris_status\n" % (
         command, marker.decode())
@@ -5383,17 +5513,11 @@ def tool_bash(session, args, ctx):
         with session.lock:
             session.foreground.discard(proc)
     new_cwd = out.strip_sentinel(marker)
-    head = []
-    if why == "timeout":
-        head.append("Command timed out after %d ms and was killed; output so far is below.%s" % (
-            timeout_ms, " It may be waiting for input: run it with interactive: true (tty: true if it wants a"
-                        " terminal) and answer with task_input." if looks_like_prompt(out, err) else ""))
-    elif why == "stopped":
-        head.append("Command was cancelled and killed.")
-    head.append(describe_exit(proc))
+    head = [ending_line(why, timeout_ms, out, err), describe_exit(proc)]
     if new_cwd and new_cwd != session.get_cwd() and os.path.isdir(new_cwd):
         session.set_cwd(new_cwd)
         head.append("cwd: %s" % new_cwd)
+    head = [line for line in head if line]
     body, notice = render_output(out, err, output_budget(ctx))
     hint = ctx.sandbox.hint(body) if proc.returncode else ""
     return read_on("\n".join(head) + "\n" + body + ("\n" + hint if hint else ""), notice)
@@ -5524,26 +5648,44 @@ def await_task(task, ctx, wait_for, wait_ms, settle):
     the call is cancelled. wait_ms defaults to 0 (600 s with wait_for); settle=True
     (task_input without either) waits up to TASK_SETTLE_MAX_S for an answer to come
     and then go quiet for TASK_SETTLE_S."""
-    if wait_ms is None and settle and not wait_for:
-        wait_ms = TASK_SETTLE_MAX_S * 1000
-    else:
-        settle = False
-    wait_ms = min(max(0, wait_ms or (BASH_MAX_TIMEOUT_MS if wait_for else 0)), BASH_MAX_TIMEOUT_MS)
-    deadline = time.monotonic() + wait_ms / 1000.0
-    matches = output_test(ctx, wait_for, deadline) if wait_for else None
-    seen, quiet_since = None, None
+    settle = settle and wait_ms is None and not wait_for
+    deadline = time.monotonic() + wait_budget_ms(wait_ms, wait_for, settle) / 1000.0
+    watch = OutputWatch(output_test(ctx, wait_for, deadline) if wait_for else None, settle)
     while not task.done.is_set() and not ctx.cancelled.is_set() and time.monotonic() < deadline:
-        if matches is not None or settle:
-            recent = task.out.recent() + "\n" + task.err.recent()
-            if matches is not None and recent != seen and matches(recent):
-                return
-            if settle and recent.strip():
-                if recent != seen:
-                    quiet_since = time.monotonic()
-                elif time.monotonic() - quiet_since >= TASK_SETTLE_S:
-                    return
-            seen = recent
+        if watch.answered(task):
+            return
         task.done.wait(min(0.05, max(0.0, deadline - time.monotonic())))   # a cancel frees the worker
+
+
+def wait_budget_ms(wait_ms, wait_for, settle):
+    """How long await_task may wait: wait_ms, or TASK_SETTLE_MAX_S to settle, or the
+    longest wait with wait_for (0 without), at most BASH_MAX_TIMEOUT_MS."""
+    if settle:
+        return TASK_SETTLE_MAX_S * 1000
+    return min(max(0, wait_ms or (BASH_MAX_TIMEOUT_MS if wait_for else 0)), BASH_MAX_TIMEOUT_MS)
+
+
+class OutputWatch(object):
+    """What await_task waits for in a task's recent output: a wait_for match, or
+    (settle) an answer that has come and gone quiet for TASK_SETTLE_S."""
+
+    def __init__(self, matches, settle):
+        self.matches, self.settle = matches, settle
+        self.seen, self.quiet_since = None, None
+
+    def answered(self, task):
+        """Whether the output now holds what is awaited."""
+        if self.matches is None and not self.settle:
+            return False
+        recent = task.out.recent() + "\n" + task.err.recent()
+        changed, self.seen = recent != self.seen, recent
+        if self.matches is not None and changed and self.matches(recent):
+            return True
+        if not self.settle or not recent.strip():
+            return False
+        if changed:
+            self.quiet_since = time.monotonic()
+        return time.monotonic() - self.quiet_since >= TASK_SETTLE_S
 
 
 def tool_task_input(session, args, ctx):
@@ -5682,31 +5824,43 @@ def tool_grep(session, args, ctx):
         raise ToolError("GREP_INVALID_PATTERN", "pattern is empty; give a regular expression to search for")
     shown = args.get("path") or "."
     root = search_root(session, ctx, shown)
-    is_dir = root[1]
+    spec = grep_tool_spec(args, pattern, mode)
+    items, why = ctx.helpers.run(grep_job_of(ctx, [root], spec, args.get("include"), args.get("type")),
+                                 ctx.cancelled)
+    notice = [partial_notice(why)] if why else []
+    if not items:
+        return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)] + notice)
+    hits = [GrepHit(*item)._replace(rel=item[1] if root[1] else shown) for item in items]
+    return grep_answer(hits, spec, args, notice, search_cap(ctx))
+
+
+def grep_tool_spec(args, pattern, mode):
+    """The grep tool's job spec: context lines (content mode), how many records a file
+    may give, and where a head_limit content search stops."""
     ctx_n = args.get("context") or 0
     before = args.get("context_before", ctx_n) if mode == "content" else 0
     after = args.get("context_after", ctx_n) if mode == "content" else 0
     if min(before, after) < 0:
         raise ToolError("INVALID_INPUT", "context lines must be 0 or more")
     spec = grep_spec(pattern, True, bool(args.get("case_insensitive")), bool(args.get("multiline")),
-                        mode, before, after)
+                     mode, before, after)
     spec["max_records"] = (args.get("offset") or 0) + (args.get("head_limit") or OUTPUT_MAX_CHARS // 2)
     if mode == "content" and args.get("head_limit"):
         spec["stop_after"] = spec["max_records"]       # the search ends once that many lines are in
-    items, why = ctx.helpers.run(grep_job_of(ctx, [root], spec, args.get("include"), args.get("type")),
-                                 ctx.cancelled)
-    notice = [partial_notice(why)] if why else []
-    if not items:
-        return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)] + notice)
-    hits = [GrepHit(*item)._replace(rel=item[1] if is_dir else shown) for item in items]
+    return spec
+
+
+def grep_answer(hits, spec, args, notice, cap):
+    """The grep tool's text for its hits, in its output mode, paged and capped."""
+    mode = spec["mode"]
     if mode == "files_with_matches":
-        return cap_lines(page(newest_first(hits), args), "files", notice, search_cap(ctx))
+        return cap_lines(page(newest_first(hits), args), "files", notice, cap)
     if not spec.get("stop_after"):
         hits.sort(key=attrgetter("rel"))               # a head_limit search keeps the order it found
     if mode == "count":
-        return cap_lines(page(["%s:%d" % (h.rel, h.result) for h in hits], args), "files", notice, search_cap(ctx))
-    return cap_lines(page(grep_lines(hits, before or after, args.get("line_numbers", True)), args), "lines",
-                     notice, search_cap(ctx))
+        return cap_lines(page(["%s:%d" % (h.rel, h.result) for h in hits], args), "files", notice, cap)
+    return cap_lines(page(grep_lines(hits, spec["before"] or spec["after"], args.get("line_numbers", True)), args),
+                     "lines", notice, cap)
 
 
 def grep_lines(hits, grouped, numbers):
@@ -6557,7 +6711,7 @@ def envelope_check(msg):
         return False, None                          # a response to us: we send no requests
     id_ok = not has_id or valid_id(rid)
     if msg.get("jsonrpc") != "2.0" or not isinstance(method, str) or not id_ok:
-        return False, error_response(rid if has_id and id_ok else None, -32600, "Invalid Request: need jsonrpc"
+        return False, error_response(rid if id_ok else None, -32600, "Invalid Request: need jsonrpc"
                                      " '2.0', a string method and a string (valid Unicode) or integer id")
     return params_check(msg.get("params"), rid, has_id)
 
@@ -7180,19 +7334,19 @@ def http_read_body(h):
         return None
 
 
+def is_final(out, rid):
+    """Whether `out` ends request rid's answer: its result or error, or None (cancelled)."""
+    return out is None or (out.get("id") == rid and ("result" in out or "error" in out))
+
+
 def http_pick_session(h, msg):
     """(session, new id or None); (None, None) after a refusal was sent."""
     t = h.transport
-    params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
-    meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
-    header_version = h.headers.get("MCP-Protocol-Version")
+    meta = request_meta(msg)
     rid = msg.get("id") if valid_id(msg.get("id")) else None
-    if META_VERSION_KEY in meta:
-        if header_version and header_version != meta[META_VERSION_KEY]:
-            http_reply(h, 400, error_response(rid, -32600, "MCP-Protocol-Version header does not match _meta"))
-            return None, None
-    elif header_version and header_version not in PROTOCOL_VERSIONS + MODERN_VERSIONS:
-        http_reply(h, 400, error_response(rid, -32600, "Unsupported MCP-Protocol-Version: %s" % header_version))
+    refusal = version_header_refusal(h.headers.get("MCP-Protocol-Version"), meta)
+    if refusal:
+        http_reply(h, 400, error_response(rid, -32600, refusal))
         return None, None
     sid = h.headers.get("Mcp-Session-Id")
     if msg.get("method") == "initialize" and "id" in msg:
@@ -7208,6 +7362,24 @@ def http_pick_session(h, msg):
         return t.principal_session(principal(h)), None
     http_reply(h, 400, error_response(rid, -32600, "Bad Request: missing Mcp-Session-Id header (initialize first)"))
     return None, None
+
+
+def request_meta(msg):
+    """A request's params._meta, {} when it has none (or not an object)."""
+    params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
+    return params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+
+
+def version_header_refusal(header_version, meta):
+    """Why the MCP-Protocol-Version header is refused (it contradicts _meta's version,
+    or names none this server speaks), or None."""
+    if META_VERSION_KEY in meta:
+        if header_version and header_version != meta[META_VERSION_KEY]:
+            return "MCP-Protocol-Version header does not match _meta"
+        return None
+    if header_version and header_version not in PROTOCOL_VERSIONS + MODERN_VERSIONS:
+        return "Unsupported MCP-Protocol-Version: %s" % header_version
+    return None
 
 
 def principal(h):
@@ -7241,6 +7413,40 @@ def http_start_stream(h, headers):
     h.close_connection = True
 
 
+def landlock_ruleset(spec):
+    """(the write rights handled, a new ruleset's fd) for spec's ABI: writes, TCP
+    when spec['net'] is 'landlock', signal and abstract-socket scopes from ABI 6."""
+    import struct
+    ctypes, libc = _libc()
+    abi = spec["abi"]
+    write = LL_WRITE_FILE | LL_REMOVE_DIR | LL_REMOVE_FILE | LL_MAKE_ALL
+    write |= (LL_REFER if abi >= 2 else 0) | (LL_TRUNCATE if abi >= 3 else 0)
+    net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP if spec["net"] == "landlock" else 0
+    scoped = LL_SCOPE_SIGNAL | (LL_SCOPE_ABSTRACT_UNIX if spec["net"] else 0) if abi >= 6 else 0
+    attr = struct.pack("<QQQ", write, net, scoped)[:8 if abi < 4 else 16 if abi < 6 else 24]
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    ruleset = libc.syscall(LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset: %s" % os.strerror(ctypes.get_errno()))
+    return write, ruleset
+
+
+def landlock_allow(ruleset, path, rights):
+    """Grant `rights` beneath `path` in the ruleset; a path this system lacks is skipped."""
+    import struct
+    ctypes, libc = _libc()
+    try:
+        fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC)
+    except OSError:
+        return                                     # (a device or directory this system lacks)
+    try:
+        rule = ctypes.create_string_buffer(struct.pack("<Qi", rights, fd), 12)
+        if libc.syscall(LANDLOCK_ADD_RULE, ruleset, 1, rule, ctypes.c_uint32(0)) < 0:
+            raise OSError(ctypes.get_errno(), "landlock_add_rule %s: %s" % (path, os.strerror(ctypes.get_errno())))
+    finally:
+        os.close(fd)
+
+
 def http_answer(h, msg, session, sid):
     """Dispatch one request; reply with JSON, or with an SSE stream once a progress
     notification arrives before the result."""
@@ -7261,7 +7467,7 @@ def http_answer(h, msg, session, sid):
             if session.is_inflight(rid) or not box.empty():
                 continue
             out = None                               # cancelled: no response is sent
-        final = out is None or (out.get("id") == rid and ("result" in out or "error" in out))
+        final = is_final(out, rid)
         if not streaming:
             if final:
                 http_reply(h, 204 if out is None else 200, out, headers)
