@@ -401,15 +401,19 @@ def given_flags(argv):
     return given
 
 
+def flag_raws(flag, env, default, given, environ):
+    """(raw values, where they came from: flag, env or default) of one flag."""
+    if flag in given:
+        return given[flag], "flag"
+    if environ.get(env, "") != "":
+        return [environ[env]], "env"
+    return ([default] if default else []), "default"
+
+
 def flag_value(flag, env, default, kind, given, environ):
     """One flag's typed value: the last one given, else its environment variable, else
     the default; a list flag joins every value given (comma-separated too)."""
-    if flag in given:
-        raws, source = given[flag], "flag"
-    elif environ.get(env, "") != "":
-        raws, source = [environ[env]], "env"
-    else:
-        raws, source = ([default] if default else []), "default"
+    raws, source = flag_raws(flag, env, default, given, environ)
     if kind == "list":
         return [p.strip() for raw in raws for p in raw.split(",") if p.strip()]
     if not raws:
@@ -563,6 +567,17 @@ def make_dir_at(fd, part, path, made):
     return nfd
 
 
+def follow_link(here, links, done, todo):
+    """canonical()'s step at the symlink `here` (the links-th met): its target's parts
+    go onto `todo`; the path so far, or '' for an absolute target. ELOOP past
+    MAX_SYMLINKS links."""
+    if links > MAX_SYMLINKS:
+        raise OSError(errno.ELOOP, "too many levels of symbolic links", here)
+    target = os.readlink(here)
+    todo += reversed(target.split("/"))
+    return "" if target.startswith("/") else done
+
+
 def canonical(path):
     """The canonical form of the absolute `path`, resolved one component at a time.
 
@@ -577,7 +592,7 @@ def canonical(path):
     done, links = "", 0
     while todo:
         part = todo.pop()
-        if part == "" or part == ".":
+        if part in ("", "."):
             continue
         if part == "..":
             done = done[:done.rfind("/")]
@@ -590,11 +605,7 @@ def canonical(path):
             continue
         if stat.S_ISLNK(mode):
             links += 1
-            if links > MAX_SYMLINKS:
-                raise OSError(errno.ELOOP, "too many levels of symbolic links", here)
-            target = os.readlink(here)
-            done = "" if target.startswith("/") else done
-            todo += reversed(target.split("/"))
+            done = follow_link(here, links, done, todo)
             continue
         if not stat.S_ISDIR(mode) and any(p not in ("", ".") for p in todo):
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", here)
@@ -664,14 +675,19 @@ class PathPolicy(object):
         for d in self.deny_dirs:
             if is_within(real, d):
                 return "is inside the denied directory %s" % d
-        if self.deny_globs or self.deny_names:
-            parts = real.strip("/").split("/")
-            for k in range(len(parts), 0, -1):
-                sub = "/".join(parts[:k])
-                if any(rx.match(sub) for rx in self.deny_globs) or \
-                        any(rx.match(parts[k - 1]) for rx in self.deny_names):
-                    return "matches a denied pattern (%s)" % ", ".join(self.deny_raw)
+        if (self.deny_globs or self.deny_names) and self.pattern_denies(real):
+            return "matches a denied pattern (%s)" % ", ".join(self.deny_raw)
         return None
+
+    def pattern_denies(self, real):
+        """Whether a deny pattern matches `real` or one of the directories above it
+        (a glob the path from /, a bare name one component)."""
+        parts = real.strip("/").split("/")
+        for k in range(len(parts), 0, -1):
+            sub = "/".join(parts[:k])
+            if any(rx.match(sub) for rx in self.deny_globs) or any(rx.match(parts[k - 1]) for rx in self.deny_names):
+                return True
+        return False
 
     def is_denied(self, real):
         return self.restricted and self.denial(real) is not None
@@ -1235,6 +1251,22 @@ def open_temp(dfd, base):
     return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_FILE, 0o600, dir_fd=dfd), name
 
 
+def temp_names(dfd):
+    """The names in directory dfd that look like our temp files (.NAME.tmp); none when
+    it cannot be listed."""
+    try:
+        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC, dir_fd=dfd)
+    except OSError:
+        return []
+    try:
+        with os.scandir(fd) as it:
+            return [e.name for e in it if e.name.startswith(".") and e.name.endswith(".tmp")]
+    except OSError:
+        return []                                  # unlistable: nothing is cleaned, nothing lost
+    finally:
+        os.close(fd)
+
+
 def clean_leftovers(dfd, directory):
     """Remove temp files a killed boris left in this directory (once per directory
     per run): those of a process that is gone, or of an earlier run with our PID."""
@@ -1248,14 +1280,7 @@ def clean_leftovers(dfd, directory):
     if len(_cleaned_dirs) >= CLEANED_DIRS_MAX:         # bounded: a directory may be cleaned twice
         _cleaned_dirs.clear()
     _cleaned_dirs.add(key)
-    try:
-        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC, dir_fd=dfd)
-        with os.scandir(fd) as it:
-            names = [e.name for e in it if e.name.startswith(".") and e.name.endswith(".tmp")]
-        os.close(fd)
-    except OSError:
-        return
-    for name in names:
+    for name in temp_names(dfd):
         m = re.match(_TEMP_NAME, name, re.DOTALL)
         if m and is_stale(int(m.group(1)), m.group(2)):
             try:
@@ -1480,19 +1505,7 @@ class IgnoreFile(object):
         self.base, self.source = base, source
         self.rules = []                      # (regex, negated, dir_only, anchored)
         for raw in lines:
-            line = raw.rstrip("\n").rstrip("\r")
-            if not line or line.startswith("#"):
-                continue
-            while line.endswith(" ") and not line.endswith("\\ "):
-                line = line[:-1]
-            neg = line.startswith("!")
-            if neg:
-                line = line[1:]
-            elif line.startswith("\\!") or line.startswith("\\#"):
-                line = line[1:]
-            dir_only = line.endswith("/")
-            if dir_only:
-                line = line[:-1]             # one slash: 'foo//' is 'foo/' anchored, which names nothing
+            line, neg, dir_only = ignore_pattern(raw)
             if not line:
                 continue
             anchored = "/" in line
@@ -1512,6 +1525,23 @@ class IgnoreFile(object):
             if rx.match(rel if anchored else name):
                 return not neg
         return None
+
+
+def ignore_pattern(raw):
+    """(pattern, negated, directories only) of a .gitignore line; pattern '' for a
+    blank line or a comment. Unescaped trailing spaces go; '\\!' and '\\#' are literal."""
+    line = raw.rstrip("\n").rstrip("\r")
+    if line.startswith("#"):
+        return "", False, False
+    while line.endswith(" ") and not line.endswith("\\ "):
+        line = line[:-1]
+    neg = line.startswith("!")
+    if neg or line.startswith(("\\!", "\\#")):
+        line = line[1:]
+    dir_only = line.endswith("/")
+    if dir_only:
+        line = line[:-1]             # one slash: 'foo//' is 'foo/' anchored, which names nothing
+    return line, neg, dir_only
 
 
 def as_bytes(text):
@@ -1724,7 +1754,7 @@ class Walker(object):
             return
         if self.want_dirs:
             found.append((path, real, True, ino))
-        if self.max_depth is None or depth + 1 < self.max_depth:
+        if self.deeper(depth):
             subdirs.append((path, real, ign, depth + 1, ino))
 
     def link(self, path, at, name, ign, filtering, depth):
@@ -1739,14 +1769,22 @@ class Walker(object):
         if self.hidden(ign, filtering, path, target, name, is_dir):
             return ()
         if is_dir and self.follow_links:
-            if self.max_depth is None or depth + 1 < self.max_depth:
+            if self.deeper(depth):
                 self.linked.append((path, target, ign, depth + 1))
             return ()
         if is_dir:
             return ((path, target, True, st.st_ino),) if self.want_dirs else ()     # listed, not entered
-        if stat.S_ISREG(st.st_mode) and (self.name_ok is None or self.name_ok(name)):
+        if stat.S_ISREG(st.st_mode) and self.name_passes(name):
             return ((path, target, False, st.st_ino),)
         return ()
+
+    def deeper(self, depth):
+        """Whether the walk goes below a directory at `depth` (max_depth)."""
+        return self.max_depth is None or depth + 1 < self.max_depth
+
+    def name_passes(self, name):
+        """Whether a file of this name is wanted (name_ok)."""
+        return self.name_ok is None or self.name_ok(name)
 
     def adopt(self, links, seen):
         """What a partner reports at the end of a unit it walked: the directory links it
@@ -1888,13 +1926,12 @@ class Matcher(object):
     def regex_spans(self, hay, end, first_only, pos):
         """spans() of a regex: on the bytes or the text, a match that spans lines in
         line mode retried within its first line."""
-        nl = b"\n" if isinstance(hay, (bytes, bytearray)) else "\n"
+        nl, rx = ("\n", self.rx_text) if isinstance(hay, str) else (b"\n", self.rx)
         out = []
-        rx = self.rx_text if isinstance(hay, str) else self.rx
-        phantom = end == 0 or hay[end - 1:end] in ("\n", b"\n")       # nothing after a final newline
+        phantom = hay[end - 1:end] in ("\n", b"\n", "", b"")       # nothing after a final newline
         while pos < end:
             m = rx.search(hay, pos, end)
-            if m is None or (m.start() == end and phantom):
+            if m is None or (phantom and m.start() == end):
                 return out
             s, e = m.span()
             if not self.multiline and hay.find(nl, s, e) >= 0:
@@ -1902,9 +1939,7 @@ class Matcher(object):
                 if s is None:
                     continue
             out.append((s, e))
-            if first_only:
-                return out
-            pos = self.after_match(hay, nl, s, e, end)
+            pos = None if first_only else self.after_match(hay, nl, s, e, end)
             if pos is None:
                 return out
         return out
@@ -2085,8 +2120,8 @@ def first_pieces(fd, buf, matcher, mode, context):
     n = os.readv(fd, [buf])
     lead = buf[0] if n else 0                   # 0xff/0xfe: UTF-16 BOM? 0xef: UTF-8 BOM?
     if n >= len(buf) or lead >= 0xfe:
-        return None, read_chunks(fd, buf, n, mode == "content" and (context or matcher.multiline),
-                                 numbered=mode == "content")
+        whole = bool(context or matcher.multiline)
+        return None, read_chunks(fd, buf, n, mode == "content" and whole, numbered=mode == "content")
     if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
         return None, None
     if matcher.literal is not None and mode == "files_with_matches" and lead != 0xef:
@@ -2476,7 +2511,6 @@ def search_job(job, emit, raw=None, partners=None):
     SHARE_MIN_UNITS directories still to go; those subtrees are then shared with
     `partners` (a Partners; fresh ones for this job when None). Followed directory
     links come last, walked here. A 'match' job tests a wait_for pattern."""
-    from collections import deque
     if job["op"] == "match":
         emit(match_job(job))
         return
@@ -2488,21 +2522,28 @@ def search_job(job, emit, raw=None, partners=None):
         return
     out = Batches(emit, raw)
     for k, (real, is_dir, ino) in enumerate(work.roots):
-        if not is_dir:
+        if is_dir:
+            walk_root(work, k, out, partners)
+        else:
             out.take(work, k, [(real, real, False, ino)])
-            continue
-        walker = work.walker(k)
-        left = deque([walker.start()])
-        while left and not (walker.listed >= SHARE_MIN_ENTRIES and len(left) >= SHARE_MIN_UNITS):
-            found, subdirs = walker.visit(*left.popleft())
-            out.take(work, k, found)
-            left += subdirs
-            if time.monotonic() - out.sent > 0.2:
-                out.flush()
-        if left:
-            share_walk(work, walker, k, left, out, partners)
-        out.take(work, k, walker.walk([]))
     out.flush()
+
+
+def walk_root(work, k, out, partners):
+    """Walk directory root k breadth first until it is big enough to share, then
+    share the rest (share_walk); followed links last, here."""
+    from collections import deque
+    walker = work.walker(k)
+    left = deque([walker.start()])
+    while left and not (walker.listed >= SHARE_MIN_ENTRIES and len(left) >= SHARE_MIN_UNITS):
+        found, subdirs = walker.visit(*left.popleft())
+        out.take(work, k, found)
+        left += subdirs
+        if time.monotonic() - out.sent > 0.2:
+            out.flush()
+    if left:
+        share_walk(work, walker, k, left, out, partners)
+    out.take(work, k, walker.walk([]))
 
 
 def grep_until(work, emit):
@@ -2806,24 +2847,29 @@ def helper_search(inp=None, out=None, partners=None):
             if not line:
                 return None
             job = json.loads(line.decode("utf-8", "surrogateescape"))
-            if alarms and job.get("deadline_s"):
-                signal.setitimer(signal.ITIMER_REAL, job["deadline_s"] + DEADLINE_GRACE_S)
-            try:
-                search_job(job, emit, raw, partners)
-                end = {"end": "ok"}
-            except ToolError as e:
-                end = {"end": "error", "code": e.code, "message": e.message}
-            except Exception as e:
-                import traceback
-                sys.stderr.write("boris: search helper %d: the job failed:\n%s" % (os.getpid(), traceback.format_exc()))
-                sys.stderr.flush()
-                end = {"end": "error", "code": "IO_ERROR", "message": "the search failed: %r" % e}
-            finally:
-                if alarms:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-            raw(json.dumps(end).encode("ascii"))
+            raw(json.dumps(helper_job(job, emit, raw, partners, alarms)).encode("ascii"))
     finally:
         partners.close()
+
+
+def helper_job(job, emit, raw, partners, alarms):
+    """Run one job in a search helper (under a SIGALRM deadline when `alarms`); its end
+    line: {"end": "ok"} or {"end": "error", code, message}, a traceback on stderr."""
+    if alarms and job.get("deadline_s"):
+        signal.setitimer(signal.ITIMER_REAL, job["deadline_s"] + DEADLINE_GRACE_S)
+    try:
+        search_job(job, emit, raw, partners)
+        return {"end": "ok"}
+    except ToolError as e:
+        return {"end": "error", "code": e.code, "message": e.message}
+    except Exception as e:
+        import traceback
+        sys.stderr.write("boris: search helper %d: the job failed:\n%s" % (os.getpid(), traceback.format_exc()))
+        sys.stderr.flush()
+        return {"end": "error", "code": "IO_ERROR", "message": "the search failed: %r" % e}
+    finally:
+        if alarms:
+            signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def match_job(job):
@@ -3383,6 +3429,40 @@ def helper_sandbox(spec, argv):
     os.execv(argv[0], argv)
 
 
+def landlock_ruleset(spec):
+    """(the write rights handled, a new ruleset's fd) for spec's ABI: writes, TCP
+    when spec['net'] is 'landlock', signal and abstract-socket scopes from ABI 6."""
+    import struct
+    ctypes, libc = _libc()
+    abi = spec["abi"]
+    write = LL_WRITE_FILE | LL_REMOVE_DIR | LL_REMOVE_FILE | LL_MAKE_ALL
+    write |= (LL_REFER if abi >= 2 else 0) | (LL_TRUNCATE if abi >= 3 else 0)
+    net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP if spec["net"] == "landlock" else 0
+    scoped = LL_SCOPE_SIGNAL | (LL_SCOPE_ABSTRACT_UNIX if spec["net"] else 0) if abi >= 6 else 0
+    attr = struct.pack("<QQQ", write, net, scoped)[:8 if abi < 4 else 16 if abi < 6 else 24]
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    ruleset = libc.syscall(LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset: %s" % os.strerror(ctypes.get_errno()))
+    return write, ruleset
+
+
+def landlock_allow(ruleset, path, rights):
+    """Grant `rights` beneath `path` in the ruleset; a path this system lacks is skipped."""
+    import struct
+    ctypes, libc = _libc()
+    try:
+        fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC)
+    except OSError:
+        return                                     # (a device or directory this system lacks)
+    try:
+        rule = ctypes.create_string_buffer(struct.pack("<Qi", rights, fd), 12)
+        if libc.syscall(LANDLOCK_ADD_RULE, ruleset, 1, rule, ctypes.c_uint32(0)) < 0:
+            raise OSError(ctypes.get_errno(), "landlock_add_rule %s: %s" % (path, os.strerror(ctypes.get_errno())))
+    finally:
+        os.close(fd)
+
+
 def apply_landlock(spec):
     """Restrict this process (and all it will start) to writing beneath spec['writable']
     and the harmless devices; no TCP when spec['net'] is 'landlock'; signals and
@@ -3493,13 +3573,8 @@ def pump(proc, out, err, deadline=None, stop=None, on_output=None):
     SIGKILL after the grace period. When the leader exits, leftover members holding
     the pipes get LEFTOVER_DRAIN_S before they are killed, so nothing outlives the
     call. Returns 'exited', 'timeout' or 'stopped'."""
-    import selectors
     import subprocess
-    sel = selectors.DefaultSelector()
-    for f, cap in ((proc.stdout, out), (proc.stderr, err)):
-        if f is not None:                        # (a terminal has one stream)
-            os.set_blocking(f.fileno(), False)
-            sel.register(f, selectors.EVENT_READ, cap)
+    sel = pipe_selector(proc, out, err)
     clock = PumpClock(proc, deadline, stop)
     try:
         while sel.get_map() or proc.poll() is None:
@@ -3526,6 +3601,18 @@ def pump(proc, out, err, deadline=None, stop=None, on_output=None):
         proc.wait()
         finish(proc)
     return clock.why
+
+
+def pipe_selector(proc, out, err):
+    """A selector over the command's stdout and stderr (a terminal has one stream),
+    non-blocking, each keyed to its Capture."""
+    import selectors
+    sel = selectors.DefaultSelector()
+    for f, cap in ((proc.stdout, out), (proc.stderr, err)):
+        if f is not None:
+            os.set_blocking(f.fileno(), False)
+            sel.register(f, selectors.EVENT_READ, cap)
+    return sel
 
 
 class PumpClock(object):
@@ -4224,9 +4311,7 @@ def tool_view(session, args, ctx):
     try:
         fd, st = open_regular(real, shown)
     except IsADirectoryError:
-        if vr is not None:
-            raise ToolError("INVALID_INPUT", "view_range applies to files, and %s is a directory" % shown)
-        return list_tree(real, ctx.policy, shown)
+        return view_directory(ctx, real, shown, vr)
     limit = ctx.config.max_file_size
     with os.fdopen(fd, "rb") as fh:
         if st.st_size > limit:
@@ -4234,15 +4319,11 @@ def tool_view(session, args, ctx):
                             " it, or raise --max-file-size" % (shown, human_size(st.st_size), human_size(limit)))
         try:
             head = fh.read(SNIFF_BYTES)
-            kind, mime = sniff(head, real)
-            note = ""
-            if mime == "image/svg+xml" and svg_as_text(ctx):
-                kind, note = "text", "(%s is an SVG image, shown as its source: this client's model takes no SVG" \
-                                     " images)\n" % shown
+            kind, mime, note = view_kind(ctx, head, real, shown)
             if kind == "binary":
                 return "Binary file (%s): %s is not shown as text" % (human_size(st.st_size), shown)
             if kind == "image" or real.endswith(".ipynb"):
-                data = head + read_fd(fh.fileno(), limit - len(head), shown) if len(head) == SNIFF_BYTES else head
+                data = head + read_fd(fh.fileno(), limit - len(head), shown)      # (none left after a short head)
                 shown_as, note = view_whole(session, ctx, real, shown, st, data, mime if kind == "image" else None, vr)
                 if shown_as is not None:
                     return shown_as
@@ -4256,6 +4337,23 @@ def tool_view(session, args, ctx):
             raise io_error(e, shown)
     session.mark_viewed(real, seen)
     return text
+
+
+def view_directory(ctx, real, shown, vr):
+    """view of a directory: its tree (a view_range is for files only)."""
+    if vr is not None:
+        raise ToolError("INVALID_INPUT", "view_range applies to files, and %s is a directory" % shown)
+    return list_tree(real, ctx.policy, shown)
+
+
+def view_kind(ctx, head, real, shown):
+    """(kind, mime, note) of a file view shows: sniffed from its head, an SVG shown
+    as text (with a note saying why) to a client whose model takes no SVG."""
+    kind, mime = sniff(head, real)
+    if mime == "image/svg+xml" and svg_as_text(ctx):
+        return "text", mime, "(%s is an SVG image, shown as its source: this client's model takes no SVG" \
+                             " images)\n" % shown
+    return kind, mime, ""
 
 
 def view_whole(session, ctx, real, shown, st, data, image_mime, vr):
@@ -4387,6 +4485,14 @@ def parse_view_range(vr):
     return start, end
 
 
+def first_lines_notice(lines, total):
+    """view without a range of a file longer than VIEW_MAX_LINES: its first lines,
+    with the view_range that reads on."""
+    return read_on(number_lines(lines, 1), "[Truncated: file has %d lines. Use view_range to read specific"
+                   " sections (e.g. [%d, %d]); lines 1-%d are shown.]" % (
+                       total, VIEW_MAX_LINES + 1, min(total, 2 * VIEW_MAX_LINES), VIEW_MAX_LINES))
+
+
 def read_numbered(reader, vr, shown, cap):
     """Stream a text file into `cat -n` form: memory stays flat whatever its size, and
     the answer stops within `cap` characters; a cut one starts and ends with the
@@ -4399,10 +4505,7 @@ def read_numbered(reader, vr, shown, cap):
         if n < start:
             continue
         if vr is None and len(lines) == VIEW_MAX_LINES:
-            total = n + reader.count_rest()
-            return read_on(number_lines(lines, 1), "[Truncated: file has %d lines. Use view_range to read specific"
-                           " sections (e.g. [%d, %d]); lines 1-%d are shown.]" % (
-                               total, VIEW_MAX_LINES + 1, min(total, 2 * VIEW_MAX_LINES), VIEW_MAX_LINES))
+            return first_lines_notice(lines, n + reader.count_rest())
         line = display_line(raw, more)
         size += len(line) + 8
         if size > cap - 400 and lines:
@@ -4411,6 +4514,12 @@ def read_numbered(reader, vr, shown, cap):
         lines.append(line)
         if n == end:
             break
+    return numbered_whole(lines, vr, start, n, shown)
+
+
+def numbered_whole(lines, vr, start, n, shown):
+    """read_numbered's answer when nothing was cut: the lines numbered from `start`,
+    a word for an empty file, or INVALID_INPUT for a range past the end."""
     if vr is None:
         return number_lines(lines, 1) if lines else "(%s is empty)" % shown
     if not lines:
@@ -4653,10 +4762,19 @@ def closest_first_lines(lines, want, cancelled):
     for i, line in enumerate(lines[:MISS_SCAN_LINES]):
         if i % 1000 == 0 and cancelled is not None and cancelled.is_set():
             return []
-        matcher.set_seq1(line.strip()[:200])
-        if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6 and matcher.ratio() >= 0.6:
-            close.append((matcher.ratio(), -i))                  # (-i: the first of equal ones wins)
+        ratio = close_ratio(matcher, line)
+        if ratio >= 0.6:
+            close.append((ratio, -i))                  # (-i: the first of equal ones wins)
     return [-neg_i - first for _, neg_i in heapq.nlargest(MISS_CANDIDATES, close)]
+
+
+def close_ratio(matcher, line):
+    """The matcher's ratio for `line` (cut to 200 characters, stripped), 0.0 when the
+    quick upper bounds already say it is under 0.6."""
+    matcher.set_seq1(line.strip()[:200])
+    if matcher.real_quick_ratio() < 0.6 or matcher.quick_ratio() < 0.6:
+        return 0.0
+    return matcher.ratio()
 
 
 def window_similarity(region, want):
@@ -4781,28 +4899,35 @@ def tool_create_file(session, args, ctx, content_key="content"):
     return "%s %s (%d bytes)%s" % ("Overwrote" if existed else "Created", real, len(data), note)
 
 
+def inserted(text, at, text_in):
+    """(text with text_in's lines after line `at`, in the file's line ending; those
+    lines), or INVALID_INPUT when `at` is outside the file."""
+    nl = "\r\n" if "\r\n" in text else "\n"
+    lines = text.split(nl)
+    trailing = text.endswith(nl)
+    total = len(lines) - 1 if trailing else (0 if text == "" else len(lines))
+    if not 0 <= at <= total:
+        raise ToolError("INVALID_INPUT", "insert_line %d is outside the file; give 0 (the top) to %d (after"
+                        " the last line)" % (at, total))
+    body = lines[:total]
+    new_lines = (to_crlf(text_in) if nl == "\r\n" else text_in).split(nl)
+    if text_in.endswith("\n"):
+        new_lines = new_lines[:-1]
+    body[at:at] = new_lines
+    return nl.join(body) + (nl if trailing or at == total else ""), new_lines
+
+
 def tool_insert(session, args, ctx):
+    """insert: add lines after line insert_line (0: at the top) of a file."""
     shown = args["path"]
     text_in = args.get("insert_text", args.get("new_str"))
     if text_in is None or args.get("insert_line") is None:
         raise ToolError("INVALID_INPUT", "insert needs insert_line and insert_text (or new_str)")
     real = resolve_checked(session, ctx, shown)
+    at = args["insert_line"]
     with edit_lock(real):
         text = load_for_edit(session, ctx, real, shown)
-        nl = "\r\n" if "\r\n" in text else "\n"
-        lines = text.split(nl)
-        trailing = text.endswith(nl)
-        total = len(lines) - 1 if trailing else (0 if text == "" else len(lines))
-        at = args["insert_line"]
-        if not 0 <= at <= total:
-            raise ToolError("INVALID_INPUT", "insert_line %d is outside the file; give 0 (the top) to %d (after"
-                            " the last line)" % (at, total))
-        body = lines[:total]
-        new_lines = (to_crlf(text_in) if nl == "\r\n" else text_in).split(nl)
-        if text_in.endswith("\n"):
-            new_lines = new_lines[:-1]
-        body[at:at] = new_lines
-        updated = nl.join(body) + (nl if trailing or at == total else "")
+        updated, new_lines = inserted(text, at, text_in)
         note = write_checked(session, ctx, real, shown, encode_text(updated, "insert_text"))
     return "Inserted %d line%s after line %d of %s%s:\n%s" % (
         len(new_lines), "" if len(new_lines) == 1 else "s", at, real, note,
@@ -4894,13 +5019,17 @@ class PatchReader(object):
             raise self.bad(self.i - 1, "the update of %s has no hunk" % path)
         return "update", path, move, hunks
 
+    def header_line(self, header, hunks):
+        """An '@@ header' line: a new hunk, or (stacked on an empty one) a narrower one."""
+        if hunks and not hunks[-1].lines and not hunks[-1].eof:
+            hunks[-1].headers.append(header)
+        else:
+            hunks.append(Hunk(header))
+
     def hunk_line(self, line, hunks):
         """Take one line of an Update section into `hunks`."""
         if line.startswith("@@"):
-            if hunks and not hunks[-1].lines and not hunks[-1].eof:
-                hunks[-1].headers.append(line[2:].strip())          # stacked headers narrow one hunk
-            else:
-                hunks.append(Hunk(line[2:].strip()))
+            self.header_line(line[2:].strip(), hunks)
         elif line.strip() == "*** End of File":
             if not hunks:
                 raise self.bad(self.i, "'*** End of File' closes a hunk, and none is open")
@@ -4923,6 +5052,25 @@ def find_run(lines, want, start, norm):
             if norm(lines[i]) == first and [norm(l) for l in lines[i:i + n]] == wanted]
 
 
+def hunk_hits(lines, old, cursor, norm, eof):
+    """Where the old lines stand at or after cursor (at the very end, for eof)."""
+    hits = find_run(lines, old, cursor, norm)
+    return [i for i in hits if i + len(old) == len(lines)] if eof else hits
+
+
+def hunk_result(lines, hunk, at):
+    """The lines a hunk located at `at` leaves: context keeps the file's own text
+    (whitespace and all), '+' lines come in, '-' lines go."""
+    new, j = [], at
+    for kind, line in hunk.lines:
+        if kind == " ":
+            new.append(lines[j])
+        elif kind == "+":
+            new.append(line)
+        j += kind != "+"
+    return new
+
+
 def locate_hunk(lines, hunk, cursor, shown, k):
     """(index, length) where `hunk`'s old lines stand in `lines` at or after `cursor`,
     past its headers: exactly, then ignoring trailing whitespace, then surrounding
@@ -4934,9 +5082,7 @@ def locate_hunk(lines, hunk, cursor, shown, k):
     if not old:                                        # only additions: after the headers, or at the end
         return (cursor if hunk.headers and not hunk.eof else len(lines)), 0
     for how, norm in PATCH_LEVELS:
-        hits = find_run(lines, old, cursor, norm)
-        if hunk.eof:
-            hits = [i for i in hits if i + len(old) == len(lines)]
+        hits = hunk_hits(lines, old, cursor, norm, hunk.eof)
         if len(hits) == 1:
             return hits[0], len(old)
         if hits:
@@ -4988,14 +5134,7 @@ def patched_text(text, hunks, shown):
     cursor, edits = 0, []
     for k, hunk in enumerate(hunks, 1):
         at, size = locate_hunk(lines, hunk, cursor, shown, k)
-        new, j = [], at
-        for kind, line in hunk.lines:           # context keeps the file's own text (whitespace and all)
-            if kind == " ":
-                new.append(lines[j])
-            elif kind == "+":
-                new.append(line)
-            j += kind != "+"
-        edits.append((at, size, new))
+        edits.append((at, size, hunk_result(lines, hunk, at)))
         cursor = at + size
     for at, size, new in reversed(edits):
         lines[at:at + size] = new
@@ -5519,8 +5658,13 @@ def tool_bash(session, args, ctx):
         head.append("cwd: %s" % new_cwd)
     head = [line for line in head if line]
     body, notice = render_output(out, err, output_budget(ctx))
+    return read_on("\n".join(head) + "\n" + body + sandbox_hint(ctx, proc, body), notice)
+
+
+def sandbox_hint(ctx, proc, body):
+    """A line on the sandbox after a failed command whose output looks like it hit it."""
     hint = ctx.sandbox.hint(body) if proc.returncode else ""
-    return read_on("\n".join(head) + "\n" + body + ("\n" + hint if hint else ""), notice)
+    return "\n" + hint if hint else ""
 
 
 def looks_like_prompt(out, err):
@@ -5885,9 +6029,8 @@ def glob_plan(pattern):
     return "/".join(static), rest, "/" not in pattern    # 'src/*.c': direct children of src only
 
 
-def find_paths(session, ctx, pattern, shown, kind):
-    """The one glob front: ([rel, mtime, rel, mtime, ...], None or why the list is partial)
-    under `shown` matching `pattern`; the walk and the matching run in a helper."""
+def check_glob_args(pattern, kind):
+    """A glob's pattern (not empty, a valid path) and type, or the GLOB_* error."""
     if not pattern.strip():
         raise ToolError("GLOB_INVALID_PATTERN", "pattern is empty; give a glob such as **/*.py")
     try:
@@ -5896,6 +6039,12 @@ def find_paths(session, ctx, pattern, shown, kind):
         raise ToolError("GLOB_INVALID_PATTERN", e.message)
     if kind not in (None, "file", "directory"):
         raise ToolError("GLOB_INVALID_TYPE", "type %r is not 'file' or 'directory'" % kind)
+
+
+def find_paths(session, ctx, pattern, shown, kind):
+    """The one glob front: ([rel, mtime, rel, mtime, ...], None or why the list is partial)
+    under `shown` matching `pattern`; the walk and the matching run in a helper."""
+    check_glob_args(pattern, kind)
     real = resolve_checked(session, ctx, shown)
     prefix, rest, base_only = glob_plan(pattern[1:] if pattern.startswith("/") else pattern)
     if pattern.startswith("/"):
@@ -6004,6 +6153,20 @@ def tool_read_file(session, args, ctx):
     return line_window(text, args.get("offset"), args.get("limit"), ctx.config.max_result_chars - 300)
 
 
+def lines_within(lines, k, last, cap):
+    """(lines[k:last] joined within `cap` characters, the index after the last one
+    taken); a first line longer than cap is cut, never left out."""
+    out, size, first = [], 0, k
+    while k < last and size + len(lines[k]) <= cap:
+        out.append(lines[k])
+        size += len(lines[k])
+        k += 1
+    if k == first and k < last:                      # one line longer than the bound
+        out.append(lines[k][:cap])
+        k += 1
+    return "".join(out), k
+
+
 def line_window(text, offset, limit, cap):
     """Lines offset.. (1-based) of text, at most `limit` of them, the whole within
     `cap` characters; a cut result starts and ends with the offset that reads on."""
@@ -6014,15 +6177,7 @@ def line_window(text, offset, limit, cap):
     if first > max(1, len(lines)):
         raise plain_error("错误：offset %d 超出文件行数（%d 行）" % (first, len(lines)), "INVALID_INPUT")
     last = len(lines) if limit is None else min(len(lines), first - 1 + max(0, limit))
-    out, size, k = [], 0, first - 1
-    while k < last and size + len(lines[k]) <= cap:
-        out.append(lines[k])
-        size += len(lines[k])
-        k += 1
-    if k == first - 1 and k < last:                      # one line longer than the bound
-        out.append(lines[k][:cap])
-        k += 1
-    body = "".join(out)
+    body, k = lines_within(lines, first - 1, last, cap)
     if k < len(lines):
         notice = ("[已显示第 %d-%d 行，共 %d 行；用 offset=%d 继续读取 / lines %d-%d of %d shown; read on with"
                   " offset=%d]" % (first, k, len(lines), k + 1, first, k, len(lines), k + 1))
@@ -6449,6 +6604,18 @@ JSON_TYPES = {"string": lambda v: isinstance(v, str),
               "object": lambda v: isinstance(v, dict)}
 
 
+def check_scalar(name, kind, value):
+    """What every string (text: no NUL, no lone surrogate) and integer (within
+    MAX_INT_ARG) argument must be."""
+    if kind == "string":
+        flaw = text_flaw(value)
+        if flaw:
+            raise ToolError("INVALID_INPUT", "argument %r %s" % (name, flaw), detail=name)
+    elif kind == "integer" and abs(value) > MAX_INT_ARG:
+        raise ToolError("INVALID_INPUT", "argument %r is %s, out of range (at most %d either side)"
+                        % (name, brief(value), MAX_INT_ARG))
+
+
 def check_value(name, spec, value):
     """Check one argument against its schema: the type, then what every value of that
     type must be (strings are text without NUL or lone surrogates; integers within
@@ -6457,13 +6624,7 @@ def check_value(name, spec, value):
     if not JSON_TYPES.get(kind, lambda v: True)(value):
         raise ToolError("INVALID_INPUT", "argument %r must be %s %s, got %s; send it as JSON %s" % (
             name, "an" if kind[0] in "aeiou" else "a", kind, brief(value), kind))
-    if kind == "string":
-        flaw = text_flaw(value)
-        if flaw:
-            raise ToolError("INVALID_INPUT", "argument %r %s" % (name, flaw), detail=name)
-    elif kind == "integer" and abs(value) > MAX_INT_ARG:
-        raise ToolError("INVALID_INPUT", "argument %r is %s, out of range (at most %d either side)"
-                        % (name, brief(value), MAX_INT_ARG))
+    check_scalar(name, kind, value)
     if "enum" in spec and value not in spec["enum"]:
         raise ToolError(ENUM_CODES.get(name, "INVALID_INPUT"), "argument %r must be one of %s, got %s"
                         % (name, ", ".join(spec["enum"]), brief(value)))
@@ -7262,106 +7423,9 @@ def http_log_error(client_address):
 
 # -- the request handler's steps ------------------------------------------------------
 
-def http_reply(h, code, body=None, headers=(), close=False):
-    """Send a JSON (or empty) reply. close=True ends the connection after it, which is
-    how every early refusal makes sure an unread body is never taken as a request."""
-    data = b"" if body is None else dump_json(body).encode("ascii")
-    h.send_response(code)
-    if body is not None:
-        h.send_header("Content-Type", "application/json")
-    h.send_header("Content-Length", str(len(data)))
-    for k, v in headers:
-        h.send_header(k, v)
-    if close:
-        h.send_header("Connection", "close")
-        h.close_connection = True
-    h.end_headers()
-    if data:
-        h.wfile.write(data)
-
-
-def http_refuse(h, code, body, headers=()):
-    http_reply(h, code, body, headers, close=True)
-    return False
-
-
-def http_guarded(h):
-    """Path, Origin, Host and bearer checks; False once a refusal is sent."""
-    if h.path.startswith("/.well-known/"):              # OAuth discovery: none here, say so at once
-        return http_refuse(h, 404, {"error": "not found", "detail": "no OAuth here: this server expects a static"
-                                    " bearer token (Authorization: Bearer <token>, see --token)"})
-    if h.path.split("?", 1)[0].rstrip("/") != "/mcp":
-        return http_refuse(h, 404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
-    origin = h.headers.get("Origin")
-    if origin is not None and not is_loopback(host_of(origin)):
-        return http_refuse(h, 403, {"error": "forbidden", "detail": "Origin %s is not allowed" % origin})
-    if h.transport.local_bind and not is_loopback(host_of(h.headers.get("Host", "localhost"))):
-        return http_refuse(h, 403, {"error": "forbidden", "detail": "Host header is not a local address"})
-    token = h.transport.token
-    if token:
-        import hmac
-        auth = h.headers.get("Authorization", "")
-        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if not given or not hmac.compare_digest(given.encode("utf-8", "replace"), token.encode()):
-            return http_refuse(h, 401, {"error": "unauthorized", "detail": "this server expects a static bearer token:"
-                                        " send 'Authorization: Bearer <token>' with the token given to boris by"
-                                        " --token or printed by --generate-token; it does not do OAuth"},
-                               [("WWW-Authenticate", 'Bearer realm="boris"')])
-    return True
-
-
-def http_read_body(h):
-    """The POST body as a parsed JSON value, or None once a refusal is sent."""
-    ctype = h.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
-    if ctype != "application/json":
-        return http_refuse(h, 415, {"error": "Content-Type must be application/json"}) or None
-    raw_length = h.headers.get("Content-Length", "")
-    if not raw_length.strip().isdigit():
-        if raw_length.strip():
-            return http_refuse(h, 400, {"error": "invalid Content-Length %r" % raw_length[:40]}) or None
-        return http_refuse(h, 411, {"error": "Content-Length required"}) or None
-    length = int(raw_length)
-    if length > HTTP_MAX_BODY:
-        return http_refuse(h, 413, {"error": "body over %d bytes" % HTTP_MAX_BODY}) or None
-    raw = h.rfile.read(length)
-    if len(raw) < length:
-        h.close_connection = True
-        return None
-    try:
-        return [parse_message(raw)]
-    except ValueError as e:
-        http_reply(h, 400, error_response(None, -32700, "Parse error: %s" % e))
-        return None
-
-
 def is_final(out, rid):
     """Whether `out` ends request rid's answer: its result or error, or None (cancelled)."""
     return out is None or (out.get("id") == rid and ("result" in out or "error" in out))
-
-
-def http_pick_session(h, msg):
-    """(session, new id or None); (None, None) after a refusal was sent."""
-    t = h.transport
-    meta = request_meta(msg)
-    rid = msg.get("id") if valid_id(msg.get("id")) else None
-    refusal = version_header_refusal(h.headers.get("MCP-Protocol-Version"), meta)
-    if refusal:
-        http_reply(h, 400, error_response(rid, -32600, refusal))
-        return None, None
-    sid = h.headers.get("Mcp-Session-Id")
-    if msg.get("method") == "initialize" and "id" in msg:
-        sid = t.new_session()
-        return t.get_session(sid), sid
-    if sid:
-        session = t.get_session(sid)
-        if session is None:
-            http_reply(h, 404, error_response(rid, -32001, "Session not found: it ended or never existed;"
-                                                           " initialize again"))
-        return session, None
-    if META_VERSION_KEY in meta or msg.get("method") == "server/discover":
-        return t.principal_session(principal(h)), None
-    http_reply(h, 400, error_response(rid, -32600, "Bad Request: missing Mcp-Session-Id header (initialize first)"))
-    return None, None
 
 
 def request_meta(msg):
@@ -7382,152 +7446,240 @@ def version_header_refusal(header_version, meta):
     return None
 
 
-def principal(h):
-    """Who sent a request, for state without a session: the bearer token it proved
-    (by a digest, never the token itself), or the local user when none is required."""
-    if not h.transport.token:
-        return "local user"
-    import hashlib
-    auth = h.headers.get("Authorization", "")
-    return "token " + hashlib.sha256(auth[7:].strip().encode("utf-8", "replace")).hexdigest()[:16]
+class McpRequestHandler(object):
+    """The MCP endpoint's request handling, mixed into http.server's
+    BaseHTTPRequestHandler by make_http_handler_class() (imported only when HTTP is
+    served): do_GET, do_POST and do_DELETE check the request (guarded), read it,
+    pick its session and answer it, in JSON or as an SSE stream."""
 
+    transport = None                           # the HttpTransport, set on the class
 
-def http_client_gone(h):
-    import select
-    import socket
-    try:
-        r, _, _ = select.select([h.connection], [], [], 0)
-        return bool(r) and h.connection.recv(1, socket.MSG_PEEK) == b""
-    except (OSError, ValueError):
+    def reply(self, code, body=None, headers=(), close=False):
+        """Send a JSON (or empty) reply. close=True ends the connection after it, which is
+        how every early refusal makes sure an unread body is never taken as a request."""
+        data = b"" if body is None else dump_json(body).encode("ascii")
+        self.send_response(code)
+        if body is not None:
+            self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in headers:
+            self.send_header(k, v)
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        if data:
+            self.wfile.write(data)
+
+    def refuse(self, code, body, headers=()):
+        self.reply(code, body, headers, close=True)
+        return False
+
+    def body_length(self):
+        """The Content-Length, within HTTP_MAX_BODY; None once a refusal is sent."""
+        raw_length = self.headers.get("Content-Length", "").strip()
+        if not raw_length:
+            return self.refuse(411, {"error": "Content-Length required"}) or None
+        if not raw_length.isdigit():
+            return self.refuse(400, {"error": "invalid Content-Length %r" % raw_length[:40]}) or None
+        if int(raw_length) > HTTP_MAX_BODY:
+            return self.refuse(413, {"error": "body over %d bytes" % HTTP_MAX_BODY}) or None
+        return int(raw_length)
+
+    def guarded(self):
+        """Path, Origin, Host and bearer checks; False once a refusal is sent."""
+        if self.path.startswith("/.well-known/"):              # OAuth discovery: none here, say so at once
+            return self.refuse(404, {"error": "not found", "detail": "no OAuth here: this server expects a static"
+                                        " bearer token (Authorization: Bearer <token>, see --token)"})
+        if self.path.split("?", 1)[0].rstrip("/") != "/mcp":
+            return self.refuse(404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
+        origin = self.headers.get("Origin")
+        if origin is not None and not is_loopback(host_of(origin)):
+            return self.refuse(403, {"error": "forbidden", "detail": "Origin %s is not allowed" % origin})
+        if self.transport.local_bind and not is_loopback(host_of(self.headers.get("Host", "localhost"))):
+            return self.refuse(403, {"error": "forbidden", "detail": "Host header is not a local address"})
+        if not self.bearer_ok():
+            return self.refuse(401, {"error": "unauthorized", "detail": "this server expects a static bearer token:"
+                                     " send 'Authorization: Bearer <token>' with the token given to boris by"
+                                     " --token or printed by --generate-token; it does not do OAuth"},
+                               [("WWW-Authenticate", 'Bearer realm="boris"')])
         return True
 
+    def bearer_ok(self):
+        """Whether the request carries the bearer token (compared in constant time), or
+        none is required."""
+        import hmac
+        token = self.transport.token
+        if not token:
+            return True
+        auth = self.headers.get("Authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        return bool(given) and hmac.compare_digest(given.encode("utf-8", "replace"), token.encode())
 
-def http_start_stream(h, headers):
-    h.send_response(200)
-    h.send_header("Content-Type", "text/event-stream")
-    h.send_header("Cache-Control", "no-cache")
-    h.send_header("Connection", "close")
-    for k, v in headers:
-        h.send_header(k, v)
-    h.end_headers()
-    h.close_connection = True
-
-
-def landlock_ruleset(spec):
-    """(the write rights handled, a new ruleset's fd) for spec's ABI: writes, TCP
-    when spec['net'] is 'landlock', signal and abstract-socket scopes from ABI 6."""
-    import struct
-    ctypes, libc = _libc()
-    abi = spec["abi"]
-    write = LL_WRITE_FILE | LL_REMOVE_DIR | LL_REMOVE_FILE | LL_MAKE_ALL
-    write |= (LL_REFER if abi >= 2 else 0) | (LL_TRUNCATE if abi >= 3 else 0)
-    net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP if spec["net"] == "landlock" else 0
-    scoped = LL_SCOPE_SIGNAL | (LL_SCOPE_ABSTRACT_UNIX if spec["net"] else 0) if abi >= 6 else 0
-    attr = struct.pack("<QQQ", write, net, scoped)[:8 if abi < 4 else 16 if abi < 6 else 24]
-    buf = ctypes.create_string_buffer(attr, len(attr))
-    ruleset = libc.syscall(LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
-    if ruleset < 0:
-        raise OSError(ctypes.get_errno(), "landlock_create_ruleset: %s" % os.strerror(ctypes.get_errno()))
-    return write, ruleset
-
-
-def landlock_allow(ruleset, path, rights):
-    """Grant `rights` beneath `path` in the ruleset; a path this system lacks is skipped."""
-    import struct
-    ctypes, libc = _libc()
-    try:
-        fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC)
-    except OSError:
-        return                                     # (a device or directory this system lacks)
-    try:
-        rule = ctypes.create_string_buffer(struct.pack("<Qi", rights, fd), 12)
-        if libc.syscall(LANDLOCK_ADD_RULE, ruleset, 1, rule, ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(), "landlock_add_rule %s: %s" % (path, os.strerror(ctypes.get_errno())))
-    finally:
-        os.close(fd)
-
-
-def http_answer(h, msg, session, sid):
-    """Dispatch one request; reply with JSON, or with an SSE stream once a progress
-    notification arrives before the result."""
-    import queue
-    rid = msg["id"]
-    box = queue.Queue()
-    h.transport.server.dispatch(msg, session, box.put)
-    streaming = False
-    headers = [("Mcp-Session-Id", sid)] if sid else []
-    while True:
+    def read_body(self):
+        """The POST body as a one-element list holding the parsed JSON value (which may
+        itself be null), or None once a refusal is sent."""
+        ctype = self.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+        if ctype != "application/json":
+            return self.refuse(415, {"error": "Content-Type must be application/json"}) or None
+        length = self.body_length()
+        if length is None:
+            return None
+        raw = self.rfile.read(length)
+        if len(raw) < length:
+            self.close_connection = True
+            return None
         try:
-            out = box.get(timeout=0.25)
-        except queue.Empty:
-            if http_client_gone(h):
-                session.cancel(rid)
-                h.close_connection = True
+            return [parse_message(raw)]
+        except ValueError as e:
+            self.reply(400, error_response(None, -32700, "Parse error: %s" % e))
+            return None
+
+    def pick_session(self, msg):
+        """(session, new id or None); (None, None) after a refusal was sent."""
+        t = self.transport
+        meta = request_meta(msg)
+        rid = msg.get("id") if valid_id(msg.get("id")) else None
+        refusal = version_header_refusal(self.headers.get("MCP-Protocol-Version"), meta)
+        if refusal:
+            self.reply(400, error_response(rid, -32600, refusal))
+            return None, None
+        sid = self.headers.get("Mcp-Session-Id")
+        if msg.get("method") == "initialize" and "id" in msg:
+            sid = t.new_session()
+            return t.get_session(sid), sid
+        if sid:
+            session = t.get_session(sid)
+            if session is None:
+                self.reply(404, error_response(rid, -32001, "Session not found: it ended or never existed;"
+                                                               " initialize again"))
+            return session, None
+        if META_VERSION_KEY in meta or msg.get("method") == "server/discover":
+            return t.principal_session(self.principal()), None
+        self.reply(400, error_response(rid, -32600, "Bad Request: missing Mcp-Session-Id header (initialize first)"))
+        return None, None
+
+    def principal(self):
+        """Who sent a request, for state without a session: the bearer token it proved
+        (by a digest, never the token itself), or the local user when none is required."""
+        if not self.transport.token:
+            return "local user"
+        import hashlib
+        auth = self.headers.get("Authorization", "")
+        return "token " + hashlib.sha256(auth[7:].strip().encode("utf-8", "replace")).hexdigest()[:16]
+
+    def client_gone(self):
+        import select
+        import socket
+        try:
+            r, _, _ = select.select([self.connection], [], [], 0)
+            return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def start_stream(self, headers):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        for k, v in headers:
+            self.send_header(k, v)
+        self.end_headers()
+        self.close_connection = True
+
+    def answer(self, msg, session, sid):
+        """Dispatch one request; reply with JSON, or with an SSE stream once a progress
+        notification arrives before the result."""
+        import queue
+        rid = msg["id"]
+        box = queue.Queue()
+        self.transport.server.dispatch(msg, session, box.put)
+        streaming = False
+        headers = [("Mcp-Session-Id", sid)] if sid else []
+        while True:
+            out = self.next_out(box, session, rid)
+            if out is self.GONE:
                 return
-            if session.is_inflight(rid) or not box.empty():
-                continue
-            out = None                               # cancelled: no response is sent
-        final = is_final(out, rid)
-        if not streaming:
-            if final:
-                http_reply(h, 204 if out is None else 200, out, headers)
+            final = is_final(out, rid)
+            if not streaming and final:
+                self.reply(204 if out is None else 200, out, headers)
                 return
-            http_start_stream(h, headers)
-            streaming = True
+            if not streaming:
+                self.start_stream(headers)
+                streaming = True
+            if not self.send_event(out, session, rid) or final:
+                return
+
+    GONE = object()                     # next_out(): the client went away
+
+    def next_out(self, box, session, rid):
+        """The next message for request rid: a progress notification, its answer, None
+        when it was cancelled (no answer comes), or GONE when the client left (then
+        the request is cancelled)."""
+        import queue
+        while True:
+            try:
+                return box.get(timeout=0.25)
+            except queue.Empty:
+                if self.client_gone():
+                    session.cancel(rid)
+                    self.close_connection = True
+                    return self.GONE
+                if not session.is_inflight(rid) and box.empty():
+                    return None
+
+    def send_event(self, out, session, rid):
+        """Send one SSE event (none for None); False when the client is gone."""
         try:
             if out is not None:
-                h.wfile.write(("event: message\ndata: %s\n\n" % dump_json(out)).encode("ascii"))
-                h.wfile.flush()
+                self.wfile.write(("event: message\ndata: %s\n\n" % dump_json(out)).encode("ascii"))
+                self.wfile.flush()
+            return True
         except OSError:
             session.cancel(rid)
+            return False
+
+    def do_GET(self):
+        if self.path.split("?", 1)[0] == "/health":
+            self.reply(200, {"status": "ok", "name": SERVER_NAME, "version": __version__,
+                                "sessions": len(self.transport.sessions)})
+        elif self.guarded():
+            self.refuse(405, {"error": "method not allowed", "detail": "this server sends no unsolicited"
+                                 " messages; POST requests to /mcp"}, [("Allow", "POST, DELETE")])
+
+    def do_DELETE(self):
+        if not self.guarded():
             return
-        if final:
+        sid = self.headers.get("Mcp-Session-Id")
+        if not sid:
+            self.refuse(400, {"error": "missing Mcp-Session-Id header"})
+        elif self.transport.end_session(sid):
+            self.reply(204)
+        else:
+            self.refuse(404, {"error": "unknown or ended session"})
+
+    def do_POST(self):
+        if not self.guarded():
             return
-
-
-def http_on_get(h):
-    if h.path.split("?", 1)[0] == "/health":
-        http_reply(h, 200, {"status": "ok", "name": SERVER_NAME, "version": __version__,
-                            "sessions": len(h.transport.sessions)})
-    elif http_guarded(h):
-        http_refuse(h, 405, {"error": "method not allowed", "detail": "this server sends no unsolicited"
-                             " messages; POST requests to /mcp"}, [("Allow", "POST, DELETE")])
-
-
-def http_on_delete(h):
-    if not http_guarded(h):
-        return
-    sid = h.headers.get("Mcp-Session-Id")
-    if not sid:
-        http_refuse(h, 400, {"error": "missing Mcp-Session-Id header"})
-    elif h.transport.end_session(sid):
-        http_reply(h, 204)
-    else:
-        http_refuse(h, 404, {"error": "unknown or ended session"})
-
-
-def http_on_post(h):
-    if not http_guarded(h):
-        return
-    body = http_read_body(h)
-    if body is None:
-        return
-    msg = body[0]
-    if not isinstance(msg, dict):
-        http_reply(h, 400, error_response(None, -32600, "Invalid Request: expected one JSON-RPC object"))
-        return
-    if "id" in msg and not valid_id(msg["id"]):
-        http_reply(h, 400, error_response(None, -32600, "Invalid Request: the id must be a string (valid Unicode)"
-                                                        " or an integer"))
-        return
-    session, sid = http_pick_session(h, msg)
-    if session is None:
-        return
-    if "id" not in msg or "method" not in msg:
-        h.transport.server.dispatch(msg, session, lambda m: None)
-        http_reply(h, 202)
-        return
-    http_answer(h, msg, session, sid)
+        body = self.read_body()
+        if body is None:
+            return
+        msg = body[0]
+        if not isinstance(msg, dict):
+            self.reply(400, error_response(None, -32600, "Invalid Request: expected one JSON-RPC object"))
+            return
+        if "id" in msg and not valid_id(msg["id"]):
+            self.reply(400, error_response(None, -32600, "Invalid Request: the id must be a string (valid Unicode)"
+                                                            " or an integer"))
+            return
+        session, sid = self.pick_session(msg)
+        if session is None:
+            return
+        if "id" not in msg or "method" not in msg:
+            self.transport.server.dispatch(msg, session, lambda m: None)
+            self.reply(202)
+            return
+        self.answer(msg, session, sid)
 
 
 def make_http_handler_class():
@@ -7535,12 +7687,11 @@ def make_http_handler_class():
     import socket
     from http.server import BaseHTTPRequestHandler
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(McpRequestHandler, BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "boris/" + __version__
         sys_version = ""
         timeout = HTTP_READ_TIMEOUT_S              # header and body reads (socket timeout)
-        transport = None
 
         def setup(self):
             BaseHTTPRequestHandler.setup(self)
@@ -7562,10 +7713,6 @@ def make_http_handler_class():
             ok = BaseHTTPRequestHandler.parse_request(self)       # reads the headers
             self.transport.waiting(self.connection, False)      # they are in: a request, not a wait
             return ok
-
-        do_GET = http_on_get
-        do_POST = http_on_post
-        do_DELETE = http_on_delete
 
     return Handler
 

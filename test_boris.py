@@ -3842,12 +3842,12 @@ class TestSessionsAreFairAndSeparate(unittest.TestCase):
             self.assertTrue(r["content"][0]["text"].startswith("[BASH_TASK_NOT_FOUND]"))
 
     def test_sessionless_state_belongs_to_the_principal(self):
-        class H(object):
+        class H(boris.McpRequestHandler):
             def __init__(self, token, auth):
                 self.transport = mock.Mock(token=token)
                 self.headers = {"Authorization": auth} if auth else {}
-        self.assertEqual(boris.principal(H(None, None)), "local user")
-        a, b = boris.principal(H("t", "Bearer one")), boris.principal(H("t", "Bearer two"))
+        self.assertEqual(H(None, None).principal(), "local user")
+        a, b = H("t", "Bearer one").principal(), H("t", "Bearer two").principal()
         self.assertNotEqual(a, b)
         self.assertNotIn("one", a)
         cfg = boris.parse_config(["--transport", "http"], {})
