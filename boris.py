@@ -169,8 +169,16 @@ def human_size(n):
 
 
 _LOG_LEVELS = {"debug": 10, "info": 20, "warn": 30, "error": 40}
+# One of the two module-level objects changed at run time (the other is _children):
+# the process has one stderr, and main() sets how it is written to once, before serving.
 _log_state = {"level": 20, "format": "text"}
 _log_lock = threading.Lock()
+
+
+def _traceback():
+    """The exception being handled, as its traceback text (for an error log line)."""
+    import traceback
+    return traceback.format_exc()
 
 
 def log(level, message, **fields):
@@ -1091,19 +1099,41 @@ def changed_since(seen, real, limit):
 
 # -- the one writer ---------------------------------------------------------------
 
-class edit_lock(object):
-    """Serialise read-modify-write of one canonical path across every session and
-    thread of this process, so parallel edits of a file all land."""
+class FileGuards(object):
+    """What the one writer keeps between calls, one per server and shared by all its
+    sessions: a lock per canonical path being edited (so the read-modify-writes of
+    parallel edits of a file all land), and the directories already cleaned of the
+    temp files a killed boris left (at most CLEANED_DIRS_MAX, then forgotten)."""
 
-    _locks = {}
-    _guard = threading.Lock()
+    def __init__(self):
+        self.guard = threading.Lock()
+        self.locks = {}                     # real path -> [its lock, how many hold or wait]
+        self.cleaned = set()                # (directory, dev, inode)
 
-    def __init__(self, real):
-        self.real = real
+    def lock(self, real):
+        """A context manager holding `real`'s edit lock."""
+        return EditLock(self, real)
+
+    def first_visit(self, key):
+        """Whether directory `key` is to be cleaned now (not yet in this run)."""
+        with self.guard:
+            if key in self.cleaned:
+                return False
+            if len(self.cleaned) >= CLEANED_DIRS_MAX:    # bounded: a directory may be cleaned twice
+                self.cleaned.clear()
+            self.cleaned.add(key)
+            return True
+
+
+class EditLock(object):
+    """Holds one path's lock of a FileGuards; the entry goes when nobody wants it."""
+
+    def __init__(self, guards, real):
+        self.guards, self.real = guards, real
 
     def __enter__(self):
-        with self._guard:
-            entry = self._locks.setdefault(self.real, [threading.Lock(), 0])
+        with self.guards.guard:
+            entry = self.guards.locks.setdefault(self.real, [threading.Lock(), 0])
             entry[1] += 1
         entry[0].acquire()
         self.entry = entry
@@ -1111,13 +1141,13 @@ class edit_lock(object):
 
     def __exit__(self, *exc):
         self.entry[0].release()
-        with self._guard:
+        with self.guards.guard:
             self.entry[1] -= 1
             if not self.entry[1]:
-                del self._locks[self.real]
+                del self.guards.locks[self.real]
 
 
-def atomic_write(real, data, new_mode=0o644):
+def atomic_write(real, data, guards, new_mode=0o644):
     """The one writer: a temp file in the target's directory, fsync, rename over it.
 
     `real` is canonical: writing through a symlink updates its target and keeps the
@@ -1127,13 +1157,14 @@ def atomic_write(real, data, new_mode=0o644):
     clears setuid/setgid); a new one gets `new_mode` whatever the umask. Where the
     directory refuses a new file or the rename (a writable file in a read-only
     directory, a single-file bind mount), the file is rewritten in place instead,
-    which is not crash-atomic. Returns True when written atomically."""
+    which is not crash-atomic. Returns True when written atomically. `guards` (a
+    FileGuards) remembers which directories were cleaned of leftover temp files."""
     directory, base = os.path.split(real)
     made = []
     try:
         dfd = open_dir(directory, create=True, made=made)
         try:
-            return write_in(dfd, directory, base, real, data, new_mode)
+            return write_in(dfd, directory, base, real, data, new_mode, guards)
         finally:
             os.close(dfd)
     except BaseException:
@@ -1145,7 +1176,7 @@ def atomic_write(real, data, new_mode=0o644):
         raise
 
 
-def write_in(dfd, directory, base, real, data, new_mode):
+def write_in(dfd, directory, base, real, data, new_mode, guards):
     """atomic_write's work once the directory is open as `dfd`."""
     try:
         st = os.stat(base, dir_fd=dfd, follow_symlinks=False)
@@ -1153,7 +1184,7 @@ def write_in(dfd, directory, base, real, data, new_mode):
         st = None
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise not_regular(real, st.st_mode, "replaced; nothing was written")
-    clean_leftovers(dfd, directory)
+    clean_leftovers(dfd, directory, guards)
     try:
         replace_file(dfd, base, data, st, new_mode)
         atomic = True
@@ -1229,7 +1260,6 @@ def sync_dir(dfd):
 # leftover of a killed run (same PID again as PID 1 in a container) is told apart.
 _RUN_TOKEN = os.urandom(4).hex()
 _TEMP_NAME = r"^\..*\.boris-(\d+)-([0-9a-f]{8})[0-9a-f]{8}\.tmp\Z"     # re caches it once used
-_cleaned_dirs = set()                   # (directory, dev, inode) already cleaned, at most CLEANED_DIRS_MAX
 CLEANED_DIRS_MAX = 4096
 
 
@@ -1267,19 +1297,15 @@ def temp_names(dfd):
         os.close(fd)
 
 
-def clean_leftovers(dfd, directory):
+def clean_leftovers(dfd, directory, guards):
     """Remove temp files a killed boris left in this directory (once per directory
     per run): those of a process that is gone, or of an earlier run with our PID."""
     try:
         st = os.fstat(dfd)
     except OSError:
         return
-    key = (directory, st.st_dev, st.st_ino)            # the path too: inode numbers are reused
-    if key in _cleaned_dirs:
+    if not guards.first_visit((directory, st.st_dev, st.st_ino)):       # the path too: inodes are reused
         return
-    if len(_cleaned_dirs) >= CLEANED_DIRS_MAX:         # bounded: a directory may be cleaned twice
-        _cleaned_dirs.clear()
-    _cleaned_dirs.add(key)
     for name in temp_names(dfd):
         m = re.match(_TEMP_NAME, name, re.DOTALL)
         if m and is_stale(int(m.group(1)), m.group(2)):
@@ -1310,27 +1336,39 @@ def is_stale(pid, token):
 # when its call ends (found by the BORIS_CALL marker every command's environment
 # carries). As PID 1 or subreaper, orphans are reaped by a background thread.
 
-_spawn_lock = threading.Lock()
-_live_pids = set()
-_reaper_state = {"on": False, "wanted": False}   # main() wants it; a library user's process is left alone
+class Children(object):
+    """This process's children, process-wide by nature (waitpid, the subreaper setting
+    and re-parented orphans are the process's): the pids that Popen objects own, and
+    whether orphans are reaped."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.live = set()               # pids spawn() started and reaped() has not yet forgotten
+        self.reaping = False            # the reaper thread runs (we are a subreaper, or PID 1)
+        self.wanted = False             # main() wants it; a library user's process is left alone
+
+
+# One of the two module-level objects changed at run time (the other is _log_state):
+# the children are the process's, whichever server or session started them.
+_children = Children()
 
 
 def spawn(argv, **kwargs):
     """subprocess.Popen(argv, **kwargs), its pid recorded until reaped(). In the server
     (main), the first spawn makes this process a subreaper (start-up never loads ctypes)."""
     import subprocess
-    if _reaper_state["wanted"]:
+    if _children.wanted:
         start_reaper()
-    with _spawn_lock:
+    with _children.lock:
         proc = subprocess.Popen(argv, **kwargs)
-        _live_pids.add(proc.pid)
+        _children.live.add(proc.pid)
     return proc
 
 
 def reaped(proc):
     """Forget a Popen whose exit status has been collected."""
-    with _spawn_lock:
-        _live_pids.discard(proc.pid)
+    with _children.lock:
+        _children.live.discard(proc.pid)
 
 
 PR_SET_PDEATHSIG = 1
@@ -1378,8 +1416,8 @@ def child_pids():
 def orphans():
     """Children of ours that no Popen owns: re-parented orphans."""
     kids = child_pids()
-    with _spawn_lock:
-        return kids - _live_pids
+    with _children.lock:
+        return kids - _children.live
 
 
 def reap_orphans():
@@ -1393,12 +1431,12 @@ def reap_orphans():
 def start_reaper():
     """Become a subreaper (Linux) and, as one or as PID 1, reap orphans every
     REAP_INTERVAL_S. Returns whether the reaper runs."""
-    with _spawn_lock:                           # two first spawns at once start one reaper
-        if _reaper_state["on"]:
+    with _children.lock:                           # two first spawns at once start one reaper
+        if _children.reaping:
             return True
         if not (set_subreaper() or os.getpid() == 1):
             return False
-        _reaper_state["on"] = True
+        _children.reaping = True
 
     def loop():
         while True:
@@ -1420,7 +1458,7 @@ def kill_marked(marker):
     """SIGKILL what is left of a command: processes re-parented to us (or still
     anywhere) whose environment carries BORIS_CALL=marker. Only scans /proc when
     some orphan exists, so a clean command costs one read of our children."""
-    if not _reaper_state["on"] or not orphans():
+    if not _children.reaping or not orphans():
         return 0
     needle = ("BORIS_CALL=%s\0" % marker).encode()
     killed = 0
@@ -3052,7 +3090,7 @@ def kill_group(proc):
     proc.wait()
     reaped(proc)
     deadline = time.monotonic() + 1.0
-    while _reaper_state["on"] and time.monotonic() < deadline:
+    while _children.reaping and time.monotonic() < deadline:
         reap_orphans()
         try:
             os.killpg(proc.pid, 0)                       # a member left, zombie or not?
@@ -4275,11 +4313,13 @@ def notes(title, read_only=False, destructive=False, open_world=False, idempoten
 
 class CallContext(object):
     """What a handler may use besides its arguments: settings, scope, cancellation,
-    a progress callback (a no-op unless the client asked for progress) and the
-    server's HelperPool, where searches and wait_for matches run."""
+    a progress callback (a no-op unless the client asked for progress), the
+    server's HelperPool, where searches and wait_for matches run, and its FileGuards."""
 
-    def __init__(self, config, policy, cancelled=None, progress=None, helpers=None, client="", sandbox=None):
+    def __init__(self, config, policy, cancelled=None, progress=None, helpers=None, client="", sandbox=None,
+                 files=None):
         self.config = config
+        self.files = files or FileGuards()      # edit locks: the server's, shared by its sessions
         self.policy = policy
         self.helpers = helpers
         self.client = client            # clientInfo.name of this request's client ('' when unknown)
@@ -4576,7 +4616,7 @@ def require_viewed(session, ctx, real, shown):
 
 def load_for_edit(session, ctx, real, shown):
     """The text of an existing regular file that may be edited now (call it under
-    edit_lock(real)): bytes decoded with surrogateescape, so any byte round-trips."""
+    ctx.files.lock(real)): bytes decoded with surrogateescape, so any byte round-trips."""
     try:
         fd, st = open_regular(real, shown, "edited")
     except IsADirectoryError:
@@ -4612,7 +4652,7 @@ def write_checked(session, ctx, real, shown, data):
         raise ToolError("FILE_TOO_LARGE", "the new content of %s is %s; the limit is %s (--max-file-size);"
                         " nothing was written" % (shown, human_size(len(data)), human_size(limit)))
     try:
-        atomic = atomic_write(real, data)
+        atomic = atomic_write(real, data, ctx.files)
         session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
     except OSError as e:
         raise io_error(e, shown)
@@ -4835,7 +4875,7 @@ def tool_str_replace(session, args, ctx):
     if old == new:
         raise ToolError("INVALID_INPUT", "old_str and new_str are identical; there is nothing to change")
     real = resolve_checked(session, ctx, shown)
-    with edit_lock(real):
+    with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         updated, count, pos = replace_text(text, old, new, bool(args.get("replace_all")), shown, ctx.cancelled)
         note = write_checked(session, ctx, real, shown, encode_text(updated, "new_str"))
@@ -4849,7 +4889,7 @@ def tool_multi_edit(session, args, ctx):
     before; all of them or none are written, in one atomic write."""
     shown, edits = args["path"], args["edits"]
     real = resolve_checked(session, ctx, shown)
-    with edit_lock(real):
+    with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         replaced, pos = 0, 0
         for k, edit in enumerate(edits, 1):
@@ -4890,7 +4930,7 @@ def tool_create_file(session, args, ctx, content_key="content"):
     shown = args["path"]
     real = resolve_checked(session, ctx, shown)
     data = encode_text(args[content_key], content_key)
-    with edit_lock(real):
+    with ctx.files.lock(real):
         existed = existing_kind(real, shown) is not None
         if existed:
             require_viewed(session, ctx, real, shown)
@@ -4925,7 +4965,7 @@ def tool_insert(session, args, ctx):
         raise ToolError("INVALID_INPUT", "insert needs insert_line and insert_text (or new_str)")
     real = resolve_checked(session, ctx, shown)
     at = args["insert_line"]
-    with edit_lock(real):
+    with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         updated, new_lines = inserted(text, at, text_in)
         note = write_checked(session, ctx, real, shown, encode_text(updated, "insert_text"))
@@ -5212,16 +5252,16 @@ def run_plan(session, ctx, plan):
             if data is None:
                 remove_file(real)
             else:
-                atomic_write(real, data, new_mode=mode or 0o644)
+                atomic_write(real, data, ctx.files, new_mode=mode or 0o644)
                 session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
             done.append((real, before))
     except (OSError, ToolError) as e:
-        undone = restore(done)
+        undone = restore(done, ctx.files)
         why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
         raise ToolError("IO_ERROR", "writing %s failed (%s); %s" % (shown, why, undone))
 
 
-def restore(done):
+def restore(done, guards):
     """Put written files back (in reverse); a sentence saying how that went."""
     failed = []
     for real, before in reversed(done):               # before: (bytes, stat), None for a new file, "dir"
@@ -5231,7 +5271,7 @@ def restore(done):
             elif before is None:
                 remove_file(real)
             else:
-                atomic_write(real, before[0], new_mode=stat.S_IMODE(before[1].st_mode))
+                atomic_write(real, before[0], guards, new_mode=stat.S_IMODE(before[1].st_mode))
         except OSError:
             failed.append(real)
     if failed:
@@ -5276,7 +5316,7 @@ def tool_apply_patch(session, args, ctx):
     reals.update(resolve_checked(session, ctx, op[2], "*** Move to") for op in ops if op[0] == "update" and op[2])
     with ExitStack() as locks:
         for real in sorted(reals):
-            locks.enter_context(edit_lock(real))
+            locks.enter_context(ctx.files.lock(real))
         plan = plan_patch(session, ctx, ops)
         run_plan(session, ctx, plan)
     return "Success. Updated the following files:\n" + "\n".join(plan.summary)
@@ -5438,7 +5478,7 @@ def tool_notebook_edit(session, args, ctx):
     real = resolve_checked(session, ctx, shown)
     if not real.endswith(".ipynb"):
         raise ToolError("INVALID_INPUT", "%s is not a notebook (.ipynb); edit it with str_replace" % shown)
-    with edit_lock(real):
+    with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         try:
             cells, spans, array_end = notebook_cells(text)
@@ -6195,7 +6235,7 @@ def tool_write_file(session, args, ctx):
     if len(data) > ctx.config.max_file_size:
         raise plain_error("错误：内容过大（%s，上限 %s），未写入: %s" % (
             human_size(len(data)), human_size(ctx.config.max_file_size), path), "FILE_TOO_LARGE")
-    with edit_lock(real):
+    with ctx.files.lock(real):
         if os.path.isdir(real):
             raise plain_error("错误：%s 是目录" % path, "INVALID_INPUT")
         seen = session.seen_of(real)
@@ -6766,11 +6806,6 @@ class WorkerPool(object):
             self._dispatch(fn, o, start)
 
 
-def _traceback():
-    import traceback
-    return traceback.format_exc()
-
-
 _LONE_SURROGATE = r"\\\\|\\ud[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|\\ud[89a-f][0-9a-f]{2}"
 
 
@@ -6909,6 +6944,7 @@ class McpServer(object):
         self.pool = WorkerPool()
         self.sandbox = sandbox if sandbox is not None else resolve_sandbox(config, policy)
         self.helpers = HelperPool(avoid=self.sandbox.writable)
+        self.files = FileGuards()
         self._tool_list = [t.listing() for t in self.tools.values()]
 
     def close(self):
@@ -7044,7 +7080,7 @@ class McpServer(object):
         token = meta.get("progressToken")
         progress = progress_sender(token, emit) if isinstance(token, (str, int)) and echoable(token) else None
         ctx = CallContext(self.config, self.policy, cancelled, progress, self.helpers, client_name(meta, session),
-                          self.sandbox)
+                          self.sandbox, self.files)
 
         def run():
             try:
@@ -7778,7 +7814,7 @@ def main(argv=None, environ=None):
         return 2
     stopper = Stopper()
     stopper.install()
-    _reaper_state["wanted"] = True        # every child of this process is spawn()'s: reaping steals nothing
+    _children.wanted = True        # every child of this process is spawn()'s: reaping steals nothing
     if os.getpid() == 1:
         start_reaper()                    # PID 1 reaps orphans from the start; others on their first spawn
     server = McpServer(config, policy, sandbox)

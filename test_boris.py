@@ -34,6 +34,7 @@ PNG_1PX = base64.b64decode(
 
 
 TEST_HELPERS = boris.HelperPool()         # the helper processes of the suite's direct calls
+TEST_FILES = boris.FileGuards()           # ... and their edit locks, shared as a server's are
 
 
 UNRAISABLE = []                           # exceptions raised where nothing catches them (__del__: ResourceWarning)
@@ -58,7 +59,7 @@ def tearDownModule():
 
 def ctx_of(cfg, policy, cancelled=None, progress=None, client=""):
     """A CallContext for a direct handler call, searching through TEST_HELPERS."""
-    return boris.CallContext(cfg, policy, cancelled, progress, TEST_HELPERS, client)
+    return boris.CallContext(cfg, policy, cancelled, progress, TEST_HELPERS, client, files=TEST_FILES)
 
 
 @contextlib.contextmanager
@@ -3920,7 +3921,7 @@ class TestSmallGuarantees(SearchBase):
         self.assertFalse(os.path.exists(self.path("w1")))
 
     def test_one_reaper_however_many_first_spawns(self):
-        with mock.patch.dict(boris._reaper_state, on=False), mock.patch.object(boris, "set_subreaper",
+        with mock.patch.object(boris._children, "reaping", False), mock.patch.object(boris, "set_subreaper",
                                                                                   lambda: True):
             before = [t for t in threading.enumerate() if t.name == "boris-reaper"]
             threads = [threading.Thread(target=boris.start_reaper) for _ in range(8)]
@@ -3932,10 +3933,11 @@ class TestSmallGuarantees(SearchBase):
         self.assertEqual(len(now) - len(before), 1)
 
     def test_cleaned_directories_are_bounded(self):
-        with mock.patch.object(boris, "CLEANED_DIRS_MAX", 3), mock.patch.object(boris, "_cleaned_dirs", set()):
+        with mock.patch.object(boris, "CLEANED_DIRS_MAX", 3), mock.patch.object(TEST_FILES, "cleaned", set()):
             for i in range(10):
                 self.ok("create_file", path="c%d/f.txt" % i, content="x")
-                self.assertLessEqual(len(boris._cleaned_dirs), 3)
+                self.assertLessEqual(len(TEST_FILES.cleaned), 3)
+            self.assertTrue(TEST_FILES.cleaned)
 
 
 class TestEnvironments(unittest.TestCase):
