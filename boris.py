@@ -129,6 +129,7 @@ class ToolError(Exception):
         self.detail = detail            # for callers that word it their own way: a limit, "swapped"
 
     def render(self):
+        """The error as the model reads it (see the class docstring)."""
         if self.plain:
             return self.message
         msg = self.message.rstrip()
@@ -274,6 +275,7 @@ class Config(object):
 
 
 def parse_size(text):
+    """Bytes of a size such as 10MB, 512KB or 1G (units of 1024); ValueError saying what is expected."""
     m = re.match(r"^\s*(\d+)\s*([A-Za-z]*)\s*$", text)
     if not m or m.group(2).upper() not in _SIZE_UNITS:
         raise ValueError("expected a size such as 10MB, 512KB, 1GB or a number of bytes")
@@ -332,6 +334,7 @@ def _convert(flag, kind, raw):
 
 
 def help_text():
+    """The text --help prints: every flag with its environment variable and default."""
     lines = ["usage: python3 boris.py [flags]", "",
              "boris %s - an MCP server giving an AI agent a coding workspace" % __version__,
              "(shell, view/edit/create files, grep/glob, workspace file tools, web fetch).", "",
@@ -655,6 +658,8 @@ class PathPolicy(object):
 
     @staticmethod
     def validate(path, name="path"):
+        """A path argument as given: a non-empty string without NUL, within MAX_PATH_CHARS; else
+        INVALID_INPUT naming `name`."""
         if not isinstance(path, str) or not path:
             raise ToolError("INVALID_INPUT", "%s must be a non-empty string" % name)
         if "\x00" in path:
@@ -698,9 +703,11 @@ class PathPolicy(object):
         return False
 
     def is_denied(self, real):
+        """Whether `real` (canonical) is out of scope; False at once when nothing is restricted."""
         return self.restricted and self.denial(real) is not None
 
     def check(self, real, shown):
+        """`real` when it is in scope, else ACCESS_DENIED naming the path as the model gave it (`shown`)."""
         reason = self.denial(real) if self.restricted else None
         if reason:
             raise ToolError("ACCESS_DENIED", "%s %s; use a path inside the allowed scope" % (shown, reason))
@@ -773,10 +780,12 @@ def display_line(raw, more_chars=0):
 
 
 def number_lines(lines, first):
+    """`cat -n` form: each line after its number (from `first`, six wide) and a tab."""
     return "\n".join("%6d\t%s" % (first + k, line) for k, line in enumerate(lines))
 
 
 def crc32(data, value=0):
+    """zlib.crc32, imported when first needed."""
     import zlib
     return zlib.crc32(data, value)
 
@@ -935,6 +944,7 @@ def kind_of(mode):
 
 
 def not_regular(shown, mode, doing="read"):
+    """INVALID_INPUT for a path that is a device, fifo, socket or directory where a file is needed."""
     return ToolError("INVALID_INPUT", "%s is %s, not a regular file; it is not %s" % (shown, kind_of(mode), doing))
 
 
@@ -1020,6 +1030,8 @@ def read_fd(fd, limit, shown):
 
 
 def too_large(shown, size, limit, more=False):
+    """FILE_TOO_LARGE naming the file, its size (or 'over' a size, when reading stopped there) and the
+    limit."""
     return ToolError("FILE_TOO_LARGE", "%s is %s%s; the limit is %s (--max-file-size)"
                      % (shown, "over " if more else "", human_size(size), human_size(limit)), detail=limit)
 
@@ -1198,6 +1210,8 @@ def write_in(dfd, directory, base, real, data, new_mode, guards):
 
 
 def replace_file(dfd, base, data, st, new_mode):
+    """Write `data` to a new temp file in directory dfd, give it the old file's owner and mode (or
+    `new_mode`), fsync, and rename it over `base`; the temp file goes on any failure."""
     fd, tmp = open_temp(dfd, base)
     try:
         write_all(fd, data)
@@ -1238,12 +1252,14 @@ def rewrite_in_place(dfd, base, data, st):
 
 
 def write_all(fd, data):
+    """os.write until every byte of `data` is written."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
 
 
 def sync_dir(dfd):
+    """fsync a directory, so a rename in it survives a crash; where that cannot be done it is skipped."""
     try:
         fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC, dir_fd=dfd)
     except OSError:
@@ -1316,6 +1332,8 @@ def clean_leftovers(dfd, directory, guards):
 
 
 def is_stale(pid, token):
+    """Whether a temp file made by process `pid` in run `token` is a leftover: that process is gone, or it
+    is ours from an earlier run."""
     if pid == os.getpid():
         return token != _RUN_TOKEN
     try:
@@ -1421,6 +1439,7 @@ def orphans():
 
 
 def reap_orphans():
+    """waitpid each re-parented orphan that has exited, without blocking."""
     for pid in orphans():
         try:
             os.waitpid(pid, os.WNOHANG)
@@ -1598,6 +1617,7 @@ def read_ignore(base, source):
 
 
 def load_ignore(directory):
+    """The IgnoreFile of directory's .gitignore, or None."""
     return read_ignore(directory, os.path.join(directory, ".gitignore"))
 
 
@@ -1614,6 +1634,8 @@ def git_top(start):
 
 
 def ignored(stack, path, name, is_dir):
+    """The verdict of an ignore stack on a path: the innermost file with a matching rule decides; False
+    when none matches."""
     for rules in reversed(stack):
         v = rules.verdict(path[len(rules.base) + 1:], name, is_dir)
         if v is not None:
@@ -2234,6 +2256,7 @@ def grep_records(pieces, matcher, before, after, max_records):
 
 
 def matcher_of(spec):
+    """The Matcher a job spec describes (built in the helper that runs the job)."""
     return Matcher(spec["pattern"], spec["regex"], spec["ignore_case"], spec["multiline"])
 
 
@@ -2446,9 +2469,11 @@ class GrepWork(object):
         self.buf = bytearray(GREP_BUFFER)
 
     def walker(self, k):
+        """A Walker of root k that follows directory links (as grep -R does)."""
         return Walker(self.roots[k][0], self.policy, follow_links=True)
 
     def take(self, k, path, real, is_dir, ino):
+        """[GrepHit] for one walked file that passes include/type and matches, else None."""
         root, root_is_dir = self.roots[k][0], self.roots[k][1]
         if root_is_dir and self.keep is not None:
             rel = path[len(root) + 1 if root != "/" else 1:]
@@ -2491,6 +2516,8 @@ class GlobWork(object):
         self.depth = None if self.base_only or "**" in rest else rest.count("/") + 1
 
     def walker(self, k):
+        """A Walker of the static start directory that lists links and does not enter them, names filtered
+        in the walk when it can be."""
         return Walker(self.roots[0][0], self.policy, follow_links=False, want_dirs=self.want_dirs,
                       name_ok=self.name_ok, max_depth=self.depth)
 
@@ -2526,10 +2553,12 @@ class Batches(object):
         self.flush_due()
 
     def extend(self, items):
+        """Add items that come ready made (a partner's line, parsed)."""
         self.items += items
         self.flush_due()
 
     def flush_due(self):
+        """Flush at SEARCH_BATCH items, or when 0.2 s passed since the last flush."""
         if len(self.items) >= SEARCH_BATCH or time.monotonic() - self.sent > 0.2:
             self.flush()
 
@@ -2600,6 +2629,7 @@ def grep_until(work, emit):
 
 
 def ignore_spec(ign):
+    """An ignore stack as it travels to a partner: [[base, source], ...]."""
     return [[rules.base, rules.source] for rules in ign]
 
 
@@ -2615,6 +2645,7 @@ def ignore_stack(spec, cache):
 
 
 def unit_spec(entry):
+    """A pending walker entry as it travels to a partner."""
     path, real, ign, depth, ino = entry
     return [path, real, ignore_spec(ign), depth, ino]
 
@@ -2651,6 +2682,7 @@ class Partner(object):
                 pass
 
     def send(self, data):
+        """Queue bytes for the partner (the feeding thread writes them)."""
         self.inbox.put(data)
 
     def close(self):
@@ -2664,6 +2696,8 @@ class Partner(object):
         self.proc.stdout.close()
 
     def give(self, work, k, use_ignore, entries):
+        """Send a unit (a slice of subtrees of root k) to walk, preceded by the job when it is new to this
+        partner."""
         if self.job is not work.job:
             self.send(json.dumps({"job": work.job}).encode("utf-8", "surrogateescape") + b"\n")
             self.job = work.job
@@ -2729,12 +2763,14 @@ class Partners(object):
                     self.procs.remove(p)
 
     def close(self):
+        """Close every warm partner."""
         procs, self.procs = self.procs, []
         for p in procs:
             p.close()
 
 
 def new_partner():
+    """A started Partner, or None (logged) when it cannot start: the walk goes on without it."""
     try:
         return Partner()
     except OSError as e:
@@ -3139,6 +3175,7 @@ class Capture(object):
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
     def add(self, data):
+        """Take in a chunk of output: counted whole, its head and tail kept."""
         self.total += len(data)
         self.chars += len(self._decoder.decode(data))
         room = CAPTURE_HEAD_BYTES - len(self.head)
@@ -3149,6 +3186,7 @@ class Capture(object):
             del self.tail[:-CAPTURE_TAIL_BYTES]
 
     def complete(self):
+        """Whether everything captured is in the head (nothing was cut)."""
         return self.total == len(self.head)
 
     def strip_sentinel(self, marker):
@@ -3239,14 +3277,17 @@ class Sandbox(object):
         self.launchers = Launchers(self)                # (a spare one starts with the first command)
 
     def close(self):
+        """Stop the warm launchers."""
         self.launchers.close()
 
     @classmethod
     def off(cls, why="--sandbox off"):
+        """A Sandbox that confines nothing; `why` says why in the log and the instructions."""
         return cls(why=why)
 
     @property
     def on(self):
+        """Whether commands are confined."""
         return self.mode != "off"
 
     def net_mechanism(self):
@@ -3411,6 +3452,7 @@ class Launchers(object):
             return proc
 
     def spawn(self):
+        """Start a sandbox launcher that waits on a pipe for the command to run."""
         import subprocess
         r, w = os.pipe()
         try:
@@ -3426,6 +3468,7 @@ class Launchers(object):
         return proc
 
     def close(self):
+        """Stop the spare launcher, if one is waiting."""
         with self.lock:
             proc, self.spare = self.spare, None
         if proc is not None:
@@ -3577,6 +3620,7 @@ def start_process(script, cwd, sandbox=None, stdin="null"):
 
 
 def signal_group(proc, sig):
+    """Send `sig` to a command's process group; one that is gone (or not ours) is skipped."""
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -3715,6 +3759,7 @@ def close_pipes(proc):
 
 
 def describe_exit(proc):
+    """The line that says how a command ended: its exit code, or the signal that killed it."""
     code = proc.returncode
     if code is not None and code < 0:
         try:
@@ -3766,10 +3811,12 @@ class Unread(object):
         self.cap = Capture()
 
     def add(self, data):
+        """Add output a task wrote (from its reader thread)."""
         with self.lock:
             self.cap.add(data)
 
     def take(self):
+        """The output not read yet, as a Capture; the next read starts empty."""
         with self.lock:
             cap, self.cap = self.cap, Capture()
         return cap
@@ -4022,9 +4069,11 @@ class FetchWatch(object):
             self.done.wait(min(left, 0.05))
 
     def left(self):
+        """Seconds left of the whole fetch (at least 0.01)."""
         return max(0.01, self.deadline - time.monotonic())
 
     def close(self):
+        """End the watch: the fetch is over."""
         self.done.set()
 
 
@@ -4211,18 +4260,22 @@ class Session(object):
             self.viewed[real] = seen
 
     def has_viewed(self, real):
+        """Whether this session has viewed `real`."""
         with self.lock:
             return real in self.viewed
 
     def seen_of(self, real):
+        """The Seen (stat and digest) of `real` when this session last viewed or wrote it, or None."""
         with self.lock:
             return self.viewed.get(real)
 
     def set_cwd(self, path):
+        """Set the working directory the next command starts in."""
         with self.lock:
             self.cwd = path
 
     def get_cwd(self):
+        """The session's working directory, or the workdir once it no longer exists."""
         with self.lock:
             cwd = self.cwd
         return cwd if os.path.isdir(cwd) else self.config.workdir
@@ -4235,6 +4288,7 @@ class Session(object):
         return ev
 
     def end(self, rid, ev):
+        """Forget a finished request's cancel event."""
         with self.lock:
             events = self.inflight.get(rid, [])
             if ev in events:
@@ -4248,6 +4302,7 @@ class Session(object):
             return bool(self.inflight)
 
     def is_inflight(self, rid):
+        """Whether request rid is still running."""
         with self.lock:
             return rid in self.inflight
 
@@ -4282,6 +4337,8 @@ class Session(object):
 
 
 class Tool(object):
+    """A registered tool: its listing (name, description, input schema, annotations) and its handler;
+    `plain` tools answer errors in their fixed strings."""
     __slots__ = ("name", "description", "schema", "annotations", "handler", "plain")
 
     def __init__(self, name, description, schema, annotations, handler, plain=False):
@@ -4290,22 +4347,26 @@ class Tool(object):
         self.plain = plain              # answers in the workspace tools' fixed Chinese strings
 
     def listing(self):
+        """The tool as tools/list shows it."""
         return {"name": self.name, "description": self.description,
                 "inputSchema": self.schema, "annotations": self.annotations}
 
 
 def prop(kind, description, **extra):
+    """A JSON Schema property of type `kind`."""
     d = {"type": kind, "description": description}
     d.update(extra)
     return d
 
 
 def obj(properties, required=()):
+    """A JSON Schema object that takes only the given properties."""
     return {"type": "object", "properties": properties, "required": list(required),
             "additionalProperties": False}
 
 
 def notes(title, read_only=False, destructive=False, open_world=False, idempotent=False):
+    """A tool's annotations (MCP tool hints)."""
     return {"title": title, "readOnlyHint": read_only, "destructiveHint": destructive,
             "idempotentHint": idempotent, "openWorldHint": open_world}
 
@@ -4330,6 +4391,7 @@ class CallContext(object):
 
 
 def text_block(text):
+    """A text content block."""
     return {"type": "text", "text": text}
 
 
@@ -4514,6 +4576,8 @@ def jpeg_size(data):
 
 
 def parse_view_range(vr):
+    """(start, end) of a view_range (end -1: to the end), or None; INVALID_INPUT for a range that cannot
+    be."""
     if vr is None:
         return None
     start, end = vr
@@ -4609,6 +4673,7 @@ def list_tree(root, policy, shown):
 
 
 def require_viewed(session, ctx, real, shown):
+    """FILE_NOT_VIEWED when view-before-edit is on and this session has not viewed `real`."""
     if ctx.config.require_view_before_edit and not session.has_viewed(real):
         raise ToolError("FILE_NOT_VIEWED", "%s has not been viewed in this session; view it first"
                         " (view-before-edit is on), then retry the edit" % shown)
@@ -4635,10 +4700,13 @@ def load_for_edit(session, ctx, real, shown):
 
 
 def to_crlf(s):
+    """`s` with every line ending CRLF."""
     return s.replace("\r\n", "\n").replace("\n", "\r\n")
 
 
 def encode_text(text, name="content"):
+    """The bytes to write for `text` (UTF-8; lone surrogates from undecodable bytes turned back into those
+    bytes); INVALID_INPUT naming `name` for text that cannot be written."""
     try:
         return text.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError:
@@ -4671,6 +4739,7 @@ def check_unchanged(session, ctx, real, shown):
 
 
 def snippet(text, first_line, span):
+    """The numbered lines around an edit (SNIPPET_CONTEXT either side), as its answer shows them."""
     lines = text.split("\n")
     lo = max(0, first_line - SNIPPET_CONTEXT)
     hi = min(len(lines), first_line + span + SNIPPET_CONTEXT + 1)
@@ -4868,6 +4937,8 @@ def replaced(text, old, new):
 
 
 def tool_str_replace(session, args, ctx):
+    """str_replace: replace old_str (unique, or every one with replace_all) in a file viewed and unchanged
+    since."""
     shown, old, new = args["path"], args["old_str"], args.get("new_str") or ""
     if old == "":
         raise ToolError("INVALID_INPUT", "old_str is empty; give the exact text to replace"
@@ -4927,6 +4998,7 @@ def existing_kind(real, shown):
 
 
 def tool_create_file(session, args, ctx, content_key="content"):
+    """create_file: write a whole file (made or overwritten), its directories made as needed."""
     shown = args["path"]
     real = resolve_checked(session, ctx, shown)
     data = encode_text(args[content_key], content_key)
@@ -4995,9 +5067,11 @@ class Hunk(object):
         self.eof = False
 
     def old(self):
+        """The lines the hunk expects in the file (context and removed)."""
         return [t for k, t in self.lines if k != "+"]
 
     def label(self, k):
+        """How messages name hunk k: its number and its @@ headers."""
         return "hunk %d%s" % (k, " (@@ %s)" % " @@ ".join(self.headers) if self.headers else "")
 
 
@@ -5033,6 +5107,7 @@ class PatchReader(object):
         self.lines, self.i, self.end = lines, 1, len(lines) - 1
 
     def bad(self, k, why):
+        """INVALID_INPUT naming patch line k (from 0) and what is wrong with it."""
         return ToolError("INVALID_INPUT", "patch line %d (%s): %s" % (k + 1, shorten(repr(self.lines[k]), 80), why))
 
     def add_section(self, path):
@@ -5160,6 +5235,7 @@ def hunk_miss(lines, old, cursor, shown, label):
 
 
 def after(cursor):
+    """The words a miss adds when the search for a hunk started past earlier hunks."""
     return " (searching from line %d, after the hunks before it)" % (cursor + 1) if cursor else ""
 
 
@@ -5190,6 +5266,7 @@ class PatchPlan(object):
         self.writes, self.summary, self.paths = [], [], set()
 
     def claim(self, real, shown):
+        """Note that a section changes `real`; INVALID_INPUT when another section already does."""
         if real in self.paths:
             raise ToolError("INVALID_INPUT", "%s appears twice in the patch; put all its changes in one section"
                             % shown)
@@ -5374,6 +5451,7 @@ def notebook_cells(text):
 
 
 def cell_source(cell):
+    """A notebook cell's source as one string (it may be stored as a list of lines)."""
     src = cell.get("source", "")
     return "".join(src) if isinstance(src, list) else str(src)
 
@@ -5431,6 +5509,7 @@ def add_output_image(ctx, label, data, mime, blocks, parts):
 
 
 def cell_header(k, cell):
+    """The line view shows above a cell: its number, type, id and execution count."""
     bits = ["[cell %d] %s" % (k, cell.get("cell_type", "?"))]
     if cell.get("id"):
         bits.append("id %s" % cell["id"])
@@ -5464,6 +5543,7 @@ def render_output_of(out):
 
 
 def bounded(text):
+    """A notebook output's text, cut at NOTEBOOK_OUTPUT_CHARS with a line saying so."""
     text = text.rstrip("\n")
     if len(text) <= NOTEBOOK_OUTPUT_CHARS:
         return text
@@ -5599,6 +5679,8 @@ def tool_str_replace_editor(session, args, ctx):
 ###############################################################################
 
 def bash_timeout_ms(args, config):
+    """The command's timeout in ms: `timeout`, or --timeout's, at most
+    BASH_MAX_TIMEOUT_MS; INVALID_INPUT for 0 or less."""
     ms = args.get("timeout")
     if ms is None:
         ms = int(config.timeout * 1000)
@@ -5609,6 +5691,8 @@ def bash_timeout_ms(args, config):
 
 
 def launch(session, script, sandbox=None, stdin="null"):
+    """Start the session's shell on `script` in its cwd (sandboxed when on); BASH_START_FAILED when it
+    cannot start."""
     cwd = session.get_cwd()
     try:
         return start_process(script, cwd, sandbox, stdin)
@@ -5718,6 +5802,8 @@ def looks_like_prompt(out, err):
 
 
 def start_task(session, command, ctx, stdin="null"):
+    """Start `command` as a background task of the session (stdin: null, pipe or tty) and say how to follow
+    it; at most MAX_BACKGROUND_TASKS run at once."""
     with session.lock:
         if session.closed:
             raise ToolError("BASH_START_FAILED", "the session is closing; no background task was started")
@@ -5755,6 +5841,7 @@ def task_status(task, config):
 
 
 def find_task(session, task_id):
+    """The session's task `task_id`; BASH_TASK_NOT_FOUND listing the ones there are."""
     with session.lock:
         task = session.tasks.get(task_id)
         known = sorted(session.tasks)
@@ -5766,6 +5853,7 @@ def find_task(session, task_id):
 
 
 def list_tasks(session, config):
+    """One line per task of the session: id, status and command."""
     with session.lock:
         tasks = sorted(session.tasks.values(), key=lambda t: t.started)
     if not tasks:
@@ -5820,6 +5908,7 @@ def output_test(ctx, pattern, deadline):
 
 
 def tool_task_output(session, args, ctx):
+    """task_output: a task's new output (waiting as asked), or the list of tasks without an id."""
     if not args.get("task_id"):
         return list_tasks(session, ctx.config)
     task = find_task(session, args["task_id"])
@@ -5895,6 +5984,7 @@ def tool_task_input(session, args, ctx):
 
 
 def tool_task_stop(session, args, ctx):
+    """task_stop: kill a task's process group and answer with its last output."""
     task = find_task(session, args["task_id"])
     if not task.done.is_set():
         kill_all([task])
@@ -5948,6 +6038,8 @@ def grep_job_of(ctx, roots, spec, include=None, type_name=None):
 
 
 def format_records(label, records, numbers):
+    """grep's lines for one file's records: `path:line:text` for matches, `path-line-text` for context,
+    `--` between groups."""
     out = []
     for rec in records:
         if rec is None:
@@ -6000,6 +6092,7 @@ def newest_first(found):
 
 
 def tool_grep(session, args, ctx):
+    """grep: search file contents for a regex, ripgrep style (files, count or content mode), in a helper."""
     pattern = args["pattern"]
     mode = args.get("output_mode") or "files_with_matches"
     if mode not in GREP_MODES:
@@ -6105,6 +6198,7 @@ def find_paths(session, ctx, pattern, shown, kind):
 
 
 def tool_glob(session, args, ctx):
+    """glob: paths matching a pattern, newest first, in a helper."""
     found, why = find_paths(session, ctx, args["pattern"], args.get("path") or ".", args.get("type") or "file")
     notice = [partial_notice(why)] if why else []
     if not found:
@@ -6113,6 +6207,7 @@ def tool_glob(session, args, ctx):
 
 
 def tool_search_text(session, args, ctx):
+    """search_text: the workspace tools' content search (plain text or regex)."""
     query = args["query"]
     if query == "":
         raise ToolError("INVALID_INPUT", "query is empty; give the text to search for")
@@ -6131,6 +6226,7 @@ def tool_search_text(session, args, ctx):
 
 
 def tool_search_files(session, args, ctx):
+    """search_files: the workspace tools' name search."""
     found, why = find_paths(session, ctx, args["pattern"], ".", "file")
     notice = [partial_notice(why)] if why else []
     if not found:
@@ -6170,6 +6266,7 @@ def seed004_error(e, path, doing):
 
 
 def tool_read_file(session, args, ctx):
+    """read_file: a workspace file's text (from an offset, a limit of lines), in its encoding."""
     path, encoding = args["path"], args.get("encoding") or "utf-8"
     real = _assert_safe_path(ctx, path)
     try:
@@ -6226,6 +6323,7 @@ def line_window(text, offset, limit, cap):
 
 
 def tool_write_file(session, args, ctx):
+    """write_file: write a workspace file whole, its directories made."""
     path, content = args["path"], args["content"]
     real = _assert_safe_path(ctx, path)
     try:
@@ -6252,6 +6350,7 @@ def tool_write_file(session, args, ctx):
 
 
 def tool_list_directory(session, args, ctx):
+    """list_directory: a workspace directory's entries, [D] or [F] each."""
     path = args.get("path") or "."
     real = _assert_safe_path(ctx, path)
     try:
@@ -6276,6 +6375,7 @@ def tool_list_directory(session, args, ctx):
 
 
 def tool_web_fetch(session, args, ctx):
+    """web_fetch: a page as light Markdown (or JSON or text), 5,000 characters at a time."""
     url, timeout = args["url"], args.get("timeout", 10)
     if not 0 < timeout <= 120:
         raise plain_error("错误：timeout 必须在 1 到 120 秒之间: %s" % timeout)
@@ -6327,6 +6427,7 @@ EDITOR_DESC = ("View, create and edit files. command=view shows a file with line
 
 
 def file_tools():
+    """The file tools: view, str_replace, multi_edit, create_file, insert."""
     return [
         Tool("view", VIEW_DESC, obj({"path": PATH_PROP, "view_range": RANGE_PROP}, ["path"]),
              notes("View file or directory", read_only=True, idempotent=True), tool_view),
@@ -6344,6 +6445,7 @@ def file_tools():
 
 
 def multi_edit_tool():
+    """The multi_edit tool (several str_replace edits of one file, all or none)."""
     return Tool("multi_edit", MULTI_EDIT_DESC, obj({
         "path": PATH_PROP,
         "edits": prop("array", "The edits, applied in order, each to the result of the one before.", minItems=1,
@@ -6356,6 +6458,7 @@ def multi_edit_tool():
 
 
 def editor_tool():
+    """--anthropic-compat's str_replace_editor: Anthropic's text-editor tool in one."""
     return Tool("str_replace_editor", EDITOR_DESC, obj({
         "command": prop("string", "The operation.", enum=["view", "create", "str_replace", "insert"]),
         "path": PATH_PROP,
@@ -6401,6 +6504,7 @@ def bash_description():
 
 
 def shell_tools(config):
+    """bash and its task tools."""
     return [
         Tool("bash", bash_description(), obj({
             "command": prop("string", "The shell command to run."),
@@ -6470,6 +6574,7 @@ def renamed(handler, names):
 
 
 def search_tools(config):
+    """grep and glob (Claude Code's Grep and Glob)."""
     glob_props = {"pattern": prop("string", "The glob pattern, e.g. **/*.py or src/**/*.{ts,tsx}."),
                   "path": prop("string", "Directory to search in (default: the working directory)."),
                   "head_limit": prop("integer", "Show at most this many paths."),
@@ -6502,6 +6607,8 @@ def search_tools(config):
 
 
 def workspace_tools(config):
+    """The workspace tools: read_file, write_file, list_directory, web_fetch (and search_text, search_files
+    in search_tools), answering in fixed Chinese strings."""
     ws = ("Paths are relative to the workspace root (%s) and may not leave it. Errors come back as text"
           " starting with 错误 (error)." % config.workdir)
     return [
@@ -6579,6 +6686,7 @@ def _editor_group(config):
 
 
 def notebook_tool():
+    """The notebook_edit tool."""
     return Tool("notebook_edit", NOTEBOOK_DESC, obj({
         "path": PATH_PROP,
         "cell_id": prop("string", "The id of the cell (view shows it in each cell's header)."),
@@ -6592,6 +6700,7 @@ def notebook_tool():
 
 
 def patch_tool():
+    """The apply_patch tool (Codex's patch format)."""
     return Tool("apply_patch", PATCH_DESC, obj({
         "input": prop("string", "The whole patch, from '*** Begin Patch' to '*** End Patch'."),
     }, ["input"]), notes("Apply a patch", destructive=True), tool_apply_patch)
@@ -6735,6 +6844,8 @@ class WorkerPool(object):
         self.waiting = OrderedDict()            # owner -> deque of calls, owners in turn order
 
     def submit(self, fn, owner=None):
+        """Run fn on a worker thread, or queue it (behind the owner's earlier ones) when the pool or the
+        owner's share is full."""
         from collections import deque
         with self.lock:
             if owner in self.waiting or not self._may_start(owner):
@@ -6884,6 +6995,7 @@ def progress_sender(token, emit):
 
 
 def error_response(rid, code, message, data=None):
+    """A JSON-RPC error answer (`data` when given)."""
     err = {"code": code, "message": message}
     if data is not None:
         err["data"] = data
@@ -6998,6 +7110,7 @@ class McpServer(object):
         emit(result_response(rid, result))
 
     def notification(self, method, params, session):
+        """A notification: a cancel ends the request it names; the rest need nothing."""
         if method == "notifications/cancelled":
             rid = params.get("requestId")
             if session.cancel(rid):
@@ -7005,6 +7118,7 @@ class McpServer(object):
 
     # -- methods -------------------------------------------------------------
     def instructions(self):
+        """The instructions initialize returns: what the server is, its sandbox, its scope."""
         cfg = self.config
         lines = [INSTRUCTIONS_FIRST_LINE, self.sandbox.describe(), "Working directory: %s" % cfg.workdir]
         if self.policy.allow:
@@ -7028,6 +7142,7 @@ class McpServer(object):
         return "\n".join(lines)
 
     def server_info(self):
+        """serverInfo: name and version."""
         return {"name": SERVER_NAME, "version": __version__}
 
     def capabilities(self, modern=False):
@@ -7035,6 +7150,8 @@ class McpServer(object):
         return {"tools": {"listChanged": False}} if modern else {"tools": {"listChanged": False}, "logging": {}}
 
     def m_initialize(self, params, session):
+        """initialize: the protocol version (the client's if spoken here), capabilities, server info,
+        instructions."""
         info = params.get("clientInfo")
         if isinstance(info, dict) and isinstance(info.get("name"), str):
             session.client = info["name"]
@@ -7044,6 +7161,7 @@ class McpServer(object):
                 "serverInfo": self.server_info(), "instructions": self.instructions()}
 
     def m_discover(self, params, session):
+        """server/discover (the stateless revision): versions, capabilities, info, instructions."""
         return {"supportedVersions": list(MODERN_VERSIONS) + list(PROTOCOL_VERSIONS),
                 "capabilities": self.capabilities(modern=True), "serverInfo": self.server_info(),
                 "instructions": self.instructions(), "cacheScope": "private", "ttlMs": 0,
@@ -7051,12 +7169,15 @@ class McpServer(object):
                 "_meta": {"io.modelcontextprotocol/serverInfo": self.server_info()}}
 
     def m_ping(self, params, session):
+        """ping: an empty result."""
         return {}
 
     def m_tools_list(self, params, session):
+        """tools/list: every registered tool."""
         return {"tools": self._tool_list}
 
     def m_set_level(self, params, session):
+        """logging/setLevel: the session's log level."""
         level = params.get("level")
         if not isinstance(level, str):
             raise RpcError(-32602, "level must be a string such as 'info'")
@@ -7068,6 +7189,8 @@ class McpServer(object):
 
     # -- tools/call ----------------------------------------------------------
     def call_tool(self, rid, params, session, emit, modern):
+        """tools/call: check the tool and its arguments, then run it on a worker (its answer comes through
+        emit)."""
         name = params.get("name")
         tool = self.tools.get(name) if isinstance(name, str) else None
         if tool is None:
@@ -7144,6 +7267,7 @@ class Stopper(object):
         os.set_blocking(self.w, False)
 
     def stop(self, reason):
+        """Ask the server to stop (from a signal handler too), saying why."""
         if self.reason is None:
             self.reason = reason
         try:
@@ -7152,6 +7276,7 @@ class Stopper(object):
             pass
 
     def is_set(self):
+        """Whether a stop was asked for."""
         return self.reason is not None
 
     def install(self):
@@ -7336,6 +7461,7 @@ class HttpTransport(object):
 
     # -- sessions ------------------------------------------------------------
     def new_session(self):
+        """Make a session; its id (unguessable)."""
         import secrets
         sid = secrets.token_hex(32)
         with self.lock:
@@ -7352,10 +7478,12 @@ class HttpTransport(object):
         return session
 
     def get_session(self, sid):
+        """The session with id sid, or None."""
         with self.lock:
             return self.sessions.get(sid)
 
     def end_session(self, sid):
+        """End session sid (its tasks killed); whether there was one."""
         with self.lock:
             session = self.sessions.pop(sid, None)
         if session is not None:
@@ -7363,6 +7491,7 @@ class HttpTransport(object):
         return session is not None
 
     def reap_idle(self):
+        """End sessions idle longer than the idle limit with nothing running."""
         now = time.monotonic()
         with self.lock:
             stale = [sid for sid, s in self.sessions.items()
@@ -7376,6 +7505,7 @@ class HttpTransport(object):
             self.reap_idle()
 
     def close_all(self):
+        """End every session (at shutdown)."""
         with self.lock:
             sids = list(self.sessions)
         for sid in sids:
@@ -7388,11 +7518,13 @@ class HttpTransport(object):
 
     # -- serving -------------------------------------------------------------
     def bind(self):
+        """Listen on the configured address; (host, port, ...) as bound."""
         self.httpd = make_http_server(self)
         threading.Thread(target=self._reaper, daemon=True).start()
         return self.httpd.server_address
 
     def serve(self):
+        """Serve until shutdown(), then end every session."""
         try:
             self.httpd.serve_forever(poll_interval=0.2)
         finally:
@@ -7401,6 +7533,7 @@ class HttpTransport(object):
             self.httpd.server_close()
 
     def shutdown(self):
+        """Stop serving (from another thread)."""
         self.stopping.set()
         if self.httpd is not None:
             self.httpd.shutdown()
@@ -7508,6 +7641,7 @@ class McpRequestHandler(object):
             self.wfile.write(data)
 
     def refuse(self, code, body, headers=()):
+        """Reply `code` and close the connection; False (for `return self.refuse(...)`)."""
         self.reply(code, body, headers, close=True)
         return False
 
@@ -7605,6 +7739,7 @@ class McpRequestHandler(object):
         return "token " + hashlib.sha256(auth[7:].strip().encode("utf-8", "replace")).hexdigest()[:16]
 
     def client_gone(self):
+        """Whether the client closed its end (checked without blocking)."""
         import select
         import socket
         try:
@@ -7614,6 +7749,7 @@ class McpRequestHandler(object):
             return True
 
     def start_stream(self, headers):
+        """Start an SSE reply (text/event-stream; the connection closes after it)."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -7676,6 +7812,7 @@ class McpRequestHandler(object):
             return False
 
     def do_GET(self):
+        """GET /health answers; GET /mcp is refused (no unsolicited messages are sent)."""
         if self.path.split("?", 1)[0] == "/health":
             self.reply(200, {"status": "ok", "name": SERVER_NAME, "version": __version__,
                                 "sessions": len(self.transport.sessions)})
@@ -7684,6 +7821,7 @@ class McpRequestHandler(object):
                                  " messages; POST requests to /mcp"}, [("Allow", "POST, DELETE")])
 
     def do_DELETE(self):
+        """DELETE /mcp ends the session the Mcp-Session-Id header names."""
         if not self.guarded():
             return
         sid = self.headers.get("Mcp-Session-Id")
@@ -7695,6 +7833,7 @@ class McpRequestHandler(object):
             self.refuse(404, {"error": "unknown or ended session"})
 
     def do_POST(self):
+        """POST /mcp: one JSON-RPC message; a request gets its answer, a notification 202."""
         if not self.guarded():
             return
         body = self.read_body()
@@ -7787,6 +7926,8 @@ def serve_http(server, config, stop):
 
 
 def main(argv=None, environ=None):
+    """Run the server (or a helper, with --helper): parse the flags, resolve the sandbox, serve stdio or
+    HTTP until stopped; the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--helper"]:
         return helper_main(argv[1:])
