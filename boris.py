@@ -115,14 +115,44 @@ HELPER_WATCH_S = 0.2                       # a helper checks this often that its
 ###############################################################################
 
 
+# The error codes a tool answers with, `[CODE] message` (ToolError.render). Each is
+# named once here, so a misspelt one is an undefined name (pyflakes), not a new code.
+INVALID_INPUT = "INVALID_INPUT"                  # an argument the schema or the tool refuses
+ACCESS_DENIED = "ACCESS_DENIED"                  # outside --allow-dir, inside --deny-dir
+PATH_NOT_FOUND = "PATH_NOT_FOUND"
+IO_ERROR = "IO_ERROR"                            # the system refused, or a helper failed
+FILE_TOO_LARGE = "FILE_TOO_LARGE"                # over --max-file-size
+FILE_NOT_VIEWED = "FILE_NOT_VIEWED"              # view-before-edit
+FILE_CHANGED = "FILE_CHANGED"                    # changed on disk since this session saw it
+STR_REPLACE_NOT_FOUND = "STR_REPLACE_NOT_FOUND"
+STR_REPLACE_AMBIGUOUS = "STR_REPLACE_AMBIGUOUS"
+GREP_INVALID_PATTERN = "GREP_INVALID_PATTERN"
+GREP_INVALID_TYPE = "GREP_INVALID_TYPE"
+GREP_INVALID_OUTPUT_MODE = "GREP_INVALID_OUTPUT_MODE"
+GLOB_INVALID_PATTERN = "GLOB_INVALID_PATTERN"
+GLOB_INVALID_TYPE = "GLOB_INVALID_TYPE"
+BASH_EMPTY_COMMAND = "BASH_EMPTY_COMMAND"
+BASH_START_FAILED = "BASH_START_FAILED"
+BASH_TASK_NOT_FOUND = "BASH_TASK_NOT_FOUND"
+BASH_TASK_LIMIT = "BASH_TASK_LIMIT"
+BASH_TASK_NOT_INTERACTIVE = "BASH_TASK_NOT_INTERACTIVE"
+ERROR_CODES = frozenset((INVALID_INPUT, ACCESS_DENIED, PATH_NOT_FOUND, IO_ERROR, FILE_TOO_LARGE, FILE_NOT_VIEWED,
+                         FILE_CHANGED, STR_REPLACE_NOT_FOUND, STR_REPLACE_AMBIGUOUS, GREP_INVALID_PATTERN,
+                         GREP_INVALID_TYPE, GREP_INVALID_OUTPUT_MODE, GLOB_INVALID_PATTERN, GLOB_INVALID_TYPE,
+                         BASH_EMPTY_COMMAND, BASH_START_FAILED, BASH_TASK_NOT_FOUND, BASH_TASK_LIMIT,
+                         BASH_TASK_NOT_INTERACTIVE))
+
+
 class ToolError(Exception):
     """The one way a tool fails: a code and a message the model can act on.
 
     render() is the one place an error becomes text: `[CODE] message.`, or the message
-    verbatim for the seed-004 tools (`plain`), which answer in seed 004's fixed strings."""
+    verbatim for the workspace tools (`plain`), which answer in fixed Chinese strings."""
 
     def __init__(self, code, message, plain=False, detail=None):
         Exception.__init__(self, message)
+        if code not in ERROR_CODES:
+            raise ValueError("unknown error code %r" % (code,))
         self.code = code
         self.message = message
         self.plain = plain
@@ -138,8 +168,8 @@ class ToolError(Exception):
         return "[%s] %s" % (self.code, msg)
 
 
-def plain_error(message, code="IO_ERROR"):
-    """A seed-004 tool's error: its fixed Chinese string, shown verbatim."""
+def plain_error(message, code=IO_ERROR):
+    """A workspace tool's error: its fixed Chinese string, shown verbatim."""
     return ToolError(code, message, plain=True)
 
 
@@ -298,7 +328,7 @@ def as_choice(kind, text):
 
 
 def as_bool(kind, text):
-    """A bool or tristate flag's value; `auto` resolves to true in this release (seed 003)."""
+    """A bool or tristate flag's value; `auto` resolves to true in this release."""
     low = text.lower()
     if kind == "tristate" and low == "auto":
         return True
@@ -627,17 +657,17 @@ def canonical(path):
 def resolve_error(e, shown):
     """Why `shown` could not be resolved, as the ToolError a model can act on."""
     if e.errno == errno.ELOOP:
-        return ToolError("ACCESS_DENIED", "%s runs into a symlink loop (or a chain of over %d links) at %s;"
+        return ToolError(ACCESS_DENIED, "%s runs into a symlink loop (or a chain of over %d links) at %s;"
                          " give a path without the loop" % (shown, MAX_SYMLINKS, e.filename))
     if e.errno == errno.ENOTDIR:
-        return ToolError("INVALID_INPUT", "%s uses %s as a directory, but it is a file; check the path"
+        return ToolError(INVALID_INPUT, "%s uses %s as a directory, but it is a file; check the path"
                          % (shown, e.filename))
     if e.errno == errno.ENAMETOOLONG:
-        return ToolError("INVALID_INPUT", "%s has a name over the file system's limit (255 bytes a name)" % shown)
+        return ToolError(INVALID_INPUT, "%s has a name over the file system's limit (255 bytes a name)" % shown)
     if e.errno in (errno.EACCES, errno.EPERM):
-        return ToolError("ACCESS_DENIED", "%s: the operating system denies looking up %s"
+        return ToolError(ACCESS_DENIED, "%s: the operating system denies looking up %s"
                          % (shown, e.filename or shown))
-    return ToolError("IO_ERROR", "%s cannot be resolved: %s" % (shown, e.strerror or e))
+    return ToolError(IO_ERROR, "%s cannot be resolved: %s" % (shown, e.strerror or e))
 
 
 class PathPolicy(object):
@@ -661,16 +691,16 @@ class PathPolicy(object):
         """A path argument as given: a non-empty string without NUL, within MAX_PATH_CHARS; else
         INVALID_INPUT naming `name`."""
         if not isinstance(path, str) or not path:
-            raise ToolError("INVALID_INPUT", "%s must be a non-empty string" % name)
+            raise ToolError(INVALID_INPUT, "%s must be a non-empty string" % name)
         if "\x00" in path:
-            raise ToolError("INVALID_INPUT", "%s contains a NUL byte; pass a plain file path" % name)
+            raise ToolError(INVALID_INPUT, "%s contains a NUL byte; pass a plain file path" % name)
         if len(path) > MAX_PATH_CHARS:
-            raise ToolError("INVALID_INPUT", "%s is %d characters long; the limit is %d"
+            raise ToolError(INVALID_INPUT, "%s is %d characters long; the limit is %d"
                             % (name, len(path), MAX_PATH_CHARS))
         try:
             path.encode("utf-8")
         except UnicodeEncodeError:
-            raise ToolError("INVALID_INPUT", "%s holds a lone surrogate character (%r), which names no file;"
+            raise ToolError(INVALID_INPUT, "%s holds a lone surrogate character (%r), which names no file;"
                             " send the path as valid UTF-8" % (name, path))
 
     def resolve(self, base, path, name="path"):
@@ -710,14 +740,14 @@ class PathPolicy(object):
         """`real` when it is in scope, else ACCESS_DENIED naming the path as the model gave it (`shown`)."""
         reason = self.denial(real) if self.restricted else None
         if reason:
-            raise ToolError("ACCESS_DENIED", "%s %s; use a path inside the allowed scope" % (shown, reason))
+            raise ToolError(ACCESS_DENIED, "%s %s; use a path inside the allowed scope" % (shown, reason))
         return real
 
     def confine(self, path):
-        """The seed-004 `_assert_safe_path`: resolve against the workspace root, then
-        require the canonical path to stay inside it (and inside allow/deny).
-        Raises PermissionError, which the seed-004 tools turn into their fixed string;
-        a path that cannot be resolved at all (a loop) is an escape attempt too."""
+        """The workspace tools' path check: resolve against the workspace root, then
+        require the canonical path to stay inside it (and inside allow/deny). An escape
+        is ACCESS_DENIED (detail "escape"), which those tools answer in their fixed
+        string; a path that cannot be resolved at all (a loop) is an escape attempt too."""
         self.validate(path)
         try:
             real = canonical(os.path.join(self.workdir, path))
@@ -727,7 +757,8 @@ class PathPolicy(object):
             real = None
         if real is None or not is_within(real, self.workdir) or self.is_denied(real):
             log("warn", "path escape attempt refused", path=path, resolved=real, root=self.workdir)
-            raise PermissionError(path)
+            raise ToolError(ACCESS_DENIED, "%s resolves outside the workspace root %s" % (path, self.workdir),
+                            detail="escape")
         return real
 
 ###############################################################################
@@ -916,21 +947,21 @@ class FileTooLarge(Exception):
 def io_error(e, shown):
     """An OSError as the ToolError a model can act on."""
     if e.errno == errno.ENOENT:
-        return ToolError("PATH_NOT_FOUND", "%s does not exist; check the path (view a directory to list it)" % shown)
+        return ToolError(PATH_NOT_FOUND, "%s does not exist; check the path (view a directory to list it)" % shown)
     if e.errno in (errno.ELOOP, errno.ENOTDIR):
         # The path was resolved without links a moment ago: one was swapped in since.
-        return ToolError("ACCESS_DENIED", "%s changed while it was being opened (a directory or file on the"
+        return ToolError(ACCESS_DENIED, "%s changed while it was being opened (a directory or file on the"
                          " way was replaced, e.g. by a symlink); nothing was read or written" % shown,
                          detail="swapped")
     if e.errno in (errno.EACCES, errno.EPERM):
-        return ToolError("ACCESS_DENIED", "%s: permission denied by the operating system" % shown)
+        return ToolError(ACCESS_DENIED, "%s: permission denied by the operating system" % shown)
     if e.errno == errno.EISDIR:
-        return ToolError("INVALID_INPUT", "%s is a directory, not a file" % shown)
+        return ToolError(INVALID_INPUT, "%s is a directory, not a file" % shown)
     if e.errno == errno.ENAMETOOLONG:
-        return ToolError("INVALID_INPUT", "%s has a name over the file system's limit (255 bytes a name)" % shown)
+        return ToolError(INVALID_INPUT, "%s has a name over the file system's limit (255 bytes a name)" % shown)
     if e.errno == errno.EAGAIN:
-        return ToolError("IO_ERROR", "%s has no data ready (a file that blocks readers); it is not read" % shown)
-    return ToolError("IO_ERROR", "%s: %s" % (shown, e.strerror or e))
+        return ToolError(IO_ERROR, "%s has no data ready (a file that blocks readers); it is not read" % shown)
+    return ToolError(IO_ERROR, "%s: %s" % (shown, e.strerror or e))
 
 
 def kind_of(mode):
@@ -945,7 +976,7 @@ def kind_of(mode):
 
 def not_regular(shown, mode, doing="read"):
     """INVALID_INPUT for a path that is a device, fifo, socket or directory where a file is needed."""
-    return ToolError("INVALID_INPUT", "%s is %s, not a regular file; it is not %s" % (shown, kind_of(mode), doing))
+    return ToolError(INVALID_INPUT, "%s is %s, not a regular file; it is not %s" % (shown, kind_of(mode), doing))
 
 
 # -- opening what was checked ---------------------------------------------------
@@ -1002,7 +1033,8 @@ def open_file(real, flags=os.O_RDONLY):
 
 def open_regular(real, shown, doing="read"):
     """(fd, stat) of an existing regular file; ToolError for anything else (the
-    fd is closed then). A directory raises IsADirectoryError for the caller to handle."""
+    fd is closed then). A directory's is INVALID_INPUT with detail "directory", which
+    view answers with a listing and the other tools word their own way."""
     try:
         fd = open_file(real)
     except OSError as e:
@@ -1010,9 +1042,9 @@ def open_regular(real, shown, doing="read"):
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise IsADirectoryError(errno.EISDIR, "is a directory", shown)
-        raise not_regular(shown, st.st_mode, doing)
+        err = not_regular(shown, st.st_mode, doing)
+        err.detail = "directory" if stat.S_ISDIR(st.st_mode) else None
+        raise err
     return fd, st
 
 
@@ -1032,7 +1064,7 @@ def read_fd(fd, limit, shown):
 def too_large(shown, size, limit, more=False):
     """FILE_TOO_LARGE naming the file, its size (or 'over' a size, when reading stopped there) and the
     limit."""
-    return ToolError("FILE_TOO_LARGE", "%s is %s%s; the limit is %s (--max-file-size)"
+    return ToolError(FILE_TOO_LARGE, "%s is %s%s; the limit is %s (--max-file-size)"
                      % (shown, "over " if more else "", human_size(size), human_size(limit)), detail=limit)
 
 
@@ -1547,7 +1579,7 @@ def type_matcher(name):
     """A function basename -> bool for a language name, or ToolError(GREP_INVALID_TYPE)."""
     key = TYPE_ALIASES.get(name.lower(), name.lower())
     if key not in TYPES:
-        raise ToolError("GREP_INVALID_TYPE", "unknown type %r; valid types: %s (aliases: %s)" % (
+        raise ToolError(GREP_INVALID_TYPE, "unknown type %r; valid types: %s (aliases: %s)" % (
             name, ", ".join(sorted(TYPES)), ", ".join("%s=%s" % kv for kv in sorted(TYPE_ALIASES.items()))))
     rx = re.compile("|".join("(?:%s)" % compile_glob(g).pattern for g in TYPES[key].split()))
     return lambda base: rx.match(base) is not None
@@ -1890,15 +1922,15 @@ def python_regex(pattern):
     for other, python in REGEX_HINTS:
         m = re.search(r"(?<!\\)(?:\\\\)*(" + other + ")", pattern)
         if m:
-            raise ToolError("GREP_INVALID_PATTERN", "pattern %r uses %s, which Python's re does not know; write %s"
+            raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses %s, which Python's re does not know; write %s"
                             " instead" % (shorten(pattern), m.group(1), python))
     if re.search(r"\[[^\]]*&&", pattern):
-        raise ToolError("GREP_INVALID_PATTERN", "pattern %r uses a class intersection (&&), which Python's re does"
+        raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses a class intersection (&&), which Python's re does"
                         " not have; list the characters ([ac-z]) or use a lookahead ((?![b])[a-z])" % shorten(pattern))
 
     def posix(m):
         if m.group(1) not in POSIX_CLASSES:
-            raise ToolError("GREP_INVALID_PATTERN", "pattern %r uses the unknown class [:%s:]; known: %s"
+            raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses the unknown class [:%s:]; known: %s"
                             % (shorten(pattern), m.group(1), ", ".join(sorted(POSIX_CLASSES))))
         return POSIX_CLASSES[m.group(1)]
     return re.sub(r"(?<=[\[^\w\]-])\[:(\w+):\]", posix, pattern) if "[:" in pattern else pattern
@@ -2030,10 +2062,10 @@ def compile_pattern(pattern, src, flags):
     try:
         return re.compile(src, flags)
     except re.error as e:
-        raise ToolError("GREP_INVALID_PATTERN", "pattern %r is not a valid regular expression: %s; escape"
+        raise ToolError(GREP_INVALID_PATTERN, "pattern %r is not a valid regular expression: %s; escape"
                         " special characters or fix the syntax (the dialect is Python's re)" % (shorten(pattern), e))
     except (OverflowError, RecursionError, ValueError) as e:
-        raise ToolError("GREP_INVALID_PATTERN", "pattern %r cannot be compiled: %s" % (shorten(pattern), e))
+        raise ToolError(GREP_INVALID_PATTERN, "pattern %r cannot be compiled: %s" % (shorten(pattern), e))
 
 
 def read_chunks(fd, buf, n, whole=False, numbered=True):
@@ -2442,7 +2474,7 @@ def name_filter(include, type_name):
         try:
             rx = compile_glob(include)
         except ValueError as e:
-            raise ToolError("INVALID_INPUT", "include glob %r is malformed: %s" % (include, e))
+            raise ToolError(INVALID_INPUT, "include glob %r is malformed: %s" % (include, e))
         on_path = "/" in include
         tests.append(lambda rel, name: rx.match(rel if on_path else name) is not None)
     if type_name:
@@ -2940,7 +2972,7 @@ def helper_job(job, emit, raw, partners, alarms):
         import traceback
         sys.stderr.write("boris: search helper %d: the job failed:\n%s" % (os.getpid(), traceback.format_exc()))
         sys.stderr.flush()
-        return {"end": "error", "code": "IO_ERROR", "message": "the search failed: %r" % e}
+        return {"end": "error", "code": IO_ERROR, "message": "the search failed: %r" % e}
     finally:
         if alarms:
             signal.setitimer(signal.ITIMER_REAL, 0)
@@ -2952,7 +2984,7 @@ def match_job(job):
     try:
         rx = re.compile(job["pattern"], re.MULTILINE)
     except (re.error, RecursionError, OverflowError, ValueError) as e:
-        raise ToolError("INVALID_INPUT", "wait_for %r is not a valid regular expression: %s"
+        raise ToolError(INVALID_INPUT, "wait_for %r is not a valid regular expression: %s"
                         % (shorten(job["pattern"]), e))
     return [any(rx.search(line[:1000]) for line in job["text"].splitlines())]
 
@@ -2998,7 +3030,7 @@ class HelperPool(object):
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
                     self.discard(proc)
-                    raise ToolError("IO_ERROR", "the search helper process ended unexpectedly (its error, if"
+                    raise ToolError(IO_ERROR, "the search helper process ended unexpectedly (its error, if"
                                                 " any, is in the server's log); try again")
                 for line in reader.feed(chunk):
                     msg = json.loads(line.decode("utf-8"))
@@ -3011,7 +3043,7 @@ class HelperPool(object):
                     return items, None
         except (OSError, ValueError) as e:
             self.discard(proc)
-            raise ToolError("IO_ERROR", "the search helper failed: %s" % e)
+            raise ToolError(IO_ERROR, "the search helper failed: %s" % e)
 
     def start(self, job):
         """A helper that has taken `job` (a warm one that died is replaced once)."""
@@ -3030,7 +3062,7 @@ class HelperPool(object):
             except OSError as e:
                 error = e
                 self.discard(proc)
-        raise ToolError("IO_ERROR", "no search helper process could be started (%s), so the search was not run;"
+        raise ToolError(IO_ERROR, "no search helper process could be started (%s), so the search was not run;"
                                     " check that %s can start and that the temp directory is writable"
                         % (getattr(error, "strerror", None) or error, sys.executable))
 
@@ -3999,7 +4031,7 @@ def web_window(text, start):
     """text[start:] within WEB_MAX_CHARS in all; a cut one ends with the start_index
     that reads on."""
     if start > len(text):
-        raise plain_error("错误：start_index %d 超出内容长度（%d 字符）" % (start, len(text)), "INVALID_INPUT")
+        raise plain_error("错误：start_index %d 超出内容长度（%d 字符）" % (start, len(text)), INVALID_INPUT)
     if len(text) - start <= WEB_MAX_CHARS:
         return text[start:]
     end = start + WEB_MAX_CHARS - 200                        # room for the notice
@@ -4029,7 +4061,7 @@ def address_refusal(address, block_private=False):
 
 
 def vetted_addresses(host, port, block_private, url):
-    """getaddrinfo of `host`, every address checked; a seed-004 ToolError otherwise."""
+    """getaddrinfo of `host`, every address checked; a workspace tools' fixed-string ToolError otherwise."""
     import socket
     try:
         infos = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
@@ -4039,7 +4071,7 @@ def vetted_addresses(host, port, block_private, url):
         why = address_refusal(info[4][0], block_private)
         if why:
             log("warn", "web_fetch refused an address", host=host, address=info[4][0], reason=why)
-            raise plain_error("错误：拒绝连接 %s（%s 是%s）: %s" % (host, info[4][0], why, url), "ACCESS_DENIED")
+            raise plain_error("错误：拒绝连接 %s（%s 是%s）: %s" % (host, info[4][0], why, url), ACCESS_DENIED)
     return infos
 
 
@@ -4137,7 +4169,7 @@ def guarded_opener(watch, block_private, url):
 
 
 def http_fetch(url, timeout, cancelled=None, block_private=False, shown=None):
-    """(content_type, charset, body bytes) of a GET, or a seed-004 ToolError naming
+    """(content_type, charset, body bytes) of a GET, or a workspace tools' fixed-string ToolError naming
     the URL as `shown` (as the model gave it). At most WEB_MAX_REDIRECTS redirects
     (http/https only), at most WEB_MAX_BYTES read; `timeout` bounds the whole call,
     and `cancelled` ends it at once."""
@@ -4176,13 +4208,13 @@ def http_fetch(url, timeout, cancelled=None, block_private=False, shown=None):
 
 def checked_url(url):
     """`url` ready to request (non-ASCII in the path and query percent-encoded), or a
-    seed-004 error naming what is wrong with it: not http(s), no host, a port that is
+    fixed-string error naming what is wrong with it: not http(s), no host, a port that is
     no number, a malformed IPv6 literal, spaces or control characters."""
     import urllib.parse
     shown = re.sub(r"[\x00-\x1f\x7f]", lambda m: "\\x%02x" % ord(m.group(0)), url[:200]) + \
         ("..." if len(url) > 200 else "")
 
-    def refuse(reason, code="INVALID_INPUT"):
+    def refuse(reason, code=INVALID_INPUT):
         return plain_error("错误：无效的网址（%s）: %s" % (reason, shown), code)
     if len(url) > MAX_URL_CHARS:
         raise refuse("长度 %d 超过 %d 字符 / over %d characters" % (len(url), MAX_URL_CHARS, MAX_URL_CHARS))
@@ -4214,7 +4246,7 @@ def checked_url(url):
 
 def fetch_text(url, timeout, cancelled=None, block_private=False, start=0):
     """The readable text of a URL (HTML as light Markdown) from `start`, within
-    WEB_MAX_CHARS; a seed-004 ToolError otherwise."""
+    WEB_MAX_CHARS; a workspace tools' fixed-string ToolError otherwise."""
     ctype, charset, body = http_fetch(checked_url(url), timeout, cancelled, block_private, shown=url)
     try:
         text = body.decode(text_codec(charset or "utf-8") or "utf-8", "replace")
@@ -4412,12 +4444,14 @@ def tool_view(session, args, ctx):
     vr = parse_view_range(args.get("view_range"))
     try:
         fd, st = open_regular(real, shown)
-    except IsADirectoryError:
+    except ToolError as e:
+        if e.detail != "directory":
+            raise
         return view_directory(ctx, real, shown, vr)
     limit = ctx.config.max_file_size
     with os.fdopen(fd, "rb") as fh:
         if st.st_size > limit:
-            raise ToolError("FILE_TOO_LARGE", "%s is %s; the limit is %s (--max-file-size). Use grep to search"
+            raise ToolError(FILE_TOO_LARGE, "%s is %s; the limit is %s (--max-file-size). Use grep to search"
                             " it, or raise --max-file-size" % (shown, human_size(st.st_size), human_size(limit)))
         try:
             head = fh.read(SNIFF_BYTES)
@@ -4444,7 +4478,7 @@ def tool_view(session, args, ctx):
 def view_directory(ctx, real, shown, vr):
     """view of a directory: its tree (a view_range is for files only)."""
     if vr is not None:
-        raise ToolError("INVALID_INPUT", "view_range applies to files, and %s is a directory" % shown)
+        raise ToolError(INVALID_INPUT, "view_range applies to files, and %s is a directory" % shown)
     return list_tree(real, ctx.policy, shown)
 
 
@@ -4474,7 +4508,7 @@ def view_whole(session, ctx, real, shown, st, data, image_mime, vr):
 
 # What the model APIs behind the coding agents take (clientInfo.name prefix -> image
 # types): no SVG anywhere, no GIF for Gemini, no BMP or ICO for any. Other clients get
-# every image as image content (seed 001); --svg overrides for SVG.
+# every image as image content; --svg overrides for SVG.
 CLIENT_IMAGE_TYPES = (
     ("claude", ("image/png", "image/jpeg", "image/gif", "image/webp")),
     ("codex", ("image/png", "image/jpeg", "image/gif", "image/webp")),
@@ -4513,11 +4547,11 @@ def image_result(ctx, shown, data, mime):
                 % (shown, kind, " of %dx%d pixels" % size if size else "", human_size(len(data)),
                    ", ".join(t.split("/")[1].upper() for t in takes), shown))
     if len(data) > IMAGE_MAX_BYTES:
-        raise ToolError("FILE_TOO_LARGE", "%s is a %s image of %s; a model API takes images up to %s. Shrink it"
+        raise ToolError(FILE_TOO_LARGE, "%s is a %s image of %s; a model API takes images up to %s. Shrink it"
                         " first, e.g. in bash: convert %s -resize 50%% /tmp/small.png, then view that"
                         % (shown, mime, human_size(len(data)), human_size(IMAGE_MAX_BYTES), shown))
     if size and max(size) > IMAGE_MAX_SIDE:
-        raise ToolError("INVALID_INPUT", "%s is %dx%d pixels; a model API takes at most %d a side. Shrink it"
+        raise ToolError(INVALID_INPUT, "%s is %dx%d pixels; a model API takes at most %d a side. Shrink it"
                         " first, e.g. in bash: convert %s -resize %dx%d /tmp/small.png, then view that"
                         % (shown, size[0], size[1], IMAGE_MAX_SIDE, shown, IMAGE_MAX_SIDE, IMAGE_MAX_SIDE))
     return [{"type": "image", "data": base64.b64encode(data).decode("ascii"), "mimeType": mime}]
@@ -4582,9 +4616,9 @@ def parse_view_range(vr):
         return None
     start, end = vr
     if start < 1:
-        raise ToolError("INVALID_INPUT", "view_range start %d is below 1; lines are numbered from 1" % start)
+        raise ToolError(INVALID_INPUT, "view_range start %d is below 1; lines are numbered from 1" % start)
     if end != -1 and end < start:
-        raise ToolError("INVALID_INPUT", "view_range [%d, %d] ends before it starts; give start <= end,"
+        raise ToolError(INVALID_INPUT, "view_range [%d, %d] ends before it starts; give start <= end,"
                         " or end = -1 for the end of the file" % (start, end))
     return start, end
 
@@ -4627,7 +4661,7 @@ def numbered_whole(lines, vr, start, n, shown):
     if vr is None:
         return number_lines(lines, 1) if lines else "(%s is empty)" % shown
     if not lines:
-        raise ToolError("INVALID_INPUT", "view_range start %d exceeds the file's %d lines; give a start"
+        raise ToolError(INVALID_INPUT, "view_range start %d exceeds the file's %d lines; give a start"
                         " between 1 and %d" % (start, n, max(n, 1)))
     return number_lines(lines, start)
 
@@ -4675,7 +4709,7 @@ def list_tree(root, policy, shown):
 def require_viewed(session, ctx, real, shown):
     """FILE_NOT_VIEWED when view-before-edit is on and this session has not viewed `real`."""
     if ctx.config.require_view_before_edit and not session.has_viewed(real):
-        raise ToolError("FILE_NOT_VIEWED", "%s has not been viewed in this session; view it first"
+        raise ToolError(FILE_NOT_VIEWED, "%s has not been viewed in this session; view it first"
                         " (view-before-edit is on), then retry the edit" % shown)
 
 
@@ -4684,8 +4718,10 @@ def load_for_edit(session, ctx, real, shown):
     ctx.files.lock(real)): bytes decoded with surrogateescape, so any byte round-trips."""
     try:
         fd, st = open_regular(real, shown, "edited")
-    except IsADirectoryError:
-        raise ToolError("INVALID_INPUT", "%s is a directory; edits apply to files" % shown)
+    except ToolError as e:
+        if e.detail == "directory":
+            raise ToolError(INVALID_INPUT, "%s is a directory; edits apply to files" % shown)
+        raise
     try:
         require_viewed(session, ctx, real, shown)
         limit = ctx.config.max_file_size
@@ -4710,14 +4746,14 @@ def encode_text(text, name="content"):
     try:
         return text.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError:
-        raise ToolError("INVALID_INPUT", "%s holds an unpaired surrogate character; send valid UTF-8 text" % name)
+        raise ToolError(INVALID_INPUT, "%s holds an unpaired surrogate character; send valid UTF-8 text" % name)
 
 
 def write_checked(session, ctx, real, shown, data):
     """Write through the one writer; a note when it had to write in place."""
     limit = ctx.config.max_file_size
     if len(data) > limit:
-        raise ToolError("FILE_TOO_LARGE", "the new content of %s is %s; the limit is %s (--max-file-size);"
+        raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s (--max-file-size);"
                         " nothing was written" % (shown, human_size(len(data)), human_size(limit)))
     try:
         atomic = atomic_write(real, data, ctx.files)
@@ -4734,7 +4770,7 @@ def check_unchanged(session, ctx, real, shown):
         return
     change = changed_since(seen, real, ctx.config.max_file_size)
     if change:
-        raise ToolError("FILE_CHANGED", "%s changed since this session last saw it (%s); view it again before"
+        raise ToolError(FILE_CHANGED, "%s changed since this session last saw it (%s); view it again before"
                         " overwriting it, so that no one else's change is lost" % (shown, change))
 
 
@@ -4775,10 +4811,10 @@ def patch_lines(text):
     while lines and not lines[0].strip():
         lines.pop(0)
     if not lines or lines[0].strip() != "*** Begin Patch":
-        raise ToolError("INVALID_INPUT", "a patch starts with the line '*** Begin Patch' (and ends with"
+        raise ToolError(INVALID_INPUT, "a patch starts with the line '*** Begin Patch' (and ends with"
                         " '*** End Patch')")
     if lines[-1].strip() != "*** End Patch":
-        raise ToolError("INVALID_INPUT", "a patch ends with the line '*** End Patch'; the last line is %r"
+        raise ToolError(INVALID_INPUT, "a patch ends with the line '*** End Patch'; the last line is %r"
                         % shorten(lines[-1], 80))
     return lines
 
@@ -4912,10 +4948,10 @@ def replace_text(text, old, new, replace_all, shown, cancelled=None):
         old = to_crlf(old)
         count = text.count(old)
     if count == 0:
-        raise ToolError("STR_REPLACE_NOT_FOUND", "old_str was not found in %s; view the file and copy the"
+        raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and copy the"
                         " text exactly, whitespace and indentation included.%s" % (shown, closest_region(text, old, cancelled)))
     if count > 1 and not replace_all:
-        raise ToolError("STR_REPLACE_AMBIGUOUS", "old_str occurs %d times in %s (at lines %s) and must be unique;"
+        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str occurs %d times in %s (at lines %s) and must be unique;"
                         " add surrounding lines to old_str to pick one, or set replace_all to true"
                         % (count, shown, match_lines(text, old)))
     return replaced(text, old, new), count, text.find(old)
@@ -4941,10 +4977,10 @@ def tool_str_replace(session, args, ctx):
     since."""
     shown, old, new = args["path"], args["old_str"], args.get("new_str") or ""
     if old == "":
-        raise ToolError("INVALID_INPUT", "old_str is empty; give the exact text to replace"
+        raise ToolError(INVALID_INPUT, "old_str is empty; give the exact text to replace"
                         " (to write a whole file use create_file)")
     if old == new:
-        raise ToolError("INVALID_INPUT", "old_str and new_str are identical; there is nothing to change")
+        raise ToolError(INVALID_INPUT, "old_str and new_str are identical; there is nothing to change")
     real = resolve_checked(session, ctx, shown)
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
@@ -4967,9 +5003,9 @@ def tool_multi_edit(session, args, ctx):
             old, new = edit["old_str"], edit.get("new_str") or ""
             try:
                 if old == "":
-                    raise ToolError("INVALID_INPUT", "old_str is empty; give the exact text to replace")
+                    raise ToolError(INVALID_INPUT, "old_str is empty; give the exact text to replace")
                 if old == new:
-                    raise ToolError("INVALID_INPUT", "old_str and new_str are identical; there is nothing to change")
+                    raise ToolError(INVALID_INPUT, "old_str and new_str are identical; there is nothing to change")
                 text, count, pos = replace_text(text, old, new, bool(edit.get("replace_all")), shown, ctx.cancelled)
             except ToolError as e:
                 raise ToolError(e.code, "edit %d of %d: %s\nNothing was written (the edits apply all or none)"
@@ -4991,7 +5027,7 @@ def existing_kind(real, shown):
     except OSError as e:
         raise io_error(e, shown)
     if stat.S_ISDIR(st.st_mode):
-        raise ToolError("INVALID_INPUT", "%s is a directory; give a file path" % shown)
+        raise ToolError(INVALID_INPUT, "%s is a directory; give a file path" % shown)
     if not stat.S_ISREG(st.st_mode):
         raise not_regular(shown, st.st_mode, "overwritten")
     return st
@@ -5019,7 +5055,7 @@ def inserted(text, at, text_in):
     trailing = text.endswith(nl)
     total = len(lines) - 1 if trailing else (0 if text == "" else len(lines))
     if not 0 <= at <= total:
-        raise ToolError("INVALID_INPUT", "insert_line %d is outside the file; give 0 (the top) to %d (after"
+        raise ToolError(INVALID_INPUT, "insert_line %d is outside the file; give 0 (the top) to %d (after"
                         " the last line)" % (at, total))
     body = lines[:total]
     new_lines = (to_crlf(text_in) if nl == "\r\n" else text_in).split(nl)
@@ -5034,7 +5070,7 @@ def tool_insert(session, args, ctx):
     shown = args["path"]
     text_in = args.get("insert_text", args.get("new_str"))
     if text_in is None or args.get("insert_line") is None:
-        raise ToolError("INVALID_INPUT", "insert needs insert_line and insert_text (or new_str)")
+        raise ToolError(INVALID_INPUT, "insert needs insert_line and insert_text (or new_str)")
     real = resolve_checked(session, ctx, shown)
     at = args["insert_line"]
     with ctx.files.lock(real):
@@ -5096,7 +5132,7 @@ def parse_patch(text):
         else:
             raise reader.bad(reader.i, "expected '*** Add File: ', '*** Delete File: ' or '*** Update File: '")
     if not ops:
-        raise ToolError("INVALID_INPUT", "the patch changes no file")
+        raise ToolError(INVALID_INPUT, "the patch changes no file")
     return ops
 
 
@@ -5108,7 +5144,7 @@ class PatchReader(object):
 
     def bad(self, k, why):
         """INVALID_INPUT naming patch line k (from 0) and what is wrong with it."""
-        return ToolError("INVALID_INPUT", "patch line %d (%s): %s" % (k + 1, shorten(repr(self.lines[k]), 80), why))
+        return ToolError(INVALID_INPUT, "patch line %d (%s): %s" % (k + 1, shorten(repr(self.lines[k]), 80), why))
 
     def add_section(self, path):
         """('add', path, lines) of an Add File section: every line starts with '+'."""
@@ -5201,7 +5237,7 @@ def locate_hunk(lines, hunk, cursor, shown, k):
         if len(hits) == 1:
             return hits[0], len(old)
         if hits:
-            raise ToolError("STR_REPLACE_AMBIGUOUS", "%s, %s matches %s at lines %s; add context lines or an"
+            raise ToolError(STR_REPLACE_AMBIGUOUS, "%s, %s matches %s at lines %s; add context lines or an"
                             " '@@ header' line (e.g. @@ def name) to pick one; nothing was written"
                             % (shown, label, how, ", ".join(str(i + 1) for i in hits[:20])))
     raise hunk_miss(lines, old, cursor, shown, label)
@@ -5217,7 +5253,7 @@ def past_headers(lines, hunk, cursor, shown, label):
                 cursor = hits[0] + 1
                 break
         else:
-            raise ToolError("STR_REPLACE_NOT_FOUND", "%s, %s: its header line %r was not found%s; nothing was"
+            raise ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: its header line %r was not found%s; nothing was"
                             " written" % (shown, label, shorten(h, 120), after(cursor)))
     return cursor
 
@@ -5228,7 +5264,7 @@ def hunk_miss(lines, old, cursor, shown, label):
     got = 0
     while got < len(old) and any(find_run(lines, old[:got + 1], cursor, norm) for _, norm in PATCH_LEVELS):
         got += 1
-    return ToolError("STR_REPLACE_NOT_FOUND", "%s, %s: the line %r was not found%s%s; nothing was written.%s"
+    return ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: the line %r was not found%s%s; nothing was written.%s"
                      % (shown, label, shorten(old[got], 120), " after the %d line%s before it" % (
                          got, "" if got == 1 else "s") if got else "", after(cursor),
                         closest_region("\n".join(lines), "\n".join(old), what="the hunk")))
@@ -5268,7 +5304,7 @@ class PatchPlan(object):
     def claim(self, real, shown):
         """Note that a section changes `real`; INVALID_INPUT when another section already does."""
         if real in self.paths:
-            raise ToolError("INVALID_INPUT", "%s appears twice in the patch; put all its changes in one section"
+            raise ToolError(INVALID_INPUT, "%s appears twice in the patch; put all its changes in one section"
                             % shown)
         self.paths.add(real)
 
@@ -5282,7 +5318,7 @@ def plan_patch(session, ctx, ops):
         plan.claim(real, shown)
         if op[0] == "add":
             if os.path.lexists(real):
-                raise ToolError("INVALID_INPUT", "*** Add File: %s, but it exists; use *** Update File: to change"
+                raise ToolError(INVALID_INPUT, "*** Add File: %s, but it exists; use *** Update File: to change"
                                 " it; nothing was written" % shown)
             data = encode_text("\n".join(op[2]) + "\n" if op[2] else "", "input")
             plan.writes.append((real, shown, data, 0o644, None))
@@ -5301,7 +5337,7 @@ def plan_patch(session, ctx, ops):
                 target = resolve_checked(session, ctx, move, "*** Move to")
                 plan.claim(target, move)
                 if os.path.lexists(target):
-                    raise ToolError("INVALID_INPUT", "*** Move to: %s, but it exists; nothing was written" % move)
+                    raise ToolError(INVALID_INPUT, "*** Move to: %s, but it exists; nothing was written" % move)
                 plan.writes += [(target, move, data, stat.S_IMODE(st.st_mode), None), (real, shown, None, None, before)]
                 plan.summary.append("R %s -> %s" % (shown, move))
             else:
@@ -5314,7 +5350,7 @@ def existing_or_missing(real, shown, section):
     """The lstat of the regular file a section changes; ToolError when there is none."""
     st = existing_kind(real, shown)
     if st is None:
-        raise ToolError("PATH_NOT_FOUND", "%s: %s does not exist; nothing was written" % (section, shown))
+        raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist; nothing was written" % (section, shown))
     return st
 
 
@@ -5335,7 +5371,7 @@ def run_plan(session, ctx, plan):
     except (OSError, ToolError) as e:
         undone = restore(done, ctx.files)
         why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
-        raise ToolError("IO_ERROR", "writing %s failed (%s); %s" % (shown, why, undone))
+        raise ToolError(IO_ERROR, "writing %s failed (%s); %s" % (shown, why, undone))
 
 
 def restore(done, guards):
@@ -5463,7 +5499,7 @@ def render_notebook(ctx, shown, text, vr):
     start, end = vr or (1, -1)
     last = len(cells) if end == -1 else min(end, len(cells))
     if vr is not None and (start > max(len(cells), 1)):
-        raise ToolError("INVALID_INPUT", "view_range counts cells for a notebook: %s has %d; give a start between 1"
+        raise ToolError(INVALID_INPUT, "view_range counts cells for a notebook: %s has %d; give a start between 1"
                         " and %d" % (shown, len(cells), max(len(cells), 1)))
     blocks, parts, size = [], ["%s: notebook, %d cells (view_range counts cells)" % (shown, len(cells))], 0
     cap = ctx.config.max_result_chars - 600
@@ -5557,13 +5593,13 @@ def tool_notebook_edit(session, args, ctx):
     mode = args.get("edit_mode") or "replace"
     real = resolve_checked(session, ctx, shown)
     if not real.endswith(".ipynb"):
-        raise ToolError("INVALID_INPUT", "%s is not a notebook (.ipynb); edit it with str_replace" % shown)
+        raise ToolError(INVALID_INPUT, "%s is not a notebook (.ipynb); edit it with str_replace" % shown)
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         try:
             cells, spans, array_end = notebook_cells(text)
         except ValueError as e:
-            raise ToolError("INVALID_INPUT", "%s is not a notebook that can be edited: %s" % (shown, e))
+            raise ToolError(INVALID_INPUT, "%s is not a notebook that can be edited: %s" % (shown, e))
         k = find_cell(cells, args, shown, mode)
         updated = edit_cells(text, cells, spans, array_end, k, mode, args, shown)
         note = write_checked(session, ctx, real, shown, encode_text(updated, "new_source"))
@@ -5578,17 +5614,17 @@ def find_cell(cells, args, shown, mode):
         for k, cell in enumerate(cells):
             if cell.get("id") == args["cell_id"]:
                 return k
-        raise ToolError("INVALID_INPUT", "%s has no cell with id %r (ids: %s)" % (
+        raise ToolError(INVALID_INPUT, "%s has no cell with id %r (ids: %s)" % (
             shown, args["cell_id"], ", ".join(str(c.get("id")) for c in cells[:30]) or "none"))
     if args.get("cell_number") is not None:
         n = args["cell_number"]
         if not 1 <= n <= len(cells):
-            raise ToolError("INVALID_INPUT", "cell_number %d is outside %s's cells (1 to %d, as view shows them)"
+            raise ToolError(INVALID_INPUT, "cell_number %d is outside %s's cells (1 to %d, as view shows them)"
                             % (n, shown, len(cells)))
         return n - 1
     if mode == "insert":
         return -1
-    raise ToolError("INVALID_INPUT", "say which cell: cell_id or cell_number (as view shows them)")
+    raise ToolError(INVALID_INPUT, "say which cell: cell_id or cell_number (as view shows them)")
 
 
 def edit_cells(text, cells, spans, array_end, k, mode, args, shown):
@@ -5622,14 +5658,14 @@ def edited_cell(cells, k, mode, args):
     after it: the new source in nbformat's list of lines; a code cell's outputs and
     execution count cleared; a new cell gets an id when the others have one."""
     if args.get("new_source") is None:
-        raise ToolError("INVALID_INPUT", "new_source is needed to %s a cell" % mode)
+        raise ToolError(INVALID_INPUT, "new_source is needed to %s a cell" % mode)
     if mode == "replace":
         cell = dict(cells[k])
         cell_type = args.get("cell_type") or cell.get("cell_type", "code")
     else:
         cell_type = args.get("cell_type")
         if not cell_type:
-            raise ToolError("INVALID_INPUT", "cell_type (code, markdown or raw) is needed to insert a cell")
+            raise ToolError(INVALID_INPUT, "cell_type (code, markdown or raw) is needed to insert a cell")
         cell = {"cell_type": cell_type}
         if any("id" in c for c in cells):
             cell["id"] = os.urandom(4).hex()
@@ -5665,7 +5701,7 @@ def tool_str_replace_editor(session, args, ctx):
     need = {"view": (), "str_replace": ("old_str",), "create": ("file_text",), "insert": ("insert_line",)}[cmd]
     for key in need:
         if args.get(key) is None:
-            raise ToolError("INVALID_INPUT", "command %r needs the argument %r" % (cmd, key))
+            raise ToolError(INVALID_INPUT, "command %r needs the argument %r" % (cmd, key))
     if cmd == "view":
         return tool_view(session, args, ctx)
     if cmd == "str_replace":
@@ -5685,7 +5721,7 @@ def bash_timeout_ms(args, config):
     if ms is None:
         ms = int(config.timeout * 1000)
     if ms <= 0:
-        raise ToolError("INVALID_INPUT", "timeout %d ms must be above 0 (it is in milliseconds, at most %d)"
+        raise ToolError(INVALID_INPUT, "timeout %d ms must be above 0 (it is in milliseconds, at most %d)"
                         % (ms, BASH_MAX_TIMEOUT_MS))
     return min(ms, BASH_MAX_TIMEOUT_MS)
 
@@ -5697,7 +5733,7 @@ def launch(session, script, sandbox=None, stdin="null"):
     try:
         return start_process(script, cwd, sandbox, stdin)
     except OSError as e:
-        raise ToolError("BASH_START_FAILED", "could not start %s in %s: %s" % (SHELL, cwd, e.strerror or e))
+        raise ToolError(BASH_START_FAILED, "could not start %s in %s: %s" % (SHELL, cwd, e.strerror or e))
 
 
 class ProgressLines(object):
@@ -5757,7 +5793,7 @@ def tool_bash(session, args, ctx):
     within its timeout, or as a task (run_in_background, interactive, tty)."""
     command = args["command"]
     if not command.strip():
-        raise ToolError("BASH_EMPTY_COMMAND", "command is empty; give a shell command to run")
+        raise ToolError(BASH_EMPTY_COMMAND, "command is empty; give a shell command to run")
     timeout_ms = bash_timeout_ms(args, ctx.config)
     stdin = task_stdin(args)
     if stdin is not None:
@@ -5806,10 +5842,10 @@ def start_task(session, command, ctx, stdin="null"):
     it; at most MAX_BACKGROUND_TASKS run at once."""
     with session.lock:
         if session.closed:
-            raise ToolError("BASH_START_FAILED", "the session is closing; no background task was started")
+            raise ToolError(BASH_START_FAILED, "the session is closing; no background task was started")
         running = [t for t in session.tasks.values() if not t.done.is_set()]
         if len(running) >= MAX_BACKGROUND_TASKS:
-            raise ToolError("BASH_TASK_LIMIT", "%d background tasks are already running (the limit); wait for"
+            raise ToolError(BASH_TASK_LIMIT, "%d background tasks are already running (the limit); wait for"
                             " one with task_output or run this one in the foreground" % len(running))
         task_id = "task_%s" % os.urandom(8).hex()       # a handle: only whoever was given it can use it
     proc = launch(session, command, ctx.sandbox, stdin)
@@ -5820,7 +5856,7 @@ def start_task(session, command, ctx, stdin="null"):
             session.tasks[task_id] = task
     if closed:                                 # the session closed while it started: never orphaned
         kill_all([task])
-        raise ToolError("BASH_START_FAILED", "the session closed while the task started; it was stopped")
+        raise ToolError(BASH_START_FAILED, "the session closed while the task started; it was stopped")
     return ("Started background task %s (pid %d%s). Read its output with task_output(task_id=%r)%s;"
             " its cd does not move this session." % (
                 task_id, proc.pid, {"pipe": ", interactive", "tty": ", on a terminal"}.get(stdin, ""), task_id,
@@ -5846,7 +5882,7 @@ def find_task(session, task_id):
         task = session.tasks.get(task_id)
         known = sorted(session.tasks)
     if task is None:
-        raise ToolError("BASH_TASK_NOT_FOUND", "no background task %r in this session (running or unread: %s);"
+        raise ToolError(BASH_TASK_NOT_FOUND, "no background task %r in this session (running or unread: %s);"
                         " a completed task is forgotten once its output is read; call task_output without"
                         " task_id to list the tasks" % (task_id, ", ".join(known) or "none"))
     return task
@@ -5965,11 +6001,11 @@ def tool_task_input(session, args, ctx):
     """Write to an interactive task's stdin, then answer like task_output."""
     task = find_task(session, args["task_id"])
     if task.stdin == "null":
-        raise ToolError("BASH_TASK_NOT_INTERACTIVE", "task %s was not started with interactive: true, so its stdin is"
+        raise ToolError(BASH_TASK_NOT_INTERACTIVE, "task %s was not started with interactive: true, so its stdin is"
                         " /dev/null; start the command again with bash(interactive=true) (tty=true for a"
                         " terminal)" % task.id)
     if task.done.is_set():
-        raise ToolError("BASH_TASK_NOT_FOUND", "task %s has ended (%s), so it takes no more input; read its last"
+        raise ToolError(BASH_TASK_NOT_FOUND, "task %s has ended (%s), so it takes no more input; read its last"
                         " output with task_output" % (task.id, task_status(task, ctx.config)[8:]))
     try:
         if args.get("input"):
@@ -5977,7 +6013,7 @@ def tool_task_input(session, args, ctx):
         if args.get("close_stdin"):
             task.close_input()
     except (OSError, ValueError) as e:                  # ValueError: the task ended and its pipe closed meanwhile
-        raise ToolError("IO_ERROR", "the input could not be given to task %s: %s" % (task.id, getattr(
+        raise ToolError(IO_ERROR, "the input could not be given to task %s: %s" % (task.id, getattr(
             e, "strerror", None) or e))
     await_task(task, ctx, args.get("wait_for") or None, args.get("wait_ms"), settle=True)
     return task_answer(task, session, ctx)
@@ -6015,12 +6051,12 @@ def search_root(session, ctx, shown):
 def grep_spec(pattern, regex, ignore_case, multiline, mode, before=0, after=0):
     """A search's settings, as sent to helpers. The pattern is compiled there, never in
     this process: a pathological one (160,000 '[') takes its time where it can be killed."""
-    check_pattern(pattern, "pattern" if regex else "query", "GREP_INVALID_PATTERN")
+    check_pattern(pattern, "pattern" if regex else "query", GREP_INVALID_PATTERN)
     return {"pattern": pattern, "regex": regex, "ignore_case": ignore_case, "multiline": multiline,
             "mode": mode, "before": before, "after": after}
 
 
-def check_pattern(value, name, code="INVALID_INPUT"):
+def check_pattern(value, name, code=INVALID_INPUT):
     """A pattern from the model within MAX_PATTERN_CHARS, or a ToolError that says so."""
     if len(value) > MAX_PATTERN_CHARS:
         raise ToolError(code, "%s is %d characters long; the limit is %d. Search for a shorter, distinctive part"
@@ -6076,7 +6112,7 @@ def page(items, args):
     offset = args.get("offset") or 0
     limit = args.get("head_limit")
     if offset < 0 or (limit is not None and limit < 0):
-        raise ToolError("INVALID_INPUT", "offset and head_limit must be 0 or more")
+        raise ToolError(INVALID_INPUT, "offset and head_limit must be 0 or more")
     if offset and offset >= len(items):
         return ["No more results: offset %d is past the end (%d in total)." % (offset, len(items))]
     rest = items[offset:]
@@ -6096,9 +6132,9 @@ def tool_grep(session, args, ctx):
     pattern = args["pattern"]
     mode = args.get("output_mode") or "files_with_matches"
     if mode not in GREP_MODES:
-        raise ToolError("GREP_INVALID_OUTPUT_MODE", "output_mode %r is not one of %s" % (mode, ", ".join(GREP_MODES)))
+        raise ToolError(GREP_INVALID_OUTPUT_MODE, "output_mode %r is not one of %s" % (mode, ", ".join(GREP_MODES)))
     if pattern == "":
-        raise ToolError("GREP_INVALID_PATTERN", "pattern is empty; give a regular expression to search for")
+        raise ToolError(GREP_INVALID_PATTERN, "pattern is empty; give a regular expression to search for")
     shown = args.get("path") or "."
     root = search_root(session, ctx, shown)
     spec = grep_tool_spec(args, pattern, mode)
@@ -6118,7 +6154,7 @@ def grep_tool_spec(args, pattern, mode):
     before = args.get("context_before", ctx_n) if mode == "content" else 0
     after = args.get("context_after", ctx_n) if mode == "content" else 0
     if min(before, after) < 0:
-        raise ToolError("INVALID_INPUT", "context lines must be 0 or more")
+        raise ToolError(INVALID_INPUT, "context lines must be 0 or more")
     spec = grep_spec(pattern, True, bool(args.get("case_insensitive")), bool(args.get("multiline")),
                      mode, before, after)
     spec["max_records"] = (args.get("offset") or 0) + (args.get("head_limit") or OUTPUT_MAX_CHARS // 2)
@@ -6165,13 +6201,13 @@ def glob_plan(pattern):
 def check_glob_args(pattern, kind):
     """A glob's pattern (not empty, a valid path) and type, or the GLOB_* error."""
     if not pattern.strip():
-        raise ToolError("GLOB_INVALID_PATTERN", "pattern is empty; give a glob such as **/*.py")
+        raise ToolError(GLOB_INVALID_PATTERN, "pattern is empty; give a glob such as **/*.py")
     try:
         PathPolicy.validate(pattern, "pattern")
     except ToolError as e:
-        raise ToolError("GLOB_INVALID_PATTERN", e.message)
+        raise ToolError(GLOB_INVALID_PATTERN, e.message)
     if kind not in (None, "file", "directory"):
-        raise ToolError("GLOB_INVALID_TYPE", "type %r is not 'file' or 'directory'" % kind)
+        raise ToolError(GLOB_INVALID_TYPE, "type %r is not 'file' or 'directory'" % kind)
 
 
 def find_paths(session, ctx, pattern, shown, kind):
@@ -6185,7 +6221,7 @@ def find_paths(session, ctx, pattern, shown, kind):
     try:
         compile_glob(rest)
     except ValueError as e:
-        raise ToolError("GLOB_INVALID_PATTERN", "pattern %r is malformed: %s" % (shorten(pattern), e))
+        raise ToolError(GLOB_INVALID_PATTERN, "pattern %r is malformed: %s" % (shorten(pattern), e))
     try:
         start = canonical(os.path.join(real, prefix)) if prefix else real
     except OSError:
@@ -6210,7 +6246,7 @@ def tool_search_text(session, args, ctx):
     """search_text: the workspace tools' content search (plain text or regex)."""
     query = args["query"]
     if query == "":
-        raise ToolError("INVALID_INPUT", "query is empty; give the text to search for")
+        raise ToolError(INVALID_INPUT, "query is empty; give the text to search for")
     spec = grep_spec(query, bool(args.get("regex")), False, False, "content")
     shown_paths = args.get("paths") or ["."]
     roots = [search_root(session, ctx, shown) for shown in shown_paths]
@@ -6235,32 +6271,37 @@ def tool_search_files(session, args, ctx):
 
 
 ###############################################################################
-# Tools: workspace (seed 004) #################################################
+# Tools: workspace (fixed Chinese answers) ####################################
 ###############################################################################
-# These answer in seed 004's fixed Chinese strings; an answer starting with 错误 is an
-# error. Paths are confined to the workspace root (--workdir) by PathPolicy.confine.
+# These answer in fixed Chinese strings (README says where they come from); an answer
+# starting with 错误 is an error. Paths are confined to the workspace root (--workdir)
+# by PathPolicy.confine.
 
 ESCAPE = "错误：路径越出工作区限制"
 
 
-def _assert_safe_path(ctx, path):
-    """Seed 004's check: the canonical path inside PROJECT_ROOT (and allow/deny)."""
+def workspace_path(ctx, path):
+    """The workspace tools' one resolver (the requirement names it _assert_safe_path):
+    the canonical path inside the workspace root (and allow/deny), or their fixed
+    string for an escape and for a path that is not valid (NUL byte, too long)."""
     try:
         return ctx.policy.confine(path)
-    except PermissionError:
-        raise plain_error(ESCAPE, "ACCESS_DENIED")
-    except ToolError as e:                      # NUL byte, over-long path
-        raise plain_error("错误：路径无效: %s" % e.message, "INVALID_INPUT")
+    except ToolError as e:
+        if e.code == ACCESS_DENIED:
+            raise plain_error(ESCAPE, ACCESS_DENIED)
+        raise plain_error("错误：路径无效: %s" % e.message, INVALID_INPUT)
 
 
-def seed004_error(e, path, doing):
-    """A shared layer's ToolError in seed 004's words."""
-    if e.code == "PATH_NOT_FOUND":
+def workspace_error(e, path, doing):
+    """A shared layer's ToolError in the workspace tools' fixed Chinese words."""
+    if e.detail == "directory":
+        return plain_error("错误：%s 不是文件" % path, INVALID_INPUT)
+    if e.code == PATH_NOT_FOUND:
         return plain_error("错误：文件不存在: %s" % path, e.code)
     if e.detail == "swapped":
         log("warn", "path escape attempt refused (swapped while opening)", path=path)
         return plain_error(ESCAPE, e.code)
-    if e.code == "FILE_TOO_LARGE":
+    if e.code == FILE_TOO_LARGE:
         return plain_error("错误：文件过大: %s（上限 %s）" % (path, human_size(e.detail)), e.code)
     return plain_error("错误：无法%s %s: %s" % (doing, path, e.message), e.code)
 
@@ -6268,17 +6309,15 @@ def seed004_error(e, path, doing):
 def tool_read_file(session, args, ctx):
     """read_file: a workspace file's text (from an offset, a limit of lines), in its encoding."""
     path, encoding = args["path"], args.get("encoding") or "utf-8"
-    real = _assert_safe_path(ctx, path)
+    real = workspace_path(ctx, path)
     try:
         data, st = read_regular(real, path, ctx.config.max_file_size)
-    except IsADirectoryError:
-        raise plain_error("错误：%s 不是文件" % path, "INVALID_INPUT")
     except ToolError as e:
-        raise seed004_error(e, path, "读取文件")
+        raise workspace_error(e, path, "读取文件")
     codec = text_codec(encoding)
     if codec is None:
         raise plain_error("错误：不支持的编码: %s（请用 utf-8、gbk、latin-1 等文本编码 / use a text encoding such as"
-                          " utf-8, gbk or latin-1）" % encoding[:100], "INVALID_INPUT")
+                          " utf-8, gbk or latin-1）" % encoding[:100], INVALID_INPUT)
     session.mark_viewed(real, Seen(st, digest_of(data)) if st is not None else None)
     try:
         text = data.decode(codec)
@@ -6312,7 +6351,7 @@ def line_window(text, offset, limit, cap):
     lines = text.splitlines(True)
     first = max(1, offset or 1)
     if first > max(1, len(lines)):
-        raise plain_error("错误：offset %d 超出文件行数（%d 行）" % (first, len(lines)), "INVALID_INPUT")
+        raise plain_error("错误：offset %d 超出文件行数（%d 行）" % (first, len(lines)), INVALID_INPUT)
     last = len(lines) if limit is None else min(len(lines), first - 1 + max(0, limit))
     body, k = lines_within(lines, first - 1, last, cap)
     if k < len(lines):
@@ -6325,42 +6364,42 @@ def line_window(text, offset, limit, cap):
 def tool_write_file(session, args, ctx):
     """write_file: write a workspace file whole, its directories made."""
     path, content = args["path"], args["content"]
-    real = _assert_safe_path(ctx, path)
+    real = workspace_path(ctx, path)
     try:
         data = encode_text(content)
     except ToolError:
-        raise plain_error("错误：内容含有无效字符（不成对的代理字符）", "INVALID_INPUT")
+        raise plain_error("错误：内容含有无效字符（不成对的代理字符）", INVALID_INPUT)
     if len(data) > ctx.config.max_file_size:
         raise plain_error("错误：内容过大（%s，上限 %s），未写入: %s" % (
-            human_size(len(data)), human_size(ctx.config.max_file_size), path), "FILE_TOO_LARGE")
+            human_size(len(data)), human_size(ctx.config.max_file_size), path), FILE_TOO_LARGE)
     with ctx.files.lock(real):
         if os.path.isdir(real):
-            raise plain_error("错误：%s 是目录" % path, "INVALID_INPUT")
+            raise plain_error("错误：%s 是目录" % path, INVALID_INPUT)
         seen = session.seen_of(real)
         change = seen is not None and os.path.lexists(real) and changed_since(seen, real, ctx.config.max_file_size)
         if change:
             raise plain_error("错误：文件在上次读取后已被修改（%s）：请先用 read_file 重新读取 %s 再写入"
-                              % (change, path), "FILE_CHANGED")
+                              % (change, path), FILE_CHANGED)
         try:
             existing_kind(real, path)                   # refuses FIFOs and devices
             write_checked(session, ctx, real, path, data)
         except ToolError as e:
-            raise seed004_error(e, path, "写入")
+            raise workspace_error(e, path, "写入")
     return "成功：已写入 %s" % path
 
 
 def tool_list_directory(session, args, ctx):
     """list_directory: a workspace directory's entries, [D] or [F] each."""
     path = args.get("path") or "."
-    real = _assert_safe_path(ctx, path)
+    real = workspace_path(ctx, path)
     try:
         entries = list_entries(real)
     except FileNotFoundError:
-        raise plain_error("错误：目录不存在: %s" % path, "PATH_NOT_FOUND")
+        raise plain_error("错误：目录不存在: %s" % path, PATH_NOT_FOUND)
     except NotADirectoryError:
-        raise plain_error("错误：%s 不是目录" % path, "INVALID_INPUT")
+        raise plain_error("错误：%s 不是目录" % path, INVALID_INPUT)
     except OSError as e:
-        raise seed004_error(io_error(e, path), path, "列出目录")
+        raise workspace_error(io_error(e, path), path, "列出目录")
     lines = ["[%s] %s" % ("D" if is_dir else "F", name) for name, is_dir, _ in entries
              if not ctx.policy.is_denied(real.rstrip("/") + "/" + name)]
     if not lines:
@@ -6381,7 +6420,7 @@ def tool_web_fetch(session, args, ctx):
         raise plain_error("错误：timeout 必须在 1 到 120 秒之间: %s" % timeout)
     start = args.get("start_index") or 0
     if start < 0:
-        raise plain_error("错误：start_index 不能为负数: %d" % start, "INVALID_INPUT")
+        raise plain_error("错误：start_index 不能为负数: %d" % start, INVALID_INPUT)
     return fetch_text(url, timeout, ctx.cancelled, ctx.config.web_fetch_block_private, start)
 
 ###############################################################################
@@ -6718,7 +6757,7 @@ TOOL_GROUPS = [shell_tools, _editor_group, search_tools, workspace_tools]
 INJECTED_ARGUMENTS = frozenset(("wait_for_previous",))
 
 # The error code of an argument outside its enum, where the tools have their own.
-ENUM_CODES = {"output_mode": "GREP_INVALID_OUTPUT_MODE", "type": "GLOB_INVALID_TYPE"}
+ENUM_CODES = {"output_mode": GREP_INVALID_OUTPUT_MODE, "type": GLOB_INVALID_TYPE}
 
 
 def brief(value, most=80):
@@ -6759,9 +6798,9 @@ def check_scalar(name, kind, value):
     if kind == "string":
         flaw = text_flaw(value)
         if flaw:
-            raise ToolError("INVALID_INPUT", "argument %r %s" % (name, flaw), detail=name)
+            raise ToolError(INVALID_INPUT, "argument %r %s" % (name, flaw), detail=name)
     elif kind == "integer" and abs(value) > MAX_INT_ARG:
-        raise ToolError("INVALID_INPUT", "argument %r is %s, out of range (at most %d either side)"
+        raise ToolError(INVALID_INPUT, "argument %r is %s, out of range (at most %d either side)"
                         % (name, brief(value), MAX_INT_ARG))
 
 
@@ -6771,11 +6810,11 @@ def check_value(name, spec, value):
     MAX_INT_ARG), the enum, items and fields."""
     kind = spec.get("type")
     if not JSON_TYPES.get(kind, lambda v: True)(value):
-        raise ToolError("INVALID_INPUT", "argument %r must be %s %s, got %s; send it as JSON %s" % (
+        raise ToolError(INVALID_INPUT, "argument %r must be %s %s, got %s; send it as JSON %s" % (
             name, "an" if kind[0] in "aeiou" else "a", kind, brief(value), kind))
     check_scalar(name, kind, value)
     if "enum" in spec and value not in spec["enum"]:
-        raise ToolError(ENUM_CODES.get(name, "INVALID_INPUT"), "argument %r must be one of %s, got %s"
+        raise ToolError(ENUM_CODES.get(name, INVALID_INPUT), "argument %r must be one of %s, got %s"
                         % (name, ", ".join(spec["enum"]), brief(value)))
     if kind == "array":
         check_items(name, spec, value)
@@ -6787,7 +6826,7 @@ def check_items(name, spec, value):
     """An array argument's length and each of its items."""
     lo, hi = spec.get("minItems", 0), spec.get("maxItems")
     if len(value) < lo or (hi is not None and len(value) > hi):
-        raise ToolError("INVALID_INPUT", "argument %r must have %s items, got %d" % (
+        raise ToolError(INVALID_INPUT, "argument %r must have %s items, got %d" % (
             name, lo if lo == hi else "%d to %s" % (lo, hi), len(value)))
     for k, item in enumerate(value):
         check_value("%s[%d]" % (name, k), spec.get("items", {}), item)
@@ -6798,11 +6837,11 @@ def check_fields(prefix, schema, args):
     props = schema["properties"]
     for k in args:
         if k not in props:
-            raise ToolError("INVALID_INPUT", "unknown argument %r; %s takes: %s"
+            raise ToolError(INVALID_INPUT, "unknown argument %r; %s takes: %s"
                             % (prefix + k, "this tool" if not prefix else prefix[:-1], ", ".join(sorted(props))))
     for k in schema.get("required", ()):
         if k not in args:
-            raise ToolError("INVALID_INPUT", "missing required argument %r (%s); add it to the call"
+            raise ToolError(INVALID_INPUT, "missing required argument %r (%s); add it to the call"
                             % (prefix + k, props[k].get("description", "").rstrip(".")))
     for k, v in args.items():
         check_value(prefix + k, props[k], v)
@@ -6813,7 +6852,7 @@ def check_arguments(schema, args):
     if args is None:
         args = {}
     if not isinstance(args, dict):
-        raise ToolError("INVALID_INPUT", "arguments must be a JSON object of argument names and values")
+        raise ToolError(INVALID_INPUT, "arguments must be a JSON object of argument names and values")
     props = schema["properties"]
     args = dict((k, v) for k, v in args.items() if v is not None and (k in props or k not in INJECTED_ARGUMENTS))
     check_fields("", schema, args)

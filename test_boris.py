@@ -364,6 +364,30 @@ class TestGlobCompiler(unittest.TestCase):
                 boris.compile_glob(bad)
 
 
+class TestErrorVocabulary(unittest.TestCase):
+    """The error codes are named once (boris.ERROR_CODES); none is made up elsewhere."""
+
+    def test_codes_are_named_once_and_an_unknown_one_is_refused(self):
+        for code in boris.ERROR_CODES:
+            self.assertEqual(getattr(boris, code), code)
+        with self.assertRaises(ValueError):
+            boris.ToolError("INVALID_INPT", "a misspelt code")
+        self.assertEqual(boris.ToolError(boris.IO_ERROR, "disk full").render(), "[IO_ERROR] disk full.")
+
+    def test_no_code_is_spelt_out_as_a_string_in_the_server(self):
+        with open(BORIS, encoding="utf-8") as f:
+            source = f.read()
+        for code in boris.ERROR_CODES:
+            self.assertEqual(source.count('"%s"' % code), 1, code)      # its definition only
+
+    def test_every_code_the_readme_names_exists(self):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+            readme = f.read()
+        named = set(re.findall(r"\b((?:INVALID|ACCESS|PATH|IO|FILE|STR|GREP|GLOB|BASH)_[A-Z_]+)\b", readme))
+        self.assertTrue(named)
+        self.assertLessEqual(named, set(boris.ERROR_CODES))
+
+
 class TestPathPolicy(Base):
     def setUp(self):
         Base.setUp(self)
@@ -2047,9 +2071,10 @@ class TestWorkspaceTools(NoViewBase):
         self.session.set_cwd(self.path("ws2"))           # bash moved; workspace tools ignore it
         self.assertEqual(self.ok("read_file", path="./data/file.txt"), "root-relative\n")
 
-    def test_assert_safe_path_raises_permission_error(self):
-        with self.assertRaises(PermissionError):
+    def test_confine_refuses_an_escape_as_access_denied(self):
+        with self.assertRaises(boris.ToolError) as cm:
             self.policy.confine("../ws2/secret.txt")
+        self.assertEqual((cm.exception.code, cm.exception.detail), ("ACCESS_DENIED", "escape"))
         self.assertEqual(self.policy.confine("data"), os.path.join(self.ws, "data"))
 
     def test_deny_dir_applies(self):
