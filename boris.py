@@ -228,7 +228,7 @@ def log(level, message, **fields):
             sys.stderr.write(line + "\n")
             sys.stderr.flush()
         except (OSError, ValueError):
-            pass
+            pass  # stderr closed or broken: a log line cannot go anywhere else
 
 ###############################################################################
 # Configuration ###############################################################
@@ -832,7 +832,7 @@ def text_codec(name):
     try:
         info = codecs.lookup(name)
     except (LookupError, ValueError, TypeError, UnicodeError):
-        return None
+        return None  # not a codec name Python knows: the caller says which encodings work
     if not getattr(info, "_is_text_encoding", True) or info.name in NOT_FILE_CODECS:
         return None
     return info.name
@@ -1126,7 +1126,7 @@ def changed_since(seen, real, limit):
     try:
         st = os.stat(real)
     except OSError:
-        return "it was removed"
+        return "it was removed"  # gone: that is the change
     if (st.st_size, st.st_mtime_ns, st.st_ino) == seen.stamp:
         return None
     if seen.digest is not None and st.st_size <= limit:
@@ -1216,7 +1216,7 @@ def atomic_write(real, data, guards, new_mode=0o644):
             try:
                 os.rmdir(path)
             except OSError:
-                break
+                break  # not empty (someone else wrote in it) or gone: left as it is
         raise
 
 
@@ -1251,7 +1251,7 @@ def replace_file(dfd, base, data, st, new_mode):
             try:
                 os.fchown(fd, st.st_uid, st.st_gid)
             except OSError:
-                pass
+                pass  # not permitted: the new file keeps our ownership
         os.fchmod(fd, stat.S_IMODE(st.st_mode) if st is not None else new_mode)
         os.fsync(fd)
         if tmp is None:
@@ -1265,7 +1265,7 @@ def replace_file(dfd, base, data, st, new_mode):
             try:
                 os.unlink(tmp, dir_fd=dfd)
             except OSError:
-                pass
+                pass  # already gone: nothing to clean
 
 
 def rewrite_in_place(dfd, base, data, st):
@@ -1295,11 +1295,11 @@ def sync_dir(dfd):
     try:
         fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC, dir_fd=dfd)
     except OSError:
-        return
+        return  # no handle on the directory: the rename stands, only its durability is not forced
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        pass  # a filesystem that cannot sync directories: nothing more can be done
     finally:
         os.close(fd)
 
@@ -1324,7 +1324,7 @@ def open_temp(dfd, base):
         try:
             return os.open(".", os.O_TMPFILE | os.O_WRONLY | O_CLOEXEC, 0o600, dir_fd=dfd), None
         except OSError:
-            pass
+            pass  # no O_TMPFILE on this filesystem: a named temp file below
     name = temp_name(base)
     return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_FILE, 0o600, dir_fd=dfd), name
 
@@ -1351,7 +1351,7 @@ def clean_leftovers(dfd, directory, guards):
     try:
         st = os.fstat(dfd)
     except OSError:
-        return
+        return  # an fd we cannot stat: skip cleaning, the write goes on
     if not guards.first_visit((directory, st.st_dev, st.st_ino)):       # the path too: inodes are reused
         return
     for name in temp_names(dfd):
@@ -1360,7 +1360,7 @@ def clean_leftovers(dfd, directory, guards):
             try:
                 os.unlink(name, dir_fd=dfd)
             except OSError:
-                pass
+                pass  # someone else removed it, or may not: left for the next run
 
 
 def is_stale(pid, token):
@@ -1371,9 +1371,9 @@ def is_stale(pid, token):
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return True
+        return True  # no such process: its temp files are leftovers
     except OSError:
-        return False
+        return False  # alive, another user's (EPERM): its files are in use
     return False
 
 ###############################################################################
@@ -1439,7 +1439,7 @@ def prctl(option, value):
         _, libc = _libc()
         return libc.prctl(option, int(value), 0, 0, 0) == 0
     except (OSError, AttributeError, ImportError):
-        return False
+        return False  # no libc prctl here: the caller says what it lacks
 
 
 def set_subreaper():
@@ -1459,7 +1459,7 @@ def child_pids():
             with open("/proc/self/task/%s/children" % tid) as f:
                 pids.update(int(p) for p in f.read().split())
         except (OSError, ValueError):
-            continue
+            continue  # a thread that just ended: its children are counted elsewhere
     return pids
 
 
@@ -1476,7 +1476,7 @@ def reap_orphans():
         try:
             os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            pass
+            pass  # reaped already (by its Popen)
 
 
 def start_reaper():
@@ -1523,7 +1523,7 @@ def kill_marked(marker):
             os.kill(int(name), signal.SIGKILL)
             killed += 1
         except (OSError, ValueError):
-            continue
+            continue  # gone meanwhile, or not ours to read: nothing to kill
     if killed:
         reap_orphans()
     return killed
@@ -1644,7 +1644,7 @@ def read_ignore(base, source):
         with open(source, "r", encoding="utf-8", errors="replace") as f:
             rules = IgnoreFile(base, f.readlines(), source)
     except OSError:
-        return None
+        return None  # unreadable .gitignore: no rules from it (git, too, skips it)
     return rules if rules.rules else None
 
 
@@ -1895,7 +1895,7 @@ class Walker(object):
         try:
             st = os.stat(real)
         except OSError:
-            return None
+            return None  # a broken link target: not entered
         if (st.st_dev, st.st_ino) in self.seen:
             return None
         self.seen.add((st.st_dev, st.st_ino))
@@ -2341,7 +2341,7 @@ def mtime(path):
     try:
         return os.stat(path).st_mtime_ns
     except OSError:
-        return 0
+        return 0  # gone since it was listed: sorts as oldest
 
 
 def helper_main(args):
@@ -2400,13 +2400,13 @@ def private_ok(path, create=False):
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:
-            pass
+            pass  # there already: checked below like a new one
         except OSError:
-            return False
+            return False  # cannot make it: the caller falls back to -I
     try:
         st = os.lstat(path)
     except OSError:
-        return False
+        return False  # cannot be checked: not used
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
@@ -2419,7 +2419,7 @@ def helper_link(private, real):
         if os.readlink(link) == real:
             return name
     except OSError:
-        pass
+        pass  # no such link (or not ours): made below
     tmp = "%s.%d-%s" % (link, os.getpid(), os.urandom(4).hex())
     try:
         os.symlink(real, tmp)
@@ -2428,7 +2428,7 @@ def helper_link(private, real):
         try:
             os.unlink(tmp)
         except OSError:
-            pass
+            pass  # already gone: nothing to clean
         return None
     return name
 
@@ -2711,7 +2711,7 @@ class Partner(object):
             try:
                 self.proc.stdin.close()
             except OSError:
-                pass
+                pass  # a pipe whose reader died: nothing lost
 
     def send(self, data):
         """Queue bytes for the partner (the feeding thread writes them)."""
@@ -3154,7 +3154,7 @@ def kill_group(proc):
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
-        pass
+        pass  # already gone
     proc.wait()
     reaped(proc)
     deadline = time.monotonic() + 1.0
@@ -3163,13 +3163,13 @@ def kill_group(proc):
         try:
             os.killpg(proc.pid, 0)                       # a member left, zombie or not?
         except OSError:
-            break
+            break  # the group is empty: all reaped
         time.sleep(0.005)
     for f in (proc.stdin, proc.stdout):
         try:
             f.close()
         except OSError:
-            pass
+            pass  # a pipe whose other end died: nothing lost
 
 
 def partial_notice(why):
@@ -3294,7 +3294,7 @@ def landlock_abi():
         ctypes, libc = _libc()
         abi = libc.syscall(LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
     except (OSError, AttributeError, ImportError):
-        return 0
+        return 0  # no Landlock syscall here: ABI 0, and the caller says so
     return max(0, abi)
 
 
@@ -3427,7 +3427,7 @@ def userns_works():
         return subprocess.call(["unshare", "-Urn", "true"], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL) == 0
     except OSError:
-        return False
+        return False  # no unshare binary: no user namespaces to be had
 
 
 def helper_warm_launcher(fd):
@@ -3513,7 +3513,7 @@ def discard_launcher(proc):
     try:
         proc.kill()
     except OSError:
-        pass
+        pass  # already gone
     proc.wait()
     reaped(proc)
     for f in (proc.stdout, proc.stderr):
@@ -3656,7 +3656,7 @@ def signal_group(proc, sig):
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
-        pass
+        pass  # gone, or never started: nothing to signal
 
 
 def stop_group(proc, grace=KILL_GRACE_S):
@@ -3668,7 +3668,7 @@ def stop_group(proc, grace=KILL_GRACE_S):
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
-            pass
+            pass  # still alive after the grace: SIGKILL follows
     signal_group(proc, signal.SIGKILL)
     proc.wait()
     finish(proc)
@@ -3773,7 +3773,7 @@ def read_ready(fd):
     try:
         return os.read(fd, 65536)
     except BlockingIOError:
-        return None
+        return None  # nothing to read after all (spurious wakeup)
     except OSError as e:
         if e.errno != errno.EIO:             # EIO: a terminal whose every writer is gone
             raise
@@ -4048,7 +4048,7 @@ def address_refusal(address, block_private=False):
     try:
         ip = ipaddress.ip_address(address.split("%", 1)[0])
     except ValueError:
-        return "not an IP address"
+        return "not an IP address"  # a name, not an address: the caller treats it as such
     mapped = getattr(ip, "ipv4_mapped", None)
     if mapped is not None:
         ip = mapped
@@ -4096,7 +4096,7 @@ class FetchWatch(object):
                     try:
                         sock.shutdown(2)
                     except OSError:
-                        pass
+                        pass  # already closed
                 return
             self.done.wait(min(left, 0.05))
 
@@ -5023,7 +5023,7 @@ def existing_kind(real, shown):
     try:
         st = os.lstat(real)
     except FileNotFoundError:
-        return None
+        return None  # nothing there: a new file
     except OSError as e:
         raise io_error(e, shown)
     if stat.S_ISDIR(st.st_mode):
@@ -6996,7 +6996,7 @@ def echoable(value):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return False
+            return False  # a lone surrogate cannot go into JSON
         return True
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -7386,9 +7386,9 @@ def read_lines(fd, on_line):
         try:
             chunk = os.read(fd, 1 << 16)
         except InterruptedError:
-            continue
+            continue  # a signal: read again
         except OSError:
-            return
+            return  # stdin is gone: end of input
         if not chunk:
             if lines.rest().strip():
                 on_line(lines.rest())
@@ -7495,7 +7495,7 @@ class HttpTransport(object):
             try:
                 oldest.shutdown(2)
             except OSError:
-                pass
+                pass  # already closed
         return self.slots.acquire(timeout=1.0)
 
     # -- sessions ------------------------------------------------------------
@@ -7617,7 +7617,7 @@ def http_refuse_busy(sock):
         sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 27\r\nConnection: close\r\n\r\n{\"error\": \"server is busy\"}")
     except OSError:
-        pass
+        pass  # the client went away first: nothing to tell it
 
 
 def http_log_error(client_address):
@@ -7785,7 +7785,7 @@ class McpRequestHandler(object):
             r, _, _ = select.select([self.connection], [], [], 0)
             return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
-            return True
+            return True  # a socket that errors is a client that is gone
 
     def start_stream(self, headers):
         """Start an SSE reply (text/event-stream; the connection closes after it)."""
