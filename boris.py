@@ -13,6 +13,13 @@ layers above it: limits, errors, configuration, paths, files, search, shell, web
 session, tools, protocol, transports, main. Heavy standard-library modules that only
 some calls need are imported inside the functions that use them.
 
+Constants follow one rule: a number a user or a model can meet (a limit, a size, a
+timeout, in an answer, a message or a flag) is at the top, under Limits; one that only
+tunes how one layer works inside (buffers, batches, how a walk is shared) sits at the
+head of that layer's banner. Two module-level objects change at run time, _log_state
+and _children, each saying why; every other piece of state belongs to an object that
+the server (or a helper's main) makes and passes down.
+
 License: MIT.
 """
 
@@ -59,7 +66,6 @@ UNSUPPORTED_PROTOCOL_VERSION = -32022
 
 VIEW_MAX_LINES = 2000                      # lines shown by view without a range
 VIEW_MAX_LINE_CHARS = 2000                 # longer lines are cut
-LINE_READ_MAX = 1 << 20                    # a longer line is read in pieces, its head kept
 IMAGE_MAX_BYTES = 5 * 1024 * 1024          # the largest image a model API takes
 IMAGE_MAX_SIDE = 8000                      # pixels, either side
 SNIFF_BYTES = 8192                         # header read for binary/image sniffing
@@ -85,14 +91,8 @@ KILL_GRACE_S = 5.0                         # SIGTERM -> SIGKILL
 MAX_BACKGROUND_TASKS = 10
 PROGRESS_INTERVAL_S = 0.1                  # at most ~10 progress notifications a second
 PROGRESS_LINE_CHARS = 200                  # a progress message shows the last line cut to this
-PROGRESS_TAIL_BYTES = 4096
-LEFTOVER_DRAIN_S = 0.2                     # after a command exits, wait this long for its pipes
 
-GREP_BINARY_SNIFF = 512
 SEARCH_TIMEOUT_S = 60.0                    # a search is stopped here, its partial results kept
-SEARCH_BATCH = 1000                        # results a helper sends at a time
-SEARCH_IDLE_HELPERS = 2                    # search helpers kept warm for the next search
-DEADLINE_GRACE_S = 2.0                     # a helper past its job's deadline by this much ends itself
 WEB_MAX_CHARS = 5000
 WEB_MAX_BYTES = 5 * 1024 * 1024
 WEB_MAX_REDIRECTS = 5
@@ -103,12 +103,8 @@ HTTP_MAX_BODY = 4 * 1024 * 1024
 HTTP_MAX_CONNECTIONS = 256                 # more at once get 503 (each holds a thread and an fd)
 HTTP_READ_TIMEOUT_S = 30.0                 # a request's headers and body must arrive within this
 STDIO_MAX_LINE = 64 * 1024 * 1024          # one stdio message at most
-REAP_INTERVAL_S = 0.5                      # orphans re-parented to boris are reaped this often
 MAX_WORKERS = 64                           # tool calls running at once; more wait in a queue
 SESSION_MAX_RUNNING = 16                   # ... of them one session's; a session's first always starts
-WORKER_IDLE_S = 30.0                       # an idle worker thread retires after this
-EOF_GRACE_S = 2.0                          # stdin closed: let in-flight calls finish
-HELPER_WATCH_S = 0.2                       # a helper checks this often that its parent lives
 
 ###############################################################################
 # Errors ######################################################################
@@ -765,6 +761,8 @@ class PathPolicy(object):
 # Files #######################################################################
 ###############################################################################
 
+LINE_READ_MAX = 1 << 20                    # a longer line is read in pieces, its head kept
+CLEANED_DIRS_MAX = 4096
 IMAGE_MAGIC = (
     (b"\x89PNG\r\n\x1a\n", "image/png"),
     (b"\xff\xd8\xff", "image/jpeg"),
@@ -1308,7 +1306,6 @@ def sync_dir(dfd):
 # leftover of a killed run (same PID again as PID 1 in a container) is told apart.
 _RUN_TOKEN = os.urandom(4).hex()
 _TEMP_NAME = r"^\..*\.boris-(\d+)-([0-9a-f]{8})[0-9a-f]{8}\.tmp\Z"     # re caches it once used
-CLEANED_DIRS_MAX = 4096
 
 
 def temp_name(base):
@@ -1385,6 +1382,9 @@ def is_stale(pid, token):
 # double-forked daemons) is re-parented to boris instead of init, and is killed
 # when its call ends (found by the BORIS_CALL marker every command's environment
 # carries). As PID 1 or subreaper, orphans are reaped by a background thread.
+
+REAP_INTERVAL_S = 0.5                      # orphans re-parented to boris are reaped this often
+
 
 class Children(object):
     """This process's children, process-wide by nature (waitpid, the subreaper setting
@@ -1536,6 +1536,11 @@ def kill_marked(marker):
 # Paths above), one grep engine. grep, glob, search_text and search_files are thin
 # front-ends over these.
 
+GREP_BINARY_SNIFF = 512                    # a NUL in a file's first bytes makes it binary
+SEARCH_BATCH = 1000                        # results a helper sends at a time
+SEARCH_IDLE_HELPERS = 2                    # search helpers kept warm for the next search
+DEADLINE_GRACE_S = 2.0                     # a helper past its job's deadline by this much ends itself
+HELPER_WATCH_S = 0.2                       # a helper checks this often that its parent lives
 WALK_SKIP = frozenset((".git", "node_modules"))
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
 GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
@@ -3187,6 +3192,7 @@ HELPER_KINDS = {"search": helper_search, "partner": helper_partner}
 # Shell #######################################################################
 ###############################################################################
 
+LEFTOVER_DRAIN_S = 0.2                     # after a command exits, wait this long for its pipes
 SHELL = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
 CAPTURE_HEAD_CHARS = OUTPUT_MAX_CHARS * 2 // 3  # a long output shows its first 20,000 characters
 CAPTURE_TAIL_CHARS = OUTPUT_MAX_CHARS // 3      # and its last 10,000 (where summaries and the sentinel are)
@@ -5714,6 +5720,8 @@ def tool_str_replace_editor(session, args, ctx):
 # Tools: shell ################################################################
 ###############################################################################
 
+PROGRESS_TAIL_BYTES = 4096
+
 def bash_timeout_ms(args, config):
     """The command's timeout in ms: `timeout`, or --timeout's, at most
     BASH_MAX_TIMEOUT_MS; INVALID_INPUT for 0 or less."""
@@ -6751,6 +6759,8 @@ TOOL_GROUPS = [shell_tools, _editor_group, search_tools, workspace_tools]
 # Protocol ####################################################################
 ###############################################################################
 
+WORKER_IDLE_S = 30.0                       # an idle worker thread retires after this
+
 
 # Arguments clients add to every tool for themselves, dropped unseen (other unknown
 # arguments stay errors: they catch typos). Gemini CLI: wait_for_previous.
@@ -7289,6 +7299,8 @@ class McpServer(object):
 ###############################################################################
 # Transports ##################################################################
 ###############################################################################
+
+EOF_GRACE_S = 2.0                          # stdin closed: let in-flight calls finish
 
 
 class Stopper(object):
