@@ -113,6 +113,20 @@ def shared_walks(**patches):
                 assert partner.proc.returncode is not None, "partner not reaped"
 
 
+def read_until(stream, needle, timeout):
+    """What a pipe (a Popen's stderr) gives until `needle` has come, it ends or `timeout`
+    passes: a poll with a deadline, never a read that could block the test."""
+    import select
+    data, deadline = b"", time.monotonic() + timeout
+    while needle not in data and time.monotonic() < deadline:
+        if select.select([stream], [], [], 0.05)[0]:
+            chunk = os.read(stream.fileno(), 65536)
+            if not chunk:
+                break
+            data += chunk
+    return data
+
+
 def wait_until(predicate, timeout=10.0, interval=0.02):
     """Poll `predicate` until true or the deadline; return its last value."""
     deadline = time.monotonic() + timeout
@@ -2097,6 +2111,7 @@ class TestWorkspaceTools(NoViewBase):
 class WebHandler(object):
     """Routes of the local test web server (127.0.0.1 only)."""
     sent_big = [0]
+    big_done = threading.Event()                # /big's handler has stopped writing
 
 
 def make_web_server():
@@ -2182,7 +2197,9 @@ def make_web_server():
                         self.wfile.write(chunk)
                         WebHandler.sent_big[0] += len(chunk)
                 except OSError:
-                    pass
+                    pass                                # the client hung up: what this test wants
+                finally:
+                    WebHandler.big_done.set()
             else:
                 self.send(404, "text/plain", b"")
 
@@ -2340,11 +2357,12 @@ class TestWebFetch(NoViewBase):
 
     def test_big_body_not_read_whole(self):
         WebHandler.sent_big[0] = 0
+        WebHandler.big_done.clear()
         text, err = self.fetch("/big")
         self.assertFalse(err)
         self.assertTrue(text.startswith("b" * 4800), text[:20])
         self.assertLessEqual(len(text), 5000)
-        time.sleep(0.2)
+        self.assertTrue(WebHandler.big_done.wait(30), "the server kept sending: the fetch never hung up")
         self.assertLess(WebHandler.sent_big[0], 20 << 20)
 
     def test_non_text_content(self):
@@ -3072,11 +3090,12 @@ class TestSignalsOverStdio(unittest.TestCase):
         p.stdout.readline()
         self.assertTrue(wait_until(lambda: procs_with(s), 5))
         p.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        err = read_until(p.stderr, b"shutting down", 10)          # cleanup has begun: it waits out the grace
+        self.assertIn(b"shutting down", err)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             p.send_signal(sig)
         self.assertEqual(p.wait(20), 0)
-        err = p.stderr.read()
+        err += p.stderr.read()
         for f in (p.stdin, p.stdout, p.stderr):
             f.close()
         self.assertNotIn(b"Traceback", err)
@@ -4759,7 +4778,10 @@ class TestHttpHostileRequests(HttpBase):
         self.assertEqual(http(self.port, "POST", body=body)[0], 200)          # the same call, sent properly
         self.assertTrue(os.path.exists(mark))
         os.unlink(mark)
-        time.sleep(0.2)
+        # One more call answered after the refused ones: none of them was queued to run later.
+        st, _, out = http(self.port, "POST", body=modern_bash("echo after"))
+        self.assertEqual(st, 200, out)
+        self.assertIn("after", json.dumps(out))
         self.assertFalse(os.path.exists(mark))
 
     def test_refused_request_body_is_never_parsed_as_a_request(self):
