@@ -1492,6 +1492,8 @@ def start_reaper():
     def loop():
         while True:
             time.sleep(REAP_INTERVAL_S)
+            if not _children.reaping:              # turned off (a test restoring its state)
+                return
             try:
                 reap_orphans()
             except Exception:

@@ -228,8 +228,9 @@ class Base(unittest.TestCase):
 class NoViewBase(Base):
     flags = ["--require-view-before-edit", "false"]
 
+
 # ---------------------------------------------------------------------------
-# Configuration
+# Errors and configuration
 # ---------------------------------------------------------------------------
 
 
@@ -347,8 +348,33 @@ class TestConfig(unittest.TestCase):
         self.assertEqual(p.returncode, 0)
         self.assertIn("BORIS_WORKDIR", p.stdout)
 
+
+class TestErrorVocabulary(unittest.TestCase):
+    """The error codes are named once (boris.ERROR_CODES); none is made up elsewhere."""
+
+    def test_codes_are_named_once_and_an_unknown_one_is_refused(self):
+        for code in boris.ERROR_CODES:
+            self.assertEqual(getattr(boris, code), code)
+        with self.assertRaises(ValueError):
+            boris.ToolError("INVALID_INPT", "a misspelt code")
+        self.assertEqual(boris.ToolError(boris.IO_ERROR, "disk full").render(), "[IO_ERROR] disk full.")
+
+    def test_no_code_is_spelt_out_as_a_string_in_the_server(self):
+        with open(BORIS, encoding="utf-8") as f:
+            source = f.read()
+        for code in boris.ERROR_CODES:
+            self.assertEqual(source.count('"%s"' % code), 1, code)      # its definition only
+
+    def test_every_code_the_readme_names_exists(self):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+            readme = f.read()
+        named = set(re.findall(r"\b((?:INVALID|ACCESS|PATH|IO|FILE|STR|GREP|GLOB|BASH)_[A-Z_]+)\b", readme))
+        self.assertTrue(named)
+        self.assertLessEqual(named, set(boris.ERROR_CODES))
+
+
 # ---------------------------------------------------------------------------
-# Paths
+# Paths: the one resolver, scope, hostile paths
 # ---------------------------------------------------------------------------
 
 
@@ -376,30 +402,6 @@ class TestGlobCompiler(unittest.TestCase):
         for bad in ("[abc", "{a,b", "x{y"):
             with self.assertRaises(ValueError):
                 boris.compile_glob(bad)
-
-
-class TestErrorVocabulary(unittest.TestCase):
-    """The error codes are named once (boris.ERROR_CODES); none is made up elsewhere."""
-
-    def test_codes_are_named_once_and_an_unknown_one_is_refused(self):
-        for code in boris.ERROR_CODES:
-            self.assertEqual(getattr(boris, code), code)
-        with self.assertRaises(ValueError):
-            boris.ToolError("INVALID_INPT", "a misspelt code")
-        self.assertEqual(boris.ToolError(boris.IO_ERROR, "disk full").render(), "[IO_ERROR] disk full.")
-
-    def test_no_code_is_spelt_out_as_a_string_in_the_server(self):
-        with open(BORIS, encoding="utf-8") as f:
-            source = f.read()
-        for code in boris.ERROR_CODES:
-            self.assertEqual(source.count('"%s"' % code), 1, code)      # its definition only
-
-    def test_every_code_the_readme_names_exists(self):
-        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
-            readme = f.read()
-        named = set(re.findall(r"\b((?:INVALID|ACCESS|PATH|IO|FILE|STR|GREP|GLOB|BASH)_[A-Z_]+)\b", readme))
-        self.assertTrue(named)
-        self.assertLessEqual(named, set(boris.ERROR_CODES))
 
 
 class TestPathPolicy(Base):
@@ -475,729 +477,362 @@ class TestPathPolicy(Base):
     def test_inside_is_fine(self):
         self.assertIn("fine", self.ok("view", path="sub/ok.txt"))
 
-# ---------------------------------------------------------------------------
-# view
-# ---------------------------------------------------------------------------
 
-
-class TestView(Base):
-    def lines_file(self, n, name="f.txt"):
-        return self.write(name, "".join("line %d\n" % i for i in range(1, n + 1)))
-
-    def test_seed000_read_entire_file(self):
-        self.write("three.txt", "a\nb\nc\n")
-        self.assertEqual(self.ok("view", path="three.txt"), "     1\ta\n     2\tb\n     3\tc")
-
-    def test_seed000_read_line_range(self):
-        self.lines_file(100)
-        text = self.ok("view", path="f.txt", view_range=[10, 20])
-        rows = text.split("\n")
-        self.assertEqual(len(rows), 11)
-        self.assertEqual(rows[0], "    10\tline 10")
-        self.assertEqual(rows[-1], "    20\tline 20")
-
-    def test_seed001_end_clamped(self):
-        self.lines_file(42)
-        rows = self.ok("view", path="f.txt", view_range=[10, 100]).split("\n")
-        self.assertEqual(rows[0], "    10\tline 10")
-        self.assertEqual(rows[-1], "    42\tline 42")
-
-    def test_end_minus_one_means_to_end(self):
-        self.lines_file(42)
-        rows = self.ok("view", path="f.txt", view_range=[40, -1]).split("\n")
-        self.assertEqual([r.split("\t")[1] for r in rows], ["line 40", "line 41", "line 42"])
-
-    def test_seed001_start_exceeds_length(self):
-        self.lines_file(42)
-        text = self.fails("view", "INVALID_INPUT", path="f.txt", view_range=[100, 200])
-        self.assertIn("42", text)
-
-    def test_seed001_invalid_start(self):
-        self.lines_file(42)
-        self.assertIn("1", self.fails("view", "INVALID_INPUT", path="f.txt", view_range=[0, 5]))
-        self.assertIn("start", self.fails("view", "INVALID_INPUT", path="f.txt", view_range=[20, 10]))
-
-    def test_view_range_shape_is_checked(self):
-        self.lines_file(5)
-        self.assertIn("'view_range' must have 2 items", self.fails("view", "INVALID_INPUT", path="f.txt",
-                                                                   view_range=[1]))
-        self.assertIn("'view_range[0]' must be an integer", self.fails("view", "INVALID_INPUT", path="f.txt",
-                                                                       view_range=["1", 2]))
-
-    def test_seed000_large_file_truncation(self):
-        self.lines_file(5000)
-        text = self.ok("view", path="f.txt")
-        rows = text.split("\n")
-        self.assertEqual(rows[1], "     1\tline 1")               # after the line that says it was cut
-        self.assertEqual(rows[2000], "  2000\tline 2000")
-        self.assertEqual(rows[0], rows[-1])                       # which ends it too
-        self.assertNotIn("line 2001\n", text)
-        self.assertIn("Truncated: file has 5000 lines. Use view_range to read specific sections", text)
-
-    def test_seed001_long_line_truncation(self):
-        self.write("min.js", "x" * 5000 + "\nshort\n")
-        text = self.ok("view", path="min.js")
-        first = text.split("\n")[0]
-        self.assertEqual(first, "     1\t" + "x" * 2000 + "... [truncated, 5000 chars total]")
-        self.assertIn("     2\tshort", text)
-
-    def test_seed001_efficient_range_read_streams(self):
-        # A file with no newline for 8 MB after line 10: a range read must stop at line 10.
-        p = self.write("big.log", "".join("row %d\n" % i for i in range(1, 11)))
-        with open(p, "ab") as f:
-            f.write(b"y" * (8 << 20))
-        with line_readers() as readers:
-            text = self.ok("view", path="big.log", view_range=[1, 10])
-        self.assertTrue(text.endswith("    10\trow 10"), text[-50:])
-        self.assertLess(readers[0].used, 1 << 20)
-
-    def test_seed000_binary_file(self):
-        self.write("prog.exe", b"MZ\x90\x00\x03\x00\x00\x00" + os.urandom(3000) + b"\x00" * 100)
-        text = self.ok("view", path="prog.exe")
-        self.assertRegex(text, r"^Binary file \(\d+\.\d KB\)")
-
-    def test_seed001_wasm_is_binary_not_image(self):
-        self.write("m.wasm", b"\x00asm\x01\x00\x00\x00" + b"\x00" * 2_500_000)
-        r = self.result("view", path="m.wasm")
-        self.assertEqual(r["content"][0]["type"], "text")
-        self.assertIn("Binary file (2.4 MB)", r["content"][0]["text"])
-
-    def test_seed001_png_as_image_content(self):
-        self.write("a.png", PNG_1PX)
-        r = self.result("view", path="a.png")
-        block = r["content"][0]
-        self.assertEqual(block["type"], "image")
-        self.assertEqual(block["mimeType"], "image/png")
-        self.assertEqual(base64.b64decode(block["data"]), PNG_1PX)
-
-    def test_seed001_jpeg_gif_webp(self):
-        for name, data, mime in (("a.jpg", b"\xff\xd8\xff\xe0" + b"\x00" * 20, "image/jpeg"),
-                                 ("a.gif", b"GIF89a" + b"\x00" * 20, "image/gif"),
-                                 ("a.webp", b"RIFF\x10\x00\x00\x00WEBPVP8 " + b"\x00" * 20, "image/webp")):
-            self.write(name, data)
-            self.assertEqual(self.result("view", path=name)["content"][0]["mimeType"], mime)
-
-    def test_seed001_image_with_wrong_extension(self):
-        self.write("photo.dat", PNG_1PX)
-        self.assertEqual(self.result("view", path="photo.dat")["content"][0]["mimeType"], "image/png")
-
-    def test_seed001_svg_by_extension(self):
-        self.write("icon.svg", '<svg xmlns="http://www.w3.org/2000/svg"/>')
-        block = self.result("view", path="icon.svg")["content"][0]
-        self.assertEqual((block["type"], block["mimeType"]), ("image", "image/svg+xml"))
-
-    def test_seed001_image_over_size_limit(self):
-        self.write("big.png", PNG_1PX + b"\x00" * 3000)
-        cfg = boris.parse_config(["--workdir", self.root, "--max-file-size", "1KB"], {})
-        self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
-        text = self.fails("view", "FILE_TOO_LARGE", path="big.png")
-        self.assertIn("1.0 KB", text)
-
-    def test_seed000_file_exceeds_max_size(self):
-        self.write("big.txt", "z" * 5000)
-        cfg = boris.parse_config(["--workdir", self.root, "--max-file-size", "4KB"], {})
-        self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
-        text = self.fails("view", "FILE_TOO_LARGE", path="big.txt")
-        self.assertIn("4.9 KB", text)
-        self.assertIn("4.0 KB", text)
-
-    def test_seed000_directory_listing_two_levels(self):
-        self.write("src/pkg/deep/x.go", "")
-        self.write("src/main.go", "")
-        self.write("README.md", "")
-        text = self.ok("view", path=".")
-        lines = text.split("\n")[1:]
-        self.assertIn("src/", lines)
-        self.assertIn("src/main.go", lines)
-        self.assertIn("src/pkg/", lines)
-        self.assertIn("README.md", lines)
-        self.assertNotIn("src/pkg/deep/", lines)
-        self.assertEqual(lines, [l for l in lines])  # order is stable
-        self.assertLess(lines.index("README.md"), lines.index("src/"))
-
-    def test_seed001_dotfiles_visible_except_git_and_node_modules(self):
-        for d in (".github/workflows", ".git/objects", "node_modules/pkg", "src"):
-            os.makedirs(self.path(d))
-        for f in (".dockerignore", ".env", ".env.example"):
-            self.write(f, "")
-        lines = self.ok("view", path=self.root).split("\n")[1:]
-        for want in (".github/", ".dockerignore", ".env", ".env.example", "src/"):
-            self.assertIn(want, lines)
-        for gone in (".git/", "node_modules/"):
-            self.assertNotIn(gone, lines)
-        self.assertFalse(any(l.startswith((".git/", "node_modules/")) for l in lines))
-
-    def test_seed001_symlink_in_listing(self):
-        os.symlink("/usr/local/bin", self.path("link"))
-        self.assertIn("link -> /usr/local/bin", self.ok("view", path=".").split("\n"))
-
-    def test_seed000_symlink_followed(self):
-        self.write("target.txt", "through the link\n")
-        os.symlink(self.path("target.txt"), self.path("alias.txt"))
-        self.assertIn("through the link", self.ok("view", path="alias.txt"))
-
-    def test_seed000_relative_to_session_cwd(self):
-        self.write("project/src/main.go", "package main\n")
-        self.session.set_cwd(self.path("project"))
-        self.assertIn("package main", self.ok("view", path="src/main.go"))
-
-    def test_seed000_not_found(self):
-        text = self.fails("view", "PATH_NOT_FOUND", path="nope.txt")
-        self.assertIn("nope.txt", text)
-
-    def test_error_format(self):
-        text = self.fails("view", "PATH_NOT_FOUND", path="nope.txt")
-        self.assertRegex(text, r"^\[PATH_NOT_FOUND\] .+\.$")
-
-    def test_crlf_shown_without_cr(self):
-        self.write("w.txt", b"one\r\ntwo\r\n")
-        self.assertEqual(self.ok("view", path="w.txt"), "     1\tone\n     2\ttwo")
-
-    def test_empty_file(self):
-        self.write("empty.txt", "")
-        self.assertIn("empty", self.ok("view", path="empty.txt"))
-
-# ---------------------------------------------------------------------------
-# view before edit (seed 003)
-# ---------------------------------------------------------------------------
-
-
-class TestViewBeforeEdit(Base):
-    def test_seed003_mark_and_check(self):
-        s = boris.Session(self.cfg)
-        self.assertFalse(s.has_viewed("/workspace/src/main.go"))
-        s.mark_viewed("/workspace/src/main.go")
-        self.assertTrue(s.has_viewed("/workspace/src/main.go"))
-
-    def test_seed003_viewed_set_is_per_session(self):
-        a, b = boris.Session(self.cfg), boris.Session(self.cfg)
-        a.mark_viewed("/workspace/file.go")
-        self.assertFalse(b.has_viewed("/workspace/file.go"))
-
-    def test_seed003_concurrent_mark_and_check(self):
-        s = boris.Session(self.cfg)
-        errors = []
-
-        def worker(k):
-            try:
-                for i in range(500):
-                    s.mark_viewed("/f/%d/%d" % (k, i))
-                    assert s.has_viewed("/f/%d/%d" % (k, i))
-            except Exception as e:
-                errors.append(e)
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        self.assertEqual(errors, [])
-        self.assertEqual(len(s.viewed), 4000)
-
-    def test_seed003_view_marks_resolved_path(self):
-        p = self.write("a.txt", "x\n")
-        os.symlink(p, self.path("alias.txt"))
-        self.ok("view", path="alias.txt")
-        self.assertTrue(self.session.has_viewed(p))
-
-    def test_seed003_directory_listing_does_not_mark(self):
-        self.write("d/a.txt", "x\n")
-        self.ok("view", path="d")
-        self.assertEqual(self.session.viewed, {})
-
-    def test_seed003_failed_view_does_not_mark(self):
-        self.fails("view", "PATH_NOT_FOUND", path="missing.txt")
-        self.assertEqual(self.session.viewed, {})
-
-    def test_seed003_edit_rejected_without_view(self):
-        self.write("a.txt", "hello\n")
-        self.fails("str_replace", "FILE_NOT_VIEWED", path="a.txt", old_str="hello", new_str="bye")
-        self.assertEqual(self.read("a.txt"), b"hello\n")
-
-    def test_seed003_edit_succeeds_after_view(self):
-        self.write("a.txt", "hello\n")
-        self.ok("view", path="a.txt")
-        self.ok("str_replace", path="a.txt", old_str="hello", new_str="bye")
-        self.assertEqual(self.read("a.txt"), b"bye\n")
-
-    def test_seed003_overwrite_rejected_without_view(self):
-        self.write("a.txt", "old\n")
-        self.fails("create_file", "FILE_NOT_VIEWED", path="a.txt", content="new\n")
-        self.assertEqual(self.read("a.txt"), b"old\n")
-
-    def test_seed003_overwrite_succeeds_after_view(self):
-        self.write("a.txt", "old\n")
-        self.ok("view", path="a.txt")
-        self.ok("create_file", path="a.txt", content="new\n")
-        self.assertEqual(self.read("a.txt"), b"new\n")
-
-    def test_seed003_new_file_skips_view_check(self):
-        self.ok("create_file", path="brand/new.txt", content="hi\n")
-        self.assertEqual(self.read("brand/new.txt"), b"hi\n")
-
-    def test_own_write_counts_as_known(self):
-        self.ok("create_file", path="mine.txt", content="v1\n")
-        self.ok("str_replace", path="mine.txt", old_str="v1", new_str="v2")
-        self.assertEqual(self.read("mine.txt"), b"v2\n")
-
-
-class TestViewBeforeEditDisabled(NoViewBase):
-    def test_seed003_edit_succeeds_when_enforcement_disabled(self):
-        self.write("a.txt", "hello\n")
-        self.ok("str_replace", path="a.txt", old_str="hello", new_str="bye")
-        self.assertEqual(self.read("a.txt"), b"bye\n")
-
-# ---------------------------------------------------------------------------
-# str_replace
-# ---------------------------------------------------------------------------
-
-
-class TestStrReplace(NoViewBase):
-    def test_seed001_unique_replacement_with_snippet(self):
-        self.write("a.py", "".join("line%d\n" % i for i in range(1, 21)))
-        text = self.ok("str_replace", path="a.py", old_str="line10\n", new_str="changed\n")
-        self.assertIn("Replaced 1 occurrence in %s" % self.path("a.py"), text)
-        self.assertIn("    10\tchanged", text)
-        self.assertIn("     6\tline6", text)
-        self.assertIn("    14\tline14", text)
-        self.assertNotIn("line20", text)
-        self.assertIn(b"changed\nline11\n", self.read("a.py"))
-
-    def test_seed000_not_found(self):
-        self.write("a.txt", "alpha\n")
-        self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="a.txt", old_str="beta", new_str="x")
-
-    def test_seed001_ambiguous_names_count(self):
-        self.write("a.txt", "x=1\nx=1\nx=1\n")
-        text = self.fails("str_replace", "STR_REPLACE_AMBIGUOUS", path="a.txt", old_str="x=1", new_str="y")
-        self.assertIn("3 times", text)
-        self.assertIn("replace_all", text)
-        self.assertEqual(self.read("a.txt"), b"x=1\nx=1\nx=1\n")
-
-    def test_seed000_deletion(self):
-        self.write("a.txt", "keep DROP keep\n")
-        self.ok("str_replace", path="a.txt", old_str=" DROP")
-        self.assertEqual(self.read("a.txt"), b"keep keep\n")
-        self.write("b.txt", "keep DROP keep\n")
-        self.ok("str_replace", path="b.txt", old_str=" DROP", new_str="")
-        self.assertEqual(self.read("b.txt"), b"keep keep\n")
-
-    def test_seed001_replace_all_15(self):
-        self.write("a.txt", "foo bar\n" * 15)
-        text = self.ok("str_replace", path="a.txt", old_str="foo", new_str="baz", replace_all=True)
-        self.assertIn("Replaced 15 occurrences", text)
-        self.assertEqual(self.read("a.txt"), b"baz bar\n" * 15)
-
-    def test_seed001_replace_all_no_match(self):
-        self.write("a.txt", "foo\n")
-        self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="a.txt", old_str="nope", replace_all=True)
-
-    def test_seed000_permissions_preserved(self):
-        self.write("run.sh", "#!/bin/sh\necho a\n", mode=0o755)
-        self.ok("str_replace", path="run.sh", old_str="echo a", new_str="echo b")
-        self.assertEqual(stat.S_IMODE(os.stat(self.path("run.sh")).st_mode), 0o755)
-
-    def test_seed000_crlf_preserved_with_lf_old_str(self):
-        self.write("w.txt", b"one\r\ntwo\r\nthree\r\n")
-        self.ok("str_replace", path="w.txt", old_str="one\ntwo", new_str="uno\ndos")
-        self.assertEqual(self.read("w.txt"), b"uno\r\ndos\r\nthree\r\n")
-
-    def test_non_utf8_bytes_round_trip(self):
-        data = b"caf\xe9 = 1\nbroken \xff\xfe here\nname = 'x'\n"
-        self.write("latin.txt", data)
-        self.ok("str_replace", path="latin.txt", old_str="name = 'x'", new_str="name = 'y'")
-        self.assertEqual(self.read("latin.txt"), data.replace(b"'x'", b"'y'"))
-
-    def test_seed000_not_found_path(self):
-        self.fails("str_replace", "PATH_NOT_FOUND", path="ghost.txt", old_str="a", new_str="b")
-
-    def test_identical_strings_refused(self):
-        self.write("a.txt", "same\n")
-        self.fails("str_replace", "INVALID_INPUT", path="a.txt", old_str="same", new_str="same")
-
-    def test_write_through_symlink_keeps_link(self):
-        self.write("real.txt", "v1\n")
-        os.symlink("real.txt", self.path("link.txt"))
-        self.ok("str_replace", path="link.txt", old_str="v1", new_str="v2")
-        self.assertTrue(os.path.islink(self.path("link.txt")))
-        self.assertEqual(self.read("real.txt"), b"v2\n")
-
-    def test_no_temp_files_left(self):
-        self.write("a.txt", "x\n")
-        self.ok("str_replace", path="a.txt", old_str="x", new_str="y")
-        self.assertEqual(sorted(os.listdir(self.root)), ["a.txt"])
-
-# ---------------------------------------------------------------------------
-# create_file
-# ---------------------------------------------------------------------------
-
-
-class TestCreateFile(NoViewBase):
-    def test_seed001_create_new_file_reports_path_and_size(self):
-        text = self.ok("create_file", path="new.txt", content="hello\n")
-        self.assertIn(self.path("new.txt"), text)
-        self.assertIn("6 bytes", text)
-        self.assertEqual(self.read("new.txt"), b"hello\n")
-
-    def test_seed001_overwrite_existing(self):
-        self.write("a.txt", "old\n")
-        self.ok("create_file", path="a.txt", content="new\n")
-        self.assertEqual(self.read("a.txt"), b"new\n")
-
-    def test_seed001_overwrite_param_is_gone(self):
-        self.assertIn("unknown argument 'overwrite'",
-                      self.fails("create_file", "INVALID_INPUT", path="a.txt", content="x", overwrite=True))
-        self.assertFalse(os.path.exists(self.path("a.txt")))
-
-    def test_seed000_nested_parents_created_0755(self):
-        old = os.umask(0o077)
-        try:
-            self.ok("create_file", path="src/pkg/new/file.go", content="package new\n")
-        finally:
-            os.umask(old)
-        self.assertEqual(self.read("src/pkg/new/file.go"), b"package new\n")
-        for d in ("src", "src/pkg", "src/pkg/new"):
-            self.assertEqual(stat.S_IMODE(os.stat(self.path(d)).st_mode), 0o755, d)
-
-    def test_seed000_new_file_mode_0644_whatever_umask(self):
-        old = os.umask(0o077)
-        try:
-            self.ok("create_file", path="m.txt", content="x")
-        finally:
-            os.umask(old)
-        self.assertEqual(stat.S_IMODE(os.stat(self.path("m.txt")).st_mode), 0o644)
-
-    def test_overwrite_keeps_mode(self):
-        self.write("run.sh", "old", mode=0o700)
-        self.ok("create_file", path="run.sh", content="new")
-        self.assertEqual(stat.S_IMODE(os.stat(self.path("run.sh")).st_mode), 0o700)
-
-    def test_seed000_content_exceeds_max_size(self):
-        cfg = boris.parse_config(["--workdir", self.root, "--max-file-size", "1KB",
-                                  "--require-view-before-edit", "false"], {})
-        self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
-        text = self.fails("create_file", "FILE_TOO_LARGE", path="big.txt", content="x" * 2048)
-        self.assertIn("2.0 KB", text)
-        self.assertFalse(os.path.exists(self.path("big.txt")))
-
-    def test_directory_target_refused(self):
-        os.makedirs(self.path("adir"))
-        self.fails("create_file", "INVALID_INPUT", path="adir", content="x")
-
-# ---------------------------------------------------------------------------
-# --anthropic-compat: str_replace_editor
-# ---------------------------------------------------------------------------
-
-
-class TestCompatEditor(Base):
-    flags = ["--anthropic-compat"]
-
-    def test_tool_table(self):
-        names = set(self.server.tools)
-        self.assertIn("str_replace_editor", names)
-        self.assertFalse(names & {"view", "str_replace", "create_file"})
-        schema = self.server.tools["str_replace_editor"].schema
-        self.assertEqual(schema["properties"]["command"]["enum"], ["view", "create", "str_replace", "insert"])
-
-    def test_seed003_view_via_editor_marks_viewed(self):
-        p = self.write("a.txt", "one\ntwo\n")
-        self.assertIn("     2\ttwo", self.ok("str_replace_editor", command="view", path="a.txt"))
-        self.assertTrue(self.session.has_viewed(p))
-
-    def test_create_str_replace_insert(self):
-        self.ok("str_replace_editor", command="create", path="n.txt", file_text="a\nb\n")
-        self.ok("str_replace_editor", command="str_replace", path="n.txt", old_str="b", new_str="B")
-        self.ok("str_replace_editor", command="insert", path="n.txt", insert_line=1, insert_text="mid\n")
-        self.ok("str_replace_editor", command="insert", path="n.txt", insert_line=0, new_str="top")
-        self.assertEqual(self.read("n.txt"), b"top\na\nmid\nB\n")
-
-    def test_editor_requires_view(self):
-        self.write("x.txt", "1\n")
-        self.fails("str_replace_editor", "FILE_NOT_VIEWED", command="str_replace", path="x.txt",
-                   old_str="1", new_str="2")
-        self.fails("str_replace_editor", "FILE_NOT_VIEWED", command="insert", path="x.txt",
-                   insert_line=0, insert_text="z")
-
-    def test_insert_line_out_of_range(self):
-        self.ok("str_replace_editor", command="create", path="n.txt", file_text="a\n")
-        text = self.fails("str_replace_editor", "INVALID_INPUT", command="insert", path="n.txt",
-                          insert_line=5, insert_text="x")
-        self.assertIn("0", text)
-
-    def test_missing_command_argument(self):
-        text = self.fails("str_replace_editor", "INVALID_INPUT", command="create", path="n.txt")
-        self.assertIn("file_text", text)
-
-# ---------------------------------------------------------------------------
-# Protocol (dispatch called directly)
-# ---------------------------------------------------------------------------
-
-
-class TestProtocol(Base):
-    def send(self, msg, wait=True):
-        out = []
-        got = threading.Event()
-
-        def emit(m):
-            out.append(m)
-            if "id" in m and ("result" in m or "error" in m):
-                got.set()
-        self.server.dispatch(msg, self.session, emit)
-        if wait:
-            got.wait(10)
-        return out
-
-    def req(self, method, params=None, rid=1):
-        msg = {"jsonrpc": "2.0", "id": rid, "method": method}
-        if params is not None:
-            msg["params"] = params
-        return self.send(msg)[-1]
-
-    def test_initialize_negotiates_version(self):
-        for v in ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"):
-            r = self.req("initialize", {"protocolVersion": v, "capabilities": {}})["result"]
-            self.assertEqual(r["protocolVersion"], v)
-        r = self.req("initialize", {"protocolVersion": "1999-01-01"})["result"]
-        self.assertEqual(r["protocolVersion"], "2025-11-25")
-        self.assertEqual(r["serverInfo"]["name"], "boris")
-        self.assertEqual(r["capabilities"]["tools"], {"listChanged": False})
-        self.assertIn("logging", r["capabilities"])
-        self.assertIn("Working directory: %s" % self.root, r["instructions"])
-
-    def test_instructions_name_scope(self):
-        cfg = boris.parse_config(["--workdir", self.root, "--allow-dir", self.root, "--deny-dir", "**/.env"], {})
-        srv = boris.McpServer(cfg, boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir))
-        text = srv.instructions()
-        self.assertIn("Allowed directories: %s" % self.root, text)
-        self.assertIn("Denied patterns: **/.env", text)
-        self.assertIn("View before edit: on", text)
-
-    def test_ping_and_set_level(self):
-        self.assertEqual(self.req("ping")["result"], {})
-        self.assertEqual(self.req("logging/setLevel", {"level": "debug"})["result"], {})
-
-    def test_tools_list_shapes(self):
-        tools = self.req("tools/list")["result"]["tools"]
-        names = [t["name"] for t in tools]
-        for t in tools:
-            self.assertEqual(t["inputSchema"]["type"], "object")
-            self.assertIs(t["inputSchema"]["additionalProperties"], False)
-            self.assertTrue(t["description"])
-            self.assertIn("readOnlyHint", t["annotations"])
-        by = dict((t["name"], t) for t in tools)
-        self.assertTrue(by["view"]["annotations"]["readOnlyHint"])
-        self.assertTrue(by["bash"]["annotations"]["destructiveHint"])
-        self.assertTrue(by["create_file"]["annotations"]["destructiveHint"])
-        self.assertIn("view", names)
-
-    def test_error_codes(self):
-        self.assertEqual(self.req("no/such")["error"]["code"], -32601)
-        self.assertEqual(self.send([1, 2])[-1]["error"]["code"], -32600)
-        self.assertEqual(self.send({"jsonrpc": "1.0", "id": 1, "method": "ping"})[-1]["error"]["code"], -32600)
-        self.assertEqual(self.send({"jsonrpc": "2.0", "id": {"x": 1}, "method": "ping"})[-1]["error"]["code"], -32600)
-        self.assertEqual(self.send({"jsonrpc": "2.0", "id": 1, "method": "ping", "params": [1]})[-1]["error"]["code"], -32602)
-
-    def test_tools_call_param_errors_name_the_argument(self):
-        e = self.req("tools/call", {"name": "nope", "arguments": {}})["error"]
-        self.assertEqual(e["code"], -32602)
-        self.assertIn("nope", e["message"])
-        # Argument errors are tool results the model sees (SEP-1303), naming the argument.
-        for args, named in (({}, "missing required argument 'path'"), ({"path": 5}, "'path' must be a string"),
-                            ({"path": "x", "color": "red"}, "unknown argument 'color'"),
-                            ([1], "arguments must be a JSON object")):
-            r = self.req("tools/call", {"name": "view", "arguments": args})["result"]
-            self.assertTrue(r["isError"])
-            self.assertTrue(r["content"][0]["text"].startswith("[INVALID_INPUT] "), r)
-            self.assertIn(named, r["content"][0]["text"])
-
-    def test_notifications_get_no_answer(self):
-        self.assertEqual(self.send({"jsonrpc": "2.0", "method": "notifications/initialized"}, wait=False), [])
-        self.assertEqual(self.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
-                                    "params": {"requestId": 99}}, wait=False), [])
-
-    def test_handler_bug_is_internal_error_and_server_lives(self):
-        def broken(self_, params, session):
-            raise RuntimeError("boom")
-        boris.McpServer.METHODS["test/broken"] = broken
-        level = boris._log_state["level"]
-        boris._log_state["level"] = 99          # the traceback is expected: keep the run quiet
-        try:
-            self.assertEqual(self.req("test/broken")["error"]["code"], -32603)
-        finally:
-            del boris.McpServer.METHODS["test/broken"]
-            boris._log_state["level"] = level
-        self.assertEqual(self.req("ping")["result"], {})
-
-    def test_modern_discover_and_meta_requests(self):
-        r = self.req("server/discover", {"_meta": {boris.META_VERSION_KEY: "2026-07-28"}})["result"]
-        self.assertIn("2026-07-28", r["supportedVersions"])
-        self.assertEqual(r["cacheScope"], "private")
-        self.assertEqual(r["resultType"], "complete")
-        self.assertEqual(r["serverInfo"]["name"], "boris")
-        r = self.req("tools/list", {"_meta": {boris.META_VERSION_KEY: "2026-07-28"}})["result"]
-        self.assertEqual((r["resultType"], r["cacheScope"]), ("complete", "private"))
-        self.write("m.txt", "hi\n")
-        r = self.req("tools/call", {"name": "view", "arguments": {"path": "m.txt"},
-                                    "_meta": {boris.META_VERSION_KEY: "2026-07-28"}})["result"]
-        self.assertEqual(r["resultType"], "complete")
-        e = self.req("tools/list", {"_meta": {boris.META_VERSION_KEY: "2099-01-01"}})["error"]
-        self.assertEqual(e["code"], -32022)
-        self.assertEqual(e["data"]["requested"], "2099-01-01")
-
-# ---------------------------------------------------------------------------
-# A real server over stdio
-# ---------------------------------------------------------------------------
-
-
-class StdioClient(object):
-    """Drives `python3 boris.py` over pipes, as an MCP client does."""
-
-    def __init__(self, args, cwd=None):
-        self.adopt(subprocess.Popen([sys.executable, BORIS] + args, stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd))
-
-    def adopt(self, p):
-        """Drive the server process `p` (its stdin and stdout pipes)."""
-        self.p = p
-        self.lines = []
-        self.bad = []                   # stdout lines that were not strict JSON
-        self.cond = threading.Condition()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-        self.errbuf = []
-        if self.p.stderr is not None:
-            threading.Thread(target=lambda: self.errbuf.extend(self.p.stderr), daemon=True).start()
-        self.next_id = 0
-
-    def _read(self):
-        for line in self.p.stdout:
-            with self.cond:
-                try:
-                    self.lines.append(strict_loads(line))
-                except ValueError:                           # not strict JSON: StdioBase fails the test
-                    self.bad.append(line[:300])
-                self.cond.notify_all()
-        with self.cond:
-            self.lines.append(None)
-            self.cond.notify_all()
-
-    def send_raw(self, data):
-        self.p.stdin.write(data)
-        self.p.stdin.flush()
-
-    def send(self, msg):
-        self.send_raw((json.dumps(msg) + "\n").encode())
-
-    def wait_for(self, pred, timeout=20):
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                for m in self.lines:
-                    if m is not None and pred(m):
-                        return m
-                left = deadline - time.monotonic()
-                if left <= 0 or (self.lines and self.lines[-1] is None):
-                    raise AssertionError("no matching message; got %r" % self.lines[-5:])
-                self.cond.wait(left)
-
-    def request(self, method, params=None, timeout=20):
-        self.next_id += 1
-        rid = self.next_id
-        self.send({"jsonrpc": "2.0", "id": rid, "method": method, "params": params or {}})
-        return self.wait_for(lambda m: m.get("id") == rid and ("result" in m or "error" in m), timeout)
-
-    def initialize(self):
-        r = self.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
-                                        "clientInfo": {"name": "test", "version": "0"}})
-        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
-        return r
-
-    def call(self, name, args, timeout=20):
-        return self.request("tools/call", {"name": name, "arguments": args}, timeout)["result"]
-
-    def close(self):
-        try:
-            self.p.stdin.close()
-        except OSError:
-            pass
-        try:
-            code = self.p.wait(15)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            code = self.p.wait()
-        self.reader.join(5)
-        for f in (self.p.stdout, self.p.stderr):
-            try:
-                if f is not None:
-                    f.close()
-            except (OSError, ValueError):
-                pass
-        return code
-
-
-class StdioBase(unittest.TestCase):
-    args = []
+SECRET = "SECRET-7f3a"                       # what no file tool may ever show from out of scope
+
+
+def quiet_logs(test):
+    """Only errors on stderr while `test` runs (refusals log a WARNING each)."""
+    level, boris._log_state["level"] = boris._log_state["level"], 40
+    test.addCleanup(boris._log_state.__setitem__, "level", level)
+
+
+def tree_snapshot(root, skip=None):
+    """{relative path: (kind, bytes or link target)} of everything under root."""
+    snap = {}
+    for d, dirs, files in os.walk(root):
+        if skip and os.path.realpath(d).startswith(skip):
+            dirs[:] = []
+            continue
+        for name in dirs + files:
+            p = os.path.join(d, name)
+            rel = os.path.relpath(p, root)
+            if skip and os.path.realpath(p).startswith(skip + os.sep) and not os.path.islink(p):
+                continue
+            if os.path.islink(p):
+                snap[rel] = ("link", os.readlink(p))
+            elif os.path.isfile(p):
+                with open(p, "rb") as f:
+                    snap[rel] = ("file", f.read())
+            else:
+                snap[rel] = ("dir", stat.S_IMODE(os.lstat(p).st_mode))
+    return snap
+
+
+class HostileTree(object):
+    """base/ws (the workspace: allowed) with links that loop, chain and lead out;
+    base/outside, base/ws2 (a sibling sharing the prefix), ws/secret and ws/denied
+    (denied) hold SECRET. Every file tool is called on generated paths."""
+
+    def __init__(self):
+        self.base = os.path.realpath(tempfile.mkdtemp(prefix="boris-hostile-"))
+        b, ws = self.base, os.path.join(self.base, "ws")
+        self.ws = ws
+        for d in ("ws/sub", "ws/secret", "ws/denied", "ws2", "outside/deep"):
+            os.makedirs(os.path.join(b, d))
+        files = {"ws/a.txt": "inside\n", "ws/sub/b.txt": "inside b\n", "ws/secret/s.txt": SECRET + "\n",
+                 "ws/denied/d.txt": SECRET + "\n", "ws2/w.txt": SECRET + "\n", "outside/o.txt": SECRET + "\n",
+                 "outside/deep/x.txt": SECRET + "\n", "outside/zz-%s-name.txt" % SECRET: SECRET + "\n",
+                 "ws/secret/zz-%s-name.txt" % SECRET: "x\n"}
+        for rel, text in files.items():
+            with open(os.path.join(b, rel), "w") as f:
+                f.write(text)
+        links = {"ws/l_self": "l_self", "ws/loop_a": "loop_b", "ws/loop_b": "loop_a", "ws/out": "../outside",
+                 "ws/out_abs": os.path.join(b, "outside"), "ws/up": "..", "ws/f_out": "../outside/o.txt",
+                 "ws/sub/lnk": "../secret", "ws/sub/up2": "..", "ws/to_ws2": "../ws2", "ws/in": "sub",
+                 "ws/dangling": "nowhere/at/all", "ws/proc": "/proc/self"}
+        for k in range(45):
+            links["ws/chain%d" % k] = "chain%d" % (k + 1)
+        links["ws/chain45"] = "../outside"
+        for rel, target in links.items():
+            os.symlink(target, os.path.join(b, rel))
+        self.flags = ["--workdir", ws, "--allow-dir", ws, "--deny-dir", "**/secret/**",
+                      "--deny-dir", os.path.join(ws, "denied"), "--require-view-before-edit", "false"]
+
+    def server(self, extra=()):
+        cfg = boris.parse_config(self.flags + list(extra), {})
+        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        return boris.McpServer(cfg, policy), cfg, policy
+
+    def outside_snapshot(self):
+        snap = tree_snapshot(self.base, skip=self.ws)
+        for rel in ("ws/secret", "ws/denied"):
+            for k, v in tree_snapshot(os.path.join(self.base, rel)).items():
+                snap[os.path.join(rel, k)] = v
+        return snap
+
+    def cleanup(self):
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+PATH_PARTS = ["..", ".", "", "sub", "l_self", "loop_a", "out", "out_abs", "up", "f_out", "chain0", "chain30",
+              "in", "secret", "denied", "sub/lnk", "sub/up2", "to_ws2", "ws2", "ws", "outside", "dangling",
+              "proc", "a.txt", "nonexist", "deep"]
+PATH_ENDS = ["o.txt", "s.txt", "d.txt", "w.txt", "x.txt", "a.txt", "b.txt", "new.txt", "", "..", "f_out",
+             "x" * 300, "\udc80bad", "nul\x00byte", "\U0001F600" * 63, "emoji\U0001F600.txt"]
+
+
+def hostile_path(rng, tree):
+    parts = [rng.choice(PATH_PARTS) for _ in range(rng.randint(0, 5))] + [rng.choice(PATH_ENDS)]
+    lead = rng.choice(["", "", "./", tree.ws + "/", tree.base + "/", tree.base + "/ws/../", "/",
+                       tree.base + "/ws2/", "~/"])
+    return lead + "/".join(parts)
+
+
+class TestHostilePathCampaign(unittest.TestCase):
+    """Generated hostile paths against every file tool: no escape, no internal error."""
+
+    CASES = 11000
 
     def setUp(self):
-        self.tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-stdio-"))
-        self.c = StdioClient(["--workdir", self.tmp] + self.args)
-        self.c.initialize()
+        quiet_logs(self)
+        self.tree = HostileTree()
+        self.addCleanup(self.tree.cleanup)
 
-    def tearDown(self):
-        self.c.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.assertEqual(self.c.bad, [], "stdout carried lines that are not strict JSON")
+    def run_campaign(self, server, cfg, policy, tools, n, seed):
+        rng = random.Random(seed)
+        session = boris.Session(cfg)
+        self.addCleanup(session.close)
+        stats = {"cases": 0, "ok": 0, "errors": 0}
+        for i in range(n):
+            name = tools[i % len(tools)]
+            p = hostile_path(rng, self.tree)
+            args = {
+                "view": {"path": p}, "read_file": {"path": p}, "list_directory": {"path": p},
+                "str_replace": {"path": p, "old_str": SECRET, "new_str": "PWNED"},
+                "create_file": {"path": p, "content": "PWNED %d\n" % i},
+                "write_file": {"path": p, "content": "PWNED %d\n" % i},
+                "grep": {"pattern": "SECRET-7f.a", "path": p, "output_mode": "content"},
+                "glob": {"pattern": rng.choice(["**/*", "*", "**/*.txt", "o*"]), "path": p},
+                "search_text": {"query": "SECRET-7f.a", "paths": [p], "regex": True},
+                "search_files": {"pattern": p.lstrip("/") + rng.choice(["", "/*", "/**/*"])},
+                "str_replace_editor": rng.choice([{"command": "view", "path": p},
+                                                  {"command": "create", "path": p, "file_text": "PWNED\n"},
+                                                  {"command": "str_replace", "path": p, "old_str": SECRET,
+                                                   "new_str": "PWNED"}]),
+            }[name]
+            ctx = ctx_of(cfg, policy)
+            try:
+                r = boris.McpServer.run_tool(server.tools[name], session, args, ctx)
+            except Exception as e:                       # would be -32603 over the wire
+                self.fail("%s(%r) raised %r" % (name, args, e))
+            text = "".join(c.get("text", "") for c in r["content"])
+            stats["cases"] += 1
+            stats["errors" if r["isError"] else "ok"] += 1
+            if name not in ("str_replace", "str_replace_editor"):
+                self.assertNotIn(SECRET, text, "%s(%r) showed out-of-scope content" % (name, args))
+            json.dumps(r)
+        return stats
+
+    def test_campaign_finds_no_escape_and_no_internal_error(self):
+        before = self.tree.outside_snapshot()
+        server, cfg, policy = self.tree.server()
+        tools = ["view", "read_file", "list_directory", "str_replace", "create_file", "write_file", "grep",
+                 "glob", "search_text", "search_files"]
+        stats = self.run_campaign(server, cfg, policy, tools, self.CASES - 1000, seed=13)
+        compat, ccfg, cpolicy = self.tree.server(["--anthropic-compat"])
+        cstats = self.run_campaign(compat, ccfg, cpolicy, ["str_replace_editor"], 1000, seed=14)
+        self.assertEqual(self.tree.outside_snapshot(), before, "a write landed out of scope")
+        self.assertGreaterEqual(stats["cases"] + cstats["cases"], 10000)
+        self.assertGreater(stats["ok"], 500)                # the campaign also reached real files
+        self.assertGreater(stats["errors"], 2000)
+
+    def test_loop_then_dotdot_cannot_leave_scope(self):
+        # realpath gives up at a loop and '..' was folded lexically: l_self/../out/o.txt read outside.
+        server, cfg, policy = self.tree.server()
+        session = boris.Session(cfg)
+        self.addCleanup(session.close)
+
+        def call(name, **args):
+            r = boris.McpServer.run_tool(server.tools[name], session, args, ctx_of(cfg, policy))
+            return "".join(c.get("text", "") for c in r["content"]), r["isError"]
+        for path in ("l_self/../out/o.txt", "loop_a/../out/o.txt", "l_self/../../outside/o.txt",
+                     "chain0/o.txt", "sub/l_self/../../out/o.txt"):
+            for tool in ("view", "read_file"):
+                text, err = call(tool, path=path)
+                self.assertTrue(err, text)
+                self.assertNotIn(SECRET, text)
+            text, err = call("grep", pattern="SECRET", path=path)
+            self.assertTrue(err, text)
+        text, err = call("view", path="l_self/x")
+        self.assertTrue(text.startswith("[ACCESS_DENIED] l_self/x runs into a symlink loop"), text)
+        text, err = call("list_directory", path="l_self/../out")
+        self.assertEqual(text, "错误：路径越出工作区限制")
+        for tool, args in (("create_file", {"content": "x"}), ("write_file", {"content": "x"})):
+            text, err = call(tool, path="l_self/../out/new.txt", **args)
+            self.assertTrue(err, text)
+        self.assertFalse(os.path.exists(os.path.join(self.tree.base, "outside", "new.txt")))
+
+    def test_loop_beats_deny_and_workspace_root_no_more(self):
+        # Unconfined server: the deny rule and the seed-004 root are all that guard.
+        cfg = boris.parse_config(["--workdir", self.tree.ws, "--deny-dir", os.path.join(self.tree.base, "outside"),
+                                  "--require-view-before-edit", "false"], {})
+        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        server, session = boris.McpServer(cfg, policy), boris.Session(cfg)
+        self.addCleanup(session.close)
+        for name, args in (("view", {"path": "l_self/../out/o.txt"}), ("read_file", {"path": "l_self/../out/o.txt"}),
+                           ("read_file", {"path": "l_self/../../outside/o.txt"})):
+            r = boris.McpServer.run_tool(server.tools[name], session, args, ctx_of(cfg, policy))
+            self.assertTrue(r["isError"], r)
+            self.assertNotIn(SECRET, r["content"][0]["text"])
 
 
-class TestStdioProtocol(StdioBase):
-    def test_garbage_gets_errors_and_server_keeps_answering(self):
-        c = self.c
-        c.send_raw(b"this is not json\n")
-        self.assertEqual(c.wait_for(lambda m: m.get("error", {}).get("code") == -32700)["id"], None)
-        c.send_raw(b"[1,2,3]\n")
-        c.wait_for(lambda m: m.get("error", {}).get("code") == -32600)
-        c.send_raw(b'"just a string"\n')
-        c.send_raw(b'{"jsonrpc":"2.0","id":77,"method":42}\n')
-        c.wait_for(lambda m: m.get("id") == 77 and m["error"]["code"] == -32600)
-        self.assertEqual(c.request("unknown/method")["error"]["code"], -32601)
-        self.assertEqual(c.request("tools/call", {"name": "nope"})["error"]["code"], -32602)
-        r = c.request("tools/call", {"name": "view", "arguments": {"path": ["x"]}})["result"]
-        self.assertTrue(r["isError"] and r["content"][0]["text"].startswith("[INVALID_INPUT] argument 'path'"), r)
-        c.send_raw(b"\xff\xfe\n")
-        self.assertEqual(c.request("ping")["result"], {})
+class TestSwapRace(unittest.TestCase):
+    """A thread swaps a directory and a symlink to outside (renameat2 RENAME_EXCHANGE)
+    while tools read and write through the directory: nothing may cross."""
 
-    def test_stdout_is_protocol_only_and_view_works(self):
-        with open(os.path.join(self.tmp, "a.txt"), "w") as f:
-            f.write("alpha\nbeta\n")
-        r = self.c.call("view", {"path": "a.txt"})
-        self.assertEqual(r["content"][0]["text"], "     1\talpha\n     2\tbeta")
-        tools = self.c.request("tools/list")["result"]["tools"]
-        self.assertIn("bash", [t["name"] for t in tools])
+    def test_swapping_thread_finds_no_escape(self):
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if not hasattr(libc, "renameat2"):
+            self.skipTest("renameat2 not available")
+        quiet_logs(self)
+        tree = HostileTree()
+        self.addCleanup(tree.cleanup)
+        d = os.path.join(tree.ws, "d")
+        os.makedirs(d)
+        with open(os.path.join(d, "f.txt"), "w") as f:
+            f.write("inside\n")
+        with open(os.path.join(tree.base, "outside", "f.txt"), "w") as f:
+            f.write(SECRET + "\n")
+        os.symlink("../outside", os.path.join(tree.ws, "swap"))
+        before = tree.outside_snapshot()
+        server, cfg, policy = tree.server()
+        session = boris.Session(cfg)
+        self.addCleanup(session.close)
+        stop = threading.Event()
+        swaps = [0]
 
-    def test_eof_exits_zero(self):
-        self.assertEqual(self.c.close(), 0)
+        def swapper():
+            a, b = os.fsencode(d), os.fsencode(os.path.join(tree.ws, "swap"))
+            while not stop.is_set():
+                if libc.renameat2(-100, a, -100, b, 2) == 0:      # AT_FDCWD, RENAME_EXCHANGE
+                    swaps[0] += 1
+        t = threading.Thread(target=swapper)
+        t.start()
+        escapes, calls = [], 0
+        try:
+            for i in range(600):
+                for name, args in (("read_file", {"path": "d/f.txt"}), ("view", {"path": "d/f.txt"}),
+                                   ("grep", {"pattern": "SECRET", "path": "d/f.txt", "output_mode": "content"}),
+                                   ("list_directory", {"path": "d"}),
+                                   ("write_file", {"path": "d/f.txt", "content": "inside\n"}),
+                                   ("create_file", {"path": "d/n%d.txt" % i, "content": "new\n"})):
+                    r = boris.McpServer.run_tool(server.tools[name], session, args, ctx_of(cfg, policy))
+                    calls += 1
+                    if SECRET in r["content"][0]["text"]:
+                        escapes.append((name, r["content"][0]["text"][:80]))
+        finally:
+            stop.set()
+            t.join()
+        if os.path.islink(d):                                      # leave the tree as it was
+            libc.renameat2(-100, os.fsencode(d), -100, os.fsencode(os.path.join(tree.ws, "swap")), 2)
+        self.assertGreater(swaps[0], 100)
+        self.assertEqual(escapes, [], "%d of %d calls read outside" % (len(escapes), calls))
+        self.assertEqual(tree.outside_snapshot(), before, "a write landed outside")
 
-    def test_sigterm_exits_zero(self):
-        self.c.p.send_signal(signal.SIGTERM)
-        self.assertEqual(self.c.p.wait(15), 0)
+
+def run_with_deadline(fn, seconds=10):
+    """fn() on a thread; (finished, result or exception)."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(_catch(fn)), daemon=True)
+    t.start()
+    t.join(seconds)
+    return (bool(box), box[0] if box else None)
 
 
-class TestStdioDisabled(StdioBase):
-    args = ["--disable-tools", "bash", "--disable-tools", "create_file"]
-
-    def test_seed003_disabled_tools_not_listed(self):
-        names = [t["name"] for t in self.c.request("tools/list")["result"]["tools"]]
-        for gone in ("bash", "task_output", "create_file"):
-            self.assertNotIn(gone, names)
-        self.assertIn("view", names)
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as e:
+        return e
 
 
-class TestStdioCompat(StdioBase):
-    args = ["--anthropic-compat", "--disable-tools", "view"]
+class TestSpecialFiles(NoViewBase):
+    """FIFOs and devices are refused with a clear error: no hang, no unbounded read,
+    never replaced by a write."""
 
-    def test_seed003_compat_disable_mapping(self):
-        names = [t["name"] for t in self.c.request("tools/list")["result"]["tools"]]
-        self.assertNotIn("str_replace_editor", names)
-        self.assertNotIn("view", names)
+    def test_fifo_is_refused_by_every_tool_without_hanging(self):
+        fifo = self.path("pipe")
+        os.mkfifo(fifo)
+        cases = (("view", {"path": "pipe"}), ("str_replace", {"path": "pipe", "old_str": "a", "new_str": "b"}),
+                 ("grep", {"pattern": "x", "path": "pipe"}), ("search_text", {"query": "x", "paths": ["pipe"]}),
+                 ("create_file", {"path": "pipe", "content": "x"}), ("read_file", {"path": "pipe"}),
+                 ("write_file", {"path": "pipe", "content": "x"}))
+        for name, args in cases:
+            done, out = run_with_deadline(lambda: self.call(name, **args), 10)
+            self.assertTrue(done, "%s blocked on a FIFO" % name)
+            text, err = out
+            self.assertTrue(err, "%s: %s" % (name, text))
+            if not text.startswith("错误"):                     # the seed-004 tools answer in their words
+                self.assertIn("FIFO", text, name)
+        self.assertTrue(stat.S_ISFIFO(os.lstat(fifo).st_mode), "the FIFO was replaced")
+
+    def test_character_devices_are_not_read_or_replaced(self):
+        for name, args in (("view", {"path": "/dev/zero"}),
+                           ("str_replace", {"path": "/dev/zero", "old_str": "a", "new_str": "b"}),
+                           ("create_file", {"path": "/dev/null", "content": "x"}),
+                           ("grep", {"pattern": "x", "path": "/dev/zero"})):
+            done, out = run_with_deadline(lambda: self.call(name, **args), 10)
+            self.assertTrue(done, "%s on a device did not return" % name)
+            text, err = out
+            self.assertTrue(err and "character device" in text, "%s: %s" % (name, text))
+        self.assertTrue(stat.S_ISCHR(os.stat("/dev/null").st_mode))
+
+    def test_seed004_read_file_of_a_device_in_the_workspace(self):
+        cfg = boris.parse_config(["--workdir", "/dev"], {})
+        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        server = boris.McpServer(cfg, policy)
+        done, r = run_with_deadline(lambda: boris.McpServer.run_tool(
+            server.tools["read_file"], self.session, {"path": "zero"}, ctx_of(cfg, policy)), 10)
+        self.assertTrue(done)
+        self.assertTrue(r["isError"])
+        self.assertTrue(r["content"][0]["text"].startswith("错误："), r)
+
+    def test_proc_files_read_within_the_limit(self):
+        text = self.ok("view", path="/proc/self/status")
+        self.assertIn("Pid:", text)
+        self.assertIn("fd", self.ok("view", path="/proc/self"))
+
+
+class TestOddPaths(NoViewBase):
+    def test_lone_surrogate_and_nul(self):
+        for tool, key in (("view", "path"), ("create_file", "path"), ("grep", "path"), ("glob", "path")):
+            for bad in ("a\udc80b", "x\ud800", "a\x00b"):
+                args = {key: bad}
+                args.update({"create_file": {"content": "x"}, "grep": {"pattern": "x"},
+                             "glob": {"pattern": "*"}}.get(tool, {}))
+                self.fails(tool, "INVALID_INPUT", **args)
+        text, err = self.call("read_file", path="a\udc80b")
+        self.assertTrue(err and text.startswith("错误：路径无效"), text)
+
+    def test_chain_of_1000_links_is_access_denied(self):
+        for k in range(1000):
+            os.symlink("c%d" % (k + 1), self.path("c%d" % k))
+        self.write("c1000", "end\n")
+        self.assertIn("symlink loop", self.fails("view", "ACCESS_DENIED", path="c0"))
+        self.fails("view", "ACCESS_DENIED", path="c0/../x")
+        self.assertEqual(self.ok("view", path="c990"), "     1\tend")
+
+    def test_file_used_as_a_directory_is_named(self):
+        self.write("a.txt", "x\n")
+        text = self.fails("create_file", "INVALID_INPUT", path="a.txt/sub/x", content="y")
+        self.assertIn("a.txt as a directory, but it is a file", text)
+        self.fails("view", "INVALID_INPUT", path="a.txt/x")
+
+    def test_longest_legal_name_is_writable(self):
+        name = "\U0001F600" * 63                    # 252 bytes: legal, while a char-cut temp name is not
+        self.ok("create_file", path=name, content="x\n")
+        self.assertEqual(self.read(name), b"x\n")
+        self.ok("str_replace", path=name, old_str="x", new_str="y")
+        self.assertEqual(self.read(name), b"y\n")
+        self.fails("create_file", "INVALID_INPUT", path="\U0001F600" * 64, content="x")
+
+    def test_bad_globs_are_pattern_errors(self):
+        for pattern in ("[z-a]", "{" * 5000 + "a" + "}" * 5000, "[[:nope:]]", "a[b"):
+            self.fails("glob", "GLOB_INVALID_PATTERN", pattern=pattern)
+            self.fails("search_files", "GLOB_INVALID_PATTERN", pattern=pattern)
+            self.fails("grep", "INVALID_INPUT", pattern="x", include=pattern)
+
+    def test_posix_class_in_glob(self):
+        self.write("f1.txt", "")
+        self.write("fx.txt", "")
+        self.assertEqual(self.ok("glob", pattern="f[[:digit:]].txt"), "f1.txt")
+
+
+# ---------------------------------------------------------------------------
+# Files: the one writer
+# ---------------------------------------------------------------------------
 
 
 class TestAtomicWriteUnderKill(unittest.TestCase):
@@ -1241,255 +876,114 @@ class TestAtomicWriteUnderKill(unittest.TestCase):
                 self.assertEqual(os.listdir(tmp), ["data.txt"])
 
 
-# ---------------------------------------------------------------------------
-# bash and task_output
-# ---------------------------------------------------------------------------
+CATASTROPHIC = "(a+)+$"
+CATASTROPHIC_LINE = "a" * 27 + "b\n"
 
 
-def unique_sleep():
-    """A sleep duration no other process on the machine is using: a findable marker."""
-    return "%d.%03d" % (random.randint(5000, 9000), random.randint(0, 999))
+def helper_pids(server_pid, kind="search"):
+    """Live helper processes of `kind` whose parent is server_pid."""
+    out = []
+    for pid in procs_with("--helper %s" % kind):
+        try:
+            with open("/proc/%d/stat" % pid) as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == server_pid:
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
 
 
-class TestBash(NoViewBase):
-    def test_exit_code_stdout_stderr(self):
-        text = self.ok("bash", command="echo out; echo err >&2; exit 3")
-        self.assertTrue(text.startswith("exit code: 3"), text)
-        self.assertIn("--- stdout ---\nout", text)
-        self.assertIn("--- stderr ---\nerr", text)
+class TestParallelEdits(NoViewBase):
+    def parallel(self, calls):
+        threads = [threading.Thread(target=lambda a=a: self.ok(*a[0], **a[1])) for a in calls]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
-    def test_nonzero_exit_is_data_not_error(self):
-        text, err = self.call("bash", command="false")
-        self.assertFalse(err)
-        self.assertIn("exit code: 1", text)
+    def test_sixty_parallel_edits_of_distinct_lines_all_land(self):
+        self.write("f.txt", "".join("line %d\n" % i for i in range(60)))
+        self.parallel([(("str_replace",), {"path": "f.txt", "old_str": "line %d\n" % i, "new_str": "edited %d\n" % i})
+                       for i in range(60)])
+        self.assertEqual(self.read("f.txt").decode(), "".join("edited %d\n" % i for i in range(60)))
 
-    def test_empty_command(self):
-        self.fails("bash", "BASH_EMPTY_COMMAND", command="   ")
-
-    def test_cwd_persists_and_sentinel_is_stripped(self):
-        os.makedirs(self.path("sub/dir"))
-        text = self.ok("bash", command="cd sub/dir && echo moved")
-        self.assertNotIn("__BORIS", text)
-        self.assertIn("moved", text)
-        self.assertEqual(self.session.get_cwd(), self.path("sub", "dir"))
-        self.assertIn(self.path("sub", "dir"), self.ok("bash", command="pwd"))
-        self.write("sub/dir/f.txt", "here\n")
-        self.assertIn("here", self.ok("view", path="f.txt"))
-
-    def test_fake_sentinel_does_not_move_cwd(self):
-        fake = "__BORIS_CWD_0123456789abcdef01234567__/etc"
-        text = self.ok("bash", command="printf '\\n%s\\n' '" + fake + "'")
-        self.assertIn(fake, text)
-        self.assertEqual(self.session.get_cwd(), self.root)
-        other = "__BORIS_CWD_%s__/etc" % ("0" * 24)
-        self.ok("bash", command="cd /tmp; printf '\\n%s\\n' '" + other + "'")
-        self.assertEqual(self.session.get_cwd(), "/tmp")
-
-    def test_exit_leaves_cwd_unchanged(self):
-        self.ok("bash", command="cd /tmp; exit 0")
-        self.assertEqual(self.session.get_cwd(), self.root)
-
-    def test_output_without_trailing_newline(self):
-        text = self.ok("bash", command="printf abc")
-        self.assertTrue(text.endswith("--- stdout ---\nabc"), text)
-
-    def test_stdin_is_dev_null(self):
-        self.assertIn("exit code: 0", self.ok("bash", command="cat", timeout=5000))
-
-    def test_megabyte_of_output_does_not_hang_and_is_cut(self):
-        text = self.ok("bash", command="head -c 1048576 /dev/zero | tr '\\0' x; echo done >&2")
-        self.assertIn("... 1018576 characters omitted ...", text)
-        self.assertIn("[stdout: 1048576 characters in all; the first 20000 and the last 10000 are shown.", text)
-        self.assertIn("done", text)
-        self.assertLess(len(text), 31000)
-
-    def test_long_output_keeps_its_end(self):
-        text = self.ok("bash", command="seq 1 200000; echo SUMMARY: 3 failed")
-        self.assertIn("\n1\n2\n", text)
-        self.assertIn("199999\n200000\nSUMMARY: 3 failed\n[stdout:", text)
-        self.assertLess(len(text), 31000)
-
-    def test_timeout_kills_grandchildren_and_keeps_output(self):
-        s1, s2 = unique_sleep(), unique_sleep()
-        text = self.ok("bash", command="echo before; sleep %s & bash -c 'sleep %s'; echo never" % (s1, s2),
-                       timeout=700)
-        self.assertIn("timed out after 700 ms", text)
-        self.assertIn("before", text)
-        self.assertNotIn("never", text)
-        self.assertEqual(wait_until(lambda: not procs_with(s1) and not procs_with(s2), 10), True)
-
-    def test_timeout_escalates_to_sigkill(self):
-        s = unique_sleep()
-        t0 = time.monotonic()
-        with mock.patch.object(boris, "KILL_GRACE_S", 1.5):
-            text = self.ok("bash", command="trap '' TERM; sleep %s & wait; sleep %s" % (s, s), timeout=300)
-        self.assertIn("timed out", text)
-        self.assertGreaterEqual(time.monotonic() - t0, 1.5 - 0.2)
-        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
-
-    def test_leftover_background_job_is_reaped_on_return(self):
-        s = unique_sleep()
-        text = self.ok("bash", command="sleep %s & echo started" % s)
-        self.assertIn("started", text)
-        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
-
-    def test_timeout_cap_and_default(self):
-        self.assertEqual(boris.bash_timeout_ms({"timeout": 10 ** 9}, self.cfg), 600000)
-        self.assertEqual(boris.bash_timeout_ms({}, self.cfg), 120000)
-        cfg = boris.parse_config(["--workdir", self.root, "--timeout", "7"], {})
-        self.assertEqual(boris.bash_timeout_ms({}, cfg), 7000)
-        self.fails("bash", "INVALID_INPUT", command="true", timeout=0)
-
-    def test_no_zombies_after_200_commands(self):
-        for _ in range(200):
-            self.assertIn("exit code: 0", self.ok("bash", command="true"))
-        self.assertEqual(zombie_children(os.getpid()), 0)
-
-    def test_cancel_kills_process_group(self):
-        s = unique_sleep()
-        ev = threading.Event()
-        ctx = ctx_of(self.cfg, self.policy, ev)
-        out = []
-        t = threading.Thread(target=lambda: out.append(boris.tool_bash(
-            self.session, {"command": "sleep %s & sleep %s" % (s, s)}, ctx)))
-        t.start()
-        self.assertTrue(wait_until(lambda: len(procs_with(s)) >= 2, 10))
-        ev.set()
-        t.join(15)
-        self.assertIn("cancelled", out[0])
-        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
-
-    def test_progress_streams_lines(self):
-        got = []
-        ctx = ctx_of(self.cfg, self.policy, progress=got.append)
-        text = boris.tool_bash(self.session, {"command": "for i in 1 2 3; do echo tick$i; sleep 0.25; done"}, ctx)
-        self.assertIn("tick3", text)
-        joined = "\n".join(got)
-        self.assertIn("tick1", joined)
-        self.assertGreaterEqual(len(got), 2)
-        self.assertNotIn("__BORIS", joined)
+    def test_parallel_edits_across_sessions_and_tools(self):
+        self.write("f.txt", "a\nb\n")
+        other = boris.Session(self.cfg)
+        self.addCleanup(other.close)
+        for trial in range(30):
+            self.write("f.txt", "a\nb\n")
+            ctx = ctx_of(self.cfg, self.policy)
+            t = threading.Thread(target=boris.McpServer.run_tool, args=(
+                self.server.tools["str_replace"], other, {"path": "f.txt", "old_str": "a\n", "new_str": "A\n"}, ctx))
+            t.start()
+            self.ok("str_replace", path="f.txt", old_str="b\n", new_str="B\n")
+            t.join()
+            self.assertEqual(self.read("f.txt"), b"A\nB\n", "trial %d lost an edit" % trial)
 
 
-class TestBackgroundTasks(NoViewBase):
-    def task_id(self, text):
-        import re
-        return re.search(r"task_[0-9a-f]+", text).group(0)
+class TestLineEndingsAndModes(NoViewBase):
+    def test_mixed_endings_match_verbatim_and_keep_each_lines_ending(self):
+        self.write("m.txt", b"l1\nl2\nl3\r\nl4\n")
+        self.ok("str_replace", path="m.txt", old_str="l1\nl2", new_str="L1\nL2")
+        self.assertEqual(self.read("m.txt"), b"L1\nL2\nl3\r\nl4\n")
+        self.ok("str_replace", path="m.txt", old_str="l4", new_str="l4\nl5")
+        self.assertEqual(self.read("m.txt"), b"L1\nL2\nl3\r\nl4\nl5\n")
+        self.ok("str_replace", path="m.txt", old_str="l3", new_str="l3\nl3b")
+        self.assertEqual(self.read("m.txt"), b"L1\nL2\nl3\r\nl3b\r\nl4\nl5\n")
 
-    def test_background_lifecycle(self):
-        tid = self.task_id(self.ok("bash", command="echo first; sleep 0.4; echo second", run_in_background=True))
-        text = self.ok("task_output", task_id=tid)
-        self.assertIn("status: running", text)
-        done = self.ok("task_output", task_id=tid, wait_ms=10000)
-        self.assertTrue(done.startswith("status: completed; exit code: 0"), done)
-        self.assertTrue(done.endswith("second"), done)
-        both = text.split("\n", 2)[2] + "\n" + done.split("\n", 2)[2]     # past the status and command lines
-        self.assertEqual(both.count("first"), 1, (text, done))            # nothing is returned twice
-        self.fails("task_output", "BASH_TASK_NOT_FOUND", task_id=tid)
+    def test_crlf_file_with_lf_old_str_still_works(self):
+        self.write("c.txt", b"a\r\nb\r\nc\r\n")
+        self.ok("str_replace", path="c.txt", old_str="a\nb", new_str="x\ny")
+        self.assertEqual(self.read("c.txt"), b"x\r\ny\r\nc\r\n")
 
-    def test_wait_for_returns_on_new_matching_output(self):
-        tid = self.task_id(self.ok("bash", command="echo booting; sleep 0.3; echo 'listening on 8080'; sleep 30",
-                                   run_in_background=True))
-        t = time.monotonic()
-        text = self.ok("task_output", task_id=tid, wait_for="listening on \\d+", wait_ms=20000)
-        self.assertLess(time.monotonic() - t, 10)
-        self.assertTrue(text.startswith("status: running"), text)
-        self.assertIn("listening on 8080", text)
-        again = self.ok("task_output", task_id=tid)
-        self.assertNotIn("listening", again.split("\n", 2)[2])          # only new output
-        self.fails("task_output", "INVALID_INPUT", task_id=tid, wait_for="(")
-        listing = self.ok("task_output")
-        self.assertIn("%s  running" % tid, listing)
-        stopped = self.ok("task_stop", task_id=tid)
-        self.assertTrue(stopped.startswith("status: stopped"), stopped)
-        self.fails("task_output", "BASH_TASK_NOT_FOUND", task_id=tid)
-        self.assertEqual(self.ok("task_output"), "No background tasks in this session.")
+    @unittest.skipUnless(os.geteuid() == 0, "needs root to own a file as another user")
+    def test_setuid_and_owner_survive_an_edit(self):
+        p = self.write("s.sh", "echo a\n")
+        os.chown(p, 65534, 65534)
+        os.chmod(p, 0o6755)
+        self.ok("str_replace", path="s.sh", old_str="a", new_str="b")
+        st = os.stat(p)
+        self.assertEqual((st.st_uid, st.st_gid), (65534, 65534))
+        self.assertEqual(stat.S_IMODE(st.st_mode), 0o6755)
 
-    def test_unknown_task(self):
-        self.assertIn("nope", self.fails("task_output", "BASH_TASK_NOT_FOUND", task_id="nope"))
+    def test_leftover_temp_files_of_a_killed_run_are_cleaned(self):
+        d = self.path("d")
+        os.makedirs(d)
+        dead = ".f.txt.boris-%d-%s%s.tmp" % (2 ** 22 + 7, "0" * 8, "1" * 8)        # no such pid
+        same_pid_old_run = ".f.txt.boris-%d-%s%s.tmp" % (os.getpid(), "f" * 8, "2" * 8)
+        live_other = ".f.txt.boris-%d-%s%s.tmp" % (1, "a" * 8, "3" * 8)
+        for name in (dead, same_pid_old_run, live_other, ".keep.tmp"):
+            with open(os.path.join(d, name), "w") as f:
+                f.write("torn")
+        with mock.patch.object(boris, "_RUN_TOKEN", "e" * 8):
+            self.ok("create_file", path="d/f.txt", content="x\n")
+        self.assertEqual(sorted(os.listdir(d)), sorted(["f.txt", live_other, ".keep.tmp"]))
 
-    def test_background_cd_does_not_move_session(self):
-        tid = self.task_id(self.ok("bash", command="cd /tmp && pwd", run_in_background=True))
-        self.assertIn("/tmp", self.ok("task_output", task_id=tid, wait_ms=10000))
-        self.assertEqual(self.session.get_cwd(), self.root)
+    def test_rename_refused_falls_back_to_writing_in_place(self):
+        p = self.write("bind.txt", "old\n")
+        ino = os.stat(p).st_ino
 
-    def test_eleventh_task_refused(self):
-        s = unique_sleep()
-        for _ in range(10):
-            self.ok("bash", command="sleep %s" % s, run_in_background=True)
-        text = self.fails("bash", "BASH_TASK_LIMIT", command="sleep %s" % s, run_in_background=True)
-        self.assertIn("10", text)
-        self.session.close()
-        self.assertTrue(wait_until(lambda: not procs_with(s), 15))
+        def busy(*a, **k):
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        with mock.patch.object(boris, "replace_file", busy):
+            text = self.ok("str_replace", path="bind.txt", old_str="old", new_str="new")
+        self.assertIn("rewritten in place", text)
+        self.assertEqual(self.read("bind.txt"), b"new\n")
+        self.assertEqual(os.stat(p).st_ino, ino)
+        with mock.patch.object(boris, "replace_file", busy):
+            self.fails("create_file", "IO_ERROR", path="new.txt", content="x")       # nothing to rewrite
 
-    def test_session_close_kills_tasks_and_grandchildren(self):
-        s = unique_sleep()
-        self.ok("bash", command="sleep %s & sleep %s" % (s, s), run_in_background=True)
-        self.assertTrue(wait_until(lambda: len(procs_with(s)) >= 2, 10))
-        self.session.close()
-        self.assertEqual(procs_with(s), [])
-
-
-class TestBackgroundTimeout(Base):
-    flags = ["--background-task-timeout", "0.5"]
-
-    def test_seed003_background_task_timeout_kills(self):
-        s = unique_sleep()
-        text = self.ok("bash", command="echo hi; sleep %s" % s, run_in_background=True)
-        tid = text.split()[3]
-        done = self.ok("task_output", task_id=tid, wait_ms=15000)
-        self.assertIn("killed by the background task timeout", done)
-        self.assertIn("hi", done)
-        self.assertEqual(procs_with(s), [])
-
-
-class TestStdioShell(StdioBase):
-    args = ["--require-view-before-edit", "false"]
-
-    def test_ping_answered_while_command_runs_and_cancel_kills(self):
-        s = unique_sleep()
-        self.c.send({"jsonrpc": "2.0", "id": 500, "method": "tools/call",
-                     "params": {"name": "bash", "arguments": {"command": "sleep %s" % s}}})
-        self.assertTrue(wait_until(lambda: procs_with(s), 10))
-        t0 = time.monotonic()
-        self.assertEqual(self.c.request("ping")["result"], {})
-        self.assertLess(time.monotonic() - t0, 5)
-        self.c.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
-                     "params": {"requestId": 500, "reason": "test"}})
-        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
-        self.assertEqual(self.c.request("ping")["result"], {})
-        self.assertFalse(any(m and m.get("id") == 500 for m in self.c.lines))
-
-    def test_progress_notifications(self):
-        self.c.send({"jsonrpc": "2.0", "id": 600, "method": "tools/call",
-                     "params": {"name": "bash", "_meta": {"progressToken": "tok"},
-                                "arguments": {"command": "for i in 1 2 3 4; do echo step$i; sleep 0.2; done"}}})
-        final = self.c.wait_for(lambda m: m.get("id") == 600)
-        self.assertIn("step4", final["result"]["content"][0]["text"])
-        prog = [m for m in self.c.lines if m and m.get("method") == "notifications/progress"]
-        self.assertGreaterEqual(len(prog), 2)
-        self.assertEqual(prog[0]["params"]["progressToken"], "tok")
-        self.assertIn("step1", prog[0]["params"]["message"])
-
-    def test_shutdown_kills_background_and_foreground(self):
-        s1, s2 = unique_sleep(), unique_sleep()
-        self.c.call("bash", {"command": "sleep %s & sleep %s" % (s1, s1), "run_in_background": True})
-        self.c.send({"jsonrpc": "2.0", "id": 700, "method": "tools/call",
-                     "params": {"name": "bash", "arguments": {"command": "sleep %s" % s2}}})
-        self.assertTrue(wait_until(lambda: len(procs_with(s1)) >= 2 and procs_with(s2), 10))
-        self.c.p.send_signal(signal.SIGTERM)
-        self.assertEqual(self.c.p.wait(20), 0)
-        self.assertEqual(procs_with(s1) + procs_with(s2), [])
-
-    def test_eof_kills_background_tasks(self):
-        s = unique_sleep()
-        self.c.call("bash", {"command": "sleep %s" % s, "run_in_background": True})
-        self.assertTrue(wait_until(lambda: procs_with(s), 10))
-        self.assertEqual(self.c.close(), 0)
-        self.assertEqual(procs_with(s), [])
+    def test_cleaned_directories_are_bounded(self):
+        with mock.patch.object(boris, "CLEANED_DIRS_MAX", 3), mock.patch.object(TEST_FILES, "cleaned", set()):
+            for i in range(10):
+                self.ok("create_file", path="c%d/f.txt" % i, content="x")
+                self.assertLessEqual(len(TEST_FILES.cleaned), 3)
+            self.assertTrue(TEST_FILES.cleaned)
 
 
 # ---------------------------------------------------------------------------
-# Search: grep, glob, search_text, search_files
+# Search: grep, glob, search_text, search_files, and the helper processes they run in
 # ---------------------------------------------------------------------------
 
 
@@ -1773,6 +1267,140 @@ class TestGrep(SearchBase):
                 self.assertEqual(self._searches(), alone, code)
             self.assertTrue(given)
 
+    def test_a_cut_search_keeps_its_partial_notice(self):
+        lines = ["line %05d" % i for i in range(10000)]
+        text = boris.cap_lines(lines, "lines", ["[search stopped after 60 s: partial]"])
+        self.assertTrue(text.endswith("[search stopped after 60 s: partial]"))
+        self.assertIn("[output truncated at", text)
+        self.assertLessEqual(len(text), boris.OUTPUT_MAX_CHARS)
+
+    def test_grep_patterns_are_compiled_only_in_helpers(self):
+        self.write("s/a.txt", "needle here\n")
+
+        def refuse(*a, **k):
+            raise AssertionError("a grep pattern was compiled in the server process")
+        with mock.patch.object(boris.Matcher, "__init__", refuse), mock.patch.object(boris, "python_regex", refuse):
+            self.assertIn("a.txt", self.ok("grep", pattern="ne+dle", path="s"))
+            self.assertIn("needle", self.ok("search_text", query="needle", paths=["s"], regex=True))
+            self.fails("grep", "GREP_INVALID_PATTERN", pattern="(", path="s")
+
+    def test_wait_for_regexes_are_matched_only_in_helpers(self):
+        out = self.ok("bash", command="echo ready-42; sleep 30", run_in_background=True)
+        tid = re.search(r"task_[0-9a-f]+", out).group(0)
+
+        def refuse(*a, **k):
+            raise AssertionError("a wait_for regex ran in the server process")
+        with mock.patch.object(boris, "match_job", refuse):
+            self.assertIn("ready-42", self.ok("task_output", task_id=tid, wait_for="ready-\\d+", wait_ms=20000))
+            self.fails("task_output", "INVALID_INPUT", task_id=tid, wait_for="(")
+        self.ok("task_stop", task_id=tid)
+
+    def test_long_patterns_are_refused_with_the_limit(self):
+        for name, args, code in (("grep", {"pattern": "a" * 9000}, "GREP_INVALID_PATTERN"),
+                                 ("search_text", {"query": "a" * 9000}, "GREP_INVALID_PATTERN"),
+                                 ("grep", {"pattern": "a", "include": "*" * 9000}, "INVALID_INPUT"),
+                                 ("glob", {"pattern": "a" * 5000}, "GLOB_INVALID_PATTERN")):
+            self.assertIn("limit", self.fails(name, code, **args))
+
+    def test_closest_match_honours_cancel(self):
+        text = "\n".join("line %d of many" % i for i in range(20000))
+        cancelled = threading.Event()
+        cancelled.set()
+        self.assertEqual(boris.closest_region(text, "lime 5 of mani\nzzz", cancelled), "")
+        self.assertIn("The closest text is at lines 6-7", boris.closest_region(text, "lime 5 of mani\nline 6 of many"))
+
+    def test_empty_matches_report_only_real_lines(self):
+        self.write("two.txt", "a\nb\n")
+        self.write("empty.txt", "")
+        for pattern in ("^", "^$|a|b", "x*", "a|"):
+            self.assertEqual(self.ok("grep", pattern=pattern, path="two.txt", output_mode="count"), "two.txt:2", pattern)
+        self.assertTrue(self.ok("grep", pattern="^", path="empty.txt").startswith("No matches"))
+
+    def test_context_and_multiline_across_the_read_seam(self):
+        line = "y" * 99 + "\n"
+        n = (boris.GREP_BUFFER // len(line)) + 50
+        rows = [line] * n
+        seam = boris.GREP_BUFFER // len(line)                 # the first line of the second 1 MiB chunk
+        rows[seam] = "HIT" + "y" * 96 + "\n"
+        rows[seam - 1] = "before" + "y" * 93 + "\n"
+        rows[seam + 1] = "after" + "y" * 94 + "\n"
+        self.write("seam.txt", "".join(rows))
+        with search_in_process():
+            text = self.ok("grep", pattern="HIT", path="seam.txt", output_mode="content", context=1)
+            self.assertEqual([l.split("-", 2)[1] if "-" in l[:10] else l.split(":", 2)[1] for l in text.split("\n")],
+                             [str(seam), str(seam + 1), str(seam + 2)])
+            text = self.ok("grep", pattern="before.*\\nHIT", path="seam.txt", output_mode="content", multiline=True)
+            self.assertIn("seam.txt:%d:before" % seam, text)
+
+    def test_encodings_bom_utf16_and_bad_bytes(self):
+        self.write("bom.txt", b"\xef\xbb\xbfhello\n")
+        self.assertEqual(self.ok("grep", pattern="^hello", path="bom.txt", output_mode="content"), "bom.txt:1:hello")
+        self.write("u16.txt", "h\u00e9llo sixteen\n".encode("utf-16"))
+        self.assertEqual(self.ok("grep", pattern="sixteen", path="u16.txt", output_mode="content"),
+                         "u16.txt:1:h\u00e9llo sixteen")
+        self.write("bad.txt", b"caf\xe9 hit\n")
+        for args in ({"pattern": "hit"}, {"pattern": "h.t"}):
+            text = self.ok("grep", path="bad.txt", output_mode="content", **args)
+            self.assertTrue(text.startswith("bad.txt:1:caf\ufffd hit\n[1 byte that are not UTF-8"), text)
+
+    def test_regex_dialect(self):
+        self.write("d.txt", "abc 123\n")
+        self.assertEqual(self.ok("grep", pattern="[[:digit:]]+", path="d.txt", output_mode="content"), "d.txt:1:abc 123")
+        self.assertEqual(self.ok("grep", pattern="[^[:alpha:][:space:]]", path="d.txt", output_mode="count"), "d.txt:1")
+        for bad, fix in (("\\p{L}+", "[^\\W\\d_]"), ("\\x{263A}", "\\uXXXX"), ("abc\\z", "\\Z"), ("\\<abc\\>", "\\b"),
+                         ("[a-z&&[^b]]", "lookahead")):
+            self.assertIn(fix, self.fails("grep", "GREP_INVALID_PATTERN", pattern=bad, path="d.txt"))
+        self.write("u.txt", "\u263a smile \u2022 dot\n")
+        for ok in ("\\u263A", "\\N{BULLET}", "(?u)\\w+"):
+            self.assertIn("u.txt:1:", self.ok("grep", pattern=ok, path="u.txt", output_mode="content"), ok)
+        self.write("s.txt", "a\x1cb\n")
+        self.write("s2.txt", "a\x1cb \u00e9\n")
+        self.assertEqual(self.ok("grep", pattern="a\\sb", path="s.txt", output_mode="count"),
+                         self.ok("grep", pattern="a\\sb", path="s2.txt", output_mode="count").replace("s2", "s"))
+
+    def test_dot_star_on_a_minified_line_is_linear(self):
+        self.write("min.js", "var a=1;" * 60000 + "/*TODO*/\n")
+        with mock.patch.object(boris, "SEARCH_TIMEOUT_S", 10.0):
+            text = self.ok("grep", pattern=".*TODO.*", path="min.js", output_mode="count")
+        self.assertEqual(text, "min.js:1")
+
+    def test_head_limit_stops_the_walk(self):
+        for i in range(200):
+            self.write("hl/f%03d.txt" % i, "match\n" * 3)
+        calls = []
+        real = boris.grep_file
+        with search_in_process(), mock.patch.object(boris, "grep_file", lambda *a: calls.append(1) or real(*a)):
+            text = self.ok("grep", pattern="match", path="hl", output_mode="content", head_limit=2)
+        self.assertEqual(len(text.split("\n")), 2)
+        self.assertEqual(len(calls), 1)
+
+    def test_case_insensitive_literal(self):
+        self.write("ci.txt", "Export_Symbol(x)\nnothing\nEXPORT_SYMBOL(y)\n")
+        self.assertEqual(self.ok("grep", pattern="export_symbol", path="ci.txt", output_mode="content",
+                                 case_insensitive=True), "ci.txt:1:Export_Symbol(x)\nci.txt:3:EXPORT_SYMBOL(y)")
+
+    def test_cpp_type_has_headers(self):
+        self.write("t/a.h", "X\n")
+        self.write("t/b.cpp", "X\n")
+        self.assertEqual(sorted(self.ok("grep", pattern="X", path="t", type="cpp").split("\n")), ["a.h", "b.cpp"])
+
+    def test_grep_head_limit_on_a_file_where_every_line_matches(self):
+        p = self.path("all.txt")
+        with open(p, "wb") as f:
+            f.write(b"match me\n" * 2000000)                  # 18 MB, every line a match
+        with search_in_process():
+            readers = []
+            real = boris.region_records
+
+            def spy(*a):
+                out = real(*a)
+                readers.append(len(out))
+                return out
+            with mock.patch.object(boris, "region_records", spy):
+                text = self.ok("grep", pattern="match", path="all.txt", output_mode="content", head_limit=1)
+        self.assertEqual(text, "all.txt:1:match me")
+        self.assertLess(sum(readers), 300000)               # stopped after the first chunk, not 2M records
+
 
 class TestGrepScope(SearchBase):
     flags = ["--require-view-before-edit", "false", "--deny-dir", "**/.env", "--deny-dir", "**/private"]
@@ -1904,6 +1532,28 @@ class TestGlob(SearchBase):
             self.assertEqual(self.ok("glob", pattern="**/*.dat").split("\n"), expected)
         self.assertTrue(given)
 
+    def test_dir_slash_glob_lists_direct_children_only(self):
+        for rel in ("kernel/a.c", "kernel/sub/b.c", "kernel/sub/deep/c.c", "x.c", "arch/x86/kernel/d.c"):
+            self.write(rel, "")
+        self.assertEqual(self.ok("glob", pattern="kernel/*.c"), "kernel/a.c")
+        self.assertEqual(self.ok("search_files", pattern="kernel/*.c"), "kernel/a.c")
+        self.assertEqual(self.ok("glob", pattern="arch/x86/*.c"), "No files found")
+        self.assertEqual(sorted(self.ok("glob", pattern="kernel/**/*.c").split("\n")),
+                         ["kernel/a.c", "kernel/sub/b.c", "kernel/sub/deep/c.c"])
+        self.assertIn("x.c", self.ok("glob", pattern="*.c").split("\n"))
+
+    def test_glob_pages_and_says_when_past_the_end(self):
+        now = time.time()
+        for i in range(5):
+            p = self.write("pg/f%d.txt" % i, "")
+            os.utime(p, (now - i, now - i))
+        self.assertEqual(self.ok("glob", pattern="*.txt", path="pg", head_limit=2), "f0.txt\nf1.txt")
+        self.assertEqual(self.ok("glob", pattern="*.txt", path="pg", head_limit=2, offset=2), "f2.txt\nf3.txt")
+        self.assertEqual(self.ok("glob", pattern="*.txt", path="pg", offset=9),
+                         "No more results: offset 9 is past the end (5 in total).")
+        self.assertEqual(self.ok("grep", pattern="^", path="pg", output_mode="files_with_matches", offset=9),
+                         "No matches found for pattern '^' in pg")                    # empty files: no lines
+
 
 class TestCompatSearch(SearchBase):
     flags = ["--anthropic-compat", "--require-view-before-edit", "false"]
@@ -1970,142 +1620,1105 @@ class TestSearchFiles(SearchBase):
         self.assertEqual(sorted(self.ok("search_files", pattern="*.py").split("\n")), ["app.py", "util.py"])
 
 
-# ---------------------------------------------------------------------------
-# Workspace tools and web_fetch (seed 004)
-# ---------------------------------------------------------------------------
+class TestLinkedDenyInSearch(Base):
+    """Everything a search yields is checked by its real path, also under links."""
+    flags = ["--deny-dir", "**/secret/**", "--require-view-before-edit", "false"]
+
+    def test_followed_link_into_denied_dir(self):
+        self.write("secret/k.txt", SECRET + "\n")
+        self.write("sub/a.txt", "x\n")
+        os.symlink("../secret", self.path("sub", "lnk"))
+        for name, args in (("grep", {"pattern": "SECRET", "output_mode": "content"}),
+                           ("grep", {"pattern": "SECRET", "path": "sub"}),
+                           ("search_text", {"query": "SECRET", "paths": ["sub"]}),
+                           ("glob", {"pattern": "**/*.txt"})):
+            text = self.ok(name, **args)
+            self.assertNotIn(SECRET, text, name)
+            self.assertNotIn("k.txt", text, name)
+
+    def test_up_link_beats_absolute_deny_no_more(self):
+        outside = os.path.realpath(tempfile.mkdtemp(prefix="boris-out-"))
+        self.addCleanup(shutil.rmtree, outside, True)
+        os.makedirs(os.path.join(outside, "ws", "sub"))
+        with open(os.path.join(outside, "ws", "k.txt"), "w") as f:
+            f.write(SECRET + "\n")
+        os.symlink("..", os.path.join(outside, "ws", "sub", "up"))
+        cfg = boris.parse_config(["--workdir", outside, "--deny-dir", os.path.join(outside, "ws", "k.txt")], {})
+        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        server = boris.McpServer(cfg, policy)
+        r = boris.McpServer.run_tool(server.tools["grep"], self.session,
+                                     {"pattern": "SECRET", "path": os.path.join(outside, "ws", "sub"),
+                                      "output_mode": "content"}, ctx_of(cfg, policy))
+        self.assertNotIn(SECRET, r["content"][0]["text"])
 
 
-class TestWorkspaceTools(NoViewBase):
+class TestKillableSearch(SearchBase):
     def setUp(self):
-        NoViewBase.setUp(self)
-        # workspace = <tmp>/ws ; a sibling <tmp>/ws2 shares its prefix
-        self.ws = self.path("ws")
-        os.makedirs(os.path.join(self.ws, "data"))
-        os.makedirs(self.path("ws2"))
-        with open(self.path("ws2", "secret.txt"), "w") as f:
-            f.write("secret\n")
-        os.symlink(self.path("ws2"), os.path.join(self.ws, "escape_link"))
-        self.cfg = boris.parse_config(["--workdir", self.ws], {})
+        SearchBase.setUp(self)
+        self.write("cat/evil.txt", CATASTROPHIC_LINE * 3)
+        self.write("cat/fine.txt", "aaa\n")
+
+    def test_catastrophic_grep_stops_at_the_deadline_with_a_notice(self):
+        with mock.patch.object(boris, "SEARCH_TIMEOUT_S", 1.0):
+            t = time.monotonic()
+            text = self.ok("grep", pattern=CATASTROPHIC, path="cat", output_mode="content")
+        self.assertLess(time.monotonic() - t, 8)
+        self.assertIn("[search stopped after 1 s: the results above are partial.", text)
+
+    def test_catastrophic_globs_and_includes_stop_too(self):
+        self.write("g/" + "a" * 60 + "c", "x\n")
+        with mock.patch.object(boris, "SEARCH_TIMEOUT_S", 0.5):
+            for name, args in (("glob", {"pattern": "*a*a*a*a*a*a*a*a*a*b", "path": "g"}),
+                               ("search_files", {"pattern": "g/*a*a*a*a*a*a*a*a*a*b"}),
+                               ("grep", {"pattern": "x", "path": "g", "include": "*a*a*a*a*a*a*a*a*a*b"})):
+                t = time.monotonic()
+                text = self.ok(name, **args)
+                self.assertLess(time.monotonic() - t, 8, name)
+                self.assertIn("[search stopped after 0.5 s", text, name)
+
+    def test_a_dead_warm_helper_is_replaced(self):
+        self.assertIn("fine.txt", self.ok("grep", pattern="aaa", path="cat"))      # leaves a warm helper
+        self.assertTrue(TEST_HELPERS.idle)
+        for proc in list(TEST_HELPERS.idle):
+            proc.kill()
+            proc.wait()
+        self.assertIn("fine.txt", self.ok("grep", pattern="aaa", path="cat"))
+
+    def test_cancel_kills_the_search_at_once(self):
+        cancelled = threading.Event()
+        threading.Timer(0.3, cancelled.set).start()
+        ctx = ctx_of(self.cfg, self.policy, cancelled)
+        t = time.monotonic()
+        boris.McpServer.run_tool(self.server.tools["grep"], self.session,
+                                 {"pattern": CATASTROPHIC, "path": "cat", "output_mode": "content"}, ctx)
+        self.assertLess(time.monotonic() - t, 3)
+        self.assertEqual(helper_pids(os.getpid()), [], "the cancelled helper was not killed")
+
+
+def search_tree(root):
+    """A tree that a grep shares with partners (40 directories of 80 files), whose
+    every subdirectory holds a line that (a+)+$ chews on for ever."""
+    empty = os.path.join(root, "empty.txt")
+    open(empty, "w").close()
+    for d in range(40):
+        os.makedirs(os.path.join(root, "d%02d" % d, "sub"))
+        for i in range(80):
+            os.link(empty, os.path.join(root, "d%02d" % d, "f%02d.txt" % i))
+        with open(os.path.join(root, "d%02d" % d, "sub", "evil.txt"), "w") as f:
+            f.write(CATASTROPHIC_LINE)
+
+
+def process_tree(pid):
+    """pid and its live descendants."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        for task in os.listdir("/proc/%d/task" % p) if os.path.exists("/proc/%d/task" % p) else []:
+            try:
+                with open("/proc/%d/task/%s/children" % (p, task)) as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+    return found
+
+
+def alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class TestHelpersDieWithTheServer(unittest.TestCase):
+    """However the server ends during a search, its helpers and partners are
+    gone 3 s later (SIGKILL included: PR_SET_PDEATHSIG)."""
+
+    def setUp(self):
+        self.tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-orphans-"))
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        search_tree(self.tmp)
+
+    def start_search(self):
+        c = StdioClient(["--workdir", self.tmp])
+        self.addCleanup(c.close)
+        c.initialize()
+        c.send({"jsonrpc": "2.0", "id": 5, "method": "tools/call",
+                "params": {"name": "grep", "arguments": {"pattern": CATASTROPHIC, "output_mode": "count"}}})
+        helpers = wait_until(lambda: helper_pids(c.p.pid), 10)
+        self.assertTrue(helpers, "no search helper started")
+        partners = wait_until(lambda: helper_pids(helpers[0], "partner"), 10)
+        self.assertTrue(partners, "the walk was not shared")
+        return c, helpers + partners
+
+    def assert_gone(self, pids, how):
+        self.assertTrue(wait_until(lambda: not any(alive(p) for p in pids), 3.0),
+                        "%s left %s alive" % (how, [p for p in pids if alive(p)]))
+
+    def test_every_way_the_server_ends_takes_the_helpers_along(self):
+        for how in ("eof", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGKILL"):
+            c, pids = self.start_search()
+            if how == "eof":
+                c.p.stdin.close()
+            else:
+                os.kill(c.p.pid, getattr(signal, how))
+            self.assertTrue(wait_until(lambda: c.p.poll() is not None, 10), how)
+            self.assert_gone(pids, how)
+
+    def test_a_helper_ends_itself_past_its_deadline(self):
+        argv, cwd = boris.helper_command("search")
+        argv[-1] = str(os.getpid())
+        p = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.addCleanup(p.stdout.close)
+        self.addCleanup(p.stdin.close)
+        job = boris.grep_job_of(ctx_of(boris.Config(workdir=self.tmp), boris.PathPolicy(workdir=self.tmp)),
+                                [(self.tmp, True, None)], boris.grep_spec(CATASTROPHIC, True, False, False, "count"))
+        job["deadline_s"] = 0.2
+        p.stdin.write(json.dumps(job).encode() + b"\n")
+        p.stdin.flush()
+        t = time.monotonic()
+        self.assertEqual(p.wait(30), -signal.SIGALRM)         # nobody killed it: it ended itself
+        self.assertGreater(time.monotonic() - t, 0.2)
+
+    def test_a_helper_whose_parent_is_gone_exits(self):
+        argv, cwd = boris.helper_command("search")
+        argv[-1] = "1" if os.getpid() != 1 else "2"            # not its parent: as if the parent had died
+        p = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.addCleanup(p.stdout.close)
+        self.addCleanup(p.stdin.close)
+        self.assertEqual(p.wait(10), 0)
+
+
+class TestHelperPool(SearchBase):
+    def pool(self):
+        pool = boris.HelperPool()
+        self.addCleanup(pool.close)
+        return pool
+
+    def run_job(self, pool, pattern="hit", cancelled=None):
+        self.write("p/a.txt", "hit\n")
+        job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(self.path("p"), True, None)],
+                                boris.grep_spec(pattern, True, False, False, "files_with_matches"))
+        return pool.run(job, cancelled or threading.Event())
+
+    def test_a_helper_that_cannot_start_is_an_io_error_not_a_search_here(self):
+        pool = self.pool()
+        with mock.patch.object(boris, "helper_command", lambda *a: (["/nonexistent/python3"], "/")), \
+                mock.patch.object(boris, "search_job", lambda *a, **k: self.fail("searched in the server")):
+            with self.assertRaises(boris.ToolError) as e:
+                self.run_job(pool)
+        self.assertEqual(e.exception.code, "IO_ERROR")
+        self.assertIn("no search helper process could be started", e.exception.message)
+
+    def test_a_helper_traceback_reaches_the_server_stderr(self):
+        pool = self.pool()
+        with tempfile.TemporaryFile() as err:
+            saved = os.dup(2)
+            os.dup2(err.fileno(), 2)
+            try:
+                with self.assertRaises(boris.ToolError) as e:
+                    pool.run({"op": "no-such-op"}, threading.Event())
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            err.seek(0)
+            logged = err.read().decode()
+        self.assertIn("the search failed", e.exception.message)
+        self.assertIn("Traceback", logged)
+        self.assertIn("KeyError: 'no-such-op'", logged)
+
+    def test_dead_idle_helpers_are_reaped_with_their_pipes_closed(self):
+        pool = self.pool()
+        self.assertEqual(self.run_job(pool)[0][0][1], "a.txt")
+        dead = list(pool.idle)
+        for proc in dead:
+            proc.kill()
+            proc.wait()
+        self.assertEqual(self.run_job(pool)[0][0][1], "a.txt")
+        for proc in dead:
+            self.assertTrue(proc.stdout.closed and proc.stdin.closed)
+
+    def test_close_kills_busy_helpers_and_refuses_new_jobs(self):
+        pool = self.pool()
+        self.write("p/evil.txt", CATASTROPHIC_LINE)
+        done = []
+        worker = threading.Thread(target=lambda: done.append(_catch(lambda: self.run_job(pool, CATASTROPHIC))))
+        worker.start()
+        self.assertTrue(wait_until(lambda: pool.busy, 10))
+        busy = [p.pid for p in pool.busy]
+        pool.close()
+        worker.join(10)
+        self.assertFalse(worker.is_alive())
+        self.assertFalse([p for p in busy if alive(p)])
+        with self.assertRaises(boris.ToolError):
+            self.run_job(pool)
+
+    def test_helpers_are_forked_by_a_thread_that_lives_as_long_as_the_pool(self):
+        pool = self.pool()
+        forked_by = []
+        real_spawn = boris.spawn
+        with mock.patch.object(boris, "spawn", lambda *a, **k: forked_by.append(threading.current_thread().name)
+                               or real_spawn(*a, **k)):
+            threading.Thread(target=self.run_job, args=(pool,)).start()      # a short-lived caller
+            self.assertTrue(wait_until(lambda: forked_by and pool.idle, 10))
+        self.assertEqual(forked_by, ["boris-helper-spawner"])
+
+
+SHADOW = """import os, sys
+with open(os.path.join(%r, "%%s-%%d" %% (__name__, os.getpid())), "w") as f:
+    f.write(" ".join(sys.argv))
+"""
+
+
+def imported_modules():
+    """Every top-level module name boris.py imports, at start-up or lazily."""
+    import ast
+    with open(BORIS) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return sorted(names - {"sys", "boris"})
+
+
+class TestTheWorkspaceCannotShadowImports(unittest.TestCase):
+    """With boris.py in the workspace and a module written there for every
+    name it imports, none of them runs, in the server or in a helper."""
+
+    def test_no_module_written_to_the_workspace_runs(self):
+        base = os.path.realpath(tempfile.mkdtemp(prefix="boris-shadow-"))
+        self.addCleanup(shutil.rmtree, base, True)
+        ws, marks = os.path.join(base, "ws"), os.path.join(base, "marks")
+        os.makedirs(ws)
+        os.makedirs(marks)
+        shutil.copy(BORIS, ws)
+        names = imported_modules()
+        self.assertGreater(len(names), 25, names)
+        for name in names:
+            with open(os.path.join(ws, name + ".py"), "w") as f:
+                f.write(SHADOW % marks)
+        with open(os.path.join(ws, "page.html"), "w") as f:
+            f.write("<h1>x</h1>")
+        with open(os.path.join(ws, "pic.png"), "wb") as f:
+            f.write(PNG_1PX)
+        web = make_web_server()
+        self.addCleanup(web.server_close)
+        self.addCleanup(web.shutdown)
+        p = subprocess.Popen([sys.executable, "boris.py", "--disable-tools", "bash"], cwd=ws, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        c = StdioClient.__new__(StdioClient)
+        StdioClient.adopt(c, p)
+        try:
+            c.initialize()
+            for name, args in (("view", {"path": "pic.png"}), ("view", {"path": "boris.py", "view_range": [1, 3]}),
+                               ("str_replace", {"path": "boris.py", "old_str": "no such text"}),
+                               ("grep", {"pattern": "def ma+in", "output_mode": "content"}),
+                               ("glob", {"pattern": "**/*.py"}), ("search_text", {"query": "x"}),
+                               ("read_file", {"path": "page.html", "encoding": "gbk"}),
+                               ("write_file", {"path": "out/w.txt", "content": "w"}),
+                               ("create_file", {"path": "out/c.txt", "content": "c"}),
+                               ("web_fetch", {"url": "http://127.0.0.1:%d/rich" % web.server_address[1]})):
+                c.call(name, args, timeout=60)
+            self.assertEqual(c.request("ping")["result"], {})
+        finally:
+            c.close()
+        self.assertEqual(os.listdir(marks), [], "workspace modules ran")
+
+
+class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
+    """Generated ignore trees (nested .gitignore files, nested repositories, byte-wise
+    '?', unbounded '**', 'foo//', POSIX classes): the walker lists what
+    `git ls-files -co --exclude-standard` lists."""
+
+    PATTERNS = ["*.log", "!keep.log", "build/", "/top.txt", "**/cache/", "a/**/b", "doc/*.md", "[Tt]mp*", "?x",
+                "x?", "[!a]*.c", "*.o", "!important.o", "dir/", "/dir/sub", "**/z", "a**b", "foo//",
+                "[[:digit:]]*.txt", "\\!bang", "\u00e9?.txt", "?.dat", "sub/", "*.tmp", "!sub/*.tmp", "deep/**",
+                "n*/", "[\\]]*", "*.[oa]"]
+    NAMES = ["a.log", "keep.log", "build", "top.txt", "cache", "a", "b", "doc", "x.md", "Tmp1", "tmpx", "ax", "xa",
+             "c.c", "a.c", "m.o", "important.o", "dir", "sub", "z", "aXb", "axyb", "foo", "1.txt", "!bang",
+             "\u00e9a.txt", "\u00e9.dat", "q.dat", "t.tmp", "deep", "n1", "plain", "]x", "lib.a"]
+
+    def git_files(self, top):
+        out = subprocess.run(["git", "-C", top, "ls-files", "-co", "--exclude-standard", "-z"],
+                             capture_output=True).stdout
+        return [os.fsdecode(p) for p in out.split(b"\0") if p]
+
+    @unittest.skipUnless(shutil.which("git"), "git is not installed")
+    def test_generated_trees(self):
+        rng = random.Random(16)
+        trees = 0
+        for trial in range(40):
+            tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-gt-"))
+            self.addCleanup(shutil.rmtree, tmp, True)
+            subprocess.run(["git", "init", "-q", tmp], check=True)
+            files = set()
+            for _ in range(rng.randint(10, 30)):
+                rel = "/".join(rng.choice(self.NAMES) for _ in range(rng.randint(1, 3)))
+                files.add(rel)
+            nested = "vendor/lib" if trial % 4 == 0 else None
+            if nested:
+                files |= set("%s/%s" % (nested, rng.choice(self.NAMES)) for _ in range(6))
+            written = []
+            for rel in sorted(files, key=len):
+                p = os.path.join(tmp, rel)
+                if any(os.path.isfile(os.path.join(tmp, *rel.split("/")[:k])) for k in range(1, rel.count("/") + 1)):
+                    continue
+                if os.path.isdir(p):
+                    continue
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+                with open(p, "w") as f:
+                    f.write("x\n")
+                written.append(rel)
+            dirs = sorted(set(os.path.dirname(r) for r in written))
+            for d in [""] + rng.sample(dirs, min(2, len(dirs))):
+                with open(os.path.join(tmp, d, ".gitignore"), "w", encoding="utf-8") as f:
+                    f.write("\n".join(rng.sample(self.PATTERNS, rng.randint(3, 7))) + "\n")
+            expected = set(self.git_files(tmp))
+            if nested:
+                top = os.path.join(tmp, nested)
+                subprocess.run(["git", "init", "-q", top], check=True)
+                with open(os.path.join(top, ".gitignore"), "w") as f:
+                    f.write("\n".join(rng.sample(self.PATTERNS, 3)) + "\n")
+                expected = set(self.git_files(tmp))
+                inner = set(nested + "/" + p for p in self.git_files(top))
+                expected = set(p for p in expected if not p.startswith(nested + "/")) | inner
+                if any(p == nested + "/" or p.startswith(nested + "/") for p in self.git_files(tmp)) is False:
+                    expected -= inner                          # the parent ignores the whole repository
+            policy = boris.PathPolicy([], [], tmp)
+            ours = set(p[len(tmp) + 1:] for p, _, d, _ in boris.Walker(tmp, policy, False) if not d)
+            self.assertEqual(sorted(ours), sorted(expected), "tree %d (%s)" % (trial, tmp))
+            if trial % 4 == 0:                          # the ignore stacks a partner rebuilds agree too
+                found = []
+                with shared_walks():
+                    boris.search_job({"op": "glob", "policy": boris.policy_spec(policy), "start": tmp, "rest": "*",
+                                      "base_only": True, "kind": "file", "lead": len(tmp) + 1}, found.extend)
+                self.assertEqual(sorted(found[0::2]), sorted(expected), "shared, tree %d" % trial)
+            trees += 1
+        self.assertEqual(trees, 40)
+
+    @unittest.skipUnless(shutil.which("rg"), "ripgrep is not installed")
+    def test_grep_files_agree_with_ripgrep(self):
+        rng = random.Random(61)
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-rg-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        subprocess.run(["git", "init", "-q", tmp], check=True)
+        words = ["alpha", "beta", "Gamma", "delta_1", "x=1", "foo(bar)", "TODO: fix", "caf\u00e9", "  indented"]
+        for i in range(60):
+            rel = "d%d/f%d.%s" % (i % 5, i, rng.choice(["py", "c", "h", "txt", "md"]))
+            os.makedirs(os.path.join(tmp, os.path.dirname(rel)), exist_ok=True)
+            with open(os.path.join(tmp, rel), "w", encoding="utf-8") as f:
+                f.write("\n".join(rng.choice(words) for _ in range(rng.randint(0, 12))) + "\n")
+        with open(os.path.join(tmp, ".gitignore"), "w") as f:
+            f.write("d3/\n*.md\n")
+        cfg = boris.parse_config(["--workdir", tmp], {})
+        server, session = boris.McpServer(cfg, boris.PathPolicy(workdir=tmp)), boris.Session(cfg)
+        self.addCleanup(session.close)
+        agreed = 0
+        for pattern in ("alpha", "^beta$", "[Gg]amma", "delta_\\d", "foo\\(", "TODO:.*fix", "caf\u00e9", "^\\s+ind",
+                        "x=1|beta", "^$", "a.p", "(?i)GAMMA"):
+            r = boris.McpServer.run_tool(server.tools["grep"], session, {"pattern": pattern, "output_mode": "count"},
+                                         ctx_of(cfg, server.policy))
+            text = r["content"][0]["text"]
+            ours = {} if text.startswith("No matches") else dict(
+                (l.rsplit(":", 1)[0], int(l.rsplit(":", 1)[1])) for l in text.split("\n"))
+            rg = subprocess.run(["rg", "--count", "--hidden", "-g", "!.git", "--no-messages", pattern, "."], cwd=tmp,
+                                capture_output=True, text=True).stdout
+            theirs = dict((l.rsplit(":", 1)[0][2:], int(l.rsplit(":", 1)[1])) for l in rg.splitlines())
+            self.assertEqual(ours, theirs, pattern)
+            agreed += 1
+        self.assertEqual(agreed, 12)
+
+
+# ---------------------------------------------------------------------------
+# Shell: bash and its tasks
+# ---------------------------------------------------------------------------
+
+
+def unique_sleep():
+    """A sleep duration no other process on the machine is using: a findable marker."""
+    return "%d.%03d" % (random.randint(5000, 9000), random.randint(0, 999))
+
+
+class TestBash(NoViewBase):
+    def test_exit_code_stdout_stderr(self):
+        text = self.ok("bash", command="echo out; echo err >&2; exit 3")
+        self.assertTrue(text.startswith("exit code: 3"), text)
+        self.assertIn("--- stdout ---\nout", text)
+        self.assertIn("--- stderr ---\nerr", text)
+
+    def test_nonzero_exit_is_data_not_error(self):
+        text, err = self.call("bash", command="false")
+        self.assertFalse(err)
+        self.assertIn("exit code: 1", text)
+
+    def test_empty_command(self):
+        self.fails("bash", "BASH_EMPTY_COMMAND", command="   ")
+
+    def test_cwd_persists_and_sentinel_is_stripped(self):
+        os.makedirs(self.path("sub/dir"))
+        text = self.ok("bash", command="cd sub/dir && echo moved")
+        self.assertNotIn("__BORIS", text)
+        self.assertIn("moved", text)
+        self.assertEqual(self.session.get_cwd(), self.path("sub", "dir"))
+        self.assertIn(self.path("sub", "dir"), self.ok("bash", command="pwd"))
+        self.write("sub/dir/f.txt", "here\n")
+        self.assertIn("here", self.ok("view", path="f.txt"))
+
+    def test_fake_sentinel_does_not_move_cwd(self):
+        fake = "__BORIS_CWD_0123456789abcdef01234567__/etc"
+        text = self.ok("bash", command="printf '\\n%s\\n' '" + fake + "'")
+        self.assertIn(fake, text)
+        self.assertEqual(self.session.get_cwd(), self.root)
+        other = "__BORIS_CWD_%s__/etc" % ("0" * 24)
+        self.ok("bash", command="cd /tmp; printf '\\n%s\\n' '" + other + "'")
+        self.assertEqual(self.session.get_cwd(), "/tmp")
+
+    def test_exit_leaves_cwd_unchanged(self):
+        self.ok("bash", command="cd /tmp; exit 0")
+        self.assertEqual(self.session.get_cwd(), self.root)
+
+    def test_output_without_trailing_newline(self):
+        text = self.ok("bash", command="printf abc")
+        self.assertTrue(text.endswith("--- stdout ---\nabc"), text)
+
+    def test_stdin_is_dev_null(self):
+        self.assertIn("exit code: 0", self.ok("bash", command="cat", timeout=5000))
+
+    def test_megabyte_of_output_does_not_hang_and_is_cut(self):
+        text = self.ok("bash", command="head -c 1048576 /dev/zero | tr '\\0' x; echo done >&2")
+        self.assertIn("... 1018576 characters omitted ...", text)
+        self.assertIn("[stdout: 1048576 characters in all; the first 20000 and the last 10000 are shown.", text)
+        self.assertIn("done", text)
+        self.assertLess(len(text), 31000)
+
+    def test_long_output_keeps_its_end(self):
+        text = self.ok("bash", command="seq 1 200000; echo SUMMARY: 3 failed")
+        self.assertIn("\n1\n2\n", text)
+        self.assertIn("199999\n200000\nSUMMARY: 3 failed\n[stdout:", text)
+        self.assertLess(len(text), 31000)
+
+    def test_timeout_kills_grandchildren_and_keeps_output(self):
+        s1, s2 = unique_sleep(), unique_sleep()
+        text = self.ok("bash", command="echo before; sleep %s & bash -c 'sleep %s'; echo never" % (s1, s2),
+                       timeout=700)
+        self.assertIn("timed out after 700 ms", text)
+        self.assertIn("before", text)
+        self.assertNotIn("never", text)
+        self.assertEqual(wait_until(lambda: not procs_with(s1) and not procs_with(s2), 10), True)
+
+    def test_timeout_escalates_to_sigkill(self):
+        s = unique_sleep()
+        t0 = time.monotonic()
+        with mock.patch.object(boris, "KILL_GRACE_S", 1.5):
+            text = self.ok("bash", command="trap '' TERM; sleep %s & wait; sleep %s" % (s, s), timeout=300)
+        self.assertIn("timed out", text)
+        self.assertGreaterEqual(time.monotonic() - t0, 1.5 - 0.2)
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
+
+    def test_leftover_background_job_is_reaped_on_return(self):
+        s = unique_sleep()
+        text = self.ok("bash", command="sleep %s & echo started" % s)
+        self.assertIn("started", text)
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
+
+    def test_timeout_cap_and_default(self):
+        self.assertEqual(boris.bash_timeout_ms({"timeout": 10 ** 9}, self.cfg), 600000)
+        self.assertEqual(boris.bash_timeout_ms({}, self.cfg), 120000)
+        cfg = boris.parse_config(["--workdir", self.root, "--timeout", "7"], {})
+        self.assertEqual(boris.bash_timeout_ms({}, cfg), 7000)
+        self.fails("bash", "INVALID_INPUT", command="true", timeout=0)
+
+    def test_no_zombies_after_200_commands(self):
+        for _ in range(200):
+            self.assertIn("exit code: 0", self.ok("bash", command="true"))
+        self.assertEqual(zombie_children(os.getpid()), 0)
+
+    def test_cancel_kills_process_group(self):
+        s = unique_sleep()
+        ev = threading.Event()
+        ctx = ctx_of(self.cfg, self.policy, ev)
+        out = []
+        t = threading.Thread(target=lambda: out.append(boris.tool_bash(
+            self.session, {"command": "sleep %s & sleep %s" % (s, s)}, ctx)))
+        t.start()
+        self.assertTrue(wait_until(lambda: len(procs_with(s)) >= 2, 10))
+        ev.set()
+        t.join(15)
+        self.assertIn("cancelled", out[0])
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
+
+    def test_progress_streams_lines(self):
+        got = []
+        ctx = ctx_of(self.cfg, self.policy, progress=got.append)
+        text = boris.tool_bash(self.session, {"command": "for i in 1 2 3; do echo tick$i; sleep 0.25; done"}, ctx)
+        self.assertIn("tick3", text)
+        joined = "\n".join(got)
+        self.assertIn("tick1", joined)
+        self.assertGreaterEqual(len(got), 2)
+        self.assertNotIn("__BORIS", joined)
+
+    def test_forty_megabytes_without_newlines_is_cut_and_bounded(self):
+        text = self.ok("bash", command="head -c 41943040 /dev/zero | tr '\\0' y")
+        self.assertIn("... 41913040 characters omitted ...", text)
+        self.assertLess(len(text), 31000)
+
+    def test_progress_floods_stay_bounded(self):
+        got = []
+        ctx = ctx_of(self.cfg, self.policy, progress=got.append)
+        boris.tool_bash(self.session, {"command": "head -c 5000000 /dev/zero | tr '\\0' z"}, ctx)
+        self.assertTrue(got)
+        self.assertTrue(all(len(m) <= boris.OUTPUT_MAX_CHARS for m in got))
+
+    def test_no_progress_work_without_a_progress_token(self):
+        made = []
+        real = boris.ProgressLines
+        with mock.patch.object(boris, "ProgressLines", lambda *a: made.append(1) or real(*a)):
+            self.ok("bash", command="echo hi")
+        self.assertEqual(made, [])
+
+    def test_one_reaper_however_many_first_spawns(self):
+        with mock.patch.object(boris._children, "reaping", False), mock.patch.object(boris, "set_subreaper",
+                                                                                  lambda: True):
+            before = [t for t in threading.enumerate() if t.name == "boris-reaper"]
+            threads = [threading.Thread(target=boris.start_reaper) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            now = [t for t in threading.enumerate() if t.name == "boris-reaper"]
+        self.assertEqual(len(now) - len(before), 1)
+        # Reaping off again: the reaper this test started ends, and steals no exit status
+        # from the suite's own children (a Popen.wait() would then see 0).
+        started = [t for t in now if t not in before]
+        for t in started:
+            t.join(5)
+        self.assertFalse(any(t.is_alive() for t in started))
+
+
+class TestBackgroundTasks(NoViewBase):
+    def task_id(self, text):
+        import re
+        return re.search(r"task_[0-9a-f]+", text).group(0)
+
+    def test_background_lifecycle(self):
+        tid = self.task_id(self.ok("bash", command="echo first; sleep 0.4; echo second", run_in_background=True))
+        text = self.ok("task_output", task_id=tid)
+        self.assertIn("status: running", text)
+        done = self.ok("task_output", task_id=tid, wait_ms=10000)
+        self.assertTrue(done.startswith("status: completed; exit code: 0"), done)
+        self.assertTrue(done.endswith("second"), done)
+        both = text.split("\n", 2)[2] + "\n" + done.split("\n", 2)[2]     # past the status and command lines
+        self.assertEqual(both.count("first"), 1, (text, done))            # nothing is returned twice
+        self.fails("task_output", "BASH_TASK_NOT_FOUND", task_id=tid)
+
+    def test_wait_for_returns_on_new_matching_output(self):
+        tid = self.task_id(self.ok("bash", command="echo booting; sleep 0.3; echo 'listening on 8080'; sleep 30",
+                                   run_in_background=True))
+        t = time.monotonic()
+        text = self.ok("task_output", task_id=tid, wait_for="listening on \\d+", wait_ms=20000)
+        self.assertLess(time.monotonic() - t, 10)
+        self.assertTrue(text.startswith("status: running"), text)
+        self.assertIn("listening on 8080", text)
+        again = self.ok("task_output", task_id=tid)
+        self.assertNotIn("listening", again.split("\n", 2)[2])          # only new output
+        self.fails("task_output", "INVALID_INPUT", task_id=tid, wait_for="(")
+        listing = self.ok("task_output")
+        self.assertIn("%s  running" % tid, listing)
+        stopped = self.ok("task_stop", task_id=tid)
+        self.assertTrue(stopped.startswith("status: stopped"), stopped)
+        self.fails("task_output", "BASH_TASK_NOT_FOUND", task_id=tid)
+        self.assertEqual(self.ok("task_output"), "No background tasks in this session.")
+
+    def test_unknown_task(self):
+        self.assertIn("nope", self.fails("task_output", "BASH_TASK_NOT_FOUND", task_id="nope"))
+
+    def test_background_cd_does_not_move_session(self):
+        tid = self.task_id(self.ok("bash", command="cd /tmp && pwd", run_in_background=True))
+        self.assertIn("/tmp", self.ok("task_output", task_id=tid, wait_ms=10000))
+        self.assertEqual(self.session.get_cwd(), self.root)
+
+    def test_eleventh_task_refused(self):
+        s = unique_sleep()
+        for _ in range(10):
+            self.ok("bash", command="sleep %s" % s, run_in_background=True)
+        text = self.fails("bash", "BASH_TASK_LIMIT", command="sleep %s" % s, run_in_background=True)
+        self.assertIn("10", text)
+        self.session.close()
+        self.assertTrue(wait_until(lambda: not procs_with(s), 15))
+
+    def test_session_close_kills_tasks_and_grandchildren(self):
+        s = unique_sleep()
+        self.ok("bash", command="sleep %s & sleep %s" % (s, s), run_in_background=True)
+        self.assertTrue(wait_until(lambda: len(procs_with(s)) >= 2, 10))
+        self.session.close()
+        self.assertEqual(procs_with(s), [])
+
+    def test_cancelled_task_output_wait_returns_at_once(self):
+        out = self.ok("bash", command="sleep 30", run_in_background=True)
+        task = re.search(r"task_[0-9a-f]+", out).group(0)
+        cancelled = threading.Event()
+        threading.Timer(0.2, cancelled.set).start()
+        t = time.monotonic()
+        boris.McpServer.run_tool(self.server.tools["task_output"], self.session,
+                                 {"task_id": task, "wait_ms": 600000},
+                                 ctx_of(self.cfg, self.policy, cancelled))
+        self.assertLess(time.monotonic() - t, 3)
+
+    def test_task_started_as_the_session_closes_is_stopped(self):
+        s = unique_sleep()
+        real_launch = boris.launch
+
+        def close_meanwhile(session, script, *rest):
+            proc = real_launch(session, script, *rest)
+            session.close()
+            return proc
+        with mock.patch.object(boris, "launch", close_meanwhile):
+            text, err = self.call("bash", command="sleep %s" % s, run_in_background=True)
+        self.assertTrue(err, text)
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10), "the task outlived its session")
+
+
+class TestBackgroundTimeout(Base):
+    flags = ["--background-task-timeout", "0.5"]
+
+    def test_seed003_background_task_timeout_kills(self):
+        s = unique_sleep()
+        text = self.ok("bash", command="echo hi; sleep %s" % s, run_in_background=True)
+        tid = text.split()[3]
+        done = self.ok("task_output", task_id=tid, wait_ms=15000)
+        self.assertIn("killed by the background task timeout", done)
+        self.assertIn("hi", done)
+        self.assertEqual(procs_with(s), [])
+
+
+class TestInteractiveTasks(NoViewBase):
+    def start(self, command, **flags):
+        text = self.ok("bash", command=command, **flags)
+        return re.search(r"task_[0-9a-f]+", text).group(0)
+
+    def test_a_python_repl_through_three_inputs(self):
+        tid = self.start("python3 -i -q", interactive=True)
+        self.assertIn("--- stdout ---\n2\n", self.ok("task_input", task_id=tid, input="1+1\n"))
+        self.ok("task_input", task_id=tid, input="x = 'ab' * 3\n")
+        self.assertIn("--- stdout ---\nababab\n", self.ok("task_input", task_id=tid, input="print(x)\n"))
+        done = self.ok("task_input", task_id=tid, close_stdin=True, wait_ms=10000)
+        self.assertIn("status: completed; exit code: 0", done)
+
+    def test_a_prompt_answered_on_a_tty(self):
+        tid = self.start("read -p 'Name: ' n; echo hello $n; [ -t 0 ] && echo on-a-terminal", tty=True)
+        self.assertIn("Name: ", self.ok("task_output", task_id=tid, wait_for="Name:", wait_ms=10000))
+        text = self.ok("task_input", task_id=tid, input="bob\n", wait_ms=10000)
+        self.assertIn("hello bob\non-a-terminal", text)
+
+    def test_ctrl_c_on_a_tty_stops_the_loop_and_the_shell_lives(self):
+        tid = self.start("PS1='$ ' bash --norc --noprofile -i", tty=True)
+        self.ok("task_input", task_id=tid, input="while true; do sleep 0.1; done\n", wait_ms=300)
+        self.ok("task_input", task_id=tid, input="\u0003", wait_ms=500)
+        text = self.ok("task_input", task_id=tid, input="echo alive-$((40+2))\n", wait_for="alive-42", wait_ms=10000)
+        self.assertIn("alive-42", text)
+        self.assertIn("status: running", text)
+        self.assertIn("status: completed", self.ok("task_input", task_id=tid, input="\u0004", wait_ms=10000))
+
+    def test_eof_ends_cat(self):
+        tid = self.start("cat; echo cat-ended", interactive=True)
+        text = self.ok("task_input", task_id=tid, input="abc\n", close_stdin=True, wait_ms=10000)
+        self.assertIn("abc\ncat-ended", text)
+        self.assertIn("status: completed", text)
+
+    def test_terminal_escape_sequences_are_removed(self):
+        tid = self.start("printf '\\033[31mred\\033[0m \\033]0;title\\007plain\\r\\n'; tput cols 2>/dev/null; "
+                         "stty size", tty=True)
+        text = self.ok("task_output", task_id=tid, wait_ms=10000)
+        self.assertIn("red plain\n", text)
+        self.assertIn("24 80", text)
+        self.assertNotIn("\x1b", text)
+        self.assertNotIn("\r", text)
+
+    def test_input_to_tasks_that_take_none(self):
+        tid = self.start("sleep 5", run_in_background=True)
+        self.assertIn("interactive", self.fails("task_input", "BASH_TASK_NOT_INTERACTIVE", task_id=tid, input="x"))
+        self.fails("task_input", "BASH_TASK_NOT_FOUND", task_id="task_00", input="x")
+        tid = self.start("true", interactive=True)
+        self.assertTrue(wait_until(lambda: "completed" in self.ok("task_output")))
+        self.assertIn("has ended", self.fails("task_input", "BASH_TASK_NOT_FOUND", task_id=tid, input="x"))
+
+    def test_without_interactive_stdin_stays_dev_null(self):
+        text = self.ok("bash", command="read x; echo got=[$x] rc=$?; [ -t 0 ] || echo no-terminal")
+        self.assertIn("got=[] rc=1\nno-terminal", text)            # EOF at once: read fails
+        text = self.ok("bash", command="printf 'Continue? [y/N] '; sleep 30", timeout=300)
+        self.assertIn("It may be waiting for input: run it with interactive: true", text)
+        self.assertNotIn("waiting for input", self.ok("bash", command="echo done; sleep 30", timeout=300))
+
+    def test_disabling_bash_takes_task_input_along(self):
+        names = set(boris.build_tools(boris.parse_config(["--disable-tools", "bash"], {})))
+        self.assertNotIn("task_input", names)
+        self.assertIn("task_input", set(self.server.tools))
+
+
+# ---------------------------------------------------------------------------
+# The sandbox (Landlock, network namespaces, warm launchers)
+# ---------------------------------------------------------------------------
+
+
+LANDLOCK_ABI = boris.landlock_abi()
+NEEDS_LANDLOCK = unittest.skipUnless(LANDLOCK_ABI >= 1, "this kernel has no Landlock (Linux 5.13+ with landlock"
+                                                        " among its LSMs): the sandbox cannot be tested here")
+
+
+class SandboxBase(unittest.TestCase):
+    """A workspace and an outside tree under /var/tmp (the temp directory is writable
+    in the sandbox); a server whose bash runs sandboxed."""
+    mode = "workspace-write"
+    network = "off"
+
+    def setUp(self):
+        self.base = os.path.realpath(tempfile.mkdtemp(prefix="boris-sandbox-", dir="/var/tmp"))
+        self.addCleanup(shutil.rmtree, self.base, True)
+        self.ws, self.out = os.path.join(self.base, "ws"), os.path.join(self.base, "outside")
+        os.makedirs(self.ws)
+        os.makedirs(os.path.join(self.out, "dir"))
+        with open(os.path.join(self.out, "keep.txt"), "w") as f:
+            f.write("outside\n")
+        os.symlink(self.out, os.path.join(self.ws, "out-link"))
+        with open(os.path.join(self.ws, "mine.txt"), "w") as f:
+            f.write("inside\n")
+        self.cfg = boris.parse_config(["--workdir", self.ws, "--allow-dir", self.ws, "--sandbox", self.mode,
+                                       "--sandbox-network", self.network, "--require-view-before-edit", "false"], {})
         self.policy = boris.PathPolicy(self.cfg.allow_dir, self.cfg.deny_dir, self.cfg.workdir)
         self.server = boris.McpServer(self.cfg, self.policy)
+        self.addCleanup(self.server.close)
         self.session = boris.Session(self.cfg)
-        import io
-        self.stderr = io.StringIO()
-        self.real_stderr, sys.stderr = sys.stderr, self.stderr
-        self.addCleanup(setattr, sys, "stderr", self.real_stderr)
+        self.addCleanup(self.session.close)
 
-    def test_seed004_read_file(self):
-        with open(os.path.join(self.ws, "data", "file.txt"), "w") as f:
-            f.write("hello\nworld\n")
-        self.assertEqual(self.ok("read_file", path="./data/file.txt"), "hello\nworld\n")
-        self.assertEqual(self.ok("read_file", path="data/file.txt"), "hello\nworld\n")
+    def bash(self, command, **extra):
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, sandbox=self.server.sandbox)
+        r = boris.McpServer.run_tool(self.server.tools["bash"], self.session, dict(command=command, **extra), ctx)
+        return r["content"][0]["text"]
 
-    def test_seed004_read_escape_refused_and_logged(self):
-        for p in ("../../../etc/passwd", "/etc/passwd", "escape_link/secret.txt", "../ws2/secret.txt"):
-            text, err = self.call("read_file", path=p)
-            self.assertTrue(err)
-            self.assertEqual(text, "错误：路径越出工作区限制")
-        self.assertIn("WARN", self.stderr.getvalue())
-        self.assertEqual(self.stderr.getvalue().count("path escape attempt"), 4)
+    def outside(self):
+        return tree_snapshot(self.out)
 
-    def test_seed004_read_missing(self):
-        text, err = self.call("read_file", path="nope.txt")
-        self.assertTrue(err)
-        self.assertEqual(text, "错误：文件不存在: nope.txt")
 
-    def test_seed004_encoding_fallback_to_latin1(self):
-        with open(os.path.join(self.ws, "l1.txt"), "wb") as f:
-            f.write(b"caf\xe9\n")
-        self.assertEqual(self.ok("read_file", path="l1.txt"), "caf\xe9\n")
-        with open(os.path.join(self.ws, "u16.txt"), "wb") as f:
-            f.write("hi".encode("utf-16"))
-        self.assertEqual(self.ok("read_file", path="u16.txt", encoding="utf-16"), "hi")
+@NEEDS_LANDLOCK
+class TestSandboxWorkspaceWrite(SandboxBase):
+    ATTACKS = ["echo x > {o}/new.txt", "echo x >> {o}/keep.txt", ": > {o}/keep.txt", "truncate -s 0 {o}/keep.txt",
+               "rm -f {o}/keep.txt", "mkdir {o}/d2", "rmdir {o}/dir", "touch {o}/t", "ln -s /etc/passwd {o}/sl",
+               "ln mine.txt {o}/hard", "mv mine.txt {o}/moved", "cp mine.txt {o}/copy", "mv {o}/keep.txt here.txt",
+               "echo x > out-link/via-link.txt", "echo x > ../outside/dotdot.txt", "mkfifo {o}/fifo",
+               "sh -c 'echo x > {o}/sh.txt'", "python3 -c \"open('{o}/py.txt', 'w').write('x')\"",
+               "python3 -c \"import os; os.rename('mine.txt', '{o}/pymv')\"",
+               "setsid sh -c 'echo x > {o}/daemon.txt' </dev/null >/dev/null 2>&1 & sleep 0.3",
+               "nohup sh -c 'echo x > {o}/nohup.txt' >/dev/null 2>&1 & sleep 0.3",
+               "(sh -c '(echo x > {o}/double.txt) &' &); sleep 0.3"]
 
-    def test_seed004_encoding_unrecognised(self):
-        with open(os.path.join(self.ws, "x.txt"), "wb") as f:
-            f.write(b"\xff\xfe\xfd")
-        # latin-1 decodes every byte, so the seed's last-resort string needs a decoder that fails twice
-        with open(os.path.join(self.ws, "x.txt"), "rb") as f:
-            data = f.read()
+    def test_no_write_outside_lands_from_any_command(self):
+        before = self.outside()
+        for attack in self.ATTACKS:
+            text = self.bash(attack.format(o=self.out))
+            self.assertEqual(self.outside(), before, "%s\n%s" % (attack, text))
+        self.assertEqual(self.bash("cat mine.txt").split("\n")[-1], "inside")
 
-        class Bad(bytes):
-            def decode(self, *a, **k):
-                raise UnicodeDecodeError("x", b"", 0, 1, "bad")
-        with mock.patch.object(boris, "read_regular", lambda *a, **k: (Bad(data), None)):
-            text, err = self.call("read_file", path="x.txt")
-        self.assertTrue(err)
-        self.assertEqual(text, "错误：文件编码无法识别")
+    def test_a_background_task_is_confined_too(self):
+        before = self.outside()
+        text = self.bash("echo x > {o}/bg.txt; touch {o}/bg2; echo done-bg".format(o=self.out),
+                         run_in_background=True)
+        tid = re.search(r"task_[0-9a-f]+", text).group(0)
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, sandbox=self.server.sandbox)
+        r = boris.McpServer.run_tool(self.server.tools["task_output"], self.session,
+                                     {"task_id": tid, "wait_ms": 20000}, ctx)
+        self.assertIn("done-bg", r["content"][0]["text"])
+        self.assertIn("Permission denied", r["content"][0]["text"])
+        self.assertEqual(self.outside(), before)
 
-    def test_seed004_write_file_and_parents(self):
-        self.assertEqual(self.ok("write_file", path="a/b/c.txt", content="内容\n"), "成功：已写入 a/b/c.txt")
-        with open(os.path.join(self.ws, "a", "b", "c.txt"), encoding="utf-8") as f:
-            self.assertEqual(f.read(), "内容\n")
-        self.assertEqual(stat.S_IMODE(os.stat(os.path.join(self.ws, "a")).st_mode), 0o755)
+    def test_the_workspace_and_the_temp_directory_work(self):
+        steps = ["mkdir -p a/b && echo hi > a/b/c.txt && mv a/b/c.txt a/d.txt && cat a/d.txt",
+                 "t=$(mktemp) && echo tmp > $t && cat $t && rm $t",
+                 "ln -s a/d.txt l && cat l && ln a/d.txt h && rm h l && truncate -s 0 a/d.txt && wc -c < a/d.txt"]
+        if shutil.which("git"):
+            steps.append("git init -q r && cd r && git -c user.email=a@b -c user.name=n commit -q --allow-empty"
+                         " -m first && git log --oneline | wc -l")
+        if shutil.which("cc"):
+            steps.append("printf 'int main(void){return 7;}' > m.c && cc -o m m.c && ./m; echo rc=$?")
+        steps.append("python3 -m venv --without-pip v && v/bin/python -c 'print(41+1)'")
+        for step in steps:
+            text = self.bash(step)
+            self.assertIn("exit code: 0", text, "%s\n%s" % (step, text))
+            self.assertNotIn("Permission denied", text, step)
+        self.assertIn("42", text)
 
-    def test_seed004_write_file_on_a_directory_or_fifo(self):
-        os.makedirs(os.path.join(self.ws, "d"))
-        self.assertEqual(self.call("write_file", path="d", content="x"), ("错误：d 是目录", True))
-        os.mkfifo(os.path.join(self.ws, "p"))
-        text, err = self.call("write_file", path="p", content="x")
-        self.assertTrue(err and text.startswith("错误：无法写入 p:") and "FIFO" in text, text)
-        self.assertTrue(stat.S_ISFIFO(os.lstat(os.path.join(self.ws, "p")).st_mode))
+    def test_a_refused_write_says_which_sandbox_and_the_flag(self):
+        text = self.bash("touch %s/x" % self.out)
+        self.assertIn("Permission denied", text)
+        self.assertIn("[sandbox workspace-write: commands may write only under", text)
+        self.assertIn("--sandbox off", text)
+        self.assertNotIn("[sandbox", self.bash("touch inside.txt"))
+        self.assertNotIn("[sandbox", self.bash("false"))
 
-    def test_seed004_write_escape_refused(self):
-        for p in ("../../outside.txt", "../ws2/new.txt", "escape_link/new.txt", self.path("ws2", "abs.txt")):
-            text, err = self.call("write_file", path=p, content="x")
-            self.assertTrue(err)
-            self.assertEqual(text, "错误：路径越出工作区限制")
-        self.assertEqual(os.listdir(self.path("ws2")), ["secret.txt"])
-        self.assertFalse(os.path.exists(self.path("outside.txt")))
-        self.assertFalse(os.path.exists(os.path.join(os.path.dirname(self.root), "outside.txt")))
+    def test_network_off_refuses_tcp_to_loopback(self):
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(4)
+        self.addCleanup(srv.close)
+        probe = ("python3 -c \"import socket; socket.create_connection(('127.0.0.1', %d), 3); print('CON' + 'NECTED')\""
+                 % srv.getsockname()[1])
+        text = self.bash(probe)
+        self.assertNotIn("CONNECTED", text)
+        self.assertIn("and may not use the network", text)
 
-    def test_seed004_list_directory(self):
-        os.makedirs(os.path.join(self.ws, "zdir"))
-        with open(os.path.join(self.ws, "b.txt"), "w") as f:
-            f.write("")
-        self.assertEqual(self.ok("list_directory", path="."),
-                         "[F] b.txt\n[D] data\n[D] escape_link\n[D] zdir")
+    def test_the_sandbox_is_in_the_instructions(self):
+        first = self.server.instructions().split("\n")[1]
+        self.assertEqual(first, "Sandbox: workspace-write (bash commands may write only under %s, %s; network off;"
+                                " Landlock ABI %d)" % tuple(sorted([self.ws, os.path.realpath(tempfile.gettempdir())]) +
+                                                            [LANDLOCK_ABI]))
 
-    def test_seed004_list_directory_on_file(self):
-        with open(os.path.join(self.ws, "f.txt"), "w") as f:
-            f.write("")
-        text, err = self.call("list_directory", path="f.txt")
-        self.assertTrue(err)
-        self.assertEqual(text, "错误：f.txt 不是目录")
 
-    def test_seed004_list_escape(self):
-        self.assertEqual(self.call("list_directory", path="..")[0], "错误：路径越出工作区限制")
+@NEEDS_LANDLOCK
+class TestSandboxNetworkOn(SandboxBase):
+    network = "on"
 
-    def test_seed004_symlink_escape_blocked(self):
-        self.assertEqual(self.call("read_file", path="escape_link/secret.txt")[0], "错误：路径越出工作区限制")
+    def test_network_on_allows_loopback(self):
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(4)
+        self.addCleanup(srv.close)
+        text = self.bash("python3 -c \"import socket; socket.create_connection(('127.0.0.1', %d), 3);"
+                         " print('CON' + 'NECTED')\"" % srv.getsockname()[1])
+        self.assertIn("CONNECTED", text)
 
-    def test_seed004_relative_path_resolves_against_root(self):
-        with open(os.path.join(self.ws, "data", "file.txt"), "w") as f:
-            f.write("root-relative\n")
-        self.session.set_cwd(self.path("ws2"))           # bash moved; workspace tools ignore it
-        self.assertEqual(self.ok("read_file", path="./data/file.txt"), "root-relative\n")
 
-    def test_confine_refuses_an_escape_as_access_denied(self):
-        with self.assertRaises(boris.ToolError) as cm:
-            self.policy.confine("../ws2/secret.txt")
-        self.assertEqual((cm.exception.code, cm.exception.detail), ("ACCESS_DENIED", "escape"))
-        self.assertEqual(self.policy.confine("data"), os.path.join(self.ws, "data"))
+@NEEDS_LANDLOCK
+class TestSandboxReadOnly(SandboxBase):
+    mode = "read-only"
 
-    def test_deny_dir_applies(self):
-        cfg = boris.parse_config(["--workdir", self.ws, "--deny-dir", "**/data"], {})
-        self.policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
-        self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
-        self.assertEqual(self.call("read_file", path="data/x")[0], "错误：路径越出工作区限制")
-        self.assertNotIn("data", self.ok("list_directory", path="."))
+    def test_read_only_refuses_writes_in_the_workspace_too(self):
+        for attack in ("echo x > new.txt", "echo x >> mine.txt", "rm mine.txt", "mkdir d"):
+            self.assertNotEqual(self.bash(attack).split("\n")[0], "exit code: 0", attack)
+        self.assertEqual(sorted(os.listdir(self.ws)), ["mine.txt", "out-link"])
+        self.assertIn("inside", self.bash("cat mine.txt; t=$(mktemp) && echo ok > $t && cat $t && rm $t"))
 
-    def test_read_file_size_limit(self):
-        cfg = boris.parse_config(["--workdir", self.ws, "--max-file-size", "1KB"], {})
-        self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
-        with open(os.path.join(self.ws, "big.txt"), "w") as f:
-            f.write("x" * 4096)
-        text, err = self.call("read_file", path="big.txt")
-        self.assertTrue(err)
-        self.assertTrue(text.startswith("错误：文件过大"), text)
+
+@NEEDS_LANDLOCK
+class TestSandboxNetworkNamespace(SandboxBase):
+    """Where Landlock has no TCP rules (ABI < 4), network off is a fresh network namespace."""
+
+    def test_a_network_namespace_cuts_loopback(self):
+        if not boris.userns_works():
+            self.skipTest("unprivileged user namespaces are not available here")
+        self.server.sandbox.abi = 3
+        self.assertEqual(self.server.sandbox.net_mechanism(), "netns")
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(4)
+        self.addCleanup(srv.close)
+        text = self.bash("id -u; python3 -c \"import socket; socket.create_connection(('127.0.0.1', %d), 3);"
+                         " print('CON' + 'NECTED')\"; touch %s/x" % (srv.getsockname()[1], self.out))
+        self.assertNotIn("CONNECTED", text)
+        self.assertIn("--- stdout ---\n%d" % os.geteuid(), text)             # the user is still itself
+        self.assertFalse(os.path.exists(os.path.join(self.out, "x")))
+
+
+@NEEDS_LANDLOCK
+class TestSandboxOverStdio(unittest.TestCase):
+    def test_commands_cannot_signal_the_server(self):
+        if LANDLOCK_ABI < 6:
+            self.skipTest("Landlock ABI %d cannot scope signals (needs 6)" % LANDLOCK_ABI)
+        base = os.path.realpath(tempfile.mkdtemp(prefix="boris-sandbox-", dir="/var/tmp"))
+        self.addCleanup(shutil.rmtree, base, True)
+        c = StdioClient(["--workdir", base, "--allow-dir", base])
+        self.addCleanup(c.close)
+        c.initialize()
+        pid = c.p.pid
+        for command in ("kill -TERM $PPID", "kill -9 %d" % pid, "python3 -c 'import os,signal; os.kill(%d, 9)'" % pid,
+                        "kill -HUP %d; kill -INT %d" % (pid, pid)):
+            text = c.call("bash", {"command": command})["content"][0]["text"]
+            self.assertIn("Operation not permitted", text, command)
+            self.assertEqual(c.request("ping")["result"], {})
+        c.call("bash", {"command": "sleep 0.2; kill -9 %d" % pid, "run_in_background": True})
+        time.sleep(0.5)
+        self.assertEqual(c.request("ping")["result"], {})
+        self.assertIsNone(c.p.poll())
+
+    def test_sandboxed_round_trip_works_over_the_wire(self):
+        base = os.path.realpath(tempfile.mkdtemp(prefix="boris-sandbox-", dir="/var/tmp"))
+        self.addCleanup(shutil.rmtree, base, True)
+        c = StdioClient(["--workdir", base, "--allow-dir", base, "--sandbox", "workspace-write"])
+        self.addCleanup(c.close)
+        inst = c.initialize()["result"]["instructions"]
+        self.assertIn("Sandbox: workspace-write", inst)
+        self.assertIn("hi", c.call("bash", {"command": "echo hi > f && cat f"})["content"][0]["text"])
+        c.close()
+        self.assertIn("Sandbox: workspace-write", b"".join(c.errbuf).decode())
+
+
+class TestSandboxConfiguration(unittest.TestCase):
+    def test_an_explicit_sandbox_the_kernel_cannot_give_stops_start_up(self):
+        for mode in ("workspace-write", "read-only"):
+            cfg = boris.parse_config(["--sandbox", mode, "--allow-dir", "/tmp"], {})
+            with self.assertRaises(boris.ConfigError) as e:
+                boris.resolve_sandbox(cfg, boris.PathPolicy(cfg.allow_dir, (), cfg.workdir), abi=0)
+            self.assertIn("--sandbox %s cannot be honoured" % mode, str(e.exception))
+        err = io.StringIO()
+        with mock.patch.object(boris, "landlock_abi", lambda: 0), mock.patch("sys.stderr", err):
+            self.assertEqual(boris.main(["--sandbox", "read-only", "--workdir", "/tmp"]), 2)
+        self.assertEqual(len(err.getvalue().strip().split("\n")), 1, err.getvalue())
+        self.assertIn("Landlock", err.getvalue())
+
+    def test_auto_falls_back_to_off_out_loud(self):
+        cfg = boris.parse_config(["--allow-dir", "/tmp"], {})
+        policy = boris.PathPolicy(cfg.allow_dir, (), cfg.workdir)
+        logged = []
+        with mock.patch.object(boris, "log", lambda level, msg, **k: logged.append((level, msg))):
+            sb = boris.resolve_sandbox(cfg, policy, abi=0)
+        self.assertFalse(sb.on)
+        self.assertEqual([l for l, m in logged], ["warn"])
+        self.assertIn("sandbox off", logged[0][1])
+        self.assertFalse(boris.resolve_sandbox(boris.parse_config([], {}), boris.PathPolicy(), abi=7).on)
+        on = boris.resolve_sandbox(cfg, policy, abi=7)
+        self.assertEqual((on.mode, on.network), ("workspace-write", False))
+        self.assertEqual(boris.parse_config(["--sandbox-network", "on"], {}).sandbox_network, True)
+        self.assertEqual(boris.parse_config([], {"BORIS_SANDBOX": "off"}).sandbox, "off")
+        with self.assertRaises(boris.ConfigError):
+            boris.parse_config(["--sandbox", "strict"], {})
+
+    def test_helper_code_never_lives_where_a_sandboxed_command_may_write(self):
+        tmp = os.path.realpath(tempfile.gettempdir())
+        argv, cwd = boris.helper_command("search", avoid=[tmp])
+        self.assertFalse(boris.is_within(cwd, tmp), cwd)
+        self.assertFalse(any(a.startswith("pycache_prefix=" + tmp) for a in argv), argv)
+
+    def test_a_launcher_that_cannot_confine_runs_nothing(self):
+        argv, cwd = boris.helper_command("sandbox")
+        for spec in ({"mode": "workspace-write", "writable": [BORIS], "abi": max(LANDLOCK_ABI, 1), "net": None,
+                      "cwd": "/"},                                    # directory rights on a file: refused
+                     {"mode": "workspace-write", "writable": [], "abi": "seven", "net": None, "cwd": "/"},
+                     {"mode": "workspace-write", "writable": []}):
+            p = subprocess.run(argv + [json.dumps(spec), "/bin/sh", "-c", "echo RAN"], cwd=cwd, capture_output=True)
+            self.assertEqual(p.returncode, boris.SANDBOX_EXIT, spec)
+            self.assertNotIn(b"RAN", p.stdout)
+            self.assertIn(b"the sandbox could not be set up", p.stderr)
+
+
+@NEEDS_LANDLOCK
+class TestSandboxCampaign(SandboxBase):
+    """Generated write attempts - paths, link tricks, rename/link/mkdir/truncate -
+    through bash, sh, python and perl: none may land outside."""
+
+    def attempts(self, rng):
+        o = self.out
+        targets = [o + "/g%d.txt", o + "/dir/g%d", "out-link/g%d", "out-link/dir/g%d", "../outside/g%d",
+                   "./../outside/dir/../g%d", o + "/keep.txt", o + "/dir", "%s/../outside/g%%d" % self.ws,
+                   "/var/tmp/boris-sandbox-escape-%d", os.path.expanduser("~") + "/boris-escape-%d"]
+        shell = ["echo x > {t}", "echo x >> {t}", "printf x | tee {t}", ": > {t}", "truncate -s 1 {t}", "touch {t}",
+                 "mkdir -p {t}/sub", "cp mine.txt {t}", "ln -s mine.txt {t}", "ln mine.txt {t}", "mv mine2.txt {t}",
+                 "rm -rf {t}", "dd if=/dev/zero of={t} bs=1 count=1", "install -m 644 mine.txt {t}",
+                 "sh -c 'echo x > {t}'", "bash -c 'exec 3>{t}; echo x >&3'", "find {o} -name keep.txt -delete",
+                 "sed -i s/outside/pwned/ {o}/keep.txt", "chmod 777 {o}/keep.txt", "mkfifo {t}"]
+        py = ["open('{t}', 'w').write('x')", "import os; os.mkdir('{t}')", "import os; os.rename('mine2.txt', '{t}')",
+              "import os; os.link('mine.txt', '{t}')", "import os; os.symlink('/etc', '{t}')",
+              "import os; os.truncate('{o}/keep.txt', 0)", "import os; os.remove('{o}/keep.txt')",
+              "import shutil; shutil.rmtree('{o}/dir')"]
+        perl = ["open(F, '>', '{t}'); print F 'x'", "unlink('{o}/keep.txt')", "rename('mine2.txt', '{t}')",
+                "mkdir('{t}')"]
+        out = []
+        for i in range(1200):
+            t = rng.choice(targets)
+            t = t % i if "%d" in t else t
+            kind = rng.random()
+            if kind < 0.6:
+                out.append(("sh", rng.choice(shell).format(t=t, o=o)))
+            elif kind < 0.85:
+                out.append(("python", rng.choice(py).format(t=t, o=o)))
+            else:
+                out.append(("perl", rng.choice(perl).format(t=t, o=o)))
+        return out
+
+    @staticmethod
+    def script(batch):
+        """One bash script for a batch: each shell attempt a line; the python and perl
+        attempts each in one interpreter, every attempt on its own."""
+        lines = ["cp -f mine.txt mine2.txt"] + ["%s 2>/dev/null" % a for kind, a in batch if kind == "sh"]
+        py = [a for kind, a in batch if kind == "python"]
+        if py:
+            lines += ["python3 - <<'PY'", "for a in %r:" % py, "    try:", "        exec(a)",
+                      "    except Exception:", "        pass", "PY"]
+        pl = [a for kind, a in batch if kind == "perl"]
+        if pl and shutil.which("perl"):
+            lines += ["perl - <<'PL' 2>/dev/null"] + ["eval { %s };" % a for a in pl] + ["PL"]
+        return "\n".join(lines + ["echo batch-done"])
+
+    def test_a_thousand_generated_writes_land_nowhere_outside(self):
+        have_perl = shutil.which("perl") is not None
+        attempts = [a for a in self.attempts(random.Random(24)) if have_perl or a[0] != "perl"]
+        before = self.outside()
+        sandbox, self.server.sandbox = self.server.sandbox, boris.Sandbox.off()      # the control: unconfined,
+        for k in range(0, 120, 60):                                                  # the same attempts land
+            self.bash(self.script(attempts[k:k + 60]))
+        landed = set(self.outside()) ^ set(before)
+        self.assertGreater(len(landed), 20, "the attempts do not write even without a sandbox")
+        for kind in ("python", "perl") if have_perl else ("python",):
+            self.assertTrue(any(a[0] == kind for a in attempts[:120]))
+        home = os.path.expanduser("~")
+        for d, prefix in (("/var/tmp", "boris-sandbox-escape"), (home, "boris-escape")):
+            for name in os.listdir(d):
+                if name.startswith(prefix):
+                    p = os.path.join(d, name)
+                    shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
+        shutil.rmtree(self.out)
+        os.makedirs(os.path.join(self.out, "dir"))
+        with open(os.path.join(self.out, "keep.txt"), "w") as f:
+            f.write("outside\n")
+        self.assertEqual(self.outside(), before)
+        self.server.sandbox = sandbox
+        for k in range(0, len(attempts), 60):
+            self.assertIn("batch-done", self.bash(self.script(attempts[k:k + 60]), timeout=120000))
+            self.assertEqual(self.outside(), before, "a write landed outside in batch %d" % k)
+        self.assertGreaterEqual(len(attempts), 1000)
+        escaped = [n for n in os.listdir("/var/tmp") if n.startswith("boris-sandbox-escape")] + \
+            [n for n in os.listdir(home) if n.startswith("boris-escape")]
+        self.assertEqual(escaped, [])
+
+
+@NEEDS_LANDLOCK
+class TestInteractiveSandboxed(SandboxBase):
+    def test_a_tty_task_is_sandboxed_too(self):
+        text = self.bash("read -p 'go? ' a; touch %s/x; echo wrote=$?" % self.out, tty=True)
+        tid = re.search(r"task_[0-9a-f]+", text).group(0)
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, sandbox=self.server.sandbox)
+        r = boris.McpServer.run_tool(self.server.tools["task_input"], self.session,
+                                     {"task_id": tid, "input": "y\n", "wait_ms": 10000}, ctx)
+        self.assertIn("wrote=1", r["content"][0]["text"])
+        self.assertFalse(os.path.exists(os.path.join(self.out, "x")))
+
+
+@NEEDS_LANDLOCK
+class TestWarmLaunchers(SandboxBase):
+    """A sandboxed command starts from a launcher started ahead; the spare is reaped
+    with the server, and a dead one is replaced."""
+
+    def test_spares_are_used_replaced_and_reaped(self):
+        self.assertIn("one", self.bash("echo one"))
+        spare = self.server.sandbox.launchers.spare
+        self.assertIsNotNone(spare)
+        self.assertIsNone(spare.poll())
+        spare.kill()
+        spare.wait()
+        text = self.bash("echo $BORIS_CALL; pwd; touch %s/x" % self.out)       # a dead spare: a fresh one
+        self.assertRegex(text, r"--- stdout ---\n%d-[0-9a-f]{12}\n%s\n" % (os.getpid(), re.escape(self.ws)))
+        self.assertIn("Permission denied", text)
+        self.assertFalse(os.path.exists(os.path.join(self.out, "x")))
+        last = self.server.sandbox.launchers.spare
+        self.server.close()
+        self.assertIsNotNone(last.returncode)
+        self.assertTrue(last.stdout.closed and last.stderr.closed)
+
+
+# ---------------------------------------------------------------------------
+# Web: web_fetch
+# ---------------------------------------------------------------------------
 
 
 class WebHandler(object):
@@ -2385,538 +2998,1910 @@ class TestWebFetch(NoViewBase):
         self.assertTrue(text.startswith("错误："), text)
 
 
+class TestUrlsAndCharsets(NoViewBase):
+    """web_fetch's URL and charset checks, against TestWebFetch's local server."""
+    setUpClass = TestWebFetch.__dict__["setUpClass"]
+    tearDownClass = TestWebFetch.__dict__["tearDownClass"]
+
+    def test_malformed_urls_are_refused_with_the_reason(self):
+        port = self.srv.server_address[1]
+        for url in ("http://[", "http://[::1", "http://127.0.0.1:abc/", "http://127.0.0.1:99999/",
+                    "http://127.0.0.1:%d/a b" % port, "http://127.0.0.1:%d/\r\nX-Y: z" % port,
+                    "http://127.0.0.1:%d/\t" % port, "http://:80/", "http://127.0.0.1:0/",
+                    "http://" + "a" * 70 + ".example/", "http://" + "x" * 9000):
+            text, err = self.call("web_fetch", url=url)
+            self.assertTrue(err, (url, text))
+            self.assertTrue(text.startswith(("错误：无效的网址", "错误：只支持", "错误：无法解析主机")), (url, text))
+            self.assertNotIn("\r", text)
+        for url in ("ftp://127.0.0.1/", "file:///etc/passwd", "javascript:alert(1)", "//127.0.0.1/"):
+            self.assertTrue(self.call("web_fetch", url=url)[0].startswith("错误：只支持"), url)
+
+    def test_non_ascii_paths_are_percent_encoded(self):
+        text, err = self.call("web_fetch", url=self.base + "/caf\u00e9?q=\u00e4")
+        self.assertEqual((text, err), ("错误：HTTP 404: %s/caf\u00e9?q=\u00e4" % self.base, True))
+
+    def test_a_charset_that_is_no_text_codec_falls_back_to_utf8(self):
+        for charset in ("idna", "undefined", "punycode", "base64", "rot13", "no-such-charset", "utf-8"):
+            with mock.patch.object(boris, "http_fetch", lambda *a, **k: ("text/plain", charset, "café".encode())):
+                text, err = self.call("web_fetch", url=self.base + "/text")
+            self.assertEqual((text, err), ("café", False), charset)
+
+
 # ---------------------------------------------------------------------------
-# Hostile paths: loops, swaps, special files, odd names (scope must hold)
+# Tools: viewing and editing files
 # ---------------------------------------------------------------------------
 
-SECRET = "SECRET-7f3a"                       # what no file tool may ever show from out of scope
+
+class TestView(Base):
+    def lines_file(self, n, name="f.txt"):
+        return self.write(name, "".join("line %d\n" % i for i in range(1, n + 1)))
+
+    def test_seed000_read_entire_file(self):
+        self.write("three.txt", "a\nb\nc\n")
+        self.assertEqual(self.ok("view", path="three.txt"), "     1\ta\n     2\tb\n     3\tc")
+
+    def test_seed000_read_line_range(self):
+        self.lines_file(100)
+        text = self.ok("view", path="f.txt", view_range=[10, 20])
+        rows = text.split("\n")
+        self.assertEqual(len(rows), 11)
+        self.assertEqual(rows[0], "    10\tline 10")
+        self.assertEqual(rows[-1], "    20\tline 20")
+
+    def test_seed001_end_clamped(self):
+        self.lines_file(42)
+        rows = self.ok("view", path="f.txt", view_range=[10, 100]).split("\n")
+        self.assertEqual(rows[0], "    10\tline 10")
+        self.assertEqual(rows[-1], "    42\tline 42")
+
+    def test_end_minus_one_means_to_end(self):
+        self.lines_file(42)
+        rows = self.ok("view", path="f.txt", view_range=[40, -1]).split("\n")
+        self.assertEqual([r.split("\t")[1] for r in rows], ["line 40", "line 41", "line 42"])
+
+    def test_seed001_start_exceeds_length(self):
+        self.lines_file(42)
+        text = self.fails("view", "INVALID_INPUT", path="f.txt", view_range=[100, 200])
+        self.assertIn("42", text)
+
+    def test_seed001_invalid_start(self):
+        self.lines_file(42)
+        self.assertIn("1", self.fails("view", "INVALID_INPUT", path="f.txt", view_range=[0, 5]))
+        self.assertIn("start", self.fails("view", "INVALID_INPUT", path="f.txt", view_range=[20, 10]))
+
+    def test_view_range_shape_is_checked(self):
+        self.lines_file(5)
+        self.assertIn("'view_range' must have 2 items", self.fails("view", "INVALID_INPUT", path="f.txt",
+                                                                   view_range=[1]))
+        self.assertIn("'view_range[0]' must be an integer", self.fails("view", "INVALID_INPUT", path="f.txt",
+                                                                       view_range=["1", 2]))
+
+    def test_seed000_large_file_truncation(self):
+        self.lines_file(5000)
+        text = self.ok("view", path="f.txt")
+        rows = text.split("\n")
+        self.assertEqual(rows[1], "     1\tline 1")               # after the line that says it was cut
+        self.assertEqual(rows[2000], "  2000\tline 2000")
+        self.assertEqual(rows[0], rows[-1])                       # which ends it too
+        self.assertNotIn("line 2001\n", text)
+        self.assertIn("Truncated: file has 5000 lines. Use view_range to read specific sections", text)
+
+    def test_seed001_long_line_truncation(self):
+        self.write("min.js", "x" * 5000 + "\nshort\n")
+        text = self.ok("view", path="min.js")
+        first = text.split("\n")[0]
+        self.assertEqual(first, "     1\t" + "x" * 2000 + "... [truncated, 5000 chars total]")
+        self.assertIn("     2\tshort", text)
+
+    def test_seed001_efficient_range_read_streams(self):
+        # A file with no newline for 8 MB after line 10: a range read must stop at line 10.
+        p = self.write("big.log", "".join("row %d\n" % i for i in range(1, 11)))
+        with open(p, "ab") as f:
+            f.write(b"y" * (8 << 20))
+        with line_readers() as readers:
+            text = self.ok("view", path="big.log", view_range=[1, 10])
+        self.assertTrue(text.endswith("    10\trow 10"), text[-50:])
+        self.assertLess(readers[0].used, 1 << 20)
+
+    def test_seed000_binary_file(self):
+        self.write("prog.exe", b"MZ\x90\x00\x03\x00\x00\x00" + os.urandom(3000) + b"\x00" * 100)
+        text = self.ok("view", path="prog.exe")
+        self.assertRegex(text, r"^Binary file \(\d+\.\d KB\)")
+
+    def test_seed001_wasm_is_binary_not_image(self):
+        self.write("m.wasm", b"\x00asm\x01\x00\x00\x00" + b"\x00" * 2_500_000)
+        r = self.result("view", path="m.wasm")
+        self.assertEqual(r["content"][0]["type"], "text")
+        self.assertIn("Binary file (2.4 MB)", r["content"][0]["text"])
+
+    def test_seed001_png_as_image_content(self):
+        self.write("a.png", PNG_1PX)
+        r = self.result("view", path="a.png")
+        block = r["content"][0]
+        self.assertEqual(block["type"], "image")
+        self.assertEqual(block["mimeType"], "image/png")
+        self.assertEqual(base64.b64decode(block["data"]), PNG_1PX)
+
+    def test_seed001_jpeg_gif_webp(self):
+        for name, data, mime in (("a.jpg", b"\xff\xd8\xff\xe0" + b"\x00" * 20, "image/jpeg"),
+                                 ("a.gif", b"GIF89a" + b"\x00" * 20, "image/gif"),
+                                 ("a.webp", b"RIFF\x10\x00\x00\x00WEBPVP8 " + b"\x00" * 20, "image/webp")):
+            self.write(name, data)
+            self.assertEqual(self.result("view", path=name)["content"][0]["mimeType"], mime)
+
+    def test_seed001_image_with_wrong_extension(self):
+        self.write("photo.dat", PNG_1PX)
+        self.assertEqual(self.result("view", path="photo.dat")["content"][0]["mimeType"], "image/png")
+
+    def test_seed001_svg_by_extension(self):
+        self.write("icon.svg", '<svg xmlns="http://www.w3.org/2000/svg"/>')
+        block = self.result("view", path="icon.svg")["content"][0]
+        self.assertEqual((block["type"], block["mimeType"]), ("image", "image/svg+xml"))
+
+    def test_seed001_image_over_size_limit(self):
+        self.write("big.png", PNG_1PX + b"\x00" * 3000)
+        cfg = boris.parse_config(["--workdir", self.root, "--max-file-size", "1KB"], {})
+        self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
+        text = self.fails("view", "FILE_TOO_LARGE", path="big.png")
+        self.assertIn("1.0 KB", text)
+
+    def test_seed000_file_exceeds_max_size(self):
+        self.write("big.txt", "z" * 5000)
+        cfg = boris.parse_config(["--workdir", self.root, "--max-file-size", "4KB"], {})
+        self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
+        text = self.fails("view", "FILE_TOO_LARGE", path="big.txt")
+        self.assertIn("4.9 KB", text)
+        self.assertIn("4.0 KB", text)
+
+    def test_seed000_directory_listing_two_levels(self):
+        self.write("src/pkg/deep/x.go", "")
+        self.write("src/main.go", "")
+        self.write("README.md", "")
+        text = self.ok("view", path=".")
+        lines = text.split("\n")[1:]
+        self.assertIn("src/", lines)
+        self.assertIn("src/main.go", lines)
+        self.assertIn("src/pkg/", lines)
+        self.assertIn("README.md", lines)
+        self.assertNotIn("src/pkg/deep/", lines)
+        self.assertEqual(lines, [l for l in lines])  # order is stable
+        self.assertLess(lines.index("README.md"), lines.index("src/"))
+
+    def test_seed001_dotfiles_visible_except_git_and_node_modules(self):
+        for d in (".github/workflows", ".git/objects", "node_modules/pkg", "src"):
+            os.makedirs(self.path(d))
+        for f in (".dockerignore", ".env", ".env.example"):
+            self.write(f, "")
+        lines = self.ok("view", path=self.root).split("\n")[1:]
+        for want in (".github/", ".dockerignore", ".env", ".env.example", "src/"):
+            self.assertIn(want, lines)
+        for gone in (".git/", "node_modules/"):
+            self.assertNotIn(gone, lines)
+        self.assertFalse(any(l.startswith((".git/", "node_modules/")) for l in lines))
+
+    def test_seed001_symlink_in_listing(self):
+        os.symlink("/usr/local/bin", self.path("link"))
+        self.assertIn("link -> /usr/local/bin", self.ok("view", path=".").split("\n"))
+
+    def test_seed000_symlink_followed(self):
+        self.write("target.txt", "through the link\n")
+        os.symlink(self.path("target.txt"), self.path("alias.txt"))
+        self.assertIn("through the link", self.ok("view", path="alias.txt"))
+
+    def test_seed000_relative_to_session_cwd(self):
+        self.write("project/src/main.go", "package main\n")
+        self.session.set_cwd(self.path("project"))
+        self.assertIn("package main", self.ok("view", path="src/main.go"))
+
+    def test_seed000_not_found(self):
+        text = self.fails("view", "PATH_NOT_FOUND", path="nope.txt")
+        self.assertIn("nope.txt", text)
+
+    def test_error_format(self):
+        text = self.fails("view", "PATH_NOT_FOUND", path="nope.txt")
+        self.assertRegex(text, r"^\[PATH_NOT_FOUND\] .+\.$")
+
+    def test_crlf_shown_without_cr(self):
+        self.write("w.txt", b"one\r\ntwo\r\n")
+        self.assertEqual(self.ok("view", path="w.txt"), "     1\tone\n     2\ttwo")
+
+    def test_empty_file(self):
+        self.write("empty.txt", "")
+        self.assertIn("empty", self.ok("view", path="empty.txt"))
+
+    def test_view_of_long_lines_is_bounded_and_says_how_to_read_on(self):
+        self.write("wide.txt", ("x" * 3000 + "\n") * 3000)
+        text = self.ok("view", path="wide.txt")
+        self.assertLess(len(text), 40000 + 500)
+        m = re.search(r"read on with view_range \[(\d+), -1\]\]$", text)
+        self.assertTrue(m, text[-200:])
+        self.assertEqual(text.split("\n", 1)[0], text.rsplit("\n", 1)[1])      # the same line first and last
+        nxt = self.ok("view", path="wide.txt", view_range=[int(m.group(1)), -1])
+        self.assertTrue(nxt.split("\n", 1)[1].startswith("%6d\t" % int(m.group(1))), nxt[:200])
+
+    def test_view_range_to_the_end_of_millions_of_lines_stops_early(self):
+        p = self.path("empty_lines.txt")
+        with open(p, "wb") as f:
+            f.write(b"\n" * 3000000)
+        with line_readers() as readers:
+            text = self.ok("view", path="empty_lines.txt", view_range=[1, -1])
+        self.assertLess(len(text), 40000 + 500)
+        self.assertIn("read on with view_range", text)
+        self.assertLess(readers[0].used, 1 << 20)
 
 
-def quiet_logs(test):
-    """Only errors on stderr while `test` runs (refusals log a WARNING each)."""
-    level, boris._log_state["level"] = boris._log_state["level"], 40
-    test.addCleanup(boris._log_state.__setitem__, "level", level)
+class TestViewBeforeEdit(Base):
+    def test_seed003_mark_and_check(self):
+        s = boris.Session(self.cfg)
+        self.assertFalse(s.has_viewed("/workspace/src/main.go"))
+        s.mark_viewed("/workspace/src/main.go")
+        self.assertTrue(s.has_viewed("/workspace/src/main.go"))
 
+    def test_seed003_viewed_set_is_per_session(self):
+        a, b = boris.Session(self.cfg), boris.Session(self.cfg)
+        a.mark_viewed("/workspace/file.go")
+        self.assertFalse(b.has_viewed("/workspace/file.go"))
 
-def tree_snapshot(root, skip=None):
-    """{relative path: (kind, bytes or link target)} of everything under root."""
-    snap = {}
-    for d, dirs, files in os.walk(root):
-        if skip and os.path.realpath(d).startswith(skip):
-            dirs[:] = []
-            continue
-        for name in dirs + files:
-            p = os.path.join(d, name)
-            rel = os.path.relpath(p, root)
-            if skip and os.path.realpath(p).startswith(skip + os.sep) and not os.path.islink(p):
-                continue
-            if os.path.islink(p):
-                snap[rel] = ("link", os.readlink(p))
-            elif os.path.isfile(p):
-                with open(p, "rb") as f:
-                    snap[rel] = ("file", f.read())
-            else:
-                snap[rel] = ("dir", stat.S_IMODE(os.lstat(p).st_mode))
-    return snap
+    def test_seed003_concurrent_mark_and_check(self):
+        s = boris.Session(self.cfg)
+        errors = []
 
-
-class HostileTree(object):
-    """base/ws (the workspace: allowed) with links that loop, chain and lead out;
-    base/outside, base/ws2 (a sibling sharing the prefix), ws/secret and ws/denied
-    (denied) hold SECRET. Every file tool is called on generated paths."""
-
-    def __init__(self):
-        self.base = os.path.realpath(tempfile.mkdtemp(prefix="boris-hostile-"))
-        b, ws = self.base, os.path.join(self.base, "ws")
-        self.ws = ws
-        for d in ("ws/sub", "ws/secret", "ws/denied", "ws2", "outside/deep"):
-            os.makedirs(os.path.join(b, d))
-        files = {"ws/a.txt": "inside\n", "ws/sub/b.txt": "inside b\n", "ws/secret/s.txt": SECRET + "\n",
-                 "ws/denied/d.txt": SECRET + "\n", "ws2/w.txt": SECRET + "\n", "outside/o.txt": SECRET + "\n",
-                 "outside/deep/x.txt": SECRET + "\n", "outside/zz-%s-name.txt" % SECRET: SECRET + "\n",
-                 "ws/secret/zz-%s-name.txt" % SECRET: "x\n"}
-        for rel, text in files.items():
-            with open(os.path.join(b, rel), "w") as f:
-                f.write(text)
-        links = {"ws/l_self": "l_self", "ws/loop_a": "loop_b", "ws/loop_b": "loop_a", "ws/out": "../outside",
-                 "ws/out_abs": os.path.join(b, "outside"), "ws/up": "..", "ws/f_out": "../outside/o.txt",
-                 "ws/sub/lnk": "../secret", "ws/sub/up2": "..", "ws/to_ws2": "../ws2", "ws/in": "sub",
-                 "ws/dangling": "nowhere/at/all", "ws/proc": "/proc/self"}
-        for k in range(45):
-            links["ws/chain%d" % k] = "chain%d" % (k + 1)
-        links["ws/chain45"] = "../outside"
-        for rel, target in links.items():
-            os.symlink(target, os.path.join(b, rel))
-        self.flags = ["--workdir", ws, "--allow-dir", ws, "--deny-dir", "**/secret/**",
-                      "--deny-dir", os.path.join(ws, "denied"), "--require-view-before-edit", "false"]
-
-    def server(self, extra=()):
-        cfg = boris.parse_config(self.flags + list(extra), {})
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
-        return boris.McpServer(cfg, policy), cfg, policy
-
-    def outside_snapshot(self):
-        snap = tree_snapshot(self.base, skip=self.ws)
-        for rel in ("ws/secret", "ws/denied"):
-            for k, v in tree_snapshot(os.path.join(self.base, rel)).items():
-                snap[os.path.join(rel, k)] = v
-        return snap
-
-    def cleanup(self):
-        shutil.rmtree(self.base, ignore_errors=True)
-
-
-PATH_PARTS = ["..", ".", "", "sub", "l_self", "loop_a", "out", "out_abs", "up", "f_out", "chain0", "chain30",
-              "in", "secret", "denied", "sub/lnk", "sub/up2", "to_ws2", "ws2", "ws", "outside", "dangling",
-              "proc", "a.txt", "nonexist", "deep"]
-PATH_ENDS = ["o.txt", "s.txt", "d.txt", "w.txt", "x.txt", "a.txt", "b.txt", "new.txt", "", "..", "f_out",
-             "x" * 300, "\udc80bad", "nul\x00byte", "\U0001F600" * 63, "emoji\U0001F600.txt"]
-
-
-def hostile_path(rng, tree):
-    parts = [rng.choice(PATH_PARTS) for _ in range(rng.randint(0, 5))] + [rng.choice(PATH_ENDS)]
-    lead = rng.choice(["", "", "./", tree.ws + "/", tree.base + "/", tree.base + "/ws/../", "/",
-                       tree.base + "/ws2/", "~/"])
-    return lead + "/".join(parts)
-
-
-class TestHostilePathCampaign(unittest.TestCase):
-    """Generated hostile paths against every file tool: no escape, no internal error."""
-
-    CASES = 11000
-
-    def setUp(self):
-        quiet_logs(self)
-        self.tree = HostileTree()
-        self.addCleanup(self.tree.cleanup)
-
-    def run_campaign(self, server, cfg, policy, tools, n, seed):
-        rng = random.Random(seed)
-        session = boris.Session(cfg)
-        self.addCleanup(session.close)
-        stats = {"cases": 0, "ok": 0, "errors": 0}
-        for i in range(n):
-            name = tools[i % len(tools)]
-            p = hostile_path(rng, self.tree)
-            args = {
-                "view": {"path": p}, "read_file": {"path": p}, "list_directory": {"path": p},
-                "str_replace": {"path": p, "old_str": SECRET, "new_str": "PWNED"},
-                "create_file": {"path": p, "content": "PWNED %d\n" % i},
-                "write_file": {"path": p, "content": "PWNED %d\n" % i},
-                "grep": {"pattern": "SECRET-7f.a", "path": p, "output_mode": "content"},
-                "glob": {"pattern": rng.choice(["**/*", "*", "**/*.txt", "o*"]), "path": p},
-                "search_text": {"query": "SECRET-7f.a", "paths": [p], "regex": True},
-                "search_files": {"pattern": p.lstrip("/") + rng.choice(["", "/*", "/**/*"])},
-                "str_replace_editor": rng.choice([{"command": "view", "path": p},
-                                                  {"command": "create", "path": p, "file_text": "PWNED\n"},
-                                                  {"command": "str_replace", "path": p, "old_str": SECRET,
-                                                   "new_str": "PWNED"}]),
-            }[name]
-            ctx = ctx_of(cfg, policy)
+        def worker(k):
             try:
-                r = boris.McpServer.run_tool(server.tools[name], session, args, ctx)
-            except Exception as e:                       # would be -32603 over the wire
-                self.fail("%s(%r) raised %r" % (name, args, e))
-            text = "".join(c.get("text", "") for c in r["content"])
-            stats["cases"] += 1
-            stats["errors" if r["isError"] else "ok"] += 1
-            if name not in ("str_replace", "str_replace_editor"):
-                self.assertNotIn(SECRET, text, "%s(%r) showed out-of-scope content" % (name, args))
-            json.dumps(r)
-        return stats
+                for i in range(500):
+                    s.mark_viewed("/f/%d/%d" % (k, i))
+                    assert s.has_viewed("/f/%d/%d" % (k, i))
+            except Exception as e:
+                errors.append(e)
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+        self.assertEqual(len(s.viewed), 4000)
 
-    def test_campaign_finds_no_escape_and_no_internal_error(self):
-        before = self.tree.outside_snapshot()
-        server, cfg, policy = self.tree.server()
-        tools = ["view", "read_file", "list_directory", "str_replace", "create_file", "write_file", "grep",
-                 "glob", "search_text", "search_files"]
-        stats = self.run_campaign(server, cfg, policy, tools, self.CASES - 1000, seed=13)
-        compat, ccfg, cpolicy = self.tree.server(["--anthropic-compat"])
-        cstats = self.run_campaign(compat, ccfg, cpolicy, ["str_replace_editor"], 1000, seed=14)
-        self.assertEqual(self.tree.outside_snapshot(), before, "a write landed out of scope")
-        self.assertGreaterEqual(stats["cases"] + cstats["cases"], 10000)
-        self.assertGreater(stats["ok"], 500)                # the campaign also reached real files
-        self.assertGreater(stats["errors"], 2000)
+    def test_seed003_view_marks_resolved_path(self):
+        p = self.write("a.txt", "x\n")
+        os.symlink(p, self.path("alias.txt"))
+        self.ok("view", path="alias.txt")
+        self.assertTrue(self.session.has_viewed(p))
 
-    def test_loop_then_dotdot_cannot_leave_scope(self):
-        # realpath gives up at a loop and '..' was folded lexically: l_self/../out/o.txt read outside.
-        server, cfg, policy = self.tree.server()
-        session = boris.Session(cfg)
-        self.addCleanup(session.close)
+    def test_seed003_directory_listing_does_not_mark(self):
+        self.write("d/a.txt", "x\n")
+        self.ok("view", path="d")
+        self.assertEqual(self.session.viewed, {})
+
+    def test_seed003_failed_view_does_not_mark(self):
+        self.fails("view", "PATH_NOT_FOUND", path="missing.txt")
+        self.assertEqual(self.session.viewed, {})
+
+    def test_seed003_edit_rejected_without_view(self):
+        self.write("a.txt", "hello\n")
+        self.fails("str_replace", "FILE_NOT_VIEWED", path="a.txt", old_str="hello", new_str="bye")
+        self.assertEqual(self.read("a.txt"), b"hello\n")
+
+    def test_seed003_edit_succeeds_after_view(self):
+        self.write("a.txt", "hello\n")
+        self.ok("view", path="a.txt")
+        self.ok("str_replace", path="a.txt", old_str="hello", new_str="bye")
+        self.assertEqual(self.read("a.txt"), b"bye\n")
+
+    def test_seed003_overwrite_rejected_without_view(self):
+        self.write("a.txt", "old\n")
+        self.fails("create_file", "FILE_NOT_VIEWED", path="a.txt", content="new\n")
+        self.assertEqual(self.read("a.txt"), b"old\n")
+
+    def test_seed003_overwrite_succeeds_after_view(self):
+        self.write("a.txt", "old\n")
+        self.ok("view", path="a.txt")
+        self.ok("create_file", path="a.txt", content="new\n")
+        self.assertEqual(self.read("a.txt"), b"new\n")
+
+    def test_seed003_new_file_skips_view_check(self):
+        self.ok("create_file", path="brand/new.txt", content="hi\n")
+        self.assertEqual(self.read("brand/new.txt"), b"hi\n")
+
+    def test_own_write_counts_as_known(self):
+        self.ok("create_file", path="mine.txt", content="v1\n")
+        self.ok("str_replace", path="mine.txt", old_str="v1", new_str="v2")
+        self.assertEqual(self.read("mine.txt"), b"v2\n")
+
+
+class TestViewBeforeEditDisabled(NoViewBase):
+    def test_seed003_edit_succeeds_when_enforcement_disabled(self):
+        self.write("a.txt", "hello\n")
+        self.ok("str_replace", path="a.txt", old_str="hello", new_str="bye")
+        self.assertEqual(self.read("a.txt"), b"bye\n")
+
+
+class TestStrReplace(NoViewBase):
+    def test_seed001_unique_replacement_with_snippet(self):
+        self.write("a.py", "".join("line%d\n" % i for i in range(1, 21)))
+        text = self.ok("str_replace", path="a.py", old_str="line10\n", new_str="changed\n")
+        self.assertIn("Replaced 1 occurrence in %s" % self.path("a.py"), text)
+        self.assertIn("    10\tchanged", text)
+        self.assertIn("     6\tline6", text)
+        self.assertIn("    14\tline14", text)
+        self.assertNotIn("line20", text)
+        self.assertIn(b"changed\nline11\n", self.read("a.py"))
+
+    def test_seed000_not_found(self):
+        self.write("a.txt", "alpha\n")
+        self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="a.txt", old_str="beta", new_str="x")
+
+    def test_seed001_ambiguous_names_count(self):
+        self.write("a.txt", "x=1\nx=1\nx=1\n")
+        text = self.fails("str_replace", "STR_REPLACE_AMBIGUOUS", path="a.txt", old_str="x=1", new_str="y")
+        self.assertIn("3 times", text)
+        self.assertIn("replace_all", text)
+        self.assertEqual(self.read("a.txt"), b"x=1\nx=1\nx=1\n")
+
+    def test_seed000_deletion(self):
+        self.write("a.txt", "keep DROP keep\n")
+        self.ok("str_replace", path="a.txt", old_str=" DROP")
+        self.assertEqual(self.read("a.txt"), b"keep keep\n")
+        self.write("b.txt", "keep DROP keep\n")
+        self.ok("str_replace", path="b.txt", old_str=" DROP", new_str="")
+        self.assertEqual(self.read("b.txt"), b"keep keep\n")
+
+    def test_seed001_replace_all_15(self):
+        self.write("a.txt", "foo bar\n" * 15)
+        text = self.ok("str_replace", path="a.txt", old_str="foo", new_str="baz", replace_all=True)
+        self.assertIn("Replaced 15 occurrences", text)
+        self.assertEqual(self.read("a.txt"), b"baz bar\n" * 15)
+
+    def test_seed001_replace_all_no_match(self):
+        self.write("a.txt", "foo\n")
+        self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="a.txt", old_str="nope", replace_all=True)
+
+    def test_seed000_permissions_preserved(self):
+        self.write("run.sh", "#!/bin/sh\necho a\n", mode=0o755)
+        self.ok("str_replace", path="run.sh", old_str="echo a", new_str="echo b")
+        self.assertEqual(stat.S_IMODE(os.stat(self.path("run.sh")).st_mode), 0o755)
+
+    def test_seed000_crlf_preserved_with_lf_old_str(self):
+        self.write("w.txt", b"one\r\ntwo\r\nthree\r\n")
+        self.ok("str_replace", path="w.txt", old_str="one\ntwo", new_str="uno\ndos")
+        self.assertEqual(self.read("w.txt"), b"uno\r\ndos\r\nthree\r\n")
+
+    def test_non_utf8_bytes_round_trip(self):
+        data = b"caf\xe9 = 1\nbroken \xff\xfe here\nname = 'x'\n"
+        self.write("latin.txt", data)
+        self.ok("str_replace", path="latin.txt", old_str="name = 'x'", new_str="name = 'y'")
+        self.assertEqual(self.read("latin.txt"), data.replace(b"'x'", b"'y'"))
+
+    def test_seed000_not_found_path(self):
+        self.fails("str_replace", "PATH_NOT_FOUND", path="ghost.txt", old_str="a", new_str="b")
+
+    def test_identical_strings_refused(self):
+        self.write("a.txt", "same\n")
+        self.fails("str_replace", "INVALID_INPUT", path="a.txt", old_str="same", new_str="same")
+
+    def test_write_through_symlink_keeps_link(self):
+        self.write("real.txt", "v1\n")
+        os.symlink("real.txt", self.path("link.txt"))
+        self.ok("str_replace", path="link.txt", old_str="v1", new_str="v2")
+        self.assertTrue(os.path.islink(self.path("link.txt")))
+        self.assertEqual(self.read("real.txt"), b"v2\n")
+
+    def test_no_temp_files_left(self):
+        self.write("a.txt", "x\n")
+        self.ok("str_replace", path="a.txt", old_str="x", new_str="y")
+        self.assertEqual(sorted(os.listdir(self.root)), ["a.txt"])
+
+    def test_miss_shows_the_closest_region_and_a_diff(self):
+        self.write("m.py", "def a():\n    return 1\n\n\ndef total(xs):\n    s = 0\n    for x in xs:\n"
+                           "        s += x\n    return s\n")
+        text = self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="m.py",
+                          old_str="def total(xs):\n    s = 0\n    for x in xs:\n        s += x * 2\n")
+        self.assertIn("The closest text is at lines 5-8", text)
+        self.assertIn("     8\t        s += x", text)
+        self.assertIn("-        s += x\n+        s += x * 2", text)
+
+    def test_miss_names_whitespace_and_line_number_prefixes(self):
+        self.write("w.py", "if x:\n    go()\n")
+        text = self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="w.py", old_str="if x:\n  go()")
+        self.assertIn("differ only in indentation", text)
+        text = self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="w.py", old_str="     1\tif x:\n     2\t    go()")
+        self.assertIn("line-number prefixes", text)
+
+    def test_ambiguous_lists_each_line(self):
+        self.write("a.txt", "x = 1\ny\nx = 1\nz\nx = 1\n")
+        text = self.fails("str_replace", "STR_REPLACE_AMBIGUOUS", path="a.txt", old_str="x = 1")
+        self.assertIn("occurs 3 times in a.txt (at lines 1, 3, 5)", text)
+
+
+class TestCreateFile(NoViewBase):
+    def test_seed001_create_new_file_reports_path_and_size(self):
+        text = self.ok("create_file", path="new.txt", content="hello\n")
+        self.assertIn(self.path("new.txt"), text)
+        self.assertIn("6 bytes", text)
+        self.assertEqual(self.read("new.txt"), b"hello\n")
+
+    def test_seed001_overwrite_existing(self):
+        self.write("a.txt", "old\n")
+        self.ok("create_file", path="a.txt", content="new\n")
+        self.assertEqual(self.read("a.txt"), b"new\n")
+
+    def test_seed001_overwrite_param_is_gone(self):
+        self.assertIn("unknown argument 'overwrite'",
+                      self.fails("create_file", "INVALID_INPUT", path="a.txt", content="x", overwrite=True))
+        self.assertFalse(os.path.exists(self.path("a.txt")))
+
+    def test_seed000_nested_parents_created_0755(self):
+        old = os.umask(0o077)
+        try:
+            self.ok("create_file", path="src/pkg/new/file.go", content="package new\n")
+        finally:
+            os.umask(old)
+        self.assertEqual(self.read("src/pkg/new/file.go"), b"package new\n")
+        for d in ("src", "src/pkg", "src/pkg/new"):
+            self.assertEqual(stat.S_IMODE(os.stat(self.path(d)).st_mode), 0o755, d)
+
+    def test_seed000_new_file_mode_0644_whatever_umask(self):
+        old = os.umask(0o077)
+        try:
+            self.ok("create_file", path="m.txt", content="x")
+        finally:
+            os.umask(old)
+        self.assertEqual(stat.S_IMODE(os.stat(self.path("m.txt")).st_mode), 0o644)
+
+    def test_overwrite_keeps_mode(self):
+        self.write("run.sh", "old", mode=0o700)
+        self.ok("create_file", path="run.sh", content="new")
+        self.assertEqual(stat.S_IMODE(os.stat(self.path("run.sh")).st_mode), 0o700)
+
+    def test_seed000_content_exceeds_max_size(self):
+        cfg = boris.parse_config(["--workdir", self.root, "--max-file-size", "1KB",
+                                  "--require-view-before-edit", "false"], {})
+        self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
+        text = self.fails("create_file", "FILE_TOO_LARGE", path="big.txt", content="x" * 2048)
+        self.assertIn("2.0 KB", text)
+        self.assertFalse(os.path.exists(self.path("big.txt")))
+
+    def test_directory_target_refused(self):
+        os.makedirs(self.path("adir"))
+        self.fails("create_file", "INVALID_INPUT", path="adir", content="x")
+
+    def test_a_failed_create_leaves_no_directories_behind(self):
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        with mock.patch.object(boris, "replace_file", full):
+            self.fails("create_file", "IO_ERROR", path="new/deeper/still/f.txt", content="x")
+            text, err = self.call("write_file", path="w1/w2/f.txt", content="x")
+            self.assertTrue(err, text)
+        self.assertFalse(os.path.exists(self.path("new")))
+        self.assertFalse(os.path.exists(self.path("w1")))
+
+
+class TestCompatEditor(Base):
+    flags = ["--anthropic-compat"]
+
+    def test_tool_table(self):
+        names = set(self.server.tools)
+        self.assertIn("str_replace_editor", names)
+        self.assertFalse(names & {"view", "str_replace", "create_file"})
+        schema = self.server.tools["str_replace_editor"].schema
+        self.assertEqual(schema["properties"]["command"]["enum"], ["view", "create", "str_replace", "insert"])
+
+    def test_seed003_view_via_editor_marks_viewed(self):
+        p = self.write("a.txt", "one\ntwo\n")
+        self.assertIn("     2\ttwo", self.ok("str_replace_editor", command="view", path="a.txt"))
+        self.assertTrue(self.session.has_viewed(p))
+
+    def test_create_str_replace_insert(self):
+        self.ok("str_replace_editor", command="create", path="n.txt", file_text="a\nb\n")
+        self.ok("str_replace_editor", command="str_replace", path="n.txt", old_str="b", new_str="B")
+        self.ok("str_replace_editor", command="insert", path="n.txt", insert_line=1, insert_text="mid\n")
+        self.ok("str_replace_editor", command="insert", path="n.txt", insert_line=0, new_str="top")
+        self.assertEqual(self.read("n.txt"), b"top\na\nmid\nB\n")
+
+    def test_editor_requires_view(self):
+        self.write("x.txt", "1\n")
+        self.fails("str_replace_editor", "FILE_NOT_VIEWED", command="str_replace", path="x.txt",
+                   old_str="1", new_str="2")
+        self.fails("str_replace_editor", "FILE_NOT_VIEWED", command="insert", path="x.txt",
+                   insert_line=0, insert_text="z")
+
+    def test_insert_line_out_of_range(self):
+        self.ok("str_replace_editor", command="create", path="n.txt", file_text="a\n")
+        text = self.fails("str_replace_editor", "INVALID_INPUT", command="insert", path="n.txt",
+                          insert_line=5, insert_text="x")
+        self.assertIn("0", text)
+
+    def test_missing_command_argument(self):
+        text = self.fails("str_replace_editor", "INVALID_INPUT", command="create", path="n.txt")
+        self.assertIn("file_text", text)
+
+
+class TestMultiEdit(NoViewBase):
+
+    def test_multi_edit_applies_in_order_all_or_nothing(self):
+        self.write("e.txt", "alpha\nbeta\ngamma\n")
+        out = self.ok("multi_edit", path="e.txt", edits=[{"old_str": "alpha", "new_str": "ALPHA"},
+                                                         {"old_str": "ALPHA\nbeta", "new_str": "AB"},
+                                                         {"old_str": "a", "new_str": "4", "replace_all": True}])
+        self.assertIn("Applied 3 edits", out)
+        self.assertEqual(self.read("e.txt"), b"AB\ng4mm4\n")
+        text = self.fails("multi_edit", "STR_REPLACE_NOT_FOUND", path="e.txt",
+                          edits=[{"old_str": "AB", "new_str": "ab"}, {"old_str": "nope", "new_str": "x"}])
+        self.assertTrue(text.startswith("[STR_REPLACE_NOT_FOUND] edit 2 of 2: old_str was not found"), text)
+        self.assertIn("Nothing was written", text)
+        self.assertEqual(self.read("e.txt"), b"AB\ng4mm4\n")
+        self.assertIn("'edits[0].old_str'", self.fails("multi_edit", "INVALID_INPUT", path="e.txt",
+                                                       edits=[{"new_str": "x"}]))
+        self.assertIn("'edits[0].bogus'", self.fails("multi_edit", "INVALID_INPUT", path="e.txt",
+                                                     edits=[{"old_str": "AB", "bogus": 1}]))
+        self.fails("multi_edit", "INVALID_INPUT", path="e.txt", edits=[])
+
+    def test_multi_edit_needs_a_view_like_str_replace(self):
+        cfg = boris.parse_config(["--workdir", self.root], {})
+        server = boris.McpServer(cfg, self.policy)
+        self.write("v.txt", "a\n")
+        r = boris.McpServer.run_tool(server.tools["multi_edit"], self.session,
+                                     {"path": "v.txt", "edits": [{"old_str": "a", "new_str": "b"}]},
+                                     ctx_of(cfg, self.policy))
+        self.assertTrue(r["content"][0]["text"].startswith("[FILE_NOT_VIEWED]"), r)
+
+    def test_multi_edit_in_compat_mode(self):
+        cfg = boris.parse_config(["--workdir", self.root, "--anthropic-compat"], {})
+        self.assertIn("multi_edit", boris.McpServer(cfg, self.policy).tools)
+
+
+class TestChangedFiles(NoViewBase):
+    def overwrite(self, name, **args):
+        return self.call(name, **args)
+
+    def test_overwrite_of_a_file_changed_since_it_was_seen_fails(self):
+        p = self.write("c.txt", "one\n")
+        self.ok("view", path="c.txt")
+        with open(p, "w") as f:
+            f.write("someone else's\n")
+        text = self.fails("create_file", "FILE_CHANGED", path="c.txt", content="mine\n")
+        self.assertIn("view it again", text)
+        self.assertIn("4 bytes then, 15 bytes now", text)
+        self.assertEqual(self.read("c.txt"), b"someone else's\n")
+        self.ok("view", path="c.txt")
+        self.ok("create_file", path="c.txt", content="mine\n")
+        self.ok("create_file", path="c.txt", content="mine again\n")             # its own write counts as seen
+
+    def test_a_touch_is_not_a_change(self):
+        p = self.write("t.txt", "same\n")
+        self.ok("view", path="t.txt")
+        os.utime(p, (time.time() + 100, time.time() + 100))
+        self.ok("create_file", path="t.txt", content="new\n")
+
+    def test_read_file_counts_as_seen_and_write_file_speaks_seed004(self):
+        cfg = boris.parse_config(["--workdir", self.root, "--require-view-before-edit", "true"], {})
+        server = boris.McpServer(cfg, self.policy)
 
         def call(name, **args):
-            r = boris.McpServer.run_tool(server.tools[name], session, args, ctx_of(cfg, policy))
-            return "".join(c.get("text", "") for c in r["content"]), r["isError"]
-        for path in ("l_self/../out/o.txt", "loop_a/../out/o.txt", "l_self/../../outside/o.txt",
-                     "chain0/o.txt", "sub/l_self/../../out/o.txt"):
-            for tool in ("view", "read_file"):
-                text, err = call(tool, path=path)
-                self.assertTrue(err, text)
-                self.assertNotIn(SECRET, text)
-            text, err = call("grep", pattern="SECRET", path=path)
-            self.assertTrue(err, text)
-        text, err = call("view", path="l_self/x")
-        self.assertTrue(text.startswith("[ACCESS_DENIED] l_self/x runs into a symlink loop"), text)
-        text, err = call("list_directory", path="l_self/../out")
-        self.assertEqual(text, "错误：路径越出工作区限制")
-        for tool, args in (("create_file", {"content": "x"}), ("write_file", {"content": "x"})):
-            text, err = call(tool, path="l_self/../out/new.txt", **args)
-            self.assertTrue(err, text)
-        self.assertFalse(os.path.exists(os.path.join(self.tree.base, "outside", "new.txt")))
+            r = boris.McpServer.run_tool(server.tools[name], self.session, args, ctx_of(cfg, self.policy))
+            return r["content"][0]["text"], r["isError"]
+        p = self.write("w.txt", "a\n")
+        call("read_file", path="w.txt")
+        text, err = call("str_replace", path="w.txt", old_str="a", new_str="b")     # read_file counts as a view
+        self.assertFalse(err, text)
+        with open(p, "w") as f:
+            f.write("theirs\n")
+        text, err = call("write_file", path="w.txt", content="mine\n")
+        self.assertTrue(err and text.startswith("错误：文件在上次读取后已被修改"), text)
 
-    def test_loop_beats_deny_and_workspace_root_no_more(self):
-        # Unconfined server: the deny rule and the seed-004 root are all that guard.
-        cfg = boris.parse_config(["--workdir", self.tree.ws, "--deny-dir", os.path.join(self.tree.base, "outside"),
+
+class TestImages(NoViewBase):
+    def png(self, w, h):
+        import struct
+        import zlib
+        raw = b"".join(b"\x00" + b"\x00" * w for _ in range(1))
+        ihdr = struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0)
+        chunk = lambda kind, data: struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+    def test_image_too_wide_or_too_big_is_an_error_that_says_how_to_shrink(self):
+        self.write("wide.png", self.png(9000, 10))
+        text = self.fails("view", "INVALID_INPUT", path="wide.png")
+        self.assertIn("9000x10 pixels", text)
+        self.assertIn("-resize", text)
+        self.write("big.png", self.png(10, 10) + b"\x00" * (6 << 20))
+        self.assertIn("up to 5.0 MB", self.fails("view", "FILE_TOO_LARGE", path="big.png"))
+        self.write("ok.png", self.png(100, 50))
+        self.assertEqual(self.result("view", path="ok.png")["content"][0]["type"], "image")
+
+    def test_header_sizes(self):
+        import struct
+        self.assertEqual(boris.image_size(self.png(123, 45), "image/png"), (123, 45))
+        self.assertEqual(boris.image_size(b"GIF89a" + struct.pack("<HH", 640, 480), "image/gif"), (640, 480))
+        jpeg = b"\xff\xd8" + b"\xff\xe0" + struct.pack(">H", 16) + b"\x00" * 14 + \
+            b"\xff\xc0" + struct.pack(">HBHH", 17, 8, 300, 9001) + b"\x00" * 10
+        self.assertEqual(boris.image_size(jpeg, "image/jpeg"), (9001, 300))
+
+    def test_svg_is_text_for_claude_clients(self):
+        self.write("i.svg", "<svg xmlns='http://www.w3.org/2000/svg'/>")
+        self.assertEqual(self.result("view", path="i.svg")["content"][0]["mimeType"], "image/svg+xml")
+        self.server.m_initialize({"clientInfo": {"name": "claude-ai", "version": "1"}}, self.session)
+        text = self.ok("view", path="i.svg")
+        self.assertIn("shown as its source", text)
+        self.assertIn("<svg", text)
+
+
+def codex_patch(files):
+    """A patch in Codex's format from {path: (old text or None, new text or None)}:
+    hunks of difflib's grouped opcodes with three lines of context."""
+    import difflib
+    out = ["*** Begin Patch"]
+    for path, (old, new) in files.items():
+        if old is None:
+            out.append("*** Add File: " + path)
+            out += ["+" + l for l in new.split("\n")[:-1]]
+            continue
+        if new is None:
+            out.append("*** Delete File: " + path)
+            continue
+        out.append("*** Update File: " + path)
+        a, b = old.split("\n")[:-1], new.split("\n")[:-1]
+        for group in difflib.SequenceMatcher(None, a, b, autojunk=False).get_grouped_opcodes(3):
+            out.append("@@")
+            for tag, i1, i2, j1, j2 in group:
+                if tag == "equal":
+                    out += [" " + l for l in a[i1:i2]]
+                else:
+                    out += ["-" + l for l in a[i1:i2]] + ["+" + l for l in b[j1:j2]]
+    out.append("*** End Patch")
+    return "\n".join(out) + "\n"
+
+
+class TestApplyPatch(NoViewBase):
+    def tree(self):
+        self.write("keep.py", "def a():\n    return 1\n\n\ndef b():\n    return 2\n")
+        self.write("crlf.txt", b"one\r\ntwo\r\nthree\r\n")
+        self.write("old/name.sh", "#!/bin/sh\necho old\n", mode=0o755)
+        self.write("gone.txt", "bye\n")
+        self.write("bytes.txt", b"caf\xe9 = 1\nx = 2\n")
+
+    FIVE = """*** Begin Patch
+*** Add File: new/added.md
++# Title
++text
+*** Update File: keep.py
+@@ def b():
+-    return 2
++    return 20
+*** Update File: crlf.txt
+ one
+-two
++TWO
+ three
+*** Update File: old/name.sh
+*** Move to: bin/renamed.sh
+@@
+ #!/bin/sh
+-echo old
++echo new
+*** Delete File: gone.txt
+*** Update File: bytes.txt
+ caf\ufffd = 1
+-x = 2
++x = 3
+*** End Patch
+"""
+
+    def test_a_five_file_patch_adds_updates_moves_and_deletes(self):
+        self.tree()
+        patch = self.FIVE.replace("caf\ufffd = 1", "caf\udce9 = 1")
+        text = self.fails("apply_patch", "INVALID_INPUT", input=patch)        # a lone surrogate is no text
+        self.assertIn("argument 'input'", text)
+        patch = self.FIVE.replace(" caf\ufffd = 1\n", "")
+        text = self.ok("apply_patch", input=patch)
+        self.assertEqual(text, "Success. Updated the following files:\nA new/added.md\nM keep.py\nM crlf.txt\n"
+                               "R old/name.sh -> bin/renamed.sh\nD gone.txt\nM bytes.txt")
+        self.assertEqual(self.read("new/added.md"), b"# Title\ntext\n")
+        self.assertEqual(self.read("keep.py"), b"def a():\n    return 1\n\n\ndef b():\n    return 20\n")
+        self.assertEqual(self.read("crlf.txt"), b"one\r\nTWO\r\nthree\r\n")
+        self.assertEqual(self.read("bin/renamed.sh"), b"#!/bin/sh\necho new\n")
+        self.assertEqual(stat.S_IMODE(os.stat(self.path("bin/renamed.sh")).st_mode), 0o755)
+        self.assertFalse(os.path.exists(self.path("old/name.sh")) or os.path.exists(self.path("gone.txt")))
+        self.assertEqual(self.read("bytes.txt"), b"caf\xe9 = 1\nx = 3\n")            # the other bytes kept
+
+    def test_one_bad_hunk_changes_nothing(self):
+        self.tree()
+        before = tree_snapshot(self.root)
+        bad = self.FIVE.replace(" caf\ufffd = 1\n", "").replace("-    return 2\n", "-    return 99\n")
+        text = self.fails("apply_patch", "STR_REPLACE_NOT_FOUND", input=bad)
+        self.assertIn("keep.py, hunk 1 (@@ def b():): the line '    return 99' was not found", text)
+        self.assertIn("nothing was written", text)
+        self.assertEqual(tree_snapshot(self.root), before)
+
+    def test_paths_outside_the_scope_are_refused_before_anything_is_written(self):
+        self.tree()
+        cfg = boris.parse_config(["--workdir", self.root, "--allow-dir", os.path.join(self.root, "old"),
                                   "--require-view-before-edit", "false"], {})
         policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
-        server, session = boris.McpServer(cfg, policy), boris.Session(cfg)
-        self.addCleanup(session.close)
-        for name, args in (("view", {"path": "l_self/../out/o.txt"}), ("read_file", {"path": "l_self/../out/o.txt"}),
-                           ("read_file", {"path": "l_self/../../outside/o.txt"})):
-            r = boris.McpServer.run_tool(server.tools[name], session, args, ctx_of(cfg, policy))
-            self.assertTrue(r["isError"], r)
-            self.assertNotIn(SECRET, r["content"][0]["text"])
+        server = boris.McpServer(cfg, policy)
+        before = tree_snapshot(self.root)
+        for patch in ("*** Begin Patch\n*** Update File: old/name.sh\n-echo old\n+echo x\n*** Add File: ../../x.txt\n"
+                      "+x\n*** End Patch", "*** Begin Patch\n*** Update File: old/name.sh\n*** Move to: bin/n.sh\n"
+                      "-echo old\n+echo x\n*** End Patch", "*** Begin Patch\n*** Delete File: gone.txt\n*** End Patch",
+                      "*** Begin Patch\n*** Update File: old/../keep.py\n-    return 2\n+    return 3\n*** End Patch"):
+            r = server.run_tool(server.tools["apply_patch"], self.session, {"input": patch}, ctx_of(cfg, policy))
+            self.assertTrue(r["content"][0]["text"].startswith("[ACCESS_DENIED]"), r)
+        self.assertEqual(tree_snapshot(self.root), before)
+
+    def test_existing_missing_and_ambiguous_targets_are_named(self):
+        self.tree()
+        self.write("dup.txt", "x = 1\ny\nx = 1\nz\n")
+        cases = (("*** Add File: keep.py\n+x", "INVALID_INPUT", "*** Add File: keep.py, but it exists"),
+                 ("*** Delete File: nope.txt", "PATH_NOT_FOUND", "nope.txt does not exist"),
+                 ("*** Update File: gone.txt\n*** Move to: keep.py\n-bye\n+hi", "INVALID_INPUT",
+                  "*** Move to: keep.py, but it exists"),
+                 ("*** Update File: dup.txt\n-x = 1\n+x = 2", "STR_REPLACE_AMBIGUOUS", "at lines 1, 3"),
+                 ("*** Update File: keep.py\n@@ def c():\n-    return 2\n+    return 3", "STR_REPLACE_NOT_FOUND",
+                  "header line 'def c():' was not found"),
+                 ("*** Update File: keep.py\n-    return 2\n+x\n*** Update File: keep.py\n-x\n+y", "INVALID_INPUT",
+                  "keep.py appears twice"))
+        for body, code, words in cases:
+            text = self.fails("apply_patch", code, input="*** Begin Patch\n%s\n*** End Patch\n" % body)
+            self.assertIn(words, text)
+        self.assertIn("y\nx = 2\nz", self.ok("apply_patch", input="*** Begin Patch\n*** Update File: dup.txt\n"
+                                             " y\n-x = 1\n+x = 2\n z\n*** End Patch") and self.read("dup.txt").decode())
+
+    def test_whitespace_tolerance_goes_no_further(self):
+        self.write("w.py", "def f():  \n    return 1\n")
+        self.ok("apply_patch", input="*** Begin Patch\n*** Update File: w.py\n def f():\n-  return 1\n+    return 2\n"
+                                     "*** End Patch")
+        self.assertEqual(self.read("w.py"), b"def f():  \n    return 2\n")
+        self.fails("apply_patch", "STR_REPLACE_NOT_FOUND", input="*** Begin Patch\n*** Update File: w.py\n"
+                   " def g():\n-    return 2\n+    return 3\n*** End Patch")
+
+    def test_format_errors_name_the_line(self):
+        self.write("f.txt", "a\n")
+        for patch, words in (("*** Update File: f.txt\n-a\n+b\n*** End Patch", "starts with the line '*** Begin Patch'"),
+                             ("*** Begin Patch\n*** Update File: f.txt\n-a\n+b", "ends with the line '*** End Patch'"),
+                             ("*** Begin Patch\n*** Frobnicate: f.txt\n*** End Patch", "patch line 2"),
+                             ("*** Begin Patch\n*** Add File: n.txt\nno plus\n*** End Patch", "starts with '+'"),
+                             ("*** Begin Patch\n*** Update File: f.txt\n*** End Patch", "has no hunk")):
+            self.assertIn(words, self.fails("apply_patch", "INVALID_INPUT", input=patch))
+        self.assertEqual(self.read("f.txt"), b"a\n")
+
+    def test_a_failed_write_puts_back_what_was_written(self):
+        self.tree()
+        before = tree_snapshot(self.root)
+        real, calls = boris.atomic_write, []
+
+        def third_fails(*a, **k):
+            calls.append(a[0])
+            if len(calls) == 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(*a, **k)
+        with mock.patch.object(boris, "atomic_write", third_fails):
+            text = self.fails("apply_patch", "IO_ERROR", input=self.FIVE.replace(" caf\ufffd = 1\n", ""))
+        self.assertIn("No space left on device", text)
+        self.assertIn("restored, so nothing changed", text)
+        self.assertEqual(tree_snapshot(self.root), before)
+
+    def test_generated_patches_reproduce_the_edited_files(self):
+        rng = random.Random(22)
+        words = ["alpha", "beta", "gamma", "delta", "if x:", "return y", "}", "", "    pass"]
+        for case in range(150):
+            files = {}
+            for f in range(rng.randint(1, 4)):
+                lines = ["%s %d %s" % (rng.choice(words), rng.randrange(10 ** 6), rng.choice(words))
+                         for _ in range(rng.randint(1, 60))]
+                new = list(lines)
+                for _ in range(rng.randint(1, 5)):
+                    at = rng.randrange(len(new) + 1)
+                    kind = rng.random()
+                    if kind < 0.4 and new:
+                        del new[at:at + rng.randint(1, 3)]
+                    elif kind < 0.7:
+                        new[at:at] = ["added %d" % rng.randrange(10 ** 6) for _ in range(rng.randint(1, 3))]
+                    elif new:
+                        new[min(at, len(new) - 1)] = "changed %d" % rng.randrange(10 ** 6)
+                old_text, new_text = "\n".join(lines) + "\n", "\n".join(new) + "\n" if new else ""
+                if old_text == new_text:
+                    continue
+                path = "g%d/f%d.txt" % (case, f)
+                self.write(path, old_text)
+                files[path] = (old_text, new_text)
+            if not files:
+                continue
+            text = self.ok("apply_patch", input=codex_patch(files))
+            self.assertTrue(text.startswith("Success."), text)
+            for path, (_, new_text) in files.items():
+                self.assertEqual(self.read(path).decode(), new_text, (case, path))
+
+    def test_parallel_patches_and_replacements_of_one_file_all_land(self):
+        self.write("many.txt", "".join("line %d\n" % i for i in range(40)))
+        real = boris.read_regular
+
+        def slow_read(*a, **k):                    # widen the window between reading and writing
+            out = real(*a, **k)
+            time.sleep(0.002)
+            return out
+        errors = []
+
+        def edit(i):
+            if i % 2:
+                text, err = self.call("apply_patch", input="*** Begin Patch\n*** Update File: many.txt\n"
+                                                           "-line %d\n+PATCHED %d\n*** End Patch" % (i, i))
+            else:
+                text, err = self.call("str_replace", path="many.txt", old_str="line %d\n" % i,
+                                      new_str="REPLACED %d\n" % i)
+            if err:
+                errors.append(text)
+        with mock.patch.object(boris, "read_regular", slow_read):
+            threads = [threading.Thread(target=edit, args=(i,)) for i in range(10, 30)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        self.assertEqual(errors, [])
+        text = self.read("many.txt").decode()
+        for i in range(10, 30):
+            self.assertIn("%s %d\n" % ("PATCHED" if i % 2 else "REPLACED", i), text)
+
+    def test_apply_patch_is_in_both_modes_and_can_be_disabled(self):
+        names = lambda flags: set(boris.build_tools(boris.parse_config(flags, {})))
+        self.assertIn("apply_patch", names([]))
+        self.assertIn("apply_patch", names(["--anthropic-compat"]))
+        self.assertNotIn("apply_patch", names(["--disable-tools", "apply_patch"]))
+        self.assertIn("apply_patch", names(["--disable-tools", "bash"]))
 
 
-class TestSwapRace(unittest.TestCase):
-    """A thread swaps a directory and a symlink to outside (renameat2 RENAME_EXCHANGE)
-    while tools read and write through the directory: nothing may cross."""
+def sample_notebook():
+    """A notebook as nbformat writes it (indent 1, sorted keys): code, markdown and raw
+    cells; stream, error and PNG outputs."""
+    nb = {"cells": [
+        {"cell_type": "markdown", "id": "a1b2", "metadata": {}, "source": ["# Title\n", "Some *text*."]},
+        {"cell_type": "code", "execution_count": 5, "id": "7f2c", "metadata": {"tags": ["x"]},
+         "outputs": [{"name": "stdout", "output_type": "stream", "text": ["hello\n", "world\n"]},
+                     {"data": {"image/png": base64.b64encode(PNG_1PX).decode(), "text/plain": ["<Figure>"]},
+                      "metadata": {}, "output_type": "display_data"}],
+         "source": ["print('hello')\n", "print('world')"]},
+        {"cell_type": "code", "execution_count": 6, "id": "e3e3", "metadata": {},
+         "outputs": [{"ename": "ZeroDivisionError", "evalue": "division by zero", "output_type": "error",
+                      "traceback": ["\u001b[0;31mZeroDivisionError\u001b[0m  Traceback", "----> 1 1/0"]}],
+         "source": ["1/0"]},
+        {"cell_type": "raw", "id": "r4r4", "metadata": {}, "source": ["raw text"]}],
+        "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+        "nbformat": 4, "nbformat_minor": 5}
+    return json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
-    def test_swapping_thread_finds_no_escape(self):
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        if not hasattr(libc, "renameat2"):
-            self.skipTest("renameat2 not available")
-        quiet_logs(self)
-        tree = HostileTree()
-        self.addCleanup(tree.cleanup)
-        d = os.path.join(tree.ws, "d")
+
+class TestNotebooks(Base):
+    def setUp(self):
+        Base.setUp(self)
+        self.write("n.ipynb", sample_notebook())
+
+    def test_view_renders_cells_outputs_and_images(self):
+        r = self.result("view", path="n.ipynb")
+        self.assertFalse(r["isError"], r)
+        text = "\n".join(b["text"] for b in r["content"] if b["type"] == "text")
+        self.assertIn("[cell 1] markdown · id a1b2\n     1\t# Title\n     2\tSome *text*.", text)
+        self.assertIn("[cell 2] code · id 7f2c · execution_count 5\n     1\tprint('hello')", text)
+        self.assertIn("--- stdout ---\nhello\nworld", text)
+        self.assertIn("--- error ---\nZeroDivisionError: division by zero", text)
+        self.assertNotIn("\x1b", text)
+        self.assertIn("[cell 4] raw · id r4r4", text)
+        self.assertEqual([b.get("mimeType") for b in r["content"] if b["type"] == "image"], ["image/png"])
+        part = "".join(b.get("text", "") for b in self.result("view", path="n.ipynb", view_range=[3, 4])["content"])
+        self.assertNotIn("[cell 2]", part)
+        self.assertIn("[cell 3]", part)
+
+    def test_a_broken_notebook_is_viewed_as_text_with_a_note(self):
+        self.write("bad.ipynb", "{\"cells\": [ oops\n")
+        text = self.ok("view", path="bad.ipynb")
+        self.assertTrue(text.startswith("(bad.ipynb is not a valid notebook ("), text)
+        self.assertIn("     1\t{\"cells\": [ oops", text)
+
+    def edit(self, **args):
+        self.ok("view", path="n.ipynb")
+        return self.ok("notebook_edit", path="n.ipynb", **args)
+
+    def changed_lines(self, before, after):
+        import difflib
+        return [l for l in difflib.unified_diff(before.split("\n"), after.split("\n"), lineterm="", n=0)
+                if l[:1] in ("+", "-") and not l.startswith(("+++", "---"))]
+
+    def test_replace_touches_only_that_cell_and_clears_its_outputs(self):
+        before = self.read("n.ipynb").decode()
+        self.assertEqual(self.edit(cell_id="7f2c", new_source="x = 1\nprint(x)"), "Replaced cell 2 of n.ipynb")
+        after = self.read("n.ipynb").decode()
+        nb, old = json.loads(after), json.loads(before)
+        self.assertEqual(nb["cells"][1]["source"], ["x = 1\n", "print(x)"])
+        self.assertEqual((nb["cells"][1]["outputs"], nb["cells"][1]["execution_count"]), ([], None))
+        self.assertEqual(nb["cells"][1]["metadata"], {"tags": ["x"]})
+        self.assertEqual([c for k, c in enumerate(nb["cells"]) if k != 1], [c for k, c in enumerate(old["cells"])
+                                                                            if k != 1])
+        start, end = before.index('"id": "7f2c"'), before.index('"id": "e3e3"')
+        cell_lines = set(before[before.rfind("{", 0, start):end].split("\n"))
+        for line in self.changed_lines(before, after):
+            self.assertTrue(line[0] == "+" or line[1:] in cell_lines, line)      # only that cell's lines go
+        self.assertEqual(before[:before.rfind("{", 0, start)], after[:before.rfind("{", 0, start)])
+
+    def test_git_diff_of_an_edit_touches_only_that_cell(self):
+        if not shutil.which("git"):
+            self.skipTest("git is not installed")
+        run = lambda *a: subprocess.run(["git", "-c", "user.email=a@b", "-c", "user.name=n"] + list(a), cwd=self.root,
+                                        capture_output=True, text=True).stdout
+        run("init", "-q")
+        run("add", "n.ipynb")
+        run("commit", "-qm", "nb")
+        self.edit(cell_number=4, new_source="new raw")
+        diff = run("diff", "-U0")
+        changed = [l for l in diff.split("\n") if l[:1] in ("+", "-") and not l.startswith(("+++", "---"))]
+        self.assertEqual(changed, ['-    "raw text"', '+    "new raw"'])
+
+    def test_insert_and_delete(self):
+        self.assertEqual(self.edit(cell_id="a1b2", edit_mode="insert", cell_type="code", new_source="y = 2"),
+                         "Inserted a cell as cell 2 of n.ipynb")
+        nb = json.loads(self.read("n.ipynb"))
+        self.assertEqual([c["cell_type"] for c in nb["cells"]], ["markdown", "code", "code", "code", "raw"])
+        self.assertEqual((nb["cells"][1]["source"], nb["cells"][1]["outputs"]), (["y = 2"], []))
+        self.assertRegex(nb["cells"][1]["id"], r"^[0-9a-f]{8}$")
+        self.edit(edit_mode="insert", cell_type="markdown", new_source="top")
+        self.assertEqual(json.loads(self.read("n.ipynb"))["cells"][0]["source"], ["top"])
+        self.assertEqual(self.edit(cell_id="r4r4", edit_mode="delete"), "Deleted cell 6 of n.ipynb")
+        self.assertEqual(self.edit(cell_number=1, edit_mode="delete"), "Deleted cell 1 of n.ipynb")
+        nb = json.loads(self.read("n.ipynb"))
+        self.assertEqual([c.get("id") for c in nb["cells"]][-2:], ["7f2c", "e3e3"])
+        self.assertEqual((nb["nbformat"], nb["nbformat_minor"]), (4, 5))
+
+    def test_notebook_edit_needs_a_view_and_a_real_cell(self):
+        self.fails("notebook_edit", "FILE_NOT_VIEWED", path="n.ipynb", cell_number=1, new_source="x")
+        self.ok("view", path="n.ipynb")
+        self.assertIn("1 to 4", self.fails("notebook_edit", "INVALID_INPUT", path="n.ipynb", cell_number=9,
+                                           new_source="x"))
+        self.assertIn("no cell with id 'zz'", self.fails("notebook_edit", "INVALID_INPUT", path="n.ipynb",
+                                                         cell_id="zz", new_source="x"))
+        self.assertIn("cell_type", self.fails("notebook_edit", "INVALID_INPUT", path="n.ipynb", cell_number=1,
+                                              edit_mode="insert", new_source="x"))
+
+
+# ---------------------------------------------------------------------------
+# Tools: the workspace tools (fixed Chinese answers)
+# ---------------------------------------------------------------------------
+
+
+class TestWorkspaceTools(NoViewBase):
+    def setUp(self):
+        NoViewBase.setUp(self)
+        # workspace = <tmp>/ws ; a sibling <tmp>/ws2 shares its prefix
+        self.ws = self.path("ws")
+        os.makedirs(os.path.join(self.ws, "data"))
+        os.makedirs(self.path("ws2"))
+        with open(self.path("ws2", "secret.txt"), "w") as f:
+            f.write("secret\n")
+        os.symlink(self.path("ws2"), os.path.join(self.ws, "escape_link"))
+        self.cfg = boris.parse_config(["--workdir", self.ws], {})
+        self.policy = boris.PathPolicy(self.cfg.allow_dir, self.cfg.deny_dir, self.cfg.workdir)
+        self.server = boris.McpServer(self.cfg, self.policy)
+        self.session = boris.Session(self.cfg)
+        import io
+        self.stderr = io.StringIO()
+        self.real_stderr, sys.stderr = sys.stderr, self.stderr
+        self.addCleanup(setattr, sys, "stderr", self.real_stderr)
+
+    def test_seed004_read_file(self):
+        with open(os.path.join(self.ws, "data", "file.txt"), "w") as f:
+            f.write("hello\nworld\n")
+        self.assertEqual(self.ok("read_file", path="./data/file.txt"), "hello\nworld\n")
+        self.assertEqual(self.ok("read_file", path="data/file.txt"), "hello\nworld\n")
+
+    def test_seed004_read_escape_refused_and_logged(self):
+        for p in ("../../../etc/passwd", "/etc/passwd", "escape_link/secret.txt", "../ws2/secret.txt"):
+            text, err = self.call("read_file", path=p)
+            self.assertTrue(err)
+            self.assertEqual(text, "错误：路径越出工作区限制")
+        self.assertIn("WARN", self.stderr.getvalue())
+        self.assertEqual(self.stderr.getvalue().count("path escape attempt"), 4)
+
+    def test_seed004_read_missing(self):
+        text, err = self.call("read_file", path="nope.txt")
+        self.assertTrue(err)
+        self.assertEqual(text, "错误：文件不存在: nope.txt")
+
+    def test_seed004_encoding_fallback_to_latin1(self):
+        with open(os.path.join(self.ws, "l1.txt"), "wb") as f:
+            f.write(b"caf\xe9\n")
+        self.assertEqual(self.ok("read_file", path="l1.txt"), "caf\xe9\n")
+        with open(os.path.join(self.ws, "u16.txt"), "wb") as f:
+            f.write("hi".encode("utf-16"))
+        self.assertEqual(self.ok("read_file", path="u16.txt", encoding="utf-16"), "hi")
+
+    def test_seed004_encoding_unrecognised(self):
+        with open(os.path.join(self.ws, "x.txt"), "wb") as f:
+            f.write(b"\xff\xfe\xfd")
+        # latin-1 decodes every byte, so the seed's last-resort string needs a decoder that fails twice
+        with open(os.path.join(self.ws, "x.txt"), "rb") as f:
+            data = f.read()
+
+        class Bad(bytes):
+            def decode(self, *a, **k):
+                raise UnicodeDecodeError("x", b"", 0, 1, "bad")
+        with mock.patch.object(boris, "read_regular", lambda *a, **k: (Bad(data), None)):
+            text, err = self.call("read_file", path="x.txt")
+        self.assertTrue(err)
+        self.assertEqual(text, "错误：文件编码无法识别")
+
+    def test_seed004_write_file_and_parents(self):
+        self.assertEqual(self.ok("write_file", path="a/b/c.txt", content="内容\n"), "成功：已写入 a/b/c.txt")
+        with open(os.path.join(self.ws, "a", "b", "c.txt"), encoding="utf-8") as f:
+            self.assertEqual(f.read(), "内容\n")
+        self.assertEqual(stat.S_IMODE(os.stat(os.path.join(self.ws, "a")).st_mode), 0o755)
+
+    def test_seed004_write_file_on_a_directory_or_fifo(self):
+        os.makedirs(os.path.join(self.ws, "d"))
+        self.assertEqual(self.call("write_file", path="d", content="x"), ("错误：d 是目录", True))
+        os.mkfifo(os.path.join(self.ws, "p"))
+        text, err = self.call("write_file", path="p", content="x")
+        self.assertTrue(err and text.startswith("错误：无法写入 p:") and "FIFO" in text, text)
+        self.assertTrue(stat.S_ISFIFO(os.lstat(os.path.join(self.ws, "p")).st_mode))
+
+    def test_seed004_write_escape_refused(self):
+        for p in ("../../outside.txt", "../ws2/new.txt", "escape_link/new.txt", self.path("ws2", "abs.txt")):
+            text, err = self.call("write_file", path=p, content="x")
+            self.assertTrue(err)
+            self.assertEqual(text, "错误：路径越出工作区限制")
+        self.assertEqual(os.listdir(self.path("ws2")), ["secret.txt"])
+        self.assertFalse(os.path.exists(self.path("outside.txt")))
+        self.assertFalse(os.path.exists(os.path.join(os.path.dirname(self.root), "outside.txt")))
+
+    def test_seed004_list_directory(self):
+        os.makedirs(os.path.join(self.ws, "zdir"))
+        with open(os.path.join(self.ws, "b.txt"), "w") as f:
+            f.write("")
+        self.assertEqual(self.ok("list_directory", path="."),
+                         "[F] b.txt\n[D] data\n[D] escape_link\n[D] zdir")
+
+    def test_seed004_list_directory_on_file(self):
+        with open(os.path.join(self.ws, "f.txt"), "w") as f:
+            f.write("")
+        text, err = self.call("list_directory", path="f.txt")
+        self.assertTrue(err)
+        self.assertEqual(text, "错误：f.txt 不是目录")
+
+    def test_seed004_list_escape(self):
+        self.assertEqual(self.call("list_directory", path="..")[0], "错误：路径越出工作区限制")
+
+    def test_seed004_symlink_escape_blocked(self):
+        self.assertEqual(self.call("read_file", path="escape_link/secret.txt")[0], "错误：路径越出工作区限制")
+
+    def test_seed004_relative_path_resolves_against_root(self):
+        with open(os.path.join(self.ws, "data", "file.txt"), "w") as f:
+            f.write("root-relative\n")
+        self.session.set_cwd(self.path("ws2"))           # bash moved; workspace tools ignore it
+        self.assertEqual(self.ok("read_file", path="./data/file.txt"), "root-relative\n")
+
+    def test_confine_refuses_an_escape_as_access_denied(self):
+        with self.assertRaises(boris.ToolError) as cm:
+            self.policy.confine("../ws2/secret.txt")
+        self.assertEqual((cm.exception.code, cm.exception.detail), ("ACCESS_DENIED", "escape"))
+        self.assertEqual(self.policy.confine("data"), os.path.join(self.ws, "data"))
+
+    def test_deny_dir_applies(self):
+        cfg = boris.parse_config(["--workdir", self.ws, "--deny-dir", "**/data"], {})
+        self.policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
+        self.assertEqual(self.call("read_file", path="data/x")[0], "错误：路径越出工作区限制")
+        self.assertNotIn("data", self.ok("list_directory", path="."))
+
+    def test_read_file_size_limit(self):
+        cfg = boris.parse_config(["--workdir", self.ws, "--max-file-size", "1KB"], {})
+        self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
+        with open(os.path.join(self.ws, "big.txt"), "w") as f:
+            f.write("x" * 4096)
+        text, err = self.call("read_file", path="big.txt")
+        self.assertTrue(err)
+        self.assertTrue(text.startswith("错误：文件过大"), text)
+
+    def test_list_directory_of_many_entries_is_bounded(self):
+        d = os.path.join(self.ws, "big")
         os.makedirs(d)
-        with open(os.path.join(d, "f.txt"), "w") as f:
-            f.write("inside\n")
-        with open(os.path.join(tree.base, "outside", "f.txt"), "w") as f:
-            f.write(SECRET + "\n")
-        os.symlink("../outside", os.path.join(tree.ws, "swap"))
-        before = tree.outside_snapshot()
-        server, cfg, policy = tree.server()
+        first = os.path.join(d, "file-with-a-rather-long-name-to-fill-the-listing-%05d.txt" % 0)
+        open(first, "w").close()
+        for i in range(1, 3000):                      # hard links: a tenth of the time of new files
+            os.link(first, os.path.join(d, "file-with-a-rather-long-name-to-fill-the-listing-%05d.txt" % i))
+        text, err = self.call("list_directory", path="big")
+        self.assertFalse(err, text)
+        self.assertLess(len(text), 40000 + 500)
+        self.assertIn("3000 entries", text)
+
+    def test_read_file_offset_and_limit(self):
+        def read(**args):
+            return self.call("read_file", **args)[0]
+        self.write("ws/n.txt", "".join("line %d\n" % i for i in range(1, 11)))
+        self.assertEqual(read(path="n.txt"), "".join("line %d\n" % i for i in range(1, 11)))
+        part = read(path="n.txt", offset=3, limit=2)
+        first, rest = part.split("\n", 1)
+        self.assertIn("offset=5", first)                         # a cut result says how to read on, first
+        self.assertTrue(rest.startswith("line 3\nline 4\n"), part)
+        self.assertEqual(part.rsplit("\n", 1)[1], first)          # and last
+        self.assertTrue(read(path="n.txt", offset=99).startswith("错误："))
+        self.write("ws/huge.txt", ("z" * 99 + "\n") * 3000)
+        big = read(path="huge.txt")
+        self.assertLessEqual(len(big), 40000)
+        m = re.match(r"\[.*read on with offset=(\d+)\]\n", big)
+        self.assertTrue(m, big[:300])
+        self.assertTrue(big.endswith(m.group(0).strip()))
+        self.assertTrue(read(path="huge.txt", offset=int(m.group(1)), limit=1).split("\n")[1].startswith("zzz"))
+
+
+# ---------------------------------------------------------------------------
+# Tools: the registry, schemas and results
+# ---------------------------------------------------------------------------
+
+
+HOSTILE_STRINGS = ["a\x00b", "\x00", "\ud800", "x\udcff", "\udfff\ud800", "\x01\x1b[31m\r\n\t\x7f",
+                   "\u202e\u200b", "", " ", "\n", "a" * (1 << 20), "[" * 160000, "(a+)+$", "\\", "../" * 50,
+                   "http://[", "http://127.0.0.1:abc/", "http://127.0.0.1:1/a b", "http://127.0.0.1:1/\r\nX: y",
+                   "undefined", "punycode", "idna", "rot13", "base64", "utf-16", "\\p{L}", "*{a,b", "**/**/**/x"]
+HOSTILE_NUMBERS = [0, -1, -(10 ** 30), 10 ** 30, 2 ** 63, 1.5, -0.0, 1e300, 10 ** 400]
+HOSTILE_OTHERS = [True, False, [], {}, ["a"], [1, 2], {"a": 1}, [None], [["x"]], [{"a": "\x00"}]]
+HOSTILE_VALUES = HOSTILE_STRINGS + HOSTILE_NUMBERS + HOSTILE_OTHERS
+
+
+class ArgumentCampaign(object):
+    """Base arguments that work for each tool of a workspace, and a generator of calls
+    that spoil them: one property (or an extra one) set to a hostile value, or several."""
+
+    def __init__(self, root, web_port):
+        self.root = root
+        with open(os.path.join(root, "a.txt"), "w") as f:
+            f.write("alpha\n\n  beta\ngamma\n" * 5)
+        os.makedirs(os.path.join(root, "sub"), exist_ok=True)
+        with open(os.path.join(root, "sub", "b.py"), "w") as f:
+            f.write("print('ab')\n")
+        self.base = {
+            "bash": {"command": "true"},
+            "task_output": {"task_id": "task_1"},
+            "task_input": {"task_id": "task_1", "input": "x\n"},
+            "notebook_edit": {"path": "n.ipynb", "cell_number": 1, "new_source": "x"},
+            "task_stop": {"task_id": "task_1"},
+            "view": {"path": "a.txt"},
+            "str_replace": {"path": "a.txt", "old_str": "not there", "new_str": "x"},
+            "multi_edit": {"path": "a.txt", "edits": [{"old_str": "not there", "new_str": "x"}]},
+            "create_file": {"path": "new.txt", "content": "c\n"},
+            "grep": {"pattern": "a+", "path": "."},
+            "glob": {"pattern": "**/*.py"},
+            "search_text": {"query": "beta", "paths": ["."]},
+            "search_files": {"pattern": "**/*.txt"},
+            "read_file": {"path": "a.txt"},
+            "write_file": {"path": "w.txt", "content": "w\n"},
+            "list_directory": {"path": "."},
+            "web_fetch": {"url": "http://127.0.0.1:%d/page" % web_port, "timeout": 5},
+            "str_replace_editor": {"command": "view", "path": "a.txt"},
+            "apply_patch": {"input": "*** Begin Patch\n*** Update File: a.txt\n@@\n-gamma\n+gamma\n*** End Patch\n"},
+        }
+
+    def cases(self, tools, rng, n):
+        """`n` (tool name, arguments) pairs: first each property x each hostile value,
+        then random spoilings of one to three properties."""
+        out = []
+        for name in sorted(tools):
+            props = sorted(tools[name].schema["properties"]) + ["zz_extra", "wait_for_previous"]
+            for key in props:
+                for value in HOSTILE_VALUES:
+                    args = dict(self.base.get(name, {}))
+                    args[key] = value
+                    out.append((name, args))
+        names = sorted(tools)
+        while len(out) < n:
+            name = rng.choice(names)
+            args = dict(self.base.get(name, {}))
+            props = sorted(tools[name].schema["properties"])
+            for key in rng.sample(props, min(len(props), rng.randint(1, 3))):
+                args[key] = rng.choice(HOSTILE_VALUES)
+            if rng.random() < 0.1:
+                args = rng.choice([None, [], "x", 3, {"\x00": 1}])
+            out.append((name, args))
+        return out[:n] if len(out) > n else out
+
+
+class TestArgumentCampaign(unittest.TestCase):
+    """Thousands of calls whose arguments are spoiled one property at a time: NUL, lone
+    surrogates, control characters, 1 MB strings, wrong types, huge, negative and
+    float numbers, unknown extras. None may crash a call (-32603), log a traceback
+    or put anything but strict JSON on the wire."""
+
+    CASES = 6000
+
+    @classmethod
+    def setUpClass(cls):
+        cls.web = make_web_server()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.web.shutdown()
+        cls.web.server_close()
+
+    def setUp(self):
+        self.tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-campaign-"))
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.logged = []
+        real_log = boris.log
+
+        def spy(level, message, **fields):
+            if level == "error":
+                self.logged.append((message, fields))
+            elif level == "debug":
+                real_log(level, message, **fields)
+        patcher = mock.patch.object(boris, "log", spy)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+    def run_calls(self, flags, n, seed):
+        cfg = boris.parse_config(["--workdir", self.tmp, "--allow-dir", self.tmp, "--require-view-before-edit", "false"]
+                                 + flags, {})
+        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        server = boris.McpServer(cfg, policy)
         session = boris.Session(cfg)
         self.addCleanup(session.close)
-        stop = threading.Event()
-        swaps = [0]
+        campaign = ArgumentCampaign(self.tmp, self.web.server_address[1])
+        stats = {"calls": 0, "errors": 0, "crashes": []}
+        for name, args in campaign.cases(server.tools, random.Random(seed), n):
+            cancelled = threading.Event()
+            timer = threading.Timer(1.0, cancelled.set)            # a wait of 600 s ends here
+            timer.start()
+            try:
+                r = boris.McpServer.run_tool(server.tools[name], session, args,
+                                             ctx_of(cfg, policy, cancelled))
+                json.dumps(r, allow_nan=False).encode("utf-8")        # strict: no NaN, no lone surrogate
+                stats["errors"] += r["isError"]
+                text = r["content"][0].get("text", "")
+                if r["isError"] and not re.match(r"\[[A-Z_]+\] |错误：", text):   # the code first: it survives rewrapping
+                    stats["crashes"].append("%s error without its code first: %r" % (name, text[:200]))
+            except Exception as e:                                  # -32603 over the wire
+                stats["crashes"].append("%s(%r): %r" % (name, repr(args)[:200], e))
+            finally:
+                timer.cancel()
+            stats["calls"] += 1
+        return stats
 
-        def swapper():
-            a, b = os.fsencode(d), os.fsencode(os.path.join(tree.ws, "swap"))
-            while not stop.is_set():
-                if libc.renameat2(-100, a, -100, b, 2) == 0:      # AT_FDCWD, RENAME_EXCHANGE
-                    swaps[0] += 1
-        t = threading.Thread(target=swapper)
-        t.start()
-        escapes, calls = [], 0
-        try:
-            for i in range(600):
-                for name, args in (("read_file", {"path": "d/f.txt"}), ("view", {"path": "d/f.txt"}),
-                                   ("grep", {"pattern": "SECRET", "path": "d/f.txt", "output_mode": "content"}),
-                                   ("list_directory", {"path": "d"}),
-                                   ("write_file", {"path": "d/f.txt", "content": "inside\n"}),
-                                   ("create_file", {"path": "d/n%d.txt" % i, "content": "new\n"})):
-                    r = boris.McpServer.run_tool(server.tools[name], session, args, ctx_of(cfg, policy))
-                    calls += 1
-                    if SECRET in r["content"][0]["text"]:
-                        escapes.append((name, r["content"][0]["text"][:80]))
-        finally:
-            stop.set()
-            t.join()
-        if os.path.islink(d):                                      # leave the tree as it was
-            libc.renameat2(-100, os.fsencode(d), -100, os.fsencode(os.path.join(tree.ws, "swap")), 2)
-        self.assertGreater(swaps[0], 100)
-        self.assertEqual(escapes, [], "%d of %d calls read outside" % (len(escapes), calls))
-        self.assertEqual(tree.outside_snapshot(), before, "a write landed outside")
+    def test_spoiled_calls_over_stdio_put_only_strict_json_on_stdout(self):
+        c = StdioClient(["--workdir", self.tmp, "--allow-dir", self.tmp, "--require-view-before-edit", "false"])
+        self.addCleanup(c.close)
+        c.initialize()
+        tools = dict((t["name"], boris.Tool(t["name"], "", t["inputSchema"], {}, None))
+                     for t in c.request("tools/list")["result"]["tools"])
+        cases = ArgumentCampaign(self.tmp, self.web.server_address[1]).cases(tools, random.Random(25), 600)
+        for k, (name, args) in enumerate(cases):
+            c.send({"jsonrpc": "2.0", "id": 10000 + k, "method": "tools/call",
+                    "params": {"name": name, "arguments": args}})
+        answered = lambda: len([m for m in c.lines if m and isinstance(m.get("id"), int) and m["id"] >= 10000])
+        self.assertTrue(wait_until(lambda: answered() == len(cases), 60), "%d of %d answered" % (answered(), len(cases)))
+        c.close()
+        self.assertEqual(c.bad, [], "stdout lines that are not strict JSON")
+        self.assertNotIn(-32603, [m.get("error", {}).get("code") for m in c.lines if m])
+        errors = b"".join(c.errbuf).decode("utf-8", "replace")
+        self.assertNotIn("Traceback", errors)
+        self.assertGreater(len([m for m in c.lines if m and m.get("result", {}).get("isError")]), 300)
 
-
-class TestLinkedDenyInSearch(Base):
-    """Everything a search yields is checked by its real path, also under links."""
-    flags = ["--deny-dir", "**/secret/**", "--require-view-before-edit", "false"]
-
-    def test_followed_link_into_denied_dir(self):
-        self.write("secret/k.txt", SECRET + "\n")
-        self.write("sub/a.txt", "x\n")
-        os.symlink("../secret", self.path("sub", "lnk"))
-        for name, args in (("grep", {"pattern": "SECRET", "output_mode": "content"}),
-                           ("grep", {"pattern": "SECRET", "path": "sub"}),
-                           ("search_text", {"query": "SECRET", "paths": ["sub"]}),
-                           ("glob", {"pattern": "**/*.txt"})):
-            text = self.ok(name, **args)
-            self.assertNotIn(SECRET, text, name)
-            self.assertNotIn("k.txt", text, name)
-
-    def test_up_link_beats_absolute_deny_no_more(self):
-        outside = os.path.realpath(tempfile.mkdtemp(prefix="boris-out-"))
-        self.addCleanup(shutil.rmtree, outside, True)
-        os.makedirs(os.path.join(outside, "ws", "sub"))
-        with open(os.path.join(outside, "ws", "k.txt"), "w") as f:
-            f.write(SECRET + "\n")
-        os.symlink("..", os.path.join(outside, "ws", "sub", "up"))
-        cfg = boris.parse_config(["--workdir", outside, "--deny-dir", os.path.join(outside, "ws", "k.txt")], {})
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
-        server = boris.McpServer(cfg, policy)
-        r = boris.McpServer.run_tool(server.tools["grep"], self.session,
-                                     {"pattern": "SECRET", "path": os.path.join(outside, "ws", "sub"),
-                                      "output_mode": "content"}, ctx_of(cfg, policy))
-        self.assertNotIn(SECRET, r["content"][0]["text"])
+    def test_thousands_of_spoiled_calls_crash_nothing(self):
+        stats = self.run_calls([], self.CASES - 1000, seed=23)
+        compat = self.run_calls(["--anthropic-compat"], 1000, seed=24)
+        crashes = stats["crashes"] + compat["crashes"]
+        self.assertEqual(crashes, [], "%d crashes, e.g. %s" % (len(crashes), "\n".join(crashes[:10])))
+        self.assertEqual(self.logged, [], "tracebacks logged: %r" % self.logged[:3])
+        self.assertGreaterEqual(stats["calls"] + compat["calls"], 5000)
+        self.assertGreater(stats["errors"], 2000)
 
 
-def run_with_deadline(fn, seconds=10):
-    """fn() on a thread; (finished, result or exception)."""
-    box = []
-    t = threading.Thread(target=lambda: box.append(_catch(fn)), daemon=True)
-    t.start()
-    t.join(seconds)
-    return (bool(box), box[0] if box else None)
+BAD_TEXT = ("a\x00b", "\x00", "\ud800", "x\udcff", "\udfff\ud800z")
 
 
-def _catch(fn):
-    try:
-        return fn()
-    except Exception as e:
-        return e
-
-
-class TestSpecialFiles(NoViewBase):
-    """FIFOs and devices are refused with a clear error: no hang, no unbounded read,
-    never replaced by a write."""
-
-    def test_fifo_is_refused_by_every_tool_without_hanging(self):
-        fifo = self.path("pipe")
-        os.mkfifo(fifo)
-        cases = (("view", {"path": "pipe"}), ("str_replace", {"path": "pipe", "old_str": "a", "new_str": "b"}),
-                 ("grep", {"pattern": "x", "path": "pipe"}), ("search_text", {"query": "x", "paths": ["pipe"]}),
-                 ("create_file", {"path": "pipe", "content": "x"}), ("read_file", {"path": "pipe"}),
-                 ("write_file", {"path": "pipe", "content": "x"}))
-        for name, args in cases:
-            done, out = run_with_deadline(lambda: self.call(name, **args), 10)
-            self.assertTrue(done, "%s blocked on a FIFO" % name)
-            text, err = out
-            self.assertTrue(err, "%s: %s" % (name, text))
-            if not text.startswith("错误"):                     # the seed-004 tools answer in their words
-                self.assertIn("FIFO", text, name)
-        self.assertTrue(stat.S_ISFIFO(os.lstat(fifo).st_mode), "the FIFO was replaced")
-
-    def test_character_devices_are_not_read_or_replaced(self):
-        for name, args in (("view", {"path": "/dev/zero"}),
-                           ("str_replace", {"path": "/dev/zero", "old_str": "a", "new_str": "b"}),
-                           ("create_file", {"path": "/dev/null", "content": "x"}),
-                           ("grep", {"pattern": "x", "path": "/dev/zero"})):
-            done, out = run_with_deadline(lambda: self.call(name, **args), 10)
-            self.assertTrue(done, "%s on a device did not return" % name)
-            text, err = out
-            self.assertTrue(err and "character device" in text, "%s: %s" % (name, text))
-        self.assertTrue(stat.S_ISCHR(os.stat("/dev/null").st_mode))
-
-    def test_seed004_read_file_of_a_device_in_the_workspace(self):
-        cfg = boris.parse_config(["--workdir", "/dev"], {})
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
-        server = boris.McpServer(cfg, policy)
-        done, r = run_with_deadline(lambda: boris.McpServer.run_tool(
-            server.tools["read_file"], self.session, {"path": "zero"}, ctx_of(cfg, policy)), 10)
-        self.assertTrue(done)
-        self.assertTrue(r["isError"])
-        self.assertTrue(r["content"][0]["text"].startswith("错误："), r)
-
-    def test_proc_files_read_within_the_limit(self):
-        text = self.ok("view", path="/proc/self/status")
-        self.assertIn("Pid:", text)
-        self.assertIn("fd", self.ok("view", path="/proc/self"))
-
-
-class TestOddPaths(NoViewBase):
-    def test_lone_surrogate_and_nul(self):
-        for tool, key in (("view", "path"), ("create_file", "path"), ("grep", "path"), ("glob", "path")):
-            for bad in ("a\udc80b", "x\ud800", "a\x00b"):
-                args = {key: bad}
-                args.update({"create_file": {"content": "x"}, "grep": {"pattern": "x"},
-                             "glob": {"pattern": "*"}}.get(tool, {}))
-                self.fails(tool, "INVALID_INPUT", **args)
-        text, err = self.call("read_file", path="a\udc80b")
-        self.assertTrue(err and text.startswith("错误：路径无效"), text)
-
-    def test_chain_of_1000_links_is_access_denied(self):
-        for k in range(1000):
-            os.symlink("c%d" % (k + 1), self.path("c%d" % k))
-        self.write("c1000", "end\n")
-        self.assertIn("symlink loop", self.fails("view", "ACCESS_DENIED", path="c0"))
-        self.fails("view", "ACCESS_DENIED", path="c0/../x")
-        self.assertEqual(self.ok("view", path="c990"), "     1\tend")
-
-    def test_file_used_as_a_directory_is_named(self):
-        self.write("a.txt", "x\n")
-        text = self.fails("create_file", "INVALID_INPUT", path="a.txt/sub/x", content="y")
-        self.assertIn("a.txt as a directory, but it is a file", text)
-        self.fails("view", "INVALID_INPUT", path="a.txt/x")
-
-    def test_longest_legal_name_is_writable(self):
-        name = "\U0001F600" * 63                    # 252 bytes: legal, while a char-cut temp name is not
-        self.ok("create_file", path=name, content="x\n")
-        self.assertEqual(self.read(name), b"x\n")
-        self.ok("str_replace", path=name, old_str="x", new_str="y")
-        self.assertEqual(self.read(name), b"y\n")
-        self.fails("create_file", "INVALID_INPUT", path="\U0001F600" * 64, content="x")
-
-    def test_bad_globs_are_pattern_errors(self):
-        for pattern in ("[z-a]", "{" * 5000 + "a" + "}" * 5000, "[[:nope:]]", "a[b"):
-            self.fails("glob", "GLOB_INVALID_PATTERN", pattern=pattern)
-            self.fails("search_files", "GLOB_INVALID_PATTERN", pattern=pattern)
-            self.fails("grep", "INVALID_INPUT", pattern="x", include=pattern)
-
-    def test_posix_class_in_glob(self):
-        self.write("f1.txt", "")
-        self.write("fx.txt", "")
-        self.assertEqual(self.ok("glob", pattern="f[[:digit:]].txt"), "f1.txt")
-
-
-# ---------------------------------------------------------------------------
-# Nothing lost, nothing frozen, nothing left behind
-# ---------------------------------------------------------------------------
-
-CATASTROPHIC = "(a+)+$"
-CATASTROPHIC_LINE = "a" * 27 + "b\n"
-
-
-def helper_pids(server_pid, kind="search"):
-    """Live helper processes of `kind` whose parent is server_pid."""
+def string_paths(schema, prefix=""):
+    """(dotted name, setter) for every string a tool's schema takes, nested ones too:
+    setter(args, value) puts `value` there in a copy of args."""
     out = []
-    for pid in procs_with("--helper %s" % kind):
-        try:
-            with open("/proc/%d/stat" % pid) as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == server_pid:
-                    out.append(pid)
-        except OSError:
-            pass
+    for key, spec in sorted(schema.get("properties", {}).items()):
+        name = prefix + key
+        if spec.get("type") == "string":
+            out.append((name, key, None))
+        elif spec.get("type") == "array" and spec.get("items", {}).get("type") == "string":
+            out.append((name + "[0]", key, "list"))
+        elif spec.get("type") == "array" and spec.get("items", {}).get("type") == "object":
+            for sub in sorted(spec["items"]["properties"]):
+                if spec["items"]["properties"][sub].get("type") == "string":
+                    out.append(("%s[0].%s" % (name, sub), key, sub))
     return out
 
 
-class TestParallelEdits(NoViewBase):
-    def parallel(self, calls):
-        threads = [threading.Thread(target=lambda a=a: self.ok(*a[0], **a[1])) for a in calls]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+class TestEveryStringIsCheckedAtTheSchema(NoViewBase):
+    """No string argument with a NUL or a lone surrogate reaches a handler."""
 
-    def test_sixty_parallel_edits_of_distinct_lines_all_land(self):
-        self.write("f.txt", "".join("line %d\n" % i for i in range(60)))
-        self.parallel([(("str_replace",), {"path": "f.txt", "old_str": "line %d\n" % i, "new_str": "edited %d\n" % i})
-                       for i in range(60)])
-        self.assertEqual(self.read("f.txt").decode(), "".join("edited %d\n" % i for i in range(60)))
+    def check_server(self, server):
+        campaign = ArgumentCampaign(self.root, 9)
+        checked = 0
+        for name, tool in sorted(server.tools.items()):
+            for shown, key, how in string_paths(tool.schema):
+                for bad in BAD_TEXT:
+                    args = json.loads(json.dumps(campaign.base[name]))
+                    if how is None:
+                        args[key] = bad
+                    elif how == "list":
+                        args[key] = [bad]
+                    else:
+                        args[key] = [dict({"old_str": "x"}, **{how: bad})]
+                    r = boris.McpServer.run_tool(tool, self.session, args, ctx_of(server.config, self.policy))
+                    text = r["content"][0]["text"]
+                    self.assertTrue(r["isError"], "%s %s=%r: %s" % (name, shown, bad, text))
+                    self.assertTrue(text.startswith(("[INVALID_INPUT] argument '%s'" % shown, "错误：路径无效")),
+                                    "%s %s=%r: %s" % (name, shown, bad, text))
+                    checked += 1
+        return checked
 
-    def test_parallel_edits_across_sessions_and_tools(self):
-        self.write("f.txt", "a\nb\n")
-        other = boris.Session(self.cfg)
-        self.addCleanup(other.close)
-        for trial in range(30):
-            self.write("f.txt", "a\nb\n")
-            ctx = ctx_of(self.cfg, self.policy)
-            t = threading.Thread(target=boris.McpServer.run_tool, args=(
-                self.server.tools["str_replace"], other, {"path": "f.txt", "old_str": "a\n", "new_str": "A\n"}, ctx))
-            t.start()
-            self.ok("str_replace", path="f.txt", old_str="b\n", new_str="B\n")
-            t.join()
-            self.assertEqual(self.read("f.txt"), b"A\nB\n", "trial %d lost an edit" % trial)
+    def test_nul_and_lone_surrogates_are_invalid_input_naming_the_argument(self):
+        n = self.check_server(self.server)
+        cfg = boris.parse_config(["--workdir", self.root, "--anthropic-compat"], {})
+        n += self.check_server(boris.McpServer(cfg, self.policy))
+        self.assertGreater(n, 150)
 
+    def test_integers_beyond_json_safe_are_refused(self):
+        for value in (2 ** 53, -(2 ** 60), 10 ** 400):
+            text = self.fails("view", "INVALID_INPUT", path="x", view_range=[1, value])
+            self.assertIn("out of range", text)
 
-class TestLineEndingsAndModes(NoViewBase):
-    def test_mixed_endings_match_verbatim_and_keep_each_lines_ending(self):
-        self.write("m.txt", b"l1\nl2\nl3\r\nl4\n")
-        self.ok("str_replace", path="m.txt", old_str="l1\nl2", new_str="L1\nL2")
-        self.assertEqual(self.read("m.txt"), b"L1\nL2\nl3\r\nl4\n")
-        self.ok("str_replace", path="m.txt", old_str="l4", new_str="l4\nl5")
-        self.assertEqual(self.read("m.txt"), b"L1\nL2\nl3\r\nl4\nl5\n")
-        self.ok("str_replace", path="m.txt", old_str="l3", new_str="l3\nl3b")
-        self.assertEqual(self.read("m.txt"), b"L1\nL2\nl3\r\nl3b\r\nl4\nl5\n")
+    def test_read_file_encodings_must_be_text_codecs(self):
+        self.write("e.txt", "café\n")
+        for enc in ("undefined", "punycode", "idna", "base64", "rot13", "zlib_codec", "hex", "no-such", "utf-9"):
+            text, err = self.call("read_file", path="e.txt", encoding=enc)
+            self.assertTrue(err and text.startswith("错误：不支持的编码"), (enc, text))
+        self.assertEqual(self.call("read_file", path="e.txt", encoding="UTF8"), ("café\n", False))
+        self.assertEqual(self.call("read_file", path="e.txt", encoding="latin-1")[0], "cafÃ©\n")
+        text, err = self.call("read_file", path="e.txt", encoding="utf-16")     # odd length: latin-1 fallback
+        self.assertFalse(err, text)
 
-    def test_crlf_file_with_lf_old_str_still_works(self):
-        self.write("c.txt", b"a\r\nb\r\nc\r\n")
-        self.ok("str_replace", path="c.txt", old_str="a\nb", new_str="x\ny")
-        self.assertEqual(self.read("c.txt"), b"x\r\ny\r\nc\r\n")
-
-    @unittest.skipUnless(os.geteuid() == 0, "needs root to own a file as another user")
-    def test_setuid_and_owner_survive_an_edit(self):
-        p = self.write("s.sh", "echo a\n")
-        os.chown(p, 65534, 65534)
-        os.chmod(p, 0o6755)
-        self.ok("str_replace", path="s.sh", old_str="a", new_str="b")
-        st = os.stat(p)
-        self.assertEqual((st.st_uid, st.st_gid), (65534, 65534))
-        self.assertEqual(stat.S_IMODE(st.st_mode), 0o6755)
-
-    def test_leftover_temp_files_of_a_killed_run_are_cleaned(self):
-        d = self.path("d")
-        os.makedirs(d)
-        dead = ".f.txt.boris-%d-%s%s.tmp" % (2 ** 22 + 7, "0" * 8, "1" * 8)        # no such pid
-        same_pid_old_run = ".f.txt.boris-%d-%s%s.tmp" % (os.getpid(), "f" * 8, "2" * 8)
-        live_other = ".f.txt.boris-%d-%s%s.tmp" % (1, "a" * 8, "3" * 8)
-        for name in (dead, same_pid_old_run, live_other, ".keep.tmp"):
-            with open(os.path.join(d, name), "w") as f:
-                f.write("torn")
-        with mock.patch.object(boris, "_RUN_TOKEN", "e" * 8):
-            self.ok("create_file", path="d/f.txt", content="x\n")
-        self.assertEqual(sorted(os.listdir(d)), sorted(["f.txt", live_other, ".keep.tmp"]))
-
-    def test_rename_refused_falls_back_to_writing_in_place(self):
-        p = self.write("bind.txt", "old\n")
-        ino = os.stat(p).st_ino
-
-        def busy(*a, **k):
-            raise OSError(errno.EBUSY, "Device or resource busy")
-        with mock.patch.object(boris, "replace_file", busy):
-            text = self.ok("str_replace", path="bind.txt", old_str="old", new_str="new")
-        self.assertIn("rewritten in place", text)
-        self.assertEqual(self.read("bind.txt"), b"new\n")
-        self.assertEqual(os.stat(p).st_ino, ino)
-        with mock.patch.object(boris, "replace_file", busy):
-            self.fails("create_file", "IO_ERROR", path="new.txt", content="x")       # nothing to rewrite
+    def test_str_replace_miss_of_whitespace_needs_no_crash(self):
+        self.write("w.txt", "a\n\nb\n\n\n")
+        for old in (" ", "\t", " \n ", "  \n\n  \n"):
+            self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="w.txt", old_str=old, new_str="x")
+            self.fails("multi_edit", "STR_REPLACE_NOT_FOUND", path="w.txt", edits=[{"old_str": old}])
 
 
-class TestKillableSearch(SearchBase):
+class TestSchemasTellTheTruth(Base):
+    def test_required_arguments_have_no_defaults_and_enums_are_listed(self):
+        for tool in self.server.tools.values():
+            for name in tool.schema["required"]:
+                self.assertNotIn("default", tool.schema["properties"][name]["description"].lower(),
+                                 "%s.%s is required but describes a default" % (tool.name, name))
+        props = self.server.tools["grep"].schema["properties"]
+        self.assertEqual(props["output_mode"]["enum"], ["files_with_matches", "content", "count"])
+        self.assertEqual(self.server.tools["glob"].schema["properties"]["type"]["enum"], ["file", "directory"])
+        for name in ("read_file", "write_file", "list_directory", "web_fetch"):
+            self.assertIn("错误", self.server.tools[name].description)
+        self.assertEqual(self.server.tools["list_directory"].schema["required"], [])
+        self.assertEqual(self.server.tools["search_text"].schema["required"], ["query"])
+
+    def test_instructions_carry_the_usage_rules(self):
+        text = self.server.instructions()
+        for phrase in ("Prefer the view, grep and glob tools", "do not persist between calls",
+                       "Pipe long command output through tail"):
+            self.assertIn(phrase, text)
+
+    def test_discover_for_2026_has_no_logging(self):
+        self.assertNotIn("logging", self.server.m_discover({}, self.session)["capabilities"])
+        self.assertIn("logging", self.server.m_initialize({}, self.session)["capabilities"])
+
+
+class TestResultsFitTheClients(NoViewBase):
+    """Every result within --max-result-chars; a cut one starts and ends with one line
+    that says it was cut and how to read on."""
+
+    def big_tree(self):
+        self.write("big.txt", "".join("line %05d %s\n" % (i, "x" * 100) for i in range(1200)))   # 120 KB
+        for i in range(600):
+            self.write("many/f%03d-%s.txt" % (i, "n" * 60), "hit %d\n" % i)
+
+    def assert_fits(self, text, cap, reads_on):
+        self.assertLessEqual(len(text), cap)
+        first, last = text.split("\n", 1)[0], text.rsplit("\n", 1)[-1]
+        self.assertTrue(first.startswith("[") and first == last, (first[:200], last[:200]))
+        self.assertTrue(any(w in first for w in reads_on), first)
+
+    def test_every_long_result_is_cut_with_a_notice_first_and_last(self):
+        self.big_tree()
+        for cap in (4000, 10000, 40000):
+            cfg = boris.parse_config(["--workdir", self.root, "--require-view-before-edit", "false",
+                                      "--max-result-chars", str(cap)], {})
+            server = boris.McpServer(cfg, self.policy)
+
+            def run(name, **args):
+                r = server.run_tool(server.tools[name], self.session, args, ctx_of(cfg, self.policy))
+                self.assertEqual(r["_meta"], {"anthropic/maxResultSizeChars": cap})
+                self.assertFalse(r["isError"], r)
+                return r["content"][0]["text"]
+            self.assert_fits(run("view", path="big.txt"), cap, ["view_range"])
+            self.assert_fits(run("read_file", path="big.txt"), cap, ["offset="])
+            self.assert_fits(run("grep", pattern="hit", path="many", output_mode="content"), cap, ["offset="])
+            self.assert_fits(run("glob", pattern="**/*.txt"), cap, ["offset="])
+            self.assert_fits(run("bash", command="cat big.txt"), cap, ["tail, head or grep"])
+            self.assert_fits(run("bash", command="cat big.txt; cat big.txt >&2"), cap, ["tail, head or grep"])
+            if cap < 40000:
+                self.assert_fits(run("list_directory", path="many"), cap, ["list a subdirectory"])
+            tid = re.search(r"task_[0-9a-f]+", run("bash", command="cat big.txt", run_in_background=True)).group(0)
+            self.assert_fits(run("task_output", task_id=tid, wait_ms=20000), cap, ["tail, head or grep"])
+
+    def test_a_120_kb_view_fits_claude_codex_and_gemini(self):
+        self.big_tree()
+        text = self.ok("view", path="big.txt")
+        self.assertLessEqual(len(text), 40000)              # Gemini keeps 40,000; Claude inlines up to 50,000
+        m = re.match(r"\[cut at \d+ characters after line (\d+); read on with view_range \[(\d+), -1\]\]", text)
+        self.assertTrue(m, text[:200])
+        rest = self.ok("view", path="big.txt", view_range=[int(m.group(2)), -1])
+        self.assertIn("%6d\tline %05d" % (int(m.group(2)), int(m.group(2)) - 1), rest)
+
+    def test_the_result_cap_is_a_flag_and_an_environment_variable(self):
+        self.assertEqual(boris.parse_config([], {}).max_result_chars, 40000)
+        self.assertEqual(boris.parse_config([], {"BORIS_MAX_RESULT_CHARS": "12000"}).max_result_chars, 12000)
+        self.assertEqual(boris.parse_config(["--max-result-chars", "9000"], {}).max_result_chars, 9000)
+        for bad in ("0", "100", "abc", "-5", "99999999"):
+            with self.assertRaises(boris.ConfigError):
+                boris.parse_config(["--max-result-chars", bad], {})
+
+    def test_errors_start_with_their_code_for_clients_that_drop_is_error(self):
+        for name, args in (("view", {"path": "nope"}), ("view", {}), ("view", {"path": 3}),
+                           ("grep", {"pattern": "("}), ("bash", {"command": " "}), ("glob", {"pattern": ""}),
+                           ("str_replace", {"path": "x", "old_str": "a", "bogus": 1}), ("task_output", {"task_id": "t"})):
+            text, err = self.call(name, **args)
+            self.assertTrue(err)
+            self.assertRegex(text, r"^\[[A-Z_]+\] ", (name, args))
+
+
+# ---------------------------------------------------------------------------
+# Protocol: dispatch, sessions, workers
+# ---------------------------------------------------------------------------
+
+
+class TestProtocol(Base):
+    def send(self, msg, wait=True):
+        out = []
+        got = threading.Event()
+
+        def emit(m):
+            out.append(m)
+            if "id" in m and ("result" in m or "error" in m):
+                got.set()
+        self.server.dispatch(msg, self.session, emit)
+        if wait:
+            got.wait(10)
+        return out
+
+    def req(self, method, params=None, rid=1):
+        msg = {"jsonrpc": "2.0", "id": rid, "method": method}
+        if params is not None:
+            msg["params"] = params
+        return self.send(msg)[-1]
+
+    def test_initialize_negotiates_version(self):
+        for v in ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"):
+            r = self.req("initialize", {"protocolVersion": v, "capabilities": {}})["result"]
+            self.assertEqual(r["protocolVersion"], v)
+        r = self.req("initialize", {"protocolVersion": "1999-01-01"})["result"]
+        self.assertEqual(r["protocolVersion"], "2025-11-25")
+        self.assertEqual(r["serverInfo"]["name"], "boris")
+        self.assertEqual(r["capabilities"]["tools"], {"listChanged": False})
+        self.assertIn("logging", r["capabilities"])
+        self.assertIn("Working directory: %s" % self.root, r["instructions"])
+
+    def test_instructions_name_scope(self):
+        cfg = boris.parse_config(["--workdir", self.root, "--allow-dir", self.root, "--deny-dir", "**/.env"], {})
+        srv = boris.McpServer(cfg, boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir))
+        text = srv.instructions()
+        self.assertIn("Allowed directories: %s" % self.root, text)
+        self.assertIn("Denied patterns: **/.env", text)
+        self.assertIn("View before edit: on", text)
+
+    def test_ping_and_set_level(self):
+        self.assertEqual(self.req("ping")["result"], {})
+        self.assertEqual(self.req("logging/setLevel", {"level": "debug"})["result"], {})
+
+    def test_tools_list_shapes(self):
+        tools = self.req("tools/list")["result"]["tools"]
+        names = [t["name"] for t in tools]
+        for t in tools:
+            self.assertEqual(t["inputSchema"]["type"], "object")
+            self.assertIs(t["inputSchema"]["additionalProperties"], False)
+            self.assertTrue(t["description"])
+            self.assertIn("readOnlyHint", t["annotations"])
+        by = dict((t["name"], t) for t in tools)
+        self.assertTrue(by["view"]["annotations"]["readOnlyHint"])
+        self.assertTrue(by["bash"]["annotations"]["destructiveHint"])
+        self.assertTrue(by["create_file"]["annotations"]["destructiveHint"])
+        self.assertIn("view", names)
+
+    def test_error_codes(self):
+        self.assertEqual(self.req("no/such")["error"]["code"], -32601)
+        self.assertEqual(self.send([1, 2])[-1]["error"]["code"], -32600)
+        self.assertEqual(self.send({"jsonrpc": "1.0", "id": 1, "method": "ping"})[-1]["error"]["code"], -32600)
+        self.assertEqual(self.send({"jsonrpc": "2.0", "id": {"x": 1}, "method": "ping"})[-1]["error"]["code"], -32600)
+        self.assertEqual(self.send({"jsonrpc": "2.0", "id": 1, "method": "ping", "params": [1]})[-1]["error"]["code"], -32602)
+
+    def test_tools_call_param_errors_name_the_argument(self):
+        e = self.req("tools/call", {"name": "nope", "arguments": {}})["error"]
+        self.assertEqual(e["code"], -32602)
+        self.assertIn("nope", e["message"])
+        # Argument errors are tool results the model sees (SEP-1303), naming the argument.
+        for args, named in (({}, "missing required argument 'path'"), ({"path": 5}, "'path' must be a string"),
+                            ({"path": "x", "color": "red"}, "unknown argument 'color'"),
+                            ([1], "arguments must be a JSON object")):
+            r = self.req("tools/call", {"name": "view", "arguments": args})["result"]
+            self.assertTrue(r["isError"])
+            self.assertTrue(r["content"][0]["text"].startswith("[INVALID_INPUT] "), r)
+            self.assertIn(named, r["content"][0]["text"])
+
+    def test_notifications_get_no_answer(self):
+        self.assertEqual(self.send({"jsonrpc": "2.0", "method": "notifications/initialized"}, wait=False), [])
+        self.assertEqual(self.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                                    "params": {"requestId": 99}}, wait=False), [])
+
+    def test_handler_bug_is_internal_error_and_server_lives(self):
+        def broken(self_, params, session):
+            raise RuntimeError("boom")
+        boris.McpServer.METHODS["test/broken"] = broken
+        level = boris._log_state["level"]
+        boris._log_state["level"] = 99          # the traceback is expected: keep the run quiet
+        try:
+            self.assertEqual(self.req("test/broken")["error"]["code"], -32603)
+        finally:
+            del boris.McpServer.METHODS["test/broken"]
+            boris._log_state["level"] = level
+        self.assertEqual(self.req("ping")["result"], {})
+
+    def test_modern_discover_and_meta_requests(self):
+        r = self.req("server/discover", {"_meta": {boris.META_VERSION_KEY: "2026-07-28"}})["result"]
+        self.assertIn("2026-07-28", r["supportedVersions"])
+        self.assertEqual(r["cacheScope"], "private")
+        self.assertEqual(r["resultType"], "complete")
+        self.assertEqual(r["serverInfo"]["name"], "boris")
+        r = self.req("tools/list", {"_meta": {boris.META_VERSION_KEY: "2026-07-28"}})["result"]
+        self.assertEqual((r["resultType"], r["cacheScope"]), ("complete", "private"))
+        self.write("m.txt", "hi\n")
+        r = self.req("tools/call", {"name": "view", "arguments": {"path": "m.txt"},
+                                    "_meta": {boris.META_VERSION_KEY: "2026-07-28"}})["result"]
+        self.assertEqual(r["resultType"], "complete")
+        e = self.req("tools/list", {"_meta": {boris.META_VERSION_KEY: "2099-01-01"}})["error"]
+        self.assertEqual(e["code"], -32022)
+        self.assertEqual(e["data"]["requested"], "2099-01-01")
+
+    def test_worker_pool_is_capped_and_shrinks(self):
+        pool = boris.WorkerPool(max_workers=4)
+        gate, done = threading.Event(), []
+        with mock.patch.object(boris, "WORKER_IDLE_S", 0.2):
+            for i in range(20):
+                pool.submit(lambda i=i: (gate.wait(10), done.append(i)))
+            self.assertTrue(wait_until(lambda: pool.workers == 4, 5))
+            self.assertEqual(pool.workers, 4)
+            gate.set()
+            self.assertTrue(wait_until(lambda: len(done) == 20, 10))
+            self.assertTrue(wait_until(lambda: pool.workers == 0, 10), pool.workers)
+
+
+class TestSessionsAreFairAndSeparate(unittest.TestCase):
+    """One session's busy calls never hold up another's; sessionless state belongs to its
+    principal; task ids cannot be guessed."""
+
+    def test_a_busy_session_does_not_delay_another(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-fair-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        cfg = boris.parse_config(["--workdir", tmp], {})
+        server = boris.McpServer(cfg, boris.PathPolicy(workdir=tmp))
+        busy, quiet = boris.Session(cfg), boris.Session(cfg)
+        self.addCleanup(busy.close)
+        self.addCleanup(quiet.close)
+        busy_answers = []
+        mark = unique_sleep()
+        for i in range(boris.MAX_WORKERS + 6):
+            server.dispatch({"jsonrpc": "2.0", "id": i, "method": "tools/call", "params": {
+                "name": "bash", "arguments": {"command": "sleep %s" % mark}}}, busy, busy_answers.append)
+
+        def sleeping():
+            found = []
+            for pid in procs_with(mark):
+                try:
+                    with open("/proc/%d/cmdline" % pid, "rb") as f:
+                        if f.read().startswith(b"sleep"):
+                            found.append(pid)
+                except OSError:
+                    pass
+            return found
+        self.assertTrue(wait_until(lambda: len(sleeping()) >= boris.SESSION_MAX_RUNNING, 20))
+        answered = threading.Event()
+        server.dispatch({"jsonrpc": "2.0", "id": "q", "method": "tools/call", "params": {
+            "name": "glob", "arguments": {"pattern": "*"}}}, quiet, lambda m: answered.set())
+        self.assertTrue(answered.wait(20), "the quiet session's call waited behind the busy one")
+        self.assertEqual(busy_answers, [], "a busy call ended before the quiet one was answered")
+        self.assertLessEqual(len(sleeping()), boris.SESSION_MAX_RUNNING)
+
+    def test_worker_pool_takes_turns_between_owners(self):
+        pool = boris.WorkerPool(max_workers=2, per_session=2)
+        gate, order = threading.Event(), []
+        for i in range(6):
+            pool.submit(lambda i=i: (gate.wait(10), order.append(("a", i))), owner="a")
+        for i in range(3):
+            pool.submit(lambda i=i: (gate.wait(10), order.append(("b", i))), owner="b")
+        self.assertTrue(wait_until(lambda: pool.total == 3, 5))        # a's two, and b's first at once
+        gate.set()
+        self.assertTrue(wait_until(lambda: len(order) == 9, 10))
+        self.assertEqual(sorted(order), sorted([("a", i) for i in range(6)] + [("b", i) for i in range(3)]))
+
+    def test_task_ids_are_random_handles(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-ids-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        cfg = boris.parse_config(["--workdir", tmp], {})
+        server = boris.McpServer(cfg, boris.PathPolicy(workdir=tmp))
+        session = boris.Session(cfg)
+        self.addCleanup(session.close)
+        ids = set()
+        for _ in range(3):
+            r = server.run_tool(server.tools["bash"], session, {"command": "sleep 20", "run_in_background": True},
+                                ctx_of(cfg, server.policy))
+            ids.add(re.search(r"task_([0-9a-f]+)", r["content"][0]["text"]).group(1))
+        self.assertEqual(len(ids), 3)
+        self.assertTrue(all(len(i) >= 16 for i in ids), ids)
+        for guess in ("task_1", "task_2", "task_0"):
+            r = server.run_tool(server.tools["task_stop"], session, {"task_id": guess}, ctx_of(cfg, server.policy))
+            self.assertTrue(r["content"][0]["text"].startswith("[BASH_TASK_NOT_FOUND]"))
+
+    def test_sessionless_state_belongs_to_the_principal(self):
+        class H(boris.McpRequestHandler):
+            def __init__(self, token, auth):
+                self.transport = mock.Mock(token=token)
+                self.headers = {"Authorization": auth} if auth else {}
+        self.assertEqual(H(None, None).principal(), "local user")
+        a, b = H("t", "Bearer one").principal(), H("t", "Bearer two").principal()
+        self.assertNotEqual(a, b)
+        self.assertNotIn("one", a)
+        cfg = boris.parse_config(["--transport", "http"], {})
+        t = boris.HttpTransport(boris.McpServer(cfg, boris.PathPolicy()), cfg)
+        self.assertIsNot(t.principal_session(a), t.principal_session(b))
+        self.assertIs(t.principal_session(a), t.principal_session(a))
+        t.close_all()
+
+
+class TestLinearBuffers(unittest.TestCase):
+    """Buffers that split input into lines scan each byte once and are bounded."""
+
+    def test_line_buffer_splits_and_bounds(self):
+        b = boris.LineBuffer(limit=10)
+        self.assertEqual(b.feed(b"ab"), [])
+        self.assertEqual(b.feed(b"c\nde\n\nf"), [b"abc", b"de", b""])
+        self.assertEqual(b.feed(b"0123456789ABC"), [None])          # over the limit: once
+        self.assertEqual(b.feed(b"DEFGHIJKLMNOP"), [])
+        self.assertEqual(b.feed(b"Q\nok\n"), [b"ok"])               # the long line is skipped to its end
+        self.assertEqual(b.feed(b"tail"), [])
+        self.assertEqual(b.rest(), b"tail")
+
+    def test_line_buffer_scans_each_byte_once(self):
+        b = boris.LineBuffer()
+        scanned = []
+        real = bytearray.find
+
+        class Spy(bytearray):
+            def find(self, sub, start=0, *rest):
+                scanned.append(start)
+                return real(self, sub, start, *rest)
+        b.buf = Spy()
+        for _ in range(200):
+            b.feed(b"x" * 1000)
+        self.assertEqual(b.feed(b"\n"), [b"x" * 200000])
+        self.assertEqual(scanned[:3], [0, 1000, 2000])          # each search starts where the last stopped
+
+    def test_a_64_mb_line_is_refused_and_the_server_answers(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-big-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        c = StdioClient(["--workdir", tmp])
+        self.addCleanup(c.close)
+        c.initialize()
+        chunk = b"x" * (1 << 20)
+        for _ in range(66):
+            c.send_raw(chunk)
+        c.send_raw(b"\n")
+        self.assertEqual(c.request("ping", timeout=60)["result"], {})
+        self.assertEqual([m["error"]["code"] for m in c.lines if m and "error" in m], [-32700])
+
+
+# ---------------------------------------------------------------------------
+# Transports: stdio (a real server, as clients drive it)
+# ---------------------------------------------------------------------------
+
+
+class StdioClient(object):
+    """Drives `python3 boris.py` over pipes, as an MCP client does."""
+
+    def __init__(self, args, cwd=None):
+        self.adopt(subprocess.Popen([sys.executable, BORIS] + args, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd))
+
+    def adopt(self, p):
+        """Drive the server process `p` (its stdin and stdout pipes)."""
+        self.p = p
+        self.lines = []
+        self.bad = []                   # stdout lines that were not strict JSON
+        self.cond = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.errbuf = []
+        if self.p.stderr is not None:
+            threading.Thread(target=lambda: self.errbuf.extend(self.p.stderr), daemon=True).start()
+        self.next_id = 0
+
+    def _read(self):
+        for line in self.p.stdout:
+            with self.cond:
+                try:
+                    self.lines.append(strict_loads(line))
+                except ValueError:                           # not strict JSON: StdioBase fails the test
+                    self.bad.append(line[:300])
+                self.cond.notify_all()
+        with self.cond:
+            self.lines.append(None)
+            self.cond.notify_all()
+
+    def send_raw(self, data):
+        self.p.stdin.write(data)
+        self.p.stdin.flush()
+
+    def send(self, msg):
+        self.send_raw((json.dumps(msg) + "\n").encode())
+
+    def wait_for(self, pred, timeout=20):
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for m in self.lines:
+                    if m is not None and pred(m):
+                        return m
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.lines and self.lines[-1] is None):
+                    raise AssertionError("no matching message; got %r" % self.lines[-5:])
+                self.cond.wait(left)
+
+    def request(self, method, params=None, timeout=20):
+        self.next_id += 1
+        rid = self.next_id
+        self.send({"jsonrpc": "2.0", "id": rid, "method": method, "params": params or {}})
+        return self.wait_for(lambda m: m.get("id") == rid and ("result" in m or "error" in m), timeout)
+
+    def initialize(self):
+        r = self.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                        "clientInfo": {"name": "test", "version": "0"}})
+        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        return r
+
+    def call(self, name, args, timeout=20):
+        return self.request("tools/call", {"name": name, "arguments": args}, timeout)["result"]
+
+    def close(self):
+        try:
+            self.p.stdin.close()
+        except OSError:
+            pass
+        try:
+            code = self.p.wait(15)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            code = self.p.wait()
+        self.reader.join(5)
+        for f in (self.p.stdout, self.p.stderr):
+            try:
+                if f is not None:
+                    f.close()
+            except (OSError, ValueError):
+                pass
+        return code
+
+
+class StdioBase(unittest.TestCase):
+    args = []
+
     def setUp(self):
-        SearchBase.setUp(self)
-        self.write("cat/evil.txt", CATASTROPHIC_LINE * 3)
-        self.write("cat/fine.txt", "aaa\n")
+        self.tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-stdio-"))
+        self.c = StdioClient(["--workdir", self.tmp] + self.args)
+        self.c.initialize()
 
-    def test_catastrophic_grep_stops_at_the_deadline_with_a_notice(self):
-        with mock.patch.object(boris, "SEARCH_TIMEOUT_S", 1.0):
-            t = time.monotonic()
-            text = self.ok("grep", pattern=CATASTROPHIC, path="cat", output_mode="content")
-        self.assertLess(time.monotonic() - t, 8)
-        self.assertIn("[search stopped after 1 s: the results above are partial.", text)
+    def tearDown(self):
+        self.c.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.assertEqual(self.c.bad, [], "stdout carried lines that are not strict JSON")
 
-    def test_catastrophic_globs_and_includes_stop_too(self):
-        self.write("g/" + "a" * 60 + "c", "x\n")
-        with mock.patch.object(boris, "SEARCH_TIMEOUT_S", 0.5):
-            for name, args in (("glob", {"pattern": "*a*a*a*a*a*a*a*a*a*b", "path": "g"}),
-                               ("search_files", {"pattern": "g/*a*a*a*a*a*a*a*a*a*b"}),
-                               ("grep", {"pattern": "x", "path": "g", "include": "*a*a*a*a*a*a*a*a*a*b"})):
-                t = time.monotonic()
-                text = self.ok(name, **args)
-                self.assertLess(time.monotonic() - t, 8, name)
-                self.assertIn("[search stopped after 0.5 s", text, name)
 
-    def test_a_dead_warm_helper_is_replaced(self):
-        self.assertIn("fine.txt", self.ok("grep", pattern="aaa", path="cat"))      # leaves a warm helper
-        self.assertTrue(TEST_HELPERS.idle)
-        for proc in list(TEST_HELPERS.idle):
-            proc.kill()
-            proc.wait()
-        self.assertIn("fine.txt", self.ok("grep", pattern="aaa", path="cat"))
+class TestStdioProtocol(StdioBase):
+    def test_garbage_gets_errors_and_server_keeps_answering(self):
+        c = self.c
+        c.send_raw(b"this is not json\n")
+        self.assertEqual(c.wait_for(lambda m: m.get("error", {}).get("code") == -32700)["id"], None)
+        c.send_raw(b"[1,2,3]\n")
+        c.wait_for(lambda m: m.get("error", {}).get("code") == -32600)
+        c.send_raw(b'"just a string"\n')
+        c.send_raw(b'{"jsonrpc":"2.0","id":77,"method":42}\n')
+        c.wait_for(lambda m: m.get("id") == 77 and m["error"]["code"] == -32600)
+        self.assertEqual(c.request("unknown/method")["error"]["code"], -32601)
+        self.assertEqual(c.request("tools/call", {"name": "nope"})["error"]["code"], -32602)
+        r = c.request("tools/call", {"name": "view", "arguments": {"path": ["x"]}})["result"]
+        self.assertTrue(r["isError"] and r["content"][0]["text"].startswith("[INVALID_INPUT] argument 'path'"), r)
+        c.send_raw(b"\xff\xfe\n")
+        self.assertEqual(c.request("ping")["result"], {})
 
-    def test_cancel_kills_the_search_at_once(self):
-        cancelled = threading.Event()
-        threading.Timer(0.3, cancelled.set).start()
-        ctx = ctx_of(self.cfg, self.policy, cancelled)
-        t = time.monotonic()
-        boris.McpServer.run_tool(self.server.tools["grep"], self.session,
-                                 {"pattern": CATASTROPHIC, "path": "cat", "output_mode": "content"}, ctx)
-        self.assertLess(time.monotonic() - t, 3)
-        self.assertEqual(helper_pids(os.getpid()), [], "the cancelled helper was not killed")
+    def test_stdout_is_protocol_only_and_view_works(self):
+        with open(os.path.join(self.tmp, "a.txt"), "w") as f:
+            f.write("alpha\nbeta\n")
+        r = self.c.call("view", {"path": "a.txt"})
+        self.assertEqual(r["content"][0]["text"], "     1\talpha\n     2\tbeta")
+        tools = self.c.request("tools/list")["result"]["tools"]
+        self.assertIn("bash", [t["name"] for t in tools])
+
+    def test_eof_exits_zero(self):
+        self.assertEqual(self.c.close(), 0)
+
+    def test_sigterm_exits_zero(self):
+        self.c.p.send_signal(signal.SIGTERM)
+        self.assertEqual(self.c.p.wait(15), 0)
+
+
+class TestStdioDisabled(StdioBase):
+    args = ["--disable-tools", "bash", "--disable-tools", "create_file"]
+
+    def test_seed003_disabled_tools_not_listed(self):
+        names = [t["name"] for t in self.c.request("tools/list")["result"]["tools"]]
+        for gone in ("bash", "task_output", "create_file"):
+            self.assertNotIn(gone, names)
+        self.assertIn("view", names)
+
+
+class TestStdioCompat(StdioBase):
+    args = ["--anthropic-compat", "--disable-tools", "view"]
+
+    def test_seed003_compat_disable_mapping(self):
+        names = [t["name"] for t in self.c.request("tools/list")["result"]["tools"]]
+        self.assertNotIn("str_replace_editor", names)
+        self.assertNotIn("view", names)
+
+
+class TestStdioShell(StdioBase):
+    args = ["--require-view-before-edit", "false"]
+
+    def test_ping_answered_while_command_runs_and_cancel_kills(self):
+        s = unique_sleep()
+        self.c.send({"jsonrpc": "2.0", "id": 500, "method": "tools/call",
+                     "params": {"name": "bash", "arguments": {"command": "sleep %s" % s}}})
+        self.assertTrue(wait_until(lambda: procs_with(s), 10))
+        t0 = time.monotonic()
+        self.assertEqual(self.c.request("ping")["result"], {})
+        self.assertLess(time.monotonic() - t0, 5)
+        self.c.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                     "params": {"requestId": 500, "reason": "test"}})
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
+        self.assertEqual(self.c.request("ping")["result"], {})
+        self.assertFalse(any(m and m.get("id") == 500 for m in self.c.lines))
+
+    def test_progress_notifications(self):
+        self.c.send({"jsonrpc": "2.0", "id": 600, "method": "tools/call",
+                     "params": {"name": "bash", "_meta": {"progressToken": "tok"},
+                                "arguments": {"command": "for i in 1 2 3 4; do echo step$i; sleep 0.2; done"}}})
+        final = self.c.wait_for(lambda m: m.get("id") == 600)
+        self.assertIn("step4", final["result"]["content"][0]["text"])
+        prog = [m for m in self.c.lines if m and m.get("method") == "notifications/progress"]
+        self.assertGreaterEqual(len(prog), 2)
+        self.assertEqual(prog[0]["params"]["progressToken"], "tok")
+        self.assertIn("step1", prog[0]["params"]["message"])
+
+    def test_shutdown_kills_background_and_foreground(self):
+        s1, s2 = unique_sleep(), unique_sleep()
+        self.c.call("bash", {"command": "sleep %s & sleep %s" % (s1, s1), "run_in_background": True})
+        self.c.send({"jsonrpc": "2.0", "id": 700, "method": "tools/call",
+                     "params": {"name": "bash", "arguments": {"command": "sleep %s" % s2}}})
+        self.assertTrue(wait_until(lambda: len(procs_with(s1)) >= 2 and procs_with(s2), 10))
+        self.c.p.send_signal(signal.SIGTERM)
+        self.assertEqual(self.c.p.wait(20), 0)
+        self.assertEqual(procs_with(s1) + procs_with(s2), [])
+
+    def test_eof_kills_background_tasks(self):
+        s = unique_sleep()
+        self.c.call("bash", {"command": "sleep %s" % s, "run_in_background": True})
+        self.assertTrue(wait_until(lambda: procs_with(s), 10))
+        self.assertEqual(self.c.close(), 0)
+        self.assertEqual(procs_with(s), [])
 
 
 class TestNothingFrozenOverStdio(StdioBase):
@@ -2957,65 +4942,6 @@ class TestNothingFrozenOverStdio(StdioBase):
         self.c.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 901}})
         gone = lambda: not any(os.path.exists("/proc/%d" % pid) for pid in partners)   # zombies count
         self.assertTrue(wait_until(gone, 5), "a partner outlived its search, or was left a zombie")
-
-
-class TestOutputAtScale(NoViewBase):
-    def test_forty_megabytes_without_newlines_is_cut_and_bounded(self):
-        text = self.ok("bash", command="head -c 41943040 /dev/zero | tr '\\0' y")
-        self.assertIn("... 41913040 characters omitted ...", text)
-        self.assertLess(len(text), 31000)
-
-    def test_progress_floods_stay_bounded(self):
-        got = []
-        ctx = ctx_of(self.cfg, self.policy, progress=got.append)
-        boris.tool_bash(self.session, {"command": "head -c 5000000 /dev/zero | tr '\\0' z"}, ctx)
-        self.assertTrue(got)
-        self.assertTrue(all(len(m) <= boris.OUTPUT_MAX_CHARS for m in got))
-
-    def test_no_progress_work_without_a_progress_token(self):
-        made = []
-        real = boris.ProgressLines
-        with mock.patch.object(boris, "ProgressLines", lambda *a: made.append(1) or real(*a)):
-            self.ok("bash", command="echo hi")
-        self.assertEqual(made, [])
-
-
-class TestWaitsAndWorkers(NoViewBase):
-    def test_cancelled_task_output_wait_returns_at_once(self):
-        out = self.ok("bash", command="sleep 30", run_in_background=True)
-        task = re.search(r"task_[0-9a-f]+", out).group(0)
-        cancelled = threading.Event()
-        threading.Timer(0.2, cancelled.set).start()
-        t = time.monotonic()
-        boris.McpServer.run_tool(self.server.tools["task_output"], self.session,
-                                 {"task_id": task, "wait_ms": 600000},
-                                 ctx_of(self.cfg, self.policy, cancelled))
-        self.assertLess(time.monotonic() - t, 3)
-
-    def test_worker_pool_is_capped_and_shrinks(self):
-        pool = boris.WorkerPool(max_workers=4)
-        gate, done = threading.Event(), []
-        with mock.patch.object(boris, "WORKER_IDLE_S", 0.2):
-            for i in range(20):
-                pool.submit(lambda i=i: (gate.wait(10), done.append(i)))
-            self.assertTrue(wait_until(lambda: pool.workers == 4, 5))
-            self.assertEqual(pool.workers, 4)
-            gate.set()
-            self.assertTrue(wait_until(lambda: len(done) == 20, 10))
-            self.assertTrue(wait_until(lambda: pool.workers == 0, 10), pool.workers)
-
-    def test_task_started_as_the_session_closes_is_stopped(self):
-        s = unique_sleep()
-        real_launch = boris.launch
-
-        def close_meanwhile(session, script, *rest):
-            proc = real_launch(session, script, *rest)
-            session.close()
-            return proc
-        with mock.patch.object(boris, "launch", close_meanwhile):
-            text, err = self.call("bash", command="sleep %s" % s, run_in_background=True)
-        self.assertTrue(err, text)
-        self.assertTrue(wait_until(lambda: not procs_with(s), 10), "the task outlived its session")
 
 
 class TestProcessesLeftBehind(StdioBase):
@@ -3177,271 +5103,6 @@ class TestCrashesOnOneMessage(StdioBase):
         self.assertNotIn(-32603, [m.get("error", {}).get("code") for m in self.c.lines if m])
 
 
-# ---------------------------------------------------------------------------
-# Generated campaign: every tool x every property x hostile values
-# ---------------------------------------------------------------------------
-
-HOSTILE_STRINGS = ["a\x00b", "\x00", "\ud800", "x\udcff", "\udfff\ud800", "\x01\x1b[31m\r\n\t\x7f",
-                   "\u202e\u200b", "", " ", "\n", "a" * (1 << 20), "[" * 160000, "(a+)+$", "\\", "../" * 50,
-                   "http://[", "http://127.0.0.1:abc/", "http://127.0.0.1:1/a b", "http://127.0.0.1:1/\r\nX: y",
-                   "undefined", "punycode", "idna", "rot13", "base64", "utf-16", "\\p{L}", "*{a,b", "**/**/**/x"]
-HOSTILE_NUMBERS = [0, -1, -(10 ** 30), 10 ** 30, 2 ** 63, 1.5, -0.0, 1e300, 10 ** 400]
-HOSTILE_OTHERS = [True, False, [], {}, ["a"], [1, 2], {"a": 1}, [None], [["x"]], [{"a": "\x00"}]]
-HOSTILE_VALUES = HOSTILE_STRINGS + HOSTILE_NUMBERS + HOSTILE_OTHERS
-
-
-class ArgumentCampaign(object):
-    """Base arguments that work for each tool of a workspace, and a generator of calls
-    that spoil them: one property (or an extra one) set to a hostile value, or several."""
-
-    def __init__(self, root, web_port):
-        self.root = root
-        with open(os.path.join(root, "a.txt"), "w") as f:
-            f.write("alpha\n\n  beta\ngamma\n" * 5)
-        os.makedirs(os.path.join(root, "sub"), exist_ok=True)
-        with open(os.path.join(root, "sub", "b.py"), "w") as f:
-            f.write("print('ab')\n")
-        self.base = {
-            "bash": {"command": "true"},
-            "task_output": {"task_id": "task_1"},
-            "task_input": {"task_id": "task_1", "input": "x\n"},
-            "notebook_edit": {"path": "n.ipynb", "cell_number": 1, "new_source": "x"},
-            "task_stop": {"task_id": "task_1"},
-            "view": {"path": "a.txt"},
-            "str_replace": {"path": "a.txt", "old_str": "not there", "new_str": "x"},
-            "multi_edit": {"path": "a.txt", "edits": [{"old_str": "not there", "new_str": "x"}]},
-            "create_file": {"path": "new.txt", "content": "c\n"},
-            "grep": {"pattern": "a+", "path": "."},
-            "glob": {"pattern": "**/*.py"},
-            "search_text": {"query": "beta", "paths": ["."]},
-            "search_files": {"pattern": "**/*.txt"},
-            "read_file": {"path": "a.txt"},
-            "write_file": {"path": "w.txt", "content": "w\n"},
-            "list_directory": {"path": "."},
-            "web_fetch": {"url": "http://127.0.0.1:%d/page" % web_port, "timeout": 5},
-            "str_replace_editor": {"command": "view", "path": "a.txt"},
-            "apply_patch": {"input": "*** Begin Patch\n*** Update File: a.txt\n@@\n-gamma\n+gamma\n*** End Patch\n"},
-        }
-
-    def cases(self, tools, rng, n):
-        """`n` (tool name, arguments) pairs: first each property x each hostile value,
-        then random spoilings of one to three properties."""
-        out = []
-        for name in sorted(tools):
-            props = sorted(tools[name].schema["properties"]) + ["zz_extra", "wait_for_previous"]
-            for key in props:
-                for value in HOSTILE_VALUES:
-                    args = dict(self.base.get(name, {}))
-                    args[key] = value
-                    out.append((name, args))
-        names = sorted(tools)
-        while len(out) < n:
-            name = rng.choice(names)
-            args = dict(self.base.get(name, {}))
-            props = sorted(tools[name].schema["properties"])
-            for key in rng.sample(props, min(len(props), rng.randint(1, 3))):
-                args[key] = rng.choice(HOSTILE_VALUES)
-            if rng.random() < 0.1:
-                args = rng.choice([None, [], "x", 3, {"\x00": 1}])
-            out.append((name, args))
-        return out[:n] if len(out) > n else out
-
-
-class TestArgumentCampaign(unittest.TestCase):
-    """Thousands of calls whose arguments are spoiled one property at a time: NUL, lone
-    surrogates, control characters, 1 MB strings, wrong types, huge, negative and
-    float numbers, unknown extras. None may crash a call (-32603), log a traceback
-    or put anything but strict JSON on the wire."""
-
-    CASES = 6000
-
-    @classmethod
-    def setUpClass(cls):
-        cls.web = make_web_server()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.web.shutdown()
-        cls.web.server_close()
-
-    def setUp(self):
-        self.tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-campaign-"))
-        self.addCleanup(shutil.rmtree, self.tmp, True)
-        self.logged = []
-        real_log = boris.log
-
-        def spy(level, message, **fields):
-            if level == "error":
-                self.logged.append((message, fields))
-            elif level == "debug":
-                real_log(level, message, **fields)
-        patcher = mock.patch.object(boris, "log", spy)
-        patcher.start()
-        self.addCleanup(patcher.stop)
-
-    def run_calls(self, flags, n, seed):
-        cfg = boris.parse_config(["--workdir", self.tmp, "--allow-dir", self.tmp, "--require-view-before-edit", "false"]
-                                 + flags, {})
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
-        server = boris.McpServer(cfg, policy)
-        session = boris.Session(cfg)
-        self.addCleanup(session.close)
-        campaign = ArgumentCampaign(self.tmp, self.web.server_address[1])
-        stats = {"calls": 0, "errors": 0, "crashes": []}
-        for name, args in campaign.cases(server.tools, random.Random(seed), n):
-            cancelled = threading.Event()
-            timer = threading.Timer(1.0, cancelled.set)            # a wait of 600 s ends here
-            timer.start()
-            try:
-                r = boris.McpServer.run_tool(server.tools[name], session, args,
-                                             ctx_of(cfg, policy, cancelled))
-                json.dumps(r, allow_nan=False).encode("utf-8")        # strict: no NaN, no lone surrogate
-                stats["errors"] += r["isError"]
-                text = r["content"][0].get("text", "")
-                if r["isError"] and not re.match(r"\[[A-Z_]+\] |错误：", text):   # the code first: it survives rewrapping
-                    stats["crashes"].append("%s error without its code first: %r" % (name, text[:200]))
-            except Exception as e:                                  # -32603 over the wire
-                stats["crashes"].append("%s(%r): %r" % (name, repr(args)[:200], e))
-            finally:
-                timer.cancel()
-            stats["calls"] += 1
-        return stats
-
-    def test_spoiled_calls_over_stdio_put_only_strict_json_on_stdout(self):
-        c = StdioClient(["--workdir", self.tmp, "--allow-dir", self.tmp, "--require-view-before-edit", "false"])
-        self.addCleanup(c.close)
-        c.initialize()
-        tools = dict((t["name"], boris.Tool(t["name"], "", t["inputSchema"], {}, None))
-                     for t in c.request("tools/list")["result"]["tools"])
-        cases = ArgumentCampaign(self.tmp, self.web.server_address[1]).cases(tools, random.Random(25), 600)
-        for k, (name, args) in enumerate(cases):
-            c.send({"jsonrpc": "2.0", "id": 10000 + k, "method": "tools/call",
-                    "params": {"name": name, "arguments": args}})
-        answered = lambda: len([m for m in c.lines if m and isinstance(m.get("id"), int) and m["id"] >= 10000])
-        self.assertTrue(wait_until(lambda: answered() == len(cases), 60), "%d of %d answered" % (answered(), len(cases)))
-        c.close()
-        self.assertEqual(c.bad, [], "stdout lines that are not strict JSON")
-        self.assertNotIn(-32603, [m.get("error", {}).get("code") for m in c.lines if m])
-        errors = b"".join(c.errbuf).decode("utf-8", "replace")
-        self.assertNotIn("Traceback", errors)
-        self.assertGreater(len([m for m in c.lines if m and m.get("result", {}).get("isError")]), 300)
-
-    def test_thousands_of_spoiled_calls_crash_nothing(self):
-        stats = self.run_calls([], self.CASES - 1000, seed=23)
-        compat = self.run_calls(["--anthropic-compat"], 1000, seed=24)
-        crashes = stats["crashes"] + compat["crashes"]
-        self.assertEqual(crashes, [], "%d crashes, e.g. %s" % (len(crashes), "\n".join(crashes[:10])))
-        self.assertEqual(self.logged, [], "tracebacks logged: %r" % self.logged[:3])
-        self.assertGreaterEqual(stats["calls"] + compat["calls"], 5000)
-        self.assertGreater(stats["errors"], 2000)
-
-
-# ---------------------------------------------------------------------------
-# Guarantees that hold by construction (strings, JSON, regexes, helpers, imports,
-# sessions, buffers)
-# ---------------------------------------------------------------------------
-
-BAD_TEXT = ("a\x00b", "\x00", "\ud800", "x\udcff", "\udfff\ud800z")
-
-
-def string_paths(schema, prefix=""):
-    """(dotted name, setter) for every string a tool's schema takes, nested ones too:
-    setter(args, value) puts `value` there in a copy of args."""
-    out = []
-    for key, spec in sorted(schema.get("properties", {}).items()):
-        name = prefix + key
-        if spec.get("type") == "string":
-            out.append((name, key, None))
-        elif spec.get("type") == "array" and spec.get("items", {}).get("type") == "string":
-            out.append((name + "[0]", key, "list"))
-        elif spec.get("type") == "array" and spec.get("items", {}).get("type") == "object":
-            for sub in sorted(spec["items"]["properties"]):
-                if spec["items"]["properties"][sub].get("type") == "string":
-                    out.append(("%s[0].%s" % (name, sub), key, sub))
-    return out
-
-
-class TestEveryStringIsCheckedAtTheSchema(NoViewBase):
-    """Item 1: no string argument with a NUL or a lone surrogate reaches a handler."""
-
-    def check_server(self, server):
-        campaign = ArgumentCampaign(self.root, 9)
-        checked = 0
-        for name, tool in sorted(server.tools.items()):
-            for shown, key, how in string_paths(tool.schema):
-                for bad in BAD_TEXT:
-                    args = json.loads(json.dumps(campaign.base[name]))
-                    if how is None:
-                        args[key] = bad
-                    elif how == "list":
-                        args[key] = [bad]
-                    else:
-                        args[key] = [dict({"old_str": "x"}, **{how: bad})]
-                    r = boris.McpServer.run_tool(tool, self.session, args, ctx_of(server.config, self.policy))
-                    text = r["content"][0]["text"]
-                    self.assertTrue(r["isError"], "%s %s=%r: %s" % (name, shown, bad, text))
-                    self.assertTrue(text.startswith(("[INVALID_INPUT] argument '%s'" % shown, "错误：路径无效")),
-                                    "%s %s=%r: %s" % (name, shown, bad, text))
-                    checked += 1
-        return checked
-
-    def test_nul_and_lone_surrogates_are_invalid_input_naming_the_argument(self):
-        n = self.check_server(self.server)
-        cfg = boris.parse_config(["--workdir", self.root, "--anthropic-compat"], {})
-        n += self.check_server(boris.McpServer(cfg, self.policy))
-        self.assertGreater(n, 150)
-
-    def test_integers_beyond_json_safe_are_refused(self):
-        for value in (2 ** 53, -(2 ** 60), 10 ** 400):
-            text = self.fails("view", "INVALID_INPUT", path="x", view_range=[1, value])
-            self.assertIn("out of range", text)
-
-    def test_read_file_encodings_must_be_text_codecs(self):
-        self.write("e.txt", "café\n")
-        for enc in ("undefined", "punycode", "idna", "base64", "rot13", "zlib_codec", "hex", "no-such", "utf-9"):
-            text, err = self.call("read_file", path="e.txt", encoding=enc)
-            self.assertTrue(err and text.startswith("错误：不支持的编码"), (enc, text))
-        self.assertEqual(self.call("read_file", path="e.txt", encoding="UTF8"), ("café\n", False))
-        self.assertEqual(self.call("read_file", path="e.txt", encoding="latin-1")[0], "cafÃ©\n")
-        text, err = self.call("read_file", path="e.txt", encoding="utf-16")     # odd length: latin-1 fallback
-        self.assertFalse(err, text)
-
-    def test_str_replace_miss_of_whitespace_needs_no_crash(self):
-        self.write("w.txt", "a\n\nb\n\n\n")
-        for old in (" ", "\t", " \n ", "  \n\n  \n"):
-            self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="w.txt", old_str=old, new_str="x")
-            self.fails("multi_edit", "STR_REPLACE_NOT_FOUND", path="w.txt", edits=[{"old_str": old}])
-
-
-class TestUrlsAndCharsets(NoViewBase):
-    """web_fetch's URL and charset checks, against TestWebFetch's local server."""
-    setUpClass = TestWebFetch.__dict__["setUpClass"]
-    tearDownClass = TestWebFetch.__dict__["tearDownClass"]
-
-    def test_malformed_urls_are_refused_with_the_reason(self):
-        port = self.srv.server_address[1]
-        for url in ("http://[", "http://[::1", "http://127.0.0.1:abc/", "http://127.0.0.1:99999/",
-                    "http://127.0.0.1:%d/a b" % port, "http://127.0.0.1:%d/\r\nX-Y: z" % port,
-                    "http://127.0.0.1:%d/\t" % port, "http://:80/", "http://127.0.0.1:0/",
-                    "http://" + "a" * 70 + ".example/", "http://" + "x" * 9000):
-            text, err = self.call("web_fetch", url=url)
-            self.assertTrue(err, (url, text))
-            self.assertTrue(text.startswith(("错误：无效的网址", "错误：只支持", "错误：无法解析主机")), (url, text))
-            self.assertNotIn("\r", text)
-        for url in ("ftp://127.0.0.1/", "file:///etc/passwd", "javascript:alert(1)", "//127.0.0.1/"):
-            self.assertTrue(self.call("web_fetch", url=url)[0].startswith("错误：只支持"), url)
-
-    def test_non_ascii_paths_are_percent_encoded(self):
-        text, err = self.call("web_fetch", url=self.base + "/caf\u00e9?q=\u00e4")
-        self.assertEqual((text, err), ("错误：HTTP 404: %s/caf\u00e9?q=\u00e4" % self.base, True))
-
-    def test_a_charset_that_is_no_text_codec_falls_back_to_utf8(self):
-        for charset in ("idna", "undefined", "punycode", "base64", "rot13", "no-such-charset", "utf-8"):
-            with mock.patch.object(boris, "http_fetch", lambda *a, **k: ("text/plain", charset, "café".encode())):
-                text, err = self.call("web_fetch", url=self.base + "/text")
-            self.assertEqual((text, err), ("café", False), charset)
-
-
 def strict_loads(line):
     """json.loads that refuses what strict parsers refuse (NaN, Infinity) and lone
     surrogates (which no UTF-8 JSON can carry)."""
@@ -3453,7 +5114,7 @@ def strict_loads(line):
 
 
 class TestStrictJsonOnTheWire(StdioBase):
-    """Item 2: nothing non-finite or unmatchable goes out (StdioClient parses strictly)."""
+    """Nothing non-finite or unmatchable goes out (StdioClient parses strictly)."""
 
     def test_non_finite_numbers_are_parse_errors_wherever_they_are(self):
         lines = [b'{"jsonrpc":"2.0","id":NaN,"method":"ping"}',
@@ -3499,7 +5160,7 @@ def ping_times(client, n=10):
 
 
 class TestModelRegexesRunWhereTheyCanBeKilled(StdioBase):
-    """Item 3: ping answers while wait_for, grep and the closest-match help chew on
+    """Ping answers while wait_for, grep and the closest-match help chew on
     pathological input; each call ends by its own bound."""
 
     def assert_responsive(self):
@@ -3548,440 +5209,6 @@ class TestModelRegexesRunWhereTheyCanBeKilled(StdioBase):
         for k in range(3):
             m = self.c.wait_for(lambda m: m.get("id") == 800 + k, 60)
             self.assertTrue(m["result"]["content"][0]["text"].startswith("[STR_REPLACE_NOT_FOUND]"))
-
-
-class TestModelRegexesStayOutOfTheServer(SearchBase):
-    def test_grep_patterns_are_compiled_only_in_helpers(self):
-        self.write("s/a.txt", "needle here\n")
-
-        def refuse(*a, **k):
-            raise AssertionError("a grep pattern was compiled in the server process")
-        with mock.patch.object(boris.Matcher, "__init__", refuse), mock.patch.object(boris, "python_regex", refuse):
-            self.assertIn("a.txt", self.ok("grep", pattern="ne+dle", path="s"))
-            self.assertIn("needle", self.ok("search_text", query="needle", paths=["s"], regex=True))
-            self.fails("grep", "GREP_INVALID_PATTERN", pattern="(", path="s")
-
-    def test_wait_for_regexes_are_matched_only_in_helpers(self):
-        out = self.ok("bash", command="echo ready-42; sleep 30", run_in_background=True)
-        tid = re.search(r"task_[0-9a-f]+", out).group(0)
-
-        def refuse(*a, **k):
-            raise AssertionError("a wait_for regex ran in the server process")
-        with mock.patch.object(boris, "match_job", refuse):
-            self.assertIn("ready-42", self.ok("task_output", task_id=tid, wait_for="ready-\\d+", wait_ms=20000))
-            self.fails("task_output", "INVALID_INPUT", task_id=tid, wait_for="(")
-        self.ok("task_stop", task_id=tid)
-
-    def test_long_patterns_are_refused_with_the_limit(self):
-        for name, args, code in (("grep", {"pattern": "a" * 9000}, "GREP_INVALID_PATTERN"),
-                                 ("search_text", {"query": "a" * 9000}, "GREP_INVALID_PATTERN"),
-                                 ("grep", {"pattern": "a", "include": "*" * 9000}, "INVALID_INPUT"),
-                                 ("glob", {"pattern": "a" * 5000}, "GLOB_INVALID_PATTERN")):
-            self.assertIn("limit", self.fails(name, code, **args))
-
-    def test_closest_match_honours_cancel(self):
-        text = "\n".join("line %d of many" % i for i in range(20000))
-        cancelled = threading.Event()
-        cancelled.set()
-        self.assertEqual(boris.closest_region(text, "lime 5 of mani\nzzz", cancelled), "")
-        self.assertIn("The closest text is at lines 6-7", boris.closest_region(text, "lime 5 of mani\nline 6 of many"))
-
-
-def search_tree(root):
-    """A tree that a grep shares with partners (40 directories of 80 files), whose
-    every subdirectory holds a line that (a+)+$ chews on for ever."""
-    empty = os.path.join(root, "empty.txt")
-    open(empty, "w").close()
-    for d in range(40):
-        os.makedirs(os.path.join(root, "d%02d" % d, "sub"))
-        for i in range(80):
-            os.link(empty, os.path.join(root, "d%02d" % d, "f%02d.txt" % i))
-        with open(os.path.join(root, "d%02d" % d, "sub", "evil.txt"), "w") as f:
-            f.write(CATASTROPHIC_LINE)
-
-
-def process_tree(pid):
-    """pid and its live descendants."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        for task in os.listdir("/proc/%d/task" % p) if os.path.exists("/proc/%d/task" % p) else []:
-            try:
-                with open("/proc/%d/task/%s/children" % (p, task)) as f:
-                    todo += [int(c) for c in f.read().split()]
-            except OSError:
-                pass
-    return found
-
-
-def alive(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-class TestHelpersDieWithTheServer(unittest.TestCase):
-    """Item 4: however the server ends during a search, its helpers and partners are
-    gone 3 s later (SIGKILL included: PR_SET_PDEATHSIG)."""
-
-    def setUp(self):
-        self.tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-orphans-"))
-        self.addCleanup(shutil.rmtree, self.tmp, True)
-        search_tree(self.tmp)
-
-    def start_search(self):
-        c = StdioClient(["--workdir", self.tmp])
-        self.addCleanup(c.close)
-        c.initialize()
-        c.send({"jsonrpc": "2.0", "id": 5, "method": "tools/call",
-                "params": {"name": "grep", "arguments": {"pattern": CATASTROPHIC, "output_mode": "count"}}})
-        helpers = wait_until(lambda: helper_pids(c.p.pid), 10)
-        self.assertTrue(helpers, "no search helper started")
-        partners = wait_until(lambda: helper_pids(helpers[0], "partner"), 10)
-        self.assertTrue(partners, "the walk was not shared")
-        return c, helpers + partners
-
-    def assert_gone(self, pids, how):
-        self.assertTrue(wait_until(lambda: not any(alive(p) for p in pids), 3.0),
-                        "%s left %s alive" % (how, [p for p in pids if alive(p)]))
-
-    def test_every_way_the_server_ends_takes_the_helpers_along(self):
-        for how in ("eof", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGKILL"):
-            c, pids = self.start_search()
-            if how == "eof":
-                c.p.stdin.close()
-            else:
-                os.kill(c.p.pid, getattr(signal, how))
-            self.assertTrue(wait_until(lambda: c.p.poll() is not None, 10), how)
-            self.assert_gone(pids, how)
-
-    def test_a_helper_ends_itself_past_its_deadline(self):
-        argv, cwd = boris.helper_command("search")
-        argv[-1] = str(os.getpid())
-        p = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.addCleanup(p.stdout.close)
-        self.addCleanup(p.stdin.close)
-        job = boris.grep_job_of(ctx_of(boris.Config(workdir=self.tmp), boris.PathPolicy(workdir=self.tmp)),
-                                [(self.tmp, True, None)], boris.grep_spec(CATASTROPHIC, True, False, False, "count"))
-        job["deadline_s"] = 0.2
-        p.stdin.write(json.dumps(job).encode() + b"\n")
-        p.stdin.flush()
-        t = time.monotonic()
-        self.assertEqual(p.wait(30), -signal.SIGALRM)         # nobody killed it: it ended itself
-        self.assertGreater(time.monotonic() - t, 0.2)
-
-    def test_a_helper_whose_parent_is_gone_exits(self):
-        argv, cwd = boris.helper_command("search")
-        argv[-1] = "1" if os.getpid() != 1 else "2"            # not its parent: as if the parent had died
-        p = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.addCleanup(p.stdout.close)
-        self.addCleanup(p.stdin.close)
-        self.assertEqual(p.wait(10), 0)
-
-
-class TestHelperPool(SearchBase):
-    def pool(self):
-        pool = boris.HelperPool()
-        self.addCleanup(pool.close)
-        return pool
-
-    def run_job(self, pool, pattern="hit", cancelled=None):
-        self.write("p/a.txt", "hit\n")
-        job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(self.path("p"), True, None)],
-                                boris.grep_spec(pattern, True, False, False, "files_with_matches"))
-        return pool.run(job, cancelled or threading.Event())
-
-    def test_a_helper_that_cannot_start_is_an_io_error_not_a_search_here(self):
-        pool = self.pool()
-        with mock.patch.object(boris, "helper_command", lambda *a: (["/nonexistent/python3"], "/")), \
-                mock.patch.object(boris, "search_job", lambda *a, **k: self.fail("searched in the server")):
-            with self.assertRaises(boris.ToolError) as e:
-                self.run_job(pool)
-        self.assertEqual(e.exception.code, "IO_ERROR")
-        self.assertIn("no search helper process could be started", e.exception.message)
-
-    def test_a_helper_traceback_reaches_the_server_stderr(self):
-        pool = self.pool()
-        with tempfile.TemporaryFile() as err:
-            saved = os.dup(2)
-            os.dup2(err.fileno(), 2)
-            try:
-                with self.assertRaises(boris.ToolError) as e:
-                    pool.run({"op": "no-such-op"}, threading.Event())
-            finally:
-                os.dup2(saved, 2)
-                os.close(saved)
-            err.seek(0)
-            logged = err.read().decode()
-        self.assertIn("the search failed", e.exception.message)
-        self.assertIn("Traceback", logged)
-        self.assertIn("KeyError: 'no-such-op'", logged)
-
-    def test_dead_idle_helpers_are_reaped_with_their_pipes_closed(self):
-        pool = self.pool()
-        self.assertEqual(self.run_job(pool)[0][0][1], "a.txt")
-        dead = list(pool.idle)
-        for proc in dead:
-            proc.kill()
-            proc.wait()
-        self.assertEqual(self.run_job(pool)[0][0][1], "a.txt")
-        for proc in dead:
-            self.assertTrue(proc.stdout.closed and proc.stdin.closed)
-
-    def test_close_kills_busy_helpers_and_refuses_new_jobs(self):
-        pool = self.pool()
-        self.write("p/evil.txt", CATASTROPHIC_LINE)
-        done = []
-        worker = threading.Thread(target=lambda: done.append(_catch(lambda: self.run_job(pool, CATASTROPHIC))))
-        worker.start()
-        self.assertTrue(wait_until(lambda: pool.busy, 10))
-        busy = [p.pid for p in pool.busy]
-        pool.close()
-        worker.join(10)
-        self.assertFalse(worker.is_alive())
-        self.assertFalse([p for p in busy if alive(p)])
-        with self.assertRaises(boris.ToolError):
-            self.run_job(pool)
-
-    def test_helpers_are_forked_by_a_thread_that_lives_as_long_as_the_pool(self):
-        pool = self.pool()
-        forked_by = []
-        real_spawn = boris.spawn
-        with mock.patch.object(boris, "spawn", lambda *a, **k: forked_by.append(threading.current_thread().name)
-                               or real_spawn(*a, **k)):
-            threading.Thread(target=self.run_job, args=(pool,)).start()      # a short-lived caller
-            self.assertTrue(wait_until(lambda: forked_by and pool.idle, 10))
-        self.assertEqual(forked_by, ["boris-helper-spawner"])
-
-
-SHADOW = """import os, sys
-with open(os.path.join(%r, "%%s-%%d" %% (__name__, os.getpid())), "w") as f:
-    f.write(" ".join(sys.argv))
-"""
-
-
-def imported_modules():
-    """Every top-level module name boris.py imports, at start-up or lazily."""
-    import ast
-    with open(BORIS) as f:
-        tree = ast.parse(f.read())
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module.split(".")[0])
-    return sorted(names - {"sys", "boris"})
-
-
-class TestTheWorkspaceCannotShadowImports(unittest.TestCase):
-    """Item 5: with boris.py in the workspace and a module written there for every
-    name it imports, none of them runs, in the server or in a helper."""
-
-    def test_no_module_written_to_the_workspace_runs(self):
-        base = os.path.realpath(tempfile.mkdtemp(prefix="boris-shadow-"))
-        self.addCleanup(shutil.rmtree, base, True)
-        ws, marks = os.path.join(base, "ws"), os.path.join(base, "marks")
-        os.makedirs(ws)
-        os.makedirs(marks)
-        shutil.copy(BORIS, ws)
-        names = imported_modules()
-        self.assertGreater(len(names), 25, names)
-        for name in names:
-            with open(os.path.join(ws, name + ".py"), "w") as f:
-                f.write(SHADOW % marks)
-        with open(os.path.join(ws, "page.html"), "w") as f:
-            f.write("<h1>x</h1>")
-        with open(os.path.join(ws, "pic.png"), "wb") as f:
-            f.write(PNG_1PX)
-        web = make_web_server()
-        self.addCleanup(web.server_close)
-        self.addCleanup(web.shutdown)
-        p = subprocess.Popen([sys.executable, "boris.py", "--disable-tools", "bash"], cwd=ws, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        c = StdioClient.__new__(StdioClient)
-        StdioClient.adopt(c, p)
-        try:
-            c.initialize()
-            for name, args in (("view", {"path": "pic.png"}), ("view", {"path": "boris.py", "view_range": [1, 3]}),
-                               ("str_replace", {"path": "boris.py", "old_str": "no such text"}),
-                               ("grep", {"pattern": "def ma+in", "output_mode": "content"}),
-                               ("glob", {"pattern": "**/*.py"}), ("search_text", {"query": "x"}),
-                               ("read_file", {"path": "page.html", "encoding": "gbk"}),
-                               ("write_file", {"path": "out/w.txt", "content": "w"}),
-                               ("create_file", {"path": "out/c.txt", "content": "c"}),
-                               ("web_fetch", {"url": "http://127.0.0.1:%d/rich" % web.server_address[1]})):
-                c.call(name, args, timeout=60)
-            self.assertEqual(c.request("ping")["result"], {})
-        finally:
-            c.close()
-        self.assertEqual(os.listdir(marks), [], "workspace modules ran")
-
-
-class TestSessionsAreFairAndSeparate(unittest.TestCase):
-    """Item 6."""
-
-    def test_a_busy_session_does_not_delay_another(self):
-        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-fair-"))
-        self.addCleanup(shutil.rmtree, tmp, True)
-        cfg = boris.parse_config(["--workdir", tmp], {})
-        server = boris.McpServer(cfg, boris.PathPolicy(workdir=tmp))
-        busy, quiet = boris.Session(cfg), boris.Session(cfg)
-        self.addCleanup(busy.close)
-        self.addCleanup(quiet.close)
-        busy_answers = []
-        mark = unique_sleep()
-        for i in range(boris.MAX_WORKERS + 6):
-            server.dispatch({"jsonrpc": "2.0", "id": i, "method": "tools/call", "params": {
-                "name": "bash", "arguments": {"command": "sleep %s" % mark}}}, busy, busy_answers.append)
-
-        def sleeping():
-            found = []
-            for pid in procs_with(mark):
-                try:
-                    with open("/proc/%d/cmdline" % pid, "rb") as f:
-                        if f.read().startswith(b"sleep"):
-                            found.append(pid)
-                except OSError:
-                    pass
-            return found
-        self.assertTrue(wait_until(lambda: len(sleeping()) >= boris.SESSION_MAX_RUNNING, 20))
-        answered = threading.Event()
-        server.dispatch({"jsonrpc": "2.0", "id": "q", "method": "tools/call", "params": {
-            "name": "glob", "arguments": {"pattern": "*"}}}, quiet, lambda m: answered.set())
-        self.assertTrue(answered.wait(20), "the quiet session's call waited behind the busy one")
-        self.assertEqual(busy_answers, [], "a busy call ended before the quiet one was answered")
-        self.assertLessEqual(len(sleeping()), boris.SESSION_MAX_RUNNING)
-
-    def test_worker_pool_takes_turns_between_owners(self):
-        pool = boris.WorkerPool(max_workers=2, per_session=2)
-        gate, order = threading.Event(), []
-        for i in range(6):
-            pool.submit(lambda i=i: (gate.wait(10), order.append(("a", i))), owner="a")
-        for i in range(3):
-            pool.submit(lambda i=i: (gate.wait(10), order.append(("b", i))), owner="b")
-        self.assertTrue(wait_until(lambda: pool.total == 3, 5))        # a's two, and b's first at once
-        gate.set()
-        self.assertTrue(wait_until(lambda: len(order) == 9, 10))
-        self.assertEqual(sorted(order), sorted([("a", i) for i in range(6)] + [("b", i) for i in range(3)]))
-
-    def test_task_ids_are_random_handles(self):
-        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-ids-"))
-        self.addCleanup(shutil.rmtree, tmp, True)
-        cfg = boris.parse_config(["--workdir", tmp], {})
-        server = boris.McpServer(cfg, boris.PathPolicy(workdir=tmp))
-        session = boris.Session(cfg)
-        self.addCleanup(session.close)
-        ids = set()
-        for _ in range(3):
-            r = server.run_tool(server.tools["bash"], session, {"command": "sleep 20", "run_in_background": True},
-                                ctx_of(cfg, server.policy))
-            ids.add(re.search(r"task_([0-9a-f]+)", r["content"][0]["text"]).group(1))
-        self.assertEqual(len(ids), 3)
-        self.assertTrue(all(len(i) >= 16 for i in ids), ids)
-        for guess in ("task_1", "task_2", "task_0"):
-            r = server.run_tool(server.tools["task_stop"], session, {"task_id": guess}, ctx_of(cfg, server.policy))
-            self.assertTrue(r["content"][0]["text"].startswith("[BASH_TASK_NOT_FOUND]"))
-
-    def test_sessionless_state_belongs_to_the_principal(self):
-        class H(boris.McpRequestHandler):
-            def __init__(self, token, auth):
-                self.transport = mock.Mock(token=token)
-                self.headers = {"Authorization": auth} if auth else {}
-        self.assertEqual(H(None, None).principal(), "local user")
-        a, b = H("t", "Bearer one").principal(), H("t", "Bearer two").principal()
-        self.assertNotEqual(a, b)
-        self.assertNotIn("one", a)
-        cfg = boris.parse_config(["--transport", "http"], {})
-        t = boris.HttpTransport(boris.McpServer(cfg, boris.PathPolicy()), cfg)
-        self.assertIsNot(t.principal_session(a), t.principal_session(b))
-        self.assertIs(t.principal_session(a), t.principal_session(a))
-        t.close_all()
-
-
-class TestLinearBuffers(unittest.TestCase):
-    """Item 7."""
-
-    def test_line_buffer_splits_and_bounds(self):
-        b = boris.LineBuffer(limit=10)
-        self.assertEqual(b.feed(b"ab"), [])
-        self.assertEqual(b.feed(b"c\nde\n\nf"), [b"abc", b"de", b""])
-        self.assertEqual(b.feed(b"0123456789ABC"), [None])          # over the limit: once
-        self.assertEqual(b.feed(b"DEFGHIJKLMNOP"), [])
-        self.assertEqual(b.feed(b"Q\nok\n"), [b"ok"])               # the long line is skipped to its end
-        self.assertEqual(b.feed(b"tail"), [])
-        self.assertEqual(b.rest(), b"tail")
-
-    def test_line_buffer_scans_each_byte_once(self):
-        b = boris.LineBuffer()
-        scanned = []
-        real = bytearray.find
-
-        class Spy(bytearray):
-            def find(self, sub, start=0, *rest):
-                scanned.append(start)
-                return real(self, sub, start, *rest)
-        b.buf = Spy()
-        for _ in range(200):
-            b.feed(b"x" * 1000)
-        self.assertEqual(b.feed(b"\n"), [b"x" * 200000])
-        self.assertEqual(scanned[:3], [0, 1000, 2000])          # each search starts where the last stopped
-
-    def test_a_64_mb_line_is_refused_and_the_server_answers(self):
-        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-big-"))
-        self.addCleanup(shutil.rmtree, tmp, True)
-        c = StdioClient(["--workdir", tmp])
-        self.addCleanup(c.close)
-        c.initialize()
-        chunk = b"x" * (1 << 20)
-        for _ in range(66):
-            c.send_raw(chunk)
-        c.send_raw(b"\n")
-        self.assertEqual(c.request("ping", timeout=60)["result"], {})
-        self.assertEqual([m["error"]["code"] for m in c.lines if m and "error" in m], [-32700])
-
-
-class TestSmallGuarantees(SearchBase):
-    """Item 8."""
-
-    def test_a_cut_search_keeps_its_partial_notice(self):
-        lines = ["line %05d" % i for i in range(10000)]
-        text = boris.cap_lines(lines, "lines", ["[search stopped after 60 s: partial]"])
-        self.assertTrue(text.endswith("[search stopped after 60 s: partial]"))
-        self.assertIn("[output truncated at", text)
-        self.assertLessEqual(len(text), boris.OUTPUT_MAX_CHARS)
-
-    def test_a_failed_create_leaves_no_directories_behind(self):
-        def full(*a, **k):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        with mock.patch.object(boris, "replace_file", full):
-            self.fails("create_file", "IO_ERROR", path="new/deeper/still/f.txt", content="x")
-            text, err = self.call("write_file", path="w1/w2/f.txt", content="x")
-            self.assertTrue(err, text)
-        self.assertFalse(os.path.exists(self.path("new")))
-        self.assertFalse(os.path.exists(self.path("w1")))
-
-    def test_one_reaper_however_many_first_spawns(self):
-        with mock.patch.object(boris._children, "reaping", False), mock.patch.object(boris, "set_subreaper",
-                                                                                  lambda: True):
-            before = [t for t in threading.enumerate() if t.name == "boris-reaper"]
-            threads = [threading.Thread(target=boris.start_reaper) for _ in range(8)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            now = [t for t in threading.enumerate() if t.name == "boris-reaper"]
-        self.assertEqual(len(now) - len(before), 1)
-
-    def test_cleaned_directories_are_bounded(self):
-        with mock.patch.object(boris, "CLEANED_DIRS_MAX", 3), mock.patch.object(TEST_FILES, "cleaned", set()):
-            for i in range(10):
-                self.ok("create_file", path="c%d/f.txt" % i, content="x")
-                self.assertLessEqual(len(TEST_FILES.cleaned), 3)
-            self.assertTrue(TEST_FILES.cleaned)
 
 
 class TestEnvironments(unittest.TestCase):
@@ -4063,454 +5290,125 @@ class TestEnvironments(unittest.TestCase):
         self.assertFalse(os.path.exists(os.path.join(tmp, "__pycache__")))
 
 
-# ---------------------------------------------------------------------------
-# Tools a model gets right the first time
-# ---------------------------------------------------------------------------
+if __name__ == "__main__":
+    unittest.main()
 
 
-class TestEditsThatLand(NoViewBase):
-    def test_miss_shows_the_closest_region_and_a_diff(self):
-        self.write("m.py", "def a():\n    return 1\n\n\ndef total(xs):\n    s = 0\n    for x in xs:\n"
-                           "        s += x\n    return s\n")
-        text = self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="m.py",
-                          old_str="def total(xs):\n    s = 0\n    for x in xs:\n        s += x * 2\n")
-        self.assertIn("The closest text is at lines 5-8", text)
-        self.assertIn("     8\t        s += x", text)
-        self.assertIn("-        s += x\n+        s += x * 2", text)
-
-    def test_miss_names_whitespace_and_line_number_prefixes(self):
-        self.write("w.py", "if x:\n    go()\n")
-        text = self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="w.py", old_str="if x:\n  go()")
-        self.assertIn("differ only in indentation", text)
-        text = self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="w.py", old_str="     1\tif x:\n     2\t    go()")
-        self.assertIn("line-number prefixes", text)
-
-    def test_ambiguous_lists_each_line(self):
-        self.write("a.txt", "x = 1\ny\nx = 1\nz\nx = 1\n")
-        text = self.fails("str_replace", "STR_REPLACE_AMBIGUOUS", path="a.txt", old_str="x = 1")
-        self.assertIn("occurs 3 times in a.txt (at lines 1, 3, 5)", text)
-
-    def test_multi_edit_applies_in_order_all_or_nothing(self):
-        self.write("e.txt", "alpha\nbeta\ngamma\n")
-        out = self.ok("multi_edit", path="e.txt", edits=[{"old_str": "alpha", "new_str": "ALPHA"},
-                                                         {"old_str": "ALPHA\nbeta", "new_str": "AB"},
-                                                         {"old_str": "a", "new_str": "4", "replace_all": True}])
-        self.assertIn("Applied 3 edits", out)
-        self.assertEqual(self.read("e.txt"), b"AB\ng4mm4\n")
-        text = self.fails("multi_edit", "STR_REPLACE_NOT_FOUND", path="e.txt",
-                          edits=[{"old_str": "AB", "new_str": "ab"}, {"old_str": "nope", "new_str": "x"}])
-        self.assertTrue(text.startswith("[STR_REPLACE_NOT_FOUND] edit 2 of 2: old_str was not found"), text)
-        self.assertIn("Nothing was written", text)
-        self.assertEqual(self.read("e.txt"), b"AB\ng4mm4\n")
-        self.assertIn("'edits[0].old_str'", self.fails("multi_edit", "INVALID_INPUT", path="e.txt",
-                                                       edits=[{"new_str": "x"}]))
-        self.assertIn("'edits[0].bogus'", self.fails("multi_edit", "INVALID_INPUT", path="e.txt",
-                                                     edits=[{"old_str": "AB", "bogus": 1}]))
-        self.fails("multi_edit", "INVALID_INPUT", path="e.txt", edits=[])
-
-    def test_multi_edit_needs_a_view_like_str_replace(self):
-        cfg = boris.parse_config(["--workdir", self.root], {})
-        server = boris.McpServer(cfg, self.policy)
-        self.write("v.txt", "a\n")
-        r = boris.McpServer.run_tool(server.tools["multi_edit"], self.session,
-                                     {"path": "v.txt", "edits": [{"old_str": "a", "new_str": "b"}]},
-                                     ctx_of(cfg, self.policy))
-        self.assertTrue(r["content"][0]["text"].startswith("[FILE_NOT_VIEWED]"), r)
-
-    def test_multi_edit_in_compat_mode(self):
-        cfg = boris.parse_config(["--workdir", self.root, "--anthropic-compat"], {})
-        self.assertIn("multi_edit", boris.McpServer(cfg, self.policy).tools)
+GIF_1PX = base64.b64decode("R0lGODlhAQABAIAAAP///wAAACH5BAEAAAAALAAAAAABAAEAAAICRAEAOw==")
+BMP_1PX = b"BM" + struct.pack("<IHHI", 58, 0, 0, 54) + struct.pack("<IiiHHIIiiII", 40, 1, 1, 1, 24, 0, 4, 0, 0, 0, 0) \
+    + b"\x00\x00\xff\x00"
+SVG_SRC = "<svg xmlns='http://www.w3.org/2000/svg' width='4' height='4'><rect width='4' height='4'/></svg>\n"
+CLIENTS = {"claude-code": ("image/png", "image/jpeg", "image/gif", "image/webp"),
+           "codex-mcp-client": ("image/png", "image/jpeg", "image/gif", "image/webp"),
+           "gemini-cli-mcp-client": ("image/png", "image/jpeg", "image/webp"),
+           "my-agent": None}
 
 
-class TestSchemasTellTheTruth(Base):
-    def test_required_arguments_have_no_defaults_and_enums_are_listed(self):
-        for tool in self.server.tools.values():
-            for name in tool.schema["required"]:
-                self.assertNotIn("default", tool.schema["properties"][name]["description"].lower(),
-                                 "%s.%s is required but describes a default" % (tool.name, name))
-        props = self.server.tools["grep"].schema["properties"]
-        self.assertEqual(props["output_mode"]["enum"], ["files_with_matches", "content", "count"])
-        self.assertEqual(self.server.tools["glob"].schema["properties"]["type"]["enum"], ["file", "directory"])
-        for name in ("read_file", "write_file", "list_directory", "web_fetch"):
-            self.assertIn("错误", self.server.tools[name].description)
-        self.assertEqual(self.server.tools["list_directory"].schema["required"], [])
-        self.assertEqual(self.server.tools["search_text"].schema["required"], ["query"])
-
-    def test_instructions_carry_the_usage_rules(self):
-        text = self.server.instructions()
-        for phrase in ("Prefer the view, grep and glob tools", "do not persist between calls",
-                       "Pipe long command output through tail"):
-            self.assertIn(phrase, text)
-
-    def test_discover_for_2026_has_no_logging(self):
-        self.assertNotIn("logging", self.server.m_discover({}, self.session)["capabilities"])
-        self.assertIn("logging", self.server.m_initialize({}, self.session)["capabilities"])
+def modern_call(rid, name, args, client=None, token=None):
+    """A 2026-07-28 tools/call: no initialize, the client named only in _meta (as Claude Code does)."""
+    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28"}
+    if client:
+        meta["io.modelcontextprotocol/clientInfo"] = {"name": client, "version": "2.1.328"}
+    if token is not None:
+        meta["progressToken"] = token
+    return {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+            "params": {"name": name, "arguments": args, "_meta": meta}}
 
 
-class TestBoundedResults(NoViewBase):
-    def test_view_of_long_lines_is_bounded_and_says_how_to_read_on(self):
-        self.write("wide.txt", ("x" * 3000 + "\n") * 3000)
-        text = self.ok("view", path="wide.txt")
-        self.assertLess(len(text), 40000 + 500)
-        m = re.search(r"read on with view_range \[(\d+), -1\]\]$", text)
-        self.assertTrue(m, text[-200:])
-        self.assertEqual(text.split("\n", 1)[0], text.rsplit("\n", 1)[1])      # the same line first and last
-        nxt = self.ok("view", path="wide.txt", view_range=[int(m.group(1)), -1])
-        self.assertTrue(nxt.split("\n", 1)[1].startswith("%6d\t" % int(m.group(1))), nxt[:200])
+class TestClientsOverStdio(unittest.TestCase):
+    """Each client as it really speaks: Claude Code names itself only in each request's
+    _meta (2026-07-28, no initialize); Codex and Gemini in initialize."""
 
-    def test_view_range_to_the_end_of_millions_of_lines_stops_early(self):
-        p = self.path("empty_lines.txt")
-        with open(p, "wb") as f:
-            f.write(b"\n" * 3000000)
-        with line_readers() as readers:
-            text = self.ok("view", path="empty_lines.txt", view_range=[1, -1])
-        self.assertLess(len(text), 40000 + 500)
-        self.assertIn("read on with view_range", text)
-        self.assertLess(readers[0].used, 1 << 20)
+    def setUp(self):
+        self.tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-clients-"))
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        for name, data in (("i.svg", SVG_SRC.encode()), ("i.png", PNG_1PX), ("i.gif", GIF_1PX), ("i.bmp", BMP_1PX)):
+            with open(os.path.join(self.tmp, name), "wb") as f:
+                f.write(data)
 
-    def test_list_directory_of_many_entries_is_bounded(self):
-        d = self.path("big")
-        os.makedirs(d)
-        first = os.path.join(d, "file-with-a-rather-long-name-to-fill-the-listing-%05d.txt" % 0)
-        open(first, "w").close()
-        for i in range(1, 3000):                      # hard links: a tenth of the time of new files
-            os.link(first, os.path.join(d, "file-with-a-rather-long-name-to-fill-the-listing-%05d.txt" % i))
-        cfg = boris.parse_config(["--workdir", self.root], {})
-        server = boris.McpServer(cfg, self.policy)
-        r = boris.McpServer.run_tool(server.tools["list_directory"], self.session, {"path": "big"},
-                                     ctx_of(cfg, self.policy))
-        text = r["content"][0]["text"]
-        self.assertLess(len(text), 40000 + 500)
-        self.assertIn("3000 entries", text)
+    def client(self, *flags):
+        c = StdioClient(["--workdir", self.tmp] + list(flags))
+        self.addCleanup(c.close)
+        return c
 
-    def test_grep_head_limit_on_a_file_where_every_line_matches(self):
-        p = self.path("all.txt")
-        with open(p, "wb") as f:
-            f.write(b"match me\n" * 2000000)                  # 18 MB, every line a match
-        with search_in_process():
-            readers = []
-            real = boris.region_records
+    def view(self, c, path, client, rid, modern):
+        if modern:
+            c.send(modern_call(rid, "view", {"path": path}, client))
+            return c.wait_for(lambda m: m.get("id") == rid)["result"]["content"][0]
+        return c.call("view", {"path": path})["content"][0]
 
-            def spy(*a):
-                out = real(*a)
-                readers.append(len(out))
-                return out
-            with mock.patch.object(boris, "region_records", spy):
-                text = self.ok("grep", pattern="match", path="all.txt", output_mode="content", head_limit=1)
-        self.assertEqual(text, "all.txt:1:match me")
-        self.assertLess(sum(readers), 300000)               # stopped after the first chunk, not 2M records
+    def test_images_fit_the_model_behind_each_client(self):
+        rid = 100
+        for client, takes in sorted(CLIENTS.items()):
+            for modern in (True, False):
+                c = self.client()
+                if not modern:
+                    c.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                             "clientInfo": {"name": client, "version": "1"}})
+                for path, mime in (("i.svg", "image/svg+xml"), ("i.png", "image/png"), ("i.gif", "image/gif"),
+                                   ("i.bmp", "image/bmp")):
+                    rid += 1
+                    block = self.view(c, path, client, rid, modern)
+                    if takes is None or mime in takes:
+                        self.assertEqual((block["type"], block.get("mimeType")), ("image", mime), (client, path))
+                    elif mime == "image/svg+xml":
+                        self.assertEqual(block["type"], "text", client)
+                        self.assertIn("shown as its source", block["text"])
+                        self.assertIn("1\t<svg xmlns=", block["text"])
+                    else:
+                        self.assertEqual(block["type"], "text", (client, path))
+                        self.assertIn("Convert it first", block["text"])
+                c.close()
 
-    def test_read_file_offset_and_limit(self):
-        cfg = boris.parse_config(["--workdir", self.root], {})
-        server = boris.McpServer(cfg, self.policy)
+    def test_svg_flag_and_environment_override_the_client(self):
+        for flags, client, want in ((["--svg", "image"], "claude-code", "image"), (["--svg", "text"], "my-agent", "text"),
+                                    (["--svg", "auto"], "gemini-cli-mcp-client", "text")):
+            c = self.client(*flags)
+            c.send(modern_call(9, "view", {"path": "i.svg"}, client))
+            self.assertEqual(c.wait_for(lambda m: m.get("id") == 9)["result"]["content"][0]["type"], want, flags)
+            c.close()
+        with self.assertRaises(boris.ConfigError):
+            boris.parse_config(["--svg", "png"], {})
+        self.assertEqual(boris.parse_config([], {"BORIS_SVG": "text"}).svg, "text")
 
-        def read(**args):
-            r = boris.McpServer.run_tool(server.tools["read_file"], self.session, args,
-                                         ctx_of(cfg, self.policy))
-            return r["content"][0]["text"]
-        self.write("n.txt", "".join("line %d\n" % i for i in range(1, 11)))
-        self.assertEqual(read(path="n.txt"), "".join("line %d\n" % i for i in range(1, 11)))
-        part = read(path="n.txt", offset=3, limit=2)
-        first, rest = part.split("\n", 1)
-        self.assertIn("offset=5", first)                         # a cut result says how to read on, first
-        self.assertTrue(rest.startswith("line 3\nline 4\n"), part)
-        self.assertEqual(part.rsplit("\n", 1)[1], first)          # and last
-        self.assertTrue(read(path="n.txt", offset=99).startswith("错误："))
-        self.write("huge.txt", ("z" * 99 + "\n") * 3000)
-        big = read(path="huge.txt")
-        self.assertLessEqual(len(big), 40000)
-        m = re.match(r"\[.*read on with offset=(\d+)\]\n", big)
-        self.assertTrue(m, big[:300])
-        self.assertTrue(big.endswith(m.group(0).strip()))
-        self.assertTrue(read(path="huge.txt", offset=int(m.group(1)), limit=1).split("\n")[1].startswith("zzz"))
+    def test_gemini_injected_argument_is_dropped_and_typos_still_fail(self):
+        c = self.client("--require-view-before-edit", "false")
+        c.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                 "clientInfo": {"name": "gemini-cli-mcp-client", "version": "0.61.0"}})
+        tools = [t["name"] for t in c.request("tools/list")["result"]["tools"]]
+        args = {"bash": {"command": "echo ok"}, "view": {"path": "i.svg"}, "grep": {"pattern": "svg"},
+                "glob": {"pattern": "*"}, "create_file": {"path": "n.txt", "content": "x"},
+                "read_file": {"path": "i.svg"}, "list_directory": {}, "task_output": {},
+                "search_files": {"pattern": "*"}, "search_text": {"query": "svg"}}
+        for name in tools:
+            if name not in args:
+                continue
+            for flag in (True, False):
+                r = c.call(name, dict(args[name], wait_for_previous=flag))
+                self.assertFalse(r["isError"], (name, r))
+            r = c.call(name, dict(args[name], wait_for_previuos=True))
+            self.assertTrue(r["isError"])
+            self.assertTrue(r["content"][0]["text"].startswith("[INVALID_INPUT] unknown argument 'wait_for_previuos'"))
 
+    def test_progress_is_a_short_status_line(self):
+        c = self.client()
+        c.send(modern_call(7, "bash", {"command": "seq 1 300000; sleep 0.3; echo the-end"}, "claude-code", "p1"))
+        final = c.wait_for(lambda m: m.get("id") == 7, 60)
+        prog = [m["params"]["message"] for m in c.lines if m and m.get("method") == "notifications/progress"]
+        self.assertTrue(prog)
+        self.assertTrue(all(len(m) < 300 for m in prog), max(prog, key=len))
+        self.assertRegex(prog[-1], r"^\d+ lines, [\d.]+ (KB|MB) so far; last: ")
+        self.assertLessEqual(len(final["result"]["content"][0]["text"]), 40000)
 
-class TestChangedFiles(NoViewBase):
-    def overwrite(self, name, **args):
-        return self.call(name, **args)
-
-    def test_overwrite_of_a_file_changed_since_it_was_seen_fails(self):
-        p = self.write("c.txt", "one\n")
-        self.ok("view", path="c.txt")
-        with open(p, "w") as f:
-            f.write("someone else's\n")
-        text = self.fails("create_file", "FILE_CHANGED", path="c.txt", content="mine\n")
-        self.assertIn("view it again", text)
-        self.assertIn("4 bytes then, 15 bytes now", text)
-        self.assertEqual(self.read("c.txt"), b"someone else's\n")
-        self.ok("view", path="c.txt")
-        self.ok("create_file", path="c.txt", content="mine\n")
-        self.ok("create_file", path="c.txt", content="mine again\n")             # its own write counts as seen
-
-    def test_a_touch_is_not_a_change(self):
-        p = self.write("t.txt", "same\n")
-        self.ok("view", path="t.txt")
-        os.utime(p, (time.time() + 100, time.time() + 100))
-        self.ok("create_file", path="t.txt", content="new\n")
-
-    def test_read_file_counts_as_seen_and_write_file_speaks_seed004(self):
-        cfg = boris.parse_config(["--workdir", self.root, "--require-view-before-edit", "true"], {})
-        server = boris.McpServer(cfg, self.policy)
-
-        def call(name, **args):
-            r = boris.McpServer.run_tool(server.tools[name], self.session, args, ctx_of(cfg, self.policy))
-            return r["content"][0]["text"], r["isError"]
-        p = self.write("w.txt", "a\n")
-        call("read_file", path="w.txt")
-        text, err = call("str_replace", path="w.txt", old_str="a", new_str="b")     # read_file counts as a view
-        self.assertFalse(err, text)
-        with open(p, "w") as f:
-            f.write("theirs\n")
-        text, err = call("write_file", path="w.txt", content="mine\n")
-        self.assertTrue(err and text.startswith("错误：文件在上次读取后已被修改"), text)
-
-
-class TestImages(NoViewBase):
-    def png(self, w, h):
-        import struct
-        import zlib
-        raw = b"".join(b"\x00" + b"\x00" * w for _ in range(1))
-        ihdr = struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0)
-        chunk = lambda kind, data: struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
-
-    def test_image_too_wide_or_too_big_is_an_error_that_says_how_to_shrink(self):
-        self.write("wide.png", self.png(9000, 10))
-        text = self.fails("view", "INVALID_INPUT", path="wide.png")
-        self.assertIn("9000x10 pixels", text)
-        self.assertIn("-resize", text)
-        self.write("big.png", self.png(10, 10) + b"\x00" * (6 << 20))
-        self.assertIn("up to 5.0 MB", self.fails("view", "FILE_TOO_LARGE", path="big.png"))
-        self.write("ok.png", self.png(100, 50))
-        self.assertEqual(self.result("view", path="ok.png")["content"][0]["type"], "image")
-
-    def test_header_sizes(self):
-        import struct
-        self.assertEqual(boris.image_size(self.png(123, 45), "image/png"), (123, 45))
-        self.assertEqual(boris.image_size(b"GIF89a" + struct.pack("<HH", 640, 480), "image/gif"), (640, 480))
-        jpeg = b"\xff\xd8" + b"\xff\xe0" + struct.pack(">H", 16) + b"\x00" * 14 + \
-            b"\xff\xc0" + struct.pack(">HBHH", 17, 8, 300, 9001) + b"\x00" * 10
-        self.assertEqual(boris.image_size(jpeg, "image/jpeg"), (9001, 300))
-
-    def test_svg_is_text_for_claude_clients(self):
-        self.write("i.svg", "<svg xmlns='http://www.w3.org/2000/svg'/>")
-        self.assertEqual(self.result("view", path="i.svg")["content"][0]["mimeType"], "image/svg+xml")
-        self.server.m_initialize({"clientInfo": {"name": "claude-ai", "version": "1"}}, self.session)
-        text = self.ok("view", path="i.svg")
-        self.assertIn("shown as its source", text)
-        self.assertIn("<svg", text)
+    def test_instructions_start_with_what_the_server_is(self):
+        c = self.client()
+        first = c.initialize()["result"]["instructions"].split("\n")[0]
+        self.assertEqual(first, "boris: coding workspace - shell, view/edit files, grep/glob search, web fetch")
+        self.assertEqual(c.request("server/discover")["result"]["instructions"].split("\n")[0], first)
 
 
 # ---------------------------------------------------------------------------
-# Search that agrees with ripgrep and git
-# ---------------------------------------------------------------------------
-
-
-class TestSearchAgreesWithRipgrep(SearchBase):
-    def test_dir_slash_glob_lists_direct_children_only(self):
-        for rel in ("kernel/a.c", "kernel/sub/b.c", "kernel/sub/deep/c.c", "x.c", "arch/x86/kernel/d.c"):
-            self.write(rel, "")
-        self.assertEqual(self.ok("glob", pattern="kernel/*.c"), "kernel/a.c")
-        self.assertEqual(self.ok("search_files", pattern="kernel/*.c"), "kernel/a.c")
-        self.assertEqual(self.ok("glob", pattern="arch/x86/*.c"), "No files found")
-        self.assertEqual(sorted(self.ok("glob", pattern="kernel/**/*.c").split("\n")),
-                         ["kernel/a.c", "kernel/sub/b.c", "kernel/sub/deep/c.c"])
-        self.assertIn("x.c", self.ok("glob", pattern="*.c").split("\n"))
-
-    def test_glob_pages_and_says_when_past_the_end(self):
-        now = time.time()
-        for i in range(5):
-            p = self.write("pg/f%d.txt" % i, "")
-            os.utime(p, (now - i, now - i))
-        self.assertEqual(self.ok("glob", pattern="*.txt", path="pg", head_limit=2), "f0.txt\nf1.txt")
-        self.assertEqual(self.ok("glob", pattern="*.txt", path="pg", head_limit=2, offset=2), "f2.txt\nf3.txt")
-        self.assertEqual(self.ok("glob", pattern="*.txt", path="pg", offset=9),
-                         "No more results: offset 9 is past the end (5 in total).")
-        self.assertEqual(self.ok("grep", pattern="^", path="pg", output_mode="files_with_matches", offset=9),
-                         "No matches found for pattern '^' in pg")                    # empty files: no lines
-
-    def test_empty_matches_report_only_real_lines(self):
-        self.write("two.txt", "a\nb\n")
-        self.write("empty.txt", "")
-        for pattern in ("^", "^$|a|b", "x*", "a|"):
-            self.assertEqual(self.ok("grep", pattern=pattern, path="two.txt", output_mode="count"), "two.txt:2", pattern)
-        self.assertTrue(self.ok("grep", pattern="^", path="empty.txt").startswith("No matches"))
-
-    def test_context_and_multiline_across_the_read_seam(self):
-        line = "y" * 99 + "\n"
-        n = (boris.GREP_BUFFER // len(line)) + 50
-        rows = [line] * n
-        seam = boris.GREP_BUFFER // len(line)                 # the first line of the second 1 MiB chunk
-        rows[seam] = "HIT" + "y" * 96 + "\n"
-        rows[seam - 1] = "before" + "y" * 93 + "\n"
-        rows[seam + 1] = "after" + "y" * 94 + "\n"
-        self.write("seam.txt", "".join(rows))
-        with search_in_process():
-            text = self.ok("grep", pattern="HIT", path="seam.txt", output_mode="content", context=1)
-            self.assertEqual([l.split("-", 2)[1] if "-" in l[:10] else l.split(":", 2)[1] for l in text.split("\n")],
-                             [str(seam), str(seam + 1), str(seam + 2)])
-            text = self.ok("grep", pattern="before.*\\nHIT", path="seam.txt", output_mode="content", multiline=True)
-            self.assertIn("seam.txt:%d:before" % seam, text)
-
-    def test_encodings_bom_utf16_and_bad_bytes(self):
-        self.write("bom.txt", b"\xef\xbb\xbfhello\n")
-        self.assertEqual(self.ok("grep", pattern="^hello", path="bom.txt", output_mode="content"), "bom.txt:1:hello")
-        self.write("u16.txt", "h\u00e9llo sixteen\n".encode("utf-16"))
-        self.assertEqual(self.ok("grep", pattern="sixteen", path="u16.txt", output_mode="content"),
-                         "u16.txt:1:h\u00e9llo sixteen")
-        self.write("bad.txt", b"caf\xe9 hit\n")
-        for args in ({"pattern": "hit"}, {"pattern": "h.t"}):
-            text = self.ok("grep", path="bad.txt", output_mode="content", **args)
-            self.assertTrue(text.startswith("bad.txt:1:caf\ufffd hit\n[1 byte that are not UTF-8"), text)
-
-    def test_regex_dialect(self):
-        self.write("d.txt", "abc 123\n")
-        self.assertEqual(self.ok("grep", pattern="[[:digit:]]+", path="d.txt", output_mode="content"), "d.txt:1:abc 123")
-        self.assertEqual(self.ok("grep", pattern="[^[:alpha:][:space:]]", path="d.txt", output_mode="count"), "d.txt:1")
-        for bad, fix in (("\\p{L}+", "[^\\W\\d_]"), ("\\x{263A}", "\\uXXXX"), ("abc\\z", "\\Z"), ("\\<abc\\>", "\\b"),
-                         ("[a-z&&[^b]]", "lookahead")):
-            self.assertIn(fix, self.fails("grep", "GREP_INVALID_PATTERN", pattern=bad, path="d.txt"))
-        self.write("u.txt", "\u263a smile \u2022 dot\n")
-        for ok in ("\\u263A", "\\N{BULLET}", "(?u)\\w+"):
-            self.assertIn("u.txt:1:", self.ok("grep", pattern=ok, path="u.txt", output_mode="content"), ok)
-        self.write("s.txt", "a\x1cb\n")
-        self.write("s2.txt", "a\x1cb \u00e9\n")
-        self.assertEqual(self.ok("grep", pattern="a\\sb", path="s.txt", output_mode="count"),
-                         self.ok("grep", pattern="a\\sb", path="s2.txt", output_mode="count").replace("s2", "s"))
-
-    def test_dot_star_on_a_minified_line_is_linear(self):
-        self.write("min.js", "var a=1;" * 60000 + "/*TODO*/\n")
-        with mock.patch.object(boris, "SEARCH_TIMEOUT_S", 10.0):
-            text = self.ok("grep", pattern=".*TODO.*", path="min.js", output_mode="count")
-        self.assertEqual(text, "min.js:1")
-
-    def test_head_limit_stops_the_walk(self):
-        for i in range(200):
-            self.write("hl/f%03d.txt" % i, "match\n" * 3)
-        calls = []
-        real = boris.grep_file
-        with search_in_process(), mock.patch.object(boris, "grep_file", lambda *a: calls.append(1) or real(*a)):
-            text = self.ok("grep", pattern="match", path="hl", output_mode="content", head_limit=2)
-        self.assertEqual(len(text.split("\n")), 2)
-        self.assertEqual(len(calls), 1)
-
-    def test_case_insensitive_literal(self):
-        self.write("ci.txt", "Export_Symbol(x)\nnothing\nEXPORT_SYMBOL(y)\n")
-        self.assertEqual(self.ok("grep", pattern="export_symbol", path="ci.txt", output_mode="content",
-                                 case_insensitive=True), "ci.txt:1:Export_Symbol(x)\nci.txt:3:EXPORT_SYMBOL(y)")
-
-    def test_cpp_type_has_headers(self):
-        self.write("t/a.h", "X\n")
-        self.write("t/b.cpp", "X\n")
-        self.assertEqual(sorted(self.ok("grep", pattern="X", path="t", type="cpp").split("\n")), ["a.h", "b.cpp"])
-
-
-class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
-    """Generated ignore trees (nested .gitignore files, nested repositories, byte-wise
-    '?', unbounded '**', 'foo//', POSIX classes): the walker lists what
-    `git ls-files -co --exclude-standard` lists."""
-
-    PATTERNS = ["*.log", "!keep.log", "build/", "/top.txt", "**/cache/", "a/**/b", "doc/*.md", "[Tt]mp*", "?x",
-                "x?", "[!a]*.c", "*.o", "!important.o", "dir/", "/dir/sub", "**/z", "a**b", "foo//",
-                "[[:digit:]]*.txt", "\\!bang", "\u00e9?.txt", "?.dat", "sub/", "*.tmp", "!sub/*.tmp", "deep/**",
-                "n*/", "[\\]]*", "*.[oa]"]
-    NAMES = ["a.log", "keep.log", "build", "top.txt", "cache", "a", "b", "doc", "x.md", "Tmp1", "tmpx", "ax", "xa",
-             "c.c", "a.c", "m.o", "important.o", "dir", "sub", "z", "aXb", "axyb", "foo", "1.txt", "!bang",
-             "\u00e9a.txt", "\u00e9.dat", "q.dat", "t.tmp", "deep", "n1", "plain", "]x", "lib.a"]
-
-    def git_files(self, top):
-        out = subprocess.run(["git", "-C", top, "ls-files", "-co", "--exclude-standard", "-z"],
-                             capture_output=True).stdout
-        return [os.fsdecode(p) for p in out.split(b"\0") if p]
-
-    @unittest.skipUnless(shutil.which("git"), "git is not installed")
-    def test_generated_trees(self):
-        rng = random.Random(16)
-        trees = 0
-        for trial in range(40):
-            tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-gt-"))
-            self.addCleanup(shutil.rmtree, tmp, True)
-            subprocess.run(["git", "init", "-q", tmp], check=True)
-            files = set()
-            for _ in range(rng.randint(10, 30)):
-                rel = "/".join(rng.choice(self.NAMES) for _ in range(rng.randint(1, 3)))
-                files.add(rel)
-            nested = "vendor/lib" if trial % 4 == 0 else None
-            if nested:
-                files |= set("%s/%s" % (nested, rng.choice(self.NAMES)) for _ in range(6))
-            written = []
-            for rel in sorted(files, key=len):
-                p = os.path.join(tmp, rel)
-                if any(os.path.isfile(os.path.join(tmp, *rel.split("/")[:k])) for k in range(1, rel.count("/") + 1)):
-                    continue
-                if os.path.isdir(p):
-                    continue
-                os.makedirs(os.path.dirname(p), exist_ok=True)
-                with open(p, "w") as f:
-                    f.write("x\n")
-                written.append(rel)
-            dirs = sorted(set(os.path.dirname(r) for r in written))
-            for d in [""] + rng.sample(dirs, min(2, len(dirs))):
-                with open(os.path.join(tmp, d, ".gitignore"), "w", encoding="utf-8") as f:
-                    f.write("\n".join(rng.sample(self.PATTERNS, rng.randint(3, 7))) + "\n")
-            expected = set(self.git_files(tmp))
-            if nested:
-                top = os.path.join(tmp, nested)
-                subprocess.run(["git", "init", "-q", top], check=True)
-                with open(os.path.join(top, ".gitignore"), "w") as f:
-                    f.write("\n".join(rng.sample(self.PATTERNS, 3)) + "\n")
-                expected = set(self.git_files(tmp))
-                inner = set(nested + "/" + p for p in self.git_files(top))
-                expected = set(p for p in expected if not p.startswith(nested + "/")) | inner
-                if any(p == nested + "/" or p.startswith(nested + "/") for p in self.git_files(tmp)) is False:
-                    expected -= inner                          # the parent ignores the whole repository
-            policy = boris.PathPolicy([], [], tmp)
-            ours = set(p[len(tmp) + 1:] for p, _, d, _ in boris.Walker(tmp, policy, False) if not d)
-            self.assertEqual(sorted(ours), sorted(expected), "tree %d (%s)" % (trial, tmp))
-            if trial % 4 == 0:                          # the ignore stacks a partner rebuilds agree too
-                found = []
-                with shared_walks():
-                    boris.search_job({"op": "glob", "policy": boris.policy_spec(policy), "start": tmp, "rest": "*",
-                                      "base_only": True, "kind": "file", "lead": len(tmp) + 1}, found.extend)
-                self.assertEqual(sorted(found[0::2]), sorted(expected), "shared, tree %d" % trial)
-            trees += 1
-        self.assertEqual(trees, 40)
-
-    @unittest.skipUnless(shutil.which("rg"), "ripgrep is not installed")
-    def test_grep_files_agree_with_ripgrep(self):
-        rng = random.Random(61)
-        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-rg-"))
-        self.addCleanup(shutil.rmtree, tmp, True)
-        subprocess.run(["git", "init", "-q", tmp], check=True)
-        words = ["alpha", "beta", "Gamma", "delta_1", "x=1", "foo(bar)", "TODO: fix", "caf\u00e9", "  indented"]
-        for i in range(60):
-            rel = "d%d/f%d.%s" % (i % 5, i, rng.choice(["py", "c", "h", "txt", "md"]))
-            os.makedirs(os.path.join(tmp, os.path.dirname(rel)), exist_ok=True)
-            with open(os.path.join(tmp, rel), "w", encoding="utf-8") as f:
-                f.write("\n".join(rng.choice(words) for _ in range(rng.randint(0, 12))) + "\n")
-        with open(os.path.join(tmp, ".gitignore"), "w") as f:
-            f.write("d3/\n*.md\n")
-        cfg = boris.parse_config(["--workdir", tmp], {})
-        server, session = boris.McpServer(cfg, boris.PathPolicy(workdir=tmp)), boris.Session(cfg)
-        self.addCleanup(session.close)
-        agreed = 0
-        for pattern in ("alpha", "^beta$", "[Gg]amma", "delta_\\d", "foo\\(", "TODO:.*fix", "caf\u00e9", "^\\s+ind",
-                        "x=1|beta", "^$", "a.p", "(?i)GAMMA"):
-            r = boris.McpServer.run_tool(server.tools["grep"], session, {"pattern": pattern, "output_mode": "count"},
-                                         ctx_of(cfg, server.policy))
-            text = r["content"][0]["text"]
-            ours = {} if text.startswith("No matches") else dict(
-                (l.rsplit(":", 1)[0], int(l.rsplit(":", 1)[1])) for l in text.split("\n"))
-            rg = subprocess.run(["rg", "--count", "--hidden", "-g", "!.git", "--no-messages", pattern, "."], cwd=tmp,
-                                capture_output=True, text=True).stdout
-            theirs = dict((l.rsplit(":", 1)[0][2:], int(l.rsplit(":", 1)[1])) for l in rg.splitlines())
-            self.assertEqual(ours, theirs, pattern)
-            agreed += 1
-        self.assertEqual(agreed, 12)
-
-
-# ---------------------------------------------------------------------------
-# HTTP transport
+# Transports: HTTP
 # ---------------------------------------------------------------------------
 
 
@@ -4975,191 +5873,6 @@ class TestHttpSubprocess(unittest.TestCase):
             c.close()
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
-# ---------------------------------------------------------------------------
-# At home in Claude Code, Codex CLI and Gemini CLI
-# ---------------------------------------------------------------------------
-
-GIF_1PX = base64.b64decode("R0lGODlhAQABAIAAAP///wAAACH5BAEAAAAALAAAAAABAAEAAAICRAEAOw==")
-BMP_1PX = b"BM" + struct.pack("<IHHI", 58, 0, 0, 54) + struct.pack("<IiiHHIIiiII", 40, 1, 1, 1, 24, 0, 4, 0, 0, 0, 0) \
-    + b"\x00\x00\xff\x00"
-SVG_SRC = "<svg xmlns='http://www.w3.org/2000/svg' width='4' height='4'><rect width='4' height='4'/></svg>\n"
-CLIENTS = {"claude-code": ("image/png", "image/jpeg", "image/gif", "image/webp"),
-           "codex-mcp-client": ("image/png", "image/jpeg", "image/gif", "image/webp"),
-           "gemini-cli-mcp-client": ("image/png", "image/jpeg", "image/webp"),
-           "my-agent": None}
-
-
-def modern_call(rid, name, args, client=None, token=None):
-    """A 2026-07-28 tools/call: no initialize, the client named only in _meta (as Claude Code does)."""
-    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28"}
-    if client:
-        meta["io.modelcontextprotocol/clientInfo"] = {"name": client, "version": "2.1.328"}
-    if token is not None:
-        meta["progressToken"] = token
-    return {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
-            "params": {"name": name, "arguments": args, "_meta": meta}}
-
-
-class TestClientsOverStdio(unittest.TestCase):
-    """Each client as it really speaks: Claude Code names itself only in each request's
-    _meta (2026-07-28, no initialize); Codex and Gemini in initialize."""
-
-    def setUp(self):
-        self.tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-clients-"))
-        self.addCleanup(shutil.rmtree, self.tmp, True)
-        for name, data in (("i.svg", SVG_SRC.encode()), ("i.png", PNG_1PX), ("i.gif", GIF_1PX), ("i.bmp", BMP_1PX)):
-            with open(os.path.join(self.tmp, name), "wb") as f:
-                f.write(data)
-
-    def client(self, *flags):
-        c = StdioClient(["--workdir", self.tmp] + list(flags))
-        self.addCleanup(c.close)
-        return c
-
-    def view(self, c, path, client, rid, modern):
-        if modern:
-            c.send(modern_call(rid, "view", {"path": path}, client))
-            return c.wait_for(lambda m: m.get("id") == rid)["result"]["content"][0]
-        return c.call("view", {"path": path})["content"][0]
-
-    def test_images_fit_the_model_behind_each_client(self):
-        rid = 100
-        for client, takes in sorted(CLIENTS.items()):
-            for modern in (True, False):
-                c = self.client()
-                if not modern:
-                    c.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
-                                             "clientInfo": {"name": client, "version": "1"}})
-                for path, mime in (("i.svg", "image/svg+xml"), ("i.png", "image/png"), ("i.gif", "image/gif"),
-                                   ("i.bmp", "image/bmp")):
-                    rid += 1
-                    block = self.view(c, path, client, rid, modern)
-                    if takes is None or mime in takes:
-                        self.assertEqual((block["type"], block.get("mimeType")), ("image", mime), (client, path))
-                    elif mime == "image/svg+xml":
-                        self.assertEqual(block["type"], "text", client)
-                        self.assertIn("shown as its source", block["text"])
-                        self.assertIn("1\t<svg xmlns=", block["text"])
-                    else:
-                        self.assertEqual(block["type"], "text", (client, path))
-                        self.assertIn("Convert it first", block["text"])
-                c.close()
-
-    def test_svg_flag_and_environment_override_the_client(self):
-        for flags, client, want in ((["--svg", "image"], "claude-code", "image"), (["--svg", "text"], "my-agent", "text"),
-                                    (["--svg", "auto"], "gemini-cli-mcp-client", "text")):
-            c = self.client(*flags)
-            c.send(modern_call(9, "view", {"path": "i.svg"}, client))
-            self.assertEqual(c.wait_for(lambda m: m.get("id") == 9)["result"]["content"][0]["type"], want, flags)
-            c.close()
-        with self.assertRaises(boris.ConfigError):
-            boris.parse_config(["--svg", "png"], {})
-        self.assertEqual(boris.parse_config([], {"BORIS_SVG": "text"}).svg, "text")
-
-    def test_gemini_injected_argument_is_dropped_and_typos_still_fail(self):
-        c = self.client("--require-view-before-edit", "false")
-        c.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
-                                 "clientInfo": {"name": "gemini-cli-mcp-client", "version": "0.61.0"}})
-        tools = [t["name"] for t in c.request("tools/list")["result"]["tools"]]
-        args = {"bash": {"command": "echo ok"}, "view": {"path": "i.svg"}, "grep": {"pattern": "svg"},
-                "glob": {"pattern": "*"}, "create_file": {"path": "n.txt", "content": "x"},
-                "read_file": {"path": "i.svg"}, "list_directory": {}, "task_output": {},
-                "search_files": {"pattern": "*"}, "search_text": {"query": "svg"}}
-        for name in tools:
-            if name not in args:
-                continue
-            for flag in (True, False):
-                r = c.call(name, dict(args[name], wait_for_previous=flag))
-                self.assertFalse(r["isError"], (name, r))
-            r = c.call(name, dict(args[name], wait_for_previuos=True))
-            self.assertTrue(r["isError"])
-            self.assertTrue(r["content"][0]["text"].startswith("[INVALID_INPUT] unknown argument 'wait_for_previuos'"))
-
-    def test_progress_is_a_short_status_line(self):
-        c = self.client()
-        c.send(modern_call(7, "bash", {"command": "seq 1 300000; sleep 0.3; echo the-end"}, "claude-code", "p1"))
-        final = c.wait_for(lambda m: m.get("id") == 7, 60)
-        prog = [m["params"]["message"] for m in c.lines if m and m.get("method") == "notifications/progress"]
-        self.assertTrue(prog)
-        self.assertTrue(all(len(m) < 300 for m in prog), max(prog, key=len))
-        self.assertRegex(prog[-1], r"^\d+ lines, [\d.]+ (KB|MB) so far; last: ")
-        self.assertLessEqual(len(final["result"]["content"][0]["text"]), 40000)
-
-    def test_instructions_start_with_what_the_server_is(self):
-        c = self.client()
-        first = c.initialize()["result"]["instructions"].split("\n")[0]
-        self.assertEqual(first, "boris: coding workspace - shell, view/edit files, grep/glob search, web fetch")
-        self.assertEqual(c.request("server/discover")["result"]["instructions"].split("\n")[0], first)
-
-
-class TestResultsFitTheClients(NoViewBase):
-    """Every result within --max-result-chars; a cut one starts and ends with one line
-    that says it was cut and how to read on."""
-
-    def big_tree(self):
-        self.write("big.txt", "".join("line %05d %s\n" % (i, "x" * 100) for i in range(1200)))   # 120 KB
-        for i in range(600):
-            self.write("many/f%03d-%s.txt" % (i, "n" * 60), "hit %d\n" % i)
-
-    def assert_fits(self, text, cap, reads_on):
-        self.assertLessEqual(len(text), cap)
-        first, last = text.split("\n", 1)[0], text.rsplit("\n", 1)[-1]
-        self.assertTrue(first.startswith("[") and first == last, (first[:200], last[:200]))
-        self.assertTrue(any(w in first for w in reads_on), first)
-
-    def test_every_long_result_is_cut_with_a_notice_first_and_last(self):
-        self.big_tree()
-        for cap in (4000, 10000, 40000):
-            cfg = boris.parse_config(["--workdir", self.root, "--require-view-before-edit", "false",
-                                      "--max-result-chars", str(cap)], {})
-            server = boris.McpServer(cfg, self.policy)
-
-            def run(name, **args):
-                r = server.run_tool(server.tools[name], self.session, args, ctx_of(cfg, self.policy))
-                self.assertEqual(r["_meta"], {"anthropic/maxResultSizeChars": cap})
-                self.assertFalse(r["isError"], r)
-                return r["content"][0]["text"]
-            self.assert_fits(run("view", path="big.txt"), cap, ["view_range"])
-            self.assert_fits(run("read_file", path="big.txt"), cap, ["offset="])
-            self.assert_fits(run("grep", pattern="hit", path="many", output_mode="content"), cap, ["offset="])
-            self.assert_fits(run("glob", pattern="**/*.txt"), cap, ["offset="])
-            self.assert_fits(run("bash", command="cat big.txt"), cap, ["tail, head or grep"])
-            self.assert_fits(run("bash", command="cat big.txt; cat big.txt >&2"), cap, ["tail, head or grep"])
-            if cap < 40000:
-                self.assert_fits(run("list_directory", path="many"), cap, ["list a subdirectory"])
-            tid = re.search(r"task_[0-9a-f]+", run("bash", command="cat big.txt", run_in_background=True)).group(0)
-            self.assert_fits(run("task_output", task_id=tid, wait_ms=20000), cap, ["tail, head or grep"])
-
-    def test_a_120_kb_view_fits_claude_codex_and_gemini(self):
-        self.big_tree()
-        text = self.ok("view", path="big.txt")
-        self.assertLessEqual(len(text), 40000)              # Gemini keeps 40,000; Claude inlines up to 50,000
-        m = re.match(r"\[cut at \d+ characters after line (\d+); read on with view_range \[(\d+), -1\]\]", text)
-        self.assertTrue(m, text[:200])
-        rest = self.ok("view", path="big.txt", view_range=[int(m.group(2)), -1])
-        self.assertIn("%6d\tline %05d" % (int(m.group(2)), int(m.group(2)) - 1), rest)
-
-    def test_the_result_cap_is_a_flag_and_an_environment_variable(self):
-        self.assertEqual(boris.parse_config([], {}).max_result_chars, 40000)
-        self.assertEqual(boris.parse_config([], {"BORIS_MAX_RESULT_CHARS": "12000"}).max_result_chars, 12000)
-        self.assertEqual(boris.parse_config(["--max-result-chars", "9000"], {}).max_result_chars, 9000)
-        for bad in ("0", "100", "abc", "-5", "99999999"):
-            with self.assertRaises(boris.ConfigError):
-                boris.parse_config(["--max-result-chars", bad], {})
-
-    def test_errors_start_with_their_code_for_clients_that_drop_is_error(self):
-        for name, args in (("view", {"path": "nope"}), ("view", {}), ("view", {"path": 3}),
-                           ("grep", {"pattern": "("}), ("bash", {"command": " "}), ("glob", {"pattern": ""}),
-                           ("str_replace", {"path": "x", "old_str": "a", "bogus": 1}), ("task_output", {"task_id": "t"})):
-            text, err = self.call(name, **args)
-            self.assertTrue(err)
-            self.assertRegex(text, r"^\[[A-Z_]+\] ", (name, args))
-
-
 class TestHttpForClients(HttpBase):
     token = "s3cret-token"
 
@@ -5184,768 +5897,3 @@ class TestHttpForClients(HttpBase):
             self.assertEqual(st, 200, body)
             kinds.append(body["result"]["content"][0]["type"])
         self.assertEqual(kinds, ["text", "image", "text", "image"])
-
-
-# ---------------------------------------------------------------------------
-# A shell the kernel confines (Landlock)
-# ---------------------------------------------------------------------------
-
-LANDLOCK_ABI = boris.landlock_abi()
-NEEDS_LANDLOCK = unittest.skipUnless(LANDLOCK_ABI >= 1, "this kernel has no Landlock (Linux 5.13+ with landlock"
-                                                        " among its LSMs): the sandbox cannot be tested here")
-
-
-class SandboxBase(unittest.TestCase):
-    """A workspace and an outside tree under /var/tmp (the temp directory is writable
-    in the sandbox); a server whose bash runs sandboxed."""
-    mode = "workspace-write"
-    network = "off"
-
-    def setUp(self):
-        self.base = os.path.realpath(tempfile.mkdtemp(prefix="boris-sandbox-", dir="/var/tmp"))
-        self.addCleanup(shutil.rmtree, self.base, True)
-        self.ws, self.out = os.path.join(self.base, "ws"), os.path.join(self.base, "outside")
-        os.makedirs(self.ws)
-        os.makedirs(os.path.join(self.out, "dir"))
-        with open(os.path.join(self.out, "keep.txt"), "w") as f:
-            f.write("outside\n")
-        os.symlink(self.out, os.path.join(self.ws, "out-link"))
-        with open(os.path.join(self.ws, "mine.txt"), "w") as f:
-            f.write("inside\n")
-        self.cfg = boris.parse_config(["--workdir", self.ws, "--allow-dir", self.ws, "--sandbox", self.mode,
-                                       "--sandbox-network", self.network, "--require-view-before-edit", "false"], {})
-        self.policy = boris.PathPolicy(self.cfg.allow_dir, self.cfg.deny_dir, self.cfg.workdir)
-        self.server = boris.McpServer(self.cfg, self.policy)
-        self.addCleanup(self.server.close)
-        self.session = boris.Session(self.cfg)
-        self.addCleanup(self.session.close)
-
-    def bash(self, command, **extra):
-        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, sandbox=self.server.sandbox)
-        r = boris.McpServer.run_tool(self.server.tools["bash"], self.session, dict(command=command, **extra), ctx)
-        return r["content"][0]["text"]
-
-    def outside(self):
-        return tree_snapshot(self.out)
-
-
-@NEEDS_LANDLOCK
-class TestSandboxWorkspaceWrite(SandboxBase):
-    ATTACKS = ["echo x > {o}/new.txt", "echo x >> {o}/keep.txt", ": > {o}/keep.txt", "truncate -s 0 {o}/keep.txt",
-               "rm -f {o}/keep.txt", "mkdir {o}/d2", "rmdir {o}/dir", "touch {o}/t", "ln -s /etc/passwd {o}/sl",
-               "ln mine.txt {o}/hard", "mv mine.txt {o}/moved", "cp mine.txt {o}/copy", "mv {o}/keep.txt here.txt",
-               "echo x > out-link/via-link.txt", "echo x > ../outside/dotdot.txt", "mkfifo {o}/fifo",
-               "sh -c 'echo x > {o}/sh.txt'", "python3 -c \"open('{o}/py.txt', 'w').write('x')\"",
-               "python3 -c \"import os; os.rename('mine.txt', '{o}/pymv')\"",
-               "setsid sh -c 'echo x > {o}/daemon.txt' </dev/null >/dev/null 2>&1 & sleep 0.3",
-               "nohup sh -c 'echo x > {o}/nohup.txt' >/dev/null 2>&1 & sleep 0.3",
-               "(sh -c '(echo x > {o}/double.txt) &' &); sleep 0.3"]
-
-    def test_no_write_outside_lands_from_any_command(self):
-        before = self.outside()
-        for attack in self.ATTACKS:
-            text = self.bash(attack.format(o=self.out))
-            self.assertEqual(self.outside(), before, "%s\n%s" % (attack, text))
-        self.assertEqual(self.bash("cat mine.txt").split("\n")[-1], "inside")
-
-    def test_a_background_task_is_confined_too(self):
-        before = self.outside()
-        text = self.bash("echo x > {o}/bg.txt; touch {o}/bg2; echo done-bg".format(o=self.out),
-                         run_in_background=True)
-        tid = re.search(r"task_[0-9a-f]+", text).group(0)
-        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, sandbox=self.server.sandbox)
-        r = boris.McpServer.run_tool(self.server.tools["task_output"], self.session,
-                                     {"task_id": tid, "wait_ms": 20000}, ctx)
-        self.assertIn("done-bg", r["content"][0]["text"])
-        self.assertIn("Permission denied", r["content"][0]["text"])
-        self.assertEqual(self.outside(), before)
-
-    def test_the_workspace_and_the_temp_directory_work(self):
-        steps = ["mkdir -p a/b && echo hi > a/b/c.txt && mv a/b/c.txt a/d.txt && cat a/d.txt",
-                 "t=$(mktemp) && echo tmp > $t && cat $t && rm $t",
-                 "ln -s a/d.txt l && cat l && ln a/d.txt h && rm h l && truncate -s 0 a/d.txt && wc -c < a/d.txt"]
-        if shutil.which("git"):
-            steps.append("git init -q r && cd r && git -c user.email=a@b -c user.name=n commit -q --allow-empty"
-                         " -m first && git log --oneline | wc -l")
-        if shutil.which("cc"):
-            steps.append("printf 'int main(void){return 7;}' > m.c && cc -o m m.c && ./m; echo rc=$?")
-        steps.append("python3 -m venv --without-pip v && v/bin/python -c 'print(41+1)'")
-        for step in steps:
-            text = self.bash(step)
-            self.assertIn("exit code: 0", text, "%s\n%s" % (step, text))
-            self.assertNotIn("Permission denied", text, step)
-        self.assertIn("42", text)
-
-    def test_a_refused_write_says_which_sandbox_and_the_flag(self):
-        text = self.bash("touch %s/x" % self.out)
-        self.assertIn("Permission denied", text)
-        self.assertIn("[sandbox workspace-write: commands may write only under", text)
-        self.assertIn("--sandbox off", text)
-        self.assertNotIn("[sandbox", self.bash("touch inside.txt"))
-        self.assertNotIn("[sandbox", self.bash("false"))
-
-    def test_network_off_refuses_tcp_to_loopback(self):
-        srv = socket.socket()
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(4)
-        self.addCleanup(srv.close)
-        probe = ("python3 -c \"import socket; socket.create_connection(('127.0.0.1', %d), 3); print('CON' + 'NECTED')\""
-                 % srv.getsockname()[1])
-        text = self.bash(probe)
-        self.assertNotIn("CONNECTED", text)
-        self.assertIn("and may not use the network", text)
-
-    def test_the_sandbox_is_in_the_instructions(self):
-        first = self.server.instructions().split("\n")[1]
-        self.assertEqual(first, "Sandbox: workspace-write (bash commands may write only under %s, %s; network off;"
-                                " Landlock ABI %d)" % tuple(sorted([self.ws, os.path.realpath(tempfile.gettempdir())]) +
-                                                            [LANDLOCK_ABI]))
-
-
-@NEEDS_LANDLOCK
-class TestSandboxNetworkOn(SandboxBase):
-    network = "on"
-
-    def test_network_on_allows_loopback(self):
-        srv = socket.socket()
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(4)
-        self.addCleanup(srv.close)
-        text = self.bash("python3 -c \"import socket; socket.create_connection(('127.0.0.1', %d), 3);"
-                         " print('CON' + 'NECTED')\"" % srv.getsockname()[1])
-        self.assertIn("CONNECTED", text)
-
-
-@NEEDS_LANDLOCK
-class TestSandboxReadOnly(SandboxBase):
-    mode = "read-only"
-
-    def test_read_only_refuses_writes_in_the_workspace_too(self):
-        for attack in ("echo x > new.txt", "echo x >> mine.txt", "rm mine.txt", "mkdir d"):
-            self.assertNotEqual(self.bash(attack).split("\n")[0], "exit code: 0", attack)
-        self.assertEqual(sorted(os.listdir(self.ws)), ["mine.txt", "out-link"])
-        self.assertIn("inside", self.bash("cat mine.txt; t=$(mktemp) && echo ok > $t && cat $t && rm $t"))
-
-
-@NEEDS_LANDLOCK
-class TestSandboxNetworkNamespace(SandboxBase):
-    """Where Landlock has no TCP rules (ABI < 4), network off is a fresh network namespace."""
-
-    def test_a_network_namespace_cuts_loopback(self):
-        if not boris.userns_works():
-            self.skipTest("unprivileged user namespaces are not available here")
-        self.server.sandbox.abi = 3
-        self.assertEqual(self.server.sandbox.net_mechanism(), "netns")
-        srv = socket.socket()
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(4)
-        self.addCleanup(srv.close)
-        text = self.bash("id -u; python3 -c \"import socket; socket.create_connection(('127.0.0.1', %d), 3);"
-                         " print('CON' + 'NECTED')\"; touch %s/x" % (srv.getsockname()[1], self.out))
-        self.assertNotIn("CONNECTED", text)
-        self.assertIn("--- stdout ---\n%d" % os.geteuid(), text)             # the user is still itself
-        self.assertFalse(os.path.exists(os.path.join(self.out, "x")))
-
-
-@NEEDS_LANDLOCK
-class TestSandboxOverStdio(unittest.TestCase):
-    def test_commands_cannot_signal_the_server(self):
-        if LANDLOCK_ABI < 6:
-            self.skipTest("Landlock ABI %d cannot scope signals (needs 6)" % LANDLOCK_ABI)
-        base = os.path.realpath(tempfile.mkdtemp(prefix="boris-sandbox-", dir="/var/tmp"))
-        self.addCleanup(shutil.rmtree, base, True)
-        c = StdioClient(["--workdir", base, "--allow-dir", base])
-        self.addCleanup(c.close)
-        c.initialize()
-        pid = c.p.pid
-        for command in ("kill -TERM $PPID", "kill -9 %d" % pid, "python3 -c 'import os,signal; os.kill(%d, 9)'" % pid,
-                        "kill -HUP %d; kill -INT %d" % (pid, pid)):
-            text = c.call("bash", {"command": command})["content"][0]["text"]
-            self.assertIn("Operation not permitted", text, command)
-            self.assertEqual(c.request("ping")["result"], {})
-        c.call("bash", {"command": "sleep 0.2; kill -9 %d" % pid, "run_in_background": True})
-        time.sleep(0.5)
-        self.assertEqual(c.request("ping")["result"], {})
-        self.assertIsNone(c.p.poll())
-
-    def test_sandboxed_round_trip_works_over_the_wire(self):
-        base = os.path.realpath(tempfile.mkdtemp(prefix="boris-sandbox-", dir="/var/tmp"))
-        self.addCleanup(shutil.rmtree, base, True)
-        c = StdioClient(["--workdir", base, "--allow-dir", base, "--sandbox", "workspace-write"])
-        self.addCleanup(c.close)
-        inst = c.initialize()["result"]["instructions"]
-        self.assertIn("Sandbox: workspace-write", inst)
-        self.assertIn("hi", c.call("bash", {"command": "echo hi > f && cat f"})["content"][0]["text"])
-        c.close()
-        self.assertIn("Sandbox: workspace-write", b"".join(c.errbuf).decode())
-
-
-class TestSandboxConfiguration(unittest.TestCase):
-    def test_an_explicit_sandbox_the_kernel_cannot_give_stops_start_up(self):
-        for mode in ("workspace-write", "read-only"):
-            cfg = boris.parse_config(["--sandbox", mode, "--allow-dir", "/tmp"], {})
-            with self.assertRaises(boris.ConfigError) as e:
-                boris.resolve_sandbox(cfg, boris.PathPolicy(cfg.allow_dir, (), cfg.workdir), abi=0)
-            self.assertIn("--sandbox %s cannot be honoured" % mode, str(e.exception))
-        err = io.StringIO()
-        with mock.patch.object(boris, "landlock_abi", lambda: 0), mock.patch("sys.stderr", err):
-            self.assertEqual(boris.main(["--sandbox", "read-only", "--workdir", "/tmp"]), 2)
-        self.assertEqual(len(err.getvalue().strip().split("\n")), 1, err.getvalue())
-        self.assertIn("Landlock", err.getvalue())
-
-    def test_auto_falls_back_to_off_out_loud(self):
-        cfg = boris.parse_config(["--allow-dir", "/tmp"], {})
-        policy = boris.PathPolicy(cfg.allow_dir, (), cfg.workdir)
-        logged = []
-        with mock.patch.object(boris, "log", lambda level, msg, **k: logged.append((level, msg))):
-            sb = boris.resolve_sandbox(cfg, policy, abi=0)
-        self.assertFalse(sb.on)
-        self.assertEqual([l for l, m in logged], ["warn"])
-        self.assertIn("sandbox off", logged[0][1])
-        self.assertFalse(boris.resolve_sandbox(boris.parse_config([], {}), boris.PathPolicy(), abi=7).on)
-        on = boris.resolve_sandbox(cfg, policy, abi=7)
-        self.assertEqual((on.mode, on.network), ("workspace-write", False))
-        self.assertEqual(boris.parse_config(["--sandbox-network", "on"], {}).sandbox_network, True)
-        self.assertEqual(boris.parse_config([], {"BORIS_SANDBOX": "off"}).sandbox, "off")
-        with self.assertRaises(boris.ConfigError):
-            boris.parse_config(["--sandbox", "strict"], {})
-
-    def test_helper_code_never_lives_where_a_sandboxed_command_may_write(self):
-        tmp = os.path.realpath(tempfile.gettempdir())
-        argv, cwd = boris.helper_command("search", avoid=[tmp])
-        self.assertFalse(boris.is_within(cwd, tmp), cwd)
-        self.assertFalse(any(a.startswith("pycache_prefix=" + tmp) for a in argv), argv)
-
-    def test_a_launcher_that_cannot_confine_runs_nothing(self):
-        argv, cwd = boris.helper_command("sandbox")
-        for spec in ({"mode": "workspace-write", "writable": [BORIS], "abi": max(LANDLOCK_ABI, 1), "net": None,
-                      "cwd": "/"},                                    # directory rights on a file: refused
-                     {"mode": "workspace-write", "writable": [], "abi": "seven", "net": None, "cwd": "/"},
-                     {"mode": "workspace-write", "writable": []}):
-            p = subprocess.run(argv + [json.dumps(spec), "/bin/sh", "-c", "echo RAN"], cwd=cwd, capture_output=True)
-            self.assertEqual(p.returncode, boris.SANDBOX_EXIT, spec)
-            self.assertNotIn(b"RAN", p.stdout)
-            self.assertIn(b"the sandbox could not be set up", p.stderr)
-
-
-@NEEDS_LANDLOCK
-class TestSandboxCampaign(SandboxBase):
-    """Generated write attempts - paths, link tricks, rename/link/mkdir/truncate -
-    through bash, sh, python and perl: none may land outside."""
-
-    def attempts(self, rng):
-        o = self.out
-        targets = [o + "/g%d.txt", o + "/dir/g%d", "out-link/g%d", "out-link/dir/g%d", "../outside/g%d",
-                   "./../outside/dir/../g%d", o + "/keep.txt", o + "/dir", "%s/../outside/g%%d" % self.ws,
-                   "/var/tmp/boris-sandbox-escape-%d", os.path.expanduser("~") + "/boris-escape-%d"]
-        shell = ["echo x > {t}", "echo x >> {t}", "printf x | tee {t}", ": > {t}", "truncate -s 1 {t}", "touch {t}",
-                 "mkdir -p {t}/sub", "cp mine.txt {t}", "ln -s mine.txt {t}", "ln mine.txt {t}", "mv mine2.txt {t}",
-                 "rm -rf {t}", "dd if=/dev/zero of={t} bs=1 count=1", "install -m 644 mine.txt {t}",
-                 "sh -c 'echo x > {t}'", "bash -c 'exec 3>{t}; echo x >&3'", "find {o} -name keep.txt -delete",
-                 "sed -i s/outside/pwned/ {o}/keep.txt", "chmod 777 {o}/keep.txt", "mkfifo {t}"]
-        py = ["open('{t}', 'w').write('x')", "import os; os.mkdir('{t}')", "import os; os.rename('mine2.txt', '{t}')",
-              "import os; os.link('mine.txt', '{t}')", "import os; os.symlink('/etc', '{t}')",
-              "import os; os.truncate('{o}/keep.txt', 0)", "import os; os.remove('{o}/keep.txt')",
-              "import shutil; shutil.rmtree('{o}/dir')"]
-        perl = ["open(F, '>', '{t}'); print F 'x'", "unlink('{o}/keep.txt')", "rename('mine2.txt', '{t}')",
-                "mkdir('{t}')"]
-        out = []
-        for i in range(1200):
-            t = rng.choice(targets)
-            t = t % i if "%d" in t else t
-            kind = rng.random()
-            if kind < 0.6:
-                out.append(("sh", rng.choice(shell).format(t=t, o=o)))
-            elif kind < 0.85:
-                out.append(("python", rng.choice(py).format(t=t, o=o)))
-            else:
-                out.append(("perl", rng.choice(perl).format(t=t, o=o)))
-        return out
-
-    @staticmethod
-    def script(batch):
-        """One bash script for a batch: each shell attempt a line; the python and perl
-        attempts each in one interpreter, every attempt on its own."""
-        lines = ["cp -f mine.txt mine2.txt"] + ["%s 2>/dev/null" % a for kind, a in batch if kind == "sh"]
-        py = [a for kind, a in batch if kind == "python"]
-        if py:
-            lines += ["python3 - <<'PY'", "for a in %r:" % py, "    try:", "        exec(a)",
-                      "    except Exception:", "        pass", "PY"]
-        pl = [a for kind, a in batch if kind == "perl"]
-        if pl and shutil.which("perl"):
-            lines += ["perl - <<'PL' 2>/dev/null"] + ["eval { %s };" % a for a in pl] + ["PL"]
-        return "\n".join(lines + ["echo batch-done"])
-
-    def test_a_thousand_generated_writes_land_nowhere_outside(self):
-        have_perl = shutil.which("perl") is not None
-        attempts = [a for a in self.attempts(random.Random(24)) if have_perl or a[0] != "perl"]
-        before = self.outside()
-        sandbox, self.server.sandbox = self.server.sandbox, boris.Sandbox.off()      # the control: unconfined,
-        for k in range(0, 120, 60):                                                  # the same attempts land
-            self.bash(self.script(attempts[k:k + 60]))
-        landed = set(self.outside()) ^ set(before)
-        self.assertGreater(len(landed), 20, "the attempts do not write even without a sandbox")
-        for kind in ("python", "perl") if have_perl else ("python",):
-            self.assertTrue(any(a[0] == kind for a in attempts[:120]))
-        home = os.path.expanduser("~")
-        for d, prefix in (("/var/tmp", "boris-sandbox-escape"), (home, "boris-escape")):
-            for name in os.listdir(d):
-                if name.startswith(prefix):
-                    p = os.path.join(d, name)
-                    shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
-        shutil.rmtree(self.out)
-        os.makedirs(os.path.join(self.out, "dir"))
-        with open(os.path.join(self.out, "keep.txt"), "w") as f:
-            f.write("outside\n")
-        self.assertEqual(self.outside(), before)
-        self.server.sandbox = sandbox
-        for k in range(0, len(attempts), 60):
-            self.assertIn("batch-done", self.bash(self.script(attempts[k:k + 60]), timeout=120000))
-            self.assertEqual(self.outside(), before, "a write landed outside in batch %d" % k)
-        self.assertGreaterEqual(len(attempts), 1000)
-        escaped = [n for n in os.listdir("/var/tmp") if n.startswith("boris-sandbox-escape")] + \
-            [n for n in os.listdir(home) if n.startswith("boris-escape")]
-        self.assertEqual(escaped, [])
-
-
-# ---------------------------------------------------------------------------
-# apply_patch (Codex's format)
-# ---------------------------------------------------------------------------
-
-def codex_patch(files):
-    """A patch in Codex's format from {path: (old text or None, new text or None)}:
-    hunks of difflib's grouped opcodes with three lines of context."""
-    import difflib
-    out = ["*** Begin Patch"]
-    for path, (old, new) in files.items():
-        if old is None:
-            out.append("*** Add File: " + path)
-            out += ["+" + l for l in new.split("\n")[:-1]]
-            continue
-        if new is None:
-            out.append("*** Delete File: " + path)
-            continue
-        out.append("*** Update File: " + path)
-        a, b = old.split("\n")[:-1], new.split("\n")[:-1]
-        for group in difflib.SequenceMatcher(None, a, b, autojunk=False).get_grouped_opcodes(3):
-            out.append("@@")
-            for tag, i1, i2, j1, j2 in group:
-                if tag == "equal":
-                    out += [" " + l for l in a[i1:i2]]
-                else:
-                    out += ["-" + l for l in a[i1:i2]] + ["+" + l for l in b[j1:j2]]
-    out.append("*** End Patch")
-    return "\n".join(out) + "\n"
-
-
-class TestApplyPatch(NoViewBase):
-    def tree(self):
-        self.write("keep.py", "def a():\n    return 1\n\n\ndef b():\n    return 2\n")
-        self.write("crlf.txt", b"one\r\ntwo\r\nthree\r\n")
-        self.write("old/name.sh", "#!/bin/sh\necho old\n", mode=0o755)
-        self.write("gone.txt", "bye\n")
-        self.write("bytes.txt", b"caf\xe9 = 1\nx = 2\n")
-
-    FIVE = """*** Begin Patch
-*** Add File: new/added.md
-+# Title
-+text
-*** Update File: keep.py
-@@ def b():
--    return 2
-+    return 20
-*** Update File: crlf.txt
- one
--two
-+TWO
- three
-*** Update File: old/name.sh
-*** Move to: bin/renamed.sh
-@@
- #!/bin/sh
--echo old
-+echo new
-*** Delete File: gone.txt
-*** Update File: bytes.txt
- caf\ufffd = 1
--x = 2
-+x = 3
-*** End Patch
-"""
-
-    def test_a_five_file_patch_adds_updates_moves_and_deletes(self):
-        self.tree()
-        patch = self.FIVE.replace("caf\ufffd = 1", "caf\udce9 = 1")
-        text = self.fails("apply_patch", "INVALID_INPUT", input=patch)        # a lone surrogate is no text
-        self.assertIn("argument 'input'", text)
-        patch = self.FIVE.replace(" caf\ufffd = 1\n", "")
-        text = self.ok("apply_patch", input=patch)
-        self.assertEqual(text, "Success. Updated the following files:\nA new/added.md\nM keep.py\nM crlf.txt\n"
-                               "R old/name.sh -> bin/renamed.sh\nD gone.txt\nM bytes.txt")
-        self.assertEqual(self.read("new/added.md"), b"# Title\ntext\n")
-        self.assertEqual(self.read("keep.py"), b"def a():\n    return 1\n\n\ndef b():\n    return 20\n")
-        self.assertEqual(self.read("crlf.txt"), b"one\r\nTWO\r\nthree\r\n")
-        self.assertEqual(self.read("bin/renamed.sh"), b"#!/bin/sh\necho new\n")
-        self.assertEqual(stat.S_IMODE(os.stat(self.path("bin/renamed.sh")).st_mode), 0o755)
-        self.assertFalse(os.path.exists(self.path("old/name.sh")) or os.path.exists(self.path("gone.txt")))
-        self.assertEqual(self.read("bytes.txt"), b"caf\xe9 = 1\nx = 3\n")            # the other bytes kept
-
-    def test_one_bad_hunk_changes_nothing(self):
-        self.tree()
-        before = tree_snapshot(self.root)
-        bad = self.FIVE.replace(" caf\ufffd = 1\n", "").replace("-    return 2\n", "-    return 99\n")
-        text = self.fails("apply_patch", "STR_REPLACE_NOT_FOUND", input=bad)
-        self.assertIn("keep.py, hunk 1 (@@ def b():): the line '    return 99' was not found", text)
-        self.assertIn("nothing was written", text)
-        self.assertEqual(tree_snapshot(self.root), before)
-
-    def test_paths_outside_the_scope_are_refused_before_anything_is_written(self):
-        self.tree()
-        cfg = boris.parse_config(["--workdir", self.root, "--allow-dir", os.path.join(self.root, "old"),
-                                  "--require-view-before-edit", "false"], {})
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
-        server = boris.McpServer(cfg, policy)
-        before = tree_snapshot(self.root)
-        for patch in ("*** Begin Patch\n*** Update File: old/name.sh\n-echo old\n+echo x\n*** Add File: ../../x.txt\n"
-                      "+x\n*** End Patch", "*** Begin Patch\n*** Update File: old/name.sh\n*** Move to: bin/n.sh\n"
-                      "-echo old\n+echo x\n*** End Patch", "*** Begin Patch\n*** Delete File: gone.txt\n*** End Patch",
-                      "*** Begin Patch\n*** Update File: old/../keep.py\n-    return 2\n+    return 3\n*** End Patch"):
-            r = server.run_tool(server.tools["apply_patch"], self.session, {"input": patch}, ctx_of(cfg, policy))
-            self.assertTrue(r["content"][0]["text"].startswith("[ACCESS_DENIED]"), r)
-        self.assertEqual(tree_snapshot(self.root), before)
-
-    def test_existing_missing_and_ambiguous_targets_are_named(self):
-        self.tree()
-        self.write("dup.txt", "x = 1\ny\nx = 1\nz\n")
-        cases = (("*** Add File: keep.py\n+x", "INVALID_INPUT", "*** Add File: keep.py, but it exists"),
-                 ("*** Delete File: nope.txt", "PATH_NOT_FOUND", "nope.txt does not exist"),
-                 ("*** Update File: gone.txt\n*** Move to: keep.py\n-bye\n+hi", "INVALID_INPUT",
-                  "*** Move to: keep.py, but it exists"),
-                 ("*** Update File: dup.txt\n-x = 1\n+x = 2", "STR_REPLACE_AMBIGUOUS", "at lines 1, 3"),
-                 ("*** Update File: keep.py\n@@ def c():\n-    return 2\n+    return 3", "STR_REPLACE_NOT_FOUND",
-                  "header line 'def c():' was not found"),
-                 ("*** Update File: keep.py\n-    return 2\n+x\n*** Update File: keep.py\n-x\n+y", "INVALID_INPUT",
-                  "keep.py appears twice"))
-        for body, code, words in cases:
-            text = self.fails("apply_patch", code, input="*** Begin Patch\n%s\n*** End Patch\n" % body)
-            self.assertIn(words, text)
-        self.assertIn("y\nx = 2\nz", self.ok("apply_patch", input="*** Begin Patch\n*** Update File: dup.txt\n"
-                                             " y\n-x = 1\n+x = 2\n z\n*** End Patch") and self.read("dup.txt").decode())
-
-    def test_whitespace_tolerance_goes_no_further(self):
-        self.write("w.py", "def f():  \n    return 1\n")
-        self.ok("apply_patch", input="*** Begin Patch\n*** Update File: w.py\n def f():\n-  return 1\n+    return 2\n"
-                                     "*** End Patch")
-        self.assertEqual(self.read("w.py"), b"def f():  \n    return 2\n")
-        self.fails("apply_patch", "STR_REPLACE_NOT_FOUND", input="*** Begin Patch\n*** Update File: w.py\n"
-                   " def g():\n-    return 2\n+    return 3\n*** End Patch")
-
-    def test_format_errors_name_the_line(self):
-        self.write("f.txt", "a\n")
-        for patch, words in (("*** Update File: f.txt\n-a\n+b\n*** End Patch", "starts with the line '*** Begin Patch'"),
-                             ("*** Begin Patch\n*** Update File: f.txt\n-a\n+b", "ends with the line '*** End Patch'"),
-                             ("*** Begin Patch\n*** Frobnicate: f.txt\n*** End Patch", "patch line 2"),
-                             ("*** Begin Patch\n*** Add File: n.txt\nno plus\n*** End Patch", "starts with '+'"),
-                             ("*** Begin Patch\n*** Update File: f.txt\n*** End Patch", "has no hunk")):
-            self.assertIn(words, self.fails("apply_patch", "INVALID_INPUT", input=patch))
-        self.assertEqual(self.read("f.txt"), b"a\n")
-
-    def test_a_failed_write_puts_back_what_was_written(self):
-        self.tree()
-        before = tree_snapshot(self.root)
-        real, calls = boris.atomic_write, []
-
-        def third_fails(*a, **k):
-            calls.append(a[0])
-            if len(calls) == 3:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return real(*a, **k)
-        with mock.patch.object(boris, "atomic_write", third_fails):
-            text = self.fails("apply_patch", "IO_ERROR", input=self.FIVE.replace(" caf\ufffd = 1\n", ""))
-        self.assertIn("No space left on device", text)
-        self.assertIn("restored, so nothing changed", text)
-        self.assertEqual(tree_snapshot(self.root), before)
-
-    def test_generated_patches_reproduce_the_edited_files(self):
-        rng = random.Random(22)
-        words = ["alpha", "beta", "gamma", "delta", "if x:", "return y", "}", "", "    pass"]
-        for case in range(150):
-            files = {}
-            for f in range(rng.randint(1, 4)):
-                lines = ["%s %d %s" % (rng.choice(words), rng.randrange(10 ** 6), rng.choice(words))
-                         for _ in range(rng.randint(1, 60))]
-                new = list(lines)
-                for _ in range(rng.randint(1, 5)):
-                    at = rng.randrange(len(new) + 1)
-                    kind = rng.random()
-                    if kind < 0.4 and new:
-                        del new[at:at + rng.randint(1, 3)]
-                    elif kind < 0.7:
-                        new[at:at] = ["added %d" % rng.randrange(10 ** 6) for _ in range(rng.randint(1, 3))]
-                    elif new:
-                        new[min(at, len(new) - 1)] = "changed %d" % rng.randrange(10 ** 6)
-                old_text, new_text = "\n".join(lines) + "\n", "\n".join(new) + "\n" if new else ""
-                if old_text == new_text:
-                    continue
-                path = "g%d/f%d.txt" % (case, f)
-                self.write(path, old_text)
-                files[path] = (old_text, new_text)
-            if not files:
-                continue
-            text = self.ok("apply_patch", input=codex_patch(files))
-            self.assertTrue(text.startswith("Success."), text)
-            for path, (_, new_text) in files.items():
-                self.assertEqual(self.read(path).decode(), new_text, (case, path))
-
-    def test_parallel_patches_and_replacements_of_one_file_all_land(self):
-        self.write("many.txt", "".join("line %d\n" % i for i in range(40)))
-        real = boris.read_regular
-
-        def slow_read(*a, **k):                    # widen the window between reading and writing
-            out = real(*a, **k)
-            time.sleep(0.002)
-            return out
-        errors = []
-
-        def edit(i):
-            if i % 2:
-                text, err = self.call("apply_patch", input="*** Begin Patch\n*** Update File: many.txt\n"
-                                                           "-line %d\n+PATCHED %d\n*** End Patch" % (i, i))
-            else:
-                text, err = self.call("str_replace", path="many.txt", old_str="line %d\n" % i,
-                                      new_str="REPLACED %d\n" % i)
-            if err:
-                errors.append(text)
-        with mock.patch.object(boris, "read_regular", slow_read):
-            threads = [threading.Thread(target=edit, args=(i,)) for i in range(10, 30)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        self.assertEqual(errors, [])
-        text = self.read("many.txt").decode()
-        for i in range(10, 30):
-            self.assertIn("%s %d\n" % ("PATCHED" if i % 2 else "REPLACED", i), text)
-
-    def test_apply_patch_is_in_both_modes_and_can_be_disabled(self):
-        names = lambda flags: set(boris.build_tools(boris.parse_config(flags, {})))
-        self.assertIn("apply_patch", names([]))
-        self.assertIn("apply_patch", names(["--anthropic-compat"]))
-        self.assertNotIn("apply_patch", names(["--disable-tools", "apply_patch"]))
-        self.assertIn("apply_patch", names(["--disable-tools", "bash"]))
-
-
-# ---------------------------------------------------------------------------
-# Interactive processes: interactive, tty, task_input
-# ---------------------------------------------------------------------------
-
-class TestInteractiveTasks(NoViewBase):
-    def start(self, command, **flags):
-        text = self.ok("bash", command=command, **flags)
-        return re.search(r"task_[0-9a-f]+", text).group(0)
-
-    def test_a_python_repl_through_three_inputs(self):
-        tid = self.start("python3 -i -q", interactive=True)
-        self.assertIn("--- stdout ---\n2\n", self.ok("task_input", task_id=tid, input="1+1\n"))
-        self.ok("task_input", task_id=tid, input="x = 'ab' * 3\n")
-        self.assertIn("--- stdout ---\nababab\n", self.ok("task_input", task_id=tid, input="print(x)\n"))
-        done = self.ok("task_input", task_id=tid, close_stdin=True, wait_ms=10000)
-        self.assertIn("status: completed; exit code: 0", done)
-
-    def test_a_prompt_answered_on_a_tty(self):
-        tid = self.start("read -p 'Name: ' n; echo hello $n; [ -t 0 ] && echo on-a-terminal", tty=True)
-        self.assertIn("Name: ", self.ok("task_output", task_id=tid, wait_for="Name:", wait_ms=10000))
-        text = self.ok("task_input", task_id=tid, input="bob\n", wait_ms=10000)
-        self.assertIn("hello bob\non-a-terminal", text)
-
-    def test_ctrl_c_on_a_tty_stops_the_loop_and_the_shell_lives(self):
-        tid = self.start("PS1='$ ' bash --norc --noprofile -i", tty=True)
-        self.ok("task_input", task_id=tid, input="while true; do sleep 0.1; done\n", wait_ms=300)
-        self.ok("task_input", task_id=tid, input="\u0003", wait_ms=500)
-        text = self.ok("task_input", task_id=tid, input="echo alive-$((40+2))\n", wait_for="alive-42", wait_ms=10000)
-        self.assertIn("alive-42", text)
-        self.assertIn("status: running", text)
-        self.assertIn("status: completed", self.ok("task_input", task_id=tid, input="\u0004", wait_ms=10000))
-
-    def test_eof_ends_cat(self):
-        tid = self.start("cat; echo cat-ended", interactive=True)
-        text = self.ok("task_input", task_id=tid, input="abc\n", close_stdin=True, wait_ms=10000)
-        self.assertIn("abc\ncat-ended", text)
-        self.assertIn("status: completed", text)
-
-    def test_terminal_escape_sequences_are_removed(self):
-        tid = self.start("printf '\\033[31mred\\033[0m \\033]0;title\\007plain\\r\\n'; tput cols 2>/dev/null; "
-                         "stty size", tty=True)
-        text = self.ok("task_output", task_id=tid, wait_ms=10000)
-        self.assertIn("red plain\n", text)
-        self.assertIn("24 80", text)
-        self.assertNotIn("\x1b", text)
-        self.assertNotIn("\r", text)
-
-    def test_input_to_tasks_that_take_none(self):
-        tid = self.start("sleep 5", run_in_background=True)
-        self.assertIn("interactive", self.fails("task_input", "BASH_TASK_NOT_INTERACTIVE", task_id=tid, input="x"))
-        self.fails("task_input", "BASH_TASK_NOT_FOUND", task_id="task_00", input="x")
-        tid = self.start("true", interactive=True)
-        self.assertTrue(wait_until(lambda: "completed" in self.ok("task_output")))
-        self.assertIn("has ended", self.fails("task_input", "BASH_TASK_NOT_FOUND", task_id=tid, input="x"))
-
-    def test_without_interactive_stdin_stays_dev_null(self):
-        text = self.ok("bash", command="read x; echo got=[$x] rc=$?; [ -t 0 ] || echo no-terminal")
-        self.assertIn("got=[] rc=1\nno-terminal", text)            # EOF at once: read fails
-        text = self.ok("bash", command="printf 'Continue? [y/N] '; sleep 30", timeout=300)
-        self.assertIn("It may be waiting for input: run it with interactive: true", text)
-        self.assertNotIn("waiting for input", self.ok("bash", command="echo done; sleep 30", timeout=300))
-
-    def test_disabling_bash_takes_task_input_along(self):
-        names = set(boris.build_tools(boris.parse_config(["--disable-tools", "bash"], {})))
-        self.assertNotIn("task_input", names)
-        self.assertIn("task_input", set(self.server.tools))
-
-
-@NEEDS_LANDLOCK
-class TestInteractiveSandboxed(SandboxBase):
-    def test_a_tty_task_is_sandboxed_too(self):
-        text = self.bash("read -p 'go? ' a; touch %s/x; echo wrote=$?" % self.out, tty=True)
-        tid = re.search(r"task_[0-9a-f]+", text).group(0)
-        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, sandbox=self.server.sandbox)
-        r = boris.McpServer.run_tool(self.server.tools["task_input"], self.session,
-                                     {"task_id": tid, "input": "y\n", "wait_ms": 10000}, ctx)
-        self.assertIn("wrote=1", r["content"][0]["text"])
-        self.assertFalse(os.path.exists(os.path.join(self.out, "x")))
-
-
-# ---------------------------------------------------------------------------
-# Notebooks: view renders cells and outputs; notebook_edit touches one cell
-# ---------------------------------------------------------------------------
-
-def sample_notebook():
-    """A notebook as nbformat writes it (indent 1, sorted keys): code, markdown and raw
-    cells; stream, error and PNG outputs."""
-    nb = {"cells": [
-        {"cell_type": "markdown", "id": "a1b2", "metadata": {}, "source": ["# Title\n", "Some *text*."]},
-        {"cell_type": "code", "execution_count": 5, "id": "7f2c", "metadata": {"tags": ["x"]},
-         "outputs": [{"name": "stdout", "output_type": "stream", "text": ["hello\n", "world\n"]},
-                     {"data": {"image/png": base64.b64encode(PNG_1PX).decode(), "text/plain": ["<Figure>"]},
-                      "metadata": {}, "output_type": "display_data"}],
-         "source": ["print('hello')\n", "print('world')"]},
-        {"cell_type": "code", "execution_count": 6, "id": "e3e3", "metadata": {},
-         "outputs": [{"ename": "ZeroDivisionError", "evalue": "division by zero", "output_type": "error",
-                      "traceback": ["\u001b[0;31mZeroDivisionError\u001b[0m  Traceback", "----> 1 1/0"]}],
-         "source": ["1/0"]},
-        {"cell_type": "raw", "id": "r4r4", "metadata": {}, "source": ["raw text"]}],
-        "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
-        "nbformat": 4, "nbformat_minor": 5}
-    return json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
-
-
-class TestNotebooks(Base):
-    def setUp(self):
-        Base.setUp(self)
-        self.write("n.ipynb", sample_notebook())
-
-    def test_view_renders_cells_outputs_and_images(self):
-        r = self.result("view", path="n.ipynb")
-        self.assertFalse(r["isError"], r)
-        text = "\n".join(b["text"] for b in r["content"] if b["type"] == "text")
-        self.assertIn("[cell 1] markdown · id a1b2\n     1\t# Title\n     2\tSome *text*.", text)
-        self.assertIn("[cell 2] code · id 7f2c · execution_count 5\n     1\tprint('hello')", text)
-        self.assertIn("--- stdout ---\nhello\nworld", text)
-        self.assertIn("--- error ---\nZeroDivisionError: division by zero", text)
-        self.assertNotIn("\x1b", text)
-        self.assertIn("[cell 4] raw · id r4r4", text)
-        self.assertEqual([b.get("mimeType") for b in r["content"] if b["type"] == "image"], ["image/png"])
-        part = "".join(b.get("text", "") for b in self.result("view", path="n.ipynb", view_range=[3, 4])["content"])
-        self.assertNotIn("[cell 2]", part)
-        self.assertIn("[cell 3]", part)
-
-    def test_a_broken_notebook_is_viewed_as_text_with_a_note(self):
-        self.write("bad.ipynb", "{\"cells\": [ oops\n")
-        text = self.ok("view", path="bad.ipynb")
-        self.assertTrue(text.startswith("(bad.ipynb is not a valid notebook ("), text)
-        self.assertIn("     1\t{\"cells\": [ oops", text)
-
-    def edit(self, **args):
-        self.ok("view", path="n.ipynb")
-        return self.ok("notebook_edit", path="n.ipynb", **args)
-
-    def changed_lines(self, before, after):
-        import difflib
-        return [l for l in difflib.unified_diff(before.split("\n"), after.split("\n"), lineterm="", n=0)
-                if l[:1] in ("+", "-") and not l.startswith(("+++", "---"))]
-
-    def test_replace_touches_only_that_cell_and_clears_its_outputs(self):
-        before = self.read("n.ipynb").decode()
-        self.assertEqual(self.edit(cell_id="7f2c", new_source="x = 1\nprint(x)"), "Replaced cell 2 of n.ipynb")
-        after = self.read("n.ipynb").decode()
-        nb, old = json.loads(after), json.loads(before)
-        self.assertEqual(nb["cells"][1]["source"], ["x = 1\n", "print(x)"])
-        self.assertEqual((nb["cells"][1]["outputs"], nb["cells"][1]["execution_count"]), ([], None))
-        self.assertEqual(nb["cells"][1]["metadata"], {"tags": ["x"]})
-        self.assertEqual([c for k, c in enumerate(nb["cells"]) if k != 1], [c for k, c in enumerate(old["cells"])
-                                                                            if k != 1])
-        start, end = before.index('"id": "7f2c"'), before.index('"id": "e3e3"')
-        cell_lines = set(before[before.rfind("{", 0, start):end].split("\n"))
-        for line in self.changed_lines(before, after):
-            self.assertTrue(line[0] == "+" or line[1:] in cell_lines, line)      # only that cell's lines go
-        self.assertEqual(before[:before.rfind("{", 0, start)], after[:before.rfind("{", 0, start)])
-
-    def test_git_diff_of_an_edit_touches_only_that_cell(self):
-        if not shutil.which("git"):
-            self.skipTest("git is not installed")
-        run = lambda *a: subprocess.run(["git", "-c", "user.email=a@b", "-c", "user.name=n"] + list(a), cwd=self.root,
-                                        capture_output=True, text=True).stdout
-        run("init", "-q")
-        run("add", "n.ipynb")
-        run("commit", "-qm", "nb")
-        self.edit(cell_number=4, new_source="new raw")
-        diff = run("diff", "-U0")
-        changed = [l for l in diff.split("\n") if l[:1] in ("+", "-") and not l.startswith(("+++", "---"))]
-        self.assertEqual(changed, ['-    "raw text"', '+    "new raw"'])
-
-    def test_insert_and_delete(self):
-        self.assertEqual(self.edit(cell_id="a1b2", edit_mode="insert", cell_type="code", new_source="y = 2"),
-                         "Inserted a cell as cell 2 of n.ipynb")
-        nb = json.loads(self.read("n.ipynb"))
-        self.assertEqual([c["cell_type"] for c in nb["cells"]], ["markdown", "code", "code", "code", "raw"])
-        self.assertEqual((nb["cells"][1]["source"], nb["cells"][1]["outputs"]), (["y = 2"], []))
-        self.assertRegex(nb["cells"][1]["id"], r"^[0-9a-f]{8}$")
-        self.edit(edit_mode="insert", cell_type="markdown", new_source="top")
-        self.assertEqual(json.loads(self.read("n.ipynb"))["cells"][0]["source"], ["top"])
-        self.assertEqual(self.edit(cell_id="r4r4", edit_mode="delete"), "Deleted cell 6 of n.ipynb")
-        self.assertEqual(self.edit(cell_number=1, edit_mode="delete"), "Deleted cell 1 of n.ipynb")
-        nb = json.loads(self.read("n.ipynb"))
-        self.assertEqual([c.get("id") for c in nb["cells"]][-2:], ["7f2c", "e3e3"])
-        self.assertEqual((nb["nbformat"], nb["nbformat_minor"]), (4, 5))
-
-    def test_notebook_edit_needs_a_view_and_a_real_cell(self):
-        self.fails("notebook_edit", "FILE_NOT_VIEWED", path="n.ipynb", cell_number=1, new_source="x")
-        self.ok("view", path="n.ipynb")
-        self.assertIn("1 to 4", self.fails("notebook_edit", "INVALID_INPUT", path="n.ipynb", cell_number=9,
-                                           new_source="x"))
-        self.assertIn("no cell with id 'zz'", self.fails("notebook_edit", "INVALID_INPUT", path="n.ipynb",
-                                                         cell_id="zz", new_source="x"))
-        self.assertIn("cell_type", self.fails("notebook_edit", "INVALID_INPUT", path="n.ipynb", cell_number=1,
-                                              edit_mode="insert", new_source="x"))
-
-
-@NEEDS_LANDLOCK
-class TestWarmLaunchers(SandboxBase):
-    """A sandboxed command starts from a launcher started ahead; the spare is reaped
-    with the server, and a dead one is replaced."""
-
-    def test_spares_are_used_replaced_and_reaped(self):
-        self.assertIn("one", self.bash("echo one"))
-        spare = self.server.sandbox.launchers.spare
-        self.assertIsNotNone(spare)
-        self.assertIsNone(spare.poll())
-        spare.kill()
-        spare.wait()
-        text = self.bash("echo $BORIS_CALL; pwd; touch %s/x" % self.out)       # a dead spare: a fresh one
-        self.assertRegex(text, r"--- stdout ---\n%d-[0-9a-f]{12}\n%s\n" % (os.getpid(), re.escape(self.ws)))
-        self.assertIn("Permission denied", text)
-        self.assertFalse(os.path.exists(os.path.join(self.out, "x")))
-        last = self.server.sandbox.launchers.spare
-        self.server.close()
-        self.assertIsNotNone(last.returncode)
-        self.assertTrue(last.stdout.closed and last.stderr.closed)
