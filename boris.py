@@ -1989,6 +1989,11 @@ class Matcher(object):
         """Whether this chunk must be searched as decoded text."""
         return self.literal is None and (self.rx is None or not buf[:end].isascii())
 
+    def quick(self, lead):
+        """Whether files mode may answer from the first read with literal_in(): a literal,
+        and no UTF-8 BOM (lead byte 0xef) to strip first."""
+        return self.literal is not None and lead != 0xef
+
     def literal_in(self, buf, n):
         """Whether the literal occurs in buf[:n] (files mode's quick answer)."""
         if self.folded:
@@ -2122,7 +2127,6 @@ def region_records(hay, end, first_line, spans, before, after, state):
     """Turn match spans into (line_no, is_match, text) records with context; a None
     record marks a break between non-adjacent groups."""
     nl = b"\n" if not isinstance(hay, str) else "\n"
-    out = []
     matched = matched_lines(hay, nl, end, first_line, spans)
     starts = dict((k, (ls, le)) for k, ls, le in matched)       # line number -> (start, stop)
     want = {}                                                   # line number -> is a match line
@@ -2134,9 +2138,15 @@ def region_records(hay, end, first_line, spans, before, after, state):
         for ka, span in lines_after(hay, nl, k, le, end, after):
             starts.setdefault(ka, span)
             want.setdefault(ka, False)
-    prev = state.get("last")
+    return in_order(hay, starts, want, state, bool(before or after))
+
+
+def in_order(hay, starts, want, state, grouped):
+    """region_records' records by line number, a None between groups that are not
+    adjacent (with context only); state['last'] carries the last line across pieces."""
+    out, prev = [], state.get("last")
     for k in sorted(want):
-        if prev is not None and k > prev + 1 and (before or after):
+        if grouped and prev is not None and k > prev + 1:
             out.append(None)
         ls, le = starts[k]
         out.append((k, want[k], line_text(hay, ls, le)))
@@ -2223,7 +2233,7 @@ def first_pieces(fd, buf, matcher, mode, context):
         return None, read_chunks(fd, buf, n, mode == "content" and whole, numbered=mode == "content")
     if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
         return None, None
-    if matcher.literal is not None and mode == "files_with_matches" and lead != 0xef:
+    if mode == "files_with_matches" and matcher.quick(lead):
         return matcher.literal_in(buf, n) or None, None
     return None, ((buf, n, 1),)                 # most files: one piece, read
 
@@ -3390,8 +3400,10 @@ def resolve_sandbox(config, policy, abi=None):
     mode the kernel cannot give raises ConfigError (one line, exit 2); auto without it
     falls back to off with a warning."""
     mode = config.sandbox
-    if mode == "off" or (mode == "auto" and not policy.allow):
-        return Sandbox.off("--sandbox off" if mode == "off" else "--sandbox auto: no --allow-dir")
+    if mode == "off":
+        return Sandbox.off("--sandbox off")
+    if mode == "auto" and not policy.allow:
+        return Sandbox.off("--sandbox auto: no --allow-dir")
     abi = landlock_abi() if abi is None else abi
     if not abi:
         return no_landlock(mode)
@@ -4458,9 +4470,7 @@ def tool_view(session, args, ctx):
         return view_directory(ctx, real, shown, vr)
     limit = ctx.config.max_file_size
     with os.fdopen(fd, "rb") as fh:
-        if st.st_size > limit:
-            raise ToolError(FILE_TOO_LARGE, "%s is %s; the limit is %s (--max-file-size). Use grep to search"
-                            " it, or raise --max-file-size" % (shown, human_size(st.st_size), human_size(limit)))
+        check_view_size(st, shown, limit)
         try:
             head = fh.read(SNIFF_BYTES)
             kind, mime, note = view_kind(ctx, head, real, shown)
@@ -4481,6 +4491,13 @@ def tool_view(session, args, ctx):
             raise io_error(e, shown)
     session.mark_viewed(real, seen)
     return text
+
+
+def check_view_size(st, shown, limit):
+    """FILE_TOO_LARGE for a file over --max-file-size, saying what to do instead."""
+    if st.st_size > limit:
+        raise ToolError(FILE_TOO_LARGE, "%s is %s; the limit is %s (--max-file-size). Use grep to search"
+                        " it, or raise --max-file-size" % (shown, human_size(st.st_size), human_size(limit)))
 
 
 def view_directory(ctx, real, shown, vr):
@@ -7069,10 +7086,15 @@ def envelope_check(msg):
     if method is None and ("result" in msg or "error" in msg):
         return False, None                          # a response to us: we send no requests
     id_ok = not has_id or valid_id(rid)
-    if msg.get("jsonrpc") != "2.0" or not isinstance(method, str) or not id_ok:
+    if not well_formed(msg, method, id_ok):
         return False, error_response(rid if id_ok else None, -32600, "Invalid Request: need jsonrpc"
                                      " '2.0', a string method and a string (valid Unicode) or integer id")
     return params_check(msg.get("params"), rid, has_id)
+
+
+def well_formed(msg, method, id_ok):
+    """JSON-RPC 2.0, a string method, and a valid id (or none)."""
+    return msg.get("jsonrpc") == "2.0" and isinstance(method, str) and id_ok
 
 
 def params_check(params, rid, has_id):
@@ -7978,6 +8000,20 @@ def serve_http(server, config, stop):
 ###############################################################################
 
 
+def configure(argv, environ):
+    """(config, policy, sandbox) from the flags and environment, logging set up as they
+    say; ConfigError for anything that stops start-up."""
+    config = parse_config(argv, environ)
+    build_tools(config)                           # an unknown --disable-tools name stops start-up
+    try:
+        policy = PathPolicy(config.allow_dir, config.deny_dir, config.workdir)
+    except ValueError as e:
+        raise ConfigError("invalid --deny-dir pattern: %s" % e)
+    _log_state["level"] = _LOG_LEVELS[config.log_level]
+    _log_state["format"] = config.log_format
+    return config, policy, resolve_sandbox(config, policy)
+
+
 def main(argv=None, environ=None):
     """Run the server (or a helper, with --helper): parse the flags, resolve the sandbox, serve stdio or
     HTTP until stopped; the exit code."""
@@ -7990,19 +8026,7 @@ def main(argv=None, environ=None):
         # run again in Python's UTF-8 mode, before anything is read.
         os.execv(sys.executable, [sys.executable, "-X", "utf8", os.path.abspath(__file__)] + argv)
     try:
-        config = parse_config(argv, environ)
-        build_tools(config)                           # an unknown --disable-tools name stops start-up
-        policy = PathPolicy(config.allow_dir, config.deny_dir, config.workdir)
-    except ConfigError as e:
-        sys.stderr.write("boris: error: %s\n" % e)
-        return 2
-    except ValueError as e:
-        sys.stderr.write("boris: error: invalid --deny-dir pattern: %s\n" % e)
-        return 2
-    _log_state["level"] = _LOG_LEVELS[config.log_level]
-    _log_state["format"] = config.log_format
-    try:
-        sandbox = resolve_sandbox(config, policy)
+        config, policy, sandbox = configure(argv, environ)
     except ConfigError as e:
         sys.stderr.write("boris: error: %s\n" % e)
         return 2
