@@ -7697,6 +7697,7 @@ class McpRequestHandler(object):
     pick its session and answer it, in JSON or as an SSE stream."""
 
     transport = None                           # the HttpTransport, set on the class
+    GONE = object()                            # next_out(): the client went away
 
     def reply(self, code, body=None, headers=(), close=False):
         """Send a JSON (or empty) reply. close=True ends the connection after it, which is
@@ -7857,8 +7858,6 @@ class McpRequestHandler(object):
             if not self.send_event(out, session, rid) or final:
                 return
 
-    GONE = object()                     # next_out(): the client went away
-
     def next_out(self, box, session, rid):
         """The next message for request rid: a progress notification, its answer, None
         when it was cancelled (no answer comes), or GONE when the client left (then
@@ -8004,7 +8003,7 @@ def configure(argv, environ):
     """(config, policy, sandbox) from the flags and environment, logging set up as they
     say; ConfigError for anything that stops start-up."""
     config = parse_config(argv, environ)
-    build_tools(config)                           # an unknown --disable-tools name stops start-up
+    disabled_tools(config)                        # an unknown --disable-tools name stops start-up
     try:
         policy = PathPolicy(config.allow_dir, config.deny_dir, config.workdir)
     except ValueError as e:
