@@ -370,7 +370,7 @@ def help_text():
                                                 {"tristate": "auto|true|false", "chars": "N"}.get(kind, kind.upper()))
         lines.append("  --%s%s" % (flag, arg))
         lines.append("      %s [env %s, default %s]" % (text, env, default or "none"))
-    lines.append("  --version\n      print the version and exit")
+    lines.append("  --version, -v\n      print the version and exit")
     lines.append("  --help\n      print this help and exit")
     lines += ["", "--allow-dir/--deny-dir scope the file tools. The shell is confined by --sandbox (Linux",
               "Landlock; on by default with --allow-dir): commands may then write only under the allowed",
@@ -422,8 +422,8 @@ def given_flags(argv):
     spec = dict((f[0], f) for f in FLAGS)
     args = iter(argv)
     for arg in args:
-        if arg in ("-h", "--help", "--version"):
-            sys.stdout.write((help_text() if arg != "--version" else "boris %s" % __version__) + "\n")
+        if arg in ("-h", "--help", "-v", "--version"):
+            sys.stdout.write((help_text() if arg in ("-h", "--help") else "boris %s" % __version__) + "\n")
             raise SystemExit(0)
         if not arg.startswith("--"):
             raise ConfigError("unexpected argument %r (flags start with --; see --help)" % arg)
@@ -1690,11 +1690,12 @@ def repo_excludes(top):
 
 def outer_ignores(root):
     """.gitignore rules that apply to `root` from its work tree's top down to it
-    (and .git/info/exclude). Outside a git work tree none apply, as with ripgrep."""
+    (and .git/info/exclude). Outside a git work tree, those of every directory above
+    it: projects copied into containers usually arrive without their .git, and their
+    .gitignore still says what is build output (ripgrep's --no-require-git)."""
     top = git_top(root)
-    if top is None:
-        return None
-    stack = repo_excludes(top)
+    stack = repo_excludes(top) if top is not None else []
+    top = top or "/"
     d = top
     rel = root[len(top):].strip("/")
     for part in [p for p in rel.split("/") if p]:
@@ -1742,9 +1743,8 @@ class Walker(object):
 
     def start(self):
         """The root's pending entry (path, real, ignore stack, depth, inode)."""
-        ign = outer_ignores(self.root)
-        self.use_ignore = ign is not None
-        return self.root, self.root, ign or [], 0, None
+        self.use_ignore = True
+        return self.root, self.root, outer_ignores(self.root), 0, None
 
     def walk(self, pending):
         """Depth first from the pending entries, then the followed links."""
@@ -1872,7 +1872,7 @@ class Walker(object):
                 self.linked.append((path, target, ign, depth + 1))
             return ()
         if is_dir:
-            return ((path, target, True, st.st_ino),) if self.want_dirs else ()     # listed, not entered
+            return ()                               # a directory link not followed is not listed either
         if stat.S_ISREG(st.st_mode) and self.name_passes(name):
             return ((path, target, False, st.st_ino),)
         return ()
@@ -2138,15 +2138,16 @@ def region_records(hay, end, first_line, spans, before, after, state):
         for ka, span in lines_after(hay, nl, k, le, end, after):
             starts.setdefault(ka, span)
             want.setdefault(ka, False)
-    return in_order(hay, starts, want, state, bool(before or after))
+    return in_order(hay, starts, want, state)
 
 
-def in_order(hay, starts, want, state, grouped):
+def in_order(hay, starts, want, state):
     """region_records' records by line number, a None between groups that are not
-    adjacent (with context only); state['last'] carries the last line across pieces."""
+    adjacent (with or without context lines, as the original boris); state['last']
+    carries the last line across pieces."""
     out, prev = [], state.get("last")
     for k in sorted(want):
-        if grouped and prev is not None and k > prev + 1:
+        if prev is not None and k > prev + 1:
             out.append(None)
         ls, le = starts[k]
         out.append((k, want[k], line_text(hay, ls, le)))
@@ -4182,6 +4183,7 @@ def guarded_opener(watch, block_private, url):
 
         def redirect_request(self, req, fp, code, msg, headers, newurl):
             if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
+                fp.close()
                 raise plain_error("错误：重定向到不支持的协议: %s: %s" % (newurl, url))
             return urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
 
@@ -4219,6 +4221,8 @@ def http_fetch(url, timeout, cancelled=None, block_private=False, shown=None):
     except ToolError:
         raise
     except (urllib.error.URLError, OSError, ValueError) as e:
+        if isinstance(e, urllib.error.HTTPError):
+            e.close()                   # an error response holds its socket until closed
         raise fetch_error(e, url, watch.fired.is_set(), timed_out)
     finally:
         watch.close()
@@ -6100,13 +6104,14 @@ def grep_job_of(ctx, roots, spec, include=None, type_name=None):
             "include": include, "type": type_name}
 
 
-def format_records(label, records, numbers):
+def format_records(label, records, numbers, breaks=True):
     """grep's lines for one file's records: `path:line:text` for matches, `path-line-text` for context,
-    `--` between groups."""
+    `--` between groups (left out with breaks=False: search_text's plain list)."""
     out = []
     for rec in records:
         if rec is None:
-            out.append("--")
+            if breaks:
+                out.append("--")
             continue
         k, is_match, text = rec
         sep = ":" if is_match else "-"
@@ -6199,15 +6204,15 @@ def grep_answer(hits, spec, args, notice, cap):
         hits.sort(key=attrgetter("rel"))               # a head_limit search keeps the order it found
     if mode == "count":
         return cap_lines(page(["%s:%d" % (h.rel, h.result) for h in hits], args), "files", notice, cap)
-    return cap_lines(page(grep_lines(hits, spec["before"] or spec["after"], args.get("line_numbers", True)), args),
-                     "lines", notice, cap)
+    return cap_lines(page(grep_lines(hits, args.get("line_numbers", True)), args), "lines", notice, cap)
 
 
-def grep_lines(hits, grouped, numbers):
-    """Content mode's lines: each hit's records, `--` between files when there is context."""
+def grep_lines(hits, numbers):
+    """Content mode's lines: each hit's records, `--` between files and between groups
+    that are not adjacent (with or without context lines, as the original boris)."""
     lines = []
     for hit in hits:
-        if lines and grouped:
+        if lines:
             lines.append("--")
         lines += format_records(hit.rel, hit.result, numbers)
     return lines
@@ -6281,7 +6286,7 @@ def tool_search_text(session, args, ctx):
     lines = []
     for hit in sorted((GrepHit(*item) for item in items), key=lambda h: (h.root, h.rel or "")):
         label = os.path.join(shown_paths[hit.root], hit.rel) if roots[hit.root][1] else shown_paths[hit.root]
-        lines += format_records(label, hit.result, True)
+        lines += format_records(label, hit.result, True, breaks=False)
     notice = [partial_notice(why)] if why else []
     if not lines:
         return "\n".join(["No matches found for %r in %s" % (query, ", ".join(shown_paths))] + notice)
@@ -6635,8 +6640,13 @@ COMPAT_GREP_NAMES = {"glob": "include", "-i": "case_insensitive", "-n": "line_nu
 
 
 def renamed(handler, names):
-    """A handler that takes other parameter names and calls `handler` with ours."""
-    return lambda session, args, ctx: handler(session, dict((names.get(k, k), v) for k, v in args.items()), ctx)
+    """A handler that takes other parameter names and calls `handler` with ours (the
+    other name wins where a call gives both)."""
+    def call(session, args, ctx):
+        ours = dict((k, v) for k, v in args.items() if k not in names)
+        ours.update((names[k], v) for k, v in args.items() if k in names)
+        return handler(session, ours, ctx)
+    return call
 
 
 def search_tools(config):
@@ -6648,6 +6658,7 @@ def search_tools(config):
     if config.anthropic_compat:
         back = dict((v, k) for k, v in COMPAT_GREP_NAMES.items())
         grep_props = dict((back.get(k, k), v) for k, v in GREP_PROPS.items())
+        grep_props["context"] = GREP_PROPS["context"]     # models write either spelling; -C wins when both
         grep = Tool("grep", GREP_DESC, obj(grep_props, ["pattern"]), notes("Search file contents", read_only=True),
                     renamed(tool_grep, COMPAT_GREP_NAMES))
     else:
@@ -7502,6 +7513,8 @@ class HttpTransport(object):
         self.server, self.config, self.token = server, config, token
         self.sessions = {}
         self.lock = threading.Lock()
+        self.closing = 0                # sessions out of the table whose close has not finished
+        self.closed = threading.Condition(self.lock)
         self.idle_s = HTTP_SESSION_IDLE_S
         self.principals = {}            # who -> Session: the state of requests without a session
         self.local_bind = is_loopback(host_of(config.host))
@@ -7558,12 +7571,20 @@ class HttpTransport(object):
             return self.sessions.get(sid)
 
     def end_session(self, sid):
-        """End session sid (its tasks killed); whether there was one."""
+        """End session sid (its tasks killed); whether there was one. Until its close
+        has finished it counts as closing, so that a shutdown meanwhile waits for it."""
         with self.lock:
             session = self.sessions.pop(sid, None)
-        if session is not None:
+            if session is None:
+                return False
+            self.closing += 1
+        try:
             session.close()
-        return session is not None
+        finally:
+            with self.lock:
+                self.closing -= 1
+                self.closed.notify_all()
+        return True
 
     def reap_idle(self):
         """End sessions idle longer than the idle limit with nothing running."""
@@ -7590,6 +7611,8 @@ class HttpTransport(object):
             self.principals.clear()
         for session in principals:
             session.close()
+        with self.lock:                 # a DELETE or the idle reaper may still be closing one
+            self.closed.wait_for(lambda: not self.closing, KILL_GRACE_S + 5)
 
     # -- serving -------------------------------------------------------------
     def bind(self):
@@ -7698,6 +7721,19 @@ class McpRequestHandler(object):
 
     transport = None                           # the HttpTransport, set on the class
     GONE = object()                            # next_out(): the client went away
+    CORS_METHODS = "GET, POST, DELETE, OPTIONS"
+    CORS_HEADERS = "Authorization, Content-Type, Accept, Mcp-Session-Id, Mcp-Protocol-Version, Last-Event-ID"
+
+    def end_headers(self):
+        """Every reply to a request from an admitted Origin (loopback, any port) carries
+        the CORS headers, so a browser-based client on another local port can read it."""
+        headers = getattr(self, "headers", None)             # none yet when the request line was bad
+        origin = headers.get("Origin") if headers is not None else None
+        if origin and is_loopback(host_of(origin)):
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Access-Control-Expose-Headers", "Mcp-Session-Id, Mcp-Protocol-Version")
+            self.send_header("Vary", "Origin")
+        super(McpRequestHandler, self).end_headers()
 
     def reply(self, code, body=None, headers=(), close=False):
         """Send a JSON (or empty) reply. close=True ends the connection after it, which is
@@ -7894,6 +7930,18 @@ class McpRequestHandler(object):
             self.refuse(405, {"error": "method not allowed", "detail": "this server sends no unsolicited"
                                  " messages; POST requests to /mcp"}, [("Allow", "POST, DELETE")])
 
+    def do_OPTIONS(self):
+        """A browser's CORS preflight of /mcp or /health: 204 with what may be sent, before
+        authentication (a preflight carries no credentials); a foreign Origin gets 403."""
+        if self.path.split("?", 1)[0].rstrip("/") not in ("/mcp", "/health"):
+            return self.refuse(404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
+        origin = self.headers.get("Origin")
+        if origin is not None and not is_loopback(host_of(origin)):
+            return self.refuse(403, {"error": "forbidden", "detail": "Origin %s is not allowed" % origin})
+        self.reply(204, None, [("Access-Control-Allow-Methods", self.CORS_METHODS),
+                               ("Access-Control-Allow-Headers", self.CORS_HEADERS),
+                               ("Access-Control-Max-Age", "600"), ("Allow", self.CORS_METHODS)])
+
     def do_DELETE(self):
         """DELETE /mcp ends the session the Mcp-Session-Id header names."""
         if not self.guarded():
@@ -7990,7 +8038,7 @@ def serve_http(server, config, stop):
     stop.wait()
     log("info", "shutting down")
     transport.shutdown()
-    thread.join(KILL_GRACE_S + 5)
+    thread.join(2 * KILL_GRACE_S + 10)         # close_all: its own closes, then any still under way
     return 0
 
 
