@@ -259,7 +259,8 @@ FLAGS = (
      "confine bash with the kernel (Landlock): writes only under --allow-dir (or --workdir) and the temp"
      " directory, or nowhere but temp; auto: workspace-write when --allow-dir is given and the kernel can"),
     ("sandbox-network", "BORIS_SANDBOX_NETWORK", "", "choice:on|off",
-     "whether sandboxed commands may use the network (TCP); default off when sandboxed"),
+     "whether sandboxed commands may use the network (TCP, UDP, Unix sockets outside the sandbox); default"
+     " off when sandboxed"),
 )
 
 _TRUE = ("1", "true", "yes", "on")
@@ -3284,7 +3285,11 @@ class Capture(object):
 # the shell, so the confinement is in place before the command's first instruction.
 # Only write-like rights are handled: reads and exec stay as they were; writes are
 # allowed beneath the writable roots only. Network off: no TCP bind or connect
-# (Landlock ABI 4+), else a fresh network namespace (unprivileged user namespace).
+# (Landlock ABI 4+), else a fresh network namespace (unprivileged user namespace);
+# and on every kernel a seccomp filter (net_filter) that leaves a command no socket
+# but Unix stream sockets, which it can pair (socketpair) but never connect to
+# anything: UDP, raw and netlink sockets, pathname and abstract Unix sockets of the
+# host (docker.sock, ssh-agent, D-Bus), a datagram's address and io_uring are refused.
 # Signals and abstract unix sockets are scoped to the command's own domain (ABI 6+).
 
 LANDLOCK_CREATE_RULESET, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT_SELF = 444, 445, 446
@@ -3293,8 +3298,20 @@ LL_MAKE_ALL = sum(1 << k for k in range(6, 13))     # char, dir, reg, sock, fifo
 LL_REFER, LL_TRUNCATE = 1 << 13, 1 << 14
 LL_NET_BIND_TCP, LL_NET_CONNECT_TCP = 1 << 0, 1 << 1
 LL_SCOPE_ABSTRACT_UNIX, LL_SCOPE_SIGNAL = 1 << 0, 1 << 1
-PR_SET_NO_NEW_PRIVS = 38
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+# net_filter's system call numbers: for the machine's own ABI (socket and socketpair
+# are looked at, connect and an addressed sendto refused) and for the 32-bit ABI it
+# also runs (everything socket-like refused). The audit arch tags the seccomp data.
+SECCOMP_ABIS = {
+    "x86_64": (0xC000003E, dict(socket=41, socketpair=53, connect=42, sendto=44, io_uring_setup=425, seccomp=317),
+               0x40000003, (102, 359, 360, 362, 369, 370, 345)),        # i386: socketcall, socket, ...
+    "aarch64": (0xC00000B7, dict(socket=198, socketpair=199, connect=203, sendto=206, io_uring_setup=425,
+                                 seccomp=277),
+                0x40000028, (281, 288, 283, 290, 296, 374)),             # arm: socket, socketpair, ...
+}
+SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = 434, 438                 # the same number on every Linux ABI
+SECCOMP_NOTIF_RECV, SECCOMP_NOTIF_SEND, SECCOMP_NOTIF_ID_VALID = 0xC0502100, 0xC0182101, 0x40082102
 SANDBOX_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx")
 SANDBOX_DEVICE_DIRS = ("/dev/pts", "/dev/shm")
 SANDBOX_EXIT = 126                         # the launcher could not confine: the command does not run
@@ -3412,6 +3429,14 @@ def resolve_sandbox(config, policy, abi=None):
     if not network and abi < 4 and not userns_works():
         raise ConfigError("--sandbox-network off cannot be honoured: Landlock ABI %d has no TCP rules and user"
                           " namespaces are not available; pass --sandbox-network on" % abi)
+    if not network and not net_filter_available():
+        why = ("seccomp filters are not available on this kernel or machine (%s), so Unix sockets and UDP could"
+               " not be cut" % os.uname().machine)
+        if mode == "auto":
+            log("warn", "sandbox off: %s; bash commands can write anywhere this user can" % why)
+            return Sandbox.off("--sandbox auto: " + why)
+        raise ConfigError("--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on"
+                          % (mode, why))
     return Sandbox("workspace-write" if mode == "auto" else mode, writable_roots(mode, policy), network, abi,
                    "--sandbox %s" % mode)
 
@@ -3456,6 +3481,8 @@ def helper_warm_launcher(fd):
     one JSON line {spec, argv, env} and become that command (helper_sandbox). The end
     of the pipe without a line (the server stopped, or closed this spare) ends it."""
     _libc()
+    for name in ("array", "select", "socket"):          # confine_network's, loaded ahead (socket: ~15 ms)
+        __import__(name)
     with os.fdopen(fd, "rb") as control:
         line = control.readline()
     if not line:
@@ -3554,7 +3581,11 @@ def helper_sandbox(spec, argv):
         if spec["mode"] != "off":
             if spec["net"] == "netns":
                 enter_network_namespace()
-            apply_landlock(spec)
+            rulesets = []
+            apply_landlock(spec, again=rulesets)
+            if spec["net"]:
+                confine_network(spec, rulesets[0])
+            os.close(rulesets[0])
         os.chdir(spec["cwd"])
     except Exception as e:                      # whatever failed, the command must not run unconfined
         sys.stderr.write("boris: the sandbox could not be set up (%s); the command was not run\n" % e)
@@ -3597,13 +3628,16 @@ def landlock_allow(ruleset, path, rights):
         os.close(fd)
 
 
-def apply_landlock(spec):
+def apply_landlock(spec, again=None):
     """Restrict this process (and all it will start) to writing beneath spec['writable']
     and the harmless devices; no TCP when spec['net'] is 'landlock'; signals and
-    abstract unix sockets scoped to its own domain (ABI 6+)."""
+    abstract unix sockets scoped to its own domain (ABI 6+). With again=[] the
+    ruleset stays open in it, for a nested domain of the same rules (restrict_again)."""
     ctypes, libc = _libc()
     abi = spec["abi"]
     write, ruleset = landlock_ruleset(spec)
+    if again is not None:
+        again.append(ruleset)
     try:
         file_rights = LL_WRITE_FILE | (LL_TRUNCATE if abi >= 3 else 0)
         for path, rights in ([(p, write) for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)] +
@@ -3611,10 +3645,284 @@ def apply_landlock(spec):
             landlock_allow(ruleset, path, rights)
         if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-        if libc.syscall(LANDLOCK_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(), "landlock_restrict_self: %s" % os.strerror(ctypes.get_errno()))
+        restrict_again(ruleset)
     finally:
-        os.close(ruleset)
+        if again is None:
+            os.close(ruleset)
+
+
+def restrict_again(ruleset):
+    """Enter a (further) Landlock domain of `ruleset`."""
+    ctypes, libc = _libc()
+    if libc.syscall(LANDLOCK_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)) < 0:
+        raise OSError(ctypes.get_errno(), "landlock_restrict_self: %s" % os.strerror(ctypes.get_errno()))
+
+
+def net_filter_program(machine, supervised=False):
+    """The classic BPF program of net_filter for `machine` (os.uname().machine), as
+    the bytes of its sock_filter array; None for a machine it does not know. A
+    socket may be a Unix stream or seqpacket socket only (so no datagram can carry an
+    address); connect is refused (supervised: handed to net_supervisor), and so are
+    sendto with an address and io_uring (which would bypass the filter); a foreign
+    ABI gets no socket call at all, an unknown one is killed."""
+    import struct
+    if machine not in SECCOMP_ABIS:
+        return None
+    arch, nr, compat_arch, compat_calls = SECCOMP_ABIS[machine]
+    ld, jeq, jge, ret, and_ = 0x20, 0x15, 0x35, 0x06, 0x54
+    allow, kill, notify = 0x7FFF0000, 0x80000000, 0x7FC00000
+    refuse, nosys = 0x00050000 | errno.EACCES, 0x00050000 | errno.ENOSYS
+    arg = lambda k, high=0: 16 + 8 * k + 4 * high            # seccomp_data.args[k], low or high half
+    code = [(ld, 4), (jeq, arch, "native"), (jeq, compat_arch, "compat"), (ret, kill),
+            ("compat",), (ld, 0)] + [(jeq, n, "refuse") for n in compat_calls] + [
+        (jeq, 425, "nosys"), (ret, allow),
+        ("native",), (ld, 0), (jge, 0x40000000, "kill"),            # x32 numbers on x86_64
+        (jeq, nr["socket"], "socket"), (jeq, nr["socketpair"], "socket"), (jeq, nr["connect"], "connect"),
+        (jeq, nr["sendto"], "sendto"), (jeq, nr["io_uring_setup"], "nosys"), (ret, allow),
+        ("socket",), (ld, arg(0)), (jeq, 1, "unix"), (ret, refuse),  # AF_UNIX
+        ("unix",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "allow"), (jeq, 5, "allow"), (ret, refuse),
+        ("sendto",), (ld, arg(4)), (jeq, 0, "low"), (ret, refuse),  # a destination address: refused
+        ("low",), (ld, arg(4, 1)), (jeq, 0, "allow"), (ret, refuse),
+        ("connect",), (ret, notify if supervised else refuse),
+        ("allow",), (ret, allow), ("refuse",), (ret, refuse), ("nosys",), (ret, nosys), ("kill",), (ret, kill)]
+    labels, at = {}, 0
+    for op in code:
+        if len(op) == 1:
+            labels[op[0]] = at
+        else:
+            at += 1
+    out, at = [], 0
+    for op in code:
+        if len(op) == 1:
+            continue
+        at += 1
+        if len(op) == 3:                         # jump to the label when equal (or >=), else on
+            out.append(struct.pack("<HBBI", op[0], labels[op[2]] - at, 0, op[1]))
+        else:
+            out.append(struct.pack("<HBBI", op[0], 0, 0, op[1]))
+    return b"".join(out)
+
+
+def net_filter_available():
+    """Whether this kernel and machine take net_filter: seccomp filters are built
+    in (a probe with no program answers EFAULT, not EINVAL) and the machine's system
+    call numbers are known."""
+    if not sys.platform.startswith("linux") or net_filter_program(os.uname().machine) is None:
+        return False
+    try:
+        ctypes, libc = _libc()
+        r = libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.c_void_p(0), 0, 0)
+    except (OSError, AttributeError, ImportError):
+        return False  # no prctl here: no seccomp
+    return r < 0 and ctypes.get_errno() in (errno.EFAULT, errno.EACCES)
+
+
+def apply_net_filter(supervised=False, fprog=None):
+    """Install net_filter on this process (no_new_privs is set already, by
+    apply_landlock): inherited by all it starts, never lifted. supervised: connect
+    calls go to a listener, whose descriptor is returned (else None). `fprog`: the
+    program as net_fprog made it, ahead."""
+    ctypes, libc = _libc()
+    fprog = fprog or net_fprog(supervised)
+    if supervised:                              # seccomp(SET_MODE_FILTER, FLAG_NEW_LISTENER, prog)
+        fd = libc.syscall(SECCOMP_ABIS[os.uname().machine][1]["seccomp"], 1, 8, fprog[0])
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "seccomp listener: %s" % os.strerror(ctypes.get_errno()))
+        return fd
+    if libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), fprog[0], 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "seccomp filter: %s" % os.strerror(ctypes.get_errno()))
+    return None
+
+
+def net_fprog(supervised):
+    """(struct sock_fprog, the program it points to) of net_filter, as ctypes buffers."""
+    import struct
+    ctypes, _ = _libc()
+    program = net_filter_program(os.uname().machine, supervised)
+    if program is None:
+        raise OSError(errno.ENOSYS, "no seccomp system call table for %s" % os.uname().machine)
+    buf = ctypes.create_string_buffer(program, len(program))
+    return ctypes.create_string_buffer(struct.pack("@HP", len(program) // 8, ctypes.addressof(buf))), buf
+
+
+def confine_network(spec, ruleset):
+    """Cut the network of this launcher's command with net_filter. Where abstract Unix
+    sockets are the sandbox's own (Landlock ABI 6 scopes them; a network namespace
+    has its own), the launcher forks: the child, confined once more by Landlock (so it
+    cannot signal its parent), installs the filter with a listener and becomes the
+    command; this process stays as net_supervisor, which lets the command connect
+    to abstract sockets of its own (Python's multiprocessing forkserver uses one) and
+    refuses every other connect. Elsewhere connect is refused outright."""
+    import array
+    import socket
+    if not (spec["abi"] >= 6 or spec["net"] == "netns"):
+        apply_net_filter()
+        return
+    fprog = net_fprog(True)                     # made before the fork: the child only installs it
+    ours, theirs = socket.socketpair()
+    import gc
+    gc.disable()                                # a collection would copy the heap page by page (COW)
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        restrict_again(ruleset)                 # nested: the command may not signal its supervisor
+        listener = apply_net_filter(True, fprog)
+        theirs.sendmsg([b"L"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [listener]))])
+        os.close(listener)
+        theirs.close()
+        return
+    theirs.close()
+    try:
+        _, ancillary, _, _ = ours.recvmsg(1, socket.CMSG_SPACE(4))
+        listener = array.array("i", ancillary[0][2][:4])[0]
+    except (OSError, IndexError):
+        listener = None                         # the child failed to confine: it reports and exits
+    ours.close()
+    net_supervisor(pid, listener)
+
+
+def net_supervisor(child, listener):
+    """Serve the command's connect calls until the command (`child`) ends, then end
+    the same way it did. An abstract address (a leading NUL) is connected here, on
+    the command's own socket (pidfd_getfd) with the address as read once, so the
+    command cannot change it after the check; anything else is refused (EACCES).
+    Signals a terminal or boris sends the group are left to the command. Once this
+    process ends, a connect still attempted by a leftover descendant fails (ENOSYS)."""
+    import select
+    import struct
+    ctypes, libc = _libc()
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
+        signal.signal(sig, signal.SIG_IGN)
+    child_fd = libc.syscall(SYS_PIDFD_OPEN, child, 0)
+    poller = select.poll()
+    for fd in (child_fd, listener):
+        if fd is not None and fd >= 0:
+            poller.register(fd, select.POLLIN)
+    notif = ctypes.create_string_buffer(80)
+    while True:
+        _, status = os.waitpid(child, os.WNOHANG)
+        if _:
+            break
+        try:
+            ready = dict(poller.poll(1000 if child_fd >= 0 else 50))
+        except InterruptedError:
+            continue
+        if listener is not None and ready.get(listener, 0) & (select.POLLHUP | select.POLLERR):
+            poller.unregister(listener)         # no filtered process is left: only the wait remains
+            listener = None
+        if listener is None or not ready.get(listener, 0) & select.POLLIN:
+            continue
+        ctypes.memset(notif, 0, 80)
+        if libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_RECV), notif) != 0:
+            continue                            # the caller died meanwhile
+        nid, pid = struct.unpack_from("<QI", notif.raw)
+        fd, addr, size = struct.unpack_from("<QQQ", notif.raw, 32)      # connect(fd, addr, addrlen)
+        error = supervised_connect(ctypes, libc, listener, nid, pid, fd, addr, size)
+        libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_SEND),
+                   ctypes.create_string_buffer(struct.pack("<QqiI", nid, 0, -error, 0), 24))
+    if os.WIFSIGNALED(status):
+        if os.WTERMSIG(status) != signal.SIGKILL:
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+
+def supervised_connect(ctypes, libc, listener, nid, pid, fd, addr, size):
+    """net_supervisor's answer to one connect: 0 once done, else the errno. The
+    address is read once from the caller's memory and everything after uses that
+    copy: an abstract address is connected as it is (Landlock or the namespace keeps
+    foreign ones out); a path is opened (O_PATH, from the caller's cwd) and connected
+    through that descriptor, so the socket checked is the socket reached, and only
+    when a process of the command (its session) is listening on it."""
+    import struct
+    if not 3 <= size <= 110:
+        return errno.EACCES
+    try:
+        with open("/proc/%d/mem" % pid, "rb", buffering=0) as mem:
+            mem.seek(addr)
+            sockaddr = mem.read(size)
+    except (OSError, OverflowError, ValueError):
+        return errno.EACCES                     # unreadable: refused
+    if len(sockaddr) != size or struct.unpack_from("<H", sockaddr)[0] != 1:
+        return errno.EACCES                     # not a Unix address
+    if libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_ID_VALID), ctypes.byref(ctypes.c_uint64(nid))) != 0:
+        return errno.EACCES                     # the caller is gone: the pid may be another process now
+    checked = None
+    if sockaddr[2:3] != b"\0":
+        checked = own_socket_file(pid, sockaddr[2:].split(b"\0", 1)[0])
+        if checked is None:
+            return errno.EACCES                 # a socket of the host (or none): refused
+        sockaddr = struct.pack("<H", 1) + b"/proc/self/fd/%d\0" % checked
+    pidfd = libc.syscall(SYS_PIDFD_OPEN, pid, 0)
+    try:
+        theirs = libc.syscall(SYS_PIDFD_GETFD, pidfd, ctypes.c_int(fd), 0) if pidfd >= 0 else -1
+        if theirs < 0:
+            return ctypes.get_errno() or errno.EBADF
+        try:
+            buf = ctypes.create_string_buffer(sockaddr, len(sockaddr))
+            return 0 if libc.connect(theirs, buf, len(sockaddr)) == 0 else ctypes.get_errno()
+        finally:
+            os.close(theirs)
+    finally:
+        for f in (pidfd, checked):
+            if f is not None and f >= 0:
+                os.close(f)
+
+
+def own_socket_file(pid, path):
+    """An O_PATH descriptor of the socket file `path` (resolved from process pid's
+    cwd) when a process of this command (this session) listens on it, else None.
+    Listening sockets come from /proc/net/unix (path and socket inode); a socket's
+    holders from /proc/PID/fd of the session's processes."""
+    try:
+        cwd = os.open("/proc/%d/cwd" % pid, getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY)
+    except OSError:
+        return None                             # the caller is gone: refused
+    try:
+        fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC, dir_fd=cwd)
+    except OSError:
+        return None
+    finally:
+        os.close(cwd)
+    st = os.fstat(fd)
+    if stat.S_ISSOCK(st.st_mode):
+        inodes = set()
+        with open("/proc/net/unix", "rb") as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split(None, 7)
+                if len(fields) == 8 and fields[7].startswith(b"/"):
+                    try:
+                        same = os.stat(fields[7])
+                    except OSError:
+                        continue                # gone, or not reachable from here
+                    if (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino):
+                        inodes.add(b"socket:[%s]" % fields[6])
+        if inodes and session_holds(inodes):
+            return fd
+    os.close(fd)
+    return None
+
+
+def session_holds(links):
+    """Whether a process of this session holds a descriptor whose /proc link is one of `links`."""
+    sid = os.getsid(0)
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, "rb") as f:
+                if int(f.read().rsplit(b")", 1)[1].split()[3]) != sid:
+                    continue
+            fds = os.listdir("/proc/%s/fd" % name)
+        except (OSError, ValueError, IndexError):
+            continue                            # gone, or not ours to look at
+        for fd in fds:
+            try:
+                if os.fsencode(os.readlink("/proc/%s/fd/%s" % (name, fd))) in links:
+                    return True
+            except OSError:
+                continue                        # closed meanwhile
+    return False
 
 
 def enter_network_namespace():

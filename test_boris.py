@@ -2571,9 +2571,146 @@ class TestSandboxWorkspaceWrite(SandboxBase):
                                                             [LANDLOCK_ABI]))
 
 
+class SocketListeners(object):
+    """What issue 29's probes aim at: a pathname Unix socket outside the workspace
+    (a stand-in for docker.sock; also reached through a symlink inside it), an abstract
+    Unix socket and a UDP socket on 127.0.0.1, each noting every byte that arrives."""
+
+    def __init__(self, test, outside, workspace):
+        self.got = {"unix": b"", "abstract": b"", "udp": b""}
+        self.path = os.path.join(outside, "daemon.sock")
+        self.abstract = "\0boris-test-%d" % random.randint(0, 10 ** 9)
+        os.symlink(self.path, os.path.join(workspace, "daemon-link.sock"))
+        self.unix = socket.socket(socket.AF_UNIX)
+        self.unix.bind(self.path)
+        self.unix.listen(8)
+        self.abs = socket.socket(socket.AF_UNIX)
+        self.abs.bind(self.abstract)
+        self.abs.listen(8)
+        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.udp.bind(("127.0.0.1", 0))
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+        test.addCleanup(self.close)
+
+    def serve(self):
+        import select
+        names = {self.unix: "unix", self.abs: "abstract", self.udp: "udp"}
+        conns = {}
+        while not self.stop.is_set():
+            ready = select.select(list(names) + list(conns), [], [], 0.05)[0]
+            for sock in ready:
+                if sock is self.udp:
+                    self.got["udp"] += sock.recv(65536)
+                elif sock in names:
+                    conns[sock.accept()[0]] = names[sock]
+                else:
+                    data = sock.recv(65536)
+                    self.got[conns[sock]] += data
+                    if not data:
+                        del conns[sock]
+                        sock.close()
+        for sock in conns:
+            sock.close()
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+        for sock in (self.unix, self.abs, self.udp):
+            sock.close()
+
+    def probe(self):
+        """A python3 script that tries each listener and prints what happened."""
+        return ("python3 - <<'PY'\nimport socket\n"
+                "def unix(addr):\n    s = socket.socket(socket.AF_UNIX); s.connect(addr); s.sendall(b'escaped')\n"
+                "def udp():\n    socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'escaped', ('127.0.0.1', %d))\n"
+                "for name, go in (('unix', lambda: unix(%r)), ('link', lambda: unix('daemon-link.sock')),"
+                " ('abstract', lambda: unix(%r)), ('udp', udp)):\n"
+                "    try:\n        go(); print(name, 'REACHED')\n"
+                "    except OSError as e:\n        print(name, 'refused:', e)\nPY\necho probe-done"
+                % (self.udp.getsockname()[1], self.path, self.abstract))
+
+
+@NEEDS_LANDLOCK
+class TestSandboxSockets(SandboxBase):
+    """Issue 29: with the network off, no socket outside the sandbox is reached - TCP,
+    UDP, pathname Unix sockets (directly or through a symlink), abstract ones - while
+    socketpair, Unix sockets of the command's own, multiprocessing and git keep working."""
+
+    def test_nothing_outside_is_reached_in_the_foreground(self):
+        listeners = SocketListeners(self, self.out, self.ws)
+        text = self.bash(listeners.probe())
+        self.assertIn("probe-done", text)
+        self.assertNotIn("REACHED", text)
+        for name in ("unix", "link", "abstract", "udp"):
+            self.assertIn("%s refused:" % name, text)
+        self.assertEqual(listeners.got, {"unix": b"", "abstract": b"", "udp": b""})
+        text = self.bash("python3 -c \"import socket; s=socket.socket(socket.AF_UNIX); s.connect(%r); print(s.recv(64))\""
+                         % listeners.path)                                 # the issue's own probe
+        self.assertIn("Permission denied", text)
+        self.assertIn("and may not use the network", text)              # the sandbox hint
+        self.assertEqual(listeners.got, {"unix": b"", "abstract": b"", "udp": b""})
+
+    def test_nothing_outside_is_reached_from_a_background_task(self):
+        listeners = SocketListeners(self, self.out, self.ws)
+        tid = re.search(r"task_[0-9a-f]+", self.bash(listeners.probe(), run_in_background=True)).group(0)
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, sandbox=self.server.sandbox)
+        r = boris.McpServer.run_tool(self.server.tools["task_output"], self.session,
+                                     {"task_id": tid, "wait_for": "probe-done", "wait_ms": 30000}, ctx)
+        text = r["content"][0]["text"]
+        self.assertIn("probe-done", text)
+        self.assertNotIn("REACHED", text)
+        self.assertEqual(listeners.got, {"unix": b"", "abstract": b"", "udp": b""})
+
+    def test_what_needs_no_network_keeps_working(self):
+        script = ("import socket, os, tempfile, multiprocessing as mp\n"
+                  "a, b = socket.socketpair(); a.sendall(b'pair'); print(b.recv(4).decode())\n"
+                  "d = tempfile.mkdtemp(); p = os.path.join(d, 's')\n"
+                  "l = socket.socket(socket.AF_UNIX); l.bind(p); l.listen(1)\n"
+                  "c = socket.socket(socket.AF_UNIX); c.connect(p); c.sendall(b'own'); print(l.accept()[0].recv(3).decode())\n"
+                  "n = '\\0own-%d' % os.getpid(); l2 = socket.socket(socket.AF_UNIX); l2.bind(n); l2.listen(1)\n"
+                  "c2 = socket.socket(socket.AF_UNIX); c2.connect(n); c2.sendall(b'abs'); print(l2.accept()[0].recv(3).decode())\n"
+                  "if __name__ == '__main__':\n"
+                  "    with mp.Pool(2) as pool: print('pool', pool.map(abs, [-1, -2]), mp.get_start_method())\n")
+        with open(os.path.join(self.ws, "works.py"), "w") as f:
+            f.write(script)
+        newer = [py for py in ("python3.14", "python3.15") if shutil.which(py)]     # forkserver by default
+        for python in sorted(set([sys.executable, "python3"] + newer)):
+            text = self.bash("%s works.py" % python)
+            self.assertIn("exit code: 0", text, "%s\n%s" % (python, text))
+            for word in ("pair", "own", "abs", "pool [1, 2]"):
+                self.assertIn(word, text, python)
+        if shutil.which("git"):
+            text = self.bash("git init -q r && cd r && echo x > f && git add f && git -c user.email=a@b -c user.name=n"
+                             " commit -qm one && git log --oneline | wc -l")
+            self.assertIn("exit code: 0", text)
+        self.assertNotIn("[sandbox", text)
+
+    def test_the_network_namespace_fallback_cuts_them_too(self):
+        if not boris.userns_works():
+            self.skipTest("unprivileged user namespaces are not available here")
+        self.server.sandbox.abi = 3
+        listeners = SocketListeners(self, self.out, self.ws)
+        text = self.bash(listeners.probe())
+        self.assertIn("probe-done", text)
+        self.assertNotIn("REACHED", text)
+        self.assertEqual(listeners.got, {"unix": b"", "abstract": b"", "udp": b""})
+        self.assertIn("pool [1, 2]", self.bash("python3 -c \"import multiprocessing as mp\nif __name__ == '__main__':"
+                                               " print('pool', mp.Pool(2).map(abs, [-1, -2]))\""))
+
+
 @NEEDS_LANDLOCK
 class TestSandboxNetworkOn(SandboxBase):
     network = "on"
+
+    def test_network_on_reaches_unix_sockets_and_udp(self):
+        """Issue 29: --sandbox-network on lets all of it through, as before."""
+        listeners = SocketListeners(self, self.out, self.ws)
+        text = self.bash(listeners.probe())
+        for name in ("unix", "link", "abstract", "udp"):
+            self.assertIn("%s REACHED" % name, text)
+        self.assertTrue(wait_until(lambda: all(listeners.got.values()), 10), listeners.got)
 
     def test_network_on_allows_loopback(self):
         srv = socket.socket()
@@ -2661,6 +2798,45 @@ class TestSandboxConfiguration(unittest.TestCase):
             self.assertEqual(boris.main(["--sandbox", "read-only", "--workdir", "/tmp"]), 2)
         self.assertEqual(len(err.getvalue().strip().split("\n")), 1, err.getvalue())
         self.assertIn("Landlock", err.getvalue())
+
+    def test_no_seccomp_no_sandbox_with_the_network_off(self):
+        """Issue 29: an explicit sandbox whose socket filter cannot be installed stops
+        start-up with one line; auto says it fell back; network on needs no filter."""
+        cfg = boris.parse_config(["--sandbox", "workspace-write", "--allow-dir", "/tmp"], {})
+        policy = boris.PathPolicy(cfg.allow_dir, (), cfg.workdir)
+        with mock.patch.object(boris, "net_filter_available", lambda: False):
+            with self.assertRaises(boris.ConfigError) as e:
+                boris.resolve_sandbox(cfg, policy, abi=7)
+            self.assertIn("seccomp", str(e.exception))
+            self.assertIn("--sandbox-network on", str(e.exception))
+            logged = []
+            with mock.patch.object(boris, "log", lambda level, msg, **k: logged.append((level, msg))):
+                auto = boris.resolve_sandbox(boris.parse_config(["--allow-dir", "/tmp"], {}), policy, abi=7)
+            self.assertFalse(auto.on)
+            self.assertEqual(logged[0][0], "warn")
+            self.assertIn("seccomp", logged[0][1])
+            on = boris.parse_config(["--sandbox", "workspace-write", "--allow-dir", "/tmp", "--sandbox-network", "on"],
+                                    {})
+            self.assertTrue(boris.resolve_sandbox(on, policy, abi=7).network)
+            err = io.StringIO()
+            with mock.patch("sys.stderr", err):
+                self.assertEqual(boris.main(["--sandbox", "workspace-write", "--allow-dir", "/tmp"]), 2)
+            self.assertEqual(len(err.getvalue().strip().split("\n")), 1, err.getvalue())
+
+    def test_the_filter_program_is_well_formed(self):
+        import struct
+        self.assertIsNone(boris.net_filter_program("sparc64"))
+        for machine in ("x86_64", "aarch64"):
+            for supervised in (False, True):
+                prog = boris.net_filter_program(machine, supervised)
+                self.assertEqual(len(prog) % 8, 0)
+                ops = [struct.unpack_from("<HBBI", prog, k) for k in range(0, len(prog), 8)]
+                self.assertLessEqual(len(ops), 255)
+                for i, (code, jt, jf, k) in enumerate(ops):
+                    if code & 0x07 == 0x05:                                     # every jump lands inside
+                        self.assertLess(i + 1 + max(jt, jf), len(ops))
+                self.assertEqual(ops[-1][0], 0x06)                             # it ends with a return
+                self.assertEqual(any(k == 0x7FC00000 for _, _, _, k in ops), supervised)
 
     def test_auto_falls_back_to_off_out_loud(self):
         cfg = boris.parse_config(["--allow-dir", "/tmp"], {})
