@@ -581,6 +581,54 @@ def glob_brace(c, depth, git):
     return re.escape(c), depth
 
 
+def pattern_denies(real, globs, names):
+    """Whether a deny pattern matches `real` or one of the directories above it (a glob
+    the path from /, a bare name one component)."""
+    parts = real.strip("/").split("/")
+    for k in range(len(parts), 0, -1):
+        sub = "/".join(parts[:k])
+        if any(rx.match(sub) for rx in globs) or any(rx.match(parts[k - 1]) for rx in names):
+            return True
+    return False
+
+
+def fold_name(path):
+    """A path as a case-folding volume compares it: NFC, case folded."""
+    import unicodedata
+    return unicodedata.normalize("NFC", path).casefold()
+
+
+def case_folds(path):
+    """Whether the volume holding `path` (or its deepest existing ancestor) folds case:
+    a name there with letters, case swapped, reaches the same inode. False where no
+    name with letters is found on that volume, or the probe cannot be made."""
+    while True:
+        try:
+            st = os.lstat(path)
+            break
+        except OSError:
+            parent = os.path.dirname(path)
+            if parent == path:
+                return False
+            path = parent
+    while path != "/":
+        parent, name = os.path.split(path)
+        if name.swapcase() != name:
+            try:
+                other = os.lstat(os.path.join(parent, name.swapcase()))
+            except OSError:
+                return False                    # no such name: this volume tells cases apart
+            return (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino)
+        try:
+            up = os.lstat(parent)
+        except OSError:
+            return False
+        if up.st_dev != st.st_dev:
+            return False                        # the volume's own names hold no letter
+        path, st = parent, up
+    return False
+
+
 def is_within(path, root):
     """Component-wise containment of canonical paths: /ws2 is not inside /ws."""
     if root == "/":
@@ -668,9 +716,15 @@ def resolve_error(e, shown):
 
 
 class PathPolicy(object):
-    """Resolve first, check second, touch the disk third. Only lstat/readlink here."""
+    """Resolve first, check second, touch the disk third. Only lstat/readlink here.
 
-    def __init__(self, allow=(), deny=(), workdir="/"):
+    Paths are compared the way their volume compares names: on one that folds case
+    (macOS's APFS and HFS+ by default; vfat, CIFS, casefolded ext4 directories) `.ENV`
+    and `SECRETS/k` are `.env` and `secrets/k`, so allow and deny compare them folded
+    (and NFC-normalised, as HFS+ decomposes names). Whether a volume folds is probed
+    (case_folds), not guessed from the platform; `folds` forces the answer."""
+
+    def __init__(self, allow=(), deny=(), workdir="/", folds=None):
         self.workdir = os.path.realpath(workdir)
         self.allow = [os.path.realpath(os.path.join(self.workdir, os.path.expanduser(a))) for a in allow]
         self.deny_dirs, self.deny_globs, self.deny_names = [], [], []
@@ -682,6 +736,9 @@ class PathPolicy(object):
                 self.deny_dirs.append(os.path.realpath(os.path.join(self.workdir, os.path.expanduser(d))))
         self.deny_raw = list(deny)
         self.restricted = bool(self.allow or self.deny_dirs or self.deny_globs or self.deny_names)
+        self.folds = folds                  # None: probe each volume; True/False: as given
+        self.fold_seen = {}                 # directory -> whether its volume folds case (bounded)
+        self.folded = None                  # (allow, deny dirs, deny globs, deny names) folded, made on first use
 
     @staticmethod
     def validate(path, name="path"):
@@ -710,24 +767,37 @@ class PathPolicy(object):
 
     def denial(self, real):
         """Why `real` (canonical) is out of scope, or None when it is allowed."""
-        if self.allow and not any(is_within(real, a) for a in self.allow):
+        allow, deny_dirs, globs, names = self.allow, self.deny_dirs, self.deny_globs, self.deny_names
+        shown = real
+        if self.volume_folds(real):
+            if self.folded is None:
+                flags = re.IGNORECASE
+                self.folded = ([fold_name(a) for a in allow], [fold_name(d) for d in deny_dirs],
+                               [re.compile(rx.pattern, rx.flags | flags) for rx in globs],
+                               [re.compile(rx.pattern, rx.flags | flags) for rx in names])
+            (allow, deny_dirs, globs, names), real = self.folded, fold_name(real)
+        if allow and not any(is_within(real, a) for a in allow):
             return "is outside the allowed directories (%s)" % ", ".join(self.allow)
-        for d in self.deny_dirs:
+        for k, d in enumerate(deny_dirs):
             if is_within(real, d):
-                return "is inside the denied directory %s" % d
-        if (self.deny_globs or self.deny_names) and self.pattern_denies(real):
-            return "matches a denied pattern (%s)" % ", ".join(self.deny_raw)
+                return "is inside the denied directory %s" % self.deny_dirs[k]
+        if (globs or names) and pattern_denies(real, globs, names):
+            return "matches a denied pattern (%s)%s" % (", ".join(self.deny_raw),
+                                                         "" if shown == real else " (this volume ignores case)")
         return None
 
-    def pattern_denies(self, real):
-        """Whether a deny pattern matches `real` or one of the directories above it
-        (a glob the path from /, a bare name one component)."""
-        parts = real.strip("/").split("/")
-        for k in range(len(parts), 0, -1):
-            sub = "/".join(parts[:k])
-            if any(rx.match(sub) for rx in self.deny_globs) or any(rx.match(parts[k - 1]) for rx in self.deny_names):
-                return True
-        return False
+    def volume_folds(self, real):
+        """Whether the volume holding `real` compares names ignoring case: probed once
+        per directory seen (case_folds), or as given to the policy."""
+        if self.folds is not None or not self.restricted:
+            return bool(self.folds)
+        parent = real.rsplit("/", 1)[0] or "/"
+        seen = self.fold_seen.get(parent)
+        if seen is None:
+            if len(self.fold_seen) > 4096:
+                self.fold_seen.clear()
+            seen = self.fold_seen[parent] = case_folds(real)
+        return seen
 
     def is_denied(self, real):
         """Whether `real` (canonical) is out of scope; False at once when nothing is restricted."""
@@ -2386,17 +2456,62 @@ def guard_helper(parent):
     """Make this helper die with `parent`: PR_SET_PDEATHSIG (Linux: the kernel kills it
     even while it is deep in a regex) and a thread that watches getppid() (everywhere,
     and for a parent that died before the prctl)."""
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    killed_by_kernel = prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent is None:
         return
     if os.getppid() != parent:
         os._exit(0)
+    if not killed_by_kernel:
+        helper_watchdog(parent)
 
     def watch():
         while os.getppid() == parent:
             time.sleep(HELPER_WATCH_S)
         os._exit(0)
     threading.Thread(target=watch, daemon=True, name="boris-parent-watch").start()
+
+
+def helper_watchdog(parent):
+    """Where the kernel cannot kill a helper with its parent (macOS: no PR_SET_PDEATHSIG),
+    a watchdog process does, within HELPER_WATCH_S: the helper's watch thread cannot run
+    while a regex holds the helper's interpreter, a process of its own can. It holds
+    none of the helper's descriptors and ends with the helper. kqueue's NOTE_EXIT
+    tells it of the parent's death where there is one; elsewhere it asks kill(parent, 0)."""
+    helper = os.getpid()
+    if os.fork() != 0:
+        return
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(3, 65536)
+        import select
+        queue = None
+        if hasattr(select, "kqueue"):
+            queue = select.kqueue()
+            try:
+                queue.control([select.kevent(parent, select.KQ_FILTER_PROC, select.KQ_EV_ADD,
+                                             select.KQ_NOTE_EXIT)], 0)
+            except ProcessLookupError:
+                os.kill(helper, signal.SIGKILL)     # the parent died already
+                return
+        while os.getppid() == helper:
+            if queue is not None:
+                gone = bool(queue.control(None, 1, HELPER_WATCH_S))
+            else:
+                time.sleep(HELPER_WATCH_S)
+                try:
+                    os.kill(parent, 0)
+                    gone = False
+                except ProcessLookupError:
+                    gone = True
+                except OSError:
+                    gone = False                # alive, ours or not to signal
+            if gone and os.getppid() == helper:
+                os.kill(helper, signal.SIGKILL)
+                break
+    finally:
+        os._exit(0)
 
 
 def pycache_prefix(avoid=()):
@@ -2483,7 +2598,7 @@ def helper_command(kind, avoid=()):
 
 def policy_spec(policy):
     """What a helper needs to rebuild `policy`."""
-    return {"allow": policy.allow, "deny": policy.deny_raw, "workdir": policy.workdir}
+    return {"allow": policy.allow, "deny": policy.deny_raw, "workdir": policy.workdir, "folds": policy.folds}
 
 
 def name_filter(include, type_name):

@@ -137,9 +137,24 @@ def wait_until(predicate, timeout=10.0, interval=0.02):
         time.sleep(interval)
 
 
-def procs_with(marker):
-    """Live (non-zombie) processes whose command line contains `marker`."""
-    found = []
+HAS_PROC = os.path.isdir("/proc/self/fd")
+LINUX = sys.platform.startswith("linux")
+NEEDS_LINUX = unittest.skipUnless(LINUX, "Linux only: %s has no child subreaper, PR_SET_PDEATHSIG or /proc"
+                                  % sys.platform)
+
+
+def proc_table():
+    """{pid: (ppid, state, command line)} of every process: from /proc where there is
+    one, else from ps (macOS)."""
+    table = {}
+    if not HAS_PROC:
+        out = subprocess.run(["ps", "-axo", "pid=,ppid=,stat=,command="], capture_output=True, text=True,
+                             errors="replace").stdout
+        for line in out.splitlines():
+            fields = line.split(None, 3)
+            if len(fields) >= 3 and fields[0].isdigit() and fields[1].isdigit():
+                table[int(fields[0])] = (int(fields[1]), fields[2][:1], fields[3] if len(fields) > 3 else "")
+        return table
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -147,27 +162,21 @@ def procs_with(marker):
             with open("/proc/%s/cmdline" % pid, "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
             with open("/proc/%s/stat" % pid) as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker in cmd and state != "Z" and int(pid) != os.getpid():
-            found.append(int(pid))
-    return found
-
-
-def zombie_children(ppid):
-    n = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % pid) as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] == "Z" and int(fields[1]) == ppid:
-            n += 1
-    return n
+        table[int(pid)] = (int(fields[1]), fields[0], cmd)
+    return table
+
+
+def procs_with(marker):
+    """Live (non-zombie) processes whose command line contains `marker`."""
+    return [pid for pid, (_, state, cmd) in proc_table().items()
+            if marker in cmd and state != "Z" and pid != os.getpid()]
+
+
+def zombie_children(ppid):
+    return sum(1 for parent, state, _ in proc_table().values() if state == "Z" and parent == ppid)
 
 
 class Base(unittest.TestCase):
@@ -480,6 +489,76 @@ class TestPathPolicy(Base):
         self.assertIn("fine", self.ok("view", path="sub/ok.txt"))
 
 
+class TestCaseFoldingVolumes(unittest.TestCase):
+    """Issue 34.1: on a volume that folds case (macOS's APFS and HFS+, vfat, CIFS,
+    casefolded ext4) `.ENV`, `SECRETS/k` and `.GIT/config` are the denied files, so the
+    policy compares names as the volume does; whether it folds is probed, per volume."""
+
+    def setUp(self):
+        self.ws = os.path.realpath(tempfile.mkdtemp(prefix="boris-case-"))
+        self.addCleanup(shutil.rmtree, self.ws, True)
+
+    def policy(self, folds):
+        return boris.PathPolicy([self.ws], ["**/.env", "secrets", ".git", "**/*.pem", "caf\u00e9"], self.ws,
+                                folds=folds)
+
+    def test_a_folding_volume_denies_every_spelling(self):
+        folding, exact = self.policy(True), self.policy(False)
+        for rel in (".ENV", "sub/.Env", "SECRETS/k", "Secrets", ".GIT/config", "a/KEY.PEM", "CAF\u00c9/x",
+                    "cafe\u0301/x"):                              # NFD spelling of caf\u00e9, as HFS+ stores it
+            real = os.path.join(self.ws, rel)
+            self.assertTrue(folding.is_denied(real), rel)
+            with self.assertRaises(boris.ToolError) as e:
+                folding.check(real, rel)
+            self.assertEqual(e.exception.code, boris.ACCESS_DENIED)
+        for rel in (".ENV", "SECRETS/k", ".GIT/config"):
+            self.assertFalse(exact.is_denied(os.path.join(self.ws, rel)), rel)   # a volume that tells cases apart
+        for rel in ("env.txt", "secretsauce/k", ".github/x", "src/main.py"):
+            self.assertFalse(folding.is_denied(os.path.join(self.ws, rel)), rel)
+        upper = self.ws.upper() if self.ws.upper() != self.ws else self.ws
+        self.assertFalse(folding.is_denied(os.path.join(upper, "x.txt")))    # the allowed dir, spelt otherwise
+        self.assertTrue(exact.is_denied(os.path.join(upper, "x.txt")) or upper == self.ws)
+
+    def test_the_file_tools_refuse_them(self):
+        os.makedirs(os.path.join(self.ws, "SECRETS"))
+        with open(os.path.join(self.ws, "SECRETS", "k"), "w") as f:
+            f.write("KEY-123\n")
+        cfg = boris.parse_config(["--workdir", self.ws, "--allow-dir", self.ws, "--deny-dir", "secrets",
+                                  "--require-view-before-edit", "false"], {})
+        for folds, denied in ((True, True), (False, False)):
+            policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir, folds=folds)
+            server, session = boris.McpServer(cfg, policy), boris.Session(cfg)
+            r = boris.McpServer.run_tool(server.tools["view"], session, {"path": "SECRETS/k"}, ctx_of(cfg, policy))
+            text = r["content"][0]["text"]
+            self.assertEqual(r["isError"], denied, text)
+            self.assertEqual("KEY-123" in text, not denied)
+            out = boris.McpServer.run_tool(server.tools["grep"], session, {"pattern": "KEY"}, ctx_of(cfg, policy))
+            self.assertEqual("SECRETS" in out["content"][0]["text"], not denied)       # helpers fold as told
+            session.close()
+
+    def test_the_probe_asks_the_volume(self):
+        os.makedirs(os.path.join(self.ws, "Mixed", "123"))
+        self.assertFalse(boris.case_folds(os.path.join(self.ws, "Mixed")))       # this volume: case-sensitive
+        self.assertFalse(boris.case_folds(os.path.join(self.ws, "Mixed", "123", "new")))
+        real_lstat = os.lstat
+        target = os.path.join(self.ws, "Mixed")
+
+        def folding_lstat(path, *a, **k):                   # a volume where the case-swapped name is the same file
+            if path.lower() == target.lower():
+                return real_lstat(target)
+            return real_lstat(path, *a, **k)
+        with mock.patch.object(boris.os, "lstat", folding_lstat):
+            self.assertTrue(boris.case_folds(target))
+            self.assertTrue(boris.case_folds(os.path.join(target, "123")))     # digits: asks the parent's name
+        os.makedirs(os.path.join(self.ws, "mIXED"))                            # two files: a sensitive volume
+        self.assertFalse(boris.case_folds(target))
+        policy = boris.PathPolicy([self.ws], ["secrets"], self.ws)
+        with mock.patch.object(boris, "case_folds", lambda path: True):
+            self.assertTrue(policy.is_denied(os.path.join(self.ws, "SECRETS", "k")))
+            self.assertTrue(policy.is_denied(os.path.join(self.ws, "SECRETS", "j")))
+        self.assertEqual(policy.fold_seen, {os.path.join(self.ws, "SECRETS"): True})   # probed once per directory
+
+
 SECRET = "SECRET-7f3a"                       # what no file tool may ever show from out of scope
 
 
@@ -781,6 +860,7 @@ class TestSpecialFiles(NoViewBase):
         self.assertTrue(r["isError"])
         self.assertTrue(r["content"][0]["text"].startswith("错误："), r)
 
+    @unittest.skipUnless(HAS_PROC, "no /proc on this system")
     def test_proc_files_read_within_the_limit(self):
         text = self.ok("view", path="/proc/self/status")
         self.assertIn("Pid:", text)
@@ -884,15 +964,9 @@ CATASTROPHIC_LINE = "a" * 27 + "b\n"
 
 def helper_pids(server_pid, kind="search"):
     """Live helper processes of `kind` whose parent is server_pid."""
-    out = []
-    for pid in procs_with("--helper %s" % kind):
-        try:
-            with open("/proc/%d/stat" % pid) as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == server_pid:
-                    out.append(pid)
-        except OSError:
-            pass
-    return out
+    marker = "--helper %s" % kind
+    return [pid for pid, (parent, state, cmd) in proc_table().items()
+            if marker in cmd and state != "Z" and parent == server_pid]
 
 
 class TestParallelEdits(NoViewBase):
@@ -1768,25 +1842,50 @@ def search_tree(root):
 
 def process_tree(pid):
     """pid and its live descendants."""
+    table = proc_table()
     found, todo = [], [pid]
     while todo:
         p = todo.pop()
         found.append(p)
-        for task in os.listdir("/proc/%d/task" % p) if os.path.exists("/proc/%d/task" % p) else []:
-            try:
-                with open("/proc/%d/task/%s/children" % (p, task)) as f:
-                    todo += [int(c) for c in f.read().split()]
-            except OSError:
-                pass
+        todo += [c for c, (parent, _, _) in table.items() if parent == p]
     return found
 
 
 def alive(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    entry = proc_table().get(pid)
+    return entry is not None and entry[1] != "Z"
+
+
+class TestHelperWatchdog(unittest.TestCase):
+    """Issue 34.4: where the kernel cannot kill a helper with its parent (macOS has no
+    PR_SET_PDEATHSIG), a watchdog process does, within 3 s, even while a catastrophic
+    regex holds the helper's interpreter (its own watch thread cannot run then)."""
+
+    def test_a_helper_deep_in_a_regex_dies_with_its_parent(self):
+        code = ("import os, re, sys, time\nsys.path.insert(0, %r)\nimport boris\n"
+                "if os.fork() == 0:\n"
+                "    boris.helper_watchdog(os.getppid())\n"
+                "    print(os.getpid(), flush=True)\n"
+                "    re.match(%r, %r)\n"
+                "    os._exit(0)\n"
+                "time.sleep(120)\n" % (HERE, CATASTROPHIC, "a" * 40 + "b"))
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        helper = int(p.stdout.readline())
+        self.addCleanup(lambda: alive(helper) and os.kill(helper, signal.SIGKILL))
+        p.stdout.close()
+        self.assertTrue(wait_until(lambda: proc_table().get(helper, (0, "", ""))[1] == "R", 5))   # in the regex
+        p.kill()
+        p.wait()
+        self.assertTrue(wait_until(lambda: not alive(helper), 3), "the helper outlived its parent by 3 s")
+
+    def test_the_watchdog_ends_with_its_helper(self):
+        code = ("import os, sys, time\nsys.path.insert(0, %r)\nimport boris\n"
+                "boris.helper_watchdog(os.getppid())\ntime.sleep(0.3)\nprint('done', flush=True)\n" % HERE)
+        before = set(proc_table())
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30).stdout
+        self.assertEqual(out, "done\n")
+        self.assertTrue(wait_until(lambda: not [pid for pid, (_, state, cmd) in proc_table().items()
+                                                if pid not in before and "helper_watchdog" in cmd and state != "Z"], 3))
 
 
 class TestHelpersDieWithTheServer(unittest.TestCase):
@@ -2409,10 +2508,14 @@ class TestInteractiveTasks(NoViewBase):
         text = self.ok("task_input", task_id=tid, input="bob\n", wait_ms=10000)
         self.assertIn("hello bob\non-a-terminal", text)
 
-    def test_ctrl_c_on_a_tty_stops_the_loop_and_the_shell_lives(self):
+    def test_ctrl_c_on_a_tty_stops_the_command_and_the_shell_lives(self):
         tid = self.start("PS1='$ ' bash --norc --noprofile -i", tty=True)
-        self.ok("task_input", task_id=tid, input="while true; do sleep 0.1; done\n", wait_ms=300)
-        self.ok("task_input", task_id=tid, input="\u0003", wait_ms=500)
+        self.assertIn("$ ", self.ok("task_output", task_id=tid, wait_for=r"\$ ", wait_ms=10000))   # a prompt: ready
+        text = self.ok("task_input", task_id=tid, input="echo started; sleep 30; echo not-reached\n",
+                       wait_for="started\n", wait_ms=10000)
+        self.assertIn("started", text)                                                # the command runs
+        text = self.ok("task_input", task_id=tid, input="\u0003", wait_for=r"\$ $", wait_ms=10000)
+        self.assertRegex(text, r"\$ $")                                               # back at the prompt
         text = self.ok("task_input", task_id=tid, input="echo alive-$((40+2))\n", wait_for="alive-42", wait_ms=10000)
         self.assertIn("alive-42", text)
         self.assertIn("status: running", text)
@@ -2848,7 +2951,8 @@ class TestSandboxConfiguration(unittest.TestCase):
         self.assertEqual([l for l, m in logged], ["warn"])
         self.assertIn("sandbox off", logged[0][1])
         self.assertFalse(boris.resolve_sandbox(boris.parse_config([], {}), boris.PathPolicy(), abi=7).on)
-        on = boris.resolve_sandbox(cfg, policy, abi=7)
+        with mock.patch.object(boris, "net_filter_available", lambda: True):      # the kernel's answers, given
+            on = boris.resolve_sandbox(cfg, policy, abi=7)
         self.assertEqual((on.mode, on.network), ("workspace-write", False))
         self.assertEqual(boris.parse_config(["--sandbox-network", "on"], {}).sandbox_network, True)
         self.assertEqual(boris.parse_config([], {"BORIS_SANDBOX": "off"}).sandbox, "off")
@@ -4893,15 +4997,8 @@ class TestSessionsAreFairAndSeparate(unittest.TestCase):
                 "name": "bash", "arguments": {"command": "sleep %s" % mark}}}, busy, busy_answers.append)
 
         def sleeping():
-            found = []
-            for pid in procs_with(mark):
-                try:
-                    with open("/proc/%d/cmdline" % pid, "rb") as f:
-                        if f.read().startswith(b"sleep"):
-                            found.append(pid)
-                except OSError:
-                    pass
-            return found
+            return [pid for pid, (_, state, cmd) in proc_table().items()
+                    if mark in cmd and cmd.startswith("sleep") and state != "Z"]
         self.assertTrue(wait_until(lambda: len(sleeping()) >= boris.SESSION_MAX_RUNNING, 20))
         answered = threading.Event()
         server.dispatch({"jsonrpc": "2.0", "id": "q", "method": "tools/call", "params": {
@@ -5237,7 +5334,7 @@ class TestNothingFrozenOverStdio(StdioBase):
         self.assertTrue(partners, "the walk was not shared")
         self.assertEqual(self.c.request("ping")["result"], {})
         self.c.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 901}})
-        gone = lambda: not any(os.path.exists("/proc/%d" % pid) for pid in partners)   # zombies count
+        gone = lambda: not any(pid in proc_table() for pid in partners)               # zombies count
         self.assertTrue(wait_until(gone, 5), "a partner outlived its search, or was left a zombie")
 
 
@@ -5250,14 +5347,23 @@ class TestProcessesLeftBehind(StdioBase):
         r = self.c.request("tools/call", {"name": "bash", "arguments": args}, timeout=30)
         return r["result"]["content"][0]["text"]
 
+    def kill_at_the_end(self, *marks):
+        """Whatever the outcome, no sleep of this test outlives it (without a subreaper,
+        as on macOS, nothing else would end them)."""
+        self.addCleanup(lambda: [os.kill(pid, signal.SIGKILL) for m in marks for pid in procs_with(m)])
+
+    @NEEDS_LINUX
     def test_setsid_and_double_fork_daemons_die_with_their_call(self):
         marks = [unique_sleep() for _ in range(3)]
+        self.kill_at_the_end(*marks)
         self.bash("setsid sleep %s & (setsid -f sleep %s) ; (sleep %s &) ; true" % tuple(marks))
         self.assertTrue(wait_until(lambda: not any(procs_with(m) for m in marks), 10),
                         [m for m in marks if procs_with(m)])
 
+    @NEEDS_LINUX
     def test_background_task_keeps_its_daemons_until_it_ends(self):
         s = unique_sleep()
+        self.kill_at_the_end(s)
         out = self.bash("setsid sleep %s & sleep 0.5" % s, run_in_background=True)
         task = re.search(r"task_[0-9a-f]+", out).group(0)
         self.assertTrue(wait_until(lambda: procs_with(s), 5))
@@ -6167,7 +6273,7 @@ class TestHttpCors(HttpBase):
         st, h, _ = http(self.port, "GET", "/health")
         self.assertNotIn("access-control-allow-origin", h)        # no Origin, no CORS headers
 
-    @unittest.skipUnless(shutil.which("chromium"), "chromium is not installed (Debian's chromium package)")
+    @unittest.skipUnless(shutil.which("chromium") and LINUX, "needs Linux with Debian's chromium package installed")
     def test_a_real_browser_initializes_lists_and_calls(self):
         """Headless Chromium loads a page from a second loopback port whose script
         initializes, lists tools and calls view with the bearer token, then posts what it
