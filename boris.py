@@ -4815,20 +4815,82 @@ class Session(object):
 ###############################################################################
 
 
-class Tool(object):
-    """A registered tool: its listing (name, description, input schema, annotations) and its handler;
-    `plain` tools answer errors in their fixed strings."""
-    __slots__ = ("name", "description", "schema", "annotations", "handler", "plain")
+TOOLS = []                                 # every tool, in listing order: filled by @tool where each is defined
+DEFAULT, COMPAT = ("default",), ("compat",)  # the tool modes (--anthropic-compat) a tool is listed in
+BOTH = DEFAULT + COMPAT
 
-    def __init__(self, name, description, schema, annotations, handler, plain=False):
+
+class Tool(object):
+    """A tool as registered: its listing (name, description, input schema, annotations),
+    its handler, the modes it is listed in, the error codes its enum arguments answer
+    with (`codes`) and `argument_error`, which turns a refused argument into the
+    tool's own answer (the workspace tools answer in fixed strings). `description`
+    and `schema` may be functions of the Config; made() gives the listed tool."""
+    __slots__ = ("name", "description", "schema", "annotations", "handler", "modes", "codes", "argument_error")
+
+    def __init__(self, name, description, schema, annotations, handler, modes=BOTH, codes=None,
+                 argument_error=None):
         self.name, self.description, self.schema = name, description, schema
-        self.annotations, self.handler = annotations, handler
-        self.plain = plain              # answers in the workspace tools' fixed Chinese strings
+        self.annotations, self.handler, self.modes = annotations, handler, modes
+        self.codes = codes or {}
+        self.argument_error = argument_error or (lambda e: e)
+
+    def made(self, config):
+        """This tool as `config` lists it: description and schema worked out."""
+        return Tool(self.name, self.description(config) if callable(self.description) else self.description,
+                    self.schema(config) if callable(self.schema) else self.schema, self.annotations, self.handler,
+                    self.modes, self.codes, self.argument_error)
 
     def listing(self):
         """The tool as tools/list shows it."""
         return {"name": self.name, "description": self.description,
                 "inputSchema": self.schema, "annotations": self.annotations}
+
+
+def tool(name, description, schema, annotations, modes=BOTH, adapt=None, **extra):
+    """Register the decorated handler as tool `name` (adapt: wrap it for this
+    registration, as compat grep's renamed parameters do)."""
+    def register(handler):
+        TOOLS.append(Tool(name, description, schema, annotations, adapt(handler) if adapt else handler, modes,
+                          **extra))
+        return handler
+    return register
+
+
+def build_tools(config):
+    """The tools this server registers, in listing order, after compat and disabling;
+    a ConfigError for a --disable-tools name no tool has."""
+    off = disabled_tools(config)
+    mode = COMPAT[0] if config.anthropic_compat else DEFAULT[0]
+    return dict((t.name, t.made(config)) for t in TOOLS if mode in t.modes and t.name not in off)
+
+
+def tool_names(config=None):
+    """Every name a tool can be registered under, with or without --anthropic-compat,
+    in listing order: the names --disable-tools accepts."""
+    names = []
+    for t in TOOLS:
+        if t.name not in names:
+            names.append(t.name)
+    return names
+
+
+def disabled_tools(config):
+    """The registered names --disable-tools removes: a task tool goes with bash, and
+    the compat editor with any of the tools it stands for."""
+    off = set(config.disable_tools)
+    if not off:
+        return off
+    valid = tool_names()
+    unknown = [n for n in config.disable_tools if n not in valid]
+    if unknown:
+        raise ConfigError("unknown tool name(s) for --disable-tools: %s; valid names: %s"
+                          % (", ".join(unknown), ", ".join(valid)))
+    if "bash" in off:
+        off.update(("task_output", "task_input", "task_stop"))
+    if config.anthropic_compat and off.intersection(("view", "str_replace", "create_file")):
+        off.add("str_replace_editor")
+    return off
 
 
 def prop(kind, description, **extra):
@@ -4849,6 +4911,12 @@ def notes(title, read_only=False, destructive=False, open_world=False, idempoten
     return {"title": title, "readOnlyHint": read_only, "destructiveHint": destructive,
             "idempotentHint": idempotent, "openWorldHint": open_world}
 
+
+
+PATH_PROP = prop("string", "File or directory path, absolute or relative to the session's working directory.")
+RANGE_PROP = prop("array", "Optional [start, end] line range, 1-indexed and inclusive; end -1 means to the end"
+                  " of the file. Use it for files over 2,000 lines.",
+                  items={"type": "integer"}, minItems=2, maxItems=2)
 
 
 class CallContext(object):
@@ -4883,6 +4951,16 @@ def resolve_checked(session, ctx, path, name="path"):
 # Tools: file viewing and editing #############################################
 ###############################################################################
 
+VIEW_DESC = ("Read a text file with line numbers (cat -n style: number, tab, line), list a directory two "
+             "levels deep, or see an image (PNG, JPEG, GIF, WebP, SVG) as an image. Files over 2,000 lines "
+             "show their first 2,000 lines unless view_range is given; lines over 2,000 characters are cut; a "
+             "result stops at about 40,000 characters. A cut result starts and ends with a line giving the "
+             "view_range that reads on. Binary files are reported by size only. Viewing a file is required "
+             "before editing it.")
+
+
+@tool("view", VIEW_DESC, obj({"path": PATH_PROP, "view_range": RANGE_PROP}, ["path"]),
+      notes("View file or directory", read_only=True, idempotent=True), DEFAULT)
 def tool_view(session, args, ctx):
     """view: a file's numbered lines (a view_range of them), an image, a notebook's
     cells, or a directory's tree two levels deep."""
@@ -5424,6 +5502,18 @@ def replaced(text, old, new):
     return "".join(parts)
 
 
+STR_REPLACE_DESC = ("Edit a file by replacing old_str with new_str. old_str must match the file exactly "
+                    "(whitespace and indentation included, without the line-number prefix view shows) and "
+                    "occur exactly once, unless replace_all is true. Omit new_str to delete. View the file "
+                    "first. Line endings, encoding and permissions are kept.")
+
+
+@tool("str_replace", STR_REPLACE_DESC, obj({
+    "path": PATH_PROP,
+    "old_str": prop("string", "The exact text to replace."),
+    "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
+    "replace_all": prop("boolean", "Replace every occurrence instead of requiring one (default false)."),
+}, ["path", "old_str"]), notes("Replace text in a file", destructive=True), DEFAULT)
 def tool_str_replace(session, args, ctx):
     """str_replace: replace old_str (unique, or every one with replace_all) in a file viewed and unchanged
     since."""
@@ -5443,6 +5533,20 @@ def tool_str_replace(session, args, ctx):
         updated.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")))
 
 
+MULTI_EDIT_DESC = ("Make several edits to one file in one call: each {old_str, new_str, replace_all?} works as "
+                   "str_replace does and applies to the result of the edit before it. All edits land or none "
+                   "does (one atomic write); an error names the failing edit by its number. View the file first.")
+
+
+@tool("multi_edit", MULTI_EDIT_DESC, obj({
+    "path": PATH_PROP,
+    "edits": prop("array", "The edits, applied in order, each to the result of the one before.", minItems=1,
+                  items=obj({
+                      "old_str": prop("string", "The exact text to replace (unique unless replace_all)."),
+                      "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
+                      "replace_all": prop("boolean", "Replace every occurrence (default false)."),
+                  }, ["old_str"])),
+}, ["path", "edits"]), notes("Edit a file in several places", destructive=True))
 def tool_multi_edit(session, args, ctx):
     """Several str_replace edits of one file: each applies to the result of the one
     before; all of them or none are written, in one atomic write."""
@@ -5485,6 +5589,13 @@ def existing_kind(real, shown):
     return st
 
 
+CREATE_DESC = ("Create a file with the given content, or overwrite an existing one (view it first). Missing "
+               "parent directories are created. Prefer str_replace for changing part of an existing file.")
+
+
+@tool("create_file", CREATE_DESC, obj({
+    "path": PATH_PROP, "content": prop("string", "The complete file content."),
+}, ["path", "content"]), notes("Create or overwrite a file", destructive=True), DEFAULT)
 def tool_create_file(session, args, ctx, content_key="content"):
     """create_file: write a whole file (made or overwritten), its directories made as needed."""
     shown = args["path"]
@@ -5872,6 +5983,17 @@ def remove_file(real):
         os.close(dfd)
 
 
+PATCH_DESC = ("Edit, add, delete and move files with one patch in the apply_patch format: '*** Begin Patch', "
+              "then per file '*** Add File: path' (every line starting with +), '*** Delete File: path' or "
+              "'*** Update File: path' (optionally '*** Move to: new/path') followed by hunks: '@@' (or '@@ def "
+              "name' to say where), lines ' ' context, '-' removed, '+' added, three context lines around each "
+              "change; then '*** End Patch'. Context must match the file (trailing and surrounding whitespace "
+              "may differ). All files change or none does; no prior view is needed.")
+
+
+@tool("apply_patch", PATCH_DESC, obj({
+    "input": prop("string", "The whole patch, from '*** Begin Patch' to '*** End Patch'."),
+}, ["input"]), notes("Apply a patch", destructive=True))
 def tool_apply_patch(session, args, ctx):
     """Codex's apply_patch: parse; resolve and scope-check every path; then, under every
     file's edit lock (taken in one order), plan every file (existence, hunks) and write."""
@@ -6039,6 +6161,22 @@ def bounded(text):
                                                                    NOTEBOOK_OUTPUT_CHARS)
 
 
+NOTEBOOK_DESC = ("Edit one cell of a Jupyter notebook (.ipynb): replace its source, insert a new cell after it, or "
+                 "delete it; name it by cell_id or cell_number as view shows them (view renders a notebook's cells "
+                 "and outputs; view_range counts cells). Other cells stay byte for byte; an edited code cell's "
+                 "outputs and execution count are cleared. View the notebook first.")
+
+
+@tool("notebook_edit", NOTEBOOK_DESC, obj({
+    "path": PATH_PROP,
+    "cell_id": prop("string", "The id of the cell (view shows it in each cell's header)."),
+    "cell_number": prop("integer", "The cell's number as view shows it, from 1 (when it has no id)."),
+    "new_source": prop("string", "The cell's new source (replace, insert)."),
+    "cell_type": prop("string", "code, markdown or raw (needed to insert; changes the type on replace).",
+                      enum=["code", "markdown", "raw"]),
+    "edit_mode": prop("string", "replace (default), insert (after the cell named; at the top if none) or delete.",
+                      enum=["replace", "insert", "delete"]),
+}, ["path"]), notes("Edit a notebook cell", destructive=True))
 def tool_notebook_edit(session, args, ctx):
     """Replace, insert or delete one cell of a notebook, leaving every other byte."""
     shown = args["path"]
@@ -6147,6 +6285,23 @@ def notebook_indent(text, spans):
     return base, max(1, len(inner.group(1)) - len(base))
 
 
+EDITOR_DESC = ("View, create and edit files. command=view shows a file with line numbers or lists a "
+               "directory (view_range optional); create writes file_text to path; str_replace replaces the "
+               "unique old_str with new_str; insert adds insert_text after line insert_line (0 = top). "
+               "Files must be viewed before they are edited.")
+
+
+@tool("str_replace_editor", EDITOR_DESC, obj({
+    "command": prop("string", "The operation.", enum=["view", "create", "str_replace", "insert"]),
+    "path": PATH_PROP,
+    "view_range": RANGE_PROP,
+    "file_text": prop("string", "command=create: the complete file content."),
+    "old_str": prop("string", "command=str_replace: the exact, unique text to replace."),
+    "new_str": prop("string", "command=str_replace: the replacement; command=insert: the text to insert."),
+    "insert_line": prop("integer", "command=insert: insert after this line (0 = top of file)."),
+    "insert_text": prop("string", "command=insert: the text to insert."),
+    "replace_all": prop("boolean", "command=str_replace: replace every occurrence."),
+}, ["command", "path"]), notes("Text editor", destructive=True), COMPAT)
 def tool_str_replace_editor(session, args, ctx):
     """Anthropic's text-editor tool: one name, the same handlers underneath."""
     cmd = args["command"]
@@ -6242,6 +6397,34 @@ def ending_line(why, timeout_ms, out, err):
     return ""
 
 
+BASH_DESC = ("Run a shell command (%s -c) in the session's working directory and return its exit code, "
+             "stdout and stderr (a long output keeps its first 20,000 and last 10,000 characters: pipe it "
+             "through tail or grep). The working directory persists between "
+             "calls (cd moves it). stdin is /dev/null, so a command that asks for input fails at once instead of "
+             "hanging; for REPLs, prompts and debuggers set interactive (stdin kept open; send input with "
+             "task_input) and tty for a terminal (Ctrl-C is \\u0003, end of input \\u0004). A command is "
+             "killed, with everything it started, after `timeout` ms (default 120000, max 600000) or when it "
+             "returns. Clients give up on a call long before that (often after 60 s, and progress does not "
+             "extend it): run anything that may take longer, servers and watchers with run_in_background, and "
+             "read the output with task_output.")
+def bash_description(config=None):
+    """BASH_DESC naming the shell this machine has (/bin/sh where there is no /bin/bash)."""
+    desc = BASH_DESC % ("bash" if SHELL == "/bin/bash" else "/bin/sh")
+    if SHELL != "/bin/bash":
+        desc += " This machine has no /bin/bash: commands run under /bin/sh, so bash-only syntax fails."
+    return desc
+
+
+@tool("bash", bash_description, lambda config: obj({
+    "command": prop("string", "The shell command to run."),
+    "timeout": prop("integer", "Timeout in milliseconds (default %d, max %d)."
+                    % (int(config.timeout * 1000), BASH_MAX_TIMEOUT_MS)),
+    "run_in_background": prop("boolean", "Start the command and return its task_id at once."),
+    "interactive": prop("boolean", "Keep its stdin open for task_input (implies run_in_background)."),
+    "tty": prop("boolean", "Run it on a pseudo-terminal (80x24, TERM=dumb; implies interactive): for"
+                           " programs that want a terminal. Escape sequences are removed from its output."),
+    "description": prop("string", "A few words saying what the command does (for logs)."),
+}, ["command"]), notes("Run shell command", destructive=True, open_world=True))
 def tool_bash(session, args, ctx):
     """bash: run a command in the session's shell state (cwd), in the foreground
     within its timeout, or as a task (run_in_background, interactive, tty)."""
@@ -6397,6 +6580,19 @@ def output_test(ctx, pattern, deadline):
     return matches
 
 
+TASK_DESC = ("Read a background bash task: its status first ('running', or 'completed' with the exit code), "
+             "then only the output not returned by an earlier call. wait_ms waits up to that long for the task "
+             "to finish; wait_for (a regular expression) returns as soon as new output matches it, e.g. "
+             "'listening on|error'. A finished task is forgotten once read. Without task_id it lists the "
+             "session's tasks.")
+
+
+@tool("task_output", TASK_DESC, obj({
+    "task_id": prop("string", "The task_id bash returned (omit it to list the session's tasks)."),
+    "wait_ms": prop("integer", "Wait up to this many milliseconds for the task to finish (default 0, or"
+                               " up to 600000 with wait_for)."),
+    "wait_for": prop("string", "Return as soon as new output matches this regular expression."),
+}), notes("Read background task output", read_only=True))
 def tool_task_output(session, args, ctx):
     """task_output: a task's new output (waiting as asked), or the list of tasks without an id."""
     if not args.get("task_id"):
@@ -6451,6 +6647,21 @@ class OutputWatch(object):
         return time.monotonic() - self.quiet_since >= TASK_SETTLE_S
 
 
+TASK_INPUT_DESC = ("Type into an interactive background task (bash with interactive or tty true): writes `input` "
+                   "to its stdin, then answers like task_output - status, then only the new output - returning "
+                   "once the answer has come and gone quiet, or when wait_for matches. Use it for REPLs, "
+                   "prompts (passwords, confirmations) and debuggers.")
+
+
+@tool("task_input", TASK_INPUT_DESC, obj({
+    "task_id": prop("string", "The task_id of a task started with interactive (or tty) true."),
+    "input": prop("string", "What to type, usually ending with \\n. On a tty \\u0003 is Ctrl-C and"
+                            " \\u0004 end of input."),
+    "wait_for": prop("string", "Return as soon as new output matches this regular expression."),
+    "wait_ms": prop("integer", "Wait up to this many milliseconds (default: until the answer goes quiet, at"
+                               " most 2000)."),
+    "close_stdin": prop("boolean", "Close the task's input after writing (end of file)."),
+}, ["task_id"]), notes("Send input to a background task", destructive=True))
 def tool_task_input(session, args, ctx):
     """Write to an interactive task's stdin, then answer like task_output."""
     task = find_task(session, args["task_id"])
@@ -6473,6 +6684,13 @@ def tool_task_input(session, args, ctx):
     return task_answer(task, session, ctx)
 
 
+TASK_STOP_DESC = ("Stop a background bash task (its whole process group: SIGTERM, then SIGKILL after 5 s) and "
+                  "return its status and the output not read before.")
+
+
+@tool("task_stop", TASK_STOP_DESC, obj({
+    "task_id": prop("string", "The task_id bash returned."),
+}, ["task_id"]), notes("Stop a background task", destructive=True))
 def tool_task_stop(session, args, ctx):
     """task_stop: kill a task's process group and answer with its last output."""
     task = find_task(session, args["task_id"])
@@ -6582,6 +6800,60 @@ def newest_first(found):
     return [rel for rel, _ in found]
 
 
+GREP_DESC = ("Search file contents with a regular expression (Python re syntax; ripgrep-like). Walks the "
+             "directory at `path` (default: the working directory) skipping .git, node_modules, binary "
+             "files and what .gitignore ignores. output_mode: files_with_matches (default; paths, newest "
+             "first), content (path:line:text, with optional context lines) or count (path:count). Filter "
+             "files with include (a glob such as *.{ts,tsx}) or type (py, js, ts, go, rust, ...). Use "
+             "head_limit/offset to page through long results.")
+GLOB_DESC = ("Find files by name with a glob pattern (**, *, ?, {a,b}, [a-z]); a pattern without '/' matches "
+             "file names at any depth, one with '/' whole relative paths (src/*.c: the direct children of src). "
+             "Returns paths relative to `path` (default: the working directory), newest first; skips .git, "
+             "node_modules and .gitignore'd files. Page long lists with head_limit/offset.")
+GREP_PROPS = {
+    "pattern": prop("string", "The regular expression to search for."),
+    "path": prop("string", "File or directory to search (default: the working directory)."),
+    "include": prop("string", "Only search files whose name matches this glob, e.g. *.py or *.{ts,tsx}."),
+    "type": prop("string", "Only search files of this language: py, js, ts, go, rust, java, c, cpp, ..."),
+    "output_mode": prop("string", "files_with_matches (default), content or count.",
+                        enum=["files_with_matches", "content", "count"]),
+    "case_insensitive": prop("boolean", "Ignore case (default false)."),
+    "line_numbers": prop("boolean", "content mode: show line numbers (default true)."),
+    "context_before": prop("integer", "content mode: lines of context before each match."),
+    "context_after": prop("integer", "content mode: lines of context after each match."),
+    "context": prop("integer", "content mode: lines of context before and after each match."),
+    "multiline": prop("boolean", "Let . match newlines and patterns span lines (default false)."),
+    "head_limit": prop("integer", "Show at most this many lines (content) or entries (other modes)."),
+    "offset": prop("integer", "Skip this many lines/entries first (default 0)."),
+}
+COMPAT_GREP_NAMES = {"glob": "include", "-i": "case_insensitive", "-n": "line_numbers",
+                     "-A": "context_after", "-B": "context_before", "-C": "context"}
+
+
+def renamed(handler, names):
+    """A handler that takes other parameter names and calls `handler` with ours (the
+    other name wins where a call gives both)."""
+    def call(session, args, ctx):
+        ours = dict((k, v) for k, v in args.items() if k not in names)
+        ours.update((names[k], v) for k, v in args.items() if k in names)
+        return handler(session, ours, ctx)
+    return call
+
+
+
+def compat_grep_schema(config):
+    """grep's schema under --anthropic-compat: Claude Code's names (glob, -i, -n, -A, -B, -C)
+    and `context` besides -C (models write either; -C wins when both are given)."""
+    back = dict((v, k) for k, v in COMPAT_GREP_NAMES.items())
+    props = dict((back.get(k, k), v) for k, v in GREP_PROPS.items())
+    props["context"] = GREP_PROPS["context"]
+    return obj(props, ["pattern"])
+
+
+@tool("grep", GREP_DESC, obj(GREP_PROPS, ["pattern"]), notes("Search file contents", read_only=True), DEFAULT,
+      codes={"output_mode": GREP_INVALID_OUTPUT_MODE})
+@tool("grep", GREP_DESC, compat_grep_schema, notes("Search file contents", read_only=True), COMPAT,
+      adapt=lambda handler: renamed(handler, COMPAT_GREP_NAMES), codes={"output_mode": GREP_INVALID_OUTPUT_MODE})
 def tool_grep(session, args, ctx):
     """grep: search file contents for a regex, ripgrep style (files, count or content mode), in a helper."""
     pattern = args["pattern"]
@@ -6688,6 +6960,16 @@ def find_paths(session, ctx, pattern, shown, kind):
     return ctx.helpers.run(job, ctx.cancelled)
 
 
+GLOB_PROPS = {"pattern": prop("string", "The glob pattern, e.g. **/*.py or src/**/*.{ts,tsx}."),
+              "path": prop("string", "Directory to search in (default: the working directory)."),
+              "head_limit": prop("integer", "Show at most this many paths."),
+              "offset": prop("integer", "Skip this many paths first (default 0).")}
+
+
+@tool("glob", GLOB_DESC, obj(dict(GLOB_PROPS, type=prop("string", "file (default) or directory.",
+                                                       enum=["file", "directory"])), ["pattern"]),
+      notes("Find files by name", read_only=True), DEFAULT, codes={"type": GLOB_INVALID_TYPE})
+@tool("glob", GLOB_DESC, obj(GLOB_PROPS, ["pattern"]), notes("Find files by name", read_only=True), COMPAT)
 def tool_glob(session, args, ctx):
     """glob: paths matching a pattern, newest first, in a helper."""
     found, why = find_paths(session, ctx, args["pattern"], args.get("path") or ".", args.get("type") or "file")
@@ -6697,6 +6979,13 @@ def tool_glob(session, args, ctx):
     return cap_lines(page(newest_first(glob_pairs(found)), args), "paths", notice, search_cap(ctx))
 
 
+@tool("search_text", "Search for text in files: every line containing `query` (literal, or a regular expression when"
+      " regex is true) under each of `paths`, as path:line:content.", obj({
+          "query": prop("string", "The text (or regex) to find."),
+          "paths": prop("array", "Files or directories to search (default: the working directory).",
+                        items={"type": "string"}),
+          "regex": prop("boolean", "Treat query as a regular expression (default false)."),
+      }, ["query"]), notes("Search text", read_only=True))
 def tool_search_text(session, args, ctx):
     """search_text: the workspace tools' content search (plain text or regex)."""
     query = args["query"]
@@ -6716,6 +7005,10 @@ def tool_search_text(session, args, ctx):
     return cap_lines(lines, "lines", notice, search_cap(ctx))
 
 
+@tool("search_files", "Find files whose path matches a glob pattern (e.g. src/**/*.ts or **/*.md), searched from the"
+      " working directory; returns one path per line.", obj({
+          "pattern": prop("string", "The glob pattern."),
+      }, ["pattern"]), notes("Find files", read_only=True))
 def tool_search_files(session, args, ctx):
     """search_files: the workspace tools' name search."""
     found, why = find_paths(session, ctx, args["pattern"], ".", "file")
@@ -6761,6 +7054,24 @@ def workspace_error(e, path, doing):
     return plain_error("错误：无法%s %s: %s" % (doing, path, e.message), e.code)
 
 
+def workspace_note(config):
+    """What every workspace tool's description ends with."""
+    return ("Paths are relative to the workspace root (%s) and may not leave it. Errors come back as text"
+            " starting with 错误 (error)." % config.workdir)
+
+
+def workspace_argument_error(e):
+    """A refused path argument in the workspace tools' fixed words (seed 004)."""
+    return plain_error("错误：路径无效: %s" % e.message, e.code) if e.detail == "path" else e
+
+
+@tool("read_file", lambda config: "Read a text file from the workspace and return its content (a long one up to"
+      " 100,000 characters, with the offset to read on). " + workspace_note(config), obj({
+          "path": prop("string", "File path inside the workspace."),
+          "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
+          "offset": prop("integer", "First line to return, 1-based (default 1)."),
+          "limit": prop("integer", "How many lines to return (default: the rest)."),
+      }, ["path"]), notes("Read file", read_only=True, idempotent=True), argument_error=workspace_argument_error)
 def tool_read_file(session, args, ctx):
     """read_file: a workspace file's text (from an offset, a limit of lines), in its encoding."""
     path, encoding = args["path"], args.get("encoding") or "utf-8"
@@ -6816,6 +7127,11 @@ def line_window(text, offset, limit, cap):
     return body
 
 
+@tool("write_file", lambda config: "Write content to a file in the workspace, creating parent directories;"
+      " overwrites an existing file. " + workspace_note(config), obj({
+          "path": prop("string", "File path inside the workspace."),
+          "content": prop("string", "The complete file content."),
+      }, ["path", "content"]), notes("Write file", destructive=True), argument_error=workspace_argument_error)
 def tool_write_file(session, args, ctx):
     """write_file: write a workspace file whole, its directories made."""
     path, content = args["path"], args["content"]
@@ -6843,6 +7159,10 @@ def tool_write_file(session, args, ctx):
     return "成功：已写入 %s" % path
 
 
+@tool("list_directory", lambda config: "List a workspace directory: one entry per line, [D] for directories and"
+      " [F] for files, sorted by name. " + workspace_note(config), obj({
+          "path": prop("string", "Directory path inside the workspace (default: the root)."),
+      }), notes("List directory", read_only=True, idempotent=True), argument_error=workspace_argument_error)
 def tool_list_directory(session, args, ctx):
     """list_directory: a workspace directory's entries, [D] or [F] each."""
     path = args.get("path") or "."
@@ -6868,6 +7188,14 @@ def tool_list_directory(session, args, ctx):
     return text
 
 
+@tool("web_fetch", "Fetch a web page (http or https) and return its readable content: HTML as light Markdown"
+      " (headings, lists, [text](url) links, fenced <pre> blocks, table rows; scripts and styles removed), JSON and"
+      " plain text as they are; at most 5,000 characters, and a cut page ends with the start_index to read on."
+      " Errors come back as text starting with 错误 (error).", obj({
+          "url": prop("string", "The http:// or https:// URL."),
+          "timeout": prop("integer", "Seconds the whole fetch may take (default 10, max 120)."),
+          "start_index": prop("integer", "Character offset to read on from (default 0)."),
+      }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), argument_error=workspace_argument_error)
 def tool_web_fetch(session, args, ctx):
     """web_fetch: a page as light Markdown (or JSON or text), 5,000 characters at a time."""
     url, timeout = args["url"], args.get("timeout", 10)
@@ -6879,336 +7207,6 @@ def tool_web_fetch(session, args, ctx):
     return fetch_text(url, timeout, ctx.cancelled, ctx.config.web_fetch_block_private, start)
 
 ###############################################################################
-# Tools: the registry #########################################################
-###############################################################################
-
-
-
-PATH_PROP = prop("string", "File or directory path, absolute or relative to the session's working directory.")
-RANGE_PROP = prop("array", "Optional [start, end] line range, 1-indexed and inclusive; end -1 means to the end"
-                  " of the file. Use it for files over 2,000 lines.",
-                  items={"type": "integer"}, minItems=2, maxItems=2)
-
-VIEW_DESC = ("Read a text file with line numbers (cat -n style: number, tab, line), list a directory two "
-             "levels deep, or see an image (PNG, JPEG, GIF, WebP, SVG) as an image. Files over 2,000 lines "
-             "show their first 2,000 lines unless view_range is given; lines over 2,000 characters are cut; a "
-             "result stops at about 40,000 characters. A cut result starts and ends with a line giving the "
-             "view_range that reads on. Binary files are reported by size only. Viewing a file is required "
-             "before editing it.")
-STR_REPLACE_DESC = ("Edit a file by replacing old_str with new_str. old_str must match the file exactly "
-                    "(whitespace and indentation included, without the line-number prefix view shows) and "
-                    "occur exactly once, unless replace_all is true. Omit new_str to delete. View the file "
-                    "first. Line endings, encoding and permissions are kept.")
-MULTI_EDIT_DESC = ("Make several edits to one file in one call: each {old_str, new_str, replace_all?} works as "
-                   "str_replace does and applies to the result of the edit before it. All edits land or none "
-                   "does (one atomic write); an error names the failing edit by its number. View the file first.")
-NOTEBOOK_DESC = ("Edit one cell of a Jupyter notebook (.ipynb): replace its source, insert a new cell after it, or "
-                 "delete it; name it by cell_id or cell_number as view shows them (view renders a notebook's cells "
-                 "and outputs; view_range counts cells). Other cells stay byte for byte; an edited code cell's "
-                 "outputs and execution count are cleared. View the notebook first.")
-PATCH_DESC = ("Edit, add, delete and move files with one patch in the apply_patch format: '*** Begin Patch', "
-              "then per file '*** Add File: path' (every line starting with +), '*** Delete File: path' or "
-              "'*** Update File: path' (optionally '*** Move to: new/path') followed by hunks: '@@' (or '@@ def "
-              "name' to say where), lines ' ' context, '-' removed, '+' added, three context lines around each "
-              "change; then '*** End Patch'. Context must match the file (trailing and surrounding whitespace "
-              "may differ). All files change or none does; no prior view is needed.")
-CREATE_DESC = ("Create a file with the given content, or overwrite an existing one (view it first). Missing "
-               "parent directories are created. Prefer str_replace for changing part of an existing file.")
-EDITOR_DESC = ("View, create and edit files. command=view shows a file with line numbers or lists a "
-               "directory (view_range optional); create writes file_text to path; str_replace replaces the "
-               "unique old_str with new_str; insert adds insert_text after line insert_line (0 = top). "
-               "Files must be viewed before they are edited.")
-
-
-def file_tools():
-    """The file tools: view, str_replace, multi_edit, create_file, insert."""
-    return [
-        Tool("view", VIEW_DESC, obj({"path": PATH_PROP, "view_range": RANGE_PROP}, ["path"]),
-             notes("View file or directory", read_only=True, idempotent=True), tool_view),
-        Tool("str_replace", STR_REPLACE_DESC, obj({
-            "path": PATH_PROP,
-            "old_str": prop("string", "The exact text to replace."),
-            "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
-            "replace_all": prop("boolean", "Replace every occurrence instead of requiring one (default false)."),
-        }, ["path", "old_str"]), notes("Replace text in a file", destructive=True), tool_str_replace),
-        Tool("create_file", CREATE_DESC, obj({
-            "path": PATH_PROP, "content": prop("string", "The complete file content."),
-        }, ["path", "content"]), notes("Create or overwrite a file", destructive=True), tool_create_file),
-        multi_edit_tool(),
-    ]
-
-
-def multi_edit_tool():
-    """The multi_edit tool (several str_replace edits of one file, all or none)."""
-    return Tool("multi_edit", MULTI_EDIT_DESC, obj({
-        "path": PATH_PROP,
-        "edits": prop("array", "The edits, applied in order, each to the result of the one before.", minItems=1,
-                      items=obj({
-                          "old_str": prop("string", "The exact text to replace (unique unless replace_all)."),
-                          "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
-                          "replace_all": prop("boolean", "Replace every occurrence (default false)."),
-                      }, ["old_str"])),
-    }, ["path", "edits"]), notes("Edit a file in several places", destructive=True), tool_multi_edit)
-
-
-def editor_tool():
-    """--anthropic-compat's str_replace_editor: Anthropic's text-editor tool in one."""
-    return Tool("str_replace_editor", EDITOR_DESC, obj({
-        "command": prop("string", "The operation.", enum=["view", "create", "str_replace", "insert"]),
-        "path": PATH_PROP,
-        "view_range": RANGE_PROP,
-        "file_text": prop("string", "command=create: the complete file content."),
-        "old_str": prop("string", "command=str_replace: the exact, unique text to replace."),
-        "new_str": prop("string", "command=str_replace: the replacement; command=insert: the text to insert."),
-        "insert_line": prop("integer", "command=insert: insert after this line (0 = top of file)."),
-        "insert_text": prop("string", "command=insert: the text to insert."),
-        "replace_all": prop("boolean", "command=str_replace: replace every occurrence."),
-    }, ["command", "path"]), notes("Text editor", destructive=True), tool_str_replace_editor)
-
-
-BASH_DESC = ("Run a shell command (%s -c) in the session's working directory and return its exit code, "
-             "stdout and stderr (a long output keeps its first 20,000 and last 10,000 characters: pipe it "
-             "through tail or grep). The working directory persists between "
-             "calls (cd moves it). stdin is /dev/null, so a command that asks for input fails at once instead of "
-             "hanging; for REPLs, prompts and debuggers set interactive (stdin kept open; send input with "
-             "task_input) and tty for a terminal (Ctrl-C is \\u0003, end of input \\u0004). A command is "
-             "killed, with everything it started, after `timeout` ms (default 120000, max 600000) or when it "
-             "returns. Clients give up on a call long before that (often after 60 s, and progress does not "
-             "extend it): run anything that may take longer, servers and watchers with run_in_background, and "
-             "read the output with task_output.")
-TASK_DESC = ("Read a background bash task: its status first ('running', or 'completed' with the exit code), "
-             "then only the output not returned by an earlier call. wait_ms waits up to that long for the task "
-             "to finish; wait_for (a regular expression) returns as soon as new output matches it, e.g. "
-             "'listening on|error'. A finished task is forgotten once read. Without task_id it lists the "
-             "session's tasks.")
-TASK_INPUT_DESC = ("Type into an interactive background task (bash with interactive or tty true): writes `input` "
-                   "to its stdin, then answers like task_output - status, then only the new output - returning "
-                   "once the answer has come and gone quiet, or when wait_for matches. Use it for REPLs, "
-                   "prompts (passwords, confirmations) and debuggers.")
-TASK_STOP_DESC = ("Stop a background bash task (its whole process group: SIGTERM, then SIGKILL after 5 s) and "
-                  "return its status and the output not read before.")
-
-
-def bash_description():
-    """BASH_DESC naming the shell this machine has (/bin/sh where there is no /bin/bash)."""
-    desc = BASH_DESC % ("bash" if SHELL == "/bin/bash" else "/bin/sh")
-    if SHELL != "/bin/bash":
-        desc += " This machine has no /bin/bash: commands run under /bin/sh, so bash-only syntax fails."
-    return desc
-
-
-def shell_tools(config):
-    """bash and its task tools."""
-    return [
-        Tool("bash", bash_description(), obj({
-            "command": prop("string", "The shell command to run."),
-            "timeout": prop("integer", "Timeout in milliseconds (default %d, max %d)."
-                            % (int(config.timeout * 1000), BASH_MAX_TIMEOUT_MS)),
-            "run_in_background": prop("boolean", "Start the command and return its task_id at once."),
-            "interactive": prop("boolean", "Keep its stdin open for task_input (implies run_in_background)."),
-            "tty": prop("boolean", "Run it on a pseudo-terminal (80x24, TERM=dumb; implies interactive): for"
-                                   " programs that want a terminal. Escape sequences are removed from its output."),
-            "description": prop("string", "A few words saying what the command does (for logs)."),
-        }, ["command"]), notes("Run shell command", destructive=True, open_world=True), tool_bash),
-        Tool("task_output", TASK_DESC, obj({
-            "task_id": prop("string", "The task_id bash returned (omit it to list the session's tasks)."),
-            "wait_ms": prop("integer", "Wait up to this many milliseconds for the task to finish (default 0, or"
-                                       " up to 600000 with wait_for)."),
-            "wait_for": prop("string", "Return as soon as new output matches this regular expression."),
-        }), notes("Read background task output", read_only=True), tool_task_output),
-        Tool("task_input", TASK_INPUT_DESC, obj({
-            "task_id": prop("string", "The task_id of a task started with interactive (or tty) true."),
-            "input": prop("string", "What to type, usually ending with \\n. On a tty \\u0003 is Ctrl-C and"
-                                    " \\u0004 end of input."),
-            "wait_for": prop("string", "Return as soon as new output matches this regular expression."),
-            "wait_ms": prop("integer", "Wait up to this many milliseconds (default: until the answer goes quiet, at"
-                                       " most 2000)."),
-            "close_stdin": prop("boolean", "Close the task's input after writing (end of file)."),
-        }, ["task_id"]), notes("Send input to a background task", destructive=True), tool_task_input),
-        Tool("task_stop", TASK_STOP_DESC, obj({
-            "task_id": prop("string", "The task_id bash returned."),
-        }, ["task_id"]), notes("Stop a background task", destructive=True), tool_task_stop),
-    ]
-
-
-GREP_DESC = ("Search file contents with a regular expression (Python re syntax; ripgrep-like). Walks the "
-             "directory at `path` (default: the working directory) skipping .git, node_modules, binary "
-             "files and what .gitignore ignores. output_mode: files_with_matches (default; paths, newest "
-             "first), content (path:line:text, with optional context lines) or count (path:count). Filter "
-             "files with include (a glob such as *.{ts,tsx}) or type (py, js, ts, go, rust, ...). Use "
-             "head_limit/offset to page through long results.")
-GLOB_DESC = ("Find files by name with a glob pattern (**, *, ?, {a,b}, [a-z]); a pattern without '/' matches "
-             "file names at any depth, one with '/' whole relative paths (src/*.c: the direct children of src). "
-             "Returns paths relative to `path` (default: the working directory), newest first; skips .git, "
-             "node_modules and .gitignore'd files. Page long lists with head_limit/offset.")
-
-GREP_PROPS = {
-    "pattern": prop("string", "The regular expression to search for."),
-    "path": prop("string", "File or directory to search (default: the working directory)."),
-    "include": prop("string", "Only search files whose name matches this glob, e.g. *.py or *.{ts,tsx}."),
-    "type": prop("string", "Only search files of this language: py, js, ts, go, rust, java, c, cpp, ..."),
-    "output_mode": prop("string", "files_with_matches (default), content or count.",
-                        enum=["files_with_matches", "content", "count"]),
-    "case_insensitive": prop("boolean", "Ignore case (default false)."),
-    "line_numbers": prop("boolean", "content mode: show line numbers (default true)."),
-    "context_before": prop("integer", "content mode: lines of context before each match."),
-    "context_after": prop("integer", "content mode: lines of context after each match."),
-    "context": prop("integer", "content mode: lines of context before and after each match."),
-    "multiline": prop("boolean", "Let . match newlines and patterns span lines (default false)."),
-    "head_limit": prop("integer", "Show at most this many lines (content) or entries (other modes)."),
-    "offset": prop("integer", "Skip this many lines/entries first (default 0)."),
-}
-COMPAT_GREP_NAMES = {"glob": "include", "-i": "case_insensitive", "-n": "line_numbers",
-                     "-A": "context_after", "-B": "context_before", "-C": "context"}
-
-
-def renamed(handler, names):
-    """A handler that takes other parameter names and calls `handler` with ours (the
-    other name wins where a call gives both)."""
-    def call(session, args, ctx):
-        ours = dict((k, v) for k, v in args.items() if k not in names)
-        ours.update((names[k], v) for k, v in args.items() if k in names)
-        return handler(session, ours, ctx)
-    return call
-
-
-def search_tools(config):
-    """grep and glob (Claude Code's Grep and Glob)."""
-    glob_props = {"pattern": prop("string", "The glob pattern, e.g. **/*.py or src/**/*.{ts,tsx}."),
-                  "path": prop("string", "Directory to search in (default: the working directory)."),
-                  "head_limit": prop("integer", "Show at most this many paths."),
-                  "offset": prop("integer", "Skip this many paths first (default 0).")}
-    if config.anthropic_compat:
-        back = dict((v, k) for k, v in COMPAT_GREP_NAMES.items())
-        grep_props = dict((back.get(k, k), v) for k, v in GREP_PROPS.items())
-        grep_props["context"] = GREP_PROPS["context"]     # models write either spelling; -C wins when both
-        grep = Tool("grep", GREP_DESC, obj(grep_props, ["pattern"]), notes("Search file contents", read_only=True),
-                    renamed(tool_grep, COMPAT_GREP_NAMES))
-    else:
-        grep = Tool("grep", GREP_DESC, obj(GREP_PROPS, ["pattern"]), notes("Search file contents", read_only=True),
-                    tool_grep)
-        glob_props["type"] = prop("string", "file (default) or directory.", enum=["file", "directory"])
-    return [
-        grep,
-        Tool("glob", GLOB_DESC, obj(glob_props, ["pattern"]), notes("Find files by name", read_only=True),
-             tool_glob),
-        Tool("search_text", "Search for text in files: every line containing `query` (literal, or a regular "
-             "expression when regex is true) under each of `paths`, as path:line:content.", obj({
-                 "query": prop("string", "The text (or regex) to find."),
-                 "paths": prop("array", "Files or directories to search (default: the working directory).",
-                               items={"type": "string"}),
-                 "regex": prop("boolean", "Treat query as a regular expression (default false)."),
-             }, ["query"]), notes("Search text", read_only=True), tool_search_text),
-        Tool("search_files", "Find files whose path matches a glob pattern (e.g. src/**/*.ts or **/*.md), "
-             "searched from the working directory; returns one path per line.", obj({
-                 "pattern": prop("string", "The glob pattern."),
-             }, ["pattern"]), notes("Find files", read_only=True), tool_search_files),
-    ]
-
-
-def workspace_tools(config):
-    """The workspace tools: read_file, write_file, list_directory, web_fetch (and search_text, search_files
-    in search_tools), answering in fixed Chinese strings."""
-    ws = ("Paths are relative to the workspace root (%s) and may not leave it. Errors come back as text"
-          " starting with 错误 (error)." % config.workdir)
-    return [
-        Tool("read_file", "Read a text file from the workspace and return its content (a long one up to "
-             "100,000 characters, with the offset to read on). " + ws, obj({
-                 "path": prop("string", "File path inside the workspace."),
-                 "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
-                 "offset": prop("integer", "First line to return, 1-based (default 1)."),
-                 "limit": prop("integer", "How many lines to return (default: the rest)."),
-             }, ["path"]), notes("Read file", read_only=True, idempotent=True), tool_read_file, plain=True),
-        Tool("write_file", "Write content to a file in the workspace, creating parent directories; "
-             "overwrites an existing file. " + ws, obj({
-                 "path": prop("string", "File path inside the workspace."),
-                 "content": prop("string", "The complete file content."),
-             }, ["path", "content"]), notes("Write file", destructive=True), tool_write_file, plain=True),
-        Tool("list_directory", "List a workspace directory: one entry per line, [D] for directories and "
-             "[F] for files, sorted by name. " + ws, obj({
-                 "path": prop("string", "Directory path inside the workspace (default: the root)."),
-             }), notes("List directory", read_only=True, idempotent=True), tool_list_directory, plain=True),
-        Tool("web_fetch", "Fetch a web page (http or https) and return its readable content: HTML as light "
-             "Markdown (headings, lists, [text](url) links, fenced <pre> blocks, table rows; scripts and styles "
-             "removed), JSON and plain text as they are; at most 5,000 characters, and a cut page ends with "
-             "the start_index to read on. Errors come back as text starting with 错误 (error).", obj({
-                 "url": prop("string", "The http:// or https:// URL."),
-                 "timeout": prop("integer", "Seconds the whole fetch may take (default 10, max 120)."),
-                 "start_index": prop("integer", "Character offset to read on from (default 0)."),
-             }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), tool_web_fetch, plain=True),
-    ]
-
-
-def build_tools(config):
-    """The tools this server registers, in listing order, after compat and disabling;
-    a ConfigError for a --disable-tools name no tool has."""
-    off = disabled_tools(config)
-    tools = []
-    for group in TOOL_GROUPS:
-        tools += group(config)
-    return dict((t.name, t) for t in tools if t.name not in off)
-
-
-def tool_names(config):
-    """Every name a tool can be registered under, with or without --anthropic-compat,
-    in listing order: the names --disable-tools accepts, read off the registry itself."""
-    import copy
-    names = []
-    for compat in (False, True):
-        probe = copy.copy(config)
-        probe.anthropic_compat = compat
-        for group in TOOL_GROUPS:
-            names += [t.name for t in group(probe) if t.name not in names]
-    return names
-
-
-def disabled_tools(config):
-    """The registered names --disable-tools removes: a task tool goes with bash, and
-    the compat editor with any of the tools it stands for."""
-    off = set(config.disable_tools)
-    if not off:
-        return off
-    valid = tool_names(config)
-    unknown = [n for n in config.disable_tools if n not in valid]
-    if unknown:
-        raise ConfigError("unknown tool name(s) for --disable-tools: %s; valid names: %s"
-                          % (", ".join(unknown), ", ".join(valid)))
-    if "bash" in off:
-        off.update(("task_output", "task_input", "task_stop"))
-    if config.anthropic_compat and off.intersection(("view", "str_replace", "create_file")):
-        off.add("str_replace_editor")
-    return off
-
-
-def _editor_group(config):
-    return ([editor_tool(), multi_edit_tool()] if config.anthropic_compat else file_tools()) + [patch_tool(),
-                                                                                                notebook_tool()]
-
-
-def notebook_tool():
-    """The notebook_edit tool."""
-    return Tool("notebook_edit", NOTEBOOK_DESC, obj({
-        "path": PATH_PROP,
-        "cell_id": prop("string", "The id of the cell (view shows it in each cell's header)."),
-        "cell_number": prop("integer", "The cell's number as view shows it, from 1 (when it has no id)."),
-        "new_source": prop("string", "The cell's new source (replace, insert)."),
-        "cell_type": prop("string", "code, markdown or raw (needed to insert; changes the type on replace).",
-                          enum=["code", "markdown", "raw"]),
-        "edit_mode": prop("string", "replace (default), insert (after the cell named; at the top if none) or delete.",
-                          enum=["replace", "insert", "delete"]),
-    }, ["path"]), notes("Edit a notebook cell", destructive=True), tool_notebook_edit)
-
-
-def patch_tool():
-    """The apply_patch tool (Codex's patch format)."""
-    return Tool("apply_patch", PATCH_DESC, obj({
-        "input": prop("string", "The whole patch, from '*** Begin Patch' to '*** End Patch'."),
-    }, ["input"]), notes("Apply a patch", destructive=True), tool_apply_patch)
-
-
-TOOL_GROUPS = [shell_tools, _editor_group, search_tools, workspace_tools]
-
-###############################################################################
 # Protocol ####################################################################
 ###############################################################################
 
@@ -7218,10 +7216,6 @@ WORKER_IDLE_S = 30.0                       # an idle worker thread retires after
 # Arguments clients add to every tool for themselves, dropped unseen (other unknown
 # arguments stay errors: they catch typos). Gemini CLI: wait_for_previous.
 INJECTED_ARGUMENTS = frozenset(("wait_for_previous",))
-
-# The error code of an argument outside its enum, where the tools have their own.
-ENUM_CODES = {"output_mode": GREP_INVALID_OUTPUT_MODE, "type": GLOB_INVALID_TYPE}
-
 
 def brief(value, most=80):
     """A value as JSON for an error message, at most `most` characters."""
@@ -7267,17 +7261,18 @@ def check_scalar(name, kind, value):
                         % (name, brief(value), MAX_INT_ARG))
 
 
-def check_value(name, spec, value):
+def check_value(name, spec, value, codes=None):
     """Check one argument against its schema: the type, then what every value of that
     type must be (strings are text without NUL or lone surrogates; integers within
-    MAX_INT_ARG), the enum, items and fields."""
+    MAX_INT_ARG), the enum (refused with the tool's own code in `codes`, if it has
+    one), items and fields."""
     kind = spec.get("type")
     if not JSON_TYPES.get(kind, lambda v: True)(value):
         raise ToolError(INVALID_INPUT, "argument %r must be %s %s, got %s; send it as JSON %s" % (
             name, "an" if kind[0] in "aeiou" else "a", kind, brief(value), kind))
     check_scalar(name, kind, value)
     if "enum" in spec and value not in spec["enum"]:
-        raise ToolError(ENUM_CODES.get(name, INVALID_INPUT), "argument %r must be one of %s, got %s"
+        raise ToolError((codes or {}).get(name, INVALID_INPUT), "argument %r must be one of %s, got %s"
                         % (name, ", ".join(spec["enum"]), brief(value)))
     if kind == "array":
         check_items(name, spec, value)
@@ -7295,7 +7290,7 @@ def check_items(name, spec, value):
         check_value("%s[%d]" % (name, k), spec.get("items", {}), item)
 
 
-def check_fields(prefix, schema, args):
+def check_fields(prefix, schema, args, codes=None):
     """Unknown, missing and mistyped fields of an object; `prefix` names where it sits."""
     props = schema["properties"]
     for k in args:
@@ -7307,10 +7302,10 @@ def check_fields(prefix, schema, args):
             raise ToolError(INVALID_INPUT, "missing required argument %r (%s); add it to the call"
                             % (prefix + k, props[k].get("description", "").rstrip(".")))
     for k, v in args.items():
-        check_value(prefix + k, props[k], v)
+        check_value(prefix + k, props[k], v, codes)
 
 
-def check_arguments(schema, args):
+def check_arguments(schema, args, codes=None):
     """Validate tool arguments against the tool's schema; null means 'not given'."""
     if args is None:
         args = {}
@@ -7318,7 +7313,7 @@ def check_arguments(schema, args):
         raise ToolError(INVALID_INPUT, "arguments must be a JSON object of argument names and values")
     props = schema["properties"]
     args = dict((k, v) for k, v in args.items() if v is not None and (k in props or k not in INJECTED_ARGUMENTS))
-    check_fields("", schema, args)
+    check_fields("", schema, args, codes)
     return args
 
 
@@ -7733,11 +7728,9 @@ class McpServer(object):
         """Check the arguments, call the handler and shape its answer as a CallToolResult."""
         try:
             try:
-                checked = check_arguments(tool.schema, args)
+                checked = check_arguments(tool.schema, args, tool.codes)
             except ToolError as e:
-                if tool.plain and e.detail == "path":
-                    raise plain_error("错误：路径无效: %s" % e.message, e.code)
-                raise
+                raise tool.argument_error(e)
             out = tool.handler(session, checked, ctx)
         except ToolError as e:
             return {"content": [text_block(scrub(e.render()))], "isError": True,
