@@ -47,7 +47,8 @@ import signal
 import stat
 import threading
 import time
-from collections import namedtuple
+import queue
+from collections import Counter, OrderedDict, deque, namedtuple
 from operator import attrgetter, itemgetter
 
 ###############################################################################
@@ -71,7 +72,7 @@ IMAGE_MAX_SIDE = 8000                      # pixels, either side
 SNIFF_BYTES = 8192                         # header read for binary/image sniffing
 LISTING_DEPTH = 2                          # view of a directory
 LISTING_MAX_ENTRIES = 1000
-LISTING_SKIP = frozenset((".git", "node_modules"))
+SKIP_DIRS = frozenset((".git", "node_modules"))     # never listed by view nor walked by a search
 MISS_CONTEXT_LINES = 12                    # lines of the closest region a str_replace miss shows
 MISS_WINDOW_LINES = 60                     # the closest-match help locates old_str by this many lines
 MISS_CANDIDATES = 20                       # ... scores this many candidate places
@@ -270,35 +271,12 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 1024, "K": 1024, "MB": 1024 ** 2, "M": 1024 
 
 
 class Config(object):
-    """Resolved settings: every value typed, `auto` already decided. The defaults are
-    the FLAGS defaults, so Config() alone is a working configuration rooted at '.'."""
+    """Resolved settings, made by parse_config: one attribute per FLAGS row (dashes as
+    underscores), every value typed and `auto` already decided; sandbox_network is None
+    (the sandbox decides), True or False."""
 
-    def __init__(self, transport="stdio", host="127.0.0.1", port=8080, workdir=".", timeout=120.0,
-                 allow_dir=(), deny_dir=(), token="", generate_token=False, disable_tools=(),
-                 background_task_timeout=0.0, max_file_size=10 * 1024 ** 2, require_view_before_edit=True,
-                 anthropic_compat=False, log_level="info", log_format="text", web_fetch_block_private=False,
-                 max_result_chars=40000, svg="auto", sandbox="auto", sandbox_network=None):
-        self.transport = transport                      # "stdio" | "http"
-        self.host = host
-        self.port = port
-        self.workdir = workdir                          # canonical: session cwd start, workspace root
-        self.timeout = timeout                          # default bash timeout, seconds
-        self.allow_dir = list(allow_dir)
-        self.deny_dir = list(deny_dir)
-        self.token = token
-        self.generate_token = generate_token
-        self.disable_tools = list(disable_tools)
-        self.background_task_timeout = background_task_timeout
-        self.max_file_size = max_file_size              # bytes
-        self.require_view_before_edit = require_view_before_edit
-        self.anthropic_compat = anthropic_compat
-        self.log_level = log_level
-        self.log_format = log_format
-        self.web_fetch_block_private = web_fetch_block_private
-        self.max_result_chars = max_result_chars        # no result is longer (images aside)
-        self.svg = svg                                  # "auto" | "image" | "text"
-        self.sandbox = sandbox                          # "auto" | "off" | "workspace-write" | "read-only"
-        self.sandbox_network = sandbox_network          # None (the sandbox decides), True, False
+    def __init__(self, **values):
+        self.__dict__.update(values)
 
 
 def parse_size(text):
@@ -1614,7 +1592,6 @@ SEARCH_BATCH = 1000                        # results a helper sends at a time
 SEARCH_IDLE_HELPERS = 2                    # search helpers kept warm for the next search
 DEADLINE_GRACE_S = 2.0                     # a helper past its job's deadline by this much ends itself
 HELPER_WATCH_S = 0.2                       # a helper checks this often that its parent lives
-WALK_SKIP = frozenset((".git", "node_modules"))
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
 GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
 SHARE_MIN_ENTRIES = 3000               # a walk is shared once it has listed this many entries
@@ -1882,7 +1859,7 @@ class Walker(object):
             return [], []
         try:                                    # (the fd stays open: DT_UNKNOWN entries lstat through it)
             ign = self.rules(path, entries, ign)
-            return self.sort_entries([e for e in entries if e.name not in WALK_SKIP], path, real, ign, depth)
+            return self.sort_entries([e for e in entries if e.name not in SKIP_DIRS], path, real, ign, depth)
         finally:
             os.close(fd)
 
@@ -2765,7 +2742,6 @@ def search_job(job, emit, raw=None, partners=None):
 def walk_root(work, k, out, partners):
     """Walk directory root k breadth first until it is big enough to share, then
     share the rest (share_walk); followed links last, here."""
-    from collections import deque
     walker = work.walker(k)
     left = deque([walker.start()])
     while left and not (walker.listed >= SHARE_MIN_ENTRIES and len(left) >= SHARE_MIN_UNITS):
@@ -2824,7 +2800,6 @@ class Partner(object):
     (or a full pipe) never blocks the search helper."""
 
     def __init__(self):
-        import queue
         import subprocess
         argv, cwd = helper_command("partner")
         self.proc = spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -2974,7 +2949,6 @@ class SharedWalk(object):
     ignore files their replies name (read once)."""
 
     def __init__(self, work, walker, k, units, out, partners):
-        from collections import deque
         self.work, self.walker, self.k, self.out = work, walker, k, out
         self.active = list(partners)
         self.queue = deque(units)
@@ -3223,7 +3197,6 @@ class HelperPool(object):
 
     def spawn(self):
         """A new helper, forked by the pool's own thread."""
-        import queue
         with self.lock:
             if self.requests is None:
                 self.requests = queue.SimpleQueue()
@@ -3430,10 +3403,6 @@ SECCOMP_NOTIF_RECV, SECCOMP_NOTIF_SEND, SECCOMP_NOTIF_ID_VALID = 0xC0502100, 0xC
 SANDBOX_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx")
 SANDBOX_DEVICE_DIRS = ("/dev/pts", "/dev/shm")
 SANDBOX_EXIT = 126                         # the launcher could not confine: the command does not run
-TTY_COLUMNS, TTY_ROWS = 80, 24             # the terminal of a tty task
-TASK_INPUT_WAIT_S = 5.0                    # task_input: how long a task may take to read its input
-TASK_SETTLE_S = 0.15                       # ... then, without wait_for/wait_ms: quiet this long after output
-TASK_SETTLE_MAX_S = 2.0                    # ... or at most this long
 
 
 def landlock_abi():
@@ -3504,28 +3473,6 @@ class Sandbox(object):
                 " --sandbox off lifts it]" % (self.mode, ", ".join(self.writable),
                                               "" if self.network else " and may not use the network",
                                               "" if self.network else " --sandbox-network on allows the network,"))
-
-
-def fetch_error(e, url, fired, timed_out):
-    """web_fetch's fixed-string error for what urllib raised (`timed_out` when the
-    whole-call timeout `fired` or the socket timed out)."""
-    import socket
-    import urllib.error
-    import urllib.parse
-    if isinstance(e, urllib.error.HTTPError):
-        if e.code in (301, 302, 303, 307, 308):
-            return plain_error("错误：重定向次数过多（超过 %d 次）: %s" % (WEB_MAX_REDIRECTS, url))
-        return plain_error("错误：HTTP %d: %s" % (e.code, url))
-    reason = getattr(e, "reason", e)
-    if isinstance(reason, ToolError):
-        return reason
-    if fired or isinstance(reason, socket.timeout) or "timed out" in str(reason):
-        return timed_out
-    if isinstance(reason, socket.gaierror):
-        return plain_error("错误：无法解析主机 %s: %s" % (urllib.parse.urlsplit(url).hostname, url))
-    if isinstance(reason, ConnectionRefusedError):
-        return plain_error("错误：连接被拒绝: %s" % url)
-    return plain_error("错误：请求失败（%s）: %s" % (reason, url))
 
 
 def resolve_sandbox(config, policy, abi=None):
@@ -4050,6 +3997,9 @@ def enter_network_namespace():
     for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)), ("gid_map", "%d %d 1" % (gid, gid))):
         with open("/proc/self/" + name, "w") as f:
             f.write(text)
+
+
+TTY_COLUMNS, TTY_ROWS = 80, 24             # the terminal of a tty task
 
 
 def start_process(script, cwd, sandbox=None, stdin="null"):
@@ -4653,6 +4603,28 @@ def http_fetch(url, timeout, cancelled=None, block_private=False, shown=None):
             sock.close()
 
 
+def fetch_error(e, url, fired, timed_out):
+    """web_fetch's fixed-string error for what urllib raised (`timed_out` when the
+    whole-call timeout `fired` or the socket timed out)."""
+    import socket
+    import urllib.error
+    import urllib.parse
+    if isinstance(e, urllib.error.HTTPError):
+        if e.code in (301, 302, 303, 307, 308):
+            return plain_error("错误：重定向次数过多（超过 %d 次）: %s" % (WEB_MAX_REDIRECTS, url))
+        return plain_error("错误：HTTP %d: %s" % (e.code, url))
+    reason = getattr(e, "reason", e)
+    if isinstance(reason, ToolError):
+        return reason
+    if fired or isinstance(reason, socket.timeout) or "timed out" in str(reason):
+        return timed_out
+    if isinstance(reason, socket.gaierror):
+        return plain_error("错误：无法解析主机 %s: %s" % (urllib.parse.urlsplit(url).hostname, url))
+    if isinstance(reason, ConnectionRefusedError):
+        return plain_error("错误：连接被拒绝: %s" % url)
+    return plain_error("错误：请求失败（%s）: %s" % (reason, url))
+
+
 def checked_url(url):
     """`url` ready to request (non-ASCII in the path and query percent-encoded), or a
     fixed-string error naming what is wrong with it: not http(s), no host, a port that is
@@ -4948,8 +4920,10 @@ def resolve_checked(session, ctx, path, name="path"):
 
 
 ###############################################################################
-# Tools: file viewing and editing #############################################
+# Tools: view #################################################################
 ###############################################################################
+# view: a file with line numbers (streamed for a range), a directory two levels deep,
+# an image as image content; notebooks render through the notebook section.
 
 VIEW_DESC = ("Read a text file with line numbers (cat -n style: number, tab, line), list a directory two "
              "levels deep, or see an image (PNG, JPEG, GIF, WebP, SVG) as an image. Files over 2,000 lines "
@@ -5214,7 +5188,7 @@ def list_tree(root, policy, shown):
             return
         for name, is_dir, link in entries:
             path = directory.rstrip("/") + "/" + name
-            if name in LISTING_SKIP or policy.is_denied(path):
+            if name in SKIP_DIRS or policy.is_denied(path):
                 continue
             if len(out) >= LISTING_MAX_ENTRIES:
                 raise _ListingFull()
@@ -5234,6 +5208,14 @@ def list_tree(root, policy, shown):
         note = "\n[listing cut at %d entries; view a subdirectory to see more]" % LISTING_MAX_ENTRIES
     header = "%s/ (%d levels deep; .git and node_modules left out)" % (root.rstrip("/"), LISTING_DEPTH)
     return header + "\n" + ("\n".join(out) if out else "(empty directory)") + note
+
+
+###############################################################################
+# Tools: edits ################################################################
+###############################################################################
+# str_replace, multi_edit, create_file and the compat str_replace_editor (with insert):
+# each loads the file as it is (view-before-edit, unchanged since seen), finds its text,
+# and writes through the one atomic writer under the file's edit lock.
 
 
 def require_viewed(session, ctx, real, shown):
@@ -5332,23 +5314,6 @@ def match_lines(text, old, most=20):
     return ", ".join(lines) + ", ..."
 
 
-def patch_lines(text):
-    """A patch's lines from `*** Begin Patch` to `*** End Patch` (blank lines around
-    them dropped), or INVALID_INPUT saying which is missing."""
-    lines = text.replace("\r\n", "\n").split("\n")
-    while lines and not lines[-1].strip():
-        lines.pop()
-    while lines and not lines[0].strip():
-        lines.pop(0)
-    if not lines or lines[0].strip() != "*** Begin Patch":
-        raise ToolError(INVALID_INPUT, "a patch starts with the line '*** Begin Patch' (and ends with"
-                        " '*** End Patch')")
-    if lines[-1].strip() != "*** End Patch":
-        raise ToolError(INVALID_INPUT, "a patch ends with the line '*** End Patch'; the last line is %r"
-                        % shorten(lines[-1], 80))
-    return lines
-
-
 def closest_region(text, old, cancelled=None, what="old_str"):
     """A note on where `old` nearly is: the most similar run of lines with its line
     numbers and a short diff (or a word on line-number prefixes and whitespace).
@@ -5407,7 +5372,6 @@ def region_report(region, want, at, best, what):
 def candidate_starts(lines, want, cancelled):
     """Up to MISS_CANDIDATES line indexes where `want` may start in `lines`, most
     likely first (see closest_region)."""
-    from collections import Counter
     keys = {}
     for k, w in enumerate(want):
         if w.strip():
@@ -5467,6 +5431,15 @@ def window_similarity(region, want):
     return total / max(len(want), 1)
 
 
+def check_old_new(old, new):
+    """An edit's old_str and new_str as every edit tool takes them, or INVALID_INPUT."""
+    if old == "":
+        raise ToolError(INVALID_INPUT, "old_str is empty; give the exact text to replace"
+                        " (to write a whole file use create_file)")
+    if old == new:
+        raise ToolError(INVALID_INPUT, "old_str and new_str are identical; there is nothing to change")
+
+
 def replace_text(text, old, new, replace_all, shown, cancelled=None):
     """(updated text, count, offset of the first match) of replacing `old` by `new`.
 
@@ -5518,11 +5491,7 @@ def tool_str_replace(session, args, ctx):
     """str_replace: replace old_str (unique, or every one with replace_all) in a file viewed and unchanged
     since."""
     shown, old, new = args["path"], args["old_str"], args.get("new_str") or ""
-    if old == "":
-        raise ToolError(INVALID_INPUT, "old_str is empty; give the exact text to replace"
-                        " (to write a whole file use create_file)")
-    if old == new:
-        raise ToolError(INVALID_INPUT, "old_str and new_str are identical; there is nothing to change")
+    check_old_new(old, new)
     real = resolve_checked(session, ctx, shown)
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
@@ -5558,10 +5527,7 @@ def tool_multi_edit(session, args, ctx):
         for k, edit in enumerate(edits, 1):
             old, new = edit["old_str"], edit.get("new_str") or ""
             try:
-                if old == "":
-                    raise ToolError(INVALID_INPUT, "old_str is empty; give the exact text to replace")
-                if old == new:
-                    raise ToolError(INVALID_INPUT, "old_str and new_str are identical; there is nothing to change")
+                check_old_new(old, new)
                 text, count, pos = replace_text(text, old, new, bool(edit.get("replace_all")), shown, ctx.cancelled)
             except ToolError as e:
                 raise ToolError(e.code, "edit %d of %d: %s\nNothing was written (the edits apply all or none)"
@@ -5645,7 +5611,42 @@ def tool_insert(session, args, ctx):
         snippet(updated.replace("\r\n", "\n"), at, len(new_lines) - 1))
 
 
-# -- apply_patch (Codex's patch format) ---------------------------------------------
+EDITOR_DESC = ("View, create and edit files. command=view shows a file with line numbers or lists a "
+               "directory (view_range optional); create writes file_text to path; str_replace replaces the "
+               "unique old_str with new_str; insert adds insert_text after line insert_line (0 = top). "
+               "Files must be viewed before they are edited.")
+
+
+@tool("str_replace_editor", EDITOR_DESC, obj({
+    "command": prop("string", "The operation.", enum=["view", "create", "str_replace", "insert"]),
+    "path": PATH_PROP,
+    "view_range": RANGE_PROP,
+    "file_text": prop("string", "command=create: the complete file content."),
+    "old_str": prop("string", "command=str_replace: the exact, unique text to replace."),
+    "new_str": prop("string", "command=str_replace: the replacement; command=insert: the text to insert."),
+    "insert_line": prop("integer", "command=insert: insert after this line (0 = top of file)."),
+    "insert_text": prop("string", "command=insert: the text to insert."),
+    "replace_all": prop("boolean", "command=str_replace: replace every occurrence."),
+}, ["command", "path"]), notes("Text editor", destructive=True), COMPAT)
+def tool_str_replace_editor(session, args, ctx):
+    """Anthropic's text-editor tool: one name, the same handlers underneath."""
+    cmd = args["command"]
+    need = {"view": (), "str_replace": ("old_str",), "create": ("file_text",), "insert": ("insert_line",)}[cmd]
+    for key in need:
+        if args.get(key) is None:
+            raise ToolError(INVALID_INPUT, "command %r needs the argument %r" % (cmd, key))
+    if cmd == "view":
+        return tool_view(session, args, ctx)
+    if cmd == "str_replace":
+        return tool_str_replace(session, args, ctx)
+    if cmd == "create":
+        return tool_create_file(session, args, ctx, content_key="file_text")
+    return tool_insert(session, args, ctx)
+
+
+###############################################################################
+# Tools: apply_patch ##########################################################
+###############################################################################
 # *** Begin Patch / *** Add File: P (every line '+') / *** Delete File: P /
 # *** Update File: P [*** Move to: Q] then hunks: '@@' or '@@ header' lines (stacked to
 # narrow where the hunk is), lines ' ' context, '-' removed, '+' added, and an optional
@@ -5654,6 +5655,23 @@ def tool_insert(session, args, ctx):
 
 PATCH_LEVELS = (("exactly", lambda s: s), ("ignoring trailing whitespace", str.rstrip),
                 ("ignoring surrounding whitespace", str.strip))
+
+
+def patch_lines(text):
+    """A patch's lines from `*** Begin Patch` to `*** End Patch` (blank lines around
+    them dropped), or INVALID_INPUT saying which is missing."""
+    lines = text.replace("\r\n", "\n").split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    if not lines or lines[0].strip() != "*** Begin Patch":
+        raise ToolError(INVALID_INPUT, "a patch starts with the line '*** Begin Patch' (and ends with"
+                        " '*** End Patch')")
+    if lines[-1].strip() != "*** End Patch":
+        raise ToolError(INVALID_INPUT, "a patch ends with the line '*** End Patch'; the last line is %r"
+                        % shorten(lines[-1], 80))
+    return lines
 
 
 class Hunk(object):
@@ -5817,7 +5835,7 @@ def past_headers(lines, hunk, cursor, shown, label):
                 break
         else:
             raise ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: its header line %r was not found%s; nothing was"
-                            " written" % (shown, label, shorten(h, 120), after(cursor)))
+                            " written" % (shown, label, shorten(h, 120), searched_from(cursor)))
     return cursor
 
 
@@ -5829,11 +5847,11 @@ def hunk_miss(lines, old, cursor, shown, label):
         got += 1
     return ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: the line %r was not found%s%s; nothing was written.%s"
                      % (shown, label, shorten(old[got], 120), " after the %d line%s before it" % (
-                         got, "" if got == 1 else "s") if got else "", after(cursor),
+                         got, "" if got == 1 else "s") if got else "", searched_from(cursor),
                         closest_region("\n".join(lines), "\n".join(old), what="the hunk")))
 
 
-def after(cursor):
+def searched_from(cursor):
     """The words a miss adds when the search for a hunk started past earlier hunks."""
     return " (searching from line %d, after the hunks before it)" % (cursor + 1) if cursor else ""
 
@@ -6009,7 +6027,9 @@ def tool_apply_patch(session, args, ctx):
     return "Success. Updated the following files:\n" + "\n".join(plan.summary)
 
 
-# -- notebooks (.ipynb) -------------------------------------------------------------
+###############################################################################
+# Tools: notebooks ############################################################
+###############################################################################
 # view renders a notebook: per cell a header, its numbered source and its outputs
 # (text bounded, errors short, PNG/JPEG as images). notebook_edit rewrites the bytes of
 # one cell only - every other byte of the file (other cells, key order, indentation,
@@ -6285,43 +6305,17 @@ def notebook_indent(text, spans):
     return base, max(1, len(inner.group(1)) - len(base))
 
 
-EDITOR_DESC = ("View, create and edit files. command=view shows a file with line numbers or lists a "
-               "directory (view_range optional); create writes file_text to path; str_replace replaces the "
-               "unique old_str with new_str; insert adds insert_text after line insert_line (0 = top). "
-               "Files must be viewed before they are edited.")
-
-
-@tool("str_replace_editor", EDITOR_DESC, obj({
-    "command": prop("string", "The operation.", enum=["view", "create", "str_replace", "insert"]),
-    "path": PATH_PROP,
-    "view_range": RANGE_PROP,
-    "file_text": prop("string", "command=create: the complete file content."),
-    "old_str": prop("string", "command=str_replace: the exact, unique text to replace."),
-    "new_str": prop("string", "command=str_replace: the replacement; command=insert: the text to insert."),
-    "insert_line": prop("integer", "command=insert: insert after this line (0 = top of file)."),
-    "insert_text": prop("string", "command=insert: the text to insert."),
-    "replace_all": prop("boolean", "command=str_replace: replace every occurrence."),
-}, ["command", "path"]), notes("Text editor", destructive=True), COMPAT)
-def tool_str_replace_editor(session, args, ctx):
-    """Anthropic's text-editor tool: one name, the same handlers underneath."""
-    cmd = args["command"]
-    need = {"view": (), "str_replace": ("old_str",), "create": ("file_text",), "insert": ("insert_line",)}[cmd]
-    for key in need:
-        if args.get(key) is None:
-            raise ToolError(INVALID_INPUT, "command %r needs the argument %r" % (cmd, key))
-    if cmd == "view":
-        return tool_view(session, args, ctx)
-    if cmd == "str_replace":
-        return tool_str_replace(session, args, ctx)
-    if cmd == "create":
-        return tool_create_file(session, args, ctx, content_key="file_text")
-    return tool_insert(session, args, ctx)
-
 ###############################################################################
 # Tools: shell ################################################################
 ###############################################################################
+# bash in the foreground (progress, cancel, timeout) or as a background task, and the
+# task tools that read, feed and stop it; the runner is the Shell layer's.
 
 PROGRESS_TAIL_BYTES = 4096
+TASK_INPUT_WAIT_S = 5.0                    # task_input: how long a task may take to read its input
+TASK_SETTLE_S = 0.15                       # ... then, without wait_for/wait_ms: quiet this long after output
+TASK_SETTLE_MAX_S = 2.0                    # ... or at most this long
+
 
 def bash_timeout_ms(args, config):
     """The command's timeout in ms: `timeout`, or --timeout's, at most
@@ -7328,8 +7322,6 @@ class WorkerPool(object):
     retire after WORKER_IDLE_S."""
 
     def __init__(self, max_workers=MAX_WORKERS, per_session=SESSION_MAX_RUNNING):
-        import queue
-        from collections import OrderedDict
         self.ready = queue.Queue()
         self.lock = threading.Lock()
         self.idle = 0
@@ -7343,7 +7335,6 @@ class WorkerPool(object):
     def submit(self, fn, owner=None):
         """Run fn on a worker thread, or queue it (behind the owner's earlier ones) when the pool or the
         owner's share is full."""
-        from collections import deque
         with self.lock:
             if owner in self.waiting or not self._may_start(owner):
                 self.waiting.setdefault(owner, deque()).append(fn)
@@ -7371,7 +7362,6 @@ class WorkerPool(object):
             threading.Thread(target=self._run, daemon=True, name="boris-worker").start()
 
     def _run(self):
-        import queue
         while True:
             try:
                 fn, owner = self.ready.get(timeout=WORKER_IDLE_S)
@@ -7913,8 +7903,8 @@ def serve_stdio(server, session, stopper, stdin_fd=0, stdout=None):
 
 # -- streamable HTTP ----------------------------------------------------------
 # http.server, hmac and socket are imported inside these functions: stdio never pays.
-# The request handler class is assembled by make_http_handler_class from the plain
-# functions below (http_*), each taking the handler `h` as its first argument.
+# The request handler class is McpRequestHandler's methods mixed into http.server's
+# BaseHTTPRequestHandler by make_http_handler_class.
 
 class HttpTransport(object):
     """Streamable HTTP on /mcp (POST, GET -> 405, DELETE) and GET /health.
@@ -8290,7 +8280,6 @@ class McpRequestHandler(object):
     def answer(self, msg, session, sid):
         """Dispatch one request; reply with JSON, or with an SSE stream once a progress
         notification arrives before the result."""
-        import queue
         rid = msg["id"]
         box = queue.Queue()
         self.transport.server.dispatch(msg, session, box.put)
@@ -8314,7 +8303,6 @@ class McpRequestHandler(object):
         """The next message for request rid: a progress notification, its answer, None
         when it was cancelled (no answer comes), or GONE when the client left (then
         the request is cancelled)."""
-        import queue
         while True:
             try:
                 return box.get(timeout=0.25)

@@ -1929,7 +1929,7 @@ class TestHelpersDieWithTheServer(unittest.TestCase):
         p = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.addCleanup(p.stdout.close)
         self.addCleanup(p.stdin.close)
-        job = boris.grep_job_of(ctx_of(boris.Config(workdir=self.tmp), boris.PathPolicy(workdir=self.tmp)),
+        job = boris.grep_job_of(ctx_of(boris.parse_config(["--workdir", self.tmp], {}), boris.PathPolicy(workdir=self.tmp)),
                                 [(self.tmp, True, None)], boris.grep_spec(CATASTROPHIC, True, False, False, "count"))
         job["deadline_s"] = 0.2
         p.stdin.write(json.dumps(job).encode() + b"\n")
