@@ -1852,57 +1852,47 @@ class Walker(object):
         return ign
 
     def visit(self, path, real, ign, depth, ino):
-        """What one directory holds: (found, subdirs), found as (path, real, is_dir,
-        inode) for the caller to yield, subdirs as pending entries to walk."""
+        """What one directory holds: (found, subdirs). found: (path, real, is_dir, inode)
+        of the files that pass name_ok, the ignore rules and the policy, of directories
+        when want_dirs, and of what symlinks name (link()); subdirs: the pending entries
+        of directories to walk (within max_depth). Sockets, fifos and devices never."""
         fd, entries = self.scan(real, ino)
         if fd is None:
             return [], []
+        found, subdirs = [], []
         try:                                    # (the fd stays open: DT_UNKNOWN entries lstat through it)
             ign = self.rules(path, entries, ign)
-            return self.sort_entries([e for e in entries if e.name not in SKIP_DIRS], path, real, ign, depth)
+            filtering = bool(self.use_ignore and ign)
+            screened = filtering or self.policy.restricted
+            name_ok, want_dirs, deeper = self.name_ok, self.want_dirs, self.deeper(depth)
+            prefix, rprefix = child_prefix(path), child_prefix(real)
+            for e in entries:
+                name = e.name
+                if name in SKIP_DIRS:
+                    continue
+                try:
+                    if e.is_file(follow_symlinks=False):          # most entries: test files first
+                        if (name_ok is None or name_ok(name)) and not (
+                                screened and self.hidden(ign, filtering, prefix + name, rprefix + name, name, False)):
+                            found.append((prefix + name, rprefix + name, False, e.inode()))
+                    elif e.is_dir(follow_symlinks=False):
+                        if screened and self.hidden(ign, filtering, prefix + name, rprefix + name, name, True):
+                            continue
+                        if want_dirs:
+                            found.append((prefix + name, rprefix + name, True, e.inode()))
+                        if deeper:
+                            subdirs.append((prefix + name, rprefix + name, ign, depth + 1, e.inode()))
+                    elif e.is_symlink():
+                        found += self.link(prefix + name, rprefix + name, name, ign, filtering, depth)
+                except OSError:
+                    continue                                      # gone since listed: skipped
         finally:
             os.close(fd)
-
-    def sort_entries(self, entries, path, real, ign, depth):
-        """visit()'s (found, subdirs) from a directory's entries: files that pass
-        name_ok, ignore rules and the policy; directories (listed if want_dirs, walked
-        within max_depth); symlinks resolved by link(); sockets, fifos, devices never."""
-        found, subdirs = [], []
-        filtering, screened = self.screening(ign)
-        name_ok = self.name_ok
-        prefix, rprefix = child_prefix(path), child_prefix(real)
-        for e in entries:
-            name = e.name
-            try:
-                if e.is_file(follow_symlinks=False):          # most entries: test files first
-                    if (name_ok is None or name_ok(name)) and not (
-                            screened and self.hidden(ign, filtering, prefix + name, rprefix + name, name, False)):
-                        found.append((prefix + name, rprefix + name, False, e.inode()))
-                elif e.is_dir(follow_symlinks=False):
-                    self.subdir(prefix + name, rprefix + name, e.inode(), ign, filtering, depth, found, subdirs)
-                elif e.is_symlink():
-                    found += self.link(prefix + name, rprefix + name, name, ign, filtering, depth)
-            except OSError:
-                continue                                      # gone since listed: skipped
         return found, subdirs
-
-    def screening(self, ign):
-        """(whether ignore rules apply here, whether anything may hide an entry)."""
-        filtering = bool(self.use_ignore and ign)
-        return filtering, filtering or self.policy.restricted
 
     def hidden(self, ign, filtering, path, real, name, is_dir):
         """Whether an ignore rule or the path policy hides this entry."""
         return bool(filtering and ignored(ign, path, name, is_dir)) or self.policy.is_denied(real)
-
-    def subdir(self, path, real, ino, ign, filtering, depth, found, subdirs):
-        """A directory entry: listed (want_dirs) and walked (within max_depth) unless hidden."""
-        if self.hidden(ign, filtering, path, real, path[path.rfind("/") + 1:], True):
-            return
-        if self.want_dirs:
-            found.append((path, real, True, ino))
-        if self.deeper(depth):
-            subdirs.append((path, real, ign, depth + 1, ino))
 
     def link(self, path, at, name, ign, filtering, depth):
         """A symlink's entries for visit(): its target is resolved and checked by its real
@@ -2171,37 +2161,51 @@ def line_text(hay, start, end):
     return clip_line(text)
 
 
-def region_records(hay, end, first_line, spans, before, after, state):
-    """Turn match spans into (line_no, is_match, text) records with context; a None
-    record marks a break between non-adjacent groups."""
-    nl = b"\n" if not isinstance(hay, str) else "\n"
-    matched = matched_lines(hay, nl, end, first_line, spans)
-    starts = dict((k, (ls, le)) for k, ls, le in matched)       # line number -> (start, stop)
-    want = {}                                                   # line number -> is a match line
-    for k, ls, le in matched:
-        want[k] = True
-        for kb, span in lines_before(hay, nl, k, ls, before):
-            starts.setdefault(kb, span)
-            want.setdefault(kb, False)
-        for ka, span in lines_after(hay, nl, k, le, end, after):
-            starts.setdefault(ka, span)
-            want.setdefault(ka, False)
-    return in_order(hay, starts, want, state)
+class LineRecords(object):
+    """Content mode's records of one file, built piece by piece: (line number, is a
+    match, text) for every line a match touches and every line within `before`/`after`
+    lines of one, in order, with None between groups that are not adjacent (with or
+    without context lines, as the original boris). `last` carries the last line shown
+    from one piece to the next."""
 
+    def __init__(self, before=0, after=0):
+        self.before, self.after, self.last = before, after, None
 
-def in_order(hay, starts, want, state):
-    """region_records' records by line number, a None between groups that are not
-    adjacent (with or without context lines, as the original boris); state['last']
-    carries the last line across pieces."""
-    out, prev = [], state.get("last")
-    for k in sorted(want):
-        if prev is not None and k > prev + 1:
-            out.append(None)
-        ls, le = starts[k]
-        out.append((k, want[k], line_text(hay, ls, le)))
-        prev = k
-    state["last"] = prev
-    return out
+    def add(self, hay, end, first_line, spans):
+        """The records of one piece (haystack up to `end`, starting at line
+        `first_line`) for its match spans."""
+        nl = b"\n" if not isinstance(hay, str) else "\n"
+        starts, want = {}, {}                       # line number -> (start, stop); -> is a match line
+        for k, ls, le in matched_lines(hay, nl, end, first_line, spans):
+            starts[k], want[k] = (ls, le), True
+            kb = k
+            for _ in range(self.before):            # context above, up to the piece's start
+                if ls == 0:
+                    break
+                pb = hay.rfind(nl, 0, ls - 1) + 1
+                kb -= 1
+                starts.setdefault(kb, (pb, ls - 1))
+                want.setdefault(kb, False)
+                ls = pb
+            ka = k
+            for _ in range(self.after):             # context below, up to its end
+                if le >= end - 1:
+                    break
+                na = hay.find(nl, le + 1, end)
+                na = end if na < 0 else na
+                ka += 1
+                starts.setdefault(ka, (le + 1, na))
+                want.setdefault(ka, False)
+                le = na
+        out, prev = [], self.last
+        for k in sorted(want):
+            if prev is not None and k > prev + 1:
+                out.append(None)
+            ls, le = starts[k]
+            out.append((k, want[k], line_text(hay, ls, le)))
+            prev = k
+        self.last = prev
+        return out
 
 
 def matched_lines(hay, nl, end, first_line, spans):
@@ -2223,29 +2227,6 @@ def matched_lines(hay, nl, end, first_line, spans):
                 break
             pos, k = le + 1, k + 1
     return matched
-
-
-def lines_before(hay, nl, k, ls, before):
-    """Up to `before` (line number, (start, stop)) context lines above line k at ls."""
-    for _ in range(before):
-        if ls == 0:
-            return
-        pb = hay.rfind(nl, 0, ls - 1) + 1
-        k -= 1
-        yield k, (pb, ls - 1)
-        ls = pb
-
-
-def lines_after(hay, nl, k, le, end, after):
-    """Up to `after` (line number, (start, stop)) context lines below line k ending at le."""
-    for _ in range(after):
-        if le >= end - 1:
-            return
-        na = hay.find(nl, le + 1, end)
-        na = end if na < 0 else na
-        k += 1
-        yield k, (le + 1, na)
-        le = na
 
 
 def grep_file(path, ino, matcher, mode, before=0, after=0, buf=None, max_records=OUTPUT_MAX_CHARS // 2):
@@ -2331,22 +2312,22 @@ def grep_count(pieces, matcher, files_only):
         if spans and files_only:
             return True
         if spans and matcher.multiline:
-            spans = [r for r in region_records(hay, end, first, spans, 0, 0, {}) if r]
+            spans = [r for r in LineRecords().add(hay, end, first, spans) if r]
         count += len(spans)
     return count or None
 
 
 def grep_records(pieces, matcher, before, after, max_records):
-    """Content mode over a file's pieces: the records region_records makes, at most
+    """Content mode over a file's pieces: the records LineRecords makes, at most
     `max_records` (more could never be shown), or None for no match and binary files."""
-    records, state = [], {}
+    records, made = [], LineRecords(before, after)
     for piece in pieces:
         if piece is None:
             return None
         hay, end, first = text_piece(piece, matcher)
         spans = matcher.spans(hay, end, first_only=False)
         if spans:
-            records += region_records(hay, end, first, spans, before, after, state)
+            records += made.add(hay, end, first, spans)
         if len(records) >= max_records:
             del records[max_records:]
             break
@@ -4065,10 +4046,10 @@ def stop_group(proc, grace=KILL_GRACE_S):
             pass  # still alive after the grace: SIGKILL follows
     signal_group(proc, signal.SIGKILL)
     proc.wait()
-    finish(proc)
+    kill_leftovers(proc)
 
 
-def finish(proc):
+def kill_leftovers(proc):
     """After a command's leader is reaped: forget it, kill what it left behind."""
     reaped(proc)
     kill_marked(proc.boris_call)
@@ -4107,7 +4088,7 @@ def pump(proc, out, err, deadline=None, stop=None, on_output=None):
         close_pipes(proc)
         signal_group(proc, signal.SIGKILL)
         proc.wait()
-        finish(proc)
+        kill_leftovers(proc)
     return clock.why
 
 
@@ -5692,36 +5673,34 @@ class Hunk(object):
         return "hunk %d%s" % (k, " (@@ %s)" % " @@ ".join(self.headers) if self.headers else "")
 
 
-def parse_patch(text):
-    """[(op, path, ...)] of a patch: ('add', path, lines), ('delete', path),
-    ('update', path, move_to or None, [Hunk]); ToolError(INVALID_INPUT) naming the
-    line that breaks the format."""
-    lines = patch_lines(text)
-    reader = PatchReader(lines)
-    ops = []
-    while reader.i < reader.end:
-        line = lines[reader.i]
-        if line.startswith("*** Add File: "):
-            ops.append(reader.add_section(line[14:].strip()))
-        elif line.startswith("*** Delete File: "):
-            ops.append(("delete", line[17:].strip()))
-            reader.i += 1
-        elif line.startswith("*** Update File: "):
-            ops.append(reader.update_section(line[17:].strip()))
-        elif not line.strip():
-            reader.i += 1
-        else:
-            raise reader.bad(reader.i, "expected '*** Add File: ', '*** Delete File: ' or '*** Update File: '")
-    if not ops:
-        raise ToolError(INVALID_INPUT, "the patch changes no file")
-    return ops
-
-
 class PatchReader(object):
-    """The lines of a patch between Begin and End, read section by section from i."""
+    """A patch's text, read section by section: read() gives its operations."""
 
-    def __init__(self, lines):
-        self.lines, self.i, self.end = lines, 1, len(lines) - 1
+    def __init__(self, text):
+        self.lines = patch_lines(text)
+        self.i, self.end = 1, len(self.lines) - 1           # between Begin and End
+
+    def read(self):
+        """[(op, path, ...)] of the patch: ('add', path, lines), ('delete', path),
+        ('update', path, move_to or None, [Hunk]); ToolError(INVALID_INPUT) naming the
+        line that breaks the format."""
+        ops = []
+        while self.i < self.end:
+            line = self.lines[self.i]
+            if line.startswith("*** Add File: "):
+                ops.append(self.add_section(line[14:].strip()))
+            elif line.startswith("*** Delete File: "):
+                ops.append(("delete", line[17:].strip()))
+                self.i += 1
+            elif line.startswith("*** Update File: "):
+                ops.append(self.update_section(line[17:].strip()))
+            elif not line.strip():
+                self.i += 1
+            else:
+                raise self.bad(self.i, "expected '*** Add File: ', '*** Delete File: ' or '*** Update File: '")
+        if not ops:
+            raise ToolError(INVALID_INPUT, "the patch changes no file")
+        return ops
 
     def bad(self, k, why):
         """INVALID_INPUT naming patch line k (from 0) and what is wrong with it."""
@@ -5950,12 +5929,12 @@ def run_plan(session, ctx, plan):
                 session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
             done.append((real, before))
     except (OSError, ToolError) as e:
-        undone = restore(done, ctx.files)
+        undone = roll_back(done, ctx.files)
         why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
         raise ToolError(IO_ERROR, "writing %s failed (%s); %s" % (shown, why, undone))
 
 
-def restore(done, guards):
+def roll_back(done, guards):
     """Put written files back (in reverse); a sentence saying how that went."""
     failed = []
     for real, before in reversed(done):               # before: (bytes, stat), None for a new file, "dir"
@@ -6016,7 +5995,7 @@ def tool_apply_patch(session, args, ctx):
     """Codex's apply_patch: parse; resolve and scope-check every path; then, under every
     file's edit lock (taken in one order), plan every file (existence, hunks) and write."""
     from contextlib import ExitStack
-    ops = parse_patch(args["input"])
+    ops = PatchReader(args["input"]).read()
     reals = set(resolve_checked(session, ctx, op[1]) for op in ops)
     reals.update(resolve_checked(session, ctx, op[2], "*** Move to") for op in ops if op[0] == "update" and op[2])
     with ExitStack() as locks:
@@ -6155,10 +6134,10 @@ def render_output_of(out):
         return "", None
     kind = out.get("output_type")
     if kind == "stream":
-        return "--- %s ---\n%s" % (out.get("name", "stream"), bounded(cell_source({"source": out.get("text", "")}))), None
+        return "--- %s ---\n%s" % (out.get("name", "stream"), clip_output(cell_source({"source": out.get("text", "")}))), None
     if kind == "error":
         tb = [terminal_text(str(l)) for l in out.get("traceback", [])][-6:]
-        return "--- error ---\n%s: %s\n%s" % (out.get("ename"), out.get("evalue"), bounded("\n".join(tb))), None
+        return "--- error ---\n%s: %s\n%s" % (out.get("ename"), out.get("evalue"), clip_output("\n".join(tb))), None
     data = out.get("data") if isinstance(out.get("data"), dict) else {}
     for mime in ("image/png", "image/jpeg"):
         if mime in data:
@@ -6168,11 +6147,11 @@ def render_output_of(out):
                 return "--- %s (not valid base64) ---" % mime, None
             return "--- %s ---" % mime, (mime, raw)
     if "text/plain" in data:
-        return "--- result ---\n%s" % bounded(cell_source({"source": data["text/plain"]})), None
+        return "--- result ---\n%s" % clip_output(cell_source({"source": data["text/plain"]})), None
     return ("--- %s ---" % ", ".join(sorted(data)) if data else ""), None
 
 
-def bounded(text):
+def clip_output(text):
     """A notebook output's text, cut at NOTEBOOK_OUTPUT_CHARS with a line saying so."""
     text = text.rstrip("\n")
     if len(text) <= NOTEBOOK_OUTPUT_CHARS:
@@ -6329,7 +6308,7 @@ def bash_timeout_ms(args, config):
     return min(ms, BASH_MAX_TIMEOUT_MS)
 
 
-def launch(session, script, sandbox=None, stdin="null"):
+def start_command(session, script, sandbox=None, stdin="null"):
     """Start the session's shell on `script` in its cwd (sandboxed when on); BASH_START_FAILED when it
     cannot start."""
     cwd = session.get_cwd()
@@ -6432,7 +6411,7 @@ def tool_bash(session, args, ctx):
     marker = ("__BORIS_CWD_%s__" % session.nonce).encode()
     script = "%s\n__boris_status=$?\nprintf '\\n%%s%%s\\n' '%s' \"$PWD\"\nexit $__boris_status\n" % (
         command, marker.decode())
-    proc = launch(session, script, ctx.sandbox)
+    proc = start_command(session, script, ctx.sandbox)
     with session.lock:
         session.foreground.add(proc)
     out, err = Capture(), Capture()
@@ -6479,7 +6458,7 @@ def start_task(session, command, ctx, stdin="null"):
             raise ToolError(BASH_TASK_LIMIT, "%d background tasks are already running (the limit); wait for"
                             " one with task_output or run this one in the foreground" % len(running))
         task_id = "task_%s" % os.urandom(8).hex()       # a handle: only whoever was given it can use it
-    proc = launch(session, command, ctx.sandbox, stdin)
+    proc = start_command(session, command, ctx.sandbox, stdin)
     task = Task(task_id, command, proc, ctx.config.background_task_timeout, stdin)
     with session.lock:
         closed = session.closed
@@ -6774,7 +6753,7 @@ def search_cap(ctx):
     return min(OUTPUT_MAX_CHARS, ctx.config.max_result_chars - 500)
 
 
-def page(items, args):
+def paged(items, args):
     """items[offset:offset + head_limit]; past the end, a line that says so."""
     offset = args.get("offset") or 0
     limit = args.get("head_limit")
@@ -6888,12 +6867,12 @@ def grep_answer(hits, spec, args, notice, cap):
     """The grep tool's text for its hits, in its output mode, paged and capped."""
     mode = spec["mode"]
     if mode == "files_with_matches":
-        return cap_lines(page(newest_first((h.rel, h.mtime) for h in hits), args), "files", notice, cap)
+        return cap_lines(paged(newest_first((h.rel, h.mtime) for h in hits), args), "files", notice, cap)
     if not spec.get("stop_after"):
         hits.sort(key=attrgetter("rel"))               # a head_limit search keeps the order it found
     if mode == "count":
-        return cap_lines(page(["%s:%d" % (h.rel, h.result) for h in hits], args), "files", notice, cap)
-    return cap_lines(page(grep_lines(hits, args.get("line_numbers", True)), args), "lines", notice, cap)
+        return cap_lines(paged(["%s:%d" % (h.rel, h.result) for h in hits], args), "files", notice, cap)
+    return cap_lines(paged(grep_lines(hits, args.get("line_numbers", True)), args), "lines", notice, cap)
 
 
 def grep_lines(hits, numbers):
@@ -6970,7 +6949,7 @@ def tool_glob(session, args, ctx):
     notice = [partial_notice(why)] if why else []
     if not found:
         return "\n".join(["No files found"] + notice)
-    return cap_lines(page(newest_first(glob_pairs(found)), args), "paths", notice, search_cap(ctx))
+    return cap_lines(paged(newest_first(glob_pairs(found)), args), "paths", notice, search_cap(ctx))
 
 
 @tool("search_text", "Search for text in files: every line containing `query` (literal, or a regular expression when"
@@ -7505,19 +7484,10 @@ def envelope_check(msg):
     if method is None and ("result" in msg or "error" in msg):
         return False, None                          # a response to us: we send no requests
     id_ok = not has_id or valid_id(rid)
-    if not well_formed(msg, method, id_ok):
+    if msg.get("jsonrpc") != "2.0" or not isinstance(method, str) or not id_ok:
         return False, error_response(rid if id_ok else None, -32600, "Invalid Request: need jsonrpc"
                                      " '2.0', a string method and a string (valid Unicode) or integer id")
-    return params_check(msg.get("params"), rid, has_id)
-
-
-def well_formed(msg, method, id_ok):
-    """JSON-RPC 2.0, a string method, and a valid id (or none)."""
-    return msg.get("jsonrpc") == "2.0" and isinstance(method, str) and id_ok
-
-
-def params_check(params, rid, has_id):
-    """envelope_check's last step: params, when given, must be an object."""
+    params = msg.get("params")
     if params is None or isinstance(params, dict):
         return True, None
     return False, (error_response(rid, -32602, "params must be an object") if has_id else None)

@@ -1499,13 +1499,13 @@ class TestGrep(SearchBase):
             f.write(b"match me\n" * 2000000)                  # 18 MB, every line a match
         with search_in_process():
             readers = []
-            real = boris.region_records
+            real = boris.LineRecords.add
 
             def spy(*a):
                 out = real(*a)
                 readers.append(len(out))
                 return out
-            with mock.patch.object(boris, "region_records", spy):
+            with mock.patch.object(boris.LineRecords, "add", spy):
                 text = self.ok("grep", pattern="match", path="all.txt", output_mode="content", head_limit=1)
         self.assertEqual(text, "all.txt:1:match me")
         self.assertLess(sum(readers), 300000)               # stopped after the first chunk, not 2M records
@@ -2464,13 +2464,13 @@ class TestBackgroundTasks(NoViewBase):
 
     def test_task_started_as_the_session_closes_is_stopped(self):
         s = unique_sleep()
-        real_launch = boris.launch
+        real_launch = boris.start_command
 
         def close_meanwhile(session, script, *rest):
             proc = real_launch(session, script, *rest)
             session.close()
             return proc
-        with mock.patch.object(boris, "launch", close_meanwhile):
+        with mock.patch.object(boris, "start_command", close_meanwhile):
             text, err = self.call("bash", command="sleep %s" % s, run_in_background=True)
         self.assertTrue(err, text)
         self.assertTrue(wait_until(lambda: not procs_with(s), 10), "the task outlived its session")
