@@ -5421,24 +5421,214 @@ def check_old_new(old, new):
         raise ToolError(INVALID_INPUT, "old_str and new_str are identical; there is nothing to change")
 
 
-def replace_text(text, old, new, replace_all, shown, cancelled=None):
-    """(updated text, count, offset of the first match) of replacing `old` by `new`.
+# -- the one matcher ------------------------------------------------------------------
+# Every edit tool finds its text here, level by level, a level tried only when the
+# stricter ones found nothing: exact (an LF old_str also in a CRLF file), then whole lines
+# ignoring trailing whitespace, ignoring indentation (a consistent mapping of old_str's
+# indentation onto the file's: a uniform shift, tabs written as spaces), ignoring
+# typographic punctuation. A relaxed level takes only a unique place (or every place,
+# with replace_all); the new text is merged into the file's own: lines equal to lines of
+# old_str keep the file's bytes, the others take the file's indentation and line endings.
 
-    `old` is matched verbatim first; only when that fails in a file with CRLF endings
-    is an LF-only `old` tried with CRLF. Each inserted `new` takes the line ending of
-    the region it replaces, so an LF line never gets a CR and a CRLF line keeps it."""
+PUNCT_ASCII = dict((ord(k), v) for k, v in (
+    ("\u2018", "'"), ("\u2019", "'"), ("\u201a", "'"), ("\u201b", "'"), ("\u2032", "'"), ("\u201c", '"'),
+    ("\u201d", '"'), ("\u201e", '"'), ("\u201f", '"'), ("\u2033", '"'), ("\u2010", "-"), ("\u2011", "-"),
+    ("\u2012", "-"), ("\u2013", "-"), ("\u2014", "-"), ("\u2015", "-"), ("\u2212", "-"), ("\u00a0", " "),
+    ("\u2002", " "), ("\u2003", " "), ("\u2004", " "), ("\u2005", " "), ("\u2006", " "), ("\u2007", " "),
+    ("\u2008", " "), ("\u2009", " "), ("\u200a", " "), ("\u202f", " "), ("\u205f", " "), ("\u3000", " "),
+    ("\u2026", "..."), ("\u200b", ""), ("\u200c", ""), ("\u200d", ""), ("\u2060", ""), ("\ufeff", "")))
+MATCH_LEVELS = (("ignoring trailing whitespace", str.rstrip), ("ignoring indentation", str.strip),
+                ("ignoring typographic quotes, dashes and spaces", lambda s: s.translate(PUNCT_ASCII).strip()))
+
+
+def leading(line):
+    """A line's indentation."""
+    return line[:len(line) - len(line.lstrip())]
+
+
+def indent_map(want, region, loose=False):
+    """old_str's indentation -> the file's, learnt from the lines matched, when it is
+    one of the slips models make: levels shifted, tabs written as spaces, another
+    width of unit (2 spaces for 4), every level alike (indent_units); else None
+    (loose: any consistent mapping): then the lines only look alike."""
+    ahead, back = {}, {}
+    for w, f in zip(want, region):
+        if w.strip() and f.strip():
+            a, b = leading(w), leading(f)
+            if ahead.setdefault(a, b) != b or back.setdefault(b, a) != a:
+                return None
+    pairs = sorted((len(a.expandtabs(4)), len(b.expandtabs(4))) for a, b in ahead.items())
+    if any(q[1] <= p[1] for p, q in zip(pairs, pairs[1:])):
+        return None
+    return ahead if loose or indent_units(ahead) else None
+
+
+def indent_units(mapping):
+    """(old_str's unit of indentation in columns, the file's unit as text) when every
+    step between the levels of `mapping` is a whole number of old_str's units and
+    the same number of the file's; (0, '') when one level gives no unit; else None."""
+    levels = sorted((len(a.expandtabs(4)), b) for a, b in mapping.items())
+    steps = [(n2 - n1, f2, f1) for (n1, f1), (n2, f2) in zip(levels, levels[1:])]
+    if not steps:
+        return 0, ""
+    unit, top, low = min(steps)
+    step = top[len(low):] if top.startswith(low) else ""
+    if not step or step != step[0] * len(step):
+        return None
+    for dn, f2, f1 in steps:
+        if dn % unit or not f2.startswith(f1) or f2[len(f1):] != step * (dn // unit):
+            return None
+    return unit, step
+
+
+def with_indent(line, mapping):
+    """A new line with its indentation translated by `mapping`: the longest known
+    prefix is mapped, and what lies deeper is turned from old_str's units of
+    indentation into the file's (4 spaces to a tab, or to 2 spaces)."""
+    if not line.strip():
+        return ""
+    have = leading(line)
+    best = max((k for k in mapping if have.startswith(k)), key=len, default=None)
+    if best is None:
+        return line
+    extra = have[len(best):]
+    units = indent_units(mapping) or (0, "")
+    if extra and units[0] and len(extra.expandtabs(4)) % units[0] == 0:
+        extra = units[1] * (len(extra.expandtabs(4)) // units[0])
+    elif extra and "\t" in mapping[best] and not extra.strip(" ") and len(extra) % 4 == 0:
+        extra = "\t" * (len(extra) // 4)               # one level known: a tab file takes tabs
+    return mapping[best] + extra + line[len(have):]
+
+
+def find_lines(plain, want, start=0, eof=False, levels=MATCH_LEVELS, loose=False):
+    """(level, [line index]) of the first relaxed level at which the lines `want` stand
+    in `plain` (the file's lines without CR) at or after `start` (at the end, for eof),
+    or (None, []). Where indentation is ignored it must map consistently, and every
+    place the most relaxed level sees counts: a place found ignoring indentation is
+    not unique while another differs from it in indentation and punctuation."""
+    if not any(w.strip() for w in want):
+        return None, []                             # blank lines match only as they are
+    found = [(how, lines_at(plain, want, start, eof, norm, loose)) for how, norm in levels]
+    for k, (how, hits) in enumerate(found):
+        if hits:
+            if k and len(found[-1][1]) > len(hits):
+                hits = sorted(set(hits) | set(found[-1][1]))
+            return how, hits
+    return None, []
+
+
+def lines_at(plain, want, start, eof, norm, loose):
+    """Where the lines `want` stand in `plain`, as `norm` sees them (see find_lines)."""
+    n = len(want)
+    wanted = [norm(w) for w in want]
+    first = wanted[0] if n else None
+    hits = [i for i in range(start, len(plain) - n + 1)
+            if norm(plain[i]) == first and [norm(l) for l in plain[i + 1:i + n]] == wanted[1:]
+            and (not eof or i + n == len(plain))]
+    if norm is not str.rstrip:                     # indentation ignored: it must map consistently
+        hits = [i for i in hits if indent_map(want, plain[i:i + n], loose) is not None]
+    return hits
+
+
+def merged_lines(region, want, new_lines, norm, crlf):
+    """The lines that replace `region` (the file's, CR kept) where it matched `want`:
+    new lines equal to lines of `want` (as `norm` sees them) keep the file's bytes; the
+    others come in with the file's indentation and line ending."""
+    import difflib
+    plain = [l.rstrip("\r") for l in region]
+    mapping = indent_map(want, plain) or {}
+    tail = ""                       # matched ignoring trailing spaces: a new line ends as the file's line above
+    out = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, [norm(x) for x in want], [norm(x) for x in new_lines],
+                                                       autojunk=False).get_opcodes():
+        if tag == "equal":
+            out += region[i1:i2]
+            tail = trailing(plain[i2 - 1])
+            continue
+        kept = dict((norm(want[i]), i) for i in range(i1, i2))            # a line the edit left alone
+        for x in new_lines[j1:j2]:
+            if norm(x) in kept and norm(x).strip():
+                out.append(region[kept[norm(x)]])
+                tail = trailing(plain[kept[norm(x)]])
+            else:
+                x = with_indent(x, mapping)
+                if norm is str.rstrip and x.strip() and x == x.rstrip():
+                    x += tail
+                out.append(x + ("\r" if crlf else ""))
+    return out
+
+
+def trailing(line):
+    """A line's trailing whitespace."""
+    return line[len(line.rstrip()):]
+
+
+def indent_note(mapping):
+    """How the file indents, for a match made ignoring indentation."""
+    leads = [b for b in (mapping or {}).values() if b]
+    if any("\t" in b for b in leads):
+        return "the file indents with tabs"
+    return "the file's indentation differs from old_str's" if leads else ""
+
+
+def replace_text(text, old, new, replace_all, shown, cancelled=None):
+    """(updated text, count, offset of the first change, how it matched or '') of
+    replacing `old` by `new`, through the one matcher. Refused: not found (with the
+    closest region), or more than one place at the level that matched."""
     count = text.count(old)
+    how = ""
     if count == 0 and "\n" in old and "\r\n" not in old and "\r\n" in text:
-        old = to_crlf(old)
+        old, how = to_crlf(old), "with CRLF line endings"
         count = text.count(old)
-    if count == 0:
-        raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and copy the"
-                        " text exactly, whitespace and indentation included.%s" % (shown, closest_region(text, old, cancelled)))
+    if count and new[:1] in " \t" and old[:1] not in " \t\n" and at_line_text(text, old):
+        pos = text.find(old)        # old_str lost its first line's indentation, new_str has it: give it back
+        whole = text[text.rfind("\n", 0, pos) + 1:pos] + old
+        count = text.count(whole) if text.count(whole) == count else 0
+        old = whole
     if count > 1 and not replace_all:
         raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str occurs %d times in %s (at lines %s) and must be unique;"
                         " add surrounding lines to old_str to pick one, or set replace_all to true"
                         % (count, shown, match_lines(text, old)))
-    return replaced(text, old, new), count, text.find(old)
+    if count:
+        return replaced(text, old, new), count, text.find(old), how
+    lines = text.split("\n")
+    plain = [l[:-1] if l.endswith("\r") else l for l in lines]
+    want = old.replace("\r\n", "\n").split("\n")
+    if len(want) > 1 and want[-1] == "":
+        want.pop()
+    level, hits = find_lines(plain, want)
+    if not hits:
+        raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and copy the"
+                        " text exactly, whitespace and indentation included.%s" % (shown, closest_region(text, old, cancelled)))
+    if len(hits) > 1 and not replace_all:
+        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s), and a relaxed"
+                        " match must be unique; copy old_str exactly from the file, or add surrounding lines"
+                        % (len(hits), shown, level, ", ".join(str(i + 1) for i in hits[:20])))
+    norm = dict(MATCH_LEVELS)[level]
+    crlf = "\r\n" in text
+    new_lines = new.replace("\r\n", "\n").split("\n") if new else []
+    if len(new_lines) > 1 and new_lines[-1] == "" and old.replace("\r\n", "\n").endswith("\n"):
+        new_lines.pop()
+    for at in reversed(hits):
+        put = merged_lines(lines[at:at + len(want)], want, new_lines, norm, crlf)
+        if at + len(want) == len(lines) and put and put[-1].endswith("\r") and not lines[-1].endswith("\r"):
+            put[-1] = put[-1][:-1]
+        lines[at:at + len(want)] = put
+    updated = "\n".join(lines)
+    note = level if level != "ignoring indentation" else ", ".join(filter(None, (level, indent_note(
+        indent_map(want, plain[hits[0]:hits[0] + len(want)])))))
+    return updated, len(hits), len("\n".join(lines[:hits[0]])) + (1 if hits[0] else 0), note
+
+
+def at_line_text(text, old):
+    """Whether every place `old` stands begins a line's text after its indentation."""
+    pos = text.find(old)
+    while pos >= 0:
+        start = text.rfind("\n", 0, pos) + 1
+        if pos == start or text[start:pos].strip():
+            return False
+        pos = text.find(old, pos + 1)
+    return True
 
 
 def replaced(text, old, new):
@@ -5456,10 +5646,11 @@ def replaced(text, old, new):
     return "".join(parts)
 
 
-STR_REPLACE_DESC = ("Edit a file by replacing old_str with new_str. old_str must match the file exactly "
-                    "(whitespace and indentation included, without the line-number prefix view shows) and "
-                    "occur exactly once, unless replace_all is true. Omit new_str to delete. View the file "
-                    "first. Line endings, encoding and permissions are kept.")
+STR_REPLACE_DESC = ("Edit a file by replacing old_str with new_str. Copy old_str from the file (without the "
+                    "line-number prefix view shows); it must occur once, unless replace_all is true. Slips in "
+                    "whole lines - indentation, tabs written as spaces, trailing spaces, CRLF, typographic quotes "
+                    "- are forgiven when only one place fits: new_str then takes the file's indentation and line "
+                    "endings, and the result says how it matched. Omit new_str to delete. View the file first.")
 
 
 @tool("str_replace", STR_REPLACE_DESC, obj({
@@ -5476,10 +5667,12 @@ def tool_str_replace(session, args, ctx):
     real = resolve_checked(session, ctx, shown)
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
-        updated, count, pos = replace_text(text, old, new, bool(args.get("replace_all")), shown, ctx.cancelled)
+        updated, count, pos, how = replace_text(text, old, new, bool(args.get("replace_all")), shown,
+                                                ctx.cancelled)
         note = write_checked(session, ctx, real, shown, encode_text(updated, "new_str"))
     line = updated.count("\n", 0, pos)
-    return "Replaced %d occurrence%s in %s%s:\n%s" % (count, "" if count == 1 else "s", real, note, snippet(
+    return "Replaced %d occurrence%s in %s%s%s:\n%s" % (count, "" if count == 1 else "s", real, note,
+                                                     " (matched %s)" % how if how else "", snippet(
         updated.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")))
 
 
@@ -5504,21 +5697,24 @@ def tool_multi_edit(session, args, ctx):
     real = resolve_checked(session, ctx, shown)
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
-        replaced, pos = 0, 0
+        replaced, pos, matched = 0, 0, []
         for k, edit in enumerate(edits, 1):
             old, new = edit["old_str"], edit.get("new_str") or ""
             try:
                 check_old_new(old, new)
-                text, count, pos = replace_text(text, old, new, bool(edit.get("replace_all")), shown, ctx.cancelled)
+                text, count, pos, how = replace_text(text, old, new, bool(edit.get("replace_all")), shown,
+                                                     ctx.cancelled)
+                if how:
+                    matched.append("edit %d matched %s" % (k, how))
             except ToolError as e:
                 raise ToolError(e.code, "edit %d of %d: %s\nNothing was written (the edits apply all or none)"
                                 % (k, len(edits), e.message.rstrip(".")))
             replaced += count
         note = write_checked(session, ctx, real, shown, encode_text(text, "new_str"))
     line = text.count("\n", 0, pos)
-    return "Applied %d edit%s (%d replacement%s) to %s%s; around the last one:\n%s" % (
+    return "Applied %d edit%s (%d replacement%s) to %s%s%s; around the last one:\n%s" % (
         len(edits), "" if len(edits) == 1 else "s", replaced, "" if replaced == 1 else "s", real, note,
-        snippet(text.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")))
+        " (%s)" % "; ".join(matched) if matched else "", snippet(text.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")))
 
 
 def existing_kind(real, shown):
@@ -5634,8 +5830,7 @@ def tool_str_replace_editor(session, args, ctx):
 # '*** End of File' / *** End Patch. Every hunk of every file is located before anything
 # is written; a patch lands whole or not at all.
 
-PATCH_LEVELS = (("exactly", lambda s: s), ("ignoring trailing whitespace", str.rstrip),
-                ("ignoring surrounding whitespace", str.strip))
+PATCH_LEVELS = (("exactly", lambda s: s),) + MATCH_LEVELS      # the one matcher's, for headers and misses
 
 
 def patch_lines(text):
@@ -5769,15 +5964,18 @@ def hunk_hits(lines, old, cursor, norm, eof):
     return [i for i in hits if i + len(old) == len(lines)] if eof else hits
 
 
-def hunk_result(lines, hunk, at):
+def hunk_result(lines, hunk, at, relaxed=None):
     """The lines a hunk located at `at` leaves: context keeps the file's own text
-    (whitespace and all), '+' lines come in, '-' lines go."""
+    (whitespace and all), '+' lines come in, '-' lines go. Found at a relaxed level,
+    the '+' lines take the file's indentation (with_indent), not the patch's."""
+    old = hunk.old()
+    mapping = (indent_map(old, lines[at:at + len(old)]) or {}) if relaxed else None
     new, j = [], at
     for kind, line in hunk.lines:
         if kind == " ":
             new.append(lines[j])
         elif kind == "+":
-            new.append(line)
+            new.append(with_indent(line, mapping) if mapping else line)
         j += kind != "+"
     return new
 
@@ -5791,12 +5989,13 @@ def locate_hunk(lines, hunk, cursor, shown, k):
     cursor = past_headers(lines, hunk, cursor, shown, label)
     old = hunk.old()
     if not old:                                        # only additions: after the headers, or at the end
-        return (cursor if hunk.headers and not hunk.eof else len(lines)), 0
-    for how, norm in PATCH_LEVELS:
-        hits = hunk_hits(lines, old, cursor, norm, hunk.eof)
-        if len(hits) == 1:
-            return hits[0], len(old)
-        if hits:
+        return (cursor if hunk.headers and not hunk.eof else len(lines)), 0, None
+    hits, how = hunk_hits(lines, old, cursor, PATCH_LEVELS[0][1], hunk.eof), "exactly"
+    if not hits:
+        how, hits = find_lines(lines, old, cursor, hunk.eof, loose=True)     # as Codex finds them
+    if len(hits) == 1:
+        return hits[0], len(old), (how if how != "exactly" else None)
+    if hits:
             raise ToolError(STR_REPLACE_AMBIGUOUS, "%s, %s matches %s at lines %s; add context lines or an"
                             " '@@ header' line (e.g. @@ def name) to pick one; nothing was written"
                             % (shown, label, how, ", ".join(str(i + 1) for i in hits[:20])))
@@ -5845,8 +6044,8 @@ def patched_text(text, hunks, shown):
         lines.pop()
     cursor, edits = 0, []
     for k, hunk in enumerate(hunks, 1):
-        at, size = locate_hunk(lines, hunk, cursor, shown, k)
-        edits.append((at, size, hunk_result(lines, hunk, at)))
+        at, size, relaxed = locate_hunk(lines, hunk, cursor, shown, k)
+        edits.append((at, size, hunk_result(lines, hunk, at, relaxed)))
         cursor = at + size
     for at, size, new in reversed(edits):
         lines[at:at + size] = new
@@ -5984,8 +6183,9 @@ PATCH_DESC = ("Edit, add, delete and move files with one patch in the apply_patc
               "then per file '*** Add File: path' (every line starting with +), '*** Delete File: path' or "
               "'*** Update File: path' (optionally '*** Move to: new/path') followed by hunks: '@@' (or '@@ def "
               "name' to say where), lines ' ' context, '-' removed, '+' added, three context lines around each "
-              "change; then '*** End Patch'. Context must match the file (trailing and surrounding whitespace "
-              "may differ). All files change or none does; no prior view is needed.")
+              "change; then '*** End Patch'. Context is found as str_replace finds old_str (whitespace and "
+              "typographic slips forgiven where one place fits; added lines then take the file's indentation). All "
+              "files change or none does; no prior view is needed.")
 
 
 @tool("apply_patch", PATCH_DESC, obj({

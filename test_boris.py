@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import unittest
+from collections import Counter
 from unittest import mock
 
 import boris
@@ -3801,8 +3802,8 @@ class TestStrReplace(NoViewBase):
         self.assertIn("-        s += x\n+        s += x * 2", text)
 
     def test_miss_names_whitespace_and_line_number_prefixes(self):
-        self.write("w.py", "if x:\n    go()\n")
-        text = self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="w.py", old_str="if x:\n  go()")
+        self.write("w.py", "if x:\n    go()\n    stop()\n")       # two indentations of old_str for one of the file
+        text = self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="w.py", old_str="if x:\n  go()\n    stop()")
         self.assertIn("differ only in indentation", text)
         text = self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="w.py", old_str="     1\tif x:\n     2\t    go()")
         self.assertIn("line-number prefixes", text)
@@ -3811,6 +3812,188 @@ class TestStrReplace(NoViewBase):
         self.write("a.txt", "x = 1\ny\nx = 1\nz\nx = 1\n")
         text = self.fails("str_replace", "STR_REPLACE_AMBIGUOUS", path="a.txt", old_str="x = 1")
         self.assertIn("occurs 3 times in a.txt (at lines 1, 3, 5)", text)
+
+
+class TestOneMatcher(NoViewBase):
+    """Issue 31.1: every edit tool finds its text with one matcher, level by level -
+    exact, line endings, trailing whitespace, indentation (a shift, tabs written as
+    spaces, another unit), typographic punctuation - a relaxed level only at a unique
+    place; the new text merged into the file's conventions; the level said."""
+
+    def test_each_level_lands_and_says_so(self):
+        cases = [
+            ("crlf.txt", b"a\r\nb\r\nc\r\n", "a\nb", "a\nB", b"a\r\nB\r\nc\r\n", "with CRLF line endings"),
+            ("trail.md", b"- one  \n- two  \n", "- one\n- two", "- one\n- two\n- three",
+             b"- one  \n- two  \n- three  \n", "ignoring trailing whitespace"),
+            ("shift.py", b"class A:\n    def f(self):\n        return 1\n",
+             "def f(self):\n    return 1", "def f(self):\n    x = 2\n    return x",
+             b"class A:\n    def f(self):\n        x = 2\n        return x\n", "ignoring indentation"),
+            ("tabs.py", b"class A:\n\tdef f(self):\n\t\treturn 1\n",
+             "class A:\n    def f(self):\n        return 1",
+             "class A:\n    def f(self):\n        if x:\n            return 2\n        return 1",
+             b"class A:\n\tdef f(self):\n\t\tif x:\n\t\t\treturn 2\n\t\treturn 1\n", "the file indents with tabs"),
+            ("unit.html", b"<div>\n  <p>\n    hi\n  </p>\n</div>\n", "<div>\n    <p>\n        hi\n    </p>\n</div>",
+             "<div>\n    <p>\n        hi\n        <b>there</b>\n    </p>\n</div>",
+             b"<div>\n  <p>\n    hi\n    <b>there</b>\n  </p>\n</div>\n", "ignoring indentation"),
+            ("quote.py", "msg = \u2018it\u2019s\u2019\nx = 1\n".encode("utf-8"), "msg = 'it's'\nx = 1",
+             "msg = 'it's'\nx = 2", "msg = \u2018it\u2019s\u2019\nx = 2\n".encode("utf-8"), "typographic"),
+        ]
+        for name, data, old, new, want, said in cases:
+            self.write(name, data)
+            text = self.ok("str_replace", path=name, old_str=old, new_str=new)
+            self.assertEqual(self.read(name), want, name)
+            self.assertIn(said, text.split("\n")[0], name)
+
+    def test_a_relaxed_match_must_be_unique(self):
+        self.write("two.py", "def a():\n    go()\n\ndef b():\n  go()\n")
+        text = self.fails("str_replace", "STR_REPLACE_AMBIGUOUS", path="two.py", old_str="go()\n", new_str="stop()\n")
+        self.assertIn("occurs 2 times", text)
+        self.write("two.py", "if a:\n    go()\n    done()\nif b:\n  go()\n  done()\n")
+        text = self.fails("str_replace", "STR_REPLACE_AMBIGUOUS", path="two.py", old_str="go()\ndone()",
+                          new_str="stop()\ndone()")
+        self.assertIn("at lines 2, 5", text)
+        self.assertEqual(self.read("two.py"), b"if a:\n    go()\n    done()\nif b:\n  go()\n  done()\n")
+
+    def test_stale_text_is_still_refused(self):
+        self.write("s.py", "def total(items):\n    return sum(items)\n")
+        self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="s.py", old_str="def total(values):\n  return sum(values)",
+                   new_str="x")
+        self.assertEqual(self.read("s.py"), b"def total(items):\n    return sum(items)\n")
+
+    def test_old_str_without_its_indentation_never_doubles_it(self):
+        """Copied from a numbered listing: old_str starts at the line's text, new_str
+        carries the indentation. Matching mid-line used to double it."""
+        self.write("d.py", "def f():\n    x = 1\n    return x\n")
+        self.ok("str_replace", path="d.py", old_str="x = 1\n    return x", new_str="    x = 2\n    return x")
+        self.assertEqual(self.read("d.py"), b"def f():\n    x = 2\n    return x\n")
+
+    def test_multi_edit_and_the_compat_editor_share_it(self):
+        self.write("m.py", "def f():\n\treturn 1\n")
+        text = self.ok("multi_edit", path="m.py", edits=[{"old_str": "def f():\n    return 1",
+                                                          "new_str": "def f():\n    return 2"}])
+        self.assertIn("edit 1 matched ignoring indentation", text)
+        self.assertEqual(self.read("m.py"), b"def f():\n\treturn 2\n")
+
+    def test_apply_patch_lands_in_the_files_indentation(self):
+        self.write("t.py", "class A:\n\tdef f(self):\n\t\treturn 1\n")
+        self.ok("apply_patch", input="*** Begin Patch\n*** Update File: t.py\n@@ class A:\n     def f(self):\n"
+                                     "-        return 1\n+        if x:\n+            return 2\n+        return 1\n*** End Patch")
+        self.assertEqual(self.read("t.py"), b"class A:\n\tdef f(self):\n\t\tif x:\n\t\t\treturn 2\n\t\treturn 1\n")
+        self.write("s.py", "def f():\n    a = 1\n    return a\n")             # the patch shifted by two columns
+        self.ok("apply_patch", input="*** Begin Patch\n*** Update File: s.py\n   def f():\n-      a = 1\n+      a = 2\n"
+                                     "       return a\n*** End Patch")
+        self.assertEqual(self.read("s.py"), b"def f():\n    a = 2\n    return a\n")
+
+
+class SlipCampaign(object):
+    """Edits made from real source files (the standard library's), each with one slip a
+    model makes, and what each should become: the intended file, or a refusal (None)."""
+    SLIPS = ("indentation", "tabs", "trailing", "crlf", "quotes", "blank-line", "stale", "second-place")
+
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+        lib = os.path.dirname(os.__file__)
+        self.files = []
+        for name in sorted(os.listdir(lib)):
+            if name.endswith(".py"):
+                with open(os.path.join(lib, name), encoding="utf-8", errors="replace") as f:
+                    text = f.read()
+                if "\t" not in text and "\r" not in text and 200 < text.count("\n") < 3000:
+                    self.files.append(text)
+
+    def region(self, text, need_indent=False):
+        """(lines, start, size) of a unique run of 2-5 non-blank lines, or None."""
+        lines = text.split("\n")
+        for _ in range(50):
+            k = self.rng.randint(2, 5)
+            i = self.rng.randrange(0, len(lines) - k)
+            run = lines[i:i + k]
+            if not all(l.strip() for l in run) or any(l.strip().startswith(("#", '"', "'")) for l in run):
+                continue
+            lead = min(len(l) - len(l.lstrip()) for l in run)
+            if need_indent and lead < 4:
+                continue
+            if text.count("\n".join(run)) == 1 and len(set(run)) == k:
+                return lines, i, k
+        return None
+
+    def make(self, slip):
+        """(original, old_str, new_str, expected or None) for one slip."""
+        while True:
+            text = self.rng.choice(self.files)
+            got = self.region(text, need_indent=slip in ("indentation", "second-place"))
+            if got:
+                break
+        lines, i, k = got
+        run = lines[i:i + k]
+        j = self.rng.randrange(1, k)                      # the line the edit changes (never the first)
+        changed = run[:j] + [run[j] + "  # edited"] + run[j + 1:]
+        old, new = "\n".join(run), "\n".join(changed)
+        expected = "\n".join(lines[:i] + changed + lines[i + k:])
+        if slip == "indentation":
+            cut = min(len(l) - len(l.lstrip()) for l in run)
+            old, new = "\n".join(l[cut:] for l in run), "\n".join(l[cut:] for l in changed)
+        elif slip == "tabs":
+            tab = lambda t: "\n".join(re.sub(r"^((?:    )+)", lambda m: "\t" * (len(m.group(1)) // 4), l)
+                                      for l in t.split("\n"))
+            text, expected = tab(text), tab(expected)
+        elif slip == "trailing":
+            pad = lambda ls: [l + "  " for l in ls]
+            text = "\n".join(lines[:i] + pad(run) + lines[i + k:])
+            expected = "\n".join(lines[:i] + pad(changed) + lines[i + k:])
+        elif slip == "crlf":
+            text, expected = text.replace("\n", "\r\n"), expected.replace("\n", "\r\n")
+        elif slip == "quotes":
+            q = [n for n in range(k) if n != j and ("'" in run[n] or '"' in run[n])]
+            if not q:
+                return self.make(slip)
+            curly = run[q[0]].replace("'", "\u2019").replace('"', "\u201d")
+            text = "\n".join(lines[:i] + run[:q[0]] + [curly] + run[q[0] + 1:] + lines[i + k:])
+            expected = "\n".join(lines[:i] + [curly if n == q[0] else l for n, l in enumerate(changed)] + lines[i + k:])
+        elif slip == "blank-line":
+            old = "\n".join(run[:1] + [""] + run[1:])
+            expected = None
+        elif slip == "stale":
+            words = [w for w in re.findall(r"[A-Za-z_]{4,}", run[0])]
+            if not words:
+                return self.make(slip)
+            old = "\n".join([run[0].replace(words[0], words[0] + "_renamed", 1)] + run[1:])
+            expected = None
+        elif slip == "second-place":
+            text = text + "\n" + "\n".join("  " + l for l in run) + "\n"
+            old = "\n".join(" " + l for l in run)
+            new = "\n".join(" " + l for l in changed)
+            expected = None
+        if expected is not None and text.count(old):
+            return self.make(slip)                        # the slipped text stands elsewhere as it is: no slip
+        return text, old, new, expected
+
+
+class TestSlipCampaign(unittest.TestCase):
+    """Issue 31: 2,400 edits from real source files with one slip each: none may land
+    wrong (the file changed, but not into what was meant); the everyday slips land."""
+
+    def test_no_slip_is_ever_applied_wrong(self):
+        campaign = SlipCampaign(31)
+        tally = dict((slip, Counter()) for slip in SlipCampaign.SLIPS)
+        wrong = []
+        for n in range(2400):
+            slip = SlipCampaign.SLIPS[n % len(SlipCampaign.SLIPS)]
+            text, old, new, expected = campaign.make(slip)
+            try:
+                got = boris.replace_text(text, old, new, False, "f")[0]
+            except boris.ToolError:
+                tally[slip]["refused"] += 1
+                continue
+            if got == expected:
+                tally[slip]["landed"] += 1
+            else:
+                tally[slip]["wrong"] += 1
+                wrong.append((slip, old[:120]))
+        self.assertEqual(wrong[:5], [], "%d wrong applies" % len(wrong))
+        for slip in ("indentation", "tabs", "trailing", "crlf", "quotes"):
+            self.assertGreaterEqual(tally[slip]["landed"], 0.9 * 300, (slip, tally[slip]))
+        SlipCampaign.tally = tally
 
 
 class TestCreateFile(NoViewBase):
@@ -4148,9 +4331,9 @@ class TestApplyPatch(NoViewBase):
 
     def test_whitespace_tolerance_goes_no_further(self):
         self.write("w.py", "def f():  \n    return 1\n")
-        self.ok("apply_patch", input="*** Begin Patch\n*** Update File: w.py\n def f():\n-  return 1\n+    return 2\n"
+        self.ok("apply_patch", input="*** Begin Patch\n*** Update File: w.py\n def f():\n-  return 1\n+  return 2\n"
                                      "*** End Patch")
-        self.assertEqual(self.read("w.py"), b"def f():  \n    return 2\n")
+        self.assertEqual(self.read("w.py"), b"def f():  \n    return 2\n")        # in the file's indentation
         self.fails("apply_patch", "STR_REPLACE_NOT_FOUND", input="*** Begin Patch\n*** Update File: w.py\n"
                    " def g():\n-    return 2\n+    return 3\n*** End Patch")
 
