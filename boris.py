@@ -78,6 +78,9 @@ MISS_WINDOW_LINES = 60                     # the closest-match help locates old_
 MISS_CANDIDATES = 20                       # ... scores this many candidate places
 MISS_SCAN_LINES = 50000                    # ... and compares at most this many lines one by one
 SNIPPET_CONTEXT = 4                        # lines around an edit in str_replace's answer
+UNDO_LEVELS = 20                           # undo_edit: the edits of one file a session can take back
+UNDO_MAX_BYTES = 64 * 1024 * 1024          # ... and the bytes all its undo levels may hold (oldest dropped)
+PARSE_CHECK_BYTES = 1024 * 1024            # files up to this size are parsed after an edit
 MAX_PATH_CHARS = 4096
 MAX_PATTERN_CHARS = 8192                   # a regex, glob, include or wait_for from the model
 MAX_INT_ARG = 2 ** 53 - 1                  # integers beyond this are not JSON-safe in every client
@@ -4684,6 +4687,33 @@ class Session(object):
         self.closed = False
         self.last_seen = time.monotonic()
         self.log_level = None
+        self.edits = []             # undo_edit's history, oldest first: (tool, {real: (before, mode, after)})
+
+    def remember_edit(self, tool, changes):
+        """Note an edit undo_edit can take back: for each path, the bytes before (None:
+        it did not exist), their mode, and the digest after (None: removed). At most
+        UNDO_LEVELS a file and UNDO_MAX_BYTES in all: the oldest go first."""
+        with self.lock:
+            self.edits.append((tool, changes))
+            for real in changes:
+                mine = [e for e in self.edits if real in e[1]]
+                if len(mine) > UNDO_LEVELS:
+                    self.edits.remove(mine[0])
+            held = sum(len(c[0] or b"") for _, ch in self.edits for c in ch.values())
+            while held > UNDO_MAX_BYTES and len(self.edits) > 1:
+                held -= sum(len(c[0] or b"") for c in self.edits.pop(0)[1].values())
+
+    def last_edit(self, real):
+        """The latest edit of `real` still to be taken back, or None; and how many there are."""
+        with self.lock:
+            mine = [e for e in self.edits if real in e[1]]
+        return (mine[-1] if mine else None), len(mine)
+
+    def forget_edit(self, edit):
+        """Drop an edit that was taken back."""
+        with self.lock:
+            if edit in self.edits:
+                self.edits.remove(edit)
 
     def mark_viewed(self, real, seen=None):
         """Note that the session has seen `real` (view, read_file or its own write);
@@ -4888,6 +4918,7 @@ class CallContext(object):
         self.cancelled = cancelled or threading.Event()
         self.wants_progress = progress is not None
         self.progress = progress or (lambda text: None)
+        self.parse_note = ""            # set by write_checked: the edit left a file that no longer parses
 
 
 def text_block(text):
@@ -5242,18 +5273,74 @@ def encode_text(text, name="content"):
         raise ToolError(INVALID_INPUT, "%s holds an unpaired surrogate character; send valid UTF-8 text" % name)
 
 
-def write_checked(session, ctx, real, shown, data):
-    """Write through the one writer; a note when it had to write in place."""
+def write_checked(session, ctx, real, shown, data, tool="edit"):
+    """Write through the one writer, remembering what was there for undo_edit; a note
+    when it had to write in place."""
     limit = ctx.config.max_file_size
     if len(data) > limit:
         raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s (--max-file-size);"
                         " nothing was written" % (shown, human_size(len(data)), human_size(limit)))
+    before, mode = file_bytes(real)
     try:
         atomic = atomic_write(real, data, ctx.files)
         session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
     except OSError as e:
         raise io_error(e, shown)
+    session.remember_edit(tool, {real: (before, mode, digest_of(data))})
+    ctx.parse_note = parse_warning(real, before, data)
     return "" if atomic else " (rewritten in place: its directory refuses new files or renames)"
+
+
+def file_bytes(real):
+    """(content, permission bits) of the file at `real`, or (None, None) when there is none."""
+    try:
+        with open(real, "rb") as f:
+            return f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, None
+
+
+def parse_warning(real, before, after):
+    """One line when an edit left a .py, .json, .toml (3.11+) or .ipynb file that
+    parsed before no longer parsing: the error, its line and that undo_edit takes it
+    back; '' otherwise (also for a file that did not parse before, or over
+    PARSE_CHECK_BYTES). Parsing only: nothing runs, nothing is imported."""
+    ext = os.path.splitext(real)[1].lower()
+    if before is None or ext not in (".py", ".json", ".toml", ".ipynb") or max(len(before), len(after)) > \
+            PARSE_CHECK_BYTES:
+        return ""
+    if parse_error(ext, before) is not None:
+        return ""
+    error = parse_error(ext, after)
+    if error is None:
+        return ""
+    return ("\n[warning: %s no longer parses as %s: %s; undo_edit takes the edit back]"
+            % (os.path.basename(real), ext[1:].upper() if ext != ".py" else "Python", error))
+
+
+def parse_error(ext, data):
+    """Why `data` does not parse as a file of type `ext`, or None when it does (or
+    cannot be checked here: TOML before Python 3.11)."""
+    import ast
+    try:
+        text = data.decode("utf-8-sig")
+        if ext == ".py":
+            ast.parse(text)
+        elif ext == ".toml":
+            try:
+                import tomllib
+            except ImportError:
+                return None  # no TOML parser before 3.11: not checked
+            tomllib.loads(text)
+        else:
+            json.loads(text)
+    except SyntaxError as e:
+        return "%s at line %s" % (e.msg, e.lineno)
+    except ValueError as e:                 # json's and tomllib's errors (and undecodable bytes)
+        return str(e)
+    except (RecursionError, MemoryError):
+        return None  # too deep to check: no warning rather than a guess
+    return None
 
 
 def check_unchanged(session, ctx, real, shown):
@@ -5669,11 +5756,11 @@ def tool_str_replace(session, args, ctx):
         text = load_for_edit(session, ctx, real, shown)
         updated, count, pos, how = replace_text(text, old, new, bool(args.get("replace_all")), shown,
                                                 ctx.cancelled)
-        note = write_checked(session, ctx, real, shown, encode_text(updated, "new_str"))
+        note = write_checked(session, ctx, real, shown, encode_text(updated, "new_str"), "str_replace")
     line = updated.count("\n", 0, pos)
-    return "Replaced %d occurrence%s in %s%s%s:\n%s" % (count, "" if count == 1 else "s", real, note,
-                                                     " (matched %s)" % how if how else "", snippet(
-        updated.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")))
+    return "Replaced %d occurrence%s in %s%s%s:\n%s%s" % (count, "" if count == 1 else "s", real, note,
+                                                       " (matched %s)" % how if how else "", snippet(
+        updated.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")), ctx.parse_note)
 
 
 MULTI_EDIT_DESC = ("Make several edits to one file in one call: each {old_str, new_str, replace_all?} works as "
@@ -5710,11 +5797,11 @@ def tool_multi_edit(session, args, ctx):
                 raise ToolError(e.code, "edit %d of %d: %s\nNothing was written (the edits apply all or none)"
                                 % (k, len(edits), e.message.rstrip(".")))
             replaced += count
-        note = write_checked(session, ctx, real, shown, encode_text(text, "new_str"))
+        note = write_checked(session, ctx, real, shown, encode_text(text, "new_str"), "multi_edit")
     line = text.count("\n", 0, pos)
     return "Applied %d edit%s (%d replacement%s) to %s%s%s; around the last one:\n%s" % (
         len(edits), "" if len(edits) == 1 else "s", replaced, "" if replaced == 1 else "s", real, note,
-        " (%s)" % "; ".join(matched) if matched else "", snippet(text.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")))
+        " (%s)" % "; ".join(matched) if matched else "", snippet(text.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n"))) + ctx.parse_note
 
 
 def existing_kind(real, shown):
@@ -5749,8 +5836,8 @@ def tool_create_file(session, args, ctx, content_key="content"):
         if existed:
             require_viewed(session, ctx, real, shown)
             check_unchanged(session, ctx, real, shown)
-        note = write_checked(session, ctx, real, shown, data)
-    return "%s %s (%d bytes)%s" % ("Overwrote" if existed else "Created", real, len(data), note)
+        note = write_checked(session, ctx, real, shown, data, "create_file")
+    return "%s %s (%d bytes)%s%s" % ("Overwrote" if existed else "Created", real, len(data), note, ctx.parse_note)
 
 
 def inserted(text, at, text_in):
@@ -5782,20 +5869,67 @@ def tool_insert(session, args, ctx):
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         updated, new_lines = inserted(text, at, text_in)
-        note = write_checked(session, ctx, real, shown, encode_text(updated, "insert_text"))
+        note = write_checked(session, ctx, real, shown, encode_text(updated, "insert_text"), "insert")
     return "Inserted %d line%s after line %d of %s%s:\n%s" % (
         len(new_lines), "" if len(new_lines) == 1 else "s", at, real, note,
-        snippet(updated.replace("\r\n", "\n"), at, len(new_lines) - 1))
+        snippet(updated.replace("\r\n", "\n"), at, len(new_lines) - 1)) + ctx.parse_note
+
+
+UNDO_DESC = ("Take back this session's last edit of a file - by str_replace, multi_edit, apply_patch (a deleted "
+             "file comes back, an added one goes, a move moves back), create_file, write_file or notebook_edit - "
+             "restoring it byte for byte. Repeat it to go further back (up to %d edits a file). Refused, changing "
+             "nothing, when something else changed the file since that edit." % UNDO_LEVELS)
+
+
+@tool("undo_edit", UNDO_DESC, obj({"path": PATH_PROP}, ["path"]), notes("Undo the last edit of a file", destructive=True),
+      DEFAULT)
+def tool_undo_edit(session, args, ctx):
+    """undo_edit: restore a file (and the others an apply_patch changed with it) as
+    it was before this session's last edit of it, if nothing else changed it since."""
+    from contextlib import ExitStack
+    shown = args["path"]
+    real = resolve_checked(session, ctx, shown)
+    edit, levels = session.last_edit(real)
+    if edit is None:
+        raise ToolError(INVALID_INPUT, "nothing to undo for %s: this session has no edit of it left to take back"
+                        " (at most %d a file are kept)" % (shown, UNDO_LEVELS))
+    tool_name, changes = edit
+    for path in changes:
+        ctx.policy.check(path, path)
+    with ExitStack() as locks:
+        for path in sorted(changes):
+            locks.enter_context(ctx.files.lock(path))
+        for path, (before, mode, after) in sorted(changes.items()):
+            now = file_bytes(path)[0]
+            if (now is None) != (after is None) or (now is not None and digest_of(now) != after):
+                raise ToolError(FILE_CHANGED, "%s changed since this session's %s of it (by something else), so"
+                                " undo_edit would lose that; nothing was undone. View it and edit it instead"
+                                % (path, tool_name))
+        for path, (before, mode, after) in sorted(changes.items()):
+            try:
+                if before is None:
+                    remove_file(path)
+                else:
+                    atomic_write(path, before, ctx.files, new_mode=mode or 0o644)
+                    session.mark_viewed(path, Seen(os.stat(path), digest_of(before)))
+            except OSError as e:
+                raise io_error(e, path)
+        session.forget_edit(edit)
+    what = ", ".join("%s (%s)" % (p, "removed" if b is None else "%d bytes" % len(b))
+                     for p, (b, _, _) in sorted(changes.items()))
+    return "Undid the %s: restored %s. %s" % (tool_name, what, "%d more undo level%s for %s." % (
+        levels - 1, "" if levels == 2 else "s", shown) if levels > 1 else "Nothing more to undo for %s." % shown)
 
 
 EDITOR_DESC = ("View, create and edit files. command=view shows a file with line numbers or lists a "
                "directory (view_range optional); create writes file_text to path; str_replace replaces the "
-               "unique old_str with new_str; insert adds insert_text after line insert_line (0 = top). "
-               "Files must be viewed before they are edited.")
+               "unique old_str with new_str; insert adds insert_text after line insert_line (0 = top); "
+               "undo_edit takes back this session's last edit of path. Files must be viewed before they are "
+               "edited.")
 
 
 @tool("str_replace_editor", EDITOR_DESC, obj({
-    "command": prop("string", "The operation.", enum=["view", "create", "str_replace", "insert"]),
+    "command": prop("string", "The operation.", enum=["view", "create", "str_replace", "insert", "undo_edit"]),
     "path": PATH_PROP,
     "view_range": RANGE_PROP,
     "file_text": prop("string", "command=create: the complete file content."),
@@ -5808,7 +5942,8 @@ EDITOR_DESC = ("View, create and edit files. command=view shows a file with line
 def tool_str_replace_editor(session, args, ctx):
     """Anthropic's text-editor tool: one name, the same handlers underneath."""
     cmd = args["command"]
-    need = {"view": (), "str_replace": ("old_str",), "create": ("file_text",), "insert": ("insert_line",)}[cmd]
+    need = {"view": (), "str_replace": ("old_str",), "create": ("file_text",), "insert": ("insert_line",),
+            "undo_edit": ()}[cmd]
     for key in need:
         if args.get(key) is None:
             raise ToolError(INVALID_INPUT, "command %r needs the argument %r" % (cmd, key))
@@ -5818,6 +5953,8 @@ def tool_str_replace_editor(session, args, ctx):
         return tool_str_replace(session, args, ctx)
     if cmd == "create":
         return tool_create_file(session, args, ctx, content_key="file_text")
+    if cmd == "undo_edit":
+        return tool_undo_edit(session, {"path": args["path"]}, ctx)
     return tool_insert(session, args, ctx)
 
 
@@ -5841,6 +5978,9 @@ def patch_lines(text):
         lines.pop()
     while lines and not lines[0].strip():
         lines.pop(0)
+    heredoc = re.match(r"^\s*(?:apply_patch\s*)?<<-?\s*['\"]?(\w+)['\"]?\s*$", lines[0]) if lines else None
+    if heredoc and len(lines) > 1 and lines[-1].strip() == heredoc.group(1):
+        lines = lines[1:-1]                         # the patch wrapped as a heredoc, as some models send it
     if not lines or lines[0].strip() != "*** Begin Patch":
         raise ToolError(INVALID_INPUT, "a patch starts with the line '*** Begin Patch' (and ends with"
                         " '*** End Patch')")
@@ -5881,7 +6021,7 @@ class PatchReader(object):
         line that breaks the format."""
         ops = []
         while self.i < self.end:
-            line = self.lines[self.i]
+            line = self.lines[self.i].strip()           # marker lines may come padded
             if line.startswith("*** Add File: "):
                 ops.append(self.add_section(line[14:].strip()))
             elif line.startswith("*** Delete File: "):
@@ -5904,7 +6044,10 @@ class PatchReader(object):
     def add_section(self, path):
         """('add', path, lines) of an Add File section: every line starts with '+'."""
         body, self.i = [], self.i + 1
-        while self.i < self.end and not self.lines[self.i].startswith("*** "):
+        while self.i < self.end and not self.lines[self.i].strip().startswith("*** "):
+            if not self.lines[self.i].strip():
+                self.i += 1                             # a blank line between sections
+                continue
             if not self.lines[self.i].startswith("+"):
                 raise self.bad(self.i, "every line of an added file starts with '+'")
             body.append(self.lines[self.i][1:])
@@ -5914,13 +6057,16 @@ class PatchReader(object):
     def update_section(self, path):
         """('update', path, move, hunks) of an Update File section."""
         move, self.i = None, self.i + 1
-        if self.i < self.end and self.lines[self.i].startswith("*** Move to: "):
-            move, self.i = self.lines[self.i][13:].strip(), self.i + 1
+        if self.i < self.end and self.lines[self.i].strip().startswith("*** Move to: "):
+            move, self.i = self.lines[self.i].strip()[13:].strip(), self.i + 1
         hunks = []
-        while self.i < self.end and (not self.lines[self.i].startswith("*** ")
+        while self.i < self.end and (not self.lines[self.i].strip().startswith("*** ")
                                      or self.lines[self.i].strip() == "*** End of File"):
             self.hunk_line(self.lines[self.i], hunks)
             self.i += 1
+        for hunk in hunks:                              # blank lines before the next marker: not context
+            while hunk.lines and hunk.lines[-1] == (" ", "") and any(k != " " for k, _ in hunk.lines):
+                hunk.lines.pop()
         if not hunks or not any(h.lines for h in hunks):
             raise self.bad(self.i - 1, "the update of %s has no hunk" % path)
         return "update", path, move, hunks
@@ -5934,6 +6080,10 @@ class PatchReader(object):
 
     def hunk_line(self, line, hunks):
         """Take one line of an Update section into `hunks`."""
+        if line == "" and hunks and hunks[-1].eof:
+            return                                      # a blank line after *** End of File
+        if line.lstrip().startswith("@@"):
+            line = line.lstrip()
         if line.startswith("@@"):
             self.header_line(line[2:].strip(), hunks)
         elif line.strip() == "*** End of File":
@@ -6046,8 +6196,9 @@ def patched_text(text, hunks, shown):
     for k, hunk in enumerate(hunks, 1):
         at, size, relaxed = locate_hunk(lines, hunk, cursor, shown, k)
         edits.append((at, size, hunk_result(lines, hunk, at, relaxed)))
-        cursor = at + size
-    for at, size, new in reversed(edits):
+        if size or hunk.headers:
+            cursor = at + size                  # a bare addition (at the end) moves no later hunk's search
+    for at, size, new in sorted(edits, key=lambda e: e[0], reverse=True):
         lines[at:at + size] = new
     return nl.join(lines) + (nl if lines and (final or not text) else "")
 
@@ -6076,11 +6227,8 @@ def plan_patch(session, ctx, ops):
         real = resolve_checked(session, ctx, shown)
         plan.claim(real, shown)
         if op[0] == "add":
-            if os.path.lexists(real):
-                raise ToolError(INVALID_INPUT, "*** Add File: %s, but it exists; use *** Update File: to change"
-                                " it; nothing was written" % shown)
             data = encode_text("\n".join(op[2]) + "\n" if op[2] else "", "input")
-            plan.writes.append((real, shown, data, 0o644, None))
+            plan.writes.append((real, shown, data, 0o644, overwritten(session, ctx, real, shown)))
             plan.summary.append("A " + shown)
             continue
         existing_or_missing(real, shown, "*** %s File" % op[0].title())
@@ -6095,14 +6243,24 @@ def plan_patch(session, ctx, ops):
             if move:
                 target = resolve_checked(session, ctx, move, "*** Move to")
                 plan.claim(target, move)
-                if os.path.lexists(target):
-                    raise ToolError(INVALID_INPUT, "*** Move to: %s, but it exists; nothing was written" % move)
-                plan.writes += [(target, move, data, stat.S_IMODE(st.st_mode), None), (real, shown, None, None, before)]
+                plan.writes += [(target, move, data, stat.S_IMODE(st.st_mode), overwritten(session, ctx, target, move)),
+                                (real, shown, None, None, before)]
                 plan.summary.append("R %s -> %s" % (shown, move))
             else:
                 plan.writes.append((real, shown, data, None, before))
                 plan.summary.append("M " + shown)
     return plan
+
+
+def overwritten(session, ctx, real, shown):
+    """What an Add File or Move to replaces: None where nothing is, else its (bytes,
+    stat) - as Codex does, but only a file this session has seen unchanged
+    (create_file's rule: FILE_NOT_VIEWED, FILE_CHANGED)."""
+    if existing_kind(real, shown) is None:
+        return None
+    require_viewed(session, ctx, real, shown)
+    check_unchanged(session, ctx, real, shown)
+    return read_regular(real, shown, ctx.config.max_file_size)
 
 
 def existing_or_missing(real, shown, section):
@@ -6203,7 +6361,15 @@ def tool_apply_patch(session, args, ctx):
             locks.enter_context(ctx.files.lock(real))
         plan = plan_patch(session, ctx, ops)
         run_plan(session, ctx, plan)
-    return "Success. Updated the following files:\n" + "\n".join(plan.summary)
+    changes, warnings = {}, []
+    for real, shown, data, mode, before in plan.writes:
+        old = before[0] if before else None
+        changes[real] = (old, stat.S_IMODE(before[1].st_mode) if before else None,
+                         digest_of(data) if data is not None else None)
+        if data is not None:
+            warnings.append(parse_warning(real, old, data))
+    session.remember_edit("apply_patch", changes)
+    return "Success. Updated the following files:\n" + "\n".join(plan.summary) + "".join(warnings)
 
 
 ###############################################################################
@@ -6391,9 +6557,9 @@ def tool_notebook_edit(session, args, ctx):
             raise ToolError(INVALID_INPUT, "%s is not a notebook that can be edited: %s" % (shown, e))
         k = find_cell(cells, args, shown, mode)
         updated = edit_cells(text, cells, spans, array_end, k, mode, args, shown)
-        note = write_checked(session, ctx, real, shown, encode_text(updated, "new_source"))
+        note = write_checked(session, ctx, real, shown, encode_text(updated, "new_source"), "notebook_edit")
     done = {"replace": "Replaced cell %d", "insert": "Inserted a cell as cell %d", "delete": "Deleted cell %d"}[mode]
-    return done % (k + 2 if mode == "insert" else k + 1) + " of %s%s" % (shown, note)
+    return done % (k + 2 if mode == "insert" else k + 1) + " of %s%s%s" % (shown, note, ctx.parse_note)
 
 
 def find_cell(cells, args, shown, mode):
@@ -7326,7 +7492,7 @@ def tool_write_file(session, args, ctx):
                               % (change, path), FILE_CHANGED)
         try:
             existing_kind(real, path)                   # refuses FIFOs and devices
-            write_checked(session, ctx, real, path, data)
+            write_checked(session, ctx, real, path, data, "write_file")
         except ToolError as e:
             raise workspace_error(e, path, "写入")
     return "成功：已写入 %s" % path
