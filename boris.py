@@ -73,7 +73,7 @@ SNIFF_BYTES = 8192                         # header read for binary/image sniffi
 LISTING_DEPTH = 2                          # view of a directory
 LISTING_MAX_ENTRIES = 1000
 SKIP_DIRS = frozenset((".git", "node_modules"))     # never listed by view nor walked by a search
-MISS_CONTEXT_LINES = 12                    # lines of the closest region a str_replace miss shows
+MISS_CONTEXT_LINES = 60                    # lines of the closest region a str_replace miss shows
 MISS_WINDOW_LINES = 60                     # the closest-match help locates old_str by this many lines
 MISS_CANDIDATES = 20                       # ... scores this many candidate places
 MISS_SCAN_LINES = 50000                    # ... and compares at most this many lines one by one
@@ -5423,18 +5423,46 @@ def best_window(lines, want, starts, cancelled):
 
 
 def region_report(region, want, at, best, what):
-    """The closest region (starting at line index `at`) and how `want` differs from it."""
+    """The closest region (starting at line index `at`) in full, so that it can be copied,
+    what differs in whitespace line by line, and a diff numbered with the file's lines."""
     import difflib
+    ws = [whitespace_difference(f, w, at + k + 1) for k, (f, w) in enumerate(zip(region, want))
+          if f != w and f.strip() == w.strip()]
+    ws = [d for d in ws if d]
+    hint = ""
     if [l.strip() for l in region] == [w.strip() for w in want]:
-        hint = " They differ only in indentation or trailing spaces: copy the whitespace exactly."
-    else:
-        hint = ""
-    diff = list(difflib.unified_diff([l[:200] for l in region], [w[:200] for w in want], "file", what, n=0,
-                                     lineterm=""))[2:]
+        hint = " They differ only in indentation or trailing spaces: copy the whitespace from the lines below."
     shown = number_lines([clip_line(l)[:200] for l in region[:MISS_CONTEXT_LINES]], at + 1)
-    return ("\nThe closest text is at lines %d-%d (%d%% similar):%s\n%s\nHow %s differs (- file, + %s):\n%s"
-            % (at + 1, at + len(region), int(best * 100), hint, shown, what, what,
-               "\n".join(d[:200] for d in diff[:MISS_CONTEXT_LINES])))
+    diff = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, region, want, autojunk=False).get_opcodes():
+        if tag != "equal":
+            diff += ["-%6d\t%s" % (at + i + 1, visible(region[i])[:200]) for i in range(i1, i2)]
+            diff += ["+%6s\t%s" % ("", visible(want[j])[:200]) for j in range(j1, j2)]
+    return ("\nThe closest text is at lines %d-%d (%d%% similar):%s\n%s%s\nHow %s differs (- file line, + %s; a"
+            " trailing space shows as \u00b7, a tab as \u2192):\n%s"
+            % (at + 1, at + len(region), int(best * 100), hint, shown,
+               ("\n" + "\n".join(ws[:MISS_CONTEXT_LINES])) if ws else "", what, what,
+               "\n".join(diff[:2 * MISS_CONTEXT_LINES])))
+
+
+def whitespace_difference(file_line, want_line, number):
+    """What differs between two lines that are equal but for whitespace, in words."""
+    fl, wl = leading(file_line), leading(want_line)
+    says = []
+    if fl != wl:
+        kind = lambda s: ("%d tab%s" % (s.count("\t"), "" if s.count("\t") == 1 else "s") if "\t" in s else
+                          "%d space%s" % (len(s), "" if len(s) == 1 else "s") if s else "no indentation")
+        says.append("the file indents with %s, old_str with %s" % (kind(fl), kind(wl)))
+    ft, wt = trailing(file_line), trailing(want_line)
+    if ft != wt:
+        says.append("the file has %d trailing space%s, old_str %d" % (len(ft), "" if len(ft) == 1 else "s", len(wt)))
+    return "line %d: %s" % (number, "; ".join(says)) if says else ""
+
+
+def visible(line):
+    """A line of a miss's diff with its trailing spaces and its tabs made visible."""
+    body = line.rstrip(" ")
+    return body.replace("\t", "\u2192") + "\u00b7" * (len(line) - len(body))
 
 
 def candidate_starts(lines, want, cancelled):
@@ -6204,51 +6232,83 @@ def patched_text(text, hunks, shown):
 
 
 class PatchPlan(object):
-    """What a patch will do, every path resolved and checked, every hunk located:
-    writes [(real, shown, data or None to delete, mode of a new file, what the path
-    holds now: (bytes, stat) or None)] and the summary lines A/M/D/R."""
+    """What a patch will do, every path resolved and checked, every hunk located,
+    sections applied in order to what the sections before left (a file may come
+    twice): writes [(real, shown, data or None to delete, mode of a new file, what the
+    path holds now: (bytes, stat) or None)] and the summary lines A/M/D/R."""
 
-    def __init__(self):
-        self.writes, self.summary, self.paths = [], [], set()
+    def __init__(self, session, ctx):
+        self.session, self.ctx = session, ctx
+        self.summary, self.order = [], []
+        self.now = {}                   # real -> bytes as the sections so far leave it (None: no file)
+        self.before = {}                # real -> (bytes, stat) on disk before the patch, or None
+        self.shown, self.modes = {}, {}
 
-    def claim(self, real, shown):
-        """Note that a section changes `real`; INVALID_INPUT when another section already does."""
-        if real in self.paths:
-            raise ToolError(INVALID_INPUT, "%s appears twice in the patch; put all its changes in one section"
-                            % shown)
-        self.paths.add(real)
+    def current(self, real, shown, section, overwrite=False):
+        """What `real` holds as the sections so far leave it: bytes, or None when there
+        is no file (an Update or Delete then refuses, PATH_NOT_FOUND)."""
+        if real not in self.now:
+            self.order.append(real)
+            self.shown[real] = shown
+            if overwrite:
+                self.before[real] = overwritten(self.session, self.ctx, real, shown)
+            elif existing_or_missing(real, shown, section) is not None:
+                self.before[real] = read_regular(real, shown, self.ctx.config.max_file_size)
+            self.now[real] = self.before[real][0] if self.before[real] else None
+        if self.now[real] is None and not overwrite:
+            raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist (an earlier section of the patch removed it);"
+                            " nothing was written" % (section, shown))
+        return self.now[real]
+
+    def put(self, real, data, mode=None):
+        """Note what `real` holds after a section."""
+        self.now[real] = data
+        if mode is not None:
+            self.modes[real] = mode
+
+    @property
+    def writes(self):
+        """The writes that take every touched file to its final state (a file made
+        and removed again in one patch is left alone)."""
+        out = []
+        for real in self.order:
+            data, before = self.now[real], self.before.get(real)
+            if data is None and before is None:
+                continue
+            mode = self.modes.get(real, 0o644) if before is None else None
+            out.append((real, self.shown[real], data, mode, before))
+        return sorted(out, key=lambda w: w[2] is None)          # writes first, then removals
 
 
 def plan_patch(session, ctx, ops):
     """A PatchPlan of parsed `ops`: nothing is touched yet."""
-    plan = PatchPlan()
+    plan = PatchPlan(session, ctx)
     for op in ops:
         shown = op[1]
         real = resolve_checked(session, ctx, shown)
-        plan.claim(real, shown)
         if op[0] == "add":
-            data = encode_text("\n".join(op[2]) + "\n" if op[2] else "", "input")
-            plan.writes.append((real, shown, data, 0o644, overwritten(session, ctx, real, shown)))
+            plan.current(real, shown, "*** Add File", overwrite=True)
+            plan.put(real, encode_text("\n".join(op[2]) + "\n" if op[2] else "", "input"), 0o644)
             plan.summary.append("A " + shown)
             continue
-        existing_or_missing(real, shown, "*** %s File" % op[0].title())
-        before = read_regular(real, shown, ctx.config.max_file_size)          # (bytes, stat): kept for a rollback
+        section = "*** %s File" % op[0].title()
+        text = plan.current(real, shown, section)
         if op[0] == "delete":
-            plan.writes.append((real, shown, None, None, before))
+            plan.put(real, None)
             plan.summary.append("D " + shown)
+            continue
+        _, _, move, hunks = op
+        data = encode_text(patched_text(text.decode("utf-8", "surrogateescape"), hunks, shown), "input")
+        if move:
+            target = resolve_checked(session, ctx, move, "*** Move to")
+            st = plan.before[real][1] if plan.before.get(real) else None
+            plan.current(target, move, "*** Move to", overwrite=True)
+            plan.put(target, data, stat.S_IMODE(st.st_mode) if st else 0o644)
+            plan.put(real, None)
+            plan.summary.append("R %s -> %s" % (shown, move))
         else:
-            _, _, move, hunks = op
-            st = before[1]
-            data = encode_text(patched_text(before[0].decode("utf-8", "surrogateescape"), hunks, shown), "input")
-            if move:
-                target = resolve_checked(session, ctx, move, "*** Move to")
-                plan.claim(target, move)
-                plan.writes += [(target, move, data, stat.S_IMODE(st.st_mode), overwritten(session, ctx, target, move)),
-                                (real, shown, None, None, before)]
-                plan.summary.append("R %s -> %s" % (shown, move))
-            else:
-                plan.writes.append((real, shown, data, None, before))
-                plan.summary.append("M " + shown)
+            plan.put(real, data)
+            plan.summary.append("M " + shown)
     return plan
 
 

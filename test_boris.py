@@ -3799,7 +3799,7 @@ class TestStrReplace(NoViewBase):
                           old_str="def total(xs):\n    s = 0\n    for x in xs:\n        s += x * 2\n")
         self.assertIn("The closest text is at lines 5-8", text)
         self.assertIn("     8\t        s += x", text)
-        self.assertIn("-        s += x\n+        s += x * 2", text)
+        self.assertIn("-     8\t        s += x\n+      \t        s += x * 2", text)          # numbered as the file is
 
     def test_miss_names_whitespace_and_line_number_prefixes(self):
         self.write("w.py", "if x:\n    go()\n    stop()\n")       # two indentations of old_str for one of the file
@@ -3885,6 +3885,26 @@ class TestOneMatcher(NoViewBase):
         self.assertEqual(self.read("s.py"), b"def f():\n    a = 2\n    return a\n")
 
 
+class TestMissesThatTeach(NoViewBase):
+    """Issue 31.3: a miss says which whitespace differs (tabs against spaces, trailing
+    spaces shown as a mark), numbers its diff with the file's own lines, and shows the
+    closest region whole, so old_str can be copied from it."""
+
+    def test_a_deep_miss(self):
+        body = "".join("x%d = %d\n" % (k, k) for k in range(100))
+        block = "".join("\tstep_%d()  \n" % k for k in range(20))
+        self.write("deep.py", body + "def run():\n" + block)
+        old = "def run():\n" + "".join("    step_%d()\n" % k for k in range(19)) + "    step_99()\n"
+        text = self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="deep.py", old_str=old, new_str="x")
+        self.assertIn("The closest text is at lines 101-121", text)
+        self.assertIn("   120\t\tstep_18()", text)                       # the region whole, as view numbers it
+        self.assertIn("line 102: the file indents with 1 tab, old_str with 4 spaces; the file has 2 trailing"
+                      " spaces, old_str 0", text)
+        self.assertIn("-   121\t\u2192step_19()\u00b7\u00b7", text)        # numbered with the file's lines
+        self.assertIn("+      \t    step_99()", text)
+        self.assertLess(len(text), 30000)
+
+
 class TestCodexFixtures(Base):
     """Issue 31.2: Codex's own apply_patch fixtures (../shared/conformance), with
     view-before-edit on: every one lands as Codex's expected/ says, but for the two
@@ -3948,6 +3968,12 @@ class TestPatchesAsCodexReadsThem(NoViewBase):
         for patch in patches:
             self.ok("apply_patch", input=patch)
         self.assertEqual(self.read("f.txt"), b"one\ntwo\nTHREE\n")
+
+    def test_the_same_file_twice_applies_in_order(self):
+        self.write("h.txt", "a\nb\n")
+        self.ok("apply_patch", input="*** Begin Patch\n*** Update File: h.txt\n-a\n+A\n*** Update File: h.txt\n"
+                                     "-A\n+AA\n b\n*** Add File: i.txt\n+i\n*** Update File: i.txt\n-i\n+I\n*** End Patch")
+        self.assertEqual((self.read("h.txt"), self.read("i.txt")), (b"AA\nb\n", b"I\n"))
 
     def test_a_bare_addition_then_a_hunk_at_the_top(self):
         self.write("g.txt", "a\nb\nc\n")
@@ -4482,8 +4508,8 @@ class TestApplyPatch(NoViewBase):
                  ("*** Update File: dup.txt\n-x = 1\n+x = 2", "STR_REPLACE_AMBIGUOUS", "at lines 1, 3"),
                  ("*** Update File: keep.py\n@@ def c():\n-    return 2\n+    return 3", "STR_REPLACE_NOT_FOUND",
                   "header line 'def c():' was not found"),
-                 ("*** Update File: keep.py\n-    return 2\n+x\n*** Update File: keep.py\n-x\n+y", "INVALID_INPUT",
-                  "keep.py appears twice"))
+                 ("*** Delete File: dup.txt\n*** Update File: dup.txt\n-y\n+w", "PATH_NOT_FOUND",
+                  "an earlier section of the patch removed it"))
         for body, code, words in cases:
             text = self.fails("apply_patch", code, input="*** Begin Patch\n%s\n*** End Patch\n" % body)
             self.assertIn(words, text)
