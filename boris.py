@@ -9,9 +9,33 @@ web fetch, in one Python file with no dependencies (Python 3.8+, standard librar
     python3 boris.py --help               # every flag, with its environment variable
 
 The file reads top to bottom as layers, each under a banner, each using only the
-layers above it: limits, errors, configuration, paths, files, search, shell, web,
-session, tools, protocol, transports, main. Heavy standard-library modules that only
-some calls need are imported inside the functions that use them.
+layers above it:
+
+    Limits and constants   every number a user or a model can meet
+    Errors                 the error codes, ToolError, the log
+    Configuration          FLAGS (flag, env, default, kind, help), parse_config, --help
+    Paths                  PathPolicy: resolve, then check allow/deny (case as the volume folds it)
+    Files                  the one opener, the one atomic writer, line reading, sniffing
+    Child processes        spawn, the reaper, killing a call's leftovers
+    Search                 one walker, the glob compiler, the grep engine, helper processes
+    Shell                  the command runner, pump, the sandbox (Landlock, seccomp) and its launcher
+    Web                    fetch with vetted addresses, HTML to Markdown
+    Session                one client's cwd, viewed files, tasks, undo history
+    Tools: building blocks the registry (@tool), schema helpers, CallContext
+    Tools: view            view of files, directories, images
+    Tools: edits           str_replace, multi_edit, create_file, undo_edit, the compat editor; the one matcher
+    Tools: apply_patch     Codex's patch format, read, planned, written all or none
+    Tools: notebooks       .ipynb rendering and notebook_edit
+    Tools: shell           bash and the task tools
+    Tools: search          grep, glob, search_text, search_files
+    Tools: workspace       read_file, write_file, list_directory, web_fetch (fixed Chinese answers)
+    Protocol               McpServer: JSON-RPC dispatch, argument checks, the worker pool
+    Transports             stdio, and streamable HTTP (sessions, auth, CORS)
+    main                   configure, serve
+
+A tool's description, schema and handler stand together in its section, registered by
+@tool where they are defined: adding a tool touches one section. Heavy standard-library
+modules that only some calls need are imported inside the functions that use them.
 
 Constants follow one rule: a number a user or a model can meet (a limit, a size, a
 timeout, in an answer, a message or a flag) is at the top, under Limits; one that only
@@ -5706,6 +5730,12 @@ def replace_text(text, old, new, replace_all, shown, cancelled=None):
                         % (count, shown, match_lines(text, old)))
     if count:
         return replaced(text, old, new), count, text.find(old), how
+    return replace_lines(text, old, new, replace_all, shown, cancelled)
+
+
+def replace_lines(text, old, new, replace_all, shown, cancelled=None):
+    """replace_text's relaxed levels: `old` as whole lines found by find_lines, `new`
+    merged in by merged_lines; the same answer as replace_text."""
     lines = text.split("\n")
     plain = [l[:-1] if l.endswith("\r") else l for l in lines]
     want = old.replace("\r\n", "\n").split("\n")
