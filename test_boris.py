@@ -2100,6 +2100,26 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
              "c.c", "a.c", "m.o", "important.o", "dir", "sub", "z", "aXb", "axyb", "foo", "1.txt", "!bang",
              "\u00e9a.txt", "\u00e9.dat", "q.dat", "t.tmp", "deep", "n1", "plain", "]x", "lib.a"]
 
+    def make_tree(self, rng, tmp, rels):
+        """Write the files `rels` under tmp (skipping one a file or directory already
+        blocks) and .gitignore files of random patterns at the top and in two of their
+        directories; the files written."""
+        written = []
+        for rel in rels:
+            p = os.path.join(tmp, rel)
+            parents = [os.path.join(tmp, *rel.split("/")[:k]) for k in range(1, rel.count("/") + 1)]
+            if os.path.isdir(p) or any(os.path.isfile(q) for q in parents) or rel in written:
+                continue
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            with open(p, "w") as f:
+                f.write("x\n")
+            written.append(rel)
+        dirs = sorted(set(os.path.dirname(r) for r in written))
+        for d in [""] + rng.sample(dirs, min(2, len(dirs))):
+            with open(os.path.join(tmp, d, ".gitignore"), "w", encoding="utf-8") as f:
+                f.write("\n".join(rng.sample(self.PATTERNS, rng.randint(3, 7))) + "\n")
+        return written
+
     def git_files(self, top):
         out = subprocess.run(["git", "-C", top, "ls-files", "-co", "--exclude-standard", "-z"],
                              capture_output=True).stdout
@@ -2120,21 +2140,7 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
             nested = "vendor/lib" if trial % 4 == 0 else None
             if nested:
                 files |= set("%s/%s" % (nested, rng.choice(self.NAMES)) for _ in range(6))
-            written = []
-            for rel in sorted(files, key=len):
-                p = os.path.join(tmp, rel)
-                if any(os.path.isfile(os.path.join(tmp, *rel.split("/")[:k])) for k in range(1, rel.count("/") + 1)):
-                    continue
-                if os.path.isdir(p):
-                    continue
-                os.makedirs(os.path.dirname(p), exist_ok=True)
-                with open(p, "w") as f:
-                    f.write("x\n")
-                written.append(rel)
-            dirs = sorted(set(os.path.dirname(r) for r in written))
-            for d in [""] + rng.sample(dirs, min(2, len(dirs))):
-                with open(os.path.join(tmp, d, ".gitignore"), "w", encoding="utf-8") as f:
-                    f.write("\n".join(rng.sample(self.PATTERNS, rng.randint(3, 7))) + "\n")
+            self.make_tree(rng, tmp, sorted(files, key=len))
             expected = set(self.git_files(tmp))
             if nested:
                 top = os.path.join(tmp, nested)
@@ -2167,21 +2173,9 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
         for trial in range(30):
             tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-ng-"))
             self.addCleanup(shutil.rmtree, tmp, True)
-            written = []
-            for _ in range(rng.randint(10, 30)):
-                rel = "/".join(rng.choice(self.NAMES) for _ in range(rng.randint(1, 3)))
-                p = os.path.join(tmp, rel)
-                parents = [os.path.join(tmp, *rel.split("/")[:k]) for k in range(1, rel.count("/") + 1)]
-                if os.path.isdir(p) or any(os.path.isfile(q) for q in parents) or rel in written:
-                    continue
-                os.makedirs(os.path.dirname(p), exist_ok=True)
-                with open(p, "w") as f:
-                    f.write("x\n")
-                written.append(rel)
-            dirs = sorted(set(os.path.dirname(r) for r in written))
-            for d in [""] + rng.sample(dirs, min(2, len(dirs))):
-                with open(os.path.join(tmp, d, ".gitignore"), "w", encoding="utf-8") as f:
-                    f.write("\n".join(rng.sample(self.PATTERNS, rng.randint(3, 7))) + "\n")
+            rels = ["/".join(rng.choice(self.NAMES) for _ in range(rng.randint(1, 3)))
+                    for _ in range(rng.randint(10, 30))]
+            dirs = sorted(set(os.path.dirname(r) for r in self.make_tree(rng, tmp, rels)))
             policy = boris.PathPolicy([], [], tmp)
             ours = set(p[len(tmp) + 1:] for p, _, d, _ in boris.Walker(tmp, policy, False) if not d)
             sub = next((d for d in dirs if d and "/" not in d), None)
