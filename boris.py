@@ -6242,9 +6242,10 @@ def searched_from(cursor):
     return " (searching from line %d, after the hunks before it)" % (cursor + 1) if cursor else ""
 
 
-def patched_text(text, hunks, shown):
+def patched_text(text, hunks, shown, notes=None):
     """`text` with every hunk applied in order, line endings kept (a CRLF file stays
-    CRLF), or the ToolError of the first hunk that does not apply."""
+    CRLF), or the ToolError of the first hunk that does not apply; `notes` gets a line
+    for each hunk found at a relaxed level."""
     nl = "\r\n" if "\r\n" in text else "\n"
     final = text.endswith(nl) or text == ""
     lines = text.split(nl)
@@ -6254,6 +6255,8 @@ def patched_text(text, hunks, shown):
     for k, hunk in enumerate(hunks, 1):
         at, size, relaxed = locate_hunk(lines, hunk, cursor, shown, k)
         edits.append((at, size, hunk_result(lines, hunk, at, relaxed)))
+        if relaxed and notes is not None:
+            notes.append("hunk %d matched %s" % (k, relaxed))
         if size or hunk.headers:
             cursor = at + size                  # a bare addition (at the end) moves no later hunk's search
     for at, size, new in sorted(edits, key=lambda e: e[0], reverse=True):
@@ -6328,17 +6331,19 @@ def plan_patch(session, ctx, ops):
             plan.summary.append("D " + shown)
             continue
         _, _, move, hunks = op
-        data = encode_text(patched_text(text.decode("utf-8", "surrogateescape"), hunks, shown), "input")
+        matched = []
+        data = encode_text(patched_text(text.decode("utf-8", "surrogateescape"), hunks, shown, matched), "input")
+        how = " (%s)" % "; ".join(matched) if matched else ""
         if move:
             target = resolve_checked(session, ctx, move, "*** Move to")
             st = plan.before[real][1] if plan.before.get(real) else None
             plan.current(target, move, "*** Move to", overwrite=True)
             plan.put(target, data, stat.S_IMODE(st.st_mode) if st else 0o644)
             plan.put(real, None)
-            plan.summary.append("R %s -> %s" % (shown, move))
+            plan.summary.append("R %s -> %s%s" % (shown, move, how))
         else:
             plan.put(real, data)
-            plan.summary.append("M " + shown)
+            plan.summary.append("M %s%s" % (shown, how))
     return plan
 
 

@@ -3870,9 +3870,10 @@ class TestOneMatcher(NoViewBase):
 
     def test_apply_patch_lands_in_the_files_indentation(self):
         self.write("t.py", "class A:\n\tdef f(self):\n\t\treturn 1\n")
-        self.ok("apply_patch", input="*** Begin Patch\n*** Update File: t.py\n@@ class A:\n     def f(self):\n"
+        self.last = self.ok("apply_patch", input="*** Begin Patch\n*** Update File: t.py\n@@ class A:\n     def f(self):\n"
                                      "-        return 1\n+        if x:\n+            return 2\n+        return 1\n*** End Patch")
         self.assertEqual(self.read("t.py"), b"class A:\n\tdef f(self):\n\t\tif x:\n\t\t\treturn 2\n\t\treturn 1\n")
+        self.assertIn("M t.py (hunk 1 matched ignoring indentation)", self.last)
         self.write("s.py", "def f():\n    a = 1\n    return a\n")             # the patch shifted by two columns
         self.ok("apply_patch", input="*** Begin Patch\n*** Update File: s.py\n   def f():\n-      a = 1\n+      a = 2\n"
                                      "       return a\n*** End Patch")
@@ -4003,6 +4004,14 @@ class TestUndoEdit(NoViewBase):
         self.assertFalse(os.path.exists(self.path("new.txt")))
         self.assertFalse(os.path.exists(self.path("moved/m.txt")))
         self.assertEqual((self.read("gone.txt"), self.read("old/m.txt")), (b"g\n", b"m\n"))
+
+    def test_notebook_edit_comes_back(self):
+        self.write("n.ipynb", sample_notebook())
+        before = self.read("n.ipynb")
+        self.ok("notebook_edit", path="n.ipynb", cell_number=1, new_source="x = 2")
+        self.assertNotEqual(self.read("n.ipynb"), before)
+        self.ok("undo_edit", path="n.ipynb")
+        self.assertEqual(self.read("n.ipynb"), before)
 
     def test_refused_after_an_outside_change_and_after_a_failed_edit(self):
         self.write("o.txt", "one\n")
