@@ -5304,24 +5304,31 @@ def write_checked(session, ctx, real, shown, data, tool="edit"):
     if len(data) > limit:
         raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s (--max-file-size);"
                         " nothing was written" % (shown, human_size(len(data)), human_size(limit)))
-    before, mode = file_bytes(real)
+    try:
+        before, mode = file_bytes(real, limit)
+        kept = True
+    except ToolError:
+        before, mode, kept = None, None, False       # over the limit (or not a file): no undo for this one
     try:
         atomic = atomic_write(real, data, ctx.files)
         session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
     except OSError as e:
         raise io_error(e, shown)
-    session.remember_edit(tool, {real: (before, mode, digest_of(data))})
-    ctx.parse_note = parse_warning(real, before, data)
+    if kept:
+        session.remember_edit(tool, {real: (before, mode, digest_of(data))})
+        ctx.parse_note = parse_warning(real, before, data)
     return "" if atomic else " (rewritten in place: its directory refuses new files or renames)"
 
 
-def file_bytes(real):
-    """(content, permission bits) of the file at `real`, or (None, None) when there is none."""
+def file_bytes(real, limit):
+    """(content, permission bits) of the regular file at `real` (the one opener: a FIFO
+    or device put there is refused, never read), or (None, None) when nothing is there."""
     try:
-        with open(real, "rb") as f:
-            return f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+        os.lstat(real)
     except (FileNotFoundError, NotADirectoryError):
         return None, None
+    data, st = read_regular(real, real, limit)
+    return data, stat.S_IMODE(st.st_mode)
 
 
 def parse_warning(real, before, after):
@@ -5958,7 +5965,7 @@ def tool_undo_edit(session, args, ctx):
         for path in sorted(changes):
             locks.enter_context(ctx.files.lock(path))
         for path, (before, mode, after) in sorted(changes.items()):
-            now = file_bytes(path)[0]
+            now = file_bytes(path, ctx.config.max_file_size)[0]
             if (now is None) != (after is None) or (now is not None and digest_of(now) != after):
                 raise ToolError(FILE_CHANGED, "%s changed since this session's %s of it (by something else), so"
                                 " undo_edit would lose that; nothing was undone. View it and edit it instead"
