@@ -5685,17 +5685,18 @@ def merged_lines(region, want, new_lines, norm, crlf):
     mapping = indent_map(want, plain) or {}
     tail = ""                       # matched ignoring trailing spaces: a new line ends as the file's line above
     out = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, [norm(x) for x in want], [norm(x) for x in new_lines],
+    same = lambda x: leading(x) + norm(x).strip()          # old_str and new_str share their indentation
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, [same(x) for x in want], [same(x) for x in new_lines],
                                                        autojunk=False).get_opcodes():
         if tag == "equal":
             out += region[i1:i2]
             tail = trailing(plain[i2 - 1])
             continue
-        kept = dict((norm(want[i]), i) for i in range(i1, i2))            # a line the edit left alone
+        kept = dict((same(want[i]), i) for i in range(i1, i2))            # a line the edit left alone
         for x in new_lines[j1:j2]:
-            if norm(x) in kept and norm(x).strip():
-                out.append(region[kept[norm(x)]])
-                tail = trailing(plain[kept[norm(x)]])
+            if same(x) in kept and x.strip():
+                out.append(region[kept[same(x)]])
+                tail = trailing(plain[kept[same(x)]])
             else:
                 x = with_indent(x, mapping)
                 if norm is str.rstrip and x.strip() and x == x.rstrip():

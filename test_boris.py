@@ -4089,8 +4089,11 @@ class SlipCampaign(object):
         self.files = []
         for name in sorted(os.listdir(lib)):
             if name.endswith(".py"):
-                with open(os.path.join(lib, name), encoding="utf-8", errors="replace") as f:
-                    text = f.read()
+                try:
+                    with open(os.path.join(lib, name), encoding="utf-8", errors="replace") as f:
+                        text = f.read()
+                except OSError:
+                    continue                              # a dangling link (Debian's sitecustomize.py)
                 if "\t" not in text and "\r" not in text and 200 < text.count("\n") < 3000:
                     self.files.append(text)
 
