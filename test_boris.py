@@ -2506,9 +2506,12 @@ class TestInteractiveTasks(NoViewBase):
     def test_ctrl_c_on_a_tty_stops_the_command_and_the_shell_lives(self):
         tid = self.start("PS1='$ ' bash --norc --noprofile -i", tty=True)
         self.assertIn("$ ", self.ok("task_output", task_id=tid, wait_for=r"\$ ", wait_ms=10000))   # a prompt: ready
-        text = self.ok("task_input", task_id=tid, input="echo started; sleep 30; echo not-reached\n",
+        mark = unique_sleep()
+        self.addCleanup(lambda: [os.kill(pid, signal.SIGKILL) for pid in procs_with(mark)])
+        text = self.ok("task_input", task_id=tid, input="echo started; sleep %s; echo not-reached\n" % mark,
                        wait_for="started\n", wait_ms=10000)
-        self.assertIn("started", text)                                                # the command runs
+        self.assertIn("started", text)
+        self.assertTrue(wait_until(lambda: procs_with(mark), 10))    # exec'd: the terminal is its group's now
         text = self.ok("task_input", task_id=tid, input="\u0003", wait_for=r"\$ $", wait_ms=10000)
         self.assertRegex(text, r"\$ $")                                               # back at the prompt
         text = self.ok("task_input", task_id=tid, input="echo alive-$((40+2))\n", wait_for="alive-42", wait_ms=10000)
