@@ -3577,6 +3577,7 @@ class Launchers(object):
         self.sandbox = sandbox
         self.lock = threading.Lock()
         self.spare = None
+        self.closed = False
 
     def start(self, argv, cwd, env, marker):
         """A Popen that becomes `argv`, confined, in `cwd` with `env` (stdin /dev/null)."""
@@ -3595,11 +3596,19 @@ class Launchers(object):
             finally:
                 os.close(proc.control)
             proc.boris_call = marker
+        threading.Thread(target=self.refill, daemon=True, name="boris-launcher-refill").start()
+        return proc
+
+    def refill(self):
+        """Start the next spare, off the path of the command just started (a Python
+        starting beside it); none once closed, or when one is there already."""
+        with self.lock:
+            if self.closed or self.spare is not None:
+                return
             try:
                 self.spare = self.spawn()
             except OSError:
-                self.spare = None
-            return proc
+                self.spare = None  # none to be had now: the next command starts its own
 
     def spawn(self):
         """Start a sandbox launcher that waits on a pipe for the command to run."""
@@ -3618,9 +3627,9 @@ class Launchers(object):
         return proc
 
     def close(self):
-        """Stop the spare launcher, if one is waiting."""
+        """Stop the spare launcher, if one is waiting, and start no more."""
         with self.lock:
-            proc, self.spare = self.spare, None
+            proc, self.spare, self.closed = self.spare, None, True
         if proc is not None:
             os.close(proc.control)                  # its end of input: it exits
             discard_launcher(proc)
