@@ -2424,8 +2424,8 @@ def helper_main(args):
     parent, and becomes the command."""
     kind = args[0] if args else ""
     parent = args[1] if len(args) > 1 else None
-    if kind == "sandbox" and len(args) == 3 and args[2].startswith("@"):
-        return helper_warm_launcher(int(args[2][1:]))
+    if kind == "sandbox" and len(args) in (3, 4) and args[2].startswith("@"):
+        return helper_warm_launcher(int(args[2][1:]), args[3] if len(args) == 4 else None)
     if kind == "sandbox" and len(args) > 3:
         return helper_sandbox(args[2], args[3:])
     job = HELPER_KINDS.get(kind)
@@ -3546,13 +3546,17 @@ def userns_works():
         return False  # no unshare binary: no user namespaces to be had
 
 
-def helper_warm_launcher(fd):
-    """A launcher started ahead: load what confining needs, then wait on pipe `fd` for
-    one JSON line {spec, argv, env} and become that command (helper_sandbox). The end
-    of the pipe without a line (the server stopped, or closed this spare) ends it."""
+def helper_warm_launcher(fd, ahead=None):
+    """A launcher started ahead: confined ahead as the JSON `ahead` says (the spec but
+    its cwd: with the network off, the supervisor is forked now too), then waiting on
+    pipe `fd` for one JSON line {spec, argv, env} to become that command in the spec's
+    cwd. The end of the pipe without a line (the server stopped, or closed this
+    spare) ends it; a spec other than the one it was confined for is refused."""
     _libc()
     for name in ("array", "select", "socket"):          # confine_network's, loaded ahead (socket: ~15 ms)
         __import__(name)
+    if ahead is not None:
+        confined(ahead)
     with os.fdopen(fd, "rb") as control:
         line = control.readline()
     if not line:
@@ -3561,10 +3565,19 @@ def helper_warm_launcher(fd):
         job = json.loads(line.decode("utf-8", "surrogateescape"))
         os.environ.clear()
         os.environ.update(job["env"])
+        cwd = json.loads(job["spec"]).pop("cwd")
+        if ahead is not None and job["spec"] != json.dumps(dict(json.loads(ahead), cwd=cwd)):
+            raise ValueError("a spec other than the one this launcher was confined for")
     except (ValueError, KeyError, TypeError) as e:
         sys.stderr.write("boris: the sandbox launcher got no usable command (%s); nothing was run\n" % e)
         os._exit(SANDBOX_EXIT)
-    return helper_sandbox(job["spec"], job["argv"])
+    if ahead is None:
+        return helper_sandbox(job["spec"], job["argv"])
+    try:
+        os.chdir(cwd)
+    except OSError as e:
+        refuse_to_run(e)
+    os.execv(job["argv"][0], job["argv"])
 
 
 class Launchers(object):
@@ -3583,9 +3596,11 @@ class Launchers(object):
         """A Popen that becomes `argv`, confined, in `cwd` with `env` (stdin /dev/null)."""
         with self.lock:
             proc, self.spare = self.spare, None
-            if proc is None or proc.poll() is not None:
-                if proc is not None:
-                    discard_launcher(proc)
+            if proc is not None and (proc.poll() is not None or proc.ahead != self.sandbox.spec(None)):
+                os.close(proc.control)                  # dead, or confined for settings changed since
+                discard_launcher(proc)
+                proc = None
+            if proc is None:
                 proc = self.spawn()
             try:
                 msg = json.dumps({"spec": self.sandbox.spec(cwd), "argv": argv, "env": env})
@@ -3616,14 +3631,15 @@ class Launchers(object):
         r, w = os.pipe()
         try:
             launcher, private = helper_command("sandbox", avoid=self.sandbox.writable)
-            proc = spawn(launcher + ["@%d" % r], cwd=private, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            ahead = self.sandbox.spec(None)             # confined now, ahead of its command
+            proc = spawn(launcher + ["@%d" % r, ahead], cwd=private, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, start_new_session=True, close_fds=True, pass_fds=(r,))
         except BaseException:
             os.close(w)
             raise
         finally:
             os.close(r)
-        proc.control = w
+        proc.control, proc.ahead = w, ahead
         return proc
 
     def close(self):
@@ -3648,7 +3664,18 @@ def discard_launcher(proc):
 
 
 def helper_sandbox(spec, argv):
-    """The launcher: confine this process as `spec` says, then exec `argv`. Any
+    """The launcher: confine this process as `spec` says, then exec `argv`."""
+    spec = confined(spec)
+    try:
+        os.chdir(spec["cwd"])
+    except OSError as e:
+        refuse_to_run(e)
+    os.execv(argv[0], argv)
+
+
+def confined(spec):
+    """Confine this process as the JSON `spec` says (with the network off, this is the
+    command-to-be once confine_network has forked its supervisor); the spec. Any
     failure ends it with SANDBOX_EXIT and a line on stderr: a command never runs
     less confined than asked."""
     try:
@@ -3665,12 +3692,16 @@ def helper_sandbox(spec, argv):
             if spec["net"]:
                 confine_network(spec, rulesets[0])
             os.close(rulesets[0])
-        os.chdir(spec["cwd"])
     except Exception as e:                      # whatever failed, the command must not run unconfined
-        sys.stderr.write("boris: the sandbox could not be set up (%s); the command was not run\n" % e)
-        sys.stderr.flush()
-        os._exit(SANDBOX_EXIT)
-    os.execv(argv[0], argv)
+        refuse_to_run(e)
+    return spec
+
+
+def refuse_to_run(e):
+    """End a launcher that could not confine its command: a line on stderr, SANDBOX_EXIT."""
+    sys.stderr.write("boris: the sandbox could not be set up (%s); the command was not run\n" % e)
+    sys.stderr.flush()
+    os._exit(SANDBOX_EXIT)
 
 
 def landlock_ruleset(spec):
