@@ -31,7 +31,7 @@ layers above it:
     Tools: workspace       read_file, write_file, list_directory, web_fetch (fixed Chinese answers)
     Protocol               McpServer: JSON-RPC dispatch, argument checks, the worker pool
     Transports             stdio, and streamable HTTP (sessions, auth, CORS)
-    main                   configure, serve
+    main                   flags to config, policy and sandbox; serve
 
 A tool's description, schema and handler stand together in its section, registered by
 @tool where they are defined: adding a tool touches one section. Heavy standard-library
@@ -321,26 +321,6 @@ def in_range(value, low, high, expected):
     return value
 
 
-def as_choice(kind, text):
-    """A `choice:a|b` flag's value, lower-cased."""
-    choices = kind[7:].split("|")
-    if text.lower() not in choices:
-        raise ValueError("expected one of " + ", ".join(choices))
-    return text.lower()
-
-
-def as_bool(kind, text):
-    """A bool or tristate flag's value; `auto` resolves to true in this release."""
-    low = text.lower()
-    if kind == "tristate" and low == "auto":
-        return True
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    raise ValueError("expected true or false" + (" or auto" if kind == "tristate" else ""))
-
-
 # Flag kind -> its parser (text -> value, or ValueError saying what was expected).
 _PARSERS = {
     "str": lambda text: text,
@@ -352,17 +332,29 @@ _PARSERS = {
 }
 
 
-def _convert(flag, kind, raw):
-    """Turn one raw string into the flag's typed value, or raise ConfigError."""
-    text = raw.strip()
-    try:
-        if kind.startswith("choice:"):
-            return as_choice(kind, text)
-        if kind in ("bool", "tristate"):
-            return as_bool(kind, text)
-        return _PARSERS[kind](text)
-    except ValueError as e:
-        raise ConfigError("invalid value %r for --%s: %s" % (raw, flag, e))
+def flag_value(kind, raws):
+    """A flag's typed value from the raw strings given for it: a list flag joins them all
+    (comma-separated too); any other takes the last one: a `choice:a|b` lower-cased, a bool
+    or tristate (`auto` is true in this release), else through _PARSERS. ValueError saying
+    what is expected."""
+    if kind == "list":
+        return [p.strip() for raw in raws for p in raw.split(",") if p.strip()]
+    if not raws:
+        return ""
+    text = raws[-1].strip()
+    if kind.startswith("choice:"):
+        choices = kind[7:].split("|")
+        if text.lower() not in choices:
+            raise ValueError("expected one of " + ", ".join(choices))
+        return text.lower()
+    if kind in ("bool", "tristate"):
+        low = text.lower()
+        if kind == "tristate" and low == "auto" or low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError("expected true or false" + (" or auto" if kind == "tristate" else ""))
+    return _PARSERS[kind](text)
 
 
 def help_text():
@@ -403,29 +395,10 @@ def is_loopback(host):
     return host in LOCAL_HOSTS or re.match(r"^127(\.(25[0-5]|2[0-4]\d|1?\d?\d)){3}$", host) is not None
 
 
-def parse_config(argv, environ):
-    """Build a Config from argv and environ; raise ConfigError on any bad value.
-
-    `--help` and `--version` raise SystemExit(0) after printing (to stdout: the
-    protocol has not started)."""
-    given = given_flags(argv)
-    values = {}
-    for flag, env, default, kind, _ in FLAGS:
-        values[flag] = flag_value(flag, env, default, kind, given, environ)
-    check_config(values)
-    workdir = os.path.abspath(os.path.expanduser(values["workdir"]))
-    if not os.path.isdir(workdir):
-        raise ConfigError("--workdir %r is not a directory" % values["workdir"])
-    values["workdir"] = os.path.realpath(workdir)
-    values["timeout"] = values["timeout"] or 120.0
-    values["sandbox-network"] = {"on": True, "off": False}.get(values["sandbox-network"])
-    return Config(**dict((k.replace("-", "_"), v) for k, v in values.items()))
-
-
 def given_flags(argv):
     """{flag: [raw values, in order]} from argv; --help and --version print and exit."""
     given = {}
-    spec = dict((f[0], f) for f in FLAGS)
+    spec = dict((row[0], row) for row in FLAGS)
     args = iter(argv)
     for arg in args:
         if arg in ("-h", "--help", "-v", "--version"):
@@ -444,33 +417,22 @@ def given_flags(argv):
     return given
 
 
-def flag_raws(flag, env, default, given, environ):
-    """(raw values, where they came from: flag, env or default) of one flag."""
-    if flag in given:
-        return given[flag], "flag"
-    if environ.get(env, "") != "":
-        return [environ[env]], "env"
-    return ([default] if default else []), "default"
+def parse_config(argv, environ):
+    """Build a Config from argv and environ; raise ConfigError on any bad value.
 
-
-def flag_value(flag, env, default, kind, given, environ):
-    """One flag's typed value: the last one given, else its environment variable, else
-    the default; a list flag joins every value given (comma-separated too)."""
-    raws, source = flag_raws(flag, env, default, given, environ)
-    if kind == "list":
-        return [p.strip() for raw in raws for p in raw.split(",") if p.strip()]
-    if not raws:
-        return ""
-    try:
-        return _convert(flag, kind, raws[-1])
-    except ConfigError as e:
-        if source == "env":
-            raise ConfigError("%s (from environment variable %s)" % (e, env))
-        raise
-
-
-def check_config(values):
-    """The checks that involve more than one flag."""
+    A flag's value is the last one given, else its environment variable, else the default;
+    a list flag joins every value given (comma-separated too). `--help` and `--version`
+    raise SystemExit(0) after printing (to stdout: the protocol has not started)."""
+    given = given_flags(argv)
+    values = {}
+    for flag, env, default, kind, _ in FLAGS:
+        from_env = flag not in given and environ.get(env, "") != ""
+        raws = given.get(flag) or ([environ[env]] if from_env else [default] if default else [])
+        try:
+            values[flag] = flag_value(kind, raws)
+        except ValueError as e:
+            raise ConfigError("invalid value %r for --%s: %s%s" % (
+                raws[-1], flag, e, " (from environment variable %s)" % env if from_env else ""))
     if values["token"] and values["generate-token"]:
         raise ConfigError("--token and --generate-token exclude each other: give one of them")
     if values["transport"] == "http" and not (values["token"] or values["generate-token"]) \
@@ -478,6 +440,13 @@ def check_config(values):
         raise ConfigError("--host %s is reachable from other machines, and without a token anyone there could"
                           " run commands: pass --token TOKEN or --generate-token, or bind 127.0.0.1"
                           % values["host"])
+    workdir = os.path.abspath(os.path.expanduser(values["workdir"]))
+    if not os.path.isdir(workdir):
+        raise ConfigError("--workdir %r is not a directory" % values["workdir"])
+    values["workdir"] = os.path.realpath(workdir)
+    values["timeout"] = values["timeout"] or 120.0
+    values["sandbox-network"] = {"on": True, "off": False}.get(values["sandbox-network"])
+    return Config(**dict((k.replace("-", "_"), v) for k, v in values.items()))
 
 ###############################################################################
 # Paths #######################################################################
@@ -491,8 +460,9 @@ POSIX_CLASSES = {"alpha": "a-zA-Z", "digit": "0-9", "alnum": "a-zA-Z0-9", "upper
 
 
 def glob_class(pattern, i):
-    """(regex, index after it) of the bracket expression starting at pattern[i]:
-    ranges, '!'/'^' negation, POSIX classes such as [:digit:], backslash escapes."""
+    """(regex, index after it) of the bracket expression starting at pattern[i]: ranges,
+    '!'/'^' negation, POSIX classes such as [:digit:] (ValueError for an unknown name),
+    backslash escapes; a `-` between two items is a range."""
     n, j = len(pattern), i + 1
     neg = j < n and pattern[j] in "!^"
     j += neg
@@ -500,63 +470,24 @@ def glob_class(pattern, i):
     while True:
         if j >= n:
             raise ValueError("unclosed '[' at position %d" % i)
-        c = pattern[j]
+        c, following = pattern[j], pattern[j + 1:j + 2]
         if c == "]" and items:
             break
         if pattern.startswith("[:", j):
-            item, j = posix_class(pattern, j)
+            k = pattern.find(":]", j + 2)
+            name = pattern[j + 2:k] if k > 0 else ""
+            if name not in POSIX_CLASSES:
+                raise ValueError("unknown character class [:%s:] at position %d (known: %s)"
+                                 % (name, j, ", ".join(sorted(POSIX_CLASSES))))
+            items.append(POSIX_CLASSES[name])
+            j = k + 2
+        elif c == "\\" and following:
+            items.append(re.escape(following))
+            j += 2
         else:
-            item, j = class_char(pattern, j, bool(items))
-        items.append(item)
+            items.append("-" if c == "-" and items and following not in ("]", "") else re.escape(c))
+            j += 1
     return ("[^/%s]" if neg else "[%s]") % "".join(items), j + 1
-
-
-def class_char(pattern, j, after_item):
-    """(regex, index after it) of a bracket expression's character at pattern[j]: a
-    backslash escapes the next one; `-` between two items is a range."""
-    c, following = pattern[j], pattern[j + 1:j + 2]
-    if c == "\\" and following:
-        return re.escape(following), j + 2
-    if c == "-" and after_item and following not in ("]", ""):
-        return "-", j + 1
-    return re.escape(c), j + 1
-
-
-def posix_class(pattern, j):
-    """(regex, index after it) of the `[:name:]` at pattern[j]; ValueError for an unknown name."""
-    k = pattern.find(":]", j + 2)
-    name = pattern[j + 2:k] if k > 0 else ""
-    if name not in POSIX_CLASSES:
-        raise ValueError("unknown character class [:%s:] at position %d (known: %s)"
-                         % (name, j, ", ".join(sorted(POSIX_CLASSES))))
-    return POSIX_CLASSES[name], k + 2
-
-
-def compile_glob(pattern, git=False):
-    """Translate a glob (`*`, `**`, `?`, `[a-z]`, `[!a]`, `[[:digit:]]`, `{a,b}`, `\\x`)
-    to a regex matched against a whole '/'-separated path. Raise ValueError naming the
-    flaw. git=True: gitignore's rules - no braces, and a `**` not bounded by '/' is `*`."""
-    out, i, n, depth = [], 0, len(pattern), 0
-    while i < n:
-        c = pattern[i]
-        if c == "*":
-            rx, i = glob_star(pattern, i, git)
-        elif c == "[":
-            rx, i = glob_class(pattern, i)
-        elif c in "{},":
-            rx, depth = glob_brace(c, depth, git)
-            i += 1
-        elif c == "\\" and i + 1 < n:
-            rx, i = re.escape(pattern[i + 1]), i + 2
-        else:
-            rx, i = ("[^/]" if c == "?" else re.escape(c)), i + 1
-        out.append(rx)
-    if depth:
-        raise ValueError("unclosed '{' (every '{' needs a matching '}')")
-    try:
-        return re.compile("".join(out) + r"\Z", re.DOTALL)
-    except (re.error, RecursionError, OverflowError) as e:
-        raise ValueError(str(e))
 
 
 def glob_star(pattern, i, git):
@@ -572,18 +503,35 @@ def glob_star(pattern, i, git):
     return ".*", i                                 # trailing '/**' : everything below
 
 
-def glob_brace(c, depth, git):
-    """(regex, brace depth after it) of a `{`, `}` or `,`: an alternation's parts
-    (not in gitignore patterns), else the character itself."""
-    if c == "{" and not git:
-        if depth >= MAX_BRACE_DEPTH:
-            raise ValueError("braces nested over %d deep" % MAX_BRACE_DEPTH)
-        return "(?:", depth + 1
-    if c == "}" and depth:
-        return ")", depth - 1
-    if c == "," and depth:
-        return "|", depth
-    return re.escape(c), depth
+def compile_glob(pattern, git=False):
+    """Translate a glob (`*`, `**`, `?`, `[a-z]`, `[!a]`, `[[:digit:]]`, `{a,b}`, `\\x`)
+    to a regex matched against a whole '/'-separated path. Raise ValueError naming the
+    flaw. git=True: gitignore's rules - no braces, and a `**` not bounded by '/' is `*`."""
+    out, i, n, depth = [], 0, len(pattern), 0
+    while i < n:
+        c = pattern[i]
+        i += 1
+        if c == "*":
+            rx, i = glob_star(pattern, i - 1, git)
+        elif c == "[":
+            rx, i = glob_class(pattern, i - 1)
+        elif c == "{" and not git:                 # braces: an alternation (not in gitignore)
+            if depth >= MAX_BRACE_DEPTH:
+                raise ValueError("braces nested over %d deep" % MAX_BRACE_DEPTH)
+            rx, depth = "(?:", depth + 1
+        elif c in "}," and depth:
+            rx, depth = (")", depth - 1) if c == "}" else ("|", depth)
+        elif c == "\\" and i < n:
+            rx, i = re.escape(pattern[i]), i + 1
+        else:
+            rx = "[^/]" if c == "?" else re.escape(c)
+        out.append(rx)
+    if depth:
+        raise ValueError("unclosed '{' (every '{' needs a matching '}')")
+    try:
+        return re.compile("".join(out) + r"\Z", re.DOTALL)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise ValueError(str(e))
 
 
 def pattern_denies(real, globs, names):
@@ -1282,7 +1230,23 @@ def atomic_write(real, data, guards, new_mode=0o644):
     try:
         dfd = open_dir(directory, create=True, made=made)
         try:
-            return write_in(dfd, directory, base, real, data, new_mode, guards)
+            try:
+                st = os.stat(base, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
+            if st is not None and not stat.S_ISREG(st.st_mode):
+                raise not_regular(real, st.st_mode, "replaced; nothing was written")
+            clean_leftovers(dfd, directory, guards)
+            try:
+                replace_file(dfd, base, data, st, new_mode)
+                atomic = True
+            except OSError as e:
+                if st is None or e.errno not in (errno.EACCES, errno.EPERM, errno.EBUSY, errno.EXDEV, errno.EROFS):
+                    raise
+                rewrite_in_place(dfd, base, data, st)
+                atomic = False
+            sync_dir(dfd)
+            return atomic
         finally:
             os.close(dfd)
     except BaseException:
@@ -1294,31 +1258,20 @@ def atomic_write(real, data, guards, new_mode=0o644):
         raise
 
 
-def write_in(dfd, directory, base, real, data, new_mode, guards):
-    """atomic_write's work once the directory is open as `dfd`."""
-    try:
-        st = os.stat(base, dir_fd=dfd, follow_symlinks=False)
-    except FileNotFoundError:
-        st = None
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        raise not_regular(real, st.st_mode, "replaced; nothing was written")
-    clean_leftovers(dfd, directory, guards)
-    try:
-        replace_file(dfd, base, data, st, new_mode)
-        atomic = True
-    except OSError as e:
-        if st is None or e.errno not in (errno.EACCES, errno.EPERM, errno.EBUSY, errno.EXDEV, errno.EROFS):
-            raise
-        rewrite_in_place(dfd, base, data, st)
-        atomic = False
-    sync_dir(dfd)
-    return atomic
-
-
 def replace_file(dfd, base, data, st, new_mode):
     """Write `data` to a new temp file in directory dfd, give it the old file's owner and mode (or
-    `new_mode`), fsync, and rename it over `base`; the temp file goes on any failure."""
-    fd, tmp = open_temp(dfd, base)
+    `new_mode`), fsync, and rename it over `base`; the temp file goes on any failure. The temp
+    file is an unnamed O_TMPFILE where the file system has it, else a named one created
+    exclusively."""
+    fd = tmp = None
+    if hasattr(os, "O_TMPFILE"):
+        try:
+            fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | O_CLOEXEC, 0o600, dir_fd=dfd)
+        except OSError:
+            pass  # no O_TMPFILE on this filesystem: a named temp file below
+    if fd is None:
+        tmp = temp_name(base)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_FILE, 0o600, dir_fd=dfd)
     try:
         write_all(fd, data)
         if st is not None and (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
@@ -1390,64 +1343,43 @@ def temp_name(base):
     return ".%s.boris-%d-%s%s.tmp" % (short, os.getpid(), _RUN_TOKEN, os.urandom(4).hex())
 
 
-def open_temp(dfd, base):
-    """(fd, name or None): an unnamed O_TMPFILE where the file system has it, else a
-    named one created exclusively."""
-    if hasattr(os, "O_TMPFILE"):
-        try:
-            return os.open(".", os.O_TMPFILE | os.O_WRONLY | O_CLOEXEC, 0o600, dir_fd=dfd), None
-        except OSError:
-            pass  # no O_TMPFILE on this filesystem: a named temp file below
-    name = temp_name(base)
-    return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_FILE, 0o600, dir_fd=dfd), name
-
-
-def temp_names(dfd):
-    """The names in directory dfd that look like our temp files (.NAME.tmp); none when
-    it cannot be listed."""
-    try:
-        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC, dir_fd=dfd)
-    except OSError:
-        return []
-    try:
-        with os.scandir(fd) as it:
-            return [e.name for e in it if e.name.startswith(".") and e.name.endswith(".tmp")]
-    except OSError:
-        return []                                  # unlistable: nothing is cleaned, nothing lost
-    finally:
-        os.close(fd)
-
-
 def clean_leftovers(dfd, directory, guards):
     """Remove temp files a killed boris left in this directory (once per directory
-    per run): those of a process that is gone, or of an earlier run with our PID."""
+    per run): those of a process that is gone, or of an earlier run with our PID. A
+    directory that cannot be listed is not cleaned (nothing lost)."""
     try:
         st = os.fstat(dfd)
+        if not guards.first_visit((directory, st.st_dev, st.st_ino)):   # the path too: inodes are reused
+            return
+        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC, dir_fd=dfd)
+        try:
+            with os.scandir(fd) as it:
+                names = [e.name for e in it if e.name.startswith(".") and e.name.endswith(".tmp")]
+        finally:
+            os.close(fd)
     except OSError:
-        return  # an fd we cannot stat: skip cleaning, the write goes on
-    if not guards.first_visit((directory, st.st_dev, st.st_ino)):       # the path too: inodes are reused
-        return
-    for name in temp_names(dfd):
+        return  # an fd we cannot stat or list: skip cleaning, the write goes on
+    for name in names:
         m = re.match(_TEMP_NAME, name, re.DOTALL)
-        if m and is_stale(int(m.group(1)), m.group(2)):
+        if not m:
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid():
+            stale = m.group(2) != _RUN_TOKEN   # ours from an earlier run (same PID again)
+        else:
+            try:
+                os.kill(pid, 0)
+                stale = False
+            except ProcessLookupError:
+                stale = True   # no such process: its temp files are leftovers
+            except OSError:
+                stale = False  # alive, another user's (EPERM): its files are in use
+        if stale:
             try:
                 os.unlink(name, dir_fd=dfd)
             except OSError:
                 pass  # someone else removed it, or may not: left for the next run
 
-
-def is_stale(pid, token):
-    """Whether a temp file made by process `pid` in run `token` is a leftover: that process is gone, or it
-    is ours from an earlier run."""
-    if pid == os.getpid():
-        return token != _RUN_TOKEN
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True  # no such process: its temp files are leftovers
-    except OSError:
-        return False  # alive, another user's (EPERM): its files are in use
-    return False
 
 ###############################################################################
 # Child processes #############################################################
@@ -7711,36 +7643,12 @@ def brief(value, most=80):
         return type(value).__name__
 
 
-def text_flaw(value):
-    """Why a string cannot be taken as text (a NUL, a lone surrogate), or None."""
-    if "\x00" in value:
-        return "contains a NUL character (\\u0000), which no path, command or file text may hold"
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return ("holds a lone surrogate (%s at character %d), which is not Unicode text; send valid UTF-8"
-                % (json.dumps(value[e.start]), e.start))
-    return None
-
-
 JSON_TYPES = {"string": lambda v: isinstance(v, str),
               "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
               "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
               "boolean": lambda v: isinstance(v, bool),
               "array": lambda v: isinstance(v, list),
               "object": lambda v: isinstance(v, dict)}
-
-
-def check_scalar(name, kind, value):
-    """What every string (text: no NUL, no lone surrogate) and integer (within
-    MAX_INT_ARG) argument must be."""
-    if kind == "string":
-        flaw = text_flaw(value)
-        if flaw:
-            raise ToolError(INVALID_INPUT, "argument %r %s" % (name, flaw), detail=name)
-    elif kind == "integer" and abs(value) > MAX_INT_ARG:
-        raise ToolError(INVALID_INPUT, "argument %r is %s, out of range (at most %d either side)"
-                        % (name, brief(value), MAX_INT_ARG))
 
 
 def check_value(name, spec, value, codes=None):
@@ -7752,24 +7660,30 @@ def check_value(name, spec, value, codes=None):
     if not JSON_TYPES.get(kind, lambda v: True)(value):
         raise ToolError(INVALID_INPUT, "argument %r must be %s %s, got %s; send it as JSON %s" % (
             name, "an" if kind[0] in "aeiou" else "a", kind, brief(value), kind))
-    check_scalar(name, kind, value)
+    if kind == "string" and "\x00" in value:
+        raise ToolError(INVALID_INPUT, "argument %r contains a NUL character (\\u0000), which no path, command"
+                        " or file text may hold" % name, detail=name)
+    if kind == "string":
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ToolError(INVALID_INPUT, "argument %r holds a lone surrogate (%s at character %d), which is not"
+                            " Unicode text; send valid UTF-8" % (name, json.dumps(value[e.start]), e.start),
+                            detail=name)
+    elif kind == "integer" and abs(value) > MAX_INT_ARG:
+        raise ToolError(INVALID_INPUT, "argument %r is %s, out of range (at most %d either side)"
+                        % (name, brief(value), MAX_INT_ARG))
     if "enum" in spec and value not in spec["enum"]:
         raise ToolError((codes or {}).get(name, INVALID_INPUT), "argument %r must be one of %s, got %s"
                         % (name, ", ".join(spec["enum"]), brief(value)))
-    if kind == "array":
-        check_items(name, spec, value)
-    if kind == "object" and "properties" in spec:
-        check_fields(name + ".", spec, value)
-
-
-def check_items(name, spec, value):
-    """An array argument's length and each of its items."""
     lo, hi = spec.get("minItems", 0), spec.get("maxItems")
-    if len(value) < lo or (hi is not None and len(value) > hi):
+    if kind == "array" and (len(value) < lo or (hi is not None and len(value) > hi)):
         raise ToolError(INVALID_INPUT, "argument %r must have %s items, got %d" % (
             name, lo if lo == hi else "%d to %s" % (lo, hi), len(value)))
-    for k, item in enumerate(value):
+    for k, item in enumerate(value if kind == "array" else ()):
         check_value("%s[%d]" % (name, k), spec.get("items", {}), item)
+    if kind == "object" and "properties" in spec:
+        check_fields(name + ".", spec, value)
 
 
 def check_fields(prefix, schema, args, codes=None):
@@ -7785,18 +7699,6 @@ def check_fields(prefix, schema, args, codes=None):
                             % (prefix + k, props[k].get("description", "").rstrip(".")))
     for k, v in args.items():
         check_value(prefix + k, props[k], v, codes)
-
-
-def check_arguments(schema, args, codes=None):
-    """Validate tool arguments against the tool's schema; null means 'not given'."""
-    if args is None:
-        args = {}
-    if not isinstance(args, dict):
-        raise ToolError(INVALID_INPUT, "arguments must be a JSON object of argument names and values")
-    props = schema["properties"]
-    args = dict((k, v) for k, v in args.items() if v is not None and (k in props or k not in INJECTED_ARGUMENTS))
-    check_fields("", schema, args, codes)
-    return args
 
 
 class WorkerPool(object):
@@ -7949,26 +7851,6 @@ def scrub(text):
     return clean + "\n[%d byte%s that are not UTF-8 shown as U+FFFD]" % (bad, "" if bad == 1 else "s")
 
 
-def client_name(meta, session):
-    """Who is calling: the name in the request's _meta clientInfo (2026-07-28 clients such
-    as Claude Code send it there, never in initialize), else initialize's."""
-    info = meta.get(CLIENT_INFO_KEY) if isinstance(meta, dict) else None
-    if isinstance(info, dict) and isinstance(info.get("name"), str) and echoable(info["name"]):
-        return info["name"]
-    return session.client
-
-
-def progress_sender(token, emit):
-    """A progress callback that sends notifications/progress with `token`."""
-    counter = [0]
-
-    def progress(text):
-        counter[0] += 1
-        emit({"jsonrpc": "2.0", "method": "notifications/progress",
-              "params": {"progressToken": token, "progress": counter[0], "message": text}})
-    return progress
-
-
 def error_response(rid, code, message, data=None):
     """A JSON-RPC error answer (`data` when given)."""
     err = {"code": code, "message": message}
@@ -7980,39 +7862,6 @@ def error_response(rid, code, message, data=None):
 def result_response(rid, result):
     """A JSON-RPC result answer."""
     return {"jsonrpc": "2.0", "id": rid, "result": result}
-
-
-def envelope_check(msg):
-    """A message's JSON-RPC envelope: (True, None) to go on; (False, an error answer)
-    for an invalid one; (False, None) for one to drop (a response to us, a notification
-    with bad params)."""
-    if not isinstance(msg, dict):
-        return False, error_response(None, -32600, "Invalid Request: expected a JSON-RPC object"
-                                     + (" (batches are not supported)" if isinstance(msg, list) else ""))
-    method, rid, has_id = msg.get("method"), msg.get("id"), "id" in msg
-    if method is None and ("result" in msg or "error" in msg):
-        return False, None                          # a response to us: we send no requests
-    id_ok = not has_id or valid_id(rid)
-    if msg.get("jsonrpc") != "2.0" or not isinstance(method, str) or not id_ok:
-        return False, error_response(rid if id_ok else None, -32600, "Invalid Request: need jsonrpc"
-                                     " '2.0', a string method and a string (valid Unicode) or integer id")
-    params = msg.get("params")
-    if params is None or isinstance(params, dict):
-        return True, None
-    return False, (error_response(rid, -32602, "params must be an object") if has_id else None)
-
-
-def requested_version(rid, params):
-    """The stateless revision a request names in its _meta (None for the session-based
-    ones), and the error answer when it names one this server does not speak."""
-    meta = params.get("_meta")
-    if not isinstance(meta, dict) or META_VERSION_KEY not in meta:
-        return None, None
-    modern = meta[META_VERSION_KEY]
-    if modern in MODERN_VERSIONS:
-        return modern, None
-    return modern, error_response(rid, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version", {
-        "supported": list(MODERN_VERSIONS), "requested": modern[:100] if isinstance(modern, str) else brief(modern)})
 
 
 class McpServer(object):
@@ -8041,7 +7890,7 @@ class McpServer(object):
         protocol version (requested_version), then its route: a notification, a tool
         call, or another method (call_method)."""
         session.last_seen = time.monotonic()
-        go, refusal = envelope_check(msg)
+        go, refusal = self.envelope_check(msg)
         if not go:
             if refusal is not None:
                 emit(refusal)
@@ -8051,7 +7900,7 @@ class McpServer(object):
         if not has_id:
             self.notification(method, params, session)
             return
-        modern, refusal = requested_version(rid, params)
+        modern, refusal = self.requested_version(rid, params)
         if refusal is not None:
             emit(refusal)
         elif method == "tools/call":
@@ -8172,8 +8021,8 @@ class McpServer(object):
         cancelled = session.begin(rid)
         meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
         token = meta.get("progressToken")
-        progress = progress_sender(token, emit) if isinstance(token, (str, int)) and echoable(token) else None
-        ctx = CallContext(self.config, self.policy, cancelled, progress, self.helpers, client_name(meta, session),
+        progress = self.progress_sender(token, emit) if isinstance(token, (str, int)) and echoable(token) else None
+        ctx = CallContext(self.config, self.policy, cancelled, progress, self.helpers, self.client_name(meta, session),
                           self.sandbox, self.files)
 
         def run():
@@ -8197,7 +8046,14 @@ class McpServer(object):
         """Check the arguments, call the handler and shape its answer as a CallToolResult."""
         try:
             try:
-                checked = check_arguments(tool.schema, args, tool.codes)
+                if args is None:                         # null means 'not given'
+                    args = {}
+                if not isinstance(args, dict):
+                    raise ToolError(INVALID_INPUT, "arguments must be a JSON object of argument names and values")
+                props = tool.schema["properties"]
+                checked = dict((k, v) for k, v in args.items()
+                               if v is not None and (k in props or k not in INJECTED_ARGUMENTS))
+                check_fields("", tool.schema, checked, tool.codes)
             except ToolError as e:
                 raise tool.argument_error(e)
             out = tool.handler(session, checked, ctx)
@@ -8215,6 +8071,59 @@ class McpServer(object):
                              " head_limit)]" % (cap - 300, len(block["text"]))
                     block["text"] = read_on(block["text"][:cap - 300], notice)
         return {"content": out, "isError": False, "_meta": {"anthropic/maxResultSizeChars": cap}}
+
+    @staticmethod
+    def client_name(meta, session):
+        """Who is calling: the name in the request's _meta clientInfo (2026-07-28 clients such
+        as Claude Code send it there, never in initialize), else initialize's."""
+        info = meta.get(CLIENT_INFO_KEY) if isinstance(meta, dict) else None
+        if isinstance(info, dict) and isinstance(info.get("name"), str) and echoable(info["name"]):
+            return info["name"]
+        return session.client
+
+    @staticmethod
+    def progress_sender(token, emit):
+        """A progress callback that sends notifications/progress with `token`."""
+        counter = [0]
+
+        def progress(text):
+            counter[0] += 1
+            emit({"jsonrpc": "2.0", "method": "notifications/progress",
+                  "params": {"progressToken": token, "progress": counter[0], "message": text}})
+        return progress
+
+    @staticmethod
+    def envelope_check(msg):
+        """A message's JSON-RPC envelope: (True, None) to go on; (False, an error answer)
+        for an invalid one; (False, None) for one to drop (a response to us, a notification
+        with bad params)."""
+        if not isinstance(msg, dict):
+            return False, error_response(None, -32600, "Invalid Request: expected a JSON-RPC object"
+                                         + (" (batches are not supported)" if isinstance(msg, list) else ""))
+        method, rid, has_id = msg.get("method"), msg.get("id"), "id" in msg
+        if method is None and ("result" in msg or "error" in msg):
+            return False, None                          # a response to us: we send no requests
+        id_ok = not has_id or valid_id(rid)
+        if msg.get("jsonrpc") != "2.0" or not isinstance(method, str) or not id_ok:
+            return False, error_response(rid if id_ok else None, -32600, "Invalid Request: need jsonrpc"
+                                         " '2.0', a string method and a string (valid Unicode) or integer id")
+        params = msg.get("params")
+        if params is None or isinstance(params, dict):
+            return True, None
+        return False, (error_response(rid, -32602, "params must be an object") if has_id else None)
+
+    @staticmethod
+    def requested_version(rid, params):
+        """The stateless revision a request names in its _meta (None for the session-based
+        ones), and the error answer when it names one this server does not speak."""
+        meta = params.get("_meta")
+        if not isinstance(meta, dict) or META_VERSION_KEY not in meta:
+            return None, None
+        modern = meta[META_VERSION_KEY]
+        if modern in MODERN_VERSIONS:
+            return modern, None
+        return modern, error_response(rid, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version", {
+            "supported": list(MODERN_VERSIONS), "requested": modern[:100] if isinstance(modern, str) else brief(modern)})
 
 ###############################################################################
 # Transports ##################################################################
@@ -8304,31 +8213,6 @@ def parse_message(raw):
         raise ValueError("nesting too deep")
 
 
-def json_line(msg):
-    """A message as one line of ASCII JSON."""
-    return (dump_json(msg) + "\n").encode("ascii")
-
-
-def read_lines(fd, on_line):
-    """Read `fd` (raw reads: no buffered-stdin lock left held at exit) and call
-    on_line(bytes) for each line; return at EOF. A line over STDIO_MAX_LINE is
-    answered as a parse error and skipped."""
-    lines = LineBuffer(STDIO_MAX_LINE)
-    while True:
-        try:
-            chunk = os.read(fd, 1 << 16)
-        except InterruptedError:
-            continue  # a signal: read again
-        except OSError:
-            return  # stdin is gone: end of input
-        if not chunk:
-            if lines.rest().strip():
-                on_line(lines.rest())
-            return
-        for line in lines.feed(chunk):
-            on_line(line)
-
-
 def serve_stdio(server, session, stopper, stdin_fd=0, stdout=None):
     """One JSON message per line on stdin/stdout; only protocol on stdout. Returns
     when stdin ends or `stopper` is told to stop, after closing the session."""
@@ -8337,7 +8221,7 @@ def serve_stdio(server, session, stopper, stdin_fd=0, stdout=None):
     broken = threading.Event()
 
     def emit(msg):
-        data = json_line(msg)
+        data = (dump_json(msg) + "\n").encode("ascii")         # one line of ASCII JSON
         with lock:
             if broken.is_set():
                 return
@@ -8366,7 +8250,22 @@ def serve_stdio(server, session, stopper, stdin_fd=0, stdout=None):
             emit(error_response(None, -32603, "Internal error"))
 
     def reader():
-        read_lines(stdin_fd, on_line)
+        # Raw reads: no buffered-stdin lock left held at exit. A line over STDIO_MAX_LINE
+        # comes as None (answered as a parse error and skipped).
+        lines = LineBuffer(STDIO_MAX_LINE)
+        while True:
+            try:
+                chunk = os.read(stdin_fd, 1 << 16)
+            except InterruptedError:
+                continue  # a signal: read again
+            except OSError:
+                break  # stdin is gone: end of input
+            if not chunk:
+                if lines.rest().strip():
+                    on_line(lines.rest())
+                break
+            for line in lines.feed(chunk):
+                on_line(line)
         stopper.stop("eof")
 
     threading.Thread(target=reader, daemon=True).start()
@@ -8381,9 +8280,9 @@ def serve_stdio(server, session, stopper, stdin_fd=0, stdout=None):
 
 
 # -- streamable HTTP ----------------------------------------------------------
-# http.server, hmac and socket are imported inside these functions: stdio never pays.
+# http.server, hmac and socket are imported inside these methods: stdio never pays.
 # The request handler class is McpRequestHandler's methods mixed into http.server's
-# BaseHTTPRequestHandler by make_http_handler_class.
+# BaseHTTPRequestHandler by HttpTransport.bind.
 
 class HttpTransport(object):
     """Streamable HTTP on /mcp (POST, GET -> 405, DELETE) and GET /health.
@@ -8501,8 +8400,74 @@ class HttpTransport(object):
 
     # -- serving -------------------------------------------------------------
     def bind(self):
-        """Listen on the configured address; (host, port, ...) as bound."""
-        self.httpd = make_http_server(self)
+        """Listen on the configured address (a ThreadingHTTPServer: capped connections, quiet
+        disconnects; its handler is McpRequestHandler on HTTP/1.1 keep-alive with TCP_NODELAY
+        and read timeouts); (host, port, ...) as bound."""
+        import socket
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        transport = self
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+            request_queue_size = 128        # the default 5 resets bursts of new clients
+            address_family = socket.AF_INET6 if ":" in transport.config.host else socket.AF_INET
+
+            def process_request(self, request, client_address):
+                if not transport.slots.acquire(blocking=False) and not transport.make_room():
+                    try:                    # 503 without reading the request (it is closed next)
+                        request.settimeout(1.0)
+                        request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                        b"Content-Length: 27\r\nConnection: close\r\n\r\n"
+                                        b"{\"error\": \"server is busy\"}")
+                    except OSError:
+                        pass  # the client went away first: nothing to tell it
+                    self.shutdown_request(request)
+                    return
+                ThreadingHTTPServer.process_request(self, request, client_address)
+
+            def process_request_thread(self, request, client_address):
+                try:
+                    ThreadingHTTPServer.process_request_thread(self, request, client_address)
+                finally:
+                    transport.slots.release()
+
+            def handle_error(self, request, client_address):
+                e = sys.exc_info()[1]           # one line (a dropped client is normal), never a traceback
+                if isinstance(e, (ConnectionError, TimeoutError, OSError)):
+                    log("debug", "http connection ended", client=str(client_address[0]), reason=type(e).__name__)
+                else:
+                    log("error", "http handler failed", client=str(client_address[0]), error=_traceback())
+
+        class Handler(McpRequestHandler, BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            server_version = "boris/" + __version__
+            sys_version = ""
+            timeout = HTTP_READ_TIMEOUT_S              # header and body reads (socket timeout)
+
+            def setup(self):
+                BaseHTTPRequestHandler.setup(self)
+                # Headers and body go out as separate writes: without this, Nagle holds the
+                # body until the client's delayed ACK, 40 ms on every reply.
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+            def log_message(self, fmt, *args):
+                log("debug", "http " + (fmt % args))
+
+            def handle_one_request(self):
+                transport.waiting(self.connection, True)
+                try:
+                    BaseHTTPRequestHandler.handle_one_request(self)
+                finally:
+                    transport.waiting(self.connection, False)
+
+            def parse_request(self):
+                ok = BaseHTTPRequestHandler.parse_request(self)       # reads the headers
+                transport.waiting(self.connection, False)           # they are in: a request, not a wait
+                return ok
+
+        Handler.transport = transport
+        self.httpd = Server((self.config.host, self.config.port), Handler)
         threading.Thread(target=self._reaper, daemon=True).start()
         return self.httpd.server_address
 
@@ -8522,85 +8487,9 @@ class HttpTransport(object):
             self.httpd.shutdown()
 
 
-def make_http_server(transport):
-    """A ThreadingHTTPServer for `transport`: capped connections, quiet disconnects."""
-    import socket
-    from http.server import ThreadingHTTPServer
-
-    class Server(ThreadingHTTPServer):
-        daemon_threads = True
-        allow_reuse_address = True
-        request_queue_size = 128        # the default 5 resets bursts of new clients
-        address_family = socket.AF_INET6 if ":" in transport.config.host else socket.AF_INET
-
-        def process_request(self, request, client_address):
-            if not transport.slots.acquire(blocking=False) and not transport.make_room():
-                http_refuse_busy(request)
-                self.shutdown_request(request)
-                return
-            ThreadingHTTPServer.process_request(self, request, client_address)
-
-        def process_request_thread(self, request, client_address):
-            try:
-                ThreadingHTTPServer.process_request_thread(self, request, client_address)
-            finally:
-                transport.slots.release()
-
-        def handle_error(self, request, client_address):
-            http_log_error(client_address)
-
-    handler = make_http_handler_class()
-    handler.transport = transport
-    return Server((transport.config.host, transport.config.port), handler)
-
-
-def http_refuse_busy(sock):
-    """503 to a connection over the cap, without reading it (it is closed next)."""
-    try:
-        sock.settimeout(1.0)
-        sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 27\r\nConnection: close\r\n\r\n{\"error\": \"server is busy\"}")
-    except OSError:
-        pass  # the client went away first: nothing to tell it
-
-
-def http_log_error(client_address):
-    """One line for a failed connection (a dropped client is normal), never a traceback."""
-    e = sys.exc_info()[1]
-    if isinstance(e, (ConnectionError, TimeoutError, OSError)):
-        log("debug", "http connection ended", client=str(client_address[0]), reason=type(e).__name__)
-    else:
-        log("error", "http handler failed", client=str(client_address[0]), error=_traceback())
-
-
-# -- the request handler's steps ------------------------------------------------------
-
-def is_final(out, rid):
-    """Whether `out` ends request rid's answer: its result or error, or None (cancelled)."""
-    return out is None or (out.get("id") == rid and ("result" in out or "error" in out))
-
-
-def request_meta(msg):
-    """A request's params._meta, {} when it has none (or not an object)."""
-    params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
-    return params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
-
-
-def version_header_refusal(header_version, meta):
-    """Why the MCP-Protocol-Version header is refused (it contradicts _meta's version,
-    or names none this server speaks), or None."""
-    if META_VERSION_KEY in meta:
-        if header_version and header_version != meta[META_VERSION_KEY]:
-            return "MCP-Protocol-Version header does not match _meta"
-        return None
-    if header_version and header_version not in PROTOCOL_VERSIONS + MODERN_VERSIONS:
-        return "Unsupported MCP-Protocol-Version: %s" % header_version
-    return None
-
-
 class McpRequestHandler(object):
     """The MCP endpoint's request handling, mixed into http.server's
-    BaseHTTPRequestHandler by make_http_handler_class() (imported only when HTTP is
+    BaseHTTPRequestHandler by HttpTransport.bind (imported only when HTTP is
     served): do_GET, do_POST and do_DELETE check the request (guarded), read it,
     pick its session and answer it, in JSON or as an SSE stream."""
 
@@ -8705,11 +8594,15 @@ class McpRequestHandler(object):
     def pick_session(self, msg):
         """(session, new id or None); (None, None) after a refusal was sent."""
         t = self.transport
-        meta = request_meta(msg)
+        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
+        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
         rid = msg.get("id") if valid_id(msg.get("id")) else None
-        refusal = version_header_refusal(self.headers.get("MCP-Protocol-Version"), meta)
-        if refusal:
-            self.reply(400, error_response(rid, -32600, refusal))
+        header = self.headers.get("MCP-Protocol-Version")
+        if META_VERSION_KEY in meta and header and header != meta[META_VERSION_KEY]:
+            self.reply(400, error_response(rid, -32600, "MCP-Protocol-Version header does not match _meta"))
+            return None, None
+        if META_VERSION_KEY not in meta and header and header not in PROTOCOL_VERSIONS + MODERN_VERSIONS:
+            self.reply(400, error_response(rid, -32600, "Unsupported MCP-Protocol-Version: %s" % header))
             return None, None
         sid = self.headers.get("Mcp-Session-Id")
         if msg.get("method") == "initialize" and "id" in msg:
@@ -8768,7 +8661,7 @@ class McpRequestHandler(object):
             out = self.next_out(box, session, rid)
             if out is self.GONE:
                 return
-            final = is_final(out, rid)
+            final = out is None or (out.get("id") == rid and ("result" in out or "error" in out))   # None: cancelled
             if not streaming and final:
                 self.reply(204 if out is None else 200, out, headers)
                 return
@@ -8862,41 +8755,6 @@ class McpRequestHandler(object):
         self.answer(msg, session, sid)
 
 
-def make_http_handler_class():
-    """The request handler: HTTP/1.1 keep-alive, TCP_NODELAY, reads time out."""
-    import socket
-    from http.server import BaseHTTPRequestHandler
-
-    class Handler(McpRequestHandler, BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "boris/" + __version__
-        sys_version = ""
-        timeout = HTTP_READ_TIMEOUT_S              # header and body reads (socket timeout)
-
-        def setup(self):
-            BaseHTTPRequestHandler.setup(self)
-            # Headers and body go out as separate writes: without this, Nagle holds the
-            # body until the client's delayed ACK, 40 ms on every reply.
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-        def log_message(self, fmt, *args):
-            log("debug", "http " + (fmt % args))
-
-        def handle_one_request(self):
-            self.transport.waiting(self.connection, True)
-            try:
-                BaseHTTPRequestHandler.handle_one_request(self)
-            finally:
-                self.transport.waiting(self.connection, False)
-
-        def parse_request(self):
-            ok = BaseHTTPRequestHandler.parse_request(self)       # reads the headers
-            self.transport.waiting(self.connection, False)      # they are in: a request, not a wait
-            return ok
-
-    return Handler
-
-
 def serve_http(server, config, stop):
     """Serve until `stop` is set; 0, or 2 when the port cannot be had."""
     token = config.token or None
@@ -8930,20 +8788,6 @@ def serve_http(server, config, stop):
 ###############################################################################
 
 
-def configure(argv, environ):
-    """(config, policy, sandbox) from the flags and environment, logging set up as they
-    say; ConfigError for anything that stops start-up."""
-    config = parse_config(argv, environ)
-    disabled_tools(config)                        # an unknown --disable-tools name stops start-up
-    try:
-        policy = PathPolicy(config.allow_dir, config.deny_dir, config.workdir)
-    except ValueError as e:
-        raise ConfigError("invalid --deny-dir pattern: %s" % e)
-    _log_state["level"] = _LOG_LEVELS[config.log_level]
-    _log_state["format"] = config.log_format
-    return config, policy, resolve_sandbox(config, policy)
-
-
 def main(argv=None, environ=None):
     """Run the server (or a helper, with --helper): parse the flags, resolve the sandbox, serve stdio or
     HTTP until stopped; the exit code."""
@@ -8956,7 +8800,15 @@ def main(argv=None, environ=None):
         # run again in Python's UTF-8 mode, before anything is read.
         os.execv(sys.executable, [sys.executable, "-X", "utf8", os.path.abspath(__file__)] + argv)
     try:
-        config, policy, sandbox = configure(argv, environ)
+        config = parse_config(argv, environ)
+        disabled_tools(config)                    # an unknown --disable-tools name stops start-up
+        try:
+            policy = PathPolicy(config.allow_dir, config.deny_dir, config.workdir)
+        except ValueError as e:
+            raise ConfigError("invalid --deny-dir pattern: %s" % e)
+        _log_state["level"] = _LOG_LEVELS[config.log_level]
+        _log_state["format"] = config.log_format
+        sandbox = resolve_sandbox(config, policy)
     except ConfigError as e:
         sys.stderr.write("boris: error: %s\n" % e)
         return 2
