@@ -6008,26 +6008,6 @@ def tool_str_replace_editor(session, args, ctx):
 PATCH_LEVELS = (("exactly", lambda s: s),) + MATCH_LEVELS      # the one matcher's, for headers and misses
 
 
-def patch_lines(text):
-    """A patch's lines from `*** Begin Patch` to `*** End Patch` (blank lines around
-    them dropped), or INVALID_INPUT saying which is missing."""
-    lines = text.replace("\r\n", "\n").split("\n")
-    while lines and not lines[-1].strip():
-        lines.pop()
-    while lines and not lines[0].strip():
-        lines.pop(0)
-    heredoc = re.match(r"^\s*(?:apply_patch\s*)?<<-?\s*['\"]?(\w+)['\"]?\s*$", lines[0]) if lines else None
-    if heredoc and len(lines) > 1 and lines[-1].strip() == heredoc.group(1):
-        lines = lines[1:-1]                         # the patch wrapped as a heredoc, as some models send it
-    if not lines or lines[0].strip() != "*** Begin Patch":
-        raise ToolError(INVALID_INPUT, "a patch starts with the line '*** Begin Patch' (and ends with"
-                        " '*** End Patch')")
-    if lines[-1].strip() != "*** End Patch":
-        raise ToolError(INVALID_INPUT, "a patch ends with the line '*** End Patch'; the last line is %r"
-                        % shorten(lines[-1], 80))
-    return lines
-
-
 class Hunk(object):
     """One '@@' section: the header lines that narrow where it applies, its lines as
     (kind, text) with kind ' ', '-' or '+', and whether it ends the file."""
@@ -6050,8 +6030,24 @@ class PatchReader(object):
     """A patch's text, read section by section: read() gives its operations."""
 
     def __init__(self, text):
-        self.lines = patch_lines(text)
-        self.i, self.end = 1, len(self.lines) - 1           # between Begin and End
+        """The patch's lines, from `*** Begin Patch` to `*** End Patch` (blank lines around
+        them dropped), or INVALID_INPUT saying which is missing."""
+        lines = text.replace("\r\n", "\n").split("\n")
+        while lines and not lines[-1].strip():
+            lines.pop()
+        while lines and not lines[0].strip():
+            lines.pop(0)
+        heredoc = re.match(r"^\s*(?:apply_patch\s*)?<<-?\s*['\"]?(\w+)['\"]?\s*$", lines[0]) if lines else None
+        if heredoc and len(lines) > 1 and lines[-1].strip() == heredoc.group(1):
+            lines = lines[1:-1]                     # the patch wrapped as a heredoc, as some models send it
+        if not lines or lines[0].strip() != "*** Begin Patch":
+            raise ToolError(INVALID_INPUT, "a patch starts with the line '*** Begin Patch' (and ends with"
+                            " '*** End Patch')")
+        if lines[-1].strip() != "*** End Patch":
+            raise ToolError(INVALID_INPUT, "a patch ends with the line '*** End Patch'; the last line is %r"
+                            % shorten(lines[-1], 80))
+        self.lines = lines
+        self.i, self.end = 1, len(lines) - 1           # between Begin and End
 
     def read(self):
         """[(op, path, ...)] of the patch: ('add', path, lines), ('delete', path),
@@ -6146,127 +6142,148 @@ def find_run(lines, want, start, norm):
             if norm(lines[i]) == first and [norm(l) for l in lines[i:i + n]] == wanted]
 
 
-def hunk_hits(lines, old, cursor, norm, eof):
-    """Where the old lines stand at or after cursor (at the very end, for eof)."""
-    hits = find_run(lines, old, cursor, norm)
-    return [i for i in hits if i + len(old) == len(lines)] if eof else hits
+class PatchedText(object):
+    """One file's text under a patch's hunks, applied in order: each hunk's old lines are
+    found at or after where the hunk before ended, past its '@@ header' lines: exactly,
+    then ignoring trailing whitespace, then surrounding whitespace (never fuzzier). Line
+    endings are kept (a CRLF file stays CRLF). `notes` gets a line for each hunk found
+    at a relaxed level."""
 
+    def __init__(self, text, shown):
+        self.text, self.shown = text, shown
+        self.nl = "\r\n" if "\r\n" in text else "\n"
+        self.final = text.endswith(self.nl) or text == ""
+        self.lines = text.split(self.nl)
+        if self.final:
+            self.lines.pop()
+        self.cursor = 0
+        self.notes = []
 
-def hunk_result(lines, hunk, at, relaxed=None):
-    """The lines a hunk located at `at` leaves: context keeps the file's own text
-    (whitespace and all), '+' lines come in, '-' lines go. Found at a relaxed level,
-    the '+' lines take the file's indentation (with_indent), not the patch's."""
-    old = hunk.old()
-    mapping = (indent_map(old, lines[at:at + len(old)]) or {}) if relaxed else None
-    new, j = [], at
-    for kind, line in hunk.lines:
-        if kind == " ":
-            new.append(lines[j])
-        elif kind == "+":
-            new.append(with_indent(line, mapping) if mapping else line)
-        j += kind != "+"
-    return new
+    def apply(self, hunks):
+        """The text with every hunk applied, or the ToolError of the first that does not apply."""
+        lines, edits = self.lines, []
+        for k, hunk in enumerate(hunks, 1):
+            at, size, relaxed = self.locate(hunk, hunk.label(k))
+            # The lines the hunk leaves: context keeps the file's own text (whitespace and
+            # all), '+' lines come in, '-' lines go. Found at a relaxed level, the '+' lines
+            # take the file's indentation (with_indent), not the patch's.
+            old = hunk.old()
+            mapping = (indent_map(old, lines[at:at + len(old)]) or {}) if relaxed else None
+            new, j = [], at
+            for kind, line in hunk.lines:
+                if kind == " ":
+                    new.append(lines[j])
+                elif kind == "+":
+                    new.append(with_indent(line, mapping) if mapping else line)
+                j += kind != "+"
+            edits.append((at, size, new))
+            if relaxed:
+                self.notes.append("hunk %d matched %s" % (k, relaxed))
+            if size or hunk.headers:
+                self.cursor = at + size          # a bare addition (at the end) moves no later hunk's search
+        for at, size, new in sorted(edits, key=lambda e: e[0], reverse=True):
+            lines[at:at + size] = new
+        return self.nl.join(lines) + (self.nl if lines and (self.final or not self.text) else "")
 
-
-def locate_hunk(lines, hunk, cursor, shown, k):
-    """(index, length) where `hunk`'s old lines stand in `lines` at or after `cursor`,
-    past its headers: exactly, then ignoring trailing whitespace, then surrounding
-    whitespace (never fuzzier). ToolError naming the file, the hunk and its first line
-    that was not found, or every place an ambiguous hunk matches."""
-    label = hunk.label(k)
-    cursor = past_headers(lines, hunk, cursor, shown, label)
-    old = hunk.old()
-    if not old:                                        # only additions: after the headers, or at the end
-        return (cursor if hunk.headers and not hunk.eof else len(lines)), 0, None
-    hits, how = hunk_hits(lines, old, cursor, PATCH_LEVELS[0][1], hunk.eof), "exactly"
-    if not hits:
-        how, hits = find_lines(lines, old, cursor, hunk.eof, loose=True)     # as Codex finds them
-    if len(hits) == 1:
-        return hits[0], len(old), (how if how != "exactly" else None)
-    if hits:
+    def locate(self, hunk, label):
+        """(index, length, how or None) where `hunk`'s old lines stand; ToolError naming the
+        file, the hunk and its header or first line that was not found, or every place an
+        ambiguous hunk matches."""
+        lines, cursor = self.lines, self.cursor
+        for h in hunk.headers:                  # each header found after the one before
+            for _, norm in PATCH_LEVELS:
+                hits = [j for j in range(cursor, len(lines)) if norm(lines[j]) == norm(h)]
+                if hits:
+                    cursor = hits[0] + 1
+                    break
+            else:
+                raise ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: its header line %r was not found%s; nothing was"
+                                " written" % (self.shown, label, shorten(h, 120), self.searched_from(cursor)))
+        old = hunk.old()
+        if not old:                                        # only additions: after the headers, or at the end
+            return (cursor if hunk.headers and not hunk.eof else len(lines)), 0, None
+        hits, how = find_run(lines, old, cursor, PATCH_LEVELS[0][1]), "exactly"
+        if hunk.eof:
+            hits = [i for i in hits if i + len(old) == len(lines)]
+        if not hits:
+            how, hits = find_lines(lines, old, cursor, hunk.eof, loose=True)     # as Codex finds them
+        if len(hits) == 1:
+            return hits[0], len(old), (how if how != "exactly" else None)
+        if hits:
             raise ToolError(STR_REPLACE_AMBIGUOUS, "%s, %s matches %s at lines %s; add context lines or an"
                             " '@@ header' line (e.g. @@ def name) to pick one; nothing was written"
-                            % (shown, label, how, ", ".join(str(i + 1) for i in hits[:20])))
-    raise hunk_miss(lines, old, cursor, shown, label)
+                            % (self.shown, label, how, ", ".join(str(i + 1) for i in hits[:20])))
+        got = 0                                 # the hunk's first line not found after the ones before it
+        while got < len(old) and any(find_run(lines, old[:got + 1], cursor, norm) for _, norm in PATCH_LEVELS):
+            got += 1
+        raise ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: the line %r was not found%s%s; nothing was written.%s"
+                        % (self.shown, label, shorten(old[got], 120), " after the %d line%s before it" % (
+                            got, "" if got == 1 else "s") if got else "", self.searched_from(cursor),
+                           closest_region("\n".join(lines), "\n".join(old), what="the hunk")))
 
-
-def past_headers(lines, hunk, cursor, shown, label):
-    """The line after the last of the hunk's '@@ header' lines, each found after the one
-    before (exactly, then with less whitespace)."""
-    for h in hunk.headers:
-        for _, norm in PATCH_LEVELS:
-            hits = [j for j in range(cursor, len(lines)) if norm(lines[j]) == norm(h)]
-            if hits:
-                cursor = hits[0] + 1
-                break
-        else:
-            raise ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: its header line %r was not found%s; nothing was"
-                            " written" % (shown, label, shorten(h, 120), searched_from(cursor)))
-    return cursor
-
-
-def hunk_miss(lines, old, cursor, shown, label):
-    """The ToolError of a hunk that is nowhere: its first line that is not found after
-    the ones before it, and the closest region of the file."""
-    got = 0
-    while got < len(old) and any(find_run(lines, old[:got + 1], cursor, norm) for _, norm in PATCH_LEVELS):
-        got += 1
-    return ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: the line %r was not found%s%s; nothing was written.%s"
-                     % (shown, label, shorten(old[got], 120), " after the %d line%s before it" % (
-                         got, "" if got == 1 else "s") if got else "", searched_from(cursor),
-                        closest_region("\n".join(lines), "\n".join(old), what="the hunk")))
-
-
-def searched_from(cursor):
-    """The words a miss adds when the search for a hunk started past earlier hunks."""
-    return " (searching from line %d, after the hunks before it)" % (cursor + 1) if cursor else ""
-
-
-def patched_text(text, hunks, shown, notes=None):
-    """`text` with every hunk applied in order, line endings kept (a CRLF file stays
-    CRLF), or the ToolError of the first hunk that does not apply; `notes` gets a line
-    for each hunk found at a relaxed level."""
-    nl = "\r\n" if "\r\n" in text else "\n"
-    final = text.endswith(nl) or text == ""
-    lines = text.split(nl)
-    if final:
-        lines.pop()
-    cursor, edits = 0, []
-    for k, hunk in enumerate(hunks, 1):
-        at, size, relaxed = locate_hunk(lines, hunk, cursor, shown, k)
-        edits.append((at, size, hunk_result(lines, hunk, at, relaxed)))
-        if relaxed and notes is not None:
-            notes.append("hunk %d matched %s" % (k, relaxed))
-        if size or hunk.headers:
-            cursor = at + size                  # a bare addition (at the end) moves no later hunk's search
-    for at, size, new in sorted(edits, key=lambda e: e[0], reverse=True):
-        lines[at:at + size] = new
-    return nl.join(lines) + (nl if lines and (final or not text) else "")
+    @staticmethod
+    def searched_from(cursor):
+        """The words a miss adds when the search for a hunk started past earlier hunks."""
+        return " (searching from line %d, after the hunks before it)" % (cursor + 1) if cursor else ""
 
 
 class PatchPlan(object):
     """What a patch will do, every path resolved and checked, every hunk located,
     sections applied in order to what the sections before left (a file may come
     twice): writes [(real, shown, data or None to delete, mode of a new file, what the
-    path holds now: (bytes, stat) or None)] and the summary lines A/M/D/R."""
+    path holds now: (bytes, stat) or None)] and the summary lines A/M/D/R. Nothing is
+    touched until run()."""
 
-    def __init__(self, session, ctx):
+    def __init__(self, session, ctx, ops):
         self.session, self.ctx = session, ctx
         self.summary, self.order = [], []
         self.now = {}                   # real -> bytes as the sections so far leave it (None: no file)
         self.before = {}                # real -> (bytes, stat) on disk before the patch, or None
         self.shown, self.modes = {}, {}
+        for op in ops:
+            shown = op[1]
+            real = resolve_checked(session, ctx, shown)
+            if op[0] == "add":
+                self.current(real, shown, "*** Add File", overwrite=True)
+                self.put(real, encode_text("\n".join(op[2]) + "\n" if op[2] else "", "input"), 0o644)
+                self.summary.append("A " + shown)
+                continue
+            text = self.current(real, shown, "*** %s File" % op[0].title())
+            if op[0] == "delete":
+                self.put(real, None)
+                self.summary.append("D " + shown)
+                continue
+            _, _, move, hunks = op
+            patched = PatchedText(text.decode("utf-8", "surrogateescape"), shown)
+            data = encode_text(patched.apply(hunks), "input")
+            how = " (%s)" % "; ".join(patched.notes) if patched.notes else ""
+            if move:
+                target = resolve_checked(session, ctx, move, "*** Move to")
+                st = self.before[real][1] if self.before.get(real) else None
+                self.current(target, move, "*** Move to", overwrite=True)
+                self.put(target, data, stat.S_IMODE(st.st_mode) if st else 0o644)
+                self.put(real, None)
+                self.summary.append("R %s -> %s%s" % (shown, move, how))
+            else:
+                self.put(real, data)
+                self.summary.append("M %s%s" % (shown, how))
 
     def current(self, real, shown, section, overwrite=False):
         """What `real` holds as the sections so far leave it: bytes, or None when there
-        is no file (an Update or Delete then refuses, PATH_NOT_FOUND)."""
+        is no file (an Update or Delete then refuses, PATH_NOT_FOUND). What an Add File or
+        Move to replaces (overwrite) is read as Codex does, but only a file this session
+        has seen unchanged (create_file's rule: FILE_NOT_VIEWED, FILE_CHANGED)."""
+        session, ctx = self.session, self.ctx
         if real not in self.now:
             self.order.append(real)
             self.shown[real] = shown
-            if overwrite:
-                self.before[real] = overwritten(self.session, self.ctx, real, shown)
-            elif existing_or_missing(real, shown, section) is not None:
-                self.before[real] = read_regular(real, shown, self.ctx.config.max_file_size)
+            exists = existing_kind(real, shown) is not None
+            if not exists and not overwrite:
+                raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist; nothing was written" % (section, shown))
+            if exists and overwrite:
+                require_viewed(session, ctx, real, shown)
+                check_unchanged(session, ctx, real, shown)
+            self.before[real] = read_regular(real, shown, ctx.config.max_file_size) if exists else None
             self.now[real] = self.before[real][0] if self.before[real] else None
         if self.now[real] is None and not overwrite:
             raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist (an earlier section of the patch removed it);"
@@ -6292,114 +6309,47 @@ class PatchPlan(object):
             out.append((real, self.shown[real], data, mode, before))
         return sorted(out, key=lambda w: w[2] is None)          # writes first, then removals
 
-
-def plan_patch(session, ctx, ops):
-    """A PatchPlan of parsed `ops`: nothing is touched yet."""
-    plan = PatchPlan(session, ctx)
-    for op in ops:
-        shown = op[1]
-        real = resolve_checked(session, ctx, shown)
-        if op[0] == "add":
-            plan.current(real, shown, "*** Add File", overwrite=True)
-            plan.put(real, encode_text("\n".join(op[2]) + "\n" if op[2] else "", "input"), 0o644)
-            plan.summary.append("A " + shown)
-            continue
-        section = "*** %s File" % op[0].title()
-        text = plan.current(real, shown, section)
-        if op[0] == "delete":
-            plan.put(real, None)
-            plan.summary.append("D " + shown)
-            continue
-        _, _, move, hunks = op
-        matched = []
-        data = encode_text(patched_text(text.decode("utf-8", "surrogateescape"), hunks, shown, matched), "input")
-        how = " (%s)" % "; ".join(matched) if matched else ""
-        if move:
-            target = resolve_checked(session, ctx, move, "*** Move to")
-            st = plan.before[real][1] if plan.before.get(real) else None
-            plan.current(target, move, "*** Move to", overwrite=True)
-            plan.put(target, data, stat.S_IMODE(st.st_mode) if st else 0o644)
-            plan.put(real, None)
-            plan.summary.append("R %s -> %s%s" % (shown, move, how))
-        else:
-            plan.put(real, data)
-            plan.summary.append("M %s%s" % (shown, how))
-    return plan
-
-
-def overwritten(session, ctx, real, shown):
-    """What an Add File or Move to replaces: None where nothing is, else its (bytes,
-    stat) - as Codex does, but only a file this session has seen unchanged
-    (create_file's rule: FILE_NOT_VIEWED, FILE_CHANGED)."""
-    if existing_kind(real, shown) is None:
-        return None
-    require_viewed(session, ctx, real, shown)
-    check_unchanged(session, ctx, real, shown)
-    return read_regular(real, shown, ctx.config.max_file_size)
-
-
-def existing_or_missing(real, shown, section):
-    """The lstat of the regular file a section changes; ToolError when there is none."""
-    st = existing_kind(real, shown)
-    if st is None:
-        raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist; nothing was written" % (section, shown))
-    return st
-
-
-def run_plan(session, ctx, plan):
-    """Write a plan with the one writer (the caller holds the files' edit locks); if a
-    write fails, the files written before it are put back as they were."""
-    done = []
-    try:
-        for real, shown, data, mode, before in plan.writes:
-            if before is None:
-                done.append((missing_parent(real), "dir"))       # removed again if the patch is undone
-            if data is None:
-                remove_file(real)
-            else:
-                atomic_write(real, data, ctx.files, new_mode=mode or 0o644)
-                session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
-            done.append((real, before))
-    except (OSError, ToolError) as e:
-        undone = roll_back(done, ctx.files)
-        why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
-        raise ToolError(IO_ERROR, "writing %s failed (%s); %s" % (shown, why, undone))
-
-
-def roll_back(done, guards):
-    """Put written files back (in reverse); a sentence saying how that went."""
-    failed = []
-    for real, before in reversed(done):               # before: (bytes, stat), None for a new file, "dir"
+    def run(self):
+        """Write the plan with the one writer (the caller holds the files' edit locks); if a
+        write fails, the files written before it are put back as they were."""
+        done = []
         try:
-            if before == "dir":
-                remove_dirs(real)
-            elif before is None:
-                remove_file(real)
-            else:
-                atomic_write(real, before[0], guards, new_mode=stat.S_IMODE(before[1].st_mode))
-        except OSError:
-            failed.append(real)
-    if failed:
-        return "the files written before it could not all be restored: %s" % ", ".join(failed)
-    files = len([1 for _, before in done if before != "dir"])
-    return "the %d file%s written before it were restored, so nothing changed" % (files, "" if files == 1 else "s")
+            for real, shown, data, mode, before in self.writes:
+                if before is None:              # the directories writing it makes go if the patch is undone
+                    top, d = None, os.path.dirname(real)
+                    while not os.path.lexists(d):
+                        top, d = d, os.path.dirname(d)
+                    done.append((top, "dir"))
+                if data is None:
+                    remove_file(real)
+                else:
+                    atomic_write(real, data, self.ctx.files, new_mode=mode or 0o644)
+                    self.session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
+                done.append((real, before))
+        except (OSError, ToolError) as e:
+            undone = self.roll_back(done)
+            why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
+            raise ToolError(IO_ERROR, "writing %s failed (%s); %s" % (shown, why, undone))
 
-
-def missing_parent(real):
-    """The shallowest ancestor of `real` that does not exist yet (None when its
-    directory exists): what writing `real` would create."""
-    top, d = None, os.path.dirname(real)
-    while not os.path.lexists(d):
-        top, d = d, os.path.dirname(d)
-    return top
-
-
-def remove_dirs(top):
-    """Remove the empty directories from `top` down (those a write made)."""
-    if top is None:
-        return
-    for d, subdirs, files in sorted(os.walk(top), reverse=True):
-        os.rmdir(d)
+    def roll_back(self, done):
+        """Put written files back (in reverse); a sentence saying how that went."""
+        failed = []
+        for real, before in reversed(done):           # before: (bytes, stat), None for a new file, "dir"
+            try:
+                if before == "dir":
+                    for d, _, _ in sorted(os.walk(real) if real else (), reverse=True):
+                        os.rmdir(d)                     # the empty directories a write made
+                elif before is None:
+                    remove_file(real)
+                else:
+                    atomic_write(real, before[0], self.ctx.files, new_mode=stat.S_IMODE(before[1].st_mode))
+            except OSError:
+                failed.append(real)
+        if failed:
+            return "the files written before it could not all be restored: %s" % ", ".join(failed)
+        files = len([1 for _, before in done if before != "dir"])
+        return "the %d file%s written before it were restored, so nothing changed" % (
+            files, "" if files == 1 else "s")
 
 
 def remove_file(real):
@@ -6434,8 +6384,8 @@ def tool_apply_patch(session, args, ctx):
     with ExitStack() as locks:
         for real in sorted(reals):
             locks.enter_context(ctx.files.lock(real))
-        plan = plan_patch(session, ctx, ops)
-        run_plan(session, ctx, plan)
+        plan = PatchPlan(session, ctx, ops)
+        plan.run()
     changes, warnings = {}, []
     for real, shown, data, mode, before in plan.writes:
         old = before[0] if before else None
@@ -7660,10 +7610,10 @@ def check_value(name, spec, value, codes=None):
     if not JSON_TYPES.get(kind, lambda v: True)(value):
         raise ToolError(INVALID_INPUT, "argument %r must be %s %s, got %s; send it as JSON %s" % (
             name, "an" if kind[0] in "aeiou" else "a", kind, brief(value), kind))
-    if kind == "string" and "\x00" in value:
-        raise ToolError(INVALID_INPUT, "argument %r contains a NUL character (\\u0000), which no path, command"
-                        " or file text may hold" % name, detail=name)
     if kind == "string":
+        if "\x00" in value:
+            raise ToolError(INVALID_INPUT, "argument %r contains a NUL character (\\u0000), which no path,"
+                            " command or file text may hold" % name, detail=name)
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
