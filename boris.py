@@ -5011,7 +5011,7 @@ def view_whole(session, ctx, real, shown, st, data, image_mime, vr):
         session.mark_viewed(real, Seen(st, digest_of(data)))
         return image_result(ctx, shown, data, image_mime), ""
     try:
-        blocks = render_notebook(ctx, shown, data.decode("utf-8", "replace"), vr)
+        blocks = Notebook(data.decode("utf-8", "replace")).render(ctx, shown, vr)
     except (ValueError, RecursionError) as e:
         return None, "(%s is not a valid notebook (%s); shown as text)\n" % (shown, shorten(str(e), 120))
     session.mark_viewed(real, Seen(st, digest_of(data)))
@@ -6408,147 +6408,225 @@ def tool_apply_patch(session, args, ctx):
 NOTEBOOK_OUTPUT_CHARS = 2000               # one output's text shown in a notebook view
 
 
-def notebook_cells(text):
-    """(cells, spans, array_end) of a notebook's JSON text: the cell dicts, the
-    (start, end) offsets of each cell object in `text`, the offset of the cells
-    array's ']'. ValueError when it is not a notebook (JSON with a 'cells' array)."""
-    dec = json.JSONDecoder()
-    ws = re.compile(r"[ \t\n\r]*")
+class Notebook(object):
+    """A notebook's JSON text and its cells: the cell dicts, the (start, end) offsets of
+    each cell object in the text (spans) and the offset of the cells array's ']'
+    (array_end). ValueError when the text is not a notebook (JSON with a 'cells' array)."""
 
-    def skip(i):
-        return ws.match(text, i).end()
-    i = skip(0)
-    if text[i:i + 1] != "{":
-        raise ValueError("not a JSON object")
-    i = skip(i + 1)
-    while text[i:i + 1] != "}":
-        key, i = dec.raw_decode(text, i)
-        i = skip(i)
-        if text[i:i + 1] != ":":
-            raise ValueError("expected ':' at offset %d" % i)
+    def __init__(self, text):
+        self.text = text
+        dec = json.JSONDecoder()
+        ws = re.compile(r"[ \t\n\r]*")
+
+        def skip(i):
+            return ws.match(text, i).end()
+        i = skip(0)
+        if text[i:i + 1] != "{":
+            raise ValueError("not a JSON object")
         i = skip(i + 1)
-        if key == "cells":
-            if text[i:i + 1] != "[":
-                raise ValueError("'cells' is not an array")
-            cells, spans, j = [], [], skip(i + 1)
-            while text[j:j + 1] != "]":
-                cell, end = dec.raw_decode(text, j)
-                if not isinstance(cell, dict):
-                    raise ValueError("cell %d is not an object" % (len(cells) + 1))
-                cells.append(cell)
-                spans.append((j, end))
-                j = skip(end)
-                if text[j:j + 1] == ",":
-                    j = skip(j + 1)
-                elif text[j:j + 1] != "]":
-                    raise ValueError("expected ',' or ']' at offset %d" % j)
-            return cells, spans, j
-        _, i = dec.raw_decode(text, i)
-        i = skip(i)
-        if text[i:i + 1] == ",":
+        while text[i:i + 1] != "}":
+            key, i = dec.raw_decode(text, i)
+            i = skip(i)
+            if text[i:i + 1] != ":":
+                raise ValueError("expected ':' at offset %d" % i)
             i = skip(i + 1)
-    raise ValueError("it has no 'cells' array")
+            if key == "cells":
+                if text[i:i + 1] != "[":
+                    raise ValueError("'cells' is not an array")
+                self.cells, self.spans, j = [], [], skip(i + 1)
+                while text[j:j + 1] != "]":
+                    cell, end = dec.raw_decode(text, j)
+                    if not isinstance(cell, dict):
+                        raise ValueError("cell %d is not an object" % (len(self.cells) + 1))
+                    self.cells.append(cell)
+                    self.spans.append((j, end))
+                    j = skip(end)
+                    if text[j:j + 1] == ",":
+                        j = skip(j + 1)
+                    elif text[j:j + 1] != "]":
+                        raise ValueError("expected ',' or ']' at offset %d" % j)
+                self.array_end = j
+                return
+            _, i = dec.raw_decode(text, i)
+            i = skip(i)
+            if text[i:i + 1] == ",":
+                i = skip(i + 1)
+        raise ValueError("it has no 'cells' array")
 
+    @staticmethod
+    def source(cell):
+        """A cell's (or an output's) source as one string (it may be stored as a list of lines)."""
+        src = cell.get("source", "")
+        return "".join(src) if isinstance(src, list) else str(src)
 
-def cell_source(cell):
-    """A notebook cell's source as one string (it may be stored as a list of lines)."""
-    src = cell.get("source", "")
-    return "".join(src) if isinstance(src, list) else str(src)
+    # -- view ------------------------------------------------------------------
+    def render(self, ctx, shown, vr):
+        """view of the notebook: content blocks (text, and images of outputs) for the cells
+        in `vr` (cell numbers, from 1), within the result cap; a cut one says how to read on.
+        An output image goes after the text so far, or a line says why it is not shown."""
+        cells = self.cells
+        start, end = vr or (1, -1)
+        last = len(cells) if end == -1 else min(end, len(cells))
+        if vr is not None and (start > max(len(cells), 1)):
+            raise ToolError(INVALID_INPUT, "view_range counts cells for a notebook: %s has %d; give a start"
+                            " between 1 and %d" % (shown, len(cells), max(len(cells), 1)))
+        blocks, parts, size = [], ["%s: notebook, %d cells (view_range counts cells)" % (shown, len(cells))], 0
+        cap = ctx.config.max_result_chars - 600
+        for k in range(start, last + 1):
+            piece, images = self.rendered_cell(k)
+            if size + len(piece) > cap and k > start:
+                notice = "[cells %d-%d of %d shown; read on with view_range [%d, %d]]" % (
+                    start, k - 1, len(cells), k, end)
+                return [text_block(notice)] + blocks + [text_block("\n".join(parts)), text_block(notice)]
+            size += len(piece)
+            parts.append(piece)
+            for mime, data in images:
+                try:
+                    image = image_result(ctx, "%s cell %d" % (shown, k), data, mime)
+                except ToolError as e:
+                    parts.append("[output image not shown: %s]" % e.message)
+                    continue
+                if isinstance(image, str):          # a type this client's model does not take
+                    parts.append(image)
+                    continue
+                blocks.append(text_block("\n".join(parts)))
+                blocks += image
+                parts = []
+        if parts:
+            blocks.append(text_block("\n".join(parts)))
+        return blocks
 
+    def rendered_cell(self, k):
+        """(text, [(mime, data) of its output images]) of cell number k: a header line (its
+        number, type, id and execution count), its numbered source, its outputs."""
+        cell = self.cells[k - 1]
+        bits = ["[cell %d] %s" % (k, cell.get("cell_type", "?"))]
+        if cell.get("id"):
+            bits.append("id %s" % cell["id"])
+        if cell.get("cell_type") == "code":
+            bits.append("execution_count %s" % cell.get("execution_count"))
+        piece = [" · ".join(bits), number_lines([clip_line(l) for l in self.source(cell).split("\n")], 1)]
+        images = []
+        for out in cell.get("outputs", []) if isinstance(cell.get("outputs"), list) else []:
+            text_out, image = self.output(out)
+            if text_out:
+                piece.append(text_out)
+            if image:
+                images.append(image)
+        return "\n".join(piece), images
 
-def render_notebook(ctx, shown, text, vr):
-    """view of a notebook: content blocks (text, and images of outputs) for the cells
-    in `vr` (cell numbers, from 1), within the result cap; a cut one says how to read on."""
-    cells, _, _ = notebook_cells(text)
-    start, end = vr or (1, -1)
-    last = len(cells) if end == -1 else min(end, len(cells))
-    if vr is not None and (start > max(len(cells), 1)):
-        raise ToolError(INVALID_INPUT, "view_range counts cells for a notebook: %s has %d; give a start between 1"
-                        " and %d" % (shown, len(cells), max(len(cells), 1)))
-    blocks, parts, size = [], ["%s: notebook, %d cells (view_range counts cells)" % (shown, len(cells))], 0
-    cap = ctx.config.max_result_chars - 600
-    for k in range(start, last + 1):
-        piece, images = rendered_cell(k, cells[k - 1])
-        if size + len(piece) > cap and k > start:
-            notice = "[cells %d-%d of %d shown; read on with view_range [%d, %d]]" % (start, k - 1, len(cells), k, end)
-            return [text_block(notice)] + blocks + [text_block("\n".join(parts)), text_block(notice)]
-        size += len(piece)
-        parts.append(piece)
-        for mime, data in images:
-            parts = add_output_image(ctx, "%s cell %d" % (shown, k), data, mime, blocks, parts)
-    if parts:
-        blocks.append(text_block("\n".join(parts)))
-    return blocks
+    @classmethod
+    def output(cls, out):
+        """(text or '', (mime, image bytes) or None) of one cell output; texts are cut at
+        NOTEBOOK_OUTPUT_CHARS with a line saying so."""
+        import base64
 
+        def clip(text):
+            text = text.rstrip("\n")
+            if len(text) <= NOTEBOOK_OUTPUT_CHARS:
+                return text
+            return "%s\n... [%d characters in all; the first %d shown]" % (
+                text[:NOTEBOOK_OUTPUT_CHARS], len(text), NOTEBOOK_OUTPUT_CHARS)
+        if not isinstance(out, dict):
+            return "", None
+        kind = out.get("output_type")
+        if kind == "stream":
+            return "--- %s ---\n%s" % (out.get("name", "stream"), clip(cls.source({"source": out.get("text", "")}))), None
+        if kind == "error":
+            tb = [terminal_text(str(l)) for l in out.get("traceback", [])][-6:]
+            return "--- error ---\n%s: %s\n%s" % (out.get("ename"), out.get("evalue"), clip("\n".join(tb))), None
+        data = out.get("data") if isinstance(out.get("data"), dict) else {}
+        for mime in ("image/png", "image/jpeg"):
+            if mime in data:
+                try:
+                    raw = base64.b64decode(cls.source({"source": data[mime]}), validate=False)
+                except ValueError:
+                    return "--- %s (not valid base64) ---" % mime, None
+                return "--- %s ---" % mime, (mime, raw)
+        if "text/plain" in data:
+            return "--- result ---\n%s" % clip(cls.source({"source": data["text/plain"]})), None
+        return ("--- %s ---" % ", ".join(sorted(data)) if data else ""), None
 
-def rendered_cell(k, cell):
-    """(text, [(mime, data) of its output images]) of notebook cell number k."""
-    piece = [cell_header(k, cell)] + [number_lines([clip_line(l) for l in cell_source(cell).split("\n")], 1)]
-    images = []
-    for out in cell.get("outputs", []) if isinstance(cell.get("outputs"), list) else []:
-        text_out, image = render_output_of(out)
-        if text_out:
-            piece.append(text_out)
-        if image:
-            images.append(image)
-    return "\n".join(piece), images
+    # -- notebook_edit -----------------------------------------------------------
+    def find(self, args, shown, mode):
+        """The index (from 0) of the cell named by cell_id or cell_number (from 1); for an
+        insert, -1 means 'at the top' when neither is given."""
+        cells = self.cells
+        if args.get("cell_id"):
+            for k, cell in enumerate(cells):
+                if cell.get("id") == args["cell_id"]:
+                    return k
+            raise ToolError(INVALID_INPUT, "%s has no cell with id %r (ids: %s)" % (
+                shown, args["cell_id"], ", ".join(str(c.get("id")) for c in cells[:30]) or "none"))
+        if args.get("cell_number") is not None:
+            n = args["cell_number"]
+            if not 1 <= n <= len(cells):
+                raise ToolError(INVALID_INPUT, "cell_number %d is outside %s's cells (1 to %d, as view shows"
+                                " them)" % (n, shown, len(cells)))
+            return n - 1
+        if mode == "insert":
+            return -1
+        raise ToolError(INVALID_INPUT, "say which cell: cell_id or cell_number (as view shows them)")
 
+    def edited(self, k, mode, args):
+        """The text with cell k replaced, deleted, or a new cell inserted after it, written
+        with the indentation the file has (the whitespace before a cell's '{' on its line,
+        the unit inside it; none for a file written without newlines)."""
+        text, spans = self.text, self.spans
+        if mode == "delete":
+            start, end = spans[k]
+            if k + 1 < len(spans):
+                end = spans[k + 1][0]                   # its comma and the space before the next cell
+            elif k > 0:
+                start = spans[k - 1][1]                 # the comma before the last cell
+            return text[:start] + text[end:]
+        base, unit = "  ", 1
+        if spans:
+            start, end = spans[0]
+            base = text[text.rfind("\n", 0, start) + 1:start]
+            inner = re.search(r"\n([ \t]*)\"", text[start:end])
+            base, unit = ("", None) if inner is None or base.strip() else (base, max(1, len(inner.group(1)) - len(base)))
+        cell = self.new_cell(k, mode, args)
+        body = json.dumps(cell, indent=unit, ensure_ascii=False) if unit is not None else \
+            json.dumps(cell, ensure_ascii=False, separators=(",", ":"))
+        body = body.replace("\n", "\n" + base)
+        if mode == "replace":
+            start, end = spans[k]
+            return text[:start] + body + text[end:]
+        sep = ",\n" + base if unit is not None else ","
+        if k == -1:                                      # at the top
+            if not spans:
+                return text[:self.array_end] + ("\n" + base if unit is not None else "") + body + text[self.array_end:]
+            return text[:spans[0][0]] + body + sep + text[spans[0][0]:]
+        end = spans[k][1]
+        return text[:end] + sep + body + text[end:]
 
-def add_output_image(ctx, label, data, mime, blocks, parts):
-    """Add an output image after the text so far (`parts`, then flushed to `blocks`), or
-    a line saying why it is not shown; the text parts still open, returned."""
-    try:
-        image = image_result(ctx, label, data, mime)
-    except ToolError as e:
-        return parts + ["[output image not shown: %s]" % e.message]
-    if isinstance(image, str):                  # a type this client's model does not take
-        return parts + [image]
-    blocks.append(text_block("\n".join(parts)))
-    blocks += image
-    return []
-
-
-def cell_header(k, cell):
-    """The line view shows above a cell: its number, type, id and execution count."""
-    bits = ["[cell %d] %s" % (k, cell.get("cell_type", "?"))]
-    if cell.get("id"):
-        bits.append("id %s" % cell["id"])
-    if cell.get("cell_type") == "code":
-        bits.append("execution_count %s" % cell.get("execution_count"))
-    return " · ".join(bits)
-
-
-def render_output_of(out):
-    """(text or '', (mime, image bytes) or None) of one cell output."""
-    import base64
-    if not isinstance(out, dict):
-        return "", None
-    kind = out.get("output_type")
-    if kind == "stream":
-        return "--- %s ---\n%s" % (out.get("name", "stream"), clip_output(cell_source({"source": out.get("text", "")}))), None
-    if kind == "error":
-        tb = [terminal_text(str(l)) for l in out.get("traceback", [])][-6:]
-        return "--- error ---\n%s: %s\n%s" % (out.get("ename"), out.get("evalue"), clip_output("\n".join(tb))), None
-    data = out.get("data") if isinstance(out.get("data"), dict) else {}
-    for mime in ("image/png", "image/jpeg"):
-        if mime in data:
-            try:
-                raw = base64.b64decode(cell_source({"source": data[mime]}), validate=False)
-            except ValueError:
-                return "--- %s (not valid base64) ---" % mime, None
-            return "--- %s ---" % mime, (mime, raw)
-    if "text/plain" in data:
-        return "--- result ---\n%s" % clip_output(cell_source({"source": data["text/plain"]})), None
-    return ("--- %s ---" % ", ".join(sorted(data)) if data else ""), None
-
-
-def clip_output(text):
-    """A notebook output's text, cut at NOTEBOOK_OUTPUT_CHARS with a line saying so."""
-    text = text.rstrip("\n")
-    if len(text) <= NOTEBOOK_OUTPUT_CHARS:
-        return text
-    return "%s\n... [%d characters in all; the first %d shown]" % (text[:NOTEBOOK_OUTPUT_CHARS], len(text),
-                                                                   NOTEBOOK_OUTPUT_CHARS)
+    def new_cell(self, k, mode, args):
+        """The cell that replaces cell k (its key order and metadata kept) or is inserted
+        after it: the new source in nbformat's list of lines; a code cell's outputs and
+        execution count cleared; a new cell gets an id when the others have one."""
+        if args.get("new_source") is None:
+            raise ToolError(INVALID_INPUT, "new_source is needed to %s a cell" % mode)
+        if mode == "replace":
+            cell = dict(self.cells[k])
+            cell_type = args.get("cell_type") or cell.get("cell_type", "code")
+        else:
+            cell_type = args.get("cell_type")
+            if not cell_type:
+                raise ToolError(INVALID_INPUT, "cell_type (code, markdown or raw) is needed to insert a cell")
+            cell = {"cell_type": cell_type}
+            if any("id" in c for c in self.cells):
+                cell["id"] = os.urandom(4).hex()
+            cell["metadata"] = {}
+        cell["cell_type"] = cell_type
+        cell["source"] = args["new_source"].splitlines(True)
+        if cell_type == "code":
+            cell["execution_count"] = None
+            cell["outputs"] = []
+        else:
+            cell.pop("execution_count", None)
+            cell.pop("outputs", None)
+        return cell
 
 
 NOTEBOOK_DESC = ("Edit one cell of a Jupyter notebook (.ipynb): replace its source, insert a new cell after it, or "
@@ -6577,102 +6655,14 @@ def tool_notebook_edit(session, args, ctx):
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         try:
-            cells, spans, array_end = notebook_cells(text)
+            notebook = Notebook(text)
         except ValueError as e:
             raise ToolError(INVALID_INPUT, "%s is not a notebook that can be edited: %s" % (shown, e))
-        k = find_cell(cells, args, shown, mode)
-        updated = edit_cells(text, cells, spans, array_end, k, mode, args, shown)
+        k = notebook.find(args, shown, mode)
+        updated = notebook.edited(k, mode, args)
         note = write_checked(session, ctx, real, shown, encode_text(updated, "new_source"), "notebook_edit")
     done = {"replace": "Replaced cell %d", "insert": "Inserted a cell as cell %d", "delete": "Deleted cell %d"}[mode]
     return done % (k + 2 if mode == "insert" else k + 1) + " of %s%s%s" % (shown, note, ctx.parse_note)
-
-
-def find_cell(cells, args, shown, mode):
-    """The index (from 0) of the cell named by cell_id or cell_number (from 1); for an
-    insert, -1 means 'at the top' when neither is given."""
-    if args.get("cell_id"):
-        for k, cell in enumerate(cells):
-            if cell.get("id") == args["cell_id"]:
-                return k
-        raise ToolError(INVALID_INPUT, "%s has no cell with id %r (ids: %s)" % (
-            shown, args["cell_id"], ", ".join(str(c.get("id")) for c in cells[:30]) or "none"))
-    if args.get("cell_number") is not None:
-        n = args["cell_number"]
-        if not 1 <= n <= len(cells):
-            raise ToolError(INVALID_INPUT, "cell_number %d is outside %s's cells (1 to %d, as view shows them)"
-                            % (n, shown, len(cells)))
-        return n - 1
-    if mode == "insert":
-        return -1
-    raise ToolError(INVALID_INPUT, "say which cell: cell_id or cell_number (as view shows them)")
-
-
-def edit_cells(text, cells, spans, array_end, k, mode, args, shown):
-    """`text` with cell k replaced, deleted, or a new cell inserted after it."""
-    if mode == "delete":
-        start, end = spans[k]
-        if k + 1 < len(spans):
-            end = spans[k + 1][0]                       # its comma and the space before the next cell
-        elif k > 0:
-            start = spans[k - 1][1]                     # the comma before the last cell
-        return text[:start] + text[end:]
-    cell = edited_cell(cells, k, mode, args)
-    base, unit = notebook_indent(text, spans)
-    body = json.dumps(cell, indent=unit, ensure_ascii=False) if unit is not None else \
-        json.dumps(cell, ensure_ascii=False, separators=(",", ":"))
-    body = body.replace("\n", "\n" + base)
-    if mode == "replace":
-        start, end = spans[k]
-        return text[:start] + body + text[end:]
-    sep = ",\n" + base if unit is not None else ","
-    if k == -1:                                          # at the top
-        if not spans:
-            return text[:array_end] + ("\n" + base if unit is not None else "") + body + text[array_end:]
-        return text[:spans[0][0]] + body + sep + text[spans[0][0]:]
-    end = spans[k][1]
-    return text[:end] + sep + body + text[end:]
-
-
-def edited_cell(cells, k, mode, args):
-    """The cell that replaces cell k (its key order and metadata kept) or is inserted
-    after it: the new source in nbformat's list of lines; a code cell's outputs and
-    execution count cleared; a new cell gets an id when the others have one."""
-    if args.get("new_source") is None:
-        raise ToolError(INVALID_INPUT, "new_source is needed to %s a cell" % mode)
-    if mode == "replace":
-        cell = dict(cells[k])
-        cell_type = args.get("cell_type") or cell.get("cell_type", "code")
-    else:
-        cell_type = args.get("cell_type")
-        if not cell_type:
-            raise ToolError(INVALID_INPUT, "cell_type (code, markdown or raw) is needed to insert a cell")
-        cell = {"cell_type": cell_type}
-        if any("id" in c for c in cells):
-            cell["id"] = os.urandom(4).hex()
-        cell["metadata"] = {}
-    cell["cell_type"] = cell_type
-    cell["source"] = args["new_source"].splitlines(True)
-    if cell_type == "code":
-        cell["execution_count"] = None
-        cell["outputs"] = []
-    else:
-        cell.pop("execution_count", None)
-        cell.pop("outputs", None)
-    return cell
-
-
-def notebook_indent(text, spans):
-    """(the whitespace before a cell's '{' on its line, the indent unit inside it),
-    as the file has them; unit None for a file written without newlines."""
-    if not spans:
-        return "  ", 1
-    start, end = spans[0]
-    line_start = text.rfind("\n", 0, start) + 1
-    base = text[line_start:start]
-    inner = re.search(r"\n([ \t]*)\"", text[start:end])
-    if inner is None or base.strip():
-        return "", None
-    return base, max(1, len(inner.group(1)) - len(base))
 
 
 ###############################################################################
