@@ -4401,19 +4401,6 @@ def html_to_markdown(markup, base_url=""):
     return ("# %s\n\n%s" % (title, body)).strip() if title and title not in body[:len(title) + 4] else body
 
 
-def web_window(text, start):
-    """text[start:] within WEB_MAX_CHARS in all; a cut one ends with the start_index
-    that reads on."""
-    if start > len(text):
-        raise plain_error("错误：start_index %d 超出内容长度（%d 字符）" % (start, len(text)), INVALID_INPUT)
-    if len(text) - start <= WEB_MAX_CHARS:
-        return text[start:]
-    end = start + WEB_MAX_CHARS - 200                        # room for the notice
-    return text[start:end] + ("\n\n[已截断：共 %d 字符，已显示 %d-%d；用 start_index=%d 继续 / cut: characters"
-                              " %d-%d of %d shown; read on with start_index=%d]"
-                              % (len(text), start, end, end, start, end, len(text), end))
-
-
 def address_refusal(address, block_private=False):
     """Why web_fetch must not connect to the IP `address`, or None. Link-local
     addresses (169.254.0.0/16, fe80::/10: cloud metadata services) are always refused;
@@ -4432,21 +4419,6 @@ def address_refusal(address, block_private=False):
                           or ip.is_reserved):
         return "a loopback or private address (--web-fetch-block-private)"
     return None
-
-
-def vetted_addresses(host, port, block_private, url):
-    """getaddrinfo of `host`, every address checked; a workspace tools' fixed-string ToolError otherwise."""
-    import socket
-    try:
-        infos = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError):
-        raise plain_error("错误：无法解析主机 %s: %s" % (host, url))
-    for info in infos:
-        why = address_refusal(info[4][0], block_private)
-        if why:
-            log("warn", "web_fetch refused an address", host=host, address=info[4][0], reason=why)
-            raise plain_error("错误：拒绝连接 %s（%s 是%s）: %s" % (host, info[4][0], why, url), ACCESS_DENIED)
-    return infos
 
 
 class FetchWatch(object):
@@ -4483,182 +4455,211 @@ class FetchWatch(object):
         self.done.set()
 
 
-def guarded_opener(watch, block_private, url):
-    """A urllib opener whose connections go only to vetted addresses (checked after
-    DNS, on every redirect too), registered with `watch`, redirects bounded."""
-    import http.client
-    import socket
-    import urllib.parse
-    import urllib.request
+class WebFetch(object):
+    """One web_fetch of `url` (as the model gave it; every error names it so): the URL
+    checked, a GET that connects only to vetted addresses (checked after DNS, on every
+    redirect too), its text. Every failure is a workspace tools' fixed-string ToolError."""
 
-    def connect(conn):
-        host = conn._tunnel_host or conn.host
-        error = OSError("could not connect to %s" % conn.host)
-        for family, kind, proto, _, address in vetted_addresses(conn.host, conn.port, block_private, url):
-            sock = socket.socket(family, kind, proto)
-            watch.sockets.append(sock)
-            sock.settimeout(watch.left())
-            try:
-                sock.connect(address)
-                return sock, host
-            except OSError as e:
-                sock.close()
-                error = e
+    def __init__(self, url, timeout, cancelled=None, block_private=False):
+        self.url, self.timeout, self.block_private = url, timeout, block_private
+        self.cancelled = cancelled or threading.Event()
+
+    def text(self, start=0):
+        """The readable text of the page (HTML as light Markdown) from `start`, within
+        WEB_MAX_CHARS; a cut one ends with the start_index that reads on."""
+        ctype, charset, body = self.get()
+        url = self.url
+        try:
+            text = body.decode(text_codec(charset or "utf-8") or "utf-8", "replace")
+        except (UnicodeError, ValueError):
+            text = body.decode("utf-8", "replace")
+        is_html = ctype in ("text/html", "application/xhtml+xml") or (
+            not ctype and text.lstrip()[:1] == "<")
+        if is_html:
+            text = html_to_markdown(text, url)
+        elif not (ctype.startswith("text/") or ctype in ("application/json", "application/xml", "application/javascript")
+                  or ctype.endswith(("+json", "+xml")) or not ctype):
+            raise plain_error("错误：不支持的内容类型 %s: %s" % (ctype, url))
+        if start > len(text):
+            raise plain_error("错误：start_index %d 超出内容长度（%d 字符）" % (start, len(text)), INVALID_INPUT)
+        if len(text) - start <= WEB_MAX_CHARS:
+            return text[start:]
+        end = start + WEB_MAX_CHARS - 200                        # room for the notice
+        return text[start:end] + ("\n\n[已截断：共 %d 字符，已显示 %d-%d；用 start_index=%d 继续 / cut: characters"
+                                  " %d-%d of %d shown; read on with start_index=%d]"
+                                  % (len(text), start, end, end, start, end, len(text), end))
+
+    def get(self):
+        """(content_type, charset, body bytes) of a GET of the checked URL. At most
+        WEB_MAX_REDIRECTS redirects (http/https only), at most WEB_MAX_BYTES read; the
+        timeout bounds the whole call, and `cancelled` ends it at once."""
+        import urllib.error
+        import urllib.request
+
+        request_url, url, timeout = self.checked(self.url), self.url, self.timeout
+        watch = FetchWatch(timeout, self.cancelled)
+        opener = self.opener(watch)
+        timed_out = plain_error("错误：请求超时（%ss）: %s" % (timeout, url))
+        try:
+            req = urllib.request.Request(request_url, headers={"User-Agent": "boris/%s" % __version__,
+                                                       "Accept": "text/html,application/json,text/*;q=0.9,*/*;q=0.5"})
+            with opener.open(req, timeout=timeout) as resp:
+                ctype = resp.headers.get_content_type() if resp.headers.get("Content-Type") else ""
+                charset = resp.headers.get_content_charset()
+                chunks, size = [], 0
+                while size < WEB_MAX_BYTES and not watch.fired.is_set():
+                    block = resp.read1(min(65536, WEB_MAX_BYTES - size))
+                    if not block:
+                        break
+                    chunks.append(block)
+                    size += len(block)
                 if watch.fired.is_set():
-                    break
-        raise error
+                    raise timed_out
+                return ctype, charset, b"".join(chunks)
+        except ToolError:
+            raise
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            if isinstance(e, urllib.error.HTTPError):
+                e.close()                   # an error response holds its socket until closed
+            raise self.error(e, watch.fired.is_set(), timed_out)
+        finally:
+            watch.close()
+            for sock in watch.sockets:
+                sock.close()
 
-    class Plain(http.client.HTTPConnection):
-        def connect(self):
-            self.sock = connect(self)[0]
-            if self._tunnel_host:
-                self._tunnel()
+    def opener(self, watch):
+        """A urllib opener whose connections go only to vetted addresses (checked after
+        DNS, on every redirect too), registered with `watch`, redirects bounded."""
+        import http.client
+        import socket
+        import urllib.parse
+        import urllib.request
+        fetch = self
 
-    class Secure(http.client.HTTPSConnection):
-        def connect(self):
-            sock, host = connect(self)
-            if self._tunnel_host:
-                self.sock = sock
-                self._tunnel()
-                sock = self.sock
-            self.sock = self._context.wrap_socket(sock, server_hostname=host)
+        def connect(conn):
+            host = conn._tunnel_host or conn.host
+            error = OSError("could not connect to %s" % conn.host)
+            for family, kind, proto, _, address in fetch.vetted(conn.host, conn.port):
+                sock = socket.socket(family, kind, proto)
+                watch.sockets.append(sock)
+                sock.settimeout(watch.left())
+                try:
+                    sock.connect(address)
+                    return sock, host
+                except OSError as e:
+                    sock.close()
+                    error = e
+                    if watch.fired.is_set():
+                        break
+            raise error
 
-    class PlainHandler(urllib.request.HTTPHandler):
-        def http_open(self, req):
-            return self.do_open(Plain, req)
+        class Plain(http.client.HTTPConnection):
+            def connect(self):
+                self.sock = connect(self)[0]
+                if self._tunnel_host:
+                    self._tunnel()
 
-    class SecureHandler(urllib.request.HTTPSHandler):
-        def https_open(self, req):
-            return self.do_open(Secure, req, context=self._context)
+        class Secure(http.client.HTTPSConnection):
+            def connect(self):
+                sock, host = connect(self)
+                if self._tunnel_host:
+                    self.sock = sock
+                    self._tunnel()
+                    sock = self.sock
+                self.sock = self._context.wrap_socket(sock, server_hostname=host)
 
-    class Redirects(urllib.request.HTTPRedirectHandler):
-        max_redirections = WEB_MAX_REDIRECTS
+        class PlainHandler(urllib.request.HTTPHandler):
+            def http_open(self, req):
+                return self.do_open(Plain, req)
 
-        def redirect_request(self, req, fp, code, msg, headers, newurl):
-            if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
-                fp.close()
-                raise plain_error("错误：重定向到不支持的协议: %s: %s" % (newurl, url))
-            return urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
+        class SecureHandler(urllib.request.HTTPSHandler):
+            def https_open(self, req):
+                return self.do_open(Secure, req, context=self._context)
 
-    return urllib.request.build_opener(PlainHandler, SecureHandler, Redirects)
+        class Redirects(urllib.request.HTTPRedirectHandler):
+            max_redirections = WEB_MAX_REDIRECTS
 
+            def redirect_request(self, req, fp, code, msg, headers, newurl):
+                if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
+                    fp.close()
+                    raise plain_error("错误：重定向到不支持的协议: %s: %s" % (newurl, fetch.url))
+                return urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
 
-def http_fetch(url, timeout, cancelled=None, block_private=False, shown=None):
-    """(content_type, charset, body bytes) of a GET, or a workspace tools' fixed-string ToolError naming
-    the URL as `shown` (as the model gave it). At most WEB_MAX_REDIRECTS redirects
-    (http/https only), at most WEB_MAX_BYTES read; `timeout` bounds the whole call,
-    and `cancelled` ends it at once."""
-    import urllib.error
-    import urllib.request
+        return urllib.request.build_opener(PlainHandler, SecureHandler, Redirects)
 
-    request_url, url = url, shown or url
-    watch = FetchWatch(timeout, cancelled or threading.Event())
-    opener = guarded_opener(watch, block_private, url)
-    timed_out = plain_error("错误：请求超时（%ss）: %s" % (timeout, url))
-    try:
-        req = urllib.request.Request(request_url, headers={"User-Agent": "boris/%s" % __version__,
-                                                   "Accept": "text/html,application/json,text/*;q=0.9,*/*;q=0.5"})
-        with opener.open(req, timeout=timeout) as resp:
-            ctype = resp.headers.get_content_type() if resp.headers.get("Content-Type") else ""
-            charset = resp.headers.get_content_charset()
-            chunks, size = [], 0
-            while size < WEB_MAX_BYTES and not watch.fired.is_set():
-                block = resp.read1(min(65536, WEB_MAX_BYTES - size))
-                if not block:
-                    break
-                chunks.append(block)
-                size += len(block)
-            if watch.fired.is_set():
-                raise timed_out
-            return ctype, charset, b"".join(chunks)
-    except ToolError:
-        raise
-    except (urllib.error.URLError, OSError, ValueError) as e:
+    def vetted(self, host, port):
+        """getaddrinfo of `host`, every address checked; a workspace tools' fixed-string ToolError otherwise."""
+        import socket
+        try:
+            infos = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError):
+            raise plain_error("错误：无法解析主机 %s: %s" % (host, self.url))
+        for info in infos:
+            why = address_refusal(info[4][0], self.block_private)
+            if why:
+                log("warn", "web_fetch refused an address", host=host, address=info[4][0], reason=why)
+                raise plain_error("错误：拒绝连接 %s（%s 是%s）: %s" % (host, info[4][0], why, self.url), ACCESS_DENIED)
+        return infos
+
+    def error(self, e, fired, timed_out):
+        """web_fetch's fixed-string error for what urllib raised (`timed_out` when the
+        whole-call timeout `fired` or the socket timed out)."""
+        import socket
+        import urllib.error
+        import urllib.parse
+        url = self.url
         if isinstance(e, urllib.error.HTTPError):
-            e.close()                   # an error response holds its socket until closed
-        raise fetch_error(e, url, watch.fired.is_set(), timed_out)
-    finally:
-        watch.close()
-        for sock in watch.sockets:
-            sock.close()
+            if e.code in (301, 302, 303, 307, 308):
+                return plain_error("错误：重定向次数过多（超过 %d 次）: %s" % (WEB_MAX_REDIRECTS, url))
+            return plain_error("错误：HTTP %d: %s" % (e.code, url))
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, ToolError):
+            return reason
+        if fired or isinstance(reason, socket.timeout) or "timed out" in str(reason):
+            return timed_out
+        if isinstance(reason, socket.gaierror):
+            return plain_error("错误：无法解析主机 %s: %s" % (urllib.parse.urlsplit(url).hostname, url))
+        if isinstance(reason, ConnectionRefusedError):
+            return plain_error("错误：连接被拒绝: %s" % url)
+        return plain_error("错误：请求失败（%s）: %s" % (reason, url))
 
+    @staticmethod
+    def checked(url):
+        """`url` ready to request (non-ASCII in the path and query percent-encoded), or a
+        fixed-string error naming what is wrong with it: not http(s), no host, a port that is
+        no number, a malformed IPv6 literal, spaces or control characters."""
+        import urllib.parse
+        shown = re.sub(r"[\x00-\x1f\x7f]", lambda m: "\\x%02x" % ord(m.group(0)), url[:200]) + \
+            ("..." if len(url) > 200 else "")
 
-def fetch_error(e, url, fired, timed_out):
-    """web_fetch's fixed-string error for what urllib raised (`timed_out` when the
-    whole-call timeout `fired` or the socket timed out)."""
-    import socket
-    import urllib.error
-    import urllib.parse
-    if isinstance(e, urllib.error.HTTPError):
-        if e.code in (301, 302, 303, 307, 308):
-            return plain_error("错误：重定向次数过多（超过 %d 次）: %s" % (WEB_MAX_REDIRECTS, url))
-        return plain_error("错误：HTTP %d: %s" % (e.code, url))
-    reason = getattr(e, "reason", e)
-    if isinstance(reason, ToolError):
-        return reason
-    if fired or isinstance(reason, socket.timeout) or "timed out" in str(reason):
-        return timed_out
-    if isinstance(reason, socket.gaierror):
-        return plain_error("错误：无法解析主机 %s: %s" % (urllib.parse.urlsplit(url).hostname, url))
-    if isinstance(reason, ConnectionRefusedError):
-        return plain_error("错误：连接被拒绝: %s" % url)
-    return plain_error("错误：请求失败（%s）: %s" % (reason, url))
-
-
-def checked_url(url):
-    """`url` ready to request (non-ASCII in the path and query percent-encoded), or a
-    fixed-string error naming what is wrong with it: not http(s), no host, a port that is
-    no number, a malformed IPv6 literal, spaces or control characters."""
-    import urllib.parse
-    shown = re.sub(r"[\x00-\x1f\x7f]", lambda m: "\\x%02x" % ord(m.group(0)), url[:200]) + \
-        ("..." if len(url) > 200 else "")
-
-    def refuse(reason, code=INVALID_INPUT):
-        return plain_error("错误：无效的网址（%s）: %s" % (reason, shown), code)
-    if len(url) > MAX_URL_CHARS:
-        raise refuse("长度 %d 超过 %d 字符 / over %d characters" % (len(url), MAX_URL_CHARS, MAX_URL_CHARS))
-    bad = re.search(r"[\x00-\x20\x7f]", url)
-    if bad:
-        raise refuse("第 %d 个字符是空格或控制字符，请用百分号编码（如 %%20）/ a space or control character at"
-                     " %d: percent-encode it, e.g. %%20" % (bad.start() + 1, bad.start() + 1))
-    try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port
-        host = parts.hostname
-    except ValueError as e:
-        raise refuse("%s" % e)
-    if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
-        raise plain_error("错误：只支持 http 和 https 网址: %s" % shown)
-    if not host:
-        raise refuse("没有主机名 / no host name")
-    if port == 0:
-        raise refuse("端口 0 无效 / port 0 is not a port")
-    try:
-        host.encode("idna")
-    except UnicodeError:
-        raise refuse("主机名 %s 无法编码 / the host name cannot be IDNA-encoded" % host[:100])
-    safe = "/?#[]@!$&'()*+,;=%~:"
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, urllib.parse.quote(parts.path, safe=safe),
-                                    urllib.parse.quote(parts.query, safe=safe),
-                                    urllib.parse.quote(parts.fragment, safe=safe)))
-
-
-def fetch_text(url, timeout, cancelled=None, block_private=False, start=0):
-    """The readable text of a URL (HTML as light Markdown) from `start`, within
-    WEB_MAX_CHARS; a workspace tools' fixed-string ToolError otherwise."""
-    ctype, charset, body = http_fetch(checked_url(url), timeout, cancelled, block_private, shown=url)
-    try:
-        text = body.decode(text_codec(charset or "utf-8") or "utf-8", "replace")
-    except (UnicodeError, ValueError):
-        text = body.decode("utf-8", "replace")
-    is_html = ctype in ("text/html", "application/xhtml+xml") or (
-        not ctype and text.lstrip()[:1] == "<")
-    if is_html:
-        text = html_to_markdown(text, url)
-    elif not (ctype.startswith("text/") or ctype in ("application/json", "application/xml", "application/javascript")
-              or ctype.endswith(("+json", "+xml")) or not ctype):
-        raise plain_error("错误：不支持的内容类型 %s: %s" % (ctype, url))
-    return web_window(text, start)
+        def refuse(reason, code=INVALID_INPUT):
+            return plain_error("错误：无效的网址（%s）: %s" % (reason, shown), code)
+        if len(url) > MAX_URL_CHARS:
+            raise refuse("长度 %d 超过 %d 字符 / over %d characters" % (len(url), MAX_URL_CHARS, MAX_URL_CHARS))
+        bad = re.search(r"[\x00-\x20\x7f]", url)
+        if bad:
+            raise refuse("第 %d 个字符是空格或控制字符，请用百分号编码（如 %%20）/ a space or control character at"
+                         " %d: percent-encode it, e.g. %%20" % (bad.start() + 1, bad.start() + 1))
+        try:
+            parts = urllib.parse.urlsplit(url)
+            port = parts.port
+            host = parts.hostname
+        except ValueError as e:
+            raise refuse("%s" % e)
+        if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
+            raise plain_error("错误：只支持 http 和 https 网址: %s" % shown)
+        if not host:
+            raise refuse("没有主机名 / no host name")
+        if port == 0:
+            raise refuse("端口 0 无效 / port 0 is not a port")
+        try:
+            host.encode("idna")
+        except UnicodeError:
+            raise refuse("主机名 %s 无法编码 / the host name cannot be IDNA-encoded" % host[:100])
+        safe = "/?#[]@!$&'()*+,;=%~:"
+        return urllib.parse.urlunsplit((parts.scheme, parts.netloc, urllib.parse.quote(parts.path, safe=safe),
+                                        urllib.parse.quote(parts.query, safe=safe),
+                                        urllib.parse.quote(parts.fragment, safe=safe)))
 
 ###############################################################################
 # Session #####################################################################
@@ -7558,7 +7559,7 @@ def tool_web_fetch(session, args, ctx):
     start = args.get("start_index") or 0
     if start < 0:
         raise plain_error("错误：start_index 不能为负数: %d" % start, INVALID_INPUT)
-    return fetch_text(url, timeout, ctx.cancelled, ctx.config.web_fetch_block_private, start)
+    return WebFetch(url, timeout, ctx.cancelled, ctx.config.web_fetch_block_private).text(start)
 
 ###############################################################################
 # Protocol ####################################################################

@@ -3421,7 +3421,7 @@ class TestUrlsAndCharsets(NoViewBase):
 
     def test_a_charset_that_is_no_text_codec_falls_back_to_utf8(self):
         for charset in ("idna", "undefined", "punycode", "base64", "rot13", "no-such-charset", "utf-8"):
-            with mock.patch.object(boris, "http_fetch", lambda *a, **k: ("text/plain", charset, "café".encode())):
+            with mock.patch.object(boris.WebFetch, "get", lambda *a, **k: ("text/plain", charset, "café".encode())):
                 text, err = self.call("web_fetch", url=self.base + "/text")
             self.assertEqual((text, err), ("café", False), charset)
 
