@@ -4946,32 +4946,50 @@ VIEW_DESC = ("Read a text file with line numbers (cat -n style: number, tab, lin
       notes("View file or directory", read_only=True, idempotent=True), DEFAULT)
 def tool_view(session, args, ctx):
     """view: a file's numbered lines (a view_range of them), an image, a notebook's
-    cells, or a directory's tree two levels deep."""
-    shown = args["path"]
+    cells, or a directory's tree two levels deep (a view_range is for files only). A
+    file over --max-file-size is refused saying what to do instead; an SVG goes as its
+    source text (with a note saying why) to a client whose model takes no SVG images; a
+    notebook that is not valid JSON is shown as text after a note."""
+    shown, vr = args["path"], args.get("view_range")
     real = resolve_checked(session, ctx, shown)
-    vr = parse_view_range(args.get("view_range"))
+    if vr is not None and vr[0] < 1:
+        raise ToolError(INVALID_INPUT, "view_range start %d is below 1; lines are numbered from 1" % vr[0])
+    if vr is not None and vr[1] != -1 and vr[1] < vr[0]:
+        raise ToolError(INVALID_INPUT, "view_range [%d, %d] ends before it starts; give start <= end,"
+                        " or end = -1 for the end of the file" % tuple(vr))
     try:
         fd, st = open_regular(real, shown)
     except ToolError as e:
         if e.detail != "directory":
             raise
-        return view_directory(ctx, real, shown, vr)
-    limit = ctx.config.max_file_size
+        if vr is not None:
+            raise ToolError(INVALID_INPUT, "view_range applies to files, and %s is a directory" % shown)
+        return list_tree(real, ctx.policy, shown)
+    limit, note = ctx.config.max_file_size, ""
     with os.fdopen(fd, "rb") as fh:
-        check_view_size(st, shown, limit)
+        if st.st_size > limit:
+            raise ToolError(FILE_TOO_LARGE, "%s is %s; the limit is %s (--max-file-size). Use grep to search"
+                            " it, or raise --max-file-size" % (shown, human_size(st.st_size), human_size(limit)))
         try:
             head = fh.read(SNIFF_BYTES)
-            kind, mime, note = view_kind(ctx, head, real, shown)
+            kind, mime = sniff(head, real)
+            if mime == "image/svg+xml" and svg_as_text(ctx):
+                kind, note = "text", ("(%s is an SVG image, shown as its source: this client's model takes no"
+                                      " SVG images)\n" % shown)
             if kind == "binary":
                 return "Binary file (%s): %s is not shown as text" % (human_size(st.st_size), shown)
             if kind == "image" or real.endswith(".ipynb"):
                 data = head + read_fd(fh.fileno(), limit - len(head), shown)      # (none left after a short head)
-                shown_as, note = view_whole(session, ctx, real, shown, st, data, mime if kind == "image" else None, vr)
-                if shown_as is not None:
-                    return shown_as
+                try:
+                    whole = image_result(ctx, shown, data, mime) if kind == "image" else \
+                        Notebook(data.decode("utf-8", "replace")).render(ctx, shown, vr)
+                    session.mark_viewed(real, Seen(st, digest_of(data)))
+                    return whole
+                except (ValueError, RecursionError) as e:
+                    note = "(%s is not a valid notebook (%s); shown as text)\n" % (shown, shorten(str(e), 120))
             fh.seek(0)
             reader = LineReader(fh, max(limit, st.st_size) + 1, whole=True)
-            text = note + read_numbered(reader, vr, shown, ctx.config.max_result_chars - len(note))
+            text = note + numbered(reader, vr, shown, ctx.config.max_result_chars - len(note))
             seen = Seen(st, reader.digest())
         except FileTooLarge as e:
             raise too_large(shown, e.args[0], limit, more=True)
@@ -4981,42 +4999,37 @@ def tool_view(session, args, ctx):
     return text
 
 
-def check_view_size(st, shown, limit):
-    """FILE_TOO_LARGE for a file over --max-file-size, saying what to do instead."""
-    if st.st_size > limit:
-        raise ToolError(FILE_TOO_LARGE, "%s is %s; the limit is %s (--max-file-size). Use grep to search"
-                        " it, or raise --max-file-size" % (shown, human_size(st.st_size), human_size(limit)))
-
-
-def view_directory(ctx, real, shown, vr):
-    """view of a directory: its tree (a view_range is for files only)."""
-    if vr is not None:
-        raise ToolError(INVALID_INPUT, "view_range applies to files, and %s is a directory" % shown)
-    return list_tree(real, ctx.policy, shown)
-
-
-def view_kind(ctx, head, real, shown):
-    """(kind, mime, note) of a file view shows: sniffed from its head, an SVG shown
-    as text (with a note saying why) to a client whose model takes no SVG."""
-    kind, mime = sniff(head, real)
-    if mime == "image/svg+xml" and svg_as_text(ctx):
-        return "text", mime, "(%s is an SVG image, shown as its source: this client's model takes no SVG" \
-                             " images)\n" % shown
-    return kind, mime, ""
-
-
-def view_whole(session, ctx, real, shown, st, data, image_mime, vr):
-    """(content, "") for an image (image_mime) or a notebook read whole; (None, a note)
-    for a notebook that is not valid JSON, then shown as text after the note."""
-    if image_mime is not None:
-        session.mark_viewed(real, Seen(st, digest_of(data)))
-        return image_result(ctx, shown, data, image_mime), ""
-    try:
-        blocks = Notebook(data.decode("utf-8", "replace")).render(ctx, shown, vr)
-    except (ValueError, RecursionError) as e:
-        return None, "(%s is not a valid notebook (%s); shown as text)\n" % (shown, shorten(str(e), 120))
-    session.mark_viewed(real, Seen(st, digest_of(data)))
-    return blocks, ""
+def numbered(reader, vr, shown, cap):
+    """Stream a text file into `cat -n` form: memory stays flat whatever its size, and
+    the answer stops within `cap` characters; a cut one starts and ends with the
+    view_range that reads on. Without a range, a file over VIEW_MAX_LINES shows its
+    first lines; a range past the end is INVALID_INPUT."""
+    lines, size = [], 0
+    start, end = vr or (1, -1)
+    n = 0
+    for raw, more in reader:
+        n += 1
+        if n < start:
+            continue
+        if vr is None and len(lines) == VIEW_MAX_LINES:
+            total = n + reader.count_rest()
+            return read_on(number_lines(lines, 1), "[Truncated: file has %d lines. Use view_range to read specific"
+                           " sections (e.g. [%d, %d]); lines 1-%d are shown.]" % (
+                               total, VIEW_MAX_LINES + 1, min(total, 2 * VIEW_MAX_LINES), VIEW_MAX_LINES))
+        line = display_line(raw, more)
+        size += len(line) + 8
+        if size > cap - 400 and lines:
+            return read_on(number_lines(lines, start), "[cut at %d characters after line %d; read on with view_range"
+                           " [%d, %d]]" % (cap, n - 1, n, end))
+        lines.append(line)
+        if n == end:
+            break
+    if vr is None:
+        return number_lines(lines, 1) if lines else "(%s is empty)" % shown
+    if not lines:
+        raise ToolError(INVALID_INPUT, "view_range start %d exceeds the file's %d lines; give a start"
+                        " between 1 and %d" % (start, n, max(n, 1)))
+    return number_lines(lines, start)
 
 
 # What the model APIs behind the coding agents take (clientInfo.name prefix -> image
@@ -5071,7 +5084,8 @@ def image_result(ctx, shown, data, mime):
 
 
 def image_size(data, mime):
-    """(width, height) read from an image's header, or None when it cannot be told."""
+    """(width, height) read from an image's header (a WebP's VP8X, VP8 or VP8L chunk; a
+    JPEG's first start-of-frame marker), or None when it cannot be told."""
     import struct
     try:
         if mime == "image/png" and data[12:16] == b"IHDR":
@@ -5083,100 +5097,25 @@ def image_size(data, mime):
             return w, abs(h)
         if mime == "image/x-icon":
             return data[6] or 256, data[7] or 256
-        if mime == "image/webp":
-            return webp_size(data)
-        if mime == "image/jpeg":
-            return jpeg_size(data)
+        chunk = data[12:16] if mime == "image/webp" else None
+        if chunk == b"VP8X":
+            return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+        if chunk == b"VP8 ":
+            w, h = struct.unpack("<HH", data[26:30])
+            return w & 0x3FFF, h & 0x3FFF
+        if chunk == b"VP8L":
+            b = int.from_bytes(data[21:25], "little")
+            return (b & 0x3FFF) + 1, ((b >> 14) & 0x3FFF) + 1
+        i = 2
+        while mime == "image/jpeg" and i + 9 < len(data) and data[i] == 0xFF:
+            marker, length = data[i + 1], struct.unpack(">H", data[i + 2:i + 4])[0]
+            if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+                h, w = struct.unpack(">HH", data[i + 5:i + 9])
+                return w, h
+            i += 2 + length
     except (struct.error, IndexError):
         return None                       # a header cut short: the size cannot be told
     return None
-
-
-def webp_size(data):
-    """(width, height) from a WebP header (VP8X, VP8 or VP8L), or None."""
-    import struct
-    chunk = data[12:16]
-    if chunk == b"VP8X":
-        return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
-    if chunk == b"VP8 ":
-        w, h = struct.unpack("<HH", data[26:30])
-        return w & 0x3FFF, h & 0x3FFF
-    if chunk == b"VP8L":
-        b = int.from_bytes(data[21:25], "little")
-        return (b & 0x3FFF) + 1, ((b >> 14) & 0x3FFF) + 1
-    return None
-
-
-def jpeg_size(data):
-    """(width, height) from a JPEG's first start-of-frame marker, or None."""
-    import struct
-    i = 2
-    while i + 9 < len(data):
-        if data[i] != 0xFF:
-            return None
-        marker, length = data[i + 1], struct.unpack(">H", data[i + 2:i + 4])[0]
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            h, w = struct.unpack(">HH", data[i + 5:i + 9])
-            return w, h
-        i += 2 + length
-    return None
-
-
-def parse_view_range(vr):
-    """(start, end) of a view_range (end -1: to the end), or None; INVALID_INPUT for a range that cannot
-    be."""
-    if vr is None:
-        return None
-    start, end = vr
-    if start < 1:
-        raise ToolError(INVALID_INPUT, "view_range start %d is below 1; lines are numbered from 1" % start)
-    if end != -1 and end < start:
-        raise ToolError(INVALID_INPUT, "view_range [%d, %d] ends before it starts; give start <= end,"
-                        " or end = -1 for the end of the file" % (start, end))
-    return start, end
-
-
-def first_lines_notice(lines, total):
-    """view without a range of a file longer than VIEW_MAX_LINES: its first lines,
-    with the view_range that reads on."""
-    return read_on(number_lines(lines, 1), "[Truncated: file has %d lines. Use view_range to read specific"
-                   " sections (e.g. [%d, %d]); lines 1-%d are shown.]" % (
-                       total, VIEW_MAX_LINES + 1, min(total, 2 * VIEW_MAX_LINES), VIEW_MAX_LINES))
-
-
-def read_numbered(reader, vr, shown, cap):
-    """Stream a text file into `cat -n` form: memory stays flat whatever its size, and
-    the answer stops within `cap` characters; a cut one starts and ends with the
-    view_range that reads on."""
-    lines, size = [], 0
-    start, end = vr or (1, -1)
-    n = 0
-    for raw, more in reader:
-        n += 1
-        if n < start:
-            continue
-        if vr is None and len(lines) == VIEW_MAX_LINES:
-            return first_lines_notice(lines, n + reader.count_rest())
-        line = display_line(raw, more)
-        size += len(line) + 8
-        if size > cap - 400 and lines:
-            return read_on(number_lines(lines, start), "[cut at %d characters after line %d; read on with view_range"
-                           " [%d, %d]]" % (cap, n - 1, n, end))
-        lines.append(line)
-        if n == end:
-            break
-    return numbered_whole(lines, vr, start, n, shown)
-
-
-def numbered_whole(lines, vr, start, n, shown):
-    """read_numbered's answer when nothing was cut: the lines numbered from `start`,
-    a word for an empty file, or INVALID_INPUT for a range past the end."""
-    if vr is None:
-        return number_lines(lines, 1) if lines else "(%s is empty)" % shown
-    if not lines:
-        raise ToolError(INVALID_INPUT, "view_range start %d exceeds the file's %d lines; give a start"
-                        " between 1 and %d" % (start, n, max(n, 1)))
-    return number_lines(lines, start)
 
 
 class _ListingFull(Exception):
