@@ -5343,35 +5343,46 @@ def closest_region(text, old, cancelled=None, what="old_str"):
     if numbered.match(want[0]) and all(numbered.match(w) for w in want if w):
         return " old_str starts its lines with view's line-number prefixes (number, tab); leave them out."
     want = want[:MISS_WINDOW_LINES]
+    import difflib
     n = len(want)
-    best, at = best_window(lines, want, candidate_starts(lines, want, cancelled), cancelled)
+    best, at = 0.0, None
+    for start in candidate_starts(lines, want, cancelled):
+        if cancelled is not None and cancelled.is_set():
+            return ""
+        s = max(0, min(start, len(lines) - n)) if len(lines) >= n else 0
+        total = 0.0                 # line by line: equal but for surrounding whitespace counts 0.95
+        for a, b in zip(lines[s:s + n], want):
+            if a == b:
+                total += 1.0
+            elif a.strip() == b.strip():
+                total += 0.95
+            else:
+                total += difflib.SequenceMatcher(None, a[:200], b[:200], autojunk=False).quick_ratio()
+        if total / max(n, 1) > best:
+            best, at = total / max(n, 1), s
     if at is None or best < 0.5:
         return ""
     return region_report(lines[at:at + n], want, at, best, what)
-
-
-def best_window(lines, want, starts, cancelled):
-    """(score, first line) of the candidate window most like `want`; (0.0, None) when
-    there is none or the call was cancelled."""
-    n = len(want)
-    best, at = 0.0, None
-    for start in starts:
-        if cancelled is not None and cancelled.is_set():
-            return 0.0, None
-        s = max(0, min(start, len(lines) - n)) if len(lines) >= n else 0
-        score = window_similarity(lines[s:s + n], want)
-        if score > best:
-            best, at = score, s
-    return best, at
 
 
 def region_report(region, want, at, best, what):
     """The closest region (starting at line index `at`) in full, so that it can be copied,
     what differs in whitespace line by line, and a diff numbered with the file's lines."""
     import difflib
-    ws = [whitespace_difference(f, w, at + k + 1) for k, (f, w) in enumerate(zip(region, want))
-          if f != w and f.strip() == w.strip()]
-    ws = [d for d in ws if d]
+
+    def indents(s):
+        return ("%d tab%s" % (s.count("\t"), "" if s.count("\t") == 1 else "s") if "\t" in s else
+                "%d space%s" % (len(s), "" if len(s) == 1 else "s") if s else "no indentation")
+    ws = []                             # lines equal but for whitespace: what differs, in words
+    for k, (f, w) in enumerate(zip(region, want)):
+        says = []
+        if f != w and f.strip() == w.strip() and leading(f) != leading(w):
+            says.append("the file indents with %s, %s with %s" % (indents(leading(f)), what, indents(leading(w))))
+        if f != w and f.strip() == w.strip() and trailing(f) != trailing(w):
+            says.append("the file has %d trailing space%s, %s %d" % (
+                len(trailing(f)), "" if len(trailing(f)) == 1 else "s", what, len(trailing(w))))
+        if says:
+            ws.append("line %d: %s" % (at + k + 1, "; ".join(says)))
     hint = ""
     if [l.strip() for l in region] == [w.strip() for w in want]:
         hint = " They differ only in indentation or trailing spaces: copy the whitespace from the lines below."
@@ -5386,20 +5397,6 @@ def region_report(region, want, at, best, what):
             % (at + 1, at + len(region), int(best * 100), hint, shown,
                ("\n" + "\n".join(ws[:MISS_CONTEXT_LINES])) if ws else "", what, what,
                "\n".join(diff[:2 * MISS_CONTEXT_LINES])))
-
-
-def whitespace_difference(file_line, want_line, number):
-    """What differs between two lines that are equal but for whitespace, in words."""
-    fl, wl = leading(file_line), leading(want_line)
-    says = []
-    if fl != wl:
-        kind = lambda s: ("%d tab%s" % (s.count("\t"), "" if s.count("\t") == 1 else "s") if "\t" in s else
-                          "%d space%s" % (len(s), "" if len(s) == 1 else "s") if s else "no indentation")
-        says.append("the file indents with %s, old_str with %s" % (kind(fl), kind(wl)))
-    ft, wt = trailing(file_line), trailing(want_line)
-    if ft != wt:
-        says.append("the file has %d trailing space%s, old_str %d" % (len(ft), "" if len(ft) == 1 else "s", len(wt)))
-    return "line %d: %s" % (number, "; ".join(says)) if says else ""
 
 
 def visible(line):
@@ -5420,15 +5417,11 @@ def candidate_starts(lines, want, cancelled):
         k = keys.get(line.strip())
         if k is not None:
             votes[i - k] += 1
-    if not votes:
-        return closest_first_lines(lines, want, cancelled)
-    return [start for start, _ in votes.most_common(MISS_CANDIDATES)]
-
-
-def closest_first_lines(lines, want, cancelled):
-    """candidate_starts without a single line in common: the places whose line is
-    closest (ratio >= 0.6) to want's first non-blank line, among the first
-    MISS_SCAN_LINES lines."""
+    if votes:
+        return [start for start, _ in votes.most_common(MISS_CANDIDATES)]
+    # Not a single line in common: the places whose line is closest (ratio >= 0.6, the
+    # quick upper bounds first) to want's first non-blank line, among the first
+    # MISS_SCAN_LINES lines, each cut to 200 characters.
     import difflib
     import heapq
     first = next((k for k, w in enumerate(want) if w.strip()), None)
@@ -5440,34 +5433,11 @@ def closest_first_lines(lines, want, cancelled):
     for i, line in enumerate(lines[:MISS_SCAN_LINES]):
         if i % 1000 == 0 and cancelled is not None and cancelled.is_set():
             return []
-        ratio = close_ratio(matcher, line)
+        matcher.set_seq1(line.strip()[:200])
+        ratio = matcher.ratio() if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6 else 0
         if ratio >= 0.6:
             close.append((ratio, -i))                  # (-i: the first of equal ones wins)
     return [-neg_i - first for _, neg_i in heapq.nlargest(MISS_CANDIDATES, close)]
-
-
-def close_ratio(matcher, line):
-    """The matcher's ratio for `line` (cut to 200 characters, stripped), 0.0 when the
-    quick upper bounds already say it is under 0.6."""
-    matcher.set_seq1(line.strip()[:200])
-    if matcher.real_quick_ratio() < 0.6 or matcher.quick_ratio() < 0.6:
-        return 0.0
-    return matcher.ratio()
-
-
-def window_similarity(region, want):
-    """0..1: how alike two runs of lines are, line by line (a line equal but for its
-    surrounding whitespace counts 0.95; others by their characters, cut at 200)."""
-    import difflib
-    total = 0.0
-    for a, b in zip(region, want):
-        if a == b:
-            total += 1.0
-        elif a.strip() == b.strip():
-            total += 0.95
-        else:
-            total += difflib.SequenceMatcher(None, a[:200], b[:200], autojunk=False).quick_ratio()
-    return total / max(len(want), 1)
 
 
 def check_old_new(old, new):
@@ -6153,13 +6123,18 @@ class PatchedText(object):
             raise ToolError(STR_REPLACE_AMBIGUOUS, "%s, %s matches %s at lines %s; add context lines or an"
                             " '@@ header' line (e.g. @@ def name) to pick one; nothing was written"
                             % (self.shown, label, how, ", ".join(str(i + 1) for i in hits[:20])))
-        got = 0                                 # the hunk's first line not found after the ones before it
-        while got < len(old) and any(find_run(lines, old[:got + 1], cursor, norm) for _, norm in PATCH_LEVELS):
+        raise self.miss(old, cursor, label)
+
+    def miss(self, old, cursor, label):
+        """The ToolError of a hunk that is nowhere: its first line that is not found after
+        the ones before it, and the closest region of the file."""
+        got = 0
+        while got < len(old) and any(find_run(self.lines, old[:got + 1], cursor, norm) for _, norm in PATCH_LEVELS):
             got += 1
-        raise ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: the line %r was not found%s%s; nothing was written.%s"
-                        % (self.shown, label, shorten(old[got], 120), " after the %d line%s before it" % (
-                            got, "" if got == 1 else "s") if got else "", self.searched_from(cursor),
-                           closest_region("\n".join(lines), "\n".join(old), what="the hunk")))
+        return ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: the line %r was not found%s%s; nothing was written.%s"
+                         % (self.shown, label, shorten(old[got], 120), " after the %d line%s before it" % (
+                             got, "" if got == 1 else "s") if got else "", self.searched_from(cursor),
+                            closest_region("\n".join(self.lines), "\n".join(old), what="the hunk")))
 
     @staticmethod
     def searched_from(cursor):
