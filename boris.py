@@ -3426,7 +3426,14 @@ def resolve_sandbox(config, policy, abi=None):
         return Sandbox.off("--sandbox auto: no --allow-dir")
     abi = landlock_abi() if abi is None else abi
     if not abi:
-        return no_landlock(mode)
+        why = "this kernel has no Landlock (Linux 5.13+ with landlock among its LSMs)"
+        if not sys.platform.startswith("linux"):
+            why = "the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is not done yet)" \
+                % sys.platform
+        if mode == "auto":
+            log("warn", "sandbox off: %s; bash commands can write anywhere this user can" % why)
+            return Sandbox.off("--sandbox auto: " + why)
+        raise ConfigError("--sandbox %s cannot be honoured: %s" % (mode, why))
     network = bool(config.sandbox_network)              # None: the sandbox decides, and it says off
     if not network and abi < 4 and not userns_works():
         raise ConfigError("--sandbox-network off cannot be honoured: Landlock ABI %d has no TCP rules and user"
@@ -3439,33 +3446,13 @@ def resolve_sandbox(config, policy, abi=None):
             return Sandbox.off("--sandbox auto: " + why)
         raise ConfigError("--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on"
                           % (mode, why))
-    return Sandbox("workspace-write" if mode == "auto" else mode, writable_roots(mode, policy), network, abi,
-                   "--sandbox %s" % mode)
-
-
-def no_landlock(mode):
-    """Without Landlock: auto falls back to off, saying so; an explicit mode is a ConfigError."""
-    why = no_sandbox_reason()
-    if mode == "auto":
-        log("warn", "sandbox off: %s; bash commands can write anywhere this user can" % why)
-        return Sandbox.off("--sandbox auto: " + why)
-    raise ConfigError("--sandbox %s cannot be honoured: %s" % (mode, why))
-
-
-def writable_roots(mode, policy):
-    """Where sandboxed commands may write: the allowed directories (or the workspace)
-    and the temp directory; only the temp directory when read-only. Nested ones go."""
+    # Commands may write beneath the allowed directories (or the workspace) and the temp
+    # directory; only the temp directory when read-only. Nested ones go.
     import tempfile
     roots = [] if mode == "read-only" else (list(policy.allow) or [policy.workdir])
     roots.append(os.path.realpath(tempfile.gettempdir()))
-    return sorted(set(r for r in roots if not any(r != o and is_within(r, o) for o in roots)))
-
-
-def no_sandbox_reason():
-    """Why this system gives no sandbox, in a few words."""
-    if sys.platform.startswith("linux"):
-        return "this kernel has no Landlock (Linux 5.13+ with landlock among its LSMs)"
-    return "the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is not done yet)" % sys.platform
+    roots = sorted(set(r for r in roots if not any(r != o and is_within(r, o) for o in roots)))
+    return Sandbox("workspace-write" if mode == "auto" else mode, roots, network, abi, "--sandbox %s" % mode)
 
 
 def userns_works():
@@ -3485,7 +3472,7 @@ def helper_warm_launcher(fd, ahead=None):
     cwd. The end of the pipe without a line (the server stopped, or closed this
     spare) ends it; a spec other than the one it was confined for is refused."""
     _libc()
-    for name in ("array", "select", "socket"):          # confine_network's, loaded ahead (socket: ~15 ms)
+    for name in ("array", "select", "socket"):          # NetSupervisor's, loaded ahead (socket: ~15 ms)
         __import__(name)
     if ahead is not None:
         confined(ahead)
@@ -3607,7 +3594,7 @@ def helper_sandbox(spec, argv):
 
 def confined(spec):
     """Confine this process as the JSON `spec` says (with the network off, this is the
-    command-to-be once confine_network has forked its supervisor); the spec. Any
+    command-to-be once NetSupervisor.confine has forked its supervisor); the spec. Any
     failure ends it with SANDBOX_EXIT and a line on stderr: a command never runs
     less confined than asked."""
     try:
@@ -3619,11 +3606,11 @@ def confined(spec):
         if spec["mode"] != "off":
             if spec["net"] == "netns":
                 enter_network_namespace()
-            rulesets = []
-            apply_landlock(spec, again=rulesets)
+            landlock = Landlock(spec)
+            landlock.restrict()
             if spec["net"]:
-                confine_network(spec, rulesets[0])
-            os.close(rulesets[0])
+                NetSupervisor.confine(spec, landlock)
+            landlock.close()
     except Exception as e:                      # whatever failed, the command must not run unconfined
         refuse_to_run(e)
     return spec
@@ -3636,75 +3623,11 @@ def refuse_to_run(e):
     os._exit(SANDBOX_EXIT)
 
 
-def landlock_ruleset(spec):
-    """(the write rights handled, a new ruleset's fd) for spec's ABI: writes, TCP
-    when spec['net'] is 'landlock', signal and abstract-socket scopes from ABI 6."""
-    import struct
-    ctypes, libc = _libc()
-    abi = spec["abi"]
-    write = LL_WRITE_FILE | LL_REMOVE_DIR | LL_REMOVE_FILE | LL_MAKE_ALL
-    write |= (LL_REFER if abi >= 2 else 0) | (LL_TRUNCATE if abi >= 3 else 0)
-    net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP if spec["net"] == "landlock" else 0
-    scoped = LL_SCOPE_SIGNAL | (LL_SCOPE_ABSTRACT_UNIX if spec["net"] else 0) if abi >= 6 else 0
-    attr = struct.pack("<QQQ", write, net, scoped)[:8 if abi < 4 else 16 if abi < 6 else 24]
-    buf = ctypes.create_string_buffer(attr, len(attr))
-    ruleset = libc.syscall(LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
-    if ruleset < 0:
-        raise OSError(ctypes.get_errno(), "landlock_create_ruleset: %s" % os.strerror(ctypes.get_errno()))
-    return write, ruleset
-
-
-def landlock_allow(ruleset, path, rights):
-    """Grant `rights` beneath `path` in the ruleset; a path this system lacks is skipped."""
-    import struct
-    ctypes, libc = _libc()
-    try:
-        fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC)
-    except OSError:
-        return                                     # (a device or directory this system lacks)
-    try:
-        rule = ctypes.create_string_buffer(struct.pack("<Qi", rights, fd), 12)
-        if libc.syscall(LANDLOCK_ADD_RULE, ruleset, 1, rule, ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(), "landlock_add_rule %s: %s" % (path, os.strerror(ctypes.get_errno())))
-    finally:
-        os.close(fd)
-
-
-def apply_landlock(spec, again=None):
-    """Restrict this process (and all it will start) to writing beneath spec['writable']
-    and the harmless devices; no TCP when spec['net'] is 'landlock'; signals and
-    abstract unix sockets scoped to its own domain (ABI 6+). With again=[] the
-    ruleset stays open in it, for a nested domain of the same rules (restrict_again)."""
-    ctypes, libc = _libc()
-    abi = spec["abi"]
-    write, ruleset = landlock_ruleset(spec)
-    if again is not None:
-        again.append(ruleset)
-    try:
-        file_rights = LL_WRITE_FILE | (LL_TRUNCATE if abi >= 3 else 0)
-        for path, rights in ([(p, write) for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)] +
-                             [(p, file_rights) for p in SANDBOX_DEVICES]):
-            landlock_allow(ruleset, path, rights)
-        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-        restrict_again(ruleset)
-    finally:
-        if again is None:
-            os.close(ruleset)
-
-
-def restrict_again(ruleset):
-    """Enter a (further) Landlock domain of `ruleset`."""
-    ctypes, libc = _libc()
-    if libc.syscall(LANDLOCK_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)) < 0:
-        raise OSError(ctypes.get_errno(), "landlock_restrict_self: %s" % os.strerror(ctypes.get_errno()))
-
-
 def net_filter_program(machine, supervised=False):
     """The classic BPF program of net_filter for `machine` (os.uname().machine), as
     the bytes of its sock_filter array; None for a machine it does not know. A
     socket may be a Unix stream or seqpacket socket only (so no datagram can carry an
-    address); connect is refused (supervised: handed to net_supervisor), and so are
+    address); connect is refused (supervised: handed to NetSupervisor), and so are
     sendto with an address and io_uring (which would bypass the filter); a foreign
     ABI gets no socket call at all, an unknown one is killed."""
     import struct
@@ -3761,7 +3684,7 @@ def net_filter_available():
 
 def apply_net_filter(supervised=False, fprog=None):
     """Install net_filter on this process (no_new_privs is set already, by
-    apply_landlock): inherited by all it starts, never lifted. supervised: connect
+    Landlock.restrict): inherited by all it starts, never lifted. supervised: connect
     calls go to a listener, whose descriptor is returned (else None). `fprog`: the
     program as net_fprog made it, ahead."""
     ctypes, libc = _libc()
@@ -3787,184 +3710,235 @@ def net_fprog(supervised):
     return ctypes.create_string_buffer(struct.pack("@HP", len(program) // 8, ctypes.addressof(buf))), buf
 
 
-def confine_network(spec, ruleset):
-    """Cut the network of this launcher's command with net_filter. Where abstract Unix
-    sockets are the sandbox's own (Landlock ABI 6 scopes them; a network namespace
-    has its own), the launcher forks: the child, confined once more by Landlock (so it
-    cannot signal its parent), installs the filter with a listener and becomes the
-    command; this process stays as net_supervisor, which lets the command connect
-    to abstract sockets of its own (Python's multiprocessing forkserver uses one) and
-    refuses every other connect. Elsewhere connect is refused outright."""
-    import array
-    import socket
-    if not (spec["abi"] >= 6 or spec["net"] == "netns"):
-        apply_net_filter()
-        return
-    fprog = net_fprog(True)                     # made before the fork: the child only installs it
-    ours, theirs = socket.socketpair()
-    import gc
-    gc.disable()                                # a collection would copy the heap page by page (COW)
-    pid = os.fork()
-    if pid == 0:
-        ours.close()
-        restrict_again(ruleset)                 # nested: the command may not signal its supervisor
-        listener = apply_net_filter(True, fprog)
-        theirs.sendmsg([b"L"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [listener]))])
-        os.close(listener)
+class Landlock(object):
+    """A Landlock ruleset built from a launcher's spec: write rights handled (and TCP
+    when spec['net'] is 'landlock'; signals and abstract Unix sockets scoped to the
+    domain from ABI 6), granted beneath spec['writable'] and the harmless devices (a
+    path this system lacks is skipped). restrict() confines this process and all it
+    will start; called again, it enters a nested domain of the same rules."""
+
+    def __init__(self, spec):
+        import struct
+        ctypes, libc = self.ctypes, self.libc = _libc()
+        abi = spec["abi"]
+        write = LL_WRITE_FILE | LL_REMOVE_DIR | LL_REMOVE_FILE | LL_MAKE_ALL
+        write |= (LL_REFER if abi >= 2 else 0) | (LL_TRUNCATE if abi >= 3 else 0)
+        net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP if spec["net"] == "landlock" else 0
+        scoped = LL_SCOPE_SIGNAL | (LL_SCOPE_ABSTRACT_UNIX if spec["net"] else 0) if abi >= 6 else 0
+        attr = struct.pack("<QQQ", write, net, scoped)[:8 if abi < 4 else 16 if abi < 6 else 24]
+        buf = ctypes.create_string_buffer(attr, len(attr))
+        self.fd = libc.syscall(LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "landlock_create_ruleset: %s" % os.strerror(ctypes.get_errno()))
+        try:
+            file_rights = LL_WRITE_FILE | (LL_TRUNCATE if abi >= 3 else 0)
+            for path, rights in ([(p, write) for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)] +
+                                 [(p, file_rights) for p in SANDBOX_DEVICES]):
+                try:
+                    fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC)
+                except OSError:
+                    continue                    # (a device or directory this system lacks)
+                try:
+                    rule = ctypes.create_string_buffer(struct.pack("<Qi", rights, fd), 12)
+                    if libc.syscall(LANDLOCK_ADD_RULE, self.fd, 1, rule, ctypes.c_uint32(0)) < 0:
+                        raise OSError(ctypes.get_errno(), "landlock_add_rule %s: %s"
+                                      % (path, os.strerror(ctypes.get_errno())))
+                finally:
+                    os.close(fd)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def restrict(self):
+        """Enter a (further) Landlock domain of the rules, no_new_privs set first."""
+        ctypes, libc = self.ctypes, self.libc
+        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if libc.syscall(LANDLOCK_RESTRICT_SELF, self.fd, ctypes.c_uint32(0)) < 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self: %s" % os.strerror(ctypes.get_errno()))
+
+    def close(self):
+        """Close the ruleset (the domains entered stay)."""
+        os.close(self.fd)
+
+
+class NetSupervisor(object):
+    """The process that serves a sandboxed command's connect calls (confine() makes
+    it): `child` is the command, `listener` the seccomp listener its filter notifies."""
+
+    def __init__(self, child, listener):
+        self.child, self.listener = child, listener
+        self.ctypes, self.libc = _libc()
+
+    @classmethod
+    def confine(cls, spec, landlock):
+        """Cut the network of this launcher's command with net_filter. Where abstract Unix
+        sockets are the sandbox's own (Landlock ABI 6 scopes them; a network namespace
+        has its own), the launcher forks: the child, confined once more by Landlock (so it
+        cannot signal its parent), installs the filter with a listener and becomes the
+        command; this process stays as its supervisor (serve), which lets the command connect
+        to abstract sockets of its own (Python's multiprocessing forkserver uses one) and
+        refuses every other connect. Elsewhere connect is refused outright."""
+        import array
+        import socket
+        if not (spec["abi"] >= 6 or spec["net"] == "netns"):
+            apply_net_filter()
+            return
+        fprog = net_fprog(True)                     # made before the fork: the child only installs it
+        ours, theirs = socket.socketpair()
+        import gc
+        gc.disable()                                # a collection would copy the heap page by page (COW)
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            landlock.restrict()                     # nested: the command may not signal its supervisor
+            listener = apply_net_filter(True, fprog)
+            theirs.sendmsg([b"L"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [listener]))])
+            os.close(listener)
+            theirs.close()
+            return
         theirs.close()
-        return
-    theirs.close()
-    try:
-        _, ancillary, _, _ = ours.recvmsg(1, socket.CMSG_SPACE(4))
-        listener = array.array("i", ancillary[0][2][:4])[0]
-    except (OSError, IndexError):
-        listener = None                         # the child failed to confine: it reports and exits
-    ours.close()
-    net_supervisor(pid, listener)
-
-
-def net_supervisor(child, listener):
-    """Serve the command's connect calls until the command (`child`) ends, then end
-    the same way it did. An abstract address (a leading NUL) is connected here, on
-    the command's own socket (pidfd_getfd) with the address as read once, so the
-    command cannot change it after the check; anything else is refused (EACCES).
-    Signals a terminal or boris sends the group are left to the command. Once this
-    process ends, a connect still attempted by a leftover descendant fails (ENOSYS)."""
-    import select
-    import struct
-    ctypes, libc = _libc()
-    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
-        signal.signal(sig, signal.SIG_IGN)
-    child_fd = libc.syscall(SYS_PIDFD_OPEN, child, 0)
-    poller = select.poll()
-    for fd in (child_fd, listener):
-        if fd is not None and fd >= 0:
-            poller.register(fd, select.POLLIN)
-    notif = ctypes.create_string_buffer(80)
-    while True:
-        _, status = os.waitpid(child, os.WNOHANG)
-        if _:
-            break
         try:
-            ready = dict(poller.poll(1000 if child_fd >= 0 else 50))
-        except InterruptedError:
-            continue
-        if listener is not None and ready.get(listener, 0) & (select.POLLHUP | select.POLLERR):
-            poller.unregister(listener)         # no filtered process is left: only the wait remains
-            listener = None
-        if listener is None or not ready.get(listener, 0) & select.POLLIN:
-            continue
-        ctypes.memset(notif, 0, 80)
-        if libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_RECV), notif) != 0:
-            continue                            # the caller died meanwhile
-        nid, pid = struct.unpack_from("<QI", notif.raw)
-        fd, addr, size = struct.unpack_from("<QQQ", notif.raw, 32)      # connect(fd, addr, addrlen)
-        error = supervised_connect(ctypes, libc, listener, nid, pid, fd, addr, size)
-        libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_SEND),
-                   ctypes.create_string_buffer(struct.pack("<QqiI", nid, 0, -error, 0), 24))
-    if os.WIFSIGNALED(status):
-        if os.WTERMSIG(status) != signal.SIGKILL:
-            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-        os.kill(os.getpid(), os.WTERMSIG(status))
-    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+            _, ancillary, _, _ = ours.recvmsg(1, socket.CMSG_SPACE(4))
+            listener = array.array("i", ancillary[0][2][:4])[0]
+        except (OSError, IndexError):
+            listener = None                         # the child failed to confine: it reports and exits
+        ours.close()
+        cls(pid, listener).serve()
 
-
-def supervised_connect(ctypes, libc, listener, nid, pid, fd, addr, size):
-    """net_supervisor's answer to one connect: 0 once done, else the errno. The
-    address is read once from the caller's memory and everything after uses that
-    copy: an abstract address is connected as it is (Landlock or the namespace keeps
-    foreign ones out); a path is opened (O_PATH, from the caller's cwd) and connected
-    through that descriptor, so the socket checked is the socket reached, and only
-    when a process of the command (its session) is listening on it."""
-    import struct
-    if not 3 <= size <= 110:
-        return errno.EACCES
-    try:
-        with open("/proc/%d/mem" % pid, "rb", buffering=0) as mem:
-            mem.seek(addr)
-            sockaddr = mem.read(size)
-    except (OSError, OverflowError, ValueError):
-        return errno.EACCES                     # unreadable: refused
-    if len(sockaddr) != size or struct.unpack_from("<H", sockaddr)[0] != 1:
-        return errno.EACCES                     # not a Unix address
-    if libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_ID_VALID), ctypes.byref(ctypes.c_uint64(nid))) != 0:
-        return errno.EACCES                     # the caller is gone: the pid may be another process now
-    checked = None
-    if sockaddr[2:3] != b"\0":
-        checked = own_socket_file(pid, sockaddr[2:].split(b"\0", 1)[0])
-        if checked is None:
-            return errno.EACCES                 # a socket of the host (or none): refused
-        sockaddr = struct.pack("<H", 1) + b"/proc/self/fd/%d\0" % checked
-    pidfd = libc.syscall(SYS_PIDFD_OPEN, pid, 0)
-    try:
-        theirs = libc.syscall(SYS_PIDFD_GETFD, pidfd, ctypes.c_int(fd), 0) if pidfd >= 0 else -1
-        if theirs < 0:
-            return ctypes.get_errno() or errno.EBADF
-        try:
-            buf = ctypes.create_string_buffer(sockaddr, len(sockaddr))
-            return 0 if libc.connect(theirs, buf, len(sockaddr)) == 0 else ctypes.get_errno()
-        finally:
-            os.close(theirs)
-    finally:
-        for f in (pidfd, checked):
-            if f is not None and f >= 0:
-                os.close(f)
-
-
-def own_socket_file(pid, path):
-    """An O_PATH descriptor of the socket file `path` (resolved from process pid's
-    cwd) when a process of this command (this session) listens on it, else None.
-    Listening sockets come from /proc/net/unix (path and socket inode); a socket's
-    holders from /proc/PID/fd of the session's processes."""
-    try:
-        cwd = os.open("/proc/%d/cwd" % pid, getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY)
-    except OSError:
-        return None                             # the caller is gone: refused
-    try:
-        fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC, dir_fd=cwd)
-    except OSError:
-        return None
-    finally:
-        os.close(cwd)
-    st = os.fstat(fd)
-    if stat.S_ISSOCK(st.st_mode):
-        inodes = set()
-        with open("/proc/net/unix", "rb") as f:
-            for line in f.read().splitlines()[1:]:
-                fields = line.split(None, 7)
-                if len(fields) == 8 and fields[7].startswith(b"/"):
-                    try:
-                        same = os.stat(fields[7])
-                    except OSError:
-                        continue                # gone, or not reachable from here
-                    if (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino):
-                        inodes.add(b"socket:[%s]" % fields[6])
-        if inodes and session_holds(inodes):
-            return fd
-    os.close(fd)
-    return None
-
-
-def session_holds(links):
-    """Whether a process of this session holds a descriptor whose /proc link is one of `links`."""
-    sid = os.getsid(0)
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % name, "rb") as f:
-                if int(f.read().rsplit(b")", 1)[1].split()[3]) != sid:
-                    continue
-            fds = os.listdir("/proc/%s/fd" % name)
-        except (OSError, ValueError, IndexError):
-            continue                            # gone, or not ours to look at
-        for fd in fds:
+    def serve(self):
+        """Serve the command's connect calls until the command (`child`) ends, then end
+        the same way it did. An abstract address (a leading NUL) is connected here, on
+        the command's own socket (pidfd_getfd) with the address as read once, so the
+        command cannot change it after the check; anything else is refused (EACCES).
+        Signals a terminal or boris sends the group are left to the command. Once this
+        process ends, a connect still attempted by a leftover descendant fails (ENOSYS)."""
+        import select
+        import struct
+        ctypes, libc, child, listener = self.ctypes, self.libc, self.child, self.listener
+        for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
+            signal.signal(sig, signal.SIG_IGN)
+        child_fd = libc.syscall(SYS_PIDFD_OPEN, child, 0)
+        poller = select.poll()
+        for fd in (child_fd, listener):
+            if fd is not None and fd >= 0:
+                poller.register(fd, select.POLLIN)
+        notif = ctypes.create_string_buffer(80)
+        while True:
+            _, status = os.waitpid(child, os.WNOHANG)
+            if _:
+                break
             try:
-                if os.fsencode(os.readlink("/proc/%s/fd/%s" % (name, fd))) in links:
-                    return True
-            except OSError:
-                continue                        # closed meanwhile
-    return False
+                ready = dict(poller.poll(1000 if child_fd >= 0 else 50))
+            except InterruptedError:
+                continue
+            if listener is not None and ready.get(listener, 0) & (select.POLLHUP | select.POLLERR):
+                poller.unregister(listener)         # no filtered process is left: only the wait remains
+                listener = None
+            if listener is None or not ready.get(listener, 0) & select.POLLIN:
+                continue
+            ctypes.memset(notif, 0, 80)
+            if libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_RECV), notif) != 0:
+                continue                            # the caller died meanwhile
+            nid, pid = struct.unpack_from("<QI", notif.raw)
+            fd, addr, size = struct.unpack_from("<QQQ", notif.raw, 32)      # connect(fd, addr, addrlen)
+            error = self.connect(nid, pid, fd, addr, size)
+            libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_SEND),
+                       ctypes.create_string_buffer(struct.pack("<QqiI", nid, 0, -error, 0), 24))
+        if os.WIFSIGNALED(status):
+            if os.WTERMSIG(status) != signal.SIGKILL:
+                signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+            os.kill(os.getpid(), os.WTERMSIG(status))
+        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+    def connect(self, nid, pid, fd, addr, size):
+        """The answer to one connect: 0 once done, else the errno. The
+        address is read once from the caller's memory and everything after uses that
+        copy: an abstract address is connected as it is (Landlock or the namespace keeps
+        foreign ones out); a path is opened (O_PATH, from the caller's cwd) and connected
+        through that descriptor, so the socket checked is the socket reached, and only
+        when a process of the command (its session) is listening on it."""
+        import struct
+        ctypes, libc = self.ctypes, self.libc
+        if not 3 <= size <= 110:
+            return errno.EACCES
+        try:
+            with open("/proc/%d/mem" % pid, "rb", buffering=0) as mem:
+                mem.seek(addr)
+                sockaddr = mem.read(size)
+        except (OSError, OverflowError, ValueError):
+            return errno.EACCES                     # unreadable: refused
+        if len(sockaddr) != size or struct.unpack_from("<H", sockaddr)[0] != 1:
+            return errno.EACCES                     # not a Unix address
+        if libc.ioctl(self.listener, ctypes.c_ulong(SECCOMP_NOTIF_ID_VALID), ctypes.byref(ctypes.c_uint64(nid))) != 0:
+            return errno.EACCES                     # the caller is gone: the pid may be another process now
+        checked = None
+        if sockaddr[2:3] != b"\0":
+            checked = self.socket_file(pid, sockaddr[2:].split(b"\0", 1)[0])
+            if checked is None:
+                return errno.EACCES                 # a socket of the host (or none): refused
+            sockaddr = struct.pack("<H", 1) + b"/proc/self/fd/%d\0" % checked
+        pidfd = libc.syscall(SYS_PIDFD_OPEN, pid, 0)
+        try:
+            theirs = libc.syscall(SYS_PIDFD_GETFD, pidfd, ctypes.c_int(fd), 0) if pidfd >= 0 else -1
+            if theirs < 0:
+                return ctypes.get_errno() or errno.EBADF
+            try:
+                buf = ctypes.create_string_buffer(sockaddr, len(sockaddr))
+                return 0 if libc.connect(theirs, buf, len(sockaddr)) == 0 else ctypes.get_errno()
+            finally:
+                os.close(theirs)
+        finally:
+            for f in (pidfd, checked):
+                if f is not None and f >= 0:
+                    os.close(f)
+
+    @staticmethod
+    def socket_file(pid, path):
+        """An O_PATH descriptor of the socket file `path` (resolved from process pid's
+        cwd) when a process of this command (this session) listens on it, else None.
+        Listening sockets come from /proc/net/unix (path and socket inode); a socket's
+        holders from /proc/PID/fd of the session's processes."""
+        try:
+            cwd = os.open("/proc/%d/cwd" % pid, getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY)
+        except OSError:
+            return None                             # the caller is gone: refused
+        try:
+            fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC, dir_fd=cwd)
+        except OSError:
+            return None
+        finally:
+            os.close(cwd)
+        st = os.fstat(fd)
+        if stat.S_ISSOCK(st.st_mode):
+            inodes = set()
+            with open("/proc/net/unix", "rb") as f:
+                for line in f.read().splitlines()[1:]:
+                    fields = line.split(None, 7)
+                    if len(fields) == 8 and fields[7].startswith(b"/"):
+                        try:
+                            same = os.stat(fields[7])
+                        except OSError:
+                            continue                # gone, or not reachable from here
+                        if (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino):
+                            inodes.add(b"socket:[%s]" % fields[6])
+            sid = os.getsid(0)
+            for name in [n for n in os.listdir("/proc") if n.isdigit()] if inodes else ():
+                try:          # a process of this session holding a descriptor of that socket?
+                    with open("/proc/%s/stat" % name, "rb") as f:
+                        if int(f.read().rsplit(b")", 1)[1].split()[3]) != sid:
+                            continue
+                    fds = os.listdir("/proc/%s/fd" % name)
+                except (OSError, ValueError, IndexError):
+                    continue                        # gone, or not ours to look at
+                for link in fds:
+                    try:
+                        if os.fsencode(os.readlink("/proc/%s/fd/%s" % (name, link))) in inodes:
+                            return fd
+                    except OSError:
+                        continue                    # closed meanwhile
+        os.close(fd)
+        return None
 
 
 def enter_network_namespace():
