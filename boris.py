@@ -5502,34 +5502,30 @@ def with_indent(line, mapping):
     return mapping[best] + extra + line[len(have):]
 
 
-def find_lines(plain, want, start=0, eof=False, levels=MATCH_LEVELS, loose=False):
+def find_lines(plain, want, start=0, eof=False, loose=False):
     """(level, [line index]) of the first relaxed level at which the lines `want` stand
     in `plain` (the file's lines without CR) at or after `start` (at the end, for eof),
-    or (None, []). Where indentation is ignored it must map consistently, and every
-    place the most relaxed level sees counts: a place found ignoring indentation is
-    not unique while another differs from it in indentation and punctuation."""
+    or (None, []). Where indentation is ignored it must map consistently (indent_map;
+    loose: any consistent mapping), and every place the most relaxed level sees counts:
+    a place found ignoring indentation is not unique while another differs from it in
+    indentation and punctuation."""
     if not any(w.strip() for w in want):
         return None, []                             # blank lines match only as they are
-    found = [(how, lines_at(plain, want, start, eof, norm, loose)) for how, norm in levels]
+    n, found = len(want), []
+    for how, norm in MATCH_LEVELS:
+        wanted = [norm(w) for w in want]
+        hits = [i for i in range(start, len(plain) - n + 1)
+                if norm(plain[i]) == wanted[0] and [norm(l) for l in plain[i + 1:i + n]] == wanted[1:]
+                and (not eof or i + n == len(plain))]
+        if norm is not str.rstrip:                 # indentation ignored: it must map consistently
+            hits = [i for i in hits if indent_map(want, plain[i:i + n], loose) is not None]
+        found.append((how, hits))
     for k, (how, hits) in enumerate(found):
         if hits:
             if k and len(found[-1][1]) > len(hits):
                 hits = sorted(set(hits) | set(found[-1][1]))
             return how, hits
     return None, []
-
-
-def lines_at(plain, want, start, eof, norm, loose):
-    """Where the lines `want` stand in `plain`, as `norm` sees them (see find_lines)."""
-    n = len(want)
-    wanted = [norm(w) for w in want]
-    first = wanted[0] if n else None
-    hits = [i for i in range(start, len(plain) - n + 1)
-            if norm(plain[i]) == first and [norm(l) for l in plain[i + 1:i + n]] == wanted[1:]
-            and (not eof or i + n == len(plain))]
-    if norm is not str.rstrip:                     # indentation ignored: it must map consistently
-        hits = [i for i in hits if indent_map(want, plain[i:i + n], loose) is not None]
-    return hits
 
 
 def merged_lines(region, want, new_lines, norm, crlf):
@@ -5574,10 +5570,13 @@ def indent_note(mapping):
     return "the file's indentation differs from old_str's" if leads else ""
 
 
-def replace_text(text, old, new, replace_all, shown, cancelled=None):
-    """(updated text, count, offset of the first change, how it matched or '') of
-    replacing `old` by `new`, through the one matcher. Refused: not found (with the
-    closest region), or more than one place at the level that matched."""
+def replace_text(text, edit, shown, cancelled=None):
+    """(updated text, count, offset of the first change, how it matched or '') of an
+    edit ({old_str, new_str, replace_all}, as str_replace and each of multi_edit's take
+    it) through the one matcher. Refused: old_str empty or equal to new_str, not found
+    (with the closest region), or more than one place at the level that matched."""
+    old, new, replace_all = edit["old_str"], edit.get("new_str") or "", bool(edit.get("replace_all"))
+    check_old_new(old, new)
     count = text.count(old)
     how = ""
     if count == 0 and "\n" in old and "\r\n" not in old and "\r\n" in text:
@@ -5594,12 +5593,13 @@ def replace_text(text, old, new, replace_all, shown, cancelled=None):
                         % (count, shown, match_lines(text, old)))
     if count:
         return replaced(text, old, new), count, text.find(old), how
-    return replace_lines(text, old, new, replace_all, shown, cancelled)
+    return replace_lines(text, edit, shown, cancelled)
 
 
-def replace_lines(text, old, new, replace_all, shown, cancelled=None):
-    """replace_text's relaxed levels: `old` as whole lines found by find_lines, `new`
+def replace_lines(text, edit, shown, cancelled=None):
+    """replace_text's relaxed levels: old_str as whole lines found by find_lines, new_str
     merged in by merged_lines; the same answer as replace_text."""
+    old, new, replace_all = edit["old_str"], edit.get("new_str") or "", bool(edit.get("replace_all"))
     lines = text.split("\n")
     plain = [l[:-1] if l.endswith("\r") else l for l in lines]
     want = old.replace("\r\n", "\n").split("\n")
@@ -5671,13 +5671,11 @@ STR_REPLACE_DESC = ("Edit a file by replacing old_str with new_str. Copy old_str
 def tool_str_replace(session, args, ctx):
     """str_replace: replace old_str (unique, or every one with replace_all) in a file viewed and unchanged
     since."""
-    shown, old, new = args["path"], args["old_str"], args.get("new_str") or ""
-    check_old_new(old, new)
+    shown, new = args["path"], args.get("new_str") or ""
     real = resolve_checked(session, ctx, shown)
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
-        updated, count, pos, how = replace_text(text, old, new, bool(args.get("replace_all")), shown,
-                                                ctx.cancelled)
+        updated, count, pos, how = replace_text(text, args, shown, ctx.cancelled)
         note = write_checked(session, ctx, real, shown, encode_text(updated, "new_str"), "str_replace")
     line = updated.count("\n", 0, pos)
     return "Replaced %d occurrence%s in %s%s%s:\n%s%s" % (count, "" if count == 1 else "s", real, note,
@@ -5708,11 +5706,8 @@ def tool_multi_edit(session, args, ctx):
         text = load_for_edit(session, ctx, real, shown)
         replaced, pos, matched = 0, 0, []
         for k, edit in enumerate(edits, 1):
-            old, new = edit["old_str"], edit.get("new_str") or ""
             try:
-                check_old_new(old, new)
-                text, count, pos, how = replace_text(text, old, new, bool(edit.get("replace_all")), shown,
-                                                     ctx.cancelled)
+                text, count, pos, how = replace_text(text, edit, shown, ctx.cancelled)
                 if how:
                     matched.append("edit %d matched %s" % (k, how))
             except ToolError as e:
@@ -5720,10 +5715,11 @@ def tool_multi_edit(session, args, ctx):
                                 % (k, len(edits), e.message.rstrip(".")))
             replaced += count
         note = write_checked(session, ctx, real, shown, encode_text(text, "new_str"), "multi_edit")
-    line = text.count("\n", 0, pos)
+    line, added = text.count("\n", 0, pos), (edits[-1].get("new_str") or "").replace("\r\n", "\n").count("\n")
     return "Applied %d edit%s (%d replacement%s) to %s%s%s; around the last one:\n%s" % (
         len(edits), "" if len(edits) == 1 else "s", replaced, "" if replaced == 1 else "s", real, note,
-        " (%s)" % "; ".join(matched) if matched else "", snippet(text.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n"))) + ctx.parse_note
+        " (%s)" % "; ".join(matched) if matched else "", snippet(text.replace("\r\n", "\n"), line, added)) \
+        + ctx.parse_note
 
 
 def existing_kind(real, shown):
@@ -7735,10 +7731,11 @@ class McpServer(object):
         elif method == "tools/call":
             self.call_tool(rid, params, session, emit, modern)
         else:
-            self.call_method(rid, method, params, session, emit, modern)
+            self.call_method(msg, session, emit, modern)
 
-    def call_method(self, rid, method, params, session, emit, modern):
+    def call_method(self, msg, session, emit, modern):
         """A request other than tools/call: its handler's result, or the JSON-RPC error."""
+        rid, method, params = msg["id"], msg["method"], msg.get("params") or {}
         handler = self.METHODS.get(method)
         if handler is None:
             emit(error_response(rid, -32601, "Method not found: %s" % method))

@@ -4180,7 +4180,7 @@ class TestSlipCampaign(unittest.TestCase):
             slip = SlipCampaign.SLIPS[n % len(SlipCampaign.SLIPS)]
             text, old, new, expected = campaign.make(slip)
             try:
-                got = boris.replace_text(text, old, new, False, "f")[0]
+                got = boris.replace_text(text, {"old_str": old, "new_str": new}, "f")[0]
             except boris.ToolError:
                 tally[slip]["refused"] += 1
                 continue
