@@ -2188,116 +2188,6 @@ def matched_lines(hay, nl, end, first_line, spans):
     return matched
 
 
-def grep_file(path, ino, matcher, mode, before=0, after=0, buf=None, max_records=OUTPUT_MAX_CHARS // 2):
-    """One file's result: None (binary, unreadable, not a regular file, no longer the
-    inode `ino` the walk listed, or no match), True (files mode), a count (count mode)
-    or a list of records (content mode). Steps: open it if it is still the file the
-    walk listed, read the first piece, answer `-l` of a literal from it at once, else
-    run the matcher over the pieces (grep_count or grep_records)."""
-    buf = buf if buf is not None else bytearray(GREP_BUFFER)
-    fd = open_listed(path, ino)
-    if fd is None:
-        return None
-    try:
-        answer, pieces = first_pieces(fd, buf, matcher, mode, before or after)
-        if pieces is None:
-            return answer
-        if mode == "content":
-            return grep_records(pieces, matcher, before, after, max_records)
-        return grep_count(pieces, matcher, mode == "files_with_matches")
-    except OSError as exc:
-        log("debug", "grep: read failed, file skipped", path=path, error=str(exc))
-        return None
-    finally:
-        os.close(fd)
-
-
-def first_pieces(fd, buf, matcher, mode, context):
-    """(answer, None) when the first read settles a file (binary; `-l` of a literal),
-    else (None, its pieces): the one piece read for most files, else read_chunks'."""
-    n = os.readv(fd, [buf])
-    lead = buf[0] if n else 0                   # 0xff/0xfe: UTF-16 BOM? 0xef: UTF-8 BOM?
-    if n >= len(buf) or lead >= 0xfe:
-        whole = bool(context or matcher.multiline)
-        return None, read_chunks(fd, buf, n, mode == "content" and whole, numbered=mode == "content")
-    if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
-        return None, None
-    if mode == "files_with_matches" and matcher.quick(lead):
-        return matcher.literal_in(buf, n) or None, None
-    return None, ((buf, n, 1),)                 # most files: one piece, read
-
-
-def open_listed(path, ino):
-    """A read-only descriptor of `path` if it is still the regular file (inode `ino`,
-    when given) the walk listed; None when it is gone, unreadable or another file now:
-    grep skips such a file, as it skips one that changed while the walk ran."""
-    try:
-        fd = os.open(path, os.O_RDONLY | O_FILE)
-    except OSError:
-        return None                                 # gone or unreadable since listed: skipped
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        st = None
-    if st is None or not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
-        os.close(fd)
-        return None
-    return fd
-
-
-def text_piece(piece, matcher):
-    """A piece (haystack, end, first line) as the matcher reads it: decoded when the
-    pattern needs text, without the UTF-8 BOM that is not part of line 1."""
-    hay, end, first = piece
-    if matcher.needs_text(hay, end):
-        hay = hay[:end].decode("utf-8", "surrogateescape")
-        end = len(hay)
-    if first == 1 and hay[:1] in ("\ufeff", b"\xef"):
-        bom = 1 if isinstance(hay, str) else 3 if hay[:3] == b"\xef\xbb\xbf" else 0
-        hay, end = hay[bom:end], end - bom
-    return hay, end, first
-
-
-def grep_count(pieces, matcher, files_only):
-    """Files and count modes over a file's pieces: True on the first match (files
-    mode), the number of matches (count mode; a multiline match counts its lines), or
-    None for no match and for a binary file."""
-    count = 0
-    for piece in pieces:
-        if piece is None:
-            return None                             # binary, found past the first piece
-        hay, end, first = text_piece(piece, matcher)
-        spans = matcher.spans(hay, end, first_only=files_only)
-        if spans and files_only:
-            return True
-        if spans and matcher.multiline:
-            spans = [r for r in LineRecords().add(hay, end, first, spans) if r]
-        count += len(spans)
-    return count or None
-
-
-def grep_records(pieces, matcher, before, after, max_records):
-    """Content mode over a file's pieces: the records LineRecords makes, at most
-    `max_records` (more could never be shown), or None for no match and binary files."""
-    records, made = [], LineRecords(before, after)
-    for piece in pieces:
-        if piece is None:
-            return None
-        hay, end, first = text_piece(piece, matcher)
-        spans = matcher.spans(hay, end, first_only=False)
-        if spans:
-            records += made.add(hay, end, first, spans)
-        if len(records) >= max_records:
-            del records[max_records:]
-            break
-    return records or None
-
-
-def matcher_of(spec):
-    """The Matcher a job spec describes (built in the helper that runs the job)."""
-    return Matcher(spec["pattern"], spec["regex"], spec["ignore_case"], spec["multiline"])
-
-
 # -- helper processes -------------------------------------------------------------
 # Every search, and every wait_for match, runs in a search helper; a big search shares
 # its walk with partner processes. A helper is this same file run as
@@ -2334,7 +2224,7 @@ def matcher_of(spec):
 GrepHit = namedtuple("GrepHit", "real rel mtime result root")
 GrepHit.__doc__ = """One file's grep result: its real path, its path relative to the
 root (None for a file root), mtime in ns (files_with_matches mode only, else 0),
-result (grep_file's: True, a count or records) and the index of its root."""
+result (GrepWork.file_result's: True, a count or records) and the index of its root."""
 
 
 def glob_pairs(flat):
@@ -2546,7 +2436,8 @@ class GrepWork(object):
         self.policy = PathPolicy(**job["policy"])
         self.keep = name_filter(job.get("include"), job.get("type"))
         self.spec = job["spec"]
-        self.matcher = matcher_of(self.spec)
+        self.matcher = Matcher(self.spec["pattern"], self.spec["regex"], self.spec["ignore_case"],
+                               self.spec["multiline"])
         self.mode, self.before, self.after = self.spec["mode"], self.spec["before"], self.spec["after"]
         self.max_records = self.spec.get("max_records") or OUTPUT_MAX_CHARS // 2
         self.buf = bytearray(GREP_BUFFER)
@@ -2562,7 +2453,7 @@ class GrepWork(object):
             rel = path[len(root) + 1 if root != "/" else 1:]
             if not self.keep(rel, rel[rel.rfind("/") + 1:]):
                 return None
-        r = grep_file(real, ino, self.matcher, self.mode, self.before, self.after, self.buf, self.max_records)
+        r = self.file_result(real, ino)
         if r is None:
             return None
         rel = path[len(root) + 1 if root != "/" else 1:] if root_is_dir else None
@@ -2575,6 +2466,107 @@ class GrepWork(object):
             r = take(k, path, real, is_dir, ino)
             if r is not None:
                 items += r
+
+    def file_result(self, path, ino):
+        """One file's result: None (binary, unreadable, not a regular file, no longer the
+        inode `ino` the walk listed, or no match), True (files mode), a count (count mode)
+        or a list of records (content mode). Steps: open it if it is still the file the
+        walk listed, read the first piece, answer `-l` of a literal from it at once, else
+        run the matcher over the pieces (count or records)."""
+        fd = self.open_listed(path, ino)
+        if fd is None:
+            return None
+        try:
+            answer, pieces = self.first_pieces(fd)
+            if pieces is None:
+                return answer
+            if self.mode == "content":
+                return self.records(pieces)
+            return self.count(pieces)
+        except OSError as exc:
+            log("debug", "grep: read failed, file skipped", path=path, error=str(exc))
+            return None
+        finally:
+            os.close(fd)
+
+    def first_pieces(self, fd):
+        """(answer, None) when the first read settles a file (binary; `-l` of a literal),
+        else (None, its pieces): the one piece read for most files, else read_chunks'."""
+        buf, matcher, mode = self.buf, self.matcher, self.mode
+        n = os.readv(fd, [buf])
+        lead = buf[0] if n else 0                   # 0xff/0xfe: UTF-16 BOM? 0xef: UTF-8 BOM?
+        if n >= len(buf) or lead >= 0xfe:
+            whole = bool(self.before or self.after or matcher.multiline)
+            return None, read_chunks(fd, buf, n, mode == "content" and whole, numbered=mode == "content")
+        if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
+            return None, None
+        if mode == "files_with_matches" and matcher.quick(lead):
+            return matcher.literal_in(buf, n) or None, None
+        return None, ((buf, n, 1),)                 # most files: one piece, read
+
+    @staticmethod
+    def open_listed(path, ino):
+        """A read-only descriptor of `path` if it is still the regular file (inode `ino`,
+        when given) the walk listed; None when it is gone, unreadable or another file now:
+        grep skips such a file, as it skips one that changed while the walk ran."""
+        try:
+            fd = os.open(path, os.O_RDONLY | O_FILE)
+        except OSError:
+            return None                                 # gone or unreadable since listed: skipped
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
+            os.close(fd)
+            return None
+        return fd
+
+    def text_piece(self, piece):
+        """A piece (haystack, end, first line) as the matcher reads it: decoded when the
+        pattern needs text, without the UTF-8 BOM that is not part of line 1."""
+        hay, end, first = piece
+        matcher = self.matcher
+        if matcher.needs_text(hay, end):
+            hay = hay[:end].decode("utf-8", "surrogateescape")
+            end = len(hay)
+        if first == 1 and hay[:1] in ("\ufeff", b"\xef"):
+            bom = 1 if isinstance(hay, str) else 3 if hay[:3] == b"\xef\xbb\xbf" else 0
+            hay, end = hay[bom:end], end - bom
+        return hay, end, first
+
+    def count(self, pieces):
+        """Files and count modes over a file's pieces: True on the first match (files
+        mode), the number of matches (count mode; a multiline match counts its lines), or
+        None for no match and for a binary file."""
+        matcher, files_only, count = self.matcher, self.mode == "files_with_matches", 0
+        for piece in pieces:
+            if piece is None:
+                return None                             # binary, found past the first piece
+            hay, end, first = self.text_piece(piece)
+            spans = matcher.spans(hay, end, first_only=files_only)
+            if spans and files_only:
+                return True
+            if spans and matcher.multiline:
+                spans = [r for r in LineRecords().add(hay, end, first, spans) if r]
+            count += len(spans)
+        return count or None
+
+    def records(self, pieces):
+        """Content mode over a file's pieces: the records LineRecords makes, at most
+        `max_records` (more could never be shown), or None for no match and binary files."""
+        records, made, max_records = [], LineRecords(self.before, self.after), self.max_records
+        for piece in pieces:
+            if piece is None:
+                return None
+            hay, end, first = self.text_piece(piece)
+            spans = self.matcher.spans(hay, end, first_only=False)
+            if spans:
+                records += made.add(hay, end, first, spans)
+            if len(records) >= max_records:
+                del records[max_records:]
+                break
+        return records or None
 
 
 class GlobWork(object):

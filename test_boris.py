@@ -1478,8 +1478,9 @@ class TestGrep(SearchBase):
         for i in range(200):
             self.write("hl/f%03d.txt" % i, "match\n" * 3)
         calls = []
-        real = boris.grep_file
-        with search_in_process(), mock.patch.object(boris, "grep_file", lambda *a: calls.append(1) or real(*a)):
+        real = boris.GrepWork.file_result
+        with search_in_process(), mock.patch.object(boris.GrepWork, "file_result",
+                                                    lambda *a: calls.append(1) or real(*a)):
             text = self.ok("grep", pattern="match", path="hl", output_mode="content", head_limit=2)
         self.assertEqual(len(text.split("\n")), 2)
         self.assertEqual(len(calls), 1)
