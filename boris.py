@@ -1832,28 +1832,29 @@ class Walker(object):
                 try:
                     if e.is_file(follow_symlinks=False):          # most entries: test files first
                         if (name_ok is None or name_ok(name)) and not (
-                                screened and self.hidden(ign, filtering, prefix + name, rprefix + name, name, False)):
+                                screened and self.hidden(ign, prefix + name, rprefix + name, name, False)):
                             found.append((prefix + name, rprefix + name, False, e.inode()))
                     elif e.is_dir(follow_symlinks=False):
-                        if screened and self.hidden(ign, filtering, prefix + name, rprefix + name, name, True):
+                        if screened and self.hidden(ign, prefix + name, rprefix + name, name, True):
                             continue
                         if want_dirs:
                             found.append((prefix + name, rprefix + name, True, e.inode()))
                         if deeper:
                             subdirs.append((prefix + name, rprefix + name, ign, depth + 1, e.inode()))
                     elif e.is_symlink():
-                        found += self.link(prefix + name, rprefix + name, name, ign, filtering, depth)
+                        found += self.link(prefix + name, rprefix + name, name, ign, depth)
                 except OSError:
                     continue                                      # gone since listed: skipped
         finally:
             os.close(fd)
         return found, subdirs
 
-    def hidden(self, ign, filtering, path, real, name, is_dir):
-        """Whether an ignore rule or the path policy hides this entry."""
-        return bool(filtering and ignored(ign, path, name, is_dir)) or self.policy.is_denied(real)
+    def hidden(self, ign, path, real, name, is_dir):
+        """Whether an ignore rule (of the stack `ign`, when the walk uses them) or the path
+        policy hides this entry."""
+        return bool(self.use_ignore and ign and ignored(ign, path, name, is_dir)) or self.policy.is_denied(real)
 
-    def link(self, path, at, name, ign, filtering, depth):
+    def link(self, path, at, name, ign, depth):
         """A symlink's entries for visit(): its target is resolved and checked by its real
         path; a directory it names is entered later (follow_links) or listed."""
         try:
@@ -1862,7 +1863,7 @@ class Walker(object):
         except OSError:
             return ()                                            # broken or looping links are skipped
         is_dir = stat.S_ISDIR(st.st_mode)
-        if self.hidden(ign, filtering, path, target, name, is_dir):
+        if self.hidden(ign, path, target, name, is_dir):
             return ()
         if is_dir and self.follow_links:
             if self.deeper(depth):
@@ -2209,7 +2210,7 @@ def matched_lines(hay, nl, end, first_line, spans):
 #                              "code", "message"}
 #   search helper -> partner   {"job": job}                         before its first unit
 #   search helper -> partner   {"unit": [root index, use_ignore,    SHARE_AHEAD slices ahead
-#                              [[path, real, ignores, depth, ino]]]}   (share_walk)
+#                              [[path, real, ignores, depth, ino]]]}   (SharedWalk)
 #   partner -> search helper   {"items": [...]}                     a unit's results, if any;
 #                                                                   forwarded as they are
 #   partner -> search helper   {"links": [...], "seen": [...]}      a unit's end: links left to
@@ -2673,7 +2674,7 @@ def search_job(job, emit, raw=None, partners=None):
 
 def walk_root(work, k, out, partners):
     """Walk directory root k breadth first until it is big enough to share, then
-    share the rest (share_walk); followed links last, here."""
+    share the rest (SharedWalk); followed links last, here."""
     walker = work.walker(k)
     left = deque([walker.start()])
     while left and not (walker.listed >= SHARE_MIN_ENTRIES and len(left) >= SHARE_MIN_UNITS):
@@ -2683,7 +2684,7 @@ def walk_root(work, k, out, partners):
         if time.monotonic() - out.sent > 0.2:
             out.flush()
     if left:
-        share_walk(work, walker, k, left, out, partners)
+        SharedWalk(work, walker, k, left, out).run(partners)
     out.take(work, k, walker.walk([]))
 
 
@@ -2858,45 +2859,40 @@ def partner_count():
     return min(os.cpu_count() or 1, 4) - 1
 
 
-def share_walk(work, walker, k, units, out, partners):
-    """Walk the subtrees `units` (walker entries, shallowest first) with `partners`
-    (a Partners). This process takes them one by one from the front and, at least
-    every SHARE_SERVICE_S, keeps each partner SHARE_AHEAD slices ahead, also from the
-    front: the big subtrees go first, and when the queue runs short this process
-    lists the next one's top directory only, queueing its subdirectories, so all end
-    at about the same time. A partner that dies leaves the units it had not finished
-    to this process."""
-    used = partners.for_walk()
-    shared = SharedWalk(work, walker, k, units, out, used)
-    walker.share(shared.tick)
-    try:
-        shared.run()
-    finally:
-        walker.share(None)
-        partners.done(used)
-
-
 class SharedWalk(object):
-    """One share_walk: the queue of units left, the partners still at work, and the
-    ignore files their replies name (read once)."""
+    """A walk of the subtrees `units` (walker entries, shallowest first) shared with
+    partner processes: the queue of units left, the partners still at work, and the
+    ignore files their replies name (read once). This process takes units one by one
+    from the front and, at least every SHARE_SERVICE_S, keeps each partner SHARE_AHEAD
+    slices ahead, also from the front: the big subtrees go first, and when the queue
+    runs short this process lists the next one's top directory only, queueing its
+    subdirectories, so all end at about the same time. A partner that dies leaves the
+    units it had not finished to this process."""
 
-    def __init__(self, work, walker, k, units, out, partners):
+    def __init__(self, work, walker, k, units, out):
         self.work, self.walker, self.k, self.out = work, walker, k, out
-        self.active = list(partners)
         self.queue = deque(units)
-        self.size = max(1, len(self.queue) // (SHARE_SLICES * (len(self.active) + 1)))
-        self.cache, self.mark = {}, 0
+        self.active, self.cache, self.mark = [], {}, 0
 
-    def run(self):
-        """Walk here from the queue's front while the partners walk their slices."""
+    def run(self, partners):
+        """Walk here from the queue's front while partners (of the Partners pool) walk
+        their slices."""
         queue, walker = self.queue, self.walker
-        while self.service(wait=not queue) or queue:
-            if queue and len(queue) < 2 * SHARE_AHEAD * len(self.active):    # running short: split the next
-                found, subdirs = walker.visit(*queue.popleft())
-                self.out.take(self.work, self.k, found)
-                queue.extendleft(reversed(subdirs))
-            elif queue:
-                self.out.take(self.work, self.k, walker.walk([queue.popleft()]))
+        used = partners.for_walk()
+        self.active = list(used)
+        self.size = max(1, len(queue) // (SHARE_SLICES * (len(self.active) + 1)))
+        walker.share(self.tick)
+        try:
+            while self.service(wait=not queue) or queue:
+                if queue and len(queue) < 2 * SHARE_AHEAD * len(self.active):   # running short: split the next
+                    found, subdirs = walker.visit(*queue.popleft())
+                    self.out.take(self.work, self.k, found)
+                    queue.extendleft(reversed(subdirs))
+                elif queue:
+                    self.out.take(self.work, self.k, walker.walk([queue.popleft()]))
+        finally:
+            walker.share(None)
+            partners.done(used)
 
     def tick(self):
         """Called by the walker after each directory: service the partners every
@@ -6951,12 +6947,12 @@ def search_root(session, ctx, shown):
     return real, False, st.st_ino
 
 
-def grep_spec(pattern, regex, ignore_case, multiline, mode, before=0, after=0):
+def grep_spec(pattern, mode, regex=True, ignore_case=False, multiline=False):
     """A search's settings, as sent to helpers. The pattern is compiled there, never in
     this process: a pathological one (160,000 '[') takes its time where it can be killed."""
     check_pattern(pattern, "pattern" if regex else "query", GREP_INVALID_PATTERN)
     return {"pattern": pattern, "regex": regex, "ignore_case": ignore_case, "multiline": multiline,
-            "mode": mode, "before": before, "after": after}
+            "mode": mode, "before": 0, "after": 0}
 
 
 def check_pattern(value, name, code=INVALID_INPUT):
@@ -7113,8 +7109,8 @@ def grep_tool_spec(args, pattern, mode):
     after = args.get("context_after", ctx_n) if mode == "content" else 0
     if min(before, after) < 0:
         raise ToolError(INVALID_INPUT, "context lines must be 0 or more")
-    spec = grep_spec(pattern, True, bool(args.get("case_insensitive")), bool(args.get("multiline")),
-                     mode, before, after)
+    spec = grep_spec(pattern, mode, True, bool(args.get("case_insensitive")), bool(args.get("multiline")))
+    spec.update(before=before, after=after)
     spec["max_records"] = (args.get("offset") or 0) + (args.get("head_limit") or OUTPUT_MAX_CHARS // 2)
     if mode == "content" and args.get("head_limit"):
         spec["stop_after"] = spec["max_records"]       # the search ends once that many lines are in
@@ -7222,7 +7218,7 @@ def tool_search_text(session, args, ctx):
     query = args["query"]
     if query == "":
         raise ToolError(INVALID_INPUT, "query is empty; give the text to search for")
-    spec = grep_spec(query, bool(args.get("regex")), False, False, "content")
+    spec = grep_spec(query, "content", bool(args.get("regex")))
     shown_paths = args.get("paths") or ["."]
     roots = [search_root(session, ctx, shown) for shown in shown_paths]
     items, why = ctx.helpers.run(grep_job_of(ctx, roots, spec), ctx.cancelled)

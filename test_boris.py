@@ -1323,7 +1323,7 @@ class TestGrep(SearchBase):
             try:
                 job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [boris.search_root(
                     self.session, ctx_of(self.cfg, self.policy), "many")], boris.grep_spec(
-                    "hit", True, False, False, "files_with_matches"))
+                    "hit", "files_with_matches"))
                 os.write(w, json.dumps(job).encode() + b"\n")
                 self.assertTrue(wait_until(lambda: b'{"end": "ok"}' in got.getvalue()), got.getvalue()[-300:])
                 partners = list(warm.procs)
@@ -1932,7 +1932,7 @@ class TestHelpersDieWithTheServer(unittest.TestCase):
         self.addCleanup(p.stdout.close)
         self.addCleanup(p.stdin.close)
         job = boris.grep_job_of(ctx_of(boris.parse_config(["--workdir", self.tmp], {}), boris.PathPolicy(workdir=self.tmp)),
-                                [(self.tmp, True, None)], boris.grep_spec(CATASTROPHIC, True, False, False, "count"))
+                                [(self.tmp, True, None)], boris.grep_spec(CATASTROPHIC, "count"))
         job["deadline_s"] = 0.2
         p.stdin.write(json.dumps(job).encode() + b"\n")
         p.stdin.flush()
@@ -1958,7 +1958,7 @@ class TestHelperPool(SearchBase):
     def run_job(self, pool, pattern="hit", cancelled=None):
         self.write("p/a.txt", "hit\n")
         job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(self.path("p"), True, None)],
-                                boris.grep_spec(pattern, True, False, False, "files_with_matches"))
+                                boris.grep_spec(pattern, "files_with_matches"))
         return pool.run(job, cancelled or threading.Event())
 
     def test_a_helper_that_cannot_start_is_an_io_error_not_a_search_here(self):
