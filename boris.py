@@ -1920,38 +1920,6 @@ def child_prefix(path):
     return path + "/" if path != "/" else "/"
 
 
-def python_regex(pattern):
-    """An agent's regex in Python's dialect: POSIX classes ([[:digit:]]) translated;
-    constructs of other dialects (\\p{L}, \\x{263A}, \\z, \\<word\\>, [a-z&&[^b]])
-    refused with the Python spelling to use instead."""
-    for other, python in REGEX_HINTS:
-        m = re.search(r"(?<!\\)(?:\\\\)*(" + other + ")", pattern)
-        if m:
-            raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses %s, which Python's re does not know; write %s"
-                            " instead" % (shorten(pattern), m.group(1), python))
-    if re.search(r"\[[^\]]*&&", pattern):
-        raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses a class intersection (&&), which Python's re does"
-                        " not have; list the characters ([ac-z]) or use a lookahead ((?![b])[a-z])" % shorten(pattern))
-
-    def posix(m):
-        if m.group(1) not in POSIX_CLASSES:
-            raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses the unknown class [:%s:]; known: %s"
-                            % (shorten(pattern), m.group(1), ", ".join(sorted(POSIX_CLASSES))))
-        return POSIX_CLASSES[m.group(1)]
-    return re.sub(r"(?<=[\[^\w\]-])\[:(\w+):\]", posix, pattern) if "[:" in pattern else pattern
-
-
-def drop_dot_stars(src):
-    """A line-mode regex without a leading or trailing '.*' (or '.*?'): in line mode
-    they change no line's verdict, but make a long line quadratic to search."""
-    core = src
-    while core.startswith(".*"):
-        core = core[3:] if core.startswith(".*?") else core[2:]
-    while core.endswith(".*") and not core.endswith("\\.*") and (len(core) == 2 or core[-3] != "\\"):
-        core = core[:-2]
-    return core if core and "|" not in src else src
-
-
 class Matcher(object):
     """A compiled grep pattern: a literal (bytes.find: exact on UTF-8) where it can be,
     else a regex. The regex runs on bytes for pure-ASCII text and on decoded text
@@ -1972,11 +1940,18 @@ class Matcher(object):
     def compile(self, pattern, regex, ignore_case, multiline):
         """The regexes: rx_text on decoded text, and rx on bytes for pure-ASCII text
         where the pattern means the same there."""
-        src = python_regex(pattern) if regex else re.escape(pattern)
+        src = self.python_regex(pattern) if regex else re.escape(pattern)
         if regex and not multiline:
-            src = drop_dot_stars(src)                     # '.*TODO.*' matches the lines 'TODO' does
+            src = self.drop_dot_stars(src)                     # '.*TODO.*' matches the lines 'TODO' does
         flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0) | (re.DOTALL if multiline else 0)
-        self.rx_text = compile_pattern(pattern, src, flags)
+        try:
+            self.rx_text = re.compile(src, flags)
+        except re.error as e:
+            raise ToolError(GREP_INVALID_PATTERN, "pattern %r is not a valid regular expression: %s; escape"
+                            " special characters or fix the syntax (the dialect is Python's re)"
+                            % (shorten(pattern), e))
+        except (OverflowError, RecursionError, ValueError) as e:
+            raise ToolError(GREP_INVALID_PATTERN, "pattern %r cannot be compiled: %s" % (shorten(pattern), e))
         if src.isascii() and not re.search(r"\\[sS]", src):          # \s differs between str and bytes
             try:
                 self.rx = re.compile(src.encode("ascii"), flags)        # ASCII text: search the bytes as they are
@@ -2037,7 +2012,7 @@ class Matcher(object):
                 return out
             s, e = m.span()
             if not self.multiline and hay.find(nl, s, e) >= 0:
-                s, e, pos = within_line(rx, hay, nl, s, end)      # spans lines: retry within its line
+                s, e, pos = self.within_line(rx, hay, nl, s, end)      # spans lines: retry within its line
                 if s is None:
                     continue
             out.append((s, e))
@@ -2054,71 +2029,49 @@ class Matcher(object):
         j = hay.find(nl, e, end)
         return None if j < 0 else j + 1
 
+    @staticmethod
+    def python_regex(pattern):
+        """An agent's regex in Python's dialect: POSIX classes ([[:digit:]]) translated;
+        constructs of other dialects (\\p{L}, \\x{263A}, \\z, \\<word\\>, [a-z&&[^b]])
+        refused with the Python spelling to use instead."""
+        for other, python in REGEX_HINTS:
+            m = re.search(r"(?<!\\)(?:\\\\)*(" + other + ")", pattern)
+            if m:
+                raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses %s, which Python's re does not know; write %s"
+                                " instead" % (shorten(pattern), m.group(1), python))
+        if re.search(r"\[[^\]]*&&", pattern):
+            raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses a class intersection (&&), which Python's re does"
+                            " not have; list the characters ([ac-z]) or use a lookahead ((?![b])[a-z])" % shorten(pattern))
 
-def within_line(rx, hay, nl, s, end):
-    """A line-mode retry: the first match of rx within the line holding offset s, as
-    (start, end, pos); (None, None, next line's start) when that line has none."""
-    ls = hay.rfind(nl, 0, s) + 1
-    le = hay.find(nl, s, end)
-    le = end if le < 0 else le
-    m = rx.search(hay, ls, le)
-    if m is None:
-        return None, None, le + 1
-    return m.start(), m.end(), None
+        def posix(m):
+            if m.group(1) not in POSIX_CLASSES:
+                raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses the unknown class [:%s:]; known: %s"
+                                % (shorten(pattern), m.group(1), ", ".join(sorted(POSIX_CLASSES))))
+            return POSIX_CLASSES[m.group(1)]
+        return re.sub(r"(?<=[\[^\w\]-])\[:(\w+):\]", posix, pattern) if "[:" in pattern else pattern
 
+    @staticmethod
+    def drop_dot_stars(src):
+        """A line-mode regex without a leading or trailing '.*' (or '.*?'): in line mode
+        they change no line's verdict, but make a long line quadratic to search."""
+        core = src
+        while core.startswith(".*"):
+            core = core[3:] if core.startswith(".*?") else core[2:]
+        while core.endswith(".*") and not core.endswith("\\.*") and (len(core) == 2 or core[-3] != "\\"):
+            core = core[:-2]
+        return core if core and "|" not in src else src
 
-def compile_pattern(pattern, src, flags):
-    """re.compile(src) of the model's `pattern`, or [GREP_INVALID_PATTERN] naming it."""
-    try:
-        return re.compile(src, flags)
-    except re.error as e:
-        raise ToolError(GREP_INVALID_PATTERN, "pattern %r is not a valid regular expression: %s; escape"
-                        " special characters or fix the syntax (the dialect is Python's re)" % (shorten(pattern), e))
-    except (OverflowError, RecursionError, ValueError) as e:
-        raise ToolError(GREP_INVALID_PATTERN, "pattern %r cannot be compiled: %s" % (shorten(pattern), e))
-
-
-def read_chunks(fd, buf, n, whole=False, numbered=True):
-    """Yield (hay, end, first_line) pieces of a file ending at line boundaries, `buf`
-    holding its first n bytes already; one piece for any file that fits in `buf`, or
-    (whole=True: context lines or multiline matches must not be cut at a seam) up to
-    GREP_CHUNK_MAX. None first for a binary file. A UTF-16 file with a BOM comes as
-    one piece transcoded to UTF-8. first_line is 1 for every piece unless numbered."""
-    if buf[:2] in (b"\xff\xfe", b"\xfe\xff"):
-        data = bytes(buf[:n]) + read_fd(fd, GREP_CHUNK_MAX, "")
-        text = data.decode("utf-16", "replace").encode("utf-8", "surrogateescape")
-        yield text, len(text), 1
-        return
-    if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
-        yield None
-        return
-    line, filled = 1, n
-    while True:
-        if filled < len(buf):
-            yield buf, filled, line
-            return
-        end = buf.rfind(b"\n", 0, filled) + 1
-        if end == 0 or whole:
-            if len(buf) < GREP_CHUNK_MAX:
-                buf.extend(bytes(len(buf)))          # a very long line, or a whole file: grow and read on
-                filled += os.readv(fd, [memoryview(buf)[filled:]])
-                continue
-            end = end or filled
-        yield buf, end, line
-        if numbered:
-            line += buf.count(b"\n", 0, end)
-        carry = filled - end
-        buf[0:carry] = buf[end:filled]
-        filled = carry + os.readv(fd, [memoryview(buf)[carry:]])
-
-
-def line_text(hay, start, end):
-    """A line of a grep haystack as shown: decoded (undecodable bytes kept as lone
-    surrogates, which scrub() turns into U+FFFD and counts), clipped."""
-    text = hay[start:end]
-    if not isinstance(text, str):
-        text = bytes(text).decode("utf-8", "surrogateescape")      # scrub() shows and counts the bad bytes
-    return clip_line(text)
+    @staticmethod
+    def within_line(rx, hay, nl, s, end):
+        """A line-mode retry: the first match of rx within the line holding offset s, as
+        (start, end, pos); (None, None, next line's start) when that line has none."""
+        ls = hay.rfind(nl, 0, s) + 1
+        le = hay.find(nl, s, end)
+        le = end if le < 0 else le
+        m = rx.search(hay, ls, le)
+        if m is None:
+            return None, None, le + 1
+        return m.start(), m.end(), None
 
 
 class LineRecords(object):
@@ -2136,7 +2089,7 @@ class LineRecords(object):
         `first_line`) for its match spans."""
         nl = b"\n" if not isinstance(hay, str) else "\n"
         starts, want = {}, {}                       # line number -> (start, stop); -> is a match line
-        for k, ls, le in matched_lines(hay, nl, end, first_line, spans):
+        for k, ls, le in self.matched_lines(hay, nl, end, first_line, spans):
             starts[k], want[k] = (ls, le), True
             kb = k
             for _ in range(self.before):            # context above, up to the piece's start
@@ -2162,31 +2115,40 @@ class LineRecords(object):
             if prev is not None and k > prev + 1:
                 out.append(None)
             ls, le = starts[k]
-            out.append((k, want[k], line_text(hay, ls, le)))
+            out.append((k, want[k], self.line_text(hay, ls, le)))
             prev = k
         self.last = prev
         return out
 
+    @staticmethod
+    def line_text(hay, start, end):
+        """A line of a grep haystack as shown: decoded (undecodable bytes kept as lone
+        surrogates, which scrub() turns into U+FFFD and counts), clipped."""
+        text = hay[start:end]
+        if not isinstance(text, str):
+            text = bytes(text).decode("utf-8", "surrogateescape")      # scrub() shows and counts the bad bytes
+        return clip_line(text)
 
-def matched_lines(hay, nl, end, first_line, spans):
-    """(line number, start, stop) of every line a match span touches (several for a
-    multiline match), in order."""
-    line_no, cursor = first_line, 0
-    matched = []
-    for s, e in spans:
-        line_no += hay.count(nl, cursor, s)
-        cursor = s
-        pos = hay.rfind(nl, 0, s) + 1
-        last = e - 1 if e > s else s
-        k = line_no
-        while True:
-            le = hay.find(nl, pos, end)
-            le = end if le < 0 else le
-            matched.append((k, pos, le))
-            if le >= last or le >= end:
-                break
-            pos, k = le + 1, k + 1
-    return matched
+    @staticmethod
+    def matched_lines(hay, nl, end, first_line, spans):
+        """(line number, start, stop) of every line a match span touches (several for a
+        multiline match), in order."""
+        line_no, cursor = first_line, 0
+        matched = []
+        for s, e in spans:
+            line_no += hay.count(nl, cursor, s)
+            cursor = s
+            pos = hay.rfind(nl, 0, s) + 1
+            last = e - 1 if e > s else s
+            k = line_no
+            while True:
+                le = hay.find(nl, pos, end)
+                le = end if le < 0 else le
+                matched.append((k, pos, le))
+                if le >= last or le >= end:
+                    break
+                pos, k = le + 1, k + 1
+        return matched
 
 
 # -- helper processes -------------------------------------------------------------
@@ -2498,7 +2460,7 @@ class GrepWork(object):
         lead = buf[0] if n else 0                   # 0xff/0xfe: UTF-16 BOM? 0xef: UTF-8 BOM?
         if n >= len(buf) or lead >= 0xfe:
             whole = bool(self.before or self.after or matcher.multiline)
-            return None, read_chunks(fd, buf, n, mode == "content" and whole, numbered=mode == "content")
+            return None, self.read_chunks(fd, buf, n, mode == "content" and whole, numbered=mode == "content")
         if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
             return None, None
         if mode == "files_with_matches" and matcher.quick(lead):
@@ -2568,6 +2530,40 @@ class GrepWork(object):
                 del records[max_records:]
                 break
         return records or None
+
+    @staticmethod
+    def read_chunks(fd, buf, n, whole=False, numbered=True):
+        """Yield (hay, end, first_line) pieces of a file ending at line boundaries, `buf`
+        holding its first n bytes already; one piece for any file that fits in `buf`, or
+        (whole=True: context lines or multiline matches must not be cut at a seam) up to
+        GREP_CHUNK_MAX. None first for a binary file. A UTF-16 file with a BOM comes as
+        one piece transcoded to UTF-8. first_line is 1 for every piece unless numbered."""
+        if buf[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            data = bytes(buf[:n]) + read_fd(fd, GREP_CHUNK_MAX, "")
+            text = data.decode("utf-16", "replace").encode("utf-8", "surrogateescape")
+            yield text, len(text), 1
+            return
+        if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
+            yield None
+            return
+        line, filled = 1, n
+        while True:
+            if filled < len(buf):
+                yield buf, filled, line
+                return
+            end = buf.rfind(b"\n", 0, filled) + 1
+            if end == 0 or whole:
+                if len(buf) < GREP_CHUNK_MAX:
+                    buf.extend(bytes(len(buf)))          # a very long line, or a whole file: grow and read on
+                    filled += os.readv(fd, [memoryview(buf)[filled:]])
+                    continue
+                end = end or filled
+            yield buf, end, line
+            if numbered:
+                line += buf.count(b"\n", 0, end)
+            carry = filled - end
+            buf[0:carry] = buf[end:filled]
+            filled = carry + os.readv(fd, [memoryview(buf)[carry:]])
 
 
 class GlobWork(object):
@@ -3360,6 +3356,15 @@ class Sandbox(object):
         """Stop the warm launchers."""
         self.launchers.close()
 
+    @staticmethod
+    def writable_roots(mode, policy):
+        """Where commands may write: the allowed directories (or the workspace) and the temp
+        directory; only the temp directory when read-only. Nested ones go."""
+        import tempfile
+        roots = [] if mode == "read-only" else (list(policy.allow) or [policy.workdir])
+        roots.append(os.path.realpath(tempfile.gettempdir()))
+        return sorted(set(r for r in roots if not any(r != o and is_within(r, o) for o in roots)))
+
     @classmethod
     def off(cls, why="--sandbox off"):
         """A Sandbox that confines nothing; `why` says why in the log and the instructions."""
@@ -3413,34 +3418,28 @@ def resolve_sandbox(config, policy, abi=None):
     if mode == "auto" and not policy.allow:
         return Sandbox.off("--sandbox auto: no --allow-dir")
     abi = landlock_abi() if abi is None else abi
+    network = bool(config.sandbox_network)              # None: the sandbox decides, and it says off
+    why = None                                          # why the kernel cannot give it
     if not abi:
         why = "this kernel has no Landlock (Linux 5.13+ with landlock among its LSMs)"
         if not sys.platform.startswith("linux"):
             why = "the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is not done yet)" \
                 % sys.platform
-        if mode == "auto":
-            log("warn", "sandbox off: %s; bash commands can write anywhere this user can" % why)
-            return Sandbox.off("--sandbox auto: " + why)
-        raise ConfigError("--sandbox %s cannot be honoured: %s" % (mode, why))
-    network = bool(config.sandbox_network)              # None: the sandbox decides, and it says off
-    if not network and abi < 4 and not userns_works():
+        refusal = "--sandbox %s cannot be honoured: %s" % (mode, why)
+    elif not network and abi < 4 and not userns_works():
         raise ConfigError("--sandbox-network off cannot be honoured: Landlock ABI %d has no TCP rules and user"
                           " namespaces are not available; pass --sandbox-network on" % abi)
-    if not network and not net_filter_available():
+    elif not network and not net_filter_available():
         why = ("seccomp filters are not available on this kernel or machine (%s), so Unix sockets and UDP could"
                " not be cut" % os.uname().machine)
-        if mode == "auto":
-            log("warn", "sandbox off: %s; bash commands can write anywhere this user can" % why)
-            return Sandbox.off("--sandbox auto: " + why)
-        raise ConfigError("--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on"
-                          % (mode, why))
-    # Commands may write beneath the allowed directories (or the workspace) and the temp
-    # directory; only the temp directory when read-only. Nested ones go.
-    import tempfile
-    roots = [] if mode == "read-only" else (list(policy.allow) or [policy.workdir])
-    roots.append(os.path.realpath(tempfile.gettempdir()))
-    roots = sorted(set(r for r in roots if not any(r != o and is_within(r, o) for o in roots)))
-    return Sandbox("workspace-write" if mode == "auto" else mode, roots, network, abi, "--sandbox %s" % mode)
+        refusal = "--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on" % (mode, why)
+    if why is not None and mode == "auto":
+        log("warn", "sandbox off: %s; bash commands can write anywhere this user can" % why)
+        return Sandbox.off("--sandbox auto: " + why)
+    if why is not None:
+        raise ConfigError(refusal)
+    return Sandbox("workspace-write" if mode == "auto" else mode, Sandbox.writable_roots(mode, policy), network,
+                   abi, "--sandbox %s" % mode)
 
 
 def userns_works():
@@ -5550,12 +5549,14 @@ def trailing(line):
     return line[len(line.rstrip()):]
 
 
-def indent_note(mapping):
-    """How the file indents, for a match made ignoring indentation."""
-    leads = [b for b in (mapping or {}).values() if b]
-    if any("\t" in b for b in leads):
-        return "the file indents with tabs"
-    return "the file's indentation differs from old_str's" if leads else ""
+def indent_note(level, want, region):
+    """How a relaxed match was made, for the result: the level, and for a match made
+    ignoring indentation how the file indents."""
+    leads = [b for b in (indent_map(want, region) or {}).values() if b]
+    if level != "ignoring indentation" or not leads:
+        return level
+    return level + ", " + ("the file indents with tabs" if any("\t" in b for b in leads) else
+                           "the file's indentation differs from old_str's")
 
 
 def replace_text(text, edit, shown, cancelled=None):
@@ -5612,8 +5613,7 @@ def replace_lines(text, edit, shown, cancelled=None):
             put[-1] = put[-1][:-1]
         lines[at:at + len(want)] = put
     updated = "\n".join(lines)
-    note = level if level != "ignoring indentation" else ", ".join(filter(None, (level, indent_note(
-        indent_map(want, plain[hits[0]:hits[0] + len(want)])))))
+    note = indent_note(level, want, plain[hits[0]:hits[0] + len(want)])
     return updated, len(hits), len("\n".join(lines[:hits[0]])) + (1 if hits[0] else 0), note
 
 
@@ -7084,9 +7084,7 @@ def compat_grep_schema(config):
 def tool_grep(session, args, ctx):
     """grep: search file contents for a regex, ripgrep style (files, count or content mode), in a helper."""
     pattern = args["pattern"]
-    mode = args.get("output_mode") or "files_with_matches"
-    if mode not in GREP_MODES:
-        raise ToolError(GREP_INVALID_OUTPUT_MODE, "output_mode %r is not one of %s" % (mode, ", ".join(GREP_MODES)))
+    mode = args.get("output_mode") or "files_with_matches"           # (the schema's enum checked it)
     if pattern == "":
         raise ToolError(GREP_INVALID_PATTERN, "pattern is empty; give a regular expression to search for")
     shown = args.get("path") or "."

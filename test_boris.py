@@ -1389,7 +1389,7 @@ class TestGrep(SearchBase):
 
         def refuse(*a, **k):
             raise AssertionError("a grep pattern was compiled in the server process")
-        with mock.patch.object(boris.Matcher, "__init__", refuse), mock.patch.object(boris, "python_regex", refuse):
+        with mock.patch.object(boris.Matcher, "__init__", refuse), mock.patch.object(boris.Matcher, "python_regex", refuse):
             self.assertIn("a.txt", self.ok("grep", pattern="ne+dle", path="s"))
             self.assertIn("needle", self.ok("search_text", query="needle", paths=["s"], regex=True))
             self.fails("grep", "GREP_INVALID_PATTERN", pattern="(", path="s")
