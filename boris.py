@@ -589,34 +589,6 @@ def is_within(path, root):
     return path == root or path.startswith(root + "/")
 
 
-def make_dir_at(fd, part, path, made):
-    """An fd of the directory `part` in directory fd, made 0755 (whatever the umask)
-    when missing; its `path` appended to `made` (when given) if this call made it."""
-    try:
-        os.mkdir(part, 0o755, dir_fd=fd)
-        if made is not None:
-            made.append(path)
-    except FileExistsError:
-        pass                            # made meanwhile by someone else: used as it is
-    nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=fd)
-    try:
-        os.fchmod(nfd, 0o755)
-    except OSError:
-        pass                            # not ours to change: it still works as a directory
-    return nfd
-
-
-def follow_link(here, links, done, todo):
-    """canonical()'s step at the symlink `here` (the links-th met): its target's parts
-    go onto `todo`; the path so far, or '' for an absolute target. ELOOP past
-    MAX_SYMLINKS links."""
-    if links > MAX_SYMLINKS:
-        raise OSError(errno.ELOOP, "too many levels of symbolic links", here)
-    target = os.readlink(here)
-    todo += reversed(target.split("/"))
-    return "" if target.startswith("/") else done
-
-
 def canonical(path):
     """The canonical form of the absolute `path`, resolved one component at a time.
 
@@ -643,8 +615,12 @@ def canonical(path):
             done = here
             continue
         if stat.S_ISLNK(mode):
-            links += 1
-            done = follow_link(here, links, done, todo)
+            links += 1                  # its target's parts go onto todo, from '/' when absolute
+            if links > MAX_SYMLINKS:
+                raise OSError(errno.ELOOP, "too many levels of symbolic links", here)
+            target = os.readlink(here)
+            todo += reversed(target.split("/"))
+            done = "" if target.startswith("/") else done
             continue
         if not stat.S_ISDIR(mode) and any(p not in ("", ".") for p in todo):
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", here)
@@ -1028,7 +1004,17 @@ def open_dir(real, create=False, flags=O_DIR_STEP, made=None):
             except FileNotFoundError:
                 if not create:
                     raise
-                nfd = make_dir_at(fd, part, "/" + "/".join(parts[:k + 1]), made)
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    if made is not None:
+                        made.append("/" + "/".join(parts[:k + 1]))
+                except FileExistsError:
+                    pass                # made meanwhile by someone else: used as it is
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=fd)
+                try:
+                    os.fchmod(nfd, 0o755)
+                except OSError:
+                    pass                # not ours to change: it still works as a directory
             os.close(fd)
             fd = nfd
         if not parts and flags != O_DIR_STEP:
@@ -1508,11 +1494,6 @@ def start_reaper():
                 log("error", "orphan reaper failed", error=_traceback())
     threading.Thread(target=loop, daemon=True, name="boris-reaper").start()
     return True
-
-
-def call_marker():
-    """A value for BORIS_CALL unique to one command of this process."""
-    return "%d-%s" % (os.getpid(), os.urandom(6).hex())
 
 
 def kill_marked(marker):
@@ -3955,7 +3936,7 @@ def start_process(script, cwd, sandbox=None, stdin="null"):
     env.setdefault("PAGER", "cat")
     env.setdefault("GIT_PAGER", "cat")
     env.setdefault("GIT_TERMINAL_PROMPT", "0")
-    env["BORIS_CALL"] = marker = call_marker()
+    env["BORIS_CALL"] = marker = "%d-%s" % (os.getpid(), os.urandom(6).hex())      # this command's alone
     argv = [SHELL, "-c", script]
     if sandbox.on and stdin == "null":
         return sandbox.launchers.start(argv, cwd, env, marker)
