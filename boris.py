@@ -132,7 +132,8 @@ HTTP_MAX_CONNECTIONS = 256                 # more at once get 503 (each holds a 
 HTTP_READ_TIMEOUT_S = 30.0                 # a request's headers and body must arrive within this
 STDIO_MAX_LINE = 64 * 1024 * 1024          # one stdio message at most
 MAX_WORKERS = 64                           # tool calls running at once; more wait in a queue
-SESSION_MAX_RUNNING = 16                   # ... of them one session's; a session's first always starts
+SESSION_MAX_RUNNING = 16                   # ... of them one session's in each lane (shell commands, and the
+                                           # quick tools beside them); a lane's first call always starts
 
 ###############################################################################
 # Errors ######################################################################
@@ -266,6 +267,9 @@ FLAGS = (
     ("port", "BORIS_PORT", "8080", "port", "HTTP port"),
     ("workdir", "BORIS_WORKDIR", ".", "str", "starting cwd and the workspace root of read_file/write_file/list_directory"),
     ("timeout", "BORIS_TIMEOUT", "120", "seconds", "default bash timeout in seconds"),
+    ("handoff", "BORIS_HANDOFF", "50", "seconds",
+     "a foreground bash command still running after this long becomes a background task: the call returns"
+     " its output so far and the task id (0 = never; clients give up on a call after ~60 s)"),
     ("allow-dir", "BORIS_ALLOW_DIRS", "", "list", "directory the file tools may touch (repeatable; env comma-separated; none = all)"),
     ("deny-dir", "BORIS_DENY_DIRS", "", "list", "directory or glob the file tools may not touch, e.g. '**/.env' (repeatable)"),
     ("token", "BORIS_TOKEN", "", "str", "bearer token required by the HTTP transport"),
@@ -4176,10 +4180,14 @@ class Unread(object):
 
 
 class Task(object):
-    """A background command: its process, unread output and, once done, its ending.
-    An interactive one takes input: `stdin` is 'pipe' or 'tty' (else 'null')."""
+    """A running command read by its own thread: a foreground bash command (which is
+    handed off to the background when it outlives --handoff) or a background task.
+    Its process, unread output and, once done, its ending. An interactive one takes
+    input: `stdin` is 'pipe' or 'tty' (else 'null'). `limit` words what its deadline
+    is, for its status; `marker` is the cwd sentinel a foreground command's output
+    ends with, which take() removes (the cwd it names kept as `cwd`)."""
 
-    def __init__(self, task_id, command, proc, timeout_s, stdin="null"):
+    def __init__(self, task_id, command, proc, stdin="null"):
         self.id, self.command, self.proc = task_id, command, proc
         self.stdin = stdin
         self.input_lock = threading.Lock()
@@ -4188,15 +4196,23 @@ class Task(object):
         self.stop = threading.Event()
         self.done = threading.Event()
         self.why = None
-        deadline = self.started + timeout_s if timeout_s else None
-        self.thread = threading.Thread(target=self._run, args=(deadline,), daemon=True)
-        self.thread.start()
+        self.limit, self.marker, self.cwd = "its timeout", None, None
 
-    def _run(self, deadline):
-        try:
-            self.why = pump(self.proc, self.out, self.err, deadline, self.stop)
-        finally:
-            self.done.set()
+    def start(self, deadline=None, on_output=None):
+        """Read the command until it ends, its group killed at `deadline` (monotonic) or on stop."""
+        def run():
+            try:
+                self.why = pump(self.proc, self.out, self.err, deadline, self.stop, on_output)
+            finally:
+                self.done.set()
+        threading.Thread(target=run, daemon=True, name="boris-task").start()
+
+    def take(self):
+        """(stdout, stderr): the output not read yet, as Captures; the next read starts empty."""
+        out, err = self.out.take(), self.err.take()
+        if self.marker is not None:
+            self.cwd = out.strip_sentinel(self.marker) or self.cwd
+        return out, err
 
     def write(self, data, deadline):
         """Give the task `data` as its input (through the terminal's line discipline on
@@ -4745,23 +4761,27 @@ BOTH = DEFAULT + COMPAT
 class Tool(object):
     """A tool as registered: its listing (name, description, input schema, annotations),
     its handler, the modes it is listed in, the error codes its enum arguments answer
-    with (`codes`) and `argument_error`, which turns a refused argument into the
-    tool's own answer (the workspace tools answer in fixed strings). `description`
+    with (`codes`), `argument_error`, which turns a refused argument into the tool's
+    own answer (the workspace tools answer in fixed strings), and its `lane` in the
+    worker pool: shell commands and calls that wait run in the session's shell lane,
+    so the quick tools never queue behind them. `description`
     and `schema` may be functions of the Config; made() gives the listed tool."""
-    __slots__ = ("name", "description", "schema", "annotations", "handler", "modes", "codes", "argument_error")
+    __slots__ = ("name", "description", "schema", "annotations", "handler", "modes", "codes", "argument_error",
+                 "lane")
 
     def __init__(self, name, description, schema, annotations, handler, modes=BOTH, codes=None,
-                 argument_error=None):
+                 argument_error=None, lane="quick"):
         self.name, self.description, self.schema = name, description, schema
         self.annotations, self.handler, self.modes = annotations, handler, modes
         self.codes = codes or {}
         self.argument_error = argument_error or (lambda e: e)
+        self.lane = lane                # "shell" (commands and waits) or "quick", or a function of the arguments
 
     def made(self, config):
         """This tool as `config` lists it: description and schema worked out."""
         return Tool(self.name, self.description(config) if callable(self.description) else self.description,
                     self.schema(config) if callable(self.schema) else self.schema, self.annotations, self.handler,
-                    self.modes, self.codes, self.argument_error)
+                    self.modes, self.codes, self.argument_error, self.lane)
 
     def listing(self):
         """The tool as tools/list shows it."""
@@ -6531,18 +6551,6 @@ TASK_SETTLE_S = 0.15                       # ... then, without wait_for/wait_ms:
 TASK_SETTLE_MAX_S = 2.0                    # ... or at most this long
 
 
-def bash_timeout_ms(args, config):
-    """The command's timeout in ms: `timeout`, or --timeout's, at most
-    BASH_MAX_TIMEOUT_MS; INVALID_INPUT for 0 or less."""
-    ms = args.get("timeout")
-    if ms is None:
-        ms = int(config.timeout * 1000)
-    if ms <= 0:
-        raise ToolError(INVALID_INPUT, "timeout %d ms must be above 0 (it is in milliseconds, at most %d)"
-                        % (ms, BASH_MAX_TIMEOUT_MS))
-    return min(ms, BASH_MAX_TIMEOUT_MS)
-
-
 def start_command(session, script, sandbox=None, stdin="null"):
     """Start the session's shell on `script` in its cwd (sandboxed when on); BASH_START_FAILED when it
     cannot start."""
@@ -6564,8 +6572,11 @@ class ProgressLines(object):
         self.tail = bytearray()
         self.lines = self.size = 0
         self.last = 0.0
+        self.muted = False              # the call has returned (the command was handed off)
 
     def __call__(self, is_err, data):
+        if self.muted:
+            return
         self.size += len(data)
         self.lines += data.count(b"\n")
         self.tail += data
@@ -6582,16 +6593,6 @@ class ProgressLines(object):
         self.ctx.progress("%d line%s, %s so far; last: %s" % (
             self.lines, "" if self.lines == 1 else "s", human_size(self.size),
             last if len(last) <= PROGRESS_LINE_CHARS else last[:PROGRESS_LINE_CHARS] + "..."))
-
-
-def task_stdin(args):
-    """A task's stdin for bash's arguments: `tty`, `pipe` (interactive), `null` (in the
-    background), or None for a foreground command."""
-    if args.get("tty"):
-        return "tty"
-    if args.get("interactive"):
-        return "pipe"
-    return "null" if args.get("run_in_background") else None
 
 
 def ending_line(why, timeout_ms, out, err):
@@ -6611,13 +6612,15 @@ BASH_DESC = ("Run a shell command (%s -c) in the session's working directory and
              "calls (cd moves it). stdin is /dev/null, so a command that asks for input fails at once instead of "
              "hanging; for REPLs, prompts and debuggers set interactive (stdin kept open; send input with "
              "task_input) and tty for a terminal (Ctrl-C is \\u0003, end of input \\u0004). A command is "
-             "killed, with everything it started, after `timeout` ms (default 120000, max 600000) or when it "
-             "returns. Clients give up on a call long before that (often after 60 s, and progress does not "
-             "extend it): run anything that may take longer, servers and watchers with run_in_background, and "
-             "read the output with task_output.")
-def bash_description(config=None):
-    """BASH_DESC naming the shell this machine has (/bin/sh where there is no /bin/bash)."""
-    desc = BASH_DESC % ("bash" if SHELL == "/bin/bash" else "/bin/sh")
+             "killed, with everything it started, after `timeout` ms (default 120000, max 600000). A command "
+             "still running after %s (or yield_ms) is handed off, not killed: the call returns its output so "
+             "far and a task_id, and task_output (wait_for, wait_ms) follows it to the end. Start servers and "
+             "watchers with run_in_background.")
+def bash_description(config):
+    """BASH_DESC naming the shell this machine has (/bin/sh where there is no /bin/bash)
+    and the hand-off time."""
+    desc = BASH_DESC % ("bash" if SHELL == "/bin/bash" else "/bin/sh",
+                        "%g s" % config.handoff if config.handoff else "yield_ms")
     if SHELL != "/bin/bash":
         desc += " This machine has no /bin/bash: commands run under /bin/sh, so bash-only syntax fails."
     return desc
@@ -6632,44 +6635,98 @@ def bash_description(config=None):
     "tty": prop("boolean", "Run it on a pseudo-terminal (80x24, TERM=dumb; implies interactive): for"
                            " programs that want a terminal. Escape sequences are removed from its output."),
     "description": prop("string", "A few words saying what the command does (for logs)."),
-}, ["command"]), notes("Run shell command", destructive=True, open_world=True))
+    "yield_ms": prop("integer", "Hand the command off to the background after this many milliseconds instead"
+                                " of %s: the call returns its output so far and a task_id." % (
+                                    "%g s" % config.handoff if config.handoff else "never")),
+}, ["command"]), notes("Run shell command", destructive=True, open_world=True), lane="shell")
 def tool_bash(session, args, ctx):
-    """bash: run a command in the session's shell state (cwd), in the foreground
-    within its timeout, or as a task (run_in_background, interactive, tty)."""
-    command = args["command"]
+    """bash: run a command in the session's shell state (cwd) within its timeout (the
+    `timeout` argument, else --timeout; at most BASH_MAX_TIMEOUT_MS), in the foreground
+    until it ends or outlives the hand-off time (yield_ms, else --handoff), then as a
+    task of the session; interactive, tty and run_in_background ones are tasks from the
+    start. A cancel before the hand-off kills it; the hand-off kills nothing."""
+    command, yield_ms = args["command"], args.get("yield_ms")
     if not command.strip():
         raise ToolError(BASH_EMPTY_COMMAND, "command is empty; give a shell command to run")
-    timeout_ms = bash_timeout_ms(args, ctx.config)
-    stdin = task_stdin(args)
-    if stdin is not None:
-        return start_task(session, command, ctx, stdin)
+    timeout_ms = args.get("timeout")
+    timeout_ms = int(ctx.config.timeout * 1000) if timeout_ms is None else timeout_ms
+    if timeout_ms <= 0:
+        raise ToolError(INVALID_INPUT, "timeout %d ms must be above 0 (it is in milliseconds, at most %d)"
+                        % (timeout_ms, BASH_MAX_TIMEOUT_MS))
+    if yield_ms is not None and yield_ms < 0:
+        raise ToolError(INVALID_INPUT, "yield_ms %d must be 0 or more (milliseconds before the command is handed"
+                        " off to the background)" % yield_ms)
+    timeout_ms = min(timeout_ms, BASH_MAX_TIMEOUT_MS)
+    if args.get("tty") or args.get("interactive") or args.get("run_in_background"):
+        return start_task(session, command, ctx, "tty" if args.get("tty") else
+                          "pipe" if args.get("interactive") else "null")
+    handoff = yield_ms / 1000.0 if yield_ms is not None else ctx.config.handoff or None
     marker = ("__BORIS_CWD_%s__" % session.nonce).encode()
     script = "%s\n__boris_status=$?\nprintf '\\n%%s%%s\\n' '%s' \"$PWD\"\nexit $__boris_status\n" % (
         command, marker.decode())
     proc = start_command(session, script, ctx.sandbox)
+    task = Task("task_%s" % os.urandom(8).hex(), command, proc)
+    task.marker, task.limit = marker, "its timeout (%d ms)" % timeout_ms
+    progress = ProgressLines(ctx, marker) if ctx.wants_progress else None
     with session.lock:
         session.foreground.add(proc)
-    out, err = Capture(), Capture()
+    task.start(task.started + timeout_ms / 1000.0, progress)
+    kept = ""                                   # why a command due for hand-off stayed in the foreground
     try:
-        why = pump(proc, out, err, time.monotonic() + timeout_ms / 1000.0, ctx.cancelled,
-                   ProgressLines(ctx, marker) if ctx.wants_progress else None)
+        while not task.done.wait(0.05):
+            if ctx.cancelled.is_set():
+                task.stop.set()                 # killed (TERM, then KILL): the answer is not sent
+            elif handoff is not None and not kept and time.monotonic() - task.started >= handoff:
+                kept = hand_off(session, task)
+                if not kept:
+                    if progress is not None:
+                        progress.muted = True
+                    return handed_off(task, ctx, timeout_ms)
     finally:
         with session.lock:
             session.foreground.discard(proc)
-    new_cwd = out.strip_sentinel(marker)
-    head = [ending_line(why, timeout_ms, out, err), describe_exit(proc)]
-    if new_cwd and new_cwd != session.get_cwd() and os.path.isdir(new_cwd):
-        session.set_cwd(new_cwd)
-        head.append("cwd: %s" % new_cwd)
+    out, err = task.take()
+    head = [ending_line(task.why, timeout_ms, out, err), describe_exit(proc)]
+    if kept:
+        head.append("(not handed off to the background at %g s: %s; it ran in the foreground)" % (handoff, kept))
+    if task.cwd and task.cwd != session.get_cwd() and os.path.isdir(task.cwd):
+        session.set_cwd(task.cwd)
+        head.append("cwd: %s" % task.cwd)
     head = [line for line in head if line]
     body, notice = render_output(out, err, output_budget(ctx))
-    return read_on("\n".join(head) + "\n" + body + sandbox_hint(ctx, proc, body), notice)
-
-
-def sandbox_hint(ctx, proc, body):
-    """A line on the sandbox after a failed command whose output looks like it hit it."""
     hint = ctx.sandbox.hint(body) if proc.returncode else ""
-    return "\n" + hint if hint else ""
+    return read_on("\n".join(head) + "\n" + body + ("\n" + hint if hint else ""), notice)
+
+
+def hand_off(session, task):
+    """Make a running foreground command a background task of the session: '' when
+    done, else why it could not be (the session's background limit, or it is closing)."""
+    with session.lock:
+        running = [t for t in session.tasks.values() if not t.done.is_set()]
+        if session.closed:
+            return "the session is closing"
+        if len(running) >= MAX_BACKGROUND_TASKS:
+            return "%d background tasks are already running, the limit" % len(running)
+        session.tasks[task.id] = task
+        session.foreground.discard(task.proc)
+    return ""
+
+
+def handed_off(task, ctx, timeout_ms):
+    """The answer of a command handed off: the output so far, and how to follow it."""
+    out, err = task.take()
+    body, notice = render_output(out, err, output_budget(ctx))
+    return read_on("Still running after %.1f s, so it was handed off as background task %s (nothing was killed;"
+                   " its output so far is below). Follow it with task_output(task_id=%r, wait_for=\"<regex>\" or"
+                   " wait_ms=<ms>); stop it with task_stop. Its timeout (%d ms from its start) still ends it, and"
+                   " its cd does not move this session.\n%s" % (
+                       time.monotonic() - task.started, task.id, task.id, timeout_ms, body), notice)
+
+
+def waiting_lane(args):
+    """The pool lane of task_output and task_input: a call that may wait (wait_ms,
+    wait_for) runs in the shell lane, a quick read beside it."""
+    return "shell" if args.get("wait_ms") or args.get("wait_for") else "quick"
 
 
 def looks_like_prompt(out, err):
@@ -6694,7 +6751,10 @@ def start_task(session, command, ctx, stdin="null"):
                             " one with task_output or run this one in the foreground" % len(running))
         task_id = "task_%s" % os.urandom(8).hex()       # a handle: only whoever was given it can use it
     proc = start_command(session, command, ctx.sandbox, stdin)
-    task = Task(task_id, command, proc, ctx.config.background_task_timeout, stdin)
+    task = Task(task_id, command, proc, stdin)
+    timeout = ctx.config.background_task_timeout
+    task.limit = "the background task timeout (%g s)" % timeout
+    task.start(task.started + timeout if timeout else None)
     with session.lock:
         closed = session.closed
         if not closed:
@@ -6714,8 +6774,7 @@ def task_status(task, config):
     if not task.done.is_set():
         return "status: running (%.1f s)" % runtime
     if task.why == "timeout":
-        return "status: killed by the background task timeout (%g s); %s" % (
-            config.background_task_timeout, describe_exit(task.proc))
+        return "status: killed by %s; %s" % (task.limit, describe_exit(task.proc))
     if task.why == "stopped":
         return "status: stopped; %s" % describe_exit(task.proc)
     return "status: completed; %s (after %.1f s)" % (describe_exit(task.proc), runtime)
@@ -6750,7 +6809,7 @@ def output_budget(ctx):
 def task_answer(task, session, ctx):
     """A task's status, its command and the output not returned before; a finished
     task is forgotten once it is read."""
-    body, notice = render_output(task.out.take(), task.err.take(), output_budget(ctx))
+    body, notice = render_output(*task.take(), total=output_budget(ctx))
     if task.stdin == "tty":
         body = terminal_text(body)
     if task.done.is_set():
@@ -6800,7 +6859,7 @@ TASK_DESC = ("Read a background bash task: its status first ('running', or 'comp
     "wait_ms": prop("integer", "Wait up to this many milliseconds for the task to finish (default 0, or"
                                " up to 600000 with wait_for)."),
     "wait_for": prop("string", "Return as soon as new output matches this regular expression."),
-}), notes("Read background task output", read_only=True))
+}), notes("Read background task output", read_only=True), lane=waiting_lane)
 def tool_task_output(session, args, ctx):
     """task_output: a task's new output (waiting as asked), or the list of tasks without an id."""
     if not args.get("task_id"):
@@ -6869,7 +6928,8 @@ TASK_INPUT_DESC = ("Type into an interactive background task (bash with interact
     "wait_ms": prop("integer", "Wait up to this many milliseconds (default: until the answer goes quiet, at"
                                " most 2000)."),
     "close_stdin": prop("boolean", "Close the task's input after writing (end of file)."),
-}, ["task_id"]), notes("Send input to a background task", destructive=True))
+}, ["task_id"]), notes("Send input to a background task", destructive=True),
+      lane=waiting_lane)
 def tool_task_input(session, args, ctx):
     """Write to an interactive task's stdin, then answer like task_output."""
     task = find_task(session, args["task_id"])
@@ -7401,7 +7461,8 @@ def tool_list_directory(session, args, ctx):
           "url": prop("string", "The http:// or https:// URL."),
           "timeout": prop("integer", "Seconds the whole fetch may take (default 10, max 120)."),
           "start_index": prop("integer", "Character offset to read on from (default 0)."),
-      }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), argument_error=workspace_argument_error)
+      }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), argument_error=workspace_argument_error,
+      lane="shell")
 def tool_web_fetch(session, args, ctx):
     """web_fetch: a page as light Markdown (or JSON or text), 5,000 characters at a time."""
     url, timeout = args["url"], args.get("timeout", 10)
@@ -7496,10 +7557,10 @@ def check_fields(prefix, schema, args, codes=None):
 class WorkerPool(object):
     """Threads that run tool calls so the reader never blocks, fair between sessions.
 
-    A call starts at once when its owner (a session) runs fewer than `per_session`
-    calls and the pool fewer than `max_workers`; a session with nothing running
-    always starts its call at once, so one busy session never delays another's next
-    call. Other calls wait in their owner's own queue, in order, and as calls end the
+    A call starts at once when its owner (a session's lane: its shell commands, or
+    its quick tools) runs fewer than `per_session` calls and the pool fewer than
+    `max_workers`; an owner with nothing running always starts its call at once, so
+    one busy session never delays another's next call, nor its own quick tools. Other calls wait in their owner's own queue, in order, and as calls end the
     owners take turns. A new thread starts whenever none is idle; idle threads
     retire after WORKER_IDLE_S."""
 
@@ -7750,6 +7811,9 @@ class McpServer(object):
                   " bounded and numbered.",
                   "Each bash call is a new shell: environment variables and aliases do not persist between"
                   " calls (the working directory does).",
+                  "A bash command still running after %s is handed off to the background, not killed: the call"
+                  " returns its output so far and a task_id to follow with task_output." % (
+                      "%g s (--handoff; yield_ms per call)" % cfg.handoff if cfg.handoff else "yield_ms"),
                   "Pipe long command output through tail, head or grep; the middle of a long output is"
                   " left out."]
         return "\n".join(lines)
@@ -7832,7 +7896,8 @@ class McpServer(object):
                     emit(response)
             finally:
                 session.end(rid, cancelled)     # after emit: a transport waiting on inflight sees the answer first
-        self.pool.submit(run, owner=session)
+        lane = tool.lane(args if isinstance(args, dict) else {}) if callable(tool.lane) else tool.lane
+        self.pool.submit(run, owner=(session, lane))
 
     @staticmethod
     def run_tool(tool, session, args, ctx):

@@ -2316,11 +2316,18 @@ class TestBash(NoViewBase):
         self.assertTrue(wait_until(lambda: not procs_with(s), 10))
 
     def test_timeout_cap_and_default(self):
-        self.assertEqual(boris.bash_timeout_ms({"timeout": 10 ** 9}, self.cfg), 600000)
-        self.assertEqual(boris.bash_timeout_ms({}, self.cfg), 120000)
-        cfg = boris.parse_config(["--workdir", self.root, "--timeout", "7"], {})
-        self.assertEqual(boris.bash_timeout_ms({}, cfg), 7000)
+        # A command handed off at once says the timeout that still ends it.
+        for cfg, args, ms in ((self.cfg, {"timeout": 10 ** 9}, 600000), (self.cfg, {}, 120000),
+                              (boris.parse_config(["--workdir", self.root, "--timeout", "7"], {}), {}, 7000)):
+            r = boris.McpServer.run_tool(self.server.tools["bash"], self.session,
+                                         dict(command="sleep 30", yield_ms=0, **args), ctx_of(cfg, self.policy))
+            text = r["content"][0]["text"]
+            self.assertFalse(r["isError"], text)
+            self.assertIn("Its timeout (%d ms from its start)" % ms, text)
+            task_id = re.search(r"task_[0-9a-f]+", text).group(0)
+            self.assertIn("status: stopped", self.ok("task_stop", task_id=task_id))
         self.fails("bash", "INVALID_INPUT", command="true", timeout=0)
+        self.fails("bash", "INVALID_INPUT", command="true", yield_ms=-1)
 
     def test_no_zombies_after_200_commands(self):
         for _ in range(200):
@@ -2470,6 +2477,110 @@ class TestBackgroundTasks(NoViewBase):
             text, err = self.call("bash", command="sleep %s" % s, run_in_background=True)
         self.assertTrue(err, text)
         self.assertTrue(wait_until(lambda: not procs_with(s), 10), "the task outlived its session")
+
+
+class TestHandOff(NoViewBase):
+    """A foreground command that outlives --handoff (or yield_ms) becomes a task of the
+    session: the call returns its output so far and the task id; nothing is killed."""
+    flags = NoViewBase.flags + ["--handoff", "1"]
+
+    def task_id(self, text):
+        m = re.search(r"background task (task_[0-9a-f]+)", text)
+        self.assertIsNotNone(m, text)
+        return m.group(1)
+
+    def test_a_long_command_is_handed_off_with_its_output_so_far(self):
+        started = time.monotonic()
+        text = self.ok("bash", command="echo started; sleep 3; echo done")
+        returned = time.monotonic() - started
+        self.assertLess(returned, 2.9, "the call waited for the command: %.2f s" % returned)
+        self.assertTrue(text.startswith("Still running after 1."), text)
+        self.assertIn("--- stdout ---\nstarted", text)
+        self.assertNotIn("done", text)
+        tid = self.task_id(text)
+        self.assertIn("task_output(task_id=%r" % tid, text)
+        final = self.ok("task_output", task_id=tid, wait_for="done")
+        if "status: running" in final:             # the match came before the exit
+            final += self.ok("task_output", task_id=tid, wait_ms=5000)
+        self.assertIn("done", final)
+        self.assertNotIn("started", final.split("--- stdout ---")[1])     # only what was not returned before
+        self.assertNotIn("__BORIS_CWD", final)      # the cwd sentinel never shows
+        self.assertIn("exit code: 0", final)
+
+    def test_yield_ms_hands_off_per_call(self):
+        cfg = boris.parse_config(["--workdir", self.root], {})       # --handoff 50 (the default)
+        self.assertEqual(cfg.handoff, 50.0)
+        r = boris.McpServer.run_tool(self.server.tools["bash"], self.session,
+                                     {"command": "echo early; sleep 3; echo late", "yield_ms": 500},
+                                     ctx_of(cfg, self.policy))
+        text = r["content"][0]["text"]
+        self.assertTrue(text.startswith("Still running after 0."), text)
+        self.assertIn("early", text)
+        final = self.ok("task_output", task_id=self.task_id(text), wait_ms=10000)
+        self.assertIn("status: completed; exit code: 0", final)
+        self.assertIn("late", final)
+
+    def test_a_command_that_ends_before_the_hand_off_returns_as_before(self):
+        text = self.ok("bash", command="cd /tmp && echo quick")
+        self.assertTrue(text.startswith("exit code: 0\ncwd: /tmp"), text)
+        self.assertIn("quick", text)
+        self.assertIn("No background tasks", self.ok("task_output"))
+        self.assertEqual(self.session.get_cwd(), "/tmp")
+
+    def test_the_commands_timeout_still_kills_a_handed_off_task(self):
+        s = unique_sleep()
+        text = self.ok("bash", command="echo begun; sleep %s" % s, timeout=2500)
+        tid = self.task_id(text)
+        self.assertTrue(procs_with(s))
+        final = self.ok("task_output", task_id=tid, wait_ms=15000)
+        self.assertIn("status: killed by its timeout (2500 ms)", final)
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
+
+    def test_a_cancel_before_the_hand_off_kills_the_command(self):
+        s = unique_sleep()
+        ev = threading.Event()
+        out = []
+        t = threading.Thread(target=lambda: out.append(boris.tool_bash(
+            self.session, {"command": "sleep %s" % s, "yield_ms": 60000}, ctx_of(self.cfg, self.policy, ev))))
+        t.start()
+        self.assertTrue(wait_until(lambda: procs_with(s), 10))
+        ev.set()
+        t.join(15)
+        self.assertIn("cancelled", out[0])
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
+        self.assertEqual(self.session.tasks, {})
+
+    def test_with_the_background_limit_full_the_command_stays_in_the_foreground(self):
+        s = unique_sleep()
+        for _ in range(boris.MAX_BACKGROUND_TASKS):
+            self.ok("bash", command="sleep %s" % s, run_in_background=True)
+        text = self.ok("bash", command="sleep 1.5; echo finished")
+        self.assertTrue(text.startswith("exit code: 0"), text)
+        self.assertIn("not handed off to the background at 1 s: %d background tasks are already running"
+                      % boris.MAX_BACKGROUND_TASKS, text)
+        self.assertIn("finished", text)
+
+    def test_closing_the_session_kills_a_handed_off_task(self):
+        s = unique_sleep()
+        self.task_id(self.ok("bash", command="sleep %s" % s))
+        self.assertTrue(procs_with(s))
+        self.session.close()
+        self.assertTrue(wait_until(lambda: not procs_with(s), 10))
+
+    def test_progress_stops_at_the_hand_off(self):
+        got = []
+        ctx = ctx_of(self.cfg, self.policy, progress=got.append)
+        text = boris.tool_bash(self.session, {"command": "for i in 1 2 3 4 5 6 7 8; do echo t$i; sleep 0.25;"
+                                                         " done"}, ctx)
+        seen = len(got)
+        final = self.ok("task_output", task_id=self.task_id(text), wait_ms=10000)
+        self.assertIn("t8", final)
+        self.assertEqual(len(got), seen, "progress was sent after the call returned")
+
+    def test_the_description_and_instructions_say_it(self):
+        self.assertIn("handed off", self.server.tools["bash"].description)
+        self.assertIn("1 s", self.server.tools["bash"].description)
+        self.assertIn("handed off", self.server.instructions())
 
 
 class TestBackgroundTimeout(Base):
@@ -5388,6 +5499,37 @@ class TestSessionsAreFairAndSeparate(unittest.TestCase):
         self.assertEqual(busy_answers, [], "a busy call ended before the quiet one was answered")
         self.assertLessEqual(len(sleeping()), boris.SESSION_MAX_RUNNING)
 
+    def test_quick_tools_never_queue_behind_the_sessions_own_commands(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-lanes-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        with open(os.path.join(tmp, "six.txt"), "w") as f:
+            f.write("hello\n")
+        cfg = boris.parse_config(["--workdir", tmp, "--require-view-before-edit", "false"], {})
+        server = boris.McpServer(cfg, boris.PathPolicy(workdir=tmp))
+        self.addCleanup(server.close)
+        session = boris.Session(cfg)
+        self.addCleanup(session.close)
+        mark, answers = unique_sleep(), []
+        for i in range(64):
+            server.dispatch({"jsonrpc": "2.0", "id": i, "method": "tools/call", "params": {
+                "name": "bash", "arguments": {"command": "sleep %s" % mark}}}, session, answers.append)
+        def sleeping():
+            return [pid for pid, (_, state, cmd) in proc_table().items()
+                    if mark in cmd and cmd.startswith("sleep") and state != "Z"]
+        self.assertTrue(wait_until(lambda: len(sleeping()) >= boris.SESSION_MAX_RUNNING, 20))
+        for name, args in (("view", {"path": "six.txt"}), ("grep", {"pattern": "hello"}),
+                           ("task_output", {}), ("glob", {"pattern": "*.txt"})):
+            got = []
+            answered = threading.Event()
+            started = time.monotonic()
+            server.dispatch({"jsonrpc": "2.0", "id": name, "method": "tools/call", "params": {
+                "name": name, "arguments": args}}, session, lambda m: (got.append(m), answered.set()))
+            self.assertTrue(answered.wait(15), "%s queued behind the session's commands" % name)
+            self.assertLess(time.monotonic() - started, 15)
+            self.assertFalse(got[0]["result"]["isError"], got[0])
+        self.assertEqual(answers, [], "a sleep ended before the quick calls were answered")
+        self.assertLessEqual(len(sleeping()), boris.SESSION_MAX_RUNNING)         # commands still capped
+
     def test_worker_pool_takes_turns_between_owners(self):
         pool = boris.WorkerPool(max_workers=2, per_session=2)
         gate, order = threading.Event(), []
@@ -6050,9 +6192,9 @@ class TestEnvironments(unittest.TestCase):
 
     def test_bash_description_names_sh_when_there_is_no_bash(self):
         with mock.patch.object(boris, "SHELL", "/bin/sh"):
-            self.assertIn("no /bin/bash: commands run under /bin/sh", boris.bash_description())
+            self.assertIn("no /bin/bash: commands run under /bin/sh", boris.bash_description(boris.parse_config([], {})))
         with mock.patch.object(boris, "SHELL", "/bin/bash"):
-            self.assertNotIn("/bin/sh", boris.bash_description())
+            self.assertNotIn("/bin/sh", boris.bash_description(boris.parse_config([], {})))
 
     def test_helpers_write_no_pycache_next_to_boris(self):
         tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-copy-"))
