@@ -5723,6 +5723,26 @@ class StdioBase(unittest.TestCase):
         self.assertEqual(self.c.bad, [], "stdout carried lines that are not strict JSON")
 
 
+class TestHandOffOverStdio(StdioBase):
+    """As a client with a 3 s tool timeout sees it: `python3 boris.py --handoff 2` answers
+    a 6 s command with its task id inside the timeout, then task_output gives the end."""
+    args = ["--handoff", "2"]
+
+    def test_the_client_gets_the_task_id_then_the_final_output(self):
+        first = self.c.call("bash", {"command": "echo building; sleep 6; echo BUILD OK"}, timeout=3)
+        text = first["content"][0]["text"]
+        self.assertIn("building", text)
+        tid = re.search(r"background task (task_[0-9a-f]+)", text).group(1)
+        final = ""
+        for _ in range(5):
+            final = self.c.call("task_output", {"task_id": tid, "wait_for": "BUILD OK", "wait_ms": 2500},
+                                timeout=3)["content"][0]["text"]
+            if "status: completed" in final:
+                break
+        self.assertIn("status: completed; exit code: 0", final)
+        self.assertIn("BUILD OK", final)
+
+
 class TestStdioProtocol(StdioBase):
     def test_garbage_gets_errors_and_server_keeps_answering(self):
         c = self.c
