@@ -2638,6 +2638,9 @@ def search_job(job, emit, raw=None, partners=None):
     if job["op"] == "match":
         emit(match_job(job))
         return
+    if job["op"] == "outline":
+        outline_job(job, emit)
+        return
     if partners is None:
         partners = Partners(warm=False)
     work = SEARCH_WORK[job["op"]](job)
@@ -3004,6 +3007,360 @@ def match_job(job):
         raise ToolError(INVALID_INPUT, "wait_for %r is not a valid regular expression: %s"
                         % (shorten(job["pattern"]), e))
     return [any(rx.search(line[:1000]) for line in job["text"].splitlines())]
+
+
+# -- the outline engine ---------------------------------------------------------------
+# outline's parsers, run in a search helper (where the deadline and a cancel can stop
+# them). Python through `ast` (exact ranges, decorators counted); other languages
+# through per-line patterns: a definition's range runs to its closing brace ("braces"),
+# to the line before the next line indented as deep or shallower ("indent"; Ruby's
+# `end` included), or to the next heading of its level or above ("heading"). Patterns
+# look at a line's first OUTLINE_LINE_CHARS characters only, and every pattern is
+# anchored and free of nested repeats, so a file costs time linear in its size.
+
+OUTLINE_LINE_CHARS = 400                   # of a line the definition patterns look at
+OUTLINE_SIGNATURE_CHARS = 120              # a definition's signature line, as shown
+
+OUTLINE_EXTENSIONS = {
+    "py": "python", "pyi": "python", "pyw": "python",
+    "js": "javascript", "mjs": "javascript", "cjs": "javascript", "jsx": "javascript",
+    "ts": "typescript", "tsx": "typescript", "mts": "typescript", "cts": "typescript",
+    "go": "go", "rs": "rust", "java": "java", "kt": "kotlin", "kts": "kotlin", "cs": "csharp",
+    "c": "c", "h": "c", "cc": "cpp", "cpp": "cpp", "cxx": "cpp", "hh": "cpp", "hpp": "cpp", "hxx": "cpp",
+    "rb": "ruby", "php": "php", "sh": "shell", "bash": "shell", "zsh": "shell",
+    "md": "markdown", "markdown": "markdown", "json": "json", "yaml": "yaml", "yml": "yaml", "toml": "toml",
+}
+OUTLINE_DATA = frozenset(("markdown", "json", "yaml", "toml"))      # not listed by a directory outline
+_MODS = r"(?:(?:export|default|declare|abstract|public|private|protected|internal|static|final|sealed|" \
+        r"partial|async|override|virtual|readonly|open|data|inner|enum|annotation|suspend|inline|" \
+        r"unsafe|extern|const|new|synchronized|native|strictfp|pub(?:\([\w:]+\))?)\s+)*"
+_NOT_CALLS = r"(?!(?:if|for|foreach|while|switch|catch|return|new|else|throw|do|sizeof|typeof|await|" \
+             r"delete|using|lock|fixed|when|with|function|super|this)\b)"
+_JS_MEMBER = (r"^\s+" + _MODS + r"(?:get\s+|set\s+|\*\s*)?#?" + _NOT_CALLS +
+              r"[A-Za-z_$][\w$]*\s*(?:<[^>()=]*>)?\s*\([^=]*$")
+_JAVA_MEMBER = (r"^\s+(?:@\w+\s+)*" + _MODS + r"(?:<[^>]*>\s+)?" + _NOT_CALLS +
+                r"[\w<>\[\],.?]+(?:\s+[\w<>\[\],.?]+)*\s+" + _NOT_CALLS + r"\w+\s*\([^=;]*(?:;?\s*|[{].*)$")
+# language -> (style, [(kind: 'class' (holds members), 'def', 'member' (only inside a
+# class), 'body' (a def that counts only with a body), regex)], comment start)
+OUTLINE_RULES = {
+    "python": ("indent", [("class", r"^\s*class\s+\w+"), ("def", r"^\s*(?:async\s+)?def\s+\w+")], "#"),
+    "javascript": ("braces", [
+        ("class", r"^\s*" + _MODS + r"class\s+[\w$]+"),
+        ("def", r"^\s*" + _MODS + r"function\b\s*\*?\s*[\w$]+\s*(?:<[^>]*>)?\s*\("),
+        ("def", r"^\s*" + _MODS + r"(?:const|let|var)\s+[\w$]+\s*(?::[^=]+)?=\s*(?:async\s+)?"
+                r"(?:function\b|(?:<[^>]*>\s*)?(?:\([^)]*\)|[\w$]+)\s*(?::\s*[^=]+)?=>)"),
+        ("class", r"^\s*" + _MODS + r"(?:interface|enum|namespace|module)\s+[\w$.]+"),
+        ("def", r"^\s*" + _MODS + r"type\s+[\w$]+\s*(?:<[^>]*>)?\s*="),
+        ("member", _JS_MEMBER)], "//"),
+    "typescript": None,                     # as javascript (below)
+    "go": ("braces", [("def", r"^func\s+(?:\([^)]*\)\s*)?\w+"), ("class", r"^type\s+\w+\s+(?:struct|interface)\b"),
+                      ("def", r"^type\s+\w+")], "//"),
+    "rust": ("braces", [
+        ("def", r"^\s*" + _MODS + r"(?:async\s+)?(?:const\s+)?(?:unsafe\s+)?(?:extern\s+\"[^\"]*\"\s+)?fn\s+\w+"),
+        ("class", r"^\s*" + _MODS + r"(?:struct|enum|trait|union|mod)\s+\w+"),
+        ("class", r"^\s*" + _MODS + r"impl\b")], "//"),
+    "java": ("braces", [("class", r"^\s*(?:@\w+(?:\([^)]*\))?\s+)*" + _MODS +
+                                  r"(?:class|interface|enum|record|@interface)\s+\w+"),
+                        ("member", _JAVA_MEMBER)], "//"),
+    "kotlin": ("braces", [("class", r"^\s*(?:@\w+\s+)*" + _MODS + r"(?:class|interface|object|enum\s+class)\s+\w+"),
+                          ("def", r"^\s*(?:@\w+\s+)*" + _MODS + r"fun\s+(?:<[^>]*>\s*)?[\w.]+\s*\(")], "//"),
+    "csharp": ("braces", [("class", r"^\s*(?:\[[^\]]*\]\s*)*" + _MODS +
+                                    r"(?:class|interface|struct|record|enum|namespace)\s+[\w.]+"),
+                          ("member", _JAVA_MEMBER)], "//"),
+    "c": ("braces", [("class", r"^\s*(?:typedef\s+)?(?:struct|union|enum)\s+\w+\s*\{?\s*$"),
+                     ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)(?:[A-Za-z_][\w \t\*]*?[ \t\*])?"
+                              r"[A-Za-z_]\w*\s*\([^;=]*$")], "//"),
+    "cpp": ("braces", [("class", r"^\s*(?:template\s*<[^>]*>\s*)?(?:class|struct|union|enum(?:\s+class)?)\s+\w+"
+                                 r"[^;]*$"),
+                       ("class", r"^\s*namespace\s+[\w:]+\s*\{?\s*$"),
+                       ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)(?:[A-Za-z_~][\w \t\*&:<>,~]*?"
+                                r"[ \t\*&>])?[A-Za-z_~][\w:~<>]*\s*\([^;=]*$")], "//"),
+    "ruby": ("indent", [("class", r"^\s*(?:class|module)\s+[\w:]+"), ("def", r"^\s*def\s+[\w.?!=]+")], "#"),
+    "php": ("braces", [("class", r"^\s*" + _MODS + r"(?:class|interface|trait|enum)\s+\w+"),
+                       ("def", r"^\s*" + _MODS + r"function\s+&?\w+")], "//"),
+    "shell": ("braces", [("def", r"^\s*(?:function\s+[\w.:-]+(?:\s*\(\s*\))?|[\w.:-]+\s*\(\s*\))\s*(?:\{.*)?$")], "#"),
+}
+
+
+OUTLINE_RULES["typescript"] = OUTLINE_RULES["javascript"]
+OUTLINE_RULES["cpp"] = (OUTLINE_RULES["cpp"][0], OUTLINE_RULES["cpp"][1], "//")
+
+
+def outline_language(name):
+    """The language outline reads a file of this name as, or None."""
+    ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
+    return OUTLINE_EXTENSIONS.get(ext)
+
+
+def outline_text(text, lang):
+    """(entries, note) of a file's text: entries [(first line, last line, depth,
+    signature)] in order; note says how it was read when not as the language's own
+    parser would (a Python file that does not parse falls back to the patterns)."""
+    if lang == "python":
+        try:
+            return outline_python(text), ""
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+            note = "it does not parse as Python (%s), so definitions were found by pattern" % (
+                "line %s: %s" % (e.lineno, e.msg) if isinstance(e, SyntaxError) else type(e).__name__)
+            return outline_patterns(text.split("\n"), lang), note
+    if lang == "markdown":
+        return outline_headings(text.split("\n")), ""
+    if lang in ("json", "yaml", "toml"):
+        return outline_keys(text, lang), ""
+    return outline_patterns(text.split("\n"), lang), ""
+
+
+def signature(lines, k):
+    """Line k (from 0) as a signature: its text stripped, joined with the lines that
+    continue an unclosed parenthesis (a multi-line signature), cut at
+    OUTLINE_SIGNATURE_CHARS."""
+    text, j = lines[k].strip(), k
+    while text.count("(") > text.count(")") and j + 1 < len(lines) and j < k + 8 and lines[j + 1].strip():
+        j += 1
+        text += " " + lines[j].strip()
+    if j > k and text.count("(") > text.count(")"):
+        text = lines[k].strip()                 # no closing parenthesis near: the line alone
+    elif j > k:
+        text = re.sub(r"\(\s+", "(", re.sub(r",?\s+\)", ")", text))
+    return text if len(text) <= OUTLINE_SIGNATURE_CHARS else text[:OUTLINE_SIGNATURE_CHARS - 3] + "..."
+
+
+def outline_python(text):
+    """Python's definitions through ast: every def, async def and class at any depth
+    (inside if, try, with and match blocks too), decorators in the range."""
+    import ast
+    tree = ast.parse(text)
+    lines = text.split("\n")
+    out, stack = [], [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        kids = [c for c in ast.iter_child_nodes(node) if isinstance(c, (ast.stmt, ast.excepthandler))
+                or type(c).__name__ == "match_case"]
+        for child in reversed(kids):
+            is_def = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            if is_def:
+                start = min([d.lineno for d in child.decorator_list] + [child.lineno])
+                out.append((start, child.end_lineno, depth, signature(lines, child.lineno - 1)))
+            stack.append((child, depth + 1 if is_def else depth))
+    out.sort(key=lambda e: (e[0], e[2]))
+    return out
+
+
+def outline_patterns(lines, lang):
+    """The definitions the language's patterns find, nested by braces or indentation."""
+    style, rules, comment = OUTLINE_RULES[lang]
+    rules = [(kind, re.compile(rx)) for kind, rx in rules]
+    if style == "indent":
+        return outline_indented(lines, lang, rules, comment)
+    out, stack = [], []          # stack: [entry index, brace depth at its line, kind, opened, open parens, last]
+    depth, in_block = 0, False
+    for i, raw in enumerate(lines):
+        was_in_block = in_block
+        code, in_block = code_of(raw, in_block, comment)
+        while stack and not stack[-1][3] and stack[-1][4] <= 0 and not code.lstrip().startswith("{"):
+            k, _, kind, _, _, last = stack.pop()  # a declaration without a body ends before this line
+            if kind == "body":
+                out[k] = None
+            else:
+                out[k][1] = last + 1
+        kind = None if was_in_block and not code.strip() else outline_kind(rules, raw[:OUTLINE_LINE_CHARS], stack)
+        if kind:
+            start, sig = i, signature(lines, i)
+            while start and re.match(r"^\s*(?:@|#\[)", lines[start - 1]):
+                start -= 1                      # decorators, annotations and attributes belong to it
+            if kind == "body" and i and re.match(r"^[A-Za-z_][\w \t\*]*$", lines[i - 1]):
+                start, sig = i - 1, lines[i - 1].strip() + " " + sig      # C's return type on its own line
+            out.append([start + 1, i + 1, sum(1 for s in stack if out[s[0]] is not None), sig])
+            stack.append([len(out) - 1, depth, kind, False, 0, i])
+        peak = depth
+        for ch in re.sub(r"[^{}]", "", code):
+            depth += 1 if ch == "{" else -1
+            peak = max(peak, depth)
+        depth = max(depth, 0)
+        for entry in stack:
+            if not entry[3]:
+                entry[4] += code.count("(") - code.count(")")
+                entry[5] = i
+        while stack:
+            k, base, kind, opened, parens, last = stack[-1]
+            if not opened and peak > base:
+                stack[-1][3] = opened = True
+            if opened and depth <= base:
+                out[k][1] = i + 1
+                stack.pop()
+            elif not opened and parens <= 0 and code.rstrip().endswith(";"):
+                stack.pop()                     # a declaration ending here
+                if kind == "body":
+                    out[k] = None
+                else:
+                    out[k][1] = i + 1
+            else:
+                break
+    for k, _, kind, opened, _, last in stack:   # open at the end of the file
+        if out[k] is not None:
+            out[k][1] = len(lines) if opened else last + 1
+        if kind == "body" and not opened:
+            out[k] = None
+    return [tuple(e) for e in out if e is not None]
+
+
+def outline_indented(lines, lang, rules, comment):
+    """outline_patterns for indented languages: a definition runs to its last line
+    indented deeper than itself (Ruby: to its `end`)."""
+    out, stack = [], []                         # stack: [entry index, indent, kind]
+    for i, raw in enumerate(lines):
+        head = raw[:OUTLINE_LINE_CHARS]
+        text = head.strip()
+        if not text or text.startswith(comment):
+            continue
+        indent = len(head) - len(head.lstrip())
+        ended = False
+        while stack and indent <= stack[-1][1]:
+            k, own, _ = stack.pop()
+            if lang == "ruby" and indent == own and re.match(r"end\b", text):
+                out[k][1] = i + 1               # its `end` belongs to it
+                ended = True
+                break
+        if ended:
+            continue
+        kind = outline_kind(rules, head, stack)
+        if kind:
+            start = i
+            while start and lines[start - 1].strip().startswith("@"):
+                start -= 1                      # decorators belong to the definition
+            out.append([start + 1, i + 1, len(stack), signature(lines, i)])
+            stack.append([len(out) - 1, indent, kind])
+        for k, _, _ in stack:
+            out[k][1] = i + 1
+    return [tuple(e) for e in out]
+
+
+def outline_kind(rules, head, stack):
+    """The kind of definition `head` starts ('class', 'def', 'body'), or None; a
+    'member' pattern only counts inside a class-like definition that is open."""
+    inside_class = bool(stack) and stack[-1][2] == "class"
+    for kind, rx in rules:
+        if (kind != "member" or inside_class) and rx.match(head):
+            return "def" if kind == "member" else kind
+    return None
+
+
+_CODE_TOKENS = re.compile(r"\"(?:[^\"\\]|\\.)*\"?|'(?:[^'\\]|\\.)*'?|`[^`]*`?|//|/\*")
+
+
+def code_of(line, in_block, comment):
+    """A line's code for counting braces: strings, character literals and comments
+    removed; (code, whether a block comment is still open after it)."""
+    if comment == "#":
+        return re.sub(r"\"(?:[^\"\\]|\\.)*\"|'[^']*'|#.*", "", line), False
+    out, i = [], 0
+    while i < len(line):
+        if in_block:
+            j = line.find("*/", i)
+            if j < 0:
+                return "".join(out), True
+            in_block, i = False, j + 2
+            continue
+        m = _CODE_TOKENS.search(line, i)
+        if m is None:
+            out.append(line[i:])
+            break
+        out.append(line[i:m.start()])
+        if m.group(0) == "//":
+            break
+        if m.group(0) == "/*":
+            in_block = True
+        i = m.end()
+    return "".join(out), in_block
+
+
+def outline_headings(lines):
+    """Markdown's headings (# style, outside fenced code), each to the line before the
+    next heading of its level or above."""
+    out, fenced = [], False
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        m = None if fenced else re.match(r"^(#{1,6})\s+(\S.*)$", line[:OUTLINE_LINE_CHARS])
+        if m:
+            out.append([i + 1, len(lines), len(m.group(1)), signature(lines, i)])
+    for k, e in enumerate(out):
+        nxt = next((f[0] for f in out[k + 1:] if f[2] <= e[2]), None)
+        e[1] = nxt - 1 if nxt else len(lines) - (1 if lines and lines[-1] == "" else 0)
+    top = min((e[2] for e in out), default=1)
+    return [(a, b, level - top, text) for a, b, level, text in out]
+
+
+def outline_keys(text, lang):
+    """The keys of a JSON, YAML or TOML file's top-level object (TOML's tables too),
+    each to the line before the next."""
+    lines = text.split("\n")
+    if lang == "json":
+        first = next((len(l) - len(l.lstrip()) for l in lines[1:] if l.strip().startswith('"')), None)
+        rx = re.compile(r'^\s{%d}"((?:[^"\\]|\\.)*)"\s*:' % (first or 0)) if first is not None else None
+        if rx is None or len(lines) < 3:        # one line: the keys, all on it
+            try:
+                keys = list(json.loads(text)) if text.lstrip().startswith("{") else []
+            except ValueError:
+                keys = []
+            return [(1, 1, 0, '"%s"' % k) for k in keys[:1000]]
+    else:
+        rx = re.compile(r"^([A-Za-z_\"'][^:#=]*?):(?:\s|$)" if lang == "yaml" else
+                        r"^(\[\[?[^\]]+\]\]?|[A-Za-z0-9_\"'][\w.\"' -]*?)\s*(?:=|$)")
+    out = [[i + 1, len(lines), 0, signature(lines, i)] for i, line in enumerate(lines)
+           if rx.match(line[:OUTLINE_LINE_CHARS]) and line.strip()]
+    for k, e in enumerate(out):
+        end = out[k + 1][0] - 1 if k + 1 < len(out) else len(lines)
+        while end > e[0] and (not lines[end - 1].strip() or lang == "json" and k + 1 == len(out)
+                              and lines[end - 1].strip() == "}"):
+            end -= 1                            # (and the closing brace of a JSON object)
+        e[1] = end
+    return [tuple(e) for e in out]
+
+
+def outline_job(job, emit):
+    """outline in a helper: for a file root, [[None, language, entries, note, lines]];
+    for a directory, the same for each source file under it (gitignore-aware, as grep
+    walks), its top-level definitions only, in batches as the walk finds them. A file
+    over job['max_size'] or not text is listed with a note instead."""
+    policy = PathPolicy(**job["policy"])
+    real, is_dir, _ = job["root"]
+    if not is_dir:
+        emit([outline_file(real, None, job["max_size"], top=False)])
+        return
+    batch = []
+    walker = Walker(real, policy, follow_links=False,
+                    name_ok=lambda name: outline_language(name) not in (None,) + tuple(OUTLINE_DATA))
+    for path, file_real, _, _ in walker:
+        batch.append(outline_file(file_real, path[len(real) + 1 if real != "/" else 1:], job["max_size"], top=True))
+        if len(batch) >= 50:
+            emit(batch)
+            batch = []
+    if batch:
+        emit(batch)
+
+
+def outline_file(real, rel, max_size, top):
+    """[rel, language, entries, note, line count] of one file (entries at depth 0
+    only when `top`)."""
+    lang = outline_language(os.path.basename(real))
+    try:
+        fd, st = open_regular(real, real)
+        try:
+            if st.st_size > max_size:
+                return [rel, lang, [], "%s, over --max-file-size: not read" % human_size(st.st_size), 0]
+            data = read_fd(fd, max_size, real)
+        finally:
+            os.close(fd)
+    except (ToolError, OSError) as e:
+        return [rel, lang, [], "not read: %s" % (e.message if isinstance(e, ToolError) else e.strerror), 0]
+    if b"\x00" in data[:8192]:
+        return [rel, lang, [], "binary: not read", 0]
+    text = data.decode("utf-8", "replace").replace("\r\n", "\n")
+    entries, note = outline_text(text, lang)
+    if top:
+        entries = [e for e in entries if e[2] == 0]
+    return [rel, lang, entries, note, text.count("\n") + (0 if text.endswith("\n") or not text else 1)]
 
 
 class HelperPool(object):
@@ -4976,7 +5333,8 @@ def numbered(reader, vr, shown, cap):
         if vr is None and len(lines) == VIEW_MAX_LINES:
             total = n + reader.count_rest()
             return read_on(number_lines(lines, 1), "[Truncated: file has %d lines. Use view_range to read specific"
-                           " sections (e.g. [%d, %d]); lines 1-%d are shown.]" % (
+                           " sections (e.g. [%d, %d]); lines 1-%d are shown. outline lists its definitions with"
+                           " their line ranges.]" % (
                                total, VIEW_MAX_LINES + 1, min(total, 2 * VIEW_MAX_LINES), VIEW_MAX_LINES))
         line = display_line(raw, more)
         size += len(line) + 8
@@ -5118,6 +5476,90 @@ def list_tree(root, policy, shown):
         note = "\n[listing cut at %d entries; view a subdirectory to see more]" % LISTING_MAX_ENTRIES
     header = "%s/ (%d levels deep; .git and node_modules left out)" % (root.rstrip("/"), LISTING_DEPTH)
     return header + "\n" + ("\n".join(out) if out else "(empty directory)") + note
+
+
+###############################################################################
+# Tools: outline ##############################################################
+###############################################################################
+# outline: a file's definitions with line ranges, or each source file's top-level ones
+# under a directory, parsed in a search helper (the outline engine, in Search) where
+# the search deadline and a cancel stop it.
+
+OUTLINE_DESC = ("Show a file's structure before reading it: its definitions (classes, functions, methods, "
+                "types; Markdown headings; the top-level keys of JSON, YAML and TOML) in order, one per line, "
+                "with their line ranges and nesting. On a directory: the top-level definitions of each source "
+                "file under it (gitignore-aware), to map a repository in a call or two. Then read one with view "
+                "and view_range [first, last]. Languages: %s.")
+
+
+def outline_languages():
+    """The languages outline reads, as a sentence's list."""
+    return ", ".join(sorted(set(OUTLINE_EXTENSIONS.values())))
+
+
+@tool("outline", OUTLINE_DESC % outline_languages(), obj({
+    "path": PATH_PROP,
+    "offset": prop("integer", "Definitions (of a file) or files (of a directory) to skip: the read-on notice of"
+                              " a cut outline gives it."),
+}, ["path"]), notes("Outline a file or directory", read_only=True, idempotent=True))
+def tool_outline(session, args, ctx):
+    """outline: the definitions of a file, or the top-level ones of each source file
+    under a directory, bounded by the result cap with a read-on notice."""
+    shown, offset = args["path"], args.get("offset") or 0
+    if offset < 0:
+        raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
+    root = search_root(session, ctx, shown)
+    if not root[1] and outline_language(os.path.basename(root[0])) is None:
+        raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension: %s); view or grep"
+                        " it instead" % (shown, outline_languages()))
+    items, why = ctx.helpers.run({"op": "outline", "root": root, "policy": policy_spec(ctx.policy),
+                                  "max_size": ctx.config.max_file_size}, ctx.cancelled)
+    cap, parts, size = search_cap(ctx), [], 0
+    if not root[1]:
+        if not items:
+            raise ToolError(IO_ERROR,
+                            "the outline of %s was %s before it was done" % (
+                                shown, "stopped after %g s" % SEARCH_TIMEOUT_S if why == "deadline" else "cancelled"))
+        _, lang, entries, note, total = items[0]
+        if note.startswith(("binary", "not read")) or "over --max-file-size" in note:
+            raise ToolError(FILE_TOO_LARGE if "max-file-size" in note else INVALID_INPUT, "%s: %s" % (shown, note))
+        parts.append("%s: %s, %d lines, %d definitions%s" % (shown, lang, total, len(entries),
+                                                             " (%s)" % note if note else ""))
+        width = len(str(max(total, 1)))
+        for k, (a, b, depth, text) in enumerate(entries[offset:], offset):
+            line = "%s  %s%s" % (("%d-%d" % (a, b)).rjust(2 * width + 1), "  " * depth, text)
+            if size + len(line) > cap - 400:
+                return read_on("\n".join(parts), "[outline cut at definition %d of %d; read on with offset=%d]"
+                               % (k, len(entries), k))
+            parts.append(line)
+            size += len(line) + 1
+        if not entries:
+            parts.append("(no definitions found)")
+        example = entries[0] if entries else None
+        parts.append("Read a definition with view and view_range [first, last]%s." % (
+            ", e.g. view_range [%d, %d]" % tuple(example[:2]) if example else ""))
+        return "\n".join(parts)
+    items.sort(key=lambda item: item[0])
+    if offset > len(items):
+        raise ToolError(INVALID_INPUT, "offset %d is past the %d source files outlined under %s" % (
+            offset, len(items), shown))
+    for k, (rel, lang, entries, note, total) in enumerate(items[offset:], offset):
+        width = len(str(max(total, 1)))
+        block = ["%s (%s, %d lines)%s" % (rel, lang, total, ": " + note if note else "")]
+        block += ["%s  %s" % (("%d-%d" % (a, b)).rjust(2 * width + 1), text) for a, b, _, text in entries]
+        text = "\n".join(block)
+        if parts and size + len(text) > cap - 400:
+            return read_on("\n".join(parts), "[outline cut after %d of %d files; read on with offset=%d]"
+                           % (k, len(items), k))
+        parts.append(text)
+        size += len(text) + 1
+    if not items:
+        parts.append("No source files under %s (outline reads %s)" % (shown, outline_languages()))
+    if why:
+        parts.append(partial_notice(why))
+    parts.append("Each file's top-level definitions; outline a file for all of them, and read one with view and"
+                 " view_range [first, last].")
+    return "\n".join(parts)
 
 
 ###############################################################################

@@ -4484,6 +4484,190 @@ class TestChangedFiles(NoViewBase):
         self.assertTrue(err and text.startswith("错误：文件在上次读取后已被修改"), text)
 
 
+# ---------------------------------------------------------------------------
+# Tools: outline
+# ---------------------------------------------------------------------------
+
+OUTLINE_SAMPLES = {      # file -> (text, [(first line, last line, depth)] checked by hand)
+    'A.java': ('package x;\n\nimport java.util.List;\n\n@Entity\npublic class Account<T> extends Base {\n    private final List<String> names = new ArrayList<>();\n\n    public Account(String id) {\n        super(id);\n    }\n\n    @Override\n    public synchronized List<String> names(int limit) throws IOException {\n        for (String n : names) {\n            if (n.isEmpty()) { continue; }\n        }\n        return names;\n    }\n\n    interface Listener {\n        void changed(Account a);\n    }\n\n    public record Pair(int a, int b) {}\n}\n',
+        [(5, 26, 0), (9, 11, 1), (13, 19, 1), (21, 23, 1), (22, 22, 2), (25, 25, 1)]),
+    'a.c': ('#include <stdio.h>\n\nstruct point {\n\tint x, y;\n};\n\nstatic int helper(int a);\n\n/* a comment with { brace */\nstatic int\nhelper(int a)\n{\n\tif (a) {\n\t\treturn 1;\n\t}\n\treturn 0;\n}\n\nint main(int argc,\n\t char **argv)\n{\n\tprintf("}");\n\treturn helper(argc);\n}\n\nEXPORT_SYMBOL(helper);\n',
+        [(3, 5, 0), (10, 17, 0), (19, 24, 0)]),
+    'a.cpp': ('namespace geo {\n\ntemplate <typename T>\nclass Vec {\npublic:\n    T norm() const;\n};\n\ntemplate <typename T>\nT Vec<T>::norm() const {\n    return T();\n}\n\n}  // namespace geo\n\nint main() {\n    return 0;\n}\n',
+        [(1, 14, 0), (4, 7, 1), (10, 12, 1), (16, 18, 0)]),
+    'a.cs': ('namespace Demo.App\n{\n    public class Widget : IWidget\n    {\n        public int Size { get; set; }\n\n        public Widget(int size)\n        {\n            Size = size;\n        }\n\n        public async Task<int> RenderAsync(string name)\n        {\n            if (name == null)\n            {\n                throw new ArgumentNullException(nameof(name));\n            }\n            return await Task.FromResult(1);\n        }\n    }\n}\n',
+        [(1, 21, 0), (3, 20, 1), (7, 10, 2), (12, 19, 2)]),
+    'a.go': ('package main\n\nimport "fmt"\n\ntype Server struct {\n\tname string\n}\n\ntype ID int\n\nfunc (s *Server) Start(port int) error {\n\tif port == 0 {\n\t\treturn fmt.Errorf("no port")\n\t}\n\treturn nil\n}\n\nfunc main() {\n\ts := &Server{name: "x"}\n\ts.Start(8080)\n}\n',
+        [(5, 7, 0), (9, 9, 0), (11, 16, 0), (18, 21, 0)]),
+    'a.json': ('{\n  "name": "x",\n  "scripts": {\n    "test": "y"\n  },\n  "version": "1"\n}\n',
+        [(2, 2, 0), (3, 5, 0), (6, 6, 0)]),
+    'a.kt': ('package demo\n\ndata class User(val name: String)\n\nobject Registry {\n    fun add(user: User): Boolean {\n        return true\n    }\n}\n\nsuspend fun <T> fetch(url: String): T {\n    TODO()\n}\n',
+        [(3, 3, 0), (5, 9, 0), (6, 8, 1), (11, 13, 0)]),
+    'a.md': ('# Title\n\ntext\n\n## Install\n\n```\n# not a heading\n```\n\n### Linux\n\n## Usage\n',
+        [(1, 13, 0), (5, 12, 1), (11, 12, 2), (13, 13, 1)]),
+    'a.php': ('<?php\nnamespace App;\n\nclass User {\n    public function __construct(private string $name) {\n    }\n\n    public static function find(int $id): ?User {\n        return null;\n    }\n}\n\nfunction helper() {\n    return 1;\n}\n',
+        [(4, 11, 0), (5, 6, 1), (8, 10, 1), (13, 15, 0)]),
+    'a.py': ('import functools\n\n\n@functools.lru_cache(maxsize=None)\ndef cached(x):\n    return x\n\n\nclass Outer:\n    """Doc."""\n\n    class Inner:\n        def method(self):\n            def local():\n                return 1\n            return local()\n\n    @property\n    def name(self):\n        return "x"\n\n    async def fetch(\n        self,\n        url: str,\n        retries: int = 3,\n    ) -> bytes:\n        return b""\n\n\nif True:\n    def conditional():\n        pass\n\ntry:\n    import json\nexcept ImportError:\n    def fallback():\n        return None\n',
+        [(4, 6, 0), (9, 27, 0), (12, 16, 1), (13, 16, 2), (14, 15, 3), (18, 20, 1), (22, 27, 1), (31, 32, 0), (37, 38, 0)]),
+    'a.rb': ('module Shop\n  class Cart\n    def initialize(items)\n      @items = items\n    end\n\n    def total\n      @items.sum do |i|\n        i.price\n      end\n    end\n  end\nend\n\ndef top_level\n  1\nend\n',
+        [(1, 13, 0), (2, 12, 1), (3, 5, 2), (7, 11, 2), (15, 17, 0)]),
+    'a.rs': ('use std::fmt;\n\n#[derive(Debug)]\npub struct Point<T> {\n    x: T,\n}\n\npub enum Shape { Circle, Square }\n\npub trait Area {\n    fn area(&self) -> f64;\n}\n\nimpl<T: fmt::Display> fmt::Display for Point<T> {\n    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {\n        write!(f, "{}", self.x)\n    }\n}\n\nmod inner {\n    pub async fn go() {}\n}\n\npub(crate) fn helper(a: i32,\n                     b: i32) -> i32 {\n    a + b\n}\n',
+        [(3, 6, 0), (8, 8, 0), (10, 12, 0), (11, 11, 1), (14, 18, 0), (15, 17, 1), (20, 22, 0), (21, 21, 1), (24, 27, 0)]),
+    'a.sh': ('#!/bin/bash\nset -e\n\nbuild() {\n  echo "building {"\n}\n\nfunction deploy {\n  build\n}\n\ndeploy\n',
+        [(4, 6, 0), (8, 10, 0)]),
+    'a.toml': ('title = "x"\n\n[owner]\nname = "y"\n\n[[servers]]\nip = "1"\n',
+        [(1, 1, 0), (3, 3, 0), (4, 4, 0), (6, 6, 0), (7, 7, 0)]),
+    'a.ts': ('import { x } from "y";\n\nexport interface Shape {\n  area(): number;\n  name: string;\n}\n\nexport type Point = { x: number; y: number };\n\n@Component({ selector: "app" })\nexport class Circle<T> implements Shape {\n  private r: number;\n\n  constructor(r: number) {\n    this.r = r;\n  }\n\n  area(): number {\n    if (this.r > 0) {\n      return Math.PI * this.r ** 2;\n    }\n    return 0;\n  }\n\n  static async load(\n    url: string,\n    retries = 3,\n  ): Promise<Circle<number>> {\n    const res = await fetch(url);\n    return new Circle(1);\n  }\n}\n\nexport const handler = async (event: Event): Promise<void> => {\n  console.log("{ not a brace }");\n};\n\nexport default function main() {\n  return handler;\n}\n\nenum Color { Red, Green }\n',
+        [(3, 6, 0), (4, 4, 1), (8, 8, 0), (10, 32, 0), (14, 16, 1), (18, 23, 1), (25, 31, 1), (34, 36, 0), (38, 40, 0), (42, 42, 0)]),
+    'a.yaml': ('name: ci\non:\n  push: {}\njobs:\n  build:\n    runs-on: x\n',
+        [(1, 1, 0), (2, 3, 0), (4, 6, 0)]),
+    'bad.py': ('class A:\n    def f(self):\n        return 1\n\n    def g(self\n        pass\n\ndef h():\n    return 2\n',
+        [(1, 6, 0), (2, 3, 1), (5, 6, 1), (8, 9, 0)]),
+}
+
+
+class TestOutline(NoViewBase):
+    def outline(self, path, **args):
+        return self.ok("outline", path=path, **args)
+
+    def test_every_language_on_real_looking_files(self):
+        for name, (text, want) in sorted(OUTLINE_SAMPLES.items()):
+            self.write("langs/" + name, text)
+            got = self.outline("langs/" + name)
+            lines = text.split("\n")
+            rows = [l for l in got.split("\n")[1:] if re.match(r"^ *\d+-\d+  ", l)]
+            ranges = [(int(m.group(1)), int(m.group(2)), (len(m.group(3)) - 0) // 2)
+                      for m in (re.match(r"^ *(\d+)-(\d+)  ( *)\S", l) for l in rows)]
+            self.assertEqual(ranges, want, "%s:\n%s" % (name, got))
+            for row, (a, b, _) in zip(rows, ranges):              # the signature is the file's own text
+                sig = re.match(r"^ *\d+-\d+  (.*)$", row).group(1).strip()[:40]
+                self.assertTrue(any(sig.split(" ")[0] in lines[k] for k in range(a - 1, b)), (name, row))
+            self.assertIn("view_range [%d, %d]" % want[0][:2], got)
+
+    def test_python_ranges_count_decorators_and_nesting(self):
+        text, want = OUTLINE_SAMPLES["a.py"]
+        self.write("p.py", text)
+        got = self.outline("p.py")
+        self.assertIn("  4-6  def cached(x):", got)                   # the decorator's line counts
+        self.assertIn("22-27    async def fetch(self, url: str, retries: int = 3) -> bytes:", got)
+        self.assertIn("14-15        def local():", got)
+        self.assertTrue(got.startswith("p.py: python, 38 lines, 9 definitions\n"), got)
+
+    def test_a_python_file_that_does_not_parse_falls_back_and_says_so(self):
+        text, want = OUTLINE_SAMPLES["bad.py"]
+        self.write("bad.py", text)
+        got = self.outline("bad.py")
+        self.assertIn("does not parse as Python (line 5", got)
+        self.assertIn("found by pattern", got)
+        self.assertIn("8-9  def h():", got)
+
+    def test_an_unknown_language_is_refused_naming_the_known_ones(self):
+        self.write("notes.xyz", "def f():\n  pass\n")
+        text = self.fails("outline", "INVALID_INPUT", path="notes.xyz")
+        for lang in ("python", "typescript", "rust", "markdown", "toml"):
+            self.assertIn(lang, text)
+        self.write("blob.py", b"\x00\x01" * 100)
+        self.assertIn("binary", self.fails("outline", "INVALID_INPUT", path="blob.py"))
+
+    def test_a_file_over_the_size_limit_is_refused(self):
+        cfg = boris.parse_config(["--workdir", self.root, "--max-file-size", "1KB"], {})
+        self.write("big.py", "x = 1\n" * 1000)
+        r = boris.McpServer.run_tool(self.server.tools["outline"], self.session, {"path": "big.py"},
+                                     ctx_of(cfg, self.policy))
+        self.assertTrue(r["content"][0]["text"].startswith("[FILE_TOO_LARGE] big.py"), r)
+
+    def test_hostile_python_cannot_crash_or_freeze_it(self):
+        for name, text in (("deep.py", "x = " + "(" * 5000 + ")" * 5000 + "\n"),
+                           ("nest.py", "".join("    " * k + "if x:\n" for k in range(150)) + "    " * 150 + "pass\n"),
+                           ("long.py", "def f(" + "a, " * 50000 + "b): pass\n"),
+                           ("brace.c", "{" * 100000 + "\nint main(void) {\n}\n")):
+            self.write(name, text)
+            got = self.outline(name)
+            self.assertTrue(got.startswith(name + ":"), got[:200])
+
+    def test_it_parses_in_a_helper_never_in_the_server(self):
+        self.write("s.py", "def f():\n    pass\n")
+
+        def refuse(*a, **k):
+            raise AssertionError("a file was parsed in the server process")
+        with mock.patch.object(boris, "outline_text", refuse):
+            self.assertIn("1-2  def f():", self.outline("s.py"))
+
+    def test_a_directory_lists_each_source_files_top_level_definitions(self):
+        for name, (text, _) in OUTLINE_SAMPLES.items():
+            self.write("repo/src/" + name, text)
+        self.write("repo/.gitignore", "build/\n")
+        self.write("repo/build/gen.py", "def generated():\n    pass\n")
+        os.makedirs(self.path("repo/.git"))
+        got = self.outline("repo")
+        self.assertIn("src/a.py (python, 38 lines)\n  4-6  def cached(x):\n 9-27  class Outer:\n31-32  def conditional():", got)
+        self.assertNotIn("def method", got)                              # top level only
+        self.assertNotIn("generated", got)                               # gitignored
+        self.assertNotIn("a.md", got)                                    # data and docs are not listed
+        self.assertIn("src/a.go (go, 21 lines)", got)
+        self.assertTrue(got.rstrip().endswith("view_range [first, last]."), got[-200:])
+
+    def test_a_big_directory_outline_is_cut_with_an_offset_that_reads_on(self):
+        for i in range(40):
+            self.write("many/m%02d.py" % i, "".join("def function_number_%d_%d(argument):\n    pass\n" % (i, k)
+                                                     for k in range(20)))
+        cfg = boris.parse_config(["--workdir", self.root, "--max-result-chars", "4000"], {})
+        ctx = ctx_of(cfg, self.policy)
+        seen, offset = [], 0
+        for _ in range(100):
+            r = boris.McpServer.run_tool(self.server.tools["outline"], self.session,
+                                         {"path": "many", "offset": offset}, ctx)
+            text = r["content"][0]["text"]
+            self.assertLessEqual(len(text), 4000)
+            seen += re.findall(r"^(m\d\d\.py) ", text, re.M)
+            m = re.search(r"read on with offset=(\d+)", text)
+            if not m:
+                break
+            offset = int(m.group(1))
+        self.assertEqual(seen, ["m%02d.py" % i for i in range(40)])
+
+    def test_view_truncation_names_outline(self):
+        self.write("long.txt", "line\n" * 2500)
+        self.assertIn("outline lists its definitions", self.ok("view", path="long.txt"))
+
+    def test_both_modes_list_it_and_it_can_be_disabled(self):
+        for flags in ([], ["--anthropic-compat"]):
+            cfg = boris.parse_config(["--workdir", self.root] + flags, {})
+            self.assertIn("outline", boris.build_tools(cfg))
+            cfg = boris.parse_config(["--workdir", self.root, "--disable-tools", "outline"] + flags, {})
+            self.assertNotIn("outline", boris.build_tools(cfg))
+
+    def test_the_tool_list_stays_under_22000_characters(self):
+        for flags in ([], ["--anthropic-compat"]):
+            cfg = boris.parse_config(["--workdir", self.root] + flags, {})
+            size = len(json.dumps([t.listing() for t in boris.build_tools(cfg).values()]))
+            self.assertLess(size, 22000, flags)
+
+    def test_cpython_lib_agrees_with_ast_walked_independently(self):
+        import ast
+        import sysconfig
+        lib = sysconfig.get_paths()["stdlib"]
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(lib) for f in fs
+                       if f.endswith(".py") and "test" not in d and "site-packages" not in d)
+        random.Random(7).shuffle(files)
+        checked = 0
+        for path in files[:120]:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+                tree = ast.parse(text)
+            except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            want = sorted((min([d.lineno for d in n.decorator_list] + [n.lineno]), n.end_lineno)
+                          for n in ast.walk(tree)
+                          if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+            got, note = boris.outline_text(text, "python")
+            self.assertEqual(note, "", path)
+            self.assertEqual(sorted((a, b) for a, b, _, _ in got), want, path)
+            checked += 1
+        self.assertGreater(checked, 50)
+
+
 class TestImages(NoViewBase):
     def png(self, w, h):
         import struct
