@@ -3172,9 +3172,14 @@ def outline_patterns(lines, lang):
                 start, sig = i - 1, lines[i - 1].strip() + " " + sig      # C's return type on its own line
             out.append([start + 1, i + 1, sum(1 for s in stack if out[s[0]] is not None), sig])
             stack.append([len(out) - 1, depth, kind, False, 0, i])
-        peak = depth
-        for ch in re.sub(r"[^{}]", "", code):
-            depth += 1 if ch == "{" else -1
+        peak, opens, closes = depth, code.count("{"), code.count("}")
+        if opens and closes:
+            for ch in code:
+                if ch in "{}":
+                    depth += 1 if ch == "{" else -1
+                    peak = max(peak, depth)
+        else:
+            depth += opens - closes
             peak = max(peak, depth)
         depth = max(depth, 0)
         for entry in stack:
@@ -3245,6 +3250,7 @@ def outline_kind(rules, head, stack):
     return None
 
 
+_CODE_MARKS = re.compile(r"[\"'`/]")
 _CODE_TOKENS = re.compile(r"\"(?:[^\"\\]|\\.)*\"?|'(?:[^'\\]|\\.)*'?|`[^`]*`?|//|/\*")
 
 
@@ -3253,6 +3259,8 @@ def code_of(line, in_block, comment):
     removed; (code, whether a block comment is still open after it)."""
     if comment == "#":
         return re.sub(r"\"(?:[^\"\\]|\\.)*\"|'[^']*'|#.*", "", line), False
+    if not in_block and not _CODE_MARKS.search(line):
+        return line, False                      # most lines: nothing to remove
     out, i = [], 0
     while i < len(line):
         if in_block:

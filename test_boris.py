@@ -5236,6 +5236,7 @@ class ArgumentCampaign(object):
             "undo_edit": {"path": "a.txt"},
             "task_stop": {"task_id": "task_1"},
             "view": {"path": "a.txt"},
+            "outline": {"path": "sub/b.py"},
             "str_replace": {"path": "a.txt", "old_str": "not there", "new_str": "x"},
             "multi_edit": {"path": "a.txt", "edits": [{"old_str": "not there", "new_str": "x"}]},
             "create_file": {"path": "new.txt", "content": "c\n"},
