@@ -2639,7 +2639,7 @@ def search_job(job, emit, raw=None, partners=None):
         emit(match_job(job))
         return
     if job["op"] == "outline":
-        outline_job(job, emit)
+        Outline.job(job, emit)
         return
     if partners is None:
         partners = Partners(warm=False)
@@ -3086,289 +3086,295 @@ OUTLINE_RULES["typescript"] = OUTLINE_RULES["javascript"]
 OUTLINE_RULES["cpp"] = (OUTLINE_RULES["cpp"][0], OUTLINE_RULES["cpp"][1], "//")
 
 
-def outline_language(name):
-    """The language outline reads a file of this name as, or None."""
-    ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
-    return OUTLINE_EXTENSIONS.get(ext)
-
-
-def outline_text(text, lang):
-    """(entries, note) of a file's text: entries [(first line, last line, depth,
-    signature)] in order; note says how it was read when not as the language's own
-    parser would (a Python file that does not parse falls back to the patterns)."""
-    if lang == "python":
-        try:
-            return outline_python(text), ""
-        except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
-            note = "it does not parse as Python (%s), so definitions were found by pattern" % (
-                "line %s: %s" % (e.lineno, e.msg) if isinstance(e, SyntaxError) else type(e).__name__)
-            return outline_patterns(text.split("\n"), lang), note
-    if lang == "markdown":
-        return outline_headings(text.split("\n")), ""
-    if lang in ("json", "yaml", "toml"):
-        return outline_keys(text, lang), ""
-    return outline_patterns(text.split("\n"), lang), ""
-
-
-def signature(lines, k):
-    """Line k (from 0) as a signature: its text stripped, joined with the lines that
-    continue an unclosed parenthesis (a multi-line signature), cut at
-    OUTLINE_SIGNATURE_CHARS."""
-    text, j = lines[k].strip(), k
-    while text.count("(") > text.count(")") and j + 1 < len(lines) and j < k + 8 and lines[j + 1].strip():
-        j += 1
-        text += " " + lines[j].strip()
-    if j > k and text.count("(") > text.count(")"):
-        text = lines[k].strip()                 # no closing parenthesis near: the line alone
-    elif j > k:
-        text = re.sub(r"\(\s+", "(", re.sub(r",?\s+\)", ")", text))
-    return text if len(text) <= OUTLINE_SIGNATURE_CHARS else text[:OUTLINE_SIGNATURE_CHARS - 3] + "..."
-
-
-def outline_python(text):
-    """Python's definitions through ast: every def, async def and class at any depth
-    (inside if, try, with and match blocks too), decorators in the range."""
-    import ast
-    tree = ast.parse(text)
-    lines = text.split("\n")
-    out, stack = [], [(tree, 0)]
-    while stack:
-        node, depth = stack.pop()
-        kids = [c for c in ast.iter_child_nodes(node) if isinstance(c, (ast.stmt, ast.excepthandler))
-                or type(c).__name__ == "match_case"]
-        for child in reversed(kids):
-            is_def = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-            if is_def:
-                start = min([d.lineno for d in child.decorator_list] + [child.lineno])
-                out.append((start, child.end_lineno, depth, signature(lines, child.lineno - 1)))
-            stack.append((child, depth + 1 if is_def else depth))
-    out.sort(key=lambda e: (e[0], e[2]))
-    return out
-
-
-def outline_patterns(lines, lang):
-    """The definitions the language's patterns find, nested by braces or indentation."""
-    style, rules, comment = OUTLINE_RULES[lang]
-    rules = [(kind, re.compile(rx)) for kind, rx in rules]
-    if style == "indent":
-        return outline_indented(lines, lang, rules, comment)
-    out, stack = [], []          # stack: [entry index, brace depth at its line, kind, opened, open parens, last]
-    depth, in_block = 0, False
-    for i, raw in enumerate(lines):
-        was_in_block = in_block
-        code, in_block = code_of(raw, in_block, comment)
-        while stack and not stack[-1][3] and stack[-1][4] <= 0 and not code.lstrip().startswith("{"):
-            k, _, kind, _, _, last = stack.pop()  # a declaration without a body ends before this line
-            if kind == "body":
-                out[k] = None
-            else:
-                out[k][1] = last + 1
-        kind = None if was_in_block and not code.strip() else outline_kind(rules, raw[:OUTLINE_LINE_CHARS], stack)
-        if kind:
-            start, sig = i, signature(lines, i)
-            while start and re.match(r"^\s*(?:@|#\[)", lines[start - 1]):
-                start -= 1                      # decorators, annotations and attributes belong to it
-            if kind == "body" and i and re.match(r"^[A-Za-z_][\w \t\*]*$", lines[i - 1]):
-                start, sig = i - 1, lines[i - 1].strip() + " " + sig      # C's return type on its own line
-            out.append([start + 1, i + 1, sum(1 for s in stack if out[s[0]] is not None), sig])
-            stack.append([len(out) - 1, depth, kind, False, 0, i])
-        peak, opens, closes = depth, code.count("{"), code.count("}")
-        if opens and closes:
-            for ch in code:
-                if ch in "{}":
-                    depth += 1 if ch == "{" else -1
-                    peak = max(peak, depth)
-        else:
-            depth += opens - closes
-            peak = max(peak, depth)
-        depth = max(depth, 0)
-        for entry in stack:
-            if not entry[3]:
-                entry[4] += code.count("(") - code.count(")")
-                entry[5] = i
-        while stack:
-            k, base, kind, opened, parens, last = stack[-1]
-            if not opened and peak > base:
-                stack[-1][3] = opened = True
-            if opened and depth <= base:
-                out[k][1] = i + 1
-                stack.pop()
-            elif not opened and parens <= 0 and code.rstrip().endswith(";"):
-                stack.pop()                     # a declaration ending here
-                if kind == "body":
-                    out[k] = None
-                else:
-                    out[k][1] = i + 1
-            else:
-                break
-    for k, _, kind, opened, _, last in stack:   # open at the end of the file
-        if out[k] is not None:
-            out[k][1] = len(lines) if opened else last + 1
-        if kind == "body" and not opened:
-            out[k] = None
-    return [tuple(e) for e in out if e is not None]
-
-
-def outline_indented(lines, lang, rules, comment):
-    """outline_patterns for indented languages: a definition runs to its last line
-    indented deeper than itself (Ruby: to its `end`)."""
-    out, stack = [], []                         # stack: [entry index, indent, kind]
-    for i, raw in enumerate(lines):
-        head = raw[:OUTLINE_LINE_CHARS]
-        text = head.strip()
-        if not text or text.startswith(comment):
-            continue
-        indent = len(head) - len(head.lstrip())
-        ended = False
-        while stack and indent <= stack[-1][1]:
-            k, own, _ = stack.pop()
-            if lang == "ruby" and indent == own and re.match(r"end\b", text):
-                out[k][1] = i + 1               # its `end` belongs to it
-                ended = True
-                break
-        if ended:
-            continue
-        kind = outline_kind(rules, head, stack)
-        if kind:
-            start = i
-            while start and lines[start - 1].strip().startswith("@"):
-                start -= 1                      # decorators belong to the definition
-            out.append([start + 1, i + 1, len(stack), signature(lines, i)])
-            stack.append([len(out) - 1, indent, kind])
-        for k, _, _ in stack:
-            out[k][1] = i + 1
-    return [tuple(e) for e in out]
-
-
-def outline_kind(rules, head, stack):
-    """The kind of definition `head` starts ('class', 'def', 'body'), or None; a
-    'member' pattern only counts inside a class-like definition that is open."""
-    inside_class = bool(stack) and stack[-1][2] == "class"
-    for kind, rx in rules:
-        if (kind != "member" or inside_class) and rx.match(head):
-            return "def" if kind == "member" else kind
-    return None
-
-
 _CODE_MARKS = re.compile(r"[\"'`/]")
 _CODE_TOKENS = re.compile(r"\"(?:[^\"\\]|\\.)*\"?|'(?:[^'\\]|\\.)*'?|`[^`]*`?|//|/\*")
 
 
-def code_of(line, in_block, comment):
-    """A line's code for counting braces: strings, character literals and comments
-    removed; (code, whether a block comment is still open after it)."""
-    if comment == "#":
-        return re.sub(r"\"(?:[^\"\\]|\\.)*\"|'[^']*'|#.*", "", line), False
-    if not in_block and not _CODE_MARKS.search(line):
-        return line, False                      # most lines: nothing to remove
-    out, i = [], 0
-    while i < len(line):
-        if in_block:
-            j = line.find("*/", i)
-            if j < 0:
-                return "".join(out), True
-            in_block, i = False, j + 2
-            continue
-        m = _CODE_TOKENS.search(line, i)
-        if m is None:
-            out.append(line[i:])
-            break
-        out.append(line[i:m.start()])
-        if m.group(0) == "//":
-            break
-        if m.group(0) == "/*":
-            in_block = True
-        i = m.end()
-    return "".join(out), in_block
+class Outline(object):
+    """One file's outline, made by the constructor from its text and language:
+    `entries` [(first line, last line, depth, signature)] in order, and `note`, how it
+    was read when not by the language's own parser (a Python file that does not parse
+    falls back to the patterns). While the patterns run, `stack` holds the definitions
+    still open and `depth` the brace depth."""
 
-
-def outline_headings(lines):
-    """Markdown's headings (# style, outside fenced code), each to the line before the
-    next heading of its level or above."""
-    out, fenced = [], False
-    for i, line in enumerate(lines):
-        if line.lstrip().startswith(("```", "~~~")):
-            fenced = not fenced
-        m = None if fenced else re.match(r"^(#{1,6})\s+(\S.*)$", line[:OUTLINE_LINE_CHARS])
-        if m:
-            out.append([i + 1, len(lines), len(m.group(1)), signature(lines, i)])
-    for k, e in enumerate(out):
-        nxt = next((f[0] for f in out[k + 1:] if f[2] <= e[2]), None)
-        e[1] = nxt - 1 if nxt else len(lines) - (1 if lines and lines[-1] == "" else 0)
-    top = min((e[2] for e in out), default=1)
-    return [(a, b, level - top, text) for a, b, level, text in out]
-
-
-def outline_keys(text, lang):
-    """The keys of a JSON, YAML or TOML file's top-level object (TOML's tables too),
-    each to the line before the next."""
-    lines = text.split("\n")
-    if lang == "json":
-        first = next((len(l) - len(l.lstrip()) for l in lines[1:] if l.strip().startswith('"')), None)
-        rx = re.compile(r'^\s{%d}"((?:[^"\\]|\\.)*)"\s*:' % (first or 0)) if first is not None else None
-        if rx is None or len(lines) < 3:        # one line: the keys, all on it
+    def __init__(self, text, lang):
+        self.lines, self.lang, self.note = text.split("\n"), lang, ""
+        self.entries, self.stack, self.depth = [], [], 0
+        if lang == "python":
             try:
-                keys = list(json.loads(text)) if text.lstrip().startswith("{") else []
-            except ValueError:
-                keys = []
-            return [(1, 1, 0, '"%s"' % k) for k in keys[:1000]]
-    else:
-        rx = re.compile(r"^([A-Za-z_\"'][^:#=]*?):(?:\s|$)" if lang == "yaml" else
-                        r"^(\[\[?[^\]]+\]\]?|[A-Za-z0-9_\"'][\w.\"' -]*?)\s*(?:=|$)")
-    out = [[i + 1, len(lines), 0, signature(lines, i)] for i, line in enumerate(lines)
-           if rx.match(line[:OUTLINE_LINE_CHARS]) and line.strip()]
-    for k, e in enumerate(out):
-        end = out[k + 1][0] - 1 if k + 1 < len(out) else len(lines)
-        while end > e[0] and (not lines[end - 1].strip() or lang == "json" and k + 1 == len(out)
-                              and lines[end - 1].strip() == "}"):
-            end -= 1                            # (and the closing brace of a JSON object)
-        e[1] = end
-    return [tuple(e) for e in out]
+                self.python(text)
+            except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+                self.entries, self.note = [], "it does not parse as Python (%s), so definitions were found by" \
+                    " pattern" % ("line %s: %s" % (e.lineno, e.msg) if isinstance(e, SyntaxError) else type(e).__name__)
+                self.patterns()
+        elif lang == "markdown":
+            self.headings()
+        elif lang in ("json", "yaml", "toml"):
+            self.keys(text)
+        else:
+            self.patterns()
+        self.entries = [tuple(e) for e in self.entries if e is not None]
 
+    @staticmethod
+    def language(name):
+        """The language outline reads a file of this name as, or None."""
+        ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
+        return OUTLINE_EXTENSIONS.get(ext)
 
-def outline_job(job, emit):
-    """outline in a helper: for a file root, [[None, language, entries, note, lines]];
-    for a directory, the same for each source file under it (gitignore-aware, as grep
-    walks), its top-level definitions only, in batches as the walk finds them. A file
-    over job['max_size'] or not text is listed with a note instead."""
-    policy = PathPolicy(**job["policy"])
-    real, is_dir, _ = job["root"]
-    if not is_dir:
-        emit([outline_file(real, None, job["max_size"], top=False)])
-        return
-    batch = []
-    walker = Walker(real, policy, follow_links=False,
-                    name_ok=lambda name: outline_language(name) not in (None,) + tuple(OUTLINE_DATA))
-    for path, file_real, _, _ in walker:
-        batch.append(outline_file(file_real, path[len(real) + 1 if real != "/" else 1:], job["max_size"], top=True))
-        if len(batch) >= 50:
+    @staticmethod
+    def languages():
+        """The languages outline reads, as a sentence's list."""
+        return ", ".join(sorted(set(OUTLINE_EXTENSIONS.values())))
+
+    def signature(self, k):
+        """Line k (from 0) as a signature: its text stripped, joined with the lines that
+        continue an unclosed parenthesis (a multi-line signature), cut at
+        OUTLINE_SIGNATURE_CHARS."""
+        lines = self.lines
+        text, j = lines[k].strip(), k
+        while text.count("(") > text.count(")") and j + 1 < len(lines) and j < k + 8 and lines[j + 1].strip():
+            j += 1
+            text += " " + lines[j].strip()
+        if j > k and text.count("(") > text.count(")"):
+            text = lines[k].strip()             # no closing parenthesis near: the line alone
+        elif j > k:
+            text = re.sub(r"\(\s+", "(", re.sub(r",?\s+\)", ")", text))
+        return text if len(text) <= OUTLINE_SIGNATURE_CHARS else text[:OUTLINE_SIGNATURE_CHARS - 3] + "..."
+
+    def python(self, text):
+        """Python's definitions through ast: every def, async def and class at any depth
+        (inside if, try, with and match blocks too), decorators in the range."""
+        import ast
+        stack = [(ast.parse(text), 0)]
+        while stack:
+            node, depth = stack.pop()
+            kids = [c for c in ast.iter_child_nodes(node) if isinstance(c, (ast.stmt, ast.excepthandler))
+                    or type(c).__name__ == "match_case"]
+            for child in reversed(kids):
+                is_def = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                if is_def:
+                    start = min([d.lineno for d in child.decorator_list] + [child.lineno])
+                    self.entries.append((start, child.end_lineno, depth, self.signature(child.lineno - 1)))
+                stack.append((child, depth + 1 if is_def else depth))
+        self.entries.sort(key=lambda e: (e[0], e[2]))
+
+    # -- the patterns ------------------------------------------------------------
+    def patterns(self):
+        """The definitions the language's patterns find, nested by braces or indentation."""
+        style, rules, comment = OUTLINE_RULES[self.lang]
+        rules = [(kind, re.compile(rx)) for kind, rx in rules]
+        if style == "indent":
+            return self.indented(rules, comment)
+        in_block = False                 # stack: [entry index, brace depth at its line, kind, opened, parens, last]
+        for i, raw in enumerate(self.lines):
+            was_in_block = in_block
+            code, in_block = self.code_of(raw, in_block, comment)
+            while self.stack and not self.stack[-1][3] and self.stack[-1][4] <= 0 and not \
+                    code.lstrip().startswith("{"):
+                self.end(self.stack.pop(), None)          # a declaration without a body ends before this line
+            kind = None if was_in_block and not code.strip() else self.kind(rules, raw[:OUTLINE_LINE_CHARS])
+            if kind:
+                self.add(i, kind)
+            self.count(i, code)
+        while self.stack:                               # open at the end of the file
+            entry = self.stack.pop()
+            self.end(entry, len(self.lines) - 1 if entry[3] else None)
+
+    def add(self, i, kind):
+        """A definition found on line i (from 0): decorators, annotations and attributes
+        above it, and a C return type on its own line, belong to it."""
+        lines, start, sig = self.lines, i, self.signature(i)
+        while start and re.match(r"^\s*(?:@|#\[)", lines[start - 1]):
+            start -= 1
+        if kind == "body" and i and re.match(r"^[A-Za-z_][\w \t\*]*$", lines[i - 1]):
+            start, sig = i - 1, lines[i - 1].strip() + " " + sig
+        self.entries.append([start + 1, i + 1, sum(1 for s in self.stack if self.entries[s[0]] is not None), sig])
+        self.stack.append([len(self.entries) - 1, self.depth, kind, False, 0, i])
+
+    def count(self, i, code):
+        """Line i's braces and parentheses: the definitions they open, and those they close."""
+        peak, opens, closes = self.depth, code.count("{"), code.count("}")
+        if opens and closes:
+            for ch in code:
+                if ch in "{}":
+                    self.depth += 1 if ch == "{" else -1
+                    peak = max(peak, self.depth)
+        else:
+            self.depth += opens - closes
+            peak = max(peak, self.depth)
+        self.depth = max(self.depth, 0)
+        for entry in self.stack:
+            if not entry[3]:
+                entry[4] += code.count("(") - code.count(")")
+                entry[5] = i
+        while self.stack:
+            base, opened, parens = self.stack[-1][1], self.stack[-1][3], self.stack[-1][4]
+            if not opened and peak > base:
+                self.stack[-1][3] = opened = True
+            if opened and self.depth <= base or not opened and parens <= 0 and code.rstrip().endswith(";"):
+                self.end(self.stack.pop(), i)   # its closing brace, or the ';' of a declaration
+            else:
+                break
+
+    def end(self, open_entry, i):
+        """Close a definition at line i (from 0; None: where its text ended); one that
+        needs a body (a C function) and never opened one is dropped."""
+        k, _, kind, opened, _, last = open_entry
+        if kind == "body" and not opened:
+            self.entries[k] = None
+        elif self.entries[k] is not None:
+            self.entries[k][1] = (last if i is None else i) + 1
+
+    def kind(self, rules, head):
+        """The kind of definition `head` starts ('class', 'def', 'body'), or None; a
+        'member' pattern only counts inside a class-like definition that is open."""
+        inside_class = bool(self.stack) and self.stack[-1][2] == "class"
+        for kind, rx in rules:
+            if (kind != "member" or inside_class) and rx.match(head):
+                return "def" if kind == "member" else kind
+        return None
+
+    def indented(self, rules, comment):
+        """The patterns of indented languages: a definition runs to its last line indented
+        deeper than itself (Ruby: to its `end`)."""
+        for i, raw in enumerate(self.lines):
+            head = raw[:OUTLINE_LINE_CHARS]
+            text = head.strip()
+            if not text or text.startswith(comment):
+                continue
+            indent = len(head) - len(head.lstrip())
+            ended = False
+            while self.stack and indent <= self.stack[-1][1]:
+                k, own, _ = self.stack.pop()
+                if self.lang == "ruby" and indent == own and re.match(r"end\b", text):
+                    self.entries[k][1] = i + 1          # its `end` belongs to it
+                    ended = True
+                    break
+            kind = None if ended else self.kind(rules, head)
+            if kind:
+                start = i
+                while start and self.lines[start - 1].strip().startswith("@"):
+                    start -= 1                          # decorators belong to the definition
+                self.entries.append([start + 1, i + 1, len(self.stack), self.signature(i)])
+                self.stack.append([len(self.entries) - 1, indent, kind])
+            for k, _, _ in self.stack if not ended else ():
+                self.entries[k][1] = i + 1
+
+    @staticmethod
+    def code_of(line, in_block, comment):
+        """A line's code for counting braces: strings, character literals and comments
+        removed; (code, whether a block comment is still open after it)."""
+        if comment == "#":
+            return re.sub(r"\"(?:[^\"\\]|\\.)*\"|'[^']*'|#.*", "", line), False
+        if not in_block and not _CODE_MARKS.search(line):
+            return line, False                  # most lines: nothing to remove
+        out, i = [], 0
+        while i < len(line):
+            if in_block:
+                j = line.find("*/", i)
+                if j < 0:
+                    return "".join(out), True
+                in_block, i = False, j + 2
+                continue
+            m = _CODE_TOKENS.search(line, i)
+            if m is None:
+                out.append(line[i:])
+                break
+            out.append(line[i:m.start()])
+            if m.group(0) == "//":
+                break
+            if m.group(0) == "/*":
+                in_block = True
+            i = m.end()
+        return "".join(out), in_block
+
+    # -- headings and keys ---------------------------------------------------------
+    def headings(self):
+        """Markdown's headings (# style, outside fenced code), each to the line before the
+        next heading of its level or above."""
+        lines, fenced, out = self.lines, False, []
+        for i, line in enumerate(lines):
+            if line.lstrip().startswith(("```", "~~~")):
+                fenced = not fenced
+            m = None if fenced else re.match(r"^(#{1,6})\s+(\S.*)$", line[:OUTLINE_LINE_CHARS])
+            if m:
+                out.append([i + 1, len(lines), len(m.group(1)), self.signature(i)])
+        for k, e in enumerate(out):
+            nxt = next((f[0] for f in out[k + 1:] if f[2] <= e[2]), None)
+            e[1] = nxt - 1 if nxt else len(lines) - (1 if lines and lines[-1] == "" else 0)
+        top = min((e[2] for e in out), default=1)
+        self.entries = [(a, b, level - top, text) for a, b, level, text in out]
+
+    def keys(self, text):
+        """The keys of a JSON, YAML or TOML file's top-level object (TOML's tables too),
+        each to the line before the next (a JSON object's closing brace left out)."""
+        lines, lang = self.lines, self.lang
+        if lang == "json":
+            first = next((len(l) - len(l.lstrip()) for l in lines[1:] if l.strip().startswith('"')), None)
+            if first is None or len(lines) < 3:         # one line: the keys, all on it
+                try:
+                    keys = list(json.loads(text)) if text.lstrip().startswith("{") else []
+                except ValueError:
+                    keys = []
+                self.entries = [(1, 1, 0, '"%s"' % k) for k in keys[:1000]]
+                return
+            rx = re.compile(r'^\s{%d}"((?:[^"\\]|\\.)*)"\s*:' % first)
+        else:
+            rx = re.compile(r"^([A-Za-z_\"'][^:#]*?):(?:\s|$)" if lang == "yaml" else
+                            r"^(\[\[?[^\]]+\]\]?|[A-Za-z0-9_\"'][\w.\"' -]*?)\s*(?:=|$)")
+        out = [[i + 1, 0, 0, self.signature(i)] for i, line in enumerate(lines)
+               if line.strip() and rx.match(line[:OUTLINE_LINE_CHARS])]
+        for k, e in enumerate(out):
+            end = out[k + 1][0] - 1 if k + 1 < len(out) else len(lines)
+            while end > e[0] and (not lines[end - 1].strip() or lang == "json" and k + 1 == len(out)
+                                  and lines[end - 1].strip() == "}"):
+                end -= 1
+            e[1] = end
+        self.entries = out
+
+    # -- in a helper -----------------------------------------------------------------
+    @classmethod
+    def job(cls, job, emit):
+        """outline in a helper: for a file root, [[None, language, entries, note, lines]];
+        for a directory, the same for each source file under it (gitignore-aware, as grep
+        walks), its top-level definitions only, in batches as the walk finds them. A file
+        over job['max_size'] or not text is listed with a note instead."""
+        real, is_dir, _ = job["root"]
+        if not is_dir:
+            emit([cls.of_file(real, None, job["max_size"], top=False)])
+            return
+        batch = []
+        walker = Walker(real, PathPolicy(**job["policy"]), follow_links=False,
+                        name_ok=lambda name: cls.language(name) not in (None,) + tuple(OUTLINE_DATA))
+        for path, file_real, _, _ in walker:
+            batch.append(cls.of_file(file_real, path[len(real) + 1 if real != "/" else 1:], job["max_size"], True))
+            if len(batch) >= 50:
+                emit(batch)
+                batch = []
+        if batch:
             emit(batch)
-            batch = []
-    if batch:
-        emit(batch)
 
-
-def outline_file(real, rel, max_size, top):
-    """[rel, language, entries, note, line count] of one file (entries at depth 0
-    only when `top`)."""
-    lang = outline_language(os.path.basename(real))
-    try:
-        fd, st = open_regular(real, real)
+    @classmethod
+    def of_file(cls, real, rel, max_size, top):
+        """[rel, language, entries, note, line count] of one file (entries at depth 0
+        only when `top`)."""
+        lang = cls.language(os.path.basename(real))
         try:
-            if st.st_size > max_size:
-                return [rel, lang, [], "%s, over --max-file-size: not read" % human_size(st.st_size), 0]
-            data = read_fd(fd, max_size, real)
-        finally:
-            os.close(fd)
-    except (ToolError, OSError) as e:
-        return [rel, lang, [], "not read: %s" % (e.message if isinstance(e, ToolError) else e.strerror), 0]
-    if b"\x00" in data[:8192]:
-        return [rel, lang, [], "binary: not read", 0]
-    text = data.decode("utf-8", "replace").replace("\r\n", "\n")
-    entries, note = outline_text(text, lang)
-    if top:
-        entries = [e for e in entries if e[2] == 0]
-    return [rel, lang, entries, note, text.count("\n") + (0 if text.endswith("\n") or not text else 1)]
+            fd, st = open_regular(real, real)
+            try:
+                if st.st_size > max_size:
+                    return [rel, lang, [], "%s, over --max-file-size: not read" % human_size(st.st_size), 0]
+                data = read_fd(fd, max_size, real)
+            finally:
+                os.close(fd)
+        except (ToolError, OSError) as e:
+            return [rel, lang, [], "not read: %s" % (e.message if isinstance(e, ToolError) else e.strerror), 0]
+        if b"\x00" in data[:8192]:
+            return [rel, lang, [], "binary: not read", 0]
+        text = data.decode("utf-8", "replace").replace("\r\n", "\n")
+        outline = cls(text, lang)
+        entries = [e for e in outline.entries if e[2] == 0] if top else outline.entries
+        return [rel, lang, entries, outline.note, text.count("\n") + (0 if text.endswith("\n") or not text else 1)]
 
 
 class HelperPool(object):
@@ -4572,6 +4578,34 @@ class Task(object):
                 self.done.set()
         threading.Thread(target=run, daemon=True, name="boris-task").start()
 
+    def follow(self, session, cancelled, handoff):
+        """Wait for a foreground command of `session`: until it ends ('' then, or why it
+        stayed in the foreground when it was due for hand-off), until `cancelled` (it is
+        killed: TERM, then KILL), or until `handoff` seconds from its start (None: never),
+        when it becomes a background task of the session (None then). It cannot be one
+        while the session's background limit is full or the session is closing."""
+        kept = ""
+        try:
+            while not self.done.wait(0.05):
+                if cancelled.is_set():
+                    self.stop.set()
+                    continue
+                if handoff is None or kept or time.monotonic() - self.started < handoff:
+                    continue
+                with session.lock:
+                    running = sum(1 for t in session.tasks.values() if not t.done.is_set())
+                    if session.closed:
+                        kept = "the session is closing"
+                    elif running >= MAX_BACKGROUND_TASKS:
+                        kept = "%d background tasks are already running, the limit" % running
+                    else:
+                        session.tasks[self.id] = self
+                        return None
+            return kept
+        finally:
+            with session.lock:
+                session.foreground.discard(self.proc)
+
     def take(self):
         """(stdout, stderr): the output not read yet, as Captures; the next read starts empty."""
         out, err = self.out.take(), self.err.take()
@@ -5500,12 +5534,7 @@ OUTLINE_DESC = ("Show a file's structure before reading it: its definitions (cla
                 "and view_range [first, last]. Languages: %s.")
 
 
-def outline_languages():
-    """The languages outline reads, as a sentence's list."""
-    return ", ".join(sorted(set(OUTLINE_EXTENSIONS.values())))
-
-
-@tool("outline", OUTLINE_DESC % outline_languages(), obj({
+@tool("outline", OUTLINE_DESC % Outline.languages(), obj({
     "path": PATH_PROP,
     "offset": prop("integer", "Definitions (of a file) or files (of a directory) to skip: the read-on notice of"
                               " a cut outline gives it."),
@@ -5517,40 +5546,41 @@ def tool_outline(session, args, ctx):
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
     root = search_root(session, ctx, shown)
-    if not root[1] and outline_language(os.path.basename(root[0])) is None:
+    if not root[1] and Outline.language(os.path.basename(root[0])) is None:
         raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension: %s); view or grep"
-                        " it instead" % (shown, outline_languages()))
+                        " it instead" % (shown, Outline.languages()))
     items, why = ctx.helpers.run({"op": "outline", "root": root, "policy": policy_spec(ctx.policy),
                                   "max_size": ctx.config.max_file_size}, ctx.cancelled)
-    cap, parts, size = search_cap(ctx), [], 0
-    if not root[1]:
-        if not items:
-            raise ToolError(IO_ERROR,
-                            "the outline of %s was %s before it was done" % (
-                                shown, "stopped after %g s" % SEARCH_TIMEOUT_S if why == "deadline" else "cancelled"))
-        _, lang, entries, note, total = items[0]
-        if note.startswith(("binary", "not read")) or "over --max-file-size" in note:
-            raise ToolError(FILE_TOO_LARGE if "max-file-size" in note else INVALID_INPUT, "%s: %s" % (shown, note))
-        parts.append("%s: %s, %d lines, %d definitions%s" % (shown, lang, total, len(entries),
-                                                             " (%s)" % note if note else ""))
-        width = len(str(max(total, 1)))
-        for k, (a, b, depth, text) in enumerate(entries[offset:], offset):
-            line = "%s  %s%s" % (("%d-%d" % (a, b)).rjust(2 * width + 1), "  " * depth, text)
-            if size + len(line) > cap - 400:
-                return read_on("\n".join(parts), "[outline cut at definition %d of %d; read on with offset=%d]"
-                               % (k, len(entries), k))
-            parts.append(line)
-            size += len(line) + 1
-        if not entries:
-            parts.append("(no definitions found)")
-        example = entries[0] if entries else None
-        parts.append("Read a definition with view and view_range [first, last]%s." % (
-            ", e.g. view_range [%d, %d]" % tuple(example[:2]) if example else ""))
-        return "\n".join(parts)
-    items.sort(key=lambda item: item[0])
+    if root[1]:
+        return directory_outline(shown, sorted(items), why, offset, search_cap(ctx))
+    if not items:
+        raise ToolError(IO_ERROR, "the outline of %s was %s before it was done" % (
+            shown, "stopped after %g s" % SEARCH_TIMEOUT_S if why == "deadline" else "cancelled"))
+    _, lang, entries, note, total = items[0]
+    if note.startswith(("binary", "not read")) or "over --max-file-size" in note:
+        raise ToolError(FILE_TOO_LARGE if "max-file-size" in note else INVALID_INPUT, "%s: %s" % (shown, note))
+    parts, size, cap = ["%s: %s, %d lines, %d definitions%s" % (
+        shown, lang, total, len(entries), " (%s)" % note if note else "")], 0, search_cap(ctx)
+    width = len(str(max(total, 1)))
+    for k, (a, b, depth, text) in enumerate(entries[offset:], offset):
+        line = "%s  %s%s" % (("%d-%d" % (a, b)).rjust(2 * width + 1), "  " * depth, text)
+        if size + len(line) > cap - 400:
+            return read_on("\n".join(parts), "[outline cut at definition %d of %d; read on with offset=%d]"
+                           % (k, len(entries), k))
+        parts.append(line)
+        size += len(line) + 1
+    parts.append("Read a definition with view and view_range [first, last]%s." % (
+        ", e.g. view_range [%d, %d]" % tuple(entries[0][:2]) if entries else " (no definitions were found)"))
+    return "\n".join(parts)
+
+
+def directory_outline(shown, items, why, offset, cap):
+    """outline's answer for a directory: each source file with its top-level
+    definitions, from file `offset`, within `cap` characters."""
     if offset > len(items):
         raise ToolError(INVALID_INPUT, "offset %d is past the %d source files outlined under %s" % (
             offset, len(items), shown))
+    parts, size = [], 0
     for k, (rel, lang, entries, note, total) in enumerate(items[offset:], offset):
         width = len(str(max(total, 1)))
         block = ["%s (%s, %d lines)%s" % (rel, lang, total, ": " + note if note else "")]
@@ -5562,7 +5592,7 @@ def tool_outline(session, args, ctx):
         parts.append(text)
         size += len(text) + 1
     if not items:
-        parts.append("No source files under %s (outline reads %s)" % (shown, outline_languages()))
+        parts.append("No source files under %s (outline reads %s)" % (shown, Outline.languages()))
     if why:
         parts.append(partial_notice(why))
     parts.append("Each file's top-level definitions; outline a file for all of them, and read one with view and"
@@ -7098,8 +7128,7 @@ def tool_bash(session, args, ctx):
     command, yield_ms = args["command"], args.get("yield_ms")
     if not command.strip():
         raise ToolError(BASH_EMPTY_COMMAND, "command is empty; give a shell command to run")
-    timeout_ms = args.get("timeout")
-    timeout_ms = int(ctx.config.timeout * 1000) if timeout_ms is None else timeout_ms
+    timeout_ms = args.get("timeout", int(ctx.config.timeout * 1000))
     if timeout_ms <= 0:
         raise ToolError(INVALID_INPUT, "timeout %d ms must be above 0 (it is in milliseconds, at most %d)"
                         % (timeout_ms, BASH_MAX_TIMEOUT_MS))
@@ -7107,9 +7136,8 @@ def tool_bash(session, args, ctx):
         raise ToolError(INVALID_INPUT, "yield_ms %d must be 0 or more (milliseconds before the command is handed"
                         " off to the background)" % yield_ms)
     timeout_ms = min(timeout_ms, BASH_MAX_TIMEOUT_MS)
-    if args.get("tty") or args.get("interactive") or args.get("run_in_background"):
-        return start_task(session, command, ctx, "tty" if args.get("tty") else
-                          "pipe" if args.get("interactive") else "null")
+    if any(args.get(k) for k in ("tty", "interactive", "run_in_background")):
+        return start_task(session, command, ctx, args)
     handoff = yield_ms / 1000.0 if yield_ms is not None else ctx.config.handoff or None
     marker = ("__BORIS_CWD_%s__" % session.nonce).encode()
     script = "%s\n__boris_status=$?\nprintf '\\n%%s%%s\\n' '%s' \"$PWD\"\nexit $__boris_status\n" % (
@@ -7121,20 +7149,9 @@ def tool_bash(session, args, ctx):
     with session.lock:
         session.foreground.add(proc)
     task.start(task.started + timeout_ms / 1000.0, progress)
-    kept = ""                                   # why a command due for hand-off stayed in the foreground
-    try:
-        while not task.done.wait(0.05):
-            if ctx.cancelled.is_set():
-                task.stop.set()                 # killed (TERM, then KILL): the answer is not sent
-            elif handoff is not None and not kept and time.monotonic() - task.started >= handoff:
-                kept = hand_off(session, task)
-                if not kept:
-                    if progress is not None:
-                        progress.muted = True
-                    return handed_off(task, ctx, timeout_ms)
-    finally:
-        with session.lock:
-            session.foreground.discard(proc)
+    kept = task.follow(session, ctx.cancelled, handoff)
+    if kept is None:
+        return handed_off(task, ctx, timeout_ms, progress)
     out, err = task.take()
     head = [ending_line(task.why, timeout_ms, out, err), describe_exit(proc)]
     if kept:
@@ -7148,22 +7165,11 @@ def tool_bash(session, args, ctx):
     return read_on("\n".join(head) + "\n" + body + ("\n" + hint if hint else ""), notice)
 
 
-def hand_off(session, task):
-    """Make a running foreground command a background task of the session: '' when
-    done, else why it could not be (the session's background limit, or it is closing)."""
-    with session.lock:
-        running = [t for t in session.tasks.values() if not t.done.is_set()]
-        if session.closed:
-            return "the session is closing"
-        if len(running) >= MAX_BACKGROUND_TASKS:
-            return "%d background tasks are already running, the limit" % len(running)
-        session.tasks[task.id] = task
-        session.foreground.discard(task.proc)
-    return ""
-
-
-def handed_off(task, ctx, timeout_ms):
-    """The answer of a command handed off: the output so far, and how to follow it."""
+def handed_off(task, ctx, timeout_ms, progress):
+    """The answer of a command handed off: the output so far, and how to follow it.
+    Its progress notifications stop: the call they belong to is over."""
+    if progress is not None:
+        progress.muted = True
     out, err = task.take()
     body, notice = render_output(out, err, output_budget(ctx))
     return read_on("Still running after %.1f s, so it was handed off as background task %s (nothing was killed;"
@@ -7189,9 +7195,11 @@ def looks_like_prompt(out, err):
     return False
 
 
-def start_task(session, command, ctx, stdin="null"):
-    """Start `command` as a background task of the session (stdin: null, pipe or tty) and say how to follow
-    it; at most MAX_BACKGROUND_TASKS run at once."""
+def start_task(session, command, ctx, args):
+    """Start `command` as a background task of the session and say how to follow it;
+    at most MAX_BACKGROUND_TASKS run at once. Its stdin, as bash's arguments ask: a
+    terminal (tty), a pipe (interactive) or /dev/null (run_in_background)."""
+    stdin = "tty" if args.get("tty") else "pipe" if args.get("interactive") else "null"
     with session.lock:
         if session.closed:
             raise ToolError(BASH_START_FAILED, "the session is closing; no background task was started")

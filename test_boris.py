@@ -4590,7 +4590,7 @@ class TestOutline(NoViewBase):
 
         def refuse(*a, **k):
             raise AssertionError("a file was parsed in the server process")
-        with mock.patch.object(boris, "outline_text", refuse):
+        with mock.patch.object(boris.Outline, "__init__", refuse):
             self.assertIn("1-2  def f():", self.outline("s.py"))
 
     def test_a_directory_lists_each_source_files_top_level_definitions(self):
@@ -4661,7 +4661,8 @@ class TestOutline(NoViewBase):
             want = sorted((min([d.lineno for d in n.decorator_list] + [n.lineno]), n.end_lineno)
                           for n in ast.walk(tree)
                           if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
-            got, note = boris.outline_text(text, "python")
+            outline = boris.Outline(text, "python")
+            got, note = outline.entries, outline.note
             self.assertEqual(note, "", path)
             self.assertEqual(sorted((a, b) for a, b, _, _ in got), want, path)
             checked += 1
