@@ -17,16 +17,17 @@ layers above it:
     Paths                  PathPolicy: resolve, then check allow/deny (case as the volume folds it)
     Files                  the one opener, the one atomic writer, line reading, sniffing
     Child processes        spawn, the reaper, killing a call's leftovers
-    Search                 one walker, the glob compiler, the grep engine, helper processes
+    Search                 one walker, the glob compiler, the grep and outline engines, helper processes
     Shell                  the command runner, pump, the sandbox (Landlock, seccomp) and its launcher
     Web                    fetch with vetted addresses, HTML to Markdown
     Session                one client's cwd, viewed files, tasks, undo history
     Tools: building blocks the registry (@tool), schema helpers, CallContext
     Tools: view            view of files, directories, images
+    Tools: outline         a file's definitions with line ranges, or a directory's files' top-level ones
     Tools: edits           str_replace, multi_edit, create_file, undo_edit, the compat editor; the one matcher
     Tools: apply_patch     Codex's patch format, read, planned, written all or none
     Tools: notebooks       .ipynb rendering and notebook_edit
-    Tools: shell           bash and the task tools
+    Tools: shell           bash (handed off to the background when it outlives --handoff) and the task tools
     Tools: search          grep, glob, search_text, search_files
     Tools: workspace       read_file, write_file, list_directory, web_fetch (fixed Chinese answers)
     Protocol               McpServer: JSON-RPC dispatch, argument checks, the worker pool
