@@ -3087,8 +3087,8 @@ OUTLINE_RULES["typescript"] = OUTLINE_RULES["javascript"]
 OUTLINE_RULES["cpp"] = (OUTLINE_RULES["cpp"][0], OUTLINE_RULES["cpp"][1], "//")
 
 
-_CODE_MARKS = re.compile(r"[\"'`/]")
-_CODE_TOKENS = re.compile(r"\"(?:[^\"\\]|\\.)*\"?|'(?:[^'\\]|\\.)*'?|`[^`]*`?|//|/\*")
+_CODE_MARKS = r"[\"'`/]"                   # (compiled when a file is outlined: start-up never pays)
+_CODE_TOKENS = r"\"(?:[^\"\\]|\\.)*\"?|'(?:[^'\\]|\\.)*'?|`[^`]*`?|//|/\*"
 
 
 class Outline(object):
@@ -3166,6 +3166,7 @@ class Outline(object):
         rules = [(kind, re.compile(rx)) for kind, rx in rules]
         if style == "indent":
             return self.indented(rules, comment)
+        self.marks, self.tokens = re.compile(_CODE_MARKS), re.compile(_CODE_TOKENS)
         in_block = False                 # stack: [entry index, brace depth at its line, kind, opened, parens, last]
         for i, raw in enumerate(self.lines):
             was_in_block = in_block
@@ -3261,13 +3262,12 @@ class Outline(object):
             for k, _, _ in self.stack if not ended else ():
                 self.entries[k][1] = i + 1
 
-    @staticmethod
-    def code_of(line, in_block, comment):
+    def code_of(self, line, in_block, comment):
         """A line's code for counting braces: strings, character literals and comments
         removed; (code, whether a block comment is still open after it)."""
         if comment == "#":
             return re.sub(r"\"(?:[^\"\\]|\\.)*\"|'[^']*'|#.*", "", line), False
-        if not in_block and not _CODE_MARKS.search(line):
+        if not in_block and not self.marks.search(line):
             return line, False                  # most lines: nothing to remove
         out, i = [], 0
         while i < len(line):
@@ -3277,7 +3277,7 @@ class Outline(object):
                     return "".join(out), True
                 in_block, i = False, j + 2
                 continue
-            m = _CODE_TOKENS.search(line, i)
+            m = self.tokens.search(line, i)
             if m is None:
                 out.append(line[i:])
                 break
