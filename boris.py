@@ -3053,7 +3053,6 @@ OUTLINE_RULES = {
         ("class", r"^\s*" + _MODS + r"(?:interface|enum|namespace|module)\s+[\w$.]+"),
         ("def", r"^\s*" + _MODS + r"type\s+[\w$]+\s*(?:<[^>]*>)?\s*="),
         ("member", _JS_MEMBER)], "//"),
-    "typescript": None,                     # as javascript (below)
     "go": ("braces", [("def", r"^func\s+(?:\([^)]*\)\s*)?\w+"), ("class", r"^type\s+\w+\s+(?:struct|interface)\b"),
                       ("def", r"^type\s+\w+")], "//"),
     "rust": ("braces", [
@@ -3084,7 +3083,6 @@ OUTLINE_RULES = {
 
 
 OUTLINE_RULES["typescript"] = OUTLINE_RULES["javascript"]
-OUTLINE_RULES["cpp"] = (OUTLINE_RULES["cpp"][0], OUTLINE_RULES["cpp"][1], "//")
 
 
 _CODE_MARKS = r"[\"'`/]"                   # (compiled when a file is outlined: start-up never pays)
@@ -3336,7 +3334,7 @@ class Outline(object):
     # -- in a helper -----------------------------------------------------------------
     @classmethod
     def job(cls, job, emit):
-        """outline in a helper: for a file root, [[None, language, entries, note, lines]];
+        """outline in a helper: for a file root, [of_file's list for it];
         for a directory, the same for each source file under it (gitignore-aware, as grep
         walks), its top-level definitions only, in batches as the walk finds them. A file
         over job['max_size'] or not text is listed with a note instead."""
@@ -3357,25 +3355,28 @@ class Outline(object):
 
     @classmethod
     def of_file(cls, real, rel, max_size, top):
-        """[rel, language, entries, note, line count] of one file (entries at depth 0
-        only when `top`)."""
+        """[rel, language, entries, note, line count, the error code when it was not read
+        (else None)] of one file (entries at depth 0 only when `top`)."""
         lang = cls.language(os.path.basename(real))
         try:
             fd, st = open_regular(real, real)
             try:
                 if st.st_size > max_size:
-                    return [rel, lang, [], "%s, over --max-file-size: not read" % human_size(st.st_size), 0]
+                    return [rel, lang, [], "%s, over --max-file-size: not read" % human_size(st.st_size), 0,
+                            FILE_TOO_LARGE]
                 data = read_fd(fd, max_size, real)
             finally:
                 os.close(fd)
         except (ToolError, OSError) as e:
-            return [rel, lang, [], "not read: %s" % (e.message if isinstance(e, ToolError) else e.strerror), 0]
+            return [rel, lang, [], "not read: %s" % (e.message if isinstance(e, ToolError) else e.strerror), 0,
+                    e.code if isinstance(e, ToolError) else IO_ERROR]
         if b"\x00" in data[:8192]:
-            return [rel, lang, [], "binary: not read", 0]
+            return [rel, lang, [], "binary: not read", 0, INVALID_INPUT]
         text = data.decode("utf-8", "replace").replace("\r\n", "\n")
         outline = cls(text, lang)
         entries = [e for e in outline.entries if e[2] == 0] if top else outline.entries
-        return [rel, lang, entries, outline.note, text.count("\n") + (0 if text.endswith("\n") or not text else 1)]
+        return [rel, lang, entries, outline.note, text.count("\n") + (0 if text.endswith("\n") or not text else 1),
+                None]
 
 
 class HelperPool(object):
@@ -5557,9 +5558,9 @@ def tool_outline(session, args, ctx):
     if not items:
         raise ToolError(IO_ERROR, "the outline of %s was %s before it was done" % (
             shown, "stopped after %g s" % SEARCH_TIMEOUT_S if why == "deadline" else "cancelled"))
-    _, lang, entries, note, total = items[0]
-    if note.startswith(("binary", "not read")) or "over --max-file-size" in note:
-        raise ToolError(FILE_TOO_LARGE if "max-file-size" in note else INVALID_INPUT, "%s: %s" % (shown, note))
+    _, lang, entries, note, total, refused = items[0]
+    if refused:
+        raise ToolError(refused, "%s: %s" % (shown, note))
     parts, size, cap = ["%s: %s, %d lines, %d definitions%s" % (
         shown, lang, total, len(entries), " (%s)" % note if note else "")], 0, search_cap(ctx)
     width = len(str(max(total, 1)))
@@ -5582,7 +5583,7 @@ def directory_outline(shown, items, why, offset, cap):
         raise ToolError(INVALID_INPUT, "offset %d is past the %d source files outlined under %s" % (
             offset, len(items), shown))
     parts, size = [], 0
-    for k, (rel, lang, entries, note, total) in enumerate(items[offset:], offset):
+    for k, (rel, lang, entries, note, total, _) in enumerate(items[offset:], offset):
         width = len(str(max(total, 1)))
         block = ["%s (%s, %d lines)%s" % (rel, lang, total, ": " + note if note else "")]
         block += ["%s  %s" % (("%d-%d" % (a, b)).rjust(2 * width + 1), text) for a, b, _, text in entries]
@@ -5595,7 +5596,8 @@ def directory_outline(shown, items, why, offset, cap):
     if not items:
         parts.append("No source files under %s (outline reads %s)" % (shown, Outline.languages()))
     if why:
-        parts.append(partial_notice(why))
+        parts.append("[outline %s: the files above are those read so far; outline a subdirectory]" % (
+            "stopped after %g s" % SEARCH_TIMEOUT_S if why == "deadline" else "cancelled"))
     parts.append("Each file's top-level definitions; outline a file for all of them, and read one with view and"
                  " view_range [first, last].")
     return "\n".join(parts)
