@@ -5710,10 +5710,13 @@ def parse_error(ext, data):
     """Why `data` does not parse as a file of type `ext`, or None when it does (or
     cannot be checked here: TOML before Python 3.11)."""
     import ast
+    import warnings
     try:
         text = data.decode("utf-8-sig")
         if ext == ".py":
-            ast.parse(text)
+            with warnings.catch_warnings():         # a '\ ' in a string is the file's business, not a parse error
+                warnings.simplefilter("ignore")
+                ast.parse(text)
         elif ext == ".toml":
             try:
                 import tomllib
@@ -5897,11 +5900,13 @@ def check_old_new(old, new):
 # -- the one matcher ------------------------------------------------------------------
 # Every edit tool finds its text here, level by level, a level tried only when the
 # stricter ones found nothing: exact (an LF old_str also in a CRLF file), then whole lines
-# ignoring trailing whitespace, ignoring indentation (a consistent mapping of old_str's
-# indentation onto the file's: a uniform shift, tabs written as spaces), ignoring
-# typographic punctuation. A relaxed level takes only a unique place (or every place,
-# with replace_all); the new text is merged into the file's own: lines equal to lines of
-# old_str keep the file's bytes, the others take the file's indentation and line endings.
+# ignoring trailing whitespace; indentation (a consistent mapping of old_str's onto the
+# file's: a shift, tabs written as spaces, another unit); whitespace at both ends of lines
+# (Codex's last seek pass); typographic punctuation; whitespace inside lines; blank lines
+# that one side has and the other lacks. Past trailing whitespace a level takes only a
+# place that is unique at the most relaxed level too (or every place, with replace_all).
+# Then the three-way merge (EditMerge): the edit is the difference between old_str and
+# new_str, applied to the file's own lines where old_str was found.
 
 PUNCT_ASCII = dict((ord(k), v) for k, v in (
     ("\u2018", "'"), ("\u2019", "'"), ("\u201a", "'"), ("\u201b", "'"), ("\u2032", "'"), ("\u201c", '"'),
@@ -5910,13 +5915,51 @@ PUNCT_ASCII = dict((ord(k), v) for k, v in (
     ("\u2002", " "), ("\u2003", " "), ("\u2004", " "), ("\u2005", " "), ("\u2006", " "), ("\u2007", " "),
     ("\u2008", " "), ("\u2009", " "), ("\u200a", " "), ("\u202f", " "), ("\u205f", " "), ("\u3000", " "),
     ("\u2026", "..."), ("\u200b", ""), ("\u200c", ""), ("\u200d", ""), ("\u2060", ""), ("\ufeff", "")))
-MATCH_LEVELS = (("ignoring trailing whitespace", str.rstrip), ("ignoring indentation", str.strip),
-                ("ignoring typographic quotes, dashes and spaces", lambda s: s.translate(PUNCT_ASCII).strip()))
+WHITESPACE_RUN = re.compile(r"\s+")
+
+
+def is_word(ch):
+    """Whether `ch` is a character of a word (a run of whitespace between two of them
+    is one space to the matcher, never nothing)."""
+    return ch.isalnum() or ch == "_"
+
+
+def squeezed(line):
+    """A line as the inner-whitespace level sees it: typography folded, its ends stripped,
+    a run of whitespace between two word characters one space, any other run gone."""
+    s = line.translate(PUNCT_ASCII).strip()
+    return WHITESPACE_RUN.sub(lambda m: " " if m.start() and m.end() < len(s) and is_word(s[m.start() - 1])
+                              and is_word(s[m.end()]) else "", s)
+
+
+def line_key(line):
+    """What every level agrees on: the line's characters, typography folded, without
+    any whitespace (equal keys are needed for a match at any level; '' = blank)."""
+    return "".join(line.translate(PUNCT_ASCII).split())
+
+
+# (name, how lines compare, whether indentation must map as a slip does)
+MATCH_LEVELS = (
+    ("exactly", None, False),
+    ("ignoring trailing whitespace", str.rstrip, False),
+    ("ignoring indentation", str.strip, True),
+    ("ignoring whitespace at both ends of lines", str.strip, False),
+    ("ignoring typographic quotes, dashes and spaces", lambda s: s.translate(PUNCT_ASCII).strip(), False),
+    ("ignoring whitespace inside lines", squeezed, False),
+    ("ignoring blank lines", squeezed, False),
+)
+BLANK_LEVEL = len(MATCH_LEVELS) - 1
+STRICT_LEVELS = 2               # exactly and trailing whitespace: unique at their own level is enough
 
 
 def leading(line):
     """A line's indentation."""
     return line[:len(line) - len(line.lstrip())]
+
+
+def trailing(line):
+    """A line's trailing whitespace."""
+    return line[len(line.rstrip()):]
 
 
 def indent_map(want, region, loose=False):
@@ -5945,6 +5988,8 @@ def indent_units(mapping):
     if not steps:
         return 0, ""
     unit, top, low = min(steps)
+    if not unit:
+        return None                                 # two indentations as wide as each other: no unit
     step = top[len(low):] if top.startswith(low) else ""
     if not step or step != step[0] * len(step):
         return None
@@ -5973,74 +6018,414 @@ def with_indent(line, mapping):
     return mapping[best] + extra + line[len(have):]
 
 
-def find_lines(plain, want, start=0, eof=False, loose=False):
-    """(level, [line index]) of the first relaxed level at which the lines `want` stand
-    in `plain` (the file's lines without CR) at or after `start` (at the end, for eof),
-    or (None, []). Where indentation is ignored it must map consistently (indent_map;
-    loose: any consistent mapping), and every place the most relaxed level sees counts:
-    a place found ignoring indentation is not unique while another differs from it in
-    indentation and punctuation."""
-    if not any(w.strip() for w in want):
-        return None, []                             # blank lines match only as they are
-    n, found = len(want), []
-    for how, norm in MATCH_LEVELS:
-        wanted = [norm(w) for w in want]
-        hits = [i for i in range(start, len(plain) - n + 1)
-                if norm(plain[i]) == wanted[0] and [norm(l) for l in plain[i + 1:i + n]] == wanted[1:]
-                and (not eof or i + n == len(plain))]
-        if norm is not str.rstrip:                 # indentation ignored: it must map consistently
-            hits = [i for i in hits if indent_map(want, plain[i:i + n], loose) is not None]
-        found.append((how, hits))
-    for k, (how, hits) in enumerate(found):
-        if hits:
-            if k and len(found[-1][1]) > len(hits):
-                hits = sorted(set(hits) | set(found[-1][1]))
-            return how, hits
-    return None, []
+class LineIndex(object):
+    """A file's lines (without CR) as the matcher searches them: each line's key, and
+    where each key stands among the non-blank lines, made once per text."""
+
+    def __init__(self, plain):
+        self.plain = plain
+        self.keys = [line_key(l) for l in plain]
+        self.nonblank = [i for i, k in enumerate(self.keys) if k]
+        self.at = {}
+        for p, i in enumerate(self.nonblank):
+            self.at.setdefault(self.keys[i], []).append(p)
+
+    def spans(self, want, start=0, eof=False, partial=False):
+        """(i, j): the runs plain[i:j] whose non-blank lines have want's keys (blank lines
+        of want at its ends taken from the file's blank lines around the run, as far as
+        they go), at or after `start` (at the end, for eof); not overlapping. With
+        `partial`, want's last line may be the start of the file's line."""
+        wkeys = [line_key(w) for w in want]
+        words = [k for k in wkeys if k]
+        if not words:
+            return []
+        lead = next(k for k, key in enumerate(wkeys) if key)
+        tail = len(wkeys) - 1 - max(k for k, key in enumerate(wkeys) if key)
+        nb, keys, m, out = self.nonblank, self.keys, len(words), []
+        if partial and tail:
+            return []
+        firsts = self.at.get(words[0], ()) if m > 1 or not partial else \
+            [p for p, i in enumerate(nb) if keys[i].startswith(words[0])]
+        for p in firsts:
+            i = nb[p]
+            if i < start or p + m > len(nb) or [keys[q] for q in nb[p:p + m - 1]] != words[:-1] or not (
+                    keys[nb[p + m - 1]].startswith(words[-1]) if partial else keys[nb[p + m - 1]] == words[-1]):
+                continue
+            j = nb[p + m - 1] + 1
+            a, b = i, j
+            while a > start and i - a < lead and not keys[a - 1]:
+                a -= 1
+            while b < len(keys) and b - j < tail and not keys[b]:
+                b += 1
+            if eof and any(keys[b:]):
+                continue
+            if out and a < out[-1][1]:
+                continue
+            out.append((a, b))
+        return out
 
 
-def merged_lines(region, want, new_lines, norm, crlf):
-    """The lines that replace `region` (the file's, CR kept) where it matched `want`:
-    new lines equal to lines of `want` (as `norm` sees them) keep the file's bytes; the
-    others come in with the file's indentation and line ending."""
-    import difflib
-    plain = [l.rstrip("\r") for l in region]
-    mapping = indent_map(want, plain) or {}
-    tail = ""                       # matched ignoring trailing spaces: a new line ends as the file's line above
-    out = []
-    same = lambda x: leading(x) + norm(x).strip()          # old_str and new_str share their indentation
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, [same(x) for x in want], [same(x) for x in new_lines],
-                                                       autojunk=False).get_opcodes():
-        if tag == "equal":
-            out += region[i1:i2]
-            tail = trailing(plain[i2 - 1])
-            continue
-        kept = dict((same(want[i]), i) for i in range(i1, i2))            # a line the edit left alone
-        for x in new_lines[j1:j2]:
-            if same(x) in kept and x.strip():
-                out.append(region[kept[same(x)]])
-                tail = trailing(plain[kept[same(x)]])
+def level_of(plain, want, i, j, partial=False):
+    """The first level (an index of MATCH_LEVELS) at which want stands at plain[i:j], or
+    None; with `partial` want's last line may be the start of the file's line."""
+    region = plain[i:j]
+
+    def same(norm, a, b, last):
+        a, b = (a, b) if norm is None else (norm(a), norm(b))
+        return a.startswith(b) if last and partial else a == b
+    if len(region) == len(want):
+        for k, (_, norm, units) in enumerate(MATCH_LEVELS[:BLANK_LEVEL]):
+            if all(same(norm, a, b, n == len(want) - 1) for n, (a, b) in enumerate(zip(region, want))):
+                if not units or indent_map(want, region) is not None:
+                    return k
+    have, wanted = [squeezed(l) for l in region if l.strip()], [squeezed(w) for w in want if w.strip()]
+    if len(have) == len(wanted) and all(same(None, a, b, n == len(have) - 1) for n, (a, b) in enumerate(zip(have, wanted))):
+        return BLANK_LEVEL
+    return None
+
+
+def find_lines(index, want, start=0, eof=False, partial=False):
+    """(level, [(i, j)] there, [(i, j)] elsewhere) of the first level at which the lines
+    `want` stand in the file (a LineIndex) at or after `start` (at the end, for eof):
+    the places found there and, past the strict levels, the other places the most
+    relaxed level sees (a place is unique only when nothing else looks like it);
+    (None, [], []) when nowhere."""
+    found = []
+    for i, j in index.spans(want, start, eof, partial):
+        level = level_of(index.plain, want, i, j, partial)
+        if level is not None:
+            found.append((level, (i, j)))
+    if not found:
+        return None, [], []
+    level = min(k for k, _ in found)
+    return (level, [span for k, span in found if k == level],
+            [span for k, span in found if k != level] if level >= STRICT_LEVELS else [])
+
+
+def hunk_ops(lines):
+    """(old lines, new lines, difflib-style opcodes) of a patch hunk's (kind, text) lines:
+    context lines are 'equal', each run of '-' and '+' lines between them one change."""
+    old, new, ops, run = [], [], [], None
+    for kind, text in lines + [(" ", None)]:
+        if kind == " ":
+            if run:
+                tag = "replace" if run[0] < run[1] and run[2] < run[3] else "delete" if run[0] < run[1] else "insert"
+                ops.append((tag,) + tuple(run))
+                run = None
+            if text is None:
+                break
+            if ops and ops[-1][0] == "equal":
+                ops[-1] = ("equal", ops[-1][1], len(old) + 1, ops[-1][3], len(new) + 1)
             else:
-                x = with_indent(x, mapping)
-                if norm is str.rstrip and x.strip() and x == x.rstrip():
-                    x += tail
-                out.append(x + ("\r" if crlf else ""))
-    return out
+                ops.append(("equal", len(old), len(old) + 1, len(new), len(new) + 1))
+            old.append(text)
+            new.append(text)
+            continue
+        if run is None:
+            run = [len(old), len(old), len(new), len(new)]
+        if kind == "-":
+            old.append(text)
+            run[1] = len(old)
+        else:
+            new.append(text)
+            run[3] = len(new)
+    return old, new, ops
 
 
-def trailing(line):
-    """A line's trailing whitespace."""
-    return line[len(line.rstrip()):]
+def paired_lines(olds, news):
+    """[(k, m)]: which old line (index into olds) each changed new line (into news) was
+    made from, in order: line by line when there are as many and each pair is alike,
+    else by the most similar pairs; a line with no partner is None on its side."""
+    import difflib
+    if not olds or not news:
+        return [(k, None) for k in range(len(olds))] + [(None, m) for m in range(len(news))]
+
+    def ratio(a, b):
+        matcher = difflib.SequenceMatcher(None, a.strip()[:300], b.strip()[:300], autojunk=False)
+        return matcher.ratio() if matcher.quick_ratio() >= 0.5 else 0.0
+    if len(olds) == len(news) and all(ratio(a, b) >= 0.5 for a, b in zip(olds, news)):
+        return list(zip(range(len(olds)), range(len(news))))
+    if len(olds) * len(news) > 400:
+        return [(k, None) for k in range(len(olds))] + [(None, m) for m in range(len(news))]
+    best, at = 0.75, None                   # difflib's own cutoff for lines that were changed, not replaced
+    for k, a in enumerate(olds):
+        for m, b in enumerate(news):
+            r = ratio(a, b)
+            if r > best:
+                best, at = r, (k, m)
+    if at is None:
+        return [(k, None) for k in range(len(olds))] + [(None, m) for m in range(len(news))]
+    k, m = at
+    left = paired_lines(olds[:k], news[:m])
+    right = [(a if a is None else a + k + 1, b if b is None else b + m + 1)
+             for a, b in paired_lines(olds[k + 1:], news[m + 1:])]
+    return left + [(k, m)] + right
 
 
-def indent_note(level, want, region):
+def text_units(core):
+    """[(canonical text, original text, solid)] of a line's text: each character is a
+    solid unit (typography folded: an ellipsis is three dots, the first carrying it),
+    and each run of whitespace or of characters that fold to nothing a gap unit
+    (canonical ' ' between two word characters, '' elsewhere), so that two texts the
+    matcher sees as equal have the same solid units in the same order."""
+    units, k = [], 0
+    while k < len(core):
+        folded = core[k].translate(PUNCT_ASCII)
+        if folded and not folded.isspace():
+            units.append((folded[0], core[k], True))
+            units.extend((c, "", True) for c in folded[1:])
+            k += 1
+            continue
+        j = k
+        while j < len(core) and (not core[j].translate(PUNCT_ASCII) or core[j].translate(PUNCT_ASCII).isspace()):
+            j += 1
+        run = core[k:j]
+        after = core[j:j + 1].translate(PUNCT_ASCII)[:1]
+        spaced = any(ch.translate(PUNCT_ASCII).isspace() for ch in run)
+        units.append((" " if spaced and units and is_word(units[-1][0]) and after and is_word(after) else "", run, False))
+        k = j
+    return units
+
+
+def solids(units):
+    """The indexes of the solid units of text_units' list."""
+    return [k for k, u in enumerate(units) if u[2]]
+
+
+class EditMerge(object):
+    """The three-way merge of one place: the file's lines there (region, CR kept), the
+    lines old_str (or a hunk's old side) has (want) and the lines the edit makes of
+    them (new), with the opcodes of want -> new. Lines the edit leaves keep the file's
+    bytes; a changed line is merged character by character (what the model did not
+    change inside it keeps the file's characters); new lines come in with the file's
+    indentation and line ending and no trailing whitespace they were not sent with.
+    Where the difference has no single right place, lines() raises a refusal."""
+
+    def __init__(self, region, want, new, ops, level, cr="", what="old_str", as_sent=False):
+        self.region, self.want, self.new, self.ops, self.level = region, want, new, ops, level
+        self.cr, self.what, self.as_sent = cr, what, as_sent    # as_sent: unmapped indentation as the patch has it
+        self.plain = [l[:-1] if l.endswith("\r") else l for l in region]
+        self.align = self.aligned()
+        pairs = [(want[w], self.plain[r]) for w, r in enumerate(self.align) if r is not None]
+        self.mapping = indent_map([a for a, _ in pairs], [b for _, b in pairs]) or \
+            indent_map([a for a, _ in pairs], [b for _, b in pairs], loose=True)
+        images = {}
+        for a, b in pairs:
+            if a.strip() and b.strip():
+                images.setdefault(leading(a), set()).add(leading(b))
+        self.known = dict((a, bs.pop()) for a, bs in images.items() if len(bs) == 1)   # where the mapping is not one
+        self.columns = self.aligned_columns(pairs) if level >= BLANK_LEVEL - 1 else {}
+        # The file's trailing whitespace is a convention (markdown's hard breaks, a file padded
+        # throughout) when old_str sent none and most lines of the place, two at least, end in it.
+        ends = Counter(trailing(f) for f in self.plain if f.strip())
+        tail, n = max(ends.items(), key=lambda e: e[1]) if ends else ("", 0)
+        self.tail = tail if tail and n >= 2 and 2 * n > sum(ends.values()) and \
+            not any(trailing(w) for w in want if w.strip()) else ""
+
+    def aligned(self):
+        """For each line of want, the index of the region line it stands for (None: a
+        blank line the file does not have there); region lines no want line stands for
+        are blank lines old_str lacks."""
+        if len(self.want) == len(self.plain) and self.level < BLANK_LEVEL:
+            return list(range(len(self.want)))
+        anchors = [(-1, -1)] + list(zip([k for k, w in enumerate(self.want) if w.strip()],
+                                        [k for k, f in enumerate(self.plain) if f.strip()])) + \
+            [(len(self.want), len(self.plain))]
+        align = [None] * len(self.want)
+        for (w0, r0), (w1, r1) in zip(anchors, anchors[1:]):
+            if 0 <= w1 < len(self.want):
+                align[w1] = r1
+            ws, rs = list(range(w0 + 1, w1)), list(range(r0 + 1, r1))
+            if w0 < 0:                      # before the first line with text: pair from the end
+                ws, rs = ws[::-1], rs[::-1]
+            for w, r in zip(ws, rs):
+                align[w] = r
+        return align
+
+    def refuse(self, why):
+        return ToolError(STR_REPLACE_AMBIGUOUS, "%s was found %s, but the edit cannot be placed with one"
+                         " right result: %s; nothing was written" % (self.what, MATCH_LEVELS[self.level][0], why))
+
+    def lines(self):
+        """The region's lines after the edit (CR kept where the file has it)."""
+        out, rp, align = [], 0, self.align
+        for tag, i1, i2, j1, j2 in self.ops:
+            mine = [align[w] for w in range(i1, i2) if align[w] is not None]
+            ahead = next((r for r in align[i2:] if r is not None), len(self.region))
+            if tag == "insert":
+                if rp < ahead:
+                    raise self.refuse("the file has %d blank line%s at line %d of the match that %s lacks, just"
+                                      " where the new lines go; copy %s with the file's blank lines" % (
+                                          ahead - rp, "" if ahead - rp == 1 else "s", rp + 1, self.what, self.what))
+                for x in self.new[j1:j2]:
+                    out.append(self.new_line(x))
+                continue
+            if not mine:                    # only blank lines the file does not have
+                for x in self.new[j1:j2] if tag == "replace" else ():
+                    out.append(self.new_line(x))
+                continue
+            out += self.region[rp:mine[0]]          # blank lines old_str lacks, before the block: kept
+            if tag == "equal":
+                out += self.region[mine[0]:mine[-1] + 1]
+            elif tag == "replace":
+                inside = [r for r in range(mine[0], mine[-1] + 1) if r not in mine]
+                if inside:
+                    raise self.refuse("the file has a blank line at line %d of the match, inside the lines the"
+                                      " edit changes, that %s lacks" % (inside[0] + 1, self.what))
+                olds = [w for w in range(i1, i2) if align[w] is not None]
+                for k, m in paired_lines([self.want[w] for w in olds], self.new[j1:j2]):
+                    if m is None:
+                        continue
+                    if k is None:
+                        out.append(self.new_line(self.new[j1 + m]))
+                    else:
+                        w = olds[k]
+                        out.append(self.merged_line(self.want[w], self.new[j1 + m], self.plain[align[w]]) +
+                                   ("\r" if self.region[align[w]].endswith("\r") else ""))
+            rp = mine[-1] + 1
+        return out + self.region[rp:]
+
+    def indent(self, line):
+        """A new line with the file's indentation (with_indent through the mapping learnt
+        from the matched lines); a refusal where that mapping is not one."""
+        if not line.strip() or self.mapping is not None:
+            return with_indent(line, self.mapping or {})
+        if leading(line) in self.known:
+            return self.known[leading(line)] + line.lstrip()
+        if self.as_sent:
+            return line
+        raise self.refuse("its indentation maps onto the file's in more than one way, so the indentation of"
+                          " a new line is not known; copy %s's indentation from the file" % self.what)
+
+    def new_line(self, line):
+        """A line the edit adds: the file's indentation and line
+        ending, its own text (with the file's column alignment where the match had to
+        ignore inner whitespace), and trailing whitespace only as sent or as the file's
+        convention."""
+        line = self.aligned_line(self.indent(line))
+        if self.tail and line.strip() and line == line.rstrip():
+            line += self.tail
+        return line + self.cr
+
+    def merged_line(self, w, n, f):
+        """The file's line f (old_str's w) changed as w became n: indentation and trailing
+        whitespace the model did not change stay the file's; inside the line, the
+        characters the model did not change stay the file's."""
+        if not n.strip():
+            return f if n == w else ""
+        lead = leading(f) if leading(n) == leading(w) else leading(self.indent(n))
+        tail = trailing(f) if trailing(n) == trailing(w) else trailing(n)
+        wc, nc, fc = w.strip(), n.strip(), f.strip()
+        if wc == fc or nc == wc:
+            core = fc if nc == wc else nc
+        else:
+            core = self.merged_text(wc, nc, fc)
+        return lead + core + tail
+
+    def merged_text(self, wc, nc, fc):
+        """fc (the file's text of the line) with the character changes that made nc of wc:
+        the characters the model did not change are the file's, and so is the whitespace
+        between two of them; next to a change the whitespace is the model's."""
+        import difflib
+        wu, nu, fu = text_units(wc), text_units(nc), text_units(fc)
+        ws, fs = solids(wu), solids(fu)
+        if [wu[k][0] for k in ws] != [fu[k][0] for k in fs]:
+            raise self.refuse("the changed line %r does not line up with the file's %r" % (
+                shorten(wc, 60), shorten(fc, 60)))
+        twin = dict(zip(ws, fs))                        # w's solid unit -> the file's
+        ops = difflib.SequenceMatcher(None, [u[1] for u in wu], [u[1] for u in nu], autojunk=False).get_opcodes()
+        same = set()
+        for tag, i1, i2, _, _ in ops:
+            same.update(range(i1, i2) if tag == "equal" else ())
+
+        def file_gap(p, q):
+            """The file's text between w's solid units p and q, or None when the model's
+            counts: an end of the line, or a change on either side or in between."""
+            if p is None or q is None or not all(k in same for k in range(p, q + 1)):
+                return None
+            return "".join(u[1] for u in fu[twin[p] + 1:twin[q]])
+        spacing = any(file_gap(p, q) is not None and file_gap(p, q).strip() == "" and
+                      bool(file_gap(p, q)) != any(not wu[k][2] for k in range(p + 1, q)) for p, q in zip(ws, ws[1:]))
+        out, done = [], set()
+        for tag, i1, i2, j1, j2 in ops:
+            if tag != "equal":
+                put = "".join(u[1] for u in nu[j1:j2])
+                if spacing and any(not is_word(ch) and not ch.isspace() for ch in put):
+                    raise self.refuse("the file spaces the line %r otherwise than %s (%r), and the change puts"
+                                      " punctuation into it; copy the line as the file has it" % (
+                                          shorten(fc, 60), self.what, shorten(wc, 60)))
+                out.append(put)
+                continue
+            for k in range(i1, i2):
+                p = max((x for x in ws if x < k), default=None)
+                q = min((x for x in ws if x > k), default=None)
+                if wu[k][2]:
+                    if p is not None and p + 1 == k and (p, k) not in done and file_gap(p, k):
+                        out.append(file_gap(p, k))     # the file's gap where old_str has none
+                    out.append(fu[twin[k]][1])
+                elif file_gap(p, q) is None:
+                    out.append(wu[k][1])
+                elif (p, q) not in done:
+                    out.append(file_gap(p, q))
+                    done.add((p, q))
+        return "".join(out)
+
+    @staticmethod
+    def aligned_columns(pairs):
+        """{token: column} where the file pads whitespace that old_str squeezed to line up
+        a token (=, =>, :) in one column, on two lines at least and on every such line."""
+        cols = {}
+        for w, f in pairs:
+            lead, fc, wc = leading(f), f.strip(), w.strip()
+            if wc == fc or squeezed(wc) != squeezed(fc):
+                continue
+            wu, fu = text_units(wc), text_units(fc)
+            ws, fs = solids(wu), solids(fu)
+            for (p, q), (fp, fq) in zip(zip(ws, ws[1:]), zip(fs, fs[1:])):
+                gap, mine = "".join(u[1] for u in fu[fp + 1:fq]), "".join(u[1] for u in wu[p + 1:q])
+                if len(gap) > max(1, len(mine)) and gap.isspace():
+                    token = "".join(u[1] for u in fu[fq:]).split()[0]
+                    cols.setdefault(token, []).append(len(lead) + len("".join(u[1] for u in fu[:fq])))
+        return dict((t, c[0]) for t, c in cols.items() if len(c) > 1 and len(set(c)) == 1)
+
+    def aligned_line(self, line):
+        """A new line whose tokens that the file aligns in a column stand in that column
+        (padded; never cut)."""
+        if not self.columns:
+            return line
+        lead = leading(line)
+        parts = re.split(r"(\s+)", line[len(lead):])
+        out = lead + parts[0]
+        for k in range(1, len(parts) - 1, 2):
+            gap, word = parts[k], parts[k + 1]
+            col = self.columns.get(word.split()[0] if word.split() else "")
+            if col is not None and len(out) + len(gap) < col:
+                gap = " " * (col - len(out))
+            out += gap + word
+        return out
+
+
+def split_after(line, head):
+    """(the start of the file's `line` that stands for `head`, the rest of it): `head` is
+    the start of the line as the matcher sees it (CR kept on the rest)."""
+    cr = "\r" if line.endswith("\r") else ""
+    line = line[:len(line) - len(cr)]
+    lead = leading(line)
+    units = text_units(line[len(lead):])
+    last = solids(units)[len(solids(text_units(head.strip()))) - 1]
+    cut = len(lead) + sum(len(u[1]) for u in units[:last + 1])
+    return line[:cut], line[cut:] + cr
+
+
+def relaxed_note(level, merge):
     """How a relaxed match was made, for the result: the level, and for a match made
     ignoring indentation how the file indents."""
-    leads = [b for b in (indent_map(want, region) or {}).values() if b]
-    if level != "ignoring indentation" or not leads:
-        return level
-    return level + ", " + ("the file indents with tabs" if any("\t" in b for b in leads) else
-                           "the file's indentation differs from old_str's")
+    name = MATCH_LEVELS[level][0]
+    leads = [b for b in (merge.mapping or {}).values() if b]
+    if level != 2 or not leads:
+        return name
+    return name + ", " + ("the file indents with tabs" if any("\t" in b for b in leads) else
+                          "the file's indentation differs from old_str's")
 
 
 def replace_text(text, edit, shown, cancelled=None):
@@ -6070,35 +6455,51 @@ def replace_text(text, edit, shown, cancelled=None):
 
 
 def replace_lines(text, edit, shown, cancelled=None):
-    """replace_text's relaxed levels: old_str as whole lines found by find_lines, new_str
-    merged in by merged_lines; the same answer as replace_text."""
+    """replace_text's relaxed levels: old_str as whole lines found by find_lines, the
+    difference old_str -> new_str merged into the file's lines there (EditMerge); the
+    same answer as replace_text."""
+    import difflib
     old, new, replace_all = edit["old_str"], edit.get("new_str") or "", bool(edit.get("replace_all"))
     lines = text.split("\n")
     plain = [l[:-1] if l.endswith("\r") else l for l in lines]
     want = old.replace("\r\n", "\n").split("\n")
     if len(want) > 1 and want[-1] == "":
         want.pop()
-    level, hits = find_lines(plain, want)
+    index = LineIndex(plain)
+    level, hits, elsewhere = find_lines(index, want)
+    partial = not hits and not old.endswith("\n")
+    if partial:                                 # old_str may end inside a line, as an exact match may
+        level, hits, elsewhere = find_lines(index, want, partial=True)
     if not hits:
         raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and copy the"
                         " text exactly, whitespace and indentation included.%s" % (shown, closest_region(text, old, cancelled)))
-    if len(hits) > 1 and not replace_all:
+    if len(hits) + len(elsewhere) > 1 and not replace_all:
+        places = sorted(hits + elsewhere)
         raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s), and a relaxed"
                         " match must be unique; copy old_str exactly from the file, or add surrounding lines"
-                        % (len(hits), shown, level, ", ".join(str(i + 1) for i in hits[:20])))
-    norm = dict(MATCH_LEVELS)[level]
-    crlf = "\r\n" in text
+                        % (len(places), shown, MATCH_LEVELS[level][0], ", ".join(str(i + 1) for i, _ in places[:20])))
     new_lines = new.replace("\r\n", "\n").split("\n") if new else []
     if len(new_lines) > 1 and new_lines[-1] == "" and old.replace("\r\n", "\n").endswith("\n"):
         new_lines.pop()
-    for at in reversed(hits):
-        put = merged_lines(lines[at:at + len(want)], want, new_lines, norm, crlf)
-        if at + len(want) == len(lines) and put and put[-1].endswith("\r") and not lines[-1].endswith("\r"):
+    ops = difflib.SequenceMatcher(None, want, new_lines, autojunk=False).get_opcodes()
+    merge = None
+    for i, j in reversed(hits):
+        region, rest = lines[i:j], ""
+        if partial:                             # the file's line goes on after old_str: that stays after new_str
+            region[-1], rest = split_after(region[-1], want[-1])
+        merge = EditMerge(region, want, new_lines, ops, level, "\r" if "\r\n" in text else "")
+        put = merge.lines()
+        if rest:
+            if not put:
+                raise merge.refuse("old_str ends inside line %d, and the edit removes everything before the"
+                                   " rest of that line" % j)
+            cr = "\r" if put[-1].endswith("\r") else ""
+            put[-1] = put[-1][:len(put[-1]) - len(cr)] + rest + cr
+        if j == len(lines) and put and put[-1].endswith("\r") and not lines[-1].endswith("\r"):
             put[-1] = put[-1][:-1]
-        lines[at:at + len(want)] = put
-    updated = "\n".join(lines)
-    note = indent_note(level, want, plain[hits[0]:hits[0] + len(want)])
-    return updated, len(hits), len("\n".join(lines[:hits[0]])) + (1 if hits[0] else 0), note
+        lines[i:j] = put
+    first = hits[0][0]
+    return "\n".join(lines), len(hits), len("\n".join(lines[:first])) + (1 if first else 0), relaxed_note(level, merge)
 
 
 def at_line_text(text, old):
@@ -6357,9 +6758,6 @@ def tool_str_replace_editor(session, args, ctx):
 # '*** End of File' / *** End Patch. Every hunk of every file is located before anything
 # is written; a patch lands whole or not at all.
 
-PATCH_LEVELS = (("exactly", lambda s: s),) + MATCH_LEVELS      # the one matcher's, for headers and misses
-
-
 class Hunk(object):
     """One '@@' section: the header lines that narrow where it applies, its lines as
     (kind, text) with kind ' ', '-' or '+', and whether it ends the file."""
@@ -6389,8 +6787,8 @@ class PatchReader(object):
             lines.pop()
         while lines and not lines[0].strip():
             lines.pop(0)
-        heredoc = re.match(r"^\s*(?:apply_patch\s*)?<<-?\s*['\"]?(\w+)['\"]?\s*$", lines[0]) if lines else None
-        if heredoc and len(lines) > 1 and lines[-1].strip() == heredoc.group(1):
+        heredoc = re.match(r"^\s*(?:apply_patch\s*)?<<-?\s*(['\"]?)(\w+)\1\s*$", lines[0]) if lines else None
+        if heredoc and len(lines) > 1 and lines[-1].strip() == heredoc.group(2):
             lines = lines[1:-1]                     # the patch wrapped as a heredoc, as some models send it
         if not lines or lines[0].strip() != "*** Begin Patch":
             raise ToolError(INVALID_INPUT, "a patch starts with the line '*** Begin Patch' (and ends with"
@@ -6484,22 +6882,19 @@ class PatchReader(object):
             raise self.bad(self.i, "a hunk line starts with ' ' (context), '-' (removed) or '+' (added)")
 
 
-def find_run(lines, want, start, norm):
-    """Indexes >= start where `want` (a run of lines) stands in `lines`, as `norm` sees them."""
-    if not want:
-        return []
-    first, n = norm(want[0]), len(want)
-    wanted = [norm(w) for w in want]
-    return [i for i in range(start, len(lines) - n + 1)
-            if norm(lines[i]) == first and [norm(l) for l in lines[i:i + n]] == wanted]
+def find_run(lines, want, start):
+    """Indexes >= start where `want` (a run of lines) stands in `lines` as it is."""
+    n = len(want)
+    return [i for i in range(start, len(lines) - n + 1) if lines[i] == want[0] and lines[i:i + n] == want]
 
 
 class PatchedText(object):
     """One file's text under a patch's hunks, applied in order: each hunk's old lines are
-    found at or after where the hunk before ended, past its '@@ header' lines: exactly,
-    then ignoring trailing whitespace, then surrounding whitespace (never fuzzier). Line
-    endings are kept (a CRLF file stays CRLF). `notes` gets a line for each hunk found
-    at a relaxed level."""
+    found by the one matcher at or after where the hunk before ended, past its '@@
+    header' lines; a hunk found at a relaxed level is merged into the file's lines as
+    an edit is (EditMerge; new lines with an indentation the match does not map come
+    as the patch has them, as Codex writes them). Line endings are kept (a CRLF file
+    stays CRLF). `notes` gets a line for each hunk found at a relaxed level."""
 
     def __init__(self, text, shown):
         self.text, self.shown = text, shown
@@ -6508,6 +6903,7 @@ class PatchedText(object):
         self.lines = text.split(self.nl)
         if self.final:
             self.lines.pop()
+        self.index = LineIndex(self.lines)
         self.cursor = 0
         self.notes = []
 
@@ -6515,35 +6911,29 @@ class PatchedText(object):
         """The text with every hunk applied, or the ToolError of the first that does not apply."""
         lines, edits = self.lines, []
         for k, hunk in enumerate(hunks, 1):
-            at, size, relaxed = self.locate(hunk, hunk.label(k))
-            # The lines the hunk leaves: context keeps the file's own text (whitespace and
-            # all), '+' lines come in, '-' lines go. Found at a relaxed level, the '+' lines
-            # take the file's indentation (with_indent), not the patch's.
-            old = hunk.old()
-            mapping = (indent_map(old, lines[at:at + len(old)]) or {}) if relaxed else None
-            new, j = [], at
-            for kind, line in hunk.lines:
-                if kind == " ":
-                    new.append(lines[j])
-                elif kind == "+":
-                    new.append(with_indent(line, mapping) if mapping else line)
-                j += kind != "+"
-            edits.append((at, size, new))
-            if relaxed:
-                self.notes.append("hunk %d matched %s" % (k, relaxed))
-            if size or hunk.headers:
-                self.cursor = at + size          # a bare addition (at the end) moves no later hunk's search
-        for at, size, new in sorted(edits, key=lambda e: e[0], reverse=True):
-            lines[at:at + size] = new
+            at, end, level = self.locate(hunk, hunk.label(k))
+            old, new, ops = hunk_ops(hunk.lines)
+            if level:
+                try:
+                    new = EditMerge(lines[at:end], old, new, ops, level, what="the hunk", as_sent=True).lines()
+                except ToolError as e:
+                    raise ToolError(e.code, "%s, %s: %s" % (self.shown, hunk.label(k), e.message))
+                self.notes.append("hunk %d matched %s" % (k, MATCH_LEVELS[level][0]))
+            edits.append((at, end, new))
+            if end > at or hunk.headers:
+                self.cursor = end                # a bare addition (at the end) moves no later hunk's search
+        for at, end, new in sorted(edits, key=lambda e: e[0], reverse=True):
+            lines[at:end] = new
         return self.nl.join(lines) + (self.nl if lines and (self.final or not self.text) else "")
 
     def locate(self, hunk, label):
-        """(index, length, how or None) where `hunk`'s old lines stand; ToolError naming the
-        file, the hunk and its header or first line that was not found, or every place an
-        ambiguous hunk matches."""
+        """(start, end, level) of the lines `hunk`'s old lines stand for; ToolError naming
+        the file, the hunk and its header or first line that was not found, or every
+        place an ambiguous hunk matches."""
         lines, cursor = self.lines, self.cursor
         for h in hunk.headers:                  # each header found after the one before
-            for _, norm in PATCH_LEVELS:
+            for _, norm, _ in MATCH_LEVELS[:BLANK_LEVEL]:
+                norm = norm or (lambda s: s)
                 hits = [j for j in range(cursor, len(lines)) if norm(lines[j]) == norm(h)]
                 if hits:
                     cursor = hits[0] + 1
@@ -6553,29 +6943,40 @@ class PatchedText(object):
                                 " written" % (self.shown, label, shorten(h, 120), self.searched_from(cursor)))
         old = hunk.old()
         if not old:                                        # only additions: after the headers, or at the end
-            return (cursor if hunk.headers and not hunk.eof else len(lines)), 0, None
-        hits, how = find_run(lines, old, cursor, PATCH_LEVELS[0][1]), "exactly"
-        if hunk.eof:
-            hits = [i for i in hits if i + len(old) == len(lines)]
-        if not hits:
-            how, hits = find_lines(lines, old, cursor, hunk.eof, loose=True)     # as Codex finds them
-        if len(hits) == 1:
-            return hits[0], len(old), (how if how != "exactly" else None)
+            at = cursor if hunk.headers and not hunk.eof else len(lines)
+            return at, at, 0
+        if not any(l.strip() for l in old):                # blank lines only: as they are
+            level, hits, elsewhere = 0, [(i, i + len(old)) for i in find_run(lines, old, cursor)
+                                         if not hunk.eof or i + len(old) == len(lines)], []
+        else:
+            level, hits, elsewhere = find_lines(self.index, old, cursor, hunk.eof)
+        if len(hits) == 1 and not elsewhere:
+            lead = next((k for k, (kind, text) in enumerate(hunk.lines) if kind != " " or text.strip()), 0)
+            if hunk.headers and lead and hunk.lines[lead][0] == "+" and hits[0][0] == cursor:
+                raise ToolError(STR_REPLACE_AMBIGUOUS, "%s, %s: only blank lines stand between its @@ header and"
+                                " the lines it adds, so whether they go before or after those blank lines is not"
+                                " known (a blank line after '@@' may be spacing); give a context line that is not"
+                                " blank, or drop the blank line; nothing was written" % (self.shown, label))
+            return hits[0] + (level,)
         if hits:
             raise ToolError(STR_REPLACE_AMBIGUOUS, "%s, %s matches %s at lines %s; add context lines or an"
                             " '@@ header' line (e.g. @@ def name) to pick one; nothing was written"
-                            % (self.shown, label, how, ", ".join(str(i + 1) for i in hits[:20])))
+                            % (self.shown, label, MATCH_LEVELS[level][0],
+                               ", ".join(str(i + 1) for i, _ in sorted(hits + elsewhere)[:20])))
         raise self.miss(old, cursor, label)
 
     def miss(self, old, cursor, label):
         """The ToolError of a hunk that is nowhere: its first line that is not found after
         the ones before it, and the closest region of the file."""
         got = 0
-        while got < len(old) and any(find_run(self.lines, old[:got + 1], cursor, norm) for _, norm in PATCH_LEVELS):
+        while got < len(old) and (not any(l.strip() for l in old[:got + 1]) or
+                                  find_lines(self.index, old[:got + 1], cursor)[1]):
             got += 1
-        return ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: the line %r was not found%s%s; nothing was written.%s"
-                         % (self.shown, label, shorten(old[got], 120), " after the %d line%s before it" % (
-                             got, "" if got == 1 else "s") if got else "", self.searched_from(cursor),
+        what = ("the line %r was not found%s" % (shorten(old[got], 120), " after the %d line%s before it" % (
+            got, "" if got == 1 else "s") if got else "")) if got < len(old) else \
+            "its lines were not found in that order after the hunks before it"
+        return ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: %s%s; nothing was written.%s"
+                         % (self.shown, label, what, self.searched_from(cursor),
                             closest_region("\n".join(self.lines), "\n".join(old), what="the hunk")))
 
     @staticmethod
