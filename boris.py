@@ -1249,6 +1249,16 @@ def atomic_write(real, data, guards, new_mode=0o644):
         raise
 
 
+def remove_file(real):
+    """Unlink a checked regular file relative to its directory (never through a link)."""
+    directory, base = os.path.split(real)
+    dfd = open_dir(directory)
+    try:
+        os.unlink(base, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
 def replace_file(dfd, base, data, st, new_mode):
     """Write `data` to a new temp file in directory dfd, give it the old file's owner and mode (or
     `new_mode`), fsync, and rename it over `base`; the temp file goes on any failure. The temp
@@ -5278,7 +5288,6 @@ class CallContext(object):
         self.cancelled = cancelled or threading.Event()
         self.wants_progress = progress is not None
         self.progress = progress or (lambda text: None)
-        self.parse_note = ""            # set by write_checked: the edit left a file that no longer parses
 
 
 def text_block(text):
@@ -5654,27 +5663,97 @@ def encode_text(text, name="content"):
         raise ToolError(INVALID_INPUT, "%s holds an unpaired surrogate character; send valid UTF-8 text" % name)
 
 
-def write_checked(session, ctx, real, shown, data, tool="edit"):
-    """Write through the one writer, remembering what was there for undo_edit; a note
-    when it had to write in place."""
+UNKNOWN = object()      # an edit's 'before' that the writer reads itself
+DRY_RUN_PROP = prop("boolean", "Only show the diff it would write.")
+
+
+def write_edit(session, ctx, tool, changes, dry_run=False, undoing=False):
+    """Write one edit through the one writer, all of it or none. `changes` are
+    [(real, shown, bytes to write or None to remove, what is there now: bytes, None for
+    no file, or UNKNOWN to read here, mode for a new file)]. In one place: the size
+    limit (FILE_TOO_LARGE, nothing written), the atomic writes (a failure puts back the
+    files written before it), the viewed mark, the undo level (none for a file over
+    the limit, none when undoing) and the parse warning. Returns the note for the
+    answer (where a file had to be rewritten in place, what no longer parses); with
+    dry_run, the unified diff it would write instead, and nothing is written or kept."""
     limit = ctx.config.max_file_size
-    if len(data) > limit:
-        raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s (--max-file-size);"
-                        " nothing was written" % (shown, human_size(len(data)), human_size(limit)))
+    for real, shown, data, _, _ in changes:
+        if data is not None and len(data) > limit:
+            raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s (--max-file-size);"
+                            " nothing was written" % (shown, human_size(len(data)), human_size(limit)))
+    known, todo = {}, []
+    for real, shown, data, before, new_mode in changes:
+        try:
+            known[real] = file_bytes(real, limit) if before is UNKNOWN else \
+                (before, stat.S_IMODE(os.stat(real).st_mode) if before is not None else None)
+        except ToolError:
+            known[real] = None                           # over the limit (or not a file): no undo for this one
+        except OSError as e:
+            raise io_error(e, shown)
+        todo.append((real, shown, data, known[real][0] if known[real] else None, new_mode))
+    if dry_run:
+        return edit_diff(todo, ctx.config.max_result_chars)
+    done, notes = [], []
     try:
-        before, mode = file_bytes(real, limit)
-        kept = True
-    except ToolError:
-        before, mode, kept = None, None, False       # over the limit (or not a file): no undo for this one
-    try:
-        atomic = atomic_write(real, data, ctx.files)
-        session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
-    except OSError as e:
-        raise io_error(e, shown)
-    if kept:
-        session.remember_edit(tool, {real: (before, mode, digest_of(data))})
-        ctx.parse_note = parse_warning(real, before, data)
-    return "" if atomic else " (rewritten in place: its directory refuses new files or renames)"
+        for real, shown, data, before, new_mode in sorted(todo, key=lambda c: c[2] is None):   # removals last
+            top, d = None, os.path.dirname(real)
+            while before is None and not os.path.lexists(d):
+                top, d = d, os.path.dirname(d)           # the directories writing it makes
+            if data is None:
+                remove_file(real)
+            elif not atomic_write(real, data, ctx.files, new_mode or 0o644):
+                notes.append(" (%s rewritten in place: its directory refuses new files or renames)" % shown)
+            done.append((real, before, top))
+            if data is not None:
+                session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
+    except (OSError, ToolError) as e:
+        why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
+        raise ToolError(IO_ERROR, "writing %s failed (%s); %s" % (shown, why, put_back(done, known, ctx)))
+    kept = dict((real, (known[real][0], known[real][1], digest_of(data) if data is not None else None))
+                for real, _, data, _, _ in todo if known[real] is not None)
+    if kept and not undoing:
+        session.remember_edit(tool, kept)
+    return "".join(notes) + "".join(parse_warning(real, before, data) for real, _, data, before, _ in todo
+                                    if data is not None and known[real] is not None)
+
+
+def put_back(done, known, ctx):
+    """Undo the writes `done` [(real, bytes before or None, top directory made)] of an edit
+    that failed half-way, in reverse; a sentence saying how that went."""
+    failed = []
+    for real, before, top in reversed(done):
+        try:
+            if before is None:
+                remove_file(real)
+                for d, _, _ in sorted(os.walk(top) if top else (), reverse=True):
+                    os.rmdir(d)                             # the empty directories the write made
+            else:
+                atomic_write(real, before, ctx.files, (known[real] or (None, 0o644))[1] or 0o644)
+        except OSError:
+            failed.append(real)
+    if failed:
+        return "the files written before it could not all be restored: %s" % ", ".join(failed)
+    return "the %d file%s written before it were restored, so nothing changed" % (len(done), "" if len(done) == 1 else "s")
+
+
+def edit_diff(todo, cap):
+    """The answer of a dry run: the unified diff of each file's change, with the file's
+    line numbers, cut to fit `cap`."""
+    import difflib
+    out = []
+    for real, shown, data, before, _ in todo:
+        a = (before or b"").decode("utf-8", "surrogateescape").splitlines(True)
+        b = (data or b"").decode("utf-8", "surrogateescape").splitlines(True)
+        for line in difflib.unified_diff(a, b, "/dev/null" if before is None else "a/" + shown,
+                                         "/dev/null" if data is None else "b/" + shown):
+            out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    text = "".join(out).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    if not text:
+        return "Dry run: the edit would change nothing; nothing was written."
+    head = "Dry run: nothing was written. The edit would make this change (unified diff, the file's line numbers):\n"
+    if len(head) + len(text) > cap - 200:
+        text = text[:cap - 400] + "\n[diff cut at %d of %d characters]" % (cap - 400, len(text))
+    return head + text
 
 
 def file_bytes(real, limit):
@@ -6528,11 +6607,11 @@ def replaced(text, old, new):
     return "".join(parts)
 
 
-STR_REPLACE_DESC = ("Edit a file by replacing old_str with new_str. Copy old_str from the file (without the "
-                    "line-number prefix view shows); it must occur once, unless replace_all is true. Slips in "
-                    "whole lines - indentation, tabs written as spaces, trailing spaces, CRLF, typographic quotes "
-                    "- are forgiven when only one place fits: new_str then takes the file's indentation and line "
-                    "endings, and the result says how it matched. Omit new_str to delete. View the file first.")
+STR_REPLACE_DESC = ("Edit a file by replacing old_str with new_str. Copy old_str from the file (without view's "
+                    "line-number prefix); it must occur once, unless replace_all is true. Slips - indentation, tabs, "
+                    "spaces, blank lines, CRLF, typographic quotes - are forgiven where only one place fits: what "
+                    "new_str changes is written in the file's own style, and the result says how it matched. Omit "
+                    "new_str to delete. View the file first.")
 
 
 @tool("str_replace", STR_REPLACE_DESC, obj({
@@ -6540,6 +6619,7 @@ STR_REPLACE_DESC = ("Edit a file by replacing old_str with new_str. Copy old_str
     "old_str": prop("string", "The exact text to replace."),
     "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
     "replace_all": prop("boolean", "Replace every occurrence instead of requiring one (default false)."),
+    "dry_run": DRY_RUN_PROP,
 }, ["path", "old_str"]), notes("Replace text in a file", destructive=True), DEFAULT)
 def tool_str_replace(session, args, ctx):
     """str_replace: replace old_str (unique, or every one with replace_all) in a file viewed and unchanged
@@ -6549,11 +6629,14 @@ def tool_str_replace(session, args, ctx):
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         updated, count, pos, how = replace_text(text, args, shown, ctx.cancelled)
-        note = write_checked(session, ctx, real, shown, encode_text(updated, "new_str"), "str_replace")
+        note = write_edit(session, ctx, "str_replace", [(real, shown, encode_text(updated, "new_str"),
+                                                         text.encode("utf-8", "surrogateescape"), None)], args.get("dry_run"))
+    if args.get("dry_run"):
+        return note + ("\n(old_str matched %s)" % how if how else "")
     line = updated.count("\n", 0, pos)
-    return "Replaced %d occurrence%s in %s%s%s:\n%s%s" % (count, "" if count == 1 else "s", real, note,
-                                                       " (matched %s)" % how if how else "", snippet(
-        updated.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")), ctx.parse_note)
+    return "Replaced %d occurrence%s in %s%s:\n%s%s" % (count, "" if count == 1 else "s", real,
+                                                     " (matched %s)" % how if how else "", snippet(
+        updated.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")), note)
 
 
 MULTI_EDIT_DESC = ("Make several edits to one file in one call: each {old_str, new_str, replace_all?} works as "
@@ -6569,6 +6652,7 @@ MULTI_EDIT_DESC = ("Make several edits to one file in one call: each {old_str, n
                       "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
                       "replace_all": prop("boolean", "Replace every occurrence (default false)."),
                   }, ["old_str"])),
+    "dry_run": DRY_RUN_PROP,
 }, ["path", "edits"]), notes("Edit a file in several places", destructive=True))
 def tool_multi_edit(session, args, ctx):
     """Several str_replace edits of one file: each applies to the result of the one
@@ -6576,7 +6660,7 @@ def tool_multi_edit(session, args, ctx):
     shown, edits = args["path"], args["edits"]
     real = resolve_checked(session, ctx, shown)
     with ctx.files.lock(real):
-        text = load_for_edit(session, ctx, real, shown)
+        text = before = load_for_edit(session, ctx, real, shown)
         replaced, pos, matched = 0, 0, []
         for k, edit in enumerate(edits, 1):
             try:
@@ -6587,12 +6671,14 @@ def tool_multi_edit(session, args, ctx):
                 raise ToolError(e.code, "edit %d of %d: %s\nNothing was written (the edits apply all or none)"
                                 % (k, len(edits), e.message.rstrip(".")))
             replaced += count
-        note = write_checked(session, ctx, real, shown, encode_text(text, "new_str"), "multi_edit")
+        note = write_edit(session, ctx, "multi_edit", [(real, shown, encode_text(text, "new_str"),
+                                                        before.encode("utf-8", "surrogateescape"), None)], args.get("dry_run"))
+    if args.get("dry_run"):
+        return note + ("\n(%s)" % "; ".join(matched) if matched else "")
     line, added = text.count("\n", 0, pos), (edits[-1].get("new_str") or "").replace("\r\n", "\n").count("\n")
-    return "Applied %d edit%s (%d replacement%s) to %s%s%s; around the last one:\n%s" % (
-        len(edits), "" if len(edits) == 1 else "s", replaced, "" if replaced == 1 else "s", real, note,
-        " (%s)" % "; ".join(matched) if matched else "", snippet(text.replace("\r\n", "\n"), line, added)) \
-        + ctx.parse_note
+    return "Applied %d edit%s (%d replacement%s) to %s%s; around the last one:\n%s" % (
+        len(edits), "" if len(edits) == 1 else "s", replaced, "" if replaced == 1 else "s", real,
+        " (%s)" % "; ".join(matched) if matched else "", snippet(text.replace("\r\n", "\n"), line, added)) + note
 
 
 def existing_kind(real, shown):
@@ -6615,7 +6701,7 @@ CREATE_DESC = ("Create a file with the given content, or overwrite an existing o
 
 
 @tool("create_file", CREATE_DESC, obj({
-    "path": PATH_PROP, "content": prop("string", "The complete file content."),
+    "path": PATH_PROP, "content": prop("string", "The complete file content."), "dry_run": DRY_RUN_PROP,
 }, ["path", "content"]), notes("Create or overwrite a file", destructive=True), DEFAULT)
 def tool_create_file(session, args, ctx, content_key="content"):
     """create_file: write a whole file (made or overwritten), its directories made as needed."""
@@ -6627,8 +6713,10 @@ def tool_create_file(session, args, ctx, content_key="content"):
         if existed:
             require_viewed(session, ctx, real, shown)
             check_unchanged(session, ctx, real, shown)
-        note = write_checked(session, ctx, real, shown, data, "create_file")
-    return "%s %s (%d bytes)%s%s" % ("Overwrote" if existed else "Created", real, len(data), note, ctx.parse_note)
+        note = write_edit(session, ctx, "create_file", [(real, shown, data, UNKNOWN, None)], args.get("dry_run"))
+    if args.get("dry_run"):
+        return note
+    return "%s %s (%d bytes)%s" % ("Overwrote" if existed else "Created", real, len(data), note)
 
 
 def inserted(text, at, text_in):
@@ -6660,10 +6748,13 @@ def tool_insert(session, args, ctx):
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         updated, new_lines = inserted(text, at, text_in)
-        note = write_checked(session, ctx, real, shown, encode_text(updated, "insert_text"), "insert")
-    return "Inserted %d line%s after line %d of %s%s:\n%s" % (
-        len(new_lines), "" if len(new_lines) == 1 else "s", at, real, note,
-        snippet(updated.replace("\r\n", "\n"), at, len(new_lines) - 1)) + ctx.parse_note
+        note = write_edit(session, ctx, "insert", [(real, shown, encode_text(updated, "insert_text"),
+                                                    text.encode("utf-8", "surrogateescape"), None)], args.get("dry_run"))
+    if args.get("dry_run"):
+        return note
+    return "Inserted %d line%s after line %d of %s:\n%s" % (
+        len(new_lines), "" if len(new_lines) == 1 else "s", at, real,
+        snippet(updated.replace("\r\n", "\n"), at, len(new_lines) - 1)) + note
 
 
 UNDO_DESC = ("Take back this session's last edit of a file - by str_replace, multi_edit, apply_patch (a deleted "
@@ -6672,8 +6763,8 @@ UNDO_DESC = ("Take back this session's last edit of a file - by str_replace, mul
              "nothing, when something else changed the file since that edit." % UNDO_LEVELS)
 
 
-@tool("undo_edit", UNDO_DESC, obj({"path": PATH_PROP}, ["path"]), notes("Undo the last edit of a file", destructive=True),
-      DEFAULT)
+@tool("undo_edit", UNDO_DESC, obj({"path": PATH_PROP, "dry_run": DRY_RUN_PROP}, ["path"]),
+      notes("Undo the last edit of a file", destructive=True), DEFAULT)
 def tool_undo_edit(session, args, ctx):
     """undo_edit: restore a file (and the others an apply_patch changed with it) as
     it was before this session's last edit of it, if nothing else changed it since."""
@@ -6690,26 +6781,22 @@ def tool_undo_edit(session, args, ctx):
     with ExitStack() as locks:
         for path in sorted(changes):
             locks.enter_context(ctx.files.lock(path))
+        back = []
         for path, (before, mode, after) in sorted(changes.items()):
             now = file_bytes(path, ctx.config.max_file_size)[0]
             if (now is None) != (after is None) or (now is not None and digest_of(now) != after):
                 raise ToolError(FILE_CHANGED, "%s changed since this session's %s of it (by something else), so"
                                 " undo_edit would lose that; nothing was undone. View it and edit it instead"
                                 % (path, tool_name))
-        for path, (before, mode, after) in sorted(changes.items()):
-            try:
-                if before is None:
-                    remove_file(path)
-                else:
-                    atomic_write(path, before, ctx.files, new_mode=mode or 0o644)
-                    session.mark_viewed(path, Seen(os.stat(path), digest_of(before)))
-            except OSError as e:
-                raise io_error(e, path)
+            back.append((path, path, before, now, mode))
+        note = write_edit(session, ctx, "undo_edit", back, args.get("dry_run"), undoing=True)
+        if args.get("dry_run"):
+            return note
         session.forget_edit(edit)
     what = ", ".join("%s (%s)" % (p, "removed" if b is None else "%d bytes" % len(b))
                      for p, (b, _, _) in sorted(changes.items()))
-    return "Undid the %s: restored %s. %s" % (tool_name, what, "%d more undo level%s for %s." % (
-        levels - 1, "" if levels == 2 else "s", shown) if levels > 1 else "Nothing more to undo for %s." % shown)
+    return "Undid the %s: restored %s. %s%s" % (tool_name, what, "%d more undo level%s for %s." % (
+        levels - 1, "" if levels == 2 else "s", shown) if levels > 1 else "Nothing more to undo for %s." % shown, note)
 
 
 EDITOR_DESC = ("View, create and edit files. command=view shows a file with line numbers or lists a "
@@ -6729,6 +6816,7 @@ EDITOR_DESC = ("View, create and edit files. command=view shows a file with line
     "insert_line": prop("integer", "command=insert: insert after this line (0 = top of file)."),
     "insert_text": prop("string", "command=insert: the text to insert."),
     "replace_all": prop("boolean", "command=str_replace: replace every occurrence."),
+    "dry_run": DRY_RUN_PROP,
 }, ["command", "path"]), notes("Text editor", destructive=True), COMPAT)
 def tool_str_replace_editor(session, args, ctx):
     """Anthropic's text-editor tool: one name, the same handlers underneath."""
@@ -6745,7 +6833,7 @@ def tool_str_replace_editor(session, args, ctx):
     if cmd == "create":
         return tool_create_file(session, args, ctx, content_key="file_text")
     if cmd == "undo_edit":
-        return tool_undo_edit(session, {"path": args["path"]}, ctx)
+        return tool_undo_edit(session, {"path": args["path"], "dry_run": args.get("dry_run")}, ctx)
     return tool_insert(session, args, ctx)
 
 
@@ -6988,9 +7076,8 @@ class PatchedText(object):
 class PatchPlan(object):
     """What a patch will do, every path resolved and checked, every hunk located,
     sections applied in order to what the sections before left (a file may come
-    twice): writes [(real, shown, data or None to delete, mode of a new file, what the
-    path holds now: (bytes, stat) or None)] and the summary lines A/M/D/R. Nothing is
-    touched until run()."""
+    twice): its writes (for write_edit) and the summary lines A/M/D/R. Nothing is
+    touched here."""
 
     def __init__(self, session, ctx, ops):
         self.session, self.ctx = session, ctx
@@ -7056,68 +7143,16 @@ class PatchPlan(object):
 
     @property
     def writes(self):
-        """The writes that take every touched file to its final state (a file made
-        and removed again in one patch is left alone)."""
+        """The changes that take every touched file to its final state, as write_edit takes
+        them (a file made and removed again in one patch is left alone)."""
         out = []
         for real in self.order:
             data, before = self.now[real], self.before.get(real)
             if data is None and before is None:
                 continue
-            mode = self.modes.get(real, 0o644) if before is None else None
-            out.append((real, self.shown[real], data, mode, before))
-        return sorted(out, key=lambda w: w[2] is None)          # writes first, then removals
-
-    def run(self):
-        """Write the plan with the one writer (the caller holds the files' edit locks); if a
-        write fails, the files written before it are put back as they were."""
-        done = []
-        try:
-            for real, shown, data, mode, before in self.writes:
-                if before is None:              # the directories writing it makes go if the patch is undone
-                    top, d = None, os.path.dirname(real)
-                    while not os.path.lexists(d):
-                        top, d = d, os.path.dirname(d)
-                    done.append((top, "dir"))
-                if data is None:
-                    remove_file(real)
-                else:
-                    atomic_write(real, data, self.ctx.files, new_mode=mode or 0o644)
-                    self.session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
-                done.append((real, before))
-        except (OSError, ToolError) as e:
-            undone = self.roll_back(done)
-            why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
-            raise ToolError(IO_ERROR, "writing %s failed (%s); %s" % (shown, why, undone))
-
-    def roll_back(self, done):
-        """Put written files back (in reverse); a sentence saying how that went."""
-        failed = []
-        for real, before in reversed(done):           # before: (bytes, stat), None for a new file, "dir"
-            try:
-                if before == "dir":
-                    for d, _, _ in sorted(os.walk(real) if real else (), reverse=True):
-                        os.rmdir(d)                     # the empty directories a write made
-                elif before is None:
-                    remove_file(real)
-                else:
-                    atomic_write(real, before[0], self.ctx.files, new_mode=stat.S_IMODE(before[1].st_mode))
-            except OSError:
-                failed.append(real)
-        if failed:
-            return "the files written before it could not all be restored: %s" % ", ".join(failed)
-        files = len([1 for _, before in done if before != "dir"])
-        return "the %d file%s written before it were restored, so nothing changed" % (
-            files, "" if files == 1 else "s")
-
-
-def remove_file(real):
-    """Unlink a checked regular file relative to its directory (never through a link)."""
-    directory, base = os.path.split(real)
-    dfd = open_dir(directory)
-    try:
-        os.unlink(base, dir_fd=dfd)
-    finally:
-        os.close(dfd)
+            out.append((real, self.shown[real], data, before[0] if before else None,
+                        self.modes.get(real, 0o644) if before is None else None))
+        return out
 
 
 PATCH_DESC = ("Edit, add, delete and move files with one patch in the apply_patch format: '*** Begin Patch', "
@@ -7131,6 +7166,7 @@ PATCH_DESC = ("Edit, add, delete and move files with one patch in the apply_patc
 
 @tool("apply_patch", PATCH_DESC, obj({
     "input": prop("string", "The whole patch, from '*** Begin Patch' to '*** End Patch'."),
+    "dry_run": DRY_RUN_PROP,
 }, ["input"]), notes("Apply a patch", destructive=True))
 def tool_apply_patch(session, args, ctx):
     """Codex's apply_patch: parse; resolve and scope-check every path; then, under every
@@ -7143,16 +7179,10 @@ def tool_apply_patch(session, args, ctx):
         for real in sorted(reals):
             locks.enter_context(ctx.files.lock(real))
         plan = PatchPlan(session, ctx, ops)
-        plan.run()
-    changes, warnings = {}, []
-    for real, shown, data, mode, before in plan.writes:
-        old = before[0] if before else None
-        changes[real] = (old, stat.S_IMODE(before[1].st_mode) if before else None,
-                         digest_of(data) if data is not None else None)
-        if data is not None:
-            warnings.append(parse_warning(real, old, data))
-    session.remember_edit("apply_patch", changes)
-    return "Success. Updated the following files:\n" + "\n".join(plan.summary) + "".join(warnings)
+        note = write_edit(session, ctx, "apply_patch", plan.writes, args.get("dry_run"))
+    if args.get("dry_run"):
+        return note + "\n(%s)" % "; ".join(plan.summary)
+    return "Success. Updated the following files:\n" + "\n".join(plan.summary) + note
 
 
 ###############################################################################
@@ -7402,6 +7432,7 @@ NOTEBOOK_DESC = ("Edit one cell of a Jupyter notebook (.ipynb): replace its sour
                       enum=["code", "markdown", "raw"]),
     "edit_mode": prop("string", "replace (default), insert (after the cell named; at the top if none) or delete.",
                       enum=["replace", "insert", "delete"]),
+    "dry_run": DRY_RUN_PROP,
 }, ["path"]), notes("Edit a notebook cell", destructive=True))
 def tool_notebook_edit(session, args, ctx):
     """Replace, insert or delete one cell of a notebook, leaving every other byte."""
@@ -7418,9 +7449,13 @@ def tool_notebook_edit(session, args, ctx):
             raise ToolError(INVALID_INPUT, "%s is not a notebook that can be edited: %s" % (shown, e))
         k = notebook.find(args, shown, mode)
         updated = notebook.edited(k, mode, args)
-        note = write_checked(session, ctx, real, shown, encode_text(updated, "new_source"), "notebook_edit")
+        note = write_edit(session, ctx, "notebook_edit", [(real, shown, encode_text(updated, "new_source"),
+                                                           text.encode("utf-8", "surrogateescape"), None)],
+                          args.get("dry_run"))
+    if args.get("dry_run"):
+        return note
     done = {"replace": "Replaced cell %d", "insert": "Inserted a cell as cell %d", "delete": "Deleted cell %d"}[mode]
-    return done % (k + 2 if mode == "insert" else k + 1) + " of %s%s%s" % (shown, note, ctx.parse_note)
+    return done % (k + 2 if mode == "insert" else k + 1) + " of %s%s" % (shown, note)
 
 
 ###############################################################################
@@ -8281,7 +8316,7 @@ def tool_write_file(session, args, ctx):
                               % (change, path), FILE_CHANGED)
         try:
             existing_kind(real, path)                   # refuses FIFOs and devices
-            write_checked(session, ctx, real, path, data, "write_file")
+            write_edit(session, ctx, "write_file", [(real, path, data, UNKNOWN, None)])
         except ToolError as e:
             raise workspace_error(e, path, "写入")
     return "成功：已写入 %s" % path

@@ -4203,6 +4203,140 @@ class TestUndoEdit(NoViewBase):
         self.assertEqual(self.read("c.txt"), b"a\n")
 
 
+class TestOneWritePath(NoViewBase):
+    """Issue 38.5-6: every edit tool writes through one path (size limit, undo level,
+    viewed mark, parse warning) and takes dry_run: the unified diff it would write,
+    numbered with the file's lines, nothing written and no undo level kept."""
+    flags = ["--require-view-before-edit", "false", "--max-file-size", "2KB"]
+
+    def tree(self):
+        out = {}
+        for base, _, files in os.walk(self.root):
+            for f in files:
+                with open(os.path.join(base, f), "rb") as fh:
+                    out[os.path.relpath(os.path.join(base, f), self.root)] = fh.read()
+        return out
+
+    def test_dry_run_changes_nothing_on_every_edit_tool(self):
+        body = "".join("line %d\n" % k for k in range(1, 30))
+        self.write("d.py", body)
+        self.write("n.ipynb", sample_notebook())
+        self.ok("str_replace", path="d.py", old_str="line 3\n", new_str="line three\n")   # a level to undo
+        calls = [("str_replace", dict(path="d.py", old_str="line 20\n", new_str="line twenty\n"), "@@ -17,7 +17,7 @@"),
+                 ("str_replace", dict(path="d.py", old_str="line 20\nline 21", new_str="line 20\n\nline 21"), "+"),
+                 ("multi_edit", dict(path="d.py", edits=[{"old_str": "line 1\n", "new_str": ""},
+                                                         {"old_str": "line 29\n", "new_str": "end\n"}]), "-line 1\n"),
+                 ("create_file", dict(path="d.py", content="new\n"), "+new"),
+                 ("create_file", dict(path="sub/fresh.py", content="x = 1\n"), "--- /dev/null"),
+                 ("apply_patch", dict(input="*** Begin Patch\n*** Update File: d.py\n@@\n line 9\n-line 10\n+ten\n"
+                                            "*** Add File: added.txt\n+a\n*** Delete File: n.ipynb\n*** End Patch"),
+                  "+++ /dev/null"),
+                 ("notebook_edit", dict(path="n.ipynb", cell_number=1, new_source="y = 3"), "y = 3"),
+                 ("undo_edit", dict(path="d.py"), "-line three")]
+        for name, args, shown in calls:
+            before, levels = self.tree(), list(self.session.edits)
+            text = self.ok(name, dry_run=True, **args)
+            self.assertTrue(text.startswith("Dry run: nothing was written"), (name, text))
+            self.assertIn(shown, text, name)
+            self.assertEqual(self.tree(), before, name)
+            self.assertEqual(self.session.edits, levels, name)
+        self.assertFalse(os.path.exists(self.path("sub")))
+        self.ok("undo_edit", path="d.py")                          # the one real level is still there
+        self.assertEqual(self.read("d.py"), body.encode())
+
+    def test_dry_run_in_the_compat_editor(self):
+        cfg = boris.parse_config(["--workdir", self.root, "--anthropic-compat", "--require-view-before-edit",
+                                  "false"], {})
+        server = boris.McpServer(cfg, self.policy)
+        self.write("c.txt", "a\n")
+        for args in (dict(command="str_replace", old_str="a", new_str="b"), dict(command="create", file_text="z\n"),
+                     dict(command="insert", insert_line=1, insert_text="q\n")):
+            r = boris.McpServer.run_tool(server.tools["str_replace_editor"], self.session,
+                                         dict(args, path="c.txt", dry_run=True), ctx_of(cfg, self.policy))
+            self.assertFalse(r["isError"], r)
+            self.assertIn("Dry run", r["content"][0]["text"])
+        self.assertEqual(self.read("c.txt"), b"a\n")
+
+    def test_apply_patch_honours_the_size_limit(self):
+        big = "".join("+%s\n" % ("x" * 49) for _ in range(100))            # 5,000 bytes against 2 KB
+        self.write("small.txt", "s\n")
+        text = self.fails("apply_patch", "FILE_TOO_LARGE", input="*** Begin Patch\n*** Add File: big.txt\n" + big +
+                          "*** Update File: small.txt\n@@\n-s\n+S\n*** End Patch")
+        self.assertIn("--max-file-size", text)
+        self.fails("apply_patch", "FILE_TOO_LARGE", input="*** Begin Patch\n*** Update File: small.txt\n@@\n-s\n+S\n"
+                                                          "*** Add File: big.txt\n" + big + "*** End Patch")
+        self.assertFalse(os.path.exists(self.path("big.txt")))
+        self.assertEqual(self.read("small.txt"), b"s\n")                     # all files or none
+
+    def test_undo_restores_the_exact_bytes_and_modes(self):
+        raw = b"caf\xe9 \r\nx\r\n\xff\n"                                     # Latin-1, CRLF and a stray byte
+        self.write("b.txt", raw, mode=0o640)
+        self.ok("apply_patch", input="*** Begin Patch\n*** Update File: b.txt\n@@\n-x\n+y\n*** End Patch")
+        self.assertEqual(self.read("b.txt"), b"caf\xe9 \r\ny\r\n\xff\n")
+        self.ok("create_file", path="b.txt", content="whole\n")
+        self.ok("undo_edit", path="b.txt")
+        self.ok("undo_edit", path="b.txt")
+        self.assertEqual(self.read("b.txt"), raw)
+        self.assertEqual(stat.S_IMODE(os.stat(self.path("b.txt")).st_mode), 0o640)
+        self.ok("apply_patch", input="*** Begin Patch\n*** Delete File: b.txt\n*** End Patch")
+        self.ok("undo_edit", path="b.txt")
+        self.assertEqual((self.read("b.txt"), stat.S_IMODE(os.stat(self.path("b.txt")).st_mode)), (raw, 0o640))
+
+    def test_the_note_comes_back_with_the_answer(self):
+        self.write("p.py", "def f():\n    return 1\n")
+        text = self.ok("apply_patch", input="*** Begin Patch\n*** Update File: p.py\n@@\n-    return 1\n+    return (\n"
+                                            "*** End Patch")
+        self.assertIn("no longer parses as Python", text)
+        text = self.ok("str_replace", path="p.py", old_str="    return (", new_str="    return 1")
+        self.assertNotIn("no longer parses", text)
+
+
+class TestEditFuzz(unittest.TestCase):
+    """Issue 38.3: no edit ever ends in anything but a tool result: random files (odd
+    whitespace, typography, CRLF, zero-width characters) and random edits and patches
+    cut from them, through str_replace, multi_edit and apply_patch."""
+
+    def test_every_edit_is_a_tool_result(self):
+        rng = random.Random(38)
+        pieces = ["", " ", "  ", "\t", "x", "foo", "bar(", ")", "= 1", "\u2019", "\u2026", "\u200b", "\u00a0", "'",
+                  "#", "if a:", "\r", "...", "=>", "9", "@@", "+", "-", "*** End of File", "\u3000", "\ufeff"]
+        line = lambda: "".join(rng.choice(pieces) for _ in range(rng.randint(0, 5)))
+        work = os.path.realpath(tempfile.mkdtemp(prefix="boris-fuzz-"))
+        cfg = boris.parse_config(["--workdir", work, "--require-view-before-edit", "false"], {})
+        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        server, session, crashed = boris.McpServer(cfg, policy), boris.Session(cfg), []
+        try:
+            for c in range(1500):
+                text = "\n".join(line() for _ in range(rng.randint(0, 25)))
+                text = text.replace("\n", "\r\n") if rng.random() < 0.3 else text
+                lines = text.split("\n")
+                i = rng.randrange(0, len(lines))
+                mut = []
+                for l in lines[i:i + rng.randint(1, 6)]:
+                    r = rng.random()
+                    l = "  " + l if r < 0.2 else l.strip() if r < 0.3 else l.replace("'", "\u2019") if r < 0.4 else \
+                        l + " " if r < 0.5 else l
+                    mut += [""] * (r > 0.9) + [l]
+                old = "\n".join(mut)
+                new = "\n".join(line() if rng.random() < 0.5 else l for l in mut + [line()] * rng.randint(0, 2))
+                body = "\n".join(rng.choice([" ", " ", "-", "+", ""]) + l for l in mut)
+                args = rng.choice([
+                    ("str_replace", {"path": "f.txt", "old_str": old, "new_str": new, "replace_all": rng.random() < 0.2}),
+                    ("multi_edit", {"path": "f.txt", "edits": [{"old_str": old, "new_str": new}]}),
+                    ("apply_patch", {"input": "*** Begin Patch\n*** Update File: f.txt\n%s\n%s\n%s*** End Patch" % (
+                        rng.choice(["@@", "@@ " + line(), ""]), body, rng.choice(["", "*** End of File\n"]))})])
+                with open(os.path.join(work, "f.txt"), "w", encoding="utf-8", newline="") as f:
+                    f.write(text)
+                try:
+                    boris.McpServer.run_tool(server.tools[args[0]], session, args[1], ctx_of(cfg, policy))
+                except Exception as e:
+                    crashed.append((args, repr(e)))
+        finally:
+            session.close()
+            shutil.rmtree(work, ignore_errors=True)
+        self.assertEqual(crashed[:3], [])
+
+
 class TestParseCheckAfterEdits(NoViewBase):
     """Issue 31.5: an edit that leaves a .py/.json/.toml/.ipynb file unparsable (when it
     parsed before) ends its successful result with one warning line; no code runs."""
