@@ -6072,29 +6072,90 @@ def indent_units(mapping):
     step = top[len(low):] if top.startswith(low) else ""
     if not step or step != step[0] * len(step):
         return None
+    base = next((f for _, f in levels if f), "")
+    if base[:1] != step[0]:
+        return None                                 # spaces that align under tabs: not the file's unit
+    if unit not in (2, 4, 8):
+        return None                                 # no unit a model writes: one line is off, not the unit
     for dn, f2, f1 in steps:
         if dn % unit or not f2.startswith(f1) or f2[len(f1):] != step * (dn // unit):
             return None
-    return unit, step
+    import math
+    g = math.gcd(unit, len(step))                   # as a ratio: two tabs for 8 columns are a tab for 4
+    return unit // g, step[0] * (len(step) // g)
 
 
-def with_indent(line, mapping):
+def indent_step(lines, counted=None):
+    """(columns, text) of the unit of indentation `lines` use most: the commonest step by
+    which a line is indented deeper than the line with text before it (only into the
+    lines whose indexes are `counted`, when given); None when no line is, or when two
+    widths are as common."""
+    steps, prev = Counter(), None
+    for k, line in enumerate(lines):
+        if line.strip():
+            lead = leading(line)
+            if prev is not None and len(lead) > len(prev) and lead.startswith(prev) and \
+                    (counted is None or k in counted):
+                step = lead[len(prev):]
+                if step == step[0] * len(step):
+                    steps[step] += 1
+            prev = lead
+    top = steps.most_common(2)
+    if not top or (len(top) > 1 and top[0][1] == top[1][1] and len(top[0][0].expandtabs(4)) !=
+                   len(top[1][0].expandtabs(4))):
+        return None
+    return len(top[0][0].expandtabs(4)), top[0][0]
+
+
+def with_indent(line, mapping, units=None):
     """A new line with its indentation translated by `mapping`: the longest known
     prefix is mapped, and what lies deeper is turned from old_str's units of
-    indentation into the file's (4 spaces to a tab, or to 2 spaces)."""
+    indentation into the file's (4 spaces to a tab, or to 2 spaces) - learnt from the
+    levels of `mapping`, or where it has one level only from `units` (old_str's unit in
+    columns, the file's as text); a line shallower than every known level loses as
+    many of the file's units. None when the mapping cannot tell."""
     if not line.strip():
         return ""
     have = leading(line)
+    learnt = indent_units(mapping)
+    torn = bool(learnt and learnt[0] and units and (learnt[1][:1] != units[1][:1] or
+                                                    learnt[0] * len(units[1]) != units[0] * len(learnt[1])))
+    units = learnt if learnt != (0, "") or not units else units     # torn: the place and the file disagree
+    units = units or (0, "")
     best = max((k for k in mapping if have.startswith(k)), key=len, default=None)
+    if torn and have not in mapping:
+        return None
     if best is None:
-        return line
+        deeper = min((k for k in mapping if k.startswith(have)), key=len, default=None)
+        if deeper is None:
+            return None
+        extra = deeper[len(have):]
+        cut = units[1] * (len(extra.expandtabs(4)) // units[0]) if units[0] and \
+            len(extra.expandtabs(4)) % units[0] == 0 else extra
+        return mapping[deeper][:-len(cut)] + line.lstrip() if mapping[deeper].endswith(cut) else None
     extra = have[len(best):]
-    units = indent_units(mapping) or (0, "")
     if extra and units[0] and len(extra.expandtabs(4)) % units[0] == 0:
         extra = units[1] * (len(extra.expandtabs(4)) // units[0])
-    elif extra and "\t" in mapping[best] and not extra.strip(" ") and len(extra) % 4 == 0:
-        extra = "\t" * (len(extra) // 4)               # one level known: a tab file takes tabs
+    elif extra and best and len(set(best)) == len(set(mapping[best])) == 1 != len(set(best + mapping[best])) and \
+            set(extra) == set(best) and len(extra) * len(mapping[best]) % len(best) == 0:
+        # one level known, tabs against spaces: as many of the file's as that level shows
+        extra = mapping[best][0] * (len(extra) * len(mapping[best]) // len(best))
+    elif extra and not is_shift(mapping):
+        return None                                  # part of a unit the file writes otherwise: not known
     return mapping[best] + extra + line[len(have):]
+
+
+def is_shift(mapping):
+    """Whether every indentation of `mapping` differs from the file's by one and the same
+    prefix taken off or put on, and by nothing else (so what lies deeper is written
+    alike on both sides)."""
+    moves = set()
+    for a, b in mapping.items():
+        same = 0
+        while same < min(len(a), len(b)) and a[len(a) - 1 - same] == b[len(b) - 1 - same]:
+            same += 1
+        moves.add((a[:len(a) - same], b[:len(b) - same]))
+    return len(moves) <= 1 and all(not drop or not add for drop, add in moves)
 
 
 class LineIndex(object):
@@ -6280,19 +6341,30 @@ class EditMerge(object):
     indentation and line ending and no trailing whitespace they were not sent with.
     Where the difference has no single right place, lines() raises a refusal."""
 
-    def __init__(self, region, want, new, ops, level, cr="", what="old_str", as_sent=False):
+    def __init__(self, region, want, new, ops, level, cr="", what="old_str", as_sent=False, file_step=None):
         self.region, self.want, self.new, self.ops, self.level = region, want, new, ops, level
-        self.cr, self.what, self.as_sent = cr, what, as_sent    # as_sent: unmapped indentation as the patch has it
+        written = set(j for tag, _, _, j1, j2 in ops if tag != "equal" for j in range(j1, j2))
+        mine = indent_step(new, written)        # the model's unit as the lines it wrote nest, and the file's
+        self.units = (mine[0], file_step[1]) if mine and mine[0] in (2, 4, 8) and file_step else None
+        self.cr, self.what, self.as_sent = cr, what, as_sent    # as_sent: an unmapped line at column 0 stays there
         self.plain = [l[:-1] if l.endswith("\r") else l for l in region]
         self.align = self.aligned()
         pairs = [(want[w], self.plain[r]) for w, r in enumerate(self.align) if r is not None]
-        self.mapping = indent_map([a for a, _ in pairs], [b for _, b in pairs]) or \
-            indent_map([a for a, _ in pairs], [b for _, b in pairs], loose=True)
+        self.mapping = indent_map([a for a, _ in pairs], [b for _, b in pairs])
         images = {}
         for a, b in pairs:
             if a.strip() and b.strip():
                 images.setdefault(leading(a), set()).add(leading(b))
         self.known = dict((a, bs.pop()) for a, bs in images.items() if len(bs) == 1)   # where the mapping is not one
+        # Two lines or more with the file's very indentation, one line off at most and the
+        # same unit: the model's indentation is the file's, and a new line's is too.
+        same = sum(1 for a, b in pairs if a.strip() and b.strip() and leading(a) == leading(b))
+        self.as_is = same >= 2 and sum(1 for a, b in pairs if a.strip() and b.strip()) - same <= 1 and \
+            (self.units is None or self.units[0] == len(self.units[1].expandtabs(4)))
+        self.indent_chars = set(file_step[1] if file_step else "".join(leading(f) for f in self.plain))
+        if self.as_is:                          # the line that is off is the slip, not a level to follow
+            self.known = dict((a, b) for a, b in self.known.items() if a == b)
+        self.off = set(leading(a) for a, b in pairs if a.strip() and b.strip() and leading(a) != leading(b))
         self.columns = self.aligned_columns(pairs) if level >= BLANK_LEVEL - 1 else {}
         # The file's trailing whitespace is a convention (markdown's hard breaks, a file padded
         # throughout) when old_str sent none and most lines of the place, two at least, end in it.
@@ -6336,12 +6408,12 @@ class EditMerge(object):
                     raise self.refuse("the file has %d blank line%s at line %d of the match that %s lacks, just"
                                       " where the new lines go; copy %s with the file's blank lines" % (
                                           ahead - rp, "" if ahead - rp == 1 else "s", rp + 1, self.what, self.what))
-                for x in self.new[j1:j2]:
-                    out.append(self.new_line(x))
+                for j in range(j1, j2):
+                    out.append(self.new_line(j))
                 continue
             if not mine:                    # only blank lines the file does not have
-                for x in self.new[j1:j2] if tag == "replace" else ():
-                    out.append(self.new_line(x))
+                for j in range(j1, j2) if tag == "replace" else ():
+                    out.append(self.new_line(j))
                 continue
             out += self.region[rp:mine[0]]          # blank lines old_str lacks, before the block: kept
             if tag == "equal":
@@ -6356,43 +6428,64 @@ class EditMerge(object):
                     if m is None:
                         continue
                     if k is None:
-                        out.append(self.new_line(self.new[j1 + m]))
+                        out.append(self.new_line(j1 + m))
                     else:
                         w = olds[k]
-                        out.append(self.merged_line(self.want[w], self.new[j1 + m], self.plain[align[w]]) +
+                        out.append(self.merged_line(self.want[w], j1 + m, self.plain[align[w]]) +
                                    ("\r" if self.region[align[w]].endswith("\r") else ""))
             rp = mine[-1] + 1
         return out + self.region[rp:]
 
-    def indent(self, line):
+    def parent(self, j):
+        """The indentation of the line new line j nests under: the nearest line with text
+        before it in the new text that is indented less (None at the top)."""
+        lead = leading(self.new[j])
+        for x in reversed(self.new[:j]):
+            if x.strip() and len(leading(x)) < len(lead):
+                return leading(x)
+        return None
+
+    def under_off(self, j):
+        """Whether new line j is placed by whole units under the one line whose indentation
+        is off (then its own is not known)."""
+        parent = self.parent(j)
+        unit = self.units[0] if self.units else 4
+        return parent in self.off and (len(leading(self.new[j]).expandtabs(4)) - len(parent.expandtabs(4))) % unit == 0
+
+    def indent(self, line, j=None):
         """A new line with the file's indentation (with_indent through the mapping learnt
         from the matched lines); a refusal where that mapping is not one."""
-        if not line.strip() or self.mapping is not None:
-            return with_indent(line, self.mapping or {})
+        if not line.strip():
+            return ""
+        mapped = with_indent(line, self.mapping, self.units) if self.mapping is not None else None
+        if mapped is not None:
+            return mapped
         if leading(line) in self.known:
             return self.known[leading(line)] + line.lstrip()
-        if self.as_sent:
-            return line
+        if (self.as_is and set(leading(line)) <= self.indent_chars and j is not None and
+                not self.under_off(j)) or (self.as_sent and not leading(line)):
+            return line                         # a patch's line at column 0 stays there, as Codex writes it
         raise self.refuse("its indentation maps onto the file's in more than one way, so the indentation of"
                           " a new line is not known; copy %s's indentation from the file" % self.what)
 
-    def new_line(self, line):
-        """A line the edit adds: the file's indentation and line
+    def new_line(self, j):
+        """New line j, one the edit adds: the file's indentation and line
         ending, its own text (with the file's column alignment where the match had to
         ignore inner whitespace), and trailing whitespace only as sent or as the file's
         convention."""
-        line = self.aligned_line(self.indent(line))
+        line = self.aligned_line(self.indent(self.new[j], j))
         if self.tail and line.strip() and line == line.rstrip():
             line += self.tail
         return line + self.cr
 
-    def merged_line(self, w, n, f):
-        """The file's line f (old_str's w) changed as w became n: indentation and trailing
-        whitespace the model did not change stay the file's; inside the line, the
-        characters the model did not change stay the file's."""
+    def merged_line(self, w, j, f):
+        """The file's line f (old_str's w) changed as w became new line j: indentation and
+        trailing whitespace the model did not change stay the file's; inside the line,
+        the characters the model did not change stay the file's."""
+        n = self.new[j]
         if not n.strip():
             return f if n == w else ""
-        lead = leading(f) if leading(n) == leading(w) else leading(self.indent(n))
+        lead = leading(f) if leading(n) == leading(w) else leading(self.indent(n, j))
         tail = trailing(f) if trailing(n) == trailing(w) else trailing(n)
         wc, nc, fc = w.strip(), n.strip(), f.strip()
         if wc == fc or nc == wc:
@@ -6403,8 +6496,7 @@ class EditMerge(object):
 
     def merged_text(self, wc, nc, fc):
         """fc (the file's text of the line) with the character changes that made nc of wc:
-        the characters the model did not change are the file's, and so is the whitespace
-        between two of them; next to a change the whitespace is the model's."""
+        the characters the model did not change, whitespace included, are the file's."""
         import difflib
         wu, nu, fu = text_units(wc), text_units(nc), text_units(fc)
         ws, fs = solids(wu), solids(fu)
@@ -6418,9 +6510,8 @@ class EditMerge(object):
             same.update(range(i1, i2) if tag == "equal" else ())
 
         def file_gap(p, q):
-            """The file's text between w's solid units p and q, or None when the model's
-            counts: an end of the line, or a change on either side or in between."""
-            if p is None or q is None or not all(k in same for k in range(p, q + 1)):
+            """The file's text between w's solid units p and q (None at an end of the line)."""
+            if p is None or q is None:
                 return None
             return "".join(u[1] for u in fu[twin[p] + 1:twin[q]])
         spacing = any(file_gap(p, q) is not None and file_gap(p, q).strip() == "" and
@@ -6439,7 +6530,7 @@ class EditMerge(object):
                 p = max((x for x in ws if x < k), default=None)
                 q = min((x for x in ws if x > k), default=None)
                 if wu[k][2]:
-                    if p is not None and p + 1 == k and (p, k) not in done and file_gap(p, k):
+                    if p is not None and p + 1 == k and p in same and file_gap(p, k):
                         out.append(file_gap(p, k))     # the file's gap where old_str has none
                     out.append(fu[twin[k]][1])
                 elif file_gap(p, q) is None:
@@ -6566,7 +6657,8 @@ def replace_lines(text, edit, shown, cancelled=None):
         region, rest = lines[i:j], ""
         if partial:                             # the file's line goes on after old_str: that stays after new_str
             region[-1], rest = split_after(region[-1], want[-1])
-        merge = EditMerge(region, want, new_lines, ops, level, "\r" if "\r\n" in text else "")
+        merge = EditMerge(region, want, new_lines, ops, level, "\r" if "\r\n" in text else "",
+                          file_step=indent_step(plain))
         put = merge.lines()
         if rest:
             if not put:
@@ -7003,7 +7095,8 @@ class PatchedText(object):
             old, new, ops = hunk_ops(hunk.lines)
             if level:
                 try:
-                    new = EditMerge(lines[at:end], old, new, ops, level, what="the hunk", as_sent=True).lines()
+                    new = EditMerge(lines[at:end], old, new, ops, level, what="the hunk", as_sent=True,
+                                    file_step=self.file_step()).lines()
                 except ToolError as e:
                     raise ToolError(e.code, "%s, %s: %s" % (self.shown, hunk.label(k), e.message))
                 self.notes.append("hunk %d matched %s" % (k, MATCH_LEVELS[level][0]))
@@ -7066,6 +7159,12 @@ class PatchedText(object):
         return ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: %s%s; nothing was written.%s"
                          % (self.shown, label, what, self.searched_from(cursor),
                             closest_region("\n".join(self.lines), "\n".join(old), what="the hunk")))
+
+    def file_step(self):
+        """The file's unit of indentation (indent_step), worked out once."""
+        if not hasattr(self, "step"):
+            self.step = indent_step(self.lines)
+        return self.step
 
     @staticmethod
     def searched_from(cursor):

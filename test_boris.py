@@ -4379,10 +4379,11 @@ class SlipCampaign(object):
     has no single right place or its text is stale: then it must be refused."""
     SLIPS = ("exact", "indentation", "tabs", "two-space-unit", "trailing-one-line", "trailing-every-line",
              "crlf", "quotes-unchanged-line", "quotes-changed-line", "dashes", "blank-line-missing",
-             "blank-line-extra", "inner-whitespace", "both-ends", "ends-mid-line",
+             "blank-line-extra", "inner-whitespace", "both-ends", "ends-mid-line", "tabs-in-the-copy",
+             "quotes-in-the-copy", "crlf-and-indentation",
              "stale", "second-place", "line-numbers", "blank-line-where-lines-go")
     REFUSED = ("stale", "second-place", "line-numbers", "blank-line-where-lines-go")
-    EDITS = ("modify", "insert", "delete", "replace-two")
+    EDITS = ("modify", "insert", "delete", "replace-two", "wrap", "dedent")
     FORMATS = ("str_replace", "apply_patch", "multi_edit")
 
     def __init__(self, seed):
@@ -4433,6 +4434,10 @@ class SlipCampaign(object):
             return run[:at + 1] + [deeper + "note_%d = check(%d)" % (salt, salt)] + run[at + 1:]
         if kind == "delete":
             return run[:at] + run[at + 1:]
+        if kind == "wrap":                  # the line moves one level deeper, under a new if
+            return run[:at] + [lead + "if check_%d:" % salt, lead + unit + run[at].lstrip()] + run[at + 1:]
+        if kind == "dedent":                # the line moves one level out
+            return run[:at] + [lead[:-len(unit)] + run[at].lstrip()] + run[at + 1:]
         return run[:at] + [lead + "first_%d = 1" % salt, lead + "second_%d = 2" % salt,
                            lead + "third_%d = first_%d + second_%d" % (salt, salt, salt)] + run[at + 2:]
 
@@ -4452,6 +4457,10 @@ class SlipCampaign(object):
             inner = [n for n in range(1, k - 1) if run[n].strip() and re.search(r"[A-Za-z_]\w*", run[n])]
             if kind == "replace-two":
                 inner = [n for n in inner if n + 1 < k - 1 and run[n + 1].strip()]
+            if kind == "dedent":                    # a line indented in whole units, deeper than the shallowest
+                low = min(len(l) - len(l.lstrip()) for l in run if l.strip())
+                inner = [n for n in inner if len(run[n]) - len(run[n].lstrip()) >= low + 4 and
+                         (len(run[n]) - len(run[n].lstrip())) % 4 == 0]
             if not inner:
                 continue
             case = self.slipped(slip, kind, lines[:i], run, lines[i + k:], self.rng.choice(inner))
@@ -4484,6 +4493,16 @@ class SlipCampaign(object):
             view = [l.rstrip() for l in run]
         elif slip == "crlf":
             crlf = True
+        elif slip == "crlf-and-indentation":
+            crlf = True
+            view = ["  " + l if l.strip() else l for l in run]
+        elif slip == "tabs-in-the-copy":
+            view = [re.sub(r"^((?:    )+)", lambda m: "\t" * (len(m.group(1)) // 4), l) for l in run]
+        elif slip == "quotes-in-the-copy":
+            pool = [n for n in others if "'" in run[n]]
+            if not pool:
+                return None
+            view = [l.replace("'", "\u2019") if n == pool[0] else l for n, l in enumerate(run)]
         elif slip in ("quotes-unchanged-line", "quotes-changed-line"):
             pool = [n for n in ([at] if slip == "quotes-changed-line" else others) if "'" in run[n]]
             if not pool or (kind == "delete" and pool[0] == at):
@@ -4546,7 +4565,7 @@ class SlipCampaign(object):
             view = [l.rstrip() for l in view]
         vat = at if slip == "line-numbers" else \
             [n for n, l in enumerate(view) if l.strip()][sum(1 for l in run[:at] if l.strip())]
-        old, new = view, self.edited(view, kind, vat, salt)
+        old, new = view, self.edited(view, kind, vat, salt, "\t" if slip == "tabs-in-the-copy" else "    ")
         if slip in self.REFUSED:
             expected = None
         else:
@@ -4624,13 +4643,14 @@ class TestSlipCampaign(unittest.TestCase):
     """Issue 38: edits from real source files with one slip each, through str_replace,
     apply_patch and multi_edit: none lands wrong, none ends in anything but a tool
     result, >= 95% of those with one right answer land, stale and unplaceable ones are
-    refused. BORIS_SLIP_CAMPAIGN=N runs N of them (default 760) and prints the table."""
+    refused. BORIS_SLIP_CAMPAIGN=N runs N of them (default 760) and prints the table;
+    BORIS_SLIP_SEED draws another campaign."""
 
     def test_no_slip_is_ever_applied_wrong(self):
         n = int(os.environ.get("BORIS_SLIP_CAMPAIGN") or 760)
         work = tempfile.mkdtemp(prefix="boris-slips-")
         try:
-            tally, wrong = SlipCampaign(38).run(n, os.path.realpath(work))
+            tally, wrong = SlipCampaign(int(os.environ.get("BORIS_SLIP_SEED") or 38)).run(n, os.path.realpath(work))
         finally:
             shutil.rmtree(work, ignore_errors=True)
         if os.environ.get("BORIS_SLIP_CAMPAIGN"):
