@@ -3820,6 +3820,14 @@ def userns_works():
         return False  # no unshare binary: no user namespaces to be had
 
 
+def default_interrupts():
+    """SIGINT and SIGQUIT back to their defaults before a launcher execs a command: a
+    server started with them ignored (a script's background job) must not hand that
+    on, or Ctrl-C on a command's terminal never reaches it (a shell cannot undo it)."""
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def helper_warm_launcher(fd, ahead=None):
     """A launcher started ahead: confined ahead as the JSON `ahead` says (the spec but
     its cwd: with the network off, the supervisor is forked now too), then waiting on
@@ -3851,6 +3859,7 @@ def helper_warm_launcher(fd, ahead=None):
         os.chdir(cwd)
     except OSError as e:
         refuse_to_run(e)
+    default_interrupts()
     os.execv(job["argv"][0], job["argv"])
 
 
@@ -3944,6 +3953,7 @@ def helper_sandbox(spec, argv):
         os.chdir(spec["cwd"])
     except OSError as e:
         refuse_to_run(e)
+    default_interrupts()
     os.execv(argv[0], argv)
 
 

@@ -2631,6 +2631,19 @@ class TestInteractiveTasks(NoViewBase):
         self.assertIn("status: running", text)
         self.assertIn("status: completed", self.ok("task_input", task_id=tid, input="\u0004", wait_ms=10000))
 
+    def test_ctrl_c_reaches_the_command_when_the_server_started_with_it_ignored(self):
+        """Issue 39: a background job of a script starts with SIGINT and SIGQUIT ignored;
+        the launcher puts them back before the command's exec (a shell cannot)."""
+        if os.environ.get("BORIS_SIGINT_IGNORED_RUN"):
+            self.skipTest("already the run started with SIGINT ignored")
+        name = "test_boris.TestInteractiveTasks.test_ctrl_c_on_a_tty_stops_the_command_and_the_shell_lives"
+        ignore = "import signal, sys, runpy; [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGQUIT)];" \
+                 " sys.argv = ['unittest', %r]; runpy.run_module('unittest', run_name='__main__')" % name
+        run = subprocess.run([sys.executable, "-c", ignore], cwd=HERE, capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, BORIS_SIGINT_IGNORED_RUN="1"))
+        self.assertEqual(run.returncode, 0, run.stderr[-2000:])
+        self.assertIn("OK", run.stderr)
+
     def test_eof_ends_cat(self):
         tid = self.start("cat; echo cat-ended", interactive=True)
         text = self.ok("task_input", task_id=tid, input="abc\n", close_stdin=True, wait_ms=10000)
