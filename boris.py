@@ -6051,11 +6051,11 @@ def trailing(line):
     return line[len(line.rstrip()):]
 
 
-def indent_map(want, region, loose=False):
+def indent_map(want, region):
     """old_str's indentation -> the file's, learnt from the lines matched, when it is
     one of the slips models make: levels shifted, tabs written as spaces, another
-    width of unit (2 spaces for 4), every level alike (indent_units); else None
-    (loose: any consistent mapping): then the lines only look alike."""
+    width of unit (2 spaces for 4), every level alike (indent_units); else None:
+    then the lines only look alike."""
     ahead, back = {}, {}
     for w, f in zip(want, region):
         if w.strip() and f.strip():
@@ -6065,7 +6065,7 @@ def indent_map(want, region, loose=False):
     pairs = sorted((len(a.expandtabs(4)), len(b.expandtabs(4))) for a, b in ahead.items())
     if any(q[1] <= p[1] for p, q in zip(pairs, pairs[1:])):
         return None
-    return ahead if loose or indent_units(ahead) else None
+    return ahead if indent_units(ahead) else None
 
 
 def indent_units(mapping):
@@ -6602,7 +6602,7 @@ def relaxed_note(level, merge):
     ignoring indentation how the file indents."""
     name = MATCH_LEVELS[level][0]
     leads = [b for b in (merge.mapping or {}).values() if b]
-    if level != 2 or not leads:
+    if not MATCH_LEVELS[level][2] or not leads:       # the level that maps indentation
         return name
     return name + ", " + ("the file indents with tabs" if any("\t" in b for b in leads) else
                           "the file's indentation differs from old_str's")
