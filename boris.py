@@ -24,7 +24,8 @@ layers above it:
     Tools: building blocks the registry (@tool), schema helpers, CallContext
     Tools: view            view of files, directories, images
     Tools: outline         a file's definitions with line ranges, or a directory's files' top-level ones
-    Tools: edits           str_replace, multi_edit, create_file, undo_edit, the compat editor; the one matcher
+    Tools: edits           str_replace, multi_edit, create_file, undo_edit, the compat editor; the one
+                           matcher, the three-way merge (EditMerge) and the one edit writer (write_edit)
     Tools: apply_patch     Codex's patch format, read, planned, written all or none
     Tools: notebooks       .ipynb rendering and notebook_edit
     Tools: shell           bash (handed off to the background when it outlives --handoff) and the task tools
