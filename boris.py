@@ -5850,7 +5850,8 @@ def newline_at(text, pos):
 
 
 def match_lines(text, old, most=20):
-    """'3, 17, 40' - the line of each occurrence of `old` (the first `most`)."""
+    """'3, 17, 40' - the line where each occurrence of `old` starts, overlapping ones too
+    (the first `most` lines)."""
     lines, pos, line, at = [], 0, 1, 0
     while len(lines) < most:
         i = text.find(old, pos)
@@ -5859,7 +5860,9 @@ def match_lines(text, old, most=20):
         line += text.count("\n", at, i)
         at = i
         lines.append(str(line))
-        pos = i + max(1, len(old))
+        pos = text.find("\n", i) + 1          # the next line: one occurring later on this one has its number
+        if not pos:
+            return ", ".join(lines)
     return ", ".join(lines) + ", ..."
 
 
@@ -6184,8 +6187,8 @@ class LineIndex(object):
     def spans(self, want, start=0, eof=False, partial=False):
         """(i, j): the runs plain[i:j] whose non-blank lines have want's keys (blank lines
         of want at its ends taken from the file's blank lines around the run, as far as
-        they go), at or after `start` (at the end, for eof); not overlapping. With
-        `partial`, want's last line may be the start of the file's line."""
+        they go), at or after `start` (at the end, for eof), overlapping ones too (each
+        is a place). With `partial`, want's last line may be the start of the file's line."""
         wkeys = [line_key(w) for w in want]
         words = [k for k in wkeys if k]
         if not words:
@@ -6209,8 +6212,6 @@ class LineIndex(object):
             while b < len(keys) and b - j < tail and not keys[b]:
                 b += 1
             if eof and any(keys[b:]):
-                continue
-            if out and a < out[-1][1]:
                 continue
             out.append((a, b))
         return out
@@ -6626,6 +6627,8 @@ def replace_text(text, edit, shown, cancelled=None):
         whole = text[text.rfind("\n", 0, pos) + 1:pos] + old
         count = text.count(whole) if text.count(whole) == count else 0
         old = whole
+    if count == 1 and not replace_all and text.find(old, text.find(old) + 1) >= 0:
+        count = 2                   # a second place overlapping the first ('x\nx' in 'x\nx\nx') is a place too
     if count > 1 and not replace_all:
         raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str occurs %d times in %s (at lines %s) and must be unique;"
                         " add surrounding lines to old_str to pick one, or set replace_all to true"
@@ -6663,6 +6666,11 @@ def replace_lines(text, edit, shown, cancelled=None):
     if len(new_lines) > 1 and new_lines[-1] == "" and old.replace("\r\n", "\n").endswith("\n"):
         new_lines.pop()
     ops = difflib.SequenceMatcher(None, want, new_lines, autojunk=False).get_opcodes()
+    kept = []
+    for span in hits:                           # replace_all: no two places overlap
+        if not kept or span[0] >= kept[-1][1]:
+            kept.append(span)
+    hits = kept
     merge = None
     for i, j in reversed(hits):
         region, rest = lines[i:j], ""

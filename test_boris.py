@@ -4000,6 +4000,20 @@ class TestOneMatcher(NoViewBase):
         self.assertIn("at lines 2, 5", text)
         self.assertEqual(self.read("two.py"), b"if a:\n    go()\n    done()\nif b:\n  go()\n  done()\n")
 
+    def test_overlapping_places_are_two_places(self):
+        """'x\\nx' stands twice in 'x\\nx\\nx', overlapping: counting without overlaps made it
+        unique, and the first was edited (exactly, and ignoring indentation alike)."""
+        self.write("o.txt", "x\nx\nx\n")
+        text = self.fails("str_replace", "STR_REPLACE_AMBIGUOUS", path="o.txt", old_str="x\nx", new_str="x\ny")
+        self.assertIn("at lines 1, 2", text)
+        self.write("g.py", "  go()\n  go()\n  go()\n")
+        text = self.fails("str_replace", "STR_REPLACE_AMBIGUOUS", path="g.py", old_str="go()\ngo()", new_str="go()\nstop()")
+        self.assertIn("at lines 1, 2", text)
+        self.assertEqual((self.read("o.txt"), self.read("g.py")), (b"x\nx\nx\n", b"  go()\n  go()\n  go()\n"))
+        self.write("g.py", "  go()\n  go()\n  go()\n  go()\n")
+        self.ok("str_replace", path="g.py", old_str="go()\ngo()", new_str="a\nb", replace_all=True)
+        self.assertEqual(self.read("g.py"), b"  a\n  b\n  a\n  b\n")
+
     def test_stale_text_is_still_refused(self):
         self.write("s.py", "def total(items):\n    return sum(items)\n")
         self.fails("str_replace", "STR_REPLACE_NOT_FOUND", path="s.py", old_str="def total(values):\n  return sum(values)",
