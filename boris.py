@@ -7850,6 +7850,8 @@ def output_test(ctx, pattern, deadline):
     there once now, so a malformed one is an error at once."""
     check_pattern(pattern, "wait_for")
     if not set(pattern) & _REGEX_META:
+        if "\n" in pattern:       # a literal that spans lines is looked for across them
+            return lambda text: pattern in terminal_text(text)
         return lambda text: any(pattern in line[:1000] for line in text.splitlines())
 
     def matches(text):

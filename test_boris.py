@@ -2482,7 +2482,7 @@ class TestBackgroundTasks(NoViewBase):
 class TestHandOff(NoViewBase):
     """A foreground command that outlives --handoff (or yield_ms) becomes a task of the
     session: the call returns its output so far and the task id; nothing is killed."""
-    flags = NoViewBase.flags + ["--handoff", "1"]
+    flags = NoViewBase.flags + ["--handoff", "0.4"]
 
     def task_id(self, text):
         m = re.search(r"background task (task_[0-9a-f]+)", text)
@@ -2491,10 +2491,10 @@ class TestHandOff(NoViewBase):
 
     def test_a_long_command_is_handed_off_with_its_output_so_far(self):
         started = time.monotonic()
-        text = self.ok("bash", command="echo started; sleep 3; echo done")
+        text = self.ok("bash", command="echo started; sleep 1.2; echo done")
         returned = time.monotonic() - started
-        self.assertLess(returned, 2.9, "the call waited for the command: %.2f s" % returned)
-        self.assertTrue(text.startswith("Still running after 1."), text)
+        self.assertLess(returned, 1.1, "the call waited for the command: %.2f s" % returned)
+        self.assertTrue(text.startswith("Still running after 0."), text)
         self.assertIn("--- stdout ---\nstarted", text)
         self.assertNotIn("done", text)
         tid = self.task_id(text)
@@ -2511,7 +2511,7 @@ class TestHandOff(NoViewBase):
         cfg = boris.parse_config(["--workdir", self.root], {})       # --handoff 50 (the default)
         self.assertEqual(cfg.handoff, 50.0)
         r = boris.McpServer.run_tool(self.server.tools["bash"], self.session,
-                                     {"command": "echo early; sleep 3; echo late", "yield_ms": 500},
+                                     {"command": "echo early; sleep 1; echo late", "yield_ms": 300},
                                      ctx_of(cfg, self.policy))
         text = r["content"][0]["text"]
         self.assertTrue(text.startswith("Still running after 0."), text)
@@ -2529,11 +2529,11 @@ class TestHandOff(NoViewBase):
 
     def test_the_commands_timeout_still_kills_a_handed_off_task(self):
         s = unique_sleep()
-        text = self.ok("bash", command="echo begun; sleep %s" % s, timeout=2500)
+        text = self.ok("bash", command="echo begun; sleep %s" % s, timeout=1200)
         tid = self.task_id(text)
         self.assertTrue(procs_with(s))
         final = self.ok("task_output", task_id=tid, wait_ms=15000)
-        self.assertIn("status: killed by its timeout (2500 ms)", final)
+        self.assertIn("status: killed by its timeout (1200 ms)", final)
         self.assertTrue(wait_until(lambda: not procs_with(s), 10))
 
     def test_a_cancel_before_the_hand_off_kills_the_command(self):
@@ -2554,9 +2554,9 @@ class TestHandOff(NoViewBase):
         s = unique_sleep()
         for _ in range(boris.MAX_BACKGROUND_TASKS):
             self.ok("bash", command="sleep %s" % s, run_in_background=True)
-        text = self.ok("bash", command="sleep 1.5; echo finished")
+        text = self.ok("bash", command="sleep 0.8; echo finished")
         self.assertTrue(text.startswith("exit code: 0"), text)
-        self.assertIn("not handed off to the background at 1 s: %d background tasks are already running"
+        self.assertIn("not handed off to the background at 0.4 s: %d background tasks are already running"
                       % boris.MAX_BACKGROUND_TASKS, text)
         self.assertIn("finished", text)
 
@@ -2570,7 +2570,7 @@ class TestHandOff(NoViewBase):
     def test_progress_stops_at_the_hand_off(self):
         got = []
         ctx = ctx_of(self.cfg, self.policy, progress=got.append)
-        text = boris.tool_bash(self.session, {"command": "for i in 1 2 3 4 5 6 7 8; do echo t$i; sleep 0.25;"
+        text = boris.tool_bash(self.session, {"command": "for i in 1 2 3 4 5 6 7 8; do echo t$i; sleep 0.1;"
                                                          " done"}, ctx)
         seen = len(got)
         final = self.ok("task_output", task_id=self.task_id(text), wait_ms=10000)
@@ -2579,7 +2579,7 @@ class TestHandOff(NoViewBase):
 
     def test_the_description_and_instructions_say_it(self):
         self.assertIn("handed off", self.server.tools["bash"].description)
-        self.assertIn("1 s", self.server.tools["bash"].description)
+        self.assertIn("0.4 s", self.server.tools["bash"].description)
         self.assertIn("handed off", self.server.instructions())
 
 
@@ -6359,19 +6359,19 @@ class StdioBase(unittest.TestCase):
 
 
 class TestHandOffOverStdio(StdioBase):
-    """As a client with a 3 s tool timeout sees it: `python3 boris.py --handoff 2` answers
-    a 6 s command with its task id inside the timeout, then task_output gives the end."""
-    args = ["--handoff", "2"]
+    """As a client with a 2 s tool timeout sees it: `python3 boris.py --handoff 0.5` answers
+    a 2.5 s command with its task id inside the timeout, then task_output gives the end."""
+    args = ["--handoff", "0.5"]
 
     def test_the_client_gets_the_task_id_then_the_final_output(self):
-        first = self.c.call("bash", {"command": "echo building; sleep 6; echo BUILD OK"}, timeout=3)
+        first = self.c.call("bash", {"command": "echo building; sleep 2.5; echo BUILD OK"}, timeout=2)
         text = first["content"][0]["text"]
         self.assertIn("building", text)
         tid = re.search(r"background task (task_[0-9a-f]+)", text).group(1)
         final = ""
         for _ in range(5):
-            final = self.c.call("task_output", {"task_id": tid, "wait_for": "BUILD OK", "wait_ms": 2500},
-                                timeout=3)["content"][0]["text"]
+            final = self.c.call("task_output", {"task_id": tid, "wait_for": "BUILD OK", "wait_ms": 1500},
+                                timeout=2)["content"][0]["text"]
             if "status: completed" in final:
                 break
         self.assertIn("status: completed; exit code: 0", final)
