@@ -588,6 +588,11 @@ def case_folds(path):
     return False
 
 
+def child_prefix(path):
+    """`path/` (just `/` for the root): what a child's name is appended to."""
+    return path + "/" if path != "/" else "/"
+
+
 def is_within(path, root):
     """Component-wise containment of canonical paths: /ws2 is not inside /ws."""
     if root == "/":
@@ -1536,616 +1541,58 @@ def kill_marked(marker):
     return killed
 
 
-###############################################################################
-# Search ######################################################################
-###############################################################################
-# One walker (gitignore-aware, cycle-safe, scope-filtered), one glob compiler (in
-# Paths above), one grep engine. grep, glob, search_text and search_files are thin
-# front-ends over these.
-
-GREP_BINARY_SNIFF = 512                    # a NUL in a file's first bytes makes it binary
-SEARCH_BATCH = 1000                        # results a helper sends at a time
-SEARCH_IDLE_HELPERS = 2                    # search helpers kept warm for the next search
-DEADLINE_GRACE_S = 2.0                     # a helper past its job's deadline by this much ends itself
-HELPER_WATCH_S = 0.2                       # a helper checks this often that its parent lives
-GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
-GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
-SHARE_MIN_ENTRIES = 3000               # a walk is shared once it has listed this many entries
-SHARE_MIN_UNITS = 8                    # ... and has this many directories left to walk
-SHARE_SLICES = 48                      # a partner is given about 1/48 of its share at a time
-SHARE_AHEAD = 4                        # ... and kept that many slices ahead
-SHARE_SERVICE_S = 0.001                # the helper feeds its partners at least this often
-PARTNER_IDLE_S = 60.0                  # a search helper's partners are closed after this long idle
-_REGEX_META = frozenset("\\.^$*+?{}[]|()")
-
-TYPES = {                      # ripgrep's globs for these languages, and a few more
-    "c": "*.c *.h *.H *.c.in *.h.in *.cats",
-    "cpp": "*.C *.cpp *.cc *.cxx *.c++ *.h *.H *.hpp *.hh *.hxx *.h++ *.inl *.cppm *.ixx *.cpp.in *.hpp.in *.cc.in",
-    "cs": "*.cs *.csx", "css": "*.css *.scss *.sass *.less", "clojure": "*.clj *.cljs *.cljc *.cljx *.edn",
-    "cmake": "*.cmake CMakeLists.txt", "d": "*.d", "dart": "*.dart", "docker": "*Dockerfile* *.dockerfile",
-    "elixir": "*.ex *.exs *.eex", "elm": "*.elm", "erlang": "*.erl *.hrl", "fsharp": "*.fs *.fsi *.fsx",
-    "go": "*.go", "graphql": "*.graphql *.gql", "groovy": "*.groovy *.gradle", "haskell": "*.hs *.lhs *.hsc",
-    "html": "*.html *.htm *.xhtml *.ejs", "java": "*.java *.jsp *.jspx *.properties",
-    "js": "*.js *.jsx *.mjs *.cjs *.vue", "json": "*.json *.jsonc composer.lock", "julia": "*.jl",
-    "kotlin": "*.kt *.kts", "lua": "*.lua",
-    "make": "Makefile makefile GNUmakefile gnumakefile *.mk *.mak Makefile.am Makefile.in",
-    "markdown": "*.md *.markdown *.mdown *.mkdn *.mdx", "nim": "*.nim *.nimble *.nimf *.nims", "nix": "*.nix",
-    "objc": "*.m *.mm *.h", "ocaml": "*.ml *.mli *.mll *.mly", "perl": "*.pl *.pm *.t *.PL *.perl *.plh *.plx",
-    "php": "*.php *.php3 *.php4 *.php5 *.phtml", "proto": "*.proto", "py": "*.py *.pyi *.pyw",
-    "r": "*.r *.R *.Rmd *.Rnw", "ruby": "*.rb *.rbw *.rake *.gemspec Gemfile Rakefile .irbrc config.ru",
-    "rust": "*.rs", "scala": "*.scala *.sc *.sbt",
-    "sh": "*.sh *.bash *.zsh *.csh *.ksh *.tcsh .bashrc .zshrc .bash_profile .bash_login .profile .zshenv"
-          " .zprofile .cshrc .kshrc",
-    "sql": "*.sql *.psql", "svelte": "*.svelte", "swift": "*.swift",
-    "tex": "*.tex *.sty *.cls *.bib *.ltx *.dtx *.ins", "toml": "*.toml Cargo.lock",
-    "ts": "*.ts *.tsx *.mts *.cts", "txt": "*.txt", "vue": "*.vue",
-    "xml": "*.xml *.xsd *.xsl *.xslt *.dtd *.rng *.xml.dist *.svg", "yaml": "*.yaml *.yml", "zig": "*.zig",
-}
-TYPE_ALIASES = {"python": "py", "typescript": "ts", "javascript": "js", "md": "markdown", "rs": "rust",
-                "rb": "ruby", "golang": "go", "c++": "cpp", "csharp": "cs", "shell": "sh", "bash": "sh",
-                "yml": "yaml", "kt": "kotlin", "hs": "haskell", "makefile": "make", "dockerfile": "docker"}
-
-
-def type_matcher(name):
-    """A function basename -> bool for a language name, or ToolError(GREP_INVALID_TYPE)."""
-    key = TYPE_ALIASES.get(name.lower(), name.lower())
-    if key not in TYPES:
-        raise ToolError(GREP_INVALID_TYPE, "unknown type %r; valid types: %s (aliases: %s)" % (
-            name, ", ".join(sorted(TYPES)), ", ".join("%s=%s" % kv for kv in sorted(TYPE_ALIASES.items()))))
-    rx = re.compile("|".join("(?:%s)" % compile_glob(g).pattern for g in TYPES[key].split()))
-    return lambda base: rx.match(base) is not None
-
-
-# -- .gitignore ---------------------------------------------------------------
-
-class IgnoreFile(object):
-    """The rules of one .gitignore (or info/exclude) at `source`, relative to `base`."""
-
-    def __init__(self, base, lines, source=None):
-        self.base, self.source = base, source
-        self.rules = []                      # (regex, negated, dir_only, anchored)
-        for raw in lines:
-            line, neg, dir_only = ignore_pattern(raw)
-            if not line:
-                continue
-            anchored = "/" in line
-            try:                             # git matches bytes: '?' is one byte of UTF-8
-                rx = compile_glob(as_bytes(line[1:] if line.startswith("/") else line), git=True)
-            except ValueError:
-                continue                     # git ignores a malformed pattern too
-            self.rules.append((rx, neg, dir_only, anchored))
-
-    def verdict(self, rel, name, is_dir):
-        """True (ignored), False (re-included by '!') or None (no rule matched)."""
-        if not rel.isascii():
-            rel, name = as_bytes(rel), as_bytes(name)
-        for rx, neg, dir_only, anchored in reversed(self.rules):
-            if dir_only and not is_dir:
-                continue
-            if rx.match(rel if anchored else name):
-                return not neg
-        return None
-
-
-def ignore_pattern(raw):
-    """(pattern, negated, directories only) of a .gitignore line; pattern '' for a
-    blank line or a comment. Unescaped trailing spaces go; '\\!' and '\\#' are literal."""
-    line = raw.rstrip("\n").rstrip("\r")
-    if line.startswith("#"):
-        return "", False, False
-    while line.endswith(" ") and not line.endswith("\\ "):
-        line = line[:-1]
-    neg = line.startswith("!")
-    if neg or line.startswith(("\\!", "\\#")):
-        line = line[1:]
-    dir_only = line.endswith("/")
-    if dir_only:
-        line = line[:-1]             # one slash: 'foo//' is 'foo/' anchored, which names nothing
-    return line, neg, dir_only
-
-
-def as_bytes(text):
-    """Text as its UTF-8 bytes, one character a byte (latin-1): how git's fnmatch sees it."""
-    return text if text.isascii() else text.encode("utf-8", "surrogateescape").decode("latin-1")
-
-
-def read_ignore(base, source):
-    """The rules of the ignore file `source` for directory `base`, or None if it has none."""
+def signal_group(proc, sig):
+    """Send `sig` to a command's process group; one that is gone (or not ours) is skipped."""
     try:
-        with open(source, "r", encoding="utf-8", errors="replace") as f:
-            rules = IgnoreFile(base, f.readlines(), source)
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # gone, or never started: nothing to signal
+
+
+def stop_group(proc, grace=KILL_GRACE_S):
+    """SIGTERM the process group, give the leader `grace` seconds, SIGKILL the group
+    (stragglers included), reap the leader."""
+    import subprocess
+    if proc.poll() is None:
+        signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass  # still alive after the grace: SIGKILL follows
+    signal_group(proc, signal.SIGKILL)
+    proc.wait()
+    kill_leftovers(proc)
+
+
+def kill_leftovers(proc):
+    """After a command's leader is reaped: forget it, kill what it left behind."""
+    reaped(proc)
+    kill_marked(proc.boris_call)
+
+
+def kill_group(proc):
+    """Kill a helper with every process it started, reap it and close its pipes. Its
+    partners, re-parented here when this process is a subreaper, are reaped as they
+    die (within a second), not left to the periodic reaper."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
-        return None  # unreadable .gitignore: no rules from it (git, too, skips it)
-    return rules if rules.rules else None
-
-
-def load_ignore(directory):
-    """The IgnoreFile of directory's .gitignore, or None."""
-    return read_ignore(directory, os.path.join(directory, ".gitignore"))
-
-
-def git_top(start):
-    """The work tree containing `start` (a directory holding .git), or None."""
-    d = start
-    while True:
-        if os.path.exists(os.path.join(d, ".git")):
-            return d
-        parent = os.path.dirname(d)
-        if parent == d:
-            return None
-        d = parent
-
-
-def ignored(stack, path, name, is_dir):
-    """The verdict of an ignore stack on a path: the innermost file with a matching rule decides; False
-    when none matches."""
-    for rules in reversed(stack):
-        v = rules.verdict(path[len(rules.base) + 1:], name, is_dir)
-        if v is not None:
-            return v
-    return False
-
-
-def repo_excludes(top):
-    """The ignore stack a work tree starts with: its .git/info/exclude, if any."""
-    ex = read_ignore(top, os.path.join(top, ".git", "info", "exclude"))
-    return [ex] if ex else []
-
-
-def outer_ignores(root):
-    """.gitignore rules that apply to `root` from its work tree's top down to it
-    (and .git/info/exclude). Outside a git work tree, those of every directory above
-    it: projects copied into containers usually arrive without their .git, and their
-    .gitignore still says what is build output (ripgrep's --no-require-git)."""
-    top = git_top(root)
-    stack = repo_excludes(top) if top is not None else []
-    top = top or "/"
-    d = top
-    rel = root[len(top):].strip("/")
-    for part in [p for p in rel.split("/") if p]:
-        rules = load_ignore(d)
-        if rules:
-            stack.append(rules)
-        d = os.path.join(d, part)
-    return stack
-
-
-# -- the walker -----------------------------------------------------------------
-
-O_SCAN = os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC
-
-
-class Walker(object):
-    """Iterate (path, real, is_dir, inode) under `root` (a canonical directory), depth
-    first. `path` is what the user sees (through followed links), `real` the canonical
-    path that was checked and is opened.
-
-    Prunes .git and node_modules, honours .gitignore inside a git work tree, drops
-    what the path policy denies (judged by the real path, also below followed links),
-    and yields only files whose name passes `name_ok` (directories are walked whatever
-    their name). Each directory is opened without following a link and must be the
-    inode its parent listed, so a directory swapped for a symlink mid-walk is skipped.
-    Followed directory symlinks are visited after the real tree, once per (dev, inode),
-    so cycles end and a tree reached both ways is listed under its real path (or,
-    reached by links only, under the link path that sorts first)."""
-
-    def __init__(self, root, policy, follow_links, want_dirs=False, name_ok=None, max_depth=None):
-        self.root, self.policy, self.follow_links = root, policy, follow_links
-        self.want_dirs, self.name_ok = want_dirs, name_ok
-        self.max_depth = max_depth
-        self.seen = set()
-        self.linked = []                           # (path, real, ignore stack, depth) to enter later
-        self.link_heap = []                        # ... ordered by path once the real tree is done
-        self.links_queued = 0
-        self.defer_links = False                   # True: leave self.linked to whoever shares the walk
-        self.use_ignore = False
-        self.listed = 0                            # entries listed so far
-        self.tick = None                           # called after each directory listed
-
-    def __iter__(self):
-        return self.walk([self.start()])
-
-    def start(self):
-        """The root's pending entry (path, real, ignore stack, depth, inode)."""
-        self.use_ignore = True
-        return self.root, self.root, outer_ignores(self.root), 0, None
-
-    def walk(self, pending):
-        """Depth first from the pending entries, then the followed links."""
-        import heapq
-        pending = list(pending)
-        while pending or ((self.linked or self.link_heap) and not self.defer_links):
-            if not pending:
-                for link in self.linked:                 # a tree linked twice shows under the first name
-                    self.links_queued += 1
-                    heapq.heappush(self.link_heap, (link[0], self.links_queued, link))
-                del self.linked[:]
-                entry = self.enter_link(*heapq.heappop(self.link_heap)[2])
-                if entry is not None:
-                    pending.append(entry)
-                    if self.want_dirs:
-                        yield entry[0], entry[1], True, entry[4]
-                continue
-            found, subdirs = self.visit(*pending.pop())
-            yield from found
-            pending += reversed(subdirs)
-            if self.tick is not None:
-                self.tick()
-
-    def scan(self, real, ino):
-        """(fd, entries) of a directory that is still the inode its parent listed."""
+        pass  # already gone
+    proc.wait()
+    reaped(proc)
+    deadline = time.monotonic() + 1.0
+    while _children.reaping and time.monotonic() < deadline:
+        reap_orphans()
         try:
-            fd = os.open(real, O_SCAN) if ino is not None else open_dir(real, flags=O_SCAN)
+            os.killpg(proc.pid, 0)                       # a member left, zombie or not?
         except OSError:
-            return None, []
+            break  # the group is empty: all reaped
+        time.sleep(0.005)
+    for f in (proc.stdin, proc.stdout):
         try:
-            st = os.fstat(fd)
-            if ino is not None and st.st_ino != ino:
-                os.close(fd)
-                return None, []
-            if self.follow_links:
-                self.seen.add((st.st_dev, st.st_ino))
-            with os.scandir(fd) as it:
-                entries = list(it)
+            f.close()
         except OSError:
-            os.close(fd)
-            return None, []
-        self.listed += len(entries)
-        return fd, entries
-
-    def rules(self, path, entries, ign):
-        """The ignore stack inside `path`: a nested repository (a .git of its own)
-        starts over with its own exclude file; a .gitignore adds its rules."""
-        if not self.use_ignore:
-            return ign
-        names = set(e.name for e in entries if e.name in (".git", ".gitignore"))
-        if ".git" in names and path != self.root:
-            ign = repo_excludes(path)
-        if ".gitignore" in names:
-            rules = load_ignore(path)
-            if rules:
-                return ign + [rules]
-        return ign
-
-    def visit(self, path, real, ign, depth, ino):
-        """What one directory holds: (found, subdirs). found: (path, real, is_dir, inode)
-        of the files that pass name_ok, the ignore rules and the policy, of directories
-        when want_dirs, and of what symlinks name (link()); subdirs: the pending entries
-        of directories to walk (within max_depth). Sockets, fifos and devices never."""
-        fd, entries = self.scan(real, ino)
-        if fd is None:
-            return [], []
-        found, subdirs = [], []
-        try:                                    # (the fd stays open: DT_UNKNOWN entries lstat through it)
-            ign = self.rules(path, entries, ign)
-            filtering = bool(self.use_ignore and ign)
-            screened = filtering or self.policy.restricted
-            name_ok, want_dirs, deeper = self.name_ok, self.want_dirs, self.deeper(depth)
-            prefix, rprefix = child_prefix(path), child_prefix(real)
-            for e in entries:
-                name = e.name
-                if name in SKIP_DIRS:
-                    continue
-                try:
-                    if e.is_file(follow_symlinks=False):          # most entries: test files first
-                        if (name_ok is None or name_ok(name)) and not (
-                                screened and self.hidden(ign, prefix + name, rprefix + name, name, False)):
-                            found.append((prefix + name, rprefix + name, False, e.inode()))
-                    elif e.is_dir(follow_symlinks=False):
-                        if screened and self.hidden(ign, prefix + name, rprefix + name, name, True):
-                            continue
-                        if want_dirs:
-                            found.append((prefix + name, rprefix + name, True, e.inode()))
-                        if deeper:
-                            subdirs.append((prefix + name, rprefix + name, ign, depth + 1, e.inode()))
-                    elif e.is_symlink():
-                        found += self.link(prefix + name, rprefix + name, name, ign, depth)
-                except OSError:
-                    continue                                      # gone since listed: skipped
-        finally:
-            os.close(fd)
-        return found, subdirs
-
-    def hidden(self, ign, path, real, name, is_dir):
-        """Whether an ignore rule (of the stack `ign`, when the walk uses them) or the path
-        policy hides this entry."""
-        return bool(self.use_ignore and ign and ignored(ign, path, name, is_dir)) or self.policy.is_denied(real)
-
-    def link(self, path, at, name, ign, depth):
-        """A symlink's entries for visit(): its target is resolved and checked by its real
-        path; a directory it names is entered later (follow_links) or listed."""
-        try:
-            target = canonical(at)
-            st = os.stat(target)
-        except OSError:
-            return ()                                            # broken or looping links are skipped
-        is_dir = stat.S_ISDIR(st.st_mode)
-        if self.hidden(ign, path, target, name, is_dir):
-            return ()
-        if is_dir and self.follow_links:
-            if self.deeper(depth):
-                self.linked.append((path, target, ign, depth + 1))
-            return ()
-        if is_dir:
-            return ()                               # a directory link not followed is not listed either
-        if stat.S_ISREG(st.st_mode) and self.name_passes(name):
-            return ((path, target, False, st.st_ino),)
-        return ()
-
-    def deeper(self, depth):
-        """Whether the walk goes below a directory at `depth` (max_depth)."""
-        return self.max_depth is None or depth + 1 < self.max_depth
-
-    def name_passes(self, name):
-        """Whether a file of this name is wanted (name_ok)."""
-        return self.name_ok is None or self.name_ok(name)
-
-    def adopt(self, links, seen):
-        """What a partner reports at the end of a unit it walked: the directory links it
-        left to follow (entered here, in order, once the real tree is done) and the
-        directories it saw (so a link to one of them is not walked twice)."""
-        self.linked += links
-        self.seen.update(seen)
-
-    def share(self, tick):
-        """Walk for a shared walk: links are left in self.linked for the sharer, and
-        `tick` is called after each directory (None: back to walking alone)."""
-        self.defer_links, self.tick = tick is not None, tick
-
-    def enter_link(self, path, real, ign, depth):
-        """The pending entry of a followed directory link, or None when seen before."""
-        try:
-            st = os.stat(real)
-        except OSError:
-            return None  # a broken link target: not entered
-        if (st.st_dev, st.st_ino) in self.seen:
-            return None
-        self.seen.add((st.st_dev, st.st_ino))
-        return path, real, ign, depth, st.st_ino
-
-
-# -- the grep engine -----------------------------------------------------------------
-
-REGEX_HINTS = ((r"\\p\{L\}|\\pL", r"[^\W\d_]"), (r"\\p\{N\}|\\pN|\\p\{Nd\}", r"\d"),
-               (r"\\P\{L\}", r"[\W\d_]"), (r"\\p\{", r"an explicit class such as [a-z] or [^\W\d_]"),
-               (r"\\x\{[0-9a-fA-F]+\}", r"\uXXXX (or \U0001XXXX)"), (r"\\z", r"\Z"),
-               (r"\\[<>]", r"\b"), (r"\(\?<[a-zA-Z]", r"(?P<name>...)"), (r"\\h", r"[ \t]"))
-
-
-def child_prefix(path):
-    """`path/` (just `/` for the root): what a child's name is appended to."""
-    return path + "/" if path != "/" else "/"
-
-
-class Matcher(object):
-    """A compiled grep pattern: a literal (bytes.find: exact on UTF-8) where it can be,
-    else a regex. The regex runs on bytes for pure-ASCII text and on decoded text
-    otherwise, so '.' and classes mean characters, not bytes."""
-
-    def __init__(self, pattern, regex=True, ignore_case=False, multiline=False):
-        self.multiline = multiline
-        if regex and not (set(pattern) & _REGEX_META):
-            regex = False
-        self.literal = self.rx = self.rx_text = None
-        self.folded = False
-        if not regex and (not ignore_case or pattern.isascii()):
-            self.literal = (pattern.lower() if ignore_case else pattern).encode("utf-8")
-            self.folded = ignore_case                     # -i on ASCII: bytes.lower() and find, no regex
-        else:
-            self.compile(pattern, regex, ignore_case, multiline)
-
-    def compile(self, pattern, regex, ignore_case, multiline):
-        """The regexes: rx_text on decoded text, and rx on bytes for pure-ASCII text
-        where the pattern means the same there."""
-        src = self.python_regex(pattern) if regex else re.escape(pattern)
-        if regex and not multiline:
-            src = self.drop_dot_stars(src)                     # '.*TODO.*' matches the lines 'TODO' does
-        flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0) | (re.DOTALL if multiline else 0)
-        try:
-            self.rx_text = re.compile(src, flags)
-        except re.error as e:
-            raise ToolError(GREP_INVALID_PATTERN, "pattern %r is not a valid regular expression: %s; escape"
-                            " special characters or fix the syntax (the dialect is Python's re)"
-                            % (shorten(pattern), e))
-        except (OverflowError, RecursionError, ValueError) as e:
-            raise ToolError(GREP_INVALID_PATTERN, "pattern %r cannot be compiled: %s" % (shorten(pattern), e))
-        if src.isascii() and not re.search(r"\\[sS]", src):          # \s differs between str and bytes
-            try:
-                self.rx = re.compile(src.encode("ascii"), flags)        # ASCII text: search the bytes as they are
-            except (re.error, ValueError):
-                self.rx = None                                          # \u263A, \N{...}: text only
-
-    def needs_text(self, buf, end):
-        """Whether this chunk must be searched as decoded text."""
-        return self.literal is None and (self.rx is None or not buf[:end].isascii())
-
-    def quick(self, lead):
-        """Whether files mode may answer from the first read with literal_in(): a literal,
-        and no UTF-8 BOM (lead byte 0xef) to strip first."""
-        return self.literal is not None and lead != 0xef
-
-    def literal_in(self, buf, n):
-        """Whether the literal occurs in buf[:n] (files mode's quick answer)."""
-        if self.folded:
-            return buf[:n].lower().find(self.literal) >= 0
-        return buf.find(self.literal, 0, n) >= 0
-
-    def spans(self, hay, end, first_only=False, pos=0):
-        """(start, end) offsets of matching regions in hay[pos:end]; in line mode at
-        most one per line, each within a single line. Nothing matches at `end`: the
-        text after a final newline is no line."""
-        if self.literal is not None:
-            return self.literal_spans(hay, end, first_only, pos)
-        return self.regex_spans(hay, end, first_only, pos)
-
-    def literal_spans(self, hay, end, first_only, pos):
-        """spans() of a literal: bytes.find, then on from the next line."""
-        nl = b"\n" if isinstance(hay, (bytes, bytearray)) else "\n"
-        out = []
-        needle, size = self.literal, len(self.literal)
-        if self.folded:
-            hay = hay[:end].lower()                   # same offsets: only ASCII letters change
-        while True:
-            i = hay.find(needle, pos, end)
-            if i < 0:
-                return out
-            out.append((i, i + size))
-            if first_only:
-                return out
-            j = hay.find(nl, i + size, end)
-            if j < 0:
-                return out
-            pos = j + 1
-
-    def regex_spans(self, hay, end, first_only, pos):
-        """spans() of a regex: on the bytes or the text, a match that spans lines in
-        line mode retried within its first line."""
-        nl, rx = ("\n", self.rx_text) if isinstance(hay, str) else (b"\n", self.rx)
-        out = []
-        phantom = hay[end - 1:end] in ("\n", b"\n", "", b"")       # nothing after a final newline
-        while pos < end:
-            m = rx.search(hay, pos, end)
-            if m is None or (phantom and m.start() == end):
-                return out
-            s, e = m.span()
-            if not self.multiline and hay.find(nl, s, e) >= 0:
-                s, e, pos = self.within_line(rx, hay, nl, s, end)      # spans lines: retry within its line
-                if s is None:
-                    continue
-            out.append((s, e))
-            pos = None if first_only else self.after_match(hay, nl, s, e, end)
-            if pos is None:
-                return out
-        return out
-
-    def after_match(self, hay, nl, s, e, end):
-        """Where the search goes on after a match at s..e: at its end (multiline), or
-        at the next line (line mode: one match a line); None past the last line."""
-        if self.multiline:
-            return e if e > s else e + 1
-        j = hay.find(nl, e, end)
-        return None if j < 0 else j + 1
-
-    @staticmethod
-    def python_regex(pattern):
-        """An agent's regex in Python's dialect: POSIX classes ([[:digit:]]) translated;
-        constructs of other dialects (\\p{L}, \\x{263A}, \\z, \\<word\\>, [a-z&&[^b]])
-        refused with the Python spelling to use instead."""
-        for other, python in REGEX_HINTS:
-            m = re.search(r"(?<!\\)(?:\\\\)*(" + other + ")", pattern)
-            if m:
-                raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses %s, which Python's re does not know; write %s"
-                                " instead" % (shorten(pattern), m.group(1), python))
-        if re.search(r"\[[^\]]*&&", pattern):
-            raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses a class intersection (&&), which Python's re does"
-                            " not have; list the characters ([ac-z]) or use a lookahead ((?![b])[a-z])" % shorten(pattern))
-
-        def posix(m):
-            if m.group(1) not in POSIX_CLASSES:
-                raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses the unknown class [:%s:]; known: %s"
-                                % (shorten(pattern), m.group(1), ", ".join(sorted(POSIX_CLASSES))))
-            return POSIX_CLASSES[m.group(1)]
-        return re.sub(r"(?<=[\[^\w\]-])\[:(\w+):\]", posix, pattern) if "[:" in pattern else pattern
-
-    @staticmethod
-    def drop_dot_stars(src):
-        """A line-mode regex without a leading or trailing '.*' (or '.*?'): in line mode
-        they change no line's verdict, but make a long line quadratic to search."""
-        core = src
-        while core.startswith(".*"):
-            core = core[3:] if core.startswith(".*?") else core[2:]
-        while core.endswith(".*") and not core.endswith("\\.*") and (len(core) == 2 or core[-3] != "\\"):
-            core = core[:-2]
-        return core if core and "|" not in src else src
-
-    @staticmethod
-    def within_line(rx, hay, nl, s, end):
-        """A line-mode retry: the first match of rx within the line holding offset s, as
-        (start, end, pos); (None, None, next line's start) when that line has none."""
-        ls = hay.rfind(nl, 0, s) + 1
-        le = hay.find(nl, s, end)
-        le = end if le < 0 else le
-        m = rx.search(hay, ls, le)
-        if m is None:
-            return None, None, le + 1
-        return m.start(), m.end(), None
-
-
-class LineRecords(object):
-    """Content mode's records of one file, built piece by piece: (line number, is a
-    match, text) for every line a match touches and every line within `before`/`after`
-    lines of one, in order, with None between groups that are not adjacent (with or
-    without context lines, as the original boris). `last` carries the last line shown
-    from one piece to the next."""
-
-    def __init__(self, before=0, after=0):
-        self.before, self.after, self.last = before, after, None
-
-    def add(self, hay, end, first_line, spans):
-        """The records of one piece (haystack up to `end`, starting at line
-        `first_line`) for its match spans."""
-        nl = b"\n" if not isinstance(hay, str) else "\n"
-        starts, want = {}, {}                       # line number -> (start, stop); -> is a match line
-        for k, ls, le in self.matched_lines(hay, nl, end, first_line, spans):
-            starts[k], want[k] = (ls, le), True
-            kb = k
-            for _ in range(self.before):            # context above, up to the piece's start
-                if ls == 0:
-                    break
-                pb = hay.rfind(nl, 0, ls - 1) + 1
-                kb -= 1
-                starts.setdefault(kb, (pb, ls - 1))
-                want.setdefault(kb, False)
-                ls = pb
-            ka = k
-            for _ in range(self.after):             # context below, up to its end
-                if le >= end - 1:
-                    break
-                na = hay.find(nl, le + 1, end)
-                na = end if na < 0 else na
-                ka += 1
-                starts.setdefault(ka, (le + 1, na))
-                want.setdefault(ka, False)
-                le = na
-        out, prev = [], self.last
-        for k in sorted(want):
-            if prev is not None and k > prev + 1:
-                out.append(None)
-            ls, le = starts[k]
-            out.append((k, want[k], self.line_text(hay, ls, le)))
-            prev = k
-        self.last = prev
-        return out
-
-    @staticmethod
-    def line_text(hay, start, end):
-        """A line of a grep haystack as shown: decoded (undecodable bytes kept as lone
-        surrogates, which scrub() turns into U+FFFD and counts), clipped."""
-        text = hay[start:end]
-        if not isinstance(text, str):
-            text = bytes(text).decode("utf-8", "surrogateescape")      # scrub() shows and counts the bad bytes
-        return clip_line(text)
-
-    @staticmethod
-    def matched_lines(hay, nl, end, first_line, spans):
-        """(line number, start, stop) of every line a match span touches (several for a
-        multiline match), in order."""
-        line_no, cursor = first_line, 0
-        matched = []
-        for s, e in spans:
-            line_no += hay.count(nl, cursor, s)
-            cursor = s
-            pos = hay.rfind(nl, 0, s) + 1
-            last = e - 1 if e > s else s
-            k = line_no
-            while True:
-                le = hay.find(nl, pos, end)
-                le = end if le < 0 else le
-                matched.append((k, pos, le))
-                if le >= last or le >= end:
-                    break
-                pos, k = le + 1, k + 1
-        return matched
+            pass  # a pipe whose other end died: nothing lost
 
 
 # -- helper processes -------------------------------------------------------------
@@ -2157,66 +1604,8 @@ class LineRecords(object):
 # helper's import path, while it starts in ~25 ms. A helper reads JSON lines on stdin,
 # answers in JSON lines on stdout, writes its tracebacks to the server's stderr, and
 # dies with its parent however the parent dies (guard_helper).
-#
-# The search wire protocol: every message is one JSON object on one line.
-#
-#   from -> to                 message                              when
-#   server -> search helper    a job: {"op": "grep"|"glob"|"match",  one per search; grep_job_of,
-#                              ..., "deadline_s"}                    find_paths, wait_for
-#   search helper -> server    {"items": [...]}                     as results come (Batches:
-#                                                                   SEARCH_BATCH items or 0.2 s)
-#   search helper -> server    {"end": "ok"} or {"end": "error",    the job's last line
-#                              "code", "message"}
-#   search helper -> partner   {"job": job}                         before its first unit
-#   search helper -> partner   {"unit": [root index, use_ignore,    SHARE_AHEAD slices ahead
-#                              [[path, real, ignores, depth, ino]]]}   (SharedWalk)
-#   partner -> search helper   {"items": [...]}                     a unit's results, if any;
-#                                                                   forwarded as they are
-#   partner -> search helper   {"links": [...], "seen": [...]}      a unit's end: links left to
-#                                                                   follow, directories seen
-#
-# Items: a grep job's are GrepHit records (JSON arrays); a glob job's are flat,
-# [rel, mtime, rel, mtime, ...] (a list per path would double the JSON work), read
-# back as (rel, mtime) pairs by glob_pairs() - plain tuples, not records: making 30,000
-# namedtuples and sorting them by attribute costs a glob 15%. A match job's one item
-# is true or false.
 
-GrepHit = namedtuple("GrepHit", "real rel mtime result root")
-GrepHit.__doc__ = """One file's grep result: its real path, its path relative to the
-root (None for a file root), mtime in ns (files_with_matches mode only, else 0),
-result (GrepWork.file_result's: True, a count or records) and the index of its root."""
-
-
-def glob_pairs(flat):
-    """(rel, mtime) pairs of a glob job's flat items."""
-    return zip(flat[0::2], flat[1::2])
-
-
-def mtime(path):
-    """Modification time in ns (an int: a fifth of the JSON cost of a float), 0 if gone."""
-    try:
-        return os.stat(path).st_mtime_ns
-    except OSError:
-        return 0  # gone since it was listed: sorts as oldest
-
-
-def helper_main(args):
-    """Entry point of `boris.py --helper KIND [PARENT_PID [...]]`: serve stdin, exit 0
-    (2 for no such kind). The sandbox launcher takes SPEC and the command after the
-    parent, and becomes the command."""
-    kind = args[0] if args else ""
-    parent = args[1] if len(args) > 1 else None
-    if kind == "sandbox" and len(args) in (3, 4) and args[2].startswith("@"):
-        return helper_warm_launcher(int(args[2][1:]), args[3] if len(args) == 4 else None)
-    if kind == "sandbox" and len(args) > 3:
-        return helper_sandbox(args[2], args[3:])
-    job = HELPER_KINDS.get(kind)
-    if job is None:
-        sys.stderr.write("boris: error: unknown helper kind %r\n" % kind)
-        return 2
-    guard_helper(int(parent) if parent and parent.isdigit() else None)
-    job()
-    return 0
+HELPER_WATCH_S = 0.2                       # a helper checks this often that its parent lives
 
 
 def guard_helper(parent):
@@ -2354,1311 +1743,9 @@ def helper_command(kind, avoid=()):
     return [sys.executable, "-I", "-S", "-X", "utf8", real, "--helper", kind, parent], "/"
 
 
-# -- searches run where they can be killed -----------------------------------------
-# Python's re holds the interpreter while it matches, so a catastrophic pattern (or a
-# glob such as *a*a*a*a*b) run in this process would freeze ping, cancel and every
-# other session. Every search therefore runs as a job in a search helper process
-# (its own process group, so its partners go with it): this process only waits on a
-# pipe, reads result batches as they come, and kills the group on cancel or at
-# SEARCH_TIMEOUT_S, keeping what had arrived. Idle helpers are kept for the next
-# search (SEARCH_IDLE_HELPERS) and exit when this process's end of the pipe closes.
-
-def policy_spec(policy):
-    """What a helper needs to rebuild `policy`."""
-    return {"allow": policy.allow, "deny": policy.deny_raw, "workdir": policy.workdir, "folds": policy.folds}
-
-
-def name_filter(include, type_name):
-    """(rel, name) -> bool from an include glob and a language type; None without either."""
-    tests = []
-    if include:
-        try:
-            rx = compile_glob(include)
-        except ValueError as e:
-            raise ToolError(INVALID_INPUT, "include glob %r is malformed: %s" % (include, e))
-        on_path = "/" in include
-        tests.append(lambda rel, name: rx.match(rel if on_path else name) is not None)
-    if type_name:
-        by_type = type_matcher(type_name)
-        tests.append(lambda rel, name: by_type(name))
-    if not tests:
-        return None
-    return tests[0] if len(tests) == 1 else lambda rel, name: all(t(rel, name) for t in tests)
-
-
-class GrepWork(object):
-    """A grep or search_text job as each of its workers runs it: roots are (real,
-    is_dir, inode of a file root); take() turns what a walk found into the items to
-    send, [GrepHit], or None."""
-
-    def __init__(self, job):
-        self.job, self.roots = job, job["roots"]
-        self.policy = PathPolicy(**job["policy"])
-        self.keep = name_filter(job.get("include"), job.get("type"))
-        self.spec = job["spec"]
-        self.matcher = Matcher(self.spec["pattern"], self.spec["regex"], self.spec["ignore_case"],
-                               self.spec["multiline"])
-        self.mode, self.before, self.after = self.spec["mode"], self.spec["before"], self.spec["after"]
-        self.max_records = self.spec.get("max_records") or OUTPUT_MAX_CHARS // 2
-        self.buf = bytearray(GREP_BUFFER)
-
-    def walker(self, k):
-        """A Walker of root k that follows directory links (as grep -R does)."""
-        return Walker(self.roots[k][0], self.policy, follow_links=True)
-
-    def take(self, k, path, real, is_dir, ino):
-        """[GrepHit] for one walked file that passes include/type and matches, else None."""
-        root, root_is_dir = self.roots[k][0], self.roots[k][1]
-        if root_is_dir and self.keep is not None:
-            rel = path[len(root) + 1 if root != "/" else 1:]
-            if not self.keep(rel, rel[rel.rfind("/") + 1:]):
-                return None
-        r = self.file_result(real, ino)
-        if r is None:
-            return None
-        rel = path[len(root) + 1 if root != "/" else 1:] if root_is_dir else None
-        return [GrepHit(real, rel, mtime(real) if self.mode == "files_with_matches" else 0, r, k)]
-
-    def gather(self, k, walked, items):
-        """Append to `items` what take() makes of each (path, real, is_dir, inode) walked."""
-        take = self.take
-        for path, real, is_dir, ino in walked:
-            r = take(k, path, real, is_dir, ino)
-            if r is not None:
-                items += r
-
-    def file_result(self, path, ino):
-        """One file's result: None (binary, unreadable, not a regular file, no longer the
-        inode `ino` the walk listed, or no match), True (files mode), a count (count mode)
-        or a list of records (content mode). Steps: open it if it is still the file the
-        walk listed, read the first piece, answer `-l` of a literal from it at once, else
-        run the matcher over the pieces (count or records)."""
-        fd = self.open_listed(path, ino)
-        if fd is None:
-            return None
-        try:
-            answer, pieces = self.first_pieces(fd)
-            if pieces is None:
-                return answer
-            if self.mode == "content":
-                return self.records(pieces)
-            return self.count(pieces)
-        except OSError as exc:
-            log("debug", "grep: read failed, file skipped", path=path, error=str(exc))
-            return None
-        finally:
-            os.close(fd)
-
-    def first_pieces(self, fd):
-        """(answer, None) when the first read settles a file (binary; `-l` of a literal),
-        else (None, its pieces): the one piece read for most files, else read_chunks'."""
-        buf, matcher, mode = self.buf, self.matcher, self.mode
-        n = os.readv(fd, [buf])
-        lead = buf[0] if n else 0                   # 0xff/0xfe: UTF-16 BOM? 0xef: UTF-8 BOM?
-        if n >= len(buf) or lead >= 0xfe:
-            whole = bool(self.before or self.after or matcher.multiline)
-            return None, self.read_chunks(fd, buf, n, mode == "content" and whole, numbered=mode == "content")
-        if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
-            return None, None
-        if mode == "files_with_matches" and matcher.quick(lead):
-            return matcher.literal_in(buf, n) or None, None
-        return None, ((buf, n, 1),)                 # most files: one piece, read
-
-    @staticmethod
-    def open_listed(path, ino):
-        """A read-only descriptor of `path` if it is still the regular file (inode `ino`,
-        when given) the walk listed; None when it is gone, unreadable or another file now:
-        grep skips such a file, as it skips one that changed while the walk ran."""
-        try:
-            fd = os.open(path, os.O_RDONLY | O_FILE)
-        except OSError:
-            return None                                 # gone or unreadable since listed: skipped
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            st = None
-        if st is None or not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
-            os.close(fd)
-            return None
-        return fd
-
-    def text_piece(self, piece):
-        """A piece (haystack, end, first line) as the matcher reads it: decoded when the
-        pattern needs text, without the UTF-8 BOM that is not part of line 1."""
-        hay, end, first = piece
-        matcher = self.matcher
-        if matcher.needs_text(hay, end):
-            hay = hay[:end].decode("utf-8", "surrogateescape")
-            end = len(hay)
-        if first == 1 and hay[:1] in ("\ufeff", b"\xef"):
-            bom = 1 if isinstance(hay, str) else 3 if hay[:3] == b"\xef\xbb\xbf" else 0
-            hay, end = hay[bom:end], end - bom
-        return hay, end, first
-
-    def count(self, pieces):
-        """Files and count modes over a file's pieces: True on the first match (files
-        mode), the number of matches (count mode; a multiline match counts its lines), or
-        None for no match and for a binary file."""
-        matcher, files_only, count = self.matcher, self.mode == "files_with_matches", 0
-        for piece in pieces:
-            if piece is None:
-                return None                             # binary, found past the first piece
-            hay, end, first = self.text_piece(piece)
-            spans = matcher.spans(hay, end, first_only=files_only)
-            if spans and files_only:
-                return True
-            if spans and matcher.multiline:
-                spans = [r for r in LineRecords().add(hay, end, first, spans) if r]
-            count += len(spans)
-        return count or None
-
-    def records(self, pieces):
-        """Content mode over a file's pieces: the records LineRecords makes, at most
-        `max_records` (more could never be shown), or None for no match and binary files."""
-        records, made, max_records = [], LineRecords(self.before, self.after), self.max_records
-        for piece in pieces:
-            if piece is None:
-                return None
-            hay, end, first = self.text_piece(piece)
-            spans = self.matcher.spans(hay, end, first_only=False)
-            if spans:
-                records += made.add(hay, end, first, spans)
-            if len(records) >= max_records:
-                del records[max_records:]
-                break
-        return records or None
-
-    @staticmethod
-    def read_chunks(fd, buf, n, whole=False, numbered=True):
-        """Yield (hay, end, first_line) pieces of a file ending at line boundaries, `buf`
-        holding its first n bytes already; one piece for any file that fits in `buf`, or
-        (whole=True: context lines or multiline matches must not be cut at a seam) up to
-        GREP_CHUNK_MAX. None first for a binary file. A UTF-16 file with a BOM comes as
-        one piece transcoded to UTF-8. first_line is 1 for every piece unless numbered."""
-        if buf[:2] in (b"\xff\xfe", b"\xfe\xff"):
-            data = bytes(buf[:n]) + read_fd(fd, GREP_CHUNK_MAX, "")
-            text = data.decode("utf-16", "replace").encode("utf-8", "surrogateescape")
-            yield text, len(text), 1
-            return
-        if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
-            yield None
-            return
-        line, filled = 1, n
-        while True:
-            if filled < len(buf):
-                yield buf, filled, line
-                return
-            end = buf.rfind(b"\n", 0, filled) + 1
-            if end == 0 or whole:
-                if len(buf) < GREP_CHUNK_MAX:
-                    buf.extend(bytes(len(buf)))          # a very long line, or a whole file: grow and read on
-                    filled += os.readv(fd, [memoryview(buf)[filled:]])
-                    continue
-                end = end or filled
-            yield buf, end, line
-            if numbered:
-                line += buf.count(b"\n", 0, end)
-            carry = filled - end
-            buf[0:carry] = buf[end:filled]
-            filled = carry + os.readv(fd, [memoryview(buf)[carry:]])
-
-
-class GlobWork(object):
-    """A glob or search_files job as each of its workers runs it: one root, the
-    static directory `start`; gather() appends rel, mtime for each match, items sent
-    flat (rel, mtime, rel, mtime, ...: a list per match would double the JSON work)."""
-
-    def __init__(self, job):
-        self.job = job
-        self.policy = PathPolicy(**job["policy"])
-        start, rest, self.base_only, kind = job["start"], job["rest"], job["base_only"], job["kind"]
-        self.roots = [(start, True, None)]
-        self.rx, self.lead = compile_glob(rest), job["lead"]
-        self.cut = len(start) + 1 if start != "/" else 1
-        self.want_dir = kind == "directory"
-        self.want_dirs = kind != "file"
-        self.name_ok = None
-        if self.base_only and kind == "file":          # C-level tests: called once per file walked
-            from operator import methodcaller
-            simple = re.match(r"^\*(\.[\w.+-]+)$", rest)      # '*.c': a suffix test, no regex
-            self.name_ok = methodcaller("endswith", simple.group(1)) if simple else self.rx.match
-        self.depth = None if self.base_only or "**" in rest else rest.count("/") + 1
-
-    def walker(self, k):
-        """A Walker of the static start directory that lists links and does not enter them, names filtered
-        in the walk when it can be."""
-        return Walker(self.roots[0][0], self.policy, follow_links=False, want_dirs=self.want_dirs,
-                      name_ok=self.name_ok, max_depth=self.depth)
-
-    def gather(self, k, walked, items):
-        """Append rel, mtime to `items` for each match walked (one loop, no call per
-        path but the stat: a big glob is mostly this loop)."""
-        lead, cut, rx, base_only, want_dir, stat_of = self.lead, self.cut, self.rx, self.base_only, self.want_dir, os.stat
-        filtered = self.name_ok is not None                 # the walker has matched the names already
-        for path, real, is_dir, ino in walked:
-            if not filtered and (is_dir != want_dir or not rx.match(
-                    path[path.rfind("/") + 1:] if base_only else path[cut:])):
-                continue
-            try:
-                when = stat_of(path).st_mtime_ns
-            except OSError:
-                when = 0
-            items += (path[lead:], when)                # the full path would double what the pipe carries
-
-
-SEARCH_WORK = {"grep": GrepWork, "glob": GlobWork}
-
-
-class Batches(object):
-    """Items handed to emit() in batches: at SEARCH_BATCH, after 0.2 s, and at the end."""
-
-    def __init__(self, emit, raw=None):
-        self.emit, self.items, self.sent = emit, [], time.monotonic()
-        self.raw = raw or (lambda line: self.extend(json.loads(line.decode("utf-8"))["items"]))
-
-    def take(self, work, k, walked):
-        """Add what `work` makes of the entries walked."""
-        work.gather(k, walked, self.items)
-        self.flush_due()
-
-    def extend(self, items):
-        """Add items that come ready made (a partner's line, parsed)."""
-        self.items += items
-        self.flush_due()
-
-    def flush_due(self):
-        """Flush at SEARCH_BATCH items, or when 0.2 s passed since the last flush."""
-        if len(self.items) >= SEARCH_BATCH or time.monotonic() - self.sent > 0.2:
-            self.flush()
-
-    def flush(self):
-        """Emit what is in; the list stays the same object (a gather() may be adding to it)."""
-        if self.items:
-            batch = self.items[:]
-            del self.items[:]
-            self.emit(batch)
-        self.sent = time.monotonic()
-
-
-def search_job(job, emit, raw=None, partners=None):
-    """Run a search job, handing results to emit() as they come (and a partner's
-    result lines, when given, to raw() as they are). Each directory root
-    is walked breadth first until it has listed SHARE_MIN_ENTRIES entries with
-    SHARE_MIN_UNITS directories still to go; those subtrees are then shared with
-    `partners` (a Partners; fresh ones for this job when None). Followed directory
-    links come last, walked here. A 'match' job tests a wait_for pattern."""
-    if job["op"] == "match":
-        emit(match_job(job))
-        return
-    if job["op"] == "outline":
-        Outline.job(job, emit)
-        return
-    if partners is None:
-        partners = Partners(warm=False)
-    work = SEARCH_WORK[job["op"]](job)
-    if job["op"] == "grep" and work.spec.get("stop_after"):
-        grep_until(work, emit)
-        return
-    out = Batches(emit, raw)
-    for k, (real, is_dir, ino) in enumerate(work.roots):
-        if is_dir:
-            walk_root(work, k, out, partners)
-        else:
-            out.take(work, k, [(real, real, False, ino)])
-    out.flush()
-
-
-def walk_root(work, k, out, partners):
-    """Walk directory root k breadth first until it is big enough to share, then
-    share the rest (SharedWalk); followed links last, here."""
-    walker = work.walker(k)
-    left = deque([walker.start()])
-    while left and not (walker.listed >= SHARE_MIN_ENTRIES and len(left) >= SHARE_MIN_UNITS):
-        found, subdirs = walker.visit(*left.popleft())
-        out.take(work, k, found)
-        left += subdirs
-        if time.monotonic() - out.sent > 0.2:
-            out.flush()
-    if left:
-        SharedWalk(work, walker, k, left, out).run(partners)
-    out.take(work, k, walker.walk([]))
-
-
-def grep_until(work, emit):
-    """A grep that stops at spec['stop_after'] records: each file is searched as the
-    walk finds it, in walk order, and the walk ends with the search."""
-    left = work.spec["stop_after"]
-    for k, (real, is_dir, ino) in enumerate(work.roots):
-        for found in work.walker(k) if is_dir else [(real, real, False, ino)]:
-            work.max_records = left
-            items = work.take(k, *found)
-            if items:
-                emit(items)
-                left -= len(items[0].result)
-                if left <= 0:
-                    return
-
-
-def ignore_spec(ign):
-    """An ignore stack as it travels to a partner: [[base, source], ...]."""
-    return [[rules.base, rules.source] for rules in ign]
-
-
-def ignore_stack(spec, cache):
-    """An ignore stack from ignore_spec(), each file read once per `cache`."""
-    stack = []
-    for base, source in spec:
-        if source not in cache:
-            cache[source] = read_ignore(base, source)
-        if cache[source] is not None:
-            stack.append(cache[source])
-    return stack
-
-
-def unit_spec(entry):
-    """A pending walker entry as it travels to a partner."""
-    path, real, ign, depth, ino = entry
-    return [path, real, ignore_spec(ign), depth, ino]
-
-
-class Partner(object):
-    """A partner process of a search helper: takes a job, then units of it (lists of
-    subtrees to walk), and answers each unit with its results (a line, if any) and
-    an end line (the links it left to follow, the directories it saw). What it is
-    sent goes through a queue to a feeding thread, so a partner still starting up
-    (or a full pipe) never blocks the search helper."""
-
-    def __init__(self):
-        import subprocess
-        argv, cwd = helper_command("partner")
-        self.proc = spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=None)                 # its tracebacks reach the server's stderr
-        self.units, self.pending, self.job, self.held = [], LineBuffer(), None, []
-        self.inbox = queue.SimpleQueue()
-        self.feeder = threading.Thread(target=self._feed, daemon=True)
-        self.feeder.start()
-
-    def _feed(self):
-        try:
-            for data in iter(self.inbox.get, None):
-                self.proc.stdin.write(data)
-                self.proc.stdin.flush()
-        except OSError:                                 # it died: replies() sees the end
-            pass
-        finally:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass  # a pipe whose reader died: nothing lost
-
-    def send(self, data):
-        """Queue bytes for the partner (the feeding thread writes them)."""
-        self.inbox.put(data)
-
-    def close(self):
-        """Kill (if still running), reap, release; safe to repeat."""
-        self.inbox.put(None)
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        reaped(self.proc)
-        self.feeder.join()                  # it closes stdin (a write to the dead partner fails at once)
-        self.proc.stdout.close()
-
-    def give(self, work, k, use_ignore, entries):
-        """Send a unit (a slice of subtrees of root k) to walk, preceded by the job when it is new to this
-        partner."""
-        if self.job is not work.job:
-            self.send(json.dumps({"job": work.job}).encode("utf-8", "surrogateescape") + b"\n")
-            self.job = work.job
-        self.units.append(entries)
-        msg = {"unit": [k, use_ignore, [unit_spec(e) for e in entries]]}
-        self.send(json.dumps(msg).encode("utf-8", "surrogateescape") + b"\n")
-
-    def replies(self, forward):
-        """The ends of units that have arrived (call when readable); their result
-        lines go to forward() as they are, once the unit is whole. OSError when it
-        died: the units it still owes are in self.units, none of them forwarded."""
-        chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
-        if not chunk:
-            raise OSError("partner ended")
-        ends = []
-        for line in self.pending.feed(chunk):
-            if line.startswith(b'{"items": '):
-                self.held.append(line)
-                continue
-            ends.append(json.loads(line.decode("utf-8")))
-            for held in self.held:
-                forward(held)
-            self.held = []
-            del self.units[0]
-        return ends
-
-
-class Partners(object):
-    """The partner processes a search helper (or an in-process HelperPool) shares its
-    walks with. warm=True keeps them for the next job, until close() or
-    PARTNER_IDLE_S without one; warm=False starts fresh ones for each walk (searches
-    may then run in parallel threads) and closes them when it ends."""
-
-    def __init__(self, warm=True):
-        self.warm = warm
-        self.procs = []
-
-    def for_walk(self):
-        """Partners for a shared walk, as many as the cores allow beside this process."""
-        import select
-        if not self.warm:
-            return [p for p in (new_partner() for _ in range(partner_count())) if p is not None]
-        live = []
-        for p in self.procs:
-            if p.proc.poll() is None and not select.select([p.proc.stdout], [], [], 0)[0]:
-                live.append(p)                    # (an idle partner has nothing to say)
-            else:
-                p.close()
-        self.procs = live
-        for _ in range(partner_count() - len(self.procs)):
-            p = new_partner()
-            if p is not None:
-                self.procs.append(p)
-        return list(self.procs)
-
-    def done(self, used):
-        """After a walk: a partner still at work (the walk failed) is closed, never
-        reused; without warm, all of them are."""
-        for p in used:
-            if p.units or not self.warm:
-                p.close()
-                if p in self.procs:
-                    self.procs.remove(p)
-
-    def close(self):
-        """Close every warm partner."""
-        procs, self.procs = self.procs, []
-        for p in procs:
-            p.close()
-
-
-def new_partner():
-    """A started Partner, or None (logged) when it cannot start: the walk goes on without it."""
-    try:
-        return Partner()
-    except OSError as e:
-        log("warn", "a search partner could not start; the walk goes on without it", error=str(e))
-        return None
-
-
-def partner_count():
-    """How many partners a shared walk uses: the cores beside this one, at most 3."""
-    if not globals().get("__file__"):
-        return 0
-    return min(os.cpu_count() or 1, 4) - 1
-
-
-class SharedWalk(object):
-    """A walk of the subtrees `units` (walker entries, shallowest first) shared with
-    partner processes: the queue of units left, the partners still at work, and the
-    ignore files their replies name (read once). This process takes units one by one
-    from the front and, at least every SHARE_SERVICE_S, keeps each partner SHARE_AHEAD
-    slices ahead, also from the front: the big subtrees go first, and when the queue
-    runs short this process lists the next one's top directory only, queueing its
-    subdirectories, so all end at about the same time. A partner that dies leaves the
-    units it had not finished to this process."""
-
-    def __init__(self, work, walker, k, units, out):
-        self.work, self.walker, self.k, self.out = work, walker, k, out
-        self.queue = deque(units)
-        self.active, self.cache, self.mark = [], {}, 0
-
-    def run(self, partners):
-        """Walk here from the queue's front while partners (of the Partners pool) walk
-        their slices."""
-        queue, walker = self.queue, self.walker
-        used = partners.for_walk()
-        self.active = list(used)
-        self.size = max(1, len(queue) // (SHARE_SLICES * (len(self.active) + 1)))
-        walker.share(self.tick)
-        try:
-            while self.service(wait=not queue) or queue:
-                if queue and len(queue) < 2 * SHARE_AHEAD * len(self.active):   # running short: split the next
-                    found, subdirs = walker.visit(*queue.popleft())
-                    self.out.take(self.work, self.k, found)
-                    queue.extendleft(reversed(subdirs))
-                elif queue:
-                    self.out.take(self.work, self.k, walker.walk([queue.popleft()]))
-        finally:
-            walker.share(None)
-            partners.done(used)
-
-    def tick(self):
-        """Called by the walker after each directory: service the partners every
-        SHARE_SERVICE_S, flush results every 0.2 s."""
-        now = time.monotonic()
-        if now >= self.mark:
-            self.mark = now + SHARE_SERVICE_S
-            self.service(False)
-            if now - self.out.sent > 0.2:
-                self.out.flush()
-
-    def service(self, wait):
-        """Keep partners fed, take in what they answered; False once none is busy."""
-        import select
-        for p in self.active:
-            self.feed(p)
-        busy = [p for p in self.active if p.units]
-        ready = select.select([p.proc.stdout for p in busy], [], [], None if wait else 0)[0] if busy else []
-        for p in busy:
-            if p.proc.stdout in ready:
-                self.answered(p)
-        return bool(busy)
-
-    def feed(self, p):
-        """Give partner p slices from the queue's front until it is SHARE_AHEAD ahead."""
-        queue = self.queue
-        while queue and len(p.units) < SHARE_AHEAD:
-            p.give(self.work, self.k, self.walker.use_ignore, [queue.popleft() for _ in range(min(self.size, len(queue)))])
-
-    def answered(self, p):
-        """Take in partner p's replies; a partner that died gives its units back."""
-        try:
-            for reply in p.replies(self.out.raw):
-                self.walker.adopt([(path, real, ignore_stack(ign, self.cache), depth)
-                                   for path, real, ign, depth in reply["links"]], map(tuple, reply["seen"]))
-        except (OSError, ValueError) as e:
-            log("debug", "search partner lost; its units are walked here", error=str(e))
-            for entries in p.units:
-                self.queue.extend(entries)
-            p.units = []
-            self.active.remove(p)
-            p.close()
-
-
-def helper_partner():
-    """A partner: {"job": ...} then {"unit": [root index, use_ignore, entries]} lines on
-    stdin; per unit a line {"items": [...]} (when it found any; the search helper
-    passes it on as it is) and a line {"links", "seen"} on stdout."""
-    work, cache, out = None, {}, sys.stdout.buffer
-    for line in iter(sys.stdin.buffer.readline, b""):
-        msg = json.loads(line.decode("utf-8", "surrogateescape"))
-        if "job" in msg:
-            work, cache = SEARCH_WORK[msg["job"]["op"]](msg["job"]), {}
-            continue
-        k, use_ignore, entries = msg["unit"]
-        walker = work.walker(k)
-        walker.use_ignore, walker.defer_links = use_ignore, True       # its links are the helper's to follow
-        pending = [(path, real, ignore_stack(ign, cache), depth, ino) for path, real, ign, depth, ino in entries]
-        items = []
-        work.gather(k, walker.walk(pending), items)
-        end = {"links": [[path, real, ignore_spec(ign), depth] for path, real, ign, depth in walker.linked],
-               "seen": list(walker.seen)}
-        if items:
-            out.write(json.dumps({"items": items}).encode("ascii") + b"\n")
-        out.write(json.dumps(end).encode("ascii") + b"\n")
-        out.flush()
-
-
-def helper_search(inp=None, out=None, partners=None):
-    """A search helper: one JSON job a line on stdin, until it closes; for each, lines
-    {"items": [...]} as results come, then {"end": "ok"} or {"end": "error", ...}.
-    Partners idle for PARTNER_IDLE_S are closed (they hold ~14 MB each). Run as a
-    process (inp None), each job also carries its deadline here: SIGALRM, whose
-    default action the kernel carries out even while a regex holds the interpreter,
-    ends the helper DEADLINE_GRACE_S after it."""
-    import select
-    alarms = inp is None and hasattr(signal, "setitimer")
-    inp, out = inp or sys.stdin.buffer, out or sys.stdout.buffer
-    partners = partners or Partners(warm=True)
-
-    def raw(line):
-        out.write(line + b"\n")
-        out.flush()
-
-    def emit(items):
-        if items:
-            raw(json.dumps({"items": items}).encode("ascii"))
-    try:
-        while True:
-            if partners.procs and not select.select([inp], [], [], PARTNER_IDLE_S)[0]:
-                partners.close()                # (a job comes alone: nothing waits in inp's buffer)
-                continue
-            line = inp.readline()
-            if not line:
-                return None
-            job = json.loads(line.decode("utf-8", "surrogateescape"))
-            raw(json.dumps(helper_job(job, emit, raw, partners, alarms)).encode("ascii"))
-    finally:
-        partners.close()
-
-
-def helper_job(job, emit, raw, partners, alarms):
-    """Run one job in a search helper (under a SIGALRM deadline when `alarms`); its end
-    line: {"end": "ok"} or {"end": "error", code, message}, a traceback on stderr."""
-    if alarms and job.get("deadline_s"):
-        signal.setitimer(signal.ITIMER_REAL, job["deadline_s"] + DEADLINE_GRACE_S)
-    try:
-        search_job(job, emit, raw, partners)
-        return {"end": "ok"}
-    except ToolError as e:
-        return {"end": "error", "code": e.code, "message": e.message}
-    except Exception as e:
-        import traceback
-        sys.stderr.write("boris: search helper %d: the job failed:\n%s" % (os.getpid(), traceback.format_exc()))
-        sys.stderr.flush()
-        return {"end": "error", "code": IO_ERROR, "message": "the search failed: %r" % e}
-    finally:
-        if alarms:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-
-
-def match_job(job):
-    """[True] when a line (its first 1,000 characters) of job['text'] matches the
-    regex job['pattern'], else [False]: a wait_for test, run where it can be killed."""
-    try:
-        rx = re.compile(job["pattern"], re.MULTILINE)
-    except (re.error, RecursionError, OverflowError, ValueError) as e:
-        raise ToolError(INVALID_INPUT, "wait_for %r is not a valid regular expression: %s"
-                        % (shorten(job["pattern"]), e))
-    return [any(rx.search(line[:1000]) for line in job["text"].splitlines())]
-
-
-# -- the outline engine ---------------------------------------------------------------
-# outline's parsers, run in a search helper (where the deadline and a cancel can stop
-# them). Python through `ast` (exact ranges, decorators counted); other languages
-# through per-line patterns: a definition's range runs to its closing brace ("braces"),
-# to the line before the next line indented as deep or shallower ("indent"; Ruby's
-# `end` included), or to the next heading of its level or above ("heading"). Patterns
-# look at a line's first OUTLINE_LINE_CHARS characters only, and every pattern is
-# anchored and free of nested repeats, so a file costs time linear in its size.
-
-OUTLINE_LINE_CHARS = 400                   # of a line the definition patterns look at
-OUTLINE_SIGNATURE_CHARS = 120              # a definition's signature line, as shown
-
-OUTLINE_EXTENSIONS = {
-    "py": "python", "pyi": "python", "pyw": "python",
-    "js": "javascript", "mjs": "javascript", "cjs": "javascript", "jsx": "javascript",
-    "ts": "typescript", "tsx": "typescript", "mts": "typescript", "cts": "typescript",
-    "go": "go", "rs": "rust", "java": "java", "kt": "kotlin", "kts": "kotlin", "cs": "csharp",
-    "c": "c", "h": "c", "cc": "cpp", "cpp": "cpp", "cxx": "cpp", "hh": "cpp", "hpp": "cpp", "hxx": "cpp",
-    "rb": "ruby", "php": "php", "sh": "shell", "bash": "shell", "zsh": "shell",
-    "md": "markdown", "markdown": "markdown", "json": "json", "yaml": "yaml", "yml": "yaml", "toml": "toml",
-}
-OUTLINE_DATA = frozenset(("markdown", "json", "yaml", "toml"))      # not listed by a directory outline
-_MODS = r"(?:(?:export|default|declare|abstract|public|private|protected|internal|static|final|sealed|" \
-        r"partial|async|override|virtual|readonly|open|data|inner|enum|annotation|suspend|inline|" \
-        r"unsafe|extern|const|new|synchronized|native|strictfp|pub(?:\([\w:]+\))?)\s+)*"
-_NOT_CALLS = r"(?!(?:if|for|foreach|while|switch|catch|return|new|else|throw|do|sizeof|typeof|await|" \
-             r"delete|using|lock|fixed|when|with|function|super|this)\b)"
-_JS_MEMBER = (r"^\s+" + _MODS + r"(?:get\s+|set\s+|\*\s*)?#?" + _NOT_CALLS +
-              r"[A-Za-z_$][\w$]*\s*(?:<[^>()=]*>)?\s*\([^=]*$")
-_JAVA_MEMBER = (r"^\s+(?:@\w+\s+)*" + _MODS + r"(?:<[^>]*>\s+)?" + _NOT_CALLS +
-                r"[\w<>\[\],.?]+(?:\s+[\w<>\[\],.?]+)*\s+" + _NOT_CALLS + r"\w+\s*\([^=;]*(?:;?\s*|[{].*)$")
-# language -> (style, [(kind: 'class' (holds members), 'def', 'member' (only inside a
-# class), 'body' (a def that counts only with a body), regex)], comment start)
-OUTLINE_RULES = {
-    "python": ("indent", [("class", r"^\s*class\s+\w+"), ("def", r"^\s*(?:async\s+)?def\s+\w+")], "#"),
-    "javascript": ("braces", [
-        ("class", r"^\s*" + _MODS + r"class\s+[\w$]+"),
-        ("def", r"^\s*" + _MODS + r"function\b\s*\*?\s*[\w$]+\s*(?:<[^>]*>)?\s*\("),
-        ("def", r"^\s*" + _MODS + r"(?:const|let|var)\s+[\w$]+\s*(?::[^=]+)?=\s*(?:async\s+)?"
-                r"(?:function\b|(?:<[^>]*>\s*)?(?:\([^)]*\)|[\w$]+)\s*(?::\s*[^=]+)?=>)"),
-        ("class", r"^\s*" + _MODS + r"(?:interface|enum|namespace|module)\s+[\w$.]+"),
-        ("def", r"^\s*" + _MODS + r"type\s+[\w$]+\s*(?:<[^>]*>)?\s*="),
-        ("member", _JS_MEMBER)], "//"),
-    "go": ("braces", [("def", r"^func\s+(?:\([^)]*\)\s*)?\w+"), ("class", r"^type\s+\w+\s+(?:struct|interface)\b"),
-                      ("def", r"^type\s+\w+")], "//"),
-    "rust": ("braces", [
-        ("def", r"^\s*" + _MODS + r"(?:async\s+)?(?:const\s+)?(?:unsafe\s+)?(?:extern\s+\"[^\"]*\"\s+)?fn\s+\w+"),
-        ("class", r"^\s*" + _MODS + r"(?:struct|enum|trait|union|mod)\s+\w+"),
-        ("class", r"^\s*" + _MODS + r"impl\b")], "//"),
-    "java": ("braces", [("class", r"^\s*(?:@\w+(?:\([^)]*\))?\s+)*" + _MODS +
-                                  r"(?:class|interface|enum|record|@interface)\s+\w+"),
-                        ("member", _JAVA_MEMBER)], "//"),
-    "kotlin": ("braces", [("class", r"^\s*(?:@\w+\s+)*" + _MODS + r"(?:class|interface|object|enum\s+class)\s+\w+"),
-                          ("def", r"^\s*(?:@\w+\s+)*" + _MODS + r"fun\s+(?:<[^>]*>\s*)?[\w.]+\s*\(")], "//"),
-    "csharp": ("braces", [("class", r"^\s*(?:\[[^\]]*\]\s*)*" + _MODS +
-                                    r"(?:class|interface|struct|record|enum|namespace)\s+[\w.]+"),
-                          ("member", _JAVA_MEMBER)], "//"),
-    "c": ("braces", [("class", r"^\s*(?:typedef\s+)?(?:struct|union|enum)\s+\w+\s*\{?\s*$"),
-                     ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)(?:[A-Za-z_][\w \t\*]*?[ \t\*])?"
-                              r"[A-Za-z_]\w*\s*\([^;=]*$")], "//"),
-    "cpp": ("braces", [("class", r"^\s*(?:template\s*<[^>]*>\s*)?(?:class|struct|union|enum(?:\s+class)?)\s+\w+"
-                                 r"[^;]*$"),
-                       ("class", r"^\s*namespace\s+[\w:]+\s*\{?\s*$"),
-                       ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)(?:[A-Za-z_~][\w \t\*&:<>,~]*?"
-                                r"[ \t\*&>])?[A-Za-z_~][\w:~<>]*\s*\([^;=]*$")], "//"),
-    "ruby": ("indent", [("class", r"^\s*(?:class|module)\s+[\w:]+"), ("def", r"^\s*def\s+[\w.?!=]+")], "#"),
-    "php": ("braces", [("class", r"^\s*" + _MODS + r"(?:class|interface|trait|enum)\s+\w+"),
-                       ("def", r"^\s*" + _MODS + r"function\s+&?\w+")], "//"),
-    "shell": ("braces", [("def", r"^\s*(?:function\s+[\w.:-]+(?:\s*\(\s*\))?|[\w.:-]+\s*\(\s*\))\s*(?:\{.*)?$")], "#"),
-}
-
-
-OUTLINE_RULES["typescript"] = OUTLINE_RULES["javascript"]
-
-
-_CODE_MARKS = r"[\"'`/]"                   # (compiled when a file is outlined: start-up never pays)
-_CODE_TOKENS = r"\"(?:[^\"\\]|\\.)*\"?|'(?:[^'\\]|\\.)*'?|`[^`]*`?|//|/\*"
-
-
-class Outline(object):
-    """One file's outline, made by the constructor from its text and language:
-    `entries` [(first line, last line, depth, signature)] in order, and `note`, how it
-    was read when not by the language's own parser (a Python file that does not parse
-    falls back to the patterns). While the patterns run, `stack` holds the definitions
-    still open and `depth` the brace depth."""
-
-    def __init__(self, text, lang):
-        self.lines, self.lang, self.note = text.split("\n"), lang, ""
-        self.entries, self.stack, self.depth = [], [], 0
-        if lang == "python":
-            try:
-                self.python(text)
-            except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
-                self.entries, self.note = [], "it does not parse as Python (%s), so definitions were found by" \
-                    " pattern" % ("line %s: %s" % (e.lineno, e.msg) if isinstance(e, SyntaxError) else type(e).__name__)
-                self.patterns()
-        elif lang == "markdown":
-            self.headings()
-        elif lang in ("json", "yaml", "toml"):
-            self.keys(text)
-        else:
-            self.patterns()
-        self.entries = [tuple(e) for e in self.entries if e is not None]
-
-    @staticmethod
-    def language(name):
-        """The language outline reads a file of this name as, or None."""
-        ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
-        return OUTLINE_EXTENSIONS.get(ext)
-
-    @staticmethod
-    def languages():
-        """The languages outline reads, as a sentence's list."""
-        return ", ".join(sorted(set(OUTLINE_EXTENSIONS.values())))
-
-    def signature(self, k):
-        """Line k (from 0) as a signature: its text stripped, joined with the lines that
-        continue an unclosed parenthesis (a multi-line signature), cut at
-        OUTLINE_SIGNATURE_CHARS."""
-        lines = self.lines
-        text, j = lines[k].strip(), k
-        while text.count("(") > text.count(")") and j + 1 < len(lines) and j < k + 8 and lines[j + 1].strip():
-            j += 1
-            text += " " + lines[j].strip()
-        if j > k and text.count("(") > text.count(")"):
-            text = lines[k].strip()             # no closing parenthesis near: the line alone
-        elif j > k:
-            text = re.sub(r"\(\s+", "(", re.sub(r",?\s+\)", ")", text))
-        return text if len(text) <= OUTLINE_SIGNATURE_CHARS else text[:OUTLINE_SIGNATURE_CHARS - 3] + "..."
-
-    def python(self, text):
-        """Python's definitions through ast: every def, async def and class at any depth
-        (inside if, try, with and match blocks too), decorators in the range."""
-        import ast
-        stack = [(ast.parse(text), 0)]
-        while stack:
-            node, depth = stack.pop()
-            kids = [c for c in ast.iter_child_nodes(node) if isinstance(c, (ast.stmt, ast.excepthandler))
-                    or type(c).__name__ == "match_case"]
-            for child in reversed(kids):
-                is_def = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                if is_def:
-                    start = min([d.lineno for d in child.decorator_list] + [child.lineno])
-                    self.entries.append((start, child.end_lineno, depth, self.signature(child.lineno - 1)))
-                stack.append((child, depth + 1 if is_def else depth))
-        self.entries.sort(key=lambda e: (e[0], e[2]))
-
-    # -- the patterns ------------------------------------------------------------
-    def patterns(self):
-        """The definitions the language's patterns find, nested by braces or indentation."""
-        style, rules, comment = OUTLINE_RULES[self.lang]
-        rules = [(kind, re.compile(rx)) for kind, rx in rules]
-        if style == "indent":
-            return self.indented(rules, comment)
-        self.marks, self.tokens = re.compile(_CODE_MARKS), re.compile(_CODE_TOKENS)
-        in_block = False                 # stack: [entry index, brace depth at its line, kind, opened, parens, last]
-        for i, raw in enumerate(self.lines):
-            was_in_block = in_block
-            code, in_block = self.code_of(raw, in_block, comment)
-            while self.stack and not self.stack[-1][3] and self.stack[-1][4] <= 0 and not \
-                    code.lstrip().startswith("{"):
-                self.end(self.stack.pop(), None)          # a declaration without a body ends before this line
-            kind = None if was_in_block and not code.strip() else self.kind(rules, raw[:OUTLINE_LINE_CHARS])
-            if kind:
-                self.add(i, kind)
-            self.count(i, code)
-        while self.stack:                               # open at the end of the file
-            entry = self.stack.pop()
-            self.end(entry, len(self.lines) - 1 if entry[3] else None)
-
-    def add(self, i, kind):
-        """A definition found on line i (from 0): decorators, annotations and attributes
-        above it, and a C return type on its own line, belong to it."""
-        lines, start, sig = self.lines, i, self.signature(i)
-        while start and re.match(r"^\s*(?:@|#\[)", lines[start - 1]):
-            start -= 1
-        if kind == "body" and i and re.match(r"^[A-Za-z_][\w \t\*]*$", lines[i - 1]):
-            start, sig = i - 1, lines[i - 1].strip() + " " + sig
-        self.entries.append([start + 1, i + 1, sum(1 for s in self.stack if self.entries[s[0]] is not None), sig])
-        self.stack.append([len(self.entries) - 1, self.depth, kind, False, 0, i])
-
-    def count(self, i, code):
-        """Line i's braces and parentheses: the definitions they open, and those they close."""
-        peak, opens, closes = self.depth, code.count("{"), code.count("}")
-        if opens and closes:
-            for ch in code:
-                if ch in "{}":
-                    self.depth += 1 if ch == "{" else -1
-                    peak = max(peak, self.depth)
-        else:
-            self.depth += opens - closes
-            peak = max(peak, self.depth)
-        self.depth = max(self.depth, 0)
-        for entry in self.stack:
-            if not entry[3]:
-                entry[4] += code.count("(") - code.count(")")
-                entry[5] = i
-        while self.stack:
-            base, opened, parens = self.stack[-1][1], self.stack[-1][3], self.stack[-1][4]
-            if not opened and peak > base:
-                self.stack[-1][3] = opened = True
-            if opened and self.depth <= base or not opened and parens <= 0 and code.rstrip().endswith(";"):
-                self.end(self.stack.pop(), i)   # its closing brace, or the ';' of a declaration
-            else:
-                break
-
-    def end(self, open_entry, i):
-        """Close a definition at line i (from 0; None: where its text ended); one that
-        needs a body (a C function) and never opened one is dropped."""
-        k, _, kind, opened, _, last = open_entry
-        if kind == "body" and not opened:
-            self.entries[k] = None
-        elif self.entries[k] is not None:
-            self.entries[k][1] = (last if i is None else i) + 1
-
-    def kind(self, rules, head):
-        """The kind of definition `head` starts ('class', 'def', 'body'), or None; a
-        'member' pattern only counts inside a class-like definition that is open."""
-        inside_class = bool(self.stack) and self.stack[-1][2] == "class"
-        for kind, rx in rules:
-            if (kind != "member" or inside_class) and rx.match(head):
-                return "def" if kind == "member" else kind
-        return None
-
-    def indented(self, rules, comment):
-        """The patterns of indented languages: a definition runs to its last line indented
-        deeper than itself (Ruby: to its `end`)."""
-        for i, raw in enumerate(self.lines):
-            head = raw[:OUTLINE_LINE_CHARS]
-            text = head.strip()
-            if not text or text.startswith(comment):
-                continue
-            indent = len(head) - len(head.lstrip())
-            ended = False
-            while self.stack and indent <= self.stack[-1][1]:
-                k, own, _ = self.stack.pop()
-                if self.lang == "ruby" and indent == own and re.match(r"end\b", text):
-                    self.entries[k][1] = i + 1          # its `end` belongs to it
-                    ended = True
-                    break
-            kind = None if ended else self.kind(rules, head)
-            if kind:
-                start = i
-                while start and self.lines[start - 1].strip().startswith("@"):
-                    start -= 1                          # decorators belong to the definition
-                self.entries.append([start + 1, i + 1, len(self.stack), self.signature(i)])
-                self.stack.append([len(self.entries) - 1, indent, kind])
-            for k, _, _ in self.stack if not ended else ():
-                self.entries[k][1] = i + 1
-
-    def code_of(self, line, in_block, comment):
-        """A line's code for counting braces: strings, character literals and comments
-        removed; (code, whether a block comment is still open after it)."""
-        if comment == "#":
-            return re.sub(r"\"(?:[^\"\\]|\\.)*\"|'[^']*'|#.*", "", line), False
-        if not in_block and not self.marks.search(line):
-            return line, False                  # most lines: nothing to remove
-        out, i = [], 0
-        while i < len(line):
-            if in_block:
-                j = line.find("*/", i)
-                if j < 0:
-                    return "".join(out), True
-                in_block, i = False, j + 2
-                continue
-            m = self.tokens.search(line, i)
-            if m is None:
-                out.append(line[i:])
-                break
-            out.append(line[i:m.start()])
-            if m.group(0) == "//":
-                break
-            if m.group(0) == "/*":
-                in_block = True
-            i = m.end()
-        return "".join(out), in_block
-
-    # -- headings and keys ---------------------------------------------------------
-    def headings(self):
-        """Markdown's headings (# style, outside fenced code), each to the line before the
-        next heading of its level or above."""
-        lines, fenced, out = self.lines, False, []
-        for i, line in enumerate(lines):
-            if line.lstrip().startswith(("```", "~~~")):
-                fenced = not fenced
-            m = None if fenced else re.match(r"^(#{1,6})\s+(\S.*)$", line[:OUTLINE_LINE_CHARS])
-            if m:
-                out.append([i + 1, len(lines), len(m.group(1)), self.signature(i)])
-        for k, e in enumerate(out):
-            nxt = next((f[0] for f in out[k + 1:] if f[2] <= e[2]), None)
-            e[1] = nxt - 1 if nxt else len(lines) - (1 if lines and lines[-1] == "" else 0)
-        top = min((e[2] for e in out), default=1)
-        self.entries = [(a, b, level - top, text) for a, b, level, text in out]
-
-    def keys(self, text):
-        """The keys of a JSON, YAML or TOML file's top-level object (TOML's tables too),
-        each to the line before the next (a JSON object's closing brace left out)."""
-        lines, lang = self.lines, self.lang
-        if lang == "json":
-            first = next((len(l) - len(l.lstrip()) for l in lines[1:] if l.strip().startswith('"')), None)
-            if first is None or len(lines) < 3:         # one line: the keys, all on it
-                try:
-                    keys = list(json.loads(text)) if text.lstrip().startswith("{") else []
-                except ValueError:
-                    keys = []
-                self.entries = [(1, 1, 0, '"%s"' % k) for k in keys[:1000]]
-                return
-            rx = re.compile(r'^\s{%d}"((?:[^"\\]|\\.)*)"\s*:' % first)
-        else:
-            rx = re.compile(r"^([A-Za-z_\"'][^:#]*?):(?:\s|$)" if lang == "yaml" else
-                            r"^(\[\[?[^\]]+\]\]?|[A-Za-z0-9_\"'][\w.\"' -]*?)\s*(?:=|$)")
-        out = [[i + 1, 0, 0, self.signature(i)] for i, line in enumerate(lines)
-               if line.strip() and rx.match(line[:OUTLINE_LINE_CHARS])]
-        for k, e in enumerate(out):
-            end = out[k + 1][0] - 1 if k + 1 < len(out) else len(lines)
-            while end > e[0] and (not lines[end - 1].strip() or lang == "json" and k + 1 == len(out)
-                                  and lines[end - 1].strip() == "}"):
-                end -= 1
-            e[1] = end
-        self.entries = out
-
-    # -- in a helper -----------------------------------------------------------------
-    @classmethod
-    def job(cls, job, emit):
-        """outline in a helper: for a file root, [of_file's list for it];
-        for a directory, the same for each source file under it (gitignore-aware, as grep
-        walks), its top-level definitions only, in batches as the walk finds them. A file
-        over job['max_size'] or not text is listed with a note instead."""
-        real, is_dir, _ = job["root"]
-        if not is_dir:
-            emit([cls.of_file(real, None, job["max_size"], top=False)])
-            return
-        batch = []
-        walker = Walker(real, PathPolicy(**job["policy"]), follow_links=False,
-                        name_ok=lambda name: cls.language(name) not in (None,) + tuple(OUTLINE_DATA))
-        for path, file_real, _, _ in walker:
-            batch.append(cls.of_file(file_real, path[len(real) + 1 if real != "/" else 1:], job["max_size"], True))
-            if len(batch) >= 50:
-                emit(batch)
-                batch = []
-        if batch:
-            emit(batch)
-
-    @classmethod
-    def of_file(cls, real, rel, max_size, top):
-        """[rel, language, entries, note, line count, the error code when it was not read
-        (else None)] of one file (entries at depth 0 only when `top`)."""
-        lang = cls.language(os.path.basename(real))
-        try:
-            fd, st = open_regular(real, real)
-            try:
-                if st.st_size > max_size:
-                    return [rel, lang, [], "%s, over --max-file-size: not read" % human_size(st.st_size), 0,
-                            FILE_TOO_LARGE]
-                data = read_fd(fd, max_size, real)
-            finally:
-                os.close(fd)
-        except (ToolError, OSError) as e:
-            return [rel, lang, [], "not read: %s" % (e.message if isinstance(e, ToolError) else e.strerror), 0,
-                    e.code if isinstance(e, ToolError) else IO_ERROR]
-        if b"\x00" in data[:8192]:
-            return [rel, lang, [], "binary: not read", 0, INVALID_INPUT]
-        text = data.decode("utf-8", "replace").replace("\r\n", "\n")
-        outline = cls(text, lang)
-        entries = [e for e in outline.entries if e[2] == 0] if top else outline.entries
-        return [rel, lang, entries, outline.note, text.count("\n") + (0 if text.endswith("\n") or not text else 1),
-                None]
-
-
-class HelperPool(object):
-    """The one owner of a server's search helpers, busy or idle: it starts them (from
-    a thread of its own, since PR_SET_PDEATHSIG fires when the thread that forked a
-    child ends, and worker threads retire), hands each job to one, keeps up to
-    `idle_max` warm for the next job, kills a busy one's whole process group on
-    cancel or at the deadline, and kills them all on close(). A helper that cannot
-    be started is an IO_ERROR: a search never falls back to this process, where
-    neither cancel nor the deadline could stop it."""
-
-    def __init__(self, idle_max=SEARCH_IDLE_HELPERS, avoid=()):
-        self.idle_max = idle_max
-        self.avoid = list(avoid)               # roots sandboxed commands may write: no helper code there
-        self.lock = threading.Lock()
-        self.idle, self.busy = [], set()
-        self.closed = False
-        self.requests = None                   # spawn requests to the pool's own thread
-
-    def run(self, job, cancelled, deadline_s=None):
-        """(items, None) of a job run in a helper; (items so far, 'deadline' or
-        'cancelled') when it had to be killed."""
-        deadline_s = SEARCH_TIMEOUT_S if deadline_s is None else deadline_s
-        import select
-        proc = self.start(dict(job, deadline_s=deadline_s))
-        deadline = time.monotonic() + deadline_s
-        reader = LineBuffer()
-        items = []
-        fd = proc.stdout.fileno()
-        try:
-            while True:
-                if cancelled.is_set():
-                    self.discard(proc)
-                    return items, "cancelled"
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.discard(proc)
-                    return items, "deadline"
-                if not select.select([fd], [], [], min(0.05, left))[0]:
-                    continue
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    self.discard(proc)
-                    raise ToolError(IO_ERROR, "the search helper process ended unexpectedly (its error, if"
-                                                " any, is in the server's log); try again")
-                for line in reader.feed(chunk):
-                    msg = json.loads(line.decode("utf-8"))
-                    if "items" in msg:
-                        items += msg["items"]
-                        continue
-                    self.release(proc)
-                    if msg["end"] != "ok":
-                        raise ToolError(msg["code"], msg["message"])
-                    return items, None
-        except (OSError, ValueError) as e:
-            self.discard(proc)
-            raise ToolError(IO_ERROR, "the search helper failed: %s" % e)
-
-    def start(self, job):
-        """A helper that has taken `job` (a warm one that died is replaced once)."""
-        data = json.dumps(job).encode("utf-8", "surrogateescape") + b"\n"
-        error = None
-        for _ in range(2):
-            try:
-                proc = self.take()
-            except OSError as e:
-                error = e
-                continue
-            try:
-                proc.stdin.write(data)
-                proc.stdin.flush()
-                return proc
-            except OSError as e:
-                error = e
-                self.discard(proc)
-        raise ToolError(IO_ERROR, "no search helper process could be started (%s), so the search was not run;"
-                                    " check that %s can start and that the temp directory is writable"
-                        % (getattr(error, "strerror", None) or error, sys.executable))
-
-    def take(self):
-        """An idle helper, or a new one (its own process group); marked busy."""
-        with self.lock:
-            if self.closed:
-                raise OSError(errno.ESHUTDOWN, "the server is shutting down")
-            idle = self.idle.pop() if self.idle else None
-            if idle is not None and idle.poll() is None:
-                self.busy.add(idle)
-                return idle
-        if idle is not None:
-            kill_group(idle)                      # it died while idle: reaped, pipes closed; try again
-            return self.take()
-        proc = self.spawn()
-        with self.lock:
-            self.busy.add(proc)
-            closed = self.closed
-        if closed:
-            self.discard(proc)
-            raise OSError(errno.ESHUTDOWN, "the server is shutting down")
-        return proc
-
-    def spawn(self):
-        """A new helper, forked by the pool's own thread."""
-        with self.lock:
-            if self.requests is None:
-                self.requests = queue.SimpleQueue()
-                threading.Thread(target=self._spawner, args=(self.requests, self.avoid), daemon=True,
-                                 name="boris-helper-spawner").start()
-                import atexit
-                atexit.register(self.close)           # idle helpers go with the process, whoever runs it
-            requests = self.requests
-        box = queue.SimpleQueue()
-        requests.put(box)
-        proc = box.get()
-        if isinstance(proc, Exception):
-            raise proc
-        return proc
-
-    @staticmethod
-    def _spawner(requests, avoid):
-        import subprocess
-        for box in iter(requests.get, None):
-            try:
-                argv, cwd = helper_command("search", avoid)
-                box.put(spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              start_new_session=True))
-            except Exception as e:                    # any failure is an answer: no caller waits for ever
-                box.put(e if isinstance(e, OSError) else OSError(repr(e)))
-
-    def release(self, proc):
-        """A helper that finished its job: kept warm, or closed."""
-        with self.lock:
-            self.busy.discard(proc)
-            keep = not self.closed and len(self.idle) < self.idle_max and proc.poll() is None
-            if keep:
-                self.idle.append(proc)
-        if not keep:
-            kill_group(proc)
-
-    def discard(self, proc):
-        """Kill a helper (and its partners) and forget it."""
-        with self.lock:
-            self.busy.discard(proc)
-            if proc in self.idle:
-                self.idle.remove(proc)
-        kill_group(proc)
-
-    def close(self):
-        """Kill every helper, busy or idle, with its partners; no new one starts."""
-        with self.lock:
-            self.closed = True
-            procs = self.idle + list(self.busy)
-            self.idle, self.busy = [], set()
-            requests, self.requests = self.requests, None
-        if requests is not None:
-            requests.put(None)
-        for proc in procs:
-            kill_group(proc)
-
-
-def kill_group(proc):
-    """Kill a helper with every process it started, reap it and close its pipes. Its
-    partners, re-parented here when this process is a subreaper, are reaped as they
-    die (within a second), not left to the periodic reaper."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass  # already gone
-    proc.wait()
-    reaped(proc)
-    deadline = time.monotonic() + 1.0
-    while _children.reaping and time.monotonic() < deadline:
-        reap_orphans()
-        try:
-            os.killpg(proc.pid, 0)                       # a member left, zombie or not?
-        except OSError:
-            break  # the group is empty: all reaped
-        time.sleep(0.005)
-    for f in (proc.stdin, proc.stdout):
-        try:
-            f.close()
-        except OSError:
-            pass  # a pipe whose other end died: nothing lost
-
-
-def partial_notice(why):
-    """The line a cut search ends with."""
-    if why == "deadline":
-        return ("[search stopped after %g s: the results above are partial. Narrow the path, include or type,"
-                " or simplify the pattern (nested quantifiers such as (a+)+ can take forever)]" % SEARCH_TIMEOUT_S)
-    return "[search cancelled: partial results]"
-
-
-HELPER_KINDS = {"search": helper_search, "partner": helper_partner}
-
-
 ###############################################################################
-# Shell #######################################################################
+# Sandbox #####################################################################
 ###############################################################################
-
-LEFTOVER_DRAIN_S = 0.2                     # after a command exits, wait this long for its pipes
-SHELL = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
-CAPTURE_HEAD_CHARS = OUTPUT_MAX_CHARS * 2 // 3  # a long output shows its first 20,000 characters
-CAPTURE_TAIL_CHARS = OUTPUT_MAX_CHARS // 3      # and its last 10,000 (where summaries and the sentinel are)
-CAPTURE_HEAD_BYTES = CAPTURE_HEAD_CHARS * 4
-CAPTURE_TAIL_BYTES = CAPTURE_TAIL_CHARS * 4
-
-
-class Capture(object):
-    """A stream's output in bounded memory, in time linear in its size: the head and
-    the tail kept as bytes, the full length counted in characters."""
-
-    def __init__(self):
-        import codecs
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-        self.chars = 0
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-
-    def add(self, data):
-        """Take in a chunk of output: counted whole, its head and tail kept."""
-        self.total += len(data)
-        self.chars += len(self._decoder.decode(data))
-        room = CAPTURE_HEAD_BYTES - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-        self.tail += data
-        if len(self.tail) > 2 * CAPTURE_TAIL_BYTES:
-            del self.tail[:-CAPTURE_TAIL_BYTES]
-
-    def complete(self):
-        """Whether everything captured is in the head (nothing was cut)."""
-        return self.total == len(self.head)
-
-    def strip_sentinel(self, marker):
-        """Remove the sentinel line from the end; return the cwd it named, or None."""
-        m = re.search(re.escape(b"\n" + marker) + rb"([^\n]*)\n\Z", self.tail)
-        if not m:
-            return None
-        cwd = bytes(m.group(1)).decode("utf-8", "surrogateescape")
-        cut = len(self.tail) - m.start()
-        self.chars -= len(bytes(self.tail[m.start():]).decode("utf-8", "replace"))
-        self.total -= cut
-        del self.tail[m.start():]
-        if len(self.head) > self.total:
-            del self.head[self.total:]
-        return cwd
-
-    def render(self, label, limit=OUTPUT_MAX_CHARS):
-        """(text, notice): all of it and None, or its first two thirds and its last
-        third of `limit` characters with the length left out between, and the notice
-        that says so."""
-        head_n = limit * 2 // 3
-        tail_n = limit - head_n
-        if self.complete():
-            text = bytes(self.head).decode("utf-8", "replace")
-            if len(text) <= limit:
-                return text, None
-            head, tail = text[:head_n], text[-tail_n:]
-        else:
-            head = bytes(self.head).decode("utf-8", "replace")[:head_n]
-            tail = bytes(self.tail).lstrip(bytes(range(0x80, 0xC0))).decode("utf-8", "replace")
-            tail = tail[-tail_n:]
-        omitted = max(0, self.chars - len(head) - len(tail))
-        tail = tail.rstrip("\n")
-        notice = ("[%s: %d characters in all; the first %d and the last %d are shown. Pipe long output through"
-                  " tail, head or grep.]" % (label, self.chars, len(head), len(tail)))
-        return "%s\n\n... %d characters omitted ...\n\n%s" % (head, omitted, tail), notice
-
-
-# -- the sandbox ------------------------------------------------------------------
 # --sandbox confines every process a bash call starts, with the kernel: Landlock
 # (Linux 5.13+, unprivileged, inherited by every descendant and never lifted). A
 # launcher - this file run as `--helper sandbox PARENT SPEC SHELL -c SCRIPT`, started
@@ -4319,6 +2406,1934 @@ def enter_network_namespace():
             f.write(text)
 
 
+###############################################################################
+# Search ######################################################################
+###############################################################################
+# One walker (gitignore-aware, cycle-safe, scope-filtered), one glob compiler (in
+# Paths above), one grep engine. grep, glob, search_text and search_files are thin
+# front-ends over these.
+
+GREP_BINARY_SNIFF = 512                    # a NUL in a file's first bytes makes it binary
+SEARCH_BATCH = 1000                        # results a helper sends at a time
+SEARCH_IDLE_HELPERS = 2                    # search helpers kept warm for the next search
+DEADLINE_GRACE_S = 2.0                     # a helper past its job's deadline by this much ends itself
+GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
+GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
+SHARE_MIN_ENTRIES = 3000               # a walk is shared once it has listed this many entries
+SHARE_MIN_UNITS = 8                    # ... and has this many directories left to walk
+SHARE_SLICES = 48                      # a partner is given about 1/48 of its share at a time
+SHARE_AHEAD = 4                        # ... and kept that many slices ahead
+SHARE_SERVICE_S = 0.001                # the helper feeds its partners at least this often
+PARTNER_IDLE_S = 60.0                  # a search helper's partners are closed after this long idle
+_REGEX_META = frozenset("\\.^$*+?{}[]|()")
+
+TYPES = {                      # ripgrep's globs for these languages, and a few more
+    "c": "*.c *.h *.H *.c.in *.h.in *.cats",
+    "cpp": "*.C *.cpp *.cc *.cxx *.c++ *.h *.H *.hpp *.hh *.hxx *.h++ *.inl *.cppm *.ixx *.cpp.in *.hpp.in *.cc.in",
+    "cs": "*.cs *.csx", "css": "*.css *.scss *.sass *.less", "clojure": "*.clj *.cljs *.cljc *.cljx *.edn",
+    "cmake": "*.cmake CMakeLists.txt", "d": "*.d", "dart": "*.dart", "docker": "*Dockerfile* *.dockerfile",
+    "elixir": "*.ex *.exs *.eex", "elm": "*.elm", "erlang": "*.erl *.hrl", "fsharp": "*.fs *.fsi *.fsx",
+    "go": "*.go", "graphql": "*.graphql *.gql", "groovy": "*.groovy *.gradle", "haskell": "*.hs *.lhs *.hsc",
+    "html": "*.html *.htm *.xhtml *.ejs", "java": "*.java *.jsp *.jspx *.properties",
+    "js": "*.js *.jsx *.mjs *.cjs *.vue", "json": "*.json *.jsonc composer.lock", "julia": "*.jl",
+    "kotlin": "*.kt *.kts", "lua": "*.lua",
+    "make": "Makefile makefile GNUmakefile gnumakefile *.mk *.mak Makefile.am Makefile.in",
+    "markdown": "*.md *.markdown *.mdown *.mkdn *.mdx", "nim": "*.nim *.nimble *.nimf *.nims", "nix": "*.nix",
+    "objc": "*.m *.mm *.h", "ocaml": "*.ml *.mli *.mll *.mly", "perl": "*.pl *.pm *.t *.PL *.perl *.plh *.plx",
+    "php": "*.php *.php3 *.php4 *.php5 *.phtml", "proto": "*.proto", "py": "*.py *.pyi *.pyw",
+    "r": "*.r *.R *.Rmd *.Rnw", "ruby": "*.rb *.rbw *.rake *.gemspec Gemfile Rakefile .irbrc config.ru",
+    "rust": "*.rs", "scala": "*.scala *.sc *.sbt",
+    "sh": "*.sh *.bash *.zsh *.csh *.ksh *.tcsh .bashrc .zshrc .bash_profile .bash_login .profile .zshenv"
+          " .zprofile .cshrc .kshrc",
+    "sql": "*.sql *.psql", "svelte": "*.svelte", "swift": "*.swift",
+    "tex": "*.tex *.sty *.cls *.bib *.ltx *.dtx *.ins", "toml": "*.toml Cargo.lock",
+    "ts": "*.ts *.tsx *.mts *.cts", "txt": "*.txt", "vue": "*.vue",
+    "xml": "*.xml *.xsd *.xsl *.xslt *.dtd *.rng *.xml.dist *.svg", "yaml": "*.yaml *.yml", "zig": "*.zig",
+}
+TYPE_ALIASES = {"python": "py", "typescript": "ts", "javascript": "js", "md": "markdown", "rs": "rust",
+                "rb": "ruby", "golang": "go", "c++": "cpp", "csharp": "cs", "shell": "sh", "bash": "sh",
+                "yml": "yaml", "kt": "kotlin", "hs": "haskell", "makefile": "make", "dockerfile": "docker"}
+
+
+def type_matcher(name):
+    """A function basename -> bool for a language name, or ToolError(GREP_INVALID_TYPE)."""
+    key = TYPE_ALIASES.get(name.lower(), name.lower())
+    if key not in TYPES:
+        raise ToolError(GREP_INVALID_TYPE, "unknown type %r; valid types: %s (aliases: %s)" % (
+            name, ", ".join(sorted(TYPES)), ", ".join("%s=%s" % kv for kv in sorted(TYPE_ALIASES.items()))))
+    rx = re.compile("|".join("(?:%s)" % compile_glob(g).pattern for g in TYPES[key].split()))
+    return lambda base: rx.match(base) is not None
+
+
+# -- .gitignore ---------------------------------------------------------------
+
+class IgnoreFile(object):
+    """The rules of one .gitignore (or info/exclude) at `source`, relative to `base`."""
+
+    def __init__(self, base, lines, source=None):
+        self.base, self.source = base, source
+        self.rules = []                      # (regex, negated, dir_only, anchored)
+        for raw in lines:
+            line, neg, dir_only = ignore_pattern(raw)
+            if not line:
+                continue
+            anchored = "/" in line
+            try:                             # git matches bytes: '?' is one byte of UTF-8
+                rx = compile_glob(as_bytes(line[1:] if line.startswith("/") else line), git=True)
+            except ValueError:
+                continue                     # git ignores a malformed pattern too
+            self.rules.append((rx, neg, dir_only, anchored))
+
+    def verdict(self, rel, name, is_dir):
+        """True (ignored), False (re-included by '!') or None (no rule matched)."""
+        if not rel.isascii():
+            rel, name = as_bytes(rel), as_bytes(name)
+        for rx, neg, dir_only, anchored in reversed(self.rules):
+            if dir_only and not is_dir:
+                continue
+            if rx.match(rel if anchored else name):
+                return not neg
+        return None
+
+
+def ignore_pattern(raw):
+    """(pattern, negated, directories only) of a .gitignore line; pattern '' for a
+    blank line or a comment. Unescaped trailing spaces go; '\\!' and '\\#' are literal."""
+    line = raw.rstrip("\n").rstrip("\r")
+    if line.startswith("#"):
+        return "", False, False
+    while line.endswith(" ") and not line.endswith("\\ "):
+        line = line[:-1]
+    neg = line.startswith("!")
+    if neg or line.startswith(("\\!", "\\#")):
+        line = line[1:]
+    dir_only = line.endswith("/")
+    if dir_only:
+        line = line[:-1]             # one slash: 'foo//' is 'foo/' anchored, which names nothing
+    return line, neg, dir_only
+
+
+def as_bytes(text):
+    """Text as its UTF-8 bytes, one character a byte (latin-1): how git's fnmatch sees it."""
+    return text if text.isascii() else text.encode("utf-8", "surrogateescape").decode("latin-1")
+
+
+def read_ignore(base, source):
+    """The rules of the ignore file `source` for directory `base`, or None if it has none."""
+    try:
+        with open(source, "r", encoding="utf-8", errors="replace") as f:
+            rules = IgnoreFile(base, f.readlines(), source)
+    except OSError:
+        return None  # unreadable .gitignore: no rules from it (git, too, skips it)
+    return rules if rules.rules else None
+
+
+def load_ignore(directory):
+    """The IgnoreFile of directory's .gitignore, or None."""
+    return read_ignore(directory, os.path.join(directory, ".gitignore"))
+
+
+def git_top(start):
+    """The work tree containing `start` (a directory holding .git), or None."""
+    d = start
+    while True:
+        if os.path.exists(os.path.join(d, ".git")):
+            return d
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+
+
+def ignored(stack, path, name, is_dir):
+    """The verdict of an ignore stack on a path: the innermost file with a matching rule decides; False
+    when none matches."""
+    for rules in reversed(stack):
+        v = rules.verdict(path[len(rules.base) + 1:], name, is_dir)
+        if v is not None:
+            return v
+    return False
+
+
+def repo_excludes(top):
+    """The ignore stack a work tree starts with: its .git/info/exclude, if any."""
+    ex = read_ignore(top, os.path.join(top, ".git", "info", "exclude"))
+    return [ex] if ex else []
+
+
+def outer_ignores(root):
+    """.gitignore rules that apply to `root` from its work tree's top down to it
+    (and .git/info/exclude). Outside a git work tree, those of every directory above
+    it: projects copied into containers usually arrive without their .git, and their
+    .gitignore still says what is build output (ripgrep's --no-require-git)."""
+    top = git_top(root)
+    stack = repo_excludes(top) if top is not None else []
+    top = top or "/"
+    d = top
+    rel = root[len(top):].strip("/")
+    for part in [p for p in rel.split("/") if p]:
+        rules = load_ignore(d)
+        if rules:
+            stack.append(rules)
+        d = os.path.join(d, part)
+    return stack
+
+
+# -- the walker -----------------------------------------------------------------
+
+O_SCAN = os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC
+
+
+class Walker(object):
+    """Iterate (path, real, is_dir, inode) under `root` (a canonical directory), depth
+    first. `path` is what the user sees (through followed links), `real` the canonical
+    path that was checked and is opened.
+
+    Prunes .git and node_modules, honours .gitignore inside a git work tree, drops
+    what the path policy denies (judged by the real path, also below followed links),
+    and yields only files whose name passes `name_ok` (directories are walked whatever
+    their name). Each directory is opened without following a link and must be the
+    inode its parent listed, so a directory swapped for a symlink mid-walk is skipped.
+    Followed directory symlinks are visited after the real tree, once per (dev, inode),
+    so cycles end and a tree reached both ways is listed under its real path (or,
+    reached by links only, under the link path that sorts first)."""
+
+    def __init__(self, root, policy, follow_links, want_dirs=False, name_ok=None, max_depth=None):
+        self.root, self.policy, self.follow_links = root, policy, follow_links
+        self.want_dirs, self.name_ok = want_dirs, name_ok
+        self.max_depth = max_depth
+        self.seen = set()
+        self.linked = []                           # (path, real, ignore stack, depth) to enter later
+        self.link_heap = []                        # ... ordered by path once the real tree is done
+        self.links_queued = 0
+        self.defer_links = False                   # True: leave self.linked to whoever shares the walk
+        self.use_ignore = False
+        self.listed = 0                            # entries listed so far
+        self.tick = None                           # called after each directory listed
+
+    def __iter__(self):
+        return self.walk([self.start()])
+
+    def start(self):
+        """The root's pending entry (path, real, ignore stack, depth, inode)."""
+        self.use_ignore = True
+        return self.root, self.root, outer_ignores(self.root), 0, None
+
+    def walk(self, pending):
+        """Depth first from the pending entries, then the followed links."""
+        import heapq
+        pending = list(pending)
+        while pending or ((self.linked or self.link_heap) and not self.defer_links):
+            if not pending:
+                for link in self.linked:                 # a tree linked twice shows under the first name
+                    self.links_queued += 1
+                    heapq.heappush(self.link_heap, (link[0], self.links_queued, link))
+                del self.linked[:]
+                entry = self.enter_link(*heapq.heappop(self.link_heap)[2])
+                if entry is not None:
+                    pending.append(entry)
+                    if self.want_dirs:
+                        yield entry[0], entry[1], True, entry[4]
+                continue
+            found, subdirs = self.visit(*pending.pop())
+            yield from found
+            pending += reversed(subdirs)
+            if self.tick is not None:
+                self.tick()
+
+    def scan(self, real, ino):
+        """(fd, entries) of a directory that is still the inode its parent listed."""
+        try:
+            fd = os.open(real, O_SCAN) if ino is not None else open_dir(real, flags=O_SCAN)
+        except OSError:
+            return None, []
+        try:
+            st = os.fstat(fd)
+            if ino is not None and st.st_ino != ino:
+                os.close(fd)
+                return None, []
+            if self.follow_links:
+                self.seen.add((st.st_dev, st.st_ino))
+            with os.scandir(fd) as it:
+                entries = list(it)
+        except OSError:
+            os.close(fd)
+            return None, []
+        self.listed += len(entries)
+        return fd, entries
+
+    def rules(self, path, entries, ign):
+        """The ignore stack inside `path`: a nested repository (a .git of its own)
+        starts over with its own exclude file; a .gitignore adds its rules."""
+        if not self.use_ignore:
+            return ign
+        names = set(e.name for e in entries if e.name in (".git", ".gitignore"))
+        if ".git" in names and path != self.root:
+            ign = repo_excludes(path)
+        if ".gitignore" in names:
+            rules = load_ignore(path)
+            if rules:
+                return ign + [rules]
+        return ign
+
+    def visit(self, path, real, ign, depth, ino):
+        """What one directory holds: (found, subdirs). found: (path, real, is_dir, inode)
+        of the files that pass name_ok, the ignore rules and the policy, of directories
+        when want_dirs, and of what symlinks name (link()); subdirs: the pending entries
+        of directories to walk (within max_depth). Sockets, fifos and devices never."""
+        fd, entries = self.scan(real, ino)
+        if fd is None:
+            return [], []
+        found, subdirs = [], []
+        try:                                    # (the fd stays open: DT_UNKNOWN entries lstat through it)
+            ign = self.rules(path, entries, ign)
+            filtering = bool(self.use_ignore and ign)
+            screened = filtering or self.policy.restricted
+            name_ok, want_dirs, deeper = self.name_ok, self.want_dirs, self.deeper(depth)
+            prefix, rprefix = child_prefix(path), child_prefix(real)
+            for e in entries:
+                name = e.name
+                if name in SKIP_DIRS:
+                    continue
+                try:
+                    if e.is_file(follow_symlinks=False):          # most entries: test files first
+                        if (name_ok is None or name_ok(name)) and not (
+                                screened and self.hidden(ign, prefix + name, rprefix + name, name, False)):
+                            found.append((prefix + name, rprefix + name, False, e.inode()))
+                    elif e.is_dir(follow_symlinks=False):
+                        if screened and self.hidden(ign, prefix + name, rprefix + name, name, True):
+                            continue
+                        if want_dirs:
+                            found.append((prefix + name, rprefix + name, True, e.inode()))
+                        if deeper:
+                            subdirs.append((prefix + name, rprefix + name, ign, depth + 1, e.inode()))
+                    elif e.is_symlink():
+                        found += self.link(prefix + name, rprefix + name, name, ign, depth)
+                except OSError:
+                    continue                                      # gone since listed: skipped
+        finally:
+            os.close(fd)
+        return found, subdirs
+
+    def hidden(self, ign, path, real, name, is_dir):
+        """Whether an ignore rule (of the stack `ign`, when the walk uses them) or the path
+        policy hides this entry."""
+        return bool(self.use_ignore and ign and ignored(ign, path, name, is_dir)) or self.policy.is_denied(real)
+
+    def link(self, path, at, name, ign, depth):
+        """A symlink's entries for visit(): its target is resolved and checked by its real
+        path; a directory it names is entered later (follow_links) or listed."""
+        try:
+            target = canonical(at)
+            st = os.stat(target)
+        except OSError:
+            return ()                                            # broken or looping links are skipped
+        is_dir = stat.S_ISDIR(st.st_mode)
+        if self.hidden(ign, path, target, name, is_dir):
+            return ()
+        if is_dir and self.follow_links:
+            if self.deeper(depth):
+                self.linked.append((path, target, ign, depth + 1))
+            return ()
+        if is_dir:
+            return ()                               # a directory link not followed is not listed either
+        if stat.S_ISREG(st.st_mode) and self.name_passes(name):
+            return ((path, target, False, st.st_ino),)
+        return ()
+
+    def deeper(self, depth):
+        """Whether the walk goes below a directory at `depth` (max_depth)."""
+        return self.max_depth is None or depth + 1 < self.max_depth
+
+    def name_passes(self, name):
+        """Whether a file of this name is wanted (name_ok)."""
+        return self.name_ok is None or self.name_ok(name)
+
+    def adopt(self, links, seen):
+        """What a partner reports at the end of a unit it walked: the directory links it
+        left to follow (entered here, in order, once the real tree is done) and the
+        directories it saw (so a link to one of them is not walked twice)."""
+        self.linked += links
+        self.seen.update(seen)
+
+    def share(self, tick):
+        """Walk for a shared walk: links are left in self.linked for the sharer, and
+        `tick` is called after each directory (None: back to walking alone)."""
+        self.defer_links, self.tick = tick is not None, tick
+
+    def enter_link(self, path, real, ign, depth):
+        """The pending entry of a followed directory link, or None when seen before."""
+        try:
+            st = os.stat(real)
+        except OSError:
+            return None  # a broken link target: not entered
+        if (st.st_dev, st.st_ino) in self.seen:
+            return None
+        self.seen.add((st.st_dev, st.st_ino))
+        return path, real, ign, depth, st.st_ino
+
+
+# -- the grep engine -----------------------------------------------------------------
+
+REGEX_HINTS = ((r"\\p\{L\}|\\pL", r"[^\W\d_]"), (r"\\p\{N\}|\\pN|\\p\{Nd\}", r"\d"),
+               (r"\\P\{L\}", r"[\W\d_]"), (r"\\p\{", r"an explicit class such as [a-z] or [^\W\d_]"),
+               (r"\\x\{[0-9a-fA-F]+\}", r"\uXXXX (or \U0001XXXX)"), (r"\\z", r"\Z"),
+               (r"\\[<>]", r"\b"), (r"\(\?<[a-zA-Z]", r"(?P<name>...)"), (r"\\h", r"[ \t]"))
+
+
+class Matcher(object):
+    """A compiled grep pattern: a literal (bytes.find: exact on UTF-8) where it can be,
+    else a regex. The regex runs on bytes for pure-ASCII text and on decoded text
+    otherwise, so '.' and classes mean characters, not bytes."""
+
+    def __init__(self, pattern, regex=True, ignore_case=False, multiline=False):
+        self.multiline = multiline
+        if regex and not (set(pattern) & _REGEX_META):
+            regex = False
+        self.literal = self.rx = self.rx_text = None
+        self.folded = False
+        if not regex and (not ignore_case or pattern.isascii()):
+            self.literal = (pattern.lower() if ignore_case else pattern).encode("utf-8")
+            self.folded = ignore_case                     # -i on ASCII: bytes.lower() and find, no regex
+        else:
+            self.compile(pattern, regex, ignore_case, multiline)
+
+    def compile(self, pattern, regex, ignore_case, multiline):
+        """The regexes: rx_text on decoded text, and rx on bytes for pure-ASCII text
+        where the pattern means the same there."""
+        src = self.python_regex(pattern) if regex else re.escape(pattern)
+        if regex and not multiline:
+            src = self.drop_dot_stars(src)                     # '.*TODO.*' matches the lines 'TODO' does
+        flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0) | (re.DOTALL if multiline else 0)
+        try:
+            self.rx_text = re.compile(src, flags)
+        except re.error as e:
+            raise ToolError(GREP_INVALID_PATTERN, "pattern %r is not a valid regular expression: %s; escape"
+                            " special characters or fix the syntax (the dialect is Python's re)"
+                            % (shorten(pattern), e))
+        except (OverflowError, RecursionError, ValueError) as e:
+            raise ToolError(GREP_INVALID_PATTERN, "pattern %r cannot be compiled: %s" % (shorten(pattern), e))
+        if src.isascii() and not re.search(r"\\[sS]", src):          # \s differs between str and bytes
+            try:
+                self.rx = re.compile(src.encode("ascii"), flags)        # ASCII text: search the bytes as they are
+            except (re.error, ValueError):
+                self.rx = None                                          # \u263A, \N{...}: text only
+
+    def needs_text(self, buf, end):
+        """Whether this chunk must be searched as decoded text."""
+        return self.literal is None and (self.rx is None or not buf[:end].isascii())
+
+    def quick(self, lead):
+        """Whether files mode may answer from the first read with literal_in(): a literal,
+        and no UTF-8 BOM (lead byte 0xef) to strip first."""
+        return self.literal is not None and lead != 0xef
+
+    def literal_in(self, buf, n):
+        """Whether the literal occurs in buf[:n] (files mode's quick answer)."""
+        if self.folded:
+            return buf[:n].lower().find(self.literal) >= 0
+        return buf.find(self.literal, 0, n) >= 0
+
+    def spans(self, hay, end, first_only=False, pos=0):
+        """(start, end) offsets of matching regions in hay[pos:end]; in line mode at
+        most one per line, each within a single line. Nothing matches at `end`: the
+        text after a final newline is no line."""
+        if self.literal is not None:
+            return self.literal_spans(hay, end, first_only, pos)
+        return self.regex_spans(hay, end, first_only, pos)
+
+    def literal_spans(self, hay, end, first_only, pos):
+        """spans() of a literal: bytes.find, then on from the next line."""
+        nl = b"\n" if isinstance(hay, (bytes, bytearray)) else "\n"
+        out = []
+        needle, size = self.literal, len(self.literal)
+        if self.folded:
+            hay = hay[:end].lower()                   # same offsets: only ASCII letters change
+        while True:
+            i = hay.find(needle, pos, end)
+            if i < 0:
+                return out
+            out.append((i, i + size))
+            if first_only:
+                return out
+            j = hay.find(nl, i + size, end)
+            if j < 0:
+                return out
+            pos = j + 1
+
+    def regex_spans(self, hay, end, first_only, pos):
+        """spans() of a regex: on the bytes or the text, a match that spans lines in
+        line mode retried within its first line."""
+        nl, rx = ("\n", self.rx_text) if isinstance(hay, str) else (b"\n", self.rx)
+        out = []
+        phantom = hay[end - 1:end] in ("\n", b"\n", "", b"")       # nothing after a final newline
+        while pos < end:
+            m = rx.search(hay, pos, end)
+            if m is None or (phantom and m.start() == end):
+                return out
+            s, e = m.span()
+            if not self.multiline and hay.find(nl, s, e) >= 0:
+                s, e, pos = self.within_line(rx, hay, nl, s, end)      # spans lines: retry within its line
+                if s is None:
+                    continue
+            out.append((s, e))
+            pos = None if first_only else self.after_match(hay, nl, s, e, end)
+            if pos is None:
+                return out
+        return out
+
+    def after_match(self, hay, nl, s, e, end):
+        """Where the search goes on after a match at s..e: at its end (multiline), or
+        at the next line (line mode: one match a line); None past the last line."""
+        if self.multiline:
+            return e if e > s else e + 1
+        j = hay.find(nl, e, end)
+        return None if j < 0 else j + 1
+
+    @staticmethod
+    def python_regex(pattern):
+        """An agent's regex in Python's dialect: POSIX classes ([[:digit:]]) translated;
+        constructs of other dialects (\\p{L}, \\x{263A}, \\z, \\<word\\>, [a-z&&[^b]])
+        refused with the Python spelling to use instead."""
+        for other, python in REGEX_HINTS:
+            m = re.search(r"(?<!\\)(?:\\\\)*(" + other + ")", pattern)
+            if m:
+                raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses %s, which Python's re does not know; write %s"
+                                " instead" % (shorten(pattern), m.group(1), python))
+        if re.search(r"\[[^\]]*&&", pattern):
+            raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses a class intersection (&&), which Python's re does"
+                            " not have; list the characters ([ac-z]) or use a lookahead ((?![b])[a-z])" % shorten(pattern))
+
+        def posix(m):
+            if m.group(1) not in POSIX_CLASSES:
+                raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses the unknown class [:%s:]; known: %s"
+                                % (shorten(pattern), m.group(1), ", ".join(sorted(POSIX_CLASSES))))
+            return POSIX_CLASSES[m.group(1)]
+        return re.sub(r"(?<=[\[^\w\]-])\[:(\w+):\]", posix, pattern) if "[:" in pattern else pattern
+
+    @staticmethod
+    def drop_dot_stars(src):
+        """A line-mode regex without a leading or trailing '.*' (or '.*?'): in line mode
+        they change no line's verdict, but make a long line quadratic to search."""
+        core = src
+        while core.startswith(".*"):
+            core = core[3:] if core.startswith(".*?") else core[2:]
+        while core.endswith(".*") and not core.endswith("\\.*") and (len(core) == 2 or core[-3] != "\\"):
+            core = core[:-2]
+        return core if core and "|" not in src else src
+
+    @staticmethod
+    def within_line(rx, hay, nl, s, end):
+        """A line-mode retry: the first match of rx within the line holding offset s, as
+        (start, end, pos); (None, None, next line's start) when that line has none."""
+        ls = hay.rfind(nl, 0, s) + 1
+        le = hay.find(nl, s, end)
+        le = end if le < 0 else le
+        m = rx.search(hay, ls, le)
+        if m is None:
+            return None, None, le + 1
+        return m.start(), m.end(), None
+
+
+class LineRecords(object):
+    """Content mode's records of one file, built piece by piece: (line number, is a
+    match, text) for every line a match touches and every line within `before`/`after`
+    lines of one, in order, with None between groups that are not adjacent (with or
+    without context lines, as the original boris). `last` carries the last line shown
+    from one piece to the next."""
+
+    def __init__(self, before=0, after=0):
+        self.before, self.after, self.last = before, after, None
+
+    def add(self, hay, end, first_line, spans):
+        """The records of one piece (haystack up to `end`, starting at line
+        `first_line`) for its match spans."""
+        nl = b"\n" if not isinstance(hay, str) else "\n"
+        starts, want = {}, {}                       # line number -> (start, stop); -> is a match line
+        for k, ls, le in self.matched_lines(hay, nl, end, first_line, spans):
+            starts[k], want[k] = (ls, le), True
+            kb = k
+            for _ in range(self.before):            # context above, up to the piece's start
+                if ls == 0:
+                    break
+                pb = hay.rfind(nl, 0, ls - 1) + 1
+                kb -= 1
+                starts.setdefault(kb, (pb, ls - 1))
+                want.setdefault(kb, False)
+                ls = pb
+            ka = k
+            for _ in range(self.after):             # context below, up to its end
+                if le >= end - 1:
+                    break
+                na = hay.find(nl, le + 1, end)
+                na = end if na < 0 else na
+                ka += 1
+                starts.setdefault(ka, (le + 1, na))
+                want.setdefault(ka, False)
+                le = na
+        out, prev = [], self.last
+        for k in sorted(want):
+            if prev is not None and k > prev + 1:
+                out.append(None)
+            ls, le = starts[k]
+            out.append((k, want[k], self.line_text(hay, ls, le)))
+            prev = k
+        self.last = prev
+        return out
+
+    @staticmethod
+    def line_text(hay, start, end):
+        """A line of a grep haystack as shown: decoded (undecodable bytes kept as lone
+        surrogates, which scrub() turns into U+FFFD and counts), clipped."""
+        text = hay[start:end]
+        if not isinstance(text, str):
+            text = bytes(text).decode("utf-8", "surrogateescape")      # scrub() shows and counts the bad bytes
+        return clip_line(text)
+
+    @staticmethod
+    def matched_lines(hay, nl, end, first_line, spans):
+        """(line number, start, stop) of every line a match span touches (several for a
+        multiline match), in order."""
+        line_no, cursor = first_line, 0
+        matched = []
+        for s, e in spans:
+            line_no += hay.count(nl, cursor, s)
+            cursor = s
+            pos = hay.rfind(nl, 0, s) + 1
+            last = e - 1 if e > s else s
+            k = line_no
+            while True:
+                le = hay.find(nl, pos, end)
+                le = end if le < 0 else le
+                matched.append((k, pos, le))
+                if le >= last or le >= end:
+                    break
+                pos, k = le + 1, k + 1
+        return matched
+
+
+# -- the outline engine ---------------------------------------------------------------
+# outline's parsers, run in a search helper (where the deadline and a cancel can stop
+# them). Python through `ast` (exact ranges, decorators counted); other languages
+# through per-line patterns: a definition's range runs to its closing brace ("braces"),
+# to the line before the next line indented as deep or shallower ("indent"; Ruby's
+# `end` included), or to the next heading of its level or above ("heading"). Patterns
+# look at a line's first OUTLINE_LINE_CHARS characters only, and every pattern is
+# anchored and free of nested repeats, so a file costs time linear in its size.
+
+OUTLINE_LINE_CHARS = 400                   # of a line the definition patterns look at
+OUTLINE_SIGNATURE_CHARS = 120              # a definition's signature line, as shown
+
+OUTLINE_EXTENSIONS = {
+    "py": "python", "pyi": "python", "pyw": "python",
+    "js": "javascript", "mjs": "javascript", "cjs": "javascript", "jsx": "javascript",
+    "ts": "typescript", "tsx": "typescript", "mts": "typescript", "cts": "typescript",
+    "go": "go", "rs": "rust", "java": "java", "kt": "kotlin", "kts": "kotlin", "cs": "csharp",
+    "c": "c", "h": "c", "cc": "cpp", "cpp": "cpp", "cxx": "cpp", "hh": "cpp", "hpp": "cpp", "hxx": "cpp",
+    "rb": "ruby", "php": "php", "sh": "shell", "bash": "shell", "zsh": "shell",
+    "md": "markdown", "markdown": "markdown", "json": "json", "yaml": "yaml", "yml": "yaml", "toml": "toml",
+}
+OUTLINE_DATA = frozenset(("markdown", "json", "yaml", "toml"))      # not listed by a directory outline
+_MODS = r"(?:(?:export|default|declare|abstract|public|private|protected|internal|static|final|sealed|" \
+        r"partial|async|override|virtual|readonly|open|data|inner|enum|annotation|suspend|inline|" \
+        r"unsafe|extern|const|new|synchronized|native|strictfp|pub(?:\([\w:]+\))?)\s+)*"
+_NOT_CALLS = r"(?!(?:if|for|foreach|while|switch|catch|return|new|else|throw|do|sizeof|typeof|await|" \
+             r"delete|using|lock|fixed|when|with|function|super|this)\b)"
+_JS_MEMBER = (r"^\s+" + _MODS + r"(?:get\s+|set\s+|\*\s*)?#?" + _NOT_CALLS +
+              r"[A-Za-z_$][\w$]*\s*(?:<[^>()=]*>)?\s*\([^=]*$")
+_JAVA_MEMBER = (r"^\s+(?:@\w+\s+)*" + _MODS + r"(?:<[^>]*>\s+)?" + _NOT_CALLS +
+                r"[\w<>\[\],.?]+(?:\s+[\w<>\[\],.?]+)*\s+" + _NOT_CALLS + r"\w+\s*\([^=;]*(?:;?\s*|[{].*)$")
+# language -> (style, [(kind: 'class' (holds members), 'def', 'member' (only inside a
+# class), 'body' (a def that counts only with a body), regex)], comment start)
+OUTLINE_RULES = {
+    "python": ("indent", [("class", r"^\s*class\s+\w+"), ("def", r"^\s*(?:async\s+)?def\s+\w+")], "#"),
+    "javascript": ("braces", [
+        ("class", r"^\s*" + _MODS + r"class\s+[\w$]+"),
+        ("def", r"^\s*" + _MODS + r"function\b\s*\*?\s*[\w$]+\s*(?:<[^>]*>)?\s*\("),
+        ("def", r"^\s*" + _MODS + r"(?:const|let|var)\s+[\w$]+\s*(?::[^=]+)?=\s*(?:async\s+)?"
+                r"(?:function\b|(?:<[^>]*>\s*)?(?:\([^)]*\)|[\w$]+)\s*(?::\s*[^=]+)?=>)"),
+        ("class", r"^\s*" + _MODS + r"(?:interface|enum|namespace|module)\s+[\w$.]+"),
+        ("def", r"^\s*" + _MODS + r"type\s+[\w$]+\s*(?:<[^>]*>)?\s*="),
+        ("member", _JS_MEMBER)], "//"),
+    "go": ("braces", [("def", r"^func\s+(?:\([^)]*\)\s*)?\w+"), ("class", r"^type\s+\w+\s+(?:struct|interface)\b"),
+                      ("def", r"^type\s+\w+")], "//"),
+    "rust": ("braces", [
+        ("def", r"^\s*" + _MODS + r"(?:async\s+)?(?:const\s+)?(?:unsafe\s+)?(?:extern\s+\"[^\"]*\"\s+)?fn\s+\w+"),
+        ("class", r"^\s*" + _MODS + r"(?:struct|enum|trait|union|mod)\s+\w+"),
+        ("class", r"^\s*" + _MODS + r"impl\b")], "//"),
+    "java": ("braces", [("class", r"^\s*(?:@\w+(?:\([^)]*\))?\s+)*" + _MODS +
+                                  r"(?:class|interface|enum|record|@interface)\s+\w+"),
+                        ("member", _JAVA_MEMBER)], "//"),
+    "kotlin": ("braces", [("class", r"^\s*(?:@\w+\s+)*" + _MODS + r"(?:class|interface|object|enum\s+class)\s+\w+"),
+                          ("def", r"^\s*(?:@\w+\s+)*" + _MODS + r"fun\s+(?:<[^>]*>\s*)?[\w.]+\s*\(")], "//"),
+    "csharp": ("braces", [("class", r"^\s*(?:\[[^\]]*\]\s*)*" + _MODS +
+                                    r"(?:class|interface|struct|record|enum|namespace)\s+[\w.]+"),
+                          ("member", _JAVA_MEMBER)], "//"),
+    "c": ("braces", [("class", r"^\s*(?:typedef\s+)?(?:struct|union|enum)\s+\w+\s*\{?\s*$"),
+                     ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)(?:[A-Za-z_][\w \t\*]*?[ \t\*])?"
+                              r"[A-Za-z_]\w*\s*\([^;=]*$")], "//"),
+    "cpp": ("braces", [("class", r"^\s*(?:template\s*<[^>]*>\s*)?(?:class|struct|union|enum(?:\s+class)?)\s+\w+"
+                                 r"[^;]*$"),
+                       ("class", r"^\s*namespace\s+[\w:]+\s*\{?\s*$"),
+                       ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)(?:[A-Za-z_~][\w \t\*&:<>,~]*?"
+                                r"[ \t\*&>])?[A-Za-z_~][\w:~<>]*\s*\([^;=]*$")], "//"),
+    "ruby": ("indent", [("class", r"^\s*(?:class|module)\s+[\w:]+"), ("def", r"^\s*def\s+[\w.?!=]+")], "#"),
+    "php": ("braces", [("class", r"^\s*" + _MODS + r"(?:class|interface|trait|enum)\s+\w+"),
+                       ("def", r"^\s*" + _MODS + r"function\s+&?\w+")], "//"),
+    "shell": ("braces", [("def", r"^\s*(?:function\s+[\w.:-]+(?:\s*\(\s*\))?|[\w.:-]+\s*\(\s*\))\s*(?:\{.*)?$")], "#"),
+}
+
+
+OUTLINE_RULES["typescript"] = OUTLINE_RULES["javascript"]
+
+
+_CODE_MARKS = r"[\"'`/]"                   # (compiled when a file is outlined: start-up never pays)
+_CODE_TOKENS = r"\"(?:[^\"\\]|\\.)*\"?|'(?:[^'\\]|\\.)*'?|`[^`]*`?|//|/\*"
+
+
+class Outline(object):
+    """One file's outline, made by the constructor from its text and language:
+    `entries` [(first line, last line, depth, signature)] in order, and `note`, how it
+    was read when not by the language's own parser (a Python file that does not parse
+    falls back to the patterns). While the patterns run, `stack` holds the definitions
+    still open and `depth` the brace depth."""
+
+    def __init__(self, text, lang):
+        self.lines, self.lang, self.note = text.split("\n"), lang, ""
+        self.entries, self.stack, self.depth = [], [], 0
+        if lang == "python":
+            try:
+                self.python(text)
+            except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+                self.entries, self.note = [], "it does not parse as Python (%s), so definitions were found by" \
+                    " pattern" % ("line %s: %s" % (e.lineno, e.msg) if isinstance(e, SyntaxError) else type(e).__name__)
+                self.patterns()
+        elif lang == "markdown":
+            self.headings()
+        elif lang in ("json", "yaml", "toml"):
+            self.keys(text)
+        else:
+            self.patterns()
+        self.entries = [tuple(e) for e in self.entries if e is not None]
+
+    @staticmethod
+    def language(name):
+        """The language outline reads a file of this name as, or None."""
+        ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
+        return OUTLINE_EXTENSIONS.get(ext)
+
+    @staticmethod
+    def languages():
+        """The languages outline reads, as a sentence's list."""
+        return ", ".join(sorted(set(OUTLINE_EXTENSIONS.values())))
+
+    def signature(self, k):
+        """Line k (from 0) as a signature: its text stripped, joined with the lines that
+        continue an unclosed parenthesis (a multi-line signature), cut at
+        OUTLINE_SIGNATURE_CHARS."""
+        lines = self.lines
+        text, j = lines[k].strip(), k
+        while text.count("(") > text.count(")") and j + 1 < len(lines) and j < k + 8 and lines[j + 1].strip():
+            j += 1
+            text += " " + lines[j].strip()
+        if j > k and text.count("(") > text.count(")"):
+            text = lines[k].strip()             # no closing parenthesis near: the line alone
+        elif j > k:
+            text = re.sub(r"\(\s+", "(", re.sub(r",?\s+\)", ")", text))
+        return text if len(text) <= OUTLINE_SIGNATURE_CHARS else text[:OUTLINE_SIGNATURE_CHARS - 3] + "..."
+
+    def python(self, text):
+        """Python's definitions through ast: every def, async def and class at any depth
+        (inside if, try, with and match blocks too), decorators in the range."""
+        import ast
+        stack = [(ast.parse(text), 0)]
+        while stack:
+            node, depth = stack.pop()
+            kids = [c for c in ast.iter_child_nodes(node) if isinstance(c, (ast.stmt, ast.excepthandler))
+                    or type(c).__name__ == "match_case"]
+            for child in reversed(kids):
+                is_def = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                if is_def:
+                    start = min([d.lineno for d in child.decorator_list] + [child.lineno])
+                    self.entries.append((start, child.end_lineno, depth, self.signature(child.lineno - 1)))
+                stack.append((child, depth + 1 if is_def else depth))
+        self.entries.sort(key=lambda e: (e[0], e[2]))
+
+    # -- the patterns ------------------------------------------------------------
+    def patterns(self):
+        """The definitions the language's patterns find, nested by braces or indentation."""
+        style, rules, comment = OUTLINE_RULES[self.lang]
+        rules = [(kind, re.compile(rx)) for kind, rx in rules]
+        if style == "indent":
+            return self.indented(rules, comment)
+        self.marks, self.tokens = re.compile(_CODE_MARKS), re.compile(_CODE_TOKENS)
+        in_block = False                 # stack: [entry index, brace depth at its line, kind, opened, parens, last]
+        for i, raw in enumerate(self.lines):
+            was_in_block = in_block
+            code, in_block = self.code_of(raw, in_block, comment)
+            while self.stack and not self.stack[-1][3] and self.stack[-1][4] <= 0 and not \
+                    code.lstrip().startswith("{"):
+                self.end(self.stack.pop(), None)          # a declaration without a body ends before this line
+            kind = None if was_in_block and not code.strip() else self.kind(rules, raw[:OUTLINE_LINE_CHARS])
+            if kind:
+                self.add(i, kind)
+            self.count(i, code)
+        while self.stack:                               # open at the end of the file
+            entry = self.stack.pop()
+            self.end(entry, len(self.lines) - 1 if entry[3] else None)
+
+    def add(self, i, kind):
+        """A definition found on line i (from 0): decorators, annotations and attributes
+        above it, and a C return type on its own line, belong to it."""
+        lines, start, sig = self.lines, i, self.signature(i)
+        while start and re.match(r"^\s*(?:@|#\[)", lines[start - 1]):
+            start -= 1
+        if kind == "body" and i and re.match(r"^[A-Za-z_][\w \t\*]*$", lines[i - 1]):
+            start, sig = i - 1, lines[i - 1].strip() + " " + sig
+        self.entries.append([start + 1, i + 1, sum(1 for s in self.stack if self.entries[s[0]] is not None), sig])
+        self.stack.append([len(self.entries) - 1, self.depth, kind, False, 0, i])
+
+    def count(self, i, code):
+        """Line i's braces and parentheses: the definitions they open, and those they close."""
+        peak, opens, closes = self.depth, code.count("{"), code.count("}")
+        if opens and closes:
+            for ch in code:
+                if ch in "{}":
+                    self.depth += 1 if ch == "{" else -1
+                    peak = max(peak, self.depth)
+        else:
+            self.depth += opens - closes
+            peak = max(peak, self.depth)
+        self.depth = max(self.depth, 0)
+        for entry in self.stack:
+            if not entry[3]:
+                entry[4] += code.count("(") - code.count(")")
+                entry[5] = i
+        while self.stack:
+            base, opened, parens = self.stack[-1][1], self.stack[-1][3], self.stack[-1][4]
+            if not opened and peak > base:
+                self.stack[-1][3] = opened = True
+            if opened and self.depth <= base or not opened and parens <= 0 and code.rstrip().endswith(";"):
+                self.end(self.stack.pop(), i)   # its closing brace, or the ';' of a declaration
+            else:
+                break
+
+    def end(self, open_entry, i):
+        """Close a definition at line i (from 0; None: where its text ended); one that
+        needs a body (a C function) and never opened one is dropped."""
+        k, _, kind, opened, _, last = open_entry
+        if kind == "body" and not opened:
+            self.entries[k] = None
+        elif self.entries[k] is not None:
+            self.entries[k][1] = (last if i is None else i) + 1
+
+    def kind(self, rules, head):
+        """The kind of definition `head` starts ('class', 'def', 'body'), or None; a
+        'member' pattern only counts inside a class-like definition that is open."""
+        inside_class = bool(self.stack) and self.stack[-1][2] == "class"
+        for kind, rx in rules:
+            if (kind != "member" or inside_class) and rx.match(head):
+                return "def" if kind == "member" else kind
+        return None
+
+    def indented(self, rules, comment):
+        """The patterns of indented languages: a definition runs to its last line indented
+        deeper than itself (Ruby: to its `end`)."""
+        for i, raw in enumerate(self.lines):
+            head = raw[:OUTLINE_LINE_CHARS]
+            text = head.strip()
+            if not text or text.startswith(comment):
+                continue
+            indent = len(head) - len(head.lstrip())
+            ended = False
+            while self.stack and indent <= self.stack[-1][1]:
+                k, own, _ = self.stack.pop()
+                if self.lang == "ruby" and indent == own and re.match(r"end\b", text):
+                    self.entries[k][1] = i + 1          # its `end` belongs to it
+                    ended = True
+                    break
+            kind = None if ended else self.kind(rules, head)
+            if kind:
+                start = i
+                while start and self.lines[start - 1].strip().startswith("@"):
+                    start -= 1                          # decorators belong to the definition
+                self.entries.append([start + 1, i + 1, len(self.stack), self.signature(i)])
+                self.stack.append([len(self.entries) - 1, indent, kind])
+            for k, _, _ in self.stack if not ended else ():
+                self.entries[k][1] = i + 1
+
+    def code_of(self, line, in_block, comment):
+        """A line's code for counting braces: strings, character literals and comments
+        removed; (code, whether a block comment is still open after it)."""
+        if comment == "#":
+            return re.sub(r"\"(?:[^\"\\]|\\.)*\"|'[^']*'|#.*", "", line), False
+        if not in_block and not self.marks.search(line):
+            return line, False                  # most lines: nothing to remove
+        out, i = [], 0
+        while i < len(line):
+            if in_block:
+                j = line.find("*/", i)
+                if j < 0:
+                    return "".join(out), True
+                in_block, i = False, j + 2
+                continue
+            m = self.tokens.search(line, i)
+            if m is None:
+                out.append(line[i:])
+                break
+            out.append(line[i:m.start()])
+            if m.group(0) == "//":
+                break
+            if m.group(0) == "/*":
+                in_block = True
+            i = m.end()
+        return "".join(out), in_block
+
+    # -- headings and keys ---------------------------------------------------------
+    def headings(self):
+        """Markdown's headings (# style, outside fenced code), each to the line before the
+        next heading of its level or above."""
+        lines, fenced, out = self.lines, False, []
+        for i, line in enumerate(lines):
+            if line.lstrip().startswith(("```", "~~~")):
+                fenced = not fenced
+            m = None if fenced else re.match(r"^(#{1,6})\s+(\S.*)$", line[:OUTLINE_LINE_CHARS])
+            if m:
+                out.append([i + 1, len(lines), len(m.group(1)), self.signature(i)])
+        for k, e in enumerate(out):
+            nxt = next((f[0] for f in out[k + 1:] if f[2] <= e[2]), None)
+            e[1] = nxt - 1 if nxt else len(lines) - (1 if lines and lines[-1] == "" else 0)
+        top = min((e[2] for e in out), default=1)
+        self.entries = [(a, b, level - top, text) for a, b, level, text in out]
+
+    def keys(self, text):
+        """The keys of a JSON, YAML or TOML file's top-level object (TOML's tables too),
+        each to the line before the next (a JSON object's closing brace left out)."""
+        lines, lang = self.lines, self.lang
+        if lang == "json":
+            first = next((len(l) - len(l.lstrip()) for l in lines[1:] if l.strip().startswith('"')), None)
+            if first is None or len(lines) < 3:         # one line: the keys, all on it
+                try:
+                    keys = list(json.loads(text)) if text.lstrip().startswith("{") else []
+                except ValueError:
+                    keys = []
+                self.entries = [(1, 1, 0, '"%s"' % k) for k in keys[:1000]]
+                return
+            rx = re.compile(r'^\s{%d}"((?:[^"\\]|\\.)*)"\s*:' % first)
+        else:
+            rx = re.compile(r"^([A-Za-z_\"'][^:#]*?):(?:\s|$)" if lang == "yaml" else
+                            r"^(\[\[?[^\]]+\]\]?|[A-Za-z0-9_\"'][\w.\"' -]*?)\s*(?:=|$)")
+        out = [[i + 1, 0, 0, self.signature(i)] for i, line in enumerate(lines)
+               if line.strip() and rx.match(line[:OUTLINE_LINE_CHARS])]
+        for k, e in enumerate(out):
+            end = out[k + 1][0] - 1 if k + 1 < len(out) else len(lines)
+            while end > e[0] and (not lines[end - 1].strip() or lang == "json" and k + 1 == len(out)
+                                  and lines[end - 1].strip() == "}"):
+                end -= 1
+            e[1] = end
+        self.entries = out
+
+    # -- in a helper -----------------------------------------------------------------
+    @classmethod
+    def job(cls, job, emit):
+        """outline in a helper: for a file root, [of_file's list for it];
+        for a directory, the same for each source file under it (gitignore-aware, as grep
+        walks), its top-level definitions only, in batches as the walk finds them. A file
+        over job['max_size'] or not text is listed with a note instead."""
+        real, is_dir, _ = job["root"]
+        if not is_dir:
+            emit([cls.of_file(real, None, job["max_size"], top=False)])
+            return
+        batch = []
+        walker = Walker(real, PathPolicy(**job["policy"]), follow_links=False,
+                        name_ok=lambda name: cls.language(name) not in (None,) + tuple(OUTLINE_DATA))
+        cut = len(child_prefix(real))
+        for path, file_real, _, _ in walker:
+            batch.append(cls.of_file(file_real, path[cut:], job["max_size"], True))
+            if len(batch) >= 50:
+                emit(batch)
+                batch = []
+        if batch:
+            emit(batch)
+
+    @classmethod
+    def of_file(cls, real, rel, max_size, top):
+        """[rel, language, entries, note, line count, the error code when it was not read
+        (else None)] of one file (entries at depth 0 only when `top`)."""
+        lang = cls.language(os.path.basename(real))
+        try:
+            fd, st = open_regular(real, real)
+            try:
+                if st.st_size > max_size:
+                    return [rel, lang, [], "%s, over --max-file-size: not read" % human_size(st.st_size), 0,
+                            FILE_TOO_LARGE]
+                data = read_fd(fd, max_size, real)
+            finally:
+                os.close(fd)
+        except (ToolError, OSError) as e:
+            return [rel, lang, [], "not read: %s" % (e.message if isinstance(e, ToolError) else e.strerror), 0,
+                    e.code if isinstance(e, ToolError) else IO_ERROR]
+        if b"\x00" in data[:8192]:
+            return [rel, lang, [], "binary: not read", 0, INVALID_INPUT]
+        text = data.decode("utf-8", "replace").replace("\r\n", "\n")
+        outline = cls(text, lang)
+        entries = [e for e in outline.entries if e[2] == 0] if top else outline.entries
+        return [rel, lang, entries, outline.note, text.count("\n") + (0 if text.endswith("\n") or not text else 1),
+                None]
+
+
+# -- searches run where they can be killed -----------------------------------------
+# Python's re holds the interpreter while it matches, so a catastrophic pattern (or a
+# glob such as *a*a*a*a*b) run in this process would freeze ping, cancel and every
+# other session. Every search therefore runs as a job in a search helper process
+# (its own process group, so its partners go with it): this process only waits on a
+# pipe, reads result batches as they come, and kills the group on cancel or at
+# SEARCH_TIMEOUT_S, keeping what had arrived. Idle helpers are kept for the next
+# search (SEARCH_IDLE_HELPERS) and exit when this process's end of the pipe closes.
+#
+# The search wire protocol: every message is one JSON object on one line.
+#
+#   from -> to                 message                              when
+#   server -> search helper    a job: {"op": "grep"|"glob"|"match",  one per search; grep_job_of,
+#                              ..., "deadline_s"}                    find_paths, wait_for
+#   search helper -> server    {"items": [...]}                     as results come (Batches:
+#                                                                   SEARCH_BATCH items or 0.2 s)
+#   search helper -> server    {"end": "ok"} or {"end": "error",    the job's last line
+#                              "code", "message"}
+#   search helper -> partner   {"job": job}                         before its first unit
+#   search helper -> partner   {"unit": [root index, use_ignore,    SHARE_AHEAD slices ahead
+#                              [[path, real, ignores, depth, ino]]]}   (SharedWalk)
+#   partner -> search helper   {"items": [...]}                     a unit's results, if any;
+#                                                                   forwarded as they are
+#   partner -> search helper   {"links": [...], "seen": [...]}      a unit's end: links left to
+#                                                                   follow, directories seen
+#
+# Items: a grep job's are GrepHit records (JSON arrays); a glob job's are flat,
+# [rel, mtime, rel, mtime, ...] (a list per path would double the JSON work), read
+# back as (rel, mtime) pairs by glob_pairs() - plain tuples, not records: making 30,000
+# namedtuples and sorting them by attribute costs a glob 15%. A match job's one item
+# is true or false.
+
+GrepHit = namedtuple("GrepHit", "real rel mtime result root")
+GrepHit.__doc__ = """One file's grep result: its real path, its path relative to the
+root (None for a file root), mtime in ns (files_with_matches mode only, else 0),
+result (GrepWork.file_result's: True, a count or records) and the index of its root."""
+
+
+def glob_pairs(flat):
+    """(rel, mtime) pairs of a glob job's flat items."""
+    return zip(flat[0::2], flat[1::2])
+
+
+def mtime(path):
+    """Modification time in ns (an int: a fifth of the JSON cost of a float), 0 if gone."""
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0  # gone since it was listed: sorts as oldest
+
+
+def policy_spec(policy):
+    """What a helper needs to rebuild `policy`."""
+    return {"allow": policy.allow, "deny": policy.deny_raw, "workdir": policy.workdir, "folds": policy.folds}
+
+
+def name_filter(include, type_name):
+    """(rel, name) -> bool from an include glob and a language type; None without either."""
+    tests = []
+    if include:
+        try:
+            rx = compile_glob(include)
+        except ValueError as e:
+            raise ToolError(INVALID_INPUT, "include glob %r is malformed: %s" % (include, e))
+        on_path = "/" in include
+        tests.append(lambda rel, name: rx.match(rel if on_path else name) is not None)
+    if type_name:
+        by_type = type_matcher(type_name)
+        tests.append(lambda rel, name: by_type(name))
+    if not tests:
+        return None
+    return tests[0] if len(tests) == 1 else lambda rel, name: all(t(rel, name) for t in tests)
+
+
+class GrepWork(object):
+    """A grep or search_text job as each of its workers runs it: roots are (real,
+    is_dir, inode of a file root); take() turns what a walk found into the items to
+    send, [GrepHit], or None."""
+
+    def __init__(self, job):
+        self.job, self.roots = job, job["roots"]
+        self.cuts = [len(child_prefix(r[0])) for r in self.roots]      # a root's path/ prefix, cut off a path
+        self.policy = PathPolicy(**job["policy"])
+        self.keep = name_filter(job.get("include"), job.get("type"))
+        self.spec = job["spec"]
+        self.matcher = Matcher(self.spec["pattern"], self.spec["regex"], self.spec["ignore_case"],
+                               self.spec["multiline"])
+        self.mode, self.before, self.after = self.spec["mode"], self.spec["before"], self.spec["after"]
+        self.max_records = self.spec.get("max_records") or OUTPUT_MAX_CHARS // 2
+        self.buf = bytearray(GREP_BUFFER)
+
+    def walker(self, k):
+        """A Walker of root k that follows directory links (as grep -R does)."""
+        return Walker(self.roots[k][0], self.policy, follow_links=True)
+
+    def take(self, k, path, real, is_dir, ino):
+        """[GrepHit] for one walked file that passes include/type and matches, else None."""
+        root_is_dir, cut = self.roots[k][1], self.cuts[k]
+        if root_is_dir and self.keep is not None:
+            rel = path[cut:]
+            if not self.keep(rel, rel[rel.rfind("/") + 1:]):
+                return None
+        r = self.file_result(real, ino)
+        if r is None:
+            return None
+        rel = path[cut:] if root_is_dir else None
+        return [GrepHit(real, rel, mtime(real) if self.mode == "files_with_matches" else 0, r, k)]
+
+    def gather(self, k, walked, items):
+        """Append to `items` what take() makes of each (path, real, is_dir, inode) walked."""
+        take = self.take
+        for path, real, is_dir, ino in walked:
+            r = take(k, path, real, is_dir, ino)
+            if r is not None:
+                items += r
+
+    def file_result(self, path, ino):
+        """One file's result: None (binary, unreadable, not a regular file, no longer the
+        inode `ino` the walk listed, or no match), True (files mode), a count (count mode)
+        or a list of records (content mode). Steps: open it if it is still the file the
+        walk listed, read the first piece, answer `-l` of a literal from it at once, else
+        run the matcher over the pieces (count or records)."""
+        fd = self.open_listed(path, ino)
+        if fd is None:
+            return None
+        try:
+            answer, pieces = self.first_pieces(fd)
+            if pieces is None:
+                return answer
+            if self.mode == "content":
+                return self.records(pieces)
+            return self.count(pieces)
+        except OSError as exc:
+            log("debug", "grep: read failed, file skipped", path=path, error=str(exc))
+            return None
+        finally:
+            os.close(fd)
+
+    def first_pieces(self, fd):
+        """(answer, None) when the first read settles a file (binary; `-l` of a literal),
+        else (None, its pieces): the one piece read for most files, else read_chunks'."""
+        buf, matcher, mode = self.buf, self.matcher, self.mode
+        n = os.readv(fd, [buf])
+        lead = buf[0] if n else 0                   # 0xff/0xfe: UTF-16 BOM? 0xef: UTF-8 BOM?
+        if n >= len(buf) or lead >= 0xfe:
+            whole = bool(self.before or self.after or matcher.multiline)
+            return None, self.read_chunks(fd, buf, n, mode == "content" and whole, numbered=mode == "content")
+        if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
+            return None, None
+        if mode == "files_with_matches" and matcher.quick(lead):
+            return matcher.literal_in(buf, n) or None, None
+        return None, ((buf, n, 1),)                 # most files: one piece, read
+
+    @staticmethod
+    def open_listed(path, ino):
+        """A read-only descriptor of `path` if it is still the regular file (inode `ino`,
+        when given) the walk listed; None when it is gone, unreadable or another file now:
+        grep skips such a file, as it skips one that changed while the walk ran."""
+        try:
+            fd = os.open(path, os.O_RDONLY | O_FILE)
+        except OSError:
+            return None                                 # gone or unreadable since listed: skipped
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
+            os.close(fd)
+            return None
+        return fd
+
+    def text_piece(self, piece):
+        """A piece (haystack, end, first line) as the matcher reads it: decoded when the
+        pattern needs text, without the UTF-8 BOM that is not part of line 1."""
+        hay, end, first = piece
+        matcher = self.matcher
+        if matcher.needs_text(hay, end):
+            hay = hay[:end].decode("utf-8", "surrogateescape")
+            end = len(hay)
+        if first == 1 and hay[:1] in ("\ufeff", b"\xef"):
+            bom = 1 if isinstance(hay, str) else 3 if hay[:3] == b"\xef\xbb\xbf" else 0
+            hay, end = hay[bom:end], end - bom
+        return hay, end, first
+
+    def count(self, pieces):
+        """Files and count modes over a file's pieces: True on the first match (files
+        mode), the number of matches (count mode; a multiline match counts its lines), or
+        None for no match and for a binary file."""
+        matcher, files_only, count = self.matcher, self.mode == "files_with_matches", 0
+        for piece in pieces:
+            if piece is None:
+                return None                             # binary, found past the first piece
+            hay, end, first = self.text_piece(piece)
+            spans = matcher.spans(hay, end, first_only=files_only)
+            if spans and files_only:
+                return True
+            if spans and matcher.multiline:
+                spans = [r for r in LineRecords().add(hay, end, first, spans) if r]
+            count += len(spans)
+        return count or None
+
+    def records(self, pieces):
+        """Content mode over a file's pieces: the records LineRecords makes, at most
+        `max_records` (more could never be shown), or None for no match and binary files."""
+        records, made, max_records = [], LineRecords(self.before, self.after), self.max_records
+        for piece in pieces:
+            if piece is None:
+                return None
+            hay, end, first = self.text_piece(piece)
+            spans = self.matcher.spans(hay, end, first_only=False)
+            if spans:
+                records += made.add(hay, end, first, spans)
+            if len(records) >= max_records:
+                del records[max_records:]
+                break
+        return records or None
+
+    @staticmethod
+    def read_chunks(fd, buf, n, whole=False, numbered=True):
+        """Yield (hay, end, first_line) pieces of a file ending at line boundaries, `buf`
+        holding its first n bytes already; one piece for any file that fits in `buf`, or
+        (whole=True: context lines or multiline matches must not be cut at a seam) up to
+        GREP_CHUNK_MAX. None first for a binary file. A UTF-16 file with a BOM comes as
+        one piece transcoded to UTF-8. first_line is 1 for every piece unless numbered."""
+        if buf[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            data = bytes(buf[:n]) + read_fd(fd, GREP_CHUNK_MAX, "")
+            text = data.decode("utf-16", "replace").encode("utf-8", "surrogateescape")
+            yield text, len(text), 1
+            return
+        if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
+            yield None
+            return
+        line, filled = 1, n
+        while True:
+            if filled < len(buf):
+                yield buf, filled, line
+                return
+            end = buf.rfind(b"\n", 0, filled) + 1
+            if end == 0 or whole:
+                if len(buf) < GREP_CHUNK_MAX:
+                    buf.extend(bytes(len(buf)))          # a very long line, or a whole file: grow and read on
+                    filled += os.readv(fd, [memoryview(buf)[filled:]])
+                    continue
+                end = end or filled
+            yield buf, end, line
+            if numbered:
+                line += buf.count(b"\n", 0, end)
+            carry = filled - end
+            buf[0:carry] = buf[end:filled]
+            filled = carry + os.readv(fd, [memoryview(buf)[carry:]])
+
+
+class GlobWork(object):
+    """A glob or search_files job as each of its workers runs it: one root, the
+    static directory `start`; gather() appends rel, mtime for each match, items sent
+    flat (rel, mtime, rel, mtime, ...: a list per match would double the JSON work)."""
+
+    def __init__(self, job):
+        self.job = job
+        self.policy = PathPolicy(**job["policy"])
+        start, rest, self.base_only, kind = job["start"], job["rest"], job["base_only"], job["kind"]
+        self.roots = [(start, True, None)]
+        self.rx, self.lead = compile_glob(rest), job["lead"]
+        self.cut = len(start) + 1 if start != "/" else 1
+        self.want_dir = kind == "directory"
+        self.want_dirs = kind != "file"
+        self.name_ok = None
+        if self.base_only and kind == "file":          # C-level tests: called once per file walked
+            from operator import methodcaller
+            simple = re.match(r"^\*(\.[\w.+-]+)$", rest)      # '*.c': a suffix test, no regex
+            self.name_ok = methodcaller("endswith", simple.group(1)) if simple else self.rx.match
+        self.depth = None if self.base_only or "**" in rest else rest.count("/") + 1
+
+    def walker(self, k):
+        """A Walker of the static start directory that lists links and does not enter them, names filtered
+        in the walk when it can be."""
+        return Walker(self.roots[0][0], self.policy, follow_links=False, want_dirs=self.want_dirs,
+                      name_ok=self.name_ok, max_depth=self.depth)
+
+    def gather(self, k, walked, items):
+        """Append rel, mtime to `items` for each match walked (one loop, no call per
+        path but the stat: a big glob is mostly this loop)."""
+        lead, cut, rx, base_only, want_dir, stat_of = self.lead, self.cut, self.rx, self.base_only, self.want_dir, os.stat
+        filtered = self.name_ok is not None                 # the walker has matched the names already
+        for path, real, is_dir, ino in walked:
+            if not filtered and (is_dir != want_dir or not rx.match(
+                    path[path.rfind("/") + 1:] if base_only else path[cut:])):
+                continue
+            try:
+                when = stat_of(path).st_mtime_ns
+            except OSError:
+                when = 0
+            items += (path[lead:], when)                # the full path would double what the pipe carries
+
+
+SEARCH_WORK = {"grep": GrepWork, "glob": GlobWork}
+
+
+class Batches(object):
+    """Items handed to emit() in batches: at SEARCH_BATCH, after 0.2 s, and at the end."""
+
+    def __init__(self, emit, raw=None):
+        self.emit, self.items, self.sent = emit, [], time.monotonic()
+        self.raw = raw or (lambda line: self.extend(json.loads(line.decode("utf-8"))["items"]))
+
+    def take(self, work, k, walked):
+        """Add what `work` makes of the entries walked."""
+        work.gather(k, walked, self.items)
+        self.flush_due()
+
+    def extend(self, items):
+        """Add items that come ready made (a partner's line, parsed)."""
+        self.items += items
+        self.flush_due()
+
+    def flush_due(self):
+        """Flush at SEARCH_BATCH items, or when 0.2 s passed since the last flush."""
+        if len(self.items) >= SEARCH_BATCH or time.monotonic() - self.sent > 0.2:
+            self.flush()
+
+    def flush(self):
+        """Emit what is in; the list stays the same object (a gather() may be adding to it)."""
+        if self.items:
+            batch = self.items[:]
+            del self.items[:]
+            self.emit(batch)
+        self.sent = time.monotonic()
+
+
+def search_job(job, emit, raw=None, partners=None):
+    """Run a search job, handing results to emit() as they come (and a partner's
+    result lines, when given, to raw() as they are). Each directory root
+    is walked breadth first until it has listed SHARE_MIN_ENTRIES entries with
+    SHARE_MIN_UNITS directories still to go; those subtrees are then shared with
+    `partners` (a Partners; fresh ones for this job when None). Followed directory
+    links come last, walked here. A 'match' job tests a wait_for pattern."""
+    if job["op"] == "match":
+        emit(match_job(job))
+        return
+    if job["op"] == "outline":
+        Outline.job(job, emit)
+        return
+    if partners is None:
+        partners = Partners(warm=False)
+    work = SEARCH_WORK[job["op"]](job)
+    if job["op"] == "grep" and work.spec.get("stop_after"):
+        grep_until(work, emit)
+        return
+    out = Batches(emit, raw)
+    for k, (real, is_dir, ino) in enumerate(work.roots):
+        if is_dir:
+            walk_root(work, k, out, partners)
+        else:
+            out.take(work, k, [(real, real, False, ino)])
+    out.flush()
+
+
+def walk_root(work, k, out, partners):
+    """Walk directory root k breadth first until it is big enough to share, then
+    share the rest (SharedWalk); followed links last, here."""
+    walker = work.walker(k)
+    left = deque([walker.start()])
+    while left and not (walker.listed >= SHARE_MIN_ENTRIES and len(left) >= SHARE_MIN_UNITS):
+        found, subdirs = walker.visit(*left.popleft())
+        out.take(work, k, found)
+        left += subdirs
+        if time.monotonic() - out.sent > 0.2:
+            out.flush()
+    if left:
+        SharedWalk(work, walker, k, left, out).run(partners)
+    out.take(work, k, walker.walk([]))
+
+
+def grep_until(work, emit):
+    """A grep that stops at spec['stop_after'] records: each file is searched as the
+    walk finds it, in walk order, and the walk ends with the search."""
+    left = work.spec["stop_after"]
+    for k, (real, is_dir, ino) in enumerate(work.roots):
+        for found in work.walker(k) if is_dir else [(real, real, False, ino)]:
+            work.max_records = left
+            items = work.take(k, *found)
+            if items:
+                emit(items)
+                left -= len(items[0].result)
+                if left <= 0:
+                    return
+
+
+def ignore_spec(ign):
+    """An ignore stack as it travels to a partner: [[base, source], ...]."""
+    return [[rules.base, rules.source] for rules in ign]
+
+
+def ignore_stack(spec, cache):
+    """An ignore stack from ignore_spec(), each file read once per `cache`."""
+    stack = []
+    for base, source in spec:
+        if source not in cache:
+            cache[source] = read_ignore(base, source)
+        if cache[source] is not None:
+            stack.append(cache[source])
+    return stack
+
+
+def unit_spec(entry):
+    """A pending walker entry as it travels to a partner."""
+    path, real, ign, depth, ino = entry
+    return [path, real, ignore_spec(ign), depth, ino]
+
+
+class Partner(object):
+    """A partner process of a search helper: takes a job, then units of it (lists of
+    subtrees to walk), and answers each unit with its results (a line, if any) and
+    an end line (the links it left to follow, the directories it saw). What it is
+    sent goes through a queue to a feeding thread, so a partner still starting up
+    (or a full pipe) never blocks the search helper."""
+
+    def __init__(self):
+        import subprocess
+        argv, cwd = helper_command("partner")
+        self.proc = spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=None)                 # its tracebacks reach the server's stderr
+        self.units, self.pending, self.job, self.held = [], LineBuffer(), None, []
+        self.inbox = queue.SimpleQueue()
+        self.feeder = threading.Thread(target=self._feed, daemon=True)
+        self.feeder.start()
+
+    def _feed(self):
+        try:
+            for data in iter(self.inbox.get, None):
+                self.proc.stdin.write(data)
+                self.proc.stdin.flush()
+        except OSError:                                 # it died: replies() sees the end
+            pass
+        finally:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass  # a pipe whose reader died: nothing lost
+
+    def send(self, data):
+        """Queue bytes for the partner (the feeding thread writes them)."""
+        self.inbox.put(data)
+
+    def close(self):
+        """Kill (if still running), reap, release; safe to repeat."""
+        self.inbox.put(None)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        reaped(self.proc)
+        self.feeder.join()                  # it closes stdin (a write to the dead partner fails at once)
+        self.proc.stdout.close()
+
+    def give(self, work, k, use_ignore, entries):
+        """Send a unit (a slice of subtrees of root k) to walk, preceded by the job when it is new to this
+        partner."""
+        if self.job is not work.job:
+            self.send(json.dumps({"job": work.job}).encode("utf-8", "surrogateescape") + b"\n")
+            self.job = work.job
+        self.units.append(entries)
+        msg = {"unit": [k, use_ignore, [unit_spec(e) for e in entries]]}
+        self.send(json.dumps(msg).encode("utf-8", "surrogateescape") + b"\n")
+
+    def replies(self, forward):
+        """The ends of units that have arrived (call when readable); their result
+        lines go to forward() as they are, once the unit is whole. OSError when it
+        died: the units it still owes are in self.units, none of them forwarded."""
+        chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+        if not chunk:
+            raise OSError("partner ended")
+        ends = []
+        for line in self.pending.feed(chunk):
+            if line.startswith(b'{"items": '):
+                self.held.append(line)
+                continue
+            ends.append(json.loads(line.decode("utf-8")))
+            for held in self.held:
+                forward(held)
+            self.held = []
+            del self.units[0]
+        return ends
+
+
+class Partners(object):
+    """The partner processes a search helper (or an in-process HelperPool) shares its
+    walks with. warm=True keeps them for the next job, until close() or
+    PARTNER_IDLE_S without one; warm=False starts fresh ones for each walk (searches
+    may then run in parallel threads) and closes them when it ends."""
+
+    def __init__(self, warm=True):
+        self.warm = warm
+        self.procs = []
+
+    def for_walk(self):
+        """Partners for a shared walk, as many as the cores allow beside this process."""
+        import select
+        if not self.warm:
+            return [p for p in (new_partner() for _ in range(partner_count())) if p is not None]
+        live = []
+        for p in self.procs:
+            if p.proc.poll() is None and not select.select([p.proc.stdout], [], [], 0)[0]:
+                live.append(p)                    # (an idle partner has nothing to say)
+            else:
+                p.close()
+        self.procs = live
+        for _ in range(partner_count() - len(self.procs)):
+            p = new_partner()
+            if p is not None:
+                self.procs.append(p)
+        return list(self.procs)
+
+    def done(self, used):
+        """After a walk: a partner still at work (the walk failed) is closed, never
+        reused; without warm, all of them are."""
+        for p in used:
+            if p.units or not self.warm:
+                p.close()
+                if p in self.procs:
+                    self.procs.remove(p)
+
+    def close(self):
+        """Close every warm partner."""
+        procs, self.procs = self.procs, []
+        for p in procs:
+            p.close()
+
+
+def new_partner():
+    """A started Partner, or None (logged) when it cannot start: the walk goes on without it."""
+    try:
+        return Partner()
+    except OSError as e:
+        log("warn", "a search partner could not start; the walk goes on without it", error=str(e))
+        return None
+
+
+def partner_count():
+    """How many partners a shared walk uses: the cores beside this one, at most 3."""
+    if not globals().get("__file__"):
+        return 0
+    return min(os.cpu_count() or 1, 4) - 1
+
+
+class SharedWalk(object):
+    """A walk of the subtrees `units` (walker entries, shallowest first) shared with
+    partner processes: the queue of units left, the partners still at work, and the
+    ignore files their replies name (read once). This process takes units one by one
+    from the front and, at least every SHARE_SERVICE_S, keeps each partner SHARE_AHEAD
+    slices ahead, also from the front: the big subtrees go first, and when the queue
+    runs short this process lists the next one's top directory only, queueing its
+    subdirectories, so all end at about the same time. A partner that dies leaves the
+    units it had not finished to this process."""
+
+    def __init__(self, work, walker, k, units, out):
+        self.work, self.walker, self.k, self.out = work, walker, k, out
+        self.queue = deque(units)
+        self.active, self.cache, self.mark = [], {}, 0
+
+    def run(self, partners):
+        """Walk here from the queue's front while partners (of the Partners pool) walk
+        their slices."""
+        queue, walker = self.queue, self.walker
+        used = partners.for_walk()
+        self.active = list(used)
+        self.size = max(1, len(queue) // (SHARE_SLICES * (len(self.active) + 1)))
+        walker.share(self.tick)
+        try:
+            while self.service(wait=not queue) or queue:
+                if queue and len(queue) < 2 * SHARE_AHEAD * len(self.active):   # running short: split the next
+                    found, subdirs = walker.visit(*queue.popleft())
+                    self.out.take(self.work, self.k, found)
+                    queue.extendleft(reversed(subdirs))
+                elif queue:
+                    self.out.take(self.work, self.k, walker.walk([queue.popleft()]))
+        finally:
+            walker.share(None)
+            partners.done(used)
+
+    def tick(self):
+        """Called by the walker after each directory: service the partners every
+        SHARE_SERVICE_S, flush results every 0.2 s."""
+        now = time.monotonic()
+        if now >= self.mark:
+            self.mark = now + SHARE_SERVICE_S
+            self.service(False)
+            if now - self.out.sent > 0.2:
+                self.out.flush()
+
+    def service(self, wait):
+        """Keep partners fed, take in what they answered; False once none is busy."""
+        import select
+        for p in self.active:
+            self.feed(p)
+        busy = [p for p in self.active if p.units]
+        ready = select.select([p.proc.stdout for p in busy], [], [], None if wait else 0)[0] if busy else []
+        for p in busy:
+            if p.proc.stdout in ready:
+                self.answered(p)
+        return bool(busy)
+
+    def feed(self, p):
+        """Give partner p slices from the queue's front until it is SHARE_AHEAD ahead."""
+        queue = self.queue
+        while queue and len(p.units) < SHARE_AHEAD:
+            p.give(self.work, self.k, self.walker.use_ignore, [queue.popleft() for _ in range(min(self.size, len(queue)))])
+
+    def answered(self, p):
+        """Take in partner p's replies; a partner that died gives its units back."""
+        try:
+            for reply in p.replies(self.out.raw):
+                self.walker.adopt([(path, real, ignore_stack(ign, self.cache), depth)
+                                   for path, real, ign, depth in reply["links"]], map(tuple, reply["seen"]))
+        except (OSError, ValueError) as e:
+            log("debug", "search partner lost; its units are walked here", error=str(e))
+            for entries in p.units:
+                self.queue.extend(entries)
+            p.units = []
+            self.active.remove(p)
+            p.close()
+
+
+def helper_partner():
+    """A partner: {"job": ...} then {"unit": [root index, use_ignore, entries]} lines on
+    stdin; per unit a line {"items": [...]} (when it found any; the search helper
+    passes it on as it is) and a line {"links", "seen"} on stdout."""
+    work, cache, out = None, {}, sys.stdout.buffer
+    for line in iter(sys.stdin.buffer.readline, b""):
+        msg = json.loads(line.decode("utf-8", "surrogateescape"))
+        if "job" in msg:
+            work, cache = SEARCH_WORK[msg["job"]["op"]](msg["job"]), {}
+            continue
+        k, use_ignore, entries = msg["unit"]
+        walker = work.walker(k)
+        walker.use_ignore, walker.defer_links = use_ignore, True       # its links are the helper's to follow
+        pending = [(path, real, ignore_stack(ign, cache), depth, ino) for path, real, ign, depth, ino in entries]
+        items = []
+        work.gather(k, walker.walk(pending), items)
+        end = {"links": [[path, real, ignore_spec(ign), depth] for path, real, ign, depth in walker.linked],
+               "seen": list(walker.seen)}
+        if items:
+            out.write(json.dumps({"items": items}).encode("ascii") + b"\n")
+        out.write(json.dumps(end).encode("ascii") + b"\n")
+        out.flush()
+
+
+def helper_search(inp=None, out=None, partners=None):
+    """A search helper: one JSON job a line on stdin, until it closes; for each, lines
+    {"items": [...]} as results come, then {"end": "ok"} or {"end": "error", ...}.
+    Partners idle for PARTNER_IDLE_S are closed (they hold ~14 MB each). Run as a
+    process (inp None), each job also carries its deadline here: SIGALRM, whose
+    default action the kernel carries out even while a regex holds the interpreter,
+    ends the helper DEADLINE_GRACE_S after it."""
+    import select
+    alarms = inp is None and hasattr(signal, "setitimer")
+    inp, out = inp or sys.stdin.buffer, out or sys.stdout.buffer
+    partners = partners or Partners(warm=True)
+
+    def raw(line):
+        out.write(line + b"\n")
+        out.flush()
+
+    def emit(items):
+        if items:
+            raw(json.dumps({"items": items}).encode("ascii"))
+    try:
+        while True:
+            if partners.procs and not select.select([inp], [], [], PARTNER_IDLE_S)[0]:
+                partners.close()                # (a job comes alone: nothing waits in inp's buffer)
+                continue
+            line = inp.readline()
+            if not line:
+                return None
+            job = json.loads(line.decode("utf-8", "surrogateescape"))
+            raw(json.dumps(helper_job(job, emit, raw, partners, alarms)).encode("ascii"))
+    finally:
+        partners.close()
+
+
+def helper_job(job, emit, raw, partners, alarms):
+    """Run one job in a search helper (under a SIGALRM deadline when `alarms`); its end
+    line: {"end": "ok"} or {"end": "error", code, message}, a traceback on stderr."""
+    if alarms and job.get("deadline_s"):
+        signal.setitimer(signal.ITIMER_REAL, job["deadline_s"] + DEADLINE_GRACE_S)
+    try:
+        search_job(job, emit, raw, partners)
+        return {"end": "ok"}
+    except ToolError as e:
+        return {"end": "error", "code": e.code, "message": e.message}
+    except Exception as e:
+        import traceback
+        sys.stderr.write("boris: search helper %d: the job failed:\n%s" % (os.getpid(), traceback.format_exc()))
+        sys.stderr.flush()
+        return {"end": "error", "code": IO_ERROR, "message": "the search failed: %r" % e}
+    finally:
+        if alarms:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def match_job(job):
+    """[True] when a line (its first 1,000 characters) of job['text'] matches the
+    regex job['pattern'], else [False]: a wait_for test, run where it can be killed."""
+    try:
+        rx = re.compile(job["pattern"], re.MULTILINE)
+    except (re.error, RecursionError, OverflowError, ValueError) as e:
+        raise ToolError(INVALID_INPUT, "wait_for %r is not a valid regular expression: %s"
+                        % (shorten(job["pattern"]), e))
+    return [any(rx.search(line[:1000]) for line in job["text"].splitlines())]
+
+
+# -- the helper pool ---------------------------------------------------------------
+
+class HelperPool(object):
+    """The one owner of a server's search helpers, busy or idle: it starts them (from
+    a thread of its own, since PR_SET_PDEATHSIG fires when the thread that forked a
+    child ends, and worker threads retire), hands each job to one, keeps up to
+    `idle_max` warm for the next job, kills a busy one's whole process group on
+    cancel or at the deadline, and kills them all on close(). A helper that cannot
+    be started is an IO_ERROR: a search never falls back to this process, where
+    neither cancel nor the deadline could stop it."""
+
+    def __init__(self, idle_max=SEARCH_IDLE_HELPERS, avoid=()):
+        self.idle_max = idle_max
+        self.avoid = list(avoid)               # roots sandboxed commands may write: no helper code there
+        self.lock = threading.Lock()
+        self.idle, self.busy = [], set()
+        self.closed = False
+        self.requests = None                   # spawn requests to the pool's own thread
+
+    def run(self, job, cancelled, deadline_s=None):
+        """(items, None) of a job run in a helper; (items so far, 'deadline' or
+        'cancelled') when it had to be killed."""
+        deadline_s = SEARCH_TIMEOUT_S if deadline_s is None else deadline_s
+        import select
+        proc = self.start(dict(job, deadline_s=deadline_s))
+        deadline = time.monotonic() + deadline_s
+        reader = LineBuffer()
+        items = []
+        fd = proc.stdout.fileno()
+        try:
+            while True:
+                if cancelled.is_set():
+                    self.discard(proc)
+                    return items, "cancelled"
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.discard(proc)
+                    return items, "deadline"
+                if not select.select([fd], [], [], min(0.05, left))[0]:
+                    continue
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    self.discard(proc)
+                    raise ToolError(IO_ERROR, "the search helper process ended unexpectedly (its error, if"
+                                                " any, is in the server's log); try again")
+                for line in reader.feed(chunk):
+                    msg = json.loads(line.decode("utf-8"))
+                    if "items" in msg:
+                        items += msg["items"]
+                        continue
+                    self.release(proc)
+                    if msg["end"] != "ok":
+                        raise ToolError(msg["code"], msg["message"])
+                    return items, None
+        except (OSError, ValueError) as e:
+            self.discard(proc)
+            raise ToolError(IO_ERROR, "the search helper failed: %s" % e)
+
+    def start(self, job):
+        """A helper that has taken `job` (a warm one that died is replaced once)."""
+        data = json.dumps(job).encode("utf-8", "surrogateescape") + b"\n"
+        error = None
+        for _ in range(2):
+            try:
+                proc = self.take()
+            except OSError as e:
+                error = e
+                continue
+            try:
+                proc.stdin.write(data)
+                proc.stdin.flush()
+                return proc
+            except OSError as e:
+                error = e
+                self.discard(proc)
+        raise ToolError(IO_ERROR, "no search helper process could be started (%s), so the search was not run;"
+                                    " check that %s can start and that the temp directory is writable"
+                        % (getattr(error, "strerror", None) or error, sys.executable))
+
+    def take(self):
+        """An idle helper, or a new one (its own process group); marked busy."""
+        with self.lock:
+            if self.closed:
+                raise OSError(errno.ESHUTDOWN, "the server is shutting down")
+            idle = self.idle.pop() if self.idle else None
+            if idle is not None and idle.poll() is None:
+                self.busy.add(idle)
+                return idle
+        if idle is not None:
+            kill_group(idle)                      # it died while idle: reaped, pipes closed; try again
+            return self.take()
+        proc = self.spawn()
+        with self.lock:
+            self.busy.add(proc)
+            closed = self.closed
+        if closed:
+            self.discard(proc)
+            raise OSError(errno.ESHUTDOWN, "the server is shutting down")
+        return proc
+
+    def spawn(self):
+        """A new helper, forked by the pool's own thread."""
+        with self.lock:
+            if self.requests is None:
+                self.requests = queue.SimpleQueue()
+                threading.Thread(target=self._spawner, args=(self.requests, self.avoid), daemon=True,
+                                 name="boris-helper-spawner").start()
+                import atexit
+                atexit.register(self.close)           # idle helpers go with the process, whoever runs it
+            requests = self.requests
+        box = queue.SimpleQueue()
+        requests.put(box)
+        proc = box.get()
+        if isinstance(proc, Exception):
+            raise proc
+        return proc
+
+    @staticmethod
+    def _spawner(requests, avoid):
+        import subprocess
+        for box in iter(requests.get, None):
+            try:
+                argv, cwd = helper_command("search", avoid)
+                box.put(spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              start_new_session=True))
+            except Exception as e:                    # any failure is an answer: no caller waits for ever
+                box.put(e if isinstance(e, OSError) else OSError(repr(e)))
+
+    def release(self, proc):
+        """A helper that finished its job: kept warm, or closed."""
+        with self.lock:
+            self.busy.discard(proc)
+            keep = not self.closed and len(self.idle) < self.idle_max and proc.poll() is None
+            if keep:
+                self.idle.append(proc)
+        if not keep:
+            kill_group(proc)
+
+    def discard(self, proc):
+        """Kill a helper (and its partners) and forget it."""
+        with self.lock:
+            self.busy.discard(proc)
+            if proc in self.idle:
+                self.idle.remove(proc)
+        kill_group(proc)
+
+    def close(self):
+        """Kill every helper, busy or idle, with its partners; no new one starts."""
+        with self.lock:
+            self.closed = True
+            procs = self.idle + list(self.busy)
+            self.idle, self.busy = [], set()
+            requests, self.requests = self.requests, None
+        if requests is not None:
+            requests.put(None)
+        for proc in procs:
+            kill_group(proc)
+
+
+###############################################################################
+# Shell #######################################################################
+###############################################################################
+# What a command prints, kept bounded (Capture), and the command runner: a command
+# started in its own process group (through the sandbox's launcher when it is on),
+# its pipes pumped, its deadline and cancel kept, its ending described.
+
+LEFTOVER_DRAIN_S = 0.2                     # after a command exits, wait this long for its pipes
+SHELL = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
+CAPTURE_HEAD_CHARS = OUTPUT_MAX_CHARS * 2 // 3  # a long output shows its first 20,000 characters
+CAPTURE_TAIL_CHARS = OUTPUT_MAX_CHARS // 3      # and its last 10,000 (where summaries and the sentinel are)
+CAPTURE_HEAD_BYTES = CAPTURE_HEAD_CHARS * 4
+CAPTURE_TAIL_BYTES = CAPTURE_TAIL_CHARS * 4
+
+
+class Capture(object):
+    """A stream's output in bounded memory, in time linear in its size: the head and
+    the tail kept as bytes, the full length counted in characters."""
+
+    def __init__(self):
+        import codecs
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+        self.chars = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def add(self, data):
+        """Take in a chunk of output: counted whole, its head and tail kept."""
+        self.total += len(data)
+        self.chars += len(self._decoder.decode(data))
+        room = CAPTURE_HEAD_BYTES - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+        self.tail += data
+        if len(self.tail) > 2 * CAPTURE_TAIL_BYTES:
+            del self.tail[:-CAPTURE_TAIL_BYTES]
+
+    def complete(self):
+        """Whether everything captured is in the head (nothing was cut)."""
+        return self.total == len(self.head)
+
+    def strip_sentinel(self, marker):
+        """Remove the sentinel line from the end; return the cwd it named, or None."""
+        m = re.search(re.escape(b"\n" + marker) + rb"([^\n]*)\n\Z", self.tail)
+        if not m:
+            return None
+        cwd = bytes(m.group(1)).decode("utf-8", "surrogateescape")
+        cut = len(self.tail) - m.start()
+        self.chars -= len(bytes(self.tail[m.start():]).decode("utf-8", "replace"))
+        self.total -= cut
+        del self.tail[m.start():]
+        if len(self.head) > self.total:
+            del self.head[self.total:]
+        return cwd
+
+    def render(self, label, limit=OUTPUT_MAX_CHARS):
+        """(text, notice): all of it and None, or its first two thirds and its last
+        third of `limit` characters with the length left out between, and the notice
+        that says so."""
+        head_n = limit * 2 // 3
+        tail_n = limit - head_n
+        if self.complete():
+            text = bytes(self.head).decode("utf-8", "replace")
+            if len(text) <= limit:
+                return text, None
+            head, tail = text[:head_n], text[-tail_n:]
+        else:
+            head = bytes(self.head).decode("utf-8", "replace")[:head_n]
+            tail = bytes(self.tail).lstrip(bytes(range(0x80, 0xC0))).decode("utf-8", "replace")
+            tail = tail[-tail_n:]
+        omitted = max(0, self.chars - len(head) - len(tail))
+        tail = tail.rstrip("\n")
+        notice = ("[%s: %d characters in all; the first %d and the last %d are shown. Pipe long output through"
+                  " tail, head or grep.]" % (label, self.chars, len(head), len(tail)))
+        return "%s\n\n... %d characters omitted ...\n\n%s" % (head, omitted, tail), notice
+
+
+# -- the command runner ------------------------------------------------------------
+# start_process, pump (a foreground call's read loop, PumpClock its deadlines) and Task
+# (a command read by a thread of its own: a background task, or a foreground command
+# that may be handed off). Output reaches a result through render_output.
+
 TTY_COLUMNS, TTY_ROWS = 80, 24             # the terminal of a tty task
 
 
@@ -4363,35 +4378,6 @@ def start_process(script, cwd, sandbox=None, stdin="null"):
     proc.stdout = os.fdopen(master, "rb", buffering=0)
     proc.boris_call = marker
     return proc
-
-
-def signal_group(proc, sig):
-    """Send `sig` to a command's process group; one that is gone (or not ours) is skipped."""
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass  # gone, or never started: nothing to signal
-
-
-def stop_group(proc, grace=KILL_GRACE_S):
-    """SIGTERM the process group, give the leader `grace` seconds, SIGKILL the group
-    (stragglers included), reap the leader."""
-    import subprocess
-    if proc.poll() is None:
-        signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass  # still alive after the grace: SIGKILL follows
-    signal_group(proc, signal.SIGKILL)
-    proc.wait()
-    kill_leftovers(proc)
-
-
-def kill_leftovers(proc):
-    """After a command's leader is reaped: forget it, kill what it left behind."""
-    reaped(proc)
-    kill_marked(proc.boris_call)
 
 
 def pump(proc, out, err, deadline=None, stop=None, on_output=None):
@@ -4530,6 +4516,16 @@ def render_output(out, err, total):
     return ("\n".join(parts) if parts else "(no output)"), (" ".join(notices) or None)
 
 
+_TERMINAL_CODES = r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]|\x1b[()][0-9A-Za-z]"
+
+
+def terminal_text(text):
+    """What a terminal shows, as text: escape sequences (colours, cursor moves,
+    titles) dropped, CR LF line ends as LF, a lone CR (a redrawn line) as a line end."""
+    text = re.sub(_TERMINAL_CODES, "", text)
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def stream_limits(out_chars, err_chars, total):
     """How many characters of stdout and of stderr fit in `total`."""
     a, b = min(out_chars, OUTPUT_MAX_CHARS), min(err_chars, OUTPUT_MAX_CHARS)
@@ -4541,11 +4537,6 @@ def stream_limits(out_chars, err_chars, total):
     if b <= half:
         return total - b, b
     return half, total - half
-
-
-def read_on(body, notice):
-    """A cut result: the line that says it was cut and how to read on, first and last."""
-    return "%s\n%s\n%s" % (notice, body, notice) if notice else body
 
 
 class Unread(object):
@@ -5276,7 +5267,6 @@ def notes(title, read_only=False, destructive=False, open_world=False, idempoten
             "idempotentHint": idempotent, "openWorldHint": open_world}
 
 
-
 PATH_PROP = prop("string", "File or directory path, absolute or relative to the session's working directory.")
 RANGE_PROP = prop("array", "Optional [start, end] line range, 1-indexed and inclusive; end -1 means to the end"
                   " of the file. Use it for files over 2,000 lines.",
@@ -5309,6 +5299,355 @@ def text_block(text):
 def resolve_checked(session, ctx, path, name="path"):
     """The one resolver for cwd-relative tools: canonical path, scope-checked."""
     return ctx.policy.check(ctx.policy.resolve(session.get_cwd(), path, name), path)
+
+
+def read_on(body, notice):
+    """A cut result: the line that says it was cut and how to read on, first and last."""
+    return "%s\n%s\n%s" % (notice, body, notice) if notice else body
+
+
+def search_root(session, ctx, shown):
+    """Resolve and scope-check a search root: (real, is_dir, inode of a file root)."""
+    real = resolve_checked(session, ctx, shown)
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise io_error(e, shown)
+    if stat.S_ISDIR(st.st_mode):
+        return real, True, None
+    fd, st = open_regular(real, shown, "searched")          # the inode the search must read
+    os.close(fd)
+    return real, False, st.st_ino
+
+
+def search_cap(ctx):
+    """How long a search's output may be: OUTPUT_MAX_CHARS within the result cap."""
+    return min(OUTPUT_MAX_CHARS, ctx.config.max_result_chars - 500)
+
+
+def check_pattern(value, name, code=INVALID_INPUT):
+    """A pattern from the model within MAX_PATTERN_CHARS, or a ToolError that says so."""
+    if len(value) > MAX_PATTERN_CHARS:
+        raise ToolError(code, "%s is %d characters long; the limit is %d. Search for a shorter, distinctive part"
+                        % (name, len(value), MAX_PATTERN_CHARS))
+
+
+###############################################################################
+# Tools: documents ############################################################
+###############################################################################
+# What a file's bytes show a model, for view: an image as image content (sized for the
+# client's model), a notebook as its cells with their outputs. The tools that show or
+# edit them are in their own sections.
+
+
+# What the model APIs behind the coding agents take (clientInfo.name prefix -> image
+# types): no SVG anywhere, no GIF for Gemini, no BMP or ICO for any. Other clients get
+# every image as image content; --svg overrides for SVG.
+CLIENT_IMAGE_TYPES = (
+    ("claude", ("image/png", "image/jpeg", "image/gif", "image/webp")),
+    ("codex", ("image/png", "image/jpeg", "image/gif", "image/webp")),
+    ("gemini", ("image/png", "image/jpeg", "image/webp")),
+)
+
+
+def client_image_types(client):
+    """The image types the model behind `client` (a clientInfo name) takes, or None
+    when it is not a client known to refuse some."""
+    name = (client or "").lower()
+    for prefix, types in CLIENT_IMAGE_TYPES:
+        if name.startswith(prefix):
+            return types
+    return None
+
+
+def svg_as_text(ctx):
+    """Whether an SVG goes to this call's client as its source text (--svg, or auto:
+    for clients whose model API takes no SVG)."""
+    if ctx.config.svg != "auto":
+        return ctx.config.svg == "text"
+    return client_image_types(ctx.client) is not None
+
+
+def image_result(ctx, shown, data, mime):
+    """An image as MCP image content, within what a model API accepts (IMAGE_MAX_BYTES,
+    IMAGE_MAX_SIDE, and the types the client's model takes)."""
+    import base64
+    size = image_size(data, mime)
+    takes = client_image_types(ctx.client)
+    if takes is not None and mime not in takes and mime != "image/svg+xml":     # (SVG: svg_as_text decided)
+        kind = mime.split("/")[1].upper().replace("X-ICON", "ICO")
+        return ("%s is a %s image%s (%s); this client's model takes only %s images, so it is not shown. Convert it"
+                " first, e.g. in bash: convert %s /tmp/image.png, then view that"
+                % (shown, kind, " of %dx%d pixels" % size if size else "", human_size(len(data)),
+                   ", ".join(t.split("/")[1].upper() for t in takes), shown))
+    if len(data) > IMAGE_MAX_BYTES:
+        raise ToolError(FILE_TOO_LARGE, "%s is a %s image of %s; a model API takes images up to %s. Shrink it"
+                        " first, e.g. in bash: convert %s -resize 50%% /tmp/small.png, then view that"
+                        % (shown, mime, human_size(len(data)), human_size(IMAGE_MAX_BYTES), shown))
+    if size and max(size) > IMAGE_MAX_SIDE:
+        raise ToolError(INVALID_INPUT, "%s is %dx%d pixels; a model API takes at most %d a side. Shrink it"
+                        " first, e.g. in bash: convert %s -resize %dx%d /tmp/small.png, then view that"
+                        % (shown, size[0], size[1], IMAGE_MAX_SIDE, shown, IMAGE_MAX_SIDE, IMAGE_MAX_SIDE))
+    return [{"type": "image", "data": base64.b64encode(data).decode("ascii"), "mimeType": mime}]
+
+
+def image_size(data, mime):
+    """(width, height) read from an image's header (a WebP's VP8X, VP8 or VP8L chunk; a
+    JPEG's first start-of-frame marker), or None when it cannot be told."""
+    import struct
+    try:
+        if mime == "image/png" and data[12:16] == b"IHDR":
+            return struct.unpack(">II", data[16:24])
+        if mime == "image/gif":
+            return struct.unpack("<HH", data[6:10])
+        if mime == "image/bmp":
+            w, h = struct.unpack("<ii", data[18:26])
+            return w, abs(h)
+        if mime == "image/x-icon":
+            return data[6] or 256, data[7] or 256
+        chunk = data[12:16] if mime == "image/webp" else None
+        if chunk == b"VP8X":
+            return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+        if chunk == b"VP8 ":
+            w, h = struct.unpack("<HH", data[26:30])
+            return w & 0x3FFF, h & 0x3FFF
+        if chunk == b"VP8L":
+            b = int.from_bytes(data[21:25], "little")
+            return (b & 0x3FFF) + 1, ((b >> 14) & 0x3FFF) + 1
+        i = 2
+        while mime == "image/jpeg" and i + 9 < len(data) and data[i] == 0xFF:
+            marker, length = data[i + 1], struct.unpack(">H", data[i + 2:i + 4])[0]
+            if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+                h, w = struct.unpack(">HH", data[i + 5:i + 9])
+                return w, h
+            i += 2 + length
+    except (struct.error, IndexError):
+        return None                       # a header cut short: the size cannot be told
+    return None
+
+
+NOTEBOOK_OUTPUT_CHARS = 2000               # one output's text shown in a notebook view
+
+
+class Notebook(object):
+    """A notebook's JSON text and its cells: the cell dicts, the (start, end) offsets of
+    each cell object in the text (spans) and the offset of the cells array's ']'
+    (array_end). ValueError when the text is not a notebook (JSON with a 'cells' array)."""
+
+    def __init__(self, text):
+        self.text = text
+        dec = json.JSONDecoder()
+        ws = re.compile(r"[ \t\n\r]*")
+
+        def skip(i):
+            return ws.match(text, i).end()
+        i = skip(0)
+        if text[i:i + 1] != "{":
+            raise ValueError("not a JSON object")
+        i = skip(i + 1)
+        while text[i:i + 1] != "}":
+            key, i = dec.raw_decode(text, i)
+            i = skip(i)
+            if text[i:i + 1] != ":":
+                raise ValueError("expected ':' at offset %d" % i)
+            i = skip(i + 1)
+            if key == "cells":
+                if text[i:i + 1] != "[":
+                    raise ValueError("'cells' is not an array")
+                self.cells, self.spans, j = [], [], skip(i + 1)
+                while text[j:j + 1] != "]":
+                    cell, end = dec.raw_decode(text, j)
+                    if not isinstance(cell, dict):
+                        raise ValueError("cell %d is not an object" % (len(self.cells) + 1))
+                    self.cells.append(cell)
+                    self.spans.append((j, end))
+                    j = skip(end)
+                    if text[j:j + 1] == ",":
+                        j = skip(j + 1)
+                    elif text[j:j + 1] != "]":
+                        raise ValueError("expected ',' or ']' at offset %d" % j)
+                self.array_end = j
+                return
+            _, i = dec.raw_decode(text, i)
+            i = skip(i)
+            if text[i:i + 1] == ",":
+                i = skip(i + 1)
+        raise ValueError("it has no 'cells' array")
+
+    @staticmethod
+    def source(cell):
+        """A cell's (or an output's) source as one string (it may be stored as a list of lines)."""
+        src = cell.get("source", "")
+        return "".join(src) if isinstance(src, list) else str(src)
+
+    # -- view ------------------------------------------------------------------
+    def render(self, ctx, shown, vr):
+        """view of the notebook: content blocks (text, and images of outputs) for the cells
+        in `vr` (cell numbers, from 1), within the result cap; a cut one says how to read on.
+        An output image goes after the text so far, or a line says why it is not shown."""
+        cells = self.cells
+        start, end = vr or (1, -1)
+        last = len(cells) if end == -1 else min(end, len(cells))
+        if vr is not None and (start > max(len(cells), 1)):
+            raise ToolError(INVALID_INPUT, "view_range counts cells for a notebook: %s has %d; give a start"
+                            " between 1 and %d" % (shown, len(cells), max(len(cells), 1)))
+        blocks, parts, size = [], ["%s: notebook, %d cells (view_range counts cells)" % (shown, len(cells))], 0
+        cap = ctx.config.max_result_chars - 600
+        for k in range(start, last + 1):
+            piece, images = self.rendered_cell(k)
+            if size + len(piece) > cap and k > start:
+                notice = "[cells %d-%d of %d shown; read on with view_range [%d, %d]]" % (
+                    start, k - 1, len(cells), k, end)
+                return [text_block(notice)] + blocks + [text_block("\n".join(parts)), text_block(notice)]
+            size += len(piece)
+            parts.append(piece)
+            for mime, data in images:
+                try:
+                    image = image_result(ctx, "%s cell %d" % (shown, k), data, mime)
+                except ToolError as e:
+                    parts.append("[output image not shown: %s]" % e.message)
+                    continue
+                if isinstance(image, str):          # a type this client's model does not take
+                    parts.append(image)
+                    continue
+                blocks.append(text_block("\n".join(parts)))
+                blocks += image
+                parts = []
+        if parts:
+            blocks.append(text_block("\n".join(parts)))
+        return blocks
+
+    def rendered_cell(self, k):
+        """(text, [(mime, data) of its output images]) of cell number k: a header line (its
+        number, type, id and execution count), its numbered source, its outputs."""
+        cell = self.cells[k - 1]
+        bits = ["[cell %d] %s" % (k, cell.get("cell_type", "?"))]
+        if cell.get("id"):
+            bits.append("id %s" % cell["id"])
+        if cell.get("cell_type") == "code":
+            bits.append("execution_count %s" % cell.get("execution_count"))
+        piece = [" · ".join(bits), number_lines([clip_line(l) for l in self.source(cell).split("\n")], 1)]
+        images = []
+        for out in cell.get("outputs", []) if isinstance(cell.get("outputs"), list) else []:
+            text_out, image = self.output(out)
+            if text_out:
+                piece.append(text_out)
+            if image:
+                images.append(image)
+        return "\n".join(piece), images
+
+    @classmethod
+    def output(cls, out):
+        """(text or '', (mime, image bytes) or None) of one cell output; texts are cut at
+        NOTEBOOK_OUTPUT_CHARS with a line saying so."""
+        import base64
+
+        def clip(text):
+            text = text.rstrip("\n")
+            if len(text) <= NOTEBOOK_OUTPUT_CHARS:
+                return text
+            return "%s\n... [%d characters in all; the first %d shown]" % (
+                text[:NOTEBOOK_OUTPUT_CHARS], len(text), NOTEBOOK_OUTPUT_CHARS)
+        if not isinstance(out, dict):
+            return "", None
+        kind = out.get("output_type")
+        if kind == "stream":
+            return "--- %s ---\n%s" % (out.get("name", "stream"), clip(cls.source({"source": out.get("text", "")}))), None
+        if kind == "error":
+            tb = [terminal_text(str(l)) for l in out.get("traceback", [])][-6:]
+            return "--- error ---\n%s: %s\n%s" % (out.get("ename"), out.get("evalue"), clip("\n".join(tb))), None
+        data = out.get("data") if isinstance(out.get("data"), dict) else {}
+        for mime in ("image/png", "image/jpeg"):
+            if mime in data:
+                try:
+                    raw = base64.b64decode(cls.source({"source": data[mime]}), validate=False)
+                except ValueError:
+                    return "--- %s (not valid base64) ---" % mime, None
+                return "--- %s ---" % mime, (mime, raw)
+        if "text/plain" in data:
+            return "--- result ---\n%s" % clip(cls.source({"source": data["text/plain"]})), None
+        return ("--- %s ---" % ", ".join(sorted(data)) if data else ""), None
+
+    # -- notebook_edit -----------------------------------------------------------
+    def find(self, args, shown, mode):
+        """The index (from 0) of the cell named by cell_id or cell_number (from 1); for an
+        insert, -1 means 'at the top' when neither is given."""
+        cells = self.cells
+        if args.get("cell_id"):
+            for k, cell in enumerate(cells):
+                if cell.get("id") == args["cell_id"]:
+                    return k
+            raise ToolError(INVALID_INPUT, "%s has no cell with id %r (ids: %s)" % (
+                shown, args["cell_id"], ", ".join(str(c.get("id")) for c in cells[:30]) or "none"))
+        if args.get("cell_number") is not None:
+            n = args["cell_number"]
+            if not 1 <= n <= len(cells):
+                raise ToolError(INVALID_INPUT, "cell_number %d is outside %s's cells (1 to %d, as view shows"
+                                " them)" % (n, shown, len(cells)))
+            return n - 1
+        if mode == "insert":
+            return -1
+        raise ToolError(INVALID_INPUT, "say which cell: cell_id or cell_number (as view shows them)")
+
+    def edited(self, k, mode, args):
+        """The text with cell k replaced, deleted, or a new cell inserted after it, written
+        with the indentation the file has (the whitespace before a cell's '{' on its line,
+        the unit inside it; none for a file written without newlines)."""
+        text, spans = self.text, self.spans
+        if mode == "delete":
+            start, end = spans[k]
+            if k + 1 < len(spans):
+                end = spans[k + 1][0]                   # its comma and the space before the next cell
+            elif k > 0:
+                start = spans[k - 1][1]                 # the comma before the last cell
+            return text[:start] + text[end:]
+        base, unit = "  ", 1
+        if spans:
+            start, end = spans[0]
+            base = text[text.rfind("\n", 0, start) + 1:start]
+            inner = re.search(r"\n([ \t]*)\"", text[start:end])
+            base, unit = ("", None) if inner is None or base.strip() else (base, max(1, len(inner.group(1)) - len(base)))
+        cell = self.new_cell(k, mode, args)
+        body = json.dumps(cell, indent=unit, ensure_ascii=False) if unit is not None else \
+            json.dumps(cell, ensure_ascii=False, separators=(",", ":"))
+        body = body.replace("\n", "\n" + base)
+        if mode == "replace":
+            start, end = spans[k]
+            return text[:start] + body + text[end:]
+        sep = ",\n" + base if unit is not None else ","
+        if k == -1:                                      # at the top
+            if not spans:
+                return text[:self.array_end] + ("\n" + base if unit is not None else "") + body + text[self.array_end:]
+            return text[:spans[0][0]] + body + sep + text[spans[0][0]:]
+        end = spans[k][1]
+        return text[:end] + sep + body + text[end:]
+
+    def new_cell(self, k, mode, args):
+        """The cell that replaces cell k (its key order and metadata kept) or is inserted
+        after it: the new source in nbformat's list of lines; a code cell's outputs and
+        execution count cleared; a new cell gets an id when the others have one."""
+        if args.get("new_source") is None:
+            raise ToolError(INVALID_INPUT, "new_source is needed to %s a cell" % mode)
+        if mode == "replace":
+            cell = dict(self.cells[k])
+            cell_type = args.get("cell_type") or cell.get("cell_type", "code")
+        else:
+            cell_type = args.get("cell_type")
+            if not cell_type:
+                raise ToolError(INVALID_INPUT, "cell_type (code, markdown or raw) is needed to insert a cell")
+            cell = {"cell_type": cell_type}
+            if any("id" in c for c in self.cells):
+                cell["id"] = os.urandom(4).hex()
+            cell["metadata"] = {}
+        cell["cell_type"] = cell_type
+        cell["source"] = args["new_source"].splitlines(True)
+        if cell_type == "code":
+            cell["execution_count"] = None
+            cell["outputs"] = []
+        else:
+            cell.pop("execution_count", None)
+            cell.pop("outputs", None)
+        return cell
 
 
 ###############################################################################
@@ -5416,92 +5755,6 @@ def numbered(reader, vr, shown, cap):
     return number_lines(lines, start)
 
 
-# What the model APIs behind the coding agents take (clientInfo.name prefix -> image
-# types): no SVG anywhere, no GIF for Gemini, no BMP or ICO for any. Other clients get
-# every image as image content; --svg overrides for SVG.
-CLIENT_IMAGE_TYPES = (
-    ("claude", ("image/png", "image/jpeg", "image/gif", "image/webp")),
-    ("codex", ("image/png", "image/jpeg", "image/gif", "image/webp")),
-    ("gemini", ("image/png", "image/jpeg", "image/webp")),
-)
-
-
-def client_image_types(client):
-    """The image types the model behind `client` (a clientInfo name) takes, or None
-    when it is not a client known to refuse some."""
-    name = (client or "").lower()
-    for prefix, types in CLIENT_IMAGE_TYPES:
-        if name.startswith(prefix):
-            return types
-    return None
-
-
-def svg_as_text(ctx):
-    """Whether an SVG goes to this call's client as its source text (--svg, or auto:
-    for clients whose model API takes no SVG)."""
-    if ctx.config.svg != "auto":
-        return ctx.config.svg == "text"
-    return client_image_types(ctx.client) is not None
-
-
-def image_result(ctx, shown, data, mime):
-    """An image as MCP image content, within what a model API accepts (IMAGE_MAX_BYTES,
-    IMAGE_MAX_SIDE, and the types the client's model takes)."""
-    import base64
-    size = image_size(data, mime)
-    takes = client_image_types(ctx.client)
-    if takes is not None and mime not in takes and mime != "image/svg+xml":     # (SVG: svg_as_text decided)
-        kind = mime.split("/")[1].upper().replace("X-ICON", "ICO")
-        return ("%s is a %s image%s (%s); this client's model takes only %s images, so it is not shown. Convert it"
-                " first, e.g. in bash: convert %s /tmp/image.png, then view that"
-                % (shown, kind, " of %dx%d pixels" % size if size else "", human_size(len(data)),
-                   ", ".join(t.split("/")[1].upper() for t in takes), shown))
-    if len(data) > IMAGE_MAX_BYTES:
-        raise ToolError(FILE_TOO_LARGE, "%s is a %s image of %s; a model API takes images up to %s. Shrink it"
-                        " first, e.g. in bash: convert %s -resize 50%% /tmp/small.png, then view that"
-                        % (shown, mime, human_size(len(data)), human_size(IMAGE_MAX_BYTES), shown))
-    if size and max(size) > IMAGE_MAX_SIDE:
-        raise ToolError(INVALID_INPUT, "%s is %dx%d pixels; a model API takes at most %d a side. Shrink it"
-                        " first, e.g. in bash: convert %s -resize %dx%d /tmp/small.png, then view that"
-                        % (shown, size[0], size[1], IMAGE_MAX_SIDE, shown, IMAGE_MAX_SIDE, IMAGE_MAX_SIDE))
-    return [{"type": "image", "data": base64.b64encode(data).decode("ascii"), "mimeType": mime}]
-
-
-def image_size(data, mime):
-    """(width, height) read from an image's header (a WebP's VP8X, VP8 or VP8L chunk; a
-    JPEG's first start-of-frame marker), or None when it cannot be told."""
-    import struct
-    try:
-        if mime == "image/png" and data[12:16] == b"IHDR":
-            return struct.unpack(">II", data[16:24])
-        if mime == "image/gif":
-            return struct.unpack("<HH", data[6:10])
-        if mime == "image/bmp":
-            w, h = struct.unpack("<ii", data[18:26])
-            return w, abs(h)
-        if mime == "image/x-icon":
-            return data[6] or 256, data[7] or 256
-        chunk = data[12:16] if mime == "image/webp" else None
-        if chunk == b"VP8X":
-            return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
-        if chunk == b"VP8 ":
-            w, h = struct.unpack("<HH", data[26:30])
-            return w & 0x3FFF, h & 0x3FFF
-        if chunk == b"VP8L":
-            b = int.from_bytes(data[21:25], "little")
-            return (b & 0x3FFF) + 1, ((b >> 14) & 0x3FFF) + 1
-        i = 2
-        while mime == "image/jpeg" and i + 9 < len(data) and data[i] == 0xFF:
-            marker, length = data[i + 1], struct.unpack(">H", data[i + 2:i + 4])[0]
-            if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-                h, w = struct.unpack(">HH", data[i + 5:i + 9])
-                return w, h
-            i += 2 + length
-    except (struct.error, IndexError):
-        return None                       # a header cut short: the size cannot be told
-    return None
-
-
 class _ListingFull(Exception):
     pass
 
@@ -5519,7 +5772,7 @@ def list_tree(root, policy, shown):
             out.append("%s  [unreadable: %s]" % (rel or ".", e.strerror))
             return
         for name, is_dir, link in entries:
-            path = directory.rstrip("/") + "/" + name
+            path = child_prefix(directory) + name
             if name in SKIP_DIRS or policy.is_denied(path):
                 continue
             if len(out) >= LISTING_MAX_ENTRIES:
@@ -5629,365 +5882,6 @@ def directory_outline(shown, items, why, offset, cap):
 # str_replace, multi_edit, create_file and the compat str_replace_editor (with insert):
 # each loads the file as it is (view-before-edit, unchanged since seen), finds its text,
 # and writes through the one atomic writer under the file's edit lock.
-
-
-def require_viewed(session, ctx, real, shown):
-    """FILE_NOT_VIEWED when view-before-edit is on and this session has not viewed `real`."""
-    if ctx.config.require_view_before_edit and not session.has_viewed(real):
-        raise ToolError(FILE_NOT_VIEWED, "%s has not been viewed in this session; view it first"
-                        " (view-before-edit is on), then retry the edit" % shown)
-
-
-def load_for_edit(session, ctx, real, shown):
-    """The text of an existing regular file that may be edited now (call it under
-    ctx.files.lock(real)): bytes decoded with surrogateescape, so any byte round-trips."""
-    try:
-        fd, st = open_regular(real, shown, "edited")
-    except ToolError as e:
-        if e.detail == "directory":
-            raise ToolError(INVALID_INPUT, "%s is a directory; edits apply to files" % shown)
-        raise
-    try:
-        require_viewed(session, ctx, real, shown)
-        limit = ctx.config.max_file_size
-        if st.st_size > limit:
-            raise too_large(shown, st.st_size, limit)
-        data = read_fd(fd, limit, shown)
-    except OSError as e:
-        raise io_error(e, shown)
-    finally:
-        os.close(fd)
-    return data.decode("utf-8", "surrogateescape")
-
-
-def to_crlf(s):
-    """`s` with every line ending CRLF."""
-    return s.replace("\r\n", "\n").replace("\n", "\r\n")
-
-
-def encode_text(text, name="content"):
-    """The bytes to write for `text` (UTF-8; lone surrogates from undecodable bytes turned back into those
-    bytes); INVALID_INPUT naming `name` for text that cannot be written."""
-    try:
-        return text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:
-        raise ToolError(INVALID_INPUT, "%s holds an unpaired surrogate character; send valid UTF-8 text" % name)
-
-
-UNKNOWN = object()      # an edit's 'before' that the writer reads itself
-DRY_RUN_PROP = prop("boolean", "Only show the diff it would write.")
-
-
-def write_edit(session, ctx, tool, changes, dry_run=False, undoing=False):
-    """Write one edit through the one writer, all of it or none. `changes` are
-    [(real, shown, bytes to write or None to remove, what is there now: bytes, None for
-    no file, or UNKNOWN to read here, mode for a new file)]. In one place: the size
-    limit (FILE_TOO_LARGE, nothing written), the atomic writes (a failure puts back the
-    files written before it), the viewed mark, the undo level (none for a file over
-    the limit, none when undoing) and the parse warning. Returns the note for the
-    answer (where a file had to be rewritten in place, what no longer parses); with
-    dry_run, the unified diff it would write instead, and nothing is written or kept."""
-    limit = ctx.config.max_file_size
-    for real, shown, data, _, _ in changes:
-        if data is not None and len(data) > limit:
-            raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s (--max-file-size);"
-                            " nothing was written" % (shown, human_size(len(data)), human_size(limit)))
-    known, todo = {}, []
-    for real, shown, data, before, new_mode in changes:
-        try:
-            known[real] = file_bytes(real, limit) if before is UNKNOWN else \
-                (before, stat.S_IMODE(os.stat(real).st_mode) if before is not None else None)
-        except ToolError:
-            known[real] = None                           # over the limit (or not a file): no undo for this one
-        except OSError as e:
-            raise io_error(e, shown)
-        todo.append((real, shown, data, known[real][0] if known[real] else None, new_mode))
-    if dry_run:
-        return edit_diff(todo, ctx.config.max_result_chars)
-    done, notes = [], []
-    try:
-        for real, shown, data, before, new_mode in sorted(todo, key=lambda c: c[2] is None):   # removals last
-            top, d = None, os.path.dirname(real)
-            while before is None and not os.path.lexists(d):
-                top, d = d, os.path.dirname(d)           # the directories writing it makes
-            if data is None:
-                remove_file(real)
-            elif not atomic_write(real, data, ctx.files, new_mode or 0o644):
-                notes.append(" (%s rewritten in place: its directory refuses new files or renames)" % shown)
-            done.append((real, before, top))
-            if data is not None:
-                session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
-    except (OSError, ToolError) as e:
-        why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
-        raise ToolError(IO_ERROR, "writing %s failed (%s); %s" % (shown, why, put_back(done, known, ctx)))
-    kept = dict((real, (known[real][0], known[real][1], digest_of(data) if data is not None else None))
-                for real, _, data, _, _ in todo if known[real] is not None)
-    if kept and not undoing:
-        session.remember_edit(tool, kept)
-    return "".join(notes) + "".join(parse_warning(real, before, data) for real, _, data, before, _ in todo
-                                    if data is not None and known[real] is not None)
-
-
-def put_back(done, known, ctx):
-    """Undo the writes `done` [(real, bytes before or None, top directory made)] of an edit
-    that failed half-way, in reverse; a sentence saying how that went."""
-    failed = []
-    for real, before, top in reversed(done):
-        try:
-            if before is None:
-                remove_file(real)
-                for d, _, _ in sorted(os.walk(top) if top else (), reverse=True):
-                    os.rmdir(d)                             # the empty directories the write made
-            else:
-                atomic_write(real, before, ctx.files, (known[real] or (None, 0o644))[1] or 0o644)
-        except OSError:
-            failed.append(real)
-    if failed:
-        return "the files written before it could not all be restored: %s" % ", ".join(failed)
-    return "the %d file%s written before it were restored, so nothing changed" % (len(done), "" if len(done) == 1 else "s")
-
-
-def edit_diff(todo, cap):
-    """The answer of a dry run: the unified diff of each file's change, with the file's
-    line numbers, cut to fit `cap`."""
-    import difflib
-    out = []
-    for real, shown, data, before, _ in todo:
-        a = (before or b"").decode("utf-8", "surrogateescape").splitlines(True)
-        b = (data or b"").decode("utf-8", "surrogateescape").splitlines(True)
-        for line in difflib.unified_diff(a, b, "/dev/null" if before is None else "a/" + shown,
-                                         "/dev/null" if data is None else "b/" + shown):
-            out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
-    text = "".join(out).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-    if not text:
-        return "Dry run: the edit would change nothing; nothing was written."
-    head = "Dry run: nothing was written. The edit would make this change (unified diff, the file's line numbers):\n"
-    if len(head) + len(text) > cap - 200:
-        text = text[:cap - 400] + "\n[diff cut at %d of %d characters]" % (cap - 400, len(text))
-    return head + text
-
-
-def file_bytes(real, limit):
-    """(content, permission bits) of the regular file at `real` (the one opener: a FIFO
-    or device put there is refused, never read), or (None, None) when nothing is there."""
-    try:
-        os.lstat(real)
-    except (FileNotFoundError, NotADirectoryError):
-        return None, None
-    data, st = read_regular(real, real, limit)
-    return data, stat.S_IMODE(st.st_mode)
-
-
-def parse_warning(real, before, after):
-    """One line when an edit left a .py, .json, .toml (3.11+) or .ipynb file that
-    parsed before no longer parsing: the error, its line and that undo_edit takes it
-    back; '' otherwise (also for a file that did not parse before, or over
-    PARSE_CHECK_BYTES). Parsing only: nothing runs, nothing is imported."""
-    ext = os.path.splitext(real)[1].lower()
-    if before is None or ext not in (".py", ".json", ".toml", ".ipynb") or max(len(before), len(after)) > \
-            PARSE_CHECK_BYTES:
-        return ""
-    if parse_error(ext, before) is not None:
-        return ""
-    error = parse_error(ext, after)
-    if error is None:
-        return ""
-    return ("\n[warning: %s no longer parses as %s: %s; undo_edit takes the edit back]"
-            % (os.path.basename(real), ext[1:].upper() if ext != ".py" else "Python", error))
-
-
-def parse_error(ext, data):
-    """Why `data` does not parse as a file of type `ext`, or None when it does (or
-    cannot be checked here: TOML before Python 3.11)."""
-    import ast
-    import warnings
-    try:
-        text = data.decode("utf-8-sig")
-        if ext == ".py":
-            with warnings.catch_warnings():         # a '\ ' in a string is the file's business, not a parse error
-                warnings.simplefilter("ignore")
-                ast.parse(text)
-        elif ext == ".toml":
-            try:
-                import tomllib
-            except ImportError:
-                return None  # no TOML parser before 3.11: not checked
-            tomllib.loads(text)
-        else:
-            json.loads(text)
-    except SyntaxError as e:
-        return "%s at line %s" % (e.msg, e.lineno)
-    except ValueError as e:                 # json's and tomllib's errors (and undecodable bytes)
-        return str(e)
-    except (RecursionError, MemoryError):
-        return None  # too deep to check: no warning rather than a guess
-    return None
-
-
-def check_unchanged(session, ctx, real, shown):
-    """FILE_CHANGED when `real` no longer holds what this session last saw there."""
-    seen = session.seen_of(real)
-    if seen is None:
-        return
-    change = changed_since(seen, real, ctx.config.max_file_size)
-    if change:
-        raise ToolError(FILE_CHANGED, "%s changed since this session last saw it (%s); view it again before"
-                        " overwriting it, so that no one else's change is lost" % (shown, change))
-
-
-def snippet(text, first_line, span):
-    """The numbered lines around an edit (SNIPPET_CONTEXT either side), as its answer shows them."""
-    lines = text.split("\n")
-    lo = max(0, first_line - SNIPPET_CONTEXT)
-    hi = min(len(lines), first_line + span + SNIPPET_CONTEXT + 1)
-    return number_lines([clip_line(l) for l in lines[lo:hi]], lo + 1)
-
-
-def newline_at(text, pos):
-    """The line ending of the line holding offset `pos` ('\\n' at the end of the text)."""
-    j = text.find("\n", pos)
-    return "\r\n" if j > 0 and text[j - 1] == "\r" else "\n"
-
-
-def match_lines(text, old, most=20):
-    """'3, 17, 40' - the line where each occurrence of `old` starts, overlapping ones too
-    (the first `most` lines)."""
-    lines, pos, line, at = [], 0, 1, 0
-    while len(lines) < most:
-        i = text.find(old, pos)
-        if i < 0:
-            return ", ".join(lines)
-        line += text.count("\n", at, i)
-        at = i
-        lines.append(str(line))
-        pos = text.find("\n", i) + 1          # the next line: one occurring later on this one has its number
-        if not pos:
-            return ", ".join(lines)
-    return ", ".join(lines) + ", ..."
-
-
-def closest_region(text, old, cancelled=None, what="old_str"):
-    """A note on where `old` nearly is: the most similar run of lines with its line
-    numbers and a short diff (or a word on line-number prefixes and whitespace).
-
-    The work is bounded whatever the sizes, and a cancel ends it with no note:
-    candidate places come from file lines equal to a line of old_str but for the
-    whitespace around it (one dict lookup a line), or, when there are none, from the
-    lines closest to old_str's first line (at most MISS_SCAN_LINES, each cut to 200
-    characters); at most MISS_CANDIDATES places of at most MISS_WINDOW_LINES lines
-    are scored, line by line, in time linear in their length."""
-    lines = text.replace("\r\n", "\n").split("\n")
-    want = old.replace("\r\n", "\n").split("\n")
-    if len(want) > 1 and want[-1] == "":
-        want.pop()
-    numbered = re.compile(r"^ *\d+\t")
-    if numbered.match(want[0]) and all(numbered.match(w) for w in want if w):
-        return " old_str starts its lines with view's line-number prefixes (number, tab); leave them out."
-    want = want[:MISS_WINDOW_LINES]
-    import difflib
-    n = len(want)
-    best, at = 0.0, None
-    for start in candidate_starts(lines, want, cancelled):
-        if cancelled is not None and cancelled.is_set():
-            return ""
-        s = max(0, min(start, len(lines) - n)) if len(lines) >= n else 0
-        total = 0.0                 # line by line: equal but for surrounding whitespace counts 0.95
-        for a, b in zip(lines[s:s + n], want):
-            if a == b:
-                total += 1.0
-            elif a.strip() == b.strip():
-                total += 0.95
-            else:
-                total += difflib.SequenceMatcher(None, a[:200], b[:200], autojunk=False).quick_ratio()
-        if total / max(n, 1) > best:
-            best, at = total / max(n, 1), s
-    if at is None or best < 0.5:
-        return ""
-    return region_report(lines[at:at + n], want, at, best, what)
-
-
-def region_report(region, want, at, best, what):
-    """The closest region (starting at line index `at`) in full, so that it can be copied,
-    what differs in whitespace line by line, and a diff numbered with the file's lines."""
-    import difflib
-
-    def indents(s):
-        return ("%d tab%s" % (s.count("\t"), "" if s.count("\t") == 1 else "s") if "\t" in s else
-                "%d space%s" % (len(s), "" if len(s) == 1 else "s") if s else "no indentation")
-    ws = []                             # lines equal but for whitespace: what differs, in words
-    for k, (f, w) in enumerate(zip(region, want)):
-        says = []
-        if f != w and f.strip() == w.strip() and leading(f) != leading(w):
-            says.append("the file indents with %s, %s with %s" % (indents(leading(f)), what, indents(leading(w))))
-        if f != w and f.strip() == w.strip() and trailing(f) != trailing(w):
-            says.append("the file has %d trailing space%s, %s %d" % (
-                len(trailing(f)), "" if len(trailing(f)) == 1 else "s", what, len(trailing(w))))
-        if says:
-            ws.append("line %d: %s" % (at + k + 1, "; ".join(says)))
-    hint = ""
-    if [l.strip() for l in region] == [w.strip() for w in want]:
-        hint = " They differ only in indentation or trailing spaces: copy the whitespace from the lines below."
-    shown = number_lines([clip_line(l)[:200] for l in region[:MISS_CONTEXT_LINES]], at + 1)
-    diff = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, region, want, autojunk=False).get_opcodes():
-        if tag != "equal":
-            diff += ["-%6d\t%s" % (at + i + 1, visible(region[i])[:200]) for i in range(i1, i2)]
-            diff += ["+%6s\t%s" % ("", visible(want[j])[:200]) for j in range(j1, j2)]
-    return ("\nThe closest text is at lines %d-%d (%d%% similar):%s\n%s%s\nHow %s differs (- file line, + %s; a"
-            " trailing space shows as \u00b7, a tab as \u2192):\n%s"
-            % (at + 1, at + len(region), int(best * 100), hint, shown,
-               ("\n" + "\n".join(ws[:MISS_CONTEXT_LINES])) if ws else "", what, what,
-               "\n".join(diff[:2 * MISS_CONTEXT_LINES])))
-
-
-def visible(line):
-    """A line of a miss's diff with its trailing spaces and its tabs made visible."""
-    body = line.rstrip(" ")
-    return body.replace("\t", "\u2192") + "\u00b7" * (len(line) - len(body))
-
-
-def candidate_starts(lines, want, cancelled):
-    """Up to MISS_CANDIDATES line indexes where `want` may start in `lines`, most
-    likely first (see closest_region)."""
-    keys = {}
-    for k, w in enumerate(want):
-        if w.strip():
-            keys.setdefault(w.strip(), k)
-    votes = Counter()
-    for i, line in enumerate(lines):
-        k = keys.get(line.strip())
-        if k is not None:
-            votes[i - k] += 1
-    if votes:
-        return [start for start, _ in votes.most_common(MISS_CANDIDATES)]
-    # Not a single line in common: the places whose line is closest (ratio >= 0.6, the
-    # quick upper bounds first) to want's first non-blank line, among the first
-    # MISS_SCAN_LINES lines, each cut to 200 characters.
-    import difflib
-    import heapq
-    first = next((k for k, w in enumerate(want) if w.strip()), None)
-    if first is None:
-        return []
-    matcher = difflib.SequenceMatcher(autojunk=False)
-    matcher.set_seq2(want[first].strip()[:200])
-    close = []
-    for i, line in enumerate(lines[:MISS_SCAN_LINES]):
-        if i % 1000 == 0 and cancelled is not None and cancelled.is_set():
-            return []
-        matcher.set_seq1(line.strip()[:200])
-        ratio = matcher.ratio() if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6 else 0
-        if ratio >= 0.6:
-            close.append((ratio, -i))                  # (-i: the first of equal ones wins)
-    return [-neg_i - first for _, neg_i in heapq.nlargest(MISS_CANDIDATES, close)]
-
-
-def check_old_new(old, new):
-    """An edit's old_str and new_str as every edit tool takes them, or INVALID_INPUT."""
-    if old == "":
-        raise ToolError(INVALID_INPUT, "old_str is empty; give the exact text to replace"
-                        " (to write a whole file use create_file)")
-    if old == new:
-        raise ToolError(INVALID_INPUT, "old_str and new_str are identical; there is nothing to change")
 
 
 # -- the one matcher ------------------------------------------------------------------
@@ -6609,6 +6503,371 @@ def relaxed_note(level, merge):
     return name + ", " + ("the file indents with tabs" if any("\t" in b for b in leads) else
                           "the file's indentation differs from old_str's")
 
+
+# -- the one edit writer -----------------------------------------------------------
+# An edit loads the file as it was seen, and writes through write_edit: one diff, one
+# undo record, one atomic write per file, or nothing at all.
+
+def require_viewed(session, ctx, real, shown):
+    """FILE_NOT_VIEWED when view-before-edit is on and this session has not viewed `real`."""
+    if ctx.config.require_view_before_edit and not session.has_viewed(real):
+        raise ToolError(FILE_NOT_VIEWED, "%s has not been viewed in this session; view it first"
+                        " (view-before-edit is on), then retry the edit" % shown)
+
+
+def load_for_edit(session, ctx, real, shown):
+    """The text of an existing regular file that may be edited now (call it under
+    ctx.files.lock(real)): bytes decoded with surrogateescape, so any byte round-trips."""
+    try:
+        fd, st = open_regular(real, shown, "edited")
+    except ToolError as e:
+        if e.detail == "directory":
+            raise ToolError(INVALID_INPUT, "%s is a directory; edits apply to files" % shown)
+        raise
+    try:
+        require_viewed(session, ctx, real, shown)
+        limit = ctx.config.max_file_size
+        if st.st_size > limit:
+            raise too_large(shown, st.st_size, limit)
+        data = read_fd(fd, limit, shown)
+    except OSError as e:
+        raise io_error(e, shown)
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", "surrogateescape")
+
+
+def to_crlf(s):
+    """`s` with every line ending CRLF."""
+    return s.replace("\r\n", "\n").replace("\n", "\r\n")
+
+
+def encode_text(text, name="content"):
+    """The bytes to write for `text` (UTF-8; lone surrogates from undecodable bytes turned back into those
+    bytes); INVALID_INPUT naming `name` for text that cannot be written."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raise ToolError(INVALID_INPUT, "%s holds an unpaired surrogate character; send valid UTF-8 text" % name)
+
+
+UNKNOWN = object()      # an edit's 'before' that the writer reads itself
+DRY_RUN_PROP = prop("boolean", "Only show the diff it would write.")
+
+
+def write_edit(session, ctx, tool, changes, dry_run=False, undoing=False):
+    """Write one edit through the one writer, all of it or none. `changes` are
+    [(real, shown, bytes to write or None to remove, what is there now: bytes, None for
+    no file, or UNKNOWN to read here, mode for a new file)]. In one place: the size
+    limit (FILE_TOO_LARGE, nothing written), the atomic writes (a failure puts back the
+    files written before it), the viewed mark, the undo level (none for a file over
+    the limit, none when undoing) and the parse warning. Returns the note for the
+    answer (where a file had to be rewritten in place, what no longer parses); with
+    dry_run, the unified diff it would write instead, and nothing is written or kept."""
+    limit = ctx.config.max_file_size
+    for real, shown, data, _, _ in changes:
+        if data is not None and len(data) > limit:
+            raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s (--max-file-size);"
+                            " nothing was written" % (shown, human_size(len(data)), human_size(limit)))
+    known, todo = {}, []
+    for real, shown, data, before, new_mode in changes:
+        try:
+            known[real] = file_bytes(real, limit) if before is UNKNOWN else \
+                (before, stat.S_IMODE(os.stat(real).st_mode) if before is not None else None)
+        except ToolError:
+            known[real] = None                           # over the limit (or not a file): no undo for this one
+        except OSError as e:
+            raise io_error(e, shown)
+        todo.append((real, shown, data, known[real][0] if known[real] else None, new_mode))
+    if dry_run:
+        return edit_diff(todo, ctx.config.max_result_chars)
+    done, notes = [], []
+    try:
+        for real, shown, data, before, new_mode in sorted(todo, key=lambda c: c[2] is None):   # removals last
+            top, d = None, os.path.dirname(real)
+            while before is None and not os.path.lexists(d):
+                top, d = d, os.path.dirname(d)           # the directories writing it makes
+            if data is None:
+                remove_file(real)
+            elif not atomic_write(real, data, ctx.files, new_mode or 0o644):
+                notes.append(" (%s rewritten in place: its directory refuses new files or renames)" % shown)
+            done.append((real, before, top))
+            if data is not None:
+                session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
+    except (OSError, ToolError) as e:
+        why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
+        raise ToolError(IO_ERROR, "writing %s failed (%s); %s" % (shown, why, put_back(done, known, ctx)))
+    kept = dict((real, (known[real][0], known[real][1], digest_of(data) if data is not None else None))
+                for real, _, data, _, _ in todo if known[real] is not None)
+    if kept and not undoing:
+        session.remember_edit(tool, kept)
+    return "".join(notes) + "".join(parse_warning(real, before, data) for real, _, data, before, _ in todo
+                                    if data is not None and known[real] is not None)
+
+
+def put_back(done, known, ctx):
+    """Undo the writes `done` [(real, bytes before or None, top directory made)] of an edit
+    that failed half-way, in reverse; a sentence saying how that went."""
+    failed = []
+    for real, before, top in reversed(done):
+        try:
+            if before is None:
+                remove_file(real)
+                for d, _, _ in sorted(os.walk(top) if top else (), reverse=True):
+                    os.rmdir(d)                             # the empty directories the write made
+            else:
+                atomic_write(real, before, ctx.files, (known[real] or (None, 0o644))[1] or 0o644)
+        except OSError:
+            failed.append(real)
+    if failed:
+        return "the files written before it could not all be restored: %s" % ", ".join(failed)
+    return "the %d file%s written before it were restored, so nothing changed" % (len(done), "" if len(done) == 1 else "s")
+
+
+def edit_diff(todo, cap):
+    """The answer of a dry run: the unified diff of each file's change, with the file's
+    line numbers, cut to fit `cap`."""
+    import difflib
+    out = []
+    for real, shown, data, before, _ in todo:
+        a = (before or b"").decode("utf-8", "surrogateescape").splitlines(True)
+        b = (data or b"").decode("utf-8", "surrogateescape").splitlines(True)
+        for line in difflib.unified_diff(a, b, "/dev/null" if before is None else "a/" + shown,
+                                         "/dev/null" if data is None else "b/" + shown):
+            out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    text = "".join(out).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    if not text:
+        return "Dry run: the edit would change nothing; nothing was written."
+    head = "Dry run: nothing was written. The edit would make this change (unified diff, the file's line numbers):\n"
+    if len(head) + len(text) > cap - 200:
+        text = text[:cap - 400] + "\n[diff cut at %d of %d characters]" % (cap - 400, len(text))
+    return head + text
+
+
+def file_bytes(real, limit):
+    """(content, permission bits) of the regular file at `real` (the one opener: a FIFO
+    or device put there is refused, never read), or (None, None) when nothing is there."""
+    try:
+        os.lstat(real)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, None
+    data, st = read_regular(real, real, limit)
+    return data, stat.S_IMODE(st.st_mode)
+
+
+def parse_warning(real, before, after):
+    """One line when an edit left a .py, .json, .toml (3.11+) or .ipynb file that
+    parsed before no longer parsing: the error, its line and that undo_edit takes it
+    back; '' otherwise (also for a file that did not parse before, or over
+    PARSE_CHECK_BYTES). Parsing only: nothing runs, nothing is imported."""
+    ext = os.path.splitext(real)[1].lower()
+    if before is None or ext not in (".py", ".json", ".toml", ".ipynb") or max(len(before), len(after)) > \
+            PARSE_CHECK_BYTES:
+        return ""
+    if parse_error(ext, before) is not None:
+        return ""
+    error = parse_error(ext, after)
+    if error is None:
+        return ""
+    return ("\n[warning: %s no longer parses as %s: %s; undo_edit takes the edit back]"
+            % (os.path.basename(real), ext[1:].upper() if ext != ".py" else "Python", error))
+
+
+def parse_error(ext, data):
+    """Why `data` does not parse as a file of type `ext`, or None when it does (or
+    cannot be checked here: TOML before Python 3.11)."""
+    import ast
+    import warnings
+    try:
+        text = data.decode("utf-8-sig")
+        if ext == ".py":
+            with warnings.catch_warnings():         # a '\ ' in a string is the file's business, not a parse error
+                warnings.simplefilter("ignore")
+                ast.parse(text)
+        elif ext == ".toml":
+            try:
+                import tomllib
+            except ImportError:
+                return None  # no TOML parser before 3.11: not checked
+            tomllib.loads(text)
+        else:
+            json.loads(text)
+    except SyntaxError as e:
+        return "%s at line %s" % (e.msg, e.lineno)
+    except ValueError as e:                 # json's and tomllib's errors (and undecodable bytes)
+        return str(e)
+    except (RecursionError, MemoryError):
+        return None  # too deep to check: no warning rather than a guess
+    return None
+
+
+def check_unchanged(session, ctx, real, shown):
+    """FILE_CHANGED when `real` no longer holds what this session last saw there."""
+    seen = session.seen_of(real)
+    if seen is None:
+        return
+    change = changed_since(seen, real, ctx.config.max_file_size)
+    if change:
+        raise ToolError(FILE_CHANGED, "%s changed since this session last saw it (%s); view it again before"
+                        " overwriting it, so that no one else's change is lost" % (shown, change))
+
+
+def snippet(text, first_line, span):
+    """The numbered lines around an edit (SNIPPET_CONTEXT either side), as its answer shows them."""
+    lines = text.split("\n")
+    lo = max(0, first_line - SNIPPET_CONTEXT)
+    hi = min(len(lines), first_line + span + SNIPPET_CONTEXT + 1)
+    return number_lines([clip_line(l) for l in lines[lo:hi]], lo + 1)
+
+
+def newline_at(text, pos):
+    """The line ending of the line holding offset `pos` ('\\n' at the end of the text)."""
+    j = text.find("\n", pos)
+    return "\r\n" if j > 0 and text[j - 1] == "\r" else "\n"
+
+
+def match_lines(text, old, most=20):
+    """'3, 17, 40' - the line where each occurrence of `old` starts, overlapping ones too
+    (the first `most` lines)."""
+    lines, pos, line, at = [], 0, 1, 0
+    while len(lines) < most:
+        i = text.find(old, pos)
+        if i < 0:
+            return ", ".join(lines)
+        line += text.count("\n", at, i)
+        at = i
+        lines.append(str(line))
+        pos = text.find("\n", i) + 1          # the next line: one occurring later on this one has its number
+        if not pos:
+            return ", ".join(lines)
+    return ", ".join(lines) + ", ..."
+
+
+def closest_region(text, old, cancelled=None, what="old_str"):
+    """A note on where `old` nearly is: the most similar run of lines with its line
+    numbers and a short diff (or a word on line-number prefixes and whitespace).
+
+    The work is bounded whatever the sizes, and a cancel ends it with no note:
+    candidate places come from file lines equal to a line of old_str but for the
+    whitespace around it (one dict lookup a line), or, when there are none, from the
+    lines closest to old_str's first line (at most MISS_SCAN_LINES, each cut to 200
+    characters); at most MISS_CANDIDATES places of at most MISS_WINDOW_LINES lines
+    are scored, line by line, in time linear in their length."""
+    lines = text.replace("\r\n", "\n").split("\n")
+    want = old.replace("\r\n", "\n").split("\n")
+    if len(want) > 1 and want[-1] == "":
+        want.pop()
+    numbered = re.compile(r"^ *\d+\t")
+    if numbered.match(want[0]) and all(numbered.match(w) for w in want if w):
+        return " old_str starts its lines with view's line-number prefixes (number, tab); leave them out."
+    want = want[:MISS_WINDOW_LINES]
+    import difflib
+    n = len(want)
+    best, at = 0.0, None
+    for start in candidate_starts(lines, want, cancelled):
+        if cancelled is not None and cancelled.is_set():
+            return ""
+        s = max(0, min(start, len(lines) - n)) if len(lines) >= n else 0
+        total = 0.0                 # line by line: equal but for surrounding whitespace counts 0.95
+        for a, b in zip(lines[s:s + n], want):
+            if a == b:
+                total += 1.0
+            elif a.strip() == b.strip():
+                total += 0.95
+            else:
+                total += difflib.SequenceMatcher(None, a[:200], b[:200], autojunk=False).quick_ratio()
+        if total / max(n, 1) > best:
+            best, at = total / max(n, 1), s
+    if at is None or best < 0.5:
+        return ""
+    return region_report(lines[at:at + n], want, at, best, what)
+
+
+def region_report(region, want, at, best, what):
+    """The closest region (starting at line index `at`) in full, so that it can be copied,
+    what differs in whitespace line by line, and a diff numbered with the file's lines."""
+    import difflib
+
+    def indents(s):
+        return ("%d tab%s" % (s.count("\t"), "" if s.count("\t") == 1 else "s") if "\t" in s else
+                "%d space%s" % (len(s), "" if len(s) == 1 else "s") if s else "no indentation")
+    ws = []                             # lines equal but for whitespace: what differs, in words
+    for k, (f, w) in enumerate(zip(region, want)):
+        says = []
+        if f != w and f.strip() == w.strip() and leading(f) != leading(w):
+            says.append("the file indents with %s, %s with %s" % (indents(leading(f)), what, indents(leading(w))))
+        if f != w and f.strip() == w.strip() and trailing(f) != trailing(w):
+            says.append("the file has %d trailing space%s, %s %d" % (
+                len(trailing(f)), "" if len(trailing(f)) == 1 else "s", what, len(trailing(w))))
+        if says:
+            ws.append("line %d: %s" % (at + k + 1, "; ".join(says)))
+    hint = ""
+    if [l.strip() for l in region] == [w.strip() for w in want]:
+        hint = " They differ only in indentation or trailing spaces: copy the whitespace from the lines below."
+    shown = number_lines([clip_line(l)[:200] for l in region[:MISS_CONTEXT_LINES]], at + 1)
+    diff = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, region, want, autojunk=False).get_opcodes():
+        if tag != "equal":
+            diff += ["-%6d\t%s" % (at + i + 1, visible(region[i])[:200]) for i in range(i1, i2)]
+            diff += ["+%6s\t%s" % ("", visible(want[j])[:200]) for j in range(j1, j2)]
+    return ("\nThe closest text is at lines %d-%d (%d%% similar):%s\n%s%s\nHow %s differs (- file line, + %s; a"
+            " trailing space shows as \u00b7, a tab as \u2192):\n%s"
+            % (at + 1, at + len(region), int(best * 100), hint, shown,
+               ("\n" + "\n".join(ws[:MISS_CONTEXT_LINES])) if ws else "", what, what,
+               "\n".join(diff[:2 * MISS_CONTEXT_LINES])))
+
+
+def visible(line):
+    """A line of a miss's diff with its trailing spaces and its tabs made visible."""
+    body = line.rstrip(" ")
+    return body.replace("\t", "\u2192") + "\u00b7" * (len(line) - len(body))
+
+
+def candidate_starts(lines, want, cancelled):
+    """Up to MISS_CANDIDATES line indexes where `want` may start in `lines`, most
+    likely first (see closest_region)."""
+    keys = {}
+    for k, w in enumerate(want):
+        if w.strip():
+            keys.setdefault(w.strip(), k)
+    votes = Counter()
+    for i, line in enumerate(lines):
+        k = keys.get(line.strip())
+        if k is not None:
+            votes[i - k] += 1
+    if votes:
+        return [start for start, _ in votes.most_common(MISS_CANDIDATES)]
+    # Not a single line in common: the places whose line is closest (ratio >= 0.6, the
+    # quick upper bounds first) to want's first non-blank line, among the first
+    # MISS_SCAN_LINES lines, each cut to 200 characters.
+    import difflib
+    import heapq
+    first = next((k for k, w in enumerate(want) if w.strip()), None)
+    if first is None:
+        return []
+    matcher = difflib.SequenceMatcher(autojunk=False)
+    matcher.set_seq2(want[first].strip()[:200])
+    close = []
+    for i, line in enumerate(lines[:MISS_SCAN_LINES]):
+        if i % 1000 == 0 and cancelled is not None and cancelled.is_set():
+            return []
+        matcher.set_seq1(line.strip()[:200])
+        ratio = matcher.ratio() if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6 else 0
+        if ratio >= 0.6:
+            close.append((ratio, -i))                  # (-i: the first of equal ones wins)
+    return [-neg_i - first for _, neg_i in heapq.nlargest(MISS_CANDIDATES, close)]
+
+
+def check_old_new(old, new):
+    """An edit's old_str and new_str as every edit tool takes them, or INVALID_INPUT."""
+    if old == "":
+        raise ToolError(INVALID_INPUT, "old_str is empty; give the exact text to replace"
+                        " (to write a whole file use create_file)")
+    if old == new:
+        raise ToolError(INVALID_INPUT, "old_str and new_str are identical; there is nothing to change")
+
+
+# -- the edit tools ----------------------------------------------------------------
 
 def replace_text(text, edit, shown, cancelled=None):
     """(updated text, count, offset of the first change, how it matched or '') of an
@@ -7306,233 +7565,10 @@ def tool_apply_patch(session, args, ctx):
 ###############################################################################
 # Tools: notebooks ############################################################
 ###############################################################################
-# view renders a notebook: per cell a header, its numbered source and its outputs
-# (text bounded, errors short, PNG/JPEG as images). notebook_edit rewrites the bytes of
-# one cell only - every other byte of the file (other cells, key order, indentation,
+# view renders a notebook (Notebook, in Tools: documents): per cell a header, its
+# numbered source and its outputs (text bounded, errors short, PNG/JPEG as images).
+# notebook_edit rewrites the bytes of one cell only - every other byte of the file (other cells, key order, indentation,
 # nbformat) stays as it was - from the cells' spans found with raw_decode.
-
-NOTEBOOK_OUTPUT_CHARS = 2000               # one output's text shown in a notebook view
-
-
-class Notebook(object):
-    """A notebook's JSON text and its cells: the cell dicts, the (start, end) offsets of
-    each cell object in the text (spans) and the offset of the cells array's ']'
-    (array_end). ValueError when the text is not a notebook (JSON with a 'cells' array)."""
-
-    def __init__(self, text):
-        self.text = text
-        dec = json.JSONDecoder()
-        ws = re.compile(r"[ \t\n\r]*")
-
-        def skip(i):
-            return ws.match(text, i).end()
-        i = skip(0)
-        if text[i:i + 1] != "{":
-            raise ValueError("not a JSON object")
-        i = skip(i + 1)
-        while text[i:i + 1] != "}":
-            key, i = dec.raw_decode(text, i)
-            i = skip(i)
-            if text[i:i + 1] != ":":
-                raise ValueError("expected ':' at offset %d" % i)
-            i = skip(i + 1)
-            if key == "cells":
-                if text[i:i + 1] != "[":
-                    raise ValueError("'cells' is not an array")
-                self.cells, self.spans, j = [], [], skip(i + 1)
-                while text[j:j + 1] != "]":
-                    cell, end = dec.raw_decode(text, j)
-                    if not isinstance(cell, dict):
-                        raise ValueError("cell %d is not an object" % (len(self.cells) + 1))
-                    self.cells.append(cell)
-                    self.spans.append((j, end))
-                    j = skip(end)
-                    if text[j:j + 1] == ",":
-                        j = skip(j + 1)
-                    elif text[j:j + 1] != "]":
-                        raise ValueError("expected ',' or ']' at offset %d" % j)
-                self.array_end = j
-                return
-            _, i = dec.raw_decode(text, i)
-            i = skip(i)
-            if text[i:i + 1] == ",":
-                i = skip(i + 1)
-        raise ValueError("it has no 'cells' array")
-
-    @staticmethod
-    def source(cell):
-        """A cell's (or an output's) source as one string (it may be stored as a list of lines)."""
-        src = cell.get("source", "")
-        return "".join(src) if isinstance(src, list) else str(src)
-
-    # -- view ------------------------------------------------------------------
-    def render(self, ctx, shown, vr):
-        """view of the notebook: content blocks (text, and images of outputs) for the cells
-        in `vr` (cell numbers, from 1), within the result cap; a cut one says how to read on.
-        An output image goes after the text so far, or a line says why it is not shown."""
-        cells = self.cells
-        start, end = vr or (1, -1)
-        last = len(cells) if end == -1 else min(end, len(cells))
-        if vr is not None and (start > max(len(cells), 1)):
-            raise ToolError(INVALID_INPUT, "view_range counts cells for a notebook: %s has %d; give a start"
-                            " between 1 and %d" % (shown, len(cells), max(len(cells), 1)))
-        blocks, parts, size = [], ["%s: notebook, %d cells (view_range counts cells)" % (shown, len(cells))], 0
-        cap = ctx.config.max_result_chars - 600
-        for k in range(start, last + 1):
-            piece, images = self.rendered_cell(k)
-            if size + len(piece) > cap and k > start:
-                notice = "[cells %d-%d of %d shown; read on with view_range [%d, %d]]" % (
-                    start, k - 1, len(cells), k, end)
-                return [text_block(notice)] + blocks + [text_block("\n".join(parts)), text_block(notice)]
-            size += len(piece)
-            parts.append(piece)
-            for mime, data in images:
-                try:
-                    image = image_result(ctx, "%s cell %d" % (shown, k), data, mime)
-                except ToolError as e:
-                    parts.append("[output image not shown: %s]" % e.message)
-                    continue
-                if isinstance(image, str):          # a type this client's model does not take
-                    parts.append(image)
-                    continue
-                blocks.append(text_block("\n".join(parts)))
-                blocks += image
-                parts = []
-        if parts:
-            blocks.append(text_block("\n".join(parts)))
-        return blocks
-
-    def rendered_cell(self, k):
-        """(text, [(mime, data) of its output images]) of cell number k: a header line (its
-        number, type, id and execution count), its numbered source, its outputs."""
-        cell = self.cells[k - 1]
-        bits = ["[cell %d] %s" % (k, cell.get("cell_type", "?"))]
-        if cell.get("id"):
-            bits.append("id %s" % cell["id"])
-        if cell.get("cell_type") == "code":
-            bits.append("execution_count %s" % cell.get("execution_count"))
-        piece = [" · ".join(bits), number_lines([clip_line(l) for l in self.source(cell).split("\n")], 1)]
-        images = []
-        for out in cell.get("outputs", []) if isinstance(cell.get("outputs"), list) else []:
-            text_out, image = self.output(out)
-            if text_out:
-                piece.append(text_out)
-            if image:
-                images.append(image)
-        return "\n".join(piece), images
-
-    @classmethod
-    def output(cls, out):
-        """(text or '', (mime, image bytes) or None) of one cell output; texts are cut at
-        NOTEBOOK_OUTPUT_CHARS with a line saying so."""
-        import base64
-
-        def clip(text):
-            text = text.rstrip("\n")
-            if len(text) <= NOTEBOOK_OUTPUT_CHARS:
-                return text
-            return "%s\n... [%d characters in all; the first %d shown]" % (
-                text[:NOTEBOOK_OUTPUT_CHARS], len(text), NOTEBOOK_OUTPUT_CHARS)
-        if not isinstance(out, dict):
-            return "", None
-        kind = out.get("output_type")
-        if kind == "stream":
-            return "--- %s ---\n%s" % (out.get("name", "stream"), clip(cls.source({"source": out.get("text", "")}))), None
-        if kind == "error":
-            tb = [terminal_text(str(l)) for l in out.get("traceback", [])][-6:]
-            return "--- error ---\n%s: %s\n%s" % (out.get("ename"), out.get("evalue"), clip("\n".join(tb))), None
-        data = out.get("data") if isinstance(out.get("data"), dict) else {}
-        for mime in ("image/png", "image/jpeg"):
-            if mime in data:
-                try:
-                    raw = base64.b64decode(cls.source({"source": data[mime]}), validate=False)
-                except ValueError:
-                    return "--- %s (not valid base64) ---" % mime, None
-                return "--- %s ---" % mime, (mime, raw)
-        if "text/plain" in data:
-            return "--- result ---\n%s" % clip(cls.source({"source": data["text/plain"]})), None
-        return ("--- %s ---" % ", ".join(sorted(data)) if data else ""), None
-
-    # -- notebook_edit -----------------------------------------------------------
-    def find(self, args, shown, mode):
-        """The index (from 0) of the cell named by cell_id or cell_number (from 1); for an
-        insert, -1 means 'at the top' when neither is given."""
-        cells = self.cells
-        if args.get("cell_id"):
-            for k, cell in enumerate(cells):
-                if cell.get("id") == args["cell_id"]:
-                    return k
-            raise ToolError(INVALID_INPUT, "%s has no cell with id %r (ids: %s)" % (
-                shown, args["cell_id"], ", ".join(str(c.get("id")) for c in cells[:30]) or "none"))
-        if args.get("cell_number") is not None:
-            n = args["cell_number"]
-            if not 1 <= n <= len(cells):
-                raise ToolError(INVALID_INPUT, "cell_number %d is outside %s's cells (1 to %d, as view shows"
-                                " them)" % (n, shown, len(cells)))
-            return n - 1
-        if mode == "insert":
-            return -1
-        raise ToolError(INVALID_INPUT, "say which cell: cell_id or cell_number (as view shows them)")
-
-    def edited(self, k, mode, args):
-        """The text with cell k replaced, deleted, or a new cell inserted after it, written
-        with the indentation the file has (the whitespace before a cell's '{' on its line,
-        the unit inside it; none for a file written without newlines)."""
-        text, spans = self.text, self.spans
-        if mode == "delete":
-            start, end = spans[k]
-            if k + 1 < len(spans):
-                end = spans[k + 1][0]                   # its comma and the space before the next cell
-            elif k > 0:
-                start = spans[k - 1][1]                 # the comma before the last cell
-            return text[:start] + text[end:]
-        base, unit = "  ", 1
-        if spans:
-            start, end = spans[0]
-            base = text[text.rfind("\n", 0, start) + 1:start]
-            inner = re.search(r"\n([ \t]*)\"", text[start:end])
-            base, unit = ("", None) if inner is None or base.strip() else (base, max(1, len(inner.group(1)) - len(base)))
-        cell = self.new_cell(k, mode, args)
-        body = json.dumps(cell, indent=unit, ensure_ascii=False) if unit is not None else \
-            json.dumps(cell, ensure_ascii=False, separators=(",", ":"))
-        body = body.replace("\n", "\n" + base)
-        if mode == "replace":
-            start, end = spans[k]
-            return text[:start] + body + text[end:]
-        sep = ",\n" + base if unit is not None else ","
-        if k == -1:                                      # at the top
-            if not spans:
-                return text[:self.array_end] + ("\n" + base if unit is not None else "") + body + text[self.array_end:]
-            return text[:spans[0][0]] + body + sep + text[spans[0][0]:]
-        end = spans[k][1]
-        return text[:end] + sep + body + text[end:]
-
-    def new_cell(self, k, mode, args):
-        """The cell that replaces cell k (its key order and metadata kept) or is inserted
-        after it: the new source in nbformat's list of lines; a code cell's outputs and
-        execution count cleared; a new cell gets an id when the others have one."""
-        if args.get("new_source") is None:
-            raise ToolError(INVALID_INPUT, "new_source is needed to %s a cell" % mode)
-        if mode == "replace":
-            cell = dict(self.cells[k])
-            cell_type = args.get("cell_type") or cell.get("cell_type", "code")
-        else:
-            cell_type = args.get("cell_type")
-            if not cell_type:
-                raise ToolError(INVALID_INPUT, "cell_type (code, markdown or raw) is needed to insert a cell")
-            cell = {"cell_type": cell_type}
-            if any("id" in c for c in self.cells):
-                cell["id"] = os.urandom(4).hex()
-            cell["metadata"] = {}
-        cell["cell_type"] = cell_type
-        cell["source"] = args["new_source"].splitlines(True)
-        if cell_type == "code":
-            cell["execution_count"] = None
-            cell["outputs"] = []
-        else:
-            cell.pop("execution_count", None)
-            cell.pop("outputs", None)
-        return cell
 
 
 NOTEBOOK_DESC = ("Edit one cell of a Jupyter notebook (.ipynb): replace its source, insert a new cell after it, or "
@@ -7833,16 +7869,6 @@ def task_answer(task, session, ctx):
     return read_on("%s\ncommand: %s\n%s" % (task_status(task, ctx.config), shorten(task.command), body), notice)
 
 
-_TERMINAL_CODES = r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]|\x1b[()][0-9A-Za-z]"
-
-
-def terminal_text(text):
-    """What a terminal shows, as text: escape sequences (colours, cursor moves,
-    titles) dropped, CR LF line ends as LF, a lone CR (a redrawn line) as a line end."""
-    text = re.sub(_TERMINAL_CODES, "", text)
-    return text.replace("\r\n", "\n").replace("\r", "\n")
-
-
 def output_test(ctx, pattern, deadline):
     """text -> whether a line of text (its first 1,000 characters) matches the
     wait_for `pattern`. A literal is tested here with `in`; a regex only ever runs
@@ -7991,33 +8017,12 @@ def tool_task_stop(session, args, ctx):
 GREP_MODES = ("files_with_matches", "content", "count")
 
 
-def search_root(session, ctx, shown):
-    """Resolve and scope-check a search root: (real, is_dir, inode of a file root)."""
-    real = resolve_checked(session, ctx, shown)
-    try:
-        st = os.stat(real)
-    except OSError as e:
-        raise io_error(e, shown)
-    if stat.S_ISDIR(st.st_mode):
-        return real, True, None
-    fd, st = open_regular(real, shown, "searched")          # the inode the search must read
-    os.close(fd)
-    return real, False, st.st_ino
-
-
 def grep_spec(pattern, mode, regex=True, ignore_case=False, multiline=False):
     """A search's settings, as sent to helpers. The pattern is compiled there, never in
     this process: a pathological one (160,000 '[') takes its time where it can be killed."""
     check_pattern(pattern, "pattern" if regex else "query", GREP_INVALID_PATTERN)
     return {"pattern": pattern, "regex": regex, "ignore_case": ignore_case, "multiline": multiline,
             "mode": mode, "before": 0, "after": 0}
-
-
-def check_pattern(value, name, code=INVALID_INPUT):
-    """A pattern from the model within MAX_PATTERN_CHARS, or a ToolError that says so."""
-    if len(value) > MAX_PATTERN_CHARS:
-        raise ToolError(code, "%s is %d characters long; the limit is %d. Search for a shorter, distinctive part"
-                        % (name, len(value), MAX_PATTERN_CHARS))
 
 
 def grep_job_of(ctx, roots, spec, include=None, type_name=None):
@@ -8060,11 +8065,6 @@ def cap_lines(lines, what, notice=(), limit=OUTPUT_MAX_CHARS):
     return "\n".join(kept + list(notice))
 
 
-def search_cap(ctx):
-    """How long a search's output may be: OUTPUT_MAX_CHARS within the result cap."""
-    return min(OUTPUT_MAX_CHARS, ctx.config.max_result_chars - 500)
-
-
 def paged(items, args):
     """items[offset:offset + head_limit]; past the end, a line that says so."""
     offset = args.get("offset") or 0
@@ -8083,6 +8083,14 @@ def newest_first(found):
     found = sorted(found, key=itemgetter(0))
     found.sort(key=itemgetter(1), reverse=True)
     return [rel for rel, _ in found]
+
+
+def partial_notice(why):
+    """The line a cut search ends with."""
+    if why == "deadline":
+        return ("[search stopped after %g s: the results above are partial. Narrow the path, include or type,"
+                " or simplify the pattern (nested quantifiers such as (a+)+ can take forever)]" % SEARCH_TIMEOUT_S)
+    return "[search cancelled: partial results]"
 
 
 GREP_DESC = ("Search file contents with a regular expression (Python re syntax; ripgrep-like). Walks the "
@@ -8123,7 +8131,6 @@ def renamed(handler, names):
         ours.update((names[k], v) for k, v in args.items() if k in names)
         return handler(session, ours, ctx)
     return call
-
 
 
 def compat_grep_schema(config):
@@ -8459,7 +8466,7 @@ def tool_list_directory(session, args, ctx):
     except OSError as e:
         raise workspace_error(io_error(e, path), path, "列出目录")
     lines = ["[%s] %s" % ("D" if is_dir else "F", name) for name, is_dir, _ in entries
-             if not ctx.policy.is_denied(real.rstrip("/") + "/" + name)]
+             if not ctx.policy.is_denied(child_prefix(real) + name)]
     if not lines:
         return "(空目录)"
     text = "\n".join(lines)
@@ -9661,6 +9668,28 @@ def serve_http(server, config, stop):
 ###############################################################################
 # main ########################################################################
 ###############################################################################
+
+
+HELPER_KINDS = {"search": helper_search, "partner": helper_partner}
+
+
+def helper_main(args):
+    """Entry point of `boris.py --helper KIND [PARENT_PID [...]]`: serve stdin, exit 0
+    (2 for no such kind). The sandbox launcher takes SPEC and the command after the
+    parent, and becomes the command."""
+    kind = args[0] if args else ""
+    parent = args[1] if len(args) > 1 else None
+    if kind == "sandbox" and len(args) in (3, 4) and args[2].startswith("@"):
+        return helper_warm_launcher(int(args[2][1:]), args[3] if len(args) == 4 else None)
+    if kind == "sandbox" and len(args) > 3:
+        return helper_sandbox(args[2], args[3:])
+    job = HELPER_KINDS.get(kind)
+    if job is None:
+        sys.stderr.write("boris: error: unknown helper kind %r\n" % kind)
+        return 2
+    guard_helper(int(parent) if parent and parent.isdigit() else None)
+    job()
+    return 0
 
 
 def main(argv=None, environ=None):
