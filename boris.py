@@ -3091,6 +3091,24 @@ _CODE_MARKS = r"[\"'`/]"                   # (compiled when a file is outlined: 
 _CODE_TOKENS = r"\"(?:[^\"\\]|\\.)*\"?|'(?:[^'\\]|\\.)*'?|`[^`]*`?|//|/\*"
 
 
+FileOutline = namedtuple("FileOutline", "rel lang entries note lines refused")
+FileOutline.__doc__ = """One file's outline, as a helper sends it (a JSON array): its path relative
+to the root (None for a file root), language, entries ([first, last, depth, signature]),
+a note, its line count, and the error code when it was not read (else None)."""
+
+
+class OpenDefinition(object):
+    """A definition the outline's patterns found whose end is not known yet: its index
+    in Outline.entries, the brace depth (or the indentation) at its line, its kind, and
+    for brace languages whether its body has opened, its parentheses still open and the
+    last line of its declaration so far."""
+    __slots__ = ("entry", "depth", "kind", "opened", "parens", "last")
+
+    def __init__(self, entry, depth, kind, last):
+        self.entry, self.depth, self.kind, self.last = entry, depth, kind, last
+        self.opened, self.parens = False, 0
+
+
 class Outline(object):
     """One file's outline, made by the constructor from its text and language:
     `entries` [(first line, last line, depth, signature)] in order, and `note`, how it
@@ -3167,11 +3185,11 @@ class Outline(object):
         if style == "indent":
             return self.indented(rules, comment)
         self.marks, self.tokens = re.compile(_CODE_MARKS), re.compile(_CODE_TOKENS)
-        in_block = False                 # stack: [entry index, brace depth at its line, kind, opened, parens, last]
+        in_block = False
         for i, raw in enumerate(self.lines):
             was_in_block = in_block
             code, in_block = self.code_of(raw, in_block, comment)
-            while self.stack and not self.stack[-1][3] and self.stack[-1][4] <= 0 and not \
+            while self.stack and not self.stack[-1].opened and self.stack[-1].parens <= 0 and not \
                     code.lstrip().startswith("{"):
                 self.end(self.stack.pop(), None)          # a declaration without a body ends before this line
             kind = None if was_in_block and not code.strip() else self.kind(rules, raw[:OUTLINE_LINE_CHARS])
@@ -3180,7 +3198,7 @@ class Outline(object):
             self.count(i, code)
         while self.stack:                               # open at the end of the file
             entry = self.stack.pop()
-            self.end(entry, len(self.lines) - 1 if entry[3] else None)
+            self.end(entry, len(self.lines) - 1 if entry.opened else None)
 
     def add(self, i, kind):
         """A definition found on line i (from 0): decorators, annotations and attributes
@@ -3190,8 +3208,8 @@ class Outline(object):
             start -= 1
         if kind == "body" and i and re.match(r"^[A-Za-z_][\w \t\*]*$", lines[i - 1]):
             start, sig = i - 1, lines[i - 1].strip() + " " + sig
-        self.entries.append([start + 1, i + 1, sum(1 for s in self.stack if self.entries[s[0]] is not None), sig])
-        self.stack.append([len(self.entries) - 1, self.depth, kind, False, 0, i])
+        self.entries.append([start + 1, i + 1, sum(1 for s in self.stack if self.entries[s.entry] is not None), sig])
+        self.stack.append(OpenDefinition(len(self.entries) - 1, self.depth, kind, i))
 
     def count(self, i, code):
         """Line i's braces and parentheses: the definitions they open, and those they close."""
@@ -3206,13 +3224,14 @@ class Outline(object):
             peak = max(peak, self.depth)
         self.depth = max(self.depth, 0)
         for entry in self.stack:
-            if not entry[3]:
-                entry[4] += code.count("(") - code.count(")")
-                entry[5] = i
+            if not entry.opened:
+                entry.parens += code.count("(") - code.count(")")
+                entry.last = i
         while self.stack:
-            base, opened, parens = self.stack[-1][1], self.stack[-1][3], self.stack[-1][4]
+            top = self.stack[-1]
+            base, opened, parens = top.depth, top.opened, top.parens
             if not opened and peak > base:
-                self.stack[-1][3] = opened = True
+                top.opened = opened = True
             if opened and self.depth <= base or not opened and parens <= 0 and code.rstrip().endswith(";"):
                 self.end(self.stack.pop(), i)   # its closing brace, or the ';' of a declaration
             else:
@@ -3221,16 +3240,16 @@ class Outline(object):
     def end(self, open_entry, i):
         """Close a definition at line i (from 0; None: where its text ended); one that
         needs a body (a C function) and never opened one is dropped."""
-        k, _, kind, opened, _, last = open_entry
-        if kind == "body" and not opened:
+        k = open_entry.entry
+        if open_entry.kind == "body" and not open_entry.opened:
             self.entries[k] = None
         elif self.entries[k] is not None:
-            self.entries[k][1] = (last if i is None else i) + 1
+            self.entries[k][1] = (open_entry.last if i is None else i) + 1
 
     def kind(self, rules, head):
         """The kind of definition `head` starts ('class', 'def', 'body'), or None; a
         'member' pattern only counts inside a class-like definition that is open."""
-        inside_class = bool(self.stack) and self.stack[-1][2] == "class"
+        inside_class = bool(self.stack) and self.stack[-1].kind == "class"
         for kind, rx in rules:
             if (kind != "member" or inside_class) and rx.match(head):
                 return "def" if kind == "member" else kind
@@ -3246,8 +3265,9 @@ class Outline(object):
                 continue
             indent = len(head) - len(head.lstrip())
             ended = False
-            while self.stack and indent <= self.stack[-1][1]:
-                k, own, _ = self.stack.pop()
+            while self.stack and indent <= self.stack[-1].depth:
+                top = self.stack.pop()
+                k, own = top.entry, top.depth
                 if self.lang == "ruby" and indent == own and re.match(r"end\b", text):
                     self.entries[k][1] = i + 1          # its `end` belongs to it
                     ended = True
@@ -3258,9 +3278,9 @@ class Outline(object):
                 while start and self.lines[start - 1].strip().startswith("@"):
                     start -= 1                          # decorators belong to the definition
                 self.entries.append([start + 1, i + 1, len(self.stack), self.signature(i)])
-                self.stack.append([len(self.entries) - 1, indent, kind])
-            for k, _, _ in self.stack if not ended else ():
-                self.entries[k][1] = i + 1
+                self.stack.append(OpenDefinition(len(self.entries) - 1, indent, kind, i))
+            for top in self.stack if not ended else ():
+                self.entries[top.entry][1] = i + 1
 
     def code_of(self, line, in_block, comment):
         """A line's code for counting braces: strings, character literals and comments
@@ -3358,28 +3378,27 @@ class Outline(object):
 
     @classmethod
     def of_file(cls, real, rel, max_size, top):
-        """[rel, language, entries, note, line count, the error code when it was not read
-        (else None)] of one file (entries at depth 0 only when `top`)."""
+        """The FileOutline of one file (entries at depth 0 only when `top`)."""
         lang = cls.language(os.path.basename(real))
         try:
             fd, st = open_regular(real, real)
             try:
                 if st.st_size > max_size:
-                    return [rel, lang, [], "%s, over --max-file-size: not read" % human_size(st.st_size), 0,
-                            FILE_TOO_LARGE]
+                    return FileOutline(rel, lang, [], "%s, over --max-file-size: not read" % human_size(st.st_size),
+                                       0, FILE_TOO_LARGE)
                 data = read_fd(fd, max_size, real)
             finally:
                 os.close(fd)
         except (ToolError, OSError) as e:
-            return [rel, lang, [], "not read: %s" % (e.message if isinstance(e, ToolError) else e.strerror), 0,
-                    e.code if isinstance(e, ToolError) else IO_ERROR]
+            return FileOutline(rel, lang, [], "not read: %s" % (e.message if isinstance(e, ToolError) else e.strerror),
+                               0, e.code if isinstance(e, ToolError) else IO_ERROR)
         if b"\x00" in data[:8192]:
-            return [rel, lang, [], "binary: not read", 0, INVALID_INPUT]
+            return FileOutline(rel, lang, [], "binary: not read", 0, INVALID_INPUT)
         text = data.decode("utf-8", "replace").replace("\r\n", "\n")
         outline = cls(text, lang)
         entries = [e for e in outline.entries if e[2] == 0] if top else outline.entries
-        return [rel, lang, entries, outline.note, text.count("\n") + (0 if text.endswith("\n") or not text else 1),
-                None]
+        return FileOutline(rel, lang, entries, outline.note,
+                           text.count("\n") + (0 if text.endswith("\n") or not text else 1), None)
 
 
 # -- searches run where they can be killed -----------------------------------------
@@ -4606,19 +4625,12 @@ class Task(object):
                     continue
                 if handoff is None or kept or time.monotonic() - self.started < handoff:
                     continue
-                with session.lock:
-                    running = sum(1 for t in session.tasks.values() if not t.done.is_set())
-                    if session.closed:
-                        kept = "the session is closing"
-                    elif running >= MAX_BACKGROUND_TASKS:
-                        kept = "%d background tasks are already running, the limit" % running
-                    else:
-                        session.tasks[self.id] = self
-                        return None
+                kept = session.add_task(self)
+                if not kept:
+                    return None
             return kept
         finally:
-            with session.lock:
-                session.foreground.discard(self.proc)
+            session.hold_foreground(self.proc, False)
 
     def take(self):
         """(stdout, stderr): the output not read yet, as Captures; the next read starts empty."""
@@ -4826,10 +4838,40 @@ class FetchWatch(object):
         self.done.set()
 
 
+# What can go wrong, by kind: (code, message). A fetch_error carries its kind and
+# facts as its detail, so a tool can word it its own way (web_fetch: fixed Chinese).
+FETCH_ERRORS = {
+    "content_type": (IO_ERROR, "the content type %(ctype)s is not text: %(url)s"),
+    "beyond": (INVALID_INPUT, "start_index %(start)d is past the end of the text (%(length)d characters)"),
+    "timeout": (IO_ERROR, "the request timed out (%(timeout)ss): %(url)s"),
+    "redirect_scheme": (IO_ERROR, "a redirect to a scheme other than http or https: %(target)s: %(url)s"),
+    "unresolved": (IO_ERROR, "the host %(host)s could not be resolved: %(url)s"),
+    "refused": (ACCESS_DENIED, "refused to connect to %(host)s (%(address)s is %(why)s): %(url)s"),
+    "redirects": (IO_ERROR, "too many redirects (over %(max)d): %(url)s"),
+    "status": (IO_ERROR, "HTTP %(status)d: %(url)s"),
+    "connection_refused": (IO_ERROR, "the connection was refused: %(url)s"),
+    "failed": (IO_ERROR, "the request failed (%(reason)s): %(url)s"),
+    "scheme": (IO_ERROR, "only http and https URLs are fetched: %(url)s"),
+    "url_long": (INVALID_INPUT, "the URL is over %(max)d characters: %(url)s"),
+    "url_space": (INVALID_INPUT, "a space or control character at %(at)d of the URL: percent-encode it, e.g. %%20:"
+                                 " %(url)s"),
+    "url_malformed": (INVALID_INPUT, "a malformed URL (%(reason)s): %(url)s"),
+    "url_no_host": (INVALID_INPUT, "the URL has no host name: %(url)s"),
+    "url_port_zero": (INVALID_INPUT, "port 0 is not a port: %(url)s"),
+    "url_idna": (INVALID_INPUT, "the host name %(host)s cannot be IDNA-encoded: %(url)s"),
+}
+
+
+def fetch_error(kind, **facts):
+    """The ToolError of a fetch that failed for `kind` (FETCH_ERRORS), its detail (kind, facts)."""
+    code, message = FETCH_ERRORS[kind]
+    return ToolError(code, message % facts, detail=(kind, facts))
+
+
 class WebFetch(object):
     """One web_fetch of `url` (as the model gave it; every error names it so): the URL
     checked, a GET that connects only to vetted addresses (checked after DNS, on every
-    redirect too), its text. Every failure is a workspace tools' fixed-string ToolError."""
+    redirect too), its text. Every failure is a fetch_error."""
 
     def __init__(self, url, timeout, cancelled=None, block_private=False):
         self.url, self.timeout, self.block_private = url, timeout, block_private
@@ -4850,9 +4892,9 @@ class WebFetch(object):
             text = html_to_markdown(text, url)
         elif not (ctype.startswith("text/") or ctype in ("application/json", "application/xml", "application/javascript")
                   or ctype.endswith(("+json", "+xml")) or not ctype):
-            raise plain_error("错误：不支持的内容类型 %s: %s" % (ctype, url))
+            raise fetch_error("content_type", ctype=ctype, url=url)
         if start > len(text):
-            raise plain_error("错误：start_index %d 超出内容长度（%d 字符）" % (start, len(text)), INVALID_INPUT)
+            raise fetch_error("beyond", start=start, length=len(text))
         if len(text) - start <= WEB_MAX_CHARS:
             return text[start:]
         end = start + WEB_MAX_CHARS - 200                        # room for the notice
@@ -4870,7 +4912,7 @@ class WebFetch(object):
         request_url, url, timeout = self.checked(self.url), self.url, self.timeout
         watch = FetchWatch(timeout, self.cancelled)
         opener = self.opener(watch)
-        timed_out = plain_error("错误：请求超时（%ss）: %s" % (timeout, url))
+        timed_out = fetch_error("timeout", timeout=timeout, url=url)
         try:
             req = urllib.request.Request(request_url, headers={"User-Agent": "boris/%s" % __version__,
                                                        "Accept": "text/html,application/json,text/*;q=0.9,*/*;q=0.5"})
@@ -4953,80 +4995,76 @@ class WebFetch(object):
             def redirect_request(self, req, fp, code, msg, headers, newurl):
                 if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
                     fp.close()
-                    raise plain_error("错误：重定向到不支持的协议: %s: %s" % (newurl, fetch.url))
+                    raise fetch_error("redirect_scheme", target=newurl, url=fetch.url)
                 return urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
 
         return urllib.request.build_opener(PlainHandler, SecureHandler, Redirects)
 
     def vetted(self, host, port):
-        """getaddrinfo of `host`, every address checked; a workspace tools' fixed-string ToolError otherwise."""
+        """getaddrinfo of `host`, every address checked; a fetch_error otherwise."""
         import socket
         try:
             infos = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
         except (socket.gaierror, UnicodeError):
-            raise plain_error("错误：无法解析主机 %s: %s" % (host, self.url))
+            raise fetch_error("unresolved", host=host, url=self.url)
         for info in infos:
             why = address_refusal(info[4][0], self.block_private)
             if why:
                 log("warn", "web_fetch refused an address", host=host, address=info[4][0], reason=why)
-                raise plain_error("错误：拒绝连接 %s（%s 是%s）: %s" % (host, info[4][0], why, self.url), ACCESS_DENIED)
+                raise fetch_error("refused", host=host, address=info[4][0], why=why, url=self.url)
         return infos
 
     def error(self, e, fired, timed_out):
-        """web_fetch's fixed-string error for what urllib raised (`timed_out` when the
-        whole-call timeout `fired` or the socket timed out)."""
+        """The fetch_error for what urllib raised (`timed_out` when the whole-call
+        timeout `fired` or the socket timed out)."""
         import socket
         import urllib.error
         import urllib.parse
         url = self.url
         if isinstance(e, urllib.error.HTTPError):
             if e.code in (301, 302, 303, 307, 308):
-                return plain_error("错误：重定向次数过多（超过 %d 次）: %s" % (WEB_MAX_REDIRECTS, url))
-            return plain_error("错误：HTTP %d: %s" % (e.code, url))
+                return fetch_error("redirects", max=WEB_MAX_REDIRECTS, url=url)
+            return fetch_error("status", status=e.code, url=url)
         reason = getattr(e, "reason", e)
         if isinstance(reason, ToolError):
             return reason
         if fired or isinstance(reason, socket.timeout) or "timed out" in str(reason):
             return timed_out
         if isinstance(reason, socket.gaierror):
-            return plain_error("错误：无法解析主机 %s: %s" % (urllib.parse.urlsplit(url).hostname, url))
+            return fetch_error("unresolved", host=urllib.parse.urlsplit(url).hostname, url=url)
         if isinstance(reason, ConnectionRefusedError):
-            return plain_error("错误：连接被拒绝: %s" % url)
-        return plain_error("错误：请求失败（%s）: %s" % (reason, url))
+            return fetch_error("connection_refused", url=url)
+        return fetch_error("failed", reason=reason, url=url)
 
     @staticmethod
     def checked(url):
         """`url` ready to request (non-ASCII in the path and query percent-encoded), or a
-        fixed-string error naming what is wrong with it: not http(s), no host, a port that is
+        fetch_error naming what is wrong with it: not http(s), no host, a port that is
         no number, a malformed IPv6 literal, spaces or control characters."""
         import urllib.parse
         shown = re.sub(r"[\x00-\x1f\x7f]", lambda m: "\\x%02x" % ord(m.group(0)), url[:200]) + \
             ("..." if len(url) > 200 else "")
-
-        def refuse(reason, code=INVALID_INPUT):
-            return plain_error("错误：无效的网址（%s）: %s" % (reason, shown), code)
         if len(url) > MAX_URL_CHARS:
-            raise refuse("长度 %d 超过 %d 字符 / over %d characters" % (len(url), MAX_URL_CHARS, MAX_URL_CHARS))
+            raise fetch_error("url_long", length=len(url), max=MAX_URL_CHARS, url=shown)
         bad = re.search(r"[\x00-\x20\x7f]", url)
         if bad:
-            raise refuse("第 %d 个字符是空格或控制字符，请用百分号编码（如 %%20）/ a space or control character at"
-                         " %d: percent-encode it, e.g. %%20" % (bad.start() + 1, bad.start() + 1))
+            raise fetch_error("url_space", at=bad.start() + 1, url=shown)
         try:
             parts = urllib.parse.urlsplit(url)
             port = parts.port
             host = parts.hostname
         except ValueError as e:
-            raise refuse("%s" % e)
+            raise fetch_error("url_malformed", reason=e, url=shown)
         if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
-            raise plain_error("错误：只支持 http 和 https 网址: %s" % shown)
+            raise fetch_error("scheme", url=shown)
         if not host:
-            raise refuse("没有主机名 / no host name")
+            raise fetch_error("url_no_host", url=shown)
         if port == 0:
-            raise refuse("端口 0 无效 / port 0 is not a port")
+            raise fetch_error("url_port_zero", url=shown)
         try:
             host.encode("idna")
         except UnicodeError:
-            raise refuse("主机名 %s 无法编码 / the host name cannot be IDNA-encoded" % host[:100])
+            raise fetch_error("url_idna", host=host[:100], url=shown)
         safe = "/?#[]@!$&'()*+,;=%~:"
         return urllib.parse.urlunsplit((parts.scheme, parts.netloc, urllib.parse.quote(parts.path, safe=safe),
                                         urllib.parse.quote(parts.query, safe=safe),
@@ -5056,6 +5094,44 @@ class Session(object):
         self.last_seen = time.monotonic()
         self.log_level = None
         self.edits = []             # undo_edit's history, oldest first: (tool, {real: (before, mode, after)})
+
+    def add_task(self, task):
+        """Make `task` one of the session's background tasks; '' when it is, else why
+        not (the session is closing, or MAX_BACKGROUND_TASKS are running). With None,
+        only whether one could be added now."""
+        with self.lock:
+            running = len(self.running())
+            if self.closed:
+                return "the session is closing"
+            if running >= MAX_BACKGROUND_TASKS:
+                return "%d background tasks are already running, the limit" % running
+            if task is not None:
+                self.tasks[task.id] = task
+            return ""
+
+    def running(self):
+        """The background tasks still running (the caller may hold `lock`: it is not taken)."""
+        return [t for t in list(self.tasks.values()) if not t.done.is_set()]
+
+    def task(self, task_id):
+        """(the task `task_id` or None, the ids of the session's tasks)."""
+        with self.lock:
+            return self.tasks.get(task_id), sorted(self.tasks)
+
+    def task_list(self):
+        """The session's tasks, oldest first."""
+        with self.lock:
+            return sorted(self.tasks.values(), key=attrgetter("started"))
+
+    def drop_task(self, task):
+        """Forget a finished task once its end was read."""
+        with self.lock:
+            self.tasks.pop(task.id, None)
+
+    def hold_foreground(self, proc, held=True):
+        """Note (held) or forget a foreground command's process: close() kills those held."""
+        with self.lock:
+            (self.foreground.add if held else self.foreground.discard)(proc)
 
     def remember_edit(self, tool, changes):
         """Note an edit undo_edit can take back: for each path, the bytes before (None:
@@ -5175,26 +5251,28 @@ class Tool(object):
     """A tool as registered: its listing (name, description, input schema, annotations),
     its handler, the modes it is listed in, the error codes its enum arguments answer
     with (`codes`), `argument_error`, which turns a refused argument into the tool's
-    own answer (the workspace tools answer in fixed strings), and its `lane` in the
-    worker pool: shell commands and calls that wait run in the session's shell lane,
-    so the quick tools never queue behind them. `description`
-    and `schema` may be functions of the Config; made() gives the listed tool."""
+    own answer (the workspace tools answer in fixed strings), its `lane` in the
+    worker pool (shell commands and calls that wait run in the session's shell lane,
+    so the quick tools never queue behind them) and `goes_with`: the tools whose
+    disabling takes it along. `description` and `schema` may be functions of the
+    Config; made() gives the listed tool."""
     __slots__ = ("name", "description", "schema", "annotations", "handler", "modes", "codes", "argument_error",
-                 "lane")
+                 "lane", "goes_with")
 
     def __init__(self, name, description, schema, annotations, handler, modes=BOTH, codes=None,
-                 argument_error=None, lane="quick"):
+                 argument_error=None, lane="quick", goes_with=()):
         self.name, self.description, self.schema = name, description, schema
         self.annotations, self.handler, self.modes = annotations, handler, modes
         self.codes = codes or {}
         self.argument_error = argument_error or (lambda e: e)
         self.lane = lane                # "shell" (commands and waits) or "quick", or a function of the arguments
+        self.goes_with = (goes_with,) if isinstance(goes_with, str) else tuple(goes_with)
 
     def made(self, config):
         """This tool as `config` lists it: description and schema worked out."""
         return Tool(self.name, self.description(config) if callable(self.description) else self.description,
                     self.schema(config) if callable(self.schema) else self.schema, self.annotations, self.handler,
-                    self.modes, self.codes, self.argument_error, self.lane)
+                    self.modes, self.codes, self.argument_error, self.lane, self.goes_with)
 
     def listing(self):
         """The tool as tools/list shows it."""
@@ -5220,7 +5298,7 @@ def build_tools(config):
     return dict((t.name, t.made(config)) for t in TOOLS if mode in t.modes and t.name not in off)
 
 
-def tool_names(config=None):
+def tool_names():
     """Every name a tool can be registered under, with or without --anthropic-compat,
     in listing order: the names --disable-tools accepts."""
     names = []
@@ -5231,8 +5309,9 @@ def tool_names(config=None):
 
 
 def disabled_tools(config):
-    """The registered names --disable-tools removes: a task tool goes with bash, and
-    the compat editor with any of the tools it stands for."""
+    """The registered names --disable-tools removes: those named, and each tool that
+    goes with one of them (@tool's goes_with: the task tools with bash, the compat
+    editor with any of the tools it stands for)."""
     off = set(config.disable_tools)
     if not off:
         return off
@@ -5241,10 +5320,7 @@ def disabled_tools(config):
     if unknown:
         raise ConfigError("unknown tool name(s) for --disable-tools: %s; valid names: %s"
                           % (", ".join(unknown), ", ".join(valid)))
-    if "bash" in off:
-        off.update(("task_output", "task_input", "task_stop"))
-    if config.anthropic_compat and off.intersection(("view", "str_replace", "create_file")):
-        off.add("str_replace_editor")
+    off.update(t.name for t in TOOLS if off.intersection(t.goes_with))
     return off
 
 
@@ -5299,6 +5375,11 @@ def text_block(text):
 def resolve_checked(session, ctx, path, name="path"):
     """The one resolver for cwd-relative tools: canonical path, scope-checked."""
     return ctx.policy.check(ctx.policy.resolve(session.get_cwd(), path, name), path)
+
+
+def stopped_why(why):
+    """How a job run in a helper ended early, in words: HelperPool.run's 'deadline' or 'cancelled'."""
+    return "stopped after %g s" % SEARCH_TIMEOUT_S if why == "deadline" else "cancelled"
 
 
 def read_on(body, notice):
@@ -5826,14 +5907,15 @@ def tool_outline(session, args, ctx):
                         " it instead" % (shown, Outline.languages()))
     items, why = ctx.helpers.run({"op": "outline", "root": root, "policy": policy_spec(ctx.policy),
                                   "max_size": ctx.config.max_file_size}, ctx.cancelled)
+    items = [FileOutline(*item) for item in items]      # JSON arrays on the wire
     if root[1]:
         return directory_outline(shown, sorted(items), why, offset, search_cap(ctx))
     if not items:
         raise ToolError(IO_ERROR, "the outline of %s was %s before it was done" % (
-            shown, "stopped after %g s" % SEARCH_TIMEOUT_S if why == "deadline" else "cancelled"))
-    _, lang, entries, note, total, refused = items[0]
-    if refused:
-        raise ToolError(refused, "%s: %s" % (shown, note))
+            shown, stopped_why(why)))
+    lang, entries, note, total = items[0].lang, items[0].entries, items[0].note, items[0].lines
+    if items[0].refused:
+        raise ToolError(items[0].refused, "%s: %s" % (shown, note))
     parts, size, cap = ["%s: %s, %d lines, %d definitions%s" % (
         shown, lang, total, len(entries), " (%s)" % note if note else "")], 0, search_cap(ctx)
     width = len(str(max(total, 1)))
@@ -5856,10 +5938,10 @@ def directory_outline(shown, items, why, offset, cap):
         raise ToolError(INVALID_INPUT, "offset %d is past the %d source files outlined under %s" % (
             offset, len(items), shown))
     parts, size = [], 0
-    for k, (rel, lang, entries, note, total, _) in enumerate(items[offset:], offset):
-        width = len(str(max(total, 1)))
-        block = ["%s (%s, %d lines)%s" % (rel, lang, total, ": " + note if note else "")]
-        block += ["%s  %s" % (("%d-%d" % (a, b)).rjust(2 * width + 1), text) for a, b, _, text in entries]
+    for k, one in enumerate(items[offset:], offset):
+        width = len(str(max(one.lines, 1)))
+        block = ["%s (%s, %d lines)%s" % (one.rel, one.lang, one.lines, ": " + one.note if one.note else "")]
+        block += ["%s  %s" % (("%d-%d" % (a, b)).rjust(2 * width + 1), text) for a, b, _, text in one.entries]
         text = "\n".join(block)
         if parts and size + len(text) > cap - 400:
             return read_on("\n".join(parts), "[outline cut after %d of %d files; read on with offset=%d]"
@@ -5870,7 +5952,7 @@ def directory_outline(shown, items, why, offset, cap):
         parts.append("No source files under %s (outline reads %s)" % (shown, Outline.languages()))
     if why:
         parts.append("[outline %s: the files above are those read so far; outline a subdirectory]" % (
-            "stopped after %g s" % SEARCH_TIMEOUT_S if why == "deadline" else "cancelled"))
+            stopped_why(why)))
     parts.append("Each file's top-level definitions; outline a file for all of them, and read one with view and"
                  " view_range [first, last].")
     return "\n".join(parts)
@@ -7187,7 +7269,8 @@ EDITOR_DESC = ("View, create and edit files. command=view shows a file with line
     "insert_text": prop("string", "command=insert: the text to insert."),
     "replace_all": prop("boolean", "command=str_replace: replace every occurrence."),
     "dry_run": DRY_RUN_PROP,
-}, ["command", "path"]), notes("Text editor", destructive=True), COMPAT)
+}, ["command", "path"]), notes("Text editor", destructive=True), COMPAT,
+      goes_with=("view", "str_replace", "create_file"))
 def tool_str_replace_editor(session, args, ctx):
     """Anthropic's text-editor tool: one name, the same handlers underneath."""
     cmd = args["command"]
@@ -7234,6 +7317,11 @@ class Hunk(object):
         return "hunk %d%s" % (k, " (@@ %s)" % " @@ ".join(self.headers) if self.headers else "")
 
 
+PatchOp = namedtuple("PatchOp", "kind path body move hunks", defaults=(None, None, None))
+PatchOp.__doc__ = """One section of a patch: kind 'add' (body: its lines), 'delete', or
+'update' (move: the '*** Move to' path or None; hunks: [Hunk])."""
+
+
 class PatchReader(object):
     """A patch's text, read section by section: read() gives its operations."""
 
@@ -7258,16 +7346,15 @@ class PatchReader(object):
         self.i, self.end = 1, len(lines) - 1           # between Begin and End
 
     def read(self):
-        """[(op, path, ...)] of the patch: ('add', path, lines), ('delete', path),
-        ('update', path, move_to or None, [Hunk]); ToolError(INVALID_INPUT) naming the
-        line that breaks the format."""
+        """[PatchOp] of the patch; ToolError(INVALID_INPUT) naming the line that breaks
+        the format."""
         ops = []
         while self.i < self.end:
             line = self.lines[self.i].strip()           # marker lines may come padded
             if line.startswith("*** Add File: "):
                 ops.append(self.add_section(line[14:].strip()))
             elif line.startswith("*** Delete File: "):
-                ops.append(("delete", line[17:].strip()))
+                ops.append(PatchOp("delete", line[17:].strip()))
                 self.i += 1
             elif line.startswith("*** Update File: "):
                 ops.append(self.update_section(line[17:].strip()))
@@ -7284,7 +7371,7 @@ class PatchReader(object):
         return ToolError(INVALID_INPUT, "patch line %d (%s): %s" % (k + 1, shorten(repr(self.lines[k]), 80), why))
 
     def add_section(self, path):
-        """('add', path, lines) of an Add File section: every line starts with '+'."""
+        """The PatchOp of an Add File section: every line starts with '+'."""
         body, self.i = [], self.i + 1
         while self.i < self.end and not self.lines[self.i].strip().startswith("*** "):
             if not self.lines[self.i].strip():
@@ -7294,10 +7381,10 @@ class PatchReader(object):
                 raise self.bad(self.i, "every line of an added file starts with '+'")
             body.append(self.lines[self.i][1:])
             self.i += 1
-        return "add", path, body
+        return PatchOp("add", path, body=body)
 
     def update_section(self, path):
-        """('update', path, move, hunks) of an Update File section."""
+        """The PatchOp of an Update File section."""
         move, self.i = None, self.i + 1
         if self.i < self.end and self.lines[self.i].strip().startswith("*** Move to: "):
             move, self.i = self.lines[self.i].strip()[13:].strip(), self.i + 1
@@ -7311,7 +7398,7 @@ class PatchReader(object):
                 hunk.lines.pop()
         if not hunks or not any(h.lines for h in hunks):
             raise self.bad(self.i - 1, "the update of %s has no hunk" % path)
-        return "update", path, move, hunks
+        return PatchOp("update", path, move=move, hunks=hunks)
 
     def header_line(self, header, hunks):
         """An '@@ header' line: a new hunk, or (stacked on an empty one) a narrower one."""
@@ -7463,21 +7550,20 @@ class PatchPlan(object):
         self.before = {}                # real -> (bytes, stat) on disk before the patch, or None
         self.shown, self.modes = {}, {}
         for op in ops:
-            shown = op[1]
+            shown, move = op.path, op.move
             real = resolve_checked(session, ctx, shown)
-            if op[0] == "add":
+            if op.kind == "add":
                 self.current(real, shown, "*** Add File", overwrite=True)
-                self.put(real, encode_text("\n".join(op[2]) + "\n" if op[2] else "", "input"), 0o644)
+                self.put(real, encode_text("\n".join(op.body) + "\n" if op.body else "", "input"), 0o644)
                 self.summary.append("A " + shown)
                 continue
-            text = self.current(real, shown, "*** %s File" % op[0].title())
-            if op[0] == "delete":
+            text = self.current(real, shown, "*** %s File" % op.kind.title())
+            if op.kind == "delete":
                 self.put(real, None)
                 self.summary.append("D " + shown)
                 continue
-            _, _, move, hunks = op
             patched = PatchedText(text.decode("utf-8", "surrogateescape"), shown)
-            data = encode_text(patched.apply(hunks), "input")
+            data = encode_text(patched.apply(op.hunks), "input")
             how = " (%s)" % "; ".join(patched.notes) if patched.notes else ""
             if move:
                 target = resolve_checked(session, ctx, move, "*** Move to")
@@ -7550,8 +7636,8 @@ def tool_apply_patch(session, args, ctx):
     file's edit lock (taken in one order), plan every file (existence, hunks) and write."""
     from contextlib import ExitStack
     ops = PatchReader(args["input"]).read()
-    reals = set(resolve_checked(session, ctx, op[1]) for op in ops)
-    reals.update(resolve_checked(session, ctx, op[2], "*** Move to") for op in ops if op[0] == "update" and op[2])
+    reals = set(resolve_checked(session, ctx, op.path) for op in ops)
+    reals.update(resolve_checked(session, ctx, op.move, "*** Move to") for op in ops if op.move)
     with ExitStack() as locks:
         for real in sorted(reals):
             locks.enter_context(ctx.files.lock(real))
@@ -7736,11 +7822,10 @@ def tool_bash(session, args, ctx):
     script = "%s\n__boris_status=$?\nprintf '\\n%%s%%s\\n' '%s' \"$PWD\"\nexit $__boris_status\n" % (
         command, marker.decode())
     proc = start_command(session, script, ctx.sandbox)
-    task = Task("task_%s" % os.urandom(8).hex(), command, proc)
+    task = Task(new_task_id(), command, proc)
     task.marker, task.limit = marker, "its timeout (%d ms)" % timeout_ms
     progress = ProgressLines(ctx, marker) if ctx.wants_progress else None
-    with session.lock:
-        session.foreground.add(proc)
+    session.hold_foreground(proc)
     task.start(task.started + timeout_ms / 1000.0, progress)
     kept = task.follow(session, ctx.cancelled, handoff)
     if kept is None:
@@ -7788,38 +7873,44 @@ def looks_like_prompt(out, err):
     return False
 
 
+def new_task_id():
+    """A task's id: a handle only whoever was given it can use."""
+    return "task_%s" % os.urandom(8).hex()
+
+
+def task_refused(why, what):
+    """The error of a background task the session cannot take now (add_task's `why`)."""
+    if why.startswith("the session"):
+        return ToolError(BASH_START_FAILED, "%s; %s" % (why, what))
+    return ToolError(BASH_TASK_LIMIT, "%s; %s: wait for one with task_output or run this one in the foreground"
+                     % (why, what))
+
+
 def start_task(session, command, ctx, args):
     """Start `command` as a background task of the session and say how to follow it;
     at most MAX_BACKGROUND_TASKS run at once. Its stdin, as bash's arguments ask: a
     terminal (tty), a pipe (interactive) or /dev/null (run_in_background)."""
     stdin = "tty" if args.get("tty") else "pipe" if args.get("interactive") else "null"
-    with session.lock:
-        if session.closed:
-            raise ToolError(BASH_START_FAILED, "the session is closing; no background task was started")
-        running = [t for t in session.tasks.values() if not t.done.is_set()]
-        if len(running) >= MAX_BACKGROUND_TASKS:
-            raise ToolError(BASH_TASK_LIMIT, "%d background tasks are already running (the limit); wait for"
-                            " one with task_output or run this one in the foreground" % len(running))
-        task_id = "task_%s" % os.urandom(8).hex()       # a handle: only whoever was given it can use it
+    why = session.add_task(None)
+    if why:
+        raise task_refused(why, "no background task was started")
     proc = start_command(session, command, ctx.sandbox, stdin)
-    task = Task(task_id, command, proc, stdin)
+    task = Task(new_task_id(), command, proc, stdin)
+    task_id = task.id
     timeout = ctx.config.background_task_timeout
     task.limit = "the background task timeout (%g s)" % timeout
     task.start(task.started + timeout if timeout else None)
-    with session.lock:
-        closed = session.closed
-        if not closed:
-            session.tasks[task_id] = task
-    if closed:                                 # the session closed while it started: never orphaned
+    why = session.add_task(task)
+    if why:                                    # it changed while the task started: never orphaned
         kill_all([task])
-        raise ToolError(BASH_START_FAILED, "the session closed while the task started; it was stopped")
+        raise task_refused(why, "the task was started and stopped again")
     return ("Started background task %s (pid %d%s). Read its output with task_output(task_id=%r)%s;"
             " its cd does not move this session." % (
                 task_id, proc.pid, {"pipe": ", interactive", "tty": ", on a terminal"}.get(stdin, ""), task_id,
                 "; give it input with task_input" if stdin != "null" else ""))
 
 
-def task_status(task, config):
+def task_status(task):
     """'status: ...' of a task, first line of every task_output answer."""
     runtime = time.monotonic() - task.started
     if not task.done.is_set():
@@ -7833,9 +7924,7 @@ def task_status(task, config):
 
 def find_task(session, task_id):
     """The session's task `task_id`; BASH_TASK_NOT_FOUND listing the ones there are."""
-    with session.lock:
-        task = session.tasks.get(task_id)
-        known = sorted(session.tasks)
+    task, known = session.task(task_id)
     if task is None:
         raise ToolError(BASH_TASK_NOT_FOUND, "no background task %r in this session (running or unread: %s);"
                         " a completed task is forgotten once its output is read; call task_output without"
@@ -7843,13 +7932,12 @@ def find_task(session, task_id):
     return task
 
 
-def list_tasks(session, config):
+def list_tasks(session):
     """One line per task of the session: id, status and command."""
-    with session.lock:
-        tasks = sorted(session.tasks.values(), key=lambda t: t.started)
+    tasks = session.task_list()
     if not tasks:
         return "No background tasks in this session."
-    return "\n".join("%s  %s  %s" % (t.id, task_status(t, config)[8:], t.command[:200]) for t in tasks)
+    return "\n".join("%s  %s  %s" % (t.id, task_status(t)[8:], t.command[:200]) for t in tasks)
 
 
 def output_budget(ctx):
@@ -7864,9 +7952,8 @@ def task_answer(task, session, ctx):
     if task.stdin == "tty":
         body = terminal_text(body)
     if task.done.is_set():
-        with session.lock:
-            session.tasks.pop(task.id, None)
-    return read_on("%s\ncommand: %s\n%s" % (task_status(task, ctx.config), shorten(task.command), body), notice)
+        session.drop_task(task)
+    return read_on("%s\ncommand: %s\n%s" % (task_status(task), shorten(task.command), body), notice)
 
 
 def output_test(ctx, pattern, deadline):
@@ -7902,11 +7989,11 @@ TASK_DESC = ("Read a background bash task: its status first ('running', or 'comp
     "wait_ms": prop("integer", "Wait up to this many milliseconds for the task to finish (default 0, or"
                                " up to 600000 with wait_for)."),
     "wait_for": prop("string", "Return as soon as new output matches this regular expression."),
-}), notes("Read background task output", read_only=True), lane=waiting_lane)
+}), notes("Read background task output", read_only=True), lane=waiting_lane, goes_with="bash")
 def tool_task_output(session, args, ctx):
     """task_output: a task's new output (waiting as asked), or the list of tasks without an id."""
     if not args.get("task_id"):
-        return list_tasks(session, ctx.config)
+        return list_tasks(session)
     task = find_task(session, args["task_id"])
     await_task(task, ctx, args.get("wait_for") or None, args.get("wait_ms"), settle=False)
     return task_answer(task, session, ctx)
@@ -7972,7 +8059,7 @@ TASK_INPUT_DESC = ("Type into an interactive background task (bash with interact
                                " most 2000)."),
     "close_stdin": prop("boolean", "Close the task's input after writing (end of file)."),
 }, ["task_id"]), notes("Send input to a background task", destructive=True),
-      lane=waiting_lane)
+      lane=waiting_lane, goes_with="bash")
 def tool_task_input(session, args, ctx):
     """Write to an interactive task's stdin, then answer like task_output."""
     task = find_task(session, args["task_id"])
@@ -7982,7 +8069,7 @@ def tool_task_input(session, args, ctx):
                         " terminal)" % task.id)
     if task.done.is_set():
         raise ToolError(BASH_TASK_NOT_FOUND, "task %s has ended (%s), so it takes no more input; read its last"
-                        " output with task_output" % (task.id, task_status(task, ctx.config)[8:]))
+                        " output with task_output" % (task.id, task_status(task)[8:]))
     try:
         if args.get("input"):
             task.write(args["input"].encode("utf-8"), time.monotonic() + TASK_INPUT_WAIT_S)
@@ -8001,7 +8088,7 @@ TASK_STOP_DESC = ("Stop a background bash task (its whole process group: SIGTERM
 
 @tool("task_stop", TASK_STOP_DESC, obj({
     "task_id": prop("string", "The task_id bash returned."),
-}, ["task_id"]), notes("Stop a background task", destructive=True))
+}, ["task_id"]), notes("Stop a background task", destructive=True), goes_with="bash")
 def tool_task_stop(session, args, ctx):
     """task_stop: kill a task's process group and answer with its last output."""
     task = find_task(session, args["task_id"])
@@ -8088,8 +8175,8 @@ def newest_first(found):
 def partial_notice(why):
     """The line a cut search ends with."""
     if why == "deadline":
-        return ("[search stopped after %g s: the results above are partial. Narrow the path, include or type,"
-                " or simplify the pattern (nested quantifiers such as (a+)+ can take forever)]" % SEARCH_TIMEOUT_S)
+        return ("[search %s: the results above are partial. Narrow the path, include or type, or simplify the"
+                " pattern (nested quantifiers such as (a+)+ can take forever)]" % stopped_why(why))
     return "[search cancelled: partial results]"
 
 
@@ -8109,7 +8196,7 @@ GREP_PROPS = {
     "include": prop("string", "Only search files whose name matches this glob, e.g. *.py or *.{ts,tsx}."),
     "type": prop("string", "Only search files of this language: py, js, ts, go, rust, java, c, cpp, ..."),
     "output_mode": prop("string", "files_with_matches (default), content or count.",
-                        enum=["files_with_matches", "content", "count"]),
+                        enum=list(GREP_MODES)),
     "case_insensitive": prop("boolean", "Ignore case (default false)."),
     "line_numbers": prop("boolean", "content mode: show line numbers (default true)."),
     "context_before": prop("integer", "content mode: lines of context before each match."),
@@ -8478,6 +8565,30 @@ def tool_list_directory(session, args, ctx):
     return text
 
 
+# web_fetch's words for each way a fetch fails (FETCH_ERRORS has the kinds).
+_BAD_URL = "错误：无效的网址（%s）: %%(url)s"
+WEB_FETCH_WORDS = {
+    "content_type": "错误：不支持的内容类型 %(ctype)s: %(url)s",
+    "beyond": "错误：start_index %(start)d 超出内容长度（%(length)d 字符）",
+    "timeout": "错误：请求超时（%(timeout)ss）: %(url)s",
+    "redirect_scheme": "错误：重定向到不支持的协议: %(target)s: %(url)s",
+    "unresolved": "错误：无法解析主机 %(host)s: %(url)s",
+    "refused": "错误：拒绝连接 %(host)s（%(address)s 是%(why)s）: %(url)s",
+    "redirects": "错误：重定向次数过多（超过 %(max)d 次）: %(url)s",
+    "status": "错误：HTTP %(status)d: %(url)s",
+    "connection_refused": "错误：连接被拒绝: %(url)s",
+    "failed": "错误：请求失败（%(reason)s）: %(url)s",
+    "scheme": "错误：只支持 http 和 https 网址: %(url)s",
+    "url_long": _BAD_URL % "长度 %(length)d 超过 %(max)d 字符 / over %(max)d characters",
+    "url_space": _BAD_URL % ("第 %(at)d 个字符是空格或控制字符，请用百分号编码（如 %%20）/ a space or control character"
+                             " at %(at)d: percent-encode it, e.g. %%20"),
+    "url_malformed": _BAD_URL % "%(reason)s",
+    "url_no_host": _BAD_URL % "没有主机名 / no host name",
+    "url_port_zero": _BAD_URL % "端口 0 无效 / port 0 is not a port",
+    "url_idna": _BAD_URL % "主机名 %(host)s 无法编码 / the host name cannot be IDNA-encoded",
+}
+
+
 @tool("web_fetch", "Fetch a web page (http or https) and return its readable content: HTML as light Markdown"
       " (headings, lists, [text](url) links, fenced <pre> blocks, table rows; scripts and styles removed), JSON and"
       " plain text as they are; at most 5,000 characters, and a cut page ends with the start_index to read on."
@@ -8495,7 +8606,13 @@ def tool_web_fetch(session, args, ctx):
     start = args.get("start_index") or 0
     if start < 0:
         raise plain_error("错误：start_index 不能为负数: %d" % start, INVALID_INPUT)
-    return WebFetch(url, timeout, ctx.cancelled, ctx.config.web_fetch_block_private).text(start)
+    try:
+        return WebFetch(url, timeout, ctx.cancelled, ctx.config.web_fetch_block_private).text(start)
+    except ToolError as e:
+        if not isinstance(e.detail, tuple):
+            raise
+        kind, facts = e.detail
+        raise plain_error(WEB_FETCH_WORDS[kind] % facts, e.code)
 
 ###############################################################################
 # Protocol ####################################################################
@@ -8506,6 +8623,7 @@ WORKER_IDLE_S = 30.0                       # an idle worker thread retires after
 
 # Arguments clients add to every tool for themselves, dropped unseen (other unknown
 # arguments stay errors: they catch typos). Gemini CLI: wait_for_previous.
+MCP_LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
 INJECTED_ARGUMENTS = frozenset(("wait_for_previous",))
 
 def brief(value, most=80):
@@ -8878,12 +8996,23 @@ class McpServer(object):
         return {"tools": self._tool_list}
 
     def m_set_level(self, params, session):
-        """logging/setLevel: the session's log level."""
+        """logging/setLevel: from now on the session's client is sent, as notifications/message,
+        what this server logs about its calls at `level` or above (a tool that crashed)."""
         level = params.get("level")
-        if not isinstance(level, str):
-            raise RpcError(-32602, "level must be a string such as 'info'")
+        if level not in MCP_LOG_LEVELS:
+            raise RpcError(-32602, "level must be one of %s, not %s" % (", ".join(MCP_LOG_LEVELS), brief(level)))
         session.log_level = level
         return {}
+
+    @staticmethod
+    def tell(session, emit, level, message, **fields):
+        """Log a call's event on stderr, and to the session's client as notifications/message
+        when it asked for `level` (an MCP level) or below with logging/setLevel."""
+        log({"warning": "warn"}.get(level, level), message, **fields)
+        wanted = session.log_level
+        if wanted is not None and MCP_LOG_LEVELS.index(level) >= MCP_LOG_LEVELS.index(wanted):
+            emit({"jsonrpc": "2.0", "method": "notifications/message",
+                  "params": {"level": level, "logger": SERVER_NAME, "data": dict(fields, message=message)}})
 
     METHODS = {"initialize": m_initialize, "server/discover": m_discover, "ping": m_ping,
                "tools/list": m_tools_list, "logging/setLevel": m_set_level}
@@ -8914,6 +9043,7 @@ class McpServer(object):
                 response = result_response(rid, result)
             except Exception:
                 log("error", "tool crashed", tool=name, error=_traceback())
+                self.tell(session, emit, "error", "tool crashed; its traceback is in the server's log", tool=name)
                 response = error_response(rid, -32603, "Internal error in tool %s" % name)
             try:
                 if not cancelled.is_set():
@@ -9424,6 +9554,13 @@ class McpRequestHandler(object):
             return self.refuse(413, {"error": "body over %d bytes" % HTTP_MAX_BODY}) or None
         return int(raw_length)
 
+    def origin_ok(self):
+        """Whether the request's Origin (if any) is a loopback one; False once the 403 is sent."""
+        origin = self.headers.get("Origin")
+        if origin is not None and not is_loopback(host_of(origin)):
+            return self.refuse(403, {"error": "forbidden", "detail": "Origin %s is not allowed" % origin})
+        return True
+
     def guarded(self):
         """Path, Origin, Host and bearer checks; False once a refusal is sent."""
         if self.path.startswith("/.well-known/"):              # OAuth discovery: none here, say so at once
@@ -9431,9 +9568,8 @@ class McpRequestHandler(object):
                                         " bearer token (Authorization: Bearer <token>, see --token)"})
         if self.path.split("?", 1)[0].rstrip("/") != "/mcp":
             return self.refuse(404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
-        origin = self.headers.get("Origin")
-        if origin is not None and not is_loopback(host_of(origin)):
-            return self.refuse(403, {"error": "forbidden", "detail": "Origin %s is not allowed" % origin})
+        if not self.origin_ok():
+            return False
         if self.transport.local_bind and not is_loopback(host_of(self.headers.get("Host", "localhost"))):
             return self.refuse(403, {"error": "forbidden", "detail": "Host header is not a local address"})
         if not self.bearer_ok():
@@ -9593,9 +9729,8 @@ class McpRequestHandler(object):
         authentication (a preflight carries no credentials); a foreign Origin gets 403."""
         if self.path.split("?", 1)[0].rstrip("/") not in ("/mcp", "/health"):
             return self.refuse(404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
-        origin = self.headers.get("Origin")
-        if origin is not None and not is_loopback(host_of(origin)):
-            return self.refuse(403, {"error": "forbidden", "detail": "Origin %s is not allowed" % origin})
+        if not self.origin_ok():
+            return False
         self.reply(204, None, [("Access-Control-Allow-Methods", self.CORS_METHODS),
                                ("Access-Control-Allow-Headers", self.CORS_HEADERS),
                                ("Access-Control-Max-Age", "600"), ("Allow", self.CORS_METHODS)])

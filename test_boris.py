@@ -2443,9 +2443,13 @@ class TestBackgroundTasks(NoViewBase):
         for _ in range(10):
             self.ok("bash", command="sleep %s" % s, run_in_background=True)
         text = self.fails("bash", "BASH_TASK_LIMIT", command="sleep %s" % s, run_in_background=True)
-        self.assertIn("10", text)
+        self.assertIn("10 background tasks are already running, the limit; no background task was started", text)
+        self.assertEqual(len(procs_with(s)), 10, "the refused task ran anyway")
         self.session.close()
         self.assertTrue(wait_until(lambda: not procs_with(s), 15))
+        text = self.fails("bash", "BASH_START_FAILED", command="sleep %s" % s, run_in_background=True)
+        self.assertIn("the session is closing; no background task was started", text)
+        self.assertEqual(procs_with(s), [])
 
     def test_session_close_kills_tasks_and_grandchildren(self):
         s = unique_sleep()
@@ -3539,6 +3543,20 @@ class TestUrlsAndCharsets(NoViewBase):
             self.assertNotIn("\r", text)
         for url in ("ftp://127.0.0.1/", "file:///etc/passwd", "javascript:alert(1)", "//127.0.0.1/"):
             self.assertTrue(self.call("web_fetch", url=url)[0].startswith("错误：只支持"), url)
+        space = "http://127.0.0.1:%d/a b" % port
+        self.assertEqual(self.call("web_fetch", url=space)[0],
+                         "错误：无效的网址（第 %d 个字符是空格或控制字符，请用百分号编码（如 %%20）/ a space or control"
+                         " character at %d: percent-encode it, e.g. %%20）: %s" % (len(space) - 1, len(space) - 1, space))
+
+    def test_the_web_layer_raises_coded_errors_that_the_tool_words(self):
+        for url, kind, code in (("ftp://x/", "scheme", "IO_ERROR"), ("http://:80/", "url_no_host", "INVALID_INPUT"),
+                                ("http://x" + "y" * 9000, "url_long", "INVALID_INPUT")):
+            with self.assertRaises(boris.ToolError) as caught:
+                boris.WebFetch(url, 5).text()
+            self.assertEqual((caught.exception.code, caught.exception.detail[0]), (code, kind))
+            self.assertFalse(caught.exception.plain)
+            self.assertNotRegex(caught.exception.render(), "[\u4e00-\u9fff]")     # English, coded
+        self.assertEqual(set(boris.FETCH_ERRORS), set(boris.WEB_FETCH_WORDS), "a fetch error web_fetch cannot word")
 
     def test_non_ascii_paths_are_percent_encoded(self):
         text, err = self.call("web_fetch", url=self.base + "/caf\u00e9?q=\u00e4")
@@ -6023,6 +6041,22 @@ class TestProtocol(Base):
     def test_ping_and_set_level(self):
         self.assertEqual(self.req("ping")["result"], {})
         self.assertEqual(self.req("logging/setLevel", {"level": "debug"})["result"], {})
+        self.assertEqual(self.req("logging/setLevel", {"level": "loud"})["error"]["code"], -32602)
+
+    def test_set_level_has_effect_a_crash_is_told_to_the_client_that_asked(self):
+        call = {"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": {"name": "view", "arguments": {"path": "."}}}
+        with mock.patch.object(self.server.tools["view"], "handler", side_effect=RuntimeError("boom")), \
+                mock.patch.object(boris, "log"):
+            quiet = self.send(call)
+            self.assertEqual(self.req("logging/setLevel", {"level": "warning"})["result"], {})
+            told = self.send(call)
+            self.assertEqual(self.req("logging/setLevel", {"level": "critical"})["result"], {})
+            above = self.send(call)
+        self.assertEqual([m.get("method") for m in quiet], [None])              # no level asked: nothing told
+        self.assertEqual(told[-1]["error"]["code"], -32603)
+        self.assertEqual(told[0]["method"], "notifications/message")
+        self.assertEqual((told[0]["params"]["level"], told[0]["params"]["data"]["tool"]), ("error", "view"))
+        self.assertEqual([m.get("method") for m in above], [None])              # below the level asked for
 
     def test_tools_list_shapes(self):
         tools = self.req("tools/list")["result"]["tools"]
