@@ -8,32 +8,39 @@ web fetch, in one Python file with no dependencies (Python 3.8+, standard librar
     python3 boris.py --transport http     # serve streamable HTTP on 127.0.0.1:8080/mcp
     python3 boris.py --help               # every flag, with its environment variable
 
-The file reads top to bottom as layers, each under a banner, each using only the
-layers above it:
+The file reads top to bottom as layers, each under a banner, each using only
+the layers above it:
 
-    Limits and constants   every number a user or a model can meet
-    Errors                 the error codes, ToolError, the log
-    Configuration          FLAGS (flag, env, default, kind, help), parse_config, --help
-    Paths                  PathPolicy: resolve, then check allow/deny (case as the volume folds it)
-    Files                  the one opener, the one atomic writer, line reading, sniffing
-    Child processes        spawn, the reaper, killing a call's leftovers
-    Search                 one walker, the glob compiler, the grep and outline engines, helper processes
-    Shell                  the command runner, pump, the sandbox (Landlock, seccomp) and its launcher
-    Web                    fetch with vetted addresses, HTML to Markdown
-    Session                one client's cwd, viewed files, tasks, undo history
-    Tools: building blocks the registry (@tool), schema helpers, CallContext
-    Tools: view            view of files, directories, images
-    Tools: outline         a file's definitions with line ranges, or a directory's files' top-level ones
-    Tools: edits           str_replace, multi_edit, create_file, undo_edit, the compat editor; the one
-                           matcher, the three-way merge (EditMerge) and the one edit writer (write_edit)
-    Tools: apply_patch     Codex's patch format, read, planned, written all or none
-    Tools: notebooks       .ipynb rendering and notebook_edit
-    Tools: shell           bash (handed off to the background when it outlives --handoff) and the task tools
-    Tools: search          grep, glob, search_text, search_files
-    Tools: workspace       read_file, write_file, list_directory, web_fetch (fixed Chinese answers)
-    Protocol               McpServer: JSON-RPC dispatch, argument checks, the worker pool
-    Transports             stdio, and streamable HTTP (sessions, auth, CORS)
-    main                   flags to config, policy and sandbox; serve
+    Limits and constants     every number a user or a model can meet
+    Errors                   the error codes, ToolError, the log
+    Configuration            FLAGS (flag, env, default, kind, help), parse_config, --help
+    Paths                    PathPolicy: resolve, then check allow/deny (case as the volume folds it)
+    Files                    the one opener, the one atomic writer, line reading, sniffing
+    Child processes          spawn, the reaper, killing a group; helper processes (this file run again)
+    Sandbox                  Landlock, seccomp, network namespaces, the launchers that confine commands
+    Search                   one walker, the grep and outline engines, the searches run in helpers
+                             (where a deadline or a cancel can kill them), the helper pool
+    Shell                    Capture, and the command runner: start_process, pump, Task
+    Web                      fetch with vetted addresses, HTML to Markdown, coded fetch errors
+    Session                  one client's cwd, viewed files, tasks (admitted here), undo history
+    Tools: building blocks   the registry (@tool), schema helpers, CallContext, shared answer helpers
+    Tools: documents         what a file shows a model in view: images, notebooks
+    Tools: view              view of files, directories, images and notebooks
+    Tools: outline           a file's definitions with line ranges, or a directory's files' top-level ones
+    Tools: edits             the one matcher and the three-way merge (EditMerge), the one edit writer
+                             (write_edit), then str_replace, multi_edit, create_file, undo_edit and
+                             the compat editor
+    Tools: apply_patch       Codex's patch format, read, planned, written all or none
+    Tools: notebooks         notebook_edit
+    Tools: shell             bash (handed off to the background when it outlives --handoff) and the task tools
+    Tools: search            grep, glob, search_text, search_files
+    Tools: workspace         read_file, write_file, list_directory, web_fetch (fixed Chinese answers)
+    Protocol                 McpServer: JSON-RPC dispatch, argument checks, the worker pool
+    Transports               stdio, and streamable HTTP (sessions, auth, CORS)
+    main                     flags to config, policy and sandbox; serve; a helper process's main
+
+A test (TestTheFilesMap) keeps it so: no name is used above the section or
+sub-banner that defines it, and this list names the sections there are.
 
 A tool's description, schema and handler stand together in its section, registered by
 @tool where they are defined: adding a tool touches one section. Heavy standard-library
@@ -663,6 +670,11 @@ class PathPolicy(object):
     and `SECRETS/k` are `.env` and `secrets/k`, so allow and deny compare them folded
     (and NFC-normalised, as HFS+ decomposes names). Whether a volume folds is probed
     (case_folds), not guessed from the platform; `folds` forces the answer."""
+
+    @classmethod
+    def of(cls, config):
+        """The policy of a Config's --allow-dir, --deny-dir and --workdir (main's, and the tests')."""
+        return cls(config.allow_dir, config.deny_dir, config.workdir)
 
     def __init__(self, allow=(), deny=(), workdir="/", folds=None):
         self.workdir = os.path.realpath(workdir)
@@ -9842,7 +9854,7 @@ def main(argv=None, environ=None):
         config = parse_config(argv, environ)
         disabled_tools(config)                    # an unknown --disable-tools name stops start-up
         try:
-            policy = PathPolicy(config.allow_dir, config.deny_dir, config.workdir)
+            policy = PathPolicy.of(config)
         except ValueError as e:
             raise ConfigError("invalid --deny-dir pattern: %s" % e)
         _log_state["level"] = _LOG_LEVELS[config.log_level]

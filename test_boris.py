@@ -180,6 +180,19 @@ def zombie_children(ppid):
     return sum(1 for parent, state, _ in proc_table().values() if state == "Z" and parent == ppid)
 
 
+def build(test, workdir, flags=(), env=None):
+    """The one fixture builder: a Config of `flags` with --workdir `workdir`, its policy
+    as main() makes it, a server and a session, set on `test` as cfg, policy, server and
+    session, each closed when the test ends."""
+    test.cfg = boris.parse_config(["--workdir", workdir] + list(flags), dict(env or {}))
+    test.policy = boris.PathPolicy.of(test.cfg)
+    test.server = boris.McpServer(test.cfg, test.policy)
+    test.addCleanup(test.server.close)
+    test.session = boris.Session(test.cfg)
+    test.addCleanup(test.session.close)
+    return test.server
+
+
 class Base(unittest.TestCase):
     """A temp workspace, a server built from flags, one session; `call` runs a tool."""
     flags = []
@@ -188,10 +201,7 @@ class Base(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="boris-test-")
         self.root = os.path.realpath(self.tmp)
-        self.cfg = boris.parse_config(["--workdir", self.root] + list(self.flags), dict(self.env))
-        self.policy = boris.PathPolicy(self.cfg.allow_dir, self.cfg.deny_dir, self.cfg.workdir)
-        self.server = boris.McpServer(self.cfg, self.policy)
-        self.session = boris.Session(self.cfg)
+        build(self, self.root, self.flags, self.env)
 
     def tearDown(self):
         self.session.close()
@@ -430,11 +440,7 @@ class TestPathPolicy(Base):
         os.symlink(self.sibling, os.path.join(self.ws, "dirlink_out"))
         with open(os.path.join(self.ws, "sub", "ok.txt"), "w") as f:
             f.write("fine\n")
-        self.cfg = boris.parse_config(["--workdir", self.ws, "--allow-dir", self.ws,
-                                       "--deny-dir", "**/.env", "--require-view-before-edit", "false"], {})
-        self.policy = boris.PathPolicy(self.cfg.allow_dir, self.cfg.deny_dir, self.cfg.workdir)
-        self.server = boris.McpServer(self.cfg, self.policy)
-        self.session = boris.Session(self.cfg)
+        build(self, self.ws, ["--allow-dir", self.ws, "--deny-dir", "**/.env", "--require-view-before-edit", "false"])
 
     def test_component_wise_not_prefix(self):
         self.assertTrue(boris.is_within("/ws/a", "/ws"))
@@ -473,7 +479,7 @@ class TestPathPolicy(Base):
 
     def test_deny_dir_beats_allow(self):
         cfg = boris.parse_config(["--workdir", self.ws, "--allow-dir", self.ws, "--deny-dir", "sub"], {})
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        policy = boris.PathPolicy.of(cfg)
         self.assertTrue(policy.is_denied(os.path.join(self.ws, "sub", "ok.txt")))
         self.assertFalse(policy.is_denied(os.path.join(self.ws, "other.txt")))
 
@@ -623,7 +629,7 @@ class HostileTree(object):
 
     def server(self, extra=()):
         cfg = boris.parse_config(self.flags + list(extra), {})
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        policy = boris.PathPolicy.of(cfg)
         return boris.McpServer(cfg, policy), cfg, policy
 
     def outside_snapshot(self):
@@ -739,7 +745,7 @@ class TestHostilePathCampaign(unittest.TestCase):
         # Unconfined server: the deny rule and the seed-004 root are all that guard.
         cfg = boris.parse_config(["--workdir", self.tree.ws, "--deny-dir", os.path.join(self.tree.base, "outside"),
                                   "--require-view-before-edit", "false"], {})
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        policy = boris.PathPolicy.of(cfg)
         server, session = boris.McpServer(cfg, policy), boris.Session(cfg)
         self.addCleanup(session.close)
         for name, args in (("view", {"path": "l_self/../out/o.txt"}), ("read_file", {"path": "l_self/../out/o.txt"}),
@@ -853,7 +859,7 @@ class TestSpecialFiles(NoViewBase):
 
     def test_seed004_read_file_of_a_device_in_the_workspace(self):
         cfg = boris.parse_config(["--workdir", "/dev"], {})
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        policy = boris.PathPolicy.of(cfg)
         server = boris.McpServer(cfg, policy)
         done, r = run_with_deadline(lambda: boris.McpServer.run_tool(
             server.tools["read_file"], self.session, {"path": "zero"}, ctx_of(cfg, policy)), 10)
@@ -1778,7 +1784,7 @@ class TestLinkedDenyInSearch(Base):
             f.write(SECRET + "\n")
         os.symlink("..", os.path.join(outside, "ws", "sub", "up"))
         cfg = boris.parse_config(["--workdir", outside, "--deny-dir", os.path.join(outside, "ws", "k.txt")], {})
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        policy = boris.PathPolicy.of(cfg)
         server = boris.McpServer(cfg, policy)
         r = boris.McpServer.run_tool(server.tools["grep"], self.session,
                                      {"pattern": "SECRET", "path": os.path.join(outside, "ws", "sub"),
@@ -2711,13 +2717,8 @@ class SandboxBase(unittest.TestCase):
         os.symlink(self.out, os.path.join(self.ws, "out-link"))
         with open(os.path.join(self.ws, "mine.txt"), "w") as f:
             f.write("inside\n")
-        self.cfg = boris.parse_config(["--workdir", self.ws, "--allow-dir", self.ws, "--sandbox", self.mode,
-                                       "--sandbox-network", self.network, "--require-view-before-edit", "false"], {})
-        self.policy = boris.PathPolicy(self.cfg.allow_dir, self.cfg.deny_dir, self.cfg.workdir)
-        self.server = boris.McpServer(self.cfg, self.policy)
-        self.addCleanup(self.server.close)
-        self.session = boris.Session(self.cfg)
-        self.addCleanup(self.session.close)
+        build(self, self.ws, ["--allow-dir", self.ws, "--sandbox", self.mode, "--sandbox-network", self.network,
+                              "--require-view-before-edit", "false"])
 
     def bash(self, command, **extra):
         ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, sandbox=self.server.sandbox)
@@ -4348,7 +4349,7 @@ class TestEditFuzz(unittest.TestCase):
         line = lambda: "".join(rng.choice(pieces) for _ in range(rng.randint(0, 5)))
         work = os.path.realpath(tempfile.mkdtemp(prefix="boris-fuzz-"))
         cfg = boris.parse_config(["--workdir", work, "--require-view-before-edit", "false"], {})
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        policy = boris.PathPolicy.of(cfg)
         server, session, crashed = boris.McpServer(cfg, policy), boris.Session(cfg), []
         try:
             for c in range(1500):
@@ -4639,7 +4640,7 @@ class SlipCampaign(object):
         """Send n edits through the tools (every slip, edit and format in turn); a tally
         {(slip, format): Counter(landed, refused, wrong, crashed)} and examples of wrong ones."""
         cfg = boris.parse_config(["--workdir", workdir, "--require-view-before-edit", "false"], {})
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        policy = boris.PathPolicy.of(cfg)
         server = boris.McpServer(cfg, policy)
         session = boris.Session(cfg)
         tally, wrong = {}, []
@@ -4726,7 +4727,7 @@ class TestCodexDifferential(unittest.TestCase):
         campaign = SlipCampaign(4038)
         work = os.path.realpath(tempfile.mkdtemp(prefix="boris-codex-"))
         cfg = boris.parse_config(["--workdir", work, "--require-view-before-edit", "false"], {})
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        policy = boris.PathPolicy.of(cfg)
         server = boris.McpServer(cfg, policy)
         session = boris.Session(cfg)
         tally, bad = Counter(), []
@@ -5104,12 +5105,6 @@ class TestOutline(NoViewBase):
             cfg = boris.parse_config(["--workdir", self.root, "--disable-tools", "outline"] + flags, {})
             self.assertNotIn("outline", boris.build_tools(cfg))
 
-    def test_the_tool_list_stays_under_22000_characters(self):
-        for flags in ([], ["--anthropic-compat"]):
-            cfg = boris.parse_config(["--workdir", self.root] + flags, {})
-            size = len(json.dumps([t.listing() for t in boris.build_tools(cfg).values()]))
-            self.assertLess(size, 22000, flags)
-
     def test_cpython_lib_agrees_with_ast_walked_independently(self):
         import ast
         import sysconfig
@@ -5263,7 +5258,7 @@ class TestApplyPatch(NoViewBase):
         self.tree()
         cfg = boris.parse_config(["--workdir", self.root, "--allow-dir", os.path.join(self.root, "old"),
                                   "--require-view-before-edit", "false"], {})
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        policy = boris.PathPolicy.of(cfg)
         server = boris.McpServer(cfg, policy)
         before = tree_snapshot(self.root)
         for patch in ("*** Begin Patch\n*** Update File: old/name.sh\n-echo old\n+echo x\n*** Add File: ../../x.txt\n"
@@ -5517,10 +5512,7 @@ class TestWorkspaceTools(NoViewBase):
         with open(self.path("ws2", "secret.txt"), "w") as f:
             f.write("secret\n")
         os.symlink(self.path("ws2"), os.path.join(self.ws, "escape_link"))
-        self.cfg = boris.parse_config(["--workdir", self.ws], {})
-        self.policy = boris.PathPolicy(self.cfg.allow_dir, self.cfg.deny_dir, self.cfg.workdir)
-        self.server = boris.McpServer(self.cfg, self.policy)
-        self.session = boris.Session(self.cfg)
+        build(self, self.ws)
         import io
         self.stderr = io.StringIO()
         self.real_stderr, sys.stderr = sys.stderr, self.stderr
@@ -5625,7 +5617,7 @@ class TestWorkspaceTools(NoViewBase):
 
     def test_deny_dir_applies(self):
         cfg = boris.parse_config(["--workdir", self.ws, "--deny-dir", "**/data"], {})
-        self.policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        self.policy = boris.PathPolicy.of(cfg)
         self.cfg, self.server = cfg, boris.McpServer(cfg, self.policy)
         self.assertEqual(self.call("read_file", path="data/x")[0], "错误：路径越出工作区限制")
         self.assertNotIn("data", self.ok("list_directory", path="."))
@@ -5720,6 +5712,13 @@ class ArgumentCampaign(object):
             "apply_patch": {"input": "*** Begin Patch\n*** Update File: a.txt\n@@\n-gamma\n+gamma\n*** End Patch\n"},
         }
 
+    def args_for(self, name):
+        """A copy of the base arguments of tool `name`; a failure naming what to add for a new tool."""
+        if name not in self.base:
+            raise AssertionError("tool %r has no base arguments: add a row to ArgumentCampaign.base with"
+                                 " arguments that work for it in a fresh workspace" % name)
+        return json.loads(json.dumps(self.base[name]))
+
     def cases(self, tools, rng, n):
         """`n` (tool name, arguments) pairs: first each property x each hostile value,
         then random spoilings of one to three properties."""
@@ -5728,13 +5727,13 @@ class ArgumentCampaign(object):
             props = sorted(tools[name].schema["properties"]) + ["zz_extra", "wait_for_previous"]
             for key in props:
                 for value in HOSTILE_VALUES:
-                    args = dict(self.base.get(name, {}))
+                    args = self.args_for(name)
                     args[key] = value
                     out.append((name, args))
         names = sorted(tools)
         while len(out) < n:
             name = rng.choice(names)
-            args = dict(self.base.get(name, {}))
+            args = self.args_for(name)
             props = sorted(tools[name].schema["properties"])
             for key in rng.sample(props, min(len(props), rng.randint(1, 3))):
                 args[key] = rng.choice(HOSTILE_VALUES)
@@ -5779,7 +5778,7 @@ class TestArgumentCampaign(unittest.TestCase):
     def run_calls(self, flags, n, seed):
         cfg = boris.parse_config(["--workdir", self.tmp, "--allow-dir", self.tmp, "--require-view-before-edit", "false"]
                                  + flags, {})
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        policy = boris.PathPolicy.of(cfg)
         server = boris.McpServer(cfg, policy)
         session = boris.Session(cfg)
         self.addCleanup(session.close)
@@ -5862,7 +5861,7 @@ class TestEveryStringIsCheckedAtTheSchema(NoViewBase):
         for name, tool in sorted(server.tools.items()):
             for shown, key, how in string_paths(tool.schema):
                 for bad in BAD_TEXT:
-                    args = json.loads(json.dumps(campaign.base[name]))
+                    args = campaign.args_for(name)
                     if how is None:
                         args[key] = bad
                     elif how == "list":
@@ -5924,6 +5923,25 @@ class TestSchemasTellTheTruth(Base):
         for phrase in ("Prefer the view, grep and glob tools", "do not persist between calls",
                        "Pipe long command output through tail"):
             self.assertIn(phrase, text)
+
+    # SPEC 3: what tools/list may cost every request of every client, on the wire
+    LISTING_CHARS_PER_TOOL, LISTING_CHARS_MAX = 1100, 25000
+
+    def test_the_tool_list_fits_its_budget_per_tool_and_in_all(self):
+        for flags in ([], ["--anthropic-compat"]):
+            tools = boris.build_tools(boris.parse_config(["--workdir", self.root] + flags, {}))
+            wire = len(boris.dump_json([t.listing() for t in tools.values()]))
+            budget = min(self.LISTING_CHARS_MAX, self.LISTING_CHARS_PER_TOOL * len(tools))
+            biggest = sorted(tools.values(), key=lambda t: -len(boris.dump_json(t.listing())))[:3]
+            self.assertLessEqual(wire, budget, "tools/list%s is %d characters for %d tools, over %d; the longest:"
+                                 " %s" % (" " + " ".join(flags) if flags else "", wire, len(tools), budget,
+                                          ", ".join("%s %d" % (t.name, len(boris.dump_json(t.listing())))
+                                                    for t in biggest)))
+
+    def test_every_registered_tool_has_campaign_arguments(self):
+        campaign = ArgumentCampaign(self.root, 9)
+        for name in boris.tool_names():
+            self.assertIsInstance(campaign.args_for(name), dict)
 
     def test_discover_for_2026_has_no_logging(self):
         self.assertNotIn("logging", self.server.m_discover({}, self.session)["capabilities"])
@@ -6032,7 +6050,7 @@ class TestProtocol(Base):
 
     def test_instructions_name_scope(self):
         cfg = boris.parse_config(["--workdir", self.root, "--allow-dir", self.root, "--deny-dir", "**/.env"], {})
-        srv = boris.McpServer(cfg, boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir))
+        srv = boris.McpServer(cfg, boris.PathPolicy.of(cfg))
         text = srv.instructions()
         self.assertIn("Allowed directories: %s" % self.root, text)
         self.assertIn("Denied patterns: **/.env", text)
@@ -7060,7 +7078,7 @@ class HttpBase(unittest.TestCase):
             f.write("one\n")
         cfg = boris.parse_config(["--workdir", self.tmp, "--transport", "http"] + self.flags, {})
         cfg.port = 0
-        policy = boris.PathPolicy(cfg.allow_dir, cfg.deny_dir, cfg.workdir)
+        policy = boris.PathPolicy.of(cfg)
         self.transport = boris.HttpTransport(boris.McpServer(cfg, policy), cfg, self.token)
         self.port = self.transport.bind()[1]
         self.thread = threading.Thread(target=self.transport.serve, daemon=True)
@@ -7677,3 +7695,103 @@ class TestHttpForClients(HttpBase):
             self.assertEqual(st, 200, body)
             kinds.append(body["result"]["content"][0]["type"])
         self.assertEqual(kinds, ["text", "image", "text", "image"])
+
+
+# ---------------------------------------------------------------------------
+# The file's map: sections, and what each may use
+# ---------------------------------------------------------------------------
+
+
+def banners_of(lines):
+    """[(line number, title)] of boris.py's banners: sections and their sub-banners."""
+    out = []
+    for number, line in enumerate(lines, 1):
+        m = re.match(r"^# (.+?) #{5,}$", line) or re.match(r"^# -- (.+?) -{5,}$", line)
+        if m:
+            out.append((number, m.group(1)))
+    return out
+
+
+def forward_references(source):
+    """{(name, section it is defined in, section that uses it): first line of the use} for
+    every module-level name used (read, at any depth, not shadowed by a local) in a
+    section above the one that defines it. Sub-banners count as sections."""
+    import ast
+    banners = banners_of(source.splitlines())
+    starts = [number for number, _ in banners]
+
+    def section(line):
+        k = 0
+        while k + 1 < len(starts) and starts[k + 1] <= line:
+            k += 1
+        return k
+    tree = ast.parse(source)
+    defined = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        else:
+            names = []
+        for name in names:
+            defined.setdefault(name, section(node.lineno))
+
+    def bound(fn):
+        a = fn.args
+        names = set(x.arg for x in a.args + a.kwonlyargs + getattr(a, "posonlyargs", []) + [a.vararg, a.kwarg] if x)
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
+                names.add(n.id)
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n is not fn:
+                names.add(n.name)
+            elif isinstance(n, (ast.Import, ast.ImportFrom)):
+                names.update((x.asname or x.name).split(".")[0] for x in n.names)
+            elif isinstance(n, ast.arg):
+                names.add(n.arg)
+        return names
+    found = {}
+    todo = [(tree, ())]
+    while todo:
+        node, scopes = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            scopes = scopes + (bound(node),)
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in defined \
+                and not any(node.id in s for s in scopes) and defined[node.id] > section(node.lineno):
+            key = (node.id, banners[defined[node.id]][1], banners[section(node.lineno)][1])
+            found[key] = min(found.get(key, node.lineno), node.lineno)
+        todo.extend((child, scopes) for child in ast.iter_child_nodes(node))
+    return found
+
+
+class TestTheFilesMap(unittest.TestCase):
+    """boris.py reads top to bottom as layers: no name is used above the section (or
+    sub-banner) that defines it, and the module header lists the sections there are."""
+
+    # Deliberate exceptions, each with its reason: (name, defined in, used in).
+    ALLOWED = {}
+
+    @classmethod
+    def setUpClass(cls):
+        with open(BORIS, encoding="utf-8") as f:
+            cls.source = f.read()
+
+    def test_no_name_is_used_above_its_section(self):
+        found = dict((k, v) for k, v in forward_references(self.source).items() if k not in self.ALLOWED)
+        self.assertEqual(found, {}, "\n".join("line %d uses %s (%s) above its section (%s): move it up, or the"
+                                              " use down" % (line, name, where, user)
+                                              for (name, where, user), line in sorted(found.items())))
+
+    def test_the_check_finds_a_forward_reference(self):
+        source = ("#####\n# Low ######\n#####\ndef low():\n    return high()\n\n\n"
+                  "#####\n# High ######\n#####\ndef high():\n    x = low\n    return x\n")
+        self.assertEqual(forward_references(source), {("high", "High", "Low"): 5})
+
+    def test_the_header_lists_every_section_in_order(self):
+        header = self.source.split('"""', 2)[1]
+        block = header.split("the layers above it:\n\n", 1)[1].split("\n\n", 1)[0]
+        listed = [re.split(r"\s{2,}", line.strip())[0] for line in block.splitlines() if re.match(r"^    \S", line)]
+        sections = [title.split(" (")[0] for _, title in banners_of(self.source.splitlines())
+                    if "#####\n# %s " % title in self.source]
+        self.assertEqual(sections, listed)
