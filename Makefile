@@ -3,7 +3,7 @@ PYTHON ?= python3
 .PHONY: test test-all run lint
 
 test:
-	$(PYTHON) -W error::ResourceWarning -m unittest -v test_boris
+	$(PYTHON) -W error::ResourceWarning test_boris.py -v
 
 # Run the suite on every Python 3.8-3.15 found: pyenv's, and python3.14/python3.15 on PATH
 # (../shared/bench/newpython.sh installs those two). Fails when any of them fails.
@@ -11,16 +11,16 @@ test-all:
 	@found=0; bad=""; log=$$(mktemp); \
 	for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.(8|9|1[0-5])\.' ); do \
 		found=1; echo "=== Python $$v"; \
-		PYENV_VERSION=$$v python3 -W error::ResourceWarning -m unittest test_boris >"$$log" 2>&1; rc=$$?; \
+		PYENV_VERSION=$$v python3 -W error::ResourceWarning test_boris.py >"$$log" 2>&1; rc=$$?; \
 		tail -n 3 "$$log"; [ $$rc = 0 ] || bad="$$bad $$v"; \
 	done; \
 	for py in python3.14 python3.15; do \
 		command -v $$py >/dev/null 2>&1 || continue; \
 		found=1; echo "=== $$($$py --version)"; \
-		$$py -W error::ResourceWarning -m unittest test_boris >"$$log" 2>&1; rc=$$?; \
+		$$py -W error::ResourceWarning test_boris.py >"$$log" 2>&1; rc=$$?; \
 		tail -n 3 "$$log"; [ $$rc = 0 ] || bad="$$bad $$py"; \
 	done; rm -f "$$log"; \
-	if [ $$found = 0 ]; then $(PYTHON) -m unittest test_boris || exit 1; fi; \
+	if [ $$found = 0 ]; then $(PYTHON) -W error::ResourceWarning test_boris.py || exit 1; fi; \
 	if [ -n "$$bad" ]; then echo "FAILED on:$$bad"; exit 1; fi
 
 run:
