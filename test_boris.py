@@ -1566,8 +1566,11 @@ class TestSandboxOverStdio(unittest.TestCase):
             text = c.call("bash", {"command": command})["content"][0]["text"]
             self.assertIn("Operation not permitted", text, command)
             self.assertEqual(c.request("ping")["result"], {})
-        c.call("bash", {"command": "sleep 0.2; kill -9 %d" % pid, "run_in_background": True})
-        time.sleep(0.5)
+        text = c.call("bash", {"command": "sleep 0.2; kill -9 %d" % pid, "run_in_background": True})["content"][0]["text"]
+        tid = re.search(r"task_[0-9a-f]+", text).group(0)
+        done = c.call("task_output", {"task_id": tid, "wait_ms": 10000})["content"][0]["text"]   # the kill was tried
+        self.assertIn("status: completed", done)
+        self.assertIn("Operation not permitted", done)
         self.assertEqual(c.request("ping")["result"], {})
         self.assertIsNone(c.p.poll())
 
@@ -4825,6 +4828,14 @@ class TestInteractiveTasks(NoViewBase):
         self.assertEqual(run.returncode, 0, run.stderr[-2000:])
         self.assertIn("OK", run.stderr)
 
+    def test_wait_for_a_literal_that_spans_lines_returns_on_the_match(self):
+        tid = self.start("printf 'one\\ntwo\\n'; sleep 2; echo the-$((6*7))-end", run_in_background=True)
+        text = self.ok("task_output", task_id=tid, wait_for="one\ntwo", wait_ms=20000)
+        self.assertIn("one\ntwo", text)
+        self.assertIn("status: running", text)          # the match returned it, not the task's end
+        self.assertNotIn("the-42-end", text)
+        self.ok("task_stop", task_id=tid)
+
     def test_eof_ends_cat(self):
         tid = self.start("cat; echo cat-ended", interactive=True)
         text = self.ok("task_input", task_id=tid, input="abc\n", close_stdin=True, wait_ms=10000)
@@ -7832,6 +7843,14 @@ class TestTheFilesMap(unittest.TestCase):
         source = ("#####\n# Low ######\n#####\ndef low():\n    return high()\n\n\n"
                   "#####\n# High ######\n#####\ndef high():\n    x = low\n    return x\n")
         self.assertEqual(forward_references(source), {("high", "High", "Low"): 5})
+
+    def test_the_readme_names_every_flag_and_every_tool(self):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+            readme = f.read()
+        self.assertEqual([flag[0] for flag in boris.FLAGS if "--" + flag[0] not in readme], [],
+                         "flags README.md does not name: add each to its flags table")
+        self.assertEqual([name for name in boris.tool_names() if "`%s`" % name not in readme], [],
+                         "tools README.md does not name: add each to its tools table")
 
     def test_the_header_lists_every_section_in_order(self):
         header = self.source.split('"""', 2)[1]
