@@ -84,6 +84,11 @@ import queue
 from collections import Counter, OrderedDict, deque, namedtuple
 from operator import attrgetter, itemgetter
 
+# This file's path, read once: CPython takes __file__ out of a script's globals when its top
+# level ends, and the server serves on after that (serve_after_the_script). None when the
+# code came from no file (then no helper process can run it).
+THIS_FILE = os.path.abspath(__file__) if globals().get("__file__") else None
+
 ###############################################################################
 # Limits and constants ########################################################
 ###############################################################################
@@ -1469,6 +1474,20 @@ def prctl(option, value):
         return False  # no libc prctl here: the caller says what it lacks
 
 
+def give_back_memory(main_thread, wait_s=10.0):
+    """Once `main_thread` is done with the script (its parse tree freed), hand the C
+    library's free pages back to the system: glibc's malloc_trim(0). Elsewhere (musl,
+    macOS) nothing is to be had and nothing is done."""
+    deadline = time.monotonic() + wait_s
+    while main_thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        _, libc = _libc()
+        libc.malloc_trim(0)
+    except (OSError, AttributeError, ImportError):
+        log("debug", "no malloc_trim here: memory freed at start-up stays with the allocator")
+
+
 def set_subreaper():
     """Become a child subreaper (Linux); False where it is not to be had."""
     return prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -1740,10 +1759,10 @@ def helper_command(kind, avoid=()):
     A helper starting another (a partner) uses the private directory it runs from.
     Without a private directory it runs isolated (-I: no cwd, no script directory on
     the path) and compiles this file at every start."""
-    real = os.path.realpath(__file__)
+    real = os.path.realpath(THIS_FILE)
     parent = str(os.getpid())
-    here = os.path.dirname(os.path.abspath(__file__))
-    if os.path.basename(__file__).startswith("boris_") and os.path.basename(here).startswith("boris-pycache-") \
+    here = os.path.dirname(THIS_FILE)
+    if os.path.basename(THIS_FILE).startswith("boris_") and os.path.basename(here).startswith("boris-pycache-") \
             and private_ok(here) and not any(is_within(here, a) for a in avoid):
         private = here
     else:
@@ -3952,7 +3971,7 @@ def new_partner():
 
 def partner_count():
     """How many partners a shared walk uses: the cores beside this one, at most 3."""
-    if not globals().get("__file__"):
+    if not THIS_FILE:
         return 0
     return min(os.cpu_count() or 1, 4) - 1
 
@@ -8885,6 +8904,7 @@ class McpServer(object):
         self.helpers = HelperPool(avoid=self.sandbox.writable)
         self.files = FileGuards()
         self._tool_list = [t.listing() for t in self.tools.values()]
+        self.answered = threading.Event()      # set once a tool call has been answered
 
     def close(self):
         """Kill every helper process this server started (sessions close their own)."""
@@ -9062,6 +9082,7 @@ class McpServer(object):
                     emit(response)
             finally:
                 session.end(rid, cancelled)     # after emit: a transport waiting on inflight sees the answer first
+                self.answered.set()
         lane = tool.lane(args if isinstance(args, dict) else {}) if callable(tool.lane) else tool.lane
         self.pool.submit(run, owner=(session, lane))
 
@@ -9202,8 +9223,16 @@ class Stopper(object):
             if left <= 0:
                 return False
             if select.select([self.r], [], [], min(left, 1.0))[0]:
-                os.read(self.r, 512)
+                self.note(os.read(self.r, 512))
         return True
+
+    def note(self, data):
+        """The wakeup pipe's bytes: a shutdown signal's number stops the server here, even
+        when the main thread (where its Python handler runs) is not running Python code."""
+        for number in bytearray(data):
+            for name in self.SIGNALS:
+                if getattr(signal, name, None) == number:
+                    self.stop(name)
 
 
 def _no_constant(name):
@@ -9839,9 +9868,10 @@ def helper_main(args):
     return 0
 
 
-def main(argv=None, environ=None):
+def main(argv=None, environ=None, after_the_script=False):
     """Run the server (or a helper, with --helper): parse the flags, resolve the sandbox, serve stdio or
-    HTTP until stopped; the exit code."""
+    HTTP until stopped; the exit code. With after_the_script (run as a script) it serves from a
+    thread of its own once start-up is done and returns None (serve_after_the_script)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--helper"]:
         return helper_main(argv[1:])
@@ -9849,7 +9879,7 @@ def main(argv=None, environ=None):
     if sys.getfilesystemencoding().lower().replace("-", "") != "utf8" and __name__ == "__main__":
         # An ASCII locale (LC_ALL=C) would make every non-ASCII path or command fail:
         # run again in Python's UTF-8 mode, before anything is read.
-        os.execv(sys.executable, [sys.executable, "-X", "utf8", os.path.abspath(__file__)] + argv)
+        os.execv(sys.executable, [sys.executable, "-X", "utf8", THIS_FILE] + argv)
     try:
         config = parse_config(argv, environ)
         disabled_tools(config)                    # an unknown --disable-tools name stops start-up
@@ -9869,16 +9899,50 @@ def main(argv=None, environ=None):
     if os.getpid() == 1:
         start_reaper()                    # PID 1 reaps orphans from the start; others on their first spawn
     server = McpServer(config, policy, sandbox)
-    try:
-        if config.transport == "http":
-            return serve_http(server, config, stopper)
-        log("info", sandbox.describe(), why=sandbox.why)
-        log("debug", "serving stdio", workdir=config.workdir, tools=list(server.tools))
-        serve_stdio(server, Session(config), stopper)
-        return 0
-    finally:
-        server.close()
+
+    def serve():
+        try:
+            if config.transport == "http":
+                return serve_http(server, config, stopper)
+            log("info", sandbox.describe(), why=sandbox.why)
+            log("debug", "serving stdio", workdir=config.workdir, tools=list(server.tools))
+            serve_stdio(server, Session(config), stopper)
+            return 0
+        finally:
+            server.close()
+    if not after_the_script:
+        return serve()
+    serve_after_the_script(serve, server)
+    return None
+
+
+def serve_after_the_script(serve, server):
+    """Serve from a thread of its own and let the script's top level end once start-up is over
+    (the first tool call answered, or a second passed). CPython keeps the whole parse tree of
+    the script it runs (about 25 MB for this file) until the script's top level returns;
+    ending it frees the tree, and give_back_memory returns those pages to the system. The main thread then waits for this thread in the interpreter's shutdown, still
+    taking signals (the Stopper reads them from its wakeup pipe too); the process ends with
+    serve's exit code once it has cleaned up."""
+    def run():
+        code = 1
+        try:
+            code = serve()
+        except BaseException:
+            log("error", "the server stopped on an error", error=_traceback())
+        finally:
+            for f in (sys.stdout, sys.stderr):
+                try:
+                    f.flush()
+                except (OSError, ValueError):
+                    pass  # a closed pipe: nothing left to say on it
+            os._exit(code if isinstance(code, int) else 0)
+    threading.Thread(target=run, name="boris-serve").start()
+    threading.Thread(target=give_back_memory, args=(threading.main_thread(),), daemon=True,
+                     name="boris-memory").start()
+    server.answered.wait(1.0)       # the tree is freed after the first tool call (or a second): off its path
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _code = main(after_the_script=True)
+    if _code is not None:
+        sys.exit(_code)

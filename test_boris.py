@@ -6901,6 +6901,24 @@ class TestModelRegexesRunWhereTheyCanBeKilled(StdioBase):
 
 
 class TestEnvironments(unittest.TestCase):
+    @unittest.skipUnless(HAS_PROC and LINUX and "glibc" in (os.confstr("CS_GNU_LIBC_VERSION") or ""),
+                         "needs /proc and glibc's malloc_trim")
+    def test_the_parse_tree_is_given_back_after_start_up(self):
+        """CPython keeps a script's parse tree while its top level runs (~25 MB for boris.py);
+        the server serves from a thread once started, so the tree is freed and trimmed."""
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-rss-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        c = StdioClient(["--workdir", tmp])
+        self.addCleanup(c.close)
+        c.initialize()
+
+        def rss_kb():
+            with open("/proc/%d/status" % c.p.pid) as f:
+                return int([line.split()[1] for line in f if line.startswith("VmRSS")][0])
+        self.assertFalse(c.call("glob", {"pattern": "*"}, timeout=30)["isError"])      # a first tool call
+        self.assertTrue(wait_until(lambda: rss_kb() < 28 * 1024, 10), "RSS stays at %d KB" % rss_kb())
+        self.assertEqual(c.request("ping")["result"], {})              # still serving, from its thread
+
     def test_ascii_locale_serves_non_ascii_paths_and_commands(self):
         tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-ascii-"))
         self.addCleanup(shutil.rmtree, tmp, True)
