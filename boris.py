@@ -2514,15 +2514,40 @@ class IgnoreFile(object):
             except ValueError:
                 continue                     # git ignores a malformed pattern too
             self.rules.append((rx, neg, dir_only, anchored))
+        self.runs = self.combined(self.rules)
+
+    @staticmethod
+    def combined(rules):
+        """The rules as a few regexes: each run of consecutive rules that all ignore (or all
+        re-include) becomes, last run first, (negated, then for a directory the regex of
+        its rules that match a name and of those that match the path, then the same two
+        for a file, which dir-only rules do not match). Within a run any match gives the
+        same verdict, so one regex (alternatives tried in C) decides it."""
+        runs = []
+        for rx, neg, dir_only, anchored in rules:
+            if not runs or runs[-1][0] != neg:
+                runs.append((neg, []))
+            runs[-1][1].append((rx, dir_only, anchored))
+        out = []
+        for neg, members in reversed(runs):
+            regexes = []
+            for for_dir in (True, False):
+                for by_path in (False, True):
+                    chosen = [rx for rx, dir_only, anchored in members if anchored == by_path and (for_dir or
+                                                                                                 not dir_only)]
+                    if len(chosen) > 1:
+                        chosen = [re.compile("|".join("(?:%s)" % rx.pattern for rx in chosen), re.DOTALL)]
+                    regexes.append(chosen[0] if chosen else None)
+            out.append((neg,) + tuple(regexes))
+        return out
 
     def verdict(self, rel, name, is_dir):
         """True (ignored), False (re-included by '!') or None (no rule matched)."""
         if not rel.isascii():
             rel, name = as_bytes(rel), as_bytes(name)
-        for rx, neg, dir_only, anchored in reversed(self.rules):
-            if dir_only and not is_dir:
-                continue
-            if rx.match(rel if anchored else name):
+        for neg, dir_name, dir_path, file_name, file_path in self.runs:
+            by_name, by_path = (dir_name, dir_path) if is_dir else (file_name, file_path)
+            if by_name is not None and by_name.match(name) or by_path is not None and by_path.match(rel):
                 return not neg
         return None
 
