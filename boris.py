@@ -2450,6 +2450,7 @@ SEARCH_IDLE_HELPERS = 2                    # search helpers kept warm for the ne
 DEADLINE_GRACE_S = 2.0                     # a helper past its job's deadline by this much ends itself
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
 GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
+IGNORE_CACHE_FILES = 4096              # ignore files a helper keeps compiled (unchanged ones are not re-read)
 SHARE_MIN_ENTRIES = 3000               # a walk is shared once it has listed this many entries
 SHARE_MIN_UNITS = 8                    # ... and has this many directories left to walk
 SHARE_SLICES = 48                      # a partner is given about 1/48 of its share at a time
@@ -2584,11 +2585,6 @@ def read_ignore(base, source):
     return rules if rules.rules else None
 
 
-def load_ignore(directory):
-    """The IgnoreFile of directory's .gitignore, or None."""
-    return read_ignore(directory, os.path.join(directory, ".gitignore"))
-
-
 def git_top(start):
     """The work tree containing `start` (a directory holding .git), or None."""
     d = start
@@ -2611,28 +2607,61 @@ def ignored(stack, path, name, is_dir):
     return False
 
 
-def repo_excludes(top):
-    """The ignore stack a work tree starts with: its .git/info/exclude, if any."""
-    ex = read_ignore(top, os.path.join(top, ".git", "info", "exclude"))
-    return [ex] if ex else []
+class IgnoreFiles(object):
+    """The ignore files a process has read, each kept while its file is unchanged (the
+    same inode, size, mtime and ctime): a warm search helper reads and compiles an
+    unchanged .gitignore once, not at every search. At most IGNORE_CACHE_FILES are
+    kept, the least recently used going first."""
 
+    def __init__(self):
+        self.files = OrderedDict()                 # (base, source) -> (stat key, IgnoreFile or None)
 
-def outer_ignores(root):
-    """.gitignore rules that apply to `root` from its work tree's top down to it
-    (and .git/info/exclude). Outside a git work tree, those of every directory above
-    it: projects copied into containers usually arrive without their .git, and their
-    .gitignore still says what is build output (ripgrep's --no-require-git)."""
-    top = git_top(root)
-    stack = repo_excludes(top) if top is not None else []
-    top = top or "/"
-    d = top
-    rel = root[len(top):].strip("/")
-    for part in [p for p in rel.split("/") if p]:
-        rules = load_ignore(d)
-        if rules:
-            stack.append(rules)
-        d = os.path.join(d, part)
-    return stack
+    def read(self, base, source):
+        """The rules of `source` for directory `base` (read_ignore's), from the cache when unchanged."""
+        try:
+            st = os.stat(source)
+        except OSError:
+            self.files.pop((base, source), None)
+            return None  # no such file (or unreadable): no rules from it
+        key, seen = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns), self.files.get((base, source))
+        if seen is not None and seen[0] == key:
+            self.files.move_to_end((base, source))
+            return seen[1]
+        rules = read_ignore(base, source)
+        self.files[(base, source)] = (key, rules)
+        while len(self.files) > IGNORE_CACHE_FILES:
+            self.files.popitem(last=False)
+        return rules
+
+    def of_dir(self, directory):
+        """The IgnoreFile of directory's .gitignore, or None."""
+        return self.read(directory, os.path.join(directory, ".gitignore"))
+
+    def excludes(self, top):
+        """The ignore stack a work tree starts with: its .git/info/exclude, if any."""
+        ex = self.read(top, os.path.join(top, ".git", "info", "exclude"))
+        return [ex] if ex else []
+
+    def outer(self, root):
+        """.gitignore rules that apply to `root` from its work tree's top down to it
+        (and .git/info/exclude). Outside a git work tree, those of every directory above
+        it: projects copied into containers usually arrive without their .git, and their
+        .gitignore still says what is build output (ripgrep's --no-require-git)."""
+        top = git_top(root)
+        stack = self.excludes(top) if top is not None else []
+        top = top or "/"
+        d = top
+        rel = root[len(top):].strip("/")
+        for part in [p for p in rel.split("/") if p]:
+            rules = self.of_dir(d)
+            if rules:
+                stack.append(rules)
+            d = os.path.join(d, part)
+        return stack
+
+    def stack(self, spec):
+        """An ignore stack from ignore_spec() (how it travels to a partner)."""
+        return [rules for rules in (self.read(base, source) for base, source in spec) if rules is not None]
 
 
 # -- the walker -----------------------------------------------------------------
@@ -2654,8 +2683,10 @@ class Walker(object):
     so cycles end and a tree reached both ways is listed under its real path (or,
     reached by links only, under the link path that sorts first)."""
 
-    def __init__(self, root, policy, follow_links, want_dirs=False, name_ok=None, max_depth=None, ordered=False):
+    def __init__(self, root, policy, follow_links, want_dirs=False, name_ok=None, max_depth=None, ordered=False,
+                 ignores=None):
         self.root, self.policy, self.follow_links = root, policy, follow_links
+        self.ignores = ignores or IgnoreFiles()    # a warm helper's: unchanged ignore files are read once
         self.ordered = ordered                     # each directory's entries by name (a stable page order)
         self.want_dirs, self.name_ok = want_dirs, name_ok
         self.max_depth = max_depth
@@ -2674,7 +2705,7 @@ class Walker(object):
     def start(self):
         """The root's pending entry (path, real, ignore stack, depth, inode)."""
         self.use_ignore = True
-        return self.root, self.root, outer_ignores(self.root), 0, None
+        return self.root, self.root, self.ignores.outer(self.root), 0, None
 
     def walk(self, pending):
         """Depth first from the pending entries, then the followed links."""
@@ -2728,9 +2759,9 @@ class Walker(object):
             return ign
         names = set(e.name for e in entries if e.name in (".git", ".gitignore"))
         if ".git" in names and path != self.root:
-            ign = repo_excludes(path)
+            ign = self.ignores.excludes(path)
         if ".gitignore" in names:
-            rules = load_ignore(path)
+            rules = self.ignores.of_dir(path)
             if rules:
                 return ign + [rules]
         return ign
@@ -3514,7 +3545,7 @@ class Outline(object):
 
     # -- in a helper -----------------------------------------------------------------
     @classmethod
-    def job(cls, job, emit):
+    def job(cls, job, emit, ignores=None):
         """outline in a helper: for a file root, [its FileOutline]; for a directory, the
         FileOutline of each source file under it (gitignore-aware, as grep walks, in the
         walk's order), top-level definitions only, in batches as the walk finds them, up
@@ -3527,7 +3558,8 @@ class Outline(object):
             return
         batch, (offset, room), k, size = [], job["page"], 0, 0
         walker = Walker(real, PathPolicy(**job["policy"]), follow_links=False,
-                        name_ok=lambda name: cls.language(name) not in (None,) + tuple(OUTLINE_DATA), ordered=True)
+                        name_ok=lambda name: cls.language(name) not in (None,) + tuple(OUTLINE_DATA), ordered=True,
+                        ignores=ignores)
         cut = len(child_prefix(real))
         for path, file_real, _, _ in walker:
             one = cls.of_file(file_real, path[cut:], job["max_size"], True)
@@ -3647,8 +3679,8 @@ class GrepWork(object):
     is_dir, inode of a file root); take() turns what a walk found into the items to
     send, [GrepHit], or None."""
 
-    def __init__(self, job):
-        self.job, self.roots = job, job["roots"]
+    def __init__(self, job, ignores=None):
+        self.job, self.roots, self.ignores = job, job["roots"], ignores
         self.cuts = [len(child_prefix(r[0])) for r in self.roots]      # a root's path/ prefix, cut off a path
         self.policy = PathPolicy(**job["policy"])
         self.keep = name_filter(job.get("include"), job.get("type"))
@@ -3661,7 +3693,7 @@ class GrepWork(object):
 
     def walker(self, k):
         """A Walker of root k that follows directory links (as grep -R does)."""
-        return Walker(self.roots[k][0], self.policy, follow_links=True)
+        return Walker(self.roots[k][0], self.policy, follow_links=True, ignores=self.ignores)
 
     def take(self, k, path, real, is_dir, ino):
         """[GrepHit] for one walked file that passes include/type and matches, else None."""
@@ -3825,8 +3857,8 @@ class GlobWork(object):
     static directory `start`; gather() appends rel, mtime for each match, items sent
     flat (rel, mtime, rel, mtime, ...: a list per match would double the JSON work)."""
 
-    def __init__(self, job):
-        self.job = job
+    def __init__(self, job, ignores=None):
+        self.job, self.ignores = job, ignores
         self.policy = PathPolicy(**job["policy"])
         start, rest, self.base_only, kind = job["start"], job["rest"], job["base_only"], job["kind"]
         self.roots = [(start, True, None)]
@@ -3845,7 +3877,7 @@ class GlobWork(object):
         """A Walker of the static start directory that lists links and does not enter them, names filtered
         in the walk when it can be."""
         return Walker(self.roots[0][0], self.policy, follow_links=False, want_dirs=self.want_dirs,
-                      name_ok=self.name_ok, max_depth=self.depth)
+                      name_ok=self.name_ok, max_depth=self.depth, ignores=self.ignores)
 
     def gather(self, k, walked, items):
         """Append rel, mtime to `items` for each match walked (one loop, no call per
@@ -3897,7 +3929,7 @@ class Batches(object):
         self.sent = time.monotonic()
 
 
-def search_job(job, emit, raw=None, partners=None):
+def search_job(job, emit, raw=None, partners=None, ignores=None):
     """Run a search job, handing results to emit() as they come (and a partner's
     result lines, when given, to raw() as they are). Each directory root
     is walked breadth first until it has listed SHARE_MIN_ENTRIES entries with
@@ -3908,11 +3940,11 @@ def search_job(job, emit, raw=None, partners=None):
         emit(match_job(job))
         return
     if job["op"] == "outline":
-        Outline.job(job, emit)
+        Outline.job(job, emit, ignores)
         return
     if partners is None:
         partners = Partners(warm=False)
-    work = SEARCH_WORK[job["op"]](job)
+    work = SEARCH_WORK[job["op"]](job, ignores)
     if job["op"] == "grep" and work.spec.get("stop_after"):
         grep_until(work, emit)
         return
@@ -3959,17 +3991,6 @@ def grep_until(work, emit):
 def ignore_spec(ign):
     """An ignore stack as it travels to a partner: [[base, source], ...]."""
     return [[rules.base, rules.source] for rules in ign]
-
-
-def ignore_stack(spec, cache):
-    """An ignore stack from ignore_spec(), each file read once per `cache`."""
-    stack = []
-    for base, source in spec:
-        if source not in cache:
-            cache[source] = read_ignore(base, source)
-        if cache[source] is not None:
-            stack.append(cache[source])
-    return stack
 
 
 def unit_spec(entry):
@@ -4125,7 +4146,7 @@ class SharedWalk(object):
     def __init__(self, work, walker, k, units, out):
         self.work, self.walker, self.k, self.out = work, walker, k, out
         self.queue = deque(units)
-        self.active, self.cache, self.mark = [], {}, 0
+        self.active, self.mark = [], 0
 
     def run(self, partners):
         """Walk here from the queue's front while partners (of the Partners pool) walk
@@ -4179,7 +4200,7 @@ class SharedWalk(object):
         """Take in partner p's replies; a partner that died gives its units back."""
         try:
             for reply in p.replies(self.out.raw):
-                self.walker.adopt([(path, real, ignore_stack(ign, self.cache), depth)
+                self.walker.adopt([(path, real, self.walker.ignores.stack(ign), depth)
                                    for path, real, ign, depth in reply["links"]], map(tuple, reply["seen"]))
         except (OSError, ValueError) as e:
             log("debug", "search partner lost; its units are walked here", error=str(e))
@@ -4194,16 +4215,16 @@ def helper_partner():
     """A partner: {"job": ...} then {"unit": [root index, use_ignore, entries]} lines on
     stdin; per unit a line {"items": [...]} (when it found any; the search helper
     passes it on as it is) and a line {"links", "seen"} on stdout."""
-    work, cache, out = None, {}, sys.stdout.buffer
+    work, ignores, out = None, IgnoreFiles(), sys.stdout.buffer
     for line in iter(sys.stdin.buffer.readline, b""):
         msg = json.loads(line.decode("utf-8", "surrogateescape"))
         if "job" in msg:
-            work, cache = SEARCH_WORK[msg["job"]["op"]](msg["job"]), {}
+            work = SEARCH_WORK[msg["job"]["op"]](msg["job"], ignores)
             continue
         k, use_ignore, entries = msg["unit"]
         walker = work.walker(k)
         walker.use_ignore, walker.defer_links = use_ignore, True       # its links are the helper's to follow
-        pending = [(path, real, ignore_stack(ign, cache), depth, ino) for path, real, ign, depth, ino in entries]
+        pending = [(path, real, ignores.stack(ign), depth, ino) for path, real, ign, depth, ino in entries]
         items = []
         work.gather(k, walker.walk(pending), items)
         end = {"links": [[path, real, ignore_spec(ign), depth] for path, real, ign, depth in walker.linked],
@@ -4225,6 +4246,7 @@ def helper_search(inp=None, out=None, partners=None):
     alarms = inp is None and hasattr(signal, "setitimer")
     inp, out = inp or sys.stdin.buffer, out or sys.stdout.buffer
     partners = partners or Partners(warm=True)
+    ignores = IgnoreFiles()                 # this helper's, for all its jobs
 
     def raw(line):
         out.write(line + b"\n")
@@ -4242,18 +4264,18 @@ def helper_search(inp=None, out=None, partners=None):
             if not line:
                 return None
             job = json.loads(line.decode("utf-8", "surrogateescape"))
-            raw(json.dumps(helper_job(job, emit, raw, partners, alarms)).encode("ascii"))
+            raw(json.dumps(helper_job(job, emit, raw, partners, alarms, ignores)).encode("ascii"))
     finally:
         partners.close()
 
 
-def helper_job(job, emit, raw, partners, alarms):
+def helper_job(job, emit, raw, partners, alarms, ignores=None):
     """Run one job in a search helper (under a SIGALRM deadline when `alarms`); its end
     line: {"end": "ok"} or {"end": "error", code, message}, a traceback on stderr."""
     if alarms and job.get("deadline_s"):
         signal.setitimer(signal.ITIMER_REAL, job["deadline_s"] + DEADLINE_GRACE_S)
     try:
-        search_job(job, emit, raw, partners)
+        search_job(job, emit, raw, partners, ignores)
         return {"end": "ok"}
     except ToolError as e:
         return {"end": "error", "code": e.code, "message": e.message}

@@ -5392,6 +5392,29 @@ class TestGrepScope(SearchBase):
 
 
 class TestGlob(SearchBase):
+    def test_a_warm_helper_sees_every_change_between_two_searches(self):
+        """Issue 44: a warm helper keeps unchanged ignore files compiled; what bash or an
+        edit changes between two searches shows in the next one (the same helper answers
+        both: the pool hands out the one used last)."""
+        self.write("w/.gitignore", "*.log\n")
+        self.write("w/a.txt", "hit\n")
+        self.write("w/b.log", "hit\n")
+
+        def seen():
+            return sorted(self.ok("glob", pattern="w/[a-z]*").split("\n")), \
+                sorted("w/" + name for name in self.ok("grep", pattern="hit", path="w").split("\n"))
+        self.assertEqual(seen(), (["w/a.txt"], ["w/a.txt"]))
+        self.assertEqual(seen(), (["w/a.txt"], ["w/a.txt"]))                 # warm, unchanged
+        self.ok("bash", command="(cd w && echo hit > c.txt && rm a.txt)")
+        self.assertEqual(seen(), (["w/c.txt"], ["w/c.txt"]))                 # created and deleted by bash
+        self.ok("bash", command="printf '*.txt\\n' > w/.gitignore")           # the same size, at once
+        self.assertEqual(seen(), (["w/b.log"], ["w/b.log"]))                 # a changed .gitignore
+        self.ok("create_file", path="w/.gitignore", content="*.zip\n")
+        self.assertEqual(seen(), (["w/b.log", "w/c.txt"], ["w/b.log", "w/c.txt"]))   # the server's own write
+        os.remove(self.path("w/.gitignore"))
+        self.write("w/d.zip", "hit\n")
+        self.assertEqual(seen()[0], ["w/b.log", "w/c.txt", "w/d.zip"])        # the ignore file gone
+
     def test_basename_at_any_depth(self):
         out = sorted(self.ok("glob", pattern="*.md").split("\n"))
         self.assertEqual(out, ["docs/deep/more/notes.md", "docs/guide.md"])
