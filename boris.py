@@ -10067,7 +10067,9 @@ def main(argv=None, environ=None, after_the_script=False):
             return 0
         finally:
             server.close()
-    if not after_the_script:
+    if not after_the_script or (3, 12, 0) <= sys.version_info[:3] < (3, 12, 2):
+        # Python 3.12.0 and 3.12.1 refuse new threads and forks once the main thread is in
+        # the interpreter's shutdown (gh-113964): there the server keeps the parse tree.
         return serve()
     serve_after_the_script(serve, server)
     return None
