@@ -10079,9 +10079,10 @@ def serve_after_the_script(serve, server):
     """Serve from a thread of its own and let the script's top level end once start-up is over
     (the first tool call answered, or a second passed). CPython keeps the whole parse tree of
     the script it runs (about 25 MB for this file) until the script's top level returns;
-    ending it frees the tree, and give_back_memory returns those pages to the system. The main thread then waits for this thread in the interpreter's shutdown, still
-    taking signals (the Stopper reads them from its wakeup pipe too); the process ends with
-    serve's exit code once it has cleaned up."""
+    ending it frees the tree, and give_back_memory returns those pages to the system. The
+    main thread then waits for this thread in the interpreter's shutdown, still taking
+    signals (the Stopper reads them from its wakeup pipe too); the process ends with serve's
+    exit code once it has cleaned up."""
     def run():
         code = 1
         try:
