@@ -692,6 +692,7 @@ class PathPolicy(object):
             else:
                 self.deny_dirs.append(os.path.realpath(os.path.join(self.workdir, os.path.expanduser(d))))
         self.deny_raw = list(deny)
+        self.key = (self.workdir, tuple(self.allow), tuple(self.deny_raw), folds)    # what decides its verdicts
         self.restricted = bool(self.allow or self.deny_dirs or self.deny_globs or self.deny_names)
         self.folds = folds                  # None: probe each volume; True/False: as given
         self.fold_seen = {}                 # directory -> whether its volume folds case (bounded)
@@ -2451,6 +2452,8 @@ DEADLINE_GRACE_S = 2.0                     # a helper past its job's deadline by
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
 GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
 IGNORE_CACHE_FILES = 4096              # ignore files a helper keeps compiled (unchanged ones are not re-read)
+LISTING_CACHE_ENTRIES = 150000         # entries of directory visits a helper keeps (~35 MB at most)
+LISTING_RACY_S = 1.0                   # a directory changed this recently is walked again next time
 SHARE_MIN_ENTRIES = 3000               # a walk is shared once it has listed this many entries
 SHARE_MIN_UNITS = 8                    # ... and has this many directories left to walk
 SHARE_SLICES = 48                      # a partner is given about 1/48 of its share at a time
@@ -2597,6 +2600,11 @@ def git_top(start):
         d = parent
 
 
+def same_objects(a, b):
+    """Whether two sequences hold the very same objects, in order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 def ignored(stack, path, name, is_dir):
     """The verdict of an ignore stack on a path: the innermost file with a matching rule decides; False
     when none matches."""
@@ -2607,14 +2615,50 @@ def ignored(stack, path, name, is_dir):
     return False
 
 
-class IgnoreFiles(object):
-    """The ignore files a process has read, each kept while its file is unchanged (the
-    same inode, size, mtime and ctime): a warm search helper reads and compiles an
-    unchanged .gitignore once, not at every search. At most IGNORE_CACHE_FILES are
-    kept, the least recently used going first."""
+class WalkCache(object):
+    """What a warm search helper remembers of the trees it walked, each thing kept while
+    it is unchanged: the ignore files it read (the same inode, size, mtime and ctime: an
+    unchanged .gitignore is read and compiled once, at most IGNORE_CACHE_FILES kept) and
+    the walker's visits of directories (listing(), remember(): at most
+    LISTING_CACHE_ENTRIES entries in all), the least recently used going first."""
 
     def __init__(self):
         self.files = OrderedDict()                 # (base, source) -> (stat key, IgnoreFile or None)
+        self.listings = OrderedDict()              # visit key -> (stat key, stacks, names, (found, subdirs))
+        self.held = 0                              # entries the listings hold
+
+    def listing(self, key, real, ino, ign, inner_of):
+        """(the directory's stat, (found, subdirs)) of a visit remembered under `key` when it
+        still holds: the directory is the same inode (the one its parent listed), with the
+        same mtime and ctime, under the same ignore stack `ign`, and its own ignore rules
+        (inner_of(names of .git and .gitignore it holds)) are the ones it had; else None."""
+        seen = self.listings.get(key)
+        if seen is None:
+            return None
+        stat_key, outer, names, inner, result = seen
+        try:
+            st = os.lstat(real)
+        except OSError:
+            return None
+        if (st.st_ino, st.st_mtime_ns, st.st_ctime_ns) != stat_key or ino is not None and st.st_ino != ino \
+                or not same_objects(outer, ign) or not same_objects(inner, inner_of(names)):
+            return None
+        self.listings.move_to_end(key)
+        return st, result
+
+    def remember(self, key, st, outer, names, inner, result):
+        """Keep a visit (see listing()), unless the directory changed too lately to tell a
+        change in the same clock tick from none (LISTING_RACY_S)."""
+        if time.time() - st.st_mtime < LISTING_RACY_S:
+            return
+        old = self.listings.pop(key, None)
+        if old is not None:
+            self.held -= len(old[4][0]) + len(old[4][1]) + 1
+        self.listings[key] = ((st.st_ino, st.st_mtime_ns, st.st_ctime_ns), tuple(outer), names, tuple(inner), result)
+        self.held += len(result[0]) + len(result[1]) + 1
+        while self.held > LISTING_CACHE_ENTRIES and self.listings:
+            _, dropped = self.listings.popitem(last=False)
+            self.held -= len(dropped[4][0]) + len(dropped[4][1]) + 1
 
     def read(self, base, source):
         """The rules of `source` for directory `base` (read_ignore's), from the cache when unchanged."""
@@ -2684,9 +2728,10 @@ class Walker(object):
     reached by links only, under the link path that sorts first)."""
 
     def __init__(self, root, policy, follow_links, want_dirs=False, name_ok=None, max_depth=None, ordered=False,
-                 ignores=None):
+                 cache=None, name_key=None):
         self.root, self.policy, self.follow_links = root, policy, follow_links
-        self.ignores = ignores or IgnoreFiles()    # a warm helper's: unchanged ignore files are read once
+        self.cache = cache or WalkCache()          # a warm helper's: what it walked before, kept while unchanged
+        self.name_key = "" if name_ok is None else name_key    # what name_ok stands for (None: its visits not kept)
         self.ordered = ordered                     # each directory's entries by name (a stable page order)
         self.want_dirs, self.name_ok = want_dirs, name_ok
         self.max_depth = max_depth
@@ -2705,7 +2750,7 @@ class Walker(object):
     def start(self):
         """The root's pending entry (path, real, ignore stack, depth, inode)."""
         self.use_ignore = True
-        return self.root, self.root, self.ignores.outer(self.root), 0, None
+        return self.root, self.root, self.cache.outer(self.root), 0, None
 
     def walk(self, pending):
         """Depth first from the pending entries, then the followed links."""
@@ -2730,38 +2775,38 @@ class Walker(object):
                 self.tick()
 
     def scan(self, real, ino):
-        """(fd, entries) of a directory that is still the inode its parent listed."""
+        """(fd, entries, stat) of a directory that is still the inode its parent listed."""
         try:
             fd = os.open(real, O_SCAN) if ino is not None else open_dir(real, flags=O_SCAN)
         except OSError:
-            return None, []
+            return None, [], None
         try:
             st = os.fstat(fd)
             if ino is not None and st.st_ino != ino:
                 os.close(fd)
-                return None, []
+                return None, [], None
             if self.follow_links:
                 self.seen.add((st.st_dev, st.st_ino))
             with os.scandir(fd) as it:
                 entries = list(it)
         except OSError:
             os.close(fd)
-            return None, []
+            return None, [], None
         if self.ordered:
             entries.sort(key=attrgetter("name"))
         self.listed += len(entries)
-        return fd, entries
+        return fd, entries, st
 
-    def rules(self, path, entries, ign):
-        """The ignore stack inside `path`: a nested repository (a .git of its own)
-        starts over with its own exclude file; a .gitignore adds its rules."""
+    def rules(self, path, names, ign):
+        """The ignore stack inside `path`, whose entries include `names` (of .git and
+        .gitignore): a nested repository (a .git of its own) starts over with its own
+        exclude file; a .gitignore adds its rules."""
         if not self.use_ignore:
             return ign
-        names = set(e.name for e in entries if e.name in (".git", ".gitignore"))
         if ".git" in names and path != self.root:
-            ign = self.ignores.excludes(path)
+            ign = self.cache.excludes(path)
         if ".gitignore" in names:
-            rules = self.ignores.of_dir(path)
+            rules = self.cache.of_dir(path)
             if rules:
                 return ign + [rules]
         return ign
@@ -2770,13 +2815,25 @@ class Walker(object):
         """What one directory holds: (found, subdirs). found: (path, real, is_dir, inode)
         of the files that pass name_ok, the ignore rules and the policy, of directories
         when want_dirs, and of what symlinks name (link()); subdirs: the pending entries
-        of directories to walk (within max_depth). Sockets, fifos and devices never."""
-        fd, entries = self.scan(real, ino)
+        of directories to walk (within max_depth). Sockets, fifos and devices never.
+        A directory the cache remembers unchanged is answered from it (WalkCache.listing)."""
+        key = None
+        if self.name_key is not None:
+            key = (real, path, depth, self.use_ignore, self.follow_links, self.want_dirs, self.name_key,
+                   self.max_depth, self.policy.key)
+            known = self.cache.listing(key, real, ino, ign, lambda names: self.rules(path, names, ign))
+            if known is not None:
+                st, (found, subdirs) = known
+                if self.follow_links:
+                    self.seen.add((st.st_dev, st.st_ino))
+                return list(found), list(subdirs)
+        fd, entries, st = self.scan(real, ino)
         if fd is None:
             return [], []
-        found, subdirs = [], []
+        found, subdirs, settled = [], [], True
         try:                                    # (the fd stays open: DT_UNKNOWN entries lstat through it)
-            ign = self.rules(path, entries, ign)
+            names = frozenset(e.name for e in entries if e.name in (".git", ".gitignore"))
+            outer, ign = ign, self.rules(path, names, ign)
             filtering = bool(self.use_ignore and ign)
             screened = filtering or self.policy.restricted
             name_ok, want_dirs, deeper = self.name_ok, self.want_dirs, self.deeper(depth)
@@ -2799,10 +2856,14 @@ class Walker(object):
                             subdirs.append((prefix + name, rprefix + name, ign, depth + 1, e.inode()))
                     elif e.is_symlink():
                         found += self.link(prefix + name, rprefix + name, name, ign, depth)
+                        settled = False                           # a link's target changes unseen here
                 except OSError:
+                    settled = False
                     continue                                      # gone since listed: skipped
         finally:
             os.close(fd)
+        if key is not None and settled:
+            self.cache.remember(key, st, outer, names, ign, (found, subdirs))
         return found, subdirs
 
     def hidden(self, ign, path, real, name, is_dir):
@@ -3545,7 +3606,7 @@ class Outline(object):
 
     # -- in a helper -----------------------------------------------------------------
     @classmethod
-    def job(cls, job, emit, ignores=None):
+    def job(cls, job, emit, cache=None):
         """outline in a helper: for a file root, [its FileOutline]; for a directory, the
         FileOutline of each source file under it (gitignore-aware, as grep walks, in the
         walk's order), top-level definitions only, in batches as the walk finds them, up
@@ -3559,7 +3620,7 @@ class Outline(object):
         batch, (offset, room), k, size = [], job["page"], 0, 0
         walker = Walker(real, PathPolicy(**job["policy"]), follow_links=False,
                         name_ok=lambda name: cls.language(name) not in (None,) + tuple(OUTLINE_DATA), ordered=True,
-                        ignores=ignores)
+                        cache=cache, name_key="outline")
         cut = len(child_prefix(real))
         for path, file_real, _, _ in walker:
             one = cls.of_file(file_real, path[cut:], job["max_size"], True)
@@ -3679,8 +3740,8 @@ class GrepWork(object):
     is_dir, inode of a file root); take() turns what a walk found into the items to
     send, [GrepHit], or None."""
 
-    def __init__(self, job, ignores=None):
-        self.job, self.roots, self.ignores = job, job["roots"], ignores
+    def __init__(self, job, cache=None):
+        self.job, self.roots, self.cache = job, job["roots"], cache
         self.cuts = [len(child_prefix(r[0])) for r in self.roots]      # a root's path/ prefix, cut off a path
         self.policy = PathPolicy(**job["policy"])
         self.keep = name_filter(job.get("include"), job.get("type"))
@@ -3693,7 +3754,7 @@ class GrepWork(object):
 
     def walker(self, k):
         """A Walker of root k that follows directory links (as grep -R does)."""
-        return Walker(self.roots[k][0], self.policy, follow_links=True, ignores=self.ignores)
+        return Walker(self.roots[k][0], self.policy, follow_links=True, cache=self.cache)
 
     def take(self, k, path, real, is_dir, ino):
         """[GrepHit] for one walked file that passes include/type and matches, else None."""
@@ -3857,10 +3918,11 @@ class GlobWork(object):
     static directory `start`; gather() appends rel, mtime for each match, items sent
     flat (rel, mtime, rel, mtime, ...: a list per match would double the JSON work)."""
 
-    def __init__(self, job, ignores=None):
-        self.job, self.ignores = job, ignores
+    def __init__(self, job, cache=None):
+        self.job, self.cache = job, cache
         self.policy = PathPolicy(**job["policy"])
         start, rest, self.base_only, kind = job["start"], job["rest"], job["base_only"], job["kind"]
+        self.rest = rest                                # what name_ok tests, for the walk cache's key
         self.roots = [(start, True, None)]
         self.rx, self.lead = compile_glob(rest), job["lead"]
         self.cut = len(start) + 1 if start != "/" else 1
@@ -3877,7 +3939,7 @@ class GlobWork(object):
         """A Walker of the static start directory that lists links and does not enter them, names filtered
         in the walk when it can be."""
         return Walker(self.roots[0][0], self.policy, follow_links=False, want_dirs=self.want_dirs,
-                      name_ok=self.name_ok, max_depth=self.depth, ignores=self.ignores)
+                      name_ok=self.name_ok, max_depth=self.depth, cache=self.cache, name_key=self.rest)
 
     def gather(self, k, walked, items):
         """Append rel, mtime to `items` for each match walked (one loop, no call per
@@ -3929,7 +3991,7 @@ class Batches(object):
         self.sent = time.monotonic()
 
 
-def search_job(job, emit, raw=None, partners=None, ignores=None):
+def search_job(job, emit, raw=None, partners=None, cache=None):
     """Run a search job, handing results to emit() as they come (and a partner's
     result lines, when given, to raw() as they are). Each directory root
     is walked breadth first until it has listed SHARE_MIN_ENTRIES entries with
@@ -3940,11 +4002,11 @@ def search_job(job, emit, raw=None, partners=None, ignores=None):
         emit(match_job(job))
         return
     if job["op"] == "outline":
-        Outline.job(job, emit, ignores)
+        Outline.job(job, emit, cache)
         return
     if partners is None:
         partners = Partners(warm=False)
-    work = SEARCH_WORK[job["op"]](job, ignores)
+    work = SEARCH_WORK[job["op"]](job, cache)
     if job["op"] == "grep" and work.spec.get("stop_after"):
         grep_until(work, emit)
         return
@@ -4200,7 +4262,7 @@ class SharedWalk(object):
         """Take in partner p's replies; a partner that died gives its units back."""
         try:
             for reply in p.replies(self.out.raw):
-                self.walker.adopt([(path, real, self.walker.ignores.stack(ign), depth)
+                self.walker.adopt([(path, real, self.walker.cache.stack(ign), depth)
                                    for path, real, ign, depth in reply["links"]], map(tuple, reply["seen"]))
         except (OSError, ValueError) as e:
             log("debug", "search partner lost; its units are walked here", error=str(e))
@@ -4215,16 +4277,16 @@ def helper_partner():
     """A partner: {"job": ...} then {"unit": [root index, use_ignore, entries]} lines on
     stdin; per unit a line {"items": [...]} (when it found any; the search helper
     passes it on as it is) and a line {"links", "seen"} on stdout."""
-    work, ignores, out = None, IgnoreFiles(), sys.stdout.buffer
+    work, cache, out = None, WalkCache(), sys.stdout.buffer
     for line in iter(sys.stdin.buffer.readline, b""):
         msg = json.loads(line.decode("utf-8", "surrogateescape"))
         if "job" in msg:
-            work = SEARCH_WORK[msg["job"]["op"]](msg["job"], ignores)
+            work = SEARCH_WORK[msg["job"]["op"]](msg["job"], cache)
             continue
         k, use_ignore, entries = msg["unit"]
         walker = work.walker(k)
         walker.use_ignore, walker.defer_links = use_ignore, True       # its links are the helper's to follow
-        pending = [(path, real, ignores.stack(ign), depth, ino) for path, real, ign, depth, ino in entries]
+        pending = [(path, real, cache.stack(ign), depth, ino) for path, real, ign, depth, ino in entries]
         items = []
         work.gather(k, walker.walk(pending), items)
         end = {"links": [[path, real, ignore_spec(ign), depth] for path, real, ign, depth in walker.linked],
@@ -4246,7 +4308,7 @@ def helper_search(inp=None, out=None, partners=None):
     alarms = inp is None and hasattr(signal, "setitimer")
     inp, out = inp or sys.stdin.buffer, out or sys.stdout.buffer
     partners = partners or Partners(warm=True)
-    ignores = IgnoreFiles()                 # this helper's, for all its jobs
+    cache = WalkCache()                 # this helper's, for all its jobs
 
     def raw(line):
         out.write(line + b"\n")
@@ -4264,18 +4326,18 @@ def helper_search(inp=None, out=None, partners=None):
             if not line:
                 return None
             job = json.loads(line.decode("utf-8", "surrogateescape"))
-            raw(json.dumps(helper_job(job, emit, raw, partners, alarms, ignores)).encode("ascii"))
+            raw(json.dumps(helper_job(job, emit, raw, partners, alarms, cache)).encode("ascii"))
     finally:
         partners.close()
 
 
-def helper_job(job, emit, raw, partners, alarms, ignores=None):
+def helper_job(job, emit, raw, partners, alarms, cache=None):
     """Run one job in a search helper (under a SIGALRM deadline when `alarms`); its end
     line: {"end": "ok"} or {"end": "error", code, message}, a traceback on stderr."""
     if alarms and job.get("deadline_s"):
         signal.setitimer(signal.ITIMER_REAL, job["deadline_s"] + DEADLINE_GRACE_S)
     try:
-        search_job(job, emit, raw, partners, ignores)
+        search_job(job, emit, raw, partners, cache)
         return {"end": "ok"}
     except ToolError as e:
         return {"end": "error", "code": e.code, "message": e.message}

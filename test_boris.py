@@ -5393,27 +5393,43 @@ class TestGrepScope(SearchBase):
 
 class TestGlob(SearchBase):
     def test_a_warm_helper_sees_every_change_between_two_searches(self):
-        """Issue 44: a warm helper keeps unchanged ignore files compiled; what bash or an
+        """Issue 44: a warm helper keeps unchanged ignore files compiled and its visits of
+        directories that have not changed (the same inode, mtime and ctime); what bash or an
         edit changes between two searches shows in the next one (the same helper answers
-        both: the pool hands out the one used last)."""
+        both: the pool hands out the one used last). Directories are aged first, so their
+        visits are kept (one changed within LISTING_RACY_S is walked again)."""
         self.write("w/.gitignore", "*.log\n")
         self.write("w/a.txt", "hit\n")
         self.write("w/b.log", "hit\n")
+        self.write("w/sub/s.txt", "hit\n")
+
+        def search():
+            return sorted(self.ok("glob", pattern="w/**/[a-z]*.*").split("\n")), \
+                sorted("w/" + name for name in self.ok("grep", pattern="hit", path="w").split("\n"))
 
         def seen():
-            return sorted(self.ok("glob", pattern="w/[a-z]*").split("\n")), \
-                sorted("w/" + name for name in self.ok("grep", pattern="hit", path="w").split("\n"))
-        self.assertEqual(seen(), (["w/a.txt"], ["w/a.txt"]))
-        self.assertEqual(seen(), (["w/a.txt"], ["w/a.txt"]))                 # warm, unchanged
+            past = time.time() - 100
+            for d in ("w", "w/sub"):
+                os.utime(self.path(d), (past, past))
+            first = search()
+            self.assertEqual(search(), first)                          # walked, then from the cache
+            return first
+        self.assertEqual(seen(), (["w/a.txt", "w/sub/s.txt"], ["w/a.txt", "w/sub/s.txt"]))
         self.ok("bash", command="(cd w && echo hit > c.txt && rm a.txt)")
-        self.assertEqual(seen(), (["w/c.txt"], ["w/c.txt"]))                 # created and deleted by bash
-        self.ok("bash", command="printf '*.txt\\n' > w/.gitignore")           # the same size, at once
-        self.assertEqual(seen(), (["w/b.log"], ["w/b.log"]))                 # a changed .gitignore
+        self.assertEqual(search(), (["w/c.txt", "w/sub/s.txt"], ["w/c.txt", "w/sub/s.txt"]))   # bash's, at once
+        seen()
+        self.ok("bash", command="echo hit > w/sub/t.txt")                     # below a cached directory
+        self.assertEqual(search()[0], ["w/c.txt", "w/sub/s.txt", "w/sub/t.txt"])
+        seen()
+        self.ok("bash", command="printf '*.txt\\n' > w/.gitignore")           # the same size, in place
+        self.assertEqual(search(), (["w/b.log"], ["w/b.log"]))                 # a changed .gitignore
+        seen()
         self.ok("create_file", path="w/.gitignore", content="*.zip\n")
-        self.assertEqual(seen(), (["w/b.log", "w/c.txt"], ["w/b.log", "w/c.txt"]))   # the server's own write
+        self.assertEqual(search(), (["w/b.log", "w/c.txt", "w/sub/s.txt", "w/sub/t.txt"],) * 2)  # the server's write
+        seen()
         os.remove(self.path("w/.gitignore"))
         self.write("w/d.zip", "hit\n")
-        self.assertEqual(seen()[0], ["w/b.log", "w/c.txt", "w/d.zip"])        # the ignore file gone
+        self.assertEqual(search()[0], ["w/b.log", "w/c.txt", "w/d.zip", "w/sub/s.txt", "w/sub/t.txt"])
 
     def test_basename_at_any_depth(self):
         out = sorted(self.ok("glob", pattern="*.md").split("\n"))
