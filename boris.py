@@ -2452,7 +2452,7 @@ DEADLINE_GRACE_S = 2.0                     # a helper past its job's deadline by
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
 GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
 IGNORE_CACHE_FILES = 4096              # ignore files a helper keeps compiled (unchanged ones are not re-read)
-LISTING_CACHE_ENTRIES = 150000         # entries of directory visits a helper keeps (~35 MB at most)
+LISTING_CACHE_ENTRIES = 100000         # entries of directory visits a helper keeps (~25 MB at most)
 LISTING_RACY_S = 1.0                   # a directory changed this recently is walked again next time
 SHARE_MIN_ENTRIES = 3000               # a walk is shared once it has listed this many entries
 SHARE_MIN_UNITS = 8                    # ... and has this many directories left to walk
@@ -2838,24 +2838,31 @@ class Walker(object):
             screened = filtering or self.policy.restricted
             name_ok, want_dirs, deeper = self.name_ok, self.want_dirs, self.deeper(depth)
             prefix, rprefix = child_prefix(path), child_prefix(real)
+            same = prefix == rprefix                              # (one string for both: half the memory)
             for e in entries:
                 name = e.name
                 if name in SKIP_DIRS:
                     continue
                 try:
                     if e.is_file(follow_symlinks=False):          # most entries: test files first
-                        if (name_ok is None or name_ok(name)) and not (
-                                screened and self.hidden(ign, prefix + name, rprefix + name, name, False)):
-                            found.append((prefix + name, rprefix + name, False, e.inode()))
-                    elif e.is_dir(follow_symlinks=False):
-                        if screened and self.hidden(ign, prefix + name, rprefix + name, name, True):
+                        if name_ok is not None and not name_ok(name):
+                            continue
+                        shown = prefix + name
+                        at = shown if same else rprefix + name
+                        if not (screened and self.hidden(ign, shown, at, name, False)):
+                            found.append((shown, at, False, e.inode()))
+                        continue
+                    shown = prefix + name
+                    at = shown if same else rprefix + name
+                    if e.is_dir(follow_symlinks=False):
+                        if screened and self.hidden(ign, shown, at, name, True):
                             continue
                         if want_dirs:
-                            found.append((prefix + name, rprefix + name, True, e.inode()))
+                            found.append((shown, at, True, e.inode()))
                         if deeper:
-                            subdirs.append((prefix + name, rprefix + name, ign, depth + 1, e.inode()))
+                            subdirs.append((shown, at, ign, depth + 1, e.inode()))
                     elif e.is_symlink():
-                        found += self.link(prefix + name, rprefix + name, name, ign, depth)
+                        found += self.link(shown, at, name, ign, depth)
                         settled = False                           # a link's target changes unseen here
                 except OSError:
                     settled = False
