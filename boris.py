@@ -539,7 +539,9 @@ def compile_glob(pattern, git=False):
             rx, depth = "(?:", depth + 1
         elif c in "}," and depth:
             rx, depth = (")", depth - 1) if c == "}" else ("|", depth)
-        elif c == "\\" and i < n:
+        elif c == "\\":
+            if i == n:
+                raise ValueError("a '\\' at the end escapes nothing (write '\\\\' for a backslash)")
             rx, i = re.escape(pattern[i]), i + 1
         else:
             rx = "[^/]" if c == "?" else re.escape(c)
@@ -8573,8 +8575,16 @@ def check_glob_args(pattern, kind):
 
 def find_paths(session, ctx, pattern, shown, kind):
     """The one glob front: ([rel, mtime, rel, mtime, ...], None or why the list is partial)
-    under `shown` matching `pattern`; the walk and the matching run in a helper."""
+    under `shown` matching `pattern`; the walk and the matching run in a helper. `kind`:
+    'file' (None: files, unless the pattern ends with '/', which means directories) or
+    'directory'; with directories, 'dir/**' lists dir itself too (zero or more levels)."""
     check_glob_args(pattern, kind)
+    if pattern.endswith("/") and pattern.strip("/"):
+        if kind == "file":
+            raise ToolError(GLOB_INVALID_PATTERN, "pattern %r ends with '/', which matches directories only, but"
+                            " type is 'file'; drop the '/' or the type" % shorten(pattern))
+        pattern, kind = pattern.rstrip("/"), "directory"
+    kind = kind or "file"
     real = resolve_checked(session, ctx, shown)
     prefix, rest, base_only = glob_plan(pattern[1:] if pattern.startswith("/") else pattern)
     if pattern.startswith("/"):
@@ -8591,7 +8601,10 @@ def find_paths(session, ctx, pattern, shown, kind):
         return [], None
     job = {"op": "glob", "policy": policy_spec(ctx.policy), "start": start, "rest": rest, "base_only": base_only,
            "kind": kind, "lead": len(real) + 1 if real != "/" else 1}
-    return ctx.helpers.run(job, ctx.cancelled)
+    found, why = ctx.helpers.run(job, ctx.cancelled)
+    if kind == "directory" and rest == "**" and prefix:
+        found = [os.path.normpath(prefix), mtime(start)] + found     # '**' is zero or more directories
+    return found, why
 
 
 GLOB_PROPS = {"pattern": prop("string", "The glob pattern, e.g. **/*.py or src/**/*.{ts,tsx}."),
@@ -8600,13 +8613,13 @@ GLOB_PROPS = {"pattern": prop("string", "The glob pattern, e.g. **/*.py or src/*
               "offset": prop("integer", "Skip this many paths first (default 0).")}
 
 
-@tool("glob", GLOB_DESC, obj(dict(GLOB_PROPS, type=prop("string", "file (default) or directory.",
+@tool("glob", GLOB_DESC, obj(dict(GLOB_PROPS, type=prop("string", "file (default; a pattern ending in / means directory) or directory.",
                                                        enum=["file", "directory"])), ["pattern"]),
       notes("Find files by name", read_only=True), DEFAULT, codes={"type": GLOB_INVALID_TYPE})
 @tool("glob", GLOB_DESC, obj(GLOB_PROPS, ["pattern"]), notes("Find files by name", read_only=True), COMPAT)
 def tool_glob(session, args, ctx):
     """glob: paths matching a pattern, newest first, in a helper."""
-    found, why = find_paths(session, ctx, args["pattern"], args.get("path") or ".", args.get("type") or "file")
+    found, why = find_paths(session, ctx, args["pattern"], args.get("path") or ".", args.get("type"))
     notice = [partial_notice(why)] if why else []
     if not found:
         return "\n".join(["No files found"] + notice)
@@ -8645,7 +8658,7 @@ def tool_search_text(session, args, ctx):
       }, ["pattern"]), notes("Find files", read_only=True))
 def tool_search_files(session, args, ctx):
     """search_files: the workspace tools' name search."""
-    found, why = find_paths(session, ctx, args["pattern"], ".", "file")
+    found, why = find_paths(session, ctx, args["pattern"], ".", None)
     notice = [partial_notice(why)] if why else []
     if not found:
         return "\n".join(["No files found matching %r" % args["pattern"]] + notice)

@@ -5480,6 +5480,36 @@ class TestGlob(SearchBase):
         self.fails("glob", "GLOB_INVALID_PATTERN", pattern="src/[abc")
         self.fails("glob", "GLOB_INVALID_PATTERN", pattern="*.{a,b")
 
+    def test_a_malformed_pattern_is_an_error_never_no_files_found(self):
+        """Issue 40: a lone trailing backslash, an unclosed class or brace, wherever it stands."""
+        for pattern in ("src\\", "*.py\\", "src/[abc", "[", "src/[!", "**/*.{ts,tsx", "{a,{b,c}", "docs/[[:alpha:]",
+                        "src/*/\\"):
+            for tool in ("glob", "search_files"):
+                text = self.fails(tool, "GLOB_INVALID_PATTERN", pattern=pattern)
+                self.assertIn("malformed", text, (tool, pattern))
+        self.assertEqual(self.ok("glob", pattern="src\\/app.py"), "src/app.py")       # an escape that escapes
+
+    def test_a_trailing_slash_matches_directories_only(self):
+        """Issue 40: 'src/*/' lists the subdirectories of src (it listed nothing); a pattern
+        without '/' matches at any depth, so '*/' is every directory."""
+        os.makedirs(self.path("src/lib"))
+        self.assertEqual(sorted(self.ok("glob", pattern="src/*/").split("\n")), ["src/lib", "src/web"])
+        self.assertEqual(sorted(self.ok("glob", pattern="src/*/", type="directory").split("\n")), ["src/lib", "src/web"])
+        self.assertIn("docs/deep/more", self.ok("glob", pattern="*/").split("\n"))
+        self.assertNotIn("src/app.py", self.ok("glob", pattern="*/").split("\n"))
+        self.assertIn("drop the '/' or the type", self.fails("glob", "GLOB_INVALID_PATTERN", pattern="src/*/",
+                                                            type="file"))
+        self.assertEqual(sorted(self.ok("search_files", pattern="src/*/").split("\n")), ["src/lib", "src/web"])
+
+    def test_double_star_is_zero_or_more_directories(self):
+        """Issue 40 asks to decide: 'src/**' with type directory lists src itself (as the Go
+        original's glob does: '**' is zero or more directories); with files, the files below."""
+        self.assertEqual(sorted(self.ok("glob", pattern="src/**", type="directory").split("\n")), ["src", "src/web"])
+        self.assertEqual(sorted(self.ok("glob", pattern="src/**/", ).split("\n")), ["src", "src/web"])
+        self.assertEqual(sorted(self.ok("glob", pattern="src/**").split("\n")),
+                         ["src/app.py", "src/util.py", "src/web/index.ts", "src/web/view.tsx"])
+        self.assertEqual(self.ok("glob", pattern="src/web/*", type="directory"), "No files found")    # '*' is not zero
+
     def test_symlinks_not_followed_broken_skipped(self):
         os.symlink(self.path("docs"), self.path("src/docs_link"))
         os.symlink(self.path("nothing-here"), self.path("src/broken.py"))
