@@ -4939,108 +4939,245 @@ def kill_all(tasks):
 # urllib and html.parser are imported inside these functions: start-up never pays.
 
 HTML_SKIP = frozenset(("script", "style", "noscript", "template", "svg", "head", "iframe", "object"))
-HTML_PARAGRAPHS = frozenset(("p", "div", "section", "article", "header", "footer", "nav", "main", "aside",
-                             "blockquote", "form", "dl", "dt", "dd", "figure", "figcaption", "table",
-                             "body", "html", "hr", "details", "summary"))
+HTML_BLOCKS = frozenset(("p", "div", "section", "article", "header", "footer", "nav", "main", "aside",
+                         "form", "dl", "dt", "dd", "figure", "figcaption", "body", "html", "details", "summary",
+                         "address", "center", "fieldset", "legend", "hgroup", "search", "caption"))
+HTML_VOID = frozenset(("br", "img", "hr", "input", "meta", "link", "area", "base", "col", "embed", "param",
+                       "source", "track", "wbr"))
+HTML_DEPTH = 200                           # elements nested deeper are read as their parent's content
 
 
 def html_to_markdown(markup, base_url=""):
-    """A page's visible content as light Markdown: headings '#', list items '- ',
-    links [text](absolute url), <pre> fenced with its indentation, table rows
-    '| a | b |'; script, style and the like dropped, blank space folded."""
+    """A page's visible content as Markdown a model reads as the page means it: headings
+    '#', lists '- ' and '1. ' (numbered from `start`) with an item's blocks indented under
+    it, blockquotes '> ', <pre> fenced (a fence longer than any backtick run inside), links
+    [text](absolute url), inline `code`, table rows '| a | b |', rules '* * *'; page text that
+    would read as Markdown structure is escaped; script, style and the like dropped, blank
+    space folded."""
     from html.parser import HTMLParser
     import urllib.parse
 
-    class Markdown(HTMLParser):
+    class Tree(HTMLParser):
+        """The page as nested [tag, attrs, children] (text as str), end tags implied as
+        browsers imply them for li, p, dt, dd, tr, td, th and option."""
+
         def __init__(self):
             HTMLParser.__init__(self, convert_charrefs=True)
-            self.out, self.title, self.links = [], [], []
-            self.skip = self.pre = self.lists = 0
-            self.in_title = False
+            self.root = ["#root", {}, []]
+            self.stack, self.title, self.skip, self.in_title = [self.root], [], 0, False
 
         def handle_starttag(self, tag, attrs):
-            if tag in HTML_SKIP:
-                self.skip += tag != "head"
-                return
             if tag == "title":
                 self.in_title = True
-            elif self.skip:
                 return
-            elif tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
-                self.out.append("\n\n%s " % ("#" * int(tag[1])))
-            elif tag == "pre":
-                self.pre += 1
-                self.out.append("\n\n```\n")
-            elif tag == "li":
-                self.out.append("\n%s- " % ("  " * max(0, self.lists - 1)))
-            elif tag in ("ul", "ol"):
-                self.out.append("" if self.lists else "\n\n")
-                self.lists += 1
-            elif tag == "tr":
-                self.out.append("\n|")
-            elif tag in ("td", "th"):
-                self.out.append(" ")
-            elif tag == "br":
-                self.out.append("\n")
-            elif tag == "a":
-                href = dict(attrs).get("href") or ""
-                self.links.append((href, len(self.out)))
-            elif tag == "code" and not self.pre:
-                self.out.append("`")
-            elif tag in HTML_PARAGRAPHS:
-                self.out.append("\n\n")
+            if tag in HTML_SKIP or self.skip:
+                self.skip += tag in HTML_SKIP and tag not in HTML_VOID
+                return
+            closes = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd"), "dd": ("dt", "dd"), "tr": ("tr", "td", "th"),
+                      "td": ("td", "th"), "th": ("td", "th"), "option": ("option",)}.get(tag, ())
+            if tag in HTML_BLOCKS or tag in ("ul", "ol", "pre", "table", "blockquote", "h1", "h2", "h3", "h4", "h5",
+                                             "h6", "hr"):
+                closes = closes + ("p",) if tag != "p" else closes
+            while closes and self.stack[-1][0] in closes:
+                self.stack.pop()
+            node = [tag, dict(attrs), []]
+            self.stack[-1][2].append(node)
+            if tag not in HTML_VOID and len(self.stack) < HTML_DEPTH:
+                self.stack.append(node)
+
+        def handle_startendtag(self, tag, attrs):
+            self.handle_starttag(tag, attrs)
+            if tag not in HTML_VOID and self.stack[-1][0] == tag and len(self.stack) > 1:
+                self.stack.pop()
 
         def handle_endtag(self, tag):
-            if tag in HTML_SKIP:
-                self.skip = max(0, self.skip - (tag != "head"))
-                return
             if tag == "title":
                 self.in_title = False
-            elif self.skip:
                 return
-            elif tag == "pre" and self.pre:
-                self.pre -= 1
-                self.out.append("\n```\n\n")
-            elif tag in ("td", "th"):
-                self.out.append(" |")
-            elif tag in ("ul", "ol"):
-                self.lists = max(0, self.lists - 1)
-                self.out.append("" if self.lists else "\n\n")
-            elif tag == "a" and self.links:
-                href, at = self.links.pop()
-                text = " ".join("".join(self.out[at:]).split())
-                url = urllib.parse.urljoin(base_url, href) if href else ""
-                if text and url and not href.startswith(("#", "javascript:")):
-                    self.out[at:] = ["[%s](%s)" % (text, url)]
-            elif tag == "code" and not self.pre:
-                self.out.append("`")
-            elif tag in HTML_PARAGRAPHS or tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
-                self.out.append("\n\n")
+            if self.skip:
+                self.skip -= tag in HTML_SKIP
+                return
+            for k in range(len(self.stack) - 1, 0, -1):
+                if self.stack[k][0] == tag:
+                    del self.stack[k:]
+                    return
 
         def handle_data(self, data):
             if self.in_title:
                 self.title.append(data)
             elif not self.skip:
-                self.out.append(data if self.pre else re.sub(r"\s+", " ", data))
+                self.stack[-1][2].append(data)
 
-    p = Markdown()
+    def destination(href):
+        """A link's absolute URL, written so it stays one link: spaces and parentheses encoded."""
+        url = urllib.parse.urljoin(base_url, href)
+        return url.replace(" ", "%20").replace("(", "%28").replace(")", "%29")
+
+    def text_of(node):
+        return "".join(c if isinstance(c, str) else text_of(c) for c in node[2])
+
+    def inline(nodes, pre=False, in_link=False):
+        """The inline content of `nodes` as one string (whitespace folded unless pre; a
+        link's own text with its brackets escaped)."""
+        out = []
+        for c in nodes:
+            if isinstance(c, str):
+                text = c if pre else re.sub(r"\s+", " ", c)
+                out.append(text.replace("[", "\\[").replace("]", "\\]") if in_link else text)
+                continue
+            tag, attrs, kids = c
+            if tag == "br":
+                out.append("\n")
+            elif tag == "a":
+                text = inline(kids, in_link=True)
+                href = (attrs.get("href") or "").strip()
+                core = " ".join(text.split())
+                if core and href and not href.startswith(("#", "javascript:")):
+                    lead, tail = text[:len(text) - len(text.lstrip())], text[len(text.rstrip()):]
+                    out.append("%s[%s](%s)%s" % (" " if lead else "", core, destination(href), " " if tail else ""))
+                else:
+                    out.append(text)
+            elif tag in ("code", "kbd", "samp", "tt") and not pre:
+                code = text_of(c)
+                if code.strip():
+                    run = max([len(r) for r in re.findall(r"`+", code)] + [0])
+                    tick = "`" * (run + 1)
+                    pad = " " if code.startswith("`") or code.endswith("`") else ""
+                    lead, tail = code[:len(code) - len(code.lstrip())], code[len(code.rstrip()):]
+                    out.append("%s%s%s%s%s%s" % (" " if lead else "", tick, pad, re.sub(r"\s+", " ", code.strip()),
+                                                 pad + tick, " " if tail else ""))
+            elif tag == "img":
+                alt = " ".join((attrs.get("alt") or "").split()).replace("[", "\\[").replace("]", "\\]")
+                src = (attrs.get("src") or "").strip()
+                if src and not src.startswith("data:"):
+                    out.append("![%s](%s)" % (alt, destination(src)))
+                elif alt:
+                    out.append(alt)
+            elif tag in ("td", "th"):
+                out.append(" %s |" % inline(kids).strip())
+            else:
+                out.append(inline(kids, pre))
+        return "".join(out)
+
+    def escaped(text):
+        """Paragraph text whose line starts would read as Markdown structure, escaped."""
+        def one(line):
+            m = re.match(r"^(\s*)(#{1,6}(?=\s|$)|>|[-+*](?=\s|$)|\d{1,9}[.)](?=\s|$)|(?:[-*_] *){3,}$|=+\s*$|```|~~~)",
+                         line)
+            if not m:
+                return line
+            head, mark = m.group(1), m.group(2)
+            if mark[0].isdigit():
+                return head + mark[:-1] + "\\" + mark[-1] + line[m.end():]
+            return head + "\\" + line[len(head):]
+        return "\n".join(one(line) for line in text.split("\n"))
+
+    def blocks(nodes, item=False):
+        """Markdown of a sequence of block and inline nodes: runs of inline content become
+        paragraphs; blocks are separated by blank lines, except (in a list item) a list
+        right after the item's own text, which follows it on the next line."""
+        parts, run = [], []
+
+        def flush():
+            text = "\n".join(line.strip() for line in inline(run).split("\n")).strip()
+            if text:
+                parts.append(("text", escaped(text)))
+            del run[:]
+        for c in nodes:
+            if isinstance(c, str) or c[0] not in BLOCK_TAGS:
+                run.append(c)
+                continue
+            flush()
+            md = block(c)
+            if md.strip():
+                parts.append((c[0], md))
+        flush()
+        out = ""
+        for k, (kind, md) in enumerate(parts):
+            tight = item and k and kind in ("ul", "ol") and parts[k - 1][0] == "text"
+            out += ("\n" if tight else "\n\n" if k else "") + md
+        return out
+
+    def block(node):
+        tag, attrs, kids = node
+        if tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
+            text = " ".join(inline(kids).split())
+            return "%s %s" % ("#" * int(tag[1]), text) if text else ""
+        if tag == "pre":
+            code = text_of(node).strip("\n")
+            run = max([len(r) for r in re.findall(r"`{3,}", code)] + [2])
+            fence = "`" * (run + 1)
+            return "%s\n%s\n%s" % (fence, "\n".join(line.rstrip() for line in code.split("\n")), fence)
+        if tag in ("ul", "ol"):
+            items, number = [], 1
+            if tag == "ol":
+                try:
+                    number = int(attrs.get("start") or 1)
+                except ValueError:
+                    number = 1
+            loose = False
+            for c in kids:
+                if isinstance(c, str):
+                    if c.strip():
+                        items.append(("- " if tag == "ul" else "%d. " % number, c.strip()))
+                    continue
+                if c[0] != "li":
+                    md = block(c) if c[0] in BLOCK_TAGS else inline([c]).strip()
+                    if md and c[0] in ("ul", "ol") and items and items[-1][0]:
+                        items[-1] = (items[-1][0], items[-1][1] + "\n" + md)     # a list put straight in a list:
+                    elif md:                                                      # the item before holds it
+                        items.append(("", md))
+                    continue
+                marker = "- " if tag == "ul" else "%d. " % number
+                number += tag == "ol"
+                body = blocks(c[2], item=True)
+                loose = loose or "\n\n" in body
+                items.append((marker, body))
+            lines = []
+            for marker, body in items:
+                pad = " " * len(marker)
+                text = "\n".join((pad + line if line.strip() else "") if k else marker + line
+                                 for k, line in enumerate(body.split("\n")))
+                lines.append(text.rstrip())
+            return ("\n\n" if loose else "\n").join(lines)
+        if tag == "blockquote":
+            body = blocks(kids)
+            return "\n".join("> " + line if line else ">" for line in body.split("\n"))
+        if tag == "hr":
+            return "* * *"
+        if tag == "table":
+            rows = []
+            for row in table_rows(node):
+                cells = [" ".join(inline(cell[2]).split()) for cell in row]
+                rows.append("| %s |" % " | ".join(cells))
+            return "\n".join(rows)
+        return blocks(kids)
+
+    def table_rows(node):
+        rows = []
+        for c in node[2]:
+            if isinstance(c, str):
+                continue
+            if c[0] == "tr":
+                rows.append([cell for cell in c[2] if not isinstance(cell, str) and cell[0] in ("td", "th")])
+            elif c[0] in ("thead", "tbody", "tfoot"):
+                rows += table_rows(c)
+        return rows
+
+    BLOCK_TAGS = HTML_BLOCKS | {"ul", "ol", "pre", "table", "blockquote", "h1", "h2", "h3", "h4", "h5", "h6", "hr",
+                                "li"}
+    tree = Tree()
     try:
-        p.feed(markup)
-        p.close()
+        tree.feed(markup)
+        tree.close()
     except Exception:                    # html.parser is lenient; never let a page crash a call
         pass
-    lines, fenced = [], False
-    for line in "".join(p.out).split("\n"):
-        if line.strip() == "```":
-            fenced = not fenced
-            lines.append("```")
-        elif fenced:
-            lines.append(line.rstrip())
-        elif line.strip() or (lines and lines[-1]):
-            item = re.match(r"^( *)- ", line)               # a nested list item keeps its indent
-            lines.append((item.group(1) if item else "") + line.strip())
-    body = "\n".join(lines).strip()
-    title = " ".join("".join(p.title).split())
+    try:
+        body = blocks(tree.root[2])
+    except RecursionError:
+        body = " ".join(text_of(tree.root).split())
+    body = re.sub(r"\n{3,}", "\n\n", body).strip()
+    title = " ".join("".join(tree.title).split())
     return ("# %s\n\n%s" % (title, body)).strip() if title and title not in body[:len(title) + 4] else body
 
 

@@ -2393,6 +2393,73 @@ class TestWebFetch(NoViewBase):
         self.assertTrue(text.startswith("错误："), text)
 
 
+# HTML -> Markdown cases restated from html2text 2025.4.15's own tests (test/*.html and .md, GPL-3.0;
+# the constructs kept, its emphasis and line wrapping not): (source file, HTML, what the answer holds).
+HTML2TEXT_CASES = (
+    ("header_tags", "<h1>H1</h1><h2>H2</h2><h3>H3</h3><h6>H6</h6><h7>H7</h7>", "# H1\n\n## H2\n\n### H3\n\n###### H6\n\nH7"),
+    ("horizontal_rule", "<html><body><hr></body></html>", "* * *"),
+    ("mixed_nested_lists", "<ol><li>ordered</li><li>...</li><ul><li>unordered</li><li>...</li></ul><li>end</li></ol>",
+     "1. ordered\n2. ...\n   - unordered\n   - ...\n3. end"),
+    ("preformatted_in_list", "<ul><li>Run this command:<pre>ls -l *.html</pre></li><li>?</li><li>Profit!</li></ul>",
+     "- Run this command:\n\n  ```\n  ls -l *.html\n  ```\n\n- ?\n\n- Profit!"),
+    ("url-escaping", "<a href='http://msdn.microsoft.com/en-us/library/system.drawing.drawing2d(v=vs.110)'>link</a>",
+     "[link](http://msdn.microsoft.com/en-us/library/system.drawing.drawing2d%28v=vs.110%29)"),
+    ("img-tag-with-link", "<a href='http://placehold.it/350x150#(banana)'><img src='http://placehold.it/350x150#(banana)'"
+                          " alt='(banana)'></a>",
+     "[![(banana)](http://placehold.it/350x150#%28banana%29)](http://placehold.it/350x150#%28banana%29)"),
+)
+
+
+class TestHtmlAsMarkdown(unittest.TestCase):
+    """Issue 40: web_fetch's HTML as Markdown a model reads as the page means it."""
+
+    def md(self, html):
+        return boris.html_to_markdown(html, "http://h/dir/page.html")
+
+    def test_list_items_keep_their_blocks_and_ordered_lists_count_from_start(self):
+        self.assertEqual(self.md("<ol start='3'><li><p>one</p><p>more of one</p></li><li>two<ul><li>inner</li></ul>"
+                                 "</li><li>three<blockquote>said</blockquote></li></ol>"),
+                         "3. one\n\n   more of one\n\n4. two\n   - inner\n\n5. three\n\n   > said")
+        self.assertEqual(self.md("<ol><li>a</li><li>b</li></ol><ol start='x'><li>c</li></ol>"), "1. a\n2. b\n\n1. c")
+        self.assertEqual(self.md("<ul><li>outer<ul><li>inner<ol><li>deep</li></ol></li></ul></li><li>two</li></ul>"),
+                         "- outer\n  - inner\n    1. deep\n- two")
+
+    def test_a_fence_is_longer_than_any_backtick_run_in_the_code(self):
+        self.assertEqual(self.md("<pre>a ``` b\n````c</pre>"), "`````\na ``` b\n````c\n`````")
+        self.assertEqual(self.md("<pre>x = 1\n    y</pre>"), "```\nx = 1\n    y\n```")
+        self.assertEqual(self.md("<p>say <code>a`b</code> now</p>"), "say ``a`b`` now")
+
+    def test_whitespace_at_inline_edges_stays_outside_the_markup(self):
+        self.assertEqual(self.md("<p><a href='/x'>text </a>more and<a href='y'> lead</a>!</p>"),
+                         "[text](http://h/x) more and [lead](http://h/dir/y)!")
+        self.assertEqual(self.md("<p>call<code> f() </code>here</p>"), "call `f()` here")
+
+    def test_link_destinations_stay_links_and_brackets_in_text_are_escaped(self):
+        self.assertEqual(self.md("<a href='/a b(1)'>t</a>"), "[t](http://h/a%20b%281%29)")
+        self.assertEqual(self.md("<a href='/z'>see [1]</a>"), "[see \\[1\\]](http://h/z)")
+        self.assertEqual(self.md("<a href='#top'>top</a> <a href='javascript:x()'>js</a>"), "top js")
+
+    def test_page_text_that_looks_like_markdown_is_escaped(self):
+        for html, want in (("<p># not a heading</p>", "\\# not a heading"), ("<p>&gt; not a quote</p>", "\\> not a quote"),
+                           ("<p>1. not a list</p>", "1\\. not a list"), ("<p>2) nor this</p>", "2\\) nor this"),
+                           ("<p>* * *</p>", "\\* * *"), ("<p>- dash</p>", "\\- dash"), ("<p>+ plus</p>", "\\+ plus"),
+                           ("<p>```</p>", "\\```"), ("<p>a<br># b</p>", "a\n\\# b"),
+                           ("<p>#hashtag and 1.5 and -x</p>", "#hashtag and 1.5 and -x")):
+            self.assertEqual(self.md(html), want, html)
+        self.assertEqual(self.md("<h2># tag</h2>"), "## # tag")          # a heading's text reads as text already
+
+    def test_html2text_cases_restated(self):
+        for source, html, want in HTML2TEXT_CASES:
+            self.assertEqual(self.md(html), want, source)
+
+    def test_hostile_markup_ends_in_text(self):
+        deep = "<div>" * 5000 + "x" + "</div>" * 5000
+        self.assertEqual(self.md(deep), "x")
+        self.assertEqual(self.md("<ul><li><ol><li>" * 300 + "deep"), self.md("<ul><li><ol><li>" * 300 + "deep"))
+        self.assertIn("deep", self.md("<ul><li><ol><li>" * 300 + "deep"))
+        self.assertEqual(self.md("<p>unclosed <a href='/u'>link"), "[link](http://h/u)".join(["unclosed ", ""]))
+
+
 class TestUrlsAndCharsets(NoViewBase):
     """web_fetch's URL and charset checks, against TestWebFetch's local server."""
     setUpClass = TestWebFetch.__dict__["setUpClass"]
