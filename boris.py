@@ -286,7 +286,14 @@ FLAGS = (
      " its output so far and the task id (0 = never; clients give up on a call after ~60 s)"),
     ("allow-dir", "BORIS_ALLOW_DIRS", "", "list", "directory the file tools may touch (repeatable; env comma-separated; none = all)"),
     ("deny-dir", "BORIS_DENY_DIRS", "", "list", "directory or glob the file tools may not touch, e.g. '**/.env' (repeatable)"),
-    ("token", "BORIS_TOKEN", "", "str", "bearer token required by the HTTP transport"),
+    ("token", "BORIS_TOKEN", "", "str", "bearer token required by the HTTP transport (on the command line"
+     " other users see it in ps: prefer BORIS_TOKEN or --token-file)"),
+    ("token-file", "BORIS_TOKEN_FILE", "", "str", "read the HTTP bearer token from this file's first line"),
+    ("shell-env-keep", "BORIS_SHELL_ENV_KEEP", "", "list", "environment variables bash commands get although"
+     " they are boris's own (BORIS_*) or named like a secret (KEY, SECRET, TOKEN, PASSWORD, PASSWD, CREDENTIAL);"
+     " names or shell globs, '*' for all (repeatable)"),
+    ("shell-env-drop", "BORIS_SHELL_ENV_DROP", "", "list", "more environment variables bash commands do not get"
+     " (names or shell globs, repeatable)"),
     ("generate-token", "BORIS_GENERATE_TOKEN", "false", "bool", "generate a bearer token and print it to stderr (HTTP)"),
     ("disable-tools", "BORIS_DISABLE_TOOLS", "", "list", "tool names not to register (repeatable or comma-separated)"),
     ("background-task-timeout", "BORIS_BACKGROUND_TASK_TIMEOUT", "0", "seconds", "kill background tasks running longer than this (0 = never)"),
@@ -451,6 +458,16 @@ def parse_config(argv, environ):
         except ValueError as e:
             raise ConfigError("invalid value %r for --%s: %s%s" % (
                 raws[-1], flag, e, " (from environment variable %s)" % env if from_env else ""))
+    if values["token-file"]:
+        if values["token"]:
+            raise ConfigError("--token and --token-file exclude each other: give one of them")
+        try:
+            with open(os.path.expanduser(values["token-file"]), encoding="utf-8") as f:
+                values["token"] = f.readline().strip()
+        except (OSError, UnicodeError) as e:
+            raise ConfigError("--token-file %r cannot be read: %s" % (values["token-file"], getattr(e, "strerror", e)))
+        if not values["token"]:
+            raise ConfigError("--token-file %r holds no token on its first line" % values["token-file"])
     if values["token"] and values["generate-token"]:
         raise ConfigError("--token and --generate-token exclude each other: give one of them")
     if values["transport"] == "http" and not (values["token"] or values["generate-token"]) \
@@ -4613,10 +4630,30 @@ class Capture(object):
 # (a command read by a thread of its own: a background task, or a foreground command
 # that may be handed off). Output reaches a result through render_output.
 
+SECRET_NAMES = ("KEY", "SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL")   # in a variable's name: not passed
+
+
+def command_environ(config, environ=None):
+    """The environment bash commands get: the server's, less its own variables (BORIS_*:
+    the HTTP token among them) and those named like a secret (SECRET_NAMES, any case),
+    unless --shell-env-keep names them; less what --shell-env-drop names."""
+    import fnmatch
+    environ = os.environ if environ is None else environ
+    keep, drop = config.shell_env_keep, config.shell_env_drop
+
+    def wanted(name):
+        if any(fnmatch.fnmatchcase(name, p) for p in drop):
+            return False
+        if not (name.startswith("BORIS_") or any(word in name.upper() for word in SECRET_NAMES)):
+            return True
+        return any(fnmatch.fnmatchcase(name, p) for p in keep)
+    return dict((k, v) for k, v in environ.items() if wanted(k))
+
+
 TTY_COLUMNS, TTY_ROWS = 80, 24             # the terminal of a tty task
 
 
-def start_process(script, cwd, sandbox=None, stdin="null"):
+def start_process(script, cwd, sandbox=None, stdin="null", environ=None):
     """Popen of `script` under the shell, in its own process group; through the
     launcher when `sandbox` is on or the command gets a terminal. stdin: 'null'
     (/dev/null: a prompt fails fast), 'pipe' (kept open for task_input) or 'tty' (a
@@ -4624,7 +4661,7 @@ def start_process(script, cwd, sandbox=None, stdin="null"):
     it; proc.stdout reads its master, proc.stderr is None)."""
     import subprocess
     sandbox = sandbox or Sandbox.off()
-    env = dict(os.environ)
+    env = dict(os.environ if environ is None else environ)
     env.setdefault("PAGER", "cat")
     env.setdefault("GIT_PAGER", "cat")
     env.setdefault("GIT_TERMINAL_PROMPT", "0")
@@ -8111,7 +8148,7 @@ def start_command(session, script, sandbox=None, stdin="null"):
     cannot start."""
     cwd = session.get_cwd()
     try:
-        return start_process(script, cwd, sandbox, stdin)
+        return start_process(script, cwd, sandbox, stdin, command_environ(session.config))
     except OSError as e:
         raise ToolError(BASH_START_FAILED, "could not start %s in %s: %s" % (SHELL, cwd, e.strerror or e))
 
@@ -9344,7 +9381,10 @@ class McpServer(object):
     def instructions(self):
         """The instructions initialize returns: what the server is, its sandbox, its scope."""
         cfg = self.config
-        lines = [INSTRUCTIONS_FIRST_LINE, self.sandbox.describe(), "Working directory: %s" % cfg.workdir]
+        lines = [INSTRUCTIONS_FIRST_LINE, self.sandbox.describe(), "Working directory: %s" % cfg.workdir,
+                 "Commands do not get the server's BORIS_* variables or those named like a secret (%s)%s." % (
+                     ", ".join(SECRET_NAMES), "; kept: %s" % ", ".join(cfg.shell_env_keep) if cfg.shell_env_keep
+                     else "")]
         if self.policy.allow:
             lines.append("Allowed directories: %s" % ", ".join(self.policy.allow))
         if self.policy.deny_raw:

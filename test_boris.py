@@ -1307,6 +1307,14 @@ class TestSandboxWorkspaceWrite(SandboxBase):
                "nohup sh -c 'echo x > {o}/nohup.txt' >/dev/null 2>&1 & sleep 0.3",
                "(sh -c '(echo x > {o}/double.txt) &' &); sleep 0.3"]
 
+    def test_a_sandboxed_command_gets_no_secret_either(self):
+        """Issue 41: the warm launchers start commands with the same environment policy."""
+        with mock.patch.dict(os.environ, dict(SECRETS, PLAIN_SETTING="plain-8")):
+            text = self.bash("env")
+        self.assertIn("PLAIN_SETTING=plain-8", text)
+        for value in SECRETS.values():
+            self.assertNotIn(value, text)
+
     def test_no_write_outside_lands_from_any_command(self):
         before = self.outside()
         for attack in self.ATTACKS:
@@ -4893,6 +4901,58 @@ class TestHandOff(NoViewBase):
         self.assertIn("handed off", self.server.instructions())
 
 
+SECRETS = {"MY_API_KEY": "k-1", "GITHUB_TOKEN": "t-2", "db_password": "p-3", "AWS_SECRET_ACCESS_KEY": "s-4",
+           "NPM_CREDENTIALS": "c-5", "BORIS_TOKEN": "b-6", "BORIS_ANYTHING": "b-7"}
+
+
+class TestShellEnvironment(NoViewBase):
+    """Issue 41: commands do not get the server's own variables nor those named like a
+    secret, in the foreground, in background, interactive and tty tasks alike."""
+
+    def setUp(self):
+        NoViewBase.setUp(self)
+        patch = mock.patch.dict(os.environ, dict(SECRETS, PLAIN_SETTING="plain-8"))
+        patch.start()
+        self.addCleanup(patch.stop)
+
+    def env_of(self, **how):
+        if not how:
+            return self.ok("bash", command="env")
+        tid = re.search(r"task_[0-9a-f]+", self.ok("bash", command="env; echo env-done", **how)).group(0)
+        return self.ok("task_output", task_id=tid, wait_for="env-done", wait_ms=10000)
+
+    def test_no_secret_reaches_a_command_however_it_runs(self):
+        for how in ({}, {"run_in_background": True}, {"interactive": True}, {"tty": True}):
+            text = self.env_of(**how)
+            self.assertIn("PLAIN_SETTING=plain-8", text, how)
+            self.assertIn("BORIS_CALL=", text, how)                       # its own marker it does get
+            for name, value in SECRETS.items():
+                self.assertNotIn(value, text, (how, name))
+
+    def test_keep_and_drop_name_what_they_mean(self):
+        build(self, self.root, ["--require-view-before-edit", "false", "--shell-env-keep", "GITHUB_TOKEN,*_API_KEY",
+                                "--shell-env-drop", "PLAIN_*"])
+        text = self.env_of()
+        self.assertIn("GITHUB_TOKEN=t-2", text)
+        self.assertIn("MY_API_KEY=k-1", text)
+        self.assertNotIn("plain-8", text)
+        self.assertNotIn("b-6", text)
+        self.assertIn("kept: GITHUB_TOKEN, *_API_KEY", self.server.instructions())
+        build(self, self.root, ["--require-view-before-edit", "false", "--shell-env-keep", "*"])
+        text = self.env_of()
+        for value in SECRETS.values():
+            self.assertIn(value, text)
+
+    def test_the_policy_is_in_the_instructions_and_help(self):
+        self.assertIn("Commands do not get the server's BORIS_* variables or those named like a secret",
+                      self.server.instructions())
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), self.assertRaises(SystemExit):
+            boris.parse_config(["--help"], {})
+        self.assertIn("--shell-env-keep", out.getvalue())
+        self.assertIn("--token-file", out.getvalue())
+
+
 class TestBackgroundTimeout(Base):
     flags = ["--background-task-timeout", "0.5"]
 
@@ -7891,6 +7951,58 @@ class TestHttpSubprocess(unittest.TestCase):
                 p.kill()
                 p.wait()
             p.stderr.close()
+
+    def test_the_token_is_in_no_command_line_no_command_and_no_log(self):
+        """Issue 41: --token-file (or BORIS_TOKEN) keeps the bearer token off the server's
+        command line; a command's env never shows it; the log never prints it."""
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-httpp-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        token = "tok-" + os.urandom(12).hex()
+        with open(os.path.join(tmp, "token"), "w") as f:
+            f.write(token + "\n")
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        p = subprocess.Popen([sys.executable, BORIS, "--transport", "http", "--port", str(port), "--workdir", tmp,
+                              "--token-file", os.path.join(tmp, "token"), "--log-level", "debug"],
+                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        try:
+            self.assertTrue(wait_until(lambda: self._up(port), 10))
+            auth = {"Authorization": "Bearer " + token}
+            st, h, _ = http(port, "POST", body={"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                                                "params": {"protocolVersion": "2025-06-18"}}, headers=auth)
+            self.assertEqual(st, 200)
+            auth["Mcp-Session-Id"] = h["mcp-session-id"]
+            st, _, body = http(port, "POST", body={"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+                "name": "bash", "arguments": {"command": "env; cat /proc/$PPID/cmdline | tr '\\0' ' '"}}},
+                headers=auth)
+            text = body["result"]["content"][0]["text"]
+            self.assertIn("exit code: 0", text)
+            self.assertNotIn(token, text)
+            with open("/proc/%d/cmdline" % p.pid, "rb") as f:
+                self.assertNotIn(token.encode(), f.read())
+            self.assertEqual(http(port, "POST", body={"jsonrpc": "2.0", "id": 3, "method": "ping"},
+                                  headers={"Authorization": "Bearer wrong"})[0], 401)
+            p.send_signal(signal.SIGTERM)
+            self.assertEqual(p.wait(20), 0)
+            self.assertNotIn(token.encode(), p.stderr.read())
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stderr.close()
+
+    def test_token_file_mistakes_are_named(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-tok-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        open(os.path.join(tmp, "empty"), "w").close()
+        for flags, words in ((["--token-file", os.path.join(tmp, "none")], "cannot be read"),
+                             (["--token-file", os.path.join(tmp, "empty")], "holds no token"),
+                             (["--token-file", os.path.join(tmp, "empty"), "--token", "x"], "exclude each other")):
+            with self.assertRaises(boris.ConfigError) as caught:
+                boris.parse_config(["--workdir", tmp, "--transport", "http"] + flags, {})
+            self.assertIn(words, str(caught.exception))
 
     @staticmethod
     def _up(port):
