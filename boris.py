@@ -302,6 +302,8 @@ FLAGS = (
     ("anthropic-compat", "BORIS_ANTHROPIC_COMPAT", "false", "bool", "expose str_replace_editor and Claude Code's grep parameter names"),
     ("log-level", "BORIS_LOG_LEVEL", "info", "choice:debug|info|warn|error", "stderr log level"),
     ("log-format", "BORIS_LOG_FORMAT", "text", "choice:text|json", "stderr log format"),
+    ("web-fetch-allow", "BORIS_WEB_FETCH_ALLOW", "", "list", "the only domains web_fetch may reach, e.g."
+     " docs.python.org or *.example.org (its subdomains); an IP address then never (repeatable; none = any)"),
     ("web-fetch-block-private", "BORIS_WEB_FETCH_BLOCK_PRIVATE", "false", "bool",
      "web_fetch also refuses loopback and private addresses (link-local is always refused)"),
     ("max-result-chars", "BORIS_MAX_RESULT_CHARS", "40000", "chars",
@@ -5293,7 +5295,23 @@ FETCH_ERRORS = {
     "url_no_host": (INVALID_INPUT, "the URL has no host name: %(url)s"),
     "url_port_zero": (INVALID_INPUT, "port 0 is not a port: %(url)s"),
     "url_idna": (INVALID_INPUT, "the host name %(host)s cannot be IDNA-encoded: %(url)s"),
+    "not_allowed": (ACCESS_DENIED, "%(host)s is not among the domains web_fetch may reach (--web-fetch-allow:"
+                                   " %(allowed)s): %(url)s"),
 }
+
+
+def host_allowed(host, allowed):
+    """Whether `host` (a name; an IP address never) is one of the `allowed` domains: a name as
+    given, or '*.example.org' for the names below example.org (not example.org itself)."""
+    import fnmatch
+    import ipaddress
+    host = host.lower().rstrip(".").strip("[]")
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+        return False
+    except ValueError:
+        pass  # a name: matched below
+    return any(host == a or a.startswith("*.") and fnmatch.fnmatchcase(host, a) for a in allowed)
 
 
 def fetch_error(kind, **facts):
@@ -5307,8 +5325,9 @@ class WebFetch(object):
     checked, a GET that connects only to vetted addresses (checked after DNS, on every
     redirect too), its text. Every failure is a fetch_error."""
 
-    def __init__(self, url, timeout, cancelled=None, block_private=False):
+    def __init__(self, url, timeout, cancelled=None, block_private=False, allow=()):
         self.url, self.timeout, self.block_private = url, timeout, block_private
+        self.allow = [a.lower().rstrip(".") for a in allow]       # --web-fetch-allow: the only hosts it may reach
         self.cancelled = cancelled or threading.Event()
 
     def text(self, start=0):
@@ -5435,8 +5454,11 @@ class WebFetch(object):
         return urllib.request.build_opener(PlainHandler, SecureHandler, Redirects)
 
     def vetted(self, host, port):
-        """getaddrinfo of `host`, every address checked; a fetch_error otherwise."""
+        """getaddrinfo of `host`, every address checked; a fetch_error otherwise (also for a
+        host the --web-fetch-allow list does not name, before it is resolved)."""
         import socket
+        if self.allow and not host_allowed(host, self.allow):
+            raise fetch_error("not_allowed", host=host, allowed=", ".join(self.allow), url=self.url)
         try:
             infos = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
         except (socket.gaierror, UnicodeError):
@@ -9030,6 +9052,7 @@ WEB_FETCH_WORDS = {
     "url_no_host": _BAD_URL % "没有主机名 / no host name",
     "url_port_zero": _BAD_URL % "端口 0 无效 / port 0 is not a port",
     "url_idna": _BAD_URL % "主机名 %(host)s 无法编码 / the host name cannot be IDNA-encoded",
+    "not_allowed": "错误：%(host)s 不在允许访问的域名之中（--web-fetch-allow: %(allowed)s）: %(url)s",
 }
 
 
@@ -9051,7 +9074,8 @@ def tool_web_fetch(session, args, ctx):
     if start < 0:
         raise plain_error("错误：start_index 不能为负数: %d" % start, INVALID_INPUT)
     try:
-        return WebFetch(url, timeout, ctx.cancelled, ctx.config.web_fetch_block_private).text(start)
+        return WebFetch(url, timeout, ctx.cancelled, ctx.config.web_fetch_block_private,
+                        ctx.config.web_fetch_allow).text(start)
     except ToolError as e:
         if not isinstance(e.detail, tuple):
             raise
@@ -9391,6 +9415,8 @@ class McpServer(object):
             lines.append("Denied patterns: %s" % ", ".join(self.policy.deny_raw))
         lines.append("View before edit: %s" % ("on (view a file before str_replace or overwriting it)"
                                                if cfg.require_view_before_edit else "off"))
+        if cfg.web_fetch_allow:
+            lines.append("web_fetch reaches only: %s" % ", ".join(cfg.web_fetch_allow))
         if cfg.anthropic_compat:
             lines.append("Anthropic compatibility: on (str_replace_editor, Claude Code grep names)")
         if cfg.transport == "http":

@@ -2170,6 +2170,8 @@ def make_web_server():
                         time.sleep(0.2)
                 except OSError:
                     pass
+            elif p == "/to-raw-ip":
+                self.send(302, None, b"", [("Location", "http://127.0.0.1:%d/page" % self.server.server_address[1])])
             elif p == "/to-metadata":
                 self.send(302, None, b"", [("Location", "http://169.254.169.254/latest/meta-data/")])
             elif p == "/to-v6-link-local":
@@ -2218,6 +2220,26 @@ class TestWebFetch(NoViewBase):
 
     def fetch(self, path, **kw):
         return self.call("web_fetch", url=self.base + path, **kw)
+
+    def test_an_allow_list_names_the_only_hosts_it_reaches(self):
+        """Issue 41: --web-fetch-allow: listed names only (wildcards for subdomains), never a raw
+        IP, checked again at every redirect, and a name not listed is refused before DNS."""
+        port = self.srv.server_address[1]
+        build(self, self.root, ["--require-view-before-edit", "false", "--web-fetch-allow", "localhost,*.example.test"])
+        text, err = self.call("web_fetch", url="http://localhost:%d/page" % port)
+        self.assertFalse(err, text)
+        self.assertIn("Heading", text)
+        for url in ("http://127.0.0.1:%d/page" % port, "http://localhost:%d/to-raw-ip" % port,
+                    "http://[::1]:%d/page" % port, "http://other.test/", "http://example.test/"):
+            text, err = self.call("web_fetch", url=url)
+            self.assertTrue(err, url)
+            self.assertIn("不在允许访问的域名之中（--web-fetch-allow: localhost, *.example.test）", text, url)
+        with mock.patch("socket.getaddrinfo", side_effect=AssertionError("resolved")):
+            self.assertIn("不在允许访问的域名之中", self.call("web_fetch", url="http://not-listed.test/")[0])
+        allowed = ["localhost", "*.example.test"]
+        for host, want in (("a.example.test", True), ("b.a.EXAMPLE.test.", True), ("example.test", False),
+                           ("evil-example.test", False), ("localhost", True), ("127.0.0.1", False), ("::1", False)):
+            self.assertEqual(boris.host_allowed(host, allowed), want, host)
 
     def test_link_local_decision(self):
         refuse = boris.address_refusal
