@@ -12,13 +12,13 @@ test-all:
 	for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.(8|9|1[0-5])\.' ); do \
 		found=1; echo "=== Python $$v"; \
 		PYENV_VERSION=$$v python3 -W error::ResourceWarning test_boris.py >"$$log" 2>&1; rc=$$?; \
-		tail -n 3 "$$log"; [ $$rc = 0 ] || bad="$$bad $$v"; \
+		tail -n 3 "$$log"; [ $$rc = 0 ] || { grep -E '^(FAIL|ERROR):' "$$log"; bad="$$bad $$v"; }; \
 	done; \
 	for py in python3.14 python3.15; do \
 		command -v $$py >/dev/null 2>&1 || continue; \
 		found=1; echo "=== $$($$py --version)"; \
 		$$py -W error::ResourceWarning test_boris.py >"$$log" 2>&1; rc=$$?; \
-		tail -n 3 "$$log"; [ $$rc = 0 ] || bad="$$bad $$py"; \
+		tail -n 3 "$$log"; [ $$rc = 0 ] || { grep -E '^(FAIL|ERROR):' "$$log"; bad="$$bad $$py"; }; \
 	done; rm -f "$$log"; \
 	if [ $$found = 0 ]; then $(PYTHON) -W error::ResourceWarning test_boris.py || exit 1; fi; \
 	if [ -n "$$bad" ]; then echo "FAILED on:$$bad"; exit 1; fi

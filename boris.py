@@ -1477,6 +1477,7 @@ def reaped(proc):
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+PR_GET_DUMPABLE, PR_SET_DUMPABLE = 3, 4
 
 
 def _libc():
@@ -1508,6 +1509,14 @@ def give_back_memory(main_thread, wait_s=10.0):
         libc.malloc_trim(0)
     except (OSError, AttributeError, ImportError):
         log("debug", "no malloc_trim here: memory freed at start-up stays with the allocator")
+
+
+def seal_memory():
+    """Keep this process's environment and memory from its commands (Linux): not dumpable,
+    its /proc/<pid>/environ and mem belong to root and a same-user ptrace is refused, so a
+    command cannot read the variables command_environ leaves out from its parent. A child
+    gets its own back at exec. Root's commands can read them still."""
+    return prctl(PR_SET_DUMPABLE, 0)
 
 
 def set_subreaper():
@@ -10297,6 +10306,7 @@ def helper_main(args):
     parent, and becomes the command."""
     kind = args[0] if args else ""
     parent = args[1] if len(args) > 1 else None
+    seal_memory()                       # a helper (a launcher too) holds the server's environment
     if kind == "sandbox" and len(args) in (3, 4) and args[2].startswith("@"):
         return helper_warm_launcher(int(args[2][1:]), args[3] if len(args) == 4 else None)
     if kind == "sandbox" and len(args) > 3:
@@ -10335,6 +10345,7 @@ def main(argv=None, environ=None, after_the_script=False):
     except ConfigError as e:
         sys.stderr.write("boris: error: %s\n" % e)
         return 2
+    seal_memory()                  # the variables kept from commands stay out of /proc/<pid>/environ too
     stopper = Stopper()
     stopper.install()
     _children.wanted = True        # every child of this process is spawn()'s: reaping steals nothing

@@ -4923,8 +4923,9 @@ class TestHandOff(NoViewBase):
         self.assertIn("handed off", self.server.instructions())
 
 
-SECRETS = {"MY_API_KEY": "k-1", "GITHUB_TOKEN": "t-2", "db_password": "p-3", "AWS_SECRET_ACCESS_KEY": "s-4",
-           "NPM_CREDENTIALS": "c-5", "BORIS_TOKEN": "b-6", "BORIS_ANYTHING": "b-7"}
+SECRETS = dict((name, "value-of-%s-%s" % (name.lower(), os.urandom(4).hex())) for name in (
+    "MY_API_KEY", "GITHUB_TOKEN", "db_password", "AWS_SECRET_ACCESS_KEY", "NPM_CREDENTIALS", "BORIS_TOKEN",
+    "BORIS_ANYTHING"))             # values no temp directory or id can hold by chance
 
 
 class TestShellEnvironment(NoViewBase):
@@ -4955,15 +4956,28 @@ class TestShellEnvironment(NoViewBase):
         build(self, self.root, ["--require-view-before-edit", "false", "--shell-env-keep", "GITHUB_TOKEN,*_API_KEY",
                                 "--shell-env-drop", "PLAIN_*"])
         text = self.env_of()
-        self.assertIn("GITHUB_TOKEN=t-2", text)
-        self.assertIn("MY_API_KEY=k-1", text)
-        self.assertNotIn("plain-8", text)
-        self.assertNotIn("b-6", text)
+        self.assertIn("GITHUB_TOKEN=" + SECRETS["GITHUB_TOKEN"], text)
+        self.assertIn("MY_API_KEY=" + SECRETS["MY_API_KEY"], text)
+        self.assertNotIn("PLAIN_SETTING", text)
+        self.assertNotIn(SECRETS["BORIS_TOKEN"], text)
         self.assertIn("kept: GITHUB_TOKEN, *_API_KEY", self.server.instructions())
         build(self, self.root, ["--require-view-before-edit", "false", "--shell-env-keep", "*"])
         text = self.env_of()
         for value in SECRETS.values():
             self.assertIn(value, text)
+
+    @unittest.skipUnless(LINUX, "PR_SET_DUMPABLE is Linux's")
+    def test_the_server_and_its_helpers_are_sealed_their_commands_are_not(self):
+        """What command_environ leaves out must not be readable in /proc/<server>/environ:
+        the server and every helper are not dumpable; a command is again after its exec."""
+        probe = ("import ctypes, sys; sys.path.insert(0, %r); import boris; libc = ctypes.CDLL(None);"
+                 " before = libc.prctl(3, 0, 0, 0, 0); boris.seal_memory(); print(before, libc.prctl(3, 0, 0, 0, 0))"
+                 % HERE)
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).stdout
+        self.assertEqual(out.split(), ["1", "0"])
+        text = self.ok("bash", command="python3 -c 'import ctypes; print(\"dumpable\", ctypes.CDLL(None).prctl(3, 0, 0,"
+                                       " 0, 0))'")
+        self.assertIn("dumpable 1", text)
 
     def test_the_policy_is_in_the_instructions_and_help(self):
         self.assertIn("Commands do not get the server's BORIS_* variables or those named like a secret",
