@@ -9919,13 +9919,21 @@ class HttpTransport(object):
 
             def process_request(self, request, client_address):
                 if not transport.slots.acquire(blocking=False) and not transport.make_room():
-                    try:                    # 503 without reading the request (it is closed next)
+                    # 503; then what the client has sent is read and dropped (briefly: this is the
+                    # accept thread), since a socket closed with unread input is reset, and a reset
+                    # can destroy the answer before the client reads it.
+                    try:
                         request.settimeout(1.0)
                         request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                                         b"Content-Length: 27\r\nConnection: close\r\n\r\n"
                                         b"{\"error\": \"server is busy\"}")
+                        request.shutdown(socket.SHUT_WR)
+                        request.settimeout(0.05)
+                        for _ in range(16):
+                            if not request.recv(65536):
+                                break
                     except OSError:
-                        pass  # the client went away first: nothing to tell it
+                        pass  # the client went away, or sends on: it is closed now either way
                     self.shutdown_request(request)
                     return
                 ThreadingHTTPServer.process_request(self, request, client_address)
