@@ -4993,6 +4993,10 @@ HTML_BLOCKS = frozenset(("p", "div", "section", "article", "header", "footer", "
 HTML_VOID = frozenset(("br", "img", "hr", "input", "meta", "link", "area", "base", "col", "embed", "param",
                        "source", "track", "wbr"))
 HTML_DEPTH = 200                           # elements nested deeper are read as their parent's content
+HTML_BLOCK_TAGS = HTML_BLOCKS | frozenset(("ul", "ol", "li", "pre", "table", "blockquote", "hr",
+                                           "h1", "h2", "h3", "h4", "h5", "h6"))   # rendered as blocks of their own
+HTML_IMPLIED_ENDS = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd"), "dd": ("dt", "dd"), "tr": ("tr", "td", "th"),
+                     "td": ("td", "th"), "th": ("td", "th"), "option": ("option",)}   # open ones a start tag ends
 
 
 def html_to_markdown(markup, base_url=""):
@@ -5021,11 +5025,9 @@ def html_to_markdown(markup, base_url=""):
             if tag in HTML_SKIP or self.skip:
                 self.skip += tag in HTML_SKIP and tag not in HTML_VOID
                 return
-            closes = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd"), "dd": ("dt", "dd"), "tr": ("tr", "td", "th"),
-                      "td": ("td", "th"), "th": ("td", "th"), "option": ("option",)}.get(tag, ())
-            if tag in HTML_BLOCKS or tag in ("ul", "ol", "pre", "table", "blockquote", "h1", "h2", "h3", "h4", "h5",
-                                             "h6", "hr"):
-                closes = closes + ("p",) if tag != "p" else closes
+            closes = HTML_IMPLIED_ENDS.get(tag, ())
+            if tag in HTML_BLOCK_TAGS and tag not in ("p", "li"):
+                closes = closes + ("p",)                     # a block ends an open paragraph
             while closes and self.stack[-1][0] in closes:
                 self.stack.pop()
             node = [tag, dict(attrs), []]
@@ -5132,7 +5134,7 @@ def html_to_markdown(markup, base_url=""):
                 parts.append(("text", escaped(text)))
             del run[:]
         for c in nodes:
-            if isinstance(c, str) or c[0] not in BLOCK_TAGS:
+            if isinstance(c, str) or c[0] not in HTML_BLOCK_TAGS:
                 run.append(c)
                 continue
             flush()
@@ -5170,7 +5172,7 @@ def html_to_markdown(markup, base_url=""):
                         items.append(("- " if tag == "ul" else "%d. " % number, c.strip()))
                     continue
                 if c[0] != "li":
-                    md = block(c) if c[0] in BLOCK_TAGS else inline([c]).strip()
+                    md = block(c) if c[0] in HTML_BLOCK_TAGS else inline([c]).strip()
                     if md and c[0] in ("ul", "ol") and items and items[-1][0]:
                         items[-1] = (items[-1][0], items[-1][1] + "\n" + md)     # a list put straight in a list:
                     elif md:                                                      # the item before holds it
@@ -5212,8 +5214,6 @@ def html_to_markdown(markup, base_url=""):
                 rows += table_rows(c)
         return rows
 
-    BLOCK_TAGS = HTML_BLOCKS | {"ul", "ol", "pre", "table", "blockquote", "h1", "h2", "h3", "h4", "h5", "h6", "hr",
-                                "li"}
     tree = Tree()
     try:
         tree.feed(markup)
