@@ -2762,6 +2762,7 @@ class Walker(object):
         self.root, self.policy, self.follow_links = root, policy, follow_links
         self.cache = cache or WalkCache()          # a warm helper's: what it walked before, kept while unchanged
         self.name_key = "" if name_ok is None else name_key    # what name_ok stands for (None: its visits not kept)
+        self.costly_files = False                  # True: a remembered visit counts towards sharing (grep)
         self.ordered = ordered                     # each directory's entries by name (a stable page order)
         self.want_dirs, self.name_ok = want_dirs, name_ok
         self.max_depth = max_depth
@@ -2856,6 +2857,8 @@ class Walker(object):
                 st, (found, subdirs) = known
                 if self.follow_links:
                     self.seen.add((st.st_dev, st.st_ino))
+                if self.costly_files:
+                    self.listed += len(found) + len(subdirs)     # still work to share: each file is read
                 return list(found), list(subdirs)
         fd, entries, st = self.scan(real, ino)
         if fd is None:
@@ -3790,8 +3793,11 @@ class GrepWork(object):
         self.buf = bytearray(GREP_BUFFER)
 
     def walker(self, k):
-        """A Walker of root k that follows directory links (as grep -R does)."""
-        return Walker(self.roots[k][0], self.policy, follow_links=True, cache=self.cache)
+        """A Walker of root k that follows directory links (as grep -R does); its files are read,
+        so a walk from the cache is still shared with partners."""
+        walker = Walker(self.roots[k][0], self.policy, follow_links=True, cache=self.cache)
+        walker.costly_files = True
+        return walker
 
     def take(self, k, path, real, is_dir, ino):
         """[GrepHit] for one walked file that passes include/type and matches, else None."""
