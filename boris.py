@@ -313,9 +313,14 @@ FLAGS = (
     ("sandbox", "BORIS_SANDBOX", "auto", "choice:auto|off|workspace-write|read-only",
      "confine bash with the kernel (Landlock): writes only under --allow-dir (or --workdir) and the temp"
      " directory, or nowhere but temp; auto: workspace-write when --allow-dir is given and the kernel can"),
-    ("sandbox-network", "BORIS_SANDBOX_NETWORK", "", "choice:on|off",
-     "whether sandboxed commands may use the network (TCP, UDP, Unix sockets outside the sandbox); default"
-     " off when sandboxed"),
+    ("sandbox-network", "BORIS_SANDBOX_NETWORK", "", "list",
+     "whether sandboxed commands may use the network (TCP, UDP, Unix sockets outside the sandbox): on, off"
+     " (the default when sandboxed), or the only domains they may reach (e.g. pypi.org,*.pythonhosted.org),"
+     " through a loopback HTTP(S) proxy boris runs, which web_fetch then keeps to as well"),
+    ("sandbox-protect", "BORIS_SANDBOX_PROTECT", "", "list",
+     "paths sandboxed commands may read but never change although they are under a writable root: a name"
+     " (looked for at the top of each workspace root and of its subdirectories) or an absolute path;"
+     " always .git, .hg, .svn and boris.py itself unless 'none' is given (repeatable)"),
 )
 
 _TRUE = ("1", "true", "yes", "on")
@@ -399,8 +404,10 @@ def help_text():
     lines.append("  --help\n      print this help and exit")
     lines += ["", "--allow-dir/--deny-dir scope the file tools. The shell is confined by --sandbox (Linux",
               "Landlock; on by default with --allow-dir): commands may then write only under the allowed",
-              "directories and the temp directory, and use no network unless --sandbox-network on. Deny",
-              "patterns do not apply inside the shell; where Landlock is missing, use a container."]
+              "directories and the temp directory (never to .git, .hg, .svn or boris.py: --sandbox-protect),",
+              "and use no network unless --sandbox-network on, or only the domains it lists (through a",
+              "loopback proxy). Deny patterns do not apply inside the shell; where Landlock is missing, use",
+              "a container."]
     return "\n".join(lines)
 
 
@@ -420,6 +427,20 @@ def host_of(value):
 def is_loopback(host):
     """localhost, ::1 or an IPv4 address in 127.0.0.0/8 (not a name that starts with 127.)."""
     return host in LOCAL_HOSTS or re.match(r"^127(\.(25[0-5]|2[0-4]\d|1?\d?\d)){3}$", host) is not None
+
+
+def host_allowed(host, allowed):
+    """Whether `host` (a name; an IP address never) is one of the `allowed` domains: a name as
+    given, or '*.example.org' for the names below example.org (not example.org itself)."""
+    import fnmatch
+    import ipaddress
+    host = host.lower().rstrip(".").strip("[]")
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+        return False
+    except ValueError:
+        pass  # a name: matched below
+    return any(host == a or a.startswith("*.") and fnmatch.fnmatchcase(host, a) for a in allowed)
 
 
 def given_flags(argv):
@@ -482,7 +503,17 @@ def parse_config(argv, environ):
         raise ConfigError("--workdir %r is not a directory" % values["workdir"])
     values["workdir"] = os.path.realpath(workdir)
     values["timeout"] = values["timeout"] or 120.0
-    values["sandbox-network"] = {"on": True, "off": False}.get(values["sandbox-network"])
+    network = values["sandbox-network"]
+    if network in (["on"], ["off"], []):
+        values["sandbox-network"] = {"on": True, "off": False}.get("".join(network))
+    else:
+        for domain in network:
+            if domain in ("on", "off") or not re.match(r"^(\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?$", domain) \
+                    or host_allowed(domain, [domain]) is False:
+                raise ConfigError("invalid value %r for --sandbox-network: expected on, off, or domain names (like"
+                                  " pypi.org or *.example.org; no IP addresses, no ports)" % domain)
+        values["sandbox-network"] = [d.lower().rstrip(".") for d in network]
+        values["web-fetch-allow"] = values["web-fetch-allow"] or list(values["sandbox-network"])
     return Config(**dict((k.replace("-", "_"), v) for k, v in values.items()))
 
 ###############################################################################
@@ -1821,15 +1852,29 @@ def helper_command(kind, avoid=()):
 # anything: UDP, raw and netlink sockets, pathname and abstract Unix sockets of the
 # host (docker.sock, ssh-agent, D-Bus), a datagram's address and io_uring are refused.
 # Signals and abstract unix sockets are scoped to the command's own domain (ABI 6+).
+# A domain list (--sandbox-network pypi.org,...) is the network off but for one door:
+# TCP sockets may be made, and the supervisor connects them only to the loopback port
+# of EgressProxy (Web), which the command's HTTP(S)_PROXY names and which connects
+# only to the listed domains; Landlock allows TCP connect to that port alone.
+# Protected paths (.git, .hg, .svn, this file; --sandbox-protect) under a writable
+# root, which Landlock cannot take out of a grant, are bind-mounted read-only in a
+# mount namespace of the command's own (in a user namespace) before Landlock, which
+# then forbids any change of mounts: a write there is EROFS, a rename or removal of
+# the path itself EBUSY, a hard link into or out of it EXDEV.
 
 LANDLOCK_CREATE_RULESET, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT_SELF = 444, 445, 446
 LL_WRITE_FILE, LL_REMOVE_DIR, LL_REMOVE_FILE = 1 << 1, 1 << 4, 1 << 5
 LL_MAKE_ALL = sum(1 << k for k in range(6, 13))     # char, dir, reg, sock, fifo, block, sym
 LL_REFER, LL_TRUNCATE = 1 << 13, 1 << 14
 LL_NET_BIND_TCP, LL_NET_CONNECT_TCP = 1 << 0, 1 << 1
+LL_RULE_PATH, LL_RULE_NET_PORT = 1, 2
 LL_SCOPE_ABSTRACT_UNIX, LL_SCOPE_SIGNAL = 1 << 0, 1 << 1
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWNS = 0x10000000, 0x40000000, 0x00020000
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_SLAVE, MS_RELATIME = 1, 32, 4096, 16384, 1 << 19, 1 << 21
+MS_LOCKED_FLAGS = 2 | 4 | 8 | 1024 | 2048           # nosuid, nodev, noexec, noatime, nodiratime: kept on remount
+SANDBOX_PROTECT = (".git", ".hg", ".svn")           # kept read-only at the top of workspace roots and one level down
+SANDBOX_PROTECT_SCAN = 256                          # subdirectories of a workspace root looked into for them
 # net_filter's system call numbers: for the machine's own ABI (socket and socketpair
 # are looked at, connect and an addressed sendto refused) and for the 32-bit ABI it
 # also runs (everything socket-like refused). The audit arch tags the seccomp data.
@@ -1865,9 +1910,12 @@ class Sandbox(object):
     the directories they may write beneath, whether they may use the network, and
     the kernel features that do it. off() confines nothing."""
 
-    def __init__(self, mode="off", writable=(), network=True, abi=0, why=""):
+    def __init__(self, mode="off", writable=(), network=True, abi=0, why="", protect=None, domains=()):
         self.mode, self.writable, self.network, self.abi = mode, list(writable), network, abi
         self.why = why                                  # how the mode was chosen, for the log
+        self.protect = protect or Protect()
+        self.domains = list(domains)                    # with the network off: the proxy's domains
+        self.proxy_port = None                          # the proxy's loopback port, once the server runs it
         self.launchers = Launchers(self)                # (a spare one starts with the first command)
 
     def close(self):
@@ -1904,26 +1952,134 @@ class Sandbox(object):
         moves to the command's `cwd` once confined; `ctty`: make stdin (a terminal)
         the controlling terminal, so Ctrl-C reaches the command."""
         return json.dumps({"mode": self.mode, "writable": self.writable, "abi": self.abi,
-                           "net": self.net_mechanism(), "cwd": cwd, "ctty": ctty})
+                           "net": self.net_mechanism(), "cwd": cwd, "ctty": ctty,
+                           "protect": self.protect.paths(self.writable) if self.on else [],
+                           "proxy": self.proxy_port if self.on and not self.network else None})
+
+    def proxy_environ(self):
+        """The variables that send a command's HTTP and HTTPS through the proxy ({} without one)."""
+        if not self.on or self.network or not self.proxy_port:
+            return {}
+        url = "http://127.0.0.1:%d" % self.proxy_port
+        names = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
+        return dict([(n, url) for n in names] + [("NO_PROXY", ""), ("no_proxy", "")])
+
+    def network_words(self):
+        """What the network is for commands, in a few words."""
+        if self.network:
+            return "network on"
+        if self.domains:
+            return "network only to %s (through boris's proxy%s)" % (
+                ", ".join(self.domains), " on 127.0.0.1:%d" % self.proxy_port if self.proxy_port else "")
+        return "network off"
 
     def describe(self):
         """One line for the instructions and the start-up log."""
         if not self.on:
             return "Sandbox: off (bash commands can write anywhere this user can)"
         where = ", ".join(self.writable)
-        return "Sandbox: %s (bash commands may write only under %s; network %s; Landlock ABI %d)" % (
-            self.mode, where, "on" if self.network else "off", self.abi)
+        return "Sandbox: %s (bash commands may write only under %s; %s; %s; Landlock ABI %d)" % (
+            self.mode, where, self.protect.describe(), self.network_words(), self.abi)
 
     def hint(self, text):
         """The line a failed sandboxed command's result ends with, when its output
         shows a refused write or connect; else ''."""
-        refusals = r"Permission denied|Read-only file system|Operation not permitted"
-        if not self.on or not re.search(refusals + ("" if self.network else "|Network is unreachable"), text):
+        refusals = r"Permission denied|Read-only file system|Operation not permitted|Device or resource busy"
+        if not self.network:
+            refusals += r"|Network is unreachable|403|Forbidden|tunnel failed|[Pp]roxy"
+        if not self.on or not re.search(refusals, text):
             return ""
-        return ("[sandbox %s: commands may write only under %s%s; the server's --allow-dir adds directories,%s"
+        protected = self.protect.paths(self.writable)
+        network = "" if self.network else " and may not use the network"
+        if self.domains and not self.network:
+            network = " and reach only %s, through boris's proxy (HTTP_PROXY, HTTPS_PROXY)" % ", ".join(self.domains)
+        return ("[sandbox %s: commands may write only under %s%s%s; the server's --allow-dir adds directories,%s"
                 " --sandbox off lifts it]" % (self.mode, ", ".join(self.writable),
-                                              "" if self.network else " and may not use the network",
-                                              "" if self.network else " --sandbox-network on allows the network,"))
+                                              ", never to %s (--sandbox-protect)" % ", ".join(protected)
+                                              if protected else "", network,
+                                              "" if self.network else " --sandbox-network on allows the network"
+                                              " (or lists domains),"))
+
+
+class Protect(object):
+    """What stays read-only for sandboxed commands under their writable roots: `names`
+    looked for at the top of each workspace root (`roots`) and of its subdirectories,
+    absolute `files`; a .git file's gitdir (and that one's common directory) too.
+    `enforced` is False where no user namespace can be made (describe says so)."""
+
+    def __init__(self, roots=(), names=(), files=(), enforced=True):
+        self.roots, self.names, self.files, self.enforced = list(roots), list(names), list(files), enforced
+
+    @classmethod
+    def of(cls, config, policy):
+        """The Protect that --sandbox-protect asks for: the defaults (SANDBOX_PROTECT and
+        this file) unless 'none' is among the values, and the names and paths given."""
+        given = [v for v in getattr(config, "sandbox_protect", None) or [] if v]
+        names = [] if "none" in given else list(SANDBOX_PROTECT)
+        files = [] if "none" in given or not THIS_FILE else [os.path.realpath(THIS_FILE)]
+        for value in given:
+            if value == "none":
+                continue
+            if "/" not in value.rstrip("/"):
+                names.append(value.rstrip("/"))
+            elif os.path.isabs(os.path.expanduser(value)):
+                files.append(os.path.realpath(os.path.expanduser(value)))
+            else:
+                raise ConfigError("--sandbox-protect %r is neither a name (like .git) nor an absolute path" % value)
+        return cls(list(policy.allow) or [policy.workdir], names, files)
+
+    def paths(self, writable):
+        """The existing protected paths beneath the `writable` roots (others are read-only
+        already), real paths, sorted; [] when not enforced."""
+        if not self.enforced:
+            return []
+        found = set(self.files)
+        for root in self.roots:
+            tops = [root]
+            try:
+                with os.scandir(root) as it:
+                    for entry in it:
+                        if entry.is_dir(follow_symlinks=False) and entry.name not in self.names:
+                            tops.append(entry.path)
+                            if len(tops) > SANDBOX_PROTECT_SCAN:
+                                break
+            except OSError:
+                pass  # an unreadable root: only its top is looked at
+            for top in tops:
+                for name in self.names:
+                    path = os.path.join(top, name)
+                    if not os.path.lexists(path):
+                        continue
+                    found.add(os.path.realpath(path))
+                    if name == ".git" and os.path.isfile(path):
+                        found.update(self.git_dirs(path))
+        return sorted(p for p in found if os.path.lexists(p) and any(is_within(p, w) for w in writable))
+
+    @staticmethod
+    def git_dirs(path):
+        """The directory a .git file names (gitdir: ...), and its common directory (a worktree's)."""
+        try:
+            with open(path, "rb") as f:
+                line = f.read(4096).split(b"\n", 1)[0].decode("utf-8", "surrogateescape")
+        except OSError:
+            return []
+        if not line.startswith("gitdir:"):
+            return []
+        gitdir = os.path.realpath(os.path.join(os.path.dirname(path), line[7:].strip()))
+        dirs = [gitdir]
+        try:
+            with open(os.path.join(gitdir, "commondir"), "rb") as f:
+                dirs.append(os.path.realpath(os.path.join(gitdir, os.fsdecode(f.read(4096).strip()))))
+        except OSError:
+            pass  # not a worktree: no common directory
+        return dirs
+
+    def describe(self):
+        """The protection in a few words, for the sandbox's line."""
+        if not self.enforced:
+            return "protected paths NOT enforced (no user namespaces here: .git stays writable)"
+        shown = self.names + [os.path.basename(f) for f in self.files]
+        return "read-only inside them: %s" % (", ".join(shown) if shown else "nothing (--sandbox-protect none)")
 
 
 def resolve_sandbox(config, policy, abi=None):
@@ -1936,7 +2092,8 @@ def resolve_sandbox(config, policy, abi=None):
     if mode == "auto" and not policy.allow:
         return Sandbox.off("--sandbox auto: no --allow-dir")
     abi = landlock_abi() if abi is None else abi
-    network = bool(config.sandbox_network)              # None: the sandbox decides, and it says off
+    network = config.sandbox_network is True            # None: the sandbox decides, and it says off
+    domains = config.sandbox_network if isinstance(config.sandbox_network, list) else []
     why = None                                          # why the kernel cannot give it
     if not abi:
         why = "this kernel has no Landlock (Linux 5.13+ with landlock among its LSMs)"
@@ -1947,6 +2104,10 @@ def resolve_sandbox(config, policy, abi=None):
     elif not network and abi < 4 and not userns_works():
         raise ConfigError("--sandbox-network off cannot be honoured: Landlock ABI %d has no TCP rules and user"
                           " namespaces are not available; pass --sandbox-network on" % abi)
+    elif domains and abi < 6:
+        why = ("a domain list needs Landlock ABI 6 (Linux 6.7+: TCP rules and scoped sockets, for the proxy's one"
+               " port); this kernel has ABI %d" % abi)
+        refusal = "--sandbox-network %s cannot be honoured: %s; pass on or off" % (",".join(domains), why)
     elif not network and not net_filter_available():
         why = ("seccomp filters are not available on this kernel or machine (%s), so Unix sockets and UDP could"
                " not be cut" % os.uname().machine)
@@ -1956,8 +2117,15 @@ def resolve_sandbox(config, policy, abi=None):
         return Sandbox.off("--sandbox auto: " + why)
     if why is not None:
         raise ConfigError(refusal)
+    protect = Protect.of(config, policy)
+    if (protect.names or protect.files) and mode != "read-only" and not userns_works():
+        if getattr(config, "sandbox_protect", None):
+            raise ConfigError("--sandbox-protect cannot be honoured: unprivileged user namespaces are not available"
+                              " here (they hold the read-only mounts); pass --sandbox-protect none")
+        protect.enforced = False
+        log("warn", "sandbox: %s" % protect.describe())
     return Sandbox("workspace-write" if mode == "auto" else mode, Sandbox.writable_roots(mode, policy), network,
-                   abi, "--sandbox %s" % mode)
+                   abi, "--sandbox %s" % mode, protect, domains)
 
 
 def userns_works():
@@ -2119,8 +2287,8 @@ def confined(spec):
             import termios
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
         if spec["mode"] != "off":
-            if spec["net"] == "netns":
-                enter_network_namespace()
+            if spec["net"] == "netns" or spec["protect"]:
+                enter_namespaces(spec["net"] == "netns", spec["protect"])
             landlock = Landlock(spec)
             landlock.restrict()
             if spec["net"]:
@@ -2138,13 +2306,14 @@ def refuse_to_run(e):
     os._exit(SANDBOX_EXIT)
 
 
-def net_filter_program(machine, supervised=False):
+def net_filter_program(machine, supervised=False, inet=False):
     """The classic BPF program of net_filter for `machine` (os.uname().machine), as
     the bytes of its sock_filter array; None for a machine it does not know. A
     socket may be a Unix stream or seqpacket socket only (so no datagram can carry an
     address); connect is refused (supervised: handed to NetSupervisor), and so are
     sendto with an address and io_uring (which would bypass the filter); a foreign
-    ABI gets no socket call at all, an unknown one is killed."""
+    ABI gets no socket call at all, an unknown one is killed. inet: IPv4 stream sockets
+    may be made too (their connect is the supervisor's to decide)."""
     import struct
     if machine not in SECCOMP_ABIS:
         return None
@@ -2159,8 +2328,9 @@ def net_filter_program(machine, supervised=False):
         ("native",), (ld, 0), (jge, 0x40000000, "kill"),            # x32 numbers on x86_64
         (jeq, nr["socket"], "socket"), (jeq, nr["socketpair"], "socket"), (jeq, nr["connect"], "connect"),
         (jeq, nr["sendto"], "sendto"), (jeq, nr["io_uring_setup"], "nosys"), (ret, allow),
-        ("socket",), (ld, arg(0)), (jeq, 1, "unix"), (ret, refuse),  # AF_UNIX
+        ("socket",), (ld, arg(0)), (jeq, 1, "unix")] + [(jeq, 2, "inet")] * inet + [(ret, refuse),  # AF_UNIX
         ("unix",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "allow"), (jeq, 5, "allow"), (ret, refuse),
+        ("inet",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "allow"), (ret, refuse),      # AF_INET, SOCK_STREAM
         ("sendto",), (ld, arg(4)), (jeq, 0, "low"), (ret, refuse),  # a destination address: refused
         ("low",), (ld, arg(4, 1)), (jeq, 0, "allow"), (ret, refuse),
         ("connect",), (ret, notify if supervised else refuse),
@@ -2214,11 +2384,11 @@ def apply_net_filter(supervised=False, fprog=None):
     return None
 
 
-def net_fprog(supervised):
+def net_fprog(supervised, inet=False):
     """(struct sock_fprog, the program it points to) of net_filter, as ctypes buffers."""
     import struct
     ctypes, _ = _libc()
-    program = net_filter_program(os.uname().machine, supervised)
+    program = net_filter_program(os.uname().machine, supervised, inet)
     if program is None:
         raise OSError(errno.ENOSYS, "no seccomp system call table for %s" % os.uname().machine)
     buf = ctypes.create_string_buffer(program, len(program))
@@ -2254,15 +2424,21 @@ class Landlock(object):
                 except OSError:
                     continue                    # (a device or directory this system lacks)
                 try:
-                    rule = ctypes.create_string_buffer(struct.pack("<Qi", rights, fd), 12)
-                    if libc.syscall(LANDLOCK_ADD_RULE, self.fd, 1, rule, ctypes.c_uint32(0)) < 0:
-                        raise OSError(ctypes.get_errno(), "landlock_add_rule %s: %s"
-                                      % (path, os.strerror(ctypes.get_errno())))
+                    self.add(LL_RULE_PATH, struct.pack("<Qi", rights, fd), path)
                 finally:
                     os.close(fd)
+            if net and spec.get("proxy"):               # the proxy's port, the one TCP connect allowed
+                self.add(LL_RULE_NET_PORT, struct.pack("<QQ", LL_NET_CONNECT_TCP, spec["proxy"]), "port")
         except BaseException:
             os.close(self.fd)
             raise
+
+    def add(self, kind, attr, what):
+        """Add one rule of `kind` (its packed attribute); OSError naming `what` when refused."""
+        ctypes, libc = self.ctypes, self.libc
+        rule = ctypes.create_string_buffer(attr, len(attr))
+        if libc.syscall(LANDLOCK_ADD_RULE, self.fd, kind, rule, ctypes.c_uint32(0)) < 0:
+            raise OSError(ctypes.get_errno(), "landlock_add_rule %s: %s" % (what, os.strerror(ctypes.get_errno())))
 
     def restrict(self):
         """Enter a (further) Landlock domain of the rules, no_new_privs set first."""
@@ -2281,8 +2457,8 @@ class NetSupervisor(object):
     """The process that serves a sandboxed command's connect calls (confine() makes
     it): `child` is the command, `listener` the seccomp listener its filter notifies."""
 
-    def __init__(self, child, listener):
-        self.child, self.listener = child, listener
+    def __init__(self, child, listener, proxy=None):
+        self.child, self.listener, self.proxy = child, listener, proxy
         self.ctypes, self.libc = _libc()
 
     @classmethod
@@ -2299,7 +2475,7 @@ class NetSupervisor(object):
         if not (spec["abi"] >= 6 or spec["net"] == "netns"):
             apply_net_filter()
             return
-        fprog = net_fprog(True)                     # made before the fork: the child only installs it
+        fprog = net_fprog(True, bool(spec.get("proxy")))    # made before the fork: the child only installs it
         ours, theirs = socket.socketpair()
         import gc
         gc.disable()                                # a collection would copy the heap page by page (COW)
@@ -2319,7 +2495,7 @@ class NetSupervisor(object):
         except (OSError, IndexError):
             listener = None                         # the child failed to confine: it reports and exits
         ours.close()
-        cls(pid, listener).serve()
+        cls(pid, listener, spec.get("proxy")).serve()
 
     def serve(self):
         """Serve the command's connect calls until the command (`child`) ends, then end
@@ -2370,7 +2546,8 @@ class NetSupervisor(object):
         """The answer to one connect: 0 once done, else the errno. The
         address is read once from the caller's memory and everything after uses that
         copy: an abstract address is connected as it is (Landlock or the namespace keeps
-        foreign ones out); a path is opened (O_PATH, from the caller's cwd) and connected
+        foreign ones out), and so is the proxy's (127.0.0.1 at its port, with a domain
+        list; any other IP address is refused); a path is opened (O_PATH, from the caller's cwd) and connected
         through that descriptor, so the socket checked is the socket reached, and only
         when a process of the command (its session) is listening on it."""
         import struct
@@ -2383,12 +2560,17 @@ class NetSupervisor(object):
                 sockaddr = mem.read(size)
         except (OSError, OverflowError, ValueError):
             return errno.EACCES                     # unreadable: refused
-        if len(sockaddr) != size or struct.unpack_from("<H", sockaddr)[0] != 1:
-            return errno.EACCES                     # not a Unix address
+        family = struct.unpack_from("<H", sockaddr)[0] if len(sockaddr) == size else None
+        proxy = family == 2 and self.proxy and size >= 8 and sockaddr[2:8] == struct.pack(">H", self.proxy) + \
+            b"\x7f\0\0\1"
+        if family != 1 and not proxy:
+            return errno.EACCES                     # not a Unix address, nor the proxy's
         if libc.ioctl(self.listener, ctypes.c_ulong(SECCOMP_NOTIF_ID_VALID), ctypes.byref(ctypes.c_uint64(nid))) != 0:
             return errno.EACCES                     # the caller is gone: the pid may be another process now
         checked = None
-        if sockaddr[2:3] != b"\0":
+        if proxy:
+            sockaddr = sockaddr[:8] + b"\0" * 8    # 127.0.0.1:the proxy's port, as a sockaddr_in
+        elif sockaddr[2:3] != b"\0":
             checked = self.socket_file(pid, sockaddr[2:].split(b"\0", 1)[0])
             if checked is None:
                 return errno.EACCES                 # a socket of the host (or none): refused
@@ -2456,16 +2638,54 @@ class NetSupervisor(object):
         return None
 
 
-def enter_network_namespace():
-    """unshare a user and a network namespace (no interface but a down loopback), the
-    user mapped to itself so files keep their owner."""
+def enter_namespaces(net, protect):
+    """unshare a user namespace, with a network namespace (no interface but a down
+    loopback) when `net`, and a mount namespace where the `protect` paths are bind-mounted
+    read-only. Users keep their ids: an ordinary user is mapped to itself; root to all
+    of root's (a child still outside writes the map), so root may still write files of
+    other owners."""
     ctypes, libc = _libc()
     uid, gid = os.geteuid(), os.getegid()
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
-        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER|CLONE_NEWNET): %s" % os.strerror(ctypes.get_errno()))
-    for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)), ("gid_map", "%d %d 1" % (gid, gid))):
-        with open("/proc/self/" + name, "w") as f:
-            f.write(text)
+    mapper = None
+    if uid == 0:
+        go, ready = os.pipe()
+        mapper = os.fork()
+        if mapper == 0:                             # outside the namespace: only it may map every id
+            os.close(ready)
+            ok = os.read(go, 1) == b"u"
+            try:
+                for name in ("uid_map", "gid_map"):
+                    with open("/proc/%d/%s" % (os.getppid(), name), "w") as f:
+                        f.write("0 0 4294967295")
+            except OSError:
+                ok = False
+            os._exit(0 if ok else 1)
+        os.close(go)
+    flags = CLONE_NEWUSER | (CLONE_NEWNET if net else 0) | (CLONE_NEWNS if protect else 0)
+    failed = libc.unshare(flags) != 0 and ctypes.get_errno()
+    if mapper is not None:
+        os.write(ready, b"u" if not failed else b"x")
+        os.close(ready)
+        _, status = os.waitpid(mapper, 0)
+        if not failed and status != 0:
+            raise OSError(errno.EPERM, "the user namespace's id map could not be written")
+    if failed:
+        raise OSError(failed, "unshare(CLONE_NEWUSER%s%s): %s" % ("|CLONE_NEWNET" if net else "",
+                                                                "|CLONE_NEWNS" if protect else "", os.strerror(failed)))
+    if mapper is None:
+        for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
+                           ("gid_map", "%d %d 1" % (gid, gid))):
+            with open("/proc/self/" + name, "w") as f:
+                f.write(text)
+    if protect:
+        mount = lambda source, target, flags: libc.mount(source, os.fsencode(target), None, ctypes.c_ulong(flags), None)
+        if mount(None, "/", MS_REC | MS_SLAVE) != 0:
+            raise OSError(ctypes.get_errno(), "mount(/, MS_REC|MS_SLAVE): %s" % os.strerror(ctypes.get_errno()))
+        for path in protect:
+            kept = os.statvfs(path).f_flag
+            flags = MS_REMOUNT | MS_BIND | MS_RDONLY | (kept & MS_LOCKED_FLAGS) | (MS_RELATIME if kept & 4096 else 0)
+            if mount(os.fsencode(path), path, MS_BIND) != 0 or mount(None, path, flags) != 0:
+                raise OSError(ctypes.get_errno(), "a read-only mount of %s: %s" % (path, os.strerror(ctypes.get_errno())))
 
 
 ###############################################################################
@@ -4683,6 +4903,7 @@ def start_process(script, cwd, sandbox=None, stdin="null", environ=None):
     env.setdefault("GIT_PAGER", "cat")
     env.setdefault("GIT_TERMINAL_PROMPT", "0")
     env["BORIS_CALL"] = marker = "%d-%s" % (os.getpid(), os.urandom(6).hex())      # this command's alone
+    env.update(sandbox.proxy_environ())
     argv = [SHELL, "-c", script]
     if sandbox.on and stdin == "null":
         return sandbox.launchers.start(argv, cwd, env, marker)
@@ -4991,6 +5212,7 @@ def kill_all(tasks):
 # Web #########################################################################
 ###############################################################################
 # urllib and html.parser are imported inside these functions: start-up never pays.
+# EgressProxy is the one door of sandboxed commands to the domains --sandbox-network lists.
 
 HTML_SKIP = frozenset(("script", "style", "noscript", "template", "svg", "head", "iframe", "object"))
 HTML_BLOCKS = frozenset(("p", "div", "section", "article", "header", "footer", "nav", "main", "aside",
@@ -4999,6 +5221,10 @@ HTML_BLOCKS = frozenset(("p", "div", "section", "article", "header", "footer", "
 HTML_VOID = frozenset(("br", "img", "hr", "input", "meta", "link", "area", "base", "col", "embed", "param",
                        "source", "track", "wbr"))
 HTML_DEPTH = 200                           # elements nested deeper are read as their parent's content
+PROXY_CONNECTIONS = 64                     # the proxy's connections at once; one more is answered 503
+PROXY_HEAD_BYTES = 65536                   # a request head longer than this is refused (431)
+PROXY_IDLE_S = 300.0                       # a tunnel with no byte either way for this long is closed
+PROXY_CONNECT_S = 20.0                     # reading a request head, and connecting upstream, at most
 HTML_BLOCK_TAGS = HTML_BLOCKS | frozenset(("ul", "ol", "li", "pre", "table", "blockquote", "hr",
                                            "h1", "h2", "h3", "h4", "h5", "h6"))   # rendered as blocks of their own
 HTML_IMPLIED_ENDS = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd"), "dd": ("dt", "dd"), "tr": ("tr", "td", "th"),
@@ -5315,20 +5541,6 @@ FETCH_ERRORS = {
 }
 
 
-def host_allowed(host, allowed):
-    """Whether `host` (a name; an IP address never) is one of the `allowed` domains: a name as
-    given, or '*.example.org' for the names below example.org (not example.org itself)."""
-    import fnmatch
-    import ipaddress
-    host = host.lower().rstrip(".").strip("[]")
-    try:
-        ipaddress.ip_address(host.split("%", 1)[0])
-        return False
-    except ValueError:
-        pass  # a name: matched below
-    return any(host == a or a.startswith("*.") and fnmatch.fnmatchcase(host, a) for a in allowed)
-
-
 def fetch_error(kind, **facts):
     """The ToolError of a fetch that failed for `kind` (FETCH_ERRORS), its detail (kind, facts)."""
     code, message = FETCH_ERRORS[kind]
@@ -5540,6 +5752,196 @@ class WebFetch(object):
         return urllib.parse.urlunsplit((parts.scheme, parts.netloc, urllib.parse.quote(parts.path, safe=safe),
                                         urllib.parse.quote(parts.query, safe=safe),
                                         urllib.parse.quote(parts.fragment, safe=safe)))
+
+
+class EgressProxy(object):
+    """The loopback HTTP proxy that sandboxed commands reach the listed `domains` through
+    (CONNECT for HTTPS, absolute-form requests for plain HTTP), on 127.0.0.1 at `port`.
+    A name not listed, an IP address, or a name that resolves to a loopback, link-local
+    or internal-network address (DNS rebinding: `internal`) is answered 403 with the
+    reason and logged; nothing else is connected. `hosts` maps names to addresses taken as they are
+    (the tests' resolver: loopback only). close() stops it and every tunnel."""
+
+    def __init__(self, domains, hosts=None):
+        import socket
+        self.domains, self.hosts = list(domains), dict(hosts or {})
+        self.lock = threading.Lock()
+        self.open = set()                           # the sockets of the connections being served
+        self.closed = False
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(PROXY_CONNECTIONS)
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self.accept, daemon=True, name="boris-proxy").start()
+
+    def accept(self):
+        """Take connections until closed; one thread each, PROXY_CONNECTIONS at most."""
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return                              # closed
+            with self.lock:
+                full = len(self.open) >= PROXY_CONNECTIONS or self.closed
+                if not full:
+                    self.open.add(conn)
+            if full:
+                self.answer(conn, 503, "the proxy has %d connections open already" % PROXY_CONNECTIONS)
+                conn.close()
+                continue
+            threading.Thread(target=self.serve, args=(conn,), daemon=True, name="boris-proxy-conn").start()
+
+    def serve(self, conn):
+        """One client connection: its request head read, the target decided, then relayed."""
+        import socket
+        upstream = None
+        try:
+            conn.settimeout(PROXY_CONNECT_S)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                block = conn.recv(65536)
+                if not block:
+                    return
+                head += block
+                if len(head) > PROXY_HEAD_BYTES:
+                    return self.answer(conn, 431, "a request head over %d bytes" % PROXY_HEAD_BYTES)
+            head, rest = head.split(b"\r\n\r\n", 1)
+            lines = head.decode("latin-1").split("\r\n")
+            parts = lines[0].split(" ")
+            if len(parts) != 3:
+                return self.answer(conn, 400, "a malformed request line")
+            method, target, version = parts
+            host, port, path = self.target(method, target)
+            if host is None:
+                return self.answer(conn, 400, "%s %s is neither CONNECT host:port nor an http:// URL" % (method, target))
+            addresses, why = self.decide(host)
+            failed = None
+            if why:
+                log("warn", "the sandbox proxy refused a connection", host=host, port=port, reason=why)
+                return self.answer(conn, 403, why)
+            for address in addresses:
+                try:
+                    upstream = socket.create_connection((address, port), PROXY_CONNECT_S)
+                    break
+                except OSError as e:
+                    failed = e
+            if upstream is None:
+                return self.answer(conn, 502, "%s:%d could not be reached (%s)" % (host, port, failed))
+            with self.lock:
+                self.open.add(upstream)
+            if method == "CONNECT":
+                conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            else:                                   # the request goes on in origin form, without Proxy-* fields
+                kept = [l for l in lines[1:] if not l.lower().startswith("proxy-")]
+                upstream.sendall(("\r\n".join(["%s %s %s" % (method, path, version)] + kept) + "\r\n\r\n")
+                                 .encode("latin-1"))
+            if rest:
+                upstream.sendall(rest)
+            self.relay(conn, upstream)
+        except (OSError, ValueError, UnicodeError):
+            pass  # the client or the server went away: the connection just ends
+        finally:
+            for sock in (conn, upstream):
+                if sock is not None:
+                    with self.lock:
+                        self.open.discard(sock)
+                    sock.close()
+
+    @staticmethod
+    def target(method, target):
+        """(host, port, origin-form path) of a request's target; (None, None, None) if it has none."""
+        import urllib.parse
+        if method == "CONNECT":
+            host, _, port = target.rpartition(":")
+            host = host.strip("[]")
+            return (host, int(port), None) if host and port.isdigit() and 0 < int(port) < 65536 else (None,) * 3
+        parts = urllib.parse.urlsplit(target)
+        if parts.scheme.lower() != "http" or not parts.hostname:
+            return None, None, None
+        path = parts.path or "/"
+        return parts.hostname, parts.port or 80, path + ("?" + parts.query if parts.query else "")
+
+    def decide(self, host):
+        """(addresses to connect, None) when `host` may be reached, else (None, why)."""
+        import socket
+        if not host_allowed(host, self.domains):
+            return None, "%s is not among the domains sandboxed commands may reach (--sandbox-network %s)" % (
+                host, ",".join(self.domains))
+        name = host.lower().rstrip(".")
+        if name in self.hosts:
+            return [self.hosts[name]], None
+        try:
+            infos = socket.getaddrinfo(name, None, 0, socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            return None, "%s could not be resolved (%s)" % (host, e)
+        addresses = [info[4][0] for info in infos]
+        for address in addresses:
+            why = self.internal(address)
+            if why:
+                return None, "%s resolves to %s, %s: refused (DNS rebinding)" % (host, address, why)
+        return addresses, None
+
+    @staticmethod
+    def internal(address):
+        """What makes `address` one a listed name must not lead to (the host itself, its
+        link, an internal network: RFC 1918, shared, unique local), or None."""
+        import ipaddress
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+        ip = getattr(ip, "ipv4_mapped", None) or ip
+        if ip.is_loopback or ip.is_unspecified or ip.is_multicast:
+            return "a loopback, unspecified or multicast address"
+        if ip.is_link_local:
+            return "a link-local address (cloud metadata services live there)"
+        if any(ip in ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",
+                                                        "100.64.0.0/10", "fc00::/7") if ip.version == (6 if ":" in n
+                                                                                                       else 4)):
+            return "an address of an internal network"
+        return None
+
+    @staticmethod
+    def answer(conn, status, why):
+        """Send an error response whose body says why, as boris's proxy."""
+        body = ("boris sandbox proxy: %s\n" % why).encode("utf-8")
+        reason = {400: "Bad Request", 403: "Forbidden", 431: "Request Header Fields Too Large", 502: "Bad Gateway",
+                  503: "Service Unavailable"}[status]
+        try:
+            conn.sendall(b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
+                         b"Connection: close\r\n\r\n%s" % (status, reason.encode(), len(body), body))
+        except OSError:
+            pass  # the client left first
+
+    def relay(self, a, b):
+        """Copy bytes both ways until both sides have ended, or PROXY_IDLE_S pass without one."""
+        import select
+        import socket
+        a.settimeout(None)
+        b.settimeout(None)
+        ends = {a: b, b: a}
+        while ends:
+            ready = select.select(list(ends), [], [], PROXY_IDLE_S)[0]
+            if not ready:
+                return
+            for sock in ready:
+                data = sock.recv(65536)
+                if data:
+                    ends[sock].sendall(data)
+                    continue
+                try:
+                    ends.pop(sock).shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass  # the other side is closed already
+
+    def close(self):
+        """Stop taking connections and end every open one."""
+        with self.lock:
+            self.closed = True
+            socks, self.open = list(self.open), set()
+        for sock in [self.listener] + socks:
+            try:
+                sock.shutdown(2)
+            except OSError:
+                pass  # not connected
+            sock.close()
 
 ###############################################################################
 # Session #####################################################################
@@ -9353,6 +9755,10 @@ class McpServer(object):
         self.tools = build_tools(config)
         self.pool = WorkerPool()
         self.sandbox = sandbox if sandbox is not None else resolve_sandbox(config, policy)
+        self.proxy = None                      # the sandbox's one door, with a domain list
+        if self.sandbox.on and not self.sandbox.network and self.sandbox.domains:
+            self.proxy = EgressProxy(self.sandbox.domains)
+            self.sandbox.proxy_port = self.proxy.port
         self.helpers = HelperPool(avoid=self.sandbox.writable)
         self.files = FileGuards()
         self._tool_list = [t.listing() for t in self.tools.values()]
@@ -9362,6 +9768,8 @@ class McpServer(object):
         """Kill every helper process this server started (sessions close their own)."""
         self.helpers.close()
         self.sandbox.close()
+        if self.proxy is not None:
+            self.proxy.close()
 
     # -- entry point ---------------------------------------------------------
     def dispatch(self, msg, session, emit):

@@ -1371,9 +1371,9 @@ class TestSandboxWorkspaceWrite(SandboxBase):
 
     def test_the_sandbox_is_in_the_instructions(self):
         first = self.server.instructions().split("\n")[1]
-        self.assertEqual(first, "Sandbox: workspace-write (bash commands may write only under %s, %s; network off;"
-                                " Landlock ABI %d)" % tuple(sorted([self.ws, os.path.realpath(tempfile.gettempdir())]) +
-                                                            [LANDLOCK_ABI]))
+        self.assertEqual(first, "Sandbox: workspace-write (bash commands may write only under %s, %s; read-only inside"
+                                " them: .git, .hg, .svn, boris.py; network off; Landlock ABI %d)"
+                         % tuple(sorted([self.ws, os.path.realpath(tempfile.gettempdir())]) + [LANDLOCK_ABI]))
 
 
 class SocketListeners(object):
@@ -1527,6 +1527,158 @@ class TestSandboxNetworkOn(SandboxBase):
         self.assertIn("CONNECTED", text)
 
 
+class Upstream(object):
+    """An HTTP server on 127.0.0.1 that answers every GET with its path and notes it:
+    what the proxy tests reach, or must not."""
+
+    def __init__(self, test):
+        import http.server
+        self.paths = []
+        upstream = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                upstream.paths.append(self.path)
+                body = ("reached %s via %s" % (self.path, self.headers.get("Host"))).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        test.addCleanup(self.httpd.server_close)
+        test.addCleanup(self.httpd.shutdown)
+
+
+FETCH = ("python3 - <<'PY'\nimport urllib.request, http.client, os\n"
+         "def get(url):\n    try:\n        print('GOT', urllib.request.urlopen(url, timeout=10).read().decode())\n"
+         "    except Exception as e:\n        print('FAILED', url, e, getattr(e, 'read', lambda: b'')().decode())\n"
+         "def tunnel(host, port):\n    try:\n        c = http.client.HTTPConnection('127.0.0.1', int(os.environ['HTTPS_PROXY'].rsplit(':', 1)[1]),"
+         " timeout=10)\n        c.set_tunnel(host, port); c.request('GET', '/tunnel'); print('GOT', c.getresponse().read().decode())\n"
+         "    except Exception as e:\n        print('FAILED', host, e)\n%s\nPY")
+
+
+@NEEDS_LANDLOCK
+@unittest.skipUnless(LANDLOCK_ABI >= 6, "a domain list needs Landlock ABI 6 (TCP rules and scoped sockets)")
+class TestSandboxDomains(SandboxBase):
+    """Issue 41: --sandbox-network with domains: commands reach the listed names through
+    boris's loopback proxy and nothing else (names mapped to 127.0.0.1 in the proxy's
+    resolver; no other address is ever contacted)."""
+    network = "allowed.test,*.wild.test,localhost"
+
+    def setUp(self):
+        SandboxBase.setUp(self)
+        self.up = Upstream(self)
+        self.server.proxy.hosts.update({"allowed.test": "127.0.0.1", "a.wild.test": "127.0.0.1",
+                                        "denied.test": "127.0.0.1", "wild.test": "127.0.0.1"})
+
+    def fetch(self, *calls):
+        return self.bash(FETCH % "\n".join(calls))
+
+    def test_an_allowed_name_is_reached_through_the_proxy_by_http_and_connect(self):
+        p = self.up.port
+        text = self.fetch("get('http://allowed.test:%d/plain?q=1')" % p, "tunnel('a.wild.test', %d)" % p)
+        self.assertIn("GOT reached /plain?q=1 via allowed.test:%d" % p, text)
+        self.assertIn("GOT reached /tunnel via a.wild.test:%d" % p, text)
+        self.assertEqual(self.up.paths, ["/plain?q=1", "/tunnel"])
+
+    def test_a_name_not_listed_an_ip_and_a_rebinding_answer_are_refused(self):
+        p = self.up.port
+        with mock.patch.object(boris, "log") as logged:
+            text = self.fetch(*["get('http://%s:%d/x')" % (h, p) for h in ("denied.test", "127.0.0.1", "localhost",
+                                                                            "wild.test")] +
+                              ["tunnel('denied.test', %d)" % p, "tunnel('127.0.0.1', %d)" % p, "raise SystemExit(1)"])
+        self.assertEqual(self.up.paths, [])
+        self.assertEqual(text.count("FAILED"), 6, text)
+        self.assertIn("denied.test is not among the domains sandboxed commands may reach (--sandbox-network"
+                      " allowed.test,*.wild.test,localhost)", text)
+        self.assertIn("127.0.0.1 is not among the domains", text)
+        self.assertIn("localhost resolves to 127.0.0.1", text)
+        self.assertIn("DNS rebinding", text)
+        self.assertIn("reach only allowed.test, *.wild.test, localhost, through boris's proxy", text)
+        self.assertTrue(any("proxy refused" in c[0][1] for c in logged.call_args_list))
+
+    def test_a_direct_connect_and_udp_are_refused_the_proxy_port_is_not(self):
+        text = self.bash("python3 - <<'PY'\nimport socket, os\nport = int(os.environ['HTTP_PROXY'].rsplit(':', 1)[1])\n"
+                         "for name, go in (('direct', lambda: socket.create_connection(('127.0.0.1', %d), 5)),"
+                         " ('v6', lambda: socket.create_connection(('::1', %d), 5)),"
+                         " ('udp', lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', 53))),"
+                         " ('proxy', lambda: socket.create_connection(('127.0.0.1', port), 5))):\n"
+                         "    try:\n        go(); print(name, 'REACHED')\n"
+                         "    except OSError as e:\n        print(name, 'refused', e)\nPY" % (self.up.port, self.up.port))
+        for name in ("direct", "v6", "udp"):
+            self.assertIn("%s refused" % name, text)
+        self.assertIn("proxy REACHED", text)
+        self.assertEqual(self.up.paths, [])
+
+    def test_every_command_gets_the_proxy_background_ones_too(self):
+        url = "http://127.0.0.1:%d" % self.server.proxy.port
+        self.assertIn("HTTPS_PROXY=%s" % url, self.bash("env"))
+        text = self.bash("env | grep -ci _PROXY=%s" % url, run_in_background=True)
+        tid = re.search(r"task_[0-9a-f]+", text).group(0)
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, sandbox=self.server.sandbox)
+        r = boris.McpServer.run_tool(self.server.tools["task_output"], self.session, {"task_id": tid, "wait_ms": 20000},
+                                     ctx)
+        self.assertIn("\n6", r["content"][0]["text"])
+        self.assertIn("network only to allowed.test, *.wild.test, localhost (through boris's proxy on %s)"
+                      % url[7:], self.server.instructions())
+
+    def test_web_fetch_keeps_to_the_same_list(self):
+        self.assertEqual(self.cfg.web_fetch_allow, ["allowed.test", "*.wild.test", "localhost"])
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, sandbox=self.server.sandbox)
+        r = boris.McpServer.run_tool(self.server.tools["web_fetch"], self.session,
+                                     {"url": "http://denied.test:%d/" % self.up.port}, ctx)
+        text = r["content"][0]["text"]
+        self.assertTrue(r["isError"])
+        self.assertIn("denied.test", text)
+        self.assertEqual(self.up.paths, [])
+
+    def test_the_proxy_bounds_what_it_reads_and_holds(self):
+        proxy = self.server.proxy
+        with socket.create_connection(("127.0.0.1", proxy.port), 5) as c:
+            c.sendall(b"GET /relative HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+            self.assertIn(b"400 Bad Request", c.recv(4096))
+        with socket.create_connection(("127.0.0.1", proxy.port), 5) as c:
+            try:
+                c.sendall(b"GET http://allowed.test/ HTTP/1.1\r\n" + b"X: " + b"y" * 70000 + b"\r\n\r\n")
+            except OSError:
+                pass  # the proxy may close before all is sent
+            self.assertIn(b"431", c.recv(4096))
+        held = [socket.create_connection(("127.0.0.1", proxy.port), 5) for _ in range(boris.PROXY_CONNECTIONS)]
+        try:
+            self.assertTrue(wait_until(lambda: len(proxy.open) >= boris.PROXY_CONNECTIONS, 10))
+            with socket.create_connection(("127.0.0.1", proxy.port), 5) as c:
+                self.assertIn(b"503", c.recv(4096))
+        finally:
+            for c in held:
+                c.close()
+
+    def test_what_a_listed_name_may_not_resolve_to(self):
+        internal = boris.EgressProxy.internal
+        for address in ("127.0.0.1", "127.8.9.1", "0.0.0.0", "::1", "::", "10.1.2.3", "172.20.0.1", "192.168.1.1",
+                        "100.64.1.1", "169.254.169.254", "fe80::1%eth0", "fd12::1", "::ffff:10.0.0.1",
+                        "::ffff:127.0.0.1", "224.0.0.1"):
+            self.assertIsNotNone(internal(address), address)
+        for address in ("8.8.8.8", "151.101.0.223", "2a04:4e42::223", "172.32.0.1", "203.0.113.80"):
+            self.assertIsNone(internal(address), address)
+
+    def test_bad_domain_lists_and_old_kernels_are_refused_with_the_reason(self):
+        for bad in ("1.2.3.4", "pypi.org:443", "on,pypi.org", "http://pypi.org", "*"):
+            with self.assertRaises(boris.ConfigError) as e:
+                boris.parse_config(["--sandbox-network", bad], {})
+            self.assertIn("--sandbox-network", str(e.exception))
+        cfg = boris.parse_config(["--allow-dir", self.ws, "--sandbox", "workspace-write", "--sandbox-network",
+                                  "pypi.org"], {})
+        with self.assertRaises(boris.ConfigError) as e:
+            boris.resolve_sandbox(cfg, self.policy, abi=5)
+        self.assertIn("Landlock ABI 6", str(e.exception))
+
+
 @NEEDS_LANDLOCK
 class TestSandboxReadOnly(SandboxBase):
     mode = "read-only"
@@ -1536,6 +1688,132 @@ class TestSandboxReadOnly(SandboxBase):
             self.assertNotEqual(self.bash(attack).split("\n")[0], "exit code: 0", attack)
         self.assertEqual(sorted(os.listdir(self.ws)), ["mine.txt", "out-link"])
         self.assertIn("inside", self.bash("cat mine.txt; t=$(mktemp) && echo ok > $t && cat $t && rm $t"))
+
+
+NEEDS_USERNS = unittest.skipUnless(sys.platform.startswith("linux") and boris.userns_works(),
+                                   "unprivileged user namespaces are not available here: protected paths are"
+                                   " not enforced (and the server says so)")
+
+
+def git(cwd, *args):
+    """Run git in `cwd` (an identity given), its output; the test fails on an error."""
+    return subprocess.run(["git", "-c", "user.email=t@example.org", "-c", "user.name=t"] + list(args), cwd=cwd,
+                          check=True, capture_output=True, text=True).stdout
+
+
+@NEEDS_LANDLOCK
+@NEEDS_USERNS
+@unittest.skipUnless(shutil.which("git"), "git is not installed")
+class TestSandboxProtectedPaths(SandboxBase):
+    """Issue 41: .git (and .hg, .svn, boris.py, --sandbox-protect) stays read-only for
+    commands under a writable root: hooks, config, objects, through a link too; git's
+    reading commands work, a commit fails saying why; the rest of the workspace is writable."""
+
+    def setUp(self):
+        SandboxBase.setUp(self)
+        git(self.ws, "init", "-q")
+        git(self.ws, "add", "mine.txt")
+        git(self.ws, "commit", "-qm", "first")
+        self.git_dir = os.path.join(self.ws, ".git")
+
+    def git_state(self):
+        """.git's contents, and every entry's mode and mtime."""
+        modes = dict((os.path.join(d, n), tuple(os.lstat(os.path.join(d, n)))[:3] + (os.lstat(os.path.join(d, n)).st_mtime_ns,))
+                     for d, dirs, files in os.walk(self.git_dir) for n in dirs + files)
+        return tree_snapshot(self.git_dir), modes
+
+    ATTACKS = ["echo 'touch /tmp/pwned' > .git/hooks/pre-commit", "chmod +x .git/hooks/pre-commit.sample",
+               "git config core.hooksPath /tmp", "echo '[core]' >> .git/config", "rm -rf .git/objects",
+               "rm -rf .git", "mv .git .git-moved", "mv .git/config .git/config2", "ln -s .git g && echo x > g/evil",
+               "ln .git/config hard-config", "ln -s .git/config cfg && echo x >> cfg", "touch .git/new",
+               "find .git -type f -exec truncate -s 0 {} +", "python3 -c \"open('.git/HEAD', 'w').write('x')\"",
+               "git gc -q", "git update-ref refs/heads/evil HEAD", "git tag v1",
+               "umount .git", "mount -o remount,rw,bind .git", "mount --bind /tmp .git",
+               "unshare -Urm sh -c 'umount .git; echo x > .git/evil'", "cd .git && echo x > description"]
+
+    def test_no_write_lands_in_dot_git_from_any_command(self):
+        before = self.git_state()
+        for attack in self.ATTACKS:
+            text = self.bash(attack)
+            self.assertEqual(self.git_state(), before, "%s\n%s" % (attack, text))
+        self.assertFalse(os.path.exists("/tmp/pwned"))
+        self.assertEqual(sorted(n for n in os.listdir(self.ws) if not n.startswith(("g", "cfg", "hard"))),
+                         [".git", "mine.txt", "out-link"])
+
+    def test_git_reads_work_and_a_commit_says_why_it_failed(self):
+        self.bash("echo changed >> mine.txt")
+        text = self.bash("git status --short && git diff --stat && git log --oneline | wc -l")
+        self.assertIn("exit code: 0", text)
+        self.assertIn(" M mine.txt", text)
+        self.assertIn("1 file changed", text)
+        text = self.bash("git -c user.email=a@b -c user.name=n commit -qam second")
+        self.assertNotIn("exit code: 0", text)
+        self.assertIn("Read-only file system", text)
+        self.assertIn("never to %s (--sandbox-protect)" % self.git_dir, text)
+        self.assertEqual(git(self.ws, "log", "--oneline").count("\n"), 1)
+
+    def test_the_rest_of_the_workspace_stays_writable_and_background_tasks_are_held_too(self):
+        text = self.bash("mkdir -p src/.github && echo x > src/a.txt && echo y > .gitignore && rm mine.txt && ls")
+        self.assertIn("exit code: 0", text)
+        before = self.git_state()
+        text = self.bash("echo x > .git/bg-evil; echo done-bg", run_in_background=True)
+        tid = re.search(r"task_[0-9a-f]+", text).group(0)
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, sandbox=self.server.sandbox)
+        r = boris.McpServer.run_tool(self.server.tools["task_output"], self.session, {"task_id": tid, "wait_ms": 20000},
+                                     ctx)
+        self.assertIn("done-bg", r["content"][0]["text"])
+        self.assertEqual(self.git_state(), before)
+
+    def test_a_nested_repository_a_gitdir_file_and_a_repository_made_later(self):
+        git(os.path.join(self.ws), "init", "-q", "--separate-git-dir", os.path.join(self.ws, "store"), "wt")
+        os.makedirs(os.path.join(self.ws, "vendor", ".hg"))
+        git(self.ws, "init", "-q", "later")                 # made after the server started: seen by the next command
+        for path in ("store/config", "vendor/.hg/x", "later/.git/config"):
+            text = self.bash("echo x >> %s" % path)
+            self.assertNotIn("exit code: 0", text, path)
+        self.assertIn("exit code: 0", self.bash("echo x >> wt/file && cat wt/.git"))
+        self.assertFalse(os.path.exists(os.path.join(self.ws, "vendor", ".hg", "x")))
+
+    def test_a_file_owned_by_another_user_stays_writable_for_root(self):
+        if os.geteuid() != 0:
+            self.skipTest("only root may own files of other users here")
+        path = os.path.join(self.ws, "theirs.txt")
+        with open(path, "w") as f:
+            f.write("theirs\n")
+        os.chown(path, 4321, 4321)
+        text = self.bash("echo ours >> theirs.txt && stat -c %u theirs.txt")
+        self.assertIn("exit code: 0", text)
+        self.assertIn("4321", text)
+
+    def test_protect_takes_names_and_paths_and_none_clears_it(self):
+        os.makedirs(os.path.join(self.ws, "secrets"))
+        keep = os.path.join(self.ws, "keep.cfg")
+        with open(keep, "w") as f:
+            f.write("k\n")
+        build(self, self.ws, ["--allow-dir", self.ws, "--sandbox", "workspace-write", "--sandbox-protect",
+                              "secrets," + keep])
+        for attack in ("touch secrets/x", "echo x >> keep.cfg", "touch .git/x"):
+            self.assertNotIn("exit code: 0", self.bash(attack), attack)
+        self.assertEqual(os.listdir(os.path.join(self.ws, "secrets")), [])
+        self.assertIn("secrets, boris.py", self.server.instructions())
+        build(self, self.ws, ["--allow-dir", self.ws, "--sandbox", "workspace-write", "--sandbox-protect", "none"])
+        self.assertIn("exit code: 0", self.bash("touch .git/x secrets/x"))
+        self.assertIn("read-only inside them: nothing (--sandbox-protect none)", self.server.instructions())
+        with self.assertRaises(boris.ConfigError):
+            boris.resolve_sandbox(boris.parse_config(["--allow-dir", self.ws, "--sandbox-protect", "rel/path"], {}),
+                                  self.policy)
+
+    def test_without_user_namespaces_it_says_so_or_refuses(self):
+        with mock.patch.object(boris, "userns_works", lambda: False), mock.patch.object(boris, "log") as logged:
+            sb = boris.resolve_sandbox(boris.parse_config(["--allow-dir", self.ws], {}), self.policy)
+            self.assertIn("NOT enforced", sb.describe())
+            self.assertEqual(sb.protect.paths(sb.writable), [])
+            self.assertIn("NOT enforced", logged.call_args[0][1])
+            with self.assertRaises(boris.ConfigError) as e:
+                boris.resolve_sandbox(boris.parse_config(["--allow-dir", self.ws, "--sandbox-protect", "x"], {}),
+                                      self.policy)
+            self.assertIn("--sandbox-protect none", str(e.exception))
+        sb.close()
 
 
 @NEEDS_LANDLOCK
