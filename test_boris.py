@@ -1774,6 +1774,17 @@ class TestSandboxProtectedPaths(SandboxBase):
         self.assertIn("exit code: 0", self.bash("echo x >> wt/file && cat wt/.git"))
         self.assertFalse(os.path.exists(os.path.join(self.ws, "vendor", ".hg", "x")))
 
+    def test_a_tty_task_is_held_too(self):
+        before = self.git_state()
+        text = self.bash("read -p 'go? ' a; echo x > .git/tty-evil; echo wrote=$?", tty=True)
+        tid = re.search(r"task_[0-9a-f]+", text).group(0)
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, sandbox=self.server.sandbox)
+        r = boris.McpServer.run_tool(self.server.tools["task_input"], self.session,
+                                     {"task_id": tid, "input": "y\n", "wait_ms": 10000}, ctx)
+        self.assertIn("wrote=1", r["content"][0]["text"])
+        self.assertIn("Read-only file system", r["content"][0]["text"])
+        self.assertEqual(self.git_state(), before)
+
     def test_a_file_owned_by_another_user_stays_writable_for_root(self):
         if os.geteuid() != 0:
             self.skipTest("only root may own files of other users here")
