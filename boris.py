@@ -18,7 +18,7 @@ the layers above it:
     Files                    the one opener, the one atomic writer, line reading, sniffing
     Child processes          spawn, the reaper, killing a group; helper processes (this file run again)
     Sandbox                  Landlock, seccomp, network namespaces, the launchers that confine commands
-    Search                   one walker, the grep and outline engines, the searches run in helpers
+    Search                   one walker, the grep, outline and document engines, the searches run in helpers
                              (where a deadline or a cancel can kill them), the helper pool
     Shell                    Capture, and the command runner: start_process, pump, Task
     Web                      fetch with vetted addresses, HTML to Markdown, coded fetch errors
@@ -135,6 +135,8 @@ PROGRESS_INTERVAL_S = 0.1                  # at most ~10 progress notifications 
 PROGRESS_LINE_CHARS = 200                  # a progress message shows the last line cut to this
 
 SEARCH_TIMEOUT_S = 60.0                    # a search is stopped here, its partial results kept
+DOC_MEMBER_BYTES = 64 << 20                # view of an office document: a part of it inflated past this is refused
+DOC_MAX_CELLS = 200000                     # ... and a spreadsheet's cells past this are left out, saying so
 WEB_MAX_CHARS = 5000
 WEB_MAX_BYTES = 5 * 1024 * 1024
 WEB_MAX_REDIRECTS = 5
@@ -3921,6 +3923,470 @@ class Outline(object):
                            text.count("\n") + (0 if text.endswith("\n") or not text else 1), None)
 
 
+# -- the document engine ---------------------------------------------------------------
+# Office documents as Markdown for view: OOXML (.docx .xlsx .pptx) and OpenDocument
+# (.odt .ods .odp) are zip files of XML, read with zipfile and ElementTree in a search
+# helper (the deadline and a cancel kill it). Each is taken as hostile: a part is read
+# up to DOC_MEMBER_BYTES whatever its header claims (zip bombs), a part that declares a
+# DTD is refused (entity tricks: these formats never have one), nesting too deep for
+# the renderer is an error, a spreadsheet stops at DOC_MAX_CELLS cells.
+
+DOC_FORMATS = {".docx": "Word document", ".docm": "Word document", ".xlsx": "Excel workbook",
+               ".xlsm": "Excel workbook", ".pptx": "PowerPoint presentation", ".pptm": "PowerPoint presentation",
+               ".odt": "OpenDocument text", ".ods": "OpenDocument spreadsheet", ".odp": "OpenDocument presentation"}
+OOXML_W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
+OOXML_S = "{http://schemas.openxmlformats.org/spreadsheetml/2006/main}"
+OOXML_P = "{http://schemas.openxmlformats.org/presentationml/2006/main}"
+OOXML_A = "{http://schemas.openxmlformats.org/drawingml/2006/main}"
+OOXML_R = "{http://schemas.openxmlformats.org/officeDocument/2006/relationships}"
+OOXML_RELS = "{http://schemas.openxmlformats.org/package/2006/relationships}"
+ODF = dict((k, "{urn:oasis:names:tc:opendocument:xmlns:%s:1.0}" % v) for k, v in (
+    ("text", "text"), ("table", "table"), ("office", "office"), ("draw", "drawing"), ("pres", "presentation")))
+XLSX_DATE_FORMATS = frozenset(list(range(14, 23)) + list(range(27, 37)) + [45, 46, 47] + list(range(50, 59)))
+
+
+class Document(object):
+    """One office document at `path`, rendered by markdown() (its kind by extension)."""
+
+    def __init__(self, path):
+        import zipfile
+        self.path, self.kind = path, os.path.splitext(path)[1].lower()
+        try:
+            self.zip = zipfile.ZipFile(path)
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, OverflowError) as e:
+            raise ToolError(INVALID_INPUT, "not a readable %s (%s)" % (DOC_FORMATS[self.kind], e))
+        self.notes = []                     # footnotes, in the order they are referred to
+        self.cells = 0
+
+    @classmethod
+    def job(cls, job, emit):
+        """A helper's side: [the Markdown] of job['path'], or a ToolError saying what is wrong."""
+        import xml.etree.ElementTree as ET
+        import zipfile
+        import zlib
+        doc = cls(job["path"])
+        try:
+            emit([doc.markdown()])
+        except RecursionError:
+            raise ToolError(INVALID_INPUT, "its XML is nested too deeply to read")
+        except ET.ParseError as e:
+            raise ToolError(INVALID_INPUT, "a part of it is not well-formed XML (%s)" % e)
+        except RuntimeError as e:                   # zipfile: an encrypted member
+            raise ToolError(INVALID_INPUT, "an encrypted %s: it is not read (%s)" % (DOC_FORMATS[doc.kind], e))
+        except (zipfile.BadZipFile, zlib.error, NotImplementedError, OSError, EOFError, ValueError, KeyError,
+                IndexError, OverflowError) as e:
+            raise ToolError(INVALID_INPUT, "a damaged %s (%s: %s)" % (DOC_FORMATS[doc.kind], type(e).__name__, e))
+        finally:
+            doc.zip.close()
+
+    def markdown(self):
+        """The document as Markdown."""
+        if self.kind in (".docx", ".docm"):
+            return self.docx()
+        if self.kind in (".xlsx", ".xlsm"):
+            return self.xlsx()
+        if self.kind in (".pptx", ".pptm"):
+            return self.pptx()
+        return self.odf()
+
+    # -- parts -----------------------------------------------------------------------
+    def stream(self, name):
+        """A part's bytes as a file object that refuses to give more than DOC_MEMBER_BYTES, its
+        first bytes checked for a DTD; None when the document has no such part."""
+        try:
+            info = self.zip.getinfo(name)
+        except KeyError:
+            return None
+        if info.file_size > DOC_MEMBER_BYTES:
+            raise ToolError(INVALID_INPUT, "its part %s inflates to %s, over %s" % (
+                name, human_size(info.file_size), human_size(DOC_MEMBER_BYTES)))
+        return BoundedPart(self.zip.open(info), name)
+
+    def xml(self, name):
+        """A part parsed (an Element), or None when there is none."""
+        import xml.etree.ElementTree as ET
+        part = self.stream(name)
+        if part is None:
+            return None
+        with part:
+            try:
+                return ET.parse(part).getroot()
+            except ET.ParseError as e:
+                raise ToolError(INVALID_INPUT, "its part %s is not well-formed XML (%s)" % (name, e))
+
+    def rels(self, name):
+        """{relationship id: (part name, type)} of part `name`."""
+        import posixpath
+        folder, base = posixpath.split(name)
+        root = self.xml(posixpath.join(folder, "_rels", base + ".rels"))
+        out = {}
+        for rel in root.iter(OOXML_RELS + "Relationship") if root is not None else ():
+            target = rel.get("Target", "")
+            path = target.lstrip("/") if target.startswith("/") else posixpath.normpath(posixpath.join(folder, target))
+            out[rel.get("Id")] = (path, rel.get("Type", ""))
+        return out
+
+    # -- Word ------------------------------------------------------------------------
+    def docx(self):
+        W = OOXML_W
+        styles = {}
+        for style in getattr(self.xml("word/styles.xml"), "iter", lambda tag: ())(W + "style"):
+            name = style.find(W + "name")
+            styles[style.get(W + "styleId")] = (name.get(W + "val") if name is not None else "").lower()
+        notes = {}
+        for note in getattr(self.xml("word/footnotes.xml"), "iter", lambda tag: ())(W + "footnote"):
+            if note.get(W + "type") in (None, "normal"):
+                notes[note.get(W + "id")] = " ".join(self.docx_text(p) for p in note.iter(W + "p")).strip()
+        document = self.xml("word/document.xml")
+        if document is None:
+            raise ToolError(INVALID_INPUT, "no word/document.xml: not a Word document")
+        body = document.find(W + "body")
+        blocks = self.docx_blocks(body if body is not None else document, styles)
+        refs = [(n, notes.get(i, "")) for n, i in enumerate(self.notes, 1)]
+        return "\n\n".join(b for b in blocks if b) + "".join(
+            ("\n\n" if k == 0 else "\n") + "[^%d]: %s" % (n, text) for k, (n, text) in enumerate(refs))
+
+    def docx_blocks(self, parent, styles):
+        """Markdown blocks of a body's paragraphs and tables (content controls entered)."""
+        W, out = OOXML_W, []
+        for el in parent:
+            if el.tag == W + "p":
+                text = self.docx_text(el).strip()
+                if not text:
+                    continue
+                props = el.find(W + "pPr")
+                style = styles.get(props.find(W + "pStyle").get(W + "val"), "") if props is not None and \
+                    props.find(W + "pStyle") is not None else ""
+                level = re.match(r"heading (\d)", style)
+                if style == "title" or level:
+                    out.append("#" * (int(level.group(1)) if level else 1) + " " + text)
+                elif props is not None and props.find(W + "numPr") is not None or style.startswith("list"):
+                    depth = props.find(W + "numPr/" + W + "ilvl") if props is not None else None
+                    out.append("  " * int(depth.get(W + "val", 0) if depth is not None else 0) + "- " + text)
+                else:
+                    out.append(text)
+            elif el.tag == W + "tbl":
+                rows = []
+                for row in el.iter(W + "tr"):
+                    rows.append([])
+                    for cell in row.findall(W + "tc"):
+                        span = cell.find(W + "tcPr/" + W + "gridSpan")
+                        rows[-1].append(" ".join(self.docx_text(p).strip() for p in cell.iter(W + "p")).strip())
+                        rows[-1] += [""] * (min(int(span.get(W + "val", "1")), 64) - 1 if span is not None else 0)
+                out.append(markdown_table(rows))
+            elif el.tag in (W + "sdt", W + "sdtContent", W + "customXml", W + "ins"):
+                out += self.docx_blocks(el, styles)
+        joined, prev = [], None                     # list items stay together
+        for block in out:
+            item = block.lstrip().startswith("- ")
+            if joined and item and prev:
+                joined[-1] += "\n" + block
+            else:
+                joined.append(block)
+            prev = item
+        return joined
+
+    def docx_text(self, p):
+        """A paragraph's text: runs, tabs, breaks, footnote marks ([^n]); deleted text left out."""
+        W, parts = OOXML_W, []
+        for el in p.iter():
+            tag = el.tag
+            if tag == W + "t" and el.text:
+                parts.append(el.text)
+            elif tag == W + "tab":
+                parts.append("\t")
+            elif tag in (W + "br", W + "cr"):
+                parts.append("\n")
+            elif tag == W + "footnoteReference":
+                self.notes.append(el.get(W + "id"))
+                parts.append("[^%d]" % len(self.notes))
+        return "".join(parts)
+
+    # -- Excel -----------------------------------------------------------------------
+    def xlsx(self):
+        import xml.etree.ElementTree as ET
+        S = OOXML_S
+        book = self.xml("xl/workbook.xml")
+        if book is None:
+            raise ToolError(INVALID_INPUT, "no xl/workbook.xml: not an Excel workbook")
+        rels = self.rels("xl/workbook.xml")
+        shared = [self.xlsx_text(si) for si in getattr(self.xml("xl/sharedStrings.xml"), "iter",
+                                                        lambda tag: ())(S + "si")]
+        styles = self.xml("xl/styles.xml")
+        codes = dict((int(f.get("numFmtId", -1)), f.get("formatCode", "")) for f in styles.iter(S + "numFmt")) \
+            if styles is not None else {}
+        xfs = styles.find(S + "cellXfs") if styles is not None else None
+        dates = [self.is_date(int(xf.get("numFmtId", 0)), codes) for xf in xfs] if xfs is not None else []
+        pr = book.find(S + "workbookPr")
+        epoch = 1904 if pr is not None and pr.get("date1904") in ("1", "true") else 1900
+        out = []
+        for sheet in book.iter(S + "sheet"):
+            part = self.stream(rels.get(sheet.get(OOXML_R + "id"), ("", ""))[0])
+            rows = []
+            if part is not None:
+                with part:
+                    for _, el in ET.iterparse(part):
+                        if el.tag == S + "row":
+                            rows.append(self.xlsx_row(el, shared, dates, epoch))
+                            el.clear()
+                            if self.cells > DOC_MAX_CELLS:
+                                break
+            out.append(self.sheet(sheet.get("name"), rows))
+            if self.cells > DOC_MAX_CELLS:
+                out.append("[cells past %d left out; read the rest with a script in bash]"
+                           % DOC_MAX_CELLS)
+                break
+        return "\n\n".join(out)
+
+    def xlsx_row(self, row, shared, dates, epoch):
+        """A row's values by column ('' where a cell is empty)."""
+        S, values = OOXML_S, {}
+        for k, c in enumerate(row.iter(S + "c")):
+            ref = re.match(r"([A-Z]+)", c.get("r", ""))
+            col = k
+            if ref:
+                col = 0
+                for ch in ref.group(1):
+                    col = col * 26 + ord(ch) - 64
+                col -= 1
+            kind, v = c.get("t", "n"), c.findtext(S + "v")
+            if kind == "inlineStr":
+                value = self.xlsx_text(c.find(S + "is")) if c.find(S + "is") is not None else ""
+            elif v is None:
+                continue
+            elif kind == "s":
+                value = shared[int(v)] if v.strip().isdigit() and int(v) < len(shared) else ""
+            elif kind == "b":
+                value = "TRUE" if v.strip() == "1" else "FALSE"
+            elif kind == "n" and c.get("s", "0").isdigit() and int(c.get("s", "0")) < len(dates) \
+                    and dates[int(c.get("s", "0"))]:
+                value = excel_date(v, epoch)
+            else:
+                value = v
+            if col < 16384:
+                values[col] = value
+                self.cells += 1
+        width = max(values) + 1 if values else 0
+        return [values.get(i, "") for i in range(width)]
+
+    @staticmethod
+    def xlsx_text(si):
+        """A shared or inline string: its runs' text, phonetic guides left out."""
+        return "".join(t.text or "" for t in si.iter(OOXML_S + "t")) if si.find(OOXML_S + "rPh") is None else \
+            "".join(t.text or "" for r in [si] + si.findall(OOXML_S + "r") for t in r.findall(OOXML_S + "t"))
+
+    @staticmethod
+    def is_date(fmt, codes):
+        """Whether number format `fmt` shows a date or a time."""
+        if fmt in XLSX_DATE_FORMATS:
+            return True
+        code = re.sub(r'"[^"]*"|\[[^\]]*\]|\\.', "", codes.get(fmt, "")).lower()
+        return bool(code) and code != "general" and re.search(r"[dmyhs]", code) is not None
+
+    def sheet(self, name, rows):
+        """A sheet as a heading and a Markdown table (the first row as its header)."""
+        while rows and not any(rows[-1]):
+            rows.pop()
+        if not rows:
+            return "## %s\n\n(empty sheet)" % name
+        return "## %s\n\n%s" % (name, markdown_table(rows))
+
+    # -- PowerPoint ------------------------------------------------------------------
+    def pptx(self):
+        P, A = OOXML_P, OOXML_A
+        pres = self.xml("ppt/presentation.xml")
+        if pres is None:
+            raise ToolError(INVALID_INPUT, "no ppt/presentation.xml: not a PowerPoint presentation")
+        rels, out = self.rels("ppt/presentation.xml"), []
+        for n, sid in enumerate(pres.iter(P + "sldId"), 1):
+            path = rels.get(sid.get(OOXML_R + "id"), ("", ""))[0]
+            slide = self.xml(path)
+            lines = ["## Slide %d" % n]
+            if slide is not None:
+                lines += [t for t in (self.pptx_text(p) for p in slide.iter(A + "p")) if t]
+            for target, kind in self.rels(path).values() if slide is not None else ():
+                if kind.endswith("/notesSlide"):
+                    notes = self.xml(target)
+                    said = [t for t in (self.pptx_text(p) for p in notes.iter(A + "p")) if t] \
+                        if notes is not None else []
+                    if said:
+                        lines.append("\nNotes: " + "\n".join(said))
+            out.append("\n".join(lines))
+        return "\n\n".join(out)
+
+    @staticmethod
+    def pptx_text(p):
+        """A slide paragraph's text: its runs and fields, a line break as one."""
+        return "".join(el.text or "" if el.tag == OOXML_A + "t" else "\n" for el in p.iter()
+                       if el.tag in (OOXML_A + "t", OOXML_A + "br")).strip()
+
+    # -- OpenDocument ----------------------------------------------------------------
+    def odf(self):
+        content = self.xml("content.xml")
+        if content is None:
+            raise ToolError(INVALID_INPUT, "no content.xml: not an OpenDocument file")
+        body = content.find(ODF["office"] + "body")
+        kinds = {".odt": "text", ".ods": "spreadsheet", ".odp": "presentation"}
+        doc = body.find(ODF["office"] + kinds[self.kind]) if body is not None else None
+        if doc is None:
+            raise ToolError(INVALID_INPUT, "its content.xml has no office:%s body" % kinds[self.kind])
+        if self.kind == ".ods":
+            out = []
+            for table in doc.iter(ODF["table"] + "table"):
+                out.append(self.sheet(table.get(ODF["table"] + "name"), self.odf_rows(table, values=True)))
+                if self.cells > DOC_MAX_CELLS:
+                    out.append("[cells past %d left out]" % DOC_MAX_CELLS)
+                    break
+            return "\n\n".join(out)
+        if self.kind == ".odp":
+            out = []
+            for n, page in enumerate(doc.iter(ODF["draw"] + "page"), 1):
+                notes = page.find(ODF["pres"] + "notes")
+                lines = ["## Slide %d" % n] + [b for b in self.odf_blocks(page, skip=notes) if b]
+                said = [b for b in self.odf_blocks(notes) if b] if notes is not None else []
+                if said:
+                    lines.append("\nNotes: " + "\n".join(said))
+                out.append("\n".join(lines))
+            return "\n\n".join(out)
+        blocks = [b for b in self.odf_blocks(doc) if b]
+        return "\n\n".join(blocks) + "".join(("\n\n" if k == 0 else "\n") + "[^%d]: %s" % (k + 1, text)
+                                             for k, text in enumerate(self.notes))
+
+    def odf_blocks(self, parent, depth=0, skip=None):
+        """Markdown blocks of headings, paragraphs, lists and tables below `parent` (frames
+        and sections entered; `skip`: an element left out, a slide's notes)."""
+        T, out = ODF["text"], []
+        for el in parent:
+            if el is skip:
+                continue
+            if el.tag == T + "h":
+                out.append("#" * min(6, int(el.get(T + "outline-level", "1") or 1)) + " " + self.odf_text(el).strip())
+            elif el.tag == T + "p":
+                out.append(self.odf_text(el).strip())
+            elif el.tag == T + "list":
+                items = []
+                for item in el:
+                    for k, block in enumerate(b for b in self.odf_blocks(item, depth + 1) if b):
+                        items.append(block if block.lstrip().startswith("- ") and k else "  " * depth + "- " + block)
+                out.append("\n".join(items))
+            elif el.tag == ODF["table"] + "table":
+                out.append(markdown_table(self.odf_rows(el)))
+            elif el.tag != T + "tracked-changes":
+                out += self.odf_blocks(el, depth, skip)
+        return out
+
+    def odf_rows(self, table, values=False):
+        """A table's rows of cell text (repeated rows and columns spelled out, within bounds;
+        a spreadsheet's cells by their values: numbers, dates, booleans)."""
+        TB, O, rows = ODF["table"], ODF["office"], []
+        for row in table.iter(TB + "table-row"):
+            cells = []
+            for cell in row:
+                if cell.tag not in (TB + "table-cell", TB + "covered-table-cell"):
+                    continue
+                kind = cell.get(O + "value-type")
+                if values and kind in ("float", "percentage", "currency"):
+                    text = cell.get(O + "value", "")
+                elif values and kind == "date":
+                    text = cell.get(O + "date-value", "").replace("T00:00:00", "").replace("T", " ")
+                elif values and kind == "boolean":
+                    text = cell.get(O + "boolean-value", "").upper()
+                else:
+                    text = "\n".join(self.odf_text(p) for p in cell.iter(ODF["text"] + "p")).strip()
+                repeat = int(cell.get(TB + "number-columns-repeated", "1") or 1)
+                cells += [text] * (min(repeat, 1024) if text else min(repeat, 16384 - len(cells)))
+                self.cells += 1
+            while cells and not cells[-1]:
+                cells.pop()
+            repeat = int(row.get(TB + "number-rows-repeated", "1") or 1)
+            rows += [cells] * (min(repeat, 1000) if cells else min(repeat, 1))
+            if self.cells > DOC_MAX_CELLS:
+                break
+        while rows and not rows[-1]:
+            rows.pop()
+        return rows
+
+    def odf_text(self, el):
+        """The text of a paragraph: spans, spaces (text:s), tabs, line breaks, links;
+        a footnote becomes [^n], its body noted for the end."""
+        T, parts = ODF["text"], [el.text or ""]
+        for child in el:
+            tag = child.tag
+            if tag == T + "s":
+                parts.append(" " * min(1000, int(child.get(T + "c", "1") or 1)))
+            elif tag == T + "tab":
+                parts.append("\t")
+            elif tag == T + "line-break":
+                parts.append("\n")
+            elif tag == T + "note":
+                body = child.find(T + "note-body")
+                self.notes.append(" ".join(self.odf_text(p).strip() for p in body.iter(T + "p"))
+                                  if body is not None else "")
+                parts.append("[^%d]" % len(self.notes))
+            elif tag not in (T + "note-citation", ODF["office"] + "annotation"):
+                parts.append(self.odf_text(child))
+            parts.append(child.tail or "")
+        return "".join(parts)
+
+
+class BoundedPart(object):
+    """A zip member read through a bound: more than DOC_MEMBER_BYTES inflated is an error
+    (whatever the member's header said), and a DTD in its first bytes is refused."""
+
+    def __init__(self, raw, name):
+        self.raw, self.name, self.read_so_far = raw, name, 0
+        head = raw.read(65536)
+        start = re.search(rb"<[A-Za-z_]", head)
+        if re.search(rb"<!DOCTYPE|<!ENTITY", head[:start.start()] if start else head, re.I) or \
+                (start is None and len(head) == 65536):
+            raise ToolError(INVALID_INPUT, "its part %s declares a DTD (entities), which these formats never"
+                                           " have: refused" % name)
+        self.head = head
+
+    def read(self, size=-1):
+        if self.head:
+            data, self.head = self.head, b""
+        else:
+            data = self.raw.read(65536 if size is None or size < 0 else min(size, 1 << 20))
+        self.read_so_far += len(data)
+        if self.read_so_far > DOC_MEMBER_BYTES:
+            raise ToolError(INVALID_INPUT, "its part %s inflates past %s: refused (a zip bomb?)" % (
+                self.name, human_size(DOC_MEMBER_BYTES)))
+        return data
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.raw.close()
+
+
+def excel_date(value, epoch):
+    """An Excel serial day number as an ISO date (and time, when it has one)."""
+    import datetime
+    try:
+        days = float(value)
+    except ValueError:
+        return value
+    if not -1e6 < days < 3e6:
+        return value
+    if epoch == 1900 and days < 61:
+        days += 1                           # Excel's 1900-02-29, which never was
+    base = datetime.datetime(1899, 12, 30) if epoch == 1900 else datetime.datetime(1904, 1, 1)
+    moment = base + datetime.timedelta(days=days)
+    moment = moment.replace(microsecond=0) + datetime.timedelta(seconds=round(moment.microsecond / 1e6))
+    return moment.strftime("%Y-%m-%d") if moment.time() == datetime.time() else moment.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def markdown_table(rows):
+    """Rows of cell text as a Markdown table, the first row its header; | and line breaks
+    in a cell escaped so that each row stays one line."""
+    width = max([len(r) for r in rows] + [1])
+    cell = lambda text: text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "<br>") or " "
+    lines = ["| " + " | ".join(cell(c) for c in list(r) + [""] * (width - len(r))) + " |" for r in rows] or ["|  |"]
+    return "\n".join([lines[0], "|" + "---|" * width] + lines[1:])
+
+
 # -- searches run where they can be killed -----------------------------------------
 # Python's re holds the interpreter while it matches, so a catastrophic pattern (or a
 # glob such as *a*a*a*a*b) run in this process would freeze ping, cancel and every
@@ -4266,6 +4732,9 @@ def search_job(job, emit, raw=None, partners=None, cache=None):
         return
     if job["op"] == "outline":
         Outline.job(job, emit, cache)
+        return
+    if job["op"] == "document":
+        Document.job(job, emit)
         return
     if partners is None:
         partners = Partners(warm=False)
@@ -6611,7 +7080,8 @@ class Notebook(object):
 # an image as image content; notebooks render through the notebook section.
 
 VIEW_DESC = ("Read a text file with line numbers (cat -n style: number, tab, line), list a directory two "
-             "levels deep, or see an image (PNG, JPEG, GIF, WebP, SVG) as an image. Files over 2,000 lines "
+             "levels deep, see an image (PNG, JPEG, GIF, WebP, SVG), or read Word, Excel, PowerPoint and "
+             "OpenDocument files (.docx .xlsx .pptx .odt .ods .odp) as Markdown. Files over 2,000 lines "
              "show their first 2,000 lines unless view_range is given; lines over 2,000 characters are cut; a "
              "result stops at about 40,000 characters. A cut result starts and ends with a line giving the "
              "view_range that reads on. Binary files are reported by size only. Viewing a file is required "
@@ -6652,6 +7122,8 @@ def tool_view(session, args, ctx):
             if mime == "image/svg+xml" and svg_as_text(ctx):
                 kind, note = "text", ("(%s is an SVG image, shown as its source: this client's model takes no"
                                       " SVG images)\n" % shown)
+            if head.startswith(b"PK\x03\x04") and os.path.splitext(real)[1].lower() in DOC_FORMATS:
+                return document_view(ctx, real, shown, vr)
             if kind == "binary":
                 return "Binary file (%s): %s is not shown as text" % (human_size(st.st_size), shown)
             if kind == "image" or real.endswith(".ipynb"):
@@ -6673,6 +7145,23 @@ def tool_view(session, args, ctx):
             raise io_error(e, shown)
     session.mark_viewed(real, seen)
     return text
+
+
+def document_view(ctx, real, shown, vr):
+    """An office document's Markdown, read in a search helper, numbered as its lines
+    (view_range pages them), after a line saying what it is."""
+    import io
+    try:
+        items, why = ctx.helpers.run({"op": "document", "path": real}, ctx.cancelled)
+    except ToolError as e:
+        raise ToolError(e.code, "%s: %s" % (shown, e.message))
+    if not items:
+        raise ToolError(IO_ERROR, "reading %s was %s before it was done" % (shown, stopped_why(why)))
+    data = items[0].encode("utf-8", "surrogateescape")
+    note = "(%s: %s, shown as Markdown; line numbers are the rendering's, for view_range)\n" % (
+        shown, DOC_FORMATS[os.path.splitext(real)[1].lower()])
+    reader = LineReader(io.BytesIO(data), len(data) + 1)
+    return note + numbered(reader, vr, shown, ctx.config.max_result_chars - len(note))
 
 
 def numbered(reader, vr, shown, cap):

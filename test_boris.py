@@ -3027,6 +3027,229 @@ class TestView(Base):
         self.assertLess(readers[0].used, 1 << 20)
 
 
+W_NS = 'xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"'
+S_NS = 'xmlns="http://schemas.openxmlformats.org/spreadsheetml/2006/main"'
+R_NS = 'xmlns:r="http://schemas.openxmlformats.org/officeDocument/2006/relationships"'
+REL_NS = 'xmlns="http://schemas.openxmlformats.org/package/2006/relationships"'
+ODF_NS = ('xmlns:office="urn:oasis:names:tc:opendocument:xmlns:office:1.0" xmlns:text="urn:oasis:names:tc:'
+          'opendocument:xmlns:text:1.0" xmlns:table="urn:oasis:names:tc:opendocument:xmlns:table:1.0" xmlns:draw="urn'
+          ':oasis:names:tc:opendocument:xmlns:drawing:1.0" xmlns:presentation="urn:oasis:names:tc:opendocument:xmlns:'
+          'presentation:1.0"')
+
+
+def office_file(path, parts):
+    """Write a zip of {part name: text} at path: an office document as its XML parts."""
+    import zipfile
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, text in parts.items():
+            z.writestr(name, text if isinstance(text, bytes) else text.encode("utf-8"))
+
+
+def docx_parts(body, footnotes=""):
+    return {"word/document.xml": '<w:document %s><w:body>%s</w:body></w:document>' % (W_NS, body),
+            "word/styles.xml": '<w:styles %s><w:style w:styleId="H1"><w:name w:val="heading 1"/></w:style>'
+                               '<w:style w:styleId="T"><w:name w:val="Title"/></w:style>'
+                               '<w:style w:styleId="LB"><w:name w:val="List Bullet"/></w:style></w:styles>' % W_NS,
+            "word/footnotes.xml": '<w:footnotes %s><w:footnote w:type="separator" w:id="-1"><w:p><w:r><w:t>---</w:t>'
+                                  '</w:r></w:p></w:footnote>%s</w:footnotes>' % (W_NS, footnotes)}
+
+
+def w_p(text, style=None, extra=""):
+    ppr = '<w:pPr><w:pStyle w:val="%s"/></w:pPr>' % style if style else ""
+    return '<w:p>%s<w:r><w:t xml:space="preserve">%s</w:t></w:r>%s</w:p>' % (ppr, text, extra)
+
+
+def xlsx_parts(sheets, shared=(), styles=""):
+    book = '<workbook %s %s><sheets>%s</sheets></workbook>' % (S_NS, R_NS, "".join(
+        '<sheet name="%s" sheetId="%d" r:id="rId%d"/>' % (name, k, k) for k, (name, _) in enumerate(sheets, 1)))
+    rels = '<Relationships %s>%s</Relationships>' % (REL_NS, "".join(
+        '<Relationship Id="rId%d" Target="worksheets/sheet%d.xml" Type="x/worksheet"/>' % (k, k)
+        for k in range(1, len(sheets) + 1)))
+    parts = {"xl/workbook.xml": book, "xl/_rels/workbook.xml.rels": rels,
+             "xl/sharedStrings.xml": '<sst %s>%s</sst>' % (S_NS, "".join("<si><t>%s</t></si>" % t for t in shared)),
+             "xl/styles.xml": '<styleSheet %s>%s</styleSheet>' % (S_NS, styles)}
+    for k, (_, rows) in enumerate(sheets, 1):
+        parts["xl/worksheets/sheet%d.xml" % k] = '<worksheet %s><sheetData>%s</sheetData></worksheet>' % (S_NS, rows)
+    return parts
+
+
+class TestDocuments(NoViewBase):
+    """Issue 43 (its office half): view reads Word, Excel, PowerPoint and OpenDocument
+    files as Markdown, parsed in a helper; hostile ones are clear errors."""
+
+    def test_a_word_document_has_headings_lists_tables_and_footnotes(self):
+        body = (w_p("Report", "T") + w_p("Scope", "H1") + w_p("First point", "LB") + w_p("Second point", "LB") +
+                '<w:p><w:r><w:t>Plain with a</w:t></w:r><w:r><w:tab/><w:t>tab</w:t></w:r>'
+                '<w:del><w:r><w:delText>gone</w:delText></w:r></w:del>'
+                '<w:r><w:footnoteReference w:id="2"/></w:r></w:p>'
+                '<w:tbl><w:tr><w:tc>%s</w:tc><w:tc>%s</w:tc></w:tr><w:tr><w:tc>%s</w:tc><w:tc>%s</w:tc></w:tr></w:tbl>'
+                % (w_p("Name"), w_p("Value"), w_p("a|b"), w_p("2")))
+        office_file(self.path("r.docx"), docx_parts(body, '<w:footnote w:id="2">%s</w:footnote>' % w_p("The note.")))
+        text = self.ok("view", path="r.docx")
+        self.assertIn("(r.docx: Word document, shown as Markdown", text.split("\n")[0])
+        rendered = "\n".join(l.split("\t", 1)[1] if "\t" in l else l for l in text.split("\n")[1:])
+        self.assertEqual(rendered, "# Report\n\n# Scope\n\n- First point\n- Second point\n\nPlain with a\ttab[^1]\n\n"
+                                   "| Name | Value |\n|---|---|\n| a\\|b | 2 |\n\n[^1]: The note.")
+
+    def test_a_workbook_has_each_sheet_as_a_table_with_values(self):
+        styles = ('<numFmts><numFmt numFmtId="164" formatCode="yyyy-mm-dd"/></numFmts>'
+                  '<cellXfs><xf numFmtId="0"/><xf numFmtId="164"/><xf numFmtId="14"/><xf numFmtId="2"/></cellXfs>')
+        rows = ('<row r="1"><c r="A1" t="s"><v>0</v></c><c r="B1" t="s"><v>1</v></c><c r="D1" t="inlineStr">'
+                '<is><t>Note</t></is></c></row>'
+                '<row r="2"><c r="A2"><v>42</v></c><c r="B2" s="1"><v>44927</v></c><c r="C2" t="b"><v>1</v></c>'
+                '<c r="D2" t="str"><f>A2*2</f><v>84</v></c></row>'
+                '<row r="4"><c r="A4" s="3"><v>3.25</v></c><c r="B4" s="2"><v>44927.5</v></c><c r="C4" t="e">'
+                '<v>#DIV/0!</v></c></row>')
+        office_file(self.path("b.xlsx"), xlsx_parts([("Data", rows), ("Empty", "")], ["Count", "When"], styles))
+        text = self.ok("view", path="b.xlsx")
+        self.assertIn("Excel workbook", text.split("\n")[0])
+        for line in ("## Data", "| Count | When |   | Note |", "| 42 | 2023-01-01 | TRUE | 84 |",
+                     "| 3.25 | 2023-01-01 12:00:00 | #DIV/0! |   |", "## Empty", "(empty sheet)"):
+            self.assertIn("\t" + line + "\n", text + "\n")
+
+    def test_a_presentation_and_opendocument_files(self):
+        A = 'xmlns:a="http://schemas.openxmlformats.org/drawingml/2006/main"'
+        P = 'xmlns:p="http://schemas.openxmlformats.org/presentationml/2006/main"'
+        office_file(self.path("s.pptx"), {
+            "ppt/presentation.xml": '<p:presentation %s %s><p:sldIdLst><p:sldId r:id="rId2"/><p:sldId r:id="rId1"/>'
+                                    '</p:sldIdLst></p:presentation>' % (P, R_NS),
+            "ppt/_rels/presentation.xml.rels": '<Relationships %s><Relationship Id="rId1" Target="slides/slide1.xml"/>'
+                                               '<Relationship Id="rId2" Target="slides/slide2.xml"/></Relationships>'
+                                               % REL_NS,
+            "ppt/slides/slide1.xml": '<p:sld %s %s><a:p><a:r><a:t>Second </a:t></a:r><a:r><a:t>slide</a:t></a:r></a:p>'
+                                     '</p:sld>' % (P, A),
+            "ppt/slides/slide2.xml": '<p:sld %s %s><a:p><a:r><a:t>Opening</a:t></a:r></a:p></p:sld>' % (P, A),
+            "ppt/slides/_rels/slide2.xml.rels": '<Relationships %s><Relationship Id="n" Target="../notesSlides/n1.xml"'
+                                                ' Type="http://x/notesSlide"/></Relationships>' % REL_NS,
+            "ppt/notesSlides/n1.xml": '<p:notes %s %s><a:p><a:r><a:t>Say hello</a:t></a:r></a:p></p:notes>' % (P, A)})
+        text = self.ok("view", path="s.pptx")
+        self.assertRegex(text, r"## Slide 1\n\s*2\tOpening\n\s*3\t\n\s*4\tNotes: Say hello\n\s*5\t\n\s*6\t## Slide 2\n"
+                               r"\s*7\tSecond slide")
+        office_file(self.path("t.odt"), {"content.xml": (
+            '<office:document-content %s><office:body><office:text><text:h text:outline-level="2">Part</text:h>'
+            '<text:p>One<text:s text:c="2"/>two<text:note><text:note-citation>1</text:note-citation><text:note-body>'
+            '<text:p>Foot.</text:p></text:note-body></text:note></text:p><text:list><text:list-item><text:p>Item'
+            '</text:p></text:list-item></text:list><table:table><table:table-row><table:table-cell><text:p>x</text:p>'
+            '</table:table-cell><table:table-cell table:number-columns-repeated="2"><text:p>y</text:p>'
+            '</table:table-cell></table:table-row></table:table></office:text></office:body>'
+            '</office:document-content>' % ODF_NS)})
+        text = self.ok("view", path="t.odt")
+        for line in ("## Part", "One  two[^1]", "- Item", "| x | y | y |", "[^1]: Foot."):
+            self.assertIn("\t" + line + "\n", text + "\n")
+        office_file(self.path("c.ods"), {"content.xml": (
+            '<office:document-content %s><office:body><office:spreadsheet><table:table table:name="S1">'
+            '<table:table-row><table:table-cell office:value-type="string"><text:p>n</text:p></table:table-cell>'
+            '<table:table-cell office:value-type="date" office:date-value="2024-02-29"><text:p>29.02.</text:p>'
+            '</table:table-cell></table:table-row><table:table-row table:number-rows-repeated="1048000">'
+            '<table:table-cell table:number-columns-repeated="16384"/></table:table-row>'
+            '<table:table-row><table:table-cell office:value-type="float" office:value="1.5"><text:p>1,5</text:p>'
+            '</table:table-cell><table:table-cell office:value-type="boolean" office:boolean-value="true"/>'
+            '</table:table-row></table:table></office:spreadsheet></office:body></office:document-content>' % ODF_NS)})
+        text = self.ok("view", path="c.ods")
+        for line in ("## S1", "| n | 2024-02-29 |", "| 1.5 | TRUE |"):
+            self.assertIn("\t" + line + "\n", text + "\n")
+        self.assertLess(len(text), 2000)
+
+    def test_hostile_documents_are_clear_errors_soon(self):
+        import zipfile
+        bomb = self.path("bomb.docx")
+        with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as z:
+            z.writestr("word/document.xml", b"<w:document " + W_NS.encode() + b"><w:body>" + b" " * (80 << 20) +
+                       b"</w:body></w:document>")
+        laughs = ('<?xml version="1.0"?><!DOCTYPE lolz [<!ENTITY lol "lol"><!ENTITY lol2 "&lol;&lol;&lol;&lol;">]>'
+                  '<w:document %s><w:body><w:p><w:r><w:t>&lol2;</w:t></w:r></w:p></w:body></w:document>' % W_NS)
+        office_file(self.path("laughs.docx"), {"word/document.xml": laughs})
+        deep = "<w:document %s><w:body>%s%s</w:body></w:document>" % (W_NS, "<w:sdt>" * 5000, "</w:sdt>" * 5000)
+        office_file(self.path("deep.docx"), {"word/document.xml": deep})
+        office_file(self.path("bad.xlsx"), {"xl/workbook.xml": "<workbook><sheets"})
+        with open(self.path("garbage.pptx"), "wb") as f:
+            f.write(b"PK\x03\x04" + os.urandom(3000))
+        with open(self.path("cut.docx"), "wb") as f:
+            with open(self.path("laughs.docx"), "rb") as whole:
+                f.write(whole.read()[:60])
+        office_file(self.path("none.odt"), {"mimetype": "application/vnd.oasis.opendocument.text"})
+        for name, words in (("bomb.docx", "inflates"), ("laughs.docx", "DTD"), ("deep.docx", "nested too deeply"),
+                            ("bad.xlsx", "not well-formed"), ("garbage.pptx", "not a readable"),
+                            ("cut.docx", "not a readable"), ("none.odt", "no content.xml")):
+            text = self.fails("view", "INVALID_INPUT", path=name)
+            self.assertIn(name + ": ", text)
+            self.assertIn(words, text)
+
+    def test_a_long_document_pages_with_view_range(self):
+        office_file(self.path("long.docx"), docx_parts("".join(w_p("Paragraph %d" % i) for i in range(3000))))
+        text = self.ok("view", path="long.docx")
+        self.assertIn("Use view_range", text)
+        self.assertIn("Paragraph 1999", self.ok("view", path="long.docx", view_range=[3999, 3999]))
+        self.assertNotIn("Paragraph", self.ok("view", path="long.docx", view_range=[4000, 4000]))
+        self.write("plain.docx", "not a zip at all\n")                 # a name alone does not make a document
+        self.assertIn("1\tnot a zip at all", self.ok("view", path="plain.docx"))
+
+    def test_a_campaign_of_mutated_documents_gives_answers_or_coded_errors(self):
+        """Each fixture's XML mutated (cut, tags dropped or swapped, bytes flipped, nesting,
+        entities) and its zip damaged: Document gives Markdown or a ToolError, never another
+        exception; a share of them also goes through view in a helper."""
+        import zipfile
+        rng = random.Random(int(os.environ.get("BORIS_DOC_SEED", "43")))
+        n = int(os.environ.get("BORIS_DOC_CAMPAIGN", "1000"))
+        self.test_a_word_document_has_headings_lists_tables_and_footnotes()
+        self.test_a_workbook_has_each_sheet_as_a_table_with_values()
+        self.test_a_presentation_and_opendocument_files()
+        sources = {}
+        for name in ("r.docx", "b.xlsx", "s.pptx", "t.odt", "c.ods"):
+            with zipfile.ZipFile(self.path(name)) as z:
+                sources[name] = dict((i, z.read(i)) for i in z.namelist())
+
+        def mutate(data):
+            k = rng.randrange(8)
+            at = rng.randrange(len(data) + 1)
+            if k == 0:
+                return data[:at]
+            if k == 1:
+                return data[:at] + bytes([rng.randrange(256)]) + data[at + 1:]
+            if k == 2:
+                return re.sub(rb"<[^>]*>", b"", data, count=rng.randint(1, 5))
+            if k == 3:
+                return data.replace(b"</", b"<", rng.randint(1, 3))
+            if k == 4:
+                return data[:at] + b"<w:p>" * rng.randint(1, 3000) + data[at:]
+            if k == 5:
+                return data.replace(b'"', b"'", 1).replace(b"r:id=", b"r:id=x", 1)
+            if k == 6:
+                return re.sub(rb'(>|")(\d+)(<|")', lambda m: m.group(1) + str(rng.choice([-1, 10 ** 9, 2 ** 70])).encode()
+                              + m.group(3), data)
+            return data[:at] + b"&unknown;&#0;&#xD800;" + data[at:]
+        answered = errors = 0
+        for i in range(n):
+            name = rng.choice(sorted(sources))
+            parts = dict(sources[name])
+            victim = rng.choice(sorted(parts))
+            parts[victim] = mutate(parts[victim])
+            path = self.path("m%d%s" % (i % 50, os.path.splitext(name)[1]))
+            office_file(path, parts)
+            if rng.random() < 0.1:
+                with open(path, "r+b") as f:
+                    f.seek(rng.randrange(os.path.getsize(path)))
+                    f.write(os.urandom(rng.randint(1, 40)))
+            try:
+                out = []
+                boris.Document.job({"path": path}, out.extend)
+                self.assertIsInstance(out[0], str)
+                answered += 1
+            except boris.ToolError as e:
+                self.assertEqual(e.code, "INVALID_INPUT", e.message)
+                errors += 1
+            if i % 20 == 0:
+                text, err = self.call("view", path=os.path.basename(path))
+                self.assertTrue(not err or re.match(r"^\[INVALID_INPUT\] m\d+\.\w+: ", text), text[:300])
+        self.assertEqual(answered + errors, n)
+        self.assertGreater(errors, n // 10)
+        self.assertGreater(answered, n // 10)
+
+    def test_grep_still_skips_documents(self):
+        office_file(self.path("g.docx"), docx_parts(w_p("findme here")))
+        self.assertNotIn("g.docx", self.ok("grep", pattern="findme", output_mode="files_with_matches"))
+
+
 class TestImages(NoViewBase):
     def png(self, w, h):
         import struct
