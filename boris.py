@@ -2643,9 +2643,9 @@ class NetSupervisor(object):
 def enter_namespaces(net, protect):
     """unshare a user namespace, with a network namespace (no interface but a down
     loopback) when `net`, and a mount namespace where the `protect` paths are bind-mounted
-    read-only. Users keep their ids: an ordinary user is mapped to itself; root to all
-    of root's (a child still outside writes the map), so root may still write files of
-    other owners."""
+    read-only. Users keep their ids: an ordinary user is mapped to itself; root to every
+    id its own namespace has (a child still outside writes the map: a rootless
+    container's root maps its range), so root may still write files of other owners."""
     ctypes, libc = _libc()
     uid, gid = os.geteuid(), os.getegid()
     mapper = None
@@ -2656,10 +2656,12 @@ def enter_namespaces(net, protect):
             os.close(ready)
             ok = os.read(go, 1) == b"u"
             try:
-                for name in ("uid_map", "gid_map"):
+                for name in ("uid_map", "gid_map"):       # every id this namespace has, as itself
+                    with open("/proc/self/" + name) as f:
+                        ids = "".join("%s %s %s\n" % (l.split()[0], l.split()[0], l.split()[2]) for l in f if l.strip())
                     with open("/proc/%d/%s" % (os.getppid(), name), "w") as f:
-                        f.write("0 0 4294967295")
-            except OSError:
+                        f.write(ids)
+            except (OSError, IndexError):
                 ok = False
             os._exit(0 if ok else 1)
         os.close(go)

@@ -1796,6 +1796,21 @@ class TestSandboxProtectedPaths(SandboxBase):
         self.assertIn("exit code: 0", text)
         self.assertIn("4321", text)
 
+    def test_root_in_a_namespace_of_one_id_still_gets_its_map(self):
+        """A rootless container's root has only some ids: the map names those, not all."""
+        if os.geteuid() != 0 or not shutil.which("unshare"):
+            self.skipTest("needs root and unshare(1) to make a namespace of one id")
+        script = ("import sys; sys.path.insert(0, %r); import boris\n"
+                  "cfg = boris.parse_config(['--allow-dir', %r, '--workdir', %r, '--sandbox', 'workspace-write'], {})\n"
+                  "srv = boris.McpServer(cfg, boris.PathPolicy.of(cfg)); ses = boris.Session(cfg)\n"
+                  "ctx = boris.CallContext(cfg, boris.PathPolicy.of(cfg), helpers=srv.helpers, sandbox=srv.sandbox)\n"
+                  "r = boris.McpServer.run_tool(srv.tools['bash'], ses, {'command': 'echo x >> .git/config;"
+                  " echo ok > w.txt && cat w.txt'}, ctx)\nprint(r['content'][0]['text']); ses.close(); srv.close()\n"
+                  % (os.path.dirname(BORIS), self.ws, self.ws))
+        p = subprocess.run(["unshare", "-Ur", sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        self.assertIn("Read-only file system", p.stdout, p.stdout + p.stderr)
+        self.assertIn("--- stdout ---\nok", p.stdout)
+
     def test_protect_takes_names_and_paths_and_none_clears_it(self):
         os.makedirs(os.path.join(self.ws, "secrets"))
         keep = os.path.join(self.ws, "keep.cfg")
