@@ -511,7 +511,7 @@ def parse_config(argv, environ):
     else:
         for domain in network:
             if domain in ("on", "off") or not re.match(r"^(\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?$", domain) \
-                    or host_allowed(domain, [domain]) is False:
+                    or re.match(r"^[\d.]+$", domain):                 # (an IPv4 address; IPv6 has colons)
                 raise ConfigError("invalid value %r for --sandbox-network: expected on, off, or domain names (like"
                                   " pypi.org or *.example.org; no IP addresses, no ports)" % domain)
         values["sandbox-network"] = [d.lower().rstrip(".") for d in network]
@@ -1988,7 +1988,9 @@ class Sandbox(object):
         shows a refused write or connect; else ''."""
         refusals = r"Permission denied|Read-only file system|Operation not permitted|Device or resource busy"
         if not self.network:
-            refusals += r"|Network is unreachable|403|Forbidden|tunnel failed|[Pp]roxy"
+            refusals += r"|Network is unreachable"
+        if self.domains and not self.network:                   # what clients say of the proxy's 403
+            refusals += r"|403|[Tt]unnel|boris sandbox proxy"
         if not self.on or not re.search(refusals, text):
             return ""
         protected = self.protect.paths(self.writable)
@@ -2016,7 +2018,7 @@ class Protect(object):
     def of(cls, config, policy):
         """The Protect that --sandbox-protect asks for: the defaults (SANDBOX_PROTECT and
         this file) unless 'none' is among the values, and the names and paths given."""
-        given = [v for v in getattr(config, "sandbox_protect", None) or [] if v]
+        given = [v for v in config.sandbox_protect if v]
         names = [] if "none" in given else list(SANDBOX_PROTECT)
         files = [] if "none" in given or not THIS_FILE else [os.path.realpath(THIS_FILE)]
         for value in given:
@@ -2121,7 +2123,7 @@ def resolve_sandbox(config, policy, abi=None):
         raise ConfigError(refusal)
     protect = Protect.of(config, policy)
     if (protect.names or protect.files) and mode != "read-only" and not userns_works():
-        if getattr(config, "sandbox_protect", None):
+        if config.sandbox_protect:
             raise ConfigError("--sandbox-protect cannot be honoured: unprivileged user namespaces are not available"
                               " here (they hold the read-only mounts); pass --sandbox-protect none")
         protect.enforced = False
@@ -2199,14 +2201,15 @@ class Launchers(object):
         """A Popen that becomes `argv`, confined, in `cwd` with `env` (stdin /dev/null)."""
         with self.lock:
             proc, self.spare = self.spare, None
-            if proc is not None and (proc.poll() is not None or proc.ahead != self.sandbox.spec(None)):
+            ahead = self.sandbox.spec(None)             # (the protected paths looked up once per command)
+            if proc is not None and (proc.poll() is not None or proc.ahead != ahead):
                 os.close(proc.control)                  # dead, or confined for settings changed since
                 discard_launcher(proc)
                 proc = None
             if proc is None:
-                proc = self.spawn()
+                proc = self.spawn(ahead)
             try:
-                msg = json.dumps({"spec": self.sandbox.spec(cwd), "argv": argv, "env": env})
+                msg = json.dumps({"spec": json.dumps(dict(json.loads(ahead), cwd=cwd)), "argv": argv, "env": env})
                 os.write(proc.control, msg.encode("utf-8", "surrogateescape") + b"\n")
             except OSError:
                 discard_launcher(proc)
@@ -2228,13 +2231,14 @@ class Launchers(object):
             except OSError:
                 self.spare = None  # none to be had now: the next command starts its own
 
-    def spawn(self):
-        """Start a sandbox launcher that waits on a pipe for the command to run."""
+    def spawn(self, ahead=None):
+        """Start a sandbox launcher that waits on a pipe for the command to run, confined
+        ahead as `ahead` (the spec without a cwd; made now when not given)."""
         import subprocess
         r, w = os.pipe()
         try:
             launcher, private = helper_command("sandbox", avoid=self.sandbox.writable)
-            ahead = self.sandbox.spec(None)             # confined now, ahead of its command
+            ahead = ahead or self.sandbox.spec(None)    # confined now, ahead of its command
             proc = spawn(launcher + ["@%d" % r, ahead], cwd=private, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, start_new_session=True, close_fds=True, pass_fds=(r,))
         except BaseException:
@@ -4016,6 +4020,11 @@ class Document(object):
             except ET.ParseError as e:
                 raise ToolError(INVALID_INPUT, "its part %s is not well-formed XML (%s)" % (name, e))
 
+    def each(self, name, tag):
+        """The elements `tag` of part `name`, in order; none when there is no such part."""
+        root = self.xml(name)
+        return root.iter(tag) if root is not None else ()
+
     def rels(self, name):
         """{relationship id: (part name, type)} of part `name`."""
         import posixpath
@@ -4032,11 +4041,11 @@ class Document(object):
     def docx(self):
         W = OOXML_W
         styles = {}
-        for style in getattr(self.xml("word/styles.xml"), "iter", lambda tag: ())(W + "style"):
+        for style in self.each("word/styles.xml", W + "style"):
             name = style.find(W + "name")
             styles[style.get(W + "styleId")] = (name.get(W + "val") if name is not None else "").lower()
         notes = {}
-        for note in getattr(self.xml("word/footnotes.xml"), "iter", lambda tag: ())(W + "footnote"):
+        for note in self.each("word/footnotes.xml", W + "footnote"):
             if note.get(W + "type") in (None, "normal"):
                 notes[note.get(W + "id")] = " ".join(self.docx_text(p) for p in note.iter(W + "p")).strip()
         document = self.xml("word/document.xml")
@@ -4112,8 +4121,7 @@ class Document(object):
         if book is None:
             raise ToolError(INVALID_INPUT, "no xl/workbook.xml: not an Excel workbook")
         rels = self.rels("xl/workbook.xml")
-        shared = [self.xlsx_text(si) for si in getattr(self.xml("xl/sharedStrings.xml"), "iter",
-                                                        lambda tag: ())(S + "si")]
+        shared = [self.xlsx_text(si) for si in self.each("xl/sharedStrings.xml", S + "si")]
         styles = self.xml("xl/styles.xml")
         codes = dict((int(f.get("numFmtId", -1)), f.get("formatCode", "")) for f in styles.iter(S + "numFmt")) \
             if styles is not None else {}

@@ -1357,6 +1357,7 @@ class TestSandboxWorkspaceWrite(SandboxBase):
         self.assertIn("--sandbox off", text)
         self.assertNotIn("[sandbox", self.bash("touch inside.txt"))
         self.assertNotIn("[sandbox", self.bash("false"))
+        self.assertNotIn("[sandbox", self.bash("echo 'HTTP 403 from the proxy, tunnel down'; false"))   # no domains
 
     def test_network_off_refuses_tcp_to_loopback(self):
         srv = socket.socket()
@@ -1668,6 +1669,8 @@ class TestSandboxDomains(SandboxBase):
             self.assertIsNone(internal(address), address)
 
     def test_bad_domain_lists_and_old_kernels_are_refused_with_the_reason(self):
+        self.assertEqual(boris.parse_config(["--sandbox-network", "PyPI.org,*.Example.org."], {}).sandbox_network,
+                         ["pypi.org", "*.example.org"])
         for bad in ("1.2.3.4", "pypi.org:443", "on,pypi.org", "http://pypi.org", "*"):
             with self.assertRaises(boris.ConfigError) as e:
                 boris.parse_config(["--sandbox-network", bad], {})
