@@ -577,6 +577,14 @@ def compile_glob(pattern, git=False):
     """Translate a glob (`*`, `**`, `?`, `[a-z]`, `[!a]`, `[[:digit:]]`, `{a,b}`, `\\x`)
     to a regex matched against a whole '/'-separated path. Raise ValueError naming the
     flaw. git=True: gitignore's rules - no braces, and a `**` not bounded by '/' is `*`."""
+    try:
+        return re.compile(glob_source(pattern, git), re.DOTALL)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise ValueError(str(e))
+
+
+def glob_source(pattern, git=False):
+    """compile_glob's regex, as source (ValueError for a flaw found before compiling)."""
     out, i, n, depth = [], 0, len(pattern), 0
     while i < n:
         c = pattern[i]
@@ -600,10 +608,7 @@ def compile_glob(pattern, git=False):
         out.append(rx)
     if depth:
         raise ValueError("unclosed '{' (every '{' needs a matching '}')")
-    try:
-        return re.compile("".join(out) + r"\Z", re.DOTALL)
-    except (re.error, RecursionError, OverflowError) as e:
-        raise ValueError(str(e))
+    return "".join(out) + r"\Z"
 
 
 def pattern_denies(real, globs, names):
@@ -814,6 +819,21 @@ class PathPolicy(object):
     def is_denied(self, real):
         """Whether `real` (canonical) is out of scope; False at once when nothing is restricted."""
         return self.restricted and self.denial(real) is not None
+
+    def clears_below(self, real):
+        """Whether everything below the canonical directory `real`, reached without a symlink,
+        is in scope: `real` is, no denied directory lies at or below it (compared folded,
+        whatever the volume: a mount below may fold) and there are no deny patterns, which
+        judge each name. A walk then checks none of its entries one by one."""
+        if not self.restricted:
+            return True
+        if self.deny_globs or self.deny_names:
+            return False
+        if self.deny_dirs:
+            inside = fold_name(real)
+            if any(is_within(inside, d) or is_within(d, inside) for d in map(fold_name, self.deny_dirs)):
+                return False
+        return any(is_within(real, a) for a in self.allow) or self.denial(real) is None
 
     def check(self, real, shown):
         """`real` when it is in scope, else ACCESS_DENIED naming the path as the model gave it (`shown`)."""
@@ -2765,53 +2785,131 @@ class IgnoreFile(object):
 
     def __init__(self, base, lines, source=None):
         self.base, self.source = base, source
-        self.rules = []                      # (regex, negated, dir_only, anchored)
+        self.rules = []                      # (pattern as git sees it, negated, dir_only, anchored)
         for raw in lines:
             line, neg, dir_only = ignore_pattern(raw)
-            if not line:
-                continue
-            anchored = "/" in line
-            try:                             # git matches bytes: '?' is one byte of UTF-8
-                rx = compile_glob(as_bytes(line[1:] if line.startswith("/") else line), git=True)
-            except ValueError:
-                continue                     # git ignores a malformed pattern too
-            self.rules.append((rx, neg, dir_only, anchored))
+            if line:                         # git matches bytes: '?' is one byte of UTF-8
+                self.rules.append((as_bytes(line[1:] if line.startswith("/") else line), neg, dir_only,
+                                   "/" in line))
         self.runs = self.combined(self.rules)
 
     @staticmethod
     def combined(rules):
-        """The rules as a few regexes: each run of consecutive rules that all ignore (or all
-        re-include) becomes, last run first, (negated, then for a directory the regex of
-        its rules that match a name and of those that match the path, then the same two
-        for a file, which dir-only rules do not match). Within a run any match gives the
-        same verdict, so one regex (alternatives tried in C) decides it."""
+        """The rules as few tests: each run of consecutive rules that all ignore (or all
+        re-include) becomes, last run first, (negated, the tests of a directory, those
+        of a file: dir-only rules test directories only). Within a run any match gives
+        the same verdict, so a test is a set of literal names, a tuple of suffixes
+        ('*.o'), the literal paths (as {'dir/': names}), one regex of the rest by name
+        (alternatives tried in C) and those by path, one for each number of components
+        they match ({n: regex}; None for any number): most rules are literals, checked
+        without a regex, and a path glob is tried only at its depth. A rule git would not
+        match either (a malformed pattern) is dropped."""
         runs = []
-        for rx, neg, dir_only, anchored in rules:
+        for pat, neg, dir_only, anchored in rules:
             if not runs or runs[-1][0] != neg:
                 runs.append((neg, []))
-            runs[-1][1].append((rx, dir_only, anchored))
+            runs[-1][1].append((pat, dir_only, anchored))
         out = []
         for neg, members in reversed(runs):
-            regexes = []
+            tests = []
             for for_dir in (True, False):
-                for by_path in (False, True):
-                    chosen = [rx for rx, dir_only, anchored in members if anchored == by_path and (for_dir or
-                                                                                                 not dir_only)]
-                    if len(chosen) > 1:
-                        chosen = [re.compile("|".join("(?:%s)" % rx.pattern for rx in chosen), re.DOTALL)]
-                    regexes.append(chosen[0] if chosen else None)
-            out.append((neg,) + tuple(regexes))
+                names, suffixes, paths, by_name, by_path = set(), set(), set(), [], []
+                for pat, dir_only, anchored in members:
+                    if dir_only and not for_dir:
+                        continue
+                    literal = not any(ch in pat for ch in "*?[\\")
+                    if literal:
+                        (paths if anchored else names).add(pat)
+                    elif not anchored and pat[0] == "*" and not any(ch in pat[1:] for ch in "*?[\\"):
+                        suffixes.add(pat[1:])
+                    else:
+                        (by_path if anchored else by_name).append(pat)
+                within = {}                  # literal paths by the directory they name a child of
+                for pat in paths:
+                    head, _, tail = pat.rpartition("/")
+                    within.setdefault(head + "/" if head else "", set()).add(tail)
+                deep = {}                    # path globs by how many components they match (None: any)
+                for pat in by_path:
+                    deep.setdefault(None if "**" in pat or "[" in pat else pat.count("/") + 1, []).append(pat)
+                deep = {n: one_regex(pats) for n, pats in deep.items()}
+                tests.append((frozenset(names), tuple(suffixes), within, one_regex(by_name),
+                              {n: rx for n, rx in deep.items() if rx is not None}))
+            out.append((neg,) + tuple(tests))
         return out
 
     def verdict(self, rel, name, is_dir):
         """True (ignored), False (re-included by '!') or None (no rule matched)."""
         if not rel.isascii():
             rel, name = as_bytes(rel), as_bytes(name)
-        for neg, dir_name, dir_path, file_name, file_path in self.runs:
-            by_name, by_path = (dir_name, dir_path) if is_dir else (file_name, file_path)
-            if by_name is not None and by_name.match(name) or by_path is not None and by_path.match(rel):
+        for neg, for_dir, for_file in self.runs:
+            names, suffixes, paths, by_name, by_path = for_dir if is_dir else for_file
+            if name in names or suffixes and name.endswith(suffixes) \
+                    or paths and name in paths.get(rel[:len(rel) - len(name)], ()) \
+                    or by_name is not None and by_name.match(name) \
+                    or by_path and any(rx.match(rel) for rx in at_depth(by_path, rel.count("/") + 1)):
                 return not neg
         return None
+
+    def sift(self, pre, names, is_dir, hidden):
+        """verdict() for many entries of one directory at once: `names` (all directories or
+        all files) whose paths relative to self.base are pre + name; adds those ignored to
+        `hidden` and returns those no rule here decides. Sets do what they can in C."""
+        if not (pre.isascii() and "".join(names).isascii()):
+            left = []
+            for name in names:
+                v = self.verdict(pre + name, name, is_dir)
+                if v is None:
+                    left.append(name)
+                elif v:
+                    hidden.add(name)
+            return left
+        left = set(names)
+        for neg, for_dir, for_file in self.runs:
+            literal, suffixes, paths, by_name, by_path = for_dir if is_dir else for_file
+            hit = left & literal
+            if paths:
+                hit |= left & paths.get(pre, frozenset())
+            if suffixes:
+                hit.update([name for name in left if name.endswith(suffixes)])
+            if by_name is not None:
+                hit.update([name for name in left if by_name.match(name)])
+            for rx in at_depth(by_path, pre.count("/") + 1) if by_path else ():
+                hit.update([name for name in left if rx.match(pre + name)])
+            if hit:
+                left -= hit
+                if not neg:
+                    hidden |= hit
+                if not left:
+                    break
+        return left
+
+
+def at_depth(by_path, n):
+    """The path regexes of a run that can match a path of n components."""
+    return [rx for rx in (by_path.get(n), by_path.get(None)) if rx is not None]
+
+
+def one_regex(patterns):
+    """One compiled regex matching what any of the git globs `patterns` matches (each
+    whole), or None for none; a pattern git would not match (malformed) is left out."""
+    sources = []
+    for pat in patterns:
+        try:
+            sources.append(glob_source(pat, git=True))
+        except ValueError:
+            continue                         # git ignores a malformed pattern too
+    try:
+        return re.compile("|".join("(?:%s)" % src for src in sources), re.DOTALL) if sources else None
+    except (re.error, RecursionError, OverflowError):
+        pass                                 # one of them does not compile: find it, keep the rest
+    kept = []
+    for src in sources:
+        try:
+            re.compile(src)
+            kept.append(src)
+        except (re.error, RecursionError, OverflowError):
+            continue
+    return re.compile("|".join("(?:%s)" % src for src in kept), re.DOTALL) if kept else None
 
 
 def ignore_pattern(raw):
@@ -2867,10 +2965,21 @@ def ignored(stack, path, name, is_dir):
     """The verdict of an ignore stack on a path: the innermost file with a matching rule decides; False
     when none matches."""
     for rules in reversed(stack):
-        v = rules.verdict(path[len(rules.base) + 1:], name, is_dir)
+        v = rules.verdict(path[len(child_prefix(rules.base)):], name, is_dir)
         if v is not None:
             return v
     return False
+
+
+def ignored_among(stack, path, names, is_dir):
+    """The set of `names` (entries of the directory `path`, all directories or all files)
+    that an ignore stack hides: ignored() of each, decided a level at a time for all."""
+    hidden, left, inside = set(), names, child_prefix(path)
+    for rules in reversed(stack):
+        if not left:
+            break
+        left = rules.sift(inside[len(child_prefix(rules.base)):], left, is_dir, hidden)
+    return hidden
 
 
 class WalkCache(object):
@@ -3095,9 +3204,10 @@ class Walker(object):
         try:                                    # (the fd stays open: DT_UNKNOWN entries lstat through it)
             names = frozenset(e.name for e in entries if e.name in (".git", ".gitignore"))
             outer, ign = ign, self.rules(path, names, ign)
-            filtering = bool(self.use_ignore and ign)
-            screened = filtering or self.policy.restricted
             name_ok, want_dirs, deeper = self.name_ok, self.want_dirs, self.deeper(depth)
+            files_hidden, dirs_hidden = self.ignored_here(entries, path, ign) if self.use_ignore and ign else ((), ())
+            policed = not self.policy.clears_below(real)          # (else no entry needs the policy's check)
+            is_denied = self.policy.is_denied
             prefix, rprefix = child_prefix(path), child_prefix(real)
             same = prefix == rprefix                              # (one string for both: half the memory)
             for e in entries:
@@ -3106,17 +3216,17 @@ class Walker(object):
                     continue
                 try:
                     if e.is_file(follow_symlinks=False):          # most entries: test files first
-                        if name_ok is not None and not name_ok(name):
+                        if name_ok is not None and not name_ok(name) or name in files_hidden:
                             continue
                         shown = prefix + name
                         at = shown if same else rprefix + name
-                        if not (screened and self.hidden(ign, shown, at, name, False)):
+                        if not (policed and is_denied(at)):
                             found.append((shown, at, False, e.inode()))
                         continue
                     shown = prefix + name
                     at = shown if same else rprefix + name
                     if e.is_dir(follow_symlinks=False):
-                        if screened and self.hidden(ign, shown, at, name, True):
+                        if name in dirs_hidden or policed and is_denied(at):
                             continue
                         if want_dirs:
                             found.append((shown, at, True, e.inode()))
@@ -3133,6 +3243,34 @@ class Walker(object):
         if key is not None and settled:
             self.cache.remember(key, st, outer, names, ign, (found, subdirs))
         return found, subdirs
+
+    def ignored_here(self, entries, path, ign):
+        """(names of files, names of directories) among a directory's entries that the
+        ignore stack `ign` hides, decided for all at once (ignored_among); files only
+        among those whose name passes name_ok (the others are not looked at)."""
+        try:
+            files = [e.name for e in entries if e.is_file(follow_symlinks=False)]
+            dirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        except OSError:                                       # an entry of unknown type gone since listed
+            files, dirs = self.kinds(entries)
+        if self.name_ok is not None:
+            files = list(filter(self.name_ok, files))
+        return ignored_among(ign, path, files, False), ignored_among(ign, path, dirs, True)
+
+    @staticmethod
+    def kinds(entries):
+        """(names of files, names of directories) of entries, those that fail to say left out
+        (visit() skips them too)."""
+        files, dirs = [], []
+        for e in entries:
+            try:
+                if e.is_file(follow_symlinks=False):
+                    files.append(e.name)
+                elif e.is_dir(follow_symlinks=False):
+                    dirs.append(e.name)
+            except OSError:
+                continue                                      # gone since listed
+        return files, dirs
 
     def hidden(self, ign, path, real, name, is_dir):
         """Whether an ignore rule (of the stack `ign`, when the walk uses them) or the path

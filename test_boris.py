@@ -2155,7 +2155,8 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
     PATTERNS = ["*.log", "!keep.log", "build/", "/top.txt", "**/cache/", "a/**/b", "doc/*.md", "[Tt]mp*", "?x",
                 "x?", "[!a]*.c", "*.o", "!important.o", "dir/", "/dir/sub", "**/z", "a**b", "foo//",
                 "[[:digit:]]*.txt", "\\!bang", "\u00e9?.txt", "?.dat", "sub/", "*.tmp", "!sub/*.tmp", "deep/**",
-                "n*/", "[\\]]*", "*.[oa]"]
+                "n*/", "[\\]]*", "*.[oa]", "a/b", "sub/t.tmp", "/doc/x.md", "!a/b", "*.c", "!c.c", "plain",
+                "/a/", "*b", "x*/q.dat"]
     NAMES = ["a.log", "keep.log", "build", "top.txt", "cache", "a", "b", "doc", "x.md", "Tmp1", "tmpx", "ax", "xa",
              "c.c", "a.c", "m.o", "important.o", "dir", "sub", "z", "aXb", "axyb", "foo", "1.txt", "!bang",
              "\u00e9a.txt", "\u00e9.dat", "q.dat", "t.tmp", "deep", "n1", "plain", "]x", "lib.a"]
@@ -2223,6 +2224,32 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
                 self.assertEqual(sorted(found[0::2]), sorted(expected), "shared, tree %d" % trial)
             trees += 1
         self.assertEqual(trees, 40)
+
+    def test_a_directory_decided_at_once_as_entry_by_entry(self):
+        """The walker decides a directory's entries together (ignored_among: sets of literal
+        names and paths, suffix tuples, path globs only at their depth); a symlink's entry
+        is decided alone (ignored). 3,000 generated cases (stacks of 1-3 ignore files,
+        names of every kind, non-ASCII among them): both give the same verdict."""
+        rng = random.Random(44)
+        names = self.NAMES + ["t.tmp", "x.md", "q", "deep.c", "\u00e9b", "b"]
+        differ = []
+        for case in range(3000):
+            depth = rng.randint(0, 3)
+            parts = [rng.choice(names) for _ in range(depth)]
+            path = "/ws" + "".join("/" + p for p in parts)
+            stack = []
+            for level in sorted(rng.sample(range(depth + 1), rng.randint(1, min(3, depth + 1)))):
+                base = "/ws" + "".join("/" + p for p in parts[:level])
+                rules = boris.IgnoreFile(base, rng.sample(self.PATTERNS, rng.randint(2, 8)))
+                if rules.rules:
+                    stack.append(rules)
+            here = sorted(set(rng.sample(names, rng.randint(1, 12))))
+            is_dir = rng.random() < 0.5
+            bulk = boris.ignored_among(stack, path, here, is_dir)
+            alone = set(n for n in here if boris.ignored(stack, path + "/" + n, n, is_dir))
+            if bulk != alone:
+                differ.append((path, here, is_dir, sorted(bulk ^ alone)))
+        self.assertEqual(differ[:3], [])
 
     @unittest.skipUnless(shutil.which("git"), "git is not installed")
     def test_generated_trees_without_a_git_directory(self):
