@@ -22,14 +22,15 @@ the layers above it:
                              (where a deadline or a cancel can kill them), the helper pool
     Shell                    Capture, and the command runner: start_process, pump, Task
     Web                      fetch with vetted addresses, HTML to Markdown, coded fetch errors
-    Session                  one client's cwd, viewed files, tasks (admitted here), undo history
+    Session                  one client's cwd, viewed files, tasks (admitted here), undo history;
+                             its checkpoints of the workspace (the store rewind puts back from)
     Tools: building blocks   the registry (@tool), schema helpers, CallContext, shared answer helpers
     Tools: documents         what a file shows a model in view: images, notebooks
     Tools: view              view of files, directories, images and notebooks
     Tools: outline           a file's definitions with line ranges, or a directory's files' top-level ones
     Tools: edits             the one matcher and the three-way merge (EditMerge), the one edit writer
-                             (write_edit), then str_replace, multi_edit, create_file, undo_edit and
-                             the compat editor
+                             (write_edit), then str_replace, multi_edit, create_file, undo_edit,
+                             checkpoints and rewind, and the compat editor
     Tools: apply_patch       Codex's patch format, read, planned, written all or none
     Tools: notebooks         notebook_edit
     Tools: shell             bash (handed off to the background when it outlives --handoff) and the task tools
@@ -118,6 +119,13 @@ MISS_SCAN_LINES = 50000                    # ... and compares at most this many 
 SNIPPET_CONTEXT = 4                        # lines around an edit in str_replace's answer
 UNDO_LEVELS = 20                           # undo_edit: the edits of one file a session can take back
 UNDO_MAX_BYTES = 64 * 1024 * 1024          # ... and the bytes all its undo levels may hold (oldest dropped)
+CHECKPOINTS_KEPT = 100                     # checkpoints a session keeps (the oldest go first) ...
+CHECKPOINT_ENTRIES = 2000000               # ... and the entries all of them may list (~100 bytes each)
+CHECKPOINT_WALK_MAX = 250000               # entries one checkpoint walks; past it the rest is not covered
+CHECKPOINT_BUDGET_AUTO = 2 << 30           # --checkpoint-budget auto: this, or a quarter of the free temp space
+CHECKPOINT_NAMES_SHOWN = 20                # paths named per kind of change in checkpoints and rewind
+CHECKPOINT_FIRST_S = 1.0                   # the first checkpoint starts this long after the session (or sooner,
+                                           # at its first changing call): start-up and the first answers go first
 PARSE_CHECK_BYTES = 1024 * 1024            # files up to this size are parsed after an edit
 MAX_PATH_CHARS = 4096
 MAX_PATTERN_CHARS = 8192                   # a regex, glob, include or wait_for from the model
@@ -300,6 +308,9 @@ FLAGS = (
     ("disable-tools", "BORIS_DISABLE_TOOLS", "", "list", "tool names not to register (repeatable or comma-separated)"),
     ("background-task-timeout", "BORIS_BACKGROUND_TASK_TIMEOUT", "0", "seconds", "kill background tasks running longer than this (0 = never)"),
     ("max-file-size", "BORIS_MAX_FILE_SIZE", "10MB", "size", "largest file read or written (e.g. 512KB, 10MB, 1GB, bytes)"),
+    ("checkpoint-budget", "BORIS_CHECKPOINT_BUDGET", "auto", "budget",
+     "bytes the workspace checkpoints (rewind) may keep in a private directory under the temp directory: a"
+     " size, auto (2GB or a quarter of the temp directory's free space, the smaller) or off"),
     ("require-view-before-edit", "BORIS_REQUIRE_VIEW_BEFORE_EDIT", "auto", "tristate", "edits need a prior view of the file: auto|true|false"),
     ("anthropic-compat", "BORIS_ANTHROPIC_COMPAT", "false", "bool", "expose str_replace_editor and Claude Code's grep parameter names"),
     ("log-level", "BORIS_LOG_LEVEL", "info", "choice:debug|info|warn|error", "stderr log level"),
@@ -348,6 +359,17 @@ def parse_size(text):
     return int(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]
 
 
+def parse_budget(text):
+    """A budget's bytes: a size (0 is off), 'off' (0) or 'auto' (None: worked out where it is used)."""
+    word = text.strip().lower()
+    if word in ("off", "auto"):
+        return 0 if word == "off" else None
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise ValueError("expected a size such as 512MB or 2GB, auto or off")
+
+
 def in_range(value, low, high, expected):
     """value if low <= value <= high (NaN is not), else ValueError(expected)."""
     if not low <= value <= high:
@@ -363,6 +385,7 @@ _PARSERS = {
     "chars": lambda text: in_range(int(text), MIN_RESULT_CHARS, MAX_RESULT_CHARS, "expected a number of"
                                    " characters from %d to %d" % (MIN_RESULT_CHARS, MAX_RESULT_CHARS)),
     "size": lambda text: in_range(parse_size(text), 1, float("inf"), "expected a size above 0"),
+    "budget": lambda text: parse_budget(text),
 }
 
 
@@ -3082,7 +3105,7 @@ O_SCAN = os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC
 
 class Walker(object):
     """Iterate (path, real, is_dir, inode) under `root` (a canonical directory), depth
-    first. `path` is what the user sees (through followed links), `real` the canonical
+    first (is_dir None: a symlink found as itself, with raw_links). `path` is what the user sees (through followed links), `real` the canonical
     path that was checked and is opened.
 
     Prunes .git and node_modules, honours .gitignore inside a git work tree, drops
@@ -3111,6 +3134,7 @@ class Walker(object):
         self.use_ignore = False
         self.listed = 0                            # entries listed so far
         self.tick = None                           # called after each directory listed
+        self.raw_links = False                     # True: a symlink is found as itself, is_dir None (checkpoints)
 
     def __iter__(self):
         return self.walk([self.start()])
@@ -3232,6 +3256,9 @@ class Walker(object):
                             found.append((shown, at, True, e.inode()))
                         if deeper:
                             subdirs.append((shown, at, ign, depth + 1, e.inode()))
+                    elif e.is_symlink() and self.raw_links:
+                        if not self.hidden(ign, shown, at, name, False):
+                            found.append((shown, at, None, e.inode()))
                     elif e.is_symlink():
                         found += self.link(shown, at, name, ign, depth)
                         settled = False                           # a link's target changes unseen here
@@ -6584,6 +6611,7 @@ class Session(object):
         self.last_seen = time.monotonic()
         self.log_level = None
         self.edits = []             # undo_edit's history, oldest first: (tool, {real: (before, mode, after)})
+        self.checkpoints = None     # its Checkpoints of the workspace (the server makes them)
 
     def add_task(self, task):
         """Make `task` one of the session's background tasks; '' when it is, else why
@@ -6726,6 +6754,331 @@ class Session(object):
             kill_all(tasks)
             for proc in procs:
                 stop_group(proc)
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+
+
+# -- checkpoints ------------------------------------------------------------------
+# Before every call that can change files the session has a checkpoint of the workspace:
+# each file, symlink and directory the walker lists (ignore rules, .git and node_modules
+# left out, as for a search) with its mode and, for a file, the digest of its bytes in a
+# content-addressed store - a private 0700 directory under the temp directory, removed
+# with the session. A checkpoint is taken by a thread of the session after each such
+# call ends (agents think for seconds; the next changing call waits only for what is
+# left), and reuses every entry whose lstat is unchanged, so a file is read only when it
+# changed and stored only when its bytes are new. rewind puts the workspace back.
+
+CHECKPOINT_SKIPPED = ("/proc", "/sys", "/dev")      # never walked (a workspace of /): no files to keep there
+
+
+class Checkpoint(object):
+    """One state of the workspace: `entries` {path: (kind 'f'|'l'|'d', mode, digest or link
+    target or None, size, mtime_ns, ctime_ns, inode)} (a file over --max-file-size or past
+    the budget has digest None: not covered), what was left out (`missed`: [(path, why)]),
+    whether the walk stopped early (`partial`), its time and the calls that followed it."""
+
+    def __init__(self, number, entries, missed, partial):
+        self.number, self.entries, self.missed, self.partial = number, entries, missed, partial
+        self.taken = time.time()
+        self.followed = []                      # what was called after it, while it was the latest
+
+    def same_as(self, other):
+        """Whether two checkpoints hold the same workspace (kinds, modes, bytes, link targets)."""
+        a, b = self.entries, other.entries
+        return len(a) == len(b) and all(b.get(p, ())[:3] == e[:3] for p, e in a.items())
+
+
+def changes(old, new):
+    """(added, modified, deleted) paths between two entry maps, each sorted."""
+    added = sorted(p for p in new if p not in old)
+    deleted = sorted(p for p in old if p not in new)
+    modified = sorted(p for p, e in new.items() if p in old and old[p][:3] != e[:3])
+    return added, modified, deleted
+
+
+class Checkpoints(object):
+    """A session's checkpoints of its workspace roots and their store (see above). before()
+    and after() frame each call that can change files; take() checkpoints now; rewind()
+    puts a checkpoint back. All of it under `lock`; `idle` is set while no scan runs or is due."""
+
+    def __init__(self, roots, policy, config):
+        self.roots, self.policy, self.config = list(roots), policy, config
+        self.walk_policy = PathPolicy(policy.allow, policy.deny_raw + list(CHECKPOINT_SKIPPED), policy.workdir,
+                                      policy.folds)
+        self.lock = threading.RLock()
+        self.idle = threading.Event()
+        self.idle.set()
+        self.due = False                          # a scan is wanted (after a change)
+        self.list = []                            # Checkpoint, oldest first
+        self.count = 0
+        self.digests, self.stored = set(), 0      # what the store holds, and its bytes
+        self.cache = WalkCache()                  # the ignore files, compiled once
+        self.dir = self.budget = None
+        self.closed = False
+        self.stopped = threading.Event()          # set by close()
+
+    def open_store(self):
+        """Make the private store directory (under the temp directory, 0700) and work out the
+        budget; False when checkpoints are off or the directory cannot be made."""
+        if self.dir is not None:
+            return True
+        import tempfile
+        budget = self.config.checkpoint_budget
+        if budget == 0 or self.budget == 0 or self.closed:
+            return False
+        try:
+            self.dir = tempfile.mkdtemp(prefix="boris-checkpoints-")
+            os.mkdir(os.path.join(self.dir, "objects"), 0o700)
+        except OSError as e:
+            log("warn", "no checkpoints: the store cannot be made in the temp directory", error=str(e))
+            self.budget = 0
+            return False
+        if budget is None:
+            free = os.statvfs(self.dir)
+            budget = min(CHECKPOINT_BUDGET_AUTO, free.f_bavail * free.f_frsize // 4)
+        self.budget = budget
+        return True
+
+    def start(self):
+        """Take the first checkpoint in the background, CHECKPOINT_FIRST_S after the session began."""
+        def first():
+            self.stopped.wait(CHECKPOINT_FIRST_S)
+            with self.lock:
+                if self.list or self.due or self.closed:
+                    return
+            self.after()
+        threading.Thread(target=first, daemon=True, name="boris-checkpoint-first").start()
+
+    def before(self, call):
+        """A call that can change files is about to run: wait for the scan in progress (or
+        due), take one if none was ever taken, and note the call on the latest checkpoint."""
+        self.idle.wait()
+        with self.lock:
+            if not self.list and not self.closed and self.open_store():
+                self.scan()
+            if self.list:
+                self.list[-1].followed = (self.list[-1].followed + [call])[-5:]
+
+    def after(self):
+        """A call that can change files ended: checkpoint in the background."""
+        with self.lock:
+            if self.closed or not self.open_store():
+                return
+            self.due = True
+            if not self.idle.is_set():
+                return                            # the running scan takes the new state too
+            self.idle.clear()
+        threading.Thread(target=self.run, daemon=True, name="boris-checkpoint").start()
+
+    def run(self):
+        """The scanning thread: scan while a scan is due."""
+        try:
+            while True:
+                with self.lock:
+                    if not self.due or self.closed:
+                        return
+                    self.due = False
+                    self.scan()
+        except Exception:
+            log("error", "a checkpoint failed", error=_traceback())
+        finally:
+            self.idle.set()
+
+    def take(self):
+        """Checkpoint now (after any scan in progress): the latest Checkpoint, or None when off."""
+        self.idle.wait()
+        with self.lock:
+            if self.closed or not self.open_store():
+                return None
+            self.scan()
+            return self.list[-1] if self.list else None
+
+    def scan(self):
+        """Walk the roots and keep the state as a new checkpoint, unless it is the latest's (under lock)."""
+        prev = self.list[-1].entries if self.list else {}
+        entries, missed, partial = {}, [], False
+        for root in self.roots:
+            walker = Walker(root, self.walk_policy, follow_links=False, want_dirs=True, cache=self.cache)
+            walker.raw_links = True
+            for path, _, is_dir, _ in walker:
+                if len(entries) >= CHECKPOINT_WALK_MAX:
+                    partial = True
+                    break
+                if path == self.dir or is_within(path, self.dir):
+                    continue                                 # the store itself (the temp directory in a root)
+                entry = self.entry(path, prev.get(path), missed)
+                if entry is not None:
+                    entries[path] = entry
+        point = Checkpoint(self.count + 1, entries, missed, partial)
+        if self.list and point.same_as(self.list[-1]):
+            self.list[-1].entries = entries                  # the same state: fresher stats, same checkpoint
+            return
+        self.count += 1
+        self.list.append(point)
+        held = sum(len(c.entries) for c in self.list)
+        while len(self.list) > CHECKPOINTS_KEPT or held > CHECKPOINT_ENTRIES and len(self.list) > 1:
+            held -= len(self.list.pop(0).entries)
+
+    def entry(self, path, old, missed):
+        """The entry of one path walked: the old one when its lstat is unchanged, else made
+        (a changed file read and its bytes stored); None when it is gone."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None                                      # gone since listed
+        key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISDIR(st.st_mode):
+            return ("d", mode, None) + key
+        if stat.S_ISLNK(st.st_mode):
+            try:
+                return ("l", mode, os.readlink(path)) + key          # (a link is read again: it is cheap)
+            except OSError:
+                return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        if old is not None and old[0] == "f" and old[3:] == key and old[1] == mode and old[2] is not None:
+            return old
+        digest, why = self.store(path, st)
+        if why:
+            missed.append((path, why))
+        if time.time() - st.st_ctime < LISTING_RACY_S:
+            key = (st.st_size, -1, st.st_ctime_ns, st.st_ino)     # changed within a clock tick: read again next time
+        return ("f", mode, digest) + key
+
+    def store(self, path, st):
+        """(digest of the file's bytes, kept in the store; or None and why it is not covered)."""
+        import hashlib
+        if st.st_size > self.config.max_file_size:
+            return None, "over --max-file-size"
+        try:
+            fd = os.open(path, os.O_RDONLY | O_FILE)
+            try:
+                data = read_fd(fd, self.config.max_file_size, path)
+            finally:
+                os.close(fd)
+        except (OSError, ToolError):
+            return None, "unreadable"
+        digest = hashlib.blake2b(data, digest_size=20).hexdigest()
+        if digest in self.digests:
+            return digest, None
+        if self.stored + len(data) > self.budget:
+            return None, "past --checkpoint-budget"
+        blob = os.path.join(self.dir, "objects", digest)
+        try:
+            tmp = blob + ".tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FILE, 0o600)
+            try:
+                write_all(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, blob)
+        except OSError as e:
+            return None, "not stored (%s)" % (e.strerror or e)
+        self.digests.add(digest)
+        self.stored += len(data)
+        return digest, None
+
+    def blob(self, digest):
+        """The bytes the store keeps under `digest`."""
+        with open(os.path.join(self.dir, "objects", digest), "rb") as f:
+            return f.read()
+
+    def find(self, number):
+        """The checkpoint numbered `number`, or ToolError naming those kept."""
+        for point in self.list:
+            if point.number == number:
+                return point
+        raise ToolError(INVALID_INPUT, "no checkpoint %s; this session keeps %s" % (number, (
+            "%d to %d" % (self.list[0].number, self.list[-1].number)) if self.list else "none yet"))
+
+    def close(self):
+        """Stop checkpointing and remove the store."""
+        import shutil
+        self.stopped.set()
+        with self.lock:
+            self.closed = True
+            where, self.dir = self.dir, None
+        if where is not None:
+            shutil.rmtree(where, ignore_errors=True)
+
+    def rewind(self, target, now, within, dry=False):
+        """Put the entries of Checkpoint `target` back where `now` (a Checkpoint of the current
+        state) differs, for paths under `within` (all when empty): (what was done, what could
+        not be) as lists of (path, word). Removals go deepest first, then directories, files
+        and links are made shallowest first, each step relative to a directory opened
+        without following links (open_dir), each file written whole and renamed into place;
+        directory modes last. A path the target did not cover is left as it is. dry: only
+        say what it would do."""
+        old, cur = target.entries, now.entries
+        above = set(p for p, e in old.items() if e[0] == "d" and any(is_within(w, p) for w in within))
+
+        def wanted(p):                                   # (the directories above a path asked for come back too)
+            return not within or p in above or any(p == w or is_within(p, w) for w in within)
+        done, failed = [], []
+        drop = [p for p, e in cur.items() if wanted(p) and (p not in old and not target.partial and p not in above
+                                                            or p in old and old[p][0] != e[0])]
+        for p in sorted(drop, key=lambda p: (-p.count("/"), p)):
+            why = "" if dry else self.step(p, cur[p], None)
+            (failed if why else done).append((p, why or "removed"))
+        put = [p for p, e in old.items() if wanted(p) and (p not in cur or cur[p][:3] != e[:3])]
+        for p in sorted(put, key=lambda p: (p.count("/"), p)):
+            e = old[p]
+            if e[0] == "f" and e[2] is None:
+                failed.append((p, "not covered by checkpoint %d" % target.number))
+                continue
+            why = "" if dry else self.step(p, cur.get(p) if p not in drop else None, e)
+            (failed if why else done).append((p, why or ("brought back" if p not in cur else "restored")))
+        for p in sorted((p for p in put if old[p][0] == "d" and not dry), key=lambda p: -p.count("/")):
+            try:
+                dfd = open_dir(p, flags=os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+                try:
+                    os.fchmod(dfd, old[p][1])
+                finally:
+                    os.close(dfd)
+            except OSError:
+                pass                                         # reported by its step if it failed
+        return done, failed
+
+    def step(self, path, now, want):
+        """Make `path` what entry `want` says (None: remove it, `now` being what is there); ''
+        when done, else why not."""
+        directory, base = os.path.split(path)
+        try:
+            self.policy.check(path, path)
+            dfd = open_dir(directory)
+        except (OSError, ToolError) as e:
+            return "not reachable without a link or out of scope (%s)" % (getattr(e, "strerror", None) or
+                                                                           getattr(e, "message", e))
+        try:
+            if want is None:
+                if now[0] == "d":
+                    os.rmdir(base, dir_fd=dfd)
+                else:
+                    os.unlink(base, dir_fd=dfd)
+            elif want[0] == "d":
+                if now is None:
+                    os.mkdir(base, 0o700, dir_fd=dfd)
+            elif now is not None and now[0] == "d":
+                return "a directory is there now (it holds files no checkpoint covers)"
+            elif want[0] == "l":
+                tmp = temp_name(base)
+                os.symlink(want[2], tmp, dir_fd=dfd)
+                try:
+                    os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+                except OSError:
+                    os.unlink(tmp, dir_fd=dfd)
+                    raise
+            else:
+                replace_file(dfd, base, self.blob(want[2]), None, want[1])
+            return ""
+        except OSError as e:
+            if e.errno == errno.ENOTEMPTY:
+                return "kept: it holds files no checkpoint covers (ignored ones, say)"
+            return e.strerror or str(e)
+        finally:
+            os.close(dfd)
+
 
 ###############################################################################
 # Tools: building blocks ######################################################
@@ -6745,9 +7098,10 @@ class Tool(object):
     worker pool (shell commands and calls that wait run in the session's shell lane,
     so the quick tools never queue behind them) and `goes_with`: the tools whose
     disabling takes it along. `description` and `schema` may be functions of the
-    Config; made() gives the listed tool."""
+    Config; made() gives the listed tool. `changes`: it can change files (its destructive
+    hint), so the session checkpoints the workspace before it."""
     __slots__ = ("name", "description", "schema", "annotations", "handler", "modes", "codes", "argument_error",
-                 "lane", "goes_with")
+                 "lane", "goes_with", "changes")
 
     def __init__(self, name, description, schema, annotations, handler, modes=BOTH, codes=None,
                  argument_error=None, lane="quick", goes_with=()):
@@ -6757,6 +7111,7 @@ class Tool(object):
         self.argument_error = argument_error or (lambda e: e)
         self.lane = lane                # "shell" (commands and waits) or "quick", or a function of the arguments
         self.goes_with = (goes_with,) if isinstance(goes_with, str) else tuple(goes_with)
+        self.changes = bool(annotations.get("destructiveHint"))     # it can change files: checkpointed before
 
     def made(self, config):
         """This tool as `config` lists it: description and schema worked out."""
@@ -8760,6 +9115,136 @@ def tool_undo_edit(session, args, ctx):
         levels - 1, "" if levels == 2 else "s", shown) if levels > 1 else "Nothing more to undo for %s." % shown, note)
 
 
+# -- rewind ---------------------------------------------------------------------------
+
+CHECKPOINTS_DESC = ("List the checkpoints of the workspace this session has: one is taken before every call that"
+                    " can change files (bash and its tasks included), so what the shell changed can be taken back"
+                    " too. Each shows its number, time, the call that followed it and what changed since"
+                    " (files added, modified, deleted). Use rewind to go back to one.")
+REWIND_DESC = ("Put the workspace back as it was at a checkpoint (see checkpoints): file bytes, modes, symlinks"
+               " and directories; files deleted since come back, files created since go. Optionally only"
+               " under `paths`. dry_run shows what it would do. A rewind is itself a checkpoint: rewind to the"
+               " one it names to undo it. Ignored files (.gitignore, .git, node_modules) are never touched.")
+
+
+def call_summary(name, args):
+    """A call as a checkpoint names it: the tool and its command or path, shortened."""
+    args = args if isinstance(args, dict) else {}
+    what = next((args[k] for k in ("command", "path", "file_path", "notebook_path", "task_id", "checkpoint")
+                 if isinstance(args.get(k), (str, int)) and not isinstance(args.get(k), bool)), "")
+    return "%s %s" % (name, shorten(" ".join(str(what).split()), 80)) if what != "" else name
+
+
+def session_checkpoints(session):
+    """The session's Checkpoints, or ToolError when checkpoints are off."""
+    points = session.checkpoints
+    if points is None or not points.open_store():
+        raise ToolError(INVALID_INPUT, "this server takes no checkpoints (--checkpoint-budget off, or its store"
+                        " could not be made in the temp directory; see the server's log)")
+    return points
+
+
+def named(paths, root_of):
+    """Up to CHECKPOINT_NAMES_SHOWN paths, shown relative to their root, and how many more."""
+    shown = [root_of(p) for p in paths[:CHECKPOINT_NAMES_SHOWN]]
+    more = len(paths) - len(shown)
+    return ", ".join(shown) + (" and %d more" % more if more > 0 else "")
+
+
+def change_words(diff, root_of):
+    """added/modified/deleted lists in words: 'nothing' when all are empty."""
+    parts = ["%d %s: %s" % (len(paths), word, named(paths, root_of))
+             for word, paths in zip(("added", "modified", "deleted"), diff) if paths]
+    return "; ".join(parts) or "nothing"
+
+
+def running_note(session):
+    """The background tasks still running, named: their later writes are theirs."""
+    tasks = session.running()
+    if not tasks:
+        return ""
+    return "\nStill running: %s - what they write from now on is not undone." % ", ".join(
+        "task %s (%s)" % (t.id, shorten(t.command, 60)) for t in tasks)
+
+
+@tool("checkpoints", CHECKPOINTS_DESC, obj({}), notes("List workspace checkpoints", read_only=True), DEFAULT)
+def tool_checkpoints(session, args, ctx):
+    """checkpoints: each checkpoint, newest first, with what changed after it; what is covered."""
+    points = session_checkpoints(session)
+    latest = points.take()
+    roots = points.roots
+
+    def root_of(p):
+        root = next((r for r in roots if is_within(p, r)), "/")
+        return p[len(child_prefix(root)):] or "."
+    with points.lock:
+        kept = list(points.list)
+        stored, budget = points.stored, points.budget
+    lines = ["Checkpoints of %s (one before each call that can change files; rewind puts one back):"
+             % ", ".join(roots)]
+    for k in range(len(kept) - 1, -1, -1):
+        point = kept[k]
+        after = kept[k + 1].entries if k + 1 < len(kept) else None
+        lines.append("#%d  %s  %s  %s" % (
+            point.number, time.strftime("%H:%M:%S", time.localtime(point.taken)),
+            "before " + ", ".join(point.followed) if point.followed else "(the state now)",
+            "" if after is None else "- changed after it: " + change_words(changes(point.entries, after), root_of)))
+    if latest is not None:
+        files = [e for e in latest.entries.values() if e[0] == "f"]
+        lines.append("Covered now: %d files, %d directories, %d symlinks (%s); the store keeps %s of a %s budget." % (
+            sum(1 for e in files if e[2] is not None), sum(1 for e in latest.entries.values() if e[0] == "d"),
+            sum(1 for e in latest.entries.values() if e[0] == "l"), human_size(sum(e[3] for e in files)),
+            human_size(stored), human_size(budget)))
+        if latest.missed:
+            lines.append("Not covered: %s." % ", ".join("%s (%s)" % (root_of(p), why) for p, why in
+                                                         latest.missed[:CHECKPOINT_NAMES_SHOWN]))
+        if latest.partial:
+            lines.append("Not covered: the walk stopped at %d entries (a workspace this large is covered in"
+                         " part; narrow --allow-dir)." % CHECKPOINT_WALK_MAX)
+    lines.append("Never covered: files ignored by .gitignore, .git and node_modules.")
+    return "\n".join(lines) + running_note(session)
+
+
+@tool("rewind", REWIND_DESC, obj({
+    "checkpoint": prop("integer", "The checkpoint's number (from checkpoints)."),
+    "paths": prop("array", "Only these files or directories (default: the whole workspace).",
+                  items={"type": "string"}),
+    "dry_run": prop("boolean", "Only say what it would change.")}, ["checkpoint"]),
+      notes("Rewind the workspace to a checkpoint", destructive=True), DEFAULT)
+def tool_rewind(session, args, ctx):
+    """rewind: the workspace (or some paths of it) back to a checkpoint; the state before is a checkpoint."""
+    points = session_checkpoints(session)
+    target = points.find(args["checkpoint"])
+    within = [resolve_checked(session, ctx, p, "paths") for p in args.get("paths") or []]
+
+    def root_of(p):
+        root = next((r for r in points.roots if is_within(p, r)), "/")
+        return p[len(child_prefix(root)):] or "."
+    with points.lock:
+        now = points.take()
+        if args.get("dry_run"):
+            plan = points.rewind(target, now, within, dry=True)
+            return "Dry run: rewinding to checkpoint %d would change %s.%s" % (
+                target.number, ", ".join("%s (%s)" % (root_of(p), w) for p, w in plan[0]) or "nothing",
+                "" if not plan[1] else " It could not: %s." % ", ".join("%s (%s)" % (root_of(p), w)
+                                                                         for p, w in plan[1]))
+        done, failed = points.rewind(target, now, within)
+    words = {}
+    for p, w in done:
+        words.setdefault(w, []).append(p)
+    text = "Rewound %s to checkpoint %d (%s): %s." % (
+        ", ".join(root_of(p) for p in within) or "the workspace", target.number,
+        time.strftime("%H:%M:%S", time.localtime(target.taken)),
+        "; ".join("%d %s: %s" % (len(ps), w, named(ps, root_of)) for w, ps in sorted(words.items()))
+        or "nothing differed")
+    if failed:
+        text += "\nNot restored: %s." % ", ".join("%s (%s)" % (root_of(p), w) for p, w in
+                                                  failed[:CHECKPOINT_NAMES_SHOWN])
+    if now is not None and now.number != target.number:
+        text += "\nTo undo this rewind: rewind to checkpoint %d (the state just before it)." % now.number
+    return text + running_note(session)
+
+
 EDITOR_DESC = ("View, create and edit files. command=view shows a file with line numbers or lists a "
                "directory (view_range optional); create writes file_text to path; str_replace replaces the "
                "unique old_str with new_str; insert adds insert_text after line insert_line (0 = top); "
@@ -10455,7 +10940,9 @@ class McpServer(object):
         emit(result_response(rid, result))
 
     def notification(self, method, params, session):
-        """A notification: a cancel ends the request it names; the rest need nothing."""
+        """A notification: a cancel ends the request it names; initialized starts the first checkpoint."""
+        if method == "notifications/initialized":
+            self.checkpoints_of(session).start()
         if method == "notifications/cancelled":
             rid = params.get("requestId")
             if session.cancel(rid):
@@ -10570,8 +11057,15 @@ class McpServer(object):
                           self.sandbox, self.files)
 
         def run():
+            points = self.checkpoints_of(session) if tool.changes else None
             try:
-                result = self.run_tool(tool, session, args, ctx)
+                if points is not None:
+                    points.before(call_summary(name, args))
+                try:
+                    result = self.run_tool(tool, session, args, ctx)
+                finally:
+                    if points is not None:
+                        points.after()
                 if modern is not None:
                     result["resultType"] = "complete"
                 response = result_response(rid, result)
@@ -10587,6 +11081,14 @@ class McpServer(object):
                 self.answered.set()
         lane = tool.lane(args if isinstance(args, dict) else {}) if callable(tool.lane) else tool.lane
         self.pool.submit(run, owner=(session, lane))
+
+    def checkpoints_of(self, session):
+        """The session's Checkpoints of the workspace roots (--allow-dir, else --workdir), made on first use."""
+        with session.lock:
+            if session.checkpoints is None:
+                session.checkpoints = Checkpoints(self.policy.allow or [self.policy.workdir], self.policy,
+                                                  self.config)
+            return session.checkpoints
 
     @staticmethod
     def run_tool(tool, session, args, ctx):

@@ -3903,6 +3903,244 @@ class TestMissesThatTeach(NoViewBase):
         self.assertLess(len(text), 30000)
 
 
+def tree_state(top, skip=(".git", "node_modules", "build"), skip_suffix=(".log",)):
+    """An independent copy of a workspace as rewind must restore it: {rel: ('f', bytes, mode) |
+    ('l', target) | ('d', mode)}, without what its .gitignore (*.log, build/) and the walker
+    leave out."""
+    out = {}
+    for d, dirs, files in os.walk(top):
+        rel_d = os.path.relpath(d, top)
+        for name in list(dirs):
+            p = os.path.join(d, name)
+            rel = os.path.normpath(os.path.join(rel_d, name))
+            if name in skip or name.endswith(skip_suffix):
+                dirs.remove(name)
+            elif os.path.islink(p):
+                dirs.remove(name)
+                out[rel] = ("l", os.readlink(p))
+            else:
+                out[rel] = ("d", stat.S_IMODE(os.lstat(p).st_mode))
+        for name in files:
+            p = os.path.join(d, name)
+            rel = os.path.normpath(os.path.join(rel_d, name))
+            if name.endswith(skip_suffix):
+                continue
+            if os.path.islink(p):
+                out[rel] = ("l", os.readlink(p))
+            else:
+                with open(p, "rb") as f:
+                    out[rel] = ("f", f.read(), stat.S_IMODE(os.lstat(p).st_mode))
+    return out
+
+
+def holds_ignored(top):
+    """Whether a directory holds, at any depth, a file tree_state leaves out (*.log, build)."""
+    return any(n.endswith(".log") or n == "build" for _, dirs, files in os.walk(top) for n in dirs + files)
+
+
+class TestRewind(NoViewBase):
+    """Issue 42: checkpoints of the workspace before every call that can change files, rewind."""
+
+    NAMES = ["a.txt", "b.py", "c.bin", "d", "e", os.fsdecode(b"\xffbad.txt"), "\u00e9t\u00e9.md", "x.log", "f"]
+
+    def points(self):
+        return boris.Checkpoints([self.root], self.policy, self.cfg)
+
+    def random_change(self, rng):
+        """One change of the kind a shell makes, at a random path of the workspace."""
+        depth = rng.randint(1, 3)
+        rel = "/".join(rng.choice(self.NAMES) for _ in range(depth))
+        p = self.path(rel)
+        parent = os.path.dirname(p)
+        op = rng.choice(["write", "write", "inplace", "truncate", "append", "rename", "delete", "rmtree",
+                         "chmod", "symlink", "mkdir", "binary", "ignored"])
+        try:
+            if op in ("write", "binary", "ignored", "mkdir", "symlink"):
+                os.makedirs(parent, exist_ok=True)
+            if op == "write":
+                with open(p, "w") as f:
+                    f.write("".join(rng.choice("ab\n\u00e9") for _ in range(rng.randint(0, 40))))
+            elif op == "binary":
+                with open(p, "wb") as f:
+                    f.write(bytes(rng.randrange(256) for _ in range(rng.randint(1, 300))))
+            elif op == "inplace":
+                with open(p, "r+b") as f:                      # same inode, same size: only the bytes differ
+                    data = f.read()
+                    f.seek(0)
+                    f.write(bytes(reversed(data)) if data else b"")
+            elif op == "truncate":
+                os.truncate(p, rng.randint(0, 3))
+            elif op == "append":
+                with open(p, "ab") as f:
+                    f.write(b"more\n")
+            elif op == "rename":
+                other = self.path("/".join(rng.choice(self.NAMES) for _ in range(rng.randint(1, 2))))
+                os.rename(p, other)
+            elif op == "delete":
+                os.unlink(p)
+            elif op == "rmtree":
+                shutil.rmtree(p)
+            elif op == "chmod":
+                os.chmod(p, rng.choice([0o600, 0o644, 0o755, 0o700, 0o640]))
+            elif op == "symlink":
+                os.symlink(rng.choice(["a.txt", "../d", "missing", "/etc/hostname"]), p)
+            elif op == "mkdir":
+                os.mkdir(p)
+            elif op == "ignored":
+                with open(os.path.join(parent, "build.log"), "w") as f:
+                    f.write(str(rng.random()))
+        except OSError:
+            pass                                                # the shell's command failed: nothing changed
+
+    def test_generated_sequences_rewind_to_the_byte(self):
+        """1,000 generated sequences (BORIS_REWIND_CAMPAIGN): random shell-like changes with
+        checkpoints between, more changes made outside any call, then a rewind to a random
+        checkpoint (the whole workspace, or one path of it); the workspace equals the copy
+        taken at that checkpoint - bytes, modes, links, directories - and the rewind undone
+        gives back the state before it. Ignored files are never touched: a directory that
+        holds some stays (and a file it replaced is reported as not restored)."""
+        rng = random.Random(int(os.environ.get("BORIS_REWIND_SEED", "42")))
+        runs = int(os.environ.get("BORIS_REWIND_CAMPAIGN", "1000"))
+        diffs, rewinds, held = [], 0, 0
+        for seq in range(runs):
+            for name in os.listdir(self.root):
+                p = self.path(name)
+                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
+            self.write(".gitignore", "*.log\nbuild/\n")
+            self.write(".git/HEAD", "ref: refs/heads/main\n")
+            self.write("build/out.o", "built")
+            for _ in range(rng.randint(1, 6)):
+                self.random_change(rng)
+            points = self.points()
+            self.addCleanup(points.close)
+            copies = {}
+            for _ in range(rng.randint(1, 4)):
+                point = points.take()
+                copies[point.number] = tree_state(self.root)
+                for _ in range(rng.randint(1, 4)):
+                    self.random_change(rng)
+            for _ in range(rng.randint(0, 2)):
+                self.random_change(rng)                          # made outside any call: still undone
+            number = rng.choice(sorted(copies))
+            with points.lock:
+                now = points.take()
+                before = tree_state(self.root)
+                within = []
+                if rng.random() < 0.2 and copies[number]:
+                    within = [self.path(rng.choice(sorted(copies[number])))]
+                done, failed = points.rewind(points.find(number), now, within)
+            expected = copies[number]
+            got = tree_state(self.root)
+            kept = [k for k in got if k not in expected and got[k][0] == "d" and holds_ignored(self.path(k))]
+            got = {p: v for p, v in got.items() if p not in kept}   # (a directory holding ignored files stays)
+            blocked = [k for k in (os.path.relpath(p, self.root) for p, w in failed if w.startswith("kept")
+                                   and holds_ignored(p)) if expected.get(k, ("d",))[0] != "d"]
+            # ... and is not replaced by the file or link it was (the rewind says so)
+            if blocked:
+                held += 1
+                under = lambda k: any(k == b or k.startswith(b + "/") for b in blocked)
+                got = {k: v for k, v in got.items() if not under(k)}
+                expected = {k: v for k, v in expected.items() if not under(k)}
+            if within:
+                rel = os.path.relpath(within[0], self.root)
+                inside = lambda k: k == rel or k.startswith(rel + "/") or rel.startswith(k + "/")   # (and above it)
+                part = lambda m: {k: v for k, v in m.items() if inside(k)}
+                rest = lambda m: {k: v for k, v in m.items() if not inside(k)}
+                if part(got) != part(expected) or rest(got) != rest({k: v for k, v in before.items()
+                                                                       if k not in kept}):
+                    diffs.append((seq, "paths", rel, sorted(set(part(got).items()) ^ set(part(expected).items()))[:4],
+                                  sorted(set(rest(got)) ^ set(rest(before)))[:4]))
+            elif got != expected:
+                diffs.append((seq, number, failed, sorted(set(got) ^ set(expected)),
+                              [k for k in got if k in expected and got[k] != expected[k]][:4]))
+            with open(self.path("build/out.o")) as f:
+                self.assertEqual(f.read(), "built")             # ignored files are never touched
+            if now.number != number and not within:
+                with points.lock:
+                    points.rewind(now, points.take(), [])
+                if tree_state(self.root) != before:
+                    diffs.append((seq, "undo", number))
+            rewinds += 1
+            points.close()
+        self.assertEqual(diffs[:3], [])
+        self.assertEqual(rewinds, runs)
+        self.assertLess(held, runs // 100 + 2)                   # (ignored files in the way: rare, and said)
+
+    def test_a_rewind_through_the_tools_takes_back_what_bash_and_the_edit_tools_did(self):
+        """Over the tools, as a client calls them: bash (sed -i, rm -rf, mv, chmod, ln -s), a
+        background task writing, str_replace and create_file; each checkpoint is the state
+        before the call that followed it, and rewind to it gives that state back."""
+        self.write("src/app.py", "x = 1\ny = 2\n")
+        self.write("docs/readme.md", "hello\n")
+        self.server.checkpoints_of(self.session)
+        states, steps = [], [
+            ("bash", {"command": "sed -i s/1/10/ src/app.py && chmod 755 src/app.py"}),
+            ("bash", {"command": "rm -rf docs && mv src/app.py src/main.py && ln -s main.py src/app.py"}),
+            ("str_replace", {"path": self.path("src/main.py"), "old_str": "y = 2", "new_str": "y = 3"}),
+            ("create_file", {"path": self.path("new/file.txt"), "content": "made\n"}),
+            ("bash", {"command": "printf 'bg\\n' > bg.txt", "run_in_background": True})]
+        for name, args in steps:
+            states.append(tree_state(self.root))
+            points = self.session.checkpoints
+            points.before(boris.call_summary(name, args))
+            try:
+                self.ok(name, **args)
+            finally:
+                points.after()
+        deadline = time.monotonic() + 10
+        while not os.path.exists(self.path("bg.txt")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        listing = self.ok("checkpoints")
+        self.assertIn("before bash sed -i s/1/10/ src/app.py", listing)
+        self.assertIn("1 added: bg.txt", listing)
+        for k in range(len(steps) - 1, -1, -1):
+            number = self.session.checkpoints.list[k].number
+            text = self.ok("rewind", checkpoint=number)
+            self.assertEqual(tree_state(self.root), states[k], text)
+        text = self.ok("rewind", checkpoint=self.session.checkpoints.list[-2].number, dry_run=True)
+        self.assertTrue(text.startswith("Dry run"), text)
+        self.assertEqual(tree_state(self.root), states[0])
+        self.fails("rewind", "INVALID_INPUT", checkpoint=999)
+
+    def test_off_says_so_and_the_store_goes_with_the_session(self):
+        session = boris.Session(self.cfg)
+        points = self.server.checkpoints_of(session)
+        points.take()
+        store = points.dir
+        self.assertTrue(os.path.isdir(store))
+        self.assertEqual(stat.S_IMODE(os.stat(store).st_mode), 0o700)
+        self.assertFalse(boris.is_within(store, self.root))
+        session.close()
+        self.assertFalse(os.path.exists(store))
+        cfg = boris.parse_config(["--workdir", self.root, "--checkpoint-budget", "off"], {})
+        server = boris.McpServer(cfg, boris.PathPolicy.of(cfg))
+        self.addCleanup(server.close)
+        session = boris.Session(cfg)
+        self.addCleanup(session.close)
+        server.checkpoints_of(session)
+        result = boris.McpServer.run_tool(server.tools["rewind"], session, {"checkpoint": 1},
+                                          ctx_of(cfg, boris.PathPolicy.of(cfg)))
+        self.assertTrue(result["isError"])
+        self.assertIn("--checkpoint-budget off", result["content"][0]["text"])
+
+    def test_a_budget_covers_what_it_can_and_says_what_not(self):
+        cfg = boris.parse_config(["--workdir", self.root, "--checkpoint-budget", "100"], {})
+        self.write("small.txt", "s" * 50)
+        self.write("big.txt", "b" * 80)
+        points = boris.Checkpoints([self.root], self.policy, cfg)
+        self.addCleanup(points.close)
+        point = points.take()
+        self.assertEqual(len(point.missed), 1, point.missed)
+        self.assertIn("past --checkpoint-budget", point.missed[0][1])
+        os.unlink(self.path("small.txt"))
+        os.unlink(self.path("big.txt"))
+        with points.lock:
+            done, failed = points.rewind(point, points.take(), [])
+        self.assertEqual(sorted(os.path.basename(p) for p, _ in failed), ["big.txt" if point.missed[0][0].endswith(
+            "big.txt") else "small.txt"])
+        self.assertEqual(len(done), 1)
+
+
 class TestUndoEdit(NoViewBase):
     """Issue 31.4: undo_edit restores a file as it was before this session's last edit
     of it, by every edit tool, repeatably; refused (nothing changed) after an outside
@@ -6598,6 +6836,8 @@ class ArgumentCampaign(object):
             "task_input": {"task_id": "task_1", "input": "x\n"},
             "notebook_edit": {"path": "n.ipynb", "cell_number": 1, "new_source": "x"},
             "undo_edit": {"path": "a.txt"},
+            "checkpoints": {},
+            "rewind": {"checkpoint": 1, "dry_run": True},
             "task_stop": {"task_id": "task_1"},
             "view": {"path": "a.txt"},
             "outline": {"path": "sub/b.py"},
