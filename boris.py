@@ -9135,6 +9135,12 @@ def call_summary(name, args):
     return "%s %s" % (name, shorten(" ".join(str(what).split()), 80)) if what != "" else name
 
 
+def relative_to_root(roots, path):
+    """A path as checkpoints and rewind name it: relative to the workspace root holding it."""
+    root = next((r for r in roots if is_within(path, r)), "/")
+    return path[len(child_prefix(root)):] or "."
+
+
 def session_checkpoints(session):
     """The session's Checkpoints, or ToolError when checkpoints are off."""
     points = session.checkpoints
@@ -9174,9 +9180,7 @@ def tool_checkpoints(session, args, ctx):
     latest = points.take()
     roots = points.roots
 
-    def root_of(p):
-        root = next((r for r in roots if is_within(p, r)), "/")
-        return p[len(child_prefix(root)):] or "."
+    root_of = lambda p: relative_to_root(roots, p)
     with points.lock:
         kept = list(points.list)
         stored, budget = points.stored, points.budget
@@ -9217,9 +9221,7 @@ def tool_rewind(session, args, ctx):
     target = points.find(args["checkpoint"])
     within = [resolve_checked(session, ctx, p, "paths") for p in args.get("paths") or []]
 
-    def root_of(p):
-        root = next((r for r in points.roots if is_within(p, r)), "/")
-        return p[len(child_prefix(root)):] or "."
+    root_of = lambda p: relative_to_root(points.roots, p)
     with points.lock:
         now = points.take()
         if args.get("dry_run"):
