@@ -385,7 +385,7 @@ _PARSERS = {
     "chars": lambda text: in_range(int(text), MIN_RESULT_CHARS, MAX_RESULT_CHARS, "expected a number of"
                                    " characters from %d to %d" % (MIN_RESULT_CHARS, MAX_RESULT_CHARS)),
     "size": lambda text: in_range(parse_size(text), 1, float("inf"), "expected a size above 0"),
-    "budget": lambda text: parse_budget(text),
+    "budget": parse_budget,
 }
 
 
@@ -3105,8 +3105,9 @@ O_SCAN = os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC
 
 class Walker(object):
     """Iterate (path, real, is_dir, inode) under `root` (a canonical directory), depth
-    first (is_dir None: a symlink found as itself, with raw_links). `path` is what the user sees (through followed links), `real` the canonical
-    path that was checked and is opened.
+    first (is_dir None: a symlink found as itself, with raw_links). `path` is what the
+    user sees (through followed links), `real` the canonical path that was checked and
+    is opened.
 
     Prunes .git and node_modules, honours .gitignore inside a git work tree, drops
     what the path policy denies (judged by the real path, also below followed links),
@@ -3275,19 +3276,6 @@ class Walker(object):
         """(names of files, names of directories) among a directory's entries that the
         ignore stack `ign` hides, decided for all at once (ignored_among); files only
         among those whose name passes name_ok (the others are not looked at)."""
-        try:
-            files = [e.name for e in entries if e.is_file(follow_symlinks=False)]
-            dirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
-        except OSError:                                       # an entry of unknown type gone since listed
-            files, dirs = self.kinds(entries)
-        if self.name_ok is not None:
-            files = list(filter(self.name_ok, files))
-        return ignored_among(ign, path, files, False), ignored_among(ign, path, dirs, True)
-
-    @staticmethod
-    def kinds(entries):
-        """(names of files, names of directories) of entries, those that fail to say left out
-        (visit() skips them too)."""
         files, dirs = [], []
         for e in entries:
             try:
@@ -3296,8 +3284,10 @@ class Walker(object):
                 elif e.is_dir(follow_symlinks=False):
                     dirs.append(e.name)
             except OSError:
-                continue                                      # gone since listed
-        return files, dirs
+                continue                                      # gone since listed: visit() skips it too
+        if self.name_ok is not None:
+            files = list(filter(self.name_ok, files))
+        return ignored_among(ign, path, files, False), ignored_among(ign, path, dirs, True)
 
     def hidden(self, ign, path, real, name, is_dir):
         """Whether an ignore rule (of the stack `ign`, when the walk uses them) or the path
@@ -6769,6 +6759,7 @@ class Session(object):
 # changed and stored only when its bytes are new. rewind puts the workspace back.
 
 CHECKPOINT_SKIPPED = ("/proc", "/sys", "/dev")      # never walked (a workspace of /): no files to keep there
+CHECKPOINT_YIELD_S = 0.02                            # how often a scan that gave way looks again
 
 
 class Checkpoint(object):
@@ -6788,7 +6779,7 @@ class Checkpoint(object):
         return len(a) == len(b) and all(b.get(p, ())[:3] == e[:3] for p, e in a.items())
 
 
-def changes(old, new):
+def entry_changes(old, new):
     """(added, modified, deleted) paths between two entry maps, each sorted."""
     added = sorted(p for p in new if p not in old)
     deleted = sorted(p for p in old if p not in new)
@@ -6799,13 +6790,18 @@ def changes(old, new):
 class Checkpoints(object):
     """A session's checkpoints of its workspace roots and their store (see above). before()
     and after() frame each call that can change files; take() checkpoints now; rewind()
-    puts a checkpoint back. All of it under `lock`; `idle` is set while no scan runs or is due."""
+    puts a checkpoint back. Scans and rewinds hold `lock` (a background scan may hold it while it
+    gives way to other calls, so what every call ends with, after(), takes only `state`); `idle`
+    is set while no scan runs or is due."""
 
-    def __init__(self, roots, policy, config):
+    def __init__(self, roots, policy, config, busy=None):
         self.roots, self.policy, self.config = list(roots), policy, config
+        self.busy = busy or (lambda: False)       # whether the session has calls in flight
+        self.waiters = 0                          # callers waiting for a checkpoint
         self.walk_policy = PathPolicy(policy.allow, policy.deny_raw + list(CHECKPOINT_SKIPPED), policy.workdir,
                                       policy.folds)
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()             # held by a scan and a rewind
+        self.state = threading.Lock()             # held a moment: due, idle, waiters, closed, the store made
         self.idle = threading.Event()
         self.idle.set()
         self.due = False                          # a scan is wanted (after a change)
@@ -6820,49 +6816,65 @@ class Checkpoints(object):
     def open_store(self):
         """Make the private store directory (under the temp directory, 0700) and work out the
         budget; False when checkpoints are off or the directory cannot be made."""
-        if self.dir is not None:
-            return True
         import tempfile
-        budget = self.config.checkpoint_budget
-        if budget == 0 or self.budget == 0 or self.closed:
-            return False
-        try:
-            self.dir = tempfile.mkdtemp(prefix="boris-checkpoints-")
-            os.mkdir(os.path.join(self.dir, "objects"), 0o700)
-        except OSError as e:
-            log("warn", "no checkpoints: the store cannot be made in the temp directory", error=str(e))
-            self.budget = 0
-            return False
-        if budget is None:
-            free = os.statvfs(self.dir)
-            budget = min(CHECKPOINT_BUDGET_AUTO, free.f_bavail * free.f_frsize // 4)
-        self.budget = budget
-        return True
+        with self.state:
+            if self.dir is not None:
+                return True
+            budget = self.config.checkpoint_budget
+            if budget == 0 or self.budget == 0 or self.closed:
+                return False
+            try:
+                self.dir = tempfile.mkdtemp(prefix="boris-checkpoints-")
+                os.mkdir(os.path.join(self.dir, "objects"), 0o700)
+            except OSError as e:
+                log("warn", "no checkpoints: the store cannot be made in the temp directory", error=str(e))
+                self.budget = 0
+                return False
+            if budget is None:
+                free = os.statvfs(self.dir)
+                budget = min(CHECKPOINT_BUDGET_AUTO, free.f_bavail * free.f_frsize // 4)
+            self.budget = budget
+            return True
 
     def start(self):
         """Take the first checkpoint in the background, CHECKPOINT_FIRST_S after the session began."""
         def first():
-            self.stopped.wait(CHECKPOINT_FIRST_S)
-            with self.lock:
-                if self.list or self.due or self.closed:
-                    return
-            self.after()
+            if not self.stopped.wait(CHECKPOINT_FIRST_S) and not self.list:
+                self.after()
         threading.Thread(target=first, daemon=True, name="boris-checkpoint-first").start()
 
     def before(self, call):
         """A call that can change files is about to run: wait for the scan in progress (or
         due), take one if none was ever taken, and note the call on the latest checkpoint."""
-        self.idle.wait()
-        with self.lock:
-            if not self.list and not self.closed and self.open_store():
-                self.scan()
-            if self.list:
-                self.list[-1].followed = (self.list[-1].followed + [call])[-5:]
+        self.waiting(1)
+        try:
+            self.idle.wait()
+            with self.lock:
+                if not self.list and not self.closed and self.open_store():
+                    self.scan()
+                if self.list:
+                    self.list[-1].followed = (self.list[-1].followed + [call])[-5:]
+        finally:
+            self.waiting(-1)
+
+    def waiting(self, delta):
+        """Count callers waiting for a checkpoint (+1 as one begins, -1 as it ends): a
+        background scan does not give way while any waits."""
+        with self.state:
+            self.waiters += delta
+
+    def give_way(self):
+        """A background scan pauses while the session has calls in flight that do not wait for
+        it (a search runs at full speed), and goes on once one waits or none is left."""
+        while self.busy() and not self.waiters and not self.stopped.is_set():
+            self.stopped.wait(CHECKPOINT_YIELD_S)
 
     def after(self):
         """A call that can change files ended: checkpoint in the background."""
-        with self.lock:
-            if self.closed or not self.open_store():
+        if not self.open_store():
+            return
+        with self.state:
+            if self.closed:
                 return
             self.due = True
             if not self.idle.is_set():
@@ -6871,30 +6883,38 @@ class Checkpoints(object):
         threading.Thread(target=self.run, daemon=True, name="boris-checkpoint").start()
 
     def run(self):
-        """The scanning thread: scan while a scan is due."""
+        """The scanning thread: scan while a scan is due, then say it is idle."""
         try:
             while True:
-                with self.lock:
+                with self.state:
                     if not self.due or self.closed:
+                        self.idle.set()
                         return
                     self.due = False
-                    self.scan()
+                with self.lock:
+                    self.scan(background=True)
         except Exception:
             log("error", "a checkpoint failed", error=_traceback())
-        finally:
             self.idle.set()
 
     def take(self):
-        """Checkpoint now (after any scan in progress): the latest Checkpoint, or None when off."""
-        self.idle.wait()
-        with self.lock:
-            if self.closed or not self.open_store():
-                return None
-            self.scan()
-            return self.list[-1] if self.list else None
+        """Checkpoint now (after any scan in progress: scans hold the lock), the latest Checkpoint;
+        None when off. A caller may hold the lock (a rewind does, to keep scans out)."""
+        self.waiting(1)
+        try:
+            with self.lock:
+                if self.closed or not self.open_store():
+                    return None
+                self.scan()
+                return self.list[-1] if self.list else None
+        finally:
+            self.waiting(-1)
 
-    def scan(self):
-        """Walk the roots and keep the state as a new checkpoint, unless it is the latest's (under lock)."""
+    def scan(self, background=False):
+        """Walk the roots and keep the state as a new checkpoint, unless it is the latest's (under
+        lock); a background scan gives way to the session's other calls (give_way)."""
+        if self.dir is None:
+            return                                           # closed meanwhile
         prev = self.list[-1].entries if self.list else {}
         entries, missed, partial = {}, [], False
         for root in self.roots:
@@ -6904,6 +6924,10 @@ class Checkpoints(object):
                 if len(entries) >= CHECKPOINT_WALK_MAX:
                     partial = True
                     break
+                if background and not len(entries) % 256:
+                    if self.stopped.is_set():
+                        return                               # the session ended: nothing to keep
+                    self.give_way()
                 if path == self.dir or is_within(path, self.dir):
                     continue                                 # the store itself (the temp directory in a root)
                 entry = self.entry(path, prev.get(path), missed)
@@ -6965,7 +6989,7 @@ class Checkpoints(object):
         if self.stored + len(data) > self.budget:
             return None, "past --checkpoint-budget"
         blob = os.path.join(self.dir, "objects", digest)
-        try:
+        try:                  # (not atomic_write: the store lives as long as the session, no fsync a blob)
             tmp = blob + ".tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FILE, 0o600)
             try:
@@ -6996,8 +7020,9 @@ class Checkpoints(object):
         """Stop checkpointing and remove the store."""
         import shutil
         self.stopped.set()
-        with self.lock:
+        with self.state:
             self.closed = True
+        with self.lock:
             where, self.dir = self.dir, None
         if where is not None:
             shutil.rmtree(where, ignore_errors=True)
@@ -9192,7 +9217,7 @@ def tool_checkpoints(session, args, ctx):
         lines.append("#%d  %s  %s  %s" % (
             point.number, time.strftime("%H:%M:%S", time.localtime(point.taken)),
             "before " + ", ".join(point.followed) if point.followed else "(the state now)",
-            "" if after is None else "- changed after it: " + change_words(changes(point.entries, after), root_of)))
+            "" if after is None else "- changed after it: " + change_words(entry_changes(point.entries, after), root_of)))
     if latest is not None:
         files = [e for e in latest.entries.values() if e[0] == "f"]
         lines.append("Covered now: %d files, %d directories, %d symlinks (%s); the store keeps %s of a %s budget." % (
@@ -11089,7 +11114,7 @@ class McpServer(object):
         with session.lock:
             if session.checkpoints is None:
                 session.checkpoints = Checkpoints(self.policy.allow or [self.policy.workdir], self.policy,
-                                                  self.config)
+                                                  self.config, session.busy)
             return session.checkpoints
 
     @staticmethod
