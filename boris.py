@@ -83,7 +83,7 @@ import threading
 import time
 import queue
 from collections import Counter, OrderedDict, deque, namedtuple
-from operator import attrgetter, itemgetter
+from operator import attrgetter, is_, itemgetter
 
 # This file's path, read once: CPython takes __file__ out of a script's globals when its top
 # level ends, and the server serves on after that (serve_after_the_script). None when the
@@ -2754,6 +2754,8 @@ GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chu
 GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
 IGNORE_CACHE_FILES = 4096              # ignore files a helper keeps compiled (unchanged ones are not re-read)
 LISTING_CACHE_ENTRIES = 100000         # entries of directory visits a helper keeps (~25 MB at most)
+GLOB_REWALKS = 2                       # walks in a row of one glob job the helper makes to keep its answer
+GLOB_RESULTS_KEPT = 8                  # glob answers a helper keeps while nothing they came from changes
 LISTING_RACY_S = 1.0                   # a directory changed this recently is walked again next time
 SHARE_MIN_ENTRIES = 3000               # a walk is shared once it has listed this many entries
 SHARE_MIN_UNITS = 8                    # ... and has this many directories left to walk
@@ -2981,7 +2983,7 @@ def git_top(start):
 
 def same_objects(a, b):
     """Whether two sequences hold the very same objects, in order."""
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return len(a) == len(b) and all(map(is_, a, b))
 
 
 def ignored(stack, path, name, is_dir):
@@ -3005,46 +3007,219 @@ def ignored_among(stack, path, names, is_dir):
     return hidden
 
 
+# A warm helper watches the directories it walked twice (inotify, through ctypes), so
+# a walk of a tree that has not changed since needs no system call per directory nor
+# per file: the kernel queues an event for every change to a watched directory's
+# entries or files - made by anyone, through any path - before the change's system
+# call returns, and each walk reads the queue first. Only on filesystems whose changes
+# all pass through this kernel (not NFS, FUSE or other network filesystems).
+IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
+IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
+IN_DELETE_SELF, IN_MOVE_SELF, IN_Q_OVERFLOW, IN_IGNORED, IN_ISDIR = 0x400, 0x800, 0x4000, 0x8000, 0x40000000
+IN_ONLYDIR, IN_DONT_FOLLOW = 0x01000000, 0x02000000
+IN_ENTRIES = IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE          # a directory's listing changed
+IN_GONE = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED | IN_Q_OVERFLOW
+WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_ENTRIES | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR \
+    | IN_DONT_FOLLOW
+WATCHES_MAX = 100000                  # directories a helper watches, at most (and an 8th of the user's limit)
+LOCAL_FILESYSTEMS = frozenset((       # statfs f_type of filesystems whose changes all raise events here
+    0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0x794C7630, 0x2FC12FC1, 0xF2F52010, 0x52654973,
+    0x3153464A, 0xCA451A4E, 0x858458F6, 0x4D44, 0x2011BAB0, 0x5346544E))
+# ext2-4, xfs, btrfs, tmpfs, overlayfs, zfs, f2fs, reiserfs, jfs, bcachefs, ramfs, vfat, exfat, ntfs
+
+
+class Watches(object):
+    """The directories a warm helper watches, and what their events leave standing:
+    `clean`, the directories whose entries have not changed since they were watched and
+    checked, with the (mtime, ctime) they were checked at, and `mtimes`, the mtime (ns) of files read while their directory was
+    watched and not touched since. An overflowed queue forgets everything; a directory
+    deleted or moved forgets itself and all below it. Where inotify is missing (not
+    Linux, no ctypes, out of instances) nothing is watched and walks stat as before."""
+
+    def __init__(self):
+        self.fd, self.libc = None, None            # opened at the first watch
+        self.broken = not sys.platform.startswith("linux")
+        self.wds, self.of = {}, {}                 # watch descriptor <-> directory
+        self.clean, self.mtimes, self.devs = {}, {}, {}
+        self.limit = WATCHES_MAX
+        self.generation = 0                        # events taken so far: unchanged, nothing watched changed
+
+    def open(self):
+        """The inotify descriptor, opened now if need be; None where it is not to be had."""
+        if self.fd is None and not self.broken:
+            try:
+                _, self.libc = _libc()
+                fd = self.libc.inotify_init1(os.O_NONBLOCK | O_CLOEXEC)
+                with open("/proc/sys/fs/inotify/max_user_watches") as f:
+                    self.limit = min(WATCHES_MAX, int(f.read()) // 8)
+            except (OSError, AttributeError, ImportError, ValueError):
+                fd = -1
+            if fd < 0:
+                self.broken = True
+                log("debug", "no inotify here: every repeated walk stats its directories and files")
+                return None
+            self.fd = fd
+        return self.fd
+
+    def local(self, real, dev):
+        """Whether the filesystem of `real` (device `dev`) is one whose changes all raise events."""
+        known = self.devs.get(dev)
+        if known is None:
+            import ctypes
+            buf = ctypes.create_string_buffer(256)
+            ok = self.libc.statfs(os.fsencode(real), buf) == 0
+            known = self.devs[dev] = ok and ctypes.c_long.from_buffer(buf).value in LOCAL_FILESYSTEMS
+        return known
+
+    def watch(self, real, dev):
+        """Watch directory `real` (before it is checked: a change after this raises an event);
+        whether it is watched."""
+        if real in self.of:
+            return True
+        if len(self.of) >= self.limit or self.open() is None or not self.local(real, dev):
+            return False
+        wd = self.libc.inotify_add_watch(self.fd, os.fsencode(real), WATCH_MASK)
+        if wd < 0 or self.wds.get(wd, real) != real:
+            return False                           # (the same directory by a second path: not trusted)
+        self.wds[wd], self.of[real] = real, wd
+        return True
+
+    def drain(self):
+        """Take the events queued since the last walk: what they touch is no longer known."""
+        if self.fd is None:
+            return
+        import struct
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return
+            at = 0
+            while at + 16 <= len(data):
+                wd, mask, _, size = struct.unpack_from("iIII", data, at)
+                name = data[at + 16:at + 16 + size].rstrip(b"\0")
+                at += 16 + size
+                self.generation += 1
+                self.event(wd, mask, os.fsdecode(name))
+
+    def event(self, wd, mask, name):
+        """What one event (of watch `wd`, about entry `name` or the directory itself) undoes."""
+        if mask & IN_Q_OVERFLOW:
+            self.forget("/")
+            return
+        d = self.wds.get(wd)
+        if d is None:
+            return
+        if mask & IN_GONE:
+            self.forget(d)
+            return
+        if name:
+            at = child_prefix(d) + name
+            self.mtimes.pop(at, None)
+            if mask & IN_ISDIR and mask & (IN_DELETE | IN_MOVED_FROM):
+                self.forget(at)
+        if mask & IN_ENTRIES or not name:
+            self.clean.pop(d, None)
+
+    def forget(self, top):
+        """Unwatch `top` and every directory below it; forget their files' mtimes."""
+        inside = child_prefix(top)
+        for d in [d for d in self.of if d == top or d.startswith(inside)]:
+            wd = self.of.pop(d)
+            del self.wds[wd]
+            self.clean.pop(d, None)
+            self.libc.inotify_rm_watch(self.fd, wd)
+        for f in [f for f in self.mtimes if f.startswith(inside)]:
+            del self.mtimes[f]
+
+    def close(self):
+        """Unwatch everything (the descriptor closed)."""
+        if self.fd is not None:
+            os.close(self.fd)
+        self.fd, self.broken = None, True
+        self.wds, self.of, self.clean, self.mtimes = {}, {}, {}, {}
+
+    def file_watched(self, path):
+        """Whether the directory holding `path` is watched (so its mtime, read now, can be kept)."""
+        return (path[:path.rfind("/")] or "/") in self.of
+
+
 class WalkCache(object):
     """What a warm search helper remembers of the trees it walked, each thing kept while
     it is unchanged: the ignore files it read (the same inode, size, mtime and ctime: an
     unchanged .gitignore is read and compiled once, at most IGNORE_CACHE_FILES kept) and
     the walker's visits of directories (listing(), remember(): at most
-    LISTING_CACHE_ENTRIES entries in all), the least recently used going first."""
+    LISTING_CACHE_ENTRIES entries in all), the least recently used going first. With
+    `watch` (a warm helper's), directories walked twice are watched (Watches), and
+    refresh() before each job takes what changed since."""
 
-    def __init__(self):
+    def __init__(self, watch=False):
         self.files = OrderedDict()                 # (base, source) -> (stat key, IgnoreFile or None)
-        self.listings = OrderedDict()              # visit key -> (stat key, stacks, names, (found, subdirs))
+        self.listings = OrderedDict()              # visit key -> (stat, stacks, names, (found, subdirs))
         self.held = 0                              # entries the listings hold
+        self.watches = Watches() if watch else None
+        self.results = OrderedDict()               # a glob job -> (generation, outer ignore stack, its batches, ...)
+        self.rewalk = None                         # a glob job to walk again while the helper waits (helper_search)
+        self.rewalks = {}                          # a glob job -> its walks in a row that could not be kept
+
+    def refresh(self):
+        """Take the changes the watches saw since the last job."""
+        if self.watches is not None:
+            self.watches.drain()
+
+    def close(self):
+        """Stop watching (its descriptor closed); what it keeps is checked by stat from then on."""
+        if self.watches is not None:
+            self.watches.close()
+            self.watches = None
 
     def listing(self, key, real, ino, ign, inner_of):
-        """(the directory's stat, (found, subdirs)) of a visit remembered under `key` when it
-        still holds: the directory is the same inode (the one its parent listed), with the
+        """(the directory's stat, (found, subdirs, has links), the ignore stack inside it) of
+        a visit remembered under `key` when it still holds: the directory is the same inode (the one its parent listed), with the
         same mtime and ctime, under the same ignore stack `ign`, and its own ignore rules
-        (inner_of(names of .git and .gitignore it holds)) are the ones it had; else None."""
+        (inner_of(names of .git and .gitignore it holds)) are the ones it had; else None.
+        A directory watched and clean since is not looked at; one not yet watched is,
+        after its watch is set."""
         seen = self.listings.get(key)
         if seen is None:
             return None
-        stat_key, outer, names, inner, result = seen
-        try:
-            st = os.lstat(real)
-        except OSError:
-            return None
-        if (st.st_ino, st.st_mtime_ns, st.st_ctime_ns) != stat_key or ino is not None and st.st_ino != ino \
-                or not same_objects(outer, ign) or not same_objects(inner, inner_of(names)):
+        st, outer, names, inner, result = seen
+        w, at = self.watches, (st.st_mtime_ns, st.st_ctime_ns)
+        if not (w is not None and ino == st.st_ino and w.clean.get(real) == at):
+            watched = w is not None and w.watch(real, st.st_dev)
+            try:
+                now = os.lstat(real)
+            except OSError:
+                return None
+            if (now.st_ino, now.st_mtime_ns, now.st_ctime_ns) != (st.st_ino,) + at or ino is not None and now.st_ino != ino:
+                return None
+            if watched:
+                w.clean[real] = at
+        if not same_objects(outer, ign) or not same_objects(inner, inner_of(names)):
             return None
         self.listings.move_to_end(key)
-        return st, result
+        return st, result, inner
 
-    def remember(self, key, st, outer, names, inner, result):
+    def watch_listed(self, real, fd, st):
+        """Watch a directory just listed through `fd` (its stat before the listing: `st`):
+        whether the watch covers what was listed (the stat unchanged once it is set)."""
+        if self.watches is None or not self.watches.watch(real, st.st_dev):
+            return False
+        now = os.fstat(fd)
+        return (now.st_mtime_ns, now.st_ctime_ns) == (st.st_mtime_ns, st.st_ctime_ns)
+
+    def remember(self, key, st, outer, names, inner, result, watched=False):
         """Keep a visit (see listing()), unless the directory changed too lately to tell a
-        change in the same clock tick from none (LISTING_RACY_S)."""
+        change in the same clock tick from none (LISTING_RACY_S); `watched`: its watch was
+        set before it was listed, or is known to cover the listing (watch_listed)."""
         if time.time() - st.st_mtime < LISTING_RACY_S:
             return
         old = self.listings.pop(key, None)
         if old is not None:
             self.held -= len(old[4][0]) + len(old[4][1]) + 1
-        self.listings[key] = ((st.st_ino, st.st_mtime_ns, st.st_ctime_ns), tuple(outer), names, tuple(inner), result)
+        if watched:
+            self.watches.clean[key[0]] = (st.st_mtime_ns, st.st_ctime_ns)     # (key[0]: the directory)
+        self.listings[key] = (st, tuple(outer), names, tuple(inner), result)
         self.held += len(result[0]) + len(result[1]) + 1
         while self.held > LISTING_CACHE_ENTRIES and self.listings:
             _, dropped = self.listings.popitem(last=False)
@@ -3134,6 +3309,9 @@ class Walker(object):
         self.defer_links = False                   # True: leave self.linked to whoever shares the walk
         self.use_ignore = False
         self.listed = 0                            # entries listed so far
+        self.recalled = 0                          # directories answered from the cache
+        self.visited = None                        # a list: the directories visited are added to it
+        self.links_seen = None                     # a list: ((link() arguments), its entries) of each link met
         self.tick = None                           # called after each directory listed
         self.raw_links = False                     # True: a symlink is found as itself, is_dir None (checkpoints)
 
@@ -3210,22 +3388,28 @@ class Walker(object):
         when want_dirs, and of what symlinks name (link()); subdirs: the pending entries
         of directories to walk (within max_depth). Sockets, fifos and devices never.
         A directory the cache remembers unchanged is answered from it (WalkCache.listing)."""
+        if self.visited is not None:
+            self.visited.append(real)
         key = None
         if self.name_key is not None:
             key = (real, path, depth, self.use_ignore, self.follow_links, self.want_dirs, self.name_key,
                    self.max_depth, self.policy.key)
             known = self.cache.listing(key, real, ino, ign, lambda names: self.rules(path, names, ign))
             if known is not None:
-                st, (found, subdirs) = known
+                st, (found, subdirs, links), inner = known
+                self.recalled += 1
                 if self.follow_links:
                     self.seen.add((st.st_dev, st.st_ino))
                 if self.costly_files:
                     self.listed += len(found) + len(subdirs)     # still work to share: each file is read
+                if links:                                        # (a link's target is looked at every time)
+                    found = [one for e in found for one in (self.link(*e, inner, depth) if len(e) == 3 else (e,))]
                 return list(found), list(subdirs)
         fd, entries, st = self.scan(real, ino)
         if fd is None:
             return [], []
-        found, subdirs, settled = [], [], True
+        found, subdirs, settled, links = [], [], True, []
+        watched = key is not None and self.recalled and self.cache.watch_listed(real, fd, st)   # (walked before)
         try:                                    # (the fd stays open: DT_UNKNOWN entries lstat through it)
             names = frozenset(e.name for e in entries if e.name in (".git", ".gitignore"))
             outer, ign = ign, self.rules(path, names, ign)
@@ -3261,15 +3445,19 @@ class Walker(object):
                         if not self.hidden(ign, shown, at, name, False):
                             found.append((shown, at, None, e.inode()))
                     elif e.is_symlink():
+                        links.append((len(found), (shown, at, name)))
                         found += self.link(shown, at, name, ign, depth)
-                        settled = False                           # a link's target changes unseen here
+                        links[-1] += (len(found),)
                 except OSError:
                     settled = False
                     continue                                      # gone since listed: skipped
         finally:
             os.close(fd)
         if key is not None and settled:
-            self.cache.remember(key, st, outer, names, ign, (found, subdirs))
+            kept = found
+            for begin, link, end in reversed(links):                # kept: a link as (shown, at, name)
+                kept = kept[:begin] + [link] + kept[end:]
+            self.cache.remember(key, st, outer, names, ign, (kept, subdirs, bool(links)), watched)
         return found, subdirs
 
     def ignored_here(self, entries, path, ign):
@@ -3295,8 +3483,15 @@ class Walker(object):
         return bool(self.use_ignore and ign and ignored(ign, path, name, is_dir)) or self.policy.is_denied(real)
 
     def link(self, path, at, name, ign, depth):
-        """A symlink's entries for visit(): its target is resolved and checked by its real
-        path; a directory it names is entered later (follow_links) or listed."""
+        """A symlink's entries for visit() (resolve_link()), added to links_seen when kept."""
+        found = self.resolve_link(path, at, name, ign, depth)
+        if self.links_seen is not None:
+            self.links_seen.append(((path, at, name, ign, depth), found))
+        return found
+
+    def resolve_link(self, path, at, name, ign, depth):
+        """A symlink's entries: its target is resolved and checked by its real path; a
+        directory it names is entered later (follow_links) or listed."""
         try:
             target = canonical(at)
             st = os.stat(target)
@@ -4665,11 +4860,44 @@ class GrepWork(object):
 
     def gather(self, k, walked, items):
         """Append to `items` what take() makes of each (path, real, is_dir, inode) walked."""
+        if self.mode == "files_with_matches" and self.matcher.literal is not None and not self.matcher.folded:
+            self.gather_literal(k, walked, items)
+            return
         take = self.take
         for path, real, is_dir, ino in walked:
             r = take(k, path, real, is_dir, ino)
             if r is not None:
                 items += r
+
+    def gather_literal(self, k, walked, items):
+        """gather() of the commonest search, the files holding a literal: take()'s steps for
+        a file that one read settles (open_listed(), the binary sniff, literal_in()) in one
+        loop, with no call per file; a file it does not settle (a BOM, or longer than the
+        buffer) goes through take()."""
+        root_is_dir, cut, keep, literal, buf = self.roots[k][1], self.cuts[k], self.keep, self.matcher.literal, self.buf
+        size, readv, fstat, close, is_reg = len(buf), os.readv, os.fstat, os.close, stat.S_ISREG
+        for path, real, is_dir, ino in walked:
+            if root_is_dir and keep is not None:
+                rel = path[cut:]
+                if not keep(rel, rel[rel.rfind("/") + 1:]):
+                    continue
+            try:
+                fd = os.open(real, os.O_RDONLY | O_FILE)
+            except OSError:
+                continue                                # gone or unreadable since listed: skipped
+            try:
+                st = fstat(fd)
+                if not is_reg(st.st_mode) or ino is not None and st.st_ino != ino:
+                    continue
+                n = readv(fd, [buf])
+            except OSError:
+                continue
+            finally:
+                close(fd)
+            if n >= size or n and buf[0] in (0xef, 0xfe, 0xff):
+                items += self.take(k, path, real, is_dir, ino) or ()
+            elif buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) < 0 and buf.find(literal, 0, n) >= 0:
+                items.append(GrepHit(real, path[cut:] if root_is_dir else None, mtime(real), True, k))
 
     def file_result(self, path, ino):
         """One file's result: None (binary, unreadable, not a regular file, no longer the
@@ -4828,26 +5056,84 @@ class GlobWork(object):
             simple = re.match(r"^\*(\.[\w.+-]+)$", rest)      # '*.c': a suffix test, no regex
             self.name_ok = methodcaller("endswith", simple.group(1)) if simple else self.rx.match
         self.depth = None if self.base_only or "**" in rest else rest.count("/") + 1
+        self.watches = cache.watches if cache is not None else None
+        self.visited = [] if self.watches is not None else None
+        self.links_seen = [] if self.watches is not None else None
+        self.linked = []                                # (path, mtime) of matches found through a link
+        self.unkept = 0                                 # other matches whose mtime was read and could not be kept
+        self.shared = False                             # True once partners walked part of it
 
     def walker(self, k):
         """A Walker of the static start directory that lists links and does not enter them, names filtered
         in the walk when it can be."""
-        return Walker(self.roots[0][0], self.policy, follow_links=False, want_dirs=self.want_dirs,
-                      name_ok=self.name_ok, max_depth=self.depth, cache=self.cache, name_key=self.rest)
+        walker = Walker(self.roots[0][0], self.policy, follow_links=False, want_dirs=self.want_dirs,
+                        name_ok=self.name_ok, max_depth=self.depth, cache=self.cache, name_key=self.rest)
+        walker.visited, walker.links_seen = self.visited, self.links_seen
+        return walker
+
+    def recall(self):
+        """The batches this very job gave last time, if nothing they came from changed since
+        (the watches saw no event, the ignore files above the start are the same, each
+        symlink met names what it named, with the same mtime); else None."""
+        if self.watches is None:
+            return None
+        self.key = json.dumps(dict(self.job, deadline_s=None), sort_keys=True)
+        self.since, self.outer = self.watches.generation, self.cache.outer(self.roots[0][0])
+        known = self.cache.results.get(self.key)
+        if known is None or known[0] != self.since or not same_objects(known[1], self.outer):
+            return None
+        since, outer, batches, links, linked = known
+        walker = self.walker(0)
+        if any(walker.resolve_link(*args) != found for args, found in links) \
+                or any(mtime(path) != when for path, when in linked):
+            return None
+        self.cache.results.move_to_end(self.key)
+        return batches
+
+    def keep(self, batches):
+        """Keep what this job gave for recall() when all of it is watched: every directory it
+        visited was walked here and is clean, every match's mtime kept (GLOB_RESULTS_KEPT jobs)."""
+        if self.watches is None:
+            return
+        tries = self.cache.rewalks
+        if self.shared or self.unkept or not all(map(self.watches.clean.__contains__, self.visited)):
+            self.cache.results.pop(self.key, None)
+            tries[self.key] = tries.get(self.key, 0) + 1
+            if tries[self.key] <= GLOB_REWALKS and self.job["kind"] == "file":
+                self.cache.rewalk = self.job
+            return
+        tries.pop(self.key, None)
+        self.cache.results[self.key] = (self.since, self.outer, batches, self.links_seen, self.linked)
+        while len(self.cache.results) > GLOB_RESULTS_KEPT:
+            self.cache.results.popitem(last=False)
 
     def gather(self, k, walked, items):
         """Append rel, mtime to `items` for each match walked (one loop, no call per
-        path but the stat: a big glob is mostly this loop)."""
+        path but the stat: a big glob is mostly this loop). A file of a watched directory
+        has its mtime kept (Watches.mtimes) until an event says it changed."""
         lead, cut, rx, base_only, want_dir, stat_of = self.lead, self.cut, self.rx, self.base_only, self.want_dir, os.stat
         filtered = self.name_ok is not None                 # the walker has matched the names already
+        watches = self.cache.watches if self.cache is not None else None
+        known = watches.mtimes if watches is not None else {}
         for path, real, is_dir, ino in walked:
             if not filtered and (is_dir != want_dir or not rx.match(
                     path[path.rfind("/") + 1:] if base_only else path[cut:])):
                 continue
-            try:
-                when = stat_of(path).st_mtime_ns
-            except OSError:
-                when = 0
+            when = known.get(path)
+            if when is None:
+                try:
+                    when = stat_of(path).st_mtime_ns
+                except OSError:
+                    when = 0
+                else:
+                    if watches is None:
+                        pass
+                    elif path != real:
+                        self.linked.append((path, when))    # (recall() reads its mtime again)
+                    elif not is_dir and watches.file_watched(path) and len(known) < LISTING_CACHE_ENTRIES:
+                        known[path] = when
+                    else:
+                        self.unkept += 1
             items += (path[lead:], when)                # the full path would double what the pipe carries
 
 
@@ -4857,8 +5143,10 @@ SEARCH_WORK = {"grep": GrepWork, "glob": GlobWork}
 class Batches(object):
     """Items handed to emit() in batches: at SEARCH_BATCH, after 0.2 s, and at the end."""
 
-    def __init__(self, emit, raw=None):
+    def __init__(self, emit, raw=None, keep=False, poll=None):
         self.emit, self.items, self.sent = emit, [], time.monotonic()
+        self.kept = [] if keep else None           # with keep: every batch emitted
+        self.poll = poll                           # called as each directory is done: True stops the job
         self.raw = raw or (lambda line: self.extend(json.loads(line.decode("utf-8"))["items"]))
 
     def take(self, work, k, walked):
@@ -4872,7 +5160,10 @@ class Batches(object):
         self.flush_due()
 
     def flush_due(self):
-        """Flush at SEARCH_BATCH items, or when 0.2 s passed since the last flush."""
+        """Flush at SEARCH_BATCH items, or when 0.2 s passed since the last flush; stop
+        (WalkStopped) when poll() says so."""
+        if self.poll is not None and self.poll():
+            raise WalkStopped()
         if len(self.items) >= SEARCH_BATCH or time.monotonic() - self.sent > 0.2:
             self.flush()
 
@@ -4881,11 +5172,17 @@ class Batches(object):
         if self.items:
             batch = self.items[:]
             del self.items[:]
+            if self.kept is not None:
+                self.kept.append(batch)
             self.emit(batch)
         self.sent = time.monotonic()
 
 
-def search_job(job, emit, raw=None, partners=None, cache=None):
+class WalkStopped(Exception):
+    """A walk that was only warming the cache, stopped for a job (Batches.poll)."""
+
+
+def search_job(job, emit, raw=None, partners=None, cache=None, poll=None):
     """Run a search job, handing results to emit() as they come (and a partner's
     result lines, when given, to raw() as they are). Each directory root
     is walked breadth first until it has listed SHARE_MIN_ENTRIES entries with
@@ -4907,27 +5204,40 @@ def search_job(job, emit, raw=None, partners=None, cache=None):
     if job["op"] == "grep" and work.spec.get("stop_after"):
         grep_until(work, emit)
         return
-    out = Batches(emit, raw)
+    globbing = job["op"] == "glob"
+    recalled = work.recall() if globbing else None
+    if recalled is not None:
+        for batch in recalled:
+            emit(batch)
+        return
+    out = Batches(emit, raw, keep=globbing, poll=poll)
     for k, (real, is_dir, ino) in enumerate(work.roots):
         if is_dir:
             walk_root(work, k, out, partners)
         else:
             out.take(work, k, [(real, real, False, ino)])
     out.flush()
+    if globbing:
+        work.keep(out.kept)
 
 
 def walk_root(work, k, out, partners):
     """Walk directory root k breadth first until it is big enough to share, then
-    share the rest (SharedWalk); followed links last, here."""
+    share the rest (SharedWalk); followed links last, here. A root whose listing the
+    cache holds is walked here alone when its files are not read (a glob): what the
+    partners walked last time is then in this helper's cache for the next."""
     walker = work.walker(k)
     left = deque([walker.start()])
-    while left and not (walker.listed >= SHARE_MIN_ENTRIES and len(left) >= SHARE_MIN_UNITS):
+    alone = False
+    while left and (alone or not (walker.listed >= SHARE_MIN_ENTRIES and len(left) >= SHARE_MIN_UNITS)):
         found, subdirs = walker.visit(*left.popleft())
+        alone = alone or bool(walker.recalled) and not walker.costly_files
         out.take(work, k, found)
         left += subdirs
         if time.monotonic() - out.sent > 0.2:
             out.flush()
     if left:
+        work.shared = True
         SharedWalk(work, walker, k, left, out).run(partners)
     out.take(work, k, walker.walk([]))
 
@@ -5205,7 +5515,7 @@ def helper_search(inp=None, out=None, partners=None):
     alarms = inp is None and hasattr(signal, "setitimer")
     inp, out = inp or sys.stdin.buffer, out or sys.stdout.buffer
     partners = partners or Partners(warm=True)
-    cache = WalkCache()                 # this helper's, for all its jobs
+    cache = WalkCache(watch=True)       # this helper's, for all its jobs
 
     def raw(line):
         out.write(line + b"\n")
@@ -5216,6 +5526,10 @@ def helper_search(inp=None, out=None, partners=None):
             raw(json.dumps({"items": items}).encode("ascii"))
     try:
         while True:
+            if alarms and cache.rewalk is not None and not select.select([inp], [], [], 0)[0]:
+                rewalk(cache, partners, lambda: bool(select.select([inp], [], [], 0)[0]))
+                continue
+            cache.rewalk = None
             if partners.procs and not select.select([inp], [], [], PARTNER_IDLE_S)[0]:
                 partners.close()                # (a job comes alone: nothing waits in inp's buffer)
                 continue
@@ -5228,12 +5542,28 @@ def helper_search(inp=None, out=None, partners=None):
         partners.close()
 
 
+def rewalk(cache, partners, poll):
+    """Walk the glob job cache.rewalk again, alone, while no job waits (poll()): the walk
+    that watches what the first left to partners, so the next such glob is answered
+    from the cache (GlobWork.recall). Stopped when a job comes; its answer thrown away."""
+    job, cache.rewalk = cache.rewalk, None
+    try:
+        cache.refresh()
+        search_job(job, lambda items: None, None, partners, cache, poll)
+    except WalkStopped:
+        return
+    except Exception as e:
+        log("debug", "a glob walked again to keep its answer failed", error=repr(e))
+
+
 def helper_job(job, emit, raw, partners, alarms, cache=None):
     """Run one job in a search helper (under a SIGALRM deadline when `alarms`); its end
     line: {"end": "ok"} or {"end": "error", code, message}, a traceback on stderr."""
     if alarms and job.get("deadline_s"):
         signal.setitimer(signal.ITIMER_REAL, job["deadline_s"] + DEADLINE_GRACE_S)
     try:
+        if cache is not None:
+            cache.refresh()
         search_job(job, emit, raw, partners, cache)
         return {"end": "ok"}
     except ToolError as e:

@@ -6205,17 +6205,46 @@ class TestGrep(SearchBase):
             out.flush()
         self.assertEqual(sorted(got), ["a", "b", "c", "partner a", "partner b", "partner c"])
 
+    def test_the_literal_files_loop_answers_as_take_does(self):
+        """Issue 44: files_with_matches of a literal runs one loop (gather_literal); over
+        generated files - binary, a BOM, longer than the read buffer, empty, a match at
+        either end of a buffer, links, unreadable, include filters - it answers as take()."""
+        rng = random.Random(7)
+        words = [b"alpha", b"beta", b"PM_RESUME", b"\xc3\xa9t\xc3\xa9", b"\n"] * 8 + [b"\x00"]
+        with mock.patch.object(boris, "GREP_BUFFER", 1024):              # (not below the sniff's 512 bytes)
+            for i in range(300):
+                body = b"".join(rng.choice(words) for _ in range(rng.randrange(0, rng.choice((40, 400)))))
+                lead = rng.choice((b"", b"", b"\xef\xbb\xbf", b"\xff\xfe", b"\x00"))
+                tail = rng.choice((b"", b"", b"needle\n"))                  # (past the first read in long files)
+                self.write("lit/d%d/f%d.%s" % (i % 7, i, rng.choice(("c", "txt", "py"))), lead + body + tail)
+            os.symlink(self.path("lit/d1"), self.path("lit/d2/linked"))
+            os.chmod(self.write("lit/d3/locked.c", b"PM_RESUME"), 0)
+            for literal, include in ((b"PM_RESUME", None), (b"beta", "*.c"), (b"\xc3\xa9t", None), (b"needle", None),
+                                     (b"zzz", None)):
+                job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(self.path("lit"), True, None)],
+                                        boris.grep_spec(literal.decode(), "files_with_matches"))
+                job["include"] = include
+                work = boris.GrepWork(job)
+                walked = list(work.walker(0))
+                quick, general = [], []
+                work.gather(0, walked, quick)
+                for found in walked:
+                    general += work.take(0, *found) or ()
+                self.assertEqual(sorted(h.rel for h in quick), sorted(h.rel for h in general), literal)
+                self.assertTrue(general or literal == b"zzz", literal)
+
     def test_a_failed_shared_walk_reuses_no_busy_partner(self):
         self._shared_tree()
         alone = self._searches()
-        real_take = boris.GrepWork.take
+        real_gather = boris.GrepWork.gather
 
-        def failing(work, k, path, *rest):
-            if "/many/" in path:
+        def failing(work, k, walked, items):
+            walked = list(walked)
+            if any("/many/" in found[0] for found in walked):
                 raise RuntimeError("the disk caught fire")
-            return real_take(work, k, path, *rest)
+            return real_gather(work, k, walked, items)
         with shared_walks(SHARE_AHEAD=1) as given:
-            with mock.patch.object(boris.GrepWork, "take", failing):
+            with mock.patch.object(boris.GrepWork, "gather", failing):
                 with self.assertRaises(RuntimeError):              # (a search helper reports it)
                     self.call("grep", pattern="hit", path="many")
             self.assertTrue(given)
@@ -6389,6 +6418,152 @@ class TestGrepScope(SearchBase):
         self.fails("search_text", "ACCESS_DENIED", query="x", paths=["private"])
 
 
+def watches_here():
+    """Whether this machine gives a helper inotify watches on the temp directory's filesystem."""
+    w = boris.Watches()
+    try:
+        return w.watch(os.path.realpath(tempfile.gettempdir()), os.stat(tempfile.gettempdir()).st_dev)
+    finally:
+        w.close()
+
+
+def age(top, seconds=100):
+    """Set every directory's mtime under `top` back (a directory changed within LISTING_RACY_S
+    is not kept: aged, its visit is)."""
+    past = time.time() - seconds
+    for d, _, _ in os.walk(top):
+        os.utime(d, (past, past))
+
+
+def glob_job(case, shown, pattern, kind="file"):
+    """The helper job of a glob of `pattern` under `shown` (relative to the case's root)."""
+    start = case.path(shown)
+    prefix, rest, base_only = boris.glob_plan(pattern)
+    return {"op": "glob", "policy": boris.policy_spec(case.policy), "start": os.path.join(start, prefix).rstrip("/"),
+            "rest": rest, "base_only": base_only, "kind": kind, "lead": len(start) + 1}
+
+
+def warm_glob(cache, job, rewalk=False):
+    """(rel, mtime) pairs of a glob job, newest first, answered with a warm helper's cache
+    (refreshed first, as helper_job does); with rewalk, the helper's idle walk follows."""
+    items = []
+    cache.refresh()
+    boris.search_job(job, items.extend, partners=boris.Partners(warm=False), cache=cache)
+    if rewalk and cache.rewalk is not None:
+        boris.rewalk(cache, boris.Partners(warm=False), lambda: False)
+    return sorted(boris.glob_pairs(items), key=lambda p: (-p[1], p[0]))
+
+
+def cold_glob(case, job):
+    """The same job's pairs walked afresh (no cache)."""
+    items = []
+    boris.search_job(job, items.extend, partners=boris.Partners(warm=False))
+    return sorted(boris.glob_pairs(items), key=lambda p: (-p[1], p[0]))
+
+
+class TestWatchedWalks(SearchBase):
+    def test_a_warm_helper_answers_as_a_fresh_walk_after_every_change(self):
+        """Issue 44: a generated campaign (BORIS_WATCH_CAMPAIGN sequences, default 200, of 12
+        steps; seed BORIS_WATCH_SEED): random changes of a tree - files created, deleted,
+        appended to in place, truncated, touched to a given time, renamed; directories made,
+        renamed and removed with what they hold; symlinks made (also to files outside, which
+        no watch sees) and their targets changed; .gitignore files written - each followed by globs with the warm cache (aged or not,
+        walked again while idle or not), each compared with a walk from scratch: names and
+        mtimes equal, every time."""
+        if not watches_here():
+            self.skipTest("no inotify here")
+        seed = int(os.environ.get("BORIS_WATCH_SEED", "44"))
+        rounds = int(os.environ.get("BORIS_WATCH_CAMPAIGN", "200"))
+        rng = random.Random(seed)
+        differences, recalled = [], 0
+        real_recall = boris.GlobWork.recall
+
+        def recall(work):
+            nonlocal recalled
+            found = real_recall(work)
+            recalled += found is not None
+            return found
+        with mock.patch.object(boris.GlobWork, "recall", recall):
+            for n in range(rounds):
+                top, outside = self.path("c%d" % n), self.path("out%d" % n)
+                os.makedirs(top)
+                os.makedirs(outside)
+                cache = boris.WalkCache(watch=True)
+                self.addCleanup(cache.close)
+                jobs = [glob_job(self, "c%d" % n, p) for p in ("**/*", "*.txt", "a/**/*.c")]
+                for step in range(12):
+                    what = change_tree(rng, top, outside)
+                    if rng.random() < 0.5:
+                        age(top)
+                    for _ in range(rng.choice((1, 2, 3))):
+                        job = rng.choice(jobs)
+                        warm, cold = warm_glob(cache, job, rewalk=rng.random() < 0.5), cold_glob(self, job)
+                        if warm != cold:
+                            differences.append((seed, n, step, what, job["rest"], warm, cold))
+        self.assertEqual(differences[:3], [])
+        self.assertGreater(recalled, rounds // 10)     # the kept answers were used, and were right
+
+
+def change_tree(rng, top, outside):
+    """One random change under `top` (as a shell or an editor makes them), or of a file
+    in `outside` that a link may name; its description."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs]
+    dirs = [d for d, _, _ in os.walk(top)]
+    d = rng.choice(dirs)
+    kind = rng.choice(("create", "create", "dir", "append", "truncate", "touch", "rename", "delete",
+                       "rename dir", "remove dir", "link", "link target", "ignore", "chmod", "link out", "link out",
+                       "outside", "outside", "outside"))
+    if kind == "outside":                        # (the tree unchanged: only what its links name)
+        files, d = [os.path.join(outside, f) for f in os.listdir(outside)], outside
+        kind = rng.choice(("create", "append", "touch", "delete"))
+    if kind == "link out":
+        kind, files, dirs = "link", [os.path.join(outside, f) for f in os.listdir(outside)] or files, [outside]
+    name = rng.choice(("f", "g", "h", "x", "y")) + rng.choice((".txt", ".c", ".py", ".log"))
+    try:
+        if kind == "create" or not files and kind in ("append", "truncate", "touch", "rename", "delete", "chmod"):
+            kind = "create"
+            with open(os.path.join(d, name), "w") as f:
+                f.write("%d\n" % rng.randrange(1000))
+        elif kind == "dir":
+            sub = os.path.join(d, rng.choice(("a", "b", "sub", "deep")))
+            os.makedirs(sub, exist_ok=True)
+            with open(os.path.join(sub, name), "w") as f:
+                f.write("new\n")
+        elif kind == "append":
+            with open(rng.choice(files), "a") as f:
+                f.write("more\n")
+        elif kind == "truncate":
+            os.truncate(rng.choice(files), 0)
+        elif kind == "touch":
+            when = time.time() + rng.randrange(-500, 500)
+            os.utime(rng.choice(files), (when, when))
+        elif kind == "rename":
+            os.replace(rng.choice(files), os.path.join(d, name))
+        elif kind == "delete":
+            os.remove(rng.choice(files))
+        elif kind == "chmod":
+            os.chmod(rng.choice(files), rng.choice((0o600, 0o644, 0o755)))
+        elif kind == "rename dir" and d != top:
+            os.rename(d, os.path.join(top, "moved%d" % rng.randrange(100)))
+        elif kind == "remove dir" and d != top:
+            shutil.rmtree(d)
+        elif kind == "link" and files:
+            at = os.path.join(d, "l" + name)
+            if not os.path.lexists(at):
+                os.symlink(rng.choice(files + dirs), at)
+        elif kind == "link target":
+            links = [f for f in files if os.path.islink(f) and os.path.isfile(f)]
+            if links:
+                with open(rng.choice(links), "a") as f:
+                    f.write("via the link\n")
+        elif kind == "ignore":
+            with open(os.path.join(d, ".gitignore"), "w") as f:
+                f.write(rng.choice(("*.log\n", "*.c\n", "x*\n!x.txt\n", "sub/\n", "")))
+    except OSError as e:
+        return "%s in %s: %s" % (kind, d, e)
+    return "%s in %s" % (kind, d)
+
+
 class TestGlob(SearchBase):
     def test_a_warm_helper_sees_every_change_between_two_searches(self):
         """Issue 44: a warm helper keeps unchanged ignore files compiled and its visits of
@@ -6428,6 +6603,44 @@ class TestGlob(SearchBase):
         os.remove(self.path("w/.gitignore"))
         self.write("w/d.zip", "hit\n")
         self.assertEqual(search()[0], ["w/b.log", "w/c.txt", "w/d.zip", "w/sub/s.txt", "w/sub/t.txt"])
+
+    def test_a_third_glob_of_an_unchanged_tree_makes_no_system_call_per_directory(self):
+        """Issue 44: the second walk of a tree watches its directories (inotify); the third
+        glob is the answer kept (GlobWork.recall), no directory listed or stat'ed; a change
+        by anyone is an event and the next glob walks again."""
+        if not watches_here():
+            self.skipTest("no inotify here: repeated walks stat their directories (Watches says so in the log)")
+        for i in range(60):
+            self.write("t/d%d/f%d.txt" % (i % 30, i), "x\n")
+        age(self.path("t"))
+        cache = boris.WalkCache(watch=True)
+        self.addCleanup(cache.close)
+        job = glob_job(self, "t", "**/*.txt")
+        first, second = warm_glob(cache, job), warm_glob(cache, job)
+        self.assertEqual(first, second)
+        self.assertEqual(len(first), 60)
+        calls = Counter()
+
+        def counted(name, real):
+            def call(*a, **k):
+                calls[name] += 1
+                return real(*a, **k)
+            return call
+        with mock.patch.object(boris.os, "scandir", counted("scandir", os.scandir)), \
+                mock.patch.object(boris.os, "lstat", counted("lstat", os.lstat)), \
+                mock.patch.object(boris.os, "stat", counted("stat", os.stat)):
+            self.assertEqual(warm_glob(cache, job), first)
+        self.assertEqual(calls["scandir"], 0, calls)
+        above = job["start"].count("/")                                 # (git_top and the ignore files above)
+        self.assertLessEqual(calls["lstat"] + calls["stat"], 2 * above + 2, calls)
+        with open(self.path("t/d3/f3.txt"), "a") as f:                  # in place: no directory changes
+            f.write("more\n")
+        os.utime(self.path("t/d3/f3.txt"), (time.time() + 50, time.time() + 50))
+        third = warm_glob(cache, job)
+        self.assertEqual(sorted(third), sorted(cold_glob(self, job)))
+        self.assertEqual(third[0][0], "d3/f3.txt")
+        with mock.patch.object(boris, "Watches", lambda: self.fail("watched")):
+            self.assertEqual(third, warm_glob(boris.WalkCache(), job))   # (and without watches, the same)                      # the newest now, by the event
 
     def test_basename_at_any_depth(self):
         out = sorted(self.ok("glob", pattern="*.md").split("\n"))
