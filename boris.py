@@ -6973,17 +6973,18 @@ class Session(object):
 
     def remember_edit(self, tool, changes):
         """Note an edit undo_edit can take back: for each path, the bytes before (None:
-        it did not exist), their mode, and the digest after (None: removed). At most
-        UNDO_LEVELS a file and UNDO_MAX_BYTES in all: the oldest go first."""
+        it did not exist; a StoredBytes: in the checkpoint store), their mode, and the
+        digest after (None: removed). At most UNDO_LEVELS a file and UNDO_MAX_BYTES in
+        memory in all: the oldest go first."""
         with self.lock:
             self.edits.append((tool, changes))
             for real in changes:
                 mine = [e for e in self.edits if real in e[1]]
                 if len(mine) > UNDO_LEVELS:
                     self.edits.remove(mine[0])
-            held = sum(len(c[0] or b"") for _, ch in self.edits for c in ch.values())
+            held = sum(len(c[0]) for _, ch in self.edits for c in ch.values() if isinstance(c[0], bytes))
             while held > UNDO_MAX_BYTES and len(self.edits) > 1:
-                held -= sum(len(c[0] or b"") for c in self.edits.pop(0)[1].values())
+                held -= sum(len(c[0]) for c in self.edits.pop(0)[1].values() if isinstance(c[0], bytes))
 
     def last_edit(self, real):
         """The latest edit of `real` still to be taken back, or None; and how many there are."""
@@ -7138,7 +7139,8 @@ class Checkpoints(object):
         self.list = []                            # Checkpoint, oldest first
         self.count = 0
         self.digests, self.stored = set(), 0      # what the store holds, and its bytes
-        self.cache = WalkCache()                  # the ignore files, compiled once
+        self.cache = WalkCache(watch=True)        # the ignore files, compiled once; directories watched
+        self.steady = None                        # (watch events taken, ignore stacks above) of a scan all watched
         self.dir = self.budget = None
         self.closed = False
         self.stopped = threading.Event()          # set by close()
@@ -7245,11 +7247,18 @@ class Checkpoints(object):
         lock); a background scan gives way to the session's other calls (give_way)."""
         if self.dir is None:
             return                                           # closed meanwhile
+        self.cache.refresh()
+        w = self.cache.watches
+        steady = (w.generation, [self.cache.outer(root) for root in self.roots]) if w is not None else None
+        if self.list and self.steady is not None and steady[0] == self.steady[0] \
+                and all(map(same_objects, steady[1], self.steady[1])):
+            return                                           # no event since a scan that watched all of it
+        known = w.mtimes if w is not None else {}            # path -> its entry, until an event says otherwise
         prev = self.list[-1].entries if self.list else {}
-        entries, missed, partial = {}, [], False
+        entries, missed, partial, visited, unwatched = {}, [], False, [], 0
         for root in self.roots:
             walker = Walker(root, self.walk_policy, follow_links=False, want_dirs=True, cache=self.cache)
-            walker.raw_links = True
+            walker.raw_links, walker.visited = True, visited
             for path, _, is_dir, _ in walker:
                 if len(entries) >= CHECKPOINT_WALK_MAX:
                     partial = True
@@ -7260,9 +7269,18 @@ class Checkpoints(object):
                     self.give_way()
                 if path == self.dir or is_within(path, self.dir):
                     continue                                 # the store itself (the temp directory in a root)
-                entry = self.entry(path, prev.get(path), missed)
-                if entry is not None:
-                    entries[path] = entry
+                entry = known.get(path)
+                if entry is None:
+                    entry, lasting = self.entry(path, prev.get(path), missed)
+                    if entry is None:
+                        continue
+                    if w is not None and lasting and w.file_watched(path) and len(known) < CHECKPOINT_WALK_MAX:
+                        known[path] = entry                  # (its directory was watched before the lstat)
+                    else:
+                        unwatched += 1
+                entries[path] = entry
+        whole = w is not None and not partial and not unwatched and all(map(w.clean.__contains__, visited))
+        self.steady = steady if whole else None
         point = Checkpoint(self.count + 1, entries, missed, partial)
         if self.list and point.same_as(self.list[-1]):
             self.list[-1].entries = entries                  # the same state: fresher stats, same checkpoint
@@ -7274,35 +7292,39 @@ class Checkpoints(object):
             held -= len(self.list.pop(0).entries)
 
     def entry(self, path, old, missed):
-        """The entry of one path walked: the old one when its lstat is unchanged, else made
-        (a changed file read and its bytes stored); None when it is gone."""
+        """(the entry of one path walked, whether a watch of its directory can vouch for it
+        from now on): the old one when its lstat is unchanged, else made (a changed file
+        read and its bytes stored); None when it is gone. A file with other hard links
+        (changed through one elsewhere, it raises no event here), changed within a clock
+        tick or not stored is never vouched for."""
         try:
             st = os.lstat(path)
         except OSError:
-            return None                                      # gone since listed
+            return None, False                               # gone since listed
         key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
         mode = stat.S_IMODE(st.st_mode)
         if stat.S_ISDIR(st.st_mode):
-            return ("d", mode, None) + key
+            return ("d", mode, None) + key, True
         if stat.S_ISLNK(st.st_mode):
             try:
-                return ("l", mode, os.readlink(path)) + key          # (a link is read again: it is cheap)
+                return ("l", mode, os.readlink(path)) + key, True     # (a link is read again: it is cheap)
             except OSError:
-                return None
+                return None, False
         if not stat.S_ISREG(st.st_mode):
-            return None
+            return None, False
+        lasting = st.st_nlink == 1
         if old is not None and old[0] == "f" and old[3:] == key and old[1] == mode and old[2] is not None:
-            return old
+            return old, lasting
         digest, why = self.store(path, st)
         if why:
             missed.append((path, why))
         if time.time() - st.st_ctime < LISTING_RACY_S:
             key = (st.st_size, -1, st.st_ctime_ns, st.st_ino)     # changed within a clock tick: read again next time
-        return ("f", mode, digest) + key
+            lasting = False
+        return ("f", mode, digest) + key, lasting and digest is not None
 
     def store(self, path, st):
         """(digest of the file's bytes, kept in the store; or None and why it is not covered)."""
-        import hashlib
         if st.st_size > self.config.max_file_size:
             return None, "over --max-file-size"
         try:
@@ -7313,14 +7335,22 @@ class Checkpoints(object):
                 os.close(fd)
         except (OSError, ToolError):
             return None, "unreadable"
+        return self.put(data)
+
+    def put(self, data):
+        """(digest of `data`, kept in the store; or None and why not). Any thread may put: a
+        scan, or an edit keeping the bytes undo_edit restores (keep_befores)."""
+        import hashlib
         digest = hashlib.blake2b(data, digest_size=20).hexdigest()
-        if digest in self.digests:
-            return digest, None
-        if self.stored + len(data) > self.budget:
-            return None, "past --checkpoint-budget"
-        blob = os.path.join(self.dir, "objects", digest)
+        with self.state:
+            if digest in self.digests:
+                return digest, None
+            if self.dir is None or self.stored + len(data) > self.budget:
+                return None, "past --checkpoint-budget"
+            self.stored += len(data)                     # (taken now: a put alongside sees it spent)
+            blob = os.path.join(self.dir, "objects", digest)
         try:                  # (not atomic_write: the store lives as long as the session, no fsync a blob)
-            tmp = blob + ".tmp"
+            tmp = "%s.%d.tmp" % (blob, threading.get_ident())
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FILE, 0o600)
             try:
                 write_all(fd, data)
@@ -7328,9 +7358,11 @@ class Checkpoints(object):
                 os.close(fd)
             os.replace(tmp, blob)
         except OSError as e:
+            with self.state:
+                self.stored -= len(data)
             return None, "not stored (%s)" % (e.strerror or e)
-        self.digests.add(digest)
-        self.stored += len(data)
+        with self.state:
+            self.digests.add(digest)
         return digest, None
 
     def blob(self, digest):
@@ -8901,9 +8933,40 @@ def write_edit(session, ctx, tool, changes, dry_run=False, undoing=False):
     kept = dict((real, (known[real][0], known[real][1], digest_of(data) if data is not None else None))
                 for real, _, data, _, _ in todo if known[real] is not None)
     if kept and not undoing:
-        session.remember_edit(tool, kept)
+        session.remember_edit(tool, keep_befores(session, kept))
     return "".join(notes) + "".join(parse_warning(real, before, data) for real, _, data, before, _ in todo
                                     if data is not None and known[real] is not None)
+
+
+StoredBytes = namedtuple("StoredBytes", "digest size")
+StoredBytes.__doc__ = "A file's bytes before an edit, kept in the session's checkpoint store under `digest`."
+
+
+def keep_befores(session, changes):
+    """An edit's changes for the undo history, each file's bytes before put in the session's
+    checkpoint store (one store for checkpoints and undo_edit) where it has one with room;
+    held in memory where not (checkpoints off, the budget spent)."""
+    points = session.checkpoints
+    if points is None or not points.open_store():
+        return changes
+    kept = {}
+    for real, (before, mode, after) in changes.items():
+        if before:
+            digest, _ = points.put(before)
+            before = before if digest is None else StoredBytes(digest, len(before))
+        kept[real] = (before, mode, after)
+    return kept
+
+
+def bytes_before(session, before):
+    """The bytes an undo history entry holds (keep_befores), read back from the store if kept there."""
+    if not isinstance(before, StoredBytes):
+        return before
+    try:
+        return session.checkpoints.blob(before.digest)
+    except (OSError, AttributeError) as e:
+        raise ToolError(IO_ERROR, "the bytes to restore are gone from the checkpoint store (%s); nothing was"
+                        " undone" % (getattr(e, "strerror", None) or e))
 
 
 def put_back(done, known, ctx):
@@ -9459,13 +9522,13 @@ def tool_undo_edit(session, args, ctx):
                 raise ToolError(FILE_CHANGED, "%s changed since this session's %s of it (by something else), so"
                                 " undo_edit would lose that; nothing was undone. View it and edit it instead"
                                 % (path, tool_name))
-            back.append((path, path, before, now, mode))
+            back.append((path, path, bytes_before(session, before), now, mode))
         note = write_edit(session, ctx, "undo_edit", back, args.get("dry_run"), undoing=True)
         if args.get("dry_run"):
             return note
         session.forget_edit(edit)
-    what = ", ".join("%s (%s)" % (p, "removed" if b is None else "%d bytes" % len(b))
-                     for p, (b, _, _) in sorted(changes.items()))
+    what = ", ".join("%s (%s)" % (p, "removed" if b is None else "%d bytes" % (
+        b.size if isinstance(b, StoredBytes) else len(b))) for p, (b, _, _) in sorted(changes.items()))
     return "Undid the %s: restored %s. %s%s" % (tool_name, what, "%d more undo level%s for %s." % (
         levels - 1, "" if levels == 2 else "s", shown) if levels > 1 else "Nothing more to undo for %s." % shown, note)
 

@@ -4001,6 +4001,31 @@ class TestRewind(NoViewBase):
         holds some stays (and a file it replaced is reported as not restored)."""
         rng = random.Random(int(os.environ.get("BORIS_REWIND_SEED", "42")))
         runs = int(os.environ.get("BORIS_REWIND_CAMPAIGN", "1000"))
+        self.campaign(rng, runs)
+
+    def test_generated_sequences_rewind_to_the_byte_with_watched_directories(self):
+        """The campaign again (300 sequences, BORIS_REWIND_SEED + 1) where the watches vouch for
+        what did not change: LISTING_RACY_S 0, so a directory or file changed a moment ago is
+        kept too and only an event (inotify) tells a scan it changed."""
+        if not watches_here():
+            self.skipTest("no inotify here: every checkpoint looks at every file")
+        rng = random.Random(int(os.environ.get("BORIS_REWIND_SEED", "42")) + 1)
+        looked, kept, real_entry, real_take = [0], [0], boris.Checkpoints.entry, boris.Checkpoints.take
+
+        def entry(points, *a):
+            looked[0] += 1
+            return real_entry(points, *a)
+
+        def take(points):
+            point = real_take(points)
+            kept[0] += len(point.entries)
+            return point
+        with mock.patch.object(boris, "LISTING_RACY_S", 0), mock.patch.object(boris.Checkpoints, "entry", entry), \
+                mock.patch.object(boris.Checkpoints, "take", take):
+            self.campaign(rng, 300)
+        self.assertLess(looked[0], kept[0] * 0.9, (looked, kept))      # the watches vouched for some
+
+    def campaign(self, rng, runs):
         diffs, rewinds, held = [], 0, 0
         for seq in range(runs):
             for name in os.listdir(self.root):
@@ -4101,6 +4126,27 @@ class TestRewind(NoViewBase):
         self.assertTrue(text.startswith("Dry run"), text)
         self.assertEqual(tree_state(self.root), states[0])
         self.fails("rewind", "INVALID_INPUT", checkpoint=999)
+
+    def test_undo_edit_keeps_what_it_restores_in_the_same_store(self):
+        """undo_edit's history holds the bytes before an edit in the checkpoint store (one store,
+        not two); with checkpoints off they stay in memory; undo restores them byte for byte."""
+        before = b"a = 1\r\nb = \xff\n" + b"pad\n" * 50
+        self.write("u.py", before)
+        points = self.server.checkpoints_of(self.session)
+        self.ok("str_replace", path=self.path("u.py"), old_str="a = 1", new_str="a = 2")
+        (tool, changes), = self.session.edits
+        kept = changes[self.path("u.py")][0]
+        self.assertIsInstance(kept, boris.StoredBytes)
+        self.assertEqual(points.blob(kept.digest), before)
+        self.assertEqual(sorted(os.listdir(os.path.join(points.dir, "objects"))), [kept.digest])
+        self.assertIn("(%d bytes)" % len(before), self.ok("undo_edit", path="u.py"))
+        self.assertEqual(self.read("u.py"), before)
+        points.close()                                       # (gone with its store: undo says so)
+        self.ok("str_replace", path=self.path("u.py"), old_str="b = ", new_str="c = ")
+        (tool, changes), = self.session.edits
+        self.assertEqual(changes[self.path("u.py")][0], before)     # in memory: no store to keep it
+        self.ok("undo_edit", path="u.py")
+        self.assertEqual(self.read("u.py"), before)
 
     def test_a_rewind_holding_the_lock_never_waits_for_a_scan_that_waits_for_it(self):
         """A changing call ends (after(): a scan due, its thread waiting for the lock) while a
@@ -7825,6 +7871,37 @@ class TestHandOffOverStdio(StdioBase):
         self.assertIn("BUILD OK", final)
 
 
+class TestRewindOverStdio(StdioBase):
+    """Issue 42, as clients call it over stdio (`python3 boris.py`): Claude Code names itself in
+    each request's _meta only, Gemini CLI adds arguments; the shell's changes and an edit's are
+    taken back by rewind, which is itself a checkpoint."""
+
+    def test_a_client_rewinds_what_bash_and_an_edit_did(self):
+        meta = {"_meta": {"claudecode/toolUseId": "toolu_1", "client": "claude-code"}}
+        with open(os.path.join(self.tmp, "keep.txt"), "w") as f:
+            f.write("original\n")
+        before = tree_state(self.tmp)
+        r = self.c.request("tools/call", dict({"name": "bash", "arguments": {
+            "command": "sed -i s/original/changed/ keep.txt && mkdir out && echo made > out/new.txt"}}, **meta))
+        self.assertFalse(r["result"]["isError"], r)
+        self.c.call("view", {"path": "keep.txt"})
+        r = self.c.call("str_replace", {"path": os.path.join(self.tmp, "keep.txt"), "old_str": "changed",
+                                        "new_str": "edited", "wait_for_previous": True})
+        self.assertFalse(r["isError"], r)
+        listing = self.c.call("checkpoints", {})["content"][0]["text"]
+        first = int(re.search(r"^#(\d+) .*before bash", listing, re.M).group(1))
+        self.assertIn("before str_replace", listing)
+        dry = self.c.call("rewind", {"checkpoint": first, "dry_run": True})["content"][0]["text"]
+        self.assertIn("out/new.txt", dry)
+        self.assertNotEqual(tree_state(self.tmp), before)           # (a dry run changes nothing)
+        text = self.c.call("rewind", {"checkpoint": first})["content"][0]["text"]
+        self.assertEqual(tree_state(self.tmp), before, text)
+        again = int(re.search(r"rewind to checkpoint (\d+)", text).group(1))
+        self.c.call("rewind", {"checkpoint": again})                   # the rewind undone
+        with open(os.path.join(self.tmp, "keep.txt")) as f:
+            self.assertEqual(f.read(), "edited\n")
+
+
 class TestStdioProtocol(StdioBase):
     def test_garbage_gets_errors_and_server_keeps_answering(self):
         c = self.c
@@ -9156,6 +9233,19 @@ class TestHttpForClients(HttpBase):
         st, h, body = http(self.port, "POST", body={"jsonrpc": "2.0", "id": 1, "method": "ping"})
         self.assertEqual(st, 401)
         self.assertIn("Authorization: Bearer <token>", body["detail"])
+
+    def test_a_rewind_over_http_takes_back_a_session_s_changes(self):
+        """Issue 42 over streamable HTTP: each session has its own checkpoints; a rewind puts the
+        workspace back as it was before the session's bash call."""
+        sid = self.init()
+        before = tree_state(self.tmp)
+        self.tool(sid, "bash", {"command": "rm f.txt && echo new > sub/n.txt && chmod 700 sub"})
+        listing = self.tool(sid, "checkpoints", {})
+        first = int(re.search(r"^#(\d+) .*before bash", listing, re.M).group(1))
+        text = self.tool(sid, "rewind", {"checkpoint": first})
+        self.assertEqual(tree_state(self.tmp), before, text)
+        other = self.init()
+        self.assertIn("no checkpoint", self.tool(other, "rewind", {"checkpoint": first + 5}))
 
     def test_client_name_from_meta_per_request_without_a_session(self):
         with open(os.path.join(self.tmp, "i.svg"), "w") as f:
