@@ -3033,7 +3033,10 @@ class Watches(object):
     `clean`, the directories whose entries have not changed since they were watched and
     checked, with the (mtime, ctime) they were checked at, and `mtimes`, the mtime (ns) of files read while their directory was
     watched and not touched since. An overflowed queue forgets everything; a directory
-    deleted or moved forgets itself and all below it. Where inotify is missing (not
+    deleted or moved forgets itself and all below it; a file made that has (or may have
+    had) other hard links, or a directory made, forgets every mtime. A hard link made from
+    a directory not watched (outside the roots, or ignored) to a file inside raises no
+    event, nor do changes through it. Where inotify is missing (not
     Linux, no ctypes, out of instances) nothing is watched and walks stat as before."""
 
     def __init__(self):
@@ -3116,10 +3119,21 @@ class Watches(object):
         if name:
             at = child_prefix(d) + name
             self.mtimes.pop(at, None)
+            if mask & (IN_CREATE | IN_MOVED_TO) and (mask & IN_ISDIR or not self.alone(at)):
+                self.mtimes.clear()           # a hard link to a file kept here, maybe (or made in a new directory,
+                                              # not watched yet): changes through it raise no event for that file
             if mask & IN_ISDIR and mask & (IN_DELETE | IN_MOVED_FROM):
                 self.forget(at)
         if mask & IN_ENTRIES or not name:
             self.clean.pop(d, None)
+
+    @staticmethod
+    def alone(path):
+        """Whether `path` is there with no other hard link (else, or gone, it may have been one)."""
+        try:
+            return os.lstat(path).st_nlink == 1
+        except OSError:
+            return False
 
     def forget(self, top):
         """Unwatch `top` and every directory below it; forget their files' mtimes."""
@@ -5060,7 +5074,7 @@ class GlobWork(object):
         self.visited = [] if self.watches is not None else None
         self.links_seen = [] if self.watches is not None else None
         self.linked = []                                # (path, mtime) of matches found through a link
-        self.unkept = 0                                 # other matches whose mtime was read and could not be kept
+        self.unkept = 0                                 # other matches no watch vouches for
         self.shared = False                             # True once partners walked part of it
 
     def walker(self, k):
@@ -5092,7 +5106,7 @@ class GlobWork(object):
 
     def keep(self, batches):
         """Keep what this job gave for recall() when all of it is watched: every directory it
-        visited was walked here and is clean, every match's mtime kept (GLOB_RESULTS_KEPT jobs)."""
+        visited was walked here and is clean, every match vouched for (GLOB_RESULTS_KEPT jobs)."""
         if self.watches is None:
             return
         tries = self.cache.rewalks
@@ -5109,31 +5123,28 @@ class GlobWork(object):
 
     def gather(self, k, walked, items):
         """Append rel, mtime to `items` for each match walked (one loop, no call per
-        path but the stat: a big glob is mostly this loop). A file of a watched directory
-        has its mtime kept (Watches.mtimes) until an event says it changed."""
+        path but the stat: a big glob is mostly this loop). Counts the matches no watch
+        vouches for (keep()): in a directory not watched, or with other hard links (a
+        change through one elsewhere raises no event here)."""
         lead, cut, rx, base_only, want_dir, stat_of = self.lead, self.cut, self.rx, self.base_only, self.want_dir, os.stat
         filtered = self.name_ok is not None                 # the walker has matched the names already
         watches = self.cache.watches if self.cache is not None else None
-        known = watches.mtimes if watches is not None else {}
         for path, real, is_dir, ino in walked:
             if not filtered and (is_dir != want_dir or not rx.match(
                     path[path.rfind("/") + 1:] if base_only else path[cut:])):
                 continue
-            when = known.get(path)
-            if when is None:
-                try:
-                    when = stat_of(path).st_mtime_ns
-                except OSError:
-                    when = 0
-                else:
-                    if watches is None:
-                        pass
-                    elif path != real:
-                        self.linked.append((path, when))    # (recall() reads its mtime again)
-                    elif not is_dir and watches.file_watched(path) and len(known) < LISTING_CACHE_ENTRIES:
-                        known[path] = when
-                    else:
-                        self.unkept += 1
+            try:
+                st = stat_of(path)
+                when = st.st_mtime_ns
+            except OSError:
+                when = 0
+            else:
+                if watches is None:
+                    pass
+                elif path != real:
+                    self.linked.append((path, when))        # (recall() reads its mtime again)
+                elif is_dir or st.st_nlink != 1 or not watches.file_watched(path):
+                    self.unkept += 1                        # (a change through another hard link: no event here)
             items += (path[lead:], when)                # the full path would double what the pipe carries
 
 
@@ -7141,6 +7152,7 @@ class Checkpoints(object):
         self.digests, self.stored = set(), 0      # what the store holds, and its bytes
         self.cache = WalkCache(watch=True)        # the ignore files, compiled once; directories watched
         self.steady = None                        # (watch events taken, ignore stacks above) of a scan all watched
+        self.linked = set()                       # (dev, inode) of files seen with other hard links
         self.dir = self.budget = None
         self.closed = False
         self.stopped = threading.Event()          # set by close()
@@ -7244,15 +7256,37 @@ class Checkpoints(object):
 
     def scan(self, background=False):
         """Walk the roots and keep the state as a new checkpoint, unless it is the latest's (under
-        lock); a background scan gives way to the session's other calls (give_way)."""
+        lock); a background scan gives way to the session's other calls (give_way). A file
+        newly seen with other hard links may be one whose changes through that link raise no
+        event: then nothing watched is vouched for and the walk is made again."""
+        linked = len(self.linked)
+        point = self.walk(background)
+        if point is not None and len(self.linked) > linked and self.cache.watches is not None:
+            self.cache.watches.mtimes.clear()
+            self.steady = None
+            point = self.walk(background)
+        if point is None:
+            return
+        if self.list and point.same_as(self.list[-1]):
+            self.list[-1].entries = point.entries            # the same state: fresher stats, same checkpoint
+            return
+        self.count += 1
+        self.list.append(point)
+        held = sum(len(c.entries) for c in self.list)
+        while len(self.list) > CHECKPOINTS_KEPT or held > CHECKPOINT_ENTRIES and len(self.list) > 1:
+            held -= len(self.list.pop(0).entries)
+
+    def walk(self, background):
+        """scan()'s walk: the state as a Checkpoint numbered next; None when closed, stopped
+        or known unchanged."""
         if self.dir is None:
-            return                                           # closed meanwhile
+            return None                                      # closed meanwhile
         self.cache.refresh()
         w = self.cache.watches
         steady = (w.generation, [self.cache.outer(root) for root in self.roots]) if w is not None else None
         if self.list and self.steady is not None and steady[0] == self.steady[0] \
                 and all(map(same_objects, steady[1], self.steady[1])):
-            return                                           # no event since a scan that watched all of it
+            return None                                      # no event since a scan that watched all of it
         known = w.mtimes if w is not None else {}            # path -> its entry, until an event says otherwise
         prev = self.list[-1].entries if self.list else {}
         entries, missed, partial, visited, unwatched = {}, [], False, [], 0
@@ -7265,7 +7299,7 @@ class Checkpoints(object):
                     break
                 if background and not len(entries) % 256:
                     if self.stopped.is_set():
-                        return                               # the session ended: nothing to keep
+                        return None                          # the session ended: nothing to keep
                     self.give_way()
                 if path == self.dir or is_within(path, self.dir):
                     continue                                 # the store itself (the temp directory in a root)
@@ -7281,15 +7315,7 @@ class Checkpoints(object):
                 entries[path] = entry
         whole = w is not None and not partial and not unwatched and all(map(w.clean.__contains__, visited))
         self.steady = steady if whole else None
-        point = Checkpoint(self.count + 1, entries, missed, partial)
-        if self.list and point.same_as(self.list[-1]):
-            self.list[-1].entries = entries                  # the same state: fresher stats, same checkpoint
-            return
-        self.count += 1
-        self.list.append(point)
-        held = sum(len(c.entries) for c in self.list)
-        while len(self.list) > CHECKPOINTS_KEPT or held > CHECKPOINT_ENTRIES and len(self.list) > 1:
-            held -= len(self.list.pop(0).entries)
+        return Checkpoint(self.count + 1, entries, missed, partial)
 
     def entry(self, path, old, missed):
         """(the entry of one path walked, whether a watch of its directory can vouch for it
@@ -7313,6 +7339,8 @@ class Checkpoints(object):
         if not stat.S_ISREG(st.st_mode):
             return None, False
         lasting = st.st_nlink == 1
+        if not lasting:
+            self.linked.add((st.st_dev, st.st_ino))          # (scan(): a new one undoes what watches vouched for)
         if old is not None and old[0] == "f" and old[3:] == key and old[1] == mode and old[2] is not None:
             return old, lasting
         digest, why = self.store(path, st)
@@ -7386,6 +7414,7 @@ class Checkpoints(object):
             self.closed = True
         with self.lock:
             where, self.dir = self.dir, None
+            self.cache.close()                               # (its watches: an inotify instance each session)
         if where is not None:
             shutil.rmtree(where, ignore_errors=True)
 

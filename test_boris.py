@@ -6512,7 +6512,7 @@ class TestWatchedWalks(SearchBase):
         """Issue 44: a generated campaign (BORIS_WATCH_CAMPAIGN sequences, default 200, of 12
         steps; seed BORIS_WATCH_SEED): random changes of a tree - files created, deleted,
         appended to in place, truncated, touched to a given time, renamed; directories made,
-        renamed and removed with what they hold; symlinks made (also to files outside, which
+        renamed and removed with what they hold; hard links; symlinks made (also to files outside, which
         no watch sees) and their targets changed; .gitignore files written - each followed by globs with the warm cache (aged or not,
         walked again while idle or not), each compared with a walk from scratch: names and
         mtimes equal, every time."""
@@ -6536,6 +6536,7 @@ class TestWatchedWalks(SearchBase):
                 os.makedirs(outside)
                 cache = boris.WalkCache(watch=True)
                 self.addCleanup(cache.close)
+                self.assertTrue(cache.watches.watch(top, os.stat(top).st_dev))   # (not out of inotify instances)
                 jobs = [glob_job(self, "c%d" % n, p) for p in ("**/*", "*.txt", "a/**/*.c")]
                 for step in range(12):
                     what = change_tree(rng, top, outside)
@@ -6546,6 +6547,7 @@ class TestWatchedWalks(SearchBase):
                         warm, cold = warm_glob(cache, job, rewalk=rng.random() < 0.5), cold_glob(self, job)
                         if warm != cold:
                             differences.append((seed, n, step, what, job["rest"], warm, cold))
+                cache.close()
         self.assertEqual(differences[:3], [])
         self.assertGreater(recalled, rounds // 10)     # the kept answers were used, and were right
 
@@ -6558,7 +6560,7 @@ def change_tree(rng, top, outside):
     d = rng.choice(dirs)
     kind = rng.choice(("create", "create", "dir", "append", "truncate", "touch", "rename", "delete",
                        "rename dir", "remove dir", "link", "link target", "ignore", "chmod", "link out", "link out",
-                       "outside", "outside", "outside"))
+                       "outside", "outside", "outside", "hard link"))
     if kind == "outside":                        # (the tree unchanged: only what its links name)
         files, d = [os.path.join(outside, f) for f in os.listdir(outside)], outside
         kind = rng.choice(("create", "append", "touch", "delete"))
@@ -6566,7 +6568,8 @@ def change_tree(rng, top, outside):
         kind, files, dirs = "link", [os.path.join(outside, f) for f in os.listdir(outside)] or files, [outside]
     name = rng.choice(("f", "g", "h", "x", "y")) + rng.choice((".txt", ".c", ".py", ".log"))
     try:
-        if kind == "create" or not files and kind in ("append", "truncate", "touch", "rename", "delete", "chmod"):
+        if kind == "create" or not files and kind in ("append", "truncate", "touch", "rename", "delete", "chmod",
+                                                      "hard link"):
             kind = "create"
             with open(os.path.join(d, name), "w") as f:
                 f.write("%d\n" % rng.randrange(1000))
@@ -6589,6 +6592,8 @@ def change_tree(rng, top, outside):
             os.remove(rng.choice(files))
         elif kind == "chmod":
             os.chmod(rng.choice(files), rng.choice((0o600, 0o644, 0o755)))
+        elif kind == "hard link":
+            os.link(rng.choice(files), os.path.join(d, "h" + name))
         elif kind == "rename dir" and d != top:
             os.rename(d, os.path.join(top, "moved%d" % rng.randrange(100)))
         elif kind == "remove dir" and d != top:
@@ -6684,9 +6689,17 @@ class TestGlob(SearchBase):
         os.utime(self.path("t/d3/f3.txt"), (time.time() + 50, time.time() + 50))
         third = warm_glob(cache, job)
         self.assertEqual(sorted(third), sorted(cold_glob(self, job)))
-        self.assertEqual(third[0][0], "d3/f3.txt")
+        self.assertEqual(third[0][0], "d3/f3.txt")                      # the newest now, by the event
         with mock.patch.object(boris, "Watches", lambda: self.fail("watched")):
-            self.assertEqual(third, warm_glob(boris.WalkCache(), job))   # (and without watches, the same)                      # the newest now, by the event
+            self.assertEqual(third, warm_glob(boris.WalkCache(), job))   # (and without watches, the same)
+        os.link(self.path("t/d4/f4.txt"), self.path("t/d0/f4.bak"))     # (a change through it: no event for f4)
+        warm_glob(cache, job), warm_glob(cache, job)
+        os.utime(self.path("t/d0/f4.bak"), (time.time() + 90, time.time() + 90))
+        self.assertEqual(warm_glob(cache, job)[0][0], "d4/f4.txt")
+        os.link(self.path("t/d5/f5.txt"), self.path("outside.txt"))     # (made before: never vouched for)
+        warm_glob(cache, job), warm_glob(cache, job)
+        os.utime(self.path("outside.txt"), (time.time() + 200, time.time() + 200))
+        self.assertEqual(warm_glob(cache, job)[0][0], "d5/f5.txt")
 
     def test_basename_at_any_depth(self):
         out = sorted(self.ok("glob", pattern="*.md").split("\n"))
