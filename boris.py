@@ -3029,21 +3029,23 @@ LOCAL_FILESYSTEMS = frozenset((       # statfs f_type of filesystems whose chang
 
 
 class Watches(object):
-    """The directories a warm helper watches, and what their events leave standing:
-    `clean`, the directories whose entries have not changed since they were watched and
-    checked, with the (mtime, ctime) they were checked at, and `mtimes`, the mtime (ns) of files read while their directory was
-    watched and not touched since. An overflowed queue forgets everything; a directory
-    deleted or moved forgets itself and all below it; a file made that has (or may have
-    had) other hard links, or a directory made, forgets every mtime. A hard link made from
-    a directory not watched (outside the roots, or ignored) to a file inside raises no
-    event, nor do changes through it. Where inotify is missing (not
-    Linux, no ctypes, out of instances) nothing is watched and walks stat as before."""
+    """The directories a warm helper (or a session's checkpoints) watches, and what their
+    events leave standing: `clean`, the directories whose entries have not changed since
+    they were watched and checked, with the (mtime, ctime) they were checked at; and
+    `vouched`, what a reader kept of a path looked at while its directory was watched
+    (a checkpoint's entry), until an event about that path. An overflowed queue forgets
+    everything; a directory deleted or moved forgets itself and all below it; a file made
+    that has (or may have had) other hard links, or a directory made, forgets all that was
+    vouched for. A hard link made from a directory not watched (outside the roots, or
+    ignored) to a file inside raises no event, nor do changes through it. Where inotify
+    is missing (not Linux, no ctypes, out of instances) nothing is watched and walks stat
+    as before."""
 
     def __init__(self):
         self.fd, self.libc = None, None            # opened at the first watch
         self.broken = not sys.platform.startswith("linux")
         self.wds, self.of = {}, {}                 # watch descriptor <-> directory
-        self.clean, self.mtimes, self.devs = {}, {}, {}
+        self.clean, self.vouched, self.devs = {}, {}, {}
         self.limit = WATCHES_MAX
         self.generation = 0                        # events taken so far: unchanged, nothing watched changed
 
@@ -3118,9 +3120,9 @@ class Watches(object):
             return
         if name:
             at = child_prefix(d) + name
-            self.mtimes.pop(at, None)
+            self.vouched.pop(at, None)
             if mask & (IN_CREATE | IN_MOVED_TO) and (mask & IN_ISDIR or not self.alone(at)):
-                self.mtimes.clear()           # a hard link to a file kept here, maybe (or made in a new directory,
+                self.vouched.clear()           # a hard link to a file kept here, maybe (or made in a new directory,
                                               # not watched yet): changes through it raise no event for that file
             if mask & IN_ISDIR and mask & (IN_DELETE | IN_MOVED_FROM):
                 self.forget(at)
@@ -3136,25 +3138,25 @@ class Watches(object):
             return False
 
     def forget(self, top):
-        """Unwatch `top` and every directory below it; forget their files' mtimes."""
+        """Unwatch `top` and every directory below it; forget what was vouched for in them."""
         inside = child_prefix(top)
         for d in [d for d in self.of if d == top or d.startswith(inside)]:
             wd = self.of.pop(d)
             del self.wds[wd]
             self.clean.pop(d, None)
             self.libc.inotify_rm_watch(self.fd, wd)
-        for f in [f for f in self.mtimes if f.startswith(inside)]:
-            del self.mtimes[f]
+        for f in [f for f in self.vouched if f.startswith(inside)]:
+            del self.vouched[f]
 
     def close(self):
         """Unwatch everything (the descriptor closed)."""
         if self.fd is not None:
             os.close(self.fd)
         self.fd, self.broken = None, True
-        self.wds, self.of, self.clean, self.mtimes = {}, {}, {}, {}
+        self.wds, self.of, self.clean, self.vouched = {}, {}, {}, {}
 
     def file_watched(self, path):
-        """Whether the directory holding `path` is watched (so its mtime, read now, can be kept)."""
+        """Whether the directory holding `path` is watched (so what is read of it now can be vouched for)."""
         return (path[:path.rfind("/")] or "/") in self.of
 
 
@@ -3189,9 +3191,10 @@ class WalkCache(object):
 
     def listing(self, key, real, ino, ign, inner_of):
         """(the directory's stat, (found, subdirs, has links), the ignore stack inside it) of
-        a visit remembered under `key` when it still holds: the directory is the same inode (the one its parent listed), with the
-        same mtime and ctime, under the same ignore stack `ign`, and its own ignore rules
-        (inner_of(names of .git and .gitignore it holds)) are the ones it had; else None.
+        a visit remembered under `key` when it still holds: the directory is the same inode
+        (the one its parent listed), with the same mtime and ctime, under the same ignore
+        stack `ign`, and its own ignore rules (inner_of(names of .git and .gitignore it
+        holds)) are the ones it had; else None.
         A directory watched and clean since is not looked at; one not yet watched is,
         after its watch is set."""
         seen = self.listings.get(key)
@@ -3205,7 +3208,8 @@ class WalkCache(object):
                 now = os.lstat(real)
             except OSError:
                 return None
-            if (now.st_ino, now.st_mtime_ns, now.st_ctime_ns) != (st.st_ino,) + at or ino is not None and now.st_ino != ino:
+            if (now.st_ino, now.st_mtime_ns, now.st_ctime_ns) != (st.st_ino,) + at \
+                    or ino is not None and now.st_ino != ino:
                 return None
             if watched:
                 w.clean[real] = at
@@ -4874,44 +4878,11 @@ class GrepWork(object):
 
     def gather(self, k, walked, items):
         """Append to `items` what take() makes of each (path, real, is_dir, inode) walked."""
-        if self.mode == "files_with_matches" and self.matcher.literal is not None and not self.matcher.folded:
-            self.gather_literal(k, walked, items)
-            return
         take = self.take
         for path, real, is_dir, ino in walked:
             r = take(k, path, real, is_dir, ino)
             if r is not None:
                 items += r
-
-    def gather_literal(self, k, walked, items):
-        """gather() of the commonest search, the files holding a literal: take()'s steps for
-        a file that one read settles (open_listed(), the binary sniff, literal_in()) in one
-        loop, with no call per file; a file it does not settle (a BOM, or longer than the
-        buffer) goes through take()."""
-        root_is_dir, cut, keep, literal, buf = self.roots[k][1], self.cuts[k], self.keep, self.matcher.literal, self.buf
-        size, readv, fstat, close, is_reg = len(buf), os.readv, os.fstat, os.close, stat.S_ISREG
-        for path, real, is_dir, ino in walked:
-            if root_is_dir and keep is not None:
-                rel = path[cut:]
-                if not keep(rel, rel[rel.rfind("/") + 1:]):
-                    continue
-            try:
-                fd = os.open(real, os.O_RDONLY | O_FILE)
-            except OSError:
-                continue                                # gone or unreadable since listed: skipped
-            try:
-                st = fstat(fd)
-                if not is_reg(st.st_mode) or ino is not None and st.st_ino != ino:
-                    continue
-                n = readv(fd, [buf])
-            except OSError:
-                continue
-            finally:
-                close(fd)
-            if n >= size or n and buf[0] in (0xef, 0xfe, 0xff):
-                items += self.take(k, path, real, is_dir, ino) or ()
-            elif buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) < 0 and buf.find(literal, 0, n) >= 0:
-                items.append(GrepHit(real, path[cut:] if root_is_dir else None, mtime(real), True, k))
 
     def file_result(self, path, ino):
         """One file's result: None (binary, unreadable, not a regular file, no longer the
@@ -5096,7 +5067,7 @@ class GlobWork(object):
         known = self.cache.results.get(self.key)
         if known is None or known[0] != self.since or not same_objects(known[1], self.outer):
             return None
-        since, outer, batches, links, linked = known
+        _, _, batches, links, linked = known
         walker = self.walker(0)
         if any(walker.resolve_link(*args) != found for args, found in links) \
                 or any(mtime(path) != when for path, when in linked):
@@ -5139,11 +5110,9 @@ class GlobWork(object):
             except OSError:
                 when = 0
             else:
-                if watches is None:
-                    pass
-                elif path != real:
+                if watches is not None and path != real:
                     self.linked.append((path, when))        # (recall() reads its mtime again)
-                elif is_dir or st.st_nlink != 1 or not watches.file_watched(path):
+                elif watches is not None and (is_dir or st.st_nlink != 1 or not watches.file_watched(path)):
                     self.unkept += 1                        # (a change through another hard link: no event here)
             items += (path[lead:], when)                # the full path would double what the pipe carries
 
@@ -7259,10 +7228,10 @@ class Checkpoints(object):
         lock); a background scan gives way to the session's other calls (give_way). A file
         newly seen with other hard links may be one whose changes through that link raise no
         event: then nothing watched is vouched for and the walk is made again."""
-        linked = len(self.linked)
+        linked, w = len(self.linked), self.cache.watches
         point = self.walk(background)
-        if point is not None and len(self.linked) > linked and self.cache.watches is not None:
-            self.cache.watches.mtimes.clear()
+        if point is not None and len(self.linked) > linked and w is not None and w.vouched:
+            w.vouched.clear()
             self.steady = None
             point = self.walk(background)
         if point is None:
@@ -7287,7 +7256,7 @@ class Checkpoints(object):
         if self.list and self.steady is not None and steady[0] == self.steady[0] \
                 and all(map(same_objects, steady[1], self.steady[1])):
             return None                                      # no event since a scan that watched all of it
-        known = w.mtimes if w is not None else {}            # path -> its entry, until an event says otherwise
+        known = w.vouched if w is not None else {}           # path -> its entry, until an event says otherwise
         prev = self.list[-1].entries if self.list else {}
         entries, missed, partial, visited, unwatched = {}, [], False, [], 0
         for root in self.roots:
@@ -7394,7 +7363,9 @@ class Checkpoints(object):
         return digest, None
 
     def blob(self, digest):
-        """The bytes the store keeps under `digest`."""
+        """The bytes the store keeps under `digest` (OSError once the store is gone)."""
+        if self.dir is None:
+            raise OSError(errno.ENOENT, "the store was removed with its session's checkpoints")
         with open(os.path.join(self.dir, "objects", digest), "rb") as f:
             return f.read()
 
@@ -8993,7 +8964,7 @@ def bytes_before(session, before):
         return before
     try:
         return session.checkpoints.blob(before.digest)
-    except (OSError, AttributeError) as e:
+    except OSError as e:
         raise ToolError(IO_ERROR, "the bytes to restore are gone from the checkpoint store (%s); nothing was"
                         " undone" % (getattr(e, "strerror", None) or e))
 

@@ -4141,12 +4141,17 @@ class TestRewind(NoViewBase):
         self.assertEqual(sorted(os.listdir(os.path.join(points.dir, "objects"))), [kept.digest])
         self.assertIn("(%d bytes)" % len(before), self.ok("undo_edit", path="u.py"))
         self.assertEqual(self.read("u.py"), before)
-        points.close()                                       # (gone with its store: undo says so)
+        self.ok("str_replace", path=self.path("u.py"), old_str="a = 1", new_str="a = 3")
+        edited = self.read("u.py")
+        points.close()                                       # (the store gone with it: undo says so)
+        self.assertIn("gone from the checkpoint store", self.fails("undo_edit", "IO_ERROR", path="u.py"))
+        self.assertEqual(self.read("u.py"), edited)
+        self.session.edits[:] = []
         self.ok("str_replace", path=self.path("u.py"), old_str="b = ", new_str="c = ")
         (tool, changes), = self.session.edits
-        self.assertEqual(changes[self.path("u.py")][0], before)     # in memory: no store to keep it
+        self.assertEqual(changes[self.path("u.py")][0], edited)     # in memory: no store to keep it
         self.ok("undo_edit", path="u.py")
-        self.assertEqual(self.read("u.py"), before)
+        self.assertEqual(self.read("u.py"), edited)
 
     def test_a_rewind_holding_the_lock_never_waits_for_a_scan_that_waits_for_it(self):
         """A changing call ends (after(): a scan due, its thread waiting for the lock) while a
@@ -6251,46 +6256,17 @@ class TestGrep(SearchBase):
             out.flush()
         self.assertEqual(sorted(got), ["a", "b", "c", "partner a", "partner b", "partner c"])
 
-    def test_the_literal_files_loop_answers_as_take_does(self):
-        """Issue 44: files_with_matches of a literal runs one loop (gather_literal); over
-        generated files - binary, a BOM, longer than the read buffer, empty, a match at
-        either end of a buffer, links, unreadable, include filters - it answers as take()."""
-        rng = random.Random(7)
-        words = [b"alpha", b"beta", b"PM_RESUME", b"\xc3\xa9t\xc3\xa9", b"\n"] * 8 + [b"\x00"]
-        with mock.patch.object(boris, "GREP_BUFFER", 1024):              # (not below the sniff's 512 bytes)
-            for i in range(300):
-                body = b"".join(rng.choice(words) for _ in range(rng.randrange(0, rng.choice((40, 400)))))
-                lead = rng.choice((b"", b"", b"\xef\xbb\xbf", b"\xff\xfe", b"\x00"))
-                tail = rng.choice((b"", b"", b"needle\n"))                  # (past the first read in long files)
-                self.write("lit/d%d/f%d.%s" % (i % 7, i, rng.choice(("c", "txt", "py"))), lead + body + tail)
-            os.symlink(self.path("lit/d1"), self.path("lit/d2/linked"))
-            os.chmod(self.write("lit/d3/locked.c", b"PM_RESUME"), 0)
-            for literal, include in ((b"PM_RESUME", None), (b"beta", "*.c"), (b"\xc3\xa9t", None), (b"needle", None),
-                                     (b"zzz", None)):
-                job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(self.path("lit"), True, None)],
-                                        boris.grep_spec(literal.decode(), "files_with_matches"))
-                job["include"] = include
-                work = boris.GrepWork(job)
-                walked = list(work.walker(0))
-                quick, general = [], []
-                work.gather(0, walked, quick)
-                for found in walked:
-                    general += work.take(0, *found) or ()
-                self.assertEqual(sorted(h.rel for h in quick), sorted(h.rel for h in general), literal)
-                self.assertTrue(general or literal == b"zzz", literal)
-
     def test_a_failed_shared_walk_reuses_no_busy_partner(self):
         self._shared_tree()
         alone = self._searches()
-        real_gather = boris.GrepWork.gather
+        real_take = boris.GrepWork.take
 
-        def failing(work, k, walked, items):
-            walked = list(walked)
-            if any("/many/" in found[0] for found in walked):
+        def failing(work, k, path, *rest):
+            if "/many/" in path:
                 raise RuntimeError("the disk caught fire")
-            return real_gather(work, k, walked, items)
+            return real_take(work, k, path, *rest)
         with shared_walks(SHARE_AHEAD=1) as given:
-            with mock.patch.object(boris.GrepWork, "gather", failing):
+            with mock.patch.object(boris.GrepWork, "take", failing):
                 with self.assertRaises(RuntimeError):              # (a search helper reports it)
                     self.call("grep", pattern="hit", path="many")
             self.assertTrue(given)
