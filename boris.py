@@ -7125,6 +7125,7 @@ class Checkpoints(object):
         self.dir = self.budget = None
         self.closed = False
         self.stopped = threading.Event()          # set by close()
+        self.wake = threading.Event()             # set as a caller begins to wait, or on close: a scan giving way goes on
 
     def open_store(self):
         """Make the private store directory (under the temp directory, 0700) and work out the
@@ -7175,12 +7176,16 @@ class Checkpoints(object):
         background scan does not give way while any waits."""
         with self.state:
             self.waiters += delta
+        if delta > 0:
+            self.wake.set()
 
     def give_way(self):
         """A background scan pauses while the session has calls in flight that do not wait for
-        it (a search runs at full speed), and goes on once one waits or none is left."""
+        it (a search runs at full speed), and goes on at once when one begins to wait, or
+        once none is left (looked at every CHECKPOINT_YIELD_S)."""
         while self.busy() and not self.waiters and not self.stopped.is_set():
-            self.stopped.wait(CHECKPOINT_YIELD_S)
+            self.wake.wait(CHECKPOINT_YIELD_S)
+            self.wake.clear()
 
     def after(self):
         """A call that can change files ended: checkpoint in the background."""
@@ -7381,6 +7386,7 @@ class Checkpoints(object):
         """Stop checkpointing and remove the store."""
         import shutil
         self.stopped.set()
+        self.wake.set()
         with self.state:
             self.closed = True
         with self.lock:

@@ -4174,7 +4174,12 @@ class TestRewind(NoViewBase):
 
     def test_a_background_scan_gives_way_to_calls_in_flight_but_not_to_one_that_waits(self):
         """While the session has a call in flight (a search, say) the background scan pauses,
-        so the call runs at full speed; a call that needs the checkpoint makes it go on."""
+        so the call runs at full speed; a call that needs the checkpoint makes it go on at
+        once (not at the next look: that is a minute here)."""
+        with mock.patch.object(boris, "CHECKPOINT_YIELD_S", 60):
+            self.give_way_then_wait()
+
+    def give_way_then_wait(self):
         for i in range(600):
             self.write("many/f%03d.txt" % i, "x%d" % i)
         busy = [True]
