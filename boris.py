@@ -7073,6 +7073,67 @@ CHECKPOINT_SKIPPED = ("/proc", "/sys", "/dev")      # never walked (a workspace 
 CHECKPOINT_YIELD_S = 0.02                            # how often a scan that gave way looks again
 
 
+CHECKPOINT_PREFIX = "boris-checkpoints-"         # a store: <temp>/boris-checkpoints-XXXX, 0700
+STORES_SWEPT = []                                  # (a process sweeps the temp directory once)
+
+
+def hold_store(store):
+    """Lock a new store for as long as this process lives (the descriptor returned; None where
+    there is no flock): sweep_stores() leaves a store alone while its lock is held. The lock
+    file is locked before it takes its name, so it is never seen unlocked while in use."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    tmp = os.path.join(store, "lock.new")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(tmp, os.path.join(store, "lock"))
+    return fd
+
+
+def sweep_stores():
+    """Remove, in the background and once per process, the stores that servers killed
+    before they could (kill -9, a power cut) left in the temp directory: this user's,
+    with a lock file no process holds. One without a lock file is left alone."""
+    import shutil
+    import tempfile
+    try:
+        import fcntl
+    except ImportError:
+        return
+    if STORES_SWEPT:
+        return
+    STORES_SWEPT.append(True)
+
+    def sweep():
+        top = tempfile.gettempdir()
+        try:
+            names = [n for n in os.listdir(top) if n.startswith(CHECKPOINT_PREFIX)]
+        except OSError:
+            return
+        for name in names:
+            store = os.path.join(top, name)
+            try:
+                st = os.lstat(store)
+                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                    continue
+                fd = os.open(os.path.join(store, "lock"), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue                               # a live server's
+            try:
+                shutil.rmtree(store, ignore_errors=True)
+                log("info", "removed a checkpoint store left by a server that was killed", store=store)
+            finally:
+                os.close(fd)
+    threading.Thread(target=sweep, daemon=True, name="boris-sweep").start()
+
+
 class Checkpoint(object):
     """One state of the workspace: `entries` {path: (kind 'f'|'l'|'d', mode, digest or link
     target or None, size, mtime_ns, ctime_ns, inode)} (a file over --max-file-size or past
@@ -7122,7 +7183,7 @@ class Checkpoints(object):
         self.cache = WalkCache(watch=True)        # the ignore files, compiled once; directories watched
         self.steady = None                        # (watch events taken, ignore stacks above) of a scan all watched
         self.linked = set()                       # (dev, inode) of files seen with other hard links
-        self.dir = self.budget = None
+        self.dir = self.budget = self.held = None # the store, its budget, the descriptor holding its lock
         self.closed = False
         self.stopped = threading.Event()          # set by close()
         self.wake = threading.Event()             # set as a caller begins to wait, or on close: a scan giving way goes on
@@ -7130,6 +7191,7 @@ class Checkpoints(object):
     def open_store(self):
         """Make the private store directory (under the temp directory, 0700) and work out the
         budget; False when checkpoints are off or the directory cannot be made."""
+        import shutil
         import tempfile
         with self.state:
             if self.dir is not None:
@@ -7138,12 +7200,19 @@ class Checkpoints(object):
             if budget == 0 or self.budget == 0 or self.closed:
                 return False
             try:
-                self.dir = tempfile.mkdtemp(prefix="boris-checkpoints-")
-                os.mkdir(os.path.join(self.dir, "objects"), 0o700)
+                where = tempfile.mkdtemp(prefix=CHECKPOINT_PREFIX)
+                try:
+                    os.mkdir(os.path.join(where, "objects"), 0o700)
+                    self.held = hold_store(where)
+                except OSError:
+                    shutil.rmtree(where, ignore_errors=True)
+                    raise
+                self.dir = where
             except OSError as e:
                 log("warn", "no checkpoints: the store cannot be made in the temp directory", error=str(e))
                 self.budget = 0
                 return False
+            sweep_stores()
             if budget is None:
                 free = os.statvfs(self.dir)
                 budget = min(CHECKPOINT_BUDGET_AUTO, free.f_bavail * free.f_frsize // 4)
@@ -7394,6 +7463,8 @@ class Checkpoints(object):
             self.cache.close()                               # (its watches: an inotify instance each session)
         if where is not None:
             shutil.rmtree(where, ignore_errors=True)
+            if self.held is not None:
+                os.close(self.held)
 
     def rewind(self, target, now, within, dry=False):
         """Put the entries of Checkpoint `target` back where `now` (a Checkpoint of the current

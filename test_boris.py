@@ -7896,6 +7896,59 @@ class TestRewindOverStdio(StdioBase):
             self.assertEqual(f.read(), "edited\n")
 
 
+class TestStoresOfKilledServers(unittest.TestCase):
+    """Issue 42: a store is removed with its session; one a server killed with -9 left behind
+    is removed by the next server that makes one (its lock is no longer held), while a
+    live server's store is left alone."""
+
+    def test_the_next_server_sweeps_what_a_killed_one_left(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-sweep-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        work, temp = os.path.join(tmp, "work"), os.path.join(tmp, "temp")
+        os.mkdir(work)
+        os.mkdir(temp)
+        with open(os.path.join(work, "a.txt"), "w") as f:
+            f.write("a\n")
+        env = dict(os.environ, TMPDIR=temp)
+        client = StdioClient.__new__(StdioClient)
+        client.adopt(subprocess.Popen([sys.executable, BORIS, "--workdir", work], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env))
+        client.initialize()
+        self.assertFalse(client.call("bash", {"command": "echo b > b.txt"})["isError"])
+        client.call("checkpoints", {})
+        stores = os.listdir(temp)
+        self.assertEqual(len(stores), 1, stores)
+        dead = os.path.join(temp, stores[0])
+        self.assertTrue(os.path.exists(os.path.join(dead, "lock")))
+        client.p.kill()
+        client.p.wait(10)
+        client.reader.join(10)
+        client.p.stdin.close()
+        client.p.stdout.close()
+        self.assertTrue(os.path.isdir(dead))                     # kill -9: nothing could remove it
+        with mock.patch.object(tempfile, "tempdir", temp), mock.patch.object(boris, "STORES_SWEPT", []):
+            cfg = boris.parse_config(["--workdir", work], {})
+            live = boris.Checkpoints([work], boris.PathPolicy.of(cfg), cfg)
+            self.addCleanup(live.close)
+            self.assertTrue(live.open_store())
+            deadline = time.time() + 10
+            while os.path.exists(dead) and time.time() < deadline:
+                time.sleep(0.02)
+            self.assertFalse(os.path.exists(dead), "the store of a killed server was left")
+            self.assertTrue(os.path.isdir(live.dir))
+            boris.STORES_SWEPT[:] = []                           # another server starting: the live store stays
+            other = boris.Checkpoints([work], boris.PathPolicy.of(cfg), cfg)
+            self.addCleanup(other.close)
+            self.assertTrue(other.open_store())
+            sweeper = [t for t in threading.enumerate() if t.name == "boris-sweep"]
+            for t in sweeper:
+                t.join(10)
+            self.assertTrue(os.path.isdir(live.dir))
+            where = live.dir
+            live.close()
+            self.assertFalse(os.path.exists(where))
+
+
 class TestStdioProtocol(StdioBase):
     def test_garbage_gets_errors_and_server_keeps_answering(self):
         c = self.c
