@@ -4765,6 +4765,1371 @@ def markdown_table(rows):
     return "\n".join([lines[0], "|" + "---|" * width] + lines[1:])
 
 
+# -- PDF ------------------------------------------------------------------------------
+# A PDF's text, page by page, for view: the file's structure (xref tables and streams,
+# object streams, incremental updates; a damaged xref rebuilt by scanning for objects),
+# the filters that carry text (Flate, LZW, ASCII85, ASCIIHex, RunLength, with PNG and
+# TIFF predictors), the standard security handler with an empty user password (RC4,
+# AES-128, AES-256), the page tree, content streams and form XObjects, and the fonts'
+# ways from codes to characters (standard encodings, Differences, an embedded Type 1
+# font's own encoding, ToUnicode CMaps, CID fonts, the CJK encodings Python has codecs
+# for). Glyphs are kept in the order the page draws them, joined into lines by their
+# positions. Run in a search helper (deadline, cancel); everything is bounded: inflated
+# bytes, nesting, forms within forms, CMap entries.
+
+PDF_INFLATED_MAX = 256 << 20               # bytes all streams of one PDF may inflate to
+PDF_DEPTH_MAX = 64                         # nesting of arrays and dictionaries, the page tree, forms
+PDF_PAGES_MAX = 100000
+PDF_CMAP_MAX = 1 << 20                     # entries a font's CMaps and widths may expand to
+PDF_WS = b"\x00\t\n\x0c\r "
+PDF_TOKEN = re.compile(rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*(?:"
+                       rb"(?P<num>[+-]?(?:\d+\.?\d*|\.\d+))(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])"
+                       rb"|/(?P<name>[^\x00\t\n\x0c\r ()<>\[\]{}/%]*)"
+                       rb"|(?P<open><<|<|\[|\(|\{)|(?P<close>>>|\]|\}|\)|>)"
+                       rb"|(?P<word>[^\x00\t\n\x0c\r ()<>\[\]{}/%]+))")
+PDF_STRING_ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"b": b"\b", b"f": b"\f"}
+PDF_GLYPHS = (  # Adobe glyph names for what is not a letter (letters with accents and Greek are derived)
+    "space 20 exclam 21 quotedbl 22 numbersign 23 dollar 24 percent 25 ampersand 26 quotesingle 27 parenleft 28"
+    " parenright 29 asterisk 2a plus 2b comma 2c hyphen 2d period 2e slash 2f zero 30 one 31 two 32 three 33"
+    " four 34 five 35 six 36 seven 37 eight 38 nine 39 colon 3a semicolon 3b less 3c equal 3d greater 3e"
+    " question 3f at 40 bracketleft 5b backslash 5c bracketright 5d asciicircum 5e underscore 5f grave 60"
+    " braceleft 7b bar 7c braceright 7d asciitilde 7e nbspace a0 exclamdown a1 cent a2 sterling a3 currency a4"
+    " yen a5 brokenbar a6 section a7 dieresis a8 copyright a9 ordfeminine aa guillemotleft ab logicalnot ac"
+    " sfthyphen ad registered ae macron af degree b0 plusminus b1 twosuperior b2 threesuperior b3 acute b4"
+    " mu b5 paragraph b6 periodcentered b7 cedilla b8 onesuperior b9 ordmasculine ba guillemotright bb"
+    " onequarter bc onehalf bd threequarters be questiondown bf AE c6 Eth d0 multiply d7 Oslash d8 Thorn de"
+    " germandbls df ae e6 eth f0 divide f7 oslash f8 thorn fe dotlessi 131 Lslash 141 lslash 142 OE 152 oe 153"
+    " florin 192 dotlessj 237 circumflex 2c6 caron 2c7 breve 2d8 dotaccent 2d9 ring 2da ogonek 2db tilde 2dc"
+    " hungarumlaut 2dd endash 2013 emdash 2014 quoteleft 2018 quoteright 2019 quotesinglbase 201a"
+    " quotedblleft 201c quotedblright 201d quotedblbase 201e dagger 2020 daggerdbl 2021 bullet 2022"
+    " ellipsis 2026 perthousand 2030 guilsinglleft 2039 guilsinglright 203a fraction 2044 Euro 20ac"
+    " trademark 2122 minus 2212 ff fb00 fi fb01 fl fb02 ffi fb03 ffl fb04 arrowleft 2190 arrowup 2191"
+    " arrowright 2192 arrowdown 2193 partialdiff 2202 Delta 2206 product 220f summation 2211 radical 221a"
+    " infinity 221e integral 222b approxequal 2248 notequal 2260 lessequal 2264 greaterequal 2265 lozenge 25ca"
+    " Omega 2126 Dcroat 110 dcroat 111 visiblespace 2423 quotereversed 201b")
+PDF_STANDARD_HIGH = (  # StandardEncoding from 0xa1 ('' : no glyph)
+    "exclamdown cent sterling fraction yen florin section currency quotesingle quotedblleft guillemotleft"
+    " guilsinglleft guilsinglright fi fl '' endash dagger daggerdbl periodcentered '' paragraph bullet"
+    " quotesinglbase quotedblbase quotedblright guillemotright ellipsis perthousand '' questiondown '' grave"
+    " acute circumflex tilde macron breve dotaccent dieresis '' ring cedilla '' hungarumlaut ogonek caron emdash"
+    " " + "'' " * 16 + "AE '' ordfeminine '' '' '' '' Lslash Oslash OE ordmasculine '' '' '' '' '' ae '' '' ''"
+    " dotlessi '' '' lslash oslash oe germandbls")
+PDF_ACCENTS = {"GRAVE": "grave", "ACUTE": "acute", "CIRCUMFLEX": "circumflex", "TILDE": "tilde",
+               "DIAERESIS": "dieresis", "RING ABOVE": "ring", "CEDILLA": "cedilla", "CARON": "caron",
+               "MACRON": "macron", "BREVE": "breve", "OGONEK": "ogonek", "DOT ABOVE": "dotaccent",
+               "DOUBLE ACUTE": "hungarumlaut", "STROKE": "slash"}
+PDF_CODECS = (("UTF16", "utf-16-be"), ("UCS2", "utf-16-be"), ("UTF8", "utf-8"), ("UTF32", "utf-32-be"),
+              ("RKSJ", "cp932"), ("EUC-H", "euc_jp"), ("EUC-V", "euc_jp"), ("GBK", "gbk"), ("GB-EUC", "gb2312"),
+              ("GBpc-EUC", "gb2312"), ("GBT", "gb18030"), ("B5", "cp950"), ("KSC", "cp949"), ("UHC", "cp949"))
+PDF_NAMES = {}                              # glyph name -> text, filled at first use
+
+
+class PdfError(Exception):
+    """What makes a PDF unreadable (a ToolError's message once it reaches view)."""
+
+
+class PdfName(str):
+    """A /Name (its text without the slash), apart from strings, which are bytes."""
+
+
+class PdfRef(tuple):
+    """An indirect reference (number, generation)."""
+
+
+class PdfStream(object):
+    """A stream object: its dictionary and its raw (undecoded, still encrypted) bytes."""
+    __slots__ = ("dict", "raw", "ref")
+
+    def __init__(self, d, raw, ref=None):
+        self.dict, self.raw, self.ref = d, raw, ref
+
+
+def pdf_glyph(name):
+    """The text of a glyph name (Adobe's names, uniXXXX, uXXXXX, ligatures as a_b); None if unknown."""
+    if not PDF_NAMES:
+        import unicodedata
+        words = PDF_GLYPHS.split()
+        PDF_NAMES.update((words[i], chr(int(words[i + 1], 16))) for i in range(0, len(words), 2))
+        for code in list(range(0xc0, 0x250)) + list(range(0x391, 0x3ca)):
+            c = chr(code)
+            n = unicodedata.name(c, "")
+            m = re.match(r"(LATIN|GREEK) (CAPITAL|SMALL) LETTER (\w+)(?: WITH (.+))?$", n)
+            if not m or m.group(4) and m.group(4) not in PDF_ACCENTS:
+                continue
+            base = m.group(3).lower() if m.group(1) == "GREEK" or len(m.group(3)) == 1 else None
+            if base is None:
+                continue
+            base = base.capitalize() if m.group(2) == "CAPITAL" else base
+            PDF_NAMES.setdefault(base + (PDF_ACCENTS[m.group(4)] if m.group(4) else ""), c)
+        for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz":
+            PDF_NAMES[c] = c
+    known = PDF_NAMES.get(name)
+    if known is not None:
+        return known
+    m = re.match(r"uni((?:[0-9A-F]{4})+)$", name)
+    if m:
+        hexes = m.group(1)
+        return "".join(chr(int(hexes[i:i + 4], 16)) for i in range(0, len(hexes), 4) if int(hexes[i:i + 4], 16) < 0xd800
+                       or int(hexes[i:i + 4], 16) > 0xdfff)
+    m = re.match(r"u([0-9A-F]{4,6})$", name)
+    if m and int(m.group(1), 16) <= 0x10ffff:
+        return chr(int(m.group(1), 16))
+    base = name.split(".")[0]
+    if base != name and base:
+        return pdf_glyph(base)
+    if "_" in name:
+        parts = [pdf_glyph(p) for p in name.split("_")]
+        return "".join(parts) if None not in parts else None
+    return None
+
+
+def pdf_encoding(name):
+    """A base encoding by name: {code: text}."""
+    if name == "WinAnsiEncoding":
+        table = dict((i, bytes([i]).decode("cp1252", "replace")) for i in range(32, 256))
+        table.update((i, "\u2022") for i in (0x81, 0x8d, 0x8f, 0x90, 0x9d))
+        return table
+    if name == "MacRomanEncoding":
+        return dict((i, bytes([i]).decode("mac_roman")) for i in range(32, 256))
+    if name == "PDFDocEncoding":
+        return dict((i, bytes([i]).decode("latin-1")) for i in range(32, 256))
+    table = dict((i, chr(i)) for i in range(32, 127))          # StandardEncoding
+    table[0x27], table[0x60] = "\u2019", "\u2018"
+    for i, glyph in enumerate(PDF_STANDARD_HIGH.split()):
+        if glyph != "''":
+            table[0xa1 + i] = pdf_glyph(glyph)
+    return table
+
+
+def pdf_text_string(value):
+    """A PDF text string (the title): UTF-16 with its BOM, UTF-8 with its BOM, else PDFDocEncoding."""
+    if not isinstance(value, bytes):
+        return ""
+    if value[:2] in (b"\xfe\xff", b"\xff\xfe"):
+        return value.decode("utf-16", "replace")
+    if value[:3] == b"\xef\xbb\xbf":
+        return value[3:].decode("utf-8", "replace")
+    return value.decode("latin-1")
+
+
+class Pdf(object):
+    """One PDF file's objects (`data`: its bytes): obj() parses at an offset, get() resolves a
+    reference, stream() decodes a stream, pages() lists the page dictionaries with their
+    inherited resources, page_text() reads one page."""
+
+    def __init__(self, data):
+        self.data = data
+        self.offsets, self.packed, self.cache = {}, {}, {}   # number -> offset; -> (stream number, index)
+        self.scanned = None                                    # number -> offset found by a scan, when needed
+        self.inflated = 0
+        self.crypt = None
+        self.trailer = {}
+        self.fonts = {}
+        if not data.lstrip()[:5].startswith(b"%PDF") and b"%PDF-" not in data[:1024]:
+            raise PdfError("it does not start as a PDF does (%PDF-)")
+        try:
+            self.read_xref()
+        except (PdfError, ValueError, IndexError, KeyError, TypeError, RecursionError):
+            self.offsets, self.packed, self.trailer = {}, {}, {}
+        if not isinstance(self.get(self.trailer.get("Root")), dict):
+            self.rebuild()
+        if "Encrypt" in self.trailer:
+            self.crypt = PdfCrypt(self, self.get(self.trailer["Encrypt"]))
+            self.cache = {}                                    # (what was read before is read again, decrypted)
+
+    # -- the file's structure
+    def obj(self, pos, depth=0):
+        """(the object at offset pos, the offset after it)."""
+        data = self.data
+        m = PDF_TOKEN.match(data, pos)
+        if m is None:
+            raise PdfError("damaged near byte %d (an object was expected)" % pos)
+        kind, end = m.lastgroup, m.end()
+        if kind == "num":
+            text = m.group(kind)
+            if b"." in text:
+                return float(text), end
+            value = int(text)
+            m2 = PDF_TOKEN.match(data, end)
+            if m2 is not None and m2.lastgroup == "num" and b"." not in m2.group("num"):
+                m3 = PDF_TOKEN.match(data, m2.end())
+                if m3 is not None and m3.group("word") == b"R":
+                    return PdfRef((value, int(m2.group("num")))), m3.end()
+            return value, end
+        if kind == "name":
+            raw = m.group(kind)
+            if b"#" in raw:
+                raw = re.sub(rb"#([0-9A-Fa-f]{2})", lambda h: bytes([int(h.group(1), 16)]), raw)
+            return PdfName(raw.decode("latin-1")), end
+        if kind == "open":
+            if depth > PDF_DEPTH_MAX:
+                raise PdfError("objects nested too deeply")
+            what = m.group(kind)
+            if what == b"(":
+                return self.literal(end)
+            if what == b"<":
+                close = data.find(b">", end)
+                if close < 0:
+                    raise PdfError("an unterminated hex string")
+                hexes = re.sub(rb"[^0-9A-Fa-f]", b"", data[end:close])
+                return bytes.fromhex((hexes + b"0" * (len(hexes) % 2)).decode()), close + 1
+            if what == b"[":
+                items, pos = [], end
+                while True:
+                    m = PDF_TOKEN.match(data, pos)
+                    if m is None:
+                        raise PdfError("an unterminated array")
+                    if m.lastgroup == "close":
+                        return items, m.end()
+                    value, pos = self.obj(pos, depth + 1)
+                    items.append(value)
+            if what == b"<<":
+                d, pos = {}, end
+                while True:
+                    m = PDF_TOKEN.match(data, pos)
+                    if m is None:
+                        raise PdfError("an unterminated dictionary")
+                    if m.lastgroup == "close":
+                        return d, m.end()
+                    key, pos = self.obj(pos, depth + 1)
+                    m = PDF_TOKEN.match(data, pos)
+                    if m is not None and m.lastgroup == "close":
+                        return d, m.end()
+                    value, pos = self.obj(pos, depth + 1)
+                    if isinstance(key, PdfName):
+                        d[str(key)] = value
+            return None, end                                   # '{' of a PostScript function: not text
+        if kind == "word":
+            word = m.group(kind)
+            return (True if word == b"true" else False if word == b"false" else None), end
+        return None, end                                       # a stray closing bracket
+
+    def literal(self, pos):
+        """(a literal string's bytes, the offset after it) from just after its '('."""
+        data, out, depth = self.data, [], 1
+        find = re.compile(rb"[()\\]").search
+        while True:
+            m = find(data, pos)
+            if m is None:
+                out.append(data[pos:])
+                return b"".join(out), len(data)
+            out.append(data[pos:m.start()])
+            c, pos = m.group(), m.end()
+            if c == b"(":
+                depth += 1
+                out.append(c)
+            elif c == b")":
+                depth -= 1
+                if not depth:
+                    return b"".join(out), pos
+                out.append(c)
+            else:
+                e = data[pos:pos + 1]
+                if e in PDF_STRING_ESCAPES:
+                    out.append(PDF_STRING_ESCAPES[e])
+                    pos += 1
+                elif e.isdigit():
+                    octal = re.match(rb"[0-7]{1,3}", data[pos:pos + 3])
+                    if octal:
+                        out.append(bytes([int(octal.group(), 8) & 255]))
+                        pos += len(octal.group())
+                    else:
+                        pos += 1
+                elif e == b"\r":
+                    pos += 2 if data[pos + 1:pos + 2] == b"\n" else 1
+                elif e == b"\n":
+                    pos += 1
+                else:
+                    out.append(e)
+                    pos += 1
+
+    def indirect(self, pos, number=None):
+        """The object defined at offset pos ('n g obj ... endobj'), a stream with its raw bytes."""
+        m = re.compile(rb"[\x00\t\n\x0c\r ]*(\d+)[\x00\t\n\x0c\r ]+(\d+)[\x00\t\n\x0c\r ]+obj").match(self.data, pos)
+        if m is None or number is not None and int(m.group(1)) != number:
+            raise PdfError("no object %s at byte %d" % (number, pos))
+        ref = PdfRef((int(m.group(1)), int(m.group(2))))
+        value, pos = self.obj(m.end())
+        if isinstance(value, dict):
+            s = re.compile(rb"[\x00\t\n\x0c\r ]*stream\r?\n?").match(self.data, pos)
+            if s is not None:
+                start = s.end()
+                length = self.get(value.get("Length"))
+                end = start + length if isinstance(length, int) and length >= 0 else -1
+                if end < 0 or end > len(self.data) or \
+                        not re.match(rb"[\x00\t\n\x0c\r ]*endstream", self.data[end:end + 32]):
+                    end = self.data.find(b"endstream", start)
+                    end = len(self.data) if end < 0 else end
+                    if self.data[end - 2:end] == b"\r\n":
+                        end -= 2
+                    elif self.data[end - 1:end] in (b"\n", b"\r"):
+                        end -= 1
+                return PdfStream(value, self.data[start:end], ref)
+        return value
+
+    def read_xref(self):
+        """Read the xref sections from the last startxref back through /Prev."""
+        at = self.data.rfind(b"startxref")
+        if at < 0:
+            raise PdfError("no startxref")
+        pos, seen = int(re.match(rb"startxref\s*(\d+)", self.data[at:at + 40]).group(1)), set()
+        while pos is not None and pos not in seen and len(seen) < 1000:
+            seen.add(pos)
+            m = re.compile(rb"[\x00\t\n\x0c\r ]*xref").match(self.data, pos)
+            if m is not None:
+                trailer = self.xref_table(m.end())
+                if isinstance(trailer.get("XRefStm"), int):
+                    self.xref_stream(self.indirect(trailer["XRefStm"]))
+            else:
+                stream = self.indirect(pos)
+                if not isinstance(stream, PdfStream):
+                    raise PdfError("startxref points at no xref")
+                trailer = self.xref_stream(stream)
+            for key, value in trailer.items():
+                self.trailer.setdefault(key, value)
+            pos = trailer.get("Prev") if isinstance(trailer.get("Prev"), int) else None
+
+    def xref_table(self, pos):
+        """One 'xref' table (the newest entry of a number wins: later sections were read first); its trailer."""
+        data = self.data
+        section = re.compile(rb"[\x00\t\n\x0c\r ]*(\d+)[ \t]+(\d+)[ \t]*\r?\n?")
+        entry = re.compile(rb"[\x00\t\n\x0c\r ]*(\d{1,10})[ \t]+(\d{1,5})[ \t]+([nf])")
+        while True:
+            m = section.match(data, pos)
+            if m is None:
+                break
+            first, count, pos = int(m.group(1)), int(m.group(2)), m.end()
+            for i in range(count):
+                e = entry.match(data, pos)
+                if e is None:
+                    break
+                pos = e.end()
+                if e.group(3) == b"n" and first + i not in self.packed:
+                    self.offsets.setdefault(first + i, int(e.group(1)))
+        m = re.compile(rb"[\x00\t\n\x0c\r ]*trailer").match(data, pos)
+        if m is None:
+            raise PdfError("an xref table without its trailer")
+        trailer, _ = self.obj(m.end())
+        return trailer if isinstance(trailer, dict) else {}
+
+    def xref_stream(self, stream):
+        """One cross-reference stream (/Type /XRef); its dictionary (the trailer)."""
+        d = stream.dict
+        data = self.decoded(stream)
+        w = [x if isinstance(x, int) and 0 <= x <= 8 else 0 for x in (d.get("W") or [1, 2, 1])[:3]]
+        index = d.get("Index") or [0, d.get("Size", 0)]
+        size, pos = sum(w), 0
+        if size == 0:
+            return d
+        for j in range(0, len(index) - 1, 2):
+            first, count = index[j], index[j + 1]
+            if not isinstance(first, int) or not isinstance(count, int):
+                continue
+            for i in range(count):
+                row = data[pos:pos + size]
+                if len(row) < size:
+                    return d
+                pos += size
+                f = [int.from_bytes(row[sum(w[:k]):sum(w[:k + 1])], "big") for k in range(3)]
+                kind = f[0] if w[0] else 1
+                n = first + i
+                if n in self.offsets or n in self.packed:
+                    continue
+                if kind == 1:
+                    self.offsets[n] = f[1]
+                elif kind == 2:
+                    self.packed[n] = (f[1], f[2])
+        return d
+
+    def rebuild(self):
+        """A damaged or missing xref: find every 'n g obj' in the file (the last of a number
+        wins), the trailers' and object streams' contents, and the catalog if no trailer names it."""
+        self.offsets, self.packed, self.cache = {}, {}, {}
+        for m in re.finditer(rb"(?<![0-9])(\d{1,10})[\x00\t\n\x0c\r ]+(\d{1,5})[\x00\t\n\x0c\r ]+obj\b", self.data):
+            self.offsets[int(m.group(1))] = m.start()
+        for m in re.finditer(rb"trailer[\x00\t\n\x0c\r ]*<<", self.data):
+            try:
+                trailer, _ = self.obj(m.end() - 2)
+            except PdfError:
+                continue
+            if isinstance(trailer, dict):
+                self.trailer.update(trailer)
+        for number in list(self.offsets):
+            try:
+                value = self.get(PdfRef((number, 0)))
+            except PdfError:
+                continue
+            d = value.dict if isinstance(value, PdfStream) else value
+            if not isinstance(d, dict):
+                continue
+            if d.get("Type") == "ObjStm" and isinstance(value, PdfStream):
+                try:
+                    for i, n in enumerate(self.object_stream(value)[0]):
+                        self.packed.setdefault(n, (number, i))
+                except (PdfError, ValueError):
+                    pass
+            elif d.get("Type") == "XRef":
+                for key in ("Root", "Info", "Encrypt", "ID"):
+                    if key in d:
+                        self.trailer.setdefault(key, d[key])
+        if not isinstance(self.get(self.trailer.get("Root")), dict):
+            for number in self.offsets:
+                value = self.get(PdfRef((number, 0)))
+                if isinstance(value, dict) and value.get("Type") == "Catalog":
+                    self.trailer["Root"] = PdfRef((number, 0))
+                    break
+            else:
+                raise PdfError("no catalog (a damaged file, or not a PDF)")
+
+    def object_stream(self, stream):
+        """(the numbers, the offsets, the decoded bytes) of an object stream."""
+        data = self.decoded(stream)
+        n, first = stream.dict.get("N"), stream.dict.get("First")
+        if not isinstance(n, int) or not isinstance(first, int):
+            raise PdfError("an object stream without /N and /First")
+        head = [int(x) for x in data[:first].split()[:2 * n]]
+        return head[0::2], [first + o for o in head[1::2]], data
+
+    def get(self, value, depth=0):
+        """`value` with a reference resolved (None if it leads nowhere)."""
+        if not isinstance(value, PdfRef):
+            return value
+        if value in self.cache:
+            return self.cache[value]
+        self.cache[value] = None                               # (a reference to itself leads nowhere)
+        number, found = value[0], None
+        try:
+            if number in self.packed:
+                holder, index = self.packed[number]
+                stream = self.get(PdfRef((holder, 0)), depth + 1)
+                if isinstance(stream, PdfStream) and depth < 8:
+                    key = ("objstm", holder)
+                    if key not in self.cache:
+                        self.cache[key] = self.object_stream(stream)
+                    numbers, offsets, data = self.cache[key]
+                    if index < len(offsets):
+                        sub = Pdf.__new__(Pdf)
+                        sub.data = data
+                        found, _ = sub.obj(offsets[index])
+            elif number in self.offsets:
+                try:
+                    found = self.indirect(self.offsets[number], number)
+                except PdfError:                               # an xref off by some bytes: where the object is
+                    if self.scanned is None:
+                        self.scanned = dict((int(m.group(1)), m.start()) for m in re.finditer(
+                            rb"(?<![0-9])(\d{1,10})[\x00\t\n\x0c\r ]+\d{1,5}[\x00\t\n\x0c\r ]+obj\b", self.data))
+                    if number not in self.scanned:
+                        raise
+                    found = self.indirect(self.scanned[number], number)
+                if self.crypt is not None:
+                    found = self.crypt.decrypt(found, value)
+        except (PdfError, ValueError, IndexError, RecursionError):
+            found = None
+        self.cache[value] = found
+        return found
+
+    # -- streams
+    def decoded(self, stream):
+        """The bytes of a stream, its filters undone (decrypted first); bounded."""
+        d, data = stream.dict, stream.raw
+        filters, params = self.get(d.get("Filter")), self.get(d.get("DecodeParms"))
+        filters = filters if isinstance(filters, list) else [filters] if filters else []
+        params = params if isinstance(params, list) else [params] * len(filters)
+        for f, p in zip(filters, params + [None] * len(filters)):
+            f, p = self.get(f), self.get(p)
+            if f in ("FlateDecode", "Fl"):
+                data = self.inflate(data)
+            elif f in ("LZWDecode", "LZW"):
+                data = pdf_lzw(data, PDF_INFLATED_MAX - self.inflated)
+            elif f in ("ASCII85Decode", "A85"):
+                data = pdf_ascii85(data)
+            elif f in ("ASCIIHexDecode", "AHx"):
+                hexes = re.sub(rb"[^0-9A-Fa-f]", b"", data.split(b">")[0])
+                data = bytes.fromhex((hexes + b"0" * (len(hexes) % 2)).decode())
+            elif f in ("RunLengthDecode", "RL"):
+                data = pdf_run_length(data)
+            elif f == "Crypt":
+                continue
+            else:
+                raise PdfError("a stream in %s (an image, not text)" % f)
+            if isinstance(p, dict) and isinstance(p.get("Predictor"), int) and p["Predictor"] > 1:
+                data = pdf_predictor(data, p)
+            self.inflated += len(data)
+            if self.inflated > PDF_INFLATED_MAX:
+                raise PdfError("its streams inflate past %s: refused (a decompression bomb?)"
+                               % human_size(PDF_INFLATED_MAX))
+        return data
+
+    def inflate(self, data):
+        """Flate data, as much as can be had of a damaged stream, never past what is left of the bound."""
+        import zlib
+        room = PDF_INFLATED_MAX - self.inflated
+        best = b""
+        for wbits in (15, -15):                               # (raw deflate after the header: no checksum to fail)
+            z, out, size = zlib.decompressobj(wbits), [], 0
+            data = data if wbits > 0 else data[2:]
+            for at in range(0, len(data), 1 << 16):            # (in pieces: a damaged end keeps what came before)
+                try:
+                    piece = z.decompress(data[at:at + (1 << 16)], room + 1 - size)
+                except zlib.error:
+                    break
+                out.append(piece)
+                size += len(piece)
+                if size > room:
+                    raise PdfError("its streams inflate past %s: refused (a decompression bomb?)"
+                                   % human_size(PDF_INFLATED_MAX))
+                if z.unconsumed_tail:
+                    raise PdfError("its streams inflate past %s: refused (a decompression bomb?)"
+                                   % human_size(PDF_INFLATED_MAX))
+                if z.eof:
+                    break
+            if size > len(best):
+                best = b"".join(out)
+            if z.eof:
+                break
+        return best
+
+    def content(self, page):
+        """The page's content streams, decoded and joined."""
+        c = self.get(page.get("Contents"))
+        parts = c if isinstance(c, list) else [c]
+        out = []
+        for part in parts[:10000]:
+            part = self.get(part)
+            if isinstance(part, PdfStream):
+                try:
+                    out.append(self.decoded(part))
+                except PdfError as e:
+                    if "inflate past" in str(e):
+                        raise
+        return b"\n".join(out)
+
+    # -- pages
+    def pages(self):
+        """[(the page dictionary, its resources)], in order, through the page tree (cycles and
+        depth bounded; a tree that leads nowhere: the objects of /Type /Page, in file order)."""
+        root = self.get(self.trailer.get("Root")) or {}
+        out, seen = [], set()
+
+        def walk(node, inherited, depth):
+            node_ref, node = node, self.get(node)
+            if not isinstance(node, dict) or depth > PDF_DEPTH_MAX or len(out) >= PDF_PAGES_MAX:
+                return
+            if isinstance(node_ref, PdfRef):
+                if node_ref in seen:
+                    return
+                seen.add(node_ref)
+            inherited = dict(inherited)
+            for key in ("Resources", "MediaBox", "Rotate"):
+                if key in node:
+                    inherited[key] = node[key]
+            kids = self.get(node.get("Kids"))
+            if node.get("Type") == "Page" or not isinstance(kids, list):
+                if node.get("Type") != "Pages":
+                    out.append((node, self.get(inherited.get("Resources")) or {}))
+                return
+            for kid in kids:
+                walk(kid, inherited, depth + 1)
+        walk(root.get("Pages"), {}, 0)
+        return out
+
+    def info(self):
+        """The document's title, or ''."""
+        info = self.get(self.trailer.get("Info"))
+        title = self.get(info.get("Title")) if isinstance(info, dict) else None
+        return " ".join(pdf_text_string(title).split())
+
+    # -- text
+    def font(self, ref):
+        """The PdfFont of a font dictionary (kept by reference)."""
+        key = ref if isinstance(ref, PdfRef) else id(ref)
+        if key not in self.fonts:
+            d = self.get(ref)
+            self.fonts[key] = PdfFont(self, d if isinstance(d, dict) else {})
+        return self.fonts[key]
+
+    def page_text(self, page, resources):
+        """The text of one page, its lines in the order it draws them."""
+        runs = []
+        self.run(self.content(page), resources, [1, 0, 0, 1, 0, 0], runs, 0, set())
+        annots = self.get(page.get("Annots"))
+        for annot in annots[:1000] if isinstance(annots, list) else []:
+            annot = self.get(annot)                           # a form field's value, a note: as drawn
+            ap = self.get(annot.get("AP")) if isinstance(annot, dict) else None
+            normal = self.get(ap.get("N")) if isinstance(ap, dict) else None
+            if isinstance(normal, dict):
+                normal = self.get(normal.get(self.get(annot.get("AS"))))
+            rect = self.get(annot.get("Rect")) if isinstance(normal, PdfStream) else None
+            if not isinstance(rect, list) or len(rect) != 4 or (self.get(annot.get("F")) or 0) & 2:
+                continue
+            try:
+                x, y = min(float(self.get(rect[0])), float(self.get(rect[2]))), \
+                    min(float(self.get(rect[1])), float(self.get(rect[3])))
+            except (TypeError, ValueError):
+                continue
+            form = {"XObject": {"ap": normal}}
+            self.run(b"/ap Do", form, [1, 0, 0, 1, x, y], runs, 0, set())
+        return pdf_lines(runs)
+
+    def run(self, data, resources, ctm, runs, depth, forms):
+        """Interpret a content stream: each string shown becomes a run (x, y, end x, end y,
+        size, text) in page space; form XObjects are run inside it."""
+        fonts = self.get(resources.get("Font")) if isinstance(resources, dict) else None
+        fonts = fonts if isinstance(fonts, dict) else {}
+        xobjects = self.get(resources.get("XObject")) if isinstance(resources, dict) else None
+        xobjects = xobjects if isinstance(xobjects, dict) else {}
+        stack = []
+        font, size, tc, tw, th, tl, rise = None, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0
+        tm = lm = [1, 0, 0, 1, 0, 0]
+        operands = []
+        pos, end = 0, len(data)
+        match = PDF_TOKEN.match
+        sub = Pdf.__new__(Pdf)
+        sub.data = data
+        while pos < end:
+            m = match(data, pos)
+            if m is None:
+                break
+            kind = m.lastgroup
+            if kind != "word":
+                if kind == "num":
+                    t = m.group(kind)
+                    operands.append(float(t) if b"." in t else int(t))
+                    pos = m.end()
+                elif kind == "close":
+                    pos = m.end()
+                else:
+                    try:
+                        value, pos = sub.obj(pos)
+                    except PdfError:
+                        break
+                    operands.append(value)
+                if len(operands) > 10000:
+                    operands = []
+                continue
+            op, pos = m.group(kind), m.end()
+            try:
+                if op in (b"Tj", b"'", b'"', b"TJ"):
+                    if op == b"'" or op == b'"':
+                        if op == b'"' and len(operands) >= 3:
+                            tw, tc = operands[-3], operands[-2]
+                        lm = [lm[0], lm[1], lm[2], lm[3], lm[4] - tl * lm[2], lm[5] - tl * lm[3]]
+                        tm = lm
+                    if font is None or not operands:
+                        operands = []
+                        continue
+                    items = operands[-1] if op == b"TJ" else [operands[-1]]
+                    items = items if isinstance(items, list) else [items]
+                    for item in items:
+                        if isinstance(item, bytes):
+                            text, width, codes, spaces = font.decode(item)
+                            if tc * th > 0.15 * size and len(text) > 1:
+                                text = " ".join(text)                   # letter-spaced: each one a word apart
+                            advance = ((width * size + tc * codes + tw * spaces) * th)
+                            m0 = pdf_mul(tm, ctm)
+                            if font.vertical:
+                                x0, y0 = m0[4], m0[5]
+                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
+                            else:
+                                x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
+                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
+                            m1 = pdf_mul(tm, ctm)
+                            scale = size * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
+                            if text:
+                                runs.append((x0, y0, m1[4] + (rise * m1[2] if not font.vertical else 0),
+                                             m1[5] + (rise * m1[3] if not font.vertical else 0),
+                                             abs(scale) or 1.0, text, font.vertical))
+                        elif isinstance(item, (int, float)):
+                            shift = -item / 1000.0 * size * th
+                            if font.vertical:
+                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] - shift * tm[2] / th, tm[5] - shift * tm[3] / th]
+                            else:
+                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[0], tm[5] + shift * tm[1]]
+                elif op == b"Td" or op == b"TD":
+                    tx, ty = operands[-2], operands[-1]
+                    if op == b"TD":
+                        tl = -ty
+                    lm = [lm[0], lm[1], lm[2], lm[3], lm[4] + tx * lm[0] + ty * lm[2], lm[5] + tx * lm[1] + ty * lm[3]]
+                    tm = lm
+                elif op == b"Tm":
+                    lm = tm = [float(x) for x in operands[-6:]]
+                elif op == b"T*":
+                    lm = [lm[0], lm[1], lm[2], lm[3], lm[4] - tl * lm[2], lm[5] - tl * lm[3]]
+                    tm = lm
+                elif op == b"Tf":
+                    name, size = operands[-2], float(operands[-1])
+                    ref = fonts.get(name) if isinstance(name, str) else None
+                    font = self.font(ref) if ref is not None else None
+                elif op == b"BT":
+                    tm = lm = [1, 0, 0, 1, 0, 0]
+                elif op == b"cm":
+                    ctm = pdf_mul([float(x) for x in operands[-6:]], ctm)
+                elif op == b"q":
+                    if len(stack) < 1000:
+                        stack.append((ctm, font, size, tc, tw, th, tl, rise))
+                elif op == b"Q":
+                    if stack:
+                        ctm, font, size, tc, tw, th, tl, rise = stack.pop()
+                elif op == b"Tc":
+                    tc = float(operands[-1])
+                elif op == b"Tw":
+                    tw = float(operands[-1])
+                elif op == b"Tz":
+                    th = float(operands[-1]) / 100.0
+                elif op == b"TL":
+                    tl = float(operands[-1])
+                elif op == b"Ts":
+                    rise = float(operands[-1])
+                elif op == b"Do":
+                    ref = xobjects.get(operands[-1]) if isinstance(operands[-1], str) else None
+                    form = self.get(ref)
+                    if isinstance(form, PdfStream) and form.dict.get("Subtype") == "Form" and depth < 12 \
+                            and ref not in forms:
+                        matrix = form.dict.get("Matrix")
+                        matrix = [float(x) for x in matrix] if isinstance(matrix, list) and len(matrix) == 6 \
+                            else [1, 0, 0, 1, 0, 0]
+                        inner = self.get(form.dict.get("Resources"))
+                        try:
+                            body = self.decoded(form)
+                        except PdfError as e:
+                            if "inflate past" in str(e):
+                                raise
+                            body = b""
+                        self.run(body, inner if isinstance(inner, dict) else resources, pdf_mul(matrix, ctm), runs,
+                                 depth + 1, forms | {ref})
+                elif op == b"BI":
+                    at = re.compile(rb"[\x00\t\n\x0c\r ]ID[\x00\t\n\x0c\r ]").search(data, pos)
+                    stop = re.compile(rb"[\x00\t\n\x0c\r ]EI(?=[\x00\t\n\x0c\r ]|$)").search(data, at.end()) \
+                        if at else None
+                    pos = stop.end() if stop else end
+            except (IndexError, TypeError, ValueError, ZeroDivisionError, OverflowError):
+                pass                                          # an operator with operands it cannot take
+            operands = []
+
+
+def pdf_mul(a, b):
+    """The product of two PDF matrices [a b c d e f] (a, then b)."""
+    return [a[0] * b[0] + a[1] * b[2], a[0] * b[1] + a[1] * b[3], a[2] * b[0] + a[3] * b[2],
+            a[2] * b[1] + a[3] * b[3], a[4] * b[0] + a[5] * b[2] + b[4], a[4] * b[1] + a[5] * b[3] + b[5]]
+
+
+def pdf_lines(runs):
+    """Runs (x, y, end x, end y, size, text, vertical) as lines of text: a run goes on the
+    line before it when it goes on along that line's direction (a gap of more than a
+    sixth of its size is a space), else it starts a new line."""
+    lines, line, last = [], [], None
+    for x, y, ex, ey, size, text, vertical in runs:
+        if last is not None:
+            lx, ly, lex, ley, lsize = last
+            dx, dy = lex - lx, ley - ly
+            length = (dx * dx + dy * dy) ** 0.5
+            if length < 1e-6:
+                dx, dy, length = (0.0, -1.0, 1.0) if vertical else (1.0, 0.0, 1.0)
+            ux, uy = dx / length, dy / length
+            gx, gy = x - lex, y - ley
+            along, across = gx * ux + gy * uy, abs(gy * ux - gx * uy)
+            h = max(size, lsize)
+            if across < 0.6 * h and -0.6 * h < along < 40 * h:
+                if along > 0.16 * h and line and not line[-1][-1:].isspace() and not text[:1].isspace():
+                    line.append(" ")
+            else:
+                lines.append("".join(line))
+                line = []
+        line.append(text)
+        last = (x, y, ex, ey, size)
+    if line:
+        lines.append("".join(line))
+    text = "\n".join(" ".join(l.split()) if l.strip() else "" for l in lines).strip("\n")
+    return text.translate(PDF_LIGATURES)
+
+
+PDF_LIGATURES = {0xfb00: "ff", 0xfb01: "fi", 0xfb02: "fl", 0xfb03: "ffi", 0xfb04: "ffl", 0xfb05: "st", 0xfb06: "st"}
+
+
+class PdfFont(object):
+    """How a font's codes become text (decode()) and how far each moves the pen."""
+
+    def __init__(self, pdf, d):
+        get = pdf.get
+        self.vertical = False
+        self.memo = {}
+        self.scale = 0.001
+        subtype = get(d.get("Subtype"))
+        self.composite = subtype == "Type0"
+        self.widths, self.default = {}, 0.5
+        self.codec, self.spans = None, []                   # a CJK codec; codespace ranges [(n, lo, hi)]
+        self.uni = {}
+        tounicode = get(d.get("ToUnicode"))
+        cmap = {}
+        if isinstance(tounicode, str) and self.composite and "Identity" in tounicode:
+            self.codec = "utf-16-be"                           # the codes are the characters
+        if isinstance(tounicode, PdfStream):
+            try:
+                cmap, self.spans = pdf_cmap(pdf.decoded(tounicode))
+            except PdfError:
+                cmap = {}
+        if self.composite:
+            kids = get(d.get("DescendantFonts"))
+            kid = get(kids[0]) if isinstance(kids, list) and kids else {}
+            kid = kid if isinstance(kid, dict) else {}
+            enc = get(d.get("Encoding"))
+            name = str(enc) if isinstance(enc, str) else ""
+            if isinstance(enc, PdfStream):
+                name = str(get(enc.dict.get("CMapName")) or "")
+                try:
+                    _, spans = pdf_cmap(pdf.decoded(enc))
+                    self.spans = self.spans or spans
+                except PdfError:
+                    pass
+            self.vertical = name.endswith("-V")
+            if name in ("H", "V") and not cmap:
+                self.codec = "jis"                             # JIS X 0208 codes, two bytes
+            if not cmap and "Identity" not in name and self.codec is None:
+                for part, codec in PDF_CODECS:
+                    if part in name:
+                        self.codec = codec
+                        break
+            self.default = (get(kid.get("DW")) if isinstance(get(kid.get("DW")), (int, float)) else 1000) / 1000.0
+            w = get(kid.get("W"))
+            if isinstance(w, list):
+                i = 0
+                while i + 1 < len(w) and len(self.widths) < PDF_CMAP_MAX:
+                    first, nxt = get(w[i]), get(w[i + 1])
+                    if isinstance(nxt, list) and isinstance(first, int):
+                        for k, v in enumerate(nxt):
+                            if isinstance(get(v), (int, float)):
+                                self.widths[first + k] = get(v) / 1000.0
+                        i += 2
+                    elif i + 2 < len(w) and isinstance(first, int) and isinstance(nxt, int):
+                        v = get(w[i + 2])
+                        if isinstance(v, (int, float)) and nxt - first < PDF_CMAP_MAX:
+                            for c in range(first, nxt + 1):
+                                self.widths[c] = v / 1000.0
+                        i += 3
+                    else:
+                        break
+            if not self.spans:
+                self.spans = [(2, b"\x00\x00", b"\xff\xff")]
+            self.uni = cmap
+            return
+        # a simple font: one byte a code
+        if subtype == "Type3":
+            matrix = get(d.get("FontMatrix"))
+            if isinstance(matrix, list) and matrix and isinstance(get(matrix[0]), (int, float)):
+                self.scale = get(matrix[0])
+        first, widths = get(d.get("FirstChar")), get(d.get("Widths"))
+        if isinstance(first, int) and isinstance(widths, list):
+            for k, v in enumerate(widths[:256]):
+                v = get(v)
+                if isinstance(v, (int, float)):
+                    self.widths[first + k] = v * self.scale
+        base = str(get(d.get("BaseFont")) or "")
+        descriptor = get(d.get("FontDescriptor"))
+        descriptor = descriptor if isinstance(descriptor, dict) else {}
+        missing = get(descriptor.get("MissingWidth"))
+        if isinstance(missing, (int, float)) and missing > 0:
+            self.default = missing * self.scale
+        elif "Courier" in base:
+            self.default = 0.6
+        enc = get(d.get("Encoding"))
+        differences = []
+        name = None
+        if isinstance(enc, str):
+            name = str(enc)
+        elif isinstance(enc, dict):
+            name = get(enc.get("BaseEncoding"))
+            differences = get(enc.get("Differences")) or []
+        table = None
+        if name in ("WinAnsiEncoding", "MacRomanEncoding", "StandardEncoding", "PDFDocEncoding"):
+            table = pdf_encoding(name)
+        elif subtype != "Type3":
+            program = get(descriptor.get("FontFile"))
+            if isinstance(program, PdfStream):
+                try:
+                    head = pdf.decoded(program)[:65536]
+                except PdfError:
+                    head = b""
+                if b"/Encoding StandardEncoding" not in head:
+                    builtin = dict((int(c), pdf_glyph(n.decode("latin-1")))
+                                   for c, n in re.findall(rb"dup\s+(\d+)\s*/(\S+)\s+put", head) if int(c) < 256)
+                    if builtin:
+                        table = builtin
+            if table is None:
+                table = pdf_encoding("WinAnsiEncoding" if subtype == "TrueType" else "StandardEncoding") \
+                    if "Symbol" not in base and "Dingbat" not in base else {}
+        table = dict(table or {})
+        code = 0
+        for item in differences if isinstance(differences, list) else []:
+            item = get(item)
+            if isinstance(item, int):
+                code = item
+            elif isinstance(item, str) and 0 <= code < 256:
+                table[code] = pdf_glyph(item)
+                code += 1
+        for c, text in cmap.items():
+            if len(c) == 1:
+                table[c[0]] = text
+        self.uni = dict((bytes([c]), t) for c, t in table.items() if t is not None)
+        self.spans = []
+
+    def decode(self, s):
+        """(text, width in text space units of one point, codes, single-byte spaces) of a shown string."""
+        known = self.memo.get(s)
+        if known is not None:
+            return known
+        uni, widths, default = self.uni, self.widths, self.default
+        if not self.composite:
+            text = "".join(uni.get(s[i:i + 1], chr(s[i]) if 32 <= s[i] < 127 and not uni else "")
+                           for i in range(len(s)))
+            width = sum(widths.get(b, default) for b in s)
+            out = (text, width, len(s), s.count(32))
+        elif self.codec is not None:
+            text = (b"\x1b$B" + s + b"\x1b(B").decode("iso2022_jp", "replace") if self.codec == "jis" else \
+                s.decode(self.codec, "replace")
+            text = text.replace("\ufffd", "")
+            out = (text, default * len(text), len(text), text.count(" "))
+        else:
+            parts, width, codes, i = [], 0.0, 0, 0
+            spans = self.spans
+            while i < len(s):
+                n = 0
+                for size, lo, hi in spans:
+                    c = s[i:i + size]
+                    if len(c) == size and all(lo[k] <= c[k] <= hi[k] for k in range(size)):
+                        n = size
+                        break
+                n = n or (2 if len(s) - i >= 2 else 1)
+                c = s[i:i + n]
+                i += n
+                codes += 1
+                parts.append(uni.get(c, ""))
+                width += widths.get(int.from_bytes(c, "big"), default)
+            text = "".join(parts)
+            out = (text, width, codes, s.count(32) if all(n == 1 for n, _, _ in spans) else 0)
+        if len(self.memo) < 100000:
+            self.memo[s] = out
+        return out
+
+
+def pdf_cmap(data):
+    """({code bytes: text}, codespace [(bytes, lo, hi)]) of a CMap (ToUnicode's bfchar and
+    bfrange; an encoding CMap's codespace); bounded."""
+    sub = Pdf.__new__(Pdf)
+    sub.data = data
+    out, spans, tokens, pos = {}, [], [], 0
+    mode = None
+    while pos < len(data) and len(out) < PDF_CMAP_MAX:
+        m = PDF_TOKEN.match(data, pos)
+        if m is None:
+            break
+        word = m.group("word")
+        if word is None:
+            value, pos = sub.obj(pos)
+            tokens.append(value)
+            continue
+        pos = m.end()
+        if word in (b"begincodespacerange", b"beginbfchar", b"beginbfrange", b"begincidrange", b"begincidchar"):
+            mode, tokens = word, []
+        elif word in (b"endcidrange", b"endcidchar"):             # (in a ToUnicode: the numbers are characters)
+            step = 3 if word == b"endcidrange" else 2
+            for j in range(0, len(tokens) - step + 1, step):
+                lo, hi, first = tokens[j], tokens[j + step - 2], tokens[j + step - 1]
+                if isinstance(lo, bytes) and isinstance(hi, bytes) and isinstance(first, int) and len(lo) == len(hi):
+                    a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
+                    for k in range(min(b - a + 1, PDF_CMAP_MAX - len(out))):
+                        if 0 < first + k < 0xd800 or 0xe000 <= first + k < 0x110000:
+                            out.setdefault((a + k).to_bytes(len(lo), "big"), chr(first + k))
+            mode = None
+        elif word == b"endcodespacerange":
+            for lo, hi in zip(tokens[0::2], tokens[1::2]):
+                if isinstance(lo, bytes) and isinstance(hi, bytes) and len(lo) == len(hi) and 0 < len(lo) <= 4:
+                    spans.append((len(lo), lo, hi))
+            mode = None
+        elif word == b"endbfchar":
+            for src, dst in zip(tokens[0::2], tokens[1::2]):
+                if isinstance(src, bytes):
+                    out[src] = pdf_unicode(dst)
+            mode = None
+        elif word == b"endbfrange":
+            for j in range(0, len(tokens) - 2, 3):
+                lo, hi, dst = tokens[j:j + 3]
+                if not isinstance(lo, bytes) or not isinstance(hi, bytes) or len(lo) != len(hi) or not lo:
+                    continue
+                a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
+                if b < a or b - a > PDF_CMAP_MAX - len(out):
+                    continue
+                for k in range(b - a + 1):
+                    src = (a + k).to_bytes(len(lo), "big")
+                    if isinstance(dst, list):
+                        if k < len(dst):
+                            out[src] = pdf_unicode(dst[k])
+                    elif isinstance(dst, bytes) and dst:
+                        v = int.from_bytes(dst, "big") + k
+                        out[src] = pdf_unicode(v.to_bytes(len(dst), "big") if v < 1 << (8 * len(dst)) else b"")
+            mode = None
+        if mode is None:
+            tokens = []
+    spans.sort(key=lambda s: s[0])
+    return out, spans
+
+
+def pdf_unicode(dst):
+    """A CMap destination (UTF-16BE bytes, or a glyph name) as text."""
+    if isinstance(dst, str):
+        return pdf_glyph(dst) or ""
+    if not isinstance(dst, bytes):
+        return ""
+    if len(dst) % 2:
+        return dst.decode("latin-1")
+    return dst.decode("utf-16-be", "replace").replace("\ufffd", "")
+
+
+def pdf_lzw(data, room):
+    """LZW-decoded bytes (early change), at most `room` + 1 of them."""
+    out, table, prev, bits, buf, nbits = bytearray(), [bytes([i]) for i in range(256)] + [b"", b""], b"", 9, 0, 0
+    for byte in data:
+        buf, nbits = (buf << 8) | byte, nbits + 8
+        while nbits >= bits:
+            nbits -= bits
+            code = (buf >> nbits) & ((1 << bits) - 1)
+            buf &= (1 << nbits) - 1
+            if code == 256:
+                table, bits, prev = table[:258], 9, b""
+                continue
+            if code == 257:
+                return bytes(out)
+            if code < len(table):
+                entry = table[code]
+                if prev:
+                    table.append(prev + entry[:1])
+            elif prev:
+                entry = prev + prev[:1]
+                table.append(entry)
+            else:
+                return bytes(out)
+            out += entry
+            if len(out) > room:
+                raise PdfError("its streams inflate past %s: refused (a decompression bomb?)"
+                               % human_size(PDF_INFLATED_MAX))
+            prev = entry
+            if len(table) + 1 >= 1 << bits and bits < 12:
+                bits += 1
+    return bytes(out)
+
+
+def pdf_ascii85(data):
+    """ASCII85-decoded bytes (to '~>')."""
+    import base64
+    data = re.sub(rb"[\x00\t\n\x0c\r ]", b"", data)
+    if data.startswith(b"<~"):
+        data = data[2:]
+    data = data.split(b"~>")[0]
+    try:
+        return base64.a85decode(data)
+    except ValueError:
+        return base64.a85decode(data[:len(data) - len(data) % 5] if b"z" not in data else data[:data.rfind(b"z")])
+
+
+def pdf_run_length(data):
+    """RunLength-decoded bytes."""
+    out, i = bytearray(), 0
+    while i < len(data):
+        n = data[i]
+        if n == 128:
+            break
+        if n < 128:
+            out += data[i + 1:i + 2 + n]
+            i += n + 2
+        else:
+            out += data[i + 1:i + 2] * (257 - n)
+            i += 2
+    return bytes(out)
+
+
+def pdf_predictor(data, p):
+    """Undo a PNG (10 and up) or TIFF (2) predictor of 8-bit samples."""
+    colors = p.get("Colors") if isinstance(p.get("Colors"), int) else 1
+    bpc = p.get("BitsPerComponent") if isinstance(p.get("BitsPerComponent"), int) else 8
+    columns = p.get("Columns") if isinstance(p.get("Columns"), int) else 1
+    bpp = max(1, colors * bpc // 8)
+    row = (colors * bpc * columns + 7) // 8
+    if p["Predictor"] == 2:
+        if bpc != 8:
+            return data
+        out = bytearray(data)
+        for start in range(0, len(out), row):
+            for i in range(start + bpp, min(start + row, len(out))):
+                out[i] = (out[i] + out[i - bpp]) & 255
+        return bytes(out)
+    out, prev = bytearray(), bytearray(row)
+    for start in range(0, len(data), row + 1):
+        kind, line = data[start], bytearray(data[start + 1:start + 1 + row])
+        line += bytes(row - len(line))
+        if kind == 1:
+            for i in range(bpp, row):
+                line[i] = (line[i] + line[i - bpp]) & 255
+        elif kind == 2:
+            for i in range(row):
+                line[i] = (line[i] + prev[i]) & 255
+        elif kind == 3:
+            for i in range(row):
+                line[i] = (line[i] + ((line[i - bpp] if i >= bpp else 0) + prev[i]) // 2) & 255
+        elif kind == 4:
+            for i in range(row):
+                a = line[i - bpp] if i >= bpp else 0
+                b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+                pa, pb, pc = abs(b - c), abs(a - c), abs(a + b - 2 * c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        out += line
+        prev = line
+    return bytes(out)
+
+
+PDF_PADDING = bytes.fromhex("28bf4e5e4e758a4164004e56fffa01082e2e00b6d0683e802f0ca9fe6453697a")
+
+
+class PdfCrypt(object):
+    """The standard security handler, opened with the empty user password (RC4 40-128,
+    AES-128, AES-256; revisions 2 to 6): decrypt() the strings and streams of an object."""
+
+    def __init__(self, pdf, d):
+        import hashlib
+        if not isinstance(d, dict) or d.get("Filter") != "Standard":
+            raise PdfError("encrypted with a security handler other than the standard one: it is not read")
+        get = pdf.get
+        v, r = get(d.get("V")) or 0, get(d.get("R")) or 0
+        o, u = get(d.get("O")) or b"", get(d.get("U")) or b""
+        self.aes, self.identity = False, False
+        cf = get(d.get("CF"))
+        if v >= 4 and isinstance(cf, dict):
+            filt = get(cf.get(get(d.get("StmF")) or "StdCF"))
+            method = get(filt.get("CFM")) if isinstance(filt, dict) else None
+            self.aes = method in ("AESV2", "AESV3")
+            self.identity = get(d.get("StmF")) == "Identity" or method == "None"
+        if r >= 5:
+            if len(u) < 48:
+                raise PdfError("a damaged encryption dictionary (/U)")
+            if pdf_r6_hash(b"", u[32:40], r) == u[:32]:
+                self.key = PdfAes(pdf_r6_hash(b"", u[40:48], r)).decrypt_cbc(bytes(16), (get(d.get("UE")) or b"")[:32])
+            elif len(o) >= 48 and pdf_r6_hash(b"", o[32:40], r, u[:48]) == o[:32]:     # an empty owner password
+                self.key = PdfAes(pdf_r6_hash(b"", o[40:48], r, u[:48])).decrypt_cbc(bytes(16),
+                                                                                    (get(d.get("OE")) or b"")[:32])
+            else:
+                raise PdfError("encrypted with a password: it is not read (only an empty password is tried)")
+            self.aes = True
+            return
+        ids = get(pdf.trailer.get("ID"))
+        first = get(ids[0]) if isinstance(ids, list) and ids and isinstance(get(ids[0]), bytes) else b""
+        p = get(d.get("P")) or 0
+        n = (get(d.get("Length")) or (128 if self.aes else 40)) // 8 if r >= 3 else 5
+        n = max(5, min(16, n))
+
+        def user(password):                                 # the file key if `password` is the user's
+            h = hashlib.md5(password + o[:32] + (p & 0xffffffff).to_bytes(4, "little") + first)
+            if r >= 4 and get(d.get("EncryptMetadata")) is False:
+                h.update(b"\xff\xff\xff\xff")
+            key = h.digest()[:n]
+            if r >= 3:
+                for _ in range(50):
+                    key = hashlib.md5(key).digest()[:n]
+            if r == 2:
+                return key if pdf_rc4(key, PDF_PADDING) == u[:32] else None
+            check = pdf_rc4(key, hashlib.md5(PDF_PADDING + first).digest())
+            for i in range(1, 20):
+                check = pdf_rc4(bytes(k ^ i for k in key), check)
+            return key if check == u[:16] else None
+        key = user(PDF_PADDING)
+        if key is None:                                     # an empty owner password gives the user's
+            owner = hashlib.md5(PDF_PADDING).digest()
+            if r >= 3:
+                for _ in range(50):
+                    owner = hashlib.md5(owner).digest()
+            owner, secret = owner[:n], o[:32]
+            for i in (range(19, -1, -1) if r >= 3 else [0]):
+                secret = pdf_rc4(bytes(k ^ i for k in owner), secret)
+            key = user(secret)
+        if key is None:
+            raise PdfError("encrypted with a password: it is not read (only an empty password is tried)")
+        self.key = key
+
+    def object_key(self, ref):
+        import hashlib
+        if len(self.key) == 32:
+            return self.key
+        h = hashlib.md5(self.key + ref[0].to_bytes(4, "little")[:3] + ref[1].to_bytes(4, "little")[:2] +
+                        (b"sAlT" if self.aes else b""))
+        return h.digest()[:min(len(self.key) + 5, 16)]
+
+    def data(self, key, data):
+        if self.aes:
+            if len(data) < 32:
+                return b""
+            out = PdfAes(key).decrypt_cbc(data[:16], data[16:len(data) - len(data) % 16])
+            pad = out[-1] if out else 0
+            return out[:-pad] if 0 < pad <= 16 else out
+        return pdf_rc4(key, data)
+
+    def decrypt(self, value, ref, depth=0):
+        """`value` (of object `ref`) with its strings and stream bytes decrypted."""
+        if self.identity or depth > PDF_DEPTH_MAX:
+            return value
+        key = self.object_key(ref) if depth == 0 else ref
+        if isinstance(value, bytes):
+            return self.data(key, value)
+        if isinstance(value, list):
+            return [self.decrypt(x, key, depth + 1) for x in value]
+        if isinstance(value, dict):
+            return dict((k, self.decrypt(x, key, depth + 1)) for k, x in value.items())
+        if isinstance(value, PdfStream):
+            if value.dict.get("Type") == "XRef":
+                return value
+            return PdfStream(self.decrypt(value.dict, key, depth + 1), self.data(key, value.raw), value.ref)
+        return value
+
+
+def pdf_rc4(key, data):
+    """RC4 of data under key."""
+    s, j = list(range(256)), 0
+    for i in range(256):
+        j = (j + s[i] + key[i % len(key)]) & 255
+        s[i], s[j] = s[j], s[i]
+    out, i, j = bytearray(len(data)), 0, 0
+    for n, byte in enumerate(data):
+        i = (i + 1) & 255
+        j = (j + s[i]) & 255
+        s[i], s[j] = s[j], s[i]
+        out[n] = byte ^ s[(s[i] + s[j]) & 255]
+    return bytes(out)
+
+
+def pdf_r6_hash(password, salt, r, udata=b""):
+    """The hash of revisions 5 (SHA-256) and 6 (ISO 32000-2's loop of AES and SHA-2)."""
+    import hashlib
+    k = hashlib.sha256(password + salt + udata).digest()
+    if r < 6:
+        return k
+    i = 0
+    while True:
+        e = PdfAes(k[:16]).encrypt_cbc(k[16:32], (password + k + udata) * 64)
+        k = (hashlib.sha256, hashlib.sha384, hashlib.sha512)[sum(e[:16]) % 3](e).digest()
+        i += 1
+        if i >= 64 and e[-1] <= i - 32:
+            return k[:32]
+
+
+class PdfAes(object):
+    """AES (128 or 256-bit key) in CBC mode, without padding: enough for a PDF's encryption."""
+    tables = None
+
+    def __init__(self, key):
+        if PdfAes.tables is None:
+            sbox, inv, p, q = [0] * 256, [0] * 256, 1, 1
+            while True:                                     # p walks the field by 3, q by its inverse
+                p = p ^ ((p << 1) & 0xff) ^ (0x1b if p & 0x80 else 0)
+                q ^= q << 1
+                q ^= q << 2
+                q ^= q << 4
+                q &= 0xff
+                if q & 0x80:
+                    q ^= 0x09
+                x = q ^ ((q << 1 | q >> 7) & 0xff) ^ ((q << 2 | q >> 6) & 0xff) ^ ((q << 3 | q >> 5) & 0xff) \
+                    ^ ((q << 4 | q >> 4) & 0xff) ^ 0x63
+                sbox[p], inv[x] = x, p
+                if p == 1:
+                    break
+            sbox[0], inv[0x63] = 0x63, 0
+
+            def mul(a, b):
+                out = 0
+                while b:
+                    if b & 1:
+                        out ^= a
+                    a = ((a << 1) ^ 0x1b) & 0xff if a & 0x80 else a << 1
+                    b >>= 1
+                return out
+            PdfAes.tables = (sbox, inv) + tuple([mul(a, m) for a in range(256)] for m in (2, 3, 9, 11, 13, 14))
+        sbox = PdfAes.tables[0]
+        nk = len(key) // 4
+        rounds = nk + 6
+        words = [list(key[4 * i:4 * i + 4]) for i in range(nk)]
+        rcon = 1
+        for i in range(nk, 4 * (rounds + 1)):
+            t = list(words[-1])
+            if i % nk == 0:
+                t = [sbox[t[1]] ^ rcon, sbox[t[2]], sbox[t[3]], sbox[t[0]]]
+                rcon = (rcon << 1) ^ (0x11b if rcon & 0x80 else 0)
+            elif nk > 6 and i % nk == 4:
+                t = [sbox[b] for b in t]
+            words.append([a ^ b for a, b in zip(words[i - nk], t)])
+        self.keys = [sum(words[4 * r:4 * r + 4], []) for r in range(rounds + 1)]
+
+    def encrypt_block(self, block):
+        sbox, _, m2, m3 = PdfAes.tables[:4]
+        s = [b ^ k for b, k in zip(block, self.keys[0])]
+        last = len(self.keys) - 1
+        for r in range(1, last + 1):
+            s = [sbox[s[(i + 4 * (i % 4)) % 16]] for i in range(16)]          # SubBytes, ShiftRows
+            if r != last:
+                s = sum(([m2[a] ^ m3[b] ^ c ^ d, a ^ m2[b] ^ m3[c] ^ d, a ^ b ^ m2[c] ^ m3[d], m3[a] ^ b ^ c ^ m2[d]]
+                         for a, b, c, d in (s[j:j + 4] for j in range(0, 16, 4))), [])
+            s = [b ^ k for b, k in zip(s, self.keys[r])]
+        return s
+
+    def decrypt_block(self, block):
+        _, inv, _, _, m9, m11, m13, m14 = PdfAes.tables
+        last = len(self.keys) - 1
+        s = [b ^ k for b, k in zip(block, self.keys[last])]
+        for r in range(last - 1, -1, -1):
+            s = [inv[s[(i - 4 * (i % 4)) % 16]] for i in range(16)]           # InvShiftRows, InvSubBytes
+            s = [b ^ k for b, k in zip(s, self.keys[r])]
+            if r:
+                s = sum(([m14[a] ^ m11[b] ^ m13[c] ^ m9[d], m9[a] ^ m14[b] ^ m11[c] ^ m13[d],
+                          m13[a] ^ m9[b] ^ m14[c] ^ m11[d], m11[a] ^ m13[b] ^ m9[c] ^ m14[d]]
+                         for a, b, c, d in (s[j:j + 4] for j in range(0, 16, 4))), [])
+        return s
+
+    def encrypt_cbc(self, iv, data):
+        out, prev = bytearray(), list(iv)
+        for i in range(0, len(data) - len(data) % 16, 16):
+            prev = self.encrypt_block([a ^ b for a, b in zip(data[i:i + 16], prev)])
+            out += bytes(prev)
+        return bytes(out)
+
+    def decrypt_cbc(self, iv, data):
+        out, prev = bytearray(), list(iv)
+        for i in range(0, len(data) - len(data) % 16, 16):
+            block = list(data[i:i + 16])
+            out += bytes(a ^ b for a, b in zip(self.decrypt_block(block), prev))
+            prev = block
+        return bytes(out)
+
+
+def pdf_job(job, emit):
+    """A helper's side of view: [{count, title, texts of pages first..last}] of job['path'], or
+    a ToolError saying what is wrong."""
+    try:
+        with open(job["path"], "rb") as f:
+            data = f.read(job["limit"] + 1)
+        pdf = Pdf(data)
+        pages = pdf.pages()
+        first, last = job["first"], job["last"] or len(pages)
+        if not pages:
+            raise PdfError("no pages found (a damaged file?)")
+        if first > len(pages) or last > len(pages):
+            raise ToolError(INVALID_INPUT, "pages %s: the PDF has %d page%s" % (
+                job["asked"], len(pages), "" if len(pages) == 1 else "s"))
+        texts = []
+        for page, resources in pages[first - 1:last]:
+            texts.append(pdf.page_text(page, resources))
+        emit([{"count": len(pages), "title": pdf.info(), "texts": texts}])
+    except PdfError as e:
+        raise ToolError(INVALID_INPUT, "not a readable PDF: %s" % e)
+    except RecursionError:
+        raise ToolError(INVALID_INPUT, "not a readable PDF: its objects are nested too deeply")
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError, MemoryError, LookupError) as e:
+        raise ToolError(INVALID_INPUT, "not a readable PDF (%s: %s)" % (type(e).__name__, shorten(str(e), 120)))
+
+
 # -- searches run where they can be killed -----------------------------------------
 # Python's re holds the interpreter while it matches, so a catastrophic pattern (or a
 # glob such as *a*a*a*a*b) run in this process would freeze ping, cancel and every
@@ -5177,6 +6542,9 @@ def search_job(job, emit, raw=None, partners=None, cache=None, poll=None):
         return
     if job["op"] == "document":
         Document.job(job, emit)
+        return
+    if job["op"] == "pdf":
+        pdf_job(job, emit)
         return
     if partners is None:
         partners = Partners(warm=False)
@@ -8047,7 +9415,8 @@ class Notebook(object):
 # an image as image content; notebooks render through the notebook section.
 
 VIEW_DESC = ("Read a text file with line numbers (cat -n style: number, tab, line), list a directory two "
-             "levels deep, see an image (PNG, JPEG, GIF, WebP, SVG), or read Word, Excel, PowerPoint and "
+             "levels deep, see an image (PNG, JPEG, GIF, WebP, SVG), read a PDF's text page by page (pages: "
+             "\"3\" or \"3-5\"), or read Word, Excel, PowerPoint and "
              "OpenDocument files (.docx .xlsx .pptx .odt .ods .odp) as Markdown. Files over 2,000 lines "
              "show their first 2,000 lines unless view_range is given; lines over 2,000 characters are cut; a "
              "result stops at about 40,000 characters. A cut result starts and ends with a line giving the "
@@ -8055,7 +9424,11 @@ VIEW_DESC = ("Read a text file with line numbers (cat -n style: number, tab, lin
              "before editing it.")
 
 
-@tool("view", VIEW_DESC, obj({"path": PATH_PROP, "view_range": RANGE_PROP}, ["path"]),
+PAGES_PROP = prop("string", "For a PDF: the page or pages to read, \"3\" or \"3-5\" (all, as far as a result holds,"
+                          " when left out).")
+
+
+@tool("view", VIEW_DESC, obj({"path": PATH_PROP, "view_range": RANGE_PROP, "pages": PAGES_PROP}, ["path"]),
       notes("View file or directory", read_only=True, idempotent=True), DEFAULT)
 def tool_view(session, args, ctx):
     """view: a file's numbered lines (a view_range of them), an image, a notebook's
@@ -8091,6 +9464,11 @@ def tool_view(session, args, ctx):
                                       " SVG images)\n" % shown)
             if head.startswith(b"PK\x03\x04") and os.path.splitext(real)[1].lower() in DOC_FORMATS:
                 return document_view(ctx, real, shown, vr)
+            if head.lstrip()[:5] == b"%PDF-" or b"%PDF-" in head[:1024] and real.lower().endswith(".pdf"):
+                return pdf_view(ctx, real, shown, vr, args.get("pages"))
+            if args.get("pages") is not None:
+                raise ToolError(INVALID_INPUT, "pages applies to PDF files, and %s is not one; use view_range"
+                                % shown)
             if kind == "binary":
                 return "Binary file (%s): %s is not shown as text" % (human_size(st.st_size), shown)
             if kind == "image" or real.endswith(".ipynb"):
@@ -8129,6 +9507,48 @@ def document_view(ctx, real, shown, vr):
         shown, DOC_FORMATS[os.path.splitext(real)[1].lower()])
     reader = LineReader(io.BytesIO(data), len(data) + 1)
     return note + numbered(reader, vr, shown, ctx.config.max_result_chars - len(note))
+
+
+def pdf_view(ctx, real, shown, vr, pages):
+    """A PDF's text, read in a search helper: a line saying what it is, then each page
+    after a marker. Without `pages`, the pages that fit in a result, and which to ask
+    for next; view_range numbers the lines of what is rendered."""
+    import io
+    m = re.match(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?$", "1" if pages is None else pages) \
+        if isinstance(pages, str) or pages is None else None
+    first, last = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
+    if first < 1 or last < first:
+        raise ToolError(INVALID_INPUT, "pages %r is not a page or a range of them; give \"3\" or \"3-5\" (pages are"
+                        " numbered from 1)" % (pages,))
+    job = {"op": "pdf", "path": real, "first": first, "last": last if pages else None,
+           "asked": pages, "limit": ctx.config.max_file_size}
+    try:
+        items, why = ctx.helpers.run(job, ctx.cancelled)
+    except ToolError as e:
+        raise ToolError(e.code, "%s: %s" % (shown, e.message))
+    if not items:
+        raise ToolError(IO_ERROR, "reading %s was %s before it was done" % (shown, stopped_why(why)))
+    count, title, texts = items[0]["count"], items[0]["title"], items[0]["texts"]
+    head = "(%s: PDF, %d page%s%s; line numbers are the rendering's, for view_range)\n" % (
+        shown, count, "" if count == 1 else "s", ", title \"%s\"" % shorten(title, 200) if title else "")
+    cap = ctx.config.max_result_chars - len(head) - 400
+    parts, size, shown_last = [], 0, first - 1
+    for k, text in enumerate(texts):
+        page = "--- page %d of %d ---\n%s\n" % (first + k, count, text.strip("\n") or
+                                              "[no text on this page: a scanned page, or only drawings]")
+        if vr is None and parts and (size + len(page) + 9 * page.count("\n") > cap or
+                                     sum(p.count("\n") for p in parts) + page.count("\n") > VIEW_MAX_LINES):
+            break
+        parts.append(page)
+        size += len(page) + 9 * page.count("\n")
+        shown_last = first + k
+    data = "".join(parts).encode("utf-8", "surrogateescape")
+    reader = LineReader(io.BytesIO(data), len(data) + 1)
+    body = numbered(reader, vr, shown, ctx.config.max_result_chars - len(head))
+    if shown_last < first + len(texts) - 1:
+        body += "\n[pages %d-%d of %d shown; read on with pages \"%d-%d\"]" % (
+            first, shown_last, count, shown_last + 1, min(count, shown_last + 1 + shown_last - first))
+    return head + body
 
 
 def numbered(reader, vr, shown, cap):

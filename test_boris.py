@@ -3295,6 +3295,206 @@ class TestDocuments(NoViewBase):
         self.assertNotIn("g.docx", self.ok("grep", pattern="findme", output_mode="files_with_matches"))
 
 
+def make_pdf(pages, title=None, fonts=None, encrypt=None, extra=(), compress=True):
+    """A PDF of `pages` (content stream bytes each) written as a producer does: numbered objects,
+    an xref table, a trailer. fonts: {name: font dictionary source} (F1, Helvetica WinAnsi,
+    when None); extra: more objects' sources, numbered after the fonts. encrypt: (its
+    dictionary source, the key) to RC4 the streams and strings with (revision 2)."""
+    import zlib
+    objs = ["<< /Type /Catalog /Pages 2 0 R >>", None]
+    fonts = fonts or {"F1": "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /Encoding /WinAnsiEncoding >>"}
+    font_refs = {}
+    for name, src in fonts.items():
+        objs.append(src)
+        font_refs[name] = len(objs)
+    objs.extend(extra)
+    kids = []
+    for content in pages:
+        number = len(objs) + 1
+        if encrypt:
+            key = hashlib_md5(encrypt[1] + number.to_bytes(3, "little") + b"\0\0")[:10]
+            data = boris.pdf_rc4(key, zlib.compress(content) if compress else content)
+        else:
+            data = zlib.compress(content) if compress else content
+        objs.append(b"<< /Length %d %s>>\nstream\n" % (len(data), b"/Filter /FlateDecode " if compress else b"")
+                    + data + b"\nendstream")
+        objs.append("<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents %d 0 R /Resources << /Font << %s >> >> >>"
+                    % (number, " ".join("/%s %d 0 R" % kv for kv in font_refs.items())))
+        kids.append(len(objs))
+    objs[1] = "<< /Type /Pages /Kids [%s] /Count %d >>" % (" ".join("%d 0 R" % k for k in kids), len(kids))
+    out, offsets = [b"%PDF-1.4\n%\xe2\xe3\xcf\xd3\n"], []
+    for i, src in enumerate(objs):
+        offsets.append(sum(map(len, out)))
+        body = src if isinstance(src, bytes) else src.encode("latin-1")
+        out.append(b"%d 0 obj\n" % (i + 1) + body + b"\nendobj\n")
+    if title is not None:
+        offsets.append(sum(map(len, out)))
+        out.append(b"%d 0 obj\n<< /Title %s >>\nendobj\n" % (len(objs) + 1, title))
+    xref = sum(map(len, out))
+    out.append(b"xref\n0 %d\n0000000000 65535 f \n" % (len(offsets) + 1))
+    out.extend(b"%010d 00000 n \n" % o for o in offsets)
+    trailer = b"/Size %d /Root 1 0 R" % (len(offsets) + 1)
+    if title is not None:
+        trailer += b" /Info %d 0 R" % len(offsets)
+    if encrypt:
+        trailer += b" /Encrypt " + encrypt[0] + b" /ID [<00112233445566778899aabbccddeeff> <00>]"
+    out.append(b"trailer\n<< " + trailer + b" >>\nstartxref\n%d\n%%%%EOF\n" % xref)
+    return b"".join(out)
+
+
+def hashlib_md5(data):
+    import hashlib
+    return hashlib.md5(data).digest()
+
+
+class TestPdf(NoViewBase):
+    """Issue 43: view of a .pdf gives its text page by page, with the standard library;
+    every PDF is hostile until bounded."""
+
+    def put(self, name, data):
+        with open(self.path(name), "wb") as f:
+            f.write(data)
+
+    def test_pages_with_markers_title_and_the_pages_argument(self):
+        pages = [b"BT /F1 12 Tf 72 700 Td (First page, first line) Tj 0 -14 Td (and its second) Tj ET",
+                 b"BT /F1 12 Tf 72 700 Td [(Sec) -20 (ond) -600 (page)] TJ ET",
+                 b"q 100 0 0 100 0 0 cm Q"]
+        self.put("doc.pdf", make_pdf(pages, title=b"(A \\(small\\) test)"))
+        text = self.ok("view", path="doc.pdf")
+        self.assertTrue(text.startswith('(doc.pdf: PDF, 3 pages, title "A (small) test"'), text)
+        self.assertIn("1\t--- page 1 of 3 ---\n     2\tFirst page, first line\n     3\tand its second\n", text)
+        self.assertIn("\tSecond page\n", text)                       # a kern is no space, a wide gap is one
+        self.assertIn("[no text on this page: a scanned page, or only drawings]", text)
+        two = self.ok("view", path="doc.pdf", pages="2")
+        self.assertIn("--- page 2 of 3 ---", two)
+        self.assertNotIn("First page", two)
+        self.assertIn("page 1 of 3", self.ok("view", path="doc.pdf", pages="1-2"))
+        self.assertIn("the PDF has 3 pages", self.fails("view", "INVALID_INPUT", path="doc.pdf", pages="4"))
+        self.assertIn('give "3" or "3-5"', self.fails("view", "INVALID_INPUT", path="doc.pdf", pages="2-1"))
+        self.write("plain.txt", "text\n")
+        self.assertIn("applies to PDF files", self.fails("view", "INVALID_INPUT", path="plain.txt", pages="1"))
+
+    def test_many_pages_stop_where_a_result_is_full_and_say_how_to_read_on(self):
+        line = b"(%s) Tj 0 -12 Td " % (b"words " * 15)
+        self.put("long.pdf", make_pdf([b"BT /F1 10 Tf 72 760 Td " + line * 60 + b"ET"] * 40))
+        text = self.ok("view", path="long.pdf")
+        m = re.search(r'\[pages 1-(\d+) of 40 shown; read on with pages "(\d+)-(\d+)"\]$', text)
+        self.assertTrue(m, text[-300:])
+        self.assertEqual(int(m.group(2)), int(m.group(1)) + 1)
+        self.assertLess(len(text), self.cfg.max_result_chars + 500)
+        self.assertIn("--- page %s of 40 ---" % m.group(2), self.ok("view", path="long.pdf", pages=m.group(2)))
+
+    def test_fonts_encodings_differences_and_tounicode(self):
+        cmap = (b"/CIDInit /ProcSet findresource begin 12 dict begin begincmap 1 begincodespacerange <0000> <FFFF>"
+                b" endcodespacerange 2 beginbfchar <0001> <0048> <0002> <00E9> endbfchar 1 beginbfrange <0010> <0012>"
+                b" <0061> endbfrange endcmap end end")
+        fonts = {
+            "F1": "<< /Type /Font /Subtype /Type1 /BaseFont /Times-Roman /Encoding << /Type /Encoding"
+                  " /BaseEncoding /WinAnsiEncoding /Differences [65 /fi /eacute /uni2192 /g17] >> >>",
+            "F2": "<< /Type /Font /Subtype /Type0 /BaseFont /X /Encoding /Identity-H /ToUnicode 6 0 R"
+                  " /DescendantFonts [<< /Type /Font /Subtype /CIDFontType2 /BaseFont /X /DW 1000 >>] >>",
+            "F3": "<< /Type /Font /Subtype /Type0 /BaseFont /Y /Encoding /UniGB-UCS2-H"
+                  " /DescendantFonts [<< /Type /Font /Subtype /CIDFontType0 /BaseFont /Y >>] >>"}
+        extra = [b"<< /Length %d >>\nstream\n" % len(cmap) + cmap + b"\nendstream"]
+        content = (b"BT /F1 12 Tf 72 700 Td (ABCD) Tj ET BT /F2 12 Tf 72 680 Td <000100020010001100120099> Tj ET"
+                   b" BT /F3 12 Tf 72 660 Td <4E2D6587> Tj ET")
+        self.put("f.pdf", make_pdf([content], fonts=fonts, extra=extra))
+        text = self.ok("view", path="f.pdf")
+        self.assertIn("\tfi\u00e9\u2192\n", text)                     # a glyph name no one knows (g17) shows nothing
+        self.assertIn("\tH\u00e9abc\n", text)
+        self.assertTrue(text.endswith("\t\u4e2d\u6587"), text)
+
+    def test_a_form_xobject_an_annotation_and_a_damaged_xref_are_read(self):
+        form = b"BT /F1 9 Tf 0 0 Td (inside a form) Tj ET"
+        field = b"BT /F1 9 Tf 2 2 Td (field value) Tj ET"
+        extra = [b"<< /Type /XObject /Subtype /Form /BBox [0 0 200 20] /Resources << /Font << /F1 3 0 R >> >>"
+                 b" /Length %d >>\nstream\n" % len(form) + form + b"\nendstream",
+                 b"<< /Type /XObject /Subtype /Form /BBox [0 0 100 20] /Resources << /Font << /F1 3 0 R >> >>"
+                 b" /Length %d >>\nstream\n" % len(field) + field + b"\nendstream"]
+        data = make_pdf([b"q 1 0 0 1 72 600 cm /X1 Do Q"], extra=extra)
+        data = data.replace(b"/Resources << /Font", b"/Annots [<< /Type /Annot /Subtype /Widget /Rect [72 500 172 520]"
+                            b" /AP << /N 5 0 R >> >>] /Resources << /XObject << /X1 4 0 R >> /Font")
+        self.put("x.pdf", data)
+        text = self.ok("view", path="x.pdf")
+        self.assertIn("\tinside a form\n", text)
+        self.assertIn("\tfield value", text)
+        broken = re.sub(rb"\d{10} 00000 n", lambda m: b"%010d 00000 n" % (int(m.group()[:10]) + 7), data)
+        self.put("broken.pdf", broken)                               # every offset wrong: the objects are found
+        self.assertIn("\tinside a form\n", self.ok("view", path="broken.pdf"))
+        self.put("noxref.pdf", data[:data.rfind(b"xref")])          # cut before its xref
+        self.assertIn("\tinside a form\n", self.ok("view", path="noxref.pdf"))
+
+    def test_encrypted_with_an_empty_password_opens_and_with_another_is_a_clear_error(self):
+        self.assertEqual(boris.pdf_rc4(b"Key", b"Plaintext").hex(), "bbf316e8d940af0ad3")     # RC4's test vector
+        aes = boris.PdfAes(bytes(range(16)))                                                   # FIPS-197 C.1
+        self.assertEqual(bytes(aes.encrypt_block(list(bytes.fromhex("00112233445566778899aabbccddeeff")))).hex(),
+                         "69c4e0d86a7b0430d8cdb78070b4c55a")
+        pad = boris.PDF_PADDING
+        first = bytes.fromhex("00112233445566778899aabbccddeeff")
+        for user, works in ((b"", True), (b"secret", False)):
+            o = bytes(32)
+            key = hashlib_md5((user + pad)[:32] + o + (-4 & 0xffffffff).to_bytes(4, "little") + first)[:5]
+            u = boris.pdf_rc4(key, pad)
+            enc = b"<< /Filter /Standard /V 1 /R 2 /O <%s> /U <%s> /P -4 >>" % (o.hex().encode(), u.hex().encode())
+            self.put("e.pdf", make_pdf([b"BT /F1 12 Tf 72 700 Td (hidden words) Tj ET"], encrypt=(enc, key)))
+            if works:
+                self.assertTrue(self.ok("view", path="e.pdf").endswith("\thidden words"))
+            else:
+                self.assertIn("encrypted with a password", self.fails("view", "INVALID_INPUT", path="e.pdf"))
+
+    def test_hostile_files_end_in_clear_errors(self):
+        import zlib
+        bomb = zlib.compress(b"\0" * (8 << 20), 9)
+        data = re.sub(rb"<< /Length \d+ /Filter", b"<< /Length %d /Filter" % len(bomb), make_pdf([b""]))
+        data = re.sub(rb"stream\n.*?\nendstream", lambda m: b"stream\n" + bomb + b"\nendstream", data, flags=re.S)
+        with mock.patch.object(boris, "PDF_INFLATED_MAX", 1 << 20):
+            with self.assertRaises(boris.PdfError) as e:
+                pdf = boris.Pdf(data)
+                [pdf.page_text(p, r) for p, r in pdf.pages()]
+            self.assertIn("decompression bomb", str(e.exception))
+        cyclic = make_pdf([b"BT /F1 12 Tf (x) Tj ET"]).replace(b"/Kids [", b"/Kids [2 0 R ")
+        self.put("cyclic.pdf", cyclic)                             # the page tree holds itself: read once
+        self.assertIn("page 1 of 1", self.ok("view", path="cyclic.pdf"))
+        deep = make_pdf([b"BT /F1 12 Tf (x) Tj ET"]).replace(b"/MediaBox", b"/Deep " + b"[" * 100000 + b" /MediaBox")
+        self.put("deep.pdf", deep)
+        self.call("view", path="deep.pdf")                         # an answer, whichever: no crash of the server
+        self.put("notpdf.pdf", b"%PDF-1.4\n" + b"garbage " * 100)
+        self.assertIn("not a readable PDF", self.fails("view", "INVALID_INPUT", path="notpdf.pdf"))
+
+    def test_a_campaign_of_damaged_pdfs_gives_text_or_a_pdf_error(self):
+        """Generated PDFs cut, bytes flipped, tokens dropped or repeated: Pdf gives text or a
+        PdfError/ToolError, never another exception (BORIS_PDF_CAMPAIGN, default 300)."""
+        rng = random.Random(int(os.environ.get("BORIS_PDF_SEED", "44")))
+        base = make_pdf([b"BT /F1 12 Tf 72 700 Td (one) Tj 0 -14 Td [(two) -300 (three)] TJ T* (four) ' ET"] * 3,
+                        title=b"<FEFF00540069>")
+        sources = [base, make_pdf([b"BT /F1 9 Tf (plain) Tj ET"], compress=False)]
+        answered = 0
+        for _ in range(int(os.environ.get("BORIS_PDF_CAMPAIGN", "300"))):
+            data = rng.choice(sources)
+            for _ in range(rng.randint(1, 4)):
+                at = rng.randrange(len(data))
+                k = rng.randrange(5)
+                if k == 0:
+                    data = data[:at]
+                elif k == 1:
+                    data = data[:at] + bytes([rng.randrange(256)]) + data[at + 1:]
+                elif k == 2:
+                    data = data[:at] + data[at + rng.randint(1, 40):]
+                elif k == 3:
+                    data = data[:at] + rng.choice([b"<<", b"[", b"(", b"1 0 R", b"stream", b"endobj"]) * \
+                        rng.randint(1, 50) + data[at:]
+                else:
+                    data = data[:at] + data[at:at + 30] * rng.randint(2, 20) + data[at + 30:]
+            try:
+                pdf = boris.Pdf(data)
+                [pdf.page_text(p, r) for p, r in pdf.pages()]
+                pdf.info()
+                answered += 1
+            except (boris.PdfError, boris.ToolError):
+                pass
+        self.assertGreater(answered, 0)
+
+
 class TestImages(NoViewBase):
     def png(self, w, h):
         import struct
