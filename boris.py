@@ -4781,7 +4781,6 @@ PDF_INFLATED_MAX = 256 << 20               # bytes all streams of one PDF may in
 PDF_DEPTH_MAX = 64                         # nesting of arrays and dictionaries, the page tree, forms
 PDF_PAGES_MAX = 100000
 PDF_CMAP_MAX = 1 << 20                     # entries a font's CMaps and widths may expand to
-PDF_WS = b"\x00\t\n\x0c\r "
 PDF_TOKEN = re.compile(rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*(?:"
                        rb"(?P<num>[+-]?(?:\d+\.?\d*|\.\d+))(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])"
                        rb"|/(?P<name>[^\x00\t\n\x0c\r ()<>\[\]{}/%]*)"
@@ -4937,6 +4936,13 @@ class Pdf(object):
             self.crypt = PdfCrypt(self, self.get(self.trailer["Encrypt"]))
             self.cache = {}                                    # (what was read before is read again, decrypted)
 
+    @classmethod
+    def parser(cls, data):
+        """A Pdf that only parses `data` (obj(): a content stream, a CMap, an object stream's objects)."""
+        sub = cls.__new__(cls)
+        sub.data = data
+        return sub
+
     # -- the file's structure
     def obj(self, pos, depth=0):
         """(the object at offset pos, the offset after it)."""
@@ -4971,8 +4977,7 @@ class Pdf(object):
                 close = data.find(b">", end)
                 if close < 0:
                     raise PdfError("an unterminated hex string")
-                hexes = re.sub(rb"[^0-9A-Fa-f]", b"", data[end:close])
-                return bytes.fromhex((hexes + b"0" * (len(hexes) % 2)).decode()), close + 1
+                return pdf_hex(data[end:close]), close + 1
             if what == b"[":
                 items, pos = [], end
                 while True:
@@ -5208,9 +5213,7 @@ class Pdf(object):
                         self.cache[key] = self.object_stream(stream)
                     numbers, offsets, data = self.cache[key]
                     if index < len(offsets):
-                        sub = Pdf.__new__(Pdf)
-                        sub.data = data
-                        found, _ = sub.obj(offsets[index])
+                        found, _ = Pdf.parser(data).obj(offsets[index])
             elif number in self.offsets:
                 try:
                     found = self.indirect(self.offsets[number], number)
@@ -5244,8 +5247,7 @@ class Pdf(object):
             elif f in ("ASCII85Decode", "A85"):
                 data = pdf_ascii85(data)
             elif f in ("ASCIIHexDecode", "AHx"):
-                hexes = re.sub(rb"[^0-9A-Fa-f]", b"", data.split(b">")[0])
-                data = bytes.fromhex((hexes + b"0" * (len(hexes) % 2)).decode())
+                data = pdf_hex(data.split(b">")[0])
             elif f in ("RunLengthDecode", "RL"):
                 data = pdf_run_length(data)
             elif f == "Crypt":
@@ -5384,8 +5386,7 @@ class Pdf(object):
         operands = []
         pos, end = 0, len(data)
         match = PDF_TOKEN.match
-        sub = Pdf.__new__(Pdf)
-        sub.data = data
+        sub = Pdf.parser(data)
         while pos < end:
             m = match(data, pos)
             if m is None:
@@ -5714,8 +5715,7 @@ class PdfFont(object):
 def pdf_cmap(data):
     """({code bytes: text}, codespace [(bytes, lo, hi)]) of a CMap (ToUnicode's bfchar and
     bfrange; an encoding CMap's codespace); bounded."""
-    sub = Pdf.__new__(Pdf)
-    sub.data = data
+    sub = Pdf.parser(data)
     out, spans, tokens, pos = {}, [], [], 0
     mode = None
     while pos < len(data) and len(out) < PDF_CMAP_MAX:
@@ -5815,6 +5815,12 @@ def pdf_lzw(data, room):
             if len(table) + 1 >= 1 << bits and bits < 12:
                 bits += 1
     return bytes(out)
+
+
+def pdf_hex(raw):
+    """The bytes of hex digits (anything else skipped; an odd last digit as if followed by 0)."""
+    hexes = re.sub(rb"[^0-9A-Fa-f]", b"", raw)
+    return bytes.fromhex((hexes + b"0" * (len(hexes) % 2)).decode())
 
 
 def pdf_ascii85(data):
