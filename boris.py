@@ -4805,7 +4805,19 @@ PDF_GLYPHS = (  # Adobe glyph names for what is not a letter (letters with accen
     " trademark 2122 minus 2212 ff fb00 fi fb01 fl fb02 ffi fb03 ffl fb04 arrowleft 2190 arrowup 2191"
     " arrowright 2192 arrowdown 2193 partialdiff 2202 Delta 2206 product 220f summation 2211 radical 221a"
     " infinity 221e integral 222b approxequal 2248 notequal 2260 lessequal 2264 greaterequal 2265 lozenge 25ca"
-    " Omega 2126 Dcroat 110 dcroat 111 visiblespace 2423 quotereversed 201b")
+    " Omega 2126 Dcroat 110 dcroat 111 visiblespace 2423 quotereversed 201b asteriskmath 2217 circlecopyrt a9"
+    " similar 223c element 2208 negationslash 338 prime 2032 nabla 2207 universal 2200 existential 2203"
+    " emptyset 2205 intersection 2229 union 222a propersubset 2282 reflexsubset 2286 propersuperset 2283"
+    " reflexsuperset 2287 logicaland 2227 logicalor 2228 angbracketleft 27e8 angbracketright 27e9 angleleft 2329"
+    " angleright 232a equivalence 2261 proportional 221d arrowdblright 21d2 arrowdblleft 21d0 arrowdblboth 21d4"
+    " arrowboth 2194 arrowdblup 21d1 arrowdbldown 21d3 epsilon1 3f5 phi1 3d5 theta1 3d1 openbullet 25e6"
+    " circledot 2299 circlemultiply 2297 circleplus 2295 circleminus 2296 owner 220b lessmuch 226a"
+    " greatermuch 226b turnstileleft 22a2 turnstileright 22a3 bardbl 2016 floorleft 230a floorright 230b"
+    " ceilingleft 2308 ceilingright 2309 arrownortheast 2197 arrowsoutheast 2198 aleph 2135 weierstrass 2118"
+    " Rfractur 211c Ifractur 2111 spade 2660 heart 2661 diamond 2662 club 2663 followsorequal 2ab0"
+    " precedesequal 2aaf follows 227b precedes 227a perpendicular 22a5 latticetop 22a4 angle 2220"
+    " therefore 2234 dotmath 22c5 minusplus 2213 mapsto 21a6"
+    " suchthat 220b")
 PDF_STANDARD_HIGH = (  # StandardEncoding from 0xa1 ('' : no glyph)
     "exclamdown cent sterling fraction yen florin section currency quotesingle quotedblleft guillemotleft"
     " guilsinglleft guilsinglright fi fl '' endash dagger daggerdbl periodcentered '' paragraph bullet"
@@ -4818,8 +4830,20 @@ PDF_ACCENTS = {"GRAVE": "grave", "ACUTE": "acute", "CIRCUMFLEX": "circumflex", "
                "MACRON": "macron", "BREVE": "breve", "OGONEK": "ogonek", "DOT ABOVE": "dotaccent",
                "DOUBLE ACUTE": "hungarumlaut", "STROKE": "slash"}
 PDF_CODECS = (("UTF16", "utf-16-be"), ("UCS2", "utf-16-be"), ("UTF8", "utf-8"), ("UTF32", "utf-32-be"),
-              ("RKSJ", "cp932"), ("EUC-H", "euc_jp"), ("EUC-V", "euc_jp"), ("GBK", "gbk"), ("GB-EUC", "gb2312"),
-              ("GBpc-EUC", "gb2312"), ("GBT", "gb18030"), ("B5", "cp950"), ("KSC", "cp949"), ("UHC", "cp949"))
+              ("RKSJ", "cp932"), ("GBK", "gbk"), ("GB-EUC", "gb2312"), ("GBpc-EUC", "gb2312"), ("GBT", "gb18030"),
+              ("B5", "cp950"), ("KSC", "cp949"), ("UHC", "cp949"), ("CNS", None), ("EUC-H", "euc_jp"),
+              ("EUC-V", "euc_jp"))                   # first match wins: GBK-EUC-H is GBK; CNS has no codec here
+PDF_METRICS = {  # widths of codes 32-126 in two of the standard 14 fonts, for PDFs that leave /Widths out
+    "Helvetica": (
+        "278 278 355 556 556 889 667 191 333 333 389 584 278 333 278 278 556 556 556 556 556 556 556 556 556 "
+        "556 278 278 584 584 584 556 1015 667 667 722 722 667 611 778 722 278 500 667 556 833 722 778 667 "
+        "778 722 667 611 722 667 944 667 667 611 278 278 278 469 556 333 556 556 500 556 556 278 556 556 222 "
+        "222 500 222 833 556 556 556 556 333 500 278 556 500 722 500 500 500 334 260 334 584 "),
+    "Times": (
+        "250 333 408 500 500 833 778 180 333 333 500 564 250 333 250 278 500 500 500 500 500 500 500 500 500 "
+        "500 278 278 564 564 564 444 921 722 667 667 722 611 556 722 722 333 389 722 611 889 722 722 556 722 "
+        "667 556 611 722 722 944 722 722 611 333 278 333 469 500 333 444 500 444 500 444 333 500 500 278 278 "
+        "500 278 778 500 500 500 500 333 389 278 500 500 722 500 500 444 480 200 480 541 ")}
 PDF_NAMES = {}                              # glyph name -> text, filled at first use
 
 
@@ -4882,6 +4906,76 @@ def pdf_glyph(name):
     return None
 
 
+def pdf_sfnt(data):
+    """What an embedded TrueType font's own character map says: ({code: glyph} of its best
+    subtable, {glyph: text} from its Unicode subtables, whether that map is symbolic (3,0)).
+    Bounded; a damaged font gives what was read."""
+    import struct
+    codes, texts, symbolic = {}, {}, False
+    try:
+        tables = {}
+        count = struct.unpack_from(">H", data, 4)[0]
+        for i in range(min(count, 64)):
+            tag, _, offset, _ = struct.unpack_from(">4sIII", data, 12 + 16 * i)
+            tables[tag] = offset
+        base = tables.get(b"cmap")
+        if base is None:
+            return codes, texts, symbolic
+        subtables = []
+        for i in range(min(struct.unpack_from(">H", data, base + 2)[0], 64)):
+            platform, encoding, offset = struct.unpack_from(">HHI", data, base + 4 + 8 * i)
+            rank = {(3, 10): 0, (3, 1): 1, (0, 4): 2, (0, 3): 3}.get((platform, encoding), 4 if platform == 0 else
+                                                                     5 if (platform, encoding) == (3, 0) else 6)
+            subtables.append((rank, platform, encoding, base + offset))
+    except struct.error:
+        return codes, texts, symbolic
+    for rank, platform, encoding, at in sorted(subtables):
+        table = {}
+        try:
+            fmt = struct.unpack_from(">H", data, at)[0]
+            if fmt == 0:
+                table = dict(enumerate(data[at + 6:at + 262]))
+            elif fmt == 4:
+                segs = struct.unpack_from(">H", data, at + 6)[0] // 2
+                ends = struct.unpack_from(">%dH" % segs, data, at + 14)
+                starts = struct.unpack_from(">%dH" % segs, data, at + 16 + 2 * segs)
+                deltas = struct.unpack_from(">%dH" % segs, data, at + 16 + 4 * segs)
+                ranges_at = at + 16 + 6 * segs
+                ranges = struct.unpack_from(">%dH" % segs, data, ranges_at)
+                for k in range(segs):
+                    for code in range(starts[k], min(ends[k], 0xfffe) + 1):
+                        if ranges[k] == 0:
+                            gid = (code + deltas[k]) & 0xffff
+                        else:
+                            spot = ranges_at + 2 * k + ranges[k] + 2 * (code - starts[k])
+                            gid = struct.unpack_from(">H", data, spot)[0] if spot + 2 <= len(data) else 0
+                            gid = (gid + deltas[k]) & 0xffff if gid else 0
+                        if gid:
+                            table[code] = gid
+            elif fmt == 6:
+                first, n = struct.unpack_from(">HH", data, at + 6)
+                table = dict((first + k, g) for k, g in enumerate(struct.unpack_from(">%dH" % n, data, at + 10)))
+            elif fmt == 12:
+                n = struct.unpack_from(">I", data, at + 12)[0]
+                for k in range(min(n, 65536)):
+                    lo, hi, gid = struct.unpack_from(">III", data, at + 16 + 12 * k)
+                    for code in range(lo, min(hi, lo + PDF_CMAP_MAX - len(table)) + 1):
+                        table[code] = gid + code - lo
+                    if len(table) >= PDF_CMAP_MAX:
+                        break
+        except struct.error:
+            pass                                              # what was read before the damage stays
+        if not table:
+            continue
+        if not codes:
+            codes, symbolic = table, (platform, encoding) == (3, 0)
+        if rank <= 4:
+            for code, gid in sorted(table.items()):
+                if 0 < code < 0xd800 or 0xe000 <= code < 0x110000:
+                    texts.setdefault(gid, chr(code))
+    return codes, texts, symbolic
+
+
 def pdf_encoding(name):
     """A base encoding by name: {code: text}."""
     if name == "WinAnsiEncoding":
@@ -4924,6 +5018,7 @@ class Pdf(object):
         self.crypt = None
         self.trailer = {}
         self.fonts = {}
+        self.unmapped = 0                                     # codes shown that no map turns into text
         if not data.lstrip()[:5].startswith(b"%PDF") and b"%PDF-" not in data[:1024]:
             raise PdfError("it does not start as a PDF does (%PDF-)")
         try:
@@ -5351,27 +5446,48 @@ class Pdf(object):
         return self.fonts[key]
 
     def page_text(self, page, resources):
-        """The text of one page, its lines in the order it draws them."""
-        runs = []
+        """The text of one page, its lines in the order it draws them, and a last line that
+        counts the characters its fonts give no text for."""
+        runs, self.unmapped = [], 0
         self.run(self.content(page), resources, [1, 0, 0, 1, 0, 0], runs, 0, set())
         annots = self.get(page.get("Annots"))
+        acroform = self.get(self.get(self.trailer.get("Root") or {}).get("AcroForm"))
+        regenerate = isinstance(acroform, dict) and self.get(acroform.get("NeedAppearances")) is True
         for annot in annots[:1000] if isinstance(annots, list) else []:
             annot = self.get(annot)                           # a form field's value, a note: as drawn
-            ap = self.get(annot.get("AP")) if isinstance(annot, dict) else None
+            if not isinstance(annot, dict) or (self.get(annot.get("F")) or 0) & 2:
+                continue
+            ap = self.get(annot.get("AP"))
             normal = self.get(ap.get("N")) if isinstance(ap, dict) else None
             if isinstance(normal, dict):
                 normal = self.get(normal.get(self.get(annot.get("AS"))))
-            rect = self.get(annot.get("Rect")) if isinstance(normal, PdfStream) else None
-            if not isinstance(rect, list) or len(rect) != 4 or (self.get(annot.get("F")) or 0) & 2:
-                continue
+            rect = self.get(annot.get("Rect"))
             try:
                 x, y = min(float(self.get(rect[0])), float(self.get(rect[2]))), \
                     min(float(self.get(rect[1])), float(self.get(rect[3])))
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, IndexError, KeyError):
                 continue
-            form = {"XObject": {"ap": normal}}
-            self.run(b"/ap Do", form, [1, 0, 0, 1, x, y], runs, 0, set())
-        return pdf_lines(runs)
+            field, kind, value = annot, None, None            # a text field's value, its type inherited
+            for _ in range(PDF_DEPTH_MAX):
+                kind = kind or self.get(field.get("FT"))
+                value = value if value is not None else self.get(field.get("V"))
+                field = self.get(field.get("Parent"))
+                if not isinstance(field, dict):
+                    break
+            if annot.get("Subtype") == "FreeText" and not isinstance(normal, PdfStream):
+                value, kind = self.get(annot.get("Contents")), "Tx"
+            if kind in ("Tx", "Ch") and isinstance(value, bytes) and (regenerate or not isinstance(normal, PdfStream)):
+                size = re.search(rb"([\d.]+)\s+Tf", self.get(annot.get("DA")) or b"") \
+                    if isinstance(self.get(annot.get("DA")), bytes) else None
+                size = float(size.group(1)) if size and size.group(1).count(b".") < 2 and float(size.group(1)) else 12.0
+                for k, line in enumerate(pdf_text_string(value).splitlines()):
+                    runs.append((x, y - k * size, x + 0.5 * size * len(line), y - k * size, size, line, False))
+            elif isinstance(normal, PdfStream):
+                self.run(b"/ap Do", {"XObject": {"ap": normal}}, [1, 0, 0, 1, x, y], runs, 0, set())
+        text = pdf_lines(runs)
+        if self.unmapped:
+            text += "\n[%d characters in fonts that carry no map to text are not shown]" % self.unmapped
+        return text.strip("\n")
 
     def run(self, data, resources, ctm, runs, depth, forms):
         """Interpret a content stream: each string shown becomes a run (x, y, end x, end y,
@@ -5423,8 +5539,9 @@ class Pdf(object):
                     items = items if isinstance(items, list) else [items]
                     for item in items:
                         if isinstance(item, bytes):
-                            text, width, codes, spaces = font.decode(item)
-                            if tc * th > 0.15 * size and len(text) > 1:
+                            text, width, codes, spaces, missing = font.decode(item)
+                            self.unmapped += missing
+                            if tc * th > 0.15 * abs(size) and len(text) > 1:
                                 text = " ".join(text)                   # letter-spaced: each one a word apart
                             advance = ((width * size + tc * codes + tw * spaces) * th)
                             m0 = pdf_mul(tm, ctm)
@@ -5517,8 +5634,9 @@ def pdf_mul(a, b):
 def pdf_lines(runs):
     """Runs (x, y, end x, end y, size, text, vertical) as lines of text: a run goes on the
     line before it when it goes on along that line's direction (a gap of more than a
-    sixth of its size is a space), else it starts a new line."""
-    lines, line, last = [], [], None
+    sixth of its size is a space), else it starts a new line. A right-to-left line whose
+    runs run left to right is turned to read (pdf_bidi)."""
+    lines, line, last, back = [], [], None, 0
     for x, y, ex, ey, size, text, vertical in runs:
         if last is not None:
             lx, ly, lex, ley, lsize = last
@@ -5531,17 +5649,48 @@ def pdf_lines(runs):
             along, across = gx * ux + gy * uy, abs(gy * ux - gx * uy)
             h = max(size, lsize)
             if across < 0.6 * h and -0.6 * h < along < 40 * h:
-                if along > 0.16 * h and line and not line[-1][-1:].isspace() and not text[:1].isspace():
+                if along > 0.1 * h and line and not line[-1][-1:].isspace() and not text[:1].isspace():
                     line.append(" ")
             else:
-                lines.append("".join(line))
-                line = []
+                lines.append(("".join(line), back))
+                line, back = [], 0
         line.append(text)
+        if ex < x and abs(ex - x) > abs(ey - y):
+            back += len(text)                                 # drawn right to left: already in reading order
         last = (x, y, ex, ey, size)
     if line:
-        lines.append("".join(line))
-    text = "\n".join(" ".join(l.split()) if l.strip() else "" for l in lines).strip("\n")
+        lines.append(("".join(line), back))
+    text = "\n".join((pdf_bidi(" ".join(l.split())) if 2 * back < len(l) else " ".join(l.split()))
+                     if l.strip() else "" for l, back in lines).strip("\n")
     return text.translate(PDF_LIGATURES)
+
+
+PDF_RTL = re.compile("[\u0590-\u08ff\ufb1d-\ufdff\ufe70-\ufefc]")
+
+
+def pdf_bidi(line):
+    """A line drawn left to right in a right-to-left script, in reading order: when most of
+    its letters are Hebrew or Arabic, its characters reversed, runs of Latin letters and
+    digits kept as they read."""
+    if not PDF_RTL.search(line):
+        return line
+    import unicodedata
+    kinds = [unicodedata.bidirectional(c) for c in line]
+    if sum(k in ("R", "AL") for k in kinds) <= kinds.count("L"):
+        return line
+    out, run = [], []
+    for c, k in list(zip(reversed(line), reversed(kinds))) + [("", "R")]:
+        if k in ("L", "EN", "AN") or run and k not in ("R", "AL", "NSM"):
+            run.append(c)
+            continue
+        tail = []                                             # spaces after a Latin run stay where they are
+        while run and unicodedata.bidirectional(run[-1]) not in ("L", "EN", "AN"):
+            tail.append(run.pop())
+        out.extend(reversed(run))
+        out.extend(reversed(tail))
+        run = []
+        out.append(c)
+    return "".join(out)
 
 
 PDF_LIGATURES = {0xfb00: "ff", 0xfb01: "fi", 0xfb02: "fl", 0xfb03: "ffi", 0xfb04: "ffl", 0xfb05: "st", 0xfb06: "st"}
@@ -5611,6 +5760,13 @@ class PdfFont(object):
                         break
             if not self.spans:
                 self.spans = [(2, b"\x00\x00", b"\xff\xff")]
+            if not cmap and self.codec is None and ("Identity" in name or not name):
+                # no ToUnicode, codes that are CIDs: the embedded font's own map,
+                cmap = self.embedded(pdf, kid)               # else the ASCII block of Adobe's CJK collections
+                info = get(kid.get("CIDSystemInfo"))
+                ordering = get(info.get("Ordering")) if isinstance(info, dict) else None
+                if not cmap and isinstance(ordering, bytes) and ordering in (b"Japan1", b"GB1", b"CNS1", b"Korea1"):
+                    cmap = dict((cid.to_bytes(2, "big"), chr(cid + 31)) for cid in range(1, 96))
             self.uni = cmap
             return
         # a simple font: one byte a code
@@ -5632,6 +5788,10 @@ class PdfFont(object):
             self.default = missing * self.scale
         elif "Courier" in base:
             self.default = 0.6
+        metrics = PDF_METRICS.get("Times" if "Times" in base else "Helvetica" if "Helvetica" in base or "Arial" in base
+                                  else "")
+        if metrics and not self.widths:
+            self.widths = dict((32 + k, int(v) / 1000.0) for k, v in enumerate(metrics.split()))
         enc = get(d.get("Encoding"))
         differences = []
         name = None
@@ -5671,26 +5831,54 @@ class PdfFont(object):
             if len(c) == 1:
                 table[c[0]] = text
         self.uni = dict((bytes([c]), t) for c, t in table.items() if t is not None)
+        self.low = any(c < 32 for c in table)                 # control codes drawn as glyphs in this font
         self.spans = []
 
+    @staticmethod
+    def embedded(pdf, kid):
+        """{2-byte code: text} of a TrueType CID font from the map inside its font program
+        (through CIDToGIDMap), for fonts that come without ToUnicode."""
+        get = pdf.get
+        descriptor = get(kid.get("FontDescriptor"))
+        program = get(descriptor.get("FontFile2")) if isinstance(descriptor, dict) else None
+        if not isinstance(program, PdfStream):
+            return {}
+        try:
+            _, texts, _ = pdf_sfnt(pdf.decoded(program))
+            mapping = get(kid.get("CIDToGIDMap"))
+            gids = pdf.decoded(mapping) if isinstance(mapping, PdfStream) else None
+        except PdfError:
+            return {}
+        if gids is None:
+            return dict((gid.to_bytes(2, "big"), t) for gid, t in texts.items() if gid < 0x10000)
+        out = {}
+        for cid in range(min(len(gids) // 2, 0x10000)):
+            t = texts.get(gids[2 * cid] << 8 | gids[2 * cid + 1])
+            if t is not None:
+                out[cid.to_bytes(2, "big")] = t
+        return out
+
     def decode(self, s):
-        """(text, width in text space units of one point, codes, single-byte spaces) of a shown string."""
+        """(text, width in text space units of one point, codes, single-byte spaces, codes with no
+        text) of a shown string."""
         known = self.memo.get(s)
         if known is not None:
             return known
         uni, widths, default = self.uni, self.widths, self.default
         if not self.composite:
-            text = "".join(uni.get(s[i:i + 1], chr(s[i]) if 32 <= s[i] < 127 and not uni else "")
-                           for i in range(len(s)))
+            parts = [uni.get(s[i:i + 1], chr(s[i]) if 32 <= s[i] < 127 and not uni or s[i] == 32 else "")
+                     for i in range(len(s))]                  # (code 32 with no glyph name: still a space)
             width = sum(widths.get(b, default) for b in s)
-            out = (text, width, len(s), s.count(32))
+            missing = sum(1 for i, t in enumerate(parts) if not t and (s[i] >= 32 or self.low))
+            out = ("".join(parts), width, len(s), s.count(32), missing)
         elif self.codec is not None:
             text = (b"\x1b$B" + s + b"\x1b(B").decode("iso2022_jp", "replace") if self.codec == "jis" else \
                 s.decode(self.codec, "replace")
+            missing = text.count("\ufffd")
             text = text.replace("\ufffd", "")
-            out = (text, default * len(text), len(text), text.count(" "))
+            out = (text, default * len(text), len(text), text.count(" "), missing)
         else:
-            parts, width, codes, i = [], 0.0, 0, 0
+            parts, width, codes, i, missing = [], 0.0, 0, 0, 0
             spans = self.spans
             while i < len(s):
                 n = 0
@@ -5703,10 +5891,13 @@ class PdfFont(object):
                 c = s[i:i + n]
                 i += n
                 codes += 1
-                parts.append(uni.get(c, ""))
+                t = uni.get(c)
+                if t is None:
+                    missing += 1
+                parts.append(t or "")
                 width += widths.get(int.from_bytes(c, "big"), default)
             text = "".join(parts)
-            out = (text, width, codes, s.count(32) if all(n == 1 for n, _, _ in spans) else 0)
+            out = (text, width, codes, s.count(32) if all(n == 1 for n, _, _ in spans) else 0, missing)
         if len(self.memo) < 100000:
             self.memo[s] = out
         return out

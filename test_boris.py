@@ -3402,7 +3402,39 @@ class TestPdf(NoViewBase):
         text = self.ok("view", path="f.pdf")
         self.assertIn("\tfi\u00e9\u2192\n", text)                     # a glyph name no one knows (g17) shows nothing
         self.assertIn("\tH\u00e9abc\n", text)
-        self.assertTrue(text.endswith("\t\u4e2d\u6587"), text)
+        self.assertIn("\t\u4e2d\u6587\n", text)                   # g17 and code 0099 map to nothing: counted
+        self.assertTrue(text.endswith("\t[2 characters in fonts that carry no map to text are not shown]"), text)
+
+    def test_fonts_without_a_map_fields_without_appearances_and_right_to_left_lines(self):
+        import struct
+        sub = struct.pack(">7H", 4, 32, 0, 4, 4, 1, 0) + struct.pack(">2H", 0x42, 0xffff) + b"\0\0" \
+            + struct.pack(">2H", 0x41, 0xffff) + struct.pack(">2H", (5 - 0x41) & 0xffff, 1) + struct.pack(">2H", 0, 0)
+        cmap = struct.pack(">HHHHI", 0, 1, 3, 1, 12) + sub
+        sfnt = struct.pack(">IHHHH", 0x10000, 1, 16, 0, 0) + struct.pack(">4sIII", b"cmap", 0, 28, len(cmap)) + cmap
+        hebrew = "/uni05DD /uni05D5 /uni05DC /uni05E9"                  # final mem, vav, lamed, shin: shalom drawn
+        fonts = {                                                        # left to right, as producers draw it
+            "F1": "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+            "F2": "<< /Type /Font /Subtype /Type0 /BaseFont /T /Encoding /Identity-H /DescendantFonts [<< /Type /Font"
+                  " /Subtype /CIDFontType2 /BaseFont /T /FontDescriptor << /FontFile2 6 0 R >> >>] >>",
+            "F3": "<< /Type /Font /Subtype /Type1 /BaseFont /H /Encoding << /Differences [65 %s] >> >>" % hebrew}
+        extra = [b"<< /Length %d >>\nstream\n" % len(sfnt) + sfnt + b"\nendstream"]
+        content = (b"BT /F1 10 Tf 100 700 Td (ABC) Tj ET BT /F1 10 Tf 120.56 700 Td (DEF) Tj ET"   # no /Widths: Helvetica's
+                   b" BT /F2 12 Tf 72 680 Td <00050006> Tj ET"                              # no ToUnicode: the font's cmap
+                   b" BT /F3 12 Tf 72 660 Td (ABCD) Tj ET"
+                   b" BT /F1 -10 Tf 1 Tc 300 640 Td (mirrored) Tj ET")                        # not letter-spaced
+        data = make_pdf([content], fonts=fonts, extra=extra)
+        data = data.replace(b"/Resources << /Font", b"/Annots [<< /Type /Annot /Subtype /Widget /FT /Tx /Rect [72 500 172 520]"
+                            b" /DA (/Helv 10 Tf 0 g) /V (typed in) >> << /Type /Annot /Subtype /FreeText"
+                            b" /Rect [72 400 172 420] /Contents (a note) >>] /Resources << /Font")
+        self.put("m.pdf", data)
+        text = self.ok("view", path="m.pdf")
+        self.assertIn("\tABCDEF\n", text)
+        self.assertIn("\tAB\n", text)
+        self.assertIn("\t\u05e9\u05dc\u05d5\u05dd\n", text)
+        self.assertIn("\tmirrored\n", text)                           # a negative size: not letters spaced apart
+        self.assertIn("\ttyped in\n", text)
+        self.assertTrue(text.endswith("\ta note"), text)
+        self.assertEqual(boris.pdf_bidi("\u05dd\u05d5\u05dc\u05e9 2024 abc"), "2024 abc \u05e9\u05dc\u05d5\u05dd")
 
     def test_a_form_xobject_an_annotation_and_a_damaged_xref_are_read(self):
         form = b"BT /F1 9 Tf 0 0 Td (inside a form) Tj ET"
