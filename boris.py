@@ -5019,7 +5019,8 @@ class Pdf(object):
         self.trailer = {}
         self.fonts = {}
         self.unmapped = 0                                     # codes shown that no map turns into text
-        if not data.lstrip()[:5].startswith(b"%PDF") and b"%PDF-" not in data[:1024]:
+        if not data.lstrip()[:5].startswith(b"%PDF") and b"%PDF-" not in data[:1024] \
+                and not re.search(rb"\d+[\x00\t\n\x0c\r ]+\d+[\x00\t\n\x0c\r ]+obj\b", data[:1024]):
             raise PdfError("it does not start as a PDF does (%PDF-)")
         try:
             self.read_xref()
@@ -5172,7 +5173,10 @@ class Pdf(object):
         at = self.data.rfind(b"startxref")
         if at < 0:
             raise PdfError("no startxref")
-        pos, seen = int(re.match(rb"startxref\s*(\d+)", self.data[at:at + 40]).group(1)), set()
+        m = re.match(rb"startxref\s*(\d+)", self.data[at:at + 40])
+        if m is None:
+            raise PdfError("startxref without an offset")
+        pos, seen = int(m.group(1)), set()
         while pos is not None and pos not in seen and len(seen) < 1000:
             seen.add(pos)
             m = re.compile(rb"[\x00\t\n\x0c\r ]*xref").match(self.data, pos)
@@ -5486,7 +5490,8 @@ class Pdf(object):
                 self.run(b"/ap Do", {"XObject": {"ap": normal}}, [1, 0, 0, 1, x, y], runs, 0, set())
         text = pdf_lines(runs)
         if self.unmapped:
-            text += "\n[%d characters in fonts that carry no map to text are not shown]" % self.unmapped
+            text += "\n[not shown: %d character%s whose font carries no map to text]" % (
+                self.unmapped, "" if self.unmapped == 1 else "s")
         return text.strip("\n")
 
     def run(self, data, resources, ctm, runs, depth, forms):
@@ -5638,6 +5643,10 @@ def pdf_lines(runs):
     runs run left to right is turned to read (pdf_bidi)."""
     lines, line, last, back = [], [], None, 0
     for x, y, ex, ey, size, text, vertical in runs:
+        if text.isspace():                          # a space drawn alone starts no line; with a width, it is one
+            if line and not line[-1][-1:].isspace() and abs(ex - x) + abs(ey - y) > 0.01 * size:
+                line.append(" ")
+            continue
         if last is not None:
             lx, ly, lex, ley, lsize = last
             dx, dy = lex - lx, ley - ly
@@ -5732,6 +5741,9 @@ class PdfFont(object):
                 except PdfError:
                     pass
             self.vertical = name.endswith("-V")
+            if isinstance(enc, str) and "Identity" in name:  # two bytes a code, whatever ToUnicode's ranges say
+                self.spans = [(2, b"\x00\x00", b"\xff\xff")]
+                cmap = dict((int.from_bytes(c, "big").to_bytes(2, "big"), t) for c, t in cmap.items() if len(c) <= 2)
             if name in ("H", "V") and not cmap:
                 self.codec = "jis"                             # JIS X 0208 codes, two bytes
             if not cmap and "Identity" not in name and self.codec is None:
@@ -5825,7 +5837,14 @@ class PdfFont(object):
             if isinstance(item, int):
                 code = item
             elif isinstance(item, str) and 0 <= code < 256:
-                table[code] = pdf_glyph(item)
+                text = pdf_glyph(item)
+                if text is None:                              # a name like a224 or G41 at its own code: that code
+                    m = re.match(r"[A-Za-z]{1,3}([0-9A-Fa-f]{2,3})$", item)
+                    if m and (m.group(1).isdigit() and int(m.group(1)) == code or int(m.group(1), 16) == code) \
+                            and code >= 32:
+                        text = bytes([code]).decode("cp1252", "replace").replace("\ufffd", "") or None
+                if text is not None or code not in table:     # else unknown: the base encoding's stays
+                    table[code] = text
                 code += 1
         for c, text in cmap.items():
             if len(c) == 1:
@@ -6023,8 +6042,24 @@ def pdf_ascii85(data):
     data = data.split(b"~>")[0]
     try:
         return base64.a85decode(data)
-    except ValueError:
-        return base64.a85decode(data[:len(data) - len(data) % 5] if b"z" not in data else data[:data.rfind(b"z")])
+    except ValueError:                                        # damaged: what decodes before the first bad group
+        out, group = bytearray(), []
+        for c in data:
+            if c == 0x7a and not group:
+                out += b"\0\0\0\0"
+                continue
+            if not 0x21 <= c <= 0x75:
+                break
+            group.append(c - 33)
+            if len(group) == 5:
+                n = 0
+                for d in group:
+                    n = n * 85 + d
+                if n > 0xffffffff:
+                    break
+                out += n.to_bytes(4, "big")
+                group = []
+        return bytes(out)
 
 
 def pdf_run_length(data):
@@ -6317,14 +6352,25 @@ def pdf_job(job, emit):
                 job["asked"], len(pages), "" if len(pages) == 1 else "s"))
         texts = []
         for page, resources in pages[first - 1:last]:
-            texts.append(pdf.page_text(page, resources))
+            try:
+                texts.append(pdf.page_text(page, resources))
+            except PdfError as e:                             # one damaged page: said on it, the rest read
+                if "inflate past" in str(e):
+                    raise
+                texts.append("[this page could not be read: %s]" % e)
+            except PDF_DAMAGE as e:
+                texts.append("[this page could not be read (%s: %s)]" % (type(e).__name__, shorten(str(e), 120)))
         emit([{"count": len(pages), "title": pdf.info(), "texts": texts}])
     except PdfError as e:
         raise ToolError(INVALID_INPUT, "not a readable PDF: %s" % e)
     except RecursionError:
         raise ToolError(INVALID_INPUT, "not a readable PDF: its objects are nested too deeply")
-    except (ValueError, IndexError, KeyError, TypeError, OverflowError, MemoryError, LookupError) as e:
+    except PDF_DAMAGE as e:
         raise ToolError(INVALID_INPUT, "not a readable PDF (%s: %s)" % (type(e).__name__, shorten(str(e), 120)))
+
+
+PDF_DAMAGE = (ValueError, IndexError, KeyError, TypeError, OverflowError, MemoryError, LookupError, AttributeError,
+              ZeroDivisionError, RecursionError)              # what a damaged file can raise inside the parser
 
 
 # -- searches run where they can be killed -----------------------------------------

@@ -3400,10 +3400,10 @@ class TestPdf(NoViewBase):
                    b" BT /F3 12 Tf 72 660 Td <4E2D6587> Tj ET")
         self.put("f.pdf", make_pdf([content], fonts=fonts, extra=extra))
         text = self.ok("view", path="f.pdf")
-        self.assertIn("\tfi\u00e9\u2192\n", text)                     # a glyph name no one knows (g17) shows nothing
+        self.assertIn("\tfi\u00e9\u2192D\n", text)                    # a glyph name no one knows (g17): the base's
         self.assertIn("\tH\u00e9abc\n", text)
-        self.assertIn("\t\u4e2d\u6587\n", text)                   # g17 and code 0099 map to nothing: counted
-        self.assertTrue(text.endswith("\t[2 characters in fonts that carry no map to text are not shown]"), text)
+        self.assertIn("\t\u4e2d\u6587\n", text)                   # code 0099 maps to nothing: counted
+        self.assertTrue(text.endswith("\t[not shown: 1 character whose font carries no map to text]"), text)
 
     def test_fonts_without_a_map_fields_without_appearances_and_right_to_left_lines(self):
         import struct
@@ -3415,13 +3415,21 @@ class TestPdf(NoViewBase):
         fonts = {                                                        # left to right, as producers draw it
             "F1": "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
             "F2": "<< /Type /Font /Subtype /Type0 /BaseFont /T /Encoding /Identity-H /DescendantFonts [<< /Type /Font"
-                  " /Subtype /CIDFontType2 /BaseFont /T /FontDescriptor << /FontFile2 6 0 R >> >>] >>",
-            "F3": "<< /Type /Font /Subtype /Type1 /BaseFont /H /Encoding << /Differences [65 %s] >> >>" % hebrew}
-        extra = [b"<< /Length %d >>\nstream\n" % len(sfnt) + sfnt + b"\nendstream"]
+                  " /Subtype /CIDFontType2 /BaseFont /T /FontDescriptor << /FontFile2 8 0 R >> >>] >>",
+            "F3": "<< /Type /Font /Subtype /Type1 /BaseFont /H /Encoding << /Differences [65 %s] >> >>" % hebrew,
+            "F4": "<< /Type /Font /Subtype /Type3 /FontMatrix [0.001 0 0 0.001 0 0] /FontBBox [0 0 9 9] /CharProcs << >>"
+                  " /Encoding << /Differences [224 /a224 /zz] >> /FirstChar 224 /LastChar 225 /Widths [500 500] >>",
+            "F5": "<< /Type /Font /Subtype /Type0 /BaseFont /U /Encoding /Identity-H /ToUnicode 9 0 R"
+                  " /DescendantFonts [<< /Type /Font /Subtype /CIDFontType0 /BaseFont /U >>] >>"}
+        tounicode = b"1 begincodespacerange <00> <FF> endcodespacerange 1 beginbfchar <41> <0058> endbfchar"
+        extra = [b"<< /Length %d >>\nstream\n" % len(sfnt) + sfnt + b"\nendstream",
+                 b"<< /Length %d >>\nstream\n" % len(tounicode) + tounicode + b"\nendstream"]
         content = (b"BT /F1 10 Tf 100 700 Td (ABC) Tj ET BT /F1 10 Tf 120.56 700 Td (DEF) Tj ET"   # no /Widths: Helvetica's
                    b" BT /F2 12 Tf 72 680 Td <00050006> Tj ET"                              # no ToUnicode: the font's cmap
                    b" BT /F3 12 Tf 72 660 Td (ABCD) Tj ET"
-                   b" BT /F1 -10 Tf 1 Tc 300 640 Td (mirrored) Tj ET")                        # not letter-spaced
+                   b" BT /F1 -10 Tf 1 Tc 300 640 Td (mirrored) Tj ET"                         # not letter-spaced
+                   b" BT /F4 10 Tf 72 620 Td (\340\341) Tj ET"                # a224 at 224: the code's; zz: counted
+                   b" BT /F5 10 Tf 72 600 Td <0041> Tj /F1 10 Tf 0 0 0 1 0 0 Tm ( ) Tj /F5 10 Tf 1 0 0 1 82 600 Tm <0041> Tj ET")
         data = make_pdf([content], fonts=fonts, extra=extra)
         data = data.replace(b"/Resources << /Font", b"/Annots [<< /Type /Annot /Subtype /Widget /FT /Tx /Rect [72 500 172 520]"
                             b" /DA (/Helv 10 Tf 0 g) /V (typed in) >> << /Type /Annot /Subtype /FreeText"
@@ -3432,8 +3440,11 @@ class TestPdf(NoViewBase):
         self.assertIn("\tAB\n", text)
         self.assertIn("\t\u05e9\u05dc\u05d5\u05dd\n", text)
         self.assertIn("\tmirrored\n", text)                           # a negative size: not letters spaced apart
+        self.assertIn("\t\u00e0\n", text)
+        self.assertIn("\tXX\n", text)           # two bytes a code under Identity-H; a space of no width is none
+        self.assertIn("\t[not shown: 1 character whose font carries no map to text]", text)
         self.assertIn("\ttyped in\n", text)
-        self.assertTrue(text.endswith("\ta note"), text)
+        self.assertIn("\ta note\n", text)
         self.assertEqual(boris.pdf_bidi("\u05dd\u05d5\u05dc\u05e9 2024 abc"), "2024 abc \u05e9\u05dc\u05d5\u05dd")
 
     def test_a_form_xobject_an_annotation_and_a_damaged_xref_are_read(self):
