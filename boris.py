@@ -5639,9 +5639,10 @@ def pdf_mul(a, b):
 def pdf_lines(runs):
     """Runs (x, y, end x, end y, size, text, vertical) as lines of text: a run goes on the
     line before it when it goes on along that line's direction (a gap of more than a
-    sixth of its size is a space), else it starts a new line. A right-to-left line whose
-    runs run left to right is turned to read (pdf_bidi)."""
-    lines, line, last, back = [], [], None, 0
+    tenth of its size is a space), else it starts a new line. Lines are then put in
+    reading order (pdf_reading_order); a right-to-left line whose runs run left to right
+    is turned to read (pdf_bidi)."""
+    lines, line, last, back, box = [], [], None, 0, None
     for x, y, ex, ey, size, text, vertical in runs:
         if text.isspace():                          # a space drawn alone starts no line; with a width, it is one
             if line and not line[-1][-1:].isspace() and abs(ex - x) + abs(ey - y) > 0.01 * size:
@@ -5661,17 +5662,60 @@ def pdf_lines(runs):
                 if along > 0.1 * h and line and not line[-1][-1:].isspace() and not text[:1].isspace():
                     line.append(" ")
             else:
-                lines.append(("".join(line), back))
-                line, back = [], 0
+                lines.append(("".join(line), back, box))
+                line, back, box = [], 0, None
         line.append(text)
         if ex < x and abs(ex - x) > abs(ey - y):
             back += len(text)                                 # drawn right to left: already in reading order
+        if vertical:
+            run = (x - 0.5 * size, x + 0.5 * size, min(y, ey) - 0.2 * size, max(y, ey) + 0.8 * size)
+        else:
+            run = (min(x, ex), max(x, ex), min(y, ey) - 0.2 * size, max(y, ey) + 0.8 * size)
+        box = run if box is None else (min(box[0], run[0]), max(box[1], run[1]), min(box[2], run[2]),
+                                       max(box[3], run[3]))
         last = (x, y, ex, ey, size)
     if line:
-        lines.append(("".join(line), back))
+        lines.append(("".join(line), back, box))
+    lines = [lines[i] for i in pdf_reading_order([b for _, _, b in lines])]
     text = "\n".join((pdf_bidi(" ".join(l.split())) if 2 * back < len(l) else " ".join(l.split()))
-                     if l.strip() else "" for l, back in lines).strip("\n")
+                     if l.strip() else "" for l, back, _ in lines).strip("\n")
     return text.translate(PDF_LIGATURES)
+
+
+def pdf_reading_order(boxes):
+    """The order to read lines in, from their boxes (x0, x1, y0, y1): cut the page where a
+    band crosses it with no line in it - across (rows, top first) or down (columns, left
+    first), the widest such gap first - and again in each part; lines no gap divides keep
+    the order they were drawn in. A page of very many lines keeps its drawing order."""
+    if len(boxes) < 2 or len(boxes) > 3000:
+        return list(range(len(boxes)))
+    heights = sorted(b[3] - b[2] for b in boxes)
+    unit = max(heights[len(heights) // 2], 1.0)
+    out, stack = [], [list(range(len(boxes)))]
+    while stack:
+        group = stack.pop()
+        if len(group) < 2:
+            out.extend(group)
+            continue
+        best = None
+        for axis, least in ((2, 0.5 * unit), (0, 1.0 * unit)):      # (y0, y1) bands, then (x0, x1)
+            spans = sorted((boxes[i][axis], boxes[i][axis + 1]) for i in group)
+            reach = spans[0][1]
+            for lo, hi in spans[1:]:
+                if lo - reach >= least and (best is None or lo - reach > best[0]):
+                    best = (lo - reach, axis, (reach + lo) / 2.0)
+                reach = max(reach, hi)
+        if best is None:
+            out.extend(group)
+            continue
+        _, axis, cut = best
+        low = [i for i in group if boxes[i][axis + 1] <= cut]
+        high = [i for i in group if boxes[i][axis + 1] > cut]
+        # read first: the upper part of a row cut (higher y), the left part of a column cut
+        first, then = (high, low) if axis == 2 else (low, high)
+        stack.append(then)
+        stack.append(first)
+    return out
 
 
 PDF_RTL = re.compile("[\u0590-\u08ff\ufb1d-\ufdff\ufe70-\ufefc]")

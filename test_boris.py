@@ -3447,6 +3447,18 @@ class TestPdf(NoViewBase):
         self.assertIn("\ta note\n", text)
         self.assertEqual(boris.pdf_bidi("\u05dd\u05d5\u05dc\u05e9 2024 abc"), "2024 abc \u05e9\u05dc\u05d5\u05dd")
 
+    def test_lines_are_read_top_down_and_column_by_column_whatever_order_they_are_drawn_in(self):
+        def at(x, y, text):
+            return b"BT /F1 10 Tf %d %d Td (%s) Tj ET " % (x, y, text)
+        content = (at(72, 100, b"footer drawn first") + at(320, 700, b"right one") + at(320, 688, b"right two")
+                   + at(72, 700, b"left one") + at(72, 688, b"left two") + at(72, 750, b"Title drawn last"))
+        self.put("cols.pdf", make_pdf([content]))
+        text = self.ok("view", path="cols.pdf")
+        lines = [l.split("\t", 1)[1] for l in text.splitlines()[2:]]
+        self.assertEqual(lines, ["Title drawn last", "left one", "left two", "right one", "right two",
+                                 "footer drawn first"], text)
+        self.assertEqual(boris.pdf_reading_order([(0, 10, 0, 10)] * 4), [0, 1, 2, 3])   # no gap: as drawn
+
     def test_a_form_xobject_an_annotation_and_a_damaged_xref_are_read(self):
         form = b"BT /F1 9 Tf 0 0 Td (inside a form) Tj ET"
         field = b"BT /F1 9 Tf 2 2 Td (field value) Tj ET"
