@@ -4907,9 +4907,9 @@ def pdf_glyph(name):
 
 
 def pdf_sfnt(data):
-    """What an embedded TrueType font's own character map says: ({code: glyph} of its best
-    subtable, {glyph: text} from its Unicode subtables, whether that map is symbolic (3,0)).
-    Bounded; a damaged font gives what was read."""
+    """What an embedded TrueType font says of its glyphs: ({code: glyph} of its best cmap
+    subtable, {glyph: text} from its Unicode subtables or else its post table's glyph names,
+    whether that map is symbolic (3,0)). Bounded; a damaged font gives what was read."""
     import struct
     codes, texts, symbolic = {}, {}, False
     try:
@@ -4918,6 +4918,24 @@ def pdf_sfnt(data):
         for i in range(min(count, 64)):
             tag, _, offset, _ = struct.unpack_from(">4sIII", data, 12 + 16 * i)
             tables[tag] = offset
+    except struct.error:
+        return codes, texts, symbolic
+    mapped, post = {}, tables.get(b"post")
+    try:
+        if post is not None and struct.unpack_from(">I", data, post)[0] == 0x20000:
+            names = struct.unpack_from(">%dH" % struct.unpack_from(">H", data, post + 32)[0], data, post + 34)
+            custom, at = [], post + 34 + 2 * len(names)
+            while at < len(data) and len(custom) < 65536:
+                custom.append(data[at + 1:at + 1 + data[at]].decode("latin-1"))
+                at += 1 + data[at]
+            for gid, index in enumerate(names):              # glyph names: Mac's standard 258, then its own
+                if 3 <= index < 258:
+                    texts[gid] = pdf_mac_glyph(index)
+                elif 258 <= index < 258 + len(custom) and pdf_glyph(custom[index - 258]):
+                    texts[gid] = pdf_glyph(custom[index - 258])
+    except struct.error:
+        pass                                                  # names read before the damage stay
+    try:
         base = tables.get(b"cmap")
         if base is None:
             return codes, texts, symbolic
@@ -4970,10 +4988,22 @@ def pdf_sfnt(data):
         if not codes:
             codes, symbolic = table, (platform, encoding) == (3, 0)
         if rank <= 4:
-            for code, gid in sorted(table.items()):
+            for code, gid in sorted(table.items()):           # the best map's lowest code for a glyph
                 if 0 < code < 0xd800 or 0xe000 <= code < 0x110000:
-                    texts.setdefault(gid, chr(code))
+                    mapped.setdefault(gid, chr(code))
+    texts.update(mapped)                                      # a character map over glyph names
     return codes, texts, symbolic
+
+
+def pdf_mac_glyph(index):
+    """The character of glyph `index` (3-257) in the Macintosh standard order TrueType's post
+    table numbers from: ASCII, then Mac Roman's upper half, then 32 more."""
+    if index < 98:
+        return chr(index + 29)
+    if index < 226:
+        return bytes([index + 30]).decode("mac_roman")
+    return "\u0141\u0142\u0160\u0161\u017d\u017e\u00a6\u00d0\u00f0\u00dd\u00fd\u00de\u00fe\u2212\u00d7\u00b9" \
+        "\u00b2\u00b3\u00bd\u00bc\u00be\u20a3\u011e\u011f\u0130\u015e\u015f\u0106\u0107\u010c\u010d\u0111"[index - 226]
 
 
 def pdf_encoding(name):

@@ -3446,6 +3446,10 @@ class TestPdf(NoViewBase):
         self.assertIn("\ttyped in\n", text)
         self.assertIn("\ta note\n", text)
         self.assertEqual(boris.pdf_bidi("\u05dd\u05d5\u05dc\u05e9 2024 abc"), "2024 abc \u05e9\u05dc\u05d5\u05dd")
+        post = struct.pack(">I28xH3H", 0x20000, 3, 0, 36, 258) + b"\x07uni0141"     # no cmap: the glyph names
+        named = struct.pack(">IHHHH", 0x10000, 1, 16, 0, 0) + struct.pack(">4sIII", b"post", 0, 28, len(post)) + post
+        self.assertEqual(boris.pdf_sfnt(named)[1], {1: "A", 2: "\u0141"})
+        self.assertEqual(boris.pdf_sfnt(named[:72])[1], {1: "A"})                  # a name cut short: the rest
 
     def test_lines_are_read_top_down_and_column_by_column_whatever_order_they_are_drawn_in(self):
         def at(x, y, text):
