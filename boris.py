@@ -4847,6 +4847,13 @@ PDF_METRICS = {  # widths of codes 32-126 in two of the standard 14 fonts, for P
 PDF_NAMES = {}                              # glyph name -> text, filled at first use
 
 
+def pdf_sniff(head, name):
+    """Whether a file that begins with `head` is read as a PDF: it starts with %PDF-, or, named
+    .pdf, has that line (or its first objects, when a producer left the line out) in its first KB."""
+    return head.lstrip()[:5] == b"%PDF-" or name.lower().endswith(".pdf") and (
+        b"%PDF-" in head[:1024] or re.search(rb"\d+[\x00\t\n\x0c\r ]+\d+[\x00\t\n\x0c\r ]+obj\b", head[:1024]))
+
+
 class PdfError(Exception):
     """What makes a PDF unreadable (a ToolError's message once it reaches view)."""
 
@@ -4907,11 +4914,10 @@ def pdf_glyph(name):
 
 
 def pdf_sfnt(data):
-    """What an embedded TrueType font says of its glyphs: ({code: glyph} of its best cmap
-    subtable, {glyph: text} from its Unicode subtables or else its post table's glyph names,
-    whether that map is symbolic (3,0)). Bounded; a damaged font gives what was read."""
+    """{glyph: text} of an embedded TrueType font: from its Unicode cmap subtables, else its
+    post table's glyph names. Bounded; a damaged font gives what was read."""
     import struct
-    codes, texts, symbolic = {}, {}, False
+    texts = {}
     try:
         tables = {}
         count = struct.unpack_from(">H", data, 4)[0]
@@ -4919,7 +4925,7 @@ def pdf_sfnt(data):
             tag, _, offset, _ = struct.unpack_from(">4sIII", data, 12 + 16 * i)
             tables[tag] = offset
     except struct.error:
-        return codes, texts, symbolic
+        return texts
     mapped, post = {}, tables.get(b"post")
     try:
         if post is not None and struct.unpack_from(">I", data, post)[0] == 0x20000:
@@ -4938,16 +4944,16 @@ def pdf_sfnt(data):
     try:
         base = tables.get(b"cmap")
         if base is None:
-            return codes, texts, symbolic
-        subtables = []
+            return texts
+        subtables = []                                        # the Unicode ones, best first
         for i in range(min(struct.unpack_from(">H", data, base + 2)[0], 64)):
             platform, encoding, offset = struct.unpack_from(">HHI", data, base + 4 + 8 * i)
-            rank = {(3, 10): 0, (3, 1): 1, (0, 4): 2, (0, 3): 3}.get((platform, encoding), 4 if platform == 0 else
-                                                                     5 if (platform, encoding) == (3, 0) else 6)
-            subtables.append((rank, platform, encoding, base + offset))
+            if platform == 0 or (platform, encoding) in ((3, 1), (3, 10)):
+                rank = {(3, 10): 0, (3, 1): 1, (0, 4): 2, (0, 3): 3}.get((platform, encoding), 4)
+                subtables.append((rank, base + offset))
     except struct.error:
-        return codes, texts, symbolic
-    for rank, platform, encoding, at in sorted(subtables):
+        return texts
+    for _, at in sorted(subtables):
         table = {}
         try:
             fmt = struct.unpack_from(">H", data, at)[0]
@@ -4983,16 +4989,11 @@ def pdf_sfnt(data):
                         break
         except struct.error:
             pass                                              # what was read before the damage stays
-        if not table:
-            continue
-        if not codes:
-            codes, symbolic = table, (platform, encoding) == (3, 0)
-        if rank <= 4:
-            for code, gid in sorted(table.items()):           # the best map's lowest code for a glyph
-                if 0 < code < 0xd800 or 0xe000 <= code < 0x110000:
-                    mapped.setdefault(gid, chr(code))
+        for code, gid in sorted(table.items()):               # the best map's lowest code for a glyph
+            if 0 < code < 0xd800 or 0xe000 <= code < 0x110000:
+                mapped.setdefault(gid, chr(code))
     texts.update(mapped)                                      # a character map over glyph names
-    return codes, texts, symbolic
+    return texts
 
 
 def pdf_mac_glyph(index):
@@ -5049,8 +5050,7 @@ class Pdf(object):
         self.trailer = {}
         self.fonts = {}
         self.unmapped = 0                                     # codes shown that no map turns into text
-        if not data.lstrip()[:5].startswith(b"%PDF") and b"%PDF-" not in data[:1024] \
-                and not re.search(rb"\d+[\x00\t\n\x0c\r ]+\d+[\x00\t\n\x0c\r ]+obj\b", data[:1024]):
+        if not pdf_sniff(data, "a.pdf"):
             raise PdfError("it does not start as a PDF does (%PDF-)")
         try:
             self.read_xref()
@@ -5480,7 +5480,7 @@ class Pdf(object):
         return self.fonts[key]
 
     def page_text(self, page, resources):
-        """The text of one page, its lines in the order it draws them, and a last line that
+        """The text of one page, its lines in reading order (pdf_lines), and a last line that
         counts the characters its fonts give no text for."""
         runs, self.unmapped = [], 0
         self.run(self.content(page), resources, [1, 0, 0, 1, 0, 0], runs, 0, set())
@@ -5511,9 +5511,9 @@ class Pdf(object):
             if annot.get("Subtype") == "FreeText" and not isinstance(normal, PdfStream):
                 value, kind = self.get(annot.get("Contents")), "Tx"
             if kind in ("Tx", "Ch") and isinstance(value, bytes) and (regenerate or not isinstance(normal, PdfStream)):
-                size = re.search(rb"([\d.]+)\s+Tf", self.get(annot.get("DA")) or b"") \
-                    if isinstance(self.get(annot.get("DA")), bytes) else None
-                size = float(size.group(1)) if size and size.group(1).count(b".") < 2 and float(size.group(1)) else 12.0
+                da = self.get(annot.get("DA"))
+                size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", da) if isinstance(da, bytes) else None
+                size = float(size.group(1)) if size and float(size.group(1)) > 0 else 12.0
                 for k, line in enumerate(pdf_text_string(value).splitlines()):
                     runs.append((x, y - k * size, x + 0.5 * size * len(line), y - k * size, size, line, False))
             elif isinstance(normal, PdfStream):
@@ -5937,7 +5937,7 @@ class PdfFont(object):
         if not isinstance(program, PdfStream):
             return {}
         try:
-            _, texts, _ = pdf_sfnt(pdf.decoded(program))
+            texts = pdf_sfnt(pdf.decoded(program))
             mapping = get(kid.get("CIDToGIDMap"))
             gids = pdf.decoded(mapping) if isinstance(mapping, PdfStream) else None
         except PdfError:
@@ -9781,7 +9781,7 @@ def tool_view(session, args, ctx):
                                       " SVG images)\n" % shown)
             if head.startswith(b"PK\x03\x04") and os.path.splitext(real)[1].lower() in DOC_FORMATS:
                 return document_view(ctx, real, shown, vr)
-            if head.lstrip()[:5] == b"%PDF-" or b"%PDF-" in head[:1024] and real.lower().endswith(".pdf"):
+            if pdf_sniff(head, real):
                 return pdf_view(ctx, real, shown, vr, args.get("pages"))
             if args.get("pages") is not None:
                 raise ToolError(INVALID_INPUT, "pages applies to PDF files, and %s is not one; use view_range"

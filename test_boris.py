@@ -3448,8 +3448,8 @@ class TestPdf(NoViewBase):
         self.assertEqual(boris.pdf_bidi("\u05dd\u05d5\u05dc\u05e9 2024 abc"), "2024 abc \u05e9\u05dc\u05d5\u05dd")
         post = struct.pack(">I28xH3H", 0x20000, 3, 0, 36, 258) + b"\x07uni0141"     # no cmap: the glyph names
         named = struct.pack(">IHHHH", 0x10000, 1, 16, 0, 0) + struct.pack(">4sIII", b"post", 0, 28, len(post)) + post
-        self.assertEqual(boris.pdf_sfnt(named)[1], {1: "A", 2: "\u0141"})
-        self.assertEqual(boris.pdf_sfnt(named[:72])[1], {1: "A"})                  # a name cut short: the rest
+        self.assertEqual(boris.pdf_sfnt(named), {1: "A", 2: "\u0141"})
+        self.assertEqual(boris.pdf_sfnt(named[:72]), {1: "A"})                  # a name cut short: the rest
 
     def test_lines_are_read_top_down_and_column_by_column_whatever_order_they_are_drawn_in(self):
         def at(x, y, text):
@@ -3482,6 +3482,25 @@ class TestPdf(NoViewBase):
         self.assertIn("\tinside a form\n", self.ok("view", path="broken.pdf"))
         self.put("noxref.pdf", data[:data.rfind(b"xref")])          # cut before its xref
         self.assertIn("\tinside a form\n", self.ok("view", path="noxref.pdf"))
+        headless = re.sub(rb"startxref\s+\d+", b"startxref", data[data.index(b"1 0 obj"):])
+        self.put("headless.pdf", headless)                 # named .pdf, no %PDF- line, startxref with no number
+        self.assertIn("\tinside a form\n", self.ok("view", path="headless.pdf"))
+        self.assertEqual(boris.pdf_ascii85(b"87cURD]i,\"Ebo80~>"), b"Hello World!")
+        self.assertEqual(boris.pdf_ascii85(b"87cURuuuuu~>"), b"Hell")      # an overflowing group: what came before
+        emitted, real = [], boris.Pdf.page_text
+
+        def second_page_breaks(pdf, page, resources):
+            if emitted:
+                raise AttributeError("'NoneType' object has no attribute 'get'")
+            emitted.append(1)
+            return real(pdf, page, resources)
+        self.put("two.pdf", make_pdf([b"BT /F1 9 Tf 72 700 Td (first page) Tj ET"] * 2))
+        with mock.patch.object(boris.Pdf, "page_text", second_page_breaks):
+            out = []
+            boris.pdf_job({"path": os.path.join(self.root, "two.pdf"), "first": 1, "last": None, "asked": None,
+                           "limit": 1 << 20}, out.append)
+        self.assertEqual(out[0][0]["texts"], ["first page", "[this page could not be read (AttributeError: "
+                                                             "'NoneType' object has no attribute 'get')]"])
 
     def test_encrypted_with_an_empty_password_opens_and_with_another_is_a_clear_error(self):
         self.assertEqual(boris.pdf_rc4(b"Key", b"Plaintext").hex(), "bbf316e8d940af0ad3")     # RC4's test vector
