@@ -2897,7 +2897,7 @@ class IgnoreFile(object):
             if suffixes:
                 hit.update([name for name in left if name.endswith(suffixes)])
             if by_name is not None:
-                hit.update([name for name in left if by_name.match(name)])
+                hit.update(filter(by_name.match, left))
             for rx in at_depth(by_path, pre.count("/") + 1) if by_path else ():
                 hit.update([name for name in left if rx.match(pre + name)])
             if hit:
@@ -6559,12 +6559,43 @@ class GrepWork(object):
         return [GrepHit(real, rel, mtime(real) if self.mode == "files_with_matches" else 0, r, k)]
 
     def gather(self, k, walked, items):
-        """Append to `items` what take() makes of each (path, real, is_dir, inode) walked."""
-        take = self.take
+        """Append to `items` what take() makes of each (path, real, is_dir, inode) walked.
+        `-l` of a literal with no name filter, the search agents make most, runs as one
+        loop with take()'s steps inline; a file its first read does not settle (bigger
+        than the buffer, or with a byte-order mark) goes through take()."""
+        take, matcher = self.take, self.matcher
+        if self.mode != "files_with_matches" or matcher.literal is None or matcher.folded \
+                or self.keep is not None and self.roots[k][1]:
+            for path, real, is_dir, ino in walked:
+                r = take(k, path, real, is_dir, ino)
+                if r is not None:
+                    items += r
+            return
+        buf, needle, cut = self.buf, matcher.literal, self.cuts[k] if self.roots[k][1] else None
+        size, sniff = len(buf), GREP_BINARY_SNIFF
+        open_, fstat, readv, close, flags, regular = os.open, os.fstat, os.readv, os.close, os.O_RDONLY | O_FILE, \
+            stat.S_ISREG
         for path, real, is_dir, ino in walked:
-            r = take(k, path, real, is_dir, ino)
-            if r is not None:
-                items += r
+            try:
+                fd = open_(real, flags)
+            except OSError:
+                continue                                # gone or unreadable since listed: skipped
+            try:
+                st = fstat(fd)
+                if not regular(st.st_mode) or ino is not None and st.st_ino != ino:
+                    continue
+                n = readv(fd, [buf])
+            except OSError as exc:
+                log("debug", "grep: read failed, file skipped", path=real, error=str(exc))
+                continue
+            finally:
+                close(fd)
+            if n >= size or n and buf[0] >= 0xef:
+                r = take(k, path, real, is_dir, ino)
+                if r is not None:
+                    items += r
+            elif buf.find(needle, 0, n) >= 0 and buf.find(b"\x00", 0, min(n, sniff)) < 0:
+                items.append(GrepHit(real, None if cut is None else path[cut:], st.st_mtime_ns, True, k))
 
     def file_result(self, path, ino):
         """One file's result: None (binary, unreadable, not a regular file, no longer the
@@ -6875,6 +6906,7 @@ def search_job(job, emit, raw=None, partners=None, cache=None, poll=None):
         for batch in recalled:
             emit(batch)
         return
+    partners.start()                        # booting while the walk begins: ready when it is shared
     out = Batches(emit, raw, keep=globbing, poll=poll)
     for k, (real, is_dir, ino) in enumerate(work.roots):
         if is_dir:
@@ -7016,6 +7048,12 @@ class Partners(object):
     def __init__(self, warm=True):
         self.warm = warm
         self.procs = []
+
+    def start(self):
+        """Start the warm partners a walk will want, if they are not running: a partner
+        takes as long to boot as a big walk takes to reach the size it is shared at."""
+        if self.warm and len(self.procs) < partner_count():
+            self.for_walk()
 
     def for_walk(self):
         """Partners for a shared walk, as many as the cores allow beside this process."""

@@ -2251,6 +2251,32 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
                 differ.append((path, here, is_dir, sorted(bulk ^ alone)))
         self.assertEqual(differ[:3], [])
 
+    def test_name_patterns_decide_as_their_glob_does(self):
+        """A name rule tested as a literal, a suffix ('*.o') or within one regex of a run's
+        other names decides as the gitignore glob compiled alone does, with a re-including
+        rule after it. 6,000 generated patterns and names (of the letters they are made
+        of, so they often nearly match), each decided alone and among a directory's names."""
+        rng = random.Random(4401)
+        atoms = ["a", "b", ".", "_", "*", "**", "?", "[ab]", "[a.]", "[b_1]", "[!a]", "[a-c]", "\\*", "ab", "1"]
+        differ, decided = [], 0
+        for case in range(6000):
+            pat = "".join(rng.choice(atoms) for _ in range(rng.randint(1, 5)))
+            back = "".join(rng.choice(atoms) for _ in range(rng.randint(1, 3))) if rng.random() < 0.3 else ""
+            try:
+                rx, rx_back = boris.compile_glob(pat, git=True), boris.compile_glob(back or "x", git=True)
+            except ValueError:
+                continue
+            rules = boris.IgnoreFile("/ws", [pat, "!" + back if back else ""])
+            names = sorted(set("".join(rng.choice("ab._1*") for _ in range(rng.randint(1, 6))) for _ in range(8)))
+            bulk = boris.ignored_among([rules], "/ws/d", names, rng.random() < 0.5)
+            want = set(n for n in names if rx.match(n) and not (back and rx_back.match(n)))
+            alone = set(n for n in names if rules.verdict("d/" + n, n, False))
+            if bulk != want or alone != want:
+                differ.append((pat, names, sorted(bulk), sorted(want)))
+            decided += bool(want)
+        self.assertEqual(differ[:3], [])
+        self.assertGreater(decided, 1000)                 # many cases ignore something
+
     @unittest.skipUnless(shutil.which("git"), "git is not installed")
     def test_generated_trees_without_a_git_directory(self):
         """Issue 28.3: with no .git anywhere, the walker lists what git would list once
@@ -6540,17 +6566,80 @@ class TestGrep(SearchBase):
             out.flush()
         self.assertEqual(sorted(got), ["a", "b", "c", "partner a", "partner b", "partner c"])
 
+    def test_files_mode_of_a_literal_in_one_loop_answers_as_the_general_path(self):
+        """Issue 44: `-l` of a literal reads each file in one inline loop; 400 generated
+        files (empty, NUL before or after the match, UTF-8 and UTF-16 byte-order marks,
+        bigger than the read buffer, the match across the buffer's end, a file swapped for
+        another inode after the walk listed it, one that vanished) give the same hits, with
+        the same paths and mtimes, as take() file by file."""
+        rng = random.Random(4402)
+        needle = "NeEdLe"
+        for i in range(400):
+            kind = rng.choice(["plain", "plain", "nul", "bom8", "bom16", "big", "empty", "seam"])
+            body = "".join(rng.choice(["x", "y\n", needle[:3], " "]) for _ in range(rng.randint(0, 300)))
+            if rng.random() < 0.5:
+                at = rng.randint(0, len(body))
+                body = body[:at] + needle + body[at:]
+            data = body.encode("utf-8")
+            if kind == "nul":
+                at = rng.randint(0, len(data))
+                data = data[:at] + b"\x00" + data[at:]
+            elif kind == "bom8":
+                data = b"\xef\xbb\xbf" + data
+            elif kind == "bom16":
+                data = body.encode("utf-16")
+            elif kind == "big":
+                data = data + b"z\n" * 3000
+            elif kind == "empty":
+                data = b""
+            elif kind == "seam":
+                data = b"q" * (4096 - rng.randint(1, 5)) + needle.encode() + b"\n"
+            self.write("gen/d%d/f%03d.txt" % (i % 7, i), data)
+        job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [[self.path("gen"), True, None]],
+                                boris.grep_spec(needle, "files_with_matches", regex=False))
+        with mock.patch.object(boris, "GREP_BUFFER", 4096):
+            work = boris.GrepWork(job)
+            walked = list(work.walker(0))
+            os.unlink(walked[0][1])                                        # vanished since listed
+            os.unlink(walked[1][1])
+            self.write(walked[1][1][len(self.root) + 1:], needle)          # another inode now
+            fast = []
+            work.gather(0, iter(walked), fast)
+            slow = [hit for entry in walked for hit in (work.take(0, *entry) or ())]
+        self.assertEqual(sorted(fast), sorted(slow))
+        self.assertGreater(len(fast), 100)
+        self.assertFalse(any(h.real in (walked[0][1], walked[1][1]) for h in fast))
+        self.assertTrue(any(h.rel.startswith("d") and h.mtime for h in fast))
+
+    def test_a_walk_starts_its_warm_partners_before_it_is_big_enough_to_share(self):
+        """Issue 44: a search helper's partners boot while its walk begins (a boot takes as
+        long as a big walk takes to reach its sharing size); fresh partners for one walk
+        (warm=False) are started only when the walk is shared."""
+        job = {"op": "glob", "policy": boris.policy_spec(self.policy), "start": self.root, "rest": "*.py",
+               "base_only": True, "kind": "file", "lead": len(self.root) + 1}
+        for warm, started in ((True, 1), (False, 0)):
+            partners, found = boris.Partners(warm=warm), []
+            self.addCleanup(partners.close)
+            with mock.patch("os.cpu_count", return_value=2), mock.patch.object(boris, "SHARE_MIN_ENTRIES", 10 ** 9):
+                boris.search_job(job, found.extend, None, partners, boris.WalkCache())
+            self.assertEqual(sorted(found[0::2]), ["src/app.py", "src/util.py"])
+            self.assertEqual(len(partners.procs), started)
+            self.assertTrue(all(p.proc.poll() is None for p in partners.procs))
+
     def test_a_failed_shared_walk_reuses_no_busy_partner(self):
         self._shared_tree()
         alone = self._searches()
-        real_take = boris.GrepWork.take
+        real_gather = boris.GrepWork.gather
 
-        def failing(work, k, path, *rest):
-            if "/many/" in path:
-                raise RuntimeError("the disk caught fire")
-            return real_take(work, k, path, *rest)
+        def failing(work, k, walked, items):
+            def burning():
+                for entry in walked:
+                    if "/many/" in entry[0]:
+                        raise RuntimeError("the disk caught fire")
+                    yield entry
+            return real_gather(work, k, burning(), items)
         with shared_walks(SHARE_AHEAD=1) as given:
-            with mock.patch.object(boris.GrepWork, "take", failing):
+            with mock.patch.object(boris.GrepWork, "gather", failing):
                 with self.assertRaises(RuntimeError):              # (a search helper reports it)
                     self.call("grep", pattern="hit", path="many")
             self.assertTrue(given)
