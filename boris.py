@@ -5576,26 +5576,28 @@ class Pdf(object):
                         if isinstance(item, bytes):
                             text, width, codes, spaces, missing = font.decode(item)
                             self.unmapped += missing
-                            if tc * th > 0.15 * abs(size) and len(text) > 1:
+                            spacing = -tc if font.vertical else tc * th
+                            if spacing > 0.15 * abs(size * font.em) and len(text) > 1:
                                 text = " ".join(text)                   # letter-spaced: each one a word apart
-                            advance = ((width * size + tc * codes + tw * spaces) * th)
                             m0 = pdf_mul(tm, ctm)
-                            if font.vertical:
+                            if font.vertical:                           # down a column: w1 x size + Tc + Tw
+                                advance = font.down * codes * size - tc * codes - tw * spaces
                                 x0, y0 = m0[4], m0[5]
                                 tm = [tm[0], tm[1], tm[2], tm[3], tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
                             else:
+                                advance = (width * size + tc * codes + tw * spaces) * th
                                 x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
                                 tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
                             m1 = pdf_mul(tm, ctm)
-                            scale = size * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
+                            scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
                             if text:
                                 runs.append((x0, y0, m1[4] + (rise * m1[2] if not font.vertical else 0),
                                              m1[5] + (rise * m1[3] if not font.vertical else 0),
                                              abs(scale) or 1.0, text, font.vertical))
                         elif isinstance(item, (int, float)):
                             shift = -item / 1000.0 * size * th
-                            if font.vertical:
-                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] - shift * tm[2] / th, tm[5] - shift * tm[3] / th]
+                            if font.vertical:                           # a positive number moves down
+                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[2] / th, tm[5] + shift * tm[3] / th]
                             else:
                                 tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[0], tm[5] + shift * tm[1]]
                 elif op == b"Td" or op == b"TD":
@@ -5716,7 +5718,8 @@ def pdf_reading_order(boxes):
     """The order to read lines in, from their boxes (x0, x1, y0, y1): cut the page where a
     band crosses it with no line in it - across (rows, top first) or down (columns, left
     first), the widest such gap first - and again in each part; lines no gap divides keep
-    the order they were drawn in. A page of very many lines keeps its drawing order."""
+    the order they were drawn in, unless they make one column (then top first). A page of
+    very many lines keeps its drawing order."""
     if len(boxes) < 2 or len(boxes) > 3000:
         return list(range(len(boxes)))
     heights = sorted(b[3] - b[2] for b in boxes)
@@ -5735,7 +5738,9 @@ def pdf_reading_order(boxes):
                 if lo - reach >= least and (best is None or lo - reach > best[0]):
                     best = (lo - reach, axis, (reach + lo) / 2.0)
                 reach = max(reach, hi)
-        if best is None:
+        if best is None:                                            # one column (a span every line crosses):
+            if max(boxes[i][0] for i in group) < min(boxes[i][1] for i in group):     # its lines top first
+                group.sort(key=lambda i: -boxes[i][3])
             out.extend(group)
             continue
         _, axis, cut = best
@@ -5785,6 +5790,8 @@ class PdfFont(object):
     def __init__(self, pdf, d):
         get = pdf.get
         self.vertical = False
+        self.down = 1.0
+        self.em = 1.0                                      # the font's em in text space units of one point
         self.memo = {}
         self.scale = 0.001
         subtype = get(d.get("Subtype"))
@@ -5811,7 +5818,7 @@ class PdfFont(object):
                 name = str(get(enc.dict.get("CMapName")) or "")
                 try:
                     _, spans = pdf_cmap(pdf.decoded(enc))
-                    self.spans = self.spans or spans
+                    self.spans = spans or self.spans           # (the encoding splits the codes, not ToUnicode)
                 except PdfError:
                     pass
             self.vertical = name.endswith("-V")
@@ -5826,6 +5833,9 @@ class PdfFont(object):
                         self.codec = codec
                         break
             self.default = (get(kid.get("DW")) if isinstance(get(kid.get("DW")), (int, float)) else 1000) / 1000.0
+            dw2 = get(kid.get("DW2"))
+            if isinstance(dw2, list) and len(dw2) == 2 and isinstance(get(dw2[1]), (int, float)):
+                self.down = -get(dw2[1]) / 1000.0         # a glyph's advance down a column (w1 is negative)
             w = get(kid.get("W"))
             if isinstance(w, list):
                 i = 0
@@ -5866,6 +5876,9 @@ class PdfFont(object):
                 v = get(v)
                 if isinstance(v, (int, float)):
                     self.widths[first + k] = v * self.scale
+        drawn = sorted(w for w in self.widths.values() if w > 0)
+        if subtype == "Type3" and drawn:                 # glyphs drawn in units of their own: an em from their widths
+            self.em = 2 * drawn[len(drawn) // 2]
         base = str(get(d.get("BaseFont")) or "")
         descriptor = get(d.get("FontDescriptor"))
         descriptor = descriptor if isinstance(descriptor, dict) else {}
@@ -5963,7 +5976,8 @@ class PdfFont(object):
                      for i in range(len(s))]                  # (code 32 with no glyph name: still a space)
             width = sum(widths.get(b, default) for b in s)
             missing = sum(1 for i, t in enumerate(parts) if not t and (s[i] >= 32 or self.low))
-            out = ("".join(parts), width, len(s), s.count(32), missing)
+            out = ("".join(t or (" " if widths.get(s[i], 0) > 0 else "") for i, t in enumerate(parts)),
+                   width, len(s), s.count(32), missing)        # (a glyph with no text, a width of its own: parts words)
         elif self.codec is not None:
             text = (b"\x1b$B" + s + b"\x1b(B").decode("iso2022_jp", "replace") if self.codec == "jis" else \
                 s.decode(self.codec, "replace")
@@ -5984,11 +5998,13 @@ class PdfFont(object):
                 c = s[i:i + n]
                 i += n
                 codes += 1
-                t = uni.get(c)
+                t, w = uni.get(c), widths.get(int.from_bytes(c, "big"), default)
+                if t is None and n == 1:
+                    t = uni.get(b"\x00" + c)                   # a one-byte code, ToUnicode's keys two bytes
                 if t is None:
                     missing += 1
-                parts.append(t or "")
-                width += widths.get(int.from_bytes(c, "big"), default)
+                parts.append(t or (" " if w > 0 else ""))       # (a glyph with no text still parts words)
+                width += w
             text = "".join(parts)
             out = (text, width, codes, s.count(32) if all(n == 1 for n, _, _ in spans) else 0, missing)
         if len(self.memo) < 100000:

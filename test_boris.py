@@ -3477,6 +3477,36 @@ class TestPdf(NoViewBase):
         self.assertEqual(boris.pdf_sfnt(named), {1: "A", 2: "\u0141"})
         self.assertEqual(boris.pdf_sfnt(named[:72]), {1: "A"})                  # a name cut short: the rest
 
+    def test_vertical_columns_glyphs_without_text_and_one_byte_codes_under_two_byte_maps(self):
+        """Down a column (Identity-V) a glyph moves w1 x size + Tc: a negative Tc spaces
+        the letters apart and a positive TJ number moves down (pdf.js issue 20930); a glyph
+        whose font gives it no text still parts the words beside it (issue 5501); a
+        one-byte encoding CMap whose ToUnicode keys are two bytes (Ghostscript's output)."""
+        tounicode = (b"1 begincodespacerange <0000> <FFFF> endcodespacerange 7 beginbfchar <0024> <0041> <0025> <0042>"
+                     b" <0026> <0043> <0027> <0044> <0028> <0045> <0029> <0046> <0061> <0061> endbfchar")
+        onebyte = b"1 begincodespacerange <00> <FF> endcodespacerange 1 begincidrange <00> <FF> 0 endcidrange"
+        fonts = {"F1": "<< /Type /Font /Subtype /Type0 /BaseFont /V /Encoding /Identity-V /ToUnicode 6 0 R"
+                       " /DescendantFonts [<< /Type /Font /Subtype /CIDFontType2 /BaseFont /V /DW2 [880 -1000] >>] >>",
+                 "F2": "<< /Type /Font /Subtype /Type0 /BaseFont /O /Encoding 7 0 R /ToUnicode 6 0 R"
+                       " /DescendantFonts [<< /Type /Font /Subtype /CIDFontType2 /BaseFont /O >>] >>",
+                 "F3": "<< /Type /Font /Subtype /Type1 /BaseFont /Caesar /FirstChar 4 /LastChar 90 /Widths [%s] >>"
+                       % " ".join(["500"] * 87)}
+        extra = [b"<< /Length %d >>\nstream\n" % len(tounicode) + tounicode + b"\nendstream",
+                 b"<< /Type /CMap /CMapName /OneByteIdentityH /Length %d >>\nstream\n" % len(onebyte) + onebyte
+                 + b"\nendstream"]
+        content = (b"BT /F1 24 Tf -40 Tc 1 0 0 1 100 700 Tm <0024002500240025> Tj ET"        # letters 64 apart
+                   b" BT /F1 24 Tf 1 0 0 1 200 700 Tm [<0026> 500 <0027>] TJ ET"              # half an em lower
+                   b" BT /F1 24 Tf 1 0 0 1 300 700 Tm [<0028> -100 <0029>] TJ ET"             # a little higher
+                   b" BT /F2 12 Tf 72 200 Td (aa) Tj /F3 12 Tf 72 100 Td (LEX\004W) Tj ET")
+        self.put("v.pdf", make_pdf([content], fonts=fonts, extra=extra))
+        text = self.ok("view", path="v.pdf")
+        lines = [l.split("\t", 1)[1] for l in text.splitlines()[2:]]
+        self.assertIn("A B A B", lines, text)
+        self.assertIn("C D", lines, text)
+        self.assertIn("EF", lines, text)
+        self.assertIn("aa", lines, text)
+        self.assertIn("LEX W", lines, text)
+
     def test_lines_are_read_top_down_and_column_by_column_whatever_order_they_are_drawn_in(self):
         def at(x, y, text):
             return b"BT /F1 10 Tf %d %d Td (%s) Tj ET " % (x, y, text)
@@ -3488,6 +3518,14 @@ class TestPdf(NoViewBase):
         self.assertEqual(lines, ["Title drawn last", "left one", "left two", "right one", "right two",
                                  "footer drawn first"], text)
         self.assertEqual(boris.pdf_reading_order([(0, 10, 0, 10)] * 4), [0, 1, 2, 3])   # no gap: as drawn
+        stacked = [(235, 295, 15, 24), (235, 331, 24, 33), (235, 352, 33, 42)]          # one column drawn bottom up,
+        self.assertEqual(boris.pdf_reading_order(stacked), [2, 1, 0])                  # lines touching: top first
+        self.assertEqual(boris.pdf_reading_order([(0, 10, 0, 10), (20, 30, 5, 15)]), [0, 1])  # no column: as drawn
+        type3 = {"F1": "<< /Type /Font /Subtype /Type3 /FontMatrix [1 0 0 -1 0 0] /FontBBox [0 0 1 -1] /CharProcs << >>"
+                       " /FirstChar 97 /LastChar 122 /Widths [%s] >>" % " ".join(["60"] * 26)}
+        content = b"BT /F1 0.12 Tf 1 0 0 -1 10 35 Tm [(quan) 4001 (tile)] TJ ET"     # glyphs in units of their own
+        self.put("t3.pdf", make_pdf([content], fonts=type3))
+        self.assertIn("\tquantile\n", self.ok("view", path="t3.pdf") + "\n")
 
     def test_a_form_xobject_an_annotation_and_a_damaged_xref_are_read(self):
         form = b"BT /F1 9 Tf 0 0 Td (inside a form) Tj ET"
