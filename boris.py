@@ -2751,6 +2751,7 @@ SEARCH_BATCH = 1000                        # results a helper sends at a time
 SEARCH_IDLE_HELPERS = 2                    # search helpers kept warm for the next search
 DEADLINE_GRACE_S = 2.0                     # a helper past its job's deadline by this much ends itself
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
+FIND_C_MIN = 1 << 16                   # a literal is looked for by memmem in spans this long
 GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
 IGNORE_CACHE_FILES = 4096              # ignore files a helper keeps compiled (unchanged ones are not re-read)
 LISTING_CACHE_ENTRIES = 100000         # entries of directory visits a helper keeps (~25 MB at most)
@@ -3568,6 +3569,53 @@ REGEX_HINTS = ((r"\\p\{L\}|\\pL", r"[^\W\d_]"), (r"\\p\{N\}|\\pN|\\p\{Nd\}", r"\
                (r"\\[<>]", r"\b"), (r"\(\?<[a-zA-Z]", r"(?P<name>...)"), (r"\\h", r"[ \t]"))
 
 
+def memmem():
+    """The C library's memmem through ctypes (once), or None where there is none: on source
+    files it finds a literal at twice bytearray.find's speed, the ctypes call included."""
+    if "memmem" not in _memmem:
+        try:
+            ctypes, libc = _libc()
+            fn = libc.memmem
+            fn.restype = ctypes.c_void_p
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+            _memmem.update(memmem=fn, ctypes=ctypes)
+        except (OSError, AttributeError, ImportError):
+            _memmem["memmem"] = None
+    return _memmem["memmem"]
+
+
+_memmem = {}
+
+
+def finder(buf):
+    """contains(n, needle): whether `needle` (bytes, not empty) occurs in buf[:n], for a
+    bytearray that is never resized again (it is pinned: resizing it raises BufferError);
+    memmem(), or bytearray.find where there is none."""
+    fn = memmem()
+    if fn is None:
+        return lambda n, needle: buf.find(needle, 0, n) >= 0
+    ctypes = _memmem["ctypes"]
+    pinned = (ctypes.c_char * len(buf)).from_buffer(buf)
+    at = ctypes.addressof(pinned)
+
+    def contains(n, needle, _pinned=pinned):      # (_pinned: the buffer stays pinned while this lives)
+        return fn(at, n, needle, len(needle)) is not None
+    return contains
+
+
+def find_bytes(hay, needle, pos, end):
+    """hay.find(needle, pos, end), by memmem() when hay is a bytearray and the span is
+    long enough (FIND_C_MIN) to repay pinning it for the call."""
+    n = end - pos
+    fn = memmem() if n >= FIND_C_MIN and type(hay) is bytearray and needle else None
+    if fn is None:
+        return hay.find(needle, pos, end)
+    pinned = (_memmem["ctypes"].c_char * n).from_buffer(hay, pos)
+    at = _memmem["ctypes"].addressof(pinned)
+    found = fn(at, n, needle, len(needle))
+    return -1 if found is None else pos + found - at
+
+
 class Matcher(object):
     """A compiled grep pattern: a literal (bytes.find: exact on UTF-8) where it can be,
     else a regex. The regex runs on bytes for pure-ASCII text and on decoded text
@@ -3618,8 +3666,8 @@ class Matcher(object):
     def literal_in(self, buf, n):
         """Whether the literal occurs in buf[:n] (files mode's quick answer)."""
         if self.folded:
-            return buf[:n].lower().find(self.literal) >= 0
-        return buf.find(self.literal, 0, n) >= 0
+            buf = buf[:n].lower()
+        return find_bytes(buf, self.literal, 0, n) >= 0
 
     def spans(self, hay, end, first_only=False, pos=0):
         """(start, end) offsets of matching regions in hay[pos:end]; in line mode at
@@ -3637,7 +3685,7 @@ class Matcher(object):
         if self.folded:
             hay = hay[:end].lower()                   # same offsets: only ASCII letters change
         while True:
-            i = hay.find(needle, pos, end)
+            i = find_bytes(hay, needle, pos, end)
             if i < 0:
                 return out
             out.append((i, i + size))
@@ -6553,6 +6601,7 @@ class GrepWork(object):
         self.mode, self.before, self.after = self.spec["mode"], self.spec["before"], self.spec["after"]
         self.max_records = self.spec.get("max_records") or OUTPUT_MAX_CHARS // 2
         self.buf = bytearray(GREP_BUFFER)
+        self.fast = self.contains = None                # gather()'s one-loop buffer and its finder
 
     def walker(self, k):
         """A Walker of root k that follows directory links (as grep -R does); its files are read,
@@ -6587,7 +6636,10 @@ class GrepWork(object):
                 if r is not None:
                     items += r
             return
-        buf, needle, cut = self.buf, matcher.literal, self.cuts[k] if self.roots[k][1] else None
+        if self.fast is None:
+            self.fast = bytearray(GREP_BUFFER)         # (its own: self.buf may grow for a long line)
+            self.contains = finder(self.fast)
+        buf, contains, needle, cut = self.fast, self.contains, matcher.literal, self.cuts[k] if self.roots[k][1] else None
         size, sniff = len(buf), GREP_BINARY_SNIFF
         open_, fstat, readv, close, flags, regular = os.open, os.fstat, os.readv, os.close, os.O_RDONLY | O_FILE, \
             stat.S_ISREG
@@ -6610,7 +6662,7 @@ class GrepWork(object):
                 r = take(k, path, real, is_dir, ino)
                 if r is not None:
                     items += r
-            elif buf.find(needle, 0, n) >= 0 and buf.find(b"\x00", 0, min(n, sniff)) < 0:
+            elif contains(n, needle) and buf.find(b"\x00", 0, min(n, sniff)) < 0:
                 items.append(GrepHit(real, None if cut is None else path[cut:], st.st_mtime_ns, True, k))
 
     def file_result(self, path, ino):
@@ -6774,7 +6826,7 @@ class GlobWork(object):
         self.visited = [] if self.watches is not None else None
         self.links_seen = [] if self.watches is not None else None
         self.linked = []                                # (path, mtime) of matches found through a link
-        self.unkept = 0                                 # other matches no watch vouches for
+        self.unkept = 0                                 # 1: a match no watch vouches for (one is enough)
         self.shared = False                             # True once partners walked part of it
 
     def walker(self, k):
@@ -6823,9 +6875,9 @@ class GlobWork(object):
 
     def gather(self, k, walked, items):
         """Append rel, mtime to `items` for each match walked (one loop, no call per
-        path but the stat: a big glob is mostly this loop). Counts the matches no watch
-        vouches for (keep()): in a directory not watched, or with other hard links (a
-        change through one elsewhere raises no event here)."""
+        path but the stat: a big glob is mostly this loop). Notes the first match no watch
+        vouches for (keep(); the rest are not looked at): in a directory not watched, or
+        with other hard links (a change through one elsewhere raises no event here)."""
         lead, cut, rx, base_only, want_dir, stat_of = self.lead, self.cut, self.rx, self.base_only, self.want_dir, os.stat
         filtered = self.name_ok is not None                 # the walker has matched the names already
         watches = self.cache.watches if self.cache is not None else None
@@ -6841,8 +6893,9 @@ class GlobWork(object):
             else:
                 if watches is not None and path != real:
                     self.linked.append((path, when))        # (recall() reads its mtime again)
-                elif watches is not None and (is_dir or st.st_nlink != 1 or not watches.file_watched(path)):
-                    self.unkept += 1                        # (a change through another hard link: no event here)
+                elif watches is not None and not self.unkept and (
+                        is_dir or st.st_nlink != 1 or not watches.file_watched(path)):
+                    self.unkept = 1                         # (a change through another hard link: no event here)
             items += (path[lead:], when)                # the full path would double what the pipe carries
 
 
@@ -7326,6 +7379,7 @@ class HelperPool(object):
         self.idle, self.busy = [], set()
         self.closed = False
         self.requests = None                   # spawn requests to the pool's own thread
+        self.primed = None                     # the box of a helper started ahead (prime()), not taken yet
 
     def run(self, job, cancelled, deadline_s=None):
         """(items, None) of a job run in a helper; (items so far, 'deadline' or
@@ -7396,10 +7450,12 @@ class HelperPool(object):
             if idle is not None and idle.poll() is None:
                 self.busy.add(idle)
                 return idle
+            primed = self.primed if idle is None else None
+            self.primed = None if idle is None else self.primed
         if idle is not None:
             kill_group(idle)                      # it died while idle: reaped, pipes closed; try again
             return self.take()
-        proc = self.spawn()
+        proc = self.collect(primed) if primed is not None else self.spawn()     # (prime()'s, still booting)
         with self.lock:
             self.busy.add(proc)
             closed = self.closed
@@ -7408,19 +7464,38 @@ class HelperPool(object):
             raise OSError(errno.ESHUTDOWN, "the server is shutting down")
         return proc
 
+    def prime(self):
+        """Start one helper now, in the background, for the first search to take: a helper
+        takes ~25 ms to boot (the whole file to compile when its bytecode is not cached
+        yet), which the server's start and the client's handshake then hide. Nothing
+        when a helper is there already or the pool is closed."""
+        with self.lock:
+            if not self.closed and not self.idle and not self.busy and self.primed is None:
+                self.primed = self.request()
+
     def spawn(self):
         """A new helper, forked by the pool's own thread."""
         with self.lock:
-            if self.requests is None:
-                self.requests = queue.SimpleQueue()
-                threading.Thread(target=self._spawner, args=(self.requests, self.avoid), daemon=True,
-                                 name="boris-helper-spawner").start()
-                import atexit
-                atexit.register(self.close)           # idle helpers go with the process, whoever runs it
-            requests = self.requests
+            box = self.request()
+        return self.collect(box)
+
+    def request(self):
+        """Ask the pool's thread (started on first use) for a new helper: the box it will be
+        put in. The caller holds the lock."""
+        if self.requests is None:
+            self.requests = queue.SimpleQueue()
+            threading.Thread(target=self._spawner, args=(self.requests, self.avoid), daemon=True,
+                             name="boris-helper-spawner").start()
+            import atexit
+            atexit.register(self.close)           # idle helpers go with the process, whoever runs it
         box = queue.SimpleQueue()
-        requests.put(box)
-        proc = box.get()
+        self.requests.put(box)
+        return box
+
+    @staticmethod
+    def collect(box, timeout=None):
+        """The helper put in `box` (request()), or its OSError raised."""
+        proc = box.get(timeout=timeout)
         if isinstance(proc, Exception):
             raise proc
         return proc
@@ -7461,8 +7536,14 @@ class HelperPool(object):
             procs = self.idle + list(self.busy)
             self.idle, self.busy = [], set()
             requests, self.requests = self.requests, None
+            primed, self.primed = self.primed, None
         if requests is not None:
             requests.put(None)
+        if primed is not None:
+            try:
+                procs.append(self.collect(primed, timeout=5))
+            except (OSError, queue.Empty):
+                pass  # it did not start (or the spawning thread is gone at exit): nothing to kill
         for proc in procs:
             kill_group(proc)
 
@@ -14204,6 +14285,7 @@ def main(argv=None, environ=None, after_the_script=False):
 
     def serve():
         try:
+            server.helpers.prime()        # booting while the client shakes hands: ready for the first search
             if config.transport == "http":
                 return serve_http(server, config, stopper)
             log("info", sandbox.describe(), why=sandbox.why)

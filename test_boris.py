@@ -1166,6 +1166,18 @@ class TestHelpersDieWithTheServer(unittest.TestCase):
             self.assertTrue(wait_until(lambda: c.p.poll() is not None, 10), how)
             self.assert_gone(pids, how)
 
+    def test_a_search_helper_is_started_before_the_first_search(self):
+        """Issue 44: the server starts one search helper as it starts serving (booted while
+        the client shakes hands), and the first search runs in it."""
+        c = StdioClient(["--workdir", self.tmp])
+        self.addCleanup(c.close)
+        c.initialize()
+        helpers = wait_until(lambda: helper_pids(c.p.pid), 10)
+        self.assertEqual(len(helpers), 1)
+        r = c.call("glob", {"pattern": "**/*"})
+        self.assertFalse(r.get("isError"), r)
+        self.assertEqual(helper_pids(c.p.pid), helpers)
+
     def test_a_helper_ends_itself_past_its_deadline(self):
         argv, cwd = boris.helper_command("search")
         argv[-1] = str(os.getpid())
@@ -2451,6 +2463,40 @@ class TestHelperPool(SearchBase):
             threading.Thread(target=self.run_job, args=(pool,)).start()      # a short-lived caller
             self.assertTrue(wait_until(lambda: forked_by and pool.idle, 10))
         self.assertEqual(forked_by, ["boris-helper-spawner"])
+
+    def test_a_primed_helper_takes_the_first_search_and_no_other_starts(self):
+        """Issue 44: prime() starts one helper ahead; the first search runs in it (no
+        second helper is started, even when the search comes while it still boots), and
+        prime() does nothing while a helper is there."""
+        pool = self.pool()
+        started = []
+        real_spawn = boris.spawn
+        with mock.patch.object(boris, "spawn", lambda *a, **k: started.append(real_spawn(*a, **k)) or started[-1]):
+            pool.prime()
+            pool.prime()
+            self.assertEqual(self.run_job(pool)[0][0][1], "a.txt")
+            pool.prime()
+            self.assertEqual(self.run_job(pool)[0][0][1], "a.txt")
+        self.assertEqual(len(started), 1)
+        self.assertEqual(pool.idle, started)
+
+    def test_a_primed_helper_never_taken_dies_with_the_pool(self):
+        pool = self.pool()
+        pool.prime()
+        self.assertTrue(wait_until(lambda: helper_pids(os.getpid()), 10))
+        mine = [pid for pid in helper_pids(os.getpid()) if pid not in [p.pid for p in TEST_HELPERS.idle]]
+        pool.close()
+        self.assertTrue(mine)
+        self.assertTrue(wait_until(lambda: not any(alive(pid) for pid in mine), 5), mine)
+        self.assertIsNone(pool.primed)
+
+    def test_a_prime_that_fails_leaves_the_first_search_to_start_its_own(self):
+        pool = self.pool()
+        with mock.patch.object(boris, "helper_command", lambda *a: (["/nonexistent/python3"], "/")):
+            pool.prime()
+            self.assertTrue(wait_until(lambda: not pool.primed.empty(), 10))     # its failure is in
+        self.assertEqual(self.run_job(pool)[0][0][1], "a.txt")
+        self.assertEqual(len(pool.idle), 1)
 
 
 # ---------------------------------------------------------------------------
@@ -6830,6 +6876,43 @@ class TestGrep(SearchBase):
         self.assertLess(sum(readers), 300000)               # stopped after the first chunk, not 2M records
 
 
+class TestLiteralsFoundInC(unittest.TestCase):
+    """Issue 44: a grep literal is looked for by the C library's memmem (through ctypes)."""
+
+    def test_memmem_answers_as_bytearray_find(self):
+        """3,000 generated haystacks, needles and spans (a needle at the span's very start
+        or end, cut by its end, repeated, absent, longer than the span, with NULs and
+        newlines) give bytearray.find's answer through find_bytes() and finder(), and the
+        same without a memmem; a buffer finder() searches is pinned (resizing it fails)."""
+        if boris.memmem() is None:
+            self.skipTest("this C library has no memmem: bytearray.find is used (the fallback is checked too)")
+        rng = random.Random(4403)
+        cases = []
+        for _ in range(3000):
+            hay = bytearray(rng.choice(b"ab\n\x00") for _ in range(rng.randint(0, 200)))
+            needle = bytes(rng.choice(b"ab\n\x00") for _ in range(rng.randint(1, 5)))
+            if hay and rng.random() < 0.3:
+                at = rng.randint(0, len(hay))
+                hay[at:at] = needle
+            pos = rng.randint(0, len(hay))
+            cases.append((hay, needle, pos, rng.randint(pos, len(hay))))
+        for fallback in (False, True):
+            with mock.patch.object(boris, "FIND_C_MIN", 1), \
+                    mock.patch.dict(boris._memmem, {"memmem": None} if fallback else {}):
+                for hay, needle, pos, end in cases:
+                    self.assertEqual(boris.find_bytes(hay, needle, pos, end), hay.find(needle, pos, end),
+                                     (hay, needle, pos, end, fallback))
+                    buf = bytearray(hay)
+                    contains = boris.finder(buf)
+                    self.assertEqual(contains(end, needle), hay.find(needle, 0, end) >= 0, (hay, needle, end))
+        buf = bytearray(b"xyz")
+        contains = boris.finder(buf)
+        with self.assertRaises(BufferError):
+            buf.extend(b"more")
+        self.assertTrue(contains(3, b"yz"))
+        self.assertFalse(contains(2, b"yz"))
+
+
 class TestGrepScope(SearchBase):
     flags = ["--require-view-before-edit", "false", "--deny-dir", "**/.env", "--deny-dir", "**/private"]
 
@@ -8322,8 +8405,8 @@ class TestStoresOfKilledServers(unittest.TestCase):
         client.initialize()
         self.assertFalse(client.call("bash", {"command": "echo b > b.txt"})["isError"])
         client.call("checkpoints", {})
-        stores = os.listdir(temp)
-        self.assertEqual(len(stores), 1, stores)
+        stores = [name for name in os.listdir(temp) if name.startswith(boris.CHECKPOINT_PREFIX)]
+        self.assertEqual(len(stores), 1, os.listdir(temp))      # (beside the helpers' private directory)
         dead = os.path.join(temp, stores[0])
         self.assertTrue(os.path.exists(os.path.join(dead, "lock")))
         client.p.kill()
