@@ -6831,9 +6831,11 @@ class GlobWork(object):
 
     def walker(self, k):
         """A Walker of the static start directory that lists links and does not enter them, names filtered
-        in the walk when it can be."""
+        in the walk when it can be. Its visits are kept for the next glob only in a warm helper's
+        cache: a partner's would serve only a repeat that the helper, holding its own visits, walks alone."""
         walker = Walker(self.roots[0][0], self.policy, follow_links=False, want_dirs=self.want_dirs,
-                        name_ok=self.name_ok, max_depth=self.depth, cache=self.cache, name_key=self.rest)
+                        name_ok=self.name_ok, max_depth=self.depth, cache=self.cache,
+                        name_key=self.rest if self.watches is not None else None)
         walker.visited, walker.links_seen = self.visited, self.links_seen
         return walker
 

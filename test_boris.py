@@ -6710,6 +6710,23 @@ class TestGrep(SearchBase):
             self.assertEqual(len(partners.procs), started)
             self.assertTrue(all(p.proc.poll() is None for p in partners.procs))
 
+    def test_only_a_warm_helper_keeps_what_a_glob_visited(self):
+        """Issue 44: a partner's cache (no watches) keeps no glob visits - only a repeat the
+        helper walks alone, from its own, could use them - and a warm helper's does; a
+        grep's visits are kept by a partner too (a shared grep reads them again)."""
+        glob = {"op": "glob", "policy": boris.policy_spec(self.policy), "start": self.root, "rest": "*.py",
+                "base_only": True, "kind": "file", "lead": len(self.root) + 1}
+        grep = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(self.root, True, None)],
+                                 boris.grep_spec("def", "files_with_matches"))
+        for job, watch, kept in ((glob, False, False), (glob, True, True), (grep, False, True)):
+            cache, found = boris.WalkCache(watch=watch), []
+            self.addCleanup(cache.close)
+            work = boris.SEARCH_WORK[job["op"]](job, cache)
+            with mock.patch.object(boris, "LISTING_RACY_S", -1.0):        # (the tree was just made)
+                work.gather(0, work.walker(0), found)
+            self.assertTrue(found)
+            self.assertEqual(bool(cache.listings), kept, (job["op"], watch))
+
     def test_a_failed_shared_walk_reuses_no_busy_partner(self):
         self._shared_tree()
         alone = self._searches()
