@@ -3606,7 +3606,7 @@ def finder(buf):
 def find_bytes(hay, needle, pos, end):
     """hay.find(needle, pos, end), by memmem() when hay is a bytearray and the span is
     long enough (FIND_C_MIN) to repay pinning it for the call."""
-    n = end - pos
+    n = min(end, len(hay)) - pos
     fn = memmem() if n >= FIND_C_MIN and type(hay) is bytearray and needle else None
     if fn is None:
         return hay.find(needle, pos, end)
@@ -3617,7 +3617,7 @@ def find_bytes(hay, needle, pos, end):
 
 
 class Matcher(object):
-    """A compiled grep pattern: a literal (bytes.find: exact on UTF-8) where it can be,
+    """A compiled grep pattern: a literal (memmem or bytes.find: exact on UTF-8) where it can be,
     else a regex. The regex runs on bytes for pure-ASCII text and on decoded text
     otherwise, so '.' and classes mean characters, not bytes."""
 
@@ -7452,12 +7452,13 @@ class HelperPool(object):
             if idle is not None and idle.poll() is None:
                 self.busy.add(idle)
                 return idle
-            primed = self.primed if idle is None else None
-            self.primed = None if idle is None else self.primed
+            primed = None
+            if idle is None:
+                primed, self.primed = self.primed, None       # (prime()'s, perhaps still booting)
         if idle is not None:
             kill_group(idle)                      # it died while idle: reaped, pipes closed; try again
             return self.take()
-        proc = self.collect(primed) if primed is not None else self.spawn()     # (prime()'s, still booting)
+        proc = self.collect(primed) if primed is not None else self.spawn()
         with self.lock:
             self.busy.add(proc)
             closed = self.closed

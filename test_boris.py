@@ -6912,16 +6912,16 @@ class TestLiteralsFoundInC(unittest.TestCase):
                 at = rng.randint(0, len(hay))
                 hay[at:at] = needle
             pos = rng.randint(0, len(hay))
-            cases.append((hay, needle, pos, rng.randint(pos, len(hay))))
+            cases.append((hay, needle, pos, rng.randint(pos, len(hay) + 2)))       # (an end past it: clamped)
         for fallback in (False, True):
             with mock.patch.object(boris, "FIND_C_MIN", 1), \
                     mock.patch.dict(boris._memmem, {"memmem": None} if fallback else {}):
                 for hay, needle, pos, end in cases:
                     self.assertEqual(boris.find_bytes(hay, needle, pos, end), hay.find(needle, pos, end),
                                      (hay, needle, pos, end, fallback))
-                    buf = bytearray(hay)
+                    buf, n = bytearray(hay), min(end, len(hay))
                     contains = boris.finder(buf)
-                    self.assertEqual(contains(end, needle), hay.find(needle, 0, end) >= 0, (hay, needle, end))
+                    self.assertEqual(contains(n, needle), hay.find(needle, 0, n) >= 0, (hay, needle, n))
         buf = bytearray(b"xyz")
         contains = boris.finder(buf)
         with self.assertRaises(BufferError):
