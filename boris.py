@@ -50,9 +50,14 @@ modules that only some calls need are imported inside the functions that use the
 Constants follow one rule: a number a user or a model can meet (a limit, a size, a
 timeout, in an answer, a message or a flag) is at the top, under Limits; one that only
 tunes how one layer works inside (buffers, batches, how a walk is shared) sits at the
-head of that layer's banner. Two module-level objects change at run time, _log_state
-and _children, each saying why; every other piece of state belongs to an object that
-the server (or a helper's main) makes and passes down.
+head of that layer's banner. Every other piece of state belongs to an object that the
+server (or a helper's main) makes and passes down, but for these, each saying why where
+it is defined (TestTheFilesMap keeps the list true):
+
+Module-level objects that change after the file has loaded: _log_state (the log's level
+and format), _children (the process's children and its reaper), _memmem (the C library's
+memmem, found once), PDF_NAMES (glyph names, read at first use) and PdfAes.tables (AES's
+tables, made at first use); TOOLS is filled while the file loads.
 
 License: MIT.
 """
@@ -73,6 +78,7 @@ if sys.version_info < (3, 8):
                      % sys.version_info[:2])
     sys.exit(2)
 
+import contextlib
 import errno
 import json
 import os
@@ -124,6 +130,7 @@ CHECKPOINT_ENTRIES = 2000000               # ... and the entries all of them may
 CHECKPOINT_WALK_MAX = 250000               # entries one checkpoint walks; past it the rest is not covered
 CHECKPOINT_BUDGET_AUTO = 2 << 30           # --checkpoint-budget auto: this, or a quarter of the free temp space
 CHECKPOINT_NAMES_SHOWN = 20                # paths named per kind of change in checkpoints and rewind
+CHECKPOINT_WAIT_S = 2.0                    # a call waits this long for a checkpoint; then it keeps what it has
 CHECKPOINT_FIRST_S = 1.0                   # the first checkpoint starts this long after the session (or sooner,
                                            # at its first changing call): start-up and the first answers go first
 PARSE_CHECK_BYTES = 1024 * 1024            # files up to this size are parsed after an edit
@@ -1165,6 +1172,36 @@ def open_file(real, flags=os.O_RDONLY):
         os.close(dfd)
 
 
+def open_same(path, ino=None, dev=None):
+    """A read-only descriptor of `path` if it is still the regular file with inode `ino`
+    and device `dev` (each when given) that was checked or listed before, opened as open_file
+    opens its last step (no link followed, no FIFO waited on); None when it is gone,
+    unreadable or another file now. How a helper opens a file the server checked: by
+    name, then made sure it is that very file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | O_FILE)
+    except OSError:
+        return None                                 # gone or unreadable since: not read
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode) or ino not in (None, st.st_ino) or dev not in (None, st.st_dev):
+        os.close(fd)
+        return None
+    return fd
+
+
+def open_checked(job):
+    """open_same() of the file a helper's job names (its 'path' and 'file': device, inode), as
+    a binary file object; ToolError when another file stands there now."""
+    fd = open_same(job["path"], job["file"][1], job["file"][0])
+    if fd is None:
+        raise ToolError(IO_ERROR, "it changed while it was being read (removed, or another file stands at its"
+                        " path now); try again")
+    return os.fdopen(fd, "rb")
+
+
 def open_regular(real, shown, doing="read"):
     """(fd, stat) of an existing regular file; ToolError for anything else (the
     fd is closed then). A directory's is INVALID_INPUT with detail "directory", which
@@ -1193,6 +1230,19 @@ def read_fd(fd, limit, shown):
         size += len(block)
         if size > limit:
             raise too_large(shown, size, limit, more=True)
+
+
+def ready(waited, timeout=None, write=False):
+    """Those of `waited` (descriptors, or objects with fileno()) that are readable (writable
+    with write=True), or at their end, within `timeout` seconds (None: until one is). The one
+    wait on descriptors: poll(2), which takes descriptors past 1,024 as select(2) does not."""
+    import select
+    poller, by_fd = select.poll(), {}
+    for f in waited:
+        fd = f if isinstance(f, int) else f.fileno()
+        by_fd[fd] = f
+        poller.register(fd, select.POLLOUT if write else select.POLLIN)
+    return [by_fd[fd] for fd, _ in poller.poll(None if timeout is None else max(0.0, timeout) * 1000)]
 
 
 def too_large(shown, size, limit, more=False):
@@ -1533,12 +1583,42 @@ class Children(object):
 _children = Children()
 
 
+# In a variable's name, any case: the variable is a secret, kept from every child
+SECRET_NAMES = ("KEY", "SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL")
+# All a helper process (this file run again, with -E) needs of the server's environment:
+# where programs, home and the temp directory are, the locale, and where a Python built
+# with a shared library finds it
+HELPER_ENV = ("PATH", "HOME", "TMPDIR", "TEMP", "TMP", "LANG", "TZ", "LD_LIBRARY_PATH", "DYLD_LIBRARY_PATH")
+
+
+def child_environ(environ=None, keep=(), drop=(), only=None):
+    """The one rule for what a child process's environment holds: `environ` (the
+    server's) less boris's own variables (BORIS_*, the HTTP token among them) and those
+    named like a secret, unless a pattern in `keep` names them; less what `drop` names;
+    with `only`, just those names (and LC_*)."""
+    import fnmatch
+    environ = os.environ if environ is None else environ
+
+    def wanted(name):
+        if only is not None and name not in only and not name.startswith("LC_"):
+            return False
+        if any(fnmatch.fnmatchcase(name, p) for p in drop):
+            return False
+        if not (name.startswith("BORIS_") or any(word in name.upper() for word in SECRET_NAMES)):
+            return True
+        return any(fnmatch.fnmatchcase(name, p) for p in keep)
+    return dict((k, v) for k, v in environ.items() if wanted(k))
+
+
 def spawn(argv, **kwargs):
-    """subprocess.Popen(argv, **kwargs), its pid recorded until reaped(). In the server
-    (main), the first spawn makes this process a subreaper (start-up never loads ctypes)."""
+    """subprocess.Popen(argv, **kwargs), its pid recorded until reaped(). A child given
+    no env= gets a helper's (child_environ's HELPER_ENV): no child is ever handed the
+    server's whole environment. In the server (main), the first spawn makes this process
+    a subreaper (start-up never loads ctypes)."""
     import subprocess
     if _children.wanted:
         start_reaper()
+    kwargs.setdefault("env", child_environ(only=HELPER_ENV))
     with _children.lock:
         proc = subprocess.Popen(argv, **kwargs)
         _children.live.add(proc.pid)
@@ -1921,15 +2001,17 @@ MS_LOCKED_FLAGS = 2 | 4 | 8 | 1024 | 2048           # nosuid, nodev, noexec, noa
 SANDBOX_PROTECT = (".git", ".hg", ".svn")           # kept read-only at the top of workspace roots and one level down
 SANDBOX_PROTECT_SCAN = 256                          # subdirectories of a workspace root looked into for them
 # net_filter's system call numbers: for the machine's own ABI (socket and socketpair
-# are looked at, connect and an addressed sendto refused) and for the 32-bit ABI it
-# also runs (everything socket-like refused). The audit arch tags the seccomp data.
+# are looked at, connect and an addressed or Fast Open send refused) and for the 32-bit
+# ABI it also runs (everything socket-like refused). The audit arch tags the seccomp data.
 SECCOMP_ABIS = {
-    "x86_64": (0xC000003E, dict(socket=41, socketpair=53, connect=42, sendto=44, io_uring_setup=425, seccomp=317),
+    "x86_64": (0xC000003E, dict(socket=41, socketpair=53, connect=42, sendto=44, sendmsg=46, sendmmsg=307,
+                                io_uring_setup=425, seccomp=317),
                0x40000003, (102, 359, 360, 362, 369, 370, 345)),        # i386: socketcall, socket, ...
-    "aarch64": (0xC00000B7, dict(socket=198, socketpair=199, connect=203, sendto=206, io_uring_setup=425,
-                                 seccomp=277),
+    "aarch64": (0xC00000B7, dict(socket=198, socketpair=199, connect=203, sendto=206, sendmsg=211, sendmmsg=269,
+                                 io_uring_setup=425, seccomp=277),
                 0x40000028, (281, 288, 283, 290, 296, 374)),             # arm: socket, socketpair, ...
 }
+MSG_FASTOPEN = 0x20000000                  # a send that connects a TCP socket, past connect(2) and Landlock
 SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = 434, 438                 # the same number on every Linux ABI
 SECCOMP_NOTIF_RECV, SECCOMP_NOTIF_SEND, SECCOMP_NOTIF_ID_VALID = 0xC0502100, 0xC0182101, 0x40082102
 SANDBOX_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx")
@@ -2180,7 +2262,7 @@ def userns_works():
     import subprocess
     try:
         return subprocess.call(["unshare", "-Urn", "true"], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL) == 0
+                               stderr=subprocess.DEVNULL, env=child_environ(only=HELPER_ENV)) == 0
     except OSError:
         return False  # no unshare binary: no user namespaces to be had
 
@@ -2360,9 +2442,11 @@ def net_filter_program(machine, supervised=False, inet=False):
     the bytes of its sock_filter array; None for a machine it does not know. A
     socket may be a Unix stream or seqpacket socket only (so no datagram can carry an
     address); connect is refused (supervised: handed to NetSupervisor), and so are
-    sendto with an address and io_uring (which would bypass the filter); a foreign
-    ABI gets no socket call at all, an unknown one is killed. inet: IPv4 stream sockets
-    may be made too (their connect is the supervisor's to decide)."""
+    sendto with an address, any send with MSG_FASTOPEN (sendto, sendmsg, sendmmsg: it
+    connects without connect(2), where neither the supervisor nor Landlock looks) and
+    io_uring (which would bypass the filter); a foreign ABI gets no socket call at all,
+    an unknown one is killed. inet: IPv4 TCP sockets may be made too (their connect is
+    the supervisor's to decide; no other protocol of SOCK_STREAM, such as SCTP)."""
     import struct
     if machine not in SECCOMP_ABIS:
         return None
@@ -2376,12 +2460,17 @@ def net_filter_program(machine, supervised=False, inet=False):
         (jeq, 425, "nosys"), (ret, allow),
         ("native",), (ld, 0), (jge, 0x40000000, "kill"),            # x32 numbers on x86_64
         (jeq, nr["socket"], "socket"), (jeq, nr["socketpair"], "socket"), (jeq, nr["connect"], "connect"),
-        (jeq, nr["sendto"], "sendto"), (jeq, nr["io_uring_setup"], "nosys"), (ret, allow),
+        (jeq, nr["sendto"], "sendto"), (jeq, nr["sendmsg"], "sendmsg"), (jeq, nr["sendmmsg"], "sendmmsg"),
+        (jeq, nr["io_uring_setup"], "nosys"), (ret, allow),
         ("socket",), (ld, arg(0)), (jeq, 1, "unix")] + [(jeq, 2, "inet")] * inet + [(ret, refuse),  # AF_UNIX
         ("unix",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "allow"), (jeq, 5, "allow"), (ret, refuse),
-        ("inet",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "allow"), (ret, refuse),      # AF_INET, SOCK_STREAM
-        ("sendto",), (ld, arg(4)), (jeq, 0, "low"), (ret, refuse),  # a destination address: refused
+        ("inet",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "tcp"), (ret, refuse),      # AF_INET, SOCK_STREAM
+        ("tcp",), (ld, arg(2)), (jeq, 0, "allow"), (jeq, 6, "allow"), (ret, refuse),  # IPPROTO_TCP
+        ("sendto",), (ld, arg(3)), (and_, MSG_FASTOPEN), (jeq, 0, "addressed"), (ret, refuse),
+        ("addressed",), (ld, arg(4)), (jeq, 0, "low"), (ret, refuse),  # a destination address: refused
         ("low",), (ld, arg(4, 1)), (jeq, 0, "allow"), (ret, refuse),
+        ("sendmsg",), (ld, arg(2)), (and_, MSG_FASTOPEN), (jeq, 0, "allow"), (ret, refuse),
+        ("sendmmsg",), (ld, arg(3)), (and_, MSG_FASTOPEN), (jeq, 0, "allow"), (ret, refuse),
         ("connect",), (ret, notify if supervised else refuse),
         ("allow",), (ret, allow), ("refuse",), (ret, refuse), ("nosys",), (ret, nosys), ("kill",), (ret, kill)]
     labels, at = {}, 0
@@ -4368,13 +4457,14 @@ XLSX_DATE_FORMATS = frozenset(list(range(14, 23)) + list(range(27, 37)) + [45, 4
 
 
 class Document(object):
-    """One office document at `path`, rendered by markdown() (its kind by extension)."""
+    """One office document, the file object `f` of `path`, rendered by markdown() (its kind by
+    the path's extension)."""
 
-    def __init__(self, path):
+    def __init__(self, path, f):
         import zipfile
         self.path, self.kind = path, os.path.splitext(path)[1].lower()
         try:
-            self.zip = zipfile.ZipFile(path)
+            self.zip = zipfile.ZipFile(f)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, OverflowError) as e:
             raise ToolError(INVALID_INPUT, "not a readable %s (%s)" % (DOC_FORMATS[self.kind], e))
         self.notes = []                     # footnotes, in the order they are referred to
@@ -4382,11 +4472,21 @@ class Document(object):
 
     @classmethod
     def job(cls, job, emit):
-        """A helper's side: [the Markdown] of job['path'], or a ToolError saying what is wrong."""
+        """A helper's side: [the Markdown] of the file job['path'] names (the one the server
+        checked: open_checked), or a ToolError saying what is wrong."""
+        with open_checked(job) as f:
+            doc = cls(job["path"], f)
+            try:
+                doc.render(emit)
+            finally:
+                doc.zip.close()
+
+    def render(self, emit):
+        """job()'s rendering, its failures in words."""
         import xml.etree.ElementTree as ET
         import zipfile
         import zlib
-        doc = cls(job["path"])
+        doc = self
         try:
             emit([doc.markdown()])
         except RecursionError:
@@ -4398,8 +4498,6 @@ class Document(object):
         except (zipfile.BadZipFile, zlib.error, NotImplementedError, OSError, EOFError, ValueError, KeyError,
                 IndexError, OverflowError) as e:
             raise ToolError(INVALID_INPUT, "a damaged %s (%s: %s)" % (DOC_FORMATS[doc.kind], type(e).__name__, e))
-        finally:
-            doc.zip.close()
 
     def markdown(self):
         """The document as Markdown."""
@@ -6475,10 +6573,11 @@ class PdfAes(object):
 
 
 def pdf_job(job, emit):
-    """A helper's side of view: [{count, title, texts of pages first..last}] of job['path'], or
-    a ToolError saying what is wrong."""
+    """A helper's side of view: [{count, title, texts of pages first..last}] of the file
+    job['path'] names (the one the server checked: open_checked), or a ToolError saying
+    what is wrong."""
     try:
-        with open(job["path"], "rb") as f:
+        with open_checked(job) as f:
             data = f.read(job["limit"] + 1)
         pdf = Pdf(data)
         pages = pdf.pages()
@@ -6496,6 +6595,10 @@ def pdf_job(job, emit):
                 if "inflate past" in str(e):
                     raise
                 texts.append("[this page could not be read: %s]" % e)
+            except PDF_BUGS as e:
+                log("error", "the PDF reader failed on a page: a bug", error=_traceback())
+                texts.append("[this page could not be read: the PDF reader failed (%s: %s), a bug in boris, logged"
+                             " with its traceback]" % (type(e).__name__, shorten(str(e), 120)))
             except PDF_DAMAGE as e:
                 texts.append("[this page could not be read (%s: %s)]" % (type(e).__name__, shorten(str(e), 120)))
         emit([{"count": len(pages), "title": pdf.info(), "texts": texts}])
@@ -6503,12 +6606,18 @@ def pdf_job(job, emit):
         raise ToolError(INVALID_INPUT, "not a readable PDF: %s" % e)
     except RecursionError:
         raise ToolError(INVALID_INPUT, "not a readable PDF: its objects are nested too deeply")
+    except PDF_BUGS as e:
+        log("error", "the PDF reader failed: a bug", error=_traceback())
+        raise ToolError(IO_ERROR, "the PDF reader failed on it (%s: %s): a bug in boris, logged with its"
+                        " traceback; pdftotext reads it if installed" % (type(e).__name__, shorten(str(e), 120)))
     except PDF_DAMAGE as e:
         raise ToolError(INVALID_INPUT, "not a readable PDF (%s: %s)" % (type(e).__name__, shorten(str(e), 120)))
 
 
-PDF_DAMAGE = (ValueError, IndexError, KeyError, TypeError, OverflowError, MemoryError, LookupError, AttributeError,
-              ZeroDivisionError, RecursionError)              # what a damaged file can raise inside the parser
+# What a damaged file can raise inside the parser (that checks what it reads), and what only
+# a bug of the parser's can: the first is the file's fault, the second is logged as boris's.
+PDF_DAMAGE = (ValueError, IndexError, OverflowError, MemoryError, LookupError, ZeroDivisionError, RecursionError)
+PDF_BUGS = (TypeError, AttributeError, KeyError, NameError)
 
 
 # -- searches run where they can be killed -----------------------------------------
@@ -6671,7 +6780,7 @@ class GrepWork(object):
         or a list of records (content mode). Steps: open it if it is still the file the
         walk listed, read the first piece, answer `-l` of a literal from it at once, else
         run the matcher over the pieces (count or records)."""
-        fd = self.open_listed(path, ino)
+        fd = open_same(path, ino)              # (grep skips a file that is gone or another one now)
         if fd is None:
             return None
         try:
@@ -6701,24 +6810,6 @@ class GrepWork(object):
         if mode == "files_with_matches" and matcher.quick(lead):
             return matcher.literal_in(buf, n) or None, None
         return None, ((buf, n, 1),)                 # most files: one piece, read
-
-    @staticmethod
-    def open_listed(path, ino):
-        """A read-only descriptor of `path` if it is still the regular file (inode `ino`,
-        when given) the walk listed; None when it is gone, unreadable or another file now:
-        grep skips such a file, as it skips one that changed while the walk ran."""
-        try:
-            fd = os.open(path, os.O_RDONLY | O_FILE)
-        except OSError:
-            return None                                 # gone or unreadable since listed: skipped
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            st = None
-        if st is None or not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
-            os.close(fd)
-            return None
-        return fd
 
     def text_piece(self, piece):
         """A piece (haystack, end, first line) as the matcher reads it: decoded when the
@@ -7128,12 +7219,11 @@ class Partners(object):
 
     def for_walk(self):
         """Partners for a shared walk, as many as the cores allow beside this process."""
-        import select
         if not self.warm:
             return [p for p in (new_partner() for _ in range(partner_count())) if p is not None]
         live = []
         for p in self.procs:
-            if p.proc.poll() is None and not select.select([p.proc.stdout], [], [], 0)[0]:
+            if p.proc.poll() is None and not ready([p.proc.stdout], 0):
                 live.append(p)                    # (an idle partner has nothing to say)
             else:
                 p.close()
@@ -7223,13 +7313,12 @@ class SharedWalk(object):
 
     def service(self, wait):
         """Keep partners fed, take in what they answered; False once none is busy."""
-        import select
         for p in self.active:
             self.feed(p)
         busy = [p for p in self.active if p.units]
-        ready = select.select([p.proc.stdout for p in busy], [], [], None if wait else 0)[0] if busy else []
+        answering = ready([p.proc.stdout for p in busy], None if wait else 0) if busy else []
         for p in busy:
-            if p.proc.stdout in ready:
+            if p.proc.stdout in answering:
                 self.answered(p)
         return bool(busy)
 
@@ -7285,7 +7374,6 @@ def helper_search(inp=None, out=None, partners=None):
     process (inp None), each job also carries its deadline here: SIGALRM, whose
     default action the kernel carries out even while a regex holds the interpreter,
     ends the helper DEADLINE_GRACE_S after it."""
-    import select
     alarms = inp is None and hasattr(signal, "setitimer")
     inp, out = inp or sys.stdin.buffer, out or sys.stdout.buffer
     partners = partners or Partners(warm=True)
@@ -7300,11 +7388,11 @@ def helper_search(inp=None, out=None, partners=None):
             raw(json.dumps({"items": items}).encode("ascii"))
     try:
         while True:
-            if alarms and cache.rewalk is not None and not select.select([inp], [], [], 0)[0]:
-                rewalk(cache, partners, lambda: bool(select.select([inp], [], [], 0)[0]))
+            if alarms and cache.rewalk is not None and not ready([inp], 0):
+                rewalk(cache, partners, lambda: bool(ready([inp], 0)))
                 continue
             cache.rewalk = None
-            if partners.procs and not select.select([inp], [], [], PARTNER_IDLE_S)[0]:
+            if partners.procs and not ready([inp], PARTNER_IDLE_S):
                 partners.close()                # (a job comes alone: nothing waits in inp's buffer)
                 continue
             line = inp.readline()
@@ -7387,7 +7475,6 @@ class HelperPool(object):
         """(items, None) of a job run in a helper; (items so far, 'deadline' or
         'cancelled') when it had to be killed."""
         deadline_s = SEARCH_TIMEOUT_S if deadline_s is None else deadline_s
-        import select
         proc = self.start(dict(job, deadline_s=deadline_s))
         deadline = time.monotonic() + deadline_s
         reader = LineBuffer()
@@ -7402,7 +7489,7 @@ class HelperPool(object):
                 if left <= 0:
                     self.discard(proc)
                     return items, "deadline"
-                if not select.select([fd], [], [], min(0.05, left))[0]:
+                if not ready([fd], min(0.05, left)):
                     continue
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
@@ -7484,7 +7571,11 @@ class HelperPool(object):
 
     def request(self):
         """Ask the pool's thread (started on first use) for a new helper: the box it will be
-        put in. The caller holds the lock."""
+        put in (an OSError in it once the pool is closed). The caller holds the lock."""
+        if self.closed:
+            box = queue.SimpleQueue()
+            box.put(OSError(errno.ESHUTDOWN, "the search helpers were stopped with their server"))
+            return box
         if self.requests is None:
             self.requests = queue.SimpleQueue()
             threading.Thread(target=self._spawner, args=(self.requests, self.avoid), daemon=True,
@@ -7634,24 +7725,11 @@ class Capture(object):
 # (a command read by a thread of its own: a background task, or a foreground command
 # that may be handed off). Output reaches a result through render_output.
 
-SECRET_NAMES = ("KEY", "SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL")   # in a variable's name: not passed
-
-
 def command_environ(config, environ=None):
-    """The environment bash commands get: the server's, less its own variables (BORIS_*:
-    the HTTP token among them) and those named like a secret (SECRET_NAMES, any case),
-    unless --shell-env-keep names them; less what --shell-env-drop names."""
-    import fnmatch
-    environ = os.environ if environ is None else environ
-    keep, drop = config.shell_env_keep, config.shell_env_drop
-
-    def wanted(name):
-        if any(fnmatch.fnmatchcase(name, p) for p in drop):
-            return False
-        if not (name.startswith("BORIS_") or any(word in name.upper() for word in SECRET_NAMES)):
-            return True
-        return any(fnmatch.fnmatchcase(name, p) for p in keep)
-    return dict((k, v) for k, v in environ.items() if wanted(k))
+    """The environment bash commands get: the server's, less its own variables and those
+    named like a secret unless --shell-env-keep names them, less what --shell-env-drop
+    names (child_environ)."""
+    return child_environ(environ, config.shell_env_keep, config.shell_env_drop)
 
 
 TTY_COLUMNS, TTY_ROWS = 80, 24             # the terminal of a tty task
@@ -7944,7 +8022,6 @@ class Task(object):
     def write(self, data, deadline):
         """Give the task `data` as its input (through the terminal's line discipline on
         a tty: Ctrl-C is an interrupt there); OSError when it cannot take it by `deadline`."""
-        import select
         with self.input_lock:
             f = self.proc.stdout if self.stdin == "tty" else self.proc.stdin
             if f is None or f.closed:
@@ -7953,7 +8030,7 @@ class Task(object):
             view = memoryview(data)
             while view:
                 left = deadline - time.monotonic()
-                if left <= 0 or not select.select([], [fd], [], left)[1]:
+                if left <= 0 or not ready([fd], left, write=True):
                     raise OSError(errno.ETIMEDOUT, "it took %d of %d bytes and reads no more" % (
                         len(data) - len(view), len(data)))
                 view = view[os.write(fd, view[:65536]):]
@@ -8524,9 +8601,10 @@ class WebFetch(object):
 class EgressProxy(object):
     """The loopback HTTP proxy that sandboxed commands reach the listed `domains` through
     (CONNECT for HTTPS, absolute-form requests for plain HTTP), on 127.0.0.1 at `port`.
-    A name not listed, an IP address, or a name that resolves to a loopback, link-local
-    or internal-network address (DNS rebinding: `internal`) is answered 403 with the
-    reason and logged; nothing else is connected. `hosts` maps names to addresses taken as they are
+    A name not listed, an IP address, or a name matched by a *. pattern that resolves to
+    an address that is not global (DNS rebinding: `internal`) is answered 403 with the
+    reason and logged; nothing else is connected. A name listed exactly may resolve to
+    any address: the user named that host (localhost for a local package mirror, say). `hosts` maps names to addresses taken as they are
     (the tests' resolver: loopback only). close() stops it and every tunnel."""
 
     def __init__(self, domains, hosts=None):
@@ -8642,16 +8720,18 @@ class EgressProxy(object):
         except (socket.gaierror, UnicodeError) as e:
             return None, "%s could not be resolved (%s)" % (host, e)
         addresses = [info[4][0] for info in infos]
-        for address in addresses:
+        for address in addresses if name not in self.domains else ():
             why = self.internal(address)
             if why:
-                return None, "%s resolves to %s, %s: refused (DNS rebinding)" % (host, address, why)
+                return None, ("%s resolves to %s, %s: refused (DNS rebinding; only a name listed exactly, not by a"
+                              " *. pattern, may lead to one)" % (host, address, why))
         return addresses, None
 
     @staticmethod
     def internal(address):
-        """What makes `address` one a listed name must not lead to (the host itself, its
-        link, an internal network: RFC 1918, shared, unique local), or None."""
+        """What makes `address` one a name matched by a pattern must not lead to (the host
+        itself, its link, any network that is not the public internet, as IANA's registries
+        say through ipaddress), or None."""
         import ipaddress
         ip = ipaddress.ip_address(address.split("%", 1)[0])
         ip = getattr(ip, "ipv4_mapped", None) or ip
@@ -8659,10 +8739,8 @@ class EgressProxy(object):
             return "a loopback, unspecified or multicast address"
         if ip.is_link_local:
             return "a link-local address (cloud metadata services live there)"
-        if any(ip in ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",
-                                                        "100.64.0.0/10", "fc00::/7") if ip.version == (6 if ":" in n
-                                                                                                       else 4)):
-            return "an address of an internal network"
+        if not ip.is_global:
+            return "an address of an internal or reserved network"
         return None
 
     @staticmethod
@@ -8679,16 +8757,15 @@ class EgressProxy(object):
 
     def relay(self, a, b):
         """Copy bytes both ways until both sides have ended, or PROXY_IDLE_S pass without one."""
-        import select
         import socket
         a.settimeout(None)
         b.settimeout(None)
         ends = {a: b, b: a}
         while ends:
-            ready = select.select(list(ends), [], [], PROXY_IDLE_S)[0]
-            if not ready:
+            readable = ready(list(ends), PROXY_IDLE_S)
+            if not readable:
                 return
-            for sock in ready:
+            for sock in readable:
                 data = sock.recv(65536)
                 if data:
                     ends[sock].sendall(data)
@@ -8897,7 +8974,6 @@ CHECKPOINT_YIELD_S = 0.02                            # how often a scan that gav
 
 
 CHECKPOINT_PREFIX = "boris-checkpoints-"         # a store: <temp>/boris-checkpoints-XXXX, 0700
-STORES_SWEPT = []                                  # (a process sweeps the temp directory once)
 
 
 def hold_store(store):
@@ -8910,24 +8986,26 @@ def hold_store(store):
         return None
     tmp = os.path.join(store, "lock.new")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.rename(tmp, os.path.join(store, "lock"))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(tmp, os.path.join(store, "lock"))
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
 def sweep_stores():
-    """Remove, in the background and once per process, the stores that servers killed
+    """Remove, in the background (the thread returned), the stores that servers killed
     before they could (kill -9, a power cut) left in the temp directory: this user's,
-    with a lock file no process holds. One without a lock file is left alone."""
+    with a lock file no process holds. One without a lock file is left alone. A server
+    sweeps as it starts (main)."""
     import shutil
     import tempfile
     try:
         import fcntl
     except ImportError:
-        return
-    if STORES_SWEPT:
-        return
-    STORES_SWEPT.append(True)
+        return None
 
     def sweep():
         top = tempfile.gettempdir()
@@ -8954,7 +9032,9 @@ def sweep_stores():
                 log("info", "removed a checkpoint store left by a server that was killed", store=store)
             finally:
                 os.close(fd)
-    threading.Thread(target=sweep, daemon=True, name="boris-sweep").start()
+    thread = threading.Thread(target=sweep, daemon=True, name="boris-sweep")
+    thread.start()
+    return thread
 
 
 class Checkpoint(object):
@@ -8974,9 +9054,10 @@ class Checkpoint(object):
         return len(a) == len(b) and all(b.get(p, ())[:3] == e[:3] for p, e in a.items())
 
 
-def entry_changes(old, new):
-    """(added, modified, deleted) paths between two entry maps, each sorted."""
-    added = sorted(p for p in new if p not in old)
+def entry_changes(old, new, partial=False):
+    """(added, modified, deleted) paths between two entry maps, each sorted; none added when
+    `old` is partial (what it did not walk is not known to be new)."""
+    added = sorted(p for p in new if p not in old and not partial)
     deleted = sorted(p for p in old if p not in new)
     modified = sorted(p for p, e in new.items() if p in old and old[p][:3] != e[:3])
     return added, modified, deleted
@@ -8985,38 +9066,42 @@ def entry_changes(old, new):
 class Checkpoints(object):
     """A session's checkpoints of its workspace roots and their store (see above). before()
     and after() frame each call that can change files; take() checkpoints now; rewind()
-    puts a checkpoint back. Scans and rewinds hold `lock` (a background scan may hold it while it
-    gives way to other calls, so what every call ends with, after(), takes only `state`); `idle`
-    is set while no scan runs or is due."""
+    puts a checkpoint back.
+
+    One condition, `cond`, guards all their state, and one turn at the store is had at a
+    time: a scan, a rewind or a checkpoints listing holds it (acquire/release). Every
+    caller waits for the turn in acquire() alike: counted in `waiters` (a background scan
+    that gave way goes on at once), for at most CHECKPOINT_WAIT_S (then the scan holding
+    the turn is cut and keeps what it walked as a partial checkpoint), and no longer than
+    its call is not cancelled. No lock is held while a scan gives way."""
 
     def __init__(self, roots, policy, config, busy=None):
         self.roots, self.policy, self.config = list(roots), policy, config
         self.busy = busy or (lambda: False)       # whether the session has calls in flight
-        self.waiters = 0                          # callers waiting for a checkpoint
         self.walk_policy = PathPolicy(policy.allow, policy.deny_raw + list(CHECKPOINT_SKIPPED), policy.workdir,
                                       policy.folds)
-        self.lock = threading.RLock()             # held by a scan and a rewind
-        self.state = threading.Lock()             # held a moment: due, idle, waiters, closed, the store made
-        self.idle = threading.Event()
-        self.idle.set()
+        self.cond = threading.Condition()         # guards every field below
+        self.turn = False                         # a scan or rewind has the store now
+        self.waiters = 0                          # callers waiting for the turn
+        self.cut = False                          # a waiter waited long enough: the scan keeps what it has
         self.due = False                          # a scan is wanted (after a change)
+        self.scanner = False                      # the background scanning thread runs
         self.list = []                            # Checkpoint, oldest first
         self.count = 0
         self.digests, self.stored = set(), 0      # what the store holds, and its bytes
         self.cache = WalkCache(watch=True)        # the ignore files, compiled once; directories watched
         self.steady = None                        # (watch events taken, ignore stacks above) of a scan all watched
         self.linked = set()                       # (dev, inode) of files seen with other hard links
-        self.dir = self.budget = self.held = None # the store, its budget, the descriptor holding its lock
+        self.dir = self.budget = self.lockfd = None   # the store, its budget, the descriptor holding its flock
         self.closed = False
         self.stopped = threading.Event()          # set by close()
-        self.wake = threading.Event()             # set as a caller begins to wait, or on close: a scan giving way goes on
 
     def open_store(self):
         """Make the private store directory (under the temp directory, 0700) and work out the
         budget; False when checkpoints are off or the directory cannot be made."""
         import shutil
         import tempfile
-        with self.state:
+        with self.cond:
             if self.dir is not None:
                 return True
             budget = self.config.checkpoint_budget
@@ -9026,7 +9111,7 @@ class Checkpoints(object):
                 where = tempfile.mkdtemp(prefix=CHECKPOINT_PREFIX)
                 try:
                     os.mkdir(os.path.join(where, "objects"), 0o700)
-                    self.held = hold_store(where)
+                    self.lockfd = hold_store(where)
                 except OSError:
                     shutil.rmtree(where, ignore_errors=True)
                     raise
@@ -9035,7 +9120,6 @@ class Checkpoints(object):
                 log("warn", "no checkpoints: the store cannot be made in the temp directory", error=str(e))
                 self.budget = 0
                 return False
-            sweep_stores()
             if budget is None:
                 free = os.statvfs(self.dir)
                 budget = min(CHECKPOINT_BUDGET_AUTO, free.f_bavail * free.f_frsize // 4)
@@ -9049,88 +9133,144 @@ class Checkpoints(object):
                 self.after()
         threading.Thread(target=first, daemon=True, name="boris-checkpoint-first").start()
 
-    def before(self, call):
-        """A call that can change files is about to run: wait for the scan in progress (or
-        due), take one if none was ever taken, and note the call on the latest checkpoint."""
-        self.waiting(1)
-        try:
-            self.idle.wait()
-            with self.lock:
-                if not self.list and not self.closed and self.open_store():
-                    self.scan()
-                if self.list:
-                    self.list[-1].followed = (self.list[-1].followed + [call])[-5:]
-        finally:
-            self.waiting(-1)
+    def acquire(self, cancelled=None):
+        """Wait for the turn at the store: True once this caller has it; False when the
+        checkpoints closed or `cancelled` was set first. A scan that still holds it after
+        CHECKPOINT_WAIT_S is cut (it keeps what it walked), so the wait is bounded."""
+        deadline = time.monotonic() + CHECKPOINT_WAIT_S
+        with self.cond:
+            self.waiters += 1
+            self.cond.notify_all()                # a scan giving way goes on
+            try:
+                while self.turn and not self.closed and not (cancelled is not None and cancelled.is_set()):
+                    if time.monotonic() >= deadline:
+                        self.cut = True
+                    self.cond.wait(CHECKPOINT_YIELD_S)
+                if self.closed or cancelled is not None and cancelled.is_set():
+                    return False
+                self.turn = True
+                return True
+            finally:
+                self.waiters -= 1
+                self.cond.notify_all()            # the scanning thread waits for no waiter to be left
 
-    def waiting(self, delta):
-        """Count callers waiting for a checkpoint (+1 as one begins, -1 as it ends): a
-        background scan does not give way while any waits."""
-        with self.state:
-            self.waiters += delta
-        if delta > 0:
-            self.wake.set()
+    def release(self):
+        """Give the turn at the store back."""
+        with self.cond:
+            self.turn = self.cut = False
+            self.cond.notify_all()
+
+    def before(self, call, cancelled=None):
+        """A call that can change files is about to run: take the checkpoint due (or the
+        first one), waiting as acquire() says, and note the call on the latest checkpoint.
+        None, or a line for the call's answer when the checkpoint before it is partial;
+        False when the call was cancelled while it waited."""
+        if not self.acquire(cancelled):
+            return None if self.closed else False
+        try:
+            with self.cond:
+                due, self.due = self.due or not self.list, False
+            if due and self.open_store():
+                self.scan(until=time.monotonic() + CHECKPOINT_WAIT_S)
+            if not self.list:
+                return None
+            latest = self.list[-1]
+            latest.followed = (latest.followed + [call])[-5:]
+            if latest.partial:
+                return "(The checkpoint before this call covers part of the workspace: %s; checkpoints lists" \
+                       " what it covers.)" % latest.partial
+            return None
+        finally:
+            self.release()
 
     def give_way(self):
         """A background scan pauses while the session has calls in flight that do not wait for
         it (a search runs at full speed), and goes on at once when one begins to wait, or
         once none is left (looked at every CHECKPOINT_YIELD_S)."""
-        while self.busy() and not self.waiters and not self.stopped.is_set():
-            self.wake.wait(CHECKPOINT_YIELD_S)
-            self.wake.clear()
+        while self.busy():
+            with self.cond:
+                if self.waiters or self.closed:
+                    return
+                self.cond.wait(CHECKPOINT_YIELD_S)
 
     def after(self):
         """A call that can change files ended: checkpoint in the background."""
         if not self.open_store():
             return
-        with self.state:
+        with self.cond:
             if self.closed:
                 return
             self.due = True
-            if not self.idle.is_set():
-                return                            # the running scan takes the new state too
-            self.idle.clear()
-        threading.Thread(target=self.run, daemon=True, name="boris-checkpoint").start()
+            if self.scanner:
+                return                            # it takes the new state too
+            self.scanner = True
+        try:
+            threading.Thread(target=self.run, daemon=True, name="boris-checkpoint").start()
+        except Exception:                         # no thread to be had: the next before() scans
+            with self.cond:
+                self.scanner = False
+            log("error", "no thread for a checkpoint", error=_traceback())
 
     def run(self):
-        """The scanning thread: scan while a scan is due, then say it is idle."""
+        """The scanning thread: while a scan is due, take the turn (after any caller that
+        waits for it) and scan."""
         try:
             while True:
-                with self.state:
-                    if not self.due or self.closed:
-                        self.idle.set()
+                with self.cond:
+                    while (self.turn or self.waiters) and not self.closed:
+                        self.cond.wait()
+                    if self.closed or not self.due:
                         return
-                    self.due = False
-                with self.lock:
+                    self.due, self.turn = False, True
+                try:
                     self.scan(background=True)
+                finally:
+                    self.release()
         except Exception:
             log("error", "a checkpoint failed", error=_traceback())
-            self.idle.set()
-
-    def take(self):
-        """Checkpoint now (after any scan in progress: scans hold the lock), the latest Checkpoint;
-        None when off. A caller may hold the lock (a rewind does, to keep scans out)."""
-        self.waiting(1)
-        try:
-            with self.lock:
-                if self.closed or not self.open_store():
-                    return None
-                self.scan()
-                return self.list[-1] if self.list else None
         finally:
-            self.waiting(-1)
+            with self.cond:
+                self.scanner = False
 
-    def scan(self, background=False):
-        """Walk the roots and keep the state as a new checkpoint, unless it is the latest's (under
-        lock); a background scan gives way to the session's other calls (give_way). A file
-        newly seen with other hard links may be one whose changes through that link raise no
-        event: then nothing watched is vouched for and the walk is made again."""
+    @contextlib.contextmanager
+    def held(self, cancelled=None):
+        """The turn at the store for a block (acquire, then release); ToolError when the
+        call was cancelled or the session ended first."""
+        if not self.acquire(cancelled):
+            raise ToolError(INVALID_INPUT, "cancelled, or the session ended, while a checkpoint was being taken")
+        try:
+            yield self
+        finally:
+            self.release()
+
+    def take(self, cancelled=None):
+        """Checkpoint now, in the turn at the store: the latest Checkpoint, whole; None when
+        off, closed or cancelled."""
+        with self.held(cancelled):
+            return self.current(cancelled)
+
+    def current(self, cancelled=None):
+        """take() for a caller that holds the turn (a rewind keeps it, so that no scan comes
+        between the state it reads and what it writes)."""
+        if self.closed or not self.open_store():
+            return None
+        with self.cond:
+            self.due = False
+        self.scan(cancelled=cancelled)
+        return self.list[-1] if self.list and not (cancelled is not None and cancelled.is_set()) else None
+
+    def scan(self, background=False, until=None, cancelled=None):
+        """Walk the roots and keep the state as a new checkpoint, unless it is the latest's (the
+        caller holds the turn); a background scan gives way to the session's other calls
+        (give_way). A scan past `until`, or cut by a waiter, keeps what it walked as a partial
+        checkpoint. A file newly seen with other hard links may be one whose changes through
+        that link raise no event: then nothing watched is vouched for and the walk is made again."""
         linked, w = len(self.linked), self.cache.watches
-        point = self.walk(background)
+        point = self.walk(background, until, cancelled)
         if point is not None and len(self.linked) > linked and w is not None and w.vouched:
             w.vouched.clear()
             self.steady = None
-            point = self.walk(background)
+            point = self.walk(background, until, cancelled)
         if point is None:
             return
         if self.list and point.same_as(self.list[-1]):
@@ -9142,7 +9282,18 @@ class Checkpoints(object):
         while len(self.list) > CHECKPOINTS_KEPT or held > CHECKPOINT_ENTRIES and len(self.list) > 1:
             held -= len(self.list.pop(0).entries)
 
-    def walk(self, background):
+    def stop_why(self, background, until, cancelled):
+        """Why a walk stops here: 'stop' (closed or cancelled: nothing kept), a reason for a
+        partial checkpoint, or None to go on. A background walk gives way first."""
+        if background:
+            self.give_way()
+        if self.stopped.is_set() or cancelled is not None and cancelled.is_set():
+            return "stop"
+        if self.cut or until is not None and time.monotonic() >= until:
+            return "the rest was not walked within %g s (the next checkpoint covers it)" % CHECKPOINT_WAIT_S
+        return None
+
+    def walk(self, background, until=None, cancelled=None):
         """scan()'s walk: the state as a Checkpoint numbered next; None when closed, stopped
         or known unchanged."""
         if self.dir is None:
@@ -9157,16 +9308,20 @@ class Checkpoints(object):
         prev = self.list[-1].entries if self.list else {}
         entries, missed, partial, visited, unwatched = {}, [], False, [], 0
         for root in self.roots:
+            if partial:
+                break
             walker = Walker(root, self.walk_policy, follow_links=False, want_dirs=True, cache=self.cache)
             walker.raw_links, walker.visited = True, visited
             for path, _, is_dir, _ in walker:
                 if len(entries) >= CHECKPOINT_WALK_MAX:
-                    partial = True
+                    partial = "the walk stopped at %d entries (narrow --allow-dir)" % CHECKPOINT_WALK_MAX
                     break
-                if background and not len(entries) % 256:
-                    if self.stopped.is_set():
-                        return None                          # the session ended: nothing to keep
-                    self.give_way()
+                if not len(entries) % 256:
+                    partial = self.stop_why(background, until, cancelled)
+                    if partial == "stop":
+                        return None                          # closed or cancelled: nothing to keep
+                    if partial:
+                        break
                 if path == self.dir or is_within(path, self.dir):
                     continue                                 # the store itself (the temp directory in a root)
                 entry = known.get(path)
@@ -9236,7 +9391,7 @@ class Checkpoints(object):
         scan, or an edit keeping the bytes undo_edit restores (keep_befores)."""
         import hashlib
         digest = hashlib.blake2b(data, digest_size=20).hexdigest()
-        with self.state:
+        with self.cond:
             if digest in self.digests:
                 return digest, None
             if self.dir is None or self.stored + len(data) > self.budget:
@@ -9252,10 +9407,10 @@ class Checkpoints(object):
                 os.close(fd)
             os.replace(tmp, blob)
         except OSError as e:
-            with self.state:
+            with self.cond:
                 self.stored -= len(data)
             return None, "not stored (%s)" % (e.strerror or e)
-        with self.state:
+        with self.cond:
             self.digests.add(digest)
         return digest, None
 
@@ -9275,28 +9430,32 @@ class Checkpoints(object):
             "%d to %d" % (self.list[0].number, self.list[-1].number)) if self.list else "none yet"))
 
     def close(self):
-        """Stop checkpointing and remove the store."""
+        """Stop checkpointing and remove the store, once the scan or rewind that has the
+        turn has seen the stop (a scan within 256 entries)."""
         import shutil
         self.stopped.set()
-        self.wake.set()
-        with self.state:
+        with self.cond:
             self.closed = True
-        with self.lock:
+            self.cond.notify_all()
+            while self.turn:
+                self.cond.wait()
             where, self.dir = self.dir, None
-            self.cache.close()                               # (its watches: an inotify instance each session)
+            lockfd, self.lockfd = self.lockfd, None
+        self.cache.close()                                   # (its watches: an inotify instance each session)
         if where is not None:
             shutil.rmtree(where, ignore_errors=True)
-            if self.held is not None:
-                os.close(self.held)
+        if lockfd is not None:
+            os.close(lockfd)
 
-    def rewind(self, target, now, within, dry=False):
+    def rewind(self, target, now, within, files, dry=False):
         """Put the entries of Checkpoint `target` back where `now` (a Checkpoint of the current
         state) differs, for paths under `within` (all when empty): (what was done, what could
         not be) as lists of (path, word). Removals go deepest first, then directories, files
         and links are made shallowest first, each step relative to a directory opened
         without following links (open_dir), each file written whole and renamed into place;
-        directory modes last. A path the target did not cover is left as it is. dry: only
-        say what it would do."""
+        directory modes last, each file under its edit lock in `files` (FileGuards), as the
+        edit tools write. A path the target did not cover is left as it is. dry: only say what
+        it would do."""
         old, cur = target.entries, now.entries
         above = set(p for p, e in old.items() if e[0] == "d" and any(is_within(w, p) for w in within))
 
@@ -9306,7 +9465,7 @@ class Checkpoints(object):
         drop = [p for p, e in cur.items() if wanted(p) and (p not in old and not target.partial and p not in above
                                                             or p in old and old[p][0] != e[0])]
         for p in sorted(drop, key=lambda p: (-p.count("/"), p)):
-            why = "" if dry else self.step(p, cur[p], None)
+            why = "" if dry else self.step(p, cur[p], None, files)
             (failed if why else done).append((p, why or "removed"))
         put = [p for p, e in old.items() if wanted(p) and (p not in cur or cur[p][:3] != e[:3])]
         for p in sorted(put, key=lambda p: (p.count("/"), p)):
@@ -9314,7 +9473,7 @@ class Checkpoints(object):
             if e[0] == "f" and e[2] is None:
                 failed.append((p, "not covered by checkpoint %d" % target.number))
                 continue
-            why = "" if dry else self.step(p, cur.get(p) if p not in drop else None, e)
+            why = "" if dry else self.step(p, cur.get(p) if p not in drop else None, e, files)
             (failed if why else done).append((p, why or ("brought back" if p not in cur else "restored")))
         for p in sorted((p for p in put if old[p][0] == "d" and not dry), key=lambda p: -p.count("/")):
             try:
@@ -9327,9 +9486,9 @@ class Checkpoints(object):
                 pass                                         # reported by its step if it failed
         return done, failed
 
-    def step(self, path, now, want):
-        """Make `path` what entry `want` says (None: remove it, `now` being what is there); ''
-        when done, else why not."""
+    def step(self, path, now, want, files):
+        """Make `path` what entry `want` says (None: remove it, `now` being what is there),
+        under its edit lock; '' when done, else why not."""
         directory, base = os.path.split(path)
         try:
             self.policy.check(path, path)
@@ -9338,33 +9497,39 @@ class Checkpoints(object):
             return "not reachable without a link or out of scope (%s)" % (getattr(e, "strerror", None) or
                                                                            getattr(e, "message", e))
         try:
-            if want is None:
-                if now[0] == "d":
-                    os.rmdir(base, dir_fd=dfd)
-                else:
-                    os.unlink(base, dir_fd=dfd)
-            elif want[0] == "d":
-                if now is None:
-                    os.mkdir(base, 0o700, dir_fd=dfd)
-            elif now is not None and now[0] == "d":
-                return "a directory is there now (it holds files no checkpoint covers)"
-            elif want[0] == "l":
-                tmp = temp_name(base)
-                os.symlink(want[2], tmp, dir_fd=dfd)
-                try:
-                    os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
-                except OSError:
-                    os.unlink(tmp, dir_fd=dfd)
-                    raise
-            else:
-                replace_file(dfd, base, self.blob(want[2]), None, want[1])
-            return ""
+            with files.lock(path):
+                return self.put_back(dfd, base, now, want)
         except OSError as e:
             if e.errno == errno.ENOTEMPTY:
                 return "kept: it holds files no checkpoint covers (ignored ones, say)"
             return e.strerror or str(e)
         finally:
             os.close(dfd)
+
+    def put_back(self, dfd, base, now, want):
+        """step()'s change, relative to directory `dfd`: '' when done, else why not (OSError
+        when the system refused)."""
+        if want is None:
+            if now[0] == "d":
+                os.rmdir(base, dir_fd=dfd)
+            else:
+                os.unlink(base, dir_fd=dfd)
+        elif want[0] == "d":
+            if now is None:
+                os.mkdir(base, 0o700, dir_fd=dfd)
+        elif now is not None and now[0] == "d":
+            return "a directory is there now (it holds files no checkpoint covers)"
+        elif want[0] == "l":
+            tmp = temp_name(base)
+            os.symlink(want[2], tmp, dir_fd=dfd)
+            try:
+                os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except OSError:
+                os.unlink(tmp, dir_fd=dfd)
+                raise
+        else:
+            replace_file(dfd, base, self.blob(want[2]), None, want[1])
+        return ""
 
 
 ###############################################################################
@@ -9918,9 +10083,9 @@ def tool_view(session, args, ctx):
                 kind, note = "text", ("(%s is an SVG image, shown as its source: this client's model takes no"
                                       " SVG images)\n" % shown)
             if head.startswith(b"PK\x03\x04") and os.path.splitext(real)[1].lower() in DOC_FORMATS:
-                return document_view(ctx, real, shown, vr)
+                return document_view(ctx, real, st, shown, vr)
             if pdf_sniff(head, real):
-                return pdf_view(ctx, real, shown, vr, args.get("pages"))
+                return pdf_view(ctx, real, st, shown, vr, args.get("pages"))
             if args.get("pages") is not None:
                 raise ToolError(INVALID_INPUT, "pages applies to PDF files, and %s is not one; use view_range"
                                 % shown)
@@ -9947,12 +10112,13 @@ def tool_view(session, args, ctx):
     return text
 
 
-def document_view(ctx, real, shown, vr):
-    """An office document's Markdown, read in a search helper, numbered as its lines
-    (view_range pages them), after a line saying what it is."""
+def document_view(ctx, real, st, shown, vr):
+    """An office document's Markdown, read in a search helper (from the very file `st` is
+    the stat of), numbered as its lines (view_range pages them), after a line saying what
+    it is."""
     import io
     try:
-        items, why = ctx.helpers.run({"op": "document", "path": real}, ctx.cancelled)
+        items, why = ctx.helpers.run({"op": "document", "path": real, "file": [st.st_dev, st.st_ino]}, ctx.cancelled)
     except ToolError as e:
         raise ToolError(e.code, "%s: %s" % (shown, e.message))
     if not items:
@@ -9964,8 +10130,9 @@ def document_view(ctx, real, shown, vr):
     return note + numbered(reader, vr, shown, ctx.config.max_result_chars - len(note))
 
 
-def pdf_view(ctx, real, shown, vr, pages):
-    """A PDF's text, read in a search helper: a line saying what it is, then each page
+def pdf_view(ctx, real, st, shown, vr, pages):
+    """A PDF's text, read in a search helper (from the very file `st` is the stat of): a
+    line saying what it is, then each page
     after a marker. Without `pages`, the pages that fit in a result, and which to ask
     for next; view_range numbers the lines of what is rendered."""
     import io
@@ -9975,7 +10142,7 @@ def pdf_view(ctx, real, shown, vr, pages):
     if first < 1 or last < first:
         raise ToolError(INVALID_INPUT, "pages %r is not a page or a range of them; give \"3\" or \"3-5\" (pages are"
                         " numbered from 1)" % (pages,))
-    job = {"op": "pdf", "path": real, "first": first, "last": last if pages else None,
+    job = {"op": "pdf", "path": real, "file": [st.st_dev, st.st_ino], "first": first, "last": last if pages else None,
            "asked": pages, "limit": ctx.config.max_file_size}
     try:
         items, why = ctx.helpers.run(job, ctx.cancelled)
@@ -11547,22 +11714,22 @@ def running_note(session):
 def tool_checkpoints(session, args, ctx):
     """checkpoints: each checkpoint, newest first, with what changed after it; what is covered."""
     points = session_checkpoints(session)
-    latest = points.take()
-    roots = points.roots
-
-    root_of = lambda p: relative_to_root(roots, p)
-    with points.lock:
+    with points.held(ctx.cancelled):
+        latest = points.current(ctx.cancelled)
         kept = list(points.list)
         stored, budget = points.stored, points.budget
+    roots = points.roots
+    root_of = lambda p: relative_to_root(roots, p)
     lines = ["Checkpoints of %s (one before each call that can change files; rewind puts one back):"
              % ", ".join(roots)]
     for k in range(len(kept) - 1, -1, -1):
         point = kept[k]
-        after = kept[k + 1].entries if k + 1 < len(kept) else None
-        lines.append("#%d  %s  %s  %s" % (
+        changes = "" if k + 1 == len(kept) else "- changed after it: " + change_words(
+            entry_changes(point.entries, kept[k + 1].entries, point.partial), root_of)
+        lines.append("#%d  %s  %s  %s%s" % (
             point.number, time.strftime("%H:%M:%S", time.localtime(point.taken)),
             "before " + ", ".join(point.followed) if point.followed else "(the state now)",
-            "" if after is None else "- changed after it: " + change_words(entry_changes(point.entries, after), root_of)))
+            "(covers part: %s)  " % point.partial if point.partial and k + 1 < len(kept) else "", changes))
     if latest is not None:
         files = [e for e in latest.entries.values() if e[0] == "f"]
         lines.append("Covered now: %d files, %d directories, %d symlinks (%s); the store keeps %s of a %s budget." % (
@@ -11573,8 +11740,7 @@ def tool_checkpoints(session, args, ctx):
             lines.append("Not covered: %s." % ", ".join("%s (%s)" % (root_of(p), why) for p, why in
                                                          latest.missed[:CHECKPOINT_NAMES_SHOWN]))
         if latest.partial:
-            lines.append("Not covered: the walk stopped at %d entries (a workspace this large is covered in"
-                         " part; narrow --allow-dir)." % CHECKPOINT_WALK_MAX)
+            lines.append("Not covered: %s." % latest.partial)
     lines.append("Never covered: files ignored by .gitignore, .git and node_modules.")
     return "\n".join(lines) + running_note(session)
 
@@ -11588,19 +11754,22 @@ def tool_checkpoints(session, args, ctx):
 def tool_rewind(session, args, ctx):
     """rewind: the workspace (or some paths of it) back to a checkpoint; the state before is a checkpoint."""
     points = session_checkpoints(session)
-    target = points.find(args["checkpoint"])
     within = [resolve_checked(session, ctx, p, "paths") for p in args.get("paths") or []]
 
     root_of = lambda p: relative_to_root(points.roots, p)
-    with points.lock:
-        now = points.take()
+    with points.held(ctx.cancelled):
+        target = points.find(args["checkpoint"])
+        now = points.current(ctx.cancelled)
+        if now is None:
+            raise ToolError(INVALID_INPUT, "cancelled, or the session ended, while the workspace was being read;"
+                            " nothing was rewound")
         if args.get("dry_run"):
-            plan = points.rewind(target, now, within, dry=True)
+            plan = points.rewind(target, now, within, ctx.files, dry=True)
             return "Dry run: rewinding to checkpoint %d would change %s.%s" % (
                 target.number, ", ".join("%s (%s)" % (root_of(p), w) for p, w in plan[0]) or "nothing",
                 "" if not plan[1] else " It could not: %s." % ", ".join("%s (%s)" % (root_of(p), w)
                                                                          for p, w in plan[1]))
-        done, failed = points.rewind(target, now, within)
+        done, failed = points.rewind(target, now, within, ctx.files)
     words = {}
     for p, w in done:
         words.setdefault(w, []).append(p)
@@ -11612,7 +11781,7 @@ def tool_rewind(session, args, ctx):
     if failed:
         text += "\nNot restored: %s." % ", ".join("%s (%s)" % (root_of(p), w) for p, w in
                                                   failed[:CHECKPOINT_NAMES_SHOWN])
-    if now is not None and now.number != target.number:
+    if now.number != target.number:
         text += "\nTo undo this rewind: rewind to checkpoint %d (the state just before it)." % now.number
     return text + running_note(session)
 
@@ -13431,13 +13600,17 @@ class McpServer(object):
         def run():
             points = self.checkpoints_of(session) if tool.changes else None
             try:
-                if points is not None:
-                    points.before(call_summary(name, args))
-                try:
-                    result = self.run_tool(tool, session, args, ctx)
-                finally:
-                    if points is not None:
-                        points.after()
+                note = points.before(call_summary(name, args), cancelled) if points is not None else None
+                if note is False:                # cancelled while it waited: it never ran, nobody reads this
+                    result = {"content": [text_block("cancelled before it ran")], "isError": True}
+                else:
+                    try:
+                        result = self.run_tool(tool, session, args, ctx)
+                    finally:
+                        if points is not None:
+                            points.after()
+                    if note:
+                        result["content"].append(text_block(note))
                 if modern is not None:
                     result["resultType"] = "complete"
                 response = result_response(rid, result)
@@ -13592,13 +13765,12 @@ class Stopper(object):
 
     def wait(self, timeout=None):
         """Block until stopped (True) or `timeout` seconds pass (False)."""
-        import select
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.reason is None:
             left = 1.0 if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 return False
-            if select.select([self.r], [], [], min(left, 1.0))[0]:
+            if ready([self.r], min(left, 1.0)):
                 self.note(os.read(self.r, 512))
         return True
 
@@ -14073,11 +14245,9 @@ class McpRequestHandler(object):
 
     def client_gone(self):
         """Whether the client closed its end (checked without blocking)."""
-        import select
         import socket
         try:
-            r, _, _ = select.select([self.connection], [], [], 0)
-            return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            return bool(ready([self.connection], 0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
             return True  # a socket that errors is a client that is gone
 
@@ -14289,6 +14459,7 @@ def main(argv=None, environ=None, after_the_script=False):
     def serve():
         try:
             server.helpers.prime()        # booting while the client shakes hands: ready for the first search
+            sweep_stores()                # checkpoint stores that killed servers left
             if config.transport == "http":
                 return serve_http(server, config, stopper)
             log("info", sandbox.describe(), why=sandbox.why)

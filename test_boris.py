@@ -850,6 +850,84 @@ class TestSwapRace(unittest.TestCase):
         self.assertEqual(tree.outside_snapshot(), before, "a write landed outside")
 
 
+def png_with_text(text):
+    """A 1x1 grey PNG carrying `text` in a tEXt chunk."""
+    import zlib
+    chunk = lambda kind, data: struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0)) +
+            chunk(b"tEXt", b"Comment\x00" + text.encode()) + chunk(b"IDAT", zlib.compress(b"\x00\x80")) +
+            chunk(b"IEND", b""))
+
+
+class TestDocumentSwapRace(unittest.TestCase):
+    """Issue 56: while view reads a document, a PDF, a notebook or an image, a thread swaps
+    (renameat2 RENAME_EXCHANGE) the checked file with a symlink to a denied file of the
+    same kind, a FIFO, a directory or another regular file: never a byte of the denied
+    file, never a wait on a FIFO. BORIS_SWAP_ROUNDS sizes it (per kind)."""
+    ROUNDS = int(os.environ.get("BORIS_SWAP_ROUNDS") or 250)
+
+    def test_view_reads_only_what_it_checked(self):
+        import base64
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if not hasattr(libc, "renameat2"):
+            self.skipTest("renameat2 not available")
+        quiet_logs(self)
+        tree = HostileTree()
+        self.addCleanup(tree.cleanup)
+        server, cfg, policy = tree.server()
+        session = boris.Session(cfg)
+        self.addCleanup(session.close)
+        words = lambda w: docx_parts(w_p(w))
+        def put(path, data):
+            with open(path, "wb") as f:
+                f.write(data)
+        kinds = {
+            ".docx": lambda w, p: office_file(p, words(w)),
+            ".pdf": lambda w, p: put(p, make_pdf([b"BT /F1 12 Tf 72 700 Td (" + w.encode() + b") Tj ET"])),
+            ".ipynb": lambda w, p: put(p, json.dumps({"cells": [{"cell_type": "markdown", "source": w}],
+                                                      "metadata": {}, "nbformat": 4}).encode()),
+            ".png": lambda w, p: put(p, png_with_text(w))}
+        stats, leaks, slow = Counter(), [], []
+        for ext, make in kinds.items():
+            target = os.path.join(tree.ws, "doc" + ext)
+            make("inside words", target)
+            make(SECRET, os.path.join(tree.ws, "denied", "d" + ext))
+            others = [os.path.join(tree.ws, "swap-%s%s" % (k, ext)) for k in ("link", "fifo", "dir", "file")]
+            os.symlink(os.path.join(tree.ws, "denied", "d" + ext), others[0])
+            os.mkfifo(others[1])
+            os.mkdir(others[2])
+            make("other words", others[3])
+            stop = threading.Event()
+
+            def swapper():
+                rng = random.Random(ext)
+                while not stop.is_set():
+                    if libc.renameat2(-100, os.fsencode(target), -100, os.fsencode(rng.choice(others)), 2) == 0:
+                        stats["swaps"] += 1
+            t = threading.Thread(target=swapper)
+            t.start()
+            try:
+                for _ in range(self.ROUNDS):
+                    done, r = run_with_deadline(lambda: boris.McpServer.run_tool(
+                        server.tools["view"], session, {"path": "doc" + ext}, ctx_of(cfg, policy)), 20)
+                    if not done:
+                        slow.append(ext)
+                        break
+                    stats["error" if r["isError"] else "read"] += 1
+                    for block in r["content"]:
+                        seen = block.get("text", "") + base64.b64decode(block.get("data", "")).decode("latin-1")
+                        if SECRET in seen:
+                            leaks.append((ext, seen[:120]))
+            finally:
+                stop.set()
+                t.join()
+        self.assertEqual(slow, [], "a view waited (on a FIFO?)")
+        self.assertEqual(leaks[:3], [], "%d of %d views showed the denied file" % (len(leaks), 4 * self.ROUNDS))
+        self.assertGreater(stats["swaps"], self.ROUNDS)
+        self.assertGreater(stats["read"], self.ROUNDS // 4, stats)   # (many views meet another kind of file)
+
+
 def run_with_deadline(fn, seconds=10):
     """fn() on a thread; (finished, result or exception)."""
     box = []
@@ -1486,7 +1564,7 @@ class TestSandboxSockets(SandboxBase):
                   "a, b = socket.socketpair(); a.sendall(b'pair'); print(b.recv(4).decode())\n"
                   "d = tempfile.mkdtemp(); p = os.path.join(d, 's')\n"
                   "l = socket.socket(socket.AF_UNIX); l.bind(p); l.listen(1)\n"
-                  "c = socket.socket(socket.AF_UNIX); c.connect(p); c.sendall(b'own'); print(l.accept()[0].recv(3).decode())\n"
+                  "c = socket.socket(socket.AF_UNIX); c.connect(p); c.sendall(b'own'); print(l.accept()[0].recv(3).decode()); import shutil; shutil.rmtree(d)\n"
                   "n = '\\0own-%d' % os.getpid(); l2 = socket.socket(socket.AF_UNIX); l2.bind(n); l2.listen(1)\n"
                   "c2 = socket.socket(socket.AF_UNIX); c2.connect(n); c2.sendall(b'abs'); print(l2.accept()[0].recv(3).decode())\n"
                   "if __name__ == '__main__':\n"
@@ -1576,6 +1654,58 @@ FETCH = ("python3 - <<'PY'\nimport urllib.request, http.client, os\n"
          "    except Exception as e:\n        print('FAILED', host, e)\n%s\nPY")
 
 
+SIDE_DOORS = """python3 - <<'PY'
+import ctypes, os, socket, struct
+FO = 0x20000000                                  # MSG_FASTOPEN
+p4, p6, pu, path, abstract = %d, %d, %d, %r, %r
+proxy = int(os.environ['HTTP_PROXY'].rsplit(':', 1)[1])
+libc = ctypes.CDLL(None, use_errno=True)
+class iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+class msghdr(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_void_p), ("namelen", ctypes.c_uint32), ("iov", ctypes.POINTER(iovec)),
+                ("iovlen", ctypes.c_size_t), ("control", ctypes.c_void_p), ("controllen", ctypes.c_size_t),
+                ("flags", ctypes.c_int)]
+class mmsghdr(ctypes.Structure):
+    _fields_ = [("hdr", msghdr), ("len", ctypes.c_uint)]
+def sendmmsg(sock, port):
+    addr = struct.pack("<H", socket.AF_INET) + struct.pack(">H", port) + socket.inet_aton("127.0.0.1") + bytes(8)
+    abuf, data = ctypes.create_string_buffer(addr, len(addr)), ctypes.create_string_buffer(b"escaped", 7)
+    iov = iovec(ctypes.cast(data, ctypes.c_void_p), 7)
+    m = mmsghdr(msghdr(ctypes.cast(abuf, ctypes.c_void_p), len(addr), ctypes.pointer(iov), 1, None, 0, 0), 0)
+    if libc.sendmmsg(sock.fileno(), ctypes.byref(m), 1, FO) < 0:
+        e = ctypes.get_errno(); raise OSError(e, os.strerror(e))
+def tcp(family=socket.AF_INET):
+    return socket.socket(family, socket.SOCK_STREAM)
+routes = [
+    ("connect", lambda: tcp().connect(("127.0.0.1", p4))),
+    ("sendto-fastopen", lambda: tcp().sendto(b"escaped", FO, ("127.0.0.1", p4))),
+    ("sendmsg-fastopen", lambda: tcp().sendmsg([b"escaped"], [], FO, ("127.0.0.1", p4))),
+    ("sendmmsg-fastopen", lambda: sendmmsg(tcp(), p4)),
+    ("sctp", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM, 132).connect(("127.0.0.1", p4))),
+    ("v6-connect", lambda: tcp(socket.AF_INET6).connect(("::1", p6))),
+    ("v6-mapped", lambda: tcp(socket.AF_INET6).connect(("::ffff:127.0.0.1", p4))),
+    ("v6-fastopen", lambda: tcp(socket.AF_INET6).sendto(b"escaped", FO, ("::1", p6))),
+    ("udp-sendto", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"escaped", ("127.0.0.1", pu))),
+    ("udp-sendmsg", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendmsg([b"escaped"], [], 0,
+                                                                                      ("127.0.0.1", pu))),
+    ("udp6", lambda: socket.socket(socket.AF_INET6, socket.SOCK_DGRAM).sendto(b"escaped", ("::1", pu))),
+    ("unix-connect", lambda: socket.socket(socket.AF_UNIX).connect(path)),
+    ("unix-abstract", lambda: socket.socket(socket.AF_UNIX).connect(abstract)),
+    ("unix-dgram", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b"escaped", path)),
+    ("unix-seqpacket-sendmsg", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET).sendmsg(
+        [b"escaped"], [], 0, path)),
+    ("proxy", lambda: tcp().connect(("127.0.0.1", proxy))),
+]
+for name, go in routes:
+    try:
+        go(); print(name, "REACHED")
+    except OSError as e:
+        print(name, "refused", e)
+PY
+echo probe-done"""
+
+
 @NEEDS_LANDLOCK
 @unittest.skipUnless(LANDLOCK_ABI >= 6, "a domain list needs Landlock ABI 6 (TCP rules and scoped sockets)")
 class TestSandboxDomains(SandboxBase):
@@ -1606,13 +1736,11 @@ class TestSandboxDomains(SandboxBase):
             text = self.fetch(*["get('http://%s:%d/x')" % (h, p) for h in ("denied.test", "127.0.0.1", "localhost",
                                                                             "wild.test")] +
                               ["tunnel('denied.test', %d)" % p, "tunnel('127.0.0.1', %d)" % p, "raise SystemExit(1)"])
-        self.assertEqual(self.up.paths, [])
-        self.assertEqual(text.count("FAILED"), 6, text)
+        self.assertEqual(self.up.paths, ["/x"])                  # localhost, listed exactly: a local mirror
+        self.assertEqual(text.count("FAILED"), 5, text)
         self.assertIn("denied.test is not among the domains sandboxed commands may reach (--sandbox-network"
                       " allowed.test,*.wild.test,localhost)", text)
         self.assertIn("127.0.0.1 is not among the domains", text)
-        self.assertIn("localhost resolves to 127.0.0.1", text)
-        self.assertIn("DNS rebinding", text)
         self.assertIn("reach only allowed.test, *.wild.test, localhost, through boris's proxy", text)
         self.assertTrue(any("proxy refused" in c[0][1] for c in logged.call_args_list))
 
@@ -1628,6 +1756,47 @@ class TestSandboxDomains(SandboxBase):
             self.assertIn("%s refused" % name, text)
         self.assertIn("proxy REACHED", text)
         self.assertEqual(self.up.paths, [])
+
+    def test_no_route_reaches_past_the_proxy(self):
+        """Issue 56: connect, Fast Open by sendto, sendmsg and sendmmsg, IPv6 and IPv4-mapped
+        IPv6, UDP and Unix sockets: listeners outside the sandbox count every attempt and
+        none arrives; the proxy's port is reached."""
+        tcp = []
+        for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+            try:
+                srv = socket.socket(family)
+                srv.bind((host, 0))
+            except OSError:
+                continue                                      # no IPv6 here: that route is not tried
+            srv.listen(16)
+            srv.settimeout(0.2)
+            self.addCleanup(srv.close)
+            tcp.append(srv)
+        arrived = []
+        stop = threading.Event()
+
+        def count():
+            while not stop.is_set():
+                for srv in tcp:
+                    try:
+                        arrived.append(srv.accept()[0].getsockname())
+                    except OSError:
+                        pass  # a timeout: look at the next
+        t = threading.Thread(target=count)
+        t.start()
+        self.addCleanup(t.join)
+        self.addCleanup(stop.set)
+        listeners = SocketListeners(self, self.out, self.ws)
+        port4, port6 = tcp[0].getsockname()[1], tcp[-1].getsockname()[1]
+        text = self.bash(SIDE_DOORS % (port4, port6 if len(tcp) > 1 else port4, listeners.udp.getsockname()[1],
+                                       listeners.path, listeners.abstract))
+        self.assertIn("probe-done", text)
+        self.assertIn("proxy REACHED", text)
+        self.assertNotIn(" REACHED", text.replace("proxy REACHED", ""))
+        self.assertGreaterEqual(text.count(" refused"), 14, text)
+        time.sleep(0.3)                                       # (a connection in flight is accepted by now)
+        self.assertEqual(arrived, [])
+        self.assertEqual(listeners.got, {"unix": b"", "abstract": b"", "udp": b""})
 
     def test_every_command_gets_the_proxy_background_ones_too(self):
         url = "http://127.0.0.1:%d" % self.server.proxy.port
@@ -1675,10 +1844,18 @@ class TestSandboxDomains(SandboxBase):
         internal = boris.EgressProxy.internal
         for address in ("127.0.0.1", "127.8.9.1", "0.0.0.0", "::1", "::", "10.1.2.3", "172.20.0.1", "192.168.1.1",
                         "100.64.1.1", "169.254.169.254", "fe80::1%eth0", "fd12::1", "::ffff:10.0.0.1",
-                        "::ffff:127.0.0.1", "224.0.0.1"):
+                        "::ffff:127.0.0.1", "224.0.0.1", "0.1.2.3", "192.0.0.1", "198.18.0.1", "240.0.0.1",
+                        "203.0.113.80", "2001:db8::1"):
             self.assertIsNotNone(internal(address), address)
-        for address in ("8.8.8.8", "151.101.0.223", "2a04:4e42::223", "172.32.0.1", "203.0.113.80"):
+        for address in ("8.8.8.8", "151.101.0.223", "2a04:4e42::223", "172.32.0.1"):
             self.assertIsNone(internal(address), address)
+        proxy = self.server.proxy                      # a pattern's name may not lead inside; an exact one may
+        answers = {"x.wild.test": "10.0.0.5", "localhost": "127.0.0.1", "allowed.test": "198.18.0.1"}
+        resolve = lambda name, *a: [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (answers[name], 0))]
+        with mock.patch.object(proxy, "hosts", {}), mock.patch("socket.getaddrinfo", resolve):
+            self.assertIn("refused (DNS rebinding; only a name listed exactly", proxy.decide("x.wild.test")[1])
+            self.assertEqual(proxy.decide("localhost"), (["127.0.0.1"], None))
+            self.assertEqual(proxy.decide("allowed.test"), (["198.18.0.1"], None))
 
     def test_bad_domain_lists_and_old_kernels_are_refused_with_the_reason(self):
         self.assertEqual(boris.parse_config(["--sandbox-network", "PyPI.org,*.Example.org."], {}).sandbox_network,
@@ -2846,6 +3023,49 @@ HTML2TEXT_CASES = (
 )
 
 
+class TestPastTheSelectLimit(SearchBase):
+    """Issue 56: with the server holding more than 1,024 descriptors (hundreds of tasks'
+    pipes), every descriptor it waits on is past select(2)'s reach: grep, glob, a document,
+    a fetch, a command and a task's wait_for still work."""
+
+    def test_every_kind_of_wait_past_1024_descriptors(self):
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < 1400:
+            if hard != resource.RLIM_INFINITY and hard < 1400:
+                self.skipTest("this process may open %d descriptors at most" % hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (1400, hard))
+            self.addCleanup(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
+        held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+        self.addCleanup(lambda: [os.close(fd) for fd in held])
+        self.assertGreater(max(held), 1024)
+        environ = mock.patch.dict(os.environ)
+        environ.start()
+        self.addCleanup(environ.stop)
+        for k in ("http_proxy", "HTTP_PROXY"):
+            os.environ.pop(k, None)                      # (the fetch goes straight to the loopback server)
+        web = make_web_server()
+        self.addCleanup(web.server_close)
+        self.addCleanup(web.shutdown)
+        pool = boris.HelperPool()                        # its helpers' pipes are all past 1,024
+        self.addCleanup(pool.close)
+        office_file(self.path("r.docx"), docx_parts(w_p("Words of a document.")))
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=pool, files=TEST_FILES)
+
+        def ok(name, **args):
+            r = boris.McpServer.run_tool(self.server.tools[name], self.session, args, ctx)
+            text = "".join(c.get("text", "") for c in r["content"])
+            self.assertFalse(r["isError"], (name, text))
+            return text
+        self.assertIn("src/app.py", ok("grep", pattern="TODO", output_mode="files_with_matches"))
+        self.assertIn("util.py", ok("glob", pattern="**/*.py"))
+        self.assertIn("Words of a document.", ok("view", path="r.docx"))
+        self.assertIn("Heading", ok("web_fetch", url="http://127.0.0.1:%d/page" % web.server_address[1]))
+        self.assertIn("far-fd", ok("bash", command="echo far-fd"))
+        task = re.search(r"task_[0-9a-f]+", ok("bash", command="sleep 0.2; echo task-done", run_in_background=True))
+        self.assertIn("task-done", ok("task_output", task_id=task.group(0), wait_for="task-d.ne", wait_ms=20000))
+
+
 class TestHtmlAsMarkdown(unittest.TestCase):
     """Issue 40: web_fetch's HTML as Markdown a model reads as the page means it."""
 
@@ -3348,8 +3568,8 @@ class TestDocuments(NoViewBase):
                     f.seek(rng.randrange(os.path.getsize(path)))
                     f.write(os.urandom(rng.randint(1, 40)))
             try:
-                out = []
-                boris.Document.job({"path": path}, out.extend)
+                out, st = [], os.stat(path)
+                boris.Document.job({"path": path, "file": [st.st_dev, st.st_ino]}, out.extend)
                 self.assertIsInstance(out[0], str)
                 answered += 1
             except boris.ToolError as e:
@@ -3426,6 +3646,37 @@ class TestPdf(NoViewBase):
     def put(self, name, data):
         with open(self.path(name), "wb") as f:
             f.write(data)
+
+    def test_a_parser_bug_is_logged_and_said_apart_from_a_damaged_file(self):
+        """Issue 56: an exception only a bug raises (TypeError, AttributeError, KeyError) is
+        logged with its traceback and answered as boris's failure, not the file's."""
+        path = self.path("ok.pdf")
+        self.put("ok.pdf", make_pdf([b"BT /F1 12 Tf (fine) Tj ET"]))
+        st = os.stat(path)
+        job = {"op": "pdf", "path": path, "file": [st.st_dev, st.st_ino], "first": 1, "last": None, "asked": None,
+               "limit": 1 << 20}
+        for bug in (TypeError("unhashable"), KeyError("x"), AttributeError("no such field")):
+            def broken(pdf, *a):
+                raise bug
+            with mock.patch.object(boris.Pdf, "pages", broken), mock.patch.object(boris, "log") as logged:
+                with self.assertRaises(boris.ToolError) as e:
+                    boris.pdf_job(job, lambda items: self.fail("answered %r" % items))
+            self.assertEqual(e.exception.code, "IO_ERROR", e.exception.message)
+            self.assertIn("the PDF reader failed on it (%s" % type(bug).__name__, e.exception.message)
+            self.assertIn("a bug in boris", e.exception.message)
+            self.assertIn("Traceback", logged.call_args[1]["error"])
+        answers = []
+
+        def damaged(pdf, *a):
+            raise ValueError("bad number")                # the file's fault: said on its page, nothing logged
+        with mock.patch.object(boris.Pdf, "page_text", damaged), mock.patch.object(boris, "log") as logged:
+            boris.pdf_job(job, answers.append)
+        self.assertIn("[this page could not be read (ValueError: bad number)]", answers[0][0]["texts"][0])
+        self.assertFalse(logged.called)
+        self.put("swapped.pdf", b"")                      # not the file (device, inode) the job names
+        with self.assertRaises(boris.ToolError) as e:
+            boris.pdf_job(dict(job, path=self.path("swapped.pdf")), answers.append)
+        self.assertIn("changed while it was being read", e.exception.message)
 
     def test_pages_with_markers_title_and_the_pages_argument(self):
         pages = [b"BT /F1 12 Tf 72 700 Td (First page, first line) Tj 0 -14 Td (and its second) Tj ET",
@@ -3605,12 +3856,15 @@ class TestPdf(NoViewBase):
             emitted.append(1)
             return real(pdf, page, resources)
         self.put("two.pdf", make_pdf([b"BT /F1 9 Tf 72 700 Td (first page) Tj ET"] * 2))
-        with mock.patch.object(boris.Pdf, "page_text", second_page_breaks):
+        st = os.stat(self.path("two.pdf"))
+        with mock.patch.object(boris.Pdf, "page_text", second_page_breaks), mock.patch.object(boris, "log") as logged:
             out = []
-            boris.pdf_job({"path": os.path.join(self.root, "two.pdf"), "first": 1, "last": None, "asked": None,
-                           "limit": 1 << 20}, out.append)
-        self.assertEqual(out[0][0]["texts"], ["first page", "[this page could not be read (AttributeError: "
-                                                             "'NoneType' object has no attribute 'get')]"])
+            boris.pdf_job({"path": os.path.join(self.root, "two.pdf"), "file": [st.st_dev, st.st_ino], "first": 1,
+                           "last": None, "asked": None, "limit": 1 << 20}, out.append)
+        self.assertEqual(out[0][0]["texts"], ["first page", "[this page could not be read: the PDF reader failed"
+                                              " (AttributeError: 'NoneType' object has no attribute 'get'), a bug in"
+                                              " boris, logged with its traceback]"])
+        self.assertIn("Traceback", logged.call_args[1]["error"])        # (a bug: said apart from damage)
 
     def test_encrypted_with_an_empty_password_opens_and_with_another_is_a_clear_error(self):
         self.assertEqual(boris.pdf_rc4(b"Key", b"Plaintext").hex(), "bbf316e8d940af0ad3")     # RC4's test vector
@@ -4343,6 +4597,9 @@ class TestRewind(NoViewBase):
         parent = os.path.dirname(p)
         op = rng.choice(["write", "write", "inplace", "truncate", "append", "rename", "delete", "rmtree",
                          "chmod", "symlink", "mkdir", "binary", "ignored"])
+        inside = lambda q: boris.is_within(os.path.realpath(q), self.root)
+        if not inside(parent) or op in ("write", "binary", "inplace", "truncate", "append", "chmod") and not inside(p):
+            return                          # a link that leaves the tree is made and checked, never written through
         try:
             if op in ("write", "binary", "ignored", "mkdir", "symlink"):
                 os.makedirs(parent, exist_ok=True)
@@ -4399,18 +4656,18 @@ class TestRewind(NoViewBase):
         if not watches_here():
             self.skipTest("no inotify here: every checkpoint looks at every file")
         rng = random.Random(int(os.environ.get("BORIS_REWIND_SEED", "42")) + 1)
-        looked, kept, real_entry, real_take = [0], [0], boris.Checkpoints.entry, boris.Checkpoints.take
+        looked, kept, real_entry, real_current = [0], [0], boris.Checkpoints.entry, boris.Checkpoints.current
 
         def entry(points, *a):
             looked[0] += 1
             return real_entry(points, *a)
 
-        def take(points):
-            point = real_take(points)
+        def current(points, cancelled=None):
+            point = real_current(points, cancelled)
             kept[0] += len(point.entries)
             return point
         with mock.patch.object(boris, "LISTING_RACY_S", 0), mock.patch.object(boris.Checkpoints, "entry", entry), \
-                mock.patch.object(boris.Checkpoints, "take", take):
+                mock.patch.object(boris.Checkpoints, "current", current):
             self.campaign(rng, 300)
         self.assertLess(looked[0], kept[0] * 0.9, (looked, kept))      # the watches vouched for some
 
@@ -4436,13 +4693,13 @@ class TestRewind(NoViewBase):
             for _ in range(rng.randint(0, 2)):
                 self.random_change(rng)                          # made outside any call: still undone
             number = rng.choice(sorted(copies))
-            with points.lock:
-                now = points.take()
+            with points.held():
+                now = points.current()
                 before = tree_state(self.root)
                 within = []
                 if rng.random() < 0.2 and copies[number]:
                     within = [self.path(rng.choice(sorted(copies[number])))]
-                done, failed = points.rewind(points.find(number), now, within)
+                done, failed = points.rewind(points.find(number), now, within, TEST_FILES)
             expected = copies[number]
             got = tree_state(self.root)
             kept = [k for k in got if k not in expected and got[k][0] == "d" and holds_ignored(self.path(k))]
@@ -4470,8 +4727,8 @@ class TestRewind(NoViewBase):
             with open(self.path("build/out.o")) as f:
                 self.assertEqual(f.read(), "built")             # ignored files are never touched
             if now.number != number and not within:
-                with points.lock:
-                    points.rewind(now, points.take(), [])
+                with points.held():
+                    points.rewind(now, points.current(), [], TEST_FILES)
                 if tree_state(self.root) != before:
                     diffs.append((seq, "undo", number))
             rewinds += 1
@@ -4542,24 +4799,51 @@ class TestRewind(NoViewBase):
         self.ok("undo_edit", path="u.py")
         self.assertEqual(self.read("u.py"), edited)
 
-    def test_a_rewind_holding_the_lock_never_waits_for_a_scan_that_waits_for_it(self):
-        """A changing call ends (after(): a scan due, its thread waiting for the lock) while a
-        rewind holds the lock and checkpoints now: take() scans itself instead of waiting."""
+    def test_a_rewind_writes_each_file_under_its_edit_lock(self):
+        """Issue 56: rewind takes the same per-file lock as the edit tools, so a str_replace of
+        the same file runs wholly before or after it, never in between."""
+        self.write("a.txt", "one\n")
+        self.write("d/b.txt", "two\n")
+        points = self.points()
+        self.addCleanup(points.close)
+        first = points.take()
+        self.write("a.txt", "changed\n")
+        os.unlink(self.path("d/b.txt"))
+        guards, locked = boris.FileGuards(), []
+        real = guards.lock
+
+        def lock(path):
+            locked.append(path)
+            return real(path)
+        guards.lock = lock
+        with guards.lock(self.path("a.txt")):             # an edit of a.txt in progress
+            worker = threading.Thread(target=lambda: points.rewind(first, points.take(), [], guards), daemon=True)
+            worker.start()
+            worker.join(0.5)
+            self.assertTrue(worker.is_alive(), "the rewind wrote a.txt while an edit held it")
+            self.assertEqual(self.read("a.txt"), b"changed\n")
+        worker.join(10)
+        self.assertEqual((self.read("a.txt"), self.read("d/b.txt")), (b"one\n", b"two\n"))
+        self.assertIn(self.path("d/b.txt"), locked)
+
+    def test_a_rewind_holding_the_turn_never_waits_for_a_scan_that_waits_for_it(self):
+        """A changing call ends (after(): a scan due, its thread waiting for the turn) while a
+        rewind holds the turn and checkpoints now: current() scans itself instead of waiting."""
         self.write("a.txt", "a")
         points = self.points()
         answer = []
 
         def rewind_like():
-            with points.lock:
+            with points.held():
                 points.after()
-                answer.append(points.take())
+                answer.append(points.current())
         worker = threading.Thread(target=rewind_like, daemon=True)
         worker.start()
         worker.join(10)
-        self.assertFalse(worker.is_alive(), "take() under the lock waited for the scan thread")
+        self.assertFalse(worker.is_alive(), "current() in the turn waited for the scan thread")
         self.addCleanup(points.close)
         self.assertIn(self.path("a.txt"), answer[0].entries)
-        self.assertTrue(points.idle.wait(10))
+        self.assertTrue(wait_until(lambda: not points.scanner))
 
     def test_a_background_scan_gives_way_to_calls_in_flight_but_not_to_one_that_waits(self):
         """While the session has a call in flight (a search, say) the background scan pauses,
@@ -4574,8 +4858,8 @@ class TestRewind(NoViewBase):
         busy = [True]
         points = boris.Checkpoints([self.root], self.policy, self.cfg, lambda: busy[0])
         points.after()
-        self.assertFalse(points.idle.wait(0.3))                  # paused: a call is in flight
-        self.assertEqual(points.list, [])
+        self.assertFalse(wait_until(lambda: points.list, 0.3))   # paused: a call is in flight
+        self.assertTrue(points.scanner)
         taken = []                                               # one waits: the scan goes on, then this one
         worker = threading.Thread(target=lambda: taken.append(points.take()), daemon=True)
         worker.start()
@@ -4583,7 +4867,7 @@ class TestRewind(NoViewBase):
         busy[0] = False
         self.assertTrue(taken, "take() waited for a scan that gave way to it")
         self.assertIn(self.path("many/f599.txt"), taken[0].entries)
-        self.assertTrue(points.idle.wait(10))
+        self.assertTrue(wait_until(lambda: not points.scanner))
         points.close()
 
     def test_off_says_so_and_the_store_goes_with_the_session(self):
@@ -4618,8 +4902,8 @@ class TestRewind(NoViewBase):
         self.assertIn("past --checkpoint-budget", point.missed[0][1])
         os.unlink(self.path("small.txt"))
         os.unlink(self.path("big.txt"))
-        with points.lock:
-            done, failed = points.rewind(point, points.take(), [])
+        with points.held():
+            done, failed = points.rewind(point, points.current(), [], TEST_FILES)
         self.assertEqual([p for p, _ in failed], [point.missed[0][0]])     # the one not covered, said
         self.assertEqual(len(done), 1)
 
@@ -6267,6 +6551,67 @@ class TestShellEnvironment(NoViewBase):
             boris.parse_config(["--help"], {})
         self.assertIn("--shell-env-keep", out.getvalue())
         self.assertIn("--token-file", out.getvalue())
+
+
+def descendants(pid):
+    """The live processes below `pid`, at any depth."""
+    table, found, todo = proc_table(), [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [p for p, (pp, state, _) in table.items() if pp == parent and state != "Z"]
+        found += kids
+        todo += kids
+    return found
+
+
+@unittest.skipUnless(LINUX and os.geteuid() == 0, "reads every child's /proc/<pid>/environ: root on Linux only")
+class TestNoChildHoldsASecret(unittest.TestCase):
+    """Issue 56: with secret-named variables and BORIS_* in the server's environment, no
+    process it starts - search helpers and their partners, the document helper,
+    sandbox launchers, commands and tasks - holds them in /proc/<pid>/environ."""
+
+    def serve_and_look(self, flags):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-env-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        for i in range(40):
+            os.makedirs(os.path.join(tmp, "d%d" % i))
+            with open(os.path.join(tmp, "d%d" % i, "f.py"), "w") as f:
+                f.write("needle %d\n" % i)
+        office_file(os.path.join(tmp, "r.docx"), docx_parts(w_p("Some words.")))
+        c = StdioClient(["--workdir", tmp, "--allow-dir", tmp] + flags, env=dict(os.environ, **SECRETS))
+        self.addCleanup(c.close)
+        c.initialize()
+        self.assertFalse(c.call("grep", {"pattern": "needle", "output_mode": "files_with_matches"})["isError"])
+        self.assertFalse(c.call("glob", {"pattern": "**/*.py"})["isError"])
+        self.assertIn("Some words.", c.call("view", {"path": "r.docx"})["content"][0]["text"])
+        self.assertIn("ran-ok", c.call("bash", {"command": "echo ran-ok"})["content"][0]["text"])
+        task = c.call("bash", {"command": "sleep 30", "run_in_background": True})["content"][0]["text"]
+        self.assertIn("task_", task)
+        kinds, held = Counter(), []
+        for pid in descendants(c.p.pid):
+            try:
+                with open("/proc/%d/environ" % pid, "rb") as f:
+                    environ = f.read()
+                with open("/proc/%d/cmdline" % pid, "rb") as f:
+                    cmd = f.read().split(b"\0")
+            except OSError:
+                continue  # ended meanwhile
+            kind = cmd[cmd.index(b"--helper") + 1].decode() if b"--helper" in cmd else os.path.basename(cmd[0]).decode()
+            kinds[kind] += 1
+            held += [(kind, name) for name, value in SECRETS.items() if value.encode() in environ]
+        self.assertEqual(held, [])
+        return kinds
+
+    def test_no_child_holds_a_secret(self):
+        kinds = self.serve_and_look([])
+        self.assertGreaterEqual(kinds["search"], 1, kinds)
+        self.assertGreaterEqual(kinds["sleep"] + kinds["bash"] + kinds["sh"] + kinds["sandbox"], 1, kinds)  # (a task's
+        # launcher, a terminal's, is the command once it has exec'd)
+
+    @NEEDS_LANDLOCK
+    def test_no_sandboxed_child_holds_a_secret(self):
+        kinds = self.serve_and_look(["--sandbox", "workspace-write"])
+        self.assertGreaterEqual(kinds["sandbox"], 1, kinds)        # the spare launcher, waiting
 
 
 class TestBackgroundTimeout(Base):
@@ -8254,9 +8599,9 @@ class TestLinearBuffers(unittest.TestCase):
 class StdioClient(object):
     """Drives `python3 boris.py` over pipes, as an MCP client does."""
 
-    def __init__(self, args, cwd=None):
+    def __init__(self, args, cwd=None, env=None):
         self.adopt(subprocess.Popen([sys.executable, BORIS] + args, stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd))
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env))
 
     def adopt(self, p):
         """Drive the server process `p` (its stdin and stdout pipes)."""
@@ -8402,10 +8747,142 @@ class TestRewindOverStdio(StdioBase):
             self.assertEqual(f.read(), "edited\n")
 
 
+def parallel_round(rng, numbers, k):
+    """Five calls a busy agent sends at once: two changing commands, checkpoints, a rewind
+    (dry or real, whole or of one directory) and a str_replace that misses."""
+    rewind = {"checkpoint": rng.choice(numbers) if numbers else 1, "dry_run": rng.random() < 0.5}
+    if rng.random() < 0.5:
+        rewind["paths"] = ["d%d" % rng.randrange(3)]
+    return [("bash", {"command": "mkdir -p d%d && echo %d > d%d/f%d.txt" % (k % 3, k, k % 3, k % 7)}),
+            ("checkpoints", {}), ("rewind", rewind),
+            ("str_replace", {"path": "d0/none.txt", "old_str": "absent %d" % k, "new_str": "x"}),
+            ("bash", {"command": "rm -f d%d/f%d.txt; echo gone" % ((k + 1) % 3, (k + 3) % 7)})]
+
+
+class TestCheckpointsUnderParallelCalls(unittest.TestCase):
+    """Issue 56: changing calls, checkpoints, rewinds and edits sent at once, round after
+    round, over stdio and over HTTP: every call answers within its deadline (a scan that
+    gave way once waited for calls that waited for it). BORIS_PARALLEL_ROUNDS sizes it."""
+    ROUNDS = int(os.environ.get("BORIS_PARALLEL_ROUNDS") or 150)
+    DEADLINE_S = 30
+
+    def test_over_stdio(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-parallel-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        c = StdioClient(["--workdir", tmp, "--require-view-before-edit", "false"])
+        self.addCleanup(c.close)
+        c.initialize()
+        rng, numbers, answered = random.Random(56), [], 0
+        for k in range(self.ROUNDS):
+            ids = []
+            for name, args in parallel_round(rng, numbers, k):
+                c.next_id += 1
+                ids.append((c.next_id, name))
+                c.send({"jsonrpc": "2.0", "id": c.next_id, "method": "tools/call",
+                        "params": {"name": name, "arguments": args}})
+            for rid, name in ids:
+                m = c.wait_for(lambda m, rid=rid: m.get("id") == rid, self.DEADLINE_S)
+                self.assertIn("result", m, (k, name, m))
+                if name == "checkpoints":
+                    numbers = [int(n) for n in re.findall(r"^#(\d+)", m["result"]["content"][0]["text"], re.M)]
+                answered += 1
+            del c.lines[:]
+        self.assertEqual(answered, 5 * self.ROUNDS)
+        self.assertTrue(numbers)
+
+    def test_over_http(self):
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-parallel-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        cfg = boris.parse_config(["--workdir", tmp, "--transport", "http", "--require-view-before-edit", "false"], {})
+        cfg.port = 0
+        transport = boris.HttpTransport(boris.McpServer(cfg, boris.PathPolicy.of(cfg)), cfg, None)
+        port = transport.bind()[1]
+        thread = threading.Thread(target=transport.serve, daemon=True)
+        thread.start()
+        self.addCleanup(thread.join, 15)
+        self.addCleanup(transport.shutdown)
+        st, h, _ = http(port, "POST", body={"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}}})
+        sid = h["mcp-session-id"]
+        rng, numbers, failures = random.Random(57), [], []
+
+        def send(k, name, args, out):
+            try:
+                st, _, body = http(port, "POST", headers={"Mcp-Session-Id": sid}, timeout=self.DEADLINE_S, body={
+                    "jsonrpc": "2.0", "id": k, "method": "tools/call", "params": {"name": name, "arguments": args}})
+                out.append((name, st, body))
+            except Exception as e:                    # a timeout above all: the call never answered
+                failures.append((k, name, repr(e)))
+        for k in range(self.ROUNDS // 3):
+            out = []
+            threads = [threading.Thread(target=send, args=(k, name, args, out))
+                       for name, args in parallel_round(rng, numbers, k)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            self.assertEqual(failures, [])
+            self.assertEqual(sorted(st for _, st, _ in out), [200] * 5, out)
+            for name, _, body in out:
+                if name == "checkpoints":
+                    numbers = [int(n) for n in re.findall(r"^#(\d+)", body["result"]["content"][0]["text"], re.M)]
+        self.assertTrue(numbers)
+
+
+class TestCheckpointWaits(NoViewBase):
+    """Issue 56: a call waits for a checkpoint as every other does, for a bounded time, and a
+    cancel ends its wait."""
+
+    def slow_scan(self, points):
+        """Make the next scan of `points` hold the turn until released (an event per file)."""
+        go, real = threading.Event(), boris.Checkpoints.entry
+
+        def entry(p, *a):
+            go.wait(30)
+            return real(p, *a)
+        patch = mock.patch.object(boris.Checkpoints, "entry", entry)
+        patch.start()
+        self.addCleanup(patch.stop)
+        self.addCleanup(go.set)
+        return go
+
+    def test_a_cancel_ends_a_wait_for_a_checkpoint(self):
+        for i in range(300):
+            self.write("t/f%d.txt" % i, "x")
+        points = self.server.checkpoints_of(self.session)
+        go = self.slow_scan(points)
+        scanning = threading.Thread(target=points.take, daemon=True)
+        scanning.start()
+        self.assertTrue(wait_until(lambda: points.turn))
+        cancelled, answer = threading.Event(), []
+        waiter = threading.Thread(target=lambda: answer.append(points.before("bash x", cancelled)), daemon=True)
+        waiter.start()
+        self.assertTrue(wait_until(lambda: points.waiters == 1))
+        cancelled.set()
+        waiter.join(10)
+        self.assertEqual(answer, [False])                  # it ended, saying it was cancelled
+        go.set()
+        scanning.join(10)
+        self.assertFalse(scanning.is_alive())
+
+    def test_a_long_scan_is_cut_and_the_call_goes_on_with_what_it_walked(self):
+        for i in range(600):
+            self.write("t/f%03d.txt" % i, "x")
+        points = self.server.checkpoints_of(self.session)
+        with mock.patch.object(boris, "CHECKPOINT_WAIT_S", 0):
+            note = points.before("bash x")
+        self.assertIn("covers part of the workspace", note)
+        self.assertTrue(points.list[-1].partial)
+        self.assertLess(len(points.list[-1].entries), 602)
+        listing = self.ok("checkpoints")
+        self.assertIn("before bash x  (covers part: the rest was not walked within 0 s", listing)
+        self.assertNotIn("added", listing)                # what it did not walk is not said to be new
+
+
 class TestStoresOfKilledServers(unittest.TestCase):
     """Issue 42: a store is removed with its session; one a server killed with -9 left behind
-    is removed by the next server that makes one (its lock is no longer held), while a
-    live server's store is left alone."""
+    is removed by the next server as it starts (its lock is no longer held), while a live
+    server's store is left alone."""
 
     def test_the_next_server_sweeps_what_a_killed_one_left(self):
         tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-sweep-"))
@@ -8426,33 +8903,32 @@ class TestStoresOfKilledServers(unittest.TestCase):
         self.assertEqual(len(stores), 1, os.listdir(temp))      # (beside the helpers' private directory)
         dead = os.path.join(temp, stores[0])
         self.assertTrue(os.path.exists(os.path.join(dead, "lock")))
+        below = descendants(client.p.pid)
         client.p.kill()
         client.p.wait(10)
         client.reader.join(10)
+        # (a helper still booting when its server died writes its bytecode into TMPDIR until its guard ends it)
+        wait_until(lambda: not set(below) & set(p for p, (_, state, _) in proc_table().items() if state != "Z"), 10)
         client.p.stdin.close()
         client.p.stdout.close()
         self.assertTrue(os.path.isdir(dead))                     # kill -9: nothing could remove it
-        with mock.patch.object(tempfile, "tempdir", temp), mock.patch.object(boris, "STORES_SWEPT", []):
-            cfg = boris.parse_config(["--workdir", work], {})
+        cfg = boris.parse_config(["--workdir", work], {})
+        with mock.patch.object(tempfile, "tempdir", temp):
             live = boris.Checkpoints([work], boris.PathPolicy.of(cfg), cfg)
             self.addCleanup(live.close)
             self.assertTrue(live.open_store())
-            deadline = time.time() + 10
-            while os.path.exists(dead) and time.time() < deadline:
-                time.sleep(0.02)
-            self.assertFalse(os.path.exists(dead), "the store of a killed server was left")
-            self.assertTrue(os.path.isdir(live.dir))
-            boris.STORES_SWEPT[:] = []                           # another server starting: the live store stays
-            other = boris.Checkpoints([work], boris.PathPolicy.of(cfg), cfg)
-            self.addCleanup(other.close)
-            self.assertTrue(other.open_store())
-            sweeper = [t for t in threading.enumerate() if t.name == "boris-sweep"]
-            for t in sweeper:
-                t.join(10)
-            self.assertTrue(os.path.isdir(live.dir))
-            where = live.dir
-            live.close()
-            self.assertFalse(os.path.exists(where))
+        self.assertTrue(os.path.isdir(dead))                     # making a store sweeps nothing ...
+        following = StdioClient(["--workdir", work], env=env)   # ... a server starting does
+        self.addCleanup(following.close)
+        following.initialize()
+        self.assertTrue(wait_until(lambda: not os.path.exists(dead), 10), "the store of a killed server was left")
+        self.assertTrue(os.path.isdir(live.dir))                 # a live store stays
+        with mock.patch.object(tempfile, "tempdir", temp):
+            boris.sweep_stores().join(10)
+        self.assertTrue(os.path.isdir(live.dir))
+        where = live.dir
+        live.close()
+        self.assertFalse(os.path.exists(where))
 
 
 class TestStdioProtocol(StdioBase):
@@ -9880,6 +10356,54 @@ def forward_references(source):
     return found
 
 
+MUTATORS = frozenset(("append", "extend", "insert", "update", "setdefault", "add", "pop", "popitem", "clear",
+                      "remove", "discard", "appendleft", "__setitem__"))
+
+
+def changed_module_objects(source):
+    """The module-level names (and Class.attr) that a function of `source` changes: assigns
+    to or through, calls a mutating method of, or declares global. A name the function
+    binds itself (a parameter, a local) is its own."""
+    import ast
+    tree = ast.parse(source)
+    names, classes = set(), set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            classes.add(node.name)
+        for target in getattr(node, "targets", []):
+            names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    found = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        own = set(a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg))
+        declared = set(n for node in ast.walk(fn) if isinstance(node, ast.Global) for n in node.names)
+        own |= set(n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)) - declared
+        found |= declared
+
+        def base(node):
+            while isinstance(node, (ast.Attribute, ast.Subscript)):
+                top, node = node, node.value
+            return node.id if isinstance(node, ast.Name) else None, top
+        for node in ast.walk(fn):
+            targets = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+                targets = getattr(node, "targets", None) or [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+                targets = [node.func]
+            for target in targets:
+                if not isinstance(target, (ast.Attribute, ast.Subscript)):
+                    continue
+                name, top = base(target)
+                if name is None or name in own:
+                    continue
+                if name in classes and isinstance(top, ast.Attribute):
+                    found.add("%s.%s" % (name, top.attr))
+                elif name in names:
+                    found.add(name)
+    return found
+
+
 class TestTheFilesMap(unittest.TestCase):
     """boris.py reads top to bottom as layers: no name is used above the section (or
     sub-banner) that defines it, and the module header lists the sections there are."""
@@ -9910,6 +10434,23 @@ class TestTheFilesMap(unittest.TestCase):
                          "flags README.md does not name: add each to its flags table")
         self.assertEqual([name for name in boris.tool_names() if "`%s`" % name not in readme], [],
                          "tools README.md does not name: add each to its tools table")
+
+    def test_the_header_names_every_module_level_object_that_changes(self):
+        """Issue 56: every module-level object a function changes (assigns through, calls a
+        mutating method of, declares global) is named in the header's paragraph on them."""
+        header = self.source.split('"""', 2)[1]
+        paragraph = header[header.index("Module-level objects that change"):].split("\n\n", 1)[0]
+        found = changed_module_objects(self.source)
+        self.assertEqual(sorted(n for n in found if n not in paragraph), [], "changed at run time, not in the header")
+        listed = set(re.findall(r"\b(_?[A-Za-z_][A-Za-z_0-9.]*[a-z_]\b)", paragraph.split(":", 1)[1]))
+        self.assertEqual(sorted(n for n in listed if n.startswith(("_", "PDF", "Pdf")) and n not in found), [],
+                         "named in the header, changed nowhere")
+
+    def test_the_change_finder_finds_changes(self):
+        source = ("X = {}\nY = []\nZ = 1\nclass K(object):\n    t = None\n"
+                  "def f(Y=()):\n    X['a'] = 1\n    Y.append(2)\n    K.t = 3\n    global Z\n    Z = 4\n"
+                  "def g():\n    local = {}\n    local.update(a=1)\n    self = K()\n    self.t = 1\n")
+        self.assertEqual(changed_module_objects(source), {"X", "K.t", "Z"})
 
     def test_the_header_lists_every_section_in_order(self):
         header = self.source.split('"""', 2)[1]
@@ -9950,6 +10491,35 @@ def lanes():
     return out
 
 
+def outside_state():
+    """What the suite must leave as it found it: the files at /etc's top (/etc/hostname
+    among them: type, mode, size, mtime) and the names at the temp directory's top (the
+    helpers' bytecode directory may come, nothing else may come or go)."""
+    state = {}
+    for top in ("/etc", tempfile.gettempdir()):
+        try:
+            names = os.listdir(top)
+        except OSError:
+            continue  # no /etc here (Windows): nothing to compare
+        for name in names:
+            path = os.path.join(top, name)
+            if top != "/etc":
+                state[path] = "there" if not name.startswith("boris-pycache-") else None
+                continue
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue  # went meanwhile: not the suite's doing at its start
+            state[path] = (st.st_mode, None if stat.S_ISDIR(st.st_mode) else (st.st_size, st.st_mtime_ns))
+    return dict((k, v) for k, v in state.items() if v is not None)
+
+
+def outside_changes(before):
+    """The paths outside the suite's own trees that it made, changed or removed."""
+    after = outside_state()
+    return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+
+
 def run_lanes(argv):
     """Run both lanes as `python -m unittest` processes at once, the computing lane's
     output as it comes and the waiting lane's after it, then one summary in unittest's
@@ -9958,6 +10528,7 @@ def run_lanes(argv):
     flags = [a for a in argv if a.startswith("-")]
     base = [sys.executable] + ["-W" + w for w in sys.warnoptions] + ["-m", "unittest"] + flags
     waiting_log = tempfile.TemporaryFile()
+    outside = outside_state()
     computing, waiting = lanes()
     second = subprocess.Popen(base + waiting, cwd=HERE, stdout=waiting_log, stderr=subprocess.STDOUT)
     first = subprocess.run(base + computing, cwd=HERE, stderr=subprocess.PIPE)
@@ -9969,6 +10540,10 @@ def run_lanes(argv):
     sys.stderr.write("\n--- the waiting lane (%s) ---\n" % ", ".join(WAITING_SECTIONS))
     sys.stderr.write(logs[1])
     ran, counts = 0, Counter()
+    changed = outside_changes(outside)
+    if changed:
+        sys.stderr.write("\nERROR: the suite changed what lies outside the trees it made: %s\n" % ", ".join(changed[:20]))
+        counts["errors"] += 1
     for log in logs:
         found = re.findall(r"^Ran (\d+) tests? in ", log, re.M)
         ran += int(found[-1]) if found else 0
