@@ -85,6 +85,7 @@ import os
 import re
 import signal
 import stat
+import struct
 import threading
 import time
 import queue
@@ -127,8 +128,8 @@ UNDO_LEVELS = 20                           # undo_edit: the edits of one file a 
 UNDO_MAX_BYTES = 64 * 1024 * 1024          # ... and the bytes all its undo levels may hold (oldest dropped)
 CHECKPOINTS_KEPT = 100                     # checkpoints a session keeps (the oldest go first) ...
 CHECKPOINT_ENTRIES = 2000000               # ... and the entries all of them may list (~100 bytes each)
-CHECKPOINT_WALK_MAX = 250000               # entries one checkpoint walks; past it the rest is not covered
-CHECKPOINT_BUDGET_AUTO = 2 << 30           # --checkpoint-budget auto: this, or a quarter of the free temp space
+CHECKPOINT_WALK_MAX = 1000000              # entries one checkpoint walks; past it the rest is not covered
+CHECKPOINT_BUDGET_AUTO = 2 << 30           # --checkpoint-budget auto: this, or a quarter of the store's free space
 CHECKPOINT_NAMES_SHOWN = 20                # paths named per kind of change in checkpoints and rewind
 CHECKPOINT_WAIT_S = 2.0                    # a call waits this long for a checkpoint; then it keeps what it has
 CHECKPOINT_FIRST_S = 1.0                   # the first checkpoint starts this long after the session (or sooner,
@@ -316,8 +317,9 @@ FLAGS = (
     ("background-task-timeout", "BORIS_BACKGROUND_TASK_TIMEOUT", "0", "seconds", "kill background tasks running longer than this (0 = never)"),
     ("max-file-size", "BORIS_MAX_FILE_SIZE", "10MB", "size", "largest file read or written (e.g. 512KB, 10MB, 1GB, bytes)"),
     ("checkpoint-budget", "BORIS_CHECKPOINT_BUDGET", "auto", "budget",
-     "bytes the workspace checkpoints (rewind) may keep in a private directory under the temp directory: a"
-     " size, auto (2GB or a quarter of the temp directory's free space, the smaller) or off"),
+     "bytes the workspace checkpoints (rewind) may keep in the server's private store (the temp directory, or"
+     " ~/.cache/boris where the temp directory is a tmpfs): a size, auto (2GB or a quarter of the store's free"
+     " space, the smaller) or off"),
     ("require-view-before-edit", "BORIS_REQUIRE_VIEW_BEFORE_EDIT", "auto", "tristate", "edits need a prior view of the file: auto|true|false"),
     ("anthropic-compat", "BORIS_ANTHROPIC_COMPAT", "false", "bool", "expose str_replace_editor and Claude Code's grep parameter names"),
     ("log-level", "BORIS_LOG_LEVEL", "info", "choice:debug|info|warn|error", "stderr log level"),
@@ -2447,7 +2449,6 @@ def net_filter_program(machine, supervised=False, inet=False):
     io_uring (which would bypass the filter); a foreign ABI gets no socket call at all,
     an unknown one is killed. inet: IPv4 TCP sockets may be made too (their connect is
     the supervisor's to decide; no other protocol of SOCK_STREAM, such as SCTP)."""
-    import struct
     if machine not in SECCOMP_ABIS:
         return None
     arch, nr, compat_arch, compat_calls = SECCOMP_ABIS[machine]
@@ -2524,7 +2525,6 @@ def apply_net_filter(supervised=False, fprog=None):
 
 def net_fprog(supervised, inet=False):
     """(struct sock_fprog, the program it points to) of net_filter, as ctypes buffers."""
-    import struct
     ctypes, _ = _libc()
     program = net_filter_program(os.uname().machine, supervised, inet)
     if program is None:
@@ -2541,7 +2541,6 @@ class Landlock(object):
     will start; called again, it enters a nested domain of the same rules."""
 
     def __init__(self, spec):
-        import struct
         ctypes, libc = self.ctypes, self.libc = _libc()
         abi = spec["abi"]
         write = LL_WRITE_FILE | LL_REMOVE_DIR | LL_REMOVE_FILE | LL_MAKE_ALL
@@ -2643,7 +2642,6 @@ class NetSupervisor(object):
         Signals a terminal or boris sends the group are left to the command. Once this
         process ends, a connect still attempted by a leftover descendant fails (ENOSYS)."""
         import select
-        import struct
         ctypes, libc, child, listener = self.ctypes, self.libc, self.child, self.listener
         for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
             signal.signal(sig, signal.SIG_IGN)
@@ -2688,7 +2686,6 @@ class NetSupervisor(object):
         list; any other IP address is refused); a path is opened (O_PATH, from the caller's cwd) and connected
         through that descriptor, so the socket checked is the socket reached, and only
         when a process of the command (its session) is listening on it."""
-        import struct
         ctypes, libc = self.ctypes, self.libc
         if not 3 <= size <= 110:
             return errno.EACCES
@@ -3183,7 +3180,6 @@ class Watches(object):
         """Take the events queued since the last walk: what they touch is no longer known."""
         if self.fd is None:
             return
-        import struct
         while True:
             try:
                 data = os.read(self.fd, 1 << 16)
@@ -5062,7 +5058,6 @@ def pdf_glyph(name):
 def pdf_sfnt(data):
     """{glyph: text} of an embedded TrueType font: from its Unicode cmap subtables, else its
     post table's glyph names. Bounded; a damaged font gives what was read."""
-    import struct
     texts = {}
     try:
         tables = {}
@@ -7761,7 +7756,6 @@ def start_process(script, cwd, sandbox=None, stdin="null", environ=None):
         proc.boris_call = marker
         return proc
     import fcntl
-    import struct
     import termios
     master, slave = os.openpty()
     try:
@@ -8971,9 +8965,11 @@ class Session(object):
 
 CHECKPOINT_SKIPPED = ("/proc", "/sys", "/dev")      # never walked (a workspace of /): no files to keep there
 CHECKPOINT_YIELD_S = 0.02                            # how often a scan that gave way looks again
+CHECKPOINT_PART_MIN_S = 0.5                          # a walk hands a waiter its part once it ran this long
 
 
 CHECKPOINT_PREFIX = "boris-checkpoints-"         # a store: <temp>/boris-checkpoints-XXXX, 0700
+STORE_PACK_BYTES = 64 << 20                        # a pack file of the store takes bytes up to this size
 
 
 def hold_store(store):
@@ -8995,20 +8991,69 @@ def hold_store(store):
     return fd
 
 
+def store_bases():
+    """The directories a store can be made in: the temp directory and the user's cache
+    directory ($XDG_CACHE_HOME, else ~/.cache; its boris/ folder)."""
+    import tempfile
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return [os.path.realpath(tempfile.gettempdir()), os.path.join(os.path.realpath(cache), "boris")]
+
+
+def fs_type(path):
+    """The type of the filesystem `path` is on ('tmpfs', 'ext4', ...), from the mount table
+    (Linux); None where it cannot be told."""
+    best, kind = "", None
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f.read().decode("utf-8", "surrogateescape").splitlines():
+                fields, _, rest = line.partition(" - ")
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields.split(" ")[4])
+                if is_within(path, point) and len(point) >= len(best) and rest:
+                    best, kind = point, rest.split(" ")[0]
+    except (OSError, IndexError):
+        return None
+    return kind
+
+
+def store_place(roots):
+    """Where the server's store is made (store_bases): outside the roots when it can (inside,
+    a command could change what a rewind writes back; a workspace of / leaves no choice);
+    then never on a RAM-backed tmpfs when another is writable; then on the first root's
+    filesystem (the cache directory is, where /tmp is a tmpfs); the temp directory before
+    the cache directory. None when no place can be made."""
+    usable = []
+    for base in store_bases():
+        try:
+            os.makedirs(base, 0o700, exist_ok=True)
+            st = os.stat(base)
+        except OSError:
+            continue
+        usable.append((base, any(is_within(base, root) for root in roots), st.st_dev,
+                       fs_type(base) in ("tmpfs", "ramfs")))
+    try:
+        home = os.stat(roots[0]).st_dev if roots else None
+    except OSError:
+        home = None
+    usable.sort(key=lambda u: (u[1], u[3], u[2] != home))       # (a stable sort: the temp directory first)
+    return usable[0][0] if usable else None
+
+
 def sweep_stores():
     """Remove, in the background (the thread returned), the stores that servers killed
-    before they could (kill -9, a power cut) left in the temp directory: this user's,
+    before they could (kill -9, a power cut) left where stores are made: this user's,
     with a lock file no process holds. One without a lock file is left alone. A server
     sweeps as it starts (main)."""
     import shutil
-    import tempfile
     try:
         import fcntl
     except ImportError:
         return None
 
     def sweep():
-        top = tempfile.gettempdir()
+        for top in store_bases():
+            sweep_in(top)
+
+    def sweep_in(top):
         try:
             names = [n for n in os.listdir(top) if n.startswith(CHECKPOINT_PREFIX)]
         except OSError:
@@ -9035,6 +9080,282 @@ def sweep_stores():
     thread = threading.Thread(target=sweep, daemon=True, name="boris-sweep")
     thread.start()
     return thread
+
+
+class Store(object):
+    """The server's one content-addressed store of file bytes, shared by the checkpoints of
+    every session and by undo_edit: a private 0700 directory made at first use where
+    store_place says, with a lock that tells sweep_stores it is a live server's. Bytes are
+    appended to pack files of up to STORE_PACK_BYTES, found again through an index in
+    memory (the store lives as long as its server), so that a store of a whole tree is a
+    few files: close() removes it at once, where a file a blob took seconds."""
+
+    def __init__(self, config, roots):
+        self.config, self.roots = config, list(roots)
+        self.lock = threading.Lock()              # guards every field below
+        self.index, self.stored = {}, 0           # digest -> (pack number, offset, size); the bytes held
+        self.pack, self.packs, self.packed = None, 0, 0   # the pack written to (a descriptor), how many, its size
+        self.dir = self.lockfd = None
+        self.budget = None                        # bytes it may hold; 0: no store (off, or none could be made)
+
+    def open(self):
+        """Make the store (once): False when checkpoints are off or it cannot be made."""
+        import shutil
+        import tempfile
+        with self.lock:
+            if self.dir is not None:
+                return True
+            budget = self.config.checkpoint_budget
+            if budget == 0 or self.budget == 0:
+                return False
+            base = store_place(self.roots)
+            try:
+                if base is None:
+                    raise OSError(errno.EACCES, "no writable place outside the workspace (the temp and cache"
+                                  " directories)")
+                where = tempfile.mkdtemp(prefix=CHECKPOINT_PREFIX, dir=base)
+                try:
+                    self.lockfd = hold_store(where)
+                except OSError:
+                    shutil.rmtree(where, ignore_errors=True)
+                    raise
+            except OSError as e:
+                log("warn", "no checkpoints: their store cannot be made", error=str(e))
+                self.budget = 0
+                return False
+            if budget is None:
+                free = os.statvfs(where)
+                budget = min(CHECKPOINT_BUDGET_AUTO, free.f_bavail * free.f_frsize // 4)
+            self.dir, self.budget = where, budget
+            return True
+
+    def put(self, data):
+        """(digest of `data`, kept in the store; or None and why not). Any thread may put: a
+        scan, or an edit keeping the bytes undo_edit restores (keep_befores)."""
+        import hashlib
+        digest = hashlib.blake2b(data, digest_size=20).hexdigest()
+        with self.lock:
+            if digest in self.index:
+                return digest, None
+            if self.dir is None or self.stored + len(data) > self.budget:
+                return None, "past --checkpoint-budget"
+            try:
+                if self.pack is None or self.packed + len(data) > STORE_PACK_BYTES:
+                    if self.pack is not None:
+                        os.close(self.pack)
+                    self.pack = None
+                    self.pack = os.open(os.path.join(self.dir, "pack%d" % (self.packs + 1)),
+                                        os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
+                    self.packs, self.packed = self.packs + 1, 0
+                write_all(self.pack, data)        # (no fsync: the store lives as long as the server)
+            except OSError as e:
+                if self.pack is not None:         # (a pack written in part is not written to again)
+                    os.close(self.pack)
+                    self.pack = None
+                return None, "not stored (%s)" % (e.strerror or e)
+            self.index[digest] = (self.packs, self.packed, len(data))
+            self.packed += len(data)
+            self.stored += len(data)
+        return digest, None
+
+    def blob(self, digest):
+        """The bytes kept under `digest` (OSError once the store is gone, or for one it never held)."""
+        with self.lock:
+            where, at = self.dir, self.index.get(digest)
+        if where is None or at is None:
+            raise OSError(errno.ENOENT, "the checkpoint store was removed with its server" if where is None else
+                          "the checkpoint store holds no bytes %s" % digest)
+        fd = os.open(os.path.join(where, "pack%d" % at[0]), os.O_RDONLY | O_CLOEXEC)
+        try:
+            data = os.pread(fd, at[2], at[1])
+        finally:
+            os.close(fd)
+        if len(data) != at[2]:
+            raise OSError(errno.EIO, "the checkpoint store lost bytes of %s" % digest)
+        return data
+
+    def close(self):
+        """Remove the store (nothing more is kept)."""
+        import shutil
+        with self.lock:
+            where, lockfd, self.dir, self.lockfd, self.budget = self.dir, self.lockfd, None, None, 0
+            if self.pack is not None:
+                os.close(self.pack)
+                self.pack = None
+        if where is not None:
+            shutil.rmtree(where, ignore_errors=True)
+        if lockfd is not None:
+            os.close(lockfd)
+
+
+GIT_FILTERING = re.compile(rb"(^|\s)-?(text|eol|crlf|filter|ident|working-tree-encoding)\b")
+
+
+class GitIndex(object):
+    """What a git work tree's index says of its clean files. A file whose lstat agrees with its
+    entry (git's own test: ctime, mtime, inode and size, each as the index keeps it) holds the
+    blob the entry names, unless the entry is racy (changed as late as the index was written);
+    a checkpoint then records "g" + the blob's id instead of copying the bytes, and a rewind
+    reads them back with `git cat-file`. Used only where the bytes in the work tree are the
+    blob's to the byte: no line-ending conversion, filters or encodings (core.autocrlf, the
+    attributes text, eol, filter, ident, working-tree-encoding), index versions 2 to 4 with
+    SHA-1, no split index, and git installed."""
+
+    def __init__(self, top, gitdir, git):
+        self.top, self.gitdir, self.git = top, gitdir, git
+        self.stamp = None                         # (mtime_ns, size, inode) of the index file read
+        self.entries = {}                         # path under top -> the stat key (24 bytes) and blob id (20)
+
+    @classmethod
+    def of(cls, root):
+        """The GitIndex of the work tree holding `root` (found by walking up to its .git), or None:
+        not in a work tree, or no git to read objects back with."""
+        import shutil
+        git = shutil.which("git")
+        top = root
+        while git:
+            dotgit = os.path.join(top, ".git")
+            if os.path.isdir(dotgit):
+                return cls(top, dotgit, git)
+            if os.path.isfile(dotgit):                        # a worktree's or submodule's: "gitdir: <path>"
+                try:
+                    with open(dotgit, "rb") as f:
+                        line = f.read(4096).decode("utf-8", "surrogateescape").strip()
+                except OSError:
+                    return None
+                if not line.startswith("gitdir: "):
+                    return None
+                return cls(top, os.path.normpath(os.path.join(top, line[8:])), git)
+            if top == "/":
+                return None
+            top = os.path.dirname(top)
+        return None
+
+    def refresh(self):
+        """Read the index again when it changed (or forget it when it cannot be trusted)."""
+        try:
+            st = os.stat(os.path.join(self.gitdir, "index"))
+        except OSError:
+            self.stamp, self.entries = None, {}
+            return
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stamp == self.stamp:
+            return
+        self.stamp, self.entries = stamp, {}
+        try:
+            with open(os.path.join(self.gitdir, "index"), "rb") as f:
+                data = f.read()
+            entries = self.parse(data, divmod(st.st_mtime_ns, 10 ** 9))
+            if self.converts(entries):
+                return
+            self.entries = entries
+        except (OSError, ValueError, IndexError, struct.error) as e:
+            log("info", "checkpoints copy this work tree's files: its index is not one they read", top=self.top,
+                error=str(e))
+
+    @staticmethod
+    def parse(data, written):
+        """{path: stat key + blob id} of an index's stage-0 regular files that are not racy
+        (changed before `written`, the index's own mtime as (seconds, nanoseconds))."""
+        magic, version, count = struct.unpack_from(">4sII", data)
+        if magic != b"DIRC" or version not in (2, 3, 4):
+            raise ValueError("not an index of version 2, 3 or 4")
+        entries, pos, name, unpack = {}, 12, b"", struct.Struct(">10I20sH").unpack_from
+        for _ in range(count):
+            cs, cn, ms, mn, _, ino, mode, _, _, size, sha, flags = unpack(data, pos)
+            at = pos + 62
+            extended = flags & 0x4000 and version >= 3
+            skip = extended and struct.unpack_from(">H", data, at)[0] & 0x6000     # skip-worktree, intent-to-add
+            at += 2 if extended else 0
+            if version == 4:                                  # the name: how much of the last to drop, then more
+                c = data[at]
+                at, strip = at + 1, c & 127
+                while c & 128:
+                    c = data[at]
+                    at, strip = at + 1, ((strip + 1) << 7) | (c & 127)
+                end = data.index(b"\0", at)
+                name = name[:len(name) - strip] + data[at:end]
+                pos = end + 1
+            else:                                             # the name, padded with NULs to a multiple of 8
+                end = data.index(b"\0", at)
+                name = data[at:end]
+                pos += (at - pos + len(name) + 8) & ~7
+            if skip or flags & 0x3000 or mode >> 12 != 0o10 or (ms, mn) >= written:
+                continue
+            entries[name.decode("utf-8", "surrogateescape")] = struct.pack(">6I", cs, cn, ms, mn, ino, size) + sha
+        if data[pos:pos + 4] == b"link":
+            raise ValueError("a split index")
+        return entries
+
+    def converts(self, entries):
+        """Whether git changes bytes between this work tree and its blobs (then nothing is
+        taken from the index): core.autocrlf, or an attribute that converts in a tracked
+        .gitattributes, the repository's info/attributes or the user's attributes file."""
+        import subprocess
+        try:
+            out = subprocess.run([self.git, "--git-dir", self.gitdir, "config", "--get-regexp",
+                                  r"^(core\.autocrlf|core\.attributesfile|extensions\.objectformat|filter\..*)$"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                 env=child_environ(only=HELPER_ENV), timeout=10).stdout.decode("utf-8", "replace")
+        except (OSError, subprocess.SubprocessError):
+            return True
+        settings = dict(line.partition(" ")[::2] for line in out.lower().splitlines())
+        if settings.get("core.autocrlf", "false") != "false" or settings.get("extensions.objectformat", "sha1") != "sha1":
+            return True
+        files = [os.path.join(self.top, p) for p in entries if p == ".gitattributes" or p.endswith("/.gitattributes")]
+        files += [os.path.join(self.gitdir, "info", "attributes"), os.path.expanduser(
+            settings.get("core.attributesfile") or os.path.join(os.environ.get("XDG_CONFIG_HOME") or "~/.config",
+                                                                "git", "attributes"))]
+        for path in files:
+            try:
+                with open(path, "rb") as f:
+                    text = f.read(1 << 20)
+            except OSError:
+                continue                                      # none there: nothing converts
+            if any(GIT_FILTERING.search(line.split(None, 1)[1]) for line in text.splitlines()
+                   if len(line.split(None, 1)) == 2 and not line.startswith(b"#")):
+                return True
+        return False
+
+    def blob_of(self, path, st):
+        """"g" + the id of the blob `path` (under top) holds, when its lstat `st` agrees with its
+        index entry; else None."""
+        entry = self.entries.get(path[len(self.top) + 1:] if self.top != "/" else path[1:])
+        if entry is None:
+            return None
+        m = 0xFFFFFFFF
+        key = struct.pack(">6I", st.st_ctime_ns // 10 ** 9 & m, st.st_ctime_ns % 10 ** 9, st.st_mtime_ns // 10 ** 9 & m,
+                          st.st_mtime_ns % 10 ** 9, st.st_ino & m, st.st_size & m)
+        return "g" + entry[24:].hex() if entry[:24] == key else None
+
+
+class CatFile(object):
+    """`git cat-file --batch` of one repository, for the blobs a rewind writes back."""
+
+    def __init__(self, index):
+        import subprocess
+        self.proc = spawn([index.git, "--git-dir", index.gitdir, "cat-file", "--batch"], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    def read(self, sha):
+        """The blob `sha`'s bytes; OSError when the repository no longer has it."""
+        self.proc.stdin.write(sha.encode("ascii") + b"\n")
+        self.proc.stdin.flush()
+        head = self.proc.stdout.readline().split()
+        if len(head) != 3 or head[1] != b"blob":
+            raise OSError(errno.ENOENT, "its blob %s is gone from the git repository (a git gc after history was"
+                          " rewritten?)" % sha)
+        data = self.proc.stdout.read(int(head[2]) + 1)
+        return data[:-1]
+
+    def close(self):
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass  # git ended first: nothing lost
+        self.proc.wait()
+        reaped(self.proc)
 
 
 class Checkpoint(object):
@@ -9064,67 +9385,54 @@ def entry_changes(old, new, partial=False):
 
 
 class Checkpoints(object):
-    """A session's checkpoints of its workspace roots and their store (see above). before()
-    and after() frame each call that can change files; take() checkpoints now; rewind()
-    puts a checkpoint back.
+    """A session's checkpoints of its workspace roots, their bytes in the server's store (see
+    above). before() and after() frame each call that can change files; take() checkpoints
+    now; rewind() puts a checkpoint back.
 
-    One condition, `cond`, guards all their state, and one turn at the store is had at a
-    time: a scan, a rewind or a checkpoints listing holds it (acquire/release). Every
-    caller waits for the turn in acquire() alike: counted in `waiters` (a background scan
-    that gave way goes on at once), for at most CHECKPOINT_WAIT_S (then the scan holding
-    the turn is cut and keeps what it walked as a partial checkpoint), and no longer than
-    its call is not cancelled. No lock is held while a scan gives way."""
+    One condition, `cond`, guards all their state. A walk of the workspace has the turn at
+    the store (one at a time): the scanning thread's, for the checkpoints after() asks for,
+    or a caller's that holds the turn itself (held(): checkpoints, rewind). A changing call
+    waits in before() for the checkpoint asked for before it, counted in `waiters` (a walk
+    that gave way to other calls goes on at once), no longer than its call is not cancelled,
+    and at most CHECKPOINT_WAIT_S: then the walk hands it what it walked so far, which is
+    kept as a partial checkpoint, and goes on in the background (its whole result is then
+    the base the next walk compares with, not a checkpoint of its own: the call changed the
+    workspace meanwhile). No lock is held while a walk gives way."""
 
-    def __init__(self, roots, policy, config, busy=None):
+    def __init__(self, roots, policy, config, busy=None, store=None):
         self.roots, self.policy, self.config = list(roots), policy, config
         self.busy = busy or (lambda: False)       # whether the session has calls in flight
+        self.own_store = store is None            # (made here, it is closed here: a store of its own)
+        self.store = Store(config, self.roots) if store is None else store
         self.walk_policy = PathPolicy(policy.allow, policy.deny_raw + list(CHECKPOINT_SKIPPED), policy.workdir,
                                       policy.folds)
         self.cond = threading.Condition()         # guards every field below
-        self.turn = False                         # a scan or rewind has the store now
-        self.waiters = 0                          # callers waiting for the turn
-        self.cut = False                          # a waiter waited long enough: the scan keeps what it has
-        self.due = False                          # a scan is wanted (after a change)
-        self.scanner = False                      # the background scanning thread runs
+        self.turn = False                         # a walk (or a rewind) has the store now
+        self.waiters = 0                          # callers waiting for the turn or a checkpoint
+        self.asked = self.answered = 0            # checkpoints asked for (after, the first), and walks done for them
+        self.scanner = False                      # the scanning thread runs
+        self.want_part = 0                        # a waiter for this ask waited CHECKPOINT_WAIT_S: hand it a part
+        self.part = None                          # ... (the ask it answers, entries, missed) so far, handed over
+        self.handed = False                       # the walk in progress handed a part over
+        self.walk_for, self.walk_began = 0, 0.0   # the ask the walk in progress answers, and when it began
+        self.base = {}                            # the entries of the last whole walk: what the next compares with
         self.list = []                            # Checkpoint, oldest first
         self.count = 0
-        self.digests, self.stored = set(), 0      # what the store holds, and its bytes
         self.cache = WalkCache(watch=True)        # the ignore files, compiled once; directories watched
+        self.repos = []                           # the GitIndex of each git work tree holding a root
+        for root in self.roots:
+            repo = GitIndex.of(root)
+            if repo is not None and all(r.top != repo.top for r in self.repos):
+                self.repos.append(repo)
         self.steady = None                        # (watch events taken, ignore stacks above) of a scan all watched
         self.linked = set()                       # (dev, inode) of files seen with other hard links
-        self.dir = self.budget = self.lockfd = None   # the store, its budget, the descriptor holding its flock
         self.closed = False
         self.stopped = threading.Event()          # set by close()
 
     def open_store(self):
-        """Make the private store directory (under the temp directory, 0700) and work out the
-        budget; False when checkpoints are off or the directory cannot be made."""
-        import shutil
-        import tempfile
-        with self.cond:
-            if self.dir is not None:
-                return True
-            budget = self.config.checkpoint_budget
-            if budget == 0 or self.budget == 0 or self.closed:
-                return False
-            try:
-                where = tempfile.mkdtemp(prefix=CHECKPOINT_PREFIX)
-                try:
-                    os.mkdir(os.path.join(where, "objects"), 0o700)
-                    self.lockfd = hold_store(where)
-                except OSError:
-                    shutil.rmtree(where, ignore_errors=True)
-                    raise
-                self.dir = where
-            except OSError as e:
-                log("warn", "no checkpoints: the store cannot be made in the temp directory", error=str(e))
-                self.budget = 0
-                return False
-            if budget is None:
-                free = os.statvfs(self.dir)
-                budget = min(CHECKPOINT_BUDGET_AUTO, free.f_bavail * free.f_frsize // 4)
-            self.budget = budget
-            return True
+        """Whether checkpoints can be taken: not closed, and the server's store is there
+        (made now, at first use)."""
+        return not self.closed and self.store.open()
 
     def start(self):
         """Take the first checkpoint in the background, CHECKPOINT_FIRST_S after the session began."""
@@ -9133,58 +9441,100 @@ class Checkpoints(object):
                 self.after()
         threading.Thread(target=first, daemon=True, name="boris-checkpoint-first").start()
 
-    def acquire(self, cancelled=None):
-        """Wait for the turn at the store: True once this caller has it; False when the
-        checkpoints closed or `cancelled` was set first. A scan that still holds it after
-        CHECKPOINT_WAIT_S is cut (it keeps what it walked), so the wait is bounded."""
-        deadline = time.monotonic() + CHECKPOINT_WAIT_S
-        with self.cond:
-            self.waiters += 1
-            self.cond.notify_all()                # a scan giving way goes on
+    def ask(self):
+        """Ask the scanning thread (started when not running) for a checkpoint of the state as
+        it is now; the number its walk answers. The caller holds cond."""
+        self.asked += 1
+        if not self.scanner and not self.closed:
+            self.scanner = True
             try:
-                while self.turn and not self.closed and not (cancelled is not None and cancelled.is_set()):
-                    if time.monotonic() >= deadline:
-                        self.cut = True
-                    self.cond.wait(CHECKPOINT_YIELD_S)
-                if self.closed or cancelled is not None and cancelled.is_set():
-                    return False
-                self.turn = True
-                return True
-            finally:
-                self.waiters -= 1
-                self.cond.notify_all()            # the scanning thread waits for no waiter to be left
+                threading.Thread(target=self.run, daemon=True, name="boris-checkpoint").start()
+            except Exception:                     # no thread to be had: nobody waits for a walk that cannot run
+                self.scanner = False
+                self.answered = self.asked
+                log("error", "no thread for a checkpoint", error=_traceback())
+        self.cond.notify_all()
+        return self.asked
 
-    def release(self):
-        """Give the turn at the store back."""
-        with self.cond:
-            self.turn = self.cut = False
-            self.cond.notify_all()
+    def run(self):
+        """The scanning thread: while a checkpoint is asked for, take the turn and walk."""
+        while True:
+            with self.cond:
+                while not self.closed and self.asked > self.answered and self.turn:
+                    self.cond.wait()
+                if self.closed or self.asked <= self.answered:
+                    self.scanner = False
+                    self.cond.notify_all()
+                    return
+                self.turn, this = True, self.asked
+                self.walk_for, self.walk_began = this, time.monotonic()
+            try:
+                self.scan(background=True)
+            except Exception:
+                log("error", "a checkpoint failed", error=_traceback())
+            finally:
+                with self.cond:
+                    self.turn, self.answered = False, max(self.answered, this)
+                    self.cond.notify_all()
 
     def before(self, call, cancelled=None):
-        """A call that can change files is about to run: take the checkpoint due (or the
-        first one), waiting as acquire() says, and note the call on the latest checkpoint.
-        None, or a line for the call's answer when the checkpoint before it is partial;
-        False when the call was cancelled while it waited."""
-        if not self.acquire(cancelled):
-            return None if self.closed else False
-        try:
-            with self.cond:
-                due, self.due = self.due or not self.list, False
-            if due and self.open_store():
-                self.scan(until=time.monotonic() + CHECKPOINT_WAIT_S)
-            if not self.list:
-                return None
-            latest = self.list[-1]
-            latest.followed = (latest.followed + [call])[-5:]
-            if latest.partial:
-                return "(The checkpoint before this call covers part of the workspace: %s; checkpoints lists" \
-                       " what it covers.)" % latest.partial
+        """A call that can change files is about to run: wait for the checkpoint asked for
+        before it (the first one, or the one the last call's end asked for): at most
+        CHECKPOINT_WAIT_S, then with what its walk has so far (a partial checkpoint), and
+        note the call on the latest checkpoint. None, or a line for the call's answer when
+        the checkpoint before it is partial; False when the call was cancelled first."""
+        if not self.open_store():
             return None
-        finally:
-            self.release()
+        deadline, missing = time.monotonic() + CHECKPOINT_WAIT_S, None
+        with self.cond:
+            target = self.ask() if not self.list and not self.asked else self.asked
+            self.waiters += 1
+            self.cond.notify_all()                # a walk giving way goes on
+            try:
+                while not self.closed:
+                    if self.part is not None and self.part[0] >= target:   # what the walk had: a checkpoint
+                        _, entries, missed = self.part
+                        self.part = None
+                        self.record(Checkpoint(self.count + 1, entries, missed, "the rest was not walked within %g s"
+                                               " (the next checkpoint covers it)" % CHECKPOINT_WAIT_S))
+                        break
+                    if self.answered >= target:
+                        break
+                    if cancelled is not None and cancelled.is_set():
+                        return False
+                    now = time.monotonic()
+                    if now >= deadline and self.turn and self.walk_for >= target:
+                        self.want_part = max(self.want_part, target)   # it hands its part soon (stop_why)
+                    elif now >= deadline and self.turn or now >= deadline + 2 * CHECKPOINT_PART_MIN_S or \
+                            self.turn and self.walk_for < target and now - self.walk_began >= CHECKPOINT_WAIT_S:
+                        missing = "No checkpoint was taken before this call: a walk of the workspace that began" \
+                                  " before the last call ended takes longer than %g s (a first one, on a large" \
+                                  " tree); the checkpoints after it cover this call's changes" % CHECKPOINT_WAIT_S
+                        break                     # (an older walk, or a rewind, has the turn)
+                    self.cond.wait(CHECKPOINT_YIELD_S)
+                latest = self.list[-1] if self.list else None
+                if latest is not None:
+                    latest.followed = (latest.followed + [call + (" (not covered)" if missing else "")])[-5:]
+            finally:
+                self.waiters -= 1
+                self.cond.notify_all()
+        if missing:
+            return "(%s.)" % missing
+        if latest is not None and latest.partial:
+            return "(The checkpoint before this call covers part of the workspace: %s; checkpoints lists what it" \
+                   " covers.)" % latest.partial
+        return None
+
+    def after(self):
+        """A call that can change files ended: checkpoint in the background."""
+        if not self.open_store():
+            return
+        with self.cond:
+            if not self.closed:
+                self.ask()
 
     def give_way(self):
-        """A background scan pauses while the session has calls in flight that do not wait for
+        """A background walk pauses while the session has calls in flight that do not wait for
         it (a search runs at full speed), and goes on at once when one begins to wait, or
         once none is left (looked at every CHECKPOINT_YIELD_S)."""
         while self.busy():
@@ -9193,44 +9543,29 @@ class Checkpoints(object):
                     return
                 self.cond.wait(CHECKPOINT_YIELD_S)
 
-    def after(self):
-        """A call that can change files ended: checkpoint in the background."""
-        if not self.open_store():
-            return
+    def acquire(self, cancelled=None):
+        """Wait for the turn at the store (the walk in progress ends first: a walk waited for
+        does not give way): True once this caller has it; False when the checkpoints closed or
+        `cancelled` was set first."""
         with self.cond:
-            if self.closed:
-                return
-            self.due = True
-            if self.scanner:
-                return                            # it takes the new state too
-            self.scanner = True
-        try:
-            threading.Thread(target=self.run, daemon=True, name="boris-checkpoint").start()
-        except Exception:                         # no thread to be had: the next before() scans
-            with self.cond:
-                self.scanner = False
-            log("error", "no thread for a checkpoint", error=_traceback())
+            self.waiters += 1
+            self.cond.notify_all()
+            try:
+                while self.turn and not self.closed and not (cancelled is not None and cancelled.is_set()):
+                    self.cond.wait(CHECKPOINT_YIELD_S)
+                if self.closed or cancelled is not None and cancelled.is_set():
+                    return False
+                self.turn = True
+                return True
+            finally:
+                self.waiters -= 1
+                self.cond.notify_all()
 
-    def run(self):
-        """The scanning thread: while a scan is due, take the turn (after any caller that
-        waits for it) and scan."""
-        try:
-            while True:
-                with self.cond:
-                    while (self.turn or self.waiters) and not self.closed:
-                        self.cond.wait()
-                    if self.closed or not self.due:
-                        return
-                    self.due, self.turn = False, True
-                try:
-                    self.scan(background=True)
-                finally:
-                    self.release()
-        except Exception:
-            log("error", "a checkpoint failed", error=_traceback())
-        finally:
-            with self.cond:
-                self.scanner = False
+    def release(self):
+        """Give the turn at the store back."""
+        with self.cond:
+            self.turn = False
+            self.cond.notify_all()
 
     @contextlib.contextmanager
     def held(self, cancelled=None):
@@ -9250,53 +9585,76 @@ class Checkpoints(object):
             return self.current(cancelled)
 
     def current(self, cancelled=None):
-        """take() for a caller that holds the turn (a rewind keeps it, so that no scan comes
+        """take() for a caller that holds the turn (a rewind keeps it, so that no walk comes
         between the state it reads and what it writes)."""
         if self.closed or not self.open_store():
             return None
         with self.cond:
-            self.due = False
+            self.walk_for, self.walk_began = self.asked, time.monotonic()
         self.scan(cancelled=cancelled)
-        return self.list[-1] if self.list and not (cancelled is not None and cancelled.is_set()) else None
+        with self.cond:
+            return self.list[-1] if self.list and not (cancelled is not None and cancelled.is_set()) else None
 
-    def scan(self, background=False, until=None, cancelled=None):
-        """Walk the roots and keep the state as a new checkpoint, unless it is the latest's (the
-        caller holds the turn); a background scan gives way to the session's other calls
-        (give_way). A scan past `until`, or cut by a waiter, keeps what it walked as a partial
-        checkpoint. A file newly seen with other hard links may be one whose changes through
-        that link raise no event: then nothing watched is vouched for and the walk is made again."""
+    def scan(self, background=False, cancelled=None):
+        """Walk the roots (the caller holds the turn) and keep the state as a new checkpoint,
+        unless it is the latest's, or a part of the walk was handed to a waiter (then it is
+        only the base of the next walk); a background walk gives way to the session's other
+        calls. A file newly seen with other hard links may be one whose changes through that
+        link raise no event: then nothing watched is vouched for and the walk is made again."""
+        with self.cond:
+            self.handed = False
         linked, w = len(self.linked), self.cache.watches
-        point = self.walk(background, until, cancelled)
+        point = self.walk(background, cancelled)
         if point is not None and len(self.linked) > linked and w is not None and w.vouched:
             w.vouched.clear()
             self.steady = None
-            point = self.walk(background, until, cancelled)
-        if point is None:
-            return
-        if self.list and point.same_as(self.list[-1]):
+            point = self.walk(background, cancelled)
+        with self.cond:
+            if self.part is not None:                    # handed over, but the walk ended first: none partial
+                self.part, self.handed = None, False
+            if point is None and self.list and self.list[-1].partial and self.steady is not None \
+                    and not self.stopped.is_set() and not (cancelled is not None and cancelled.is_set()):
+                point = Checkpoint(self.count + 1, self.base, [], False)   # no event since the whole walk it was
+            elif point is not None:
+                self.base = point.entries
+            if point is not None and not (self.handed and background):
+                self.record(point)
+            if point is not None or self.steady is not None:     # (whole, or known unchanged): answered
+                self.answered = max(self.answered, self.walk_for)
+            if self.want_part <= self.walk_for:
+                self.want_part = 0
+
+    def record(self, point):
+        """Keep `point` as the newest checkpoint (the caller holds cond): as the latest, with
+        fresher stats, when it holds the same state; the oldest go past the bounds."""
+        if self.list and not self.list[-1].partial and point.same_as(self.list[-1]):
             self.list[-1].entries = point.entries            # the same state: fresher stats, same checkpoint
             return
         self.count += 1
+        point.number = self.count
         self.list.append(point)
         held = sum(len(c.entries) for c in self.list)
         while len(self.list) > CHECKPOINTS_KEPT or held > CHECKPOINT_ENTRIES and len(self.list) > 1:
             held -= len(self.list.pop(0).entries)
 
-    def stop_why(self, background, until, cancelled):
-        """Why a walk stops here: 'stop' (closed or cancelled: nothing kept), a reason for a
-        partial checkpoint, or None to go on. A background walk gives way first."""
+    def stop_why(self, background, cancelled, entries, missed):
+        """Whether a walk stops here (closed or cancelled: nothing kept). First, a background
+        walk gives way, and a waiter it answers that waited long enough is handed what was
+        walked, once the walk has run CHECKPOINT_PART_MIN_S."""
         if background:
             self.give_way()
-        if self.stopped.is_set() or cancelled is not None and cancelled.is_set():
-            return "stop"
-        if self.cut or until is not None and time.monotonic() >= until:
-            return "the rest was not walked within %g s (the next checkpoint covers it)" % CHECKPOINT_WAIT_S
-        return None
+        with self.cond:
+            if 0 < self.want_part <= self.walk_for and self.part is None and not self.handed and entries \
+                    and time.monotonic() - self.walk_began >= CHECKPOINT_PART_MIN_S:
+                self.part, self.handed = (self.walk_for, dict(entries), list(missed)), True
+                self.want_part = 0
+                self.cond.notify_all()
+        return self.stopped.is_set() or cancelled is not None and cancelled.is_set()
 
-    def walk(self, background, until=None, cancelled=None):
+    def walk(self, background, cancelled=None):
         """scan()'s walk: the state as a Checkpoint numbered next; None when closed, stopped
         or known unchanged."""
-        if self.dir is None:
+        if self.closed:
             return None                                      # closed meanwhile
         self.cache.refresh()
         w = self.cache.watches
@@ -9304,29 +9662,30 @@ class Checkpoints(object):
         if self.list and self.steady is not None and steady[0] == self.steady[0] \
                 and all(map(same_objects, steady[1], self.steady[1])):
             return None                                      # no event since a scan that watched all of it
+        for repo in self.repos:
+            repo.refresh()
         known = w.vouched if w is not None else {}           # path -> its entry, until an event says otherwise
-        prev = self.list[-1].entries if self.list else {}
+        prev = self.base
         entries, missed, partial, visited, unwatched = {}, [], False, [], 0
+        store = self.store.dir if self.store.dir and any(is_within(self.store.dir, r) for r in self.roots) else None
         for root in self.roots:
             if partial:
                 break
+            repo = next((r for r in self.repos if is_within(root, r.top)), None)
             walker = Walker(root, self.walk_policy, follow_links=False, want_dirs=True, cache=self.cache)
             walker.raw_links, walker.visited = True, visited
+            walker.recalled = 1                              # (walked again and again: watched from the first walk)
             for path, _, is_dir, _ in walker:
                 if len(entries) >= CHECKPOINT_WALK_MAX:
                     partial = "the walk stopped at %d entries (narrow --allow-dir)" % CHECKPOINT_WALK_MAX
                     break
-                if not len(entries) % 256:
-                    partial = self.stop_why(background, until, cancelled)
-                    if partial == "stop":
-                        return None                          # closed or cancelled: nothing to keep
-                    if partial:
-                        break
-                if path == self.dir or is_within(path, self.dir):
-                    continue                                 # the store itself (the temp directory in a root)
+                if not len(entries) % 256 and self.stop_why(background, cancelled, entries, missed):
+                    return None                              # closed or cancelled: nothing to keep
+                if store is not None and is_within(path, store):
+                    continue                                 # the store itself (where it lies in a root)
                 entry = known.get(path)
                 if entry is None:
-                    entry, lasting = self.entry(path, prev.get(path), missed)
+                    entry, lasting = self.entry(path, prev.get(path), missed, repo)
                     if entry is None:
                         continue
                     if w is not None and lasting and w.file_watched(path) and len(known) < CHECKPOINT_WALK_MAX:
@@ -9338,7 +9697,7 @@ class Checkpoints(object):
         self.steady = steady if whole else None
         return Checkpoint(self.count + 1, entries, missed, partial)
 
-    def entry(self, path, old, missed):
+    def entry(self, path, old, missed, repo=None):
         """(the entry of one path walked, whether a watch of its directory can vouch for it
         from now on): the old one when its lstat is unchanged, else made (a changed file
         read and its bytes stored); None when it is gone. A file with other hard links
@@ -9364,7 +9723,9 @@ class Checkpoints(object):
             self.linked.add((st.st_dev, st.st_ino))          # (scan(): a new one undoes what watches vouched for)
         if old is not None and old[0] == "f" and old[3:] == key and old[1] == mode and old[2] is not None:
             return old, lasting
-        digest, why = self.store(path, st)
+        digest, why = (repo and repo.blob_of(path, st)), None
+        if digest is None:
+            digest, why = self.keep(path, st)
         if why:
             missed.append((path, why))
         if time.time() - st.st_ctime < LISTING_RACY_S:
@@ -9372,7 +9733,7 @@ class Checkpoints(object):
             lasting = False
         return ("f", mode, digest) + key, lasting and digest is not None
 
-    def store(self, path, st):
+    def keep(self, path, st):
         """(digest of the file's bytes, kept in the store; or None and why it is not covered)."""
         if st.st_size > self.config.max_file_size:
             return None, "over --max-file-size"
@@ -9387,39 +9748,16 @@ class Checkpoints(object):
         return self.put(data)
 
     def put(self, data):
-        """(digest of `data`, kept in the store; or None and why not). Any thread may put: a
-        scan, or an edit keeping the bytes undo_edit restores (keep_befores)."""
-        import hashlib
-        digest = hashlib.blake2b(data, digest_size=20).hexdigest()
-        with self.cond:
-            if digest in self.digests:
-                return digest, None
-            if self.dir is None or self.stored + len(data) > self.budget:
-                return None, "past --checkpoint-budget"
-            self.stored += len(data)                     # (taken now: a put alongside sees it spent)
-            blob = os.path.join(self.dir, "objects", digest)
-        try:                  # (not atomic_write: the store lives as long as the session, no fsync a blob)
-            tmp = "%s.%d.tmp" % (blob, threading.get_ident())
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FILE, 0o600)
-            try:
-                write_all(fd, data)
-            finally:
-                os.close(fd)
-            os.replace(tmp, blob)
-        except OSError as e:
-            with self.cond:
-                self.stored -= len(data)
-            return None, "not stored (%s)" % (e.strerror or e)
-        with self.cond:
-            self.digests.add(digest)
-        return digest, None
+        """(digest of `data`, kept in the store; or None and why not): what the server's store
+        says, or why not when these checkpoints are closed."""
+        return (None, "closed") if self.closed else self.store.put(data)
 
     def blob(self, digest):
-        """The bytes the store keeps under `digest` (OSError once the store is gone)."""
-        if self.dir is None:
-            raise OSError(errno.ENOENT, "the store was removed with its session's checkpoints")
-        with open(os.path.join(self.dir, "objects", digest), "rb") as f:
-            return f.read()
+        """The bytes the store keeps under `digest` (OSError once these checkpoints are closed
+        or the store is gone)."""
+        if self.closed:
+            raise OSError(errno.ENOENT, "the checkpoints were closed with their session")
+        return self.store.blob(digest)
 
     def find(self, number):
         """The checkpoint numbered `number`, or ToolError naming those kept."""
@@ -9430,22 +9768,17 @@ class Checkpoints(object):
             "%d to %d" % (self.list[0].number, self.list[-1].number)) if self.list else "none yet"))
 
     def close(self):
-        """Stop checkpointing and remove the store, once the scan or rewind that has the
-        turn has seen the stop (a scan within 256 entries)."""
-        import shutil
+        """Stop checkpointing, once the scan or rewind that has the turn has seen the stop (a
+        scan within 256 entries); a store of its own goes with it."""
         self.stopped.set()
         with self.cond:
             self.closed = True
             self.cond.notify_all()
             while self.turn:
                 self.cond.wait()
-            where, self.dir = self.dir, None
-            lockfd, self.lockfd = self.lockfd, None
         self.cache.close()                                   # (its watches: an inotify instance each session)
-        if where is not None:
-            shutil.rmtree(where, ignore_errors=True)
-        if lockfd is not None:
-            os.close(lockfd)
+        if self.own_store:
+            self.store.close()
 
     def rewind(self, target, now, within, files, dry=False):
         """Put the entries of Checkpoint `target` back where `now` (a Checkpoint of the current
@@ -9458,35 +9791,39 @@ class Checkpoints(object):
         it would do."""
         old, cur = target.entries, now.entries
         above = set(p for p, e in old.items() if e[0] == "d" and any(is_within(w, p) for w in within))
-
-        def wanted(p):                                   # (the directories above a path asked for come back too)
-            return not within or p in above or any(p == w or is_within(p, w) for w in within)
-        done, failed = [], []
-        drop = [p for p, e in cur.items() if wanted(p) and (p not in old and not target.partial and p not in above
-                                                            or p in old and old[p][0] != e[0])]
-        for p in sorted(drop, key=lambda p: (-p.count("/"), p)):
-            why = "" if dry else self.step(p, cur[p], None, files)
-            (failed if why else done).append((p, why or "removed"))
-        put = [p for p, e in old.items() if wanted(p) and (p not in cur or cur[p][:3] != e[:3])]
-        for p in sorted(put, key=lambda p: (p.count("/"), p)):
-            e = old[p]
-            if e[0] == "f" and e[2] is None:
-                failed.append((p, "not covered by checkpoint %d" % target.number))
-                continue
-            why = "" if dry else self.step(p, cur.get(p) if p not in drop else None, e, files)
-            (failed if why else done).append((p, why or ("brought back" if p not in cur else "restored")))
-        for p in sorted((p for p in put if old[p][0] == "d" and not dry), key=lambda p: -p.count("/")):
-            try:
-                dfd = open_dir(p, flags=os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+        readers = {}                                     # GitIndex -> its CatFile, for the blobs written back
+        try:
+            def wanted(p):                                   # (the directories above a path asked for come back too)
+                return not within or p in above or any(p == w or is_within(p, w) for w in within)
+            done, failed = [], []
+            drop = [p for p, e in cur.items() if wanted(p) and (p not in old and not target.partial and p not in above
+                                                                or p in old and old[p][0] != e[0])]
+            for p in sorted(drop, key=lambda p: (-p.count("/"), p)):
+                why = "" if dry else self.step(p, cur[p], None, files, readers)
+                (failed if why else done).append((p, why or "removed"))
+            put = [p for p, e in old.items() if wanted(p) and (p not in cur or cur[p][:3] != e[:3])]
+            for p in sorted(put, key=lambda p: (p.count("/"), p)):
+                e = old[p]
+                if e[0] == "f" and e[2] is None:
+                    failed.append((p, "not covered by checkpoint %d" % target.number))
+                    continue
+                why = "" if dry else self.step(p, cur.get(p) if p not in drop else None, e, files, readers)
+                (failed if why else done).append((p, why or ("brought back" if p not in cur else "restored")))
+            for p in sorted((p for p in put if old[p][0] == "d" and not dry), key=lambda p: -p.count("/")):
                 try:
-                    os.fchmod(dfd, old[p][1])
-                finally:
-                    os.close(dfd)
-            except OSError:
-                pass                                         # reported by its step if it failed
-        return done, failed
+                    dfd = open_dir(p, flags=os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+                    try:
+                        os.fchmod(dfd, old[p][1])
+                    finally:
+                        os.close(dfd)
+                except OSError:
+                    pass                                         # reported by its step if it failed
+            return done, failed
+        finally:
+            for reader in readers.values():
+                reader.close()
 
-    def step(self, path, now, want, files):
+    def step(self, path, now, want, files, readers):
         """Make `path` what entry `want` says (None: remove it, `now` being what is there),
         under its edit lock; '' when done, else why not."""
         directory, base = os.path.split(path)
@@ -9498,7 +9835,7 @@ class Checkpoints(object):
                                                                            getattr(e, "message", e))
         try:
             with files.lock(path):
-                return self.put_back(dfd, base, now, want)
+                return self.put_back(dfd, base, now, want, lambda: self.bytes_of(path, want[2], readers))
         except OSError as e:
             if e.errno == errno.ENOTEMPTY:
                 return "kept: it holds files no checkpoint covers (ignored ones, say)"
@@ -9506,7 +9843,19 @@ class Checkpoints(object):
         finally:
             os.close(dfd)
 
-    def put_back(self, dfd, base, now, want):
+    def bytes_of(self, path, digest, readers):
+        """The bytes an entry's digest stands for: from the store, or ("g" + a blob id) from
+        the git repository holding `path` (through one CatFile a repository per rewind)."""
+        if not digest.startswith("g"):
+            return self.blob(digest)
+        repo = next((r for r in self.repos if is_within(path, r.top)), None)
+        if repo is None:
+            raise OSError(errno.ENOENT, "its git repository is gone")
+        if repo not in readers:
+            readers[repo] = CatFile(repo)
+        return readers[repo].read(digest[1:])
+
+    def put_back(self, dfd, base, now, want, data):
         """step()'s change, relative to directory `dfd`: '' when done, else why not (OSError
         when the system refused)."""
         if want is None:
@@ -9528,7 +9877,7 @@ class Checkpoints(object):
                 os.unlink(tmp, dir_fd=dfd)
                 raise
         else:
-            replace_file(dfd, base, self.blob(want[2]), None, want[1])
+            replace_file(dfd, base, data(), None, want[1])
         return ""
 
 
@@ -9772,7 +10121,6 @@ def image_result(ctx, shown, data, mime):
 def image_size(data, mime):
     """(width, height) read from an image's header (a WebP's VP8X, VP8 or VP8L chunk; a
     JPEG's first start-of-frame marker), or None when it cannot be told."""
-    import struct
     try:
         if mime == "image/png" and data[12:16] == b"IHDR":
             return struct.unpack(">II", data[16:24])
@@ -11657,7 +12005,8 @@ def tool_undo_edit(session, args, ctx):
 CHECKPOINTS_DESC = ("List the checkpoints of the workspace this session has: one is taken before every call that"
                     " can change files (bash and its tasks included), so what the shell changed can be taken back"
                     " too. Each shows its number, time, the call that followed it and what changed since"
-                    " (files added, modified, deleted). Use rewind to go back to one.")
+                    " (files added, modified, deleted); `since` shows the changes since one as a unified diff, to"
+                    " review what the session did before keeping it. Use rewind to go back to one.")
 REWIND_DESC = ("Put the workspace back as it was at a checkpoint (see checkpoints): file bytes, modes, symlinks"
                " and directories; files deleted since come back, files created since go. Optionally only"
                " under `paths`. dry_run shows what it would do. A rewind is itself a checkpoint: rewind to the"
@@ -11683,7 +12032,7 @@ def session_checkpoints(session):
     points = session.checkpoints
     if points is None or not points.open_store():
         raise ToolError(INVALID_INPUT, "this server takes no checkpoints (--checkpoint-budget off, or its store"
-                        " could not be made in the temp directory; see the server's log)")
+                        " could not be made; the server's log says why)")
     return points
 
 
@@ -11710,16 +12059,26 @@ def running_note(session):
         "task %s (%s)" % (t.id, shorten(t.command, 60)) for t in tasks)
 
 
-@tool("checkpoints", CHECKPOINTS_DESC, obj({}), notes("List workspace checkpoints", read_only=True), DEFAULT)
+@tool("checkpoints", CHECKPOINTS_DESC, obj({
+    "since": prop("integer", "Show what changed since this checkpoint (shell included) as a unified diff, which"
+                             " `git apply -R` takes back."),
+    "offset": prop("integer", "With since: files to skip (the read-on notice of a cut diff gives it).")}),
+      notes("List workspace checkpoints", read_only=True), DEFAULT)
 def tool_checkpoints(session, args, ctx):
-    """checkpoints: each checkpoint, newest first, with what changed after it; what is covered."""
+    """checkpoints: each checkpoint, newest first, with what changed after it; what is covered.
+    With since: the diff from that checkpoint to now instead."""
     points = session_checkpoints(session)
-    with points.held(ctx.cancelled):
-        latest = points.current(ctx.cancelled)
-        kept = list(points.list)
-        stored, budget = points.stored, points.budget
     roots = points.roots
     root_of = lambda p: relative_to_root(roots, p)
+    with points.held(ctx.cancelled):
+        latest = points.current(ctx.cancelled)
+        if args.get("since") is not None:
+            if latest is None:
+                raise ToolError(INVALID_INPUT, "cancelled while the workspace was being read")
+            return checkpoint_diff(points, points.find(args["since"]), latest, root_of, args.get("offset") or 0,
+                                   ctx.config.max_result_chars - 400)
+        kept = list(points.list)
+        stored, budget, where = points.store.stored, points.store.budget, points.store.dir
     lines = ["Checkpoints of %s (one before each call that can change files; rewind puts one back):"
              % ", ".join(roots)]
     for k in range(len(kept) - 1, -1, -1):
@@ -11732,10 +12091,12 @@ def tool_checkpoints(session, args, ctx):
             "(covers part: %s)  " % point.partial if point.partial and k + 1 < len(kept) else "", changes))
     if latest is not None:
         files = [e for e in latest.entries.values() if e[0] == "f"]
-        lines.append("Covered now: %d files, %d directories, %d symlinks (%s); the store keeps %s of a %s budget." % (
-            sum(1 for e in files if e[2] is not None), sum(1 for e in latest.entries.values() if e[0] == "d"),
-            sum(1 for e in latest.entries.values() if e[0] == "l"), human_size(sum(e[3] for e in files)),
-            human_size(stored), human_size(budget)))
+        lines.append("Covered now: %d files, %d directories, %d symlinks (%s); the store keeps %s of a %s budget"
+                     " in %s." % (
+                         sum(1 for e in files if e[2] is not None),
+                         sum(1 for e in latest.entries.values() if e[0] == "d"),
+                         sum(1 for e in latest.entries.values() if e[0] == "l"), human_size(sum(e[3] for e in files)),
+                         human_size(stored), human_size(budget), where))
         if latest.missed:
             lines.append("Not covered: %s." % ", ".join("%s (%s)" % (root_of(p), why) for p, why in
                                                          latest.missed[:CHECKPOINT_NAMES_SHOWN]))
@@ -11743,6 +12104,68 @@ def tool_checkpoints(session, args, ctx):
             lines.append("Not covered: %s." % latest.partial)
     lines.append("Never covered: files ignored by .gitignore, .git and node_modules.")
     return "\n".join(lines) + running_note(session)
+
+
+def checkpoint_diff(points, target, now, root_of, offset, cap):
+    """What changed from checkpoint `target` to `now` (the state just read) as git writes a
+    diff: a header per file, mode lines, hunks of text, a line for a binary file or one the
+    checkpoint did not cover; files past `cap` characters are left to a read-on notice."""
+    import difflib
+    old, cur = target.entries, now.entries
+    paths = sorted(p for p in set(old) | set(cur) if any(e is not None and e[0] != "d" for e in (old.get(p), cur.get(p)))
+                   and old.get(p, ())[:3] != cur.get(p, ())[:3])
+    if offset < 0:
+        raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
+    readers, parts, size, k = {}, [], 0, offset
+    try:
+        for k in range(offset, len(paths)):
+            p = paths[k]
+            name = root_of(p)
+            a, b = old.get(p), cur.get(p)
+            text = ["diff --git a/%s b/%s\n" % (name, name)]
+            mode = lambda e: "120000" if e[0] == "l" else "100755" if e[1] & 0o111 else "100644"
+            if a is None or a[0] == "d":
+                text.append("new file mode %s\n" % mode(b))
+            elif b is None or b[0] == "d":
+                text.append("deleted file mode %s\n" % mode(a))
+            elif mode(a) != mode(b):
+                text.append("old mode %s\nnew mode %s\n" % (mode(a), mode(b)))
+            try:
+                before = None if a is None or a[0] == "d" else a[2].encode("utf-8", "surrogateescape") \
+                    if a[0] == "l" else points.bytes_of(p, a[2], readers) if a[2] else None
+                after = None if b is None or b[0] == "d" else b[2].encode("utf-8", "surrogateescape") \
+                    if b[0] == "l" else read_regular(p, name, points.config.max_file_size)[0]
+            except (OSError, ToolError) as e:
+                text.append("# not shown: %s\n" % (getattr(e, "message", None) or e.strerror or e))
+                before = after = b""
+            if a is not None and a[0] == "f" and not a[2]:
+                text.append("# not shown: checkpoint %d did not cover it\n" % target.number)
+            elif b"\0" in (before or b"")[:8192] + (after or b"")[:8192]:
+                text.append("Binary files %s and %s differ\n" % ("a/" + name if before is not None else "/dev/null",
+                                                                 "b/" + name if after is not None else "/dev/null"))
+            elif before != after:
+                la = (before or b"").decode("utf-8", "surrogateescape").splitlines(True)
+                lb = (after or b"").decode("utf-8", "surrogateescape").splitlines(True)
+                for line in difflib.unified_diff(la, lb, "a/" + name if before is not None else "/dev/null",
+                                                 "b/" + name if after is not None else "/dev/null"):
+                    text.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+            block = "".join(text).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            if parts and size + len(block) > cap:
+                break
+            parts.append(block)
+            size += len(block)
+            k += 1
+    finally:
+        for reader in readers.values():
+            reader.close()
+    if not paths:
+        return "Nothing changed since checkpoint %d." % target.number
+    head = "Changes since checkpoint %d (%d file%s; `git apply -R` takes them back):\n" % (
+        target.number, len(paths), "" if len(paths) == 1 else "s")
+    body = "".join(parts)
+    if k < len(paths):
+        body += "[files %d-%d of %d shown; read on with offset=%d]\n" % (offset + 1, k, len(paths), k)
+    return head + body
 
 
 @tool("rewind", REWIND_DESC, obj({
@@ -13424,12 +13847,15 @@ class McpServer(object):
             self.sandbox.proxy_port = self.proxy.port
         self.helpers = HelperPool(avoid=self.sandbox.writable)
         self.files = FileGuards()
+        self.store = Store(config, policy.allow or [policy.workdir])   # every session's checkpoints keep bytes here
         self._tool_list = [t.listing() for t in self.tools.values()]
         self.answered = threading.Event()      # set once a tool call has been answered
 
     def close(self):
-        """Kill every helper process this server started (sessions close their own)."""
+        """Kill every helper process this server started (sessions close their own), remove
+        the checkpoint store."""
         self.helpers.close()
+        self.store.close()
         self.sandbox.close()
         if self.proxy is not None:
             self.proxy.close()
@@ -13632,7 +14058,7 @@ class McpServer(object):
         with session.lock:
             if session.checkpoints is None:
                 session.checkpoints = Checkpoints(self.policy.allow or [self.policy.workdir], self.policy,
-                                                  self.config, session.busy)
+                                                  self.config, session.busy, self.store)
             return session.checkpoints
 
     @staticmethod

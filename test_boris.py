@@ -4671,17 +4671,44 @@ class TestRewind(NoViewBase):
             self.campaign(rng, 300)
         self.assertLess(looked[0], kept[0] * 0.9, (looked, kept))      # the watches vouched for some
 
-    def campaign(self, rng, runs):
+    @unittest.skipUnless(shutil.which("git"), "no git here")
+    def test_generated_sequences_rewind_to_the_byte_from_git_objects(self):
+        """Issue 59: the campaign again (80 sequences, BORIS_REWIND_SEED + 2) in a git work
+        tree whose changes are committed (now and then) between checkpoints: clean files are
+        recorded as blob ids, not copied, and a rewind reads them back from the repository."""
+        rng = random.Random(int(os.environ.get("BORIS_REWIND_SEED", "42")) + 2)
+        taken, real_blob_of = [0], boris.GitIndex.blob_of
+
+        def blob_of(index, path, st):
+            digest = real_blob_of(index, path, st)
+            taken[0] += digest is not None
+            return digest
+        with mock.patch.object(boris.GitIndex, "blob_of", blob_of):
+            self.campaign(rng, int(os.environ.get("BORIS_REWIND_GIT_CAMPAIGN", "80")), git=True)
+        self.assertGreater(taken[0], 80)                          # (files the index vouched for)
+
+    def commit(self):
+        """Everything in the workspace committed (what git would add)."""
+        subprocess.run("git add -A && git -c user.email=a@b -c user.name=n commit -qm step --allow-empty",
+                       shell=True, cwd=self.root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def campaign(self, rng, runs, git=False):
         diffs, rewinds, held = [], 0, 0
         for seq in range(runs):
             for name in os.listdir(self.root):
                 p = self.path(name)
                 shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
             self.write(".gitignore", "*.log\nbuild/\n")
-            self.write(".git/HEAD", "ref: refs/heads/main\n")
+            if git:
+                subprocess.run(["git", "init", "-q", self.root], check=True)
+            else:
+                self.write(".git/HEAD", "ref: refs/heads/main\n")
             self.write("build/out.o", "built")
             for _ in range(rng.randint(1, 6)):
                 self.random_change(rng)
+            if git:
+                self.commit()
+                os.utime(os.path.join(self.root, ".git", "index"), (time.time() + 5,) * 2)   # (no entry racy)
             points = self.points()
             self.addCleanup(points.close)
             copies = {}
@@ -4690,6 +4717,9 @@ class TestRewind(NoViewBase):
                 copies[point.number] = tree_state(self.root)
                 for _ in range(rng.randint(1, 4)):
                     self.random_change(rng)
+                if git and rng.random() < 0.3:
+                    self.commit()
+                    os.utime(os.path.join(self.root, ".git", "index"), (time.time() + 5,) * 2)
             for _ in range(rng.randint(0, 2)):
                 self.random_change(rng)                          # made outside any call: still undone
             number = rng.choice(sorted(copies))
@@ -4773,6 +4803,43 @@ class TestRewind(NoViewBase):
         self.assertEqual(tree_state(self.root), states[0])
         self.fails("rewind", "INVALID_INPUT", checkpoint=999)
 
+    @unittest.skipUnless(shutil.which("git"), "no git here")
+    def test_checkpoints_since_is_a_diff_git_apply_takes_back(self):
+        """Issue 59: the changes since a checkpoint, shell and edits, as a unified diff that
+        `git apply -R` reverses on the tree; binary files and a mode change named; paged."""
+        self.write("src/app.py", "x = 1\ny = 2\n")
+        self.write("docs/readme.md", "hello\nworld\n")
+        self.write("blob.bin", b"\0\1\2")
+        self.server.checkpoints_of(self.session)
+        steps = [("bash", {"command": "sed -i s/1/10/ src/app.py && chmod 755 src/app.py && rm docs/readme.md"
+                                      " && printf 'no newline' > new.txt && printf '\\0\\3' > blob.bin"}),
+                 ("str_replace", {"path": self.path("src/app.py"), "old_str": "y = 2", "new_str": "y = 3"})]
+        before = tree_state(self.root)
+        points = self.session.checkpoints
+        for name, args in steps:
+            points.before(boris.call_summary(name, args))
+            try:
+                self.ok(name, **args)
+            finally:
+                points.after()
+        first = self.session.checkpoints.list[0].number
+        diff = self.ok("checkpoints", since=first)
+        self.assertIn("old mode 100644\nnew mode 100755", diff)
+        self.assertIn("deleted file mode 100644", diff)
+        self.assertIn("Binary files a/blob.bin and b/blob.bin differ", diff)
+        self.assertIn("\\ No newline at end of file", diff)
+        paged = self.ok("checkpoints", since=first, offset=1)
+        self.assertNotIn("a/blob.bin", paged)
+        with mock.patch.object(self.cfg, "max_result_chars", 700):
+            cut = self.ok("checkpoints", since=first)
+        self.assertIn("read on with offset=", cut)
+        patch = diff.split("\n", 1)[1].replace("diff --git a/blob.bin b/blob.bin\nBinary files a/blob.bin and"
+                                               " b/blob.bin differ\n", "")
+        subprocess.run(["git", "apply", "-R", "-"], cwd=self.root, check=True, input=patch.encode())
+        with open(self.path("blob.bin"), "wb") as f:
+            f.write(b"\0\1\2")
+        self.assertEqual(tree_state(self.root), before)
+
     def test_undo_edit_keeps_what_it_restores_in_the_same_store(self):
         """undo_edit's history holds the bytes before an edit in the checkpoint store (one store,
         not two); with checkpoints off they stay in memory; undo restores them byte for byte."""
@@ -4784,7 +4851,7 @@ class TestRewind(NoViewBase):
         kept = changes[self.path("u.py")][0]
         self.assertIsInstance(kept, boris.StoredBytes)
         self.assertEqual(points.blob(kept.digest), before)
-        self.assertEqual(sorted(os.listdir(os.path.join(points.dir, "objects"))), [kept.digest])
+        self.assertEqual(list(points.store.index), [kept.digest])
         self.assertIn("(%d bytes)" % len(before), self.ok("undo_edit", path="u.py"))
         self.assertEqual(self.read("u.py"), before)
         self.ok("str_replace", path=self.path("u.py"), old_str="a = 1", new_str="a = 3")
@@ -4798,6 +4865,62 @@ class TestRewind(NoViewBase):
         self.assertEqual(changes[self.path("u.py")][0], edited)     # in memory: no store to keep it
         self.ok("undo_edit", path="u.py")
         self.assertEqual(self.read("u.py"), edited)
+
+    def git(self, *commands):
+        for command in commands:
+            subprocess.run(command, shell=True, cwd=self.root, check=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+
+    @unittest.skipUnless(shutil.which("git"), "no git here")
+    def test_clean_files_of_a_git_work_tree_cost_a_stat_not_a_copy(self):
+        """Issue 59: a committed file whose stat agrees with the index is kept as its blob id
+        (nothing read or copied); a rewind brings it back byte for byte after sed -i, rm -rf,
+        a checkout of another branch and git stash; a blob the repository lost is reported."""
+        for i in range(20):
+            self.write("src/m%02d.py" % i, "value = %d\n" % i * 50)
+        self.write("bin/data.bin", bytes(range(256)) * 40)
+        self.git("git init -q . && git add -A && git -c user.email=a@b -c user.name=n commit -qm one",
+                 "git checkout -qb other && echo other > src/m00.py && git -c user.email=a@b -c user.name=n"
+                 " commit -qam two && git checkout -q -")
+        os.utime(self.path(".git/index"), (time.time() + 5,) * 2)      # (written after every file: none racy)
+        points = self.points()
+        self.addCleanup(points.close)
+        first = points.take()
+        state = tree_state(self.root)
+        kept = [e[2] for p, e in first.entries.items() if e[0] == "f"]
+        self.assertEqual(sum(d.startswith("g") for d in kept), 21, kept)
+        self.assertEqual(points.store.index, {})                # nothing copied
+        self.git("sed -i s/value/VALUE/ src/m01.py", "rm -rf bin", "git checkout -q other", "echo new > src/m02.py",
+                 "git -c user.email=a@b -c user.name=n stash -q")
+        with points.held():
+            done, failed = points.rewind(first, points.current(), [], TEST_FILES)
+        self.assertEqual(failed, [])
+        self.assertEqual(tree_state(self.root), state)
+        blob = subprocess.run(["git", "rev-parse", "HEAD:src/m03.py"], cwd=self.root, stdout=subprocess.PIPE,
+                              check=True).stdout.decode().strip()
+        os.unlink(self.path(".git/objects/%s/%s" % (blob[:2], blob[2:])))
+        os.unlink(self.path("src/m03.py"))
+        with points.held():
+            done, failed = points.rewind(first, points.current(), [], TEST_FILES)
+        self.assertEqual(failed, [(self.path("src/m03.py"), "its blob %s is gone from the git repository (a git gc"
+                                                            " after history was rewritten?)" % blob)])
+
+    @unittest.skipUnless(shutil.which("git"), "no git here")
+    def test_a_work_tree_git_converts_is_copied(self):
+        """Issue 59: where git changes bytes on the way in or out (core.autocrlf, a text, eol
+        or filter attribute), the blob is not the file: every file is copied."""
+        self.write("a.txt", "one\r\ntwo\r\n")
+        for setup in ("git config core.autocrlf true", "echo '*.txt text eol=crlf' > .gitattributes"):
+            shutil.rmtree(self.path(".git"), ignore_errors=True)
+            for name in (".gitattributes",):
+                if os.path.exists(self.path(name)):
+                    os.unlink(self.path(name))
+            self.git("git init -q .", setup, "git add -A && git -c user.email=a@b -c user.name=n commit -qm one")
+            os.utime(self.path(".git/index"), (time.time() + 5,) * 2)
+            points = self.points()
+            self.addCleanup(points.close)
+            entry = points.take().entries[self.path("a.txt")]
+            self.assertFalse(entry[2].startswith("g"), setup)
 
     def test_a_rewind_writes_each_file_under_its_edit_lock(self):
         """Issue 56: rewind takes the same per-file lock as the edit tools, so a str_replace of
@@ -4870,15 +4993,37 @@ class TestRewind(NoViewBase):
         self.assertTrue(wait_until(lambda: not points.scanner))
         points.close()
 
-    def test_off_says_so_and_the_store_goes_with_the_session(self):
-        session = boris.Session(self.cfg)
-        points = self.server.checkpoints_of(session)
-        points.take()
-        store = points.dir
-        self.assertTrue(os.path.isdir(store))
+    def test_the_store_goes_beside_the_workspace_never_on_a_tmpfs_when_it_can(self):
+        """Issue 59: the temp directory, unless it is a RAM-backed tmpfs and the cache
+        directory is not; never inside the workspace; the mount table tells a tmpfs."""
+        cache_env = {"XDG_CACHE_HOME": self.path("cache")}
+        with mock.patch.dict(os.environ, cache_env), mock.patch.object(tempfile, "tempdir", self.root):
+            base_temp, base_cache = boris.store_bases()
+            self.assertEqual(boris.store_place(["/nowhere-near"]), base_temp)
+            with mock.patch.object(boris, "fs_type", lambda p: "tmpfs" if p == base_temp else "ext4"):
+                self.assertEqual(boris.store_place(["/nowhere-near"]), base_cache)
+                self.assertEqual(boris.store_place([self.root, "/nowhere-near"]), base_cache)   # inside: last
+            self.assertEqual(boris.store_place(["/"]), base_temp)       # (a workspace of /: nowhere else)
+        if LINUX:
+            self.assertEqual(boris.fs_type("/proc/self"), "proc")
+
+    def test_off_says_so_and_the_store_goes_with_the_server(self):
+        """Issue 59: one store for every session of a server, removed with the server."""
+        self.write("same.txt", "the same bytes in every session\n")
+        sessions = [boris.Session(self.cfg) for _ in range(4)]
+        for session in sessions:
+            self.server.checkpoints_of(session).take()
+        store = self.server.store.dir
+        self.assertEqual(set(s.checkpoints.store.dir for s in sessions), {store})
+        self.assertEqual(len(self.server.store.index), 1)       # four sessions, one copy
         self.assertEqual(stat.S_IMODE(os.stat(store).st_mode), 0o700)
         self.assertFalse(boris.is_within(store, self.root))
-        session.close()
+        self.server.checkpoints_of(self.session)
+        self.assertIn("budget in %s." % store, self.ok("checkpoints"))
+        for session in sessions:
+            session.close()
+        self.assertTrue(os.path.exists(store))                  # a session's end leaves it to the others
+        self.server.close()
         self.assertFalse(os.path.exists(store))
         cfg = boris.parse_config(["--workdir", self.root, "--checkpoint-budget", "off"], {})
         server = boris.McpServer(cfg, boris.PathPolicy.of(cfg))
@@ -7030,8 +7175,8 @@ class TestGrep(SearchBase):
             work = boris.GrepWork(job)
             walked = list(work.walker(0))
             os.unlink(walked[0][1])                                        # vanished since listed
-            os.unlink(walked[1][1])
-            self.write(walked[1][1][len(self.root) + 1:], needle)          # another inode now
+            self.write("other.txt", needle)                                # another inode now (made while the
+            os.replace(self.path("other.txt"), walked[1][1])               # old one lives: never the same number)
             fast = []
             work.gather(0, iter(walked), fast)
             slow = [hit for entry in walked for hit in (work.take(0, *entry) or ())]
@@ -8865,12 +9010,47 @@ class TestCheckpointWaits(NoViewBase):
         scanning.join(10)
         self.assertFalse(scanning.is_alive())
 
+    def test_a_call_behind_an_older_walk_goes_on_uncovered_and_says_so(self):
+        """Issue 59: a call whose checkpoint would wait for a walk that began before the last
+        call ended (a long first walk) goes on within CHECKPOINT_WAIT_S and a little more,
+        saying no checkpoint was taken before it; once the walk ends, calls wait no more."""
+        for i in range(300):
+            self.write("t/f%d.txt" % i, "x")
+        points = self.server.checkpoints_of(self.session)
+        go, real = threading.Event(), boris.Checkpoints.entry
+
+        def entry(p, *a):
+            go.wait(30)
+            return real(p, *a)
+        with mock.patch.object(boris, "CHECKPOINT_WAIT_S", 0.1), mock.patch.object(boris, "CHECKPOINT_PART_MIN_S", 0.1), \
+                mock.patch.object(boris.Checkpoints, "entry", entry):
+            with points.cond:
+                points.ask()                               # a walk (the first) begins and holds on
+            self.assertTrue(wait_until(lambda: points.turn and points.walk_for == 1))
+            points.after()                                 # a call ended meanwhile: a newer checkpoint is asked for
+            note = points.before("bash late")
+            self.assertIn("No checkpoint was taken before this call", note)
+            go.set()
+            self.assertTrue(wait_until(lambda: not points.scanner, 10))
+            self.assertIsNone(points.before("bash next"))   # the walks caught up: covered again
+
     def test_a_long_scan_is_cut_and_the_call_goes_on_with_what_it_walked(self):
         for i in range(600):
             self.write("t/f%03d.txt" % i, "x")
         points = self.server.checkpoints_of(self.session)
-        with mock.patch.object(boris, "CHECKPOINT_WAIT_S", 0):
+        seen, real = [0], boris.Checkpoints.entry
+
+        def entry(p, *a):                                  # (the walk goes on once the waiter asked for its part)
+            seen[0] += 1
+            if seen[0] == 300:
+                wait_until(lambda: points.want_part and time.monotonic() - points.walk_began > 0.06, 10)
+            if seen[0] == 520:                             # (handed at 512: the waiter takes it before the end)
+                wait_until(lambda: points.handed and points.part is None, 10)
+            return real(p, *a)
+        with mock.patch.object(boris, "CHECKPOINT_WAIT_S", 0), mock.patch.object(boris, "CHECKPOINT_PART_MIN_S", 0.05), \
+                mock.patch.object(boris.Checkpoints, "entry", entry):
             note = points.before("bash x")
+            self.assertTrue(wait_until(lambda: not points.scanner, 10))    # the walk finished in the background
         self.assertIn("covers part of the workspace", note)
         self.assertTrue(points.list[-1].partial)
         self.assertLess(len(points.list[-1].entries), 602)
@@ -8922,11 +9102,11 @@ class TestStoresOfKilledServers(unittest.TestCase):
         self.addCleanup(following.close)
         following.initialize()
         self.assertTrue(wait_until(lambda: not os.path.exists(dead), 10), "the store of a killed server was left")
-        self.assertTrue(os.path.isdir(live.dir))                 # a live store stays
+        self.assertTrue(os.path.isdir(live.store.dir))                 # a live store stays
         with mock.patch.object(tempfile, "tempdir", temp):
             boris.sweep_stores().join(10)
-        self.assertTrue(os.path.isdir(live.dir))
-        where = live.dir
+        self.assertTrue(os.path.isdir(live.store.dir))
+        where = live.store.dir
         live.close()
         self.assertFalse(os.path.exists(where))
 
@@ -10540,7 +10720,15 @@ def run_lanes(argv):
     sys.stderr.write("\n--- the waiting lane (%s) ---\n" % ", ".join(WAITING_SECTIONS))
     sys.stderr.write(logs[1])
     ran, counts = 0, Counter()
-    changed = outside_changes(outside)
+    deadline = time.monotonic() + 30              # (a server a test ended may still be on its way out)
+    while True:
+        sweeping = boris.sweep_stores()           # as the next server's start would: stores of servers killed
+        if sweeping is not None:                  # with -9 (on purpose, by the tests) are not the suite's leftovers
+            sweeping.join(30)
+        changed = outside_changes(outside)
+        if not changed or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     if changed:
         sys.stderr.write("\nERROR: the suite changed what lies outside the trees it made: %s\n" % ", ".join(changed[:20]))
         counts["errors"] += 1
