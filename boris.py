@@ -107,13 +107,20 @@ SERVER_NAME = "boris"
 INSTRUCTIONS_FIRST_LINE = "boris: coding workspace - shell, view/edit files, grep/glob search, web fetch"
 PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 MODERN_VERSIONS = ("2026-07-28",)          # stateless revision: server/discover
+SUPPORTED_VERSIONS = MODERN_VERSIONS + PROTOCOL_VERSIONS   # the one list server/discover and every refusal give
 META_VERSION_KEY = "io.modelcontextprotocol/protocolVersion"
 CLIENT_INFO_KEY = "io.modelcontextprotocol/clientInfo"
+CLIENT_CAPS_KEY = "io.modelcontextprotocol/clientCapabilities"
+SERVER_INFO_KEY = "io.modelcontextprotocol/serverInfo"
+LOG_LEVEL_KEY = "io.modelcontextprotocol/logLevel"
+REMOVED_METHODS = ("initialize", "ping", "logging/setLevel", "resources/subscribe", "resources/unsubscribe")  # in 2026
 UNSUPPORTED_PROTOCOL_VERSION = -32022
+HEADER_MISMATCH = -32020
 
 VIEW_MAX_LINES = 2000                      # lines shown by view without a range
 VIEW_MAX_LINE_CHARS = 2000                 # longer lines are cut
 IMAGE_MAX_BYTES = 5 * 1024 * 1024          # the largest image a model API takes
+CLAUDE_INLINE_CHARS = 50000                # a tool result Claude Code keeps inline unless a tool says more
 IMAGE_MAX_SIDE = 8000                      # pixels, either side
 SNIFF_BYTES = 8192                         # header read for binary/image sniffing
 LISTING_DEPTH = 2                          # view of a directory
@@ -314,6 +321,9 @@ FLAGS = (
      " (names or shell globs, repeatable)"),
     ("generate-token", "BORIS_GENERATE_TOKEN", "false", "bool", "generate a bearer token and print it to stderr (HTTP)"),
     ("disable-tools", "BORIS_DISABLE_TOOLS", "", "list", "tool names not to register (repeatable or comma-separated)"),
+    ("always-load", "BORIS_ALWAYS_LOAD", "view,str_replace,str_replace_editor,bash,grep,glob", "list",
+     "tools Claude Code loads from the first turn instead of deferring them to its tool search"
+     " (anthropic/alwaysLoad in tools/list); 'none' for none"),
     ("background-task-timeout", "BORIS_BACKGROUND_TASK_TIMEOUT", "0", "seconds", "kill background tasks running longer than this (0 = never)"),
     ("max-file-size", "BORIS_MAX_FILE_SIZE", "10MB", "size", "largest file read or written (e.g. 512KB, 10MB, 1GB, bytes)"),
     ("checkpoint-budget", "BORIS_CHECKPOINT_BUDGET", "auto", "budget",
@@ -909,19 +919,40 @@ IMAGE_MAGIC = (
 
 
 def sniff(head, path):
-    """('image', mime) | ('binary', None) | ('text', None) from the first bytes."""
+    """('image', mime) | ('binary', None) | ('text', None) from the first bytes. A file that
+    claims an image type but whose header does not decode as one (a model API refuses an
+    image it cannot decode, and some clients then fail every later turn) is binary, and
+    so is one mostly of control bytes or bytes that are no UTF-8."""
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "image", "image/webp"
+        return ("image", "image/webp") if head[12:15] == b"VP8" else ("binary", None)
     for magic, mime in IMAGE_MAGIC:
         if head.startswith(magic):
             if mime == "image/bmp" and (len(head) < 26 or b"\x00" not in head[:64]):
                 continue       # 'BM' alone is too weak: require a binary header after it
-            return "image", mime
+            return ("image", mime) if image_header_ok(head, mime) else ("binary", None)
     if path.lower().endswith(".svg"):
         return "image", "image/svg+xml"
     if b"\x00" in head:
         return "binary", None
-    return "text", None
+    text = head.decode("utf-8", "replace")[:-1]          # (the last may be cut mid-character)
+    odd = sum(1 for c in text if c == "\ufffd" or c < " " and c not in "\t\n\r\f\b\x1b" or c == "\x7f")
+    return ("binary", None) if len(text) >= 16 and odd * 10 > len(text) else ("text", None)
+
+
+def image_header_ok(head, mime):
+    """Whether the first bytes of an image of type `mime` decode as its header: a PNG's
+    IHDR chunk (its checksum right, its sides not 0), a JPEG's next marker, a GIF's screen."""
+    import zlib
+    if mime == "image/png":
+        if len(head) < 33 or head[12:16] != b"IHDR" or struct.unpack(">I", head[8:12])[0] != 13:
+            return False
+        width, height = struct.unpack(">II", head[16:24])
+        return width > 0 and height > 0 and struct.unpack(">I", head[29:33])[0] == zlib.crc32(head[12:29])
+    if mime == "image/jpeg":
+        return len(head) > 3 and head[3] in range(0xC0, 0xFF)
+    if mime == "image/gif":
+        return len(head) >= 13 and struct.unpack("<HH", head[6:10]) != (0, 0)
+    return True
 
 
 def clip_line(text):
@@ -1675,6 +1706,29 @@ def seal_memory():
     command cannot read the variables command_environ leaves out from its parent. A child
     gets its own back at exec. Root's commands can read them still."""
     return prctl(PR_SET_DUMPABLE, 0)
+
+
+def scrub_environ_block():
+    """Zero, in this process's memory, the variables child_environ keeps from every child
+    (BORIS_*, those named like a secret), where the kernel shows the environment a process
+    started with (/proc/<pid>/environ; Linux): a child between fork and exec is a copy of
+    this process and would show them. os.environ keeps its own copy. False where the block
+    cannot be found."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[47]), int(fields[48])          # env_start, env_end (stat fields 50, 51)
+        ctypes, _ = _libc()
+        block = ctypes.string_at(start, end - start)
+    except (OSError, IndexError, ValueError, ImportError):
+        return False  # no /proc (or an old kernel): nothing to scrub here
+    at = 0
+    for entry in block.split(b"\0"):
+        name = entry.split(b"=", 1)[0].decode("utf-8", "replace")
+        if entry and not child_environ({name: ""}):
+            ctypes.memset(start + at, 0, len(entry))
+        at += len(entry) + 1
+    return True
 
 
 def set_subreaper():
@@ -9887,6 +9941,32 @@ class Checkpoints(object):
 
 
 TOOLS = []                                 # every tool, in listing order: filled by @tool where each is defined
+# The words a tool search (Claude Code's) finds each tool by, beside its name and description
+SEARCH_HINTS = {
+    "view": "read file, image, pdf, directory",
+    "outline": "file structure, symbols",
+    "str_replace": "edit code in a file",
+    "multi_edit": "several edits, one file",
+    "create_file": "write a new file",
+    "undo_edit": "undo an edit",
+    "checkpoints": "review session changes, diff",
+    "rewind": "undo shell changes",
+    "str_replace_editor": "view or edit files",
+    "apply_patch": "apply a diff patch",
+    "notebook_edit": "edit jupyter cell",
+    "bash": "run shell command, tests",
+    "task_output": "background task output",
+    "task_input": "type into a task",
+    "task_stop": "kill a background task",
+    "grep": "search file contents, regex",
+    "glob": "find files by name",
+    "search_text": "search text",
+    "search_files": "find files",
+    "read_file": "read file",
+    "write_file": "write file",
+    "list_directory": "list directory",
+    "web_fetch": "fetch web page, docs",
+}
 DEFAULT, COMPAT = ("default",), ("compat",)  # the tool modes (--anthropic-compat) a tool is listed in
 BOTH = DEFAULT + COMPAT
 
@@ -9920,10 +10000,18 @@ class Tool(object):
                     self.schema(config) if callable(self.schema) else self.schema, self.annotations, self.handler,
                     self.modes, self.codes, self.argument_error, self.lane, self.goes_with)
 
-    def listing(self):
-        """The tool as tools/list shows it."""
-        return {"name": self.name, "description": self.description,
-                "inputSchema": self.schema, "annotations": self.annotations}
+    def listing(self, config):
+        """The tool as tools/list shows it, with Claude Code's hints in _meta: load it from the
+        first turn (--always-load), words its tool search finds it by, and, where
+        --max-result-chars is over what it keeps inline, that its answers stay within that
+        (so none is spilled to a file)."""
+        meta = {"anthropic/searchHint": SEARCH_HINTS[self.name]}
+        if config.max_result_chars > CLAUDE_INLINE_CHARS:
+            meta["anthropic/maxResultSizeChars"] = config.max_result_chars
+        if self.name in config.always_load:
+            meta["anthropic/alwaysLoad"] = True
+        return {"name": self.name, "description": self.description, "inputSchema": self.schema,
+                "annotations": self.annotations, "_meta": meta}
 
 
 def tool(name, description, schema, annotations, modes=BOTH, adapt=None, **extra):
@@ -9957,15 +10045,15 @@ def tool_names():
 def disabled_tools(config):
     """The registered names --disable-tools removes: those named, and each tool that
     goes with one of them (@tool's goes_with: the task tools with bash, the compat
-    editor with any of the tools it stands for)."""
-    off = set(config.disable_tools)
-    if not off:
-        return off
+    editor with any of the tools it stands for). A name no tool has, there or in
+    --always-load, is a ConfigError."""
     valid = tool_names()
-    unknown = [n for n in config.disable_tools if n not in valid]
-    if unknown:
-        raise ConfigError("unknown tool name(s) for --disable-tools: %s; valid names: %s"
-                          % (", ".join(unknown), ", ".join(valid)))
+    for flag, names in (("--disable-tools", config.disable_tools), ("--always-load", config.always_load)):
+        unknown = [n for n in names if n not in valid and n != "none"]
+        if unknown:
+            raise ConfigError("unknown tool name(s) for %s: %s; valid names: %s"
+                              % (flag, ", ".join(unknown), ", ".join(valid)))
+    off = set(config.disable_tools)
     off.update(t.name for t in TOOLS if off.intersection(t.goes_with))
     return off
 
@@ -10382,7 +10470,7 @@ class Notebook(object):
 # view: a file with line numbers (streamed for a range), a directory two levels deep,
 # an image as image content; notebooks render through the notebook section.
 
-VIEW_DESC = ("Read a text file with line numbers (cat -n style: number, tab, line), list a directory two "
+VIEW_DESC = ("View, open or read a file's contents with line numbers (cat -n style: number, tab, line), list a directory two "
              "levels deep, see an image (PNG, JPEG, GIF, WebP, SVG), read a PDF's text page by page (pages: "
              "\"3\" or \"3-5\"), or read Word, Excel, PowerPoint and "
              "OpenDocument files (.docx .xlsx .pptx .odt .ods .odp) as Markdown. Files over 2,000 lines "
@@ -11808,7 +11896,8 @@ def replaced(text, old, new):
     return "".join(parts)
 
 
-STR_REPLACE_DESC = ("Edit a file by replacing old_str with new_str. Copy old_str from the file (without view's "
+STR_REPLACE_DESC = ("Edit a file - the edit tool for most edits: replace text (old_str with new_str) to modify code"
+                    " in place. Copy old_str from the file (without view's "
                     "line-number prefix); it must occur once, unless replace_all is true. Slips - indentation, tabs, "
                     "spaces, blank lines, CRLF, typographic quotes - are forgiven where only one place fits: what "
                     "new_str changes is written in the file's own style, and the result says how it matched. Omit "
@@ -11840,9 +11929,9 @@ def tool_str_replace(session, args, ctx):
         updated.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")), note)
 
 
-MULTI_EDIT_DESC = ("Make several edits to one file in one call: each {old_str, new_str, replace_all?} works as "
-                   "str_replace does and applies to the result of the edit before it. All edits land or none "
-                   "does (one atomic write); an error names the failing edit by its number. View the file first.")
+MULTI_EDIT_DESC = ("Make several changes to one file in one call: each {old_str, new_str, replace_all?} works as "
+                   "str_replace does and applies to the result of the one before it. All land or none does (one"
+                   " atomic write); an error names the failing one by its number. View the file first.")
 
 
 @tool("multi_edit", MULTI_EDIT_DESC, obj({
@@ -11897,7 +11986,7 @@ def existing_kind(real, shown):
     return st
 
 
-CREATE_DESC = ("Create a file with the given content, or overwrite an existing one (view it first). Missing "
+CREATE_DESC = ("Create a new file, or write a whole file: the given content, overwriting an existing one (view it first). Missing "
                "parent directories are created. Prefer str_replace for changing part of an existing file.")
 
 
@@ -11958,10 +12047,11 @@ def tool_insert(session, args, ctx):
         snippet(updated.replace("\r\n", "\n"), at, len(new_lines) - 1)) + note
 
 
-UNDO_DESC = ("Take back this session's last edit of a file - by str_replace, multi_edit, apply_patch (a deleted "
-             "file comes back, an added one goes, a move moves back), create_file, write_file or notebook_edit - "
-             "restoring it byte for byte. Repeat it to go further back (up to %d edits a file). Refused, changing "
-             "nothing, when something else changed the file since that edit." % UNDO_LEVELS)
+UNDO_DESC = ("Undo: take back this session's last change to a path, made by str_replace, create_file, apply_patch"
+             " or any tool that writes files (a deleted file comes back, an added one goes, a move moves back),"
+             " restoring it byte for byte. Repeat"
+             " it to go further back (up to %d changes a file). Refused, changing nothing, when something else"
+             " changed the file since." % UNDO_LEVELS)
 
 
 @tool("undo_edit", UNDO_DESC, obj({"path": PATH_PROP, "dry_run": DRY_RUN_PROP}, ["path"]),
@@ -12007,7 +12097,7 @@ CHECKPOINTS_DESC = ("List the checkpoints of the workspace this session has: one
                     " too. Each shows its number, time, the call that followed it and what changed since"
                     " (files added, modified, deleted); `since` shows the changes since one as a unified diff, to"
                     " review what the session did before keeping it. Use rewind to go back to one.")
-REWIND_DESC = ("Put the workspace back as it was at a checkpoint (see checkpoints): file bytes, modes, symlinks"
+REWIND_DESC = ("Rewind changes: put the workspace back as it was at a checkpoint (see checkpoints): file bytes, modes, symlinks"
                " and directories; files deleted since come back, files created since go. Optionally only"
                " under `paths`. dry_run shows what it would do. A rewind is itself a checkpoint: rewind to the"
                " one it names to undo it. Ignored files (.gitignore, .git, node_modules) are never touched.")
@@ -12060,9 +12150,8 @@ def running_note(session):
 
 
 @tool("checkpoints", CHECKPOINTS_DESC, obj({
-    "since": prop("integer", "Show what changed since this checkpoint (shell included) as a unified diff, which"
-                             " `git apply -R` takes back."),
-    "offset": prop("integer", "With since: files to skip (the read-on notice of a cut diff gives it).")}),
+    "since": prop("integer", "Show the changes since this checkpoint as a diff (git apply -R takes them back)."),
+    "offset": prop("integer", "With since: files to skip (a cut diff's notice gives it).")}),
       notes("List workspace checkpoints", read_only=True), DEFAULT)
 def tool_checkpoints(session, args, ctx):
     """checkpoints: each checkpoint, newest first, with what changed after it; what is covered.
@@ -12498,12 +12587,14 @@ class PatchedText(object):
 class PatchPlan(object):
     """What a patch will do, every path resolved and checked, every hunk located,
     sections applied in order to what the sections before left (a file may come
-    twice): its writes (for write_edit) and the summary lines A/M/D/R. Nothing is
-    touched here."""
+    twice): its writes (for write_edit), the summary lines as Codex prints them (every A,
+    then every M - a moved file by its new name - then every D) and how hunks that did not
+    match exactly were placed, a line each. Nothing is touched here."""
 
     def __init__(self, session, ctx, ops):
         self.session, self.ctx = session, ctx
-        self.summary, self.order = [], []
+        self.summary, self.order, self.matched = [], [], []
+        lines = {"A": [], "M": [], "D": []}
         self.now = {}                   # real -> bytes as the sections so far leave it (None: no file)
         self.before = {}                # real -> (bytes, stat) on disk before the patch, or None
         self.shown, self.modes = {}, {}
@@ -12513,26 +12604,27 @@ class PatchPlan(object):
             if op.kind == "add":
                 self.current(real, shown, "*** Add File", overwrite=True)
                 self.put(real, encode_text("\n".join(op.body) + "\n" if op.body else "", "input"), 0o644)
-                self.summary.append("A " + shown)
+                lines["A"].append(shown)
                 continue
             text = self.current(real, shown, "*** %s File" % op.kind.title())
             if op.kind == "delete":
                 self.put(real, None)
-                self.summary.append("D " + shown)
+                lines["D"].append(shown)
                 continue
             patched = PatchedText(text.decode("utf-8", "surrogateescape"), shown)
             data = encode_text(patched.apply(op.hunks), "input")
-            how = " (%s)" % "; ".join(patched.notes) if patched.notes else ""
+            self.matched += ["%s: %s" % (move or shown, n) for n in patched.notes]
             if move:
                 target = resolve_checked(session, ctx, move, "*** Move to")
                 st = self.before[real][1] if self.before.get(real) else None
                 self.current(target, move, "*** Move to", overwrite=True)
                 self.put(target, data, stat.S_IMODE(st.st_mode) if st else 0o644)
                 self.put(real, None)
-                self.summary.append("R %s -> %s%s" % (shown, move, how))
+                lines["M"].append(move)
             else:
                 self.put(real, data)
-                self.summary.append("M %s%s" % (shown, how))
+                lines["M"].append(shown)
+        self.summary = ["%s %s" % (kind, shown) for kind in "AMD" for shown in lines[kind]]
 
     def current(self, real, shown, section, overwrite=False):
         """What `real` holds as the sections so far leave it: bytes, or None when there
@@ -12601,9 +12693,10 @@ def tool_apply_patch(session, args, ctx):
             locks.enter_context(ctx.files.lock(real))
         plan = PatchPlan(session, ctx, ops)
         note = write_edit(session, ctx, "apply_patch", plan.writes, args.get("dry_run"))
+    matched = "".join("\n(%s)" % m for m in plan.matched)
     if args.get("dry_run"):
-        return note + "\n(%s)" % "; ".join(plan.summary)
-    return "Success. Updated the following files:\n" + "\n".join(plan.summary) + note
+        return note + "\n(%s)" % "; ".join(plan.summary) + matched
+    return "Success. Updated the following files:\n" + "\n".join(plan.summary) + matched + note
 
 
 ###############################################################################
@@ -12724,9 +12817,8 @@ def ending_line(why, timeout_ms, out, err):
 
 
 BASH_DESC = ("Run a shell command (%s -c) in the session's working directory and return its exit code, "
-             "stdout and stderr (a long output keeps its first 20,000 and last 10,000 characters: pipe it "
-             "through tail or grep). The working directory persists between "
-             "calls (cd moves it). stdin is /dev/null, so a command that asks for input fails at once instead of "
+             "stdout and stderr. The working directory persists between "
+             "calls (cd moves it). stdin is /dev/null: a command that asks for input fails at once instead of "
              "hanging; for REPLs, prompts and debuggers set interactive (stdin kept open; send input with "
              "task_input) and tty for a terminal (Ctrl-C is \\u0003, end of input \\u0004). A command is "
              "killed, with everything it started, after `timeout` ms (default 120000, max 600000). A command "
@@ -12772,7 +12864,11 @@ def tool_bash(session, args, ctx):
     if yield_ms is not None and yield_ms < 0:
         raise ToolError(INVALID_INPUT, "yield_ms %d must be 0 or more (milliseconds before the command is handed"
                         " off to the background)" % yield_ms)
-    timeout_ms = min(timeout_ms, BASH_MAX_TIMEOUT_MS)
+    if timeout_ms > BASH_MAX_TIMEOUT_MS:
+        said = "(timeout %d ms is over the most a command may run, %d ms, which is its timeout)\n" % (
+            timeout_ms, BASH_MAX_TIMEOUT_MS)
+        answer = tool_bash(session, dict(args, timeout=BASH_MAX_TIMEOUT_MS), ctx)
+        return said + answer if isinstance(answer, str) else [text_block(said)] + answer
     if any(args.get(k) for k in ("tty", "interactive", "run_in_background")):
         return start_task(session, command, ctx, args)
     handoff = yield_ms / 1000.0 if yield_ms is not None else ctx.config.handoff or None
@@ -12935,7 +13031,8 @@ def output_test(ctx, pattern, deadline):
     return matches
 
 
-TASK_DESC = ("Read a background bash task: its status first ('running', or 'completed' with the exit code), "
+TASK_DESC = ("Read the output of a background bash task (a process run_in_background started): its status first"
+             " ('running', or 'completed' with the exit code), "
              "then only the output not returned by an earlier call. wait_ms waits up to that long for the task "
              "to finish; wait_for (a regular expression) returns as soon as new output matches it, e.g. "
              "'listening on|error'. A finished task is forgotten once read. Without task_id it lists the "
@@ -13040,8 +13137,8 @@ def tool_task_input(session, args, ctx):
     return task_answer(task, session, ctx)
 
 
-TASK_STOP_DESC = ("Stop a background bash task (its whole process group: SIGTERM, then SIGKILL after 5 s) and "
-                  "return its status and the output not read before.")
+TASK_STOP_DESC = ("Stop (kill) a background bash task: SIGTERM to its whole group, then SIGKILL after 5 s; "
+                  "returns its status and what it printed since the last read.")
 
 
 @tool("task_stop", TASK_STOP_DESC, obj({
@@ -13095,16 +13192,18 @@ def format_records(label, records, numbers, breaks=True):
     return out
 
 
-def cap_lines(lines, what, notice=(), limit=OUTPUT_MAX_CHARS):
+def cap_lines(lines, what, notice=(), limit=OUTPUT_MAX_CHARS, instead=None):
     """Join output lines within `limit` characters; a cut list starts and ends with
-    the line that says what was left out and how to page on. The `notice` lines (a
-    partial search's) always come last, cut or not."""
+    the line that says what was left out and how to page on (or, for a tool that takes
+    no offset, what to do `instead`). The `notice` lines (a partial search's) always
+    come last, cut or not."""
     total, kept = sum(len(n) + 1 for n in notice) + 400, []        # 400: room for the two cut lines
     for i, line in enumerate(lines):
         total += len(line) + 1
         if total > limit:
-            cut = ("[output truncated at %d characters: %d more %s not shown; narrow the search (path, include,"
-                   " type) or page on with head_limit/offset (offset=%d)]" % (limit, len(lines) - i, what, i))
+            cut = ("[output truncated at %d characters: %d more %s not shown; %s]" % (
+                limit, len(lines) - i, what, instead or "narrow the search (path, include, type) or page on with"
+                " head_limit/offset (offset=%d)" % i))
             return "\n".join([cut] + kept + [cut] + list(notice))
         kept.append(line)
     return "\n".join(kept + list(notice))
@@ -13138,13 +13237,14 @@ def partial_notice(why):
     return "[search cancelled: partial results]"
 
 
-GREP_DESC = ("Search file contents with a regular expression (Python re syntax; ripgrep-like). Walks the "
+GREP_DESC = ("Grep: search file contents for a regex pattern, to find text in files (Python re syntax;"
+             " ripgrep-like). Walks the "
              "directory at `path` (default: the working directory) skipping .git, node_modules, binary "
              "files and what .gitignore ignores. output_mode: files_with_matches (default; paths, newest "
              "first), content (path:line:text, with optional context lines) or count (path:count). Filter "
              "files with include (a glob such as *.{ts,tsx}) or type (py, js, ts, go, rust, ...). Use "
              "head_limit/offset to page through long results.")
-GLOB_DESC = ("Find files by name with a glob pattern (**, *, ?, {a,b}, [a-z]); a pattern without '/' matches "
+GLOB_DESC = ("Find files by name: list the files matching a glob pattern (**, *, ?, {a,b}, [a-z]); a pattern without '/' matches "
              "file names at any depth, one with '/' whole relative paths (src/*.c: the direct children of src). "
              "Returns paths relative to `path` (default: the working directory), newest first; skips .git, "
              "node_modules and .gitignore'd files. Page long lists with head_limit/offset.")
@@ -13204,7 +13304,9 @@ def tool_grep(session, args, ctx):
                                  ctx.cancelled)
     notice = [partial_notice(why)] if why else []
     if not items:
-        return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)] + notice)
+        skipped = ["(Not searched under %s: what .gitignore ignores, .git, node_modules and binary files; a path"
+                   " inside an ignored directory is searched when given as path.)" % shown] if root[1] else []
+        return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)] + skipped + notice)
     hits = [GrepHit(*item)._replace(rel=item[1] if root[1] else shown) for item in items]
     return grep_answer(hits, spec, args, notice, search_cap(ctx))
 
@@ -13326,7 +13428,7 @@ def tool_glob(session, args, ctx):
 
 
 @tool("search_text", "Search for text in files: every line containing `query` (literal, or a regular expression when"
-      " regex is true) under each of `paths`, as path:line:content.", obj({
+      " regex is true) under each of `paths`, as path:line:content. For code, prefer grep.", obj({
           "query": prop("string", "The text (or regex) to find."),
           "paths": prop("array", "Files or directories to search (default: the working directory).",
                         items={"type": "string"}),
@@ -13348,11 +13450,12 @@ def tool_search_text(session, args, ctx):
     notice = [partial_notice(why)] if why else []
     if not lines:
         return "\n".join(["No matches found for %r in %s" % (query, ", ".join(shown_paths))] + notice)
-    return cap_lines(lines, "lines", notice, search_cap(ctx))
+    return cap_lines(lines, "lines", notice, search_cap(ctx), instead="narrow the search (a path deeper in `paths`,"
+                     " a longer query), or use grep, which pages with head_limit/offset")
 
 
 @tool("search_files", "Find files whose path matches a glob pattern (e.g. src/**/*.ts or **/*.md), searched from the"
-      " working directory; returns one path per line.", obj({
+      " working directory; returns one path per line. For code, prefer glob.", obj({
           "pattern": prop("string", "The glob pattern."),
       }, ["pattern"]), notes("Find files", read_only=True))
 def tool_search_files(session, args, ctx):
@@ -13361,7 +13464,8 @@ def tool_search_files(session, args, ctx):
     notice = [partial_notice(why)] if why else []
     if not found:
         return "\n".join(["No files found matching %r" % args["pattern"]] + notice)
-    return cap_lines(newest_first(glob_pairs(found)), "paths", notice, search_cap(ctx))
+    return cap_lines(newest_first(glob_pairs(found)), "paths", notice, search_cap(ctx),
+                     instead="narrow the pattern, or use glob, which pages with head_limit/offset")
 
 
 ###############################################################################
@@ -13400,10 +13504,11 @@ def workspace_error(e, path, doing):
     return plain_error("错误：无法%s %s: %s" % (doing, path, e.message), e.code)
 
 
-def workspace_note(config):
-    """What every workspace tool's description ends with."""
-    return ("Paths are relative to the workspace root (%s) and may not leave it. Errors come back as text"
-            " starting with 错误 (error)." % config.workdir)
+def workspace_note(config, prefer):
+    """What every workspace tool's description ends with: its paths, its errors, and the tool
+    to `prefer` for coding work (the workspace tools answer as requirement 004 writes)."""
+    return ("Paths: relative to the workspace root %s, never outside. Errors start with 错误. For code, prefer"
+            " %s." % (config.workdir, prefer))
 
 
 def workspace_argument_error(e):
@@ -13412,7 +13517,7 @@ def workspace_argument_error(e):
 
 
 @tool("read_file", lambda config: "Read a text file from the workspace and return its content (a long one up to"
-      " 100,000 characters, with the offset to read on). " + workspace_note(config), obj({
+      " 100,000 characters, with the offset to read on). " + workspace_note(config, "view"), obj({
           "path": prop("string", "File path inside the workspace."),
           "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
           "offset": prop("integer", "First line to return, 1-based (default 1)."),
@@ -13474,7 +13579,7 @@ def line_window(text, offset, limit, cap):
 
 
 @tool("write_file", lambda config: "Write content to a file in the workspace, creating parent directories;"
-      " overwrites an existing file. " + workspace_note(config), obj({
+      " overwrites an existing file. " + workspace_note(config, "create_file or str_replace"), obj({
           "path": prop("string", "File path inside the workspace."),
           "content": prop("string", "The complete file content."),
       }, ["path", "content"]), notes("Write file", destructive=True), argument_error=workspace_argument_error)
@@ -13506,7 +13611,7 @@ def tool_write_file(session, args, ctx):
 
 
 @tool("list_directory", lambda config: "List a workspace directory: one entry per line, [D] for directories and"
-      " [F] for files, sorted by name. " + workspace_note(config), obj({
+      " [F] for files, sorted by name. " + workspace_note(config, "view or glob"), obj({
           "path": prop("string", "Directory path inside the workspace (default: the root)."),
       }), notes("List directory", read_only=True, idempotent=True), argument_error=workspace_argument_error)
 def tool_list_directory(session, args, ctx):
@@ -13562,7 +13667,7 @@ WEB_FETCH_WORDS = {
 @tool("web_fetch", "Fetch a web page (http or https) and return its readable content: HTML as light Markdown"
       " (headings, lists, [text](url) links, fenced <pre> blocks, table rows; scripts and styles removed), JSON and"
       " plain text as they are; at most 5,000 characters, and a cut page ends with the start_index to read on."
-      " Errors come back as text starting with 错误 (error).", obj({
+      " Errors start with 错误 (error).", obj({
           "url": prop("string", "The http:// or https:// URL."),
           "timeout": prop("integer", "Seconds the whole fetch may take (default 10, max 120)."),
           "start_index": prop("integer", "Character offset to read on from (default 0)."),
@@ -13848,7 +13953,7 @@ class McpServer(object):
         self.helpers = HelperPool(avoid=self.sandbox.writable)
         self.files = FileGuards()
         self.store = Store(config, policy.allow or [policy.workdir])   # every session's checkpoints keep bytes here
-        self._tool_list = [t.listing() for t in self.tools.values()]
+        self._tool_list = [t.listing(config) for t in self.tools.values()]
         self.answered = threading.Event()      # set once a tool call has been answered
 
     def close(self):
@@ -13876,9 +13981,9 @@ class McpServer(object):
         if not has_id:
             self.notification(method, params, session)
             return
-        modern, refusal = self.requested_version(rid, params)
+        modern, refusal = self.requested_version(msg)
         if refusal is not None:
-            emit(refusal)
+            emit(refusal[1])
         elif method == "tools/call":
             self.call_tool(rid, params, session, emit, modern)
         else:
@@ -13901,7 +14006,8 @@ class McpServer(object):
             emit(error_response(rid, -32603, "Internal error while handling %s" % method))
             return
         if modern is not None:
-            result = dict(result, resultType="complete")
+            result = dict(result, resultType="complete", _meta=dict(result.get("_meta") or {},
+                                                                    **{SERVER_INFO_KEY: self.server_info()}))
             if method == "tools/list":
                 result.update(cacheScope="private", ttlMs=0)
         emit(result_response(rid, result))
@@ -13919,14 +14025,13 @@ class McpServer(object):
     def instructions(self):
         """The instructions initialize returns: what the server is, its sandbox, its scope."""
         cfg = self.config
-        lines = [INSTRUCTIONS_FIRST_LINE, self.sandbox.describe(), "Working directory: %s" % cfg.workdir,
-                 "Commands do not get the server's BORIS_* variables or those named like a secret (%s)%s." % (
-                     ", ".join(SECRET_NAMES), "; kept: %s" % ", ".join(cfg.shell_env_keep) if cfg.shell_env_keep
-                     else "")]
-        if self.policy.allow:
+        lines = [INSTRUCTIONS_FIRST_LINE, self.sandbox.describe(), "Working directory: %s" % cfg.workdir]
+        if self.policy.allow:                     # (the Go original's lines, next to each other in its order)
             lines.append("Allowed directories: %s" % ", ".join(self.policy.allow))
         if self.policy.deny_raw:
             lines.append("Denied patterns: %s" % ", ".join(self.policy.deny_raw))
+        lines.append("Commands do not get the server's BORIS_* variables or those named like a secret (%s)%s." % (
+            ", ".join(SECRET_NAMES), "; kept: %s" % ", ".join(cfg.shell_env_keep) if cfg.shell_env_keep else ""))
         lines.append("View before edit: %s" % ("on (view a file before str_replace or overwriting it)"
                                                if cfg.require_view_before_edit else "off"))
         if cfg.web_fetch_allow:
@@ -13938,7 +14043,9 @@ class McpServer(object):
                          " MCP session; requests without a session share the state of their bearer token (or of"
                          " the local user when no token is set). A task id is a random handle: keep it.")
         lines += ["Prefer the view, grep and glob tools over cat, grep and find in bash: their results are"
-                  " bounded and numbered.",
+                  " bounded and numbered. For coding work prefer view, str_replace, create_file, grep and glob"
+                  " to read_file, write_file, list_directory, search_text and search_files (the workspace tools"
+                  " of requirement 004: fixed answers, no view-before-edit).",
                   "Each bash call is a new shell: environment variables and aliases do not persist between"
                   " calls (the working directory does).",
                   "A bash command still running after %s is handed off to the background, not killed: the call"
@@ -13969,11 +14076,9 @@ class McpServer(object):
 
     def m_discover(self, params, session):
         """server/discover (the stateless revision): versions, capabilities, info, instructions."""
-        return {"supportedVersions": list(MODERN_VERSIONS) + list(PROTOCOL_VERSIONS),
+        return {"supportedVersions": list(SUPPORTED_VERSIONS),
                 "capabilities": self.capabilities(modern=True), "serverInfo": self.server_info(),
-                "instructions": self.instructions(), "cacheScope": "private", "ttlMs": 0,
-                "resultType": "complete",
-                "_meta": {"io.modelcontextprotocol/serverInfo": self.server_info()}}
+                "instructions": self.instructions(), "cacheScope": "private", "ttlMs": 0}
 
     def m_ping(self, params, session):
         """ping: an empty result."""
@@ -14038,7 +14143,7 @@ class McpServer(object):
                     if note:
                         result["content"].append(text_block(note))
                 if modern is not None:
-                    result["resultType"] = "complete"
+                    result.update(resultType="complete", _meta={SERVER_INFO_KEY: self.server_info()})
                 response = result_response(rid, result)
             except Exception:
                 log("error", "tool crashed", tool=name, error=_traceback())
@@ -14078,8 +14183,7 @@ class McpServer(object):
                 raise tool.argument_error(e)
             out = tool.handler(session, checked, ctx)
         except ToolError as e:
-            return {"content": [text_block(scrub(e.render()))], "isError": True,
-                    "_meta": {"anthropic/maxResultSizeChars": ctx.config.max_result_chars}}
+            return {"content": [text_block(scrub(e.render()))], "isError": True}
         if isinstance(out, str):
             out = [text_block(out)]
         cap = ctx.config.max_result_chars
@@ -14090,7 +14194,7 @@ class McpServer(object):
                     notice = "[result cut at %d of %d characters: ask for less (view_range, offset/limit," \
                              " head_limit)]" % (cap - 300, len(block["text"]))
                     block["text"] = read_on(block["text"][:cap - 300], notice)
-        return {"content": out, "isError": False, "_meta": {"anthropic/maxResultSizeChars": cap}}
+        return {"content": out, "isError": False}
 
     @staticmethod
     def client_name(meta, session):
@@ -14132,18 +14236,37 @@ class McpServer(object):
             return True, None
         return False, (error_response(rid, -32602, "params must be an object") if has_id else None)
 
-    @staticmethod
-    def requested_version(rid, params):
-        """The stateless revision a request names in its _meta (None for the session-based
-        ones), and the error answer when it names one this server does not speak."""
+    def requested_version(self, msg):
+        """(the stateless revision a request names in its _meta, None for a request of the
+        session-based ones; (HTTP status, error answer) when the revision refuses it, else
+        None). A 2026-07-28 request (or server/discover) carries _meta with the protocol
+        version and the client's capabilities (-32602), names a version spoken here
+        (-32022, with the one list of supported versions), and a method the revision has
+        (-32601: unknown, or one it removed, answered 404 over HTTP)."""
+        rid, method, params = msg.get("id"), msg.get("method"), msg.get("params") or {}
         meta = params.get("_meta")
         if not isinstance(meta, dict) or META_VERSION_KEY not in meta:
-            return None, None
+            if method != "server/discover":
+                return None, None
+            return None, (400, error_response(rid, -32602, "Invalid params: server/discover carries _meta with %s and"
+                                              " %s" % (META_VERSION_KEY, CLIENT_CAPS_KEY)))
         modern = meta[META_VERSION_KEY]
-        if modern in MODERN_VERSIONS:
-            return modern, None
-        return modern, error_response(rid, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version", {
-            "supported": list(MODERN_VERSIONS), "requested": modern[:100] if isinstance(modern, str) else brief(modern)})
+        if modern not in MODERN_VERSIONS:
+            return None, (400, error_response(rid, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version", {
+                "supported": list(SUPPORTED_VERSIONS),
+                "requested": modern[:100] if isinstance(modern, str) else brief(modern)}))
+        if not isinstance(meta.get(CLIENT_CAPS_KEY), dict):
+            return modern, (400, error_response(rid, -32602, "Invalid params: _meta lacks %s (an object)"
+                                                % CLIENT_CAPS_KEY))
+        if LOG_LEVEL_KEY in meta and meta[LOG_LEVEL_KEY] not in MCP_LOG_LEVELS:
+            return modern, (400, error_response(rid, -32602, "Invalid params: %s must be one of %s, not %s" % (
+                LOG_LEVEL_KEY, ", ".join(MCP_LOG_LEVELS), brief(meta[LOG_LEVEL_KEY]))))
+        if method in REMOVED_METHODS or method != "tools/call" and method not in self.METHODS:
+            return modern, (404, error_response(rid, -32601, "Method not found: %s (protocol %s)" % (method, modern)))
+        if method == "tools/list" and params.get("cursor") is not None:
+            return modern, (400, error_response(rid, -32602, "Invalid params: cursor %s was never given (tools/list"
+                                                " has one page)" % brief(params["cursor"])))
+        return modern, None
 
 ###############################################################################
 # Transports ##################################################################
@@ -14639,12 +14762,17 @@ class McpRequestHandler(object):
         meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
         rid = msg.get("id") if valid_id(msg.get("id")) else None
         header = self.headers.get("MCP-Protocol-Version")
-        if META_VERSION_KEY in meta and header and header != meta[META_VERSION_KEY]:
-            self.reply(400, error_response(rid, -32600, "MCP-Protocol-Version header does not match _meta"))
-            return None, None
-        if META_VERSION_KEY not in meta and header and header not in PROTOCOL_VERSIONS + MODERN_VERSIONS:
+        if META_VERSION_KEY not in meta and header and header not in SUPPORTED_VERSIONS:
             self.reply(400, error_response(rid, -32600, "Unsupported MCP-Protocol-Version: %s" % header))
             return None, None
+        modern, refusal = self.transport.server.requested_version(msg) if "id" in msg else (None, None)
+        if "id" in msg and META_VERSION_KEY in meta:          # (a header that disagrees comes first)
+            refusal = self.header_mismatch(msg, meta, rid) or refusal
+        if refusal is not None:
+            self.reply(*refusal)
+            return None, None
+        if modern:
+            return t.principal_session(self.principal()), None     # (stateless: a session id is no state)
         sid = self.headers.get("Mcp-Session-Id")
         if msg.get("method") == "initialize" and "id" in msg:
             sid = t.new_session()
@@ -14659,6 +14787,32 @@ class McpRequestHandler(object):
             return t.principal_session(self.principal()), None
         self.reply(400, error_response(rid, -32600, "Bad Request: missing Mcp-Session-Id header (initialize first)"))
         return None, None
+
+    def header_mismatch(self, msg, meta, rid):
+        """(400, a HeaderMismatch answer) when a 2026-07-28 request's headers disagree with its
+        body: MCP-Protocol-Version with _meta's, Mcp-Method with its method (required), Mcp-Name
+        with the tool it calls (required when it names one); values compared exactly, a
+        =?base64?...?= value decoded first. None when they agree."""
+        import base64
+        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
+        name = params.get("name") if msg.get("method") == "tools/call" else None
+        for header, body in (("MCP-Protocol-Version", meta.get(META_VERSION_KEY)), ("Mcp-Method", msg.get("method")),
+                             ("Mcp-Name", name)):
+            value = self.headers.get(header)
+            value = value.strip(" \t") if value is not None else None   # (HTTP's optional whitespace)
+            if value is not None and value.startswith("=?base64?") and value.endswith("?="):
+                try:
+                    value = base64.b64decode(value[9:-2], validate=True).decode("utf-8")
+                except (ValueError, UnicodeError):
+                    value = None
+            if body is None or value == body or header == "MCP-Protocol-Version" and value is None:
+                continue
+            if header != "MCP-Protocol-Version" and not isinstance(meta.get(META_VERSION_KEY), str):
+                continue                                  # (a request of no version spoken here: -32022 says so)
+            return 400, error_response(rid, HEADER_MISMATCH, "Header mismatch: %s header %s does not match the"
+                                       " body's %s" % (header, "is missing" if value is None else repr(value[:200]),
+                                                       brief(body)))
+        return None
 
     def principal(self):
         """Who sent a request, for state without a session: the bearer token it proved
@@ -14682,6 +14836,7 @@ class McpRequestHandler(object):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        self.send_header("X-Accel-Buffering", "no")          # (a proxy such as nginx passes each event on at once)
         self.send_header("Connection", "close")
         for k, v in headers:
             self.send_header(k, v)
@@ -14875,6 +15030,7 @@ def main(argv=None, environ=None, after_the_script=False):
         sys.stderr.write("boris: error: %s\n" % e)
         return 2
     seal_memory()                  # the variables kept from commands stay out of /proc/<pid>/environ too
+    scrub_environ_block()          # ... and out of a child's, between its fork and its exec
     stopper = Stopper()
     stopper.install()
     _children.wanted = True        # every child of this process is spawn()'s: reaping steals nothing

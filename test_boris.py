@@ -63,6 +63,9 @@ def ctx_of(cfg, policy, cancelled=None, progress=None, client=""):
     return boris.CallContext(cfg, policy, cancelled, progress, TEST_HELPERS, client, files=TEST_FILES)
 
 
+MODERN_META = {boris.META_VERSION_KEY: "2026-07-28", boris.CLIENT_CAPS_KEY: {}}   # what a 2026-07-28 request carries
+
+
 @contextlib.contextmanager
 def line_readers():
     """The LineReaders made while the block runs (to see how much a view read)."""
@@ -2778,7 +2781,12 @@ def make_web_server():
             else:
                 self.send(404, "text/plain", b"")
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    class Quiet(ThreadingHTTPServer):
+        def handle_error(self, request, client_address):
+            if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+                ThreadingHTTPServer.handle_error(self, request, client_address)
+            # (a fetch that stops reading at its cap closes first: not an error of the test)
+    srv = Quiet(("127.0.0.1", 0), H)
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv
@@ -3258,10 +3266,29 @@ class TestView(Base):
 
     def test_seed001_jpeg_gif_webp(self):
         for name, data, mime in (("a.jpg", b"\xff\xd8\xff\xe0" + b"\x00" * 20, "image/jpeg"),
-                                 ("a.gif", b"GIF89a" + b"\x00" * 20, "image/gif"),
+                                 ("a.gif", GIF_1PX, "image/gif"),
                                  ("a.webp", b"RIFF\x10\x00\x00\x00WEBPVP8 " + b"\x00" * 20, "image/webp")):
             self.write(name, data)
             self.assertEqual(self.result("view", path=name)["content"][0]["mimeType"], mime)
+
+    def test_what_claims_an_image_and_does_not_decode_is_binary_to_a_model(self):
+        """Issue 57: the PNG signature with no IHDR, a PNG whose IHDR checksum is wrong, a GIF of
+        0x0, a JPEG with no marker after its start, and files mostly of control bytes or of
+        bytes that are no UTF-8 (no NUL among them) are answered as binary, not as an image
+        or as numbered lines of raw control bytes; ANSI-coloured text stays text."""
+        rng = random.Random(57)
+        bad_crc = PNG_1PX[:29] + bytes([PNG_1PX[29] ^ 1]) + PNG_1PX[30:]
+        cases = {"sig.png": b"\x89PNG\r\n\x1a\n" + os.urandom(200), "crc.png": bad_crc,
+                 "zero.gif": b"GIF89a" + b"\x00" * 20, "cut.jpg": b"\xff\xd8\xff\x00" + os.urandom(40),
+                 "ctl.txt": bytes(rng.choice(b"ab\x1b\x07\x7f\x01") for _ in range(214)),
+                 "random.bin": bytes(rng.randrange(1, 256) for _ in range(4096))}
+        for name, data in cases.items():
+            self.write(name, data)
+            r = self.result("view", path=name)
+            self.assertEqual([c["type"] for c in r["content"]], ["text"], name)
+            self.assertTrue(r["content"][0]["text"].startswith("Binary file"), (name, r["content"][0]["text"][:80]))
+        self.write("log.txt", "".join("\x1b[3%dmline %d\x1b[0m ok\n" % (i % 8, i) for i in range(50)))
+        self.assertIn("line 49", self.ok("view", path="log.txt"))
 
     def test_seed001_image_with_wrong_extension(self):
         self.write("photo.dat", PNG_1PX)
@@ -4519,7 +4546,8 @@ class TestOneMatcher(NoViewBase):
         self.last = self.ok("apply_patch", input="*** Begin Patch\n*** Update File: t.py\n@@ class A:\n     def f(self):\n"
                                      "-        return 1\n+        if x:\n+            return 2\n+        return 1\n*** End Patch")
         self.assertEqual(self.read("t.py"), b"class A:\n\tdef f(self):\n\t\tif x:\n\t\t\treturn 2\n\t\treturn 1\n")
-        self.assertIn("M t.py (hunk 1 matched ignoring indentation)", self.last)
+        self.assertEqual(self.last, "Success. Updated the following files:\nM t.py\n"
+                                    "(t.py: hunk 1 matched ignoring indentation)")   # Codex's line, then the note
         self.write("s.py", "def f():\n    a = 1\n    return a\n")             # the patch shifted by two columns
         self.ok("apply_patch", input="*** Begin Patch\n*** Update File: s.py\n   def f():\n-      a = 1\n+      a = 2\n"
                                      "       return a\n*** End Patch")
@@ -5943,7 +5971,7 @@ class TestApplyPatch(NoViewBase):
         patch = self.FIVE.replace(" caf\ufffd = 1\n", "")
         text = self.ok("apply_patch", input=patch)
         self.assertEqual(text, "Success. Updated the following files:\nA new/added.md\nM keep.py\nM crlf.txt\n"
-                               "R old/name.sh -> bin/renamed.sh\nD gone.txt\nM bytes.txt")
+                               "M bin/renamed.sh\nM bytes.txt\nD gone.txt")     # (Codex's order and words)
         self.assertEqual(self.read("new/added.md"), b"# Title\ntext\n")
         self.assertEqual(self.read("keep.py"), b"def a():\n    return 1\n\n\ndef b():\n    return 20\n")
         self.assertEqual(self.read("crlf.txt"), b"one\r\nTWO\r\nthree\r\n")
@@ -6101,6 +6129,36 @@ class TestCodexDifferential(unittest.TestCase):
     Where Codex lands the intended bytes boris.py lands the same bytes; where boris.py
     lands, its bytes are the intended ones; refusals are tallied apart."""
     CODEX = os.environ.get("BORIS_CODEX_APPLY_PATCH", "")
+
+    @unittest.skipUnless(CODEX and os.access(CODEX, os.X_OK), "no Codex apply_patch binary named by"
+                         " BORIS_CODEX_APPLY_PATCH (a measurement, not a dependency)")
+    def test_the_summary_is_codexs_line_for_line(self):
+        """Issue 55: adds, updates (one matched loosely), a move and a delete: boris's summary
+        is Codex's stdout, line for line, and how a hunk matched comes after it."""
+        patch = ("*** Begin Patch\n*** Update File: m.txt\n@@\n-a\n+A\n*** Add File: new.txt\n+n\n"
+                 "*** Delete File: del.txt\n*** Update File: mv.txt\n*** Move to: moved/to.txt\n@@\n-x\n+y\n"
+                 "*** Update File: u.txt\n@@\n-it's here\n+it is here\n*** End Patch")
+        out = {}
+        for who in ("codex", "boris"):
+            d = os.path.realpath(tempfile.mkdtemp(prefix="boris-codex-"))
+            self.addCleanup(shutil.rmtree, d, True)
+            for name, text in (("m.txt", "a\nb\n"), ("mv.txt", "x\n"), ("del.txt", "d\n"), ("u.txt", "it\u2019s here\n")):
+                with open(os.path.join(d, name), "w") as f:
+                    f.write(text)
+            if who == "codex":
+                out[who] = subprocess.run([self.CODEX, patch], cwd=d, stdout=subprocess.PIPE, check=True,
+                                          timeout=30).stdout.decode().rstrip("\n")
+            else:
+                cfg = boris.parse_config(["--workdir", d, "--require-view-before-edit", "false"], {})
+                server, session = boris.McpServer(cfg, boris.PathPolicy.of(cfg)), boris.Session(cfg)
+                self.addCleanup(server.close)
+                self.addCleanup(session.close)
+                r = boris.McpServer.run_tool(server.tools["apply_patch"], session, {"input": patch},
+                                             ctx_of(cfg, boris.PathPolicy.of(cfg)))
+                out[who] = r["content"][0]["text"]
+        summary, notes = out["boris"].split("\n("), "(" + out["boris"].split("\n(", 1)[1]
+        self.assertEqual(summary[0], out["codex"])
+        self.assertIn("u.txt: hunk 1 matched ignoring typographic quotes", notes)
 
     @unittest.skipUnless(CODEX and os.access(CODEX, os.X_OK), "no Codex apply_patch binary named by"
                          " BORIS_CODEX_APPLY_PATCH (a measurement, not a dependency)")
@@ -6440,6 +6498,15 @@ class TestBash(NoViewBase):
         self.assertFalse(any(t.is_alive() for t in started))
 
 
+    def test_a_timeout_over_the_maximum_is_said_not_taken_silently(self):
+        """Issue 57: 9,999,999 ms asked: the command runs with the maximum, and its answer says so."""
+        for how in ({}, {"run_in_background": True}):
+            text = self.ok("bash", command="echo ran", timeout=9999999, **how)
+            self.assertTrue(text.startswith("(timeout 9999999 ms is over the most a command may run, %d ms, which"
+                                            " is its timeout)\n" % boris.BASH_MAX_TIMEOUT_MS), text)
+        self.assertNotIn("over the most", self.ok("bash", command="echo ran", timeout=boris.BASH_MAX_TIMEOUT_MS))
+
+
 class TestBackgroundTasks(NoViewBase):
     def task_id(self, text):
         import re
@@ -6746,6 +6813,17 @@ class TestNoChildHoldsASecret(unittest.TestCase):
             held += [(kind, name) for name, value in SECRETS.items() if value.encode() in environ]
         self.assertEqual(held, [])
         return kinds
+
+    def test_the_servers_own_block_is_scrubbed_for_its_forks(self):
+        """A child between fork and exec is a copy of the server: the block /proc shows for
+        it is the server's, so the server zeroes what child_environ keeps from children there
+        (os.environ keeps its copy; a plain variable stays)."""
+        probe = ("import sys, os; sys.path.insert(0, %r); import boris; print(boris.scrub_environ_block());"
+                 " block = open('/proc/self/environ', 'rb').read(); print([v for v in sys.argv[1:] if v.encode() in"
+                 " block]); print(os.environ['GITHUB_TOKEN'] == %r)" % (HERE, SECRETS["GITHUB_TOKEN"]))
+        out = subprocess.run([sys.executable, "-c", probe] + list(SECRETS.values()) + ["plain-8"], capture_output=True,
+                             text=True, timeout=60, env=dict(os.environ, PLAIN_SETTING="plain-8", **SECRETS)).stdout
+        self.assertEqual(out.split("\n")[:3], ["True", "['plain-8']", "True"])
 
     def test_no_child_holds_a_secret(self):
         kinds = self.serve_and_look([])
@@ -7383,6 +7461,17 @@ class TestGrep(SearchBase):
         self.assertLess(sum(readers), 300000)               # stopped after the first chunk, not 2M records
 
 
+    def test_no_match_says_what_was_not_searched_and_how_to(self):
+        """Issue 57: a word only an ignored file holds: the answer says ignored files were not
+        searched and how to search them; given that path, grep finds it."""
+        self.write(".gitignore", "build/\n")
+        self.write("build/out.txt", "only-in-ignored\n")
+        text = self.ok("grep", pattern="only-in-ignored")
+        self.assertIn("Not searched under .: what .gitignore ignores", text)
+        self.assertEqual(self.ok("grep", pattern="only-in-ignored", path="build"), "out.txt")
+        self.assertNotIn("Not searched", self.ok("grep", pattern="nowhere", path="src/app.py"))
+
+
 class TestLiteralsFoundInC(unittest.TestCase):
     """Issue 44: a grep literal is looked for by the C library's memmem (through ctypes)."""
 
@@ -7806,8 +7895,8 @@ class TestGlob(SearchBase):
         self.assertEqual(self.ok("glob", pattern="*.txt", path="pg", head_limit=2, offset=2), "f2.txt\nf3.txt")
         self.assertEqual(self.ok("glob", pattern="*.txt", path="pg", offset=9),
                          "No more results: offset 9 is past the end (5 in total).")
-        self.assertEqual(self.ok("grep", pattern="^", path="pg", output_mode="files_with_matches", offset=9),
-                         "No matches found for pattern '^' in pg")                    # empty files: no lines
+        self.assertEqual(self.ok("grep", pattern="^", path="pg", output_mode="files_with_matches",
+                                 offset=9).split("\n")[0], "No matches found for pattern '^' in pg")   # empty files
 
 
 class TestCompatSearch(SearchBase):
@@ -7870,6 +7959,10 @@ class TestSearchText(SearchBase):
         out = self.ok("search_text", query="match me", paths=["big.txt"])
         self.assertLessEqual(len(out), boris.OUTPUT_MAX_CHARS + 300)
         self.assertIn("truncated", out)
+        notice = out.split("\n", 1)[0]                   # (issue 57: no argument search_text does not take)
+        self.assertEqual([w for w in re.findall(r"\b(\w+)=", notice)
+                          if w not in self.server.tools["search_text"].schema["properties"]], [])
+        self.assertIn("use grep, which pages with head_limit/offset", notice)
 
 
 class TestSearchFiles(SearchBase):
@@ -8360,14 +8453,16 @@ class TestSchemasTellTheTruth(Base):
 
     def test_the_tool_list_fits_its_budget_per_tool_and_in_all(self):
         for flags in ([], ["--anthropic-compat"]):
-            tools = boris.build_tools(boris.parse_config(["--workdir", self.root] + flags, {}))
-            wire = len(boris.dump_json([t.listing() for t in tools.values()]))
+            cfg = boris.parse_config(["--workdir", self.root] + flags, {})
+            tools = boris.build_tools(cfg)
+            # (what a client sends its model: the listing less _meta, the hints only the client reads)
+            sent = lambda t: boris.dump_json(dict((k, v) for k, v in t.listing(cfg).items() if k != "_meta"))
+            wire = len(boris.dump_json([json.loads(sent(t)) for t in tools.values()]))
             budget = min(self.LISTING_CHARS_MAX, self.LISTING_CHARS_PER_TOOL * len(tools))
-            biggest = sorted(tools.values(), key=lambda t: -len(boris.dump_json(t.listing())))[:3]
+            biggest = sorted(tools.values(), key=lambda t: -len(sent(t)))[:3]
             self.assertLessEqual(wire, budget, "tools/list%s is %d characters for %d tools, over %d; the longest:"
                                  " %s" % (" " + " ".join(flags) if flags else "", wire, len(tools), budget,
-                                          ", ".join("%s %d" % (t.name, len(boris.dump_json(t.listing())))
-                                                    for t in biggest)))
+                                          ", ".join("%s %d" % (t.name, len(sent(t))) for t in biggest)))
 
     def test_every_registered_tool_has_campaign_arguments(self):
         campaign = ArgumentCampaign(self.root, 9)
@@ -8403,7 +8498,7 @@ class TestResultsFitTheClients(NoViewBase):
 
             def run(name, **args):
                 r = server.run_tool(server.tools[name], self.session, args, ctx_of(cfg, self.policy))
-                self.assertEqual(r["_meta"], {"anthropic/maxResultSizeChars": cap})
+                self.assertNotIn("_meta", r)                       # (Claude Code reads its hints on tools/list)
                 self.assertFalse(r["isError"], r)
                 return r["content"][0]["text"]
             self.assert_fits(run("view", path="big.txt"), cap, ["view_range"])
@@ -8479,13 +8574,70 @@ class TestProtocol(Base):
         self.assertIn("logging", r["capabilities"])
         self.assertIn("Working directory: %s" % self.root, r["instructions"])
 
+    def test_tools_carry_claude_codes_hints_as_it_reads_them(self):
+        """Issue 55: Claude Code reads _meta["anthropic/alwaysLoad"] === true, the searchHint and
+        maxResultSizeChars on each tool of tools/list: the core tools load from the first turn,
+        every tool has words to be found by, and --always-load names others (or none)."""
+        def hints(flags):
+            cfg = boris.parse_config(["--workdir", self.root] + flags, {})
+            srv = boris.McpServer(cfg, boris.PathPolicy.of(cfg))
+            self.addCleanup(srv.close)
+            return dict((t["name"], t.get("_meta") or {}) for t in srv.m_tools_list({}, None)["tools"])
+        meta = hints([])
+        self.assertEqual(sorted(n for n, m in meta.items() if m.get("anthropic/alwaysLoad") is True),
+                         ["bash", "glob", "grep", "str_replace", "view"])
+        self.assertEqual([n for n, m in meta.items() if not isinstance(m.get("anthropic/searchHint"), str)
+                          or not m["anthropic/searchHint"].strip()], [])
+        self.assertEqual([n for n, m in meta.items() if "anthropic/maxResultSizeChars" in m], [])   # (40,000:
+        # within what Claude Code keeps inline anyway)
+        self.assertEqual(set(m["anthropic/maxResultSizeChars"] for m in hints(["--max-result-chars", "120000"]).values()),
+                         {120000})
+        self.assertEqual(sorted(n for n, m in hints(["--anthropic-compat"]).items()
+                                if m.get("anthropic/alwaysLoad")), ["bash", "glob", "grep", "str_replace_editor"])
+        self.assertEqual([n for n, m in hints(["--always-load", "none"]).items() if "anthropic/alwaysLoad" in m], [])
+        self.assertEqual([n for n, m in hints(["--always-load", "web_fetch"]).items()
+                          if m.get("anthropic/alwaysLoad")], ["web_fetch"])
+        with self.assertRaises(boris.ConfigError) as e:
+            boris.McpServer(boris.parse_config(["--always-load", "veiw"], {}), self.policy)
+        self.assertIn("unknown tool name(s) for --always-load: veiw", str(e.exception))
+
+    # Everyday words and the tool they should find first (22 queries); the three that name a
+    # workspace tool of requirement 004 (read a file, write file, list directory) find it.
+    SEARCHES = [("view file contents", "view"), ("show file with line numbers", "view"), ("open image", "view"),
+                ("read pdf", "view"), ("edit a file", "str_replace"), ("replace text in file", "str_replace"),
+                ("modify code", "str_replace"), ("create a new file", "create_file"), ("run a shell command", "bash"),
+                ("execute command in terminal", "bash"), ("run tests", "bash"), ("search file contents", "grep"),
+                ("grep for a pattern", "grep"), ("find text in files", "grep"), ("find files by name", "glob"),
+                ("list files matching pattern", "glob"), ("fetch a web page", "web_fetch"),
+                ("download url", "web_fetch"), ("undo last edit", "undo_edit"), ("apply a patch", "apply_patch"),
+                ("background process output", "task_output"), ("rewind changes", "rewind")]
+
+    def test_a_tool_search_finds_the_right_tool_first(self):
+        """Issue 55: ranked by BM25 over names and descriptions (as Codex's tool search ranks them;
+        k1 1.2, b 0.75, English stop words out), each everyday query finds its tool first."""
+        import math
+        stop = set("a an the of to in on for by with and or is it its as at be from this that".split())
+        words = lambda s: [w for w in re.findall(r"[a-z0-9]+", s.lower().replace("_", " ")) if w not in stop]
+        docs = dict((n, words(n + " " + t.description)) for n, t in self.server.tools.items())
+        avg = sum(map(len, docs.values())) / float(len(docs))
+        df = Counter(w for d in docs.values() for w in set(d))
+
+        def score(doc, query):
+            return sum(math.log(1 + (len(docs) - df[w] + 0.5) / (df[w] + 0.5)) * doc.count(w) * 2.2 /
+                       (doc.count(w) + 1.2 * (0.25 + 0.75 * len(doc) / avg)) for w in words(query) if w in doc)
+        ranked = dict((q, sorted(docs, key=lambda n: -score(docs[n], q))[:3]) for q, _ in self.SEARCHES)
+        self.assertEqual([(q, want, ranked[q]) for q, want in self.SEARCHES if ranked[q][0] != want], [])
+
     def test_instructions_name_scope(self):
         cfg = boris.parse_config(["--workdir", self.root, "--allow-dir", self.root, "--deny-dir", "**/.env"], {})
         srv = boris.McpServer(cfg, boris.PathPolicy.of(cfg))
         text = srv.instructions()
-        self.assertIn("Allowed directories: %s" % self.root, text)
-        self.assertIn("Denied patterns: **/.env", text)
+        self.assertIn("Working directory: %s\nAllowed directories: %s\nDenied patterns: **/.env\n" % (
+            self.root, self.root), text)                 # (the Go original's TestBuildInstructions: adjacent, in order)
         self.assertIn("View before edit: on", text)
+        cfg = boris.parse_config(["--workdir", self.root, "--deny-dir", "**/.env"], {})
+        self.assertIn("Working directory: %s\nDenied patterns: **/.env\n" % self.root,
+                      boris.McpServer(cfg, boris.PathPolicy.of(cfg)).instructions())
 
     def test_ping_and_set_level(self):
         self.assertEqual(self.req("ping")["result"], {})
@@ -8560,16 +8712,16 @@ class TestProtocol(Base):
         self.assertEqual(self.req("ping")["result"], {})
 
     def test_modern_discover_and_meta_requests(self):
-        r = self.req("server/discover", {"_meta": {boris.META_VERSION_KEY: "2026-07-28"}})["result"]
+        r = self.req("server/discover", {"_meta": MODERN_META})["result"]
         self.assertIn("2026-07-28", r["supportedVersions"])
         self.assertEqual(r["cacheScope"], "private")
         self.assertEqual(r["resultType"], "complete")
         self.assertEqual(r["serverInfo"]["name"], "boris")
-        r = self.req("tools/list", {"_meta": {boris.META_VERSION_KEY: "2026-07-28"}})["result"]
+        r = self.req("tools/list", {"_meta": MODERN_META})["result"]
         self.assertEqual((r["resultType"], r["cacheScope"]), ("complete", "private"))
         self.write("m.txt", "hi\n")
         r = self.req("tools/call", {"name": "view", "arguments": {"path": "m.txt"},
-                                    "_meta": {boris.META_VERSION_KEY: "2026-07-28"}})["result"]
+                                    "_meta": MODERN_META})["result"]
         self.assertEqual(r["resultType"], "complete")
         e = self.req("tools/list", {"_meta": {boris.META_VERSION_KEY: "2099-01-01"}})["error"]
         self.assertEqual(e["code"], -32022)
@@ -9646,7 +9798,7 @@ CLIENTS = {"claude-code": ("image/png", "image/jpeg", "image/gif", "image/webp")
 
 def modern_call(rid, name, args, client=None, token=None):
     """A 2026-07-28 tools/call: no initialize, the client named only in _meta (as Claude Code does)."""
-    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28"}
+    meta = dict(MODERN_META)
     if client:
         meta["io.modelcontextprotocol/clientInfo"] = {"name": client, "version": "2.1.328"}
     if token is not None:
@@ -9744,7 +9896,8 @@ class TestClientsOverStdio(unittest.TestCase):
         c = self.client()
         first = c.initialize()["result"]["instructions"].split("\n")[0]
         self.assertEqual(first, "boris: coding workspace - shell, view/edit files, grep/glob search, web fetch")
-        self.assertEqual(c.request("server/discover")["result"]["instructions"].split("\n")[0], first)
+        self.assertEqual(c.request("server/discover", {"_meta": MODERN_META})["result"]["instructions"].split("\n")[0],
+                         first)
 
 
 # ---------------------------------------------------------------------------
@@ -9752,12 +9905,29 @@ class TestClientsOverStdio(unittest.TestCase):
 # ---------------------------------------------------------------------------
 
 
+def modern_headers(data):
+    """The headers a 2026-07-28 client sends beside the request `data` (JSON bytes): the
+    protocol version, Mcp-Method and, for tools/call, Mcp-Name; none for other requests."""
+    try:
+        msg = json.loads(data)
+        meta = msg["params"]["_meta"]
+        version = meta[boris.META_VERSION_KEY]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return {}
+    h = {"MCP-Protocol-Version": version, "Mcp-Method": msg.get("method")}
+    if msg.get("method") == "tools/call":
+        h["Mcp-Name"] = msg["params"].get("name")
+    return dict((k, v) for k, v in h.items() if isinstance(v, str))
+
+
 def http(port, method, path="/mcp", body=None, headers=None, timeout=30):
-    """(status, headers dict, parsed body or raw text) of one request to 127.0.0.1."""
+    """(status, headers dict, parsed body or raw text) of one request to 127.0.0.1 (a
+    2026-07-28 request with the headers its clients send, unless `headers` says otherwise)."""
     import http.client
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     data = json.dumps(body).encode() if body is not None and not isinstance(body, bytes) else body
     h = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    h.update(modern_headers(data) if data else {})
     h.update(headers or {})
     conn.request(method, path, body=data, headers=h)
     resp = conn.getresponse()
@@ -9903,6 +10073,7 @@ class TestHttpTransport(HttpBase):
             "arguments": {"command": "for i in 1 2 3; do echo p$i; sleep 0.25; done"}})
         self.assertEqual(st, 200)
         self.assertTrue(h["content-type"].startswith("text/event-stream"))
+        self.assertEqual(h["x-accel-buffering"], "no")         # (a proxy passes each event on at once)
         self.assertEqual(events[0]["method"], "notifications/progress")
         self.assertEqual(events[0]["params"]["progressToken"], 7)
         self.assertIn("p3", events[-1]["result"]["content"][0]["text"])
@@ -9937,7 +10108,7 @@ class TestHttpTransport(HttpBase):
         self.assertEqual(self.rpc(sid, "ping")[2]["result"], {})
 
     def test_stateless_modern_requests(self):
-        meta = {"_meta": {boris.META_VERSION_KEY: "2026-07-28"}}
+        meta = {"_meta": MODERN_META}
         st, _, body = self.rpc(None, "server/discover", meta, extra={"MCP-Protocol-Version": "2026-07-28"})
         self.assertEqual(st, 200)
         self.assertIn("2026-07-28", body["result"]["supportedVersions"])
@@ -9945,6 +10116,61 @@ class TestHttpTransport(HttpBase):
         self.assertEqual(body["result"]["resultType"], "complete")
         st, _, body = self.rpc(None, "tools/list", meta, extra={"MCP-Protocol-Version": "2025-06-18"})
         self.assertEqual(st, 400)
+
+
+class TestHttpModernToTheLetter(HttpBase):
+    """Issue 55: a 2026-07-28 request over HTTP as the revision's text writes it: the _meta it
+    carries, the version it names, the headers that mirror its body, the methods it has,
+    each refused with the status and code the text names; the 2025 era as it was."""
+
+    def post(self, method, params, headers=None, rid=9):
+        return http(self.port, "POST", body={"jsonrpc": "2.0", "id": rid, "method": method, "params": params},
+                    headers=headers)
+
+    def refused(self, status, code, method, params, headers=None):
+        st, _, body = self.post(method, params, headers)
+        self.assertEqual((st, body["error"]["code"]), (status, code), (method, params, headers, body))
+        return body["error"]
+
+    def test_what_a_request_carries(self):
+        self.refused(400, -32602, "server/discover", {})
+        self.refused(400, -32602, "server/discover", {"_meta": {boris.CLIENT_CAPS_KEY: {}}})
+        self.refused(400, -32602, "tools/list", {"_meta": {boris.META_VERSION_KEY: "2026-07-28"}})
+        self.refused(400, -32602, "tools/list", {"_meta": dict(MODERN_META, **{boris.LOG_LEVEL_KEY: "loud"})})
+        e = self.refused(400, -32022, "tools/list", {"_meta": dict(MODERN_META, **{boris.META_VERSION_KEY: "2099-01-01"})})
+        listed = self.post("server/discover", {"_meta": MODERN_META})[2]["result"]["supportedVersions"]
+        self.assertEqual(e["data"]["supported"], listed)                 # one list of versions everywhere
+        self.refused(400, -32602, "tools/list", {"_meta": MODERN_META, "cursor": "made-up"})
+
+    def test_headers_mirror_the_body(self):
+        view = {"name": "view", "arguments": {"path": "f.txt"}, "_meta": MODERN_META}
+        for headers in ({"Mcp-Method": "prompts/list"}, {"Mcp-Method": "TOOLS/LIST"},
+                        {"MCP-Protocol-Version": "2025-11-25"}):
+            self.refused(400, -32020, "tools/list", {"_meta": MODERN_META}, headers)
+        import http.client
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)   # no Mcp-Method at all
+        conn.request("POST", "/mcp", body=json.dumps({"jsonrpc": "2.0", "id": 3, "method": "tools/list",
+                                                      "params": {"_meta": MODERN_META}}),
+                     headers={"Content-Type": "application/json", "Accept": "application/json, text/event-stream"})
+        resp = conn.getresponse()
+        self.assertEqual((resp.status, json.loads(resp.read())["error"]["code"]), (400, -32020))
+        conn.close()
+        self.refused(400, -32020, "tools/call", view, {"Mcp-Name": "wrong_tool_name"})
+        st, _, body = self.post("tools/call", view, {"Mcp-Name": "=?base64?%s?=" % base64.b64encode(b"view").decode()})
+        self.assertEqual(st, 200, body)
+        self.assertEqual(body["result"]["_meta"][boris.SERVER_INFO_KEY]["name"], "boris")
+        st, _, body = self.post("tools/list", {"_meta": MODERN_META}, {"Mcp-Session-Id": "no-such-session"})
+        self.assertEqual(st, 200, body)                                  # (stateless: a session id is ignored)
+        self.assertEqual(body["result"]["_meta"][boris.SERVER_INFO_KEY]["name"], "boris")
+
+    def test_methods_the_revision_removed_or_never_had(self):
+        for method in ("ping", "initialize", "logging/setLevel", "resources/subscribe", "resources/unsubscribe",
+                       "no/such/method"):
+            self.refused(404, -32601, method, {"_meta": MODERN_META})
+        sid = self.init()                                                # the 2025 era: as it was
+        self.assertEqual(self.rpc(sid, "ping")[2]["result"], {})
+        self.assertEqual(self.rpc(sid, "logging/setLevel", {"level": "debug"})[2]["result"], {})
+        self.assertEqual(self.rpc(sid, "no/such/method")[:1], (200,))
 
 
 class TestHttpAuth(HttpBase):
@@ -9994,7 +10220,7 @@ def modern_bash(command, rid=7):
     """A stateless 2026-07-28 tools/call: no session needed."""
     return json.dumps({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {
         "name": "bash", "arguments": {"command": command},
-        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28"}}}).encode()
+        "_meta": MODERN_META}}).encode()
 
 
 class TestHttpHostileRequests(HttpBase):
@@ -10711,14 +10937,22 @@ def run_lanes(argv):
     outside = outside_state()
     computing, waiting = lanes()
     second = subprocess.Popen(base + waiting, cwd=HERE, stdout=waiting_log, stderr=subprocess.STDOUT)
-    first = subprocess.run(base + computing, cwd=HERE, stderr=subprocess.PIPE)
+    first = subprocess.Popen(base + computing, cwd=HERE, stderr=subprocess.PIPE)
+    closing = re.compile(r"^(Ran \d+ tests? in .*|OK|OK \(.*\)|FAILED \(.*\))$")    # (a lane's own summary:
+    lines = []                                                                         # one is printed, the total)
+    for raw in iter(first.stderr.readline, b""):                 # the computing lane, as it runs
+        lines.append(raw.decode("utf-8", "replace"))
+        if not closing.match(lines[-1].rstrip("\n")):
+            sys.stderr.write(lines[-1])
+            sys.stderr.flush()
+    first.stderr.close()
+    first.wait()
     second.wait()
     waiting_log.seek(0)
-    logs = [first.stderr.decode("utf-8", "replace"), waiting_log.read().decode("utf-8", "replace")]
+    logs = ["".join(lines), waiting_log.read().decode("utf-8", "replace")]
     waiting_log.close()
-    sys.stderr.write(logs[0])
     sys.stderr.write("\n--- the waiting lane (%s) ---\n" % ", ".join(WAITING_SECTIONS))
-    sys.stderr.write(logs[1])
+    sys.stderr.write("".join(line for line in logs[1].splitlines(True) if not closing.match(line.rstrip("\n"))))
     ran, counts = 0, Counter()
     deadline = time.monotonic() + 30              # (a server a test ended may still be on its way out)
     while True:
