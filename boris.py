@@ -351,9 +351,13 @@ FLAGS = (
      " through a loopback HTTP(S) proxy boris runs, which web_fetch then keeps to as well"),
     ("sandbox-protect", "BORIS_SANDBOX_PROTECT", "", "list",
      "paths sandboxed commands may read but never change although they are under a writable root: a name"
-     " (looked for at the top of each workspace root and of its subdirectories) or an absolute path;"
-     " always .git, .hg, .svn and boris.py itself unless 'none' is given (repeatable)"),
+     " (looked for at the top of each workspace root and of its subdirectories) or an absolute path,"
+     " added to the defaults; 'none' protects nothing (repeatable)"),
 )
+# What --help says a default does where the flag's own default value does not say it
+# (a test holds each to what the code does)
+HELP_DEFAULTS = {"allow-dir": "none: every directory", "deny-dir": "none",
+                 "sandbox-network": "off when sandboxed", "sandbox-protect": ".git, .hg, .svn, boris.py"}
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -443,7 +447,7 @@ def help_text():
         arg = "" if kind == "bool" else " " + (kind[7:] if kind.startswith("choice:") else
                                                 {"tristate": "auto|true|false", "chars": "N"}.get(kind, kind.upper()))
         lines.append("  --%s%s" % (flag, arg))
-        lines.append("      %s [env %s, default %s]" % (text, env, default or "none"))
+        lines.append("      %s [env %s, default: %s]" % (text, env, HELP_DEFAULTS.get(flag, default or "none")))
     lines.append("  --version, -v\n      print the version and exit")
     lines.append("  --help\n      print this help and exit")
     lines += ["", "--allow-dir/--deny-dir scope the file tools. The shell is confined by --sandbox (Linux",
@@ -500,7 +504,10 @@ def given_flags(argv):
             raise ConfigError("unexpected argument %r (flags start with --; see --help)" % arg)
         name, eq, value = arg[2:].partition("=")
         if name not in spec:
-            raise ConfigError("unknown flag --%s (see --help for the list)" % name)
+            import difflib
+            near = difflib.get_close_matches(name, list(spec), 1, 0.6)
+            raise ConfigError("unknown flag --%s (%ssee --help for the list)" % (
+                name, "did you mean --%s? " % near[0] if near else ""))
         if not eq:
             value = "true" if spec[name][3] == "bool" else next(args, None)
         if value is None:
@@ -15044,8 +15051,9 @@ def main(argv=None, environ=None, after_the_script=False):
             sweep_stores()                # checkpoint stores that killed servers left
             if config.transport == "http":
                 return serve_http(server, config, stopper)
+            log("info", "serving MCP on stdio: waiting for a client's messages on stdin", workdir=config.workdir,
+                sandbox=sandbox.mode if sandbox.on else "off")
             log("info", sandbox.describe(), why=sandbox.why)
-            log("debug", "serving stdio", workdir=config.workdir, tools=list(server.tools))
             serve_stdio(server, Session(config), stopper)
             return 0
         finally:

@@ -410,6 +410,38 @@ class TestConfig(unittest.TestCase):
         p = subprocess.run([sys.executable, BORIS, "--help"], capture_output=True, text=True, timeout=30)
         self.assertEqual(p.returncode, 0)
         self.assertIn("BORIS_WORKDIR", p.stdout)
+        p = subprocess.run([sys.executable, BORIS, "--wrkdir", "."], capture_output=True, text=True, timeout=30)
+        self.assertEqual((p.returncode, p.stderr.strip()), (2, "boris: error: unknown flag --wrkdir (did you mean"
+                                                               " --workdir? see --help for the list)"))
+
+    def test_start_up_says_what_it_serves_where_and_how_confined(self):
+        """Issue 57: one line on stderr as it starts: the transport, the workspace, the sandbox."""
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-start-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        p = subprocess.run([sys.executable, BORIS, "--workdir", tmp], stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=60)
+        line = [l for l in p.stderr.splitlines() if "serving MCP on stdio" in l]
+        self.assertEqual(len(line), 1, p.stderr)
+        self.assertIn('workdir="%s" sandbox="off"' % tmp, line[0])
+
+    def test_every_default_help_shows_is_what_the_code_does(self):
+        """Issue 57: the defaults --help names, where a flag's own default does not say what
+        happens: compared with what a configuration of no flags does."""
+        lines = boris.help_text().split("\n")
+        shown = dict((lines[k].split()[0][2:], re.search(r"default: ([^\]]*)\]$", lines[k + 1]).group(1))
+                     for k in range(len(lines) - 1) if lines[k].startswith("  --") and "default: " in lines[k + 1])
+        cfg = boris.parse_config([], {})
+        for flag, _, default, _, _ in boris.FLAGS:
+            if flag not in boris.HELP_DEFAULTS:
+                self.assertEqual(shown[flag], default or "none", flag)
+        self.assertEqual(shown["sandbox-protect"], ".git, .hg, .svn, boris.py")
+        protect = boris.Protect.of(cfg, boris.PathPolicy.of(cfg))
+        self.assertEqual(protect.names + [os.path.basename(f) for f in protect.files], [".git", ".hg", ".svn",
+                                                                                        "boris.py"])
+        self.assertEqual(shown["sandbox-network"], "off when sandboxed")
+        self.assertIsNone(cfg.sandbox_network)                      # (resolve_sandbox: None is off, said so)
+        self.assertEqual((shown["allow-dir"], cfg.allow_dir, boris.PathPolicy.of(cfg).allow),
+                         ("none: every directory", [], []))
 
 
 class TestErrorVocabulary(unittest.TestCase):
@@ -798,18 +830,25 @@ class TestHostilePathCampaign(unittest.TestCase):
             self.assertNotIn(SECRET, r["content"][0]["text"])
 
 
+def swap_setup(test):
+    """(the C library, a HostileTree) for a test that swaps paths with renameat2 (skipped
+    where there is none), its logs quiet and its tree removed after it."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "renameat2"):
+        test.skipTest("renameat2 not available")
+    quiet_logs(test)
+    tree = HostileTree()
+    test.addCleanup(tree.cleanup)
+    return libc, tree
+
+
 class TestSwapRace(unittest.TestCase):
     """A thread swaps a directory and a symlink to outside (renameat2 RENAME_EXCHANGE)
     while tools read and write through the directory: nothing may cross."""
 
     def test_swapping_thread_finds_no_escape(self):
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        if not hasattr(libc, "renameat2"):
-            self.skipTest("renameat2 not available")
-        quiet_logs(self)
-        tree = HostileTree()
-        self.addCleanup(tree.cleanup)
+        libc, tree = swap_setup(self)
         d = os.path.join(tree.ws, "d")
         os.makedirs(d)
         with open(os.path.join(d, "f.txt"), "w") as f:
@@ -870,14 +909,7 @@ class TestDocumentSwapRace(unittest.TestCase):
     ROUNDS = int(os.environ.get("BORIS_SWAP_ROUNDS") or 250)
 
     def test_view_reads_only_what_it_checked(self):
-        import base64
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        if not hasattr(libc, "renameat2"):
-            self.skipTest("renameat2 not available")
-        quiet_logs(self)
-        tree = HostileTree()
-        self.addCleanup(tree.cleanup)
+        libc, tree = swap_setup(self)
         server, cfg, policy = tree.server()
         session = boris.Session(cfg)
         self.addCleanup(session.close)
