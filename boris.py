@@ -9031,6 +9031,7 @@ CHECKPOINT_PART_MIN_S = 0.5                          # a walk hands a waiter its
 
 CHECKPOINT_PREFIX = "boris-checkpoints-"         # a store: <temp>/boris-checkpoints-XXXX, 0700
 STORE_PACK_BYTES = 64 << 20                        # a pack file of the store takes bytes up to this size
+STORE_MAKING_S = 60                                # a store with no lock file yet is being made this long
 
 
 def hold_store(store):
@@ -9102,8 +9103,8 @@ def store_place(roots):
 def sweep_stores():
     """Remove, in the background (the thread returned), the stores that servers killed
     before they could (kill -9, a power cut) left where stores are made: this user's,
-    with a lock file no process holds. One without a lock file is left alone. A server
-    sweeps as it starts (main)."""
+    with a lock file (or the one hold_store was making) no process holds, or none at all
+    a minute after it was made. A server sweeps as it starts (main)."""
     import shutil
     try:
         import fcntl
@@ -9123,13 +9124,22 @@ def sweep_stores():
             store = os.path.join(top, name)
             try:
                 st = os.lstat(store)
-                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-                    continue
-                fd = os.open(os.path.join(store, "lock"), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
             except OSError:
                 continue
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            fd = None
+            for lock in ("lock", "lock.new"):           # (killed while hold_store made its lock: lock.new)
+                try:
+                    fd = os.open(os.path.join(store, lock), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
+                    break
+                except OSError:
+                    continue
+            if fd is None and time.time() - st.st_mtime < STORE_MAKING_S:
+                continue                               # being made right now: its lock comes next
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if fd is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 os.close(fd)
                 continue                               # a live server's
@@ -9137,7 +9147,8 @@ def sweep_stores():
                 shutil.rmtree(store, ignore_errors=True)
                 log("info", "removed a checkpoint store left by a server that was killed", store=store)
             finally:
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
     thread = threading.Thread(target=sweep, daemon=True, name="boris-sweep")
     thread.start()
     return thread

@@ -9295,6 +9295,31 @@ class TestStoresOfKilledServers(unittest.TestCase):
         self.assertFalse(os.path.exists(where))
 
 
+class TestStoresKilledWhileMade(unittest.TestCase):
+    """A server killed while hold_store made its lock leaves lock.new (or no lock file):
+    the sweep removes such a store once nobody holds it, and leaves a young one alone."""
+
+    def test_half_made_stores_are_swept(self):
+        import fcntl
+        temp = os.path.realpath(tempfile.mkdtemp(prefix="boris-sweep-"))
+        self.addCleanup(shutil.rmtree, temp, True)
+        made = {}
+        for name in ("dead-new", "live-new", "old-empty", "young-empty"):
+            made[name] = os.path.join(temp, boris.CHECKPOINT_PREFIX + name)
+            os.mkdir(made[name], 0o700)
+        for name in ("dead-new", "live-new"):
+            with open(os.path.join(made[name], "lock.new"), "w"):
+                pass
+        held = os.open(os.path.join(made["live-new"], "lock.new"), os.O_RDONLY)
+        self.addCleanup(os.close, held)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        os.utime(made["old-empty"], (time.time() - 2 * boris.STORE_MAKING_S,) * 2)
+        with mock.patch.object(tempfile, "tempdir", temp), mock.patch.dict(os.environ, {"XDG_CACHE_HOME": temp}), \
+                mock.patch.object(boris, "log"):
+            boris.sweep_stores().join(10)
+        self.assertEqual(sorted(n for n in made if os.path.exists(made[n])), ["live-new", "young-empty"])
+
+
 class TestStdioProtocol(StdioBase):
     def test_garbage_gets_errors_and_server_keeps_answering(self):
         c = self.c
