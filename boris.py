@@ -3472,6 +3472,7 @@ class Walker(object):
         self.link_heap = []                        # ... ordered by path once the real tree is done
         self.links_queued = 0
         self.defer_links = False                   # True: leave self.linked to whoever shares the walk
+        self.ignores = True                        # False: .gitignore rules are not applied (grep's no_ignore)
         self.use_ignore = False
         self.listed = 0                            # entries listed so far
         self.recalled = 0                          # directories answered from the cache
@@ -3485,7 +3486,7 @@ class Walker(object):
 
     def start(self):
         """The root's pending entry (path, real, ignore stack, depth, inode)."""
-        self.use_ignore = True
+        self.use_ignore = self.ignores
         return self.root, self.root, self.cache.outer(self.root), 0, None
 
     def walk(self, pending):
@@ -6772,7 +6773,7 @@ class GrepWork(object):
         """A Walker of root k that follows directory links (as grep -R does); its files are read,
         so a walk from the cache is still shared with partners."""
         walker = Walker(self.roots[k][0], self.policy, follow_links=True, cache=self.cache)
-        walker.costly_files = True
+        walker.costly_files, walker.ignores = True, not self.job.get("no_ignore")
         return walker
 
     def take(self, k, path, real, is_dir, ino):
@@ -12317,7 +12318,7 @@ def tool_rewind(session, args, ctx):
 
 
 EDITOR_DESC = ("View, create and edit files. command=view shows a file with line numbers or lists a "
-               "directory (view_range optional); create writes file_text to path; str_replace replaces the "
+               "directory; create writes file_text to path; str_replace replaces the "
                "unique old_str with new_str; insert adds insert_text after line insert_line (0 = top); "
                "undo_edit takes back this session's last edit of path. Files must be viewed before they are "
                "edited.")
@@ -13049,7 +13050,7 @@ def output_test(ctx, pattern, deadline):
     return matches
 
 
-TASK_DESC = ("Read the output of a background bash task (a process run_in_background started): its status first"
+TASK_DESC = ("Read the output of a background bash task or process: its status first"
              " ('running', or 'completed' with the exit code), "
              "then only the output not returned by an earlier call. wait_ms waits up to that long for the task "
              "to finish; wait_for (a regular expression) returns as soon as new output matches it, e.g. "
@@ -13185,14 +13186,15 @@ def grep_spec(pattern, mode, regex=True, ignore_case=False, multiline=False):
             "mode": mode, "before": 0, "after": 0}
 
 
-def grep_job_of(ctx, roots, spec, include=None, type_name=None):
+def grep_job_of(ctx, roots, spec, include=None, type_name=None, no_ignore=False):
     """A grep job for HelperPool.run: roots from search_root, names filtered by
-    include/type (checked here first, so a malformed one is reported at once)."""
+    include/type (checked here first, so a malformed one is reported at once); with
+    no_ignore, what .gitignore ignores is searched too."""
     if include:
         check_pattern(include, "include")
     name_filter(include, type_name)
     return {"op": "grep", "policy": policy_spec(ctx.policy), "roots": roots, "spec": spec,
-            "include": include, "type": type_name}
+            "include": include, "type": type_name, "no_ignore": bool(no_ignore)}
 
 
 def format_records(label, records, numbers, breaks=True):
@@ -13260,8 +13262,8 @@ GREP_DESC = ("Grep: search file contents for a regex pattern, to find text in fi
              "directory at `path` (default: the working directory) skipping .git, node_modules, binary "
              "files and what .gitignore ignores. output_mode: files_with_matches (default; paths, newest "
              "first), content (path:line:text, with optional context lines) or count (path:count). Filter "
-             "files with include (a glob such as *.{ts,tsx}) or type (py, js, ts, go, rust, ...). Use "
-             "head_limit/offset to page through long results.")
+             "files with include (a glob such as *.{ts,tsx}) or type (py, js, go, ...); head_limit/offset "
+             "page long results.")
 GLOB_DESC = ("Find files by name: list the files matching a glob pattern (**, *, ?, {a,b}, [a-z]); a pattern without '/' matches "
              "file names at any depth, one with '/' whole relative paths (src/*.c: the direct children of src). "
              "Returns paths relative to `path` (default: the working directory), newest first; skips .git, "
@@ -13281,6 +13283,7 @@ GREP_PROPS = {
     "multiline": prop("boolean", "Let . match newlines and patterns span lines (default false)."),
     "head_limit": prop("integer", "Show at most this many lines (content) or entries (other modes)."),
     "offset": prop("integer", "Skip this many lines/entries first (default 0)."),
+    "no_ignore": prop("boolean", "Search what .gitignore ignores too."),
 }
 COMPAT_GREP_NAMES = {"glob": "include", "-i": "case_insensitive", "-n": "line_numbers",
                      "-A": "context_after", "-B": "context_before", "-C": "context"}
@@ -13318,15 +13321,30 @@ def tool_grep(session, args, ctx):
     shown = args.get("path") or "."
     root = search_root(session, ctx, shown)
     spec = grep_tool_spec(args, pattern, mode)
-    items, why = ctx.helpers.run(grep_job_of(ctx, [root], spec, args.get("include"), args.get("type")),
+    no_ignore = args.get("no_ignore")
+    items, why = ctx.helpers.run(grep_job_of(ctx, [root], spec, args.get("include"), args.get("type"), no_ignore),
                                  ctx.cancelled)
     notice = [partial_notice(why)] if why else []
     if not items:
-        skipped = ["(Not searched under %s: what .gitignore ignores, .git, node_modules and binary files; a path"
-                   " inside an ignored directory is searched when given as path.)" % shown] if root[1] else []
-        return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)] + skipped + notice)
+        more = ignored_matches(ctx, root, shown, spec, args) if root[1] and not no_ignore and not why else []
+        return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)] + notice + more)
     hits = [GrepHit(*item)._replace(rel=item[1] if root[1] else shown) for item in items]
     return grep_answer(hits, spec, args, notice, search_cap(ctx))
+
+
+def ignored_matches(ctx, root, shown, spec, args):
+    """After a search of a directory found nothing: a line naming how many files that
+    .gitignore ignores hold a match, and the argument that searches them (no_ignore);
+    none when they hold none either."""
+    listing = dict(spec, mode="files_with_matches")
+    items, _ = ctx.helpers.run(grep_job_of(ctx, [root], listing, args.get("include"), args.get("type"), True),
+                               ctx.cancelled)
+    if not items:
+        return []
+    return ["(%d file%s that .gitignore ignores under %s hold%s matches, e.g. %s: pass no_ignore: true to search"
+            " them; .git, node_modules and binary files are never searched.)" % (
+                len(items), "" if len(items) == 1 else "s", shown, "s" if len(items) == 1 else "",
+                GrepHit(*items[0]).rel)]
 
 
 def grep_tool_spec(args, pattern, mode):
@@ -13682,8 +13700,8 @@ WEB_FETCH_WORDS = {
 }
 
 
-@tool("web_fetch", "Fetch a web page (http or https) and return its readable content: HTML as light Markdown"
-      " (headings, lists, [text](url) links, fenced <pre> blocks, table rows; scripts and styles removed), JSON and"
+@tool("web_fetch", "Fetch a web page by URL (http, https) and return its readable content: HTML as light Markdown"
+      " (headings, lists, links, code blocks, tables; no scripts or styles), JSON and"
       " plain text as they are; at most 5,000 characters, and a cut page ends with the start_index to read on."
       " Errors start with 错误 (error).", obj({
           "url": prop("string", "The http:// or https:// URL."),

@@ -7494,14 +7494,20 @@ class TestGrep(SearchBase):
 
 
     def test_no_match_says_what_was_not_searched_and_how_to(self):
-        """Issue 57: a word only an ignored file holds: the answer says ignored files were not
-        searched and how to search them; given that path, grep finds it."""
-        self.write(".gitignore", "build/\n")
+        """Issue 57: a word only ignored files hold: the answer counts them and names the
+        argument that searches them, which then finds them; a word nowhere says nothing more."""
+        self.write(".gitignore", "build/\n*.log\n")
         self.write("build/out.txt", "only-in-ignored\n")
+        self.write("run.log", "only-in-ignored\n")
         text = self.ok("grep", pattern="only-in-ignored")
-        self.assertIn("Not searched under .: what .gitignore ignores", text)
+        self.assertTrue(text.startswith("No matches found for pattern 'only-in-ignored' in .\n(2 files that"
+                                        " .gitignore ignores under . hold matches, e.g. "), text)
+        self.assertIn("pass no_ignore: true to search them", text)
+        self.assertEqual(sorted(self.ok("grep", pattern="only-in-ignored", no_ignore=True).split("\n")),
+                         ["build/out.txt", "run.log"])
         self.assertEqual(self.ok("grep", pattern="only-in-ignored", path="build"), "out.txt")
-        self.assertNotIn("Not searched", self.ok("grep", pattern="nowhere", path="src/app.py"))
+        self.assertEqual(self.ok("grep", pattern="nowhere-at-all"), "No matches found for pattern 'nowhere-at-all'"
+                                                                   " in .")
 
 
 class TestLiteralsFoundInC(unittest.TestCase):
