@@ -3480,6 +3480,8 @@ class Walker(object):
         self.links_seen = None                     # a list: ((link() arguments), its entries) of each link met
         self.tick = None                           # called after each directory listed
         self.raw_links = False                     # True: a symlink is found as itself, is_dir None (checkpoints)
+        self.watch_first = False                   # True: directories are watched from the first walk, not the
+        #                                            second (checkpoints walk the same tree again and again)
 
     def __iter__(self):
         return self.walk([self.start()])
@@ -3575,7 +3577,7 @@ class Walker(object):
         if fd is None:
             return [], []
         found, subdirs, settled, links = [], [], True, []
-        watched = key is not None and self.recalled and self.cache.watch_listed(real, fd, st)   # (walked before)
+        watched = key is not None and (self.recalled or self.watch_first) and self.cache.watch_listed(real, fd, st)
         try:                                    # (the fd stays open: DT_UNKNOWN entries lstat through it)
             names = frozenset(e.name for e in entries if e.name in (".git", ".gitignore"))
             outer, ign = ign, self.rules(path, names, ign)
@@ -9459,7 +9461,7 @@ def entry_changes(old, new, partial=False):
 
 class Checkpoints(object):
     """A session's checkpoints of its workspace roots, their bytes in the server's store (see
-    above). before() and after() frame each call that can change files; take() checkpoints
+    above). before() and after() frame each call that can change files; current() checkpoints
     now; rewind() puts a checkpoint back.
 
     One condition, `cond`, guards all their state. A walk of the workspace has the turn at
@@ -9651,15 +9653,10 @@ class Checkpoints(object):
         finally:
             self.release()
 
-    def take(self, cancelled=None):
-        """Checkpoint now, in the turn at the store: the latest Checkpoint, whole; None when
-        off, closed or cancelled."""
-        with self.held(cancelled):
-            return self.current(cancelled)
-
     def current(self, cancelled=None):
-        """take() for a caller that holds the turn (a rewind keeps it, so that no walk comes
-        between the state it reads and what it writes)."""
+        """Checkpoint now, for a caller that holds the turn (a rewind keeps it, so that no walk
+        comes between the state it reads and what it writes): the latest Checkpoint, whole;
+        None when off, closed or cancelled."""
         if self.closed or not self.open_store():
             return None
         with self.cond:
@@ -9746,8 +9743,7 @@ class Checkpoints(object):
                 break
             repo = next((r for r in self.repos if is_within(root, r.top)), None)
             walker = Walker(root, self.walk_policy, follow_links=False, want_dirs=True, cache=self.cache)
-            walker.raw_links, walker.visited = True, visited
-            walker.recalled = 1                              # (walked again and again: watched from the first walk)
+            walker.raw_links, walker.visited, walker.watch_first = True, visited, True
             for path, _, is_dir, _ in walker:
                 if len(entries) >= CHECKPOINT_WALK_MAX:
                     partial = "the walk stopped at %d entries (narrow --allow-dir)" % CHECKPOINT_WALK_MAX
@@ -9960,32 +9956,6 @@ class Checkpoints(object):
 
 
 TOOLS = []                                 # every tool, in listing order: filled by @tool where each is defined
-# The words a tool search (Claude Code's) finds each tool by, beside its name and description
-SEARCH_HINTS = {
-    "view": "read file, image, pdf, directory",
-    "outline": "file structure, symbols",
-    "str_replace": "edit code in a file",
-    "multi_edit": "several edits, one file",
-    "create_file": "write a new file",
-    "undo_edit": "undo an edit",
-    "checkpoints": "review session changes, diff",
-    "rewind": "undo shell changes",
-    "str_replace_editor": "view or edit files",
-    "apply_patch": "apply a diff patch",
-    "notebook_edit": "edit jupyter cell",
-    "bash": "run shell command, tests",
-    "task_output": "background task output",
-    "task_input": "type into a task",
-    "task_stop": "kill a background task",
-    "grep": "search file contents, regex",
-    "glob": "find files by name",
-    "search_text": "search text",
-    "search_files": "find files",
-    "read_file": "read file",
-    "write_file": "write file",
-    "list_directory": "list directory",
-    "web_fetch": "fetch web page, docs",
-}
 DEFAULT, COMPAT = ("default",), ("compat",)  # the tool modes (--anthropic-compat) a tool is listed in
 BOTH = DEFAULT + COMPAT
 
@@ -10001,11 +9971,11 @@ class Tool(object):
     Config; made() gives the listed tool. `changes`: it can change files (its destructive
     hint), so the session checkpoints the workspace before it."""
     __slots__ = ("name", "description", "schema", "annotations", "handler", "modes", "codes", "argument_error",
-                 "lane", "goes_with", "changes")
+                 "lane", "goes_with", "changes", "hint")
 
     def __init__(self, name, description, schema, annotations, handler, modes=BOTH, codes=None,
-                 argument_error=None, lane="quick", goes_with=()):
-        self.name, self.description, self.schema = name, description, schema
+                 argument_error=None, lane="quick", goes_with=(), hint=""):
+        self.name, self.description, self.schema, self.hint = name, description, schema, hint
         self.annotations, self.handler, self.modes = annotations, handler, modes
         self.codes = codes or {}
         self.argument_error = argument_error or (lambda e: e)
@@ -10017,14 +9987,14 @@ class Tool(object):
         """This tool as `config` lists it: description and schema worked out."""
         return Tool(self.name, self.description(config) if callable(self.description) else self.description,
                     self.schema(config) if callable(self.schema) else self.schema, self.annotations, self.handler,
-                    self.modes, self.codes, self.argument_error, self.lane, self.goes_with)
+                    self.modes, self.codes, self.argument_error, self.lane, self.goes_with, self.hint)
 
     def listing(self, config):
         """The tool as tools/list shows it, with Claude Code's hints in _meta: load it from the
         first turn (--always-load), words its tool search finds it by, and, where
         --max-result-chars is over what it keeps inline, that its answers stay within that
         (so none is spilled to a file)."""
-        meta = {"anthropic/searchHint": SEARCH_HINTS[self.name]}
+        meta = {"anthropic/searchHint": self.hint}
         if config.max_result_chars > CLAUDE_INLINE_CHARS:
             meta["anthropic/maxResultSizeChars"] = config.max_result_chars
         if self.name in config.always_load:
@@ -10504,7 +10474,8 @@ PAGES_PROP = prop("string", "For a PDF: the page or pages to read, \"3\" or \"3-
 
 
 @tool("view", VIEW_DESC, obj({"path": PATH_PROP, "view_range": RANGE_PROP, "pages": PAGES_PROP}, ["path"]),
-      notes("View file or directory", read_only=True, idempotent=True), DEFAULT)
+      notes("View file or directory", read_only=True, idempotent=True), DEFAULT,
+      hint="read file, image, pdf, directory")
 def tool_view(session, args, ctx):
     """view: a file's numbered lines (a view_range of them), an image, a notebook's
     cells, or a directory's tree two levels deep (a view_range is for files only). A
@@ -10720,7 +10691,7 @@ OUTLINE_DESC = ("Show a file's structure before reading it: its definitions (cla
     "path": PATH_PROP,
     "offset": prop("integer", "Definitions (of a file) or files (of a directory) to skip: the read-on notice of"
                               " a cut outline gives it."),
-}, ["path"]), notes("Outline a file or directory", read_only=True, idempotent=True))
+}, ["path"]), notes("Outline a file or directory", read_only=True, idempotent=True), hint="file structure, symbols")
 def tool_outline(session, args, ctx):
     """outline: the definitions of a file, or the top-level ones of each source file
     under a directory, bounded by the result cap with a read-on notice."""
@@ -11562,17 +11533,21 @@ def put_back(done, known, ctx):
     return "the %d file%s written before it were restored, so nothing changed" % (len(done), "" if len(done) == 1 else "s")
 
 
+def unified_diff(before, after, shown):
+    """The unified diff of bytes `before` -> `after` (None: no file there) as git writes it,
+    the file named `shown`: a line without its newline says so."""
+    import difflib
+    a = (before or b"").decode("utf-8", "surrogateescape").splitlines(True)
+    b = (after or b"").decode("utf-8", "surrogateescape").splitlines(True)
+    return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+                   for line in difflib.unified_diff(a, b, "/dev/null" if before is None else "a/" + shown,
+                                                    "/dev/null" if after is None else "b/" + shown))
+
+
 def edit_diff(todo, cap):
     """The answer of a dry run: the unified diff of each file's change, with the file's
     line numbers, cut to fit `cap`."""
-    import difflib
-    out = []
-    for real, shown, data, before, _ in todo:
-        a = (before or b"").decode("utf-8", "surrogateescape").splitlines(True)
-        b = (data or b"").decode("utf-8", "surrogateescape").splitlines(True)
-        for line in difflib.unified_diff(a, b, "/dev/null" if before is None else "a/" + shown,
-                                         "/dev/null" if data is None else "b/" + shown):
-            out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    out = [unified_diff(before, data, shown) for real, shown, data, before, _ in todo]
     text = "".join(out).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     if not text:
         return "Dry run: the edit would change nothing; nothing was written."
@@ -11929,7 +11904,7 @@ STR_REPLACE_DESC = ("Edit a file - the edit tool for most edits: replace text (o
     "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
     "replace_all": prop("boolean", "Replace every occurrence instead of requiring one (default false)."),
     "dry_run": DRY_RUN_PROP,
-}, ["path", "old_str"]), notes("Replace text in a file", destructive=True), DEFAULT)
+}, ["path", "old_str"]), notes("Replace text in a file", destructive=True), DEFAULT, hint="edit code in a file")
 def tool_str_replace(session, args, ctx):
     """str_replace: replace old_str (unique, or every one with replace_all) in a file viewed and unchanged
     since."""
@@ -11962,7 +11937,7 @@ MULTI_EDIT_DESC = ("Make several changes to one file in one call: each {old_str,
                       "replace_all": prop("boolean", "Replace every occurrence (default false)."),
                   }, ["old_str"])),
     "dry_run": DRY_RUN_PROP,
-}, ["path", "edits"]), notes("Edit a file in several places", destructive=True))
+}, ["path", "edits"]), notes("Edit a file in several places", destructive=True), hint="several edits, one file")
 def tool_multi_edit(session, args, ctx):
     """Several str_replace edits of one file: each applies to the result of the one
     before; all of them or none are written, in one atomic write."""
@@ -12011,7 +11986,7 @@ CREATE_DESC = ("Create a new file, or write a whole file: the given content, ove
 
 @tool("create_file", CREATE_DESC, obj({
     "path": PATH_PROP, "content": prop("string", "The complete file content."), "dry_run": DRY_RUN_PROP,
-}, ["path", "content"]), notes("Create or overwrite a file", destructive=True), DEFAULT)
+}, ["path", "content"]), notes("Create or overwrite a file", destructive=True), DEFAULT, hint="write a new file")
 def tool_create_file(session, args, ctx, content_key="content"):
     """create_file: write a whole file (made or overwritten), its directories made as needed."""
     shown = args["path"]
@@ -12074,7 +12049,7 @@ UNDO_DESC = ("Undo: take back this session's last change to a path, made by str_
 
 
 @tool("undo_edit", UNDO_DESC, obj({"path": PATH_PROP, "dry_run": DRY_RUN_PROP}, ["path"]),
-      notes("Undo the last edit of a file", destructive=True), DEFAULT)
+      notes("Undo the last edit of a file", destructive=True), DEFAULT, hint="undo an edit")
 def tool_undo_edit(session, args, ctx):
     """undo_edit: restore a file (and the others an apply_patch changed with it) as
     it was before this session's last edit of it, if nothing else changed it since."""
@@ -12171,7 +12146,7 @@ def running_note(session):
 @tool("checkpoints", CHECKPOINTS_DESC, obj({
     "since": prop("integer", "Show the changes since this checkpoint as a diff (git apply -R takes them back)."),
     "offset": prop("integer", "With since: files to skip (a cut diff's notice gives it).")}),
-      notes("List workspace checkpoints", read_only=True), DEFAULT)
+      notes("List workspace checkpoints", read_only=True), DEFAULT, hint="review session changes, diff")
 def tool_checkpoints(session, args, ctx):
     """checkpoints: each checkpoint, newest first, with what changed after it; what is covered.
     With since: the diff from that checkpoint to now instead."""
@@ -12218,20 +12193,18 @@ def checkpoint_diff(points, target, now, root_of, offset, cap):
     """What changed from checkpoint `target` to `now` (the state just read) as git writes a
     diff: a header per file, mode lines, hunks of text, a line for a binary file or one the
     checkpoint did not cover; files past `cap` characters are left to a read-on notice."""
-    import difflib
     old, cur = target.entries, now.entries
+    mode = lambda e: "120000" if e[0] == "l" else "100755" if e[1] & 0o111 else "100644"
     paths = sorted(p for p in set(old) | set(cur) if any(e is not None and e[0] != "d" for e in (old.get(p), cur.get(p)))
                    and old.get(p, ())[:3] != cur.get(p, ())[:3])
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
-    readers, parts, size, k = {}, [], 0, offset
+    readers, parts, size, end = {}, [], 0, offset           # end: the files shown end before this one
     try:
-        for k in range(offset, len(paths)):
-            p = paths[k]
+        for p in paths[offset:]:
             name = root_of(p)
             a, b = old.get(p), cur.get(p)
             text = ["diff --git a/%s b/%s\n" % (name, name)]
-            mode = lambda e: "120000" if e[0] == "l" else "100755" if e[1] & 0o111 else "100644"
             if a is None or a[0] == "d":
                 text.append("new file mode %s\n" % mode(b))
             elif b is None or b[0] == "d":
@@ -12251,18 +12224,13 @@ def checkpoint_diff(points, target, now, root_of, offset, cap):
             elif b"\0" in (before or b"")[:8192] + (after or b"")[:8192]:
                 text.append("Binary files %s and %s differ\n" % ("a/" + name if before is not None else "/dev/null",
                                                                  "b/" + name if after is not None else "/dev/null"))
-            elif before != after:
-                la = (before or b"").decode("utf-8", "surrogateescape").splitlines(True)
-                lb = (after or b"").decode("utf-8", "surrogateescape").splitlines(True)
-                for line in difflib.unified_diff(la, lb, "a/" + name if before is not None else "/dev/null",
-                                                 "b/" + name if after is not None else "/dev/null"):
-                    text.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+            else:
+                text.append(unified_diff(before, after, name))
             block = "".join(text).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
             if parts and size + len(block) > cap:
                 break
             parts.append(block)
-            size += len(block)
-            k += 1
+            size, end = size + len(block), end + 1
     finally:
         for reader in readers.values():
             reader.close()
@@ -12271,8 +12239,8 @@ def checkpoint_diff(points, target, now, root_of, offset, cap):
     head = "Changes since checkpoint %d (%d file%s; `git apply -R` takes them back):\n" % (
         target.number, len(paths), "" if len(paths) == 1 else "s")
     body = "".join(parts)
-    if k < len(paths):
-        body += "[files %d-%d of %d shown; read on with offset=%d]\n" % (offset + 1, k, len(paths), k)
+    if end < len(paths):
+        body += "[files %d-%d of %d shown; read on with offset=%d]\n" % (offset + 1, end, len(paths), end)
     return head + body
 
 
@@ -12281,7 +12249,7 @@ def checkpoint_diff(points, target, now, root_of, offset, cap):
     "paths": prop("array", "Only these files or directories (default: the whole workspace).",
                   items={"type": "string"}),
     "dry_run": prop("boolean", "Only say what it would change.")}, ["checkpoint"]),
-      notes("Rewind the workspace to a checkpoint", destructive=True), DEFAULT)
+      notes("Rewind the workspace to a checkpoint", destructive=True), DEFAULT, hint="undo shell changes")
 def tool_rewind(session, args, ctx):
     """rewind: the workspace (or some paths of it) back to a checkpoint; the state before is a checkpoint."""
     points = session_checkpoints(session)
@@ -12336,7 +12304,7 @@ EDITOR_DESC = ("View, create and edit files. command=view shows a file with line
     "replace_all": prop("boolean", "command=str_replace: replace every occurrence."),
     "dry_run": DRY_RUN_PROP,
 }, ["command", "path"]), notes("Text editor", destructive=True), COMPAT,
-      goes_with=("view", "str_replace", "create_file"))
+      goes_with=("view", "str_replace", "create_file"), hint="view or edit files")
 def tool_str_replace_editor(session, args, ctx):
     """Anthropic's text-editor tool: one name, the same handlers underneath."""
     cmd = args["command"]
@@ -12699,7 +12667,7 @@ PATCH_DESC = ("Edit, add, delete and move files with one patch in the apply_patc
 @tool("apply_patch", PATCH_DESC, obj({
     "input": prop("string", "The whole patch, from '*** Begin Patch' to '*** End Patch'."),
     "dry_run": DRY_RUN_PROP,
-}, ["input"]), notes("Apply a patch", destructive=True))
+}, ["input"]), notes("Apply a patch", destructive=True), hint="apply a diff patch")
 def tool_apply_patch(session, args, ctx):
     """Codex's apply_patch: parse; resolve and scope-check every path; then, under every
     file's edit lock (taken in one order), plan every file (existence, hunks) and write."""
@@ -12743,7 +12711,7 @@ NOTEBOOK_DESC = ("Edit one cell of a Jupyter notebook (.ipynb): replace its sour
     "edit_mode": prop("string", "replace (default), insert (after the cell named; at the top if none) or delete.",
                       enum=["replace", "insert", "delete"]),
     "dry_run": DRY_RUN_PROP,
-}, ["path"]), notes("Edit a notebook cell", destructive=True))
+}, ["path"]), notes("Edit a notebook cell", destructive=True), hint="edit jupyter cell")
 def tool_notebook_edit(session, args, ctx):
     """Replace, insert or delete one cell of a notebook, leaving every other byte."""
     shown = args["path"]
@@ -12866,7 +12834,8 @@ def bash_description(config):
     "yield_ms": prop("integer", "Hand the command off to the background after this many milliseconds instead"
                                 " of %s: the call returns its output so far and a task_id." % (
                                     "%g s" % config.handoff if config.handoff else "never")),
-}, ["command"]), notes("Run shell command", destructive=True, open_world=True), lane="shell")
+}, ["command"]), notes("Run shell command", destructive=True, open_world=True), lane="shell",
+      hint="run shell command, tests")
 def tool_bash(session, args, ctx):
     """bash: run a command in the session's shell state (cwd) within its timeout (the
     `timeout` argument, else --timeout; at most BASH_MAX_TIMEOUT_MS), in the foreground
@@ -13063,7 +13032,8 @@ TASK_DESC = ("Read the output of a background bash task or process: its status f
     "wait_ms": prop("integer", "Wait up to this many milliseconds for the task to finish (default 0, or"
                                " up to 600000 with wait_for)."),
     "wait_for": prop("string", "Return as soon as new output matches this regular expression."),
-}), notes("Read background task output", read_only=True), lane=waiting_lane, goes_with="bash")
+}), notes("Read background task output", read_only=True), lane=waiting_lane, goes_with="bash",
+      hint="background task output")
 def tool_task_output(session, args, ctx):
     """task_output: a task's new output (waiting as asked), or the list of tasks without an id."""
     if not args.get("task_id"):
@@ -13133,7 +13103,7 @@ TASK_INPUT_DESC = ("Type into an interactive background task (bash with interact
                                " most 2000)."),
     "close_stdin": prop("boolean", "Close the task's input after writing (end of file)."),
 }, ["task_id"]), notes("Send input to a background task", destructive=True),
-      lane=waiting_lane, goes_with="bash")
+      lane=waiting_lane, goes_with="bash", hint="type into a task")
 def tool_task_input(session, args, ctx):
     """Write to an interactive task's stdin, then answer like task_output."""
     task = find_task(session, args["task_id"])
@@ -13162,7 +13132,7 @@ TASK_STOP_DESC = ("Stop (kill) a background bash task: SIGTERM to its whole grou
 
 @tool("task_stop", TASK_STOP_DESC, obj({
     "task_id": prop("string", "The task_id bash returned."),
-}, ["task_id"]), notes("Stop a background task", destructive=True), goes_with="bash")
+}, ["task_id"]), notes("Stop a background task", destructive=True), goes_with="bash", hint="kill a background task")
 def tool_task_stop(session, args, ctx):
     """task_stop: kill a task's process group and answer with its last output."""
     task = find_task(session, args["task_id"])
@@ -13309,9 +13279,10 @@ def compat_grep_schema(config):
 
 
 @tool("grep", GREP_DESC, obj(GREP_PROPS, ["pattern"]), notes("Search file contents", read_only=True), DEFAULT,
-      codes={"output_mode": GREP_INVALID_OUTPUT_MODE})
+      codes={"output_mode": GREP_INVALID_OUTPUT_MODE}, hint="search file contents, regex")
 @tool("grep", GREP_DESC, compat_grep_schema, notes("Search file contents", read_only=True), COMPAT,
-      adapt=lambda handler: renamed(handler, COMPAT_GREP_NAMES), codes={"output_mode": GREP_INVALID_OUTPUT_MODE})
+      adapt=lambda handler: renamed(handler, COMPAT_GREP_NAMES), codes={"output_mode": GREP_INVALID_OUTPUT_MODE},
+      hint="search file contents, regex")
 def tool_grep(session, args, ctx):
     """grep: search file contents for a regex, ripgrep style (files, count or content mode), in a helper."""
     pattern = args["pattern"]
@@ -13452,8 +13423,10 @@ GLOB_PROPS = {"pattern": prop("string", "The glob pattern, e.g. **/*.py or src/*
 
 @tool("glob", GLOB_DESC, obj(dict(GLOB_PROPS, type=prop("string", "file (default; a pattern ending in / means directory) or directory.",
                                                        enum=["file", "directory"])), ["pattern"]),
-      notes("Find files by name", read_only=True), DEFAULT, codes={"type": GLOB_INVALID_TYPE})
-@tool("glob", GLOB_DESC, obj(GLOB_PROPS, ["pattern"]), notes("Find files by name", read_only=True), COMPAT)
+      notes("Find files by name", read_only=True), DEFAULT, codes={"type": GLOB_INVALID_TYPE},
+      hint="find files by name")
+@tool("glob", GLOB_DESC, obj(GLOB_PROPS, ["pattern"]), notes("Find files by name", read_only=True), COMPAT,
+      hint="find files by name")
 def tool_glob(session, args, ctx):
     """glob: paths matching a pattern, newest first, in a helper."""
     found, why = find_paths(session, ctx, args["pattern"], args.get("path") or ".", args.get("type"))
@@ -13469,7 +13442,7 @@ def tool_glob(session, args, ctx):
           "paths": prop("array", "Files or directories to search (default: the working directory).",
                         items={"type": "string"}),
           "regex": prop("boolean", "Treat query as a regular expression (default false)."),
-      }, ["query"]), notes("Search text", read_only=True))
+      }, ["query"]), notes("Search text", read_only=True), hint="search text")
 def tool_search_text(session, args, ctx):
     """search_text: the workspace tools' content search (plain text or regex)."""
     query = args["query"]
@@ -13493,7 +13466,7 @@ def tool_search_text(session, args, ctx):
 @tool("search_files", "Find files whose path matches a glob pattern (e.g. src/**/*.ts or **/*.md), searched from the"
       " working directory; returns one path per line. For code, prefer glob.", obj({
           "pattern": prop("string", "The glob pattern."),
-      }, ["pattern"]), notes("Find files", read_only=True))
+      }, ["pattern"]), notes("Find files", read_only=True), hint="find files")
 def tool_search_files(session, args, ctx):
     """search_files: the workspace tools' name search."""
     found, why = find_paths(session, ctx, args["pattern"], ".", None)
@@ -13558,7 +13531,8 @@ def workspace_argument_error(e):
           "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
           "offset": prop("integer", "First line to return, 1-based (default 1)."),
           "limit": prop("integer", "How many lines to return (default: the rest)."),
-      }, ["path"]), notes("Read file", read_only=True, idempotent=True), argument_error=workspace_argument_error)
+      }, ["path"]), notes("Read file", read_only=True, idempotent=True), argument_error=workspace_argument_error,
+      hint="read file")
 def tool_read_file(session, args, ctx):
     """read_file: a workspace file's text (from an offset, a limit of lines), in its encoding."""
     path, encoding = args["path"], args.get("encoding") or "utf-8"
@@ -13618,7 +13592,8 @@ def line_window(text, offset, limit, cap):
       " overwrites an existing file. " + workspace_note(config, "create_file or str_replace"), obj({
           "path": prop("string", "File path inside the workspace."),
           "content": prop("string", "The complete file content."),
-      }, ["path", "content"]), notes("Write file", destructive=True), argument_error=workspace_argument_error)
+      }, ["path", "content"]), notes("Write file", destructive=True), argument_error=workspace_argument_error,
+      hint="write file")
 def tool_write_file(session, args, ctx):
     """write_file: write a workspace file whole, its directories made."""
     path, content = args["path"], args["content"]
@@ -13649,7 +13624,8 @@ def tool_write_file(session, args, ctx):
 @tool("list_directory", lambda config: "List a workspace directory: one entry per line, [D] for directories and"
       " [F] for files, sorted by name. " + workspace_note(config, "view or glob"), obj({
           "path": prop("string", "Directory path inside the workspace (default: the root)."),
-      }), notes("List directory", read_only=True, idempotent=True), argument_error=workspace_argument_error)
+      }), notes("List directory", read_only=True, idempotent=True), argument_error=workspace_argument_error,
+      hint="list directory")
 def tool_list_directory(session, args, ctx):
     """list_directory: a workspace directory's entries, [D] or [F] each."""
     path = args.get("path") or "."
@@ -13708,7 +13684,7 @@ WEB_FETCH_WORDS = {
           "timeout": prop("integer", "Seconds the whole fetch may take (default 10, max 120)."),
           "start_index": prop("integer", "Character offset to read on from (default 0)."),
       }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), argument_error=workspace_argument_error,
-      lane="shell")
+      lane="shell", hint="fetch web page, docs")
 def tool_web_fetch(session, args, ctx):
     """web_fetch: a page as light Markdown (or JSON or text), 5,000 characters at a time."""
     url, timeout = args["url"], args.get("timeout", 10)

@@ -131,6 +131,12 @@ def read_until(stream, needle, timeout):
     return data
 
 
+def take(points):
+    """A checkpoint of the workspace now (as checkpoints and rewind take one: in the turn)."""
+    with points.held():
+        return points.current()
+
+
 def wait_until(predicate, timeout=10.0, interval=0.02):
     """Poll `predicate` until true or the deadline; return its last value."""
     deadline = time.monotonic() + timeout
@@ -4773,7 +4779,7 @@ class TestRewind(NoViewBase):
             self.addCleanup(points.close)
             copies = {}
             for _ in range(rng.randint(1, 4)):
-                point = points.take()
+                point = take(points)
                 copies[point.number] = tree_state(self.root)
                 for _ in range(rng.randint(1, 4)):
                     self.random_change(rng)
@@ -4945,7 +4951,7 @@ class TestRewind(NoViewBase):
         os.utime(self.path(".git/index"), (time.time() + 5,) * 2)      # (written after every file: none racy)
         points = self.points()
         self.addCleanup(points.close)
-        first = points.take()
+        first = take(points)
         state = tree_state(self.root)
         kept = [e[2] for p, e in first.entries.items() if e[0] == "f"]
         self.assertEqual(sum(d.startswith("g") for d in kept), 21, kept)
@@ -4979,7 +4985,7 @@ class TestRewind(NoViewBase):
             os.utime(self.path(".git/index"), (time.time() + 5,) * 2)
             points = self.points()
             self.addCleanup(points.close)
-            entry = points.take().entries[self.path("a.txt")]
+            entry = take(points).entries[self.path("a.txt")]
             self.assertFalse(entry[2].startswith("g"), setup)
 
     def test_a_rewind_writes_each_file_under_its_edit_lock(self):
@@ -4989,7 +4995,7 @@ class TestRewind(NoViewBase):
         self.write("d/b.txt", "two\n")
         points = self.points()
         self.addCleanup(points.close)
-        first = points.take()
+        first = take(points)
         self.write("a.txt", "changed\n")
         os.unlink(self.path("d/b.txt"))
         guards, locked = boris.FileGuards(), []
@@ -5000,7 +5006,7 @@ class TestRewind(NoViewBase):
             return real(path)
         guards.lock = lock
         with guards.lock(self.path("a.txt")):             # an edit of a.txt in progress
-            worker = threading.Thread(target=lambda: points.rewind(first, points.take(), [], guards), daemon=True)
+            worker = threading.Thread(target=lambda: points.rewind(first, take(points), [], guards), daemon=True)
             worker.start()
             worker.join(0.5)
             self.assertTrue(worker.is_alive(), "the rewind wrote a.txt while an edit held it")
@@ -5044,7 +5050,7 @@ class TestRewind(NoViewBase):
         self.assertFalse(wait_until(lambda: points.list, 0.3))   # paused: a call is in flight
         self.assertTrue(points.scanner)
         taken = []                                               # one waits: the scan goes on, then this one
-        worker = threading.Thread(target=lambda: taken.append(points.take()), daemon=True)
+        worker = threading.Thread(target=lambda: taken.append(take(points)), daemon=True)
         worker.start()
         worker.join(10)
         busy[0] = False
@@ -5072,7 +5078,7 @@ class TestRewind(NoViewBase):
         self.write("same.txt", "the same bytes in every session\n")
         sessions = [boris.Session(self.cfg) for _ in range(4)]
         for session in sessions:
-            self.server.checkpoints_of(session).take()
+            take(self.server.checkpoints_of(session))
         store = self.server.store.dir
         self.assertEqual(set(s.checkpoints.store.dir for s in sessions), {store})
         self.assertEqual(len(self.server.store.index), 1)       # four sessions, one copy
@@ -5102,7 +5108,7 @@ class TestRewind(NoViewBase):
         self.write("big.txt", "b" * 80)
         points = boris.Checkpoints([self.root], self.policy, cfg)
         self.addCleanup(points.close)
-        point = points.take()
+        point = take(points)
         self.assertEqual(len(point.missed), 1, point.missed)
         self.assertIn("past --checkpoint-budget", point.missed[0][1])
         os.unlink(self.path("small.txt"))
@@ -9186,7 +9192,7 @@ class TestCheckpointWaits(NoViewBase):
             self.write("t/f%d.txt" % i, "x")
         points = self.server.checkpoints_of(self.session)
         go = self.slow_scan(points)
-        scanning = threading.Thread(target=points.take, daemon=True)
+        scanning = threading.Thread(target=lambda: take(points), daemon=True)
         scanning.start()
         self.assertTrue(wait_until(lambda: points.turn))
         cancelled, answer = threading.Event(), []
