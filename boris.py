@@ -9107,7 +9107,7 @@ def sweep_stores():
     """Remove, in the background (the thread returned), the stores that servers killed
     before they could (kill -9, a power cut) left where stores are made: this user's,
     with a lock file (or the one hold_store was making) no process holds, or none at all
-    a minute after it was made. A server sweeps as it starts (main)."""
+    a minute after it was made. A server sweeps once its start-up lines are out."""
     import shutil
     try:
         import fcntl
@@ -14979,6 +14979,7 @@ def serve_http(server, config, stop):
                     " pass --token or --generate-token to require one")
     log("info", "serving MCP over HTTP", url="http://%s:%d/mcp" % (config.host, port), auth=bool(token))
     log("info", server.sandbox.describe(), why=server.sandbox.why)
+    sweep_stores()                             # stores that killed servers left; after the lines above
     thread = threading.Thread(target=transport.serve, daemon=True)
     thread.start()
     stop.wait()
@@ -15053,12 +15054,12 @@ def main(argv=None, environ=None, after_the_script=False):
     def serve():
         try:
             server.helpers.prime()        # booting while the client shakes hands: ready for the first search
-            sweep_stores()                # checkpoint stores that killed servers left
             if config.transport == "http":
                 return serve_http(server, config, stopper)
             log("info", "serving MCP on stdio: waiting for a client's messages on stdin", workdir=config.workdir,
                 sandbox=sandbox.mode if sandbox.on else "off")
             log("info", sandbox.describe(), why=sandbox.why)
+            sweep_stores()                # (after the start-up lines, which a user or a script reads first)
             serve_stdio(server, Session(config), stopper)
             return 0
         finally:

@@ -9298,6 +9298,10 @@ class TestStoresOfKilledServers(unittest.TestCase):
         self.addCleanup(following.close)
         following.initialize()
         self.assertTrue(wait_until(lambda: not os.path.exists(dead), 10), "the store of a killed server was left")
+        said = lambda: [line.decode() for line in list(following.errbuf)]
+        self.assertTrue(wait_until(lambda: any("removed a checkpoint store" in line for line in said()), 10))
+        order = [i for i, line in enumerate(said()) if "serving MCP on stdio" in line or "removed a" in line]
+        self.assertEqual([("removed a" in said()[i]) for i in order], [False, True], said())   # start-up lines first
         self.assertTrue(os.path.isdir(live.store.dir))                 # a live store stays
         with mock.patch.object(tempfile, "tempdir", temp):
             boris.sweep_stores().join(10)
