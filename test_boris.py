@@ -10914,6 +10914,18 @@ class TestTheFilesMap(unittest.TestCase):
         self.assertEqual([name for name in boris.tool_names() if "`%s`" % name not in readme], [],
                          "tools README.md does not name: add each to its tools table")
 
+    def test_the_readme_is_a_newcomer_s(self):
+        """Issue 57: short, safe from its first configuration, the security summary near the
+        top, and nothing a user of the repository does not have."""
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        self.assertLessEqual(len(lines), 400)
+        self.assertTrue(any("Security" in line for line in lines[:120]), "no security summary in the first 120 lines")
+        starts = [line for line in lines if re.match(r"\s*(claude mcp add|python3 boris\.py --|\"args\")", line)]
+        self.assertGreaterEqual(len(starts), 4)
+        self.assertEqual([line for line in starts if "--allow-dir" not in line], [], "a configuration without --allow-dir")
+        self.assertEqual([line for line in lines if re.search(r"\.\./|shared/|/work/|requirement doc", line)], [])
+
     def test_the_header_names_every_module_level_object_that_changes(self):
         """Issue 56: every module-level object a function changes (assigns through, calls a
         mutating method of, declares global) is named in the header's paragraph on them."""
