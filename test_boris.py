@@ -9379,6 +9379,100 @@ class TestStdioDisabled(StdioBase):
         self.assertIn("view", names)
 
 
+class TestNewcomerSession(StdioBase):
+    """Issue 57: a new user's first session, scripted over stdio as a client drives it: every
+    answer is right or an error that names the fix, and every cut result's notice names only
+    parameters of its own tool, which, called as it says, read on."""
+    args = ["--max-result-chars", "4000"]
+
+    def setUp(self):
+        super().setUp()
+        self.args = self.args + ["--allow-dir", self.tmp]
+        self.c.close()
+        self.c = StdioClient(["--workdir", self.tmp] + self.args)
+        self.c.initialize()
+        self.schemas = dict((t["name"], t["inputSchema"]["properties"])
+                            for t in self.c.request("tools/list")["result"]["tools"])
+        files = {"calc.py": "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n",
+                 "test_calc.py": "import unittest\nfrom calc import add\n\n\nclass T(unittest.TestCase):\n"
+                                 "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n",
+                 "notes/big.txt": "".join("line %05d %s\n" % (i, "x" * 60) for i in range(800))}
+        files.update(("pkg/m%03d.py" % i, "def f%d():\n    return 'hit %d'\n" % (i, i)) for i in range(120))
+        for name, text in files.items():
+            os.makedirs(os.path.dirname(os.path.join(self.tmp, name)), exist_ok=True)
+            with open(os.path.join(self.tmp, name), "w") as f:
+                f.write(text)
+
+    def call(self, name, fix=None, **args):
+        """The answer's text; an error must start with its code and say `fix`; a cut answer's
+        notice is followed."""
+        r = self.c.call(name, args)
+        text = "\n".join(b.get("text", "") for b in r["content"])
+        if r["isError"]:
+            self.assertRegex(text, r"^\[[A-Z_]+\] ", (name, args))
+            self.assertIn(fix, text, (name, args))
+        else:
+            self.assertIsNone(fix, (name, args, text[:300]))
+            self.follow(name, args, text)
+        return text
+
+    def follow(self, name, args, text):
+        for notice in set(line for line in (text.split("\n", 1)[0], text.rsplit("\n", 1)[-1])
+                          if line.startswith("[") and re.search(r"read on|page on", line)):
+            more = dict((k, int(v)) for k, v in re.findall(r"\b([a-z_]+)=(\d+)", notice))
+            m = re.search(r"view_range \[(\d+), (-?\d+)\]", notice)
+            if m:
+                more["view_range"] = [int(m.group(1)), int(m.group(2))]
+            self.assertEqual([k for k in more if k not in self.schemas[name]], [], (name, notice))
+            if "use grep" in notice:
+                continue                                 # (search_text names the tool that pages)
+            self.assertTrue(more, (name, notice))
+            again = self.c.call(name, dict(args, **more))
+            rest = again["content"][0]["text"]
+            self.assertFalse(again["isError"], (name, notice, rest[:300]))
+            self.assertNotEqual(rest.split("\n")[1:3], text.split("\n")[1:3], (name, notice))   # it read on
+
+    def read(self, name):
+        with open(os.path.join(self.tmp, name)) as f:
+            return f.read()
+
+    def test_a_first_session(self):
+        self.assertIn("test_calc.py", self.call("view", path="."))
+        self.call("view", "check the path", path="nope.py")
+        self.call("str_replace", "view it first", path="calc.py", old_str="a - b", new_str="a + b")
+        self.assertIn("2\t    return a - b", self.call("view", path="calc.py"))
+        self.assertIn("1-2  def add(a, b):", self.call("outline", path="calc.py"))
+        self.assertEqual(self.call("grep", pattern="def add"), "calc.py")
+        self.assertIn("test_calc.py", self.call("glob", pattern="**/*.py").split("\n"))
+        self.call("grep", "this tool takes", pattern="(", regex=True)          # an argument grep does not take
+        self.call("grep", "(", pattern="(")
+        self.call("str_replace", "nothing to change", path="calc.py", old_str="a - b", new_str="a - b")
+        self.call("str_replace", "closest", path="calc.py", old_str="return a -- b", new_str="return a + b")
+        self.assertIn("matched ignoring indentation", self.call(
+            "str_replace", path="calc.py", old_str="def add(a, b):\n  return a - b", new_str="def add(a, b):\n  return a + b"))
+        self.assertIn("\n    return a + b\n", self.read("calc.py"))            # (the file's indentation)
+        self.assertIn("OK", self.call("bash", command="python3 -m unittest -q test_calc 2>&1 | tail -1"))
+        self.assertIn("600000 ms", self.call("bash", command="echo hi", timeout=9999999))
+        self.call("bash", command="rm calc.py")
+        listed = self.call("checkpoints")
+        before_rm = re.search(r"#(\d+) .*before .*\bbash rm calc\.py", listed).group(1)
+        self.assertIn("calc.py", self.call("rewind", checkpoint=int(before_rm), paths=["calc.py"]))
+        self.assertIn("return a + b\n", self.read("calc.py"))
+        self.call("undo_edit", path="calc.py")
+        self.assertIn("return a - b\n", self.read("calc.py"))
+        patch = "*** Begin Patch\n*** Update File: calc.py\n@@\n def add(a, b):\n-    return a - b\n+    return a + b\n*** End Patch"
+        self.assertEqual(self.call("apply_patch", input=patch), "Success. Updated the following files:\nM calc.py")
+        tid = re.search(r"task_[0-9a-f]+", self.call("bash", command="echo started; sleep 0.3; echo finished",
+                                                     run_in_background=True)).group(0)
+        self.assertIn("finished", self.call("task_output", task_id=tid, wait_for="finished", wait_ms=10000))
+        self.call("task_output", "task_output without task_id", task_id="task_nope")
+        for name, args in (("view", {"path": "notes/big.txt"}), ("read_file", {"path": "notes/big.txt"}),
+                           ("grep", {"pattern": "hit", "output_mode": "content"}), ("outline", {"path": "pkg"}),
+                           ("search_text", {"query": "hit", "paths": ["pkg"]}),
+                           ("checkpoints", {"since": int(before_rm)}), ("list_directory", {"path": "pkg"})):
+            self.call(name, **args)
+
+
 class TestStdioCompat(StdioBase):
     args = ["--anthropic-compat", "--disable-tools", "view"]
 
