@@ -8544,7 +8544,11 @@ class TestResultsFitTheClients(NoViewBase):
                 r = server.run_tool(server.tools[name], self.session, args, ctx_of(cfg, self.policy))
                 self.assertNotIn("_meta", r)                       # (Claude Code reads its hints on tools/list)
                 self.assertFalse(r["isError"], r)
-                return r["content"][0]["text"]
+                text = r["content"][0]["text"]
+                notice = text.split("\n", 1)[0]                 # (only parameters of its own tool: issue 57)
+                self.assertEqual([w for w in re.findall(r"\b([a-z_]+)=", notice) if notice.startswith("[")
+                                  and w not in server.tools[name].schema["properties"]], [], notice)
+                return text
             self.assert_fits(run("view", path="big.txt"), cap, ["view_range"])
             self.assert_fits(run("read_file", path="big.txt"), cap, ["offset="])
             self.assert_fits(run("grep", pattern="hit", path="many", output_mode="content"), cap, ["offset="])
