@@ -89,7 +89,7 @@ import struct
 import threading
 import time
 import queue
-from collections import Counter, OrderedDict, deque, namedtuple
+from collections import Counter, OrderedDict, defaultdict, deque, namedtuple
 from operator import attrgetter, is_, itemgetter
 
 # This file's path, read once: CPython takes __file__ out of a script's globals when its top
@@ -3180,11 +3180,11 @@ class Watches(object):
     """The directories a warm helper (or a session's checkpoints) watches, and what their
     events leave standing: `clean`, the directories whose entries have not changed since
     they were watched and checked, with the (mtime, ctime) they were checked at; and
-    `vouched`, what a reader kept of a path looked at while its directory was watched
-    (a checkpoint's entry), until an event about that path. An overflowed queue forgets
+    `quiet`, the directories a reader (a checkpoint) looked at whole while they were
+    watched, until any event about them or their entries. An overflowed queue forgets
     everything; a directory deleted or moved forgets itself and all below it; a file made
-    that has (or may have had) other hard links, or a directory made, forgets all that was
-    vouched for. A hard link made from a directory not watched (outside the roots, or
+    that has (or may have had) other hard links, or a directory made, makes no directory
+    quiet any more. A hard link made from a directory not watched (outside the roots, or
     ignored) to a file inside raises no event, nor do changes through it. Where inotify
     is missing (not Linux, no ctypes, out of instances) nothing is watched and walks stat
     as before."""
@@ -3193,7 +3193,7 @@ class Watches(object):
         self.fd, self.libc = None, None            # opened at the first watch
         self.broken = not sys.platform.startswith("linux")
         self.wds, self.of = {}, {}                 # watch descriptor <-> directory
-        self.clean, self.vouched, self.devs = {}, {}, {}
+        self.clean, self.quiet, self.devs = {}, set(), {}
         self.limit = WATCHES_MAX
         self.generation = 0                        # events taken so far: unchanged, nothing watched changed
 
@@ -3265,11 +3265,11 @@ class Watches(object):
         if mask & IN_GONE:
             self.forget(d)
             return
+        self.quiet.discard(d)
         if name:
             at = child_prefix(d) + name
-            self.vouched.pop(at, None)
             if mask & (IN_CREATE | IN_MOVED_TO) and (mask & IN_ISDIR or not self.alone(at)):
-                self.vouched.clear()           # a hard link to a file kept here, maybe (or made in a new directory,
+                self.quiet.clear()             # a hard link to a file kept here, maybe (or made in a new directory,
                                               # not watched yet): changes through it raise no event for that file
             if mask & IN_ISDIR and mask & (IN_DELETE | IN_MOVED_FROM):
                 self.forget(at)
@@ -3285,22 +3285,21 @@ class Watches(object):
             return False
 
     def forget(self, top):
-        """Unwatch `top` and every directory below it; forget what was vouched for in them."""
+        """Unwatch `top` and every directory below it."""
         inside = child_prefix(top)
         for d in [d for d in self.of if d == top or d.startswith(inside)]:
             wd = self.of.pop(d)
             del self.wds[wd]
             self.clean.pop(d, None)
+            self.quiet.discard(d)
             self.libc.inotify_rm_watch(self.fd, wd)
-        for f in [f for f in self.vouched if f.startswith(inside)]:
-            del self.vouched[f]
 
     def close(self):
         """Unwatch everything (the descriptor closed)."""
         if self.fd is not None:
             os.close(self.fd)
         self.fd, self.broken = None, True
-        self.wds, self.of, self.clean, self.vouched = {}, {}, {}, {}
+        self.wds, self.of, self.clean, self.quiet = {}, {}, {}, set()
 
     def file_watched(self, path):
         """Whether the directory holding `path` is watched (so what is read of it now can be vouched for)."""
@@ -9279,7 +9278,8 @@ class GitIndex(object):
     def __init__(self, top, gitdir, git):
         self.top, self.gitdir, self.git = top, gitdir, git
         self.stamp = None                         # (mtime_ns, size, inode) of the index file read
-        self.entries = {}                         # path under top -> the stat key (24 bytes) and blob id (20)
+        self.dirs = {}                            # directory under top -> its files: name, NUL, stat key (24 bytes)
+        #                                           and blob id (20 bytes), one after another
 
     @classmethod
     def of(cls, root):
@@ -9311,31 +9311,33 @@ class GitIndex(object):
         try:
             st = os.stat(os.path.join(self.gitdir, "index"))
         except OSError:
-            self.stamp, self.entries = None, {}
+            self.stamp, self.dirs = None, {}
             return
         stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
         if stamp == self.stamp:
             return
-        self.stamp, self.entries = stamp, {}
+        self.stamp, self.dirs = stamp, {}
         try:
             with open(os.path.join(self.gitdir, "index"), "rb") as f:
                 data = f.read()
-            entries = self.parse(data, divmod(st.st_mtime_ns, 10 ** 9))
-            if self.converts(entries):
+            dirs = self.parse(data, divmod(st.st_mtime_ns, 10 ** 9))
+            del data
+            if self.converts(dirs):
                 return
-            self.entries = entries
+            self.dirs = dirs
         except (OSError, ValueError, IndexError, struct.error) as e:
             log("info", "checkpoints copy this work tree's files: its index is not one they read", top=self.top,
                 error=str(e))
 
     @staticmethod
     def parse(data, written):
-        """{path: stat key + blob id} of an index's stage-0 regular files that are not racy
-        (changed before `written`, the index's own mtime as (seconds, nanoseconds))."""
+        """{directory: its files, as self.dirs keeps them} of an index's stage-0 regular files
+        that are not racy (changed before `written`, the index's own mtime as (seconds,
+        nanoseconds))."""
         magic, version, count = struct.unpack_from(">4sII", data)
         if magic != b"DIRC" or version not in (2, 3, 4):
             raise ValueError("not an index of version 2, 3 or 4")
-        entries, pos, name, unpack = {}, 12, b"", struct.Struct(">10I20sH").unpack_from
+        entries, pos, name, unpack = defaultdict(list), 12, b"", struct.Struct(">10I20sH").unpack_from
         for _ in range(count):
             cs, cn, ms, mn, _, ino, mode, _, _, size, sha, flags = unpack(data, pos)
             at = pos + 62
@@ -9357,10 +9359,12 @@ class GitIndex(object):
                 pos += (at - pos + len(name) + 8) & ~7
             if skip or flags & 0x3000 or mode >> 12 != 0o10 or (ms, mn) >= written:
                 continue
-            entries[name.decode("utf-8", "surrogateescape")] = struct.pack(">6I", cs, cn, ms, mn, ino, size) + sha
+            cut = name.rfind(b"/")
+            entries[name[:max(cut, 0)]].append(name[cut + 1:] + b"\0" + struct.pack(">6I", cs, cn, ms, mn, ino, size)
+                                               + sha)
         if data[pos:pos + 4] == b"link":
             raise ValueError("a split index")
-        return entries
+        return dict((os.fsdecode(d), b"".join(files)) for d, files in entries.items())
 
     def converts(self, entries):
         """Whether git changes bytes between this work tree and its blobs (then nothing is
@@ -9377,7 +9381,8 @@ class GitIndex(object):
         settings = dict(line.partition(" ")[::2] for line in out.lower().splitlines())
         if settings.get("core.autocrlf", "false") != "false" or settings.get("extensions.objectformat", "sha1") != "sha1":
             return True
-        files = [os.path.join(self.top, p) for p in entries if p == ".gitattributes" or p.endswith("/.gitattributes")]
+        files = [os.path.join(self.top, d, ".gitattributes") for d, packed in entries.items()
+                 if b".gitattributes\0" in packed]            # (a name that ends so too: no such file, no harm)
         files += [os.path.join(self.gitdir, "info", "attributes"), os.path.expanduser(
             settings.get("core.attributesfile") or os.path.join(os.environ.get("XDG_CONFIG_HOME") or "~/.config",
                                                                 "git", "attributes"))]
@@ -9392,10 +9397,21 @@ class GitIndex(object):
                 return True
         return False
 
-    def blob_of(self, path, st):
-        """"g" + the id of the blob `path` (under top) holds, when its lstat `st` agrees with its
-        index entry; else None."""
-        entry = self.entries.get(path[len(self.top) + 1:] if self.top != "/" else path[1:])
+    def children(self, path):
+        """{name: stat key + blob id} of the files the index lists in directory `path`."""
+        packed = self.dirs.get(path[len(child_prefix(self.top)):] if path != self.top else "")
+        out, at = {}, 0
+        while packed and at < len(packed):
+            end = packed.index(b"\0", at)
+            out[os.fsdecode(packed[at:end])] = packed[end + 1:end + 45]
+            at = end + 45
+        return out
+
+    @staticmethod
+    def blob_of(known, name, st):
+        """"g" + the id of the blob file `name` holds, when its lstat `st` agrees with its entry
+        in `known` (children()); else None."""
+        entry = known.get(name)
         if entry is None:
             return None
         m = 0xFFFFFFFF
@@ -9433,30 +9449,80 @@ class CatFile(object):
         reaped(self.proc)
 
 
-class Checkpoint(object):
-    """One state of the workspace: `entries` {path: (kind 'f'|'l'|'d', mode, digest or link
-    target or None, size, mtime_ns, ctime_ns, inode)} (a file over --max-file-size or past
-    the budget has digest None: not covered), what was left out (`missed`: [(path, why)]),
-    whether the walk stopped early (`partial`), its time and the calls that followed it."""
+CHILD = struct.Struct("<cIqqqQH")           # a directory's child: kind, mode, size, mtime_ns, ctime_ns, inode, payload
 
-    def __init__(self, number, entries, missed, partial):
-        self.number, self.entries, self.missed, self.partial = number, entries, missed, partial
+
+def pack_children(children):
+    """One directory's children [(name, entry)] as the bytes a Checkpoint keeps (about 60 bytes
+    a child, where a dict of tuples took 700): the names joined by NULs first (so that a walk
+    can tell the same listing at a glance), then per child its fixed fields and a payload: a
+    link's target, or a file's digest ('s' + the store's 20 bytes, 'g' + a git blob id's)."""
+    names, records = [], []
+    for name, (kind, mode, digest, size, mtime, ctime, ino) in children:
+        names.append(os.fsencode(name))
+        payload = b"" if digest is None else os.fsencode(digest) if kind == "l" else \
+            b"g" + bytes.fromhex(digest[1:]) if digest[0] == "g" else b"s" + bytes.fromhex(digest)
+        records.append(CHILD.pack(kind.encode(), mode, size, mtime, ctime, ino, len(payload)) + payload)
+    joined = b"\0".join(names)
+    return struct.pack("<I", len(joined)) + joined + b"".join(records)
+
+
+def child_names(packed):
+    """The names block of pack_children's bytes (compared as it is)."""
+    return packed[4:4 + struct.unpack_from("<I", packed)[0]]
+
+
+def unpack_children(packed):
+    """pack_children's bytes back as {name: (kind 'f'|'l'|'d', mode, digest or link target or
+    None, size, mtime_ns, ctime_ns, inode)}."""
+    names = child_names(packed).split(b"\0") if len(packed) > 4 else []
+    at, out = 4 + struct.unpack_from("<I", packed)[0], {}
+    for name in names:
+        kind, mode, size, mtime, ctime, ino, length = CHILD.unpack_from(packed, at)
+        at += CHILD.size
+        payload, kind = packed[at:at + length], kind.decode()
+        at += length
+        digest = None if not payload else os.fsdecode(payload) if kind == "l" else \
+            "g" + payload[1:].hex() if payload[:1] == b"g" else payload[1:].hex()
+        out[os.fsdecode(name)] = (kind, mode, digest, size, mtime, ctime, ino)
+    return out
+
+
+class Checkpoint(object):
+    """One state of the workspace: `dirs` {directory: its children, packed (pack_children)}
+    (a file over --max-file-size or past the budget has digest None: not covered), how many
+    entries (`size`), what was left out (`missed`: [(path, why)]), whether the walk stopped
+    early (`partial`), its time and the calls that followed it. A directory unchanged from
+    one checkpoint to the next keeps the same bytes object: memory goes with what changed."""
+
+    def __init__(self, number, dirs, size, missed, partial):
+        self.number, self.dirs, self.size, self.missed, self.partial = number, dirs, size, missed, partial
         self.taken = time.time()
         self.followed = []                      # what was called after it, while it was the latest
 
+    def flat(self):
+        """{path: entry} of every entry (unpack_children), for a rewind or a diff."""
+        return dict((child_prefix(d) + name, e) for d, packed in self.dirs.items()
+                    for name, e in unpack_children(packed).items())
+
     def same_as(self, other):
         """Whether two checkpoints hold the same workspace (kinds, modes, bytes, link targets)."""
-        a, b = self.entries, other.entries
-        return len(a) == len(b) and all(b.get(p, ())[:3] == e[:3] for p, e in a.items())
+        return not any(entry_changes(self, other))
 
 
 def entry_changes(old, new, partial=False):
-    """(added, modified, deleted) paths between two entry maps, each sorted; none added when
-    `old` is partial (what it did not walk is not known to be new)."""
-    added = sorted(p for p in new if p not in old and not partial)
-    deleted = sorted(p for p in old if p not in new)
-    modified = sorted(p for p, e in new.items() if p in old and old[p][:3] != e[:3])
-    return added, modified, deleted
+    """(added, modified, deleted) paths between two Checkpoints, each sorted; none added when
+    `partial` (what the old one did not walk is not known to be new)."""
+    added, modified, deleted = [], [], []
+    for d in set(old.dirs) | set(new.dirs):
+        a, b = old.dirs.get(d), new.dirs.get(d)
+        if a is b or a == b:
+            continue
+        a, b, prefix = unpack_children(a or b"\0" * 4), unpack_children(b or b"\0" * 4), child_prefix(d)
+        added += [prefix + n for n in b if n not in a and not partial]
+        deleted += [prefix + n for n in a if n not in b]
+        modified += [prefix + n for n, e in b.items() if n in a and a[n][:3] != e[:3]]
+    return sorted(added), sorted(modified), sorted(deleted)
 
 
 class Checkpoints(object):
@@ -9487,10 +9553,10 @@ class Checkpoints(object):
         self.asked = self.answered = 0            # checkpoints asked for (after, the first), and walks done for them
         self.scanner = False                      # the scanning thread runs
         self.want_part = 0                        # a waiter for this ask waited CHECKPOINT_WAIT_S: hand it a part
-        self.part = None                          # ... (the ask it answers, entries, missed) so far, handed over
+        self.part = None                          # ... (the ask it answers, dirs, size, missed) so far, handed over
         self.handed = False                       # the walk in progress handed a part over
         self.walk_for, self.walk_began = 0, 0.0   # the ask the walk in progress answers, and when it began
-        self.base = {}                            # the entries of the last whole walk: what the next compares with
+        self.base = Checkpoint(0, {}, 0, [], False)   # the last whole walk: what the next compares with
         self.list = []                            # Checkpoint, oldest first
         self.count = 0
         self.cache = WalkCache(watch=True)        # the ignore files, compiled once; directories watched
@@ -9568,10 +9634,10 @@ class Checkpoints(object):
             try:
                 while not self.closed:
                     if self.part is not None and self.part[0] >= target:   # what the walk had: a checkpoint
-                        _, entries, missed = self.part
+                        _, dirs, size, missed = self.part
                         self.part = None
-                        self.record(Checkpoint(self.count + 1, entries, missed, "the rest was not walked within %g s"
-                                               " (the next checkpoint covers it)" % CHECKPOINT_WAIT_S))
+                        self.record(Checkpoint(self.count + 1, dirs, size, missed, "the rest was not walked within"
+                                               " %g s (the next checkpoint covers it)" % CHECKPOINT_WAIT_S))
                         break
                     if self.answered >= target:
                         break
@@ -9670,13 +9736,13 @@ class Checkpoints(object):
         unless it is the latest's, or a part of the walk was handed to a waiter (then it is
         only the base of the next walk); a background walk gives way to the session's other
         calls. A file newly seen with other hard links may be one whose changes through that
-        link raise no event: then nothing watched is vouched for and the walk is made again."""
+        link raise no event: then no directory is quiet any more and the walk is made again."""
         with self.cond:
             self.handed = False
         linked, w = len(self.linked), self.cache.watches
         point = self.walk(background, cancelled)
-        if point is not None and len(self.linked) > linked and w is not None and w.vouched:
-            w.vouched.clear()
+        if point is not None and len(self.linked) > linked and w is not None and w.quiet:
+            w.quiet.clear()
             self.steady = None
             point = self.walk(background, cancelled)
         with self.cond:
@@ -9684,9 +9750,9 @@ class Checkpoints(object):
                 self.part, self.handed = None, False
             if point is None and self.list and self.list[-1].partial and self.steady is not None \
                     and not self.stopped.is_set() and not (cancelled is not None and cancelled.is_set()):
-                point = Checkpoint(self.count + 1, self.base, [], False)   # no event since the whole walk it was
+                point = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)   # no event since
             elif point is not None:
-                self.base = point.entries
+                self.base = point
             if point is not None and not (self.handed and background):
                 self.record(point)
             if point is not None or self.steady is not None:     # (whole, or known unchanged): answered
@@ -9698,32 +9764,34 @@ class Checkpoints(object):
         """Keep `point` as the newest checkpoint (the caller holds cond): as the latest, with
         fresher stats, when it holds the same state; the oldest go past the bounds."""
         if self.list and not self.list[-1].partial and point.same_as(self.list[-1]):
-            self.list[-1].entries = point.entries            # the same state: fresher stats, same checkpoint
+            self.list[-1].dirs = point.dirs                  # the same state: fresher stats, same checkpoint
             return
         self.count += 1
         point.number = self.count
         self.list.append(point)
-        held = sum(len(c.entries) for c in self.list)
+        held = sum(c.size for c in self.list)
         while len(self.list) > CHECKPOINTS_KEPT or held > CHECKPOINT_ENTRIES and len(self.list) > 1:
-            held -= len(self.list.pop(0).entries)
+            held -= self.list.pop(0).size
 
-    def stop_why(self, background, cancelled, entries, missed):
+    def stop_why(self, background, cancelled, so_far, size, missed):
         """Whether a walk stops here (closed or cancelled: nothing kept). First, a background
         walk gives way, and a waiter it answers that waited long enough is handed what was
         walked, once the walk has run CHECKPOINT_PART_MIN_S."""
         if background:
             self.give_way()
         with self.cond:
-            if 0 < self.want_part <= self.walk_for and self.part is None and not self.handed and entries \
+            if 0 < self.want_part <= self.walk_for and self.part is None and not self.handed and size \
                     and time.monotonic() - self.walk_began >= CHECKPOINT_PART_MIN_S:
-                self.part, self.handed = (self.walk_for, dict(entries), list(missed)), True
+                self.part, self.handed = (self.walk_for, so_far(), size, list(missed)), True
                 self.want_part = 0
                 self.cond.notify_all()
         return self.stopped.is_set() or cancelled is not None and cancelled.is_set()
 
     def walk(self, background, cancelled=None):
         """scan()'s walk: the state as a Checkpoint numbered next; None when closed, stopped
-        or known unchanged."""
+        or known unchanged. A directory quiet since it was last looked at (watched, and no
+        event about it or its entries) that lists the same names keeps its packed children
+        unread; the others' children are looked at one by one (entry())."""
         if self.closed:
             return None                                      # closed meanwhile
         self.cache.refresh()
@@ -9734,44 +9802,89 @@ class Checkpoints(object):
             return None                                      # no event since a scan that watched all of it
         for repo in self.repos:
             repo.refresh()
-        known = w.vouched if w is not None else {}           # path -> its entry, until an event says otherwise
-        prev = self.base
-        entries, missed, partial, visited, unwatched = {}, [], False, [], 0
+        quiet = w.quiet if w is not None else set()
+        prev, dirs, missed, partial, visited, size = self.base.dirs, {}, [], False, [], 0
+        looked, unwatched = set(), []                        # (quiet from this walk on, once it is the base)
         store = self.store.dir if self.store.dir and any(is_within(self.store.dir, r) for r in self.roots) else None
+        here = None                                          # the directory whose children the walk is at
+
+        def begin(d, repo):
+            nonlocal here, old, names, kids, lasting, before, known
+            here, old, names, kids, lasting, before, known = d, prev.get(d), [], [], True, None, None
+            if old is None or d not in quiet:
+                before, known = unpack_children(old) if old is not None else {}, repo.children(d) if repo else {}
+
+        def look(name):
+            nonlocal lasting
+            entry, stays = self.entry(child_prefix(here) + name, before.get(name), missed, known)
+            if entry is not None:
+                kids.append((name, entry))
+                lasting = lasting and stays
+
+        def end(repo):
+            if before is None:                               # quiet: kept unread if it lists the same names
+                if child_names(old) == b"\0".join(map(os.fsencode, names)):
+                    dirs[here] = old
+                    return
+                listed = names
+                quiet.discard(here)
+                begin(here, repo)                            # (no longer quiet: looked at one by one)
+                for name in listed:
+                    look(name)
+            if kids:
+                packed = pack_children(kids)
+                dirs[here] = old if packed == old else packed
+            quiet.discard(here)
+            if lasting and w is not None and here in w.of:   # (its watch was set before the lstats)
+                looked.add(here)
+            else:
+                unwatched.append(here)
+
+        def so_far():
+            """What was walked so far, the directory in progress included (a part handed over)."""
+            part = dict(dirs)
+            if kids:
+                part[here] = pack_children(kids)
+            return part
+        old = names = kids = lasting = before = known = None
         for root in self.roots:
             if partial:
                 break
             repo = next((r for r in self.repos if is_within(root, r.top)), None)
             walker = Walker(root, self.walk_policy, follow_links=False, want_dirs=True, cache=self.cache)
             walker.raw_links, walker.visited, walker.watch_first = True, visited, True
-            for path, _, is_dir, _ in walker:
-                if len(entries) >= CHECKPOINT_WALK_MAX:
+            here = None
+            for path, _, _, _ in walker:                     # (a directory's children come together)
+                if size >= CHECKPOINT_WALK_MAX:
                     partial = "the walk stopped at %d entries (narrow --allow-dir)" % CHECKPOINT_WALK_MAX
                     break
-                if not len(entries) % 256 and self.stop_why(background, cancelled, entries, missed):
+                if not size % 256 and self.stop_why(background, cancelled, so_far, size, missed):
                     return None                              # closed or cancelled: nothing to keep
                 if store is not None and is_within(path, store):
                     continue                                 # the store itself (where it lies in a root)
-                entry = known.get(path)
-                if entry is None:
-                    entry, lasting = self.entry(path, prev.get(path), missed, repo)
-                    if entry is None:
-                        continue
-                    if w is not None and lasting and w.file_watched(path) and len(known) < CHECKPOINT_WALK_MAX:
-                        known[path] = entry                  # (its directory was watched before the lstat)
-                    else:
-                        unwatched += 1
-                entries[path] = entry
+                cut = path.rfind("/")
+                if path[:cut or 1] != here:
+                    if here is not None:
+                        end(repo)
+                    begin(path[:cut or 1], repo)
+                size += 1
+                if before is None:
+                    names.append(path[cut + 1:])
+                else:
+                    look(path[cut + 1:])
+            if here is not None:
+                end(repo)
+        quiet.update(looked)
         whole = w is not None and not partial and not unwatched and all(map(w.clean.__contains__, visited))
         self.steady = steady if whole else None
-        return Checkpoint(self.count + 1, entries, missed, partial)
+        return Checkpoint(self.count + 1, dirs, size, missed, partial)
 
-    def entry(self, path, old, missed, repo=None):
-        """(the entry of one path walked, whether a watch of its directory can vouch for it
-        from now on): the old one when its lstat is unchanged, else made (a changed file
-        read and its bytes stored); None when it is gone. A file with other hard links
-        (changed through one elsewhere, it raises no event here), changed within a clock
-        tick or not stored is never vouched for."""
+    def entry(self, path, old, missed, known):
+        """(the entry of one path walked, whether it can stay unread while its directory is
+        quiet): the old one when its lstat is unchanged, else made (a changed file read and
+        its bytes stored, unless git's index `known` names its blob); None when it is gone.
+        A file with other hard links (changed through one elsewhere, it raises no event
+        here), changed within a clock tick or not stored is read again."""
         try:
             st = os.lstat(path)
         except OSError:
@@ -9789,10 +9902,10 @@ class Checkpoints(object):
             return None, False
         lasting = st.st_nlink == 1
         if not lasting:
-            self.linked.add((st.st_dev, st.st_ino))          # (scan(): a new one undoes what watches vouched for)
+            self.linked.add((st.st_dev, st.st_ino))          # (scan(): a new one makes no directory quiet)
         if old is not None and old[0] == "f" and old[3:] == key and old[1] == mode and old[2] is not None:
             return old, lasting
-        digest, why = (repo and repo.blob_of(path, st)), None
+        digest, why = GitIndex.blob_of(known, path[path.rfind("/") + 1:], st), None
         if digest is None:
             digest, why = self.keep(path, st)
         if why:
@@ -9858,7 +9971,7 @@ class Checkpoints(object):
         directory modes last, each file under its edit lock in `files` (FileGuards), as the
         edit tools write. A path the target did not cover is left as it is. dry: only say what
         it would do."""
-        old, cur = target.entries, now.entries
+        old, cur = target.flat(), now.flat()
         above = set(p for p, e in old.items() if e[0] == "d" and any(is_within(w, p) for w in within))
         readers = {}                                     # GitIndex -> its CatFile, for the blobs written back
         try:
@@ -12167,18 +12280,18 @@ def tool_checkpoints(session, args, ctx):
     for k in range(len(kept) - 1, -1, -1):
         point = kept[k]
         changes = "" if k + 1 == len(kept) else "- changed after it: " + change_words(
-            entry_changes(point.entries, kept[k + 1].entries, point.partial), root_of)
+            entry_changes(point, kept[k + 1], point.partial), root_of)
         lines.append("#%d  %s  %s  %s%s" % (
             point.number, time.strftime("%H:%M:%S", time.localtime(point.taken)),
             "before " + ", ".join(point.followed) if point.followed else "(the state now)",
             "(covers part: %s)  " % point.partial if point.partial and k + 1 < len(kept) else "", changes))
     if latest is not None:
-        files = [e for e in latest.entries.values() if e[0] == "f"]
+        entries = latest.flat().values()
+        files = [e for e in entries if e[0] == "f"]
         lines.append("Covered now: %d files, %d directories, %d symlinks (%s); the store keeps %s of a %s budget"
                      " in %s." % (
-                         sum(1 for e in files if e[2] is not None),
-                         sum(1 for e in latest.entries.values() if e[0] == "d"),
-                         sum(1 for e in latest.entries.values() if e[0] == "l"), human_size(sum(e[3] for e in files)),
+                         sum(1 for e in files if e[2] is not None), sum(1 for e in entries if e[0] == "d"),
+                         sum(1 for e in entries if e[0] == "l"), human_size(sum(e[3] for e in files)),
                          human_size(stored), human_size(budget), where))
         if latest.missed:
             lines.append("Not covered: %s." % ", ".join("%s (%s)" % (root_of(p), why) for p, why in
@@ -12193,7 +12306,7 @@ def checkpoint_diff(points, target, now, root_of, offset, cap):
     """What changed from checkpoint `target` to `now` (the state just read) as git writes a
     diff: a header per file, mode lines, hunks of text, a line for a binary file or one the
     checkpoint did not cover; files past `cap` characters are left to a read-on notice."""
-    old, cur = target.entries, now.entries
+    old, cur = target.flat(), now.flat()
     mode = lambda e: "120000" if e[0] == "l" else "100755" if e[1] & 0o111 else "100644"
     paths = sorted(p for p in set(old) | set(cur) if any(e is not None and e[0] != "d" for e in (old.get(p), cur.get(p)))
                    and old.get(p, ())[:3] != cur.get(p, ())[:3])
