@@ -1700,11 +1700,17 @@ def give_back_memory(main_thread, wait_s=10.0):
     deadline = time.monotonic() + wait_s
     while main_thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
+    trim_memory()
+
+
+def trim_memory():
+    """Hand the C library's free pages back to the system (glibc's malloc_trim(0)), after
+    start-up or a walk that made and dropped many objects; elsewhere nothing is done."""
     try:
         _, libc = _libc()
         libc.malloc_trim(0)
     except (OSError, AttributeError, ImportError):
-        log("debug", "no malloc_trim here: memory freed at start-up stays with the allocator")
+        log("debug", "no malloc_trim here: memory freed stays with the allocator")
 
 
 def seal_memory():
@@ -3481,6 +3487,7 @@ class Walker(object):
         self.raw_links = False                     # True: a symlink is found as itself, is_dir None (checkpoints)
         self.watch_first = False                   # True: directories are watched from the first walk, not the
         #                                            second (checkpoints walk the same tree again and again)
+        self.remember = True                       # False: visits are not kept in the cache (checkpoints keep theirs)
 
     def __iter__(self):
         return self.walk([self.start()])
@@ -3558,7 +3565,7 @@ class Walker(object):
         if self.visited is not None:
             self.visited.append(real)
         key = None
-        if self.name_key is not None:
+        if self.name_key is not None and self.remember:
             key = (real, path, depth, self.use_ignore, self.follow_links, self.want_dirs, self.name_key,
                    self.max_depth, self.policy.key)
             known = self.cache.listing(key, real, ino, ign, lambda names: self.rules(path, names, ign))
@@ -3576,7 +3583,7 @@ class Walker(object):
         if fd is None:
             return [], []
         found, subdirs, settled, links = [], [], True, []
-        watched = key is not None and (self.recalled or self.watch_first) and self.cache.watch_listed(real, fd, st)
+        watched = (self.watch_first or key is not None and self.recalled) and self.cache.watch_listed(real, fd, st)
         try:                                    # (the fd stays open: DT_UNKNOWN entries lstat through it)
             names = frozenset(e.name for e in entries if e.name in (".git", ".gitignore"))
             outer, ign = ign, self.rules(path, names, ign)
@@ -3625,6 +3632,8 @@ class Walker(object):
             for begin, link, end in reversed(links):                # kept: a link as (shown, at, name)
                 kept = kept[:begin] + [link] + kept[end:]
             self.cache.remember(key, st, outer, names, ign, (kept, subdirs, bool(links)), watched)
+        elif watched and settled and time.time() - st.st_mtime >= LISTING_RACY_S:
+            self.cache.watches.clean[real] = (st.st_mtime_ns, st.st_ctime_ns)     # (as remember() marks it)
         return found, subdirs
 
     def ignored_here(self, entries, path, ign):
@@ -9029,6 +9038,7 @@ class Session(object):
 CHECKPOINT_SKIPPED = ("/proc", "/sys", "/dev")      # never walked (a workspace of /): no files to keep there
 CHECKPOINT_YIELD_S = 0.02                            # how often a scan that gave way looks again
 CHECKPOINT_PART_MIN_S = 0.5                          # a walk hands a waiter its part once it ran this long
+CHECKPOINT_TRIM_ENTRIES = 50000                      # a walk this big hands freed memory back (trim_memory)
 
 
 CHECKPOINT_PREFIX = "boris-checkpoints-"         # a store: <temp>/boris-checkpoints-XXXX, 0700
@@ -9270,7 +9280,10 @@ class GitIndex(object):
     entry (git's own test: ctime, mtime, inode and size, each as the index keeps it) holds the
     blob the entry names, unless the entry is racy (changed as late as the index was written);
     a checkpoint then records "g" + the blob's id instead of copying the bytes, and a rewind
-    reads them back with `git cat-file`. Used only where the bytes in the work tree are the
+    reads them back with `git cat-file`. Once a whole walk has recorded what the index says,
+    its entries are let go (a walk after it reads only files whose stat changed, which an
+    index that did not change cannot vouch for), and read again when the index changes.
+    Used only where the bytes in the work tree are the
     blob's to the byte: no line-ending conversion, filters or encodings (core.autocrlf, the
     attributes text, eol, filter, ident, working-tree-encoding), index versions 2 to 4 with
     SHA-1, no split index, and git installed."""
@@ -9745,6 +9758,8 @@ class Checkpoints(object):
             w.quiet.clear()
             self.steady = None
             point = self.walk(background, cancelled)
+        if point is not None and point.size >= CHECKPOINT_TRIM_ENTRIES:
+            trim_memory()                                # (a big walk leaves pages the server no longer uses)
         with self.cond:
             if self.part is not None:                    # handed over, but the walk ended first: none partial
                 self.part, self.handed = None, False
@@ -9823,7 +9838,7 @@ class Checkpoints(object):
 
         def end(repo):
             if before is None:                               # quiet: kept unread if it lists the same names
-                if child_names(old) == b"\0".join(map(os.fsencode, names)):
+                if child_names(old) == "\0".join(names).encode("utf-8", "surrogateescape"):
                     dirs[here] = old
                     return
                 listed = names
@@ -9852,7 +9867,7 @@ class Checkpoints(object):
                 break
             repo = next((r for r in self.repos if is_within(root, r.top)), None)
             walker = Walker(root, self.walk_policy, follow_links=False, want_dirs=True, cache=self.cache)
-            walker.raw_links, walker.visited, walker.watch_first = True, visited, True
+            walker.raw_links, walker.visited, walker.watch_first, walker.remember = True, visited, True, False
             here = None
             for path, _, _, _ in walker:                     # (a directory's children come together)
                 if size >= CHECKPOINT_WALK_MAX:
@@ -9875,6 +9890,9 @@ class Checkpoints(object):
             if here is not None:
                 end(repo)
         quiet.update(looked)
+        if not partial:
+            for repo in self.repos:
+                repo.dirs = {}       # recorded now: the next walk reads the index again only once it changed
         whole = w is not None and not partial and not unwatched and all(map(w.clean.__contains__, visited))
         self.steady = steady if whole else None
         return Checkpoint(self.count + 1, dirs, size, missed, partial)
