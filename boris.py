@@ -17,15 +17,19 @@ the layers above it:
     Paths                    PathPolicy: resolve, then check allow/deny (case as the volume folds it)
     Files                    the one opener, the one atomic writer, line reading, sniffing
     Child processes          spawn, the reaper, killing a group; helper processes (this file run again)
-    Sandbox                  Landlock, seccomp, network namespaces, the launchers that confine commands
-    Search                   one walker, the grep, outline and document engines, the searches run in helpers
-                             (where a deadline or a cancel can kill them), the helper pool
+    Sandbox                  Landlock, seccomp, network namespaces, the launchers that confine commands,
+                             the egress proxy of a domain list
+    Search                   ignore rules, inotify watches and the walk cache, one walker, the grep and
+                             outline engines
+    Documents                office documents and PDF as text, read in helpers
+    Helpers                  the searches run in helpers (where a deadline or a cancel can kill them),
+                             the helper pool
     Shell                    Capture, and the command runner: start_process, pump, Task
     Web                      fetch with vetted addresses, HTML to Markdown, coded fetch errors
-    Session                  one client's cwd, viewed files, tasks (admitted here), undo history;
-                             its checkpoints of the workspace (the store rewind puts back from)
+    Session                  one client's cwd, viewed files, tasks (admitted here), undo history
+    Checkpoints              the store, git's index, the session's checkpoints of the workspace
     Tools: building blocks   the registry (@tool), schema helpers, CallContext, shared answer helpers
-    Tools: documents         what a file shows a model in view: images, notebooks
+    Tools: images and notebooks  what such a file shows a model in view
     Tools: view              view of files, directories, images and notebooks
     Tools: outline           a file's definitions with line ranges, or a directory's files' top-level ones
     Tools: edits             the one matcher and the three-way merge (EditMerge), the one edit writer
@@ -78,11 +82,20 @@ if sys.version_info < (3, 8):
                      % sys.version_info[:2])
     sys.exit(2)
 
+import array
+import atexit
+import codecs
 import contextlib
 import errno
+import gc
+import heapq
+import io
 import json
+import math
 import os
+import posixpath
 import re
+import select
 import signal
 import stat
 import struct
@@ -999,7 +1012,6 @@ def text_codec(name):
     """The canonical name of `name` when it is a text encoding a file or page can be
     decoded with, else None: unknown names, bytes-to-bytes codecs (base64, zlib,
     rot13) and label codecs that are not file encodings (idna, punycode, undefined)."""
-    import codecs
     try:
         info = codecs.lookup(name)
     except (LookupError, ValueError, TypeError, UnicodeError):
@@ -1276,7 +1288,6 @@ def ready(waited, timeout=None, write=False):
     """Those of `waited` (descriptors, or objects with fileno()) that are readable (writable
     with write=True), or at their end, within `timeout` seconds (None: until one is). The one
     wait on descriptors: poll(2), which takes descriptors past 1,024 as select(2) does not."""
-    import select
     poller, by_fd = select.poll(), {}
     for f in waited:
         fd = f if isinstance(f, int) else f.fileno()
@@ -1928,7 +1939,6 @@ def helper_watchdog(parent):
         for fd in (0, 1, 2):
             os.dup2(null, fd)
         os.closerange(3, 65536)
-        import select
         queue = None
         if hasattr(select, "kqueue"):
             queue = select.kqueue()
@@ -2048,7 +2058,7 @@ def helper_command(kind, avoid=()):
 # Signals and abstract unix sockets are scoped to the command's own domain (ABI 6+).
 # A domain list (--sandbox-network pypi.org,...) is the network off but for one door:
 # TCP sockets may be made, and the supervisor connects them only to the loopback port
-# of EgressProxy (Web), which the command's HTTP(S)_PROXY names and which connects
+# of EgressProxy (below), which the command's HTTP(S)_PROXY names and which connects
 # only to the listed domains; Landlock allows TCP connect to that port alone.
 # Protected paths (.git, .hg, .svn, this file; --sandbox-protect) under a writable
 # root, which Landlock cannot take out of a grant, are bind-mounted read-only in a
@@ -2101,6 +2111,391 @@ def landlock_abi():
     return max(0, abi)
 
 
+# -- the kernel's parts: seccomp, Landlock, the network supervisor, namespaces ----
+def net_filter_program(machine, supervised=False, inet=False):
+    """The classic BPF program of net_filter for `machine` (os.uname().machine), as
+    the bytes of its sock_filter array; None for a machine it does not know. A
+    socket may be a Unix stream or seqpacket socket only (so no datagram can carry an
+    address); connect is refused (supervised: handed to NetSupervisor), and so are
+    sendto with an address, any send with MSG_FASTOPEN (sendto, sendmsg, sendmmsg: it
+    connects without connect(2), where neither the supervisor nor Landlock looks) and
+    io_uring (which would bypass the filter); a foreign ABI gets no socket call at all,
+    an unknown one is killed. inet: IPv4 TCP sockets may be made too (their connect is
+    the supervisor's to decide; no other protocol of SOCK_STREAM, such as SCTP)."""
+    if machine not in SECCOMP_ABIS:
+        return None
+    arch, nr, compat_arch, compat_calls = SECCOMP_ABIS[machine]
+    ld, jeq, jge, ret, and_ = 0x20, 0x15, 0x35, 0x06, 0x54
+    allow, kill, notify = 0x7FFF0000, 0x80000000, 0x7FC00000
+    refuse, nosys = 0x00050000 | errno.EACCES, 0x00050000 | errno.ENOSYS
+    arg = lambda k, high=0: 16 + 8 * k + 4 * high            # seccomp_data.args[k], low or high half
+    code = [(ld, 4), (jeq, arch, "native"), (jeq, compat_arch, "compat"), (ret, kill),
+            ("compat",), (ld, 0)] + [(jeq, n, "refuse") for n in compat_calls] + [
+        (jeq, 425, "nosys"), (ret, allow),
+        ("native",), (ld, 0), (jge, 0x40000000, "kill"),            # x32 numbers on x86_64
+        (jeq, nr["socket"], "socket"), (jeq, nr["socketpair"], "socket"), (jeq, nr["connect"], "connect"),
+        (jeq, nr["sendto"], "sendto"), (jeq, nr["sendmsg"], "sendmsg"), (jeq, nr["sendmmsg"], "sendmmsg"),
+        (jeq, nr["io_uring_setup"], "nosys"), (ret, allow),
+        ("socket",), (ld, arg(0)), (jeq, 1, "unix")] + [(jeq, 2, "inet")] * inet + [(ret, refuse),  # AF_UNIX
+        ("unix",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "allow"), (jeq, 5, "allow"), (ret, refuse),
+        ("inet",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "tcp"), (ret, refuse),      # AF_INET, SOCK_STREAM
+        ("tcp",), (ld, arg(2)), (jeq, 0, "allow"), (jeq, 6, "allow"), (ret, refuse),  # IPPROTO_TCP
+        ("sendto",), (ld, arg(3)), (and_, MSG_FASTOPEN), (jeq, 0, "addressed"), (ret, refuse),
+        ("addressed",), (ld, arg(4)), (jeq, 0, "low"), (ret, refuse),  # a destination address: refused
+        ("low",), (ld, arg(4, 1)), (jeq, 0, "allow"), (ret, refuse),
+        ("sendmsg",), (ld, arg(2)), (and_, MSG_FASTOPEN), (jeq, 0, "allow"), (ret, refuse),
+        ("sendmmsg",), (ld, arg(3)), (and_, MSG_FASTOPEN), (jeq, 0, "allow"), (ret, refuse),
+        ("connect",), (ret, notify if supervised else refuse),
+        ("allow",), (ret, allow), ("refuse",), (ret, refuse), ("nosys",), (ret, nosys), ("kill",), (ret, kill)]
+    labels, at = {}, 0
+    for op in code:
+        if len(op) == 1:
+            labels[op[0]] = at
+        else:
+            at += 1
+    out, at = [], 0
+    for op in code:
+        if len(op) == 1:
+            continue
+        at += 1
+        if len(op) == 3:                         # jump to the label when equal (or >=), else on
+            out.append(struct.pack("<HBBI", op[0], labels[op[2]] - at, 0, op[1]))
+        else:
+            out.append(struct.pack("<HBBI", op[0], 0, 0, op[1]))
+    return b"".join(out)
+
+
+def net_filter_available():
+    """Whether this kernel and machine take net_filter: seccomp filters are built
+    in (a probe with no program answers EFAULT, not EINVAL) and the machine's system
+    call numbers are known."""
+    if not sys.platform.startswith("linux") or net_filter_program(os.uname().machine) is None:
+        return False
+    try:
+        ctypes, libc = _libc()
+        r = libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.c_void_p(0), 0, 0)
+    except (OSError, AttributeError, ImportError):
+        return False  # no prctl here: no seccomp
+    return r < 0 and ctypes.get_errno() in (errno.EFAULT, errno.EACCES)
+
+
+def apply_net_filter(supervised=False, fprog=None):
+    """Install net_filter on this process (no_new_privs is set already, by
+    Landlock.restrict): inherited by all it starts, never lifted. supervised: connect
+    calls go to a listener, whose descriptor is returned (else None). `fprog`: the
+    program as net_fprog made it, ahead."""
+    ctypes, libc = _libc()
+    fprog = fprog or net_fprog(supervised)
+    if supervised:                              # seccomp(SET_MODE_FILTER, FLAG_NEW_LISTENER, prog)
+        fd = libc.syscall(SECCOMP_ABIS[os.uname().machine][1]["seccomp"], 1, 8, fprog[0])
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "seccomp listener: %s" % os.strerror(ctypes.get_errno()))
+        return fd
+    if libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), fprog[0], 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "seccomp filter: %s" % os.strerror(ctypes.get_errno()))
+    return None
+
+
+def net_fprog(supervised, inet=False):
+    """(struct sock_fprog, the program it points to) of net_filter, as ctypes buffers."""
+    ctypes, _ = _libc()
+    program = net_filter_program(os.uname().machine, supervised, inet)
+    if program is None:
+        raise OSError(errno.ENOSYS, "no seccomp system call table for %s" % os.uname().machine)
+    buf = ctypes.create_string_buffer(program, len(program))
+    return ctypes.create_string_buffer(struct.pack("@HP", len(program) // 8, ctypes.addressof(buf))), buf
+
+
+class Landlock(object):
+    """A Landlock ruleset built from a launcher's spec: write rights handled (and TCP
+    when spec['net'] is 'landlock'; signals and abstract Unix sockets scoped to the
+    domain from ABI 6), granted beneath spec['writable'] and the harmless devices (a
+    path this system lacks is skipped). restrict() confines this process and all it
+    will start; called again, it enters a nested domain of the same rules."""
+
+    def __init__(self, spec):
+        ctypes, libc = self.ctypes, self.libc = _libc()
+        abi = spec["abi"]
+        write = LL_WRITE_FILE | LL_REMOVE_DIR | LL_REMOVE_FILE | LL_MAKE_ALL
+        write |= (LL_REFER if abi >= 2 else 0) | (LL_TRUNCATE if abi >= 3 else 0)
+        net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP if spec["net"] == "landlock" else 0
+        scoped = LL_SCOPE_SIGNAL | (LL_SCOPE_ABSTRACT_UNIX if spec["net"] else 0) if abi >= 6 else 0
+        attr = struct.pack("<QQQ", write, net, scoped)[:8 if abi < 4 else 16 if abi < 6 else 24]
+        buf = ctypes.create_string_buffer(attr, len(attr))
+        self.fd = libc.syscall(LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "landlock_create_ruleset: %s" % os.strerror(ctypes.get_errno()))
+        try:
+            file_rights = LL_WRITE_FILE | (LL_TRUNCATE if abi >= 3 else 0)
+            for path, rights in ([(p, write) for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)] +
+                                 [(p, file_rights) for p in SANDBOX_DEVICES]):
+                try:
+                    fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC)
+                except OSError:
+                    continue                    # (a device or directory this system lacks)
+                try:
+                    self.add(LL_RULE_PATH, struct.pack("<Qi", rights, fd), path)
+                finally:
+                    os.close(fd)
+            if net and spec.get("proxy"):               # the proxy's port, the one TCP connect allowed
+                self.add(LL_RULE_NET_PORT, struct.pack("<QQ", LL_NET_CONNECT_TCP, spec["proxy"]), "port")
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def add(self, kind, attr, what):
+        """Add one rule of `kind` (its packed attribute); OSError naming `what` when refused."""
+        ctypes, libc = self.ctypes, self.libc
+        rule = ctypes.create_string_buffer(attr, len(attr))
+        if libc.syscall(LANDLOCK_ADD_RULE, self.fd, kind, rule, ctypes.c_uint32(0)) < 0:
+            raise OSError(ctypes.get_errno(), "landlock_add_rule %s: %s" % (what, os.strerror(ctypes.get_errno())))
+
+    def restrict(self):
+        """Enter a (further) Landlock domain of the rules, no_new_privs set first."""
+        ctypes, libc = self.ctypes, self.libc
+        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if libc.syscall(LANDLOCK_RESTRICT_SELF, self.fd, ctypes.c_uint32(0)) < 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self: %s" % os.strerror(ctypes.get_errno()))
+
+    def close(self):
+        """Close the ruleset (the domains entered stay)."""
+        os.close(self.fd)
+
+
+class NetSupervisor(object):
+    """The process that serves a sandboxed command's connect calls (confine() makes
+    it): `child` is the command, `listener` the seccomp listener its filter notifies."""
+
+    def __init__(self, child, listener, proxy=None):
+        self.child, self.listener, self.proxy = child, listener, proxy
+        self.ctypes, self.libc = _libc()
+
+    @classmethod
+    def confine(cls, spec, landlock):
+        """Cut the network of this launcher's command with net_filter. Where abstract Unix
+        sockets are the sandbox's own (Landlock ABI 6 scopes them; a network namespace
+        has its own), the launcher forks: the child, confined once more by Landlock (so it
+        cannot signal its parent), installs the filter with a listener and becomes the
+        command; this process stays as its supervisor (serve), which lets the command connect
+        to abstract sockets of its own (Python's multiprocessing forkserver uses one) and
+        refuses every other connect. Elsewhere connect is refused outright."""
+        import socket
+        if not (spec["abi"] >= 6 or spec["net"] == "netns"):
+            apply_net_filter()
+            return
+        fprog = net_fprog(True, bool(spec.get("proxy")))    # made before the fork: the child only installs it
+        ours, theirs = socket.socketpair()
+        gc.disable()                                # a collection would copy the heap page by page (COW)
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            landlock.restrict()                     # nested: the command may not signal its supervisor
+            listener = apply_net_filter(True, fprog)
+            theirs.sendmsg([b"L"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [listener]))])
+            os.close(listener)
+            theirs.close()
+            return
+        theirs.close()
+        try:
+            _, ancillary, _, _ = ours.recvmsg(1, socket.CMSG_SPACE(4))
+            listener = array.array("i", ancillary[0][2][:4])[0]
+        except (OSError, IndexError):
+            listener = None                         # the child failed to confine: it reports and exits
+        ours.close()
+        cls(pid, listener, spec.get("proxy")).serve()
+
+    def serve(self):
+        """Serve the command's connect calls until the command (`child`) ends, then end
+        the same way it did. An abstract address (a leading NUL) is connected here, on
+        the command's own socket (pidfd_getfd) with the address as read once, so the
+        command cannot change it after the check; anything else is refused (EACCES).
+        Signals a terminal or boris sends the group are left to the command. Once this
+        process ends, a connect still attempted by a leftover descendant fails (ENOSYS)."""
+        ctypes, libc, child, listener = self.ctypes, self.libc, self.child, self.listener
+        for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
+            signal.signal(sig, signal.SIG_IGN)
+        child_fd = libc.syscall(SYS_PIDFD_OPEN, child, 0)
+        poller = select.poll()
+        for fd in (child_fd, listener):
+            if fd is not None and fd >= 0:
+                poller.register(fd, select.POLLIN)
+        notif = ctypes.create_string_buffer(80)
+        while True:
+            _, status = os.waitpid(child, os.WNOHANG)
+            if _:
+                break
+            try:
+                ready = dict(poller.poll(1000 if child_fd >= 0 else 50))
+            except InterruptedError:
+                continue
+            if listener is not None and ready.get(listener, 0) & (select.POLLHUP | select.POLLERR):
+                poller.unregister(listener)         # no filtered process is left: only the wait remains
+                listener = None
+            if listener is None or not ready.get(listener, 0) & select.POLLIN:
+                continue
+            ctypes.memset(notif, 0, 80)
+            if libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_RECV), notif) != 0:
+                continue                            # the caller died meanwhile
+            nid, pid = struct.unpack_from("<QI", notif.raw)
+            fd, addr, size = struct.unpack_from("<QQQ", notif.raw, 32)      # connect(fd, addr, addrlen)
+            error = self.connect(nid, pid, fd, addr, size)
+            libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_SEND),
+                       ctypes.create_string_buffer(struct.pack("<QqiI", nid, 0, -error, 0), 24))
+        if os.WIFSIGNALED(status):
+            if os.WTERMSIG(status) != signal.SIGKILL:
+                signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+            os.kill(os.getpid(), os.WTERMSIG(status))
+        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+    def connect(self, nid, pid, fd, addr, size):
+        """The answer to one connect: 0 once done, else the errno. The
+        address is read once from the caller's memory and everything after uses that
+        copy: an abstract address is connected as it is (Landlock or the namespace keeps
+        foreign ones out), and so is the proxy's (127.0.0.1 at its port, with a domain
+        list; any other IP address is refused); a path is opened (O_PATH, from the caller's cwd) and connected
+        through that descriptor, so the socket checked is the socket reached, and only
+        when a process of the command (its session) is listening on it."""
+        ctypes, libc = self.ctypes, self.libc
+        if not 3 <= size <= 110:
+            return errno.EACCES
+        try:
+            with open("/proc/%d/mem" % pid, "rb", buffering=0) as mem:
+                mem.seek(addr)
+                sockaddr = mem.read(size)
+        except (OSError, OverflowError, ValueError):
+            return errno.EACCES                     # unreadable: refused
+        family = struct.unpack_from("<H", sockaddr)[0] if len(sockaddr) == size else None
+        proxy = family == 2 and self.proxy and size >= 8 and sockaddr[2:8] == struct.pack(">H", self.proxy) + \
+            b"\x7f\0\0\1"
+        if family != 1 and not proxy:
+            return errno.EACCES                     # not a Unix address, nor the proxy's
+        if libc.ioctl(self.listener, ctypes.c_ulong(SECCOMP_NOTIF_ID_VALID), ctypes.byref(ctypes.c_uint64(nid))) != 0:
+            return errno.EACCES                     # the caller is gone: the pid may be another process now
+        checked = None
+        if proxy:
+            sockaddr = sockaddr[:8] + b"\0" * 8    # 127.0.0.1:the proxy's port, as a sockaddr_in
+        elif sockaddr[2:3] != b"\0":
+            checked = self.socket_file(pid, sockaddr[2:].split(b"\0", 1)[0])
+            if checked is None:
+                return errno.EACCES                 # a socket of the host (or none): refused
+            sockaddr = struct.pack("<H", 1) + b"/proc/self/fd/%d\0" % checked
+        pidfd = libc.syscall(SYS_PIDFD_OPEN, pid, 0)
+        try:
+            theirs = libc.syscall(SYS_PIDFD_GETFD, pidfd, ctypes.c_int(fd), 0) if pidfd >= 0 else -1
+            if theirs < 0:
+                return ctypes.get_errno() or errno.EBADF
+            try:
+                buf = ctypes.create_string_buffer(sockaddr, len(sockaddr))
+                return 0 if libc.connect(theirs, buf, len(sockaddr)) == 0 else ctypes.get_errno()
+            finally:
+                os.close(theirs)
+        finally:
+            for f in (pidfd, checked):
+                if f is not None and f >= 0:
+                    os.close(f)
+
+    @staticmethod
+    def socket_file(pid, path):
+        """An O_PATH descriptor of the socket file `path` (resolved from process pid's
+        cwd) when a process of this command (this session) listens on it, else None.
+        Listening sockets come from /proc/net/unix (path and socket inode); a socket's
+        holders from /proc/PID/fd of the session's processes."""
+        try:
+            cwd = os.open("/proc/%d/cwd" % pid, getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY)
+        except OSError:
+            return None                             # the caller is gone: refused
+        try:
+            fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC, dir_fd=cwd)
+        except OSError:
+            return None
+        finally:
+            os.close(cwd)
+        st = os.fstat(fd)
+        if stat.S_ISSOCK(st.st_mode):
+            inodes = set()
+            with open("/proc/net/unix", "rb") as f:
+                for line in f.read().splitlines()[1:]:
+                    fields = line.split(None, 7)
+                    if len(fields) == 8 and fields[7].startswith(b"/"):
+                        try:
+                            same = os.stat(fields[7])
+                        except OSError:
+                            continue                # gone, or not reachable from here
+                        if (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino):
+                            inodes.add(b"socket:[%s]" % fields[6])
+            sid = os.getsid(0)
+            for name in [n for n in os.listdir("/proc") if n.isdigit()] if inodes else ():
+                try:          # a process of this session holding a descriptor of that socket?
+                    with open("/proc/%s/stat" % name, "rb") as f:
+                        if int(f.read().rsplit(b")", 1)[1].split()[3]) != sid:
+                            continue
+                    fds = os.listdir("/proc/%s/fd" % name)
+                except (OSError, ValueError, IndexError):
+                    continue                        # gone, or not ours to look at
+                for link in fds:
+                    try:
+                        if os.fsencode(os.readlink("/proc/%s/fd/%s" % (name, link))) in inodes:
+                            return fd
+                    except OSError:
+                        continue                    # closed meanwhile
+        os.close(fd)
+        return None
+
+
+def enter_namespaces(net, protect):
+    """unshare a user namespace, with a network namespace (no interface but a down
+    loopback) when `net`, and a mount namespace where the `protect` paths are bind-mounted
+    read-only. Users keep their ids: an ordinary user is mapped to itself; root to every
+    id its own namespace has (a child still outside writes the map: a rootless
+    container's root maps its range), so root may still write files of other owners."""
+    ctypes, libc = _libc()
+    uid, gid = os.geteuid(), os.getegid()
+    mapper = None
+    if uid == 0:
+        go, ready = os.pipe()
+        mapper = os.fork()
+        if mapper == 0:                             # outside the namespace: only it may map every id
+            os.close(ready)
+            ok = os.read(go, 1) == b"u"
+            try:
+                for name in ("uid_map", "gid_map"):       # every id this namespace has, as itself
+                    with open("/proc/self/" + name) as f:
+                        ids = "".join("%s %s %s\n" % (l.split()[0], l.split()[0], l.split()[2]) for l in f if l.strip())
+                    with open("/proc/%d/%s" % (os.getppid(), name), "w") as f:
+                        f.write(ids)
+            except (OSError, IndexError):
+                ok = False
+            os._exit(0 if ok else 1)
+        os.close(go)
+    flags = CLONE_NEWUSER | (CLONE_NEWNET if net else 0) | (CLONE_NEWNS if protect else 0)
+    failed = libc.unshare(flags) != 0 and ctypes.get_errno()
+    if mapper is not None:
+        os.write(ready, b"u" if not failed else b"x")
+        os.close(ready)
+        _, status = os.waitpid(mapper, 0)
+        if not failed and status != 0:
+            raise OSError(errno.EPERM, "the user namespace's id map could not be written")
+    if failed:
+        raise OSError(failed, "unshare(CLONE_NEWUSER%s%s): %s" % ("|CLONE_NEWNET" if net else "",
+                                                                "|CLONE_NEWNS" if protect else "", os.strerror(failed)))
+    if mapper is None:
+        for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
+                           ("gid_map", "%d %d 1" % (gid, gid))):
+            with open("/proc/self/" + name, "w") as f:
+                f.write(text)
+    if protect:
+        mount = lambda source, target, flags: libc.mount(source, os.fsencode(target), None, ctypes.c_ulong(flags), None)
+        if mount(None, "/", MS_REC | MS_SLAVE) != 0:
+            raise OSError(ctypes.get_errno(), "mount(/, MS_REC|MS_SLAVE): %s" % os.strerror(ctypes.get_errno()))
+        for path in protect:
+            kept = os.statvfs(path).f_flag
+            flags = MS_REMOUNT | MS_BIND | MS_RDONLY | (kept & MS_LOCKED_FLAGS) | (MS_RELATIME if kept & 4096 else 0)
+            if mount(os.fsencode(path), path, MS_BIND) != 0 or mount(None, path, flags) != 0:
+                raise OSError(ctypes.get_errno(), "a read-only mount of %s: %s" % (path, os.strerror(ctypes.get_errno())))
+
+
+# -- the sandbox and its launchers ------------------------------------------------
 class Sandbox(object):
     """How commands are confined: the mode ('off', 'workspace-write', 'read-only'),
     the directories they may write beneath, whether they may use the network, and
@@ -2506,390 +2901,202 @@ def refuse_to_run(e):
     os._exit(SANDBOX_EXIT)
 
 
-def net_filter_program(machine, supervised=False, inet=False):
-    """The classic BPF program of net_filter for `machine` (os.uname().machine), as
-    the bytes of its sock_filter array; None for a machine it does not know. A
-    socket may be a Unix stream or seqpacket socket only (so no datagram can carry an
-    address); connect is refused (supervised: handed to NetSupervisor), and so are
-    sendto with an address, any send with MSG_FASTOPEN (sendto, sendmsg, sendmmsg: it
-    connects without connect(2), where neither the supervisor nor Landlock looks) and
-    io_uring (which would bypass the filter); a foreign ABI gets no socket call at all,
-    an unknown one is killed. inet: IPv4 TCP sockets may be made too (their connect is
-    the supervisor's to decide; no other protocol of SOCK_STREAM, such as SCTP)."""
-    if machine not in SECCOMP_ABIS:
-        return None
-    arch, nr, compat_arch, compat_calls = SECCOMP_ABIS[machine]
-    ld, jeq, jge, ret, and_ = 0x20, 0x15, 0x35, 0x06, 0x54
-    allow, kill, notify = 0x7FFF0000, 0x80000000, 0x7FC00000
-    refuse, nosys = 0x00050000 | errno.EACCES, 0x00050000 | errno.ENOSYS
-    arg = lambda k, high=0: 16 + 8 * k + 4 * high            # seccomp_data.args[k], low or high half
-    code = [(ld, 4), (jeq, arch, "native"), (jeq, compat_arch, "compat"), (ret, kill),
-            ("compat",), (ld, 0)] + [(jeq, n, "refuse") for n in compat_calls] + [
-        (jeq, 425, "nosys"), (ret, allow),
-        ("native",), (ld, 0), (jge, 0x40000000, "kill"),            # x32 numbers on x86_64
-        (jeq, nr["socket"], "socket"), (jeq, nr["socketpair"], "socket"), (jeq, nr["connect"], "connect"),
-        (jeq, nr["sendto"], "sendto"), (jeq, nr["sendmsg"], "sendmsg"), (jeq, nr["sendmmsg"], "sendmmsg"),
-        (jeq, nr["io_uring_setup"], "nosys"), (ret, allow),
-        ("socket",), (ld, arg(0)), (jeq, 1, "unix")] + [(jeq, 2, "inet")] * inet + [(ret, refuse),  # AF_UNIX
-        ("unix",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "allow"), (jeq, 5, "allow"), (ret, refuse),
-        ("inet",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "tcp"), (ret, refuse),      # AF_INET, SOCK_STREAM
-        ("tcp",), (ld, arg(2)), (jeq, 0, "allow"), (jeq, 6, "allow"), (ret, refuse),  # IPPROTO_TCP
-        ("sendto",), (ld, arg(3)), (and_, MSG_FASTOPEN), (jeq, 0, "addressed"), (ret, refuse),
-        ("addressed",), (ld, arg(4)), (jeq, 0, "low"), (ret, refuse),  # a destination address: refused
-        ("low",), (ld, arg(4, 1)), (jeq, 0, "allow"), (ret, refuse),
-        ("sendmsg",), (ld, arg(2)), (and_, MSG_FASTOPEN), (jeq, 0, "allow"), (ret, refuse),
-        ("sendmmsg",), (ld, arg(3)), (and_, MSG_FASTOPEN), (jeq, 0, "allow"), (ret, refuse),
-        ("connect",), (ret, notify if supervised else refuse),
-        ("allow",), (ret, allow), ("refuse",), (ret, refuse), ("nosys",), (ret, nosys), ("kill",), (ret, kill)]
-    labels, at = {}, 0
-    for op in code:
-        if len(op) == 1:
-            labels[op[0]] = at
-        else:
-            at += 1
-    out, at = [], 0
-    for op in code:
-        if len(op) == 1:
-            continue
-        at += 1
-        if len(op) == 3:                         # jump to the label when equal (or >=), else on
-            out.append(struct.pack("<HBBI", op[0], labels[op[2]] - at, 0, op[1]))
-        else:
-            out.append(struct.pack("<HBBI", op[0], 0, 0, op[1]))
-    return b"".join(out)
+# -- the egress proxy -------------------------------------------------------------
+# EgressProxy is the one door of sandboxed commands to the domains --sandbox-network lists.
+PROXY_CONNECTIONS = 64                     # the proxy's connections at once; one more is answered 503
+PROXY_HEAD_BYTES = 65536                   # a request head longer than this is refused (431)
+PROXY_IDLE_S = 300.0                       # a tunnel with no byte either way for this long is closed
+PROXY_CONNECT_S = 20.0                     # reading a request head, and connecting upstream, at most
 
 
-def net_filter_available():
-    """Whether this kernel and machine take net_filter: seccomp filters are built
-    in (a probe with no program answers EFAULT, not EINVAL) and the machine's system
-    call numbers are known."""
-    if not sys.platform.startswith("linux") or net_filter_program(os.uname().machine) is None:
-        return False
-    try:
-        ctypes, libc = _libc()
-        r = libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.c_void_p(0), 0, 0)
-    except (OSError, AttributeError, ImportError):
-        return False  # no prctl here: no seccomp
-    return r < 0 and ctypes.get_errno() in (errno.EFAULT, errno.EACCES)
+class EgressProxy(object):
+    """The loopback HTTP proxy that sandboxed commands reach the listed `domains` through
+    (CONNECT for HTTPS, absolute-form requests for plain HTTP), on 127.0.0.1 at `port`.
+    A name not listed, an IP address, or a name matched by a *. pattern that resolves to
+    an address that is not global (DNS rebinding: `internal`) is answered 403 with the
+    reason and logged; nothing else is connected. A name listed exactly may resolve to
+    any address: the user named that host (localhost for a local package mirror, say). `hosts` maps names to addresses taken as they are
+    (the tests' resolver: loopback only). close() stops it and every tunnel."""
 
-
-def apply_net_filter(supervised=False, fprog=None):
-    """Install net_filter on this process (no_new_privs is set already, by
-    Landlock.restrict): inherited by all it starts, never lifted. supervised: connect
-    calls go to a listener, whose descriptor is returned (else None). `fprog`: the
-    program as net_fprog made it, ahead."""
-    ctypes, libc = _libc()
-    fprog = fprog or net_fprog(supervised)
-    if supervised:                              # seccomp(SET_MODE_FILTER, FLAG_NEW_LISTENER, prog)
-        fd = libc.syscall(SECCOMP_ABIS[os.uname().machine][1]["seccomp"], 1, 8, fprog[0])
-        if fd < 0:
-            raise OSError(ctypes.get_errno(), "seccomp listener: %s" % os.strerror(ctypes.get_errno()))
-        return fd
-    if libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), fprog[0], 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "seccomp filter: %s" % os.strerror(ctypes.get_errno()))
-    return None
-
-
-def net_fprog(supervised, inet=False):
-    """(struct sock_fprog, the program it points to) of net_filter, as ctypes buffers."""
-    ctypes, _ = _libc()
-    program = net_filter_program(os.uname().machine, supervised, inet)
-    if program is None:
-        raise OSError(errno.ENOSYS, "no seccomp system call table for %s" % os.uname().machine)
-    buf = ctypes.create_string_buffer(program, len(program))
-    return ctypes.create_string_buffer(struct.pack("@HP", len(program) // 8, ctypes.addressof(buf))), buf
-
-
-class Landlock(object):
-    """A Landlock ruleset built from a launcher's spec: write rights handled (and TCP
-    when spec['net'] is 'landlock'; signals and abstract Unix sockets scoped to the
-    domain from ABI 6), granted beneath spec['writable'] and the harmless devices (a
-    path this system lacks is skipped). restrict() confines this process and all it
-    will start; called again, it enters a nested domain of the same rules."""
-
-    def __init__(self, spec):
-        ctypes, libc = self.ctypes, self.libc = _libc()
-        abi = spec["abi"]
-        write = LL_WRITE_FILE | LL_REMOVE_DIR | LL_REMOVE_FILE | LL_MAKE_ALL
-        write |= (LL_REFER if abi >= 2 else 0) | (LL_TRUNCATE if abi >= 3 else 0)
-        net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP if spec["net"] == "landlock" else 0
-        scoped = LL_SCOPE_SIGNAL | (LL_SCOPE_ABSTRACT_UNIX if spec["net"] else 0) if abi >= 6 else 0
-        attr = struct.pack("<QQQ", write, net, scoped)[:8 if abi < 4 else 16 if abi < 6 else 24]
-        buf = ctypes.create_string_buffer(attr, len(attr))
-        self.fd = libc.syscall(LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
-        if self.fd < 0:
-            raise OSError(ctypes.get_errno(), "landlock_create_ruleset: %s" % os.strerror(ctypes.get_errno()))
-        try:
-            file_rights = LL_WRITE_FILE | (LL_TRUNCATE if abi >= 3 else 0)
-            for path, rights in ([(p, write) for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)] +
-                                 [(p, file_rights) for p in SANDBOX_DEVICES]):
-                try:
-                    fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC)
-                except OSError:
-                    continue                    # (a device or directory this system lacks)
-                try:
-                    self.add(LL_RULE_PATH, struct.pack("<Qi", rights, fd), path)
-                finally:
-                    os.close(fd)
-            if net and spec.get("proxy"):               # the proxy's port, the one TCP connect allowed
-                self.add(LL_RULE_NET_PORT, struct.pack("<QQ", LL_NET_CONNECT_TCP, spec["proxy"]), "port")
-        except BaseException:
-            os.close(self.fd)
-            raise
-
-    def add(self, kind, attr, what):
-        """Add one rule of `kind` (its packed attribute); OSError naming `what` when refused."""
-        ctypes, libc = self.ctypes, self.libc
-        rule = ctypes.create_string_buffer(attr, len(attr))
-        if libc.syscall(LANDLOCK_ADD_RULE, self.fd, kind, rule, ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(), "landlock_add_rule %s: %s" % (what, os.strerror(ctypes.get_errno())))
-
-    def restrict(self):
-        """Enter a (further) Landlock domain of the rules, no_new_privs set first."""
-        ctypes, libc = self.ctypes, self.libc
-        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-        if libc.syscall(LANDLOCK_RESTRICT_SELF, self.fd, ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(), "landlock_restrict_self: %s" % os.strerror(ctypes.get_errno()))
-
-    def close(self):
-        """Close the ruleset (the domains entered stay)."""
-        os.close(self.fd)
-
-
-class NetSupervisor(object):
-    """The process that serves a sandboxed command's connect calls (confine() makes
-    it): `child` is the command, `listener` the seccomp listener its filter notifies."""
-
-    def __init__(self, child, listener, proxy=None):
-        self.child, self.listener, self.proxy = child, listener, proxy
-        self.ctypes, self.libc = _libc()
-
-    @classmethod
-    def confine(cls, spec, landlock):
-        """Cut the network of this launcher's command with net_filter. Where abstract Unix
-        sockets are the sandbox's own (Landlock ABI 6 scopes them; a network namespace
-        has its own), the launcher forks: the child, confined once more by Landlock (so it
-        cannot signal its parent), installs the filter with a listener and becomes the
-        command; this process stays as its supervisor (serve), which lets the command connect
-        to abstract sockets of its own (Python's multiprocessing forkserver uses one) and
-        refuses every other connect. Elsewhere connect is refused outright."""
-        import array
+    def __init__(self, domains, hosts=None):
         import socket
-        if not (spec["abi"] >= 6 or spec["net"] == "netns"):
-            apply_net_filter()
-            return
-        fprog = net_fprog(True, bool(spec.get("proxy")))    # made before the fork: the child only installs it
-        ours, theirs = socket.socketpair()
-        import gc
-        gc.disable()                                # a collection would copy the heap page by page (COW)
-        pid = os.fork()
-        if pid == 0:
-            ours.close()
-            landlock.restrict()                     # nested: the command may not signal its supervisor
-            listener = apply_net_filter(True, fprog)
-            theirs.sendmsg([b"L"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [listener]))])
-            os.close(listener)
-            theirs.close()
-            return
-        theirs.close()
-        try:
-            _, ancillary, _, _ = ours.recvmsg(1, socket.CMSG_SPACE(4))
-            listener = array.array("i", ancillary[0][2][:4])[0]
-        except (OSError, IndexError):
-            listener = None                         # the child failed to confine: it reports and exits
-        ours.close()
-        cls(pid, listener, spec.get("proxy")).serve()
+        self.domains, self.hosts = list(domains), dict(hosts or {})
+        self.lock = threading.Lock()
+        self.open = set()                           # the sockets of the connections being served
+        self.closed = False
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(PROXY_CONNECTIONS)
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self.accept, daemon=True, name="boris-proxy").start()
 
-    def serve(self):
-        """Serve the command's connect calls until the command (`child`) ends, then end
-        the same way it did. An abstract address (a leading NUL) is connected here, on
-        the command's own socket (pidfd_getfd) with the address as read once, so the
-        command cannot change it after the check; anything else is refused (EACCES).
-        Signals a terminal or boris sends the group are left to the command. Once this
-        process ends, a connect still attempted by a leftover descendant fails (ENOSYS)."""
-        import select
-        ctypes, libc, child, listener = self.ctypes, self.libc, self.child, self.listener
-        for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP):
-            signal.signal(sig, signal.SIG_IGN)
-        child_fd = libc.syscall(SYS_PIDFD_OPEN, child, 0)
-        poller = select.poll()
-        for fd in (child_fd, listener):
-            if fd is not None and fd >= 0:
-                poller.register(fd, select.POLLIN)
-        notif = ctypes.create_string_buffer(80)
+    def accept(self):
+        """Take connections until closed; one thread each, PROXY_CONNECTIONS at most."""
         while True:
-            _, status = os.waitpid(child, os.WNOHANG)
-            if _:
-                break
             try:
-                ready = dict(poller.poll(1000 if child_fd >= 0 else 50))
-            except InterruptedError:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return                              # closed
+            with self.lock:
+                full = len(self.open) >= PROXY_CONNECTIONS or self.closed
+                if not full:
+                    self.open.add(conn)
+            if full:
+                self.answer(conn, 503, "the proxy has %d connections open already" % PROXY_CONNECTIONS)
+                conn.close()
                 continue
-            if listener is not None and ready.get(listener, 0) & (select.POLLHUP | select.POLLERR):
-                poller.unregister(listener)         # no filtered process is left: only the wait remains
-                listener = None
-            if listener is None or not ready.get(listener, 0) & select.POLLIN:
-                continue
-            ctypes.memset(notif, 0, 80)
-            if libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_RECV), notif) != 0:
-                continue                            # the caller died meanwhile
-            nid, pid = struct.unpack_from("<QI", notif.raw)
-            fd, addr, size = struct.unpack_from("<QQQ", notif.raw, 32)      # connect(fd, addr, addrlen)
-            error = self.connect(nid, pid, fd, addr, size)
-            libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_SEND),
-                       ctypes.create_string_buffer(struct.pack("<QqiI", nid, 0, -error, 0), 24))
-        if os.WIFSIGNALED(status):
-            if os.WTERMSIG(status) != signal.SIGKILL:
-                signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-            os.kill(os.getpid(), os.WTERMSIG(status))
-        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+            threading.Thread(target=self.serve, args=(conn,), daemon=True, name="boris-proxy-conn").start()
 
-    def connect(self, nid, pid, fd, addr, size):
-        """The answer to one connect: 0 once done, else the errno. The
-        address is read once from the caller's memory and everything after uses that
-        copy: an abstract address is connected as it is (Landlock or the namespace keeps
-        foreign ones out), and so is the proxy's (127.0.0.1 at its port, with a domain
-        list; any other IP address is refused); a path is opened (O_PATH, from the caller's cwd) and connected
-        through that descriptor, so the socket checked is the socket reached, and only
-        when a process of the command (its session) is listening on it."""
-        ctypes, libc = self.ctypes, self.libc
-        if not 3 <= size <= 110:
-            return errno.EACCES
+    def serve(self, conn):
+        """One client connection: its request head read, the target decided, then relayed."""
+        import socket
+        upstream = None
         try:
-            with open("/proc/%d/mem" % pid, "rb", buffering=0) as mem:
-                mem.seek(addr)
-                sockaddr = mem.read(size)
-        except (OSError, OverflowError, ValueError):
-            return errno.EACCES                     # unreadable: refused
-        family = struct.unpack_from("<H", sockaddr)[0] if len(sockaddr) == size else None
-        proxy = family == 2 and self.proxy and size >= 8 and sockaddr[2:8] == struct.pack(">H", self.proxy) + \
-            b"\x7f\0\0\1"
-        if family != 1 and not proxy:
-            return errno.EACCES                     # not a Unix address, nor the proxy's
-        if libc.ioctl(self.listener, ctypes.c_ulong(SECCOMP_NOTIF_ID_VALID), ctypes.byref(ctypes.c_uint64(nid))) != 0:
-            return errno.EACCES                     # the caller is gone: the pid may be another process now
-        checked = None
-        if proxy:
-            sockaddr = sockaddr[:8] + b"\0" * 8    # 127.0.0.1:the proxy's port, as a sockaddr_in
-        elif sockaddr[2:3] != b"\0":
-            checked = self.socket_file(pid, sockaddr[2:].split(b"\0", 1)[0])
-            if checked is None:
-                return errno.EACCES                 # a socket of the host (or none): refused
-            sockaddr = struct.pack("<H", 1) + b"/proc/self/fd/%d\0" % checked
-        pidfd = libc.syscall(SYS_PIDFD_OPEN, pid, 0)
-        try:
-            theirs = libc.syscall(SYS_PIDFD_GETFD, pidfd, ctypes.c_int(fd), 0) if pidfd >= 0 else -1
-            if theirs < 0:
-                return ctypes.get_errno() or errno.EBADF
-            try:
-                buf = ctypes.create_string_buffer(sockaddr, len(sockaddr))
-                return 0 if libc.connect(theirs, buf, len(sockaddr)) == 0 else ctypes.get_errno()
-            finally:
-                os.close(theirs)
+            conn.settimeout(PROXY_CONNECT_S)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                block = conn.recv(65536)
+                if not block:
+                    return
+                head += block
+                if len(head) > PROXY_HEAD_BYTES:
+                    return self.answer(conn, 431, "a request head over %d bytes" % PROXY_HEAD_BYTES)
+            head, rest = head.split(b"\r\n\r\n", 1)
+            lines = head.decode("latin-1").split("\r\n")
+            parts = lines[0].split(" ")
+            if len(parts) != 3:
+                return self.answer(conn, 400, "a malformed request line")
+            method, target, version = parts
+            host, port, path = self.target(method, target)
+            if host is None:
+                return self.answer(conn, 400, "%s %s is neither CONNECT host:port nor an http:// URL" % (method, target))
+            addresses, why = self.decide(host)
+            failed = None
+            if why:
+                log("warn", "the sandbox proxy refused a connection", host=host, port=port, reason=why)
+                return self.answer(conn, 403, why)
+            for address in addresses:
+                try:
+                    upstream = socket.create_connection((address, port), PROXY_CONNECT_S)
+                    break
+                except OSError as e:
+                    failed = e
+            if upstream is None:
+                return self.answer(conn, 502, "%s:%d could not be reached (%s)" % (host, port, failed))
+            with self.lock:
+                self.open.add(upstream)
+            if method == "CONNECT":
+                conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            else:                                   # the request goes on in origin form, without Proxy-* fields
+                kept = [l for l in lines[1:] if not l.lower().startswith("proxy-")]
+                upstream.sendall(("\r\n".join(["%s %s %s" % (method, path, version)] + kept) + "\r\n\r\n")
+                                 .encode("latin-1"))
+            if rest:
+                upstream.sendall(rest)
+            self.relay(conn, upstream)
+        except (OSError, ValueError, UnicodeError):
+            pass  # the client or the server went away: the connection just ends
         finally:
-            for f in (pidfd, checked):
-                if f is not None and f >= 0:
-                    os.close(f)
+            for sock in (conn, upstream):
+                if sock is not None:
+                    with self.lock:
+                        self.open.discard(sock)
+                    sock.close()
 
     @staticmethod
-    def socket_file(pid, path):
-        """An O_PATH descriptor of the socket file `path` (resolved from process pid's
-        cwd) when a process of this command (this session) listens on it, else None.
-        Listening sockets come from /proc/net/unix (path and socket inode); a socket's
-        holders from /proc/PID/fd of the session's processes."""
+    def target(method, target):
+        """(host, port, origin-form path) of a request's target; (None, None, None) if it has none."""
+        import urllib.parse
+        if method == "CONNECT":
+            host, _, port = target.rpartition(":")
+            host = host.strip("[]")
+            return (host, int(port), None) if host and port.isdigit() and 0 < int(port) < 65536 else (None,) * 3
+        parts = urllib.parse.urlsplit(target)
+        if parts.scheme.lower() != "http" or not parts.hostname:
+            return None, None, None
+        path = parts.path or "/"
+        return parts.hostname, parts.port or 80, path + ("?" + parts.query if parts.query else "")
+
+    def decide(self, host):
+        """(addresses to connect, None) when `host` may be reached, else (None, why)."""
+        import socket
+        if not host_allowed(host, self.domains):
+            return None, "%s is not among the domains sandboxed commands may reach (--sandbox-network %s)" % (
+                host, ",".join(self.domains))
+        name = host.lower().rstrip(".")
+        if name in self.hosts:
+            return [self.hosts[name]], None
         try:
-            cwd = os.open("/proc/%d/cwd" % pid, getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY)
-        except OSError:
-            return None                             # the caller is gone: refused
-        try:
-            fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC, dir_fd=cwd)
-        except OSError:
-            return None
-        finally:
-            os.close(cwd)
-        st = os.fstat(fd)
-        if stat.S_ISSOCK(st.st_mode):
-            inodes = set()
-            with open("/proc/net/unix", "rb") as f:
-                for line in f.read().splitlines()[1:]:
-                    fields = line.split(None, 7)
-                    if len(fields) == 8 and fields[7].startswith(b"/"):
-                        try:
-                            same = os.stat(fields[7])
-                        except OSError:
-                            continue                # gone, or not reachable from here
-                        if (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino):
-                            inodes.add(b"socket:[%s]" % fields[6])
-            sid = os.getsid(0)
-            for name in [n for n in os.listdir("/proc") if n.isdigit()] if inodes else ():
-                try:          # a process of this session holding a descriptor of that socket?
-                    with open("/proc/%s/stat" % name, "rb") as f:
-                        if int(f.read().rsplit(b")", 1)[1].split()[3]) != sid:
-                            continue
-                    fds = os.listdir("/proc/%s/fd" % name)
-                except (OSError, ValueError, IndexError):
-                    continue                        # gone, or not ours to look at
-                for link in fds:
-                    try:
-                        if os.fsencode(os.readlink("/proc/%s/fd/%s" % (name, link))) in inodes:
-                            return fd
-                    except OSError:
-                        continue                    # closed meanwhile
-        os.close(fd)
+            infos = socket.getaddrinfo(name, None, 0, socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            return None, "%s could not be resolved (%s)" % (host, e)
+        addresses = [info[4][0] for info in infos]
+        for address in addresses if name not in self.domains else ():
+            why = self.internal(address)
+            if why:
+                return None, ("%s resolves to %s, %s: refused (DNS rebinding; only a name listed exactly, not by a"
+                              " *. pattern, may lead to one)" % (host, address, why))
+        return addresses, None
+
+    @staticmethod
+    def internal(address):
+        """What makes `address` one a name matched by a pattern must not lead to (the host
+        itself, its link, any network that is not the public internet, as IANA's registries
+        say through ipaddress), or None."""
+        import ipaddress
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+        ip = getattr(ip, "ipv4_mapped", None) or ip
+        if ip.is_loopback or ip.is_unspecified or ip.is_multicast:
+            return "a loopback, unspecified or multicast address"
+        if ip.is_link_local:
+            return "a link-local address (cloud metadata services live there)"
+        if not ip.is_global:
+            return "an address of an internal or reserved network"
         return None
 
+    @staticmethod
+    def answer(conn, status, why):
+        """Send an error response whose body says why, as boris's proxy."""
+        body = ("boris sandbox proxy: %s\n" % why).encode("utf-8")
+        reason = {400: "Bad Request", 403: "Forbidden", 431: "Request Header Fields Too Large", 502: "Bad Gateway",
+                  503: "Service Unavailable"}[status]
+        try:
+            conn.sendall(b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
+                         b"Connection: close\r\n\r\n%s" % (status, reason.encode(), len(body), body))
+        except OSError:
+            pass  # the client left first
 
-def enter_namespaces(net, protect):
-    """unshare a user namespace, with a network namespace (no interface but a down
-    loopback) when `net`, and a mount namespace where the `protect` paths are bind-mounted
-    read-only. Users keep their ids: an ordinary user is mapped to itself; root to every
-    id its own namespace has (a child still outside writes the map: a rootless
-    container's root maps its range), so root may still write files of other owners."""
-    ctypes, libc = _libc()
-    uid, gid = os.geteuid(), os.getegid()
-    mapper = None
-    if uid == 0:
-        go, ready = os.pipe()
-        mapper = os.fork()
-        if mapper == 0:                             # outside the namespace: only it may map every id
-            os.close(ready)
-            ok = os.read(go, 1) == b"u"
+    def relay(self, a, b):
+        """Copy bytes both ways until both sides have ended, or PROXY_IDLE_S pass without one."""
+        import socket
+        a.settimeout(None)
+        b.settimeout(None)
+        ends = {a: b, b: a}
+        while ends:
+            readable = ready(list(ends), PROXY_IDLE_S)
+            if not readable:
+                return
+            for sock in readable:
+                data = sock.recv(65536)
+                if data:
+                    ends[sock].sendall(data)
+                    continue
+                try:
+                    ends.pop(sock).shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass  # the other side is closed already
+
+    def close(self):
+        """Stop taking connections and end every open one."""
+        with self.lock:
+            self.closed = True
+            socks, self.open = list(self.open), set()
+        for sock in [self.listener] + socks:
             try:
-                for name in ("uid_map", "gid_map"):       # every id this namespace has, as itself
-                    with open("/proc/self/" + name) as f:
-                        ids = "".join("%s %s %s\n" % (l.split()[0], l.split()[0], l.split()[2]) for l in f if l.strip())
-                    with open("/proc/%d/%s" % (os.getppid(), name), "w") as f:
-                        f.write(ids)
-            except (OSError, IndexError):
-                ok = False
-            os._exit(0 if ok else 1)
-        os.close(go)
-    flags = CLONE_NEWUSER | (CLONE_NEWNET if net else 0) | (CLONE_NEWNS if protect else 0)
-    failed = libc.unshare(flags) != 0 and ctypes.get_errno()
-    if mapper is not None:
-        os.write(ready, b"u" if not failed else b"x")
-        os.close(ready)
-        _, status = os.waitpid(mapper, 0)
-        if not failed and status != 0:
-            raise OSError(errno.EPERM, "the user namespace's id map could not be written")
-    if failed:
-        raise OSError(failed, "unshare(CLONE_NEWUSER%s%s): %s" % ("|CLONE_NEWNET" if net else "",
-                                                                "|CLONE_NEWNS" if protect else "", os.strerror(failed)))
-    if mapper is None:
-        for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
-                           ("gid_map", "%d %d 1" % (gid, gid))):
-            with open("/proc/self/" + name, "w") as f:
-                f.write(text)
-    if protect:
-        mount = lambda source, target, flags: libc.mount(source, os.fsencode(target), None, ctypes.c_ulong(flags), None)
-        if mount(None, "/", MS_REC | MS_SLAVE) != 0:
-            raise OSError(ctypes.get_errno(), "mount(/, MS_REC|MS_SLAVE): %s" % os.strerror(ctypes.get_errno()))
-        for path in protect:
-            kept = os.statvfs(path).f_flag
-            flags = MS_REMOUNT | MS_BIND | MS_RDONLY | (kept & MS_LOCKED_FLAGS) | (MS_RELATIME if kept & 4096 else 0)
-            if mount(os.fsencode(path), path, MS_BIND) != 0 or mount(None, path, flags) != 0:
-                raise OSError(ctypes.get_errno(), "a read-only mount of %s: %s" % (path, os.strerror(ctypes.get_errno())))
+                sock.shutdown(2)
+            except OSError:
+                pass  # not connected
+            sock.close()
 
 
 ###############################################################################
@@ -3161,6 +3368,7 @@ def ignored_among(stack, path, names, is_dir):
     return hidden
 
 
+# -- watches and the walk cache ---------------------------------------------------
 # A warm helper watches the directories it walked twice (inotify, through ctypes), so
 # a walk of a tree that has not changed since needs no system call per directory nor
 # per file: the kernel queues an event for every change to a watched directory's
@@ -3499,7 +3707,6 @@ class Walker(object):
 
     def walk(self, pending):
         """Depth first from the pending entries, then the followed links."""
-        import heapq
         pending = list(pending)
         while pending or ((self.linked or self.link_heap) and not self.defer_links):
             if not pending:
@@ -4502,7 +4709,10 @@ class Outline(object):
                            text.count("\n") + (0 if text.endswith("\n") or not text else 1), None)
 
 
-# -- the document engine ---------------------------------------------------------------
+###############################################################################
+# Documents ###################################################################
+###############################################################################
+# -- office documents -------------------------------------------------------------
 # Office documents as Markdown for view: OOXML (.docx .xlsx .pptx) and OpenDocument
 # (.odt .ods .odp) are zip files of XML, read with zipfile and ElementTree in a search
 # helper (the deadline and a cancel kill it). Each is taken as hostile: a part is read
@@ -4609,7 +4819,6 @@ class Document(object):
 
     def rels(self, name):
         """{relationship id: (part name, type)} of part `name`."""
-        import posixpath
         folder, base = posixpath.split(name)
         root = self.xml(posixpath.join(folder, "_rels", base + ".rels"))
         out = {}
@@ -5249,40 +5458,19 @@ def pdf_text_string(value):
     return value.decode("latin-1")
 
 
-class Pdf(object):
-    """One PDF file's objects (`data`: its bytes): obj() parses at an offset, get() resolves a
-    reference, stream() decodes a stream, pages() lists the page dictionaries with their
-    inherited resources, page_text() reads one page."""
+def pdf_hex(raw):
+    """The bytes of hex digits (anything else skipped; an odd last digit as if followed by 0)."""
+    hexes = re.sub(rb"[^0-9A-Fa-f]", b"", raw)
+    return bytes.fromhex((hexes + b"0" * (len(hexes) % 2)).decode())
+
+
+class PdfParser(object):
+    """The objects in `data` (PDF syntax: a file, a content stream, a CMap, an object
+    stream's objects), parsed at an offset by obj()."""
 
     def __init__(self, data):
         self.data = data
-        self.offsets, self.packed, self.cache = {}, {}, {}   # number -> offset; -> (stream number, index)
-        self.scanned = None                                    # number -> offset found by a scan, when needed
-        self.inflated = 0
-        self.crypt = None
-        self.trailer = {}
-        self.fonts = {}
-        self.unmapped = 0                                     # codes shown that no map turns into text
-        if not pdf_sniff(data, "a.pdf"):
-            raise PdfError("it does not start as a PDF does (%PDF-)")
-        try:
-            self.read_xref()
-        except (PdfError, ValueError, IndexError, KeyError, TypeError, RecursionError):
-            self.offsets, self.packed, self.trailer = {}, {}, {}
-        if not isinstance(self.get(self.trailer.get("Root")), dict):
-            self.rebuild()
-        if "Encrypt" in self.trailer:
-            self.crypt = PdfCrypt(self, self.get(self.trailer["Encrypt"]))
-            self.cache = {}                                    # (what was read before is read again, decrypted)
 
-    @classmethod
-    def parser(cls, data):
-        """A Pdf that only parses `data` (obj(): a content stream, a CMap, an object stream's objects)."""
-        sub = cls.__new__(cls)
-        sub.data = data
-        return sub
-
-    # -- the file's structure
     def obj(self, pos, depth=0):
         """(the object at offset pos, the offset after it)."""
         data = self.data
@@ -5387,494 +5575,8 @@ class Pdf(object):
                     out.append(e)
                     pos += 1
 
-    def indirect(self, pos, number=None):
-        """The object defined at offset pos ('n g obj ... endobj'), a stream with its raw bytes."""
-        m = re.compile(rb"[\x00\t\n\x0c\r ]*(\d+)[\x00\t\n\x0c\r ]+(\d+)[\x00\t\n\x0c\r ]+obj").match(self.data, pos)
-        if m is None or number is not None and int(m.group(1)) != number:
-            raise PdfError("no object %s at byte %d" % (number, pos))
-        ref = PdfRef((int(m.group(1)), int(m.group(2))))
-        value, pos = self.obj(m.end())
-        if isinstance(value, dict):
-            s = re.compile(rb"[\x00\t\n\x0c\r ]*stream\r?\n?").match(self.data, pos)
-            if s is not None:
-                start = s.end()
-                length = self.get(value.get("Length"))
-                end = start + length if isinstance(length, int) and length >= 0 else -1
-                if end < 0 or end > len(self.data) or \
-                        not re.match(rb"[\x00\t\n\x0c\r ]*endstream", self.data[end:end + 32]):
-                    end = self.data.find(b"endstream", start)
-                    end = len(self.data) if end < 0 else end
-                    if self.data[end - 2:end] == b"\r\n":
-                        end -= 2
-                    elif self.data[end - 1:end] in (b"\n", b"\r"):
-                        end -= 1
-                return PdfStream(value, self.data[start:end], ref)
-        return value
 
-    def read_xref(self):
-        """Read the xref sections from the last startxref back through /Prev."""
-        at = self.data.rfind(b"startxref")
-        if at < 0:
-            raise PdfError("no startxref")
-        m = re.match(rb"startxref\s*(\d+)", self.data[at:at + 40])
-        if m is None:
-            raise PdfError("startxref without an offset")
-        pos, seen = int(m.group(1)), set()
-        while pos is not None and pos not in seen and len(seen) < 1000:
-            seen.add(pos)
-            m = re.compile(rb"[\x00\t\n\x0c\r ]*xref").match(self.data, pos)
-            if m is not None:
-                trailer = self.xref_table(m.end())
-                if isinstance(trailer.get("XRefStm"), int):
-                    self.xref_stream(self.indirect(trailer["XRefStm"]))
-            else:
-                stream = self.indirect(pos)
-                if not isinstance(stream, PdfStream):
-                    raise PdfError("startxref points at no xref")
-                trailer = self.xref_stream(stream)
-            for key, value in trailer.items():
-                self.trailer.setdefault(key, value)
-            pos = trailer.get("Prev") if isinstance(trailer.get("Prev"), int) else None
-
-    def xref_table(self, pos):
-        """One 'xref' table (the newest entry of a number wins: later sections were read first); its trailer."""
-        data = self.data
-        section = re.compile(rb"[\x00\t\n\x0c\r ]*(\d+)[ \t]+(\d+)[ \t]*\r?\n?")
-        entry = re.compile(rb"[\x00\t\n\x0c\r ]*(\d{1,10})[ \t]+(\d{1,5})[ \t]+([nf])")
-        while True:
-            m = section.match(data, pos)
-            if m is None:
-                break
-            first, count, pos = int(m.group(1)), int(m.group(2)), m.end()
-            for i in range(count):
-                e = entry.match(data, pos)
-                if e is None:
-                    break
-                pos = e.end()
-                if e.group(3) == b"n" and first + i not in self.packed:
-                    self.offsets.setdefault(first + i, int(e.group(1)))
-        m = re.compile(rb"[\x00\t\n\x0c\r ]*trailer").match(data, pos)
-        if m is None:
-            raise PdfError("an xref table without its trailer")
-        trailer, _ = self.obj(m.end())
-        return trailer if isinstance(trailer, dict) else {}
-
-    def xref_stream(self, stream):
-        """One cross-reference stream (/Type /XRef); its dictionary (the trailer)."""
-        d = stream.dict
-        data = self.decoded(stream)
-        w = [x if isinstance(x, int) and 0 <= x <= 8 else 0 for x in (d.get("W") or [1, 2, 1])[:3]]
-        index = d.get("Index") or [0, d.get("Size", 0)]
-        size, pos = sum(w), 0
-        if size == 0:
-            return d
-        for j in range(0, len(index) - 1, 2):
-            first, count = index[j], index[j + 1]
-            if not isinstance(first, int) or not isinstance(count, int):
-                continue
-            for i in range(count):
-                row = data[pos:pos + size]
-                if len(row) < size:
-                    return d
-                pos += size
-                f = [int.from_bytes(row[sum(w[:k]):sum(w[:k + 1])], "big") for k in range(3)]
-                kind = f[0] if w[0] else 1
-                n = first + i
-                if n in self.offsets or n in self.packed:
-                    continue
-                if kind == 1:
-                    self.offsets[n] = f[1]
-                elif kind == 2:
-                    self.packed[n] = (f[1], f[2])
-        return d
-
-    def rebuild(self):
-        """A damaged or missing xref: find every 'n g obj' in the file (the last of a number
-        wins), the trailers' and object streams' contents, and the catalog if no trailer names it."""
-        self.offsets, self.packed, self.cache = {}, {}, {}
-        for m in re.finditer(rb"(?<![0-9])(\d{1,10})[\x00\t\n\x0c\r ]+(\d{1,5})[\x00\t\n\x0c\r ]+obj\b", self.data):
-            self.offsets[int(m.group(1))] = m.start()
-        for m in re.finditer(rb"trailer[\x00\t\n\x0c\r ]*<<", self.data):
-            try:
-                trailer, _ = self.obj(m.end() - 2)
-            except PdfError:
-                continue
-            if isinstance(trailer, dict):
-                self.trailer.update(trailer)
-        for number in list(self.offsets):
-            try:
-                value = self.get(PdfRef((number, 0)))
-            except PdfError:
-                continue
-            d = value.dict if isinstance(value, PdfStream) else value
-            if not isinstance(d, dict):
-                continue
-            if d.get("Type") == "ObjStm" and isinstance(value, PdfStream):
-                try:
-                    for i, n in enumerate(self.object_stream(value)[0]):
-                        self.packed.setdefault(n, (number, i))
-                except (PdfError, ValueError):
-                    pass
-            elif d.get("Type") == "XRef":
-                for key in ("Root", "Info", "Encrypt", "ID"):
-                    if key in d:
-                        self.trailer.setdefault(key, d[key])
-        if not isinstance(self.get(self.trailer.get("Root")), dict):
-            for number in self.offsets:
-                value = self.get(PdfRef((number, 0)))
-                if isinstance(value, dict) and value.get("Type") == "Catalog":
-                    self.trailer["Root"] = PdfRef((number, 0))
-                    break
-            else:
-                raise PdfError("no catalog (a damaged file, or not a PDF)")
-
-    def object_stream(self, stream):
-        """(the numbers, the offsets, the decoded bytes) of an object stream."""
-        data = self.decoded(stream)
-        n, first = stream.dict.get("N"), stream.dict.get("First")
-        if not isinstance(n, int) or not isinstance(first, int):
-            raise PdfError("an object stream without /N and /First")
-        head = [int(x) for x in data[:first].split()[:2 * n]]
-        return head[0::2], [first + o for o in head[1::2]], data
-
-    def get(self, value, depth=0):
-        """`value` with a reference resolved (None if it leads nowhere)."""
-        if not isinstance(value, PdfRef):
-            return value
-        if value in self.cache:
-            return self.cache[value]
-        self.cache[value] = None                               # (a reference to itself leads nowhere)
-        number, found = value[0], None
-        try:
-            if number in self.packed:
-                holder, index = self.packed[number]
-                stream = self.get(PdfRef((holder, 0)), depth + 1)
-                if isinstance(stream, PdfStream) and depth < 8:
-                    key = ("objstm", holder)
-                    if key not in self.cache:
-                        self.cache[key] = self.object_stream(stream)
-                    numbers, offsets, data = self.cache[key]
-                    if index < len(offsets):
-                        found, _ = Pdf.parser(data).obj(offsets[index])
-            elif number in self.offsets:
-                try:
-                    found = self.indirect(self.offsets[number], number)
-                except PdfError:                               # an xref off by some bytes: where the object is
-                    if self.scanned is None:
-                        self.scanned = dict((int(m.group(1)), m.start()) for m in re.finditer(
-                            rb"(?<![0-9])(\d{1,10})[\x00\t\n\x0c\r ]+\d{1,5}[\x00\t\n\x0c\r ]+obj\b", self.data))
-                    if number not in self.scanned:
-                        raise
-                    found = self.indirect(self.scanned[number], number)
-                if self.crypt is not None:
-                    found = self.crypt.decrypt(found, value)
-        except (PdfError, ValueError, IndexError, RecursionError):
-            found = None
-        self.cache[value] = found
-        return found
-
-    # -- streams
-    def decoded(self, stream):
-        """The bytes of a stream, its filters undone (decrypted first); bounded."""
-        d, data = stream.dict, stream.raw
-        filters, params = self.get(d.get("Filter")), self.get(d.get("DecodeParms"))
-        filters = filters if isinstance(filters, list) else [filters] if filters else []
-        params = params if isinstance(params, list) else [params] * len(filters)
-        for f, p in zip(filters, params + [None] * len(filters)):
-            f, p = self.get(f), self.get(p)
-            if f in ("FlateDecode", "Fl"):
-                data = self.inflate(data)
-            elif f in ("LZWDecode", "LZW"):
-                data = pdf_lzw(data, PDF_INFLATED_MAX - self.inflated)
-            elif f in ("ASCII85Decode", "A85"):
-                data = pdf_ascii85(data)
-            elif f in ("ASCIIHexDecode", "AHx"):
-                data = pdf_hex(data.split(b">")[0])
-            elif f in ("RunLengthDecode", "RL"):
-                data = pdf_run_length(data)
-            elif f == "Crypt":
-                continue
-            else:
-                raise PdfError("a stream in %s (an image, not text)" % f)
-            if isinstance(p, dict) and isinstance(p.get("Predictor"), int) and p["Predictor"] > 1:
-                data = pdf_predictor(data, p)
-            self.inflated += len(data)
-            if self.inflated > PDF_INFLATED_MAX:
-                raise PdfError("its streams inflate past %s: refused (a decompression bomb?)"
-                               % human_size(PDF_INFLATED_MAX))
-        return data
-
-    def inflate(self, data):
-        """Flate data, as much as can be had of a damaged stream, never past what is left of the bound."""
-        import zlib
-        room = PDF_INFLATED_MAX - self.inflated
-        best = b""
-        for wbits in (15, -15):                               # (raw deflate after the header: no checksum to fail)
-            z, out, size = zlib.decompressobj(wbits), [], 0
-            data = data if wbits > 0 else data[2:]
-            for at in range(0, len(data), 1 << 16):            # (in pieces: a damaged end keeps what came before)
-                try:
-                    piece = z.decompress(data[at:at + (1 << 16)], room + 1 - size)
-                except zlib.error:
-                    break
-                out.append(piece)
-                size += len(piece)
-                if size > room:
-                    raise PdfError("its streams inflate past %s: refused (a decompression bomb?)"
-                                   % human_size(PDF_INFLATED_MAX))
-                if z.unconsumed_tail:
-                    raise PdfError("its streams inflate past %s: refused (a decompression bomb?)"
-                                   % human_size(PDF_INFLATED_MAX))
-                if z.eof:
-                    break
-            if size > len(best):
-                best = b"".join(out)
-            if z.eof:
-                break
-        return best
-
-    def content(self, page):
-        """The page's content streams, decoded and joined."""
-        c = self.get(page.get("Contents"))
-        parts = c if isinstance(c, list) else [c]
-        out = []
-        for part in parts[:10000]:
-            part = self.get(part)
-            if isinstance(part, PdfStream):
-                try:
-                    out.append(self.decoded(part))
-                except PdfError as e:
-                    if "inflate past" in str(e):
-                        raise
-        return b"\n".join(out)
-
-    # -- pages
-    def pages(self):
-        """[(the page dictionary, its resources)], in order, through the page tree (cycles and
-        depth bounded; a tree that leads nowhere: the objects of /Type /Page, in file order)."""
-        root = self.get(self.trailer.get("Root")) or {}
-        out, seen = [], set()
-
-        def walk(node, inherited, depth):
-            node_ref, node = node, self.get(node)
-            if not isinstance(node, dict) or depth > PDF_DEPTH_MAX or len(out) >= PDF_PAGES_MAX:
-                return
-            if isinstance(node_ref, PdfRef):
-                if node_ref in seen:
-                    return
-                seen.add(node_ref)
-            inherited = dict(inherited)
-            for key in ("Resources", "MediaBox", "Rotate"):
-                if key in node:
-                    inherited[key] = node[key]
-            kids = self.get(node.get("Kids"))
-            if node.get("Type") == "Page" or not isinstance(kids, list):
-                if node.get("Type") != "Pages":
-                    out.append((node, self.get(inherited.get("Resources")) or {}))
-                return
-            for kid in kids:
-                walk(kid, inherited, depth + 1)
-        walk(root.get("Pages"), {}, 0)
-        return out
-
-    def info(self):
-        """The document's title, or ''."""
-        info = self.get(self.trailer.get("Info"))
-        title = self.get(info.get("Title")) if isinstance(info, dict) else None
-        return " ".join(pdf_text_string(title).split())
-
-    # -- text
-    def font(self, ref):
-        """The PdfFont of a font dictionary (kept by reference)."""
-        key = ref if isinstance(ref, PdfRef) else id(ref)
-        if key not in self.fonts:
-            d = self.get(ref)
-            self.fonts[key] = PdfFont(self, d if isinstance(d, dict) else {})
-        return self.fonts[key]
-
-    def page_text(self, page, resources):
-        """The text of one page, its lines in reading order (pdf_lines), and a last line that
-        counts the characters its fonts give no text for."""
-        runs, self.unmapped = [], 0
-        self.run(self.content(page), resources, [1, 0, 0, 1, 0, 0], runs, 0, set())
-        annots = self.get(page.get("Annots"))
-        acroform = self.get(self.get(self.trailer.get("Root") or {}).get("AcroForm"))
-        regenerate = isinstance(acroform, dict) and self.get(acroform.get("NeedAppearances")) is True
-        for annot in annots[:1000] if isinstance(annots, list) else []:
-            annot = self.get(annot)                           # a form field's value, a note: as drawn
-            if not isinstance(annot, dict) or (self.get(annot.get("F")) or 0) & 2:
-                continue
-            ap = self.get(annot.get("AP"))
-            normal = self.get(ap.get("N")) if isinstance(ap, dict) else None
-            if isinstance(normal, dict):
-                normal = self.get(normal.get(self.get(annot.get("AS"))))
-            rect = self.get(annot.get("Rect"))
-            try:
-                x, y = min(float(self.get(rect[0])), float(self.get(rect[2]))), \
-                    min(float(self.get(rect[1])), float(self.get(rect[3])))
-            except (TypeError, ValueError, IndexError, KeyError):
-                continue
-            field, kind, value = annot, None, None            # a text field's value, its type inherited
-            for _ in range(PDF_DEPTH_MAX):
-                kind = kind or self.get(field.get("FT"))
-                value = value if value is not None else self.get(field.get("V"))
-                field = self.get(field.get("Parent"))
-                if not isinstance(field, dict):
-                    break
-            if annot.get("Subtype") == "FreeText" and not isinstance(normal, PdfStream):
-                value, kind = self.get(annot.get("Contents")), "Tx"
-            if kind in ("Tx", "Ch") and isinstance(value, bytes) and (regenerate or not isinstance(normal, PdfStream)):
-                da = self.get(annot.get("DA"))
-                size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", da) if isinstance(da, bytes) else None
-                size = float(size.group(1)) if size and float(size.group(1)) > 0 else 12.0
-                for k, line in enumerate(pdf_text_string(value).splitlines()):
-                    runs.append((x, y - k * size, x + 0.5 * size * len(line), y - k * size, size, line, False))
-            elif isinstance(normal, PdfStream):
-                self.run(b"/ap Do", {"XObject": {"ap": normal}}, [1, 0, 0, 1, x, y], runs, 0, set())
-        text = pdf_lines(runs)
-        if self.unmapped:
-            text += "\n[not shown: %d character%s whose font carries no map to text]" % (
-                self.unmapped, "" if self.unmapped == 1 else "s")
-        return text.strip("\n")
-
-    def run(self, data, resources, ctm, runs, depth, forms):
-        """Interpret a content stream: each string shown becomes a run (x, y, end x, end y,
-        size, text) in page space; form XObjects are run inside it."""
-        fonts = self.get(resources.get("Font")) if isinstance(resources, dict) else None
-        fonts = fonts if isinstance(fonts, dict) else {}
-        xobjects = self.get(resources.get("XObject")) if isinstance(resources, dict) else None
-        xobjects = xobjects if isinstance(xobjects, dict) else {}
-        stack = []
-        font, size, tc, tw, th, tl, rise = None, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0
-        tm = lm = [1, 0, 0, 1, 0, 0]
-        operands = []
-        pos, end = 0, len(data)
-        match = PDF_TOKEN.match
-        sub = Pdf.parser(data)
-        while pos < end:
-            m = match(data, pos)
-            if m is None:
-                break
-            kind = m.lastgroup
-            if kind != "word":
-                if kind == "num":
-                    t = m.group(kind)
-                    operands.append(float(t) if b"." in t else int(t))
-                    pos = m.end()
-                elif kind == "close":
-                    pos = m.end()
-                else:
-                    try:
-                        value, pos = sub.obj(pos)
-                    except PdfError:
-                        break
-                    operands.append(value)
-                if len(operands) > 10000:
-                    operands = []
-                continue
-            op, pos = m.group(kind), m.end()
-            try:
-                if op in (b"Tj", b"'", b'"', b"TJ"):
-                    if op == b"'" or op == b'"':
-                        if op == b'"' and len(operands) >= 3:
-                            tw, tc = operands[-3], operands[-2]
-                        lm = [lm[0], lm[1], lm[2], lm[3], lm[4] - tl * lm[2], lm[5] - tl * lm[3]]
-                        tm = lm
-                    if font is None or not operands:
-                        operands = []
-                        continue
-                    items = operands[-1] if op == b"TJ" else [operands[-1]]
-                    items = items if isinstance(items, list) else [items]
-                    for item in items:
-                        if isinstance(item, bytes):
-                            text, width, codes, spaces, missing = font.decode(item)
-                            self.unmapped += missing
-                            spacing = -tc if font.vertical else tc * th
-                            if spacing > 0.15 * abs(size * font.em) and len(text) > 1:
-                                text = " ".join(text)                   # letter-spaced: each one a word apart
-                            m0 = pdf_mul(tm, ctm)
-                            if font.vertical:                           # down a column: w1 x size + Tc + Tw
-                                advance = font.down * codes * size - tc * codes - tw * spaces
-                                x0, y0 = m0[4], m0[5]
-                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
-                            else:
-                                advance = (width * size + tc * codes + tw * spaces) * th
-                                x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
-                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
-                            m1 = pdf_mul(tm, ctm)
-                            scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
-                            if text:
-                                runs.append((x0, y0, m1[4] + (rise * m1[2] if not font.vertical else 0),
-                                             m1[5] + (rise * m1[3] if not font.vertical else 0),
-                                             abs(scale) or 1.0, text, font.vertical))
-                        elif isinstance(item, (int, float)):
-                            shift = -item / 1000.0 * size * th
-                            if font.vertical:                           # a positive number moves down
-                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[2] / th, tm[5] + shift * tm[3] / th]
-                            else:
-                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[0], tm[5] + shift * tm[1]]
-                elif op == b"Td" or op == b"TD":
-                    tx, ty = operands[-2], operands[-1]
-                    if op == b"TD":
-                        tl = -ty
-                    lm = [lm[0], lm[1], lm[2], lm[3], lm[4] + tx * lm[0] + ty * lm[2], lm[5] + tx * lm[1] + ty * lm[3]]
-                    tm = lm
-                elif op == b"Tm":
-                    lm = tm = [float(x) for x in operands[-6:]]
-                elif op == b"T*":
-                    lm = [lm[0], lm[1], lm[2], lm[3], lm[4] - tl * lm[2], lm[5] - tl * lm[3]]
-                    tm = lm
-                elif op == b"Tf":
-                    name, size = operands[-2], float(operands[-1])
-                    ref = fonts.get(name) if isinstance(name, str) else None
-                    font = self.font(ref) if ref is not None else None
-                elif op == b"BT":
-                    tm = lm = [1, 0, 0, 1, 0, 0]
-                elif op == b"cm":
-                    ctm = pdf_mul([float(x) for x in operands[-6:]], ctm)
-                elif op == b"q":
-                    if len(stack) < 1000:
-                        stack.append((ctm, font, size, tc, tw, th, tl, rise))
-                elif op == b"Q":
-                    if stack:
-                        ctm, font, size, tc, tw, th, tl, rise = stack.pop()
-                elif op == b"Tc":
-                    tc = float(operands[-1])
-                elif op == b"Tw":
-                    tw = float(operands[-1])
-                elif op == b"Tz":
-                    th = float(operands[-1]) / 100.0
-                elif op == b"TL":
-                    tl = float(operands[-1])
-                elif op == b"Ts":
-                    rise = float(operands[-1])
-                elif op == b"Do":
-                    ref = xobjects.get(operands[-1]) if isinstance(operands[-1], str) else None
-                    form = self.get(ref)
-                    if isinstance(form, PdfStream) and form.dict.get("Subtype") == "Form" and depth < 12 \
-                            and ref not in forms:
-                        matrix = form.dict.get("Matrix")
-                        matrix = [float(x) for x in matrix] if isinstance(matrix, list) and len(matrix) == 6 \
-                            else [1, 0, 0, 1, 0, 0]
-                        inner = self.get(form.dict.get("Resources"))
-                        try:
-                            body = self.decoded(form)
-                        except PdfError as e:
-                            if "inflate past" in str(e):
-                                raise
-                            body = b""
-                        self.run(body, inner if isinstance(inner, dict) else resources, pdf_mul(matrix, ctm), runs,
-                                 depth + 1, forms | {ref})
-                elif op == b"BI":
-                    at = re.compile(rb"[\x00\t\n\x0c\r ]ID[\x00\t\n\x0c\r ]").search(data, pos)
-                    stop = re.compile(rb"[\x00\t\n\x0c\r ]EI(?=[\x00\t\n\x0c\r ]|$)").search(data, at.end()) \
-                        if at else None
-                    pos = stop.end() if stop else end
-            except (IndexError, TypeError, ValueError, ZeroDivisionError, OverflowError):
-                pass                                          # an operator with operands it cannot take
-            operands = []
-
-
+# -- PDF: text and fonts ----------------------------------------------------------
 def pdf_mul(a, b):
     """The product of two PDF matrices [a b c d e f] (a, then b)."""
     return [a[0] * b[0] + a[1] * b[2], a[0] * b[1] + a[1] * b[3], a[2] * b[0] + a[3] * b[2],
@@ -6228,7 +5930,7 @@ class PdfFont(object):
 def pdf_cmap(data):
     """({code bytes: text}, codespace [(bytes, lo, hi)]) of a CMap (ToUnicode's bfchar and
     bfrange; an encoding CMap's codespace); bounded."""
-    sub = Pdf.parser(data)
+    sub = PdfParser(data)
     out, spans, tokens, pos = {}, [], [], 0
     mode = None
     while pos < len(data) and len(out) < PDF_CMAP_MAX:
@@ -6297,6 +5999,7 @@ def pdf_unicode(dst):
     return dst.decode("utf-16-be", "replace").replace("\ufffd", "")
 
 
+# -- PDF: filters and decryption --------------------------------------------------
 def pdf_lzw(data, room):
     """LZW-decoded bytes (early change), at most `room` + 1 of them."""
     out, table, prev, bits, buf, nbits = bytearray(), [bytes([i]) for i in range(256)] + [b"", b""], b"", 9, 0, 0
@@ -6328,12 +6031,6 @@ def pdf_lzw(data, room):
             if len(table) + 1 >= 1 << bits and bits < 12:
                 bits += 1
     return bytes(out)
-
-
-def pdf_hex(raw):
-    """The bytes of hex digits (anything else skipped; an odd last digit as if followed by 0)."""
-    hexes = re.sub(rb"[^0-9A-Fa-f]", b"", raw)
-    return bytes.fromhex((hexes + b"0" * (len(hexes) % 2)).decode())
 
 
 def pdf_ascii85(data):
@@ -6639,6 +6336,522 @@ class PdfAes(object):
         return bytes(out)
 
 
+# -- PDF: the document and its pages ----------------------------------------------
+class Pdf(PdfParser):
+    """One PDF file's objects (`data`: its bytes): obj() parses at an offset, get() resolves a
+    reference, stream() decodes a stream, pages() lists the page dictionaries with their
+    inherited resources, page_text() reads one page."""
+
+    def __init__(self, data):
+        self.data = data
+        self.offsets, self.packed, self.cache = {}, {}, {}   # number -> offset; -> (stream number, index)
+        self.scanned = None                                    # number -> offset found by a scan, when needed
+        self.inflated = 0
+        self.crypt = None
+        self.trailer = {}
+        self.fonts = {}
+        self.unmapped = 0                                     # codes shown that no map turns into text
+        if not pdf_sniff(data, "a.pdf"):
+            raise PdfError("it does not start as a PDF does (%PDF-)")
+        try:
+            self.read_xref()
+        except (PdfError, ValueError, IndexError, KeyError, TypeError, RecursionError):
+            self.offsets, self.packed, self.trailer = {}, {}, {}
+        if not isinstance(self.get(self.trailer.get("Root")), dict):
+            self.rebuild()
+        if "Encrypt" in self.trailer:
+            self.crypt = PdfCrypt(self, self.get(self.trailer["Encrypt"]))
+            self.cache = {}                                    # (what was read before is read again, decrypted)
+
+    # -- the file's structure
+    def indirect(self, pos, number=None):
+        """The object defined at offset pos ('n g obj ... endobj'), a stream with its raw bytes."""
+        m = re.compile(rb"[\x00\t\n\x0c\r ]*(\d+)[\x00\t\n\x0c\r ]+(\d+)[\x00\t\n\x0c\r ]+obj").match(self.data, pos)
+        if m is None or number is not None and int(m.group(1)) != number:
+            raise PdfError("no object %s at byte %d" % (number, pos))
+        ref = PdfRef((int(m.group(1)), int(m.group(2))))
+        value, pos = self.obj(m.end())
+        if isinstance(value, dict):
+            s = re.compile(rb"[\x00\t\n\x0c\r ]*stream\r?\n?").match(self.data, pos)
+            if s is not None:
+                start = s.end()
+                length = self.get(value.get("Length"))
+                end = start + length if isinstance(length, int) and length >= 0 else -1
+                if end < 0 or end > len(self.data) or \
+                        not re.match(rb"[\x00\t\n\x0c\r ]*endstream", self.data[end:end + 32]):
+                    end = self.data.find(b"endstream", start)
+                    end = len(self.data) if end < 0 else end
+                    if self.data[end - 2:end] == b"\r\n":
+                        end -= 2
+                    elif self.data[end - 1:end] in (b"\n", b"\r"):
+                        end -= 1
+                return PdfStream(value, self.data[start:end], ref)
+        return value
+
+    def read_xref(self):
+        """Read the xref sections from the last startxref back through /Prev."""
+        at = self.data.rfind(b"startxref")
+        if at < 0:
+            raise PdfError("no startxref")
+        m = re.match(rb"startxref\s*(\d+)", self.data[at:at + 40])
+        if m is None:
+            raise PdfError("startxref without an offset")
+        pos, seen = int(m.group(1)), set()
+        while pos is not None and pos not in seen and len(seen) < 1000:
+            seen.add(pos)
+            m = re.compile(rb"[\x00\t\n\x0c\r ]*xref").match(self.data, pos)
+            if m is not None:
+                trailer = self.xref_table(m.end())
+                if isinstance(trailer.get("XRefStm"), int):
+                    self.xref_stream(self.indirect(trailer["XRefStm"]))
+            else:
+                stream = self.indirect(pos)
+                if not isinstance(stream, PdfStream):
+                    raise PdfError("startxref points at no xref")
+                trailer = self.xref_stream(stream)
+            for key, value in trailer.items():
+                self.trailer.setdefault(key, value)
+            pos = trailer.get("Prev") if isinstance(trailer.get("Prev"), int) else None
+
+    def xref_table(self, pos):
+        """One 'xref' table (the newest entry of a number wins: later sections were read first); its trailer."""
+        data = self.data
+        section = re.compile(rb"[\x00\t\n\x0c\r ]*(\d+)[ \t]+(\d+)[ \t]*\r?\n?")
+        entry = re.compile(rb"[\x00\t\n\x0c\r ]*(\d{1,10})[ \t]+(\d{1,5})[ \t]+([nf])")
+        while True:
+            m = section.match(data, pos)
+            if m is None:
+                break
+            first, count, pos = int(m.group(1)), int(m.group(2)), m.end()
+            for i in range(count):
+                e = entry.match(data, pos)
+                if e is None:
+                    break
+                pos = e.end()
+                if e.group(3) == b"n" and first + i not in self.packed:
+                    self.offsets.setdefault(first + i, int(e.group(1)))
+        m = re.compile(rb"[\x00\t\n\x0c\r ]*trailer").match(data, pos)
+        if m is None:
+            raise PdfError("an xref table without its trailer")
+        trailer, _ = self.obj(m.end())
+        return trailer if isinstance(trailer, dict) else {}
+
+    def xref_stream(self, stream):
+        """One cross-reference stream (/Type /XRef); its dictionary (the trailer)."""
+        d = stream.dict
+        data = self.decoded(stream)
+        w = [x if isinstance(x, int) and 0 <= x <= 8 else 0 for x in (d.get("W") or [1, 2, 1])[:3]]
+        index = d.get("Index") or [0, d.get("Size", 0)]
+        size, pos = sum(w), 0
+        if size == 0:
+            return d
+        for j in range(0, len(index) - 1, 2):
+            first, count = index[j], index[j + 1]
+            if not isinstance(first, int) or not isinstance(count, int):
+                continue
+            for i in range(count):
+                row = data[pos:pos + size]
+                if len(row) < size:
+                    return d
+                pos += size
+                f = [int.from_bytes(row[sum(w[:k]):sum(w[:k + 1])], "big") for k in range(3)]
+                kind = f[0] if w[0] else 1
+                n = first + i
+                if n in self.offsets or n in self.packed:
+                    continue
+                if kind == 1:
+                    self.offsets[n] = f[1]
+                elif kind == 2:
+                    self.packed[n] = (f[1], f[2])
+        return d
+
+    def rebuild(self):
+        """A damaged or missing xref: find every 'n g obj' in the file (the last of a number
+        wins), the trailers' and object streams' contents, and the catalog if no trailer names it."""
+        self.offsets, self.packed, self.cache = {}, {}, {}
+        for m in re.finditer(rb"(?<![0-9])(\d{1,10})[\x00\t\n\x0c\r ]+(\d{1,5})[\x00\t\n\x0c\r ]+obj\b", self.data):
+            self.offsets[int(m.group(1))] = m.start()
+        for m in re.finditer(rb"trailer[\x00\t\n\x0c\r ]*<<", self.data):
+            try:
+                trailer, _ = self.obj(m.end() - 2)
+            except PdfError:
+                continue
+            if isinstance(trailer, dict):
+                self.trailer.update(trailer)
+        for number in list(self.offsets):
+            try:
+                value = self.get(PdfRef((number, 0)))
+            except PdfError:
+                continue
+            d = value.dict if isinstance(value, PdfStream) else value
+            if not isinstance(d, dict):
+                continue
+            if d.get("Type") == "ObjStm" and isinstance(value, PdfStream):
+                try:
+                    for i, n in enumerate(self.object_stream(value)[0]):
+                        self.packed.setdefault(n, (number, i))
+                except (PdfError, ValueError):
+                    pass
+            elif d.get("Type") == "XRef":
+                for key in ("Root", "Info", "Encrypt", "ID"):
+                    if key in d:
+                        self.trailer.setdefault(key, d[key])
+        if not isinstance(self.get(self.trailer.get("Root")), dict):
+            for number in self.offsets:
+                value = self.get(PdfRef((number, 0)))
+                if isinstance(value, dict) and value.get("Type") == "Catalog":
+                    self.trailer["Root"] = PdfRef((number, 0))
+                    break
+            else:
+                raise PdfError("no catalog (a damaged file, or not a PDF)")
+
+    def object_stream(self, stream):
+        """(the numbers, the offsets, the decoded bytes) of an object stream."""
+        data = self.decoded(stream)
+        n, first = stream.dict.get("N"), stream.dict.get("First")
+        if not isinstance(n, int) or not isinstance(first, int):
+            raise PdfError("an object stream without /N and /First")
+        head = [int(x) for x in data[:first].split()[:2 * n]]
+        return head[0::2], [first + o for o in head[1::2]], data
+
+    def get(self, value, depth=0):
+        """`value` with a reference resolved (None if it leads nowhere)."""
+        if not isinstance(value, PdfRef):
+            return value
+        if value in self.cache:
+            return self.cache[value]
+        self.cache[value] = None                               # (a reference to itself leads nowhere)
+        number, found = value[0], None
+        try:
+            if number in self.packed:
+                holder, index = self.packed[number]
+                stream = self.get(PdfRef((holder, 0)), depth + 1)
+                if isinstance(stream, PdfStream) and depth < 8:
+                    key = ("objstm", holder)
+                    if key not in self.cache:
+                        self.cache[key] = self.object_stream(stream)
+                    numbers, offsets, data = self.cache[key]
+                    if index < len(offsets):
+                        found, _ = PdfParser(data).obj(offsets[index])
+            elif number in self.offsets:
+                try:
+                    found = self.indirect(self.offsets[number], number)
+                except PdfError:                               # an xref off by some bytes: where the object is
+                    if self.scanned is None:
+                        self.scanned = dict((int(m.group(1)), m.start()) for m in re.finditer(
+                            rb"(?<![0-9])(\d{1,10})[\x00\t\n\x0c\r ]+\d{1,5}[\x00\t\n\x0c\r ]+obj\b", self.data))
+                    if number not in self.scanned:
+                        raise
+                    found = self.indirect(self.scanned[number], number)
+                if self.crypt is not None:
+                    found = self.crypt.decrypt(found, value)
+        except (PdfError, ValueError, IndexError, RecursionError):
+            found = None
+        self.cache[value] = found
+        return found
+
+    # -- streams
+    def decoded(self, stream):
+        """The bytes of a stream, its filters undone (decrypted first); bounded."""
+        d, data = stream.dict, stream.raw
+        filters, params = self.get(d.get("Filter")), self.get(d.get("DecodeParms"))
+        filters = filters if isinstance(filters, list) else [filters] if filters else []
+        params = params if isinstance(params, list) else [params] * len(filters)
+        for f, p in zip(filters, params + [None] * len(filters)):
+            f, p = self.get(f), self.get(p)
+            if f in ("FlateDecode", "Fl"):
+                data = self.inflate(data)
+            elif f in ("LZWDecode", "LZW"):
+                data = pdf_lzw(data, PDF_INFLATED_MAX - self.inflated)
+            elif f in ("ASCII85Decode", "A85"):
+                data = pdf_ascii85(data)
+            elif f in ("ASCIIHexDecode", "AHx"):
+                data = pdf_hex(data.split(b">")[0])
+            elif f in ("RunLengthDecode", "RL"):
+                data = pdf_run_length(data)
+            elif f == "Crypt":
+                continue
+            else:
+                raise PdfError("a stream in %s (an image, not text)" % f)
+            if isinstance(p, dict) and isinstance(p.get("Predictor"), int) and p["Predictor"] > 1:
+                data = pdf_predictor(data, p)
+            self.inflated += len(data)
+            if self.inflated > PDF_INFLATED_MAX:
+                raise PdfError("its streams inflate past %s: refused (a decompression bomb?)"
+                               % human_size(PDF_INFLATED_MAX))
+        return data
+
+    def inflate(self, data):
+        """Flate data, as much as can be had of a damaged stream, never past what is left of the bound."""
+        import zlib
+        room = PDF_INFLATED_MAX - self.inflated
+        best = b""
+        for wbits in (15, -15):                               # (raw deflate after the header: no checksum to fail)
+            z, out, size = zlib.decompressobj(wbits), [], 0
+            data = data if wbits > 0 else data[2:]
+            for at in range(0, len(data), 1 << 16):            # (in pieces: a damaged end keeps what came before)
+                try:
+                    piece = z.decompress(data[at:at + (1 << 16)], room + 1 - size)
+                except zlib.error:
+                    break
+                out.append(piece)
+                size += len(piece)
+                if size > room:
+                    raise PdfError("its streams inflate past %s: refused (a decompression bomb?)"
+                                   % human_size(PDF_INFLATED_MAX))
+                if z.unconsumed_tail:
+                    raise PdfError("its streams inflate past %s: refused (a decompression bomb?)"
+                                   % human_size(PDF_INFLATED_MAX))
+                if z.eof:
+                    break
+            if size > len(best):
+                best = b"".join(out)
+            if z.eof:
+                break
+        return best
+
+    def content(self, page):
+        """The page's content streams, decoded and joined."""
+        c = self.get(page.get("Contents"))
+        parts = c if isinstance(c, list) else [c]
+        out = []
+        for part in parts[:10000]:
+            part = self.get(part)
+            if isinstance(part, PdfStream):
+                try:
+                    out.append(self.decoded(part))
+                except PdfError as e:
+                    if "inflate past" in str(e):
+                        raise
+        return b"\n".join(out)
+
+    # -- pages
+    def pages(self):
+        """[(the page dictionary, its resources)], in order, through the page tree (cycles and
+        depth bounded; a tree that leads nowhere: the objects of /Type /Page, in file order)."""
+        root = self.get(self.trailer.get("Root")) or {}
+        out, seen = [], set()
+
+        def walk(node, inherited, depth):
+            node_ref, node = node, self.get(node)
+            if not isinstance(node, dict) or depth > PDF_DEPTH_MAX or len(out) >= PDF_PAGES_MAX:
+                return
+            if isinstance(node_ref, PdfRef):
+                if node_ref in seen:
+                    return
+                seen.add(node_ref)
+            inherited = dict(inherited)
+            for key in ("Resources", "MediaBox", "Rotate"):
+                if key in node:
+                    inherited[key] = node[key]
+            kids = self.get(node.get("Kids"))
+            if node.get("Type") == "Page" or not isinstance(kids, list):
+                if node.get("Type") != "Pages":
+                    out.append((node, self.get(inherited.get("Resources")) or {}))
+                return
+            for kid in kids:
+                walk(kid, inherited, depth + 1)
+        walk(root.get("Pages"), {}, 0)
+        return out
+
+    def info(self):
+        """The document's title, or ''."""
+        info = self.get(self.trailer.get("Info"))
+        title = self.get(info.get("Title")) if isinstance(info, dict) else None
+        return " ".join(pdf_text_string(title).split())
+
+    # -- text
+    def font(self, ref):
+        """The PdfFont of a font dictionary (kept by reference)."""
+        key = ref if isinstance(ref, PdfRef) else id(ref)
+        if key not in self.fonts:
+            d = self.get(ref)
+            self.fonts[key] = PdfFont(self, d if isinstance(d, dict) else {})
+        return self.fonts[key]
+
+    def page_text(self, page, resources):
+        """The text of one page, its lines in reading order (pdf_lines), and a last line that
+        counts the characters its fonts give no text for."""
+        runs, self.unmapped = [], 0
+        self.run(self.content(page), resources, [1, 0, 0, 1, 0, 0], runs, 0, set())
+        annots = self.get(page.get("Annots"))
+        acroform = self.get(self.get(self.trailer.get("Root") or {}).get("AcroForm"))
+        regenerate = isinstance(acroform, dict) and self.get(acroform.get("NeedAppearances")) is True
+        for annot in annots[:1000] if isinstance(annots, list) else []:
+            annot = self.get(annot)                           # a form field's value, a note: as drawn
+            if not isinstance(annot, dict) or (self.get(annot.get("F")) or 0) & 2:
+                continue
+            ap = self.get(annot.get("AP"))
+            normal = self.get(ap.get("N")) if isinstance(ap, dict) else None
+            if isinstance(normal, dict):
+                normal = self.get(normal.get(self.get(annot.get("AS"))))
+            rect = self.get(annot.get("Rect"))
+            try:
+                x, y = min(float(self.get(rect[0])), float(self.get(rect[2]))), \
+                    min(float(self.get(rect[1])), float(self.get(rect[3])))
+            except (TypeError, ValueError, IndexError, KeyError):
+                continue
+            field, kind, value = annot, None, None            # a text field's value, its type inherited
+            for _ in range(PDF_DEPTH_MAX):
+                kind = kind or self.get(field.get("FT"))
+                value = value if value is not None else self.get(field.get("V"))
+                field = self.get(field.get("Parent"))
+                if not isinstance(field, dict):
+                    break
+            if annot.get("Subtype") == "FreeText" and not isinstance(normal, PdfStream):
+                value, kind = self.get(annot.get("Contents")), "Tx"
+            if kind in ("Tx", "Ch") and isinstance(value, bytes) and (regenerate or not isinstance(normal, PdfStream)):
+                da = self.get(annot.get("DA"))
+                size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", da) if isinstance(da, bytes) else None
+                size = float(size.group(1)) if size and float(size.group(1)) > 0 else 12.0
+                for k, line in enumerate(pdf_text_string(value).splitlines()):
+                    runs.append((x, y - k * size, x + 0.5 * size * len(line), y - k * size, size, line, False))
+            elif isinstance(normal, PdfStream):
+                self.run(b"/ap Do", {"XObject": {"ap": normal}}, [1, 0, 0, 1, x, y], runs, 0, set())
+        text = pdf_lines(runs)
+        if self.unmapped:
+            text += "\n[not shown: %d character%s whose font carries no map to text]" % (
+                self.unmapped, "" if self.unmapped == 1 else "s")
+        return text.strip("\n")
+
+    def run(self, data, resources, ctm, runs, depth, forms):
+        """Interpret a content stream: each string shown becomes a run (x, y, end x, end y,
+        size, text) in page space; form XObjects are run inside it."""
+        fonts = self.get(resources.get("Font")) if isinstance(resources, dict) else None
+        fonts = fonts if isinstance(fonts, dict) else {}
+        xobjects = self.get(resources.get("XObject")) if isinstance(resources, dict) else None
+        xobjects = xobjects if isinstance(xobjects, dict) else {}
+        stack = []
+        font, size, tc, tw, th, tl, rise = None, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0
+        tm = lm = [1, 0, 0, 1, 0, 0]
+        operands = []
+        pos, end = 0, len(data)
+        match = PDF_TOKEN.match
+        sub = PdfParser(data)
+        while pos < end:
+            m = match(data, pos)
+            if m is None:
+                break
+            kind = m.lastgroup
+            if kind != "word":
+                if kind == "num":
+                    t = m.group(kind)
+                    operands.append(float(t) if b"." in t else int(t))
+                    pos = m.end()
+                elif kind == "close":
+                    pos = m.end()
+                else:
+                    try:
+                        value, pos = sub.obj(pos)
+                    except PdfError:
+                        break
+                    operands.append(value)
+                if len(operands) > 10000:
+                    operands = []
+                continue
+            op, pos = m.group(kind), m.end()
+            try:
+                if op in (b"Tj", b"'", b'"', b"TJ"):
+                    if op == b"'" or op == b'"':
+                        if op == b'"' and len(operands) >= 3:
+                            tw, tc = operands[-3], operands[-2]
+                        lm = [lm[0], lm[1], lm[2], lm[3], lm[4] - tl * lm[2], lm[5] - tl * lm[3]]
+                        tm = lm
+                    if font is None or not operands:
+                        operands = []
+                        continue
+                    items = operands[-1] if op == b"TJ" else [operands[-1]]
+                    items = items if isinstance(items, list) else [items]
+                    for item in items:
+                        if isinstance(item, bytes):
+                            text, width, codes, spaces, missing = font.decode(item)
+                            self.unmapped += missing
+                            spacing = -tc if font.vertical else tc * th
+                            if spacing > 0.15 * abs(size * font.em) and len(text) > 1:
+                                text = " ".join(text)                   # letter-spaced: each one a word apart
+                            m0 = pdf_mul(tm, ctm)
+                            if font.vertical:                           # down a column: w1 x size + Tc + Tw
+                                advance = font.down * codes * size - tc * codes - tw * spaces
+                                x0, y0 = m0[4], m0[5]
+                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
+                            else:
+                                advance = (width * size + tc * codes + tw * spaces) * th
+                                x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
+                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
+                            m1 = pdf_mul(tm, ctm)
+                            scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
+                            if text:
+                                runs.append((x0, y0, m1[4] + (rise * m1[2] if not font.vertical else 0),
+                                             m1[5] + (rise * m1[3] if not font.vertical else 0),
+                                             abs(scale) or 1.0, text, font.vertical))
+                        elif isinstance(item, (int, float)):
+                            shift = -item / 1000.0 * size * th
+                            if font.vertical:                           # a positive number moves down
+                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[2] / th, tm[5] + shift * tm[3] / th]
+                            else:
+                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[0], tm[5] + shift * tm[1]]
+                elif op == b"Td" or op == b"TD":
+                    tx, ty = operands[-2], operands[-1]
+                    if op == b"TD":
+                        tl = -ty
+                    lm = [lm[0], lm[1], lm[2], lm[3], lm[4] + tx * lm[0] + ty * lm[2], lm[5] + tx * lm[1] + ty * lm[3]]
+                    tm = lm
+                elif op == b"Tm":
+                    lm = tm = [float(x) for x in operands[-6:]]
+                elif op == b"T*":
+                    lm = [lm[0], lm[1], lm[2], lm[3], lm[4] - tl * lm[2], lm[5] - tl * lm[3]]
+                    tm = lm
+                elif op == b"Tf":
+                    name, size = operands[-2], float(operands[-1])
+                    ref = fonts.get(name) if isinstance(name, str) else None
+                    font = self.font(ref) if ref is not None else None
+                elif op == b"BT":
+                    tm = lm = [1, 0, 0, 1, 0, 0]
+                elif op == b"cm":
+                    ctm = pdf_mul([float(x) for x in operands[-6:]], ctm)
+                elif op == b"q":
+                    if len(stack) < 1000:
+                        stack.append((ctm, font, size, tc, tw, th, tl, rise))
+                elif op == b"Q":
+                    if stack:
+                        ctm, font, size, tc, tw, th, tl, rise = stack.pop()
+                elif op == b"Tc":
+                    tc = float(operands[-1])
+                elif op == b"Tw":
+                    tw = float(operands[-1])
+                elif op == b"Tz":
+                    th = float(operands[-1]) / 100.0
+                elif op == b"TL":
+                    tl = float(operands[-1])
+                elif op == b"Ts":
+                    rise = float(operands[-1])
+                elif op == b"Do":
+                    ref = xobjects.get(operands[-1]) if isinstance(operands[-1], str) else None
+                    form = self.get(ref)
+                    if isinstance(form, PdfStream) and form.dict.get("Subtype") == "Form" and depth < 12 \
+                            and ref not in forms:
+                        matrix = form.dict.get("Matrix")
+                        matrix = [float(x) for x in matrix] if isinstance(matrix, list) and len(matrix) == 6 \
+                            else [1, 0, 0, 1, 0, 0]
+                        inner = self.get(form.dict.get("Resources"))
+                        try:
+                            body = self.decoded(form)
+                        except PdfError as e:
+                            if "inflate past" in str(e):
+                                raise
+                            body = b""
+                        self.run(body, inner if isinstance(inner, dict) else resources, pdf_mul(matrix, ctm), runs,
+                                 depth + 1, forms | {ref})
+                elif op == b"BI":
+                    at = re.compile(rb"[\x00\t\n\x0c\r ]ID[\x00\t\n\x0c\r ]").search(data, pos)
+                    stop = re.compile(rb"[\x00\t\n\x0c\r ]EI(?=[\x00\t\n\x0c\r ]|$)").search(data, at.end()) \
+                        if at else None
+                    pos = stop.end() if stop else end
+            except (IndexError, TypeError, ValueError, ZeroDivisionError, OverflowError):
+                pass                                          # an operator with operands it cannot take
+            operands = []
+
+
 def pdf_job(job, emit):
     """A helper's side of view: [{count, title, texts of pages first..last}] of the file
     job['path'] names (the one the server checked: open_checked), or a ToolError saying
@@ -6687,7 +6900,10 @@ PDF_DAMAGE = (ValueError, IndexError, OverflowError, MemoryError, LookupError, Z
 PDF_BUGS = (TypeError, AttributeError, KeyError, NameError)
 
 
-# -- searches run where they can be killed -----------------------------------------
+###############################################################################
+# Helpers #####################################################################
+###############################################################################
+# -- searches run where they can be killed ----------------------------------------
 # Python's re holds the interpreter while it matches, so a catastrophic pattern (or a
 # glob such as *a*a*a*a*b) run in this process would freeze ping, cancel and every
 # other session. Every search therefore runs as a job in a search helper process
@@ -6761,6 +6977,7 @@ def name_filter(include, type_name):
     return tests[0] if len(tests) == 1 else lambda rel, name: all(t(rel, name) for t in tests)
 
 
+# -- the grep and glob jobs -------------------------------------------------------
 class GrepWork(object):
     """A grep or search_text job as each of its workers runs it: roots are (real,
     is_dir, inode of a file root); take() turns what a walk found into the items to
@@ -7062,6 +7279,7 @@ class GlobWork(object):
 SEARCH_WORK = {"grep": GrepWork, "glob": GlobWork}
 
 
+# -- a job's batches, shared walks and partners -----------------------------------
 class Batches(object):
     """Items handed to emit() in batches: at SEARCH_BATCH, after 0.2 s, and at the end."""
 
@@ -7647,7 +7865,6 @@ class HelperPool(object):
             self.requests = queue.SimpleQueue()
             threading.Thread(target=self._spawner, args=(self.requests, self.avoid), daemon=True,
                              name="boris-helper-spawner").start()
-            import atexit
             atexit.register(self.close)           # idle helpers go with the process, whoever runs it
         box = queue.SimpleQueue()
         self.requests.put(box)
@@ -7729,7 +7946,6 @@ class Capture(object):
     the tail kept as bytes, the full length counted in characters."""
 
     def __init__(self):
-        import codecs
         self.head = bytearray()
         self.tail = bytearray()
         self.total = 0
@@ -8122,7 +8338,6 @@ def kill_all(tasks):
 # Web #########################################################################
 ###############################################################################
 # urllib and html.parser are imported inside these functions: start-up never pays.
-# EgressProxy is the one door of sandboxed commands to the domains --sandbox-network lists.
 
 HTML_SKIP = frozenset(("script", "style", "noscript", "template", "svg", "head", "iframe", "object"))
 HTML_BLOCKS = frozenset(("p", "div", "section", "article", "header", "footer", "nav", "main", "aside",
@@ -8131,16 +8346,13 @@ HTML_BLOCKS = frozenset(("p", "div", "section", "article", "header", "footer", "
 HTML_VOID = frozenset(("br", "img", "hr", "input", "meta", "link", "area", "base", "col", "embed", "param",
                        "source", "track", "wbr"))
 HTML_DEPTH = 200                           # elements nested deeper are read as their parent's content
-PROXY_CONNECTIONS = 64                     # the proxy's connections at once; one more is answered 503
-PROXY_HEAD_BYTES = 65536                   # a request head longer than this is refused (431)
-PROXY_IDLE_S = 300.0                       # a tunnel with no byte either way for this long is closed
-PROXY_CONNECT_S = 20.0                     # reading a request head, and connecting upstream, at most
 HTML_BLOCK_TAGS = HTML_BLOCKS | frozenset(("ul", "ol", "li", "pre", "table", "blockquote", "hr",
                                            "h1", "h2", "h3", "h4", "h5", "h6"))   # rendered as blocks of their own
 HTML_IMPLIED_ENDS = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd"), "dd": ("dt", "dd"), "tr": ("tr", "td", "th"),
                      "td": ("td", "th"), "th": ("td", "th"), "option": ("option",)}   # open ones a start tag ends
 
 
+# -- HTML to Markdown -------------------------------------------------------------
 def html_to_markdown(markup, base_url=""):
     """A page's visible content as Markdown a model reads as the page means it: headings
     '#', lists '- ' and '1. ' (numbered from `start`) with an item's blocks indented under
@@ -8371,6 +8583,7 @@ def html_to_markdown(markup, base_url=""):
     return ("# %s\n\n%s" % (title, body)).strip() if title and title not in body[:len(title) + 4] else body
 
 
+# -- fetching ---------------------------------------------------------------------
 def address_refusal(address, block_private=False):
     """Why web_fetch must not connect to the IP `address`, or None. Link-local
     addresses (169.254.0.0/16, fe80::/10: cloud metadata services) are always refused;
@@ -8664,195 +8877,6 @@ class WebFetch(object):
                                         urllib.parse.quote(parts.fragment, safe=safe)))
 
 
-class EgressProxy(object):
-    """The loopback HTTP proxy that sandboxed commands reach the listed `domains` through
-    (CONNECT for HTTPS, absolute-form requests for plain HTTP), on 127.0.0.1 at `port`.
-    A name not listed, an IP address, or a name matched by a *. pattern that resolves to
-    an address that is not global (DNS rebinding: `internal`) is answered 403 with the
-    reason and logged; nothing else is connected. A name listed exactly may resolve to
-    any address: the user named that host (localhost for a local package mirror, say). `hosts` maps names to addresses taken as they are
-    (the tests' resolver: loopback only). close() stops it and every tunnel."""
-
-    def __init__(self, domains, hosts=None):
-        import socket
-        self.domains, self.hosts = list(domains), dict(hosts or {})
-        self.lock = threading.Lock()
-        self.open = set()                           # the sockets of the connections being served
-        self.closed = False
-        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(PROXY_CONNECTIONS)
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self.accept, daemon=True, name="boris-proxy").start()
-
-    def accept(self):
-        """Take connections until closed; one thread each, PROXY_CONNECTIONS at most."""
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return                              # closed
-            with self.lock:
-                full = len(self.open) >= PROXY_CONNECTIONS or self.closed
-                if not full:
-                    self.open.add(conn)
-            if full:
-                self.answer(conn, 503, "the proxy has %d connections open already" % PROXY_CONNECTIONS)
-                conn.close()
-                continue
-            threading.Thread(target=self.serve, args=(conn,), daemon=True, name="boris-proxy-conn").start()
-
-    def serve(self, conn):
-        """One client connection: its request head read, the target decided, then relayed."""
-        import socket
-        upstream = None
-        try:
-            conn.settimeout(PROXY_CONNECT_S)
-            head = b""
-            while b"\r\n\r\n" not in head:
-                block = conn.recv(65536)
-                if not block:
-                    return
-                head += block
-                if len(head) > PROXY_HEAD_BYTES:
-                    return self.answer(conn, 431, "a request head over %d bytes" % PROXY_HEAD_BYTES)
-            head, rest = head.split(b"\r\n\r\n", 1)
-            lines = head.decode("latin-1").split("\r\n")
-            parts = lines[0].split(" ")
-            if len(parts) != 3:
-                return self.answer(conn, 400, "a malformed request line")
-            method, target, version = parts
-            host, port, path = self.target(method, target)
-            if host is None:
-                return self.answer(conn, 400, "%s %s is neither CONNECT host:port nor an http:// URL" % (method, target))
-            addresses, why = self.decide(host)
-            failed = None
-            if why:
-                log("warn", "the sandbox proxy refused a connection", host=host, port=port, reason=why)
-                return self.answer(conn, 403, why)
-            for address in addresses:
-                try:
-                    upstream = socket.create_connection((address, port), PROXY_CONNECT_S)
-                    break
-                except OSError as e:
-                    failed = e
-            if upstream is None:
-                return self.answer(conn, 502, "%s:%d could not be reached (%s)" % (host, port, failed))
-            with self.lock:
-                self.open.add(upstream)
-            if method == "CONNECT":
-                conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            else:                                   # the request goes on in origin form, without Proxy-* fields
-                kept = [l for l in lines[1:] if not l.lower().startswith("proxy-")]
-                upstream.sendall(("\r\n".join(["%s %s %s" % (method, path, version)] + kept) + "\r\n\r\n")
-                                 .encode("latin-1"))
-            if rest:
-                upstream.sendall(rest)
-            self.relay(conn, upstream)
-        except (OSError, ValueError, UnicodeError):
-            pass  # the client or the server went away: the connection just ends
-        finally:
-            for sock in (conn, upstream):
-                if sock is not None:
-                    with self.lock:
-                        self.open.discard(sock)
-                    sock.close()
-
-    @staticmethod
-    def target(method, target):
-        """(host, port, origin-form path) of a request's target; (None, None, None) if it has none."""
-        import urllib.parse
-        if method == "CONNECT":
-            host, _, port = target.rpartition(":")
-            host = host.strip("[]")
-            return (host, int(port), None) if host and port.isdigit() and 0 < int(port) < 65536 else (None,) * 3
-        parts = urllib.parse.urlsplit(target)
-        if parts.scheme.lower() != "http" or not parts.hostname:
-            return None, None, None
-        path = parts.path or "/"
-        return parts.hostname, parts.port or 80, path + ("?" + parts.query if parts.query else "")
-
-    def decide(self, host):
-        """(addresses to connect, None) when `host` may be reached, else (None, why)."""
-        import socket
-        if not host_allowed(host, self.domains):
-            return None, "%s is not among the domains sandboxed commands may reach (--sandbox-network %s)" % (
-                host, ",".join(self.domains))
-        name = host.lower().rstrip(".")
-        if name in self.hosts:
-            return [self.hosts[name]], None
-        try:
-            infos = socket.getaddrinfo(name, None, 0, socket.SOCK_STREAM)
-        except (socket.gaierror, UnicodeError) as e:
-            return None, "%s could not be resolved (%s)" % (host, e)
-        addresses = [info[4][0] for info in infos]
-        for address in addresses if name not in self.domains else ():
-            why = self.internal(address)
-            if why:
-                return None, ("%s resolves to %s, %s: refused (DNS rebinding; only a name listed exactly, not by a"
-                              " *. pattern, may lead to one)" % (host, address, why))
-        return addresses, None
-
-    @staticmethod
-    def internal(address):
-        """What makes `address` one a name matched by a pattern must not lead to (the host
-        itself, its link, any network that is not the public internet, as IANA's registries
-        say through ipaddress), or None."""
-        import ipaddress
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-        ip = getattr(ip, "ipv4_mapped", None) or ip
-        if ip.is_loopback or ip.is_unspecified or ip.is_multicast:
-            return "a loopback, unspecified or multicast address"
-        if ip.is_link_local:
-            return "a link-local address (cloud metadata services live there)"
-        if not ip.is_global:
-            return "an address of an internal or reserved network"
-        return None
-
-    @staticmethod
-    def answer(conn, status, why):
-        """Send an error response whose body says why, as boris's proxy."""
-        body = ("boris sandbox proxy: %s\n" % why).encode("utf-8")
-        reason = {400: "Bad Request", 403: "Forbidden", 431: "Request Header Fields Too Large", 502: "Bad Gateway",
-                  503: "Service Unavailable"}[status]
-        try:
-            conn.sendall(b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
-                         b"Connection: close\r\n\r\n%s" % (status, reason.encode(), len(body), body))
-        except OSError:
-            pass  # the client left first
-
-    def relay(self, a, b):
-        """Copy bytes both ways until both sides have ended, or PROXY_IDLE_S pass without one."""
-        import socket
-        a.settimeout(None)
-        b.settimeout(None)
-        ends = {a: b, b: a}
-        while ends:
-            readable = ready(list(ends), PROXY_IDLE_S)
-            if not readable:
-                return
-            for sock in readable:
-                data = sock.recv(65536)
-                if data:
-                    ends[sock].sendall(data)
-                    continue
-                try:
-                    ends.pop(sock).shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass  # the other side is closed already
-
-    def close(self):
-        """Stop taking connections and end every open one."""
-        with self.lock:
-            self.closed = True
-            socks, self.open = list(self.open), set()
-        for sock in [self.listener] + socks:
-            try:
-                sock.shutdown(2)
-            except OSError:
-                pass  # not connected
-            sock.close()
-
 ###############################################################################
 # Session #####################################################################
 ###############################################################################
@@ -9025,15 +9049,17 @@ class Session(object):
             self.checkpoints.close()
 
 
-# -- checkpoints ------------------------------------------------------------------
+###############################################################################
+# Checkpoints #################################################################
+###############################################################################
 # Before every call that can change files the session has a checkpoint of the workspace:
 # each file, symlink and directory the walker lists (ignore rules, .git and node_modules
-# left out, as for a search) with its mode and, for a file, the digest of its bytes in a
-# content-addressed store - a private 0700 directory under the temp directory, removed
-# with the session. A checkpoint is taken by a thread of the session after each such
-# call ends (agents think for seconds; the next changing call waits only for what is
-# left), and reuses every entry whose lstat is unchanged, so a file is read only when it
-# changed and stored only when its bytes are new. rewind puts the workspace back.
+# left out, as for a search) with its mode and, for a file, the digest of its bytes in
+# the server's content-addressed store (or the blob id git's index vouches for). A
+# checkpoint is taken by a thread of the session after each such call ends (agents think
+# for seconds; the next changing call waits only for what is left): a file is read only
+# when its lstat changed and stored only when its bytes are new, and a watched directory
+# with no event since it was looked at is not looked at again. rewind puts one back.
 
 CHECKPOINT_SKIPPED = ("/proc", "/sys", "/dev")      # never walked (a workspace of /): no files to keep there
 CHECKPOINT_YIELD_S = 0.02                            # how often a scan that gave way looks again
@@ -9046,6 +9072,7 @@ STORE_PACK_BYTES = 64 << 20                        # a pack file of the store ta
 STORE_MAKING_S = 60                                # a store with no lock file yet is being made this long
 
 
+# -- the store --------------------------------------------------------------------
 def hold_store(store):
     """Lock a new store for as long as this process lives (the descriptor returned; None where
     there is no flock): sweep_stores() leaves a store alone while its lock is held. The lock
@@ -9272,6 +9299,7 @@ class Store(object):
             os.close(lockfd)
 
 
+# -- git's index ------------------------------------------------------------------
 GIT_FILTERING = re.compile(rb"(^|\s)-?(text|eol|crlf|filter|ident|working-tree-encoding)\b")
 
 
@@ -9465,6 +9493,7 @@ class CatFile(object):
 CHILD = struct.Struct("<cIqqqQH")           # a directory's child: kind, mode, size, mtime_ns, ctime_ns, inode, payload
 
 
+# -- a session's checkpoints ------------------------------------------------------
 def pack_children(children):
     """One directory's children [(name, entry)] as the bytes a Checkpoint keeps (about 60 bytes
     a child, where a dict of tuples took 700): the names joined by NULs first (so that a walk
@@ -10268,7 +10297,7 @@ def check_pattern(value, name, code=INVALID_INPUT):
 
 
 ###############################################################################
-# Tools: documents ############################################################
+# Tools: images and notebooks #################################################
 ###############################################################################
 # What a file's bytes show a model, for view: an image as image content (sized for the
 # client's model), a notebook as its cells with their outputs. The tools that show or
@@ -10673,7 +10702,6 @@ def document_view(ctx, real, st, shown, vr):
     """An office document's Markdown, read in a search helper (from the very file `st` is
     the stat of), numbered as its lines (view_range pages them), after a line saying what
     it is."""
-    import io
     try:
         items, why = ctx.helpers.run({"op": "document", "path": real, "file": [st.st_dev, st.st_ino]}, ctx.cancelled)
     except ToolError as e:
@@ -10692,7 +10720,6 @@ def pdf_view(ctx, real, st, shown, vr, pages):
     line saying what it is, then each page
     after a marker. Without `pages`, the pages that fit in a result, and which to ask
     for next; view_range numbers the lines of what is rendered."""
-    import io
     m = re.match(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?$", "1" if pages is None else pages) \
         if isinstance(pages, str) or pages is None else None
     first, last = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
@@ -10997,7 +11024,6 @@ def indent_units(mapping):
     for dn, f2, f1 in steps:
         if dn % unit or not f2.startswith(f1) or f2[len(f1):] != step * (dn // unit):
             return None
-    import math
     g = math.gcd(unit, len(step))                   # as a ratio: two tabs for 8 columns are a tab for 4
     return unit // g, step[0] * (len(step) // g)
 
@@ -11157,6 +11183,7 @@ def find_lines(index, want, start=0, eof=False, partial=False):
             [span for k, span in found if k != level] if level >= STRICT_LEVELS else [])
 
 
+# -- the three-way merge ----------------------------------------------------------
 def hunk_ops(lines):
     """(old lines, new lines, difflib-style opcodes) of a patch hunk's (kind, text) lines:
     context lines are 'equal', each run of '-' and '+' lines between them one change."""
@@ -11885,7 +11912,6 @@ def candidate_starts(lines, want, cancelled):
     # quick upper bounds first) to want's first non-blank line, among the first
     # MISS_SCAN_LINES lines, each cut to 200 characters.
     import difflib
-    import heapq
     first = next((k for k, w in enumerate(want) if w.strip()), None)
     if first is None:
         return []
@@ -13915,6 +13941,7 @@ def check_fields(prefix, schema, args, codes=None):
         check_value(prefix + k, props[k], v, codes)
 
 
+# -- the worker pool --------------------------------------------------------------
 class WorkerPool(object):
     """Threads that run tool calls so the reader never blocks, fair between sessions.
 
@@ -14078,6 +14105,7 @@ def result_response(rid, result):
     return {"jsonrpc": "2.0", "id": rid, "result": result}
 
 
+# -- the server -------------------------------------------------------------------
 class McpServer(object):
     """JSON-RPC dispatch for MCP. Knows nothing about stdio or HTTP: a transport hands
     it a message, a session and an `emit(message)` callback (thread-safe), and every
