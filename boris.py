@@ -546,15 +546,7 @@ def parse_config(argv, environ):
             raise ConfigError("invalid value %r for --%s: %s%s" % (
                 raws[-1], flag, e, " (from environment variable %s)" % env if from_env else ""))
     if values["token-file"]:
-        if values["token"]:
-            raise ConfigError("--token and --token-file exclude each other: give one of them")
-        try:
-            with open(os.path.expanduser(values["token-file"]), encoding="utf-8") as f:
-                values["token"] = f.readline().strip()
-        except (OSError, UnicodeError) as e:
-            raise ConfigError("--token-file %r cannot be read: %s" % (values["token-file"], getattr(e, "strerror", e)))
-        if not values["token"]:
-            raise ConfigError("--token-file %r holds no token on its first line" % values["token-file"])
+        values["token"] = token_from_file(values)
     if values["token"] and values["generate-token"]:
         raise ConfigError("--token and --generate-token exclude each other: give one of them")
     if values["transport"] == "http" and not (values["token"] or values["generate-token"]) \
@@ -571,14 +563,33 @@ def parse_config(argv, environ):
     if network in (["on"], ["off"], []):
         values["sandbox-network"] = {"on": True, "off": False}.get("".join(network))
     else:
-        for domain in network:
-            if domain in ("on", "off") or not re.match(r"^(\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?$", domain) \
-                    or re.match(r"^[\d.]+$", domain):                 # (an IPv4 address; IPv6 has colons)
-                raise ConfigError("invalid value %r for --sandbox-network: expected on, off, or domain names (like"
-                                  " pypi.org or *.example.org; no IP addresses, no ports)" % domain)
-        values["sandbox-network"] = [d.lower().rstrip(".") for d in network]
+        values["sandbox-network"] = sandbox_domains(network)
         values["web-fetch-allow"] = values["web-fetch-allow"] or list(values["sandbox-network"])
     return Config(**dict((k.replace("-", "_"), v) for k, v in values.items()))
+
+
+def token_from_file(values):
+    """The bearer token on the first line of --token-file (ConfigError naming what is wrong)."""
+    if values["token"]:
+        raise ConfigError("--token and --token-file exclude each other: give one of them")
+    try:
+        with open(os.path.expanduser(values["token-file"]), encoding="utf-8") as f:
+            token = f.readline().strip()
+    except (OSError, UnicodeError) as e:
+        raise ConfigError("--token-file %r cannot be read: %s" % (values["token-file"], getattr(e, "strerror", e)))
+    if not token:
+        raise ConfigError("--token-file %r holds no token on its first line" % values["token-file"])
+    return token
+
+
+def sandbox_domains(network):
+    """The domains of --sandbox-network, checked and lower-cased (ConfigError for anything else)."""
+    for domain in network:
+        if domain in ("on", "off") or not re.match(r"^(\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?$", domain) \
+                or re.match(r"^[\d.]+$", domain):                     # (an IPv4 address; IPv6 has colons)
+            raise ConfigError("invalid value %r for --sandbox-network: expected on, off, or domain names (like"
+                              " pypi.org or *.example.org; no IP addresses, no ports)" % domain)
+    return [d.lower().rstrip(".") for d in network]
 
 ###############################################################################
 # Paths #######################################################################
@@ -3775,17 +3786,9 @@ class Walker(object):
         if self.name_key is not None and self.remember:
             key = (real, path, depth, self.use_ignore, self.follow_links, self.want_dirs, self.name_key,
                    self.max_depth, self.policy.key)
-            known = self.cache.listing(key, real, ino, ign, lambda names: self.rules(path, names, ign))
+            known = self.recall(key, path, real, ign, depth, ino)
             if known is not None:
-                st, (found, subdirs, links), inner = known
-                self.recalled += 1
-                if self.follow_links:
-                    self.seen.add((st.st_dev, st.st_ino))
-                if self.costly_files:
-                    self.listed += len(found) + len(subdirs)     # still work to share: each file is read
-                if links:                                        # (a link's target is looked at every time)
-                    found = [one for e in found for one in (self.link(*e, inner, depth) if len(e) == 3 else (e,))]
-                return list(found), list(subdirs)
+                return known
         fd, entries, st = self.scan(real, ino)
         if fd is None:
             return [], []
@@ -3842,6 +3845,21 @@ class Walker(object):
         elif watched and settled and time.time() - st.st_mtime >= LISTING_RACY_S:
             self.cache.watches.clean[real] = (st.st_mtime_ns, st.st_ctime_ns)     # (as remember() marks it)
         return found, subdirs
+
+    def recall(self, key, path, real, ign, depth, ino):
+        """visit()'s answer from the cache, when it remembers the directory unchanged; else None."""
+        known = self.cache.listing(key, real, ino, ign, lambda names: self.rules(path, names, ign))
+        if known is None:
+            return None
+        st, (found, subdirs, links), inner = known
+        self.recalled += 1
+        if self.follow_links:
+            self.seen.add((st.st_dev, st.st_ino))
+        if self.costly_files:
+            self.listed += len(found) + len(subdirs)     # still work to share: each file is read
+        if links:                                        # (a link's target is looked at every time)
+            found = [one for e in found for one in (self.link(*e, inner, depth) if len(e) == 3 else (e,))]
+        return list(found), list(subdirs)
 
     def ignored_here(self, entries, path, ign):
         """(names of files, names of directories) among a directory's entries that the
@@ -5699,6 +5717,27 @@ def pdf_bidi(line):
 PDF_LIGATURES = {0xfb00: "ff", 0xfb01: "fi", 0xfb02: "fl", 0xfb03: "ffi", 0xfb04: "ffl", 0xfb05: "st", 0xfb06: "st"}
 
 
+def pdf_differences(table, differences, get):
+    """Apply a simple font's Differences ([code name name ... code name ...]) to `table`
+    {code: text}: a glyph name that names no character but its own code (a224, G41) is that
+    code's character; an unknown name leaves the base encoding's character."""
+    code = 0
+    for item in differences:
+        item = get(item)
+        if isinstance(item, int):
+            code = item
+        elif isinstance(item, str) and 0 <= code < 256:
+            text = pdf_glyph(item)
+            if text is None:                              # a name like a224 or G41 at its own code: that code
+                m = re.match(r"[A-Za-z]{1,3}([0-9A-Fa-f]{2,3})$", item)
+                if m and (m.group(1).isdigit() and int(m.group(1)) == code or int(m.group(1), 16) == code) \
+                        and code >= 32:
+                    text = bytes([code]).decode("cp1252", "replace").replace("\ufffd", "") or None
+            if text is not None or code not in table:     # else unknown: the base encoding's stays
+                table[code] = text
+            code += 1
+
+
 class PdfFont(object):
     """How a font's codes become text (decode()) and how far each moves the pen."""
 
@@ -5724,63 +5763,95 @@ class PdfFont(object):
             except PdfError:
                 cmap = {}
         if self.composite:
-            kids = get(d.get("DescendantFonts"))
-            kid = get(kids[0]) if isinstance(kids, list) and kids else {}
-            kid = kid if isinstance(kid, dict) else {}
-            enc = get(d.get("Encoding"))
-            name = str(enc) if isinstance(enc, str) else ""
-            if isinstance(enc, PdfStream):
-                name = str(get(enc.dict.get("CMapName")) or "")
-                try:
-                    _, spans = pdf_cmap(pdf.decoded(enc))
-                    self.spans = spans or self.spans           # (the encoding splits the codes, not ToUnicode)
-                except PdfError:
-                    pass
-            self.vertical = name.endswith("-V")
-            if isinstance(enc, str) and "Identity" in name:  # two bytes a code, whatever ToUnicode's ranges say
-                self.spans = [(2, b"\x00\x00", b"\xff\xff")]
-                cmap = dict((int.from_bytes(c, "big").to_bytes(2, "big"), t) for c, t in cmap.items() if len(c) <= 2)
-            if name in ("H", "V") and not cmap:
-                self.codec = "jis"                             # JIS X 0208 codes, two bytes
-            if not cmap and "Identity" not in name and self.codec is None:
-                for part, codec in PDF_CODECS:
-                    if part in name:
-                        self.codec = codec
-                        break
-            self.default = (get(kid.get("DW")) if isinstance(get(kid.get("DW")), (int, float)) else 1000) / 1000.0
-            dw2 = get(kid.get("DW2"))
-            if isinstance(dw2, list) and len(dw2) == 2 and isinstance(get(dw2[1]), (int, float)):
-                self.down = -get(dw2[1]) / 1000.0         # a glyph's advance down a column (w1 is negative)
-            w = get(kid.get("W"))
-            if isinstance(w, list):
-                i = 0
-                while i + 1 < len(w) and len(self.widths) < PDF_CMAP_MAX:
-                    first, nxt = get(w[i]), get(w[i + 1])
-                    if isinstance(nxt, list) and isinstance(first, int):
-                        for k, v in enumerate(nxt):
-                            if isinstance(get(v), (int, float)):
-                                self.widths[first + k] = get(v) / 1000.0
-                        i += 2
-                    elif i + 2 < len(w) and isinstance(first, int) and isinstance(nxt, int):
-                        v = get(w[i + 2])
-                        if isinstance(v, (int, float)) and nxt - first < PDF_CMAP_MAX:
-                            for c in range(first, nxt + 1):
-                                self.widths[c] = v / 1000.0
-                        i += 3
-                    else:
-                        break
-            if not self.spans:
-                self.spans = [(2, b"\x00\x00", b"\xff\xff")]
-            if not cmap and self.codec is None and ("Identity" in name or not name):
-                # no ToUnicode, codes that are CIDs: the embedded font's own map,
-                cmap = self.embedded(pdf, kid)               # else the ASCII block of Adobe's CJK collections
-                info = get(kid.get("CIDSystemInfo"))
-                ordering = get(info.get("Ordering")) if isinstance(info, dict) else None
-                if not cmap and isinstance(ordering, bytes) and ordering in (b"Japan1", b"GB1", b"CNS1", b"Korea1"):
-                    cmap = dict((cid.to_bytes(2, "big"), chr(cid + 31)) for cid in range(1, 96))
-            self.uni = cmap
-            return
-        # a simple font: one byte a code
+            self.composite_font(pdf, d, cmap)
+        else:
+            self.simple_font(pdf, d, subtype, cmap)
+
+    def composite_font(self, pdf, d, cmap):
+        """A Type0 font's codes (by its encoding CMap and descendant CID font) and widths."""
+        get = pdf.get
+        kids = get(d.get("DescendantFonts"))
+        kid = get(kids[0]) if isinstance(kids, list) and kids else {}
+        kid = kid if isinstance(kid, dict) else {}
+        name, cmap = self.cid_encoding(pdf, d, cmap)
+        self.cid_widths(get, kid)
+        if not self.spans:
+            self.spans = [(2, b"\x00\x00", b"\xff\xff")]
+        if not cmap and self.codec is None and ("Identity" in name or not name):
+            # no ToUnicode, codes that are CIDs: the embedded font's own map,
+            cmap = self.embedded(pdf, kid)               # else the ASCII block of Adobe's CJK collections
+            info = get(kid.get("CIDSystemInfo"))
+            ordering = get(info.get("Ordering")) if isinstance(info, dict) else None
+            if not cmap and isinstance(ordering, bytes) and ordering in (b"Japan1", b"GB1", b"CNS1", b"Korea1"):
+                cmap = dict((cid.to_bytes(2, "big"), chr(cid + 31)) for cid in range(1, 96))
+        self.uni = cmap
+
+    def cid_encoding(self, pdf, d, cmap):
+        """A Type0 font's encoding CMap: its codespace, a CJK codec where there is no map to
+        text, writing down a column or not; (its name, the map to text `cmap` made fit)."""
+        get = pdf.get
+        enc = get(d.get("Encoding"))
+        name = str(enc) if isinstance(enc, str) else ""
+        if isinstance(enc, PdfStream):
+            name = str(get(enc.dict.get("CMapName")) or "")
+            try:
+                _, spans = pdf_cmap(pdf.decoded(enc))
+                self.spans = spans or self.spans           # (the encoding splits the codes, not ToUnicode)
+            except PdfError:
+                pass
+        self.vertical = name.endswith("-V")
+        if isinstance(enc, str) and "Identity" in name:  # two bytes a code, whatever ToUnicode's ranges say
+            self.spans = [(2, b"\x00\x00", b"\xff\xff")]
+            cmap = dict((int.from_bytes(c, "big").to_bytes(2, "big"), t) for c, t in cmap.items() if len(c) <= 2)
+        if name in ("H", "V") and not cmap:
+            self.codec = "jis"                             # JIS X 0208 codes, two bytes
+        if not cmap and "Identity" not in name and self.codec is None:
+            self.codec = next((codec for part, codec in PDF_CODECS if part in name), None)
+        return name, cmap
+
+    def cid_widths(self, get, kid):
+        """A CID font's widths: DW, DW2 and the W array ([first [w ...]] and [first last w])."""
+        self.default = (get(kid.get("DW")) if isinstance(get(kid.get("DW")), (int, float)) else 1000) / 1000.0
+        dw2 = get(kid.get("DW2"))
+        if isinstance(dw2, list) and len(dw2) == 2 and isinstance(get(dw2[1]), (int, float)):
+            self.down = -get(dw2[1]) / 1000.0         # a glyph's advance down a column (w1 is negative)
+        w = get(kid.get("W"))
+        i = 0
+        while isinstance(w, list) and i + 1 < len(w) and len(self.widths) < PDF_CMAP_MAX:
+            first, nxt = get(w[i]), get(w[i + 1])
+            if isinstance(nxt, list) and isinstance(first, int):
+                for k, v in enumerate(nxt):
+                    if isinstance(get(v), (int, float)):
+                        self.widths[first + k] = get(v) / 1000.0
+                i += 2
+            elif i + 2 < len(w) and isinstance(first, int) and isinstance(nxt, int):
+                v = get(w[i + 2])
+                if isinstance(v, (int, float)) and nxt - first < PDF_CMAP_MAX:
+                    for c in range(first, nxt + 1):
+                        self.widths[c] = v / 1000.0
+                i += 3
+            else:
+                break
+
+    def simple_font(self, pdf, d, subtype, cmap):
+        """A simple font's codes (one byte each: its encoding, Differences, ToUnicode) and widths."""
+        get = pdf.get
+        base, descriptor = self.simple_widths(get, d, subtype)
+        enc = get(d.get("Encoding"))
+        differences = get(enc.get("Differences")) or [] if isinstance(enc, dict) else []
+        name = str(enc) if isinstance(enc, str) else get(enc.get("BaseEncoding")) if isinstance(enc, dict) else None
+        table = self.base_encoding(pdf, name, subtype, base, descriptor)
+        pdf_differences(table, differences if isinstance(differences, list) else [], get)
+        for c, text in cmap.items():
+            if len(c) == 1:
+                table[c[0]] = text
+        self.uni = dict((bytes([c]), t) for c, t in table.items() if t is not None)
+        self.low = any(c < 32 for c in table)                 # control codes drawn as glyphs in this font
+        self.spans = []
+
+    def simple_widths(self, get, d, subtype):
+        """A simple font's widths (FirstChar and Widths, a Type 3 font's matrix, MissingWidth, the
+        standard fonts' metrics); (its BaseFont name, its descriptor)."""
         if subtype == "Type3":
             matrix = get(d.get("FontMatrix"))
             if isinstance(matrix, list) and matrix and isinstance(get(matrix[0]), (int, float)):
@@ -5806,54 +5877,29 @@ class PdfFont(object):
                                   else "")
         if metrics and not self.widths:
             self.widths = dict((32 + k, int(v) / 1000.0) for k, v in enumerate(metrics.split()))
-        enc = get(d.get("Encoding"))
-        differences = []
-        name = None
-        if isinstance(enc, str):
-            name = str(enc)
-        elif isinstance(enc, dict):
-            name = get(enc.get("BaseEncoding"))
-            differences = get(enc.get("Differences")) or []
-        table = None
+        return base, descriptor
+
+    @staticmethod
+    def base_encoding(pdf, name, subtype, base, descriptor):
+        """{code: text} a simple font starts from: a named encoding, an embedded Type 1 font's
+        own, else the standard one its kind implies (none for symbol fonts)."""
         if name in ("WinAnsiEncoding", "MacRomanEncoding", "StandardEncoding", "PDFDocEncoding"):
-            table = pdf_encoding(name)
-        elif subtype != "Type3":
-            program = get(descriptor.get("FontFile"))
-            if isinstance(program, PdfStream):
-                try:
-                    head = pdf.decoded(program)[:65536]
-                except PdfError:
-                    head = b""
-                if b"/Encoding StandardEncoding" not in head:
-                    builtin = dict((int(c), pdf_glyph(n.decode("latin-1")))
-                                   for c, n in re.findall(rb"dup\s+(\d+)\s*/(\S+)\s+put", head) if int(c) < 256)
-                    if builtin:
-                        table = builtin
-            if table is None:
-                table = pdf_encoding("WinAnsiEncoding" if subtype == "TrueType" else "StandardEncoding") \
-                    if "Symbol" not in base and "Dingbat" not in base else {}
-        table = dict(table or {})
-        code = 0
-        for item in differences if isinstance(differences, list) else []:
-            item = get(item)
-            if isinstance(item, int):
-                code = item
-            elif isinstance(item, str) and 0 <= code < 256:
-                text = pdf_glyph(item)
-                if text is None:                              # a name like a224 or G41 at its own code: that code
-                    m = re.match(r"[A-Za-z]{1,3}([0-9A-Fa-f]{2,3})$", item)
-                    if m and (m.group(1).isdigit() and int(m.group(1)) == code or int(m.group(1), 16) == code) \
-                            and code >= 32:
-                        text = bytes([code]).decode("cp1252", "replace").replace("\ufffd", "") or None
-                if text is not None or code not in table:     # else unknown: the base encoding's stays
-                    table[code] = text
-                code += 1
-        for c, text in cmap.items():
-            if len(c) == 1:
-                table[c[0]] = text
-        self.uni = dict((bytes([c]), t) for c, t in table.items() if t is not None)
-        self.low = any(c < 32 for c in table)                 # control codes drawn as glyphs in this font
-        self.spans = []
+            return dict(pdf_encoding(name))
+        if subtype == "Type3":
+            return {}
+        program = pdf.get(descriptor.get("FontFile"))
+        if isinstance(program, PdfStream):
+            try:
+                head = pdf.decoded(program)[:65536]
+            except PdfError:
+                head = b""
+            if b"/Encoding StandardEncoding" not in head:
+                builtin = dict((int(c), pdf_glyph(n.decode("latin-1")))
+                               for c, n in re.findall(rb"dup\s+(\d+)\s*/(\S+)\s+put", head) if int(c) < 256)
+                if builtin:
+                    return builtin
+        return dict(pdf_encoding("WinAnsiEncoding" if subtype == "TrueType" else "StandardEncoding")) \
+            if "Symbol" not in base and "Dingbat" not in base else {}
 
     @staticmethod
     def embedded(pdf, kid):
@@ -9493,7 +9539,7 @@ class CatFile(object):
 CHILD = struct.Struct("<cIqqqQH")           # a directory's child: kind, mode, size, mtime_ns, ctime_ns, inode, payload
 
 
-# -- a session's checkpoints ------------------------------------------------------
+# -- what a checkpoint keeps ------------------------------------------------------
 def pack_children(children):
     """One directory's children [(name, entry)] as the bytes a Checkpoint keeps (about 60 bytes
     a child, where a dict of tuples took 700): the names joined by NULs first (so that a walk
@@ -9528,6 +9574,65 @@ def unpack_children(packed):
             "g" + payload[1:].hex() if payload[:1] == b"g" else payload[1:].hex()
         out[os.fsdecode(name)] = (kind, mode, digest, size, mtime, ctime, ino)
     return out
+
+
+def rewind_plan(old, cur, within, partial):
+    """(paths to remove, paths to make) for a rewind from entries `cur` to entries `old`
+    (flat maps), under the paths `within` (all when empty; the directories above those come
+    back too); nothing is removed that the old state did not cover when it is `partial`."""
+    above = set(p for p, e in old.items() if e[0] == "d" and any(is_within(w, p) for w in within))
+
+    def wanted(p):
+        return not within or p in above or any(p == w or is_within(p, w) for w in within)
+    drop = [p for p, e in cur.items() if wanted(p) and (p not in old and not partial and p not in above
+                                                        or p in old and old[p][0] != e[0])]
+    put = [p for p, e in old.items() if wanted(p) and (p not in cur or cur[p][:3] != e[:3])]
+    return drop, put
+
+
+class Listing(object):
+    """One directory's children as a checkpoint's walk meets them: a directory quiet since
+    it was last looked at (`old`, its packed children then) keeps them unread when it lists
+    the same names; the others' children are looked at one by one, by `look(path, old entry,
+    git's index entries of the directory)` -> (entry or None, whether it can stay unread)."""
+
+    def __init__(self, path, old, quiet, repo, look):
+        self.path, self.old, self.repo, self.look = path, old, repo, look
+        self.names, self.kids, self.lasting = [], [], True
+        self.unread = quiet and old is not None
+        self.before = self.known = None
+        if not self.unread:
+            self.read()
+
+    def read(self):
+        """What to look at the children with: their old entries and git's index's."""
+        self.before = unpack_children(self.old) if self.old is not None else {}
+        self.known = self.repo.children(self.path) if self.repo is not None else {}
+
+    def add(self, name):
+        """The walk met child `name`."""
+        if self.unread:
+            self.names.append(name)
+            return
+        entry, lasting = self.look(child_prefix(self.path) + name, self.before.get(name), self.known)
+        if entry is not None:
+            self.kids.append((name, entry))
+            self.lasting = self.lasting and lasting
+
+    def packed(self):
+        """(the children packed, or None when there are none; whether every one looked at can
+        stay unread while the directory is quiet, or None when they were all kept unread)."""
+        if self.unread:
+            if child_names(self.old) == "\0".join(self.names).encode("utf-8", "surrogateescape"):
+                return self.old, None
+            self.unread = False                              # (another listing: each looked at after all)
+            self.read()
+            for name in self.names:
+                self.add(name)
+        if not self.kids:
+            return None, self.lasting
+        packed = pack_children(self.kids)
+        return (self.old if packed == self.old else packed), self.lasting
 
 
 class Checkpoint(object):
@@ -9567,6 +9672,7 @@ def entry_changes(old, new, partial=False):
     return sorted(added), sorted(modified), sorted(deleted)
 
 
+# -- a session's checkpoints ------------------------------------------------------
 class Checkpoints(object):
     """A session's checkpoints of its workspace roots, their bytes in the server's store (see
     above). before() and after() frame each call that can change files; current() checkpoints
@@ -9846,51 +9952,47 @@ class Checkpoints(object):
             return None                                      # no event since a scan that watched all of it
         for repo in self.repos:
             repo.refresh()
+        visited, looked, unwatched = [], set(), []           # (looked: quiet from this walk on, once it is the base)
+        point = self.walk_roots(background, cancelled, visited, looked, unwatched)
+        if point is None:
+            return None                                      # closed or cancelled: nothing to keep
+        if w is not None:
+            w.quiet.update(looked)
+        if not point.partial:
+            for repo in self.repos:
+                repo.dirs = {}       # recorded now: the next walk reads the index again only once it changed
+        whole = w is not None and not point.partial and not unwatched and all(map(w.clean.__contains__, visited))
+        self.steady = steady if whole else None
+        return point
+
+    def walk_roots(self, background, cancelled, visited, looked, unwatched):
+        """walk()'s walk of the roots: a Checkpoint numbered next, or None when stopped; the
+        directories walked added to `visited`, those looked at whole while watched to
+        `looked`, the others to `unwatched`."""
+        w = self.cache.watches
         quiet = w.quiet if w is not None else set()
-        prev, dirs, missed, partial, visited, size = self.base.dirs, {}, [], False, [], 0
-        looked, unwatched = set(), []                        # (quiet from this walk on, once it is the base)
+        prev, dirs, missed, partial, size = self.base.dirs, {}, [], False, 0
         store = self.store.dir if self.store.dir and any(is_within(self.store.dir, r) for r in self.roots) else None
-        here = None                                          # the directory whose children the walk is at
+        look = lambda path, old, known: self.entry(path, old, missed, known)
+        here = None                                          # the Listing of the directory the walk is in
 
-        def begin(d, repo):
-            nonlocal here, old, names, kids, lasting, before, known
-            here, old, names, kids, lasting, before, known = d, prev.get(d), [], [], True, None, None
-            if old is None or d not in quiet:
-                before, known = unpack_children(old) if old is not None else {}, repo.children(d) if repo else {}
-
-        def look(name):
-            nonlocal lasting
-            entry, stays = self.entry(child_prefix(here) + name, before.get(name), missed, known)
-            if entry is not None:
-                kids.append((name, entry))
-                lasting = lasting and stays
-
-        def end(repo):
-            if before is None:                               # quiet: kept unread if it lists the same names
-                if child_names(old) == "\0".join(names).encode("utf-8", "surrogateescape"):
-                    dirs[here] = old
-                    return
-                listed = names
-                quiet.discard(here)
-                begin(here, repo)                            # (no longer quiet: looked at one by one)
-                for name in listed:
-                    look(name)
-            if kids:
-                packed = pack_children(kids)
-                dirs[here] = old if packed == old else packed
-            quiet.discard(here)
-            if lasting and w is not None and here in w.of:   # (its watch was set before the lstats)
-                looked.add(here)
-            else:
-                unwatched.append(here)
+        def settle():
+            packed, lasting = here.packed()
+            if packed is not None:
+                dirs[here.path] = packed
+            if lasting is not None:                          # (None: kept unread, still quiet)
+                quiet.discard(here.path)
+                if lasting and w is not None and here.path in w.of:    # (its watch was set before the lstats)
+                    looked.add(here.path)
+                else:
+                    unwatched.append(here.path)
 
         def so_far():
             """What was walked so far, the directory in progress included (a part handed over)."""
             part = dict(dirs)
-            if kids:
-                part[here] = pack_children(kids)
+            if here is not None and here.kids:
+                part[here.path] = pack_children(here.kids)
             return part
-        old = names = kids = lasting = before = known = None
         for root in self.roots:
             if partial:
                 break
@@ -9907,23 +10009,15 @@ class Checkpoints(object):
                 if store is not None and is_within(path, store):
                     continue                                 # the store itself (where it lies in a root)
                 cut = path.rfind("/")
-                if path[:cut or 1] != here:
+                if here is None or path[:cut or 1] != here.path:
                     if here is not None:
-                        end(repo)
-                    begin(path[:cut or 1], repo)
+                        settle()
+                    d = path[:cut or 1]
+                    here = Listing(d, prev.get(d), d in quiet, repo, look)
+                here.add(path[cut + 1:])
                 size += 1
-                if before is None:
-                    names.append(path[cut + 1:])
-                else:
-                    look(path[cut + 1:])
             if here is not None:
-                end(repo)
-        quiet.update(looked)
-        if not partial:
-            for repo in self.repos:
-                repo.dirs = {}       # recorded now: the next walk reads the index again only once it changed
-        whole = w is not None and not partial and not unwatched and all(map(w.clean.__contains__, visited))
-        self.steady = steady if whole else None
+                settle()
         return Checkpoint(self.count + 1, dirs, size, missed, partial)
 
     def entry(self, path, old, missed, known):
@@ -10019,18 +10113,13 @@ class Checkpoints(object):
         edit tools write. A path the target did not cover is left as it is. dry: only say what
         it would do."""
         old, cur = target.flat(), now.flat()
-        above = set(p for p, e in old.items() if e[0] == "d" and any(is_within(w, p) for w in within))
+        drop, put = rewind_plan(old, cur, within, target.partial)
         readers = {}                                     # GitIndex -> its CatFile, for the blobs written back
         try:
-            def wanted(p):                                   # (the directories above a path asked for come back too)
-                return not within or p in above or any(p == w or is_within(p, w) for w in within)
             done, failed = [], []
-            drop = [p for p, e in cur.items() if wanted(p) and (p not in old and not target.partial and p not in above
-                                                                or p in old and old[p][0] != e[0])]
             for p in sorted(drop, key=lambda p: (-p.count("/"), p)):
                 why = "" if dry else self.step(p, cur[p], None, files, readers)
                 (failed if why else done).append((p, why or "removed"))
-            put = [p for p, e in old.items() if wanted(p) and (p not in cur or cur[p][:3] != e[:3])]
             for p in sorted(put, key=lambda p: (p.count("/"), p)):
                 e = old[p]
                 if e[0] == "f" and e[2] is None:
@@ -11600,7 +11689,22 @@ def write_edit(session, ctx, tool, changes, dry_run=False, undoing=False):
     the limit, none when undoing) and the parse warning. Returns the note for the
     answer (where a file had to be rewritten in place, what no longer parses); with
     dry_run, the unified diff it would write instead, and nothing is written or kept."""
-    limit = ctx.config.max_file_size
+    known, todo = edit_befores(changes, ctx.config.max_file_size)
+    if dry_run:
+        return edit_diff(todo, ctx.config.max_result_chars)
+    notes = write_changes(session, ctx, todo, known)
+    kept = dict((real, (known[real][0], known[real][1], digest_of(data) if data is not None else None))
+                for real, _, data, _, _ in todo if known[real] is not None)
+    if kept and not undoing:
+        session.remember_edit(tool, keep_befores(session, kept))
+    return "".join(notes) + "".join(parse_warning(real, before, data) for real, _, data, before, _ in todo
+                                    if data is not None and known[real] is not None)
+
+
+def edit_befores(changes, limit):
+    """write_edit's first step: FILE_TOO_LARGE when a new content is over `limit`; then
+    ({real: (bytes, mode) before the edit, or None when over the limit: no undo level},
+    the changes with what is there now read)."""
     for real, shown, data, _, _ in changes:
         if data is not None and len(data) > limit:
             raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s (--max-file-size);"
@@ -11615,8 +11719,12 @@ def write_edit(session, ctx, tool, changes, dry_run=False, undoing=False):
         except OSError as e:
             raise io_error(e, shown)
         todo.append((real, shown, data, known[real][0] if known[real] else None, new_mode))
-    if dry_run:
-        return edit_diff(todo, ctx.config.max_result_chars)
+    return known, todo
+
+
+def write_changes(session, ctx, todo, known):
+    """write_edit's writes, all or none (a failure puts back what was written: IO_ERROR);
+    the notes of files rewritten in place."""
     done, notes = [], []
     try:
         for real, shown, data, before, new_mode in sorted(todo, key=lambda c: c[2] is None):   # removals last
@@ -11633,12 +11741,7 @@ def write_edit(session, ctx, tool, changes, dry_run=False, undoing=False):
     except (OSError, ToolError) as e:
         why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
         raise ToolError(IO_ERROR, "writing %s failed (%s); %s" % (shown, why, put_back(done, known, ctx)))
-    kept = dict((real, (known[real][0], known[real][1], digest_of(data) if data is not None else None))
-                for real, _, data, _, _ in todo if known[real] is not None)
-    if kept and not undoing:
-        session.remember_edit(tool, keep_befores(session, kept))
-    return "".join(notes) + "".join(parse_warning(real, before, data) for real, _, data, before, _ in todo
-                                    if data is not None and known[real] is not None)
+    return notes
 
 
 StoredBytes = namedtuple("StoredBytes", "digest size")
@@ -12351,7 +12454,6 @@ def checkpoint_diff(points, target, now, root_of, offset, cap):
     diff: a header per file, mode lines, hunks of text, a line for a binary file or one the
     checkpoint did not cover; files past `cap` characters are left to a read-on notice."""
     old, cur = target.flat(), now.flat()
-    mode = lambda e: "120000" if e[0] == "l" else "100755" if e[1] & 0o111 else "100644"
     paths = sorted(p for p in set(old) | set(cur) if any(e is not None and e[0] != "d" for e in (old.get(p), cur.get(p)))
                    and old.get(p, ())[:3] != cur.get(p, ())[:3])
     if offset < 0:
@@ -12359,31 +12461,7 @@ def checkpoint_diff(points, target, now, root_of, offset, cap):
     readers, parts, size, end = {}, [], 0, offset           # end: the files shown end before this one
     try:
         for p in paths[offset:]:
-            name = root_of(p)
-            a, b = old.get(p), cur.get(p)
-            text = ["diff --git a/%s b/%s\n" % (name, name)]
-            if a is None or a[0] == "d":
-                text.append("new file mode %s\n" % mode(b))
-            elif b is None or b[0] == "d":
-                text.append("deleted file mode %s\n" % mode(a))
-            elif mode(a) != mode(b):
-                text.append("old mode %s\nnew mode %s\n" % (mode(a), mode(b)))
-            try:
-                before = None if a is None or a[0] == "d" else a[2].encode("utf-8", "surrogateescape") \
-                    if a[0] == "l" else points.bytes_of(p, a[2], readers) if a[2] else None
-                after = None if b is None or b[0] == "d" else b[2].encode("utf-8", "surrogateescape") \
-                    if b[0] == "l" else read_regular(p, name, points.config.max_file_size)[0]
-            except (OSError, ToolError) as e:
-                text.append("# not shown: %s\n" % (getattr(e, "message", None) or e.strerror or e))
-                before = after = b""
-            if a is not None and a[0] == "f" and not a[2]:
-                text.append("# not shown: checkpoint %d did not cover it\n" % target.number)
-            elif b"\0" in (before or b"")[:8192] + (after or b"")[:8192]:
-                text.append("Binary files %s and %s differ\n" % ("a/" + name if before is not None else "/dev/null",
-                                                                 "b/" + name if after is not None else "/dev/null"))
-            else:
-                text.append(unified_diff(before, after, name))
-            block = "".join(text).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            block = file_diff(points, target, p, root_of(p), old.get(p), cur.get(p), readers)
             if parts and size + len(block) > cap:
                 break
             parts.append(block)
@@ -12399,6 +12477,36 @@ def checkpoint_diff(points, target, now, root_of, offset, cap):
     if end < len(paths):
         body += "[files %d-%d of %d shown; read on with offset=%d]\n" % (offset + 1, end, len(paths), end)
     return head + body
+
+
+def file_diff(points, target, path, name, a, b, readers):
+    """checkpoint_diff's part for one path (shown as `name`) from entry `a` (in checkpoint
+    `target`) to entry `b` (now; either None where there is none, or a directory)."""
+    mode = lambda e: "120000" if e[0] == "l" else "100755" if e[1] & 0o111 else "100644"
+    text = ["diff --git a/%s b/%s\n" % (name, name)]
+    a, b = (None if e is None or e[0] == "d" else e for e in (a, b))
+    if a is None:
+        text.append("new file mode %s\n" % mode(b))
+    elif b is None:
+        text.append("deleted file mode %s\n" % mode(a))
+    elif mode(a) != mode(b):
+        text.append("old mode %s\nnew mode %s\n" % (mode(a), mode(b)))
+    try:
+        before = None if a is None else a[2].encode("utf-8", "surrogateescape") if a[0] == "l" else \
+            points.bytes_of(path, a[2], readers) if a[2] else None
+        after = None if b is None else b[2].encode("utf-8", "surrogateescape") if b[0] == "l" else \
+            read_regular(path, name, points.config.max_file_size)[0]
+    except (OSError, ToolError) as e:
+        text.append("# not shown: %s\n" % (getattr(e, "message", None) or e.strerror or e))
+        before = after = b""
+    if a is not None and a[0] == "f" and not a[2]:
+        text.append("# not shown: checkpoint %d did not cover it\n" % target.number)
+    elif b"\0" in (before or b"")[:8192] + (after or b"")[:8192]:
+        text.append("Binary files %s and %s differ\n" % ("a/" + name if before is not None else "/dev/null",
+                                                         "b/" + name if after is not None else "/dev/null"))
+    else:
+        text.append(unified_diff(before, after, name))
+    return "".join(text).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 @tool("rewind", REWIND_DESC, obj({
