@@ -6383,6 +6383,35 @@ class PdfAes(object):
 
 
 # -- PDF: the document and its pages ----------------------------------------------
+PDF_TEXT_PARAMETERS = {b"Tc": "tc", b"Tw": "tw", b"Tz": "th", b"TL": "tl", b"Ts": "rise"}   # (Tz: percent)
+
+
+class PdfText(object):
+    """What Pdf.run keeps while it reads a content stream: the graphics state it needs (the
+    transformation `ctm`, the font and its size, character and word spacing tc and tw,
+    horizontal scale th, leading tl, rise, the text and line matrices tm and lm) and what
+    the stream was run with (resources, where runs go, how deep in forms, which forms)."""
+
+    def __init__(self, ctm, resources, runs, depth, forms):
+        self.ctm, self.font, self.size, self.tc, self.tw, self.th, self.tl, self.rise = ctm, None, 0.0, 0.0, 0.0, \
+            1.0, 0.0, 0.0
+        self.tm = self.lm = [1, 0, 0, 1, 0, 0]
+        self.resources, self.runs, self.depth, self.forms = resources, runs, depth, forms
+        self.fonts = self.xobjects = {}
+
+    def saved(self):
+        """What q saves and Q restores."""
+        return self.ctm, self.font, self.size, self.tc, self.tw, self.th, self.tl, self.rise
+
+    def restore(self, saved):
+        self.ctm, self.font, self.size, self.tc, self.tw, self.th, self.tl, self.rise = saved
+
+    def move(self, tx, ty):
+        """The next line, (tx, ty) from this line's start (Td, T*, ' and ")."""
+        lm = self.lm
+        self.lm = self.tm = [lm[0], lm[1], lm[2], lm[3], lm[4] + tx * lm[0] + ty * lm[2], lm[5] + tx * lm[1] + ty * lm[3]]
+
+
 class Pdf(PdfParser):
     """One PDF file's objects (`data`: its bytes): obj() parses at an offset, get() resolves a
     reference, stream() decodes a stream, pages() lists the page dictionaries with their
@@ -6763,14 +6792,12 @@ class Pdf(PdfParser):
     def run(self, data, resources, ctm, runs, depth, forms):
         """Interpret a content stream: each string shown becomes a run (x, y, end x, end y,
         size, text) in page space; form XObjects are run inside it."""
+        st = PdfText(ctm, resources, runs, depth, forms)
         fonts = self.get(resources.get("Font")) if isinstance(resources, dict) else None
-        fonts = fonts if isinstance(fonts, dict) else {}
+        st.fonts = fonts if isinstance(fonts, dict) else {}
         xobjects = self.get(resources.get("XObject")) if isinstance(resources, dict) else None
-        xobjects = xobjects if isinstance(xobjects, dict) else {}
-        stack = []
-        font, size, tc, tw, th, tl, rise = None, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0
-        tm = lm = [1, 0, 0, 1, 0, 0]
-        operands = []
+        st.xobjects = xobjects if isinstance(xobjects, dict) else {}
+        stack, operands = [], []
         pos, end = 0, len(data)
         match = PDF_TOKEN.match
         sub = PdfParser(data)
@@ -6796,107 +6823,108 @@ class Pdf(PdfParser):
                     operands = []
                 continue
             op, pos = m.group(kind), m.end()
+            if op == b"BI":                                   # an inline image: its data skipped
+                at = re.compile(rb"[\x00\t\n\x0c\r ]ID[\x00\t\n\x0c\r ]").search(data, pos)
+                stop = re.compile(rb"[\x00\t\n\x0c\r ]EI(?=[\x00\t\n\x0c\r ]|$)").search(data, at.end()) \
+                    if at else None
+                pos = stop.end() if stop else end
             try:
-                if op in (b"Tj", b"'", b'"', b"TJ"):
-                    if op == b"'" or op == b'"':
-                        if op == b'"' and len(operands) >= 3:
-                            tw, tc = operands[-3], operands[-2]
-                        lm = [lm[0], lm[1], lm[2], lm[3], lm[4] - tl * lm[2], lm[5] - tl * lm[3]]
-                        tm = lm
-                    if font is None or not operands:
-                        operands = []
-                        continue
-                    items = operands[-1] if op == b"TJ" else [operands[-1]]
-                    items = items if isinstance(items, list) else [items]
-                    for item in items:
-                        if isinstance(item, bytes):
-                            text, width, codes, spaces, missing = font.decode(item)
-                            self.unmapped += missing
-                            spacing = -tc if font.vertical else tc * th
-                            if spacing > 0.15 * abs(size * font.em) and len(text) > 1:
-                                text = " ".join(text)                   # letter-spaced: each one a word apart
-                            m0 = pdf_mul(tm, ctm)
-                            if font.vertical:                           # down a column: w1 x size + Tc + Tw
-                                advance = font.down * codes * size - tc * codes - tw * spaces
-                                x0, y0 = m0[4], m0[5]
-                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
-                            else:
-                                advance = (width * size + tc * codes + tw * spaces) * th
-                                x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
-                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
-                            m1 = pdf_mul(tm, ctm)
-                            scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
-                            if text:
-                                runs.append((x0, y0, m1[4] + (rise * m1[2] if not font.vertical else 0),
-                                             m1[5] + (rise * m1[3] if not font.vertical else 0),
-                                             abs(scale) or 1.0, text, font.vertical))
-                        elif isinstance(item, (int, float)):
-                            shift = -item / 1000.0 * size * th
-                            if font.vertical:                           # a positive number moves down
-                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[2] / th, tm[5] + shift * tm[3] / th]
-                            else:
-                                tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[0], tm[5] + shift * tm[1]]
-                elif op == b"Td" or op == b"TD":
-                    tx, ty = operands[-2], operands[-1]
-                    if op == b"TD":
-                        tl = -ty
-                    lm = [lm[0], lm[1], lm[2], lm[3], lm[4] + tx * lm[0] + ty * lm[2], lm[5] + tx * lm[1] + ty * lm[3]]
-                    tm = lm
-                elif op == b"Tm":
-                    lm = tm = [float(x) for x in operands[-6:]]
-                elif op == b"T*":
-                    lm = [lm[0], lm[1], lm[2], lm[3], lm[4] - tl * lm[2], lm[5] - tl * lm[3]]
-                    tm = lm
-                elif op == b"Tf":
-                    name, size = operands[-2], float(operands[-1])
-                    ref = fonts.get(name) if isinstance(name, str) else None
-                    font = self.font(ref) if ref is not None else None
-                elif op == b"BT":
-                    tm = lm = [1, 0, 0, 1, 0, 0]
-                elif op == b"cm":
-                    ctm = pdf_mul([float(x) for x in operands[-6:]], ctm)
-                elif op == b"q":
-                    if len(stack) < 1000:
-                        stack.append((ctm, font, size, tc, tw, th, tl, rise))
-                elif op == b"Q":
-                    if stack:
-                        ctm, font, size, tc, tw, th, tl, rise = stack.pop()
-                elif op == b"Tc":
-                    tc = float(operands[-1])
-                elif op == b"Tw":
-                    tw = float(operands[-1])
-                elif op == b"Tz":
-                    th = float(operands[-1]) / 100.0
-                elif op == b"TL":
-                    tl = float(operands[-1])
-                elif op == b"Ts":
-                    rise = float(operands[-1])
-                elif op == b"Do":
-                    ref = xobjects.get(operands[-1]) if isinstance(operands[-1], str) else None
-                    form = self.get(ref)
-                    if isinstance(form, PdfStream) and form.dict.get("Subtype") == "Form" and depth < 12 \
-                            and ref not in forms:
-                        matrix = form.dict.get("Matrix")
-                        matrix = [float(x) for x in matrix] if isinstance(matrix, list) and len(matrix) == 6 \
-                            else [1, 0, 0, 1, 0, 0]
-                        inner = self.get(form.dict.get("Resources"))
-                        try:
-                            body = self.decoded(form)
-                        except PdfError as e:
-                            if "inflate past" in str(e):
-                                raise
-                            body = b""
-                        self.run(body, inner if isinstance(inner, dict) else resources, pdf_mul(matrix, ctm), runs,
-                                 depth + 1, forms | {ref})
-                elif op == b"BI":
-                    at = re.compile(rb"[\x00\t\n\x0c\r ]ID[\x00\t\n\x0c\r ]").search(data, pos)
-                    stop = re.compile(rb"[\x00\t\n\x0c\r ]EI(?=[\x00\t\n\x0c\r ]|$)").search(data, at.end()) \
-                        if at else None
-                    pos = stop.end() if stop else end
+                self.operate(op, operands, st, stack)
             except (IndexError, TypeError, ValueError, ZeroDivisionError, OverflowError):
                 pass                                          # an operator with operands it cannot take
             operands = []
 
+    def operate(self, op, operands, st, stack):
+        """One operator of a content stream, on the state `st` (and `stack`, the states q saved)."""
+        if op in (b"Tj", b"'", b'"', b"TJ"):
+            self.show(op, operands, st)
+        elif op == b"Td" or op == b"TD":
+            tx, ty = operands[-2], operands[-1]
+            if op == b"TD":
+                st.tl = -ty
+            st.move(tx, ty)
+        elif op == b"Tm":
+            st.lm = st.tm = [float(x) for x in operands[-6:]]
+        elif op == b"T*":
+            st.move(0, -st.tl)
+        elif op == b"Tf":
+            name, st.size = operands[-2], float(operands[-1])
+            ref = st.fonts.get(name) if isinstance(name, str) else None
+            st.font = self.font(ref) if ref is not None else None
+        elif op == b"BT":
+            st.tm = st.lm = [1, 0, 0, 1, 0, 0]
+        elif op == b"cm":
+            st.ctm = pdf_mul([float(x) for x in operands[-6:]], st.ctm)
+        elif op == b"q":
+            if len(stack) < 1000:
+                stack.append(st.saved())
+        elif op == b"Q":
+            if stack:
+                st.restore(stack.pop())
+        elif op in PDF_TEXT_PARAMETERS:
+            setattr(st, PDF_TEXT_PARAMETERS[op], float(operands[-1]) / (100.0 if op == b"Tz" else 1.0))
+        elif op == b"Do":
+            self.form(st, operands[-1])
+
+    def show(self, op, operands, st):
+        """A text-showing operator (Tj, TJ, ' and "): its strings as runs in page space (and
+        TJ's numbers, which move the pen)."""
+        if op == b"'" or op == b'"':
+            if op == b'"' and len(operands) >= 3:
+                st.tw, st.tc = operands[-3], operands[-2]
+            st.move(0, -st.tl)
+        if st.font is None or not operands:
+            return
+        items = operands[-1] if op == b"TJ" else [operands[-1]]
+        font, size, tc, tw, th, rise, ctm = st.font, st.size, st.tc, st.tw, st.th, st.rise, st.ctm
+        for item in items if isinstance(items, list) else [items]:
+            tm = st.tm
+            if isinstance(item, bytes):
+                text, width, codes, spaces, missing = font.decode(item)
+                self.unmapped += missing
+                spacing = -tc if font.vertical else tc * th
+                if spacing > 0.15 * abs(size * font.em) and len(text) > 1:
+                    text = " ".join(text)                   # letter-spaced: each one a word apart
+                m0 = pdf_mul(tm, ctm)
+                if font.vertical:                           # down a column: w1 x size + Tc + Tw
+                    advance = font.down * codes * size - tc * codes - tw * spaces
+                    x0, y0 = m0[4], m0[5]
+                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
+                else:
+                    advance = (width * size + tc * codes + tw * spaces) * th
+                    x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
+                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
+                m1 = pdf_mul(st.tm, ctm)
+                scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
+                if text:
+                    st.runs.append((x0, y0, m1[4] + (rise * m1[2] if not font.vertical else 0),
+                                    m1[5] + (rise * m1[3] if not font.vertical else 0),
+                                    abs(scale) or 1.0, text, font.vertical))
+            elif isinstance(item, (int, float)):
+                shift = -item / 1000.0 * size * th
+                if font.vertical:                           # a positive number moves down
+                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[2] / th, tm[5] + shift * tm[3] / th]
+                else:
+                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[0], tm[5] + shift * tm[1]]
+
+    def form(self, st, name):
+        """Do: a form XObject's content run inside the page (12 deep at most, none inside itself)."""
+        ref = st.xobjects.get(name) if isinstance(name, str) else None
+        form = self.get(ref)
+        if isinstance(form, PdfStream) and form.dict.get("Subtype") == "Form" and st.depth < 12 \
+                and ref not in st.forms:
+            matrix = form.dict.get("Matrix")
+            matrix = [float(x) for x in matrix] if isinstance(matrix, list) and len(matrix) == 6 \
+                else [1, 0, 0, 1, 0, 0]
+            inner = self.get(form.dict.get("Resources"))
+            try:
+                body = self.decoded(form)
+            except PdfError as e:
+                if "inflate past" in str(e):
+                    raise
+                body = b""
+            self.run(body, inner if isinstance(inner, dict) else st.resources, pdf_mul(matrix, st.ctm), st.runs,
+                     st.depth + 1, st.forms | {ref})
 
 def pdf_job(job, emit):
     """A helper's side of view: [{count, title, texts of pages first..last}] of the file
