@@ -5366,21 +5366,8 @@ def pdf_sfnt(data):
             tables[tag] = offset
     except struct.error:
         return texts
-    mapped, post = {}, tables.get(b"post")
-    try:
-        if post is not None and struct.unpack_from(">I", data, post)[0] == 0x20000:
-            names = struct.unpack_from(">%dH" % struct.unpack_from(">H", data, post + 32)[0], data, post + 34)
-            custom, at = [], post + 34 + 2 * len(names)
-            while at < len(data) and len(custom) < 65536:
-                custom.append(data[at + 1:at + 1 + data[at]].decode("latin-1"))
-                at += 1 + data[at]
-            for gid, index in enumerate(names):              # glyph names: Mac's standard 258, then its own
-                if 3 <= index < 258:
-                    texts[gid] = pdf_mac_glyph(index)
-                elif 258 <= index < 258 + len(custom) and pdf_glyph(custom[index - 258]):
-                    texts[gid] = pdf_glyph(custom[index - 258])
-    except struct.error:
-        pass                                                  # names read before the damage stay
+    if tables.get(b"post") is not None:
+        pdf_sfnt_names(data, tables[b"post"], texts)
     try:
         base = tables.get(b"cmap")
         if base is None:
@@ -5393,47 +5380,74 @@ def pdf_sfnt(data):
                 subtables.append((rank, base + offset))
     except struct.error:
         return texts
+    mapped = {}
     for _, at in sorted(subtables):
-        table = {}
-        try:
-            fmt = struct.unpack_from(">H", data, at)[0]
-            if fmt == 0:
-                table = dict(enumerate(data[at + 6:at + 262]))
-            elif fmt == 4:
-                segs = struct.unpack_from(">H", data, at + 6)[0] // 2
-                ends = struct.unpack_from(">%dH" % segs, data, at + 14)
-                starts = struct.unpack_from(">%dH" % segs, data, at + 16 + 2 * segs)
-                deltas = struct.unpack_from(">%dH" % segs, data, at + 16 + 4 * segs)
-                ranges_at = at + 16 + 6 * segs
-                ranges = struct.unpack_from(">%dH" % segs, data, ranges_at)
-                for k in range(segs):
-                    for code in range(starts[k], min(ends[k], 0xfffe) + 1):
-                        if ranges[k] == 0:
-                            gid = (code + deltas[k]) & 0xffff
-                        else:
-                            spot = ranges_at + 2 * k + ranges[k] + 2 * (code - starts[k])
-                            gid = struct.unpack_from(">H", data, spot)[0] if spot + 2 <= len(data) else 0
-                            gid = (gid + deltas[k]) & 0xffff if gid else 0
-                        if gid:
-                            table[code] = gid
-            elif fmt == 6:
-                first, n = struct.unpack_from(">HH", data, at + 6)
-                table = dict((first + k, g) for k, g in enumerate(struct.unpack_from(">%dH" % n, data, at + 10)))
-            elif fmt == 12:
-                n = struct.unpack_from(">I", data, at + 12)[0]
-                for k in range(min(n, 65536)):
-                    lo, hi, gid = struct.unpack_from(">III", data, at + 16 + 12 * k)
-                    for code in range(lo, min(hi, lo + PDF_CMAP_MAX - len(table)) + 1):
-                        table[code] = gid + code - lo
-                    if len(table) >= PDF_CMAP_MAX:
-                        break
-        except struct.error:
-            pass                                              # what was read before the damage stays
-        for code, gid in sorted(table.items()):               # the best map's lowest code for a glyph
+        for code, gid in sorted(pdf_sfnt_subtable(data, at).items()):   # the best map's lowest code for a glyph
             if 0 < code < 0xd800 or 0xe000 <= code < 0x110000:
                 mapped.setdefault(gid, chr(code))
     texts.update(mapped)                                      # a character map over glyph names
     return texts
+
+
+def pdf_sfnt_names(data, post, texts):
+    """The glyph names of a TrueType font's post table (version 2, at `post`) into `texts`
+    {glyph: text}: Mac's standard 258, then the font's own; those before any damage."""
+    try:
+        if struct.unpack_from(">I", data, post)[0] != 0x20000:
+            return
+        names = struct.unpack_from(">%dH" % struct.unpack_from(">H", data, post + 32)[0], data, post + 34)
+        custom, at = [], post + 34 + 2 * len(names)
+        while at < len(data) and len(custom) < 65536:
+            custom.append(data[at + 1:at + 1 + data[at]].decode("latin-1"))
+            at += 1 + data[at]
+        for gid, index in enumerate(names):
+            if 3 <= index < 258:
+                texts[gid] = pdf_mac_glyph(index)
+            elif 258 <= index < 258 + len(custom) and pdf_glyph(custom[index - 258]):
+                texts[gid] = pdf_glyph(custom[index - 258])
+    except struct.error:
+        pass                                                  # names read before the damage stay
+
+
+def pdf_sfnt_subtable(data, at):
+    """{code: glyph} of the cmap subtable at `at` (formats 0, 4, 6 and 12; what was read
+    before any damage)."""
+    table = {}
+    try:
+        fmt = struct.unpack_from(">H", data, at)[0]
+        if fmt == 0:
+            table = dict(enumerate(data[at + 6:at + 262]))
+        elif fmt == 4:
+            segs = struct.unpack_from(">H", data, at + 6)[0] // 2
+            ends = struct.unpack_from(">%dH" % segs, data, at + 14)
+            starts = struct.unpack_from(">%dH" % segs, data, at + 16 + 2 * segs)
+            deltas = struct.unpack_from(">%dH" % segs, data, at + 16 + 4 * segs)
+            ranges_at = at + 16 + 6 * segs
+            ranges = struct.unpack_from(">%dH" % segs, data, ranges_at)
+            for k in range(segs):
+                for code in range(starts[k], min(ends[k], 0xfffe) + 1):
+                    if ranges[k] == 0:
+                        gid = (code + deltas[k]) & 0xffff
+                    else:
+                        spot = ranges_at + 2 * k + ranges[k] + 2 * (code - starts[k])
+                        gid = struct.unpack_from(">H", data, spot)[0] if spot + 2 <= len(data) else 0
+                        gid = (gid + deltas[k]) & 0xffff if gid else 0
+                    if gid:
+                        table[code] = gid
+        elif fmt == 6:
+            first, n = struct.unpack_from(">HH", data, at + 6)
+            table = dict((first + k, g) for k, g in enumerate(struct.unpack_from(">%dH" % n, data, at + 10)))
+        elif fmt == 12:
+            n = struct.unpack_from(">I", data, at + 12)[0]
+            for k in range(min(n, 65536)):
+                lo, hi, gid = struct.unpack_from(">III", data, at + 16 + 12 * k)
+                for code in range(lo, min(hi, lo + PDF_CMAP_MAX - len(table)) + 1):
+                    table[code] = gid + code - lo
+                if len(table) >= PDF_CMAP_MAX:
+                    break
+    except struct.error:
+        pass                                                  # what was read before the damage stays
+    return table
 
 
 def pdf_mac_glyph(index):
@@ -5991,47 +6005,63 @@ def pdf_cmap(data):
         pos = m.end()
         if word in (b"begincodespacerange", b"beginbfchar", b"beginbfrange", b"begincidrange", b"begincidchar"):
             mode, tokens = word, []
-        elif word in (b"endcidrange", b"endcidchar"):             # (in a ToUnicode: the numbers are characters)
-            step = 3 if word == b"endcidrange" else 2
-            for j in range(0, len(tokens) - step + 1, step):
-                lo, hi, first = tokens[j], tokens[j + step - 2], tokens[j + step - 1]
-                if isinstance(lo, bytes) and isinstance(hi, bytes) and isinstance(first, int) and len(lo) == len(hi):
-                    a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
-                    for k in range(min(b - a + 1, PDF_CMAP_MAX - len(out))):
-                        if 0 < first + k < 0xd800 or 0xe000 <= first + k < 0x110000:
-                            out.setdefault((a + k).to_bytes(len(lo), "big"), chr(first + k))
-            mode = None
-        elif word == b"endcodespacerange":
-            for lo, hi in zip(tokens[0::2], tokens[1::2]):
-                if isinstance(lo, bytes) and isinstance(hi, bytes) and len(lo) == len(hi) and 0 < len(lo) <= 4:
-                    spans.append((len(lo), lo, hi))
-            mode = None
-        elif word == b"endbfchar":
-            for src, dst in zip(tokens[0::2], tokens[1::2]):
-                if isinstance(src, bytes):
-                    out[src] = pdf_unicode(dst)
-            mode = None
-        elif word == b"endbfrange":
-            for j in range(0, len(tokens) - 2, 3):
-                lo, hi, dst = tokens[j:j + 3]
-                if not isinstance(lo, bytes) or not isinstance(hi, bytes) or len(lo) != len(hi) or not lo:
-                    continue
-                a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
-                if b < a or b - a > PDF_CMAP_MAX - len(out):
-                    continue
-                for k in range(b - a + 1):
-                    src = (a + k).to_bytes(len(lo), "big")
-                    if isinstance(dst, list):
-                        if k < len(dst):
-                            out[src] = pdf_unicode(dst[k])
-                    elif isinstance(dst, bytes) and dst:
-                        v = int.from_bytes(dst, "big") + k
-                        out[src] = pdf_unicode(v.to_bytes(len(dst), "big") if v < 1 << (8 * len(dst)) else b"")
+        elif word in PDF_CMAP_SECTIONS:
+            PDF_CMAP_SECTIONS[word](tokens, out, spans)
             mode = None
         if mode is None:
             tokens = []
     spans.sort(key=lambda s: s[0])
     return out, spans
+
+
+def pdf_cid_ranges(tokens, out, step):
+    """A cidrange (step 3: lo hi first) or cidchar (step 2: code first) section into `out`
+    (in a ToUnicode, the numbers are characters)."""
+    for j in range(0, len(tokens) - step + 1, step):
+        lo, hi, first = tokens[j], tokens[j + step - 2], tokens[j + step - 1]
+        if isinstance(lo, bytes) and isinstance(hi, bytes) and isinstance(first, int) and len(lo) == len(hi):
+            a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
+            for k in range(min(b - a + 1, PDF_CMAP_MAX - len(out))):
+                if 0 < first + k < 0xd800 or 0xe000 <= first + k < 0x110000:
+                    out.setdefault((a + k).to_bytes(len(lo), "big"), chr(first + k))
+
+
+def pdf_codespace(tokens, out, spans):
+    """A codespacerange section (lo hi pairs) into `spans`."""
+    for lo, hi in zip(tokens[0::2], tokens[1::2]):
+        if isinstance(lo, bytes) and isinstance(hi, bytes) and len(lo) == len(hi) and 0 < len(lo) <= 4:
+            spans.append((len(lo), lo, hi))
+
+
+def pdf_bfchar(tokens, out, spans):
+    """A bfchar section (code text pairs) into `out`."""
+    for src, dst in zip(tokens[0::2], tokens[1::2]):
+        if isinstance(src, bytes):
+            out[src] = pdf_unicode(dst)
+
+
+def pdf_bfrange(tokens, out, spans):
+    """A bfrange section (lo hi first text, or lo hi [texts]) into `out`, bounded."""
+    for j in range(0, len(tokens) - 2, 3):
+        lo, hi, dst = tokens[j:j + 3]
+        if not isinstance(lo, bytes) or not isinstance(hi, bytes) or len(lo) != len(hi) or not lo:
+            continue
+        a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
+        if b < a or b - a > PDF_CMAP_MAX - len(out):
+            continue
+        for k in range(b - a + 1):
+            src = (a + k).to_bytes(len(lo), "big")
+            if isinstance(dst, list):
+                if k < len(dst):
+                    out[src] = pdf_unicode(dst[k])
+            elif isinstance(dst, bytes) and dst:
+                v = int.from_bytes(dst, "big") + k
+                out[src] = pdf_unicode(v.to_bytes(len(dst), "big") if v < 1 << (8 * len(dst)) else b"")
+
+
+PDF_CMAP_SECTIONS = {b"endcidrange": lambda tokens, out, spans: pdf_cid_ranges(tokens, out, 3),
+                     b"endcidchar": lambda tokens, out, spans: pdf_cid_ranges(tokens, out, 2),
+                     b"endcodespacerange": pdf_codespace, b"endbfchar": pdf_bfchar, b"endbfrange": pdf_bfrange}
 
 
 def pdf_unicode(dst):
@@ -6171,7 +6201,6 @@ class PdfCrypt(object):
     AES-128, AES-256; revisions 2 to 6): decrypt() the strings and streams of an object."""
 
     def __init__(self, pdf, d):
-        import hashlib
         if not isinstance(d, dict) or d.get("Filter") != "Standard":
             raise PdfError("encrypted with a security handler other than the standard one: it is not read")
         get = pdf.get
@@ -6185,17 +6214,25 @@ class PdfCrypt(object):
             self.aes = method in ("AESV2", "AESV3")
             self.identity = get(d.get("StmF")) == "Identity" or method == "None"
         if r >= 5:
-            if len(u) < 48:
-                raise PdfError("a damaged encryption dictionary (/U)")
-            if pdf_r6_hash(b"", u[32:40], r) == u[:32]:
-                self.key = PdfAes(pdf_r6_hash(b"", u[40:48], r)).decrypt_cbc(bytes(16), (get(d.get("UE")) or b"")[:32])
-            elif len(o) >= 48 and pdf_r6_hash(b"", o[32:40], r, u[:48]) == o[:32]:     # an empty owner password
-                self.key = PdfAes(pdf_r6_hash(b"", o[40:48], r, u[:48])).decrypt_cbc(bytes(16),
-                                                                                    (get(d.get("OE")) or b"")[:32])
-            else:
-                raise PdfError("encrypted with a password: it is not read (only an empty password is tried)")
-            self.aes = True
-            return
+            self.key, self.aes = self.aes256_key(get, d, r, o, u), True
+        else:
+            self.key = self.md5_key(pdf, d, r, o, u)
+
+    @staticmethod
+    def aes256_key(get, d, r, o, u):
+        """The file key of revisions 5 and 6 (AES-256), by the empty user or owner password."""
+        if len(u) < 48:
+            raise PdfError("a damaged encryption dictionary (/U)")
+        if pdf_r6_hash(b"", u[32:40], r) == u[:32]:
+            return PdfAes(pdf_r6_hash(b"", u[40:48], r)).decrypt_cbc(bytes(16), (get(d.get("UE")) or b"")[:32])
+        if len(o) >= 48 and pdf_r6_hash(b"", o[32:40], r, u[:48]) == o[:32]:     # an empty owner password
+            return PdfAes(pdf_r6_hash(b"", o[40:48], r, u[:48])).decrypt_cbc(bytes(16), (get(d.get("OE")) or b"")[:32])
+        raise PdfError("encrypted with a password: it is not read (only an empty password is tried)")
+
+    def md5_key(self, pdf, d, r, o, u):
+        """The file key of revisions 2 to 4 (RC4, AES-128), by the empty user or owner password."""
+        import hashlib
+        get = pdf.get
         ids = get(pdf.trailer.get("ID"))
         first = get(ids[0]) if isinstance(ids, list) and ids and isinstance(get(ids[0]), bytes) else b""
         p = get(d.get("P")) or 0
@@ -6228,7 +6265,7 @@ class PdfCrypt(object):
             key = user(secret)
         if key is None:
             raise PdfError("encrypted with a password: it is not read (only an empty password is tried)")
-        self.key = key
+        return key
 
     def object_key(self, ref):
         import hashlib
