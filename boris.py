@@ -5537,36 +5537,34 @@ class PdfParser(object):
                 if close < 0:
                     raise PdfError("an unterminated hex string")
                 return pdf_hex(data[end:close]), close + 1
-            if what == b"[":
-                items, pos = [], end
-                while True:
-                    m = PDF_TOKEN.match(data, pos)
-                    if m is None:
-                        raise PdfError("an unterminated array")
-                    if m.lastgroup == "close":
-                        return items, m.end()
-                    value, pos = self.obj(pos, depth + 1)
-                    items.append(value)
-            if what == b"<<":
-                d, pos = {}, end
-                while True:
-                    m = PDF_TOKEN.match(data, pos)
-                    if m is None:
-                        raise PdfError("an unterminated dictionary")
-                    if m.lastgroup == "close":
-                        return d, m.end()
-                    key, pos = self.obj(pos, depth + 1)
-                    m = PDF_TOKEN.match(data, pos)
-                    if m is not None and m.lastgroup == "close":
-                        return d, m.end()
-                    value, pos = self.obj(pos, depth + 1)
-                    if isinstance(key, PdfName):
-                        d[str(key)] = value
+            if what == b"[" or what == b"<<":
+                return self.container(what == b"<<", end, depth)
             return None, end                                   # '{' of a PostScript function: not text
         if kind == "word":
             word = m.group(kind)
             return (True if word == b"true" else False if word == b"false" else None), end
         return None, end                                       # a stray closing bracket
+
+    def container(self, is_dict, pos, depth):
+        """(an array, or a dictionary when `is_dict`, the offset after it) from just after
+        its opening bracket."""
+        data, items, d = self.data, [], {}
+        while True:
+            m = PDF_TOKEN.match(data, pos)
+            if m is None:
+                raise PdfError("an unterminated %s" % ("dictionary" if is_dict else "array"))
+            if m.lastgroup == "close":
+                return (d if is_dict else items), m.end()
+            value, pos = self.obj(pos, depth + 1)
+            if not is_dict:
+                items.append(value)
+                continue
+            m = PDF_TOKEN.match(data, pos)
+            if m is not None and m.lastgroup == "close":
+                return d, m.end()
+            key, (value, pos) = value, self.obj(pos, depth + 1)
+            if isinstance(key, PdfName):
+                d[str(key)] = value
 
     def literal(self, pos):
         """(a literal string's bytes, the offset after it) from just after its '('."""
@@ -5945,47 +5943,53 @@ class PdfFont(object):
         known = self.memo.get(s)
         if known is not None:
             return known
-        uni, widths, default = self.uni, self.widths, self.default
-        if not self.composite:
-            parts = [uni.get(s[i:i + 1], chr(s[i]) if 32 <= s[i] < 127 and not uni or s[i] == 32 else "")
-                     for i in range(len(s))]                  # (code 32 with no glyph name: still a space)
-            width = sum(widths.get(b, default) for b in s)
-            missing = sum(1 for i, t in enumerate(parts) if not t and (s[i] >= 32 or self.low))
-            out = ("".join(t or (" " if widths.get(s[i], 0) > 0 else "") for i, t in enumerate(parts)),
-                   width, len(s), s.count(32), missing)        # (a glyph with no text, a width of its own: parts words)
-        elif self.codec is not None:
-            text = (b"\x1b$B" + s + b"\x1b(B").decode("iso2022_jp", "replace") if self.codec == "jis" else \
-                s.decode(self.codec, "replace")
-            missing = text.count("\ufffd")
-            text = text.replace("\ufffd", "")
-            out = (text, default * len(text), len(text), text.count(" "), missing)
-        else:
-            parts, width, codes, i, missing = [], 0.0, 0, 0, 0
-            spans = self.spans
-            while i < len(s):
-                n = 0
-                for size, lo, hi in spans:
-                    c = s[i:i + size]
-                    if len(c) == size and all(lo[k] <= c[k] <= hi[k] for k in range(size)):
-                        n = size
-                        break
-                n = n or (2 if len(s) - i >= 2 else 1)
-                c = s[i:i + n]
-                i += n
-                codes += 1
-                t, w = uni.get(c), widths.get(int.from_bytes(c, "big"), default)
-                if t is None and n == 1:
-                    t = uni.get(b"\x00" + c)                   # a one-byte code, ToUnicode's keys two bytes
-                if t is None:
-                    missing += 1
-                parts.append(t or (" " if w > 0 else ""))       # (a glyph with no text still parts words)
-                width += w
-            text = "".join(parts)
-            out = (text, width, codes, s.count(32) if all(n == 1 for n, _, _ in spans) else 0, missing)
+        out = self.simple_codes(s) if not self.composite else self.codec_codes(s) if self.codec is not None else \
+            self.cid_codes(s)
         if len(self.memo) < 100000:
             self.memo[s] = out
         return out
 
+    def simple_codes(self, s):
+        """decode() in a simple font: a byte a code."""
+        uni, widths, default = self.uni, self.widths, self.default
+        parts = [uni.get(s[i:i + 1], chr(s[i]) if 32 <= s[i] < 127 and not uni or s[i] == 32 else "")
+                 for i in range(len(s))]                      # (code 32 with no glyph name: still a space)
+        width = sum(widths.get(b, default) for b in s)
+        missing = sum(1 for i, t in enumerate(parts) if not t and (s[i] >= 32 or self.low))
+        return ("".join(t or (" " if widths.get(s[i], 0) > 0 else "") for i, t in enumerate(parts)),
+                width, len(s), s.count(32), missing)           # (a glyph with no text, a width of its own: parts words)
+
+    def codec_codes(self, s):
+        """decode() in a composite font whose codes are a CJK encoding Python has a codec for."""
+        text = (b"\x1b$B" + s + b"\x1b(B").decode("iso2022_jp", "replace") if self.codec == "jis" else \
+            s.decode(self.codec, "replace")
+        missing = text.count("\ufffd")
+        text = text.replace("\ufffd", "")
+        return text, self.default * len(text), len(text), text.count(" "), missing
+
+    def cid_codes(self, s):
+        """decode() in a composite font: codes split by the codespace, mapped by ToUnicode."""
+        uni, widths, default, spans = self.uni, self.widths, self.default, self.spans
+        parts, width, codes, i, missing = [], 0.0, 0, 0, 0
+        while i < len(s):
+            n = 0
+            for size, lo, hi in spans:
+                c = s[i:i + size]
+                if len(c) == size and all(lo[k] <= c[k] <= hi[k] for k in range(size)):
+                    n = size
+                    break
+            n = n or (2 if len(s) - i >= 2 else 1)
+            c = s[i:i + n]
+            i += n
+            codes += 1
+            t, w = uni.get(c), widths.get(int.from_bytes(c, "big"), default)
+            if t is None and n == 1:
+                t = uni.get(b"\x00" + c)                       # a one-byte code, ToUnicode's keys two bytes
+            if t is None:
+                missing += 1
+            parts.append(t or (" " if w > 0 else ""))           # (a glyph with no text still parts words)
+            width += w
+        return "".join(parts), width, codes, s.count(32) if all(n == 1 for n, _, _ in spans) else 0, missing
 
 def pdf_cmap(data):
     """({code bytes: text}, codespace [(bytes, lo, hi)]) of a CMap (ToUnicode's bfchar and
@@ -6786,6 +6790,30 @@ class Pdf(PdfParser):
         counts the characters its fonts give no text for."""
         runs, self.unmapped = [], 0
         self.run(self.content(page), resources, [1, 0, 0, 1, 0, 0], runs, 0, set())
+        self.annotations(page, runs)
+        text = pdf_lines(runs)
+        if self.unmapped:
+            text += "\n[not shown: %d character%s whose font carries no map to text]" % (
+                self.unmapped, "" if self.unmapped == 1 else "s")
+        return text.strip("\n")
+
+    def field_value(self, annot, normal):
+        """(the field type, the value) of a form field's widget `annot` (both inherited from its
+        parents), or of a FreeText note without an appearance (`normal`)."""
+        field, kind, value = annot, None, None
+        for _ in range(PDF_DEPTH_MAX):
+            kind = kind or self.get(field.get("FT"))
+            value = value if value is not None else self.get(field.get("V"))
+            field = self.get(field.get("Parent"))
+            if not isinstance(field, dict):
+                break
+        if annot.get("Subtype") == "FreeText" and not isinstance(normal, PdfStream):
+            value, kind = self.get(annot.get("Contents")), "Tx"
+        return kind, value
+
+    def annotations(self, page, runs):
+        """A page's annotations as drawn (their appearance streams), and a form field's text
+        value where it has no appearance or the form asks for new ones, into `runs`."""
         annots = self.get(page.get("Annots"))
         acroform = self.get(self.get(self.trailer.get("Root") or {}).get("AcroForm"))
         regenerate = isinstance(acroform, dict) and self.get(acroform.get("NeedAppearances")) is True
@@ -6803,15 +6831,7 @@ class Pdf(PdfParser):
                     min(float(self.get(rect[1])), float(self.get(rect[3])))
             except (TypeError, ValueError, IndexError, KeyError):
                 continue
-            field, kind, value = annot, None, None            # a text field's value, its type inherited
-            for _ in range(PDF_DEPTH_MAX):
-                kind = kind or self.get(field.get("FT"))
-                value = value if value is not None else self.get(field.get("V"))
-                field = self.get(field.get("Parent"))
-                if not isinstance(field, dict):
-                    break
-            if annot.get("Subtype") == "FreeText" and not isinstance(normal, PdfStream):
-                value, kind = self.get(annot.get("Contents")), "Tx"
+            kind, value = self.field_value(annot, normal)
             if kind in ("Tx", "Ch") and isinstance(value, bytes) and (regenerate or not isinstance(normal, PdfStream)):
                 da = self.get(annot.get("DA"))
                 size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", da) if isinstance(da, bytes) else None
@@ -6820,11 +6840,6 @@ class Pdf(PdfParser):
                     runs.append((x, y - k * size, x + 0.5 * size * len(line), y - k * size, size, line, False))
             elif isinstance(normal, PdfStream):
                 self.run(b"/ap Do", {"XObject": {"ap": normal}}, [1, 0, 0, 1, x, y], runs, 0, set())
-        text = pdf_lines(runs)
-        if self.unmapped:
-            text += "\n[not shown: %d character%s whose font carries no map to text]" % (
-                self.unmapped, "" if self.unmapped == 1 else "s")
-        return text.strip("\n")
 
     def run(self, data, resources, ctm, runs, depth, forms):
         """Interpret a content stream: each string shown becomes a run (x, y, end x, end y,
