@@ -3786,7 +3786,7 @@ class Walker(object):
         if self.name_key is not None and self.remember:
             key = (real, path, depth, self.use_ignore, self.follow_links, self.want_dirs, self.name_key,
                    self.max_depth, self.policy.key)
-            known = self.recall(key, path, real, ign, depth, ino)
+            known = self.recall(key, ign, ino)
             if known is not None:
                 return known
         fd, entries, st = self.scan(real, ino)
@@ -3846,8 +3846,9 @@ class Walker(object):
             self.cache.watches.clean[real] = (st.st_mtime_ns, st.st_ctime_ns)     # (as remember() marks it)
         return found, subdirs
 
-    def recall(self, key, path, real, ign, depth, ino):
+    def recall(self, key, ign, ino):
         """visit()'s answer from the cache, when it remembers the directory unchanged; else None."""
+        real, path, depth = key[:3]
         known = self.cache.listing(key, real, ino, ign, lambda names: self.rules(path, names, ign))
         if known is None:
             return None
@@ -9300,8 +9301,10 @@ def sweep_stores():
                     break
                 except OSError:
                     continue
-            if fd is None and time.time() - st.st_mtime < STORE_MAKING_S:
-                continue                               # being made right now: its lock comes next
+            if (fd is None or lock == "lock.new") and time.time() - st.st_mtime < STORE_MAKING_S:
+                if fd is not None:
+                    os.close(fd)
+                continue                               # being made right now (lock.new is locked next)
             try:
                 if fd is not None:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

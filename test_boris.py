@@ -4803,7 +4803,7 @@ class TestRewind(NoViewBase):
                 self.commit()
                 os.utime(os.path.join(self.root, ".git", "index"), (time.time() + 5,) * 2)   # (no entry racy)
             points = self.points()
-            self.addCleanup(points.close)
+            self.addCleanup(points.close)                  # (closed below too: one store open at a time)
             copies = {}
             for _ in range(rng.randint(1, 4)):
                 point = take(points)
@@ -9351,20 +9351,23 @@ class TestStoresKilledWhileMade(unittest.TestCase):
         temp = os.path.realpath(tempfile.mkdtemp(prefix="boris-sweep-"))
         self.addCleanup(shutil.rmtree, temp, True)
         made = {}
-        for name in ("dead-new", "live-new", "old-empty", "young-empty"):
+        for name in ("dead-new", "live-new", "young-new", "old-empty", "young-empty"):
             made[name] = os.path.join(temp, boris.CHECKPOINT_PREFIX + name)
             os.mkdir(made[name], 0o700)
-        for name in ("dead-new", "live-new"):
+        for name in ("dead-new", "live-new", "young-new"):
             with open(os.path.join(made[name], "lock.new"), "w"):
                 pass
         held = os.open(os.path.join(made["live-new"], "lock.new"), os.O_RDONLY)
         self.addCleanup(os.close, held)
         fcntl.flock(held, fcntl.LOCK_EX)
-        os.utime(made["old-empty"], (time.time() - 2 * boris.STORE_MAKING_S,) * 2)
+        for name in ("dead-new", "live-new", "old-empty"):
+            os.utime(made[name], (time.time() - 2 * boris.STORE_MAKING_S,) * 2)
+        # young-new: a server is between making lock.new and locking it (another server's start
+        # sweeping then once took the store it was making)
         with mock.patch.object(tempfile, "tempdir", temp), mock.patch.dict(os.environ, {"XDG_CACHE_HOME": temp}), \
                 mock.patch.object(boris, "log"):
             boris.sweep_stores().join(10)
-        self.assertEqual(sorted(n for n in made if os.path.exists(made[n])), ["live-new", "young-empty"])
+        self.assertEqual(sorted(n for n in made if os.path.exists(made[n])), ["live-new", "young-empty", "young-new"])
 
 
 class TestStdioProtocol(StdioBase):
