@@ -11465,6 +11465,15 @@ class EditMerge(object):
         self.align = self.aligned()
         pairs = [(want[w], self.plain[r]) for w, r in enumerate(self.align) if r is not None]
         self.mapping = indent_map([a for a, _ in pairs], [b for _, b in pairs])
+        self.read_indentation(pairs, file_step)
+        self.columns = self.aligned_columns(pairs) if level >= BLANK_LEVEL - 1 else {}
+        self.tail = self.file_tail()
+
+    def read_indentation(self, pairs, file_step):
+        """How old_str's indentation stands for the file's at this place, from the (old_str
+        line, file line) `pairs`: `known` (each of old_str's indentations that maps to one of
+        the file's), `as_is` (the model wrote the file's own), `indent_chars`, and `off` (the
+        indentations that differ)."""
         images = {}
         for a, b in pairs:
             if a.strip() and b.strip():
@@ -11479,13 +11488,15 @@ class EditMerge(object):
         if self.as_is:                          # the line that is off is the slip, not a level to follow
             self.known = dict((a, b) for a, b in self.known.items() if a == b)
         self.off = set(leading(a) for a, b in pairs if a.strip() and b.strip() and leading(a) != leading(b))
-        self.columns = self.aligned_columns(pairs) if level >= BLANK_LEVEL - 1 else {}
-        # The file's trailing whitespace is a convention (markdown's hard breaks, a file padded
-        # throughout) when old_str sent none and most lines of the place, two at least, end in it.
+
+    def file_tail(self):
+        """The trailing whitespace new lines get: the file's, where it is a convention here
+        (markdown's hard breaks, a file padded throughout: most lines of the place, two at
+        least, end in it) and old_str sent none; else none."""
         ends = Counter(trailing(f) for f in self.plain if f.strip())
         tail, n = max(ends.items(), key=lambda e: e[1]) if ends else ("", 0)
-        self.tail = tail if tail and n >= 2 and 2 * n > sum(ends.values()) and \
-            not any(trailing(w) for w in want if w.strip()) else ""
+        return tail if tail and n >= 2 and 2 * n > sum(ends.values()) and \
+            not any(trailing(w) for w in self.want if w.strip()) else ""
 
     def aligned(self):
         """For each line of want, the index of the region line it stands for (None: a
