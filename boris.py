@@ -59,9 +59,9 @@ server (or a helper's main) makes and passes down, but for these, each saying wh
 it is defined (TestTheFilesMap keeps the list true):
 
 Module-level objects that change after the file has loaded: _log_state (the log's level
-and format), _children (the process's children and its reaper), _memmem (the C library's
-memmem, found once), PDF_NAMES (glyph names, read at first use) and PdfAes.tables (AES's
-tables, made at first use); TOOLS is filled while the file loads.
+and format), _children (the process's children and its reaper), PDF_NAMES (glyph names,
+read at first use) and PdfAes.tables (AES's tables, made at first use); TOOLS is filled
+while the file loads.
 
 License: MIT.
 """
@@ -3122,7 +3122,6 @@ SEARCH_BATCH = 1000                        # results a helper sends at a time
 SEARCH_IDLE_HELPERS = 2                    # search helpers kept warm for the next search
 DEADLINE_GRACE_S = 2.0                     # a helper past its job's deadline by this much ends itself
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
-FIND_C_MIN = 1 << 16                   # a literal is looked for by memmem in spans this long
 GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
 IGNORE_CACHE_FILES = 4096              # ignore files a helper keeps compiled (unchanged ones are not re-read)
 LISTING_CACHE_ENTRIES = 100000         # entries of directory visits a helper keeps (~25 MB at most)
@@ -3952,55 +3951,8 @@ REGEX_HINTS = ((r"\\p\{L\}|\\pL", r"[^\W\d_]"), (r"\\p\{N\}|\\pN|\\p\{Nd\}", r"\
                (r"\\[<>]", r"\b"), (r"\(\?<[a-zA-Z]", r"(?P<name>...)"), (r"\\h", r"[ \t]"))
 
 
-def memmem():
-    """The C library's memmem through ctypes (once), or None where there is none: on source
-    files it finds a literal at twice bytearray.find's speed, the ctypes call included."""
-    if "memmem" not in _memmem:
-        try:
-            ctypes, libc = _libc()
-            fn = libc.memmem
-            fn.restype = ctypes.c_void_p
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
-            _memmem.update(memmem=fn, ctypes=ctypes)
-        except (OSError, AttributeError, ImportError):
-            _memmem["memmem"] = None
-    return _memmem["memmem"]
-
-
-_memmem = {}
-
-
-def finder(buf):
-    """contains(n, needle): whether `needle` (bytes, not empty) occurs in buf[:n], for a
-    bytearray that is never resized again (it is pinned: resizing it raises BufferError);
-    memmem(), or bytearray.find where there is none."""
-    fn = memmem()
-    if fn is None:
-        return lambda n, needle: buf.find(needle, 0, n) >= 0
-    ctypes = _memmem["ctypes"]
-    pinned = (ctypes.c_char * len(buf)).from_buffer(buf)
-    at = ctypes.addressof(pinned)
-
-    def contains(n, needle, _pinned=pinned):      # (_pinned: the buffer stays pinned while this lives)
-        return fn(at, n, needle, len(needle)) is not None
-    return contains
-
-
-def find_bytes(hay, needle, pos, end):
-    """hay.find(needle, pos, end), by memmem() when hay is a bytearray and the span is
-    long enough (FIND_C_MIN) to repay pinning it for the call."""
-    n = min(end, len(hay)) - pos
-    fn = memmem() if n >= FIND_C_MIN and type(hay) is bytearray and needle else None
-    if fn is None:
-        return hay.find(needle, pos, end)
-    pinned = (_memmem["ctypes"].c_char * n).from_buffer(hay, pos)
-    at = _memmem["ctypes"].addressof(pinned)
-    found = fn(at, n, needle, len(needle))
-    return -1 if found is None else pos + found - at
-
-
 class Matcher(object):
-    """A compiled grep pattern: a literal (memmem or bytes.find: exact on UTF-8) where it can be,
+    """A compiled grep pattern: a literal (bytes.find: exact on UTF-8) where it can be,
     else a regex. The regex runs on bytes for pure-ASCII text and on decoded text
     otherwise, so '.' and classes mean characters, not bytes."""
 
@@ -4050,7 +4002,7 @@ class Matcher(object):
         """Whether the literal occurs in buf[:n] (files mode's quick answer)."""
         if self.folded:
             buf = buf[:n].lower()
-        return find_bytes(buf, self.literal, 0, n) >= 0
+        return buf.find(self.literal, 0, n) >= 0
 
     def spans(self, hay, end, first_only=False, pos=0):
         """(start, end) offsets of matching regions in hay[pos:end]; in line mode at
@@ -4068,7 +4020,7 @@ class Matcher(object):
         if self.folded:
             hay = hay[:end].lower()                   # same offsets: only ASCII letters change
         while True:
-            i = find_bytes(hay, needle, pos, end)
+            i = hay.find(needle, pos, end)
             if i < 0:
                 return out
             out.append((i, i + size))
@@ -7121,7 +7073,7 @@ class GrepWork(object):
         self.mode, self.before, self.after = self.spec["mode"], self.spec["before"], self.spec["after"]
         self.max_records = self.spec.get("max_records") or OUTPUT_MAX_CHARS // 2
         self.buf = bytearray(GREP_BUFFER)
-        self.fast = self.contains = None                # gather()'s one-loop buffer and its finder
+        self.fast = None                                # gather()'s one-loop buffer
 
     def walker(self, k):
         """A Walker of root k that follows directory links (as grep -R does); its files are read,
@@ -7158,8 +7110,7 @@ class GrepWork(object):
             return
         if self.fast is None:
             self.fast = bytearray(GREP_BUFFER)         # (its own: self.buf may grow for a long line)
-            self.contains = finder(self.fast)
-        buf, contains, needle, cut = self.fast, self.contains, matcher.literal, self.cuts[k] if self.roots[k][1] else None
+        buf, needle, cut = self.fast, matcher.literal, self.cuts[k] if self.roots[k][1] else None
         size, sniff = len(buf), GREP_BINARY_SNIFF
         open_, fstat, readv, close, flags, regular = os.open, os.fstat, os.readv, os.close, os.O_RDONLY | O_FILE, \
             stat.S_ISREG
@@ -7182,7 +7133,7 @@ class GrepWork(object):
                 r = take(k, path, real, is_dir, ino)
                 if r is not None:
                     items += r
-            elif contains(n, needle) and buf.find(b"\x00", 0, min(n, sniff)) < 0:
+            elif buf.find(needle, 0, n) >= 0 and buf.find(b"\x00", 0, min(n, sniff)) < 0:
                 items.append(GrepHit(real, None if cut is None else path[cut:], st.st_mtime_ns, True, k))
 
     def file_result(self, path, ino):

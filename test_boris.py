@@ -7543,43 +7543,6 @@ class TestGrep(SearchBase):
                                                                    " in .")
 
 
-class TestLiteralsFoundInC(unittest.TestCase):
-    """Issue 44: a grep literal is looked for by the C library's memmem (through ctypes)."""
-
-    def test_memmem_answers_as_bytearray_find(self):
-        """3,000 generated haystacks, needles and spans (a needle at the span's very start
-        or end, cut by its end, repeated, absent, longer than the span, with NULs and
-        newlines) give bytearray.find's answer through find_bytes() and finder(), and the
-        same without a memmem; a buffer finder() searches is pinned (resizing it fails)."""
-        if boris.memmem() is None:
-            self.skipTest("this C library has no memmem: bytearray.find is used (the fallback is checked too)")
-        rng = random.Random(4403)
-        cases = []
-        for _ in range(3000):
-            hay = bytearray(rng.choice(b"ab\n\x00") for _ in range(rng.randint(0, 200)))
-            needle = bytes(rng.choice(b"ab\n\x00") for _ in range(rng.randint(1, 5)))
-            if hay and rng.random() < 0.3:
-                at = rng.randint(0, len(hay))
-                hay[at:at] = needle
-            pos = rng.randint(0, len(hay))
-            cases.append((hay, needle, pos, rng.randint(pos, len(hay) + 2)))       # (an end past it: clamped)
-        for fallback in (False, True):
-            with mock.patch.object(boris, "FIND_C_MIN", 1), \
-                    mock.patch.dict(boris._memmem, {"memmem": None} if fallback else {}):
-                for hay, needle, pos, end in cases:
-                    self.assertEqual(boris.find_bytes(hay, needle, pos, end), hay.find(needle, pos, end),
-                                     (hay, needle, pos, end, fallback))
-                    buf, n = bytearray(hay), min(end, len(hay))
-                    contains = boris.finder(buf)
-                    self.assertEqual(contains(n, needle), hay.find(needle, 0, n) >= 0, (hay, needle, n))
-        buf = bytearray(b"xyz")
-        contains = boris.finder(buf)
-        with self.assertRaises(BufferError):
-            buf.extend(b"more")
-        self.assertTrue(contains(3, b"yz"))
-        self.assertFalse(contains(2, b"yz"))
-
-
 class TestGrepScope(SearchBase):
     flags = ["--require-view-before-edit", "false", "--deny-dir", "**/.env", "--deny-dir", "**/private"]
 
