@@ -918,7 +918,7 @@ class TestDocumentSwapRace(unittest.TestCase):
     (renameat2 RENAME_EXCHANGE) the checked file with a symlink to a denied file of the
     same kind, a FIFO, a directory or another regular file: never a byte of the denied
     file, never a wait on a FIFO. BORIS_SWAP_ROUNDS sizes it (per kind)."""
-    ROUNDS = int(os.environ.get("BORIS_SWAP_ROUNDS") or 250)
+    ROUNDS = campaign_size("BORIS_SWAP_ROUNDS", 100, 250)
 
     def test_view_reads_only_what_it_checked(self):
         libc, tree = swap_setup(self)
@@ -1096,7 +1096,7 @@ class TestAtomicWriteUnderKill(unittest.TestCase):
         target = os.path.join(tmp, "data.txt")
         size = 3 << 20
         contents = {b"a" * size, b"b" * size}
-        for round_no in range(8):
+        for round_no in range(campaign_size("BORIS_KILL_CAMPAIGN", 4, 8)):
             c = StdioClient(["--workdir", tmp, "--require-view-before-edit", "false",
                              "--max-file-size", "64MB"])
             c.initialize()
@@ -2426,7 +2426,7 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
     def test_generated_trees(self):
         rng = random.Random(16)
         trees = 0
-        for trial in range(40):
+        for trial in range(campaign_size("BORIS_IGNORE_CAMPAIGN", 15, 40)):
             tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-gt-"))
             self.addCleanup(shutil.rmtree, tmp, True)
             subprocess.run(["git", "init", "-q", tmp], check=True)
@@ -2459,7 +2459,7 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
                                       "base_only": True, "kind": "file", "lead": len(tmp) + 1}, found.extend)
                 self.assertEqual(sorted(found[0::2]), sorted(expected), "shared, tree %d" % trial)
             trees += 1
-        self.assertEqual(trees, 40)
+        self.assertEqual(trees, campaign_size("BORIS_IGNORE_CAMPAIGN", 15, 40))
 
     def test_a_directory_decided_at_once_as_entry_by_entry(self):
         """The walker decides a directory's entries together (ignored_among: sets of literal
@@ -2469,7 +2469,7 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
         rng = random.Random(44)
         names = self.NAMES + ["t.tmp", "x.md", "q", "deep.c", "\u00e9b", "b"]
         differ = []
-        for case in range(3000):
+        for case in range(campaign_size("BORIS_IGNORE_CAMPAIGN", 1000, 3000)):
             depth = rng.randint(0, 3)
             parts = [rng.choice(names) for _ in range(depth)]
             path = "/ws" + "".join("/" + p for p in parts)
@@ -2495,7 +2495,7 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
         rng = random.Random(4401)
         atoms = ["a", "b", ".", "_", "*", "**", "?", "[ab]", "[a.]", "[b_1]", "[!a]", "[a-c]", "\\*", "ab", "1"]
         differ, decided = [], 0
-        for case in range(6000):
+        for case in range(campaign_size("BORIS_IGNORE_CAMPAIGN", 2000, 6000)):
             pat = "".join(rng.choice(atoms) for _ in range(rng.randint(1, 5)))
             back = "".join(rng.choice(atoms) for _ in range(rng.randint(1, 3))) if rng.random() < 0.3 else ""
             try:
@@ -2511,7 +2511,7 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
                 differ.append((pat, names, sorted(bulk), sorted(want)))
             decided += bool(want)
         self.assertEqual(differ[:3], [])
-        self.assertGreater(decided, 1000)                 # many cases ignore something
+        self.assertGreater(decided, campaign_size("BORIS_IGNORE_CAMPAIGN", 2000, 6000) // 6)   # many ignore something
 
     @unittest.skipUnless(shutil.which("git"), "git is not installed")
     def test_generated_trees_without_a_git_directory(self):
@@ -4711,18 +4711,18 @@ class TestRewind(NoViewBase):
             pass                                                # the shell's command failed: nothing changed
 
     def test_generated_sequences_rewind_to_the_byte(self):
-        """Generated sequences (BORIS_REWIND_CAMPAIGN; 200, 1,000 in full): random shell-like changes with
+        """Generated sequences (BORIS_REWIND_CAMPAIGN; 100, 1,000 in full): random shell-like changes with
         checkpoints between, more changes made outside any call, then a rewind to a random
         checkpoint (the whole workspace, or one path of it); the workspace equals the copy
         taken at that checkpoint - bytes, modes, links, directories - and the rewind undone
         gives back the state before it. Ignored files are never touched: a directory that
         holds some stays (and a file it replaced is reported as not restored)."""
         rng = random.Random(int(os.environ.get("BORIS_REWIND_SEED", "42")))
-        runs = campaign_size("BORIS_REWIND_CAMPAIGN", 200, 1000)
+        runs = campaign_size("BORIS_REWIND_CAMPAIGN", 100, 1000)
         self.campaign(rng, runs)
 
     def test_generated_sequences_rewind_to_the_byte_with_watched_directories(self):
-        """The campaign again (100 sequences, 300 in full; BORIS_REWIND_SEED + 1) where watches keep quiet
+        """The campaign again (50 sequences, 300 in full; BORIS_REWIND_SEED + 1) where watches keep quiet
         what did not change: LISTING_RACY_S 0, so a directory or file changed a moment ago is
         kept too and only an event (inotify) tells a scan it changed."""
         if not watches_here():
@@ -4740,7 +4740,7 @@ class TestRewind(NoViewBase):
             return point
         with mock.patch.object(boris, "LISTING_RACY_S", 0), mock.patch.object(boris.Checkpoints, "entry", entry), \
                 mock.patch.object(boris.Checkpoints, "current", current):
-            self.campaign(rng, campaign_size("BORIS_REWIND_WATCH_CAMPAIGN", 100, 300))
+            self.campaign(rng, campaign_size("BORIS_REWIND_WATCH_CAMPAIGN", 50, 300))
         self.assertLess(looked[0], kept[0] * 0.9, (looked, kept))      # quiet directories stay unread
 
     def test_a_quiet_directory_whose_ignore_rules_changed_is_looked_at_again(self):
@@ -4766,7 +4766,7 @@ class TestRewind(NoViewBase):
 
     @unittest.skipUnless(shutil.which("git"), "no git here")
     def test_generated_sequences_rewind_to_the_byte_from_git_objects(self):
-        """Issue 59: the campaign again (30 sequences, 80 in full; BORIS_REWIND_SEED + 2) in a git work
+        """Issue 59: the campaign again (15 sequences, 80 in full; BORIS_REWIND_SEED + 2) in a git work
         tree whose changes are committed (now and then) between checkpoints: clean files are
         recorded as blob ids, not copied, and a rewind reads them back from the repository."""
         rng = random.Random(int(os.environ.get("BORIS_REWIND_SEED", "42")) + 2)
@@ -4776,9 +4776,10 @@ class TestRewind(NoViewBase):
             digest = real_blob_of(known, name, st)
             taken[0] += digest is not None
             return digest
+        runs = campaign_size("BORIS_REWIND_GIT_CAMPAIGN", 15, 80)
         with mock.patch.object(boris.GitIndex, "blob_of", staticmethod(blob_of)):
-            self.campaign(rng, campaign_size("BORIS_REWIND_GIT_CAMPAIGN", 30, 80), git=True)
-        self.assertGreater(taken[0], 80)                          # (files the index vouched for)
+            self.campaign(rng, runs, git=True)
+        self.assertGreater(taken[0], runs)                        # (files the index vouched for)
 
     def commit(self):
         """Everything in the workspace committed (what git would add)."""
@@ -5657,11 +5658,11 @@ class TestSlipCampaign(unittest.TestCase):
     """Issue 38: edits from real source files with one slip each, through str_replace,
     apply_patch and multi_edit: none lands wrong, none ends in anything but a tool
     result, >= 95% of those with one right answer land, stale and unplaceable ones are
-    refused. BORIS_SLIP_CAMPAIGN=N runs N of them (250 by default, 760 in full) and prints the table;
+    refused. BORIS_SLIP_CAMPAIGN=N runs N of them (150 by default, 760 in full) and prints the table;
     BORIS_SLIP_SEED draws another campaign."""
 
     def test_no_slip_is_ever_applied_wrong(self):
-        n = campaign_size("BORIS_SLIP_CAMPAIGN", 250, 760)
+        n = campaign_size("BORIS_SLIP_CAMPAIGN", 150, 760)
         work = tempfile.mkdtemp(prefix="boris-slips-")
         try:
             tally, wrong = SlipCampaign(int(os.environ.get("BORIS_SLIP_SEED") or 38)).run(n, os.path.realpath(work))
@@ -9098,7 +9099,7 @@ class TestCheckpointsUnderParallelCalls(unittest.TestCase):
     """Issue 56: changing calls, checkpoints, rewinds and edits sent at once, round after
     round, over stdio and over HTTP: every call answers within its deadline (a scan that
     gave way once waited for calls that waited for it). BORIS_PARALLEL_ROUNDS sizes it."""
-    ROUNDS = int(os.environ.get("BORIS_PARALLEL_ROUNDS") or 150)
+    ROUNDS = campaign_size("BORIS_PARALLEL_ROUNDS", 60, 150)
     DEADLINE_S = 30
 
     def test_over_stdio(self):
@@ -9661,7 +9662,7 @@ class TestSignalsOverStdio(unittest.TestCase):
     def test_signal_right_after_start_is_never_lost(self):
         tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-sig-"))
         self.addCleanup(shutil.rmtree, tmp, True)
-        for _ in range(12):
+        for _ in range(campaign_size("BORIS_SIGNAL_ROUNDS", 5, 12)):
             p = self.spawn(tmp)
             self.handshake(p)                               # handlers are in place once it answers
             p.send_signal(signal.SIGTERM)
@@ -10779,7 +10780,7 @@ class TestHttpSubprocess(unittest.TestCase):
         orphaned in 4 of 10 tries when the closing session had left the table)."""
         tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-race-"))
         self.addCleanup(shutil.rmtree, tmp, True)
-        for attempt in range(10):
+        for attempt in range(campaign_size("BORIS_RACE_ROUNDS", 4, 10)):
             s = socket.socket()
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
