@@ -11192,14 +11192,28 @@ def with_indent(line, mapping, units=None):
     if torn and have not in mapping:
         return None
     if best is None:
-        deeper = min((k for k in mapping if k.startswith(have)), key=len, default=None)
-        if deeper is None:
-            return None
-        extra = deeper[len(have):]
-        cut = units[1] * (len(extra.expandtabs(4)) // units[0]) if units[0] and \
-            len(extra.expandtabs(4)) % units[0] == 0 else extra
-        return mapping[deeper][:-len(cut)] + line.lstrip() if mapping[deeper].endswith(cut) else None
-    extra = have[len(best):]
+        return shallower(line, have, mapping, units)
+    extra = deeper_indent(have[len(best):], best, mapping, units)
+    return None if extra is None else mapping[best] + extra + line[len(have):]
+
+
+def shallower(line, have, mapping, units):
+    """with_indent() of a line shallower than every level `mapping` knows: the nearest
+    deeper level's, less as many of the file's units as it lies above it (None when the
+    file's indentation there does not end so)."""
+    deeper = min((k for k in mapping if k.startswith(have)), key=len, default=None)
+    if deeper is None:
+        return None
+    extra = deeper[len(have):]
+    cut = units[1] * (len(extra.expandtabs(4)) // units[0]) if units[0] and \
+        len(extra.expandtabs(4)) % units[0] == 0 else extra
+    return mapping[deeper][:-len(cut)] + line.lstrip() if mapping[deeper].endswith(cut) else None
+
+
+def deeper_indent(extra, best, mapping, units):
+    """The file's writing of `extra`, the indentation a line has past the known level
+    `best`: in the file's units, or as tabs against spaces where one level shows how, or
+    as it is where the mapping is a shift; None when it cannot be told."""
     if extra and units[0] and len(extra.expandtabs(4)) % units[0] == 0:
         extra = units[1] * (len(extra.expandtabs(4)) // units[0])
     elif extra and best and len(set(best)) == len(set(mapping[best])) == 1 != len(set(best + mapping[best])) and \
@@ -11208,7 +11222,7 @@ def with_indent(line, mapping, units=None):
         extra = mapping[best][0] * (len(extra) * len(mapping[best]) // len(best))
     elif extra and not is_shift(mapping):
         return None                                  # part of a unit the file writes otherwise: not known
-    return mapping[best] + extra + line[len(have):]
+    return extra
 
 
 def is_shift(mapping):
@@ -11254,19 +11268,32 @@ class LineIndex(object):
             [p for p, i in enumerate(nb) if keys[i].startswith(words[0])]
         for p in firsts:
             i = nb[p]
-            if i < start or p + m > len(nb) or [keys[q] for q in nb[p:p + m - 1]] != words[:-1] or not (
-                    keys[nb[p + m - 1]].startswith(words[-1]) if partial else keys[nb[p + m - 1]] == words[-1]):
+            if i < start or not self.run_at(p, words, partial):
                 continue
-            j = nb[p + m - 1] + 1
-            a, b = i, j
-            while a > start and i - a < lead and not keys[a - 1]:
-                a -= 1
-            while b < len(keys) and b - j < tail and not keys[b]:
-                b += 1
+            a, b = self.widened(i, nb[p + m - 1] + 1, start, lead, tail)
             if eof and any(keys[b:]):
                 continue
             out.append((a, b))
         return out
+
+    def widened(self, i, j, start, lead, tail):
+        """The run plain[i:j] with up to `lead` blank lines before it (not before `start`)
+        and `tail` after it, as far as the file has them."""
+        keys, a, b = self.keys, i, j
+        while a > start and i - a < lead and not keys[a - 1]:
+            a -= 1
+        while b < len(keys) and b - j < tail and not keys[b]:
+            b += 1
+        return a, b
+
+    def run_at(self, p, words, partial):
+        """Whether the non-blank lines from the p-th on have the keys `words` (the last one
+        the start of the file's line, with `partial`)."""
+        nb, keys, m = self.nonblank, self.keys, len(words)
+        if p + m > len(nb) or [keys[q] for q in nb[p:p + m - 1]] != words[:-1]:
+            return False
+        last = keys[nb[p + m - 1]]
+        return last.startswith(words[-1]) if partial else last == words[-1]
 
 
 def level_of(plain, want, i, j, partial=False):
@@ -12120,25 +12147,13 @@ def replace_lines(text, edit, shown, cancelled=None):
     difference old_str -> new_str merged into the file's lines there (EditMerge); the
     same answer as replace_text."""
     import difflib
-    old, new, replace_all = edit["old_str"], edit.get("new_str") or "", bool(edit.get("replace_all"))
+    old, new = edit["old_str"], edit.get("new_str") or ""
     lines = text.split("\n")
     plain = [l[:-1] if l.endswith("\r") else l for l in lines]
     want = old.replace("\r\n", "\n").split("\n")
     if len(want) > 1 and want[-1] == "":
         want.pop()
-    index = LineIndex(plain)
-    level, hits, elsewhere = find_lines(index, want)
-    partial = not hits and not old.endswith("\n")
-    if partial:                                 # old_str may end inside a line, as an exact match may
-        level, hits, elsewhere = find_lines(index, want, partial=True)
-    if not hits:
-        raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and copy the"
-                        " text exactly, whitespace and indentation included.%s" % (shown, closest_region(text, old, cancelled)))
-    if len(hits) + len(elsewhere) > 1 and not replace_all:
-        places = sorted(hits + elsewhere)
-        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s), and a relaxed"
-                        " match must be unique; copy old_str exactly from the file, or add surrounding lines"
-                        % (len(places), shown, MATCH_LEVELS[level][0], ", ".join(str(i + 1) for i, _ in places[:20])))
+    level, hits, partial = placed_lines(text, plain, want, edit, shown, cancelled)
     new_lines = new.replace("\r\n", "\n").split("\n") if new else []
     if len(new_lines) > 1 and new_lines[-1] == "" and old.replace("\r\n", "\n").endswith("\n"):
         new_lines.pop()
@@ -12167,6 +12182,27 @@ def replace_lines(text, edit, shown, cancelled=None):
         lines[i:j] = put
     first = hits[0][0]
     return "\n".join(lines), len(hits), len("\n".join(lines[:first])) + (1 if first else 0), relaxed_note(level, merge)
+
+
+def placed_lines(text, plain, want, edit, shown, cancelled):
+    """(level, [(first, end) line spans], whether old_str ends inside a line) of the
+    places replace_lines edits: NOT_FOUND (with the closest region) when none, AMBIGUOUS
+    naming them when more than one and not replace_all."""
+    index = LineIndex(plain)
+    level, hits, elsewhere = find_lines(index, want)
+    partial = not hits and not edit["old_str"].endswith("\n")
+    if partial:                                 # old_str may end inside a line, as an exact match may
+        level, hits, elsewhere = find_lines(index, want, partial=True)
+    if not hits:
+        raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and copy the"
+                        " text exactly, whitespace and indentation included.%s" % (
+                            shown, closest_region(text, edit["old_str"], cancelled)))
+    if len(hits) + len(elsewhere) > 1 and not edit.get("replace_all"):
+        places = sorted(hits + elsewhere)
+        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s), and a relaxed"
+                        " match must be unique; copy old_str exactly from the file, or add surrounding lines"
+                        % (len(places), shown, MATCH_LEVELS[level][0], ", ".join(str(i + 1) for i, _ in places[:20])))
+    return level, hits, partial
 
 
 def at_line_text(text, old):
