@@ -2496,14 +2496,21 @@ def enter_namespaces(net, protect):
             with open("/proc/self/" + name, "w") as f:
                 f.write(text)
     if protect:
-        mount = lambda source, target, flags: libc.mount(source, os.fsencode(target), None, ctypes.c_ulong(flags), None)
-        if mount(None, "/", MS_REC | MS_SLAVE) != 0:
-            raise OSError(ctypes.get_errno(), "mount(/, MS_REC|MS_SLAVE): %s" % os.strerror(ctypes.get_errno()))
-        for path in protect:
-            kept = os.statvfs(path).f_flag
-            flags = MS_REMOUNT | MS_BIND | MS_RDONLY | (kept & MS_LOCKED_FLAGS) | (MS_RELATIME if kept & 4096 else 0)
-            if mount(os.fsencode(path), path, MS_BIND) != 0 or mount(None, path, flags) != 0:
-                raise OSError(ctypes.get_errno(), "a read-only mount of %s: %s" % (path, os.strerror(ctypes.get_errno())))
+        mount_read_only(protect)
+
+
+def mount_read_only(paths):
+    """In this process's new mount namespace (its mounts no longer shared back): bind-mount
+    each of `paths` on itself read-only, keeping the flags a user namespace may not drop."""
+    ctypes, libc = _libc()
+    mount = lambda source, target, flags: libc.mount(source, os.fsencode(target), None, ctypes.c_ulong(flags), None)
+    if mount(None, "/", MS_REC | MS_SLAVE) != 0:
+        raise OSError(ctypes.get_errno(), "mount(/, MS_REC|MS_SLAVE): %s" % os.strerror(ctypes.get_errno()))
+    for path in paths:
+        kept = os.statvfs(path).f_flag
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | (kept & MS_LOCKED_FLAGS) | (MS_RELATIME if kept & 4096 else 0)
+        if mount(os.fsencode(path), path, MS_BIND) != 0 or mount(None, path, flags) != 0:
+            raise OSError(ctypes.get_errno(), "a read-only mount of %s: %s" % (path, os.strerror(ctypes.get_errno())))
 
 
 # -- the sandbox and its launchers ------------------------------------------------
@@ -12856,17 +12863,7 @@ class PatchedText(object):
         """(start, end, level) of the lines `hunk`'s old lines stand for; ToolError naming
         the file, the hunk and its header or first line that was not found, or every
         place an ambiguous hunk matches."""
-        lines, cursor = self.lines, self.cursor
-        for h in hunk.headers:                  # each header found after the one before
-            for _, norm, _ in MATCH_LEVELS[:BLANK_LEVEL]:
-                norm = norm or (lambda s: s)
-                hits = [j for j in range(cursor, len(lines)) if norm(lines[j]) == norm(h)]
-                if hits:
-                    cursor = hits[0] + 1
-                    break
-            else:
-                raise ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: its header line %r was not found%s; nothing was"
-                                " written" % (self.shown, label, shorten(h, 120), self.searched_from(cursor)))
+        lines, cursor = self.lines, self.after_headers(hunk, label)
         old = hunk.old()
         if not old:                                        # only additions: after the headers, or at the end
             at = cursor if hunk.headers and not hunk.eof else len(lines)
@@ -12890,6 +12887,23 @@ class PatchedText(object):
                             % (self.shown, label, MATCH_LEVELS[level][0],
                                ", ".join(str(i + 1) for i, _ in sorted(hits + elsewhere)[:20])))
         raise self.miss(old, cursor, label)
+
+    def after_headers(self, hunk, label):
+        """Where a hunk's old lines are looked for: after its @@ header lines, each found
+        after the one before (at any level but blank lines), from the cursor; ToolError
+        naming the header not found."""
+        lines, cursor = self.lines, self.cursor
+        for h in hunk.headers:
+            for _, norm, _ in MATCH_LEVELS[:BLANK_LEVEL]:
+                norm = norm or (lambda s: s)
+                hits = [j for j in range(cursor, len(lines)) if norm(lines[j]) == norm(h)]
+                if hits:
+                    cursor = hits[0] + 1
+                    break
+            else:
+                raise ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: its header line %r was not found%s; nothing was"
+                                " written" % (self.shown, label, shorten(h, 120), self.searched_from(cursor)))
+        return cursor
 
     def miss(self, old, cursor, label):
         """The ToolError of a hunk that is nowhere: its first line that is not found after
