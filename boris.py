@@ -546,7 +546,9 @@ def parse_config(argv, environ):
             raise ConfigError("invalid value %r for --%s: %s%s" % (
                 raws[-1], flag, e, " (from environment variable %s)" % env if from_env else ""))
     if values["token-file"]:
-        values["token"] = token_from_file(values)
+        if values["token"]:
+            raise ConfigError("--token and --token-file exclude each other: give one of them")
+        values["token"] = token_from_file(values["token-file"])
     if values["token"] and values["generate-token"]:
         raise ConfigError("--token and --generate-token exclude each other: give one of them")
     if values["transport"] == "http" and not (values["token"] or values["generate-token"]) \
@@ -568,17 +570,15 @@ def parse_config(argv, environ):
     return Config(**dict((k.replace("-", "_"), v) for k, v in values.items()))
 
 
-def token_from_file(values):
-    """The bearer token on the first line of --token-file (ConfigError naming what is wrong)."""
-    if values["token"]:
-        raise ConfigError("--token and --token-file exclude each other: give one of them")
+def token_from_file(path):
+    """The bearer token on the first line of --token-file `path` (ConfigError naming what is wrong)."""
     try:
-        with open(os.path.expanduser(values["token-file"]), encoding="utf-8") as f:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
             token = f.readline().strip()
     except (OSError, UnicodeError) as e:
-        raise ConfigError("--token-file %r cannot be read: %s" % (values["token-file"], getattr(e, "strerror", e)))
+        raise ConfigError("--token-file %r cannot be read: %s" % (path, getattr(e, "strerror", e)))
     if not token:
-        raise ConfigError("--token-file %r holds no token on its first line" % values["token-file"])
+        raise ConfigError("--token-file %r holds no token on its first line" % path)
     return token
 
 
@@ -5327,7 +5327,7 @@ def pdf_sfnt(data):
     except struct.error:
         return texts
     if tables.get(b"post") is not None:
-        pdf_sfnt_names(data, tables[b"post"], texts)
+        texts = pdf_sfnt_names(data, tables[b"post"])
     try:
         base = tables.get(b"cmap")
         if base is None:
@@ -5349,12 +5349,13 @@ def pdf_sfnt(data):
     return texts
 
 
-def pdf_sfnt_names(data, post, texts):
-    """The glyph names of a TrueType font's post table (version 2, at `post`) into `texts`
-    {glyph: text}: Mac's standard 258, then the font's own; those before any damage."""
+def pdf_sfnt_names(data, post):
+    """{glyph: text} of a TrueType font's post table (version 2, at `post`): its glyph names,
+    Mac's standard 258, then the font's own; those read before any damage."""
+    texts = {}
     try:
         if struct.unpack_from(">I", data, post)[0] != 0x20000:
-            return
+            return texts
         names = struct.unpack_from(">%dH" % struct.unpack_from(">H", data, post + 32)[0], data, post + 34)
         custom, at = [], post + 34 + 2 * len(names)
         while at < len(data) and len(custom) < 65536:
@@ -5367,6 +5368,7 @@ def pdf_sfnt_names(data, post, texts):
                 texts[gid] = pdf_glyph(custom[index - 258])
     except struct.error:
         pass                                                  # names read before the damage stay
+    return texts
 
 
 def pdf_sfnt_subtable(data, at):
@@ -5689,27 +5691,6 @@ def pdf_bidi(line):
 PDF_LIGATURES = {0xfb00: "ff", 0xfb01: "fi", 0xfb02: "fl", 0xfb03: "ffi", 0xfb04: "ffl", 0xfb05: "st", 0xfb06: "st"}
 
 
-def pdf_differences(table, differences, get):
-    """Apply a simple font's Differences ([code name name ... code name ...]) to `table`
-    {code: text}: a glyph name that names no character but its own code (a224, G41) is that
-    code's character; an unknown name leaves the base encoding's character."""
-    code = 0
-    for item in differences:
-        item = get(item)
-        if isinstance(item, int):
-            code = item
-        elif isinstance(item, str) and 0 <= code < 256:
-            text = pdf_glyph(item)
-            if text is None:                              # a name like a224 or G41 at its own code: that code
-                m = re.match(r"[A-Za-z]{1,3}([0-9A-Fa-f]{2,3})$", item)
-                if m and (m.group(1).isdigit() and int(m.group(1)) == code or int(m.group(1), 16) == code) \
-                        and code >= 32:
-                    text = bytes([code]).decode("cp1252", "replace").replace("\ufffd", "") or None
-            if text is not None or code not in table:     # else unknown: the base encoding's stays
-                table[code] = text
-            code += 1
-
-
 class PdfFont(object):
     """How a font's codes become text (decode()) and how far each moves the pen."""
 
@@ -5813,7 +5794,21 @@ class PdfFont(object):
         differences = get(enc.get("Differences")) or [] if isinstance(enc, dict) else []
         name = str(enc) if isinstance(enc, str) else get(enc.get("BaseEncoding")) if isinstance(enc, dict) else None
         table = self.base_encoding(pdf, name, subtype, base, descriptor)
-        pdf_differences(table, differences if isinstance(differences, list) else [], get)
+        code = 0
+        for item in differences if isinstance(differences, list) else []:
+            item = get(item)
+            if isinstance(item, int):
+                code = item
+            elif isinstance(item, str) and 0 <= code < 256:
+                text = pdf_glyph(item)
+                if text is None:                          # a name like a224 or G41 at its own code: that code
+                    m = re.match(r"[A-Za-z]{1,3}([0-9A-Fa-f]{2,3})$", item)
+                    if m and (m.group(1).isdigit() and int(m.group(1)) == code or int(m.group(1), 16) == code) \
+                            and code >= 32:
+                        text = bytes([code]).decode("cp1252", "replace").replace("\ufffd", "") or None
+                if text is not None or code not in table:  # else unknown: the base encoding's stays
+                    table[code] = text
+                code += 1
         for c, text in cmap.items():
             if len(c) == 1:
                 table[c[0]] = text
@@ -5969,63 +5964,47 @@ def pdf_cmap(data):
         pos = m.end()
         if word in (b"begincodespacerange", b"beginbfchar", b"beginbfrange", b"begincidrange", b"begincidchar"):
             mode, tokens = word, []
-        elif word in PDF_CMAP_SECTIONS:
-            PDF_CMAP_SECTIONS[word](tokens, out, spans)
+        elif word in (b"endcidrange", b"endcidchar"):             # (in a ToUnicode: the numbers are characters)
+            step = 3 if word == b"endcidrange" else 2
+            for j in range(0, len(tokens) - step + 1, step):
+                lo, hi, first = tokens[j], tokens[j + step - 2], tokens[j + step - 1]
+                if isinstance(lo, bytes) and isinstance(hi, bytes) and isinstance(first, int) and len(lo) == len(hi):
+                    a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
+                    for k in range(min(b - a + 1, PDF_CMAP_MAX - len(out))):
+                        if 0 < first + k < 0xd800 or 0xe000 <= first + k < 0x110000:
+                            out.setdefault((a + k).to_bytes(len(lo), "big"), chr(first + k))
+            mode = None
+        elif word == b"endcodespacerange":
+            for lo, hi in zip(tokens[0::2], tokens[1::2]):
+                if isinstance(lo, bytes) and isinstance(hi, bytes) and len(lo) == len(hi) and 0 < len(lo) <= 4:
+                    spans.append((len(lo), lo, hi))
+            mode = None
+        elif word == b"endbfchar":
+            for src, dst in zip(tokens[0::2], tokens[1::2]):
+                if isinstance(src, bytes):
+                    out[src] = pdf_unicode(dst)
+            mode = None
+        elif word == b"endbfrange":
+            for j in range(0, len(tokens) - 2, 3):
+                lo, hi, dst = tokens[j:j + 3]
+                if not isinstance(lo, bytes) or not isinstance(hi, bytes) or len(lo) != len(hi) or not lo:
+                    continue
+                a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
+                if b < a or b - a > PDF_CMAP_MAX - len(out):
+                    continue
+                for k in range(b - a + 1):
+                    src = (a + k).to_bytes(len(lo), "big")
+                    if isinstance(dst, list):
+                        if k < len(dst):
+                            out[src] = pdf_unicode(dst[k])
+                    elif isinstance(dst, bytes) and dst:
+                        v = int.from_bytes(dst, "big") + k
+                        out[src] = pdf_unicode(v.to_bytes(len(dst), "big") if v < 1 << (8 * len(dst)) else b"")
             mode = None
         if mode is None:
             tokens = []
     spans.sort(key=lambda s: s[0])
     return out, spans
-
-
-def pdf_cid_ranges(tokens, out, step):
-    """A cidrange (step 3: lo hi first) or cidchar (step 2: code first) section into `out`
-    (in a ToUnicode, the numbers are characters)."""
-    for j in range(0, len(tokens) - step + 1, step):
-        lo, hi, first = tokens[j], tokens[j + step - 2], tokens[j + step - 1]
-        if isinstance(lo, bytes) and isinstance(hi, bytes) and isinstance(first, int) and len(lo) == len(hi):
-            a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
-            for k in range(min(b - a + 1, PDF_CMAP_MAX - len(out))):
-                if 0 < first + k < 0xd800 or 0xe000 <= first + k < 0x110000:
-                    out.setdefault((a + k).to_bytes(len(lo), "big"), chr(first + k))
-
-
-def pdf_codespace(tokens, out, spans):
-    """A codespacerange section (lo hi pairs) into `spans`."""
-    for lo, hi in zip(tokens[0::2], tokens[1::2]):
-        if isinstance(lo, bytes) and isinstance(hi, bytes) and len(lo) == len(hi) and 0 < len(lo) <= 4:
-            spans.append((len(lo), lo, hi))
-
-
-def pdf_bfchar(tokens, out, spans):
-    """A bfchar section (code text pairs) into `out`."""
-    for src, dst in zip(tokens[0::2], tokens[1::2]):
-        if isinstance(src, bytes):
-            out[src] = pdf_unicode(dst)
-
-
-def pdf_bfrange(tokens, out, spans):
-    """A bfrange section (lo hi first text, or lo hi [texts]) into `out`, bounded."""
-    for j in range(0, len(tokens) - 2, 3):
-        lo, hi, dst = tokens[j:j + 3]
-        if not isinstance(lo, bytes) or not isinstance(hi, bytes) or len(lo) != len(hi) or not lo:
-            continue
-        a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
-        if b < a or b - a > PDF_CMAP_MAX - len(out):
-            continue
-        for k in range(b - a + 1):
-            src = (a + k).to_bytes(len(lo), "big")
-            if isinstance(dst, list):
-                if k < len(dst):
-                    out[src] = pdf_unicode(dst[k])
-            elif isinstance(dst, bytes) and dst:
-                v = int.from_bytes(dst, "big") + k
-                out[src] = pdf_unicode(v.to_bytes(len(dst), "big") if v < 1 << (8 * len(dst)) else b"")
-
-
-PDF_CMAP_SECTIONS = {b"endcidrange": lambda tokens, out, spans: pdf_cid_ranges(tokens, out, 3),
-                     b"endcidchar": lambda tokens, out, spans: pdf_cid_ranges(tokens, out, 2),
-                     b"endcodespacerange": pdf_codespace, b"endbfchar": pdf_bfchar, b"endbfrange": pdf_bfrange}
 
 
 def pdf_unicode(dst):
@@ -9993,12 +9972,11 @@ class Checkpoints(object):
             return None                                      # no event since a scan that watched all of it
         for repo in self.repos:
             repo.refresh()
-        visited, looked, unwatched = [], set(), []           # (looked: quiet from this walk on, once it is the base)
-        point = self.walk_roots(background, cancelled, visited, looked, unwatched)
+        point, visited, looked, unwatched = self.walk_roots(background, cancelled)
         if point is None:
             return None                                      # closed or cancelled: nothing to keep
         if w is not None:
-            w.quiet.update(looked)
+            w.quiet.update(looked)                           # (quiet from now on: this walk is the base)
         if not point.partial:
             for repo in self.repos:
                 repo.dirs = {}       # recorded now: the next walk reads the index again only once it changed
@@ -10006,10 +9984,10 @@ class Checkpoints(object):
         self.steady = steady if whole else None
         return point
 
-    def walk_roots(self, background, cancelled, visited, looked, unwatched):
-        """walk()'s walk of the roots: a Checkpoint numbered next, or None when stopped; the
-        directories walked added to `visited`, those looked at whole while watched to
-        `looked`, the others to `unwatched`."""
+    def walk_roots(self, background, cancelled):
+        """walk()'s walk of the roots: (a Checkpoint numbered next, or None when stopped; the
+        directories walked; those looked at whole while watched; those looked at otherwise)."""
+        visited, looked, unwatched = [], set(), []
         w = self.cache.watches
         quiet = w.quiet if w is not None else set()
         prev, dirs, missed, partial, size = self.base.dirs, {}, [], False, 0
@@ -10046,7 +10024,7 @@ class Checkpoints(object):
                     partial = "the walk stopped at %d entries (narrow --allow-dir)" % CHECKPOINT_WALK_MAX
                     break
                 if not size % 256 and self.stop_why(background, cancelled, so_far, size, missed):
-                    return None                              # closed or cancelled: nothing to keep
+                    return None, visited, looked, unwatched   # closed or cancelled: nothing to keep
                 if store is not None and is_within(path, store):
                     continue                                 # the store itself (where it lies in a root)
                 cut = path.rfind("/")
@@ -10059,7 +10037,7 @@ class Checkpoints(object):
                 size += 1
             if here is not None:
                 settle()
-        return Checkpoint(self.count + 1, dirs, size, missed, partial)
+        return Checkpoint(self.count + 1, dirs, size, missed, partial), visited, looked, unwatched
 
     def entry(self, path, old, missed, known):
         """(the entry of one path walked, whether it can stay unread while its directory is
@@ -11768,22 +11746,7 @@ def write_edit(session, ctx, tool, changes, dry_run=False, undoing=False):
     the limit, none when undoing) and the parse warning. Returns the note for the
     answer (where a file had to be rewritten in place, what no longer parses); with
     dry_run, the unified diff it would write instead, and nothing is written or kept."""
-    known, todo = edit_befores(changes, ctx.config.max_file_size)
-    if dry_run:
-        return edit_diff(todo, ctx.config.max_result_chars)
-    notes = write_changes(session, ctx, todo, known)
-    kept = dict((real, (known[real][0], known[real][1], digest_of(data) if data is not None else None))
-                for real, _, data, _, _ in todo if known[real] is not None)
-    if kept and not undoing:
-        session.remember_edit(tool, keep_befores(session, kept))
-    return "".join(notes) + "".join(parse_warning(real, before, data) for real, _, data, before, _ in todo
-                                    if data is not None and known[real] is not None)
-
-
-def edit_befores(changes, limit):
-    """write_edit's first step: FILE_TOO_LARGE when a new content is over `limit`; then
-    ({real: (bytes, mode) before the edit, or None when over the limit: no undo level},
-    the changes with what is there now read)."""
+    limit = ctx.config.max_file_size
     for real, shown, data, _, _ in changes:
         if data is not None and len(data) > limit:
             raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s (--max-file-size);"
@@ -11798,12 +11761,8 @@ def edit_befores(changes, limit):
         except OSError as e:
             raise io_error(e, shown)
         todo.append((real, shown, data, known[real][0] if known[real] else None, new_mode))
-    return known, todo
-
-
-def write_changes(session, ctx, todo, known):
-    """write_edit's writes, all or none (a failure puts back what was written: IO_ERROR);
-    the notes of files rewritten in place."""
+    if dry_run:
+        return edit_diff(todo, ctx.config.max_result_chars)
     done, notes = [], []
     try:
         for real, shown, data, before, new_mode in sorted(todo, key=lambda c: c[2] is None):   # removals last
@@ -11820,7 +11779,12 @@ def write_changes(session, ctx, todo, known):
     except (OSError, ToolError) as e:
         why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
         raise ToolError(IO_ERROR, "writing %s failed (%s); %s" % (shown, why, put_back(done, known, ctx)))
-    return notes
+    kept = dict((real, (known[real][0], known[real][1], digest_of(data) if data is not None else None))
+                for real, _, data, _, _ in todo if known[real] is not None)
+    if kept and not undoing:
+        session.remember_edit(tool, keep_befores(session, kept))
+    return "".join(notes) + "".join(parse_warning(real, before, data) for real, _, data, before, _ in todo
+                                    if data is not None and known[real] is not None)
 
 
 StoredBytes = namedtuple("StoredBytes", "digest size")
@@ -12154,13 +12118,25 @@ def replace_lines(text, edit, shown, cancelled=None):
     difference old_str -> new_str merged into the file's lines there (EditMerge); the
     same answer as replace_text."""
     import difflib
-    old, new = edit["old_str"], edit.get("new_str") or ""
+    old, new, replace_all = edit["old_str"], edit.get("new_str") or "", bool(edit.get("replace_all"))
     lines = text.split("\n")
     plain = [l[:-1] if l.endswith("\r") else l for l in lines]
     want = old.replace("\r\n", "\n").split("\n")
     if len(want) > 1 and want[-1] == "":
         want.pop()
-    level, hits, partial = placed_lines(text, plain, want, edit, shown, cancelled)
+    index = LineIndex(plain)
+    level, hits, elsewhere = find_lines(index, want)
+    partial = not hits and not old.endswith("\n")
+    if partial:                                 # old_str may end inside a line, as an exact match may
+        level, hits, elsewhere = find_lines(index, want, partial=True)
+    if not hits:
+        raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and copy the"
+                        " text exactly, whitespace and indentation included.%s" % (shown, closest_region(text, old, cancelled)))
+    if len(hits) + len(elsewhere) > 1 and not replace_all:
+        places = sorted(hits + elsewhere)
+        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s), and a relaxed"
+                        " match must be unique; copy old_str exactly from the file, or add surrounding lines"
+                        % (len(places), shown, MATCH_LEVELS[level][0], ", ".join(str(i + 1) for i, _ in places[:20])))
     new_lines = new.replace("\r\n", "\n").split("\n") if new else []
     if len(new_lines) > 1 and new_lines[-1] == "" and old.replace("\r\n", "\n").endswith("\n"):
         new_lines.pop()
@@ -12189,27 +12165,6 @@ def replace_lines(text, edit, shown, cancelled=None):
         lines[i:j] = put
     first = hits[0][0]
     return "\n".join(lines), len(hits), len("\n".join(lines[:first])) + (1 if first else 0), relaxed_note(level, merge)
-
-
-def placed_lines(text, plain, want, edit, shown, cancelled):
-    """(level, [(first, end) line spans], whether old_str ends inside a line) of the
-    places replace_lines edits: NOT_FOUND (with the closest region) when none, AMBIGUOUS
-    naming them when more than one and not replace_all."""
-    index = LineIndex(plain)
-    level, hits, elsewhere = find_lines(index, want)
-    partial = not hits and not edit["old_str"].endswith("\n")
-    if partial:                                 # old_str may end inside a line, as an exact match may
-        level, hits, elsewhere = find_lines(index, want, partial=True)
-    if not hits:
-        raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and copy the"
-                        " text exactly, whitespace and indentation included.%s" % (
-                            shown, closest_region(text, edit["old_str"], cancelled)))
-    if len(hits) + len(elsewhere) > 1 and not edit.get("replace_all"):
-        places = sorted(hits + elsewhere)
-        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s), and a relaxed"
-                        " match must be unique; copy old_str exactly from the file, or add surrounding lines"
-                        % (len(places), shown, MATCH_LEVELS[level][0], ", ".join(str(i + 1) for i, _ in places[:20])))
-    return level, hits, partial
 
 
 def at_line_text(text, old):
@@ -12542,6 +12497,7 @@ def checkpoint_diff(points, target, now, root_of, offset, cap):
     diff: a header per file, mode lines, hunks of text, a line for a binary file or one the
     checkpoint did not cover; files past `cap` characters are left to a read-on notice."""
     old, cur = target.flat(), now.flat()
+    mode = lambda e: "120000" if e[0] == "l" else "100755" if e[1] & 0o111 else "100644"
     paths = sorted(p for p in set(old) | set(cur) if any(e is not None and e[0] != "d" for e in (old.get(p), cur.get(p)))
                    and old.get(p, ())[:3] != cur.get(p, ())[:3])
     if offset < 0:
@@ -12549,7 +12505,31 @@ def checkpoint_diff(points, target, now, root_of, offset, cap):
     readers, parts, size, end = {}, [], 0, offset           # end: the files shown end before this one
     try:
         for p in paths[offset:]:
-            block = file_diff(points, target, p, root_of(p), old.get(p), cur.get(p), readers)
+            name = root_of(p)
+            a, b = old.get(p), cur.get(p)
+            text = ["diff --git a/%s b/%s\n" % (name, name)]
+            if a is None or a[0] == "d":
+                text.append("new file mode %s\n" % mode(b))
+            elif b is None or b[0] == "d":
+                text.append("deleted file mode %s\n" % mode(a))
+            elif mode(a) != mode(b):
+                text.append("old mode %s\nnew mode %s\n" % (mode(a), mode(b)))
+            try:
+                before = None if a is None or a[0] == "d" else a[2].encode("utf-8", "surrogateescape") \
+                    if a[0] == "l" else points.bytes_of(p, a[2], readers) if a[2] else None
+                after = None if b is None or b[0] == "d" else b[2].encode("utf-8", "surrogateescape") \
+                    if b[0] == "l" else read_regular(p, name, points.config.max_file_size)[0]
+            except (OSError, ToolError) as e:
+                text.append("# not shown: %s\n" % (getattr(e, "message", None) or e.strerror or e))
+                before = after = b""
+            if a is not None and a[0] == "f" and not a[2]:
+                text.append("# not shown: checkpoint %d did not cover it\n" % target.number)
+            elif b"\0" in (before or b"")[:8192] + (after or b"")[:8192]:
+                text.append("Binary files %s and %s differ\n" % ("a/" + name if before is not None else "/dev/null",
+                                                                 "b/" + name if after is not None else "/dev/null"))
+            else:
+                text.append(unified_diff(before, after, name))
+            block = "".join(text).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
             if parts and size + len(block) > cap:
                 break
             parts.append(block)
@@ -12565,36 +12545,6 @@ def checkpoint_diff(points, target, now, root_of, offset, cap):
     if end < len(paths):
         body += "[files %d-%d of %d shown; read on with offset=%d]\n" % (offset + 1, end, len(paths), end)
     return head + body
-
-
-def file_diff(points, target, path, name, a, b, readers):
-    """checkpoint_diff's part for one path (shown as `name`) from entry `a` (in checkpoint
-    `target`) to entry `b` (now; either None where there is none, or a directory)."""
-    mode = lambda e: "120000" if e[0] == "l" else "100755" if e[1] & 0o111 else "100644"
-    text = ["diff --git a/%s b/%s\n" % (name, name)]
-    a, b = (None if e is None or e[0] == "d" else e for e in (a, b))
-    if a is None:
-        text.append("new file mode %s\n" % mode(b))
-    elif b is None:
-        text.append("deleted file mode %s\n" % mode(a))
-    elif mode(a) != mode(b):
-        text.append("old mode %s\nnew mode %s\n" % (mode(a), mode(b)))
-    try:
-        before = None if a is None else a[2].encode("utf-8", "surrogateescape") if a[0] == "l" else \
-            points.bytes_of(path, a[2], readers) if a[2] else None
-        after = None if b is None else b[2].encode("utf-8", "surrogateescape") if b[0] == "l" else \
-            read_regular(path, name, points.config.max_file_size)[0]
-    except (OSError, ToolError) as e:
-        text.append("# not shown: %s\n" % (getattr(e, "message", None) or e.strerror or e))
-        before = after = b""
-    if a is not None and a[0] == "f" and not a[2]:
-        text.append("# not shown: checkpoint %d did not cover it\n" % target.number)
-    elif b"\0" in (before or b"")[:8192] + (after or b"")[:8192]:
-        text.append("Binary files %s and %s differ\n" % ("a/" + name if before is not None else "/dev/null",
-                                                         "b/" + name if after is not None else "/dev/null"))
-    else:
-        text.append(unified_diff(before, after, name))
-    return "".join(text).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 @tool("rewind", REWIND_DESC, obj({
