@@ -131,6 +131,15 @@ def read_until(stream, needle, timeout):
     return data
 
 
+def free_port():
+    """A loopback port nothing listens on now (for a server a test starts)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
 def campaign_size(variable, quick, full):
     """How many cases a generated campaign runs: $variable when set, else `full` under
     BORIS_FULL_CAMPAIGNS=1, else `quick` (sized to find a regression in seconds)."""
@@ -3044,10 +3053,7 @@ class TestWebFetch(NoViewBase):
         self.assertIn("image/png", text)
 
     def test_connection_refused(self):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
+        port = free_port()
         text, err = self.call("web_fetch", url="http://127.0.0.1:%d/" % port)
         self.assertTrue(err)
         self.assertTrue(text.startswith("错误：连接被拒绝"), text)
@@ -9308,10 +9314,7 @@ class TestTheSweepComesAfterTheStartUpLines(unittest.TestCase):
         sweep, whose log lines come from a thread of its own, starts only after them."""
         tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-sweep-"))
         self.addCleanup(shutil.rmtree, tmp, True)
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
+        port = free_port()
         cfg = boris.parse_config(["--transport", "http", "--port", str(port), "--generate-token", "--workdir", tmp], {})
         server = boris.McpServer(cfg, boris.PathPolicy.of(cfg))
         self.addCleanup(server.close)
@@ -10547,10 +10550,7 @@ class TestHttpLimits(unittest.TestCase):
         self.assertNotIn("Traceback", err.getvalue())
 
     def test_loopback_without_a_token_warns_once(self):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
+        port = free_port()
         p = subprocess.Popen([sys.executable, BORIS, "--transport", "http", "--port", str(port)],
                              stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
@@ -10704,10 +10704,7 @@ class TestHttpSubprocess(unittest.TestCase):
     def test_generate_token_sigterm_and_task_cleanup(self):
         tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-httpp-"))
         self.addCleanup(shutil.rmtree, tmp, True)
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
+        port = free_port()
         p = subprocess.Popen([sys.executable, BORIS, "--transport", "http", "--port", str(port), "--workdir", tmp,
                               "--generate-token"], stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
         try:
@@ -10742,10 +10739,7 @@ class TestHttpSubprocess(unittest.TestCase):
         token = "tok-" + os.urandom(12).hex()
         with open(os.path.join(tmp, "token"), "w") as f:
             f.write(token + "\n")
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
+        port = free_port()
         p = subprocess.Popen([sys.executable, BORIS, "--transport", "http", "--port", str(port), "--workdir", tmp,
                               "--token-file", os.path.join(tmp, "token"), "--log-level", "debug"],
                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
@@ -10800,10 +10794,7 @@ class TestHttpSubprocess(unittest.TestCase):
         tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-race-"))
         self.addCleanup(shutil.rmtree, tmp, True)
         for attempt in range(campaign_size("BORIS_RACE_ROUNDS", 4, 10)):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            s.close()
+            port = free_port()
             p = subprocess.Popen([sys.executable, BORIS, "--transport", "http", "--port", str(port), "--workdir", tmp],
                                  stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
             mark = unique_sleep()
