@@ -151,7 +151,7 @@ CHECKPOINT_ENTRIES = 2000000               # ... and the entries all of them may
 CHECKPOINT_WALK_MAX = 1000000              # entries one checkpoint walks; past it the rest is not covered
 CHECKPOINT_BUDGET_AUTO = 2 << 30           # --checkpoint-budget auto: this, or a quarter of the store's free space
 CHECKPOINT_NAMES_SHOWN = 20                # paths named per kind of change in checkpoints and rewind
-CHECKPOINT_WAIT_S = 2.0                    # a call waits this long for a checkpoint; then it keeps what it has
+CHECKPOINT_WAIT_S = 1.5                    # a call waits this long for a checkpoint; then it keeps what it has
 CHECKPOINT_FIRST_S = 1.0                   # the first checkpoint starts this long after the session (or sooner,
                                            # at its first changing call): start-up and the first answers go first
 PARSE_CHECK_BYTES = 1024 * 1024            # files up to this size are parsed after an edit
@@ -9444,7 +9444,7 @@ class GitIndex(object):
         magic, version, count = struct.unpack_from(">4sII", data)
         if magic != b"DIRC" or version not in (2, 3, 4):
             raise ValueError("not an index of version 2, 3 or 4")
-        entries, pos, name, unpack = defaultdict(list), 12, b"", struct.Struct(">10I20sH").unpack_from
+        entries, pos, name, unpack = defaultdict(bytearray), 12, b"", struct.Struct(">10I20sH").unpack_from
         for _ in range(count):
             cs, cn, ms, mn, _, ino, mode, _, _, size, sha, flags = unpack(data, pos)
             at = pos + 62
@@ -9467,11 +9467,10 @@ class GitIndex(object):
             if skip or flags & 0x3000 or mode >> 12 != 0o10 or (ms, mn) >= written:
                 continue
             cut = name.rfind(b"/")
-            entries[name[:max(cut, 0)]].append(name[cut + 1:] + b"\0" + struct.pack(">6I", cs, cn, ms, mn, ino, size)
-                                               + sha)
+            entries[name[:max(cut, 0)]] += name[cut + 1:] + b"\0" + struct.pack(">6I", cs, cn, ms, mn, ino, size) + sha
         if data[pos:pos + 4] == b"link":
             raise ValueError("a split index")
-        return dict((os.fsdecode(d), b"".join(files)) for d, files in entries.items())
+        return dict((os.fsdecode(d), bytes(files)) for d, files in entries.items())
 
     def converts(self, entries):
         """Whether git changes bytes between this work tree and its blobs (then nothing is
@@ -12476,13 +12475,14 @@ def tool_checkpoints(session, args, ctx):
             "before " + ", ".join(point.followed) if point.followed else "(the state now)",
             "(covers part: %s)  " % point.partial if point.partial and k + 1 < len(kept) else "", changes))
     if latest is not None:
-        entries = latest.flat().values()
-        files = [e for e in entries if e[0] == "f"]
+        kinds, size = Counter(), 0                 # (a directory at a time: no list of every entry at once)
+        for packed in latest.dirs.values():
+            for kind, _, digest, length, _, _, _ in unpack_children(packed).values():
+                kinds[kind + ("" if digest is None else "+")] += 1
+                size += length if kind == "f" else 0
         lines.append("Covered now: %d files, %d directories, %d symlinks (%s); the store keeps %s of a %s budget"
-                     " in %s." % (
-                         sum(1 for e in files if e[2] is not None), sum(1 for e in entries if e[0] == "d"),
-                         sum(1 for e in entries if e[0] == "l"), human_size(sum(e[3] for e in files)),
-                         human_size(stored), human_size(budget), where))
+                     " in %s." % (kinds["f+"], kinds["d"], kinds["l+"] + kinds["l"], human_size(size),
+                                  human_size(stored), human_size(budget), where))
         if latest.missed:
             lines.append("Not covered: %s." % ", ".join("%s (%s)" % (root_of(p), why) for p, why in
                                                          latest.missed[:CHECKPOINT_NAMES_SHOWN]))

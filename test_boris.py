@@ -5107,6 +5107,17 @@ class TestRewind(NoViewBase):
         if LINUX:
             self.assertEqual(boris.fs_type("/proc/self"), "proc")
 
+    def test_the_listing_counts_a_directory_at_a_time(self):
+        """Issue 59: what `checkpoints` says is covered is counted one directory at a time: a
+        list of every entry at once (Checkpoint.flat) cost a 313k-file tree 30 MB for good."""
+        self.write("one.txt", "1\n")
+        self.write("sub/two.bin", b"\0" * 2048)
+        os.symlink("one.txt", self.path("sub/link"))
+        self.server.checkpoints_of(self.session)
+        with mock.patch.object(boris.Checkpoint, "flat", side_effect=AssertionError("every entry at once")):
+            listing = self.ok("checkpoints")
+        self.assertIn("Covered now: 2 files, 1 directories, 1 symlinks (2.0 KB);", listing)
+
     def test_off_says_so_and_the_store_goes_with_the_server(self):
         """Issue 59: one store for every session of a server, removed with the server."""
         self.write("same.txt", "the same bytes in every session\n")
