@@ -3499,7 +3499,9 @@ class Watches(object):
         self.quiet.discard(d)
         if name:
             at = child_prefix(d) + name
-            if mask & (IN_CREATE | IN_MOVED_TO) and (mask & IN_ISDIR or not self.alone(at)):
+            if name == ".gitignore":
+                self.quiet.clear()             # what the directories below list may change, with no event there
+            elif mask & (IN_CREATE | IN_MOVED_TO) and (mask & IN_ISDIR or not self.alone(at)):
                 self.quiet.clear()             # a hard link to a file kept here, maybe (or made in a new directory,
                                               # not watched yet): changes through it raise no event for that file
             if mask & IN_ISDIR and mask & (IN_DELETE | IN_MOVED_FROM):
@@ -3713,6 +3715,8 @@ class Walker(object):
         self.watch_first = False                   # True: directories are watched from the first walk, not the
         #                                            second (checkpoints walk the same tree again and again)
         self.remember = True                       # False: visits are not kept in the cache (checkpoints keep theirs)
+        self.prune = None                          # a callable: a directory it is true of is found, not entered
+        self.repos = None                          # a set: the directories below the root met holding a .git
 
     def __iter__(self):
         return self.walk([self.start()])
@@ -3803,6 +3807,8 @@ class Walker(object):
         try:                                    # (the fd stays open: DT_UNKNOWN entries lstat through it)
             names = frozenset(e.name for e in entries if e.name in (".git", ".gitignore"))
             outer, ign = ign, self.rules(path, names, ign)
+            if self.repos is not None and ".git" in names and path != self.root:
+                self.repos.add(real)
             name_ok, want_dirs, deeper = self.name_ok, self.want_dirs, self.deeper(depth)
             files_hidden, dirs_hidden = self.ignored_here(entries, path, ign) if self.use_ignore and ign else ((), ())
             policed = not self.policy.clears_below(real)          # (else no entry needs the policy's check)
@@ -3829,7 +3835,7 @@ class Walker(object):
                             continue
                         if want_dirs:
                             found.append((shown, at, True, e.inode()))
-                        if deeper:
+                        if deeper and not (self.prune is not None and self.prune(at)):
                             subdirs.append((shown, at, ign, depth + 1, e.inode()))
                     elif e.is_symlink() and self.raw_links:
                         if not self.hidden(ign, shown, at, name, False):
@@ -9734,6 +9740,9 @@ class Checkpoints(object):
                 self.repos.append(repo)
         self.steady = None                        # (watch events taken, ignore stacks above) of a scan all watched
         self.linked = set()                       # (dev, inode) of files seen with other hard links
+        self.ruled = None                         # the ignore stacks above the roots when the last walk watched
+        #                                           every directory it entered: the next may leave quiet ones out
+        self.nested = set()                       # directories met holding a .git of their own
         self.closed = False
         self.stopped = threading.Event()          # set by close()
 
@@ -9960,7 +9969,11 @@ class Checkpoints(object):
         """scan()'s walk: the state as a Checkpoint numbered next; None when closed, stopped
         or known unchanged. A directory quiet since it was last looked at (watched, and no
         event about it or its entries) that lists the same names keeps its packed children
-        unread; the others' children are looked at one by one (entry())."""
+        unread; the others' children are looked at one by one (entry()). When every directory
+        is watched and the ignore files above the roots are the same, a quiet directory with
+        nothing below it that is not quiet is not entered at all: the last walk's entries of
+        it and all below it stand (a .gitignore changed anywhere makes no directory quiet).
+        Below a .git of its own, whose exclude file raises no event here, each is entered."""
         if self.closed:
             return None                                      # closed meanwhile
         self.cache.refresh()
@@ -9971,11 +9984,14 @@ class Checkpoints(object):
             return None                                      # no event since a scan that watched all of it
         for repo in self.repos:
             repo.refresh()
-        point, visited, looked, unwatched = self.walk_roots(background, cancelled)
+        prune = w is not None and self.ruled is not None and not self.base.partial and \
+            all(map(same_objects, steady[1], self.ruled))
+        point, visited, looked, unwatched = self.walk_roots(background, cancelled, prune)
         if point is None:
             return None                                      # closed or cancelled: nothing to keep
         if w is not None:
             w.quiet.update(looked)                           # (quiet from now on: this walk is the base)
+            self.ruled = steady[1] if not point.partial and all(map(w.of.__contains__, visited)) else None
         if not point.partial:
             for repo in self.repos:
                 repo.dirs = {}       # recorded now: the next walk reads the index again only once it changed
@@ -9983,13 +9999,25 @@ class Checkpoints(object):
         self.steady = steady if whole else None
         return point
 
-    def walk_roots(self, background, cancelled):
-        """walk()'s walk of the roots: (a Checkpoint numbered next, or None when stopped; the
-        directories walked; those looked at whole while watched; those looked at otherwise)."""
+    def walk_roots(self, background, cancelled, prune):
+        """walk()'s walk of the roots, leaving quiet directories out when `prune` (see walk()):
+        (a Checkpoint numbered next, or None when stopped; the directories walked; those
+        looked at whole while watched; those looked at otherwise)."""
         visited, looked, unwatched = [], set(), []
         w = self.cache.watches
         quiet = w.quiet if w is not None else set()
         prev, dirs, missed, partial, size = self.base.dirs, {}, [], False, 0
+        hot, pruned = set(), set()                           # hot: one not quiet (or a .git) at or below them
+        for d in [d for d in w.of if d not in quiet] + list(self.nested) if prune else ():
+            while d not in hot:
+                hot.add(d)
+                d = d[:d.rfind("/")] or "/"
+
+        def left_out(real):
+            if not prune or real in hot or real not in quiet or any(is_within(real, n) for n in self.nested):
+                return False
+            pruned.add(real)
+            return True
         store = self.store.dir if self.store.dir and any(is_within(self.store.dir, r) for r in self.roots) else None
         look = lambda path, old, known: self.entry(path, old, missed, known)
         here = None                                          # the Listing of the directory the walk is in
@@ -10017,6 +10045,7 @@ class Checkpoints(object):
             repo = next((r for r in self.repos if is_within(root, r.top)), None)
             walker = Walker(root, self.walk_policy, follow_links=False, want_dirs=True, cache=self.cache)
             walker.raw_links, walker.visited, walker.watch_first, walker.remember = True, visited, True, False
+            walker.prune, walker.repos = left_out, self.nested
             here = None
             for path, _, _, _ in walker:                     # (a directory's children come together)
                 if size >= CHECKPOINT_WALK_MAX:
@@ -10036,6 +10065,13 @@ class Checkpoints(object):
                 size += 1
             if here is not None:
                 settle()
+        for d, packed in prev.items() if pruned else ():     # what the directories left out held
+            up = d
+            while up not in pruned and up != "/":
+                up = up[:up.rfind("/")] or "/"
+            if up in pruned:
+                dirs[d] = packed
+                size += child_names(packed).count(b"\0") + 1
         return Checkpoint(self.count + 1, dirs, size, missed, partial), visited, looked, unwatched
 
     def entry(self, path, old, missed, known):

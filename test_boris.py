@@ -4770,6 +4770,72 @@ class TestRewind(NoViewBase):
         self.assertIn(self.path("sub/b.log"), flat)
         self.assertNotIn(self.path("sub/a.txt"), flat)
 
+    def test_a_quiet_subtree_is_not_entered_and_its_entries_stand(self):
+        """Issue 59: once every directory is watched, a walk after one file changed enters only
+        the directories on the way to it: a quiet subtree beside it keeps the last walk's
+        entries unentered, and a change inside it later is seen (its event makes it hot)."""
+        if not watches_here():
+            self.skipTest("no inotify here: no directory is ever quiet")
+        for k in range(3):
+            self.write("big/d%d/e/f.txt" % k, "f%d" % k)
+        self.write("work/w.txt", "w")
+        points = self.points()
+        self.addCleanup(points.close)
+        entered = []
+        real_scan = boris.Walker.scan
+        with mock.patch.object(boris, "LISTING_RACY_S", 0), mock.patch.object(
+                boris.Walker, "scan", lambda walker, real, ino: entered.append(real) or real_scan(walker, real, ino)):
+            take(points)
+            self.write("work/w.txt", "changed")
+            del entered[:]
+            flat = take(points).flat()
+            self.assertEqual(sorted(entered), [self.root, self.path("work")])
+            self.assertEqual(flat[self.path("big/d2/e/f.txt")][0], "f")
+            self.write("big/d1/e/f.txt", "changed too")
+            before = flat[self.path("big/d1/e/f.txt")]
+            after = take(points).flat()[self.path("big/d1/e/f.txt")]
+        self.assertNotEqual(before[2], after[2])
+
+    def test_past_the_watch_limit_every_directory_is_entered(self):
+        """Issue 59: a directory not watched (past the watch limit) raises no event: while one
+        is, no quiet directory above it is left out, and a file made in it is seen."""
+        if not watches_here():
+            self.skipTest("no inotify here: no directory is ever quiet")
+        self.write("big/d0/e/f.txt", "f")
+        self.write("work/w.txt", "w")
+        points = self.points()
+        self.addCleanup(points.close)
+        with mock.patch.object(boris, "LISTING_RACY_S", 0), mock.patch.object(boris, "WATCHES_MAX", 3):
+            take(points)
+            self.write("work/w.txt", "changed")
+            take(points)
+            self.write("big/d0/e/new.txt", "made where nothing watches")
+            self.write("work/w.txt", "changed again")
+            flat = take(points).flat()
+        self.assertIn(self.path("big/d0/e/new.txt"), flat)
+
+    @unittest.skipUnless(shutil.which("git"), "no git here")
+    def test_a_nested_repository_is_entered_every_walk(self):
+        """Issue 59: a repository inside the workspace has an exclude file that raises no event
+        in any watched directory: the directories below it are entered every walk, so a file
+        it comes to exclude leaves the checkpoint."""
+        if not watches_here():
+            self.skipTest("no inotify here: no directory is ever quiet")
+        self.write("inner/deep/a.txt", "a")
+        subprocess.run(["git", "init", "-q", self.path("inner")], check=True)
+        points = self.points()
+        self.addCleanup(points.close)
+        with mock.patch.object(boris, "LISTING_RACY_S", 0):
+            take(points)
+            self.write("top.txt", "an event, so that the next walk is made")
+            take(points)
+            self.assertIn(self.path("inner/deep"), points.cache.watches.quiet)
+            self.write("inner/.git/info/exclude", "*.txt\n")
+            self.write("top.txt", "another event")
+            flat = take(points).flat()
+        self.assertNotIn(self.path("inner/deep/a.txt"), flat)
+        self.assertIn(self.path("inner/deep"), flat)
+
     @unittest.skipUnless(shutil.which("git"), "no git here")
     def test_generated_sequences_rewind_to_the_byte_from_git_objects(self):
         """Issue 59: the campaign again (15 sequences, 80 in full; BORIS_REWIND_SEED + 2) in a git work
