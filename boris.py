@@ -59,9 +59,8 @@ server (or a helper's main) makes and passes down, but for these, each saying wh
 it is defined (TestTheFilesMap keeps the list true):
 
 Module-level objects that change after the file has loaded: _log_state (the log's level
-and format), _children (the process's children and its reaper), PDF_NAMES (glyph names,
-read at first use) and PdfAes.tables (AES's tables, made at first use); TOOLS is filled
-while the file loads.
+and format), _children (the process's children and its reaper) and PDF_NAMES (glyph
+names, read at first use); TOOLS is filled while the file loads.
 
 License: MIT.
 """
@@ -6173,9 +6172,9 @@ class PdfCrypt(object):
         if len(u) < 48:
             raise PdfError("a damaged encryption dictionary (/U)")
         if pdf_r6_hash(b"", u[32:40], r) == u[:32]:
-            return PdfAes(pdf_r6_hash(b"", u[40:48], r)).decrypt_cbc(bytes(16), (get(d.get("UE")) or b"")[:32])
+            return pdf_aes_cbc(pdf_r6_hash(b"", u[40:48], r), bytes(16), (get(d.get("UE")) or b"")[:32])
         if len(o) >= 48 and pdf_r6_hash(b"", o[32:40], r, u[:48]) == o[:32]:     # an empty owner password
-            return PdfAes(pdf_r6_hash(b"", o[40:48], r, u[:48])).decrypt_cbc(bytes(16), (get(d.get("OE")) or b"")[:32])
+            return pdf_aes_cbc(pdf_r6_hash(b"", o[40:48], r, u[:48]), bytes(16), (get(d.get("OE")) or b"")[:32])
         raise PdfError("encrypted with a password: it is not read (only an empty password is tried)")
 
     def md5_key(self, pdf, d, r, o, u):
@@ -6228,7 +6227,7 @@ class PdfCrypt(object):
         if self.aes:
             if len(data) < 32:
                 return b""
-            out = PdfAes(key).decrypt_cbc(data[:16], data[16:len(data) - len(data) % 16])
+            out = pdf_aes_cbc(key, data[:16], data[16:])
             pad = out[-1] if out else 0
             return out[:-pad] if 0 < pad <= 16 else out
         return pdf_rc4(key, data)
@@ -6274,98 +6273,39 @@ def pdf_r6_hash(password, salt, r, udata=b""):
         return k
     i = 0
     while True:
-        e = PdfAes(k[:16]).encrypt_cbc(k[16:32], (password + k + udata) * 64)
+        e = pdf_aes_cbc(k[:16], k[16:32], (password + k + udata) * 64, encrypt=True)
         k = (hashlib.sha256, hashlib.sha384, hashlib.sha512)[sum(e[:16]) % 3](e).digest()
         i += 1
         if i >= 64 and e[-1] <= i - 32:
             return k[:32]
 
 
-class PdfAes(object):
-    """AES (128 or 256-bit key) in CBC mode, without padding: enough for a PDF's encryption."""
-    tables = None
-
-    def __init__(self, key):
-        if PdfAes.tables is None:
-            sbox, inv, p, q = [0] * 256, [0] * 256, 1, 1
-            while True:                                     # p walks the field by 3, q by its inverse
-                p = p ^ ((p << 1) & 0xff) ^ (0x1b if p & 0x80 else 0)
-                q ^= q << 1
-                q ^= q << 2
-                q ^= q << 4
-                q &= 0xff
-                if q & 0x80:
-                    q ^= 0x09
-                x = q ^ ((q << 1 | q >> 7) & 0xff) ^ ((q << 2 | q >> 6) & 0xff) ^ ((q << 3 | q >> 5) & 0xff) \
-                    ^ ((q << 4 | q >> 4) & 0xff) ^ 0x63
-                sbox[p], inv[x] = x, p
-                if p == 1:
-                    break
-            sbox[0], inv[0x63] = 0x63, 0
-
-            def mul(a, b):
-                out = 0
-                while b:
-                    if b & 1:
-                        out ^= a
-                    a = ((a << 1) ^ 0x1b) & 0xff if a & 0x80 else a << 1
-                    b >>= 1
-                return out
-            PdfAes.tables = (sbox, inv) + tuple([mul(a, m) for a in range(256)] for m in (2, 3, 9, 11, 13, 14))
-        sbox = PdfAes.tables[0]
-        nk = len(key) // 4
-        rounds = nk + 6
-        words = [list(key[4 * i:4 * i + 4]) for i in range(nk)]
-        rcon = 1
-        for i in range(nk, 4 * (rounds + 1)):
-            t = list(words[-1])
-            if i % nk == 0:
-                t = [sbox[t[1]] ^ rcon, sbox[t[2]], sbox[t[3]], sbox[t[0]]]
-                rcon = (rcon << 1) ^ (0x11b if rcon & 0x80 else 0)
-            elif nk > 6 and i % nk == 4:
-                t = [sbox[b] for b in t]
-            words.append([a ^ b for a, b in zip(words[i - nk], t)])
-        self.keys = [sum(words[4 * r:4 * r + 4], []) for r in range(rounds + 1)]
-
-    def encrypt_block(self, block):
-        sbox, _, m2, m3 = PdfAes.tables[:4]
-        s = [b ^ k for b, k in zip(block, self.keys[0])]
-        last = len(self.keys) - 1
-        for r in range(1, last + 1):
-            s = [sbox[s[(i + 4 * (i % 4)) % 16]] for i in range(16)]          # SubBytes, ShiftRows
-            if r != last:
-                s = sum(([m2[a] ^ m3[b] ^ c ^ d, a ^ m2[b] ^ m3[c] ^ d, a ^ b ^ m2[c] ^ m3[d], m3[a] ^ b ^ c ^ m2[d]]
-                         for a, b, c, d in (s[j:j + 4] for j in range(0, 16, 4))), [])
-            s = [b ^ k for b, k in zip(s, self.keys[r])]
-        return s
-
-    def decrypt_block(self, block):
-        _, inv, _, _, m9, m11, m13, m14 = PdfAes.tables
-        last = len(self.keys) - 1
-        s = [b ^ k for b, k in zip(block, self.keys[last])]
-        for r in range(last - 1, -1, -1):
-            s = [inv[s[(i - 4 * (i % 4)) % 16]] for i in range(16)]           # InvShiftRows, InvSubBytes
-            s = [b ^ k for b, k in zip(s, self.keys[r])]
-            if r:
-                s = sum(([m14[a] ^ m11[b] ^ m13[c] ^ m9[d], m9[a] ^ m14[b] ^ m11[c] ^ m13[d],
-                          m13[a] ^ m9[b] ^ m14[c] ^ m11[d], m11[a] ^ m13[b] ^ m9[c] ^ m14[d]]
-                         for a, b, c, d in (s[j:j + 4] for j in range(0, 16, 4))), [])
-        return s
-
-    def encrypt_cbc(self, iv, data):
-        out, prev = bytearray(), list(iv)
-        for i in range(0, len(data) - len(data) % 16, 16):
-            prev = self.encrypt_block([a ^ b for a, b in zip(data[i:i + 16], prev)])
-            out += bytes(prev)
-        return bytes(out)
-
-    def decrypt_cbc(self, iv, data):
-        out, prev = bytearray(), list(iv)
-        for i in range(0, len(data) - len(data) % 16, 16):
-            block = list(data[i:i + 16])
-            out += bytes(a ^ b for a, b in zip(self.decrypt_block(block), prev))
-            prev = block
-        return bytes(out)
+def pdf_aes_cbc(key, iv, data, encrypt=False):
+    """AES (a 128 or 256-bit key) in CBC mode without padding, by the libcrypto Python's own
+    ssl module is linked with (through ctypes); PdfError where this Python has none."""
+    import ctypes
+    try:
+        import _ssl
+        crypto = ctypes.CDLL(getattr(_ssl, "__file__", None))        # (its symbols and those of its libcrypto)
+        new, free, init, update = (crypto.EVP_CIPHER_CTX_new, crypto.EVP_CIPHER_CTX_free, crypto.EVP_CipherInit_ex,
+                                   crypto.EVP_CipherUpdate)
+        cipher = crypto.EVP_aes_128_cbc if len(key) == 16 else crypto.EVP_aes_256_cbc
+    except (ImportError, OSError, AttributeError):
+        raise PdfError("encrypted with AES: reading it needs the OpenSSL library this Python's ssl module lacks")
+    new.restype = cipher.restype = ctypes.c_void_p
+    free.argtypes = [ctypes.c_void_p]
+    init.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
+    update.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_int]
+    crypto.EVP_CIPHER_CTX_set_padding.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    data = data[:len(data) - len(data) % 16]
+    out, size, ctx = ctypes.create_string_buffer(len(data) + 16), ctypes.c_int(0), new()
+    try:
+        if not (ctx and init(ctx, cipher(), None, key, iv, int(encrypt)) == 1 and
+                crypto.EVP_CIPHER_CTX_set_padding(ctx, 0) == 1 and update(ctx, out, size, data, len(data)) == 1):
+            raise PdfError("AES failed in the OpenSSL library")
+    finally:
+        free(ctx)
+    return out.raw[:size.value]
 
 
 # -- PDF: the document and its pages ----------------------------------------------

@@ -3945,9 +3945,11 @@ class TestPdf(NoViewBase):
 
     def test_encrypted_with_an_empty_password_opens_and_with_another_is_a_clear_error(self):
         self.assertEqual(boris.pdf_rc4(b"Key", b"Plaintext").hex(), "bbf316e8d940af0ad3")     # RC4's test vector
-        aes = boris.PdfAes(bytes(range(16)))                                                   # FIPS-197 C.1
-        self.assertEqual(bytes(aes.encrypt_block(list(bytes.fromhex("00112233445566778899aabbccddeeff")))).hex(),
-                         "69c4e0d86a7b0430d8cdb78070b4c55a")
+        block = bytes.fromhex("00112233445566778899aabbccddeeff")                              # FIPS-197 C.1, C.3
+        for key, sealed in ((bytes(range(16)), "69c4e0d86a7b0430d8cdb78070b4c55a"),
+                            (bytes(range(32)), "8ea2b7ca516745bfeafc49904b496089")):
+            self.assertEqual(boris.pdf_aes_cbc(key, bytes(16), block, encrypt=True).hex(), sealed)
+            self.assertEqual(boris.pdf_aes_cbc(key, bytes(16), bytes.fromhex(sealed) + b"cut"), block)
         pad = boris.PDF_PADDING
         first = bytes.fromhex("00112233445566778899aabbccddeeff")
         for user, works in ((b"", True), (b"secret", False)):
