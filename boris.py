@@ -3714,8 +3714,9 @@ class Walker(object):
         self.watch_first = False                   # True: directories are watched from the first walk, not the
         #                                            second (checkpoints walk the same tree again and again)
         self.remember = True                       # False: visits are not kept in the cache (checkpoints keep theirs)
-        self.prune = None                          # a callable: a directory it is true of is found, not entered
+        self.prune = lambda real: False            # a directory this is true of is found, not entered
         self.repos = None                          # a set: the directories below the root met holding a .git
+        #                                            (whose ignore rules start over there)
 
     def __iter__(self):
         return self.walk([self.start()])
@@ -3777,6 +3778,8 @@ class Walker(object):
             return ign
         if ".git" in names and path != self.root:
             ign = self.cache.excludes(path)
+            if self.repos is not None:
+                self.repos.add(path)
         if ".gitignore" in names:
             rules = self.cache.of_dir(path)
             if rules:
@@ -3806,8 +3809,6 @@ class Walker(object):
         try:                                    # (the fd stays open: DT_UNKNOWN entries lstat through it)
             names = frozenset(e.name for e in entries if e.name in (".git", ".gitignore"))
             outer, ign = ign, self.rules(path, names, ign)
-            if self.repos is not None and ".git" in names and path != self.root:
-                self.repos.add(real)
             name_ok, want_dirs, deeper = self.name_ok, self.want_dirs, self.deeper(depth)
             files_hidden, dirs_hidden = self.ignored_here(entries, path, ign) if self.use_ignore and ign else ((), ())
             policed = not self.policy.clears_below(real)          # (else no entry needs the policy's check)
@@ -3834,7 +3835,7 @@ class Walker(object):
                             continue
                         if want_dirs:
                             found.append((shown, at, True, e.inode()))
-                        if deeper and not (self.prune is not None and self.prune(at)):
+                        if deeper and not self.prune(at):
                             subdirs.append((shown, at, ign, depth + 1, e.inode()))
                     elif e.is_symlink() and self.raw_links:
                         if not self.hidden(ign, shown, at, name, False):
@@ -9541,6 +9542,18 @@ def unpack_children(packed):
     return out
 
 
+def below_any(dirs, tops):
+    """{directory: packed children} of those in `dirs` at or below one of the directories `tops`."""
+    out = {}
+    for d, packed in dirs.items() if tops else ():
+        up = d
+        while up not in tops and up != "/":
+            up = up[:up.rfind("/")] or "/"
+        if up in tops:
+            out[d] = packed
+    return out
+
+
 def rewind_plan(old, cur, within, partial):
     """(paths to remove, paths to make) for a rewind from entries `cur` to entries `old`
     (flat maps), under the paths `within` (all when empty; the directories above those come
@@ -9947,17 +9960,7 @@ class Checkpoints(object):
         w = self.cache.watches
         quiet = w.quiet if w is not None else set()
         prev, dirs, missed, partial, size = self.base.dirs, {}, [], False, 0
-        hot, pruned = set(), set()                           # hot: one not quiet (or a .git) at or below them
-        for d in [d for d in w.of if d not in quiet] + list(self.nested) if prune else ():
-            while d not in hot:
-                hot.add(d)
-                d = d[:d.rfind("/")] or "/"
-
-        def left_out(real):
-            if not prune or real in hot or real not in quiet or any(is_within(real, n) for n in self.nested):
-                return False
-            pruned.add(real)
-            return True
+        left_out, pruned = self.pruner(quiet) if prune else (None, set())
         store = self.store.dir if self.store.dir and any(is_within(self.store.dir, r) for r in self.roots) else None
         look = lambda path, old, known: self.entry(path, old, missed, known)
         here = None                                          # the Listing of the directory the walk is in
@@ -9985,7 +9988,7 @@ class Checkpoints(object):
             repo = next((r for r in self.repos if is_within(root, r.top)), None)
             walker = Walker(root, self.walk_policy, follow_links=False, want_dirs=True, cache=self.cache)
             walker.raw_links, walker.visited, walker.watch_first, walker.remember = True, visited, True, False
-            walker.prune, walker.repos = left_out, self.nested
+            walker.prune, walker.repos = left_out or walker.prune, self.nested
             here = None
             for path, _, _, _ in walker:                     # (a directory's children come together)
                 if size >= CHECKPOINT_WALK_MAX:
@@ -10005,14 +10008,27 @@ class Checkpoints(object):
                 size += 1
             if here is not None:
                 settle()
-        for d, packed in prev.items() if pruned else ():     # what the directories left out held
-            up = d
-            while up not in pruned and up != "/":
-                up = up[:up.rfind("/")] or "/"
-            if up in pruned:
-                dirs[d] = packed
-                size += child_names(packed).count(b"\0") + 1
+        kept = below_any(prev, pruned)                       # what the directories left out held
+        dirs.update(kept)
+        size += sum(child_names(packed).count(b"\0") + 1 for packed in kept.values())
         return Checkpoint(self.count + 1, dirs, size, missed, partial), visited, looked, unwatched
+
+    def pruner(self, quiet):
+        """walk_roots()'s test of a directory it may leave out (quiet, nothing below it that
+        is not, and no nested repository at, above or below it), and the set of those it
+        left out."""
+        hot, pruned = set(), set()                           # (one not quiet, or a .git, at or below them)
+        for d in [d for d in self.cache.watches.of if d not in quiet] + list(self.nested):
+            while d not in hot:
+                hot.add(d)
+                d = d[:d.rfind("/")] or "/"
+
+        def left_out(real):
+            if real in hot or real not in quiet or any(is_within(real, n) for n in self.nested):
+                return False
+            pruned.add(real)
+            return True
+        return left_out, pruned
 
     def entry(self, path, old, missed, known):
         """(the entry of one path walked, whether it can stay unread while its directory is
