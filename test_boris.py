@@ -4751,22 +4751,28 @@ class TestRewind(NoViewBase):
             self.campaign(rng, campaign_size("BORIS_REWIND_WATCH_CAMPAIGN", 50, 300))
         self.assertLess(looked[0], kept[0] * 0.9, (looked, kept))      # quiet directories stay unread
 
+    def quiet_points(self, below):
+        """Checkpoints of the workspace walked twice, an event between: `below` is quiet now
+        (the caller patches LISTING_RACY_S to 0)."""
+        if not watches_here():
+            self.skipTest("no inotify here: no directory is ever quiet")
+        points = self.points()
+        self.addCleanup(points.close)
+        take(points)
+        self.write("top.txt", "an event, so that the next walk is made")
+        take(points)
+        self.assertIn(self.path(below), points.cache.watches.quiet)
+        return points
+
     def test_a_quiet_directory_whose_ignore_rules_changed_is_looked_at_again(self):
         """Issue 59: a directory quiet since the last walk (watched, no event) keeps its packed
         children unread only while the walk lists the same names: a .gitignore changed above it
         (an event there, none in it) brings an ignored file in, and takes one out."""
-        if not watches_here():
-            self.skipTest("no inotify here: no directory is ever quiet")
         self.write(".gitignore", "*.log\n")
         self.write("sub/a.txt", "a")
         self.write("sub/b.log", "b")
-        points = self.points()
-        self.addCleanup(points.close)
         with mock.patch.object(boris, "LISTING_RACY_S", 0):
-            take(points)
-            self.write("top.txt", "an event, so that the next walk is made")
-            take(points)
-            self.assertIn(self.path("sub"), points.cache.watches.quiet)
+            points = self.quiet_points("sub")
             self.write(".gitignore", "*.txt\n")
             flat = take(points).flat()
         self.assertIn(self.path("sub/b.log"), flat)
@@ -4821,17 +4827,10 @@ class TestRewind(NoViewBase):
         """Issue 59: a repository inside the workspace has an exclude file that raises no event
         in any watched directory: the directories below it are entered every walk, so a file
         it comes to exclude leaves the checkpoint."""
-        if not watches_here():
-            self.skipTest("no inotify here: no directory is ever quiet")
         self.write("inner/deep/a.txt", "a")
         subprocess.run(["git", "init", "-q", self.path("inner")], check=True)
-        points = self.points()
-        self.addCleanup(points.close)
         with mock.patch.object(boris, "LISTING_RACY_S", 0):
-            take(points)
-            self.write("top.txt", "an event, so that the next walk is made")
-            take(points)
-            self.assertIn(self.path("inner/deep"), points.cache.watches.quiet)
+            points = self.quiet_points("inner/deep")
             self.write("inner/.git/info/exclude", "*.txt\n")
             self.write("top.txt", "another event")
             flat = take(points).flat()
