@@ -59,8 +59,9 @@ server (or a helper's main) makes and passes down, but for these, each saying wh
 it is defined (TestTheFilesMap keeps the list true):
 
 Module-level objects that change after the file has loaded: _log_state (the log's level
-and format), _children (the process's children and its reaper) and PDF_NAMES (glyph
-names, read at first use); TOOLS is filled while the file loads.
+and format), _children (the process's children and its reaper), PDF_NAMES (glyph names,
+read at first use) and pdf_libcrypto's cache (loaded at first use); TOOLS is filled while
+the file loads.
 
 License: MIT.
 """
@@ -86,6 +87,7 @@ import atexit
 import codecs
 import contextlib
 import errno
+import functools
 import gc
 import heapq
 import io
@@ -3413,11 +3415,11 @@ class Watches(object):
     `quiet`, the directories a reader (a checkpoint) looked at whole while they were
     watched, until any event about them or their entries. An overflowed queue forgets
     everything; a directory deleted or moved forgets itself and all below it; a file made
-    that has (or may have had) other hard links, or a directory made, makes no directory
-    quiet any more. A hard link made from a directory not watched (outside the roots, or
-    ignored) to a file inside raises no event, nor do changes through it. Where inotify
-    is missing (not Linux, no ctypes, out of instances) nothing is watched and walks stat
-    as before."""
+    that has (or may have had) other hard links, a directory made, or a .gitignore touched
+    makes no directory quiet any more. A hard link made from a directory not watched
+    (outside the roots, or ignored) to a file inside raises no event, nor do changes
+    through it. Where inotify is missing (not Linux, no ctypes, out of instances) nothing
+    is watched and walks stat as before."""
 
     def __init__(self):
         self.fd, self.libc = None, None            # opened at the first watch
@@ -6281,31 +6283,41 @@ def pdf_r6_hash(password, salt, r, udata=b""):
             return k[:32]
 
 
-def pdf_aes_cbc(key, iv, data, encrypt=False):
-    """AES (a 128 or 256-bit key) in CBC mode without padding, by the libcrypto Python's own
-    ssl module is linked with (through ctypes); PdfError where this Python has none."""
+@functools.lru_cache(maxsize=None)
+def pdf_libcrypto():
+    """The libcrypto Python's own ssl module is linked with, its AES functions typed (through
+    ctypes), loaded once; None where this Python has none."""
     import ctypes
     try:
         import _ssl
         crypto = ctypes.CDLL(getattr(_ssl, "__file__", None))        # (its symbols and those of its libcrypto)
-        new, free, init, update = (crypto.EVP_CIPHER_CTX_new, crypto.EVP_CIPHER_CTX_free, crypto.EVP_CipherInit_ex,
-                                   crypto.EVP_CipherUpdate)
-        cipher = crypto.EVP_aes_128_cbc if len(key) == 16 else crypto.EVP_aes_256_cbc
+        p, i = ctypes.c_void_p, ctypes.c_int
+        crypto.EVP_CIPHER_CTX_new.restype = crypto.EVP_aes_128_cbc.restype = crypto.EVP_aes_256_cbc.restype = p
+        crypto.EVP_CIPHER_CTX_free.argtypes = [p]
+        crypto.EVP_CipherInit_ex.argtypes = [p, p, p, ctypes.c_char_p, ctypes.c_char_p, i]
+        crypto.EVP_CIPHER_CTX_set_padding.argtypes = [p, i]
+        crypto.EVP_CipherUpdate.argtypes = [p, ctypes.c_char_p, ctypes.POINTER(i), ctypes.c_char_p, i]
+        return crypto
     except (ImportError, OSError, AttributeError):
+        return None
+
+
+def pdf_aes_cbc(key, iv, data, encrypt=False):
+    """AES (a 128 or 256-bit key) in CBC mode without padding, by pdf_libcrypto()."""
+    import ctypes
+    crypto = pdf_libcrypto()
+    if crypto is None:
         raise PdfError("encrypted with AES: reading it needs the OpenSSL library this Python's ssl module lacks")
-    new.restype = cipher.restype = ctypes.c_void_p
-    free.argtypes = [ctypes.c_void_p]
-    init.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
-    update.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_int]
-    crypto.EVP_CIPHER_CTX_set_padding.argtypes = [ctypes.c_void_p, ctypes.c_int]
     data = data[:len(data) - len(data) % 16]
-    out, size, ctx = ctypes.create_string_buffer(len(data) + 16), ctypes.c_int(0), new()
+    out, size, ctx = ctypes.create_string_buffer(len(data) + 16), ctypes.c_int(0), crypto.EVP_CIPHER_CTX_new()
+    cipher = crypto.EVP_aes_128_cbc() if len(key) == 16 else crypto.EVP_aes_256_cbc()
     try:
-        if not (ctx and init(ctx, cipher(), None, key, iv, int(encrypt)) == 1 and
-                crypto.EVP_CIPHER_CTX_set_padding(ctx, 0) == 1 and update(ctx, out, size, data, len(data)) == 1):
+        if not (ctx and crypto.EVP_CipherInit_ex(ctx, cipher, None, key, iv, int(encrypt)) == 1 and
+                crypto.EVP_CIPHER_CTX_set_padding(ctx, 0) == 1 and
+                crypto.EVP_CipherUpdate(ctx, out, size, data, len(data)) == 1):
             raise PdfError("AES failed in the OpenSSL library")
     finally:
-        free(ctx)
+        crypto.EVP_CIPHER_CTX_free(ctx)
     return out.raw[:size.value]
 
 
@@ -9937,8 +9949,7 @@ class Checkpoints(object):
             return None                                      # no event since a scan that watched all of it
         for repo in self.repos:
             repo.refresh()
-        prune = w is not None and self.ruled is not None and not self.base.partial and \
-            all(map(same_objects, steady[1], self.ruled))
+        prune = self.ruled is not None and not self.base.partial and all(map(same_objects, steady[1], self.ruled))
         point, visited, looked, unwatched = self.walk_roots(background, cancelled, prune)
         if point is None:
             return None                                      # closed or cancelled: nothing to keep
@@ -12470,11 +12481,11 @@ def tool_checkpoints(session, args, ctx):
         kinds, size = Counter(), 0                 # (a directory at a time: no list of every entry at once)
         for packed in latest.dirs.values():
             for kind, _, digest, length, _, _, _ in unpack_children(packed).values():
-                kinds[kind + ("" if digest is None else "+")] += 1
+                kinds[kind] += kind != "f" or digest is not None     # (a file not covered is not counted)
                 size += length if kind == "f" else 0
         lines.append("Covered now: %d files, %d directories, %d symlinks (%s); the store keeps %s of a %s budget"
-                     " in %s." % (kinds["f+"], kinds["d"], kinds["l+"] + kinds["l"], human_size(size),
-                                  human_size(stored), human_size(budget), where))
+                     " in %s." % (kinds["f"], kinds["d"], kinds["l"], human_size(size), human_size(stored),
+                                  human_size(budget), where))
         if latest.missed:
             lines.append("Not covered: %s." % ", ".join("%s (%s)" % (root_of(p), why) for p, why in
                                                          latest.missed[:CHECKPOINT_NAMES_SHOWN]))
