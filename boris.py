@@ -53,7 +53,7 @@ modules that only some calls need are imported inside the functions that use the
 
 Constants follow one rule: a number a user or a model can meet (a limit, a size, a
 timeout, in an answer, a message or a flag) is at the top, under Limits; one that only
-tunes how one layer works inside (buffers, batches, how a walk is shared) sits at the
+tunes how one layer works inside (buffers, batches, cache sizes) sits at the
 head of that layer's banner. Every other piece of state belongs to an object that the
 server (or a helper's main) makes and passes down, but for these, each saying why where
 it is defined (TestTheFilesMap keeps the list true):
@@ -1881,23 +1881,13 @@ def kill_leftovers(proc):
 
 
 def kill_group(proc):
-    """Kill a helper with every process it started, reap it and close its pipes. Its
-    partners, re-parented here when this process is a subreaper, are reaped as they
-    die (within a second), not left to the periodic reaper."""
+    """Kill a helper with every process it started, reap it and close its pipes."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
         pass  # already gone
     proc.wait()
     reaped(proc)
-    deadline = time.monotonic() + 1.0
-    while _children.reaping and time.monotonic() < deadline:
-        reap_orphans()
-        try:
-            os.killpg(proc.pid, 0)                       # a member left, zombie or not?
-        except OSError:
-            break  # the group is empty: all reaped
-        time.sleep(0.005)
     for f in (proc.stdin, proc.stdout):
         try:
             f.close()
@@ -1906,8 +1896,7 @@ def kill_group(proc):
 
 
 # -- helper processes -------------------------------------------------------------
-# Every search, and every wait_for match, runs in a search helper; a big search shares
-# its walk with partner processes. A helper is this same file run as
+# Every search, and every wait_for match, runs in a search helper. A helper is this same file run as
 # `python3 -E -S -X utf8 -m boris_XXXXXXXX --helper KIND PARENT_PID` from a private
 # directory (0700, ours) that holds nothing but a link to this file and the cached
 # bytecode: no site-packages, and neither the workspace nor any cwd is ever on a
@@ -1987,21 +1976,20 @@ def pycache_prefix(avoid=()):
     import tempfile
     for base in (tempfile.gettempdir(), "/var/tmp", os.path.expanduser("~/.cache")):
         path = os.path.join(os.path.realpath(base), "boris-pycache-%d" % os.geteuid())
-        if any(is_within(path, a) for a in avoid) or not private_ok(path, create=True):
+        if any(is_within(path, a) for a in avoid) or not private_ok(path):
             continue
         return path
     return None
 
 
-def private_ok(path, create=False):
+def private_ok(path):
     """Whether `path` is a directory of ours that no one else may write (made 0700)."""
-    if create:
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass  # there already: checked below like a new one
-        except OSError:
-            return False  # cannot make it: the caller falls back to -I
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass  # there already: checked below like a new one
+    except OSError:
+        return False  # cannot make it: the caller falls back to -I
     try:
         st = os.lstat(path)
     except OSError:
@@ -2034,17 +2022,11 @@ def helper_link(private, real):
 
 def helper_command(kind, avoid=()):
     """argv and cwd that run this file as a helper of `kind`, child of this process.
-    A helper starting another (a partner) uses the private directory it runs from.
     Without a private directory it runs isolated (-I: no cwd, no script directory on
     the path) and compiles this file at every start."""
     real = os.path.realpath(THIS_FILE)
     parent = str(os.getpid())
-    here = os.path.dirname(THIS_FILE)
-    if os.path.basename(THIS_FILE).startswith("boris_") and os.path.basename(here).startswith("boris-pycache-") \
-            and private_ok(here) and not any(is_within(here, a) for a in avoid):
-        private = here
-    else:
-        private = pycache_prefix(avoid)
+    private = pycache_prefix(avoid)
     name = helper_link(private, real) if private else None
     if name:
         return ([sys.executable, "-E", "-S", "-X", "utf8", "-X", "pycache_prefix=" + private, "-m", name,
@@ -3133,15 +3115,8 @@ GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chu
 GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
 IGNORE_CACHE_FILES = 4096              # ignore files a helper keeps compiled (unchanged ones are not re-read)
 LISTING_CACHE_ENTRIES = 100000         # entries of directory visits a helper keeps (~25 MB at most)
-GLOB_REWALKS = 2                       # walks in a row of one glob job the helper makes to keep its answer
 GLOB_RESULTS_KEPT = 8                  # glob answers a helper keeps while nothing they came from changes
 LISTING_RACY_S = 1.0                   # a directory changed this recently is walked again next time
-SHARE_MIN_ENTRIES = 3000               # a walk is shared once it has listed this many entries
-SHARE_MIN_UNITS = 8                    # ... and has this many directories left to walk
-SHARE_SLICES = 48                      # a partner is given about 1/48 of its share at a time
-SHARE_AHEAD = 4                        # ... and kept that many slices ahead
-SHARE_SERVICE_S = 0.001                # the helper feeds its partners at least this often
-PARTNER_IDLE_S = 60.0                  # a search helper's partners are closed after this long idle
 _REGEX_META = frozenset("\\.^$*+?{}[]|()")
 
 TYPES = {                      # ripgrep's globs for these languages, and a few more
@@ -3555,8 +3530,6 @@ class WalkCache(object):
         self.held = 0                              # entries the listings hold
         self.watches = Watches() if watch else None
         self.results = OrderedDict()               # a glob job -> (generation, outer ignore stack, its batches, ...)
-        self.rewalk = None                         # a glob job to walk again while the helper waits (helper_search)
-        self.rewalks = {}                          # a glob job -> its walks in a row that could not be kept
 
     def refresh(self):
         """Take the changes the watches saw since the last job."""
@@ -3666,10 +3639,6 @@ class WalkCache(object):
             d = os.path.join(d, part)
         return stack
 
-    def stack(self, spec):
-        """An ignore stack from ignore_spec() (how it travels to a partner)."""
-        return [rules for rules in (self.read(base, source) for base, source in spec) if rules is not None]
-
 
 # -- the walker -----------------------------------------------------------------
 
@@ -3696,7 +3665,6 @@ class Walker(object):
         self.root, self.policy, self.follow_links = root, policy, follow_links
         self.cache = cache or WalkCache()          # a warm helper's: what it walked before, kept while unchanged
         self.name_key = "" if name_ok is None else name_key    # what name_ok stands for (None: its visits not kept)
-        self.costly_files = False                  # True: a remembered visit counts towards sharing (grep)
         self.ordered = ordered                     # each directory's entries by name (a stable page order)
         self.want_dirs, self.name_ok = want_dirs, name_ok
         self.max_depth = max_depth
@@ -3704,10 +3672,8 @@ class Walker(object):
         self.linked = []                           # (path, real, ignore stack, depth) to enter later
         self.link_heap = []                        # ... ordered by path once the real tree is done
         self.links_queued = 0
-        self.defer_links = False                   # True: leave self.linked to whoever shares the walk
         self.ignores = True                        # False: .gitignore rules are not applied (grep's no_ignore)
         self.use_ignore = False
-        self.listed = 0                            # entries listed so far
         self.recalled = 0                          # directories answered from the cache
         self.visited = None                        # a list: the directories visited are added to it
         self.links_seen = None                     # a list: ((link() arguments), its entries) of each link met
@@ -3731,7 +3697,7 @@ class Walker(object):
     def walk(self, pending):
         """Depth first from the pending entries, then the followed links."""
         pending = list(pending)
-        while pending or ((self.linked or self.link_heap) and not self.defer_links):
+        while pending or self.linked or self.link_heap:
             if not pending:
                 for link in self.linked:                 # a tree linked twice shows under the first name
                     self.links_queued += 1
@@ -3769,7 +3735,6 @@ class Walker(object):
             return None, [], None
         if self.ordered:
             entries.sort(key=attrgetter("name"))
-        self.listed += len(entries)
         return fd, entries, st
 
     def rules(self, path, names, ign):
@@ -3870,8 +3835,6 @@ class Walker(object):
         self.recalled += 1
         if self.follow_links:
             self.seen.add((st.st_dev, st.st_ino))
-        if self.costly_files:
-            self.listed += len(found) + len(subdirs)     # still work to share: each file is read
         if links:                                        # (a link's target is looked at every time)
             found = [one for e in found for one in (self.link(*e, inner, depth) if len(e) == 3 else (e,))]
         return list(found), list(subdirs)
@@ -3933,18 +3896,6 @@ class Walker(object):
     def name_passes(self, name):
         """Whether a file of this name is wanted (name_ok)."""
         return self.name_ok is None or self.name_ok(name)
-
-    def adopt(self, links, seen):
-        """What a partner reports at the end of a unit it walked: the directory links it
-        left to follow (entered here, in order, once the real tree is done) and the
-        directories it saw (so a link to one of them is not walked twice)."""
-        self.linked += links
-        self.seen.update(seen)
-
-    def share(self, tick):
-        """Walk for a shared walk: links are left in self.linked for the sharer, and
-        `tick` is called after each directory (None: back to walking alone)."""
-        self.defer_links, self.tick = tick is not None, tick
 
     def enter_link(self, path, real, ign, depth):
         """The pending entry of a followed directory link, or None when seen before."""
@@ -6931,9 +6882,8 @@ PDF_BUGS = (TypeError, AttributeError, KeyError, NameError)
 # Python's re holds the interpreter while it matches, so a catastrophic pattern (or a
 # glob such as *a*a*a*a*b) run in this process would freeze ping, cancel and every
 # other session. Every search therefore runs as a job in a search helper process
-# (its own process group, so its partners go with it): this process only waits on a
-# pipe, reads result batches as they come, and kills the group on cancel or at
-# SEARCH_TIMEOUT_S, keeping what had arrived. Idle helpers are kept for the next
+# (its own process group): this process only waits on a pipe, reads result batches as
+# they come, and kills the group on cancel or at SEARCH_TIMEOUT_S, keeping what had arrived. Idle helpers are kept for the next
 # search (SEARCH_IDLE_HELPERS) and exit when this process's end of the pipe closes.
 #
 # The search wire protocol: every message is one JSON object on one line.
@@ -6945,13 +6895,6 @@ PDF_BUGS = (TypeError, AttributeError, KeyError, NameError)
 #                                                                   SEARCH_BATCH items or 0.2 s)
 #   search helper -> server    {"end": "ok"} or {"end": "error",    the job's last line
 #                              "code", "message"}
-#   search helper -> partner   {"job": job}                         before its first unit
-#   search helper -> partner   {"unit": [root index, use_ignore,    SHARE_AHEAD slices ahead
-#                              [[path, real, ignores, depth, ino]]]}   (SharedWalk)
-#   partner -> search helper   {"items": [...]}                     a unit's results, if any;
-#                                                                   forwarded as they are
-#   partner -> search helper   {"links": [...], "seen": [...]}      a unit's end: links left to
-#                                                                   follow, directories seen
 #
 # Items: a grep job's are GrepHit records (JSON arrays); a glob job's are flat,
 # [rel, mtime, rel, mtime, ...] (a list per path would double the JSON work), read
@@ -7021,10 +6964,9 @@ class GrepWork(object):
         self.fast = None                                # gather()'s one-loop buffer
 
     def walker(self, k):
-        """A Walker of root k that follows directory links (as grep -R does); its files are read,
-        so a walk from the cache is still shared with partners."""
+        """A Walker of root k that follows directory links (as grep -R does)."""
         walker = Walker(self.roots[k][0], self.policy, follow_links=True, cache=self.cache)
-        walker.costly_files, walker.ignores = True, not self.job.get("no_ignore")
+        walker.ignores = not self.job.get("no_ignore")
         return walker
 
     def take(self, k, path, real, is_dir, ino):
@@ -7225,12 +7167,11 @@ class GlobWork(object):
         self.links_seen = [] if self.watches is not None else None
         self.linked = []                                # (path, mtime) of matches found through a link
         self.unkept = 0                                 # 1: a match no watch vouches for (one is enough)
-        self.shared = False                             # True once partners walked part of it
 
     def walker(self, k):
         """A Walker of the static start directory that lists links and does not enter them, names filtered
         in the walk when it can be. Its visits are kept for the next glob only in a warm helper's
-        cache: a partner's would serve only a repeat that the helper, holding its own visits, walks alone."""
+        cache (with watches)."""
         walker = Walker(self.roots[0][0], self.policy, follow_links=False, want_dirs=self.want_dirs,
                         name_ok=self.name_ok, max_depth=self.depth, cache=self.cache,
                         name_key=self.rest if self.watches is not None else None)
@@ -7261,14 +7202,9 @@ class GlobWork(object):
         visited was walked here and is clean, every match vouched for (GLOB_RESULTS_KEPT jobs)."""
         if self.watches is None:
             return
-        tries = self.cache.rewalks
-        if self.shared or self.unkept or not all(map(self.watches.clean.__contains__, self.visited)):
+        if self.unkept or not all(map(self.watches.clean.__contains__, self.visited)):
             self.cache.results.pop(self.key, None)
-            tries[self.key] = tries.get(self.key, 0) + 1
-            if tries[self.key] <= GLOB_REWALKS and self.job["kind"] == "file":
-                self.cache.rewalk = self.job
             return
-        tries.pop(self.key, None)
         self.cache.results[self.key] = (self.since, self.outer, batches, self.links_seen, self.linked)
         while len(self.cache.results) > GLOB_RESULTS_KEPT:
             self.cache.results.popitem(last=False)
@@ -7302,31 +7238,21 @@ class GlobWork(object):
 SEARCH_WORK = {"grep": GrepWork, "glob": GlobWork}
 
 
-# -- a job's batches, shared walks and partners -----------------------------------
+# -- a job's batches ---------------------------------------------------------------
 class Batches(object):
     """Items handed to emit() in batches: at SEARCH_BATCH, after 0.2 s, and at the end."""
 
-    def __init__(self, emit, raw=None, keep=False, poll=None):
+    def __init__(self, emit, keep=False):
         self.emit, self.items, self.sent = emit, [], time.monotonic()
         self.kept = [] if keep else None           # with keep: every batch emitted
-        self.poll = poll                           # called as each directory is done: True stops the job
-        self.raw = raw or (lambda line: self.extend(json.loads(line.decode("utf-8"))["items"]))
 
     def take(self, work, k, walked):
         """Add what `work` makes of the entries walked."""
         work.gather(k, walked, self.items)
         self.flush_due()
 
-    def extend(self, items):
-        """Add items that come ready made (a partner's line, parsed)."""
-        self.items += items
-        self.flush_due()
-
     def flush_due(self):
-        """Flush at SEARCH_BATCH items, or when 0.2 s passed since the last flush; stop
-        (WalkStopped) when poll() says so."""
-        if self.poll is not None and self.poll():
-            raise WalkStopped()
+        """Flush at SEARCH_BATCH items, or when 0.2 s passed since the last flush."""
         if len(self.items) >= SEARCH_BATCH or time.monotonic() - self.sent > 0.2:
             self.flush()
 
@@ -7341,17 +7267,10 @@ class Batches(object):
         self.sent = time.monotonic()
 
 
-class WalkStopped(Exception):
-    """A walk that was only warming the cache, stopped for a job (Batches.poll)."""
-
-
-def search_job(job, emit, raw=None, partners=None, cache=None, poll=None):
-    """Run a search job, handing results to emit() as they come (and a partner's
-    result lines, when given, to raw() as they are). Each directory root
-    is walked breadth first until it has listed SHARE_MIN_ENTRIES entries with
-    SHARE_MIN_UNITS directories still to go; those subtrees are then shared with
-    `partners` (a Partners; fresh ones for this job when None). Followed directory
-    links come last, walked here. A 'match' job tests a wait_for pattern."""
+def search_job(job, emit, cache=None):
+    """Run a search job, handing results to emit() as they come: a grep or glob walks
+    its roots (flushing its batches after each directory), an outline, document or pdf
+    job reads its files, and a 'match' job tests a wait_for pattern."""
     if job["op"] == "match":
         emit(match_job(job))
         return
@@ -7364,8 +7283,6 @@ def search_job(job, emit, raw=None, partners=None, cache=None, poll=None):
     if job["op"] == "pdf":
         pdf_job(job, emit)
         return
-    if partners is None:
-        partners = Partners(warm=False)
     work = SEARCH_WORK[job["op"]](job, cache)
     if job["op"] == "grep" and work.spec.get("stop_after"):
         grep_until(work, emit)
@@ -7376,37 +7293,16 @@ def search_job(job, emit, raw=None, partners=None, cache=None, poll=None):
         for batch in recalled:
             emit(batch)
         return
-    partners.start()                        # booting while the walk begins: ready when it is shared
-    out = Batches(emit, raw, keep=globbing, poll=poll)
+    out = Batches(emit, keep=globbing)
     for k, (real, is_dir, ino) in enumerate(work.roots):
+        walked = [(real, real, False, ino)]
         if is_dir:
-            walk_root(work, k, out, partners)
-        else:
-            out.take(work, k, [(real, real, False, ino)])
+            walked = work.walker(k)
+            walked.tick = out.flush_due
+        out.take(work, k, walked)
     out.flush()
     if globbing:
         work.keep(out.kept)
-
-
-def walk_root(work, k, out, partners):
-    """Walk directory root k breadth first until it is big enough to share, then
-    share the rest (SharedWalk); followed links last, here. A root whose listing the
-    cache holds is walked here alone when its files are not read (a glob): what the
-    partners walked last time is then in this helper's cache for the next."""
-    walker = work.walker(k)
-    left = deque([walker.start()])
-    alone = False
-    while left and (alone or not (walker.listed >= SHARE_MIN_ENTRIES and len(left) >= SHARE_MIN_UNITS)):
-        found, subdirs = walker.visit(*left.popleft())
-        alone = alone or bool(walker.recalled) and not walker.costly_files
-        out.take(work, k, found)
-        left += subdirs
-        if time.monotonic() - out.sent > 0.2:
-            out.flush()
-    if left:
-        work.shared = True
-        SharedWalk(work, walker, k, left, out).run(partners)
-    out.take(work, k, walker.walk([]))
 
 
 def grep_until(work, emit):
@@ -7424,309 +7320,27 @@ def grep_until(work, emit):
                     return
 
 
-def ignore_spec(ign):
-    """An ignore stack as it travels to a partner: [[base, source], ...]."""
-    return [[rules.base, rules.source] for rules in ign]
-
-
-def unit_spec(entry):
-    """A pending walker entry as it travels to a partner."""
-    path, real, ign, depth, ino = entry
-    return [path, real, ignore_spec(ign), depth, ino]
-
-
-class Partner(object):
-    """A partner process of a search helper: takes a job, then units of it (lists of
-    subtrees to walk), and answers each unit with its results (a line, if any) and
-    an end line (the links it left to follow, the directories it saw). What it is
-    sent goes through a queue to a feeding thread, so a partner still starting up
-    (or a full pipe) never blocks the search helper."""
-
-    def __init__(self):
-        import subprocess
-        argv, cwd = helper_command("partner")
-        self.proc = spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=None)                 # its tracebacks reach the server's stderr
-        self.units, self.pending, self.job, self.held = [], LineBuffer(), None, []
-        self.inbox = queue.SimpleQueue()
-        self.feeder = threading.Thread(target=self._feed, daemon=True)
-        self.feeder.start()
-
-    def _feed(self):
-        try:
-            for data in iter(self.inbox.get, None):
-                self.proc.stdin.write(data)
-                self.proc.stdin.flush()
-        except OSError:                                 # it died: replies() sees the end
-            pass
-        finally:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass  # a pipe whose reader died: nothing lost
-
-    def send(self, data):
-        """Queue bytes for the partner (the feeding thread writes them)."""
-        self.inbox.put(data)
-
-    def close(self):
-        """Kill (if still running), reap, release; safe to repeat."""
-        self.inbox.put(None)
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        reaped(self.proc)
-        self.feeder.join()                  # it closes stdin (a write to the dead partner fails at once)
-        self.proc.stdout.close()
-
-    def give(self, work, k, use_ignore, entries):
-        """Send a unit (a slice of subtrees of root k) to walk, preceded by the job when it is new to this
-        partner."""
-        if self.job is not work.job:
-            self.send(json.dumps({"job": work.job}).encode("utf-8", "surrogateescape") + b"\n")
-            self.job = work.job
-        self.units.append(entries)
-        msg = {"unit": [k, use_ignore, [unit_spec(e) for e in entries]]}
-        self.send(json.dumps(msg).encode("utf-8", "surrogateescape") + b"\n")
-
-    def replies(self, forward):
-        """The ends of units that have arrived (call when readable); their result
-        lines go to forward() as they are, once the unit is whole. OSError when it
-        died: the units it still owes are in self.units, none of them forwarded."""
-        chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
-        if not chunk:
-            raise OSError("partner ended")
-        ends = []
-        for line in self.pending.feed(chunk):
-            if line.startswith(b'{"items": '):
-                self.held.append(line)
-                continue
-            ends.append(json.loads(line.decode("utf-8")))
-            for held in self.held:
-                forward(held)
-            self.held = []
-            del self.units[0]
-        return ends
-
-
-class Partners(object):
-    """The partner processes a search helper (or an in-process HelperPool) shares its
-    walks with. warm=True keeps them for the next job, until close() or
-    PARTNER_IDLE_S without one; warm=False starts fresh ones for each walk (searches
-    may then run in parallel threads) and closes them when it ends."""
-
-    def __init__(self, warm=True):
-        self.warm = warm
-        self.procs = []
-
-    def start(self):
-        """Start the warm partners a walk will want, if they are not running: a partner
-        takes as long to boot as a big walk takes to reach the size it is shared at."""
-        if self.warm and len(self.procs) < partner_count():
-            self.for_walk()
-
-    def for_walk(self):
-        """Partners for a shared walk, as many as the cores allow beside this process."""
-        if not self.warm:
-            return [p for p in (new_partner() for _ in range(partner_count())) if p is not None]
-        live = []
-        for p in self.procs:
-            if p.proc.poll() is None and not ready([p.proc.stdout], 0):
-                live.append(p)                    # (an idle partner has nothing to say)
-            else:
-                p.close()
-        self.procs = live
-        for _ in range(partner_count() - len(self.procs)):
-            p = new_partner()
-            if p is not None:
-                self.procs.append(p)
-        return list(self.procs)
-
-    def done(self, used):
-        """After a walk: a partner still at work (the walk failed) is closed, never
-        reused; without warm, all of them are."""
-        for p in used:
-            if p.units or not self.warm:
-                p.close()
-                if p in self.procs:
-                    self.procs.remove(p)
-
-    def close(self):
-        """Close every warm partner."""
-        procs, self.procs = self.procs, []
-        for p in procs:
-            p.close()
-
-
-def new_partner():
-    """A started Partner, or None (logged) when it cannot start: the walk goes on without it."""
-    try:
-        return Partner()
-    except OSError as e:
-        log("warn", "a search partner could not start; the walk goes on without it", error=str(e))
-        return None
-
-
-def partner_count():
-    """How many partners a shared walk uses: the cores beside this one, at most 3."""
-    if not THIS_FILE:
-        return 0
-    return min(os.cpu_count() or 1, 4) - 1
-
-
-class SharedWalk(object):
-    """A walk of the subtrees `units` (walker entries, shallowest first) shared with
-    partner processes: the queue of units left, the partners still at work, and the
-    ignore files their replies name (read once). This process takes units one by one
-    from the front and, at least every SHARE_SERVICE_S, keeps each partner SHARE_AHEAD
-    slices ahead, also from the front: the big subtrees go first, and when the queue
-    runs short this process lists the next one's top directory only, queueing its
-    subdirectories, so all end at about the same time. A partner that dies leaves the
-    units it had not finished to this process."""
-
-    def __init__(self, work, walker, k, units, out):
-        self.work, self.walker, self.k, self.out = work, walker, k, out
-        self.queue = deque(units)
-        self.active, self.mark = [], 0
-
-    def run(self, partners):
-        """Walk here from the queue's front while partners (of the Partners pool) walk
-        their slices."""
-        queue, walker = self.queue, self.walker
-        used = partners.for_walk()
-        self.active = list(used)
-        self.size = max(1, len(queue) // (SHARE_SLICES * (len(self.active) + 1)))
-        walker.share(self.tick)
-        try:
-            while self.service(wait=not queue) or queue:
-                if queue and len(queue) < 2 * SHARE_AHEAD * len(self.active):   # running short: split the next
-                    found, subdirs = walker.visit(*queue.popleft())
-                    self.out.take(self.work, self.k, found)
-                    queue.extendleft(reversed(subdirs))
-                elif queue:
-                    self.out.take(self.work, self.k, walker.walk([queue.popleft()]))
-        finally:
-            walker.share(None)
-            partners.done(used)
-
-    def tick(self):
-        """Called by the walker after each directory: service the partners every
-        SHARE_SERVICE_S, flush results every 0.2 s."""
-        now = time.monotonic()
-        if now >= self.mark:
-            self.mark = now + SHARE_SERVICE_S
-            self.service(False)
-            if now - self.out.sent > 0.2:
-                self.out.flush()
-
-    def service(self, wait):
-        """Keep partners fed, take in what they answered; False once none is busy."""
-        for p in self.active:
-            self.feed(p)
-        busy = [p for p in self.active if p.units]
-        answering = ready([p.proc.stdout for p in busy], None if wait else 0) if busy else []
-        for p in busy:
-            if p.proc.stdout in answering:
-                self.answered(p)
-        return bool(busy)
-
-    def feed(self, p):
-        """Give partner p slices from the queue's front until it is SHARE_AHEAD ahead."""
-        queue = self.queue
-        while queue and len(p.units) < SHARE_AHEAD:
-            p.give(self.work, self.k, self.walker.use_ignore, [queue.popleft() for _ in range(min(self.size, len(queue)))])
-
-    def answered(self, p):
-        """Take in partner p's replies; a partner that died gives its units back."""
-        try:
-            for reply in p.replies(self.out.raw):
-                self.walker.adopt([(path, real, self.walker.cache.stack(ign), depth)
-                                   for path, real, ign, depth in reply["links"]], map(tuple, reply["seen"]))
-        except (OSError, ValueError) as e:
-            log("debug", "search partner lost; its units are walked here", error=str(e))
-            for entries in p.units:
-                self.queue.extend(entries)
-            p.units = []
-            self.active.remove(p)
-            p.close()
-
-
-def helper_partner():
-    """A partner: {"job": ...} then {"unit": [root index, use_ignore, entries]} lines on
-    stdin; per unit a line {"items": [...]} (when it found any; the search helper
-    passes it on as it is) and a line {"links", "seen"} on stdout."""
-    work, cache, out = None, WalkCache(), sys.stdout.buffer
-    for line in iter(sys.stdin.buffer.readline, b""):
-        msg = json.loads(line.decode("utf-8", "surrogateescape"))
-        if "job" in msg:
-            work = SEARCH_WORK[msg["job"]["op"]](msg["job"], cache)
-            continue
-        k, use_ignore, entries = msg["unit"]
-        walker = work.walker(k)
-        walker.use_ignore, walker.defer_links = use_ignore, True       # its links are the helper's to follow
-        pending = [(path, real, cache.stack(ign), depth, ino) for path, real, ign, depth, ino in entries]
-        items = []
-        work.gather(k, walker.walk(pending), items)
-        end = {"links": [[path, real, ignore_spec(ign), depth] for path, real, ign, depth in walker.linked],
-               "seen": list(walker.seen)}
-        if items:
-            out.write(json.dumps({"items": items}).encode("ascii") + b"\n")
-        out.write(json.dumps(end).encode("ascii") + b"\n")
-        out.flush()
-
-
-def helper_search(inp=None, out=None, partners=None):
+def helper_search(inp=None, out=None):
     """A search helper: one JSON job a line on stdin, until it closes; for each, lines
     {"items": [...]} as results come, then {"end": "ok"} or {"end": "error", ...}.
-    Partners idle for PARTNER_IDLE_S are closed (they hold ~14 MB each). Run as a
-    process (inp None), each job also carries its deadline here: SIGALRM, whose
+    Run as a process (inp None), each job also carries its deadline here: SIGALRM, whose
     default action the kernel carries out even while a regex holds the interpreter,
     ends the helper DEADLINE_GRACE_S after it."""
     alarms = inp is None and hasattr(signal, "setitimer")
     inp, out = inp or sys.stdin.buffer, out or sys.stdout.buffer
-    partners = partners or Partners(warm=True)
     cache = WalkCache(watch=True)       # this helper's, for all its jobs
-
-    def raw(line):
-        out.write(line + b"\n")
-        out.flush()
 
     def emit(items):
         if items:
-            raw(json.dumps({"items": items}).encode("ascii"))
-    try:
-        while True:
-            if alarms and cache.rewalk is not None and not ready([inp], 0):
-                rewalk(cache, partners, lambda: bool(ready([inp], 0)))
-                continue
-            cache.rewalk = None
-            if partners.procs and not ready([inp], PARTNER_IDLE_S):
-                partners.close()                # (a job comes alone: nothing waits in inp's buffer)
-                continue
-            line = inp.readline()
-            if not line:
-                return None
-            job = json.loads(line.decode("utf-8", "surrogateescape"))
-            raw(json.dumps(helper_job(job, emit, raw, partners, alarms, cache)).encode("ascii"))
-    finally:
-        partners.close()
+            out.write(json.dumps({"items": items}).encode("ascii") + b"\n")
+            out.flush()
+    for line in iter(inp.readline, b""):
+        job = json.loads(line.decode("utf-8", "surrogateescape"))
+        out.write(json.dumps(helper_job(job, emit, alarms, cache)).encode("ascii") + b"\n")
+        out.flush()
 
 
-def rewalk(cache, partners, poll):
-    """Walk the glob job cache.rewalk again, alone, while no job waits (poll()): the walk
-    that watches what the first left to partners, so the next such glob is answered
-    from the cache (GlobWork.recall). Stopped when a job comes; its answer thrown away."""
-    job, cache.rewalk = cache.rewalk, None
-    try:
-        cache.refresh()
-        search_job(job, lambda items: None, None, partners, cache, poll)
-    except WalkStopped:
-        return
-    except Exception as e:
-        log("debug", "a glob walked again to keep its answer failed", error=repr(e))
-
-
-def helper_job(job, emit, raw, partners, alarms, cache=None):
+def helper_job(job, emit, alarms, cache=None):
     """Run one job in a search helper (under a SIGALRM deadline when `alarms`); its end
     line: {"end": "ok"} or {"end": "error", code, message}, a traceback on stderr."""
     if alarms and job.get("deadline_s"):
@@ -7734,7 +7348,7 @@ def helper_job(job, emit, raw, partners, alarms, cache=None):
     try:
         if cache is not None:
             cache.refresh()
-        search_job(job, emit, raw, partners, cache)
+        search_job(job, emit, cache)
         return {"end": "ok"}
     except ToolError as e:
         return {"end": "error", "code": e.code, "message": e.message}
@@ -7923,7 +7537,7 @@ class HelperPool(object):
             kill_group(proc)
 
     def discard(self, proc):
-        """Kill a helper (and its partners) and forget it."""
+        """Kill a helper and forget it."""
         with self.lock:
             self.busy.discard(proc)
             if proc in self.idle:
@@ -7931,7 +7545,7 @@ class HelperPool(object):
         kill_group(proc)
 
     def close(self):
-        """Kill every helper, busy or idle, with its partners; no new one starts."""
+        """Kill every helper, busy or idle; no new one starts."""
         with self.lock:
             self.closed = True
             procs = self.idle + list(self.busy)
@@ -15309,9 +14923,6 @@ def serve_http(server, config, stop):
 ###############################################################################
 
 
-HELPER_KINDS = {"search": helper_search, "partner": helper_partner}
-
-
 def helper_main(args):
     """Entry point of `boris.py --helper KIND [PARENT_PID [...]]`: serve stdin, exit 0
     (2 for no such kind). The sandbox launcher takes SPEC and the command after the
@@ -15323,12 +14934,11 @@ def helper_main(args):
         return helper_warm_launcher(int(args[2][1:]), args[3] if len(args) == 4 else None)
     if kind == "sandbox" and len(args) > 3:
         return helper_sandbox(args[2], args[3:])
-    job = HELPER_KINDS.get(kind)
-    if job is None:
+    if kind != "search":
         sys.stderr.write("boris: error: unknown helper kind %r\n" % kind)
         return 2
     guard_helper(int(parent) if parent and parent.isdigit() else None)
-    job()
+    helper_search()
     return 0
 
 

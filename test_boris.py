@@ -79,42 +79,13 @@ def line_readers():
         yield readers
 
 
-def search_in_process(partners=None):
-    """Run searches in this process, so that patches of the search engine apply to
-    them; `partners` (a boris.Partners) serve their shared walks."""
+def search_in_process():
+    """Run searches in this process, so that patches of the search engine apply to them."""
     def run(pool, job, cancelled, deadline_s=None):
         items = []
-        boris.search_job(job, items.extend, partners=partners)
+        boris.search_job(job, items.extend)
         return items, None
     return mock.patch.object(boris.HelperPool, "run", run)
-
-
-@contextlib.contextmanager
-def shared_walks(**patches):
-    """Searches in this process whose walks are shared with a partner process from
-    the first directory on; one partner serves them all (as in a search helper) and
-    is reaped at the end. Yields the lists of units the partners were given."""
-    given = []
-    real_give = boris.Partner.give
-
-    def give(partner, work, k, use_ignore, entries):
-        given.append(entries)
-        real_give(partner, work, k, use_ignore, entries)
-    patches = dict(dict(SHARE_MIN_ENTRIES=1, SHARE_MIN_UNITS=1, SHARE_SLICES=1000), **patches)
-    partners = boris.Partners(warm=True)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(search_in_process(partners))
-        stack.enter_context(mock.patch("os.cpu_count", return_value=2))
-        stack.enter_context(mock.patch.object(boris.Partner, "give", give))
-        for name, value in patches.items():
-            stack.enter_context(mock.patch.object(boris, name, value))
-        try:
-            yield given
-        finally:
-            procs = list(partners.procs)
-            partners.close()
-            for partner in procs:
-                assert partner.proc.returncode is not None, "partner not reaped"
 
 
 def read_until(stream, needle, timeout):
@@ -1205,8 +1176,8 @@ class TestLineEndingsAndModes(NoViewBase):
 
 
 def search_tree(root):
-    """A tree that a grep shares with partners (40 directories of 80 files), whose
-    every subdirectory holds a line that (a+)+$ chews on for ever."""
+    """A tree of 40 directories of 80 files whose every subdirectory holds a line that
+    (a+)+$ chews on for ever."""
     empty = os.path.join(root, "empty.txt")
     open(empty, "w").close()
     for d in range(40):
@@ -1266,7 +1237,7 @@ class TestHelperWatchdog(unittest.TestCase):
 
 
 class TestHelpersDieWithTheServer(unittest.TestCase):
-    """However the server ends during a search, its helpers and partners are
+    """However the server ends during a search, its helpers are
     gone 3 s later (SIGKILL included: PR_SET_PDEATHSIG)."""
 
     def setUp(self):
@@ -1282,9 +1253,7 @@ class TestHelpersDieWithTheServer(unittest.TestCase):
                 "params": {"name": "grep", "arguments": {"pattern": CATASTROPHIC, "output_mode": "count"}}})
         helpers = wait_until(lambda: helper_pids(c.p.pid), 10)
         self.assertTrue(helpers, "no search helper started")
-        partners = wait_until(lambda: helper_pids(helpers[0], "partner"), 10)
-        self.assertTrue(partners, "the walk was not shared")
-        return c, helpers + partners
+        return c, helpers
 
     def assert_gone(self, pids, how):
         self.assertTrue(wait_until(lambda: not any(alive(p) for p in pids), 3.0),
@@ -2461,12 +2430,6 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
             policy = boris.PathPolicy([], [], tmp)
             ours = set(p[len(tmp) + 1:] for p, _, d, _ in boris.Walker(tmp, policy, False) if not d)
             self.assertEqual(sorted(ours), sorted(expected), "tree %d (%s)" % (trial, tmp))
-            if trial % 4 == 0:                          # the ignore stacks a partner rebuilds agree too
-                found = []
-                with shared_walks():
-                    boris.search_job({"op": "glob", "policy": boris.policy_spec(policy), "start": tmp, "rest": "*",
-                                      "base_only": True, "kind": "file", "lead": len(tmp) + 1}, found.extend)
-                self.assertEqual(sorted(found[0::2]), sorted(expected), "shared, tree %d" % trial)
             trees += 1
         self.assertEqual(trees, campaign_size("BORIS_IGNORE_CAMPAIGN", 15, 40))
 
@@ -6929,7 +6892,7 @@ def descendants(pid):
 @unittest.skipUnless(LINUX and os.geteuid() == 0, "reads every child's /proc/<pid>/environ: root on Linux only")
 class TestNoChildHoldsASecret(unittest.TestCase):
     """Issue 56: with secret-named variables and BORIS_* in the server's environment, no
-    process it starts - search helpers and their partners, the document helper,
+    process it starts - search helpers, the document helper,
     sandbox launchers, commands and tasks - holds them in /proc/<pid>/environ."""
 
     def serve_and_look(self, flags):
@@ -7284,8 +7247,8 @@ class TestGrep(SearchBase):
         self.assertEqual(self.ok("grep", pattern="match", path="sep", output_mode="count"), "a.txt:1\nb.txt:1")
         self.assertNotIn("--", self.ok("search_text", query="match", paths=["sep", "sep2"]))   # seed 002's plain list
 
-    def _shared_tree(self):
-        """A tree worth sharing: 48 files in nested directories (distinct mtimes), a
+    def _linked_tree(self):
+        """A tree of 48 files in nested directories (distinct mtimes), a
         followed link to a directory also reached directly, a link cycle, a nested
         .gitignore, a name the include filter drops, a binary file."""
         now = time.time()
@@ -7314,45 +7277,14 @@ class TestGrep(SearchBase):
                 self.ok("glob", pattern="**/*.py", path="many"), self.ok("glob", pattern="many/**/s1/*"),
                 self.ok("glob", pattern="**/s*", path="many", type="directory")]
 
-    def test_a_shared_walk_agrees_with_one_process(self):
-        self._shared_tree()
+    def test_searches_through_links_ignores_and_odd_names(self):
+        self._linked_tree()
         alone = self._searches()
         self.assertEqual(len(alone[1].split("\n")), 16 + 2 + 1)    # d0 reached twice counts once; a notice
         self.assertIn("d2/s1/caf\ufffd \ufffd.py", alone[1])
         self.assertIn("d0/s2/ext/o.txt", alone[1])
         self.assertNotIn("x.skip", alone[0])
         self.assertNotIn("alias", alone[1])
-        for ahead in (4, 1):                          # the partner walks all of many/, or some of it
-            with shared_walks(SHARE_AHEAD=ahead, SEARCH_BATCH=2 if ahead == 1 else 1000, SHARE_SERVICE_S=0) as given:
-                shared = self._searches()
-            self.assertGreaterEqual(len(given), 16 if ahead == 4 else 8, "the partner was given too little")
-            for one, two in zip(alone, shared):
-                self.assertEqual(two, one)
-
-    def test_idle_partners_are_closed(self):
-        r, w = os.pipe()
-        got = io.BytesIO()
-        warm = boris.Partners(warm=True)
-        with os.fdopen(r, "rb") as inp, shared_walks(PARTNER_IDLE_S=0.1) as given:
-            self._shared_tree()
-            partners = []
-            helper = threading.Thread(target=boris.helper_search, args=(inp, got, warm))
-            helper.start()
-            try:
-                job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [boris.search_root(
-                    self.session, ctx_of(self.cfg, self.policy), "many")], boris.grep_spec(
-                    "hit", "files_with_matches"))
-                os.write(w, json.dumps(job).encode() + b"\n")
-                self.assertTrue(wait_until(lambda: b'{"end": "ok"}' in got.getvalue()), got.getvalue()[-300:])
-                partners = list(warm.procs)
-                self.assertTrue(partners and given, "the walk was not shared")
-                self.assertTrue(wait_until(lambda: not warm.procs, 5), "idle partners were kept")
-            finally:
-                os.close(w)
-                helper.join(5)
-        self.assertFalse(helper.is_alive())
-        for partner in partners:
-            self.assertIsNotNone(partner.proc.returncode, "partner not reaped")
 
     def test_results_that_arrive_during_a_gather_are_all_kept(self):
         got = []
@@ -7362,11 +7294,11 @@ class TestGrep(SearchBase):
             def gather(self, k, walked, items):
                 for x in walked:
                     items.append(x)
-                    out.extend(["partner %s" % x])        # a partner's line, taken in by a tick mid-walk
+                    out.flush_due()                       # as the walker's tick does after each directory
         with mock.patch.object(boris, "SEARCH_BATCH", 2):
-            out.take(Work(), 0, ["a", "b", "c"])
+            out.take(Work(), 0, ["a", "b", "c", "d", "e"])
             out.flush()
-        self.assertEqual(sorted(got), ["a", "b", "c", "partner a", "partner b", "partner c"])
+        self.assertEqual(got, ["a", "b", "c", "d", "e"])
 
     def test_files_mode_of_a_literal_in_one_loop_answers_as_the_general_path(self):
         """Issue 44: `-l` of a literal reads each file in one inline loop; 400 generated
@@ -7413,25 +7345,9 @@ class TestGrep(SearchBase):
         self.assertFalse(any(h.real in (walked[0][1], walked[1][1]) for h in fast))
         self.assertTrue(any(h.rel.startswith("d") and h.mtime for h in fast))
 
-    def test_a_walk_starts_its_warm_partners_before_it_is_big_enough_to_share(self):
-        """Issue 44: a search helper's partners boot while its walk begins (a boot takes as
-        long as a big walk takes to reach its sharing size); fresh partners for one walk
-        (warm=False) are started only when the walk is shared."""
-        job = {"op": "glob", "policy": boris.policy_spec(self.policy), "start": self.root, "rest": "*.py",
-               "base_only": True, "kind": "file", "lead": len(self.root) + 1}
-        for warm, started in ((True, 1), (False, 0)):
-            partners, found = boris.Partners(warm=warm), []
-            self.addCleanup(partners.close)
-            with mock.patch("os.cpu_count", return_value=2), mock.patch.object(boris, "SHARE_MIN_ENTRIES", 10 ** 9):
-                boris.search_job(job, found.extend, None, partners, boris.WalkCache())
-            self.assertEqual(sorted(found[0::2]), ["src/app.py", "src/util.py"])
-            self.assertEqual(len(partners.procs), started)
-            self.assertTrue(all(p.proc.poll() is None for p in partners.procs))
-
     def test_only_a_warm_helper_keeps_what_a_glob_visited(self):
-        """Issue 44: a partner's cache (no watches) keeps no glob visits - only a repeat the
-        helper walks alone, from its own, could use them - and a warm helper's does; a
-        grep's visits are kept by a partner too (a shared grep reads them again)."""
+        """Issue 44: a cache without watches keeps no glob visits and a warm helper's does;
+        a grep's visits are kept either way."""
         glob = {"op": "glob", "policy": boris.policy_spec(self.policy), "start": self.root, "rest": "*.py",
                 "base_only": True, "kind": "file", "lead": len(self.root) + 1}
         grep = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(self.root, True, None)],
@@ -7444,36 +7360,6 @@ class TestGrep(SearchBase):
                 work.gather(0, work.walker(0), found)
             self.assertTrue(found)
             self.assertEqual(bool(cache.listings), kept, (job["op"], watch))
-
-    def test_a_failed_shared_walk_reuses_no_busy_partner(self):
-        self._shared_tree()
-        alone = self._searches()
-        real_gather = boris.GrepWork.gather
-
-        def failing(work, k, walked, items):
-            def burning():
-                for entry in walked:
-                    if "/many/" in entry[0]:
-                        raise RuntimeError("the disk caught fire")
-                    yield entry
-            return real_gather(work, k, burning(), items)
-        with shared_walks(SHARE_AHEAD=1) as given:
-            with mock.patch.object(boris.GrepWork, "gather", failing):
-                with self.assertRaises(RuntimeError):              # (a search helper reports it)
-                    self.call("grep", pattern="hit", path="many")
-            self.assertTrue(given)
-            self.assertEqual(self._searches(), alone)          # no answer of the failed walk leaks in
-
-    def test_a_shared_walk_survives_partners_that_die(self):
-        self._shared_tree()
-        alone = self._searches()
-        for code in ("import sys; sys.exit(3)",                                  # dies at once
-                     "import sys; sys.stdin.readline(); sys.stdin.readline(); sys.exit(3)",  # after a unit
-                     "import sys; sys.stdin.readline(); print('{\"items\": [[0, \"bogus\", 1]]}'); sys.exit(3)"):
-            argv = [sys.executable, "-c", code]
-            with shared_walks(helper_command=lambda *a: (argv, HERE)) as given:
-                self.assertEqual(self._searches(), alone, code)
-            self.assertTrue(given)
 
     def test_a_cut_search_keeps_its_partial_notice(self):
         lines = ["line %05d" % i for i in range(10000)]
@@ -7674,21 +7560,19 @@ def glob_job(case, shown, pattern, kind="file"):
             "rest": rest, "base_only": base_only, "kind": kind, "lead": len(start) + 1}
 
 
-def warm_glob(cache, job, rewalk=False):
+def warm_glob(cache, job):
     """(rel, mtime) pairs of a glob job, newest first, answered with a warm helper's cache
-    (refreshed first, as helper_job does); with rewalk, the helper's idle walk follows."""
+    (refreshed first, as helper_job does)."""
     items = []
     cache.refresh()
-    boris.search_job(job, items.extend, partners=boris.Partners(warm=False), cache=cache)
-    if rewalk and cache.rewalk is not None:
-        boris.rewalk(cache, boris.Partners(warm=False), lambda: False)
+    boris.search_job(job, items.extend, cache=cache)
     return sorted(boris.glob_pairs(items), key=lambda p: (-p[1], p[0]))
 
 
 def cold_glob(case, job):
     """The same job's pairs walked afresh (no cache)."""
     items = []
-    boris.search_job(job, items.extend, partners=boris.Partners(warm=False))
+    boris.search_job(job, items.extend)
     return sorted(boris.glob_pairs(items), key=lambda p: (-p[1], p[0]))
 
 
@@ -7698,8 +7582,8 @@ class TestWatchedWalks(SearchBase):
         steps; seed BORIS_WATCH_SEED): random changes of a tree - files created, deleted,
         appended to in place, truncated, touched to a given time, renamed; directories made,
         renamed and removed with what they hold; hard links; symlinks made (also to files outside, which
-        no watch sees) and their targets changed; .gitignore files written - each followed by globs with the warm cache (aged or not,
-        walked again while idle or not), each compared with a walk from scratch: names and
+        no watch sees) and their targets changed; .gitignore files written - each followed by globs with the warm cache (aged or not),
+        each compared with a walk from scratch: names and
         mtimes equal, every time."""
         if not watches_here():
             self.skipTest("no inotify here")
@@ -7729,7 +7613,7 @@ class TestWatchedWalks(SearchBase):
                         age(top)
                     for _ in range(rng.choice((1, 2, 3))):
                         job = rng.choice(jobs)
-                        warm, cold = warm_glob(cache, job, rewalk=rng.random() < 0.5), cold_glob(self, job)
+                        warm, cold = warm_glob(cache, job), cold_glob(self, job)
                         if warm != cold:
                             differences.append((seed, n, step, what, job["rest"], warm, cold))
                 cache.close()
@@ -7983,7 +7867,7 @@ class TestGlob(SearchBase):
         self.assertLessEqual(len(out), boris.OUTPUT_MAX_CHARS + 300)
         self.assertIn("more paths not shown", out)
 
-    def test_big_glob_newest_first_across_shares(self):
+    def test_big_glob_newest_first(self):
         now = time.time()
         for i in range(300):
             rel = "many/d%d/f%03d.dat" % (i % 7, i)
@@ -7991,9 +7875,6 @@ class TestGlob(SearchBase):
             os.utime(self.path(rel), (now - 7 * i, now - 7 * i))
         expected = ["many/d%d/f%03d.dat" % (i % 7, i) for i in range(300)]
         self.assertEqual(self.ok("glob", pattern="**/*.dat").split("\n"), expected)
-        with shared_walks() as given:
-            self.assertEqual(self.ok("glob", pattern="**/*.dat").split("\n"), expected)
-        self.assertTrue(given)
 
     def test_dir_slash_glob_lists_direct_children_only(self):
         for rel in ("kernel/a.c", "kernel/sub/b.c", "kernel/sub/deep/c.c", "x.c", "arch/x86/kernel/d.c"):
@@ -9644,27 +9525,6 @@ class TestNothingFrozenOverStdio(StdioBase):
         self.assertTrue(wait_until(lambda: not helper_pids(self.c.p.pid), 5), "the search still runs")
         self.assertEqual(self.c.request("ping")["result"], {})
         self.assertFalse(any(m and m.get("id") == 900 for m in self.c.lines))
-
-    def test_a_cancelled_shared_walk_takes_its_partners_along(self):
-        empty = os.path.join(self.tmp, "empty.txt")
-        open(empty, "w").close()
-        for d in range(40):                            # past SHARE_MIN_ENTRIES: the walk is shared
-            os.makedirs(os.path.join(self.tmp, "d%02d" % d))
-            for i in range(80):                        # hard links: a tenth of the time of new files
-                os.link(empty, os.path.join(self.tmp, "d%02d" % d, "f%02d.txt" % i))
-            os.makedirs(os.path.join(self.tmp, "d%02d" % d, "sub"))        # walked once the sharing starts
-            with open(os.path.join(self.tmp, "d%02d" % d, "sub", "evil.txt"), "w") as f:
-                f.write(CATASTROPHIC_LINE)
-        self.c.send({"jsonrpc": "2.0", "id": 901, "method": "tools/call",
-                     "params": {"name": "grep", "arguments": {"pattern": CATASTROPHIC, "output_mode": "count"}}})
-        self.assertTrue(wait_until(lambda: helper_pids(self.c.p.pid), 10))
-        helper = helper_pids(self.c.p.pid)[0]
-        partners = wait_until(lambda: helper_pids(helper, "partner"), 10)
-        self.assertTrue(partners, "the walk was not shared")
-        self.assertEqual(self.c.request("ping")["result"], {})
-        self.c.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 901}})
-        gone = lambda: not any(pid in proc_table() for pid in partners)               # zombies count
-        self.assertTrue(wait_until(gone, 5), "a partner outlived its search, or was left a zombie")
 
 
 class TestProcessesLeftBehind(StdioBase):
