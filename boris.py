@@ -3515,6 +3515,13 @@ class Watches(object):
         return (path[:path.rfind("/")] or "/") in self.of
 
 
+Visit = namedtuple("Visit", "st outer names inner found subdirs links")
+Visit.__doc__ = """A directory's visit as a WalkCache keeps it: its stat, the ignore stacks
+outside and inside it, the names of .git and .gitignore it holds (what the inner stack
+came from), what it found (a symlink as (shown, at, name): its target is looked at each
+time), its subdirectories' pending entries, and whether it holds any symlink."""
+
+
 class WalkCache(object):
     """What a warm search helper remembers of the trees it walked, each thing kept while
     it is unchanged: the ignore files it read (the same inode, size, mtime and ctime: an
@@ -3526,7 +3533,7 @@ class WalkCache(object):
 
     def __init__(self, watch=False):
         self.files = OrderedDict()                 # (base, source) -> (stat key, IgnoreFile or None)
-        self.listings = OrderedDict()              # visit key -> (stat, stacks, names, (found, subdirs))
+        self.listings = OrderedDict()              # visit key -> Visit
         self.held = 0                              # entries the listings hold
         self.watches = Watches() if watch else None
         self.results = OrderedDict()               # a glob job -> (generation, outer ignore stack, its batches, ...)
@@ -3543,8 +3550,7 @@ class WalkCache(object):
             self.watches = None
 
     def listing(self, key, real, ino, ign, inner_of):
-        """(the directory's stat, (found, subdirs, has links), the ignore stack inside it) of
-        a visit remembered under `key` when it still holds: the directory is the same inode
+        """The Visit remembered under `key` when it still holds: the directory is the same inode
         (the one its parent listed), with the same mtime and ctime, under the same ignore
         stack `ign`, and its own ignore rules (inner_of(names of .git and .gitignore it
         holds)) are the ones it had; else None.
@@ -3553,7 +3559,7 @@ class WalkCache(object):
         seen = self.listings.get(key)
         if seen is None:
             return None
-        st, outer, names, inner, result = seen
+        st = seen.st
         w, at = self.watches, (st.st_mtime_ns, st.st_ctime_ns)
         if not (w is not None and ino == st.st_ino and w.clean.get(real) == at):
             watched = w is not None and w.watch(real, st.st_dev)
@@ -3566,10 +3572,10 @@ class WalkCache(object):
                 return None
             if watched:
                 w.clean[real] = at
-        if not same_objects(outer, ign) or not same_objects(inner, inner_of(names)):
+        if not same_objects(seen.outer, ign) or not same_objects(seen.inner, inner_of(seen.names)):
             return None
         self.listings.move_to_end(key)
-        return st, result, inner
+        return seen
 
     def watch_listed(self, real, fd, st):
         """Watch a directory just listed through `fd` (its stat before the listing: `st`):
@@ -3579,22 +3585,23 @@ class WalkCache(object):
         now = os.fstat(fd)
         return (now.st_mtime_ns, now.st_ctime_ns) == (st.st_mtime_ns, st.st_ctime_ns)
 
-    def remember(self, key, st, outer, names, inner, result, watched=False):
-        """Keep a visit (see listing()), unless the directory changed too lately to tell a
+    def remember(self, key, visit, watched=False):
+        """Keep a Visit (see listing()), unless the directory changed too lately to tell a
         change in the same clock tick from none (LISTING_RACY_S); `watched`: its watch was
         set before it was listed, or is known to cover the listing (watch_listed)."""
+        st = visit.st
         if time.time() - st.st_mtime < LISTING_RACY_S:
             return
         old = self.listings.pop(key, None)
         if old is not None:
-            self.held -= len(old[4][0]) + len(old[4][1]) + 1
+            self.held -= len(old.found) + len(old.subdirs) + 1
         if watched:
             self.watches.clean[key[0]] = (st.st_mtime_ns, st.st_ctime_ns)     # (key[0]: the directory)
-        self.listings[key] = (st, tuple(outer), names, tuple(inner), result)
-        self.held += len(result[0]) + len(result[1]) + 1
+        self.listings[key] = visit
+        self.held += len(visit.found) + len(visit.subdirs) + 1
         while self.held > LISTING_CACHE_ENTRIES and self.listings:
             _, dropped = self.listings.popitem(last=False)
-            self.held -= len(dropped[4][0]) + len(dropped[4][1]) + 1
+            self.held -= len(dropped.found) + len(dropped.subdirs) + 1
 
     def read(self, base, source):
         """The rules of `source` for directory `base` (read_ignore's), from the cache when unchanged."""
@@ -3660,14 +3667,13 @@ class Walker(object):
     so cycles end and a tree reached both ways is listed under its real path (or,
     reached by links only, under the link path that sorts first)."""
 
-    def __init__(self, root, policy, follow_links, want_dirs=False, name_ok=None, max_depth=None, ordered=False,
-                 cache=None, name_key=None):
+    def __init__(self, root, policy, follow_links, cache=None):
         self.root, self.policy, self.follow_links = root, policy, follow_links
         self.cache = cache or WalkCache()          # a warm helper's: what it walked before, kept while unchanged
-        self.name_key = "" if name_ok is None else name_key    # what name_ok stands for (None: its visits not kept)
-        self.ordered = ordered                     # each directory's entries by name (a stable page order)
-        self.want_dirs, self.name_ok = want_dirs, name_ok
-        self.max_depth = max_depth
+        self.name_ok, self.name_key = None, ""     # only(): a file name filter, and what it stands for
+        self.ordered = False                       # True: each directory's entries by name (a stable page order)
+        self.want_dirs = False                     # True: directories are found too
+        self.max_depth = None
         self.seen = set()
         self.linked = []                           # (path, real, ignore stack, depth) to enter later
         self.link_heap = []                        # ... ordered by path once the real tree is done
@@ -3688,6 +3694,12 @@ class Walker(object):
 
     def __iter__(self):
         return self.walk([self.start()])
+
+    def only(self, name_ok, name_key):
+        """Find only the files whose name passes name_ok; name_key says what it tests in the
+        cache's keys (None: this walk's visits are not kept)."""
+        self.name_ok, self.name_key = name_ok, name_key
+        return self
 
     def start(self):
         """The root's pending entry (path, real, ignore stack, depth, inode)."""
@@ -3771,59 +3783,68 @@ class Walker(object):
         fd, entries, st = self.scan(real, ino)
         if fd is None:
             return [], []
-        found, subdirs, settled, links = [], [], True, []
         watched = (self.watch_first or key is not None and self.recalled) and self.cache.watch_listed(real, fd, st)
         try:                                    # (the fd stays open: DT_UNKNOWN entries lstat through it)
             names = frozenset(e.name for e in entries if e.name in (".git", ".gitignore"))
-            outer, ign = ign, self.rules(path, names, ign)
-            name_ok, want_dirs, deeper = self.name_ok, self.want_dirs, self.deeper(depth)
-            files_hidden, dirs_hidden = self.ignored_here(entries, path, ign) if self.use_ignore and ign else ((), ())
-            policed = not self.policy.clears_below(real)          # (else no entry needs the policy's check)
-            is_denied = self.policy.is_denied
-            prefix, rprefix = child_prefix(path), child_prefix(real)
-            same = prefix == rprefix                              # (one string for both: half the memory)
-            for e in entries:
-                name = e.name
-                if name in SKIP_DIRS:
-                    continue
-                try:
-                    if e.is_file(follow_symlinks=False):          # most entries: test files first
-                        if name_ok is not None and not name_ok(name) or name in files_hidden:
-                            continue
-                        shown = prefix + name
-                        at = shown if same else rprefix + name
-                        if not (policed and is_denied(at)):
-                            found.append((shown, at, False, e.inode()))
-                        continue
-                    shown = prefix + name
-                    at = shown if same else rprefix + name
-                    if e.is_dir(follow_symlinks=False):
-                        if name in dirs_hidden or policed and is_denied(at):
-                            continue
-                        if want_dirs:
-                            found.append((shown, at, True, e.inode()))
-                        if deeper and not self.prune(at):
-                            subdirs.append((shown, at, ign, depth + 1, e.inode()))
-                    elif e.is_symlink() and self.raw_links:
-                        if not self.hidden(ign, shown, at, name, False):
-                            found.append((shown, at, None, e.inode()))
-                    elif e.is_symlink():
-                        links.append((len(found), (shown, at, name)))
-                        found += self.link(shown, at, name, ign, depth)
-                        links[-1] += (len(found),)
-                except OSError:
-                    settled = False
-                    continue                                      # gone since listed: skipped
+            inner = self.rules(path, names, ign)
+            found, subdirs, links = self.sort_out(entries, path, real, inner, depth)
         finally:
             os.close(fd)
-        if key is not None and settled:
+        if key is not None and links is not None:
             kept = found
             for begin, link, end in reversed(links):                # kept: a link as (shown, at, name)
                 kept = kept[:begin] + [link] + kept[end:]
-            self.cache.remember(key, st, outer, names, ign, (kept, subdirs, bool(links)), watched)
-        elif watched and settled and time.time() - st.st_mtime >= LISTING_RACY_S:
+            visit = Visit(st, tuple(ign), names, tuple(inner), kept, subdirs, bool(links))
+            self.cache.remember(key, visit, watched)
+        elif watched and links is not None and time.time() - st.st_mtime >= LISTING_RACY_S:
             self.cache.watches.clean[real] = (st.st_mtime_ns, st.st_ctime_ns)     # (as remember() marks it)
         return found, subdirs
+
+    def sort_out(self, entries, path, real, ign, depth):
+        """(found, subdirs, links) of a directory's entries, as visit() says; links: where
+        in `found` each symlink's entries stand, [(begin, (shown, at, name), end)], or None
+        when an entry went away while it was looked at (the visit is not kept then)."""
+        found, subdirs, links, settled = [], [], [], True
+        name_ok, want_dirs, deeper = self.name_ok, self.want_dirs, self.deeper(depth)
+        files_hidden, dirs_hidden = self.ignored_here(entries, path, ign) if self.use_ignore and ign else ((), ())
+        policed = not self.policy.clears_below(real)          # (else no entry needs the policy's check)
+        is_denied = self.policy.is_denied
+        prefix, rprefix = child_prefix(path), child_prefix(real)
+        same = prefix == rprefix                              # (one string for both: half the memory)
+        for e in entries:
+            name = e.name
+            if name in SKIP_DIRS:
+                continue
+            try:
+                if e.is_file(follow_symlinks=False):          # most entries: test files first
+                    if name_ok is not None and not name_ok(name) or name in files_hidden:
+                        continue
+                    shown = prefix + name
+                    at = shown if same else rprefix + name
+                    if not (policed and is_denied(at)):
+                        found.append((shown, at, False, e.inode()))
+                    continue
+                shown = prefix + name
+                at = shown if same else rprefix + name
+                if e.is_dir(follow_symlinks=False):
+                    if name in dirs_hidden or policed and is_denied(at):
+                        continue
+                    if want_dirs:
+                        found.append((shown, at, True, e.inode()))
+                    if deeper and not self.prune(at):
+                        subdirs.append((shown, at, ign, depth + 1, e.inode()))
+                elif not e.is_symlink():
+                    continue                                  # a socket, fifo or device
+                elif self.raw_links:
+                    if not self.hidden(ign, shown, at, name, False):
+                        found.append((shown, at, None, e.inode()))
+                else:
+                    begin = len(found)
+                    found += self.link(shown, at, name, ign, depth)
+                    links.append((begin, (shown, at, name), len(found)))
+            except OSError:
+                settled = False                               # gone since listed: skipped
+        return found, subdirs, links if settled else None
 
     def recall(self, key, ign, ino):
         """visit()'s answer from the cache, when it remembers the directory unchanged; else None."""
@@ -3831,13 +3852,13 @@ class Walker(object):
         known = self.cache.listing(key, real, ino, ign, lambda names: self.rules(path, names, ign))
         if known is None:
             return None
-        st, (found, subdirs, links), inner = known
         self.recalled += 1
         if self.follow_links:
-            self.seen.add((st.st_dev, st.st_ino))
-        if links:                                        # (a link's target is looked at every time)
-            found = [one for e in found for one in (self.link(*e, inner, depth) if len(e) == 3 else (e,))]
-        return list(found), list(subdirs)
+            self.seen.add((known.st.st_dev, known.st.st_ino))
+        found = known.found
+        if known.links:                                  # (a link's target is looked at every time)
+            found = [one for e in found for one in (self.link(*e, known.inner, depth) if len(e) == 3 else (e,))]
+        return list(found), list(known.subdirs)
 
     def ignored_here(self, entries, path, ign):
         """(names of files, names of directories) among a directory's entries that the
@@ -4603,9 +4624,9 @@ class Outline(object):
             emit([cls.of_file(real, None, job["max_size"], top=False)])
             return
         batch, (offset, room), k, size = [], job["page"], 0, 0
-        walker = Walker(real, PathPolicy(**job["policy"]), follow_links=False,
-                        name_ok=lambda name: cls.language(name) not in (None,) + tuple(OUTLINE_DATA), ordered=True,
-                        cache=cache, name_key="outline")
+        walker = Walker(real, PathPolicy(**job["policy"]), False, cache).only(
+            lambda name: cls.language(name) not in (None,) + tuple(OUTLINE_DATA), "outline")
+        walker.ordered = True
         cut = len(child_prefix(real))
         for path, file_real, _, _ in walker:
             one = cls.of_file(file_real, path[cut:], job["max_size"], True)
@@ -5924,46 +5945,52 @@ def pdf_cmap(data):
         if word in (b"begincodespacerange", b"beginbfchar", b"beginbfrange", b"begincidrange", b"begincidchar"):
             mode, tokens = word, []
         elif word in (b"endcidrange", b"endcidchar"):             # (in a ToUnicode: the numbers are characters)
-            step = 3 if word == b"endcidrange" else 2
-            for j in range(0, len(tokens) - step + 1, step):
-                lo, hi, first = tokens[j], tokens[j + step - 2], tokens[j + step - 1]
-                if isinstance(lo, bytes) and isinstance(hi, bytes) and isinstance(first, int) and len(lo) == len(hi):
-                    a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
-                    for k in range(min(b - a + 1, PDF_CMAP_MAX - len(out))):
-                        if 0 < first + k < 0xd800 or 0xe000 <= first + k < 0x110000:
-                            out.setdefault((a + k).to_bytes(len(lo), "big"), chr(first + k))
+            pdf_cid_ranges(tokens, 3 if word == b"endcidrange" else 2, out)
             mode = None
         elif word == b"endcodespacerange":
-            for lo, hi in zip(tokens[0::2], tokens[1::2]):
-                if isinstance(lo, bytes) and isinstance(hi, bytes) and len(lo) == len(hi) and 0 < len(lo) <= 4:
-                    spans.append((len(lo), lo, hi))
+            spans += [(len(lo), lo, hi) for lo, hi in zip(tokens[0::2], tokens[1::2])
+                      if isinstance(lo, bytes) and isinstance(hi, bytes) and len(lo) == len(hi) and 0 < len(lo) <= 4]
             mode = None
         elif word == b"endbfchar":
-            for src, dst in zip(tokens[0::2], tokens[1::2]):
-                if isinstance(src, bytes):
-                    out[src] = pdf_unicode(dst)
+            out.update((src, pdf_unicode(dst)) for src, dst in zip(tokens[0::2], tokens[1::2]) if isinstance(src, bytes))
             mode = None
         elif word == b"endbfrange":
-            for j in range(0, len(tokens) - 2, 3):
-                lo, hi, dst = tokens[j:j + 3]
-                if not isinstance(lo, bytes) or not isinstance(hi, bytes) or len(lo) != len(hi) or not lo:
-                    continue
-                a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
-                if b < a or b - a > PDF_CMAP_MAX - len(out):
-                    continue
-                for k in range(b - a + 1):
-                    src = (a + k).to_bytes(len(lo), "big")
-                    if isinstance(dst, list):
-                        if k < len(dst):
-                            out[src] = pdf_unicode(dst[k])
-                    elif isinstance(dst, bytes) and dst:
-                        v = int.from_bytes(dst, "big") + k
-                        out[src] = pdf_unicode(v.to_bytes(len(dst), "big") if v < 1 << (8 * len(dst)) else b"")
+            pdf_bf_ranges(tokens, out)
             mode = None
         if mode is None:
             tokens = []
     spans.sort(key=lambda s: s[0])
     return out, spans
+
+
+def pdf_cid_ranges(tokens, step, out):
+    """Add a cidrange's (lo hi first: step 3) or cidchar's (code first: step 2) codes to `out`."""
+    for j in range(0, len(tokens) - step + 1, step):
+        lo, hi, first = tokens[j], tokens[j + step - 2], tokens[j + step - 1]
+        if isinstance(lo, bytes) and isinstance(hi, bytes) and isinstance(first, int) and len(lo) == len(hi):
+            a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
+            for k in range(min(b - a + 1, PDF_CMAP_MAX - len(out))):
+                if 0 < first + k < 0xd800 or 0xe000 <= first + k < 0x110000:
+                    out.setdefault((a + k).to_bytes(len(lo), "big"), chr(first + k))
+
+
+def pdf_bf_ranges(tokens, out):
+    """Add a bfrange's codes (lo hi, then a first destination or a list of them) to `out`."""
+    for j in range(0, len(tokens) - 2, 3):
+        lo, hi, dst = tokens[j:j + 3]
+        if not isinstance(lo, bytes) or not isinstance(hi, bytes) or len(lo) != len(hi) or not lo:
+            continue
+        a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
+        if b < a or b - a > PDF_CMAP_MAX - len(out):
+            continue
+        for k in range(b - a + 1):
+            src = (a + k).to_bytes(len(lo), "big")
+            if isinstance(dst, list):
+                if k < len(dst):
+                    out[src] = pdf_unicode(dst[k])
+            elif isinstance(dst, bytes) and dst:
+                v = int.from_bytes(dst, "big") + k
+                out[src] = pdf_unicode(v.to_bytes(len(dst), "big") if v < 1 << (8 * len(dst)) else b"")
 
 
 def pdf_unicode(dst):
@@ -6965,7 +6992,7 @@ class GrepWork(object):
 
     def walker(self, k):
         """A Walker of root k that follows directory links (as grep -R does)."""
-        walker = Walker(self.roots[k][0], self.policy, follow_links=True, cache=self.cache)
+        walker = Walker(self.roots[k][0], self.policy, True, self.cache)
         walker.ignores = not self.job.get("no_ignore")
         return walker
 
@@ -7172,9 +7199,10 @@ class GlobWork(object):
         """A Walker of the static start directory that lists links and does not enter them, names filtered
         in the walk when it can be. Its visits are kept for the next glob only in a warm helper's
         cache (with watches)."""
-        walker = Walker(self.roots[0][0], self.policy, follow_links=False, want_dirs=self.want_dirs,
-                        name_ok=self.name_ok, max_depth=self.depth, cache=self.cache,
-                        name_key=self.rest if self.watches is not None else None)
+        walker = Walker(self.roots[0][0], self.policy, False, self.cache)
+        if self.name_ok is not None:
+            walker.only(self.name_ok, self.rest if self.watches is not None else None)
+        walker.want_dirs, walker.max_depth = self.want_dirs, self.depth
         walker.visited, walker.links_seen = self.visited, self.links_seen
         return walker
 
@@ -7698,14 +7726,15 @@ def start_process(script, cwd, sandbox=None, stdin="null", environ=None):
     return proc
 
 
-def pump(proc, out, err, deadline=None, stop=None, on_output=None):
-    """Read both pipes of `proc` into Captures until it is done.
+def pump(task, deadline, on_output):
+    """Read both pipes of a Task's process into its Captures until it is done.
 
-    Ends the group on `deadline` (monotonic) or when `stop` is set: SIGTERM, then
-    SIGKILL after the grace period. When the leader exits, leftover members holding
+    Ends the group on `deadline` (monotonic) or when the task's `stop` is set: SIGTERM,
+    then SIGKILL after the grace period. When the leader exits, leftover members holding
     the pipes get LEFTOVER_DRAIN_S before they are killed, so nothing outlives the
     call. Returns 'exited', 'timeout' or 'stopped'."""
     import subprocess
+    proc, out, err, stop = task.proc, task.out, task.err, task.stop
     sel = pipe_selector(proc, out, err)
     clock = PumpClock(proc, deadline, stop)
     try:
@@ -7905,7 +7934,7 @@ class Task(object):
         """Read the command until it ends, its group killed at `deadline` (monotonic) or on stop."""
         def run():
             try:
-                self.why = pump(self.proc, self.out, self.err, deadline, self.stop, on_output)
+                self.why = pump(self, deadline, on_output)
             finally:
                 self.done.set()
         threading.Thread(target=run, daemon=True, name="boris-task").start()
@@ -9611,8 +9640,9 @@ class Checkpoints(object):
             if partial:
                 break
             repo = next((r for r in self.repos if is_within(root, r.top)), None)
-            walker = Walker(root, self.walk_policy, follow_links=False, want_dirs=True, cache=self.cache)
-            walker.raw_links, walker.visited, walker.watch_first, walker.remember = True, visited, True, False
+            walker = Walker(root, self.walk_policy, False, self.cache)
+            walker.want_dirs, walker.raw_links, walker.visited, walker.watch_first, walker.remember = \
+                True, True, visited, True, False
             walker.prune, walker.repos = left_out or walker.prune, self.nested
             here = None
             for path, _, _, _ in walker:                     # (a directory's children come together)
@@ -9853,25 +9883,28 @@ class Tool(object):
     so the quick tools never queue behind them) and `goes_with`: the tools whose
     disabling takes it along. `description` and `schema` may be functions of the
     Config; made() gives the listed tool. `changes`: it can change files (its destructive
-    hint), so the session checkpoints the workspace before it."""
-    __slots__ = ("name", "description", "schema", "annotations", "handler", "modes", "codes", "argument_error",
-                 "lane", "goes_with", "changes", "hint")
+    hint), so the session checkpoints the workspace before it. @tool's keywords set the
+    fields after the first four; the rest keep the defaults below."""
+    modes, codes, lane, goes_with, hint = BOTH, {}, "quick", (), ""   # lane: "shell" (commands, waits),
+    #                                                                    "quick", or a function of the arguments
 
-    def __init__(self, name, description, schema, annotations, handler, modes=BOTH, codes=None,
-                 argument_error=None, lane="quick", goes_with=(), hint=""):
-        self.name, self.description, self.schema, self.hint = name, description, schema, hint
-        self.annotations, self.handler, self.modes = annotations, handler, modes
-        self.codes = codes or {}
-        self.argument_error = argument_error or (lambda e: e)
-        self.lane = lane                # "shell" (commands and waits) or "quick", or a function of the arguments
-        self.goes_with = (goes_with,) if isinstance(goes_with, str) else tuple(goes_with)
+    def __init__(self, name, description, schema, annotations, **fields):
+        self.name, self.description, self.schema, self.annotations = name, description, schema, annotations
+        self.handler = None
+        self.__dict__.update(fields)
+        if isinstance(self.goes_with, str):
+            self.goes_with = (self.goes_with,)
         self.changes = bool(annotations.get("destructiveHint"))     # it can change files: checkpointed before
+
+    @staticmethod
+    def argument_error(e):
+        """A refused argument's ToolError as this tool answers it (unchanged here)."""
+        return e
 
     def made(self, config):
         """This tool as `config` lists it: description and schema worked out."""
-        return Tool(self.name, self.description(config) if callable(self.description) else self.description,
-                    self.schema(config) if callable(self.schema) else self.schema, self.annotations, self.handler,
-                    self.modes, self.codes, self.argument_error, self.lane, self.goes_with, self.hint)
+        return Tool(**dict(vars(self), description=self.description(config) if callable(self.description)
+                           else self.description, schema=self.schema(config) if callable(self.schema) else self.schema))
 
     def listing(self, config):
         """The tool as tools/list shows it, with Claude Code's hints in _meta: load it from the
@@ -9887,12 +9920,10 @@ class Tool(object):
                 "annotations": self.annotations, "_meta": meta}
 
 
-def tool(name, description, schema, annotations, modes=BOTH, adapt=None, **extra):
-    """Register the decorated handler as tool `name` (adapt: wrap it for this
-    registration, as compat grep's renamed parameters do)."""
+def tool(name, description, schema, annotations, **fields):
+    """Register the decorated handler as tool `name` (`fields`: Tool's)."""
     def register(handler):
-        TOOLS.append(Tool(name, description, schema, annotations, adapt(handler) if adapt else handler, modes,
-                          **extra))
+        TOOLS.append(Tool(name, description, schema, annotations, handler=handler, **fields))
         return handler
     return register
 
@@ -10358,7 +10389,7 @@ PAGES_PROP = prop("string", "For a PDF: the page or pages to read, \"3\" or \"3-
 
 
 @tool("view", VIEW_DESC, obj({"path": PATH_PROP, "view_range": RANGE_PROP, "pages": PAGES_PROP}, ["path"]),
-      notes("View file or directory", read_only=True, idempotent=True), DEFAULT,
+      notes("View file or directory", read_only=True, idempotent=True), modes=DEFAULT,
       hint="read file, image, pdf, directory")
 def tool_view(session, args, ctx):
     """view: a file's numbered lines (a view_range of them), an image, a notebook's
@@ -11823,7 +11854,8 @@ STR_REPLACE_DESC = ("Edit a file - the edit tool for most edits: replace text (o
     "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
     "replace_all": prop("boolean", "Replace every occurrence instead of requiring one (default false)."),
     "dry_run": DRY_RUN_PROP,
-}, ["path", "old_str"]), notes("Replace text in a file", destructive=True), DEFAULT, hint="edit code in a file")
+}, ["path", "old_str"]), notes("Replace text in a file", destructive=True), modes=DEFAULT,
+      hint="edit code in a file")
 def tool_str_replace(session, args, ctx):
     """str_replace: replace old_str (unique, or every one with replace_all) in a file viewed and unchanged
     since."""
@@ -11905,7 +11937,8 @@ CREATE_DESC = ("Create a new file, or write a whole file: the given content, ove
 
 @tool("create_file", CREATE_DESC, obj({
     "path": PATH_PROP, "content": prop("string", "The complete file content."), "dry_run": DRY_RUN_PROP,
-}, ["path", "content"]), notes("Create or overwrite a file", destructive=True), DEFAULT, hint="write a new file")
+}, ["path", "content"]), notes("Create or overwrite a file", destructive=True), modes=DEFAULT,
+      hint="write a new file")
 def tool_create_file(session, args, ctx, content_key="content"):
     """create_file: write a whole file (made or overwritten), its directories made as needed."""
     shown = args["path"]
@@ -11968,7 +12001,7 @@ UNDO_DESC = ("Undo: take back this session's last change to a path, made by str_
 
 
 @tool("undo_edit", UNDO_DESC, obj({"path": PATH_PROP, "dry_run": DRY_RUN_PROP}, ["path"]),
-      notes("Undo the last edit of a file", destructive=True), DEFAULT, hint="undo an edit")
+      notes("Undo the last edit of a file", destructive=True), modes=DEFAULT, hint="undo an edit")
 def tool_undo_edit(session, args, ctx):
     """undo_edit: restore a file (and the others an apply_patch changed with it) as
     it was before this session's last edit of it, if nothing else changed it since."""
@@ -12065,7 +12098,7 @@ def running_note(session):
 @tool("checkpoints", CHECKPOINTS_DESC, obj({
     "since": prop("integer", "Show the changes since this checkpoint as a diff (git apply -R takes them back)."),
     "offset": prop("integer", "With since: files to skip (a cut diff's notice gives it).")}),
-      notes("List workspace checkpoints", read_only=True), DEFAULT, hint="review session changes, diff")
+      notes("List workspace checkpoints", read_only=True), modes=DEFAULT, hint="review session changes, diff")
 def tool_checkpoints(session, args, ctx):
     """checkpoints: each checkpoint, newest first, with what changed after it; what is covered.
     With since: the diff from that checkpoint to now instead."""
@@ -12169,7 +12202,7 @@ def checkpoint_diff(points, target, now, root_of, offset, cap):
     "paths": prop("array", "Only these files or directories (default: the whole workspace).",
                   items={"type": "string"}),
     "dry_run": prop("boolean", "Only say what it would change.")}, ["checkpoint"]),
-      notes("Rewind the workspace to a checkpoint", destructive=True), DEFAULT, hint="undo shell changes")
+      notes("Rewind the workspace to a checkpoint", destructive=True), modes=DEFAULT, hint="undo shell changes")
 def tool_rewind(session, args, ctx):
     """rewind: the workspace (or some paths of it) back to a checkpoint; the state before is a checkpoint."""
     points = session_checkpoints(session)
@@ -12223,7 +12256,7 @@ EDITOR_DESC = ("View, create and edit files. command=view shows a file with line
     "insert_text": prop("string", "command=insert: the text to insert."),
     "replace_all": prop("boolean", "command=str_replace: replace every occurrence."),
     "dry_run": DRY_RUN_PROP,
-}, ["command", "path"]), notes("Text editor", destructive=True), COMPAT,
+}, ["command", "path"]), notes("Text editor", destructive=True), modes=COMPAT,
       goes_with=("view", "str_replace", "create_file"), hint="view or edit files")
 def tool_str_replace_editor(session, args, ctx):
     """Anthropic's text-editor tool: one name, the same handlers underneath."""
@@ -13083,10 +13116,11 @@ def grep_spec(pattern, mode, regex=True, ignore_case=False, multiline=False):
             "mode": mode, "before": 0, "after": 0}
 
 
-def grep_job_of(ctx, roots, spec, include=None, type_name=None, no_ignore=False):
-    """A grep job for HelperPool.run: roots from search_root, names filtered by
-    include/type (checked here first, so a malformed one is reported at once); with
-    no_ignore, what .gitignore ignores is searched too."""
+def grep_job_of(ctx, roots, spec, args=None, no_ignore=False):
+    """A grep job for HelperPool.run: roots from search_root, names filtered by the
+    tool arguments' include and type (checked here first, so a malformed one is
+    reported at once); with no_ignore, what .gitignore ignores is searched too."""
+    include, type_name = (args or {}).get("include"), (args or {}).get("type")
     if include:
         check_pattern(include, "include")
     name_filter(include, type_name)
@@ -13205,11 +13239,8 @@ def compat_grep_schema(config):
     return obj(props, ["pattern"])
 
 
-@tool("grep", GREP_DESC, obj(GREP_PROPS, ["pattern"]), notes("Search file contents", read_only=True), DEFAULT,
-      codes={"output_mode": GREP_INVALID_OUTPUT_MODE}, hint="search file contents, regex")
-@tool("grep", GREP_DESC, compat_grep_schema, notes("Search file contents", read_only=True), COMPAT,
-      adapt=lambda handler: renamed(handler, COMPAT_GREP_NAMES), codes={"output_mode": GREP_INVALID_OUTPUT_MODE},
-      hint="search file contents, regex")
+@tool("grep", GREP_DESC, obj(GREP_PROPS, ["pattern"]), notes("Search file contents", read_only=True),
+      modes=DEFAULT, codes={"output_mode": GREP_INVALID_OUTPUT_MODE}, hint="search file contents, regex")
 def tool_grep(session, args, ctx):
     """grep: search file contents for a regex, ripgrep style (files, count or content mode), in a helper."""
     pattern = args["pattern"]
@@ -13220,8 +13251,7 @@ def tool_grep(session, args, ctx):
     root = search_root(session, ctx, shown)
     spec = grep_tool_spec(args, pattern, mode)
     no_ignore = args.get("no_ignore")
-    items, why = ctx.helpers.run(grep_job_of(ctx, [root], spec, args.get("include"), args.get("type"), no_ignore),
-                                 ctx.cancelled)
+    items, why = ctx.helpers.run(grep_job_of(ctx, [root], spec, args, no_ignore), ctx.cancelled)
     notice = [partial_notice(why)] if why else []
     if not items:
         more = ignored_matches(ctx, root, shown, spec, args) if root[1] and not no_ignore and not why else []
@@ -13230,13 +13260,17 @@ def tool_grep(session, args, ctx):
     return grep_answer(hits, spec, args, notice, search_cap(ctx))
 
 
+tool("grep", GREP_DESC, compat_grep_schema, notes("Search file contents", read_only=True), modes=COMPAT,
+     codes={"output_mode": GREP_INVALID_OUTPUT_MODE}, hint="search file contents, regex")(
+    renamed(tool_grep, COMPAT_GREP_NAMES))
+
+
 def ignored_matches(ctx, root, shown, spec, args):
     """After a search of a directory found nothing: a line naming how many files that
     .gitignore ignores hold a match, and the argument that searches them (no_ignore);
     none when they hold none either."""
     listing = dict(spec, mode="files_with_matches")
-    items, _ = ctx.helpers.run(grep_job_of(ctx, [root], listing, args.get("include"), args.get("type"), True),
-                               ctx.cancelled)
+    items, _ = ctx.helpers.run(grep_job_of(ctx, [root], listing, args, True), ctx.cancelled)
     if not items:
         return []
     return ["(%d file%s that .gitignore ignores under %s hold%s matches, e.g. %s: pass no_ignore: true to search"
@@ -13350,9 +13384,9 @@ GLOB_PROPS = {"pattern": prop("string", "The glob pattern, e.g. **/*.py or src/*
 
 @tool("glob", GLOB_DESC, obj(dict(GLOB_PROPS, type=prop("string", "file (default; a pattern ending in / means directory) or directory.",
                                                        enum=["file", "directory"])), ["pattern"]),
-      notes("Find files by name", read_only=True), DEFAULT, codes={"type": GLOB_INVALID_TYPE},
+      notes("Find files by name", read_only=True), modes=DEFAULT, codes={"type": GLOB_INVALID_TYPE},
       hint="find files by name")
-@tool("glob", GLOB_DESC, obj(GLOB_PROPS, ["pattern"]), notes("Find files by name", read_only=True), COMPAT,
+@tool("glob", GLOB_DESC, obj(GLOB_PROPS, ["pattern"]), notes("Find files by name", read_only=True), modes=COMPAT,
       hint="find files by name")
 def tool_glob(session, args, ctx):
     """glob: paths matching a pattern, newest first, in a helper."""

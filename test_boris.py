@@ -8331,7 +8331,7 @@ class TestArgumentCampaign(unittest.TestCase):
         c = StdioClient(["--workdir", self.tmp, "--allow-dir", self.tmp, "--require-view-before-edit", "false"])
         self.addCleanup(c.close)
         c.initialize()
-        tools = dict((t["name"], boris.Tool(t["name"], "", t["inputSchema"], {}, None))
+        tools = dict((t["name"], boris.Tool(t["name"], "", t["inputSchema"], {}))
                      for t in c.request("tools/list")["result"]["tools"])
         cases = ArgumentCampaign(self.tmp, self.web.server_address[1]).cases(tools, random.Random(25), 600)
         for k, (name, args) in enumerate(cases):
