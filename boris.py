@@ -103,6 +103,7 @@ import struct
 import threading
 import time
 import queue
+from bisect import bisect_left, bisect_right
 from collections import Counter, OrderedDict, defaultdict, deque, namedtuple
 from operator import attrgetter, is_, itemgetter
 
@@ -10696,6 +10697,15 @@ PUNCT_ASCII = dict((ord(k), v) for k, v in (
 WHITESPACE_RUN = re.compile(r"\s+")
 
 
+def text_lines(s, ended=True):
+    """s split into lines (CRLF as LF); when `ended`, a final newline ends the last line
+    rather than starting an empty one."""
+    lines = s.replace("\r\n", "\n").split("\n")
+    if ended and len(lines) > 1 and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
 def is_word(ch):
     """Whether `ch` is a character of a word (a run of whitespace between two of them
     is one space to the matcher, never nothing)."""
@@ -11249,8 +11259,7 @@ class EditMerge(object):
             if p is None or q is None:
                 return None
             return "".join(u[1] for u in fu[twin[p] + 1:twin[q]])
-        spacing = any(file_gap(p, q) is not None and file_gap(p, q).strip() == "" and
-                      bool(file_gap(p, q)) != any(not wu[k][2] for k in range(p + 1, q)) for p, q in zip(ws, ws[1:]))
+        spacing = spaced_otherwise(wu, ws, file_gap)
         out, done = [], set()
         for tag, i1, i2, j1, j2 in ops:
             if tag != "equal":
@@ -11262,8 +11271,7 @@ class EditMerge(object):
                 out.append(put)
                 continue
             for k in range(i1, i2):
-                p = max((x for x in ws if x < k), default=None)
-                q = min((x for x in ws if x > k), default=None)
+                p, q = around(ws, k)
                 if wu[k][2]:
                     if p is not None and p + 1 == k and p in same and file_gap(p, k):
                         out.append(file_gap(p, k))     # the file's gap where old_str has none
@@ -11308,6 +11316,23 @@ class EditMerge(object):
                 gap = " " * (col - len(out))
             out += gap + word
         return out
+
+
+def around(ws, k):
+    """(the last of the sorted indexes ws below k, the first above it); None where there is none."""
+    lo, hi = bisect_left(ws, k), bisect_right(ws, k)
+    return ws[lo - 1] if lo else None, ws[hi] if hi < len(ws) else None
+
+
+def spaced_otherwise(wu, ws, file_gap):
+    """Whether the file spaces a line otherwise than old_str does: between two of old_str's
+    solid units (ws, indexes into its units wu) the file has whitespace where old_str has
+    none, or none where old_str has some."""
+    for p, q in zip(ws, ws[1:]):
+        gap = file_gap(p, q)
+        if gap is not None and gap.strip() == "" and bool(gap) != any(not wu[k][2] for k in range(p + 1, q)):
+            return True
+    return False
 
 
 def split_after(line, head):
@@ -11384,13 +11409,13 @@ UNKNOWN = object()      # an edit's 'before' that the writer reads itself
 DRY_RUN_PROP = prop("boolean", "Only show the diff it would write.")
 
 
-def write_edit(session, ctx, tool, changes, dry_run=False, undoing=False):
+def write_edit(session, ctx, tool, changes, dry_run=False):
     """Write one edit through the one writer, all of it or none. `changes` are
     [(real, shown, bytes to write or None to remove, what is there now: bytes, None for
     no file, or UNKNOWN to read here, mode for a new file)]. In one place: the size
     limit (FILE_TOO_LARGE, nothing written), the atomic writes (a failure puts back the
     files written before it), the viewed mark, the undo level (none for a file over
-    the limit, none when undoing) and the parse warning. Returns the note for the
+    the limit, none for undo_edit itself) and the parse warning. Returns the note for the
     answer (where a file had to be rewritten in place, what no longer parses); with
     dry_run, the unified diff it would write instead, and nothing is written or kept."""
     limit = ctx.config.max_file_size
@@ -11410,9 +11435,22 @@ def write_edit(session, ctx, tool, changes, dry_run=False, undoing=False):
         todo.append((real, shown, data, known[real][0] if known[real] else None, new_mode))
     if dry_run:
         return edit_diff(todo, ctx.config.max_result_chars)
+    notes = write_changes(session, ctx, todo, known)
+    kept = dict((real, (known[real][0], known[real][1], digest_of(data) if data is not None else None))
+                for real, _, data, _, _ in todo if known[real] is not None)
+    if kept and tool != "undo_edit":
+        session.remember_edit(tool, keep_befores(session, kept))
+    return "".join(notes) + "".join(parse_warning(real, before, data) for real, _, data, before, _ in todo
+                                    if data is not None and known[real] is not None)
+
+
+def write_changes(session, ctx, todo, known):
+    """Write an edit's changes (write_edit's), removals last, each file marked viewed as
+    written; notes for the answer. A failure puts back what was written before it
+    (put_back, from `known`) and is an IO_ERROR saying so."""
     done, notes = [], []
     try:
-        for real, shown, data, before, new_mode in sorted(todo, key=lambda c: c[2] is None):   # removals last
+        for real, shown, data, before, new_mode in sorted(todo, key=lambda c: c[2] is None):
             top, d = None, os.path.dirname(real)
             while before is None and not os.path.lexists(d):
                 top, d = d, os.path.dirname(d)           # the directories writing it makes
@@ -11426,12 +11464,7 @@ def write_edit(session, ctx, tool, changes, dry_run=False, undoing=False):
     except (OSError, ToolError) as e:
         why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
         raise ToolError(IO_ERROR, "writing %s failed (%s); %s" % (shown, why, put_back(done, known, ctx)))
-    kept = dict((real, (known[real][0], known[real][1], digest_of(data) if data is not None else None))
-                for real, _, data, _, _ in todo if known[real] is not None)
-    if kept and not undoing:
-        session.remember_edit(tool, keep_befores(session, kept))
-    return "".join(notes) + "".join(parse_warning(real, before, data) for real, _, data, before, _ in todo
-                                    if data is not None and known[real] is not None)
+    return notes
 
 
 StoredBytes = namedtuple("StoredBytes", "digest size")
@@ -11617,10 +11650,8 @@ def closest_region(text, old, cancelled=None, what="old_str"):
     lines closest to old_str's first line (at most MISS_SCAN_LINES, each cut to 200
     characters); at most MISS_CANDIDATES places of at most MISS_WINDOW_LINES lines
     are scored, line by line, in time linear in their length."""
-    lines = text.replace("\r\n", "\n").split("\n")
-    want = old.replace("\r\n", "\n").split("\n")
-    if len(want) > 1 and want[-1] == "":
-        want.pop()
+    lines = text_lines(text, ended=False)
+    want = text_lines(old)
     numbered = re.compile(r"^ *\d+\t")
     if numbered.match(want[0]) and all(numbered.match(w) for w in want if w):
         return " old_str starts its lines with view's line-number prefixes (number, tab); leave them out."
@@ -11768,9 +11799,7 @@ def replace_lines(text, edit, shown, cancelled=None):
     old, new, replace_all = edit["old_str"], edit.get("new_str") or "", bool(edit.get("replace_all"))
     lines = text.split("\n")
     plain = [l[:-1] if l.endswith("\r") else l for l in lines]
-    want = old.replace("\r\n", "\n").split("\n")
-    if len(want) > 1 and want[-1] == "":
-        want.pop()
+    want = text_lines(old)
     index = LineIndex(plain)
     level, hits, elsewhere = find_lines(index, want)
     partial = not hits and not old.endswith("\n")
@@ -11784,15 +11813,9 @@ def replace_lines(text, edit, shown, cancelled=None):
         raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s), and a relaxed"
                         " match must be unique; copy old_str exactly from the file, or add surrounding lines"
                         % (len(places), shown, MATCH_LEVELS[level][0], ", ".join(str(i + 1) for i, _ in places[:20])))
-    new_lines = new.replace("\r\n", "\n").split("\n") if new else []
-    if len(new_lines) > 1 and new_lines[-1] == "" and old.replace("\r\n", "\n").endswith("\n"):
-        new_lines.pop()
+    new_lines = text_lines(new, ended=old.endswith("\n")) if new else []
     ops = difflib.SequenceMatcher(None, want, new_lines, autojunk=False).get_opcodes()
-    kept = []
-    for span in hits:                           # replace_all: no two places overlap
-        if not kept or span[0] >= kept[-1][1]:
-            kept.append(span)
-    hits = kept
+    hits = apart(hits)                          # replace_all: no two places overlap
     merge = None
     for i, j in reversed(hits):
         region, rest = lines[i:j], ""
@@ -11807,11 +11830,20 @@ def replace_lines(text, edit, shown, cancelled=None):
                                    " rest of that line" % j)
             cr = "\r" if put[-1].endswith("\r") else ""
             put[-1] = put[-1][:len(put[-1]) - len(cr)] + rest + cr
-        if j == len(lines) and put and put[-1].endswith("\r") and not lines[-1].endswith("\r"):
-            put[-1] = put[-1][:-1]
+        if j == len(lines) and not lines[-1].endswith("\r"):
+            put[-1:] = [line[:-1] if line.endswith("\r") else line for line in put[-1:]]   # (a last line: no CR)
         lines[i:j] = put
     first = hits[0][0]
     return "\n".join(lines), len(hits), len("\n".join(lines[:first])) + (1 if first else 0), relaxed_note(level, merge)
+
+
+def apart(spans):
+    """The (start, end) spans, in order, each left out that overlaps the one kept before it."""
+    kept = []
+    for span in spans:
+        if not kept or span[0] >= kept[-1][1]:
+            kept.append(span)
+    return kept
 
 
 def at_line_text(text, old):
@@ -12026,7 +12058,7 @@ def tool_undo_edit(session, args, ctx):
                                 " undo_edit would lose that; nothing was undone. View it and edit it instead"
                                 % (path, tool_name))
             back.append((path, path, bytes_before(session, before), now, mode))
-        note = write_edit(session, ctx, "undo_edit", back, args.get("dry_run"), undoing=True)
+        note = write_edit(session, ctx, "undo_edit", back, args.get("dry_run"))
         if args.get("dry_run"):
             return note
         session.forget_edit(edit)
@@ -12110,7 +12142,7 @@ def tool_checkpoints(session, args, ctx):
         if args.get("since") is not None:
             if latest is None:
                 raise ToolError(INVALID_INPUT, "cancelled while the workspace was being read")
-            return checkpoint_diff(points, points.find(args["since"]), latest, root_of, args.get("offset") or 0,
+            return checkpoint_diff(points, points.find(args["since"]), latest, args.get("offset") or 0,
                                    ctx.config.max_result_chars - 400)
         kept = list(points.list)
         stored, budget, where = points.store.stored, points.store.budget, points.store.dir
@@ -12142,44 +12174,48 @@ def tool_checkpoints(session, args, ctx):
     return "\n".join(lines) + running_note(session)
 
 
-def checkpoint_diff(points, target, now, root_of, offset, cap):
+def checkpoint_diff(points, target, now, offset, cap):
     """What changed from checkpoint `target` to `now` (the state just read) as git writes a
     diff: a header per file, mode lines, hunks of text, a line for a binary file or one the
     checkpoint did not cover; files past `cap` characters are left to a read-on notice."""
     old, cur = target.flat(), now.flat()
-    mode = lambda e: "120000" if e[0] == "l" else "100755" if e[1] & 0o111 else "100644"
     paths = sorted(p for p in set(old) | set(cur) if any(e is not None and e[0] != "d" for e in (old.get(p), cur.get(p)))
                    and old.get(p, ())[:3] != cur.get(p, ())[:3])
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
     readers, parts, size, end = {}, [], 0, offset           # end: the files shown end before this one
+
+    def file_diff(p):
+        """One file's part: its header and mode lines, then its hunks or why they are not shown."""
+        name = relative_to_root(points.roots, p)
+        a, b = old.get(p), cur.get(p)
+        a, b = (None if e is None or e[0] == "d" else e for e in (a, b))
+        text = ["diff --git a/%s b/%s\n" % (name, name)]
+        if a is None:
+            text.append("new file mode %s\n" % git_mode(b))
+        elif b is None:
+            text.append("deleted file mode %s\n" % git_mode(a))
+        elif git_mode(a) != git_mode(b):
+            text.append("old mode %s\nnew mode %s\n" % (git_mode(a), git_mode(b)))
+        try:
+            before = None if a is None else a[2].encode("utf-8", "surrogateescape") if a[0] == "l" \
+                else points.bytes_of(p, a[2], readers) if a[2] else None
+            after = None if b is None else b[2].encode("utf-8", "surrogateescape") if b[0] == "l" \
+                else read_regular(p, name, points.config.max_file_size)[0]
+        except (OSError, ToolError) as e:
+            text.append("# not shown: %s\n" % (getattr(e, "message", None) or e.strerror or e))
+            before = after = b""
+        if a is not None and a[0] == "f" and not a[2]:
+            text.append("# not shown: checkpoint %d did not cover it\n" % target.number)
+        elif b"\0" in (before or b"")[:8192] + (after or b"")[:8192]:
+            text.append("Binary files %s and %s differ\n" % ("a/" + name if before is not None else "/dev/null",
+                                                             "b/" + name if after is not None else "/dev/null"))
+        else:
+            text.append(unified_diff(before, after, name))
+        return "".join(text).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     try:
         for p in paths[offset:]:
-            name = root_of(p)
-            a, b = old.get(p), cur.get(p)
-            text = ["diff --git a/%s b/%s\n" % (name, name)]
-            if a is None or a[0] == "d":
-                text.append("new file mode %s\n" % mode(b))
-            elif b is None or b[0] == "d":
-                text.append("deleted file mode %s\n" % mode(a))
-            elif mode(a) != mode(b):
-                text.append("old mode %s\nnew mode %s\n" % (mode(a), mode(b)))
-            try:
-                before = None if a is None or a[0] == "d" else a[2].encode("utf-8", "surrogateescape") \
-                    if a[0] == "l" else points.bytes_of(p, a[2], readers) if a[2] else None
-                after = None if b is None or b[0] == "d" else b[2].encode("utf-8", "surrogateescape") \
-                    if b[0] == "l" else read_regular(p, name, points.config.max_file_size)[0]
-            except (OSError, ToolError) as e:
-                text.append("# not shown: %s\n" % (getattr(e, "message", None) or e.strerror or e))
-                before = after = b""
-            if a is not None and a[0] == "f" and not a[2]:
-                text.append("# not shown: checkpoint %d did not cover it\n" % target.number)
-            elif b"\0" in (before or b"")[:8192] + (after or b"")[:8192]:
-                text.append("Binary files %s and %s differ\n" % ("a/" + name if before is not None else "/dev/null",
-                                                                 "b/" + name if after is not None else "/dev/null"))
-            else:
-                text.append(unified_diff(before, after, name))
-            block = "".join(text).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            block = file_diff(p)
             if parts and size + len(block) > cap:
                 break
             parts.append(block)
@@ -12195,6 +12231,11 @@ def checkpoint_diff(points, target, now, root_of, offset, cap):
     if end < len(paths):
         body += "[files %d-%d of %d shown; read on with offset=%d]\n" % (offset + 1, end, len(paths), end)
     return head + body
+
+
+def git_mode(entry):
+    """The mode git gives a checkpoint entry: a link, an executable or a plain file."""
+    return "120000" if entry[0] == "l" else "100755" if entry[1] & 0o111 else "100644"
 
 
 @tool("rewind", REWIND_DESC, obj({
