@@ -8109,14 +8109,7 @@ def html_to_markdown(markup, base_url=""):
                 else:
                     out.append(text)
             elif tag in ("code", "kbd", "samp", "tt") and not pre:
-                code = text_of(c)
-                if code.strip():
-                    run = max([len(r) for r in re.findall(r"`+", code)] + [0])
-                    tick = "`" * (run + 1)
-                    pad = " " if code.startswith("`") or code.endswith("`") else ""
-                    lead, tail = code[:len(code) - len(code.lstrip())], code[len(code.rstrip()):]
-                    out.append("%s%s%s%s%s%s" % (" " if lead else "", tick, pad, re.sub(r"\s+", " ", code.strip()),
-                                                 pad + tick, " " if tail else ""))
+                out.append(code_span(text_of(c)))
             elif tag == "img":
                 alt = " ".join((attrs.get("alt") or "").split()).replace("[", "\\[").replace("]", "\\]")
                 src = (attrs.get("src") or "").strip()
@@ -8129,6 +8122,16 @@ def html_to_markdown(markup, base_url=""):
             else:
                 out.append(inline(kids, pre))
         return "".join(out)
+
+    def code_span(code):
+        """Inline code in backticks, more of them than any run inside (none for blank code)."""
+        if not code.strip():
+            return ""
+        tick = "`" * (max([len(r) for r in re.findall(r"`+", code)] + [0]) + 1)
+        pad = " " if code.startswith("`") or code.endswith("`") else ""
+        lead, tail = code[:len(code) - len(code.lstrip())], code[len(code.rstrip()):]
+        return "%s%s%s%s%s%s" % (" " if lead else "", tick, pad, re.sub(r"\s+", " ", code.strip()), pad + tick,
+                                 " " if tail else "")
 
     def escaped(text):
         """Paragraph text whose line starts would read as Markdown structure, escaped."""
@@ -8180,37 +8183,7 @@ def html_to_markdown(markup, base_url=""):
             fence = "`" * (run + 1)
             return "%s\n%s\n%s" % (fence, "\n".join(line.rstrip() for line in code.split("\n")), fence)
         if tag in ("ul", "ol"):
-            items, number = [], 1
-            if tag == "ol":
-                try:
-                    number = int(attrs.get("start") or 1)
-                except ValueError:
-                    number = 1
-            loose = False
-            for c in kids:
-                if isinstance(c, str):
-                    if c.strip():
-                        items.append(("- " if tag == "ul" else "%d. " % number, c.strip()))
-                    continue
-                if c[0] != "li":
-                    md = block(c) if c[0] in HTML_BLOCK_TAGS else inline([c]).strip()
-                    if md and c[0] in ("ul", "ol") and items and items[-1][0]:
-                        items[-1] = (items[-1][0], items[-1][1] + "\n" + md)     # a list put straight in a list:
-                    elif md:                                                      # the item before holds it
-                        items.append(("", md))
-                    continue
-                marker = "- " if tag == "ul" else "%d. " % number
-                number += tag == "ol"
-                body = blocks(c[2], item=True)
-                loose = loose or "\n\n" in body
-                items.append((marker, body))
-            lines = []
-            for marker, body in items:
-                pad = " " * len(marker)
-                text = "\n".join((pad + line if line.strip() else "") if k else marker + line
-                                 for k, line in enumerate(body.split("\n")))
-                lines.append(text.rstrip())
-            return ("\n\n" if loose else "\n").join(lines)
+            return list_block(tag, attrs, kids)
         if tag == "blockquote":
             body = blocks(kids)
             return "\n".join("> " + line if line else ">" for line in body.split("\n"))
@@ -8223,6 +8196,41 @@ def html_to_markdown(markup, base_url=""):
                 rows.append("| %s |" % " | ".join(cells))
             return "\n".join(rows)
         return blocks(kids)
+
+    def list_block(tag, attrs, kids):
+        """A ul or ol: '- ' or numbered items (from `start`), an item's blocks indented under
+        its marker, loose (blank lines between) when any item holds paragraphs."""
+        items, number = [], 1
+        if tag == "ol":
+            try:
+                number = int(attrs.get("start") or 1)
+            except ValueError:
+                number = 1
+        loose = False
+        for c in kids:
+            if isinstance(c, str):
+                if c.strip():
+                    items.append(("- " if tag == "ul" else "%d. " % number, c.strip()))
+                continue
+            if c[0] != "li":
+                md = block(c) if c[0] in HTML_BLOCK_TAGS else inline([c]).strip()
+                if md and c[0] in ("ul", "ol") and items and items[-1][0]:
+                    items[-1] = (items[-1][0], items[-1][1] + "\n" + md)     # a list put straight in a list:
+                elif md:                                                      # the item before holds it
+                    items.append(("", md))
+                continue
+            marker = "- " if tag == "ul" else "%d. " % number
+            number += tag == "ol"
+            body = blocks(c[2], item=True)
+            loose = loose or "\n\n" in body
+            items.append((marker, body))
+        lines = []
+        for marker, body in items:
+            pad = " " * len(marker)
+            text = "\n".join((pad + line if line.strip() else "") if k else marker + line
+                             for k, line in enumerate(body.split("\n")))
+            lines.append(text.rstrip())
+        return ("\n\n" if loose else "\n").join(lines)
 
     def table_rows(node):
         rows = []
