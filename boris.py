@@ -11281,8 +11281,10 @@ class EditMerge(object):
             for k in range(i1, i2):
                 p, q = around(ws, k)
                 if wu[k][2]:
-                    if p is not None and p + 1 == k and p in same and file_gap(p, k):
-                        out.append(file_gap(p, k))     # the file's gap where old_str has none
+                    gap = file_gap(p, k) if p is not None and p + 1 == k and p in same else None
+                    if gap:                            # the file's gap where old_str has none: after the
+                        ahead = p < i1 and not self.text_continues(out[-1], wu[p][1], wu[k][1])
+                        out.insert(len(out) - ahead, gap)     # text put between the two, unless it goes with k
                     out.append(fu[twin[k]][1])
                 elif file_gap(p, q) is None:
                     out.append(wu[k][1])
@@ -11290,6 +11292,16 @@ class EditMerge(object):
                     out.append(file_gap(p, q))
                     done.add((p, q))
         return "".join(out)
+
+    def text_continues(self, put, left, right):
+        """Whether text put between two units that the file spaces apart (old_str does not)
+        continues the unit on its left (the gap then goes after it), not the one on its right
+        (the gap goes before it); a refusal when that cannot be told (both, or neither)."""
+        joins_left, joins_right = is_word(put[:1]) and is_word(left[-1:]), is_word(put[-1:]) and is_word(right[:1])
+        if joins_left == joins_right:
+            raise self.refuse("the file has whitespace between %r and %r where %s has none, and the change puts"
+                              " %r there; copy the line as the file has it" % (left, right, self.what, shorten(put, 40)))
+        return joins_left
 
     @staticmethod
     def aligned_columns(pairs):

@@ -5710,6 +5710,40 @@ class SlipCampaign(object):
         return tally, wrong
 
 
+class TestGapsOldStrLeftOut(unittest.TestCase):
+    """A line the file spaces where old_str does not (`print( name )` copied as `print(name)`)
+    and a change that puts text at such a place (`full_name`, `name_x`): the file's gap goes on
+    the side the new text does not continue, or the edit is refused - never a gap inside a
+    word. Generated lines of names and punctuation with random gaps, one name renamed with a
+    prefix, a suffix or both; BORIS_GAP_CAMPAIGN cases (3,000; 12,000 in full)."""
+
+    def test_a_rename_never_lands_with_the_gap_inside_it(self):
+        rng = random.Random(58)
+        names, puncts = ["name", "x", "count", "value", "a", "self", "$x"], ["(", ")", "[", "]", ",", " = ", " > ", "."]
+        landed, wrong = 0, []
+        for _ in range(campaign_size("BORIS_GAP_CAMPAIGN", 3000, 12000)):
+            toks = [rng.choice(names) if rng.random() < 0.5 else rng.choice(puncts) for _ in range(rng.randint(3, 8))]
+            gaps = [rng.choice(["", "", " ", "  "]) for _ in toks]
+            k = rng.choice([i for i, t in enumerate(toks) if t in names] or [None])
+            if k is None:
+                continue
+            bare = toks[k].lstrip("$")
+            renamed = toks[:k] + [toks[k][:len(toks[k]) - len(bare)] + rng.choice(["pre_%s", "%s_post", "my_%s_2"]) % bare] \
+                + toks[k + 1:]
+            text = "def f():\n    %s\n    return 1\n" % "".join(t + g for t, g in zip(toks, gaps)).rstrip()
+            edit = {"old_str": "    %s\n" % "".join(toks).strip(), "new_str": "    %s\n" % "".join(renamed).strip()}
+            try:
+                got = boris.replace_lines(text, edit, "f.py")[0]
+            except boris.ToolError:
+                continue                                          # refused: the model copies the line again
+            want = "def f():\n    %s\n    return 1\n" % "".join(t + g for t, g in zip(renamed, gaps)).rstrip()
+            landed += got == want
+            if got != want:
+                wrong.append((text, edit, got))
+        self.assertEqual(wrong[:3], [])
+        self.assertGreater(landed, campaign_size("BORIS_GAP_CAMPAIGN", 3000, 12000) // 3)
+
+
 class TestSlipCampaign(unittest.TestCase):
     """Issue 38: edits from real source files with one slip each, through str_replace,
     apply_patch and multi_edit: none lands wrong, none ends in anything but a tool
