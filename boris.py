@@ -1897,8 +1897,8 @@ def kill_group(proc):
 
 
 # -- helper processes -------------------------------------------------------------
-# Every search, and every wait_for match, runs in a search helper. A helper is this same file run as
-# `python3 -E -S -X utf8 -m boris_XXXXXXXX --helper KIND PARENT_PID` from a private
+# Every search, and every wait_for match, runs in a search helper: this same file run
+# as `python3 -E -S -X utf8 -m boris_XXXXXXXX --helper KIND PARENT_PID` from a private
 # directory (0700, ours) that holds nothing but a link to this file and the cached
 # bytecode: no site-packages, and neither the workspace nor any cwd is ever on a
 # helper's import path, while it starts in ~25 ms. A helper reads JSON lines on stdin,
