@@ -7349,46 +7349,40 @@ def grep_until(work, emit):
                     return
 
 
-def helper_search(inp=None, out=None):
+def helper_search():
     """A search helper: one JSON job a line on stdin, until it closes; for each, lines
-    {"items": [...]} as results come, then {"end": "ok"} or {"end": "error", ...}.
-    Run as a process (inp None), each job also carries its deadline here: SIGALRM, whose
-    default action the kernel carries out even while a regex holds the interpreter,
-    ends the helper DEADLINE_GRACE_S after it."""
-    alarms = inp is None and hasattr(signal, "setitimer")
-    inp, out = inp or sys.stdin.buffer, out or sys.stdout.buffer
+    {"items": [...]} as results come, then {"end": "ok"} or {"end": "error", code,
+    message} (a traceback on stderr). Each job carries its deadline here too: SIGALRM,
+    whose default action the kernel carries out even while a regex holds the
+    interpreter, ends the helper DEADLINE_GRACE_S after it."""
+    alarms = hasattr(signal, "setitimer")
+    out = sys.stdout.buffer
     cache = WalkCache(watch=True)       # this helper's, for all its jobs
 
     def emit(items):
         if items:
             out.write(json.dumps({"items": items}).encode("ascii") + b"\n")
             out.flush()
-    for line in iter(inp.readline, b""):
+    for line in iter(sys.stdin.buffer.readline, b""):
         job = json.loads(line.decode("utf-8", "surrogateescape"))
-        out.write(json.dumps(helper_job(job, emit, alarms, cache)).encode("ascii") + b"\n")
-        out.flush()
-
-
-def helper_job(job, emit, alarms, cache=None):
-    """Run one job in a search helper (under a SIGALRM deadline when `alarms`); its end
-    line: {"end": "ok"} or {"end": "error", code, message}, a traceback on stderr."""
-    if alarms and job.get("deadline_s"):
-        signal.setitimer(signal.ITIMER_REAL, job["deadline_s"] + DEADLINE_GRACE_S)
-    try:
-        if cache is not None:
+        if alarms and job.get("deadline_s"):
+            signal.setitimer(signal.ITIMER_REAL, job["deadline_s"] + DEADLINE_GRACE_S)
+        try:
             cache.refresh()
-        search_job(job, emit, cache)
-        return {"end": "ok"}
-    except ToolError as e:
-        return {"end": "error", "code": e.code, "message": e.message}
-    except Exception as e:
-        import traceback
-        sys.stderr.write("boris: search helper %d: the job failed:\n%s" % (os.getpid(), traceback.format_exc()))
-        sys.stderr.flush()
-        return {"end": "error", "code": IO_ERROR, "message": "the search failed: %r" % e}
-    finally:
-        if alarms:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            search_job(job, emit, cache)
+            end = {"end": "ok"}
+        except ToolError as e:
+            end = {"end": "error", "code": e.code, "message": e.message}
+        except Exception as e:
+            import traceback
+            sys.stderr.write("boris: search helper %d: the job failed:\n%s" % (os.getpid(), traceback.format_exc()))
+            sys.stderr.flush()
+            end = {"end": "error", "code": IO_ERROR, "message": "the search failed: %r" % e}
+        finally:
+            if alarms:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        out.write(json.dumps(end).encode("ascii") + b"\n")
+        out.flush()
 
 
 def match_job(job):

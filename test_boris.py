@@ -7604,7 +7604,7 @@ def glob_job(case, shown, pattern, kind="file"):
 
 def warm_glob(cache, job):
     """(rel, mtime) pairs of a glob job, newest first, answered with a warm helper's cache
-    (refreshed first, as helper_job does)."""
+    (refreshed first, as a search helper does before each job)."""
     items = []
     cache.refresh()
     boris.search_job(job, items.extend, cache=cache)
