@@ -5693,7 +5693,8 @@ class PdfFont(object):
             self.codec = "utf-16-be"                           # the codes are the characters
         if isinstance(tounicode, PdfStream):
             try:
-                cmap, self.spans = pdf_cmap(pdf.decoded(tounicode))
+                cmap = PdfCMap(pdf.decoded(tounicode))
+                self.spans = cmap.spans
             except PdfError:
                 cmap = {}
         if self.composite:
@@ -5729,8 +5730,7 @@ class PdfFont(object):
         if isinstance(enc, PdfStream):
             name = str(get(enc.dict.get("CMapName")) or "")
             try:
-                _, spans = pdf_cmap(pdf.decoded(enc))
-                self.spans = spans or self.spans           # (the encoding splits the codes, not ToUnicode)
+                self.spans = PdfCMap(pdf.decoded(enc)).spans or self.spans           # (the encoding splits the codes, not ToUnicode)
             except PdfError:
                 pass
         self.vertical = name.endswith("-V")
@@ -5927,71 +5927,72 @@ class PdfFont(object):
             width += w
         return "".join(parts), width, codes, s.count(32) if all(n == 1 for n, _, _ in spans) else 0, missing
 
-def pdf_cmap(data):
-    """({code bytes: text}, codespace [(bytes, lo, hi)]) of a CMap (ToUnicode's bfchar and
-    bfrange; an encoding CMap's codespace); bounded."""
-    sub = PdfParser(data)
-    out, spans, tokens, pos = {}, [], [], 0
-    mode = None
-    while pos < len(data) and len(out) < PDF_CMAP_MAX:
-        m = PDF_TOKEN.match(data, pos)
-        if m is None:
-            break
-        word = m.group("word")
-        if word is None:
-            value, pos = sub.obj(pos)
-            tokens.append(value)
-            continue
-        pos = m.end()
-        if word in (b"begincodespacerange", b"beginbfchar", b"beginbfrange", b"begincidrange", b"begincidchar"):
-            mode, tokens = word, []
-        elif word in (b"endcidrange", b"endcidchar"):             # (in a ToUnicode: the numbers are characters)
-            pdf_cid_ranges(tokens, 3 if word == b"endcidrange" else 2, out)
-            mode = None
-        elif word == b"endcodespacerange":
-            spans += [(len(lo), lo, hi) for lo, hi in zip(tokens[0::2], tokens[1::2])
-                      if isinstance(lo, bytes) and isinstance(hi, bytes) and len(lo) == len(hi) and 0 < len(lo) <= 4]
-            mode = None
-        elif word == b"endbfchar":
-            out.update((src, pdf_unicode(dst)) for src, dst in zip(tokens[0::2], tokens[1::2]) if isinstance(src, bytes))
-            mode = None
-        elif word == b"endbfrange":
-            pdf_bf_ranges(tokens, out)
-            mode = None
-        if mode is None:
-            tokens = []
-    spans.sort(key=lambda s: s[0])
-    return out, spans
+class PdfCMap(dict):
+    """A CMap read: {code bytes: text} from ToUnicode's bfchar and bfrange (and cidchar
+    and cidrange, whose numbers are characters there), and `spans`, its codespace
+    [(length, lo, hi)] (an encoding CMap's), shortest codes first; bounded."""
 
+    def __init__(self, data):
+        dict.__init__(self)
+        self.spans = []
+        sub, tokens, pos, mode = PdfParser(data), [], 0, None
+        while pos < len(data) and len(self) < PDF_CMAP_MAX:
+            m = PDF_TOKEN.match(data, pos)
+            if m is None:
+                break
+            word = m.group("word")
+            if word is None:
+                value, pos = sub.obj(pos)
+                tokens.append(value)
+                continue
+            pos = m.end()
+            if word in (b"begincodespacerange", b"beginbfchar", b"beginbfrange", b"begincidrange", b"begincidchar"):
+                mode, tokens = word, []
+            elif word in (b"endcidrange", b"endcidchar"):
+                self.cid_ranges(tokens, 3 if word == b"endcidrange" else 2)
+                mode = None
+            elif word == b"endcodespacerange":
+                self.spans += [(len(lo), lo, hi) for lo, hi in zip(tokens[0::2], tokens[1::2]) if isinstance(lo, bytes)
+                               and isinstance(hi, bytes) and len(lo) == len(hi) and 0 < len(lo) <= 4]
+                mode = None
+            elif word == b"endbfchar":
+                self.update((src, pdf_unicode(dst)) for src, dst in zip(tokens[0::2], tokens[1::2])
+                            if isinstance(src, bytes))
+                mode = None
+            elif word == b"endbfrange":
+                self.bf_ranges(tokens)
+                mode = None
+            if mode is None:
+                tokens = []
+        self.spans.sort(key=lambda s: s[0])
 
-def pdf_cid_ranges(tokens, step, out):
-    """Add a cidrange's (lo hi first: step 3) or cidchar's (code first: step 2) codes to `out`."""
-    for j in range(0, len(tokens) - step + 1, step):
-        lo, hi, first = tokens[j], tokens[j + step - 2], tokens[j + step - 1]
-        if isinstance(lo, bytes) and isinstance(hi, bytes) and isinstance(first, int) and len(lo) == len(hi):
+    def cid_ranges(self, tokens, step):
+        """A cidrange's codes (lo hi first: step 3) or a cidchar's (code first: step 2)."""
+        for j in range(0, len(tokens) - step + 1, step):
+            lo, hi, first = tokens[j], tokens[j + step - 2], tokens[j + step - 1]
+            if isinstance(lo, bytes) and isinstance(hi, bytes) and isinstance(first, int) and len(lo) == len(hi):
+                a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
+                for k in range(min(b - a + 1, PDF_CMAP_MAX - len(self))):
+                    if 0 < first + k < 0xd800 or 0xe000 <= first + k < 0x110000:
+                        self.setdefault((a + k).to_bytes(len(lo), "big"), chr(first + k))
+
+    def bf_ranges(self, tokens):
+        """A bfrange's codes: lo hi, then a first destination or a list of them."""
+        for j in range(0, len(tokens) - 2, 3):
+            lo, hi, dst = tokens[j:j + 3]
+            if not isinstance(lo, bytes) or not isinstance(hi, bytes) or len(lo) != len(hi) or not lo:
+                continue
             a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
-            for k in range(min(b - a + 1, PDF_CMAP_MAX - len(out))):
-                if 0 < first + k < 0xd800 or 0xe000 <= first + k < 0x110000:
-                    out.setdefault((a + k).to_bytes(len(lo), "big"), chr(first + k))
-
-
-def pdf_bf_ranges(tokens, out):
-    """Add a bfrange's codes (lo hi, then a first destination or a list of them) to `out`."""
-    for j in range(0, len(tokens) - 2, 3):
-        lo, hi, dst = tokens[j:j + 3]
-        if not isinstance(lo, bytes) or not isinstance(hi, bytes) or len(lo) != len(hi) or not lo:
-            continue
-        a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
-        if b < a or b - a > PDF_CMAP_MAX - len(out):
-            continue
-        for k in range(b - a + 1):
-            src = (a + k).to_bytes(len(lo), "big")
-            if isinstance(dst, list):
-                if k < len(dst):
-                    out[src] = pdf_unicode(dst[k])
-            elif isinstance(dst, bytes) and dst:
-                v = int.from_bytes(dst, "big") + k
-                out[src] = pdf_unicode(v.to_bytes(len(dst), "big") if v < 1 << (8 * len(dst)) else b"")
+            if b < a or b - a > PDF_CMAP_MAX - len(self):
+                continue
+            for k in range(b - a + 1):
+                src = (a + k).to_bytes(len(lo), "big")
+                if isinstance(dst, list):
+                    if k < len(dst):
+                        self[src] = pdf_unicode(dst[k])
+                elif isinstance(dst, bytes) and dst:
+                    v = int.from_bytes(dst, "big") + k
+                    self[src] = pdf_unicode(v.to_bytes(len(dst), "big") if v < 1 << (8 * len(dst)) else b"")
 
 
 def pdf_unicode(dst):
@@ -11437,34 +11438,14 @@ def write_edit(session, ctx, tool, changes, dry_run=False):
         if data is not None and len(data) > limit:
             raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s (--max-file-size);"
                             " nothing was written" % (shown, human_size(len(data)), human_size(limit)))
-    known, todo = {}, []
-    for real, shown, data, before, new_mode in changes:
-        try:
-            known[real] = file_bytes(real, limit) if before is UNKNOWN else \
-                (before, stat.S_IMODE(os.stat(real).st_mode) if before is not None else None)
-        except ToolError:
-            known[real] = None                           # over the limit (or not a file): no undo for this one
-        except OSError as e:
-            raise io_error(e, shown)
-        todo.append((real, shown, data, known[real][0] if known[real] else None, new_mode))
+    known = befores(changes, limit)
+    todo = [(real, shown, data, known[real][0] if known[real] else None, new_mode)
+            for real, shown, data, _, new_mode in changes]
     if dry_run:
         return edit_diff(todo, ctx.config.max_result_chars)
-    notes = write_changes(session, ctx, todo, known)
-    kept = dict((real, (known[real][0], known[real][1], digest_of(data) if data is not None else None))
-                for real, _, data, _, _ in todo if known[real] is not None)
-    if kept and tool != "undo_edit":
-        session.remember_edit(tool, keep_befores(session, kept))
-    return "".join(notes) + "".join(parse_warning(real, before, data) for real, _, data, before, _ in todo
-                                    if data is not None and known[real] is not None)
-
-
-def write_changes(session, ctx, todo, known):
-    """Write an edit's changes (write_edit's), removals last, each file marked viewed as
-    written; notes for the answer. A failure puts back what was written before it
-    (put_back, from `known`) and is an IO_ERROR saying so."""
     done, notes = [], []
     try:
-        for real, shown, data, before, new_mode in sorted(todo, key=lambda c: c[2] is None):
+        for real, shown, data, before, new_mode in sorted(todo, key=lambda c: c[2] is None):   # removals last
             top, d = None, os.path.dirname(real)
             while before is None and not os.path.lexists(d):
                 top, d = d, os.path.dirname(d)           # the directories writing it makes
@@ -11478,7 +11459,28 @@ def write_changes(session, ctx, todo, known):
     except (OSError, ToolError) as e:
         why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
         raise ToolError(IO_ERROR, "writing %s failed (%s); %s" % (shown, why, put_back(done, known, ctx)))
-    return notes
+    kept = dict((real, known[real] + (digest_of(data) if data is not None else None,))
+                for real, _, data, _, _ in todo if known[real] is not None)
+    if kept and tool != "undo_edit":
+        session.remember_edit(tool, keep_befores(session, kept))
+    return "".join(notes) + "".join(parse_warning(real, before, data) for real, _, data, before, _ in todo
+                                    if data is not None and known[real] is not None)
+
+
+def befores(changes, limit):
+    """What is there before an edit's changes, by real path: (bytes, mode), (None, None)
+    for no file, or None for a file over the limit or not a regular file (it gets no undo
+    level); an IO_ERROR naming the file when one cannot be read."""
+    known = {}
+    for real, shown, _, before, _ in changes:
+        try:
+            known[real] = file_bytes(real, limit) if before is UNKNOWN else \
+                (before, stat.S_IMODE(os.stat(real).st_mode) if before is not None else None)
+        except ToolError:
+            known[real] = None
+        except OSError as e:
+            raise io_error(e, shown)
+    return known
 
 
 StoredBytes = namedtuple("StoredBytes", "digest size")
