@@ -380,7 +380,7 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 1024, "K": 1024, "MB": 1024 ** 2, "M": 1024 
                "GB": 1024 ** 3, "G": 1024 ** 3}
 
 
-class Config(object):
+class Config:
     """Resolved settings, made by parse_config: one attribute per FLAGS row (dashes as
     underscores), every value typed and `auto` already decided; sandbox_network is None
     (the sandbox decides), True or False."""
@@ -509,7 +509,7 @@ def host_allowed(host, allowed):
 def given_flags(argv):
     """{flag: [raw values, in order]} from argv; --help and --version print and exit."""
     given = {}
-    spec = dict((row[0], row) for row in FLAGS)
+    spec = {row[0]: row for row in FLAGS}
     args = iter(argv)
     for arg in args:
         if arg in ("-h", "--help", "-v", "--version"):
@@ -569,7 +569,7 @@ def parse_config(argv, environ):
     else:
         values["sandbox-network"] = sandbox_domains(network)
         values["web-fetch-allow"] = values["web-fetch-allow"] or list(values["sandbox-network"])
-    return Config(**dict((k.replace("-", "_"), v) for k, v in values.items()))
+    return Config(**{k.replace("-", "_"): v for k, v in values.items()})
 
 
 def token_from_file(path):
@@ -801,7 +801,7 @@ def resolve_error(e, shown):
     return ToolError(IO_ERROR, "%s cannot be resolved: %s" % (shown, e.strerror or e))
 
 
-class PathPolicy(object):
+class PathPolicy:
     """Resolve first, check second, touch the disk third. Only lstat/readlink here.
 
     Paths are compared the way their volume compares names: on one that folds case
@@ -1034,7 +1034,7 @@ def text_codec(name):
     return info.name
 
 
-class LineBuffer(object):
+class LineBuffer:
     """Bytes in, whole lines out, in time linear in what is fed: one bytearray,
     searched for newlines only past where the last search stopped, consumed from
     the front (which a bytearray does without copying the rest). A line longer than
@@ -1077,7 +1077,7 @@ class LineBuffer(object):
         return b"" if self.skipping else bytes(self.buf)
 
 
-class LineReader(object):
+class LineReader:
     """Lines of a binary file object with memory bounded whatever the file holds:
     a line over LINE_READ_MAX bytes keeps its head and counts the rest; at most
     `budget` bytes are read in all (FileTooLarge past it)."""
@@ -1352,7 +1352,7 @@ def list_entries(real):
         os.close(fd)
 
 
-class Seen(object):
+class Seen:
     """What a file held when a session last saw it: its stat stamp (size, mtime,
     inode) and, when the whole file was read, a digest of its bytes."""
     __slots__ = ("stamp", "size", "digest")
@@ -1391,7 +1391,7 @@ def changed_since(seen, real, limit):
 
 # -- the one writer ---------------------------------------------------------------
 
-class FileGuards(object):
+class FileGuards:
     """What the one writer keeps between calls, one per server and shared by all its
     sessions: a lock per canonical path being edited (so the read-modify-writes of
     parallel edits of a file all land), and the directories already cleaned of the
@@ -1417,7 +1417,7 @@ class FileGuards(object):
             return True
 
 
-class EditLock(object):
+class EditLock:
     """Holds one path's lock of a FileGuards; the entry goes when nobody wants it."""
 
     def __init__(self, guards, real):
@@ -1630,7 +1630,7 @@ def clean_leftovers(dfd, directory, guards):
 REAP_INTERVAL_S = 0.5                      # orphans re-parented to boris are reaped this often
 
 
-class Children(object):
+class Children:
     """This process's children, process-wide by nature (waitpid, the subreaper setting
     and re-parented orphans are the process's): the pids that Popen objects own, and
     whether orphans are reaped."""
@@ -1671,7 +1671,7 @@ def child_environ(environ=None, keep=(), drop=(), only=None):
         if not (name.startswith("BORIS_") or any(word in name.upper() for word in SECRET_NAMES)):
             return True
         return any(fnmatch.fnmatchcase(name, p) for p in keep)
-    return dict((k, v) for k, v in environ.items() if wanted(k))
+    return {k: v for k, v in environ.items() if wanted(k)}
 
 
 def spawn(argv, **kwargs):
@@ -2201,7 +2201,7 @@ def net_fprog(supervised, inet=False):
     return ctypes.create_string_buffer(struct.pack("@HP", len(program) // 8, ctypes.addressof(buf))), buf
 
 
-class Landlock(object):
+class Landlock:
     """A Landlock ruleset built from a launcher's spec: write rights handled (and TCP
     when spec['net'] is 'landlock'; signals and abstract Unix sockets scoped to the
     domain from ABI 6), granted beneath spec['writable'] and the harmless devices (a
@@ -2258,7 +2258,7 @@ class Landlock(object):
         os.close(self.fd)
 
 
-class NetSupervisor(object):
+class NetSupervisor:
     """The process that serves a sandboxed command's connect calls (confine() makes
     it): `child` is the command, `listener` the seccomp listener its filter notifies."""
 
@@ -2498,7 +2498,7 @@ def mount_read_only(paths):
 
 
 # -- the sandbox and its launchers ------------------------------------------------
-class Sandbox(object):
+class Sandbox:
     """How commands are confined: the mode ('off', 'workspace-write', 'read-only'),
     the directories they may write beneath, whether they may use the network, and
     the kernel features that do it. off() confines nothing."""
@@ -2522,7 +2522,7 @@ class Sandbox(object):
         import tempfile
         roots = [] if mode == "read-only" else (list(policy.allow) or [policy.workdir])
         roots.append(os.path.realpath(tempfile.gettempdir()))
-        return sorted(set(r for r in roots if not any(r != o and is_within(r, o) for o in roots)))
+        return sorted({r for r in roots if not any(r != o and is_within(r, o) for o in roots)})
 
     @classmethod
     def off(cls, why="--sandbox off"):
@@ -2596,7 +2596,7 @@ class Sandbox(object):
                                               " (or lists domains),"))
 
 
-class Protect(object):
+class Protect:
     """What stays read-only for sandboxed commands under their writable roots: `names`
     looked for at the top of each workspace root (`roots`) and of its subdirectories,
     absolute `files`; a .git file's gitdir (and that one's common directory) too.
@@ -2776,7 +2776,7 @@ def helper_warm_launcher(fd, ahead=None):
     os.execv(job["argv"][0], job["argv"])
 
 
-class Launchers(object):
+class Launchers:
     """Sandbox launchers started ahead, so that a sandboxed command need not wait for
     Python to start and load this file: one waits, loaded, on a pipe; a command takes
     it and a new one starts behind it. Owned by the server's Sandbox; close() ends the
@@ -2911,7 +2911,7 @@ PROXY_IDLE_S = 300.0                       # a tunnel with no byte either way fo
 PROXY_CONNECT_S = 20.0                     # reading a request head, and connecting upstream, at most
 
 
-class EgressProxy(object):
+class EgressProxy:
     """The loopback HTTP proxy that sandboxed commands reach the listed `domains` through
     (CONNECT for HTTPS, absolute-form requests for plain HTTP), on 127.0.0.1 at `port`.
     A name not listed, an IP address, or a name matched by a *. pattern that resolves to
@@ -3160,7 +3160,7 @@ def type_matcher(name):
 
 # -- .gitignore ---------------------------------------------------------------
 
-class IgnoreFile(object):
+class IgnoreFile:
     """The rules of one .gitignore (or info/exclude) at `source`, relative to `base`."""
 
     def __init__(self, base, lines, source=None):
@@ -3384,7 +3384,7 @@ LOCAL_FILESYSTEMS = frozenset((       # statfs f_type of filesystems whose chang
 # ext2-4, xfs, btrfs, tmpfs, overlayfs, zfs, f2fs, reiserfs, jfs, bcachefs, ramfs, vfat, exfat, ntfs
 
 
-class Watches(object):
+class Watches:
     """The directories a warm helper (or a session's checkpoints) watches, and what their
     events leave standing: `clean`, the directories whose entries have not changed since
     they were watched and checked, with the (mtime, ctime) they were checked at; and
@@ -3523,7 +3523,7 @@ came from), what it found (a symlink as (shown, at, name): its target is looked 
 time), its subdirectories' pending entries, and whether it holds any symlink."""
 
 
-class WalkCache(object):
+class WalkCache:
     """What a warm search helper remembers of the trees it walked, each thing kept while
     it is unchanged: the ignore files it read (the same inode, size, mtime and ctime: an
     unchanged .gitignore is read and compiled once, at most IGNORE_CACHE_FILES kept) and
@@ -3653,7 +3653,7 @@ class WalkCache(object):
 O_SCAN = os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC
 
 
-class Walker(object):
+class Walker:
     """Iterate (path, real, is_dir, inode) under `root` (a canonical directory), depth
     first (is_dir None: a symlink found as itself, with raw_links). `path` is what the
     user sees (through followed links), `real` the canonical path that was checked and
@@ -3939,7 +3939,7 @@ REGEX_HINTS = ((r"\\p\{L\}|\\pL", r"[^\W\d_]"), (r"\\p\{N\}|\\pN|\\p\{Nd\}", r"\
                (r"\\[<>]", r"\b"), (r"\(\?<[a-zA-Z]", r"(?P<name>...)"), (r"\\h", r"[ \t]"))
 
 
-class Matcher(object):
+class Matcher:
     """A compiled grep pattern: a literal (bytes.find: exact on UTF-8) where it can be,
     else a regex. The regex runs on bytes for pure-ASCII text and on decoded text
     otherwise, so '.' and classes mean characters, not bytes."""
@@ -4093,7 +4093,7 @@ class Matcher(object):
         return m.start(), m.end(), None
 
 
-class LineRecords(object):
+class LineRecords:
     """Content mode's records of one file, built piece by piece: (line number, is a
     match, text) for every line a match touches and every line within `before`/`after`
     lines of one, in order, with None between groups that are not adjacent (with or
@@ -4283,7 +4283,7 @@ def outline_block(one):
     return "\n".join(block)
 
 
-class OpenDefinition(object):
+class OpenDefinition:
     """A definition the outline's patterns found whose end is not known yet: its index
     in Outline.entries, the brace depth (or the indentation) at its line, its kind, and
     for brace languages whether its body has opened, its parentheses still open and the
@@ -4295,7 +4295,7 @@ class OpenDefinition(object):
         self.opened, self.parens = False, 0
 
 
-class Outline(object):
+class Outline:
     """One file's outline, made by the constructor from its text and language:
     `entries` [(first line, last line, depth, signature)] in order, and `note`, how it
     was read when not by the language's own parser (a Python file that does not parse
@@ -4374,7 +4374,7 @@ class Outline(object):
         It agrees with ast on every file of CPython's library (1,779 files)."""
         stack, in_string, depth, joined, last, decorator = [], None, 0, False, -1, None
         is_def, token = re.compile(_PY_DEF), re.compile(_PY_TOKEN)
-        singles = dict((q, re.compile(rx)) for q, rx in _PY_SINGLE.items())
+        singles = {q: re.compile(rx) for q, rx in _PY_SINGLE.items()}
         for i, raw in enumerate(self.lines):
             pos = 0
             if in_string is not None:
@@ -4688,12 +4688,12 @@ OOXML_P = "{http://schemas.openxmlformats.org/presentationml/2006/main}"
 OOXML_A = "{http://schemas.openxmlformats.org/drawingml/2006/main}"
 OOXML_R = "{http://schemas.openxmlformats.org/officeDocument/2006/relationships}"
 OOXML_RELS = "{http://schemas.openxmlformats.org/package/2006/relationships}"
-ODF = dict((k, "{urn:oasis:names:tc:opendocument:xmlns:%s:1.0}" % v) for k, v in (
-    ("text", "text"), ("table", "table"), ("office", "office"), ("draw", "drawing"), ("pres", "presentation")))
+ODF = {k: "{urn:oasis:names:tc:opendocument:xmlns:%s:1.0}" % v for k, v in (
+    ("text", "text"), ("table", "table"), ("office", "office"), ("draw", "drawing"), ("pres", "presentation"))}
 XLSX_DATE_FORMATS = frozenset(list(range(14, 23)) + list(range(27, 37)) + [45, 46, 47] + list(range(50, 59)))
 
 
-class Document(object):
+class Document:
     """One office document, the file object `f` of `path`, rendered by markdown() (its kind by
     the path's extension)."""
 
@@ -4873,7 +4873,7 @@ class Document(object):
         rels = self.rels("xl/workbook.xml")
         shared = [self.xlsx_text(si) for si in self.each("xl/sharedStrings.xml", S + "si")]
         styles = self.xml("xl/styles.xml")
-        codes = dict((int(f.get("numFmtId", -1)), f.get("formatCode", "")) for f in styles.iter(S + "numFmt")) \
+        codes = {int(f.get("numFmtId", -1)): f.get("formatCode", "") for f in styles.iter(S + "numFmt")} \
             if styles is not None else {}
         xfs = styles.find(S + "cellXfs") if styles is not None else None
         dates = [self.is_date(int(xf.get("numFmtId", 0)), codes) for xf in xfs] if xfs is not None else []
@@ -5089,7 +5089,7 @@ class Document(object):
         return "".join(parts)
 
 
-class BoundedPart(object):
+class BoundedPart:
     """A zip member read through a bound: more than DOC_MEMBER_BYTES inflated is an error
     (whatever the member's header said), and a DTD in its first bytes is refused."""
 
@@ -5169,6 +5169,7 @@ PDF_TOKEN = re.compile(rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*(?:"
                        rb"|(?P<open><<|<|\[|\(|\{)|(?P<close>>>|\]|\}|\)|>)"
                        rb"|(?P<word>[^\x00\t\n\x0c\r ()<>\[\]{}/%]+))")
 PDF_STRING_ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"b": b"\b", b"f": b"\f"}
+PDF_LITERAL = re.compile(rb"\\([0-7]{1,3}|\r\n|.?)|[()]", re.S)    # an escape, or a parenthesis
 PDF_GLYPHS = (  # Adobe glyph names for what is not a letter (letters with accents and Greek are derived)
     "space 20 exclam 21 quotedbl 22 numbersign 23 dollar 24 percent 25 ampersand 26 quotesingle 27 parenleft 28"
     " parenright 29 asterisk 2a plus 2b comma 2c hyphen 2d period 2e slash 2f zero 30 one 31 two 32 three 33"
@@ -5248,7 +5249,7 @@ class PdfRef(tuple):
     """An indirect reference (number, generation)."""
 
 
-class PdfStream(object):
+class PdfStream:
     """A stream object: its dictionary and its raw (undecoded, still encrypted) bytes."""
     __slots__ = ("dict", "raw", "ref")
 
@@ -5379,7 +5380,7 @@ def pdf_sfnt_subtable(data, at):
                         table[code] = gid
         elif fmt == 6:
             first, n = struct.unpack_from(">HH", data, at + 6)
-            table = dict((first + k, g) for k, g in enumerate(struct.unpack_from(">%dH" % n, data, at + 10)))
+            table = {first + k: g for k, g in enumerate(struct.unpack_from(">%dH" % n, data, at + 10))}
         elif fmt == 12:
             n = struct.unpack_from(">I", data, at + 12)[0]
             for k in range(min(n, 65536)):
@@ -5407,14 +5408,14 @@ def pdf_mac_glyph(index):
 def pdf_encoding(name):
     """A base encoding by name: {code: text}."""
     if name == "WinAnsiEncoding":
-        table = dict((i, bytes([i]).decode("cp1252", "replace")) for i in range(32, 256))
+        table = {i: bytes([i]).decode("cp1252", "replace") for i in range(32, 256)}
         table.update((i, "\u2022") for i in (0x81, 0x8d, 0x8f, 0x90, 0x9d))
         return table
     if name == "MacRomanEncoding":
-        return dict((i, bytes([i]).decode("mac_roman")) for i in range(32, 256))
+        return {i: bytes([i]).decode("mac_roman") for i in range(32, 256)}
     if name == "PDFDocEncoding":
-        return dict((i, bytes([i]).decode("latin-1")) for i in range(32, 256))
-    table = dict((i, chr(i)) for i in range(32, 127))          # StandardEncoding
+        return {i: bytes([i]).decode("latin-1") for i in range(32, 256)}
+    table = {i: chr(i) for i in range(32, 127)}          # StandardEncoding
     table[0x27], table[0x60] = "\u2019", "\u2018"
     for i, glyph in enumerate(PDF_STANDARD_HIGH.split()):
         if glyph != "''":
@@ -5439,7 +5440,7 @@ def pdf_hex(raw):
     return bytes.fromhex((hexes + b"0" * (len(hexes) % 2)).decode())
 
 
-class PdfParser(object):
+class PdfParser:
     """The objects in `data` (PDF syntax: a file, a content stream, a CMap, an object
     stream's objects), parsed at an offset by obj()."""
 
@@ -5510,43 +5511,24 @@ class PdfParser(object):
                 d[str(key)] = value
 
     def literal(self, pos):
-        """(a literal string's bytes, the offset after it) from just after its '('."""
-        data, out, depth = self.data, [], 1
-        find = re.compile(rb"[()\\]").search
-        while True:
-            m = find(data, pos)
-            if m is None:
-                out.append(data[pos:])
-                return b"".join(out), len(data)
-            out.append(data[pos:m.start()])
-            c, pos = m.group(), m.end()
-            if c == b"(":
-                depth += 1
-                out.append(c)
-            elif c == b")":
-                depth -= 1
-                if not depth:
-                    return b"".join(out), pos
-                out.append(c)
-            else:
-                e = data[pos:pos + 1]
-                if e in PDF_STRING_ESCAPES:
-                    out.append(PDF_STRING_ESCAPES[e])
-                    pos += 1
-                elif e.isdigit():
-                    octal = re.match(rb"[0-7]{1,3}", data[pos:pos + 3])
-                    if octal:
-                        out.append(bytes([int(octal.group(), 8) & 255]))
-                        pos += len(octal.group())
-                    else:
-                        pos += 1
-                elif e == b"\r":
-                    pos += 2 if data[pos + 1:pos + 2] == b"\n" else 1
-                elif e == b"\n":
-                    pos += 1
-                else:
-                    out.append(e)
-                    pos += 1
+        """(a literal string's bytes, its escapes undone, the offset after it) from just after its '('."""
+        data, depth = self.data, 1
+        for m in PDF_LITERAL.finditer(data, pos):
+            depth += {b"(": 1, b")": -1}.get(m.group(), 0)
+            if not depth:
+                return PDF_LITERAL.sub(pdf_unescape, data[pos:m.start()]), m.end()
+        return PDF_LITERAL.sub(pdf_unescape, data[pos:]), len(data)
+
+
+def pdf_unescape(m):
+    """A literal string's escape (PDF_LITERAL) as its byte; an escaped line break, a digit that is
+    not octal and a backslash at the end are none. A parenthesis stays."""
+    e = m.group(1)
+    if e is None:
+        return m.group()
+    if e[:1].isdigit():
+        return bytes([int(e, 8) & 255]) if e[0] < 56 else b""
+    return b"" if e in (b"\r\n", b"\r", b"\n", b"") else PDF_STRING_ESCAPES.get(e, e)
 
 
 # -- PDF: text and fonts ----------------------------------------------------------
@@ -5672,7 +5654,7 @@ def pdf_bidi(line):
 PDF_LIGATURES = {0xfb00: "ff", 0xfb01: "fi", 0xfb02: "fl", 0xfb03: "ffi", 0xfb04: "ffl", 0xfb05: "st", 0xfb06: "st"}
 
 
-class PdfFont(object):
+class PdfFont:
     """How a font's codes become text (decode()) and how far each moves the pen."""
 
     def __init__(self, pdf, d):
@@ -5718,7 +5700,7 @@ class PdfFont(object):
             info = get(kid.get("CIDSystemInfo"))
             ordering = get(info.get("Ordering")) if isinstance(info, dict) else None
             if not cmap and isinstance(ordering, bytes) and ordering in (b"Japan1", b"GB1", b"CNS1", b"Korea1"):
-                cmap = dict((cid.to_bytes(2, "big"), chr(cid + 31)) for cid in range(1, 96))
+                cmap = {cid.to_bytes(2, "big"): chr(cid + 31) for cid in range(1, 96)}
         self.uni = cmap
 
     def cid_encoding(self, pdf, d, cmap):
@@ -5736,7 +5718,7 @@ class PdfFont(object):
         self.vertical = name.endswith("-V")
         if isinstance(enc, str) and "Identity" in name:  # two bytes a code, whatever ToUnicode's ranges say
             self.spans = [(2, b"\x00\x00", b"\xff\xff")]
-            cmap = dict((int.from_bytes(c, "big").to_bytes(2, "big"), t) for c, t in cmap.items() if len(c) <= 2)
+            cmap = {int.from_bytes(c, "big").to_bytes(2, "big"): t for c, t in cmap.items() if len(c) <= 2}
         if name in ("H", "V") and not cmap:
             self.codec = "jis"                             # JIS X 0208 codes, two bytes
         if not cmap and "Identity" not in name and self.codec is None:
@@ -5793,7 +5775,7 @@ class PdfFont(object):
         for c, text in cmap.items():
             if len(c) == 1:
                 table[c[0]] = text
-        self.uni = dict((bytes([c]), t) for c, t in table.items() if t is not None)
+        self.uni = {bytes([c]): t for c, t in table.items() if t is not None}
         self.low = any(c < 32 for c in table)                 # control codes drawn as glyphs in this font
         self.spans = []
 
@@ -5824,7 +5806,7 @@ class PdfFont(object):
         metrics = PDF_METRICS.get("Times" if "Times" in base else "Helvetica" if "Helvetica" in base or "Arial" in base
                                   else "")
         if metrics and not self.widths:
-            self.widths = dict((32 + k, int(v) / 1000.0) for k, v in enumerate(metrics.split()))
+            self.widths = {32 + k: int(v) / 1000.0 for k, v in enumerate(metrics.split())}
         return base, descriptor
 
     @staticmethod
@@ -5842,8 +5824,8 @@ class PdfFont(object):
             except PdfError:
                 head = b""
             if b"/Encoding StandardEncoding" not in head:
-                builtin = dict((int(c), pdf_glyph(n.decode("latin-1")))
-                               for c, n in re.findall(rb"dup\s+(\d+)\s*/(\S+)\s+put", head) if int(c) < 256)
+                builtin = {int(c): pdf_glyph(n.decode("latin-1"))
+                           for c, n in re.findall(rb"dup\s+(\d+)\s*/(\S+)\s+put", head) if int(c) < 256}
                 if builtin:
                     return builtin
         return dict(pdf_encoding("WinAnsiEncoding" if subtype == "TrueType" else "StandardEncoding")) \
@@ -5865,7 +5847,7 @@ class PdfFont(object):
         except PdfError:
             return {}
         if gids is None:
-            return dict((gid.to_bytes(2, "big"), t) for gid, t in texts.items() if gid < 0x10000)
+            return {gid.to_bytes(2, "big"): t for gid, t in texts.items() if gid < 0x10000}
         out = {}
         for cid in range(min(len(gids) // 2, 0x10000)):
             t = texts.get(gids[2 * cid] << 8 | gids[2 * cid + 1])
@@ -6104,21 +6086,12 @@ def pdf_predictor(data, p):
     for start in range(0, len(data), row + 1):
         kind, line = data[start], bytearray(data[start + 1:start + 1 + row])
         line += bytes(row - len(line))
-        if kind == 1:
-            for i in range(bpp, row):
-                line[i] = (line[i] + line[i - bpp]) & 255
-        elif kind == 2:
-            for i in range(row):
-                line[i] = (line[i] + prev[i]) & 255
-        elif kind == 3:
-            for i in range(row):
-                line[i] = (line[i] + ((line[i - bpp] if i >= bpp else 0) + prev[i]) // 2) & 255
-        elif kind == 4:
-            for i in range(row):
-                a = line[i - bpp] if i >= bpp else 0
-                b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+        for i in range(row) if 1 <= kind <= 4 else ():      # Sub, Up, Average, Paeth (0: None)
+            a, b, c = line[i - bpp] if i >= bpp else 0, prev[i], prev[i - bpp] if i >= bpp else 0
+            if kind == 4:
                 pa, pb, pc = abs(b - c), abs(a - c), abs(a + b - 2 * c)
-                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+                a = a if pa <= pb and pa <= pc else b if pb <= pc else c
+            line[i] = (line[i] + (a if kind in (1, 4) else b if kind == 2 else (a + b) // 2)) & 255
         out += line
         prev = line
     return bytes(out)
@@ -6127,7 +6100,7 @@ def pdf_predictor(data, p):
 PDF_PADDING = bytes.fromhex("28bf4e5e4e758a4164004e56fffa01082e2e00b6d0683e802f0ca9fe6453697a")
 
 
-class PdfCrypt(object):
+class PdfCrypt:
     """The standard security handler, opened with the empty user password (RC4 40-128,
     AES-128, AES-256; revisions 2 to 6): decrypt() the strings and streams of an object."""
 
@@ -6225,7 +6198,7 @@ class PdfCrypt(object):
         if isinstance(value, list):
             return [self.decrypt(x, key, depth + 1) for x in value]
         if isinstance(value, dict):
-            return dict((k, self.decrypt(x, key, depth + 1)) for k, x in value.items())
+            return {k: self.decrypt(x, key, depth + 1) for k, x in value.items()}
         if isinstance(value, PdfStream):
             if value.dict.get("Type") == "XRef":
                 return value
@@ -6305,7 +6278,7 @@ def pdf_aes_cbc(key, iv, data, encrypt=False):
 PDF_TEXT_PARAMETERS = {b"Tc": "tc", b"Tw": "tw", b"Tz": "th", b"TL": "tl", b"Ts": "rise"}   # (Tz: percent)
 
 
-class PdfText(object):
+class PdfText:
     """What Pdf.run keeps while it reads a content stream: the graphics state it needs (the
     transformation `ctm`, the font and its size, character and word spacing tc and tw,
     horizontal scale th, leading tl, rise, the text and line matrices tm and lm) and what
@@ -6327,8 +6300,7 @@ class PdfText(object):
 
     def move(self, tx, ty):
         """The next line, (tx, ty) from this line's start (Td, T*, ' and ")."""
-        lm = self.lm
-        self.lm = self.tm = [lm[0], lm[1], lm[2], lm[3], lm[4] + tx * lm[0] + ty * lm[2], lm[5] + tx * lm[1] + ty * lm[3]]
+        self.lm = self.tm = pdf_mul([1, 0, 0, 1, tx, ty], self.lm)
 
 
 class Pdf(PdfParser):
@@ -6532,8 +6504,8 @@ class Pdf(PdfParser):
                     found = self.indirect(self.offsets[number], number)
                 except PdfError:                               # an xref off by some bytes: where the object is
                     if self.scanned is None:
-                        self.scanned = dict((int(m.group(1)), m.start()) for m in re.finditer(
-                            rb"(?<![0-9])(\d{1,10})[\x00\t\n\x0c\r ]+\d{1,5}[\x00\t\n\x0c\r ]+obj\b", self.data))
+                        self.scanned = {int(m.group(1)): m.start() for m in re.finditer(
+                            rb"(?<![0-9])(\d{1,10})[\x00\t\n\x0c\r ]+\d{1,5}[\x00\t\n\x0c\r ]+obj\b", self.data)}
                     if number not in self.scanned:
                         raise
                     found = self.indirect(self.scanned[number], number)
@@ -6819,11 +6791,11 @@ class Pdf(PdfParser):
                 if font.vertical:                           # down a column: w1 x size + Tc + Tw
                     advance = font.down * codes * size - tc * codes - tw * spaces
                     x0, y0 = m0[4], m0[5]
-                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
+                    st.tm = pdf_mul([1, 0, 0, 1, 0, -advance], tm)
                 else:
                     advance = (width * size + tc * codes + tw * spaces) * th
                     x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
-                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
+                    st.tm = pdf_mul([1, 0, 0, 1, advance, 0], tm)
                 m1 = pdf_mul(st.tm, ctm)
                 scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
                 if text:
@@ -6831,11 +6803,8 @@ class Pdf(PdfParser):
                                     m1[5] + (rise * m1[3] if not font.vertical else 0),
                                     abs(scale) or 1.0, text, font.vertical))
             elif isinstance(item, (int, float)):
-                shift = -item / 1000.0 * size * th
-                if font.vertical:                           # a positive number moves down
-                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[2] / th, tm[5] + shift * tm[3] / th]
-                else:
-                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[0], tm[5] + shift * tm[1]]
+                shift = -item / 1000.0 * size                 # (down a column: a positive number moves down)
+                st.tm = pdf_mul([1, 0, 0, 1, 0, shift] if font.vertical else [1, 0, 0, 1, shift * th, 0], tm)
 
     def form(self, st, name):
         """Do: a form XObject's content run inside the page (12 deep at most, none inside itself)."""
@@ -6875,33 +6844,31 @@ def pdf_job(job, emit):
         for page, resources in pages[first - 1:last]:
             try:
                 texts.append(pdf.page_text(page, resources))
-            except PdfError as e:                             # one damaged page: said on it, the rest read
+            except PDF_DAMAGE + PDF_BUGS + (PdfError,) as e:   # one damaged page: said on it, the rest read
                 if "inflate past" in str(e):
                     raise
-                texts.append("[this page could not be read: %s]" % e)
-            except PDF_BUGS as e:
-                log("error", "the PDF reader failed on a page: a bug", error=_traceback())
-                texts.append("[this page could not be read: the PDF reader failed (%s: %s), a bug in boris, logged"
-                             " with its traceback]" % (type(e).__name__, shorten(str(e), 120)))
-            except PDF_DAMAGE as e:
-                texts.append("[this page could not be read (%s: %s)]" % (type(e).__name__, shorten(str(e), 120)))
+                texts.append("[this page could not be read: %s]" % pdf_failure(e))
         emit([{"count": len(pages), "title": pdf.info(), "texts": texts}])
-    except PdfError as e:
-        raise ToolError(INVALID_INPUT, "not a readable PDF: %s" % e)
-    except RecursionError:
-        raise ToolError(INVALID_INPUT, "not a readable PDF: its objects are nested too deeply")
-    except PDF_BUGS as e:
-        log("error", "the PDF reader failed: a bug", error=_traceback())
-        raise ToolError(IO_ERROR, "the PDF reader failed on it (%s: %s): a bug in boris, logged with its"
-                        " traceback; pdftotext reads it if installed" % (type(e).__name__, shorten(str(e), 120)))
-    except PDF_DAMAGE as e:
-        raise ToolError(INVALID_INPUT, "not a readable PDF (%s: %s)" % (type(e).__name__, shorten(str(e), 120)))
+    except PDF_DAMAGE + PDF_BUGS + (PdfError,) as e:
+        raise ToolError(IO_ERROR if isinstance(e, PDF_BUGS) else INVALID_INPUT, "not a readable PDF: %s%s" % (
+            pdf_failure(e), "; pdftotext reads it if installed" if isinstance(e, PDF_BUGS) else ""))
 
 
 # What a damaged file can raise inside the parser (that checks what it reads), and what only
 # a bug of the parser's can: the first is the file's fault, the second is logged as boris's.
 PDF_DAMAGE = (ValueError, IndexError, OverflowError, MemoryError, LookupError, ZeroDivisionError, RecursionError)
 PDF_BUGS = (TypeError, AttributeError, KeyError, NameError)
+
+
+def pdf_failure(e):
+    """What an exception out of the PDF reader says of the file (a bug of the reader's is logged)."""
+    if isinstance(e, PDF_BUGS):
+        log("error", "the PDF reader failed: a bug", error=_traceback())
+        return "the PDF reader failed (%s: %s), a bug in boris, logged with its traceback" % (
+            type(e).__name__, shorten(str(e), 120))
+    if isinstance(e, RecursionError):
+        return "its objects are nested too deeply"
+    return str(e) if isinstance(e, PdfError) else "%s: %s" % (type(e).__name__, shorten(str(e), 120))
 
 
 ###############################################################################
@@ -6974,7 +6941,7 @@ def name_filter(include, type_name):
 
 
 # -- the grep and glob jobs -------------------------------------------------------
-class GrepWork(object):
+class GrepWork:
     """A grep or search_text job as each of its workers runs it: roots are (real,
     is_dir, inode of a file root); take() turns what a walk found into the items to
     send, [GrepHit], or None."""
@@ -7170,7 +7137,7 @@ class GrepWork(object):
             filled = carry + os.readv(fd, [memoryview(buf)[carry:]])
 
 
-class GlobWork(object):
+class GlobWork:
     """A glob or search_files job as each of its workers runs it: one root, the
     static directory `start`; gather() appends rel, mtime for each match, items sent
     flat (rel, mtime, rel, mtime, ...: a list per match would double the JSON work)."""
@@ -7269,7 +7236,7 @@ SEARCH_WORK = {"grep": GrepWork, "glob": GlobWork}
 
 
 # -- a job's batches ---------------------------------------------------------------
-class Batches(object):
+class Batches:
     """Items handed to emit() in batches: at SEARCH_BATCH, after 0.2 s, and at the end."""
 
     def __init__(self, emit, keep=False):
@@ -7399,7 +7366,7 @@ def match_job(job):
 
 # -- the helper pool ---------------------------------------------------------------
 
-class HelperPool(object):
+class HelperPool:
     """The one owner of a server's search helpers, busy or idle: it starts them (from
     a thread of its own, since PR_SET_PDEATHSIG fires when the thread that forked a
     child ends, and worker threads retire), hands each job to one, keeps up to
@@ -7602,7 +7569,7 @@ CAPTURE_HEAD_BYTES = CAPTURE_HEAD_CHARS * 4
 CAPTURE_TAIL_BYTES = CAPTURE_TAIL_CHARS * 4
 
 
-class Capture(object):
+class Capture:
     """A stream's output in bounded memory, in time linear in its size: the head and
     the tail kept as bytes, the full length counted in characters."""
 
@@ -7772,7 +7739,7 @@ def pipe_selector(proc, out, err):
     return sel
 
 
-class PumpClock(object):
+class PumpClock:
     """What time means to one pump(): why the command ends (`exited`, `timeout`,
     `stopped`), and which signal its group gets when."""
 
@@ -7882,7 +7849,7 @@ def stream_limits(out_chars, err_chars, total):
     return half, total - half
 
 
-class Unread(object):
+class Unread:
     """A stream's output not yet returned by task_output: a Capture (bounded, head and
     tail) swapped for a fresh one at each read."""
 
@@ -7907,7 +7874,7 @@ class Unread(object):
             return bytes(self.cap.tail[-8192:]).decode("utf-8", "replace")
 
 
-class Task(object):
+class Task:
     """A running command read by its own thread: a foreground bash command (which is
     handed off to the background when it outlives --handoff) or a background task.
     Its process, unread output and, once done, its ending. An interactive one takes
@@ -8274,7 +8241,7 @@ def address_refusal(address, block_private=False):
     return None
 
 
-class FetchWatch(object):
+class FetchWatch:
     """The deadline and cancellation of one fetch: when either comes, every socket it
     opened is shut down, so a blocked read returns at once whatever the server does."""
 
@@ -8340,7 +8307,7 @@ def fetch_error(kind, **facts):
     return ToolError(code, message % facts, detail=(kind, facts))
 
 
-class WebFetch(object):
+class WebFetch:
     """One web_fetch of `url` (as the model gave it; every error names it so): the URL
     checked, a GET that connects only to vetted addresses (checked after DNS, on every
     redirect too), its text. Every failure is a fetch_error."""
@@ -8552,7 +8519,7 @@ class WebFetch(object):
 ###############################################################################
 
 
-class Session(object):
+class Session:
     """One client's state: cwd, sentinel nonce, viewed set, tasks, in-flight calls.
     Everything mutable (viewed, tasks, inflight, foreground, cwd, closed) is read and
     changed under `lock`; `client` and `last_seen` are single values a transport sets."""
@@ -8865,7 +8832,7 @@ def sweep_stores():
     return thread
 
 
-class Store(object):
+class Store:
     """The server's one content-addressed store of file bytes, shared by the checkpoints of
     every session and by undo_edit: a private 0700 directory made at first use where
     store_place says, with a lock that tells sweep_stores it is a live server's. Bytes are
@@ -8975,7 +8942,7 @@ class Store(object):
 GIT_FILTERING = re.compile(rb"(^|\s)-?(text|eol|crlf|filter|ident|working-tree-encoding)\b")
 
 
-class GitIndex(object):
+class GitIndex:
     """What a git work tree's index says of its clean files. A file whose lstat agrees with its
     entry (git's own test: ctime, mtime, inode and size, each as the index keeps it) holds the
     blob the entry names, unless the entry is racy (changed as late as the index was written);
@@ -9076,7 +9043,7 @@ class GitIndex(object):
             entries[name[:max(cut, 0)]] += name[cut + 1:] + b"\0" + struct.pack(">6I", cs, cn, ms, mn, ino, size) + sha
         if data[pos:pos + 4] == b"link":
             raise ValueError("a split index")
-        return dict((os.fsdecode(d), bytes(files)) for d, files in entries.items())
+        return {os.fsdecode(d): bytes(files) for d, files in entries.items()}
 
     def converts(self, entries):
         """Whether git changes bytes between this work tree and its blobs (then nothing is
@@ -9132,7 +9099,7 @@ class GitIndex(object):
         return "g" + entry[24:].hex() if entry[:24] == key else None
 
 
-class CatFile(object):
+class CatFile:
     """`git cat-file --batch` of one repository, for the blobs a rewind writes back."""
 
     def __init__(self, index):
@@ -9217,7 +9184,7 @@ def rewind_plan(old, cur, within, partial):
     """(paths to remove, paths to make) for a rewind from entries `cur` to entries `old`
     (flat maps), under the paths `within` (all when empty; the directories above those come
     back too); nothing is removed that the old state did not cover when it is `partial`."""
-    above = set(p for p, e in old.items() if e[0] == "d" and any(is_within(w, p) for w in within))
+    above = {p for p, e in old.items() if e[0] == "d" and any(is_within(w, p) for w in within)}
 
     def wanted(p):
         return not within or p in above or any(p == w or is_within(p, w) for w in within)
@@ -9227,7 +9194,7 @@ def rewind_plan(old, cur, within, partial):
     return drop, put
 
 
-class Listing(object):
+class Listing:
     """One directory's children as a checkpoint's walk meets them: a directory quiet since
     it was last looked at (`old`, its packed children then) keeps them unread when it lists
     the same names; the others' children are looked at one by one, by `look(path, old entry,
@@ -9272,7 +9239,7 @@ class Listing(object):
         return (self.old if packed == self.old else packed), self.lasting
 
 
-class Checkpoint(object):
+class Checkpoint:
     """One state of the workspace: `dirs` {directory: its children, packed (pack_children)}
     (a file over --max-file-size or past the budget has digest None: not covered), how many
     entries (`size`), what was left out (`missed`: [(path, why)]), whether the walk stopped
@@ -9286,8 +9253,8 @@ class Checkpoint(object):
 
     def flat(self):
         """{path: entry} of every entry (unpack_children), for a rewind or a diff."""
-        return dict((child_prefix(d) + name, e) for d, packed in self.dirs.items()
-                    for name, e in unpack_children(packed).items())
+        return {child_prefix(d) + name: e for d, packed in self.dirs.items()
+                    for name, e in unpack_children(packed).items()}
 
     def same_as(self, other):
         """Whether two checkpoints hold the same workspace (kinds, modes, bytes, link targets)."""
@@ -9310,7 +9277,7 @@ def entry_changes(old, new, partial=False):
 
 
 # -- a session's checkpoints ------------------------------------------------------
-class Checkpoints(object):
+class Checkpoints:
     """A session's checkpoints of its workspace roots, their bytes in the server's store (see
     above). before() and after() frame each call that can change files; current() checkpoints
     now; rewind() puts a checkpoint back.
@@ -9878,7 +9845,7 @@ DEFAULT, COMPAT = ("default",), ("compat",)  # the tool modes (--anthropic-compa
 BOTH = DEFAULT + COMPAT
 
 
-class Tool(object):
+class Tool:
     """A tool as registered: its listing (name, description, input schema, annotations),
     its handler, the modes it is listed in, the error codes its enum arguments answer
     with (`codes`), `argument_error`, which turns a refused argument into the tool's
@@ -9937,7 +9904,7 @@ def build_tools(config):
     a ConfigError for a --disable-tools name no tool has."""
     off = disabled_tools(config)
     mode = COMPAT[0] if config.anthropic_compat else DEFAULT[0]
-    return dict((t.name, t.made(config)) for t in TOOLS if mode in t.modes and t.name not in off)
+    return {t.name: t.made(config) for t in TOOLS if mode in t.modes and t.name not in off}
 
 
 def tool_names():
@@ -9991,7 +9958,7 @@ RANGE_PROP = prop("array", "Optional [start, end] line range, 1-indexed and incl
                   items={"type": "integer"}, minItems=2, maxItems=2)
 
 
-class CallContext(object):
+class CallContext:
     """What a handler may use besides its arguments: settings, scope, cancellation,
     a progress callback (a no-op unless the client asked for progress), the
     server's HelperPool, where searches and wait_for matches run, and its FileGuards."""
@@ -10151,7 +10118,7 @@ def image_size(data, mime):
 NOTEBOOK_OUTPUT_CHARS = 2000               # one output's text shown in a notebook view
 
 
-class Notebook(object):
+class Notebook:
     """A notebook's JSON text and its cells: the cell dicts, the (start, end) offsets of
     each cell object in the text (spans) and the offset of the cells array's ']'
     (array_end). ValueError when the text is not a notebook (JSON with a 'cells' array)."""
@@ -10690,13 +10657,13 @@ def directory_outline(shown, items, why, offset, cap):
 # Then the three-way merge (EditMerge): the edit is the difference between old_str and
 # new_str, applied to the file's own lines where old_str was found.
 
-PUNCT_ASCII = dict((ord(k), v) for k, v in (
+PUNCT_ASCII = {ord(k): v for k, v in (
     ("\u2018", "'"), ("\u2019", "'"), ("\u201a", "'"), ("\u201b", "'"), ("\u2032", "'"), ("\u201c", '"'),
     ("\u201d", '"'), ("\u201e", '"'), ("\u201f", '"'), ("\u2033", '"'), ("\u2010", "-"), ("\u2011", "-"),
     ("\u2012", "-"), ("\u2013", "-"), ("\u2014", "-"), ("\u2015", "-"), ("\u2212", "-"), ("\u00a0", " "),
     ("\u2002", " "), ("\u2003", " "), ("\u2004", " "), ("\u2005", " "), ("\u2006", " "), ("\u2007", " "),
     ("\u2008", " "), ("\u2009", " "), ("\u200a", " "), ("\u202f", " "), ("\u205f", " "), ("\u3000", " "),
-    ("\u2026", "..."), ("\u200b", ""), ("\u200c", ""), ("\u200d", ""), ("\u2060", ""), ("\ufeff", "")))
+    ("\u2026", "..."), ("\u200b", ""), ("\u200c", ""), ("\u200d", ""), ("\u2060", ""), ("\ufeff", ""))}
 WHITESPACE_RUN = re.compile(r"\s+")
 
 
@@ -10883,7 +10850,7 @@ def is_shift(mapping):
     return len(moves) <= 1 and all(not drop or not add for drop, add in moves)
 
 
-class LineIndex(object):
+class LineIndex:
     """A file's lines (without CR) as the matcher searches them: each line's key, and
     where each key stands among the non-blank lines, made once per text."""
 
@@ -11069,7 +11036,7 @@ def solids(units):
     return [k for k, u in enumerate(units) if u[2]]
 
 
-class EditMerge(object):
+class EditMerge:
     """The three-way merge of one place: the file's lines there (region, CR kept), the
     lines old_str (or a hunk's old side) has (want) and the lines the edit makes of
     them (new), with the opcodes of want -> new. Lines the edit leaves keep the file's
@@ -11101,7 +11068,7 @@ class EditMerge(object):
         for a, b in pairs:
             if a.strip() and b.strip():
                 images.setdefault(leading(a), set()).add(leading(b))
-        self.known = dict((a, bs.pop()) for a, bs in images.items() if len(bs) == 1)   # where the mapping is not one
+        self.known = {a: bs.pop() for a, bs in images.items() if len(bs) == 1}   # where the mapping is not one
         # Two lines or more with the file's very indentation, one line off at most and the
         # same unit: the model's indentation is the file's, and a new line's is too.
         same = sum(1 for a, b in pairs if a.strip() and b.strip() and leading(a) == leading(b))
@@ -11109,7 +11076,7 @@ class EditMerge(object):
             (self.units is None or self.units[0] == len(self.units[1].expandtabs(4)))
         self.indent_chars = set(file_step[1] if file_step else "".join(leading(f) for f in self.plain))
         if self.as_is:                          # the line that is off is the slip, not a level to follow
-            self.known = dict((a, b) for a, b in self.known.items() if a == b)
+            self.known = {a: b for a, b in self.known.items() if a == b}
         self.off = set(leading(a) for a, b in pairs if a.strip() and b.strip() and leading(a) != leading(b))
 
     def file_tail(self):
@@ -11314,7 +11281,7 @@ class EditMerge(object):
                 if len(gap) > max(1, len(mine)) and gap.isspace():
                     token = "".join(u[1] for u in fu[fq:]).split()[0]
                     cols.setdefault(token, []).append(len(lead) + len("".join(u[1] for u in fu[:fq])))
-        return dict((t, c[0]) for t, c in cols.items() if len(c) > 1 and len(set(c)) == 1)
+        return {t: c[0] for t, c in cols.items() if len(c) > 1 and len(set(c)) == 1}
 
     def aligned_line(self, line):
         """A new line whose tokens that the file aligns in a column stand in that column
@@ -11459,8 +11426,8 @@ def write_edit(session, ctx, tool, changes, dry_run=False):
     except (OSError, ToolError) as e:
         why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
         raise ToolError(IO_ERROR, "writing %s failed (%s); %s" % (shown, why, put_back(done, known, ctx)))
-    kept = dict((real, known[real] + (digest_of(data) if data is not None else None,))
-                for real, _, data, _, _ in todo if known[real] is not None)
+    kept = {real: known[real] + (digest_of(data) if data is not None else None,)
+                for real, _, data, _, _ in todo if known[real] is not None}
     if kept and tool != "undo_edit":
         session.remember_edit(tool, keep_befores(session, kept))
     return "".join(notes) + "".join(parse_warning(real, before, data) for real, _, data, before, _ in todo
@@ -12343,7 +12310,7 @@ def tool_str_replace_editor(session, args, ctx):
 # '*** End of File' / *** End Patch. Every hunk of every file is located before anything
 # is written; a patch lands whole or not at all.
 
-class Hunk(object):
+class Hunk:
     """One '@@' section: the header lines that narrow where it applies, its lines as
     (kind, text) with kind ' ', '-' or '+', and whether it ends the file."""
 
@@ -12366,7 +12333,7 @@ PatchOp.__doc__ = """One section of a patch: kind 'add' (body: its lines), 'dele
 'update' (move: the '*** Move to' path or None; hunks: [Hunk])."""
 
 
-class PatchReader(object):
+class PatchReader:
     """A patch's text, read section by section: read() gives its operations."""
 
     def __init__(self, text):
@@ -12477,7 +12444,7 @@ def find_run(lines, want, start):
     return [i for i in range(start, len(lines) - n + 1) if lines[i] == want[0] and lines[i:i + n] == want]
 
 
-class PatchedText(object):
+class PatchedText:
     """One file's text under a patch's hunks, applied in order: each hunk's old lines are
     found by the one matcher at or after where the hunk before ended, past its '@@
     header' lines; a hunk found at a relaxed level is merged into the file's lines as
@@ -12588,7 +12555,7 @@ class PatchedText(object):
         return " (searching from line %d, after the hunks before it)" % (cursor + 1) if cursor else ""
 
 
-class PatchPlan(object):
+class PatchPlan:
     """What a patch will do, every path resolved and checked, every hunk located,
     sections applied in order to what the sections before left (a file may come
     twice): its writes (for write_edit), the summary lines as Codex prints them (every A,
@@ -12775,7 +12742,7 @@ def start_command(session, script, sandbox=None, stdin="null"):
         raise ToolError(BASH_START_FAILED, "could not start %s in %s: %s" % (SHELL, cwd, e.strerror or e))
 
 
-class ProgressLines(object):
+class ProgressLines:
     """Tell the client how a command is getting on, at most ~10 times a second: a
     short status ('12 lines, 3.4 KB so far; last: <its last line, cut to ~200
     characters>'), never the output itself, which belongs in the result. Keeps
@@ -13082,7 +13049,7 @@ def wait_budget_ms(wait_ms, wait_for, settle):
     return min(max(0, wait_ms or (BASH_MAX_TIMEOUT_MS if wait_for else 0)), BASH_MAX_TIMEOUT_MS)
 
 
-class OutputWatch(object):
+class OutputWatch:
     """What await_task waits for in a task's recent output: a wait_for match, or
     (settle) an answer that has come and gone quiet for TASK_SETTLE_S."""
 
@@ -13281,7 +13248,7 @@ def renamed(handler, names):
     """A handler that takes other parameter names and calls `handler` with ours (the
     other name wins where a call gives both)."""
     def call(session, args, ctx):
-        ours = dict((k, v) for k, v in args.items() if k not in names)
+        ours = {k: v for k, v in args.items() if k not in names}
         ours.update((names[k], v) for k, v in args.items() if k in names)
         return handler(session, ours, ctx)
     return call
@@ -13290,8 +13257,8 @@ def renamed(handler, names):
 def compat_grep_schema(config):
     """grep's schema under --anthropic-compat: Claude Code's names (glob, -i, -n, -A, -B, -C)
     and `context` besides -C (models write either; -C wins when both are given)."""
-    back = dict((v, k) for k, v in COMPAT_GREP_NAMES.items())
-    props = dict((back.get(k, k), v) for k, v in GREP_PROPS.items())
+    back = {v: k for k, v in COMPAT_GREP_NAMES.items()}
+    props = {back.get(k, k): v for k, v in GREP_PROPS.items()}
     props["context"] = GREP_PROPS["context"]
     return obj(props, ["pattern"])
 
@@ -13803,7 +13770,7 @@ def check_fields(prefix, schema, args, codes=None):
 
 
 # -- the worker pool --------------------------------------------------------------
-class WorkerPool(object):
+class WorkerPool:
     """Threads that run tool calls so the reader never blocks, fair between sessions.
 
     A call starts at once when its owner (a session's lane: its shell commands, or
@@ -13917,7 +13884,7 @@ def finite(value):
     if isinstance(value, float):
         return value if value - value == 0 else None
     if isinstance(value, dict):
-        return dict((k, finite(v)) for k, v in value.items())
+        return {k: finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [finite(v) for v in value]
     return value
@@ -13967,7 +13934,7 @@ def result_response(rid, result):
 
 
 # -- the server -------------------------------------------------------------------
-class McpServer(object):
+class McpServer:
     """JSON-RPC dispatch for MCP. Knows nothing about stdio or HTTP: a transport hands
     it a message, a session and an `emit(message)` callback (thread-safe), and every
     answer, progress notification included, goes out through `emit`."""
@@ -14208,8 +14175,8 @@ class McpServer(object):
                 if not isinstance(args, dict):
                     raise ToolError(INVALID_INPUT, "arguments must be a JSON object of argument names and values")
                 props = tool.schema["properties"]
-                checked = dict((k, v) for k, v in args.items()
-                               if v is not None and (k in props or k not in INJECTED_ARGUMENTS))
+                checked = {k: v for k, v in args.items()
+                               if v is not None and (k in props or k not in INJECTED_ARGUMENTS)}
                 check_fields("", tool.schema, checked, tool.codes)
             except ToolError as e:
                 raise tool.argument_error(e)
@@ -14307,7 +14274,7 @@ class McpServer(object):
 EOF_GRACE_S = 2.0                          # stdin closed: let in-flight calls finish
 
 
-class Stopper(object):
+class Stopper:
     """How the process is told to stop: by a signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT)
     or by a transport (stdin EOF). Signal handlers only note the reason and write a
     byte to a pipe; they never raise or take a lock, so no signal is lost whatever
@@ -14466,7 +14433,7 @@ def serve_stdio(server, session, stopper, stdin_fd=0, stdout=None):
 # The request handler class is McpRequestHandler's methods mixed into http.server's
 # BaseHTTPRequestHandler by HttpTransport.bind.
 
-class HttpTransport(object):
+class HttpTransport:
     """Streamable HTTP on /mcp (POST, GET -> 405, DELETE) and GET /health.
 
     Sessions are keyed by an unguessable Mcp-Session-Id; each owns its cwd, viewed set
@@ -14677,7 +14644,7 @@ class HttpTransport(object):
             self.httpd.shutdown()
 
 
-class McpRequestHandler(object):
+class McpRequestHandler:
     """The MCP endpoint's request handling, mixed into http.server's
     BaseHTTPRequestHandler by HttpTransport.bind (imported only when HTTP is
     served): do_GET, do_POST and do_DELETE check the request (guarded), read it,
@@ -14697,7 +14664,7 @@ class McpRequestHandler(object):
             self.send_header("Access-Control-Allow-Origin", origin)
             self.send_header("Access-Control-Expose-Headers", "Mcp-Session-Id, Mcp-Protocol-Version")
             self.send_header("Vary", "Origin")
-        super(McpRequestHandler, self).end_headers()
+        super().end_headers()
 
     def reply(self, code, body=None, headers=(), close=False):
         """Send a JSON (or empty) reply. close=True ends the connection after it, which is

@@ -3710,7 +3710,7 @@ class TestPdf(NoViewBase):
                 with self.assertRaises(boris.ToolError) as e:
                     boris.pdf_job(job, lambda items: self.fail("answered %r" % items))
             self.assertEqual(e.exception.code, "IO_ERROR", e.exception.message)
-            self.assertIn("the PDF reader failed on it (%s" % type(bug).__name__, e.exception.message)
+            self.assertIn("the PDF reader failed (%s" % type(bug).__name__, e.exception.message)
             self.assertIn("a bug in boris", e.exception.message)
             self.assertIn("Traceback", logged.call_args[1]["error"])
         answers = []
@@ -3719,7 +3719,7 @@ class TestPdf(NoViewBase):
             raise ValueError("bad number")                # the file's fault: said on its page, nothing logged
         with mock.patch.object(boris.Pdf, "page_text", damaged), mock.patch.object(boris, "log") as logged:
             boris.pdf_job(job, answers.append)
-        self.assertIn("[this page could not be read (ValueError: bad number)]", answers[0][0]["texts"][0])
+        self.assertIn("[this page could not be read: ValueError: bad number]", answers[0][0]["texts"][0])
         self.assertFalse(logged.called)
         self.put("swapped.pdf", b"")                      # not the file (device, inode) the job names
         with self.assertRaises(boris.ToolError) as e:
