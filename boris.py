@@ -278,6 +278,11 @@ def human_size(n):
         n /= 1024.0
 
 
+def plural(n, word):
+    """'1 file', '2 files': a count and its noun, in every message that counts."""
+    return "%d %s%s" % (n, word, "" if n == 1 else "s")
+
+
 _LOG_LEVELS = {"debug": 10, "info": 20, "warn": 30, "error": 40}
 # One of the two module-level objects changed at run time (the other is _children):
 # the process has one stderr, and main() sets how it is written to once, before serving.
@@ -6127,10 +6132,9 @@ class PdfCrypt:
         """The file key of revisions 5 and 6 (AES-256), by the empty user or owner password."""
         if len(u) < 48:
             raise PdfError("a damaged encryption dictionary (/U)")
-        if pdf_r6_hash(b"", u[32:40], r) == u[:32]:
-            return pdf_aes_cbc(pdf_r6_hash(b"", u[40:48], r), bytes(16), (get(d.get("UE")) or b"")[:32])
-        if len(o) >= 48 and pdf_r6_hash(b"", o[32:40], r, u[:48]) == o[:32]:     # an empty owner password
-            return pdf_aes_cbc(pdf_r6_hash(b"", o[40:48], r, u[:48]), bytes(16), (get(d.get("OE")) or b"")[:32])
+        for check, sealed, udata in ((u, "UE", b""), (o, "OE", u[:48])):      # the user's, then an empty owner's
+            if len(check) >= 48 and pdf_r6_hash(b"", check[32:40], r, udata) == check[:32]:
+                return pdf_aes_cbc(pdf_r6_hash(b"", check[40:48], r, udata), bytes(16), (get(d.get(sealed)) or b"")[:32])
         raise PdfError("encrypted with a password: it is not read (only an empty password is tried)")
 
     def md5_key(self, pdf, d, r, o, u):
@@ -6143,14 +6147,16 @@ class PdfCrypt:
         n = (get(d.get("Length")) or (128 if self.aes else 40)) // 8 if r >= 3 else 5
         n = max(5, min(16, n))
 
+        def rehashed(key, keep):                            # revision 3 and up: MD5 50 times more
+            for _ in range(50 if r >= 3 else 0):
+                key = hashlib.md5(key).digest()[:keep]
+            return key[:n]
+
         def user(password):                                 # the file key if `password` is the user's
             h = hashlib.md5(password + o[:32] + (p & 0xffffffff).to_bytes(4, "little") + first)
             if r >= 4 and get(d.get("EncryptMetadata")) is False:
                 h.update(b"\xff\xff\xff\xff")
-            key = h.digest()[:n]
-            if r >= 3:
-                for _ in range(50):
-                    key = hashlib.md5(key).digest()[:n]
+            key = rehashed(h.digest()[:n], n)
             if r == 2:
                 return key if pdf_rc4(key, PDF_PADDING) == u[:32] else None
             check = pdf_rc4(key, hashlib.md5(PDF_PADDING + first).digest())
@@ -6159,11 +6165,7 @@ class PdfCrypt:
             return key if check == u[:16] else None
         key = user(PDF_PADDING)
         if key is None:                                     # an empty owner password gives the user's
-            owner = hashlib.md5(PDF_PADDING).digest()
-            if r >= 3:
-                for _ in range(50):
-                    owner = hashlib.md5(owner).digest()
-            owner, secret = owner[:n], o[:32]
+            owner, secret = rehashed(hashlib.md5(PDF_PADDING).digest(), 16), o[:32]
             for i in (range(19, -1, -1) if r >= 3 else [0]):
                 secret = pdf_rc4(bytes(k ^ i for k in owner), secret)
             key = user(secret)
@@ -6562,10 +6564,7 @@ class Pdf(PdfParser):
                     break
                 out.append(piece)
                 size += len(piece)
-                if size > room:
-                    raise PdfError("its streams inflate past %s: refused (a decompression bomb?)"
-                                   % human_size(PDF_INFLATED_MAX))
-                if z.unconsumed_tail:
+                if size > room or z.unconsumed_tail:
                     raise PdfError("its streams inflate past %s: refused (a decompression bomb?)"
                                    % human_size(PDF_INFLATED_MAX))
                 if z.eof:
@@ -6643,8 +6642,7 @@ class Pdf(PdfParser):
         self.annotations(page, runs)
         text = pdf_lines(runs)
         if self.unmapped:
-            text += "\n[not shown: %d character%s whose font carries no map to text]" % (
-                self.unmapped, "" if self.unmapped == 1 else "s")
+            text += "\n[not shown: %s whose font carries no map to text]" % plural(self.unmapped, "character")
         return text.strip("\n")
 
     def field_value(self, annot, normal):
@@ -6838,8 +6836,7 @@ def pdf_job(job, emit):
         if not pages:
             raise PdfError("no pages found (a damaged file?)")
         if first > len(pages) or last > len(pages):
-            raise ToolError(INVALID_INPUT, "pages %s: the PDF has %d page%s" % (
-                job["asked"], len(pages), "" if len(pages) == 1 else "s"))
+            raise ToolError(INVALID_INPUT, "pages %s: the PDF has %s" % (job["asked"], plural(len(pages), "page")))
         texts = []
         for page, resources in pages[first - 1:last]:
             try:
@@ -10428,17 +10425,28 @@ def document_view(ctx, real, st, shown, vr):
     """An office document's Markdown, read in a search helper (from the very file `st` is
     the stat of), numbered as its lines (view_range pages them), after a line saying what
     it is."""
+    text = read_document(ctx, {"op": "document", "path": real, "file": [st.st_dev, st.st_ino]}, shown)
+    note = "(%s: %s, shown as Markdown; line numbers are the rendering's, for view_range)\n" % (
+        shown, DOC_FORMATS[os.path.splitext(real)[1].lower()])
+    return note + numbered_text(text, vr, shown, ctx.config.max_result_chars - len(note))
+
+
+def read_document(ctx, job, shown):
+    """What a document job (an office file's or a PDF's) answers, read in a search helper;
+    its errors name the file."""
     try:
-        items, why = ctx.helpers.run({"op": "document", "path": real, "file": [st.st_dev, st.st_ino]}, ctx.cancelled)
+        items, why = ctx.helpers.run(job, ctx.cancelled)
     except ToolError as e:
         raise ToolError(e.code, "%s: %s" % (shown, e.message))
     if not items:
         raise ToolError(IO_ERROR, "reading %s was %s before it was done" % (shown, stopped_why(why)))
-    data = items[0].encode("utf-8", "surrogateescape")
-    note = "(%s: %s, shown as Markdown; line numbers are the rendering's, for view_range)\n" % (
-        shown, DOC_FORMATS[os.path.splitext(real)[1].lower()])
-    reader = LineReader(io.BytesIO(data), len(data) + 1)
-    return note + numbered(reader, vr, shown, ctx.config.max_result_chars - len(note))
+    return items[0]
+
+
+def numbered_text(text, vr, shown, cap):
+    """`text`'s lines numbered as view numbers a file's (a view_range of them), within `cap`."""
+    data = text.encode("utf-8", "surrogateescape")
+    return numbered(LineReader(io.BytesIO(data), len(data) + 1), vr, shown, cap)
 
 
 def pdf_view(ctx, real, st, shown, vr, pages):
@@ -10454,15 +10462,10 @@ def pdf_view(ctx, real, st, shown, vr, pages):
                         " numbered from 1)" % (pages,))
     job = {"op": "pdf", "path": real, "file": [st.st_dev, st.st_ino], "first": first, "last": last if pages else None,
            "asked": pages, "limit": ctx.config.max_file_size}
-    try:
-        items, why = ctx.helpers.run(job, ctx.cancelled)
-    except ToolError as e:
-        raise ToolError(e.code, "%s: %s" % (shown, e.message))
-    if not items:
-        raise ToolError(IO_ERROR, "reading %s was %s before it was done" % (shown, stopped_why(why)))
-    count, title, texts = items[0]["count"], items[0]["title"], items[0]["texts"]
-    head = "(%s: PDF, %d page%s%s; line numbers are the rendering's, for view_range)\n" % (
-        shown, count, "" if count == 1 else "s", ", title \"%s\"" % shorten(title, 200) if title else "")
+    answer = read_document(ctx, job, shown)
+    count, title, texts = answer["count"], answer["title"], answer["texts"]
+    head = "(%s: PDF, %s%s; line numbers are the rendering's, for view_range)\n" % (
+        shown, plural(count, "page"), ", title \"%s\"" % shorten(title, 200) if title else "")
     cap = ctx.config.max_result_chars - len(head) - 400
     parts, size, shown_last = [], 0, first - 1
     for k, text in enumerate(texts):
@@ -10474,9 +10477,7 @@ def pdf_view(ctx, real, st, shown, vr, pages):
         parts.append(page)
         size += len(page) + 9 * page.count("\n")
         shown_last = first + k
-    data = "".join(parts).encode("utf-8", "surrogateescape")
-    reader = LineReader(io.BytesIO(data), len(data) + 1)
-    body = numbered(reader, vr, shown, ctx.config.max_result_chars - len(head))
+    body = numbered_text("".join(parts), vr, shown, ctx.config.max_result_chars - len(head))
     if shown_last < first + len(texts) - 1:
         body += "\n[pages %d-%d of %d shown; read on with pages \"%d-%d\"]" % (
             first, shown_last, count, shown_last + 1, min(count, shown_last + 1 + shown_last - first))
@@ -11120,9 +11121,9 @@ class EditMerge:
             ahead = next((r for r in align[i2:] if r is not None), len(self.region))
             if tag == "insert":
                 if rp < ahead:
-                    raise self.refuse("the file has %d blank line%s at line %d of the match that %s lacks, just"
-                                      " where the new lines go; copy %s with the file's blank lines" % (
-                                          ahead - rp, "" if ahead - rp == 1 else "s", rp + 1, self.what, self.what))
+                    raise self.refuse("the file has %s at line %d of the match that %s lacks, just where the"
+                                      " new lines go; copy %s with the file's blank lines" % (
+                                          plural(ahead - rp, "blank line"), rp + 1, self.what, self.what))
                 for j in range(j1, j2):
                     out.append(self.new_line(j))
                 continue
@@ -11497,7 +11498,7 @@ def put_back(done, known, ctx):
             failed.append(real)
     if failed:
         return "the files written before it could not all be restored: %s" % ", ".join(failed)
-    return "the %d file%s written before it were restored, so nothing changed" % (len(done), "" if len(done) == 1 else "s")
+    return "the %s written before it were restored, so nothing changed" % plural(len(done), "file")
 
 
 def unified_diff(before, after, shown):
@@ -11667,16 +11668,15 @@ def region_report(region, want, at, best, what):
     import difflib
 
     def indents(s):
-        return ("%d tab%s" % (s.count("\t"), "" if s.count("\t") == 1 else "s") if "\t" in s else
-                "%d space%s" % (len(s), "" if len(s) == 1 else "s") if s else "no indentation")
+        return plural(s.count("\t"), "tab") if "\t" in s else plural(len(s), "space") if s else "no indentation"
     ws = []                             # lines equal but for whitespace: what differs, in words
     for k, (f, w) in enumerate(zip(region, want)):
         says = []
         if f != w and f.strip() == w.strip() and leading(f) != leading(w):
             says.append("the file indents with %s, %s with %s" % (indents(leading(f)), what, indents(leading(w))))
         if f != w and f.strip() == w.strip() and trailing(f) != trailing(w):
-            says.append("the file has %d trailing space%s, %s %d" % (
-                len(trailing(f)), "" if len(trailing(f)) == 1 else "s", what, len(trailing(w))))
+            says.append("the file has %s, %s %d" % (plural(len(trailing(f)), "trailing space"), what,
+                                                      len(trailing(w))))
         if says:
             ws.append("line %d: %s" % (at + k + 1, "; ".join(says)))
     hint = ""
@@ -11884,7 +11884,7 @@ def tool_str_replace(session, args, ctx):
     if args.get("dry_run"):
         return note + ("\n(old_str matched %s)" % how if how else "")
     line = updated.count("\n", 0, pos)
-    return "Replaced %d occurrence%s in %s%s:\n%s%s" % (count, "" if count == 1 else "s", real,
+    return "Replaced %s in %s%s:\n%s%s" % (plural(count, "occurrence"), real,
                                                      " (matched %s)" % how if how else "", snippet(
         updated.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")), note)
 
@@ -11926,8 +11926,8 @@ def tool_multi_edit(session, args, ctx):
     if args.get("dry_run"):
         return note + ("\n(%s)" % "; ".join(matched) if matched else "")
     line, added = text.count("\n", 0, pos), (edits[-1].get("new_str") or "").replace("\r\n", "\n").count("\n")
-    return "Applied %d edit%s (%d replacement%s) to %s%s; around the last one:\n%s" % (
-        len(edits), "" if len(edits) == 1 else "s", replaced, "" if replaced == 1 else "s", real,
+    return "Applied %s (%s) to %s%s; around the last one:\n%s" % (
+        plural(len(edits), "edit"), plural(replaced, "replacement"), real,
         " (%s)" % "; ".join(matched) if matched else "", snippet(text.replace("\r\n", "\n"), line, added)) + note
 
 
@@ -12003,8 +12003,8 @@ def tool_insert(session, args, ctx):
                                                     text.encode("utf-8", "surrogateescape"), None)], args.get("dry_run"))
     if args.get("dry_run"):
         return note
-    return "Inserted %d line%s after line %d of %s:\n%s" % (
-        len(new_lines), "" if len(new_lines) == 1 else "s", at, real,
+    return "Inserted %s after line %d of %s:\n%s" % (
+        plural(len(new_lines), "line"), at, real,
         snippet(updated.replace("\r\n", "\n"), at, len(new_lines) - 1)) + note
 
 
@@ -12208,8 +12208,8 @@ def checkpoint_diff(points, target, now, offset, cap):
             reader.close()
     if not paths:
         return "Nothing changed since checkpoint %d." % target.number
-    head = "Changes since checkpoint %d (%d file%s; `git apply -R` takes them back):\n" % (
-        target.number, len(paths), "" if len(paths) == 1 else "s")
+    head = "Changes since checkpoint %d (%s; `git apply -R` takes them back):\n" % (
+        target.number, plural(len(paths), "file"))
     body = "".join(parts)
     if end < len(paths):
         body += "[files %d-%d of %d shown; read on with offset=%d]\n" % (offset + 1, end, len(paths), end)
@@ -12536,8 +12536,8 @@ class PatchedText:
         while got < len(old) and (not any(l.strip() for l in old[:got + 1]) or
                                   find_lines(self.index, old[:got + 1], cursor)[1]):
             got += 1
-        what = ("the line %r was not found%s" % (shorten(old[got], 120), " after the %d line%s before it" % (
-            got, "" if got == 1 else "s") if got else "")) if got < len(old) else \
+        after = " after the %s before it" % plural(got, "line") if got else ""
+        what = "the line %r was not found%s" % (shorten(old[got], 120), after) if got < len(old) else \
             "its lines were not found in that order after the hunks before it"
         return ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: %s%s; nothing was written.%s"
                          % (self.shown, label, what, self.searched_from(cursor),
@@ -12771,8 +12771,8 @@ class ProgressLines:
             return
         self.last = now
         last = shown[-1].decode("utf-8", "replace").strip()
-        self.ctx.progress("%d line%s, %s so far; last: %s" % (
-            self.lines, "" if self.lines == 1 else "s", human_size(self.size),
+        self.ctx.progress("%s, %s so far; last: %s" % (
+            plural(self.lines, "line"), human_size(self.size),
             last if len(last) <= PROGRESS_LINE_CHARS else last[:PROGRESS_LINE_CHARS] + "..."))
 
 
@@ -13297,9 +13297,9 @@ def ignored_matches(ctx, root, shown, spec, args):
     items, _ = ctx.helpers.run(grep_job_of(ctx, [root], listing, args, True), ctx.cancelled)
     if not items:
         return []
-    return ["(%d file%s that .gitignore ignores under %s hold%s matches, e.g. %s: pass no_ignore: true to search"
+    return ["(%s that .gitignore ignores under %s hold%s matches, e.g. %s: pass no_ignore: true to search"
             " them; .git, node_modules and binary files are never searched.)" % (
-                len(items), "" if len(items) == 1 else "s", shown, "s" if len(items) == 1 else "",
+                plural(len(items), "file"), shown, "s" if len(items) == 1 else "",
                 GrepHit(*items[0]).rel)]
 
 
@@ -13917,7 +13917,7 @@ def scrub(text):
     clean, bad = re.subn(_SURROGATES, "\ufffd", text)
     if not bad:
         return text
-    return clean + "\n[%d byte%s that are not UTF-8 shown as U+FFFD]" % (bad, "" if bad == 1 else "s")
+    return clean + "\n[%s that are not UTF-8 shown as U+FFFD]" % plural(bad, "byte")
 
 
 def error_response(rid, code, message, data=None):
