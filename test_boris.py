@@ -1245,8 +1245,8 @@ class TestHelpersDieWithTheServer(unittest.TestCase):
         self.addCleanup(shutil.rmtree, self.tmp, True)
         search_tree(self.tmp)
 
-    def start_search(self):
-        c = StdioClient(["--workdir", self.tmp])
+    def start_search(self, c=None):
+        c = c or StdioClient(["--workdir", self.tmp])
         self.addCleanup(c.close)
         c.initialize()
         c.send({"jsonrpc": "2.0", "id": 5, "method": "tools/call",
@@ -1264,12 +1264,14 @@ class TestHelpersDieWithTheServer(unittest.TestCase):
         (they take SIGTERM's path: TestSignalsOverStdio sends each)."""
         ways = ("eof", "SIGTERM", "SIGKILL") + (("SIGINT", "SIGHUP", "SIGQUIT") if os.environ.get("BORIS_FULL_CAMPAIGNS")
                                                  else ())
-        for how in ways:
-            c, pids = self.start_search()
+        servers = [StdioClient(["--workdir", self.tmp]) for _ in ways]     # (they start side by side)
+        searching = [(how,) + self.start_search(c) for how, c in zip(ways, servers)]
+        for how, c, _ in searching:
             if how == "eof":
                 c.p.stdin.close()
             else:
                 os.kill(c.p.pid, getattr(signal, how))
+        for how, c, pids in searching:
             self.assertTrue(wait_until(lambda: c.p.poll() is not None, 10), how)
             self.assert_gone(pids, how)
 
@@ -1293,7 +1295,7 @@ class TestHelpersDieWithTheServer(unittest.TestCase):
         self.addCleanup(p.stdin.close)
         job = boris.grep_job_of(ctx_of(boris.parse_config(["--workdir", self.tmp], {}), boris.PathPolicy(workdir=self.tmp)),
                                 [(self.tmp, True, None)], boris.grep_spec(CATASTROPHIC, "count"))
-        job["deadline_s"] = 0.2
+        job["deadline_s"] = 0.2 - boris.DEADLINE_GRACE_S     # its alarm: the deadline and the grace, 0.2 s
         p.stdin.write(json.dumps(job).encode() + b"\n")
         p.stdin.flush()
         t = time.monotonic()
@@ -9614,8 +9616,19 @@ class TestProcessesLeftBehind(StdioBase):
 
 class TestSignalsOverStdio(unittest.TestCase):
     def spawn(self, tmp):
-        return subprocess.Popen([sys.executable, BORIS, "--workdir", tmp], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p = subprocess.Popen([sys.executable, BORIS, "--workdir", tmp], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.addCleanup(self.reap, p)
+        return p
+
+    @staticmethod
+    def reap(p):
+        """A server the test did not end (it failed first): killed, its pipes closed."""
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        for f in (p.stdin, p.stdout, p.stderr):
+            f.close()
 
     def handshake(self, p):
         p.stdin.write(b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}\n')
@@ -9625,8 +9638,9 @@ class TestSignalsOverStdio(unittest.TestCase):
     def test_every_shutdown_signal_exits_zero_and_kills_tasks(self):
         tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-sig-"))
         self.addCleanup(shutil.rmtree, tmp, True)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-            p = self.spawn(tmp)
+        sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+        servers = [self.spawn(tmp) for _ in sigs]                # (they start side by side)
+        for sig, p in zip(sigs, servers):
             self.handshake(p)
             s = unique_sleep()
             p.stdin.write(json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
@@ -9812,7 +9826,7 @@ class TestModelRegexesRunWhereTheyCanBeKilled(StdioBase):
         tid = re.search(r"task_[0-9a-f]+", r["content"][0]["text"]).group(0)
         for k, pattern in enumerate(("(a+)+$", "(a|aa)+$", "(a*)*b", "^(a|a?)+$", "(.*a){25}$")):
             self.c.send({"jsonrpc": "2.0", "id": 600 + k, "method": "tools/call", "params": {
-                "name": "task_output", "arguments": {"task_id": tid, "wait_for": pattern, "wait_ms": 1500}}})
+                "name": "task_output", "arguments": {"task_id": tid, "wait_for": pattern, "wait_ms": 800}}})
         self.assert_responsive()
         for k in range(5):
             m = self.c.wait_for(lambda m: m.get("id") == 600 + k, 30)
@@ -10003,9 +10017,10 @@ class TestClientsOverStdio(unittest.TestCase):
     def test_images_fit_the_model_behind_each_client(self):
         rid = 100
         shared = self.client()                  # a modern client names itself in each request: one server for all
+        legacy = {client: self.client() for client in CLIENTS}     # one each, started side by side
         for client, takes in sorted(CLIENTS.items()):
             for modern in (True, False):
-                c = shared if modern else self.client()
+                c = shared if modern else legacy[client]
                 if not modern:
                     c.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
                                              "clientInfo": {"name": client, "version": "1"}})
