@@ -8062,9 +8062,9 @@ def html_to_markdown(markup, base_url=""):
                 text = inline(kids, in_link=True)
                 href = (attrs.get("href") or "").strip()
                 core = " ".join(text.split())
-                if core and href and not href.startswith(("#", "javascript:")):
-                    lead, tail = text[:len(text) - len(text.lstrip())], text[len(text.rstrip()):]
-                    out.append("%s[%s](%s)%s" % (" " if lead else "", core, destination(href), " " if tail else ""))
+                if core and href and not href.startswith(("#", "javascript:")):      # (its edges' spaces kept)
+                    out.append("%s[%s](%s)%s" % (" " * text[:1].isspace(), core, destination(href),
+                                                 " " * text[-1:].isspace()))
                 else:
                     out.append(text)
             elif tag in ("code", "kbd", "samp", "tt") and not pre:
@@ -8088,9 +8088,8 @@ def html_to_markdown(markup, base_url=""):
             return ""
         tick = "`" * (max([len(r) for r in re.findall(r"`+", code)] + [0]) + 1)
         pad = " " if code.startswith("`") or code.endswith("`") else ""
-        lead, tail = code[:len(code) - len(code.lstrip())], code[len(code.rstrip()):]
-        return "%s%s%s%s%s%s" % (" " if lead else "", tick, pad, re.sub(r"\s+", " ", code.strip()), pad + tick,
-                                 " " if tail else "")
+        return "%s%s%s%s%s%s" % (" " * code[:1].isspace(), tick, pad, re.sub(r"\s+", " ", code.strip()), pad + tick,
+                                 " " * code[-1:].isspace())
 
     def escaped(text):
         """Paragraph text whose line starts would read as Markdown structure, escaped."""
@@ -11671,10 +11670,12 @@ def region_report(region, want, at, best, what):
         return plural(s.count("\t"), "tab") if "\t" in s else plural(len(s), "space") if s else "no indentation"
     ws = []                             # lines equal but for whitespace: what differs, in words
     for k, (f, w) in enumerate(zip(region, want)):
+        if f == w or f.strip() != w.strip():
+            continue
         says = []
-        if f != w and f.strip() == w.strip() and leading(f) != leading(w):
+        if leading(f) != leading(w):
             says.append("the file indents with %s, %s with %s" % (indents(leading(f)), what, indents(leading(w))))
-        if f != w and f.strip() == w.strip() and trailing(f) != trailing(w):
+        if trailing(f) != trailing(w):
             says.append("the file has %s, %s %d" % (plural(len(trailing(f)), "trailing space"), what,
                                                       len(trailing(w))))
         if says:
