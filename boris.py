@@ -6302,7 +6302,8 @@ class PdfText:
 
     def move(self, tx, ty):
         """The next line, (tx, ty) from this line's start (Td, T*, ' and ")."""
-        self.lm = self.tm = pdf_mul([1, 0, 0, 1, tx, ty], self.lm)
+        lm = self.lm
+        self.lm = self.tm = [lm[0], lm[1], lm[2], lm[3], lm[4] + tx * lm[0] + ty * lm[2], lm[5] + tx * lm[1] + ty * lm[3]]
 
 
 class Pdf(PdfParser):
@@ -6789,11 +6790,11 @@ class Pdf(PdfParser):
                 if font.vertical:                           # down a column: w1 x size + Tc + Tw
                     advance = font.down * codes * size - tc * codes - tw * spaces
                     x0, y0 = m0[4], m0[5]
-                    st.tm = pdf_mul([1, 0, 0, 1, 0, -advance], tm)
+                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
                 else:
                     advance = (width * size + tc * codes + tw * spaces) * th
                     x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
-                    st.tm = pdf_mul([1, 0, 0, 1, advance, 0], tm)
+                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
                 m1 = pdf_mul(st.tm, ctm)
                 scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
                 if text:
@@ -6801,8 +6802,11 @@ class Pdf(PdfParser):
                                     m1[5] + (rise * m1[3] if not font.vertical else 0),
                                     abs(scale) or 1.0, text, font.vertical))
             elif isinstance(item, (int, float)):
-                shift = -item / 1000.0 * size                 # (down a column: a positive number moves down)
-                st.tm = pdf_mul([1, 0, 0, 1, 0, shift] if font.vertical else [1, 0, 0, 1, shift * th, 0], tm)
+                shift = -item / 1000.0 * size * th
+                if font.vertical:                           # a positive number moves down
+                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[2] / th, tm[5] + shift * tm[3] / th]
+                else:
+                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[0], tm[5] + shift * tm[1]]
 
     def form(self, st, name):
         """Do: a form XObject's content run inside the page (12 deep at most, none inside itself)."""
