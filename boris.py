@@ -11227,13 +11227,9 @@ class EditMerge:
         same = set()
         for tag, i1, i2, _, _ in ops:
             same.update(range(i1, i2) if tag == "equal" else ())
-
-        def file_gap(p, q):
-            """The file's text between w's solid units p and q (None at an end of the line)."""
-            if p is None or q is None:
-                return None
-            return "".join(u[1] for u in fu[twin[p] + 1:twin[q]])
-        spacing = spaced_otherwise(wu, ws, file_gap)
+        # the file's text between each two solid units of w that follow one another
+        gaps = {(p, q): "".join(u[1] for u in fu[twin[p] + 1:twin[q]]) for p, q in zip(ws, ws[1:])}
+        spacing = spaced_otherwise(wu, gaps)
         out, done = [], set()
         for tag, i1, i2, j1, j2 in ops:
             if tag != "equal":
@@ -11247,15 +11243,15 @@ class EditMerge:
             for k in range(i1, i2):
                 p, q = around(ws, k)
                 if wu[k][2]:
-                    gap = file_gap(p, k) if p is not None and p + 1 == k and p in same else None
+                    gap = gaps.get((p, k)) if k - 1 == p and p in same else None    # (p None: k is the first)
                     if gap:                            # the file's gap where old_str has none: after the
                         ahead = p < i1 and not self.text_continues(out[-1], wu[p][1], wu[k][1])
                         out.insert(len(out) - ahead, gap)     # text put between the two, unless it goes with k
                     out.append(fu[twin[k]][1])
-                elif file_gap(p, q) is None:
+                elif (p, q) not in gaps:                # at an end of the line
                     out.append(wu[k][1])
                 elif (p, q) not in done:
-                    out.append(file_gap(p, q))
+                    out.append(gaps[p, q])
                     done.add((p, q))
         return "".join(out)
 
@@ -11310,15 +11306,12 @@ def around(ws, k):
     return ws[lo - 1] if lo else None, ws[hi] if hi < len(ws) else None
 
 
-def spaced_otherwise(wu, ws, file_gap):
+def spaced_otherwise(wu, gaps):
     """Whether the file spaces a line otherwise than old_str does: between two of old_str's
-    solid units (ws, indexes into its units wu) the file has whitespace where old_str has
-    none, or none where old_str has some."""
-    for p, q in zip(ws, ws[1:]):
-        gap = file_gap(p, q)
-        if gap is not None and gap.strip() == "" and bool(gap) != any(not wu[k][2] for k in range(p + 1, q)):
-            return True
-    return False
+    solid units (`gaps`: {(p, q): the file's text between them}, indexes into its units wu)
+    the file has whitespace where old_str has none, or none where old_str has some."""
+    return any(not gap.strip() and bool(gap) != any(not wu[k][2] for k in range(p + 1, q))
+               for (p, q), gap in gaps.items())
 
 
 def split_after(line, head):
