@@ -252,6 +252,19 @@ def plain_error(message, code=IO_ERROR):
     return ToolError(code, message, plain=True)
 
 
+def lacking(e):
+    """The ToolError for what this place lacks, where a tool did not word it itself: a module
+    this Python was built without (ImportError), or a refusal by the system (OSError: a
+    read-only filesystem, a full disk)."""
+    if isinstance(e, ImportError):
+        return ToolError(IO_ERROR, "this needs Python's %s module, which this Python was built without: run"
+                         " boris.py with a Python that has it" % (e.name or str(e)).lstrip("_"))
+    where = ": %s" % e.filename if e.filename else ""
+    if e.errno == errno.EROFS:
+        return ToolError(IO_ERROR, "the filesystem is read-only%s; nothing can be changed there" % where)
+    return ToolError(IO_ERROR, "the system refused (%s)%s" % (e.strerror or e, where))
+
+
 class RpcError(Exception):
     """A JSON-RPC error answer (protocol layer only: bad params of a non-tool method)."""
 
@@ -980,12 +993,11 @@ def sniff(head, path):
 def image_header_ok(head, mime):
     """Whether the first bytes of an image of type `mime` decode as its header: a PNG's
     IHDR chunk (its checksum right, its sides not 0), a JPEG's next marker, a GIF's screen."""
-    import zlib
     if mime == "image/png":
         if len(head) < 33 or head[12:16] != b"IHDR" or struct.unpack(">I", head[8:12])[0] != 13:
             return False
         width, height = struct.unpack(">II", head[16:24])
-        return width > 0 and height > 0 and struct.unpack(">I", head[29:33])[0] == zlib.crc32(head[12:29])
+        return width > 0 and height > 0 and struct.unpack(">I", head[29:33])[0] == crc32(head[12:29])
     if mime == "image/jpeg":
         return len(head) > 3 and head[3] in range(0xC0, 0xFF)
     if mime == "image/gif":
@@ -1018,9 +1030,10 @@ def number_lines(lines, first):
 
 
 def crc32(data, value=0):
-    """zlib.crc32, imported when first needed."""
-    import zlib
-    return zlib.crc32(data, value)
+    """CRC-32, imported when first needed: binascii's, which has one of its own where
+    Python was built without zlib."""
+    import binascii
+    return binascii.crc32(data, value)
 
 
 NOT_FILE_CODECS = frozenset(("undefined", "punycode", "idna", "raw-unicode-escape", "unicode-escape"))
@@ -1368,9 +1381,8 @@ class Seen:
 
 
 def digest_of(data):
-    """A content digest for change detection (with the size; zlib is light to load)."""
-    import zlib
-    return "%d:%08x" % (len(data), zlib.crc32(data))
+    """A content digest for change detection (with the size)."""
+    return "%d:%08x" % (len(data), crc32(data))
 
 
 def changed_since(seen, real, limit):
@@ -1742,6 +1754,15 @@ def trim_memory():
         log("debug", "no malloc_trim here: memory freed stays with the allocator")
 
 
+def importable(name):
+    """Whether module `name` can be imported (ctypes can raise OSError too)."""
+    try:
+        __import__(name)
+        return True
+    except (ImportError, OSError):
+        return False
+
+
 def seal_memory():
     """Keep this process's environment and memory from its commands (Linux): not dumpable,
     its /proc/<pid>/environ and mem belong to root and a same-user ptrace is refused, so a
@@ -1974,13 +1995,35 @@ def helper_watchdog(parent):
         os._exit(0)
 
 
+def temp_dir():
+    """The real path of the temp directory, or None where there is none to write in (a
+    read-only root): tempfile's last resort, the cwd, is never taken for one."""
+    import tempfile
+    try:
+        found = os.path.realpath(tempfile.gettempdir())
+    except OSError:
+        return None
+    usual = [os.environ.get(k) for k in ("TMPDIR", "TEMP", "TMP")] + ["/tmp", "/var/tmp", "/usr/tmp"]
+    if found == os.path.realpath(os.getcwd()) and found not in [os.path.realpath(u) for u in usual if u]:
+        return None
+    return found
+
+
+def cache_dir():
+    """$XDG_CACHE_HOME, else ~/.cache, as a real path; None where no home is known (HOME
+    unset and no passwd entry: '~' would be a folder of the cwd)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.realpath(cache) if os.path.isabs(cache) else None
+
+
 def pycache_prefix(avoid=()):
     """A private directory for the helpers' cached bytecode and the link they are run
     through, or None when none is safe: a directory of ours, open to no one else, and
     not beneath `avoid` (the roots a sandboxed command may write, where a planted .pyc
     would run unconfined). The temp directory first, then /var/tmp and ~/.cache."""
-    import tempfile
-    for base in (tempfile.gettempdir(), "/var/tmp", os.path.expanduser("~/.cache")):
+    for base in (temp_dir(), "/var/tmp", cache_dir()):
+        if base is None:
+            continue
         path = os.path.join(os.path.realpath(base), "boris-pycache-%d" % os.geteuid())
         if any(is_within(path, a) for a in avoid) or not private_ok(path):
             continue
@@ -2096,6 +2139,7 @@ SECCOMP_NOTIF_RECV, SECCOMP_NOTIF_SEND, SECCOMP_NOTIF_ID_VALID = 0xC0502100, 0xC
 SANDBOX_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx")
 SANDBOX_DEVICE_DIRS = ("/dev/pts", "/dev/shm")
 SANDBOX_EXIT = 126                         # the launcher could not confine: the command does not run
+PROBE_S = 10                               # probe_sandbox's launcher must have answered by then
 
 
 def landlock_abi():
@@ -2480,10 +2524,16 @@ def enter_namespaces(net, protect):
         raise OSError(failed, "unshare(CLONE_NEWUSER%s%s): %s" % ("|CLONE_NEWNET" if net else "",
                                                                 "|CLONE_NEWNS" if protect else "", os.strerror(failed)))
     if mapper is None:
-        for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
-                           ("gid_map", "%d %d 1" % (gid, gid))):
-            with open("/proc/self/" + name, "w") as f:
-                f.write(text)
+        # A non-dumpable process's /proc/self files are root's: dumpable for the map
+        # writes alone (as runc does), sealed again before anything runs.
+        prctl(PR_SET_DUMPABLE, 1)
+        try:
+            for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
+                               ("gid_map", "%d %d 1" % (gid, gid))):
+                with open("/proc/self/" + name, "w") as f:
+                    f.write(text)
+        finally:
+            seal_memory()
     if protect:
         mount_read_only(protect)
 
@@ -2515,6 +2565,7 @@ class Sandbox:
         self.domains = list(domains)                    # with the network off: the proxy's domains
         self.proxy_port = None                          # the proxy's loopback port, once the server runs it
         self.launchers = Launchers(self)                # (a spare one starts with the first command)
+        self.trials = {}                                # what probe_sandbox's launcher tried, and got
 
     def close(self):
         """Stop the warm launchers."""
@@ -2524,10 +2575,8 @@ class Sandbox:
     def writable_roots(mode, policy):
         """Where commands may write: the allowed directories (or the workspace) and the temp
         directory; only the temp directory when read-only. Nested ones go."""
-        import tempfile
-        roots = [] if mode == "read-only" else (list(policy.allow) or [policy.workdir])
-        roots.append(os.path.realpath(tempfile.gettempdir()))
-        return sorted({r for r in roots if not any(r != o and is_within(r, o) for o in roots)})
+        roots = ([] if mode == "read-only" else (list(policy.allow) or [policy.workdir])) + [temp_dir()]
+        return sorted({r for r in roots if r and not any(r != o and is_within(r, o) for o in roots if o)})
 
     @classmethod
     def off(cls, why="--sandbox off"):
@@ -2609,6 +2658,7 @@ class Protect:
 
     def __init__(self, roots=(), names=(), files=(), enforced=True):
         self.roots, self.names, self.files, self.enforced = list(roots), list(names), list(files), enforced
+        self.why = ""                                   # why not enforced: what the probe met
 
     @classmethod
     def of(cls, config, policy):
@@ -2627,6 +2677,10 @@ class Protect:
             else:
                 raise ConfigError("--sandbox-protect %r is neither a name (like .git) nor an absolute path" % value)
         return cls(list(policy.allow) or [policy.workdir], names, files)
+
+    def wanted(self):
+        """Whether commands are to have protected paths (each needs a user namespace)."""
+        return self.enforced and bool(self.names or self.files)
 
     def paths(self, writable):
         """The existing protected paths beneath the `writable` roots (others are read-only
@@ -2683,9 +2737,9 @@ class Protect:
 
 
 def resolve_sandbox(config, policy, abi=None):
-    """The Sandbox that --sandbox/--sandbox-network ask for on this kernel. An explicit
-    mode the kernel cannot give raises ConfigError (one line, exit 2); auto without it
-    falls back to off with a warning."""
+    """The Sandbox that --sandbox/--sandbox-network ask for on this kernel, in the strongest
+    form probe_sandbox finds working here. An explicit mode the kernel cannot give raises
+    ConfigError (one line, exit 2); auto without it falls back to off with a warning."""
     mode = config.sandbox
     if mode == "off":
         return Sandbox.off("--sandbox off")
@@ -2700,10 +2754,9 @@ def resolve_sandbox(config, policy, abi=None):
         if not sys.platform.startswith("linux"):
             why = "the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is not done yet)" \
                 % sys.platform
+        elif not importable("ctypes"):
+            why = "the sandbox needs Python's ctypes module, which this Python was built without"
         refusal = "--sandbox %s cannot be honoured: %s" % (mode, why)
-    elif not network and abi < 4 and not userns_works():
-        raise ConfigError("--sandbox-network off cannot be honoured: Landlock ABI %d has no TCP rules and user"
-                          " namespaces are not available; pass --sandbox-network on" % abi)
     elif domains and abi < 6:
         why = ("a domain list needs Landlock ABI 6 (Linux 6.7+: TCP rules and scoped sockets, for the proxy's one"
                " port); this kernel has ABI %d" % abi)
@@ -2712,30 +2765,109 @@ def resolve_sandbox(config, policy, abi=None):
         why = ("seccomp filters are not available on this kernel or machine (%s), so Unix sockets and UDP could"
                " not be cut" % os.uname().machine)
         refusal = "--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on" % (mode, why)
-    if why is not None and mode == "auto":
+    if why is None:
+        sandbox = Sandbox("workspace-write" if mode == "auto" else mode, Sandbox.writable_roots(mode, policy),
+                          network, abi, "--sandbox %s" % mode, Protect.of(config, policy), domains)
+        why = probe_sandbox(sandbox)
+        if why and (sandbox.protect.wanted() or sandbox.net_mechanism() == "netns"):
+            why += userns_refusal()                     # the namespaces failed, most likely: without them?
+            if sandbox.net_mechanism() == "netns":
+                raise ConfigError("--sandbox-network off cannot be honoured: Landlock ABI %d has no TCP rules and"
+                                  " a network namespace cannot be made here (%s); pass --sandbox-network on"
+                                  % (abi, why))
+            if config.sandbox_protect:
+                raise ConfigError("--sandbox-protect cannot be honoured: its read-only mounts need a user"
+                                  " namespace, which cannot be made here (%s); pass --sandbox-protect none" % why)
+            sandbox.protect.enforced, sandbox.protect.why = False, why
+            log("warn", "sandbox: %s: %s" % (sandbox.protect.describe(), why))
+            why = probe_sandbox(sandbox)
+        if why is None:
+            return sandbox
+        refusal = "--sandbox %s cannot be honoured: %s" % (mode, why)
+    if mode == "auto":
         log("warn", "sandbox off: %s; bash commands can write anywhere this user can" % why)
         return Sandbox.off("--sandbox auto: " + why)
-    if why is not None:
-        raise ConfigError(refusal)
-    protect = Protect.of(config, policy)
-    if (protect.names or protect.files) and mode != "read-only" and not userns_works():
-        if config.sandbox_protect:
-            raise ConfigError("--sandbox-protect cannot be honoured: unprivileged user namespaces are not available"
-                              " here (they hold the read-only mounts); pass --sandbox-protect none")
-        protect.enforced = False
-        log("warn", "sandbox: %s" % protect.describe())
-    return Sandbox("workspace-write" if mode == "auto" else mode, Sandbox.writable_roots(mode, policy), network,
-                   abi, "--sandbox %s" % mode, protect, domains)
+    raise ConfigError(refusal)
 
 
-def userns_works():
-    """Whether this process may make an unprivileged user and network namespace."""
+def userns_refusal():
+    """Why this system refuses unprivileged user namespaces, where a switch says so: ' (...)', else ''."""
+    for switch, refuses, words in (
+            ("kernel.apparmor_restrict_unprivileged_userns", "1", "AppArmor restricts them, as on Ubuntu 24.04;"
+             " sysctl kernel.apparmor_restrict_unprivileged_userns=0 lifts it"),
+            ("user.max_user_namespaces", "0", "user.max_user_namespaces is 0"),
+            ("kernel.unprivileged_userns_clone", "0", "kernel.unprivileged_userns_clone is 0")):
+        try:
+            with open("/proc/sys/" + switch.replace(".", "/")) as f:
+                if f.read().strip() == refuses:
+                    return " (%s)" % words
+        except OSError:
+            continue                                    # no such switch here
+    return ""
+
+
+def probe_sandbox(sandbox):
+    """None when `sandbox` confines a launcher here and holds, else what failed, in words.
+    The launcher (helper_probe) is confined as the sandbox's commands are, but for the
+    paths: in a scratch directory of the temp directory it may write in/ alone, with
+    in/.git protected; it tries those writes and a connect to a loopback port, which must
+    go as the sandbox says. Without a temp directory only the confinement is tried."""
+    import shutil
+    import socket
     import subprocess
+    import tempfile
+    spec, scratch, base = json.loads(sandbox.spec("/")), None, temp_dir()
+    listener = socket.socket()
     try:
-        return subprocess.call(["unshare", "-Urn", "true"], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, env=child_environ(only=HELPER_ENV)) == 0
-    except OSError:
-        return False  # no unshare binary: no user namespaces to be had
+        if base:
+            scratch = tempfile.mkdtemp(prefix="boris-probe-", dir=base)
+            for name in ("in", "out", "in/.git"):
+                os.mkdir(os.path.join(scratch, name))
+            spec.update(cwd=scratch, writable=[scratch + "/in"],
+                        protect=[scratch + "/in/.git"] * sandbox.protect.wanted())
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        argv, private = helper_command("probe", avoid=sandbox.writable)
+        done = subprocess.run(argv + [json.dumps(spec), str(listener.getsockname()[1])], cwd=private,
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=PROBE_S,
+                              env=child_environ(only=HELPER_ENV))
+    except (OSError, subprocess.SubprocessError) as e:
+        return "the probe could not run (%s)" % e
+    finally:
+        listener.close()
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    said = done.stderr.decode("utf-8", "replace").strip()
+    try:
+        trials = json.loads(done.stdout.decode("utf-8", "replace"))
+    except ValueError:
+        return re.sub(r"^boris: |; the command was not run$", "", said.splitlines()[-1] if said else
+                      "the probe ended with exit code %d" % done.returncode)
+    sandbox.trials = trials
+    allowed = {"a write inside": True, "a write outside": False, "a write to a protected .git": not spec["protect"],
+               "a loopback connect": sandbox.network}
+    wrong = ["%s: %s" % (k, v) for k, v in sorted(trials.items()) if (v == "done") != allowed[k]]
+    return "it did not hold (%s)" % "; ".join(wrong) if wrong else None
+
+
+def helper_probe(spec, port):
+    """probe_sandbox's launcher: confined as `spec` says, it tries the writes and the
+    connect and prints what each got ('done', or its error) as JSON."""
+    import socket
+    spec = confined(spec)
+    tries = [("a loopback connect", socket.create_connection, (("127.0.0.1", int(port)),))]
+    if spec["cwd"] != "/":
+        tries += [(name, open, (os.path.join(spec["cwd"], where, "x"), "x")) for name, where in (
+            ("a write inside", "in"), ("a write outside", "out"), ("a write to a protected .git", "in/.git"))]
+    trials = {}
+    for name, act, arg in tries:
+        try:
+            act(*arg).close()
+            trials[name] = "done"
+        except OSError as e:
+            trials[name] = e.strerror or str(e)
+    sys.stdout.write(json.dumps(trials))
+    return 0
 
 
 def default_interrupts():
@@ -7340,7 +7472,8 @@ def helper_search():
             cache.refresh()
             search_job(job, emit, cache)
             end = {"end": "ok"}
-        except ToolError as e:
+        except (ToolError, ImportError, OSError) as e:
+            e = e if isinstance(e, ToolError) else lacking(e)
             end = {"end": "error", "code": e.code, "message": e.message}
         except Exception as e:
             import traceback
@@ -8346,10 +8479,14 @@ class WebFetch:
         """(content_type, charset, body bytes) of a GET of the checked URL. At most
         WEB_MAX_REDIRECTS redirects (http/https only), at most WEB_MAX_BYTES read; the
         timeout bounds the whole call, and `cancelled` ends it at once."""
+        import http.client
         import urllib.error
         import urllib.request
 
         request_url, url, timeout = self.checked(self.url), self.url, self.timeout
+        if request_url[:6].lower() == "https:" and not hasattr(http.client, "HTTPSConnection"):
+            raise fetch_error("failed", reason="https needs Python's ssl module, which this Python was built"
+                              " without", url=url)
         watch = FetchWatch(timeout, self.cancelled)
         opener = self.opener(watch)
         timed_out = fetch_error("timeout", timeout=timeout, url=url)
@@ -8412,22 +8549,24 @@ class WebFetch:
                 if self._tunnel_host:
                     self._tunnel()
 
-        class Secure(http.client.HTTPSConnection):
-            def connect(self):
-                sock, host = connect(self)
-                if self._tunnel_host:
-                    self.sock = sock
-                    self._tunnel()
-                    sock = self.sock
-                self.sock = self._context.wrap_socket(sock, server_hostname=host)
-
         class PlainHandler(urllib.request.HTTPHandler):
             def http_open(self, req):
                 return self.do_open(Plain, req)
+        handlers = [PlainHandler]
+        if hasattr(http.client, "HTTPSConnection"):     # (a Python built without ssl has none)
+            class Secure(http.client.HTTPSConnection):
+                def connect(self):
+                    sock, host = connect(self)
+                    if self._tunnel_host:
+                        self.sock = sock
+                        self._tunnel()
+                        sock = self.sock
+                    self.sock = self._context.wrap_socket(sock, server_hostname=host)
 
-        class SecureHandler(urllib.request.HTTPSHandler):
-            def https_open(self, req):
-                return self.do_open(Secure, req, context=self._context)
+            class SecureHandler(urllib.request.HTTPSHandler):
+                def https_open(self, req):
+                    return self.do_open(Secure, req, context=self._context)
+            handlers.append(SecureHandler)
 
         class Redirects(urllib.request.HTTPRedirectHandler):
             max_redirections = WEB_MAX_REDIRECTS
@@ -8438,7 +8577,7 @@ class WebFetch:
                     raise fetch_error("redirect_scheme", target=newurl, url=fetch.url)
                 return urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
 
-        return urllib.request.build_opener(PlainHandler, SecureHandler, Redirects)
+        return urllib.request.build_opener(Redirects, *handlers)
 
     def vetted(self, host, port):
         """getaddrinfo of `host`, every address checked; a fetch_error otherwise (also for a
@@ -8707,6 +8846,8 @@ CHECKPOINT_TRIM_ENTRIES = 50000                      # a walk this big hands fre
 CHECKPOINT_PREFIX = "boris-checkpoints-"         # a store: <temp>/boris-checkpoints-XXXX, 0700
 STORE_PACK_BYTES = 64 << 20                        # a pack file of the store takes bytes up to this size
 STORE_MAKING_S = 60                                # a store with no lock file yet is being made this long
+NO_STORE = ("no writable place for their store outside the workspace: the temp directory and ~/.cache are"
+            " read-only or missing; set TMPDIR (or XDG_CACHE_HOME) to a writable directory to have them")
 
 
 # -- the store --------------------------------------------------------------------
@@ -8731,10 +8872,9 @@ def hold_store(store):
 
 def store_bases():
     """The directories a store can be made in: the temp directory and the user's cache
-    directory ($XDG_CACHE_HOME, else ~/.cache; its boris/ folder)."""
-    import tempfile
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return [os.path.realpath(tempfile.gettempdir()), os.path.join(os.path.realpath(cache), "boris")]
+    directory ($XDG_CACHE_HOME, else ~/.cache; its boris/ folder), where there are such."""
+    cache = cache_dir()
+    return [p for p in (temp_dir(), cache and os.path.join(cache, "boris")) if p]
 
 
 def fs_type(path):
@@ -8847,6 +8987,13 @@ class Store:
         self.pack, self.packs, self.packed = None, 0, 0   # the pack written to (a descriptor), how many, its size
         self.dir = self.lockfd = None
         self.budget = None                        # bytes it may hold; 0: no store (off, or none could be made)
+        self.why = "--checkpoint-budget off"      # why there is no store, once budget is 0
+
+    def check(self):
+        """At start-up: turn checkpoints off, and say so once, where no store can be made."""
+        if self.config.checkpoint_budget != 0 and store_place(self.roots) is None:
+            self.budget, self.why = 0, NO_STORE
+            log("warn", "checkpoints are off: " + NO_STORE)
 
     def open(self):
         """Make the store (once): False when checkpoints are off or it cannot be made."""
@@ -8861,8 +9008,7 @@ class Store:
             base = store_place(self.roots)
             try:
                 if base is None:
-                    raise OSError(errno.EACCES, "no writable place outside the workspace (the temp and cache"
-                                  " directories)")
+                    raise OSError(errno.EACCES, NO_STORE)
                 where = tempfile.mkdtemp(prefix=CHECKPOINT_PREFIX, dir=base)
                 try:
                     self.lockfd = hold_store(where)
@@ -8870,8 +9016,8 @@ class Store:
                     shutil.rmtree(where, ignore_errors=True)
                     raise
             except OSError as e:
-                log("warn", "no checkpoints: their store cannot be made", error=str(e))
-                self.budget = 0
+                self.budget, self.why = 0, "their store could not be made (%s)" % (e.strerror or e)
+                log("warn", "checkpoints are off: " + self.why)
                 return False
             if budget is None:
                 free = os.statvfs(where)
@@ -12080,8 +12226,8 @@ def session_checkpoints(session):
     """The session's Checkpoints, or ToolError when checkpoints are off."""
     points = session.checkpoints
     if points is None or not points.open_store():
-        raise ToolError(INVALID_INPUT, "this server takes no checkpoints (--checkpoint-budget off, or its store"
-                        " could not be made; the server's log says why)")
+        raise ToolError(INVALID_INPUT, "checkpoints are off: %s" % (points.store.why if points else
+                                                                    "--checkpoint-budget off"))
     return points
 
 
@@ -14179,6 +14325,8 @@ class McpServer:
             except ToolError as e:
                 raise tool.argument_error(e)
             out = tool.handler(session, checked, ctx)
+        except (ImportError, OSError) as e:     # what this place lacks: said, never a crash
+            return {"content": [text_block(scrub(lacking(e).render()))], "isError": True}
         except ToolError as e:
             return {"content": [text_block(scrub(e.render()))], "isError": True}
         if isinstance(out, str):
@@ -14990,11 +15138,54 @@ def helper_main(args):
         return helper_warm_launcher(int(args[2][1:]), args[3] if len(args) == 4 else None)
     if kind == "sandbox" and len(args) > 3:
         return helper_sandbox(args[2], args[3:])
+    if kind == "probe" and len(args) == 4:
+        return helper_probe(args[2], args[3])
     if kind != "search":
         sys.stderr.write("boris: error: unknown helper kind %r\n" % kind)
         return 2
     guard_helper(int(parent) if parent and parent.isdigit() else None)
     helper_search()
+    return 0
+
+
+def check_main(config, policy, sandbox):
+    """--check: what this place gives a server of these flags, a row a part, each part tried
+    rather than assumed (the sandbox by probe_sandbox's writes and connect, the search
+    helpers by a glob), printed; the exit code."""
+    import shutil
+    import subprocess
+    server = McpServer(config, policy, sandbox)
+    try:
+        ctx = CallContext(config, policy, helpers=server.helpers, sandbox=sandbox)
+        glob = McpServer.run_tool(server.tools["glob"], Session(config), {"pattern": "*", "head_limit": 1,
+                                  "path": (policy.allow or [policy.workdir])[0]}, ctx)
+        inotify = Watches().open()
+    finally:
+        server.close()
+    store, git = store_place(policy.allow or [policy.workdir]), shutil.which("git")
+    userns = "not tried" if sandbox.trials.get("a write to a protected .git", "done") == "done" else "yes"
+    if sandbox.on and not sandbox.protect.enforced:
+        userns = "no: " + sandbox.protect.why
+    rows = [("boris.py", "%s, Python %s (%s), uid %d" % (__version__, sys.version.split()[0], sys.executable,
+                                                         os.getuid())),
+            ("sandbox", sandbox.describe()[9:] + ("" if sandbox.on else "; why: " + sandbox.why)),
+            ("  proven", "; ".join("%s: %s" % (k, v if v == "done" else "refused (%s)" % v)
+                                   for k, v in sorted(sandbox.trials.items())) or "nothing tried (it is off)"),
+            ("  kernel", "Landlock ABI %d; seccomp filters %s; user namespaces %s" % (
+                landlock_abi(), "yes" if net_filter_available() else "no", userns)),
+            ("checkpoints", "off (--checkpoint-budget off)" if config.checkpoint_budget == 0 else
+             "a private store in %s" % store if store else "off: " + NO_STORE),
+            ("search helpers", "started (a glob answered)" if not glob["isError"] else
+             glob["content"][0]["text"]),
+            ("inotify", "yes" if inotify is not None else "no: repeated searches stat the tree"),
+            ("git", subprocess.run([git, "--version"], capture_output=True, text=True).stdout.strip() if git
+             else "not found: checkpoints keep every file's bytes themselves"),
+            ("shell", SHELL),
+            ("ssl", "yes" if importable("ssl") else "no: web_fetch cannot fetch https"),
+            ("ctypes", "yes" if importable("ctypes") else "no: no sandbox, no inotify")]
+    if inotify is not None:
+        os.close(inotify)
+    sys.stdout.write("".join("%-15s %s\n" % row for row in rows))
     return 0
 
 
@@ -15010,8 +15201,9 @@ def main(argv=None, environ=None, after_the_script=False):
         # An ASCII locale (LC_ALL=C) would make every non-ASCII path or command fail:
         # run again in Python's UTF-8 mode, before anything is read.
         os.execv(sys.executable, [sys.executable, "-X", "utf8", THIS_FILE] + argv)
+    check = "--check" in argv
     try:
-        config = parse_config(argv, environ)
+        config = parse_config([a for a in argv if a != "--check"], environ)
         disabled_tools(config)                    # an unknown --disable-tools name stops start-up
         try:
             policy = PathPolicy.of(config)
@@ -15023,6 +15215,8 @@ def main(argv=None, environ=None, after_the_script=False):
     except ConfigError as e:
         sys.stderr.write("boris: error: %s\n" % e)
         return 2
+    if check:
+        return check_main(config, policy, sandbox)
     seal_memory()                  # the variables kept from commands stay out of /proc/<pid>/environ too
     scrub_environ_block()          # ... and out of a child's, between its fork and its exec
     stopper = Stopper()
@@ -15031,6 +15225,7 @@ def main(argv=None, environ=None, after_the_script=False):
     if os.getpid() == 1:
         start_reaper()                    # PID 1 reaps orphans from the start; others on their first spawn
     server = McpServer(config, policy, sandbox)
+    server.store.check()
 
     def serve():
         try:

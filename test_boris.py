@@ -7,6 +7,7 @@ they cover (seed000_..., seed001_..., ...)."""
 import base64
 import contextlib
 import errno
+import functools
 import io
 import json
 import os
@@ -1615,7 +1616,7 @@ class TestSandboxSockets(SandboxBase):
         self.assertNotIn("[sandbox", text)
 
     def test_the_network_namespace_fallback_cuts_them_too(self):
-        if not boris.userns_works():
+        if not userns_works():
             self.skipTest("unprivileged user namespaces are not available here")
         self.server.sandbox.abi = 3
         listeners = SocketListeners(self, self.out, self.ws)
@@ -1913,7 +1914,21 @@ class TestSandboxReadOnly(SandboxBase):
         self.assertIn("inside", self.bash("cat mine.txt; t=$(mktemp) && echo ok > $t && cat $t && rm $t"))
 
 
-NEEDS_USERNS = unittest.skipUnless(sys.platform.startswith("linux") and boris.userns_works(),
+@functools.lru_cache(None)
+def userns_works():
+    """Whether the sandbox's probe can make a user namespace here and hold a read-only mount in it."""
+    if LANDLOCK_ABI < 1:
+        return False
+    d = tempfile.mkdtemp(prefix="boris-userns-", dir="/var/tmp")
+    try:
+        os.mkdir(os.path.join(d, ".git"))
+        sandbox = boris.Sandbox("workspace-write", [d], True, LANDLOCK_ABI, "", boris.Protect([d], [".git"]))
+        return boris.probe_sandbox(sandbox) is None and sandbox.trials["a write to a protected .git"] != "done"
+    finally:
+        shutil.rmtree(d)
+
+
+NEEDS_USERNS = unittest.skipUnless(sys.platform.startswith("linux") and userns_works(),
                                    "unprivileged user namespaces are not available here: protected paths are"
                                    " not enforced (and the server says so)")
 
@@ -2053,11 +2068,15 @@ class TestSandboxProtectedPaths(SandboxBase):
                                   self.policy)
 
     def test_without_user_namespaces_it_says_so_or_refuses(self):
-        with mock.patch.object(boris, "userns_works", lambda: False), mock.patch.object(boris, "log") as logged:
+        def no_userns(sandbox):         # the probe, where unshare(CLONE_NEWUSER) is refused
+            needs = sandbox.protect.wanted() or sandbox.net_mechanism() == "netns"
+            return "unshare(CLONE_NEWUSER|CLONE_NEWNS): Operation not permitted" if needs else None
+        with mock.patch.object(boris, "probe_sandbox", no_userns), mock.patch.object(boris, "log") as logged:
             sb = boris.resolve_sandbox(boris.parse_config(["--allow-dir", self.ws], {}), self.policy)
             self.assertIn("NOT enforced", sb.describe())
             self.assertEqual(sb.protect.paths(sb.writable), [])
             self.assertIn("NOT enforced", logged.call_args[0][1])
+            self.assertIn("Operation not permitted", logged.call_args[0][1])
             with self.assertRaises(boris.ConfigError) as e:
                 boris.resolve_sandbox(boris.parse_config(["--allow-dir", self.ws, "--sandbox-protect", "x"], {}),
                                       self.policy)
@@ -2070,7 +2089,7 @@ class TestSandboxNetworkNamespace(SandboxBase):
     """Where Landlock has no TCP rules (ABI < 4), network off is a fresh network namespace."""
 
     def test_a_network_namespace_cuts_loopback(self):
-        if not boris.userns_works():
+        if not userns_works():
             self.skipTest("unprivileged user namespaces are not available here")
         self.server.sandbox.abi = 3
         self.assertEqual(self.server.sandbox.net_mechanism(), "netns")
@@ -4679,8 +4698,8 @@ class TestRewind(NoViewBase):
                 os.unlink(p)
             elif op == "rmtree":
                 shutil.rmtree(p)
-            elif op == "chmod":
-                os.chmod(p, rng.choice([0o600, 0o644, 0o755, 0o700, 0o640]))
+            elif op == "chmod":            # a directory keeps its owner's rwx: only root walks one without
+                os.chmod(p, rng.choice([0o700, 0o755] if os.path.isdir(p) else [0o600, 0o644, 0o755, 0o700, 0o640]))
             elif op == "symlink":
                 os.symlink(rng.choice(["a.txt", "../d", "missing", "/etc/hostname"]), p)
             elif op == "mkdir":
@@ -10984,6 +11003,156 @@ def changed_module_objects(source):
                 elif name in names:
                     found.add(name)
     return found
+
+
+def check_rows(argv, env=None, preexec=None):
+    """`python3 boris.py --check ARGV`: (exit code, {row name: text}, stderr)."""
+    p = subprocess.run([sys.executable, BORIS, "--check"] + argv, capture_output=True, text=True, env=env,
+                       preexec_fn=preexec, timeout=60)
+    return p.returncode, {l[:15].strip(): l[16:] for l in p.stdout.splitlines()}, p.stderr
+
+
+def stdio_session(test, argv, steps, env=None, preexec=None):
+    """Run `steps` [(tool, arguments)] through `python3 boris.py ARGV` over stdio, then EOF: the
+    answers' texts (a JSON-RPC error fails the test), the stderr, the exit code."""
+    p = subprocess.Popen([sys.executable, BORIS] + argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env, preexec_fn=preexec)
+    msgs = [{"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {}}] + [
+        {"jsonrpc": "2.0", "id": k, "method": "tools/call", "params": {"name": name, "arguments": args}}
+        for k, (name, args) in enumerate(steps, 1)]
+    out, err = p.communicate(b"".join(json.dumps(m).encode() + b"\n" for m in msgs), timeout=120)
+    answers = {m["id"]: m for m in map(json.loads, out.splitlines()) if "id" in m}
+    texts = []
+    for k, step in enumerate(steps, 1):
+        test.assertIn("result", answers.get(k, {}), (step, answers.get(k), err[-2000:]))
+        texts.append("".join(c.get("text", "") for c in answers[k]["result"]["content"]))
+    test.assertNotIn(b"Traceback", err)
+    return texts, err.decode("utf-8", "replace"), p.returncode
+
+
+class TestWhereItIsCopied(unittest.TestCase):
+    """SPEC 4c: the places operators copy boris.py into. Each feature works there or answers one
+    coded error naming what is missing, never -32603; --check says what the place gives."""
+
+    def setUp(self):
+        self.ws = os.path.realpath(tempfile.mkdtemp(prefix="boris-place-", dir="/var/tmp"))
+        self.addCleanup(shutil.rmtree, self.ws, True)
+        os.mkdir(os.path.join(self.ws, ".git"))
+        with open(os.path.join(self.ws, "a.py"), "w") as f:
+            f.write("def one():\n    return 1\n")
+
+    def test_check_proves_what_this_place_gives(self):
+        code, rows, err = check_rows(["--workdir", self.ws, "--allow-dir", self.ws])
+        self.assertEqual(code, 0, err)
+        self.assertEqual(rows["ssl"], "yes" if boris.importable("ssl") else "no: web_fetch cannot fetch https")
+        self.assertEqual(rows["search helpers"], "started (a glob answered)")
+        self.assertTrue(rows["checkpoints"].startswith("a private store in "), rows)
+        self.assertEqual(rows["shell"], boris.SHELL)
+        if LANDLOCK_ABI >= 1 and boris.net_filter_available():
+            self.assertTrue(rows["sandbox"].startswith("workspace-write"), rows)
+            self.assertIn("a write outside: refused", rows["proven"])
+            self.assertIn("a loopback connect: refused", rows["proven"])
+            self.assertIn("a write inside: done", rows["proven"])
+            self.assertIn("a write to a protected .git: %s" % ("refused" if userns_works() else "done"),
+                          rows["proven"])
+            self.assertEqual(rows["kernel"].endswith("user namespaces yes"), userns_works(), rows["kernel"])
+        else:
+            self.assertTrue(rows["sandbox"].startswith("off"), rows)
+        code, rows, err = check_rows(["--workdir", self.ws, "--allow-dir", self.ws, "--sandbox-network", "on"])
+        if rows["sandbox"].startswith("workspace-write"):
+            self.assertIn("a loopback connect: done", rows["proven"])
+        code, rows, err = check_rows(["--workdir", self.ws, "--allow-dir", self.ws, "--sandbox-protect", "rel/path"])
+        self.assertEqual((code, rows), (2, {}))                  # the start-up rules: one line, exit 2
+        self.assertEqual(err.count("\n"), 1, err)
+        self.assertIn("--sandbox-protect", err)
+
+    def test_without_ssl_and_ctypes_the_rest_works(self):
+        """A Python built without OpenSSL and libffi: its _ssl and _ctypes fail to import."""
+        stubs = os.path.join(self.ws, "stubs")
+        os.mkdir(stubs)
+        for name in ("_ssl", "_ctypes"):
+            with open(os.path.join(stubs, name + ".py"), "w") as f:
+                f.write("raise ModuleNotFoundError(%r, name=%r)\n" % ("No module named %r" % name, name))
+        env = dict(os.environ, PYTHONPATH=stubs)
+        code, rows, err = check_rows(["--workdir", self.ws, "--allow-dir", self.ws], env)
+        self.assertEqual(code, 0, err)
+        self.assertEqual((rows["ssl"], rows["ctypes"]), ("no: web_fetch cannot fetch https",
+                                                         "no: no sandbox, no inotify"))
+        self.assertIn("needs Python's ctypes module", rows["sandbox"])
+        texts, err, code = stdio_session(self, ["--workdir", self.ws, "--allow-dir", self.ws], [
+            ("web_fetch", {"url": "https://127.0.0.1:9/"}), ("view", {"path": "a.py"}),
+            ("str_replace", {"path": "a.py", "old_str": "return 1", "new_str": "return 2"}),
+            ("bash", {"command": "cat a.py"}), ("grep", {"pattern": "return"}), ("checkpoints", {})], env)
+        self.assertIn("https needs Python's ssl module", texts[0])
+        self.assertTrue(texts[0].startswith("错误"), texts[0])
+        self.assertIn("return 2", texts[3])
+        self.assertEqual(texts[4], "a.py")
+        self.assertIn("#1", texts[5])
+        self.assertIn("needs Python's ctypes module", err)             # said once, at start-up
+        self.assertEqual(code, 0)
+
+    def test_no_temp_directory_turns_checkpoints_off_once_and_the_rest_works(self):
+        with mock.patch.object(boris, "temp_dir", lambda: None), mock.patch.object(boris, "cache_dir", lambda: None):
+            out, logged = io.StringIO(), []
+            with mock.patch("sys.stdout", out):
+                self.assertEqual(boris.main(["--check", "--workdir", self.ws]), 0)
+            self.assertIn("checkpoints     off: no writable place for their store", out.getvalue())
+            self.assertIn("search helpers  started", out.getvalue())
+            with mock.patch.object(boris, "log", lambda level, msg, **k: logged.append((level, msg))):
+                build(self, self.ws, ["--require-view-before-edit", "false"])
+                self.server.store.check()
+                self.server.checkpoints_of(self.session)
+                call = lambda name, **args: boris.McpServer.run_tool(self.server.tools[name], self.session, args,
+                                                                     boris.CallContext(self.cfg, self.policy,
+                                                                                       helpers=TEST_HELPERS))
+                edit = call("str_replace", path="a.py", old_str="return 1", new_str="return 2")
+                self.assertFalse(edit["isError"], edit)
+                answer = call("checkpoints")["content"][0]["text"]
+                self.assertTrue(answer.startswith("[INVALID_INPUT] checkpoints are off: no writable place"), answer)
+                self.assertIn("TMPDIR", answer)
+                self.assertEqual(call("grep", pattern="return 2")["content"][0]["text"], "a.py")
+            self.assertEqual([m for _, m in logged if "checkpoints are off" in m], ["checkpoints are off: "
+                                                                                   + boris.NO_STORE])
+
+    def test_a_read_only_workspace_answers_each_change_with_one_coded_error(self):
+        if not userns_works():
+            self.skipTest("no user namespace here to mount the workspace read-only in")
+        steps = [("view", {"path": "a.py"}), ("str_replace", {"path": "a.py", "old_str": "1", "new_str": "2"}),
+                 ("create_file", {"path": "b.txt", "content": "b"}), ("write_file", {"path": "c.txt", "content": "c"}),
+                 ("apply_patch", {"input": "*** Begin Patch\n*** Add File: d.txt\n+d\n*** End Patch"}),
+                 ("grep", {"pattern": "one"}), ("bash", {"command": "touch e.txt"}), ("checkpoints", {})]
+        texts, err, code = stdio_session(self, ["--workdir", self.ws, "--require-view-before-edit", "false"], steps,
+                                         preexec=lambda: boris.enter_namespaces(False, [self.ws]))
+        for text in texts[1:5]:
+            self.assertIn("Read-only file system", text)
+            self.assertRegex(text, r"^(\[IO_ERROR\]|错误)")
+        self.assertEqual(texts[5], "a.py")
+        self.assertIn("Read-only file system", texts[6])
+        self.assertEqual(sorted(os.listdir(self.ws)), [".git", "a.py"])
+        self.assertEqual(code, 0)
+
+    def test_no_home_no_cache_directory(self):
+        """HOME unset and a uid with no passwd entry: no cache directory, never a '~' folder of the cwd."""
+        import pwd
+        env = {k: v for k, v in os.environ.items() if k not in ("HOME", "XDG_CACHE_HOME")}
+        with mock.patch.dict(os.environ, env, clear=True), mock.patch.object(pwd, "getpwuid", side_effect=KeyError):
+            self.assertIsNone(boris.cache_dir())
+            self.assertNotIn(None, boris.store_bases())
+        with mock.patch.dict(os.environ, {"XDG_CACHE_HOME": self.ws}):
+            self.assertEqual(boris.cache_dir(), self.ws)
+
+    def test_a_missing_module_or_a_refusal_is_one_coded_error(self):
+        e = boris.lacking(ModuleNotFoundError("No module named 'zlib'", name="zlib"))
+        self.assertEqual(e.render(), "[IO_ERROR] this needs Python's zlib module, which this Python was built"
+                                     " without: run boris.py with a Python that has it.")
+        self.assertEqual(boris.lacking(OSError(errno.EROFS, "Read-only file system", "/w/x")).render(),
+                         "[IO_ERROR] the filesystem is read-only: /w/x; nothing can be changed there.")
+        build(self, self.ws)
+        ctx = boris.CallContext(self.cfg, self.policy)
+        with mock.patch.object(self.server.tools["view"], "handler", side_effect=ImportError("x", name="_lzma")):
+            r = boris.McpServer.run_tool(self.server.tools["view"], self.session, {"path": "a.py"}, ctx)
+        self.assertEqual((r["isError"], r["content"][0]["text"][:45]),
+                         (True, "[IO_ERROR] this needs Python's lzma module, w"))
 
 
 class TestTheFilesMap(unittest.TestCase):
