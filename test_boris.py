@@ -135,6 +135,7 @@ def wait_until(predicate, timeout=10.0, interval=0.02):
 
 
 HAS_PROC = os.path.isdir("/proc/self/fd")
+NEEDS_BASH = unittest.skipUnless(shutil.which("bash"), "no bash here (a busybox root?): the test drives bash itself")
 LINUX = sys.platform.startswith("linux")
 NEEDS_LINUX = unittest.skipUnless(LINUX, "Linux only: %s has no child subreaper, PR_SET_PDEATHSIG or /proc"
                                   % sys.platform)
@@ -2294,7 +2295,7 @@ class TestSandboxCampaign(SandboxBase):
         for k in range(0, 120, 60):                                                  # the same attempts land
             self.bash(self.script(attempts[k:k + 60]))
         landed = set(self.outside()) ^ set(before)
-        self.assertGreater(len(landed), 20, "the attempts do not write even without a sandbox")
+        self.assertGreater(len(landed), 10, "the attempts do not write even without a sandbox")
         for kind in ("python", "perl") if have_perl else ("python",):
             self.assertTrue(any(a[0] == kind for a in attempts[:120]))
         for d, prefix in [("/var/tmp", "boris-sandbox-escape")] + [(home, "boris-escape") for home in self.home()]:
@@ -6577,7 +6578,7 @@ class TestBash(NoViewBase):
 
     def test_timeout_kills_grandchildren_and_keeps_output(self):
         s1, s2 = unique_sleep(), unique_sleep()
-        text = self.ok("bash", command="echo before; sleep %s & bash -c 'sleep %s'; echo never" % (s1, s2),
+        text = self.ok("bash", command="echo before; sleep %s & sh -c 'sleep %s'; echo never" % (s1, s2),
                        timeout=700)
         self.assertIn("timed out after 700 ms", text)
         self.assertIn("before", text)
@@ -7050,6 +7051,7 @@ class TestInteractiveTasks(NoViewBase):
         text = self.ok("task_input", task_id=tid, input="bob\n", wait_ms=10000)
         self.assertIn("hello bob\non-a-terminal", text)
 
+    @NEEDS_BASH
     def test_ctrl_c_on_a_tty_stops_the_command_and_the_shell_lives(self):
         tid = self.start("PS1='$ ' bash --norc --noprofile -i", tty=True)
         self.assertIn("$ ", self.ok("task_output", task_id=tid, wait_for=r"\$ ", wait_ms=10000))   # a prompt: ready
@@ -7066,6 +7068,7 @@ class TestInteractiveTasks(NoViewBase):
         self.assertIn("status: running", text)
         self.assertIn("status: completed", self.ok("task_input", task_id=tid, input="\u0004", wait_ms=10000))
 
+    @NEEDS_BASH
     def test_ctrl_c_reaches_the_command_when_the_server_started_with_it_ignored(self):
         """Issue 39: a background job of a script starts with SIGINT and SIGQUIT ignored;
         the launcher puts them back before the command's exec (a shell cannot)."""
