@@ -1763,6 +1763,12 @@ def importable(name):
         return False
 
 
+def missing_modules():
+    """The optional modules boris uses that this Python was built without (looked for, not loaded)."""
+    import importlib.util
+    return [name.lstrip("_") for name in ("_ssl", "_ctypes", "zlib") if importlib.util.find_spec(name) is None]
+
+
 def seal_memory():
     """Keep this process's environment and memory from its commands (Linux): not dumpable,
     its /proc/<pid>/environ and mem belong to root and a same-user ptrace is refused, so a
@@ -15226,6 +15232,10 @@ def main(argv=None, environ=None, after_the_script=False):
         start_reaper()                    # PID 1 reaps orphans from the start; others on their first spawn
     server = McpServer(config, policy, sandbox)
     server.store.check()
+    if missing_modules():
+        log("warn", "this Python was built without %s: what needs them answers an error naming the module"
+            " (ssl: https fetches; ctypes: the sandbox and inotify; zlib: compressed documents)"
+            % ", ".join(missing_modules()))
 
     def serve():
         try:

@@ -11021,21 +11021,29 @@ def check_rows(argv, env=None, preexec=None):
 
 
 def stdio_session(test, argv, steps, env=None, preexec=None):
-    """Run `steps` [(tool, arguments)] through `python3 boris.py ARGV` over stdio, then EOF: the
-    answers' texts (a JSON-RPC error fails the test), the stderr, the exit code."""
+    """Run `steps` [(tool, arguments)] one after another through `python3 boris.py ARGV` over stdio,
+    then EOF: the answers' texts (a JSON-RPC error or a traceback fails the test), the stderr, the
+    exit code."""
+    log = tempfile.TemporaryFile()
+    test.addCleanup(log.close)
     p = subprocess.Popen([sys.executable, BORIS] + argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, env=env, preexec_fn=preexec)
-    msgs = [{"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {}}] + [
-        {"jsonrpc": "2.0", "id": k, "method": "tools/call", "params": {"name": name, "arguments": args}}
-        for k, (name, args) in enumerate(steps, 1)]
-    out, err = p.communicate(b"".join(json.dumps(m).encode() + b"\n" for m in msgs), timeout=120)
-    answers = {m["id"]: m for m in map(json.loads, out.splitlines()) if "id" in m}
+                         stderr=log, env=env, preexec_fn=preexec)
+    c = StdioClient.__new__(StdioClient)
+    c.adopt(p)
+    c.initialize()
     texts = []
-    for k, step in enumerate(steps, 1):
-        test.assertIn("result", answers.get(k, {}), (step, answers.get(k), err[-2000:]))
-        texts.append("".join(c.get("text", "") for c in answers[k]["result"]["content"]))
-    test.assertNotIn(b"Traceback", err)
-    return texts, err.decode("utf-8", "replace"), p.returncode
+    for step in steps:
+        answer = c.request("tools/call", {"name": step[0], "arguments": step[1]}, timeout=60)
+        test.assertIn("result", answer, (step, answer))
+        texts.append("".join(block.get("text", "") for block in answer["result"]["content"]))
+    p.stdin.close()
+    code = p.wait(60)
+    c.reader.join(10)
+    p.stdout.close()
+    log.seek(0)
+    err = log.read().decode("utf-8", "replace")
+    test.assertNotIn("Traceback", err)
+    return texts, err, code
 
 
 class TestWhereItIsCopied(unittest.TestCase):
@@ -11156,6 +11164,14 @@ class TestWhereItIsCopied(unittest.TestCase):
             self.skipTest("no unshare command or no Landlock here to compare the sandbox's probe with")
         plain = subprocess.run(["unshare", "-Ur", "true"], capture_output=True).returncode == 0
         self.assertEqual(userns_works(), plain)
+
+    def test_start_up_names_the_modules_this_python_lacks(self):
+        import importlib.util
+        real = importlib.util.find_spec
+        with mock.patch.object(importlib.util, "find_spec", lambda name: None if name in ("_ssl", "zlib") else
+                               real(name)):
+            self.assertEqual(boris.missing_modules(), ["ssl", "zlib"])
+        self.assertEqual(boris.missing_modules(), [m for m in ("ssl", "ctypes", "zlib") if not boris.importable(m)])
 
     def test_a_missing_module_or_a_refusal_is_one_coded_error(self):
         e = boris.lacking(ModuleNotFoundError("No module named 'zlib'", name="zlib"))
