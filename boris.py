@@ -14428,8 +14428,8 @@ def serve_stdio(server, session, stopper, stdin_fd=0, stdout=None):
 
 # -- streamable HTTP ----------------------------------------------------------
 # http.server, hmac and socket are imported inside these methods: stdio never pays.
-# The request handler class is McpRequestHandler's methods mixed into http.server's
-# BaseHTTPRequestHandler by HttpTransport.bind.
+# HttpTransport.bind mixes McpHttpServer into http.server's ThreadingHTTPServer and
+# McpRequestHandler into its BaseHTTPRequestHandler.
 
 class HttpTransport:
     """Streamable HTTP on /mcp (POST, GET -> 405, DELETE) and GET /health.
@@ -14547,82 +14547,16 @@ class HttpTransport:
 
     # -- serving -------------------------------------------------------------
     def bind(self):
-        """Listen on the configured address (a ThreadingHTTPServer: capped connections, quiet
-        disconnects; its handler is McpRequestHandler on HTTP/1.1 keep-alive with TCP_NODELAY
-        and read timeouts); (host, port, ...) as bound."""
+        """Listen on the configured address (an McpHttpServer, whose handler is McpRequestHandler
+        with this transport); (host, port, ...) as bound."""
         import socket
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        transport = self
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-            request_queue_size = 128        # the default 5 resets bursts of new clients
-            address_family = socket.AF_INET6 if ":" in transport.config.host else socket.AF_INET
-
-            def process_request(self, request, client_address):
-                if not transport.slots.acquire(blocking=False) and not transport.make_room():
-                    # 503; then what the client has sent is read and dropped (briefly: this is the
-                    # accept thread), since a socket closed with unread input is reset, and a reset
-                    # can destroy the answer before the client reads it.
-                    try:
-                        request.settimeout(1.0)
-                        request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                        b"Content-Length: 27\r\nConnection: close\r\n\r\n"
-                                        b"{\"error\": \"server is busy\"}")
-                        request.shutdown(socket.SHUT_WR)
-                        request.settimeout(0.05)
-                        for _ in range(16):
-                            if not request.recv(65536):
-                                break
-                    except OSError:
-                        pass  # the client went away, or sends on: it is closed now either way
-                    self.shutdown_request(request)
-                    return
-                ThreadingHTTPServer.process_request(self, request, client_address)
-
-            def process_request_thread(self, request, client_address):
-                try:
-                    ThreadingHTTPServer.process_request_thread(self, request, client_address)
-                finally:
-                    transport.slots.release()
-
-            def handle_error(self, request, client_address):
-                e = sys.exc_info()[1]           # one line (a dropped client is normal), never a traceback
-                if isinstance(e, (ConnectionError, TimeoutError, OSError)):
-                    log("debug", "http connection ended", client=str(client_address[0]), reason=type(e).__name__)
-                else:
-                    log("error", "http handler failed", client=str(client_address[0]), error=_traceback())
-
-        class Handler(McpRequestHandler, BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            server_version = "boris/" + __version__
-            sys_version = ""
-            timeout = HTTP_READ_TIMEOUT_S              # header and body reads (socket timeout)
-
-            def setup(self):
-                BaseHTTPRequestHandler.setup(self)
-                # Headers and body go out as separate writes: without this, Nagle holds the
-                # body until the client's delayed ACK, 40 ms on every reply.
-                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-            def log_message(self, fmt, *args):
-                log("debug", "http " + (fmt % args))
-
-            def handle_one_request(self):
-                transport.waiting(self.connection, True)
-                try:
-                    BaseHTTPRequestHandler.handle_one_request(self)
-                finally:
-                    transport.waiting(self.connection, False)
-
-            def parse_request(self):
-                ok = BaseHTTPRequestHandler.parse_request(self)       # reads the headers
-                transport.waiting(self.connection, False)           # they are in: a request, not a wait
-                return ok
-
-        Handler.transport = transport
-        self.httpd = Server((self.config.host, self.config.port), Handler)
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        handler = type("Handler", (McpRequestHandler, BaseHTTPRequestHandler),
+                       {"transport": self, "timeout": HTTP_READ_TIMEOUT_S})
+        server = type("Server", (McpHttpServer, ThreadingHTTPServer),
+                      {"transport": self, "address_family": family})
+        self.httpd = server((self.config.host, self.config.port), handler)
         threading.Thread(target=self._reaper, daemon=True).start()
         return self.httpd.server_address
 
@@ -14642,16 +14576,89 @@ class HttpTransport:
             self.httpd.shutdown()
 
 
+class McpHttpServer:
+    """The transport's side of http.server's ThreadingHTTPServer, mixed into it by
+    HttpTransport.bind (which sets `transport` and `address_family` on the class):
+    connections capped (the one waiting longest for a request makes room, else a 503),
+    a dropped client a debug line rather than a traceback."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128        # the default 5 resets bursts of new clients
+
+    def process_request(self, request, client_address):
+        import socket
+        if not self.transport.slots.acquire(blocking=False) and not self.transport.make_room():
+            # 503; then what the client has sent is read and dropped (briefly: this is the
+            # accept thread), since a socket closed with unread input is reset, and a reset
+            # can destroy the answer before the client reads it.
+            try:
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\n"
+                                b"Content-Type: application/json\r\n"
+                                b"Content-Length: 27\r\nConnection: close\r\n\r\n"
+                                b"{\"error\": \"server is busy\"}")
+                request.shutdown(socket.SHUT_WR)
+                request.settimeout(0.05)
+                for _ in range(16):
+                    if not request.recv(65536):
+                        break
+            except OSError:
+                pass  # the client went away, or sends on: it is closed now either way
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.transport.slots.release()
+
+    def handle_error(self, request, client_address):
+        e = sys.exc_info()[1]           # one line (a dropped client is normal), never a traceback
+        if isinstance(e, (ConnectionError, TimeoutError, OSError)):
+            log("debug", "http connection ended", client=str(client_address[0]),
+                reason=type(e).__name__)
+        else:
+            log("error", "http handler failed", client=str(client_address[0]), error=_traceback())
+
+
 class McpRequestHandler:
     """The MCP endpoint's request handling, mixed into http.server's
     BaseHTTPRequestHandler by HttpTransport.bind (imported only when HTTP is
     served): do_GET, do_POST and do_DELETE check the request (guarded), read it,
     pick its session and answer it, in JSON or as an SSE stream."""
 
-    transport = None                           # the HttpTransport, set on the class
+    transport = None            # the HttpTransport: bind sets it on the class, with the timeout
     GONE = object()                            # next_out(): the client went away
     CORS_METHODS = "GET, POST, DELETE, OPTIONS"
     CORS_HEADERS = "Authorization, Content-Type, Accept, Mcp-Session-Id, Mcp-Protocol-Version, Last-Event-ID"
+    protocol_version = "HTTP/1.1"
+    server_version = "boris/" + __version__
+    sys_version = ""
+
+    def setup(self):
+        import socket
+        super().setup()
+        # Headers and body go out as separate writes: without this, Nagle holds the
+        # body until the client's delayed ACK, 40 ms on every reply.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, fmt, *args):
+        log("debug", "http " + (fmt % args))
+
+    def handle_one_request(self):
+        self.transport.waiting(self.connection, True)
+        try:
+            super().handle_one_request()
+        finally:
+            self.transport.waiting(self.connection, False)
+
+    def parse_request(self):
+        ok = super().parse_request()                        # reads the headers
+        self.transport.waiting(self.connection, False)      # they are in: a request, not a wait
+        return ok
 
     def end_headers(self):
         """Every reply to a request from an admitted Origin (loopback, any port) carries
