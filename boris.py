@@ -82,6 +82,7 @@ if sys.version_info < (3, 8):
                      % sys.version_info[:2])
     sys.exit(2)
 
+import argparse
 import array
 import atexit
 import codecs
@@ -385,13 +386,10 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 1024, "K": 1024, "MB": 1024 ** 2, "M": 1024 
                "GB": 1024 ** 3, "G": 1024 ** 3}
 
 
-class Config:
+class Config(argparse.Namespace):
     """Resolved settings, made by parse_config: one attribute per FLAGS row (dashes as
     underscores), every value typed and `auto` already decided; sandbox_network is None
     (the sandbox decides), True or False."""
-
-    def __init__(self, **values):
-        self.__dict__.update(values)
 
 
 def parse_size(text):
@@ -457,26 +455,50 @@ def flag_value(kind, raws):
     return _PARSERS[kind](text)
 
 
-def help_text():
-    """The text --help prints: every flag with its environment variable and default."""
-    lines = ["usage: python3 boris.py [flags]", "",
-             "boris %s - an MCP server giving an AI agent a coding workspace" % __version__,
-             "(shell, view/edit/create files, grep/glob, workspace file tools, web fetch).", "",
-             "flags (flag beats environment variable):"]
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help's layout: each flag with its metavar on a line, its help below, unwrapped."""
+
+    def _format_action(self, action):
+        metavar = " " + action.metavar if action.metavar else ""
+        return "  %s%s\n      %s\n" % (", ".join(action.option_strings), metavar, action.help)
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse for FLAGS, whose errors are ConfigErrors (one line, exit 2, from main)."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def flag_parser():
+    """The argparse parser of FLAGS: each flag gives the list of raw values given for it (a
+    bool flag alone gives "true"; None where a value is missing), and --help shows each
+    flag's environment variable and default."""
+    parser = FlagParser(
+        usage="python3 boris.py [flags]", add_help=False, allow_abbrev=False,
+        formatter_class=HelpFormatter,
+        description="boris %s - an MCP server giving an AI agent a coding workspace\n(shell,"
+        " view/edit/create files, grep/glob, workspace file tools, web fetch)." % __version__,
+        epilog="""\
+--allow-dir/--deny-dir scope the file tools. The shell is confined by --sandbox (Linux
+Landlock; on by default with --allow-dir): commands may then write only under the allowed
+directories and the temp directory (never to .git, .hg, .svn or boris.py: --sandbox-protect),
+and use no network unless --sandbox-network on, or only the domains it lists (through a
+loopback proxy). Deny patterns do not apply inside the shell; where Landlock is missing, use
+a container.""")
+    parser.color = False            # (Python 3.14+ would colour --help on a terminal)
+    flags = parser.add_argument_group("flags (flag beats environment variable)")
     for flag, env, default, kind, text in FLAGS:
-        arg = "" if kind == "bool" else " " + (kind[7:] if kind.startswith("choice:") else
-                                                {"tristate": "auto|true|false", "chars": "N"}.get(kind, kind.upper()))
-        lines.append("  --%s%s" % (flag, arg))
-        lines.append("      %s [env %s, default: %s]" % (text, env, HELP_DEFAULTS.get(flag, default or "none")))
-    lines.append("  --version, -v\n      print the version and exit")
-    lines.append("  --help\n      print this help and exit")
-    lines += ["", "--allow-dir/--deny-dir scope the file tools. The shell is confined by --sandbox (Linux",
-              "Landlock; on by default with --allow-dir): commands may then write only under the allowed",
-              "directories and the temp directory (never to .git, .hg, .svn or boris.py: --sandbox-protect),",
-              "and use no network unless --sandbox-network on, or only the domains it lists (through a",
-              "loopback proxy). Deny patterns do not apply inside the shell; where Landlock is missing, use",
-              "a container."]
-    return "\n".join(lines)
+        metavar = "" if kind == "bool" else kind[7:] if kind.startswith("choice:") else \
+            {"tristate": "auto|true|false", "chars": "N"}.get(kind, kind.upper())
+        flags.add_argument("--" + flag, action="append", nargs="?", metavar=metavar,
+                           const="true" if kind == "bool" else None, help="%s [env %s, default: %s]"
+                           % (text, env, HELP_DEFAULTS.get(flag, default or "none")))
+    flags.add_argument("--version", "-v", action="version", version="boris " + __version__,
+                       help="print the version and exit")
+    flags.add_argument("--help", action="help", help="print this help and exit")
+    parser.add_argument("-h", action="help", help=argparse.SUPPRESS)
+    return parser
 
 
 LOCAL_HOSTS = frozenset(("localhost", "127.0.0.1", "::1", "[::1]"))
@@ -511,70 +533,56 @@ def host_allowed(host, allowed):
     return any(host == a or a.startswith("*.") and fnmatch.fnmatchcase(host, a) for a in allowed)
 
 
-def given_flags(argv):
-    """{flag: [raw values, in order]} from argv; --help and --version print and exit."""
-    given = {}
-    spec = {row[0]: row for row in FLAGS}
-    args = iter(argv)
-    for arg in args:
-        if arg in ("-h", "--help", "-v", "--version"):
-            sys.stdout.write((help_text() if arg in ("-h", "--help") else "boris %s" % __version__) + "\n")
-            raise SystemExit(0)
-        if not arg.startswith("--"):
-            raise ConfigError("unexpected argument %r (flags start with --; see --help)" % arg)
-        name, eq, value = arg[2:].partition("=")
-        if name not in spec:
-            import difflib
-            near = difflib.get_close_matches(name, list(spec), 1, 0.6)
-            raise ConfigError("unknown flag --%s (%ssee --help for the list)" % (
-                name, "did you mean --%s? " % near[0] if near else ""))
-        if not eq:
-            value = "true" if spec[name][3] == "bool" else next(args, None)
-        if value is None:
-            raise ConfigError("flag --%s needs a value" % name)
-        given.setdefault(name, []).append(value)
-    return given
-
-
 def parse_config(argv, environ):
     """Build a Config from argv and environ; raise ConfigError on any bad value.
 
     A flag's value is the last one given, else its environment variable, else the default;
     a list flag joins every value given (comma-separated too). `--help` and `--version`
     raise SystemExit(0) after printing (to stdout: the protocol has not started)."""
-    given = given_flags(argv)
-    values = {}
+    config, unknown = flag_parser().parse_known_args(argv, Config())
+    if unknown:
+        import difflib
+        arg = unknown[0]
+        name = arg[2:].partition("=")[0]
+        near = difflib.get_close_matches(name, [row[0] for row in FLAGS], 1, 0.6)
+        raise ConfigError("unknown flag --%s (%ssee --help for the list)" % (
+            name, "did you mean --%s? " % near[0] if near else "") if arg.startswith("--") else
+            "unexpected argument %r (flags start with --; see --help)" % arg)
     for flag, env, default, kind, _ in FLAGS:
-        from_env = flag not in given and environ.get(env, "") != ""
-        raws = given.get(flag) or ([environ[env]] if from_env else [default] if default else [])
+        name = flag.replace("-", "_")
+        given = getattr(config, name)
+        if given and None in given:
+            raise ConfigError("flag --%s needs a value" % flag)
+        from_env = not given and environ.get(env, "") != ""
+        raws = given or ([environ[env]] if from_env else [default] if default else [])
         try:
-            values[flag] = flag_value(kind, raws)
+            setattr(config, name, flag_value(kind, raws))
         except ValueError as e:
             raise ConfigError("invalid value %r for --%s: %s%s" % (
                 raws[-1], flag, e, " (from environment variable %s)" % env if from_env else ""))
-    if values["token-file"]:
-        if values["token"]:
+    if config.token_file:
+        if config.token:
             raise ConfigError("--token and --token-file exclude each other: give one of them")
-        values["token"] = token_from_file(values["token-file"])
-    if values["token"] and values["generate-token"]:
+        config.token = token_from_file(config.token_file)
+    if config.token and config.generate_token:
         raise ConfigError("--token and --generate-token exclude each other: give one of them")
-    if values["transport"] == "http" and not (values["token"] or values["generate-token"]) \
-            and not is_loopback(host_of(values["host"])):
-        raise ConfigError("--host %s is reachable from other machines, and without a token anyone there could"
-                          " run commands: pass --token TOKEN or --generate-token, or bind 127.0.0.1"
-                          % values["host"])
-    workdir = os.path.abspath(os.path.expanduser(values["workdir"]))
+    if config.transport == "http" and not (config.token or config.generate_token) \
+            and not is_loopback(host_of(config.host)):
+        raise ConfigError("--host %s is reachable from other machines, and without a token anyone"
+                          " there could run commands: pass --token TOKEN or --generate-token, or"
+                          " bind 127.0.0.1" % config.host)
+    workdir = os.path.abspath(os.path.expanduser(config.workdir))
     if not os.path.isdir(workdir):
-        raise ConfigError("--workdir %r is not a directory" % values["workdir"])
-    values["workdir"] = os.path.realpath(workdir)
-    values["timeout"] = values["timeout"] or 120.0
-    network = values["sandbox-network"]
+        raise ConfigError("--workdir %r is not a directory" % config.workdir)
+    config.workdir = os.path.realpath(workdir)
+    config.timeout = config.timeout or 120.0
+    network = config.sandbox_network
     if network in (["on"], ["off"], []):
-        values["sandbox-network"] = {"on": True, "off": False}.get("".join(network))
+        config.sandbox_network = {"on": True, "off": False}.get("".join(network))
     else:
-        values["sandbox-network"] = sandbox_domains(network)
-        values["web-fetch-allow"] = values["web-fetch-allow"] or list(values["sandbox-network"])
-    return Config(**{k.replace("-", "_"): v for k, v in values.items()})
+        config.sandbox_network = sandbox_domains(network)
+        config.web_fetch_allow = config.web_fetch_allow or list(config.sandbox_network)
+    return config
 
 
 def token_from_file(path):
