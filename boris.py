@@ -106,6 +106,7 @@ import time
 import queue
 from bisect import bisect_left, bisect_right
 from collections import Counter, OrderedDict, defaultdict, deque, namedtuple
+from itertools import groupby
 from operator import attrgetter, is_, itemgetter
 
 # This file's path, read once: CPython takes __file__ out of a script's globals when its top
@@ -7991,74 +7992,91 @@ HTML_IMPLIED_ENDS = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd"), "dd": ("dt"
 
 
 # -- HTML to Markdown -------------------------------------------------------------
-def html_to_markdown(markup, base_url=""):
+class HtmlToMarkdown:
     """A page's visible content as Markdown a model reads as the page means it: headings
     '#', lists '- ' and '1. ' (numbered from `start`) with an item's blocks indented under
     it, blockquotes '> ', <pre> fenced (a fence longer than any backtick run inside), links
     [text](absolute url), inline `code`, table rows '| a | b |', rules '* * *'; page text that
     would read as Markdown structure is escaped; script, style and the like dropped, blank
-    space folded."""
-    from html.parser import HTMLParser
-    import urllib.parse
+    space folded.
 
-    class Tree(HTMLParser):
-        """The page as nested [tag, attrs, children] (text as str), end tags implied as
-        browsers imply them for li, p, dt, dd, tr, td, th and option."""
+    html_to_markdown mixes this class into html.parser's HTMLParser (imported there: start-up
+    never pays), whose handlers below build the page as nested [tag, attrs, children] (text as
+    str), end tags implied as browsers imply them for li, p, dt, dd, tr, td, th and option;
+    markdown() then renders that tree."""
 
-        def __init__(self):
-            HTMLParser.__init__(self, convert_charrefs=True)
-            self.root = ["#root", {}, []]
-            self.stack, self.title, self.skip, self.in_title = [self.root], [], 0, False
+    def __init__(self, base_url):
+        super().__init__()                      # (character references converted)
+        self.base_url = base_url
+        self.root = ["#root", {}, []]
+        self.stack, self.title, self.skip, self.in_title = [self.root], [], 0, False
 
-        def handle_starttag(self, tag, attrs):
-            if tag == "title":
-                self.in_title = True
+    # -- the page as a tree ------------------------------------------------------
+    def handle_starttag(self, tag, attrs):
+        if tag == "title":
+            self.in_title = True
+            return
+        if tag in HTML_SKIP or self.skip:
+            self.skip += tag in HTML_SKIP and tag not in HTML_VOID
+            return
+        closes = HTML_IMPLIED_ENDS.get(tag, ())
+        if tag in HTML_BLOCK_TAGS and tag not in ("p", "li"):
+            closes = closes + ("p",)                     # a block ends an open paragraph
+        while self.stack[-1][0] in closes:
+            self.stack.pop()
+        node = [tag, dict(attrs), []]
+        self.stack[-1][2].append(node)
+        if tag not in HTML_VOID and len(self.stack) < HTML_DEPTH:
+            self.stack.append(node)
+
+    def handle_startendtag(self, tag, attrs):
+        self.handle_starttag(tag, attrs)
+        if tag not in HTML_VOID and self.stack[-1][0] == tag and len(self.stack) > 1:
+            self.stack.pop()
+
+    def handle_endtag(self, tag):
+        if tag == "title":
+            self.in_title = False
+            return
+        if self.skip:
+            self.skip -= tag in HTML_SKIP
+            return
+        for k in range(len(self.stack) - 1, 0, -1):
+            if self.stack[k][0] == tag:
+                del self.stack[k:]
                 return
-            if tag in HTML_SKIP or self.skip:
-                self.skip += tag in HTML_SKIP and tag not in HTML_VOID
-                return
-            closes = HTML_IMPLIED_ENDS.get(tag, ())
-            if tag in HTML_BLOCK_TAGS and tag not in ("p", "li"):
-                closes = closes + ("p",)                     # a block ends an open paragraph
-            while closes and self.stack[-1][0] in closes:
-                self.stack.pop()
-            node = [tag, dict(attrs), []]
-            self.stack[-1][2].append(node)
-            if tag not in HTML_VOID and len(self.stack) < HTML_DEPTH:
-                self.stack.append(node)
 
-        def handle_startendtag(self, tag, attrs):
-            self.handle_starttag(tag, attrs)
-            if tag not in HTML_VOID and self.stack[-1][0] == tag and len(self.stack) > 1:
-                self.stack.pop()
+    def handle_data(self, data):
+        if self.in_title:
+            self.title.append(data)
+        elif not self.skip:
+            self.stack[-1][2].append(data)
 
-        def handle_endtag(self, tag):
-            if tag == "title":
-                self.in_title = False
-                return
-            if self.skip:
-                self.skip -= tag in HTML_SKIP
-                return
-            for k in range(len(self.stack) - 1, 0, -1):
-                if self.stack[k][0] == tag:
-                    del self.stack[k:]
-                    return
+    # -- the tree as Markdown ----------------------------------------------------
+    def markdown(self, markup):
+        """The Markdown of `markup`: its title as a heading (unless the body starts with
+        it), then its body."""
+        try:
+            self.feed(markup)
+            self.close()
+        except Exception:                    # html.parser is lenient; never let a page crash a call
+            pass
+        try:
+            body = self.blocks(self.root[2])
+        except RecursionError:
+            body = " ".join(html_text(self.root).split())
+        body = re.sub(r"\n{3,}", "\n\n", body).strip()
+        title = " ".join("".join(self.title).split())
+        heading = title and title not in body[:len(title) + 4]
+        return ("# %s\n\n%s" % (title, body)).strip() if heading else body
 
-        def handle_data(self, data):
-            if self.in_title:
-                self.title.append(data)
-            elif not self.skip:
-                self.stack[-1][2].append(data)
-
-    def destination(href):
+    def destination(self, href):
         """A link's absolute URL, written so it stays one link: spaces and parentheses encoded."""
-        url = urllib.parse.urljoin(base_url, href)
+        import urllib.parse
+        url = urllib.parse.urljoin(self.base_url, href)
         return url.replace(" ", "%20").replace("(", "%28").replace(")", "%29")
 
-    def text_of(node):
-        return "".join(c if isinstance(c, str) else text_of(c) for c in node[2])
-
-    def inline(nodes, pre=False, in_link=False):
+    def inline(self, nodes, pre=False, in_link=False):
         """The inline content of `nodes` as one string (whitespace folded unless pre; a
         link's own text with its brackets escaped)."""
         out = []
@@ -8071,103 +8089,79 @@ def html_to_markdown(markup, base_url=""):
             if tag == "br":
                 out.append("\n")
             elif tag == "a":
-                text = inline(kids, in_link=True)
+                text = self.inline(kids, in_link=True)
                 href = (attrs.get("href") or "").strip()
                 core = " ".join(text.split())
-                if core and href and not href.startswith(("#", "javascript:")):      # (its edges' spaces kept)
-                    out.append("%s[%s](%s)%s" % (" " * text[:1].isspace(), core, destination(href),
+                if core and href and not href.startswith(("#", "javascript:")):  # edge spaces kept
+                    url = self.destination(href)
+                    out.append("%s[%s](%s)%s" % (" " * text[:1].isspace(), core, url,
                                                  " " * text[-1:].isspace()))
                 else:
                     out.append(text)
             elif tag in ("code", "kbd", "samp", "tt") and not pre:
-                out.append(code_span(text_of(c)))
+                out.append(markdown_code(html_text(c)))
             elif tag == "img":
-                alt = " ".join((attrs.get("alt") or "").split()).replace("[", "\\[").replace("]", "\\]")
+                alt = " ".join((attrs.get("alt") or "").split())
+                alt = alt.replace("[", "\\[").replace("]", "\\]")
                 src = (attrs.get("src") or "").strip()
                 if src and not src.startswith("data:"):
-                    out.append("![%s](%s)" % (alt, destination(src)))
+                    out.append("![%s](%s)" % (alt, self.destination(src)))
                 elif alt:
                     out.append(alt)
             elif tag in ("td", "th"):
-                out.append(" %s |" % inline(kids).strip())
+                out.append(" %s |" % self.inline(kids).strip())
             else:
-                out.append(inline(kids, pre))
+                out.append(self.inline(kids, pre))
         return "".join(out)
 
-    def code_span(code):
-        """Inline code in backticks, more of them than any run inside (none for blank code)."""
-        if not code.strip():
-            return ""
-        tick = "`" * (max([len(r) for r in re.findall(r"`+", code)] + [0]) + 1)
-        pad = " " if code.startswith("`") or code.endswith("`") else ""
-        return "%s%s%s%s%s%s" % (" " * code[:1].isspace(), tick, pad, re.sub(r"\s+", " ", code.strip()), pad + tick,
-                                 " " * code[-1:].isspace())
-
-    def escaped(text):
-        """Paragraph text whose line starts would read as Markdown structure, escaped."""
-        def one(line):
-            m = re.match(r"^(\s*)(#{1,6}(?=\s|$)|>|[-+*](?=\s|$)|\d{1,9}[.)](?=\s|$)|(?:[-*_] *){3,}$|=+\s*$|```|~~~)",
-                         line)
-            if not m:
-                return line
-            head, mark = m.group(1), m.group(2)
-            if mark[0].isdigit():
-                return head + mark[:-1] + "\\" + mark[-1] + line[m.end():]
-            return head + "\\" + line[len(head):]
-        return "\n".join(one(line) for line in text.split("\n"))
-
-    def blocks(nodes, item=False):
+    def blocks(self, nodes, item=False):
         """Markdown of a sequence of block and inline nodes: runs of inline content become
         paragraphs; blocks are separated by blank lines, except (in a list item) a list
         right after the item's own text, which follows it on the next line."""
-        parts, run = [], []
-
-        def flush():
-            text = "\n".join(line.strip() for line in inline(run).split("\n")).strip()
-            if text:
-                parts.append(("text", escaped(text)))
-            del run[:]
-        for c in nodes:
-            if isinstance(c, str) or c[0] not in HTML_BLOCK_TAGS:
-                run.append(c)
+        parts = []
+        runs = groupby(nodes, lambda c: isinstance(c, str) or c[0] not in HTML_BLOCK_TAGS)
+        for is_inline, run in runs:                # inline content, or blocks
+            if is_inline:
+                text = "\n".join(line.strip() for line in self.inline(run).split("\n")).strip()
+                if text:
+                    parts.append(("text", markdown_escaped(text)))
                 continue
-            flush()
-            md = block(c)
-            if md.strip():
-                parts.append((c[0], md))
-        flush()
+            for c in run:
+                md = self.block(c)
+                if md.strip():
+                    parts.append((c[0], md))
         out = ""
         for k, (kind, md) in enumerate(parts):
             tight = item and k and kind in ("ul", "ol") and parts[k - 1][0] == "text"
             out += ("\n" if tight else "\n\n" if k else "") + md
         return out
 
-    def block(node):
+    def block(self, node):
+        """Markdown of one block node."""
         tag, attrs, kids = node
         if tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
-            text = " ".join(inline(kids).split())
+            text = " ".join(self.inline(kids).split())
             return "%s %s" % ("#" * int(tag[1]), text) if text else ""
         if tag == "pre":
-            code = text_of(node).strip("\n")
-            run = max([len(r) for r in re.findall(r"`{3,}", code)] + [2])
+            code = html_text(node).strip("\n")
+            run = max(map(len, re.findall(r"`{3,}", code)), default=2)
             fence = "`" * (run + 1)
-            return "%s\n%s\n%s" % (fence, "\n".join(line.rstrip() for line in code.split("\n")), fence)
+            lines = "\n".join(line.rstrip() for line in code.split("\n"))
+            return "%s\n%s\n%s" % (fence, lines, fence)
         if tag in ("ul", "ol"):
-            return list_block(tag, attrs, kids)
+            return self.list_block(tag, attrs, kids)
         if tag == "blockquote":
-            body = blocks(kids)
+            body = self.blocks(kids)
             return "\n".join("> " + line if line else ">" for line in body.split("\n"))
         if tag == "hr":
             return "* * *"
         if tag == "table":
-            rows = []
-            for row in table_rows(node):
-                cells = [" ".join(inline(cell[2]).split()) for cell in row]
-                rows.append("| %s |" % " | ".join(cells))
-            return "\n".join(rows)
-        return blocks(kids)
+            rows = ([" ".join(self.inline(cell[2]).split()) for cell in row]
+                    for row in table_rows(node))
+            return "\n".join("| %s |" % " | ".join(cells) for cells in rows)
+        return self.blocks(kids)
 
-    def list_block(tag, attrs, kids):
+    def list_block(self, tag, attrs, kids):
         """A ul or ol: '- ' or numbered items (from `start`), an item's blocks indented under
         its marker, loose (blank lines between) when any item holds paragraphs."""
         items, number = [], 1
@@ -8178,20 +8172,21 @@ def html_to_markdown(markup, base_url=""):
                 number = 1
         loose = False
         for c in kids:
+            marker = "- " if tag == "ul" else "%d. " % number
             if isinstance(c, str):
                 if c.strip():
-                    items.append(("- " if tag == "ul" else "%d. " % number, c.strip()))
+                    items.append((marker, c.strip()))
                 continue
             if c[0] != "li":
-                md = block(c) if c[0] in HTML_BLOCK_TAGS else inline([c]).strip()
+                md = self.block(c) if c[0] in HTML_BLOCK_TAGS else self.inline([c]).strip()
                 if md and c[0] in ("ul", "ol") and items and items[-1][0]:
-                    items[-1] = (items[-1][0], items[-1][1] + "\n" + md)     # a list put straight in a list:
-                elif md:                                                      # the item before holds it
+                    # a list put straight in a list: the item before holds it
+                    items[-1] = (items[-1][0], items[-1][1] + "\n" + md)
+                elif md:
                     items.append(("", md))
                 continue
-            marker = "- " if tag == "ul" else "%d. " % number
             number += tag == "ol"
-            body = blocks(c[2], item=True)
+            body = self.blocks(c[2], item=True)
             loose = loose or "\n\n" in body
             items.append((marker, body))
         lines = []
@@ -8202,30 +8197,56 @@ def html_to_markdown(markup, base_url=""):
             lines.append(text.rstrip())
         return ("\n\n" if loose else "\n").join(lines)
 
-    def table_rows(node):
-        rows = []
-        for c in node[2]:
-            if isinstance(c, str):
-                continue
-            if c[0] == "tr":
-                rows.append([cell for cell in c[2] if not isinstance(cell, str) and cell[0] in ("td", "th")])
-            elif c[0] in ("thead", "tbody", "tfoot"):
-                rows += table_rows(c)
-        return rows
 
-    tree = Tree()
-    try:
-        tree.feed(markup)
-        tree.close()
-    except Exception:                    # html.parser is lenient; never let a page crash a call
-        pass
-    try:
-        body = blocks(tree.root[2])
-    except RecursionError:
-        body = " ".join(text_of(tree.root).split())
-    body = re.sub(r"\n{3,}", "\n\n", body).strip()
-    title = " ".join("".join(tree.title).split())
-    return ("# %s\n\n%s" % (title, body)).strip() if title and title not in body[:len(title) + 4] else body
+
+def html_text(node):
+    """The text of `node` and all below it, as it stands."""
+    return "".join(c if isinstance(c, str) else html_text(c) for c in node[2])
+
+
+def markdown_code(code):
+    """Inline code in backticks, more of them than any run inside (none for blank code)."""
+    if not code.strip():
+        return ""
+    tick = "`" * (max(map(len, re.findall(r"`+", code)), default=0) + 1)
+    pad = " " if code.startswith("`") or code.endswith("`") else ""
+    spaced = re.sub(r"\s+", " ", code.strip())
+    return "%s%s%s%s%s%s%s" % (" " * code[:1].isspace(), tick, pad, spaced, pad, tick,
+                               " " * code[-1:].isspace())
+
+
+def markdown_escaped(text):
+    """Paragraph text whose line starts would read as Markdown structure, escaped."""
+    lines = text.split("\n")
+    for k, line in enumerate(lines):
+        m = re.match(r"^(\s*)(#{1,6}(?=\s|$)|>|[-+*](?=\s|$)|\d{1,9}[.)](?=\s|$)"
+                     r"|(?:[-*_] *){3,}$|=+\s*$|```|~~~)", line)
+        if m and m.group(2)[0].isdigit():          # 1. -> 1\.
+            lines[k] = line[:m.end() - 1] + "\\" + line[m.end() - 1:]
+        elif m:
+            lines[k] = m.group(1) + "\\" + line[m.end(1):]
+    return "\n".join(lines)
+
+
+def table_rows(node):
+    """The rows of a table node (in thead, tbody or tfoot too), each a list of its cells."""
+    rows = []
+    for c in node[2]:
+        if isinstance(c, str):
+            continue
+        if c[0] == "tr":
+            rows.append([cell for cell in c[2]
+                         if not isinstance(cell, str) and cell[0] in ("td", "th")])
+        elif c[0] in ("thead", "tbody", "tfoot"):
+            rows += table_rows(c)
+    return rows
+
+
+def html_to_markdown(markup, base_url=""):
+    """A page's visible content as Markdown (see HtmlToMarkdown); `base_url` makes its links
+    absolute."""
+    from html.parser import HTMLParser
+    return type("HtmlParser", (HtmlToMarkdown, HTMLParser), {})(base_url).markdown(markup)
 
 
 # -- fetching ---------------------------------------------------------------------
