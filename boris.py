@@ -383,8 +383,6 @@ HELP_DEFAULTS = {"allow-dir": "none: every directory", "deny-dir": "none",
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 1024, "K": 1024, "MB": 1024 ** 2, "M": 1024 ** 2,
-               "GB": 1024 ** 3, "G": 1024 ** 3}
 
 
 class Config(argparse.Namespace):
@@ -395,10 +393,10 @@ class Config(argparse.Namespace):
 
 def parse_size(text):
     """Bytes of a size such as 10MB, 512KB or 1G (units of 1024); ValueError saying what is expected."""
-    m = re.match(r"^\s*(\d+)\s*([A-Za-z]*)\s*$", text)
-    if not m or m.group(2).upper() not in _SIZE_UNITS:
+    m = re.match(r"^\s*(\d+)\s*([KMG]?)B?\s*$", text, re.IGNORECASE)
+    if not m:
         raise ValueError("expected a size such as 10MB, 512KB, 1GB or a number of bytes")
-    return int(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]
+    return int(m.group(1)) * {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}[m.group(2).upper()]
 
 
 def parse_budget(text):
@@ -441,13 +439,13 @@ def flag_value(kind, raws):
     if not raws:
         return ""
     text = raws[-1].strip()
+    low = text.lower()
     if kind.startswith("choice:"):
         choices = kind[7:].split("|")
-        if text.lower() not in choices:
+        if low not in choices:
             raise ValueError("expected one of " + ", ".join(choices))
-        return text.lower()
+        return low
     if kind in ("bool", "tristate"):
-        low = text.lower()
         if kind == "tristate" and low == "auto" or low in _TRUE:
             return True
         if low in _FALSE:
