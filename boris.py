@@ -14614,7 +14614,6 @@ class McpHttpServer:
     request_queue_size = 128        # the default 5 resets bursts of new clients
 
     def process_request(self, request, client_address):
-        import socket
         if not self.transport.slots.acquire(blocking=False) and not self.transport.make_room():
             # 503; then what the client has sent is read and dropped (briefly: this is the
             # accept thread), since a socket closed with unread input is reset, and a reset
@@ -14625,7 +14624,7 @@ class McpHttpServer:
                                 b"Content-Type: application/json\r\n"
                                 b"Content-Length: 27\r\nConnection: close\r\n\r\n"
                                 b"{\"error\": \"server is busy\"}")
-                request.shutdown(socket.SHUT_WR)
+                request.shutdown(1)                 # (SHUT_WR: the answer is all)
                 request.settimeout(0.05)
                 for _ in range(16):
                     if not request.recv(65536):
