@@ -8019,7 +8019,7 @@ class HtmlToMarkdown:
             return
         closes = HTML_IMPLIED_ENDS.get(tag, ())
         if tag in HTML_BLOCK_TAGS and tag not in ("p", "li"):
-            closes = closes + ("p",)                     # a block ends an open paragraph
+            closes += ("p",)                             # a block ends an open paragraph
         while self.stack[-1][0] in closes:
             self.stack.pop()
         node = [tag, dict(attrs), []]
@@ -8029,7 +8029,7 @@ class HtmlToMarkdown:
 
     def handle_startendtag(self, tag, attrs):
         self.handle_starttag(tag, attrs)
-        if tag not in HTML_VOID and self.stack[-1][0] == tag and len(self.stack) > 1:
+        if self.stack[-1][0] == tag:        # (void elements and #root never stand on the stack)
             self.stack.pop()
 
     def handle_endtag(self, tag):
@@ -8091,11 +8091,9 @@ class HtmlToMarkdown:
                 href = (attrs.get("href") or "").strip()
                 core = " ".join(text.split())
                 if core and href and not href.startswith(("#", "javascript:")):  # edge spaces kept
-                    url = self.destination(href)
-                    out.append("%s[%s](%s)%s" % (" " * text[:1].isspace(), core, url,
-                                                 " " * text[-1:].isspace()))
-                else:
-                    out.append(text)
+                    text = "%s[%s](%s)%s" % (" " * text[:1].isspace(), core, self.destination(href),
+                                             " " * text[-1:].isspace())
+                out.append(text)
             elif tag in ("code", "kbd", "samp", "tt") and not pre:
                 out.append(markdown_code(html_text(c)))
             elif tag == "img":
@@ -8167,7 +8165,7 @@ class HtmlToMarkdown:
             try:
                 number = int(attrs.get("start") or 1)
             except ValueError:
-                number = 1
+                pass                        # numbered from 1
         loose = False
         for c in kids:
             marker = "- " if tag == "ul" else "%d. " % number
@@ -8219,10 +8217,9 @@ def markdown_escaped(text):
     for k, line in enumerate(lines):
         m = re.match(r"^(\s*)(#{1,6}(?=\s|$)|>|[-+*](?=\s|$)|\d{1,9}[.)](?=\s|$)"
                      r"|(?:[-*_] *){3,}$|=+\s*$|```|~~~)", line)
-        if m and m.group(2)[0].isdigit():          # 1. -> 1\.
-            lines[k] = line[:m.end() - 1] + "\\" + line[m.end() - 1:]
-        elif m:
-            lines[k] = m.group(1) + "\\" + line[m.end(1):]
+        if m:                                       # a backslash before the mark, or 1\. for 1.
+            at = m.end() - 1 if m.group(2)[0].isdigit() else m.end(1)
+            lines[k] = line[:at] + "\\" + line[at:]
     return "\n".join(lines)
 
 
