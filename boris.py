@@ -552,7 +552,7 @@ def parse_config(argv, environ):
         given = getattr(config, name)
         if given and None in given:
             raise ConfigError("flag --%s needs a value" % flag)
-        from_env = not given and environ.get(env, "") != ""
+        from_env = not given and environ.get(env)
         raws = given or ([environ[env]] if from_env else [default] if default else [])
         try:
             setattr(config, name, flag_value(kind, raws))
