@@ -82,6 +82,7 @@ if sys.version_info < (3, 8):
                      % sys.version_info[:2])
     sys.exit(2)
 
+import argparse
 import array
 import atexit
 import codecs
@@ -105,6 +106,7 @@ import time
 import queue
 from bisect import bisect_left, bisect_right
 from collections import Counter, OrderedDict, defaultdict, deque, namedtuple
+from itertools import groupby
 from operator import attrgetter, is_, itemgetter
 
 # This file's path, read once: CPython takes __file__ out of a script's globals when its top
@@ -394,25 +396,20 @@ HELP_DEFAULTS = {"allow-dir": "none: every directory", "deny-dir": "none",
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 1024, "K": 1024, "MB": 1024 ** 2, "M": 1024 ** 2,
-               "GB": 1024 ** 3, "G": 1024 ** 3}
 
 
-class Config:
+class Config(argparse.Namespace):
     """Resolved settings, made by parse_config: one attribute per FLAGS row (dashes as
     underscores), every value typed and `auto` already decided; sandbox_network is None
     (the sandbox decides), True or False."""
 
-    def __init__(self, **values):
-        self.__dict__.update(values)
-
 
 def parse_size(text):
     """Bytes of a size such as 10MB, 512KB or 1G (units of 1024); ValueError saying what is expected."""
-    m = re.match(r"^\s*(\d+)\s*([A-Za-z]*)\s*$", text)
-    if not m or m.group(2).upper() not in _SIZE_UNITS:
+    m = re.match(r"^\s*(\d+)\s*([KMG]?)B?\s*$", text, re.IGNORECASE)
+    if not m:
         raise ValueError("expected a size such as 10MB, 512KB, 1GB or a number of bytes")
-    return int(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]
+    return int(m.group(1)) * {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}[m.group(2).upper()]
 
 
 def parse_budget(text):
@@ -455,13 +452,13 @@ def flag_value(kind, raws):
     if not raws:
         return ""
     text = raws[-1].strip()
+    low = text.lower()
     if kind.startswith("choice:"):
         choices = kind[7:].split("|")
-        if text.lower() not in choices:
+        if low not in choices:
             raise ValueError("expected one of " + ", ".join(choices))
-        return text.lower()
+        return low
     if kind in ("bool", "tristate"):
-        low = text.lower()
         if kind == "tristate" and low == "auto" or low in _TRUE:
             return True
         if low in _FALSE:
@@ -470,26 +467,50 @@ def flag_value(kind, raws):
     return _PARSERS[kind](text)
 
 
-def help_text():
-    """The text --help prints: every flag with its environment variable and default."""
-    lines = ["usage: python3 boris.py [flags]", "",
-             "boris %s - an MCP server giving an AI agent a coding workspace" % __version__,
-             "(shell, view/edit/create files, grep/glob, workspace file tools, web fetch).", "",
-             "flags (flag beats environment variable):"]
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help's layout: each flag with its metavar on a line, its help below, unwrapped."""
+
+    def _format_action(self, action):
+        metavar = " " + action.metavar if action.metavar else ""
+        return "  %s%s\n      %s\n" % (", ".join(action.option_strings), metavar, action.help)
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse for FLAGS, whose errors are ConfigErrors (one line, exit 2, from main)."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def flag_parser():
+    """The argparse parser of FLAGS: each flag gives the list of raw values given for it (a
+    bool flag alone gives "true"; None where a value is missing), and --help shows each
+    flag's environment variable and default."""
+    parser = FlagParser(
+        usage="python3 boris.py [flags]", add_help=False, allow_abbrev=False,
+        formatter_class=HelpFormatter,
+        description="boris %s - an MCP server giving an AI agent a coding workspace\n(shell,"
+        " view/edit/create files, grep/glob, workspace file tools, web fetch)." % __version__,
+        epilog="""\
+--allow-dir/--deny-dir scope the file tools. The shell is confined by --sandbox (Linux
+Landlock; on by default with --allow-dir): commands may then write only under the allowed
+directories and the temp directory (never to .git, .hg, .svn or boris.py: --sandbox-protect),
+and use no network unless --sandbox-network on, or only the domains it lists (through a
+loopback proxy). Deny patterns do not apply inside the shell; where Landlock is missing, use
+a container.""")
+    parser.color = False            # (Python 3.14+ would colour --help on a terminal)
+    flags = parser.add_argument_group("flags (flag beats environment variable)")
     for flag, env, default, kind, text in FLAGS:
-        arg = "" if kind == "bool" else " " + (kind[7:] if kind.startswith("choice:") else
-                                                {"tristate": "auto|true|false", "chars": "N"}.get(kind, kind.upper()))
-        lines.append("  --%s%s" % (flag, arg))
-        lines.append("      %s [env %s, default: %s]" % (text, env, HELP_DEFAULTS.get(flag, default or "none")))
-    lines.append("  --version, -v\n      print the version and exit")
-    lines.append("  --help\n      print this help and exit")
-    lines += ["", "--allow-dir/--deny-dir scope the file tools. The shell is confined by --sandbox (Linux",
-              "Landlock; on by default with --allow-dir): commands may then write only under the allowed",
-              "directories and the temp directory (never to .git, .hg, .svn or boris.py: --sandbox-protect),",
-              "and use no network unless --sandbox-network on, or only the domains it lists (through a",
-              "loopback proxy). Deny patterns do not apply inside the shell; where Landlock is missing, use",
-              "a container."]
-    return "\n".join(lines)
+        metavar = "" if kind == "bool" else kind[7:] if kind.startswith("choice:") else \
+            {"tristate": "auto|true|false", "chars": "N"}.get(kind, kind.upper())
+        flags.add_argument("--" + flag, action="append", nargs="?", metavar=metavar,
+                           const="true" if kind == "bool" else None, help="%s [env %s, default: %s]"
+                           % (text, env, HELP_DEFAULTS.get(flag, default or "none")))
+    flags.add_argument("--version", "-v", action="version", version="boris " + __version__,
+                       help="print the version and exit")
+    flags.add_argument("--help", action="help", help="print this help and exit")
+    parser.add_argument("-h", action="help", help=argparse.SUPPRESS)
+    return parser
 
 
 LOCAL_HOSTS = frozenset(("localhost", "127.0.0.1", "::1", "[::1]"))
@@ -524,70 +545,56 @@ def host_allowed(host, allowed):
     return any(host == a or a.startswith("*.") and fnmatch.fnmatchcase(host, a) for a in allowed)
 
 
-def given_flags(argv):
-    """{flag: [raw values, in order]} from argv; --help and --version print and exit."""
-    given = {}
-    spec = {row[0]: row for row in FLAGS}
-    args = iter(argv)
-    for arg in args:
-        if arg in ("-h", "--help", "-v", "--version"):
-            sys.stdout.write((help_text() if arg in ("-h", "--help") else "boris %s" % __version__) + "\n")
-            raise SystemExit(0)
-        if not arg.startswith("--"):
-            raise ConfigError("unexpected argument %r (flags start with --; see --help)" % arg)
-        name, eq, value = arg[2:].partition("=")
-        if name not in spec:
-            import difflib
-            near = difflib.get_close_matches(name, list(spec), 1, 0.6)
-            raise ConfigError("unknown flag --%s (%ssee --help for the list)" % (
-                name, "did you mean --%s? " % near[0] if near else ""))
-        if not eq:
-            value = "true" if spec[name][3] == "bool" else next(args, None)
-        if value is None:
-            raise ConfigError("flag --%s needs a value" % name)
-        given.setdefault(name, []).append(value)
-    return given
-
-
 def parse_config(argv, environ):
     """Build a Config from argv and environ; raise ConfigError on any bad value.
 
     A flag's value is the last one given, else its environment variable, else the default;
     a list flag joins every value given (comma-separated too). `--help` and `--version`
     raise SystemExit(0) after printing (to stdout: the protocol has not started)."""
-    given = given_flags(argv)
-    values = {}
+    config, unknown = flag_parser().parse_known_args(argv, Config())
+    if unknown:
+        import difflib
+        arg = unknown[0]
+        name = arg[2:].partition("=")[0]
+        near = difflib.get_close_matches(name, [row[0] for row in FLAGS], 1, 0.6)
+        raise ConfigError("unknown flag --%s (%ssee --help for the list)" % (
+            name, "did you mean --%s? " % near[0] if near else "") if arg.startswith("--") else
+            "unexpected argument %r (flags start with --; see --help)" % arg)
     for flag, env, default, kind, _ in FLAGS:
-        from_env = flag not in given and environ.get(env, "") != ""
-        raws = given.get(flag) or ([environ[env]] if from_env else [default] if default else [])
+        name = flag.replace("-", "_")
+        given = getattr(config, name)
+        if given and None in given:
+            raise ConfigError("flag --%s needs a value" % flag)
+        from_env = not given and environ.get(env)
+        raws = given or ([environ[env]] if from_env else [default] if default else [])
         try:
-            values[flag] = flag_value(kind, raws)
+            setattr(config, name, flag_value(kind, raws))
         except ValueError as e:
             raise ConfigError("invalid value %r for --%s: %s%s" % (
                 raws[-1], flag, e, " (from environment variable %s)" % env if from_env else ""))
-    if values["token-file"]:
-        if values["token"]:
+    if config.token_file:
+        if config.token:
             raise ConfigError("--token and --token-file exclude each other: give one of them")
-        values["token"] = token_from_file(values["token-file"])
-    if values["token"] and values["generate-token"]:
+        config.token = token_from_file(config.token_file)
+    if config.token and config.generate_token:
         raise ConfigError("--token and --generate-token exclude each other: give one of them")
-    if values["transport"] == "http" and not (values["token"] or values["generate-token"]) \
-            and not is_loopback(host_of(values["host"])):
-        raise ConfigError("--host %s is reachable from other machines, and without a token anyone there could"
-                          " run commands: pass --token TOKEN or --generate-token, or bind 127.0.0.1"
-                          % values["host"])
-    workdir = os.path.abspath(os.path.expanduser(values["workdir"]))
+    if config.transport == "http" and not (config.token or config.generate_token) \
+            and not is_loopback(host_of(config.host)):
+        raise ConfigError("--host %s is reachable from other machines, and without a token anyone"
+                          " there could run commands: pass --token TOKEN or --generate-token, or"
+                          " bind 127.0.0.1" % config.host)
+    workdir = os.path.abspath(os.path.expanduser(config.workdir))
     if not os.path.isdir(workdir):
-        raise ConfigError("--workdir %r is not a directory" % values["workdir"])
-    values["workdir"] = os.path.realpath(workdir)
-    values["timeout"] = values["timeout"] or 120.0
-    network = values["sandbox-network"]
+        raise ConfigError("--workdir %r is not a directory" % config.workdir)
+    config.workdir = os.path.realpath(workdir)
+    config.timeout = config.timeout or 120.0
+    network = config.sandbox_network
     if network in (["on"], ["off"], []):
-        values["sandbox-network"] = {"on": True, "off": False}.get("".join(network))
+        config.sandbox_network = {"on": True, "off": False}.get("".join(network))
     else:
-        values["sandbox-network"] = sandbox_domains(network)
-        values["web-fetch-allow"] = values["web-fetch-allow"] or list(values["sandbox-network"])
-    return Config(**{k.replace("-", "_"): v for k, v in values.items()})
+        config.sandbox_network = sandbox_domains(network)
+        config.web_fetch_allow = config.web_fetch_allow or list(config.sandbox_network)
+    return config
 
 
 def token_from_file(path):
@@ -8122,74 +8129,91 @@ HTML_IMPLIED_ENDS = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd"), "dd": ("dt"
 
 
 # -- HTML to Markdown -------------------------------------------------------------
-def html_to_markdown(markup, base_url=""):
+class HtmlToMarkdown:
     """A page's visible content as Markdown a model reads as the page means it: headings
     '#', lists '- ' and '1. ' (numbered from `start`) with an item's blocks indented under
     it, blockquotes '> ', <pre> fenced (a fence longer than any backtick run inside), links
     [text](absolute url), inline `code`, table rows '| a | b |', rules '* * *'; page text that
     would read as Markdown structure is escaped; script, style and the like dropped, blank
-    space folded."""
-    from html.parser import HTMLParser
-    import urllib.parse
+    space folded.
 
-    class Tree(HTMLParser):
-        """The page as nested [tag, attrs, children] (text as str), end tags implied as
-        browsers imply them for li, p, dt, dd, tr, td, th and option."""
+    html_to_markdown mixes this class into html.parser's HTMLParser (imported there: start-up
+    never pays), whose handlers below build the page as nested [tag, attrs, children] (text as
+    str), end tags implied as browsers imply them for li, p, dt, dd, tr, td, th and option;
+    markdown() then renders that tree."""
 
-        def __init__(self):
-            HTMLParser.__init__(self, convert_charrefs=True)
-            self.root = ["#root", {}, []]
-            self.stack, self.title, self.skip, self.in_title = [self.root], [], 0, False
+    def __init__(self, base_url):
+        super().__init__()                      # (character references converted)
+        self.base_url = base_url
+        self.root = ["#root", {}, []]
+        self.stack, self.title, self.skip, self.in_title = [self.root], [], 0, False
 
-        def handle_starttag(self, tag, attrs):
-            if tag == "title":
-                self.in_title = True
+    # -- the page as a tree ------------------------------------------------------
+    def handle_starttag(self, tag, attrs):
+        if tag == "title":
+            self.in_title = True
+            return
+        if tag in HTML_SKIP or self.skip:
+            self.skip += tag in HTML_SKIP and tag not in HTML_VOID
+            return
+        closes = HTML_IMPLIED_ENDS.get(tag, ())
+        if tag in HTML_BLOCK_TAGS and tag not in ("p", "li"):
+            closes += ("p",)                             # a block ends an open paragraph
+        while self.stack[-1][0] in closes:
+            self.stack.pop()
+        node = [tag, dict(attrs), []]
+        self.stack[-1][2].append(node)
+        if tag not in HTML_VOID and len(self.stack) < HTML_DEPTH:
+            self.stack.append(node)
+
+    def handle_startendtag(self, tag, attrs):
+        self.handle_starttag(tag, attrs)
+        if self.stack[-1][0] == tag:        # (void elements and #root never stand on the stack)
+            self.stack.pop()
+
+    def handle_endtag(self, tag):
+        if tag == "title":
+            self.in_title = False
+            return
+        if self.skip:
+            self.skip -= tag in HTML_SKIP
+            return
+        for k in range(len(self.stack) - 1, 0, -1):
+            if self.stack[k][0] == tag:
+                del self.stack[k:]
                 return
-            if tag in HTML_SKIP or self.skip:
-                self.skip += tag in HTML_SKIP and tag not in HTML_VOID
-                return
-            closes = HTML_IMPLIED_ENDS.get(tag, ())
-            if tag in HTML_BLOCK_TAGS and tag not in ("p", "li"):
-                closes = closes + ("p",)                     # a block ends an open paragraph
-            while closes and self.stack[-1][0] in closes:
-                self.stack.pop()
-            node = [tag, dict(attrs), []]
-            self.stack[-1][2].append(node)
-            if tag not in HTML_VOID and len(self.stack) < HTML_DEPTH:
-                self.stack.append(node)
 
-        def handle_startendtag(self, tag, attrs):
-            self.handle_starttag(tag, attrs)
-            if tag not in HTML_VOID and self.stack[-1][0] == tag and len(self.stack) > 1:
-                self.stack.pop()
+    def handle_data(self, data):
+        if self.in_title:
+            self.title.append(data)
+        elif not self.skip:
+            self.stack[-1][2].append(data)
 
-        def handle_endtag(self, tag):
-            if tag == "title":
-                self.in_title = False
-                return
-            if self.skip:
-                self.skip -= tag in HTML_SKIP
-                return
-            for k in range(len(self.stack) - 1, 0, -1):
-                if self.stack[k][0] == tag:
-                    del self.stack[k:]
-                    return
+    # -- the tree as Markdown ----------------------------------------------------
+    def markdown(self, markup):
+        """The Markdown of `markup`: its title as a heading (unless the body starts with
+        it), then its body."""
+        try:
+            self.feed(markup)
+            self.close()
+        except Exception:                    # html.parser is lenient; never let a page crash a call
+            pass
+        try:
+            body = self.blocks(self.root[2])
+        except RecursionError:
+            body = " ".join(html_text(self.root).split())
+        body = re.sub(r"\n{3,}", "\n\n", body).strip()
+        title = " ".join("".join(self.title).split())
+        heading = title and title not in body[:len(title) + 4]
+        return ("# %s\n\n%s" % (title, body)).strip() if heading else body
 
-        def handle_data(self, data):
-            if self.in_title:
-                self.title.append(data)
-            elif not self.skip:
-                self.stack[-1][2].append(data)
-
-    def destination(href):
+    def destination(self, href):
         """A link's absolute URL, written so it stays one link: spaces and parentheses encoded."""
-        url = urllib.parse.urljoin(base_url, href)
+        import urllib.parse
+        url = urllib.parse.urljoin(self.base_url, href)
         return url.replace(" ", "%20").replace("(", "%28").replace(")", "%29")
 
-    def text_of(node):
-        return "".join(c if isinstance(c, str) else text_of(c) for c in node[2])
-
-    def inline(nodes, pre=False, in_link=False):
+    def inline(self, nodes, pre=False, in_link=False):
         """The inline content of `nodes` as one string (whitespace folded unless pre; a
         link's own text with its brackets escaped)."""
         out = []
@@ -8202,103 +8226,77 @@ def html_to_markdown(markup, base_url=""):
             if tag == "br":
                 out.append("\n")
             elif tag == "a":
-                text = inline(kids, in_link=True)
+                text = self.inline(kids, in_link=True)
                 href = (attrs.get("href") or "").strip()
                 core = " ".join(text.split())
-                if core and href and not href.startswith(("#", "javascript:")):      # (its edges' spaces kept)
-                    out.append("%s[%s](%s)%s" % (" " * text[:1].isspace(), core, destination(href),
-                                                 " " * text[-1:].isspace()))
-                else:
-                    out.append(text)
+                if core and href and not href.startswith(("#", "javascript:")):  # edge spaces kept
+                    text = "%s[%s](%s)%s" % (" " * text[:1].isspace(), core, self.destination(href),
+                                             " " * text[-1:].isspace())
+                out.append(text)
             elif tag in ("code", "kbd", "samp", "tt") and not pre:
-                out.append(code_span(text_of(c)))
+                out.append(markdown_code(html_text(c)))
             elif tag == "img":
-                alt = " ".join((attrs.get("alt") or "").split()).replace("[", "\\[").replace("]", "\\]")
+                alt = " ".join((attrs.get("alt") or "").split())
+                alt = alt.replace("[", "\\[").replace("]", "\\]")
                 src = (attrs.get("src") or "").strip()
                 if src and not src.startswith("data:"):
-                    out.append("![%s](%s)" % (alt, destination(src)))
+                    out.append("![%s](%s)" % (alt, self.destination(src)))
                 elif alt:
                     out.append(alt)
             elif tag in ("td", "th"):
-                out.append(" %s |" % inline(kids).strip())
+                out.append(" %s |" % self.inline(kids).strip())
             else:
-                out.append(inline(kids, pre))
+                out.append(self.inline(kids, pre))
         return "".join(out)
 
-    def code_span(code):
-        """Inline code in backticks, more of them than any run inside (none for blank code)."""
-        if not code.strip():
-            return ""
-        tick = "`" * (max([len(r) for r in re.findall(r"`+", code)] + [0]) + 1)
-        pad = " " if code.startswith("`") or code.endswith("`") else ""
-        return "%s%s%s%s%s%s" % (" " * code[:1].isspace(), tick, pad, re.sub(r"\s+", " ", code.strip()), pad + tick,
-                                 " " * code[-1:].isspace())
-
-    def escaped(text):
-        """Paragraph text whose line starts would read as Markdown structure, escaped."""
-        def one(line):
-            m = re.match(r"^(\s*)(#{1,6}(?=\s|$)|>|[-+*](?=\s|$)|\d{1,9}[.)](?=\s|$)|(?:[-*_] *){3,}$|=+\s*$|```|~~~)",
-                         line)
-            if not m:
-                return line
-            head, mark = m.group(1), m.group(2)
-            if mark[0].isdigit():
-                return head + mark[:-1] + "\\" + mark[-1] + line[m.end():]
-            return head + "\\" + line[len(head):]
-        return "\n".join(one(line) for line in text.split("\n"))
-
-    def blocks(nodes, item=False):
+    def blocks(self, nodes, item=False):
         """Markdown of a sequence of block and inline nodes: runs of inline content become
         paragraphs; blocks are separated by blank lines, except (in a list item) a list
         right after the item's own text, which follows it on the next line."""
-        parts, run = [], []
-
-        def flush():
-            text = "\n".join(line.strip() for line in inline(run).split("\n")).strip()
-            if text:
-                parts.append(("text", escaped(text)))
-            del run[:]
-        for c in nodes:
-            if isinstance(c, str) or c[0] not in HTML_BLOCK_TAGS:
-                run.append(c)
+        parts = []
+        runs = groupby(nodes, lambda c: isinstance(c, str) or c[0] not in HTML_BLOCK_TAGS)
+        for is_inline, run in runs:                # inline content, or blocks
+            if is_inline:
+                text = "\n".join(line.strip() for line in self.inline(run).split("\n")).strip()
+                if text:
+                    parts.append(("text", markdown_escaped(text)))
                 continue
-            flush()
-            md = block(c)
-            if md.strip():
-                parts.append((c[0], md))
-        flush()
+            for c in run:
+                md = self.block(c)
+                if md.strip():
+                    parts.append((c[0], md))
         out = ""
         for k, (kind, md) in enumerate(parts):
             tight = item and k and kind in ("ul", "ol") and parts[k - 1][0] == "text"
             out += ("\n" if tight else "\n\n" if k else "") + md
         return out
 
-    def block(node):
+    def block(self, node):
+        """Markdown of one block node."""
         tag, attrs, kids = node
         if tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
-            text = " ".join(inline(kids).split())
+            text = " ".join(self.inline(kids).split())
             return "%s %s" % ("#" * int(tag[1]), text) if text else ""
         if tag == "pre":
-            code = text_of(node).strip("\n")
-            run = max([len(r) for r in re.findall(r"`{3,}", code)] + [2])
+            code = html_text(node).strip("\n")
+            run = max(map(len, re.findall(r"`{3,}", code)), default=2)
             fence = "`" * (run + 1)
-            return "%s\n%s\n%s" % (fence, "\n".join(line.rstrip() for line in code.split("\n")), fence)
+            lines = "\n".join(line.rstrip() for line in code.split("\n"))
+            return "%s\n%s\n%s" % (fence, lines, fence)
         if tag in ("ul", "ol"):
-            return list_block(tag, attrs, kids)
+            return self.list_block(tag, attrs, kids)
         if tag == "blockquote":
-            body = blocks(kids)
+            body = self.blocks(kids)
             return "\n".join("> " + line if line else ">" for line in body.split("\n"))
         if tag == "hr":
             return "* * *"
         if tag == "table":
-            rows = []
-            for row in table_rows(node):
-                cells = [" ".join(inline(cell[2]).split()) for cell in row]
-                rows.append("| %s |" % " | ".join(cells))
-            return "\n".join(rows)
-        return blocks(kids)
+            rows = ([" ".join(self.inline(cell[2]).split()) for cell in row]
+                    for row in table_rows(node))
+            return "\n".join("| %s |" % " | ".join(cells) for cells in rows)
+        return self.blocks(kids)
 
-    def list_block(tag, attrs, kids):
+    def list_block(self, tag, attrs, kids):
         """A ul or ol: '- ' or numbered items (from `start`), an item's blocks indented under
         its marker, loose (blank lines between) when any item holds paragraphs."""
         items, number = [], 1
@@ -8306,23 +8304,24 @@ def html_to_markdown(markup, base_url=""):
             try:
                 number = int(attrs.get("start") or 1)
             except ValueError:
-                number = 1
+                pass                        # numbered from 1
         loose = False
         for c in kids:
+            marker = "- " if tag == "ul" else "%d. " % number
             if isinstance(c, str):
                 if c.strip():
-                    items.append(("- " if tag == "ul" else "%d. " % number, c.strip()))
+                    items.append((marker, c.strip()))
                 continue
             if c[0] != "li":
-                md = block(c) if c[0] in HTML_BLOCK_TAGS else inline([c]).strip()
+                md = self.block(c) if c[0] in HTML_BLOCK_TAGS else self.inline([c]).strip()
                 if md and c[0] in ("ul", "ol") and items and items[-1][0]:
-                    items[-1] = (items[-1][0], items[-1][1] + "\n" + md)     # a list put straight in a list:
-                elif md:                                                      # the item before holds it
+                    # a list put straight in a list: the item before holds it
+                    items[-1] = (items[-1][0], items[-1][1] + "\n" + md)
+                elif md:
                     items.append(("", md))
                 continue
-            marker = "- " if tag == "ul" else "%d. " % number
             number += tag == "ol"
-            body = blocks(c[2], item=True)
+            body = self.blocks(c[2], item=True)
             loose = loose or "\n\n" in body
             items.append((marker, body))
         lines = []
@@ -8333,30 +8332,55 @@ def html_to_markdown(markup, base_url=""):
             lines.append(text.rstrip())
         return ("\n\n" if loose else "\n").join(lines)
 
-    def table_rows(node):
-        rows = []
-        for c in node[2]:
-            if isinstance(c, str):
-                continue
-            if c[0] == "tr":
-                rows.append([cell for cell in c[2] if not isinstance(cell, str) and cell[0] in ("td", "th")])
-            elif c[0] in ("thead", "tbody", "tfoot"):
-                rows += table_rows(c)
-        return rows
 
-    tree = Tree()
-    try:
-        tree.feed(markup)
-        tree.close()
-    except Exception:                    # html.parser is lenient; never let a page crash a call
-        pass
-    try:
-        body = blocks(tree.root[2])
-    except RecursionError:
-        body = " ".join(text_of(tree.root).split())
-    body = re.sub(r"\n{3,}", "\n\n", body).strip()
-    title = " ".join("".join(tree.title).split())
-    return ("# %s\n\n%s" % (title, body)).strip() if title and title not in body[:len(title) + 4] else body
+
+def html_text(node):
+    """The text of `node` and all below it, as it stands."""
+    return "".join(c if isinstance(c, str) else html_text(c) for c in node[2])
+
+
+def markdown_code(code):
+    """Inline code in backticks, more of them than any run inside (none for blank code)."""
+    if not code.strip():
+        return ""
+    tick = "`" * (max(map(len, re.findall(r"`+", code)), default=0) + 1)
+    pad = " " if code.startswith("`") or code.endswith("`") else ""
+    spaced = re.sub(r"\s+", " ", code.strip())
+    return "%s%s%s%s%s%s%s" % (" " * code[:1].isspace(), tick, pad, spaced, pad, tick,
+                               " " * code[-1:].isspace())
+
+
+def markdown_escaped(text):
+    """Paragraph text whose line starts would read as Markdown structure, escaped."""
+    lines = text.split("\n")
+    for k, line in enumerate(lines):
+        m = re.match(r"^(\s*)(#{1,6}(?=\s|$)|>|[-+*](?=\s|$)|\d{1,9}[.)](?=\s|$)"
+                     r"|(?:[-*_] *){3,}$|=+\s*$|```|~~~)", line)
+        if m:                                       # a backslash before the mark, or 1\. for 1.
+            at = m.end() - 1 if m.group(2)[0].isdigit() else m.end(1)
+            lines[k] = line[:at] + "\\" + line[at:]
+    return "\n".join(lines)
+
+
+def table_rows(node):
+    """The rows of a table node (in thead, tbody or tfoot too), each a list of its cells."""
+    rows = []
+    for c in node[2]:
+        if isinstance(c, str):
+            continue
+        if c[0] == "tr":
+            rows.append([cell for cell in c[2]
+                         if not isinstance(cell, str) and cell[0] in ("td", "th")])
+        elif c[0] in ("thead", "tbody", "tfoot"):
+            rows += table_rows(c)
+    return rows
+
+
+def html_to_markdown(markup, base_url=""):
+    """A page's visible content as Markdown (see HtmlToMarkdown); `base_url` makes its links
+    absolute."""
+    from html.parser import HTMLParser
+    return type("HtmlParser", (HtmlToMarkdown, HTMLParser), {})(base_url).markdown(markup)
 
 
 # -- fetching ---------------------------------------------------------------------
@@ -14582,8 +14606,8 @@ def serve_stdio(server, session, stopper, stdin_fd=0, stdout=None):
 
 # -- streamable HTTP ----------------------------------------------------------
 # http.server, hmac and socket are imported inside these methods: stdio never pays.
-# The request handler class is McpRequestHandler's methods mixed into http.server's
-# BaseHTTPRequestHandler by HttpTransport.bind.
+# HttpTransport.bind mixes McpHttpServer into http.server's ThreadingHTTPServer and
+# McpRequestHandler into its BaseHTTPRequestHandler.
 
 class HttpTransport:
     """Streamable HTTP on /mcp (POST, GET -> 405, DELETE) and GET /health.
@@ -14701,82 +14725,16 @@ class HttpTransport:
 
     # -- serving -------------------------------------------------------------
     def bind(self):
-        """Listen on the configured address (a ThreadingHTTPServer: capped connections, quiet
-        disconnects; its handler is McpRequestHandler on HTTP/1.1 keep-alive with TCP_NODELAY
-        and read timeouts); (host, port, ...) as bound."""
+        """Listen on the configured address (an McpHttpServer, whose handler is McpRequestHandler
+        with this transport); (host, port, ...) as bound."""
         import socket
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        transport = self
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-            request_queue_size = 128        # the default 5 resets bursts of new clients
-            address_family = socket.AF_INET6 if ":" in transport.config.host else socket.AF_INET
-
-            def process_request(self, request, client_address):
-                if not transport.slots.acquire(blocking=False) and not transport.make_room():
-                    # 503; then what the client has sent is read and dropped (briefly: this is the
-                    # accept thread), since a socket closed with unread input is reset, and a reset
-                    # can destroy the answer before the client reads it.
-                    try:
-                        request.settimeout(1.0)
-                        request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                        b"Content-Length: 27\r\nConnection: close\r\n\r\n"
-                                        b"{\"error\": \"server is busy\"}")
-                        request.shutdown(socket.SHUT_WR)
-                        request.settimeout(0.05)
-                        for _ in range(16):
-                            if not request.recv(65536):
-                                break
-                    except OSError:
-                        pass  # the client went away, or sends on: it is closed now either way
-                    self.shutdown_request(request)
-                    return
-                ThreadingHTTPServer.process_request(self, request, client_address)
-
-            def process_request_thread(self, request, client_address):
-                try:
-                    ThreadingHTTPServer.process_request_thread(self, request, client_address)
-                finally:
-                    transport.slots.release()
-
-            def handle_error(self, request, client_address):
-                e = sys.exc_info()[1]           # one line (a dropped client is normal), never a traceback
-                if isinstance(e, (ConnectionError, TimeoutError, OSError)):
-                    log("debug", "http connection ended", client=str(client_address[0]), reason=type(e).__name__)
-                else:
-                    log("error", "http handler failed", client=str(client_address[0]), error=_traceback())
-
-        class Handler(McpRequestHandler, BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            server_version = "boris/" + __version__
-            sys_version = ""
-            timeout = HTTP_READ_TIMEOUT_S              # header and body reads (socket timeout)
-
-            def setup(self):
-                BaseHTTPRequestHandler.setup(self)
-                # Headers and body go out as separate writes: without this, Nagle holds the
-                # body until the client's delayed ACK, 40 ms on every reply.
-                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-            def log_message(self, fmt, *args):
-                log("debug", "http " + (fmt % args))
-
-            def handle_one_request(self):
-                transport.waiting(self.connection, True)
-                try:
-                    BaseHTTPRequestHandler.handle_one_request(self)
-                finally:
-                    transport.waiting(self.connection, False)
-
-            def parse_request(self):
-                ok = BaseHTTPRequestHandler.parse_request(self)       # reads the headers
-                transport.waiting(self.connection, False)           # they are in: a request, not a wait
-                return ok
-
-        Handler.transport = transport
-        self.httpd = Server((self.config.host, self.config.port), Handler)
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        handler = type("Handler", (McpRequestHandler, BaseHTTPRequestHandler),
+                       {"transport": self, "timeout": HTTP_READ_TIMEOUT_S})
+        server = type("Server", (McpHttpServer, ThreadingHTTPServer),
+                      {"transport": self, "address_family": family})
+        self.httpd = server((self.config.host, self.config.port), handler)
         threading.Thread(target=self._reaper, daemon=True).start()
         return self.httpd.server_address
 
@@ -14796,16 +14754,88 @@ class HttpTransport:
             self.httpd.shutdown()
 
 
+class McpHttpServer:
+    """The transport's side of http.server's ThreadingHTTPServer, mixed into it by
+    HttpTransport.bind (which sets `transport` and `address_family` on the class):
+    connections capped (the one waiting longest for a request makes room, else a 503),
+    a dropped client a debug line rather than a traceback."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128        # the default 5 resets bursts of new clients
+
+    def process_request(self, request, client_address):
+        if not self.transport.slots.acquire(blocking=False) and not self.transport.make_room():
+            # 503; then what the client has sent is read and dropped (briefly: this is the
+            # accept thread), since a socket closed with unread input is reset, and a reset
+            # can destroy the answer before the client reads it.
+            try:
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\n"
+                                b"Content-Type: application/json\r\n"
+                                b"Content-Length: 27\r\nConnection: close\r\n\r\n"
+                                b"{\"error\": \"server is busy\"}")
+                request.shutdown(1)                 # (SHUT_WR: the answer is all)
+                request.settimeout(0.05)
+                for _ in range(16):
+                    if not request.recv(65536):
+                        break
+            except OSError:
+                pass  # the client went away, or sends on: it is closed now either way
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.transport.slots.release()
+
+    def handle_error(self, request, client_address):
+        e = sys.exc_info()[1]           # one line (a dropped client is normal), never a traceback
+        if isinstance(e, (ConnectionError, TimeoutError, OSError)):
+            log("debug", "http connection ended", client=str(client_address[0]),
+                reason=type(e).__name__)
+        else:
+            log("error", "http handler failed", client=str(client_address[0]), error=_traceback())
+
+
 class McpRequestHandler:
     """The MCP endpoint's request handling, mixed into http.server's
     BaseHTTPRequestHandler by HttpTransport.bind (imported only when HTTP is
     served): do_GET, do_POST and do_DELETE check the request (guarded), read it,
     pick its session and answer it, in JSON or as an SSE stream."""
 
-    transport = None                           # the HttpTransport, set on the class
+    transport = None            # the HttpTransport: bind sets it on the class, with the timeout
     GONE = object()                            # next_out(): the client went away
     CORS_METHODS = "GET, POST, DELETE, OPTIONS"
     CORS_HEADERS = "Authorization, Content-Type, Accept, Mcp-Session-Id, Mcp-Protocol-Version, Last-Event-ID"
+    protocol_version = "HTTP/1.1"
+    server_version = "boris/" + __version__
+    sys_version = ""
+
+    def setup(self):
+        import socket
+        super().setup()
+        # Headers and body go out as separate writes: without this, Nagle holds the
+        # body until the client's delayed ACK, 40 ms on every reply.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, fmt, *args):
+        log("debug", "http " + (fmt % args))
+
+    def handle_one_request(self):
+        self.transport.waiting(self.connection, True)
+        try:
+            super().handle_one_request()
+        finally:
+            self.transport.waiting(self.connection, False)
+
+    def parse_request(self):
+        ok = super().parse_request()                        # reads the headers
+        self.transport.waiting(self.connection, False)      # they are in: a request, not a wait
+        return ok
 
     def end_headers(self):
         """Every reply to a request from an admitted Origin (loopback, any port) carries

@@ -383,10 +383,36 @@ class TestConfig(unittest.TestCase):
             self.parse(["--token", "abc", "--generate-token"])
 
     def test_help_lists_every_flag_and_env(self):
-        text = boris.help_text()
+        text = boris.flag_parser().format_help()
         for flag, env, _, _, _ in boris.FLAGS:
             self.assertIn("--" + flag, text)
             self.assertIn(env, text)
+
+    def test_help_layout_and_argument_errors(self):
+        """Issue 65: argparse parses the flags; --help keeps its layout (a flag and its metavar
+        on a line, its help unwrapped below) and the errors keep their words."""
+        text = boris.flag_parser().format_help()
+        self.assertTrue(text.startswith("usage: python3 boris.py [flags]\n\nboris %s - an MCP"
+                                        " server" % boris.__version__), text[:200])
+        self.assertIn("\n  --transport stdio|http\n      transport to serve"
+                      " [env BORIS_TRANSPORT, default: stdio]\n  --host STR\n", text)
+        self.assertIn("\n  --generate-token\n      generate a bearer token and print it to stderr"
+                      " (HTTP) [env BORIS_GENERATE_TOKEN, default: false]\n", text)
+        self.assertIn("\n  --version, -v\n      print the version and exit\n  --help\n      print"
+                      " this help and exit\n\n--allow-dir/--deny-dir scope the file tools.", text)
+        for argv, message in (
+                (["--port"], "flag --port needs a value"),
+                (["stray"], "unexpected argument 'stray' (flags start with --; see --help)"),
+                (["--sandbox", "strict"], "invalid value 'strict' for --sandbox: expected one of"
+                                          " auto, off, workspace-write, read-only"),
+                (["--nope=1"], "unknown flag --nope (see --help for the list)"),
+                (["--help=1"], "argument --help: ignored explicit argument '1'")):
+            with self.assertRaises(boris.ConfigError, msg=argv) as cm:
+                self.parse(argv)
+            self.assertEqual(str(cm.exception), message)
+        self.assertIs(self.parse(["--generate-token=no", "--anthropic-compat"]).generate_token,
+                      False)
+        self.assertEqual(self.parse(["--deny-dir=-x"]).deny_dir, ["-x"])
 
     def test_cli_bad_value_exits_2_with_one_line(self):
         p = subprocess.run([sys.executable, BORIS, "--transport", "carrier-pigeon"],
@@ -421,7 +447,7 @@ class TestConfig(unittest.TestCase):
     def test_every_default_help_shows_is_what_the_code_does(self):
         """Issue 57: the defaults --help names, where a flag's own default does not say what
         happens: compared with what a configuration of no flags does."""
-        lines = boris.help_text().split("\n")
+        lines = boris.flag_parser().format_help().split("\n")
         shown = dict((lines[k].split()[0][2:], re.search(r"default: ([^\]]*)\]$", lines[k + 1]).group(1))
                      for k in range(len(lines) - 1) if lines[k].startswith("  --") and "default: " in lines[k + 1])
         cfg = boris.parse_config([], {})
