@@ -506,6 +506,8 @@ a container.""")
         flags.add_argument("--" + flag, action="append", nargs="?", metavar=metavar,
                            const="true" if kind == "bool" else None, help="%s [env %s, default: %s]"
                            % (text, env, HELP_DEFAULTS.get(flag, default or "none")))
+    flags.add_argument("--check", action="store_true", help="print what this place gives a server of these"
+                       " flags, each part tried (a write and a connect under the sandbox), and exit")
     flags.add_argument("--version", "-v", action="version", version="boris " + __version__,
                        help="print the version and exit")
     flags.add_argument("--help", action="help", help="print this help and exit")
@@ -2763,12 +2765,13 @@ def resolve_sandbox(config, policy, abi=None):
     domains = config.sandbox_network if isinstance(config.sandbox_network, list) else []
     why = None                                          # why the kernel cannot give it
     if not abi:
-        why = "this kernel has no Landlock (Linux 5.13+ with landlock among its LSMs)"
+        why = ("Landlock is not to be had: this kernel lacks it (Linux 5.13+ with landlock among its LSMs), or a"
+               " seccomp profile (a container's) refuses it")
         if not sys.platform.startswith("linux"):
             why = "the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is not done yet)" \
                 % sys.platform
         elif not importable("ctypes"):
-            why = "the sandbox needs Python's ctypes module, which this Python was built without"
+            why = "the sandbox (Landlock) needs Python's ctypes module, which this Python was built without"
         refusal = "--sandbox %s cannot be honoured: %s" % (mode, why)
     elif domains and abi < 6:
         why = ("a domain list needs Landlock ABI 6 (Linux 6.7+: TCP rules and scoped sockets, for the proxy's one"
@@ -12256,7 +12259,7 @@ def session_checkpoints(session):
     """The session's Checkpoints, or ToolError when checkpoints are off."""
     points = session.checkpoints
     if points is None or not points.open_store():
-        raise ToolError(INVALID_INPUT, "checkpoints are off: %s" % (points.store.why if points else
+        raise ToolError(IO_ERROR, "checkpoints are off: %s" % (points.store.why if points else
                                                                     "--checkpoint-budget off"))
     return points
 
@@ -15237,9 +15240,8 @@ def main(argv=None, environ=None, after_the_script=False):
         # An ASCII locale (LC_ALL=C) would make every non-ASCII path or command fail:
         # run again in Python's UTF-8 mode, before anything is read.
         os.execv(sys.executable, [sys.executable, "-X", "utf8", THIS_FILE] + argv)
-    check = "--check" in argv
     try:
-        config = parse_config([a for a in argv if a != "--check"], environ)
+        config = parse_config(argv, environ)
         disabled_tools(config)                    # an unknown --disable-tools name stops start-up
         try:
             policy = PathPolicy.of(config)
@@ -15251,7 +15253,7 @@ def main(argv=None, environ=None, after_the_script=False):
     except ConfigError as e:
         sys.stderr.write("boris: error: %s\n" % e)
         return 2
-    if check:
+    if config.check:
         return check_main(config, policy, sandbox)
     seal_memory()                  # the variables kept from commands stay out of /proc/<pid>/environ too
     scrub_environ_block()          # ... and out of a child's, between its fork and its exec
