@@ -10960,10 +10960,8 @@ def hunk_ops(lines):
                 run = None
             if text is None:
                 break
-            if ops and ops[-1][0] == "equal":
-                ops[-1] = ("equal", ops[-1][1], len(old) + 1, ops[-1][3], len(new) + 1)
-            else:
-                ops.append(("equal", len(old), len(old) + 1, len(new), len(new) + 1))
+            start = ops.pop()[1::2] if ops and ops[-1][0] == "equal" else (len(old), len(new))
+            ops.append(("equal", start[0], len(old) + 1, start[1], len(new) + 1))
             old.append(text)
             new.append(text)
             continue
@@ -10991,7 +10989,7 @@ def paired_lines(olds, news):
         matcher = difflib.SequenceMatcher(None, a.strip()[:300], b.strip()[:300], autojunk=False)
         return matcher.ratio() if matcher.quick_ratio() >= 0.5 else 0.0
     if len(olds) == len(news) and all(ratio(a, b) >= 0.5 for a, b in zip(olds, news)):
-        return list(zip(range(len(olds)), range(len(news))))
+        return [(k, k) for k in range(len(olds))]
     if len(olds) * len(news) > 400:
         return unpaired
     best, at = 0.75, None                   # difflib's own cutoff for lines that were changed, not replaced
@@ -11061,10 +11059,11 @@ class EditMerge:
         self.read_indentation(pairs, file_step)
         self.columns = self.aligned_columns(pairs) if level >= BLANK_LEVEL - 1 else {}
         self.tail = self.file_tail()
-        # Typography old_str has where the file has none here was the copy's slip: the text
-        # the model writes takes the file's characters, as it takes the file's indentation.
-        slipped = map(ord, set("".join(want)) - set("".join(self.plain)))
-        self.typography = {c: PUNCT_ASCII[c] for c in slipped if c in PUNCT_ASCII}
+        # Typography old_str has where the file's line has none was the copy's slip: the text
+        # the model writes takes the file's characters (as it takes the file's indentation).
+        self.typography = {c: v for c, v in PUNCT_ASCII.items()
+                           if any(chr(c) in a and chr(c) not in b for a, b in pairs)}
+        self.own = set("".join(self.plain))
 
     def read_indentation(self, pairs, file_step):
         """How old_str's indentation stands for the file's at this place, from the (old_str
@@ -11195,7 +11194,7 @@ class EditMerge:
         ending, its own text (with the file's column alignment where the match had to
         ignore inner whitespace), and trailing whitespace only as sent or as the file's
         convention."""
-        line = self.aligned_line(self.indent(self.new[j], j).translate(self.typography))
+        line = self.aligned_line(self.typed(self.indent(self.new[j], j)))
         if self.tail and line.strip() and line == line.rstrip():
             line += self.tail
         return line + self.cr
@@ -11209,8 +11208,18 @@ class EditMerge:
             return f if n == w else ""
         lead = leading(f) if leading(n) == leading(w) else leading(self.indent(n, j))
         tail = trailing(f) if trailing(n) == trailing(w) else trailing(n)
-        wc, nc, fc = w.strip(), n.strip().translate(self.typography), f.strip()
-        return lead + (fc if nc == wc else nc if wc == fc else self.merged_text(wc, nc, fc)) + tail
+        wc, nc, fc = w.strip(), n.strip(), f.strip()
+        return lead + (fc if nc == wc else self.merged_text(wc, nc, fc)) + tail
+
+    def typed(self, text):
+        """Text the model writes, with the file's characters for the typography its copy
+        slipped on; a refusal where its copy has that typography as the file has it too."""
+        mixed = [ch for ch in text if ord(ch) in self.typography and ch in self.own]
+        if mixed:
+            raise self.refuse("%s has %s where the file has it and where the file has another"
+                              " character, and the new text has it too; write the file's character"
+                              % (self.what, mixed[0]))
+        return text.translate(self.typography)
 
     def merged_text(self, wc, nc, fc):
         """fc (the file's text of the line) with the character changes that made nc of wc:
@@ -11232,7 +11241,7 @@ class EditMerge:
         out, done = [], set()
         for tag, i1, i2, j1, j2 in ops:
             if tag != "equal":
-                put = "".join(u[1] for u in nu[j1:j2])
+                put = self.typed("".join(u[1] for u in nu[j1:j2]))
                 if spacing and any(not is_word(ch) and not ch.isspace() for ch in put):
                     raise self.refuse("the file spaces the line %r otherwise than %s (%r), and the change puts"
                                       " punctuation into it; copy the line as the file has it" % (
@@ -12365,7 +12374,7 @@ class PatchReader:
                 self.i += 1
             elif line.startswith("*** Update File: "):
                 ops.append(self.update_section(line[17:].strip()))
-            elif not line.strip():
+            elif not line:
                 self.i += 1
             else:
                 raise self.bad(self.i, "expected '*** Add File: ', '*** Delete File: ' or '*** Update File: '")
@@ -12419,9 +12428,7 @@ class PatchReader:
         if line == "" and hunks and hunks[-1].eof:
             return                                      # a blank line after *** End of File
         if line.lstrip().startswith("@@"):
-            line = line.lstrip()
-        if line.startswith("@@"):
-            self.header_line(line[2:].strip(), hunks)
+            self.header_line(line.strip()[2:].strip(), hunks)
         elif line.strip() == "*** End of File":
             if not hunks:
                 raise self.bad(self.i, "'*** End of File' closes a hunk, and none is open")
@@ -14772,8 +14779,7 @@ class McpRequestHandler:
         if META_VERSION_KEY in meta or msg.get("method") == "server/discover":
             return t.principal_session(self.principal()), None
         self.reply(400, error_response(rid, -32600, "Bad Request: the Mcp-Session-Id header is"
-                                       " missing; send initialize first and repeat the id it"
-                                       " answers with."))
+                                       " missing; initialize first, then send the id it gave."))
         return None, None
 
     def header_mismatch(self, msg, meta, rid):

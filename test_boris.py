@@ -5757,6 +5757,40 @@ class TestGapsOldStrLeftOut(unittest.TestCase):
         self.assertGreater(landed, campaign_size("BORIS_GAP_CAMPAIGN", 3000, 12000) // 3)
 
 
+class TestTypographyOfTheCopy(NoViewBase):
+    """Issue 65: a copy in curly quotes where the file has straight ones, new_str carrying
+    them too: what the model writes takes the file's characters (as it takes the file's
+    indentation); where the file has the curly one too at that place, the new text's is
+    not known, and the edit is refused naming it."""
+    FILE = "def f():\n    a = 'x'\n    b = 'y'\n    return a\n"
+    CURLY = lambda self, s: s.replace("'", "\u2019")
+
+    def test_new_text_takes_the_files_typography(self):
+        old, new = "    a = 'x'\n    b = 'y'\n", "    a = 'x'\n    c = 'z'\n    b = 'yy'\n"
+        want = "def f():\n    a = 'x'\n    c = 'z'\n    b = 'yy'\n    return a\n"
+        self.write("s.py", self.FILE)
+        self.ok("str_replace", path="s.py", old_str=self.CURLY(old), new_str=self.CURLY(new))
+        self.assertEqual(self.read("s.py").decode(), want)
+        self.write("p.py", self.FILE)
+        self.ok("apply_patch", input="*** Begin Patch\n*** Update File: p.py\n@@\n%s\n*** End Patch" % self.CURLY(
+            " def f():\n     a = 'x'\n+    c = 'z'\n-    b = 'y'\n+    b = 'yy'"))
+        self.assertEqual(self.read("p.py").decode(), want)
+
+    def test_typography_the_file_has_too_is_the_models_own_or_unknown(self):
+        prose = "Notes\nIt\u2019s here.\nThat\u2019s all.\n"
+        self.write("n.md", prose)
+        self.ok("str_replace", path="n.md", old_str="It\u2019s here.\nThat\u2019s all.",
+                new_str="It\u2019s here.\nThere\u2019s more.\nThat\u2019s all.")
+        self.assertIn("There\u2019s more.", self.read("n.md").decode())            # faithful: kept as written
+        mixed = "def f():\n    # it\u2019s here\n    a = 'x'\n    b = 'y'\n"
+        self.write("m.py", mixed)
+        text = self.fails("str_replace", "STR_REPLACE_AMBIGUOUS", path="m.py",
+                          old_str=self.CURLY("    # it's here\n    a = 'x'\n    b = 'y'"),
+                          new_str=self.CURLY("    # it's here\n    a = 'x'\n    c = 'z'\n    b = 'y'"))
+        self.assertIn("old_str has \u2019 where the file has it and where the file has another character", text)
+        self.assertEqual(self.read("m.py").decode(), mixed)
+
+
 class TestSlipCampaign(unittest.TestCase):
     """Issue 38: edits from real source files with one slip each, through str_replace,
     apply_patch and multi_edit: none lands wrong, none ends in anything but a tool
@@ -10450,8 +10484,7 @@ class TestHttpModernToTheLetter(HttpBase):
                                                                " MCP-Protocol-Version header says '1999-01-01'."))
         st, _, body = self.rpc(None, "tools/list")
         self.assertEqual((st, body["error"]["message"]), (400, "Bad Request: the Mcp-Session-Id header is missing;"
-                                                               " send initialize first and repeat the id it answers"
-                                                               " with."))
+                                                               " initialize first, then send the id it gave."))
 
     def test_methods_the_revision_removed_or_never_had(self):
         for method in ("ping", "initialize", "logging/setLevel", "resources/subscribe", "resources/unsubscribe",
