@@ -10768,9 +10768,10 @@ def indent_units(mapping):
 def indent_step(lines, counted=None):
     """(columns, text) of the unit of indentation `lines` use most: the commonest step by
     which a line is indented deeper than the line with text before it (only into the
-    lines whose indexes are `counted`, when given); None when no line is, or when two
-    widths are as common."""
-    steps, prev = Counter(), None
+    lines whose indexes are `counted`, when given, a step between two of those counting
+    twice: how the model nests the lines it writes shows its unit best); None when no
+    line is, or when two widths are as common."""
+    steps, prev, last = Counter(), None, None
     for k, line in enumerate(lines):
         if line.strip():
             lead = leading(line)
@@ -10778,8 +10779,8 @@ def indent_step(lines, counted=None):
                     (counted is None or k in counted):
                 step = lead[len(prev):]
                 if step == step[0] * len(step):
-                    steps[step] += 1
-            prev = lead
+                    steps[step] += 2 if counted and last in counted else 1
+            prev, last = lead, k
     top = steps.most_common(2)
     if not top or (len(top) > 1 and top[0][1] == top[1][1] and len(top[0][0].expandtabs(4)) !=
                    len(top[1][0].expandtabs(4))):
@@ -11214,11 +11215,11 @@ class EditMerge:
     def typed(self, text):
         """Text the model writes, with the file's characters for the typography its copy
         slipped on; a refusal where its copy has that typography as the file has it too."""
-        mixed = [ch for ch in text if ord(ch) in self.typography and ch in self.own]
+        mixed = set(text) & self.own & set(map(chr, self.typography))
         if mixed:
             raise self.refuse("%s has %s where the file has it and where the file has another"
                               " character, and the new text has it too; write the file's character"
-                              % (self.what, mixed[0]))
+                              % (self.what, min(mixed)))
         return text.translate(self.typography)
 
     def merged_text(self, wc, nc, fc):
@@ -12344,11 +12345,7 @@ class PatchReader:
     def __init__(self, text):
         """The patch's lines, from `*** Begin Patch` to `*** End Patch` (blank lines around
         them dropped), or INVALID_INPUT saying which is missing."""
-        lines = text.replace("\r\n", "\n").split("\n")
-        while lines and not lines[-1].strip():
-            lines.pop()
-        while lines and not lines[0].strip():
-            lines.pop(0)
+        lines = text.replace("\r\n", "\n").strip().split("\n")
         heredoc = re.match(r"^\s*(?:apply_patch\s*)?<<-?\s*(['\"]?)(\w+)\1\s*$", lines[0]) if lines else None
         if heredoc and len(lines) > 1 and lines[-1].strip() == heredoc.group(2):
             lines = lines[1:-1]                     # the patch wrapped as a heredoc, as some models send it
@@ -12433,7 +12430,7 @@ class PatchReader:
             if not hunks:
                 raise self.bad(self.i, "'*** End of File' closes a hunk, and none is open")
             hunks[-1].eof = True
-        elif line[:1] in (" ", "-", "+") or line == "":
+        elif line[:1] in (" ", "-", "+", ""):
             if not hunks or hunks[-1].eof:
                 hunks.append(Hunk())
             hunks[-1].lines.append((line[:1] or " ", line[1:]))

@@ -5791,6 +5791,29 @@ class TestTypographyOfTheCopy(NoViewBase):
         self.assertEqual(self.read("m.py").decode(), mixed)
 
 
+class TestUnitOrShift(NoViewBase):
+    """Issue 65 (the Codex differential's draw, seed 9): a file indented by 2 spaces seen in
+    4-space units, in a docstring whose continuation lines sit 2 columns deeper. The lines
+    matched fit a shift (8 -> 4, 10 -> 6) and a change of unit alike; the new lines nest by 4
+    under a line the model adds, which the two read as 2 or 4 spaces: refused, not guessed."""
+
+    def test_a_new_level_that_two_readings_place_apart_is_refused(self):
+        text = ('  def f(self):\n    """Doc.\n\n    Returns i such that:\n      * i>0 iff self>0;\n'
+                '      * abs(i) <= abs(self);\n    """\n')
+        self.write("f.py", text)
+        msg = self.fails("apply_patch", "STR_REPLACE_AMBIGUOUS", input=(
+            "*** Begin Patch\n*** Update File: f.py\n@@\n         Returns i such that:\n-          * i>0 iff"
+            " self>0;\n+          if check:\n+              * i>0 iff self>0;\n           * abs(i) <= abs(self);\n"
+            "*** End Patch"))
+        self.assertIn("the indentation of a new line is not known", msg)
+        self.assertEqual(self.read("f.py").decode(), text)
+        self.ok("apply_patch", input=(                                # one level more, as the file nests: lands
+            "*** Begin Patch\n*** Update File: f.py\n@@\n         Returns i such that:\n-          * i>0 iff"
+            " self>0;\n+          if check:\n+            * i>0 iff self>0;\n           * abs(i) <= abs(self);\n"
+            "*** End Patch"))
+        self.assertIn("      if check:\n        * i>0 iff self>0;\n", self.read("f.py").decode())
+
+
 class TestSlipCampaign(unittest.TestCase):
     """Issue 38: edits from real source files with one slip each, through str_replace,
     apply_patch and multi_edit: none lands wrong, none ends in anything but a tool
