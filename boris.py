@@ -10131,9 +10131,9 @@ def notes(title, read_only=False, destructive=False, open_world=False, idempoten
             "idempotentHint": idempotent, "openWorldHint": open_world}
 
 
-PATH_PROP = prop("string", "File or directory path, absolute or relative to the session's working directory.")
+PATH_PROP = prop("string", "Path, absolute or relative to the working directory.")
 RANGE_PROP = prop("array", "Optional [start, end] line range, 1-indexed and inclusive; end -1 means to the end"
-                  " of the file. Use it for files over 2,000 lines.",
+                  " of the file.",
                   items={"type": "integer"}, minItems=2, maxItems=2)
 
 
@@ -10524,18 +10524,17 @@ class Notebook:
 # view: a file with line numbers (streamed for a range), a directory two levels deep,
 # an image as image content; notebooks render through the notebook section.
 
-VIEW_DESC = ("View, open or read a file's contents with line numbers (cat -n style: number, tab, line), list a directory two "
-             "levels deep, see an image (PNG, JPEG, GIF, WebP, SVG), read a PDF's text page by page (pages: "
-             "\"3\" or \"3-5\"), or read Word, Excel, PowerPoint and "
-             "OpenDocument files (.docx .xlsx .pptx .odt .ods .odp) as Markdown. Files over 2,000 lines "
-             "show their first 2,000 lines unless view_range is given; lines over 2,000 characters are cut; a "
-             "result stops at about 40,000 characters. A cut result starts and ends with a line giving the "
-             "view_range that reads on. Binary files are reported by size only. Viewing a file is required "
-             "before editing it.")
+VIEW_DESC = ("View, open or read a file's contents with line numbers (cat -n style), list a "
+             "directory two levels deep, see an image (PNG, JPEG, GIF, WebP, SVG), read a PDF's "
+             "text page by page, or read Word, Excel, PowerPoint and OpenDocument files (.docx "
+             ".xlsx .pptx .odt .ods .odp) as Markdown. Files over 2,000 lines show their first "
+             "2,000 lines unless view_range is given; lines over 2,000 characters are cut. A cut "
+             "result starts and ends with a line giving the view_range that reads on. Binary files "
+             "are reported by size only. Viewing a file is required before editing it.")
 
 
-PAGES_PROP = prop("string", "For a PDF: the page or pages to read, \"3\" or \"3-5\" (all, as far as a result holds,"
-                          " when left out).")
+PAGES_PROP = prop("string", "For a PDF: the page or pages to read, \"3\" or \"3-5\" (default:"
+                          " all).")
 
 
 @tool("view", VIEW_DESC, obj({"path": PATH_PROP, "view_range": RANGE_PROP, "pages": PAGES_PROP}, ["path"]),
@@ -10747,17 +10746,16 @@ def list_tree(root, policy, shown):
 # under a directory, parsed in a search helper (the outline engine, in Search) where
 # the search deadline and a cancel stop it.
 
-OUTLINE_DESC = ("Show a file's structure before reading it: its definitions (classes, functions, methods, "
-                "types; Markdown headings; the top-level keys of JSON, YAML and TOML) in order, one per line, "
-                "with their line ranges and nesting. On a directory: the top-level definitions of each source "
-                "file under it (gitignore-aware), to map a repository in a call or two. Then read one with view "
-                "and view_range [first, last]. Languages: %s.")
+OUTLINE_DESC = ("Show a file's structure before reading it: its definitions (classes, functions, "
+                "methods, types, headings, top-level keys) in order, one per line, with their line "
+                "ranges and nesting. On a directory: the top-level definitions of each source file "
+                "under it (gitignore-aware), to map a repository. Then read one with view and "
+                "view_range [first, last]. Languages: %s.")
 
 
 @tool("outline", OUTLINE_DESC % Outline.languages(), obj({
     "path": PATH_PROP,
-    "offset": prop("integer", "Definitions (of a file) or files (of a directory) to skip: the read-on notice of"
-                              " a cut outline gives it."),
+    "offset": prop("integer", "How many to skip: a cut outline's read-on notice gives it."),
 }, ["path"]), notes("Outline a file or directory", read_only=True, idempotent=True), hint="file structure, symbols")
 def tool_outline(session, args, ctx):
     """outline: the definitions of a file, or the top-level ones of each source file
@@ -10949,9 +10947,10 @@ def indent_units(mapping):
 def indent_step(lines, counted=None):
     """(columns, text) of the unit of indentation `lines` use most: the commonest step by
     which a line is indented deeper than the line with text before it (only into the
-    lines whose indexes are `counted`, when given); None when no line is, or when two
-    widths are as common."""
-    steps, prev = Counter(), None
+    lines whose indexes are `counted`, when given, a step between two of those counting
+    twice: how the model nests the lines it writes shows its unit best); None when no
+    line is, or when two widths are as common."""
+    steps, prev, last = Counter(), None, None
     for k, line in enumerate(lines):
         if line.strip():
             lead = leading(line)
@@ -10959,8 +10958,8 @@ def indent_step(lines, counted=None):
                     (counted is None or k in counted):
                 step = lead[len(prev):]
                 if step == step[0] * len(step):
-                    steps[step] += 1
-            prev = lead
+                    steps[step] += 2 if counted and last in counted else 1
+            prev, last = lead, k
     top = steps.most_common(2)
     if not top or (len(top) > 1 and top[0][1] == top[1][1] and len(top[0][0].expandtabs(4)) !=
                    len(top[1][0].expandtabs(4))):
@@ -11141,10 +11140,8 @@ def hunk_ops(lines):
                 run = None
             if text is None:
                 break
-            if ops and ops[-1][0] == "equal":
-                ops[-1] = ("equal", ops[-1][1], len(old) + 1, ops[-1][3], len(new) + 1)
-            else:
-                ops.append(("equal", len(old), len(old) + 1, len(new), len(new) + 1))
+            start = ops.pop()[1::2] if ops and ops[-1][0] == "equal" else (len(old), len(new))
+            ops.append(("equal", start[0], len(old) + 1, start[1], len(new) + 1))
             old.append(text)
             new.append(text)
             continue
@@ -11164,16 +11161,17 @@ def paired_lines(olds, news):
     made from, in order: line by line when there are as many and each pair is alike,
     else by the most similar pairs; a line with no partner is None on its side."""
     import difflib
+    unpaired = [(k, None) for k in range(len(olds))] + [(None, m) for m in range(len(news))]
     if not olds or not news:
-        return [(k, None) for k in range(len(olds))] + [(None, m) for m in range(len(news))]
+        return unpaired
 
     def ratio(a, b):
         matcher = difflib.SequenceMatcher(None, a.strip()[:300], b.strip()[:300], autojunk=False)
         return matcher.ratio() if matcher.quick_ratio() >= 0.5 else 0.0
     if len(olds) == len(news) and all(ratio(a, b) >= 0.5 for a, b in zip(olds, news)):
-        return list(zip(range(len(olds)), range(len(news))))
+        return [(k, k) for k in range(len(olds))]
     if len(olds) * len(news) > 400:
-        return [(k, None) for k in range(len(olds))] + [(None, m) for m in range(len(news))]
+        return unpaired
     best, at = 0.75, None                   # difflib's own cutoff for lines that were changed, not replaced
     for k, a in enumerate(olds):
         for m, b in enumerate(news):
@@ -11181,7 +11179,7 @@ def paired_lines(olds, news):
             if r > best:
                 best, at = r, (k, m)
     if at is None:
-        return [(k, None) for k in range(len(olds))] + [(None, m) for m in range(len(news))]
+        return unpaired
     k, m = at
     left = paired_lines(olds[:k], news[:m])
     right = [(a if a is None else a + k + 1, b if b is None else b + m + 1)
@@ -11241,6 +11239,11 @@ class EditMerge:
         self.read_indentation(pairs, file_step)
         self.columns = self.aligned_columns(pairs) if level >= BLANK_LEVEL - 1 else {}
         self.tail = self.file_tail()
+        # Typography old_str has where the file's line has none was the copy's slip: the text
+        # the model writes takes the file's characters (as it takes the file's indentation).
+        self.typography = {c: v for c, v in PUNCT_ASCII.items()
+                           if any(chr(c) in a and chr(c) not in b for a, b in pairs)}
+        self.own = set("".join(self.plain))
 
     def read_indentation(self, pairs, file_step):
         """How old_str's indentation stands for the file's at this place, from the (old_str
@@ -11371,7 +11374,7 @@ class EditMerge:
         ending, its own text (with the file's column alignment where the match had to
         ignore inner whitespace), and trailing whitespace only as sent or as the file's
         convention."""
-        line = self.aligned_line(self.indent(self.new[j], j))
+        line = self.aligned_line(self.typed(self.indent(self.new[j], j)))
         if self.tail and line.strip() and line == line.rstrip():
             line += self.tail
         return line + self.cr
@@ -11386,11 +11389,17 @@ class EditMerge:
         lead = leading(f) if leading(n) == leading(w) else leading(self.indent(n, j))
         tail = trailing(f) if trailing(n) == trailing(w) else trailing(n)
         wc, nc, fc = w.strip(), n.strip(), f.strip()
-        if wc == fc or nc == wc:
-            core = fc if nc == wc else nc
-        else:
-            core = self.merged_text(wc, nc, fc)
-        return lead + core + tail
+        return lead + (fc if nc == wc else self.merged_text(wc, nc, fc)) + tail
+
+    def typed(self, text):
+        """Text the model writes, with the file's characters for the typography its copy
+        slipped on; a refusal where its copy has that typography as the file has it too."""
+        mixed = set(text) & self.own & set(map(chr, self.typography))
+        if mixed:
+            raise self.refuse("%s has %s where the file has it and where the file has another"
+                              " character, and the new text has it too; write the file's character"
+                              % (self.what, min(mixed)))
+        return text.translate(self.typography)
 
     def merged_text(self, wc, nc, fc):
         """fc (the file's text of the line) with the character changes that made nc of wc:
@@ -11412,7 +11421,7 @@ class EditMerge:
         out, done = [], set()
         for tag, i1, i2, j1, j2 in ops:
             if tag != "equal":
-                put = "".join(u[1] for u in nu[j1:j2])
+                put = self.typed("".join(u[1] for u in nu[j1:j2]))
                 if spacing and any(not is_word(ch) and not ch.isspace() for ch in put):
                     raise self.refuse("the file spaces the line %r otherwise than %s (%r), and the change puts"
                                       " punctuation into it; copy the line as the file has it" % (
@@ -12032,19 +12041,19 @@ def replaced(text, old, new):
     return "".join(parts)
 
 
-STR_REPLACE_DESC = ("Edit a file - the edit tool for most edits: replace text (old_str with new_str) to modify code"
-                    " in place. Copy old_str from the file (without view's "
-                    "line-number prefix); it must occur once, unless replace_all is true. Slips - indentation, tabs, "
-                    "spaces, blank lines, CRLF, typographic quotes - are forgiven where only one place fits: what "
-                    "new_str changes is written in the file's own style, and the result says how it matched. Omit "
-                    "new_str to delete. View the file first.")
+STR_REPLACE_DESC = ("Edit a file - the edit tool for most edits: replace text (old_str with "
+                    "new_str) to modify code in place. Copy old_str from the file (without view's "
+                    "line-number prefix); it must occur once, unless replace_all is true. Slips - "
+                    "indentation, tabs, spaces, blank lines, CRLF, typographic quotes - are "
+                    "forgiven where only one place fits: what new_str changes is written in the "
+                    "file's own style. View the file first.")
 
 
 @tool("str_replace", STR_REPLACE_DESC, obj({
     "path": PATH_PROP,
     "old_str": prop("string", "The exact text to replace."),
     "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
-    "replace_all": prop("boolean", "Replace every occurrence instead of requiring one (default false)."),
+    "replace_all": prop("boolean", "Replace every occurrence instead of requiring one."),
     "dry_run": DRY_RUN_PROP,
 }, ["path", "old_str"]), notes("Replace text in a file", destructive=True), modes=DEFAULT,
       hint="edit code in a file")
@@ -12066,18 +12075,18 @@ def tool_str_replace(session, args, ctx):
         updated.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")), note)
 
 
-MULTI_EDIT_DESC = ("Make several changes to one file in one call: each {old_str, new_str, replace_all?} works as "
-                   "str_replace does and applies to the result of the one before it. All land or none does (one"
-                   " atomic write); an error names the failing one by its number. View the file first.")
+MULTI_EDIT_DESC = ("Make several changes to one file in one call: each {old_str, new_str, "
+                   "replace_all?} works as str_replace does and applies to the result of the one "
+                   "before it. All land or none does. View the file first.")
 
 
 @tool("multi_edit", MULTI_EDIT_DESC, obj({
     "path": PATH_PROP,
-    "edits": prop("array", "The edits, applied in order, each to the result of the one before.", minItems=1,
+    "edits": prop("array", "The edits, in order.", minItems=1,
                   items=obj({
                       "old_str": prop("string", "The exact text to replace (unique unless replace_all)."),
                       "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
-                      "replace_all": prop("boolean", "Replace every occurrence (default false)."),
+                      "replace_all": prop("boolean", "Replace every occurrence."),
                   }, ["old_str"])),
     "dry_run": DRY_RUN_PROP,
 }, ["path", "edits"]), notes("Edit a file in several places", destructive=True), hint="several edits, one file")
@@ -12185,11 +12194,10 @@ def tool_insert(session, args, ctx):
         snippet(updated.replace("\r\n", "\n"), at, len(new_lines) - 1)) + note
 
 
-UNDO_DESC = ("Undo: take back this session's last change to a path, made by str_replace, create_file, apply_patch"
-             " or any tool that writes files (a deleted file comes back, an added one goes, a move moves back),"
-             " restoring it byte for byte. Repeat"
-             " it to go further back (up to %d changes a file). Refused, changing nothing, when something else"
-             " changed the file since." % UNDO_LEVELS)
+UNDO_DESC = ("Undo: take back this session's last change to a path, made by any tool that writes "
+             "files (a deleted file comes back, an added one goes, a move moves back), restoring "
+             "it byte for byte. Repeat it to go further back (up to %d changes a file). Refused, "
+             "changing nothing, when something else changed the file since." % UNDO_LEVELS)
 
 
 @tool("undo_edit", UNDO_DESC, obj({"path": PATH_PROP, "dry_run": DRY_RUN_PROP}, ["path"]),
@@ -12230,15 +12238,15 @@ def tool_undo_edit(session, args, ctx):
 
 # -- rewind ---------------------------------------------------------------------------
 
-CHECKPOINTS_DESC = ("List the checkpoints of the workspace this session has: one is taken before every call that"
-                    " can change files (bash and its tasks included), so what the shell changed can be taken back"
-                    " too. Each shows its number, time, the call that followed it and what changed since"
-                    " (files added, modified, deleted); `since` shows the changes since one as a unified diff, to"
-                    " review what the session did before keeping it. Use rewind to go back to one.")
-REWIND_DESC = ("Rewind changes: put the workspace back as it was at a checkpoint (see checkpoints): file bytes, modes, symlinks"
-               " and directories; files deleted since come back, files created since go. Optionally only"
-               " under `paths`. dry_run shows what it would do. A rewind is itself a checkpoint: rewind to the"
-               " one it names to undo it. Ignored files (.gitignore, .git, node_modules) are never touched.")
+CHECKPOINTS_DESC = ("List this session's checkpoints of the workspace: one is taken before every "
+                    "call that can change files, bash and its tasks included. Each shows its "
+                    "number, time, the call that followed it and what changed since; `since` shows "
+                    "those changes as a diff, to review the session's work before keeping it. Use "
+                    "rewind to go back to one.")
+REWIND_DESC = ("Rewind changes: put the workspace back as it was at a checkpoint (see "
+               "checkpoints), byte for byte; files deleted since come back, files created since "
+               "go. A rewind is itself a checkpoint: rewind to the one it names to undo it. "
+               "Ignored files (.gitignore, .git, node_modules) are never touched.")
 
 
 def call_summary(name, args):
@@ -12516,11 +12524,7 @@ class PatchReader:
     def __init__(self, text):
         """The patch's lines, from `*** Begin Patch` to `*** End Patch` (blank lines around
         them dropped), or INVALID_INPUT saying which is missing."""
-        lines = text.replace("\r\n", "\n").split("\n")
-        while lines and not lines[-1].strip():
-            lines.pop()
-        while lines and not lines[0].strip():
-            lines.pop(0)
+        lines = text.replace("\r\n", "\n").strip().split("\n")
         heredoc = re.match(r"^\s*(?:apply_patch\s*)?<<-?\s*(['\"]?)(\w+)\1\s*$", lines[0]) if lines else None
         if heredoc and len(lines) > 1 and lines[-1].strip() == heredoc.group(2):
             lines = lines[1:-1]                     # the patch wrapped as a heredoc, as some models send it
@@ -12546,7 +12550,7 @@ class PatchReader:
                 self.i += 1
             elif line.startswith("*** Update File: "):
                 ops.append(self.update_section(line[17:].strip()))
-            elif not line.strip():
+            elif not line:
                 self.i += 1
             else:
                 raise self.bad(self.i, "expected '*** Add File: ', '*** Delete File: ' or '*** Update File: '")
@@ -12600,14 +12604,12 @@ class PatchReader:
         if line == "" and hunks and hunks[-1].eof:
             return                                      # a blank line after *** End of File
         if line.lstrip().startswith("@@"):
-            line = line.lstrip()
-        if line.startswith("@@"):
-            self.header_line(line[2:].strip(), hunks)
+            self.header_line(line.strip()[2:].strip(), hunks)
         elif line.strip() == "*** End of File":
             if not hunks:
                 raise self.bad(self.i, "'*** End of File' closes a hunk, and none is open")
             hunks[-1].eof = True
-        elif line[:1] in (" ", "-", "+") or line == "":
+        elif line[:1] in (" ", "-", "+", ""):
             if not hunks or hunks[-1].eof:
                 hunks.append(Hunk())
             hunks[-1].lines.append((line[:1] or " ", line[1:]))
@@ -12816,13 +12818,13 @@ class PatchPlan:
         return out
 
 
-PATCH_DESC = ("Edit, add, delete and move files with one patch in the apply_patch format: '*** Begin Patch', "
-              "then per file '*** Add File: path' (every line starting with +), '*** Delete File: path' or "
-              "'*** Update File: path' (optionally '*** Move to: new/path') followed by hunks: '@@' (or '@@ def "
-              "name' to say where), lines ' ' context, '-' removed, '+' added, three context lines around each "
-              "change; then '*** End Patch'. Context is found as str_replace finds old_str (whitespace and "
-              "typographic slips forgiven where one place fits; added lines then take the file's indentation). All "
-              "files change or none does; no prior view is needed.")
+PATCH_DESC = ("Edit, add, delete and move files with one patch in the apply_patch format: '*** "
+              "Begin Patch', then per file '*** Add File: path' (every line starting with +), '*** "
+              "Delete File: path' or '*** Update File: path' (optionally '*** Move to: new/path') "
+              "followed by hunks: '@@' (or '@@ def name' to say where), lines ' ' context, '-' "
+              "removed, '+' added, three context lines around each change; then '*** End Patch'. "
+              "Context is found as str_replace finds old_str (slips forgiven where one place "
+              "fits). All files change or none does; no prior view is needed.")
 
 
 @tool("apply_patch", PATCH_DESC, obj({
@@ -12856,18 +12858,18 @@ def tool_apply_patch(session, args, ctx):
 # nbformat) stays as it was - from the cells' spans found with raw_decode.
 
 
-NOTEBOOK_DESC = ("Edit one cell of a Jupyter notebook (.ipynb): replace its source, insert a new cell after it, or "
-                 "delete it; name it by cell_id or cell_number as view shows them (view renders a notebook's cells "
-                 "and outputs; view_range counts cells). Other cells stay byte for byte; an edited code cell's "
+NOTEBOOK_DESC = ("Edit one cell of a Jupyter notebook (.ipynb): replace its source, insert a new "
+                 "cell after it, or delete it (view renders a notebook's cells and outputs; "
+                 "view_range counts cells). Other cells stay byte for byte; an edited code cell's "
                  "outputs and execution count are cleared. View the notebook first.")
 
 
 @tool("notebook_edit", NOTEBOOK_DESC, obj({
     "path": PATH_PROP,
-    "cell_id": prop("string", "The id of the cell (view shows it in each cell's header)."),
+    "cell_id": prop("string", "The cell's id, as view shows it."),
     "cell_number": prop("integer", "The cell's number as view shows it, from 1 (when it has no id)."),
     "new_source": prop("string", "The cell's new source (replace, insert)."),
-    "cell_type": prop("string", "code, markdown or raw (needed to insert; changes the type on replace).",
+    "cell_type": prop("string", "Needed to insert; on replace, changes the cell's type.",
                       enum=["code", "markdown", "raw"]),
     "edit_mode": prop("string", "replace (default), insert (after the cell named; at the top if none) or delete.",
                       enum=["replace", "insert", "delete"]),
@@ -12964,19 +12966,24 @@ def ending_line(why, timeout_ms, out, err):
     return ""
 
 
-BASH_DESC = ("Run a shell command (%s -c) in the session's working directory and return its exit code, "
-             "stdout and stderr. The working directory persists between "
-             "calls (cd moves it). stdin is /dev/null: a command that asks for input fails at once instead of "
-             "hanging; for REPLs, prompts and debuggers set interactive (stdin kept open; send input with "
-             "task_input) and tty for a terminal (Ctrl-C is \\u0003, end of input \\u0004). A command is "
-             "killed, with everything it started, after `timeout` ms (default 120000, max 600000). A command "
-             "still running after %s (or yield_ms) is handed off, not killed: the call returns its output so "
-             "far and a task_id, and task_output (wait_for, wait_ms) follows it to the end. Start servers and "
-             "watchers with run_in_background.")
+BASH_DESC = ("Run a shell command (%s -c) in the session's working directory and return its exit "
+             "code, stdout and stderr. Each call is a new shell: the working directory persists "
+             "between calls (cd moves it), environment variables and aliases do not. Commands do "
+             "not get the server's BORIS_* variables or those named like a secret (%s). stdin is "
+             "/dev/null, so a prompt fails at once; for REPLs, prompts and debuggers set "
+             "interactive (send input with task_input), or tty for a terminal. A command is "
+             "killed, with everything it started, after `timeout` ms. One still running after %s "
+             "(or yield_ms) is handed off, not killed: the call returns its output so far and a "
+             "task_id to follow with task_output. Start servers and watchers with "
+             "run_in_background. Pipe long output through tail, head or grep: the middle of a long "
+             "output is left out.")
+
+
 def bash_description(config):
-    """BASH_DESC naming the shell this machine has (/bin/sh where there is no /bin/bash)
-    and the hand-off time."""
-    desc = BASH_DESC % ("bash" if SHELL == "/bin/bash" else "/bin/sh",
+    """BASH_DESC naming the shell this machine has (/bin/sh where there is no /bin/bash),
+    the variables commands do not get and the hand-off time."""
+    kept = "; kept: " + ", ".join(config.shell_env_keep) if config.shell_env_keep else ""
+    desc = BASH_DESC % ("bash" if SHELL == "/bin/bash" else SHELL, ", ".join(SECRET_NAMES) + kept,
                         "%g s" % config.handoff if config.handoff else "yield_ms")
     if SHELL != "/bin/bash":
         desc += " This machine has no /bin/bash: commands run under /bin/sh, so bash-only syntax fails."
@@ -12989,11 +12996,11 @@ def bash_description(config):
                     % (int(config.timeout * 1000), BASH_MAX_TIMEOUT_MS)),
     "run_in_background": prop("boolean", "Start the command and return its task_id at once."),
     "interactive": prop("boolean", "Keep its stdin open for task_input (implies run_in_background)."),
-    "tty": prop("boolean", "Run it on a pseudo-terminal (80x24, TERM=dumb; implies interactive): for"
-                           " programs that want a terminal. Escape sequences are removed from its output."),
+    "tty": prop("boolean", "Run it on a pseudo-terminal (80x24, TERM=dumb; implies interactive)."
+                           " Escape sequences are removed from its output."),
     "description": prop("string", "A few words saying what the command does (for logs)."),
     "yield_ms": prop("integer", "Hand the command off to the background after this many milliseconds instead"
-                                " of %s: the call returns its output so far and a task_id." % (
+                                " of %s." % (
                                     "%g s" % config.handoff if config.handoff else "never")),
 }, ["command"]), notes("Run shell command", destructive=True, open_world=True), lane="shell",
       hint="run shell command, tests")
@@ -13180,12 +13187,10 @@ def output_test(ctx, pattern, deadline):
     return matches
 
 
-TASK_DESC = ("Read the output of a background bash task or process: its status first"
-             " ('running', or 'completed' with the exit code), "
-             "then only the output not returned by an earlier call. wait_ms waits up to that long for the task "
-             "to finish; wait_for (a regular expression) returns as soon as new output matches it, e.g. "
-             "'listening on|error'. A finished task is forgotten once read. Without task_id it lists the "
-             "session's tasks.")
+TASK_DESC = ("Read the output of a background bash task or process: its status first ('running', "
+             "or 'completed' with the exit code), then only the output not returned by an earlier "
+             "call; wait_ms or wait_for (e.g. 'listening on|error') waits for more. A finished "
+             "task is forgotten once read.")
 
 
 @tool("task_output", TASK_DESC, obj({
@@ -13249,10 +13254,10 @@ class OutputWatch:
         return time.monotonic() - self.quiet_since >= TASK_SETTLE_S
 
 
-TASK_INPUT_DESC = ("Type into an interactive background task (bash with interactive or tty true): writes `input` "
-                   "to its stdin, then answers like task_output - status, then only the new output - returning "
-                   "once the answer has come and gone quiet, or when wait_for matches. Use it for REPLs, "
-                   "prompts (passwords, confirmations) and debuggers.")
+TASK_INPUT_DESC = ("Type into an interactive background task (bash with interactive or tty true): "
+                   "writes `input` to its stdin, then answers like task_output - status, then only "
+                   "the new output - returning once the answer has come and gone quiet, or when "
+                   "wait_for matches. Use it for REPLs, prompts and debuggers.")
 
 
 @tool("task_input", TASK_INPUT_DESC, obj({
@@ -13389,17 +13394,15 @@ def partial_notice(why):
     return "[search cancelled: partial results]"
 
 
-GREP_DESC = ("Grep: search file contents for a regex pattern, to find text in files (Python re syntax;"
-             " ripgrep-like). Walks the "
-             "directory at `path` (default: the working directory) skipping .git, node_modules, binary "
-             "files and what .gitignore ignores. output_mode: files_with_matches (default; paths, newest "
-             "first), content (path:line:text, with optional context lines) or count (path:count). Filter "
-             "files with include (a glob such as *.{ts,tsx}) or type (py, js, go, ...); head_limit/offset "
-             "page long results.")
-GLOB_DESC = ("Find files by name: list the files matching a glob pattern (**, *, ?, {a,b}, [a-z]); a pattern without '/' matches "
-             "file names at any depth, one with '/' whole relative paths (src/*.c: the direct children of src). "
-             "Returns paths relative to `path` (default: the working directory), newest first; skips .git, "
-             "node_modules and .gitignore'd files. Page long lists with head_limit/offset.")
+GREP_DESC = ("Grep: search file contents for a regex pattern, to find text in files (Python re "
+             "syntax; ripgrep-like). Walks `path` skipping .git, node_modules, binary files and "
+             "what .gitignore ignores. output_mode: files_with_matches (default; paths, newest "
+             "first), content (path:line:text, with optional context lines) or count (path:count). "
+             "Filter files with include or type.")
+GLOB_DESC = ("Find files by name: list the files matching a glob pattern (**, *, ?, {a,b}, [a-z]); "
+             "a pattern without '/' matches file names at any depth, one with '/' whole relative "
+             "paths (src/*.c: the direct children of src). Returns paths relative to `path`, "
+             "newest first; skips .git, node_modules and .gitignore'd files.")
 GREP_PROPS = {
     "pattern": prop("string", "The regular expression to search for."),
     "path": prop("string", "File or directory to search (default: the working directory)."),
@@ -13407,14 +13410,14 @@ GREP_PROPS = {
     "type": prop("string", "Only search files of this language: py, js, ts, go, rust, java, c, cpp, ..."),
     "output_mode": prop("string", "files_with_matches (default), content or count.",
                         enum=list(GREP_MODES)),
-    "case_insensitive": prop("boolean", "Ignore case (default false)."),
+    "case_insensitive": prop("boolean", "Ignore case."),
     "line_numbers": prop("boolean", "content mode: show line numbers (default true)."),
-    "context_before": prop("integer", "content mode: lines of context before each match."),
-    "context_after": prop("integer", "content mode: lines of context after each match."),
-    "context": prop("integer", "content mode: lines of context before and after each match."),
-    "multiline": prop("boolean", "Let . match newlines and patterns span lines (default false)."),
+    "context_before": prop("integer", "content mode: lines before each match."),
+    "context_after": prop("integer", "content mode: lines after each match."),
+    "context": prop("integer", "content mode: lines before and after each match."),
+    "multiline": prop("boolean", "Let . match newlines and patterns span lines."),
     "head_limit": prop("integer", "Show at most this many lines (content) or entries (other modes)."),
-    "offset": prop("integer", "Skip this many lines/entries first (default 0)."),
+    "offset": prop("integer", "Skip this many lines/entries."),
     "no_ignore": prop("boolean", "Search what .gitignore ignores too."),
 }
 COMPAT_GREP_NAMES = {"glob": "include", "-i": "case_insensitive", "-n": "line_numbers",
@@ -13580,7 +13583,7 @@ def find_paths(session, ctx, pattern, shown, kind):
 GLOB_PROPS = {"pattern": prop("string", "The glob pattern, e.g. **/*.py or src/**/*.{ts,tsx}."),
               "path": prop("string", "Directory to search in (default: the working directory)."),
               "head_limit": prop("integer", "Show at most this many paths."),
-              "offset": prop("integer", "Skip this many paths first (default 0).")}
+              "offset": prop("integer", "Skip this many paths.")}
 
 
 @tool("glob", GLOB_DESC, obj(dict(GLOB_PROPS, type=prop("string", "file (default; a pattern ending in / means directory) or directory.",
@@ -13603,7 +13606,7 @@ def tool_glob(session, args, ctx):
           "query": prop("string", "The text (or regex) to find."),
           "paths": prop("array", "Files or directories to search (default: the working directory).",
                         items={"type": "string"}),
-          "regex": prop("boolean", "Treat query as a regular expression (default false)."),
+          "regex": prop("boolean", "Treat query as a regular expression."),
       }, ["query"]), notes("Search text", read_only=True), hint="search text")
 def tool_search_text(session, args, ctx):
     """search_text: the workspace tools' content search (plain text or regex)."""
@@ -13839,12 +13842,11 @@ WEB_FETCH_WORDS = {
 
 
 @tool("web_fetch", "Fetch a web page by URL (http, https) and return its readable content: HTML as light Markdown"
-      " (headings, lists, links, code blocks, tables; no scripts or styles), JSON and"
-      " plain text as they are; at most 5,000 characters, and a cut page ends with the start_index to read on."
-      " Errors start with 错误 (error).", obj({
+      " (no scripts or styles), JSON and plain text as they are; at most 5,000 characters, and a"
+      " cut page ends with the start_index to read on. Errors start with 错误 (error).", obj({
           "url": prop("string", "The http:// or https:// URL."),
           "timeout": prop("integer", "Seconds the whole fetch may take (default 10, max 120)."),
-          "start_index": prop("integer", "Character offset to read on from (default 0)."),
+          "start_index": prop("integer", "Character offset to read on from."),
       }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), argument_error=workspace_argument_error,
       lane="shell", hint="fetch web page, docs")
 def tool_web_fetch(session, args, ctx):
@@ -14206,10 +14208,7 @@ class McpServer:
             lines.append("Allowed directories: %s" % ", ".join(self.policy.allow))
         if self.policy.deny_raw:
             lines.append("Denied patterns: %s" % ", ".join(self.policy.deny_raw))
-        lines.append("Commands do not get the server's BORIS_* variables or those named like a secret (%s)%s." % (
-            ", ".join(SECRET_NAMES), "; kept: %s" % ", ".join(cfg.shell_env_keep) if cfg.shell_env_keep else ""))
-        lines.append("View before edit: %s" % ("on (view a file before str_replace or overwriting it)"
-                                               if cfg.require_view_before_edit else "off"))
+        lines.append("View before edit: %s" % ("on" if cfg.require_view_before_edit else "off"))
         if cfg.web_fetch_allow:
             lines.append("web_fetch reaches only: %s" % ", ".join(cfg.web_fetch_allow))
         if cfg.anthropic_compat:
@@ -14218,17 +14217,10 @@ class McpServer:
             lines.append("State across calls (working directory, viewed files, background tasks) is kept per"
                          " MCP session; requests without a session share the state of their bearer token (or of"
                          " the local user when no token is set). A task id is a random handle: keep it.")
-        lines += ["Prefer the view, grep and glob tools over cat, grep and find in bash: their results are"
-                  " bounded and numbered. For coding work prefer view, str_replace, create_file, grep and glob"
-                  " to read_file, write_file, list_directory, search_text and search_files (the workspace tools"
-                  " of requirement 004: fixed answers, no view-before-edit).",
-                  "Each bash call is a new shell: environment variables and aliases do not persist between"
-                  " calls (the working directory does).",
-                  "A bash command still running after %s is handed off to the background, not killed: the call"
-                  " returns its output so far and a task_id to follow with task_output." % (
-                      "%g s (--handoff; yield_ms per call)" % cfg.handoff if cfg.handoff else "yield_ms"),
-                  "Pipe long command output through tail, head or grep; the middle of a long output is"
-                  " left out."]
+        # (each line here rides along with every tool's description in Codex: rules for one tool
+        # go in that tool's description)
+        lines.append("Prefer the view, grep and glob tools over cat, grep and find in bash: their"
+                     " results are bounded and numbered.")
         return "\n".join(lines)
 
     def server_info(self):
@@ -14947,7 +14939,8 @@ class McpRequestHandler:
         rid = msg.get("id") if valid_id(msg.get("id")) else None
         header = self.headers.get("MCP-Protocol-Version")
         if META_VERSION_KEY not in meta and header and header not in SUPPORTED_VERSIONS:
-            self.reply(400, error_response(rid, -32600, "Unsupported MCP-Protocol-Version: %s" % header))
+            self.reply(400, error_response(rid, -32600, "Unsupported protocol version: the"
+                                           " MCP-Protocol-Version header says %r." % header))
             return None, None
         modern, refusal = self.transport.server.requested_version(msg) if "id" in msg else (None, None)
         if "id" in msg and META_VERSION_KEY in meta:          # (a header that disagrees comes first)
@@ -14969,7 +14962,8 @@ class McpRequestHandler:
             return session, None
         if META_VERSION_KEY in meta or msg.get("method") == "server/discover":
             return t.principal_session(self.principal()), None
-        self.reply(400, error_response(rid, -32600, "Bad Request: missing Mcp-Session-Id header (initialize first)"))
+        self.reply(400, error_response(rid, -32600, "Bad Request: the Mcp-Session-Id header is"
+                                       " missing; initialize first, then send the id it gave."))
         return None, None
 
     def header_mismatch(self, msg, meta, rid):
@@ -14980,22 +14974,23 @@ class McpRequestHandler:
         import base64
         params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
         name = params.get("name") if msg.get("method") == "tools/call" else None
-        for header, body in (("MCP-Protocol-Version", meta.get(META_VERSION_KEY)), ("Mcp-Method", msg.get("method")),
-                             ("Mcp-Name", name)):
+        mirrors = (("MCP-Protocol-Version", "protocol version", meta.get(META_VERSION_KEY)),
+                   ("Mcp-Method", "method", msg.get("method")), ("Mcp-Name", "tool name", name))
+        for header, what, body in mirrors:
             value = self.headers.get(header)
             value = value.strip(" \t") if value is not None else None   # (HTTP's optional whitespace)
             if value is not None and value.startswith("=?base64?") and value.endswith("?="):
                 try:
                     value = base64.b64decode(value[9:-2], validate=True).decode("utf-8")
                 except (ValueError, UnicodeError):
-                    value = None
+                    pass                                  # (compared, and quoted, as it came)
             if body is None or value == body or header == "MCP-Protocol-Version" and value is None:
                 continue
             if header != "MCP-Protocol-Version" and not isinstance(meta.get(META_VERSION_KEY), str):
                 continue                                  # (a request of no version spoken here: -32022 says so)
-            return 400, error_response(rid, HEADER_MISMATCH, "Header mismatch: %s header %s does not match the"
-                                       " body's %s" % (header, "is missing" if value is None else repr(value[:200]),
-                                                       brief(body)))
+            said = "is missing" if value is None else "says " + brief(value)
+            return 400, error_response(rid, HEADER_MISMATCH, "Header mismatch: the body's %s is %s,"
+                                       " but the %s header %s." % (what, brief(body), header, said))
         return None
 
     def principal(self):

@@ -5506,7 +5506,7 @@ class SlipCampaign(object):
     SLIPS = ("exact", "indentation", "tabs", "two-space-unit", "trailing-one-line", "trailing-every-line",
              "crlf", "quotes-unchanged-line", "quotes-changed-line", "dashes", "blank-line-missing",
              "blank-line-extra", "inner-whitespace", "both-ends", "ends-mid-line", "tabs-in-the-copy",
-             "quotes-in-the-copy", "crlf-and-indentation",
+             "quotes-in-the-copy", "crlf-and-indentation", "typography-in-the-copy", "typography-every-line",
              "stale", "second-place", "line-numbers", "blank-line-where-lines-go")
     REFUSED = ("stale", "second-place", "line-numbers", "blank-line-where-lines-go")
     EDITS = ("modify", "insert", "delete", "replace-two", "wrap", "dedent")
@@ -5629,6 +5629,14 @@ class SlipCampaign(object):
             if not pool:
                 return None
             view = [l.replace("'", "\u2019") if n == pool[0] else l for n, l in enumerate(run)]
+        elif slip in ("typography-in-the-copy", "typography-every-line"):
+            if not any("'" in l for l in run):
+                return None
+            curly = [l.replace("'", "\u2019").replace(" - ", " \u2013 ") for l in run]
+            if slip == "typography-in-the-copy":
+                view = curly
+            else:
+                run = curly
         elif slip in ("quotes-unchanged-line", "quotes-changed-line"):
             pool = [n for n in ([at] if slip == "quotes-changed-line" else others) if "'" in run[n]]
             if not pool or (kind == "delete" and pool[0] == at):
@@ -5698,6 +5706,9 @@ class SlipCampaign(object):
             done = self.edited(run, kind, at, salt, unit)
             if slip == "trailing-every-line":
                 done = [l + "  " if l.strip() and not l.endswith("  ") else l for l in done]
+            if slip == "typography-in-the-copy":            # new_str carries the copy's typography too
+                new = [l if l in view else l + "  # it\u2019s new" for l in new]
+                done = [l if l in run else l + "  # it's new" for l in done]
             expected = "\n".join(before + done + after)
         text = "\n".join(before + run + after)
         if crlf:
@@ -5797,6 +5808,63 @@ class TestGapsOldStrLeftOut(unittest.TestCase):
                 wrong.append((text, edit, got))
         self.assertEqual(wrong[:3], [])
         self.assertGreater(landed, campaign_size("BORIS_GAP_CAMPAIGN", 3000, 12000) // 3)
+
+
+class TestTypographyOfTheCopy(NoViewBase):
+    """Issue 65: a copy in curly quotes where the file has straight ones, new_str carrying
+    them too: what the model writes takes the file's characters (as it takes the file's
+    indentation); where the file has the curly one too at that place, the new text's is
+    not known, and the edit is refused naming it."""
+    FILE = "def f():\n    a = 'x'\n    b = 'y'\n    return a\n"
+    CURLY = lambda self, s: s.replace("'", "\u2019")
+
+    def test_new_text_takes_the_files_typography(self):
+        old, new = "    a = 'x'\n    b = 'y'\n", "    a = 'x'\n    c = 'z'\n    b = 'yy'\n"
+        want = "def f():\n    a = 'x'\n    c = 'z'\n    b = 'yy'\n    return a\n"
+        self.write("s.py", self.FILE)
+        self.ok("str_replace", path="s.py", old_str=self.CURLY(old), new_str=self.CURLY(new))
+        self.assertEqual(self.read("s.py").decode(), want)
+        self.write("p.py", self.FILE)
+        self.ok("apply_patch", input="*** Begin Patch\n*** Update File: p.py\n@@\n%s\n*** End Patch" % self.CURLY(
+            " def f():\n     a = 'x'\n+    c = 'z'\n-    b = 'y'\n+    b = 'yy'"))
+        self.assertEqual(self.read("p.py").decode(), want)
+
+    def test_typography_the_file_has_too_is_the_models_own_or_unknown(self):
+        prose = "Notes\nIt\u2019s here.\nThat\u2019s all.\n"
+        self.write("n.md", prose)
+        self.ok("str_replace", path="n.md", old_str="It\u2019s here.\nThat\u2019s all.",
+                new_str="It\u2019s here.\nThere\u2019s more.\nThat\u2019s all.")
+        self.assertIn("There\u2019s more.", self.read("n.md").decode())            # faithful: kept as written
+        mixed = "def f():\n    # it\u2019s here\n    a = 'x'\n    b = 'y'\n"
+        self.write("m.py", mixed)
+        text = self.fails("str_replace", "STR_REPLACE_AMBIGUOUS", path="m.py",
+                          old_str=self.CURLY("    # it's here\n    a = 'x'\n    b = 'y'"),
+                          new_str=self.CURLY("    # it's here\n    a = 'x'\n    c = 'z'\n    b = 'y'"))
+        self.assertIn("old_str has \u2019 where the file has it and where the file has another character", text)
+        self.assertEqual(self.read("m.py").decode(), mixed)
+
+
+class TestUnitOrShift(NoViewBase):
+    """Issue 65 (the Codex differential's draw, seed 9): a file indented by 2 spaces seen in
+    4-space units, in a docstring whose continuation lines sit 2 columns deeper. The lines
+    matched fit a shift (8 -> 4, 10 -> 6) and a change of unit alike; the new lines nest by 4
+    under a line the model adds, which the two read as 2 or 4 spaces: refused, not guessed."""
+
+    def test_a_new_level_that_two_readings_place_apart_is_refused(self):
+        text = ('  def f(self):\n    """Doc.\n\n    Returns i such that:\n      * i>0 iff self>0;\n'
+                '      * abs(i) <= abs(self);\n    """\n')
+        self.write("f.py", text)
+        msg = self.fails("apply_patch", "STR_REPLACE_AMBIGUOUS", input=(
+            "*** Begin Patch\n*** Update File: f.py\n@@\n         Returns i such that:\n-          * i>0 iff"
+            " self>0;\n+          if check:\n+              * i>0 iff self>0;\n           * abs(i) <= abs(self);\n"
+            "*** End Patch"))
+        self.assertIn("the indentation of a new line is not known", msg)
+        self.assertEqual(self.read("f.py").decode(), text)
+        self.ok("apply_patch", input=(                                # one level more, as the file nests: lands
+            "*** Begin Patch\n*** Update File: f.py\n@@\n         Returns i such that:\n-          * i>0 iff"
+            " self>0;\n+          if check:\n+            * i>0 iff self>0;\n           * abs(i) <= abs(self);\n"
+            "*** End Patch"))
+        self.assertIn("      if check:\n        * i>0 iff self>0;\n", self.read("f.py").decode())
 
 
 class TestSlipCampaign(unittest.TestCase):
@@ -6375,7 +6443,7 @@ class TestCodexDifferential(unittest.TestCase):
                          " BORIS_CODEX_APPLY_PATCH (a measurement, not a dependency)")
     def test_against_codex(self):
         n = int(os.environ.get("BORIS_CODEX_CASES") or 1200)
-        campaign = SlipCampaign(4038)
+        campaign = SlipCampaign(int(os.environ.get("BORIS_CODEX_SEED") or 4038))
         work = os.path.realpath(tempfile.mkdtemp(prefix="boris-codex-"))
         cfg = boris.parse_config(["--workdir", work, "--require-view-before-edit", "false"], {})
         policy = boris.PathPolicy.of(cfg)
@@ -6903,10 +6971,9 @@ class TestHandOff(NoViewBase):
         self.assertIn("t8", final)
         self.assertEqual(len(got), seen, "progress was sent after the call returned")
 
-    def test_the_description_and_instructions_say_it(self):
+    def test_the_description_says_it(self):
         self.assertIn("handed off", self.server.tools["bash"].description)
         self.assertIn("0.4 s", self.server.tools["bash"].description)
-        self.assertIn("handed off", self.server.instructions())
 
 
 SECRETS = dict((name, "value-of-%s-%s" % (name.lower(), os.urandom(4).hex())) for name in (
@@ -6946,7 +7013,7 @@ class TestShellEnvironment(NoViewBase):
         self.assertIn("MY_API_KEY=" + SECRETS["MY_API_KEY"], text)
         self.assertNotIn("PLAIN_SETTING", text)
         self.assertNotIn(SECRETS["BORIS_TOKEN"], text)
-        self.assertIn("kept: GITHUB_TOKEN, *_API_KEY", self.server.instructions())
+        self.assertIn("kept: GITHUB_TOKEN, *_API_KEY).", self.server.tools["bash"].description)
         build(self, self.root, ["--require-view-before-edit", "false", "--shell-env-keep", "*"])
         text = self.env_of()
         for value in SECRETS.values():
@@ -6965,9 +7032,9 @@ class TestShellEnvironment(NoViewBase):
                                        " 0, 0))'")
         self.assertIn("dumpable 1", text)
 
-    def test_the_policy_is_in_the_instructions_and_help(self):
-        self.assertIn("Commands do not get the server's BORIS_* variables or those named like a secret",
-                      self.server.instructions())
+    def test_the_policy_is_in_the_description_and_help(self):
+        self.assertIn("Commands do not get the server's BORIS_* variables or those named like a secret (KEY,",
+                      self.server.tools["bash"].description)
         out = io.StringIO()
         with contextlib.redirect_stdout(out), self.assertRaises(SystemExit):
             boris.parse_config(["--help"], {})
@@ -8542,14 +8609,23 @@ class TestSchemasTellTheTruth(Base):
         self.assertEqual(self.server.tools["list_directory"].schema["required"], [])
         self.assertEqual(self.server.tools["search_text"].schema["required"], ["query"])
 
-    def test_instructions_carry_the_usage_rules(self):
+    def test_instructions_and_descriptions_carry_the_usage_rules(self):
+        """Issue 65: a rule for one tool is in its description (Codex repeats the instructions
+        in every tool's); the cross-tool ones are in the instructions, which name no document
+        of the project's history (requirement 004, seed 004, issue 38)."""
         text = self.server.instructions()
-        for phrase in ("Prefer the view, grep and glob tools", "do not persist between calls",
-                       "Pipe long command output through tail"):
-            self.assertIn(phrase, text)
+        self.assertIn("Prefer the view, grep and glob tools", text)
+        bash = self.server.tools["bash"].description
+        for phrase in ("Each call is a new shell", "environment variables and aliases do not",
+                       "Pipe long output through tail", "handed off"):
+            self.assertIn(phrase, bash)
+        for name in ("read_file", "write_file", "list_directory", "search_text", "search_files"):
+            self.assertIn("For code, prefer", self.server.tools[name].description)
+        for words in [text] + [t.description for t in self.server.tools.values()]:
+            self.assertIsNone(re.search(r"(?i)\b(requirement|seed|issue|spec)s?\b", words), words)
 
     # SPEC 3: what tools/list may cost every request of every client, on the wire
-    LISTING_CHARS_PER_TOOL, LISTING_CHARS_MAX = 1100, 25000
+    LISTING_CHARS_PER_TOOL, LISTING_CHARS_MAX = 1100, 24000
 
     def test_the_tool_list_fits_its_budget_per_tool_and_in_all(self):
         for flags in ([], ["--anthropic-compat"]):
@@ -8563,6 +8639,67 @@ class TestSchemasTellTheTruth(Base):
             self.assertLessEqual(wire, budget, "tools/list%s is %d characters for %d tools, over %d; the longest:"
                                  " %s" % (" " + " ".join(flags) if flags else "", wire, len(tools), budget,
                                           ", ".join("%s %d" % (t.name, len(sent(t))) for t in biggest)))
+
+    # Codex CLI in code mode (0.169, 0.171) lists MCP tools to the model in ALL_TOOLS, each
+    # entry's description the tool's, then the server's instructions, then a TypeScript
+    # declaration of its arguments. A model printing boris's entries gets an exec result cut to
+    # 10,000 tokens, counted as 4 bytes each: past that the middle tools are lost (issue 65:
+    # read_file and rewind). What the entries weigh is measured against Codex's own output.
+    CODEX_RESULT_BYTES = 40000
+    # and the room a new flag's line in the instructions (repeated in every entry) must find
+    NEW_LINE_CHARS, NEW_LINE_CHARS_WITH_SCOPE = 400, 200
+
+    @staticmethod
+    def ts_type(schema):
+        """A JSON schema as Codex writes it in TypeScript for its exec tool declarations."""
+        if "enum" in schema:
+            return " | ".join(json.dumps(v) for v in schema["enum"])
+        kind = schema.get("type")
+        if kind == "array":
+            return "Array<%s>" % TestSchemasTellTheTruth.ts_type(schema["items"]) if "items" in schema \
+                else "unknown[]"
+        if kind != "object" and "properties" not in schema:
+            return {"string": "string", "integer": "number", "number": "number",
+                    "boolean": "boolean"}.get(kind, "unknown")
+        props = sorted(schema.get("properties", {}).items())
+        fields = [("%s%s: %s;" % (n, "" if n in schema.get("required", ()) else "?",
+                                  TestSchemasTellTheTruth.ts_type(p)), p.get("description")) for n, p in props]
+        more = schema.get("additionalProperties", not props)
+        more = ["[key: string]: %s;" % ("unknown" if more is True else TestSchemasTellTheTruth.ts_type(more))] \
+            if more is not False else []
+        if not any(d for _, d in fields):
+            return "{ %s }" % " ".join([f for f, _ in fields] + more) if fields or more else "{}"
+        out = ["{"]
+        for f, d in fields:
+            out += ["  // " + l.strip() for l in (d or "").splitlines() if l.strip()] + ["  " + f]
+        return "\n".join(out + ["  " + m for m in more] + ["}"])
+
+    def codex_all_tools_bytes(self, flags, extra_line=""):
+        """The bytes of JSON.stringify(boris's ALL_TOOLS entries) in Codex's code mode."""
+        cfg = boris.parse_config(["--workdir", self.root] + flags, {})
+        server = boris.McpServer(cfg, boris.PathPolicy.of(cfg))
+        instructions = server.instructions() + extra_line
+        entries = []
+        for tool in sorted(server.tools.values(), key=lambda t: t.name):
+            listed, name = tool.listing(cfg), "mcp__boris__" + tool.name
+            declared = "declare const tools: { %s(args: %s): Promise<CallToolResult>; };" % (
+                name, self.ts_type(listed["inputSchema"]))
+            entries.append({"name": name, "description": "%s\n\n%s\n\nexec tool declaration:\n```ts\n%s\n```" % (
+                listed["description"], instructions, declared)})
+        return len(json.dumps(entries, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
+
+    def test_codex_code_mode_lists_every_tool_with_room_for_a_new_flag(self):
+        # (as Codex 0.171 printed it for apply_patch)
+        self.assertEqual(self.ts_type(self.server.tools["apply_patch"].schema),
+                         "{\n  // Only show the diff it would write.\n  dry_run?: boolean;\n  // The whole patch,"
+                         " from '*** Begin Patch' to '*** End Patch'.\n  input: string;\n}")
+        scope = ["--allow-dir", self.root, "--deny-dir", "**/.env,**/secrets", "--web-fetch-allow",
+                 "example.org,*.python.org", "--shell-env-keep", "GITHUB_TOKEN,*_API_KEY"]
+        for flags, line in (([], self.NEW_LINE_CHARS), (scope, self.NEW_LINE_CHARS_WITH_SCOPE)):
+            size = self.codex_all_tools_bytes(flags, "\n" + "x" * line)
+            self.assertLessEqual(size, self.CODEX_RESULT_BYTES, "ALL_TOOLS%s with a new %d-character line is %d"
+                                 " bytes, over Codex's %d" % (" " + " ".join(flags) if flags else "", line, size,
+                                                               self.CODEX_RESULT_BYTES))
 
     def test_every_registered_tool_has_campaign_arguments(self):
         campaign = ArgumentCampaign(self.root, 9)
@@ -10386,25 +10523,46 @@ class TestHttpModernToTheLetter(HttpBase):
         self.refused(400, -32602, "tools/list", {"_meta": MODERN_META, "cursor": "made-up"})
 
     def test_headers_mirror_the_body(self):
+        """Each refusal says, in a sentence, what the body has and what the header said."""
         view = {"name": "view", "arguments": {"path": "f.txt"}, "_meta": MODERN_META}
-        for headers in ({"Mcp-Method": "prompts/list"}, {"Mcp-Method": "TOOLS/LIST"},
-                        {"MCP-Protocol-Version": "2025-11-25"}):
-            self.refused(400, -32020, "tools/list", {"_meta": MODERN_META}, headers)
+        for headers, says in (({"Mcp-Method": "prompts/list"}, 'method is "tools/list", but the Mcp-Method header'
+                                                                 ' says "prompts/list".'),
+                              ({"Mcp-Method": "TOOLS/LIST"}, 'header says "TOOLS/LIST".'),
+                              ({"MCP-Protocol-Version": "2025-11-25"}, 'protocol version is "2026-07-28", but the'
+                                                                       ' MCP-Protocol-Version header says "2025-11-25".')):
+            e = self.refused(400, -32020, "tools/list", {"_meta": MODERN_META}, headers)
+            self.assertTrue(e["message"].startswith("Header mismatch: the body's ") and e["message"].endswith(says),
+                            e["message"])
         import http.client
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)   # no Mcp-Method at all
-        conn.request("POST", "/mcp", body=json.dumps({"jsonrpc": "2.0", "id": 3, "method": "tools/list",
-                                                      "params": {"_meta": MODERN_META}}),
+        conn.request("POST", "/mcp", body=json.dumps({"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+                                                      "params": view}),
                      headers={"Content-Type": "application/json", "Accept": "application/json, text/event-stream"})
         resp = conn.getresponse()
-        self.assertEqual((resp.status, json.loads(resp.read())["error"]["code"]), (400, -32020))
+        e = json.loads(resp.read())["error"]
+        self.assertEqual((resp.status, e["code"]), (400, -32020))
+        self.assertEqual(e["message"], 'Header mismatch: the body\'s method is "tools/call", but the Mcp-Method'
+                                       ' header is missing.')
         conn.close()
-        self.refused(400, -32020, "tools/call", view, {"Mcp-Name": "wrong_tool_name"})
+        e = self.refused(400, -32020, "tools/call", view, {"Mcp-Name": "wrong_tool_name"})
+        self.assertEqual(e["message"], 'Header mismatch: the body\'s tool name is "view", but the Mcp-Name header'
+                                       ' says "wrong_tool_name".')
+        e = self.refused(400, -32020, "tools/call", view, {"Mcp-Name": "=?base64?not base64?="})
+        self.assertIn('but the Mcp-Name header says "=?base64?not base64?=".', e["message"])    # (not "missing")
         st, _, body = self.post("tools/call", view, {"Mcp-Name": "=?base64?%s?=" % base64.b64encode(b"view").decode()})
         self.assertEqual(st, 200, body)
         self.assertEqual(body["result"]["_meta"][boris.SERVER_INFO_KEY]["name"], "boris")
         st, _, body = self.post("tools/list", {"_meta": MODERN_META}, {"Mcp-Session-Id": "no-such-session"})
         self.assertEqual(st, 200, body)                                  # (stateless: a session id is ignored)
         self.assertEqual(body["result"]["_meta"][boris.SERVER_INFO_KEY]["name"], "boris")
+
+    def test_the_2025_era_refusals_read_as_sentences(self):
+        st, _, body = self.rpc(None, "tools/list", extra={"MCP-Protocol-Version": "1999-01-01"})
+        self.assertEqual((st, body["error"]["message"]), (400, "Unsupported protocol version: the"
+                                                               " MCP-Protocol-Version header says '1999-01-01'."))
+        st, _, body = self.rpc(None, "tools/list")
+        self.assertEqual((st, body["error"]["message"]), (400, "Bad Request: the Mcp-Session-Id header is missing;"
+                                                               " initialize first, then send the id it gave."))
 
     def test_methods_the_revision_removed_or_never_had(self):
         for method in ("ping", "initialize", "logging/setLevel", "resources/subscribe", "resources/unsubscribe",
