@@ -4848,40 +4848,29 @@ class Document:
     def job(cls, job, emit):
         """A helper's side: [the Markdown] of the file job['path'] names (the one the server
         checked: open_checked), or a ToolError saying what is wrong."""
-        with open_checked(job) as f:
-            doc = cls(job["path"], f)
-            try:
-                doc.render(emit)
-            finally:
-                doc.zip.close()
-
-    def render(self, emit):
-        """job()'s rendering, its failures in words."""
         import xml.etree.ElementTree as ET
         import zipfile
         import zlib
-        doc = self
-        try:
-            emit([doc.markdown()])
-        except RecursionError:
-            raise ToolError(INVALID_INPUT, "its XML is nested too deeply to read")
-        except ET.ParseError as e:
-            raise ToolError(INVALID_INPUT, "a part of it is not well-formed XML (%s)" % e)
-        except RuntimeError as e:                   # zipfile: an encrypted member
-            raise ToolError(INVALID_INPUT, "an encrypted %s: it is not read (%s)" % (DOC_FORMATS[doc.kind], e))
-        except (zipfile.BadZipFile, zlib.error, NotImplementedError, OSError, EOFError, ValueError, KeyError,
-                IndexError, OverflowError) as e:
-            raise ToolError(INVALID_INPUT, "a damaged %s (%s: %s)" % (DOC_FORMATS[doc.kind], type(e).__name__, e))
+        with open_checked(job) as f:
+            doc = cls(job["path"], f)
+            what = DOC_FORMATS[doc.kind]
+            try:
+                emit([doc.markdown()])
+            except RecursionError:
+                raise ToolError(INVALID_INPUT, "its XML is nested too deeply to read")
+            except ET.ParseError as e:
+                raise ToolError(INVALID_INPUT, "a part of it is not well-formed XML (%s)" % e)
+            except RuntimeError as e:                   # zipfile: an encrypted member
+                raise ToolError(INVALID_INPUT, "an encrypted %s: it is not read (%s)" % (what, e))
+            except (zipfile.BadZipFile, zlib.error, NotImplementedError, OSError, EOFError, ValueError,
+                    KeyError, IndexError, OverflowError) as e:
+                raise ToolError(INVALID_INPUT, "a damaged %s (%s: %s)" % (what, type(e).__name__, e))
+            finally:
+                doc.zip.close()
 
     def markdown(self):
-        """The document as Markdown."""
-        if self.kind in (".docx", ".docm"):
-            return self.docx()
-        if self.kind in (".xlsx", ".xlsm"):
-            return self.xlsx()
-        if self.kind in (".pptx", ".pptm"):
-            return self.pptx()
-        return self.odf()
+        """The document as Markdown, by its kind (.docx and .docm alike)."""
+        return {"doc": self.docx, "xls": self.xlsx, "ppt": self.pptx}.get(self.kind[1:4], self.odf)()
 
     # -- parts -----------------------------------------------------------------------
     def stream(self, name):
@@ -4896,10 +4885,13 @@ class Document:
                 name, human_size(info.file_size), human_size(DOC_MEMBER_BYTES)))
         return BoundedPart(self.zip.open(info), name)
 
-    def xml(self, name):
-        """A part parsed (an Element), or None when there is none."""
+    def xml(self, name, what=None):
+        """A part parsed (an Element); None when there is none, unless the document is
+        `what` ("a Word document") only with it: then an error saying it is not."""
         import xml.etree.ElementTree as ET
         part = self.stream(name)
+        if part is None and what:
+            raise ToolError(INVALID_INPUT, "no %s: not %s" % (name, what))
         if part is None:
             return None
         with part:
@@ -4916,13 +4908,26 @@ class Document:
     def rels(self, name):
         """{relationship id: (part name, type)} of part `name`."""
         folder, base = posixpath.split(name)
-        root = self.xml(posixpath.join(folder, "_rels", base + ".rels"))
         out = {}
-        for rel in root.iter(OOXML_RELS + "Relationship") if root is not None else ():
+        for rel in self.each(posixpath.join(folder, "_rels", base + ".rels"), OOXML_RELS + "Relationship"):
             target = rel.get("Target", "")
-            path = target.lstrip("/") if target.startswith("/") else posixpath.normpath(posixpath.join(folder, target))
+            path = target.lstrip("/") if target.startswith("/") else \
+                posixpath.normpath(posixpath.join(folder, target))
             out[rel.get("Id")] = (path, rel.get("Type", ""))
         return out
+
+    @staticmethod
+    def with_notes(blocks, notes):
+        """Blocks as paragraphs (empty ones left out), then the footnotes [^n] they refer to."""
+        return "\n\n".join(b for b in blocks if b) + "".join(
+            ("\n\n" if n == 1 else "\n") + "[^%d]: %s" % (n, text) for n, text in enumerate(notes, 1))
+
+    @staticmethod
+    def slide(n, texts, notes):
+        """A slide as Markdown: a heading, its paragraphs, then its speaker notes if any."""
+        said = [t for t in notes if t]
+        return "\n".join(["## Slide %d" % n] + [t for t in texts if t] +
+                         (["\nNotes: " + "\n".join(said)] if said else []))
 
     # -- Word ------------------------------------------------------------------------
     def docx(self):
@@ -4935,14 +4940,10 @@ class Document:
         for note in self.each("word/footnotes.xml", W + "footnote"):
             if note.get(W + "type") in (None, "normal"):
                 notes[note.get(W + "id")] = " ".join(self.docx_text(p) for p in note.iter(W + "p")).strip()
-        document = self.xml("word/document.xml")
-        if document is None:
-            raise ToolError(INVALID_INPUT, "no word/document.xml: not a Word document")
+        document = self.xml("word/document.xml", "a Word document")
         body = document.find(W + "body")
         blocks = self.docx_blocks(body if body is not None else document, styles)
-        refs = [(n, notes.get(i, "")) for n, i in enumerate(self.notes, 1)]
-        return "\n\n".join(b for b in blocks if b) + "".join(
-            ("\n\n" if k == 0 else "\n") + "[^%d]: %s" % (n, text) for k, (n, text) in enumerate(refs))
+        return self.with_notes(blocks, [notes.get(i, "") for i in self.notes])
 
     def docx_blocks(self, parent, styles):
         """Markdown blocks of a body's paragraphs and tables (content controls entered)."""
@@ -4953,13 +4954,15 @@ class Document:
                 if not text:
                     continue
                 props = el.find(W + "pPr")
-                style = styles.get(props.find(W + "pStyle").get(W + "val"), "") if props is not None and \
-                    props.find(W + "pStyle") is not None else ""
+                if props is None:
+                    props = el.makeelement(W + "pPr", {})        # none: an empty one, that finds nothing
+                found = props.find(W + "pStyle")
+                style = styles.get(found.get(W + "val"), "") if found is not None else ""
                 level = re.match(r"heading (\d)", style)
+                depth = props.find(W + "numPr/" + W + "ilvl")
                 if style == "title" or level:
                     out.append("#" * (int(level.group(1)) if level else 1) + " " + text)
-                elif props is not None and props.find(W + "numPr") is not None or style.startswith("list"):
-                    depth = props.find(W + "numPr/" + W + "ilvl") if props is not None else None
+                elif props.find(W + "numPr") is not None or style.startswith("list"):
                     out.append("  " * int(depth.get(W + "val", 0) if depth is not None else 0) + "- " + text)
                 else:
                     out.append(text)
@@ -5004,16 +5007,14 @@ class Document:
     def xlsx(self):
         import xml.etree.ElementTree as ET
         S = OOXML_S
-        book = self.xml("xl/workbook.xml")
-        if book is None:
-            raise ToolError(INVALID_INPUT, "no xl/workbook.xml: not an Excel workbook")
+        book = self.xml("xl/workbook.xml", "an Excel workbook")
         rels = self.rels("xl/workbook.xml")
         shared = [self.xlsx_text(si) for si in self.each("xl/sharedStrings.xml", S + "si")]
         styles = self.xml("xl/styles.xml")
-        codes = {int(f.get("numFmtId", -1)): f.get("formatCode", "") for f in styles.iter(S + "numFmt")} \
-            if styles is not None else {}
-        xfs = styles.find(S + "cellXfs") if styles is not None else None
-        dates = [self.is_date(int(xf.get("numFmtId", 0)), codes) for xf in xfs] if xfs is not None else []
+        if styles is None:
+            styles = book.makeelement(S + "styleSheet", {})     # none: an empty one, that finds nothing
+        codes = {int(f.get("numFmtId", -1)): f.get("formatCode", "") for f in styles.iter(S + "numFmt")}
+        dates = [self.is_date(int(xf.get("numFmtId", 0)), codes) for xf in styles.findall(S + "cellXfs/*")]
         pr = book.find(S + "workbookPr")
         epoch = 1904 if pr is not None and pr.get("date1904") in ("1", "true") else 1900
         out = []
@@ -5039,14 +5040,9 @@ class Document:
         """A row's values by column ('' where a cell is empty)."""
         S, values = OOXML_S, {}
         for k, c in enumerate(row.iter(S + "c")):
-            ref = re.match(r"([A-Z]+)", c.get("r", ""))
-            col = k
-            if ref:
-                col = 0
-                for ch in ref.group(1):
-                    col = col * 26 + ord(ch) - 64
-                col -= 1
-            kind, v = c.get("t", "n"), c.findtext(S + "v")
+            ref = re.match(r"([A-Z]+)", c.get("r", ""))         # a column's letters: base 26, A as 1
+            col = functools.reduce(lambda n, ch: n * 26 + ord(ch) - 64, ref.group(1), 0) - 1 if ref else k
+            kind, v, style = c.get("t", "n"), c.findtext(S + "v"), c.get("s", "0")
             if kind == "inlineStr":
                 value = self.xlsx_text(c.find(S + "is")) if c.find(S + "is") is not None else ""
             elif v is None:
@@ -5055,8 +5051,7 @@ class Document:
                 value = shared[int(v)] if v.strip().isdigit() and int(v) < len(shared) else ""
             elif kind == "b":
                 value = "TRUE" if v.strip() == "1" else "FALSE"
-            elif kind == "n" and c.get("s", "0").isdigit() and int(c.get("s", "0")) < len(dates) \
-                    and dates[int(c.get("s", "0"))]:
+            elif kind == "n" and style.isdigit() and int(style) < len(dates) and dates[int(style)]:
                 value = excel_date(v, epoch)
             else:
                 value = v
@@ -5090,25 +5085,17 @@ class Document:
 
     # -- PowerPoint ------------------------------------------------------------------
     def pptx(self):
-        P, A = OOXML_P, OOXML_A
-        pres = self.xml("ppt/presentation.xml")
-        if pres is None:
-            raise ToolError(INVALID_INPUT, "no ppt/presentation.xml: not a PowerPoint presentation")
+        A = OOXML_A
+        pres = self.xml("ppt/presentation.xml", "a PowerPoint presentation")
         rels, out = self.rels("ppt/presentation.xml"), []
-        for n, sid in enumerate(pres.iter(P + "sldId"), 1):
+        for n, sid in enumerate(pres.iter(OOXML_P + "sldId"), 1):
             path = rels.get(sid.get(OOXML_R + "id"), ("", ""))[0]
-            slide = self.xml(path)
-            lines = ["## Slide %d" % n]
+            slide, texts, said = self.xml(path), [], []
             if slide is not None:
-                lines += [t for t in (self.pptx_text(p) for p in slide.iter(A + "p")) if t]
-            for target, kind in self.rels(path).values() if slide is not None else ():
-                if kind.endswith("/notesSlide"):
-                    notes = self.xml(target)
-                    said = [t for t in (self.pptx_text(p) for p in notes.iter(A + "p")) if t] \
-                        if notes is not None else []
-                    if said:
-                        lines.append("\nNotes: " + "\n".join(said))
-            out.append("\n".join(lines))
+                texts = [self.pptx_text(p) for p in slide.iter(A + "p")]
+                said = [self.pptx_text(p) for target, kind in self.rels(path).values()
+                        if kind.endswith("/notesSlide") for p in self.each(target, A + "p")]
+            out.append(self.slide(n, texts, said))
         return "\n\n".join(out)
 
     @staticmethod
@@ -5119,16 +5106,13 @@ class Document:
 
     # -- OpenDocument ----------------------------------------------------------------
     def odf(self):
-        content = self.xml("content.xml")
-        if content is None:
-            raise ToolError(INVALID_INPUT, "no content.xml: not an OpenDocument file")
-        body = content.find(ODF["office"] + "body")
-        kinds = {".odt": "text", ".ods": "spreadsheet", ".odp": "presentation"}
-        doc = body.find(ODF["office"] + kinds[self.kind]) if body is not None else None
+        content = self.xml("content.xml", "an OpenDocument file")
+        kind = {".odt": "text", ".ods": "spreadsheet", ".odp": "presentation"}[self.kind]
+        doc = content.find(ODF["office"] + "body/" + ODF["office"] + kind)
         if doc is None:
-            raise ToolError(INVALID_INPUT, "its content.xml has no office:%s body" % kinds[self.kind])
+            raise ToolError(INVALID_INPUT, "its content.xml has no office:%s body" % kind)
+        out = []
         if self.kind == ".ods":
-            out = []
             for table in doc.iter(ODF["table"] + "table"):
                 out.append(self.sheet(table.get(ODF["table"] + "name"), self.odf_rows(table, values=True)))
                 if self.cells > DOC_MAX_CELLS:
@@ -5136,18 +5120,12 @@ class Document:
                     break
             return "\n\n".join(out)
         if self.kind == ".odp":
-            out = []
             for n, page in enumerate(doc.iter(ODF["draw"] + "page"), 1):
                 notes = page.find(ODF["pres"] + "notes")
-                lines = ["## Slide %d" % n] + [b for b in self.odf_blocks(page, skip=notes) if b]
-                said = [b for b in self.odf_blocks(notes) if b] if notes is not None else []
-                if said:
-                    lines.append("\nNotes: " + "\n".join(said))
-                out.append("\n".join(lines))
+                out.append(self.slide(n, self.odf_blocks(page, skip=notes),
+                                      self.odf_blocks(notes) if notes is not None else []))
             return "\n\n".join(out)
-        blocks = [b for b in self.odf_blocks(doc) if b]
-        return "\n\n".join(blocks) + "".join(("\n\n" if k == 0 else "\n") + "[^%d]: %s" % (k + 1, text)
-                                             for k, text in enumerate(self.notes))
+        return self.with_notes(self.odf_blocks(doc), self.notes)
 
     def odf_blocks(self, parent, depth=0, skip=None):
         """Markdown blocks of headings, paragraphs, lists and tables below `parent` (frames
@@ -5181,12 +5159,12 @@ class Document:
             for cell in row:
                 if cell.tag not in (TB + "table-cell", TB + "covered-table-cell"):
                     continue
-                kind = cell.get(O + "value-type")
-                if values and kind in ("float", "percentage", "currency"):
+                kind = cell.get(O + "value-type") if values else None
+                if kind in ("float", "percentage", "currency"):
                     text = cell.get(O + "value", "")
-                elif values and kind == "date":
+                elif kind == "date":
                     text = cell.get(O + "date-value", "").replace("T00:00:00", "").replace("T", " ")
-                elif values and kind == "boolean":
+                elif kind == "boolean":
                     text = cell.get(O + "boolean-value", "").upper()
                 else:
                     text = "\n".join(self.odf_text(p) for p in cell.iter(ODF["text"] + "p")).strip()
