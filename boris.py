@@ -4827,7 +4827,7 @@ OOXML_R = "{http://schemas.openxmlformats.org/officeDocument/2006/relationships}
 OOXML_RELS = "{http://schemas.openxmlformats.org/package/2006/relationships}"
 ODF = {k: "{urn:oasis:names:tc:opendocument:xmlns:%s:1.0}" % v for k, v in (
     ("text", "text"), ("table", "table"), ("office", "office"), ("draw", "drawing"), ("pres", "presentation"))}
-XLSX_DATE_FORMATS = frozenset(list(range(14, 23)) + list(range(27, 37)) + [45, 46, 47] + list(range(50, 59)))
+XLSX_DATE_FORMATS = frozenset([*range(14, 23), *range(27, 37), 45, 46, 47, *range(50, 59)])
 
 
 class Document:
@@ -5250,7 +5250,7 @@ def excel_date(value, epoch):
     base = datetime.datetime(1899, 12, 30) if epoch == 1900 else datetime.datetime(1904, 1, 1)
     moment = base + datetime.timedelta(days=days)
     moment = moment.replace(microsecond=0) + datetime.timedelta(seconds=round(moment.microsecond / 1e6))
-    return moment.strftime("%Y-%m-%d") if moment.time() == datetime.time() else moment.strftime("%Y-%m-%d %H:%M:%S")
+    return moment.strftime("%Y-%m-%d" if moment.time() == datetime.time() else "%Y-%m-%d %H:%M:%S")
 
 
 def markdown_table(rows):
@@ -5323,7 +5323,7 @@ PDF_STANDARD_HIGH = (  # StandardEncoding from 0xa1 ('' : no glyph)
     " acute circumflex tilde macron breve dotaccent dieresis '' ring cedilla '' hungarumlaut ogonek caron emdash"
     " " + "'' " * 16 + "AE '' ordfeminine '' '' '' '' Lslash Oslash OE ordmasculine '' '' '' '' '' ae '' '' ''"
     " dotlessi '' '' lslash oslash oe germandbls")
-PDF_ACCENTS = {"GRAVE": "grave", "ACUTE": "acute", "CIRCUMFLEX": "circumflex", "TILDE": "tilde",
+PDF_ACCENTS = {"": "", "GRAVE": "grave", "ACUTE": "acute", "CIRCUMFLEX": "circumflex", "TILDE": "tilde",
                "DIAERESIS": "dieresis", "RING ABOVE": "ring", "CEDILLA": "cedilla", "CARON": "caron",
                "MACRON": "macron", "BREVE": "breve", "OGONEK": "ogonek", "DOT ABOVE": "dotaccent",
                "DOUBLE ACUTE": "hungarumlaut", "STROKE": "slash"}
@@ -5387,17 +5387,12 @@ def pdf_glyph(name):
         import unicodedata
         words = PDF_GLYPHS.split()
         PDF_NAMES.update((words[i], chr(int(words[i + 1], 16))) for i in range(0, len(words), 2))
-        for code in list(range(0xc0, 0x250)) + list(range(0x391, 0x3ca)):
-            c = chr(code)
-            n = unicodedata.name(c, "")
-            m = re.match(r"(LATIN|GREEK) (CAPITAL|SMALL) LETTER (\w+)(?: WITH (.+))?$", n)
-            if not m or m.group(4) and m.group(4) not in PDF_ACCENTS:
-                continue
-            base = m.group(3).lower() if m.group(1) == "GREEK" or len(m.group(3)) == 1 else None
-            if base is None:
-                continue
-            base = base.capitalize() if m.group(2) == "CAPITAL" else base
-            PDF_NAMES.setdefault(base + (PDF_ACCENTS[m.group(4)] if m.group(4) else ""), c)
+        for c in map(chr, [*range(0xc0, 0x250), *range(0x391, 0x3ca)]):
+            m = re.match(r"(LATIN|GREEK) (CAPITAL|SMALL) LETTER (\w+)(?: WITH (.+))?$", unicodedata.name(c, ""))
+            accent = PDF_ACCENTS.get(m.group(4) or "") if m else None
+            if accent is not None and (m.group(1) == "GREEK" or len(m.group(3)) == 1):
+                base = m.group(3).lower()
+                PDF_NAMES.setdefault((base.capitalize() if m.group(2) == "CAPITAL" else base) + accent, c)
         for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz":
             PDF_NAMES[c] = c
     known = PDF_NAMES.get(name)
@@ -5405,9 +5400,8 @@ def pdf_glyph(name):
         return known
     m = re.match(r"uni((?:[0-9A-F]{4})+)$", name)
     if m:
-        hexes = m.group(1)
-        return "".join(chr(int(hexes[i:i + 4], 16)) for i in range(0, len(hexes), 4) if int(hexes[i:i + 4], 16) < 0xd800
-                       or int(hexes[i:i + 4], 16) > 0xdfff)
+        codes = [int(m.group(1)[i:i + 4], 16) for i in range(0, len(m.group(1)), 4)]
+        return "".join(chr(c) for c in codes if not 0xd800 <= c <= 0xdfff)
     m = re.match(r"u([0-9A-F]{4,6})$", name)
     if m and int(m.group(1), 16) <= 0x10ffff:
         return chr(int(m.group(1), 16))
@@ -5423,17 +5417,12 @@ def pdf_glyph(name):
 def pdf_sfnt(data):
     """{glyph: text} of an embedded TrueType font: from its Unicode cmap subtables, else its
     post table's glyph names. Bounded; a damaged font gives what was read."""
-    texts = {}
-    try:
-        tables = {}
-        count = struct.unpack_from(">H", data, 4)[0]
-        for i in range(min(count, 64)):
-            tag, _, offset, _ = struct.unpack_from(">4sIII", data, 12 + 16 * i)
-            tables[tag] = offset
+    try:                                                      # {tag: offset} of its tables
+        tables = dict(struct.unpack_from(">4s4xI4x", data, 12 + 16 * i)
+                      for i in range(min(struct.unpack_from(">H", data, 4)[0], 64)))
     except struct.error:
-        return texts
-    if tables.get(b"post") is not None:
-        texts = pdf_sfnt_names(data, tables[b"post"])
+        return {}
+    texts = pdf_sfnt_names(data, tables[b"post"]) if b"post" in tables else {}
     try:
         base = tables.get(b"cmap")
         if base is None:
@@ -5487,11 +5476,10 @@ def pdf_sfnt_subtable(data, at):
             table = dict(enumerate(data[at + 6:at + 262]))
         elif fmt == 4:
             segs = struct.unpack_from(">H", data, at + 6)[0] // 2
-            ends = struct.unpack_from(">%dH" % segs, data, at + 14)
-            starts = struct.unpack_from(">%dH" % segs, data, at + 16 + 2 * segs)
-            deltas = struct.unpack_from(">%dH" % segs, data, at + 16 + 4 * segs)
+            words = struct.unpack_from(">%dH" % (4 * segs + 1), data, at + 14)    # ends, a pad, starts, ...
+            ends, starts = words[:segs], words[segs + 1:2 * segs + 1]
+            deltas, ranges = words[2 * segs + 1:3 * segs + 1], words[3 * segs + 1:]
             ranges_at = at + 16 + 6 * segs
-            ranges = struct.unpack_from(">%dH" % segs, data, ranges_at)
             for k in range(segs):
                 for code in range(starts[k], min(ends[k], 0xfffe) + 1):
                     if ranges[k] == 0:
@@ -5609,8 +5597,7 @@ class PdfParser:
                 return self.container(what == b"<<", end, depth)
             return None, end                                   # '{' of a PostScript function: not text
         if kind == "word":
-            word = m.group(kind)
-            return (True if word == b"true" else False if word == b"false" else None), end
+            return {b"true": True, b"false": False}.get(m.group(kind)), end
         return None, end                                       # a stray closing bracket
 
     def container(self, is_dict, pos, depth):
@@ -5693,10 +5680,8 @@ def pdf_lines(runs):
         line.append(text)
         if ex < x and abs(ex - x) > abs(ey - y):
             back += len(text)                                 # drawn right to left: already in reading order
-        if vertical:
-            run = (x - 0.5 * size, x + 0.5 * size, min(y, ey) - 0.2 * size, max(y, ey) + 0.8 * size)
-        else:
-            run = (min(x, ex), max(x, ex), min(y, ey) - 0.2 * size, max(y, ey) + 0.8 * size)
+        x0, x1 = (x - 0.5 * size, x + 0.5 * size) if vertical else (min(x, ex), max(x, ex))
+        run = (x0, x1, min(y, ey) - 0.2 * size, max(y, ey) + 0.8 * size)
         box = run if box is None else (min(box[0], run[0]), max(box[1], run[1]), min(box[2], run[2]),
                                        max(box[3], run[3]))
         last = (x, y, ex, ey, size)
@@ -5775,7 +5760,7 @@ def pdf_bidi(line):
     return "".join(out)
 
 
-PDF_LIGATURES = {0xfb00: "ff", 0xfb01: "fi", 0xfb02: "fl", 0xfb03: "ffi", 0xfb04: "ffl", 0xfb05: "st", 0xfb06: "st"}
+PDF_LIGATURES = dict(zip(range(0xfb00, 0xfb07), "ff fi fl ffi ffl st st".split()))    # U+FB00 on
 
 
 class PdfFont:
@@ -6215,29 +6200,28 @@ class PdfCrypt:
     def __init__(self, pdf, d):
         if not isinstance(d, dict) or d.get("Filter") != "Standard":
             raise PdfError("encrypted with a security handler other than the standard one: it is not read")
-        get = pdf.get
-        v, r = get(d.get("V")) or 0, get(d.get("R")) or 0
-        o, u = get(d.get("O")) or b"", get(d.get("U")) or b""
-        self.aes, self.identity = False, False
-        cf = get(d.get("CF"))
-        if v >= 4 and isinstance(cf, dict):
-            filt = get(cf.get(get(d.get("StmF")) or "StdCF"))
-            method = get(filt.get("CFM")) if isinstance(filt, dict) else None
-            self.aes = method in ("AESV2", "AESV3")
-            self.identity = get(d.get("StmF")) == "Identity" or method == "None"
+        v, r = pdf.entry(d, "V") or 0, pdf.entry(d, "R") or 0
+        o, u = pdf.entry(d, "O") or b"", pdf.entry(d, "U") or b""
+        cf = pdf.entry(d, "CF", dict) if v >= 4 else None      # (version 4 and up: crypt filters)
+        stmf = pdf.entry(d, "StmF") if cf is not None else None
+        method = pdf.entry(pdf.entry(cf, stmf or "StdCF"), "CFM")
+        self.aes = method in ("AESV2", "AESV3")
+        self.identity = cf is not None and (stmf == "Identity" or method == "None")
         if r >= 5:
-            self.key, self.aes = self.aes256_key(get, d, r, o, u), True
+            self.key, self.aes = self.aes256_key(pdf, d, r, o, u), True
         else:
             self.key = self.md5_key(pdf, d, r, o, u)
 
     @staticmethod
-    def aes256_key(get, d, r, o, u):
+    def aes256_key(pdf, d, r, o, u):
         """The file key of revisions 5 and 6 (AES-256), by the empty user or owner password."""
         if len(u) < 48:
             raise PdfError("a damaged encryption dictionary (/U)")
         for check, sealed, udata in ((u, "UE", b""), (o, "OE", u[:48])):      # the user's, then an empty owner's
             if len(check) >= 48 and pdf_r6_hash(b"", check[32:40], r, udata) == check[:32]:
-                return pdf_aes_cbc(pdf_r6_hash(b"", check[40:48], r, udata), bytes(16), (get(d.get(sealed)) or b"")[:32])
+                return pdf_aes_cbc(pdf_r6_hash(b"", check[40:48], r, udata), bytes(16),
+                                   (pdf.entry(d, sealed) or b"")[:32])
+
         raise PdfError("encrypted with a password: it is not read (only an empty password is tried)")
 
     def md5_key(self, pdf, d, r, o, u):
@@ -6390,8 +6374,7 @@ class PdfText:
     the stream was run with (resources, where runs go, how deep in forms, which forms)."""
 
     def __init__(self, ctm, resources, runs, depth, forms):
-        self.ctm, self.font, self.size, self.tc, self.tw, self.th, self.tl, self.rise = ctm, None, 0.0, 0.0, 0.0, \
-            1.0, 0.0, 0.0
+        self.restore((ctm, None, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0))
         self.tm = self.lm = [1, 0, 0, 1, 0, 0]
         self.resources, self.runs, self.depth, self.forms = resources, runs, depth, forms
         self.fonts = self.xobjects = {}
