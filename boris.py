@@ -5283,6 +5283,8 @@ PDF_TOKEN = re.compile(rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*(?:"
                        rb"|/(?P<name>[^\x00\t\n\x0c\r ()<>\[\]{}/%]*)"
                        rb"|(?P<open><<|<|\[|\(|\{)|(?P<close>>>|\]|\}|\)|>)"
                        rb"|(?P<word>[^\x00\t\n\x0c\r ()<>\[\]{}/%]+))")
+PDF_REF = re.compile(rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*([+-]?\d+)(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])"
+                     rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*R(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])")   # " g R"
 PDF_STRING_ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"b": b"\b", b"f": b"\f"}
 PDF_LITERAL = re.compile(rb"\\([0-7]{1,3}|\r\n|.?)|[()]", re.S)    # an escape, or a parenthesis
 PDF_GLYPHS = (  # Adobe glyph names for what is not a letter (letters with accents and Greek are derived)
@@ -5375,10 +5377,10 @@ class PdfRef(tuple):
 
 class PdfStream:
     """A stream object: its dictionary and its raw (undecoded, still encrypted) bytes."""
-    __slots__ = ("dict", "raw", "ref")
+    __slots__ = ("dict", "raw")
 
-    def __init__(self, d, raw, ref=None):
-        self.dict, self.raw, self.ref = d, raw, ref
+    def __init__(self, d, raw):
+        self.dict, self.raw = d, raw
 
 
 def pdf_glyph(name):
@@ -5519,14 +5521,12 @@ def pdf_mac_glyph(index):
 
 def pdf_encoding(name):
     """A base encoding by name: {code: text}."""
-    if name == "WinAnsiEncoding":
-        table = {i: bytes([i]).decode("cp1252", "replace") for i in range(32, 256)}
-        table.update((i, "\u2022") for i in (0x81, 0x8d, 0x8f, 0x90, 0x9d))
+    codec = {"WinAnsiEncoding": "cp1252", "MacRomanEncoding": "mac_roman", "PDFDocEncoding": "latin-1"}.get(name)
+    if codec:
+        table = {i: bytes([i]).decode(codec, "replace") for i in range(32, 256)}
+        if codec == "cp1252":                               # the codes cp1252 leaves undefined: bullets
+            table.update((i, "\u2022") for i in (0x81, 0x8d, 0x8f, 0x90, 0x9d))
         return table
-    if name == "MacRomanEncoding":
-        return {i: bytes([i]).decode("mac_roman") for i in range(32, 256)}
-    if name == "PDFDocEncoding":
-        return {i: bytes([i]).decode("latin-1") for i in range(32, 256)}
     table = {i: chr(i) for i in range(32, 127)}          # StandardEncoding
     table[0x27], table[0x60] = "\u2019", "\u2018"
     for i, glyph in enumerate(PDF_STANDARD_HIGH.split()):
@@ -5570,13 +5570,8 @@ class PdfParser:
             text = m.group(kind)
             if b"." in text:
                 return float(text), end
-            value = int(text)
-            m2 = PDF_TOKEN.match(data, end)
-            if m2 is not None and m2.lastgroup == "num" and b"." not in m2.group("num"):
-                m3 = PDF_TOKEN.match(data, m2.end())
-                if m3 is not None and m3.group("word") == b"R":
-                    return PdfRef((value, int(m2.group("num")))), m3.end()
-            return value, end
+            ref = PDF_REF.match(data, end)
+            return (PdfRef((int(text), int(ref.group(1)))), ref.end()) if ref else (int(text), end)
         if kind == "name":
             raw = m.group(kind)
             if b"#" in raw:
@@ -5593,7 +5588,7 @@ class PdfParser:
                 if close < 0:
                     raise PdfError("an unterminated hex string")
                 return pdf_hex(data[end:close]), close + 1
-            if what == b"[" or what == b"<<":
+            if what in (b"[", b"<<"):
                 return self.container(what == b"<<", end, depth)
             return None, end                                   # '{' of a PostScript function: not text
         if kind == "word":
@@ -5688,8 +5683,8 @@ def pdf_lines(runs):
     if line:
         lines.append(("".join(line), back, box))
     lines = [lines[i] for i in pdf_reading_order([b for _, _, b in lines])]
-    text = "\n".join((pdf_bidi(" ".join(l.split())) if 2 * back < len(l) else " ".join(l.split()))
-                     if l.strip() else "" for l, back, _ in lines).strip("\n")
+    text = "\n".join(pdf_bidi(" ".join(l.split())) if 2 * back < len(l) else " ".join(l.split())
+                     for l, back, _ in lines).strip("\n")
     return text.translate(PDF_LIGATURES)
 
 
@@ -5701,8 +5696,7 @@ def pdf_reading_order(boxes):
     very many lines keeps its drawing order."""
     if len(boxes) < 2 or len(boxes) > 3000:
         return list(range(len(boxes)))
-    heights = sorted(b[3] - b[2] for b in boxes)
-    unit = max(heights[len(heights) // 2], 1.0)
+    unit = max(sorted(b[3] - b[2] for b in boxes)[len(boxes) // 2], 1.0)     # a median line's height
     out, stack = [], [list(range(len(boxes)))]
     while stack:
         group = stack.pop()
@@ -5910,7 +5904,7 @@ class PdfFont:
         """{code: text} a simple font starts from: a named encoding, an embedded Type 1 font's
         own, else the standard one its kind implies (none for symbol fonts)."""
         if name in ("WinAnsiEncoding", "MacRomanEncoding", "StandardEncoding", "PDFDocEncoding"):
-            return dict(pdf_encoding(name))
+            return pdf_encoding(name)
         if subtype == "Type3":
             return {}
         program = pdf.entry(descriptor, "FontFile", PdfStream)
@@ -5924,7 +5918,7 @@ class PdfFont:
                            for c, n in re.findall(rb"dup\s+(\d+)\s*/(\S+)\s+put", head) if int(c) < 256}
                 if builtin:
                     return builtin
-        return dict(pdf_encoding("WinAnsiEncoding" if subtype == "TrueType" else "StandardEncoding")) \
+        return pdf_encoding("WinAnsiEncoding" if subtype == "TrueType" else "StandardEncoding") \
             if "Symbol" not in base and "Dingbat" not in base else {}
 
     @staticmethod
@@ -6227,12 +6221,10 @@ class PdfCrypt:
     def md5_key(self, pdf, d, r, o, u):
         """The file key of revisions 2 to 4 (RC4, AES-128), by the empty user or owner password."""
         import hashlib
-        get = pdf.get
-        ids = get(pdf.trailer.get("ID"))
-        first = get(ids[0]) if isinstance(ids, list) and ids and isinstance(get(ids[0]), bytes) else b""
-        p = get(d.get("P")) or 0
-        n = (get(d.get("Length")) or (128 if self.aes else 40)) // 8 if r >= 3 else 5
-        n = max(5, min(16, n))
+        first = pdf.get((pdf.entry(pdf.trailer, "ID", list) or [b""])[0])
+        first = first if isinstance(first, bytes) else b""
+        p = pdf.entry(d, "P") or 0
+        n = max(5, min(16, (pdf.entry(d, "Length") or (128 if self.aes else 40)) // 8 if r >= 3 else 5))
 
         def rehashed(key, keep):                            # revision 3 and up: MD5 50 times more
             for _ in range(50 if r >= 3 else 0):
@@ -6241,7 +6233,7 @@ class PdfCrypt:
 
         def user(password):                                 # the file key if `password` is the user's
             h = hashlib.md5(password + o[:32] + (p & 0xffffffff).to_bytes(4, "little") + first)
-            if r >= 4 and get(d.get("EncryptMetadata")) is False:
+            if r >= 4 and pdf.entry(d, "EncryptMetadata") is False:
                 h.update(b"\xff\xff\xff\xff")
             key = rehashed(h.digest()[:n], n)
             if r == 2:
@@ -6291,7 +6283,7 @@ class PdfCrypt:
         if isinstance(value, PdfStream):
             if value.dict.get("Type") == "XRef":
                 return value
-            return PdfStream(self.decrypt(value.dict, key, depth + 1), self.data(key, value.raw), value.ref)
+            return PdfStream(self.decrypt(value.dict, key, depth + 1), self.data(key, value.raw))
         return value
 
 
@@ -6398,13 +6390,9 @@ class Pdf(PdfParser):
     inherited resources, page_text() reads one page."""
 
     def __init__(self, data):
-        self.data = data
+        self.data, self.inflated, self.crypt, self.trailer, self.fonts = data, 0, None, {}, {}
         self.offsets, self.packed, self.cache = {}, {}, {}   # number -> offset; -> (stream number, index)
         self.scanned = None                                    # number -> offset found by a scan, when needed
-        self.inflated = 0
-        self.crypt = None
-        self.trailer = {}
-        self.fonts = {}
         self.unmapped = 0                                     # codes shown that no map turns into text
         if not pdf_sniff(data, "a.pdf"):
             raise PdfError("it does not start as a PDF does (%PDF-)")
@@ -6412,7 +6400,7 @@ class Pdf(PdfParser):
             self.read_xref()
         except (PdfError, ValueError, IndexError, KeyError, TypeError, RecursionError):
             self.offsets, self.packed, self.trailer = {}, {}, {}
-        if not isinstance(self.get(self.trailer.get("Root")), dict):
+        if self.entry(self.trailer, "Root", dict) is None:
             self.rebuild()
         if "Encrypt" in self.trailer:
             self.crypt = PdfCrypt(self, self.get(self.trailer["Encrypt"]))
@@ -6424,7 +6412,6 @@ class Pdf(PdfParser):
         m = re.compile(rb"[\x00\t\n\x0c\r ]*(\d+)[\x00\t\n\x0c\r ]+(\d+)[\x00\t\n\x0c\r ]+obj").match(self.data, pos)
         if m is None or number is not None and int(m.group(1)) != number:
             raise PdfError("no object %s at byte %d" % (number, pos))
-        ref = PdfRef((int(m.group(1)), int(m.group(2))))
         value, pos = self.obj(m.end())
         data = self.data
         s = re.compile(rb"[\x00\t\n\x0c\r ]*stream\r?\n?").match(data, pos) if isinstance(value, dict) else None
@@ -6435,16 +6422,14 @@ class Pdf(PdfParser):
         if end < 0 or end > len(data) or not re.match(rb"[\x00\t\n\x0c\r ]*endstream", data[end:end + 32]):
             # the first endstream (else the end of the file), less the line break before it
             end = re.compile(rb"(?:\r\n|[\r\n])?(?:endstream|\Z)").search(data, start).start()
-        return PdfStream(value, data[start:end], ref)
+        return PdfStream(value, data[start:end])
 
     def read_xref(self):
         """Read the xref sections from the last startxref back through /Prev."""
-        at = self.data.rfind(b"startxref")
-        if at < 0:
-            raise PdfError("no startxref")
+        at = self.data.rfind(b"startxref")                    # (-1: none, and no match)
         m = re.match(rb"startxref\s*(\d+)", self.data[at:at + 40])
         if m is None:
-            raise PdfError("startxref without an offset")
+            raise PdfError("no startxref with an offset")
         pos, seen = int(m.group(1)), set()
         while pos is not None and pos not in seen and len(seen) < 1000:
             seen.add(pos)
@@ -6526,10 +6511,7 @@ class Pdf(PdfParser):
             if isinstance(trailer, dict):
                 self.trailer.update(trailer)
         for number in list(self.offsets):
-            try:
-                value = self.get(PdfRef((number, 0)))
-            except PdfError:
-                continue
+            value = self.get(PdfRef((number, 0)))
             d = value.dict if isinstance(value, PdfStream) else value
             if not isinstance(d, dict):
                 continue
@@ -6543,7 +6525,7 @@ class Pdf(PdfParser):
                 for key in ("Root", "Info", "Encrypt", "ID"):
                     if key in d:
                         self.trailer.setdefault(key, d[key])
-        if not isinstance(self.get(self.trailer.get("Root")), dict):
+        if self.entry(self.trailer, "Root", dict) is None:
             for number in self.offsets:
                 value = self.get(PdfRef((number, 0)))
                 if isinstance(value, dict) and value.get("Type") == "Catalog":
@@ -6819,7 +6801,8 @@ class Pdf(PdfParser):
         """One operator of a content stream, on the state `st` (and `stack`, the states q saved)."""
         if op in (b"Tj", b"'", b'"', b"TJ"):
             self.show(op, operands, st)
-        elif op == b"Td" or op == b"TD":
+        elif op in (b"Td", b"TD"):
+
             tx, ty = operands[-2], operands[-1]
             if op == b"TD":
                 st.tl = -ty
@@ -6850,7 +6833,7 @@ class Pdf(PdfParser):
     def show(self, op, operands, st):
         """A text-showing operator (Tj, TJ, ' and "): its strings as runs in page space (and
         TJ's numbers, which move the pen)."""
-        if op == b"'" or op == b'"':
+        if op in (b"'", b'"'):
             if op == b'"' and len(operands) >= 3:
                 st.tw, st.tc = operands[-3], operands[-2]
             st.move(0, -st.tl)
