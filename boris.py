@@ -4836,7 +4836,7 @@ class Document:
 
     def __init__(self, path, f):
         import zipfile
-        self.path, self.kind = path, os.path.splitext(path)[1].lower()
+        self.kind = os.path.splitext(path)[1].lower()
         try:
             self.zip = zipfile.ZipFile(f)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, OverflowError) as e:
@@ -5159,7 +5159,8 @@ class Document:
             for cell in row:
                 if cell.tag not in (TB + "table-cell", TB + "covered-table-cell"):
                     continue
-                kind = cell.get(O + "value-type") if values else None
+                kind = values and cell.get(O + "value-type")
+
                 if kind in ("float", "percentage", "currency"):
                     text = cell.get(O + "value", "")
                 elif kind == "date":
@@ -5329,10 +5330,10 @@ PDF_ACCENTS = {"": "", "GRAVE": "grave", "ACUTE": "acute", "CIRCUMFLEX": "circum
                "DIAERESIS": "dieresis", "RING ABOVE": "ring", "CEDILLA": "cedilla", "CARON": "caron",
                "MACRON": "macron", "BREVE": "breve", "OGONEK": "ogonek", "DOT ABOVE": "dotaccent",
                "DOUBLE ACUTE": "hungarumlaut", "STROKE": "slash"}
-PDF_CODECS = (("UTF16", "utf-16-be"), ("UCS2", "utf-16-be"), ("UTF8", "utf-8"), ("UTF32", "utf-32-be"),
-              ("RKSJ", "cp932"), ("GBK", "gbk"), ("GB-EUC", "gb2312"), ("GBpc-EUC", "gb2312"), ("GBT", "gb18030"),
-              ("B5", "cp950"), ("KSC", "cp949"), ("UHC", "cp949"), ("CNS", None), ("EUC-H", "euc_jp"),
-              ("EUC-V", "euc_jp"))                   # first match wins: GBK-EUC-H is GBK; CNS has no codec here
+# A CMap name's part and the codec its codes are in (CNS: none here); the first match wins: GBK-EUC-H is GBK
+PDF_CODECS = [part.split(":") for part in (
+    "UTF16:utf-16-be UCS2:utf-16-be UTF8:utf-8 UTF32:utf-32-be RKSJ:cp932 GBK:gbk GB-EUC:gb2312"
+    " GBpc-EUC:gb2312 GBT:gb18030 B5:cp950 KSC:cp949 UHC:cp949 CNS: EUC-H:euc_jp EUC-V:euc_jp").split()]
 PDF_METRICS = {  # widths of codes 32-126 in two of the standard 14 fonts, for PDFs that leave /Widths out
     "Helvetica": (
         "278 278 355 556 556 889 667 191 333 333 389 584 278 333 278 278 556 556 556 556 556 556 556 556 556 "
@@ -5410,10 +5411,8 @@ def pdf_glyph(name):
     base = name.split(".")[0]
     if base != name and base:
         return pdf_glyph(base)
-    if "_" in name:
-        parts = [pdf_glyph(p) for p in name.split("_")]
-        return "".join(parts) if None not in parts else None
-    return None
+    parts = [pdf_glyph(p) for p in name.split("_")] if "_" in name else [None]
+    return None if None in parts else "".join(parts)
 
 
 def pdf_sfnt(data):
@@ -5425,15 +5424,12 @@ def pdf_sfnt(data):
     except struct.error:
         return {}
     texts = pdf_sfnt_names(data, tables[b"post"]) if b"post" in tables else {}
+    base, subtables = tables.get(b"cmap"), []                 # the Unicode subtables, best first
     try:
-        base = tables.get(b"cmap")
-        if base is None:
-            return texts
-        subtables = []                                        # the Unicode ones, best first
-        for i in range(min(struct.unpack_from(">H", data, base + 2)[0], 64)):
+        for i in range(min(struct.unpack_from(">H", data, base + 2)[0], 64) if base is not None else 0):
             platform, encoding, offset = struct.unpack_from(">HHI", data, base + 4 + 8 * i)
-            if platform == 0 or (platform, encoding) in ((3, 1), (3, 10)):
-                rank = {(3, 10): 0, (3, 1): 1, (0, 4): 2, (0, 3): 3}.get((platform, encoding), 4)
+            rank = {(3, 10): 0, (3, 1): 1, (0, 4): 2, (0, 3): 3}.get((platform, encoding), 4 if platform == 0 else None)
+            if rank is not None:
                 subtables.append((rank, base + offset))
     except struct.error:
         return texts
@@ -5815,7 +5811,7 @@ class PdfFont:
         if name in ("H", "V") and not cmap:
             self.codec = "jis"                             # JIS X 0208 codes, two bytes
         if not cmap and "Identity" not in name and self.codec is None:
-            self.codec = next((codec for part, codec in PDF_CODECS if part in name), None)
+            self.codec = next((codec or None for part, codec in PDF_CODECS if part in name), None)
         return name, cmap
 
     def cid_widths(self, pdf, kid):
@@ -6156,9 +6152,8 @@ def pdf_run_length(data):
 
 def pdf_predictor(data, p):
     """Undo a PNG (10 and up) or TIFF (2) predictor of 8-bit samples."""
-    colors = p.get("Colors") if isinstance(p.get("Colors"), int) else 1
-    bpc = p.get("BitsPerComponent") if isinstance(p.get("BitsPerComponent"), int) else 8
-    columns = p.get("Columns") if isinstance(p.get("Columns"), int) else 1
+    colors, bpc, columns = (p.get(k) if isinstance(p.get(k), int) else n
+                            for k, n in (("Colors", 1), ("BitsPerComponent", 8), ("Columns", 1)))
     bpp = max(1, colors * bpc // 8)
     row = (colors * bpc * columns + 7) // 8
     if p["Predictor"] == 2:
@@ -6819,12 +6814,11 @@ class Pdf(PdfParser):
             st.tm = st.lm = [1, 0, 0, 1, 0, 0]
         elif op == b"cm":
             st.ctm = pdf_mul([float(x) for x in operands[-6:]], st.ctm)
-        elif op == b"q":
-            if len(stack) < 1000:
-                stack.append(st.saved())
-        elif op == b"Q":
-            if stack:
-                st.restore(stack.pop())
+        elif op == b"q" and len(stack) < 1000:
+            stack.append(st.saved())
+        elif op == b"Q" and stack:
+            st.restore(stack.pop())
+
         elif op in PDF_TEXT_PARAMETERS:
             setattr(st, PDF_TEXT_PARAMETERS[op], float(operands[-1]) / (100.0 if op == b"Tz" else 1.0))
         elif op == b"Do":
