@@ -5478,14 +5478,14 @@ def pdf_sfnt_subtable(data, at):
             ends, starts = words[:segs], words[segs + 1:2 * segs + 1]
             deltas, ranges = words[2 * segs + 1:3 * segs + 1], words[3 * segs + 1:]
             ranges_at = at + 16 + 6 * segs
-            for k in range(segs):
-                for code in range(starts[k], min(ends[k], 0xfffe) + 1):
-                    if ranges[k] == 0:
-                        gid = (code + deltas[k]) & 0xffff
+            for k, (start, end, delta, offset) in enumerate(zip(starts, ends, deltas, ranges)):
+                for code in range(start, min(end, 0xfffe) + 1):
+                    if offset == 0:
+                        gid = (code + delta) & 0xffff
                     else:
-                        spot = ranges_at + 2 * k + ranges[k] + 2 * (code - starts[k])
+                        spot = ranges_at + 2 * k + offset + 2 * (code - start)
                         gid = struct.unpack_from(">H", data, spot)[0] if spot + 2 <= len(data) else 0
-                        gid = (gid + deltas[k]) & 0xffff if gid else 0
+                        gid = (gid + delta) & 0xffff if gid else 0
                     if gid:
                         table[code] = gid
         elif fmt == 6:
@@ -5663,7 +5663,8 @@ def pdf_lines(runs):
             along, across = gx * ux + gy * uy, abs(gy * ux - gx * uy)
             h = max(size, lsize)
             if across < 0.6 * h and -0.6 * h < along < 40 * h:
-                if along > 0.1 * h and line and not line[-1][-1:].isspace() and not text[:1].isspace():
+                if along > 0.1 * h and not line[-1][-1:].isspace() and not text[:1].isspace():
+
                     line.append(" ")
             else:
                 lines.append(("".join(line), back, box))
@@ -5696,9 +5697,6 @@ def pdf_reading_order(boxes):
     out, stack = [], [list(range(len(boxes)))]
     while stack:
         group = stack.pop()
-        if len(group) < 2:
-            out.extend(group)
-            continue
         best = None
         for axis, least in ((2, 0.5 * unit), (0, 1.0 * unit)):      # (y0, y1) bands, then (x0, x1)
             spans = sorted((boxes[i][axis], boxes[i][axis + 1]) for i in group)
@@ -5717,8 +5715,7 @@ def pdf_reading_order(boxes):
         high = [i for i in group if boxes[i][axis + 1] > cut]
         # read first: the upper part of a row cut (higher y), the left part of a column cut
         first, then = (high, low) if axis == 2 else (low, high)
-        stack.append(then)
-        stack.append(first)
+        stack += [then, first]
     return out
 
 
@@ -6115,22 +6112,12 @@ def pdf_ascii85(data):
     try:
         return base64.a85decode(data)
     except ValueError:                                        # damaged: what decodes before the first bad group
-        out, group = bytearray(), []
-        for c in data:
-            if c == 0x7a and not group:
-                out += b"\0\0\0\0"
-                continue
-            if not 0x21 <= c <= 0x75:
+        out = bytearray()
+        for group in re.findall(rb"z|[!-u]{5}", re.match(rb"(?:z|[!-u]{5})*", data).group()):
+            try:
+                out += base64.a85decode(group)
+            except ValueError:                                # a group past 2**32
                 break
-            group.append(c - 33)
-            if len(group) == 5:
-                n = 0
-                for d in group:
-                    n = n * 85 + d
-                if n > 0xffffffff:
-                    break
-                out += n.to_bytes(4, "big")
-                group = []
         return bytes(out)
 
 
@@ -6740,8 +6727,7 @@ class Pdf(PdfParser):
                 continue
             kind, value = self.field_value(annot, normal)
             if kind in ("Tx", "Ch") and isinstance(value, bytes) and (regenerate or not isinstance(normal, PdfStream)):
-                da = self.entry(annot, "DA", bytes)
-                size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", da) if da else None
+                size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", self.entry(annot, "DA", bytes) or b"")
                 size = float(size.group(1)) if size and float(size.group(1)) > 0 else 12.0
                 for k, line in enumerate(pdf_text_string(value).splitlines()):
                     runs.append((x, y - k * size, x + 0.5 * size * len(line), y - k * size, size, line, False))
