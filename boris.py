@@ -6008,25 +6008,23 @@ class PdfCMap(dict):
                 value, pos = sub.obj(pos)
                 tokens.append(value)
                 continue
-            pos = m.end()
+            pos, pairs = m.end(), list(zip(tokens[0::2], tokens[1::2]))
             if word in (b"begincodespacerange", b"beginbfchar", b"beginbfrange", b"begincidrange", b"begincidchar"):
                 mode, tokens = word, []
-            elif word in (b"endcidrange", b"endcidchar"):
+                continue
+            if word in (b"endcidrange", b"endcidchar"):
                 self.cid_ranges(tokens, 3 if word == b"endcidrange" else 2)
-                mode = None
             elif word == b"endcodespacerange":
-                self.spans += [(len(lo), lo, hi) for lo, hi in zip(tokens[0::2], tokens[1::2]) if isinstance(lo, bytes)
+                self.spans += [(len(lo), lo, hi) for lo, hi in pairs if isinstance(lo, bytes)
                                and isinstance(hi, bytes) and len(lo) == len(hi) and 0 < len(lo) <= 4]
-                mode = None
             elif word == b"endbfchar":
-                self.update((src, pdf_unicode(dst)) for src, dst in zip(tokens[0::2], tokens[1::2])
-                            if isinstance(src, bytes))
-                mode = None
+                self.update((src, pdf_unicode(dst)) for src, dst in pairs if isinstance(src, bytes))
             elif word == b"endbfrange":
                 self.bf_ranges(tokens)
-                mode = None
-            if mode is None:
-                tokens = []
+            elif mode is not None:                            # a stray word inside a block
+                continue
+            mode, tokens = None, []
+
         self.spans.sort(key=lambda s: s[0])
 
     def cid_ranges(self, tokens, step):
@@ -6425,8 +6423,7 @@ class Pdf(PdfParser):
                 if not isinstance(stream, PdfStream):
                     raise PdfError("startxref points at no xref")
                 trailer = self.xref_stream(stream)
-            for key, value in trailer.items():
-                self.trailer.setdefault(key, value)
+            self.trailer = dict(trailer, **self.trailer)         # (the newest section's keys win)
             pos = trailer.get("Prev") if isinstance(trailer.get("Prev"), int) else None
 
     def xref_table(self, pos):
@@ -6461,11 +6458,8 @@ class Pdf(PdfParser):
         size, pos = sum(w), 0
         if size == 0:
             return d
-        for j in range(0, len(index) - 1, 2):
-            first, count = index[j], index[j + 1]
-            if not isinstance(first, int) or not isinstance(count, int):
-                continue
-            for i in range(count):
+        for first, count in zip(index[0::2], index[1::2]):
+            for i in range(count) if isinstance(first, int) and isinstance(count, int) else ():
                 row = data[pos:pos + size]
                 if len(row) < size:
                     return d
@@ -6876,7 +6870,7 @@ def pdf_job(job, emit):
         first, last = job["first"], job["last"] or len(pages)
         if not pages:
             raise PdfError("no pages found (a damaged file?)")
-        if first > len(pages) or last > len(pages):
+        if max(first, last) > len(pages):
             raise ToolError(INVALID_INPUT, "pages %s: the PDF has %s" % (job["asked"], plural(len(pages), "page")))
         texts = []
         for page, resources in pages[first - 1:last]:
