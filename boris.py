@@ -5594,23 +5594,18 @@ class PdfParser:
     def container(self, is_dict, pos, depth):
         """(an array, or a dictionary when `is_dict`, the offset after it) from just after
         its opening bracket."""
-        data, items, d = self.data, [], {}
+        data, items = self.data, []
         while True:
             m = PDF_TOKEN.match(data, pos)
             if m is None:
                 raise PdfError("an unterminated %s" % ("dictionary" if is_dict else "array"))
             if m.lastgroup == "close":
-                return (d if is_dict else items), m.end()
+                break
             value, pos = self.obj(pos, depth + 1)
-            if not is_dict:
-                items.append(value)
-                continue
-            m = PDF_TOKEN.match(data, pos)
-            if m is not None and m.lastgroup == "close":
-                return d, m.end()
-            key, (value, pos) = value, self.obj(pos, depth + 1)
-            if isinstance(key, PdfName):
-                d[str(key)] = value
+            items.append(value)
+        if is_dict:                                 # its keys and values in pairs (a last key alone: none)
+            return {str(k): v for k, v in zip(items[0::2], items[1::2]) if isinstance(k, PdfName)}, m.end()
+        return items, m.end()
 
     def literal(self, pos):
         """(a literal string's bytes, its escapes undone, the offset after it) from just after its '('."""
@@ -6389,11 +6384,12 @@ class Pdf(PdfParser):
     # -- the file's structure
     def indirect(self, pos, number=None):
         """The object defined at offset pos ('n g obj ... endobj'), a stream with its raw bytes."""
-        m = re.compile(rb"[\x00\t\n\x0c\r ]*(\d+)[\x00\t\n\x0c\r ]+(\d+)[\x00\t\n\x0c\r ]+obj").match(self.data, pos)
+        data = self.data
+        m = re.compile(rb"[\x00\t\n\x0c\r ]*(\d+)[\x00\t\n\x0c\r ]+(\d+)[\x00\t\n\x0c\r ]+obj").match(data, pos)
         if m is None or number is not None and int(m.group(1)) != number:
             raise PdfError("no object %s at byte %d" % (number, pos))
         value, pos = self.obj(m.end())
-        data = self.data
+
         s = re.compile(rb"[\x00\t\n\x0c\r ]*stream\r?\n?").match(data, pos) if isinstance(value, dict) else None
         if s is None:
             return value
