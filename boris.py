@@ -4825,8 +4825,9 @@ OOXML_P = "{http://schemas.openxmlformats.org/presentationml/2006/main}"
 OOXML_A = "{http://schemas.openxmlformats.org/drawingml/2006/main}"
 OOXML_R = "{http://schemas.openxmlformats.org/officeDocument/2006/relationships}"
 OOXML_RELS = "{http://schemas.openxmlformats.org/package/2006/relationships}"
-ODF = {k: "{urn:oasis:names:tc:opendocument:xmlns:%s:1.0}" % v for k, v in (
-    ("text", "text"), ("table", "table"), ("office", "office"), ("draw", "drawing"), ("pres", "presentation"))}
+ODF = {k: "{urn:oasis:names:tc:opendocument:xmlns:%s:1.0}" % v for k, v in zip(
+    ("text", "table", "office", "draw", "pres"), ("text", "table", "office", "drawing", "presentation"))}
+
 XLSX_DATE_FORMATS = frozenset([*range(14, 23), *range(27, 37), 45, 46, 47, *range(50, 59)])
 
 
@@ -4977,10 +4978,10 @@ class Document:
                 out.append(markdown_table(rows))
             elif el.tag in (W + "sdt", W + "sdtContent", W + "customXml", W + "ins"):
                 out += self.docx_blocks(el, styles)
-        joined, prev = [], None                     # list items stay together
+        joined, prev = [], False                    # list items stay together
         for block in out:
             item = block.lstrip().startswith("- ")
-            if joined and item and prev:
+            if item and prev:
                 joined[-1] += "\n" + block
             else:
                 joined.append(block)
@@ -5063,9 +5064,9 @@ class Document:
 
     @staticmethod
     def xlsx_text(si):
-        """A shared or inline string: its runs' text, phonetic guides left out."""
-        return "".join(t.text or "" for t in si.iter(OOXML_S + "t")) if si.find(OOXML_S + "rPh") is None else \
-            "".join(t.text or "" for r in [si] + si.findall(OOXML_S + "r") for t in r.findall(OOXML_S + "t"))
+        """A shared or inline string: its text, then its runs' (phonetic guides, rPh, left out)."""
+        return "".join(t.text or "" for r in [si] + si.findall(OOXML_S + "r") for t in r.findall(OOXML_S + "t"))
+
 
     @staticmethod
     def is_date(fmt, codes):
@@ -5735,10 +5736,8 @@ def pdf_bidi(line):
         tail = []                                             # spaces after a Latin run stay where they are
         while run and unicodedata.bidirectional(run[-1]) not in ("L", "EN", "AN"):
             tail.append(run.pop())
-        out.extend(reversed(run))
-        out.extend(reversed(tail))
+        out += run[::-1] + tail[::-1] + [c]
         run = []
-        out.append(c)
     return "".join(out)
 
 
@@ -6338,13 +6337,13 @@ class PdfText:
     """What Pdf.run keeps while it reads a content stream: the graphics state it needs (the
     transformation `ctm`, the font and its size, character and word spacing tc and tw,
     horizontal scale th, leading tl, rise, the text and line matrices tm and lm) and what
-    the stream was run with (resources, where runs go, how deep in forms, which forms)."""
+    the stream was run with (resources, where runs go, how deep in forms, which forms; and
+    the resources' fonts and xobjects, which run() sets)."""
 
     def __init__(self, ctm, resources, runs, depth, forms):
         self.restore((ctm, None, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0))
         self.tm = self.lm = [1, 0, 0, 1, 0, 0]
         self.resources, self.runs, self.depth, self.forms = resources, runs, depth, forms
-        self.fonts = self.xobjects = {}
 
     def saved(self):
         """What q saves and Q restores."""
@@ -6565,7 +6564,7 @@ class Pdf(PdfParser):
     def decoded(self, stream):
         """The bytes of a stream, its filters undone (decrypted first); bounded."""
         d, data = stream.dict, stream.raw
-        filters, params = self.get(d.get("Filter")), self.get(d.get("DecodeParms"))
+        filters, params = self.entry(d, "Filter"), self.entry(d, "DecodeParms")
         filters = filters if isinstance(filters, list) else [filters] if filters else []
         params = params if isinstance(params, list) else [params] * len(filters)
         for f, p in zip(filters, params + [None] * len(filters)):
@@ -6636,7 +6635,7 @@ class Pdf(PdfParser):
     def pages(self):
         """[(the page dictionary, its resources)], in order, through the page tree (cycles and
         depth bounded; a tree that leads nowhere: the objects of /Type /Page, in file order)."""
-        root = self.get(self.trailer.get("Root")) or {}
+        root = self.entry(self.trailer, "Root") or {}
         out, seen = [], set()
 
         def walk(node, resources, depth):
