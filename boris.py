@@ -5348,6 +5348,7 @@ PDF_METRICS = {  # widths of codes 32-126 in two of the standard 14 fonts, for P
         "500 278 778 500 500 500 500 333 389 278 500 500 722 500 500 444 480 200 480 541 ")}
 PDF_NAMES = {}                              # glyph name -> text, filled at first use
 PDF_NUMBER = (int, float)
+PDF_TWO_BYTES = ((2, b"\x00\x00", b"\xff\xff"),)     # a codespace of two-byte codes, all of them
 
 
 def pdf_sniff(head, name):
@@ -5761,8 +5762,8 @@ class PdfFont:
             try:
                 cmap = PdfCMap(pdf.decoded(tounicode))
                 self.spans = cmap.spans
-            except PdfError:
-                cmap = {}
+            except PdfError:                                    # (cmap stays {})
+                pass
         if self.composite:
             self.composite_font(pdf, d, cmap)
         else:
@@ -5774,8 +5775,7 @@ class PdfFont:
         kid = kid if isinstance(kid, dict) else {}
         name, cmap = self.cid_encoding(pdf, d, cmap)
         self.cid_widths(pdf, kid)
-        if not self.spans:
-            self.spans = [(2, b"\x00\x00", b"\xff\xff")]
+        self.spans = self.spans or PDF_TWO_BYTES
         if not cmap and self.codec is None and ("Identity" in name or not name):
             # no ToUnicode, codes that are CIDs: the embedded font's own map,
             cmap = self.embedded(pdf, kid)               # else the ASCII block of Adobe's CJK collections
@@ -5797,7 +5797,7 @@ class PdfFont:
                 pass
         self.vertical = name.endswith("-V")
         if isinstance(enc, str) and "Identity" in name:  # two bytes a code, whatever ToUnicode's ranges say
-            self.spans = [(2, b"\x00\x00", b"\xff\xff")]
+            self.spans = PDF_TWO_BYTES
             cmap = {int.from_bytes(c, "big").to_bytes(2, "big"): t for c, t in cmap.items() if len(c) <= 2}
         if name in ("H", "V") and not cmap:
             self.codec = "jis"                             # JIS X 0208 codes, two bytes
@@ -5923,12 +5923,8 @@ class PdfFont:
             return {}
         if gids is None:
             return {gid.to_bytes(2, "big"): t for gid, t in texts.items() if gid < 0x10000}
-        out = {}
-        for cid in range(min(len(gids) // 2, 0x10000)):
-            t = texts.get(gids[2 * cid] << 8 | gids[2 * cid + 1])
-            if t is not None:
-                out[cid.to_bytes(2, "big")] = t
-        return out
+        found = ((cid, texts.get(gids[2 * cid] << 8 | gids[2 * cid + 1])) for cid in range(min(len(gids) // 2, 0x10000)))
+        return {cid.to_bytes(2, "big"): t for cid, t in found if t is not None}
 
     def decode(self, s):
         """(text, width in text space units of one point, codes, single-byte spaces, codes with no
@@ -5963,7 +5959,7 @@ class PdfFont:
     def cid_codes(self, s):
         """decode() in a composite font: codes split by the codespace, mapped by ToUnicode."""
         uni, widths, default, spans = self.uni, self.widths, self.default, self.spans
-        parts, width, codes, i, missing = [], 0.0, 0, 0, 0
+        parts, width, i, missing = [], 0.0, 0, 0
         while i < len(s):
             n = 0
             for size, lo, hi in spans:
@@ -5974,7 +5970,6 @@ class PdfFont:
             n = n or (2 if len(s) - i >= 2 else 1)
             c = s[i:i + n]
             i += n
-            codes += 1
             t, w = uni.get(c), widths.get(int.from_bytes(c, "big"), default)
             if t is None and n == 1:
                 t = uni.get(b"\x00" + c)                       # a one-byte code, ToUnicode's keys two bytes
@@ -5982,7 +5977,7 @@ class PdfFont:
                 missing += 1
             parts.append(t or (" " if w > 0 else ""))           # (a glyph with no text still parts words)
             width += w
-        return "".join(parts), width, codes, s.count(32) if all(n == 1 for n, _, _ in spans) else 0, missing
+        return "".join(parts), width, len(parts), s.count(32) if all(n == 1 for n, _, _ in spans) else 0, missing
 
 class PdfCMap(dict):
     """A CMap read: {code bytes: text} from ToUnicode's bfchar and bfrange (and cidchar
@@ -6373,7 +6368,8 @@ class Pdf(PdfParser):
         try:
             self.read_xref()
         except (PdfError, ValueError, IndexError, KeyError, TypeError, RecursionError):
-            self.offsets, self.packed, self.trailer = {}, {}, {}
+            self.trailer = {}                                 # (and rebuild() starts afresh)
+
         if self.entry(self.trailer, "Root", dict) is None:
             self.rebuild()
         if "Encrypt" in self.trailer:
