@@ -4826,7 +4826,8 @@ OOXML_A = "{http://schemas.openxmlformats.org/drawingml/2006/main}"
 OOXML_R = "{http://schemas.openxmlformats.org/officeDocument/2006/relationships}"
 OOXML_RELS = "{http://schemas.openxmlformats.org/package/2006/relationships}"
 ODF = {k: "{urn:oasis:names:tc:opendocument:xmlns:%s:1.0}" % v for k, v in zip(
-    ("text", "table", "office", "draw", "pres"), ("text", "table", "office", "drawing", "presentation"))}
+    ("text", "table", "office", "draw", "pres"),
+    ("text", "table", "office", "drawing", "presentation"))}
 
 XLSX_DATE_FORMATS = frozenset([*range(14, 23), *range(27, 37), 45, 46, 47, *range(50, 59)])
 
@@ -4863,15 +4864,17 @@ class Document:
                 raise ToolError(INVALID_INPUT, "a part of it is not well-formed XML (%s)" % e)
             except RuntimeError as e:                   # zipfile: an encrypted member
                 raise ToolError(INVALID_INPUT, "an encrypted %s: it is not read (%s)" % (what, e))
-            except (zipfile.BadZipFile, zlib.error, NotImplementedError, OSError, EOFError, ValueError,
-                    KeyError, IndexError, OverflowError) as e:
-                raise ToolError(INVALID_INPUT, "a damaged %s (%s: %s)" % (what, type(e).__name__, e))
+            except (zipfile.BadZipFile, zlib.error, NotImplementedError, OSError, EOFError,
+                    ValueError, KeyError, IndexError, OverflowError) as e:
+                raise ToolError(INVALID_INPUT, "a damaged %s (%s: %s)" % (
+                    what, type(e).__name__, e))
             finally:
                 doc.zip.close()
 
     def markdown(self):
         """The document as Markdown, by its kind (.docx and .docm alike)."""
-        return {"doc": self.docx, "xls": self.xlsx, "ppt": self.pptx}.get(self.kind[1:4], self.odf)()
+        by_kind = {"doc": self.docx, "xls": self.xlsx, "ppt": self.pptx}
+        return by_kind.get(self.kind[1:4], self.odf)()
 
     # -- parts -----------------------------------------------------------------------
     def stream(self, name):
@@ -4910,7 +4913,8 @@ class Document:
         """{relationship id: (part name, type)} of part `name`."""
         folder, base = posixpath.split(name)
         out = {}
-        for rel in self.each(posixpath.join(folder, "_rels", base + ".rels"), OOXML_RELS + "Relationship"):
+        part = posixpath.join(folder, "_rels", base + ".rels")
+        for rel in self.each(part, OOXML_RELS + "Relationship"):
             target = rel.get("Target", "")
             path = target.lstrip("/") if target.startswith("/") else \
                 posixpath.normpath(posixpath.join(folder, target))
@@ -4921,7 +4925,8 @@ class Document:
     def with_notes(blocks, notes):
         """Blocks as paragraphs (empty ones left out), then the footnotes [^n] they refer to."""
         return "\n\n".join(b for b in blocks if b) + "".join(
-            ("\n\n" if n == 1 else "\n") + "[^%d]: %s" % (n, text) for n, text in enumerate(notes, 1))
+            ("\n\n" if n == 1 else "\n") + "[^%d]: %s" % (n, text)
+            for n, text in enumerate(notes, 1))
 
     @staticmethod
     def slide(n, texts, notes):
@@ -4956,7 +4961,7 @@ class Document:
                     continue
                 props = el.find(W + "pPr")
                 if props is None:
-                    props = el.makeelement(W + "pPr", {})        # none: an empty one, that finds nothing
+                    props = el.makeelement(W + "pPr", {})    # none: an empty one, finding nothing
                 found = props.find(W + "pStyle")
                 style = styles.get(found.get(W + "val"), "") if found is not None else ""
                 level = re.match(r"heading (\d)", style)
@@ -5013,9 +5018,11 @@ class Document:
         shared = [self.xlsx_text(si) for si in self.each("xl/sharedStrings.xml", S + "si")]
         styles = self.xml("xl/styles.xml")
         if styles is None:
-            styles = book.makeelement(S + "styleSheet", {})     # none: an empty one, that finds nothing
-        codes = {int(f.get("numFmtId", -1)): f.get("formatCode", "") for f in styles.iter(S + "numFmt")}
-        dates = [self.is_date(int(xf.get("numFmtId", 0)), codes) for xf in styles.findall(S + "cellXfs/*")]
+            styles = book.makeelement(S + "styleSheet", {})     # none: an empty one, finds nothing
+        codes = {int(f.get("numFmtId", -1)): f.get("formatCode", "")
+                 for f in styles.iter(S + "numFmt")}
+        dates = [self.is_date(int(xf.get("numFmtId", 0)), codes)
+                 for xf in styles.findall(S + "cellXfs/*")]
         pr = book.find(S + "workbookPr")
         epoch = 1904 if pr is not None and pr.get("date1904") in ("1", "true") else 1900
         out = []
@@ -5041,8 +5048,9 @@ class Document:
         """A row's values by column ('' where a cell is empty)."""
         S, values = OOXML_S, {}
         for k, c in enumerate(row.iter(S + "c")):
-            ref = re.match(r"([A-Z]+)", c.get("r", ""))         # a column's letters: base 26, A as 1
-            col = functools.reduce(lambda n, ch: n * 26 + ord(ch) - 64, ref.group(1), 0) - 1 if ref else k
+            ref = re.match(r"([A-Z]+)", c.get("r", ""))     # a column's letters: base 26, A as 1
+            col = k if ref is None else \
+                functools.reduce(lambda n, ch: n * 26 + ord(ch) - 64, ref.group(1), 0) - 1
             kind, v, style = c.get("t", "n"), c.findtext(S + "v"), c.get("s", "0")
             if kind == "inlineStr":
                 value = self.xlsx_text(c.find(S + "is")) if c.find(S + "is") is not None else ""
@@ -5065,7 +5073,8 @@ class Document:
     @staticmethod
     def xlsx_text(si):
         """A shared or inline string: its text, then its runs' (phonetic guides, rPh, left out)."""
-        return "".join(t.text or "" for r in [si] + si.findall(OOXML_S + "r") for t in r.findall(OOXML_S + "t"))
+        return "".join(t.text or "" for r in [si] + si.findall(OOXML_S + "r")
+                       for t in r.findall(OOXML_S + "t"))
 
 
     @staticmethod
@@ -5285,8 +5294,9 @@ PDF_TOKEN = re.compile(rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*(?:"
                        rb"|/(?P<name>[^\x00\t\n\x0c\r ()<>\[\]{}/%]*)"
                        rb"|(?P<open><<|<|\[|\(|\{)|(?P<close>>>|\]|\}|\)|>)"
                        rb"|(?P<word>[^\x00\t\n\x0c\r ()<>\[\]{}/%]+))")
-PDF_REF = re.compile(rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*([+-]?\d+)(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])"
-                     rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*R(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])")   # " g R"
+PDF_REF = re.compile(  # what makes a number the start of a reference: " g R" after it
+    rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*([+-]?\d+)(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])"
+    rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*R(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])")
 PDF_STRING_ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"b": b"\b", b"f": b"\f"}
 PDF_LITERAL = re.compile(rb"\\([0-7]{1,3}|\r\n|.?)|[()]", re.S)    # an escape, or a parenthesis
 PDF_GLYPHS = (  # Adobe glyph names for what is not a letter (letters with accents and Greek are derived)
@@ -5327,14 +5337,17 @@ PDF_STANDARD_HIGH = (  # StandardEncoding from 0xa1 ('' : no glyph)
     " acute circumflex tilde macron breve dotaccent dieresis '' ring cedilla '' hungarumlaut ogonek caron emdash"
     " " + "'' " * 16 + "AE '' ordfeminine '' '' '' '' Lslash Oslash OE ordmasculine '' '' '' '' '' ae '' '' ''"
     " dotlessi '' '' lslash oslash oe germandbls")
-PDF_ACCENTS = {"": "", "GRAVE": "grave", "ACUTE": "acute", "CIRCUMFLEX": "circumflex", "TILDE": "tilde",
+PDF_ACCENTS = {"": "", "GRAVE": "grave", "ACUTE": "acute", "CIRCUMFLEX": "circumflex",
+               "TILDE": "tilde",
                "DIAERESIS": "dieresis", "RING ABOVE": "ring", "CEDILLA": "cedilla", "CARON": "caron",
                "MACRON": "macron", "BREVE": "breve", "OGONEK": "ogonek", "DOT ABOVE": "dotaccent",
                "DOUBLE ACUTE": "hungarumlaut", "STROKE": "slash"}
-# A CMap name's part and the codec its codes are in (CNS: none here); the first match wins: GBK-EUC-H is GBK
+# A CMap name's part and the codec its codes are in (CNS: none here); the first match wins:
+# GBK-EUC-H is GBK
 PDF_CODECS = [part.split(":") for part in (
     "UTF16:utf-16-be UCS2:utf-16-be UTF8:utf-8 UTF32:utf-32-be RKSJ:cp932 GBK:gbk GB-EUC:gb2312"
-    " GBpc-EUC:gb2312 GBT:gb18030 B5:cp950 KSC:cp949 UHC:cp949 CNS: EUC-H:euc_jp EUC-V:euc_jp").split()]
+    " GBpc-EUC:gb2312 GBT:gb18030 B5:cp950 KSC:cp949 UHC:cp949 CNS: EUC-H:euc_jp"
+    " EUC-V:euc_jp").split()]
 PDF_METRICS = {  # widths of codes 32-126 in two of the standard 14 fonts, for PDFs that leave /Widths out
     "Helvetica": (
         "278 278 355 556 556 889 667 191 333 333 389 584 278 333 278 278 556 556 556 556 556 556 556 556 556 "
@@ -5363,7 +5376,7 @@ class PdfError(Exception):
 
 
 class PdfBomb(PdfError):
-    """Streams that inflate past PDF_INFLATED_MAX: the whole file is refused, not one font or page."""
+    """Streams that inflate past PDF_INFLATED_MAX: the whole file is refused, not a font or page."""
 
     def __init__(self):
         PdfError.__init__(self, "its streams inflate past %s: refused (a decompression bomb?)"
@@ -5393,11 +5406,13 @@ def pdf_glyph(name):
         words = PDF_GLYPHS.split()
         PDF_NAMES.update((words[i], chr(int(words[i + 1], 16))) for i in range(0, len(words), 2))
         for c in map(chr, [*range(0xc0, 0x250), *range(0x391, 0x3ca)]):
-            m = re.match(r"(LATIN|GREEK) (CAPITAL|SMALL) LETTER (\w+)(?: WITH (.+))?$", unicodedata.name(c, ""))
+            m = re.match(r"(LATIN|GREEK) (CAPITAL|SMALL) LETTER (\w+)(?: WITH (.+))?$",
+                         unicodedata.name(c, ""))
             accent = PDF_ACCENTS.get(m.group(4) or "") if m else None
             if accent is not None and (m.group(1) == "GREEK" or len(m.group(3)) == 1):
                 base = m.group(3).lower()
-                PDF_NAMES.setdefault((base.capitalize() if m.group(2) == "CAPITAL" else base) + accent, c)
+                base = base.capitalize() if m.group(2) == "CAPITAL" else base
+                PDF_NAMES.setdefault(base + accent, c)
         for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz":
             PDF_NAMES[c] = c
     known = PDF_NAMES.get(name)
@@ -5428,9 +5443,11 @@ def pdf_sfnt(data):
     texts = pdf_sfnt_names(data, tables[b"post"]) if b"post" in tables else {}
     base, subtables = tables.get(b"cmap"), []                 # the Unicode subtables, best first
     try:
-        for i in range(min(struct.unpack_from(">H", data, base + 2)[0], 64) if base is not None else 0):
+        count = min(struct.unpack_from(">H", data, base + 2)[0], 64) if base is not None else 0
+        for i in range(count):
             platform, encoding, offset = struct.unpack_from(">HHI", data, base + 4 + 8 * i)
-            rank = {(3, 10): 0, (3, 1): 1, (0, 4): 2, (0, 3): 3}.get((platform, encoding), 4 if platform == 0 else None)
+            rank = {(3, 10): 0, (3, 1): 1, (0, 4): 2, (0, 3): 3}.get(
+                (platform, encoding), 4 if platform == 0 else None)
             if rank is not None:
                 subtables.append((rank, base + offset))
     except struct.error:
@@ -5476,7 +5493,7 @@ def pdf_sfnt_subtable(data, at):
             table = dict(enumerate(data[at + 6:at + 262]))
         elif fmt == 4:
             segs = struct.unpack_from(">H", data, at + 6)[0] // 2
-            words = struct.unpack_from(">%dH" % (4 * segs + 1), data, at + 14)    # ends, a pad, starts, ...
+            words = struct.unpack_from(">%dH" % (4 * segs + 1), data, at + 14)  # ends, pad, starts
             ends, starts = words[:segs], words[segs + 1:2 * segs + 1]
             deltas, ranges = words[2 * segs + 1:3 * segs + 1], words[3 * segs + 1:]
             ranges_at = at + 16 + 6 * segs
@@ -5519,10 +5536,11 @@ def pdf_mac_glyph(index):
 
 def pdf_encoding(name):
     """A base encoding by name: {code: text}."""
-    codec = {"WinAnsiEncoding": "cp1252", "MacRomanEncoding": "mac_roman", "PDFDocEncoding": "latin-1"}.get(name)
+    codec = {"WinAnsiEncoding": "cp1252", "MacRomanEncoding": "mac_roman",
+             "PDFDocEncoding": "latin-1"}.get(name)
     if codec:
         table = {i: bytes([i]).decode(codec, "replace") for i in range(32, 256)}
-        if codec == "cp1252":                               # the codes cp1252 leaves undefined: bullets
+        if codec == "cp1252":                           # the codes cp1252 leaves undefined: bullets
             table.update((i, "\u2022") for i in (0x81, 0x8d, 0x8f, 0x90, 0x9d))
         return table
     table = {i: chr(i) for i in range(32, 127)}          # StandardEncoding
@@ -5605,8 +5623,9 @@ class PdfParser:
                 break
             value, pos = self.obj(pos, depth + 1)
             items.append(value)
-        if is_dict:                                 # its keys and values in pairs (a last key alone: none)
-            return {str(k): v for k, v in zip(items[0::2], items[1::2]) if isinstance(k, PdfName)}, m.end()
+        if is_dict:                             # keys and values in pairs (a last key alone: out)
+            pairs = zip(items[0::2], items[1::2])
+            return {str(k): v for k, v in pairs if isinstance(k, PdfName)}, m.end()
         return items, m.end()
 
     def literal(self, pos):
@@ -5690,7 +5709,7 @@ def pdf_reading_order(boxes):
     very many lines keeps its drawing order."""
     if len(boxes) < 2 or len(boxes) > 3000:
         return list(range(len(boxes)))
-    unit = max(sorted(b[3] - b[2] for b in boxes)[len(boxes) // 2], 1.0)     # a median line's height
+    unit = max(sorted(b[3] - b[2] for b in boxes)[len(boxes) // 2], 1.0)    # a median line's height
     out, stack = [], [list(range(len(boxes)))]
     while stack:
         group = stack.pop()
@@ -5923,7 +5942,8 @@ class PdfFont:
             return {}
         if gids is None:
             return {gid.to_bytes(2, "big"): t for gid, t in texts.items() if gid < 0x10000}
-        found = ((cid, texts.get(gids[2 * cid] << 8 | gids[2 * cid + 1])) for cid in range(min(len(gids) // 2, 0x10000)))
+        found = ((cid, texts.get(gids[2 * cid] << 8 | gids[2 * cid + 1]))
+                 for cid in range(min(len(gids) // 2, 0x10000)))
         return {cid.to_bytes(2, "big"): t for cid, t in found if t is not None}
 
     def decode(self, s):
@@ -5977,7 +5997,8 @@ class PdfFont:
                 missing += 1
             parts.append(t or (" " if w > 0 else ""))           # (a glyph with no text still parts words)
             width += w
-        return "".join(parts), width, len(parts), s.count(32) if all(n == 1 for n, _, _ in spans) else 0, missing
+        spaces = s.count(32) if all(n == 1 for n, _, _ in spans) else 0
+        return "".join(parts), width, len(parts), spaces, missing
 
 class PdfCMap(dict):
     """A CMap read: {code bytes: text} from ToUnicode's bfchar and bfrange (and cidchar
@@ -6193,7 +6214,8 @@ class PdfCrypt:
         first = pdf.get((pdf.entry(pdf.trailer, "ID", list) or [b""])[0])
         first = first if isinstance(first, bytes) else b""
         p = pdf.entry(d, "P") or 0
-        n = max(5, min(16, (pdf.entry(d, "Length") or (128 if self.aes else 40)) // 8 if r >= 3 else 5))
+        n = (pdf.entry(d, "Length") or (128 if self.aes else 40)) // 8 if r >= 3 else 5
+        n = max(5, min(16, n))
 
         def rehashed(key, keep):                            # revision 3 and up: MD5 50 times more
             for _ in range(50 if r >= 3 else 0):
@@ -6380,17 +6402,19 @@ class Pdf(PdfParser):
     def indirect(self, pos, number=None):
         """The object defined at offset pos ('n g obj ... endobj'), a stream with its raw bytes."""
         data = self.data
-        m = re.compile(rb"[\x00\t\n\x0c\r ]*(\d+)[\x00\t\n\x0c\r ]+(\d+)[\x00\t\n\x0c\r ]+obj").match(data, pos)
+        m = re.compile(rb"[\x00\t\n\x0c\r ]*(\d+)[\x00\t\n\x0c\r ]+(\d+)[\x00\t\n\x0c\r ]+obj"
+                       ).match(data, pos)
         if m is None or number is not None and int(m.group(1)) != number:
             raise PdfError("no object %s at byte %d" % (number, pos))
         value, pos = self.obj(m.end())
 
-        s = re.compile(rb"[\x00\t\n\x0c\r ]*stream\r?\n?").match(data, pos) if isinstance(value, dict) else None
-        if s is None:
+        s = re.compile(rb"[\x00\t\n\x0c\r ]*stream\r?\n?").match(data, pos)
+        if s is None or not isinstance(value, dict):
             return value
         start, length = s.end(), self.get(value.get("Length"))
         end = start + length if isinstance(length, int) and length >= 0 else -1
-        if end < 0 or end > len(data) or not re.match(rb"[\x00\t\n\x0c\r ]*endstream", data[end:end + 32]):
+        if end < 0 or end > len(data) or \
+                not re.match(rb"[\x00\t\n\x0c\r ]*endstream", data[end:end + 32]):
             # the first endstream (else the end of the file), less the line break before it
             end = re.compile(rb"(?:\r\n|[\r\n])?(?:endstream|\Z)").search(data, start).start()
         return PdfStream(value, data[start:end])
@@ -6504,8 +6528,9 @@ class Pdf(PdfParser):
     def scan(self):
         """{object number: offset} of every 'n g obj' in the file (the last of a number wins)."""
         if self.scanned is None:
-            self.scanned = {int(m.group(1)): m.start() for m in re.finditer(
-                rb"(?<![0-9])(\d{1,10})[\x00\t\n\x0c\r ]+\d{1,5}[\x00\t\n\x0c\r ]+obj\b", self.data)}
+            found = re.finditer(
+                rb"(?<![0-9])(\d{1,10})[\x00\t\n\x0c\r ]+\d{1,5}[\x00\t\n\x0c\r ]+obj\b", self.data)
+            self.scanned = {int(m.group(1)): m.start() for m in found}
         return self.scanned
 
     def object_stream(self, stream):
