@@ -4942,10 +4942,9 @@ class Document:
         for style in self.each("word/styles.xml", W + "style"):
             name = style.find(W + "name")
             styles[style.get(W + "styleId")] = (name.get(W + "val") if name is not None else "").lower()
-        notes = {}
-        for note in self.each("word/footnotes.xml", W + "footnote"):
-            if note.get(W + "type") in (None, "normal"):
-                notes[note.get(W + "id")] = " ".join(self.docx_text(p) for p in note.iter(W + "p")).strip()
+        notes = {note.get(W + "id"): " ".join(self.docx_text(p) for p in note.iter(W + "p")).strip()
+                 for note in self.each("word/footnotes.xml", W + "footnote")
+                 if note.get(W + "type") in (None, "normal")}
         document = self.xml("word/document.xml", "a Word document")
         body = document.find(W + "body")
         blocks = self.docx_blocks(body if body is not None else document, styles)
@@ -5466,8 +5465,9 @@ def pdf_sfnt_names(data, post):
     Mac's standard 258, then the font's own; those read before any damage."""
     texts = {}
     try:
-        if struct.unpack_from(">I", data, post)[0] != 0x20000:
+        if data[post:post + 4] != b"\0\2\0\0":                # version 2.0: glyph names
             return texts
+
         names = struct.unpack_from(">%dH" % struct.unpack_from(">H", data, post + 32)[0], data, post + 34)
         custom, at = [], post + 34 + 2 * len(names)
         while at < len(data) and len(custom) < 65536:
@@ -5545,10 +5545,9 @@ def pdf_encoding(name):
         return table
     table = {i: chr(i) for i in range(32, 127)}          # StandardEncoding
     table[0x27], table[0x60] = "\u2019", "\u2018"
-    for i, glyph in enumerate(PDF_STANDARD_HIGH.split()):
-        if glyph != "''":
-            table[0xa1 + i] = pdf_glyph(glyph)
+    table.update((0xa1 + i, pdf_glyph(g)) for i, g in enumerate(PDF_STANDARD_HIGH.split()) if g != "''")
     return table
+
 
 
 def pdf_text_string(value):
@@ -6271,9 +6270,7 @@ class PdfCrypt:
             return [self.decrypt(x, key, depth + 1) for x in value]
         if isinstance(value, dict):
             return {k: self.decrypt(x, key, depth + 1) for k, x in value.items()}
-        if isinstance(value, PdfStream):
-            if value.dict.get("Type") == "XRef":
-                return value
+        if isinstance(value, PdfStream) and value.dict.get("Type") != "XRef":     # (xrefs: never)
             return PdfStream(self.decrypt(value.dict, key, depth + 1), self.data(key, value.raw))
         return value
 
