@@ -5712,7 +5712,11 @@ def pdf_reading_order(boxes):
     out, stack = [], [list(range(len(boxes)))]
     while stack:
         group = stack.pop()
+        if len(group) < 2:                                          # (a line alone: no cut to look for)
+            out.extend(group)
+            continue
         best = None
+
         for axis, least in ((2, 0.5 * unit), (0, 1.0 * unit)):      # (y0, y1) bands, then (x0, x1)
             spans = sorted((boxes[i][axis], boxes[i][axis + 1]) for i in group)
             reach = spans[0][1]
