@@ -6232,9 +6232,10 @@ class PdfCrypt:
             key = rehashed(h.digest()[:n], n)
             if r == 2:
                 return key if pdf_rc4(key, PDF_PADDING) == u[:32] else None
-            check = pdf_rc4(key, hashlib.md5(PDF_PADDING + first).digest())
-            for i in range(1, 20):
+            check = hashlib.md5(PDF_PADDING + first).digest()
+            for i in range(20):                             # (i = 0: the key itself)
                 check = pdf_rc4(bytes(k ^ i for k in key), check)
+
             return key if check == u[:16] else None
         key = user(PDF_PADDING)
         if key is None:                                     # an empty owner password gives the user's
