@@ -5293,9 +5293,10 @@ PDF_TOKEN = re.compile(rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*(?:"
                        rb"|/(?P<name>[^\x00\t\n\x0c\r ()<>\[\]{}/%]*)"
                        rb"|(?P<open><<|<|\[|\(|\{)|(?P<close>>>|\]|\}|\)|>)"
                        rb"|(?P<word>[^\x00\t\n\x0c\r ()<>\[\]{}/%]+))")
-PDF_REF = re.compile(  # what makes a number the start of a reference: " g R" after it
-    rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*([+-]?\d+)(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])"
-    rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*R(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])")
+PDF_REF = re.compile(  # what makes a number the start of a reference: " g R" after it (one
+    # white-space character a step: a run of them could be split many ways when there is no R)
+    rb"(?:[\x00\t\n\x0c\r ]|%[^\r\n]*)*([+-]?\d+)(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])"
+    rb"(?:[\x00\t\n\x0c\r ]|%[^\r\n]*)*R(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])")
 PDF_STRING_ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"b": b"\b", b"f": b"\f"}
 PDF_LITERAL = re.compile(rb"\\([0-7]{1,3}|\r\n|.?)|[()]", re.S)    # an escape, or a parenthesis
 PDF_GLYPHS = (  # Adobe glyph names for what is not a letter (letters with accents and Greek are derived)
