@@ -4841,9 +4841,11 @@ OOXML_P = "{http://schemas.openxmlformats.org/presentationml/2006/main}"
 OOXML_A = "{http://schemas.openxmlformats.org/drawingml/2006/main}"
 OOXML_R = "{http://schemas.openxmlformats.org/officeDocument/2006/relationships}"
 OOXML_RELS = "{http://schemas.openxmlformats.org/package/2006/relationships}"
-ODF = {k: "{urn:oasis:names:tc:opendocument:xmlns:%s:1.0}" % v for k, v in (
-    ("text", "text"), ("table", "table"), ("office", "office"), ("draw", "drawing"), ("pres", "presentation"))}
-XLSX_DATE_FORMATS = frozenset(list(range(14, 23)) + list(range(27, 37)) + [45, 46, 47] + list(range(50, 59)))
+ODF = {k: "{urn:oasis:names:tc:opendocument:xmlns:%s:1.0}" % v for k, v in zip(
+    ("text", "table", "office", "draw", "pres"),
+    ("text", "table", "office", "drawing", "presentation"))}
+
+XLSX_DATE_FORMATS = frozenset([*range(14, 23), *range(27, 37), 45, 46, 47, *range(50, 59)])
 
 
 class Document:
@@ -4852,7 +4854,7 @@ class Document:
 
     def __init__(self, path, f):
         import zipfile
-        self.path, self.kind = path, os.path.splitext(path)[1].lower()
+        self.kind = os.path.splitext(path)[1].lower()
         try:
             self.zip = zipfile.ZipFile(f)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, OverflowError) as e:
@@ -4864,40 +4866,31 @@ class Document:
     def job(cls, job, emit):
         """A helper's side: [the Markdown] of the file job['path'] names (the one the server
         checked: open_checked), or a ToolError saying what is wrong."""
-        with open_checked(job) as f:
-            doc = cls(job["path"], f)
-            try:
-                doc.render(emit)
-            finally:
-                doc.zip.close()
-
-    def render(self, emit):
-        """job()'s rendering, its failures in words."""
         import xml.etree.ElementTree as ET
         import zipfile
         import zlib
-        doc = self
-        try:
-            emit([doc.markdown()])
-        except RecursionError:
-            raise ToolError(INVALID_INPUT, "its XML is nested too deeply to read")
-        except ET.ParseError as e:
-            raise ToolError(INVALID_INPUT, "a part of it is not well-formed XML (%s)" % e)
-        except RuntimeError as e:                   # zipfile: an encrypted member
-            raise ToolError(INVALID_INPUT, "an encrypted %s: it is not read (%s)" % (DOC_FORMATS[doc.kind], e))
-        except (zipfile.BadZipFile, zlib.error, NotImplementedError, OSError, EOFError, ValueError, KeyError,
-                IndexError, OverflowError) as e:
-            raise ToolError(INVALID_INPUT, "a damaged %s (%s: %s)" % (DOC_FORMATS[doc.kind], type(e).__name__, e))
+        with open_checked(job) as f:
+            doc = cls(job["path"], f)
+            what = DOC_FORMATS[doc.kind]
+            try:
+                emit([doc.markdown()])
+            except RecursionError:
+                raise ToolError(INVALID_INPUT, "its XML is nested too deeply to read")
+            except ET.ParseError as e:
+                raise ToolError(INVALID_INPUT, "a part of it is not well-formed XML (%s)" % e)
+            except RuntimeError as e:                   # zipfile: an encrypted member
+                raise ToolError(INVALID_INPUT, "an encrypted %s: it is not read (%s)" % (what, e))
+            except (zipfile.BadZipFile, zlib.error, NotImplementedError, OSError, EOFError,
+                    ValueError, KeyError, IndexError, OverflowError) as e:
+                raise ToolError(INVALID_INPUT, "a damaged %s (%s: %s)" % (
+                    what, type(e).__name__, e))
+            finally:
+                doc.zip.close()
 
     def markdown(self):
-        """The document as Markdown."""
-        if self.kind in (".docx", ".docm"):
-            return self.docx()
-        if self.kind in (".xlsx", ".xlsm"):
-            return self.xlsx()
-        if self.kind in (".pptx", ".pptm"):
-            return self.pptx()
-        return self.odf()
+        """The document as Markdown, by its kind (.docx and .docm alike)."""
+        by_kind = {"doc": self.docx, "xls": self.xlsx, "ppt": self.pptx}
+        return by_kind.get(self.kind[1:4], self.odf)()
 
     # -- parts -----------------------------------------------------------------------
     def stream(self, name):
@@ -4912,10 +4905,13 @@ class Document:
                 name, human_size(info.file_size), human_size(DOC_MEMBER_BYTES)))
         return BoundedPart(self.zip.open(info), name)
 
-    def xml(self, name):
-        """A part parsed (an Element), or None when there is none."""
+    def xml(self, name, what=None):
+        """A part parsed (an Element); None when there is none, unless the document is
+        `what` ("a Word document") only with it: then an error saying it is not."""
         import xml.etree.ElementTree as ET
         part = self.stream(name)
+        if part is None and what:
+            raise ToolError(INVALID_INPUT, "no %s: not %s" % (name, what))
         if part is None:
             return None
         with part:
@@ -4932,13 +4928,28 @@ class Document:
     def rels(self, name):
         """{relationship id: (part name, type)} of part `name`."""
         folder, base = posixpath.split(name)
-        root = self.xml(posixpath.join(folder, "_rels", base + ".rels"))
         out = {}
-        for rel in root.iter(OOXML_RELS + "Relationship") if root is not None else ():
+        part = posixpath.join(folder, "_rels", base + ".rels")
+        for rel in self.each(part, OOXML_RELS + "Relationship"):
             target = rel.get("Target", "")
-            path = target.lstrip("/") if target.startswith("/") else posixpath.normpath(posixpath.join(folder, target))
+            path = target.lstrip("/") if target.startswith("/") else \
+                posixpath.normpath(posixpath.join(folder, target))
             out[rel.get("Id")] = (path, rel.get("Type", ""))
         return out
+
+    @staticmethod
+    def with_notes(blocks, notes):
+        """Blocks as paragraphs (empty ones left out), then the footnotes [^n] they refer to."""
+        return "\n\n".join(b for b in blocks if b) + "".join(
+            ("\n\n" if n == 1 else "\n") + "[^%d]: %s" % (n, text)
+            for n, text in enumerate(notes, 1))
+
+    @staticmethod
+    def slide(n, texts, notes):
+        """A slide as Markdown: a heading, its paragraphs, then its speaker notes if any."""
+        said = [t for t in notes if t]
+        return "\n".join(["## Slide %d" % n] + [t for t in texts if t] +
+                         (["\nNotes: " + "\n".join(said)] if said else []))
 
     # -- Word ------------------------------------------------------------------------
     def docx(self):
@@ -4947,18 +4958,13 @@ class Document:
         for style in self.each("word/styles.xml", W + "style"):
             name = style.find(W + "name")
             styles[style.get(W + "styleId")] = (name.get(W + "val") if name is not None else "").lower()
-        notes = {}
-        for note in self.each("word/footnotes.xml", W + "footnote"):
-            if note.get(W + "type") in (None, "normal"):
-                notes[note.get(W + "id")] = " ".join(self.docx_text(p) for p in note.iter(W + "p")).strip()
-        document = self.xml("word/document.xml")
-        if document is None:
-            raise ToolError(INVALID_INPUT, "no word/document.xml: not a Word document")
+        notes = {note.get(W + "id"): " ".join(self.docx_text(p) for p in note.iter(W + "p")).strip()
+                 for note in self.each("word/footnotes.xml", W + "footnote")
+                 if note.get(W + "type") in (None, "normal")}
+        document = self.xml("word/document.xml", "a Word document")
         body = document.find(W + "body")
         blocks = self.docx_blocks(body if body is not None else document, styles)
-        refs = [(n, notes.get(i, "")) for n, i in enumerate(self.notes, 1)]
-        return "\n\n".join(b for b in blocks if b) + "".join(
-            ("\n\n" if k == 0 else "\n") + "[^%d]: %s" % (n, text) for k, (n, text) in enumerate(refs))
+        return self.with_notes(blocks, [notes.get(i, "") for i in self.notes])
 
     def docx_blocks(self, parent, styles):
         """Markdown blocks of a body's paragraphs and tables (content controls entered)."""
@@ -4969,13 +4975,15 @@ class Document:
                 if not text:
                     continue
                 props = el.find(W + "pPr")
-                style = styles.get(props.find(W + "pStyle").get(W + "val"), "") if props is not None and \
-                    props.find(W + "pStyle") is not None else ""
+                if props is None:
+                    props = el.makeelement(W + "pPr", {})    # none: an empty one, finding nothing
+                found = props.find(W + "pStyle")
+                style = styles.get(found.get(W + "val"), "") if found is not None else ""
                 level = re.match(r"heading (\d)", style)
+                depth = props.find(W + "numPr/" + W + "ilvl")
                 if style == "title" or level:
                     out.append("#" * (int(level.group(1)) if level else 1) + " " + text)
-                elif props is not None and props.find(W + "numPr") is not None or style.startswith("list"):
-                    depth = props.find(W + "numPr/" + W + "ilvl") if props is not None else None
+                elif props.find(W + "numPr") is not None or style.startswith("list"):
                     out.append("  " * int(depth.get(W + "val", 0) if depth is not None else 0) + "- " + text)
                 else:
                     out.append(text)
@@ -4990,10 +4998,10 @@ class Document:
                 out.append(markdown_table(rows))
             elif el.tag in (W + "sdt", W + "sdtContent", W + "customXml", W + "ins"):
                 out += self.docx_blocks(el, styles)
-        joined, prev = [], None                     # list items stay together
+        joined, prev = [], False                    # list items stay together
         for block in out:
             item = block.lstrip().startswith("- ")
-            if joined and item and prev:
+            if item and prev:
                 joined[-1] += "\n" + block
             else:
                 joined.append(block)
@@ -5020,16 +5028,16 @@ class Document:
     def xlsx(self):
         import xml.etree.ElementTree as ET
         S = OOXML_S
-        book = self.xml("xl/workbook.xml")
-        if book is None:
-            raise ToolError(INVALID_INPUT, "no xl/workbook.xml: not an Excel workbook")
+        book = self.xml("xl/workbook.xml", "an Excel workbook")
         rels = self.rels("xl/workbook.xml")
         shared = [self.xlsx_text(si) for si in self.each("xl/sharedStrings.xml", S + "si")]
         styles = self.xml("xl/styles.xml")
-        codes = {int(f.get("numFmtId", -1)): f.get("formatCode", "") for f in styles.iter(S + "numFmt")} \
-            if styles is not None else {}
-        xfs = styles.find(S + "cellXfs") if styles is not None else None
-        dates = [self.is_date(int(xf.get("numFmtId", 0)), codes) for xf in xfs] if xfs is not None else []
+        if styles is None:
+            styles = book.makeelement(S + "styleSheet", {})     # none: an empty one, finds nothing
+        codes = {int(f.get("numFmtId", -1)): f.get("formatCode", "")
+                 for f in styles.iter(S + "numFmt")}
+        dates = [self.is_date(int(xf.get("numFmtId", 0)), codes)
+                 for xf in styles.findall(S + "cellXfs/*")]
         pr = book.find(S + "workbookPr")
         epoch = 1904 if pr is not None and pr.get("date1904") in ("1", "true") else 1900
         out = []
@@ -5055,14 +5063,10 @@ class Document:
         """A row's values by column ('' where a cell is empty)."""
         S, values = OOXML_S, {}
         for k, c in enumerate(row.iter(S + "c")):
-            ref = re.match(r"([A-Z]+)", c.get("r", ""))
-            col = k
-            if ref:
-                col = 0
-                for ch in ref.group(1):
-                    col = col * 26 + ord(ch) - 64
-                col -= 1
-            kind, v = c.get("t", "n"), c.findtext(S + "v")
+            ref = re.match(r"([A-Z]+)", c.get("r", ""))     # a column's letters: base 26, A as 1
+            col = k if ref is None else \
+                functools.reduce(lambda n, ch: n * 26 + ord(ch) - 64, ref.group(1), 0) - 1
+            kind, v, style = c.get("t", "n"), c.findtext(S + "v"), c.get("s", "0")
             if kind == "inlineStr":
                 value = self.xlsx_text(c.find(S + "is")) if c.find(S + "is") is not None else ""
             elif v is None:
@@ -5071,8 +5075,7 @@ class Document:
                 value = shared[int(v)] if v.strip().isdigit() and int(v) < len(shared) else ""
             elif kind == "b":
                 value = "TRUE" if v.strip() == "1" else "FALSE"
-            elif kind == "n" and c.get("s", "0").isdigit() and int(c.get("s", "0")) < len(dates) \
-                    and dates[int(c.get("s", "0"))]:
+            elif kind == "n" and style.isdigit() and int(style) < len(dates) and dates[int(style)]:
                 value = excel_date(v, epoch)
             else:
                 value = v
@@ -5084,9 +5087,10 @@ class Document:
 
     @staticmethod
     def xlsx_text(si):
-        """A shared or inline string: its runs' text, phonetic guides left out."""
-        return "".join(t.text or "" for t in si.iter(OOXML_S + "t")) if si.find(OOXML_S + "rPh") is None else \
-            "".join(t.text or "" for r in [si] + si.findall(OOXML_S + "r") for t in r.findall(OOXML_S + "t"))
+        """A shared or inline string: its text, then its runs' (phonetic guides, rPh, left out)."""
+        return "".join(t.text or "" for r in [si] + si.findall(OOXML_S + "r")
+                       for t in r.findall(OOXML_S + "t"))
+
 
     @staticmethod
     def is_date(fmt, codes):
@@ -5106,25 +5110,17 @@ class Document:
 
     # -- PowerPoint ------------------------------------------------------------------
     def pptx(self):
-        P, A = OOXML_P, OOXML_A
-        pres = self.xml("ppt/presentation.xml")
-        if pres is None:
-            raise ToolError(INVALID_INPUT, "no ppt/presentation.xml: not a PowerPoint presentation")
+        A = OOXML_A
+        pres = self.xml("ppt/presentation.xml", "a PowerPoint presentation")
         rels, out = self.rels("ppt/presentation.xml"), []
-        for n, sid in enumerate(pres.iter(P + "sldId"), 1):
+        for n, sid in enumerate(pres.iter(OOXML_P + "sldId"), 1):
             path = rels.get(sid.get(OOXML_R + "id"), ("", ""))[0]
-            slide = self.xml(path)
-            lines = ["## Slide %d" % n]
+            slide, texts, said = self.xml(path), [], []
             if slide is not None:
-                lines += [t for t in (self.pptx_text(p) for p in slide.iter(A + "p")) if t]
-            for target, kind in self.rels(path).values() if slide is not None else ():
-                if kind.endswith("/notesSlide"):
-                    notes = self.xml(target)
-                    said = [t for t in (self.pptx_text(p) for p in notes.iter(A + "p")) if t] \
-                        if notes is not None else []
-                    if said:
-                        lines.append("\nNotes: " + "\n".join(said))
-            out.append("\n".join(lines))
+                texts = [self.pptx_text(p) for p in slide.iter(A + "p")]
+                said = [self.pptx_text(p) for target, kind in self.rels(path).values()
+                        if kind.endswith("/notesSlide") for p in self.each(target, A + "p")]
+            out.append(self.slide(n, texts, said))
         return "\n\n".join(out)
 
     @staticmethod
@@ -5135,16 +5131,13 @@ class Document:
 
     # -- OpenDocument ----------------------------------------------------------------
     def odf(self):
-        content = self.xml("content.xml")
-        if content is None:
-            raise ToolError(INVALID_INPUT, "no content.xml: not an OpenDocument file")
-        body = content.find(ODF["office"] + "body")
-        kinds = {".odt": "text", ".ods": "spreadsheet", ".odp": "presentation"}
-        doc = body.find(ODF["office"] + kinds[self.kind]) if body is not None else None
+        content = self.xml("content.xml", "an OpenDocument file")
+        kind = {".odt": "text", ".ods": "spreadsheet", ".odp": "presentation"}[self.kind]
+        doc = content.find(ODF["office"] + "body/" + ODF["office"] + kind)
         if doc is None:
-            raise ToolError(INVALID_INPUT, "its content.xml has no office:%s body" % kinds[self.kind])
+            raise ToolError(INVALID_INPUT, "its content.xml has no office:%s body" % kind)
+        out = []
         if self.kind == ".ods":
-            out = []
             for table in doc.iter(ODF["table"] + "table"):
                 out.append(self.sheet(table.get(ODF["table"] + "name"), self.odf_rows(table, values=True)))
                 if self.cells > DOC_MAX_CELLS:
@@ -5152,18 +5145,12 @@ class Document:
                     break
             return "\n\n".join(out)
         if self.kind == ".odp":
-            out = []
             for n, page in enumerate(doc.iter(ODF["draw"] + "page"), 1):
                 notes = page.find(ODF["pres"] + "notes")
-                lines = ["## Slide %d" % n] + [b for b in self.odf_blocks(page, skip=notes) if b]
-                said = [b for b in self.odf_blocks(notes) if b] if notes is not None else []
-                if said:
-                    lines.append("\nNotes: " + "\n".join(said))
-                out.append("\n".join(lines))
+                out.append(self.slide(n, self.odf_blocks(page, skip=notes),
+                                      self.odf_blocks(notes) if notes is not None else []))
             return "\n\n".join(out)
-        blocks = [b for b in self.odf_blocks(doc) if b]
-        return "\n\n".join(blocks) + "".join(("\n\n" if k == 0 else "\n") + "[^%d]: %s" % (k + 1, text)
-                                             for k, text in enumerate(self.notes))
+        return self.with_notes(self.odf_blocks(doc), self.notes)
 
     def odf_blocks(self, parent, depth=0, skip=None):
         """Markdown blocks of headings, paragraphs, lists and tables below `parent` (frames
@@ -5197,12 +5184,13 @@ class Document:
             for cell in row:
                 if cell.tag not in (TB + "table-cell", TB + "covered-table-cell"):
                     continue
-                kind = cell.get(O + "value-type")
-                if values and kind in ("float", "percentage", "currency"):
+                kind = values and cell.get(O + "value-type")
+
+                if kind in ("float", "percentage", "currency"):
                     text = cell.get(O + "value", "")
-                elif values and kind == "date":
+                elif kind == "date":
                     text = cell.get(O + "date-value", "").replace("T00:00:00", "").replace("T", " ")
-                elif values and kind == "boolean":
+                elif kind == "boolean":
                     text = cell.get(O + "boolean-value", "").upper()
                 else:
                     text = "\n".join(self.odf_text(p) for p in cell.iter(ODF["text"] + "p")).strip()
@@ -5288,7 +5276,7 @@ def excel_date(value, epoch):
     base = datetime.datetime(1899, 12, 30) if epoch == 1900 else datetime.datetime(1904, 1, 1)
     moment = base + datetime.timedelta(days=days)
     moment = moment.replace(microsecond=0) + datetime.timedelta(seconds=round(moment.microsecond / 1e6))
-    return moment.strftime("%Y-%m-%d") if moment.time() == datetime.time() else moment.strftime("%Y-%m-%d %H:%M:%S")
+    return moment.strftime("%Y-%m-%d" if moment.time() == datetime.time() else "%Y-%m-%d %H:%M:%S")
 
 
 def markdown_table(rows):
@@ -5321,6 +5309,10 @@ PDF_TOKEN = re.compile(rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*(?:"
                        rb"|/(?P<name>[^\x00\t\n\x0c\r ()<>\[\]{}/%]*)"
                        rb"|(?P<open><<|<|\[|\(|\{)|(?P<close>>>|\]|\}|\)|>)"
                        rb"|(?P<word>[^\x00\t\n\x0c\r ()<>\[\]{}/%]+))")
+PDF_REF = re.compile(  # what makes a number the start of a reference: " g R" after it (one
+    # white-space character a step: a run of them could be split many ways when there is no R)
+    rb"(?:[\x00\t\n\x0c\r ]|%[^\r\n]*)*([+-]?\d+)(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])"
+    rb"(?:[\x00\t\n\x0c\r ]|%[^\r\n]*)*R(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])")
 PDF_STRING_ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"b": b"\b", b"f": b"\f"}
 PDF_LITERAL = re.compile(rb"\\([0-7]{1,3}|\r\n|.?)|[()]", re.S)    # an escape, or a parenthesis
 PDF_GLYPHS = (  # Adobe glyph names for what is not a letter (letters with accents and Greek are derived)
@@ -5361,14 +5353,17 @@ PDF_STANDARD_HIGH = (  # StandardEncoding from 0xa1 ('' : no glyph)
     " acute circumflex tilde macron breve dotaccent dieresis '' ring cedilla '' hungarumlaut ogonek caron emdash"
     " " + "'' " * 16 + "AE '' ordfeminine '' '' '' '' Lslash Oslash OE ordmasculine '' '' '' '' '' ae '' '' ''"
     " dotlessi '' '' lslash oslash oe germandbls")
-PDF_ACCENTS = {"GRAVE": "grave", "ACUTE": "acute", "CIRCUMFLEX": "circumflex", "TILDE": "tilde",
+PDF_ACCENTS = {"": "", "GRAVE": "grave", "ACUTE": "acute", "CIRCUMFLEX": "circumflex",
+               "TILDE": "tilde",
                "DIAERESIS": "dieresis", "RING ABOVE": "ring", "CEDILLA": "cedilla", "CARON": "caron",
                "MACRON": "macron", "BREVE": "breve", "OGONEK": "ogonek", "DOT ABOVE": "dotaccent",
                "DOUBLE ACUTE": "hungarumlaut", "STROKE": "slash"}
-PDF_CODECS = (("UTF16", "utf-16-be"), ("UCS2", "utf-16-be"), ("UTF8", "utf-8"), ("UTF32", "utf-32-be"),
-              ("RKSJ", "cp932"), ("GBK", "gbk"), ("GB-EUC", "gb2312"), ("GBpc-EUC", "gb2312"), ("GBT", "gb18030"),
-              ("B5", "cp950"), ("KSC", "cp949"), ("UHC", "cp949"), ("CNS", None), ("EUC-H", "euc_jp"),
-              ("EUC-V", "euc_jp"))                   # first match wins: GBK-EUC-H is GBK; CNS has no codec here
+# A CMap name's part and the codec its codes are in (CNS: none here); the first match wins:
+# GBK-EUC-H is GBK
+PDF_CODECS = [part.split(":") for part in (
+    "UTF16:utf-16-be UCS2:utf-16-be UTF8:utf-8 UTF32:utf-32-be RKSJ:cp932 GBK:gbk GB-EUC:gb2312"
+    " GBpc-EUC:gb2312 GBT:gb18030 B5:cp950 KSC:cp949 UHC:cp949 CNS: EUC-H:euc_jp"
+    " EUC-V:euc_jp").split()]
 PDF_METRICS = {  # widths of codes 32-126 in two of the standard 14 fonts, for PDFs that leave /Widths out
     "Helvetica": (
         "278 278 355 556 556 889 667 191 333 333 389 584 278 333 278 278 556 556 556 556 556 556 556 556 556 "
@@ -5381,6 +5376,8 @@ PDF_METRICS = {  # widths of codes 32-126 in two of the standard 14 fonts, for P
         "667 556 611 722 722 944 722 722 611 333 278 333 469 500 333 444 500 444 500 444 333 500 500 278 278 "
         "500 278 778 500 500 500 500 333 389 278 500 500 722 500 500 444 480 200 480 541 ")}
 PDF_NAMES = {}                              # glyph name -> text, filled at first use
+PDF_NUMBER = (int, float)
+PDF_TWO_BYTES = ((2, b"\x00\x00", b"\xff\xff"),)     # a codespace of two-byte codes, all of them
 
 
 def pdf_sniff(head, name):
@@ -5394,6 +5391,14 @@ class PdfError(Exception):
     """What makes a PDF unreadable (a ToolError's message once it reaches view)."""
 
 
+class PdfBomb(PdfError):
+    """Streams that inflate past PDF_INFLATED_MAX: the whole file is refused, not a font or page."""
+
+    def __init__(self):
+        PdfError.__init__(self, "its streams inflate past %s: refused (a decompression bomb?)"
+                          % human_size(PDF_INFLATED_MAX))
+
+
 class PdfName(str):
     """A /Name (its text without the slash), apart from strings, which are bytes."""
 
@@ -5404,10 +5409,10 @@ class PdfRef(tuple):
 
 class PdfStream:
     """A stream object: its dictionary and its raw (undecoded, still encrypted) bytes."""
-    __slots__ = ("dict", "raw", "ref")
+    __slots__ = ("dict", "raw")
 
-    def __init__(self, d, raw, ref=None):
-        self.dict, self.raw, self.ref = d, raw, ref
+    def __init__(self, d, raw):
+        self.dict, self.raw = d, raw
 
 
 def pdf_glyph(name):
@@ -5416,17 +5421,14 @@ def pdf_glyph(name):
         import unicodedata
         words = PDF_GLYPHS.split()
         PDF_NAMES.update((words[i], chr(int(words[i + 1], 16))) for i in range(0, len(words), 2))
-        for code in list(range(0xc0, 0x250)) + list(range(0x391, 0x3ca)):
-            c = chr(code)
-            n = unicodedata.name(c, "")
-            m = re.match(r"(LATIN|GREEK) (CAPITAL|SMALL) LETTER (\w+)(?: WITH (.+))?$", n)
-            if not m or m.group(4) and m.group(4) not in PDF_ACCENTS:
-                continue
-            base = m.group(3).lower() if m.group(1) == "GREEK" or len(m.group(3)) == 1 else None
-            if base is None:
-                continue
-            base = base.capitalize() if m.group(2) == "CAPITAL" else base
-            PDF_NAMES.setdefault(base + (PDF_ACCENTS[m.group(4)] if m.group(4) else ""), c)
+        for c in map(chr, [*range(0xc0, 0x250), *range(0x391, 0x3ca)]):
+            m = re.match(r"(LATIN|GREEK) (CAPITAL|SMALL) LETTER (\w+)(?: WITH (.+))?$",
+                         unicodedata.name(c, ""))
+            accent = PDF_ACCENTS.get(m.group(4) or "") if m else None
+            if accent is not None and (m.group(1) == "GREEK" or len(m.group(3)) == 1):
+                base = m.group(3).lower()
+                base = base.capitalize() if m.group(2) == "CAPITAL" else base
+                PDF_NAMES.setdefault(base + accent, c)
         for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz":
             PDF_NAMES[c] = c
     known = PDF_NAMES.get(name)
@@ -5434,44 +5436,35 @@ def pdf_glyph(name):
         return known
     m = re.match(r"uni((?:[0-9A-F]{4})+)$", name)
     if m:
-        hexes = m.group(1)
-        return "".join(chr(int(hexes[i:i + 4], 16)) for i in range(0, len(hexes), 4) if int(hexes[i:i + 4], 16) < 0xd800
-                       or int(hexes[i:i + 4], 16) > 0xdfff)
+        codes = [int(m.group(1)[i:i + 4], 16) for i in range(0, len(m.group(1)), 4)]
+        return "".join(chr(c) for c in codes if not 0xd800 <= c <= 0xdfff)
     m = re.match(r"u([0-9A-F]{4,6})$", name)
     if m and int(m.group(1), 16) <= 0x10ffff:
         return chr(int(m.group(1), 16))
     base = name.split(".")[0]
     if base != name and base:
         return pdf_glyph(base)
-    if "_" in name:
-        parts = [pdf_glyph(p) for p in name.split("_")]
-        return "".join(parts) if None not in parts else None
-    return None
+    parts = [pdf_glyph(p) for p in name.split("_")] if "_" in name else [None]
+    return None if None in parts else "".join(parts)
 
 
 def pdf_sfnt(data):
     """{glyph: text} of an embedded TrueType font: from its Unicode cmap subtables, else its
     post table's glyph names. Bounded; a damaged font gives what was read."""
-    texts = {}
-    try:
-        tables = {}
-        count = struct.unpack_from(">H", data, 4)[0]
-        for i in range(min(count, 64)):
-            tag, _, offset, _ = struct.unpack_from(">4sIII", data, 12 + 16 * i)
-            tables[tag] = offset
+    try:                                                      # {tag: offset} of its tables
+        tables = dict(struct.unpack_from(">4s4xI4x", data, 12 + 16 * i)
+                      for i in range(min(struct.unpack_from(">H", data, 4)[0], 64)))
     except struct.error:
-        return texts
-    if tables.get(b"post") is not None:
-        texts = pdf_sfnt_names(data, tables[b"post"])
+        return {}
+    texts = pdf_sfnt_names(data, tables[b"post"]) if b"post" in tables else {}
+    base, subtables = tables.get(b"cmap"), []                 # the Unicode subtables, best first
     try:
-        base = tables.get(b"cmap")
-        if base is None:
-            return texts
-        subtables = []                                        # the Unicode ones, best first
-        for i in range(min(struct.unpack_from(">H", data, base + 2)[0], 64)):
+        count = min(struct.unpack_from(">H", data, base + 2)[0], 64) if base is not None else 0
+        for i in range(count):
             platform, encoding, offset = struct.unpack_from(">HHI", data, base + 4 + 8 * i)
-            if platform == 0 or (platform, encoding) in ((3, 1), (3, 10)):
-                rank = {(3, 10): 0, (3, 1): 1, (0, 4): 2, (0, 3): 3}.get((platform, encoding), 4)
+            rank = {(3, 10): 0, (3, 1): 1, (0, 4): 2, (0, 3): 3}.get(
+                (platform, encoding), 4 if platform == 0 else None)
+            if rank is not None:
                 subtables.append((rank, base + offset))
     except struct.error:
         return texts
@@ -5489,8 +5482,9 @@ def pdf_sfnt_names(data, post):
     Mac's standard 258, then the font's own; those read before any damage."""
     texts = {}
     try:
-        if struct.unpack_from(">I", data, post)[0] != 0x20000:
+        if data[post:post + 4] != b"\0\2\0\0":                # version 2.0: glyph names
             return texts
+
         names = struct.unpack_from(">%dH" % struct.unpack_from(">H", data, post + 32)[0], data, post + 34)
         custom, at = [], post + 34 + 2 * len(names)
         while at < len(data) and len(custom) < 65536:
@@ -5516,19 +5510,18 @@ def pdf_sfnt_subtable(data, at):
             table = dict(enumerate(data[at + 6:at + 262]))
         elif fmt == 4:
             segs = struct.unpack_from(">H", data, at + 6)[0] // 2
-            ends = struct.unpack_from(">%dH" % segs, data, at + 14)
-            starts = struct.unpack_from(">%dH" % segs, data, at + 16 + 2 * segs)
-            deltas = struct.unpack_from(">%dH" % segs, data, at + 16 + 4 * segs)
+            words = struct.unpack_from(">%dH" % (4 * segs + 1), data, at + 14)  # ends, pad, starts
+            ends, starts = words[:segs], words[segs + 1:2 * segs + 1]
+            deltas, ranges = words[2 * segs + 1:3 * segs + 1], words[3 * segs + 1:]
             ranges_at = at + 16 + 6 * segs
-            ranges = struct.unpack_from(">%dH" % segs, data, ranges_at)
-            for k in range(segs):
-                for code in range(starts[k], min(ends[k], 0xfffe) + 1):
-                    if ranges[k] == 0:
-                        gid = (code + deltas[k]) & 0xffff
+            for k, (start, end, delta, offset) in enumerate(zip(starts, ends, deltas, ranges)):
+                for code in range(start, min(end, 0xfffe) + 1):
+                    if offset == 0:
+                        gid = (code + delta) & 0xffff
                     else:
-                        spot = ranges_at + 2 * k + ranges[k] + 2 * (code - starts[k])
+                        spot = ranges_at + 2 * k + offset + 2 * (code - start)
                         gid = struct.unpack_from(">H", data, spot)[0] if spot + 2 <= len(data) else 0
-                        gid = (gid + deltas[k]) & 0xffff if gid else 0
+                        gid = (gid + delta) & 0xffff if gid else 0
                     if gid:
                         table[code] = gid
         elif fmt == 6:
@@ -5560,20 +5553,18 @@ def pdf_mac_glyph(index):
 
 def pdf_encoding(name):
     """A base encoding by name: {code: text}."""
-    if name == "WinAnsiEncoding":
-        table = {i: bytes([i]).decode("cp1252", "replace") for i in range(32, 256)}
-        table.update((i, "\u2022") for i in (0x81, 0x8d, 0x8f, 0x90, 0x9d))
+    codec = {"WinAnsiEncoding": "cp1252", "MacRomanEncoding": "mac_roman",
+             "PDFDocEncoding": "latin-1"}.get(name)
+    if codec:
+        table = {i: bytes([i]).decode(codec, "replace") for i in range(32, 256)}
+        if codec == "cp1252":                           # the codes cp1252 leaves undefined: bullets
+            table.update((i, "\u2022") for i in (0x81, 0x8d, 0x8f, 0x90, 0x9d))
         return table
-    if name == "MacRomanEncoding":
-        return {i: bytes([i]).decode("mac_roman") for i in range(32, 256)}
-    if name == "PDFDocEncoding":
-        return {i: bytes([i]).decode("latin-1") for i in range(32, 256)}
     table = {i: chr(i) for i in range(32, 127)}          # StandardEncoding
     table[0x27], table[0x60] = "\u2019", "\u2018"
-    for i, glyph in enumerate(PDF_STANDARD_HIGH.split()):
-        if glyph != "''":
-            table[0xa1 + i] = pdf_glyph(glyph)
+    table.update((0xa1 + i, pdf_glyph(g)) for i, g in enumerate(PDF_STANDARD_HIGH.split()) if g != "''")
     return table
+
 
 
 def pdf_text_string(value):
@@ -5611,13 +5602,8 @@ class PdfParser:
             text = m.group(kind)
             if b"." in text:
                 return float(text), end
-            value = int(text)
-            m2 = PDF_TOKEN.match(data, end)
-            if m2 is not None and m2.lastgroup == "num" and b"." not in m2.group("num"):
-                m3 = PDF_TOKEN.match(data, m2.end())
-                if m3 is not None and m3.group("word") == b"R":
-                    return PdfRef((value, int(m2.group("num")))), m3.end()
-            return value, end
+            ref = PDF_REF.match(data, end)
+            return (PdfRef((int(text), int(ref.group(1)))), ref.end()) if ref else (int(text), end)
         if kind == "name":
             raw = m.group(kind)
             if b"#" in raw:
@@ -5634,34 +5620,29 @@ class PdfParser:
                 if close < 0:
                     raise PdfError("an unterminated hex string")
                 return pdf_hex(data[end:close]), close + 1
-            if what == b"[" or what == b"<<":
+            if what in (b"[", b"<<"):
                 return self.container(what == b"<<", end, depth)
             return None, end                                   # '{' of a PostScript function: not text
         if kind == "word":
-            word = m.group(kind)
-            return (True if word == b"true" else False if word == b"false" else None), end
+            return {b"true": True, b"false": False}.get(m.group(kind)), end
         return None, end                                       # a stray closing bracket
 
     def container(self, is_dict, pos, depth):
         """(an array, or a dictionary when `is_dict`, the offset after it) from just after
         its opening bracket."""
-        data, items, d = self.data, [], {}
+        data, items = self.data, []
         while True:
             m = PDF_TOKEN.match(data, pos)
             if m is None:
                 raise PdfError("an unterminated %s" % ("dictionary" if is_dict else "array"))
             if m.lastgroup == "close":
-                return (d if is_dict else items), m.end()
+                break
             value, pos = self.obj(pos, depth + 1)
-            if not is_dict:
-                items.append(value)
-                continue
-            m = PDF_TOKEN.match(data, pos)
-            if m is not None and m.lastgroup == "close":
-                return d, m.end()
-            key, (value, pos) = value, self.obj(pos, depth + 1)
-            if isinstance(key, PdfName):
-                d[str(key)] = value
+            items.append(value)
+        if is_dict:                             # keys and values in pairs (a last key alone: out)
+            pairs = zip(items[0::2], items[1::2])
+            return {str(k): v for k, v in pairs if isinstance(k, PdfName)}, m.end()
+        return items, m.end()
 
     def literal(self, pos):
         """(a literal string's bytes, its escapes undone, the offset after it) from just after its '('."""
@@ -5714,7 +5695,8 @@ def pdf_lines(runs):
             along, across = gx * ux + gy * uy, abs(gy * ux - gx * uy)
             h = max(size, lsize)
             if across < 0.6 * h and -0.6 * h < along < 40 * h:
-                if along > 0.1 * h and line and not line[-1][-1:].isspace() and not text[:1].isspace():
+                if along > 0.1 * h and not line[-1][-1:].isspace() and not text[:1].isspace():
+
                     line.append(" ")
             else:
                 lines.append(("".join(line), back, box))
@@ -5722,18 +5704,16 @@ def pdf_lines(runs):
         line.append(text)
         if ex < x and abs(ex - x) > abs(ey - y):
             back += len(text)                                 # drawn right to left: already in reading order
-        if vertical:
-            run = (x - 0.5 * size, x + 0.5 * size, min(y, ey) - 0.2 * size, max(y, ey) + 0.8 * size)
-        else:
-            run = (min(x, ex), max(x, ex), min(y, ey) - 0.2 * size, max(y, ey) + 0.8 * size)
+        x0, x1 = (x - 0.5 * size, x + 0.5 * size) if vertical else (min(x, ex), max(x, ex))
+        run = (x0, x1, min(y, ey) - 0.2 * size, max(y, ey) + 0.8 * size)
         box = run if box is None else (min(box[0], run[0]), max(box[1], run[1]), min(box[2], run[2]),
                                        max(box[3], run[3]))
         last = (x, y, ex, ey, size)
     if line:
         lines.append(("".join(line), back, box))
     lines = [lines[i] for i in pdf_reading_order([b for _, _, b in lines])]
-    text = "\n".join((pdf_bidi(" ".join(l.split())) if 2 * back < len(l) else " ".join(l.split()))
-                     if l.strip() else "" for l, back, _ in lines).strip("\n")
+    text = "\n".join(pdf_bidi(" ".join(l.split())) if 2 * back < len(l) else " ".join(l.split())
+                     for l, back, _ in lines).strip("\n")
     return text.translate(PDF_LIGATURES)
 
 
@@ -5745,15 +5725,15 @@ def pdf_reading_order(boxes):
     very many lines keeps its drawing order."""
     if len(boxes) < 2 or len(boxes) > 3000:
         return list(range(len(boxes)))
-    heights = sorted(b[3] - b[2] for b in boxes)
-    unit = max(heights[len(heights) // 2], 1.0)
+    unit = max(sorted(b[3] - b[2] for b in boxes)[len(boxes) // 2], 1.0)    # a median line's height
     out, stack = [], [list(range(len(boxes)))]
     while stack:
         group = stack.pop()
-        if len(group) < 2:
+        if len(group) < 2:                                          # (a line alone: no cut to look for)
             out.extend(group)
             continue
         best = None
+
         for axis, least in ((2, 0.5 * unit), (0, 1.0 * unit)):      # (y0, y1) bands, then (x0, x1)
             spans = sorted((boxes[i][axis], boxes[i][axis + 1]) for i in group)
             reach = spans[0][1]
@@ -5771,8 +5751,7 @@ def pdf_reading_order(boxes):
         high = [i for i in group if boxes[i][axis + 1] > cut]
         # read first: the upper part of a row cut (higher y), the left part of a column cut
         first, then = (high, low) if axis == 2 else (low, high)
-        stack.append(then)
-        stack.append(first)
+        stack += [then, first]
     return out
 
 
@@ -5797,32 +5776,24 @@ def pdf_bidi(line):
         tail = []                                             # spaces after a Latin run stay where they are
         while run and unicodedata.bidirectional(run[-1]) not in ("L", "EN", "AN"):
             tail.append(run.pop())
-        out.extend(reversed(run))
-        out.extend(reversed(tail))
+        out += run[::-1] + tail[::-1] + [c]
         run = []
-        out.append(c)
     return "".join(out)
 
 
-PDF_LIGATURES = {0xfb00: "ff", 0xfb01: "fi", 0xfb02: "fl", 0xfb03: "ffi", 0xfb04: "ffl", 0xfb05: "st", 0xfb06: "st"}
+PDF_LIGATURES = dict(zip(range(0xfb00, 0xfb07), "ff fi fl ffi ffl st st".split()))    # U+FB00 on
 
 
 class PdfFont:
     """How a font's codes become text (decode()) and how far each moves the pen."""
 
     def __init__(self, pdf, d):
-        get = pdf.get
-        self.vertical = False
-        self.down = 1.0
+        self.vertical, self.down, self.scale = False, 1.0, 0.001
         self.em = 1.0                                      # the font's em in text space units of one point
-        self.memo = {}
-        self.scale = 0.001
-        subtype = get(d.get("Subtype"))
-        self.composite = subtype == "Type0"
-        self.widths, self.default = {}, 0.5
+        self.memo, self.widths, self.default, self.uni = {}, {}, 0.5, {}
         self.codec, self.spans = None, []                   # a CJK codec; codespace ranges [(n, lo, hi)]
-        self.uni = {}
-        tounicode = get(d.get("ToUnicode"))
+        subtype, tounicode = pdf.entry(d, "Subtype"), pdf.entry(d, "ToUnicode")
+        self.composite = subtype == "Type0"
         cmap = {}
         if isinstance(tounicode, str) and self.composite and "Identity" in tounicode:
             self.codec = "utf-16-be"                           # the codes are the characters
@@ -5830,8 +5801,8 @@ class PdfFont:
             try:
                 cmap = PdfCMap(pdf.decoded(tounicode))
                 self.spans = cmap.spans
-            except PdfError:
-                cmap = {}
+            except PdfError:                                    # (cmap stays {})
+                pass
         if self.composite:
             self.composite_font(pdf, d, cmap)
         else:
@@ -5839,63 +5810,59 @@ class PdfFont:
 
     def composite_font(self, pdf, d, cmap):
         """A Type0 font's codes (by its encoding CMap and descendant CID font) and widths."""
-        get = pdf.get
-        kids = get(d.get("DescendantFonts"))
-        kid = get(kids[0]) if isinstance(kids, list) and kids else {}
+        kid = pdf.get((pdf.entry(d, "DescendantFonts", list) or [{}])[0])
         kid = kid if isinstance(kid, dict) else {}
         name, cmap = self.cid_encoding(pdf, d, cmap)
-        self.cid_widths(get, kid)
-        if not self.spans:
-            self.spans = [(2, b"\x00\x00", b"\xff\xff")]
+        self.cid_widths(pdf, kid)
+        self.spans = self.spans or PDF_TWO_BYTES
         if not cmap and self.codec is None and ("Identity" in name or not name):
             # no ToUnicode, codes that are CIDs: the embedded font's own map,
             cmap = self.embedded(pdf, kid)               # else the ASCII block of Adobe's CJK collections
-            info = get(kid.get("CIDSystemInfo"))
-            ordering = get(info.get("Ordering")) if isinstance(info, dict) else None
-            if not cmap and isinstance(ordering, bytes) and ordering in (b"Japan1", b"GB1", b"CNS1", b"Korea1"):
+            ordering = pdf.entry(pdf.entry(kid, "CIDSystemInfo"), "Ordering")
+            if not cmap and ordering in (b"Japan1", b"GB1", b"CNS1", b"Korea1"):
                 cmap = {cid.to_bytes(2, "big"): chr(cid + 31) for cid in range(1, 96)}
         self.uni = cmap
 
     def cid_encoding(self, pdf, d, cmap):
         """A Type0 font's encoding CMap: its codespace, a CJK codec where there is no map to
         text, writing down a column or not; (its name, the map to text `cmap` made fit)."""
-        get = pdf.get
-        enc = get(d.get("Encoding"))
+        enc = pdf.entry(d, "Encoding")
         name = str(enc) if isinstance(enc, str) else ""
         if isinstance(enc, PdfStream):
-            name = str(get(enc.dict.get("CMapName")) or "")
-            try:
-                self.spans = PdfCMap(pdf.decoded(enc)).spans or self.spans           # (the encoding splits the codes, not ToUnicode)
+            name = str(pdf.entry(enc.dict, "CMapName") or "")
+            try:            # (the encoding splits the codes, not ToUnicode)
+                self.spans = PdfCMap(pdf.decoded(enc)).spans or self.spans
             except PdfError:
                 pass
         self.vertical = name.endswith("-V")
         if isinstance(enc, str) and "Identity" in name:  # two bytes a code, whatever ToUnicode's ranges say
-            self.spans = [(2, b"\x00\x00", b"\xff\xff")]
+            self.spans = PDF_TWO_BYTES
             cmap = {int.from_bytes(c, "big").to_bytes(2, "big"): t for c, t in cmap.items() if len(c) <= 2}
         if name in ("H", "V") and not cmap:
             self.codec = "jis"                             # JIS X 0208 codes, two bytes
         if not cmap and "Identity" not in name and self.codec is None:
-            self.codec = next((codec for part, codec in PDF_CODECS if part in name), None)
+            self.codec = next((codec or None for part, codec in PDF_CODECS if part in name), None)
         return name, cmap
 
-    def cid_widths(self, get, kid):
+    def cid_widths(self, pdf, kid):
         """A CID font's widths: DW, DW2 and the W array ([first [w ...]] and [first last w])."""
-        self.default = (get(kid.get("DW")) if isinstance(get(kid.get("DW")), (int, float)) else 1000) / 1000.0
-        dw2 = get(kid.get("DW2"))
-        if isinstance(dw2, list) and len(dw2) == 2 and isinstance(get(dw2[1]), (int, float)):
+        get, dw = pdf.get, pdf.entry(kid, "DW", PDF_NUMBER)
+        self.default = (dw if dw is not None else 1000) / 1000.0
+        dw2 = pdf.entry(kid, "DW2", list)
+        if dw2 and len(dw2) == 2 and isinstance(get(dw2[1]), PDF_NUMBER):
             self.down = -get(dw2[1]) / 1000.0         # a glyph's advance down a column (w1 is negative)
-        w = get(kid.get("W"))
+        w = pdf.entry(kid, "W", list) or []
         i = 0
-        while isinstance(w, list) and i + 1 < len(w) and len(self.widths) < PDF_CMAP_MAX:
+        while i + 1 < len(w) and len(self.widths) < PDF_CMAP_MAX:
             first, nxt = get(w[i]), get(w[i + 1])
             if isinstance(nxt, list) and isinstance(first, int):
                 for k, v in enumerate(nxt):
-                    if isinstance(get(v), (int, float)):
+                    if isinstance(get(v), PDF_NUMBER):
                         self.widths[first + k] = get(v) / 1000.0
                 i += 2
             elif i + 2 < len(w) and isinstance(first, int) and isinstance(nxt, int):
                 v = get(w[i + 2])
-                if isinstance(v, (int, float)) and nxt - first < PDF_CMAP_MAX:
+                if isinstance(v, PDF_NUMBER) and nxt - first < PDF_CMAP_MAX:
                     for c in range(first, nxt + 1):
                         self.widths[c] = v / 1000.0
                 i += 3
@@ -5904,15 +5871,14 @@ class PdfFont:
 
     def simple_font(self, pdf, d, subtype, cmap):
         """A simple font's codes (one byte each: its encoding, Differences, ToUnicode) and widths."""
-        get = pdf.get
-        base, descriptor = self.simple_widths(get, d, subtype)
-        enc = get(d.get("Encoding"))
-        differences = get(enc.get("Differences")) or [] if isinstance(enc, dict) else []
-        name = str(enc) if isinstance(enc, str) else get(enc.get("BaseEncoding")) if isinstance(enc, dict) else None
+        base, descriptor = self.simple_widths(pdf, d, subtype)
+        enc = pdf.entry(d, "Encoding")
+        differences = pdf.entry(enc, "Differences", list) or []
+        name = str(enc) if isinstance(enc, str) else pdf.entry(enc, "BaseEncoding")
         table = self.base_encoding(pdf, name, subtype, base, descriptor)
         code = 0
-        for item in differences if isinstance(differences, list) else []:
-            item = get(item)
+        for item in differences:
+            item = pdf.get(item)
             if isinstance(item, int):
                 code = item
             elif isinstance(item, str) and 0 <= code < 256:
@@ -5932,27 +5898,24 @@ class PdfFont:
         self.low = any(c < 32 for c in table)                 # control codes drawn as glyphs in this font
         self.spans = []
 
-    def simple_widths(self, get, d, subtype):
+    def simple_widths(self, pdf, d, subtype):
         """A simple font's widths (FirstChar and Widths, a Type 3 font's matrix, MissingWidth, the
         standard fonts' metrics); (its BaseFont name, its descriptor)."""
-        if subtype == "Type3":
-            matrix = get(d.get("FontMatrix"))
-            if isinstance(matrix, list) and matrix and isinstance(get(matrix[0]), (int, float)):
-                self.scale = get(matrix[0])
-        first, widths = get(d.get("FirstChar")), get(d.get("Widths"))
-        if isinstance(first, int) and isinstance(widths, list):
-            for k, v in enumerate(widths[:256]):
-                v = get(v)
-                if isinstance(v, (int, float)):
-                    self.widths[first + k] = v * self.scale
+        matrix = pdf.entry(d, "FontMatrix", list) if subtype == "Type3" else None
+        if matrix and isinstance(pdf.get(matrix[0]), PDF_NUMBER):
+            self.scale = pdf.get(matrix[0])
+        first, widths = pdf.entry(d, "FirstChar", int), pdf.entry(d, "Widths", list)
+        for k, v in enumerate(widths[:256] if first is not None and widths else []):
+            v = pdf.get(v)
+            if isinstance(v, PDF_NUMBER):
+                self.widths[first + k] = v * self.scale
         drawn = sorted(w for w in self.widths.values() if w > 0)
         if subtype == "Type3" and drawn:                 # glyphs drawn in units of their own: an em from their widths
             self.em = 2 * drawn[len(drawn) // 2]
-        base = str(get(d.get("BaseFont")) or "")
-        descriptor = get(d.get("FontDescriptor"))
-        descriptor = descriptor if isinstance(descriptor, dict) else {}
-        missing = get(descriptor.get("MissingWidth"))
-        if isinstance(missing, (int, float)) and missing > 0:
+        base = str(pdf.entry(d, "BaseFont") or "")
+        descriptor = pdf.entry(d, "FontDescriptor", dict) or {}
+        missing = pdf.entry(descriptor, "MissingWidth", PDF_NUMBER)
+        if missing is not None and missing > 0:
             self.default = missing * self.scale
         elif "Courier" in base:
             self.default = 0.6
@@ -5967,11 +5930,11 @@ class PdfFont:
         """{code: text} a simple font starts from: a named encoding, an embedded Type 1 font's
         own, else the standard one its kind implies (none for symbol fonts)."""
         if name in ("WinAnsiEncoding", "MacRomanEncoding", "StandardEncoding", "PDFDocEncoding"):
-            return dict(pdf_encoding(name))
+            return pdf_encoding(name)
         if subtype == "Type3":
             return {}
-        program = pdf.get(descriptor.get("FontFile"))
-        if isinstance(program, PdfStream):
+        program = pdf.entry(descriptor, "FontFile", PdfStream)
+        if program:
             try:
                 head = pdf.decoded(program)[:65536]
             except PdfError:
@@ -5981,32 +5944,27 @@ class PdfFont:
                            for c, n in re.findall(rb"dup\s+(\d+)\s*/(\S+)\s+put", head) if int(c) < 256}
                 if builtin:
                     return builtin
-        return dict(pdf_encoding("WinAnsiEncoding" if subtype == "TrueType" else "StandardEncoding")) \
+        return pdf_encoding("WinAnsiEncoding" if subtype == "TrueType" else "StandardEncoding") \
             if "Symbol" not in base and "Dingbat" not in base else {}
 
     @staticmethod
     def embedded(pdf, kid):
         """{2-byte code: text} of a TrueType CID font from the map inside its font program
         (through CIDToGIDMap), for fonts that come without ToUnicode."""
-        get = pdf.get
-        descriptor = get(kid.get("FontDescriptor"))
-        program = get(descriptor.get("FontFile2")) if isinstance(descriptor, dict) else None
-        if not isinstance(program, PdfStream):
+        program = pdf.entry(pdf.entry(kid, "FontDescriptor"), "FontFile2", PdfStream)
+        if program is None:
             return {}
         try:
             texts = pdf_sfnt(pdf.decoded(program))
-            mapping = get(kid.get("CIDToGIDMap"))
-            gids = pdf.decoded(mapping) if isinstance(mapping, PdfStream) else None
+            mapping = pdf.entry(kid, "CIDToGIDMap", PdfStream)
+            gids = pdf.decoded(mapping) if mapping else None
         except PdfError:
             return {}
         if gids is None:
             return {gid.to_bytes(2, "big"): t for gid, t in texts.items() if gid < 0x10000}
-        out = {}
-        for cid in range(min(len(gids) // 2, 0x10000)):
-            t = texts.get(gids[2 * cid] << 8 | gids[2 * cid + 1])
-            if t is not None:
-                out[cid.to_bytes(2, "big")] = t
-        return out
+        found = ((cid, texts.get(gids[2 * cid] << 8 | gids[2 * cid + 1]))
+                 for cid in range(min(len(gids) // 2, 0x10000)))
+        return {cid.to_bytes(2, "big"): t for cid, t in found if t is not None}
 
     def decode(self, s):
         """(text, width in text space units of one point, codes, single-byte spaces, codes with no
@@ -6041,7 +5999,7 @@ class PdfFont:
     def cid_codes(self, s):
         """decode() in a composite font: codes split by the codespace, mapped by ToUnicode."""
         uni, widths, default, spans = self.uni, self.widths, self.default, self.spans
-        parts, width, codes, i, missing = [], 0.0, 0, 0, 0
+        parts, width, i, missing = [], 0.0, 0, 0
         while i < len(s):
             n = 0
             for size, lo, hi in spans:
@@ -6052,7 +6010,6 @@ class PdfFont:
             n = n or (2 if len(s) - i >= 2 else 1)
             c = s[i:i + n]
             i += n
-            codes += 1
             t, w = uni.get(c), widths.get(int.from_bytes(c, "big"), default)
             if t is None and n == 1:
                 t = uni.get(b"\x00" + c)                       # a one-byte code, ToUnicode's keys two bytes
@@ -6060,7 +6017,8 @@ class PdfFont:
                 missing += 1
             parts.append(t or (" " if w > 0 else ""))           # (a glyph with no text still parts words)
             width += w
-        return "".join(parts), width, codes, s.count(32) if all(n == 1 for n, _, _ in spans) else 0, missing
+        spaces = s.count(32) if all(n == 1 for n, _, _ in spans) else 0
+        return "".join(parts), width, len(parts), spaces, missing
 
 class PdfCMap(dict):
     """A CMap read: {code bytes: text} from ToUnicode's bfchar and bfrange (and cidchar
@@ -6080,25 +6038,23 @@ class PdfCMap(dict):
                 value, pos = sub.obj(pos)
                 tokens.append(value)
                 continue
-            pos = m.end()
+            pos, pairs = m.end(), list(zip(tokens[0::2], tokens[1::2]))
             if word in (b"begincodespacerange", b"beginbfchar", b"beginbfrange", b"begincidrange", b"begincidchar"):
                 mode, tokens = word, []
-            elif word in (b"endcidrange", b"endcidchar"):
+                continue
+            if word in (b"endcidrange", b"endcidchar"):
                 self.cid_ranges(tokens, 3 if word == b"endcidrange" else 2)
-                mode = None
             elif word == b"endcodespacerange":
-                self.spans += [(len(lo), lo, hi) for lo, hi in zip(tokens[0::2], tokens[1::2]) if isinstance(lo, bytes)
+                self.spans += [(len(lo), lo, hi) for lo, hi in pairs if isinstance(lo, bytes)
                                and isinstance(hi, bytes) and len(lo) == len(hi) and 0 < len(lo) <= 4]
-                mode = None
             elif word == b"endbfchar":
-                self.update((src, pdf_unicode(dst)) for src, dst in zip(tokens[0::2], tokens[1::2])
-                            if isinstance(src, bytes))
-                mode = None
+                self.update((src, pdf_unicode(dst)) for src, dst in pairs if isinstance(src, bytes))
             elif word == b"endbfrange":
                 self.bf_ranges(tokens)
-                mode = None
-            if mode is None:
-                tokens = []
+            elif mode is not None:                            # a stray word inside a block
+                continue
+            mode, tokens = None, []
+
         self.spans.sort(key=lambda s: s[0])
 
     def cid_ranges(self, tokens, step):
@@ -6167,8 +6123,7 @@ def pdf_lzw(data, room):
                 return bytes(out)
             out += entry
             if len(out) > room:
-                raise PdfError("its streams inflate past %s: refused (a decompression bomb?)"
-                               % human_size(PDF_INFLATED_MAX))
+                raise PdfBomb()
             prev = entry
             if len(table) + 1 >= 1 << bits and bits < 12:
                 bits += 1
@@ -6185,22 +6140,12 @@ def pdf_ascii85(data):
     try:
         return base64.a85decode(data)
     except ValueError:                                        # damaged: what decodes before the first bad group
-        out, group = bytearray(), []
-        for c in data:
-            if c == 0x7a and not group:
-                out += b"\0\0\0\0"
-                continue
-            if not 0x21 <= c <= 0x75:
+        out = bytearray()
+        for group in re.findall(rb"z|[!-u]{5}", re.match(rb"(?:z|[!-u]{5})*", data).group()):
+            try:
+                out += base64.a85decode(group)
+            except ValueError:                                # a group past 2**32
                 break
-            group.append(c - 33)
-            if len(group) == 5:
-                n = 0
-                for d in group:
-                    n = n * 85 + d
-                if n > 0xffffffff:
-                    break
-                out += n.to_bytes(4, "big")
-                group = []
         return bytes(out)
 
 
@@ -6222,9 +6167,8 @@ def pdf_run_length(data):
 
 def pdf_predictor(data, p):
     """Undo a PNG (10 and up) or TIFF (2) predictor of 8-bit samples."""
-    colors = p.get("Colors") if isinstance(p.get("Colors"), int) else 1
-    bpc = p.get("BitsPerComponent") if isinstance(p.get("BitsPerComponent"), int) else 8
-    columns = p.get("Columns") if isinstance(p.get("Columns"), int) else 1
+    colors, bpc, columns = (p.get(k) if isinstance(p.get(k), int) else n
+                            for k, n in (("Colors", 1), ("BitsPerComponent", 8), ("Columns", 1)))
     bpp = max(1, colors * bpc // 8)
     row = (colors * bpc * columns + 7) // 8
     if p["Predictor"] == 2:
@@ -6260,39 +6204,37 @@ class PdfCrypt:
     def __init__(self, pdf, d):
         if not isinstance(d, dict) or d.get("Filter") != "Standard":
             raise PdfError("encrypted with a security handler other than the standard one: it is not read")
-        get = pdf.get
-        v, r = get(d.get("V")) or 0, get(d.get("R")) or 0
-        o, u = get(d.get("O")) or b"", get(d.get("U")) or b""
-        self.aes, self.identity = False, False
-        cf = get(d.get("CF"))
-        if v >= 4 and isinstance(cf, dict):
-            filt = get(cf.get(get(d.get("StmF")) or "StdCF"))
-            method = get(filt.get("CFM")) if isinstance(filt, dict) else None
-            self.aes = method in ("AESV2", "AESV3")
-            self.identity = get(d.get("StmF")) == "Identity" or method == "None"
+        v, r = pdf.entry(d, "V") or 0, pdf.entry(d, "R") or 0
+        o, u = pdf.entry(d, "O") or b"", pdf.entry(d, "U") or b""
+        cf = pdf.entry(d, "CF", dict) if v >= 4 else None      # (version 4 and up: crypt filters)
+        stmf = pdf.entry(d, "StmF") if cf is not None else None
+        method = pdf.entry(pdf.entry(cf, stmf or "StdCF"), "CFM")
+        self.aes = method in ("AESV2", "AESV3")
+        self.identity = cf is not None and (stmf == "Identity" or method == "None")
         if r >= 5:
-            self.key, self.aes = self.aes256_key(get, d, r, o, u), True
+            self.key, self.aes = self.aes256_key(pdf, d, r, o, u), True
         else:
             self.key = self.md5_key(pdf, d, r, o, u)
 
     @staticmethod
-    def aes256_key(get, d, r, o, u):
+    def aes256_key(pdf, d, r, o, u):
         """The file key of revisions 5 and 6 (AES-256), by the empty user or owner password."""
         if len(u) < 48:
             raise PdfError("a damaged encryption dictionary (/U)")
         for check, sealed, udata in ((u, "UE", b""), (o, "OE", u[:48])):      # the user's, then an empty owner's
             if len(check) >= 48 and pdf_r6_hash(b"", check[32:40], r, udata) == check[:32]:
-                return pdf_aes_cbc(pdf_r6_hash(b"", check[40:48], r, udata), bytes(16), (get(d.get(sealed)) or b"")[:32])
+                return pdf_aes_cbc(pdf_r6_hash(b"", check[40:48], r, udata), bytes(16),
+                                   (pdf.entry(d, sealed) or b"")[:32])
+
         raise PdfError("encrypted with a password: it is not read (only an empty password is tried)")
 
     def md5_key(self, pdf, d, r, o, u):
         """The file key of revisions 2 to 4 (RC4, AES-128), by the empty user or owner password."""
         import hashlib
-        get = pdf.get
-        ids = get(pdf.trailer.get("ID"))
-        first = get(ids[0]) if isinstance(ids, list) and ids and isinstance(get(ids[0]), bytes) else b""
-        p = get(d.get("P")) or 0
-        n = (get(d.get("Length")) or (128 if self.aes else 40)) // 8 if r >= 3 else 5
+        first = pdf.get((pdf.entry(pdf.trailer, "ID", list) or [b""])[0])
+        first = first if isinstance(first, bytes) else b""
+        p = pdf.entry(d, "P") or 0
+        n = (pdf.entry(d, "Length") or (128 if self.aes else 40)) // 8 if r >= 3 else 5
         n = max(5, min(16, n))
 
         def rehashed(key, keep):                            # revision 3 and up: MD5 50 times more
@@ -6302,14 +6244,15 @@ class PdfCrypt:
 
         def user(password):                                 # the file key if `password` is the user's
             h = hashlib.md5(password + o[:32] + (p & 0xffffffff).to_bytes(4, "little") + first)
-            if r >= 4 and get(d.get("EncryptMetadata")) is False:
+            if r >= 4 and pdf.entry(d, "EncryptMetadata") is False:
                 h.update(b"\xff\xff\xff\xff")
             key = rehashed(h.digest()[:n], n)
             if r == 2:
                 return key if pdf_rc4(key, PDF_PADDING) == u[:32] else None
-            check = pdf_rc4(key, hashlib.md5(PDF_PADDING + first).digest())
-            for i in range(1, 20):
+            check = hashlib.md5(PDF_PADDING + first).digest()
+            for i in range(20):                             # (i = 0: the key itself)
                 check = pdf_rc4(bytes(k ^ i for k in key), check)
+
             return key if check == u[:16] else None
         key = user(PDF_PADDING)
         if key is None:                                     # an empty owner password gives the user's
@@ -6349,10 +6292,8 @@ class PdfCrypt:
             return [self.decrypt(x, key, depth + 1) for x in value]
         if isinstance(value, dict):
             return {k: self.decrypt(x, key, depth + 1) for k, x in value.items()}
-        if isinstance(value, PdfStream):
-            if value.dict.get("Type") == "XRef":
-                return value
-            return PdfStream(self.decrypt(value.dict, key, depth + 1), self.data(key, value.raw), value.ref)
+        if isinstance(value, PdfStream) and value.dict.get("Type") != "XRef":     # (xrefs: never)
+            return PdfStream(self.decrypt(value.dict, key, depth + 1), self.data(key, value.raw))
         return value
 
 
@@ -6432,14 +6373,13 @@ class PdfText:
     """What Pdf.run keeps while it reads a content stream: the graphics state it needs (the
     transformation `ctm`, the font and its size, character and word spacing tc and tw,
     horizontal scale th, leading tl, rise, the text and line matrices tm and lm) and what
-    the stream was run with (resources, where runs go, how deep in forms, which forms)."""
+    the stream was run with (resources, where runs go, how deep in forms, which forms; and
+    the resources' fonts and xobjects, which run() sets)."""
 
     def __init__(self, ctm, resources, runs, depth, forms):
-        self.ctm, self.font, self.size, self.tc, self.tw, self.th, self.tl, self.rise = ctm, None, 0.0, 0.0, 0.0, \
-            1.0, 0.0, 0.0
+        self.restore((ctm, None, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0))
         self.tm = self.lm = [1, 0, 0, 1, 0, 0]
         self.resources, self.runs, self.depth, self.forms = resources, runs, depth, forms
-        self.fonts = self.xobjects = {}
 
     def saved(self):
         """What q saves and Q restores."""
@@ -6460,21 +6400,18 @@ class Pdf(PdfParser):
     inherited resources, page_text() reads one page."""
 
     def __init__(self, data):
-        self.data = data
+        self.data, self.inflated, self.crypt, self.trailer, self.fonts = data, 0, None, {}, {}
         self.offsets, self.packed, self.cache = {}, {}, {}   # number -> offset; -> (stream number, index)
         self.scanned = None                                    # number -> offset found by a scan, when needed
-        self.inflated = 0
-        self.crypt = None
-        self.trailer = {}
-        self.fonts = {}
         self.unmapped = 0                                     # codes shown that no map turns into text
         if not pdf_sniff(data, "a.pdf"):
             raise PdfError("it does not start as a PDF does (%PDF-)")
         try:
             self.read_xref()
         except (PdfError, ValueError, IndexError, KeyError, TypeError, RecursionError):
-            self.offsets, self.packed, self.trailer = {}, {}, {}
-        if not isinstance(self.get(self.trailer.get("Root")), dict):
+            self.trailer = {}                                 # (and rebuild() starts afresh)
+
+        if self.entry(self.trailer, "Root", dict) is None:
             self.rebuild()
         if "Encrypt" in self.trailer:
             self.crypt = PdfCrypt(self, self.get(self.trailer["Encrypt"]))
@@ -6483,36 +6420,30 @@ class Pdf(PdfParser):
     # -- the file's structure
     def indirect(self, pos, number=None):
         """The object defined at offset pos ('n g obj ... endobj'), a stream with its raw bytes."""
-        m = re.compile(rb"[\x00\t\n\x0c\r ]*(\d+)[\x00\t\n\x0c\r ]+(\d+)[\x00\t\n\x0c\r ]+obj").match(self.data, pos)
+        data = self.data
+        m = re.compile(rb"[\x00\t\n\x0c\r ]*(\d+)[\x00\t\n\x0c\r ]+(\d+)[\x00\t\n\x0c\r ]+obj"
+                       ).match(data, pos)
         if m is None or number is not None and int(m.group(1)) != number:
             raise PdfError("no object %s at byte %d" % (number, pos))
-        ref = PdfRef((int(m.group(1)), int(m.group(2))))
         value, pos = self.obj(m.end())
-        if isinstance(value, dict):
-            s = re.compile(rb"[\x00\t\n\x0c\r ]*stream\r?\n?").match(self.data, pos)
-            if s is not None:
-                start = s.end()
-                length = self.get(value.get("Length"))
-                end = start + length if isinstance(length, int) and length >= 0 else -1
-                if end < 0 or end > len(self.data) or \
-                        not re.match(rb"[\x00\t\n\x0c\r ]*endstream", self.data[end:end + 32]):
-                    end = self.data.find(b"endstream", start)
-                    end = len(self.data) if end < 0 else end
-                    if self.data[end - 2:end] == b"\r\n":
-                        end -= 2
-                    elif self.data[end - 1:end] in (b"\n", b"\r"):
-                        end -= 1
-                return PdfStream(value, self.data[start:end], ref)
-        return value
+
+        s = re.compile(rb"[\x00\t\n\x0c\r ]*stream\r?\n?").match(data, pos)
+        if s is None or not isinstance(value, dict):
+            return value
+        start, length = s.end(), self.get(value.get("Length"))
+        end = start + length if isinstance(length, int) and length >= 0 else -1
+        if end < 0 or end > len(data) or \
+                not re.match(rb"[\x00\t\n\x0c\r ]*endstream", data[end:end + 32]):
+            # the first endstream (else the end of the file), less the line break before it
+            end = re.compile(rb"(?:\r\n|[\r\n])?(?:endstream|\Z)").search(data, start).start()
+        return PdfStream(value, data[start:end])
 
     def read_xref(self):
         """Read the xref sections from the last startxref back through /Prev."""
-        at = self.data.rfind(b"startxref")
-        if at < 0:
-            raise PdfError("no startxref")
+        at = self.data.rfind(b"startxref")                    # (-1: none, and no match)
         m = re.match(rb"startxref\s*(\d+)", self.data[at:at + 40])
         if m is None:
-            raise PdfError("startxref without an offset")
+            raise PdfError("no startxref with an offset")
         pos, seen = int(m.group(1)), set()
         while pos is not None and pos not in seen and len(seen) < 1000:
             seen.add(pos)
@@ -6526,8 +6457,7 @@ class Pdf(PdfParser):
                 if not isinstance(stream, PdfStream):
                     raise PdfError("startxref points at no xref")
                 trailer = self.xref_stream(stream)
-            for key, value in trailer.items():
-                self.trailer.setdefault(key, value)
+            self.trailer = dict(trailer, **self.trailer)         # (the newest section's keys win)
             pos = trailer.get("Prev") if isinstance(trailer.get("Prev"), int) else None
 
     def xref_table(self, pos):
@@ -6562,11 +6492,8 @@ class Pdf(PdfParser):
         size, pos = sum(w), 0
         if size == 0:
             return d
-        for j in range(0, len(index) - 1, 2):
-            first, count = index[j], index[j + 1]
-            if not isinstance(first, int) or not isinstance(count, int):
-                continue
-            for i in range(count):
+        for first, count in zip(index[0::2], index[1::2]):
+            for i in range(count) if isinstance(first, int) and isinstance(count, int) else ():
                 row = data[pos:pos + size]
                 if len(row) < size:
                     return d
@@ -6585,9 +6512,7 @@ class Pdf(PdfParser):
     def rebuild(self):
         """A damaged or missing xref: find every 'n g obj' in the file (the last of a number
         wins), the trailers' and object streams' contents, and the catalog if no trailer names it."""
-        self.offsets, self.packed, self.cache = {}, {}, {}
-        for m in re.finditer(rb"(?<![0-9])(\d{1,10})[\x00\t\n\x0c\r ]+(\d{1,5})[\x00\t\n\x0c\r ]+obj\b", self.data):
-            self.offsets[int(m.group(1))] = m.start()
+        self.offsets, self.packed, self.cache = dict(self.scan()), {}, {}
         for m in re.finditer(rb"trailer[\x00\t\n\x0c\r ]*<<", self.data):
             try:
                 trailer, _ = self.obj(m.end() - 2)
@@ -6596,10 +6521,7 @@ class Pdf(PdfParser):
             if isinstance(trailer, dict):
                 self.trailer.update(trailer)
         for number in list(self.offsets):
-            try:
-                value = self.get(PdfRef((number, 0)))
-            except PdfError:
-                continue
+            value = self.get(PdfRef((number, 0)))
             d = value.dict if isinstance(value, PdfStream) else value
             if not isinstance(d, dict):
                 continue
@@ -6613,7 +6535,7 @@ class Pdf(PdfParser):
                 for key in ("Root", "Info", "Encrypt", "ID"):
                     if key in d:
                         self.trailer.setdefault(key, d[key])
-        if not isinstance(self.get(self.trailer.get("Root")), dict):
+        if self.entry(self.trailer, "Root", dict) is None:
             for number in self.offsets:
                 value = self.get(PdfRef((number, 0)))
                 if isinstance(value, dict) and value.get("Type") == "Catalog":
@@ -6621,6 +6543,14 @@ class Pdf(PdfParser):
                     break
             else:
                 raise PdfError("no catalog (a damaged file, or not a PDF)")
+
+    def scan(self):
+        """{object number: offset} of every 'n g obj' in the file (the last of a number wins)."""
+        if self.scanned is None:
+            found = re.finditer(
+                rb"(?<![0-9])(\d{1,10})[\x00\t\n\x0c\r ]+\d{1,5}[\x00\t\n\x0c\r ]+obj\b", self.data)
+            self.scanned = {int(m.group(1)): m.start() for m in found}
+        return self.scanned
 
     def object_stream(self, stream):
         """(the numbers, the offsets, the decoded bytes) of an object stream."""
@@ -6630,6 +6560,12 @@ class Pdf(PdfParser):
             raise PdfError("an object stream without /N and /First")
         head = [int(x) for x in data[:first].split()[:2 * n]]
         return head[0::2], [first + o for o in head[1::2]], data
+
+    def entry(self, d, key, kind=object):
+        """Dictionary `d`'s value at `key`, resolved, when it is a `kind`; else None (None too
+        when `d` is no dictionary)."""
+        value = self.get(d.get(key)) if isinstance(d, dict) else None
+        return value if isinstance(value, kind) else None
 
     def get(self, value, depth=0):
         """`value` with a reference resolved (None if it leads nowhere)."""
@@ -6654,10 +6590,7 @@ class Pdf(PdfParser):
                 try:
                     found = self.indirect(self.offsets[number], number)
                 except PdfError:                               # an xref off by some bytes: where the object is
-                    if self.scanned is None:
-                        self.scanned = {int(m.group(1)): m.start() for m in re.finditer(
-                            rb"(?<![0-9])(\d{1,10})[\x00\t\n\x0c\r ]+\d{1,5}[\x00\t\n\x0c\r ]+obj\b", self.data)}
-                    if number not in self.scanned:
+                    if number not in self.scan():
                         raise
                     found = self.indirect(self.scanned[number], number)
                 if self.crypt is not None:
@@ -6671,7 +6604,7 @@ class Pdf(PdfParser):
     def decoded(self, stream):
         """The bytes of a stream, its filters undone (decrypted first); bounded."""
         d, data = stream.dict, stream.raw
-        filters, params = self.get(d.get("Filter")), self.get(d.get("DecodeParms"))
+        filters, params = self.entry(d, "Filter"), self.entry(d, "DecodeParms")
         filters = filters if isinstance(filters, list) else [filters] if filters else []
         params = params if isinstance(params, list) else [params] * len(filters)
         for f, p in zip(filters, params + [None] * len(filters)):
@@ -6694,8 +6627,7 @@ class Pdf(PdfParser):
                 data = pdf_predictor(data, p)
             self.inflated += len(data)
             if self.inflated > PDF_INFLATED_MAX:
-                raise PdfError("its streams inflate past %s: refused (a decompression bomb?)"
-                               % human_size(PDF_INFLATED_MAX))
+                raise PdfBomb()
         return data
 
     def inflate(self, data):
@@ -6714,8 +6646,7 @@ class Pdf(PdfParser):
                 out.append(piece)
                 size += len(piece)
                 if size > room or z.unconsumed_tail:
-                    raise PdfError("its streams inflate past %s: refused (a decompression bomb?)"
-                                   % human_size(PDF_INFLATED_MAX))
+                    raise PdfBomb()
                 if z.eof:
                     break
             if size > len(best):
@@ -6724,29 +6655,30 @@ class Pdf(PdfParser):
                 break
         return best
 
+    def body(self, stream):
+        """The bytes of a content stream, its filters undone; None when `stream` is not one or
+        cannot be decoded (a decompression bomb is still refused)."""
+        try:
+            return self.decoded(stream) if isinstance(stream, PdfStream) else None
+        except PdfBomb:
+            raise
+        except PdfError:
+            return None
+
     def content(self, page):
         """The page's content streams, decoded and joined."""
         c = self.get(page.get("Contents"))
-        parts = c if isinstance(c, list) else [c]
-        out = []
-        for part in parts[:10000]:
-            part = self.get(part)
-            if isinstance(part, PdfStream):
-                try:
-                    out.append(self.decoded(part))
-                except PdfError as e:
-                    if "inflate past" in str(e):
-                        raise
-        return b"\n".join(out)
+        parts = [self.body(self.get(part)) for part in (c if isinstance(c, list) else [c])[:10000]]
+        return b"\n".join(part for part in parts if part is not None)
 
     # -- pages
     def pages(self):
         """[(the page dictionary, its resources)], in order, through the page tree (cycles and
         depth bounded; a tree that leads nowhere: the objects of /Type /Page, in file order)."""
-        root = self.get(self.trailer.get("Root")) or {}
+        root = self.entry(self.trailer, "Root") or {}
         out, seen = [], set()
 
-        def walk(node, inherited, depth):
+        def walk(node, resources, depth):
             node_ref, node = node, self.get(node)
             if not isinstance(node, dict) or depth > PDF_DEPTH_MAX or len(out) >= PDF_PAGES_MAX:
                 return
@@ -6754,24 +6686,20 @@ class Pdf(PdfParser):
                 if node_ref in seen:
                     return
                 seen.add(node_ref)
-            inherited = dict(inherited)
-            for key in ("Resources", "MediaBox", "Rotate"):
-                if key in node:
-                    inherited[key] = node[key]
-            kids = self.get(node.get("Kids"))
-            if node.get("Type") == "Page" or not isinstance(kids, list):
+            resources = node.get("Resources", resources)    # (inherited down the tree)
+            kids = self.entry(node, "Kids", list)
+            if node.get("Type") == "Page" or kids is None:
                 if node.get("Type") != "Pages":
-                    out.append((node, self.get(inherited.get("Resources")) or {}))
+                    out.append((node, self.get(resources) or {}))
                 return
             for kid in kids:
-                walk(kid, inherited, depth + 1)
-        walk(root.get("Pages"), {}, 0)
+                walk(kid, resources, depth + 1)
+        walk(root.get("Pages"), None, 0)
         return out
 
     def info(self):
         """The document's title, or ''."""
-        info = self.get(self.trailer.get("Info"))
-        title = self.get(info.get("Title")) if isinstance(info, dict) else None
+        title = self.entry(self.entry(self.trailer, "Info"), "Title")
         return " ".join(pdf_text_string(title).split())
 
     # -- text
@@ -6799,39 +6727,36 @@ class Pdf(PdfParser):
         parents), or of a FreeText note without an appearance (`normal`)."""
         field, kind, value = annot, None, None
         for _ in range(PDF_DEPTH_MAX):
-            kind = kind or self.get(field.get("FT"))
-            value = value if value is not None else self.get(field.get("V"))
-            field = self.get(field.get("Parent"))
-            if not isinstance(field, dict):
+            kind = kind or self.entry(field, "FT")
+            value = value if value is not None else self.entry(field, "V")
+            field = self.entry(field, "Parent", dict)
+            if field is None:
                 break
         if annot.get("Subtype") == "FreeText" and not isinstance(normal, PdfStream):
-            value, kind = self.get(annot.get("Contents")), "Tx"
+            value, kind = self.entry(annot, "Contents"), "Tx"
         return kind, value
 
     def annotations(self, page, runs):
         """A page's annotations as drawn (their appearance streams), and a form field's text
         value where it has no appearance or the form asks for new ones, into `runs`."""
-        annots = self.get(page.get("Annots"))
-        acroform = self.get(self.get(self.trailer.get("Root") or {}).get("AcroForm"))
-        regenerate = isinstance(acroform, dict) and self.get(acroform.get("NeedAppearances")) is True
-        for annot in annots[:1000] if isinstance(annots, list) else []:
+        annots = self.entry(page, "Annots", list) or []
+        acroform = self.entry(self.entry(self.trailer, "Root"), "AcroForm")
+        regenerate = self.entry(acroform, "NeedAppearances") is True
+        for annot in annots[:1000]:
             annot = self.get(annot)                           # a form field's value, a note: as drawn
-            if not isinstance(annot, dict) or (self.get(annot.get("F")) or 0) & 2:
+            if not isinstance(annot, dict) or (self.entry(annot, "F") or 0) & 2:
                 continue
-            ap = self.get(annot.get("AP"))
-            normal = self.get(ap.get("N")) if isinstance(ap, dict) else None
+            normal = self.entry(self.entry(annot, "AP"), "N")
             if isinstance(normal, dict):
-                normal = self.get(normal.get(self.get(annot.get("AS"))))
-            rect = self.get(annot.get("Rect"))
-            try:
-                x, y = min(float(self.get(rect[0])), float(self.get(rect[2]))), \
-                    min(float(self.get(rect[1])), float(self.get(rect[3])))
+                normal = self.entry(normal, self.entry(annot, "AS"))
+            rect = self.entry(annot, "Rect")
+            try:                                              # the lower left corner
+                x, y = (min(float(self.get(rect[i])), float(self.get(rect[i + 2]))) for i in (0, 1))
             except (TypeError, ValueError, IndexError, KeyError):
                 continue
             kind, value = self.field_value(annot, normal)
             if kind in ("Tx", "Ch") and isinstance(value, bytes) and (regenerate or not isinstance(normal, PdfStream)):
-                da = self.get(annot.get("DA"))
-                size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", da) if isinstance(da, bytes) else None
+                size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", self.entry(annot, "DA", bytes) or b"")
                 size = float(size.group(1)) if size and float(size.group(1)) > 0 else 12.0
                 for k, line in enumerate(pdf_text_string(value).splitlines()):
                     runs.append((x, y - k * size, x + 0.5 * size * len(line), y - k * size, size, line, False))
@@ -6842,10 +6767,9 @@ class Pdf(PdfParser):
         """Interpret a content stream: each string shown becomes a run (x, y, end x, end y,
         size, text) in page space; form XObjects are run inside it."""
         st = PdfText(ctm, resources, runs, depth, forms)
-        fonts = self.get(resources.get("Font")) if isinstance(resources, dict) else None
-        st.fonts = fonts if isinstance(fonts, dict) else {}
-        xobjects = self.get(resources.get("XObject")) if isinstance(resources, dict) else None
-        st.xobjects = xobjects if isinstance(xobjects, dict) else {}
+        st.fonts = self.entry(resources, "Font", dict) or {}
+        st.xobjects = self.entry(resources, "XObject", dict) or {}
+
         stack, operands = [], []
         pos, end = 0, len(data)
         match = PDF_TOKEN.match
@@ -6887,7 +6811,8 @@ class Pdf(PdfParser):
         """One operator of a content stream, on the state `st` (and `stack`, the states q saved)."""
         if op in (b"Tj", b"'", b'"', b"TJ"):
             self.show(op, operands, st)
-        elif op == b"Td" or op == b"TD":
+        elif op in (b"Td", b"TD"):
+
             tx, ty = operands[-2], operands[-1]
             if op == b"TD":
                 st.tl = -ty
@@ -6904,12 +6829,11 @@ class Pdf(PdfParser):
             st.tm = st.lm = [1, 0, 0, 1, 0, 0]
         elif op == b"cm":
             st.ctm = pdf_mul([float(x) for x in operands[-6:]], st.ctm)
-        elif op == b"q":
-            if len(stack) < 1000:
-                stack.append(st.saved())
-        elif op == b"Q":
-            if stack:
-                st.restore(stack.pop())
+        elif op == b"q" and len(stack) < 1000:
+            stack.append(st.saved())
+        elif op == b"Q" and stack:
+            st.restore(stack.pop())
+
         elif op in PDF_TEXT_PARAMETERS:
             setattr(st, PDF_TEXT_PARAMETERS[op], float(operands[-1]) / (100.0 if op == b"Tz" else 1.0))
         elif op == b"Do":
@@ -6918,7 +6842,7 @@ class Pdf(PdfParser):
     def show(self, op, operands, st):
         """A text-showing operator (Tj, TJ, ' and "): its strings as runs in page space (and
         TJ's numbers, which move the pen)."""
-        if op == b"'" or op == b'"':
+        if op in (b"'", b'"'):
             if op == b'"' and len(operands) >= 3:
                 st.tw, st.tc = operands[-3], operands[-2]
             st.move(0, -st.tl)
@@ -6966,14 +6890,8 @@ class Pdf(PdfParser):
             matrix = [float(x) for x in matrix] if isinstance(matrix, list) and len(matrix) == 6 \
                 else [1, 0, 0, 1, 0, 0]
             inner = self.get(form.dict.get("Resources"))
-            try:
-                body = self.decoded(form)
-            except PdfError as e:
-                if "inflate past" in str(e):
-                    raise
-                body = b""
-            self.run(body, inner if isinstance(inner, dict) else st.resources, pdf_mul(matrix, st.ctm), st.runs,
-                     st.depth + 1, st.forms | {ref})
+            self.run(self.body(form) or b"", inner if isinstance(inner, dict) else st.resources,
+                     pdf_mul(matrix, st.ctm), st.runs, st.depth + 1, st.forms | {ref})
 
 def pdf_job(job, emit):
     """A helper's side of view: [{count, title, texts of pages first..last}] of the file
@@ -6987,15 +6905,15 @@ def pdf_job(job, emit):
         first, last = job["first"], job["last"] or len(pages)
         if not pages:
             raise PdfError("no pages found (a damaged file?)")
-        if first > len(pages) or last > len(pages):
+        if max(first, last) > len(pages):
             raise ToolError(INVALID_INPUT, "pages %s: the PDF has %s" % (job["asked"], plural(len(pages), "page")))
         texts = []
         for page, resources in pages[first - 1:last]:
             try:
                 texts.append(pdf.page_text(page, resources))
+            except PdfBomb:
+                raise
             except PDF_DAMAGE + PDF_BUGS + (PdfError,) as e:   # one damaged page: said on it, the rest read
-                if "inflate past" in str(e):
-                    raise
                 texts.append("[this page could not be read: %s]" % pdf_failure(e))
         emit([{"count": len(pages), "title": pdf.info(), "texts": texts}])
     except PDF_DAMAGE + PDF_BUGS + (PdfError,) as e:
