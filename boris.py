@@ -973,7 +973,8 @@ def sniff(head, path):
     if b"\x00" in head:
         return "binary", None
     text = head.decode("utf-8", "replace")[:-1]          # (the last may be cut mid-character)
-    odd = sum(1 for c in text if c == "\ufffd" or c < " " and c not in "\t\n\r\f\b\x1b" or c == "\x7f")
+    # control characters other than \t \n \r \f \b and ESC, and undecodable bytes
+    odd = len(re.findall("[\ufffd\x00-\x07\x0b\x0e-\x1a\x1c-\x1f\x7f]", text))
     return ("binary", None) if len(text) >= 16 and odd * 10 > len(text) else ("text", None)
 
 
