@@ -8534,6 +8534,7 @@ class Session:
         self.client = ""            # clientInfo.name from initialize
         self.tasks = {}
         self.inflight = {}          # request id -> [threading.Event] (set = cancelled)
+        self.ended = 0.0            # when its last call ended (time.monotonic())
         self.foreground = set()     # Popen objects of running foreground commands
         self.closed = False
         self.last_seen = time.monotonic()
@@ -8648,6 +8649,7 @@ class Session:
                 events.remove(ev)
             if not events:
                 self.inflight.pop(rid, None)
+            self.ended = time.monotonic()
 
     def busy(self):
         """Whether any call of this session is in flight."""
@@ -8701,6 +8703,8 @@ class Session:
 
 CHECKPOINT_SKIPPED = ("/proc", "/sys", "/dev")      # never walked (a workspace of /): no files to keep there
 CHECKPOINT_YIELD_S = 0.02                            # how often a scan that gave way looks again
+CHECKPOINT_CALM_S = 0.05                             # ... and this long after a call (calls come
+#                                                      in bursts, each waiting for the interpreter)
 CHECKPOINT_PART_MIN_S = 0.5                          # a walk hands a waiter its part once it ran this long
 CHECKPOINT_TRIM_ENTRIES = 50000                      # a walk this big hands freed memory back (trim_memory)
 
@@ -8987,8 +8991,9 @@ class GitIndex:
             top = os.path.dirname(top)
         return None
 
-    def refresh(self):
-        """Read the index again when it changed (or forget it when it cannot be trusted)."""
+    def refresh(self, pause=None):
+        """Read the index again when it changed (or forget it when it cannot be trusted);
+        pause() is called every 4,096 entries (a background walk gives way there)."""
         try:
             st = os.stat(os.path.join(self.gitdir, "index"))
         except OSError:
@@ -9001,7 +9006,7 @@ class GitIndex:
         try:
             with open(os.path.join(self.gitdir, "index"), "rb") as f:
                 data = f.read()
-            dirs = self.parse(data, divmod(st.st_mtime_ns, 10 ** 9))
+            dirs = self.parse(data, divmod(st.st_mtime_ns, 10 ** 9), pause)
             del data
             if self.converts(dirs):
                 return
@@ -9011,7 +9016,7 @@ class GitIndex:
                 error=str(e))
 
     @staticmethod
-    def parse(data, written):
+    def parse(data, written, pause=None):
         """{directory: its files, as self.dirs keeps them} of an index's stage-0 regular files
         that are not racy (changed before `written`, the index's own mtime as (seconds,
         nanoseconds))."""
@@ -9019,7 +9024,9 @@ class GitIndex:
         if magic != b"DIRC" or version not in (2, 3, 4):
             raise ValueError("not an index of version 2, 3 or 4")
         entries, pos, name, unpack = defaultdict(bytearray), 12, b"", struct.Struct(">10I20sH").unpack_from
-        for _ in range(count):
+        for k in range(count):
+            if pause and not k % 4096:
+                pause()
             cs, cn, ms, mn, _, ino, mode, _, _, size, sha, flags = unpack(data, pos)
             at = pos + 62
             extended = flags & 0x4000 and version >= 3
@@ -9432,8 +9439,9 @@ class Checkpoints:
 
     def give_way(self):
         """A background walk pauses while the session has calls in flight that do not wait for
-        it (a search runs at full speed), and goes on at once when one begins to wait, or
-        once none is left (looked at every CHECKPOINT_YIELD_S)."""
+        it, or had one CHECKPOINT_CALM_S ago (a search or a burst of views runs at full speed),
+        and goes on at once when one begins to wait, or once the session is calm (looked at
+        every CHECKPOINT_YIELD_S)."""
         while self.busy():
             with self.cond:
                 if self.waiters or self.closed:
@@ -9563,7 +9571,7 @@ class Checkpoints:
                 and all(map(same_objects, steady[1], self.steady[1])):
             return None                                      # no event since a scan that watched all of it
         for repo in self.repos:
-            repo.refresh()
+            repo.refresh(self.give_way if background else None)
         prune = self.ruled is not None and not self.base.partial and all(map(same_objects, steady[1], self.ruled))
         point, visited, looked, unwatched = self.walk_roots(background, cancelled, prune)
         if point is None:
@@ -14160,8 +14168,10 @@ class McpServer:
         """The session's Checkpoints of the workspace roots (--allow-dir, else --workdir), made on first use."""
         with session.lock:
             if session.checkpoints is None:
+                busy = lambda: session.busy() or \
+                    time.monotonic() < session.ended + CHECKPOINT_CALM_S
                 session.checkpoints = Checkpoints(self.policy.allow or [self.policy.workdir], self.policy,
-                                                  self.config, session.busy, self.store)
+                                                  self.config, busy, self.store)
             return session.checkpoints
 
     @staticmethod

@@ -4796,6 +4796,25 @@ class TestRewind(NoViewBase):
         self.assertIn(self.path("big/d0/e/new.txt"), flat)
 
     @unittest.skipUnless(shutil.which("git"), "no git here")
+    def test_a_background_walk_gives_way_while_it_reads_gits_index(self):
+        """Issue 66: parsing a big repository's index (~1.5 s for 313k files) is part of the
+        background walk, and looks whether to give way as the walk does."""
+        self.write("a.txt", "a")
+        subprocess.run(["git", "init", "-q", self.root], check=True)
+        self.commit()
+        callers, real = [], boris.Checkpoints.give_way
+
+        def give_way(points):
+            callers.append(sys._getframe(1).f_code.co_name)
+            return real(points)
+        with mock.patch.object(boris.Checkpoints, "give_way", give_way):
+            points = boris.Checkpoints([self.root], self.policy, self.cfg)
+            points.after()
+            self.assertTrue(wait_until(lambda: points.list and not points.scanner))
+            points.close()
+        self.assertEqual(callers[:2], ["parse", "stop_why"])
+
+    @unittest.skipUnless(shutil.which("git"), "no git here")
     def test_a_nested_repository_is_entered_every_walk(self):
         """Issue 59: a repository inside the workspace has an exclude file that raises no event
         in any watched directory: the directories below it are entered every walk, so a file
@@ -9181,6 +9200,18 @@ class TestCheckpointsUnderParallelCalls(unittest.TestCase):
 class TestCheckpointWaits(NoViewBase):
     """Issue 56: a call waits for a checkpoint as every other does, for a bounded time, and a
     cancel ends its wait."""
+
+    def test_a_background_walk_waits_while_calls_come_in_a_burst(self):
+        """Issue 66: the walk pauses for a call in flight and for CHECKPOINT_CALM_S after one
+        (the next of a burst would wait for the interpreter the walk holds)."""
+        points = self.server.checkpoints_of(self.session)
+        self.assertFalse(points.busy())
+        cancelled = self.session.begin(7)
+        self.assertTrue(points.busy())
+        self.session.end(7, cancelled)
+        self.assertTrue(points.busy(), "the walk went on right after a call")
+        with mock.patch.object(boris, "CHECKPOINT_CALM_S", 0):
+            self.assertFalse(points.busy())
 
     def slow_scan(self, points):
         """Make the next scan of `points` hold the turn until released (an event per file)."""
