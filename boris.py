@@ -3117,7 +3117,8 @@ DEADLINE_GRACE_S = 2.0                     # a helper past its job's deadline by
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
 GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
 IGNORE_CACHE_FILES = 4096              # ignore files a helper keeps compiled (unchanged ones are not re-read)
-LISTING_CACHE_ENTRIES = 100000         # entries of directory visits a helper keeps (~25 MB at most)
+LISTING_CACHE_ENTRIES = 400000         # entries of directory visits a helper keeps (~100 MB at most:
+#                                        an LRU smaller than a walk it repeats misses every time)
 GLOB_RESULTS_KEPT = 8                  # glob answers a helper keeps while nothing they came from changes
 LISTING_RACY_S = 1.0                   # a directory changed this recently is walked again next time
 _REGEX_META = frozenset("\\.^$*+?{}[]|()")
