@@ -995,7 +995,8 @@ def sniff(head, path):
     if b"\x00" in head:
         return "binary", None
     text = head.decode("utf-8", "replace")[:-1]          # (the last may be cut mid-character)
-    odd = sum(1 for c in text if c == "\ufffd" or c < " " and c not in "\t\n\r\f\b\x1b" or c == "\x7f")
+    # control characters other than \t \n \r \f \b and ESC, and undecodable bytes
+    odd = len(re.findall("[\ufffd\x00-\x07\x0b\x0e-\x1a\x1c-\x1f\x7f]", text))
     return ("binary", None) if len(text) >= 16 and odd * 10 > len(text) else ("text", None)
 
 
@@ -1951,8 +1952,8 @@ HELPER_WATCH_S = 0.2                       # a helper checks this often that its
 
 def guard_helper(parent):
     """Make this helper die with `parent`: PR_SET_PDEATHSIG (Linux: the kernel kills it
-    even while it is deep in a regex) and a thread that watches getppid() (everywhere,
-    and for a parent that died before the prctl)."""
+    even while it is deep in a regex), else a watchdog process (helper_watchdog); at
+    once when the parent died before. No thread: a helper forks search workers."""
     killed_by_kernel = prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent is None:
         return
@@ -1960,12 +1961,6 @@ def guard_helper(parent):
         os._exit(0)
     if not killed_by_kernel:
         helper_watchdog(parent)
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(HELPER_WATCH_S)
-        os._exit(0)
-    threading.Thread(target=watch, daemon=True, name="boris-parent-watch").start()
 
 
 def helper_watchdog(parent):
@@ -3264,11 +3259,14 @@ class EgressProxy:
 GREP_BINARY_SNIFF = 512                    # a NUL in a file's first bytes makes it binary
 SEARCH_BATCH = 1000                        # results a helper sends at a time
 SEARCH_IDLE_HELPERS = 2                    # search helpers kept warm for the next search
+SEARCH_SPLIT = 2000                        # a grep of more files searches them on every core,
+SEARCH_ROUND = 50000                       # ... walking this many at a time, then searching them
 DEADLINE_GRACE_S = 2.0                     # a helper past its job's deadline by this much ends itself
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
 GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
 IGNORE_CACHE_FILES = 4096              # ignore files a helper keeps compiled (unchanged ones are not re-read)
-LISTING_CACHE_ENTRIES = 100000         # entries of directory visits a helper keeps (~25 MB at most)
+LISTING_CACHE_ENTRIES = 400000         # entries of directory visits a helper keeps (~100 MB at most:
+#                                        an LRU smaller than a walk it repeats misses every time)
 GLOB_RESULTS_KEPT = 8                  # glob answers a helper keeps while nothing they came from changes
 LISTING_RACY_S = 1.0                   # a directory changed this recently is walked again next time
 _REGEX_META = frozenset("\\.^$*+?{}[]|()")
@@ -3829,9 +3827,8 @@ class Walker:
         self.want_dirs = False                     # True: directories are found too
         self.max_depth = None
         self.seen = set()
-        self.linked = []                           # (path, real, ignore stack, depth) to enter later
-        self.link_heap = []                        # ... ordered by path once the real tree is done
-        self.links_queued = 0
+        self.link_heap = []                        # (path, n, (path, real, ignore stack, depth)):
+        self.links_queued = 0                      # entered by path once the real tree is done
         self.ignores = True                        # False: .gitignore rules are not applied (grep's no_ignore)
         self.use_ignore = False
         self.recalled = 0                          # directories answered from the cache
@@ -3863,12 +3860,8 @@ class Walker:
     def walk(self, pending):
         """Depth first from the pending entries, then the followed links."""
         pending = list(pending)
-        while pending or self.linked or self.link_heap:
-            if not pending:
-                for link in self.linked:                 # a tree linked twice shows under the first name
-                    self.links_queued += 1
-                    heapq.heappush(self.link_heap, (link[0], self.links_queued, link))
-                del self.linked[:]
+        while pending or self.link_heap:
+            if not pending:                          # (a tree linked twice: under the first name)
                 entry = self.enter_link(*heapq.heappop(self.link_heap)[2])
                 if entry is not None:
                     pending.append(entry)
@@ -4056,21 +4049,19 @@ class Walker:
             return ()
         if is_dir and self.follow_links:
             if self.deeper(depth):
-                self.linked.append((path, target, ign, depth + 1))
+                self.links_queued += 1
+                entry = (path, target, ign, depth + 1)
+                heapq.heappush(self.link_heap, (path, self.links_queued, entry))
             return ()
         if is_dir:
             return ()                               # a directory link not followed is not listed either
-        if stat.S_ISREG(st.st_mode) and self.name_passes(name):
+        if stat.S_ISREG(st.st_mode) and (self.name_ok is None or self.name_ok(name)):
             return ((path, target, False, st.st_ino),)
         return ()
 
     def deeper(self, depth):
         """Whether the walk goes below a directory at `depth` (max_depth)."""
         return self.max_depth is None or depth + 1 < self.max_depth
-
-    def name_passes(self, name):
-        """Whether a file of this name is wanted (name_ok)."""
-        return self.name_ok is None or self.name_ok(name)
 
     def enter_link(self, path, real, ign, depth):
         """The pending entry of a followed directory link, or None when seen before."""
@@ -4133,17 +4124,6 @@ class Matcher:
     def needs_text(self, buf, end):
         """Whether this chunk must be searched as decoded text."""
         return self.literal is None and (self.rx is None or not buf[:end].isascii())
-
-    def quick(self, lead):
-        """Whether files mode may answer from the first read with literal_in(): a literal,
-        and no UTF-8 BOM (lead byte 0xef) to strip first."""
-        return self.literal is not None and lead != 0xef
-
-    def literal_in(self, buf, n):
-        """Whether the literal occurs in buf[:n] (files mode's quick answer)."""
-        if self.folded:
-            buf = buf[:n].lower()
-        return buf.find(self.literal, 0, n) >= 0
 
     def spans(self, hay, end, first_only=False, pos=0):
         """(start, end) offsets of matching regions in hay[pos:end]; in line mode at
@@ -7023,8 +7003,7 @@ class GrepWork:
                                self.spec["multiline"])
         self.mode, self.before, self.after = self.spec["mode"], self.spec["before"], self.spec["after"]
         self.max_records = self.spec.get("max_records") or OUTPUT_MAX_CHARS // 2
-        self.buf = bytearray(GREP_BUFFER)
-        self.fast = None                                # gather()'s one-loop buffer
+        self.buf = bytearray(GREP_BUFFER)               # (grown for a long line: reads on more)
 
     def walker(self, k):
         """A Walker of root k that follows directory links (as grep -R does)."""
@@ -7047,24 +7026,23 @@ class GrepWork:
 
     def gather(self, k, walked, items):
         """Append to `items` what take() makes of each (path, real, is_dir, inode) walked.
-        `-l` of a literal with no name filter, the search agents make most, runs as one
-        loop with take()'s steps inline; a file its first read does not settle (bigger
-        than the buffer, or with a byte-order mark) goes through take()."""
-        take, matcher = self.take, self.matcher
-        if self.mode != "files_with_matches" or matcher.literal is None or matcher.folded \
-                or self.keep is not None and self.roots[k][1]:
+        `-l` of a literal, the search agents make most, runs as one loop with take()'s
+        steps inline; a file its first read does not settle (bigger than the buffer, or
+        with a byte-order mark) goes through take()."""
+        take, matcher, keep = self.take, self.matcher, self.keep
+        if self.mode != "files_with_matches" or matcher.literal is None:
             for path, real, is_dir, ino in walked:
                 r = take(k, path, real, is_dir, ino)
                 if r is not None:
                     items += r
             return
-        if self.fast is None:
-            self.fast = bytearray(GREP_BUFFER)         # (its own: self.buf may grow for a long line)
-        buf, needle, cut = self.fast, matcher.literal, self.cuts[k] if self.roots[k][1] else None
-        size, sniff = len(buf), GREP_BINARY_SNIFF
+        buf, needle, cut = self.buf, matcher.literal, self.cuts[k] if self.roots[k][1] else None
+        size, sniff, folded, keep = len(buf), GREP_BINARY_SNIFF, matcher.folded, cut and keep
         open_, fstat, readv, close, flags, regular = os.open, os.fstat, os.readv, os.close, os.O_RDONLY | O_FILE, \
             stat.S_ISREG
         for path, real, is_dir, ino in walked:
+            if keep and not keep(path[cut:], path[path.rfind("/") + 1:]):
+                continue                            # (a file root is searched whatever its name)
             try:
                 fd = open_(real, flags)
             except OSError:
@@ -7083,45 +7061,35 @@ class GrepWork:
                 r = take(k, path, real, is_dir, ino)
                 if r is not None:
                     items += r
-            elif buf.find(needle, 0, n) >= 0 and buf.find(b"\x00", 0, min(n, sniff)) < 0:
+            elif (buf[:n].lower() if folded else buf).find(needle, 0, n) >= 0 \
+                    and buf.find(b"\x00", 0, min(n, sniff)) < 0:
                 items.append(GrepHit(real, None if cut is None else path[cut:], st.st_mtime_ns, True, k))
 
     def file_result(self, path, ino):
         """One file's result: None (binary, unreadable, not a regular file, no longer the
         inode `ino` the walk listed, or no match), True (files mode), a count (count mode)
         or a list of records (content mode). Steps: open it if it is still the file the
-        walk listed, read the first piece, answer `-l` of a literal from it at once, else
-        run the matcher over the pieces (count or records)."""
+        walk listed, read the first piece (binary: None at once; most files are this one
+        piece, else read_chunks' pieces), run the matcher over the pieces (count or records)."""
         fd = open_same(path, ino)              # (grep skips a file that is gone or another one now)
         if fd is None:
             return None
         try:
-            answer, pieces = self.first_pieces(fd)
-            if pieces is None:
-                return answer
-            if self.mode == "content":
-                return self.records(pieces)
-            return self.count(pieces)
+            buf, content = self.buf, self.mode == "content"
+            n = os.readv(fd, [buf])
+            if n >= len(buf) or n and buf[0] >= 0xfe:                  # (0xff, 0xfe: a UTF-16 BOM?)
+                whole = content and bool(self.before or self.after or self.matcher.multiline)
+                pieces = self.read_chunks(fd, buf, n, whole, numbered=content)
+            elif buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
+                return None
+            else:
+                pieces = ((buf, n, 1),)
+            return self.records(pieces) if content else self.count(pieces)
         except OSError as exc:
             log("debug", "grep: read failed, file skipped", path=path, error=str(exc))
             return None
         finally:
             os.close(fd)
-
-    def first_pieces(self, fd):
-        """(answer, None) when the first read settles a file (binary; `-l` of a literal),
-        else (None, its pieces): the one piece read for most files, else read_chunks'."""
-        buf, matcher, mode = self.buf, self.matcher, self.mode
-        n = os.readv(fd, [buf])
-        lead = buf[0] if n else 0                   # 0xff/0xfe: UTF-16 BOM? 0xef: UTF-8 BOM?
-        if n >= len(buf) or lead >= 0xfe:
-            whole = bool(self.before or self.after or matcher.multiline)
-            return None, self.read_chunks(fd, buf, n, mode == "content" and whole, numbered=mode == "content")
-        if buf.find(b"\x00", 0, min(n, GREP_BINARY_SNIFF)) >= 0:
-            return None, None
-        if mode == "files_with_matches" and matcher.quick(lead):
-            return matcher.literal_in(buf, n) or None, None
-        return None, ((buf, n, 1),)                 # most files: one piece, read
 
     def text_piece(self, piece):
         """A piece (haystack, end, first line) as the matcher reads it: decoded when the
@@ -7280,7 +7248,7 @@ class GlobWork:
         with other hard links (a change through one elsewhere raises no event here)."""
         lead, cut, rx, base_only, want_dir, stat_of = self.lead, self.cut, self.rx, self.base_only, self.want_dir, os.stat
         filtered = self.name_ok is not None                 # the walker has matched the names already
-        watches = self.cache.watches if self.cache is not None else None
+        watches = self.watches
         for path, real, is_dir, ino in walked:
             if not filtered and (is_dir != want_dir or not rx.match(
                     path[path.rfind("/") + 1:] if base_only else path[cut:])):
@@ -7363,10 +7331,83 @@ def search_job(job, emit, cache=None):
         if is_dir:
             walked = work.walker(k)
             walked.tick = out.flush_due
+            if not globbing:
+                cores = min(os.cpu_count() or 1, 8)     # (beyond 8 cores forks gain little)
+                walked = on_every_core(work, k, walked, out, cores)
         out.take(work, k, walked)
     out.flush()
     if globbing:
         work.keep(out.kept)
+
+
+def on_every_core(work, k, walker, out, cores):
+    """Yield the files `walker` finds that this process is to search, SEARCH_ROUND at a
+    time: over SEARCH_SPLIT of them are searched on every core by forked workers that share
+    nothing. This helper walks (and keeps what its cache learnt), then forks a worker for
+    each other core (search_share) and deals the round's list out in turn. A worker dies
+    with the helper and is in its process group (a cancel kills all); a worker that fails
+    fails the search."""
+    from itertools import islice
+    walker, parent = iter(walker), os.getpid()
+    while True:
+        found, workers = list(islice(walker, SEARCH_ROUND)), {}    # read end -> (pid, LineBuffer)
+        share = cores if len(found) > SEARCH_SPLIT else 1
+        try:
+            for i in range(1, share):
+                r, w = os.pipe()
+                pid = os.fork()
+                if pid == 0:
+                    search_share(work, k, found[i::share], out, w, parent)
+                os.close(w)
+                workers[r] = (pid, LineBuffer())
+            for n, entry in enumerate(found[::share]):
+                if not n % 256:
+                    collect_workers(workers, out)       # (batches go out as they come)
+                yield entry
+            collect_workers(workers, out, block=True)
+        finally:
+            for fd, (pid, _) in workers.items():       # (the search failed: none is left behind)
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                os.close(fd)
+        if len(found) < SEARCH_ROUND:
+            return
+
+
+def search_share(work, k, files, out, w, parent):
+    """A forked worker's whole life: search `files`, write the batches to the pipe `w` as
+    JSON lines, exit (1 on any failure, logged)."""
+    code = 1
+    try:
+        guard_helper(parent)
+        with open(w, "wb") as pipe:
+            out.emit = lambda items: pipe.write(json.dumps(items).encode() + b"\n")
+            del out.items[:]                            # (the helper's)
+            out.take(work, k, files)
+            out.flush()
+        code = 0
+    except BaseException:
+        log("error", "a search worker failed", error=_traceback())
+    finally:
+        os._exit(code)
+
+
+def collect_workers(workers, out, block=False):
+    """Read what on_every_core's workers wrote into `out` (with block: until all ended)."""
+    while workers:
+        for fd in ready(list(workers), None if block else 0):
+            pid, lines = workers[fd]
+            data = os.read(fd, 1 << 20)
+            for line in lines.feed(data):
+                out.items += json.loads(line)
+            if not data:
+                del workers[fd]
+                os.close(fd)
+                if os.waitpid(pid, 0)[1]:
+                    raise OSError("a search worker failed (its error is in the log)")
+        if not block:
+            break
+    out.flush_due()
 
 
 def grep_until(work, emit):
@@ -7520,13 +7561,12 @@ class HelperPool:
             if idle is not None and idle.poll() is None:
                 self.busy.add(idle)
                 return idle
-            primed = None
-            if idle is None:
-                primed, self.primed = self.primed, None       # (prime()'s, perhaps still booting)
+            if idle is None:                      # prime()'s, perhaps still booting, or a new one
+                box, self.primed = self.primed or self.request(), None
         if idle is not None:
             kill_group(idle)                      # it died while idle: reaped, pipes closed; try again
             return self.take()
-        proc = self.collect(primed) if primed is not None else self.spawn()
+        proc = self.collect(box)
         with self.lock:
             self.busy.add(proc)
             closed = self.closed
@@ -7543,12 +7583,6 @@ class HelperPool:
         with self.lock:
             if not self.closed and not self.idle and not self.busy and self.primed is None:
                 self.primed = self.request()
-
-    def spawn(self):
-        """A new helper, forked by the pool's own thread."""
-        with self.lock:
-            box = self.request()
-        return self.collect(box)
 
     def request(self):
         """Ask the pool's thread (started on first use) for a new helper: the box it will be
@@ -8623,6 +8657,7 @@ class Session:
         self.client = ""            # clientInfo.name from initialize
         self.tasks = {}
         self.inflight = {}          # request id -> [threading.Event] (set = cancelled)
+        self.ended = 0.0            # when its last call ended (time.monotonic())
         self.foreground = set()     # Popen objects of running foreground commands
         self.closed = False
         self.last_seen = time.monotonic()
@@ -8737,6 +8772,7 @@ class Session:
                 events.remove(ev)
             if not events:
                 self.inflight.pop(rid, None)
+            self.ended = time.monotonic()
 
     def busy(self):
         """Whether any call of this session is in flight."""
@@ -8790,6 +8826,8 @@ class Session:
 
 CHECKPOINT_SKIPPED = ("/proc", "/sys", "/dev")      # never walked (a workspace of /): no files to keep there
 CHECKPOINT_YIELD_S = 0.02                            # how often a scan that gave way looks again
+CHECKPOINT_CALM_S = 0.05                             # ... and this long after a call (calls come
+#                                                      in bursts, each waiting for the interpreter)
 CHECKPOINT_PART_MIN_S = 0.5                          # a walk hands a waiter its part once it ran this long
 CHECKPOINT_TRIM_ENTRIES = 50000                      # a walk this big hands freed memory back (trim_memory)
 
@@ -9083,8 +9121,9 @@ class GitIndex:
             top = os.path.dirname(top)
         return None
 
-    def refresh(self):
-        """Read the index again when it changed (or forget it when it cannot be trusted)."""
+    def refresh(self, pause=None):
+        """Read the index again when it changed (or forget it when it cannot be trusted);
+        pause() is called every 4,096 entries (a background walk gives way there)."""
         try:
             st = os.stat(os.path.join(self.gitdir, "index"))
         except OSError:
@@ -9097,7 +9136,7 @@ class GitIndex:
         try:
             with open(os.path.join(self.gitdir, "index"), "rb") as f:
                 data = f.read()
-            dirs = self.parse(data, divmod(st.st_mtime_ns, 10 ** 9))
+            dirs = self.parse(data, divmod(st.st_mtime_ns, 10 ** 9), pause)
             del data
             if self.converts(dirs):
                 return
@@ -9107,7 +9146,7 @@ class GitIndex:
                 error=str(e))
 
     @staticmethod
-    def parse(data, written):
+    def parse(data, written, pause=None):
         """{directory: its files, as self.dirs keeps them} of an index's stage-0 regular files
         that are not racy (changed before `written`, the index's own mtime as (seconds,
         nanoseconds))."""
@@ -9115,7 +9154,9 @@ class GitIndex:
         if magic != b"DIRC" or version not in (2, 3, 4):
             raise ValueError("not an index of version 2, 3 or 4")
         entries, pos, name, unpack = defaultdict(bytearray), 12, b"", struct.Struct(">10I20sH").unpack_from
-        for _ in range(count):
+        for k in range(count):
+            if pause and not k % 4096:
+                pause()
             cs, cn, ms, mn, _, ino, mode, _, _, size, sha, flags = unpack(data, pos)
             at = pos + 62
             extended = flags & 0x4000 and version >= 3
@@ -9528,8 +9569,9 @@ class Checkpoints:
 
     def give_way(self):
         """A background walk pauses while the session has calls in flight that do not wait for
-        it (a search runs at full speed), and goes on at once when one begins to wait, or
-        once none is left (looked at every CHECKPOINT_YIELD_S)."""
+        it, or had one CHECKPOINT_CALM_S ago (a search or a burst of views runs at full speed),
+        and goes on at once when one begins to wait, or once the session is calm (looked at
+        every CHECKPOINT_YIELD_S)."""
         while self.busy():
             with self.cond:
                 if self.waiters or self.closed:
@@ -9659,7 +9701,7 @@ class Checkpoints:
                 and all(map(same_objects, steady[1], self.steady[1])):
             return None                                      # no event since a scan that watched all of it
         for repo in self.repos:
-            repo.refresh()
+            repo.refresh(self.give_way if background else None)
         prune = self.ruled is not None and not self.base.partial and all(map(same_objects, steady[1], self.ruled))
         point, visited, looked, unwatched = self.walk_roots(background, cancelled, prune)
         if point is None:
@@ -14248,8 +14290,10 @@ class McpServer:
         """The session's Checkpoints of the workspace roots (--allow-dir, else --workdir), made on first use."""
         with session.lock:
             if session.checkpoints is None:
+                busy = lambda: session.busy() or \
+                    time.monotonic() < session.ended + CHECKPOINT_CALM_S
                 session.checkpoints = Checkpoints(self.policy.allow or [self.policy.workdir], self.policy,
-                                                  self.config, session.busy, self.store)
+                                                  self.config, busy, self.store)
             return session.checkpoints
 
     @staticmethod

@@ -2649,6 +2649,71 @@ class TestKillableSearch(SearchBase):
         self.assertEqual(helper_pids(os.getpid()), [], "the cancelled helper was not killed")
 
 
+class TestSearchOnEveryCore(SearchBase):
+    """Issue 66: a grep of many files goes on in forked workers that share nothing, each
+    file searched once, by one process."""
+
+    def grep_here(self, mode, cores=3, round_size=1000):
+        """(what a grep of many/ gives, searched in this process, and the forks it made)."""
+        for i in range(60):
+            self.write("many/f%02d.txt" % i, "needle %d\n" % i if i % 2 else "hay\n")
+        job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(self.path("many"), True, None)],
+                                boris.grep_spec("needle", mode))
+        items, forks, real_fork = [], [], os.fork
+        pid = os.getpid()
+
+        def fork():
+            if os.getpid() == pid:
+                forks.append(1)
+            return real_fork()
+        with mock.patch.object(boris, "SEARCH_SPLIT", 10), mock.patch.object(os, "cpu_count", lambda: cores), \
+                mock.patch.object(os, "fork", fork), mock.patch.object(boris, "SEARCH_ROUND", round_size):
+            boris.search_job(job, items.extend)
+        return items, len(forks)
+
+    def test_each_file_is_searched_once_across_the_workers(self):
+        expected = ["f%02d.txt" % i for i in range(1, 60, 2)]
+        for mode in ("files_with_matches", "content"):
+            items, forks = self.grep_here(mode)
+            self.assertEqual(forks, 2, mode)
+            self.assertEqual(sorted(hit[1] for hit in items), expected, mode)
+        items, forks = self.grep_here("count", cores=1)
+        self.assertEqual((forks, sorted(hit[1] for hit in items)), (0, expected))
+        items, forks = self.grep_here("files_with_matches", round_size=25)     # 25, 25, then 10 here alone
+        self.assertEqual((forks, sorted(hit[1] for hit in items)), (4, expected))
+
+    def test_a_worker_that_fails_fails_the_search(self):
+        pid, take = os.getpid(), boris.GrepWork.take
+
+        def failing(work, *found):
+            if os.getpid() != pid:
+                raise ValueError("a worker's fault")
+            return take(work, *found)
+        with mock.patch.object(boris.GrepWork, "take", failing), mock.patch.object(boris, "log"):
+            with self.assertRaises(OSError) as e:
+                self.grep_here("content")
+        self.assertIn("a search worker failed", str(e.exception))
+
+    def test_the_workers_die_with_their_helper(self):
+        for i in range(boris.SEARCH_SPLIT):              # the helper searches these, then forks
+            self.write("big/f%04d.txt" % i, "a\n")
+        for i in range(8):
+            self.write("big/z/evil%d.txt" % i, CATASTROPHIC_LINE)
+        pool = boris.HelperPool()
+        self.addCleanup(pool.close)
+        job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(self.path("big"), True, None)],
+                                boris.grep_spec(CATASTROPHIC, "content"))
+        threading.Thread(target=lambda: _catch(lambda: pool.run(job, threading.Event())), daemon=True).start()
+        self.assertTrue(wait_until(lambda: pool.busy, 10))
+        helper = list(pool.busy)[0].pid
+        workers = wait_until(lambda: [p for p, (parent, state, _) in proc_table().items()
+                                      if parent == helper and state != "Z"], 20)
+        self.assertTrue(workers, "the helper forked no worker")
+        os.kill(helper, signal.SIGKILL)
+        self.assertTrue(wait_until(lambda: not [p for p in workers if alive(p)], 10),
+                        "a worker outlived its helper")
+
+
 class TestHelperPool(SearchBase):
     def pool(self):
         pool = boris.HelperPool()
@@ -4847,6 +4912,25 @@ class TestRewind(NoViewBase):
             self.write("work/w.txt", "changed again")
             flat = take(points).flat()
         self.assertIn(self.path("big/d0/e/new.txt"), flat)
+
+    @unittest.skipUnless(shutil.which("git"), "no git here")
+    def test_a_background_walk_gives_way_while_it_reads_gits_index(self):
+        """Issue 66: parsing a big repository's index (~1.5 s for 313k files) is part of the
+        background walk, and looks whether to give way as the walk does."""
+        self.write("a.txt", "a")
+        subprocess.run(["git", "init", "-q", self.root], check=True)
+        self.commit()
+        callers, real = [], boris.Checkpoints.give_way
+
+        def give_way(points):
+            callers.append(sys._getframe(1).f_code.co_name)
+            return real(points)
+        with mock.patch.object(boris.Checkpoints, "give_way", give_way):
+            points = boris.Checkpoints([self.root], self.policy, self.cfg)
+            points.after()
+            self.assertTrue(wait_until(lambda: points.list and not points.scanner))
+            points.close()
+        self.assertEqual(callers[:2], ["parse", "stop_why"])
 
     @unittest.skipUnless(shutil.which("git"), "no git here")
     def test_a_nested_repository_is_entered_every_walk(self):
@@ -7495,21 +7579,27 @@ class TestGrep(SearchBase):
             elif kind == "seam":
                 data = b"q" * (4096 - rng.randint(1, 5)) + needle.encode() + b"\n"
             self.write("gen/d%d/f%03d.txt" % (i % 7, i), data)
-        job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [[self.path("gen"), True, None]],
-                                boris.grep_spec(needle, "files_with_matches", regex=False))
-        with mock.patch.object(boris, "GREP_BUFFER", 4096):
-            work = boris.GrepWork(job)
-            walked = list(work.walker(0))
-            os.unlink(walked[0][1])                                        # vanished since listed
-            self.write("other.txt", needle)                                # another inode now (made while the
-            os.replace(self.path("other.txt"), walked[1][1])               # old one lives: never the same number)
-            fast = []
-            work.gather(0, iter(walked), fast)
-            slow = [hit for entry in walked for hit in (work.take(0, *entry) or ())]
-        self.assertEqual(sorted(fast), sorted(slow))
-        self.assertGreater(len(fast), 100)
-        self.assertFalse(any(h.real in (walked[0][1], walked[1][1]) for h in fast))
-        self.assertTrue(any(h.rel.startswith("d") and h.mtime for h in fast))
+        walked = None
+        for query, ignore_case, include, least in ((needle, False, None, 100), (needle.lower(), True, None, 100),
+                                                   (needle, False, "f1*", 20)):    # -i and include: issue 66
+            spec = boris.grep_spec(query, "files_with_matches", regex=False, ignore_case=ignore_case)
+            job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [[self.path("gen"), True, None]], spec,
+                                    {"include": include})
+            with mock.patch.object(boris, "GREP_BUFFER", 4096):
+                work = boris.GrepWork(job)
+                if walked is None:
+                    walked = list(work.walker(0))
+                    os.unlink(walked[0][1])                                # vanished since listed
+                    self.write("other.txt", needle)                        # another inode now (made while the
+                    os.replace(self.path("other.txt"), walked[1][1])       # old one lives: never the same number)
+                fast = []
+                work.gather(0, iter(walked), fast)
+                slow = [hit for entry in walked for hit in (work.take(0, *entry) or ())]
+            self.assertEqual(sorted(fast), sorted(slow))
+            self.assertGreater(len(fast), least)
+            self.assertFalse(any(h.real in (walked[0][1], walked[1][1]) for h in fast))
+            self.assertTrue(any(h.rel.startswith("d") and h.mtime for h in fast))
+            self.assertEqual(include is not None, all("/f1" in h.rel for h in fast))
 
     def test_only_a_warm_helper_keeps_what_a_glob_visited(self):
         """Issue 44: a cache without watches keeps no glob visits and a warm helper's does;
@@ -9373,6 +9463,18 @@ class TestCheckpointsUnderParallelCalls(unittest.TestCase):
 class TestCheckpointWaits(NoViewBase):
     """Issue 56: a call waits for a checkpoint as every other does, for a bounded time, and a
     cancel ends its wait."""
+
+    def test_a_background_walk_waits_while_calls_come_in_a_burst(self):
+        """Issue 66: the walk pauses for a call in flight and for CHECKPOINT_CALM_S after one
+        (the next of a burst would wait for the interpreter the walk holds)."""
+        points = self.server.checkpoints_of(self.session)
+        self.assertFalse(points.busy())
+        cancelled = self.session.begin(7)
+        self.assertTrue(points.busy())
+        self.session.end(7, cancelled)
+        self.assertTrue(points.busy(), "the walk went on right after a call")
+        with mock.patch.object(boris, "CHECKPOINT_CALM_S", 0):
+            self.assertFalse(points.busy())
 
     def slow_scan(self, points):
         """Make the next scan of `points` hold the turn until released (an event per file)."""
