@@ -136,6 +136,8 @@ def wait_until(predicate, timeout=10.0, interval=0.02):
 
 HAS_PROC = os.path.isdir("/proc/self/fd")
 NEEDS_BASH = unittest.skipUnless(shutil.which("bash"), "no bash here (a busybox root?): the test drives bash itself")
+NEEDS_CTYPES = unittest.skipUnless(boris.importable("ctypes"), "this Python has no ctypes: what the test checks"
+                                   " (or the test itself) calls C through it")
 LINUX = sys.platform.startswith("linux")
 NEEDS_LINUX = unittest.skipUnless(LINUX, "Linux only: %s has no child subreaper, PR_SET_PDEATHSIG or /proc"
                                   % sys.platform)
@@ -853,6 +855,8 @@ class TestHostilePathCampaign(unittest.TestCase):
 def swap_setup(test):
     """(the C library, a HostileTree) for a test that swaps paths with renameat2 (skipped
     where there is none), its logs quiet and its tree removed after it."""
+    if not boris.importable("ctypes"):
+        test.skipTest("this Python has no ctypes to call renameat2 through")
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     if not hasattr(libc, "renameat2"):
@@ -3969,13 +3973,17 @@ class TestPdf(NoViewBase):
                                               " boris, logged with its traceback]"])
         self.assertIn("Traceback", logged.call_args[1]["error"])        # (a bug: said apart from damage)
 
-    def test_encrypted_with_an_empty_password_opens_and_with_another_is_a_clear_error(self):
-        self.assertEqual(boris.pdf_rc4(b"Key", b"Plaintext").hex(), "bbf316e8d940af0ad3")     # RC4's test vector
+    @NEEDS_CTYPES
+    @unittest.skipUnless(boris.importable("ssl"), "this Python has no ssl module: AES is its OpenSSL's")
+    def test_aes_gives_fips_197s_vectors(self):
         block = bytes.fromhex("00112233445566778899aabbccddeeff")                              # FIPS-197 C.1, C.3
         for key, sealed in ((bytes(range(16)), "69c4e0d86a7b0430d8cdb78070b4c55a"),
                             (bytes(range(32)), "8ea2b7ca516745bfeafc49904b496089")):
             self.assertEqual(boris.pdf_aes_cbc(key, bytes(16), block, encrypt=True).hex(), sealed)
             self.assertEqual(boris.pdf_aes_cbc(key, bytes(16), bytes.fromhex(sealed) + b"cut"), block)
+
+    def test_encrypted_with_an_empty_password_opens_and_with_another_is_a_clear_error(self):
+        self.assertEqual(boris.pdf_rc4(b"Key", b"Plaintext").hex(), "bbf316e8d940af0ad3")     # RC4's test vector
         pad = boris.PDF_PADDING
         first = bytes.fromhex("00112233445566778899aabbccddeeff")
         for user, works in ((b"", True), (b"secret", False)):
@@ -6952,6 +6960,7 @@ class TestShellEnvironment(NoViewBase):
         for value in SECRETS.values():
             self.assertIn(value, text)
 
+    @NEEDS_CTYPES
     @unittest.skipUnless(LINUX, "PR_SET_DUMPABLE is Linux's")
     def test_the_server_and_its_helpers_are_sealed_their_commands_are_not(self):
         """What command_environ leaves out must not be readable in /proc/<server>/environ:
@@ -9645,6 +9654,7 @@ class TestProcessesLeftBehind(StdioBase):
         self.addCleanup(lambda: [os.kill(pid, signal.SIGKILL) for m in marks for pid in procs_with(m)])
 
     @NEEDS_LINUX
+    @NEEDS_CTYPES
     def test_setsid_and_double_fork_daemons_die_with_their_call(self):
         marks = [unique_sleep() for _ in range(3)]
         self.kill_at_the_end(*marks)
@@ -9653,6 +9663,7 @@ class TestProcessesLeftBehind(StdioBase):
                         [m for m in marks if procs_with(m)])
 
     @NEEDS_LINUX
+    @NEEDS_CTYPES
     def test_background_task_keeps_its_daemons_until_it_ends(self):
         s = unique_sleep()
         self.kill_at_the_end(s)
@@ -9921,6 +9932,7 @@ class TestModelRegexesRunWhereTheyCanBeKilled(StdioBase):
 class TestEnvironments(unittest.TestCase):
     @unittest.skipUnless(HAS_PROC and LINUX and "glibc" in (os.confstr("CS_GNU_LIBC_VERSION") or ""),
                          "needs /proc and glibc's malloc_trim")
+    @NEEDS_CTYPES
     @unittest.skipIf((3, 12, 0) <= sys.version_info[:3] < (3, 12, 2), "Python 3.12.0 and 3.12.1 refuse threads"
                      " at shutdown (gh-113964): the server keeps the parse tree there")
     def test_the_parse_tree_is_given_back_after_start_up(self):
