@@ -11142,8 +11142,8 @@ class TestWhereItIsCopied(unittest.TestCase):
         env = dict(os.environ, PYTHONPATH=stubs)
         code, rows, err = check_rows(["--workdir", self.ws, "--allow-dir", self.ws], env)
         self.assertEqual(code, 0, err)
-        self.assertEqual((rows["ssl"], rows["ctypes"]), ("no: web_fetch cannot fetch https",
-                                                         "no: no sandbox, no inotify"))
+        self.assertEqual((rows["ssl"], rows["ctypes"]), ("no: web_fetch cannot fetch https", "no: no sandbox,"
+                         " no inotify; commands may read the server's environment, and daemons they leave run on"))
         self.assertIn("needs Python's ctypes module", rows["sandbox"])
         texts, err, code = stdio_session(self, ["--workdir", self.ws, "--allow-dir", self.ws], [
             ("web_fetch", {"url": "https://127.0.0.1:9/"}), ("view", {"path": "a.py"}),
