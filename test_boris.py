@@ -1434,8 +1434,9 @@ class TestTheWorkspaceCannotShadowImports(unittest.TestCase):
 LANDLOCK_ABI = boris.landlock_abi()
 
 
-NEEDS_LANDLOCK = unittest.skipUnless(LANDLOCK_ABI >= 1, "this kernel has no Landlock (Linux 5.13+ with landlock"
-                                                        " among its LSMs): the sandbox cannot be tested here")
+NEEDS_LANDLOCK = unittest.skipUnless(LANDLOCK_ABI >= 1, "no Landlock here (%s): the sandbox cannot be tested here" % (
+    "this kernel has none, Linux 5.13+ with landlock among its LSMs, or a seccomp profile refuses it"
+    if boris.importable("ctypes") else "this Python has no ctypes to call it through"))
 
 
 class SandboxBase(unittest.TestCase):
