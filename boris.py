@@ -1775,8 +1775,8 @@ def importable(name):
 
 def missing_modules():
     """The optional modules boris uses that this Python was built without (looked for, not loaded)."""
-    import importlib.util
-    return [name.lstrip("_") for name in ("_ssl", "_ctypes", "zlib") if importlib.util.find_spec(name) is None]
+    from importlib.util import find_spec
+    return [name.lstrip("_") for name in ("_ssl", "_ctypes", "zlib") if not find_spec(name)]
 
 
 def seal_memory():
@@ -15178,7 +15178,8 @@ def check_main(config, policy, sandbox):
              else "not found: checkpoints keep every file's bytes themselves"),
             ("shell", SHELL),
             ("ssl", "yes" if importable("ssl") else "no: web_fetch cannot fetch https"),
-            ("ctypes", "yes" if importable("ctypes") else "no: no sandbox, no inotify")]
+            ("ctypes", "yes" if importable("ctypes") else "no: no sandbox, no inotify; commands may"
+             " read the server's environment, and daemons they leave run on")]
     if inotify is not None:
         os.close(inotify)
     sys.stdout.write("".join("%-15s %s\n" % row for row in rows))
@@ -15223,7 +15224,8 @@ def main(argv=None, environ=None, after_the_script=False):
     server.store.check()
     if missing_modules():
         log("warn", "this Python was built without %s: what needs them answers an error naming the module"
-            " (ssl: https fetches; ctypes: the sandbox and inotify; zlib: compressed documents)"
+            " or is off (ssl: https fetches; ctypes: the sandbox, inotify, the server's environment"
+            " kept from commands, the daemons they leave ended; zlib: compressed documents)"
             % ", ".join(missing_modules()))
 
     def serve():
