@@ -4336,63 +4336,62 @@ OUTLINE_LINE_CHARS = 400                   # of a line the definition patterns l
 OUTLINE_SIGNATURE_CHARS = 120              # a definition's signature line, as shown
 OUTLINE_AST_LINES = 2000                   # a longer Python file is read line by line, not by ast
 
-OUTLINE_EXTENSIONS = {
-    "py": "python", "pyi": "python", "pyw": "python",
-    "js": "javascript", "mjs": "javascript", "cjs": "javascript", "jsx": "javascript",
-    "ts": "typescript", "tsx": "typescript", "mts": "typescript", "cts": "typescript",
-    "go": "go", "rs": "rust", "java": "java", "kt": "kotlin", "kts": "kotlin", "cs": "csharp",
-    "c": "c", "h": "c", "cc": "cpp", "cpp": "cpp", "cxx": "cpp", "hh": "cpp", "hpp": "cpp", "hxx": "cpp",
-    "rb": "ruby", "php": "php", "sh": "shell", "bash": "shell", "zsh": "shell",
-    "md": "markdown", "markdown": "markdown", "json": "json", "yaml": "yaml", "yml": "yaml", "toml": "toml",
-}
+OUTLINE_EXTENSIONS = {ext: lang for lang, exts in {
+    "python": "py pyi pyw", "javascript": "js mjs cjs jsx", "typescript": "ts tsx mts cts", "go": "go",
+    "rust": "rs", "java": "java", "kotlin": "kt kts", "csharp": "cs", "c": "c h", "cpp": "cc cpp cxx hh hpp hxx",
+    "ruby": "rb", "php": "php", "shell": "sh bash zsh", "markdown": "md markdown", "json": "json",
+    "yaml": "yaml yml", "toml": "toml",
+}.items() for ext in exts.split()}
 OUTLINE_DATA = frozenset(("markdown", "json", "yaml", "toml"))      # not listed by a directory outline
 _MODS = r"(?:(?:export|default|declare|abstract|public|private|protected|internal|static|final|sealed|" \
         r"partial|async|override|virtual|readonly|open|data|inner|enum|annotation|suspend|inline|" \
         r"unsafe|extern|const|new|synchronized|native|strictfp|pub(?:\([\w:]+\))?)\s+)*"
 _NOT_CALLS = r"(?!(?:if|for|foreach|while|switch|catch|return|new|else|throw|do|sizeof|typeof|await|" \
              r"delete|using|lock|fixed|when|with|function|super|this)\b)"
+_DECL = r"^\s*" + _MODS
 _JS_MEMBER = (r"^\s+" + _MODS + r"(?:get\s+|set\s+|\*\s*)?#?" + _NOT_CALLS +
               r"[A-Za-z_$][\w$]*\s*(?:<[^>()=]*>)?\s*\([^=]*$")
 _JAVA_MEMBER = (r"^\s+(?:@\w+\s+)*" + _MODS + r"(?:<[^>]*>\s+)?" + _NOT_CALLS +
                 r"[\w<>\[\],.?]+(?:\s+[\w<>\[\],.?]+)*\s+" + _NOT_CALLS + r"\w+\s*\([^=;]*(?:;?\s*|[{].*)$")
-# language -> (style, [(kind: 'class' (holds members), 'def', 'member' (only inside a
-# class), 'body' (a def that counts only with a body), regex)], comment start)
+# language -> [(kind: 'class' (holds members), 'def', 'member' (only inside a
+# class), 'body' (a def that counts only with a body), regex)]; Python and Ruby
+# nest by indentation, the others by braces
 OUTLINE_RULES = {
-    "python": ("indent", [("class", r"^\s*class\s+\w+"), ("def", r"^\s*(?:async\s+)?def\s+\w+")], "#"),
-    "javascript": ("braces", [
-        ("class", r"^\s*" + _MODS + r"class\s+[\w$]+"),
-        ("def", r"^\s*" + _MODS + r"function\b\s*\*?\s*[\w$]+\s*(?:<[^>]*>)?\s*\("),
-        ("def", r"^\s*" + _MODS + r"(?:const|let|var)\s+[\w$]+\s*(?::[^=]+)?=\s*(?:async\s+)?"
+    "python": [("class", r"^\s*class\s+\w+"), ("def", r"^\s*(?:async\s+)?def\s+\w+")],
+    "javascript": [
+        ("class", _DECL + r"class\s+[\w$]+"),
+        ("def", _DECL + r"function\b\s*\*?\s*[\w$]+\s*(?:<[^>]*>)?\s*\("),
+        ("def", _DECL + r"(?:const|let|var)\s+[\w$]+\s*(?::[^=]+)?=\s*(?:async\s+)?"
                 r"(?:function\b|(?:<[^>]*>\s*)?(?:\([^)]*\)|[\w$]+)\s*(?::\s*[^=]+)?=>)"),
-        ("class", r"^\s*" + _MODS + r"(?:interface|enum|namespace|module)\s+[\w$.]+"),
-        ("def", r"^\s*" + _MODS + r"type\s+[\w$]+\s*(?:<[^>]*>)?\s*="),
-        ("member", _JS_MEMBER)], "//"),
-    "go": ("braces", [("def", r"^func\s+(?:\([^)]*\)\s*)?\w+"), ("class", r"^type\s+\w+\s+(?:struct|interface)\b"),
-                      ("def", r"^type\s+\w+")], "//"),
-    "rust": ("braces", [
-        ("def", r"^\s*" + _MODS + r"(?:async\s+)?(?:const\s+)?(?:unsafe\s+)?(?:extern\s+\"[^\"]*\"\s+)?fn\s+\w+"),
-        ("class", r"^\s*" + _MODS + r"(?:struct|enum|trait|union|mod)\s+\w+"),
-        ("class", r"^\s*" + _MODS + r"impl\b")], "//"),
-    "java": ("braces", [("class", r"^\s*(?:@\w+(?:\([^)]*\))?\s+)*" + _MODS +
+        ("class", _DECL + r"(?:interface|enum|namespace|module)\s+[\w$.]+"),
+        ("def", _DECL + r"type\s+[\w$]+\s*(?:<[^>]*>)?\s*="),
+        ("member", _JS_MEMBER)],
+    "go": [("def", r"^func\s+(?:\([^)]*\)\s*)?\w+"), ("class", r"^type\s+\w+\s+(?:struct|interface)\b"),
+                      ("def", r"^type\s+\w+")],
+    "rust": [
+        ("def", _DECL + r"(?:async\s+)?(?:const\s+)?(?:unsafe\s+)?(?:extern\s+\"[^\"]*\"\s+)?fn\s+\w+"),
+        ("class", _DECL + r"(?:struct|enum|trait|union|mod)\s+\w+"),
+        ("class", _DECL + r"impl\b")],
+    "java": [("class", r"^\s*(?:@\w+(?:\([^)]*\))?\s+)*" + _MODS +
                                   r"(?:class|interface|enum|record|@interface)\s+\w+"),
-                        ("member", _JAVA_MEMBER)], "//"),
-    "kotlin": ("braces", [("class", r"^\s*(?:@\w+\s+)*" + _MODS + r"(?:class|interface|object|enum\s+class)\s+\w+"),
-                          ("def", r"^\s*(?:@\w+\s+)*" + _MODS + r"fun\s+(?:<[^>]*>\s*)?[\w.]+\s*\(")], "//"),
-    "csharp": ("braces", [("class", r"^\s*(?:\[[^\]]*\]\s*)*" + _MODS +
+                        ("member", _JAVA_MEMBER)],
+    "kotlin": [("class", r"^\s*(?:@\w+\s+)*" + _MODS + r"(?:class|interface|object|enum\s+class)\s+\w+"),
+                          ("def", r"^\s*(?:@\w+\s+)*" + _MODS + r"fun\s+(?:<[^>]*>\s*)?[\w.]+\s*\(")],
+    "csharp": [("class", r"^\s*(?:\[[^\]]*\]\s*)*" + _MODS +
                                     r"(?:class|interface|struct|record|enum|namespace)\s+[\w.]+"),
-                          ("member", _JAVA_MEMBER)], "//"),
-    "c": ("braces", [("class", r"^\s*(?:typedef\s+)?(?:struct|union|enum)\s+\w+\s*\{?\s*$"),
+                          ("member", _JAVA_MEMBER)],
+    "c": [("class", r"^\s*(?:typedef\s+)?(?:struct|union|enum)\s+\w+\s*\{?\s*$"),
                      ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)(?:[A-Za-z_][\w \t\*]*?[ \t\*])?"
-                              r"[A-Za-z_]\w*\s*\([^;=]*$")], "//"),
-    "cpp": ("braces", [("class", r"^\s*(?:template\s*<[^>]*>\s*)?(?:class|struct|union|enum(?:\s+class)?)\s+\w+"
+                              r"[A-Za-z_]\w*\s*\([^;=]*$")],
+    "cpp": [("class", r"^\s*(?:template\s*<[^>]*>\s*)?(?:class|struct|union|enum(?:\s+class)?)\s+\w+"
                                  r"[^;]*$"),
                        ("class", r"^\s*namespace\s+[\w:]+\s*\{?\s*$"),
                        ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)(?:[A-Za-z_~][\w \t\*&:<>,~]*?"
-                                r"[ \t\*&>])?[A-Za-z_~][\w:~<>]*\s*\([^;=]*$")], "//"),
-    "ruby": ("indent", [("class", r"^\s*(?:class|module)\s+[\w:]+"), ("def", r"^\s*def\s+[\w.?!=]+")], "#"),
-    "php": ("braces", [("class", r"^\s*" + _MODS + r"(?:class|interface|trait|enum)\s+\w+"),
-                       ("def", r"^\s*" + _MODS + r"function\s+&?\w+")], "//"),
-    "shell": ("braces", [("def", r"^\s*(?:function\s+[\w.:-]+(?:\s*\(\s*\))?|[\w.:-]+\s*\(\s*\))\s*(?:\{.*)?$")], "#"),
+                                r"[ \t\*&>])?[A-Za-z_~][\w:~<>]*\s*\([^;=]*$")],
+    "ruby": [("class", r"^\s*(?:class|module)\s+[\w:]+"), ("def", r"^\s*def\s+[\w.?!=]+")],
+    "php": [("class", _DECL + r"(?:class|interface|trait|enum)\s+\w+"),
+                       ("def", _DECL + r"function\s+&?\w+")],
+    "shell": [("def", r"^\s*(?:function\s+[\w.:-]+(?:\s*\(\s*\))?|[\w.:-]+\s*\(\s*\))\s*(?:\{.*)?$")],
 }
 
 
@@ -4591,15 +4590,14 @@ class Outline:
     # -- the patterns ------------------------------------------------------------
     def patterns(self):
         """The definitions the language's patterns find, nested by braces or indentation."""
-        style, rules, comment = OUTLINE_RULES[self.lang]
-        rules = [(kind, re.compile(rx)) for kind, rx in rules]
-        if style == "indent":
-            return self.indented(rules, comment)
+        rules = [(kind, re.compile(rx)) for kind, rx in OUTLINE_RULES[self.lang]]
+        if self.lang in ("python", "ruby"):
+            return self.indented(rules)
         self.marks, self.tokens = re.compile(_CODE_MARKS), re.compile(_CODE_TOKENS)
         in_block = False
         for i, raw in enumerate(self.lines):
             was_in_block = in_block
-            code, in_block = self.code_of(raw, in_block, comment)
+            code, in_block = self.code_of(raw, in_block)
             while self.stack and not self.stack[-1].opened and self.stack[-1].parens <= 0 and not \
                     code.lstrip().startswith("{"):
                 self.end(self.stack.pop(), None)          # a declaration without a body ends before this line
@@ -4666,13 +4664,13 @@ class Outline:
                 return "def" if kind == "member" else kind
         return None
 
-    def indented(self, rules, comment):
+    def indented(self, rules):
         """The patterns of indented languages: a definition runs to its last line indented
         deeper than itself (Ruby: to its `end`)."""
         for i, raw in enumerate(self.lines):
             head = raw[:OUTLINE_LINE_CHARS]
             text = head.strip()
-            if not text or text.startswith(comment):
+            if not text or text.startswith("#"):
                 continue
             indent = len(head) - len(head.lstrip())
             ended = False
@@ -4693,10 +4691,10 @@ class Outline:
             for top in self.stack if not ended else ():
                 self.entries[top.entry][1] = i + 1
 
-    def code_of(self, line, in_block, comment):
+    def code_of(self, line, in_block):
         """A line's code for counting braces: strings, character literals and comments
         removed; (code, whether a block comment is still open after it)."""
-        if comment == "#":
+        if self.lang == "shell":
             return re.sub(r"\"(?:[^\"\\]|\\.)*\"|'[^']*'|#.*", "", line), False
         if not in_block and not self.marks.search(line):
             return line, False                  # most lines: nothing to remove
