@@ -4337,10 +4337,10 @@ OUTLINE_SIGNATURE_CHARS = 120              # a definition's signature line, as s
 OUTLINE_AST_LINES = 2000                   # a longer Python file is read line by line, not by ast
 
 OUTLINE_EXTENSIONS = {ext: lang for lang, exts in {
-    "python": "py pyi pyw", "javascript": "js mjs cjs jsx", "typescript": "ts tsx mts cts", "go": "go",
-    "rust": "rs", "java": "java", "kotlin": "kt kts", "csharp": "cs", "c": "c h", "cpp": "cc cpp cxx hh hpp hxx",
-    "ruby": "rb", "php": "php", "shell": "sh bash zsh", "markdown": "md markdown", "json": "json",
-    "yaml": "yaml yml", "toml": "toml",
+    "python": "py pyi pyw", "javascript": "js mjs cjs jsx", "typescript": "ts tsx mts cts",
+    "go": "go", "rust": "rs", "java": "java", "kotlin": "kt kts", "csharp": "cs", "c": "c h",
+    "cpp": "cc cpp cxx hh hpp hxx", "ruby": "rb", "php": "php", "shell": "sh bash zsh",
+    "markdown": "md markdown", "json": "json", "yaml": "yaml yml", "toml": "toml",
 }.items() for ext in exts.split()}
 OUTLINE_DATA = frozenset(("markdown", "json", "yaml", "toml"))      # not listed by a directory outline
 _MODS = r"(?:(?:export|default|declare|abstract|public|private|protected|internal|static|final|sealed|" \
@@ -4366,32 +4366,35 @@ OUTLINE_RULES = {
         ("class", _DECL + r"(?:interface|enum|namespace|module)\s+[\w$.]+"),
         ("def", _DECL + r"type\s+[\w$]+\s*(?:<[^>]*>)?\s*="),
         ("member", _JS_MEMBER)],
-    "go": [("def", r"^func\s+(?:\([^)]*\)\s*)?\w+"), ("class", r"^type\s+\w+\s+(?:struct|interface)\b"),
-                      ("def", r"^type\s+\w+")],
+    "go": [("def", r"^func\s+(?:\([^)]*\)\s*)?\w+"),
+           ("class", r"^type\s+\w+\s+(?:struct|interface)\b"), ("def", r"^type\s+\w+")],
     "rust": [
-        ("def", _DECL + r"(?:async\s+)?(?:const\s+)?(?:unsafe\s+)?(?:extern\s+\"[^\"]*\"\s+)?fn\s+\w+"),
+        ("def", _DECL + r"(?:async\s+)?(?:const\s+)?(?:unsafe\s+)?(?:extern\s+\"[^\"]*\"\s+)?"
+                r"fn\s+\w+"),
         ("class", _DECL + r"(?:struct|enum|trait|union|mod)\s+\w+"),
         ("class", _DECL + r"impl\b")],
     "java": [("class", r"^\s*(?:@\w+(?:\([^)]*\))?\s+)*" + _MODS +
-                                  r"(?:class|interface|enum|record|@interface)\s+\w+"),
-                        ("member", _JAVA_MEMBER)],
-    "kotlin": [("class", r"^\s*(?:@\w+\s+)*" + _MODS + r"(?:class|interface|object|enum\s+class)\s+\w+"),
-                          ("def", r"^\s*(?:@\w+\s+)*" + _MODS + r"fun\s+(?:<[^>]*>\s*)?[\w.]+\s*\(")],
+                       r"(?:class|interface|enum|record|@interface)\s+\w+"),
+             ("member", _JAVA_MEMBER)],
+    "kotlin": [
+        ("class", r"^\s*(?:@\w+\s+)*" + _MODS + r"(?:class|interface|object|enum\s+class)\s+\w+"),
+        ("def", r"^\s*(?:@\w+\s+)*" + _MODS + r"fun\s+(?:<[^>]*>\s*)?[\w.]+\s*\(")],
     "csharp": [("class", r"^\s*(?:\[[^\]]*\]\s*)*" + _MODS +
-                                    r"(?:class|interface|struct|record|enum|namespace)\s+[\w.]+"),
-                          ("member", _JAVA_MEMBER)],
+                         r"(?:class|interface|struct|record|enum|namespace)\s+[\w.]+"),
+               ("member", _JAVA_MEMBER)],
     "c": [("class", r"^\s*(?:typedef\s+)?(?:struct|union|enum)\s+\w+\s*\{?\s*$"),
-                     ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)(?:[A-Za-z_][\w \t\*]*?[ \t\*])?"
-                              r"[A-Za-z_]\w*\s*\([^;=]*$")],
-    "cpp": [("class", r"^\s*(?:template\s*<[^>]*>\s*)?(?:class|struct|union|enum(?:\s+class)?)\s+\w+"
-                                 r"[^;]*$"),
-                       ("class", r"^\s*namespace\s+[\w:]+\s*\{?\s*$"),
-                       ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)(?:[A-Za-z_~][\w \t\*&:<>,~]*?"
-                                r"[ \t\*&>])?[A-Za-z_~][\w:~<>]*\s*\([^;=]*$")],
+          ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)"
+                   r"(?:[A-Za-z_][\w \t\*]*?[ \t\*])?[A-Za-z_]\w*\s*\([^;=]*$")],
+    "cpp": [("class", r"^\s*(?:template\s*<[^>]*>\s*)?(?:class|struct|union|enum(?:\s+class)?)"
+                      r"\s+\w+[^;]*$"),
+            ("class", r"^\s*namespace\s+[\w:]+\s*\{?\s*$"),
+            ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)"
+                     r"(?:[A-Za-z_~][\w \t\*&:<>,~]*?[ \t\*&>])?[A-Za-z_~][\w:~<>]*\s*\([^;=]*$")],
     "ruby": [("class", r"^\s*(?:class|module)\s+[\w:]+"), ("def", r"^\s*def\s+[\w.?!=]+")],
     "php": [("class", _DECL + r"(?:class|interface|trait|enum)\s+\w+"),
-                       ("def", _DECL + r"function\s+&?\w+")],
-    "shell": [("def", r"^\s*(?:function\s+[\w.:-]+(?:\s*\(\s*\))?|[\w.:-]+\s*\(\s*\))\s*(?:\{.*)?$")],
+            ("def", _DECL + r"function\s+&?\w+")],
+    "shell": [("def", r"^\s*(?:function\s+[\w.:-]+(?:\s*\(\s*\))?|[\w.:-]+\s*\(\s*\))"
+                      r"\s*(?:\{.*)?$")],
 }
 
 
@@ -10302,49 +10305,51 @@ class Notebook:
 
     def __init__(self, text):
         self.text = text
-        dec = json.JSONDecoder()
-        ws = re.compile(r"[ \t\n\r]*")
+        dec, ws = json.JSONDecoder(), re.compile(r"[ \t\n\r]*")
 
         def skip(i):
-            return ws.match(text, i).end()
-        i = skip(0)
-        if text[i:i + 1] != "{":
+            """The first non-blank at or after i: its offset and character ('' at the end)."""
+            i = ws.match(text, i).end()
+            return i, text[i:i + 1]
+        i, c = skip(0)
+        if c != "{":
             raise ValueError("not a JSON object")
-        i = skip(i + 1)
-        while text[i:i + 1] != "}":
+        i, c = skip(i + 1)
+        while c != "}":
             key, i = dec.raw_decode(text, i)
-            i = skip(i)
-            if text[i:i + 1] != ":":
+            i, c = skip(i)
+            if c != ":":
                 raise ValueError("expected ':' at offset %d" % i)
-            i = skip(i + 1)
+            i, c = skip(i + 1)
             if key == "cells":
-                if text[i:i + 1] != "[":
+                if c != "[":
                     raise ValueError("'cells' is not an array")
-                self.cells, self.spans, j = [], [], skip(i + 1)
-                while text[j:j + 1] != "]":
+                self.cells, self.spans = [], []
+                j, c = skip(i + 1)
+                while c != "]":
                     cell, end = dec.raw_decode(text, j)
                     if not isinstance(cell, dict):
                         raise ValueError("cell %d is not an object" % (len(self.cells) + 1))
                     self.cells.append(cell)
                     self.spans.append((j, end))
-                    j = skip(end)
-                    if text[j:j + 1] == ",":
-                        j = skip(j + 1)
-                    elif text[j:j + 1] != "]":
+                    j, c = skip(end)
+                    if c == ",":
+                        j, c = skip(j + 1)
+                    elif c != "]":
                         raise ValueError("expected ',' or ']' at offset %d" % j)
                 self.array_end = j
                 return
             _, i = dec.raw_decode(text, i)
-            i = skip(i)
-            if text[i:i + 1] == ",":
-                i = skip(i + 1)
+            i, c = skip(i)
+            if c == ",":
+                i, c = skip(i + 1)
         raise ValueError("it has no 'cells' array")
 
     @staticmethod
-    def source(cell):
-        """A cell's (or an output's) source as one string (it may be stored as a list of lines)."""
-        src = cell.get("source", "")
-        return "".join(src) if isinstance(src, list) else str(src)
+    def joined(value):
+        """A cell's source, or an output's text, as one string (it may be stored as a list of
+        lines)."""
+        return "".join(value) if isinstance(value, list) else str(value)
 
     # -- view ------------------------------------------------------------------
     def render(self, ctx, shown, vr):
@@ -10354,7 +10359,7 @@ class Notebook:
         cells = self.cells
         start, end = vr or (1, -1)
         last = len(cells) if end == -1 else min(end, len(cells))
-        if vr is not None and (start > max(len(cells), 1)):
+        if start > max(len(cells), 1):
             raise ToolError(INVALID_INPUT, "view_range counts cells for a notebook: %s has %d; give a start"
                             " between 1 and %d" % (shown, len(cells), max(len(cells), 1)))
         blocks, parts, size = [], ["%s: notebook, %d cells (view_range counts cells)" % (shown, len(cells))], 0
@@ -10371,14 +10376,12 @@ class Notebook:
                 try:
                     image = image_result(ctx, "%s cell %d" % (shown, k), data, mime)
                 except ToolError as e:
-                    parts.append("[output image not shown: %s]" % e.message)
-                    continue
-                if isinstance(image, str):          # a type this client's model does not take
+                    image = "[output image not shown: %s]" % e.message
+                if isinstance(image, str):          # why not, or a type its model does not take
                     parts.append(image)
-                    continue
-                blocks.append(text_block("\n".join(parts)))
-                blocks += image
-                parts = []
+                else:
+                    blocks += [text_block("\n".join(parts))] + image
+                    parts = []
         if parts:
             blocks.append(text_block("\n".join(parts)))
         return blocks
@@ -10392,7 +10395,8 @@ class Notebook:
             bits.append("id %s" % cell["id"])
         if cell.get("cell_type") == "code":
             bits.append("execution_count %s" % cell.get("execution_count"))
-        piece = [" · ".join(bits), number_lines([clip_line(l) for l in self.source(cell).split("\n")], 1)]
+        source = self.joined(cell.get("source", "")).split("\n")
+        piece = [" · ".join(bits), number_lines([clip_line(line) for line in source], 1)]
         images = []
         for out in cell.get("outputs", []) if isinstance(cell.get("outputs"), list) else []:
             text_out, image = self.output(out)
@@ -10418,7 +10422,8 @@ class Notebook:
             return "", None
         kind = out.get("output_type")
         if kind == "stream":
-            return "--- %s ---\n%s" % (out.get("name", "stream"), clip(cls.source({"source": out.get("text", "")}))), None
+            text = clip(cls.joined(out.get("text", "")))
+            return "--- %s ---\n%s" % (out.get("name", "stream"), text), None
         if kind == "error":
             tb = [terminal_text(str(l)) for l in out.get("traceback", [])][-6:]
             return "--- error ---\n%s: %s\n%s" % (out.get("ename"), out.get("evalue"), clip("\n".join(tb))), None
@@ -10426,12 +10431,12 @@ class Notebook:
         for mime in ("image/png", "image/jpeg"):
             if mime in data:
                 try:
-                    raw = base64.b64decode(cls.source({"source": data[mime]}), validate=False)
+                    raw = base64.b64decode(cls.joined(data[mime]), validate=False)
                 except ValueError:
                     return "--- %s (not valid base64) ---" % mime, None
                 return "--- %s ---" % mime, (mime, raw)
         if "text/plain" in data:
-            return "--- result ---\n%s" % clip(cls.source({"source": data["text/plain"]})), None
+            return "--- result ---\n%s" % clip(cls.joined(data["text/plain"])), None
         return ("--- %s ---" % ", ".join(sorted(data)) if data else ""), None
 
     # -- notebook_edit -----------------------------------------------------------
@@ -10473,20 +10478,22 @@ class Notebook:
             base = text[text.rfind("\n", 0, start) + 1:start]
             inner = re.search(r"\n([ \t]*)\"", text[start:end])
             base, unit = ("", None) if inner is None or base.strip() else (base, max(1, len(inner.group(1)) - len(base)))
-        cell = self.new_cell(k, mode, args)
-        body = json.dumps(cell, indent=unit, ensure_ascii=False) if unit is not None else \
-            json.dumps(cell, ensure_ascii=False, separators=(",", ":"))
+        newline = "" if unit is None else "\n" + base
+        body = json.dumps(self.new_cell(k, mode, args), indent=unit, ensure_ascii=False,
+                          separators=(",", ":" if unit is None else ": "))
         body = body.replace("\n", "\n" + base)
         if mode == "replace":
             start, end = spans[k]
-            return text[:start] + body + text[end:]
-        sep = ",\n" + base if unit is not None else ","
-        if k == -1:                                      # at the top
-            if not spans:
-                return text[:self.array_end] + ("\n" + base if unit is not None else "") + body + text[self.array_end:]
-            return text[:spans[0][0]] + body + sep + text[spans[0][0]:]
-        end = spans[k][1]
-        return text[:end] + sep + body + text[end:]
+        elif k >= 0:
+            start = end = spans[k][1]
+            body = "," + newline + body
+        elif spans:                                     # at the top
+            start = end = spans[0][0]
+            body += "," + newline
+        else:
+            start = end = self.array_end
+            body = newline + body
+        return text[:start] + body + text[end:]
 
     def new_cell(self, k, mode, args):
         """The cell that replaces cell k (its key order and metadata kept) or is inserted
