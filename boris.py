@@ -4432,10 +4432,17 @@ a note, its line count, and the error code when it was not read (else None)."""
 def outline_block(one):
     """A FileOutline as a directory outline shows it: a header line, then one line per
     top-level definition."""
-    width = len(str(max(one.lines, 1)))
-    block = ["%s (%s, %d lines)%s" % (one.rel, one.lang, one.lines, ": " + one.note if one.note else "")]
-    block += ["%s  %s" % (("%d-%d" % (a, b)).rjust(2 * width + 1), text) for a, b, _, text in one.entries]
-    return "\n".join(block)
+    note = ": " + one.note if one.note else ""
+    return "\n".join(["%s (%s, %d lines)%s" % (one.rel, one.lang, one.lines, note)] +
+                     outline_rows(one.entries, one.lines))
+
+
+def outline_rows(entries, lines):
+    """A line per definition: its range (right-aligned for a file of `lines` lines), then its
+    signature indented by its depth."""
+    width = 2 * len(str(max(lines, 1))) + 1
+    return ["%s  %s%s" % (("%d-%d" % (a, b)).rjust(width), "  " * depth, text)
+            for a, b, depth, text in entries]
 
 
 class OpenDefinition:
@@ -4471,7 +4478,7 @@ class Outline:
                 self.patterns()
         elif lang == "markdown":
             self.headings()
-        elif lang in ("json", "yaml", "toml"):
+        elif lang in OUTLINE_DATA:
             self.keys(text)
         else:
             self.patterns()
@@ -10783,22 +10790,32 @@ def tool_outline(session, args, ctx):
     if not items:
         raise ToolError(IO_ERROR, "the outline of %s was %s before it was done" % (
             shown, stopped_why(why)))
-    lang, entries, note, total = items[0].lang, items[0].entries, items[0].note, items[0].lines
-    if items[0].refused:
-        raise ToolError(items[0].refused, "%s: %s" % (shown, note))
-    parts, size, cap = ["%s: %s, %d lines, %d definitions%s" % (
-        shown, lang, total, len(entries), " (%s)" % note if note else "")], 0, search_cap(ctx)
-    width = len(str(max(total, 1)))
-    for k, (a, b, depth, text) in enumerate(entries[offset:], offset):
-        line = "%s  %s%s" % (("%d-%d" % (a, b)).rjust(2 * width + 1), "  " * depth, text)
-        if size + len(line) > cap - 400:
-            return read_on("\n".join(parts), "[outline cut at definition %d of %d; read on with offset=%d]"
-                           % (k, len(entries), k))
-        parts.append(line)
-        size += len(line) + 1
-    parts.append("Read a definition with view and view_range [first, last]%s." % (
-        ", e.g. view_range [%d, %d]" % tuple(entries[0][:2]) if entries else " (no definitions were found)"))
-    return "\n".join(parts)
+    one = items[0]
+    if one.refused:
+        raise ToolError(one.refused, "%s: %s" % (shown, one.note))
+    parts = ["%s: %s, %d lines, %d definitions%s" % (
+        shown, one.lang, one.lines, len(one.entries), " (%s)" % one.note if one.note else "")]
+    cut = outline_page(parts, outline_rows(one.entries, one.lines), offset, search_cap(ctx),
+                       "[outline cut at definition {0} of %d; read on with offset={0}]"
+                       % len(one.entries))
+    if not cut:
+        parts.append("Read a definition with view and view_range [first, last]%s." % (
+            ", e.g. view_range [%d, %d]" % tuple(one.entries[0][:2]) if one.entries else
+            " (no definitions were found)"))
+    return read_on("\n".join(parts), cut)
+
+
+def outline_page(parts, rows, offset, cap, cut):
+    """Add rows from number `offset` (from 0) to parts while they fit in `cap` (less 400
+    characters), one at least; where one does not, cut.format(its number) is the read-on
+    notice returned (else None)."""
+    size = 0
+    for k, row in enumerate(rows[offset:], offset):
+        if parts and size + len(row) > cap - 400:
+            return cut.format(k)
+        parts.append(row)
+        size += len(row) + 1
+    return None
 
 
 def directory_outline(shown, items, why, offset, cap):
@@ -10809,13 +10826,11 @@ def directory_outline(shown, items, why, offset, cap):
     if offset > len(items):
         raise ToolError(INVALID_INPUT, "offset %d is past the %d source files outlined under %s" % (
             offset, len(items), shown))
-    parts, size = [], 0
-    for k, one in enumerate(items[offset:], offset):
-        text = outline_block(one)
-        if parts and size + len(text) > cap - 400:
-            return read_on("\n".join(parts), "[outline cut after file %d; read on with offset=%d]" % (k, k))
-        parts.append(text)
-        size += len(text) + 1
+    parts = []
+    cut = outline_page(parts, [outline_block(one) for one in items], offset, cap,
+                       "[outline cut after file {0}; read on with offset={0}]")
+    if cut:
+        return read_on("\n".join(parts), cut)
     if not items:
         parts.append("No source files under %s (outline reads %s)" % (shown, Outline.languages()))
     if why:
