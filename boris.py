@@ -4684,21 +4684,21 @@ class Outline:
                 continue
             indent = len(head) - len(head.lstrip())
             ended = False
-            while self.stack and indent <= self.stack[-1].depth:
+            while self.stack and indent <= self.stack[-1].depth and not ended:
                 top = self.stack.pop()
-                k, own = top.entry, top.depth
-                if self.lang == "ruby" and indent == own and re.match(r"end\b", text):
-                    self.entries[k][1] = i + 1          # its `end` belongs to it
-                    ended = True
-                    break
-            kind = None if ended else self.kind(rules, head)
+                ended = self.lang == "ruby" and indent == top.depth and re.match(r"end\b", text)
+                if ended:
+                    self.entries[top.entry][1] = i + 1          # its `end` belongs to it
+            if ended:
+                continue
+            kind = self.kind(rules, head)
             if kind:
                 start = i
                 while start and self.lines[start - 1].strip().startswith("@"):
                     start -= 1                          # decorators belong to the definition
                 self.entries.append([start + 1, i + 1, len(self.stack), self.signature(i)])
                 self.stack.append(OpenDefinition(len(self.entries) - 1, indent, kind, i))
-            for top in self.stack if not ended else ():
+            for top in self.stack:
                 self.entries[top.entry][1] = i + 1
 
     def code_of(self, line, in_block):
@@ -4785,15 +4785,14 @@ class Outline:
         if not is_dir:
             emit([cls.of_file(real, None, job["max_size"], top=False)])
             return
-        batch, (offset, room), k, size = [], job["page"], 0, 0
+        batch, (offset, room), size = [], job["page"], 0
         walker = Walker(real, PathPolicy(**job["policy"]), False, cache).only(
             lambda name: cls.language(name) not in (None,) + tuple(OUTLINE_DATA), "outline")
         walker.ordered = True
         cut = len(child_prefix(real))
-        for path, file_real, _, _ in walker:
+        for k, (path, file_real, _, _) in enumerate(walker, 1):
             one = cls.of_file(file_real, path[cut:], job["max_size"], True)
             batch.append(one)
-            k += 1
             if k > offset:
                 size += len(outline_block(one)) + 1
                 if size > room:
@@ -10220,21 +10219,17 @@ def check_pattern(value, name, code=INVALID_INPUT):
 # What the model APIs behind the coding agents take (clientInfo.name prefix -> image
 # types): no SVG anywhere, no GIF for Gemini, no BMP or ICO for any. Other clients get
 # every image as image content; --svg overrides for SVG.
-CLIENT_IMAGE_TYPES = (
-    ("claude", ("image/png", "image/jpeg", "image/gif", "image/webp")),
-    ("codex", ("image/png", "image/jpeg", "image/gif", "image/webp")),
-    ("gemini", ("image/png", "image/jpeg", "image/webp")),
-)
+WEB_IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+CLIENT_IMAGE_TYPES = {"claude": WEB_IMAGE_TYPES, "codex": WEB_IMAGE_TYPES,
+                      "gemini": ("image/png", "image/jpeg", "image/webp")}
 
 
 def client_image_types(client):
     """The image types the model behind `client` (a clientInfo name) takes, or None
     when it is not a client known to refuse some."""
     name = (client or "").lower()
-    for prefix, types in CLIENT_IMAGE_TYPES:
-        if name.startswith(prefix):
-            return types
-    return None
+    return next((types for prefix, types in CLIENT_IMAGE_TYPES.items() if name.startswith(prefix)),
+                None)
 
 
 def svg_as_text(ctx):
@@ -10508,22 +10503,21 @@ class Notebook:
         execution count cleared; a new cell gets an id when the others have one."""
         if args.get("new_source") is None:
             raise ToolError(INVALID_INPUT, "new_source is needed to %s a cell" % mode)
+        cell_type = args.get("cell_type")
         if mode == "replace":
             cell = dict(self.cells[k])
-            cell_type = args.get("cell_type") or cell.get("cell_type", "code")
+            cell_type = cell_type or cell.get("cell_type", "code")
+        elif not cell_type:
+            raise ToolError(INVALID_INPUT, "cell_type (code, markdown or raw) is needed to insert a"
+                            " cell")
         else:
-            cell_type = args.get("cell_type")
-            if not cell_type:
-                raise ToolError(INVALID_INPUT, "cell_type (code, markdown or raw) is needed to insert a cell")
             cell = {"cell_type": cell_type}
             if any("id" in c for c in self.cells):
                 cell["id"] = os.urandom(4).hex()
             cell["metadata"] = {}
-        cell["cell_type"] = cell_type
-        cell["source"] = args["new_source"].splitlines(True)
+        cell.update(cell_type=cell_type, source=args["new_source"].splitlines(True))
         if cell_type == "code":
-            cell["execution_count"] = None
-            cell["outputs"] = []
+            cell.update(execution_count=None, outputs=[])
         else:
             cell.pop("execution_count", None)
             cell.pop("outputs", None)
