@@ -4342,6 +4342,7 @@ OUTLINE_EXTENSIONS = {ext: lang for lang, exts in {
     "cpp": "cc cpp cxx hh hpp hxx", "ruby": "rb", "php": "php", "shell": "sh bash zsh",
     "markdown": "md markdown", "json": "json", "yaml": "yaml yml", "toml": "toml",
 }.items() for ext in exts.split()}
+OUTLINE_LANGUAGES = ", ".join(sorted(set(OUTLINE_EXTENSIONS.values())))       # as a sentence lists
 OUTLINE_DATA = frozenset(("markdown", "json", "yaml", "toml"))      # not listed by a directory outline
 _MODS = r"(?:(?:export|default|declare|abstract|public|private|protected|internal|static|final|sealed|" \
         r"partial|async|override|virtual|readonly|open|data|inner|enum|annotation|suspend|inline|" \
@@ -4489,11 +4490,6 @@ class Outline:
         """The language outline reads a file of this name as, or None."""
         ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
         return OUTLINE_EXTENSIONS.get(ext)
-
-    @staticmethod
-    def languages():
-        """The languages outline reads, as a sentence's list."""
-        return ", ".join(sorted(set(OUTLINE_EXTENSIONS.values())))
 
     def signature(self, k):
         """Line k (from 0) as a signature: its text stripped, joined with the lines that
@@ -10400,7 +10396,8 @@ class Notebook:
         source = self.joined(cell.get("source", "")).split("\n")
         piece = [" · ".join(bits), number_lines([clip_line(line) for line in source], 1)]
         images = []
-        for out in cell.get("outputs", []) if isinstance(cell.get("outputs"), list) else []:
+        outputs = cell.get("outputs")
+        for out in outputs if isinstance(outputs, list) else []:
             text_out, image = self.output(out)
             if text_out:
                 piece.append(text_out)
@@ -10760,7 +10757,7 @@ OUTLINE_DESC = ("Show a file's structure before reading it: its definitions (cla
                 "and view_range [first, last]. Languages: %s.")
 
 
-@tool("outline", OUTLINE_DESC % Outline.languages(), obj({
+@tool("outline", OUTLINE_DESC % OUTLINE_LANGUAGES, obj({
     "path": PATH_PROP,
     "offset": prop("integer", "Definitions (of a file) or files (of a directory) to skip: the read-on notice of"
                               " a cut outline gives it."),
@@ -10774,7 +10771,7 @@ def tool_outline(session, args, ctx):
     root = search_root(session, ctx, shown)
     if not root[1] and Outline.language(os.path.basename(root[0])) is None:
         raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension: %s); view or grep"
-                        " it instead" % (shown, Outline.languages()))
+                        " it instead" % (shown, OUTLINE_LANGUAGES))
     items, why = ctx.helpers.run({"op": "outline", "root": root, "policy": policy_spec(ctx.policy),
                                   "max_size": ctx.config.max_file_size, "page": [offset, search_cap(ctx) - 400]},
                                  ctx.cancelled)
@@ -10826,7 +10823,7 @@ def directory_outline(shown, items, why, offset, cap):
     if cut:
         return read_on("\n".join(parts), cut)
     if not items:
-        parts.append("No source files under %s (outline reads %s)" % (shown, Outline.languages()))
+        parts.append("No source files under %s (outline reads %s)" % (shown, OUTLINE_LANGUAGES))
     if why:
         parts.append("[outline %s: the files above are those read so far; outline a subdirectory]" % (
             stopped_why(why)))
