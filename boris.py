@@ -4623,7 +4623,7 @@ class Outline:
             start -= 1
         if kind == "body" and i and re.match(r"^[A-Za-z_][\w \t\*]*$", lines[i - 1]):
             start, sig = i - 1, lines[i - 1].strip() + " " + sig
-        self.entries.append([start + 1, i + 1, sum(1 for s in self.stack if self.entries[s.entry] is not None), sig])
+        self.entries.append([start + 1, i + 1, len(self.stack), sig])
         self.stack.append(OpenDefinition(len(self.entries) - 1, self.depth, kind, i))
 
     def count(self, i, code):
@@ -4658,7 +4658,7 @@ class Outline:
         k = open_entry.entry
         if open_entry.kind == "body" and not open_entry.opened:
             self.entries[k] = None
-        elif self.entries[k] is not None:
+        else:
             self.entries[k][1] = (open_entry.last if i is None else i) + 1
 
     def kind(self, rules, head):
