@@ -4467,6 +4467,7 @@ class Outline:
 
     def __init__(self, text, lang):
         self.lines, self.lang, self.note = text.split("\n"), lang, ""
+        self.line_count = len(self.lines) - (self.lines[-1] == "")      # a last newline ends a line
         self.entries, self.stack, self.depth = [], [], 0
         if lang == "python" and len(self.lines) > OUTLINE_AST_LINES:
             self.python_lines()
@@ -4488,8 +4489,7 @@ class Outline:
     @staticmethod
     def language(name):
         """The language outline reads a file of this name as, or None."""
-        ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
-        return OUTLINE_EXTENSIONS.get(ext)
+        return OUTLINE_EXTENSIONS.get(name.rsplit(".", 1)[-1].lower()) if "." in name else None
 
     def signature(self, k):
         """Line k (from 0) as a signature: its text stripped, joined with the lines that
@@ -4664,7 +4664,7 @@ class Outline:
     def kind(self, rules, head):
         """The kind of definition `head` starts ('class', 'def', 'body'), or None; a
         'member' pattern only counts inside a class-like definition that is open."""
-        inside_class = bool(self.stack) and self.stack[-1].kind == "class"
+        inside_class = self.stack and self.stack[-1].kind == "class"
         for kind, rx in rules:
             if (kind != "member" or inside_class) and rx.match(head):
                 return "def" if kind == "member" else kind
@@ -4737,7 +4737,7 @@ class Outline:
                 out.append([i + 1, len(lines), len(m.group(1)), self.signature(i)])
         for k, e in enumerate(out):
             nxt = next((f[0] for f in out[k + 1:] if f[2] <= e[2]), None)
-            e[1] = nxt - 1 if nxt else len(lines) - (1 if lines and lines[-1] == "" else 0)
+            e[1] = nxt - 1 if nxt else self.line_count
         top = min((e[2] for e in out), default=1)
         self.entries = [(a, b, level - top, text) for a, b, level, text in out]
 
@@ -4820,8 +4820,7 @@ class Outline:
         text = data.decode("utf-8", "replace").replace("\r\n", "\n")
         outline = cls(text, lang)
         entries = [e for e in outline.entries if e[2] == 0] if top else outline.entries
-        return FileOutline(rel, lang, entries, outline.note,
-                           text.count("\n") + (0 if text.endswith("\n") or not text else 1), None)
+        return FileOutline(rel, lang, entries, outline.note, outline.line_count, None)
 
 
 ###############################################################################
