@@ -10230,9 +10230,8 @@ def client_image_types(client):
 def svg_as_text(ctx):
     """Whether an SVG goes to this call's client as its source text (--svg, or auto:
     for clients whose model API takes no SVG)."""
-    if ctx.config.svg != "auto":
-        return ctx.config.svg == "text"
-    return client_image_types(ctx.client) is not None
+    svg = ctx.config.svg
+    return svg == "text" or svg == "auto" and client_image_types(ctx.client) is not None
 
 
 def image_result(ctx, shown, data, mime):
