@@ -4488,7 +4488,7 @@ class Outline:
 
     @staticmethod
     def language(name):
-        """The language outline reads a file of this name as, or None."""
+        """The language outline reads a file of this name or path as (by its extension), or None."""
         return OUTLINE_EXTENSIONS.get(name.rsplit(".", 1)[-1].lower()) if "." in name else None
 
     def signature(self, k):
@@ -4802,7 +4802,7 @@ class Outline:
     @classmethod
     def of_file(cls, real, rel, max_size, top):
         """The FileOutline of one file (entries at depth 0 only when `top`)."""
-        lang = cls.language(os.path.basename(real))
+        lang = cls.language(real)
         try:
             fd, st = open_regular(real, real)
             try:
@@ -10767,7 +10767,7 @@ def tool_outline(session, args, ctx):
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
     root = search_root(session, ctx, shown)
-    if not root[1] and Outline.language(os.path.basename(root[0])) is None:
+    if not root[1] and Outline.language(root[0]) is None:
         raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension: %s); view or grep"
                         " it instead" % (shown, OUTLINE_LANGUAGES))
     items, why = ctx.helpers.run({"op": "outline", "root": root, "policy": policy_spec(ctx.policy),
