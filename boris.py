@@ -4316,63 +4316,66 @@ OUTLINE_LINE_CHARS = 400                   # of a line the definition patterns l
 OUTLINE_SIGNATURE_CHARS = 120              # a definition's signature line, as shown
 OUTLINE_AST_LINES = 2000                   # a longer Python file is read line by line, not by ast
 
-OUTLINE_EXTENSIONS = {
-    "py": "python", "pyi": "python", "pyw": "python",
-    "js": "javascript", "mjs": "javascript", "cjs": "javascript", "jsx": "javascript",
-    "ts": "typescript", "tsx": "typescript", "mts": "typescript", "cts": "typescript",
-    "go": "go", "rs": "rust", "java": "java", "kt": "kotlin", "kts": "kotlin", "cs": "csharp",
-    "c": "c", "h": "c", "cc": "cpp", "cpp": "cpp", "cxx": "cpp", "hh": "cpp", "hpp": "cpp", "hxx": "cpp",
-    "rb": "ruby", "php": "php", "sh": "shell", "bash": "shell", "zsh": "shell",
-    "md": "markdown", "markdown": "markdown", "json": "json", "yaml": "yaml", "yml": "yaml", "toml": "toml",
-}
+OUTLINE_EXTENSIONS = {ext: lang for lang, exts in {
+    "python": "py pyi pyw", "javascript": "js mjs cjs jsx", "typescript": "ts tsx mts cts",
+    "go": "go", "rust": "rs", "java": "java", "kotlin": "kt kts", "csharp": "cs", "c": "c h",
+    "cpp": "cc cpp cxx hh hpp hxx", "ruby": "rb", "php": "php", "shell": "sh bash zsh",
+    "markdown": "md markdown", "json": "json", "yaml": "yaml yml", "toml": "toml",
+}.items() for ext in exts.split()}
+OUTLINE_LANGUAGES = ", ".join(sorted(set(OUTLINE_EXTENSIONS.values())))       # as a sentence lists
 OUTLINE_DATA = frozenset(("markdown", "json", "yaml", "toml"))      # not listed by a directory outline
 _MODS = r"(?:(?:export|default|declare|abstract|public|private|protected|internal|static|final|sealed|" \
         r"partial|async|override|virtual|readonly|open|data|inner|enum|annotation|suspend|inline|" \
         r"unsafe|extern|const|new|synchronized|native|strictfp|pub(?:\([\w:]+\))?)\s+)*"
 _NOT_CALLS = r"(?!(?:if|for|foreach|while|switch|catch|return|new|else|throw|do|sizeof|typeof|await|" \
              r"delete|using|lock|fixed|when|with|function|super|this)\b)"
+_DECL = r"^\s*" + _MODS
 _JS_MEMBER = (r"^\s+" + _MODS + r"(?:get\s+|set\s+|\*\s*)?#?" + _NOT_CALLS +
               r"[A-Za-z_$][\w$]*\s*(?:<[^>()=]*>)?\s*\([^=]*$")
 _JAVA_MEMBER = (r"^\s+(?:@\w+\s+)*" + _MODS + r"(?:<[^>]*>\s+)?" + _NOT_CALLS +
                 r"[\w<>\[\],.?]+(?:\s+[\w<>\[\],.?]+)*\s+" + _NOT_CALLS + r"\w+\s*\([^=;]*(?:;?\s*|[{].*)$")
-# language -> (style, [(kind: 'class' (holds members), 'def', 'member' (only inside a
-# class), 'body' (a def that counts only with a body), regex)], comment start)
+# language -> [(kind: 'class' (holds members), 'def', 'member' (only inside a
+# class), 'body' (a def that counts only with a body), regex)]; Python and Ruby
+# nest by indentation, the others by braces
 OUTLINE_RULES = {
-    "python": ("indent", [("class", r"^\s*class\s+\w+"), ("def", r"^\s*(?:async\s+)?def\s+\w+")], "#"),
-    "javascript": ("braces", [
-        ("class", r"^\s*" + _MODS + r"class\s+[\w$]+"),
-        ("def", r"^\s*" + _MODS + r"function\b\s*\*?\s*[\w$]+\s*(?:<[^>]*>)?\s*\("),
-        ("def", r"^\s*" + _MODS + r"(?:const|let|var)\s+[\w$]+\s*(?::[^=]+)?=\s*(?:async\s+)?"
+    "python": [("class", r"^\s*class\s+\w+"), ("def", r"^\s*(?:async\s+)?def\s+\w+")],
+    "javascript": [
+        ("class", _DECL + r"class\s+[\w$]+"),
+        ("def", _DECL + r"function\b\s*\*?\s*[\w$]+\s*(?:<[^>]*>)?\s*\("),
+        ("def", _DECL + r"(?:const|let|var)\s+[\w$]+\s*(?::[^=]+)?=\s*(?:async\s+)?"
                 r"(?:function\b|(?:<[^>]*>\s*)?(?:\([^)]*\)|[\w$]+)\s*(?::\s*[^=]+)?=>)"),
-        ("class", r"^\s*" + _MODS + r"(?:interface|enum|namespace|module)\s+[\w$.]+"),
-        ("def", r"^\s*" + _MODS + r"type\s+[\w$]+\s*(?:<[^>]*>)?\s*="),
-        ("member", _JS_MEMBER)], "//"),
-    "go": ("braces", [("def", r"^func\s+(?:\([^)]*\)\s*)?\w+"), ("class", r"^type\s+\w+\s+(?:struct|interface)\b"),
-                      ("def", r"^type\s+\w+")], "//"),
-    "rust": ("braces", [
-        ("def", r"^\s*" + _MODS + r"(?:async\s+)?(?:const\s+)?(?:unsafe\s+)?(?:extern\s+\"[^\"]*\"\s+)?fn\s+\w+"),
-        ("class", r"^\s*" + _MODS + r"(?:struct|enum|trait|union|mod)\s+\w+"),
-        ("class", r"^\s*" + _MODS + r"impl\b")], "//"),
-    "java": ("braces", [("class", r"^\s*(?:@\w+(?:\([^)]*\))?\s+)*" + _MODS +
-                                  r"(?:class|interface|enum|record|@interface)\s+\w+"),
-                        ("member", _JAVA_MEMBER)], "//"),
-    "kotlin": ("braces", [("class", r"^\s*(?:@\w+\s+)*" + _MODS + r"(?:class|interface|object|enum\s+class)\s+\w+"),
-                          ("def", r"^\s*(?:@\w+\s+)*" + _MODS + r"fun\s+(?:<[^>]*>\s*)?[\w.]+\s*\(")], "//"),
-    "csharp": ("braces", [("class", r"^\s*(?:\[[^\]]*\]\s*)*" + _MODS +
-                                    r"(?:class|interface|struct|record|enum|namespace)\s+[\w.]+"),
-                          ("member", _JAVA_MEMBER)], "//"),
-    "c": ("braces", [("class", r"^\s*(?:typedef\s+)?(?:struct|union|enum)\s+\w+\s*\{?\s*$"),
-                     ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)(?:[A-Za-z_][\w \t\*]*?[ \t\*])?"
-                              r"[A-Za-z_]\w*\s*\([^;=]*$")], "//"),
-    "cpp": ("braces", [("class", r"^\s*(?:template\s*<[^>]*>\s*)?(?:class|struct|union|enum(?:\s+class)?)\s+\w+"
-                                 r"[^;]*$"),
-                       ("class", r"^\s*namespace\s+[\w:]+\s*\{?\s*$"),
-                       ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)(?:[A-Za-z_~][\w \t\*&:<>,~]*?"
-                                r"[ \t\*&>])?[A-Za-z_~][\w:~<>]*\s*\([^;=]*$")], "//"),
-    "ruby": ("indent", [("class", r"^\s*(?:class|module)\s+[\w:]+"), ("def", r"^\s*def\s+[\w.?!=]+")], "#"),
-    "php": ("braces", [("class", r"^\s*" + _MODS + r"(?:class|interface|trait|enum)\s+\w+"),
-                       ("def", r"^\s*" + _MODS + r"function\s+&?\w+")], "//"),
-    "shell": ("braces", [("def", r"^\s*(?:function\s+[\w.:-]+(?:\s*\(\s*\))?|[\w.:-]+\s*\(\s*\))\s*(?:\{.*)?$")], "#"),
+        ("class", _DECL + r"(?:interface|enum|namespace|module)\s+[\w$.]+"),
+        ("def", _DECL + r"type\s+[\w$]+\s*(?:<[^>]*>)?\s*="),
+        ("member", _JS_MEMBER)],
+    "go": [("def", r"^func\s+(?:\([^)]*\)\s*)?\w+"),
+           ("class", r"^type\s+\w+\s+(?:struct|interface)\b"), ("def", r"^type\s+\w+")],
+    "rust": [
+        ("def", _DECL + r"(?:async\s+)?(?:const\s+)?(?:unsafe\s+)?(?:extern\s+\"[^\"]*\"\s+)?"
+                r"fn\s+\w+"),
+        ("class", _DECL + r"(?:struct|enum|trait|union|mod)\s+\w+"),
+        ("class", _DECL + r"impl\b")],
+    "java": [("class", r"^\s*(?:@\w+(?:\([^)]*\))?\s+)*" + _MODS +
+                       r"(?:class|interface|enum|record|@interface)\s+\w+"),
+             ("member", _JAVA_MEMBER)],
+    "kotlin": [
+        ("class", r"^\s*(?:@\w+\s+)*" + _MODS + r"(?:class|interface|object|enum\s+class)\s+\w+"),
+        ("def", r"^\s*(?:@\w+\s+)*" + _MODS + r"fun\s+(?:<[^>]*>\s*)?[\w.]+\s*\(")],
+    "csharp": [("class", r"^\s*(?:\[[^\]]*\]\s*)*" + _MODS +
+                         r"(?:class|interface|struct|record|enum|namespace)\s+[\w.]+"),
+               ("member", _JAVA_MEMBER)],
+    "c": [("class", r"^\s*(?:typedef\s+)?(?:struct|union|enum)\s+\w+\s*\{?\s*$"),
+          ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)"
+                   r"(?:[A-Za-z_][\w \t\*]*?[ \t\*])?[A-Za-z_]\w*\s*\([^;=]*$")],
+    "cpp": [("class", r"^\s*(?:template\s*<[^>]*>\s*)?(?:class|struct|union|enum(?:\s+class)?)"
+                      r"\s+\w+[^;]*$"),
+            ("class", r"^\s*namespace\s+[\w:]+\s*\{?\s*$"),
+            ("body", r"^" + _NOT_CALLS + r"(?!typedef\b|case\b|goto\b)"
+                     r"(?:[A-Za-z_~][\w \t\*&:<>,~]*?[ \t\*&>])?[A-Za-z_~][\w:~<>]*\s*\([^;=]*$")],
+    "ruby": [("class", r"^\s*(?:class|module)\s+[\w:]+"), ("def", r"^\s*def\s+[\w.?!=]+")],
+    "php": [("class", _DECL + r"(?:class|interface|trait|enum)\s+\w+"),
+            ("def", _DECL + r"function\s+&?\w+")],
+    "shell": [("def", r"^\s*(?:function\s+[\w.:-]+(?:\s*\(\s*\))?|[\w.:-]+\s*\(\s*\))"
+                      r"\s*(?:\{.*)?$")],
 }
 
 
@@ -4410,10 +4413,17 @@ a note, its line count, and the error code when it was not read (else None)."""
 def outline_block(one):
     """A FileOutline as a directory outline shows it: a header line, then one line per
     top-level definition."""
-    width = len(str(max(one.lines, 1)))
-    block = ["%s (%s, %d lines)%s" % (one.rel, one.lang, one.lines, ": " + one.note if one.note else "")]
-    block += ["%s  %s" % (("%d-%d" % (a, b)).rjust(2 * width + 1), text) for a, b, _, text in one.entries]
-    return "\n".join(block)
+    note = ": " + one.note if one.note else ""
+    return "\n".join(["%s (%s, %d lines)%s" % (one.rel, one.lang, one.lines, note)] +
+                     outline_rows(one.entries, one.lines))
+
+
+def outline_rows(entries, lines):
+    """A line per definition: its range (right-aligned for a file of `lines` lines), then its
+    signature indented by its depth."""
+    width = 2 * len(str(max(lines, 1))) + 1
+    return ["%s  %s%s" % (("%d-%d" % (a, b)).rjust(width), "  " * depth, text)
+            for a, b, depth, text in entries]
 
 
 class OpenDefinition:
@@ -4437,6 +4447,7 @@ class Outline:
 
     def __init__(self, text, lang):
         self.lines, self.lang, self.note = text.split("\n"), lang, ""
+        self.line_count = len(self.lines) - (self.lines[-1] == "")      # a last newline ends a line
         self.entries, self.stack, self.depth = [], [], 0
         if lang == "python" and len(self.lines) > OUTLINE_AST_LINES:
             self.python_lines()
@@ -4449,7 +4460,7 @@ class Outline:
                 self.patterns()
         elif lang == "markdown":
             self.headings()
-        elif lang in ("json", "yaml", "toml"):
+        elif lang in OUTLINE_DATA:
             self.keys(text)
         else:
             self.patterns()
@@ -4457,14 +4468,8 @@ class Outline:
 
     @staticmethod
     def language(name):
-        """The language outline reads a file of this name as, or None."""
-        ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
-        return OUTLINE_EXTENSIONS.get(ext)
-
-    @staticmethod
-    def languages():
-        """The languages outline reads, as a sentence's list."""
-        return ", ".join(sorted(set(OUTLINE_EXTENSIONS.values())))
+        """The language outline reads a file of this name or path as (by its extension), or None."""
+        return OUTLINE_EXTENSIONS.get(name.rsplit(".", 1)[-1].lower()) if "." in name else None
 
     def signature(self, k):
         """Line k (from 0) as a signature: its text stripped, joined with the lines that
@@ -4571,15 +4576,14 @@ class Outline:
     # -- the patterns ------------------------------------------------------------
     def patterns(self):
         """The definitions the language's patterns find, nested by braces or indentation."""
-        style, rules, comment = OUTLINE_RULES[self.lang]
-        rules = [(kind, re.compile(rx)) for kind, rx in rules]
-        if style == "indent":
-            return self.indented(rules, comment)
+        rules = [(kind, re.compile(rx)) for kind, rx in OUTLINE_RULES[self.lang]]
+        if self.lang in ("python", "ruby"):
+            return self.indented(rules)
         self.marks, self.tokens = re.compile(_CODE_MARKS), re.compile(_CODE_TOKENS)
         in_block = False
         for i, raw in enumerate(self.lines):
             was_in_block = in_block
-            code, in_block = self.code_of(raw, in_block, comment)
+            code, in_block = self.code_of(raw, in_block)
             while self.stack and not self.stack[-1].opened and self.stack[-1].parens <= 0 and not \
                     code.lstrip().startswith("{"):
                 self.end(self.stack.pop(), None)          # a declaration without a body ends before this line
@@ -4599,7 +4603,7 @@ class Outline:
             start -= 1
         if kind == "body" and i and re.match(r"^[A-Za-z_][\w \t\*]*$", lines[i - 1]):
             start, sig = i - 1, lines[i - 1].strip() + " " + sig
-        self.entries.append([start + 1, i + 1, sum(1 for s in self.stack if self.entries[s.entry] is not None), sig])
+        self.entries.append([start + 1, i + 1, len(self.stack), sig])
         self.stack.append(OpenDefinition(len(self.entries) - 1, self.depth, kind, i))
 
     def count(self, i, code):
@@ -4634,49 +4638,49 @@ class Outline:
         k = open_entry.entry
         if open_entry.kind == "body" and not open_entry.opened:
             self.entries[k] = None
-        elif self.entries[k] is not None:
+        else:
             self.entries[k][1] = (open_entry.last if i is None else i) + 1
 
     def kind(self, rules, head):
         """The kind of definition `head` starts ('class', 'def', 'body'), or None; a
         'member' pattern only counts inside a class-like definition that is open."""
-        inside_class = bool(self.stack) and self.stack[-1].kind == "class"
+        inside_class = self.stack and self.stack[-1].kind == "class"
         for kind, rx in rules:
             if (kind != "member" or inside_class) and rx.match(head):
                 return "def" if kind == "member" else kind
         return None
 
-    def indented(self, rules, comment):
+    def indented(self, rules):
         """The patterns of indented languages: a definition runs to its last line indented
         deeper than itself (Ruby: to its `end`)."""
         for i, raw in enumerate(self.lines):
             head = raw[:OUTLINE_LINE_CHARS]
             text = head.strip()
-            if not text or text.startswith(comment):
+            if not text or text.startswith("#"):
                 continue
             indent = len(head) - len(head.lstrip())
             ended = False
-            while self.stack and indent <= self.stack[-1].depth:
+            while self.stack and indent <= self.stack[-1].depth and not ended:
                 top = self.stack.pop()
-                k, own = top.entry, top.depth
-                if self.lang == "ruby" and indent == own and re.match(r"end\b", text):
-                    self.entries[k][1] = i + 1          # its `end` belongs to it
-                    ended = True
-                    break
-            kind = None if ended else self.kind(rules, head)
+                ended = self.lang == "ruby" and indent == top.depth and re.match(r"end\b", text)
+                if ended:
+                    self.entries[top.entry][1] = i + 1          # its `end` belongs to it
+            if ended:
+                continue
+            kind = self.kind(rules, head)
             if kind:
                 start = i
                 while start and self.lines[start - 1].strip().startswith("@"):
                     start -= 1                          # decorators belong to the definition
                 self.entries.append([start + 1, i + 1, len(self.stack), self.signature(i)])
                 self.stack.append(OpenDefinition(len(self.entries) - 1, indent, kind, i))
-            for top in self.stack if not ended else ():
+            for top in self.stack:
                 self.entries[top.entry][1] = i + 1
 
-    def code_of(self, line, in_block, comment):
+    def code_of(self, line, in_block):
         """A line's code for counting braces: strings, character literals and comments
         removed; (code, whether a block comment is still open after it)."""
-        if comment == "#":
+        if self.lang == "shell":
             return re.sub(r"\"(?:[^\"\\]|\\.)*\"|'[^']*'|#.*", "", line), False
         if not in_block and not self.marks.search(line):
             return line, False                  # most lines: nothing to remove
@@ -4713,7 +4717,7 @@ class Outline:
                 out.append([i + 1, len(lines), len(m.group(1)), self.signature(i)])
         for k, e in enumerate(out):
             nxt = next((f[0] for f in out[k + 1:] if f[2] <= e[2]), None)
-            e[1] = nxt - 1 if nxt else len(lines) - (1 if lines and lines[-1] == "" else 0)
+            e[1] = nxt - 1 if nxt else self.line_count
         top = min((e[2] for e in out), default=1)
         self.entries = [(a, b, level - top, text) for a, b, level, text in out]
 
@@ -4757,15 +4761,14 @@ class Outline:
         if not is_dir:
             emit([cls.of_file(real, None, job["max_size"], top=False)])
             return
-        batch, (offset, room), k, size = [], job["page"], 0, 0
+        batch, (offset, room), size = [], job["page"], 0
         walker = Walker(real, PathPolicy(**job["policy"]), False, cache).only(
             lambda name: cls.language(name) not in (None,) + tuple(OUTLINE_DATA), "outline")
         walker.ordered = True
         cut = len(child_prefix(real))
-        for path, file_real, _, _ in walker:
+        for k, (path, file_real, _, _) in enumerate(walker, 1):
             one = cls.of_file(file_real, path[cut:], job["max_size"], True)
             batch.append(one)
-            k += 1
             if k > offset:
                 size += len(outline_block(one)) + 1
                 if size > room:
@@ -4779,7 +4782,7 @@ class Outline:
     @classmethod
     def of_file(cls, real, rel, max_size, top):
         """The FileOutline of one file (entries at depth 0 only when `top`)."""
-        lang = cls.language(os.path.basename(real))
+        lang = cls.language(real)
         try:
             fd, st = open_regular(real, real)
             try:
@@ -4797,8 +4800,7 @@ class Outline:
         text = data.decode("utf-8", "replace").replace("\r\n", "\n")
         outline = cls(text, lang)
         entries = [e for e in outline.entries if e[2] == 0] if top else outline.entries
-        return FileOutline(rel, lang, entries, outline.note,
-                           text.count("\n") + (0 if text.endswith("\n") or not text else 1), None)
+        return FileOutline(rel, lang, entries, outline.note, outline.line_count, None)
 
 
 ###############################################################################
@@ -10172,29 +10174,24 @@ def check_pattern(value, name, code=INVALID_INPUT):
 # What the model APIs behind the coding agents take (clientInfo.name prefix -> image
 # types): no SVG anywhere, no GIF for Gemini, no BMP or ICO for any. Other clients get
 # every image as image content; --svg overrides for SVG.
-CLIENT_IMAGE_TYPES = (
-    ("claude", ("image/png", "image/jpeg", "image/gif", "image/webp")),
-    ("codex", ("image/png", "image/jpeg", "image/gif", "image/webp")),
-    ("gemini", ("image/png", "image/jpeg", "image/webp")),
-)
+WEB_IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+CLIENT_IMAGE_TYPES = {"claude": WEB_IMAGE_TYPES, "codex": WEB_IMAGE_TYPES,
+                      "gemini": ("image/png", "image/jpeg", "image/webp")}
 
 
 def client_image_types(client):
     """The image types the model behind `client` (a clientInfo name) takes, or None
     when it is not a client known to refuse some."""
     name = (client or "").lower()
-    for prefix, types in CLIENT_IMAGE_TYPES:
-        if name.startswith(prefix):
-            return types
-    return None
+    return next((types for prefix, types in CLIENT_IMAGE_TYPES.items() if name.startswith(prefix)),
+                None)
 
 
 def svg_as_text(ctx):
     """Whether an SVG goes to this call's client as its source text (--svg, or auto:
     for clients whose model API takes no SVG)."""
-    if ctx.config.svg != "auto":
-        return ctx.config.svg == "text"
-    return client_image_types(ctx.client) is not None
+    svg = ctx.config.svg
+    return svg == "text" or svg == "auto" and client_image_types(ctx.client) is not None
 
 
 def image_result(ctx, shown, data, mime):
@@ -10264,49 +10261,51 @@ class Notebook:
 
     def __init__(self, text):
         self.text = text
-        dec = json.JSONDecoder()
-        ws = re.compile(r"[ \t\n\r]*")
+        dec, ws = json.JSONDecoder(), re.compile(r"[ \t\n\r]*")
 
         def skip(i):
-            return ws.match(text, i).end()
-        i = skip(0)
-        if text[i:i + 1] != "{":
+            """The first non-blank at or after i: its offset and character ('' at the end)."""
+            i = ws.match(text, i).end()
+            return i, text[i:i + 1]
+        i, c = skip(0)
+        if c != "{":
             raise ValueError("not a JSON object")
-        i = skip(i + 1)
-        while text[i:i + 1] != "}":
+        i, c = skip(i + 1)
+        while c != "}":
             key, i = dec.raw_decode(text, i)
-            i = skip(i)
-            if text[i:i + 1] != ":":
+            i, c = skip(i)
+            if c != ":":
                 raise ValueError("expected ':' at offset %d" % i)
-            i = skip(i + 1)
+            i, c = skip(i + 1)
             if key == "cells":
-                if text[i:i + 1] != "[":
+                if c != "[":
                     raise ValueError("'cells' is not an array")
-                self.cells, self.spans, j = [], [], skip(i + 1)
-                while text[j:j + 1] != "]":
+                self.cells, self.spans = [], []
+                j, c = skip(i + 1)
+                while c != "]":
                     cell, end = dec.raw_decode(text, j)
                     if not isinstance(cell, dict):
                         raise ValueError("cell %d is not an object" % (len(self.cells) + 1))
                     self.cells.append(cell)
                     self.spans.append((j, end))
-                    j = skip(end)
-                    if text[j:j + 1] == ",":
-                        j = skip(j + 1)
-                    elif text[j:j + 1] != "]":
+                    j, c = skip(end)
+                    if c == ",":
+                        j, c = skip(j + 1)
+                    elif c != "]":
                         raise ValueError("expected ',' or ']' at offset %d" % j)
                 self.array_end = j
                 return
             _, i = dec.raw_decode(text, i)
-            i = skip(i)
-            if text[i:i + 1] == ",":
-                i = skip(i + 1)
+            i, c = skip(i)
+            if c == ",":
+                i, c = skip(i + 1)
         raise ValueError("it has no 'cells' array")
 
     @staticmethod
-    def source(cell):
-        """A cell's (or an output's) source as one string (it may be stored as a list of lines)."""
-        src = cell.get("source", "")
-        return "".join(src) if isinstance(src, list) else str(src)
+    def joined(value):
+        """A cell's source, or an output's text, as one string (it may be stored as a list of
+        lines)."""
+        return "".join(value) if isinstance(value, list) else str(value)
 
     # -- view ------------------------------------------------------------------
     def render(self, ctx, shown, vr):
@@ -10316,7 +10315,7 @@ class Notebook:
         cells = self.cells
         start, end = vr or (1, -1)
         last = len(cells) if end == -1 else min(end, len(cells))
-        if vr is not None and (start > max(len(cells), 1)):
+        if start > max(len(cells), 1):
             raise ToolError(INVALID_INPUT, "view_range counts cells for a notebook: %s has %d; give a start"
                             " between 1 and %d" % (shown, len(cells), max(len(cells), 1)))
         blocks, parts, size = [], ["%s: notebook, %d cells (view_range counts cells)" % (shown, len(cells))], 0
@@ -10333,14 +10332,12 @@ class Notebook:
                 try:
                     image = image_result(ctx, "%s cell %d" % (shown, k), data, mime)
                 except ToolError as e:
-                    parts.append("[output image not shown: %s]" % e.message)
-                    continue
-                if isinstance(image, str):          # a type this client's model does not take
+                    image = "[output image not shown: %s]" % e.message
+                if isinstance(image, str):          # why not, or a type its model does not take
                     parts.append(image)
-                    continue
-                blocks.append(text_block("\n".join(parts)))
-                blocks += image
-                parts = []
+                else:
+                    blocks += [text_block("\n".join(parts))] + image
+                    parts = []
         if parts:
             blocks.append(text_block("\n".join(parts)))
         return blocks
@@ -10354,9 +10351,11 @@ class Notebook:
             bits.append("id %s" % cell["id"])
         if cell.get("cell_type") == "code":
             bits.append("execution_count %s" % cell.get("execution_count"))
-        piece = [" · ".join(bits), number_lines([clip_line(l) for l in self.source(cell).split("\n")], 1)]
+        source = self.joined(cell.get("source", "")).split("\n")
+        piece = [" · ".join(bits), number_lines([clip_line(line) for line in source], 1)]
         images = []
-        for out in cell.get("outputs", []) if isinstance(cell.get("outputs"), list) else []:
+        outputs = cell.get("outputs")
+        for out in outputs if isinstance(outputs, list) else []:
             text_out, image = self.output(out)
             if text_out:
                 piece.append(text_out)
@@ -10380,7 +10379,8 @@ class Notebook:
             return "", None
         kind = out.get("output_type")
         if kind == "stream":
-            return "--- %s ---\n%s" % (out.get("name", "stream"), clip(cls.source({"source": out.get("text", "")}))), None
+            text = clip(cls.joined(out.get("text", "")))
+            return "--- %s ---\n%s" % (out.get("name", "stream"), text), None
         if kind == "error":
             tb = [terminal_text(str(l)) for l in out.get("traceback", [])][-6:]
             return "--- error ---\n%s: %s\n%s" % (out.get("ename"), out.get("evalue"), clip("\n".join(tb))), None
@@ -10388,12 +10388,12 @@ class Notebook:
         for mime in ("image/png", "image/jpeg"):
             if mime in data:
                 try:
-                    raw = base64.b64decode(cls.source({"source": data[mime]}), validate=False)
+                    raw = base64.b64decode(cls.joined(data[mime]), validate=False)
                 except ValueError:
                     return "--- %s (not valid base64) ---" % mime, None
                 return "--- %s ---" % mime, (mime, raw)
         if "text/plain" in data:
-            return "--- result ---\n%s" % clip(cls.source({"source": data["text/plain"]})), None
+            return "--- result ---\n%s" % clip(cls.joined(data["text/plain"])), None
         return ("--- %s ---" % ", ".join(sorted(data)) if data else ""), None
 
     # -- notebook_edit -----------------------------------------------------------
@@ -10435,20 +10435,22 @@ class Notebook:
             base = text[text.rfind("\n", 0, start) + 1:start]
             inner = re.search(r"\n([ \t]*)\"", text[start:end])
             base, unit = ("", None) if inner is None or base.strip() else (base, max(1, len(inner.group(1)) - len(base)))
-        cell = self.new_cell(k, mode, args)
-        body = json.dumps(cell, indent=unit, ensure_ascii=False) if unit is not None else \
-            json.dumps(cell, ensure_ascii=False, separators=(",", ":"))
+        newline = "" if unit is None else "\n" + base
+        body = json.dumps(self.new_cell(k, mode, args), indent=unit, ensure_ascii=False,
+                          separators=(",", ":" if unit is None else ": "))
         body = body.replace("\n", "\n" + base)
         if mode == "replace":
             start, end = spans[k]
-            return text[:start] + body + text[end:]
-        sep = ",\n" + base if unit is not None else ","
-        if k == -1:                                      # at the top
-            if not spans:
-                return text[:self.array_end] + ("\n" + base if unit is not None else "") + body + text[self.array_end:]
-            return text[:spans[0][0]] + body + sep + text[spans[0][0]:]
-        end = spans[k][1]
-        return text[:end] + sep + body + text[end:]
+        elif k >= 0:
+            start = end = spans[k][1]
+            body = "," + newline + body
+        elif spans:                                     # at the top
+            start = end = spans[0][0]
+            body += "," + newline
+        else:
+            start = end = self.array_end
+            body = newline + body
+        return text[:start] + body + text[end:]
 
     def new_cell(self, k, mode, args):
         """The cell that replaces cell k (its key order and metadata kept) or is inserted
@@ -10456,22 +10458,21 @@ class Notebook:
         execution count cleared; a new cell gets an id when the others have one."""
         if args.get("new_source") is None:
             raise ToolError(INVALID_INPUT, "new_source is needed to %s a cell" % mode)
+        cell_type = args.get("cell_type")
         if mode == "replace":
             cell = dict(self.cells[k])
-            cell_type = args.get("cell_type") or cell.get("cell_type", "code")
+            cell_type = cell_type or cell.get("cell_type", "code")
+        elif not cell_type:
+            raise ToolError(INVALID_INPUT, "cell_type (code, markdown or raw) is needed to insert a"
+                            " cell")
         else:
-            cell_type = args.get("cell_type")
-            if not cell_type:
-                raise ToolError(INVALID_INPUT, "cell_type (code, markdown or raw) is needed to insert a cell")
             cell = {"cell_type": cell_type}
             if any("id" in c for c in self.cells):
                 cell["id"] = os.urandom(4).hex()
             cell["metadata"] = {}
-        cell["cell_type"] = cell_type
-        cell["source"] = args["new_source"].splitlines(True)
+        cell.update(cell_type=cell_type, source=args["new_source"].splitlines(True))
         if cell_type == "code":
-            cell["execution_count"] = None
-            cell["outputs"] = []
+            cell.update(execution_count=None, outputs=[])
         else:
             cell.pop("execution_count", None)
             cell.pop("outputs", None)
@@ -10713,7 +10714,7 @@ OUTLINE_DESC = ("Show a file's structure before reading it: its definitions (cla
                 "view_range [first, last]. Languages: %s.")
 
 
-@tool("outline", OUTLINE_DESC % Outline.languages(), obj({
+@tool("outline", OUTLINE_DESC % OUTLINE_LANGUAGES, obj({
     "path": PATH_PROP,
     "offset": prop("integer", "How many to skip: a cut outline's read-on notice gives it."),
 }, ["path"]), notes("Outline a file or directory", read_only=True, idempotent=True), hint="file structure, symbols")
@@ -10724,9 +10725,9 @@ def tool_outline(session, args, ctx):
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
     root = search_root(session, ctx, shown)
-    if not root[1] and Outline.language(os.path.basename(root[0])) is None:
+    if not root[1] and Outline.language(root[0]) is None:
         raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension: %s); view or grep"
-                        " it instead" % (shown, Outline.languages()))
+                        " it instead" % (shown, OUTLINE_LANGUAGES))
     items, why = ctx.helpers.run({"op": "outline", "root": root, "policy": policy_spec(ctx.policy),
                                   "max_size": ctx.config.max_file_size, "page": [offset, search_cap(ctx) - 400]},
                                  ctx.cancelled)
@@ -10736,22 +10737,32 @@ def tool_outline(session, args, ctx):
     if not items:
         raise ToolError(IO_ERROR, "the outline of %s was %s before it was done" % (
             shown, stopped_why(why)))
-    lang, entries, note, total = items[0].lang, items[0].entries, items[0].note, items[0].lines
-    if items[0].refused:
-        raise ToolError(items[0].refused, "%s: %s" % (shown, note))
-    parts, size, cap = ["%s: %s, %d lines, %d definitions%s" % (
-        shown, lang, total, len(entries), " (%s)" % note if note else "")], 0, search_cap(ctx)
-    width = len(str(max(total, 1)))
-    for k, (a, b, depth, text) in enumerate(entries[offset:], offset):
-        line = "%s  %s%s" % (("%d-%d" % (a, b)).rjust(2 * width + 1), "  " * depth, text)
-        if size + len(line) > cap - 400:
-            return read_on("\n".join(parts), "[outline cut at definition %d of %d; read on with offset=%d]"
-                           % (k, len(entries), k))
-        parts.append(line)
-        size += len(line) + 1
-    parts.append("Read a definition with view and view_range [first, last]%s." % (
-        ", e.g. view_range [%d, %d]" % tuple(entries[0][:2]) if entries else " (no definitions were found)"))
-    return "\n".join(parts)
+    one = items[0]
+    if one.refused:
+        raise ToolError(one.refused, "%s: %s" % (shown, one.note))
+    parts = ["%s: %s, %d lines, %d definitions%s" % (
+        shown, one.lang, one.lines, len(one.entries), " (%s)" % one.note if one.note else "")]
+    cut = outline_page(parts, outline_rows(one.entries, one.lines), offset, search_cap(ctx),
+                       "[outline cut at definition {0} of %d; read on with offset={0}]"
+                       % len(one.entries))
+    if not cut:
+        parts.append("Read a definition with view and view_range [first, last]%s." % (
+            ", e.g. view_range [%d, %d]" % tuple(one.entries[0][:2]) if one.entries else
+            " (no definitions were found)"))
+    return read_on("\n".join(parts), cut)
+
+
+def outline_page(parts, rows, offset, cap, cut):
+    """Add rows from number `offset` (from 0) to parts while they fit in `cap` (less 400
+    characters), one at least; where one does not, cut.format(its number) is the read-on
+    notice returned (else None)."""
+    size = 0
+    for k, row in enumerate(rows[offset:], offset):
+        if parts and size + len(row) > cap - 400:
+            return cut.format(k)
+        parts.append(row)
+        size += len(row) + 1
+    return None
 
 
 def directory_outline(shown, items, why, offset, cap):
@@ -10762,15 +10773,13 @@ def directory_outline(shown, items, why, offset, cap):
     if offset > len(items):
         raise ToolError(INVALID_INPUT, "offset %d is past the %d source files outlined under %s" % (
             offset, len(items), shown))
-    parts, size = [], 0
-    for k, one in enumerate(items[offset:], offset):
-        text = outline_block(one)
-        if parts and size + len(text) > cap - 400:
-            return read_on("\n".join(parts), "[outline cut after file %d; read on with offset=%d]" % (k, k))
-        parts.append(text)
-        size += len(text) + 1
+    parts = []
+    cut = outline_page(parts, [outline_block(one) for one in items], offset, cap,
+                       "[outline cut after file {0}; read on with offset={0}]")
+    if cut:
+        return read_on("\n".join(parts), cut)
     if not items:
-        parts.append("No source files under %s (outline reads %s)" % (shown, Outline.languages()))
+        parts.append("No source files under %s (outline reads %s)" % (shown, OUTLINE_LANGUAGES))
     if why:
         parts.append("[outline %s: the files above are those read so far; outline a subdirectory]" % (
             stopped_why(why)))
