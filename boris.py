@@ -15158,33 +15158,27 @@ def check_main(config, policy, sandbox):
     rather than assumed (the sandbox by probe_sandbox's writes and connect, the search
     helpers by a glob), printed; the exit code."""
     import shutil
-    import subprocess
-    server = McpServer(config, policy, sandbox)
+    server, roots, trials = McpServer(config, policy, sandbox), policy.allow or [policy.workdir], sandbox.trials
     try:
         ctx = CallContext(config, policy, helpers=server.helpers, sandbox=sandbox)
-        glob = McpServer.run_tool(server.tools["glob"], Session(config), {"pattern": "*", "head_limit": 1,
-                                  "path": (policy.allow or [policy.workdir])[0]}, ctx)
-        inotify = Watches().open()
+        glob = McpServer.run_tool(server.tools["glob"], Session(config), {"pattern": "*", "path": roots[0]}, ctx)
     finally:
         server.close()
-    store, git = store_place(policy.allow or [policy.workdir]), shutil.which("git")
-    userns = "not tried" if sandbox.trials.get("a write to a protected .git", "done") == "done" else "yes"
+    userns = "yes" if trials.get("a write to a protected .git", "done") != "done" else "not tried"
     if sandbox.on and not sandbox.protect.enforced:
         userns = "no: " + sandbox.protect.why
-    rows = [("boris.py", "%s, Python %s (%s), uid %d" % (__version__, sys.version.split()[0], sys.executable,
-                                                         os.getuid())),
+    store, inotify = store_place(roots), Watches().open()
+    rows = [("boris.py", "%s, Python %s, uid %d" % (__version__, sys.version.split()[0], os.getuid())),
             ("sandbox", sandbox.describe()[9:] + ("" if sandbox.on else "; why: " + sandbox.why)),
             ("  proven", "; ".join("%s: %s" % (k, v if v == "done" else "refused (%s)" % v)
-                                   for k, v in sorted(sandbox.trials.items())) or "nothing tried (it is off)"),
+                                   for k, v in sorted(trials.items())) or "nothing tried (it is off)"),
             ("  kernel", "Landlock ABI %d; seccomp filters %s; user namespaces %s" % (
                 landlock_abi(), "yes" if net_filter_available() else "no", userns)),
-            ("checkpoints", "off (--checkpoint-budget off)" if config.checkpoint_budget == 0 else
-             "a private store in %s" % store if store else "off: " + NO_STORE),
-            ("search helpers", "started (a glob answered)" if not glob["isError"] else
-             glob["content"][0]["text"]),
+            ("checkpoints", "a private store in %s" % store if store and config.checkpoint_budget != 0 else
+             "off: " + (NO_STORE if config.checkpoint_budget != 0 else "--checkpoint-budget off")),
+            ("search helpers", glob["content"][0]["text"] if glob["isError"] else "started (a glob answered)"),
             ("inotify", "yes" if inotify is not None else "no: repeated searches stat the tree"),
-            ("git", subprocess.run([git, "--version"], capture_output=True, text=True).stdout.strip() if git
-             else "not found: checkpoints keep every file's bytes themselves"),
+            ("git", shutil.which("git") or "not found: checkpoints keep every file's bytes themselves"),
             ("shell", SHELL),
             ("ssl", "yes" if importable("ssl") else "no: web_fetch cannot fetch https"),
             ("ctypes", "yes" if importable("ctypes") else "no: no sandbox, no inotify; commands may"
