@@ -13356,11 +13356,13 @@ def newest_first(found):
 
 
 def partial_notice(why):
-    """The line a cut search ends with."""
+    """The lines a search ends with: none for a whole one, else the one saying it was cut."""
+    if not why:
+        return []
     if why == "deadline":
-        return ("[search %s: the results above are partial. Narrow the path, include or type, or simplify the"
-                " pattern (nested quantifiers such as (a+)+ can take forever)]" % stopped_why(why))
-    return "[search cancelled: partial results]"
+        return ["[search %s: the results above are partial. Narrow the path, include or type, or simplify the"
+                " pattern (nested quantifiers such as (a+)+ can take forever)]" % stopped_why(why)]
+    return ["[search cancelled: partial results]"]
 
 
 GREP_DESC = ("Grep: search file contents for a regex pattern, to find text in files (Python re "
@@ -13425,7 +13427,7 @@ def tool_grep(session, args, ctx):
     spec = grep_tool_spec(args, pattern, mode)
     no_ignore = args.get("no_ignore")
     items, why = ctx.helpers.run(grep_job_of(ctx, [root], spec, args, no_ignore), ctx.cancelled)
-    notice = [partial_notice(why)] if why else []
+    notice = partial_notice(why)
     if not items:
         more = ignored_matches(ctx, root, shown, spec, args) if root[1] and not no_ignore and not why else []
         return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)] + notice + more)
@@ -13564,7 +13566,7 @@ GLOB_PROPS = {"pattern": prop("string", "The glob pattern, e.g. **/*.py or src/*
 def tool_glob(session, args, ctx):
     """glob: paths matching a pattern, newest first, in a helper."""
     found, why = find_paths(session, ctx, args["pattern"], args.get("path") or ".", args.get("type"))
-    notice = [partial_notice(why)] if why else []
+    notice = partial_notice(why)
     if not found:
         return "\n".join(["No files found"] + notice)
     return cap_lines(paged(newest_first(glob_pairs(found)), args), "paths", notice, search_cap(ctx))
@@ -13590,7 +13592,7 @@ def tool_search_text(session, args, ctx):
     for hit in sorted((GrepHit(*item) for item in items), key=lambda h: (h.root, h.rel or "")):
         label = os.path.join(shown_paths[hit.root], hit.rel) if roots[hit.root][1] else shown_paths[hit.root]
         lines += format_records(label, hit.result, True, breaks=False)
-    notice = [partial_notice(why)] if why else []
+    notice = partial_notice(why)
     if not lines:
         return "\n".join(["No matches found for %r in %s" % (query, ", ".join(shown_paths))] + notice)
     return cap_lines(lines, "lines", notice, search_cap(ctx), instead="narrow the search (a path deeper in `paths`,"
@@ -13604,7 +13606,7 @@ def tool_search_text(session, args, ctx):
 def tool_search_files(session, args, ctx):
     """search_files: the workspace tools' name search."""
     found, why = find_paths(session, ctx, args["pattern"], ".", None)
-    notice = [partial_notice(why)] if why else []
+    notice = partial_notice(why)
     if not found:
         return "\n".join(["No files found matching %r" % args["pattern"]] + notice)
     return cap_lines(newest_first(glob_pairs(found)), "paths", notice, search_cap(ctx),
