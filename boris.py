@@ -9417,6 +9417,9 @@ def entry_changes(old, new, partial=False):
 
 
 # -- a session's checkpoints ------------------------------------------------------
+NOT_CANCELLED = threading.Event()      # never set: the `cancelled` of a call nobody can cancel
+
+
 class Checkpoints:
     """A session's checkpoints of its workspace roots, their bytes in the server's store (see
     above). before() and after() frame each call that can change files; current() checkpoints
@@ -9513,7 +9516,7 @@ class Checkpoints:
                     self.turn, self.answered = False, max(self.answered, this)
                     self.cond.notify_all()
 
-    def before(self, call, cancelled=None):
+    def before(self, call, cancelled=NOT_CANCELLED):
         """A call that can change files is about to run: wait for the checkpoint asked for
         before it (the first one, or the one the last call's end asked for): at most
         CHECKPOINT_WAIT_S, then with what its walk has so far (a partial checkpoint), and
@@ -9536,7 +9539,7 @@ class Checkpoints:
                         break
                     if self.answered >= target:
                         break
-                    if cancelled is not None and cancelled.is_set():
+                    if cancelled.is_set():
                         return False
                     now = time.monotonic()
                     if now >= deadline and self.turn and self.walk_for >= target:
@@ -9580,7 +9583,7 @@ class Checkpoints:
                     return
                 self.cond.wait(CHECKPOINT_YIELD_S)
 
-    def acquire(self, cancelled=None):
+    def acquire(self, cancelled=NOT_CANCELLED):
         """Wait for the turn at the store (the walk in progress ends first: a walk waited for
         does not give way): True once this caller has it; False when the checkpoints closed or
         `cancelled` was set first."""
@@ -9588,9 +9591,9 @@ class Checkpoints:
             self.waiters += 1
             self.cond.notify_all()
             try:
-                while self.turn and not self.closed and not (cancelled is not None and cancelled.is_set()):
+                while self.turn and not self.closed and not cancelled.is_set():
                     self.cond.wait(CHECKPOINT_YIELD_S)
-                if self.closed or cancelled is not None and cancelled.is_set():
+                if self.closed or cancelled.is_set():
                     return False
                 self.turn = True
                 return True
@@ -9605,7 +9608,7 @@ class Checkpoints:
             self.cond.notify_all()
 
     @contextlib.contextmanager
-    def held(self, cancelled=None):
+    def held(self, cancelled=NOT_CANCELLED):
         """The turn at the store for a block (acquire, then release); ToolError when the
         call was cancelled or the session ended first."""
         if not self.acquire(cancelled):
@@ -9615,7 +9618,7 @@ class Checkpoints:
         finally:
             self.release()
 
-    def current(self, cancelled=None):
+    def current(self, cancelled=NOT_CANCELLED):
         """Checkpoint now, for a caller that holds the turn (a rewind keeps it, so that no walk
         comes between the state it reads and what it writes): the latest Checkpoint, whole;
         None when off, closed or cancelled."""
@@ -9625,9 +9628,9 @@ class Checkpoints:
             self.walk_for, self.walk_began = self.asked, time.monotonic()
         self.scan(cancelled=cancelled)
         with self.cond:
-            return self.list[-1] if self.list and not (cancelled is not None and cancelled.is_set()) else None
+            return self.list[-1] if self.list and not cancelled.is_set() else None
 
-    def scan(self, background=False, cancelled=None):
+    def scan(self, background=False, cancelled=NOT_CANCELLED):
         """Walk the roots (the caller holds the turn) and keep the state as a new checkpoint,
         unless it is the latest's, or a part of the walk was handed to a waiter (then it is
         only the base of the next walk); a background walk gives way to the session's other
@@ -9647,7 +9650,7 @@ class Checkpoints:
             if self.part is not None:                    # handed over, but the walk ended first: none partial
                 self.part, self.handed = None, False
             if point is None and self.list and self.list[-1].partial and self.steady is not None \
-                    and not self.stopped.is_set() and not (cancelled is not None and cancelled.is_set()):
+                    and not self.stopped.is_set() and not cancelled.is_set():
                 point = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)   # no event since
             elif point is not None:
                 self.base = point
@@ -9683,9 +9686,9 @@ class Checkpoints:
                 self.part, self.handed = (self.walk_for, so_far(), size, list(missed)), True
                 self.want_part = 0
                 self.cond.notify_all()
-        return self.stopped.is_set() or cancelled is not None and cancelled.is_set()
+        return self.stopped.is_set() or cancelled.is_set()
 
-    def walk(self, background, cancelled=None):
+    def walk(self, background, cancelled=NOT_CANCELLED):
         """scan()'s walk: the state as a Checkpoint numbered next; None when closed, stopped
         or known unchanged. A directory quiet since it was last looked at (watched, and no
         event about it or its entries) that lists the same names keeps its packed children
