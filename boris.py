@@ -11780,7 +11780,7 @@ def match_lines(text, old, most=20):
     return ", ".join(lines) + ", ..."
 
 
-def closest_region(text, old, cancelled=None, what="old_str"):
+def closest_region(text, old, cancelled=NOT_CANCELLED, what="old_str"):
     """A note on where `old` nearly is: the most similar run of lines with its line
     numbers and a short diff (or a word on line-number prefixes and whitespace).
 
@@ -11800,7 +11800,7 @@ def closest_region(text, old, cancelled=None, what="old_str"):
     n = len(want)
     best, at = 0.0, None
     for start in candidate_starts(lines, want, cancelled):
-        if cancelled is not None and cancelled.is_set():
+        if cancelled.is_set():
             return ""
         s = max(0, min(start, len(lines) - n)) if len(lines) >= n else 0
         total = 0.0                 # line by line: equal but for surrounding whitespace counts 0.95
@@ -11884,7 +11884,7 @@ def candidate_starts(lines, want, cancelled):
     matcher.set_seq2(want[first].strip()[:200])
     close = []
     for i, line in enumerate(lines[:MISS_SCAN_LINES]):
-        if i % 1000 == 0 and cancelled is not None and cancelled.is_set():
+        if i % 1000 == 0 and cancelled.is_set():
             return []
         matcher.set_seq1(line.strip()[:200])
         ratio = matcher.ratio() if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6 else 0
@@ -11904,7 +11904,7 @@ def check_old_new(old, new):
 
 # -- the edit tools ----------------------------------------------------------------
 
-def replace_text(text, edit, shown, cancelled=None):
+def replace_text(text, edit, shown, cancelled=NOT_CANCELLED):
     """(updated text, count, offset of the first change, how it matched or '') of an
     edit ({old_str, new_str, replace_all}, as str_replace and each of multi_edit's take
     it) through the one matcher. Refused: old_str empty or equal to new_str, not found
@@ -11932,7 +11932,7 @@ def replace_text(text, edit, shown, cancelled=None):
     return replace_lines(text, edit, shown, cancelled)
 
 
-def replace_lines(text, edit, shown, cancelled=None):
+def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
     """replace_text's relaxed levels: old_str as whole lines found by find_lines, the
     difference old_str -> new_str merged into the file's lines there (EditMerge); the
     same answer as replace_text."""
