@@ -12514,7 +12514,7 @@ class PatchReader:
         the format."""
         ops = []
         while self.i < self.end:
-            line = self.lines[self.i].strip()           # marker lines may come padded
+            line = self.marker()
             if line.startswith("*** Add File: "):
                 ops.append(self.add_section(line[14:].strip()))
             elif line.startswith("*** Delete File: "):
@@ -12530,6 +12530,11 @@ class PatchReader:
             raise ToolError(INVALID_INPUT, "the patch changes no file")
         return ops
 
+    def marker(self):
+        """The line being read, stripped: marker lines may come padded. The last line is
+        '*** End Patch', which ends every section's loop on its own."""
+        return self.lines[self.i].strip()
+
     def bad(self, k, why):
         """INVALID_INPUT naming patch line k (from 0) and what is wrong with it."""
         return ToolError(INVALID_INPUT, "patch line %d (%s): %s" % (k + 1, shorten(repr(self.lines[k]), 80), why))
@@ -12537,8 +12542,8 @@ class PatchReader:
     def add_section(self, path):
         """The PatchOp of an Add File section: every line starts with '+'."""
         body, self.i = [], self.i + 1
-        while self.i < self.end and not self.lines[self.i].strip().startswith("*** "):
-            if not self.lines[self.i].strip():
+        while not self.marker().startswith("*** "):
+            if not self.marker():
                 self.i += 1                             # a blank line between sections
                 continue
             if not self.lines[self.i].startswith("+"):
@@ -12550,11 +12555,10 @@ class PatchReader:
     def update_section(self, path):
         """The PatchOp of an Update File section."""
         move, self.i = None, self.i + 1
-        if self.i < self.end and self.lines[self.i].strip().startswith("*** Move to: "):
-            move, self.i = self.lines[self.i].strip()[13:].strip(), self.i + 1
+        if self.marker().startswith("*** Move to: "):
+            move, self.i = self.marker()[13:].strip(), self.i + 1
         hunks = []
-        while self.i < self.end and (not self.lines[self.i].strip().startswith("*** ")
-                                     or self.lines[self.i].strip() == "*** End of File"):
+        while not self.marker().startswith("*** ") or self.marker() == "*** End of File":
             self.hunk_line(self.lines[self.i], hunks)
             self.i += 1
         for hunk in hunks:                              # blank lines before the next marker: not context
