@@ -12390,6 +12390,7 @@ def tool_rewind(session, args, ctx):
     within = [resolve_checked(session, ctx, p, "paths") for p in args.get("paths") or []]
 
     root_of = lambda p: relative_to_root(points.roots, p)
+    listed = lambda pairs: ", ".join("%s (%s)" % (root_of(p), w) for p, w in pairs)
     with points.held(ctx.cancelled):
         target = points.find(args["checkpoint"])
         now = points.current(ctx.cancelled)
@@ -12399,9 +12400,8 @@ def tool_rewind(session, args, ctx):
         if args.get("dry_run"):
             plan = points.rewind(target, now, within, ctx.files, dry=True)
             return "Dry run: rewinding to checkpoint %d would change %s.%s" % (
-                target.number, ", ".join("%s (%s)" % (root_of(p), w) for p, w in plan[0]) or "nothing",
-                "" if not plan[1] else " It could not: %s." % ", ".join("%s (%s)" % (root_of(p), w)
-                                                                         for p, w in plan[1]))
+                target.number, listed(plan[0]) or "nothing",
+                "" if not plan[1] else " It could not: %s." % listed(plan[1]))
         done, failed = points.rewind(target, now, within, ctx.files)
     words = {}
     for p, w in done:
@@ -12412,8 +12412,7 @@ def tool_rewind(session, args, ctx):
         "; ".join("%d %s: %s" % (len(ps), w, named(ps, root_of)) for w, ps in sorted(words.items()))
         or "nothing differed")
     if failed:
-        text += "\nNot restored: %s." % ", ".join("%s (%s)" % (root_of(p), w) for p, w in
-                                                  failed[:CHECKPOINT_NAMES_SHOWN])
+        text += "\nNot restored: %s." % listed(failed[:CHECKPOINT_NAMES_SHOWN])
     if now.number != target.number:
         text += "\nTo undo this rewind: rewind to checkpoint %d (the state just before it)." % now.number
     return text + running_note(session)
