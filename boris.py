@@ -14076,6 +14076,12 @@ def scrub(text):
     return clean + "\n[%s that are not UTF-8 shown as U+FFFD]" % plural(bad, "byte")
 
 
+def object_at(msg, key):
+    """The member `key` of a message's object when it is an object itself, else {}."""
+    value = msg.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def error_response(rid, code, message, data=None):
     """A JSON-RPC error answer (`data` when given)."""
     err = {"code": code, "message": message}
@@ -14211,8 +14217,8 @@ class McpServer:
     def m_initialize(self, params, session):
         """initialize: the protocol version (the client's if spoken here), capabilities, server info,
         instructions."""
-        info = params.get("clientInfo")
-        if isinstance(info, dict) and isinstance(info.get("name"), str):
+        info = object_at(params, "clientInfo")
+        if isinstance(info.get("name"), str):
             session.client = info["name"]
         asked = params.get("protocolVersion")
         version = asked if asked in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
@@ -14267,7 +14273,7 @@ class McpServer:
             return
         args = params.get("arguments")
         cancelled = session.begin(rid)
-        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        meta = object_at(params, "_meta")
         token = meta.get("progressToken")
         progress = self.progress_sender(token, emit) if isinstance(token, (str, int)) and echoable(token) else None
         ctx = CallContext(self.config, self.policy, cancelled, progress, self.helpers, self.client_name(meta, session),
@@ -14349,8 +14355,8 @@ class McpServer:
     def client_name(meta, session):
         """Who is calling: the name in the request's _meta clientInfo (2026-07-28 clients such
         as Claude Code send it there, never in initialize), else initialize's."""
-        info = meta.get(CLIENT_INFO_KEY) if isinstance(meta, dict) else None
-        if isinstance(info, dict) and isinstance(info.get("name"), str) and echoable(info["name"]):
+        info = object_at(meta, CLIENT_INFO_KEY)
+        if isinstance(info.get("name"), str) and echoable(info["name"]):
             return info["name"]
         return session.client
 
@@ -14913,8 +14919,7 @@ class McpRequestHandler:
     def pick_session(self, msg):
         """(session, new id or None); (None, None) after a refusal was sent."""
         t = self.transport
-        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
-        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        meta = object_at(object_at(msg, "params"), "_meta")
         rid = msg.get("id") if valid_id(msg.get("id")) else None
         header = self.headers.get("MCP-Protocol-Version")
         if META_VERSION_KEY not in meta and header and header not in SUPPORTED_VERSIONS:
@@ -14951,8 +14956,7 @@ class McpRequestHandler:
         with the tool it calls (required when it names one); values compared exactly, a
         =?base64?...?= value decoded first. None when they agree."""
         import base64
-        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
-        name = params.get("name") if msg.get("method") == "tools/call" else None
+        name = object_at(msg, "params").get("name") if msg.get("method") == "tools/call" else None
         mirrors = (("MCP-Protocol-Version", "protocol version", meta.get(META_VERSION_KEY)),
                    ("Mcp-Method", "method", msg.get("method")), ("Mcp-Name", "tool name", name))
         for header, what, body in mirrors:
