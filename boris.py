@@ -14056,11 +14056,7 @@ def echoable(value):
     """Whether a request id or progress token may be sent back as it came: a string
     that is Unicode text, or a number (bool is not one)."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return False  # a lone surrogate cannot go into JSON
-        return True
+        return not re.search(_SURROGATES, value)    # a lone surrogate cannot go into JSON
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -14335,10 +14331,9 @@ class McpServer:
             except ToolError as e:
                 raise tool.argument_error(e)
             out = tool.handler(session, checked, ctx)
-        except (ImportError, OSError) as e:     # what this place lacks: said, never a crash
-            return {"content": [text_block(scrub(lacking(e).render()))], "isError": True}
-        except ToolError as e:
-            return {"content": [text_block(scrub(e.render()))], "isError": True}
+        except (ImportError, OSError, ToolError) as e:
+            error = e if isinstance(e, ToolError) else lacking(e)   # a lack: said, never a crash
+            return {"content": [text_block(scrub(error.render()))], "isError": True}
         if isinstance(out, str):
             out = [text_block(out)]
         cap = ctx.config.max_result_chars
@@ -14774,7 +14769,7 @@ class McpHttpServer:
 
     def handle_error(self, request, client_address):
         e = sys.exc_info()[1]           # one line (a dropped client is normal), never a traceback
-        if isinstance(e, (ConnectionError, TimeoutError, OSError)):
+        if isinstance(e, OSError):                 # (ConnectionError and TimeoutError are ones)
             log("debug", "http connection ended", client=str(client_address[0]),
                 reason=type(e).__name__)
         else:
