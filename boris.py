@@ -11184,6 +11184,11 @@ def text_units(core):
     return units
 
 
+def original_text(units):
+    """The original text of text_units' units."""
+    return "".join(u[1] for u in units)
+
+
 def solids(units):
     """The indexes of the solid units of text_units' list."""
     return [k for k, u in enumerate(units) if u[2]]
@@ -11388,12 +11393,12 @@ class EditMerge:
         for tag, i1, i2, _, _ in ops:
             same.update(range(i1, i2) if tag == "equal" else ())
         # the file's text between each two solid units of w that follow one another
-        gaps = {(p, q): "".join(u[1] for u in fu[twin[p] + 1:twin[q]]) for p, q in zip(ws, ws[1:])}
+        gaps = {(p, q): original_text(fu[twin[p] + 1:twin[q]]) for p, q in zip(ws, ws[1:])}
         spacing = spaced_otherwise(wu, gaps)
         out, done = [], set()
         for tag, i1, i2, j1, j2 in ops:
             if tag != "equal":
-                put = self.typed("".join(u[1] for u in nu[j1:j2]))
+                put = self.typed(original_text(nu[j1:j2]))
                 if spacing and any(not is_word(ch) and not ch.isspace() for ch in put):
                     raise self.refuse("the file spaces the line %r otherwise than %s (%r), and the change puts"
                                       " punctuation into it; copy the line as the file has it" % (
@@ -11437,10 +11442,10 @@ class EditMerge:
             wu, fu = text_units(wc), text_units(fc)
             ws, fs = solids(wu), solids(fu)
             for (p, q), (fp, fq) in zip(zip(ws, ws[1:]), zip(fs, fs[1:])):
-                gap, mine = "".join(u[1] for u in fu[fp + 1:fq]), "".join(u[1] for u in wu[p + 1:q])
+                gap, mine = original_text(fu[fp + 1:fq]), original_text(wu[p + 1:q])
                 if len(gap) > max(1, len(mine)) and gap.isspace():
-                    token = "".join(u[1] for u in fu[fq:]).split()[0]
-                    cols.setdefault(token, []).append(len(lead) + len("".join(u[1] for u in fu[:fq])))
+                    token = original_text(fu[fq:]).split()[0]
+                    cols.setdefault(token, []).append(len(lead) + len(original_text(fu[:fq])))
         return {t: c[0] for t, c in cols.items() if len(c) > 1 and len(set(c)) == 1}
 
     def aligned_line(self, line):
