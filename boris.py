@@ -10612,15 +10612,15 @@ def pdf_view(ctx, real, st, shown, vr, pages):
     head = "(%s: PDF, %s%s; line numbers are the rendering's, for view_range)\n" % (
         shown, plural(count, "page"), ", title \"%s\"" % shorten(title, 200) if title else "")
     cap = ctx.config.max_result_chars - len(head) - 400
-    parts, size, shown_last = [], 0, first - 1
+    parts, size, lines, shown_last = [], 0, 0, first - 1
     for k, text in enumerate(texts):
         page = "--- page %d of %d ---\n%s\n" % (first + k, count, text.strip("\n") or
                                               "[no text on this page: a scanned page, or only drawings]")
-        if vr is None and parts and (size + len(page) + 9 * page.count("\n") > cap or
-                                     sum(p.count("\n") for p in parts) + page.count("\n") > VIEW_MAX_LINES):
+        lines += page.count("\n")
+        size += len(page) + 9 * page.count("\n")          # (what numbering adds to each line)
+        if vr is None and parts and (size > cap or lines > VIEW_MAX_LINES):
             break
         parts.append(page)
-        size += len(page) + 9 * page.count("\n")
         shown_last = first + k
     body = numbered_text("".join(parts), vr, shown, ctx.config.max_result_chars - len(head))
     if shown_last < first + len(texts) - 1:
