@@ -9028,22 +9028,24 @@ class Store:
                 return None, "past --checkpoint-budget"
             try:
                 if self.pack is None or self.packed + len(data) > STORE_PACK_BYTES:
-                    if self.pack is not None:
-                        os.close(self.pack)
-                    self.pack = None
+                    self.shut_pack()
                     self.pack = os.open(os.path.join(self.dir, "pack%d" % (self.packs + 1)),
                                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
                     self.packs, self.packed = self.packs + 1, 0
                 write_all(self.pack, data)        # (no fsync: the store lives as long as the server)
             except OSError as e:
-                if self.pack is not None:         # (a pack written in part is not written to again)
-                    os.close(self.pack)
-                    self.pack = None
+                self.shut_pack()                  # (a pack written in part is not written to again)
                 return None, "not stored (%s)" % (e.strerror or e)
             self.index[digest] = (self.packs, self.packed, len(data))
             self.packed += len(data)
             self.stored += len(data)
         return digest, None
+
+    def shut_pack(self):
+        """Close the pack written to, if one is open (lock held)."""
+        if self.pack is not None:
+            os.close(self.pack)
+            self.pack = None
 
     def blob(self, digest):
         """The bytes kept under `digest` (OSError once the store is gone, or for one it never held)."""
@@ -9066,9 +9068,7 @@ class Store:
         import shutil
         with self.lock:
             where, lockfd, self.dir, self.lockfd, self.budget = self.dir, self.lockfd, None, None, 0
-            if self.pack is not None:
-                os.close(self.pack)
-                self.pack = None
+            self.shut_pack()
         if where is not None:
             shutil.rmtree(where, ignore_errors=True)
         if lockfd is not None:
