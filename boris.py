@@ -8350,9 +8350,7 @@ def address_refusal(address, block_private=False):
         ip = ipaddress.ip_address(address.split("%", 1)[0])
     except ValueError:
         return "not an IP address"  # a name, not an address: the caller treats it as such
-    mapped = getattr(ip, "ipv4_mapped", None)
-    if mapped is not None:
-        ip = mapped
+    ip = getattr(ip, "ipv4_mapped", None) or ip         # (an address is never false)
     if ip.is_link_local:
         return "a link-local address (cloud metadata services live there)"
     if block_private and (ip.is_loopback or ip.is_private or ip.is_unspecified or ip.is_multicast
@@ -14399,8 +14397,8 @@ class McpServer:
         (-32022, with the one list of supported versions), and a method the revision has
         (-32601: unknown, or one it removed, answered 404 over HTTP)."""
         rid, method, params = msg.get("id"), msg.get("method"), msg.get("params") or {}
-        meta = params.get("_meta")
-        if not isinstance(meta, dict) or META_VERSION_KEY not in meta:
+        meta = object_at(params, "_meta")
+        if META_VERSION_KEY not in meta:
             if method != "server/discover":
                 return None, None
             return None, (400, error_response(rid, -32602, "Invalid params: server/discover carries _meta with %s and"
