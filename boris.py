@@ -1112,17 +1112,20 @@ class LineReader:
 
     def __init__(self, fh, budget, whole=False):
         self.fh, self.budget, self.used = fh, budget, 0
-        self.crc, self.at_end = None, False
-        if whole:                                   # digest the bytes, to know a file read to its end
-            self.crc = 0
+        self.crc = 0 if whole else None     # whole: digest it, to know a file read to its end
+        self.at_end = False
 
-    def _take(self, size):
-        data = self.fh.readline(size)
+    def _counted(self, data):
+        """`data`, read: counted against the budget and digested."""
         self.used += len(data)
         if self.used > self.budget:
             raise FileTooLarge(self.used)
         if self.crc is not None:
             self.crc = crc32(data, self.crc)
+        return data
+
+    def _take(self, size):
+        data = self._counted(self.fh.readline(size))
         self.at_end = not data
         return data
 
@@ -1151,12 +1154,7 @@ class LineReader:
         """Count the lines left without holding them."""
         n, last = 0, b"\n"
         while True:
-            block = self.fh.read(1 << 20)
-            self.used += len(block)
-            if self.used > self.budget:
-                raise FileTooLarge(self.used)
-            if self.crc is not None:
-                self.crc = crc32(block, self.crc)
+            block = self._counted(self.fh.read(1 << 20))
             if not block:
                 self.at_end = True
                 return n + (0 if last == b"\n" else 1)
