@@ -11636,7 +11636,7 @@ def bytes_before(session, before):
         return session.checkpoints.blob(before.digest)
     except OSError as e:
         raise ToolError(IO_ERROR, "the bytes to restore are gone from the checkpoint store (%s); nothing was"
-                        " undone" % (getattr(e, "strerror", None) or e))
+                        " undone" % (e.strerror or e))
 
 
 def put_back(done, known, ctx):
@@ -11672,8 +11672,8 @@ def unified_diff(before, after, shown):
 def edit_diff(todo, cap):
     """The answer of a dry run: the unified diff of each file's change, with the file's
     line numbers, cut to fit `cap`."""
-    out = [unified_diff(before, data, shown) for real, shown, data, before, _ in todo]
-    text = "".join(out).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    text = "".join(unified_diff(before, data, shown) for real, shown, data, before, _ in todo)
+    text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     if not text:
         return "Dry run: the edit would change nothing; nothing was written."
     head = "Dry run: nothing was written. The edit would make this change (unified diff, the file's line numbers):\n"
@@ -11702,9 +11702,7 @@ def parse_warning(real, before, after):
     if before is None or ext not in (".py", ".json", ".toml", ".ipynb") or max(len(before), len(after)) > \
             PARSE_CHECK_BYTES:
         return ""
-    if parse_error(ext, before) is not None:
-        return ""
-    error = parse_error(ext, after)
+    error = parse_error(ext, after) if parse_error(ext, before) is None else None
     if error is None:
         return ""
     return ("\n[warning: %s no longer parses as %s: %s; undo_edit takes the edit back]"
