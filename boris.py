@@ -12203,8 +12203,8 @@ def tool_undo_edit(session, args, ctx):
         session.forget_edit(edit)
     what = ", ".join("%s (%s)" % (p, "removed" if b is None else "%d bytes" % (
         b.size if isinstance(b, StoredBytes) else len(b))) for p, (b, _, _) in sorted(changes.items()))
-    return "Undid the %s: restored %s. %s%s" % (tool_name, what, "%d more undo level%s for %s." % (
-        levels - 1, "" if levels == 2 else "s", shown) if levels > 1 else "Nothing more to undo for %s." % shown, note)
+    return "Undid the %s: restored %s. %s%s" % (tool_name, what, "%s for %s." % (
+        plural(levels - 1, "more undo level"), shown) if levels > 1 else "Nothing more to undo for %s." % shown, note)
 
 
 # -- rewind ---------------------------------------------------------------------------
