@@ -10806,13 +10806,13 @@ def directory_outline(shown, items, why, offset, cap):
 # Then the three-way merge (EditMerge): the edit is the difference between old_str and
 # new_str, applied to the file's own lines where old_str was found.
 
-PUNCT_ASCII = {ord(k): v for k, v in (
-    ("\u2018", "'"), ("\u2019", "'"), ("\u201a", "'"), ("\u201b", "'"), ("\u2032", "'"), ("\u201c", '"'),
-    ("\u201d", '"'), ("\u201e", '"'), ("\u201f", '"'), ("\u2033", '"'), ("\u2010", "-"), ("\u2011", "-"),
-    ("\u2012", "-"), ("\u2013", "-"), ("\u2014", "-"), ("\u2015", "-"), ("\u2212", "-"), ("\u00a0", " "),
-    ("\u2002", " "), ("\u2003", " "), ("\u2004", " "), ("\u2005", " "), ("\u2006", " "), ("\u2007", " "),
-    ("\u2008", " "), ("\u2009", " "), ("\u200a", " "), ("\u202f", " "), ("\u205f", " "), ("\u3000", " "),
-    ("\u2026", "..."), ("\u200b", ""), ("\u200c", ""), ("\u200d", ""), ("\u2060", ""), ("\ufeff", ""))}
+PUNCT_ASCII = {ord(c): to for to, chars in (
+    ("'", "\u2018\u2019\u201a\u201b\u2032"),
+    ('"', "\u201c\u201d\u201e\u201f\u2033"),
+    ("-", "\u2010\u2011\u2012\u2013\u2014\u2015\u2212"),
+    (" ", "\u00a0\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u202f\u205f\u3000"),
+    ("...", "\u2026"),
+    ("", "\u200b\u200c\u200d\u2060\ufeff")) for c in chars}
 WHITESPACE_RUN = re.compile(r"\s+")
 
 
