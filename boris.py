@@ -1112,17 +1112,20 @@ class LineReader:
 
     def __init__(self, fh, budget, whole=False):
         self.fh, self.budget, self.used = fh, budget, 0
-        self.crc, self.at_end = None, False
-        if whole:                                   # digest the bytes, to know a file read to its end
-            self.crc = 0
+        self.crc = 0 if whole else None     # whole: digest it, to know a file read to its end
+        self.at_end = False
 
-    def _take(self, size):
-        data = self.fh.readline(size)
+    def _counted(self, data):
+        """`data`, read: counted against the budget and digested."""
         self.used += len(data)
         if self.used > self.budget:
             raise FileTooLarge(self.used)
         if self.crc is not None:
             self.crc = crc32(data, self.crc)
+        return data
+
+    def _take(self, size):
+        data = self._counted(self.fh.readline(size))
         self.at_end = not data
         return data
 
@@ -1151,12 +1154,7 @@ class LineReader:
         """Count the lines left without holding them."""
         n, last = 0, b"\n"
         while True:
-            block = self.fh.read(1 << 20)
-            self.used += len(block)
-            if self.used > self.budget:
-                raise FileTooLarge(self.used)
-            if self.crc is not None:
-                self.crc = crc32(block, self.crc)
+            block = self._counted(self.fh.read(1 << 20))
             if not block:
                 self.at_end = True
                 return n + (0 if last == b"\n" else 1)
@@ -8350,9 +8348,7 @@ def address_refusal(address, block_private=False):
         ip = ipaddress.ip_address(address.split("%", 1)[0])
     except ValueError:
         return "not an IP address"  # a name, not an address: the caller treats it as such
-    mapped = getattr(ip, "ipv4_mapped", None)
-    if mapped is not None:
-        ip = mapped
+    ip = getattr(ip, "ipv4_mapped", None) or ip         # (an address is never false)
     if ip.is_link_local:
         return "a link-local address (cloud metadata services live there)"
     if block_private and (ip.is_loopback or ip.is_private or ip.is_unspecified or ip.is_multicast
@@ -9028,22 +9024,24 @@ class Store:
                 return None, "past --checkpoint-budget"
             try:
                 if self.pack is None or self.packed + len(data) > STORE_PACK_BYTES:
-                    if self.pack is not None:
-                        os.close(self.pack)
-                    self.pack = None
+                    self.shut_pack()
                     self.pack = os.open(os.path.join(self.dir, "pack%d" % (self.packs + 1)),
                                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
                     self.packs, self.packed = self.packs + 1, 0
                 write_all(self.pack, data)        # (no fsync: the store lives as long as the server)
             except OSError as e:
-                if self.pack is not None:         # (a pack written in part is not written to again)
-                    os.close(self.pack)
-                    self.pack = None
+                self.shut_pack()                  # (a pack written in part is not written to again)
                 return None, "not stored (%s)" % (e.strerror or e)
             self.index[digest] = (self.packs, self.packed, len(data))
             self.packed += len(data)
             self.stored += len(data)
         return digest, None
+
+    def shut_pack(self):
+        """Close the pack written to, if one is open (lock held)."""
+        if self.pack is not None:
+            os.close(self.pack)
+            self.pack = None
 
     def blob(self, digest):
         """The bytes kept under `digest` (OSError once the store is gone, or for one it never held)."""
@@ -9066,9 +9064,7 @@ class Store:
         import shutil
         with self.lock:
             where, lockfd, self.dir, self.lockfd, self.budget = self.dir, self.lockfd, None, None, 0
-            if self.pack is not None:
-                os.close(self.pack)
-                self.pack = None
+            self.shut_pack()
         if where is not None:
             shutil.rmtree(where, ignore_errors=True)
         if lockfd is not None:
@@ -9417,6 +9413,9 @@ def entry_changes(old, new, partial=False):
 
 
 # -- a session's checkpoints ------------------------------------------------------
+NOT_CANCELLED = threading.Event()      # never set: the `cancelled` of a call nobody can cancel
+
+
 class Checkpoints:
     """A session's checkpoints of its workspace roots, their bytes in the server's store (see
     above). before() and after() frame each call that can change files; current() checkpoints
@@ -9513,7 +9512,7 @@ class Checkpoints:
                     self.turn, self.answered = False, max(self.answered, this)
                     self.cond.notify_all()
 
-    def before(self, call, cancelled=None):
+    def before(self, call, cancelled=NOT_CANCELLED):
         """A call that can change files is about to run: wait for the checkpoint asked for
         before it (the first one, or the one the last call's end asked for): at most
         CHECKPOINT_WAIT_S, then with what its walk has so far (a partial checkpoint), and
@@ -9536,7 +9535,7 @@ class Checkpoints:
                         break
                     if self.answered >= target:
                         break
-                    if cancelled is not None and cancelled.is_set():
+                    if cancelled.is_set():
                         return False
                     now = time.monotonic()
                     if now >= deadline and self.turn and self.walk_for >= target:
@@ -9580,7 +9579,7 @@ class Checkpoints:
                     return
                 self.cond.wait(CHECKPOINT_YIELD_S)
 
-    def acquire(self, cancelled=None):
+    def acquire(self, cancelled=NOT_CANCELLED):
         """Wait for the turn at the store (the walk in progress ends first: a walk waited for
         does not give way): True once this caller has it; False when the checkpoints closed or
         `cancelled` was set first."""
@@ -9588,9 +9587,9 @@ class Checkpoints:
             self.waiters += 1
             self.cond.notify_all()
             try:
-                while self.turn and not self.closed and not (cancelled is not None and cancelled.is_set()):
+                while self.turn and not self.closed and not cancelled.is_set():
                     self.cond.wait(CHECKPOINT_YIELD_S)
-                if self.closed or cancelled is not None and cancelled.is_set():
+                if self.closed or cancelled.is_set():
                     return False
                 self.turn = True
                 return True
@@ -9605,7 +9604,7 @@ class Checkpoints:
             self.cond.notify_all()
 
     @contextlib.contextmanager
-    def held(self, cancelled=None):
+    def held(self, cancelled=NOT_CANCELLED):
         """The turn at the store for a block (acquire, then release); ToolError when the
         call was cancelled or the session ended first."""
         if not self.acquire(cancelled):
@@ -9615,7 +9614,7 @@ class Checkpoints:
         finally:
             self.release()
 
-    def current(self, cancelled=None):
+    def current(self, cancelled=NOT_CANCELLED):
         """Checkpoint now, for a caller that holds the turn (a rewind keeps it, so that no walk
         comes between the state it reads and what it writes): the latest Checkpoint, whole;
         None when off, closed or cancelled."""
@@ -9625,9 +9624,9 @@ class Checkpoints:
             self.walk_for, self.walk_began = self.asked, time.monotonic()
         self.scan(cancelled=cancelled)
         with self.cond:
-            return self.list[-1] if self.list and not (cancelled is not None and cancelled.is_set()) else None
+            return self.list[-1] if self.list and not cancelled.is_set() else None
 
-    def scan(self, background=False, cancelled=None):
+    def scan(self, background=False, cancelled=NOT_CANCELLED):
         """Walk the roots (the caller holds the turn) and keep the state as a new checkpoint,
         unless it is the latest's, or a part of the walk was handed to a waiter (then it is
         only the base of the next walk); a background walk gives way to the session's other
@@ -9647,7 +9646,7 @@ class Checkpoints:
             if self.part is not None:                    # handed over, but the walk ended first: none partial
                 self.part, self.handed = None, False
             if point is None and self.list and self.list[-1].partial and self.steady is not None \
-                    and not self.stopped.is_set() and not (cancelled is not None and cancelled.is_set()):
+                    and not self.stopped.is_set() and not cancelled.is_set():
                 point = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)   # no event since
             elif point is not None:
                 self.base = point
@@ -9683,9 +9682,9 @@ class Checkpoints:
                 self.part, self.handed = (self.walk_for, so_far(), size, list(missed)), True
                 self.want_part = 0
                 self.cond.notify_all()
-        return self.stopped.is_set() or cancelled is not None and cancelled.is_set()
+        return self.stopped.is_set() or cancelled.is_set()
 
-    def walk(self, background, cancelled=None):
+    def walk(self, background, cancelled=NOT_CANCELLED):
         """scan()'s walk: the state as a Checkpoint numbered next; None when closed, stopped
         or known unchanged. A directory quiet since it was last looked at (watched, and no
         event about it or its entries) that lists the same names keeps its packed children
@@ -10609,15 +10608,15 @@ def pdf_view(ctx, real, st, shown, vr, pages):
     head = "(%s: PDF, %s%s; line numbers are the rendering's, for view_range)\n" % (
         shown, plural(count, "page"), ", title \"%s\"" % shorten(title, 200) if title else "")
     cap = ctx.config.max_result_chars - len(head) - 400
-    parts, size, shown_last = [], 0, first - 1
+    parts, size, lines, shown_last = [], 0, 0, first - 1
     for k, text in enumerate(texts):
         page = "--- page %d of %d ---\n%s\n" % (first + k, count, text.strip("\n") or
                                               "[no text on this page: a scanned page, or only drawings]")
-        if vr is None and parts and (size + len(page) + 9 * page.count("\n") > cap or
-                                     sum(p.count("\n") for p in parts) + page.count("\n") > VIEW_MAX_LINES):
+        lines += page.count("\n")
+        size += len(page) + 9 * page.count("\n")          # (what numbering adds to each line)
+        if vr is None and parts and (size > cap or lines > VIEW_MAX_LINES):
             break
         parts.append(page)
-        size += len(page) + 9 * page.count("\n")
         shown_last = first + k
     body = numbered_text("".join(parts), vr, shown, ctx.config.max_result_chars - len(head))
     if shown_last < first + len(texts) - 1:
@@ -10807,13 +10806,13 @@ def directory_outline(shown, items, why, offset, cap):
 # Then the three-way merge (EditMerge): the edit is the difference between old_str and
 # new_str, applied to the file's own lines where old_str was found.
 
-PUNCT_ASCII = {ord(k): v for k, v in (
-    ("\u2018", "'"), ("\u2019", "'"), ("\u201a", "'"), ("\u201b", "'"), ("\u2032", "'"), ("\u201c", '"'),
-    ("\u201d", '"'), ("\u201e", '"'), ("\u201f", '"'), ("\u2033", '"'), ("\u2010", "-"), ("\u2011", "-"),
-    ("\u2012", "-"), ("\u2013", "-"), ("\u2014", "-"), ("\u2015", "-"), ("\u2212", "-"), ("\u00a0", " "),
-    ("\u2002", " "), ("\u2003", " "), ("\u2004", " "), ("\u2005", " "), ("\u2006", " "), ("\u2007", " "),
-    ("\u2008", " "), ("\u2009", " "), ("\u200a", " "), ("\u202f", " "), ("\u205f", " "), ("\u3000", " "),
-    ("\u2026", "..."), ("\u200b", ""), ("\u200c", ""), ("\u200d", ""), ("\u2060", ""), ("\ufeff", ""))}
+PUNCT_ASCII = {ord(c): to for to, chars in (
+    ("'", "\u2018\u2019\u201a\u201b\u2032"),
+    ('"', "\u201c\u201d\u201e\u201f\u2033"),
+    ("-", "\u2010\u2011\u2012\u2013\u2014\u2015\u2212"),
+    (" ", "\u00a0\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u202f\u205f\u3000"),
+    ("...", "\u2026"),
+    ("", "\u200b\u200c\u200d\u2060\ufeff")) for c in chars}
 WHITESPACE_RUN = re.compile(r"\s+")
 
 
@@ -11181,6 +11180,11 @@ def text_units(core):
     return units
 
 
+def original_text(units):
+    """The original text of text_units' units."""
+    return "".join(u[1] for u in units)
+
+
 def solids(units):
     """The indexes of the solid units of text_units' list."""
     return [k for k, u in enumerate(units) if u[2]]
@@ -11385,12 +11389,12 @@ class EditMerge:
         for tag, i1, i2, _, _ in ops:
             same.update(range(i1, i2) if tag == "equal" else ())
         # the file's text between each two solid units of w that follow one another
-        gaps = {(p, q): "".join(u[1] for u in fu[twin[p] + 1:twin[q]]) for p, q in zip(ws, ws[1:])}
+        gaps = {(p, q): original_text(fu[twin[p] + 1:twin[q]]) for p, q in zip(ws, ws[1:])}
         spacing = spaced_otherwise(wu, gaps)
         out, done = [], set()
         for tag, i1, i2, j1, j2 in ops:
             if tag != "equal":
-                put = self.typed("".join(u[1] for u in nu[j1:j2]))
+                put = self.typed(original_text(nu[j1:j2]))
                 if spacing and any(not is_word(ch) and not ch.isspace() for ch in put):
                     raise self.refuse("the file spaces the line %r otherwise than %s (%r), and the change puts"
                                       " punctuation into it; copy the line as the file has it" % (
@@ -11434,10 +11438,10 @@ class EditMerge:
             wu, fu = text_units(wc), text_units(fc)
             ws, fs = solids(wu), solids(fu)
             for (p, q), (fp, fq) in zip(zip(ws, ws[1:]), zip(fs, fs[1:])):
-                gap, mine = "".join(u[1] for u in fu[fp + 1:fq]), "".join(u[1] for u in wu[p + 1:q])
+                gap, mine = original_text(fu[fp + 1:fq]), original_text(wu[p + 1:q])
                 if len(gap) > max(1, len(mine)) and gap.isspace():
-                    token = "".join(u[1] for u in fu[fq:]).split()[0]
-                    cols.setdefault(token, []).append(len(lead) + len("".join(u[1] for u in fu[:fq])))
+                    token = original_text(fu[fq:]).split()[0]
+                    cols.setdefault(token, []).append(len(lead) + len(original_text(fu[:fq])))
         return {t: c[0] for t, c in cols.items() if len(c) > 1 and len(set(c)) == 1}
 
     def aligned_line(self, line):
@@ -11632,7 +11636,7 @@ def bytes_before(session, before):
         return session.checkpoints.blob(before.digest)
     except OSError as e:
         raise ToolError(IO_ERROR, "the bytes to restore are gone from the checkpoint store (%s); nothing was"
-                        " undone" % (getattr(e, "strerror", None) or e))
+                        " undone" % (e.strerror or e))
 
 
 def put_back(done, known, ctx):
@@ -11668,8 +11672,8 @@ def unified_diff(before, after, shown):
 def edit_diff(todo, cap):
     """The answer of a dry run: the unified diff of each file's change, with the file's
     line numbers, cut to fit `cap`."""
-    out = [unified_diff(before, data, shown) for real, shown, data, before, _ in todo]
-    text = "".join(out).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    text = "".join(unified_diff(before, data, shown) for real, shown, data, before, _ in todo)
+    text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     if not text:
         return "Dry run: the edit would change nothing; nothing was written."
     head = "Dry run: nothing was written. The edit would make this change (unified diff, the file's line numbers):\n"
@@ -11698,9 +11702,7 @@ def parse_warning(real, before, after):
     if before is None or ext not in (".py", ".json", ".toml", ".ipynb") or max(len(before), len(after)) > \
             PARSE_CHECK_BYTES:
         return ""
-    if parse_error(ext, before) is not None:
-        return ""
-    error = parse_error(ext, after)
+    error = parse_error(ext, after) if parse_error(ext, before) is None else None
     if error is None:
         return ""
     return ("\n[warning: %s no longer parses as %s: %s; undo_edit takes the edit back]"
@@ -11777,7 +11779,7 @@ def match_lines(text, old, most=20):
     return ", ".join(lines) + ", ..."
 
 
-def closest_region(text, old, cancelled=None, what="old_str"):
+def closest_region(text, old, cancelled=NOT_CANCELLED, what="old_str"):
     """A note on where `old` nearly is: the most similar run of lines with its line
     numbers and a short diff (or a word on line-number prefixes and whitespace).
 
@@ -11797,7 +11799,7 @@ def closest_region(text, old, cancelled=None, what="old_str"):
     n = len(want)
     best, at = 0.0, None
     for start in candidate_starts(lines, want, cancelled):
-        if cancelled is not None and cancelled.is_set():
+        if cancelled.is_set():
             return ""
         s = max(0, min(start, len(lines) - n)) if len(lines) >= n else 0
         total = 0.0                 # line by line: equal but for surrounding whitespace counts 0.95
@@ -11881,7 +11883,7 @@ def candidate_starts(lines, want, cancelled):
     matcher.set_seq2(want[first].strip()[:200])
     close = []
     for i, line in enumerate(lines[:MISS_SCAN_LINES]):
-        if i % 1000 == 0 and cancelled is not None and cancelled.is_set():
+        if i % 1000 == 0 and cancelled.is_set():
             return []
         matcher.set_seq1(line.strip()[:200])
         ratio = matcher.ratio() if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6 else 0
@@ -11901,7 +11903,7 @@ def check_old_new(old, new):
 
 # -- the edit tools ----------------------------------------------------------------
 
-def replace_text(text, edit, shown, cancelled=None):
+def replace_text(text, edit, shown, cancelled=NOT_CANCELLED):
     """(updated text, count, offset of the first change, how it matched or '') of an
     edit ({old_str, new_str, replace_all}, as str_replace and each of multi_edit's take
     it) through the one matcher. Refused: old_str empty or equal to new_str, not found
@@ -11929,7 +11931,7 @@ def replace_text(text, edit, shown, cancelled=None):
     return replace_lines(text, edit, shown, cancelled)
 
 
-def replace_lines(text, edit, shown, cancelled=None):
+def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
     """replace_text's relaxed levels: old_str as whole lines found by find_lines, the
     difference old_str -> new_str merged into the file's lines there (EditMerge); the
     same answer as replace_text."""
@@ -12201,8 +12203,8 @@ def tool_undo_edit(session, args, ctx):
         session.forget_edit(edit)
     what = ", ".join("%s (%s)" % (p, "removed" if b is None else "%d bytes" % (
         b.size if isinstance(b, StoredBytes) else len(b))) for p, (b, _, _) in sorted(changes.items()))
-    return "Undid the %s: restored %s. %s%s" % (tool_name, what, "%d more undo level%s for %s." % (
-        levels - 1, "" if levels == 2 else "s", shown) if levels > 1 else "Nothing more to undo for %s." % shown, note)
+    return "Undid the %s: restored %s. %s%s" % (tool_name, what, "%s for %s." % (
+        plural(levels - 1, "more undo level"), shown) if levels > 1 else "Nothing more to undo for %s." % shown, note)
 
 
 # -- rewind ---------------------------------------------------------------------------
@@ -12387,6 +12389,7 @@ def tool_rewind(session, args, ctx):
     within = [resolve_checked(session, ctx, p, "paths") for p in args.get("paths") or []]
 
     root_of = lambda p: relative_to_root(points.roots, p)
+    listed = lambda pairs: ", ".join("%s (%s)" % (root_of(p), w) for p, w in pairs)
     with points.held(ctx.cancelled):
         target = points.find(args["checkpoint"])
         now = points.current(ctx.cancelled)
@@ -12396,9 +12399,8 @@ def tool_rewind(session, args, ctx):
         if args.get("dry_run"):
             plan = points.rewind(target, now, within, ctx.files, dry=True)
             return "Dry run: rewinding to checkpoint %d would change %s.%s" % (
-                target.number, ", ".join("%s (%s)" % (root_of(p), w) for p, w in plan[0]) or "nothing",
-                "" if not plan[1] else " It could not: %s." % ", ".join("%s (%s)" % (root_of(p), w)
-                                                                         for p, w in plan[1]))
+                target.number, listed(plan[0]) or "nothing",
+                "" if not plan[1] else " It could not: %s." % listed(plan[1]))
         done, failed = points.rewind(target, now, within, ctx.files)
     words = {}
     for p, w in done:
@@ -12409,8 +12411,7 @@ def tool_rewind(session, args, ctx):
         "; ".join("%d %s: %s" % (len(ps), w, named(ps, root_of)) for w, ps in sorted(words.items()))
         or "nothing differed")
     if failed:
-        text += "\nNot restored: %s." % ", ".join("%s (%s)" % (root_of(p), w) for p, w in
-                                                  failed[:CHECKPOINT_NAMES_SHOWN])
+        text += "\nNot restored: %s." % listed(failed[:CHECKPOINT_NAMES_SHOWN])
     if now.number != target.number:
         text += "\nTo undo this rewind: rewind to checkpoint %d (the state just before it)." % now.number
     return text + running_note(session)
@@ -12511,7 +12512,7 @@ class PatchReader:
         the format."""
         ops = []
         while self.i < self.end:
-            line = self.lines[self.i].strip()           # marker lines may come padded
+            line = self.marker()
             if line.startswith("*** Add File: "):
                 ops.append(self.add_section(line[14:].strip()))
             elif line.startswith("*** Delete File: "):
@@ -12527,6 +12528,11 @@ class PatchReader:
             raise ToolError(INVALID_INPUT, "the patch changes no file")
         return ops
 
+    def marker(self):
+        """The line being read, stripped: marker lines may come padded. The last line is
+        '*** End Patch', which ends every section's loop on its own."""
+        return self.lines[self.i].strip()
+
     def bad(self, k, why):
         """INVALID_INPUT naming patch line k (from 0) and what is wrong with it."""
         return ToolError(INVALID_INPUT, "patch line %d (%s): %s" % (k + 1, shorten(repr(self.lines[k]), 80), why))
@@ -12534,8 +12540,8 @@ class PatchReader:
     def add_section(self, path):
         """The PatchOp of an Add File section: every line starts with '+'."""
         body, self.i = [], self.i + 1
-        while self.i < self.end and not self.lines[self.i].strip().startswith("*** "):
-            if not self.lines[self.i].strip():
+        while not self.marker().startswith("*** "):
+            if not self.marker():
                 self.i += 1                             # a blank line between sections
                 continue
             if not self.lines[self.i].startswith("+"):
@@ -12547,11 +12553,10 @@ class PatchReader:
     def update_section(self, path):
         """The PatchOp of an Update File section."""
         move, self.i = None, self.i + 1
-        if self.i < self.end and self.lines[self.i].strip().startswith("*** Move to: "):
-            move, self.i = self.lines[self.i].strip()[13:].strip(), self.i + 1
+        if self.marker().startswith("*** Move to: "):
+            move, self.i = self.marker()[13:].strip(), self.i + 1
         hunks = []
-        while self.i < self.end and (not self.lines[self.i].strip().startswith("*** ")
-                                     or self.lines[self.i].strip() == "*** End of File"):
+        while not self.marker().startswith("*** ") or self.marker() == "*** End of File":
             self.hunk_line(self.lines[self.i], hunks)
             self.i += 1
         for hunk in hunks:                              # blank lines before the next marker: not context
@@ -13356,11 +13361,13 @@ def newest_first(found):
 
 
 def partial_notice(why):
-    """The line a cut search ends with."""
+    """The lines a search ends with: none for a whole one, else the one saying it was cut."""
+    if not why:
+        return []
     if why == "deadline":
-        return ("[search %s: the results above are partial. Narrow the path, include or type, or simplify the"
-                " pattern (nested quantifiers such as (a+)+ can take forever)]" % stopped_why(why))
-    return "[search cancelled: partial results]"
+        return ["[search %s: the results above are partial. Narrow the path, include or type, or simplify the"
+                " pattern (nested quantifiers such as (a+)+ can take forever)]" % stopped_why(why)]
+    return ["[search cancelled: partial results]"]
 
 
 GREP_DESC = ("Grep: search file contents for a regex pattern, to find text in files (Python re "
@@ -13425,7 +13432,7 @@ def tool_grep(session, args, ctx):
     spec = grep_tool_spec(args, pattern, mode)
     no_ignore = args.get("no_ignore")
     items, why = ctx.helpers.run(grep_job_of(ctx, [root], spec, args, no_ignore), ctx.cancelled)
-    notice = [partial_notice(why)] if why else []
+    notice = partial_notice(why)
     if not items:
         more = ignored_matches(ctx, root, shown, spec, args) if root[1] and not no_ignore and not why else []
         return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)] + notice + more)
@@ -13564,7 +13571,7 @@ GLOB_PROPS = {"pattern": prop("string", "The glob pattern, e.g. **/*.py or src/*
 def tool_glob(session, args, ctx):
     """glob: paths matching a pattern, newest first, in a helper."""
     found, why = find_paths(session, ctx, args["pattern"], args.get("path") or ".", args.get("type"))
-    notice = [partial_notice(why)] if why else []
+    notice = partial_notice(why)
     if not found:
         return "\n".join(["No files found"] + notice)
     return cap_lines(paged(newest_first(glob_pairs(found)), args), "paths", notice, search_cap(ctx))
@@ -13590,7 +13597,7 @@ def tool_search_text(session, args, ctx):
     for hit in sorted((GrepHit(*item) for item in items), key=lambda h: (h.root, h.rel or "")):
         label = os.path.join(shown_paths[hit.root], hit.rel) if roots[hit.root][1] else shown_paths[hit.root]
         lines += format_records(label, hit.result, True, breaks=False)
-    notice = [partial_notice(why)] if why else []
+    notice = partial_notice(why)
     if not lines:
         return "\n".join(["No matches found for %r in %s" % (query, ", ".join(shown_paths))] + notice)
     return cap_lines(lines, "lines", notice, search_cap(ctx), instead="narrow the search (a path deeper in `paths`,"
@@ -13604,7 +13611,7 @@ def tool_search_text(session, args, ctx):
 def tool_search_files(session, args, ctx):
     """search_files: the workspace tools' name search."""
     found, why = find_paths(session, ctx, args["pattern"], ".", None)
-    notice = [partial_notice(why)] if why else []
+    notice = partial_notice(why)
     if not found:
         return "\n".join(["No files found matching %r" % args["pattern"]] + notice)
     return cap_lines(newest_first(glob_pairs(found)), "paths", notice, search_cap(ctx),
@@ -14048,11 +14055,7 @@ def echoable(value):
     """Whether a request id or progress token may be sent back as it came: a string
     that is Unicode text, or a number (bool is not one)."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return False  # a lone surrogate cannot go into JSON
-        return True
+        return not re.search(_SURROGATES, value)    # a lone surrogate cannot go into JSON
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -14066,6 +14069,12 @@ def scrub(text):
     if not bad:
         return text
     return clean + "\n[%s that are not UTF-8 shown as U+FFFD]" % plural(bad, "byte")
+
+
+def object_at(msg, key):
+    """The member `key` of a message's object when it is an object itself, else {}."""
+    value = msg.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 def error_response(rid, code, message, data=None):
@@ -14203,8 +14212,8 @@ class McpServer:
     def m_initialize(self, params, session):
         """initialize: the protocol version (the client's if spoken here), capabilities, server info,
         instructions."""
-        info = params.get("clientInfo")
-        if isinstance(info, dict) and isinstance(info.get("name"), str):
+        info = object_at(params, "clientInfo")
+        if isinstance(info.get("name"), str):
             session.client = info["name"]
         asked = params.get("protocolVersion")
         version = asked if asked in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
@@ -14259,7 +14268,7 @@ class McpServer:
             return
         args = params.get("arguments")
         cancelled = session.begin(rid)
-        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        meta = object_at(params, "_meta")
         token = meta.get("progressToken")
         progress = self.progress_sender(token, emit) if isinstance(token, (str, int)) and echoable(token) else None
         ctx = CallContext(self.config, self.policy, cancelled, progress, self.helpers, self.client_name(meta, session),
@@ -14321,10 +14330,9 @@ class McpServer:
             except ToolError as e:
                 raise tool.argument_error(e)
             out = tool.handler(session, checked, ctx)
-        except (ImportError, OSError) as e:     # what this place lacks: said, never a crash
-            return {"content": [text_block(scrub(lacking(e).render()))], "isError": True}
-        except ToolError as e:
-            return {"content": [text_block(scrub(e.render()))], "isError": True}
+        except (ImportError, OSError, ToolError) as e:
+            error = e if isinstance(e, ToolError) else lacking(e)   # a lack: said, never a crash
+            return {"content": [text_block(scrub(error.render()))], "isError": True}
         if isinstance(out, str):
             out = [text_block(out)]
         cap = ctx.config.max_result_chars
@@ -14341,8 +14349,8 @@ class McpServer:
     def client_name(meta, session):
         """Who is calling: the name in the request's _meta clientInfo (2026-07-28 clients such
         as Claude Code send it there, never in initialize), else initialize's."""
-        info = meta.get(CLIENT_INFO_KEY) if isinstance(meta, dict) else None
-        if isinstance(info, dict) and isinstance(info.get("name"), str) and echoable(info["name"]):
+        info = object_at(meta, CLIENT_INFO_KEY)
+        if isinstance(info.get("name"), str) and echoable(info["name"]):
             return info["name"]
         return session.client
 
@@ -14385,8 +14393,8 @@ class McpServer:
         (-32022, with the one list of supported versions), and a method the revision has
         (-32601: unknown, or one it removed, answered 404 over HTTP)."""
         rid, method, params = msg.get("id"), msg.get("method"), msg.get("params") or {}
-        meta = params.get("_meta")
-        if not isinstance(meta, dict) or META_VERSION_KEY not in meta:
+        meta = object_at(params, "_meta")
+        if META_VERSION_KEY not in meta:
             if method != "server/discover":
                 return None, None
             return None, (400, error_response(rid, -32602, "Invalid params: server/discover carries _meta with %s and"
@@ -14760,7 +14768,7 @@ class McpHttpServer:
 
     def handle_error(self, request, client_address):
         e = sys.exc_info()[1]           # one line (a dropped client is normal), never a traceback
-        if isinstance(e, (ConnectionError, TimeoutError, OSError)):
+        if isinstance(e, OSError):                 # (ConnectionError and TimeoutError are ones)
             log("debug", "http connection ended", client=str(client_address[0]),
                 reason=type(e).__name__)
         else:
@@ -14905,8 +14913,7 @@ class McpRequestHandler:
     def pick_session(self, msg):
         """(session, new id or None); (None, None) after a refusal was sent."""
         t = self.transport
-        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
-        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        meta = object_at(object_at(msg, "params"), "_meta")
         rid = msg.get("id") if valid_id(msg.get("id")) else None
         header = self.headers.get("MCP-Protocol-Version")
         if META_VERSION_KEY not in meta and header and header not in SUPPORTED_VERSIONS:
@@ -14943,8 +14950,7 @@ class McpRequestHandler:
         with the tool it calls (required when it names one); values compared exactly, a
         =?base64?...?= value decoded first. None when they agree."""
         import base64
-        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
-        name = params.get("name") if msg.get("method") == "tools/call" else None
+        name = object_at(msg, "params").get("name") if msg.get("method") == "tools/call" else None
         mirrors = (("MCP-Protocol-Version", "protocol version", meta.get(META_VERSION_KEY)),
                    ("Mcp-Method", "method", msg.get("method")), ("Mcp-Name", "tool name", name))
         for header, what, body in mirrors:

@@ -4866,8 +4866,8 @@ class TestRewind(NoViewBase):
             looked[0] += 1
             return real_entry(points, *a)
 
-        def current(points, cancelled=None):
-            point = real_current(points, cancelled)
+        def current(points, *a):
+            point = real_current(points, *a)
             kept[0] += point.size
             return point
         with mock.patch.object(boris, "LISTING_RACY_S", 0), mock.patch.object(boris.Checkpoints, "entry", entry), \
