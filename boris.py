@@ -12203,8 +12203,9 @@ def tool_undo_edit(session, args, ctx):
         session.forget_edit(edit)
     what = ", ".join("%s (%s)" % (p, "removed" if b is None else "%d bytes" % (
         b.size if isinstance(b, StoredBytes) else len(b))) for p, (b, _, _) in sorted(changes.items()))
-    return "Undid the %s: restored %s. %s%s" % (tool_name, what, "%s for %s." % (
-        plural(levels - 1, "more undo level"), shown) if levels > 1 else "Nothing more to undo for %s." % shown, note)
+    left = "%s for %s." % (plural(levels - 1, "more undo level"), shown) if levels > 1 else \
+        "Nothing more to undo for %s." % shown
+    return "Undid the %s: restored %s. %s%s" % (tool_name, what, left, note)
 
 
 # -- rewind ---------------------------------------------------------------------------
@@ -13365,8 +13366,9 @@ def partial_notice(why):
     if not why:
         return []
     if why == "deadline":
-        return ["[search %s: the results above are partial. Narrow the path, include or type, or simplify the"
-                " pattern (nested quantifiers such as (a+)+ can take forever)]" % stopped_why(why)]
+        return ["[search %s: the results above are partial. Narrow the path, include or type, or"
+                " simplify the pattern (nested quantifiers such as (a+)+ can take forever)]"
+                % stopped_why(why)]
     return ["[search cancelled: partial results]"]
 
 
