@@ -15233,11 +15233,12 @@ def main(argv=None, environ=None, after_the_script=False):
         start_reaper()                    # PID 1 reaps orphans from the start; others on their first spawn
     server = McpServer(config, policy, sandbox)
     server.store.check()
-    if missing_modules():
+    lacks = missing_modules()
+    if lacks:
         log("warn", "this Python was built without %s: what needs them answers an error naming the module"
             " or is off (ssl: https fetches; ctypes: the sandbox, inotify, the server's environment"
             " kept from commands, the daemons they leave ended; zlib: compressed documents)"
-            % ", ".join(missing_modules()))
+            % ", ".join(lacks))
 
     def serve():
         try:
