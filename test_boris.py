@@ -11644,6 +11644,13 @@ def outside_state():
     return dict((k, v) for k, v in state.items() if v is not None)
 
 
+def sweep_killed_servers_stores():
+    """Remove the checkpoint stores of servers killed before they could, as the next server's start would."""
+    sweeping = boris.sweep_stores()
+    if sweeping is not None:
+        sweeping.join(30)
+
+
 def outside_changes(before):
     """The paths outside the suite's own trees that it made, changed or removed."""
     after = outside_state()
@@ -11658,6 +11665,7 @@ def run_lanes(argv):
     flags = [a for a in argv if a.startswith("-")]
     base = [sys.executable] + ["-W" + w for w in sys.warnoptions] + ["-m", "unittest"] + flags
     waiting_log = tempfile.TemporaryFile()
+    sweep_killed_servers_stores()                 # left before the suite started: not its doing when they go
     outside = outside_state()
     computing, waiting = lanes()
     second = subprocess.Popen(base + waiting, cwd=HERE, stdout=waiting_log, stderr=subprocess.STDOUT)
@@ -11680,9 +11688,7 @@ def run_lanes(argv):
     ran, counts = 0, Counter()
     deadline = time.monotonic() + 30              # (a server a test ended may still be on its way out)
     while True:
-        sweeping = boris.sweep_stores()           # as the next server's start would: stores of servers killed
-        if sweeping is not None:                  # with -9 (on purpose, by the tests) are not the suite's leftovers
-            sweeping.join(30)
+        sweep_killed_servers_stores()             # with -9 (on purpose, by the tests): not the suite's leftovers
         changed = outside_changes(outside)
         if not changed or time.monotonic() > deadline:
             break
