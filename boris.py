@@ -15167,10 +15167,12 @@ def check_main(config, policy, sandbox):
     helpers by a glob), printed; the exit code."""
     import shutil
     server, roots, trials = McpServer(config, policy, sandbox), policy.allow or [policy.workdir], sandbox.trials
+    session = Session(config)
     try:
         ctx = CallContext(config, policy, helpers=server.helpers, sandbox=sandbox)
-        glob = McpServer.run_tool(server.tools["glob"], Session(config), {"pattern": "*", "path": roots[0]}, ctx)
+        glob = McpServer.run_tool(server.tools["glob"], session, {"pattern": "*", "path": roots[0]}, ctx)
     finally:
+        session.close()
         server.close()
     userns = "yes" if trials.get("a write to a protected .git", "done") != "done" else "not tried"
     if sandbox.on and not sandbox.protect.enforced:
