@@ -12881,9 +12881,9 @@ def tool_notebook_edit(session, args, ctx):
 # task tools that read, feed and stop it; the runner is the Shell layer's.
 
 PROGRESS_TAIL_BYTES = 4096
-TASK_INPUT_WAIT_S = 5.0                    # task_input: how long a task may take to read its input
-TASK_SETTLE_S = 0.15                       # ... then, without wait_for/wait_ms: quiet this long after output
-TASK_SETTLE_MAX_S = 2.0                    # ... or at most this long
+TASK_INPUT_WAIT_S = 5.0       # task_input: how long a task may take to read its input
+TASK_SETTLE_S = 0.15          # ... then, without wait_for/wait_ms: quiet this long after output
+TASK_SETTLE_MAX_S = 2.0       # ... or at most this long
 
 
 def start_command(session, script, sandbox=None, stdin="null"):
@@ -13195,7 +13195,8 @@ def await_task(task, ctx, wait_for, wait_ms, settle):
     while not task.done.is_set() and not ctx.cancelled.is_set() and time.monotonic() < deadline:
         if watch.answered(task):
             return
-        task.done.wait(min(0.05, max(0.0, deadline - time.monotonic())))   # a cancel frees the worker
+        # a cancel frees the worker
+        task.done.wait(min(0.05, max(0.0, deadline - time.monotonic())))
 
 
 def wait_budget_ms(wait_ms, wait_for, settle):
@@ -13260,7 +13261,8 @@ def tool_task_input(session, args, ctx):
             task.write(args["input"].encode("utf-8"), time.monotonic() + TASK_INPUT_WAIT_S)
         if args.get("close_stdin"):
             task.close_input()
-    except (OSError, ValueError) as e:                  # ValueError: the task ended and its pipe closed meanwhile
+    # ValueError: the task ended and its pipe closed meanwhile
+    except (OSError, ValueError) as e:
         raise ToolError(IO_ERROR, "the input could not be given to task %s: %s" % (task.id, getattr(
             e, "strerror", None) or e))
     await_task(task, ctx, args.get("wait_for") or None, args.get("wait_ms"), settle=True)
@@ -13426,7 +13428,8 @@ def compat_grep_schema(config):
 def tool_grep(session, args, ctx):
     """grep: search file contents for a regex, ripgrep style (files, count or content mode), in a helper."""
     pattern = args["pattern"]
-    mode = args.get("output_mode") or "files_with_matches"           # (the schema's enum checked it)
+    # (the schema's enum checked it)
+    mode = args.get("output_mode") or "files_with_matches"
     if pattern == "":
         raise ToolError(GREP_INVALID_PATTERN, "pattern is empty; give a regular expression to search for")
     shown = args.get("path") or "."
@@ -13483,7 +13486,8 @@ def grep_answer(hits, spec, args, notice, cap):
     if mode == "files_with_matches":
         return cap_lines(paged(newest_first((h.rel, h.mtime) for h in hits), args), "files", notice, cap)
     if not spec.get("stop_after"):
-        hits.sort(key=attrgetter("rel"))               # a head_limit search keeps the order it found
+        # a head_limit search keeps the order it found
+        hits.sort(key=attrgetter("rel"))
     if mode == "count":
         return cap_lines(paged(["%s:%d" % (h.rel, h.result) for h in hits], args), "files", notice, cap)
     return cap_lines(paged(grep_lines(hits, args.get("line_numbers", True)), args), "lines", notice, cap)
@@ -14110,7 +14114,8 @@ class McpServer:
             self.sandbox.proxy_port = self.proxy.port
         self.helpers = HelperPool(avoid=self.sandbox.writable)
         self.files = FileGuards()
-        self.store = Store(config, policy.allow or [policy.workdir])   # every session's checkpoints keep bytes here
+        # every session's checkpoints keep bytes here
+        self.store = Store(config, policy.allow or [policy.workdir])
         self._tool_list = [t.listing(config) for t in self.tools.values()]
         self.answered = threading.Event()      # set once a tool call has been answered
 
@@ -14184,7 +14189,8 @@ class McpServer:
         """The instructions initialize returns: what the server is, its sandbox, its scope."""
         cfg = self.config
         lines = [INSTRUCTIONS_FIRST_LINE, self.sandbox.describe(), "Working directory: %s" % cfg.workdir]
-        if self.policy.allow:                     # (the Go original's lines, next to each other in its order)
+        # (the Go original's lines, next to each other in its order)
+        if self.policy.allow:
             lines.append("Allowed directories: %s" % ", ".join(self.policy.allow))
         if self.policy.deny_raw:
             lines.append("Denied patterns: %s" % ", ".join(self.policy.deny_raw))
@@ -14280,7 +14286,8 @@ class McpServer:
             points = self.checkpoints_of(session) if tool.changes else None
             try:
                 note = points.before(call_summary(name, args), cancelled) if points is not None else None
-                if note is False:                # cancelled while it waited: it never ran, nobody reads this
+                # cancelled while it waited: it never ran, nobody reads this
+                if note is False:
                     result = {"content": [text_block("cancelled before it ran")], "isError": True}
                 else:
                     try:
@@ -14301,7 +14308,8 @@ class McpServer:
                 if not cancelled.is_set():
                     emit(response)
             finally:
-                session.end(rid, cancelled)     # after emit: a transport waiting on inflight sees the answer first
+                # after emit: a transport waiting on inflight sees the answer first
+                session.end(rid, cancelled)
                 self.answered.set()
         lane = tool.lane(args if isinstance(args, dict) else {}) if callable(tool.lane) else tool.lane
         self.pool.submit(run, owner=(session, lane))
@@ -14341,7 +14349,8 @@ class McpServer:
         for block in out:
             if block.get("type") == "text":
                 block["text"] = scrub(block["text"])
-                if len(block["text"]) > cap:              # a tool's own bound failed: still never longer
+                # a tool's own bound failed: still never longer
+                if len(block["text"]) > cap:
                     notice = "[result cut at %d of %d characters: ask for less (view_range, offset/limit," \
                              " head_limit)]" % (cap - 300, len(block["text"]))
                     block["text"] = read_on(block["text"][:cap - 300], notice)
@@ -14495,7 +14504,8 @@ def _finite_float(text):
 
 
 def _bounded_int(text):
-    if len(text) > 1000:                      # int() of a huge literal is quadratic and holds the GIL
+    # int() of a huge literal is quadratic and holds the GIL
+    if len(text) > 1000:
         raise ValueError("an integer of %d digits is out of range" % len(text))
     return int(text)
 
@@ -14507,7 +14517,8 @@ def parse_message(raw):
     hooks = {"parse_constant": _no_constant, "parse_float": _finite_float, "parse_int": _bounded_int}
     try:
         try:
-            return json.loads(raw, **hooks)                # bytes as they are: no decoded copy of a big line
+            # bytes as they are: no decoded copy of a big line
+            return json.loads(raw, **hooks)
         except UnicodeDecodeError:
             return json.loads(raw.decode("utf-8", "replace"), **hooks)
     except RecursionError:
@@ -14606,7 +14617,8 @@ class HttpTransport:
         self.httpd = None
         self.stopping = threading.Event()
         self.slots = threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS)
-        self.idle = {}                  # connection -> when it started waiting for a request's headers
+        # connection -> when it started waiting for a request's headers
+        self.idle = {}
 
     # -- connections -----------------------------------------------------------
     def waiting(self, conn, yes):
@@ -14816,7 +14828,8 @@ class McpRequestHandler:
     def end_headers(self):
         """Every reply to a request from an admitted Origin (loopback, any port) carries
         the CORS headers, so a browser-based client on another local port can read it."""
-        headers = getattr(self, "headers", None)             # none yet when the request line was bad
+        # none yet when the request line was bad
+        headers = getattr(self, "headers", None)
         origin = headers.get("Origin") if headers is not None else None
         if origin and is_loopback(host_of(origin)):
             self.send_header("Access-Control-Allow-Origin", origin)
@@ -14866,7 +14879,8 @@ class McpRequestHandler:
 
     def guarded(self):
         """Path, Origin, Host and bearer checks; False once a refusal is sent."""
-        if self.path.startswith("/.well-known/"):              # OAuth discovery: none here, say so at once
+        # OAuth discovery: none here, say so at once
+        if self.path.startswith("/.well-known/"):
             return self.refuse(404, {"error": "not found", "detail": "no OAuth here: this server expects a static"
                                         " bearer token (Authorization: Bearer <token>, see --token)"})
         if self.path.split("?", 1)[0].rstrip("/") != "/mcp":
@@ -14923,13 +14937,15 @@ class McpRequestHandler:
                                            " MCP-Protocol-Version header says %r." % header))
             return None, None
         modern, refusal = self.transport.server.requested_version(msg) if "id" in msg else (None, None)
-        if "id" in msg and META_VERSION_KEY in meta:          # (a header that disagrees comes first)
+        # (a header that disagrees comes first)
+        if "id" in msg and META_VERSION_KEY in meta:
             refusal = self.header_mismatch(msg, meta, rid) or refusal
         if refusal is not None:
             self.reply(*refusal)
             return None, None
         if modern:
-            return t.principal_session(self.principal()), None     # (stateless: a session id is no state)
+            # (stateless: a session id is no state)
+            return t.principal_session(self.principal()), None
         sid = self.headers.get("Mcp-Session-Id")
         if msg.get("method") == "initialize" and "id" in msg:
             sid = t.new_session()
@@ -14957,7 +14973,8 @@ class McpRequestHandler:
                    ("Mcp-Method", "method", msg.get("method")), ("Mcp-Name", "tool name", name))
         for header, what, body in mirrors:
             value = self.headers.get(header)
-            value = value.strip(" \t") if value is not None else None   # (HTTP's optional whitespace)
+            # (HTTP's optional whitespace)
+            value = value.strip(" \t") if value is not None else None
             if value is not None and value.startswith("=?base64?") and value.endswith("?="):
                 try:
                     value = base64.b64decode(value[9:-2], validate=True).decode("utf-8")
@@ -14966,7 +14983,8 @@ class McpRequestHandler:
             if body is None or value == body or header == "MCP-Protocol-Version" and value is None:
                 continue
             if header != "MCP-Protocol-Version" and not isinstance(meta.get(META_VERSION_KEY), str):
-                continue                                  # (a request of no version spoken here: -32022 says so)
+                # (a request of no version spoken here: -32022 says so)
+                continue
             said = "is missing" if value is None else "says " + brief(value)
             return 400, error_response(rid, HEADER_MISMATCH, "Header mismatch: the body's %s is %s,"
                                        " but the %s header %s." % (what, brief(body), header, said))
@@ -14994,7 +15012,8 @@ class McpRequestHandler:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("X-Accel-Buffering", "no")          # (a proxy such as nginx passes each event on at once)
+        # (a proxy such as nginx passes each event on at once)
+        self.send_header("X-Accel-Buffering", "no")
         self.send_header("Connection", "close")
         for k, v in headers:
             self.send_header(k, v)
@@ -15013,7 +15032,8 @@ class McpRequestHandler:
             out = self.next_out(box, session, rid)
             if out is self.GONE:
                 return
-            final = out is None or (out.get("id") == rid and ("result" in out or "error" in out))   # None: cancelled
+            # out is None: the call was cancelled
+            final = out is None or (out.get("id") == rid and ("result" in out or "error" in out))
             if not streaming and final:
                 self.reply(204 if out is None else 200, out, headers)
                 return
@@ -15125,7 +15145,8 @@ def serve_http(server, config, stop):
                     " pass --token or --generate-token to require one")
     log("info", "serving MCP over HTTP", url="http://%s:%d/mcp" % (config.host, port), auth=bool(token))
     log("info", server.sandbox.describe(), why=server.sandbox.why)
-    sweep_stores()                             # stores that killed servers left; after the lines above
+    # stores that killed servers left; after the lines above
+    sweep_stores()
     thread = threading.Thread(target=transport.serve, daemon=True)
     thread.start()
     stop.wait()
@@ -15226,13 +15247,15 @@ def main(argv=None, environ=None, after_the_script=False):
         return 2
     if config.check:
         return check_main(config, policy, sandbox)
-    seal_memory()                  # the variables kept from commands stay out of /proc/<pid>/environ too
-    scrub_environ_block()          # ... and out of a child's, between its fork and its exec
+    seal_memory()           # the variables kept from commands stay out of /proc/<pid>/environ too
+    scrub_environ_block()   # ... and out of a child's, between its fork and its exec
     stopper = Stopper()
     stopper.install()
-    _children.wanted = True        # every child of this process is spawn()'s: reaping steals nothing
+    # every child of this process is spawn()'s: reaping steals nothing
+    _children.wanted = True
     if os.getpid() == 1:
-        start_reaper()                    # PID 1 reaps orphans from the start; others on their first spawn
+        # PID 1 reaps orphans from the start; others on their first spawn
+        start_reaper()
     server = McpServer(config, policy, sandbox)
     server.store.check()
     lacks = missing_modules()
@@ -15244,13 +15267,15 @@ def main(argv=None, environ=None, after_the_script=False):
 
     def serve():
         try:
-            server.helpers.prime()        # booting while the client shakes hands: ready for the first search
+            # booting while the client shakes hands: ready for the first search
+            server.helpers.prime()
             if config.transport == "http":
                 return serve_http(server, config, stopper)
             log("info", "serving MCP on stdio: waiting for a client's messages on stdin", workdir=config.workdir,
                 sandbox=sandbox.mode if sandbox.on else "off")
             log("info", sandbox.describe(), why=sandbox.why)
-            sweep_stores()                # (after the start-up lines, which a user or a script reads first)
+            # (after the start-up lines, which a user or a script reads first)
+            sweep_stores()
             serve_stdio(server, Session(config), stopper)
             return 0
         finally:
@@ -15287,7 +15312,8 @@ def serve_after_the_script(serve, server):
     threading.Thread(target=run, name="boris-serve").start()
     threading.Thread(target=give_back_memory, args=(threading.main_thread(),), daemon=True,
                      name="boris-memory").start()
-    server.answered.wait(1.0)       # the tree is freed after the first tool call (or a second): off its path
+    # the tree is freed after the first tool call (or a second): off its path
+    server.answered.wait(1.0)
 
 
 if __name__ == "__main__":
