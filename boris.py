@@ -12887,13 +12887,14 @@ TASK_SETTLE_MAX_S = 2.0       # ... or at most this long
 
 
 def start_command(session, script, sandbox=None, stdin="null"):
-    """Start the session's shell on `script` in its cwd (sandboxed when on); BASH_START_FAILED when it
-    cannot start."""
+    """Start the session's shell on `script` in its cwd (sandboxed when on); BASH_START_FAILED
+    when it cannot start."""
     cwd = session.get_cwd()
     try:
         return start_process(script, cwd, sandbox, stdin, command_environ(session.config))
     except OSError as e:
-        raise ToolError(BASH_START_FAILED, "could not start %s in %s: %s" % (SHELL, cwd, e.strerror or e))
+        raise ToolError(BASH_START_FAILED,
+                        "could not start %s in %s: %s" % (SHELL, cwd, e.strerror or e))
 
 
 class ProgressLines:
@@ -12934,8 +12935,9 @@ def ending_line(why, timeout_ms, out, err):
     """The line a foreground command's answer starts with when it did not just exit."""
     if why == "timeout":
         return "Command timed out after %d ms and was killed; output so far is below.%s" % (
-            timeout_ms, " It may be waiting for input: run it with interactive: true (tty: true if it wants a"
-                        " terminal) and answer with task_input." if looks_like_prompt(out, err) else "")
+            timeout_ms, " It may be waiting for input: run it with interactive: true"
+                        " (tty: true if it wants a terminal) and answer with task_input."
+                        if looks_like_prompt(out, err) else "")
     if why == "stopped":
         return "Command was cancelled and killed."
     return ""
@@ -12961,7 +12963,8 @@ def bash_description(config):
     desc = BASH_DESC % ("bash" if SHELL == "/bin/bash" else SHELL, ", ".join(SECRET_NAMES) + kept,
                         "%g s" % config.handoff if config.handoff else "yield_ms")
     if SHELL != "/bin/bash":
-        desc += " This machine has no /bin/bash: commands run under /bin/sh, so bash-only syntax fails."
+        desc += (" This machine has no /bin/bash: commands run under /bin/sh,"
+                 " so bash-only syntax fails.")
     return desc
 
 
@@ -12970,12 +12973,13 @@ def bash_description(config):
     "timeout": prop("integer", "Timeout in milliseconds (default %d, max %d)."
                     % (int(config.timeout * 1000), BASH_MAX_TIMEOUT_MS)),
     "run_in_background": prop("boolean", "Start the command and return its task_id at once."),
-    "interactive": prop("boolean", "Keep its stdin open for task_input (implies run_in_background)."),
+    "interactive": prop("boolean",
+                        "Keep its stdin open for task_input (implies run_in_background)."),
     "tty": prop("boolean", "Run it on a pseudo-terminal (80x24, TERM=dumb; implies interactive)."
                            " Escape sequences are removed from its output."),
     "description": prop("string", "A few words saying what the command does (for logs)."),
-    "yield_ms": prop("integer", "Hand the command off to the background after this many milliseconds instead"
-                                " of %s." % (
+    "yield_ms": prop("integer", "Hand the command off to the background after this many"
+                                " milliseconds instead of %s." % (
                                     "%g s" % config.handoff if config.handoff else "never")),
 }, ["command"]), notes("Run shell command", destructive=True, open_world=True), lane="shell",
       hint="run shell command, tests")
@@ -12990,22 +12994,23 @@ def tool_bash(session, args, ctx):
         raise ToolError(BASH_EMPTY_COMMAND, "command is empty; give a shell command to run")
     timeout_ms = args.get("timeout", int(ctx.config.timeout * 1000))
     if timeout_ms <= 0:
-        raise ToolError(INVALID_INPUT, "timeout %d ms must be above 0 (it is in milliseconds, at most %d)"
+        raise ToolError(INVALID_INPUT,
+                        "timeout %d ms must be above 0 (it is in milliseconds, at most %d)"
                         % (timeout_ms, BASH_MAX_TIMEOUT_MS))
     if yield_ms is not None and yield_ms < 0:
-        raise ToolError(INVALID_INPUT, "yield_ms %d must be 0 or more (milliseconds before the command is handed"
-                        " off to the background)" % yield_ms)
+        raise ToolError(INVALID_INPUT, "yield_ms %d must be 0 or more (milliseconds before the"
+                        " command is handed off to the background)" % yield_ms)
     if timeout_ms > BASH_MAX_TIMEOUT_MS:
-        said = "(timeout %d ms is over the most a command may run, %d ms, which is its timeout)\n" % (
-            timeout_ms, BASH_MAX_TIMEOUT_MS)
+        said = ("(timeout %d ms is over the most a command may run, %d ms,"
+                " which is its timeout)\n" % (timeout_ms, BASH_MAX_TIMEOUT_MS))
         answer = tool_bash(session, dict(args, timeout=BASH_MAX_TIMEOUT_MS), ctx)
         return said + answer if isinstance(answer, str) else [text_block(said)] + answer
     if any(args.get(k) for k in ("tty", "interactive", "run_in_background")):
         return start_task(session, command, ctx, args)
     handoff = yield_ms / 1000.0 if yield_ms is not None else ctx.config.handoff or None
     marker = ("__BORIS_CWD_%s__" % session.nonce).encode()
-    script = "%s\n__boris_status=$?\nprintf '\\n%%s%%s\\n' '%s' \"$PWD\"\nexit $__boris_status\n" % (
-        command, marker.decode())
+    script = ("%s\n__boris_status=$?\nprintf '\\n%%s%%s\\n' '%s' \"$PWD\"\n"
+              "exit $__boris_status\n" % (command, marker.decode()))
     proc = start_command(session, script, ctx.sandbox)
     task = Task(new_task_id(), command, proc)
     task.marker, task.limit = marker, "its timeout (%d ms)" % timeout_ms
@@ -13018,7 +13023,8 @@ def tool_bash(session, args, ctx):
     out, err = task.take()
     head = [ending_line(task.why, timeout_ms, out, err), describe_exit(proc)]
     if kept:
-        head.append("(not handed off to the background at %g s: %s; it ran in the foreground)" % (handoff, kept))
+        head.append("(not handed off to the background at %g s: %s; it ran in the foreground)"
+                    % (handoff, kept))
     if task.cwd and task.cwd != session.get_cwd() and os.path.isdir(task.cwd):
         session.set_cwd(task.cwd)
         head.append("cwd: %s" % task.cwd)
@@ -13035,10 +13041,11 @@ def handed_off(task, ctx, timeout_ms, progress):
         progress.muted = True
     out, err = task.take()
     body, notice = render_output(out, err, output_budget(ctx))
-    return read_on("Still running after %.1f s, so it was handed off as background task %s (nothing was killed;"
-                   " its output so far is below). Follow it with task_output(task_id=%r, wait_for=\"<regex>\" or"
-                   " wait_ms=<ms>); stop it with task_stop. Its timeout (%d ms from its start) still ends it, and"
-                   " its cd does not move this session.\n%s" % (
+    return read_on("Still running after %.1f s, so it was handed off as background task %s"
+                   " (nothing was killed; its output so far is below). Follow it with"
+                   " task_output(task_id=%r, wait_for=\"<regex>\" or wait_ms=<ms>); stop it with"
+                   " task_stop. Its timeout (%d ms from its start) still ends it, and its cd does"
+                   " not move this session.\n%s" % (
                        time.monotonic() - task.started, task.id, task.id, timeout_ms, body), notice)
 
 
@@ -13053,7 +13060,9 @@ def looks_like_prompt(out, err):
     line with no newline ending in ':', '?', '>', '$', '#' or ']'."""
     for cap in (out, err):
         tail = bytes(cap.tail[-200:]).decode("utf-8", "replace")
-        if tail and not tail.endswith("\n") and tail.rstrip()[-1:] in (":", "?", ">", "$", "#", "]"):
+        if (tail and not tail.endswith("\n")
+                and tail.rstrip()[-1:] in (":", "?", ">", "$", "#", "]")):
+
             return True
     return False
 
@@ -13067,7 +13076,8 @@ def task_refused(why, what):
     """The error of a background task the session cannot take now (add_task's `why`)."""
     if why.startswith("the session"):
         return ToolError(BASH_START_FAILED, "%s; %s" % (why, what))
-    return ToolError(BASH_TASK_LIMIT, "%s; %s: wait for one with task_output or run this one in the foreground"
+    return ToolError(BASH_TASK_LIMIT,
+                     "%s; %s: wait for one with task_output or run this one in the foreground"
                      % (why, what))
 
 
@@ -13091,7 +13101,8 @@ def start_task(session, command, ctx, args):
         raise task_refused(why, "the task was started and stopped again")
     return ("Started background task %s (pid %d%s). Read its output with task_output(task_id=%r)%s;"
             " its cd does not move this session." % (
-                task_id, proc.pid, {"pipe": ", interactive", "tty": ", on a terminal"}.get(stdin, ""), task_id,
+                task_id, proc.pid,
+                {"pipe": ", interactive", "tty": ", on a terminal"}.get(stdin, ""), task_id,
                 "; give it input with task_input" if stdin != "null" else ""))
 
 
@@ -13111,9 +13122,10 @@ def find_task(session, task_id):
     """The session's task `task_id`; BASH_TASK_NOT_FOUND listing the ones there are."""
     task, known = session.task(task_id)
     if task is None:
-        raise ToolError(BASH_TASK_NOT_FOUND, "no background task %r in this session (running or unread: %s);"
-                        " a completed task is forgotten once its output is read; call task_output without"
-                        " task_id to list the tasks" % (task_id, ", ".join(known) or "none"))
+        raise ToolError(BASH_TASK_NOT_FOUND, "no background task %r in this session (running or"
+                        " unread: %s); a completed task is forgotten once its output is read; call"
+                        " task_output without task_id to list the tasks"
+                        % (task_id, ", ".join(known) or "none"))
     return task
 
 
@@ -13156,9 +13168,11 @@ def output_test(ctx, pattern, deadline):
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        items, _ = ctx.helpers.run({"op": "match", "pattern": pattern, "text": text}, ctx.cancelled, left)
+        items, _ = ctx.helpers.run({"op": "match", "pattern": pattern, "text": text},
+                                   ctx.cancelled, left)
         return items == [True]
-    ctx.helpers.run({"op": "match", "pattern": pattern, "text": ""}, ctx.cancelled, SEARCH_TIMEOUT_S)
+    ctx.helpers.run({"op": "match", "pattern": pattern, "text": ""}, ctx.cancelled,
+                    SEARCH_TIMEOUT_S)
     return matches
 
 
@@ -13170,8 +13184,8 @@ TASK_DESC = ("Read the output of a background bash task or process: its status f
 
 @tool("task_output", TASK_DESC, obj({
     "task_id": prop("string", "The task_id bash returned (omit it to list the session's tasks)."),
-    "wait_ms": prop("integer", "Wait up to this many milliseconds for the task to finish (default 0, or"
-                               " up to 600000 with wait_for)."),
+    "wait_ms": prop("integer", "Wait up to this many milliseconds for the task to finish"
+                               " (default 0, or up to 600000 with wait_for)."),
     "wait_for": prop("string", "Return as soon as new output matches this regular expression."),
 }), notes("Read background task output", read_only=True), lane=waiting_lane, goes_with="bash",
       hint="background task output")
@@ -13241,8 +13255,8 @@ TASK_INPUT_DESC = ("Type into an interactive background task (bash with interact
     "input": prop("string", "What to type, usually ending with \\n. On a tty \\u0003 is Ctrl-C and"
                             " \\u0004 end of input."),
     "wait_for": prop("string", "Return as soon as new output matches this regular expression."),
-    "wait_ms": prop("integer", "Wait up to this many milliseconds (default: until the answer goes quiet, at"
-                               " most 2000)."),
+    "wait_ms": prop("integer", "Wait up to this many milliseconds (default: until the answer"
+                               " goes quiet, at most 2000)."),
     "close_stdin": prop("boolean", "Close the task's input after writing (end of file)."),
 }, ["task_id"]), notes("Send input to a background task", destructive=True),
       lane=waiting_lane, goes_with="bash", hint="type into a task")
@@ -13250,12 +13264,13 @@ def tool_task_input(session, args, ctx):
     """Write to an interactive task's stdin, then answer like task_output."""
     task = find_task(session, args["task_id"])
     if task.stdin == "null":
-        raise ToolError(BASH_TASK_NOT_INTERACTIVE, "task %s was not started with interactive: true, so its stdin is"
-                        " /dev/null; start the command again with bash(interactive=true) (tty=true for a"
-                        " terminal)" % task.id)
+        raise ToolError(BASH_TASK_NOT_INTERACTIVE, "task %s was not started with interactive:"
+                        " true, so its stdin is /dev/null; start the command again with"
+                        " bash(interactive=true) (tty=true for a terminal)" % task.id)
     if task.done.is_set():
-        raise ToolError(BASH_TASK_NOT_FOUND, "task %s has ended (%s), so it takes no more input; read its last"
-                        " output with task_output" % (task.id, task_status(task)[8:]))
+        raise ToolError(BASH_TASK_NOT_FOUND, "task %s has ended (%s), so it takes no more input;"
+                        " read its last output with task_output"
+                        % (task.id, task_status(task)[8:]))
     try:
         if args.get("input"):
             task.write(args["input"].encode("utf-8"), time.monotonic() + TASK_INPUT_WAIT_S)
@@ -13269,13 +13284,15 @@ def tool_task_input(session, args, ctx):
     return task_answer(task, session, ctx)
 
 
-TASK_STOP_DESC = ("Stop (kill) a background bash task: SIGTERM to its whole group, then SIGKILL after 5 s; "
-                  "returns its status and what it printed since the last read.")
+TASK_STOP_DESC = ("Stop (kill) a background bash task: SIGTERM to its whole group, then SIGKILL "
+                  "after 5 s; returns its status and what it printed since the last read.")
 
 
 @tool("task_stop", TASK_STOP_DESC, obj({
     "task_id": prop("string", "The task_id bash returned."),
-}, ["task_id"]), notes("Stop a background task", destructive=True), goes_with="bash", hint="kill a background task")
+}, ["task_id"]), notes("Stop a background task", destructive=True), goes_with="bash",
+      hint="kill a background task")
+
 def tool_task_stop(session, args, ctx):
     """task_stop: kill a task's process group and answer with its last output."""
     task = find_task(session, args["task_id"])
