@@ -13329,8 +13329,8 @@ def grep_job_of(ctx, roots, spec, args=None, no_ignore=False):
 
 
 def format_records(label, records, numbers, breaks=True):
-    """grep's lines for one file's records: `path:line:text` for matches, `path-line-text` for context,
-    `--` between groups (left out with breaks=False: search_text's plain list)."""
+    """grep's lines for one file's records: `path:line:text` for matches, `path-line-text` for
+    context, `--` between groups (left out with breaks=False: search_text's plain list)."""
     out = []
     for rec in records:
         if rec is None:
@@ -13353,8 +13353,9 @@ def cap_lines(lines, what, notice=(), limit=OUTPUT_MAX_CHARS, instead=None):
         total += len(line) + 1
         if total > limit:
             cut = ("[output truncated at %d characters: %d more %s not shown; %s]" % (
-                limit, len(lines) - i, what, instead or "narrow the search (path, include, type) or page on with"
-                " head_limit/offset (offset=%d)" % i))
+                limit, len(lines) - i, what,
+                instead or "narrow the search (path, include, type) or page on with"
+                           " head_limit/offset (offset=%d)" % i))
             return "\n".join([cut] + kept + [cut] + list(notice))
         kept.append(line)
     return "\n".join(kept + list(notice))
@@ -13403,8 +13404,10 @@ GLOB_DESC = ("Find files by name: list the files matching a glob pattern (**, *,
 GREP_PROPS = {
     "pattern": prop("string", "The regular expression to search for."),
     "path": prop("string", "File or directory to search (default: the working directory)."),
-    "include": prop("string", "Only search files whose name matches this glob, e.g. *.py or *.{ts,tsx}."),
-    "type": prop("string", "Only search files of this language: py, js, ts, go, rust, java, c, cpp, ..."),
+    "include": prop("string",
+                    "Only search files whose name matches this glob, e.g. *.py or *.{ts,tsx}."),
+    "type": prop("string",
+                 "Only search files of this language: py, js, ts, go, rust, java, c, cpp, ..."),
     "output_mode": prop("string", "files_with_matches (default), content or count.",
                         enum=list(GREP_MODES)),
     "case_insensitive": prop("boolean", "Ignore case."),
@@ -13413,7 +13416,8 @@ GREP_PROPS = {
     "context_after": prop("integer", "content mode: lines after each match."),
     "context": prop("integer", "content mode: lines before and after each match."),
     "multiline": prop("boolean", "Let . match newlines and patterns span lines."),
-    "head_limit": prop("integer", "Show at most this many lines (content) or entries (other modes)."),
+    "head_limit": prop("integer",
+                       "Show at most this many lines (content) or entries (other modes)."),
     "offset": prop("integer", "Skip this many lines/entries."),
     "no_ignore": prop("boolean", "Search what .gitignore ignores too."),
 }
@@ -13440,15 +13444,18 @@ def compat_grep_schema(config):
     return obj(props, ["pattern"])
 
 
-@tool("grep", GREP_DESC, obj(GREP_PROPS, ["pattern"]), notes("Search file contents", read_only=True),
-      modes=DEFAULT, codes={"output_mode": GREP_INVALID_OUTPUT_MODE}, hint="search file contents, regex")
+@tool("grep", GREP_DESC, obj(GREP_PROPS, ["pattern"]),
+      notes("Search file contents", read_only=True), modes=DEFAULT,
+      codes={"output_mode": GREP_INVALID_OUTPUT_MODE}, hint="search file contents, regex")
 def tool_grep(session, args, ctx):
-    """grep: search file contents for a regex, ripgrep style (files, count or content mode), in a helper."""
+    """grep: search file contents for a regex, ripgrep style (files, count or content mode),
+    in a helper."""
     pattern = args["pattern"]
     # (the schema's enum checked it)
     mode = args.get("output_mode") or "files_with_matches"
     if pattern == "":
-        raise ToolError(GREP_INVALID_PATTERN, "pattern is empty; give a regular expression to search for")
+        raise ToolError(GREP_INVALID_PATTERN,
+                        "pattern is empty; give a regular expression to search for")
     shown = args.get("path") or "."
     root = search_root(session, ctx, shown)
     spec = grep_tool_spec(args, pattern, mode)
@@ -13456,14 +13463,17 @@ def tool_grep(session, args, ctx):
     items, why = ctx.helpers.run(grep_job_of(ctx, [root], spec, args, no_ignore), ctx.cancelled)
     notice = partial_notice(why)
     if not items:
-        more = ignored_matches(ctx, root, shown, spec, args) if root[1] and not no_ignore and not why else []
-        return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)] + notice + more)
+        more = (ignored_matches(ctx, root, shown, spec, args)
+                if root[1] and not no_ignore and not why else [])
+        return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)]
+                         + notice + more)
     hits = [GrepHit(*item)._replace(rel=item[1] if root[1] else shown) for item in items]
     return grep_answer(hits, spec, args, notice, search_cap(ctx))
 
 
-tool("grep", GREP_DESC, compat_grep_schema, notes("Search file contents", read_only=True), modes=COMPAT,
-     codes={"output_mode": GREP_INVALID_OUTPUT_MODE}, hint="search file contents, regex")(
+tool("grep", GREP_DESC, compat_grep_schema, notes("Search file contents", read_only=True),
+     modes=COMPAT, codes={"output_mode": GREP_INVALID_OUTPUT_MODE},
+     hint="search file contents, regex")(
     renamed(tool_grep, COMPAT_GREP_NAMES))
 
 
@@ -13475,8 +13485,8 @@ def ignored_matches(ctx, root, shown, spec, args):
     items, _ = ctx.helpers.run(grep_job_of(ctx, [root], listing, args, True), ctx.cancelled)
     if not items:
         return []
-    return ["(%s that .gitignore ignores under %s hold%s matches, e.g. %s: pass no_ignore: true to search"
-            " them; .git, node_modules and binary files are never searched.)" % (
+    return ["(%s that .gitignore ignores under %s hold%s matches, e.g. %s: pass no_ignore: true"
+            " to search them; .git, node_modules and binary files are never searched.)" % (
                 plural(len(items), "file"), shown, "s" if len(items) == 1 else "",
                 GrepHit(*items[0]).rel)]
 
@@ -13489,9 +13499,11 @@ def grep_tool_spec(args, pattern, mode):
     after = args.get("context_after", ctx_n) if mode == "content" else 0
     if min(before, after) < 0:
         raise ToolError(INVALID_INPUT, "context lines must be 0 or more")
-    spec = grep_spec(pattern, mode, True, bool(args.get("case_insensitive")), bool(args.get("multiline")))
+    spec = grep_spec(pattern, mode, True, bool(args.get("case_insensitive")),
+                     bool(args.get("multiline")))
     spec.update(before=before, after=after)
-    spec["max_records"] = (args.get("offset") or 0) + (args.get("head_limit") or OUTPUT_MAX_CHARS // 2)
+    spec["max_records"] = ((args.get("offset") or 0)
+                           + (args.get("head_limit") or OUTPUT_MAX_CHARS // 2))
     if mode == "content" and args.get("head_limit"):
         spec["stop_after"] = spec["max_records"]       # the search ends once that many lines are in
     return spec
@@ -13501,13 +13513,17 @@ def grep_answer(hits, spec, args, notice, cap):
     """The grep tool's text for its hits, in its output mode, paged and capped."""
     mode = spec["mode"]
     if mode == "files_with_matches":
-        return cap_lines(paged(newest_first((h.rel, h.mtime) for h in hits), args), "files", notice, cap)
+        return cap_lines(paged(newest_first((h.rel, h.mtime) for h in hits), args),
+                         "files", notice, cap)
     if not spec.get("stop_after"):
         # a head_limit search keeps the order it found
         hits.sort(key=attrgetter("rel"))
     if mode == "count":
-        return cap_lines(paged(["%s:%d" % (h.rel, h.result) for h in hits], args), "files", notice, cap)
-    return cap_lines(paged(grep_lines(hits, args.get("line_numbers", True)), args), "lines", notice, cap)
+        return cap_lines(paged(["%s:%d" % (h.rel, h.result) for h in hits], args),
+                         "files", notice, cap)
+    return cap_lines(paged(grep_lines(hits, args.get("line_numbers", True)), args),
+                     "lines", notice, cap)
+
 
 
 def grep_lines(hits, numbers):
