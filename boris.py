@@ -13601,23 +13601,27 @@ GLOB_PROPS = {"pattern": prop("string", "The glob pattern, e.g. **/*.py or src/*
               "offset": prop("integer", "Skip this many paths.")}
 
 
-@tool("glob", GLOB_DESC, obj(dict(GLOB_PROPS, type=prop("string", "file (default; a pattern ending in / means directory) or directory.",
-                                                       enum=["file", "directory"])), ["pattern"]),
+@tool("glob", GLOB_DESC,
+      obj(dict(GLOB_PROPS, type=prop("string", "file (default; a pattern ending in / means"
+                                               " directory) or directory.",
+                                     enum=["file", "directory"])), ["pattern"]),
       notes("Find files by name", read_only=True), modes=DEFAULT, codes={"type": GLOB_INVALID_TYPE},
       hint="find files by name")
-@tool("glob", GLOB_DESC, obj(GLOB_PROPS, ["pattern"]), notes("Find files by name", read_only=True), modes=COMPAT,
-      hint="find files by name")
+@tool("glob", GLOB_DESC, obj(GLOB_PROPS, ["pattern"]), notes("Find files by name", read_only=True),
+      modes=COMPAT, hint="find files by name")
 def tool_glob(session, args, ctx):
     """glob: paths matching a pattern, newest first, in a helper."""
-    found, why = find_paths(session, ctx, args["pattern"], args.get("path") or ".", args.get("type"))
+    found, why = find_paths(session, ctx, args["pattern"], args.get("path") or ".",
+                            args.get("type"))
     notice = partial_notice(why)
     if not found:
         return "\n".join(["No files found"] + notice)
     return cap_lines(paged(newest_first(glob_pairs(found)), args), "paths", notice, search_cap(ctx))
 
 
-@tool("search_text", "Search for text in files: every line containing `query` (literal, or a regular expression when"
-      " regex is true) under each of `paths`, as path:line:content. For code, prefer grep.", obj({
+@tool("search_text", "Search for text in files: every line containing `query` (literal, or a"
+      " regular expression when regex is true) under each of `paths`, as path:line:content."
+      " For code, prefer grep.", obj({
           "query": prop("string", "The text (or regex) to find."),
           "paths": prop("array", "Files or directories to search (default: the working directory).",
                         items={"type": "string"}),
@@ -13634,17 +13638,21 @@ def tool_search_text(session, args, ctx):
     items, why = ctx.helpers.run(grep_job_of(ctx, roots, spec), ctx.cancelled)
     lines = []
     for hit in sorted((GrepHit(*item) for item in items), key=lambda h: (h.root, h.rel or "")):
-        label = os.path.join(shown_paths[hit.root], hit.rel) if roots[hit.root][1] else shown_paths[hit.root]
+        shown = shown_paths[hit.root]
+        label = os.path.join(shown, hit.rel) if roots[hit.root][1] else shown
         lines += format_records(label, hit.result, True, breaks=False)
     notice = partial_notice(why)
     if not lines:
-        return "\n".join(["No matches found for %r in %s" % (query, ", ".join(shown_paths))] + notice)
-    return cap_lines(lines, "lines", notice, search_cap(ctx), instead="narrow the search (a path deeper in `paths`,"
-                     " a longer query), or use grep, which pages with head_limit/offset")
+        return "\n".join(["No matches found for %r in %s" % (query, ", ".join(shown_paths))]
+                         + notice)
+    return cap_lines(lines, "lines", notice, search_cap(ctx),
+                     instead="narrow the search (a path deeper in `paths`, a longer query), or use"
+                             " grep, which pages with head_limit/offset")
 
 
-@tool("search_files", "Find files whose path matches a glob pattern (e.g. src/**/*.ts or **/*.md), searched from the"
-      " working directory; returns one path per line. For code, prefer glob.", obj({
+@tool("search_files", "Find files whose path matches a glob pattern (e.g. src/**/*.ts or"
+      " **/*.md), searched from the working directory; returns one path per line. For code,"
+      " prefer glob.", obj({
           "pattern": prop("string", "The glob pattern."),
       }, ["pattern"]), notes("Find files", read_only=True), hint="find files")
 def tool_search_files(session, args, ctx):
@@ -13696,8 +13704,8 @@ def workspace_error(e, path, doing):
 def workspace_note(config, prefer):
     """What every workspace tool's description ends with: its paths, its errors, and the tool
     to `prefer` for coding work (the workspace tools answer as requirement 004 writes)."""
-    return ("Paths: relative to the workspace root %s, never outside. Errors start with 错误. For code, prefer"
-            " %s." % (config.workdir, prefer))
+    return ("Paths: relative to the workspace root %s, never outside. Errors start with 错误."
+            " For code, prefer %s." % (config.workdir, prefer))
 
 
 def workspace_argument_error(e):
@@ -13705,14 +13713,15 @@ def workspace_argument_error(e):
     return plain_error("错误：路径无效: %s" % e.message, e.code) if e.detail == "path" else e
 
 
-@tool("read_file", lambda config: "Read a text file from the workspace and return its content (a long one up to"
-      " 100,000 characters, with the offset to read on). " + workspace_note(config, "view"), obj({
+@tool("read_file", lambda config: "Read a text file from the workspace and return its content"
+      " (a long one up to 100,000 characters, with the offset to read on). "
+      + workspace_note(config, "view"), obj({
           "path": prop("string", "File path inside the workspace."),
           "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
           "offset": prop("integer", "First line to return, 1-based (default 1)."),
           "limit": prop("integer", "How many lines to return (default: the rest)."),
-      }, ["path"]), notes("Read file", read_only=True, idempotent=True), argument_error=workspace_argument_error,
-      hint="read file")
+      }, ["path"]), notes("Read file", read_only=True, idempotent=True),
+      argument_error=workspace_argument_error, hint="read file")
 def tool_read_file(session, args, ctx):
     """read_file: a workspace file's text (from an offset, a limit of lines), in its encoding."""
     path, encoding = args["path"], args.get("encoding") or "utf-8"
@@ -13733,7 +13742,9 @@ def tool_read_file(session, args, ctx):
             text = data.decode("latin-1")
         except UnicodeError:
             raise plain_error("错误：文件编码无法识别")
-    return line_window(text, args.get("offset"), args.get("limit"), ctx.config.max_result_chars - 300)
+    return line_window(text, args.get("offset"), args.get("limit"),
+                       ctx.config.max_result_chars - 300)
+
 
 
 def lines_within(lines, k, last, cap):
@@ -13768,12 +13779,13 @@ def line_window(text, offset, limit, cap):
     return body
 
 
-@tool("write_file", lambda config: "Write content to a file in the workspace, creating parent directories;"
-      " overwrites an existing file. " + workspace_note(config, "create_file or str_replace"), obj({
+@tool("write_file", lambda config: "Write content to a file in the workspace, creating parent"
+      " directories; overwrites an existing file. "
+      + workspace_note(config, "create_file or str_replace"), obj({
           "path": prop("string", "File path inside the workspace."),
           "content": prop("string", "The complete file content."),
-      }, ["path", "content"]), notes("Write file", destructive=True), argument_error=workspace_argument_error,
-      hint="write file")
+      }, ["path", "content"]), notes("Write file", destructive=True),
+      argument_error=workspace_argument_error, hint="write file")
 def tool_write_file(session, args, ctx):
     """write_file: write a workspace file whole, its directories made."""
     path, content = args["path"], args["content"]
@@ -13789,7 +13801,8 @@ def tool_write_file(session, args, ctx):
         if os.path.isdir(real):
             raise plain_error("错误：%s 是目录" % path, INVALID_INPUT)
         seen = session.seen_of(real)
-        change = seen is not None and os.path.lexists(real) and changed_since(seen, real, ctx.config.max_file_size)
+        change = (seen is not None and os.path.lexists(real)
+                  and changed_since(seen, real, ctx.config.max_file_size))
         if change:
             raise plain_error("错误：文件在上次读取后已被修改（%s）：请先用 read_file 重新读取 %s 再写入"
                               % (change, path), FILE_CHANGED)
@@ -13801,11 +13814,12 @@ def tool_write_file(session, args, ctx):
     return "成功：已写入 %s" % path
 
 
-@tool("list_directory", lambda config: "List a workspace directory: one entry per line, [D] for directories and"
-      " [F] for files, sorted by name. " + workspace_note(config, "view or glob"), obj({
+@tool("list_directory", lambda config: "List a workspace directory: one entry per line, [D] for"
+      " directories and [F] for files, sorted by name. " + workspace_note(config, "view or glob"),
+      obj({
           "path": prop("string", "Directory path inside the workspace (default: the root)."),
-      }), notes("List directory", read_only=True, idempotent=True), argument_error=workspace_argument_error,
-      hint="list directory")
+      }), notes("List directory", read_only=True, idempotent=True),
+      argument_error=workspace_argument_error, hint="list directory")
 def tool_list_directory(session, args, ctx):
     """list_directory: a workspace directory's entries, [D] or [F] each."""
     path = args.get("path") or "."
@@ -13826,8 +13840,10 @@ def tool_list_directory(session, args, ctx):
     cap = ctx.config.max_result_chars - 400
     if len(text) > cap:
         shown = text[:cap].count("\n")
-        text = read_on("\n".join(lines[:shown]), "[共 %d 项，只列出前 %d 项；请用 glob 或列出子目录 / %d entries, the"
-                       " first %d shown; use glob or list a subdirectory]" % (len(lines), shown, len(lines), shown))
+        text = read_on("\n".join(lines[:shown]),
+                       "[共 %d 项，只列出前 %d 项；请用 glob 或列出子目录 / %d entries, the first %d"
+                       " shown; use glob or list a subdirectory]"
+                       % (len(lines), shown, len(lines), shown))
     return text
 
 
@@ -13856,14 +13872,16 @@ WEB_FETCH_WORDS = {
 }
 
 
-@tool("web_fetch", "Fetch a web page by URL (http, https) and return its readable content: HTML as light Markdown"
-      " (no scripts or styles), JSON and plain text as they are; at most 5,000 characters, and a"
-      " cut page ends with the start_index to read on. Errors start with 错误 (error).", obj({
+@tool("web_fetch", "Fetch a web page by URL (http, https) and return its readable content: HTML"
+      " as light Markdown (no scripts or styles), JSON and plain text as they are; at most 5,000"
+      " characters, and a cut page ends with the start_index to read on. Errors start with 错误"
+      " (error).", obj({
           "url": prop("string", "The http:// or https:// URL."),
           "timeout": prop("integer", "Seconds the whole fetch may take (default 10, max 120)."),
           "start_index": prop("integer", "Character offset to read on from."),
-      }, ["url"]), notes("Fetch web page", read_only=True, open_world=True), argument_error=workspace_argument_error,
-      lane="shell", hint="fetch web page, docs")
+      }, ["url"]), notes("Fetch web page", read_only=True, open_world=True),
+      argument_error=workspace_argument_error, lane="shell", hint="fetch web page, docs")
+
 def tool_web_fetch(session, args, ctx):
     """web_fetch: a page as light Markdown (or JSON or text), 5,000 characters at a time."""
     url, timeout = args["url"], args.get("timeout", 10)
