@@ -13942,19 +13942,20 @@ def check_value(name, spec, value, codes=None):
             name, "an" if kind[0] in "aeiou" else "a", kind, brief(value), kind))
     if kind == "string":
         if "\x00" in value:
-            raise ToolError(INVALID_INPUT, "argument %r contains a NUL character (\\u0000), which no path,"
-                            " command or file text may hold" % name, detail=name)
+            raise ToolError(INVALID_INPUT, "argument %r contains a NUL character (\\u0000), which"
+                            " no path, command or file text may hold" % name, detail=name)
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ToolError(INVALID_INPUT, "argument %r holds a lone surrogate (%s at character %d), which is not"
-                            " Unicode text; send valid UTF-8" % (name, json.dumps(value[e.start]), e.start),
-                            detail=name)
+            raise ToolError(INVALID_INPUT, "argument %r holds a lone surrogate (%s at character"
+                            " %d), which is not Unicode text; send valid UTF-8"
+                            % (name, json.dumps(value[e.start]), e.start), detail=name)
     elif kind == "integer" and abs(value) > MAX_INT_ARG:
         raise ToolError(INVALID_INPUT, "argument %r is %s, out of range (at most %d either side)"
                         % (name, brief(value), MAX_INT_ARG))
     if "enum" in spec and value not in spec["enum"]:
-        raise ToolError((codes or {}).get(name, INVALID_INPUT), "argument %r must be one of %s, got %s"
+        raise ToolError((codes or {}).get(name, INVALID_INPUT),
+                        "argument %r must be one of %s, got %s"
                         % (name, ", ".join(spec["enum"]), brief(value)))
     lo, hi = spec.get("minItems", 0), spec.get("maxItems")
     if kind == "array" and (len(value) < lo or (hi is not None and len(value) > hi)):
@@ -13972,7 +13973,8 @@ def check_fields(prefix, schema, args, codes=None):
     for k in args:
         if k not in props:
             raise ToolError(INVALID_INPUT, "unknown argument %r; %s takes: %s"
-                            % (prefix + k, "this tool" if not prefix else prefix[:-1], ", ".join(sorted(props))))
+                            % (prefix + k, "this tool" if not prefix else prefix[:-1],
+                               ", ".join(sorted(props))))
     for k in schema.get("required", ()):
         if k not in args:
             raise ToolError(INVALID_INPUT, "missing required argument %r (%s); add it to the call"
@@ -13988,9 +13990,10 @@ class WorkerPool:
     A call starts at once when its owner (a session's lane: its shell commands, or
     its quick tools) runs fewer than `per_session` calls and the pool fewer than
     `max_workers`; an owner with nothing running always starts its call at once, so
-    one busy session never delays another's next call, nor its own quick tools. Other calls wait in their owner's own queue, in order, and as calls end the
-    owners take turns. A new thread starts whenever none is idle; idle threads
-    retire after WORKER_IDLE_S."""
+    one busy session never delays another's next call, nor its own quick tools. Other
+    calls wait in their owner's own queue, in order, and as calls end the owners take
+    turns. A new thread starts whenever none is idle; idle threads retire after
+    WORKER_IDLE_S."""
 
     def __init__(self, max_workers=MAX_WORKERS, per_session=SESSION_MAX_RUNNING):
         self.ready = queue.Queue()
@@ -14004,8 +14007,8 @@ class WorkerPool:
         self.waiting = OrderedDict()            # owner -> deque of calls, owners in turn order
 
     def submit(self, fn, owner=None):
-        """Run fn on a worker thread, or queue it (behind the owner's earlier ones) when the pool or the
-        owner's share is full."""
+        """Run fn on a worker thread, or queue it (behind the owner's earlier ones) when the
+        pool or the owner's share is full."""
         with self.lock:
             if owner in self.waiting or not self._may_start(owner):
                 self.waiting.setdefault(owner, deque()).append(fn)
@@ -14088,7 +14091,9 @@ def dump_json(msg):
         text = json.dumps(finite(msg), separators=(",", ":"), allow_nan=False)
     if "\\ud" not in text:
         return text
-    return re.sub(_LONE_SURROGATE, lambda m: m.group(0) if len(m.group(0)) != 6 else "\\ufffd", text)
+    return re.sub(_LONE_SURROGATE, lambda m: m.group(0) if len(m.group(0)) != 6 else "\\ufffd",
+                  text)
+
 
 
 def finite(value):
@@ -14220,14 +14225,15 @@ class McpServer:
             emit(error_response(rid, -32603, "Internal error while handling %s" % method))
             return
         if modern is not None:
-            result = dict(result, resultType="complete", _meta=dict(result.get("_meta") or {},
-                                                                    **{SERVER_INFO_KEY: self.server_info()}))
+            result = dict(result, resultType="complete", _meta=dict(
+                result.get("_meta") or {}, **{SERVER_INFO_KEY: self.server_info()}))
             if method == "tools/list":
                 result.update(cacheScope="private", ttlMs=0)
         emit(result_response(rid, result))
 
     def notification(self, method, params, session):
-        """A notification: a cancel ends the request it names; initialized starts the first checkpoint."""
+        """A notification: a cancel ends the request it names; initialized starts the first
+        checkpoint."""
         if method == "notifications/initialized":
             self.checkpoints_of(session).start()
         if method == "notifications/cancelled":
@@ -14239,7 +14245,8 @@ class McpServer:
     def instructions(self):
         """The instructions initialize returns: what the server is, its sandbox, its scope."""
         cfg = self.config
-        lines = [INSTRUCTIONS_FIRST_LINE, self.sandbox.describe(), "Working directory: %s" % cfg.workdir]
+        lines = [INSTRUCTIONS_FIRST_LINE, self.sandbox.describe(),
+                 "Working directory: %s" % cfg.workdir]
         # (the Go original's lines, next to each other in its order)
         if self.policy.allow:
             lines.append("Allowed directories: %s" % ", ".join(self.policy.allow))
@@ -14251,9 +14258,10 @@ class McpServer:
         if cfg.anthropic_compat:
             lines.append("Anthropic compatibility: on (str_replace_editor, Claude Code grep names)")
         if cfg.transport == "http":
-            lines.append("State across calls (working directory, viewed files, background tasks) is kept per"
-                         " MCP session; requests without a session share the state of their bearer token (or of"
-                         " the local user when no token is set). A task id is a random handle: keep it.")
+            lines.append("State across calls (working directory, viewed files, background tasks)"
+                         " is kept per MCP session; requests without a session share the state of"
+                         " their bearer token (or of the local user when no token is set). A task"
+                         " id is a random handle: keep it.")
         # (each line here rides along with every tool's description in Codex: rules for one tool
         # go in that tool's description)
         lines.append("Prefer the view, grep and glob tools over cat, grep and find in bash: their"
@@ -14266,11 +14274,12 @@ class McpServer:
 
     def capabilities(self, modern=False):
         """Server capabilities; 2026-07-28 has no logging capability (SEP-2577)."""
-        return {"tools": {"listChanged": False}} if modern else {"tools": {"listChanged": False}, "logging": {}}
+        caps = {"tools": {"listChanged": False}}
+        return caps if modern else dict(caps, logging={})
 
     def m_initialize(self, params, session):
-        """initialize: the protocol version (the client's if spoken here), capabilities, server info,
-        instructions."""
+        """initialize: the protocol version (the client's if spoken here), capabilities, server
+        info, instructions."""
         info = object_at(params, "clientInfo")
         if isinstance(info.get("name"), str):
             session.client = info["name"]
@@ -14298,7 +14307,8 @@ class McpServer:
         what this server logs about its calls at `level` or above (a tool that crashed)."""
         level = params.get("level")
         if level not in MCP_LOG_LEVELS:
-            raise RpcError(-32602, "level must be one of %s, not %s" % (", ".join(MCP_LOG_LEVELS), brief(level)))
+            raise RpcError(-32602, "level must be one of %s, not %s"
+                           % (", ".join(MCP_LOG_LEVELS), brief(level)))
         session.log_level = level
         return {}
 
@@ -14310,15 +14320,16 @@ class McpServer:
         wanted = session.log_level
         if wanted is not None and MCP_LOG_LEVELS.index(level) >= MCP_LOG_LEVELS.index(wanted):
             emit({"jsonrpc": "2.0", "method": "notifications/message",
-                  "params": {"level": level, "logger": SERVER_NAME, "data": dict(fields, message=message)}})
+                  "params": {"level": level, "logger": SERVER_NAME,
+                             "data": dict(fields, message=message)}})
 
     METHODS = {"initialize": m_initialize, "server/discover": m_discover, "ping": m_ping,
                "tools/list": m_tools_list, "logging/setLevel": m_set_level}
 
     # -- tools/call ----------------------------------------------------------
     def call_tool(self, rid, params, session, emit, modern):
-        """tools/call: check the tool and its arguments, then run it on a worker (its answer comes through
-        emit)."""
+        """tools/call: check the tool and its arguments, then run it on a worker (its answer comes
+        through emit)."""
         name = params.get("name")
         tool = self.tools.get(name) if isinstance(name, str) else None
         if tool is None:
@@ -14329,14 +14340,16 @@ class McpServer:
         cancelled = session.begin(rid)
         meta = object_at(params, "_meta")
         token = meta.get("progressToken")
-        progress = self.progress_sender(token, emit) if isinstance(token, (str, int)) and echoable(token) else None
-        ctx = CallContext(self.config, self.policy, cancelled, progress, self.helpers, self.client_name(meta, session),
-                          self.sandbox, self.files)
+        progress = (self.progress_sender(token, emit)
+                    if isinstance(token, (str, int)) and echoable(token) else None)
+        ctx = CallContext(self.config, self.policy, cancelled, progress, self.helpers,
+                          self.client_name(meta, session), self.sandbox, self.files)
 
         def run():
             points = self.checkpoints_of(session) if tool.changes else None
             try:
-                note = points.before(call_summary(name, args), cancelled) if points is not None else None
+                note = (points.before(call_summary(name, args), cancelled)
+                        if points is not None else None)
                 # cancelled while it waited: it never ran, nobody reads this
                 if note is False:
                     result = {"content": [text_block("cancelled before it ran")], "isError": True}
@@ -14349,11 +14362,13 @@ class McpServer:
                     if note:
                         result["content"].append(text_block(note))
                 if modern is not None:
-                    result.update(resultType="complete", _meta={SERVER_INFO_KEY: self.server_info()})
+                    result.update(resultType="complete",
+                                  _meta={SERVER_INFO_KEY: self.server_info()})
                 response = result_response(rid, result)
             except Exception:
                 log("error", "tool crashed", tool=name, error=_traceback())
-                self.tell(session, emit, "error", "tool crashed; its traceback is in the server's log", tool=name)
+                self.tell(session, emit, "error",
+                          "tool crashed; its traceback is in the server's log", tool=name)
                 response = error_response(rid, -32603, "Internal error in tool %s" % name)
             try:
                 if not cancelled.is_set():
@@ -14362,17 +14377,20 @@ class McpServer:
                 # after emit: a transport waiting on inflight sees the answer first
                 session.end(rid, cancelled)
                 self.answered.set()
-        lane = tool.lane(args if isinstance(args, dict) else {}) if callable(tool.lane) else tool.lane
+        lane = tool.lane
+        if callable(lane):
+            lane = lane(args if isinstance(args, dict) else {})
         self.pool.submit(run, owner=(session, lane))
 
     def checkpoints_of(self, session):
-        """The session's Checkpoints of the workspace roots (--allow-dir, else --workdir), made on first use."""
+        """The session's Checkpoints of the workspace roots (--allow-dir, else --workdir), made on
+        first use."""
         with session.lock:
             if session.checkpoints is None:
                 busy = lambda: session.busy() or \
                     time.monotonic() < session.ended + CHECKPOINT_CALM_S
-                session.checkpoints = Checkpoints(self.policy.allow or [self.policy.workdir], self.policy,
-                                                  self.config, busy, self.store)
+                session.checkpoints = Checkpoints(self.policy.allow or [self.policy.workdir],
+                                                  self.policy, self.config, busy, self.store)
             return session.checkpoints
 
     @staticmethod
@@ -14383,7 +14401,8 @@ class McpServer:
                 if args is None:                         # null means 'not given'
                     args = {}
                 if not isinstance(args, dict):
-                    raise ToolError(INVALID_INPUT, "arguments must be a JSON object of argument names and values")
+                    raise ToolError(INVALID_INPUT,
+                                    "arguments must be a JSON object of argument names and values")
                 props = tool.schema["properties"]
                 checked = {k: v for k, v in args.items()
                                if v is not None and (k in props or k not in INJECTED_ARGUMENTS)}
@@ -14402,8 +14421,8 @@ class McpServer:
                 block["text"] = scrub(block["text"])
                 # a tool's own bound failed: still never longer
                 if len(block["text"]) > cap:
-                    notice = "[result cut at %d of %d characters: ask for less (view_range, offset/limit," \
-                             " head_limit)]" % (cap - 300, len(block["text"]))
+                    notice = ("[result cut at %d of %d characters: ask for less (view_range,"
+                              " offset/limit, head_limit)]" % (cap - 300, len(block["text"])))
                     block["text"] = read_on(block["text"][:cap - 300], notice)
         return {"content": out, "isError": False}
 
@@ -14433,15 +14452,17 @@ class McpServer:
         for an invalid one; (False, None) for one to drop (a response to us, a notification
         with bad params)."""
         if not isinstance(msg, dict):
-            return False, error_response(None, -32600, "Invalid Request: expected a JSON-RPC object"
-                                         + (" (batches are not supported)" if isinstance(msg, list) else ""))
+            batch = " (batches are not supported)" if isinstance(msg, list) else ""
+            return False, error_response(None, -32600,
+                                         "Invalid Request: expected a JSON-RPC object" + batch)
         method, rid, has_id = msg.get("method"), msg.get("id"), "id" in msg
         if method is None and ("result" in msg or "error" in msg):
             return False, None                          # a response to us: we send no requests
         id_ok = not has_id or valid_id(rid)
         if msg.get("jsonrpc") != "2.0" or not isinstance(method, str) or not id_ok:
-            return False, error_response(rid if id_ok else None, -32600, "Invalid Request: need jsonrpc"
-                                         " '2.0', a string method and a string (valid Unicode) or integer id")
+            return False, error_response(rid if id_ok else None, -32600,
+                                         "Invalid Request: need jsonrpc '2.0', a string method and"
+                                         " a string (valid Unicode) or integer id")
         params = msg.get("params")
         if params is None or isinstance(params, dict):
             return True, None
@@ -14459,8 +14480,10 @@ class McpServer:
         if META_VERSION_KEY not in meta:
             if method != "server/discover":
                 return None, None
-            return None, (400, error_response(rid, -32602, "Invalid params: server/discover carries _meta with %s and"
-                                              " %s" % (META_VERSION_KEY, CLIENT_CAPS_KEY)))
+            return None, (400, error_response(rid, -32602, "Invalid params: server/discover"
+                                              " carries _meta with %s and %s"
+                                              % (META_VERSION_KEY, CLIENT_CAPS_KEY)))
+
         modern = meta[META_VERSION_KEY]
         if modern not in MODERN_VERSIONS:
             return None, (400, error_response(rid, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version", {
