@@ -13062,7 +13062,6 @@ def looks_like_prompt(out, err):
         tail = bytes(cap.tail[-200:]).decode("utf-8", "replace")
         if (tail and not tail.endswith("\n")
                 and tail.rstrip()[-1:] in (":", "?", ">", "$", "#", "]")):
-
             return True
     return False
 
@@ -13292,7 +13291,6 @@ TASK_STOP_DESC = ("Stop (kill) a background bash task: SIGTERM to its whole grou
     "task_id": prop("string", "The task_id bash returned."),
 }, ["task_id"]), notes("Stop a background task", destructive=True), goes_with="bash",
       hint="kill a background task")
-
 def tool_task_stop(session, args, ctx):
     """task_stop: kill a task's process group and answer with its last output."""
     task = find_task(session, args["task_id"])
@@ -13525,7 +13523,6 @@ def grep_answer(hits, spec, args, notice, cap):
                      "lines", notice, cap)
 
 
-
 def grep_lines(hits, numbers):
     """Content mode's lines: each hit's records, `--` between files and between groups
     that are not adjacent (with or without context lines, as the original boris)."""
@@ -13746,7 +13743,6 @@ def tool_read_file(session, args, ctx):
                        ctx.config.max_result_chars - 300)
 
 
-
 def lines_within(lines, k, last, cap):
     """(lines[k:last] joined within `cap` characters, the index after the last one
     taken); a first line longer than cap is cut, never left out."""
@@ -13881,7 +13877,6 @@ WEB_FETCH_WORDS = {
           "start_index": prop("integer", "Character offset to read on from."),
       }, ["url"]), notes("Fetch web page", read_only=True, open_world=True),
       argument_error=workspace_argument_error, lane="shell", hint="fetch web page, docs")
-
 def tool_web_fetch(session, args, ctx):
     """web_fetch: a page as light Markdown (or JSON or text), 5,000 characters at a time."""
     url, timeout = args["url"], args.get("timeout", 10)
@@ -14093,7 +14088,6 @@ def dump_json(msg):
         return text
     return re.sub(_LONE_SURROGATE, lambda m: m.group(0) if len(m.group(0)) != 6 else "\\ufffd",
                   text)
-
 
 
 def finite(value):
@@ -14483,7 +14477,6 @@ class McpServer:
             return None, (400, error_response(rid, -32602, "Invalid params: server/discover"
                                               " carries _meta with %s and %s"
                                               % (META_VERSION_KEY, CLIENT_CAPS_KEY)))
-
         modern = meta[META_VERSION_KEY]
         if modern not in MODERN_VERSIONS:
             return None, (400, error_response(rid, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version", {
