@@ -14479,20 +14479,25 @@ class McpServer:
                                               % (META_VERSION_KEY, CLIENT_CAPS_KEY)))
         modern = meta[META_VERSION_KEY]
         if modern not in MODERN_VERSIONS:
-            return None, (400, error_response(rid, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version", {
-                "supported": list(SUPPORTED_VERSIONS),
-                "requested": modern[:100] if isinstance(modern, str) else brief(modern)}))
+            return None, (400, error_response(
+                rid, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version", {
+                    "supported": list(SUPPORTED_VERSIONS),
+                    "requested": modern[:100] if isinstance(modern, str) else brief(modern)}))
         if not isinstance(meta.get(CLIENT_CAPS_KEY), dict):
-            return modern, (400, error_response(rid, -32602, "Invalid params: _meta lacks %s (an object)"
+            return modern, (400, error_response(rid, -32602,
+                                                "Invalid params: _meta lacks %s (an object)"
                                                 % CLIENT_CAPS_KEY))
         if LOG_LEVEL_KEY in meta and meta[LOG_LEVEL_KEY] not in MCP_LOG_LEVELS:
-            return modern, (400, error_response(rid, -32602, "Invalid params: %s must be one of %s, not %s" % (
-                LOG_LEVEL_KEY, ", ".join(MCP_LOG_LEVELS), brief(meta[LOG_LEVEL_KEY]))))
+            return modern, (400, error_response(
+                rid, -32602, "Invalid params: %s must be one of %s, not %s"
+                % (LOG_LEVEL_KEY, ", ".join(MCP_LOG_LEVELS), brief(meta[LOG_LEVEL_KEY]))))
         if method in REMOVED_METHODS or method != "tools/call" and method not in self.METHODS:
-            return modern, (404, error_response(rid, -32601, "Method not found: %s (protocol %s)" % (method, modern)))
+            return modern, (404, error_response(rid, -32601, "Method not found: %s (protocol %s)"
+                                                % (method, modern)))
         if method == "tools/list" and params.get("cursor") is not None:
-            return modern, (400, error_response(rid, -32602, "Invalid params: cursor %s was never given (tools/list"
-                                                " has one page)" % brief(params["cursor"])))
+            return modern, (400, error_response(rid, -32602, "Invalid params: cursor %s was never"
+                                                " given (tools/list has one page)"
+                                                % brief(params["cursor"])))
         return modern, None
 
 ###############################################################################
@@ -14566,7 +14571,8 @@ def _no_constant(name):
 def _finite_float(text):
     value = float(text)
     if value in (float("inf"), float("-inf")):
-        raise ValueError("the number %s is out of range (non-finite numbers are refused)" % text[:40])
+        raise ValueError("the number %s is out of range (non-finite numbers are refused)"
+                         % text[:40])
     return value
 
 
@@ -14581,7 +14587,8 @@ def parse_message(raw):
     """One JSON-RPC message from bytes; ValueError for anything that is not strict
     JSON: NaN, Infinity and numbers that overflow to them (1e400) are refused, as is
     an integer of over 1,000 digits, and any nesting too deep to parse."""
-    hooks = {"parse_constant": _no_constant, "parse_float": _finite_float, "parse_int": _bounded_int}
+    hooks = {"parse_constant": _no_constant, "parse_float": _finite_float,
+             "parse_int": _bounded_int}
     try:
         try:
             # bytes as they are: no decoded copy of a big line
@@ -14865,7 +14872,8 @@ class McpRequestHandler:
     transport = None            # the HttpTransport: bind sets it on the class, with the timeout
     GONE = object()                            # next_out(): the client went away
     CORS_METHODS = "GET, POST, DELETE, OPTIONS"
-    CORS_HEADERS = "Authorization, Content-Type, Accept, Mcp-Session-Id, Mcp-Protocol-Version, Last-Event-ID"
+    CORS_HEADERS = ("Authorization, Content-Type, Accept, Mcp-Session-Id, Mcp-Protocol-Version,"
+                    " Last-Event-ID")
     protocol_version = "HTTP/1.1"
     server_version = "boris/" + __version__
     sys_version = ""
@@ -14900,7 +14908,8 @@ class McpRequestHandler:
         origin = headers.get("Origin") if headers is not None else None
         if origin and is_loopback(host_of(origin)):
             self.send_header("Access-Control-Allow-Origin", origin)
-            self.send_header("Access-Control-Expose-Headers", "Mcp-Session-Id, Mcp-Protocol-Version")
+            self.send_header("Access-Control-Expose-Headers",
+                             "Mcp-Session-Id, Mcp-Protocol-Version")
             self.send_header("Vary", "Origin")
         super().end_headers()
 
@@ -14932,7 +14941,8 @@ class McpRequestHandler:
         if not raw_length:
             return self.refuse(411, {"error": "Content-Length required"}) or None
         if not raw_length.isdigit():
-            return self.refuse(400, {"error": "invalid Content-Length %r" % raw_length[:40]}) or None
+            return self.refuse(400,
+                               {"error": "invalid Content-Length %r" % raw_length[:40]}) or None
         if int(raw_length) > HTTP_MAX_BODY:
             return self.refuse(413, {"error": "body over %d bytes" % HTTP_MAX_BODY}) or None
         return int(raw_length)
@@ -14941,25 +14951,32 @@ class McpRequestHandler:
         """Whether the request's Origin (if any) is a loopback one; False once the 403 is sent."""
         origin = self.headers.get("Origin")
         if origin is not None and not is_loopback(host_of(origin)):
-            return self.refuse(403, {"error": "forbidden", "detail": "Origin %s is not allowed" % origin})
+            return self.refuse(403, {"error": "forbidden",
+                                     "detail": "Origin %s is not allowed" % origin})
         return True
 
     def guarded(self):
         """Path, Origin, Host and bearer checks; False once a refusal is sent."""
         # OAuth discovery: none here, say so at once
         if self.path.startswith("/.well-known/"):
-            return self.refuse(404, {"error": "not found", "detail": "no OAuth here: this server expects a static"
-                                        " bearer token (Authorization: Bearer <token>, see --token)"})
+            return self.refuse(404, {"error": "not found",
+                                     "detail": "no OAuth here: this server expects a static"
+                                               " bearer token (Authorization: Bearer <token>, see"
+                                               " --token)"})
         if self.path.split("?", 1)[0].rstrip("/") != "/mcp":
             return self.refuse(404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
         if not self.origin_ok():
             return False
-        if self.transport.local_bind and not is_loopback(host_of(self.headers.get("Host", "localhost"))):
-            return self.refuse(403, {"error": "forbidden", "detail": "Host header is not a local address"})
+        if (self.transport.local_bind
+                and not is_loopback(host_of(self.headers.get("Host", "localhost")))):
+            return self.refuse(403, {"error": "forbidden",
+                                     "detail": "Host header is not a local address"})
         if not self.bearer_ok():
-            return self.refuse(401, {"error": "unauthorized", "detail": "this server expects a static bearer token:"
-                                     " send 'Authorization: Bearer <token>' with the token given to boris by"
-                                     " --token or printed by --generate-token; it does not do OAuth"},
+            return self.refuse(401, {"error": "unauthorized",
+                                     "detail": "this server expects a static bearer token: send"
+                                               " 'Authorization: Bearer <token>' with the token"
+                                               " given to boris by --token or printed by"
+                                               " --generate-token; it does not do OAuth"},
                                [("WWW-Authenticate", 'Bearer realm="boris"')])
         return True
 
