@@ -15020,7 +15020,7 @@ class McpRequestHandler:
             self.reply(400, error_response(rid, -32600, "Unsupported protocol version: the"
                                            " MCP-Protocol-Version header says %r." % header))
             return None, None
-        modern, refusal = self.transport.server.requested_version(msg) if "id" in msg else (None, None)
+        modern, refusal = t.server.requested_version(msg) if "id" in msg else (None, None)
         # (a header that disagrees comes first)
         if "id" in msg and META_VERSION_KEY in meta:
             refusal = self.header_mismatch(msg, meta, rid) or refusal
@@ -15037,8 +15037,8 @@ class McpRequestHandler:
         if sid:
             session = t.get_session(sid)
             if session is None:
-                self.reply(404, error_response(rid, -32001, "Session not found: it ended or never existed;"
-                                                               " initialize again"))
+                self.reply(404, error_response(rid, -32001, "Session not found: it ended or never"
+                                                            " existed; initialize again"))
             return session, None
         if META_VERSION_KEY in meta or msg.get("method") == "server/discover":
             return t.principal_session(self.principal()), None
@@ -15081,13 +15081,15 @@ class McpRequestHandler:
             return "local user"
         import hashlib
         auth = self.headers.get("Authorization", "")
-        return "token " + hashlib.sha256(auth[7:].strip().encode("utf-8", "replace")).hexdigest()[:16]
+        secret = auth[7:].strip().encode("utf-8", "replace")
+        return "token " + hashlib.sha256(secret).hexdigest()[:16]
 
     def client_gone(self):
         """Whether the client closed its end (checked without blocking)."""
         import socket
         try:
-            return bool(ready([self.connection], 0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            return (bool(ready([self.connection], 0))
+                    and self.connection.recv(1, socket.MSG_PEEK) == b"")
         except (OSError, ValueError):
             return True  # a socket that errors is a client that is gone
 
@@ -15159,8 +15161,9 @@ class McpRequestHandler:
             self.reply(200, {"status": "ok", "name": SERVER_NAME, "version": __version__,
                                 "sessions": len(self.transport.sessions)})
         elif self.guarded():
-            self.refuse(405, {"error": "method not allowed", "detail": "this server sends no unsolicited"
-                                 " messages; POST requests to /mcp"}, [("Allow", "POST, DELETE")])
+            self.refuse(405, {"error": "method not allowed",
+                              "detail": "this server sends no unsolicited messages; POST requests"
+                                        " to /mcp"}, [("Allow", "POST, DELETE")])
 
     def do_OPTIONS(self):
         """A browser's CORS preflight of /mcp or /health: 204 with what may be sent, before
@@ -15194,11 +15197,12 @@ class McpRequestHandler:
             return
         msg = body[0]
         if not isinstance(msg, dict):
-            self.reply(400, error_response(None, -32600, "Invalid Request: expected one JSON-RPC object"))
+            self.reply(400, error_response(None, -32600,
+                                           "Invalid Request: expected one JSON-RPC object"))
             return
         if "id" in msg and not valid_id(msg["id"]):
-            self.reply(400, error_response(None, -32600, "Invalid Request: the id must be a string (valid Unicode)"
-                                                            " or an integer"))
+            self.reply(400, error_response(None, -32600, "Invalid Request: the id must be a"
+                                                         " string (valid Unicode) or an integer"))
             return
         session, sid = self.pick_session(msg)
         if session is None:
@@ -15222,12 +15226,14 @@ def serve_http(server, config, stop):
     try:
         host, port = transport.bind()[:2]
     except OSError as e:
-        sys.stderr.write("boris: error: cannot listen on %s:%s: %s\n" % (config.host, config.port, e.strerror or e))
+        sys.stderr.write("boris: error: cannot listen on %s:%s: %s\n"
+                         % (config.host, config.port, e.strerror or e))
         return 2
     if not token:
         log("warn", "HTTP without a bearer token: any local process can use these tools;"
                     " pass --token or --generate-token to require one")
-    log("info", "serving MCP over HTTP", url="http://%s:%d/mcp" % (config.host, port), auth=bool(token))
+    log("info", "serving MCP over HTTP", url="http://%s:%d/mcp" % (config.host, port),
+        auth=bool(token))
     log("info", server.sandbox.describe(), why=server.sandbox.why)
     # stores that killed servers left; after the lines above
     sweep_stores()
@@ -15271,11 +15277,13 @@ def check_main(config, policy, sandbox):
     rather than assumed (the sandbox by probe_sandbox's writes and connect, the search
     helpers by a glob), printed; the exit code."""
     import shutil
-    server, roots, trials = McpServer(config, policy, sandbox), policy.allow or [policy.workdir], sandbox.trials
+    server = McpServer(config, policy, sandbox)
+    roots, trials = policy.allow or [policy.workdir], sandbox.trials
     session = Session(config)
     try:
         ctx = CallContext(config, policy, helpers=server.helpers, sandbox=sandbox)
-        glob = McpServer.run_tool(server.tools["glob"], session, {"pattern": "*", "path": roots[0]}, ctx)
+        glob = McpServer.run_tool(server.tools["glob"], session,
+                                  {"pattern": "*", "path": roots[0]}, ctx)
     finally:
         session.close()
         server.close()
@@ -15283,17 +15291,22 @@ def check_main(config, policy, sandbox):
     if sandbox.on and not sandbox.protect.enforced:
         userns = "no: " + sandbox.protect.why
     store, inotify = store_place(roots), Watches().open()
-    rows = [("boris.py", "%s, Python %s, uid %d" % (__version__, sys.version.split()[0], os.getuid())),
+    checkpoints_on = config.checkpoint_budget != 0
+    rows = [("boris.py", "%s, Python %s, uid %d"
+             % (__version__, sys.version.split()[0], os.getuid())),
             ("sandbox", sandbox.describe()[9:] + ("" if sandbox.on else "; why: " + sandbox.why)),
             ("  proven", "; ".join("%s: %s" % (k, v if v == "done" else "refused (%s)" % v)
-                                   for k, v in sorted(trials.items())) or "nothing tried (it is off)"),
+                                   for k, v in sorted(trials.items()))
+             or "nothing tried (it is off)"),
             ("  kernel", "Landlock ABI %d; seccomp filters %s; user namespaces %s" % (
                 landlock_abi(), "yes" if net_filter_available() else "no", userns)),
-            ("checkpoints", "a private store in %s" % store if store and config.checkpoint_budget != 0 else
-             "off: " + (NO_STORE if config.checkpoint_budget != 0 else "--checkpoint-budget off")),
-            ("search helpers", glob["content"][0]["text"] if glob["isError"] else "started (a glob answered)"),
+            ("checkpoints", "a private store in %s" % store if store and checkpoints_on else
+             "off: " + (NO_STORE if checkpoints_on else "--checkpoint-budget off")),
+            ("search helpers", glob["content"][0]["text"] if glob["isError"]
+             else "started (a glob answered)"),
             ("inotify", "yes" if inotify is not None else "no: repeated searches stat the tree"),
-            ("git", shutil.which("git") or "not found: checkpoints keep every file's bytes themselves"),
+            ("git", shutil.which("git")
+             or "not found: checkpoints keep every file's bytes themselves"),
             ("shell", SHELL),
             ("ssl", "yes" if importable("ssl") else "no: web_fetch cannot fetch https"),
             ("ctypes", "yes" if importable("ctypes") else "no: no sandbox, no inotify; commands may"
@@ -15305,9 +15318,9 @@ def check_main(config, policy, sandbox):
 
 
 def main(argv=None, environ=None, after_the_script=False):
-    """Run the server (or a helper, with --helper): parse the flags, resolve the sandbox, serve stdio or
-    HTTP until stopped; the exit code. With after_the_script (run as a script) it serves from a
-    thread of its own once start-up is done and returns None (serve_after_the_script)."""
+    """Run the server (or a helper, with --helper): parse the flags, resolve the sandbox, serve
+    stdio or HTTP until stopped; the exit code. With after_the_script (run as a script) it serves
+    from a thread of its own once start-up is done and returns None (serve_after_the_script)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--helper"]:
         return helper_main(argv[1:])
@@ -15344,10 +15357,10 @@ def main(argv=None, environ=None, after_the_script=False):
     server.store.check()
     lacks = missing_modules()
     if lacks:
-        log("warn", "this Python was built without %s: what needs them answers an error naming the module"
-            " or is off (ssl: https fetches; ctypes: the sandbox, inotify, the server's environment"
-            " kept from commands, the daemons they leave ended; zlib: compressed documents)"
-            % ", ".join(lacks))
+        log("warn", "this Python was built without %s: what needs them answers an error naming the"
+            " module or is off (ssl: https fetches; ctypes: the sandbox, inotify, the server's"
+            " environment kept from commands, the daemons they leave ended; zlib: compressed"
+            " documents)" % ", ".join(lacks))
 
     def serve():
         try:
@@ -15355,8 +15368,8 @@ def main(argv=None, environ=None, after_the_script=False):
             server.helpers.prime()
             if config.transport == "http":
                 return serve_http(server, config, stopper)
-            log("info", "serving MCP on stdio: waiting for a client's messages on stdin", workdir=config.workdir,
-                sandbox=sandbox.mode if sandbox.on else "off")
+            log("info", "serving MCP on stdio: waiting for a client's messages on stdin",
+                workdir=config.workdir, sandbox=sandbox.mode if sandbox.on else "off")
             log("info", sandbox.describe(), why=sandbox.why)
             # (after the start-up lines, which a user or a script reads first)
             sweep_stores()
