@@ -10856,7 +10856,8 @@ MATCH_LEVELS = (
     ("ignoring blank lines", squeezed, False),
 )
 BLANK_LEVEL = len(MATCH_LEVELS) - 1
-STRICT_LEVELS = 2               # exactly and trailing whitespace: unique at their own level is enough
+# exactly and trailing whitespace: unique at their own level is enough
+STRICT_LEVELS = 2
 
 
 def leading(line):
@@ -10896,19 +10897,23 @@ def indent_units(mapping):
         return 0, ""
     unit, top, low = min(steps)
     if not unit:
-        return None                                 # two indentations as wide as each other: no unit
+        # two indentations as wide as each other: no unit
+        return None
     step = top[len(low):] if top.startswith(low) else ""
     if not step or step != step[0] * len(step):
         return None
     base = next((f for _, f in levels if f), "")
     if base[:1] != step[0]:
-        return None                                 # spaces that align under tabs: not the file's unit
+        # spaces that align under tabs: not the file's unit
+        return None
     if unit not in (2, 4, 8):
-        return None                                 # no unit a model writes: one line is off, not the unit
+        # no unit a model writes: one line is off, not the unit
+        return None
     for dn, f2, f1 in steps:
         if dn % unit or not f2.startswith(f1) or f2[len(f1):] != step * (dn // unit):
             return None
-    g = math.gcd(unit, len(step))                   # as a ratio: two tabs for 8 columns are a tab for 4
+    # as a ratio: two tabs for 8 columns are a tab for 4
+    g = math.gcd(unit, len(step))
     return unit // g, step[0] * (len(step) // g)
 
 
@@ -10948,7 +10953,8 @@ def with_indent(line, mapping, units=None):
     learnt = indent_units(mapping)
     torn = bool(learnt and learnt[0] and units and (learnt[1][:1] != units[1][:1] or
                                                     learnt[0] * len(units[1]) != units[0] * len(learnt[1])))
-    units = learnt if learnt != (0, "") or not units else units     # torn: the place and the file disagree
+    # torn: the place and the file disagree
+    units = learnt if learnt != (0, "") or not units else units
     units = units or (0, "")
     best = max((k for k in mapping if have.startswith(k)), key=len, default=None)
     if torn and have not in mapping:
@@ -10983,7 +10989,8 @@ def deeper_indent(extra, best, mapping, units):
         # one level known, tabs against spaces: as many of the file's as that level shows
         extra = mapping[best][0] * (len(extra) * len(mapping[best]) // len(best))
     elif extra and not is_shift(mapping):
-        return None                                  # part of a unit the file writes otherwise: not known
+        # part of a unit the file writes otherwise: not known
+        return None
     return extra
 
 
@@ -11140,7 +11147,8 @@ def paired_lines(olds, news):
         return [(k, k) for k in range(len(olds))]
     if len(olds) * len(news) > 400:
         return unpaired
-    best, at = 0.75, None                   # difflib's own cutoff for lines that were changed, not replaced
+    # difflib's own cutoff for lines that were changed, not replaced
+    best, at = 0.75, None
     for k, a in enumerate(olds):
         for m, b in enumerate(news):
             r = ratio(a, b)
@@ -11202,9 +11210,11 @@ class EditMerge:
     def __init__(self, region, want, new, ops, level, cr="", what="old_str", as_sent=False, file_step=None):
         self.region, self.want, self.new, self.ops, self.level = region, want, new, ops, level
         written = set(j for tag, _, _, j1, j2 in ops if tag != "equal" for j in range(j1, j2))
-        mine = indent_step(new, written)        # the model's unit as the lines it wrote nest, and the file's
+        # the model's unit as the lines it wrote nest, and the file's
+        mine = indent_step(new, written)
         self.units = (mine[0], file_step[1]) if mine and mine[0] in (2, 4, 8) and file_step else None
-        self.cr, self.what, self.as_sent = cr, what, as_sent    # as_sent: an unmapped line at column 0 stays there
+        # as_sent: an unmapped line at column 0 stays there
+        self.cr, self.what, self.as_sent = cr, what, as_sent
         self.plain = [l[:-1] if l.endswith("\r") else l for l in region]
         self.align = self.aligned()
         pairs = [(want[w], self.plain[r]) for w, r in enumerate(self.align) if r is not None]
@@ -11227,14 +11237,16 @@ class EditMerge:
         for a, b in pairs:
             if a.strip() and b.strip():
                 images.setdefault(leading(a), set()).add(leading(b))
-        self.known = {a: bs.pop() for a, bs in images.items() if len(bs) == 1}   # where the mapping is not one
+        # where the mapping is not one
+        self.known = {a: bs.pop() for a, bs in images.items() if len(bs) == 1}
         # Two lines or more with the file's very indentation, one line off at most and the
         # same unit: the model's indentation is the file's, and a new line's is too.
         same = sum(1 for a, b in pairs if a.strip() and b.strip() and leading(a) == leading(b))
         self.as_is = same >= 2 and sum(1 for a, b in pairs if a.strip() and b.strip()) - same <= 1 and \
             (self.units is None or self.units[0] == len(self.units[1].expandtabs(4)))
         self.indent_chars = set(file_step[1] if file_step else "".join(leading(f) for f in self.plain))
-        if self.as_is:                          # the line that is off is the slip, not a level to follow
+        # the line that is off is the slip, not a level to follow
+        if self.as_is:
             self.known = {a: b for a, b in self.known.items() if a == b}
         self.off = set(leading(a) for a, b in pairs if a.strip() and b.strip() and leading(a) != leading(b))
 
@@ -11289,7 +11301,8 @@ class EditMerge:
                 for j in range(j1, j2) if tag == "replace" else ():
                     out.append(self.new_line(j))
                 continue
-            out += self.region[rp:mine[0]]          # blank lines old_str lacks, before the block: kept
+            # blank lines old_str lacks, before the block: kept
+            out += self.region[rp:mine[0]]
             if tag == "equal":
                 out += self.region[mine[0]:mine[-1] + 1]
             elif tag == "replace":
@@ -11338,7 +11351,8 @@ class EditMerge:
             return self.known[leading(line)] + line.lstrip()
         if (self.as_is and set(leading(line)) <= self.indent_chars and j is not None and
                 not self.under_off(j)) or (self.as_sent and not leading(line)):
-            return line                         # a patch's line at column 0 stays there, as Codex writes it
+            # a patch's line at column 0 stays there, as Codex writes it
+            return line
         raise self.refuse("its indentation maps onto the file's in more than one way, so the indentation of"
                           " a new line is not known; copy %s's indentation from the file" % self.what)
 
@@ -11404,10 +11418,13 @@ class EditMerge:
             for k in range(i1, i2):
                 p, q = around(ws, k)
                 if wu[k][2]:
-                    gap = gaps.get((p, k)) if k - 1 == p and p in same else None    # (p None: k is the first)
-                    if gap:                            # the file's gap where old_str has none: after the
+                    # (p None: k is the first)
+                    gap = gaps.get((p, k)) if k - 1 == p and p in same else None
+                    if gap:
+                        # the file's gap where old_str has none: after the text put between
+                        # the two, unless it goes with k
                         ahead = p < i1 and not self.text_continues(out[-1], wu[p][1], wu[k][1])
-                        out.insert(len(out) - ahead, gap)     # text put between the two, unless it goes with k
+                        out.insert(len(out) - ahead, gap)
                     out.append(fu[twin[k]][1])
                 elif (p, q) not in gaps:                # at an end of the line
                     out.append(wu[k][1])
@@ -11570,7 +11587,8 @@ def write_edit(session, ctx, tool, changes, dry_run=False):
         return edit_diff(todo, ctx.config.max_result_chars)
     done, notes = [], []
     try:
-        for real, shown, data, before, new_mode in sorted(todo, key=lambda c: c[2] is None):   # removals last
+        # removals last
+        for real, shown, data, before, new_mode in sorted(todo, key=lambda c: c[2] is None):
             top, d = None, os.path.dirname(real)
             while before is None and not os.path.lexists(d):
                 top, d = d, os.path.dirname(d)           # the directories writing it makes
@@ -11717,7 +11735,8 @@ def parse_error(ext, data):
     try:
         text = data.decode("utf-8-sig")
         if ext == ".py":
-            with warnings.catch_warnings():         # a '\ ' in a string is the file's business, not a parse error
+            # a '\ ' in a string is the file's business, not a parse error
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 ast.parse(text)
         elif ext == ".toml":
@@ -11773,7 +11792,8 @@ def match_lines(text, old, most=20):
         line += text.count("\n", at, i)
         at = i
         lines.append(str(line))
-        pos = text.find("\n", i) + 1          # the next line: one occurring later on this one has its number
+        # the next line: one occurring later on this one has its number
+        pos = text.find("\n", i) + 1
         if not pos:
             return ", ".join(lines)
     return ", ".join(lines) + ", ..."
@@ -11916,12 +11936,14 @@ def replace_text(text, edit, shown, cancelled=NOT_CANCELLED):
         old, how = to_crlf(old), "with CRLF line endings"
         count = text.count(old)
     if count and new[:1] in " \t" and old[:1] not in " \t\n" and at_line_text(text, old):
-        pos = text.find(old)        # old_str lost its first line's indentation, new_str has it: give it back
+        # old_str lost its first line's indentation, new_str has it: give it back
+        pos = text.find(old)
         whole = text[text.rfind("\n", 0, pos) + 1:pos] + old
         count = text.count(whole) if text.count(whole) == count else 0
         old = whole
     if count == 1 and not replace_all and text.find(old, text.find(old) + 1) >= 0:
-        count = 2                   # a second place overlapping the first ('x\nx' in 'x\nx\nx') is a place too
+        # a second place overlapping the first ('x\nx' in 'x\nx\nx') is a place too
+        count = 2
     if count > 1 and not replace_all:
         raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str occurs %d times in %s (at lines %s) and must be unique;"
                         " add surrounding lines to old_str to pick one, or set replace_all to true"
@@ -11943,7 +11965,8 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
     index = LineIndex(plain)
     level, hits, elsewhere = find_lines(index, want)
     partial = not hits and not old.endswith("\n")
-    if partial:                                 # old_str may end inside a line, as an exact match may
+    # old_str may end inside a line, as an exact match may
+    if partial:
         level, hits, elsewhere = find_lines(index, want, partial=True)
     if not hits:
         raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and copy the"
@@ -11959,7 +11982,8 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
     merge = None
     for i, j in reversed(hits):
         region, rest = lines[i:j], ""
-        if partial:                             # the file's line goes on after old_str: that stays after new_str
+        # the file's line goes on after old_str: that stays after new_str
+        if partial:
             region[-1], rest = split_after(region[-1], want[-1])
         merge = EditMerge(region, want, new_lines, ops, level, "\r" if "\r\n" in text else "",
                           file_step=indent_step(plain))
@@ -11971,7 +11995,8 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
             cr = "\r" if put[-1].endswith("\r") else ""
             put[-1] = put[-1][:len(put[-1]) - len(cr)] + rest + cr
         if j == len(lines) and not lines[-1].endswith("\r"):
-            put[-1:] = [line[:-1] if line.endswith("\r") else line for line in put[-1:]]   # (a last line: no CR)
+            # (a last line: no CR)
+            put[-1:] = [line[:-1] if line.endswith("\r") else line for line in put[-1:]]
         lines[i:j] = put
     first = hits[0][0]
     return "\n".join(lines), len(hits), len("\n".join(lines[:first])) + (1 if first else 0), relaxed_note(level, merge)
@@ -12297,10 +12322,12 @@ def tool_checkpoints(session, args, ctx):
             "before " + ", ".join(point.followed) if point.followed else "(the state now)",
             "(covers part: %s)  " % point.partial if point.partial and k + 1 < len(kept) else "", changes))
     if latest is not None:
-        kinds, size = Counter(), 0                 # (a directory at a time: no list of every entry at once)
+        # (a directory at a time: no list of every entry at once)
+        kinds, size = Counter(), 0
         for packed in latest.dirs.values():
             for kind, _, digest, length, _, _, _ in unpack_children(packed).values():
-                kinds[kind] += kind != "f" or digest is not None     # (a file not covered is not counted)
+                # (a file not covered is not counted)
+                kinds[kind] += kind != "f" or digest is not None
                 size += length if kind == "f" else 0
         lines.append("Covered now: %d files, %d directories, %d symlinks (%s); the store keeps %s of a %s budget"
                      " in %s." % (kinds["f"], kinds["d"], kinds["l"], human_size(size), human_size(stored),
@@ -12323,7 +12350,8 @@ def checkpoint_diff(points, target, now, offset, cap):
                    and old.get(p, ())[:3] != cur.get(p, ())[:3])
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
-    readers, parts, size, end = {}, [], 0, offset           # end: the files shown end before this one
+    # end: the files shown end before this one
+    readers, parts, size, end = {}, [], 0, offset
 
     def file_diff(p):
         """One file's part: its header and mode lines, then its hunks or why they are not shown."""
@@ -12498,7 +12526,8 @@ class PatchReader:
         lines = text.replace("\r\n", "\n").strip().split("\n")
         heredoc = re.match(r"^\s*(?:apply_patch\s*)?<<-?\s*(['\"]?)(\w+)\1\s*$", lines[0]) if lines else None
         if heredoc and len(lines) > 1 and lines[-1].strip() == heredoc.group(2):
-            lines = lines[1:-1]                     # the patch wrapped as a heredoc, as some models send it
+            # the patch wrapped as a heredoc, as some models send it
+            lines = lines[1:-1]
         if not lines or lines[0].strip() != "*** Begin Patch":
             raise ToolError(INVALID_INPUT, "a patch starts with the line '*** Begin Patch' (and ends with"
                             " '*** End Patch')")
@@ -12560,7 +12589,8 @@ class PatchReader:
         while not self.marker().startswith("*** ") or self.marker() == "*** End of File":
             self.hunk_line(self.lines[self.i], hunks)
             self.i += 1
-        for hunk in hunks:                              # blank lines before the next marker: not context
+        # blank lines before the next marker: not context
+        for hunk in hunks:
             while hunk.lines and hunk.lines[-1] == (" ", "") and any(k != " " for k, _ in hunk.lines):
                 hunk.lines.pop()
         if not hunks or not any(h.lines for h in hunks):
@@ -12632,7 +12662,8 @@ class PatchedText:
                 self.notes.append("hunk %d matched %s" % (k, MATCH_LEVELS[level][0]))
             edits.append((at, end, new))
             if end > at or hunk.headers:
-                self.cursor = end                # a bare addition (at the end) moves no later hunk's search
+                # a bare addition (at the end) moves no later hunk's search
+                self.cursor = end
         for at, end, new in sorted(edits, key=lambda e: e[0], reverse=True):
             lines[at:end] = new
         return self.nl.join(lines) + (self.nl if lines and (self.final or not self.text) else "")
@@ -12643,7 +12674,8 @@ class PatchedText:
         place an ambiguous hunk matches."""
         lines, cursor = self.lines, self.after_headers(hunk, label)
         old = hunk.old()
-        if not old:                                        # only additions: after the headers, or at the end
+        # only additions: after the headers, or at the end
+        if not old:
             at = cursor if hunk.headers and not hunk.eof else len(lines)
             return at, at, 0
         if not any(l.strip() for l in old):                # blank lines only: as they are
@@ -12720,8 +12752,10 @@ class PatchPlan:
         self.session, self.ctx = session, ctx
         self.summary, self.order, self.matched = [], [], []
         lines = {"A": [], "M": [], "D": []}
-        self.now = {}                   # real -> bytes as the sections so far leave it (None: no file)
-        self.before = {}                # real -> (bytes, stat) on disk before the patch, or None
+        # real -> bytes as the sections so far leave it (None: no file)
+        self.now = {}
+        # real -> (bytes, stat) on disk before the patch, or None
+        self.before = {}
         self.shown, self.modes = {}, {}
         for op in ops:
             shown, move = op.path, op.move
