@@ -10835,8 +10835,8 @@ def squeezed(line):
     """A line as the inner-whitespace level sees it: typography folded, its ends stripped,
     a run of whitespace between two word characters one space, any other run gone."""
     s = line.translate(PUNCT_ASCII).strip()
-    return WHITESPACE_RUN.sub(lambda m: " " if m.start() and m.end() < len(s) and is_word(s[m.start() - 1])
-                              and is_word(s[m.end()]) else "", s)
+    return WHITESPACE_RUN.sub(lambda m: " " if m.start() and m.end() < len(s)
+                              and is_word(s[m.start() - 1]) and is_word(s[m.end()]) else "", s)
 
 
 def line_key(line):
@@ -10851,7 +10851,8 @@ MATCH_LEVELS = (
     ("ignoring trailing whitespace", str.rstrip, False),
     ("ignoring indentation", str.strip, True),
     ("ignoring whitespace at both ends of lines", str.strip, False),
-    ("ignoring typographic quotes, dashes and spaces", lambda s: s.translate(PUNCT_ASCII).strip(), False),
+    ("ignoring typographic quotes, dashes and spaces",
+     lambda s: s.translate(PUNCT_ASCII).strip(), False),
     ("ignoring whitespace inside lines", squeezed, False),
     ("ignoring blank lines", squeezed, False),
 )
@@ -10951,8 +10952,8 @@ def with_indent(line, mapping, units=None):
         return ""
     have = leading(line)
     learnt = indent_units(mapping)
-    torn = bool(learnt and learnt[0] and units and (learnt[1][:1] != units[1][:1] or
-                                                    learnt[0] * len(units[1]) != units[0] * len(learnt[1])))
+    torn = bool(learnt and learnt[0] and units and (
+        learnt[1][:1] != units[1][:1] or learnt[0] * len(units[1]) != units[0] * len(learnt[1])))
     # torn: the place and the file disagree
     units = learnt if learnt != (0, "") or not units else units
     units = units or (0, "")
@@ -10984,8 +10985,9 @@ def deeper_indent(extra, best, mapping, units):
     as it is where the mapping is a shift; None when it cannot be told."""
     if extra and units[0] and len(extra.expandtabs(4)) % units[0] == 0:
         extra = units[1] * (len(extra.expandtabs(4)) // units[0])
-    elif extra and best and len(set(best)) == len(set(mapping[best])) == 1 != len(set(best + mapping[best])) and \
-            set(extra) == set(best) and len(extra) * len(mapping[best]) % len(best) == 0:
+    elif (extra and best and len(set(best)) == len(set(mapping[best])) == 1
+          != len(set(best + mapping[best])) and set(extra) == set(best)
+          and len(extra) * len(mapping[best]) % len(best) == 0):
         # one level known, tabs against spaces: as many of the file's as that level shows
         extra = mapping[best][0] * (len(extra) * len(mapping[best]) // len(best))
     elif extra and not is_shift(mapping):
@@ -11075,11 +11077,14 @@ def level_of(plain, want, i, j, partial=False):
         return a.startswith(b) if last and partial else a == b
     if len(region) == len(want):
         for k, (_, norm, units) in enumerate(MATCH_LEVELS[:BLANK_LEVEL]):
-            if all(same(norm, a, b, n == len(want) - 1) for n, (a, b) in enumerate(zip(region, want))):
+            if all(same(norm, a, b, n == len(want) - 1)
+                   for n, (a, b) in enumerate(zip(region, want))):
                 if not units or indent_map(want, region) is not None:
                     return k
-    have, wanted = [squeezed(l) for l in region if l.strip()], [squeezed(w) for w in want if w.strip()]
-    if len(have) == len(wanted) and all(same(None, a, b, n == len(have) - 1) for n, (a, b) in enumerate(zip(have, wanted))):
+    have = [squeezed(l) for l in region if l.strip()]
+    wanted = [squeezed(w) for w in want if w.strip()]
+    if len(have) == len(wanted) and all(same(None, a, b, n == len(have) - 1)
+                                        for n, (a, b) in enumerate(zip(have, wanted))):
         return BLANK_LEVEL
     return None
 
@@ -11110,7 +11115,8 @@ def hunk_ops(lines):
     for kind, text in lines + [(" ", None)]:
         if kind == " ":
             if run:
-                tag = "replace" if run[0] < run[1] and run[2] < run[3] else "delete" if run[0] < run[1] else "insert"
+                removes, adds = run[0] < run[1], run[2] < run[3]
+                tag = "replace" if removes and adds else "delete" if removes else "insert"
                 ops.append((tag,) + tuple(run))
                 run = None
             if text is None:
@@ -11178,12 +11184,14 @@ def text_units(core):
             k += 1
             continue
         j = k
-        while j < len(core) and (not core[j].translate(PUNCT_ASCII) or core[j].translate(PUNCT_ASCII).isspace()):
+        while j < len(core) and (not core[j].translate(PUNCT_ASCII)
+                                 or core[j].translate(PUNCT_ASCII).isspace()):
             j += 1
         run = core[k:j]
         after = core[j:j + 1].translate(PUNCT_ASCII)[:1]
         spaced = any(ch.translate(PUNCT_ASCII).isspace() for ch in run)
-        units.append((" " if spaced and units and is_word(units[-1][0]) and after and is_word(after) else "", run, False))
+        units.append((" " if spaced and units and is_word(units[-1][0])
+                      and after and is_word(after) else "", run, False))
         k = j
     return units
 
@@ -11207,12 +11215,14 @@ class EditMerge:
     indentation and line ending and no trailing whitespace they were not sent with.
     Where the difference has no single right place, lines() raises a refusal."""
 
-    def __init__(self, region, want, new, ops, level, cr="", what="old_str", as_sent=False, file_step=None):
+    def __init__(self, region, want, new, ops, level, cr="", what="old_str", as_sent=False,
+                 file_step=None):
         self.region, self.want, self.new, self.ops, self.level = region, want, new, ops, level
         written = set(j for tag, _, _, j1, j2 in ops if tag != "equal" for j in range(j1, j2))
         # the model's unit as the lines it wrote nest, and the file's
         mine = indent_step(new, written)
-        self.units = (mine[0], file_step[1]) if mine and mine[0] in (2, 4, 8) and file_step else None
+        self.units = ((mine[0], file_step[1]) if mine and mine[0] in (2, 4, 8) and file_step
+                      else None)
         # as_sent: an unmapped line at column 0 stays there
         self.cr, self.what, self.as_sent = cr, what, as_sent
         self.plain = [l[:-1] if l.endswith("\r") else l for l in region]
@@ -11233,22 +11243,24 @@ class EditMerge:
         line, file line) `pairs`: `known` (each of old_str's indentations that maps to one of
         the file's), `as_is` (the model wrote the file's own), `indent_chars`, and `off` (the
         indentations that differ)."""
+        # the pairs that say something of indentation: both lines have text
+        texts = [(a, b) for a, b in pairs if a.strip() and b.strip()]
         images = {}
-        for a, b in pairs:
-            if a.strip() and b.strip():
-                images.setdefault(leading(a), set()).add(leading(b))
-        # where the mapping is not one
+        for a, b in texts:
+            images.setdefault(leading(a), set()).add(leading(b))
+        # left out: an indentation that maps onto more than one of the file's
         self.known = {a: bs.pop() for a, bs in images.items() if len(bs) == 1}
         # Two lines or more with the file's very indentation, one line off at most and the
         # same unit: the model's indentation is the file's, and a new line's is too.
-        same = sum(1 for a, b in pairs if a.strip() and b.strip() and leading(a) == leading(b))
-        self.as_is = same >= 2 and sum(1 for a, b in pairs if a.strip() and b.strip()) - same <= 1 and \
-            (self.units is None or self.units[0] == len(self.units[1].expandtabs(4)))
-        self.indent_chars = set(file_step[1] if file_step else "".join(leading(f) for f in self.plain))
+        same = sum(1 for a, b in texts if leading(a) == leading(b))
+        self.as_is = same >= 2 and len(texts) - same <= 1 and (
+            self.units is None or self.units[0] == len(self.units[1].expandtabs(4)))
+        self.indent_chars = set(file_step[1] if file_step
+                                else "".join(leading(f) for f in self.plain))
         # the line that is off is the slip, not a level to follow
         if self.as_is:
             self.known = {a: b for a, b in self.known.items() if a == b}
-        self.off = set(leading(a) for a, b in pairs if a.strip() and b.strip() and leading(a) != leading(b))
+        self.off = set(leading(a) for a, b in texts if leading(a) != leading(b))
 
     def file_tail(self):
         """The trailing whitespace new lines get: the file's, where it is a convention here
@@ -11280,8 +11292,9 @@ class EditMerge:
         return align
 
     def refuse(self, why):
-        return ToolError(STR_REPLACE_AMBIGUOUS, "%s was found %s, but the edit cannot be placed with one"
-                         " right result: %s; nothing was written" % (self.what, MATCH_LEVELS[self.level][0], why))
+        return ToolError(STR_REPLACE_AMBIGUOUS, "%s was found %s, but the edit cannot be placed"
+                         " with one right result: %s; nothing was written"
+                         % (self.what, MATCH_LEVELS[self.level][0], why))
 
     def lines(self):
         """The region's lines after the edit (CR kept where the file has it)."""
@@ -11291,9 +11304,10 @@ class EditMerge:
             ahead = next((r for r in align[i2:] if r is not None), len(self.region))
             if tag == "insert":
                 if rp < ahead:
-                    raise self.refuse("the file has %s at line %d of the match that %s lacks, just where the"
-                                      " new lines go; copy %s with the file's blank lines" % (
-                                          plural(ahead - rp, "blank line"), rp + 1, self.what, self.what))
+                    raise self.refuse(
+                        "the file has %s at line %d of the match that %s lacks, just where the"
+                        " new lines go; copy %s with the file's blank lines"
+                        % (plural(ahead - rp, "blank line"), rp + 1, self.what, self.what))
                 for j in range(j1, j2):
                     out.append(self.new_line(j))
                 continue
@@ -11308,8 +11322,9 @@ class EditMerge:
             elif tag == "replace":
                 inside = [r for r in range(mine[0], mine[-1] + 1) if r not in mine]
                 if inside:
-                    raise self.refuse("the file has a blank line at line %d of the match, inside the lines the"
-                                      " edit changes, that %s lacks" % (inside[0] + 1, self.what))
+                    raise self.refuse("the file has a blank line at line %d of the match, inside"
+                                      " the lines the edit changes, that %s lacks"
+                                      % (inside[0] + 1, self.what))
                 olds = [w for w in range(i1, i2) if align[w] is not None]
                 for k, m in paired_lines([self.want[w] for w in olds], self.new[j1:j2]):
                     if m is None:
@@ -11337,7 +11352,8 @@ class EditMerge:
         is off (then its own is not known)."""
         parent = self.parent(j)
         unit = self.units[0] if self.units else 4
-        return parent in self.off and (len(leading(self.new[j]).expandtabs(4)) - len(parent.expandtabs(4))) % unit == 0
+        return parent in self.off and (len(leading(self.new[j]).expandtabs(4))
+                                       - len(parent.expandtabs(4))) % unit == 0
 
     def indent(self, line, j=None):
         """A new line with the file's indentation (with_indent through the mapping learnt
@@ -11353,8 +11369,9 @@ class EditMerge:
                 not self.under_off(j)) or (self.as_sent and not leading(line)):
             # a patch's line at column 0 stays there, as Codex writes it
             return line
-        raise self.refuse("its indentation maps onto the file's in more than one way, so the indentation of"
-                          " a new line is not known; copy %s's indentation from the file" % self.what)
+        raise self.refuse(
+            "its indentation maps onto the file's in more than one way, so the indentation of"
+            " a new line is not known; copy %s's indentation from the file" % self.what)
 
     def new_line(self, j):
         """New line j, one the edit adds: the file's indentation and line
@@ -11398,7 +11415,8 @@ class EditMerge:
             raise self.refuse("the changed line %r does not line up with the file's %r" % (
                 shorten(wc, 60), shorten(fc, 60)))
         twin = dict(zip(ws, fs))                        # w's solid unit -> the file's
-        ops = difflib.SequenceMatcher(None, [u[1] for u in wu], [u[1] for u in nu], autojunk=False).get_opcodes()
+        ops = difflib.SequenceMatcher(None, [u[1] for u in wu], [u[1] for u in nu],
+                                      autojunk=False).get_opcodes()
         same = set()
         for tag, i1, i2, _, _ in ops:
             same.update(range(i1, i2) if tag == "equal" else ())
@@ -11410,9 +11428,10 @@ class EditMerge:
             if tag != "equal":
                 put = self.typed(original_text(nu[j1:j2]))
                 if spacing and any(not is_word(ch) and not ch.isspace() for ch in put):
-                    raise self.refuse("the file spaces the line %r otherwise than %s (%r), and the change puts"
-                                      " punctuation into it; copy the line as the file has it" % (
-                                          shorten(fc, 60), self.what, shorten(wc, 60)))
+                    raise self.refuse(
+                        "the file spaces the line %r otherwise than %s (%r), and the change puts"
+                        " punctuation into it; copy the line as the file has it"
+                        % (shorten(fc, 60), self.what, shorten(wc, 60)))
                 out.append(put)
                 continue
             for k in range(i1, i2):
@@ -11437,10 +11456,12 @@ class EditMerge:
         """Whether text put between two units that the file spaces apart (old_str does not)
         continues the unit on its left (the gap then goes after it), not the one on its right
         (the gap goes before it); a refusal when that cannot be told (both, or neither)."""
-        joins_left, joins_right = is_word(put[:1]) and is_word(left[-1:]), is_word(put[-1:]) and is_word(right[:1])
+        joins_left = is_word(put[:1]) and is_word(left[-1:])
+        joins_right = is_word(put[-1:]) and is_word(right[:1])
         if joins_left == joins_right:
-            raise self.refuse("the file has whitespace between %r and %r where %s has none, and the change puts"
-                              " %r there; copy the line as the file has it" % (left, right, self.what, shorten(put, 40)))
+            raise self.refuse("the file has whitespace between %r and %r where %s has none, and"
+                              " the change puts %r there; copy the line as the file has it"
+                              % (left, right, self.what, shorten(put, 40)))
         return joins_left
 
     @staticmethod
@@ -11554,12 +11575,13 @@ def to_crlf(s):
 
 
 def encode_text(text, name="content"):
-    """The bytes to write for `text` (UTF-8; lone surrogates from undecodable bytes turned back into those
-    bytes); INVALID_INPUT naming `name` for text that cannot be written."""
+    """The bytes to write for `text` (UTF-8; lone surrogates from undecodable bytes turned back
+    into those bytes); INVALID_INPUT naming `name` for text that cannot be written."""
     try:
         return text.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError:
-        raise ToolError(INVALID_INPUT, "%s holds an unpaired surrogate character; send valid UTF-8 text" % name)
+        raise ToolError(INVALID_INPUT, "%s holds an unpaired surrogate character; send valid"
+                        " UTF-8 text" % name)
 
 
 UNKNOWN = object()      # an edit's 'before' that the writer reads itself
@@ -11578,8 +11600,9 @@ def write_edit(session, ctx, tool, changes, dry_run=False):
     limit = ctx.config.max_file_size
     for real, shown, data, _, _ in changes:
         if data is not None and len(data) > limit:
-            raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s (--max-file-size);"
-                            " nothing was written" % (shown, human_size(len(data)), human_size(limit)))
+            raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s"
+                            " (--max-file-size); nothing was written"
+                            % (shown, human_size(len(data)), human_size(limit)))
     known = befores(changes, limit)
     todo = [(real, shown, data, known[real][0] if known[real] else None, new_mode)
             for real, shown, data, _, new_mode in changes]
@@ -11595,18 +11618,21 @@ def write_edit(session, ctx, tool, changes, dry_run=False):
             if data is None:
                 remove_file(real)
             elif not atomic_write(real, data, ctx.files, new_mode or 0o644):
-                notes.append(" (%s rewritten in place: its directory refuses new files or renames)" % shown)
+                notes.append(" (%s rewritten in place: its directory refuses new files or"
+                             " renames)" % shown)
             done.append((real, before, top))
             if data is not None:
                 session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
     except (OSError, ToolError) as e:
         why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
-        raise ToolError(IO_ERROR, "writing %s failed (%s); %s" % (shown, why, put_back(done, known, ctx)))
+        raise ToolError(IO_ERROR, "writing %s failed (%s); %s"
+                        % (shown, why, put_back(done, known, ctx)))
     kept = {real: known[real] + (digest_of(data) if data is not None else None,)
                 for real, _, data, _, _ in todo if known[real] is not None}
     if kept and tool != "undo_edit":
         session.remember_edit(tool, keep_befores(session, kept))
-    return "".join(notes) + "".join(parse_warning(real, before, data) for real, _, data, before, _ in todo
+    return "".join(notes) + "".join(parse_warning(real, before, data)
+                                    for real, _, data, before, _ in todo
                                     if data is not None and known[real] is not None)
 
 
@@ -11627,7 +11653,8 @@ def befores(changes, limit):
 
 
 StoredBytes = namedtuple("StoredBytes", "digest size")
-StoredBytes.__doc__ = "A file's bytes before an edit, kept in the session's checkpoint store under `digest`."
+StoredBytes.__doc__ = ("A file's bytes before an edit, kept in the session's checkpoint store"
+                       " under `digest`.")
 
 
 def keep_befores(session, changes):
@@ -11647,14 +11674,15 @@ def keep_befores(session, changes):
 
 
 def bytes_before(session, before):
-    """The bytes an undo history entry holds (keep_befores), read back from the store if kept there."""
+    """The bytes an undo history entry holds (keep_befores), read back from the store if kept
+    there."""
     if not isinstance(before, StoredBytes):
         return before
     try:
         return session.checkpoints.blob(before.digest)
     except OSError as e:
-        raise ToolError(IO_ERROR, "the bytes to restore are gone from the checkpoint store (%s); nothing was"
-                        " undone" % (e.strerror or e))
+        raise ToolError(IO_ERROR, "the bytes to restore are gone from the checkpoint store (%s);"
+                        " nothing was undone" % (e.strerror or e))
 
 
 def put_back(done, known, ctx):
@@ -11683,8 +11711,9 @@ def unified_diff(before, after, shown):
     a = (before or b"").decode("utf-8", "surrogateescape").splitlines(True)
     b = (after or b"").decode("utf-8", "surrogateescape").splitlines(True)
     return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
-                   for line in difflib.unified_diff(a, b, "/dev/null" if before is None else "a/" + shown,
-                                                    "/dev/null" if after is None else "b/" + shown))
+                   for line in difflib.unified_diff(
+                       a, b, "/dev/null" if before is None else "a/" + shown,
+                       "/dev/null" if after is None else "b/" + shown))
 
 
 def edit_diff(todo, cap):
@@ -11694,7 +11723,8 @@ def edit_diff(todo, cap):
     text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     if not text:
         return "Dry run: the edit would change nothing; nothing was written."
-    head = "Dry run: nothing was written. The edit would make this change (unified diff, the file's line numbers):\n"
+    head = ("Dry run: nothing was written. The edit would make this change (unified diff, the"
+            " file's line numbers):\n")
     if len(head) + len(text) > cap - 200:
         text = text[:cap - 400] + "\n[diff cut at %d of %d characters]" % (cap - 400, len(text))
     return head + text
@@ -11717,8 +11747,8 @@ def parse_warning(real, before, after):
     back; '' otherwise (also for a file that did not parse before, or over
     PARSE_CHECK_BYTES). Parsing only: nothing runs, nothing is imported."""
     ext = os.path.splitext(real)[1].lower()
-    if before is None or ext not in (".py", ".json", ".toml", ".ipynb") or max(len(before), len(after)) > \
-            PARSE_CHECK_BYTES:
+    if before is None or ext not in (".py", ".json", ".toml", ".ipynb") or \
+            max(len(before), len(after)) > PARSE_CHECK_BYTES:
         return ""
     error = parse_error(ext, after) if parse_error(ext, before) is None else None
     if error is None:
@@ -11763,8 +11793,9 @@ def check_unchanged(session, ctx, real, shown):
         return
     change = changed_since(seen, real, ctx.config.max_file_size)
     if change:
-        raise ToolError(FILE_CHANGED, "%s changed since this session last saw it (%s); view it again before"
-                        " overwriting it, so that no one else's change is lost" % (shown, change))
+        raise ToolError(FILE_CHANGED, "%s changed since this session last saw it (%s); view it"
+                        " again before overwriting it, so that no one else's change is lost"
+                        % (shown, change))
 
 
 def snippet(text, first_line, span):
