@@ -11844,7 +11844,8 @@ def closest_region(text, old, cancelled=NOT_CANCELLED, what="old_str"):
     want = text_lines(old)
     numbered = re.compile(r"^ *\d+\t")
     if numbered.match(want[0]) and all(numbered.match(w) for w in want if w):
-        return " old_str starts its lines with view's line-number prefixes (number, tab); leave them out."
+        return (" old_str starts its lines with view's line-number prefixes (number, tab);"
+                " leave them out.")
     want = want[:MISS_WINDOW_LINES]
     import difflib
     n = len(want)
@@ -11860,7 +11861,8 @@ def closest_region(text, old, cancelled=NOT_CANCELLED, what="old_str"):
             elif a.strip() == b.strip():
                 total += 0.95
             else:
-                total += difflib.SequenceMatcher(None, a[:200], b[:200], autojunk=False).quick_ratio()
+                total += difflib.SequenceMatcher(None, a[:200], b[:200],
+                                                 autojunk=False).quick_ratio()
         if total / max(n, 1) > best:
             best, at = total / max(n, 1), s
     if at is None or best < 0.5:
@@ -11874,30 +11876,35 @@ def region_report(region, want, at, best, what):
     import difflib
 
     def indents(s):
-        return plural(s.count("\t"), "tab") if "\t" in s else plural(len(s), "space") if s else "no indentation"
+        if "\t" in s:
+            return plural(s.count("\t"), "tab")
+        return plural(len(s), "space") if s else "no indentation"
     ws = []                             # lines equal but for whitespace: what differs, in words
     for k, (f, w) in enumerate(zip(region, want)):
         if f == w or f.strip() != w.strip():
             continue
         says = []
         if leading(f) != leading(w):
-            says.append("the file indents with %s, %s with %s" % (indents(leading(f)), what, indents(leading(w))))
+            says.append("the file indents with %s, %s with %s"
+                        % (indents(leading(f)), what, indents(leading(w))))
         if trailing(f) != trailing(w):
-            says.append("the file has %s, %s %d" % (plural(len(trailing(f)), "trailing space"), what,
-                                                      len(trailing(w))))
+            says.append("the file has %s, %s %d"
+                        % (plural(len(trailing(f)), "trailing space"), what, len(trailing(w))))
         if says:
             ws.append("line %d: %s" % (at + k + 1, "; ".join(says)))
     hint = ""
     if [l.strip() for l in region] == [w.strip() for w in want]:
-        hint = " They differ only in indentation or trailing spaces: copy the whitespace from the lines below."
+        hint = (" They differ only in indentation or trailing spaces: copy the whitespace from"
+                " the lines below.")
     shown = number_lines([clip_line(l)[:200] for l in region[:MISS_CONTEXT_LINES]], at + 1)
     diff = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, region, want, autojunk=False).get_opcodes():
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, region, want,
+                                                       autojunk=False).get_opcodes():
         if tag != "equal":
             diff += ["-%6d\t%s" % (at + i + 1, visible(region[i])[:200]) for i in range(i1, i2)]
             diff += ["+%6s\t%s" % ("", visible(want[j])[:200]) for j in range(j1, j2)]
-    return ("\nThe closest text is at lines %d-%d (%d%% similar):%s\n%s%s\nHow %s differs (- file line, + %s; a"
-            " trailing space shows as \u00b7, a tab as \u2192):\n%s"
+    return ("\nThe closest text is at lines %d-%d (%d%% similar):%s\n%s%s\nHow %s differs"
+            " (- file line, + %s; a trailing space shows as \u00b7, a tab as \u2192):\n%s"
             % (at + 1, at + len(region), int(best * 100), hint, shown,
                ("\n" + "\n".join(ws[:MISS_CONTEXT_LINES])) if ws else "", what, what,
                "\n".join(diff[:2 * MISS_CONTEXT_LINES])))
@@ -11937,9 +11944,10 @@ def candidate_starts(lines, want, cancelled):
         if i % 1000 == 0 and cancelled.is_set():
             return []
         matcher.set_seq1(line.strip()[:200])
-        ratio = matcher.ratio() if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6 else 0
-        if ratio >= 0.6:
-            close.append((ratio, -i))                  # (-i: the first of equal ones wins)
+        if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6:
+            ratio = matcher.ratio()
+            if ratio >= 0.6:
+                close.append((ratio, -i))              # (-i: the first of equal ones wins)
     return [-neg_i - first for _, neg_i in heapq.nlargest(MISS_CANDIDATES, close)]
 
 
@@ -11949,7 +11957,8 @@ def check_old_new(old, new):
         raise ToolError(INVALID_INPUT, "old_str is empty; give the exact text to replace"
                         " (to write a whole file use create_file)")
     if old == new:
-        raise ToolError(INVALID_INPUT, "old_str and new_str are identical; there is nothing to change")
+        raise ToolError(INVALID_INPUT,
+                        "old_str and new_str are identical; there is nothing to change")
 
 
 # -- the edit tools ----------------------------------------------------------------
@@ -11959,7 +11968,8 @@ def replace_text(text, edit, shown, cancelled=NOT_CANCELLED):
     edit ({old_str, new_str, replace_all}, as str_replace and each of multi_edit's take
     it) through the one matcher. Refused: old_str empty or equal to new_str, not found
     (with the closest region), or more than one place at the level that matched."""
-    old, new, replace_all = edit["old_str"], edit.get("new_str") or "", bool(edit.get("replace_all"))
+    old, new = edit["old_str"], edit.get("new_str") or ""
+    replace_all = bool(edit.get("replace_all"))
     check_old_new(old, new)
     count = text.count(old)
     how = ""
@@ -11976,9 +11986,9 @@ def replace_text(text, edit, shown, cancelled=NOT_CANCELLED):
         # a second place overlapping the first ('x\nx' in 'x\nx\nx') is a place too
         count = 2
     if count > 1 and not replace_all:
-        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str occurs %d times in %s (at lines %s) and must be unique;"
-                        " add surrounding lines to old_str to pick one, or set replace_all to true"
-                        % (count, shown, match_lines(text, old)))
+        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str occurs %d times in %s (at lines %s) and"
+                        " must be unique; add surrounding lines to old_str to pick one, or set"
+                        " replace_all to true" % (count, shown, match_lines(text, old)))
     if count:
         return replaced(text, old, new), count, text.find(old), how
     return replace_lines(text, edit, shown, cancelled)
@@ -11989,7 +11999,8 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
     difference old_str -> new_str merged into the file's lines there (EditMerge); the
     same answer as replace_text."""
     import difflib
-    old, new, replace_all = edit["old_str"], edit.get("new_str") or "", bool(edit.get("replace_all"))
+    old, new = edit["old_str"], edit.get("new_str") or ""
+    replace_all = bool(edit.get("replace_all"))
     lines = text.split("\n")
     plain = [l[:-1] if l.endswith("\r") else l for l in lines]
     want = text_lines(old)
@@ -12000,13 +12011,15 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
     if partial:
         level, hits, elsewhere = find_lines(index, want, partial=True)
     if not hits:
-        raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and copy the"
-                        " text exactly, whitespace and indentation included.%s" % (shown, closest_region(text, old, cancelled)))
+        raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and"
+                        " copy the text exactly, whitespace and indentation included.%s"
+                        % (shown, closest_region(text, old, cancelled)))
     if len(hits) + len(elsewhere) > 1 and not replace_all:
         places = sorted(hits + elsewhere)
-        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s), and a relaxed"
-                        " match must be unique; copy old_str exactly from the file, or add surrounding lines"
-                        % (len(places), shown, MATCH_LEVELS[level][0], ", ".join(str(i + 1) for i, _ in places[:20])))
+        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s),"
+                        " and a relaxed match must be unique; copy old_str exactly from the file,"
+                        " or add surrounding lines" % (len(places), shown, MATCH_LEVELS[level][0],
+                                                      ", ".join(str(i + 1) for i, _ in places[:20])))
     new_lines = text_lines(new, ended=old.endswith("\n")) if new else []
     ops = difflib.SequenceMatcher(None, want, new_lines, autojunk=False).get_opcodes()
     hits = apart(hits)                          # replace_all: no two places overlap
@@ -12021,16 +12034,17 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
         put = merge.lines()
         if rest:
             if not put:
-                raise merge.refuse("old_str ends inside line %d, and the edit removes everything before the"
-                                   " rest of that line" % j)
+                raise merge.refuse("old_str ends inside line %d, and the edit removes everything"
+                                   " before the rest of that line" % j)
             cr = "\r" if put[-1].endswith("\r") else ""
             put[-1] = put[-1][:len(put[-1]) - len(cr)] + rest + cr
         if j == len(lines) and not lines[-1].endswith("\r"):
             # (a last line: no CR)
             put[-1:] = [line[:-1] if line.endswith("\r") else line for line in put[-1:]]
         lines[i:j] = put
-    first = hits[0][0]
-    return "\n".join(lines), len(hits), len("\n".join(lines[:first])) + (1 if first else 0), relaxed_note(level, merge)
+    # where the first change starts: each line before it, and its "\n"
+    offset = sum(len(line) + 1 for line in lines[:hits[0][0]])
+    return "\n".join(lines), len(hits), offset, relaxed_note(level, merge)
 
 
 def apart(spans):
