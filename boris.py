@@ -12018,8 +12018,9 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
         places = sorted(hits + elsewhere)
         raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s),"
                         " and a relaxed match must be unique; copy old_str exactly from the file,"
-                        " or add surrounding lines" % (len(places), shown, MATCH_LEVELS[level][0],
-                                                      ", ".join(str(i + 1) for i, _ in places[:20])))
+                        " or add surrounding lines"
+                        % (len(places), shown, MATCH_LEVELS[level][0],
+                           ", ".join(str(i + 1) for i, _ in places[:20])))
     new_lines = text_lines(new, ended=old.endswith("\n")) if new else []
     ops = difflib.SequenceMatcher(None, want, new_lines, autojunk=False).get_opcodes()
     hits = apart(hits)                          # replace_all: no two places overlap
@@ -12099,15 +12100,16 @@ STR_REPLACE_DESC = ("Edit a file - the edit tool for most edits: replace text (o
 }, ["path", "old_str"]), notes("Replace text in a file", destructive=True), modes=DEFAULT,
       hint="edit code in a file")
 def tool_str_replace(session, args, ctx):
-    """str_replace: replace old_str (unique, or every one with replace_all) in a file viewed and unchanged
-    since."""
+    """str_replace: replace old_str (unique, or every one with replace_all) in a file viewed and
+    unchanged since."""
     shown, new = args["path"], args.get("new_str") or ""
     real = resolve_checked(session, ctx, shown)
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         updated, count, pos, how = replace_text(text, args, shown, ctx.cancelled)
-        note = write_edit(session, ctx, "str_replace", [(real, shown, encode_text(updated, "new_str"),
-                                                         text.encode("utf-8", "surrogateescape"), None)], args.get("dry_run"))
+        note = write_edit(session, ctx, "str_replace",
+                          [(real, shown, encode_text(updated, "new_str"), encode_text(text), None)],
+                          args.get("dry_run"))
     if args.get("dry_run"):
         return note + ("\n(old_str matched %s)" % how if how else "")
     line = updated.count("\n", 0, pos)
@@ -12125,12 +12127,15 @@ MULTI_EDIT_DESC = ("Make several changes to one file in one call: each {old_str,
     "path": PATH_PROP,
     "edits": prop("array", "The edits, in order.", minItems=1,
                   items=obj({
-                      "old_str": prop("string", "The exact text to replace (unique unless replace_all)."),
-                      "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
+                      "old_str": prop("string",
+                                      "The exact text to replace (unique unless replace_all)."),
+                      "new_str": prop("string",
+                                      "The replacement text (default empty: delete old_str)."),
                       "replace_all": prop("boolean", "Replace every occurrence."),
                   }, ["old_str"])),
     "dry_run": DRY_RUN_PROP,
-}, ["path", "edits"]), notes("Edit a file in several places", destructive=True), hint="several edits, one file")
+}, ["path", "edits"]), notes("Edit a file in several places", destructive=True),
+      hint="several edits, one file")
 def tool_multi_edit(session, args, ctx):
     """Several str_replace edits of one file: each applies to the result of the one
     before; all of them or none are written, in one atomic write."""
@@ -12145,17 +12150,20 @@ def tool_multi_edit(session, args, ctx):
                 if how:
                     matched.append("edit %d matched %s" % (k, how))
             except ToolError as e:
-                raise ToolError(e.code, "edit %d of %d: %s\nNothing was written (the edits apply all or none)"
-                                % (k, len(edits), e.message.rstrip(".")))
+                raise ToolError(e.code, "edit %d of %d: %s\nNothing was written (the edits apply"
+                                " all or none)" % (k, len(edits), e.message.rstrip(".")))
             replaced += count
-        note = write_edit(session, ctx, "multi_edit", [(real, shown, encode_text(text, "new_str"),
-                                                        before.encode("utf-8", "surrogateescape"), None)], args.get("dry_run"))
+        note = write_edit(session, ctx, "multi_edit",
+                          [(real, shown, encode_text(text, "new_str"), encode_text(before), None)],
+                          args.get("dry_run"))
     if args.get("dry_run"):
         return note + ("\n(%s)" % "; ".join(matched) if matched else "")
-    line, added = text.count("\n", 0, pos), (edits[-1].get("new_str") or "").replace("\r\n", "\n").count("\n")
+    line = text.count("\n", 0, pos)
+    added = (edits[-1].get("new_str") or "").replace("\r\n", "\n").count("\n")
     return "Applied %s (%s) to %s%s; around the last one:\n%s" % (
         plural(len(edits), "edit"), plural(replaced, "replacement"), real,
-        " (%s)" % "; ".join(matched) if matched else "", snippet(text.replace("\r\n", "\n"), line, added)) + note
+        " (%s)" % "; ".join(matched) if matched else "",
+        snippet(text.replace("\r\n", "\n"), line, added)) + note
 
 
 def existing_kind(real, shown):
@@ -12173,12 +12181,15 @@ def existing_kind(real, shown):
     return st
 
 
-CREATE_DESC = ("Create a new file, or write a whole file: the given content, overwriting an existing one (view it first). Missing "
-               "parent directories are created. Prefer str_replace for changing part of an existing file.")
+CREATE_DESC = ("Create a new file, or write a whole file: the given content, overwriting an "
+               "existing one (view it first). Missing parent directories are created. Prefer "
+               "str_replace for changing part of an existing file.")
 
 
 @tool("create_file", CREATE_DESC, obj({
-    "path": PATH_PROP, "content": prop("string", "The complete file content."), "dry_run": DRY_RUN_PROP,
+    "path": PATH_PROP,
+    "content": prop("string", "The complete file content."),
+    "dry_run": DRY_RUN_PROP,
 }, ["path", "content"]), notes("Create or overwrite a file", destructive=True), modes=DEFAULT,
       hint="write a new file")
 def tool_create_file(session, args, ctx, content_key="content"):
@@ -12191,7 +12202,8 @@ def tool_create_file(session, args, ctx, content_key="content"):
         if existed:
             require_viewed(session, ctx, real, shown)
             check_unchanged(session, ctx, real, shown)
-        note = write_edit(session, ctx, "create_file", [(real, shown, data, UNKNOWN, None)], args.get("dry_run"))
+        note = write_edit(session, ctx, "create_file", [(real, shown, data, UNKNOWN, None)],
+                          args.get("dry_run"))
     if args.get("dry_run"):
         return note
     return "%s %s (%d bytes)%s" % ("Overwrote" if existed else "Created", real, len(data), note)
@@ -12205,8 +12217,8 @@ def inserted(text, at, text_in):
     trailing = text.endswith(nl)
     total = len(lines) - 1 if trailing else (0 if text == "" else len(lines))
     if not 0 <= at <= total:
-        raise ToolError(INVALID_INPUT, "insert_line %d is outside the file; give 0 (the top) to %d (after"
-                        " the last line)" % (at, total))
+        raise ToolError(INVALID_INPUT, "insert_line %d is outside the file; give 0 (the top) to"
+                        " %d (after the last line)" % (at, total))
     body = lines[:total]
     new_lines = (to_crlf(text_in) if nl == "\r\n" else text_in).split(nl)
     if text_in.endswith("\n"):
@@ -12226,8 +12238,9 @@ def tool_insert(session, args, ctx):
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         updated, new_lines = inserted(text, at, text_in)
-        note = write_edit(session, ctx, "insert", [(real, shown, encode_text(updated, "insert_text"),
-                                                    text.encode("utf-8", "surrogateescape"), None)], args.get("dry_run"))
+        note = write_edit(session, ctx, "insert",
+                          [(real, shown, encode_text(updated, "insert_text"),
+                            encode_text(text), None)], args.get("dry_run"))
     if args.get("dry_run"):
         return note
     return "Inserted %s after line %d of %s:\n%s" % (
@@ -12251,8 +12264,8 @@ def tool_undo_edit(session, args, ctx):
     real = resolve_checked(session, ctx, shown)
     edit, levels = session.last_edit(real)
     if edit is None:
-        raise ToolError(INVALID_INPUT, "nothing to undo for %s: this session has no edit of it left to take back"
-                        " (at most %d a file are kept)" % (shown, UNDO_LEVELS))
+        raise ToolError(INVALID_INPUT, "nothing to undo for %s: this session has no edit of it"
+                        " left to take back (at most %d a file are kept)" % (shown, UNDO_LEVELS))
     tool_name, changes = edit
     for path in changes:
         ctx.policy.check(path, path)
@@ -12263,16 +12276,17 @@ def tool_undo_edit(session, args, ctx):
         for path, (before, mode, after) in sorted(changes.items()):
             now = file_bytes(path, ctx.config.max_file_size)[0]
             if (now is None) != (after is None) or (now is not None and digest_of(now) != after):
-                raise ToolError(FILE_CHANGED, "%s changed since this session's %s of it (by something else), so"
-                                " undo_edit would lose that; nothing was undone. View it and edit it instead"
-                                % (path, tool_name))
+                raise ToolError(FILE_CHANGED, "%s changed since this session's %s of it (by"
+                                " something else), so undo_edit would lose that; nothing was"
+                                " undone. View it and edit it instead" % (path, tool_name))
             back.append((path, path, bytes_before(session, before), now, mode))
         note = write_edit(session, ctx, "undo_edit", back, args.get("dry_run"))
         if args.get("dry_run"):
             return note
         session.forget_edit(edit)
     what = ", ".join("%s (%s)" % (p, "removed" if b is None else "%d bytes" % (
-        b.size if isinstance(b, StoredBytes) else len(b))) for p, (b, _, _) in sorted(changes.items()))
+                         b.size if isinstance(b, StoredBytes) else len(b)))
+                     for p, (b, _, _) in sorted(changes.items()))
     left = "%s for %s." % (plural(levels - 1, "more undo level"), shown) if levels > 1 else \
         "Nothing more to undo for %s." % shown
     return "Undid the %s: restored %s. %s%s" % (tool_name, what, left, note)
@@ -12294,7 +12308,8 @@ REWIND_DESC = ("Rewind changes: put the workspace back as it was at a checkpoint
 def call_summary(name, args):
     """A call as a checkpoint names it: the tool and its command or path, shortened."""
     args = args if isinstance(args, dict) else {}
-    what = next((args[k] for k in ("command", "path", "file_path", "notebook_path", "task_id", "checkpoint")
+    what = next((args[k] for k in ("command", "path", "file_path", "notebook_path",
+                                   "task_id", "checkpoint")
                  if isinstance(args.get(k), (str, int)) and not isinstance(args.get(k), bool)), "")
     return "%s %s" % (name, shorten(" ".join(str(what).split()), 80)) if what != "" else name
 
@@ -12944,8 +12959,8 @@ def tool_notebook_edit(session, args, ctx):
             raise ToolError(INVALID_INPUT, "%s is not a notebook that can be edited: %s" % (shown, e))
         k = notebook.find(args, shown, mode)
         updated = notebook.edited(k, mode, args)
-        note = write_edit(session, ctx, "notebook_edit", [(real, shown, encode_text(updated, "new_source"),
-                                                           text.encode("utf-8", "surrogateescape"), None)],
+        note = write_edit(session, ctx, "notebook_edit",
+                          [(real, shown, encode_text(updated, "new_source"), encode_text(text), None)],
                           args.get("dry_run"))
     if args.get("dry_run"):
         return note
