@@ -12353,9 +12353,11 @@ def running_note(session):
 
 
 @tool("checkpoints", CHECKPOINTS_DESC, obj({
-    "since": prop("integer", "Show the changes since this checkpoint as a diff (git apply -R takes them back)."),
+    "since": prop("integer", "Show the changes since this checkpoint as a diff (git apply -R takes"
+                  " them back)."),
     "offset": prop("integer", "With since: files to skip (a cut diff's notice gives it).")}),
-      notes("List workspace checkpoints", read_only=True), modes=DEFAULT, hint="review session changes, diff")
+      notes("List workspace checkpoints", read_only=True), modes=DEFAULT,
+      hint="review session changes, diff")
 def tool_checkpoints(session, args, ctx):
     """checkpoints: each checkpoint, newest first, with what changed after it; what is covered.
     With since: the diff from that checkpoint to now instead."""
@@ -12367,8 +12369,8 @@ def tool_checkpoints(session, args, ctx):
         if args.get("since") is not None:
             if latest is None:
                 raise ToolError(INVALID_INPUT, "cancelled while the workspace was being read")
-            return checkpoint_diff(points, points.find(args["since"]), latest, args.get("offset") or 0,
-                                   ctx.config.max_result_chars - 400)
+            return checkpoint_diff(points, points.find(args["since"]), latest,
+                                   args.get("offset") or 0, ctx.config.max_result_chars - 400)
         kept = list(points.list)
         stored, budget, where = points.store.stored, points.store.budget, points.store.dir
     lines = ["Checkpoints of %s (one before each call that can change files; rewind puts one back):"
@@ -12380,7 +12382,8 @@ def tool_checkpoints(session, args, ctx):
         lines.append("#%d  %s  %s  %s%s" % (
             point.number, time.strftime("%H:%M:%S", time.localtime(point.taken)),
             "before " + ", ".join(point.followed) if point.followed else "(the state now)",
-            "(covers part: %s)  " % point.partial if point.partial and k + 1 < len(kept) else "", changes))
+            "(covers part: %s)  " % point.partial if point.partial and k + 1 < len(kept) else "",
+            changes))
     if latest is not None:
         # (a directory at a time: no list of every entry at once)
         kinds, size = Counter(), 0
@@ -12389,9 +12392,10 @@ def tool_checkpoints(session, args, ctx):
                 # (a file not covered is not counted)
                 kinds[kind] += kind != "f" or digest is not None
                 size += length if kind == "f" else 0
-        lines.append("Covered now: %d files, %d directories, %d symlinks (%s); the store keeps %s of a %s budget"
-                     " in %s." % (kinds["f"], kinds["d"], kinds["l"], human_size(size), human_size(stored),
-                                  human_size(budget), where))
+        lines.append("Covered now: %d files, %d directories, %d symlinks (%s); the store keeps %s"
+                     " of a %s budget in %s."
+                     % (kinds["f"], kinds["d"], kinds["l"], human_size(size), human_size(stored),
+                        human_size(budget), where))
         if latest.missed:
             lines.append("Not covered: %s." % ", ".join("%s (%s)" % (root_of(p), why) for p, why in
                                                          latest.missed[:CHECKPOINT_NAMES_SHOWN]))
@@ -12406,7 +12410,8 @@ def checkpoint_diff(points, target, now, offset, cap):
     diff: a header per file, mode lines, hunks of text, a line for a binary file or one the
     checkpoint did not cover; files past `cap` characters are left to a read-on notice."""
     old, cur = target.flat(), now.flat()
-    paths = sorted(p for p in set(old) | set(cur) if any(e is not None and e[0] != "d" for e in (old.get(p), cur.get(p)))
+    paths = sorted(p for p in set(old) | set(cur)
+                   if any(e is not None and e[0] != "d" for e in (old.get(p), cur.get(p)))
                    and old.get(p, ())[:3] != cur.get(p, ())[:3])
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
@@ -12436,8 +12441,9 @@ def checkpoint_diff(points, target, now, offset, cap):
         if a is not None and a[0] == "f" and not a[2]:
             text.append("# not shown: checkpoint %d did not cover it\n" % target.number)
         elif b"\0" in (before or b"")[:8192] + (after or b"")[:8192]:
-            text.append("Binary files %s and %s differ\n" % ("a/" + name if before is not None else "/dev/null",
-                                                             "b/" + name if after is not None else "/dev/null"))
+            text.append("Binary files %s and %s differ\n"
+                        % ("a/" + name if before is not None else "/dev/null",
+                           "b/" + name if after is not None else "/dev/null"))
         else:
             text.append(unified_diff(before, after, name))
         return "".join(text).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
@@ -12457,7 +12463,8 @@ def checkpoint_diff(points, target, now, offset, cap):
         target.number, plural(len(paths), "file"))
     body = "".join(parts)
     if end < len(paths):
-        body += "[files %d-%d of %d shown; read on with offset=%d]\n" % (offset + 1, end, len(paths), end)
+        body += "[files %d-%d of %d shown; read on with offset=%d]\n" % (
+            offset + 1, end, len(paths), end)
     return head + body
 
 
@@ -12471,9 +12478,11 @@ def git_mode(entry):
     "paths": prop("array", "Only these files or directories (default: the whole workspace).",
                   items={"type": "string"}),
     "dry_run": prop("boolean", "Only say what it would change.")}, ["checkpoint"]),
-      notes("Rewind the workspace to a checkpoint", destructive=True), modes=DEFAULT, hint="undo shell changes")
+      notes("Rewind the workspace to a checkpoint", destructive=True), modes=DEFAULT,
+      hint="undo shell changes")
 def tool_rewind(session, args, ctx):
-    """rewind: the workspace (or some paths of it) back to a checkpoint; the state before is a checkpoint."""
+    """rewind: the workspace (or some paths of it) back to a checkpoint; the state before is a
+    checkpoint."""
     points = session_checkpoints(session)
     within = [resolve_checked(session, ctx, p, "paths") for p in args.get("paths") or []]
 
@@ -12483,8 +12492,8 @@ def tool_rewind(session, args, ctx):
         target = points.find(args["checkpoint"])
         now = points.current(ctx.cancelled)
         if now is None:
-            raise ToolError(INVALID_INPUT, "cancelled, or the session ended, while the workspace was being read;"
-                            " nothing was rewound")
+            raise ToolError(INVALID_INPUT, "cancelled, or the session ended, while the workspace"
+                            " was being read; nothing was rewound")
         if args.get("dry_run"):
             plan = points.rewind(target, now, within, ctx.files, dry=True)
             return "Dry run: rewinding to checkpoint %d would change %s.%s" % (
@@ -12502,24 +12511,27 @@ def tool_rewind(session, args, ctx):
     if failed:
         text += "\nNot restored: %s." % listed(failed[:CHECKPOINT_NAMES_SHOWN])
     if now.number != target.number:
-        text += "\nTo undo this rewind: rewind to checkpoint %d (the state just before it)." % now.number
+        text += ("\nTo undo this rewind: rewind to checkpoint %d (the state just before it)."
+                 % now.number)
     return text + running_note(session)
 
 
-EDITOR_DESC = ("View, create and edit files. command=view shows a file with line numbers or lists a "
-               "directory; create writes file_text to path; str_replace replaces the "
-               "unique old_str with new_str; insert adds insert_text after line insert_line (0 = top); "
-               "undo_edit takes back this session's last edit of path. Files must be viewed before they are "
-               "edited.")
+EDITOR_DESC = ("View, create and edit files. command=view shows a file with line numbers or lists "
+               "a directory; create writes file_text to path; str_replace replaces the unique "
+               "old_str with new_str; insert adds insert_text after line insert_line (0 = top); "
+               "undo_edit takes back this session's last edit of path. Files must be viewed "
+               "before they are edited.")
 
 
 @tool("str_replace_editor", EDITOR_DESC, obj({
-    "command": prop("string", "The operation.", enum=["view", "create", "str_replace", "insert", "undo_edit"]),
+    "command": prop("string", "The operation.",
+                    enum=["view", "create", "str_replace", "insert", "undo_edit"]),
     "path": PATH_PROP,
     "view_range": RANGE_PROP,
     "file_text": prop("string", "command=create: the complete file content."),
     "old_str": prop("string", "command=str_replace: the exact, unique text to replace."),
-    "new_str": prop("string", "command=str_replace: the replacement; command=insert: the text to insert."),
+    "new_str": prop("string",
+                    "command=str_replace: the replacement; command=insert: the text to insert."),
     "insert_line": prop("integer", "command=insert: insert after this line (0 = top of file)."),
     "insert_text": prop("string", "command=insert: the text to insert."),
     "replace_all": prop("boolean", "command=str_replace: replace every occurrence."),
@@ -12529,8 +12541,8 @@ EDITOR_DESC = ("View, create and edit files. command=view shows a file with line
 def tool_str_replace_editor(session, args, ctx):
     """Anthropic's text-editor tool: one name, the same handlers underneath."""
     cmd = args["command"]
-    need = {"view": (), "str_replace": ("old_str",), "create": ("file_text",), "insert": ("insert_line",),
-            "undo_edit": ()}[cmd]
+    need = {"view": (), "str_replace": ("old_str",), "create": ("file_text",),
+            "insert": ("insert_line",), "undo_edit": ()}[cmd]
     for key in need:
         if args.get(key) is None:
             raise ToolError(INVALID_INPUT, "command %r needs the argument %r" % (cmd, key))
