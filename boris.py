@@ -12596,16 +12596,16 @@ class PatchReader:
         """The patch's lines, from `*** Begin Patch` to `*** End Patch` (blank lines around
         them dropped), or INVALID_INPUT saying which is missing."""
         lines = text.replace("\r\n", "\n").strip().split("\n")
-        heredoc = re.match(r"^\s*(?:apply_patch\s*)?<<-?\s*(['\"]?)(\w+)\1\s*$", lines[0]) if lines else None
+        heredoc = re.match(r"^\s*(?:apply_patch\s*)?<<-?\s*(['\"]?)(\w+)\1\s*$", lines[0])
         if heredoc and len(lines) > 1 and lines[-1].strip() == heredoc.group(2):
             # the patch wrapped as a heredoc, as some models send it
             lines = lines[1:-1]
         if not lines or lines[0].strip() != "*** Begin Patch":
-            raise ToolError(INVALID_INPUT, "a patch starts with the line '*** Begin Patch' (and ends with"
-                            " '*** End Patch')")
+            raise ToolError(INVALID_INPUT, "a patch starts with the line '*** Begin Patch' (and"
+                            " ends with '*** End Patch')")
         if lines[-1].strip() != "*** End Patch":
-            raise ToolError(INVALID_INPUT, "a patch ends with the line '*** End Patch'; the last line is %r"
-                            % shorten(lines[-1], 80))
+            raise ToolError(INVALID_INPUT, "a patch ends with the line '*** End Patch'; the last"
+                            " line is %r" % shorten(lines[-1], 80))
         self.lines = lines
         self.i, self.end = 1, len(lines) - 1           # between Begin and End
 
@@ -12625,7 +12625,8 @@ class PatchReader:
             elif not line:
                 self.i += 1
             else:
-                raise self.bad(self.i, "expected '*** Add File: ', '*** Delete File: ' or '*** Update File: '")
+                raise self.bad(self.i, "expected '*** Add File: ', '*** Delete File: ' or"
+                                       " '*** Update File: '")
         if not ops:
             raise ToolError(INVALID_INPUT, "the patch changes no file")
         return ops
@@ -12637,7 +12638,8 @@ class PatchReader:
 
     def bad(self, k, why):
         """INVALID_INPUT naming patch line k (from 0) and what is wrong with it."""
-        return ToolError(INVALID_INPUT, "patch line %d (%s): %s" % (k + 1, shorten(repr(self.lines[k]), 80), why))
+        return ToolError(INVALID_INPUT, "patch line %d (%s): %s"
+                         % (k + 1, shorten(repr(self.lines[k]), 80), why))
 
     def add_section(self, path):
         """The PatchOp of an Add File section: every line starts with '+'."""
@@ -12663,7 +12665,7 @@ class PatchReader:
             self.i += 1
         # blank lines before the next marker: not context
         for hunk in hunks:
-            while hunk.lines and hunk.lines[-1] == (" ", "") and any(k != " " for k, _ in hunk.lines):
+            while hunk.lines[-1:] == [(" ", "")] and any(k != " " for k, _ in hunk.lines):
                 hunk.lines.pop()
         if not hunks or not any(h.lines for h in hunks):
             raise self.bad(self.i - 1, "the update of %s has no hunk" % path)
@@ -12691,13 +12693,15 @@ class PatchReader:
                 hunks.append(Hunk())
             hunks[-1].lines.append((line[:1] or " ", line[1:]))
         else:
-            raise self.bad(self.i, "a hunk line starts with ' ' (context), '-' (removed) or '+' (added)")
+            raise self.bad(self.i, "a hunk line starts with ' ' (context), '-' (removed) or"
+                                   " '+' (added)")
 
 
 def find_run(lines, want, start):
     """Indexes >= start where `want` (a run of lines) stands in `lines` as it is."""
     n = len(want)
-    return [i for i in range(start, len(lines) - n + 1) if lines[i] == want[0] and lines[i:i + n] == want]
+    return [i for i in range(start, len(lines) - n + 1)
+            if lines[i] == want[0] and lines[i:i + n] == want]
 
 
 class PatchedText:
@@ -12727,8 +12731,8 @@ class PatchedText:
             old, new, ops = hunk_ops(hunk.lines)
             if level:
                 try:
-                    new = EditMerge(lines[at:end], old, new, ops, level, what="the hunk", as_sent=True,
-                                    file_step=self.file_step()).lines()
+                    new = EditMerge(lines[at:end], old, new, ops, level, what="the hunk",
+                                    as_sent=True, file_step=self.file_step()).lines()
                 except ToolError as e:
                     raise ToolError(e.code, "%s, %s: %s" % (self.shown, hunk.label(k), e.message))
                 self.notes.append("hunk %d matched %s" % (k, MATCH_LEVELS[level][0]))
@@ -12756,16 +12760,20 @@ class PatchedText:
         else:
             level, hits, elsewhere = find_lines(self.index, old, cursor, hunk.eof)
         if len(hits) == 1 and not elsewhere:
-            lead = next((k for k, (kind, text) in enumerate(hunk.lines) if kind != " " or text.strip()), 0)
+            lead = next((k for k, (kind, text) in enumerate(hunk.lines)
+                         if kind != " " or text.strip()), 0)
             if hunk.headers and lead and hunk.lines[lead][0] == "+" and hits[0][0] == cursor:
-                raise ToolError(STR_REPLACE_AMBIGUOUS, "%s, %s: only blank lines stand between its @@ header and"
-                                " the lines it adds, so whether they go before or after those blank lines is not"
-                                " known (a blank line after '@@' may be spacing); give a context line that is not"
-                                " blank, or drop the blank line; nothing was written" % (self.shown, label))
+                raise ToolError(
+                    STR_REPLACE_AMBIGUOUS, "%s, %s: only blank lines stand between its @@ header"
+                    " and the lines it adds, so whether they go before or after those blank lines"
+                    " is not known (a blank line after '@@' may be spacing); give a context line"
+                    " that is not blank, or drop the blank line; nothing was written"
+                    % (self.shown, label))
             return hits[0] + (level,)
         if hits:
-            raise ToolError(STR_REPLACE_AMBIGUOUS, "%s, %s matches %s at lines %s; add context lines or an"
-                            " '@@ header' line (e.g. @@ def name) to pick one; nothing was written"
+            raise ToolError(STR_REPLACE_AMBIGUOUS, "%s, %s matches %s at lines %s; add context"
+                            " lines or an '@@ header' line (e.g. @@ def name) to pick one;"
+                            " nothing was written"
                             % (self.shown, label, MATCH_LEVELS[level][0],
                                ", ".join(str(i + 1) for i, _ in sorted(hits + elsewhere)[:20])))
         raise self.miss(old, cursor, label)
@@ -12783,8 +12791,9 @@ class PatchedText:
                     cursor = hits[0] + 1
                     break
             else:
-                raise ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: its header line %r was not found%s; nothing was"
-                                " written" % (self.shown, label, shorten(h, 120), self.searched_from(cursor)))
+                raise ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: its header line %r was not found%s;"
+                                " nothing was written"
+                                % (self.shown, label, shorten(h, 120), self.searched_from(cursor)))
         return cursor
 
     def miss(self, old, cursor, label):
@@ -12795,8 +12804,9 @@ class PatchedText:
                                   find_lines(self.index, old[:got + 1], cursor)[1]):
             got += 1
         after = " after the %s before it" % plural(got, "line") if got else ""
-        what = "the line %r was not found%s" % (shorten(old[got], 120), after) if got < len(old) else \
-            "its lines were not found in that order after the hunks before it"
+        what = "its lines were not found in that order after the hunks before it"
+        if got < len(old):
+            what = "the line %r was not found%s" % (shorten(old[got], 120), after)
         return ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: %s%s; nothing was written.%s"
                          % (self.shown, label, what, self.searched_from(cursor),
                             closest_region("\n".join(self.lines), "\n".join(old), what="the hunk")))
@@ -12810,7 +12820,9 @@ class PatchedText:
     @staticmethod
     def searched_from(cursor):
         """The words a miss adds when the search for a hunk started past earlier hunks."""
-        return " (searching from line %d, after the hunks before it)" % (cursor + 1) if cursor else ""
+        if cursor:
+            return " (searching from line %d, after the hunks before it)" % (cursor + 1)
+        return ""
 
 
 class PatchPlan:
@@ -12834,7 +12846,8 @@ class PatchPlan:
             real = resolve_checked(session, ctx, shown)
             if op.kind == "add":
                 self.current(real, shown, "*** Add File", overwrite=True)
-                self.put(real, encode_text("\n".join(op.body) + "\n" if op.body else "", "input"), 0o644)
+                self.put(real, encode_text("\n".join(op.body) + "\n" if op.body else "", "input"),
+                         0o644)
                 lines["A"].append(shown)
                 continue
             text = self.current(real, shown, "*** %s File" % op.kind.title())
@@ -12868,15 +12881,17 @@ class PatchPlan:
             self.shown[real] = shown
             exists = existing_kind(real, shown) is not None
             if not exists and not overwrite:
-                raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist; nothing was written" % (section, shown))
+                raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist; nothing was written"
+                                % (section, shown))
             if exists and overwrite:
                 require_viewed(session, ctx, real, shown)
                 check_unchanged(session, ctx, real, shown)
-            self.before[real] = read_regular(real, shown, ctx.config.max_file_size) if exists else None
+            self.before[real] = (read_regular(real, shown, ctx.config.max_file_size)
+                                 if exists else None)
             self.now[real] = self.before[real][0] if self.before[real] else None
         if self.now[real] is None and not overwrite:
-            raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist (an earlier section of the patch removed it);"
-                            " nothing was written" % (section, shown))
+            raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist (an earlier section of the patch"
+                            " removed it); nothing was written" % (section, shown))
         return self.now[real]
 
     def put(self, real, data, mode=None):
@@ -12935,8 +12950,8 @@ def tool_apply_patch(session, args, ctx):
 ###############################################################################
 # view renders a notebook (Notebook, in Tools: documents): per cell a header, its
 # numbered source and its outputs (text bounded, errors short, PNG/JPEG as images).
-# notebook_edit rewrites the bytes of one cell only - every other byte of the file (other cells, key order, indentation,
-# nbformat) stays as it was - from the cells' spans found with raw_decode.
+# notebook_edit rewrites the bytes of one cell only - every other byte of the file (other cells,
+# key order, indentation, nbformat) stays as it was - from the cells' spans found with raw_decode.
 
 
 NOTEBOOK_DESC = ("Edit one cell of a Jupyter notebook (.ipynb): replace its source, insert a new "
@@ -12948,12 +12963,13 @@ NOTEBOOK_DESC = ("Edit one cell of a Jupyter notebook (.ipynb): replace its sour
 @tool("notebook_edit", NOTEBOOK_DESC, obj({
     "path": PATH_PROP,
     "cell_id": prop("string", "The cell's id, as view shows it."),
-    "cell_number": prop("integer", "The cell's number as view shows it, from 1 (when it has no id)."),
+    "cell_number": prop("integer",
+                        "The cell's number as view shows it, from 1 (when it has no id)."),
     "new_source": prop("string", "The cell's new source (replace, insert)."),
     "cell_type": prop("string", "Needed to insert; on replace, changes the cell's type.",
                       enum=["code", "markdown", "raw"]),
-    "edit_mode": prop("string", "replace (default), insert (after the cell named; at the top if none) or delete.",
-                      enum=["replace", "insert", "delete"]),
+    "edit_mode": prop("string", "replace (default), insert (after the cell named; at the top if"
+                      " none) or delete.", enum=["replace", "insert", "delete"]),
     "dry_run": DRY_RUN_PROP,
 }, ["path"]), notes("Edit a notebook cell", destructive=True), hint="edit jupyter cell")
 def tool_notebook_edit(session, args, ctx):
@@ -12962,21 +12978,24 @@ def tool_notebook_edit(session, args, ctx):
     mode = args.get("edit_mode") or "replace"
     real = resolve_checked(session, ctx, shown)
     if not real.endswith(".ipynb"):
-        raise ToolError(INVALID_INPUT, "%s is not a notebook (.ipynb); edit it with str_replace" % shown)
+        raise ToolError(INVALID_INPUT, "%s is not a notebook (.ipynb); edit it with str_replace"
+                        % shown)
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         try:
             notebook = Notebook(text)
         except ValueError as e:
-            raise ToolError(INVALID_INPUT, "%s is not a notebook that can be edited: %s" % (shown, e))
+            raise ToolError(INVALID_INPUT, "%s is not a notebook that can be edited: %s"
+                            % (shown, e))
         k = notebook.find(args, shown, mode)
         updated = notebook.edited(k, mode, args)
         note = write_edit(session, ctx, "notebook_edit",
-                          [(real, shown, encode_text(updated, "new_source"), encode_text(text), None)],
-                          args.get("dry_run"))
+                          [(real, shown, encode_text(updated, "new_source"),
+                            encode_text(text), None)], args.get("dry_run"))
     if args.get("dry_run"):
         return note
-    done = {"replace": "Replaced cell %d", "insert": "Inserted a cell as cell %d", "delete": "Deleted cell %d"}[mode]
+    done = {"replace": "Replaced cell %d", "insert": "Inserted a cell as cell %d",
+            "delete": "Deleted cell %d"}[mode]
     return done % (k + 2 if mode == "insert" else k + 1) + " of %s%s" % (shown, note)
 
 
