@@ -10835,8 +10835,8 @@ def squeezed(line):
     """A line as the inner-whitespace level sees it: typography folded, its ends stripped,
     a run of whitespace between two word characters one space, any other run gone."""
     s = line.translate(PUNCT_ASCII).strip()
-    return WHITESPACE_RUN.sub(lambda m: " " if m.start() and m.end() < len(s) and is_word(s[m.start() - 1])
-                              and is_word(s[m.end()]) else "", s)
+    return WHITESPACE_RUN.sub(lambda m: " " if m.start() and m.end() < len(s)
+                              and is_word(s[m.start() - 1]) and is_word(s[m.end()]) else "", s)
 
 
 def line_key(line):
@@ -10851,12 +10851,14 @@ MATCH_LEVELS = (
     ("ignoring trailing whitespace", str.rstrip, False),
     ("ignoring indentation", str.strip, True),
     ("ignoring whitespace at both ends of lines", str.strip, False),
-    ("ignoring typographic quotes, dashes and spaces", lambda s: s.translate(PUNCT_ASCII).strip(), False),
+    ("ignoring typographic quotes, dashes and spaces",
+     lambda s: s.translate(PUNCT_ASCII).strip(), False),
     ("ignoring whitespace inside lines", squeezed, False),
     ("ignoring blank lines", squeezed, False),
 )
 BLANK_LEVEL = len(MATCH_LEVELS) - 1
-STRICT_LEVELS = 2               # exactly and trailing whitespace: unique at their own level is enough
+# exactly and trailing whitespace: unique at their own level is enough
+STRICT_LEVELS = 2
 
 
 def leading(line):
@@ -10896,19 +10898,23 @@ def indent_units(mapping):
         return 0, ""
     unit, top, low = min(steps)
     if not unit:
-        return None                                 # two indentations as wide as each other: no unit
+        # two indentations as wide as each other: no unit
+        return None
     step = top[len(low):] if top.startswith(low) else ""
     if not step or step != step[0] * len(step):
         return None
     base = next((f for _, f in levels if f), "")
     if base[:1] != step[0]:
-        return None                                 # spaces that align under tabs: not the file's unit
+        # spaces that align under tabs: not the file's unit
+        return None
     if unit not in (2, 4, 8):
-        return None                                 # no unit a model writes: one line is off, not the unit
+        # no unit a model writes: one line is off, not the unit
+        return None
     for dn, f2, f1 in steps:
         if dn % unit or not f2.startswith(f1) or f2[len(f1):] != step * (dn // unit):
             return None
-    g = math.gcd(unit, len(step))                   # as a ratio: two tabs for 8 columns are a tab for 4
+    # as a ratio: two tabs for 8 columns are a tab for 4
+    g = math.gcd(unit, len(step))
     return unit // g, step[0] * (len(step) // g)
 
 
@@ -10946,9 +10952,10 @@ def with_indent(line, mapping, units=None):
         return ""
     have = leading(line)
     learnt = indent_units(mapping)
-    torn = bool(learnt and learnt[0] and units and (learnt[1][:1] != units[1][:1] or
-                                                    learnt[0] * len(units[1]) != units[0] * len(learnt[1])))
-    units = learnt if learnt != (0, "") or not units else units     # torn: the place and the file disagree
+    torn = bool(learnt and learnt[0] and units and (
+        learnt[1][:1] != units[1][:1] or learnt[0] * len(units[1]) != units[0] * len(learnt[1])))
+    # torn: the place and the file disagree
+    units = learnt if learnt != (0, "") or not units else units
     units = units or (0, "")
     best = max((k for k in mapping if have.startswith(k)), key=len, default=None)
     if torn and have not in mapping:
@@ -10978,12 +10985,14 @@ def deeper_indent(extra, best, mapping, units):
     as it is where the mapping is a shift; None when it cannot be told."""
     if extra and units[0] and len(extra.expandtabs(4)) % units[0] == 0:
         extra = units[1] * (len(extra.expandtabs(4)) // units[0])
-    elif extra and best and len(set(best)) == len(set(mapping[best])) == 1 != len(set(best + mapping[best])) and \
-            set(extra) == set(best) and len(extra) * len(mapping[best]) % len(best) == 0:
+    elif (extra and best and len(set(best)) == len(set(mapping[best])) == 1
+          != len(set(best + mapping[best])) and set(extra) == set(best)
+          and len(extra) * len(mapping[best]) % len(best) == 0):
         # one level known, tabs against spaces: as many of the file's as that level shows
         extra = mapping[best][0] * (len(extra) * len(mapping[best]) // len(best))
     elif extra and not is_shift(mapping):
-        return None                                  # part of a unit the file writes otherwise: not known
+        # part of a unit the file writes otherwise: not known
+        return None
     return extra
 
 
@@ -11068,11 +11077,14 @@ def level_of(plain, want, i, j, partial=False):
         return a.startswith(b) if last and partial else a == b
     if len(region) == len(want):
         for k, (_, norm, units) in enumerate(MATCH_LEVELS[:BLANK_LEVEL]):
-            if all(same(norm, a, b, n == len(want) - 1) for n, (a, b) in enumerate(zip(region, want))):
+            if all(same(norm, a, b, n == len(want) - 1)
+                   for n, (a, b) in enumerate(zip(region, want))):
                 if not units or indent_map(want, region) is not None:
                     return k
-    have, wanted = [squeezed(l) for l in region if l.strip()], [squeezed(w) for w in want if w.strip()]
-    if len(have) == len(wanted) and all(same(None, a, b, n == len(have) - 1) for n, (a, b) in enumerate(zip(have, wanted))):
+    have = [squeezed(l) for l in region if l.strip()]
+    wanted = [squeezed(w) for w in want if w.strip()]
+    if len(have) == len(wanted) and all(same(None, a, b, n == len(have) - 1)
+                                        for n, (a, b) in enumerate(zip(have, wanted))):
         return BLANK_LEVEL
     return None
 
@@ -11103,7 +11115,8 @@ def hunk_ops(lines):
     for kind, text in lines + [(" ", None)]:
         if kind == " ":
             if run:
-                tag = "replace" if run[0] < run[1] and run[2] < run[3] else "delete" if run[0] < run[1] else "insert"
+                removes, adds = run[0] < run[1], run[2] < run[3]
+                tag = "replace" if removes and adds else "delete" if removes else "insert"
                 ops.append((tag,) + tuple(run))
                 run = None
             if text is None:
@@ -11140,7 +11153,8 @@ def paired_lines(olds, news):
         return [(k, k) for k in range(len(olds))]
     if len(olds) * len(news) > 400:
         return unpaired
-    best, at = 0.75, None                   # difflib's own cutoff for lines that were changed, not replaced
+    # difflib's own cutoff for lines that were changed, not replaced
+    best, at = 0.75, None
     for k, a in enumerate(olds):
         for m, b in enumerate(news):
             r = ratio(a, b)
@@ -11170,12 +11184,14 @@ def text_units(core):
             k += 1
             continue
         j = k
-        while j < len(core) and (not core[j].translate(PUNCT_ASCII) or core[j].translate(PUNCT_ASCII).isspace()):
+        while j < len(core) and (not core[j].translate(PUNCT_ASCII)
+                                 or core[j].translate(PUNCT_ASCII).isspace()):
             j += 1
         run = core[k:j]
         after = core[j:j + 1].translate(PUNCT_ASCII)[:1]
         spaced = any(ch.translate(PUNCT_ASCII).isspace() for ch in run)
-        units.append((" " if spaced and units and is_word(units[-1][0]) and after and is_word(after) else "", run, False))
+        units.append((" " if spaced and units and is_word(units[-1][0])
+                      and after and is_word(after) else "", run, False))
         k = j
     return units
 
@@ -11199,12 +11215,16 @@ class EditMerge:
     indentation and line ending and no trailing whitespace they were not sent with.
     Where the difference has no single right place, lines() raises a refusal."""
 
-    def __init__(self, region, want, new, ops, level, cr="", what="old_str", as_sent=False, file_step=None):
+    def __init__(self, region, want, new, ops, level, cr="", what="old_str", as_sent=False,
+                 file_step=None):
         self.region, self.want, self.new, self.ops, self.level = region, want, new, ops, level
         written = set(j for tag, _, _, j1, j2 in ops if tag != "equal" for j in range(j1, j2))
-        mine = indent_step(new, written)        # the model's unit as the lines it wrote nest, and the file's
-        self.units = (mine[0], file_step[1]) if mine and mine[0] in (2, 4, 8) and file_step else None
-        self.cr, self.what, self.as_sent = cr, what, as_sent    # as_sent: an unmapped line at column 0 stays there
+        # the model's unit as the lines it wrote nest, and the file's
+        mine = indent_step(new, written)
+        self.units = ((mine[0], file_step[1]) if mine and mine[0] in (2, 4, 8) and file_step
+                      else None)
+        # as_sent: an unmapped line at column 0 stays there
+        self.cr, self.what, self.as_sent = cr, what, as_sent
         self.plain = [l[:-1] if l.endswith("\r") else l for l in region]
         self.align = self.aligned()
         pairs = [(want[w], self.plain[r]) for w, r in enumerate(self.align) if r is not None]
@@ -11223,20 +11243,24 @@ class EditMerge:
         line, file line) `pairs`: `known` (each of old_str's indentations that maps to one of
         the file's), `as_is` (the model wrote the file's own), `indent_chars`, and `off` (the
         indentations that differ)."""
+        # the pairs that say something of indentation: both lines have text
+        texts = [(a, b) for a, b in pairs if a.strip() and b.strip()]
         images = {}
-        for a, b in pairs:
-            if a.strip() and b.strip():
-                images.setdefault(leading(a), set()).add(leading(b))
-        self.known = {a: bs.pop() for a, bs in images.items() if len(bs) == 1}   # where the mapping is not one
+        for a, b in texts:
+            images.setdefault(leading(a), set()).add(leading(b))
+        # left out: an indentation that maps onto more than one of the file's
+        self.known = {a: bs.pop() for a, bs in images.items() if len(bs) == 1}
         # Two lines or more with the file's very indentation, one line off at most and the
         # same unit: the model's indentation is the file's, and a new line's is too.
-        same = sum(1 for a, b in pairs if a.strip() and b.strip() and leading(a) == leading(b))
-        self.as_is = same >= 2 and sum(1 for a, b in pairs if a.strip() and b.strip()) - same <= 1 and \
-            (self.units is None or self.units[0] == len(self.units[1].expandtabs(4)))
-        self.indent_chars = set(file_step[1] if file_step else "".join(leading(f) for f in self.plain))
-        if self.as_is:                          # the line that is off is the slip, not a level to follow
+        same = sum(1 for a, b in texts if leading(a) == leading(b))
+        self.as_is = same >= 2 and len(texts) - same <= 1 and (
+            self.units is None or self.units[0] == len(self.units[1].expandtabs(4)))
+        self.indent_chars = set(file_step[1] if file_step
+                                else "".join(leading(f) for f in self.plain))
+        # the line that is off is the slip, not a level to follow
+        if self.as_is:
             self.known = {a: b for a, b in self.known.items() if a == b}
-        self.off = set(leading(a) for a, b in pairs if a.strip() and b.strip() and leading(a) != leading(b))
+        self.off = set(leading(a) for a, b in texts if leading(a) != leading(b))
 
     def file_tail(self):
         """The trailing whitespace new lines get: the file's, where it is a convention here
@@ -11268,8 +11292,9 @@ class EditMerge:
         return align
 
     def refuse(self, why):
-        return ToolError(STR_REPLACE_AMBIGUOUS, "%s was found %s, but the edit cannot be placed with one"
-                         " right result: %s; nothing was written" % (self.what, MATCH_LEVELS[self.level][0], why))
+        return ToolError(STR_REPLACE_AMBIGUOUS, "%s was found %s, but the edit cannot be placed"
+                         " with one right result: %s; nothing was written"
+                         % (self.what, MATCH_LEVELS[self.level][0], why))
 
     def lines(self):
         """The region's lines after the edit (CR kept where the file has it)."""
@@ -11279,9 +11304,10 @@ class EditMerge:
             ahead = next((r for r in align[i2:] if r is not None), len(self.region))
             if tag == "insert":
                 if rp < ahead:
-                    raise self.refuse("the file has %s at line %d of the match that %s lacks, just where the"
-                                      " new lines go; copy %s with the file's blank lines" % (
-                                          plural(ahead - rp, "blank line"), rp + 1, self.what, self.what))
+                    raise self.refuse(
+                        "the file has %s at line %d of the match that %s lacks, just where the"
+                        " new lines go; copy %s with the file's blank lines"
+                        % (plural(ahead - rp, "blank line"), rp + 1, self.what, self.what))
                 for j in range(j1, j2):
                     out.append(self.new_line(j))
                 continue
@@ -11289,14 +11315,16 @@ class EditMerge:
                 for j in range(j1, j2) if tag == "replace" else ():
                     out.append(self.new_line(j))
                 continue
-            out += self.region[rp:mine[0]]          # blank lines old_str lacks, before the block: kept
+            # blank lines old_str lacks, before the block: kept
+            out += self.region[rp:mine[0]]
             if tag == "equal":
                 out += self.region[mine[0]:mine[-1] + 1]
             elif tag == "replace":
                 inside = [r for r in range(mine[0], mine[-1] + 1) if r not in mine]
                 if inside:
-                    raise self.refuse("the file has a blank line at line %d of the match, inside the lines the"
-                                      " edit changes, that %s lacks" % (inside[0] + 1, self.what))
+                    raise self.refuse("the file has a blank line at line %d of the match, inside"
+                                      " the lines the edit changes, that %s lacks"
+                                      % (inside[0] + 1, self.what))
                 olds = [w for w in range(i1, i2) if align[w] is not None]
                 for k, m in paired_lines([self.want[w] for w in olds], self.new[j1:j2]):
                     if m is None:
@@ -11324,7 +11352,8 @@ class EditMerge:
         is off (then its own is not known)."""
         parent = self.parent(j)
         unit = self.units[0] if self.units else 4
-        return parent in self.off and (len(leading(self.new[j]).expandtabs(4)) - len(parent.expandtabs(4))) % unit == 0
+        return parent in self.off and (len(leading(self.new[j]).expandtabs(4))
+                                       - len(parent.expandtabs(4))) % unit == 0
 
     def indent(self, line, j=None):
         """A new line with the file's indentation (with_indent through the mapping learnt
@@ -11338,9 +11367,11 @@ class EditMerge:
             return self.known[leading(line)] + line.lstrip()
         if (self.as_is and set(leading(line)) <= self.indent_chars and j is not None and
                 not self.under_off(j)) or (self.as_sent and not leading(line)):
-            return line                         # a patch's line at column 0 stays there, as Codex writes it
-        raise self.refuse("its indentation maps onto the file's in more than one way, so the indentation of"
-                          " a new line is not known; copy %s's indentation from the file" % self.what)
+            # a patch's line at column 0 stays there, as Codex writes it
+            return line
+        raise self.refuse(
+            "its indentation maps onto the file's in more than one way, so the indentation of"
+            " a new line is not known; copy %s's indentation from the file" % self.what)
 
     def new_line(self, j):
         """New line j, one the edit adds: the file's indentation and line
@@ -11384,7 +11415,8 @@ class EditMerge:
             raise self.refuse("the changed line %r does not line up with the file's %r" % (
                 shorten(wc, 60), shorten(fc, 60)))
         twin = dict(zip(ws, fs))                        # w's solid unit -> the file's
-        ops = difflib.SequenceMatcher(None, [u[1] for u in wu], [u[1] for u in nu], autojunk=False).get_opcodes()
+        ops = difflib.SequenceMatcher(None, [u[1] for u in wu], [u[1] for u in nu],
+                                      autojunk=False).get_opcodes()
         same = set()
         for tag, i1, i2, _, _ in ops:
             same.update(range(i1, i2) if tag == "equal" else ())
@@ -11396,18 +11428,22 @@ class EditMerge:
             if tag != "equal":
                 put = self.typed(original_text(nu[j1:j2]))
                 if spacing and any(not is_word(ch) and not ch.isspace() for ch in put):
-                    raise self.refuse("the file spaces the line %r otherwise than %s (%r), and the change puts"
-                                      " punctuation into it; copy the line as the file has it" % (
-                                          shorten(fc, 60), self.what, shorten(wc, 60)))
+                    raise self.refuse(
+                        "the file spaces the line %r otherwise than %s (%r), and the change puts"
+                        " punctuation into it; copy the line as the file has it"
+                        % (shorten(fc, 60), self.what, shorten(wc, 60)))
                 out.append(put)
                 continue
             for k in range(i1, i2):
                 p, q = around(ws, k)
                 if wu[k][2]:
-                    gap = gaps.get((p, k)) if k - 1 == p and p in same else None    # (p None: k is the first)
-                    if gap:                            # the file's gap where old_str has none: after the
+                    # (p None: k is the first)
+                    gap = gaps.get((p, k)) if k - 1 == p and p in same else None
+                    if gap:
+                        # the file's gap where old_str has none: after the text put between
+                        # the two, unless it goes with k
                         ahead = p < i1 and not self.text_continues(out[-1], wu[p][1], wu[k][1])
-                        out.insert(len(out) - ahead, gap)     # text put between the two, unless it goes with k
+                        out.insert(len(out) - ahead, gap)
                     out.append(fu[twin[k]][1])
                 elif (p, q) not in gaps:                # at an end of the line
                     out.append(wu[k][1])
@@ -11420,10 +11456,12 @@ class EditMerge:
         """Whether text put between two units that the file spaces apart (old_str does not)
         continues the unit on its left (the gap then goes after it), not the one on its right
         (the gap goes before it); a refusal when that cannot be told (both, or neither)."""
-        joins_left, joins_right = is_word(put[:1]) and is_word(left[-1:]), is_word(put[-1:]) and is_word(right[:1])
+        joins_left = is_word(put[:1]) and is_word(left[-1:])
+        joins_right = is_word(put[-1:]) and is_word(right[:1])
         if joins_left == joins_right:
-            raise self.refuse("the file has whitespace between %r and %r where %s has none, and the change puts"
-                              " %r there; copy the line as the file has it" % (left, right, self.what, shorten(put, 40)))
+            raise self.refuse("the file has whitespace between %r and %r where %s has none, and"
+                              " the change puts %r there; copy the line as the file has it"
+                              % (left, right, self.what, shorten(put, 40)))
         return joins_left
 
     @staticmethod
@@ -11537,12 +11575,13 @@ def to_crlf(s):
 
 
 def encode_text(text, name="content"):
-    """The bytes to write for `text` (UTF-8; lone surrogates from undecodable bytes turned back into those
-    bytes); INVALID_INPUT naming `name` for text that cannot be written."""
+    """The bytes to write for `text` (UTF-8; lone surrogates from undecodable bytes turned back
+    into those bytes); INVALID_INPUT naming `name` for text that cannot be written."""
     try:
         return text.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError:
-        raise ToolError(INVALID_INPUT, "%s holds an unpaired surrogate character; send valid UTF-8 text" % name)
+        raise ToolError(INVALID_INPUT, "%s holds an unpaired surrogate character; send valid"
+                        " UTF-8 text" % name)
 
 
 UNKNOWN = object()      # an edit's 'before' that the writer reads itself
@@ -11561,8 +11600,9 @@ def write_edit(session, ctx, tool, changes, dry_run=False):
     limit = ctx.config.max_file_size
     for real, shown, data, _, _ in changes:
         if data is not None and len(data) > limit:
-            raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s (--max-file-size);"
-                            " nothing was written" % (shown, human_size(len(data)), human_size(limit)))
+            raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s"
+                            " (--max-file-size); nothing was written"
+                            % (shown, human_size(len(data)), human_size(limit)))
     known = befores(changes, limit)
     todo = [(real, shown, data, known[real][0] if known[real] else None, new_mode)
             for real, shown, data, _, new_mode in changes]
@@ -11570,25 +11610,29 @@ def write_edit(session, ctx, tool, changes, dry_run=False):
         return edit_diff(todo, ctx.config.max_result_chars)
     done, notes = [], []
     try:
-        for real, shown, data, before, new_mode in sorted(todo, key=lambda c: c[2] is None):   # removals last
+        # removals last
+        for real, shown, data, before, new_mode in sorted(todo, key=lambda c: c[2] is None):
             top, d = None, os.path.dirname(real)
             while before is None and not os.path.lexists(d):
                 top, d = d, os.path.dirname(d)           # the directories writing it makes
             if data is None:
                 remove_file(real)
             elif not atomic_write(real, data, ctx.files, new_mode or 0o644):
-                notes.append(" (%s rewritten in place: its directory refuses new files or renames)" % shown)
+                notes.append(" (%s rewritten in place: its directory refuses new files or"
+                             " renames)" % shown)
             done.append((real, before, top))
             if data is not None:
                 session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
     except (OSError, ToolError) as e:
         why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
-        raise ToolError(IO_ERROR, "writing %s failed (%s); %s" % (shown, why, put_back(done, known, ctx)))
+        raise ToolError(IO_ERROR, "writing %s failed (%s); %s"
+                        % (shown, why, put_back(done, known, ctx)))
     kept = {real: known[real] + (digest_of(data) if data is not None else None,)
                 for real, _, data, _, _ in todo if known[real] is not None}
     if kept and tool != "undo_edit":
         session.remember_edit(tool, keep_befores(session, kept))
-    return "".join(notes) + "".join(parse_warning(real, before, data) for real, _, data, before, _ in todo
+    return "".join(notes) + "".join(parse_warning(real, before, data)
+                                    for real, _, data, before, _ in todo
                                     if data is not None and known[real] is not None)
 
 
@@ -11609,7 +11653,8 @@ def befores(changes, limit):
 
 
 StoredBytes = namedtuple("StoredBytes", "digest size")
-StoredBytes.__doc__ = "A file's bytes before an edit, kept in the session's checkpoint store under `digest`."
+StoredBytes.__doc__ = ("A file's bytes before an edit, kept in the session's checkpoint store"
+                       " under `digest`.")
 
 
 def keep_befores(session, changes):
@@ -11629,14 +11674,15 @@ def keep_befores(session, changes):
 
 
 def bytes_before(session, before):
-    """The bytes an undo history entry holds (keep_befores), read back from the store if kept there."""
+    """The bytes an undo history entry holds (keep_befores), read back from the store if kept
+    there."""
     if not isinstance(before, StoredBytes):
         return before
     try:
         return session.checkpoints.blob(before.digest)
     except OSError as e:
-        raise ToolError(IO_ERROR, "the bytes to restore are gone from the checkpoint store (%s); nothing was"
-                        " undone" % (e.strerror or e))
+        raise ToolError(IO_ERROR, "the bytes to restore are gone from the checkpoint store (%s);"
+                        " nothing was undone" % (e.strerror or e))
 
 
 def put_back(done, known, ctx):
@@ -11665,8 +11711,9 @@ def unified_diff(before, after, shown):
     a = (before or b"").decode("utf-8", "surrogateescape").splitlines(True)
     b = (after or b"").decode("utf-8", "surrogateescape").splitlines(True)
     return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
-                   for line in difflib.unified_diff(a, b, "/dev/null" if before is None else "a/" + shown,
-                                                    "/dev/null" if after is None else "b/" + shown))
+                   for line in difflib.unified_diff(
+                       a, b, "/dev/null" if before is None else "a/" + shown,
+                       "/dev/null" if after is None else "b/" + shown))
 
 
 def edit_diff(todo, cap):
@@ -11676,7 +11723,8 @@ def edit_diff(todo, cap):
     text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     if not text:
         return "Dry run: the edit would change nothing; nothing was written."
-    head = "Dry run: nothing was written. The edit would make this change (unified diff, the file's line numbers):\n"
+    head = ("Dry run: nothing was written. The edit would make this change (unified diff, the"
+            " file's line numbers):\n")
     if len(head) + len(text) > cap - 200:
         text = text[:cap - 400] + "\n[diff cut at %d of %d characters]" % (cap - 400, len(text))
     return head + text
@@ -11699,8 +11747,8 @@ def parse_warning(real, before, after):
     back; '' otherwise (also for a file that did not parse before, or over
     PARSE_CHECK_BYTES). Parsing only: nothing runs, nothing is imported."""
     ext = os.path.splitext(real)[1].lower()
-    if before is None or ext not in (".py", ".json", ".toml", ".ipynb") or max(len(before), len(after)) > \
-            PARSE_CHECK_BYTES:
+    if before is None or ext not in (".py", ".json", ".toml", ".ipynb") or \
+            max(len(before), len(after)) > PARSE_CHECK_BYTES:
         return ""
     error = parse_error(ext, after) if parse_error(ext, before) is None else None
     if error is None:
@@ -11717,7 +11765,8 @@ def parse_error(ext, data):
     try:
         text = data.decode("utf-8-sig")
         if ext == ".py":
-            with warnings.catch_warnings():         # a '\ ' in a string is the file's business, not a parse error
+            # a '\ ' in a string is the file's business, not a parse error
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 ast.parse(text)
         elif ext == ".toml":
@@ -11744,8 +11793,9 @@ def check_unchanged(session, ctx, real, shown):
         return
     change = changed_since(seen, real, ctx.config.max_file_size)
     if change:
-        raise ToolError(FILE_CHANGED, "%s changed since this session last saw it (%s); view it again before"
-                        " overwriting it, so that no one else's change is lost" % (shown, change))
+        raise ToolError(FILE_CHANGED, "%s changed since this session last saw it (%s); view it"
+                        " again before overwriting it, so that no one else's change is lost"
+                        % (shown, change))
 
 
 def snippet(text, first_line, span):
@@ -11773,7 +11823,8 @@ def match_lines(text, old, most=20):
         line += text.count("\n", at, i)
         at = i
         lines.append(str(line))
-        pos = text.find("\n", i) + 1          # the next line: one occurring later on this one has its number
+        # the next line: one occurring later on this one has its number
+        pos = text.find("\n", i) + 1
         if not pos:
             return ", ".join(lines)
     return ", ".join(lines) + ", ..."
@@ -11793,7 +11844,8 @@ def closest_region(text, old, cancelled=NOT_CANCELLED, what="old_str"):
     want = text_lines(old)
     numbered = re.compile(r"^ *\d+\t")
     if numbered.match(want[0]) and all(numbered.match(w) for w in want if w):
-        return " old_str starts its lines with view's line-number prefixes (number, tab); leave them out."
+        return (" old_str starts its lines with view's line-number prefixes (number, tab);"
+                " leave them out.")
     want = want[:MISS_WINDOW_LINES]
     import difflib
     n = len(want)
@@ -11809,7 +11861,8 @@ def closest_region(text, old, cancelled=NOT_CANCELLED, what="old_str"):
             elif a.strip() == b.strip():
                 total += 0.95
             else:
-                total += difflib.SequenceMatcher(None, a[:200], b[:200], autojunk=False).quick_ratio()
+                total += difflib.SequenceMatcher(None, a[:200], b[:200],
+                                                 autojunk=False).quick_ratio()
         if total / max(n, 1) > best:
             best, at = total / max(n, 1), s
     if at is None or best < 0.5:
@@ -11823,30 +11876,35 @@ def region_report(region, want, at, best, what):
     import difflib
 
     def indents(s):
-        return plural(s.count("\t"), "tab") if "\t" in s else plural(len(s), "space") if s else "no indentation"
+        if "\t" in s:
+            return plural(s.count("\t"), "tab")
+        return plural(len(s), "space") if s else "no indentation"
     ws = []                             # lines equal but for whitespace: what differs, in words
     for k, (f, w) in enumerate(zip(region, want)):
         if f == w or f.strip() != w.strip():
             continue
         says = []
         if leading(f) != leading(w):
-            says.append("the file indents with %s, %s with %s" % (indents(leading(f)), what, indents(leading(w))))
+            says.append("the file indents with %s, %s with %s"
+                        % (indents(leading(f)), what, indents(leading(w))))
         if trailing(f) != trailing(w):
-            says.append("the file has %s, %s %d" % (plural(len(trailing(f)), "trailing space"), what,
-                                                      len(trailing(w))))
+            says.append("the file has %s, %s %d"
+                        % (plural(len(trailing(f)), "trailing space"), what, len(trailing(w))))
         if says:
             ws.append("line %d: %s" % (at + k + 1, "; ".join(says)))
     hint = ""
     if [l.strip() for l in region] == [w.strip() for w in want]:
-        hint = " They differ only in indentation or trailing spaces: copy the whitespace from the lines below."
+        hint = (" They differ only in indentation or trailing spaces: copy the whitespace from"
+                " the lines below.")
     shown = number_lines([clip_line(l)[:200] for l in region[:MISS_CONTEXT_LINES]], at + 1)
     diff = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, region, want, autojunk=False).get_opcodes():
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, region, want,
+                                                       autojunk=False).get_opcodes():
         if tag != "equal":
             diff += ["-%6d\t%s" % (at + i + 1, visible(region[i])[:200]) for i in range(i1, i2)]
             diff += ["+%6s\t%s" % ("", visible(want[j])[:200]) for j in range(j1, j2)]
-    return ("\nThe closest text is at lines %d-%d (%d%% similar):%s\n%s%s\nHow %s differs (- file line, + %s; a"
-            " trailing space shows as \u00b7, a tab as \u2192):\n%s"
+    return ("\nThe closest text is at lines %d-%d (%d%% similar):%s\n%s%s\nHow %s differs"
+            " (- file line, + %s; a trailing space shows as \u00b7, a tab as \u2192):\n%s"
             % (at + 1, at + len(region), int(best * 100), hint, shown,
                ("\n" + "\n".join(ws[:MISS_CONTEXT_LINES])) if ws else "", what, what,
                "\n".join(diff[:2 * MISS_CONTEXT_LINES])))
@@ -11886,9 +11944,10 @@ def candidate_starts(lines, want, cancelled):
         if i % 1000 == 0 and cancelled.is_set():
             return []
         matcher.set_seq1(line.strip()[:200])
-        ratio = matcher.ratio() if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6 else 0
-        if ratio >= 0.6:
-            close.append((ratio, -i))                  # (-i: the first of equal ones wins)
+        if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6:
+            ratio = matcher.ratio()
+            if ratio >= 0.6:
+                close.append((ratio, -i))              # (-i: the first of equal ones wins)
     return [-neg_i - first for _, neg_i in heapq.nlargest(MISS_CANDIDATES, close)]
 
 
@@ -11898,7 +11957,8 @@ def check_old_new(old, new):
         raise ToolError(INVALID_INPUT, "old_str is empty; give the exact text to replace"
                         " (to write a whole file use create_file)")
     if old == new:
-        raise ToolError(INVALID_INPUT, "old_str and new_str are identical; there is nothing to change")
+        raise ToolError(INVALID_INPUT,
+                        "old_str and new_str are identical; there is nothing to change")
 
 
 # -- the edit tools ----------------------------------------------------------------
@@ -11908,7 +11968,8 @@ def replace_text(text, edit, shown, cancelled=NOT_CANCELLED):
     edit ({old_str, new_str, replace_all}, as str_replace and each of multi_edit's take
     it) through the one matcher. Refused: old_str empty or equal to new_str, not found
     (with the closest region), or more than one place at the level that matched."""
-    old, new, replace_all = edit["old_str"], edit.get("new_str") or "", bool(edit.get("replace_all"))
+    old, new = edit["old_str"], edit.get("new_str") or ""
+    replace_all = bool(edit.get("replace_all"))
     check_old_new(old, new)
     count = text.count(old)
     how = ""
@@ -11916,16 +11977,18 @@ def replace_text(text, edit, shown, cancelled=NOT_CANCELLED):
         old, how = to_crlf(old), "with CRLF line endings"
         count = text.count(old)
     if count and new[:1] in " \t" and old[:1] not in " \t\n" and at_line_text(text, old):
-        pos = text.find(old)        # old_str lost its first line's indentation, new_str has it: give it back
+        # old_str lost its first line's indentation, new_str has it: give it back
+        pos = text.find(old)
         whole = text[text.rfind("\n", 0, pos) + 1:pos] + old
         count = text.count(whole) if text.count(whole) == count else 0
         old = whole
     if count == 1 and not replace_all and text.find(old, text.find(old) + 1) >= 0:
-        count = 2                   # a second place overlapping the first ('x\nx' in 'x\nx\nx') is a place too
+        # a second place overlapping the first ('x\nx' in 'x\nx\nx') is a place too
+        count = 2
     if count > 1 and not replace_all:
-        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str occurs %d times in %s (at lines %s) and must be unique;"
-                        " add surrounding lines to old_str to pick one, or set replace_all to true"
-                        % (count, shown, match_lines(text, old)))
+        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str occurs %d times in %s (at lines %s) and"
+                        " must be unique; add surrounding lines to old_str to pick one, or set"
+                        " replace_all to true" % (count, shown, match_lines(text, old)))
     if count:
         return replaced(text, old, new), count, text.find(old), how
     return replace_lines(text, edit, shown, cancelled)
@@ -11936,45 +11999,53 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
     difference old_str -> new_str merged into the file's lines there (EditMerge); the
     same answer as replace_text."""
     import difflib
-    old, new, replace_all = edit["old_str"], edit.get("new_str") or "", bool(edit.get("replace_all"))
+    old, new = edit["old_str"], edit.get("new_str") or ""
+    replace_all = bool(edit.get("replace_all"))
     lines = text.split("\n")
     plain = [l[:-1] if l.endswith("\r") else l for l in lines]
     want = text_lines(old)
     index = LineIndex(plain)
     level, hits, elsewhere = find_lines(index, want)
     partial = not hits and not old.endswith("\n")
-    if partial:                                 # old_str may end inside a line, as an exact match may
+    # old_str may end inside a line, as an exact match may
+    if partial:
         level, hits, elsewhere = find_lines(index, want, partial=True)
     if not hits:
-        raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and copy the"
-                        " text exactly, whitespace and indentation included.%s" % (shown, closest_region(text, old, cancelled)))
+        raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and"
+                        " copy the text exactly, whitespace and indentation included.%s"
+                        % (shown, closest_region(text, old, cancelled)))
     if len(hits) + len(elsewhere) > 1 and not replace_all:
         places = sorted(hits + elsewhere)
-        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s), and a relaxed"
-                        " match must be unique; copy old_str exactly from the file, or add surrounding lines"
-                        % (len(places), shown, MATCH_LEVELS[level][0], ", ".join(str(i + 1) for i, _ in places[:20])))
+        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s),"
+                        " and a relaxed match must be unique; copy old_str exactly from the file,"
+                        " or add surrounding lines"
+                        % (len(places), shown, MATCH_LEVELS[level][0],
+                           ", ".join(str(i + 1) for i, _ in places[:20])))
     new_lines = text_lines(new, ended=old.endswith("\n")) if new else []
     ops = difflib.SequenceMatcher(None, want, new_lines, autojunk=False).get_opcodes()
     hits = apart(hits)                          # replace_all: no two places overlap
     merge = None
     for i, j in reversed(hits):
         region, rest = lines[i:j], ""
-        if partial:                             # the file's line goes on after old_str: that stays after new_str
+        # the file's line goes on after old_str: that stays after new_str
+        if partial:
             region[-1], rest = split_after(region[-1], want[-1])
         merge = EditMerge(region, want, new_lines, ops, level, "\r" if "\r\n" in text else "",
                           file_step=indent_step(plain))
         put = merge.lines()
         if rest:
             if not put:
-                raise merge.refuse("old_str ends inside line %d, and the edit removes everything before the"
-                                   " rest of that line" % j)
+                raise merge.refuse("old_str ends inside line %d, and the edit removes everything"
+                                   " before the rest of that line" % j)
             cr = "\r" if put[-1].endswith("\r") else ""
             put[-1] = put[-1][:len(put[-1]) - len(cr)] + rest + cr
         if j == len(lines) and not lines[-1].endswith("\r"):
-            put[-1:] = [line[:-1] if line.endswith("\r") else line for line in put[-1:]]   # (a last line: no CR)
+            # (a last line: no CR)
+            put[-1:] = [line[:-1] if line.endswith("\r") else line for line in put[-1:]]
         lines[i:j] = put
-    first = hits[0][0]
-    return "\n".join(lines), len(hits), len("\n".join(lines[:first])) + (1 if first else 0), relaxed_note(level, merge)
+    # where the first change starts: each line before it, and its "\n"
+    offset = sum(len(line) + 1 for line in lines[:hits[0][0]])
+    return "\n".join(lines), len(hits), offset, relaxed_note(level, merge)
 
 
 def apart(spans):
@@ -12029,15 +12100,16 @@ STR_REPLACE_DESC = ("Edit a file - the edit tool for most edits: replace text (o
 }, ["path", "old_str"]), notes("Replace text in a file", destructive=True), modes=DEFAULT,
       hint="edit code in a file")
 def tool_str_replace(session, args, ctx):
-    """str_replace: replace old_str (unique, or every one with replace_all) in a file viewed and unchanged
-    since."""
+    """str_replace: replace old_str (unique, or every one with replace_all) in a file viewed and
+    unchanged since."""
     shown, new = args["path"], args.get("new_str") or ""
     real = resolve_checked(session, ctx, shown)
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         updated, count, pos, how = replace_text(text, args, shown, ctx.cancelled)
-        note = write_edit(session, ctx, "str_replace", [(real, shown, encode_text(updated, "new_str"),
-                                                         text.encode("utf-8", "surrogateescape"), None)], args.get("dry_run"))
+        note = write_edit(session, ctx, "str_replace",
+                          [(real, shown, encode_text(updated, "new_str"), encode_text(text), None)],
+                          args.get("dry_run"))
     if args.get("dry_run"):
         return note + ("\n(old_str matched %s)" % how if how else "")
     line = updated.count("\n", 0, pos)
@@ -12055,12 +12127,15 @@ MULTI_EDIT_DESC = ("Make several changes to one file in one call: each {old_str,
     "path": PATH_PROP,
     "edits": prop("array", "The edits, in order.", minItems=1,
                   items=obj({
-                      "old_str": prop("string", "The exact text to replace (unique unless replace_all)."),
-                      "new_str": prop("string", "The replacement text (default empty: delete old_str)."),
+                      "old_str": prop("string",
+                                      "The exact text to replace (unique unless replace_all)."),
+                      "new_str": prop("string",
+                                      "The replacement text (default empty: delete old_str)."),
                       "replace_all": prop("boolean", "Replace every occurrence."),
                   }, ["old_str"])),
     "dry_run": DRY_RUN_PROP,
-}, ["path", "edits"]), notes("Edit a file in several places", destructive=True), hint="several edits, one file")
+}, ["path", "edits"]), notes("Edit a file in several places", destructive=True),
+      hint="several edits, one file")
 def tool_multi_edit(session, args, ctx):
     """Several str_replace edits of one file: each applies to the result of the one
     before; all of them or none are written, in one atomic write."""
@@ -12075,17 +12150,20 @@ def tool_multi_edit(session, args, ctx):
                 if how:
                     matched.append("edit %d matched %s" % (k, how))
             except ToolError as e:
-                raise ToolError(e.code, "edit %d of %d: %s\nNothing was written (the edits apply all or none)"
-                                % (k, len(edits), e.message.rstrip(".")))
+                raise ToolError(e.code, "edit %d of %d: %s\nNothing was written (the edits apply"
+                                " all or none)" % (k, len(edits), e.message.rstrip(".")))
             replaced += count
-        note = write_edit(session, ctx, "multi_edit", [(real, shown, encode_text(text, "new_str"),
-                                                        before.encode("utf-8", "surrogateescape"), None)], args.get("dry_run"))
+        note = write_edit(session, ctx, "multi_edit",
+                          [(real, shown, encode_text(text, "new_str"), encode_text(before), None)],
+                          args.get("dry_run"))
     if args.get("dry_run"):
         return note + ("\n(%s)" % "; ".join(matched) if matched else "")
-    line, added = text.count("\n", 0, pos), (edits[-1].get("new_str") or "").replace("\r\n", "\n").count("\n")
+    line = text.count("\n", 0, pos)
+    added = (edits[-1].get("new_str") or "").replace("\r\n", "\n").count("\n")
     return "Applied %s (%s) to %s%s; around the last one:\n%s" % (
         plural(len(edits), "edit"), plural(replaced, "replacement"), real,
-        " (%s)" % "; ".join(matched) if matched else "", snippet(text.replace("\r\n", "\n"), line, added)) + note
+        " (%s)" % "; ".join(matched) if matched else "",
+        snippet(text.replace("\r\n", "\n"), line, added)) + note
 
 
 def existing_kind(real, shown):
@@ -12103,12 +12181,15 @@ def existing_kind(real, shown):
     return st
 
 
-CREATE_DESC = ("Create a new file, or write a whole file: the given content, overwriting an existing one (view it first). Missing "
-               "parent directories are created. Prefer str_replace for changing part of an existing file.")
+CREATE_DESC = ("Create a new file, or write a whole file: the given content, overwriting an "
+               "existing one (view it first). Missing parent directories are created. Prefer "
+               "str_replace for changing part of an existing file.")
 
 
 @tool("create_file", CREATE_DESC, obj({
-    "path": PATH_PROP, "content": prop("string", "The complete file content."), "dry_run": DRY_RUN_PROP,
+    "path": PATH_PROP,
+    "content": prop("string", "The complete file content."),
+    "dry_run": DRY_RUN_PROP,
 }, ["path", "content"]), notes("Create or overwrite a file", destructive=True), modes=DEFAULT,
       hint="write a new file")
 def tool_create_file(session, args, ctx, content_key="content"):
@@ -12121,7 +12202,8 @@ def tool_create_file(session, args, ctx, content_key="content"):
         if existed:
             require_viewed(session, ctx, real, shown)
             check_unchanged(session, ctx, real, shown)
-        note = write_edit(session, ctx, "create_file", [(real, shown, data, UNKNOWN, None)], args.get("dry_run"))
+        note = write_edit(session, ctx, "create_file", [(real, shown, data, UNKNOWN, None)],
+                          args.get("dry_run"))
     if args.get("dry_run"):
         return note
     return "%s %s (%d bytes)%s" % ("Overwrote" if existed else "Created", real, len(data), note)
@@ -12135,8 +12217,8 @@ def inserted(text, at, text_in):
     trailing = text.endswith(nl)
     total = len(lines) - 1 if trailing else (0 if text == "" else len(lines))
     if not 0 <= at <= total:
-        raise ToolError(INVALID_INPUT, "insert_line %d is outside the file; give 0 (the top) to %d (after"
-                        " the last line)" % (at, total))
+        raise ToolError(INVALID_INPUT, "insert_line %d is outside the file; give 0 (the top) to"
+                        " %d (after the last line)" % (at, total))
     body = lines[:total]
     new_lines = (to_crlf(text_in) if nl == "\r\n" else text_in).split(nl)
     if text_in.endswith("\n"):
@@ -12156,8 +12238,9 @@ def tool_insert(session, args, ctx):
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         updated, new_lines = inserted(text, at, text_in)
-        note = write_edit(session, ctx, "insert", [(real, shown, encode_text(updated, "insert_text"),
-                                                    text.encode("utf-8", "surrogateescape"), None)], args.get("dry_run"))
+        note = write_edit(session, ctx, "insert",
+                          [(real, shown, encode_text(updated, "insert_text"),
+                            encode_text(text), None)], args.get("dry_run"))
     if args.get("dry_run"):
         return note
     return "Inserted %s after line %d of %s:\n%s" % (
@@ -12181,8 +12264,8 @@ def tool_undo_edit(session, args, ctx):
     real = resolve_checked(session, ctx, shown)
     edit, levels = session.last_edit(real)
     if edit is None:
-        raise ToolError(INVALID_INPUT, "nothing to undo for %s: this session has no edit of it left to take back"
-                        " (at most %d a file are kept)" % (shown, UNDO_LEVELS))
+        raise ToolError(INVALID_INPUT, "nothing to undo for %s: this session has no edit of it"
+                        " left to take back (at most %d a file are kept)" % (shown, UNDO_LEVELS))
     tool_name, changes = edit
     for path in changes:
         ctx.policy.check(path, path)
@@ -12193,16 +12276,17 @@ def tool_undo_edit(session, args, ctx):
         for path, (before, mode, after) in sorted(changes.items()):
             now = file_bytes(path, ctx.config.max_file_size)[0]
             if (now is None) != (after is None) or (now is not None and digest_of(now) != after):
-                raise ToolError(FILE_CHANGED, "%s changed since this session's %s of it (by something else), so"
-                                " undo_edit would lose that; nothing was undone. View it and edit it instead"
-                                % (path, tool_name))
+                raise ToolError(FILE_CHANGED, "%s changed since this session's %s of it (by"
+                                " something else), so undo_edit would lose that; nothing was"
+                                " undone. View it and edit it instead" % (path, tool_name))
             back.append((path, path, bytes_before(session, before), now, mode))
         note = write_edit(session, ctx, "undo_edit", back, args.get("dry_run"))
         if args.get("dry_run"):
             return note
         session.forget_edit(edit)
     what = ", ".join("%s (%s)" % (p, "removed" if b is None else "%d bytes" % (
-        b.size if isinstance(b, StoredBytes) else len(b))) for p, (b, _, _) in sorted(changes.items()))
+                         b.size if isinstance(b, StoredBytes) else len(b)))
+                     for p, (b, _, _) in sorted(changes.items()))
     left = "%s for %s." % (plural(levels - 1, "more undo level"), shown) if levels > 1 else \
         "Nothing more to undo for %s." % shown
     return "Undid the %s: restored %s. %s%s" % (tool_name, what, left, note)
@@ -12224,7 +12308,8 @@ REWIND_DESC = ("Rewind changes: put the workspace back as it was at a checkpoint
 def call_summary(name, args):
     """A call as a checkpoint names it: the tool and its command or path, shortened."""
     args = args if isinstance(args, dict) else {}
-    what = next((args[k] for k in ("command", "path", "file_path", "notebook_path", "task_id", "checkpoint")
+    what = next((args[k] for k in ("command", "path", "file_path", "notebook_path",
+                                   "task_id", "checkpoint")
                  if isinstance(args.get(k), (str, int)) and not isinstance(args.get(k), bool)), "")
     return "%s %s" % (name, shorten(" ".join(str(what).split()), 80)) if what != "" else name
 
@@ -12268,9 +12353,11 @@ def running_note(session):
 
 
 @tool("checkpoints", CHECKPOINTS_DESC, obj({
-    "since": prop("integer", "Show the changes since this checkpoint as a diff (git apply -R takes them back)."),
+    "since": prop("integer", "Show the changes since this checkpoint as a diff (git apply -R takes"
+                  " them back)."),
     "offset": prop("integer", "With since: files to skip (a cut diff's notice gives it).")}),
-      notes("List workspace checkpoints", read_only=True), modes=DEFAULT, hint="review session changes, diff")
+      notes("List workspace checkpoints", read_only=True), modes=DEFAULT,
+      hint="review session changes, diff")
 def tool_checkpoints(session, args, ctx):
     """checkpoints: each checkpoint, newest first, with what changed after it; what is covered.
     With since: the diff from that checkpoint to now instead."""
@@ -12282,8 +12369,8 @@ def tool_checkpoints(session, args, ctx):
         if args.get("since") is not None:
             if latest is None:
                 raise ToolError(INVALID_INPUT, "cancelled while the workspace was being read")
-            return checkpoint_diff(points, points.find(args["since"]), latest, args.get("offset") or 0,
-                                   ctx.config.max_result_chars - 400)
+            return checkpoint_diff(points, points.find(args["since"]), latest,
+                                   args.get("offset") or 0, ctx.config.max_result_chars - 400)
         kept = list(points.list)
         stored, budget, where = points.store.stored, points.store.budget, points.store.dir
     lines = ["Checkpoints of %s (one before each call that can change files; rewind puts one back):"
@@ -12295,16 +12382,20 @@ def tool_checkpoints(session, args, ctx):
         lines.append("#%d  %s  %s  %s%s" % (
             point.number, time.strftime("%H:%M:%S", time.localtime(point.taken)),
             "before " + ", ".join(point.followed) if point.followed else "(the state now)",
-            "(covers part: %s)  " % point.partial if point.partial and k + 1 < len(kept) else "", changes))
+            "(covers part: %s)  " % point.partial if point.partial and k + 1 < len(kept) else "",
+            changes))
     if latest is not None:
-        kinds, size = Counter(), 0                 # (a directory at a time: no list of every entry at once)
+        # (a directory at a time: no list of every entry at once)
+        kinds, size = Counter(), 0
         for packed in latest.dirs.values():
             for kind, _, digest, length, _, _, _ in unpack_children(packed).values():
-                kinds[kind] += kind != "f" or digest is not None     # (a file not covered is not counted)
+                # (a file not covered is not counted)
+                kinds[kind] += kind != "f" or digest is not None
                 size += length if kind == "f" else 0
-        lines.append("Covered now: %d files, %d directories, %d symlinks (%s); the store keeps %s of a %s budget"
-                     " in %s." % (kinds["f"], kinds["d"], kinds["l"], human_size(size), human_size(stored),
-                                  human_size(budget), where))
+        lines.append("Covered now: %d files, %d directories, %d symlinks (%s); the store keeps %s"
+                     " of a %s budget in %s."
+                     % (kinds["f"], kinds["d"], kinds["l"], human_size(size), human_size(stored),
+                        human_size(budget), where))
         if latest.missed:
             lines.append("Not covered: %s." % ", ".join("%s (%s)" % (root_of(p), why) for p, why in
                                                          latest.missed[:CHECKPOINT_NAMES_SHOWN]))
@@ -12319,11 +12410,13 @@ def checkpoint_diff(points, target, now, offset, cap):
     diff: a header per file, mode lines, hunks of text, a line for a binary file or one the
     checkpoint did not cover; files past `cap` characters are left to a read-on notice."""
     old, cur = target.flat(), now.flat()
-    paths = sorted(p for p in set(old) | set(cur) if any(e is not None and e[0] != "d" for e in (old.get(p), cur.get(p)))
+    paths = sorted(p for p in set(old) | set(cur)
+                   if any(e is not None and e[0] != "d" for e in (old.get(p), cur.get(p)))
                    and old.get(p, ())[:3] != cur.get(p, ())[:3])
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
-    readers, parts, size, end = {}, [], 0, offset           # end: the files shown end before this one
+    # end: the files shown end before this one
+    readers, parts, size, end = {}, [], 0, offset
 
     def file_diff(p):
         """One file's part: its header and mode lines, then its hunks or why they are not shown."""
@@ -12348,8 +12441,9 @@ def checkpoint_diff(points, target, now, offset, cap):
         if a is not None and a[0] == "f" and not a[2]:
             text.append("# not shown: checkpoint %d did not cover it\n" % target.number)
         elif b"\0" in (before or b"")[:8192] + (after or b"")[:8192]:
-            text.append("Binary files %s and %s differ\n" % ("a/" + name if before is not None else "/dev/null",
-                                                             "b/" + name if after is not None else "/dev/null"))
+            text.append("Binary files %s and %s differ\n"
+                        % ("a/" + name if before is not None else "/dev/null",
+                           "b/" + name if after is not None else "/dev/null"))
         else:
             text.append(unified_diff(before, after, name))
         return "".join(text).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
@@ -12369,7 +12463,8 @@ def checkpoint_diff(points, target, now, offset, cap):
         target.number, plural(len(paths), "file"))
     body = "".join(parts)
     if end < len(paths):
-        body += "[files %d-%d of %d shown; read on with offset=%d]\n" % (offset + 1, end, len(paths), end)
+        body += "[files %d-%d of %d shown; read on with offset=%d]\n" % (
+            offset + 1, end, len(paths), end)
     return head + body
 
 
@@ -12383,9 +12478,11 @@ def git_mode(entry):
     "paths": prop("array", "Only these files or directories (default: the whole workspace).",
                   items={"type": "string"}),
     "dry_run": prop("boolean", "Only say what it would change.")}, ["checkpoint"]),
-      notes("Rewind the workspace to a checkpoint", destructive=True), modes=DEFAULT, hint="undo shell changes")
+      notes("Rewind the workspace to a checkpoint", destructive=True), modes=DEFAULT,
+      hint="undo shell changes")
 def tool_rewind(session, args, ctx):
-    """rewind: the workspace (or some paths of it) back to a checkpoint; the state before is a checkpoint."""
+    """rewind: the workspace (or some paths of it) back to a checkpoint; the state before is a
+    checkpoint."""
     points = session_checkpoints(session)
     within = [resolve_checked(session, ctx, p, "paths") for p in args.get("paths") or []]
 
@@ -12395,8 +12492,8 @@ def tool_rewind(session, args, ctx):
         target = points.find(args["checkpoint"])
         now = points.current(ctx.cancelled)
         if now is None:
-            raise ToolError(INVALID_INPUT, "cancelled, or the session ended, while the workspace was being read;"
-                            " nothing was rewound")
+            raise ToolError(INVALID_INPUT, "cancelled, or the session ended, while the workspace"
+                            " was being read; nothing was rewound")
         if args.get("dry_run"):
             plan = points.rewind(target, now, within, ctx.files, dry=True)
             return "Dry run: rewinding to checkpoint %d would change %s.%s" % (
@@ -12414,24 +12511,27 @@ def tool_rewind(session, args, ctx):
     if failed:
         text += "\nNot restored: %s." % listed(failed[:CHECKPOINT_NAMES_SHOWN])
     if now.number != target.number:
-        text += "\nTo undo this rewind: rewind to checkpoint %d (the state just before it)." % now.number
+        text += ("\nTo undo this rewind: rewind to checkpoint %d (the state just before it)."
+                 % now.number)
     return text + running_note(session)
 
 
-EDITOR_DESC = ("View, create and edit files. command=view shows a file with line numbers or lists a "
-               "directory; create writes file_text to path; str_replace replaces the "
-               "unique old_str with new_str; insert adds insert_text after line insert_line (0 = top); "
-               "undo_edit takes back this session's last edit of path. Files must be viewed before they are "
-               "edited.")
+EDITOR_DESC = ("View, create and edit files. command=view shows a file with line numbers or lists "
+               "a directory; create writes file_text to path; str_replace replaces the unique "
+               "old_str with new_str; insert adds insert_text after line insert_line (0 = top); "
+               "undo_edit takes back this session's last edit of path. Files must be viewed "
+               "before they are edited.")
 
 
 @tool("str_replace_editor", EDITOR_DESC, obj({
-    "command": prop("string", "The operation.", enum=["view", "create", "str_replace", "insert", "undo_edit"]),
+    "command": prop("string", "The operation.",
+                    enum=["view", "create", "str_replace", "insert", "undo_edit"]),
     "path": PATH_PROP,
     "view_range": RANGE_PROP,
     "file_text": prop("string", "command=create: the complete file content."),
     "old_str": prop("string", "command=str_replace: the exact, unique text to replace."),
-    "new_str": prop("string", "command=str_replace: the replacement; command=insert: the text to insert."),
+    "new_str": prop("string",
+                    "command=str_replace: the replacement; command=insert: the text to insert."),
     "insert_line": prop("integer", "command=insert: insert after this line (0 = top of file)."),
     "insert_text": prop("string", "command=insert: the text to insert."),
     "replace_all": prop("boolean", "command=str_replace: replace every occurrence."),
@@ -12441,8 +12541,8 @@ EDITOR_DESC = ("View, create and edit files. command=view shows a file with line
 def tool_str_replace_editor(session, args, ctx):
     """Anthropic's text-editor tool: one name, the same handlers underneath."""
     cmd = args["command"]
-    need = {"view": (), "str_replace": ("old_str",), "create": ("file_text",), "insert": ("insert_line",),
-            "undo_edit": ()}[cmd]
+    need = {"view": (), "str_replace": ("old_str",), "create": ("file_text",),
+            "insert": ("insert_line",), "undo_edit": ()}[cmd]
     for key in need:
         if args.get(key) is None:
             raise ToolError(INVALID_INPUT, "command %r needs the argument %r" % (cmd, key))
@@ -12496,15 +12596,16 @@ class PatchReader:
         """The patch's lines, from `*** Begin Patch` to `*** End Patch` (blank lines around
         them dropped), or INVALID_INPUT saying which is missing."""
         lines = text.replace("\r\n", "\n").strip().split("\n")
-        heredoc = re.match(r"^\s*(?:apply_patch\s*)?<<-?\s*(['\"]?)(\w+)\1\s*$", lines[0]) if lines else None
+        heredoc = re.match(r"^\s*(?:apply_patch\s*)?<<-?\s*(['\"]?)(\w+)\1\s*$", lines[0])
         if heredoc and len(lines) > 1 and lines[-1].strip() == heredoc.group(2):
-            lines = lines[1:-1]                     # the patch wrapped as a heredoc, as some models send it
+            # the patch wrapped as a heredoc, as some models send it
+            lines = lines[1:-1]
         if not lines or lines[0].strip() != "*** Begin Patch":
-            raise ToolError(INVALID_INPUT, "a patch starts with the line '*** Begin Patch' (and ends with"
-                            " '*** End Patch')")
+            raise ToolError(INVALID_INPUT, "a patch starts with the line '*** Begin Patch' (and"
+                            " ends with '*** End Patch')")
         if lines[-1].strip() != "*** End Patch":
-            raise ToolError(INVALID_INPUT, "a patch ends with the line '*** End Patch'; the last line is %r"
-                            % shorten(lines[-1], 80))
+            raise ToolError(INVALID_INPUT, "a patch ends with the line '*** End Patch'; the last"
+                            " line is %r" % shorten(lines[-1], 80))
         self.lines = lines
         self.i, self.end = 1, len(lines) - 1           # between Begin and End
 
@@ -12524,7 +12625,8 @@ class PatchReader:
             elif not line:
                 self.i += 1
             else:
-                raise self.bad(self.i, "expected '*** Add File: ', '*** Delete File: ' or '*** Update File: '")
+                raise self.bad(self.i, "expected '*** Add File: ', '*** Delete File: ' or"
+                                       " '*** Update File: '")
         if not ops:
             raise ToolError(INVALID_INPUT, "the patch changes no file")
         return ops
@@ -12536,7 +12638,8 @@ class PatchReader:
 
     def bad(self, k, why):
         """INVALID_INPUT naming patch line k (from 0) and what is wrong with it."""
-        return ToolError(INVALID_INPUT, "patch line %d (%s): %s" % (k + 1, shorten(repr(self.lines[k]), 80), why))
+        return ToolError(INVALID_INPUT, "patch line %d (%s): %s"
+                         % (k + 1, shorten(repr(self.lines[k]), 80), why))
 
     def add_section(self, path):
         """The PatchOp of an Add File section: every line starts with '+'."""
@@ -12560,8 +12663,9 @@ class PatchReader:
         while not self.marker().startswith("*** ") or self.marker() == "*** End of File":
             self.hunk_line(self.lines[self.i], hunks)
             self.i += 1
-        for hunk in hunks:                              # blank lines before the next marker: not context
-            while hunk.lines and hunk.lines[-1] == (" ", "") and any(k != " " for k, _ in hunk.lines):
+        # blank lines before the next marker: not context
+        for hunk in hunks:
+            while hunk.lines[-1:] == [(" ", "")] and any(k != " " for k, _ in hunk.lines):
                 hunk.lines.pop()
         if not hunks or not any(h.lines for h in hunks):
             raise self.bad(self.i - 1, "the update of %s has no hunk" % path)
@@ -12589,13 +12693,15 @@ class PatchReader:
                 hunks.append(Hunk())
             hunks[-1].lines.append((line[:1] or " ", line[1:]))
         else:
-            raise self.bad(self.i, "a hunk line starts with ' ' (context), '-' (removed) or '+' (added)")
+            raise self.bad(self.i, "a hunk line starts with ' ' (context), '-' (removed) or"
+                                   " '+' (added)")
 
 
 def find_run(lines, want, start):
     """Indexes >= start where `want` (a run of lines) stands in `lines` as it is."""
     n = len(want)
-    return [i for i in range(start, len(lines) - n + 1) if lines[i] == want[0] and lines[i:i + n] == want]
+    return [i for i in range(start, len(lines) - n + 1)
+            if lines[i] == want[0] and lines[i:i + n] == want]
 
 
 class PatchedText:
@@ -12625,14 +12731,15 @@ class PatchedText:
             old, new, ops = hunk_ops(hunk.lines)
             if level:
                 try:
-                    new = EditMerge(lines[at:end], old, new, ops, level, what="the hunk", as_sent=True,
-                                    file_step=self.file_step()).lines()
+                    new = EditMerge(lines[at:end], old, new, ops, level, what="the hunk",
+                                    as_sent=True, file_step=self.file_step()).lines()
                 except ToolError as e:
                     raise ToolError(e.code, "%s, %s: %s" % (self.shown, hunk.label(k), e.message))
                 self.notes.append("hunk %d matched %s" % (k, MATCH_LEVELS[level][0]))
             edits.append((at, end, new))
             if end > at or hunk.headers:
-                self.cursor = end                # a bare addition (at the end) moves no later hunk's search
+                # a bare addition (at the end) moves no later hunk's search
+                self.cursor = end
         for at, end, new in sorted(edits, key=lambda e: e[0], reverse=True):
             lines[at:end] = new
         return self.nl.join(lines) + (self.nl if lines and (self.final or not self.text) else "")
@@ -12643,7 +12750,8 @@ class PatchedText:
         place an ambiguous hunk matches."""
         lines, cursor = self.lines, self.after_headers(hunk, label)
         old = hunk.old()
-        if not old:                                        # only additions: after the headers, or at the end
+        # only additions: after the headers, or at the end
+        if not old:
             at = cursor if hunk.headers and not hunk.eof else len(lines)
             return at, at, 0
         if not any(l.strip() for l in old):                # blank lines only: as they are
@@ -12652,16 +12760,20 @@ class PatchedText:
         else:
             level, hits, elsewhere = find_lines(self.index, old, cursor, hunk.eof)
         if len(hits) == 1 and not elsewhere:
-            lead = next((k for k, (kind, text) in enumerate(hunk.lines) if kind != " " or text.strip()), 0)
+            lead = next((k for k, (kind, text) in enumerate(hunk.lines)
+                         if kind != " " or text.strip()), 0)
             if hunk.headers and lead and hunk.lines[lead][0] == "+" and hits[0][0] == cursor:
-                raise ToolError(STR_REPLACE_AMBIGUOUS, "%s, %s: only blank lines stand between its @@ header and"
-                                " the lines it adds, so whether they go before or after those blank lines is not"
-                                " known (a blank line after '@@' may be spacing); give a context line that is not"
-                                " blank, or drop the blank line; nothing was written" % (self.shown, label))
+                raise ToolError(
+                    STR_REPLACE_AMBIGUOUS, "%s, %s: only blank lines stand between its @@ header"
+                    " and the lines it adds, so whether they go before or after those blank lines"
+                    " is not known (a blank line after '@@' may be spacing); give a context line"
+                    " that is not blank, or drop the blank line; nothing was written"
+                    % (self.shown, label))
             return hits[0] + (level,)
         if hits:
-            raise ToolError(STR_REPLACE_AMBIGUOUS, "%s, %s matches %s at lines %s; add context lines or an"
-                            " '@@ header' line (e.g. @@ def name) to pick one; nothing was written"
+            raise ToolError(STR_REPLACE_AMBIGUOUS, "%s, %s matches %s at lines %s; add context"
+                            " lines or an '@@ header' line (e.g. @@ def name) to pick one;"
+                            " nothing was written"
                             % (self.shown, label, MATCH_LEVELS[level][0],
                                ", ".join(str(i + 1) for i, _ in sorted(hits + elsewhere)[:20])))
         raise self.miss(old, cursor, label)
@@ -12679,8 +12791,9 @@ class PatchedText:
                     cursor = hits[0] + 1
                     break
             else:
-                raise ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: its header line %r was not found%s; nothing was"
-                                " written" % (self.shown, label, shorten(h, 120), self.searched_from(cursor)))
+                raise ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: its header line %r was not found%s;"
+                                " nothing was written"
+                                % (self.shown, label, shorten(h, 120), self.searched_from(cursor)))
         return cursor
 
     def miss(self, old, cursor, label):
@@ -12691,8 +12804,9 @@ class PatchedText:
                                   find_lines(self.index, old[:got + 1], cursor)[1]):
             got += 1
         after = " after the %s before it" % plural(got, "line") if got else ""
-        what = "the line %r was not found%s" % (shorten(old[got], 120), after) if got < len(old) else \
-            "its lines were not found in that order after the hunks before it"
+        what = "its lines were not found in that order after the hunks before it"
+        if got < len(old):
+            what = "the line %r was not found%s" % (shorten(old[got], 120), after)
         return ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: %s%s; nothing was written.%s"
                          % (self.shown, label, what, self.searched_from(cursor),
                             closest_region("\n".join(self.lines), "\n".join(old), what="the hunk")))
@@ -12706,7 +12820,9 @@ class PatchedText:
     @staticmethod
     def searched_from(cursor):
         """The words a miss adds when the search for a hunk started past earlier hunks."""
-        return " (searching from line %d, after the hunks before it)" % (cursor + 1) if cursor else ""
+        if cursor:
+            return " (searching from line %d, after the hunks before it)" % (cursor + 1)
+        return ""
 
 
 class PatchPlan:
@@ -12720,15 +12836,18 @@ class PatchPlan:
         self.session, self.ctx = session, ctx
         self.summary, self.order, self.matched = [], [], []
         lines = {"A": [], "M": [], "D": []}
-        self.now = {}                   # real -> bytes as the sections so far leave it (None: no file)
-        self.before = {}                # real -> (bytes, stat) on disk before the patch, or None
+        # real -> bytes as the sections so far leave it (None: no file)
+        self.now = {}
+        # real -> (bytes, stat) on disk before the patch, or None
+        self.before = {}
         self.shown, self.modes = {}, {}
         for op in ops:
             shown, move = op.path, op.move
             real = resolve_checked(session, ctx, shown)
             if op.kind == "add":
                 self.current(real, shown, "*** Add File", overwrite=True)
-                self.put(real, encode_text("\n".join(op.body) + "\n" if op.body else "", "input"), 0o644)
+                self.put(real, encode_text("\n".join(op.body) + "\n" if op.body else "", "input"),
+                         0o644)
                 lines["A"].append(shown)
                 continue
             text = self.current(real, shown, "*** %s File" % op.kind.title())
@@ -12762,15 +12881,17 @@ class PatchPlan:
             self.shown[real] = shown
             exists = existing_kind(real, shown) is not None
             if not exists and not overwrite:
-                raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist; nothing was written" % (section, shown))
+                raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist; nothing was written"
+                                % (section, shown))
             if exists and overwrite:
                 require_viewed(session, ctx, real, shown)
                 check_unchanged(session, ctx, real, shown)
-            self.before[real] = read_regular(real, shown, ctx.config.max_file_size) if exists else None
+            self.before[real] = (read_regular(real, shown, ctx.config.max_file_size)
+                                 if exists else None)
             self.now[real] = self.before[real][0] if self.before[real] else None
         if self.now[real] is None and not overwrite:
-            raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist (an earlier section of the patch removed it);"
-                            " nothing was written" % (section, shown))
+            raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist (an earlier section of the patch"
+                            " removed it); nothing was written" % (section, shown))
         return self.now[real]
 
     def put(self, real, data, mode=None):
@@ -12829,8 +12950,8 @@ def tool_apply_patch(session, args, ctx):
 ###############################################################################
 # view renders a notebook (Notebook, in Tools: documents): per cell a header, its
 # numbered source and its outputs (text bounded, errors short, PNG/JPEG as images).
-# notebook_edit rewrites the bytes of one cell only - every other byte of the file (other cells, key order, indentation,
-# nbformat) stays as it was - from the cells' spans found with raw_decode.
+# notebook_edit rewrites the bytes of one cell only - every other byte of the file (other cells,
+# key order, indentation, nbformat) stays as it was - from the cells' spans found with raw_decode.
 
 
 NOTEBOOK_DESC = ("Edit one cell of a Jupyter notebook (.ipynb): replace its source, insert a new "
@@ -12842,12 +12963,13 @@ NOTEBOOK_DESC = ("Edit one cell of a Jupyter notebook (.ipynb): replace its sour
 @tool("notebook_edit", NOTEBOOK_DESC, obj({
     "path": PATH_PROP,
     "cell_id": prop("string", "The cell's id, as view shows it."),
-    "cell_number": prop("integer", "The cell's number as view shows it, from 1 (when it has no id)."),
+    "cell_number": prop("integer",
+                        "The cell's number as view shows it, from 1 (when it has no id)."),
     "new_source": prop("string", "The cell's new source (replace, insert)."),
     "cell_type": prop("string", "Needed to insert; on replace, changes the cell's type.",
                       enum=["code", "markdown", "raw"]),
-    "edit_mode": prop("string", "replace (default), insert (after the cell named; at the top if none) or delete.",
-                      enum=["replace", "insert", "delete"]),
+    "edit_mode": prop("string", "replace (default), insert (after the cell named; at the top if"
+                      " none) or delete.", enum=["replace", "insert", "delete"]),
     "dry_run": DRY_RUN_PROP,
 }, ["path"]), notes("Edit a notebook cell", destructive=True), hint="edit jupyter cell")
 def tool_notebook_edit(session, args, ctx):
@@ -12856,21 +12978,24 @@ def tool_notebook_edit(session, args, ctx):
     mode = args.get("edit_mode") or "replace"
     real = resolve_checked(session, ctx, shown)
     if not real.endswith(".ipynb"):
-        raise ToolError(INVALID_INPUT, "%s is not a notebook (.ipynb); edit it with str_replace" % shown)
+        raise ToolError(INVALID_INPUT, "%s is not a notebook (.ipynb); edit it with str_replace"
+                        % shown)
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         try:
             notebook = Notebook(text)
         except ValueError as e:
-            raise ToolError(INVALID_INPUT, "%s is not a notebook that can be edited: %s" % (shown, e))
+            raise ToolError(INVALID_INPUT, "%s is not a notebook that can be edited: %s"
+                            % (shown, e))
         k = notebook.find(args, shown, mode)
         updated = notebook.edited(k, mode, args)
-        note = write_edit(session, ctx, "notebook_edit", [(real, shown, encode_text(updated, "new_source"),
-                                                           text.encode("utf-8", "surrogateescape"), None)],
-                          args.get("dry_run"))
+        note = write_edit(session, ctx, "notebook_edit",
+                          [(real, shown, encode_text(updated, "new_source"),
+                            encode_text(text), None)], args.get("dry_run"))
     if args.get("dry_run"):
         return note
-    done = {"replace": "Replaced cell %d", "insert": "Inserted a cell as cell %d", "delete": "Deleted cell %d"}[mode]
+    done = {"replace": "Replaced cell %d", "insert": "Inserted a cell as cell %d",
+            "delete": "Deleted cell %d"}[mode]
     return done % (k + 2 if mode == "insert" else k + 1) + " of %s%s" % (shown, note)
 
 
