@@ -7665,8 +7665,10 @@ class HelperPool:
 
 LEFTOVER_DRAIN_S = 0.2                     # after a command exits, wait this long for its pipes
 SHELL = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
-CAPTURE_HEAD_CHARS = OUTPUT_MAX_CHARS * 2 // 3  # a long output shows its first 20,000 characters
-CAPTURE_TAIL_CHARS = OUTPUT_MAX_CHARS // 3      # and its last 10,000 (where summaries and the sentinel are)
+# a long output shows its first 20,000 characters and its last 10,000 (where summaries and
+# the sentinel are)
+CAPTURE_HEAD_CHARS = OUTPUT_MAX_CHARS * 2 // 3
+CAPTURE_TAIL_CHARS = OUTPUT_MAX_CHARS // 3
 CAPTURE_HEAD_BYTES = CAPTURE_HEAD_CHARS * 4
 CAPTURE_TAIL_BYTES = CAPTURE_TAIL_CHARS * 4
 
@@ -7760,7 +7762,8 @@ def start_process(script, cwd, sandbox=None, stdin="null", environ=None):
     env.setdefault("PAGER", "cat")
     env.setdefault("GIT_PAGER", "cat")
     env.setdefault("GIT_TERMINAL_PROMPT", "0")
-    env["BORIS_CALL"] = marker = "%d-%s" % (os.getpid(), os.urandom(6).hex())      # this command's alone
+    # this command's alone
+    env["BORIS_CALL"] = marker = "%d-%s" % (os.getpid(), os.urandom(6).hex())
     env.update(sandbox.proxy_environ())
     argv = [SHELL, "-c", script]
     if sandbox.on and stdin == "null":
@@ -7807,7 +7810,8 @@ def pump(task, deadline, on_output):
             if clock.tick(time.monotonic()):
                 break
             if not sel.get_map():
-                try:                    # pipes closed, leader exiting: wait briefly, not a full tick
+                # pipes closed, leader exiting: wait briefly, not a full tick
+                try:
                     proc.wait(0.05)
                 except subprocess.TimeoutExpired:
                     pass                # still exiting: the next tick decides
@@ -8076,11 +8080,15 @@ HTML_BLOCKS = frozenset(("p", "div", "section", "article", "header", "footer", "
                          "address", "center", "fieldset", "legend", "hgroup", "search", "caption"))
 HTML_VOID = frozenset(("br", "img", "hr", "input", "meta", "link", "area", "base", "col", "embed", "param",
                        "source", "track", "wbr"))
-HTML_DEPTH = 200                           # elements nested deeper are read as their parent's content
+# elements nested deeper are read as their parent's content
+HTML_DEPTH = 200
+# rendered as blocks of their own
 HTML_BLOCK_TAGS = HTML_BLOCKS | frozenset(("ul", "ol", "li", "pre", "table", "blockquote", "hr",
-                                           "h1", "h2", "h3", "h4", "h5", "h6"))   # rendered as blocks of their own
-HTML_IMPLIED_ENDS = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd"), "dd": ("dt", "dd"), "tr": ("tr", "td", "th"),
-                     "td": ("td", "th"), "th": ("td", "th"), "option": ("option",)}   # open ones a start tag ends
+                                           "h1", "h2", "h3", "h4", "h5", "h6"))
+# a start tag -> the open ones it ends
+HTML_IMPLIED_ENDS = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd"), "dd": ("dt", "dd"),
+                     "tr": ("tr", "td", "th"), "td": ("td", "th"), "th": ("td", "th"),
+                     "option": ("option",)}
 
 
 # -- HTML to Markdown -------------------------------------------------------------
@@ -8430,7 +8438,8 @@ class WebFetch:
 
     def __init__(self, url, timeout, cancelled=None, block_private=False, allow=()):
         self.url, self.timeout, self.block_private = url, timeout, block_private
-        self.allow = [a.lower().rstrip(".") for a in allow]       # --web-fetch-allow: the only hosts it may reach
+        # --web-fetch-allow: the only hosts it may reach
+        self.allow = [a.lower().rstrip(".") for a in allow]
         self.cancelled = cancelled or threading.Event()
 
     def text(self, start=0):
@@ -8660,7 +8669,8 @@ class Session:
         self.closed = False
         self.last_seen = time.monotonic()
         self.log_level = None
-        self.edits = []             # undo_edit's history, oldest first: (tool, {real: (before, mode, after)})
+        # undo_edit's history, oldest first: (tool, {real: (before, mode, after)})
+        self.edits = []
         self.checkpoints = None     # its Checkpoints of the workspace (the server makes them)
 
     def add_task(self, task):
@@ -8822,17 +8832,22 @@ class Session:
 # when its lstat changed and stored only when its bytes are new, and a watched directory
 # with no event since it was looked at is not looked at again. rewind puts one back.
 
-CHECKPOINT_SKIPPED = ("/proc", "/sys", "/dev")      # never walked (a workspace of /): no files to keep there
+# never walked (a workspace of /): no files to keep there
+CHECKPOINT_SKIPPED = ("/proc", "/sys", "/dev")
 CHECKPOINT_YIELD_S = 0.02                            # how often a scan that gave way looks again
 CHECKPOINT_CALM_S = 0.05                             # ... and this long after a call (calls come
 #                                                      in bursts, each waiting for the interpreter)
-CHECKPOINT_PART_MIN_S = 0.5                          # a walk hands a waiter its part once it ran this long
-CHECKPOINT_TRIM_ENTRIES = 50000                      # a walk this big hands freed memory back (trim_memory)
+# a walk hands a waiter its part once it ran this long
+CHECKPOINT_PART_MIN_S = 0.5
+# a walk this big hands freed memory back (trim_memory)
+CHECKPOINT_TRIM_ENTRIES = 50000
 
 
 CHECKPOINT_PREFIX = "boris-checkpoints-"         # a store: <temp>/boris-checkpoints-XXXX, 0700
-STORE_PACK_BYTES = 64 << 20                        # a pack file of the store takes bytes up to this size
-STORE_MAKING_S = 60                                # a store with no lock file yet is being made this long
+# a pack file of the store takes bytes up to this size
+STORE_PACK_BYTES = 64 << 20
+# a store with no lock file yet is being made this long
+STORE_MAKING_S = 60
 NO_STORE = ("no writable place for their store outside the workspace: the temp directory and ~/.cache are"
             " read-only or missing; set TMPDIR (or XDG_CACHE_HOME) to a writable directory to have them")
 
@@ -8899,7 +8914,8 @@ def store_place(roots):
         home = os.stat(roots[0]).st_dev if roots else None
     except OSError:
         home = None
-    usable.sort(key=lambda u: (u[1], u[3], u[2] != home))       # (a stable sort: the temp directory first)
+    # (a stable sort: the temp directory first)
+    usable.sort(key=lambda u: (u[1], u[3], u[2] != home))
     return usable[0][0] if usable else None
 
 
@@ -8932,7 +8948,8 @@ def sweep_stores():
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
                 continue
             fd = None
-            for lock in ("lock", "lock.new"):           # (killed while hold_store made its lock: lock.new)
+            # (killed while hold_store made its lock: lock.new)
+            for lock in ("lock", "lock.new"):
                 try:
                     fd = os.open(os.path.join(store, lock), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
                     break
@@ -8941,7 +8958,8 @@ def sweep_stores():
             if (fd is None or lock == "lock.new") and time.time() - st.st_mtime < STORE_MAKING_S:
                 if fd is not None:
                     os.close(fd)
-                continue                               # being made right now (lock.new is locked next)
+                # being made right now (lock.new is locked next)
+                continue
             try:
                 if fd is not None:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -8970,10 +8988,13 @@ class Store:
     def __init__(self, config, roots):
         self.config, self.roots = config, list(roots)
         self.lock = threading.Lock()              # guards every field below
-        self.index, self.stored = {}, 0           # digest -> (pack number, offset, size); the bytes held
-        self.pack, self.packs, self.packed = None, 0, 0   # the pack written to (a descriptor), how many, its size
+        # digest -> (pack number, offset, size); the bytes held
+        self.index, self.stored = {}, 0
+        # the pack written to (a descriptor), how many, its size
+        self.pack, self.packs, self.packed = None, 0, 0
         self.dir = self.lockfd = None
-        self.budget = None                        # bytes it may hold; 0: no store (off, or none could be made)
+        # bytes it may hold; 0: no store (off, or none could be made)
+        self.budget = None
         self.why = "--checkpoint-budget off"      # why there is no store, once budget is 0
 
     def check(self):
@@ -9028,7 +9049,8 @@ class Store:
                     self.pack = os.open(os.path.join(self.dir, "pack%d" % (self.packs + 1)),
                                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
                     self.packs, self.packed = self.packs + 1, 0
-                write_all(self.pack, data)        # (no fsync: the store lives as long as the server)
+                # (no fsync: the store lives as long as the server)
+                write_all(self.pack, data)
             except OSError as e:
                 self.shut_pack()                  # (a pack written in part is not written to again)
                 return None, "not stored (%s)" % (e.strerror or e)
@@ -9091,8 +9113,9 @@ class GitIndex:
     def __init__(self, top, gitdir, git):
         self.top, self.gitdir, self.git = top, gitdir, git
         self.stamp = None                         # (mtime_ns, size, inode) of the index file read
-        self.dirs = {}                            # directory under top -> its files: name, NUL, stat key (24 bytes)
-        #                                           and blob id (20 bytes), one after another
+        # directory under top -> its files: name, NUL, stat key (24 bytes) and blob id (20 bytes),
+        # one after another
+        self.dirs = {}
 
     @classmethod
     def of(cls, root):
@@ -9105,7 +9128,8 @@ class GitIndex:
             dotgit = os.path.join(top, ".git")
             if os.path.isdir(dotgit):
                 return cls(top, dotgit, git)
-            if os.path.isfile(dotgit):                        # a worktree's or submodule's: "gitdir: <path>"
+            # a worktree's or submodule's: "gitdir: <path>"
+            if os.path.isfile(dotgit):
                 try:
                     with open(dotgit, "rb") as f:
                         line = f.read(4096).decode("utf-8", "surrogateescape").strip()
@@ -9158,9 +9182,11 @@ class GitIndex:
             cs, cn, ms, mn, _, ino, mode, _, _, size, sha, flags = unpack(data, pos)
             at = pos + 62
             extended = flags & 0x4000 and version >= 3
-            skip = extended and struct.unpack_from(">H", data, at)[0] & 0x6000     # skip-worktree, intent-to-add
+            # skip-worktree, intent-to-add
+            skip = extended and struct.unpack_from(">H", data, at)[0] & 0x6000
             at += 2 if extended else 0
-            if version == 4:                                  # the name: how much of the last to drop, then more
+            # the name: how much of the last to drop, then more
+            if version == 4:
                 c = data[at]
                 at, strip = at + 1, c & 127
                 while c & 128:
@@ -9169,7 +9195,8 @@ class GitIndex:
                 end = data.index(b"\0", at)
                 name = name[:len(name) - strip] + data[at:end]
                 pos = end + 1
-            else:                                             # the name, padded with NULs to a multiple of 8
+            else:
+                # the name, padded with NULs to a multiple of 8
                 end = data.index(b"\0", at)
                 name = data[at:end]
                 pos += (at - pos + len(name) + 8) & ~7
@@ -9197,7 +9224,8 @@ class GitIndex:
         if settings.get("core.autocrlf", "false") != "false" or settings.get("extensions.objectformat", "sha1") != "sha1":
             return True
         files = [os.path.join(self.top, d, ".gitattributes") for d, packed in entries.items()
-                 if b".gitattributes\0" in packed]            # (a name that ends so too: no such file, no harm)
+                 # (a name that ends so too: no such file, no harm)
+                 if b".gitattributes\0" in packed]
         files += [os.path.join(self.gitdir, "info", "attributes"), os.path.expanduser(
             settings.get("core.attributesfile") or os.path.join(os.environ.get("XDG_CONFIG_HOME") or "~/.config",
                                                                 "git", "attributes"))]
@@ -9264,7 +9292,8 @@ class CatFile:
         reaped(self.proc)
 
 
-CHILD = struct.Struct("<cIqqqQH")           # a directory's child: kind, mode, size, mtime_ns, ctime_ns, inode, payload
+# a directory's child: kind, mode, size, mtime_ns, ctime_ns, inode, payload
+CHILD = struct.Struct("<cIqqqQH")
 
 
 # -- what a checkpoint keeps ------------------------------------------------------
@@ -9365,7 +9394,8 @@ class Listing:
         if self.unread:
             if child_names(self.old) == "\0".join(self.names).encode("utf-8", "surrogateescape"):
                 return self.old, None
-            self.unread = False                              # (another listing: each looked at after all)
+            # (another listing: each looked at after all)
+            self.unread = False
             self.read()
             for name in self.names:
                 self.add(name)
@@ -9434,32 +9464,42 @@ class Checkpoints:
     def __init__(self, roots, policy, config, busy=None, store=None):
         self.roots, self.policy, self.config = list(roots), policy, config
         self.busy = busy or (lambda: False)       # whether the session has calls in flight
-        self.own_store = store is None            # (made here, it is closed here: a store of its own)
+        # (made here, it is closed here: a store of its own)
+        self.own_store = store is None
         self.store = Store(config, self.roots) if store is None else store
         self.walk_policy = PathPolicy(policy.allow, policy.deny_raw + list(CHECKPOINT_SKIPPED), policy.workdir,
                                       policy.folds)
         self.cond = threading.Condition()         # guards every field below
         self.turn = False                         # a walk (or a rewind) has the store now
         self.waiters = 0                          # callers waiting for the turn or a checkpoint
-        self.asked = self.answered = 0            # checkpoints asked for (after, the first), and walks done for them
+        # checkpoints asked for (after, the first), and walks done for them
+        self.asked = self.answered = 0
         self.scanner = False                      # the scanning thread runs
-        self.want_part = 0                        # a waiter for this ask waited CHECKPOINT_WAIT_S: hand it a part
-        self.part = None                          # ... (the ask it answers, dirs, size, missed) so far, handed over
+        # a waiter for this ask waited CHECKPOINT_WAIT_S: hand it a part
+        self.want_part = 0
+        # that part: (the ask it answers, dirs, size, missed) so far, handed over
+        self.part = None
         self.handed = False                       # the walk in progress handed a part over
-        self.walk_for, self.walk_began = 0, 0.0   # the ask the walk in progress answers, and when it began
-        self.base = Checkpoint(0, {}, 0, [], False)   # the last whole walk: what the next compares with
+        # the ask the walk in progress answers, and when it began
+        self.walk_for, self.walk_began = 0, 0.0
+        # the last whole walk: what the next compares with
+        self.base = Checkpoint(0, {}, 0, [], False)
         self.list = []                            # Checkpoint, oldest first
         self.count = 0
-        self.cache = WalkCache(watch=True)        # the ignore files, compiled once; directories watched
-        self.repos = []                           # the GitIndex of each git work tree holding a root
+        # the ignore files, compiled once; directories watched
+        self.cache = WalkCache(watch=True)
+        # the GitIndex of each git work tree holding a root
+        self.repos = []
         for root in self.roots:
             repo = GitIndex.of(root)
             if repo is not None and all(r.top != repo.top for r in self.repos):
                 self.repos.append(repo)
-        self.steady = None                        # (watch events taken, ignore stacks above) of a scan all watched
+        # (watch events taken, ignore stacks above) of a scan all watched
+        self.steady = None
         self.linked = set()                       # (dev, inode) of files seen with other hard links
-        self.ruled = None                         # the ignore stacks above the roots when the last walk watched
-        #                                           every directory it entered: the next may leave quiet ones out
+        # the ignore stacks above the roots when the last walk watched every directory it entered:
+        # the next may leave quiet ones out
+        self.ruled = None
         self.nested = set()                       # directories met holding a .git of their own
         self.closed = False
         self.stopped = threading.Event()          # set by close()
@@ -9484,7 +9524,8 @@ class Checkpoints:
             self.scanner = True
             try:
                 threading.Thread(target=self.run, daemon=True, name="boris-checkpoint").start()
-            except Exception:                     # no thread to be had: nobody waits for a walk that cannot run
+            except Exception:
+                # no thread to be had: nobody waits for a walk that cannot run
                 self.scanner = False
                 self.answered = self.asked
                 log("error", "no thread for a checkpoint", error=_traceback())
@@ -9527,7 +9568,8 @@ class Checkpoints:
             self.cond.notify_all()                # a walk giving way goes on
             try:
                 while not self.closed:
-                    if self.part is not None and self.part[0] >= target:   # what the walk had: a checkpoint
+                    # what the walk had: a checkpoint
+                    if self.part is not None and self.part[0] >= target:
                         _, dirs, size, missed = self.part
                         self.part = None
                         self.record(Checkpoint(self.count + 1, dirs, size, missed, "the rest was not walked within"
@@ -9539,7 +9581,8 @@ class Checkpoints:
                         return False
                     now = time.monotonic()
                     if now >= deadline and self.turn and self.walk_for >= target:
-                        self.want_part = max(self.want_part, target)   # it hands its part soon (stop_why)
+                        # it hands its part soon (stop_why)
+                        self.want_part = max(self.want_part, target)
                     elif now >= deadline and self.turn or now >= deadline + 2 * CHECKPOINT_PART_MIN_S or \
                             self.turn and self.walk_for < target and now - self.walk_began >= CHECKPOINT_WAIT_S:
                         missing = "No checkpoint was taken before this call: a walk of the workspace that began" \
@@ -9641,18 +9684,22 @@ class Checkpoints:
             self.steady = None
             point = self.walk(background, cancelled)
         if point is not None and point.size >= CHECKPOINT_TRIM_ENTRIES:
-            trim_memory()                                # (a big walk leaves pages the server no longer uses)
+            # (a big walk leaves pages the server no longer uses)
+            trim_memory()
         with self.cond:
-            if self.part is not None:                    # handed over, but the walk ended first: none partial
+            # handed over, but the walk ended first: none partial
+            if self.part is not None:
                 self.part, self.handed = None, False
             if point is None and self.list and self.list[-1].partial and self.steady is not None \
                     and not self.stopped.is_set() and not cancelled.is_set():
-                point = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)   # no event since
+                # no event since
+                point = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)
             elif point is not None:
                 self.base = point
             if point is not None and not (self.handed and background):
                 self.record(point)
-            if point is not None or self.steady is not None:     # (whole, or known unchanged): answered
+            # (whole, or known unchanged): answered
+            if point is not None or self.steady is not None:
                 self.answered = max(self.answered, self.walk_for)
             if self.want_part <= self.walk_for:
                 self.want_part = 0
@@ -9661,7 +9708,8 @@ class Checkpoints:
         """Keep `point` as the newest checkpoint (the caller holds cond): as the latest, with
         fresher stats, when it holds the same state; the oldest go past the bounds."""
         if self.list and not self.list[-1].partial and point.same_as(self.list[-1]):
-            self.list[-1].dirs = point.dirs                  # the same state: fresher stats, same checkpoint
+            # the same state: fresher stats, same checkpoint
+            self.list[-1].dirs = point.dirs
             return
         self.count += 1
         point.number = self.count
@@ -9700,7 +9748,8 @@ class Checkpoints:
         steady = (w.generation, [self.cache.outer(root) for root in self.roots]) if w is not None else None
         if self.list and self.steady is not None and steady[0] == self.steady[0] \
                 and all(map(same_objects, steady[1], self.steady[1])):
-            return None                                      # no event since a scan that watched all of it
+            # no event since a scan that watched all of it
+            return None
         for repo in self.repos:
             repo.refresh(self.give_way if background else None)
         prune = self.ruled is not None and not self.base.partial and all(map(same_objects, steady[1], self.ruled))
@@ -9708,11 +9757,13 @@ class Checkpoints:
         if point is None:
             return None                                      # closed or cancelled: nothing to keep
         if w is not None:
-            w.quiet.update(looked)                           # (quiet from now on: this walk is the base)
+            # (quiet from now on: this walk is the base)
+            w.quiet.update(looked)
             self.ruled = steady[1] if not point.partial and all(map(w.of.__contains__, visited)) else None
         if not point.partial:
             for repo in self.repos:
-                repo.dirs = {}       # recorded now: the next walk reads the index again only once it changed
+                # recorded now: the next walk reads the index again only once it changed
+                repo.dirs = {}
         whole = w is not None and not point.partial and not unwatched and all(map(w.clean.__contains__, visited))
         self.steady = steady if whole else None
         return point
@@ -9728,7 +9779,8 @@ class Checkpoints:
         left_out, pruned = self.pruner(quiet) if prune else (None, set())
         store = self.store.dir if self.store.dir and any(is_within(self.store.dir, r) for r in self.roots) else None
         look = lambda path, old, known: self.entry(path, old, missed, known)
-        here = None                                          # the Listing of the directory the walk is in
+        # the Listing of the directory the walk is in
+        here = None
 
         def settle():
             packed, lasting = here.packed()
@@ -9736,7 +9788,8 @@ class Checkpoints:
                 dirs[here.path] = packed
             if lasting is not None:                          # (None: kept unread, still quiet)
                 quiet.discard(here.path)
-                if lasting and w is not None and here.path in w.of:    # (its watch was set before the lstats)
+                # (its watch was set before the lstats)
+                if lasting and w is not None and here.path in w.of:
                     looked.add(here.path)
                 else:
                     unwatched.append(here.path)
@@ -9756,14 +9809,16 @@ class Checkpoints:
                 True, True, visited, True, False
             walker.prune, walker.repos = left_out or walker.prune, self.nested
             here = None
-            for path, _, _, _ in walker:                     # (a directory's children come together)
+            # (a directory's children come together)
+            for path, _, _, _ in walker:
                 if size >= CHECKPOINT_WALK_MAX:
                     partial = "the walk stopped at %d entries (narrow --allow-dir)" % CHECKPOINT_WALK_MAX
                     break
                 if not size % 256 and self.stop_why(background, cancelled, so_far, size, missed):
                     return None, visited, looked, unwatched   # closed or cancelled: nothing to keep
                 if store is not None and is_within(path, store):
-                    continue                                 # the store itself (where it lies in a root)
+                    # the store itself (where it lies in a root)
+                    continue
                 cut = path.rfind("/")
                 if here is None or path[:cut or 1] != here.path:
                     if here is not None:
@@ -9783,7 +9838,8 @@ class Checkpoints:
         """walk_roots()'s test of a directory it may leave out (quiet, nothing below it that
         is not, and no nested repository at, above or below it), and the set of those it
         left out."""
-        hot, pruned = set(), set()                           # (one not quiet, or a .git, at or below them)
+        # (one not quiet, or a .git, at or below them)
+        hot, pruned = set(), set()
         for d in [d for d in self.cache.watches.of if d not in quiet] + list(self.nested):
             while d not in hot:
                 hot.add(d)
@@ -9812,14 +9868,16 @@ class Checkpoints:
             return ("d", mode, None) + key, True
         if stat.S_ISLNK(st.st_mode):
             try:
-                return ("l", mode, os.readlink(path)) + key, True     # (a link is read again: it is cheap)
+                # (a link is read again: it is cheap)
+                return ("l", mode, os.readlink(path)) + key, True
             except OSError:
                 return None, False
         if not stat.S_ISREG(st.st_mode):
             return None, False
         lasting = st.st_nlink == 1
         if not lasting:
-            self.linked.add((st.st_dev, st.st_ino))          # (scan(): a new one makes no directory quiet)
+            # (scan(): a new one makes no directory quiet)
+            self.linked.add((st.st_dev, st.st_ino))
         if old is not None and old[0] == "f" and old[3:] == key and old[1] == mode and old[2] is not None:
             return old, lasting
         digest, why = GitIndex.blob_of(known, path[path.rfind("/") + 1:], st), None
@@ -9828,7 +9886,8 @@ class Checkpoints:
         if why:
             missed.append((path, why))
         if time.time() - st.st_ctime < LISTING_RACY_S:
-            key = (st.st_size, -1, st.st_ctime_ns, st.st_ino)     # changed within a clock tick: read again next time
+            # changed within a clock tick: read again next time
+            key = (st.st_size, -1, st.st_ctime_ns, st.st_ino)
             lasting = False
         return ("f", mode, digest) + key, lasting and digest is not None
 
@@ -9875,7 +9934,8 @@ class Checkpoints:
             self.cond.notify_all()
             while self.turn:
                 self.cond.wait()
-        self.cache.close()                                   # (its watches: an inotify instance each session)
+        # (its watches: an inotify instance each session)
+        self.cache.close()
         if self.own_store:
             self.store.close()
 
@@ -9890,7 +9950,8 @@ class Checkpoints:
         it would do."""
         old, cur = target.flat(), now.flat()
         drop, put = rewind_plan(old, cur, within, target.partial)
-        readers = {}                                     # GitIndex -> its CatFile, for the blobs written back
+        # GitIndex -> its CatFile, for the blobs written back
+        readers = {}
         try:
             done, failed = [], []
             for p in sorted(drop, key=lambda p: (-p.count("/"), p)):
@@ -9980,8 +10041,10 @@ class Checkpoints:
 ###############################################################################
 
 
-TOOLS = []                                 # every tool, in listing order: filled by @tool where each is defined
-DEFAULT, COMPAT = ("default",), ("compat",)  # the tool modes (--anthropic-compat) a tool is listed in
+# every tool, in listing order: filled by @tool where each is defined
+TOOLS = []
+# the tool modes (--anthropic-compat) a tool is listed in
+DEFAULT, COMPAT = ("default",), ("compat",)
 BOTH = DEFAULT + COMPAT
 
 
@@ -9996,8 +10059,8 @@ class Tool:
     Config; made() gives the listed tool. `changes`: it can change files (its destructive
     hint), so the session checkpoints the workspace before it. @tool's keywords set the
     fields after the first four; the rest keep the defaults below."""
-    modes, codes, lane, goes_with, hint = BOTH, {}, "quick", (), ""   # lane: "shell" (commands, waits),
-    #                                                                    "quick", or a function of the arguments
+    # lane: "shell" (commands, waits), "quick", or a function of the arguments
+    modes, codes, lane, goes_with, hint = BOTH, {}, "quick", (), ""
 
     def __init__(self, name, description, schema, annotations, **fields):
         self.name, self.description, self.schema, self.annotations = name, description, schema, annotations
@@ -10005,7 +10068,8 @@ class Tool:
         self.__dict__.update(fields)
         if isinstance(self.goes_with, str):
             self.goes_with = (self.goes_with,)
-        self.changes = bool(annotations.get("destructiveHint"))     # it can change files: checkpointed before
+        # it can change files: checkpointed before
+        self.changes = bool(annotations.get("destructiveHint"))
 
     @staticmethod
     def argument_error(e):
@@ -10199,7 +10263,8 @@ def image_result(ctx, shown, data, mime):
     import base64
     size = image_size(data, mime)
     takes = client_image_types(ctx.client)
-    if takes is not None and mime not in takes and mime != "image/svg+xml":     # (SVG: svg_as_text decided)
+    # (SVG: svg_as_text decided)
+    if takes is not None and mime not in takes and mime != "image/svg+xml":
         kind = mime.split("/")[1].upper().replace("X-ICON", "ICO")
         return ("%s is a %s image%s (%s); this client's model takes only %s images, so it is not shown. Convert it"
                 " first, e.g. in bash: convert %s /tmp/image.png, then view that"
@@ -10424,7 +10489,8 @@ class Notebook:
         if mode == "delete":
             start, end = spans[k]
             if k + 1 < len(spans):
-                end = spans[k + 1][0]                   # its comma and the space before the next cell
+                # its comma and the space before the next cell
+                end = spans[k + 1][0]
             elif k > 0:
                 start = spans[k - 1][1]                 # the comma before the last cell
             return text[:start] + text[end:]
@@ -10542,7 +10608,8 @@ def tool_view(session, args, ctx):
             if kind == "binary":
                 return "Binary file (%s): %s is not shown as text" % (human_size(st.st_size), shown)
             if kind == "image" or real.endswith(".ipynb"):
-                data = head + read_fd(fh.fileno(), limit - len(head), shown)      # (none left after a short head)
+                # (none left after a short head)
+                data = head + read_fd(fh.fileno(), limit - len(head), shown)
                 try:
                     whole = image_result(ctx, shown, data, mime) if kind == "image" else \
                         Notebook(data.decode("utf-8", "replace")).render(ctx, shown, vr)
