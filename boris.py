@@ -7730,8 +7730,9 @@ class Capture:
             tail = tail[-tail_n:]
         omitted = max(0, self.chars - len(head) - len(tail))
         tail = tail.rstrip("\n")
-        notice = ("[%s: %d characters in all; the first %d and the last %d are shown. Pipe long output through"
-                  " tail, head or grep.]" % (label, self.chars, len(head), len(tail)))
+        notice = ("[%s: %d characters in all; the first %d and the last %d are shown. Pipe long"
+                  " output through tail, head or grep.]"
+                  % (label, self.chars, len(head), len(tail)))
         return "%s\n\n... %d characters omitted ...\n\n%s" % (head, omitted, tail), notice
 
 
@@ -7772,8 +7773,10 @@ def start_process(script, cwd, sandbox=None, stdin="null", environ=None):
         launcher, private = helper_command("sandbox", avoid=sandbox.writable)
         argv, cwd = launcher + [sandbox.spec(cwd, ctty=stdin == "tty")] + argv, private
     if stdin != "tty":
-        proc = spawn(argv, cwd=cwd, env=env, stdin=subprocess.PIPE if stdin == "pipe" else subprocess.DEVNULL,
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+        proc = spawn(argv, cwd=cwd, env=env,
+                     stdin=subprocess.PIPE if stdin == "pipe" else subprocess.DEVNULL,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                     close_fds=True)
         proc.boris_call = marker
         return proc
     import fcntl
@@ -7782,8 +7785,8 @@ def start_process(script, cwd, sandbox=None, stdin="null", environ=None):
     try:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", TTY_ROWS, TTY_COLUMNS, 0, 0))
         env["TERM"] = "dumb"
-        proc = spawn(argv, cwd=cwd, env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
-                     close_fds=True)
+        proc = spawn(argv, cwd=cwd, env=env, stdin=slave, stdout=slave, stderr=slave,
+                     start_new_session=True, close_fds=True)
     except BaseException:
         os.close(master)
         raise
@@ -7923,7 +7926,8 @@ def render_output(out, err, total):
     OUTPUT_MAX_CHARS; a short one whole, the rest to the other), and None or the
     notice of what was cut."""
     parts, notices = [], []
-    for cap, label, limit in zip((out, err), ("stdout", "stderr"), stream_limits(out.chars, err.chars, total)):
+    for cap, label, limit in zip((out, err), ("stdout", "stderr"),
+                                 stream_limits(out.chars, err.chars, total)):
         if cap.total:
             text, notice = cap.render(label, max(limit, 1000))
             parts.append("--- %s ---\n%s" % (label, text.rstrip("\n")))
@@ -7932,7 +7936,9 @@ def render_output(out, err, total):
     return ("\n".join(parts) if parts else "(no output)"), (" ".join(notices) or None)
 
 
-_TERMINAL_CODES = r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]|\x1b[()][0-9A-Za-z]"
+_TERMINAL_CODES = (r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)"
+                   r"|\x1b[@-Z\\-_]|\x1b[()][0-9A-Za-z]")
+
 
 
 def terminal_text(text):
@@ -8074,12 +8080,14 @@ def kill_all(tasks):
 ###############################################################################
 # urllib and html.parser are imported inside these functions: start-up never pays.
 
-HTML_SKIP = frozenset(("script", "style", "noscript", "template", "svg", "head", "iframe", "object"))
-HTML_BLOCKS = frozenset(("p", "div", "section", "article", "header", "footer", "nav", "main", "aside",
-                         "form", "dl", "dt", "dd", "figure", "figcaption", "body", "html", "details", "summary",
-                         "address", "center", "fieldset", "legend", "hgroup", "search", "caption"))
-HTML_VOID = frozenset(("br", "img", "hr", "input", "meta", "link", "area", "base", "col", "embed", "param",
-                       "source", "track", "wbr"))
+HTML_SKIP = frozenset(("script", "style", "noscript", "template", "svg", "head", "iframe",
+                       "object"))
+HTML_BLOCKS = frozenset(("p", "div", "section", "article", "header", "footer", "nav", "main",
+                         "aside", "form", "dl", "dt", "dd", "figure", "figcaption", "body", "html",
+                         "details", "summary", "address", "center", "fieldset", "legend", "hgroup",
+                         "search", "caption"))
+HTML_VOID = frozenset(("br", "img", "hr", "input", "meta", "link", "area", "base", "col", "embed",
+                       "param", "source", "track", "wbr"))
 # elements nested deeper are read as their parent's content
 HTML_DEPTH = 200
 # rendered as blocks of their own
@@ -8403,9 +8411,11 @@ class FetchWatch:
 # facts as its detail, so a tool can word it its own way (web_fetch: fixed Chinese).
 FETCH_ERRORS = {
     "content_type": (IO_ERROR, "the content type %(ctype)s is not text: %(url)s"),
-    "beyond": (INVALID_INPUT, "start_index %(start)d is past the end of the text (%(length)d characters)"),
+    "beyond": (INVALID_INPUT,
+               "start_index %(start)d is past the end of the text (%(length)d characters)"),
     "timeout": (IO_ERROR, "the request timed out (%(timeout)ss): %(url)s"),
-    "redirect_scheme": (IO_ERROR, "a redirect to a scheme other than http or https: %(target)s: %(url)s"),
+    "redirect_scheme": (IO_ERROR,
+                        "a redirect to a scheme other than http or https: %(target)s: %(url)s"),
     "unresolved": (IO_ERROR, "the host %(host)s could not be resolved: %(url)s"),
     "refused": (ACCESS_DENIED, "refused to connect to %(host)s (%(address)s is %(why)s): %(url)s"),
     "redirects": (IO_ERROR, "too many redirects (over %(max)d): %(url)s"),
@@ -8414,14 +8424,14 @@ FETCH_ERRORS = {
     "failed": (IO_ERROR, "the request failed (%(reason)s): %(url)s"),
     "scheme": (IO_ERROR, "only http and https URLs are fetched: %(url)s"),
     "url_long": (INVALID_INPUT, "the URL is over %(max)d characters: %(url)s"),
-    "url_space": (INVALID_INPUT, "a space or control character at %(at)d of the URL: percent-encode it, e.g. %%20:"
-                                 " %(url)s"),
+    "url_space": (INVALID_INPUT, "a space or control character at %(at)d of the URL: percent-encode"
+                                 " it, e.g. %%20: %(url)s"),
     "url_malformed": (INVALID_INPUT, "a malformed URL (%(reason)s): %(url)s"),
     "url_no_host": (INVALID_INPUT, "the URL has no host name: %(url)s"),
     "url_port_zero": (INVALID_INPUT, "port 0 is not a port: %(url)s"),
     "url_idna": (INVALID_INPUT, "the host name %(host)s cannot be IDNA-encoded: %(url)s"),
-    "not_allowed": (ACCESS_DENIED, "%(host)s is not among the domains web_fetch may reach (--web-fetch-allow:"
-                                   " %(allowed)s): %(url)s"),
+    "not_allowed": (ACCESS_DENIED, "%(host)s is not among the domains web_fetch may reach"
+                                   " (--web-fetch-allow: %(allowed)s): %(url)s"),
 }
 
 
@@ -8455,7 +8465,8 @@ class WebFetch:
             not ctype and text.lstrip()[:1] == "<")
         if is_html:
             text = html_to_markdown(text, url)
-        elif not (ctype.startswith("text/") or ctype in ("application/json", "application/xml", "application/javascript")
+        elif not (ctype.startswith("text/")
+                  or ctype in ("application/json", "application/xml", "application/javascript")
                   or ctype.endswith(("+json", "+xml")) or not ctype):
             raise fetch_error("content_type", ctype=ctype, url=url)
         if start > len(text):
@@ -8463,9 +8474,11 @@ class WebFetch:
         if len(text) - start <= WEB_MAX_CHARS:
             return text[start:]
         end = start + WEB_MAX_CHARS - 200                        # room for the notice
-        return text[start:end] + ("\n\n[已截断：共 %d 字符，已显示 %d-%d；用 start_index=%d 继续 / cut: characters"
-                                  " %d-%d of %d shown; read on with start_index=%d]"
-                                  % (len(text), start, end, end, start, end, len(text), end))
+        return text[start:end] + (
+            "\n\n[已截断：共 %d 字符，已显示 %d-%d；用 start_index=%d 继续 / cut:"
+            " characters %d-%d of %d shown; read on with start_index=%d]"
+
+            % (len(text), start, end, end, start, end, len(text), end))
 
     def get(self):
         """(content_type, charset, body bytes) of a GET of the checked URL. At most
@@ -8477,14 +8490,16 @@ class WebFetch:
 
         request_url, url, timeout = self.checked(self.url), self.url, self.timeout
         if request_url[:6].lower() == "https:" and not hasattr(http.client, "HTTPSConnection"):
-            raise fetch_error("failed", reason="https needs Python's ssl module, which this Python was built"
-                              " without", url=url)
+            raise fetch_error("failed", reason="https needs Python's ssl module, which this"
+                              " Python was built without", url=url)
         watch = FetchWatch(timeout, self.cancelled)
         opener = self.opener(watch)
         timed_out = fetch_error("timeout", timeout=timeout, url=url)
         try:
-            req = urllib.request.Request(request_url, headers={"User-Agent": "boris/%s" % __version__,
-                                                       "Accept": "text/html,application/json,text/*;q=0.9,*/*;q=0.5"})
+            req = urllib.request.Request(request_url, headers={
+                "User-Agent": "boris/%s" % __version__,
+                "Accept": "text/html,application/json,text/*;q=0.9,*/*;q=0.5"})
+
             with opener.open(req, timeout=timeout) as resp:
                 ctype = resp.headers.get_content_type() if resp.headers.get("Content-Type") else ""
                 charset = resp.headers.get_content_charset()
@@ -8567,7 +8582,7 @@ class WebFetch:
                 if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
                     fp.close()
                     raise fetch_error("redirect_scheme", target=newurl, url=fetch.url)
-                return urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
+                return super().redirect_request(req, fp, code, msg, headers, newurl)
 
         return urllib.request.build_opener(Redirects, *handlers)
 
@@ -8584,7 +8599,8 @@ class WebFetch:
         for info in infos:
             why = address_refusal(info[4][0], self.block_private)
             if why:
-                log("warn", "web_fetch refused an address", host=host, address=info[4][0], reason=why)
+                log("warn", "web_fetch refused an address", host=host, address=info[4][0],
+                    reason=why)
                 raise fetch_error("refused", host=host, address=info[4][0], why=why, url=self.url)
         return infos
 
@@ -8640,7 +8656,8 @@ class WebFetch:
         except UnicodeError:
             raise fetch_error("url_idna", host=host[:100], url=shown)
         safe = "/?#[]@!$&'()*+,;=%~:"
-        return urllib.parse.urlunsplit((parts.scheme, parts.netloc, urllib.parse.quote(parts.path, safe=safe),
+        return urllib.parse.urlunsplit((parts.scheme, parts.netloc,
+                                        urllib.parse.quote(parts.path, safe=safe),
                                         urllib.parse.quote(parts.query, safe=safe),
                                         urllib.parse.quote(parts.fragment, safe=safe)))
 
@@ -8722,9 +8739,11 @@ class Session:
                 mine = [e for e in self.edits if real in e[1]]
                 if len(mine) > UNDO_LEVELS:
                     self.edits.remove(mine[0])
-            held = sum(len(c[0]) for _, ch in self.edits for c in ch.values() if isinstance(c[0], bytes))
+            held = sum(len(c[0]) for _, ch in self.edits for c in ch.values()
+                       if isinstance(c[0], bytes))
             while held > UNDO_MAX_BYTES and len(self.edits) > 1:
-                held -= sum(len(c[0]) for c in self.edits.pop(0)[1].values() if isinstance(c[0], bytes))
+                held -= sum(len(c[0]) for c in self.edits.pop(0)[1].values()
+                            if isinstance(c[0], bytes))
 
     def last_edit(self, real):
         """The latest edit of `real` still to be taken back, or None; and how many there are."""
@@ -8750,7 +8769,8 @@ class Session:
             return real in self.viewed
 
     def seen_of(self, real):
-        """The Seen (stat and digest) of `real` when this session last viewed or wrote it, or None."""
+        """The Seen (stat and digest) of `real` when this session last viewed or wrote it,
+        or None."""
         with self.lock:
             return self.viewed.get(real)
 
@@ -8848,8 +8868,9 @@ CHECKPOINT_PREFIX = "boris-checkpoints-"         # a store: <temp>/boris-checkpo
 STORE_PACK_BYTES = 64 << 20
 # a store with no lock file yet is being made this long
 STORE_MAKING_S = 60
-NO_STORE = ("no writable place for their store outside the workspace: the temp directory and ~/.cache are"
-            " read-only or missing; set TMPDIR (or XDG_CACHE_HOME) to a writable directory to have them")
+NO_STORE = (
+    "no writable place for their store outside the workspace: the temp directory and ~/.cache are"
+    " read-only or missing; set TMPDIR (or XDG_CACHE_HOME) to a writable directory to have them")
 
 
 # -- the store --------------------------------------------------------------------
@@ -8887,7 +8908,8 @@ def fs_type(path):
         with open("/proc/self/mountinfo", "rb") as f:
             for line in f.read().decode("utf-8", "surrogateescape").splitlines():
                 fields, _, rest = line.partition(" - ")
-                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields.split(" ")[4])
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)),
+                               fields.split(" ")[4])
                 if is_within(path, point) and len(point) >= len(best) and rest:
                     best, kind = point, rest.split(" ")[0]
     except (OSError, IndexError):
@@ -8968,7 +8990,9 @@ def sweep_stores():
                 continue                               # a live server's
             try:
                 shutil.rmtree(store, ignore_errors=True)
-                log("info", "removed a checkpoint store left by a server that was killed", store=store)
+                log("info", "removed a checkpoint store left by a server that was killed",
+                    store=store)
+
             finally:
                 if fd is not None:
                     os.close(fd)
