@@ -9090,12 +9090,13 @@ class Store:
             self.pack = None
 
     def blob(self, digest):
-        """The bytes kept under `digest` (OSError once the store is gone, or for one it never held)."""
+        """The bytes kept under `digest` (OSError once the store is gone, or for one it never
+        held)."""
         with self.lock:
             where, at = self.dir, self.index.get(digest)
         if where is None or at is None:
-            raise OSError(errno.ENOENT, "the checkpoint store was removed with its server" if where is None else
-                          "the checkpoint store holds no bytes %s" % digest)
+            raise OSError(errno.ENOENT, "the checkpoint store was removed with its server"
+                          if where is None else "the checkpoint store holds no bytes %s" % digest)
         fd = os.open(os.path.join(where, "pack%d" % at[0]), os.O_RDONLY | O_CLOEXEC)
         try:
             data = os.pread(fd, at[2], at[1])
@@ -9188,8 +9189,8 @@ class GitIndex:
                 return
             self.dirs = dirs
         except (OSError, ValueError, IndexError, struct.error) as e:
-            log("info", "checkpoints copy this work tree's files: its index is not one they read", top=self.top,
-                error=str(e))
+            log("info", "checkpoints copy this work tree's files: its index is not one they read",
+                top=self.top, error=str(e))
 
     @staticmethod
     def parse(data, written, pause=None):
@@ -9199,7 +9200,8 @@ class GitIndex:
         magic, version, count = struct.unpack_from(">4sII", data)
         if magic != b"DIRC" or version not in (2, 3, 4):
             raise ValueError("not an index of version 2, 3 or 4")
-        entries, pos, name, unpack = defaultdict(bytearray), 12, b"", struct.Struct(">10I20sH").unpack_from
+        entries, pos, name = defaultdict(bytearray), 12, b""
+        unpack = struct.Struct(">10I20sH").unpack_from
         for k in range(count):
             if pause and not k % 4096:
                 pause()
@@ -9227,7 +9229,8 @@ class GitIndex:
             if skip or flags & 0x3000 or mode >> 12 != 0o10 or (ms, mn) >= written:
                 continue
             cut = name.rfind(b"/")
-            entries[name[:max(cut, 0)]] += name[cut + 1:] + b"\0" + struct.pack(">6I", cs, cn, ms, mn, ino, size) + sha
+            stat_key = struct.pack(">6I", cs, cn, ms, mn, ino, size)
+            entries[name[:max(cut, 0)]] += name[cut + 1:] + b"\0" + stat_key + sha
         if data[pos:pos + 4] == b"link":
             raise ValueError("a split index")
         return {os.fsdecode(d): bytes(files) for d, files in entries.items()}
@@ -9238,21 +9241,23 @@ class GitIndex:
         .gitattributes, the repository's info/attributes or the user's attributes file."""
         import subprocess
         try:
-            out = subprocess.run([self.git, "--git-dir", self.gitdir, "config", "--get-regexp",
-                                  r"^(core\.autocrlf|core\.attributesfile|extensions\.objectformat|filter\..*)$"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                                 env=child_environ(only=HELPER_ENV), timeout=10).stdout.decode("utf-8", "replace")
+            out = subprocess.run(
+                [self.git, "--git-dir", self.gitdir, "config", "--get-regexp",
+                 r"^(core\.autocrlf|core\.attributesfile|extensions\.objectformat|filter\..*)$"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                env=child_environ(only=HELPER_ENV), timeout=10).stdout.decode("utf-8", "replace")
         except (OSError, subprocess.SubprocessError):
             return True
         settings = dict(line.partition(" ")[::2] for line in out.lower().splitlines())
-        if settings.get("core.autocrlf", "false") != "false" or settings.get("extensions.objectformat", "sha1") != "sha1":
+        if (settings.get("core.autocrlf", "false") != "false"
+                or settings.get("extensions.objectformat", "sha1") != "sha1"):
             return True
         files = [os.path.join(self.top, d, ".gitattributes") for d, packed in entries.items()
                  # (a name that ends so too: no such file, no harm)
                  if b".gitattributes\0" in packed]
         files += [os.path.join(self.gitdir, "info", "attributes"), os.path.expanduser(
-            settings.get("core.attributesfile") or os.path.join(os.environ.get("XDG_CONFIG_HOME") or "~/.config",
-                                                                "git", "attributes"))]
+            settings.get("core.attributesfile")
+            or os.path.join(os.environ.get("XDG_CONFIG_HOME") or "~/.config", "git", "attributes"))]
         for path in files:
             try:
                 with open(path, "rb") as f:
@@ -9282,8 +9287,9 @@ class GitIndex:
         if entry is None:
             return None
         m = 0xFFFFFFFF
-        key = struct.pack(">6I", st.st_ctime_ns // 10 ** 9 & m, st.st_ctime_ns % 10 ** 9, st.st_mtime_ns // 10 ** 9 & m,
-                          st.st_mtime_ns % 10 ** 9, st.st_ino & m, st.st_size & m)
+        key = struct.pack(">6I", st.st_ctime_ns // 10 ** 9 & m, st.st_ctime_ns % 10 ** 9,
+                          st.st_mtime_ns // 10 ** 9 & m, st.st_mtime_ns % 10 ** 9, st.st_ino & m,
+                          st.st_size & m)
         return "g" + entry[24:].hex() if entry[:24] == key else None
 
 
@@ -9292,8 +9298,8 @@ class CatFile:
 
     def __init__(self, index):
         import subprocess
-        self.proc = spawn([index.git, "--git-dir", index.gitdir, "cat-file", "--batch"], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.proc = spawn([index.git, "--git-dir", index.gitdir, "cat-file", "--batch"],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
     def read(self, sha):
         """The blob `sha`'s bytes; OSError when the repository no longer has it."""
@@ -9301,8 +9307,8 @@ class CatFile:
         self.proc.stdin.flush()
         head = self.proc.stdout.readline().split()
         if len(head) != 3 or head[1] != b"blob":
-            raise OSError(errno.ENOENT, "its blob %s is gone from the git repository (a git gc after history was"
-                          " rewritten?)" % sha)
+            raise OSError(errno.ENOENT, "its blob %s is gone from the git repository (a git gc"
+                          " after history was rewritten?)" % sha)
         data = self.proc.stdout.read(int(head[2]) + 1)
         return data[:-1]
 
@@ -9331,7 +9337,8 @@ def pack_children(children):
         names.append(os.fsencode(name))
         payload = b"" if digest is None else os.fsencode(digest) if kind == "l" else \
             b"g" + bytes.fromhex(digest[1:]) if digest[0] == "g" else b"s" + bytes.fromhex(digest)
-        records.append(CHILD.pack(kind.encode(), mode, size, mtime, ctime, ino, len(payload)) + payload)
+        records.append(CHILD.pack(kind.encode(), mode, size, mtime, ctime, ino, len(payload))
+                       + payload)
     joined = b"\0".join(names)
     return struct.pack("<I", len(joined)) + joined + b"".join(records)
 
@@ -9377,8 +9384,9 @@ def rewind_plan(old, cur, within, partial):
 
     def wanted(p):
         return not within or p in above or any(p == w or is_within(p, w) for w in within)
-    drop = [p for p, e in cur.items() if wanted(p) and (p not in old and not partial and p not in above
-                                                        or p in old and old[p][0] != e[0])]
+    drop = [p for p, e in cur.items()
+            if wanted(p) and (p not in old and not partial and p not in above
+                              or p in old and old[p][0] != e[0])]
     put = [p for p, e in old.items() if wanted(p) and (p not in cur or cur[p][:3] != e[:3])]
     return drop, put
 
@@ -9407,7 +9415,8 @@ class Listing:
         if self.unread:
             self.names.append(name)
             return
-        entry, lasting = self.look(child_prefix(self.path) + name, self.before.get(name), self.known)
+        entry, lasting = self.look(child_prefix(self.path) + name, self.before.get(name),
+                                   self.known)
         if entry is not None:
             self.kids.append((name, entry))
             self.lasting = self.lasting and lasting
@@ -9437,7 +9446,8 @@ class Checkpoint:
     one checkpoint to the next keeps the same bytes object: memory goes with what changed."""
 
     def __init__(self, number, dirs, size, missed, partial):
-        self.number, self.dirs, self.size, self.missed, self.partial = number, dirs, size, missed, partial
+        self.number, self.dirs, self.size = number, dirs, size
+        self.missed, self.partial = missed, partial
         self.taken = time.time()
         self.followed = []                      # what was called after it, while it was the latest
 
@@ -9459,7 +9469,8 @@ def entry_changes(old, new, partial=False):
         a, b = old.dirs.get(d), new.dirs.get(d)
         if a is b or a == b:
             continue
-        a, b, prefix = unpack_children(a or b"\0" * 4), unpack_children(b or b"\0" * 4), child_prefix(d)
+        a, b = unpack_children(a or b"\0" * 4), unpack_children(b or b"\0" * 4)
+        prefix = child_prefix(d)
         added += [prefix + n for n in b if n not in a and not partial]
         deleted += [prefix + n for n in a if n not in b]
         modified += [prefix + n for n, e in b.items() if n in a and a[n][:3] != e[:3]]
@@ -9491,8 +9502,9 @@ class Checkpoints:
         # (made here, it is closed here: a store of its own)
         self.own_store = store is None
         self.store = Store(config, self.roots) if store is None else store
-        self.walk_policy = PathPolicy(policy.allow, policy.deny_raw + list(CHECKPOINT_SKIPPED), policy.workdir,
-                                      policy.folds)
+        self.walk_policy = PathPolicy(policy.allow, policy.deny_raw + list(CHECKPOINT_SKIPPED),
+                                      policy.workdir, policy.folds)
+
         self.cond = threading.Condition()         # guards every field below
         self.turn = False                         # a walk (or a rewind) has the store now
         self.waiters = 0                          # callers waiting for the turn or a checkpoint
