@@ -9546,7 +9546,8 @@ class Checkpoints:
         return not self.closed and self.store.open()
 
     def start(self):
-        """Take the first checkpoint in the background, CHECKPOINT_FIRST_S after the session began."""
+        """Take the first checkpoint in the background, CHECKPOINT_FIRST_S after the session
+        began."""
         def first():
             if not self.stopped.wait(CHECKPOINT_FIRST_S) and not self.list:
                 self.after()
@@ -9608,8 +9609,9 @@ class Checkpoints:
                     if self.part is not None and self.part[0] >= target:
                         _, dirs, size, missed = self.part
                         self.part = None
-                        self.record(Checkpoint(self.count + 1, dirs, size, missed, "the rest was not walked within"
-                                               " %g s (the next checkpoint covers it)" % CHECKPOINT_WAIT_S))
+                        self.record(Checkpoint(self.count + 1, dirs, size, missed,
+                                               "the rest was not walked within %g s (the next"
+                                               " checkpoint covers it)" % CHECKPOINT_WAIT_S))
                         break
                     if self.answered >= target:
                         break
@@ -9619,24 +9621,29 @@ class Checkpoints:
                     if now >= deadline and self.turn and self.walk_for >= target:
                         # it hands its part soon (stop_why)
                         self.want_part = max(self.want_part, target)
-                    elif now >= deadline and self.turn or now >= deadline + 2 * CHECKPOINT_PART_MIN_S or \
-                            self.turn and self.walk_for < target and now - self.walk_began >= CHECKPOINT_WAIT_S:
-                        missing = "No checkpoint was taken before this call: a walk of the workspace that began" \
-                                  " before the last call ended takes longer than %g s (a first one, on a large" \
-                                  " tree); the checkpoints after it cover this call's changes" % CHECKPOINT_WAIT_S
+                    elif (now >= deadline and self.turn
+                          or now >= deadline + 2 * CHECKPOINT_PART_MIN_S
+                          or (self.turn and self.walk_for < target
+                              and now - self.walk_began >= CHECKPOINT_WAIT_S)):
+                        missing = ("No checkpoint was taken before this call: a walk of the"
+                                   " workspace that began before the last call ended takes longer"
+                                   " than %g s (a first one, on a large tree); the checkpoints"
+                                   " after it cover this call's changes" % CHECKPOINT_WAIT_S)
+
                         break                     # (an older walk, or a rewind, has the turn)
                     self.cond.wait(CHECKPOINT_YIELD_S)
                 latest = self.list[-1] if self.list else None
                 if latest is not None:
-                    latest.followed = (latest.followed + [call + (" (not covered)" if missing else "")])[-5:]
+                    latest.followed = (latest.followed
+                                       + [call + (" (not covered)" if missing else "")])[-5:]
             finally:
                 self.waiters -= 1
                 self.cond.notify_all()
         if missing:
             return "(%s.)" % missing
         if latest is not None and latest.partial:
-            return "(The checkpoint before this call covers part of the workspace: %s; checkpoints lists what it" \
-                   " covers.)" % latest.partial
+            return ("(The checkpoint before this call covers part of the workspace: %s; checkpoints"
+                    " lists what it covers.)" % latest.partial)
         return None
 
     def after(self):
@@ -9687,7 +9694,8 @@ class Checkpoints:
         """The turn at the store for a block (acquire, then release); ToolError when the
         call was cancelled or the session ended first."""
         if not self.acquire(cancelled):
-            raise ToolError(INVALID_INPUT, "cancelled, or the session ended, while a checkpoint was being taken")
+            raise ToolError(INVALID_INPUT,
+                            "cancelled, or the session ended, while a checkpoint was being taken")
         try:
             yield self
         finally:
@@ -9761,8 +9769,8 @@ class Checkpoints:
         if background:
             self.give_way()
         with self.cond:
-            if 0 < self.want_part <= self.walk_for and self.part is None and not self.handed and size \
-                    and time.monotonic() - self.walk_began >= CHECKPOINT_PART_MIN_S:
+            if 0 < self.want_part <= self.walk_for and self.part is None and not self.handed \
+                    and size and time.monotonic() - self.walk_began >= CHECKPOINT_PART_MIN_S:
                 self.part, self.handed = (self.walk_for, so_far(), size, list(missed)), True
                 self.want_part = 0
                 self.cond.notify_all()
@@ -9781,26 +9789,30 @@ class Checkpoints:
             return None                                      # closed meanwhile
         self.cache.refresh()
         w = self.cache.watches
-        steady = (w.generation, [self.cache.outer(root) for root in self.roots]) if w is not None else None
+        steady = (w.generation,
+                  [self.cache.outer(root) for root in self.roots]) if w is not None else None
         if self.list and self.steady is not None and steady[0] == self.steady[0] \
                 and all(map(same_objects, steady[1], self.steady[1])):
             # no event since a scan that watched all of it
             return None
         for repo in self.repos:
             repo.refresh(self.give_way if background else None)
-        prune = self.ruled is not None and not self.base.partial and all(map(same_objects, steady[1], self.ruled))
+        prune = self.ruled is not None and not self.base.partial and all(
+            map(same_objects, steady[1], self.ruled))
         point, visited, looked, unwatched = self.walk_roots(background, cancelled, prune)
         if point is None:
             return None                                      # closed or cancelled: nothing to keep
         if w is not None:
             # (quiet from now on: this walk is the base)
             w.quiet.update(looked)
-            self.ruled = steady[1] if not point.partial and all(map(w.of.__contains__, visited)) else None
+            self.ruled = (steady[1] if not point.partial and all(map(w.of.__contains__, visited))
+                          else None)
         if not point.partial:
             for repo in self.repos:
                 # recorded now: the next walk reads the index again only once it changed
                 repo.dirs = {}
-        whole = w is not None and not point.partial and not unwatched and all(map(w.clean.__contains__, visited))
+        whole = w is not None and not point.partial and not unwatched and all(
+            map(w.clean.__contains__, visited))
         self.steady = steady if whole else None
         return point
 
@@ -9813,7 +9825,8 @@ class Checkpoints:
         quiet = w.quiet if w is not None else set()
         prev, dirs, missed, partial, size = self.base.dirs, {}, [], False, 0
         left_out, pruned = self.pruner(quiet) if prune else (None, set())
-        store = self.store.dir if self.store.dir and any(is_within(self.store.dir, r) for r in self.roots) else None
+        store = self.store.dir if self.store.dir and any(is_within(self.store.dir, r)
+                                                         for r in self.roots) else None
         look = lambda path, old, known: self.entry(path, old, missed, known)
         # the Listing of the directory the walk is in
         here = None
@@ -9841,14 +9854,15 @@ class Checkpoints:
                 break
             repo = next((r for r in self.repos if is_within(root, r.top)), None)
             walker = Walker(root, self.walk_policy, False, self.cache)
-            walker.want_dirs, walker.raw_links, walker.visited, walker.watch_first, walker.remember = \
-                True, True, visited, True, False
+            walker.want_dirs, walker.raw_links, walker.visited = True, True, visited
+            walker.watch_first, walker.remember = True, False
             walker.prune, walker.repos = left_out or walker.prune, self.nested
             here = None
             # (a directory's children come together)
             for path, _, _, _ in walker:
                 if size >= CHECKPOINT_WALK_MAX:
-                    partial = "the walk stopped at %d entries (narrow --allow-dir)" % CHECKPOINT_WALK_MAX
+                    partial = ("the walk stopped at %d entries (narrow --allow-dir)"
+                               % CHECKPOINT_WALK_MAX)
                     break
                 if not size % 256 and self.stop_why(background, cancelled, so_far, size, missed):
                     return None, visited, looked, unwatched   # closed or cancelled: nothing to keep
@@ -9914,7 +9928,8 @@ class Checkpoints:
         if not lasting:
             # (scan(): a new one makes no directory quiet)
             self.linked.add((st.st_dev, st.st_ino))
-        if old is not None and old[0] == "f" and old[3:] == key and old[1] == mode and old[2] is not None:
+        if (old is not None and old[0] == "f" and old[3:] == key and old[1] == mode
+                and old[2] is not None):
             return old, lasting
         digest, why = GitIndex.blob_of(known, path[path.rfind("/") + 1:], st), None
         if digest is None:
@@ -9998,9 +10013,12 @@ class Checkpoints:
                 if e[0] == "f" and e[2] is None:
                     failed.append((p, "not covered by checkpoint %d" % target.number))
                     continue
-                why = "" if dry else self.step(p, cur.get(p) if p not in drop else None, e, files, readers)
-                (failed if why else done).append((p, why or ("brought back" if p not in cur else "restored")))
-            for p in sorted((p for p in put if old[p][0] == "d" and not dry), key=lambda p: -p.count("/")):
+                why = "" if dry else self.step(p, cur.get(p) if p not in drop else None,
+                                               e, files, readers)
+                (failed if why else done).append(
+                    (p, why or ("brought back" if p not in cur else "restored")))
+            for p in sorted((p for p in put if old[p][0] == "d" and not dry),
+                            key=lambda p: -p.count("/")):
                 try:
                     dfd = open_dir(p, flags=os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
                     try:
@@ -10022,11 +10040,13 @@ class Checkpoints:
             self.policy.check(path, path)
             dfd = open_dir(directory)
         except (OSError, ToolError) as e:
-            return "not reachable without a link or out of scope (%s)" % (getattr(e, "strerror", None) or
-                                                                           getattr(e, "message", e))
+            return "not reachable without a link or out of scope (%s)" % (
+                getattr(e, "strerror", None) or getattr(e, "message", e))
         try:
             with files.lock(path):
-                return self.put_back(dfd, base, now, want, lambda: self.bytes_of(path, want[2], readers))
+                return self.put_back(dfd, base, now, want,
+                                     lambda: self.bytes_of(path, want[2], readers))
+
         except OSError as e:
             if e.errno == errno.ENOTEMPTY:
                 return "kept: it holds files no checkpoint covers (ignored ones, say)"
