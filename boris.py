@@ -10119,7 +10119,8 @@ class Tool:
     modes, codes, lane, goes_with, hint = BOTH, {}, "quick", (), ""
 
     def __init__(self, name, description, schema, annotations, **fields):
-        self.name, self.description, self.schema, self.annotations = name, description, schema, annotations
+        self.name, self.description = name, description
+        self.schema, self.annotations = schema, annotations
         self.handler = None
         self.__dict__.update(fields)
         if isinstance(self.goes_with, str):
@@ -10134,8 +10135,10 @@ class Tool:
 
     def made(self, config):
         """This tool as `config` lists it: description and schema worked out."""
-        return Tool(**dict(vars(self), description=self.description(config) if callable(self.description)
-                           else self.description, schema=self.schema(config) if callable(self.schema) else self.schema))
+        return Tool(**dict(vars(self),
+                           description=self.description(config) if callable(self.description)
+                           else self.description,
+                           schema=self.schema(config) if callable(self.schema) else self.schema))
 
     def listing(self, config):
         """The tool as tools/list shows it, with Claude Code's hints in _meta: load it from the
@@ -10183,7 +10186,8 @@ def disabled_tools(config):
     editor with any of the tools it stands for). A name no tool has, there or in
     --always-load, is a ConfigError."""
     valid = tool_names()
-    for flag, names in (("--disable-tools", config.disable_tools), ("--always-load", config.always_load)):
+    for flag, names in (("--disable-tools", config.disable_tools),
+                        ("--always-load", config.always_load)):
         unknown = [n for n in names if n not in valid and n != "none"]
         if unknown:
             raise ConfigError("unknown tool name(s) for %s: %s; valid names: %s"
@@ -10213,8 +10217,8 @@ def notes(title, read_only=False, destructive=False, open_world=False, idempoten
 
 
 PATH_PROP = prop("string", "Path, absolute or relative to the working directory.")
-RANGE_PROP = prop("array", "Optional [start, end] line range, 1-indexed and inclusive; end -1 means to the end"
-                  " of the file.",
+RANGE_PROP = prop("array", "Optional [start, end] line range, 1-indexed and inclusive; end -1"
+                  " means to the end of the file.",
                   items={"type": "integer"}, minItems=2, maxItems=2)
 
 
@@ -10223,8 +10227,8 @@ class CallContext:
     a progress callback (a no-op unless the client asked for progress), the
     server's HelperPool, where searches and wait_for matches run, and its FileGuards."""
 
-    def __init__(self, config, policy, cancelled=None, progress=None, helpers=None, client="", sandbox=None,
-                 files=None):
+    def __init__(self, config, policy, cancelled=None, progress=None, helpers=None, client="",
+                 sandbox=None, files=None):
         self.config = config
         self.files = files or FileGuards()      # edit locks: the server's, shared by its sessions
         self.policy = policy
@@ -10247,7 +10251,8 @@ def resolve_checked(session, ctx, path, name="path"):
 
 
 def stopped_why(why):
-    """How a job run in a helper ended early, in words: HelperPool.run's 'deadline' or 'cancelled'."""
+    """How a job run in a helper ended early, in words: HelperPool.run's 'deadline' or
+    'cancelled'."""
     return "stopped after %g s" % SEARCH_TIMEOUT_S if why == "deadline" else "cancelled"
 
 
@@ -10278,8 +10283,8 @@ def search_cap(ctx):
 def check_pattern(value, name, code=INVALID_INPUT):
     """A pattern from the model within MAX_PATTERN_CHARS, or a ToolError that says so."""
     if len(value) > MAX_PATTERN_CHARS:
-        raise ToolError(code, "%s is %d characters long; the limit is %d. Search for a shorter, distinctive part"
-                        % (name, len(value), MAX_PATTERN_CHARS))
+        raise ToolError(code, "%s is %d characters long; the limit is %d. Search for a shorter,"
+                        " distinctive part" % (name, len(value), MAX_PATTERN_CHARS))
 
 
 ###############################################################################
@@ -10322,18 +10327,22 @@ def image_result(ctx, shown, data, mime):
     # (SVG: svg_as_text decided)
     if takes is not None and mime not in takes and mime != "image/svg+xml":
         kind = mime.split("/")[1].upper().replace("X-ICON", "ICO")
-        return ("%s is a %s image%s (%s); this client's model takes only %s images, so it is not shown. Convert it"
-                " first, e.g. in bash: convert %s /tmp/image.png, then view that"
+        return ("%s is a %s image%s (%s); this client's model takes only %s images, so it is not"
+                " shown. Convert it first, e.g. in bash: convert %s /tmp/image.png, then view"
+                " that"
                 % (shown, kind, " of %dx%d pixels" % size if size else "", human_size(len(data)),
                    ", ".join(t.split("/")[1].upper() for t in takes), shown))
     if len(data) > IMAGE_MAX_BYTES:
-        raise ToolError(FILE_TOO_LARGE, "%s is a %s image of %s; a model API takes images up to %s. Shrink it"
-                        " first, e.g. in bash: convert %s -resize 50%% /tmp/small.png, then view that"
+        raise ToolError(FILE_TOO_LARGE, "%s is a %s image of %s; a model API takes images up to"
+                        " %s. Shrink it first, e.g. in bash: convert %s -resize 50%%"
+                        " /tmp/small.png, then view that"
                         % (shown, mime, human_size(len(data)), human_size(IMAGE_MAX_BYTES), shown))
     if size and max(size) > IMAGE_MAX_SIDE:
-        raise ToolError(INVALID_INPUT, "%s is %dx%d pixels; a model API takes at most %d a side. Shrink it"
-                        " first, e.g. in bash: convert %s -resize %dx%d /tmp/small.png, then view that"
-                        % (shown, size[0], size[1], IMAGE_MAX_SIDE, shown, IMAGE_MAX_SIDE, IMAGE_MAX_SIDE))
+        raise ToolError(INVALID_INPUT, "%s is %dx%d pixels; a model API takes at most %d a side."
+                        " Shrink it first, e.g. in bash: convert %s -resize %dx%d /tmp/small.png,"
+                        " then view that"
+                        % (shown, size[0], size[1], IMAGE_MAX_SIDE, shown, IMAGE_MAX_SIDE,
+                           IMAGE_MAX_SIDE))
     return [{"type": "image", "data": base64.b64encode(data).decode("ascii"), "mimeType": mime}]
 
 
@@ -10352,7 +10361,8 @@ def image_size(data, mime):
             return data[6] or 256, data[7] or 256
         chunk = data[12:16] if mime == "image/webp" else None
         if chunk == b"VP8X":
-            return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+            return (1 + int.from_bytes(data[24:27], "little"),
+                    1 + int.from_bytes(data[27:30], "little"))
         if chunk == b"VP8 ":
             w, h = struct.unpack("<HH", data[26:30])
             return w & 0x3FFF, h & 0x3FFF
@@ -10436,16 +10446,18 @@ class Notebook:
         start, end = vr or (1, -1)
         last = len(cells) if end == -1 else min(end, len(cells))
         if start > max(len(cells), 1):
-            raise ToolError(INVALID_INPUT, "view_range counts cells for a notebook: %s has %d; give a start"
-                            " between 1 and %d" % (shown, len(cells), max(len(cells), 1)))
-        blocks, parts, size = [], ["%s: notebook, %d cells (view_range counts cells)" % (shown, len(cells))], 0
+            raise ToolError(INVALID_INPUT, "view_range counts cells for a notebook: %s has %d; give"
+                            " a start between 1 and %d" % (shown, len(cells), max(len(cells), 1)))
+        blocks, size = [], 0
+        parts = ["%s: notebook, %d cells (view_range counts cells)" % (shown, len(cells))]
         cap = ctx.config.max_result_chars - 600
         for k in range(start, last + 1):
             piece, images = self.rendered_cell(k)
             if size + len(piece) > cap and k > start:
                 notice = "[cells %d-%d of %d shown; read on with view_range [%d, %d]]" % (
                     start, k - 1, len(cells), k, end)
-                return [text_block(notice)] + blocks + [text_block("\n".join(parts)), text_block(notice)]
+                return [text_block(notice)] + blocks + [text_block("\n".join(parts)),
+                                                        text_block(notice)]
             size += len(piece)
             parts.append(piece)
             for mime, data in images:
@@ -10503,7 +10515,8 @@ class Notebook:
             return "--- %s ---\n%s" % (out.get("name", "stream"), text), None
         if kind == "error":
             tb = [terminal_text(str(l)) for l in out.get("traceback", [])][-6:]
-            return "--- error ---\n%s: %s\n%s" % (out.get("ename"), out.get("evalue"), clip("\n".join(tb))), None
+            return "--- error ---\n%s: %s\n%s" % (out.get("ename"), out.get("evalue"),
+                                                  clip("\n".join(tb))), None
         data = out.get("data") if isinstance(out.get("data"), dict) else {}
         for mime in ("image/png", "image/jpeg"):
             if mime in data:
@@ -10530,12 +10543,13 @@ class Notebook:
         if args.get("cell_number") is not None:
             n = args["cell_number"]
             if not 1 <= n <= len(cells):
-                raise ToolError(INVALID_INPUT, "cell_number %d is outside %s's cells (1 to %d, as view shows"
-                                " them)" % (n, shown, len(cells)))
+                raise ToolError(INVALID_INPUT, "cell_number %d is outside %s's cells (1 to %d, as"
+                                " view shows them)" % (n, shown, len(cells)))
             return n - 1
         if mode == "insert":
             return -1
-        raise ToolError(INVALID_INPUT, "say which cell: cell_id or cell_number (as view shows them)")
+        raise ToolError(INVALID_INPUT,
+                        "say which cell: cell_id or cell_number (as view shows them)")
 
     def edited(self, k, mode, args):
         """The text with cell k replaced, deleted, or a new cell inserted after it, written
@@ -10555,7 +10569,8 @@ class Notebook:
             start, end = spans[0]
             base = text[text.rfind("\n", 0, start) + 1:start]
             inner = re.search(r"\n([ \t]*)\"", text[start:end])
-            base, unit = ("", None) if inner is None or base.strip() else (base, max(1, len(inner.group(1)) - len(base)))
+            base, unit = ("", None) if inner is None or base.strip() else (
+                base, max(1, len(inner.group(1)) - len(base)))
         newline = "" if unit is None else "\n" + base
         body = json.dumps(self.new_cell(k, mode, args), indent=unit, ensure_ascii=False,
                           separators=(",", ":" if unit is None else ": "))
@@ -10619,7 +10634,8 @@ PAGES_PROP = prop("string", "For a PDF: the page or pages to read, \"3\" or \"3-
                           " all).")
 
 
-@tool("view", VIEW_DESC, obj({"path": PATH_PROP, "view_range": RANGE_PROP, "pages": PAGES_PROP}, ["path"]),
+@tool("view", VIEW_DESC,
+      obj({"path": PATH_PROP, "view_range": RANGE_PROP, "pages": PAGES_PROP}, ["path"]),
       notes("View file or directory", read_only=True, idempotent=True), modes=DEFAULT,
       hint="read file, image, pdf, directory")
 def tool_view(session, args, ctx):
@@ -10631,35 +10647,39 @@ def tool_view(session, args, ctx):
     shown, vr = args["path"], args.get("view_range")
     real = resolve_checked(session, ctx, shown)
     if vr is not None and vr[0] < 1:
-        raise ToolError(INVALID_INPUT, "view_range start %d is below 1; lines are numbered from 1" % vr[0])
+        raise ToolError(INVALID_INPUT,
+                        "view_range start %d is below 1; lines are numbered from 1" % vr[0])
     if vr is not None and vr[1] != -1 and vr[1] < vr[0]:
-        raise ToolError(INVALID_INPUT, "view_range [%d, %d] ends before it starts; give start <= end,"
-                        " or end = -1 for the end of the file" % tuple(vr))
+        raise ToolError(INVALID_INPUT, "view_range [%d, %d] ends before it starts; give start"
+                        " <= end, or end = -1 for the end of the file" % tuple(vr))
     try:
         fd, st = open_regular(real, shown)
     except ToolError as e:
         if e.detail != "directory":
             raise
         if vr is not None:
-            raise ToolError(INVALID_INPUT, "view_range applies to files, and %s is a directory" % shown)
+            raise ToolError(INVALID_INPUT,
+                            "view_range applies to files, and %s is a directory" % shown)
         return list_tree(real, ctx.policy, shown)
     limit, note = ctx.config.max_file_size, ""
     with os.fdopen(fd, "rb") as fh:
         if st.st_size > limit:
-            raise ToolError(FILE_TOO_LARGE, "%s is %s; the limit is %s (--max-file-size). Use grep to search"
-                            " it, or raise --max-file-size" % (shown, human_size(st.st_size), human_size(limit)))
+            raise ToolError(FILE_TOO_LARGE, "%s is %s; the limit is %s (--max-file-size). Use grep"
+                            " to search it, or raise --max-file-size"
+                            % (shown, human_size(st.st_size), human_size(limit)))
         try:
             head = fh.read(SNIFF_BYTES)
             kind, mime = sniff(head, real)
             if mime == "image/svg+xml" and svg_as_text(ctx):
-                kind, note = "text", ("(%s is an SVG image, shown as its source: this client's model takes no"
-                                      " SVG images)\n" % shown)
+                kind, note = "text", ("(%s is an SVG image, shown as its source: this client's"
+                                      " model takes no SVG images)\n" % shown)
             if head.startswith(b"PK\x03\x04") and os.path.splitext(real)[1].lower() in DOC_FORMATS:
                 return document_view(ctx, real, st, shown, vr)
             if pdf_sniff(head, real):
                 return pdf_view(ctx, real, st, shown, vr, args.get("pages"))
             if args.get("pages") is not None:
-                raise ToolError(INVALID_INPUT, "pages applies to PDF files, and %s is not one; use view_range"
+                raise ToolError(INVALID_INPUT,
+                                "pages applies to PDF files, and %s is not one; use view_range"
                                 % shown)
             if kind == "binary":
                 return "Binary file (%s): %s is not shown as text" % (human_size(st.st_size), shown)
@@ -10672,7 +10692,8 @@ def tool_view(session, args, ctx):
                     session.mark_viewed(real, Seen(st, digest_of(data)))
                     return whole
                 except (ValueError, RecursionError) as e:
-                    note = "(%s is not a valid notebook (%s); shown as text)\n" % (shown, shorten(str(e), 120))
+                    note = "(%s is not a valid notebook (%s); shown as text)\n" % (
+                        shown, shorten(str(e), 120))
             fh.seek(0)
             reader = LineReader(fh, max(limit, st.st_size) + 1, whole=True)
             text = note + numbered(reader, vr, shown, ctx.config.max_result_chars - len(note))
@@ -10689,7 +10710,8 @@ def document_view(ctx, real, st, shown, vr):
     """An office document's Markdown, read in a search helper (from the very file `st` is
     the stat of), numbered as its lines (view_range pages them), after a line saying what
     it is."""
-    text = read_document(ctx, {"op": "document", "path": real, "file": [st.st_dev, st.st_ino]}, shown)
+    text = read_document(ctx, {"op": "document", "path": real, "file": [st.st_dev, st.st_ino]},
+                         shown)
     note = "(%s: %s, shown as Markdown; line numbers are the rendering's, for view_range)\n" % (
         shown, DOC_FORMATS[os.path.splitext(real)[1].lower()])
     return note + numbered_text(text, vr, shown, ctx.config.max_result_chars - len(note))
@@ -10703,7 +10725,8 @@ def read_document(ctx, job, shown):
     except ToolError as e:
         raise ToolError(e.code, "%s: %s" % (shown, e.message))
     if not items:
-        raise ToolError(IO_ERROR, "reading %s was %s before it was done" % (shown, stopped_why(why)))
+        raise ToolError(IO_ERROR,
+                        "reading %s was %s before it was done" % (shown, stopped_why(why)))
     return items[0]
 
 
@@ -10722,10 +10745,10 @@ def pdf_view(ctx, real, st, shown, vr, pages):
         if isinstance(pages, str) or pages is None else None
     first, last = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
     if first < 1 or last < first:
-        raise ToolError(INVALID_INPUT, "pages %r is not a page or a range of them; give \"3\" or \"3-5\" (pages are"
-                        " numbered from 1)" % (pages,))
-    job = {"op": "pdf", "path": real, "file": [st.st_dev, st.st_ino], "first": first, "last": last if pages else None,
-           "asked": pages, "limit": ctx.config.max_file_size}
+        raise ToolError(INVALID_INPUT, "pages %r is not a page or a range of them; give \"3\" or"
+                        " \"3-5\" (pages are numbered from 1)" % (pages,))
+    job = {"op": "pdf", "path": real, "file": [st.st_dev, st.st_ino], "first": first,
+           "last": last if pages else None, "asked": pages, "limit": ctx.config.max_file_size}
     answer = read_document(ctx, job, shown)
     count, title, texts = answer["count"], answer["title"], answer["texts"]
     head = "(%s: PDF, %s%s; line numbers are the rendering's, for view_range)\n" % (
@@ -10733,8 +10756,9 @@ def pdf_view(ctx, real, st, shown, vr, pages):
     cap = ctx.config.max_result_chars - len(head) - 400
     parts, size, lines, shown_last = [], 0, 0, first - 1
     for k, text in enumerate(texts):
-        page = "--- page %d of %d ---\n%s\n" % (first + k, count, text.strip("\n") or
-                                              "[no text on this page: a scanned page, or only drawings]")
+        page = "--- page %d of %d ---\n%s\n" % (
+            first + k, count,
+            text.strip("\n") or "[no text on this page: a scanned page, or only drawings]")
         lines += page.count("\n")
         size += len(page) + 9 * page.count("\n")          # (what numbering adds to each line)
         if vr is None and parts and (size > cap or lines > VIEW_MAX_LINES):
@@ -10744,7 +10768,8 @@ def pdf_view(ctx, real, st, shown, vr, pages):
     body = numbered_text("".join(parts), vr, shown, ctx.config.max_result_chars - len(head))
     if shown_last < first + len(texts) - 1:
         body += "\n[pages %d-%d of %d shown; read on with pages \"%d-%d\"]" % (
-            first, shown_last, count, shown_last + 1, min(count, shown_last + 1 + shown_last - first))
+            first, shown_last, count, shown_last + 1,
+            min(count, shown_last + 1 + shown_last - first))
     return head + body
 
 
@@ -10762,23 +10787,26 @@ def numbered(reader, vr, shown, cap):
             continue
         if vr is None and len(lines) == VIEW_MAX_LINES:
             total = n + reader.count_rest()
-            return read_on(number_lines(lines, 1), "[Truncated: file has %d lines. Use view_range to read specific"
-                           " sections (e.g. [%d, %d]); lines 1-%d are shown. outline lists its definitions with"
-                           " their line ranges.]" % (
-                               total, VIEW_MAX_LINES + 1, min(total, 2 * VIEW_MAX_LINES), VIEW_MAX_LINES))
+            return read_on(number_lines(lines, 1),
+                           "[Truncated: file has %d lines. Use view_range to read specific sections"
+                           " (e.g. [%d, %d]); lines 1-%d are shown. outline lists its definitions"
+                           " with their line ranges.]" % (
+                               total, VIEW_MAX_LINES + 1, min(total, 2 * VIEW_MAX_LINES),
+                               VIEW_MAX_LINES))
         line = display_line(raw, more)
         size += len(line) + 8
         if size > cap - 400 and lines:
-            return read_on(number_lines(lines, start), "[cut at %d characters after line %d; read on with view_range"
-                           " [%d, %d]]" % (cap, n - 1, n, end))
+            return read_on(number_lines(lines, start), "[cut at %d characters after line %d; read"
+                           " on with view_range [%d, %d]]" % (cap, n - 1, n, end))
         lines.append(line)
         if n == end:
             break
     if vr is None:
         return number_lines(lines, 1) if lines else "(%s is empty)" % shown
     if not lines:
-        raise ToolError(INVALID_INPUT, "view_range start %d exceeds the file's %d lines; give a start"
-                        " between 1 and %d" % (start, n, max(n, 1)))
+        raise ToolError(INVALID_INPUT, "view_range start %d exceeds the file's %d lines; give a"
+                        " start between 1 and %d" % (start, n, max(n, 1)))
+
     return number_lines(lines, start)
 
 
@@ -10817,8 +10845,10 @@ def list_tree(root, policy, shown):
         walk(root, "", 1)
         note = ""
     except _ListingFull:
-        note = "\n[listing cut at %d entries; view a subdirectory to see more]" % LISTING_MAX_ENTRIES
-    header = "%s/ (%d levels deep; .git and node_modules left out)" % (root.rstrip("/"), LISTING_DEPTH)
+        note = ("\n[listing cut at %d entries; view a subdirectory to see more]"
+                % LISTING_MAX_ENTRIES)
+    header = "%s/ (%d levels deep; .git and node_modules left out)" % (
+        root.rstrip("/"), LISTING_DEPTH)
     return header + "\n" + ("\n".join(out) if out else "(empty directory)") + note
 
 
@@ -10839,7 +10869,8 @@ OUTLINE_DESC = ("Show a file's structure before reading it: its definitions (cla
 @tool("outline", OUTLINE_DESC % OUTLINE_LANGUAGES, obj({
     "path": PATH_PROP,
     "offset": prop("integer", "How many to skip: a cut outline's read-on notice gives it."),
-}, ["path"]), notes("Outline a file or directory", read_only=True, idempotent=True), hint="file structure, symbols")
+}, ["path"]), notes("Outline a file or directory", read_only=True, idempotent=True),
+      hint="file structure, symbols")
 def tool_outline(session, args, ctx):
     """outline: the definitions of a file, or the top-level ones of each source file
     under a directory, bounded by the result cap with a read-on notice."""
@@ -10848,10 +10879,11 @@ def tool_outline(session, args, ctx):
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
     root = search_root(session, ctx, shown)
     if not root[1] and Outline.language(root[0]) is None:
-        raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension: %s); view or grep"
-                        " it instead" % (shown, OUTLINE_LANGUAGES))
+        raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension: %s);"
+                        " view or grep it instead" % (shown, OUTLINE_LANGUAGES))
     items, why = ctx.helpers.run({"op": "outline", "root": root, "policy": policy_spec(ctx.policy),
-                                  "max_size": ctx.config.max_file_size, "page": [offset, search_cap(ctx) - 400]},
+                                  "max_size": ctx.config.max_file_size,
+                                  "page": [offset, search_cap(ctx) - 400]},
                                  ctx.cancelled)
     items = [FileOutline(*item) for item in items]      # JSON arrays on the wire
     if root[1]:
@@ -10903,10 +10935,11 @@ def directory_outline(shown, items, why, offset, cap):
     if not items:
         parts.append("No source files under %s (outline reads %s)" % (shown, OUTLINE_LANGUAGES))
     if why:
-        parts.append("[outline %s: the files above are those read so far; outline a subdirectory]" % (
-            stopped_why(why)))
-    parts.append("Each file's top-level definitions; outline a file for all of them, and read one with view and"
-                 " view_range [first, last].")
+        parts.append("[outline %s: the files above are those read so far; outline a subdirectory]"
+                     % (stopped_why(why)))
+    parts.append("Each file's top-level definitions; outline a file for all of them, and read one"
+                 " with view and view_range [first, last].")
+
     return "\n".join(parts)
 
 
