@@ -7940,7 +7940,6 @@ _TERMINAL_CODES = (r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)"
                    r"|\x1b[@-Z\\-_]|\x1b[()][0-9A-Za-z]")
 
 
-
 def terminal_text(text):
     """What a terminal shows, as text: escape sequences (colours, cursor moves,
     titles) dropped, CR LF line ends as LF, a lone CR (a redrawn line) as a line end."""
@@ -8477,7 +8476,6 @@ class WebFetch:
         return text[start:end] + (
             "\n\n[已截断：共 %d 字符，已显示 %d-%d；用 start_index=%d 继续 / cut:"
             " characters %d-%d of %d shown; read on with start_index=%d]"
-
             % (len(text), start, end, end, start, end, len(text), end))
 
     def get(self):
@@ -8499,7 +8497,6 @@ class WebFetch:
             req = urllib.request.Request(request_url, headers={
                 "User-Agent": "boris/%s" % __version__,
                 "Accept": "text/html,application/json,text/*;q=0.9,*/*;q=0.5"})
-
             with opener.open(req, timeout=timeout) as resp:
                 ctype = resp.headers.get_content_type() if resp.headers.get("Content-Type") else ""
                 charset = resp.headers.get_content_charset()
@@ -8992,7 +8989,6 @@ def sweep_stores():
                 shutil.rmtree(store, ignore_errors=True)
                 log("info", "removed a checkpoint store left by a server that was killed",
                     store=store)
-
             finally:
                 if fd is not None:
                     os.close(fd)
@@ -9504,7 +9500,6 @@ class Checkpoints:
         self.store = Store(config, self.roots) if store is None else store
         self.walk_policy = PathPolicy(policy.allow, policy.deny_raw + list(CHECKPOINT_SKIPPED),
                                       policy.workdir, policy.folds)
-
         self.cond = threading.Condition()         # guards every field below
         self.turn = False                         # a walk (or a rewind) has the store now
         self.waiters = 0                          # callers waiting for the turn or a checkpoint
@@ -9629,7 +9624,6 @@ class Checkpoints:
                                    " workspace that began before the last call ended takes longer"
                                    " than %g s (a first one, on a large tree); the checkpoints"
                                    " after it cover this call's changes" % CHECKPOINT_WAIT_S)
-
                         break                     # (an older walk, or a rewind, has the turn)
                     self.cond.wait(CHECKPOINT_YIELD_S)
                 latest = self.list[-1] if self.list else None
@@ -10046,7 +10040,6 @@ class Checkpoints:
             with files.lock(path):
                 return self.put_back(dfd, base, now, want,
                                      lambda: self.bytes_of(path, want[2], readers))
-
         except OSError as e:
             if e.errno == errno.ENOTEMPTY:
                 return "kept: it holds files no checkpoint covers (ignored ones, say)"
@@ -10806,7 +10799,6 @@ def numbered(reader, vr, shown, cap):
     if not lines:
         raise ToolError(INVALID_INPUT, "view_range start %d exceeds the file's %d lines; give a"
                         " start between 1 and %d" % (start, n, max(n, 1)))
-
     return number_lines(lines, start)
 
 
@@ -10939,7 +10931,6 @@ def directory_outline(shown, items, why, offset, cap):
                      % (stopped_why(why)))
     parts.append("Each file's top-level definitions; outline a file for all of them, and read one"
                  " with view and view_range [first, last].")
-
     return "\n".join(parts)
 
 
