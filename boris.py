@@ -10320,9 +10320,9 @@ def image_result(ctx, shown, data, mime):
     # (SVG: svg_as_text decided)
     if takes is not None and mime not in takes and mime != "image/svg+xml":
         kind = mime.split("/")[1].upper().replace("X-ICON", "ICO")
-        return ("%s is a %s image%s (%s); this client's model takes only %s images, so it is not"
-                " shown. Convert it first, e.g. in bash: convert %s /tmp/image.png, then view"
-                " that"
+        return ("%s is a %s image%s (%s); this client's model takes only %s images, so it"
+                " is not shown. Convert it first, e.g. in bash: convert %s /tmp/image.png,"
+                " then view that"
                 % (shown, kind, " of %dx%d pixels" % size if size else "", human_size(len(data)),
                    ", ".join(t.split("/")[1].upper() for t in takes), shown))
     if len(data) > IMAGE_MAX_BYTES:
@@ -10643,8 +10643,8 @@ def tool_view(session, args, ctx):
         raise ToolError(INVALID_INPUT,
                         "view_range start %d is below 1; lines are numbered from 1" % vr[0])
     if vr is not None and vr[1] != -1 and vr[1] < vr[0]:
-        raise ToolError(INVALID_INPUT, "view_range [%d, %d] ends before it starts; give start"
-                        " <= end, or end = -1 for the end of the file" % tuple(vr))
+        raise ToolError(INVALID_INPUT, "view_range [%d, %d] ends before it starts;"
+                        " give start <= end, or end = -1 for the end of the file" % tuple(vr))
     try:
         fd, st = open_regular(real, shown)
     except ToolError as e:
