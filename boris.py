@@ -7665,8 +7665,10 @@ class HelperPool:
 
 LEFTOVER_DRAIN_S = 0.2                     # after a command exits, wait this long for its pipes
 SHELL = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
-CAPTURE_HEAD_CHARS = OUTPUT_MAX_CHARS * 2 // 3  # a long output shows its first 20,000 characters
-CAPTURE_TAIL_CHARS = OUTPUT_MAX_CHARS // 3      # and its last 10,000 (where summaries and the sentinel are)
+# a long output shows its first 20,000 characters and its last 10,000 (where summaries and
+# the sentinel are)
+CAPTURE_HEAD_CHARS = OUTPUT_MAX_CHARS * 2 // 3
+CAPTURE_TAIL_CHARS = OUTPUT_MAX_CHARS // 3
 CAPTURE_HEAD_BYTES = CAPTURE_HEAD_CHARS * 4
 CAPTURE_TAIL_BYTES = CAPTURE_TAIL_CHARS * 4
 
@@ -7728,8 +7730,9 @@ class Capture:
             tail = tail[-tail_n:]
         omitted = max(0, self.chars - len(head) - len(tail))
         tail = tail.rstrip("\n")
-        notice = ("[%s: %d characters in all; the first %d and the last %d are shown. Pipe long output through"
-                  " tail, head or grep.]" % (label, self.chars, len(head), len(tail)))
+        notice = ("[%s: %d characters in all; the first %d and the last %d are shown. Pipe long"
+                  " output through tail, head or grep.]"
+                  % (label, self.chars, len(head), len(tail)))
         return "%s\n\n... %d characters omitted ...\n\n%s" % (head, omitted, tail), notice
 
 
@@ -7760,7 +7763,8 @@ def start_process(script, cwd, sandbox=None, stdin="null", environ=None):
     env.setdefault("PAGER", "cat")
     env.setdefault("GIT_PAGER", "cat")
     env.setdefault("GIT_TERMINAL_PROMPT", "0")
-    env["BORIS_CALL"] = marker = "%d-%s" % (os.getpid(), os.urandom(6).hex())      # this command's alone
+    # this command's alone
+    env["BORIS_CALL"] = marker = "%d-%s" % (os.getpid(), os.urandom(6).hex())
     env.update(sandbox.proxy_environ())
     argv = [SHELL, "-c", script]
     if sandbox.on and stdin == "null":
@@ -7769,8 +7773,10 @@ def start_process(script, cwd, sandbox=None, stdin="null", environ=None):
         launcher, private = helper_command("sandbox", avoid=sandbox.writable)
         argv, cwd = launcher + [sandbox.spec(cwd, ctty=stdin == "tty")] + argv, private
     if stdin != "tty":
-        proc = spawn(argv, cwd=cwd, env=env, stdin=subprocess.PIPE if stdin == "pipe" else subprocess.DEVNULL,
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+        proc = spawn(argv, cwd=cwd, env=env,
+                     stdin=subprocess.PIPE if stdin == "pipe" else subprocess.DEVNULL,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                     close_fds=True)
         proc.boris_call = marker
         return proc
     import fcntl
@@ -7779,8 +7785,8 @@ def start_process(script, cwd, sandbox=None, stdin="null", environ=None):
     try:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", TTY_ROWS, TTY_COLUMNS, 0, 0))
         env["TERM"] = "dumb"
-        proc = spawn(argv, cwd=cwd, env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
-                     close_fds=True)
+        proc = spawn(argv, cwd=cwd, env=env, stdin=slave, stdout=slave, stderr=slave,
+                     start_new_session=True, close_fds=True)
     except BaseException:
         os.close(master)
         raise
@@ -7807,7 +7813,8 @@ def pump(task, deadline, on_output):
             if clock.tick(time.monotonic()):
                 break
             if not sel.get_map():
-                try:                    # pipes closed, leader exiting: wait briefly, not a full tick
+                # pipes closed, leader exiting: wait briefly, not a full tick
+                try:
                     proc.wait(0.05)
                 except subprocess.TimeoutExpired:
                     pass                # still exiting: the next tick decides
@@ -7919,7 +7926,8 @@ def render_output(out, err, total):
     OUTPUT_MAX_CHARS; a short one whole, the rest to the other), and None or the
     notice of what was cut."""
     parts, notices = [], []
-    for cap, label, limit in zip((out, err), ("stdout", "stderr"), stream_limits(out.chars, err.chars, total)):
+    for cap, label, limit in zip((out, err), ("stdout", "stderr"),
+                                 stream_limits(out.chars, err.chars, total)):
         if cap.total:
             text, notice = cap.render(label, max(limit, 1000))
             parts.append("--- %s ---\n%s" % (label, text.rstrip("\n")))
@@ -7928,7 +7936,8 @@ def render_output(out, err, total):
     return ("\n".join(parts) if parts else "(no output)"), (" ".join(notices) or None)
 
 
-_TERMINAL_CODES = r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]|\x1b[()][0-9A-Za-z]"
+_TERMINAL_CODES = (r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)"
+                   r"|\x1b[@-Z\\-_]|\x1b[()][0-9A-Za-z]")
 
 
 def terminal_text(text):
@@ -8070,17 +8079,23 @@ def kill_all(tasks):
 ###############################################################################
 # urllib and html.parser are imported inside these functions: start-up never pays.
 
-HTML_SKIP = frozenset(("script", "style", "noscript", "template", "svg", "head", "iframe", "object"))
-HTML_BLOCKS = frozenset(("p", "div", "section", "article", "header", "footer", "nav", "main", "aside",
-                         "form", "dl", "dt", "dd", "figure", "figcaption", "body", "html", "details", "summary",
-                         "address", "center", "fieldset", "legend", "hgroup", "search", "caption"))
-HTML_VOID = frozenset(("br", "img", "hr", "input", "meta", "link", "area", "base", "col", "embed", "param",
-                       "source", "track", "wbr"))
-HTML_DEPTH = 200                           # elements nested deeper are read as their parent's content
+HTML_SKIP = frozenset(("script", "style", "noscript", "template", "svg", "head", "iframe",
+                       "object"))
+HTML_BLOCKS = frozenset(("p", "div", "section", "article", "header", "footer", "nav", "main",
+                         "aside", "form", "dl", "dt", "dd", "figure", "figcaption", "body", "html",
+                         "details", "summary", "address", "center", "fieldset", "legend", "hgroup",
+                         "search", "caption"))
+HTML_VOID = frozenset(("br", "img", "hr", "input", "meta", "link", "area", "base", "col", "embed",
+                       "param", "source", "track", "wbr"))
+# elements nested deeper are read as their parent's content
+HTML_DEPTH = 200
+# rendered as blocks of their own
 HTML_BLOCK_TAGS = HTML_BLOCKS | frozenset(("ul", "ol", "li", "pre", "table", "blockquote", "hr",
-                                           "h1", "h2", "h3", "h4", "h5", "h6"))   # rendered as blocks of their own
-HTML_IMPLIED_ENDS = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd"), "dd": ("dt", "dd"), "tr": ("tr", "td", "th"),
-                     "td": ("td", "th"), "th": ("td", "th"), "option": ("option",)}   # open ones a start tag ends
+                                           "h1", "h2", "h3", "h4", "h5", "h6"))
+# a start tag -> the open ones it ends
+HTML_IMPLIED_ENDS = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd"), "dd": ("dt", "dd"),
+                     "tr": ("tr", "td", "th"), "td": ("td", "th"), "th": ("td", "th"),
+                     "option": ("option",)}
 
 
 # -- HTML to Markdown -------------------------------------------------------------
@@ -8395,9 +8410,11 @@ class FetchWatch:
 # facts as its detail, so a tool can word it its own way (web_fetch: fixed Chinese).
 FETCH_ERRORS = {
     "content_type": (IO_ERROR, "the content type %(ctype)s is not text: %(url)s"),
-    "beyond": (INVALID_INPUT, "start_index %(start)d is past the end of the text (%(length)d characters)"),
+    "beyond": (INVALID_INPUT,
+               "start_index %(start)d is past the end of the text (%(length)d characters)"),
     "timeout": (IO_ERROR, "the request timed out (%(timeout)ss): %(url)s"),
-    "redirect_scheme": (IO_ERROR, "a redirect to a scheme other than http or https: %(target)s: %(url)s"),
+    "redirect_scheme": (IO_ERROR,
+                        "a redirect to a scheme other than http or https: %(target)s: %(url)s"),
     "unresolved": (IO_ERROR, "the host %(host)s could not be resolved: %(url)s"),
     "refused": (ACCESS_DENIED, "refused to connect to %(host)s (%(address)s is %(why)s): %(url)s"),
     "redirects": (IO_ERROR, "too many redirects (over %(max)d): %(url)s"),
@@ -8406,14 +8423,14 @@ FETCH_ERRORS = {
     "failed": (IO_ERROR, "the request failed (%(reason)s): %(url)s"),
     "scheme": (IO_ERROR, "only http and https URLs are fetched: %(url)s"),
     "url_long": (INVALID_INPUT, "the URL is over %(max)d characters: %(url)s"),
-    "url_space": (INVALID_INPUT, "a space or control character at %(at)d of the URL: percent-encode it, e.g. %%20:"
-                                 " %(url)s"),
+    "url_space": (INVALID_INPUT, "a space or control character at %(at)d of the URL: percent-encode"
+                                 " it, e.g. %%20: %(url)s"),
     "url_malformed": (INVALID_INPUT, "a malformed URL (%(reason)s): %(url)s"),
     "url_no_host": (INVALID_INPUT, "the URL has no host name: %(url)s"),
     "url_port_zero": (INVALID_INPUT, "port 0 is not a port: %(url)s"),
     "url_idna": (INVALID_INPUT, "the host name %(host)s cannot be IDNA-encoded: %(url)s"),
-    "not_allowed": (ACCESS_DENIED, "%(host)s is not among the domains web_fetch may reach (--web-fetch-allow:"
-                                   " %(allowed)s): %(url)s"),
+    "not_allowed": (ACCESS_DENIED, "%(host)s is not among the domains web_fetch may reach"
+                                   " (--web-fetch-allow: %(allowed)s): %(url)s"),
 }
 
 
@@ -8430,7 +8447,8 @@ class WebFetch:
 
     def __init__(self, url, timeout, cancelled=None, block_private=False, allow=()):
         self.url, self.timeout, self.block_private = url, timeout, block_private
-        self.allow = [a.lower().rstrip(".") for a in allow]       # --web-fetch-allow: the only hosts it may reach
+        # --web-fetch-allow: the only hosts it may reach
+        self.allow = [a.lower().rstrip(".") for a in allow]
         self.cancelled = cancelled or threading.Event()
 
     def text(self, start=0):
@@ -8446,7 +8464,8 @@ class WebFetch:
             not ctype and text.lstrip()[:1] == "<")
         if is_html:
             text = html_to_markdown(text, url)
-        elif not (ctype.startswith("text/") or ctype in ("application/json", "application/xml", "application/javascript")
+        elif not (ctype.startswith("text/")
+                  or ctype in ("application/json", "application/xml", "application/javascript")
                   or ctype.endswith(("+json", "+xml")) or not ctype):
             raise fetch_error("content_type", ctype=ctype, url=url)
         if start > len(text):
@@ -8454,9 +8473,10 @@ class WebFetch:
         if len(text) - start <= WEB_MAX_CHARS:
             return text[start:]
         end = start + WEB_MAX_CHARS - 200                        # room for the notice
-        return text[start:end] + ("\n\n[已截断：共 %d 字符，已显示 %d-%d；用 start_index=%d 继续 / cut: characters"
-                                  " %d-%d of %d shown; read on with start_index=%d]"
-                                  % (len(text), start, end, end, start, end, len(text), end))
+        return text[start:end] + (
+            "\n\n[已截断：共 %d 字符，已显示 %d-%d；用 start_index=%d 继续 / cut:"
+            " characters %d-%d of %d shown; read on with start_index=%d]"
+            % (len(text), start, end, end, start, end, len(text), end))
 
     def get(self):
         """(content_type, charset, body bytes) of a GET of the checked URL. At most
@@ -8468,14 +8488,15 @@ class WebFetch:
 
         request_url, url, timeout = self.checked(self.url), self.url, self.timeout
         if request_url[:6].lower() == "https:" and not hasattr(http.client, "HTTPSConnection"):
-            raise fetch_error("failed", reason="https needs Python's ssl module, which this Python was built"
-                              " without", url=url)
+            raise fetch_error("failed", reason="https needs Python's ssl module, which this"
+                              " Python was built without", url=url)
         watch = FetchWatch(timeout, self.cancelled)
         opener = self.opener(watch)
         timed_out = fetch_error("timeout", timeout=timeout, url=url)
         try:
-            req = urllib.request.Request(request_url, headers={"User-Agent": "boris/%s" % __version__,
-                                                       "Accept": "text/html,application/json,text/*;q=0.9,*/*;q=0.5"})
+            req = urllib.request.Request(request_url, headers={
+                "User-Agent": "boris/%s" % __version__,
+                "Accept": "text/html,application/json,text/*;q=0.9,*/*;q=0.5"})
             with opener.open(req, timeout=timeout) as resp:
                 ctype = resp.headers.get_content_type() if resp.headers.get("Content-Type") else ""
                 charset = resp.headers.get_content_charset()
@@ -8558,7 +8579,7 @@ class WebFetch:
                 if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
                     fp.close()
                     raise fetch_error("redirect_scheme", target=newurl, url=fetch.url)
-                return urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
+                return super().redirect_request(req, fp, code, msg, headers, newurl)
 
         return urllib.request.build_opener(Redirects, *handlers)
 
@@ -8575,7 +8596,8 @@ class WebFetch:
         for info in infos:
             why = address_refusal(info[4][0], self.block_private)
             if why:
-                log("warn", "web_fetch refused an address", host=host, address=info[4][0], reason=why)
+                log("warn", "web_fetch refused an address", host=host, address=info[4][0],
+                    reason=why)
                 raise fetch_error("refused", host=host, address=info[4][0], why=why, url=self.url)
         return infos
 
@@ -8631,7 +8653,8 @@ class WebFetch:
         except UnicodeError:
             raise fetch_error("url_idna", host=host[:100], url=shown)
         safe = "/?#[]@!$&'()*+,;=%~:"
-        return urllib.parse.urlunsplit((parts.scheme, parts.netloc, urllib.parse.quote(parts.path, safe=safe),
+        return urllib.parse.urlunsplit((parts.scheme, parts.netloc,
+                                        urllib.parse.quote(parts.path, safe=safe),
                                         urllib.parse.quote(parts.query, safe=safe),
                                         urllib.parse.quote(parts.fragment, safe=safe)))
 
@@ -8660,7 +8683,8 @@ class Session:
         self.closed = False
         self.last_seen = time.monotonic()
         self.log_level = None
-        self.edits = []             # undo_edit's history, oldest first: (tool, {real: (before, mode, after)})
+        # undo_edit's history, oldest first: (tool, {real: (before, mode, after)})
+        self.edits = []
         self.checkpoints = None     # its Checkpoints of the workspace (the server makes them)
 
     def add_task(self, task):
@@ -8712,9 +8736,11 @@ class Session:
                 mine = [e for e in self.edits if real in e[1]]
                 if len(mine) > UNDO_LEVELS:
                     self.edits.remove(mine[0])
-            held = sum(len(c[0]) for _, ch in self.edits for c in ch.values() if isinstance(c[0], bytes))
+            held = sum(len(c[0]) for _, ch in self.edits for c in ch.values()
+                       if isinstance(c[0], bytes))
             while held > UNDO_MAX_BYTES and len(self.edits) > 1:
-                held -= sum(len(c[0]) for c in self.edits.pop(0)[1].values() if isinstance(c[0], bytes))
+                held -= sum(len(c[0]) for c in self.edits.pop(0)[1].values()
+                            if isinstance(c[0], bytes))
 
     def last_edit(self, real):
         """The latest edit of `real` still to be taken back, or None; and how many there are."""
@@ -8740,7 +8766,8 @@ class Session:
             return real in self.viewed
 
     def seen_of(self, real):
-        """The Seen (stat and digest) of `real` when this session last viewed or wrote it, or None."""
+        """The Seen (stat and digest) of `real` when this session last viewed or wrote it,
+        or None."""
         with self.lock:
             return self.viewed.get(real)
 
@@ -8822,19 +8849,25 @@ class Session:
 # when its lstat changed and stored only when its bytes are new, and a watched directory
 # with no event since it was looked at is not looked at again. rewind puts one back.
 
-CHECKPOINT_SKIPPED = ("/proc", "/sys", "/dev")      # never walked (a workspace of /): no files to keep there
+# never walked (a workspace of /): no files to keep there
+CHECKPOINT_SKIPPED = ("/proc", "/sys", "/dev")
 CHECKPOINT_YIELD_S = 0.02                            # how often a scan that gave way looks again
 CHECKPOINT_CALM_S = 0.05                             # ... and this long after a call (calls come
 #                                                      in bursts, each waiting for the interpreter)
-CHECKPOINT_PART_MIN_S = 0.5                          # a walk hands a waiter its part once it ran this long
-CHECKPOINT_TRIM_ENTRIES = 50000                      # a walk this big hands freed memory back (trim_memory)
+# a walk hands a waiter its part once it ran this long
+CHECKPOINT_PART_MIN_S = 0.5
+# a walk this big hands freed memory back (trim_memory)
+CHECKPOINT_TRIM_ENTRIES = 50000
 
 
 CHECKPOINT_PREFIX = "boris-checkpoints-"         # a store: <temp>/boris-checkpoints-XXXX, 0700
-STORE_PACK_BYTES = 64 << 20                        # a pack file of the store takes bytes up to this size
-STORE_MAKING_S = 60                                # a store with no lock file yet is being made this long
-NO_STORE = ("no writable place for their store outside the workspace: the temp directory and ~/.cache are"
-            " read-only or missing; set TMPDIR (or XDG_CACHE_HOME) to a writable directory to have them")
+# a pack file of the store takes bytes up to this size
+STORE_PACK_BYTES = 64 << 20
+# a store with no lock file yet is being made this long
+STORE_MAKING_S = 60
+NO_STORE = (
+    "no writable place for their store outside the workspace: the temp directory and ~/.cache are"
+    " read-only or missing; set TMPDIR (or XDG_CACHE_HOME) to a writable directory to have them")
 
 
 # -- the store --------------------------------------------------------------------
@@ -8872,7 +8905,8 @@ def fs_type(path):
         with open("/proc/self/mountinfo", "rb") as f:
             for line in f.read().decode("utf-8", "surrogateescape").splitlines():
                 fields, _, rest = line.partition(" - ")
-                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields.split(" ")[4])
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)),
+                               fields.split(" ")[4])
                 if is_within(path, point) and len(point) >= len(best) and rest:
                     best, kind = point, rest.split(" ")[0]
     except (OSError, IndexError):
@@ -8899,7 +8933,8 @@ def store_place(roots):
         home = os.stat(roots[0]).st_dev if roots else None
     except OSError:
         home = None
-    usable.sort(key=lambda u: (u[1], u[3], u[2] != home))       # (a stable sort: the temp directory first)
+    # (a stable sort: the temp directory first)
+    usable.sort(key=lambda u: (u[1], u[3], u[2] != home))
     return usable[0][0] if usable else None
 
 
@@ -8932,7 +8967,8 @@ def sweep_stores():
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
                 continue
             fd = None
-            for lock in ("lock", "lock.new"):           # (killed while hold_store made its lock: lock.new)
+            # (killed while hold_store made its lock: lock.new)
+            for lock in ("lock", "lock.new"):
                 try:
                     fd = os.open(os.path.join(store, lock), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
                     break
@@ -8941,7 +8977,8 @@ def sweep_stores():
             if (fd is None or lock == "lock.new") and time.time() - st.st_mtime < STORE_MAKING_S:
                 if fd is not None:
                     os.close(fd)
-                continue                               # being made right now (lock.new is locked next)
+                # being made right now (lock.new is locked next)
+                continue
             try:
                 if fd is not None:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -8950,7 +8987,8 @@ def sweep_stores():
                 continue                               # a live server's
             try:
                 shutil.rmtree(store, ignore_errors=True)
-                log("info", "removed a checkpoint store left by a server that was killed", store=store)
+                log("info", "removed a checkpoint store left by a server that was killed",
+                    store=store)
             finally:
                 if fd is not None:
                     os.close(fd)
@@ -8970,10 +9008,13 @@ class Store:
     def __init__(self, config, roots):
         self.config, self.roots = config, list(roots)
         self.lock = threading.Lock()              # guards every field below
-        self.index, self.stored = {}, 0           # digest -> (pack number, offset, size); the bytes held
-        self.pack, self.packs, self.packed = None, 0, 0   # the pack written to (a descriptor), how many, its size
+        # digest -> (pack number, offset, size); the bytes held
+        self.index, self.stored = {}, 0
+        # the pack written to (a descriptor), how many, its size
+        self.pack, self.packs, self.packed = None, 0, 0
         self.dir = self.lockfd = None
-        self.budget = None                        # bytes it may hold; 0: no store (off, or none could be made)
+        # bytes it may hold; 0: no store (off, or none could be made)
+        self.budget = None
         self.why = "--checkpoint-budget off"      # why there is no store, once budget is 0
 
     def check(self):
@@ -9028,7 +9069,8 @@ class Store:
                     self.pack = os.open(os.path.join(self.dir, "pack%d" % (self.packs + 1)),
                                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
                     self.packs, self.packed = self.packs + 1, 0
-                write_all(self.pack, data)        # (no fsync: the store lives as long as the server)
+                # (no fsync: the store lives as long as the server)
+                write_all(self.pack, data)
             except OSError as e:
                 self.shut_pack()                  # (a pack written in part is not written to again)
                 return None, "not stored (%s)" % (e.strerror or e)
@@ -9044,12 +9086,13 @@ class Store:
             self.pack = None
 
     def blob(self, digest):
-        """The bytes kept under `digest` (OSError once the store is gone, or for one it never held)."""
+        """The bytes kept under `digest` (OSError once the store is gone, or for one it never
+        held)."""
         with self.lock:
             where, at = self.dir, self.index.get(digest)
         if where is None or at is None:
-            raise OSError(errno.ENOENT, "the checkpoint store was removed with its server" if where is None else
-                          "the checkpoint store holds no bytes %s" % digest)
+            raise OSError(errno.ENOENT, "the checkpoint store was removed with its server"
+                          if where is None else "the checkpoint store holds no bytes %s" % digest)
         fd = os.open(os.path.join(where, "pack%d" % at[0]), os.O_RDONLY | O_CLOEXEC)
         try:
             data = os.pread(fd, at[2], at[1])
@@ -9091,8 +9134,9 @@ class GitIndex:
     def __init__(self, top, gitdir, git):
         self.top, self.gitdir, self.git = top, gitdir, git
         self.stamp = None                         # (mtime_ns, size, inode) of the index file read
-        self.dirs = {}                            # directory under top -> its files: name, NUL, stat key (24 bytes)
-        #                                           and blob id (20 bytes), one after another
+        # directory under top -> its files: name, NUL, stat key (24 bytes) and blob id (20 bytes),
+        # one after another
+        self.dirs = {}
 
     @classmethod
     def of(cls, root):
@@ -9105,7 +9149,8 @@ class GitIndex:
             dotgit = os.path.join(top, ".git")
             if os.path.isdir(dotgit):
                 return cls(top, dotgit, git)
-            if os.path.isfile(dotgit):                        # a worktree's or submodule's: "gitdir: <path>"
+            # a worktree's or submodule's: "gitdir: <path>"
+            if os.path.isfile(dotgit):
                 try:
                     with open(dotgit, "rb") as f:
                         line = f.read(4096).decode("utf-8", "surrogateescape").strip()
@@ -9140,8 +9185,8 @@ class GitIndex:
                 return
             self.dirs = dirs
         except (OSError, ValueError, IndexError, struct.error) as e:
-            log("info", "checkpoints copy this work tree's files: its index is not one they read", top=self.top,
-                error=str(e))
+            log("info", "checkpoints copy this work tree's files: its index is not one they read",
+                top=self.top, error=str(e))
 
     @staticmethod
     def parse(data, written, pause=None):
@@ -9151,16 +9196,19 @@ class GitIndex:
         magic, version, count = struct.unpack_from(">4sII", data)
         if magic != b"DIRC" or version not in (2, 3, 4):
             raise ValueError("not an index of version 2, 3 or 4")
-        entries, pos, name, unpack = defaultdict(bytearray), 12, b"", struct.Struct(">10I20sH").unpack_from
+        entries, pos, name = defaultdict(bytearray), 12, b""
+        unpack = struct.Struct(">10I20sH").unpack_from
         for k in range(count):
             if pause and not k % 4096:
                 pause()
             cs, cn, ms, mn, _, ino, mode, _, _, size, sha, flags = unpack(data, pos)
             at = pos + 62
             extended = flags & 0x4000 and version >= 3
-            skip = extended and struct.unpack_from(">H", data, at)[0] & 0x6000     # skip-worktree, intent-to-add
+            # skip-worktree, intent-to-add
+            skip = extended and struct.unpack_from(">H", data, at)[0] & 0x6000
             at += 2 if extended else 0
-            if version == 4:                                  # the name: how much of the last to drop, then more
+            # the name: how much of the last to drop, then more
+            if version == 4:
                 c = data[at]
                 at, strip = at + 1, c & 127
                 while c & 128:
@@ -9169,14 +9217,16 @@ class GitIndex:
                 end = data.index(b"\0", at)
                 name = name[:len(name) - strip] + data[at:end]
                 pos = end + 1
-            else:                                             # the name, padded with NULs to a multiple of 8
+            else:
+                # the name, padded with NULs to a multiple of 8
                 end = data.index(b"\0", at)
                 name = data[at:end]
                 pos += (at - pos + len(name) + 8) & ~7
             if skip or flags & 0x3000 or mode >> 12 != 0o10 or (ms, mn) >= written:
                 continue
             cut = name.rfind(b"/")
-            entries[name[:max(cut, 0)]] += name[cut + 1:] + b"\0" + struct.pack(">6I", cs, cn, ms, mn, ino, size) + sha
+            stat_key = struct.pack(">6I", cs, cn, ms, mn, ino, size)
+            entries[name[:max(cut, 0)]] += name[cut + 1:] + b"\0" + stat_key + sha
         if data[pos:pos + 4] == b"link":
             raise ValueError("a split index")
         return {os.fsdecode(d): bytes(files) for d, files in entries.items()}
@@ -9187,20 +9237,23 @@ class GitIndex:
         .gitattributes, the repository's info/attributes or the user's attributes file."""
         import subprocess
         try:
-            out = subprocess.run([self.git, "--git-dir", self.gitdir, "config", "--get-regexp",
-                                  r"^(core\.autocrlf|core\.attributesfile|extensions\.objectformat|filter\..*)$"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                                 env=child_environ(only=HELPER_ENV), timeout=10).stdout.decode("utf-8", "replace")
+            out = subprocess.run(
+                [self.git, "--git-dir", self.gitdir, "config", "--get-regexp",
+                 r"^(core\.autocrlf|core\.attributesfile|extensions\.objectformat|filter\..*)$"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                env=child_environ(only=HELPER_ENV), timeout=10).stdout.decode("utf-8", "replace")
         except (OSError, subprocess.SubprocessError):
             return True
         settings = dict(line.partition(" ")[::2] for line in out.lower().splitlines())
-        if settings.get("core.autocrlf", "false") != "false" or settings.get("extensions.objectformat", "sha1") != "sha1":
+        if (settings.get("core.autocrlf", "false") != "false"
+                or settings.get("extensions.objectformat", "sha1") != "sha1"):
             return True
         files = [os.path.join(self.top, d, ".gitattributes") for d, packed in entries.items()
-                 if b".gitattributes\0" in packed]            # (a name that ends so too: no such file, no harm)
+                 # (a name that ends so too: no such file, no harm)
+                 if b".gitattributes\0" in packed]
         files += [os.path.join(self.gitdir, "info", "attributes"), os.path.expanduser(
-            settings.get("core.attributesfile") or os.path.join(os.environ.get("XDG_CONFIG_HOME") or "~/.config",
-                                                                "git", "attributes"))]
+            settings.get("core.attributesfile")
+            or os.path.join(os.environ.get("XDG_CONFIG_HOME") or "~/.config", "git", "attributes"))]
         for path in files:
             try:
                 with open(path, "rb") as f:
@@ -9230,8 +9283,9 @@ class GitIndex:
         if entry is None:
             return None
         m = 0xFFFFFFFF
-        key = struct.pack(">6I", st.st_ctime_ns // 10 ** 9 & m, st.st_ctime_ns % 10 ** 9, st.st_mtime_ns // 10 ** 9 & m,
-                          st.st_mtime_ns % 10 ** 9, st.st_ino & m, st.st_size & m)
+        key = struct.pack(">6I", st.st_ctime_ns // 10 ** 9 & m, st.st_ctime_ns % 10 ** 9,
+                          st.st_mtime_ns // 10 ** 9 & m, st.st_mtime_ns % 10 ** 9, st.st_ino & m,
+                          st.st_size & m)
         return "g" + entry[24:].hex() if entry[:24] == key else None
 
 
@@ -9240,8 +9294,8 @@ class CatFile:
 
     def __init__(self, index):
         import subprocess
-        self.proc = spawn([index.git, "--git-dir", index.gitdir, "cat-file", "--batch"], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.proc = spawn([index.git, "--git-dir", index.gitdir, "cat-file", "--batch"],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
     def read(self, sha):
         """The blob `sha`'s bytes; OSError when the repository no longer has it."""
@@ -9249,8 +9303,8 @@ class CatFile:
         self.proc.stdin.flush()
         head = self.proc.stdout.readline().split()
         if len(head) != 3 or head[1] != b"blob":
-            raise OSError(errno.ENOENT, "its blob %s is gone from the git repository (a git gc after history was"
-                          " rewritten?)" % sha)
+            raise OSError(errno.ENOENT, "its blob %s is gone from the git repository (a git gc"
+                          " after history was rewritten?)" % sha)
         data = self.proc.stdout.read(int(head[2]) + 1)
         return data[:-1]
 
@@ -9264,7 +9318,8 @@ class CatFile:
         reaped(self.proc)
 
 
-CHILD = struct.Struct("<cIqqqQH")           # a directory's child: kind, mode, size, mtime_ns, ctime_ns, inode, payload
+# a directory's child: kind, mode, size, mtime_ns, ctime_ns, inode, payload
+CHILD = struct.Struct("<cIqqqQH")
 
 
 # -- what a checkpoint keeps ------------------------------------------------------
@@ -9278,7 +9333,8 @@ def pack_children(children):
         names.append(os.fsencode(name))
         payload = b"" if digest is None else os.fsencode(digest) if kind == "l" else \
             b"g" + bytes.fromhex(digest[1:]) if digest[0] == "g" else b"s" + bytes.fromhex(digest)
-        records.append(CHILD.pack(kind.encode(), mode, size, mtime, ctime, ino, len(payload)) + payload)
+        records.append(CHILD.pack(kind.encode(), mode, size, mtime, ctime, ino, len(payload))
+                       + payload)
     joined = b"\0".join(names)
     return struct.pack("<I", len(joined)) + joined + b"".join(records)
 
@@ -9324,8 +9380,9 @@ def rewind_plan(old, cur, within, partial):
 
     def wanted(p):
         return not within or p in above or any(p == w or is_within(p, w) for w in within)
-    drop = [p for p, e in cur.items() if wanted(p) and (p not in old and not partial and p not in above
-                                                        or p in old and old[p][0] != e[0])]
+    drop = [p for p, e in cur.items()
+            if wanted(p) and (p not in old and not partial and p not in above
+                              or p in old and old[p][0] != e[0])]
     put = [p for p, e in old.items() if wanted(p) and (p not in cur or cur[p][:3] != e[:3])]
     return drop, put
 
@@ -9354,7 +9411,8 @@ class Listing:
         if self.unread:
             self.names.append(name)
             return
-        entry, lasting = self.look(child_prefix(self.path) + name, self.before.get(name), self.known)
+        entry, lasting = self.look(child_prefix(self.path) + name, self.before.get(name),
+                                   self.known)
         if entry is not None:
             self.kids.append((name, entry))
             self.lasting = self.lasting and lasting
@@ -9365,7 +9423,8 @@ class Listing:
         if self.unread:
             if child_names(self.old) == "\0".join(self.names).encode("utf-8", "surrogateescape"):
                 return self.old, None
-            self.unread = False                              # (another listing: each looked at after all)
+            # (another listing: each looked at after all)
+            self.unread = False
             self.read()
             for name in self.names:
                 self.add(name)
@@ -9383,7 +9442,8 @@ class Checkpoint:
     one checkpoint to the next keeps the same bytes object: memory goes with what changed."""
 
     def __init__(self, number, dirs, size, missed, partial):
-        self.number, self.dirs, self.size, self.missed, self.partial = number, dirs, size, missed, partial
+        self.number, self.dirs, self.size = number, dirs, size
+        self.missed, self.partial = missed, partial
         self.taken = time.time()
         self.followed = []                      # what was called after it, while it was the latest
 
@@ -9405,7 +9465,8 @@ def entry_changes(old, new, partial=False):
         a, b = old.dirs.get(d), new.dirs.get(d)
         if a is b or a == b:
             continue
-        a, b, prefix = unpack_children(a or b"\0" * 4), unpack_children(b or b"\0" * 4), child_prefix(d)
+        a, b = unpack_children(a or b"\0" * 4), unpack_children(b or b"\0" * 4)
+        prefix = child_prefix(d)
         added += [prefix + n for n in b if n not in a and not partial]
         deleted += [prefix + n for n in a if n not in b]
         modified += [prefix + n for n, e in b.items() if n in a and a[n][:3] != e[:3]]
@@ -9434,32 +9495,42 @@ class Checkpoints:
     def __init__(self, roots, policy, config, busy=None, store=None):
         self.roots, self.policy, self.config = list(roots), policy, config
         self.busy = busy or (lambda: False)       # whether the session has calls in flight
-        self.own_store = store is None            # (made here, it is closed here: a store of its own)
+        # (made here, it is closed here: a store of its own)
+        self.own_store = store is None
         self.store = Store(config, self.roots) if store is None else store
-        self.walk_policy = PathPolicy(policy.allow, policy.deny_raw + list(CHECKPOINT_SKIPPED), policy.workdir,
-                                      policy.folds)
+        self.walk_policy = PathPolicy(policy.allow, policy.deny_raw + list(CHECKPOINT_SKIPPED),
+                                      policy.workdir, policy.folds)
         self.cond = threading.Condition()         # guards every field below
         self.turn = False                         # a walk (or a rewind) has the store now
         self.waiters = 0                          # callers waiting for the turn or a checkpoint
-        self.asked = self.answered = 0            # checkpoints asked for (after, the first), and walks done for them
+        # checkpoints asked for (after, the first), and walks done for them
+        self.asked = self.answered = 0
         self.scanner = False                      # the scanning thread runs
-        self.want_part = 0                        # a waiter for this ask waited CHECKPOINT_WAIT_S: hand it a part
-        self.part = None                          # ... (the ask it answers, dirs, size, missed) so far, handed over
+        # a waiter for this ask waited CHECKPOINT_WAIT_S: hand it a part
+        self.want_part = 0
+        # that part: (the ask it answers, dirs, size, missed) so far, handed over
+        self.part = None
         self.handed = False                       # the walk in progress handed a part over
-        self.walk_for, self.walk_began = 0, 0.0   # the ask the walk in progress answers, and when it began
-        self.base = Checkpoint(0, {}, 0, [], False)   # the last whole walk: what the next compares with
+        # the ask the walk in progress answers, and when it began
+        self.walk_for, self.walk_began = 0, 0.0
+        # the last whole walk: what the next compares with
+        self.base = Checkpoint(0, {}, 0, [], False)
         self.list = []                            # Checkpoint, oldest first
         self.count = 0
-        self.cache = WalkCache(watch=True)        # the ignore files, compiled once; directories watched
-        self.repos = []                           # the GitIndex of each git work tree holding a root
+        # the ignore files, compiled once; directories watched
+        self.cache = WalkCache(watch=True)
+        # the GitIndex of each git work tree holding a root
+        self.repos = []
         for root in self.roots:
             repo = GitIndex.of(root)
             if repo is not None and all(r.top != repo.top for r in self.repos):
                 self.repos.append(repo)
-        self.steady = None                        # (watch events taken, ignore stacks above) of a scan all watched
+        # (watch events taken, ignore stacks above) of a scan all watched
+        self.steady = None
         self.linked = set()                       # (dev, inode) of files seen with other hard links
-        self.ruled = None                         # the ignore stacks above the roots when the last walk watched
-        #                                           every directory it entered: the next may leave quiet ones out
+        # the ignore stacks above the roots when the last walk watched every directory it entered:
+        # the next may leave quiet ones out
+        self.ruled = None
         self.nested = set()                       # directories met holding a .git of their own
         self.closed = False
         self.stopped = threading.Event()          # set by close()
@@ -9470,7 +9541,8 @@ class Checkpoints:
         return not self.closed and self.store.open()
 
     def start(self):
-        """Take the first checkpoint in the background, CHECKPOINT_FIRST_S after the session began."""
+        """Take the first checkpoint in the background, CHECKPOINT_FIRST_S after the session
+        began."""
         def first():
             if not self.stopped.wait(CHECKPOINT_FIRST_S) and not self.list:
                 self.after()
@@ -9484,7 +9556,8 @@ class Checkpoints:
             self.scanner = True
             try:
                 threading.Thread(target=self.run, daemon=True, name="boris-checkpoint").start()
-            except Exception:                     # no thread to be had: nobody waits for a walk that cannot run
+            except Exception:
+                # no thread to be had: nobody waits for a walk that cannot run
                 self.scanner = False
                 self.answered = self.asked
                 log("error", "no thread for a checkpoint", error=_traceback())
@@ -9527,11 +9600,13 @@ class Checkpoints:
             self.cond.notify_all()                # a walk giving way goes on
             try:
                 while not self.closed:
-                    if self.part is not None and self.part[0] >= target:   # what the walk had: a checkpoint
+                    # what the walk had: a checkpoint
+                    if self.part is not None and self.part[0] >= target:
                         _, dirs, size, missed = self.part
                         self.part = None
-                        self.record(Checkpoint(self.count + 1, dirs, size, missed, "the rest was not walked within"
-                                               " %g s (the next checkpoint covers it)" % CHECKPOINT_WAIT_S))
+                        self.record(Checkpoint(self.count + 1, dirs, size, missed,
+                                               "the rest was not walked within %g s (the next"
+                                               " checkpoint covers it)" % CHECKPOINT_WAIT_S))
                         break
                     if self.answered >= target:
                         break
@@ -9539,25 +9614,30 @@ class Checkpoints:
                         return False
                     now = time.monotonic()
                     if now >= deadline and self.turn and self.walk_for >= target:
-                        self.want_part = max(self.want_part, target)   # it hands its part soon (stop_why)
-                    elif now >= deadline and self.turn or now >= deadline + 2 * CHECKPOINT_PART_MIN_S or \
-                            self.turn and self.walk_for < target and now - self.walk_began >= CHECKPOINT_WAIT_S:
-                        missing = "No checkpoint was taken before this call: a walk of the workspace that began" \
-                                  " before the last call ended takes longer than %g s (a first one, on a large" \
-                                  " tree); the checkpoints after it cover this call's changes" % CHECKPOINT_WAIT_S
+                        # it hands its part soon (stop_why)
+                        self.want_part = max(self.want_part, target)
+                    elif (now >= deadline and self.turn
+                          or now >= deadline + 2 * CHECKPOINT_PART_MIN_S
+                          or (self.turn and self.walk_for < target
+                              and now - self.walk_began >= CHECKPOINT_WAIT_S)):
+                        missing = ("No checkpoint was taken before this call: a walk of the"
+                                   " workspace that began before the last call ended takes longer"
+                                   " than %g s (a first one, on a large tree); the checkpoints"
+                                   " after it cover this call's changes" % CHECKPOINT_WAIT_S)
                         break                     # (an older walk, or a rewind, has the turn)
                     self.cond.wait(CHECKPOINT_YIELD_S)
                 latest = self.list[-1] if self.list else None
                 if latest is not None:
-                    latest.followed = (latest.followed + [call + (" (not covered)" if missing else "")])[-5:]
+                    latest.followed = (latest.followed
+                                       + [call + (" (not covered)" if missing else "")])[-5:]
             finally:
                 self.waiters -= 1
                 self.cond.notify_all()
         if missing:
             return "(%s.)" % missing
         if latest is not None and latest.partial:
-            return "(The checkpoint before this call covers part of the workspace: %s; checkpoints lists what it" \
-                   " covers.)" % latest.partial
+            return ("(The checkpoint before this call covers part of the workspace: %s; checkpoints"
+                    " lists what it covers.)" % latest.partial)
         return None
 
     def after(self):
@@ -9608,7 +9688,8 @@ class Checkpoints:
         """The turn at the store for a block (acquire, then release); ToolError when the
         call was cancelled or the session ended first."""
         if not self.acquire(cancelled):
-            raise ToolError(INVALID_INPUT, "cancelled, or the session ended, while a checkpoint was being taken")
+            raise ToolError(INVALID_INPUT,
+                            "cancelled, or the session ended, while a checkpoint was being taken")
         try:
             yield self
         finally:
@@ -9641,18 +9722,22 @@ class Checkpoints:
             self.steady = None
             point = self.walk(background, cancelled)
         if point is not None and point.size >= CHECKPOINT_TRIM_ENTRIES:
-            trim_memory()                                # (a big walk leaves pages the server no longer uses)
+            # (a big walk leaves pages the server no longer uses)
+            trim_memory()
         with self.cond:
-            if self.part is not None:                    # handed over, but the walk ended first: none partial
+            # handed over, but the walk ended first: none partial
+            if self.part is not None:
                 self.part, self.handed = None, False
             if point is None and self.list and self.list[-1].partial and self.steady is not None \
                     and not self.stopped.is_set() and not cancelled.is_set():
-                point = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)   # no event since
+                # no event since
+                point = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)
             elif point is not None:
                 self.base = point
             if point is not None and not (self.handed and background):
                 self.record(point)
-            if point is not None or self.steady is not None:     # (whole, or known unchanged): answered
+            # (whole, or known unchanged): answered
+            if point is not None or self.steady is not None:
                 self.answered = max(self.answered, self.walk_for)
             if self.want_part <= self.walk_for:
                 self.want_part = 0
@@ -9661,7 +9746,8 @@ class Checkpoints:
         """Keep `point` as the newest checkpoint (the caller holds cond): as the latest, with
         fresher stats, when it holds the same state; the oldest go past the bounds."""
         if self.list and not self.list[-1].partial and point.same_as(self.list[-1]):
-            self.list[-1].dirs = point.dirs                  # the same state: fresher stats, same checkpoint
+            # the same state: fresher stats, same checkpoint
+            self.list[-1].dirs = point.dirs
             return
         self.count += 1
         point.number = self.count
@@ -9677,8 +9763,8 @@ class Checkpoints:
         if background:
             self.give_way()
         with self.cond:
-            if 0 < self.want_part <= self.walk_for and self.part is None and not self.handed and size \
-                    and time.monotonic() - self.walk_began >= CHECKPOINT_PART_MIN_S:
+            if 0 < self.want_part <= self.walk_for and self.part is None and not self.handed \
+                    and size and time.monotonic() - self.walk_began >= CHECKPOINT_PART_MIN_S:
                 self.part, self.handed = (self.walk_for, so_far(), size, list(missed)), True
                 self.want_part = 0
                 self.cond.notify_all()
@@ -9697,23 +9783,30 @@ class Checkpoints:
             return None                                      # closed meanwhile
         self.cache.refresh()
         w = self.cache.watches
-        steady = (w.generation, [self.cache.outer(root) for root in self.roots]) if w is not None else None
+        steady = (w.generation,
+                  [self.cache.outer(root) for root in self.roots]) if w is not None else None
         if self.list and self.steady is not None and steady[0] == self.steady[0] \
                 and all(map(same_objects, steady[1], self.steady[1])):
-            return None                                      # no event since a scan that watched all of it
+            # no event since a scan that watched all of it
+            return None
         for repo in self.repos:
             repo.refresh(self.give_way if background else None)
-        prune = self.ruled is not None and not self.base.partial and all(map(same_objects, steady[1], self.ruled))
+        prune = self.ruled is not None and not self.base.partial and all(
+            map(same_objects, steady[1], self.ruled))
         point, visited, looked, unwatched = self.walk_roots(background, cancelled, prune)
         if point is None:
             return None                                      # closed or cancelled: nothing to keep
         if w is not None:
-            w.quiet.update(looked)                           # (quiet from now on: this walk is the base)
-            self.ruled = steady[1] if not point.partial and all(map(w.of.__contains__, visited)) else None
+            # (quiet from now on: this walk is the base)
+            w.quiet.update(looked)
+            self.ruled = (steady[1] if not point.partial and all(map(w.of.__contains__, visited))
+                          else None)
         if not point.partial:
             for repo in self.repos:
-                repo.dirs = {}       # recorded now: the next walk reads the index again only once it changed
-        whole = w is not None and not point.partial and not unwatched and all(map(w.clean.__contains__, visited))
+                # recorded now: the next walk reads the index again only once it changed
+                repo.dirs = {}
+        whole = w is not None and not point.partial and not unwatched and all(
+            map(w.clean.__contains__, visited))
         self.steady = steady if whole else None
         return point
 
@@ -9726,9 +9819,11 @@ class Checkpoints:
         quiet = w.quiet if w is not None else set()
         prev, dirs, missed, partial, size = self.base.dirs, {}, [], False, 0
         left_out, pruned = self.pruner(quiet) if prune else (None, set())
-        store = self.store.dir if self.store.dir and any(is_within(self.store.dir, r) for r in self.roots) else None
+        store = self.store.dir if self.store.dir and any(is_within(self.store.dir, r)
+                                                         for r in self.roots) else None
         look = lambda path, old, known: self.entry(path, old, missed, known)
-        here = None                                          # the Listing of the directory the walk is in
+        # the Listing of the directory the walk is in
+        here = None
 
         def settle():
             packed, lasting = here.packed()
@@ -9736,7 +9831,8 @@ class Checkpoints:
                 dirs[here.path] = packed
             if lasting is not None:                          # (None: kept unread, still quiet)
                 quiet.discard(here.path)
-                if lasting and w is not None and here.path in w.of:    # (its watch was set before the lstats)
+                # (its watch was set before the lstats)
+                if lasting and w is not None and here.path in w.of:
                     looked.add(here.path)
                 else:
                     unwatched.append(here.path)
@@ -9752,18 +9848,21 @@ class Checkpoints:
                 break
             repo = next((r for r in self.repos if is_within(root, r.top)), None)
             walker = Walker(root, self.walk_policy, False, self.cache)
-            walker.want_dirs, walker.raw_links, walker.visited, walker.watch_first, walker.remember = \
-                True, True, visited, True, False
+            walker.want_dirs, walker.raw_links, walker.visited = True, True, visited
+            walker.watch_first, walker.remember = True, False
             walker.prune, walker.repos = left_out or walker.prune, self.nested
             here = None
-            for path, _, _, _ in walker:                     # (a directory's children come together)
+            # (a directory's children come together)
+            for path, _, _, _ in walker:
                 if size >= CHECKPOINT_WALK_MAX:
-                    partial = "the walk stopped at %d entries (narrow --allow-dir)" % CHECKPOINT_WALK_MAX
+                    partial = ("the walk stopped at %d entries (narrow --allow-dir)"
+                               % CHECKPOINT_WALK_MAX)
                     break
                 if not size % 256 and self.stop_why(background, cancelled, so_far, size, missed):
                     return None, visited, looked, unwatched   # closed or cancelled: nothing to keep
                 if store is not None and is_within(path, store):
-                    continue                                 # the store itself (where it lies in a root)
+                    # the store itself (where it lies in a root)
+                    continue
                 cut = path.rfind("/")
                 if here is None or path[:cut or 1] != here.path:
                     if here is not None:
@@ -9783,7 +9882,8 @@ class Checkpoints:
         """walk_roots()'s test of a directory it may leave out (quiet, nothing below it that
         is not, and no nested repository at, above or below it), and the set of those it
         left out."""
-        hot, pruned = set(), set()                           # (one not quiet, or a .git, at or below them)
+        # (one not quiet, or a .git, at or below them)
+        hot, pruned = set(), set()
         for d in [d for d in self.cache.watches.of if d not in quiet] + list(self.nested):
             while d not in hot:
                 hot.add(d)
@@ -9812,15 +9912,18 @@ class Checkpoints:
             return ("d", mode, None) + key, True
         if stat.S_ISLNK(st.st_mode):
             try:
-                return ("l", mode, os.readlink(path)) + key, True     # (a link is read again: it is cheap)
+                # (a link is read again: it is cheap)
+                return ("l", mode, os.readlink(path)) + key, True
             except OSError:
                 return None, False
         if not stat.S_ISREG(st.st_mode):
             return None, False
         lasting = st.st_nlink == 1
         if not lasting:
-            self.linked.add((st.st_dev, st.st_ino))          # (scan(): a new one makes no directory quiet)
-        if old is not None and old[0] == "f" and old[3:] == key and old[1] == mode and old[2] is not None:
+            # (scan(): a new one makes no directory quiet)
+            self.linked.add((st.st_dev, st.st_ino))
+        if (old is not None and old[0] == "f" and old[3:] == key and old[1] == mode
+                and old[2] is not None):
             return old, lasting
         digest, why = GitIndex.blob_of(known, path[path.rfind("/") + 1:], st), None
         if digest is None:
@@ -9828,7 +9931,8 @@ class Checkpoints:
         if why:
             missed.append((path, why))
         if time.time() - st.st_ctime < LISTING_RACY_S:
-            key = (st.st_size, -1, st.st_ctime_ns, st.st_ino)     # changed within a clock tick: read again next time
+            # changed within a clock tick: read again next time
+            key = (st.st_size, -1, st.st_ctime_ns, st.st_ino)
             lasting = False
         return ("f", mode, digest) + key, lasting and digest is not None
 
@@ -9875,7 +9979,8 @@ class Checkpoints:
             self.cond.notify_all()
             while self.turn:
                 self.cond.wait()
-        self.cache.close()                                   # (its watches: an inotify instance each session)
+        # (its watches: an inotify instance each session)
+        self.cache.close()
         if self.own_store:
             self.store.close()
 
@@ -9890,7 +9995,8 @@ class Checkpoints:
         it would do."""
         old, cur = target.flat(), now.flat()
         drop, put = rewind_plan(old, cur, within, target.partial)
-        readers = {}                                     # GitIndex -> its CatFile, for the blobs written back
+        # GitIndex -> its CatFile, for the blobs written back
+        readers = {}
         try:
             done, failed = [], []
             for p in sorted(drop, key=lambda p: (-p.count("/"), p)):
@@ -9901,9 +10007,12 @@ class Checkpoints:
                 if e[0] == "f" and e[2] is None:
                     failed.append((p, "not covered by checkpoint %d" % target.number))
                     continue
-                why = "" if dry else self.step(p, cur.get(p) if p not in drop else None, e, files, readers)
-                (failed if why else done).append((p, why or ("brought back" if p not in cur else "restored")))
-            for p in sorted((p for p in put if old[p][0] == "d" and not dry), key=lambda p: -p.count("/")):
+                why = "" if dry else self.step(p, cur.get(p) if p not in drop else None,
+                                               e, files, readers)
+                (failed if why else done).append(
+                    (p, why or ("brought back" if p not in cur else "restored")))
+            for p in sorted((p for p in put if old[p][0] == "d" and not dry),
+                            key=lambda p: -p.count("/")):
                 try:
                     dfd = open_dir(p, flags=os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
                     try:
@@ -9925,11 +10034,12 @@ class Checkpoints:
             self.policy.check(path, path)
             dfd = open_dir(directory)
         except (OSError, ToolError) as e:
-            return "not reachable without a link or out of scope (%s)" % (getattr(e, "strerror", None) or
-                                                                           getattr(e, "message", e))
+            return "not reachable without a link or out of scope (%s)" % (
+                getattr(e, "strerror", None) or getattr(e, "message", e))
         try:
             with files.lock(path):
-                return self.put_back(dfd, base, now, want, lambda: self.bytes_of(path, want[2], readers))
+                return self.put_back(dfd, base, now, want,
+                                     lambda: self.bytes_of(path, want[2], readers))
         except OSError as e:
             if e.errno == errno.ENOTEMPTY:
                 return "kept: it holds files no checkpoint covers (ignored ones, say)"
@@ -9980,8 +10090,10 @@ class Checkpoints:
 ###############################################################################
 
 
-TOOLS = []                                 # every tool, in listing order: filled by @tool where each is defined
-DEFAULT, COMPAT = ("default",), ("compat",)  # the tool modes (--anthropic-compat) a tool is listed in
+# every tool, in listing order: filled by @tool where each is defined
+TOOLS = []
+# the tool modes (--anthropic-compat) a tool is listed in
+DEFAULT, COMPAT = ("default",), ("compat",)
 BOTH = DEFAULT + COMPAT
 
 
@@ -9996,16 +10108,18 @@ class Tool:
     Config; made() gives the listed tool. `changes`: it can change files (its destructive
     hint), so the session checkpoints the workspace before it. @tool's keywords set the
     fields after the first four; the rest keep the defaults below."""
-    modes, codes, lane, goes_with, hint = BOTH, {}, "quick", (), ""   # lane: "shell" (commands, waits),
-    #                                                                    "quick", or a function of the arguments
+    # lane: "shell" (commands, waits), "quick", or a function of the arguments
+    modes, codes, lane, goes_with, hint = BOTH, {}, "quick", (), ""
 
     def __init__(self, name, description, schema, annotations, **fields):
-        self.name, self.description, self.schema, self.annotations = name, description, schema, annotations
+        self.name, self.description = name, description
+        self.schema, self.annotations = schema, annotations
         self.handler = None
         self.__dict__.update(fields)
         if isinstance(self.goes_with, str):
             self.goes_with = (self.goes_with,)
-        self.changes = bool(annotations.get("destructiveHint"))     # it can change files: checkpointed before
+        # it can change files: checkpointed before
+        self.changes = bool(annotations.get("destructiveHint"))
 
     @staticmethod
     def argument_error(e):
@@ -10014,8 +10128,10 @@ class Tool:
 
     def made(self, config):
         """This tool as `config` lists it: description and schema worked out."""
-        return Tool(**dict(vars(self), description=self.description(config) if callable(self.description)
-                           else self.description, schema=self.schema(config) if callable(self.schema) else self.schema))
+        return Tool(**dict(vars(self),
+                           description=self.description(config) if callable(self.description)
+                           else self.description,
+                           schema=self.schema(config) if callable(self.schema) else self.schema))
 
     def listing(self, config):
         """The tool as tools/list shows it, with Claude Code's hints in _meta: load it from the
@@ -10063,7 +10179,8 @@ def disabled_tools(config):
     editor with any of the tools it stands for). A name no tool has, there or in
     --always-load, is a ConfigError."""
     valid = tool_names()
-    for flag, names in (("--disable-tools", config.disable_tools), ("--always-load", config.always_load)):
+    for flag, names in (("--disable-tools", config.disable_tools),
+                        ("--always-load", config.always_load)):
         unknown = [n for n in names if n not in valid and n != "none"]
         if unknown:
             raise ConfigError("unknown tool name(s) for %s: %s; valid names: %s"
@@ -10093,8 +10210,8 @@ def notes(title, read_only=False, destructive=False, open_world=False, idempoten
 
 
 PATH_PROP = prop("string", "Path, absolute or relative to the working directory.")
-RANGE_PROP = prop("array", "Optional [start, end] line range, 1-indexed and inclusive; end -1 means to the end"
-                  " of the file.",
+RANGE_PROP = prop("array", "Optional [start, end] line range, 1-indexed and inclusive; end -1"
+                  " means to the end of the file.",
                   items={"type": "integer"}, minItems=2, maxItems=2)
 
 
@@ -10103,8 +10220,8 @@ class CallContext:
     a progress callback (a no-op unless the client asked for progress), the
     server's HelperPool, where searches and wait_for matches run, and its FileGuards."""
 
-    def __init__(self, config, policy, cancelled=None, progress=None, helpers=None, client="", sandbox=None,
-                 files=None):
+    def __init__(self, config, policy, cancelled=None, progress=None, helpers=None, client="",
+                 sandbox=None, files=None):
         self.config = config
         self.files = files or FileGuards()      # edit locks: the server's, shared by its sessions
         self.policy = policy
@@ -10127,7 +10244,8 @@ def resolve_checked(session, ctx, path, name="path"):
 
 
 def stopped_why(why):
-    """How a job run in a helper ended early, in words: HelperPool.run's 'deadline' or 'cancelled'."""
+    """How a job run in a helper ended early, in words: HelperPool.run's 'deadline' or
+    'cancelled'."""
     return "stopped after %g s" % SEARCH_TIMEOUT_S if why == "deadline" else "cancelled"
 
 
@@ -10158,8 +10276,8 @@ def search_cap(ctx):
 def check_pattern(value, name, code=INVALID_INPUT):
     """A pattern from the model within MAX_PATTERN_CHARS, or a ToolError that says so."""
     if len(value) > MAX_PATTERN_CHARS:
-        raise ToolError(code, "%s is %d characters long; the limit is %d. Search for a shorter, distinctive part"
-                        % (name, len(value), MAX_PATTERN_CHARS))
+        raise ToolError(code, "%s is %d characters long; the limit is %d. Search for a shorter,"
+                        " distinctive part" % (name, len(value), MAX_PATTERN_CHARS))
 
 
 ###############################################################################
@@ -10199,20 +10317,25 @@ def image_result(ctx, shown, data, mime):
     import base64
     size = image_size(data, mime)
     takes = client_image_types(ctx.client)
-    if takes is not None and mime not in takes and mime != "image/svg+xml":     # (SVG: svg_as_text decided)
+    # (SVG: svg_as_text decided)
+    if takes is not None and mime not in takes and mime != "image/svg+xml":
         kind = mime.split("/")[1].upper().replace("X-ICON", "ICO")
-        return ("%s is a %s image%s (%s); this client's model takes only %s images, so it is not shown. Convert it"
-                " first, e.g. in bash: convert %s /tmp/image.png, then view that"
+        return ("%s is a %s image%s (%s); this client's model takes only %s images, so it"
+                " is not shown. Convert it first, e.g. in bash: convert %s /tmp/image.png,"
+                " then view that"
                 % (shown, kind, " of %dx%d pixels" % size if size else "", human_size(len(data)),
                    ", ".join(t.split("/")[1].upper() for t in takes), shown))
     if len(data) > IMAGE_MAX_BYTES:
-        raise ToolError(FILE_TOO_LARGE, "%s is a %s image of %s; a model API takes images up to %s. Shrink it"
-                        " first, e.g. in bash: convert %s -resize 50%% /tmp/small.png, then view that"
+        raise ToolError(FILE_TOO_LARGE, "%s is a %s image of %s; a model API takes images up to"
+                        " %s. Shrink it first, e.g. in bash: convert %s -resize 50%%"
+                        " /tmp/small.png, then view that"
                         % (shown, mime, human_size(len(data)), human_size(IMAGE_MAX_BYTES), shown))
     if size and max(size) > IMAGE_MAX_SIDE:
-        raise ToolError(INVALID_INPUT, "%s is %dx%d pixels; a model API takes at most %d a side. Shrink it"
-                        " first, e.g. in bash: convert %s -resize %dx%d /tmp/small.png, then view that"
-                        % (shown, size[0], size[1], IMAGE_MAX_SIDE, shown, IMAGE_MAX_SIDE, IMAGE_MAX_SIDE))
+        raise ToolError(INVALID_INPUT, "%s is %dx%d pixels; a model API takes at most %d a side."
+                        " Shrink it first, e.g. in bash: convert %s -resize %dx%d /tmp/small.png,"
+                        " then view that"
+                        % (shown, size[0], size[1], IMAGE_MAX_SIDE, shown, IMAGE_MAX_SIDE,
+                           IMAGE_MAX_SIDE))
     return [{"type": "image", "data": base64.b64encode(data).decode("ascii"), "mimeType": mime}]
 
 
@@ -10231,7 +10354,8 @@ def image_size(data, mime):
             return data[6] or 256, data[7] or 256
         chunk = data[12:16] if mime == "image/webp" else None
         if chunk == b"VP8X":
-            return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+            return (1 + int.from_bytes(data[24:27], "little"),
+                    1 + int.from_bytes(data[27:30], "little"))
         if chunk == b"VP8 ":
             w, h = struct.unpack("<HH", data[26:30])
             return w & 0x3FFF, h & 0x3FFF
@@ -10315,16 +10439,18 @@ class Notebook:
         start, end = vr or (1, -1)
         last = len(cells) if end == -1 else min(end, len(cells))
         if start > max(len(cells), 1):
-            raise ToolError(INVALID_INPUT, "view_range counts cells for a notebook: %s has %d; give a start"
-                            " between 1 and %d" % (shown, len(cells), max(len(cells), 1)))
-        blocks, parts, size = [], ["%s: notebook, %d cells (view_range counts cells)" % (shown, len(cells))], 0
+            raise ToolError(INVALID_INPUT, "view_range counts cells for a notebook: %s has %d; give"
+                            " a start between 1 and %d" % (shown, len(cells), max(len(cells), 1)))
+        blocks, size = [], 0
+        parts = ["%s: notebook, %d cells (view_range counts cells)" % (shown, len(cells))]
         cap = ctx.config.max_result_chars - 600
         for k in range(start, last + 1):
             piece, images = self.rendered_cell(k)
             if size + len(piece) > cap and k > start:
                 notice = "[cells %d-%d of %d shown; read on with view_range [%d, %d]]" % (
                     start, k - 1, len(cells), k, end)
-                return [text_block(notice)] + blocks + [text_block("\n".join(parts)), text_block(notice)]
+                return [text_block(notice)] + blocks + [text_block("\n".join(parts)),
+                                                        text_block(notice)]
             size += len(piece)
             parts.append(piece)
             for mime, data in images:
@@ -10382,7 +10508,8 @@ class Notebook:
             return "--- %s ---\n%s" % (out.get("name", "stream"), text), None
         if kind == "error":
             tb = [terminal_text(str(l)) for l in out.get("traceback", [])][-6:]
-            return "--- error ---\n%s: %s\n%s" % (out.get("ename"), out.get("evalue"), clip("\n".join(tb))), None
+            return "--- error ---\n%s: %s\n%s" % (out.get("ename"), out.get("evalue"),
+                                                  clip("\n".join(tb))), None
         data = out.get("data") if isinstance(out.get("data"), dict) else {}
         for mime in ("image/png", "image/jpeg"):
             if mime in data:
@@ -10409,12 +10536,13 @@ class Notebook:
         if args.get("cell_number") is not None:
             n = args["cell_number"]
             if not 1 <= n <= len(cells):
-                raise ToolError(INVALID_INPUT, "cell_number %d is outside %s's cells (1 to %d, as view shows"
-                                " them)" % (n, shown, len(cells)))
+                raise ToolError(INVALID_INPUT, "cell_number %d is outside %s's cells (1 to %d, as"
+                                " view shows them)" % (n, shown, len(cells)))
             return n - 1
         if mode == "insert":
             return -1
-        raise ToolError(INVALID_INPUT, "say which cell: cell_id or cell_number (as view shows them)")
+        raise ToolError(INVALID_INPUT,
+                        "say which cell: cell_id or cell_number (as view shows them)")
 
     def edited(self, k, mode, args):
         """The text with cell k replaced, deleted, or a new cell inserted after it, written
@@ -10424,7 +10552,8 @@ class Notebook:
         if mode == "delete":
             start, end = spans[k]
             if k + 1 < len(spans):
-                end = spans[k + 1][0]                   # its comma and the space before the next cell
+                # its comma and the space before the next cell
+                end = spans[k + 1][0]
             elif k > 0:
                 start = spans[k - 1][1]                 # the comma before the last cell
             return text[:start] + text[end:]
@@ -10433,7 +10562,8 @@ class Notebook:
             start, end = spans[0]
             base = text[text.rfind("\n", 0, start) + 1:start]
             inner = re.search(r"\n([ \t]*)\"", text[start:end])
-            base, unit = ("", None) if inner is None or base.strip() else (base, max(1, len(inner.group(1)) - len(base)))
+            base, unit = ("", None) if inner is None or base.strip() else (
+                base, max(1, len(inner.group(1)) - len(base)))
         newline = "" if unit is None else "\n" + base
         body = json.dumps(self.new_cell(k, mode, args), indent=unit, ensure_ascii=False,
                           separators=(",", ":" if unit is None else ": "))
@@ -10497,7 +10627,8 @@ PAGES_PROP = prop("string", "For a PDF: the page or pages to read, \"3\" or \"3-
                           " all).")
 
 
-@tool("view", VIEW_DESC, obj({"path": PATH_PROP, "view_range": RANGE_PROP, "pages": PAGES_PROP}, ["path"]),
+@tool("view", VIEW_DESC,
+      obj({"path": PATH_PROP, "view_range": RANGE_PROP, "pages": PAGES_PROP}, ["path"]),
       notes("View file or directory", read_only=True, idempotent=True), modes=DEFAULT,
       hint="read file, image, pdf, directory")
 def tool_view(session, args, ctx):
@@ -10509,47 +10640,53 @@ def tool_view(session, args, ctx):
     shown, vr = args["path"], args.get("view_range")
     real = resolve_checked(session, ctx, shown)
     if vr is not None and vr[0] < 1:
-        raise ToolError(INVALID_INPUT, "view_range start %d is below 1; lines are numbered from 1" % vr[0])
+        raise ToolError(INVALID_INPUT,
+                        "view_range start %d is below 1; lines are numbered from 1" % vr[0])
     if vr is not None and vr[1] != -1 and vr[1] < vr[0]:
-        raise ToolError(INVALID_INPUT, "view_range [%d, %d] ends before it starts; give start <= end,"
-                        " or end = -1 for the end of the file" % tuple(vr))
+        raise ToolError(INVALID_INPUT, "view_range [%d, %d] ends before it starts;"
+                        " give start <= end, or end = -1 for the end of the file" % tuple(vr))
     try:
         fd, st = open_regular(real, shown)
     except ToolError as e:
         if e.detail != "directory":
             raise
         if vr is not None:
-            raise ToolError(INVALID_INPUT, "view_range applies to files, and %s is a directory" % shown)
+            raise ToolError(INVALID_INPUT,
+                            "view_range applies to files, and %s is a directory" % shown)
         return list_tree(real, ctx.policy, shown)
     limit, note = ctx.config.max_file_size, ""
     with os.fdopen(fd, "rb") as fh:
         if st.st_size > limit:
-            raise ToolError(FILE_TOO_LARGE, "%s is %s; the limit is %s (--max-file-size). Use grep to search"
-                            " it, or raise --max-file-size" % (shown, human_size(st.st_size), human_size(limit)))
+            raise ToolError(FILE_TOO_LARGE, "%s is %s; the limit is %s (--max-file-size). Use grep"
+                            " to search it, or raise --max-file-size"
+                            % (shown, human_size(st.st_size), human_size(limit)))
         try:
             head = fh.read(SNIFF_BYTES)
             kind, mime = sniff(head, real)
             if mime == "image/svg+xml" and svg_as_text(ctx):
-                kind, note = "text", ("(%s is an SVG image, shown as its source: this client's model takes no"
-                                      " SVG images)\n" % shown)
+                kind, note = "text", ("(%s is an SVG image, shown as its source: this client's"
+                                      " model takes no SVG images)\n" % shown)
             if head.startswith(b"PK\x03\x04") and os.path.splitext(real)[1].lower() in DOC_FORMATS:
                 return document_view(ctx, real, st, shown, vr)
             if pdf_sniff(head, real):
                 return pdf_view(ctx, real, st, shown, vr, args.get("pages"))
             if args.get("pages") is not None:
-                raise ToolError(INVALID_INPUT, "pages applies to PDF files, and %s is not one; use view_range"
+                raise ToolError(INVALID_INPUT,
+                                "pages applies to PDF files, and %s is not one; use view_range"
                                 % shown)
             if kind == "binary":
                 return "Binary file (%s): %s is not shown as text" % (human_size(st.st_size), shown)
             if kind == "image" or real.endswith(".ipynb"):
-                data = head + read_fd(fh.fileno(), limit - len(head), shown)      # (none left after a short head)
+                # (none left after a short head)
+                data = head + read_fd(fh.fileno(), limit - len(head), shown)
                 try:
                     whole = image_result(ctx, shown, data, mime) if kind == "image" else \
                         Notebook(data.decode("utf-8", "replace")).render(ctx, shown, vr)
                     session.mark_viewed(real, Seen(st, digest_of(data)))
                     return whole
                 except (ValueError, RecursionError) as e:
-                    note = "(%s is not a valid notebook (%s); shown as text)\n" % (shown, shorten(str(e), 120))
+                    note = "(%s is not a valid notebook (%s); shown as text)\n" % (
+                        shown, shorten(str(e), 120))
             fh.seek(0)
             reader = LineReader(fh, max(limit, st.st_size) + 1, whole=True)
             text = note + numbered(reader, vr, shown, ctx.config.max_result_chars - len(note))
@@ -10566,7 +10703,8 @@ def document_view(ctx, real, st, shown, vr):
     """An office document's Markdown, read in a search helper (from the very file `st` is
     the stat of), numbered as its lines (view_range pages them), after a line saying what
     it is."""
-    text = read_document(ctx, {"op": "document", "path": real, "file": [st.st_dev, st.st_ino]}, shown)
+    text = read_document(ctx, {"op": "document", "path": real, "file": [st.st_dev, st.st_ino]},
+                         shown)
     note = "(%s: %s, shown as Markdown; line numbers are the rendering's, for view_range)\n" % (
         shown, DOC_FORMATS[os.path.splitext(real)[1].lower()])
     return note + numbered_text(text, vr, shown, ctx.config.max_result_chars - len(note))
@@ -10580,7 +10718,8 @@ def read_document(ctx, job, shown):
     except ToolError as e:
         raise ToolError(e.code, "%s: %s" % (shown, e.message))
     if not items:
-        raise ToolError(IO_ERROR, "reading %s was %s before it was done" % (shown, stopped_why(why)))
+        raise ToolError(IO_ERROR,
+                        "reading %s was %s before it was done" % (shown, stopped_why(why)))
     return items[0]
 
 
@@ -10599,10 +10738,10 @@ def pdf_view(ctx, real, st, shown, vr, pages):
         if isinstance(pages, str) or pages is None else None
     first, last = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
     if first < 1 or last < first:
-        raise ToolError(INVALID_INPUT, "pages %r is not a page or a range of them; give \"3\" or \"3-5\" (pages are"
-                        " numbered from 1)" % (pages,))
-    job = {"op": "pdf", "path": real, "file": [st.st_dev, st.st_ino], "first": first, "last": last if pages else None,
-           "asked": pages, "limit": ctx.config.max_file_size}
+        raise ToolError(INVALID_INPUT, "pages %r is not a page or a range of them; give \"3\" or"
+                        " \"3-5\" (pages are numbered from 1)" % (pages,))
+    job = {"op": "pdf", "path": real, "file": [st.st_dev, st.st_ino], "first": first,
+           "last": last if pages else None, "asked": pages, "limit": ctx.config.max_file_size}
     answer = read_document(ctx, job, shown)
     count, title, texts = answer["count"], answer["title"], answer["texts"]
     head = "(%s: PDF, %s%s; line numbers are the rendering's, for view_range)\n" % (
@@ -10610,8 +10749,9 @@ def pdf_view(ctx, real, st, shown, vr, pages):
     cap = ctx.config.max_result_chars - len(head) - 400
     parts, size, lines, shown_last = [], 0, 0, first - 1
     for k, text in enumerate(texts):
-        page = "--- page %d of %d ---\n%s\n" % (first + k, count, text.strip("\n") or
-                                              "[no text on this page: a scanned page, or only drawings]")
+        page = "--- page %d of %d ---\n%s\n" % (
+            first + k, count,
+            text.strip("\n") or "[no text on this page: a scanned page, or only drawings]")
         lines += page.count("\n")
         size += len(page) + 9 * page.count("\n")          # (what numbering adds to each line)
         if vr is None and parts and (size > cap or lines > VIEW_MAX_LINES):
@@ -10621,7 +10761,8 @@ def pdf_view(ctx, real, st, shown, vr, pages):
     body = numbered_text("".join(parts), vr, shown, ctx.config.max_result_chars - len(head))
     if shown_last < first + len(texts) - 1:
         body += "\n[pages %d-%d of %d shown; read on with pages \"%d-%d\"]" % (
-            first, shown_last, count, shown_last + 1, min(count, shown_last + 1 + shown_last - first))
+            first, shown_last, count, shown_last + 1,
+            min(count, shown_last + 1 + shown_last - first))
     return head + body
 
 
@@ -10639,23 +10780,25 @@ def numbered(reader, vr, shown, cap):
             continue
         if vr is None and len(lines) == VIEW_MAX_LINES:
             total = n + reader.count_rest()
-            return read_on(number_lines(lines, 1), "[Truncated: file has %d lines. Use view_range to read specific"
-                           " sections (e.g. [%d, %d]); lines 1-%d are shown. outline lists its definitions with"
-                           " their line ranges.]" % (
-                               total, VIEW_MAX_LINES + 1, min(total, 2 * VIEW_MAX_LINES), VIEW_MAX_LINES))
+            return read_on(number_lines(lines, 1),
+                           "[Truncated: file has %d lines. Use view_range to read specific sections"
+                           " (e.g. [%d, %d]); lines 1-%d are shown. outline lists its definitions"
+                           " with their line ranges.]" % (
+                               total, VIEW_MAX_LINES + 1, min(total, 2 * VIEW_MAX_LINES),
+                               VIEW_MAX_LINES))
         line = display_line(raw, more)
         size += len(line) + 8
         if size > cap - 400 and lines:
-            return read_on(number_lines(lines, start), "[cut at %d characters after line %d; read on with view_range"
-                           " [%d, %d]]" % (cap, n - 1, n, end))
+            return read_on(number_lines(lines, start), "[cut at %d characters after line %d; read"
+                           " on with view_range [%d, %d]]" % (cap, n - 1, n, end))
         lines.append(line)
         if n == end:
             break
     if vr is None:
         return number_lines(lines, 1) if lines else "(%s is empty)" % shown
     if not lines:
-        raise ToolError(INVALID_INPUT, "view_range start %d exceeds the file's %d lines; give a start"
-                        " between 1 and %d" % (start, n, max(n, 1)))
+        raise ToolError(INVALID_INPUT, "view_range start %d exceeds the file's %d lines; give a"
+                        " start between 1 and %d" % (start, n, max(n, 1)))
     return number_lines(lines, start)
 
 
@@ -10694,8 +10837,10 @@ def list_tree(root, policy, shown):
         walk(root, "", 1)
         note = ""
     except _ListingFull:
-        note = "\n[listing cut at %d entries; view a subdirectory to see more]" % LISTING_MAX_ENTRIES
-    header = "%s/ (%d levels deep; .git and node_modules left out)" % (root.rstrip("/"), LISTING_DEPTH)
+        note = ("\n[listing cut at %d entries; view a subdirectory to see more]"
+                % LISTING_MAX_ENTRIES)
+    header = "%s/ (%d levels deep; .git and node_modules left out)" % (
+        root.rstrip("/"), LISTING_DEPTH)
     return header + "\n" + ("\n".join(out) if out else "(empty directory)") + note
 
 
@@ -10716,7 +10861,8 @@ OUTLINE_DESC = ("Show a file's structure before reading it: its definitions (cla
 @tool("outline", OUTLINE_DESC % OUTLINE_LANGUAGES, obj({
     "path": PATH_PROP,
     "offset": prop("integer", "How many to skip: a cut outline's read-on notice gives it."),
-}, ["path"]), notes("Outline a file or directory", read_only=True, idempotent=True), hint="file structure, symbols")
+}, ["path"]), notes("Outline a file or directory", read_only=True, idempotent=True),
+      hint="file structure, symbols")
 def tool_outline(session, args, ctx):
     """outline: the definitions of a file, or the top-level ones of each source file
     under a directory, bounded by the result cap with a read-on notice."""
@@ -10725,10 +10871,11 @@ def tool_outline(session, args, ctx):
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
     root = search_root(session, ctx, shown)
     if not root[1] and Outline.language(root[0]) is None:
-        raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension: %s); view or grep"
-                        " it instead" % (shown, OUTLINE_LANGUAGES))
+        raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension: %s);"
+                        " view or grep it instead" % (shown, OUTLINE_LANGUAGES))
     items, why = ctx.helpers.run({"op": "outline", "root": root, "policy": policy_spec(ctx.policy),
-                                  "max_size": ctx.config.max_file_size, "page": [offset, search_cap(ctx) - 400]},
+                                  "max_size": ctx.config.max_file_size,
+                                  "page": [offset, search_cap(ctx) - 400]},
                                  ctx.cancelled)
     items = [FileOutline(*item) for item in items]      # JSON arrays on the wire
     if root[1]:
@@ -10780,10 +10927,10 @@ def directory_outline(shown, items, why, offset, cap):
     if not items:
         parts.append("No source files under %s (outline reads %s)" % (shown, OUTLINE_LANGUAGES))
     if why:
-        parts.append("[outline %s: the files above are those read so far; outline a subdirectory]" % (
-            stopped_why(why)))
-    parts.append("Each file's top-level definitions; outline a file for all of them, and read one with view and"
-                 " view_range [first, last].")
+        parts.append("[outline %s: the files above are those read so far; outline a subdirectory]"
+                     % (stopped_why(why)))
+    parts.append("Each file's top-level definitions; outline a file for all of them, and read one"
+                 " with view and view_range [first, last].")
     return "\n".join(parts)
 
 
