@@ -3259,13 +3259,17 @@ SEARCH_BATCH = 1000                        # results a helper sends at a time
 SEARCH_IDLE_HELPERS = 2                    # search helpers kept warm for the next search
 SEARCH_SPLIT = 2000                        # a grep of more files searches them on every core,
 SEARCH_ROUND = 50000                       # ... walking this many at a time, then searching them
-DEADLINE_GRACE_S = 2.0                     # a helper past its job's deadline by this much ends itself
+# a helper past its job's deadline by this much ends itself
+DEADLINE_GRACE_S = 2.0
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
 GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
-IGNORE_CACHE_FILES = 4096              # ignore files a helper keeps compiled (unchanged ones are not re-read)
-LISTING_CACHE_ENTRIES = 400000         # entries of directory visits a helper keeps (~100 MB at most:
-#                                        an LRU smaller than a walk it repeats misses every time)
-GLOB_RESULTS_KEPT = 8                  # glob answers a helper keeps while nothing they came from changes
+# ignore files a helper keeps compiled (unchanged ones are not re-read)
+IGNORE_CACHE_FILES = 4096
+# entries of directory visits a helper keeps (~100 MB at most: an LRU smaller than a walk it repeats
+# misses every time)
+LISTING_CACHE_ENTRIES = 400000
+# glob answers a helper keeps while nothing they came from changes
+GLOB_RESULTS_KEPT = 8
 LISTING_RACY_S = 1.0                   # a directory changed this recently is walked again next time
 _REGEX_META = frozenset("\\.^$*+?{}[]|()")
 
@@ -3357,7 +3361,8 @@ class IgnoreFile:
                 for pat in paths:
                     head, _, tail = pat.rpartition("/")
                     within.setdefault(head + "/" if head else "", set()).add(tail)
-                deep = {}                    # path globs by how many components they match (None: any)
+                # path globs by how many components they match (None: any)
+                deep = {}
                 for pat in by_path:
                     deep.setdefault(None if "**" in pat or "[" in pat else pat.count("/") + 1, []).append(pat)
                 deep = {n: one_regex(pats) for n, pats in deep.items()}
@@ -3522,12 +3527,15 @@ IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
 IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
 IN_DELETE_SELF, IN_MOVE_SELF, IN_Q_OVERFLOW, IN_IGNORED, IN_ISDIR = 0x400, 0x800, 0x4000, 0x8000, 0x40000000
 IN_ONLYDIR, IN_DONT_FOLLOW = 0x01000000, 0x02000000
-IN_ENTRIES = IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE          # a directory's listing changed
+# a directory's listing changed
+IN_ENTRIES = IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
 IN_GONE = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED | IN_Q_OVERFLOW
 WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_ENTRIES | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR \
     | IN_DONT_FOLLOW
-WATCHES_MAX = 100000                  # directories a helper watches, at most (and an 8th of the user's limit)
-LOCAL_FILESYSTEMS = frozenset((       # statfs f_type of filesystems whose changes all raise events here
+# directories a helper watches, at most (and an 8th of the user's limit)
+WATCHES_MAX = 100000
+# statfs f_type of filesystems whose changes all raise events here
+LOCAL_FILESYSTEMS = frozenset((
     0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0x794C7630, 0x2FC12FC1, 0xF2F52010, 0x52654973,
     0x3153464A, 0xCA451A4E, 0x858458F6, 0x4D44, 0x2011BAB0, 0x5346544E))
 # ext2-4, xfs, btrfs, tmpfs, overlayfs, zfs, f2fs, reiserfs, jfs, bcachefs, ramfs, vfat, exfat, ntfs
@@ -3552,7 +3560,8 @@ class Watches:
         self.wds, self.of = {}, {}                 # watch descriptor <-> directory
         self.clean, self.quiet, self.devs = {}, set(), {}
         self.limit = WATCHES_MAX
-        self.generation = 0                        # events taken so far: unchanged, nothing watched changed
+        # events taken so far: unchanged, nothing watched changed
+        self.generation = 0
 
     def open(self):
         """The inotify descriptor, opened now if need be; None where it is not to be had."""
@@ -3590,7 +3599,8 @@ class Watches:
             return False
         wd = self.libc.inotify_add_watch(self.fd, os.fsencode(real), WATCH_MASK)
         if wd < 0 or self.wds.get(wd, real) != real:
-            return False                           # (the same directory by a second path: not trusted)
+            # (the same directory by a second path: not trusted)
+            return False
         self.wds[wd], self.of[real] = real, wd
         return True
 
@@ -3626,10 +3636,12 @@ class Watches:
         if name:
             at = child_prefix(d) + name
             if name == ".gitignore":
-                self.quiet.clear()             # what the directories below list may change, with no event there
+                # what the directories below list may change, with no event there
+                self.quiet.clear()
             elif mask & (IN_CREATE | IN_MOVED_TO) and (mask & IN_ISDIR or not self.alone(at)):
-                self.quiet.clear()             # a hard link to a file kept here, maybe (or made in a new directory,
-                                              # not watched yet): changes through it raise no event for that file
+                # a hard link to a file kept here, maybe (or made in a new directory, not watched
+                # yet): changes through it raise no event for that file
+                self.quiet.clear()
             if mask & IN_ISDIR and mask & (IN_DELETE | IN_MOVED_FROM):
                 self.forget(at)
         if mask & IN_ENTRIES or not name:
@@ -4094,7 +4106,8 @@ class Matcher:
         self.folded = False
         if not regex and (not ignore_case or pattern.isascii()):
             self.literal = (pattern.lower() if ignore_case else pattern).encode("utf-8")
-            self.folded = ignore_case                     # -i on ASCII: bytes.lower() and find, no regex
+            # -i on ASCII: bytes.lower() and find, no regex
+            self.folded = ignore_case
         else:
             self.compile(pattern, regex, ignore_case, multiline)
 
@@ -4103,7 +4116,8 @@ class Matcher:
         where the pattern means the same there."""
         src = self.python_regex(pattern) if regex else re.escape(pattern)
         if regex and not multiline:
-            src = self.drop_dot_stars(src)                     # '.*TODO.*' matches the lines 'TODO' does
+            # '.*TODO.*' matches the lines 'TODO' does
+            src = self.drop_dot_stars(src)
         flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0) | (re.DOTALL if multiline else 0)
         try:
             self.rx_text = re.compile(src, flags)
@@ -4113,9 +4127,11 @@ class Matcher:
                             % (shorten(pattern), e))
         except (OverflowError, RecursionError, ValueError) as e:
             raise ToolError(GREP_INVALID_PATTERN, "pattern %r cannot be compiled: %s" % (shorten(pattern), e))
-        if src.isascii() and not re.search(r"\\[sS]", src):          # \s differs between str and bytes
+        # \s differs between str and bytes
+        if src.isascii() and not re.search(r"\\[sS]", src):
             try:
-                self.rx = re.compile(src.encode("ascii"), flags)        # ASCII text: search the bytes as they are
+                # ASCII text: search the bytes as they are
+                self.rx = re.compile(src.encode("ascii"), flags)
             except (re.error, ValueError):
                 self.rx = None                                          # \u263A, \N{...}: text only
 
@@ -4162,7 +4178,8 @@ class Matcher:
                 return out
             s, e = m.span()
             if not self.multiline and hay.find(nl, s, e) >= 0:
-                s, e, pos = self.within_line(rx, hay, nl, s, end)      # spans lines: retry within its line
+                # spans lines: retry within its line
+                s, e, pos = self.within_line(rx, hay, nl, s, end)
                 if s is None:
                     continue
             out.append((s, e))
@@ -4238,7 +4255,8 @@ class LineRecords:
         """The records of one piece (haystack up to `end`, starting at line
         `first_line`) for its match spans."""
         nl = b"\n" if not isinstance(hay, str) else "\n"
-        starts, want = {}, {}                       # line number -> (start, stop); -> is a match line
+        # line number -> (start, stop); -> is a match line
+        starts, want = {}, {}
         for k, ls, le in self.matched_lines(hay, nl, end, first_line, spans):
             starts[k], want[k] = (ls, le), True
             kb = k
@@ -4276,7 +4294,8 @@ class LineRecords:
         surrogates, which scrub() turns into U+FFFD and counts), clipped."""
         text = hay[start:end]
         if not isinstance(text, str):
-            text = bytes(text).decode("utf-8", "surrogateescape")      # scrub() shows and counts the bad bytes
+            # scrub() shows and counts the bad bytes
+            text = bytes(text).decode("utf-8", "surrogateescape")
         return clip_line(text)
 
     @staticmethod
@@ -4321,7 +4340,8 @@ OUTLINE_EXTENSIONS = {ext: lang for lang, exts in {
     "markdown": "md markdown", "json": "json", "yaml": "yaml yml", "toml": "toml",
 }.items() for ext in exts.split()}
 OUTLINE_LANGUAGES = ", ".join(sorted(set(OUTLINE_EXTENSIONS.values())))       # as a sentence lists
-OUTLINE_DATA = frozenset(("markdown", "json", "yaml", "toml"))      # not listed by a directory outline
+# not listed by a directory outline
+OUTLINE_DATA = frozenset(("markdown", "json", "yaml", "toml"))
 _MODS = r"(?:(?:export|default|declare|abstract|public|private|protected|internal|static|final|sealed|" \
         r"partial|async|override|virtual|readonly|open|data|inner|enum|annotation|suspend|inline|" \
         r"unsafe|extern|const|new|synchronized|native|strictfp|pub(?:\([\w:]+\))?)\s+)*"
@@ -4568,7 +4588,8 @@ class Outline:
             else:
                 s = singles[quote].match(raw, pos)
                 if s is None:
-                    return (quote if raw.endswith("\\") else None), depth    # continued, or unclosed
+                    # continued, or unclosed
+                    return (quote if raw.endswith("\\") else None), depth
                 pos = s.end()
 
     # -- the patterns ------------------------------------------------------------
@@ -4584,7 +4605,8 @@ class Outline:
             code, in_block = self.code_of(raw, in_block)
             while self.stack and not self.stack[-1].opened and self.stack[-1].parens <= 0 and not \
                     code.lstrip().startswith("{"):
-                self.end(self.stack.pop(), None)          # a declaration without a body ends before this line
+                # a declaration without a body ends before this line
+                self.end(self.stack.pop(), None)
             kind = None if was_in_block and not code.strip() else self.kind(rules, raw[:OUTLINE_LINE_CHARS])
             if kind:
                 self.add(i, kind)
@@ -4770,7 +4792,8 @@ class Outline:
             if k > offset:
                 size += len(outline_block(one)) + 1
                 if size > room:
-                    break                       # the page is full: this file is where the answer cuts
+                    # the page is full: this file is where the answer cuts
+                    break
             if len(batch) >= 50:
                 emit(batch)
                 batch = []
@@ -5281,7 +5304,8 @@ def markdown_table(rows):
 # bytes, nesting, forms within forms, CMap entries.
 
 PDF_INFLATED_MAX = 256 << 20               # bytes all streams of one PDF may inflate to
-PDF_DEPTH_MAX = 64                         # nesting of arrays and dictionaries, the page tree, forms
+# nesting of arrays and dictionaries, the page tree, forms
+PDF_DEPTH_MAX = 64
 PDF_PAGES_MAX = 100000
 PDF_CMAP_MAX = 1 << 20                     # entries a font's CMaps and widths may expand to
 PDF_TOKEN = re.compile(rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*(?:"
@@ -5295,7 +5319,8 @@ PDF_REF = re.compile(  # what makes a number the start of a reference: " g R" af
     rb"(?:[\x00\t\n\x0c\r ]|%[^\r\n]*)*R(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])")
 PDF_STRING_ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"b": b"\b", b"f": b"\f"}
 PDF_LITERAL = re.compile(rb"\\([0-7]{1,3}|\r\n|.?)|[()]", re.S)    # an escape, or a parenthesis
-PDF_GLYPHS = (  # Adobe glyph names for what is not a letter (letters with accents and Greek are derived)
+# Adobe glyph names for what is not a letter (letters with accents and Greek are derived)
+PDF_GLYPHS = (
     "space 20 exclam 21 quotedbl 22 numbersign 23 dollar 24 percent 25 ampersand 26 quotesingle 27 parenleft 28"
     " parenright 29 asterisk 2a plus 2b comma 2c hyphen 2d period 2e slash 2f zero 30 one 31 two 32 three 33"
     " four 34 five 35 six 36 seven 37 eight 38 nine 39 colon 3a semicolon 3b less 3c equal 3d greater 3e"
@@ -5344,7 +5369,8 @@ PDF_CODECS = [part.split(":") for part in (
     "UTF16:utf-16-be UCS2:utf-16-be UTF8:utf-8 UTF32:utf-32-be RKSJ:cp932 GBK:gbk GB-EUC:gb2312"
     " GBpc-EUC:gb2312 GBT:gb18030 B5:cp950 KSC:cp949 UHC:cp949 CNS: EUC-H:euc_jp"
     " EUC-V:euc_jp").split()]
-PDF_METRICS = {  # widths of codes 32-126 in two of the standard 14 fonts, for PDFs that leave /Widths out
+# widths of codes 32-126 in two of the standard 14 fonts, for PDFs that leave /Widths out
+PDF_METRICS = {
     "Helvetica": (
         "278 278 355 556 556 889 667 191 333 333 389 584 278 333 278 278 556 556 556 556 556 556 556 556 556 "
         "556 278 278 584 584 584 556 1015 667 667 722 722 667 611 778 722 278 500 667 556 833 722 778 667 "
@@ -5450,7 +5476,8 @@ def pdf_sfnt(data):
         return texts
     mapped = {}
     for _, at in sorted(subtables):
-        for code, gid in sorted(pdf_sfnt_subtable(data, at).items()):   # the best map's lowest code for a glyph
+        # the best map's lowest code for a glyph
+        for code, gid in sorted(pdf_sfnt_subtable(data, at).items()):
             if 0 < code < 0xd800 or 0xe000 <= code < 0x110000:
                 mapped.setdefault(gid, chr(code))
     texts.update(mapped)                                      # a character map over glyph names
@@ -5516,7 +5543,8 @@ def pdf_sfnt_subtable(data, at):
                 if len(table) >= PDF_CMAP_MAX:
                     break
     except struct.error:
-        pass                                                  # what was read before the damage stays
+        # what was read before the damage stays
+        pass
     return table
 
 
@@ -5602,7 +5630,8 @@ class PdfParser:
                 return pdf_hex(data[end:close]), close + 1
             if what in (b"[", b"<<"):
                 return self.container(what == b"<<", end, depth)
-            return None, end                                   # '{' of a PostScript function: not text
+            # '{' of a PostScript function: not text
+            return None, end
         if kind == "word":
             return {b"true": True, b"false": False}.get(m.group(kind)), end
         return None, end                                       # a stray closing bracket
@@ -5660,7 +5689,8 @@ def pdf_lines(runs):
     is turned to read (pdf_bidi)."""
     lines, line, last, back, box = [], [], None, 0, None
     for x, y, ex, ey, size, text, vertical in runs:
-        if text.isspace():                          # a space drawn alone starts no line; with a width, it is one
+        # a space drawn alone starts no line; with a width, it is one
+        if text.isspace():
             if line and not line[-1][-1:].isspace() and abs(ex - x) + abs(ey - y) > 0.01 * size:
                 line.append(" ")
             continue
@@ -5683,7 +5713,8 @@ def pdf_lines(runs):
                 line, back, box = [], 0, None
         line.append(text)
         if ex < x and abs(ex - x) > abs(ey - y):
-            back += len(text)                                 # drawn right to left: already in reading order
+            # drawn right to left: already in reading order
+            back += len(text)
         x0, x1 = (x - 0.5 * size, x + 0.5 * size) if vertical else (min(x, ex), max(x, ex))
         run = (x0, x1, min(y, ey) - 0.2 * size, max(y, ey) + 0.8 * size)
         box = run if box is None else (min(box[0], run[0]), max(box[1], run[1]), min(box[2], run[2]),
@@ -5709,7 +5740,8 @@ def pdf_reading_order(boxes):
     out, stack = [], [list(range(len(boxes)))]
     while stack:
         group = stack.pop()
-        if len(group) < 2:                                          # (a line alone: no cut to look for)
+        # (a line alone: no cut to look for)
+        if len(group) < 2:
             out.extend(group)
             continue
         best = None
@@ -5721,8 +5753,10 @@ def pdf_reading_order(boxes):
                 if lo - reach >= least and (best is None or lo - reach > best[0]):
                     best = (lo - reach, axis, (reach + lo) / 2.0)
                 reach = max(reach, hi)
-        if best is None:                                            # one column (a span every line crosses):
-            if max(boxes[i][0] for i in group) < min(boxes[i][1] for i in group):     # its lines top first
+        # one column (a span every line crosses):
+        if best is None:
+            # its lines top first
+            if max(boxes[i][0] for i in group) < min(boxes[i][1] for i in group):
                 group.sort(key=lambda i: -boxes[i][3])
             out.extend(group)
             continue
@@ -5753,7 +5787,8 @@ def pdf_bidi(line):
         if k in ("L", "EN", "AN") or run and k not in ("R", "AL", "NSM"):
             run.append(c)
             continue
-        tail = []                                             # spaces after a Latin run stay where they are
+        # spaces after a Latin run stay where they are
+        tail = []
         while run and unicodedata.bidirectional(run[-1]) not in ("L", "EN", "AN"):
             tail.append(run.pop())
         out += run[::-1] + tail[::-1] + [c]
@@ -5769,9 +5804,11 @@ class PdfFont:
 
     def __init__(self, pdf, d):
         self.vertical, self.down, self.scale = False, 1.0, 0.001
-        self.em = 1.0                                      # the font's em in text space units of one point
+        # the font's em in text space units of one point
+        self.em = 1.0
         self.memo, self.widths, self.default, self.uni = {}, {}, 0.5, {}
-        self.codec, self.spans = None, []                   # a CJK codec; codespace ranges [(n, lo, hi)]
+        # a CJK codec; codespace ranges [(n, lo, hi)]
+        self.codec, self.spans = None, []
         subtype, tounicode = pdf.entry(d, "Subtype"), pdf.entry(d, "ToUnicode")
         self.composite = subtype == "Type0"
         cmap = {}
@@ -5797,7 +5834,8 @@ class PdfFont:
         self.spans = self.spans or PDF_TWO_BYTES
         if not cmap and self.codec is None and ("Identity" in name or not name):
             # no ToUnicode, codes that are CIDs: the embedded font's own map,
-            cmap = self.embedded(pdf, kid)               # else the ASCII block of Adobe's CJK collections
+            # else the ASCII block of Adobe's CJK collections
+            cmap = self.embedded(pdf, kid)
             ordering = pdf.entry(pdf.entry(kid, "CIDSystemInfo"), "Ordering")
             if not cmap and ordering in (b"Japan1", b"GB1", b"CNS1", b"Korea1"):
                 cmap = {cid.to_bytes(2, "big"): chr(cid + 31) for cid in range(1, 96)}
@@ -5815,7 +5853,8 @@ class PdfFont:
             except PdfError:
                 pass
         self.vertical = name.endswith("-V")
-        if isinstance(enc, str) and "Identity" in name:  # two bytes a code, whatever ToUnicode's ranges say
+        # two bytes a code, whatever ToUnicode's ranges say
+        if isinstance(enc, str) and "Identity" in name:
             self.spans = PDF_TWO_BYTES
             cmap = {int.from_bytes(c, "big").to_bytes(2, "big"): t for c, t in cmap.items() if len(c) <= 2}
         if name in ("H", "V") and not cmap:
@@ -5830,7 +5869,8 @@ class PdfFont:
         self.default = (dw if dw is not None else 1000) / 1000.0
         dw2 = pdf.entry(kid, "DW2", list)
         if dw2 and len(dw2) == 2 and isinstance(get(dw2[1]), PDF_NUMBER):
-            self.down = -get(dw2[1]) / 1000.0         # a glyph's advance down a column (w1 is negative)
+            # a glyph's advance down a column (w1 is negative)
+            self.down = -get(dw2[1]) / 1000.0
         w = pdf.entry(kid, "W", list) or []
         i = 0
         while i + 1 < len(w) and len(self.widths) < PDF_CMAP_MAX:
@@ -5863,7 +5903,8 @@ class PdfFont:
                 code = item
             elif isinstance(item, str) and 0 <= code < 256:
                 text = pdf_glyph(item)
-                if text is None:                          # a name like a224 or G41 at its own code: that code
+                # a name like a224 or G41 at its own code: that code
+                if text is None:
                     m = re.match(r"[A-Za-z]{1,3}([0-9A-Fa-f]{2,3})$", item)
                     if m and (m.group(1).isdigit() and int(m.group(1)) == code or int(m.group(1), 16) == code) \
                             and code >= 32:
@@ -5875,7 +5916,8 @@ class PdfFont:
             if len(c) == 1:
                 table[c[0]] = text
         self.uni = {bytes([c]): t for c, t in table.items() if t is not None}
-        self.low = any(c < 32 for c in table)                 # control codes drawn as glyphs in this font
+        # control codes drawn as glyphs in this font
+        self.low = any(c < 32 for c in table)
         self.spans = []
 
     def simple_widths(self, pdf, d, subtype):
@@ -5890,7 +5932,8 @@ class PdfFont:
             if isinstance(v, PDF_NUMBER):
                 self.widths[first + k] = v * self.scale
         drawn = sorted(w for w in self.widths.values() if w > 0)
-        if subtype == "Type3" and drawn:                 # glyphs drawn in units of their own: an em from their widths
+        # glyphs drawn in units of their own: an em from their widths
+        if subtype == "Type3" and drawn:
             self.em = 2 * drawn[len(drawn) // 2]
         base = str(pdf.entry(d, "BaseFont") or "")
         descriptor = pdf.entry(d, "FontDescriptor", dict) or {}
@@ -5961,12 +6004,14 @@ class PdfFont:
     def simple_codes(self, s):
         """decode() in a simple font: a byte a code."""
         uni, widths, default = self.uni, self.widths, self.default
+        # (code 32 with no glyph name: still a space)
         parts = [uni.get(s[i:i + 1], chr(s[i]) if 32 <= s[i] < 127 and not uni or s[i] == 32 else "")
-                 for i in range(len(s))]                      # (code 32 with no glyph name: still a space)
+                 for i in range(len(s))]
         width = sum(widths.get(b, default) for b in s)
         missing = sum(1 for i, t in enumerate(parts) if not t and (s[i] >= 32 or self.low))
+        # (a glyph with no text, a width of its own: parts words)
         return ("".join(t or (" " if widths.get(s[i], 0) > 0 else "") for i, t in enumerate(parts)),
-                width, len(s), s.count(32), missing)           # (a glyph with no text, a width of its own: parts words)
+                width, len(s), s.count(32), missing)
 
     def codec_codes(self, s):
         """decode() in a composite font whose codes are a CJK encoding Python has a codec for."""
@@ -5992,10 +6037,12 @@ class PdfFont:
             i += n
             t, w = uni.get(c), widths.get(int.from_bytes(c, "big"), default)
             if t is None and n == 1:
-                t = uni.get(b"\x00" + c)                       # a one-byte code, ToUnicode's keys two bytes
+                # a one-byte code, ToUnicode's keys two bytes
+                t = uni.get(b"\x00" + c)
             if t is None:
                 missing += 1
-            parts.append(t or (" " if w > 0 else ""))           # (a glyph with no text still parts words)
+            # (a glyph with no text still parts words)
+            parts.append(t or (" " if w > 0 else ""))
             width += w
         spaces = s.count(32) if all(n == 1 for n, _, _ in spans) else 0
         return "".join(parts), width, len(parts), spaces, missing
@@ -6119,7 +6166,8 @@ def pdf_ascii85(data):
     data = data.split(b"~>")[0]
     try:
         return base64.a85decode(data)
-    except ValueError:                                        # damaged: what decodes before the first bad group
+    except ValueError:
+        # damaged: what decodes before the first bad group
         out = bytearray()
         for group in re.findall(rb"z|[!-u]{5}", re.match(rb"(?:z|[!-u]{5})*", data).group()):
             try:
@@ -6201,7 +6249,8 @@ class PdfCrypt:
         """The file key of revisions 5 and 6 (AES-256), by the empty user or owner password."""
         if len(u) < 48:
             raise PdfError("a damaged encryption dictionary (/U)")
-        for check, sealed, udata in ((u, "UE", b""), (o, "OE", u[:48])):      # the user's, then an empty owner's
+        # the user's, then an empty owner's
+        for check, sealed, udata in ((u, "UE", b""), (o, "OE", u[:48])):
             if len(check) >= 48 and pdf_r6_hash(b"", check[32:40], r, udata) == check[:32]:
                 return pdf_aes_cbc(pdf_r6_hash(b"", check[40:48], r, udata), bytes(16),
                                    (pdf.entry(d, sealed) or b"")[:32])
@@ -6222,7 +6271,8 @@ class PdfCrypt:
                 key = hashlib.md5(key).digest()[:keep]
             return key[:n]
 
-        def user(password):                                 # the file key if `password` is the user's
+        # the file key if `password` is the user's
+        def user(password):
             h = hashlib.md5(password + o[:32] + (p & 0xffffffff).to_bytes(4, "little") + first)
             if r >= 4 and pdf.entry(d, "EncryptMetadata") is False:
                 h.update(b"\xff\xff\xff\xff")
@@ -6235,7 +6285,8 @@ class PdfCrypt:
 
             return key if check == u[:16] else None
         key = user(PDF_PADDING)
-        if key is None:                                     # an empty owner password gives the user's
+        # an empty owner password gives the user's
+        if key is None:
             owner, secret = rehashed(hashlib.md5(PDF_PADDING).digest(), 16), o[:32]
             for i in (range(19, -1, -1) if r >= 3 else [0]):
                 secret = pdf_rc4(bytes(k ^ i for k in owner), secret)
@@ -6314,7 +6365,8 @@ def pdf_libcrypto():
     import ctypes
     try:
         import _ssl
-        crypto = ctypes.CDLL(getattr(_ssl, "__file__", None))        # (its symbols and those of its libcrypto)
+        # (its symbols and those of its libcrypto)
+        crypto = ctypes.CDLL(getattr(_ssl, "__file__", None))
         p, i = ctypes.c_void_p, ctypes.c_int
         crypto.EVP_CIPHER_CTX_new.restype = crypto.EVP_aes_128_cbc.restype = crypto.EVP_aes_256_cbc.restype = p
         crypto.EVP_CIPHER_CTX_free.argtypes = [p]
@@ -6346,7 +6398,8 @@ def pdf_aes_cbc(key, iv, data, encrypt=False):
 
 
 # -- PDF: the document and its pages ----------------------------------------------
-PDF_TEXT_PARAMETERS = {b"Tc": "tc", b"Tw": "tw", b"Tz": "th", b"TL": "tl", b"Ts": "rise"}   # (Tz: percent)
+# (Tz: percent)
+PDF_TEXT_PARAMETERS = {b"Tc": "tc", b"Tw": "tw", b"Tz": "th", b"TL": "tl", b"Ts": "rise"}
 
 
 class PdfText:
@@ -6381,9 +6434,12 @@ class Pdf(PdfParser):
 
     def __init__(self, data):
         self.data, self.inflated, self.crypt, self.trailer, self.fonts = data, 0, None, {}, {}
-        self.offsets, self.packed, self.cache = {}, {}, {}   # number -> offset; -> (stream number, index)
-        self.scanned = None                                    # number -> offset found by a scan, when needed
-        self.unmapped = 0                                     # codes shown that no map turns into text
+        # number -> offset; -> (stream number, index)
+        self.offsets, self.packed, self.cache = {}, {}, {}
+        # number -> offset found by a scan, when needed
+        self.scanned = None
+        # codes shown that no map turns into text
+        self.unmapped = 0
         if not pdf_sniff(data, "a.pdf"):
             raise PdfError("it does not start as a PDF does (%PDF-)")
         try:
@@ -6395,7 +6451,8 @@ class Pdf(PdfParser):
             self.rebuild()
         if "Encrypt" in self.trailer:
             self.crypt = PdfCrypt(self, self.get(self.trailer["Encrypt"]))
-            self.cache = {}                                    # (what was read before is read again, decrypted)
+            # (what was read before is read again, decrypted)
+            self.cache = {}
 
     # -- the file's structure
     def indirect(self, pos, number=None):
@@ -6553,7 +6610,8 @@ class Pdf(PdfParser):
             return value
         if value in self.cache:
             return self.cache[value]
-        self.cache[value] = None                               # (a reference to itself leads nowhere)
+        # (a reference to itself leads nowhere)
+        self.cache[value] = None
         number, found = value[0], None
         try:
             if number in self.packed:
@@ -6569,7 +6627,8 @@ class Pdf(PdfParser):
             elif number in self.offsets:
                 try:
                     found = self.indirect(self.offsets[number], number)
-                except PdfError:                               # an xref off by some bytes: where the object is
+                except PdfError:
+                    # an xref off by some bytes: where the object is
                     if number not in self.scan():
                         raise
                     found = self.indirect(self.scanned[number], number)
@@ -6615,10 +6674,12 @@ class Pdf(PdfParser):
         import zlib
         room = PDF_INFLATED_MAX - self.inflated
         best = b""
-        for wbits in (15, -15):                               # (raw deflate after the header: no checksum to fail)
+        # (raw deflate after the header: no checksum to fail)
+        for wbits in (15, -15):
             z, out, size = zlib.decompressobj(wbits), [], 0
             data = data if wbits > 0 else data[2:]
-            for at in range(0, len(data), 1 << 16):            # (in pieces: a damaged end keeps what came before)
+            # (in pieces: a damaged end keeps what came before)
+            for at in range(0, len(data), 1 << 16):
                 try:
                     piece = z.decompress(data[at:at + (1 << 16)], room + 1 - size)
                 except zlib.error:
@@ -6723,7 +6784,8 @@ class Pdf(PdfParser):
         acroform = self.entry(self.entry(self.trailer, "Root"), "AcroForm")
         regenerate = self.entry(acroform, "NeedAppearances") is True
         for annot in annots[:1000]:
-            annot = self.get(annot)                           # a form field's value, a note: as drawn
+            # a form field's value, a note: as drawn
+            annot = self.get(annot)
             if not isinstance(annot, dict) or (self.entry(annot, "F") or 0) & 2:
                 continue
             normal = self.entry(self.entry(annot, "AP"), "N")
@@ -6784,7 +6846,8 @@ class Pdf(PdfParser):
             try:
                 self.operate(op, operands, st, stack)
             except (IndexError, TypeError, ValueError, ZeroDivisionError, OverflowError):
-                pass                                          # an operator with operands it cannot take
+                # an operator with operands it cannot take
+                pass
             operands = []
 
     def operate(self, op, operands, st, stack):
@@ -6893,7 +6956,8 @@ def pdf_job(job, emit):
                 texts.append(pdf.page_text(page, resources))
             except PdfBomb:
                 raise
-            except PDF_DAMAGE + PDF_BUGS + (PdfError,) as e:   # one damaged page: said on it, the rest read
+            except PDF_DAMAGE + PDF_BUGS + (PdfError,) as e:
+                # one damaged page: said on it, the rest read
                 texts.append("[this page could not be read: %s]" % pdf_failure(e))
         emit([{"count": len(pages), "title": pdf.info(), "texts": texts}])
     except PDF_DAMAGE + PDF_BUGS + (PdfError,) as e:
