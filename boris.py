@@ -3275,30 +3275,37 @@ _REGEX_META = frozenset("\\.^$*+?{}[]|()")
 
 TYPES = {                      # ripgrep's globs for these languages, and a few more
     "c": "*.c *.h *.H *.c.in *.h.in *.cats",
-    "cpp": "*.C *.cpp *.cc *.cxx *.c++ *.h *.H *.hpp *.hh *.hxx *.h++ *.inl *.cppm *.ixx *.cpp.in *.hpp.in *.cc.in",
-    "cs": "*.cs *.csx", "css": "*.css *.scss *.sass *.less", "clojure": "*.clj *.cljs *.cljc *.cljx *.edn",
-    "cmake": "*.cmake CMakeLists.txt", "d": "*.d", "dart": "*.dart", "docker": "*Dockerfile* *.dockerfile",
-    "elixir": "*.ex *.exs *.eex", "elm": "*.elm", "erlang": "*.erl *.hrl", "fsharp": "*.fs *.fsi *.fsx",
-    "go": "*.go", "graphql": "*.graphql *.gql", "groovy": "*.groovy *.gradle", "haskell": "*.hs *.lhs *.hsc",
+    "cpp": "*.C *.cpp *.cc *.cxx *.c++ *.h *.H *.hpp *.hh *.hxx *.h++ *.inl *.cppm *.ixx *.cpp.in"
+           " *.hpp.in *.cc.in",
+    "cs": "*.cs *.csx", "css": "*.css *.scss *.sass *.less",
+    "clojure": "*.clj *.cljs *.cljc *.cljx *.edn", "cmake": "*.cmake CMakeLists.txt",
+    "d": "*.d", "dart": "*.dart", "docker": "*Dockerfile* *.dockerfile",
+    "elixir": "*.ex *.exs *.eex", "elm": "*.elm", "erlang": "*.erl *.hrl",
+    "fsharp": "*.fs *.fsi *.fsx", "go": "*.go", "graphql": "*.graphql *.gql",
+    "groovy": "*.groovy *.gradle", "haskell": "*.hs *.lhs *.hsc",
     "html": "*.html *.htm *.xhtml *.ejs", "java": "*.java *.jsp *.jspx *.properties",
     "js": "*.js *.jsx *.mjs *.cjs *.vue", "json": "*.json *.jsonc composer.lock", "julia": "*.jl",
     "kotlin": "*.kt *.kts", "lua": "*.lua",
     "make": "Makefile makefile GNUmakefile gnumakefile *.mk *.mak Makefile.am Makefile.in",
-    "markdown": "*.md *.markdown *.mdown *.mkdn *.mdx", "nim": "*.nim *.nimble *.nimf *.nims", "nix": "*.nix",
-    "objc": "*.m *.mm *.h", "ocaml": "*.ml *.mli *.mll *.mly", "perl": "*.pl *.pm *.t *.PL *.perl *.plh *.plx",
+    "markdown": "*.md *.markdown *.mdown *.mkdn *.mdx", "nim": "*.nim *.nimble *.nimf *.nims",
+    "nix": "*.nix", "objc": "*.m *.mm *.h", "ocaml": "*.ml *.mli *.mll *.mly",
+    "perl": "*.pl *.pm *.t *.PL *.perl *.plh *.plx",
     "php": "*.php *.php3 *.php4 *.php5 *.phtml", "proto": "*.proto", "py": "*.py *.pyi *.pyw",
-    "r": "*.r *.R *.Rmd *.Rnw", "ruby": "*.rb *.rbw *.rake *.gemspec Gemfile Rakefile .irbrc config.ru",
+    "r": "*.r *.R *.Rmd *.Rnw",
+    "ruby": "*.rb *.rbw *.rake *.gemspec Gemfile Rakefile .irbrc config.ru",
     "rust": "*.rs", "scala": "*.scala *.sc *.sbt",
-    "sh": "*.sh *.bash *.zsh *.csh *.ksh *.tcsh .bashrc .zshrc .bash_profile .bash_login .profile .zshenv"
-          " .zprofile .cshrc .kshrc",
+    "sh": "*.sh *.bash *.zsh *.csh *.ksh *.tcsh .bashrc .zshrc .bash_profile .bash_login .profile"
+          " .zshenv .zprofile .cshrc .kshrc",
     "sql": "*.sql *.psql", "svelte": "*.svelte", "swift": "*.swift",
     "tex": "*.tex *.sty *.cls *.bib *.ltx *.dtx *.ins", "toml": "*.toml Cargo.lock",
     "ts": "*.ts *.tsx *.mts *.cts", "txt": "*.txt", "vue": "*.vue",
-    "xml": "*.xml *.xsd *.xsl *.xslt *.dtd *.rng *.xml.dist *.svg", "yaml": "*.yaml *.yml", "zig": "*.zig",
+    "xml": "*.xml *.xsd *.xsl *.xslt *.dtd *.rng *.xml.dist *.svg", "yaml": "*.yaml *.yml",
+    "zig": "*.zig",
 }
-TYPE_ALIASES = {"python": "py", "typescript": "ts", "javascript": "js", "md": "markdown", "rs": "rust",
-                "rb": "ruby", "golang": "go", "c++": "cpp", "csharp": "cs", "shell": "sh", "bash": "sh",
-                "yml": "yaml", "kt": "kotlin", "hs": "haskell", "makefile": "make", "dockerfile": "docker"}
+TYPE_ALIASES = {"python": "py", "typescript": "ts", "javascript": "js", "md": "markdown",
+                "rs": "rust", "rb": "ruby", "golang": "go", "c++": "cpp", "csharp": "cs",
+                "shell": "sh", "bash": "sh", "yml": "yaml", "kt": "kotlin", "hs": "haskell",
+                "makefile": "make", "dockerfile": "docker"}
 
 
 def type_matcher(name):
@@ -3306,7 +3313,8 @@ def type_matcher(name):
     key = TYPE_ALIASES.get(name.lower(), name.lower())
     if key not in TYPES:
         raise ToolError(GREP_INVALID_TYPE, "unknown type %r; valid types: %s (aliases: %s)" % (
-            name, ", ".join(sorted(TYPES)), ", ".join("%s=%s" % kv for kv in sorted(TYPE_ALIASES.items()))))
+            name, ", ".join(sorted(TYPES)),
+            ", ".join("%s=%s" % kv for kv in sorted(TYPE_ALIASES.items()))))
     rx = re.compile("|".join("(?:%s)" % compile_glob(g).pattern for g in TYPES[key].split()))
     return lambda base: rx.match(base) is not None
 
@@ -3322,8 +3330,8 @@ class IgnoreFile:
         for raw in lines:
             line, neg, dir_only = ignore_pattern(raw)
             if line:                         # git matches bytes: '?' is one byte of UTF-8
-                self.rules.append((as_bytes(line[1:] if line.startswith("/") else line), neg, dir_only,
-                                   "/" in line))
+                self.rules.append((as_bytes(line[1:] if line.startswith("/") else line), neg,
+                                   dir_only, "/" in line))
         self.runs = self.combined(self.rules)
 
     @staticmethod
@@ -3353,7 +3361,8 @@ class IgnoreFile:
                     literal = not any(ch in pat for ch in "*?[\\")
                     if literal:
                         (paths if anchored else names).add(pat)
-                    elif not anchored and pat[0] == "*" and not any(ch in pat[1:] for ch in "*?[\\"):
+                    elif not anchored and pat[0] == "*" and not any(ch in pat[1:]
+                                                                    for ch in "*?[\\"):
                         suffixes.add(pat[1:])
                     else:
                         (by_path if anchored else by_name).append(pat)
@@ -3364,7 +3373,8 @@ class IgnoreFile:
                 # path globs by how many components they match (None: any)
                 deep = {}
                 for pat in by_path:
-                    deep.setdefault(None if "**" in pat or "[" in pat else pat.count("/") + 1, []).append(pat)
+                    deep.setdefault(None if "**" in pat or "[" in pat else pat.count("/") + 1,
+                                    []).append(pat)
                 deep = {n: one_regex(pats) for n, pats in deep.items()}
                 tests.append((frozenset(names), tuple(suffixes), within, one_regex(by_name),
                               {n: rx for n, rx in deep.items() if rx is not None}))
@@ -3380,7 +3390,8 @@ class IgnoreFile:
             if name in names or suffixes and name.endswith(suffixes) \
                     or paths and name in paths.get(rel[:len(rel) - len(name)], ()) \
                     or by_name is not None and by_name.match(name) \
-                    or by_path and any(rx.match(rel) for rx in at_depth(by_path, rel.count("/") + 1)):
+                    or by_path and any(rx.match(rel)
+                                       for rx in at_depth(by_path, rel.count("/") + 1)):
                 return not neg
         return None
 
@@ -3433,7 +3444,8 @@ def one_regex(patterns):
         except ValueError:
             continue                         # git ignores a malformed pattern too
     try:
-        return re.compile("|".join("(?:%s)" % src for src in sources), re.DOTALL) if sources else None
+        return re.compile("|".join("(?:%s)" % src for src in sources),
+                          re.DOTALL) if sources else None
     except (re.error, RecursionError, OverflowError):
         pass                                 # one of them does not compile: find it, keep the rest
     kept = []
@@ -3496,8 +3508,8 @@ def same_objects(a, b):
 
 
 def ignored(stack, path, name, is_dir):
-    """The verdict of an ignore stack on a path: the innermost file with a matching rule decides; False
-    when none matches."""
+    """The verdict of an ignore stack on a path: the innermost file with a matching rule decides;
+    False when none matches."""
     for rules in reversed(stack):
         v = rules.verdict(path[len(child_prefix(rules.base)):], name, is_dir)
         if v is not None:
@@ -3525,13 +3537,14 @@ def ignored_among(stack, path, names, is_dir):
 # all pass through this kernel (not NFS, FUSE or other network filesystems).
 IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
 IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
-IN_DELETE_SELF, IN_MOVE_SELF, IN_Q_OVERFLOW, IN_IGNORED, IN_ISDIR = 0x400, 0x800, 0x4000, 0x8000, 0x40000000
+IN_DELETE_SELF, IN_MOVE_SELF, IN_Q_OVERFLOW = 0x400, 0x800, 0x4000
+IN_IGNORED, IN_ISDIR = 0x8000, 0x40000000
 IN_ONLYDIR, IN_DONT_FOLLOW = 0x01000000, 0x02000000
 # a directory's listing changed
 IN_ENTRIES = IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
 IN_GONE = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED | IN_Q_OVERFLOW
-WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_ENTRIES | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR \
-    | IN_DONT_FOLLOW
+WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_ENTRIES | IN_DELETE_SELF | IN_MOVE_SELF \
+    | IN_ONLYDIR | IN_DONT_FOLLOW
 # directories a helper watches, at most (and an 8th of the user's limit)
 WATCHES_MAX = 100000
 # statfs f_type of filesystems whose changes all raise events here
@@ -3587,7 +3600,8 @@ class Watches:
             import ctypes
             buf = ctypes.create_string_buffer(256)
             ok = self.libc.statfs(os.fsencode(real), buf) == 0
-            known = self.devs[dev] = ok and ctypes.c_long.from_buffer(buf).value in LOCAL_FILESYSTEMS
+            fs_type = ctypes.c_long.from_buffer(buf).value
+            known = self.devs[dev] = ok and fs_type in LOCAL_FILESYSTEMS
         return known
 
     def watch(self, real, dev):
@@ -3673,7 +3687,8 @@ class Watches:
         self.wds, self.of, self.clean, self.quiet = {}, {}, {}, set()
 
     def file_watched(self, path):
-        """Whether the directory holding `path` is watched (so what is read of it now can be vouched for)."""
+        """Whether the directory holding `path` is watched (so what is read of it now can be
+        vouched for)."""
         return (path[:path.rfind("/")] or "/") in self.of
 
 
@@ -4118,15 +4133,17 @@ class Matcher:
         if regex and not multiline:
             # '.*TODO.*' matches the lines 'TODO' does
             src = self.drop_dot_stars(src)
-        flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0) | (re.DOTALL if multiline else 0)
+        flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0) | (
+            re.DOTALL if multiline else 0)
         try:
             self.rx_text = re.compile(src, flags)
         except re.error as e:
-            raise ToolError(GREP_INVALID_PATTERN, "pattern %r is not a valid regular expression: %s; escape"
-                            " special characters or fix the syntax (the dialect is Python's re)"
-                            % (shorten(pattern), e))
+            raise ToolError(GREP_INVALID_PATTERN, "pattern %r is not a valid regular expression:"
+                            " %s; escape special characters or fix the syntax (the dialect is"
+                            " Python's re)" % (shorten(pattern), e))
         except (OverflowError, RecursionError, ValueError) as e:
-            raise ToolError(GREP_INVALID_PATTERN, "pattern %r cannot be compiled: %s" % (shorten(pattern), e))
+            raise ToolError(GREP_INVALID_PATTERN,
+                            "pattern %r cannot be compiled: %s" % (shorten(pattern), e))
         # \s differs between str and bytes
         if src.isascii() and not re.search(r"\\[sS]", src):
             try:
@@ -4204,15 +4221,18 @@ class Matcher:
         for other, python in REGEX_HINTS:
             m = re.search(r"(?<!\\)(?:\\\\)*(" + other + ")", pattern)
             if m:
-                raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses %s, which Python's re does not know; write %s"
-                                " instead" % (shorten(pattern), m.group(1), python))
+                raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses %s, which Python's re does"
+                                " not know; write %s instead"
+                                % (shorten(pattern), m.group(1), python))
         if re.search(r"\[[^\]]*&&", pattern):
-            raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses a class intersection (&&), which Python's re does"
-                            " not have; list the characters ([ac-z]) or use a lookahead ((?![b])[a-z])" % shorten(pattern))
+            raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses a class intersection (&&), which"
+                            " Python's re does not have; list the characters ([ac-z]) or use a"
+                            " lookahead ((?![b])[a-z])" % shorten(pattern))
 
         def posix(m):
             if m.group(1) not in POSIX_CLASSES:
-                raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses the unknown class [:%s:]; known: %s"
+                raise ToolError(GREP_INVALID_PATTERN,
+                                "pattern %r uses the unknown class [:%s:]; known: %s"
                                 % (shorten(pattern), m.group(1), ", ".join(sorted(POSIX_CLASSES))))
             return POSIX_CLASSES[m.group(1)]
         return re.sub(r"(?<=[\[^\w\]-])\[:(\w+):\]", posix, pattern) if "[:" in pattern else pattern
@@ -4224,7 +4244,7 @@ class Matcher:
         core = src
         while core.startswith(".*"):
             core = core[3:] if core.startswith(".*?") else core[2:]
-        while core.endswith(".*") and not core.endswith("\\.*") and (len(core) == 2 or core[-3] != "\\"):
+        while core.endswith(".*") and not core.endswith("\\.*"):
             core = core[:-2]
         return core if core and "|" not in src else src
 
@@ -4342,16 +4362,18 @@ OUTLINE_EXTENSIONS = {ext: lang for lang, exts in {
 OUTLINE_LANGUAGES = ", ".join(sorted(set(OUTLINE_EXTENSIONS.values())))       # as a sentence lists
 # not listed by a directory outline
 OUTLINE_DATA = frozenset(("markdown", "json", "yaml", "toml"))
-_MODS = r"(?:(?:export|default|declare|abstract|public|private|protected|internal|static|final|sealed|" \
-        r"partial|async|override|virtual|readonly|open|data|inner|enum|annotation|suspend|inline|" \
+_MODS = r"(?:(?:export|default|declare|abstract|public|private|protected|internal|static|final|" \
+        r"sealed|partial|async|override|virtual|readonly|open|data|inner|enum|annotation|suspend|" \
+        r"inline|" \
         r"unsafe|extern|const|new|synchronized|native|strictfp|pub(?:\([\w:]+\))?)\s+)*"
-_NOT_CALLS = r"(?!(?:if|for|foreach|while|switch|catch|return|new|else|throw|do|sizeof|typeof|await|" \
-             r"delete|using|lock|fixed|when|with|function|super|this)\b)"
+_NOT_CALLS = r"(?!(?:if|for|foreach|while|switch|catch|return|new|else|throw|do|sizeof|typeof|" \
+             r"await|delete|using|lock|fixed|when|with|function|super|this)\b)"
 _DECL = r"^\s*" + _MODS
 _JS_MEMBER = (r"^\s+" + _MODS + r"(?:get\s+|set\s+|\*\s*)?#?" + _NOT_CALLS +
               r"[A-Za-z_$][\w$]*\s*(?:<[^>()=]*>)?\s*\([^=]*$")
 _JAVA_MEMBER = (r"^\s+(?:@\w+\s+)*" + _MODS + r"(?:<[^>]*>\s+)?" + _NOT_CALLS +
-                r"[\w<>\[\],.?]+(?:\s+[\w<>\[\],.?]+)*\s+" + _NOT_CALLS + r"\w+\s*\([^=;]*(?:;?\s*|[{].*)$")
+                r"[\w<>\[\],.?]+(?:\s+[\w<>\[\],.?]+)*\s+" + _NOT_CALLS +
+                r"\w+\s*\([^=;]*(?:;?\s*|[{].*)$")
 # language -> [(kind: 'class' (holds members), 'def', 'member' (only inside a
 # class), 'body' (a def that counts only with a body), regex)]; Python and Ruby
 # nest by indentation, the others by braces
@@ -4473,8 +4495,10 @@ class Outline:
             try:
                 self.python(text)
             except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
-                self.entries, self.note = [], "it does not parse as Python (%s), so definitions were found by" \
-                    " pattern" % ("line %s: %s" % (e.lineno, e.msg) if isinstance(e, SyntaxError) else type(e).__name__)
+                why = ("line %s: %s" % (e.lineno, e.msg) if isinstance(e, SyntaxError)
+                       else type(e).__name__)
+                self.entries, self.note = [], "it does not parse as Python (%s), so definitions" \
+                    " were found by pattern" % why
                 self.patterns()
         elif lang == "markdown":
             self.headings()
@@ -4495,14 +4519,16 @@ class Outline:
         OUTLINE_SIGNATURE_CHARS."""
         lines = self.lines
         text, j = lines[k].strip(), k
-        while text.count("(") > text.count(")") and j + 1 < len(lines) and j < k + 8 and lines[j + 1].strip():
+        while (text.count("(") > text.count(")") and j + 1 < len(lines) and j < k + 8
+               and lines[j + 1].strip()):
             j += 1
             text += " " + lines[j].strip()
         if j > k and text.count("(") > text.count(")"):
             text = lines[k].strip()             # no closing parenthesis near: the line alone
         elif j > k:
             text = re.sub(r"\(\s+", "(", re.sub(r",?\s+\)", ")", text))
-        return text if len(text) <= OUTLINE_SIGNATURE_CHARS else text[:OUTLINE_SIGNATURE_CHARS - 3] + "..."
+        return (text if len(text) <= OUTLINE_SIGNATURE_CHARS
+                else text[:OUTLINE_SIGNATURE_CHARS - 3] + "...")
 
     def python(self, text):
         """Python's definitions through ast: every def, async def and class at any depth
@@ -4511,13 +4537,15 @@ class Outline:
         stack = [(ast.parse(text), 0)]
         while stack:
             node, depth = stack.pop()
-            kids = [c for c in ast.iter_child_nodes(node) if isinstance(c, (ast.stmt, ast.excepthandler))
+            kids = [c for c in ast.iter_child_nodes(node)
+                    if isinstance(c, (ast.stmt, ast.excepthandler))
                     or type(c).__name__ == "match_case"]
             for child in reversed(kids):
                 is_def = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
                 if is_def:
                     start = min([d.lineno for d in child.decorator_list] + [child.lineno])
-                    self.entries.append((start, child.end_lineno, depth, self.signature(child.lineno - 1)))
+                    self.entries.append((start, child.end_lineno, depth,
+                                         self.signature(child.lineno - 1)))
                 stack.append((child, depth + 1 if is_def else depth))
         self.entries.sort(key=lambda e: (e[0], e[2]))
 
@@ -4607,7 +4635,8 @@ class Outline:
                     code.lstrip().startswith("{"):
                 # a declaration without a body ends before this line
                 self.end(self.stack.pop(), None)
-            kind = None if was_in_block and not code.strip() else self.kind(rules, raw[:OUTLINE_LINE_CHARS])
+            kind = None if was_in_block and not code.strip() else self.kind(
+                rules, raw[:OUTLINE_LINE_CHARS])
             if kind:
                 self.add(i, kind)
             self.count(i, code)
@@ -4647,7 +4676,8 @@ class Outline:
             base, opened, parens = top.depth, top.opened, top.parens
             if not opened and peak > base:
                 top.opened = opened = True
-            if opened and self.depth <= base or not opened and parens <= 0 and code.rstrip().endswith(";"):
+            if opened and self.depth <= base or (not opened and parens <= 0
+                                                 and code.rstrip().endswith(";")):
                 self.end(self.stack.pop(), i)   # its closing brace, or the ';' of a declaration
             else:
                 break
@@ -4746,7 +4776,8 @@ class Outline:
         each to the line before the next (a JSON object's closing brace left out)."""
         lines, lang = self.lines, self.lang
         if lang == "json":
-            first = next((len(l) - len(l.lstrip()) for l in lines[1:] if l.strip().startswith('"')), None)
+            first = next((len(l) - len(l.lstrip()) for l in lines[1:] if l.strip().startswith('"')),
+                         None)
             if first is None or len(lines) < 3:         # one line: the keys, all on it
                 try:
                     keys = list(json.loads(text)) if text.lstrip().startswith("{") else []
@@ -4808,14 +4839,14 @@ class Outline:
             fd, st = open_regular(real, real)
             try:
                 if st.st_size > max_size:
-                    return FileOutline(rel, lang, [], "%s, over --max-file-size: not read" % human_size(st.st_size),
-                                       0, FILE_TOO_LARGE)
+                    return FileOutline(rel, lang, [], "%s, over --max-file-size: not read"
+                                       % human_size(st.st_size), 0, FILE_TOO_LARGE)
                 data = read_fd(fd, max_size, real)
             finally:
                 os.close(fd)
         except (ToolError, OSError) as e:
-            return FileOutline(rel, lang, [], "not read: %s" % (e.message if isinstance(e, ToolError) else e.strerror),
-                               0, e.code if isinstance(e, ToolError) else IO_ERROR)
+            why, code = (e.message, e.code) if isinstance(e, ToolError) else (e.strerror, IO_ERROR)
+            return FileOutline(rel, lang, [], "not read: %s" % why, 0, code)
         if b"\x00" in data[:8192]:
             return FileOutline(rel, lang, [], "binary: not read", 0, INVALID_INPUT)
         text = data.decode("utf-8", "replace").replace("\r\n", "\n")
@@ -4836,8 +4867,9 @@ class Outline:
 # the renderer is an error, a spreadsheet stops at DOC_MAX_CELLS cells.
 
 DOC_FORMATS = {".docx": "Word document", ".docm": "Word document", ".xlsx": "Excel workbook",
-               ".xlsm": "Excel workbook", ".pptx": "PowerPoint presentation", ".pptm": "PowerPoint presentation",
-               ".odt": "OpenDocument text", ".ods": "OpenDocument spreadsheet", ".odp": "OpenDocument presentation"}
+               ".xlsm": "Excel workbook", ".pptx": "PowerPoint presentation",
+               ".pptm": "PowerPoint presentation", ".odt": "OpenDocument text",
+               ".ods": "OpenDocument spreadsheet", ".odp": "OpenDocument presentation"}
 OOXML_W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
 OOXML_S = "{http://schemas.openxmlformats.org/spreadsheetml/2006/main}"
 OOXML_P = "{http://schemas.openxmlformats.org/presentationml/2006/main}"
@@ -4860,7 +4892,8 @@ class Document:
         self.kind = os.path.splitext(path)[1].lower()
         try:
             self.zip = zipfile.ZipFile(f)
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, OverflowError) as e:
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError,
+                OverflowError) as e:
             raise ToolError(INVALID_INPUT, "not a readable %s (%s)" % (DOC_FORMATS[self.kind], e))
         self.notes = []                     # footnotes, in the order they are referred to
         self.cells = 0
@@ -4921,7 +4954,8 @@ class Document:
             try:
                 return ET.parse(part).getroot()
             except ET.ParseError as e:
-                raise ToolError(INVALID_INPUT, "its part %s is not well-formed XML (%s)" % (name, e))
+                raise ToolError(INVALID_INPUT,
+                                "its part %s is not well-formed XML (%s)" % (name, e))
 
     def each(self, name, tag):
         """The elements `tag` of part `name`, in order; none when there is no such part."""
@@ -4960,7 +4994,8 @@ class Document:
         styles = {}
         for style in self.each("word/styles.xml", W + "style"):
             name = style.find(W + "name")
-            styles[style.get(W + "styleId")] = (name.get(W + "val") if name is not None else "").lower()
+            styles[style.get(W + "styleId")] = (name.get(W + "val") if name is not None
+                                                else "").lower()
         notes = {note.get(W + "id"): " ".join(self.docx_text(p) for p in note.iter(W + "p")).strip()
                  for note in self.each("word/footnotes.xml", W + "footnote")
                  if note.get(W + "type") in (None, "normal")}
@@ -4987,7 +5022,8 @@ class Document:
                 if style == "title" or level:
                     out.append("#" * (int(level.group(1)) if level else 1) + " " + text)
                 elif props.find(W + "numPr") is not None or style.startswith("list"):
-                    out.append("  " * int(depth.get(W + "val", 0) if depth is not None else 0) + "- " + text)
+                    level = int(depth.get(W + "val", 0) if depth is not None else 0)
+                    out.append("  " * level + "- " + text)
                 else:
                     out.append(text)
             elif el.tag == W + "tbl":
@@ -4996,8 +5032,10 @@ class Document:
                     rows.append([])
                     for cell in row.findall(W + "tc"):
                         span = cell.find(W + "tcPr/" + W + "gridSpan")
-                        rows[-1].append(" ".join(self.docx_text(p).strip() for p in cell.iter(W + "p")).strip())
-                        rows[-1] += [""] * (min(int(span.get(W + "val", "1")), 64) - 1 if span is not None else 0)
+                        rows[-1].append(" ".join(self.docx_text(p).strip()
+                                                 for p in cell.iter(W + "p")).strip())
+                        rows[-1] += [""] * (min(int(span.get(W + "val", "1")), 64) - 1
+                                            if span is not None else 0)
                 out.append(markdown_table(rows))
             elif el.tag in (W + "sdt", W + "sdtContent", W + "customXml", W + "ins"):
                 out += self.docx_blocks(el, styles)
@@ -5142,7 +5180,8 @@ class Document:
         out = []
         if self.kind == ".ods":
             for table in doc.iter(ODF["table"] + "table"):
-                out.append(self.sheet(table.get(ODF["table"] + "name"), self.odf_rows(table, values=True)))
+                out.append(self.sheet(table.get(ODF["table"] + "name"),
+                                      self.odf_rows(table, values=True)))
                 if self.cells > DOC_MAX_CELLS:
                     out.append("[cells past %d left out]" % DOC_MAX_CELLS)
                     break
@@ -5163,14 +5202,16 @@ class Document:
             if el is skip:
                 continue
             if el.tag == T + "h":
-                out.append("#" * min(6, int(el.get(T + "outline-level", "1") or 1)) + " " + self.odf_text(el).strip())
+                level = min(6, int(el.get(T + "outline-level", "1") or 1))
+                out.append("#" * level + " " + self.odf_text(el).strip())
             elif el.tag == T + "p":
                 out.append(self.odf_text(el).strip())
             elif el.tag == T + "list":
                 items = []
                 for item in el:
                     for k, block in enumerate(b for b in self.odf_blocks(item, depth + 1) if b):
-                        items.append(block if block.lstrip().startswith("- ") and k else "  " * depth + "- " + block)
+                        items.append(block if block.lstrip().startswith("- ") and k
+                                     else "  " * depth + "- " + block)
                 out.append("\n".join(items))
             elif el.tag == ODF["table"] + "table":
                 out.append(markdown_table(self.odf_rows(el)))
@@ -5243,8 +5284,8 @@ class BoundedPart:
         start = re.search(rb"<[A-Za-z_]", head)
         if re.search(rb"<!DOCTYPE|<!ENTITY", head[:start.start()] if start else head, re.I) or \
                 (start is None and len(head) == 65536):
-            raise ToolError(INVALID_INPUT, "its part %s declares a DTD (entities), which these formats never"
-                                           " have: refused" % name)
+            raise ToolError(INVALID_INPUT, "its part %s declares a DTD (entities), which these"
+                                           " formats never have: refused" % name)
         self.head = head
 
     def read(self, size=-1):
@@ -5278,7 +5319,8 @@ def excel_date(value, epoch):
         days += 1                           # Excel's 1900-02-29, which never was
     base = datetime.datetime(1899, 12, 30) if epoch == 1900 else datetime.datetime(1904, 1, 1)
     moment = base + datetime.timedelta(days=days)
-    moment = moment.replace(microsecond=0) + datetime.timedelta(seconds=round(moment.microsecond / 1e6))
+    moment = moment.replace(microsecond=0) + datetime.timedelta(
+        seconds=round(moment.microsecond / 1e6))
     return moment.strftime("%Y-%m-%d" if moment.time() == datetime.time() else "%Y-%m-%d %H:%M:%S")
 
 
@@ -5286,8 +5328,10 @@ def markdown_table(rows):
     """Rows of cell text as a Markdown table, the first row its header; | and line breaks
     in a cell escaped so that each row stays one line."""
     width = max([len(r) for r in rows] + [1])
-    cell = lambda text: text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "<br>") or " "
-    lines = ["| " + " | ".join(cell(c) for c in list(r) + [""] * (width - len(r))) + " |" for r in rows] or ["|  |"]
+    cell = lambda text: (text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "")
+                         .replace("\n", "<br>") or " ")
+    lines = ["| " + " | ".join(cell(c) for c in list(r) + [""] * (width - len(r))) + " |"
+             for r in rows] or ["|  |"]
     return "\n".join([lines[0], "|" + "---|" * width] + lines[1:])
 
 
