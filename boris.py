@@ -5365,42 +5365,46 @@ PDF_STRING_ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"b": b"\b", b"f": 
 PDF_LITERAL = re.compile(rb"\\([0-7]{1,3}|\r\n|.?)|[()]", re.S)    # an escape, or a parenthesis
 # Adobe glyph names for what is not a letter (letters with accents and Greek are derived)
 PDF_GLYPHS = (
-    "space 20 exclam 21 quotedbl 22 numbersign 23 dollar 24 percent 25 ampersand 26 quotesingle 27 parenleft 28"
-    " parenright 29 asterisk 2a plus 2b comma 2c hyphen 2d period 2e slash 2f zero 30 one 31 two 32 three 33"
-    " four 34 five 35 six 36 seven 37 eight 38 nine 39 colon 3a semicolon 3b less 3c equal 3d greater 3e"
-    " question 3f at 40 bracketleft 5b backslash 5c bracketright 5d asciicircum 5e underscore 5f grave 60"
-    " braceleft 7b bar 7c braceright 7d asciitilde 7e nbspace a0 exclamdown a1 cent a2 sterling a3 currency a4"
-    " yen a5 brokenbar a6 section a7 dieresis a8 copyright a9 ordfeminine aa guillemotleft ab logicalnot ac"
-    " sfthyphen ad registered ae macron af degree b0 plusminus b1 twosuperior b2 threesuperior b3 acute b4"
-    " mu b5 paragraph b6 periodcentered b7 cedilla b8 onesuperior b9 ordmasculine ba guillemotright bb"
-    " onequarter bc onehalf bd threequarters be questiondown bf AE c6 Eth d0 multiply d7 Oslash d8 Thorn de"
-    " germandbls df ae e6 eth f0 divide f7 oslash f8 thorn fe dotlessi 131 Lslash 141 lslash 142 OE 152 oe 153"
-    " florin 192 dotlessj 237 circumflex 2c6 caron 2c7 breve 2d8 dotaccent 2d9 ring 2da ogonek 2db tilde 2dc"
-    " hungarumlaut 2dd endash 2013 emdash 2014 quoteleft 2018 quoteright 2019 quotesinglbase 201a"
-    " quotedblleft 201c quotedblright 201d quotedblbase 201e dagger 2020 daggerdbl 2021 bullet 2022"
-    " ellipsis 2026 perthousand 2030 guilsinglleft 2039 guilsinglright 203a fraction 2044 Euro 20ac"
-    " trademark 2122 minus 2212 ff fb00 fi fb01 fl fb02 ffi fb03 ffl fb04 arrowleft 2190 arrowup 2191"
-    " arrowright 2192 arrowdown 2193 partialdiff 2202 Delta 2206 product 220f summation 2211 radical 221a"
-    " infinity 221e integral 222b approxequal 2248 notequal 2260 lessequal 2264 greaterequal 2265 lozenge 25ca"
-    " Omega 2126 Dcroat 110 dcroat 111 visiblespace 2423 quotereversed 201b asteriskmath 2217 circlecopyrt a9"
-    " similar 223c element 2208 negationslash 338 prime 2032 nabla 2207 universal 2200 existential 2203"
-    " emptyset 2205 intersection 2229 union 222a propersubset 2282 reflexsubset 2286 propersuperset 2283"
-    " reflexsuperset 2287 logicaland 2227 logicalor 2228 angbracketleft 27e8 angbracketright 27e9 angleleft 2329"
-    " angleright 232a equivalence 2261 proportional 221d arrowdblright 21d2 arrowdblleft 21d0 arrowdblboth 21d4"
-    " arrowboth 2194 arrowdblup 21d1 arrowdbldown 21d3 epsilon1 3f5 phi1 3d5 theta1 3d1 openbullet 25e6"
-    " circledot 2299 circlemultiply 2297 circleplus 2295 circleminus 2296 owner 220b lessmuch 226a"
-    " greatermuch 226b turnstileleft 22a2 turnstileright 22a3 bardbl 2016 floorleft 230a floorright 230b"
-    " ceilingleft 2308 ceilingright 2309 arrownortheast 2197 arrowsoutheast 2198 aleph 2135 weierstrass 2118"
-    " Rfractur 211c Ifractur 2111 spade 2660 heart 2661 diamond 2662 club 2663 followsorequal 2ab0"
-    " precedesequal 2aaf follows 227b precedes 227a perpendicular 22a5 latticetop 22a4 angle 2220"
-    " therefore 2234 dotmath 22c5 minusplus 2213 mapsto 21a6"
-    " suchthat 220b")
+    "space 20 exclam 21 quotedbl 22 numbersign 23 dollar 24 percent 25 ampersand 26 quotesingle 27"
+    " parenleft 28 parenright 29 asterisk 2a plus 2b comma 2c hyphen 2d period 2e slash 2f zero 30"
+    " one 31 two 32 three 33 four 34 five 35 six 36 seven 37 eight 38 nine 39 colon 3a semicolon 3b"
+    " less 3c equal 3d greater 3e question 3f at 40 bracketleft 5b backslash 5c bracketright 5d"
+    " asciicircum 5e underscore 5f grave 60 braceleft 7b bar 7c braceright 7d asciitilde 7e"
+    " nbspace a0 exclamdown a1 cent a2 sterling a3 currency a4 yen a5 brokenbar a6 section a7"
+    " dieresis a8 copyright a9 ordfeminine aa guillemotleft ab logicalnot ac sfthyphen ad"
+    " registered ae macron af degree b0 plusminus b1 twosuperior b2 threesuperior b3 acute b4 mu b5"
+    " paragraph b6 periodcentered b7 cedilla b8 onesuperior b9 ordmasculine ba guillemotright bb"
+    " onequarter bc onehalf bd threequarters be questiondown bf AE c6 Eth d0 multiply d7 Oslash d8"
+    " Thorn de germandbls df ae e6 eth f0 divide f7 oslash f8 thorn fe dotlessi 131 Lslash 141"
+    " lslash 142 OE 152 oe 153 florin 192 dotlessj 237 circumflex 2c6 caron 2c7 breve 2d8"
+    " dotaccent 2d9 ring 2da ogonek 2db tilde 2dc hungarumlaut 2dd endash 2013 emdash 2014"
+    " quoteleft 2018 quoteright 2019 quotesinglbase 201a quotedblleft 201c quotedblright 201d"
+    " quotedblbase 201e dagger 2020 daggerdbl 2021 bullet 2022 ellipsis 2026 perthousand 2030"
+    " guilsinglleft 2039 guilsinglright 203a fraction 2044 Euro 20ac trademark 2122 minus 2212"
+    " ff fb00 fi fb01 fl fb02 ffi fb03 ffl fb04 arrowleft 2190 arrowup 2191 arrowright 2192"
+    " arrowdown 2193 partialdiff 2202 Delta 2206 product 220f summation 2211 radical 221a"
+    " infinity 221e integral 222b approxequal 2248 notequal 2260 lessequal 2264 greaterequal 2265"
+    " lozenge 25ca Omega 2126 Dcroat 110 dcroat 111 visiblespace 2423 quotereversed 201b"
+    " asteriskmath 2217 circlecopyrt a9 similar 223c element 2208 negationslash 338 prime 2032"
+    " nabla 2207 universal 2200 existential 2203 emptyset 2205 intersection 2229 union 222a"
+    " propersubset 2282 reflexsubset 2286 propersuperset 2283 reflexsuperset 2287 logicaland 2227"
+    " logicalor 2228 angbracketleft 27e8 angbracketright 27e9 angleleft 2329 angleright 232a"
+    " equivalence 2261 proportional 221d arrowdblright 21d2 arrowdblleft 21d0 arrowdblboth 21d4"
+    " arrowboth 2194 arrowdblup 21d1 arrowdbldown 21d3 epsilon1 3f5 phi1 3d5 theta1 3d1"
+    " openbullet 25e6 circledot 2299 circlemultiply 2297 circleplus 2295 circleminus 2296"
+    " owner 220b lessmuch 226a greatermuch 226b turnstileleft 22a2 turnstileright 22a3 bardbl 2016"
+    " floorleft 230a floorright 230b ceilingleft 2308 ceilingright 2309 arrownortheast 2197"
+    " arrowsoutheast 2198 aleph 2135 weierstrass 2118 Rfractur 211c Ifractur 2111 spade 2660"
+    " heart 2661 diamond 2662 club 2663 followsorequal 2ab0 precedesequal 2aaf follows 227b"
+    " precedes 227a perpendicular 22a5 latticetop 22a4 angle 2220 therefore 2234 dotmath 22c5"
+    " minusplus 2213 mapsto 21a6 suchthat 220b")
 PDF_STANDARD_HIGH = (  # StandardEncoding from 0xa1 ('' : no glyph)
-    "exclamdown cent sterling fraction yen florin section currency quotesingle quotedblleft guillemotleft"
-    " guilsinglleft guilsinglright fi fl '' endash dagger daggerdbl periodcentered '' paragraph bullet"
-    " quotesinglbase quotedblbase quotedblright guillemotright ellipsis perthousand '' questiondown '' grave"
-    " acute circumflex tilde macron breve dotaccent dieresis '' ring cedilla '' hungarumlaut ogonek caron emdash"
-    " " + "'' " * 16 + "AE '' ordfeminine '' '' '' '' Lslash Oslash OE ordmasculine '' '' '' '' '' ae '' '' ''"
+    "exclamdown cent sterling fraction yen florin section currency quotesingle quotedblleft"
+    " guillemotleft guilsinglleft guilsinglright fi fl '' endash dagger daggerdbl periodcentered ''"
+    " paragraph bullet quotesinglbase quotedblbase quotedblright guillemotright ellipsis"
+    " perthousand '' questiondown '' grave acute circumflex tilde macron breve dotaccent dieresis ''"
+    " ring cedilla '' hungarumlaut ogonek caron emdash " + "'' " * 16 +
+    "AE '' ordfeminine '' '' '' '' Lslash Oslash OE ordmasculine '' '' '' '' '' ae '' '' ''"
     " dotlessi '' '' lslash oslash oe germandbls")
 PDF_ACCENTS = {"": "", "GRAVE": "grave", "ACUTE": "acute", "CIRCUMFLEX": "circumflex",
                "TILDE": "tilde",
@@ -5416,15 +5420,17 @@ PDF_CODECS = [part.split(":") for part in (
 # widths of codes 32-126 in two of the standard 14 fonts, for PDFs that leave /Widths out
 PDF_METRICS = {
     "Helvetica": (
-        "278 278 355 556 556 889 667 191 333 333 389 584 278 333 278 278 556 556 556 556 556 556 556 556 556 "
-        "556 278 278 584 584 584 556 1015 667 667 722 722 667 611 778 722 278 500 667 556 833 722 778 667 "
-        "778 722 667 611 722 667 944 667 667 611 278 278 278 469 556 333 556 556 500 556 556 278 556 556 222 "
-        "222 500 222 833 556 556 556 556 333 500 278 556 500 722 500 500 500 334 260 334 584 "),
+        "278 278 355 556 556 889 667 191 333 333 389 584 278 333 278 278 556 556 556 556 556 556 "
+        "556 556 556 556 278 278 584 584 584 556 1015 667 667 722 722 667 611 778 722 278 500 667 "
+        "556 833 722 778 667 778 722 667 611 722 667 944 667 667 611 278 278 278 469 556 333 556 "
+        "556 500 556 556 278 556 556 222 222 500 222 833 556 556 556 556 333 500 278 556 500 722 "
+        "500 500 500 334 260 334 584 "),
     "Times": (
-        "250 333 408 500 500 833 778 180 333 333 500 564 250 333 250 278 500 500 500 500 500 500 500 500 500 "
-        "500 278 278 564 564 564 444 921 722 667 667 722 611 556 722 722 333 389 722 611 889 722 722 556 722 "
-        "667 556 611 722 722 944 722 722 611 333 278 333 469 500 333 444 500 444 500 444 333 500 500 278 278 "
-        "500 278 778 500 500 500 500 333 389 278 500 500 722 500 500 444 480 200 480 541 ")}
+        "250 333 408 500 500 833 778 180 333 333 500 564 250 333 250 278 500 500 500 500 500 500 "
+        "500 500 500 500 278 278 564 564 564 444 921 722 667 667 722 611 556 722 722 333 389 722 "
+        "611 889 722 722 556 722 667 556 611 722 722 944 722 722 611 333 278 333 469 500 333 444 "
+        "500 444 500 444 333 500 500 278 278 500 278 778 500 500 500 500 333 389 278 500 500 722 "
+        "500 500 444 480 200 480 541 ")}
 PDF_NAMES = {}                              # glyph name -> text, filled at first use
 PDF_NUMBER = (int, float)
 PDF_TWO_BYTES = ((2, b"\x00\x00", b"\xff\xff"),)     # a codespace of two-byte codes, all of them
@@ -5432,7 +5438,8 @@ PDF_TWO_BYTES = ((2, b"\x00\x00", b"\xff\xff"),)     # a codespace of two-byte c
 
 def pdf_sniff(head, name):
     """Whether a file that begins with `head` is read as a PDF: it starts with %PDF-, or, named
-    .pdf, has that line (or its first objects, when a producer left the line out) in its first KB."""
+    .pdf, has that line (or its first objects, when a producer left the line out) in its first KB.
+    """
     return head.lstrip()[:5] == b"%PDF-" or name.lower().endswith(".pdf") and (
         b"%PDF-" in head[:1024] or re.search(rb"\d+[\x00\t\n\x0c\r ]+\d+[\x00\t\n\x0c\r ]+obj\b", head[:1024]))
 
@@ -5466,7 +5473,8 @@ class PdfStream:
 
 
 def pdf_glyph(name):
-    """The text of a glyph name (Adobe's names, uniXXXX, uXXXXX, ligatures as a_b); None if unknown."""
+    """The text of a glyph name (Adobe's names, uniXXXX, uXXXXX, ligatures as a_b);
+    None if unknown."""
     if not PDF_NAMES:
         import unicodedata
         words = PDF_GLYPHS.split()
@@ -5620,7 +5628,8 @@ def pdf_encoding(name):
 
 
 def pdf_text_string(value):
-    """A PDF text string (the title): UTF-16 with its BOM, UTF-8 with its BOM, else PDFDocEncoding."""
+    """A PDF text string (the title): UTF-16 with its BOM, UTF-8 with its BOM,
+    else PDFDocEncoding."""
     if not isinstance(value, bytes):
         return ""
     if value[:2] in (b"\xfe\xff", b"\xff\xfe"):
@@ -5698,7 +5707,8 @@ class PdfParser:
         return items, m.end()
 
     def literal(self, pos):
-        """(a literal string's bytes, its escapes undone, the offset after it) from just after its '('."""
+        """(a literal string's bytes, its escapes undone,
+        the offset after it) from just after its '('."""
         data, depth = self.data, 1
         for m in PDF_LITERAL.finditer(data, pos):
             depth += {b"(": 1, b")": -1}.get(m.group(), 0)
@@ -5934,7 +5944,8 @@ class PdfFont:
                 break
 
     def simple_font(self, pdf, d, subtype, cmap):
-        """A simple font's codes (one byte each: its encoding, Differences, ToUnicode) and widths."""
+        """A simple font's codes (one byte each: its encoding, Differences, ToUnicode)
+        and widths."""
         base, descriptor = self.simple_widths(pdf, d, subtype)
         enc = pdf.entry(d, "Encoding")
         differences = pdf.entry(enc, "Differences", list) or []
@@ -6542,7 +6553,8 @@ class Pdf(PdfParser):
             pos = trailer.get("Prev") if isinstance(trailer.get("Prev"), int) else None
 
     def xref_table(self, pos):
-        """One 'xref' table (the newest entry of a number wins: later sections were read first); its trailer."""
+        """One 'xref' table (the newest entry of a number
+        wins: later sections were read first); its trailer."""
         data = self.data
         section = re.compile(rb"[\x00\t\n\x0c\r ]*(\d+)[ \t]+(\d+)[ \t]*\r?\n?")
         entry = re.compile(rb"[\x00\t\n\x0c\r ]*(\d{1,10})[ \t]+(\d{1,5})[ \t]+([nf])")
@@ -6591,8 +6603,8 @@ class Pdf(PdfParser):
         return d
 
     def rebuild(self):
-        """A damaged or missing xref: find every 'n g obj' in the file (the last of a number
-        wins), the trailers' and object streams' contents, and the catalog if no trailer names it."""
+        """A damaged or missing xref: find every 'n g obj' in the file (the last of a number wins),
+        the trailers' and object streams' contents, and the catalog if no trailer names it."""
         self.offsets, self.packed, self.cache = dict(self.scan()), {}, {}
         for m in re.finditer(rb"trailer[\x00\t\n\x0c\r ]*<<", self.data):
             try:
@@ -6714,7 +6726,8 @@ class Pdf(PdfParser):
         return data
 
     def inflate(self, data):
-        """Flate data, as much as can be had of a damaged stream, never past what is left of the bound."""
+        """Flate data, as much as can be had of a damaged
+        stream, never past what is left of the bound."""
         import zlib
         room = PDF_INFLATED_MAX - self.inflated
         best = b""
@@ -6968,7 +6981,8 @@ class Pdf(PdfParser):
                     st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[0], tm[5] + shift * tm[1]]
 
     def form(self, st, name):
-        """Do: a form XObject's content run inside the page (12 deep at most, none inside itself)."""
+        """Do: a form XObject's content run inside the page (12 deep at most,
+        none inside itself)."""
         ref = st.xobjects.get(name) if isinstance(name, str) else None
         form = self.get(ref)
         if isinstance(form, PdfStream) and form.dict.get("Subtype") == "Form" and st.depth < 12 \
@@ -7016,7 +7030,8 @@ PDF_BUGS = (TypeError, AttributeError, KeyError, NameError)
 
 
 def pdf_failure(e):
-    """What an exception out of the PDF reader says of the file (a bug of the reader's is logged)."""
+    """What an exception out of the PDF reader says of the file
+    (a bug of the reader's is logged)."""
     if isinstance(e, PDF_BUGS):
         log("error", "the PDF reader failed: a bug", error=_traceback())
         return "the PDF reader failed (%s: %s), a bug in boris, logged with its traceback" % (
