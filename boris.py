@@ -5402,15 +5402,15 @@ PDF_STANDARD_HIGH = (  # StandardEncoding from 0xa1 ('' : no glyph)
     "exclamdown cent sterling fraction yen florin section currency quotesingle quotedblleft"
     " guillemotleft guilsinglleft guilsinglright fi fl '' endash dagger daggerdbl periodcentered ''"
     " paragraph bullet quotesinglbase quotedblbase quotedblright guillemotright ellipsis"
-    " perthousand '' questiondown '' grave acute circumflex tilde macron breve dotaccent dieresis ''"
-    " ring cedilla '' hungarumlaut ogonek caron emdash " + "'' " * 16 +
+    " perthousand '' questiondown '' grave acute circumflex tilde macron breve dotaccent"
+    " dieresis '' ring cedilla '' hungarumlaut ogonek caron emdash " + "'' " * 16 +
     "AE '' ordfeminine '' '' '' '' Lslash Oslash OE ordmasculine '' '' '' '' '' ae '' '' ''"
     " dotlessi '' '' lslash oslash oe germandbls")
 PDF_ACCENTS = {"": "", "GRAVE": "grave", "ACUTE": "acute", "CIRCUMFLEX": "circumflex",
-               "TILDE": "tilde",
-               "DIAERESIS": "dieresis", "RING ABOVE": "ring", "CEDILLA": "cedilla", "CARON": "caron",
-               "MACRON": "macron", "BREVE": "breve", "OGONEK": "ogonek", "DOT ABOVE": "dotaccent",
-               "DOUBLE ACUTE": "hungarumlaut", "STROKE": "slash"}
+               "TILDE": "tilde", "DIAERESIS": "dieresis", "RING ABOVE": "ring",
+               "CEDILLA": "cedilla", "CARON": "caron", "MACRON": "macron", "BREVE": "breve",
+               "OGONEK": "ogonek", "DOT ABOVE": "dotaccent", "DOUBLE ACUTE": "hungarumlaut",
+               "STROKE": "slash"}
 # A CMap name's part and the codec its codes are in (CNS: none here); the first match wins:
 # GBK-EUC-H is GBK
 PDF_CODECS = [part.split(":") for part in (
@@ -5441,7 +5441,8 @@ def pdf_sniff(head, name):
     .pdf, has that line (or its first objects, when a producer left the line out) in its first KB.
     """
     return head.lstrip()[:5] == b"%PDF-" or name.lower().endswith(".pdf") and (
-        b"%PDF-" in head[:1024] or re.search(rb"\d+[\x00\t\n\x0c\r ]+\d+[\x00\t\n\x0c\r ]+obj\b", head[:1024]))
+        b"%PDF-" in head[:1024]
+        or re.search(rb"\d+[\x00\t\n\x0c\r ]+\d+[\x00\t\n\x0c\r ]+obj\b", head[:1024]))
 
 
 class PdfError(Exception):
@@ -5544,7 +5545,8 @@ def pdf_sfnt_names(data, post):
         if data[post:post + 4] != b"\0\2\0\0":                # version 2.0: glyph names
             return texts
 
-        names = struct.unpack_from(">%dH" % struct.unpack_from(">H", data, post + 32)[0], data, post + 34)
+        names = struct.unpack_from(">%dH" % struct.unpack_from(">H", data, post + 32)[0],
+                                   data, post + 34)
         custom, at = [], post + 34 + 2 * len(names)
         while at < len(data) and len(custom) < 65536:
             custom.append(data[at + 1:at + 1 + data[at]].decode("latin-1"))
@@ -5579,13 +5581,15 @@ def pdf_sfnt_subtable(data, at):
                         gid = (code + delta) & 0xffff
                     else:
                         spot = ranges_at + 2 * k + offset + 2 * (code - start)
-                        gid = struct.unpack_from(">H", data, spot)[0] if spot + 2 <= len(data) else 0
+                        gid = (struct.unpack_from(">H", data, spot)[0] if spot + 2 <= len(data)
+                               else 0)
                         gid = (gid + delta) & 0xffff if gid else 0
                     if gid:
                         table[code] = gid
         elif fmt == 6:
             first, n = struct.unpack_from(">HH", data, at + 6)
-            table = {first + k: g for k, g in enumerate(struct.unpack_from(">%dH" % n, data, at + 10))}
+            table = {first + k: g
+                     for k, g in enumerate(struct.unpack_from(">%dH" % n, data, at + 10))}
         elif fmt == 12:
             n = struct.unpack_from(">I", data, at + 12)[0]
             for k in range(min(n, 65536)):
@@ -5607,8 +5611,9 @@ def pdf_mac_glyph(index):
         return chr(index + 29)
     if index < 226:
         return bytes([index + 30]).decode("mac_roman")
-    return "\u0141\u0142\u0160\u0161\u017d\u017e\u00a6\u00d0\u00f0\u00dd\u00fd\u00de\u00fe\u2212\u00d7\u00b9" \
-        "\u00b2\u00b3\u00bd\u00bc\u00be\u20a3\u011e\u011f\u0130\u015e\u015f\u0106\u0107\u010c\u010d\u0111"[index - 226]
+    return ("\u0141\u0142\u0160\u0161\u017d\u017e\u00a6\u00d0\u00f0\u00dd\u00fd\u00de\u00fe\u2212"
+            "\u00d7\u00b9\u00b2\u00b3\u00bd\u00bc\u00be\u20a3\u011e\u011f\u0130\u015e\u015f\u0106"
+            "\u0107\u010c\u010d\u0111"[index - 226])
 
 
 def pdf_encoding(name):
@@ -5622,7 +5627,8 @@ def pdf_encoding(name):
         return table
     table = {i: chr(i) for i in range(32, 127)}          # StandardEncoding
     table[0x27], table[0x60] = "\u2019", "\u2018"
-    table.update((0xa1 + i, pdf_glyph(g)) for i, g in enumerate(PDF_STANDARD_HIGH.split()) if g != "''")
+    table.update((0xa1 + i, pdf_glyph(g))
+                 for i, g in enumerate(PDF_STANDARD_HIGH.split()) if g != "''")
     return table
 
 
@@ -5731,8 +5737,9 @@ def pdf_unescape(m):
 # -- PDF: text and fonts ----------------------------------------------------------
 def pdf_mul(a, b):
     """The product of two PDF matrices [a b c d e f] (a, then b)."""
-    return [a[0] * b[0] + a[1] * b[2], a[0] * b[1] + a[1] * b[3], a[2] * b[0] + a[3] * b[2],
-            a[2] * b[1] + a[3] * b[3], a[4] * b[0] + a[5] * b[2] + b[4], a[4] * b[1] + a[5] * b[3] + b[5]]
+    return [a[0] * b[0] + a[1] * b[2], a[0] * b[1] + a[1] * b[3],
+            a[2] * b[0] + a[3] * b[2], a[2] * b[1] + a[3] * b[3],
+            a[4] * b[0] + a[5] * b[2] + b[4], a[4] * b[1] + a[5] * b[3] + b[5]]
 
 
 def pdf_lines(runs):
@@ -5771,8 +5778,8 @@ def pdf_lines(runs):
             back += len(text)
         x0, x1 = (x - 0.5 * size, x + 0.5 * size) if vertical else (min(x, ex), max(x, ex))
         run = (x0, x1, min(y, ey) - 0.2 * size, max(y, ey) + 0.8 * size)
-        box = run if box is None else (min(box[0], run[0]), max(box[1], run[1]), min(box[2], run[2]),
-                                       max(box[3], run[3]))
+        box = run if box is None else (min(box[0], run[0]), max(box[1], run[1]),
+                                       min(box[2], run[2]), max(box[3], run[3]))
         last = (x, y, ex, ey, size)
     if line:
         lines.append(("".join(line), back, box))
@@ -5910,7 +5917,8 @@ class PdfFont:
         # two bytes a code, whatever ToUnicode's ranges say
         if isinstance(enc, str) and "Identity" in name:
             self.spans = PDF_TWO_BYTES
-            cmap = {int.from_bytes(c, "big").to_bytes(2, "big"): t for c, t in cmap.items() if len(c) <= 2}
+            cmap = {int.from_bytes(c, "big").to_bytes(2, "big"): t
+                    for c, t in cmap.items() if len(c) <= 2}
         if name in ("H", "V") and not cmap:
             self.codec = "jis"                             # JIS X 0208 codes, two bytes
         if not cmap and "Identity" not in name and self.codec is None:
@@ -5961,9 +5969,9 @@ class PdfFont:
                 # a name like a224 or G41 at its own code: that code
                 if text is None:
                     m = re.match(r"[A-Za-z]{1,3}([0-9A-Fa-f]{2,3})$", item)
-                    if m and (m.group(1).isdigit() and int(m.group(1)) == code or int(m.group(1), 16) == code) \
-                            and code >= 32:
-                        text = bytes([code]).decode("cp1252", "replace").replace("\ufffd", "") or None
+                    if m and (m.group(1).isdigit() and int(m.group(1)) == code
+                              or int(m.group(1), 16) == code) and code >= 32:
+                        text = bytes([code]).decode("cp1252", "ignore") or None
                 if text is not None or code not in table:  # else unknown: the base encoding's stays
                     table[code] = text
                 code += 1
@@ -5997,8 +6005,8 @@ class PdfFont:
             self.default = missing * self.scale
         elif "Courier" in base:
             self.default = 0.6
-        metrics = PDF_METRICS.get("Times" if "Times" in base else "Helvetica" if "Helvetica" in base or "Arial" in base
-                                  else "")
+        metrics = PDF_METRICS.get("Times" if "Times" in base else
+                                  "Helvetica" if "Helvetica" in base or "Arial" in base else "")
         if metrics and not self.widths:
             self.widths = {32 + k: int(v) / 1000.0 for k, v in enumerate(metrics.split())}
         return base, descriptor
@@ -6019,7 +6027,8 @@ class PdfFont:
                 head = b""
             if b"/Encoding StandardEncoding" not in head:
                 builtin = {int(c): pdf_glyph(n.decode("latin-1"))
-                           for c, n in re.findall(rb"dup\s+(\d+)\s*/(\S+)\s+put", head) if int(c) < 256}
+                           for c, n in re.findall(rb"dup\s+(\d+)\s*/(\S+)\s+put", head)
+                           if int(c) < 256}
                 if builtin:
                     return builtin
         return pdf_encoding("WinAnsiEncoding" if subtype == "TrueType" else "StandardEncoding") \
@@ -6050,8 +6059,8 @@ class PdfFont:
         known = self.memo.get(s)
         if known is not None:
             return known
-        out = self.simple_codes(s) if not self.composite else self.codec_codes(s) if self.codec is not None else \
-            self.cid_codes(s)
+        out = self.simple_codes(s) if not self.composite else \
+            self.codec_codes(s) if self.codec is not None else self.cid_codes(s)
         if len(self.memo) < 100000:
             self.memo[s] = out
         return out
@@ -6060,7 +6069,8 @@ class PdfFont:
         """decode() in a simple font: a byte a code."""
         uni, widths, default = self.uni, self.widths, self.default
         # (code 32 with no glyph name: still a space)
-        parts = [uni.get(s[i:i + 1], chr(s[i]) if 32 <= s[i] < 127 and not uni or s[i] == 32 else "")
+        parts = [uni.get(s[i:i + 1],
+                         chr(s[i]) if 32 <= s[i] < 127 and not uni or s[i] == 32 else "")
                  for i in range(len(s))]
         width = sum(widths.get(b, default) for b in s)
         missing = sum(1 for i, t in enumerate(parts) if not t and (s[i] >= 32 or self.low))
@@ -6070,8 +6080,8 @@ class PdfFont:
 
     def codec_codes(self, s):
         """decode() in a composite font whose codes are a CJK encoding Python has a codec for."""
-        text = (b"\x1b$B" + s + b"\x1b(B").decode("iso2022_jp", "replace") if self.codec == "jis" else \
-            s.decode(self.codec, "replace")
+        text = (b"\x1b$B" + s + b"\x1b(B").decode("iso2022_jp", "replace") \
+            if self.codec == "jis" else s.decode(self.codec, "replace")
         missing = text.count("\ufffd")
         text = text.replace("\ufffd", "")
         return text, self.default * len(text), len(text), text.count(" "), missing
@@ -6121,14 +6131,16 @@ class PdfCMap(dict):
                 tokens.append(value)
                 continue
             pos, pairs = m.end(), list(zip(tokens[0::2], tokens[1::2]))
-            if word in (b"begincodespacerange", b"beginbfchar", b"beginbfrange", b"begincidrange", b"begincidchar"):
+            if word in (b"begincodespacerange", b"beginbfchar", b"beginbfrange", b"begincidrange",
+                        b"begincidchar"):
                 mode, tokens = word, []
                 continue
             if word in (b"endcidrange", b"endcidchar"):
                 self.cid_ranges(tokens, 3 if word == b"endcidrange" else 2)
             elif word == b"endcodespacerange":
-                self.spans += [(len(lo), lo, hi) for lo, hi in pairs if isinstance(lo, bytes)
-                               and isinstance(hi, bytes) and len(lo) == len(hi) and 0 < len(lo) <= 4]
+                self.spans += [(len(lo), lo, hi) for lo, hi in pairs
+                               if isinstance(lo, bytes) and isinstance(hi, bytes)
+                               and len(lo) == len(hi) and 0 < len(lo) <= 4]
             elif word == b"endbfchar":
                 self.update((src, pdf_unicode(dst)) for src, dst in pairs if isinstance(src, bytes))
             elif word == b"endbfrange":
@@ -6143,7 +6155,8 @@ class PdfCMap(dict):
         """A cidrange's codes (lo hi first: step 3) or a cidchar's (code first: step 2)."""
         for j in range(0, len(tokens) - step + 1, step):
             lo, hi, first = tokens[j], tokens[j + step - 2], tokens[j + step - 1]
-            if isinstance(lo, bytes) and isinstance(hi, bytes) and isinstance(first, int) and len(lo) == len(hi):
+            if (isinstance(lo, bytes) and isinstance(hi, bytes) and isinstance(first, int)
+                    and len(lo) == len(hi)):
                 a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
                 for k in range(min(b - a + 1, PDF_CMAP_MAX - len(self))):
                     if 0 < first + k < 0xd800 or 0xe000 <= first + k < 0x110000:
@@ -6153,7 +6166,7 @@ class PdfCMap(dict):
         """A bfrange's codes: lo hi, then a first destination or a list of them."""
         for j in range(0, len(tokens) - 2, 3):
             lo, hi, dst = tokens[j:j + 3]
-            if not isinstance(lo, bytes) or not isinstance(hi, bytes) or len(lo) != len(hi) or not lo:
+            if not (isinstance(lo, bytes) and isinstance(hi, bytes) and len(lo) == len(hi) and lo):
                 continue
             a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
             if b < a or b - a > PDF_CMAP_MAX - len(self):
@@ -6165,7 +6178,8 @@ class PdfCMap(dict):
                         self[src] = pdf_unicode(dst[k])
                 elif isinstance(dst, bytes) and dst:
                     v = int.from_bytes(dst, "big") + k
-                    self[src] = pdf_unicode(v.to_bytes(len(dst), "big") if v < 1 << (8 * len(dst)) else b"")
+                    self[src] = pdf_unicode(v.to_bytes(len(dst), "big")
+                                            if v < 1 << (8 * len(dst)) else b"")
 
 
 def pdf_unicode(dst):
