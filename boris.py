@@ -6196,7 +6196,8 @@ def pdf_unicode(dst):
 # -- PDF: filters and decryption --------------------------------------------------
 def pdf_lzw(data, room):
     """LZW-decoded bytes (early change), at most `room` + 1 of them."""
-    out, table, prev, bits, buf, nbits = bytearray(), [bytes([i]) for i in range(256)] + [b"", b""], b"", 9, 0, 0
+    table = [bytes([i]) for i in range(256)] + [b"", b""]
+    out, prev, bits, buf, nbits = bytearray(), b"", 9, 0, 0
     for byte in data:
         buf, nbits = (buf << 8) | byte, nbits + 8
         while nbits >= bits:
@@ -6300,7 +6301,8 @@ class PdfCrypt:
 
     def __init__(self, pdf, d):
         if not isinstance(d, dict) or d.get("Filter") != "Standard":
-            raise PdfError("encrypted with a security handler other than the standard one: it is not read")
+            raise PdfError("encrypted with a security handler other than the standard one: it is"
+                           " not read")
         v, r = pdf.entry(d, "V") or 0, pdf.entry(d, "R") or 0
         o, u = pdf.entry(d, "O") or b"", pdf.entry(d, "U") or b""
         cf = pdf.entry(d, "CF", dict) if v >= 4 else None      # (version 4 and up: crypt filters)
@@ -6324,7 +6326,8 @@ class PdfCrypt:
                 return pdf_aes_cbc(pdf_r6_hash(b"", check[40:48], r, udata), bytes(16),
                                    (pdf.entry(d, sealed) or b"")[:32])
 
-        raise PdfError("encrypted with a password: it is not read (only an empty password is tried)")
+        raise PdfError("encrypted with a password: it is not read (only an empty password is"
+                       " tried)")
 
     def md5_key(self, pdf, d, r, o, u):
         """The file key of revisions 2 to 4 (RC4, AES-128), by the empty user or owner password."""
@@ -6361,15 +6364,16 @@ class PdfCrypt:
                 secret = pdf_rc4(bytes(k ^ i for k in owner), secret)
             key = user(secret)
         if key is None:
-            raise PdfError("encrypted with a password: it is not read (only an empty password is tried)")
+            raise PdfError("encrypted with a password: it is not read (only an empty password is"
+                           " tried)")
         return key
 
     def object_key(self, ref):
         import hashlib
         if len(self.key) == 32:
             return self.key
-        h = hashlib.md5(self.key + ref[0].to_bytes(4, "little")[:3] + ref[1].to_bytes(4, "little")[:2] +
-                        (b"sAlT" if self.aes else b""))
+        h = hashlib.md5(self.key + ref[0].to_bytes(4, "little")[:3]
+                        + ref[1].to_bytes(4, "little")[:2] + (b"sAlT" if self.aes else b""))
         return h.digest()[:min(len(self.key) + 5, 16)]
 
     def data(self, key, data):
@@ -6437,11 +6441,13 @@ def pdf_libcrypto():
         # (its symbols and those of its libcrypto)
         crypto = ctypes.CDLL(getattr(_ssl, "__file__", None))
         p, i = ctypes.c_void_p, ctypes.c_int
-        crypto.EVP_CIPHER_CTX_new.restype = crypto.EVP_aes_128_cbc.restype = crypto.EVP_aes_256_cbc.restype = p
+        crypto.EVP_CIPHER_CTX_new.restype = p
+        crypto.EVP_aes_128_cbc.restype = crypto.EVP_aes_256_cbc.restype = p
         crypto.EVP_CIPHER_CTX_free.argtypes = [p]
         crypto.EVP_CipherInit_ex.argtypes = [p, p, p, ctypes.c_char_p, ctypes.c_char_p, i]
         crypto.EVP_CIPHER_CTX_set_padding.argtypes = [p, i]
-        crypto.EVP_CipherUpdate.argtypes = [p, ctypes.c_char_p, ctypes.POINTER(i), ctypes.c_char_p, i]
+        crypto.EVP_CipherUpdate.argtypes = [p, ctypes.c_char_p, ctypes.POINTER(i),
+                                            ctypes.c_char_p, i]
         return crypto
     except (ImportError, OSError, AttributeError):
         return None
@@ -6452,9 +6458,11 @@ def pdf_aes_cbc(key, iv, data, encrypt=False):
     import ctypes
     crypto = pdf_libcrypto()
     if crypto is None:
-        raise PdfError("encrypted with AES: reading it needs the OpenSSL library this Python's ssl module lacks")
+        raise PdfError("encrypted with AES: reading it needs the OpenSSL library this Python's"
+                       " ssl module lacks")
     data = data[:len(data) - len(data) % 16]
-    out, size, ctx = ctypes.create_string_buffer(len(data) + 16), ctypes.c_int(0), crypto.EVP_CIPHER_CTX_new()
+    out, size = ctypes.create_string_buffer(len(data) + 16), ctypes.c_int(0)
+    ctx = crypto.EVP_CIPHER_CTX_new()
     cipher = crypto.EVP_aes_128_cbc() if len(key) == 16 else crypto.EVP_aes_256_cbc()
     try:
         if not (ctx and crypto.EVP_CipherInit_ex(ctx, cipher, None, key, iv, int(encrypt)) == 1 and
@@ -6493,7 +6501,8 @@ class PdfText:
     def move(self, tx, ty):
         """The next line, (tx, ty) from this line's start (Td, T*, ' and ")."""
         lm = self.lm
-        self.lm = self.tm = [lm[0], lm[1], lm[2], lm[3], lm[4] + tx * lm[0] + ty * lm[2], lm[5] + tx * lm[1] + ty * lm[3]]
+        self.lm = self.tm = lm[:4] + [lm[4] + tx * lm[0] + ty * lm[2],
+                                      lm[5] + tx * lm[1] + ty * lm[3]]
 
 
 class Pdf(PdfParser):
@@ -6831,7 +6840,8 @@ class Pdf(PdfParser):
         self.annotations(page, runs)
         text = pdf_lines(runs)
         if self.unmapped:
-            text += "\n[not shown: %s whose font carries no map to text]" % plural(self.unmapped, "character")
+            text += "\n[not shown: %s whose font carries no map to text]" % plural(
+                self.unmapped, "character")
         return text.strip("\n")
 
     def field_value(self, annot, normal):
@@ -6868,11 +6878,13 @@ class Pdf(PdfParser):
             except (TypeError, ValueError, IndexError, KeyError):
                 continue
             kind, value = self.field_value(annot, normal)
-            if kind in ("Tx", "Ch") and isinstance(value, bytes) and (regenerate or not isinstance(normal, PdfStream)):
+            if kind in ("Tx", "Ch") and isinstance(value, bytes) and (
+                    regenerate or not isinstance(normal, PdfStream)):
                 size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", self.entry(annot, "DA", bytes) or b"")
                 size = float(size.group(1)) if size and float(size.group(1)) > 0 else 12.0
                 for k, line in enumerate(pdf_text_string(value).splitlines()):
-                    runs.append((x, y - k * size, x + 0.5 * size * len(line), y - k * size, size, line, False))
+                    runs.append((x, y - k * size, x + 0.5 * size * len(line), y - k * size, size,
+                                 line, False))
             elif isinstance(normal, PdfStream):
                 self.run(b"/ap Do", {"XObject": {"ap": normal}}, [1, 0, 0, 1, x, y], runs, 0, set())
 
@@ -6911,8 +6923,8 @@ class Pdf(PdfParser):
             op, pos = m.group(kind), m.end()
             if op == b"BI":                                   # an inline image: its data skipped
                 at = re.compile(rb"[\x00\t\n\x0c\r ]ID[\x00\t\n\x0c\r ]").search(data, pos)
-                stop = re.compile(rb"[\x00\t\n\x0c\r ]EI(?=[\x00\t\n\x0c\r ]|$)").search(data, at.end()) \
-                    if at else None
+                end_image = re.compile(rb"[\x00\t\n\x0c\r ]EI(?=[\x00\t\n\x0c\r ]|$)")
+                stop = end_image.search(data, at.end()) if at else None
                 pos = stop.end() if stop else end
             try:
                 self.operate(op, operands, st, stack)
@@ -6949,7 +6961,8 @@ class Pdf(PdfParser):
             st.restore(stack.pop())
 
         elif op in PDF_TEXT_PARAMETERS:
-            setattr(st, PDF_TEXT_PARAMETERS[op], float(operands[-1]) / (100.0 if op == b"Tz" else 1.0))
+            setattr(st, PDF_TEXT_PARAMETERS[op],
+                    float(operands[-1]) / (100.0 if op == b"Tz" else 1.0))
         elif op == b"Do":
             self.form(st, operands[-1])
 
@@ -6976,11 +6989,11 @@ class Pdf(PdfParser):
                 if font.vertical:                           # down a column: w1 x size + Tc + Tw
                     advance = font.down * codes * size - tc * codes - tw * spaces
                     x0, y0 = m0[4], m0[5]
-                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
+                    st.tm = tm[:4] + [tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
                 else:
                     advance = (width * size + tc * codes + tw * spaces) * th
                     x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
-                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
+                    st.tm = tm[:4] + [tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
                 m1 = pdf_mul(st.tm, ctm)
                 scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
                 if text:
@@ -6990,9 +7003,9 @@ class Pdf(PdfParser):
             elif isinstance(item, (int, float)):
                 shift = -item / 1000.0 * size * th
                 if font.vertical:                           # a positive number moves down
-                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[2] / th, tm[5] + shift * tm[3] / th]
+                    st.tm = tm[:4] + [tm[4] + shift * tm[2] / th, tm[5] + shift * tm[3] / th]
                 else:
-                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[0], tm[5] + shift * tm[1]]
+                    st.tm = tm[:4] + [tm[4] + shift * tm[0], tm[5] + shift * tm[1]]
 
     def form(self, st, name):
         """Do: a form XObject's content run inside the page (12 deep at most,
@@ -7021,7 +7034,8 @@ def pdf_job(job, emit):
         if not pages:
             raise PdfError("no pages found (a damaged file?)")
         if max(first, last) > len(pages):
-            raise ToolError(INVALID_INPUT, "pages %s: the PDF has %s" % (job["asked"], plural(len(pages), "page")))
+            raise ToolError(INVALID_INPUT, "pages %s: the PDF has %s"
+                            % (job["asked"], plural(len(pages), "page")))
         texts = []
         for page, resources in pages[first - 1:last]:
             try:
@@ -7033,13 +7047,15 @@ def pdf_job(job, emit):
                 texts.append("[this page could not be read: %s]" % pdf_failure(e))
         emit([{"count": len(pages), "title": pdf.info(), "texts": texts}])
     except PDF_DAMAGE + PDF_BUGS + (PdfError,) as e:
-        raise ToolError(IO_ERROR if isinstance(e, PDF_BUGS) else INVALID_INPUT, "not a readable PDF: %s%s" % (
-            pdf_failure(e), "; pdftotext reads it if installed" if isinstance(e, PDF_BUGS) else ""))
+        bug = isinstance(e, PDF_BUGS)
+        raise ToolError(IO_ERROR if bug else INVALID_INPUT, "not a readable PDF: %s%s" % (
+            pdf_failure(e), "; pdftotext reads it if installed" if bug else ""))
 
 
 # What a damaged file can raise inside the parser (that checks what it reads), and what only
 # a bug of the parser's can: the first is the file's fault, the second is logged as boris's.
-PDF_DAMAGE = (ValueError, IndexError, OverflowError, MemoryError, LookupError, ZeroDivisionError, RecursionError)
+PDF_DAMAGE = (ValueError, IndexError, OverflowError, MemoryError, LookupError, ZeroDivisionError,
+              RecursionError)
 PDF_BUGS = (TypeError, AttributeError, KeyError, NameError)
 
 
@@ -7052,7 +7068,9 @@ def pdf_failure(e):
             type(e).__name__, shorten(str(e), 120))
     if isinstance(e, RecursionError):
         return "its objects are nested too deeply"
-    return str(e) if isinstance(e, PdfError) else "%s: %s" % (type(e).__name__, shorten(str(e), 120))
+    if isinstance(e, PdfError):
+        return str(e)
+    return "%s: %s" % (type(e).__name__, shorten(str(e), 120))
 
 
 ###############################################################################
