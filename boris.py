@@ -3600,8 +3600,8 @@ class Watches:
             import ctypes
             buf = ctypes.create_string_buffer(256)
             ok = self.libc.statfs(os.fsencode(real), buf) == 0
-            fs_type = ctypes.c_long.from_buffer(buf).value
-            known = self.devs[dev] = ok and fs_type in LOCAL_FILESYSTEMS
+            f_type = ctypes.c_long.from_buffer(buf).value
+            known = self.devs[dev] = ok and f_type in LOCAL_FILESYSTEMS
         return known
 
     def watch(self, real, dev):
