@@ -3259,42 +3259,53 @@ SEARCH_BATCH = 1000                        # results a helper sends at a time
 SEARCH_IDLE_HELPERS = 2                    # search helpers kept warm for the next search
 SEARCH_SPLIT = 2000                        # a grep of more files searches them on every core,
 SEARCH_ROUND = 50000                       # ... walking this many at a time, then searching them
-DEADLINE_GRACE_S = 2.0                     # a helper past its job's deadline by this much ends itself
+# a helper past its job's deadline by this much ends itself
+DEADLINE_GRACE_S = 2.0
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
 GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
-IGNORE_CACHE_FILES = 4096              # ignore files a helper keeps compiled (unchanged ones are not re-read)
-LISTING_CACHE_ENTRIES = 400000         # entries of directory visits a helper keeps (~100 MB at most:
-#                                        an LRU smaller than a walk it repeats misses every time)
-GLOB_RESULTS_KEPT = 8                  # glob answers a helper keeps while nothing they came from changes
+# ignore files a helper keeps compiled (unchanged ones are not re-read)
+IGNORE_CACHE_FILES = 4096
+# entries of directory visits a helper keeps (~100 MB at most: an LRU smaller than a walk it repeats
+# misses every time)
+LISTING_CACHE_ENTRIES = 400000
+# glob answers a helper keeps while nothing they came from changes
+GLOB_RESULTS_KEPT = 8
 LISTING_RACY_S = 1.0                   # a directory changed this recently is walked again next time
 _REGEX_META = frozenset("\\.^$*+?{}[]|()")
 
 TYPES = {                      # ripgrep's globs for these languages, and a few more
     "c": "*.c *.h *.H *.c.in *.h.in *.cats",
-    "cpp": "*.C *.cpp *.cc *.cxx *.c++ *.h *.H *.hpp *.hh *.hxx *.h++ *.inl *.cppm *.ixx *.cpp.in *.hpp.in *.cc.in",
-    "cs": "*.cs *.csx", "css": "*.css *.scss *.sass *.less", "clojure": "*.clj *.cljs *.cljc *.cljx *.edn",
-    "cmake": "*.cmake CMakeLists.txt", "d": "*.d", "dart": "*.dart", "docker": "*Dockerfile* *.dockerfile",
-    "elixir": "*.ex *.exs *.eex", "elm": "*.elm", "erlang": "*.erl *.hrl", "fsharp": "*.fs *.fsi *.fsx",
-    "go": "*.go", "graphql": "*.graphql *.gql", "groovy": "*.groovy *.gradle", "haskell": "*.hs *.lhs *.hsc",
+    "cpp": "*.C *.cpp *.cc *.cxx *.c++ *.h *.H *.hpp *.hh *.hxx *.h++ *.inl *.cppm *.ixx *.cpp.in"
+           " *.hpp.in *.cc.in",
+    "cs": "*.cs *.csx", "css": "*.css *.scss *.sass *.less",
+    "clojure": "*.clj *.cljs *.cljc *.cljx *.edn", "cmake": "*.cmake CMakeLists.txt",
+    "d": "*.d", "dart": "*.dart", "docker": "*Dockerfile* *.dockerfile",
+    "elixir": "*.ex *.exs *.eex", "elm": "*.elm", "erlang": "*.erl *.hrl",
+    "fsharp": "*.fs *.fsi *.fsx", "go": "*.go", "graphql": "*.graphql *.gql",
+    "groovy": "*.groovy *.gradle", "haskell": "*.hs *.lhs *.hsc",
     "html": "*.html *.htm *.xhtml *.ejs", "java": "*.java *.jsp *.jspx *.properties",
     "js": "*.js *.jsx *.mjs *.cjs *.vue", "json": "*.json *.jsonc composer.lock", "julia": "*.jl",
     "kotlin": "*.kt *.kts", "lua": "*.lua",
     "make": "Makefile makefile GNUmakefile gnumakefile *.mk *.mak Makefile.am Makefile.in",
-    "markdown": "*.md *.markdown *.mdown *.mkdn *.mdx", "nim": "*.nim *.nimble *.nimf *.nims", "nix": "*.nix",
-    "objc": "*.m *.mm *.h", "ocaml": "*.ml *.mli *.mll *.mly", "perl": "*.pl *.pm *.t *.PL *.perl *.plh *.plx",
+    "markdown": "*.md *.markdown *.mdown *.mkdn *.mdx", "nim": "*.nim *.nimble *.nimf *.nims",
+    "nix": "*.nix", "objc": "*.m *.mm *.h", "ocaml": "*.ml *.mli *.mll *.mly",
+    "perl": "*.pl *.pm *.t *.PL *.perl *.plh *.plx",
     "php": "*.php *.php3 *.php4 *.php5 *.phtml", "proto": "*.proto", "py": "*.py *.pyi *.pyw",
-    "r": "*.r *.R *.Rmd *.Rnw", "ruby": "*.rb *.rbw *.rake *.gemspec Gemfile Rakefile .irbrc config.ru",
+    "r": "*.r *.R *.Rmd *.Rnw",
+    "ruby": "*.rb *.rbw *.rake *.gemspec Gemfile Rakefile .irbrc config.ru",
     "rust": "*.rs", "scala": "*.scala *.sc *.sbt",
-    "sh": "*.sh *.bash *.zsh *.csh *.ksh *.tcsh .bashrc .zshrc .bash_profile .bash_login .profile .zshenv"
-          " .zprofile .cshrc .kshrc",
+    "sh": "*.sh *.bash *.zsh *.csh *.ksh *.tcsh .bashrc .zshrc .bash_profile .bash_login .profile"
+          " .zshenv .zprofile .cshrc .kshrc",
     "sql": "*.sql *.psql", "svelte": "*.svelte", "swift": "*.swift",
     "tex": "*.tex *.sty *.cls *.bib *.ltx *.dtx *.ins", "toml": "*.toml Cargo.lock",
     "ts": "*.ts *.tsx *.mts *.cts", "txt": "*.txt", "vue": "*.vue",
-    "xml": "*.xml *.xsd *.xsl *.xslt *.dtd *.rng *.xml.dist *.svg", "yaml": "*.yaml *.yml", "zig": "*.zig",
+    "xml": "*.xml *.xsd *.xsl *.xslt *.dtd *.rng *.xml.dist *.svg", "yaml": "*.yaml *.yml",
+    "zig": "*.zig",
 }
-TYPE_ALIASES = {"python": "py", "typescript": "ts", "javascript": "js", "md": "markdown", "rs": "rust",
-                "rb": "ruby", "golang": "go", "c++": "cpp", "csharp": "cs", "shell": "sh", "bash": "sh",
-                "yml": "yaml", "kt": "kotlin", "hs": "haskell", "makefile": "make", "dockerfile": "docker"}
+TYPE_ALIASES = {"python": "py", "typescript": "ts", "javascript": "js", "md": "markdown",
+                "rs": "rust", "rb": "ruby", "golang": "go", "c++": "cpp", "csharp": "cs",
+                "shell": "sh", "bash": "sh", "yml": "yaml", "kt": "kotlin", "hs": "haskell",
+                "makefile": "make", "dockerfile": "docker"}
 
 
 def type_matcher(name):
@@ -3302,7 +3313,8 @@ def type_matcher(name):
     key = TYPE_ALIASES.get(name.lower(), name.lower())
     if key not in TYPES:
         raise ToolError(GREP_INVALID_TYPE, "unknown type %r; valid types: %s (aliases: %s)" % (
-            name, ", ".join(sorted(TYPES)), ", ".join("%s=%s" % kv for kv in sorted(TYPE_ALIASES.items()))))
+            name, ", ".join(sorted(TYPES)),
+            ", ".join("%s=%s" % kv for kv in sorted(TYPE_ALIASES.items()))))
     rx = re.compile("|".join("(?:%s)" % compile_glob(g).pattern for g in TYPES[key].split()))
     return lambda base: rx.match(base) is not None
 
@@ -3318,8 +3330,8 @@ class IgnoreFile:
         for raw in lines:
             line, neg, dir_only = ignore_pattern(raw)
             if line:                         # git matches bytes: '?' is one byte of UTF-8
-                self.rules.append((as_bytes(line[1:] if line.startswith("/") else line), neg, dir_only,
-                                   "/" in line))
+                self.rules.append((as_bytes(line[1:] if line.startswith("/") else line), neg,
+                                   dir_only, "/" in line))
         self.runs = self.combined(self.rules)
 
     @staticmethod
@@ -3349,7 +3361,8 @@ class IgnoreFile:
                     literal = not any(ch in pat for ch in "*?[\\")
                     if literal:
                         (paths if anchored else names).add(pat)
-                    elif not anchored and pat[0] == "*" and not any(ch in pat[1:] for ch in "*?[\\"):
+                    elif not anchored and pat[0] == "*" and not any(ch in pat[1:]
+                                                                    for ch in "*?[\\"):
                         suffixes.add(pat[1:])
                     else:
                         (by_path if anchored else by_name).append(pat)
@@ -3357,9 +3370,11 @@ class IgnoreFile:
                 for pat in paths:
                     head, _, tail = pat.rpartition("/")
                     within.setdefault(head + "/" if head else "", set()).add(tail)
-                deep = {}                    # path globs by how many components they match (None: any)
+                # path globs by how many components they match (None: any)
+                deep = {}
                 for pat in by_path:
-                    deep.setdefault(None if "**" in pat or "[" in pat else pat.count("/") + 1, []).append(pat)
+                    deep.setdefault(None if "**" in pat or "[" in pat else pat.count("/") + 1,
+                                    []).append(pat)
                 deep = {n: one_regex(pats) for n, pats in deep.items()}
                 tests.append((frozenset(names), tuple(suffixes), within, one_regex(by_name),
                               {n: rx for n, rx in deep.items() if rx is not None}))
@@ -3375,7 +3390,8 @@ class IgnoreFile:
             if name in names or suffixes and name.endswith(suffixes) \
                     or paths and name in paths.get(rel[:len(rel) - len(name)], ()) \
                     or by_name is not None and by_name.match(name) \
-                    or by_path and any(rx.match(rel) for rx in at_depth(by_path, rel.count("/") + 1)):
+                    or by_path and any(rx.match(rel)
+                                       for rx in at_depth(by_path, rel.count("/") + 1)):
                 return not neg
         return None
 
@@ -3428,7 +3444,8 @@ def one_regex(patterns):
         except ValueError:
             continue                         # git ignores a malformed pattern too
     try:
-        return re.compile("|".join("(?:%s)" % src for src in sources), re.DOTALL) if sources else None
+        return re.compile("|".join("(?:%s)" % src for src in sources),
+                          re.DOTALL) if sources else None
     except (re.error, RecursionError, OverflowError):
         pass                                 # one of them does not compile: find it, keep the rest
     kept = []
@@ -3491,8 +3508,8 @@ def same_objects(a, b):
 
 
 def ignored(stack, path, name, is_dir):
-    """The verdict of an ignore stack on a path: the innermost file with a matching rule decides; False
-    when none matches."""
+    """The verdict of an ignore stack on a path: the innermost file with a matching rule decides;
+    False when none matches."""
     for rules in reversed(stack):
         v = rules.verdict(path[len(child_prefix(rules.base)):], name, is_dir)
         if v is not None:
@@ -3520,14 +3537,18 @@ def ignored_among(stack, path, names, is_dir):
 # all pass through this kernel (not NFS, FUSE or other network filesystems).
 IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
 IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
-IN_DELETE_SELF, IN_MOVE_SELF, IN_Q_OVERFLOW, IN_IGNORED, IN_ISDIR = 0x400, 0x800, 0x4000, 0x8000, 0x40000000
+IN_DELETE_SELF, IN_MOVE_SELF, IN_Q_OVERFLOW = 0x400, 0x800, 0x4000
+IN_IGNORED, IN_ISDIR = 0x8000, 0x40000000
 IN_ONLYDIR, IN_DONT_FOLLOW = 0x01000000, 0x02000000
-IN_ENTRIES = IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE          # a directory's listing changed
+# a directory's listing changed
+IN_ENTRIES = IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
 IN_GONE = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED | IN_Q_OVERFLOW
-WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_ENTRIES | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR \
-    | IN_DONT_FOLLOW
-WATCHES_MAX = 100000                  # directories a helper watches, at most (and an 8th of the user's limit)
-LOCAL_FILESYSTEMS = frozenset((       # statfs f_type of filesystems whose changes all raise events here
+WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_ENTRIES | IN_DELETE_SELF | IN_MOVE_SELF \
+    | IN_ONLYDIR | IN_DONT_FOLLOW
+# directories a helper watches, at most (and an 8th of the user's limit)
+WATCHES_MAX = 100000
+# statfs f_type of filesystems whose changes all raise events here
+LOCAL_FILESYSTEMS = frozenset((
     0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0x794C7630, 0x2FC12FC1, 0xF2F52010, 0x52654973,
     0x3153464A, 0xCA451A4E, 0x858458F6, 0x4D44, 0x2011BAB0, 0x5346544E))
 # ext2-4, xfs, btrfs, tmpfs, overlayfs, zfs, f2fs, reiserfs, jfs, bcachefs, ramfs, vfat, exfat, ntfs
@@ -3552,7 +3573,8 @@ class Watches:
         self.wds, self.of = {}, {}                 # watch descriptor <-> directory
         self.clean, self.quiet, self.devs = {}, set(), {}
         self.limit = WATCHES_MAX
-        self.generation = 0                        # events taken so far: unchanged, nothing watched changed
+        # events taken so far: unchanged, nothing watched changed
+        self.generation = 0
 
     def open(self):
         """The inotify descriptor, opened now if need be; None where it is not to be had."""
@@ -3578,7 +3600,8 @@ class Watches:
             import ctypes
             buf = ctypes.create_string_buffer(256)
             ok = self.libc.statfs(os.fsencode(real), buf) == 0
-            known = self.devs[dev] = ok and ctypes.c_long.from_buffer(buf).value in LOCAL_FILESYSTEMS
+            f_type = ctypes.c_long.from_buffer(buf).value
+            known = self.devs[dev] = ok and f_type in LOCAL_FILESYSTEMS
         return known
 
     def watch(self, real, dev):
@@ -3590,7 +3613,8 @@ class Watches:
             return False
         wd = self.libc.inotify_add_watch(self.fd, os.fsencode(real), WATCH_MASK)
         if wd < 0 or self.wds.get(wd, real) != real:
-            return False                           # (the same directory by a second path: not trusted)
+            # (the same directory by a second path: not trusted)
+            return False
         self.wds[wd], self.of[real] = real, wd
         return True
 
@@ -3626,10 +3650,12 @@ class Watches:
         if name:
             at = child_prefix(d) + name
             if name == ".gitignore":
-                self.quiet.clear()             # what the directories below list may change, with no event there
+                # what the directories below list may change, with no event there
+                self.quiet.clear()
             elif mask & (IN_CREATE | IN_MOVED_TO) and (mask & IN_ISDIR or not self.alone(at)):
-                self.quiet.clear()             # a hard link to a file kept here, maybe (or made in a new directory,
-                                              # not watched yet): changes through it raise no event for that file
+                # a hard link to a file kept here, maybe (or made in a new directory, not watched
+                # yet): changes through it raise no event for that file
+                self.quiet.clear()
             if mask & IN_ISDIR and mask & (IN_DELETE | IN_MOVED_FROM):
                 self.forget(at)
         if mask & IN_ENTRIES or not name:
@@ -3661,7 +3687,8 @@ class Watches:
         self.wds, self.of, self.clean, self.quiet = {}, {}, {}, set()
 
     def file_watched(self, path):
-        """Whether the directory holding `path` is watched (so what is read of it now can be vouched for)."""
+        """Whether the directory holding `path` is watched (so what is read of it now can be
+        vouched for)."""
         return (path[:path.rfind("/")] or "/") in self.of
 
 
@@ -4094,7 +4121,8 @@ class Matcher:
         self.folded = False
         if not regex and (not ignore_case or pattern.isascii()):
             self.literal = (pattern.lower() if ignore_case else pattern).encode("utf-8")
-            self.folded = ignore_case                     # -i on ASCII: bytes.lower() and find, no regex
+            # -i on ASCII: bytes.lower() and find, no regex
+            self.folded = ignore_case
         else:
             self.compile(pattern, regex, ignore_case, multiline)
 
@@ -4103,19 +4131,24 @@ class Matcher:
         where the pattern means the same there."""
         src = self.python_regex(pattern) if regex else re.escape(pattern)
         if regex and not multiline:
-            src = self.drop_dot_stars(src)                     # '.*TODO.*' matches the lines 'TODO' does
-        flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0) | (re.DOTALL if multiline else 0)
+            # '.*TODO.*' matches the lines 'TODO' does
+            src = self.drop_dot_stars(src)
+        flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0) | (
+            re.DOTALL if multiline else 0)
         try:
             self.rx_text = re.compile(src, flags)
         except re.error as e:
-            raise ToolError(GREP_INVALID_PATTERN, "pattern %r is not a valid regular expression: %s; escape"
-                            " special characters or fix the syntax (the dialect is Python's re)"
-                            % (shorten(pattern), e))
+            raise ToolError(GREP_INVALID_PATTERN, "pattern %r is not a valid regular expression:"
+                            " %s; escape special characters or fix the syntax (the dialect is"
+                            " Python's re)" % (shorten(pattern), e))
         except (OverflowError, RecursionError, ValueError) as e:
-            raise ToolError(GREP_INVALID_PATTERN, "pattern %r cannot be compiled: %s" % (shorten(pattern), e))
-        if src.isascii() and not re.search(r"\\[sS]", src):          # \s differs between str and bytes
+            raise ToolError(GREP_INVALID_PATTERN,
+                            "pattern %r cannot be compiled: %s" % (shorten(pattern), e))
+        # \s differs between str and bytes
+        if src.isascii() and not re.search(r"\\[sS]", src):
             try:
-                self.rx = re.compile(src.encode("ascii"), flags)        # ASCII text: search the bytes as they are
+                # ASCII text: search the bytes as they are
+                self.rx = re.compile(src.encode("ascii"), flags)
             except (re.error, ValueError):
                 self.rx = None                                          # \u263A, \N{...}: text only
 
@@ -4162,7 +4195,8 @@ class Matcher:
                 return out
             s, e = m.span()
             if not self.multiline and hay.find(nl, s, e) >= 0:
-                s, e, pos = self.within_line(rx, hay, nl, s, end)      # spans lines: retry within its line
+                # spans lines: retry within its line
+                s, e, pos = self.within_line(rx, hay, nl, s, end)
                 if s is None:
                     continue
             out.append((s, e))
@@ -4187,15 +4221,18 @@ class Matcher:
         for other, python in REGEX_HINTS:
             m = re.search(r"(?<!\\)(?:\\\\)*(" + other + ")", pattern)
             if m:
-                raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses %s, which Python's re does not know; write %s"
-                                " instead" % (shorten(pattern), m.group(1), python))
+                raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses %s, which Python's re does"
+                                " not know; write %s instead"
+                                % (shorten(pattern), m.group(1), python))
         if re.search(r"\[[^\]]*&&", pattern):
-            raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses a class intersection (&&), which Python's re does"
-                            " not have; list the characters ([ac-z]) or use a lookahead ((?![b])[a-z])" % shorten(pattern))
+            raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses a class intersection (&&), which"
+                            " Python's re does not have; list the characters ([ac-z]) or use a"
+                            " lookahead ((?![b])[a-z])" % shorten(pattern))
 
         def posix(m):
             if m.group(1) not in POSIX_CLASSES:
-                raise ToolError(GREP_INVALID_PATTERN, "pattern %r uses the unknown class [:%s:]; known: %s"
+                raise ToolError(GREP_INVALID_PATTERN,
+                                "pattern %r uses the unknown class [:%s:]; known: %s"
                                 % (shorten(pattern), m.group(1), ", ".join(sorted(POSIX_CLASSES))))
             return POSIX_CLASSES[m.group(1)]
         return re.sub(r"(?<=[\[^\w\]-])\[:(\w+):\]", posix, pattern) if "[:" in pattern else pattern
@@ -4207,7 +4244,7 @@ class Matcher:
         core = src
         while core.startswith(".*"):
             core = core[3:] if core.startswith(".*?") else core[2:]
-        while core.endswith(".*") and not core.endswith("\\.*") and (len(core) == 2 or core[-3] != "\\"):
+        while core.endswith(".*") and not core.endswith("\\.*"):
             core = core[:-2]
         return core if core and "|" not in src else src
 
@@ -4238,7 +4275,8 @@ class LineRecords:
         """The records of one piece (haystack up to `end`, starting at line
         `first_line`) for its match spans."""
         nl = b"\n" if not isinstance(hay, str) else "\n"
-        starts, want = {}, {}                       # line number -> (start, stop); -> is a match line
+        # line number -> (start, stop); -> is a match line
+        starts, want = {}, {}
         for k, ls, le in self.matched_lines(hay, nl, end, first_line, spans):
             starts[k], want[k] = (ls, le), True
             kb = k
@@ -4276,7 +4314,8 @@ class LineRecords:
         surrogates, which scrub() turns into U+FFFD and counts), clipped."""
         text = hay[start:end]
         if not isinstance(text, str):
-            text = bytes(text).decode("utf-8", "surrogateescape")      # scrub() shows and counts the bad bytes
+            # scrub() shows and counts the bad bytes
+            text = bytes(text).decode("utf-8", "surrogateescape")
         return clip_line(text)
 
     @staticmethod
@@ -4321,17 +4360,20 @@ OUTLINE_EXTENSIONS = {ext: lang for lang, exts in {
     "markdown": "md markdown", "json": "json", "yaml": "yaml yml", "toml": "toml",
 }.items() for ext in exts.split()}
 OUTLINE_LANGUAGES = ", ".join(sorted(set(OUTLINE_EXTENSIONS.values())))       # as a sentence lists
-OUTLINE_DATA = frozenset(("markdown", "json", "yaml", "toml"))      # not listed by a directory outline
-_MODS = r"(?:(?:export|default|declare|abstract|public|private|protected|internal|static|final|sealed|" \
-        r"partial|async|override|virtual|readonly|open|data|inner|enum|annotation|suspend|inline|" \
+# not listed by a directory outline
+OUTLINE_DATA = frozenset(("markdown", "json", "yaml", "toml"))
+_MODS = r"(?:(?:export|default|declare|abstract|public|private|protected|internal|static|final|" \
+        r"sealed|partial|async|override|virtual|readonly|open|data|inner|enum|annotation|suspend|" \
+        r"inline|" \
         r"unsafe|extern|const|new|synchronized|native|strictfp|pub(?:\([\w:]+\))?)\s+)*"
-_NOT_CALLS = r"(?!(?:if|for|foreach|while|switch|catch|return|new|else|throw|do|sizeof|typeof|await|" \
-             r"delete|using|lock|fixed|when|with|function|super|this)\b)"
+_NOT_CALLS = r"(?!(?:if|for|foreach|while|switch|catch|return|new|else|throw|do|sizeof|typeof|" \
+             r"await|delete|using|lock|fixed|when|with|function|super|this)\b)"
 _DECL = r"^\s*" + _MODS
 _JS_MEMBER = (r"^\s+" + _MODS + r"(?:get\s+|set\s+|\*\s*)?#?" + _NOT_CALLS +
               r"[A-Za-z_$][\w$]*\s*(?:<[^>()=]*>)?\s*\([^=]*$")
 _JAVA_MEMBER = (r"^\s+(?:@\w+\s+)*" + _MODS + r"(?:<[^>]*>\s+)?" + _NOT_CALLS +
-                r"[\w<>\[\],.?]+(?:\s+[\w<>\[\],.?]+)*\s+" + _NOT_CALLS + r"\w+\s*\([^=;]*(?:;?\s*|[{].*)$")
+                r"[\w<>\[\],.?]+(?:\s+[\w<>\[\],.?]+)*\s+" + _NOT_CALLS +
+                r"\w+\s*\([^=;]*(?:;?\s*|[{].*)$")
 # language -> [(kind: 'class' (holds members), 'def', 'member' (only inside a
 # class), 'body' (a def that counts only with a body), regex)]; Python and Ruby
 # nest by indentation, the others by braces
@@ -4453,8 +4495,10 @@ class Outline:
             try:
                 self.python(text)
             except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
-                self.entries, self.note = [], "it does not parse as Python (%s), so definitions were found by" \
-                    " pattern" % ("line %s: %s" % (e.lineno, e.msg) if isinstance(e, SyntaxError) else type(e).__name__)
+                why = ("line %s: %s" % (e.lineno, e.msg) if isinstance(e, SyntaxError)
+                       else type(e).__name__)
+                self.entries, self.note = [], "it does not parse as Python (%s), so definitions" \
+                    " were found by pattern" % why
                 self.patterns()
         elif lang == "markdown":
             self.headings()
@@ -4475,14 +4519,16 @@ class Outline:
         OUTLINE_SIGNATURE_CHARS."""
         lines = self.lines
         text, j = lines[k].strip(), k
-        while text.count("(") > text.count(")") and j + 1 < len(lines) and j < k + 8 and lines[j + 1].strip():
+        while (text.count("(") > text.count(")") and j + 1 < len(lines) and j < k + 8
+               and lines[j + 1].strip()):
             j += 1
             text += " " + lines[j].strip()
         if j > k and text.count("(") > text.count(")"):
             text = lines[k].strip()             # no closing parenthesis near: the line alone
         elif j > k:
             text = re.sub(r"\(\s+", "(", re.sub(r",?\s+\)", ")", text))
-        return text if len(text) <= OUTLINE_SIGNATURE_CHARS else text[:OUTLINE_SIGNATURE_CHARS - 3] + "..."
+        return (text if len(text) <= OUTLINE_SIGNATURE_CHARS
+                else text[:OUTLINE_SIGNATURE_CHARS - 3] + "...")
 
     def python(self, text):
         """Python's definitions through ast: every def, async def and class at any depth
@@ -4491,13 +4537,15 @@ class Outline:
         stack = [(ast.parse(text), 0)]
         while stack:
             node, depth = stack.pop()
-            kids = [c for c in ast.iter_child_nodes(node) if isinstance(c, (ast.stmt, ast.excepthandler))
+            kids = [c for c in ast.iter_child_nodes(node)
+                    if isinstance(c, (ast.stmt, ast.excepthandler))
                     or type(c).__name__ == "match_case"]
             for child in reversed(kids):
                 is_def = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
                 if is_def:
                     start = min([d.lineno for d in child.decorator_list] + [child.lineno])
-                    self.entries.append((start, child.end_lineno, depth, self.signature(child.lineno - 1)))
+                    self.entries.append((start, child.end_lineno, depth,
+                                         self.signature(child.lineno - 1)))
                 stack.append((child, depth + 1 if is_def else depth))
         self.entries.sort(key=lambda e: (e[0], e[2]))
 
@@ -4568,7 +4616,8 @@ class Outline:
             else:
                 s = singles[quote].match(raw, pos)
                 if s is None:
-                    return (quote if raw.endswith("\\") else None), depth    # continued, or unclosed
+                    # continued, or unclosed
+                    return (quote if raw.endswith("\\") else None), depth
                 pos = s.end()
 
     # -- the patterns ------------------------------------------------------------
@@ -4584,8 +4633,10 @@ class Outline:
             code, in_block = self.code_of(raw, in_block)
             while self.stack and not self.stack[-1].opened and self.stack[-1].parens <= 0 and not \
                     code.lstrip().startswith("{"):
-                self.end(self.stack.pop(), None)          # a declaration without a body ends before this line
-            kind = None if was_in_block and not code.strip() else self.kind(rules, raw[:OUTLINE_LINE_CHARS])
+                # a declaration without a body ends before this line
+                self.end(self.stack.pop(), None)
+            kind = None if was_in_block and not code.strip() else self.kind(
+                rules, raw[:OUTLINE_LINE_CHARS])
             if kind:
                 self.add(i, kind)
             self.count(i, code)
@@ -4625,7 +4676,8 @@ class Outline:
             base, opened, parens = top.depth, top.opened, top.parens
             if not opened and peak > base:
                 top.opened = opened = True
-            if opened and self.depth <= base or not opened and parens <= 0 and code.rstrip().endswith(";"):
+            if opened and self.depth <= base or (not opened and parens <= 0
+                                                 and code.rstrip().endswith(";")):
                 self.end(self.stack.pop(), i)   # its closing brace, or the ';' of a declaration
             else:
                 break
@@ -4724,7 +4776,8 @@ class Outline:
         each to the line before the next (a JSON object's closing brace left out)."""
         lines, lang = self.lines, self.lang
         if lang == "json":
-            first = next((len(l) - len(l.lstrip()) for l in lines[1:] if l.strip().startswith('"')), None)
+            first = next((len(l) - len(l.lstrip()) for l in lines[1:] if l.strip().startswith('"')),
+                         None)
             if first is None or len(lines) < 3:         # one line: the keys, all on it
                 try:
                     keys = list(json.loads(text)) if text.lstrip().startswith("{") else []
@@ -4770,7 +4823,8 @@ class Outline:
             if k > offset:
                 size += len(outline_block(one)) + 1
                 if size > room:
-                    break                       # the page is full: this file is where the answer cuts
+                    # the page is full: this file is where the answer cuts
+                    break
             if len(batch) >= 50:
                 emit(batch)
                 batch = []
@@ -4785,14 +4839,14 @@ class Outline:
             fd, st = open_regular(real, real)
             try:
                 if st.st_size > max_size:
-                    return FileOutline(rel, lang, [], "%s, over --max-file-size: not read" % human_size(st.st_size),
-                                       0, FILE_TOO_LARGE)
+                    return FileOutline(rel, lang, [], "%s, over --max-file-size: not read"
+                                       % human_size(st.st_size), 0, FILE_TOO_LARGE)
                 data = read_fd(fd, max_size, real)
             finally:
                 os.close(fd)
         except (ToolError, OSError) as e:
-            return FileOutline(rel, lang, [], "not read: %s" % (e.message if isinstance(e, ToolError) else e.strerror),
-                               0, e.code if isinstance(e, ToolError) else IO_ERROR)
+            why, code = (e.message, e.code) if isinstance(e, ToolError) else (e.strerror, IO_ERROR)
+            return FileOutline(rel, lang, [], "not read: %s" % why, 0, code)
         if b"\x00" in data[:8192]:
             return FileOutline(rel, lang, [], "binary: not read", 0, INVALID_INPUT)
         text = data.decode("utf-8", "replace").replace("\r\n", "\n")
@@ -4813,8 +4867,9 @@ class Outline:
 # the renderer is an error, a spreadsheet stops at DOC_MAX_CELLS cells.
 
 DOC_FORMATS = {".docx": "Word document", ".docm": "Word document", ".xlsx": "Excel workbook",
-               ".xlsm": "Excel workbook", ".pptx": "PowerPoint presentation", ".pptm": "PowerPoint presentation",
-               ".odt": "OpenDocument text", ".ods": "OpenDocument spreadsheet", ".odp": "OpenDocument presentation"}
+               ".xlsm": "Excel workbook", ".pptx": "PowerPoint presentation",
+               ".pptm": "PowerPoint presentation", ".odt": "OpenDocument text",
+               ".ods": "OpenDocument spreadsheet", ".odp": "OpenDocument presentation"}
 OOXML_W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
 OOXML_S = "{http://schemas.openxmlformats.org/spreadsheetml/2006/main}"
 OOXML_P = "{http://schemas.openxmlformats.org/presentationml/2006/main}"
@@ -4837,7 +4892,8 @@ class Document:
         self.kind = os.path.splitext(path)[1].lower()
         try:
             self.zip = zipfile.ZipFile(f)
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, OverflowError) as e:
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError,
+                OverflowError) as e:
             raise ToolError(INVALID_INPUT, "not a readable %s (%s)" % (DOC_FORMATS[self.kind], e))
         self.notes = []                     # footnotes, in the order they are referred to
         self.cells = 0
@@ -4898,7 +4954,8 @@ class Document:
             try:
                 return ET.parse(part).getroot()
             except ET.ParseError as e:
-                raise ToolError(INVALID_INPUT, "its part %s is not well-formed XML (%s)" % (name, e))
+                raise ToolError(INVALID_INPUT,
+                                "its part %s is not well-formed XML (%s)" % (name, e))
 
     def each(self, name, tag):
         """The elements `tag` of part `name`, in order; none when there is no such part."""
@@ -4937,7 +4994,8 @@ class Document:
         styles = {}
         for style in self.each("word/styles.xml", W + "style"):
             name = style.find(W + "name")
-            styles[style.get(W + "styleId")] = (name.get(W + "val") if name is not None else "").lower()
+            styles[style.get(W + "styleId")] = (name.get(W + "val") if name is not None
+                                                else "").lower()
         notes = {note.get(W + "id"): " ".join(self.docx_text(p) for p in note.iter(W + "p")).strip()
                  for note in self.each("word/footnotes.xml", W + "footnote")
                  if note.get(W + "type") in (None, "normal")}
@@ -4964,7 +5022,8 @@ class Document:
                 if style == "title" or level:
                     out.append("#" * (int(level.group(1)) if level else 1) + " " + text)
                 elif props.find(W + "numPr") is not None or style.startswith("list"):
-                    out.append("  " * int(depth.get(W + "val", 0) if depth is not None else 0) + "- " + text)
+                    level = int(depth.get(W + "val", 0) if depth is not None else 0)
+                    out.append("  " * level + "- " + text)
                 else:
                     out.append(text)
             elif el.tag == W + "tbl":
@@ -4973,8 +5032,10 @@ class Document:
                     rows.append([])
                     for cell in row.findall(W + "tc"):
                         span = cell.find(W + "tcPr/" + W + "gridSpan")
-                        rows[-1].append(" ".join(self.docx_text(p).strip() for p in cell.iter(W + "p")).strip())
-                        rows[-1] += [""] * (min(int(span.get(W + "val", "1")), 64) - 1 if span is not None else 0)
+                        rows[-1].append(" ".join(self.docx_text(p).strip()
+                                                 for p in cell.iter(W + "p")).strip())
+                        rows[-1] += [""] * (min(int(span.get(W + "val", "1")), 64) - 1
+                                            if span is not None else 0)
                 out.append(markdown_table(rows))
             elif el.tag in (W + "sdt", W + "sdtContent", W + "customXml", W + "ins"):
                 out += self.docx_blocks(el, styles)
@@ -5119,7 +5180,8 @@ class Document:
         out = []
         if self.kind == ".ods":
             for table in doc.iter(ODF["table"] + "table"):
-                out.append(self.sheet(table.get(ODF["table"] + "name"), self.odf_rows(table, values=True)))
+                out.append(self.sheet(table.get(ODF["table"] + "name"),
+                                      self.odf_rows(table, values=True)))
                 if self.cells > DOC_MAX_CELLS:
                     out.append("[cells past %d left out]" % DOC_MAX_CELLS)
                     break
@@ -5140,14 +5202,16 @@ class Document:
             if el is skip:
                 continue
             if el.tag == T + "h":
-                out.append("#" * min(6, int(el.get(T + "outline-level", "1") or 1)) + " " + self.odf_text(el).strip())
+                level = min(6, int(el.get(T + "outline-level", "1") or 1))
+                out.append("#" * level + " " + self.odf_text(el).strip())
             elif el.tag == T + "p":
                 out.append(self.odf_text(el).strip())
             elif el.tag == T + "list":
                 items = []
                 for item in el:
                     for k, block in enumerate(b for b in self.odf_blocks(item, depth + 1) if b):
-                        items.append(block if block.lstrip().startswith("- ") and k else "  " * depth + "- " + block)
+                        items.append(block if block.lstrip().startswith("- ") and k
+                                     else "  " * depth + "- " + block)
                 out.append("\n".join(items))
             elif el.tag == ODF["table"] + "table":
                 out.append(markdown_table(self.odf_rows(el)))
@@ -5220,8 +5284,8 @@ class BoundedPart:
         start = re.search(rb"<[A-Za-z_]", head)
         if re.search(rb"<!DOCTYPE|<!ENTITY", head[:start.start()] if start else head, re.I) or \
                 (start is None and len(head) == 65536):
-            raise ToolError(INVALID_INPUT, "its part %s declares a DTD (entities), which these formats never"
-                                           " have: refused" % name)
+            raise ToolError(INVALID_INPUT, "its part %s declares a DTD (entities), which these"
+                                           " formats never have: refused" % name)
         self.head = head
 
     def read(self, size=-1):
@@ -5255,7 +5319,8 @@ def excel_date(value, epoch):
         days += 1                           # Excel's 1900-02-29, which never was
     base = datetime.datetime(1899, 12, 30) if epoch == 1900 else datetime.datetime(1904, 1, 1)
     moment = base + datetime.timedelta(days=days)
-    moment = moment.replace(microsecond=0) + datetime.timedelta(seconds=round(moment.microsecond / 1e6))
+    moment = moment.replace(microsecond=0) + datetime.timedelta(
+        seconds=round(moment.microsecond / 1e6))
     return moment.strftime("%Y-%m-%d" if moment.time() == datetime.time() else "%Y-%m-%d %H:%M:%S")
 
 
@@ -5263,8 +5328,10 @@ def markdown_table(rows):
     """Rows of cell text as a Markdown table, the first row its header; | and line breaks
     in a cell escaped so that each row stays one line."""
     width = max([len(r) for r in rows] + [1])
-    cell = lambda text: text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "<br>") or " "
-    lines = ["| " + " | ".join(cell(c) for c in list(r) + [""] * (width - len(r))) + " |" for r in rows] or ["|  |"]
+    cell = lambda text: (text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "")
+                         .replace("\n", "<br>") or " ")
+    lines = ["| " + " | ".join(cell(c) for c in list(r) + [""] * (width - len(r))) + " |"
+             for r in rows] or ["|  |"]
     return "\n".join([lines[0], "|" + "---|" * width] + lines[1:])
 
 
@@ -5281,7 +5348,8 @@ def markdown_table(rows):
 # bytes, nesting, forms within forms, CMap entries.
 
 PDF_INFLATED_MAX = 256 << 20               # bytes all streams of one PDF may inflate to
-PDF_DEPTH_MAX = 64                         # nesting of arrays and dictionaries, the page tree, forms
+# nesting of arrays and dictionaries, the page tree, forms
+PDF_DEPTH_MAX = 64
 PDF_PAGES_MAX = 100000
 PDF_CMAP_MAX = 1 << 20                     # entries a font's CMaps and widths may expand to
 PDF_TOKEN = re.compile(rb"(?:[\x00\t\n\x0c\r ]+|%[^\r\n]*)*(?:"
@@ -5295,66 +5363,74 @@ PDF_REF = re.compile(  # what makes a number the start of a reference: " g R" af
     rb"(?:[\x00\t\n\x0c\r ]|%[^\r\n]*)*R(?![^\x00\t\n\x0c\r ()<>\[\]{}/%])")
 PDF_STRING_ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"b": b"\b", b"f": b"\f"}
 PDF_LITERAL = re.compile(rb"\\([0-7]{1,3}|\r\n|.?)|[()]", re.S)    # an escape, or a parenthesis
-PDF_GLYPHS = (  # Adobe glyph names for what is not a letter (letters with accents and Greek are derived)
-    "space 20 exclam 21 quotedbl 22 numbersign 23 dollar 24 percent 25 ampersand 26 quotesingle 27 parenleft 28"
-    " parenright 29 asterisk 2a plus 2b comma 2c hyphen 2d period 2e slash 2f zero 30 one 31 two 32 three 33"
-    " four 34 five 35 six 36 seven 37 eight 38 nine 39 colon 3a semicolon 3b less 3c equal 3d greater 3e"
-    " question 3f at 40 bracketleft 5b backslash 5c bracketright 5d asciicircum 5e underscore 5f grave 60"
-    " braceleft 7b bar 7c braceright 7d asciitilde 7e nbspace a0 exclamdown a1 cent a2 sterling a3 currency a4"
-    " yen a5 brokenbar a6 section a7 dieresis a8 copyright a9 ordfeminine aa guillemotleft ab logicalnot ac"
-    " sfthyphen ad registered ae macron af degree b0 plusminus b1 twosuperior b2 threesuperior b3 acute b4"
-    " mu b5 paragraph b6 periodcentered b7 cedilla b8 onesuperior b9 ordmasculine ba guillemotright bb"
-    " onequarter bc onehalf bd threequarters be questiondown bf AE c6 Eth d0 multiply d7 Oslash d8 Thorn de"
-    " germandbls df ae e6 eth f0 divide f7 oslash f8 thorn fe dotlessi 131 Lslash 141 lslash 142 OE 152 oe 153"
-    " florin 192 dotlessj 237 circumflex 2c6 caron 2c7 breve 2d8 dotaccent 2d9 ring 2da ogonek 2db tilde 2dc"
-    " hungarumlaut 2dd endash 2013 emdash 2014 quoteleft 2018 quoteright 2019 quotesinglbase 201a"
-    " quotedblleft 201c quotedblright 201d quotedblbase 201e dagger 2020 daggerdbl 2021 bullet 2022"
-    " ellipsis 2026 perthousand 2030 guilsinglleft 2039 guilsinglright 203a fraction 2044 Euro 20ac"
-    " trademark 2122 minus 2212 ff fb00 fi fb01 fl fb02 ffi fb03 ffl fb04 arrowleft 2190 arrowup 2191"
-    " arrowright 2192 arrowdown 2193 partialdiff 2202 Delta 2206 product 220f summation 2211 radical 221a"
-    " infinity 221e integral 222b approxequal 2248 notequal 2260 lessequal 2264 greaterequal 2265 lozenge 25ca"
-    " Omega 2126 Dcroat 110 dcroat 111 visiblespace 2423 quotereversed 201b asteriskmath 2217 circlecopyrt a9"
-    " similar 223c element 2208 negationslash 338 prime 2032 nabla 2207 universal 2200 existential 2203"
-    " emptyset 2205 intersection 2229 union 222a propersubset 2282 reflexsubset 2286 propersuperset 2283"
-    " reflexsuperset 2287 logicaland 2227 logicalor 2228 angbracketleft 27e8 angbracketright 27e9 angleleft 2329"
-    " angleright 232a equivalence 2261 proportional 221d arrowdblright 21d2 arrowdblleft 21d0 arrowdblboth 21d4"
-    " arrowboth 2194 arrowdblup 21d1 arrowdbldown 21d3 epsilon1 3f5 phi1 3d5 theta1 3d1 openbullet 25e6"
-    " circledot 2299 circlemultiply 2297 circleplus 2295 circleminus 2296 owner 220b lessmuch 226a"
-    " greatermuch 226b turnstileleft 22a2 turnstileright 22a3 bardbl 2016 floorleft 230a floorright 230b"
-    " ceilingleft 2308 ceilingright 2309 arrownortheast 2197 arrowsoutheast 2198 aleph 2135 weierstrass 2118"
-    " Rfractur 211c Ifractur 2111 spade 2660 heart 2661 diamond 2662 club 2663 followsorequal 2ab0"
-    " precedesequal 2aaf follows 227b precedes 227a perpendicular 22a5 latticetop 22a4 angle 2220"
-    " therefore 2234 dotmath 22c5 minusplus 2213 mapsto 21a6"
-    " suchthat 220b")
+# Adobe glyph names for what is not a letter (letters with accents and Greek are derived)
+PDF_GLYPHS = (
+    "space 20 exclam 21 quotedbl 22 numbersign 23 dollar 24 percent 25 ampersand 26 quotesingle 27"
+    " parenleft 28 parenright 29 asterisk 2a plus 2b comma 2c hyphen 2d period 2e slash 2f zero 30"
+    " one 31 two 32 three 33 four 34 five 35 six 36 seven 37 eight 38 nine 39 colon 3a semicolon 3b"
+    " less 3c equal 3d greater 3e question 3f at 40 bracketleft 5b backslash 5c bracketright 5d"
+    " asciicircum 5e underscore 5f grave 60 braceleft 7b bar 7c braceright 7d asciitilde 7e"
+    " nbspace a0 exclamdown a1 cent a2 sterling a3 currency a4 yen a5 brokenbar a6 section a7"
+    " dieresis a8 copyright a9 ordfeminine aa guillemotleft ab logicalnot ac sfthyphen ad"
+    " registered ae macron af degree b0 plusminus b1 twosuperior b2 threesuperior b3 acute b4 mu b5"
+    " paragraph b6 periodcentered b7 cedilla b8 onesuperior b9 ordmasculine ba guillemotright bb"
+    " onequarter bc onehalf bd threequarters be questiondown bf AE c6 Eth d0 multiply d7 Oslash d8"
+    " Thorn de germandbls df ae e6 eth f0 divide f7 oslash f8 thorn fe dotlessi 131 Lslash 141"
+    " lslash 142 OE 152 oe 153 florin 192 dotlessj 237 circumflex 2c6 caron 2c7 breve 2d8"
+    " dotaccent 2d9 ring 2da ogonek 2db tilde 2dc hungarumlaut 2dd endash 2013 emdash 2014"
+    " quoteleft 2018 quoteright 2019 quotesinglbase 201a quotedblleft 201c quotedblright 201d"
+    " quotedblbase 201e dagger 2020 daggerdbl 2021 bullet 2022 ellipsis 2026 perthousand 2030"
+    " guilsinglleft 2039 guilsinglright 203a fraction 2044 Euro 20ac trademark 2122 minus 2212"
+    " ff fb00 fi fb01 fl fb02 ffi fb03 ffl fb04 arrowleft 2190 arrowup 2191 arrowright 2192"
+    " arrowdown 2193 partialdiff 2202 Delta 2206 product 220f summation 2211 radical 221a"
+    " infinity 221e integral 222b approxequal 2248 notequal 2260 lessequal 2264 greaterequal 2265"
+    " lozenge 25ca Omega 2126 Dcroat 110 dcroat 111 visiblespace 2423 quotereversed 201b"
+    " asteriskmath 2217 circlecopyrt a9 similar 223c element 2208 negationslash 338 prime 2032"
+    " nabla 2207 universal 2200 existential 2203 emptyset 2205 intersection 2229 union 222a"
+    " propersubset 2282 reflexsubset 2286 propersuperset 2283 reflexsuperset 2287 logicaland 2227"
+    " logicalor 2228 angbracketleft 27e8 angbracketright 27e9 angleleft 2329 angleright 232a"
+    " equivalence 2261 proportional 221d arrowdblright 21d2 arrowdblleft 21d0 arrowdblboth 21d4"
+    " arrowboth 2194 arrowdblup 21d1 arrowdbldown 21d3 epsilon1 3f5 phi1 3d5 theta1 3d1"
+    " openbullet 25e6 circledot 2299 circlemultiply 2297 circleplus 2295 circleminus 2296"
+    " owner 220b lessmuch 226a greatermuch 226b turnstileleft 22a2 turnstileright 22a3 bardbl 2016"
+    " floorleft 230a floorright 230b ceilingleft 2308 ceilingright 2309 arrownortheast 2197"
+    " arrowsoutheast 2198 aleph 2135 weierstrass 2118 Rfractur 211c Ifractur 2111 spade 2660"
+    " heart 2661 diamond 2662 club 2663 followsorequal 2ab0 precedesequal 2aaf follows 227b"
+    " precedes 227a perpendicular 22a5 latticetop 22a4 angle 2220 therefore 2234 dotmath 22c5"
+    " minusplus 2213 mapsto 21a6 suchthat 220b")
 PDF_STANDARD_HIGH = (  # StandardEncoding from 0xa1 ('' : no glyph)
-    "exclamdown cent sterling fraction yen florin section currency quotesingle quotedblleft guillemotleft"
-    " guilsinglleft guilsinglright fi fl '' endash dagger daggerdbl periodcentered '' paragraph bullet"
-    " quotesinglbase quotedblbase quotedblright guillemotright ellipsis perthousand '' questiondown '' grave"
-    " acute circumflex tilde macron breve dotaccent dieresis '' ring cedilla '' hungarumlaut ogonek caron emdash"
-    " " + "'' " * 16 + "AE '' ordfeminine '' '' '' '' Lslash Oslash OE ordmasculine '' '' '' '' '' ae '' '' ''"
+    "exclamdown cent sterling fraction yen florin section currency quotesingle quotedblleft"
+    " guillemotleft guilsinglleft guilsinglright fi fl '' endash dagger daggerdbl periodcentered ''"
+    " paragraph bullet quotesinglbase quotedblbase quotedblright guillemotright ellipsis"
+    " perthousand '' questiondown '' grave acute circumflex tilde macron breve dotaccent"
+    " dieresis '' ring cedilla '' hungarumlaut ogonek caron emdash " + "'' " * 16 +
+    "AE '' ordfeminine '' '' '' '' Lslash Oslash OE ordmasculine '' '' '' '' '' ae '' '' ''"
     " dotlessi '' '' lslash oslash oe germandbls")
 PDF_ACCENTS = {"": "", "GRAVE": "grave", "ACUTE": "acute", "CIRCUMFLEX": "circumflex",
-               "TILDE": "tilde",
-               "DIAERESIS": "dieresis", "RING ABOVE": "ring", "CEDILLA": "cedilla", "CARON": "caron",
-               "MACRON": "macron", "BREVE": "breve", "OGONEK": "ogonek", "DOT ABOVE": "dotaccent",
-               "DOUBLE ACUTE": "hungarumlaut", "STROKE": "slash"}
+               "TILDE": "tilde", "DIAERESIS": "dieresis", "RING ABOVE": "ring",
+               "CEDILLA": "cedilla", "CARON": "caron", "MACRON": "macron", "BREVE": "breve",
+               "OGONEK": "ogonek", "DOT ABOVE": "dotaccent", "DOUBLE ACUTE": "hungarumlaut",
+               "STROKE": "slash"}
 # A CMap name's part and the codec its codes are in (CNS: none here); the first match wins:
 # GBK-EUC-H is GBK
 PDF_CODECS = [part.split(":") for part in (
     "UTF16:utf-16-be UCS2:utf-16-be UTF8:utf-8 UTF32:utf-32-be RKSJ:cp932 GBK:gbk GB-EUC:gb2312"
     " GBpc-EUC:gb2312 GBT:gb18030 B5:cp950 KSC:cp949 UHC:cp949 CNS: EUC-H:euc_jp"
     " EUC-V:euc_jp").split()]
-PDF_METRICS = {  # widths of codes 32-126 in two of the standard 14 fonts, for PDFs that leave /Widths out
+# widths of codes 32-126 in two of the standard 14 fonts, for PDFs that leave /Widths out
+PDF_METRICS = {
     "Helvetica": (
-        "278 278 355 556 556 889 667 191 333 333 389 584 278 333 278 278 556 556 556 556 556 556 556 556 556 "
-        "556 278 278 584 584 584 556 1015 667 667 722 722 667 611 778 722 278 500 667 556 833 722 778 667 "
-        "778 722 667 611 722 667 944 667 667 611 278 278 278 469 556 333 556 556 500 556 556 278 556 556 222 "
-        "222 500 222 833 556 556 556 556 333 500 278 556 500 722 500 500 500 334 260 334 584 "),
+        "278 278 355 556 556 889 667 191 333 333 389 584 278 333 278 278 556 556 556 556 556 556 "
+        "556 556 556 556 278 278 584 584 584 556 1015 667 667 722 722 667 611 778 722 278 500 667 "
+        "556 833 722 778 667 778 722 667 611 722 667 944 667 667 611 278 278 278 469 556 333 556 "
+        "556 500 556 556 278 556 556 222 222 500 222 833 556 556 556 556 333 500 278 556 500 722 "
+        "500 500 500 334 260 334 584 "),
     "Times": (
-        "250 333 408 500 500 833 778 180 333 333 500 564 250 333 250 278 500 500 500 500 500 500 500 500 500 "
-        "500 278 278 564 564 564 444 921 722 667 667 722 611 556 722 722 333 389 722 611 889 722 722 556 722 "
-        "667 556 611 722 722 944 722 722 611 333 278 333 469 500 333 444 500 444 500 444 333 500 500 278 278 "
-        "500 278 778 500 500 500 500 333 389 278 500 500 722 500 500 444 480 200 480 541 ")}
+        "250 333 408 500 500 833 778 180 333 333 500 564 250 333 250 278 500 500 500 500 500 500 "
+        "500 500 500 500 278 278 564 564 564 444 921 722 667 667 722 611 556 722 722 333 389 722 "
+        "611 889 722 722 556 722 667 556 611 722 722 944 722 722 611 333 278 333 469 500 333 444 "
+        "500 444 500 444 333 500 500 278 278 500 278 778 500 500 500 500 333 389 278 500 500 722 "
+        "500 500 444 480 200 480 541 ")}
 PDF_NAMES = {}                              # glyph name -> text, filled at first use
 PDF_NUMBER = (int, float)
 PDF_TWO_BYTES = ((2, b"\x00\x00", b"\xff\xff"),)     # a codespace of two-byte codes, all of them
@@ -5362,9 +5438,11 @@ PDF_TWO_BYTES = ((2, b"\x00\x00", b"\xff\xff"),)     # a codespace of two-byte c
 
 def pdf_sniff(head, name):
     """Whether a file that begins with `head` is read as a PDF: it starts with %PDF-, or, named
-    .pdf, has that line (or its first objects, when a producer left the line out) in its first KB."""
+    .pdf, has that line (or its first objects, when a producer left the line out) in its first KB.
+    """
     return head.lstrip()[:5] == b"%PDF-" or name.lower().endswith(".pdf") and (
-        b"%PDF-" in head[:1024] or re.search(rb"\d+[\x00\t\n\x0c\r ]+\d+[\x00\t\n\x0c\r ]+obj\b", head[:1024]))
+        b"%PDF-" in head[:1024]
+        or re.search(rb"\d+[\x00\t\n\x0c\r ]+\d+[\x00\t\n\x0c\r ]+obj\b", head[:1024]))
 
 
 class PdfError(Exception):
@@ -5396,7 +5474,8 @@ class PdfStream:
 
 
 def pdf_glyph(name):
-    """The text of a glyph name (Adobe's names, uniXXXX, uXXXXX, ligatures as a_b); None if unknown."""
+    """The text of a glyph name (Adobe's names, uniXXXX, uXXXXX, ligatures as a_b);
+    None if unknown."""
     if not PDF_NAMES:
         import unicodedata
         words = PDF_GLYPHS.split()
@@ -5450,7 +5529,8 @@ def pdf_sfnt(data):
         return texts
     mapped = {}
     for _, at in sorted(subtables):
-        for code, gid in sorted(pdf_sfnt_subtable(data, at).items()):   # the best map's lowest code for a glyph
+        # the best map's lowest code for a glyph
+        for code, gid in sorted(pdf_sfnt_subtable(data, at).items()):
             if 0 < code < 0xd800 or 0xe000 <= code < 0x110000:
                 mapped.setdefault(gid, chr(code))
     texts.update(mapped)                                      # a character map over glyph names
@@ -5465,7 +5545,8 @@ def pdf_sfnt_names(data, post):
         if data[post:post + 4] != b"\0\2\0\0":                # version 2.0: glyph names
             return texts
 
-        names = struct.unpack_from(">%dH" % struct.unpack_from(">H", data, post + 32)[0], data, post + 34)
+        names = struct.unpack_from(">%dH" % struct.unpack_from(">H", data, post + 32)[0],
+                                   data, post + 34)
         custom, at = [], post + 34 + 2 * len(names)
         while at < len(data) and len(custom) < 65536:
             custom.append(data[at + 1:at + 1 + data[at]].decode("latin-1"))
@@ -5500,13 +5581,15 @@ def pdf_sfnt_subtable(data, at):
                         gid = (code + delta) & 0xffff
                     else:
                         spot = ranges_at + 2 * k + offset + 2 * (code - start)
-                        gid = struct.unpack_from(">H", data, spot)[0] if spot + 2 <= len(data) else 0
+                        gid = (struct.unpack_from(">H", data, spot)[0] if spot + 2 <= len(data)
+                               else 0)
                         gid = (gid + delta) & 0xffff if gid else 0
                     if gid:
                         table[code] = gid
         elif fmt == 6:
             first, n = struct.unpack_from(">HH", data, at + 6)
-            table = {first + k: g for k, g in enumerate(struct.unpack_from(">%dH" % n, data, at + 10))}
+            table = {first + k: g
+                     for k, g in enumerate(struct.unpack_from(">%dH" % n, data, at + 10))}
         elif fmt == 12:
             n = struct.unpack_from(">I", data, at + 12)[0]
             for k in range(min(n, 65536)):
@@ -5516,7 +5599,8 @@ def pdf_sfnt_subtable(data, at):
                 if len(table) >= PDF_CMAP_MAX:
                     break
     except struct.error:
-        pass                                                  # what was read before the damage stays
+        # what was read before the damage stays
+        pass
     return table
 
 
@@ -5527,8 +5611,9 @@ def pdf_mac_glyph(index):
         return chr(index + 29)
     if index < 226:
         return bytes([index + 30]).decode("mac_roman")
-    return "\u0141\u0142\u0160\u0161\u017d\u017e\u00a6\u00d0\u00f0\u00dd\u00fd\u00de\u00fe\u2212\u00d7\u00b9" \
-        "\u00b2\u00b3\u00bd\u00bc\u00be\u20a3\u011e\u011f\u0130\u015e\u015f\u0106\u0107\u010c\u010d\u0111"[index - 226]
+    return ("\u0141\u0142\u0160\u0161\u017d\u017e\u00a6\u00d0\u00f0\u00dd\u00fd\u00de\u00fe\u2212"
+            "\u00d7\u00b9\u00b2\u00b3\u00bd\u00bc\u00be\u20a3\u011e\u011f\u0130\u015e\u015f\u0106"
+            "\u0107\u010c\u010d\u0111"[index - 226])
 
 
 def pdf_encoding(name):
@@ -5542,13 +5627,15 @@ def pdf_encoding(name):
         return table
     table = {i: chr(i) for i in range(32, 127)}          # StandardEncoding
     table[0x27], table[0x60] = "\u2019", "\u2018"
-    table.update((0xa1 + i, pdf_glyph(g)) for i, g in enumerate(PDF_STANDARD_HIGH.split()) if g != "''")
+    table.update((0xa1 + i, pdf_glyph(g))
+                 for i, g in enumerate(PDF_STANDARD_HIGH.split()) if g != "''")
     return table
 
 
 
 def pdf_text_string(value):
-    """A PDF text string (the title): UTF-16 with its BOM, UTF-8 with its BOM, else PDFDocEncoding."""
+    """A PDF text string (the title): UTF-16 with its BOM, UTF-8 with its BOM,
+    else PDFDocEncoding."""
     if not isinstance(value, bytes):
         return ""
     if value[:2] in (b"\xfe\xff", b"\xff\xfe"):
@@ -5602,7 +5689,8 @@ class PdfParser:
                 return pdf_hex(data[end:close]), close + 1
             if what in (b"[", b"<<"):
                 return self.container(what == b"<<", end, depth)
-            return None, end                                   # '{' of a PostScript function: not text
+            # '{' of a PostScript function: not text
+            return None, end
         if kind == "word":
             return {b"true": True, b"false": False}.get(m.group(kind)), end
         return None, end                                       # a stray closing bracket
@@ -5625,7 +5713,8 @@ class PdfParser:
         return items, m.end()
 
     def literal(self, pos):
-        """(a literal string's bytes, its escapes undone, the offset after it) from just after its '('."""
+        """(a literal string's bytes, its escapes undone,
+        the offset after it) from just after its '('."""
         data, depth = self.data, 1
         for m in PDF_LITERAL.finditer(data, pos):
             depth += {b"(": 1, b")": -1}.get(m.group(), 0)
@@ -5648,8 +5737,9 @@ def pdf_unescape(m):
 # -- PDF: text and fonts ----------------------------------------------------------
 def pdf_mul(a, b):
     """The product of two PDF matrices [a b c d e f] (a, then b)."""
-    return [a[0] * b[0] + a[1] * b[2], a[0] * b[1] + a[1] * b[3], a[2] * b[0] + a[3] * b[2],
-            a[2] * b[1] + a[3] * b[3], a[4] * b[0] + a[5] * b[2] + b[4], a[4] * b[1] + a[5] * b[3] + b[5]]
+    return [a[0] * b[0] + a[1] * b[2], a[0] * b[1] + a[1] * b[3],
+            a[2] * b[0] + a[3] * b[2], a[2] * b[1] + a[3] * b[3],
+            a[4] * b[0] + a[5] * b[2] + b[4], a[4] * b[1] + a[5] * b[3] + b[5]]
 
 
 def pdf_lines(runs):
@@ -5660,7 +5750,8 @@ def pdf_lines(runs):
     is turned to read (pdf_bidi)."""
     lines, line, last, back, box = [], [], None, 0, None
     for x, y, ex, ey, size, text, vertical in runs:
-        if text.isspace():                          # a space drawn alone starts no line; with a width, it is one
+        # a space drawn alone starts no line; with a width, it is one
+        if text.isspace():
             if line and not line[-1][-1:].isspace() and abs(ex - x) + abs(ey - y) > 0.01 * size:
                 line.append(" ")
             continue
@@ -5683,11 +5774,12 @@ def pdf_lines(runs):
                 line, back, box = [], 0, None
         line.append(text)
         if ex < x and abs(ex - x) > abs(ey - y):
-            back += len(text)                                 # drawn right to left: already in reading order
+            # drawn right to left: already in reading order
+            back += len(text)
         x0, x1 = (x - 0.5 * size, x + 0.5 * size) if vertical else (min(x, ex), max(x, ex))
         run = (x0, x1, min(y, ey) - 0.2 * size, max(y, ey) + 0.8 * size)
-        box = run if box is None else (min(box[0], run[0]), max(box[1], run[1]), min(box[2], run[2]),
-                                       max(box[3], run[3]))
+        box = run if box is None else (min(box[0], run[0]), max(box[1], run[1]),
+                                       min(box[2], run[2]), max(box[3], run[3]))
         last = (x, y, ex, ey, size)
     if line:
         lines.append(("".join(line), back, box))
@@ -5709,7 +5801,8 @@ def pdf_reading_order(boxes):
     out, stack = [], [list(range(len(boxes)))]
     while stack:
         group = stack.pop()
-        if len(group) < 2:                                          # (a line alone: no cut to look for)
+        # (a line alone: no cut to look for)
+        if len(group) < 2:
             out.extend(group)
             continue
         best = None
@@ -5721,8 +5814,10 @@ def pdf_reading_order(boxes):
                 if lo - reach >= least and (best is None or lo - reach > best[0]):
                     best = (lo - reach, axis, (reach + lo) / 2.0)
                 reach = max(reach, hi)
-        if best is None:                                            # one column (a span every line crosses):
-            if max(boxes[i][0] for i in group) < min(boxes[i][1] for i in group):     # its lines top first
+        # one column (a span every line crosses):
+        if best is None:
+            # its lines top first
+            if max(boxes[i][0] for i in group) < min(boxes[i][1] for i in group):
                 group.sort(key=lambda i: -boxes[i][3])
             out.extend(group)
             continue
@@ -5753,7 +5848,8 @@ def pdf_bidi(line):
         if k in ("L", "EN", "AN") or run and k not in ("R", "AL", "NSM"):
             run.append(c)
             continue
-        tail = []                                             # spaces after a Latin run stay where they are
+        # spaces after a Latin run stay where they are
+        tail = []
         while run and unicodedata.bidirectional(run[-1]) not in ("L", "EN", "AN"):
             tail.append(run.pop())
         out += run[::-1] + tail[::-1] + [c]
@@ -5769,9 +5865,11 @@ class PdfFont:
 
     def __init__(self, pdf, d):
         self.vertical, self.down, self.scale = False, 1.0, 0.001
-        self.em = 1.0                                      # the font's em in text space units of one point
+        # the font's em in text space units of one point
+        self.em = 1.0
         self.memo, self.widths, self.default, self.uni = {}, {}, 0.5, {}
-        self.codec, self.spans = None, []                   # a CJK codec; codespace ranges [(n, lo, hi)]
+        # a CJK codec; codespace ranges [(n, lo, hi)]
+        self.codec, self.spans = None, []
         subtype, tounicode = pdf.entry(d, "Subtype"), pdf.entry(d, "ToUnicode")
         self.composite = subtype == "Type0"
         cmap = {}
@@ -5797,7 +5895,8 @@ class PdfFont:
         self.spans = self.spans or PDF_TWO_BYTES
         if not cmap and self.codec is None and ("Identity" in name or not name):
             # no ToUnicode, codes that are CIDs: the embedded font's own map,
-            cmap = self.embedded(pdf, kid)               # else the ASCII block of Adobe's CJK collections
+            # else the ASCII block of Adobe's CJK collections
+            cmap = self.embedded(pdf, kid)
             ordering = pdf.entry(pdf.entry(kid, "CIDSystemInfo"), "Ordering")
             if not cmap and ordering in (b"Japan1", b"GB1", b"CNS1", b"Korea1"):
                 cmap = {cid.to_bytes(2, "big"): chr(cid + 31) for cid in range(1, 96)}
@@ -5815,9 +5914,11 @@ class PdfFont:
             except PdfError:
                 pass
         self.vertical = name.endswith("-V")
-        if isinstance(enc, str) and "Identity" in name:  # two bytes a code, whatever ToUnicode's ranges say
+        # two bytes a code, whatever ToUnicode's ranges say
+        if isinstance(enc, str) and "Identity" in name:
             self.spans = PDF_TWO_BYTES
-            cmap = {int.from_bytes(c, "big").to_bytes(2, "big"): t for c, t in cmap.items() if len(c) <= 2}
+            cmap = {int.from_bytes(c, "big").to_bytes(2, "big"): t
+                    for c, t in cmap.items() if len(c) <= 2}
         if name in ("H", "V") and not cmap:
             self.codec = "jis"                             # JIS X 0208 codes, two bytes
         if not cmap and "Identity" not in name and self.codec is None:
@@ -5830,7 +5931,8 @@ class PdfFont:
         self.default = (dw if dw is not None else 1000) / 1000.0
         dw2 = pdf.entry(kid, "DW2", list)
         if dw2 and len(dw2) == 2 and isinstance(get(dw2[1]), PDF_NUMBER):
-            self.down = -get(dw2[1]) / 1000.0         # a glyph's advance down a column (w1 is negative)
+            # a glyph's advance down a column (w1 is negative)
+            self.down = -get(dw2[1]) / 1000.0
         w = pdf.entry(kid, "W", list) or []
         i = 0
         while i + 1 < len(w) and len(self.widths) < PDF_CMAP_MAX:
@@ -5850,7 +5952,8 @@ class PdfFont:
                 break
 
     def simple_font(self, pdf, d, subtype, cmap):
-        """A simple font's codes (one byte each: its encoding, Differences, ToUnicode) and widths."""
+        """A simple font's codes (one byte each: its encoding, Differences, ToUnicode)
+        and widths."""
         base, descriptor = self.simple_widths(pdf, d, subtype)
         enc = pdf.entry(d, "Encoding")
         differences = pdf.entry(enc, "Differences", list) or []
@@ -5863,11 +5966,12 @@ class PdfFont:
                 code = item
             elif isinstance(item, str) and 0 <= code < 256:
                 text = pdf_glyph(item)
-                if text is None:                          # a name like a224 or G41 at its own code: that code
+                # a name like a224 or G41 at its own code: that code
+                if text is None:
                     m = re.match(r"[A-Za-z]{1,3}([0-9A-Fa-f]{2,3})$", item)
-                    if m and (m.group(1).isdigit() and int(m.group(1)) == code or int(m.group(1), 16) == code) \
-                            and code >= 32:
-                        text = bytes([code]).decode("cp1252", "replace").replace("\ufffd", "") or None
+                    if m and (m.group(1).isdigit() and int(m.group(1)) == code
+                              or int(m.group(1), 16) == code) and code >= 32:
+                        text = bytes([code]).decode("cp1252", "ignore") or None
                 if text is not None or code not in table:  # else unknown: the base encoding's stays
                     table[code] = text
                 code += 1
@@ -5875,7 +5979,8 @@ class PdfFont:
             if len(c) == 1:
                 table[c[0]] = text
         self.uni = {bytes([c]): t for c, t in table.items() if t is not None}
-        self.low = any(c < 32 for c in table)                 # control codes drawn as glyphs in this font
+        # control codes drawn as glyphs in this font
+        self.low = any(c < 32 for c in table)
         self.spans = []
 
     def simple_widths(self, pdf, d, subtype):
@@ -5890,7 +5995,8 @@ class PdfFont:
             if isinstance(v, PDF_NUMBER):
                 self.widths[first + k] = v * self.scale
         drawn = sorted(w for w in self.widths.values() if w > 0)
-        if subtype == "Type3" and drawn:                 # glyphs drawn in units of their own: an em from their widths
+        # glyphs drawn in units of their own: an em from their widths
+        if subtype == "Type3" and drawn:
             self.em = 2 * drawn[len(drawn) // 2]
         base = str(pdf.entry(d, "BaseFont") or "")
         descriptor = pdf.entry(d, "FontDescriptor", dict) or {}
@@ -5899,8 +6005,8 @@ class PdfFont:
             self.default = missing * self.scale
         elif "Courier" in base:
             self.default = 0.6
-        metrics = PDF_METRICS.get("Times" if "Times" in base else "Helvetica" if "Helvetica" in base or "Arial" in base
-                                  else "")
+        metrics = PDF_METRICS.get("Times" if "Times" in base else
+                                  "Helvetica" if "Helvetica" in base or "Arial" in base else "")
         if metrics and not self.widths:
             self.widths = {32 + k: int(v) / 1000.0 for k, v in enumerate(metrics.split())}
         return base, descriptor
@@ -5921,7 +6027,8 @@ class PdfFont:
                 head = b""
             if b"/Encoding StandardEncoding" not in head:
                 builtin = {int(c): pdf_glyph(n.decode("latin-1"))
-                           for c, n in re.findall(rb"dup\s+(\d+)\s*/(\S+)\s+put", head) if int(c) < 256}
+                           for c, n in re.findall(rb"dup\s+(\d+)\s*/(\S+)\s+put", head)
+                           if int(c) < 256}
                 if builtin:
                     return builtin
         return pdf_encoding("WinAnsiEncoding" if subtype == "TrueType" else "StandardEncoding") \
@@ -5952,8 +6059,8 @@ class PdfFont:
         known = self.memo.get(s)
         if known is not None:
             return known
-        out = self.simple_codes(s) if not self.composite else self.codec_codes(s) if self.codec is not None else \
-            self.cid_codes(s)
+        out = self.simple_codes(s) if not self.composite else \
+            self.codec_codes(s) if self.codec is not None else self.cid_codes(s)
         if len(self.memo) < 100000:
             self.memo[s] = out
         return out
@@ -5961,17 +6068,20 @@ class PdfFont:
     def simple_codes(self, s):
         """decode() in a simple font: a byte a code."""
         uni, widths, default = self.uni, self.widths, self.default
-        parts = [uni.get(s[i:i + 1], chr(s[i]) if 32 <= s[i] < 127 and not uni or s[i] == 32 else "")
-                 for i in range(len(s))]                      # (code 32 with no glyph name: still a space)
+        # (code 32 with no glyph name: still a space)
+        parts = [uni.get(s[i:i + 1],
+                         chr(s[i]) if 32 <= s[i] < 127 and not uni or s[i] == 32 else "")
+                 for i in range(len(s))]
         width = sum(widths.get(b, default) for b in s)
         missing = sum(1 for i, t in enumerate(parts) if not t and (s[i] >= 32 or self.low))
+        # (a glyph with no text, a width of its own: parts words)
         return ("".join(t or (" " if widths.get(s[i], 0) > 0 else "") for i, t in enumerate(parts)),
-                width, len(s), s.count(32), missing)           # (a glyph with no text, a width of its own: parts words)
+                width, len(s), s.count(32), missing)
 
     def codec_codes(self, s):
         """decode() in a composite font whose codes are a CJK encoding Python has a codec for."""
-        text = (b"\x1b$B" + s + b"\x1b(B").decode("iso2022_jp", "replace") if self.codec == "jis" else \
-            s.decode(self.codec, "replace")
+        text = (b"\x1b$B" + s + b"\x1b(B").decode("iso2022_jp", "replace") \
+            if self.codec == "jis" else s.decode(self.codec, "replace")
         missing = text.count("\ufffd")
         text = text.replace("\ufffd", "")
         return text, self.default * len(text), len(text), text.count(" "), missing
@@ -5992,10 +6102,12 @@ class PdfFont:
             i += n
             t, w = uni.get(c), widths.get(int.from_bytes(c, "big"), default)
             if t is None and n == 1:
-                t = uni.get(b"\x00" + c)                       # a one-byte code, ToUnicode's keys two bytes
+                # a one-byte code, ToUnicode's keys two bytes
+                t = uni.get(b"\x00" + c)
             if t is None:
                 missing += 1
-            parts.append(t or (" " if w > 0 else ""))           # (a glyph with no text still parts words)
+            # (a glyph with no text still parts words)
+            parts.append(t or (" " if w > 0 else ""))
             width += w
         spaces = s.count(32) if all(n == 1 for n, _, _ in spans) else 0
         return "".join(parts), width, len(parts), spaces, missing
@@ -6019,14 +6131,16 @@ class PdfCMap(dict):
                 tokens.append(value)
                 continue
             pos, pairs = m.end(), list(zip(tokens[0::2], tokens[1::2]))
-            if word in (b"begincodespacerange", b"beginbfchar", b"beginbfrange", b"begincidrange", b"begincidchar"):
+            if word in (b"begincodespacerange", b"beginbfchar", b"beginbfrange", b"begincidrange",
+                        b"begincidchar"):
                 mode, tokens = word, []
                 continue
             if word in (b"endcidrange", b"endcidchar"):
                 self.cid_ranges(tokens, 3 if word == b"endcidrange" else 2)
             elif word == b"endcodespacerange":
-                self.spans += [(len(lo), lo, hi) for lo, hi in pairs if isinstance(lo, bytes)
-                               and isinstance(hi, bytes) and len(lo) == len(hi) and 0 < len(lo) <= 4]
+                self.spans += [(len(lo), lo, hi) for lo, hi in pairs
+                               if isinstance(lo, bytes) and isinstance(hi, bytes)
+                               and len(lo) == len(hi) and 0 < len(lo) <= 4]
             elif word == b"endbfchar":
                 self.update((src, pdf_unicode(dst)) for src, dst in pairs if isinstance(src, bytes))
             elif word == b"endbfrange":
@@ -6041,7 +6155,8 @@ class PdfCMap(dict):
         """A cidrange's codes (lo hi first: step 3) or a cidchar's (code first: step 2)."""
         for j in range(0, len(tokens) - step + 1, step):
             lo, hi, first = tokens[j], tokens[j + step - 2], tokens[j + step - 1]
-            if isinstance(lo, bytes) and isinstance(hi, bytes) and isinstance(first, int) and len(lo) == len(hi):
+            if (isinstance(lo, bytes) and isinstance(hi, bytes) and isinstance(first, int)
+                    and len(lo) == len(hi)):
                 a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
                 for k in range(min(b - a + 1, PDF_CMAP_MAX - len(self))):
                     if 0 < first + k < 0xd800 or 0xe000 <= first + k < 0x110000:
@@ -6051,7 +6166,7 @@ class PdfCMap(dict):
         """A bfrange's codes: lo hi, then a first destination or a list of them."""
         for j in range(0, len(tokens) - 2, 3):
             lo, hi, dst = tokens[j:j + 3]
-            if not isinstance(lo, bytes) or not isinstance(hi, bytes) or len(lo) != len(hi) or not lo:
+            if not (isinstance(lo, bytes) and isinstance(hi, bytes) and len(lo) == len(hi) and lo):
                 continue
             a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
             if b < a or b - a > PDF_CMAP_MAX - len(self):
@@ -6063,7 +6178,8 @@ class PdfCMap(dict):
                         self[src] = pdf_unicode(dst[k])
                 elif isinstance(dst, bytes) and dst:
                     v = int.from_bytes(dst, "big") + k
-                    self[src] = pdf_unicode(v.to_bytes(len(dst), "big") if v < 1 << (8 * len(dst)) else b"")
+                    self[src] = pdf_unicode(v.to_bytes(len(dst), "big")
+                                            if v < 1 << (8 * len(dst)) else b"")
 
 
 def pdf_unicode(dst):
@@ -6080,7 +6196,8 @@ def pdf_unicode(dst):
 # -- PDF: filters and decryption --------------------------------------------------
 def pdf_lzw(data, room):
     """LZW-decoded bytes (early change), at most `room` + 1 of them."""
-    out, table, prev, bits, buf, nbits = bytearray(), [bytes([i]) for i in range(256)] + [b"", b""], b"", 9, 0, 0
+    table = [bytes([i]) for i in range(256)] + [b"", b""]
+    out, prev, bits, buf, nbits = bytearray(), b"", 9, 0, 0
     for byte in data:
         buf, nbits = (buf << 8) | byte, nbits + 8
         while nbits >= bits:
@@ -6119,7 +6236,8 @@ def pdf_ascii85(data):
     data = data.split(b"~>")[0]
     try:
         return base64.a85decode(data)
-    except ValueError:                                        # damaged: what decodes before the first bad group
+    except ValueError:
+        # damaged: what decodes before the first bad group
         out = bytearray()
         for group in re.findall(rb"z|[!-u]{5}", re.match(rb"(?:z|[!-u]{5})*", data).group()):
             try:
@@ -6183,7 +6301,8 @@ class PdfCrypt:
 
     def __init__(self, pdf, d):
         if not isinstance(d, dict) or d.get("Filter") != "Standard":
-            raise PdfError("encrypted with a security handler other than the standard one: it is not read")
+            raise PdfError("encrypted with a security handler other than the standard one: it is"
+                           " not read")
         v, r = pdf.entry(d, "V") or 0, pdf.entry(d, "R") or 0
         o, u = pdf.entry(d, "O") or b"", pdf.entry(d, "U") or b""
         cf = pdf.entry(d, "CF", dict) if v >= 4 else None      # (version 4 and up: crypt filters)
@@ -6201,12 +6320,14 @@ class PdfCrypt:
         """The file key of revisions 5 and 6 (AES-256), by the empty user or owner password."""
         if len(u) < 48:
             raise PdfError("a damaged encryption dictionary (/U)")
-        for check, sealed, udata in ((u, "UE", b""), (o, "OE", u[:48])):      # the user's, then an empty owner's
+        # the user's, then an empty owner's
+        for check, sealed, udata in ((u, "UE", b""), (o, "OE", u[:48])):
             if len(check) >= 48 and pdf_r6_hash(b"", check[32:40], r, udata) == check[:32]:
                 return pdf_aes_cbc(pdf_r6_hash(b"", check[40:48], r, udata), bytes(16),
                                    (pdf.entry(d, sealed) or b"")[:32])
 
-        raise PdfError("encrypted with a password: it is not read (only an empty password is tried)")
+        raise PdfError("encrypted with a password: it is not read (only an empty password is"
+                       " tried)")
 
     def md5_key(self, pdf, d, r, o, u):
         """The file key of revisions 2 to 4 (RC4, AES-128), by the empty user or owner password."""
@@ -6222,7 +6343,8 @@ class PdfCrypt:
                 key = hashlib.md5(key).digest()[:keep]
             return key[:n]
 
-        def user(password):                                 # the file key if `password` is the user's
+        # the file key if `password` is the user's
+        def user(password):
             h = hashlib.md5(password + o[:32] + (p & 0xffffffff).to_bytes(4, "little") + first)
             if r >= 4 and pdf.entry(d, "EncryptMetadata") is False:
                 h.update(b"\xff\xff\xff\xff")
@@ -6235,21 +6357,23 @@ class PdfCrypt:
 
             return key if check == u[:16] else None
         key = user(PDF_PADDING)
-        if key is None:                                     # an empty owner password gives the user's
+        # an empty owner password gives the user's
+        if key is None:
             owner, secret = rehashed(hashlib.md5(PDF_PADDING).digest(), 16), o[:32]
             for i in (range(19, -1, -1) if r >= 3 else [0]):
                 secret = pdf_rc4(bytes(k ^ i for k in owner), secret)
             key = user(secret)
         if key is None:
-            raise PdfError("encrypted with a password: it is not read (only an empty password is tried)")
+            raise PdfError("encrypted with a password: it is not read (only an empty password is"
+                           " tried)")
         return key
 
     def object_key(self, ref):
         import hashlib
         if len(self.key) == 32:
             return self.key
-        h = hashlib.md5(self.key + ref[0].to_bytes(4, "little")[:3] + ref[1].to_bytes(4, "little")[:2] +
-                        (b"sAlT" if self.aes else b""))
+        h = hashlib.md5(self.key + ref[0].to_bytes(4, "little")[:3]
+                        + ref[1].to_bytes(4, "little")[:2] + (b"sAlT" if self.aes else b""))
         return h.digest()[:min(len(self.key) + 5, 16)]
 
     def data(self, key, data):
@@ -6314,13 +6438,16 @@ def pdf_libcrypto():
     import ctypes
     try:
         import _ssl
-        crypto = ctypes.CDLL(getattr(_ssl, "__file__", None))        # (its symbols and those of its libcrypto)
+        # (its symbols and those of its libcrypto)
+        crypto = ctypes.CDLL(getattr(_ssl, "__file__", None))
         p, i = ctypes.c_void_p, ctypes.c_int
-        crypto.EVP_CIPHER_CTX_new.restype = crypto.EVP_aes_128_cbc.restype = crypto.EVP_aes_256_cbc.restype = p
+        crypto.EVP_CIPHER_CTX_new.restype = p
+        crypto.EVP_aes_128_cbc.restype = crypto.EVP_aes_256_cbc.restype = p
         crypto.EVP_CIPHER_CTX_free.argtypes = [p]
         crypto.EVP_CipherInit_ex.argtypes = [p, p, p, ctypes.c_char_p, ctypes.c_char_p, i]
         crypto.EVP_CIPHER_CTX_set_padding.argtypes = [p, i]
-        crypto.EVP_CipherUpdate.argtypes = [p, ctypes.c_char_p, ctypes.POINTER(i), ctypes.c_char_p, i]
+        crypto.EVP_CipherUpdate.argtypes = [p, ctypes.c_char_p, ctypes.POINTER(i),
+                                            ctypes.c_char_p, i]
         return crypto
     except (ImportError, OSError, AttributeError):
         return None
@@ -6331,9 +6458,11 @@ def pdf_aes_cbc(key, iv, data, encrypt=False):
     import ctypes
     crypto = pdf_libcrypto()
     if crypto is None:
-        raise PdfError("encrypted with AES: reading it needs the OpenSSL library this Python's ssl module lacks")
+        raise PdfError("encrypted with AES: reading it needs the OpenSSL library this Python's"
+                       " ssl module lacks")
     data = data[:len(data) - len(data) % 16]
-    out, size, ctx = ctypes.create_string_buffer(len(data) + 16), ctypes.c_int(0), crypto.EVP_CIPHER_CTX_new()
+    out, size = ctypes.create_string_buffer(len(data) + 16), ctypes.c_int(0)
+    ctx = crypto.EVP_CIPHER_CTX_new()
     cipher = crypto.EVP_aes_128_cbc() if len(key) == 16 else crypto.EVP_aes_256_cbc()
     try:
         if not (ctx and crypto.EVP_CipherInit_ex(ctx, cipher, None, key, iv, int(encrypt)) == 1 and
@@ -6346,7 +6475,8 @@ def pdf_aes_cbc(key, iv, data, encrypt=False):
 
 
 # -- PDF: the document and its pages ----------------------------------------------
-PDF_TEXT_PARAMETERS = {b"Tc": "tc", b"Tw": "tw", b"Tz": "th", b"TL": "tl", b"Ts": "rise"}   # (Tz: percent)
+# (Tz: percent)
+PDF_TEXT_PARAMETERS = {b"Tc": "tc", b"Tw": "tw", b"Tz": "th", b"TL": "tl", b"Ts": "rise"}
 
 
 class PdfText:
@@ -6371,7 +6501,8 @@ class PdfText:
     def move(self, tx, ty):
         """The next line, (tx, ty) from this line's start (Td, T*, ' and ")."""
         lm = self.lm
-        self.lm = self.tm = [lm[0], lm[1], lm[2], lm[3], lm[4] + tx * lm[0] + ty * lm[2], lm[5] + tx * lm[1] + ty * lm[3]]
+        self.lm = self.tm = lm[:4] + [lm[4] + tx * lm[0] + ty * lm[2],
+                                      lm[5] + tx * lm[1] + ty * lm[3]]
 
 
 class Pdf(PdfParser):
@@ -6381,9 +6512,12 @@ class Pdf(PdfParser):
 
     def __init__(self, data):
         self.data, self.inflated, self.crypt, self.trailer, self.fonts = data, 0, None, {}, {}
-        self.offsets, self.packed, self.cache = {}, {}, {}   # number -> offset; -> (stream number, index)
-        self.scanned = None                                    # number -> offset found by a scan, when needed
-        self.unmapped = 0                                     # codes shown that no map turns into text
+        # number -> offset; -> (stream number, index)
+        self.offsets, self.packed, self.cache = {}, {}, {}
+        # number -> offset found by a scan, when needed
+        self.scanned = None
+        # codes shown that no map turns into text
+        self.unmapped = 0
         if not pdf_sniff(data, "a.pdf"):
             raise PdfError("it does not start as a PDF does (%PDF-)")
         try:
@@ -6395,7 +6529,8 @@ class Pdf(PdfParser):
             self.rebuild()
         if "Encrypt" in self.trailer:
             self.crypt = PdfCrypt(self, self.get(self.trailer["Encrypt"]))
-            self.cache = {}                                    # (what was read before is read again, decrypted)
+            # (what was read before is read again, decrypted)
+            self.cache = {}
 
     # -- the file's structure
     def indirect(self, pos, number=None):
@@ -6441,7 +6576,8 @@ class Pdf(PdfParser):
             pos = trailer.get("Prev") if isinstance(trailer.get("Prev"), int) else None
 
     def xref_table(self, pos):
-        """One 'xref' table (the newest entry of a number wins: later sections were read first); its trailer."""
+        """One 'xref' table (the newest entry of a number
+        wins: later sections were read first); its trailer."""
         data = self.data
         section = re.compile(rb"[\x00\t\n\x0c\r ]*(\d+)[ \t]+(\d+)[ \t]*\r?\n?")
         entry = re.compile(rb"[\x00\t\n\x0c\r ]*(\d{1,10})[ \t]+(\d{1,5})[ \t]+([nf])")
@@ -6490,8 +6626,8 @@ class Pdf(PdfParser):
         return d
 
     def rebuild(self):
-        """A damaged or missing xref: find every 'n g obj' in the file (the last of a number
-        wins), the trailers' and object streams' contents, and the catalog if no trailer names it."""
+        """A damaged or missing xref: find every 'n g obj' in the file (the last of a number wins),
+        the trailers' and object streams' contents, and the catalog if no trailer names it."""
         self.offsets, self.packed, self.cache = dict(self.scan()), {}, {}
         for m in re.finditer(rb"trailer[\x00\t\n\x0c\r ]*<<", self.data):
             try:
@@ -6553,7 +6689,8 @@ class Pdf(PdfParser):
             return value
         if value in self.cache:
             return self.cache[value]
-        self.cache[value] = None                               # (a reference to itself leads nowhere)
+        # (a reference to itself leads nowhere)
+        self.cache[value] = None
         number, found = value[0], None
         try:
             if number in self.packed:
@@ -6569,7 +6706,8 @@ class Pdf(PdfParser):
             elif number in self.offsets:
                 try:
                     found = self.indirect(self.offsets[number], number)
-                except PdfError:                               # an xref off by some bytes: where the object is
+                except PdfError:
+                    # an xref off by some bytes: where the object is
                     if number not in self.scan():
                         raise
                     found = self.indirect(self.scanned[number], number)
@@ -6611,14 +6749,17 @@ class Pdf(PdfParser):
         return data
 
     def inflate(self, data):
-        """Flate data, as much as can be had of a damaged stream, never past what is left of the bound."""
+        """Flate data, as much as can be had of a damaged
+        stream, never past what is left of the bound."""
         import zlib
         room = PDF_INFLATED_MAX - self.inflated
         best = b""
-        for wbits in (15, -15):                               # (raw deflate after the header: no checksum to fail)
+        # (raw deflate after the header: no checksum to fail)
+        for wbits in (15, -15):
             z, out, size = zlib.decompressobj(wbits), [], 0
             data = data if wbits > 0 else data[2:]
-            for at in range(0, len(data), 1 << 16):            # (in pieces: a damaged end keeps what came before)
+            # (in pieces: a damaged end keeps what came before)
+            for at in range(0, len(data), 1 << 16):
                 try:
                     piece = z.decompress(data[at:at + (1 << 16)], room + 1 - size)
                 except zlib.error:
@@ -6699,7 +6840,8 @@ class Pdf(PdfParser):
         self.annotations(page, runs)
         text = pdf_lines(runs)
         if self.unmapped:
-            text += "\n[not shown: %s whose font carries no map to text]" % plural(self.unmapped, "character")
+            text += "\n[not shown: %s whose font carries no map to text]" % plural(
+                self.unmapped, "character")
         return text.strip("\n")
 
     def field_value(self, annot, normal):
@@ -6723,7 +6865,8 @@ class Pdf(PdfParser):
         acroform = self.entry(self.entry(self.trailer, "Root"), "AcroForm")
         regenerate = self.entry(acroform, "NeedAppearances") is True
         for annot in annots[:1000]:
-            annot = self.get(annot)                           # a form field's value, a note: as drawn
+            # a form field's value, a note: as drawn
+            annot = self.get(annot)
             if not isinstance(annot, dict) or (self.entry(annot, "F") or 0) & 2:
                 continue
             normal = self.entry(self.entry(annot, "AP"), "N")
@@ -6735,11 +6878,13 @@ class Pdf(PdfParser):
             except (TypeError, ValueError, IndexError, KeyError):
                 continue
             kind, value = self.field_value(annot, normal)
-            if kind in ("Tx", "Ch") and isinstance(value, bytes) and (regenerate or not isinstance(normal, PdfStream)):
+            if kind in ("Tx", "Ch") and isinstance(value, bytes) and (
+                    regenerate or not isinstance(normal, PdfStream)):
                 size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", self.entry(annot, "DA", bytes) or b"")
                 size = float(size.group(1)) if size and float(size.group(1)) > 0 else 12.0
                 for k, line in enumerate(pdf_text_string(value).splitlines()):
-                    runs.append((x, y - k * size, x + 0.5 * size * len(line), y - k * size, size, line, False))
+                    runs.append((x, y - k * size, x + 0.5 * size * len(line), y - k * size, size,
+                                 line, False))
             elif isinstance(normal, PdfStream):
                 self.run(b"/ap Do", {"XObject": {"ap": normal}}, [1, 0, 0, 1, x, y], runs, 0, set())
 
@@ -6778,13 +6923,14 @@ class Pdf(PdfParser):
             op, pos = m.group(kind), m.end()
             if op == b"BI":                                   # an inline image: its data skipped
                 at = re.compile(rb"[\x00\t\n\x0c\r ]ID[\x00\t\n\x0c\r ]").search(data, pos)
-                stop = re.compile(rb"[\x00\t\n\x0c\r ]EI(?=[\x00\t\n\x0c\r ]|$)").search(data, at.end()) \
-                    if at else None
+                end_image = re.compile(rb"[\x00\t\n\x0c\r ]EI(?=[\x00\t\n\x0c\r ]|$)")
+                stop = end_image.search(data, at.end()) if at else None
                 pos = stop.end() if stop else end
             try:
                 self.operate(op, operands, st, stack)
             except (IndexError, TypeError, ValueError, ZeroDivisionError, OverflowError):
-                pass                                          # an operator with operands it cannot take
+                # an operator with operands it cannot take
+                pass
             operands = []
 
     def operate(self, op, operands, st, stack):
@@ -6815,7 +6961,8 @@ class Pdf(PdfParser):
             st.restore(stack.pop())
 
         elif op in PDF_TEXT_PARAMETERS:
-            setattr(st, PDF_TEXT_PARAMETERS[op], float(operands[-1]) / (100.0 if op == b"Tz" else 1.0))
+            setattr(st, PDF_TEXT_PARAMETERS[op],
+                    float(operands[-1]) / (100.0 if op == b"Tz" else 1.0))
         elif op == b"Do":
             self.form(st, operands[-1])
 
@@ -6842,11 +6989,11 @@ class Pdf(PdfParser):
                 if font.vertical:                           # down a column: w1 x size + Tc + Tw
                     advance = font.down * codes * size - tc * codes - tw * spaces
                     x0, y0 = m0[4], m0[5]
-                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
+                    st.tm = tm[:4] + [tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
                 else:
                     advance = (width * size + tc * codes + tw * spaces) * th
                     x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
-                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
+                    st.tm = tm[:4] + [tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
                 m1 = pdf_mul(st.tm, ctm)
                 scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
                 if text:
@@ -6856,12 +7003,13 @@ class Pdf(PdfParser):
             elif isinstance(item, (int, float)):
                 shift = -item / 1000.0 * size * th
                 if font.vertical:                           # a positive number moves down
-                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[2] / th, tm[5] + shift * tm[3] / th]
+                    st.tm = tm[:4] + [tm[4] + shift * tm[2] / th, tm[5] + shift * tm[3] / th]
                 else:
-                    st.tm = [tm[0], tm[1], tm[2], tm[3], tm[4] + shift * tm[0], tm[5] + shift * tm[1]]
+                    st.tm = tm[:4] + [tm[4] + shift * tm[0], tm[5] + shift * tm[1]]
 
     def form(self, st, name):
-        """Do: a form XObject's content run inside the page (12 deep at most, none inside itself)."""
+        """Do: a form XObject's content run inside the page (12 deep at most,
+        none inside itself)."""
         ref = st.xobjects.get(name) if isinstance(name, str) else None
         form = self.get(ref)
         if isinstance(form, PdfStream) and form.dict.get("Subtype") == "Form" and st.depth < 12 \
@@ -6886,36 +7034,43 @@ def pdf_job(job, emit):
         if not pages:
             raise PdfError("no pages found (a damaged file?)")
         if max(first, last) > len(pages):
-            raise ToolError(INVALID_INPUT, "pages %s: the PDF has %s" % (job["asked"], plural(len(pages), "page")))
+            raise ToolError(INVALID_INPUT, "pages %s: the PDF has %s"
+                            % (job["asked"], plural(len(pages), "page")))
         texts = []
         for page, resources in pages[first - 1:last]:
             try:
                 texts.append(pdf.page_text(page, resources))
             except PdfBomb:
                 raise
-            except PDF_DAMAGE + PDF_BUGS + (PdfError,) as e:   # one damaged page: said on it, the rest read
+            except PDF_DAMAGE + PDF_BUGS + (PdfError,) as e:
+                # one damaged page: said on it, the rest read
                 texts.append("[this page could not be read: %s]" % pdf_failure(e))
         emit([{"count": len(pages), "title": pdf.info(), "texts": texts}])
     except PDF_DAMAGE + PDF_BUGS + (PdfError,) as e:
-        raise ToolError(IO_ERROR if isinstance(e, PDF_BUGS) else INVALID_INPUT, "not a readable PDF: %s%s" % (
-            pdf_failure(e), "; pdftotext reads it if installed" if isinstance(e, PDF_BUGS) else ""))
+        bug = isinstance(e, PDF_BUGS)
+        raise ToolError(IO_ERROR if bug else INVALID_INPUT, "not a readable PDF: %s%s" % (
+            pdf_failure(e), "; pdftotext reads it if installed" if bug else ""))
 
 
 # What a damaged file can raise inside the parser (that checks what it reads), and what only
 # a bug of the parser's can: the first is the file's fault, the second is logged as boris's.
-PDF_DAMAGE = (ValueError, IndexError, OverflowError, MemoryError, LookupError, ZeroDivisionError, RecursionError)
+PDF_DAMAGE = (ValueError, IndexError, OverflowError, MemoryError, LookupError, ZeroDivisionError,
+              RecursionError)
 PDF_BUGS = (TypeError, AttributeError, KeyError, NameError)
 
 
 def pdf_failure(e):
-    """What an exception out of the PDF reader says of the file (a bug of the reader's is logged)."""
+    """What an exception out of the PDF reader says of the file
+    (a bug of the reader's is logged)."""
     if isinstance(e, PDF_BUGS):
         log("error", "the PDF reader failed: a bug", error=_traceback())
         return "the PDF reader failed (%s: %s), a bug in boris, logged with its traceback" % (
             type(e).__name__, shorten(str(e), 120))
     if isinstance(e, RecursionError):
         return "its objects are nested too deeply"
-    return str(e) if isinstance(e, PdfError) else "%s: %s" % (type(e).__name__, shorten(str(e), 120))
+    if isinstance(e, PdfError):
+        return str(e)
+    return "%s: %s" % (type(e).__name__, shorten(str(e), 120))
 
 
 ###############################################################################
