@@ -3256,9 +3256,14 @@ class EgressProxy:
 
 GREP_BINARY_SNIFF = 512                    # a NUL in a file's first bytes makes it binary
 SEARCH_BATCH = 1000                        # results a helper sends at a time
-SEARCH_IDLE_HELPERS = 2                    # search helpers kept warm for the next search
-SEARCH_SPLIT = 2000                        # a grep of more files searches them on every core,
-SEARCH_ROUND = 50000                       # ... walking this many at a time, then searching them
+# A grep or glob of a directory is dealt out to a helper per core, each walking and
+# searching its own slice of the tree (Walker.deal); the same slice goes to the same
+# helper, whose cache stays warm for it.
+SEARCH_SLICES = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                           else os.cpu_count() or 1, 4))
+# search helpers kept warm for the next search (or one for each slice)
+SEARCH_IDLE_HELPERS = 2
+SLICE_FANOUT = 4                           # a directory with fewer subdirectories passes them on whole
 # a helper past its job's deadline by this much ends itself
 DEADLINE_GRACE_S = 2.0
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
@@ -3867,6 +3872,8 @@ class Walker:
         self.prune = lambda real: False            # a directory this is true of is found, not entered
         self.repos = None                          # a set: the directories below the root met holding a .git
         #                                            (whose ignore rules start over there)
+        self.slice = None                          # (i, n): deal() keeps slice i of n
+        self.shared = set()                        # directories every slice visits (deal())
 
     def __iter__(self):
         return self.walk([self.start()])
@@ -3880,6 +3887,7 @@ class Walker:
     def start(self):
         """The root's pending entry (path, real, ignore stack, depth, inode)."""
         self.use_ignore = self.ignores
+        self.shared = {self.root}
         return self.root, self.root, self.cache.outer(self.root), 0, None
 
     def walk(self, pending):
@@ -3893,11 +3901,27 @@ class Walker:
                     if self.want_dirs:
                         yield entry[0], entry[1], True, entry[4]
                 continue
-            found, subdirs = self.visit(*pending.pop())
+            entry = pending.pop()
+            found, subdirs = self.visit(*entry)
+            if self.slice is not None and entry[0] in self.shared:
+                found, subdirs = self.deal(entry[3], found, subdirs)
             yield from found
             pending += reversed(subdirs)
             if self.tick is not None:
                 self.tick()
+
+    def deal(self, depth, found, subdirs):
+        """A shared directory's (found, subdirs) as slice i of n keeps them. Every slice
+        visits the root, its children and the children of a directory with fewer than
+        SLICE_FANOUT subdirectories (a chain such as src/main/java): slice 0 finds what they
+        hold. Below them each subdirectory is walked by one slice, by a hash of its path,
+        so that the slices agree without a word between them."""
+        i, n = self.slice
+        if depth == 0 or len(subdirs) < SLICE_FANOUT:
+            self.shared.update(sub[0] for sub in subdirs)
+        else:
+            subdirs = [sub for sub in subdirs if crc32(os.fsencode(sub[0])) % n == i]
+        return found if i == 0 else [], subdirs
 
     def scan(self, real, ino):
         """(fd, entries, stat) of a directory that is still the inode its parent listed."""
@@ -4072,6 +4096,9 @@ class Walker:
         is_dir = stat.S_ISDIR(st.st_mode)
         if self.hidden(ign, path, target, name, is_dir):
             return ()
+        if is_dir and self.slice is not None and (target.startswith(child_prefix(self.root))
+                                                  or self.slice[0] and path[:-len(name) - 1] in self.shared):
+            return ()     # a slice of the tree walks it as itself, or slice 0 follows the link
         if is_dir and self.follow_links:
             if self.deeper(depth):
                 self.links_queued += 1
@@ -7481,88 +7508,16 @@ def search_job(job, emit, cache=None):
             emit(batch)
         return
     out = Batches(emit, keep=globbing)
+    dealt = job.get("slice")                    # [i, n]: slice i of n (HelperPool.run)
     for k, (real, is_dir, ino) in enumerate(work.roots):
-        walked = [(real, real, False, ino)]
+        walked = [(real, real, False, ino)] if not (dealt and dealt[0]) else []     # (a file: slice 0's)
         if is_dir:
             walked = work.walker(k)
-            walked.tick = out.flush_due
-            if not globbing:
-                cores = min(os.cpu_count() or 1, 8)     # (beyond 8 cores forks gain little)
-                walked = on_every_core(work, k, walked, out, cores)
+            walked.tick, walked.slice = out.flush_due, dealt
         out.take(work, k, walked)
     out.flush()
     if globbing:
         work.keep(out.kept)
-
-
-def on_every_core(work, k, walker, out, cores):
-    """Yield the files `walker` finds that this process is to search, SEARCH_ROUND at a
-    time: over SEARCH_SPLIT of them are searched on every core by forked workers that share
-    nothing. This helper walks (and keeps what its cache learnt), then forks a worker for
-    each other core (search_share) and deals the round's list out in turn. A worker dies
-    with the helper and is in its process group (a cancel kills all); a worker that fails
-    fails the search."""
-    from itertools import islice
-    walker, parent = iter(walker), os.getpid()
-    while True:
-        found, workers = list(islice(walker, SEARCH_ROUND)), {}    # read end -> (pid, LineBuffer)
-        share = cores if len(found) > SEARCH_SPLIT else 1
-        try:
-            for i in range(1, share):
-                r, w = os.pipe()
-                pid = os.fork()
-                if pid == 0:
-                    search_share(work, k, found[i::share], out, w, parent)
-                os.close(w)
-                workers[r] = (pid, LineBuffer())
-            for n, entry in enumerate(found[::share]):
-                if not n % 256:
-                    collect_workers(workers, out)       # (batches go out as they come)
-                yield entry
-            collect_workers(workers, out, block=True)
-        finally:
-            for fd, (pid, _) in workers.items():       # (the search failed: none is left behind)
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                os.close(fd)
-        if len(found) < SEARCH_ROUND:
-            return
-
-
-def search_share(work, k, files, out, w, parent):
-    """A forked worker's whole life: search `files`, write the batches to the pipe `w` as
-    JSON lines, exit (1 on any failure, logged)."""
-    code = 1
-    try:
-        guard_helper(parent)
-        with open(w, "wb") as pipe:
-            out.emit = lambda items: pipe.write(json.dumps(items).encode() + b"\n")
-            del out.items[:]                            # (the helper's)
-            out.take(work, k, files)
-            out.flush()
-        code = 0
-    except BaseException:
-        log("error", "a search worker failed", error=_traceback())
-    finally:
-        os._exit(code)
-
-
-def collect_workers(workers, out, block=False):
-    """Read what on_every_core's workers wrote into `out` (with block: until all ended)."""
-    while workers:
-        for fd in ready(list(workers), None if block else 0):
-            pid, lines = workers[fd]
-            data = os.read(fd, 1 << 20)
-            for line in lines.feed(data):
-                out.items += json.loads(line)
-            if not data:
-                del workers[fd]
-                os.close(fd)
-                if os.waitpid(pid, 0)[1]:
-                    raise OSError("a search worker failed (its error is in the log)")
-        if not block:
-            break
-    out.flush_due()
 
 
 def grep_until(work, emit):
@@ -7646,53 +7601,57 @@ class HelperPool:
         self.idle, self.busy = [], set()
         self.closed = False
         self.requests = None                   # spawn requests to the pool's own thread
-        self.primed = None                     # the box of a helper started ahead (prime()), not taken yet
+        self.primed = []                       # the boxes of helpers started ahead (prime()), not taken yet
 
     def run(self, job, cancelled, deadline_s=None):
-        """(items, None) of a job run in a helper; (items so far, 'deadline' or
-        'cancelled') when it had to be killed."""
+        """(items, None) of a job run in a helper, or in SEARCH_SLICES of them, each with a
+        slice of the tree, for a grep or glob that need not stop early; (items so far,
+        'deadline' or 'cancelled') when they had to be killed."""
         deadline_s = SEARCH_TIMEOUT_S if deadline_s is None else deadline_s
-        proc = self.start(dict(job, deadline_s=deadline_s))
+        dealt = job["op"] in ("grep", "glob") and not job.get("spec", {}).get("stop_after")
+        n = SEARCH_SLICES if dealt else 1
         deadline = time.monotonic() + deadline_s
-        reader = LineBuffer()
-        items = []
-        fd = proc.stdout.fileno()
+        items, procs = [], {}                  # stdout -> (helper, LineBuffer) of those not done
         try:
-            while True:
+            for i in range(n):
+                proc = self.start(dict(job, deadline_s=deadline_s, slice=[i, n] if n > 1 else None), i)
+                procs[proc.stdout.fileno()] = proc, LineBuffer()
+            while procs:
                 if cancelled.is_set():
-                    self.discard(proc)
                     return items, "cancelled"
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self.discard(proc)
                     return items, "deadline"
-                if not ready([fd], min(0.05, left)):
-                    continue
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    self.discard(proc)
-                    raise ToolError(IO_ERROR, "the search helper process ended unexpectedly (its error, if"
-                                                " any, is in the server's log); try again")
-                for line in reader.feed(chunk):
-                    msg = json.loads(line.decode("utf-8"))
-                    if "items" in msg:
-                        items += msg["items"]
-                        continue
-                    self.release(proc)
-                    if msg["end"] != "ok":
-                        raise ToolError(msg["code"], msg["message"])
-                    return items, None
+                for fd in ready(list(procs), min(0.05, left)):
+                    proc, reader = procs[fd]
+                    chunk = os.read(fd, 1 << 20)
+                    if not chunk:
+                        raise ToolError(IO_ERROR, "the search helper process ended unexpectedly (its error,"
+                                                  " if any, is in the server's log); try again")
+                    for line in reader.feed(chunk):
+                        msg = json.loads(line.decode("utf-8"))
+                        if "items" in msg:
+                            items += msg["items"]
+                            continue
+                        del procs[fd]
+                        self.release(proc)
+                        if msg["end"] != "ok":
+                            raise ToolError(msg["code"], msg["message"])
+            return items, None
         except (OSError, ValueError) as e:
-            self.discard(proc)
             raise ToolError(IO_ERROR, "the search helper failed: %s" % e)
+        finally:
+            for proc, _ in procs.values():     # (cut short: the others are killed too)
+                self.discard(proc)
 
-    def start(self, job):
-        """A helper that has taken `job` (a warm one that died is replaced once)."""
+    def start(self, job, slot=0):
+        """A helper that has taken `job` (a warm one that died is replaced once); the one
+        that ran this slot last, if idle."""
         data = json.dumps(job).encode("utf-8", "surrogateescape") + b"\n"
         error = None
         for _ in range(2):
             try:
-                proc = self.take()
+                proc = self.take(slot)
             except OSError as e:
                 error = e
                 continue
@@ -7707,21 +7666,33 @@ class HelperPool:
                                     " check that %s can start and that the temp directory is writable"
                         % (getattr(error, "strerror", None) or error, sys.executable))
 
-    def take(self):
-        """An idle helper, or a new one (its own process group); marked busy."""
+    def take(self, slot=0):
+        """An idle helper (the one that ran `slot` last, if there), or a new one (its own
+        process group); marked busy."""
         with self.lock:
             if self.closed:
                 raise OSError(errno.ESHUTDOWN, "the server is shutting down")
-            idle = self.idle.pop() if self.idle else None
+            idle = next((p for p in self.idle if p.slot == slot), self.idle[-1] if self.idle else None)
             if idle is not None and idle.poll() is None:
+                self.idle.remove(idle)
                 self.busy.add(idle)
+                idle.slot = slot
                 return idle
             if idle is None:                      # prime()'s, perhaps still booting, or a new one
-                box, self.primed = self.primed or self.request(), None
+                primed = bool(self.primed)
+                box = self.primed.pop() if primed else self.request()
+            else:
+                self.idle.remove(idle)
         if idle is not None:
             kill_group(idle)                      # it died while idle: reaped, pipes closed; try again
-            return self.take()
-        proc = self.collect(box)
+            return self.take(slot)
+        try:
+            proc = self.collect(box)
+        except OSError:
+            if not primed:
+                raise
+            return self.take(slot)                # (prime()'s failed: this one starts its own)
+        proc.slot = slot
         with self.lock:
             self.busy.add(proc)
             closed = self.closed
@@ -7731,13 +7702,13 @@ class HelperPool:
         return proc
 
     def prime(self):
-        """Start one helper now, in the background, for the first search to take: a helper
-        takes ~25 ms to boot (the whole file to compile when its bytecode is not cached
+        """Start a helper for each slice now, in the background, for the first search to take:
+        a helper takes ~25 ms to boot (the whole file to compile when its bytecode is not cached
         yet), which the server's start and the client's handshake then hide. Nothing
         when a helper is there already or the pool is closed."""
         with self.lock:
-            if not self.closed and not self.idle and not self.busy and self.primed is None:
-                self.primed = self.request()
+            if not self.closed and not self.idle and not self.busy and not self.primed:
+                self.primed = [self.request() for _ in range(SEARCH_SLICES)]
 
     def request(self):
         """Ask the pool's thread (started on first use) for a new helper: the box it will be
@@ -7778,7 +7749,7 @@ class HelperPool:
         """A helper that finished its job: kept warm, or closed."""
         with self.lock:
             self.busy.discard(proc)
-            keep = not self.closed and len(self.idle) < self.idle_max and proc.poll() is None
+            keep = not self.closed and len(self.idle) < max(self.idle_max, SEARCH_SLICES) and proc.poll() is None
             if keep:
                 self.idle.append(proc)
         if not keep:
@@ -7799,12 +7770,12 @@ class HelperPool:
             procs = self.idle + list(self.busy)
             self.idle, self.busy = [], set()
             requests, self.requests = self.requests, None
-            primed, self.primed = self.primed, None
+            primed, self.primed = self.primed, []
         if requests is not None:
             requests.put(None)
-        if primed is not None:
+        for box in primed:
             try:
-                procs.append(self.collect(primed, timeout=5))
+                procs.append(self.collect(box, timeout=5))
             except (OSError, queue.Empty):
                 pass  # it did not start (or the spawning thread is gone at exit): nothing to kill
         for proc in procs:

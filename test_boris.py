@@ -1327,16 +1327,16 @@ class TestHelpersDieWithTheServer(unittest.TestCase):
             self.assert_gone(pids, how)
 
     def test_a_search_helper_is_started_before_the_first_search(self):
-        """Issue 44: the server starts one search helper as it starts serving (booted while
-        the client shakes hands), and the first search runs in it."""
+        """Issue 44: the server starts a search helper per slice as it starts serving
+        (booted while the client shakes hands), and the first search runs in them."""
         c = StdioClient(["--workdir", self.tmp])
         self.addCleanup(c.close)
         c.initialize()
-        helpers = wait_until(lambda: helper_pids(c.p.pid), 10)
-        self.assertEqual(len(helpers), 1)
+        helpers = wait_until(lambda: len(helper_pids(c.p.pid)) == boris.SEARCH_SLICES and helper_pids(c.p.pid), 10)
+        self.assertTrue(helpers)
         r = c.call("glob", {"pattern": "**/*"})
         self.assertFalse(r.get("isError"), r)
-        self.assertEqual(helper_pids(c.p.pid), helpers)
+        self.assertEqual(sorted(helper_pids(c.p.pid)), sorted(helpers))
 
     def test_a_helper_ends_itself_past_its_deadline(self):
         argv, cwd = boris.helper_command("search")
@@ -2674,72 +2674,92 @@ class TestKillableSearch(SearchBase):
         boris.McpServer.run_tool(self.server.tools["grep"], self.session,
                                  {"pattern": CATASTROPHIC, "path": "cat", "output_mode": "content"}, ctx)
         self.assertLess(time.monotonic() - t, 3)
-        self.assertEqual(helper_pids(os.getpid()), [], "the cancelled helper was not killed")
+        idle = [proc.pid for proc in TEST_HELPERS.idle]         # (a slice that was done by then)
+        self.assertEqual([pid for pid in helper_pids(os.getpid()) if pid not in idle], [],
+                         "the cancelled helper was not killed")
 
 
-class TestSearchOnEveryCore(SearchBase):
-    """Issue 66: a grep of many files goes on in forked workers that share nothing, each
-    file searched once, by one process."""
+class TestSearchSlices(SearchBase):
+    """Issue 66: a grep or glob of a directory is dealt out to a helper per core, each
+    walking its own slice of the tree: together they find what one walk finds, each
+    path once, and the same slice goes to the same warm helper."""
 
-    def grep_here(self, mode, cores=3, round_size=1000):
-        """(what a grep of many/ gives, searched in this process, and the forks it made)."""
-        for i in range(60):
-            self.write("many/f%02d.txt" % i, "needle %d\n" % i if i % 2 else "hay\n")
-        job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(self.path("many"), True, None)],
-                                boris.grep_spec("needle", mode))
-        items, forks, real_fork = [], [], os.fork
-        pid = os.getpid()
+    def tree(self):
+        """Fan-outs, a chain of lone directories, files at every level, directory links
+        into the tree and out of it (at the top, and twice deep down: one tree reached
+        from two slices is listed once by each), a file link."""
+        for top in ("a", "b", "c", "d", "e"):
+            self.write("t/%s/top.txt" % top, "needle\n")
+            for sub in range(6):
+                for leaf in range(3):
+                    self.write("t/%s/s%d/l%d/x.txt" % (top, sub, leaf), "needle %s\n" % top)
+        self.write("t/chain/one/two/three/four/five/y.txt", "needle\n")
+        for k in range(5):
+            self.write("t/chain/one/two/three/four/k%d/z.txt" % k, "needle\n")
+        self.write("t/root.txt", "needle\n")
+        self.write("outside/o/w.txt", "needle\n")
+        os.symlink(self.path("outside"), self.path("t/out"))
+        os.symlink(self.path("outside/o"), self.path("t/a/s1/deep_out"))
+        os.symlink(self.path("outside/o"), self.path("t/b/s2/l1/again"))
+        os.symlink(self.path("t/b/s2"), self.path("t/in"))
+        os.symlink(self.path("t/c/s3"), self.path("t/d/s4/l0/back"))
+        os.symlink(self.path("t/root.txt"), self.path("t/e/s5/file_link.txt"))
 
-        def fork():
-            if os.getpid() == pid:
-                forks.append(1)
-            return real_fork()
-        with mock.patch.object(boris, "SEARCH_SPLIT", 10), mock.patch.object(os, "cpu_count", lambda: cores), \
-                mock.patch.object(os, "fork", fork), mock.patch.object(boris, "SEARCH_ROUND", round_size):
-            boris.search_job(job, items.extend)
-        return items, len(forks)
+    def paths(self, job, n):
+        """The paths each of n slices finds (one walk when n is 1), in one list."""
+        found = []
+        for i in range(n):
+            items = []
+            boris.search_job(dict(job, slice=[i, n] if n > 1 else None), items.extend)
+            found += items[0::2] if job["op"] == "glob" else [hit[1] or hit[0] for hit in items]
+        return found
 
-    def test_each_file_is_searched_once_across_the_workers(self):
-        expected = ["f%02d.txt" % i for i in range(1, 60, 2)]
-        for mode in ("files_with_matches", "content"):
-            items, forks = self.grep_here(mode)
-            self.assertEqual(forks, 2, mode)
-            self.assertEqual(sorted(hit[1] for hit in items), expected, mode)
-        items, forks = self.grep_here("count", cores=1)
-        self.assertEqual((forks, sorted(hit[1] for hit in items)), (0, expected))
-        items, forks = self.grep_here("files_with_matches", round_size=25)     # 25, 25, then 10 here alone
-        self.assertEqual((forks, sorted(hit[1] for hit in items)), (4, expected))
+    def test_the_slices_find_what_one_walk_finds_each_path_once(self):
+        self.tree()
+        ctx = ctx_of(self.cfg, self.policy)
+        grep = boris.grep_job_of(ctx, [(self.path("t"), True, None), (self.path("t/root.txt"), False, None)],
+                                 boris.grep_spec("needle", "files_with_matches"))
+        start = self.path("t")
+        jobs = [grep] + [{"op": "glob", "policy": boris.policy_spec(self.policy), "start": start, "rest": rest,
+                          "base_only": False, "kind": kind, "lead": len(start) + 1}
+                         for rest, kind in (("**/*.txt", "file"), ("**", "directory"))]
+        for job, among in zip(jobs, ("a/s1/deep_out/w.txt", "chain/one/two/three/four/five/y.txt",
+                                     "chain/one/two")):
+            whole = sorted(self.paths(job, 1))
+            self.assertGreater(len(whole), 30)
+            self.assertIn(among, whole)
+            for n in (2, 3, 4):
+                dealt = sorted(self.paths(job, n))
+                if "b/s2/l1/again/w.txt" in dealt and "b/s2/l1/again/w.txt" not in whole:
+                    dealt.remove("b/s2/l1/again/w.txt")     # (met by its slice before the other link)
+                self.assertEqual(dealt, whole, (job["op"], n))
+        shares = []
+        for i in range(2):
+            items = []
+            boris.search_job(dict(grep, slice=[i, 2]), items.extend)
+            shares.append(len(items))
+        self.assertTrue(min(shares) > 20, shares)               # both slices had a share
 
-    def test_a_worker_that_fails_fails_the_search(self):
-        pid, take = os.getpid(), boris.GrepWork.take
-
-        def failing(work, *found):
-            if os.getpid() != pid:
-                raise ValueError("a worker's fault")
-            return take(work, *found)
-        with mock.patch.object(boris.GrepWork, "take", failing), mock.patch.object(boris, "log"):
-            with self.assertRaises(OSError) as e:
-                self.grep_here("content")
-        self.assertIn("a search worker failed", str(e.exception))
-
-    def test_the_workers_die_with_their_helper(self):
-        for i in range(boris.SEARCH_SPLIT):              # the helper searches these, then forks
-            self.write("big/f%04d.txt" % i, "a\n")
-        for i in range(8):
-            self.write("big/z/evil%d.txt" % i, CATASTROPHIC_LINE)
+    def test_the_same_slice_goes_to_the_same_helper(self):
+        self.tree()
+        os.unlink(self.path("t/b/s2/l1/again"))
         pool = boris.HelperPool()
         self.addCleanup(pool.close)
-        job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(self.path("big"), True, None)],
-                                boris.grep_spec(CATASTROPHIC, "content"))
-        threading.Thread(target=lambda: _catch(lambda: pool.run(job, threading.Event())), daemon=True).start()
-        self.assertTrue(wait_until(lambda: pool.busy, 10))
-        helper = list(pool.busy)[0].pid
-        workers = wait_until(lambda: [p for p, (parent, state, _) in proc_table().items()
-                                      if parent == helper and state != "Z"], 20)
-        self.assertTrue(workers, "the helper forked no worker")
-        os.kill(helper, signal.SIGKILL)
-        self.assertTrue(wait_until(lambda: not [p for p in workers if alive(p)], 10),
-                        "a worker outlived its helper")
+        job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(self.path("t"), True, None)],
+                                boris.grep_spec("needle", "files_with_matches"))
+        taken = []
+        real_take = pool.take
+        with mock.patch.object(boris, "SEARCH_SLICES", 3), \
+                mock.patch.object(pool, "take", lambda slot: taken.append((slot, real_take(slot))) or taken[-1][1]):
+            runs = [pool.run(job, threading.Event()), None]
+            first = {slot: proc.pid for slot, proc in taken}
+            del taken[:]
+            runs[1] = pool.run(job, threading.Event())
+        self.assertEqual(len(first), 3)
+        self.assertEqual({slot: proc.pid for slot, proc in taken}, first)
+        for items, why in runs:
+            self.assertIsNone(why)
+            self.assertEqual(sorted(hit[1] for hit in items), sorted(self.paths(job, 1)))
 
 
 class TestHelperPool(SearchBase):
@@ -2814,12 +2834,12 @@ class TestHelperPool(SearchBase):
                                or real_spawn(*a, **k)):
             threading.Thread(target=self.run_job, args=(pool,)).start()      # a short-lived caller
             self.assertTrue(wait_until(lambda: forked_by and pool.idle, 10))
-        self.assertEqual(forked_by, ["boris-helper-spawner"])
+        self.assertEqual(set(forked_by), {"boris-helper-spawner"})
 
     def test_a_primed_helper_takes_the_first_search_and_no_other_starts(self):
-        """Issue 44: prime() starts one helper ahead; the first search runs in it (no
-        second helper is started, even when the search comes while it still boots), and
-        prime() does nothing while a helper is there."""
+        """Issue 44: prime() starts a helper per slice ahead; the first search runs in them
+        (no other helper is started, even when the search comes while they still boot),
+        and prime() does nothing while a helper is there."""
         pool = self.pool()
         started = []
         real_spawn = boris.spawn
@@ -2829,8 +2849,8 @@ class TestHelperPool(SearchBase):
             self.assertEqual(self.run_job(pool)[0][0][1], "a.txt")
             pool.prime()
             self.assertEqual(self.run_job(pool)[0][0][1], "a.txt")
-        self.assertEqual(len(started), 1)
-        self.assertEqual(pool.idle, started)
+        self.assertEqual(len(started), boris.SEARCH_SLICES)
+        self.assertEqual(sorted(p.pid for p in pool.idle), sorted(p.pid for p in started))
 
     def test_a_primed_helper_never_taken_dies_with_the_pool(self):
         pool = self.pool()
@@ -2840,15 +2860,15 @@ class TestHelperPool(SearchBase):
         pool.close()
         self.assertTrue(mine)
         self.assertTrue(wait_until(lambda: not any(alive(pid) for pid in mine), 5), mine)
-        self.assertIsNone(pool.primed)
+        self.assertEqual(pool.primed, [])
 
     def test_a_prime_that_fails_leaves_the_first_search_to_start_its_own(self):
         pool = self.pool()
         with mock.patch.object(boris, "helper_command", lambda *a: (["/nonexistent/python3"], "/")):
             pool.prime()
-            self.assertTrue(wait_until(lambda: not pool.primed.empty(), 10))     # its failure is in
+            self.assertTrue(wait_until(lambda: not any(box.empty() for box in pool.primed), 10))  # failed
         self.assertEqual(self.run_job(pool)[0][0][1], "a.txt")
-        self.assertEqual(len(pool.idle), 1)
+        self.assertEqual(len(pool.idle), boris.SEARCH_SLICES)
 
 
 # ---------------------------------------------------------------------------
