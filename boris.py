@@ -9446,6 +9446,10 @@ class CatFile:
 
 # a directory's child: kind, mode, size, mtime_ns, ctime_ns, inode, payload
 CHILD = struct.Struct("<cIqqqQH")
+Entry = namedtuple("Entry", "kind mode data size mtime ctime ino")
+Entry.__doc__ = """A path in a checkpoint: kind 'f' (data: its digest, None when it is not
+covered), 'l' (data: the link's target) or 'd' (data: None), its mode, then the stat key that
+tells a change: size, mtime and ctime in ns, inode. The first three are what a rewind puts back."""
 
 
 # -- what a checkpoint keeps ------------------------------------------------------
@@ -9471,8 +9475,7 @@ def child_names(packed):
 
 
 def unpack_children(packed):
-    """pack_children's bytes back as {name: (kind 'f'|'l'|'d', mode, digest or link target or
-    None, size, mtime_ns, ctime_ns, inode)}."""
+    """pack_children's bytes back as {name: Entry}."""
     names = child_names(packed).split(b"\0") if len(packed) > 4 else []
     at, out = 4 + struct.unpack_from("<I", packed)[0], {}
     for name in names:
@@ -9482,7 +9485,7 @@ def unpack_children(packed):
         at += length
         digest = None if not payload else os.fsdecode(payload) if kind == "l" else \
             "g" + payload[1:].hex() if payload[:1] == b"g" else payload[1:].hex()
-        out[os.fsdecode(name)] = (kind, mode, digest, size, mtime, ctime, ino)
+        out[os.fsdecode(name)] = Entry(kind, mode, digest, size, mtime, ctime, ino)
     return out
 
 
@@ -9502,13 +9505,13 @@ def rewind_plan(old, cur, within, partial):
     """(paths to remove, paths to make) for a rewind from entries `cur` to entries `old`
     (flat maps), under the paths `within` (all when empty; the directories above those come
     back too); nothing is removed that the old state did not cover when it is `partial`."""
-    above = {p for p, e in old.items() if e[0] == "d" and any(is_within(w, p) for w in within)}
+    above = {p for p, e in old.items() if e.kind == "d" and any(is_within(w, p) for w in within)}
 
     def wanted(p):
         return not within or p in above or any(p == w or is_within(p, w) for w in within)
     drop = [p for p, e in cur.items()
             if wanted(p) and (p not in old and not partial and p not in above
-                              or p in old and old[p][0] != e[0])]
+                              or p in old and old[p].kind != e.kind)]
     put = [p for p, e in old.items() if wanted(p) and (p not in cur or cur[p][:3] != e[:3])]
     return drop, put
 
@@ -10035,11 +10038,11 @@ class Checkpoints:
         key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
         mode = stat.S_IMODE(st.st_mode)
         if stat.S_ISDIR(st.st_mode):
-            return ("d", mode, None) + key, True
+            return Entry("d", mode, None, *key), True
         if stat.S_ISLNK(st.st_mode):
             try:
                 # (a link is read again: it is cheap)
-                return ("l", mode, os.readlink(path)) + key, True
+                return Entry("l", mode, os.readlink(path), *key), True
             except OSError:
                 return None, False
         if not stat.S_ISREG(st.st_mode):
@@ -10048,8 +10051,7 @@ class Checkpoints:
         if not lasting:
             # (scan(): a new one makes no directory quiet)
             self.linked.add((st.st_dev, st.st_ino))
-        if (old is not None and old[0] == "f" and old[3:] == key and old[1] == mode
-                and old[2] is not None):
+        if old is not None and old.data is not None and old == Entry("f", mode, old.data, *key):
             return old, lasting
         digest, why = GitIndex.blob_of(known, path[path.rfind("/") + 1:], st), None
         if digest is None:
@@ -10060,7 +10062,7 @@ class Checkpoints:
             # changed within a clock tick: read again next time
             key = (st.st_size, -1, st.st_ctime_ns, st.st_ino)
             lasting = False
-        return ("f", mode, digest) + key, lasting and digest is not None
+        return Entry("f", mode, digest, *key), lasting and digest is not None
 
     def keep(self, path, st):
         """(digest of the file's bytes, kept in the store; or None and why it is not covered)."""
@@ -10130,14 +10132,14 @@ class Checkpoints:
                 (failed if why else done).append((p, why or "removed"))
             for p in sorted(put, key=lambda p: (p.count("/"), p)):
                 e = old[p]
-                if e[0] == "f" and e[2] is None:
+                if e.kind == "f" and e.data is None:
                     failed.append((p, "not covered by checkpoint %d" % target.number))
                     continue
                 why = "" if dry else self.step(p, cur.get(p) if p not in drop else None,
                                                e, files, readers)
                 (failed if why else done).append(
                     (p, why or ("brought back" if p not in cur else "restored")))
-            for p in sorted((p for p in put if old[p][0] == "d" and not dry),
+            for p in sorted((p for p in put if old[p].kind == "d" and not dry),
                             key=lambda p: -p.count("/")):
                 try:
                     dfd = open_dir(p, flags=os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
@@ -10165,7 +10167,7 @@ class Checkpoints:
         try:
             with files.lock(path):
                 return self.put_back(dfd, base, now, want,
-                                     lambda: self.bytes_of(path, want[2], readers))
+                                     lambda: self.bytes_of(path, want.data, readers))
         except OSError as e:
             if e.errno == errno.ENOTEMPTY:
                 return "kept: it holds files no checkpoint covers (ignored ones, say)"
@@ -10189,25 +10191,25 @@ class Checkpoints:
         """step()'s change, relative to directory `dfd`: '' when done, else why not (OSError
         when the system refused)."""
         if want is None:
-            if now[0] == "d":
+            if now.kind == "d":
                 os.rmdir(base, dir_fd=dfd)
             else:
                 os.unlink(base, dir_fd=dfd)
-        elif want[0] == "d":
+        elif want.kind == "d":
             if now is None:
                 os.mkdir(base, 0o700, dir_fd=dfd)
-        elif now is not None and now[0] == "d":
+        elif now is not None and now.kind == "d":
             return "a directory is there now (it holds files no checkpoint covers)"
-        elif want[0] == "l":
+        elif want.kind == "l":
             tmp = temp_name(base)
-            os.symlink(want[2], tmp, dir_fd=dfd)
+            os.symlink(want.data, tmp, dir_fd=dfd)
             try:
                 os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
             except OSError:
                 os.unlink(tmp, dir_fd=dfd)
                 raise
         else:
-            replace_file(dfd, base, data(), None, want[1])
+            replace_file(dfd, base, data(), None, want.mode)
         return ""
 
 
@@ -12684,7 +12686,7 @@ def checkpoint_diff(points, target, now, offset, cap):
     checkpoint did not cover; files past `cap` characters are left to a read-on notice."""
     old, cur = target.flat(), now.flat()
     paths = sorted(p for p in set(old) | set(cur)
-                   if any(e is not None and e[0] != "d" for e in (old.get(p), cur.get(p)))
+                   if any(e is not None and e.kind != "d" for e in (old.get(p), cur.get(p)))
                    and old.get(p, ())[:3] != cur.get(p, ())[:3])
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
@@ -12695,7 +12697,7 @@ def checkpoint_diff(points, target, now, offset, cap):
         """One file's part: its header and mode lines, then its hunks or why they are not shown."""
         name = relative_to_root(points.roots, p)
         a, b = old.get(p), cur.get(p)
-        a, b = (None if e is None or e[0] == "d" else e for e in (a, b))
+        a, b = (None if e is None or e.kind == "d" else e for e in (a, b))
         text = ["diff --git a/%s b/%s\n" % (name, name)]
         if a is None:
             text.append("new file mode %s\n" % git_mode(b))
@@ -12704,14 +12706,19 @@ def checkpoint_diff(points, target, now, offset, cap):
         elif git_mode(a) != git_mode(b):
             text.append("old mode %s\nnew mode %s\n" % (git_mode(a), git_mode(b)))
         try:
-            before = None if a is None else a[2].encode("utf-8", "surrogateescape") if a[0] == "l" \
-                else points.bytes_of(p, a[2], readers) if a[2] else None
-            after = None if b is None else b[2].encode("utf-8", "surrogateescape") if b[0] == "l" \
-                else read_regular(p, name, points.config.max_file_size)[0]
+            before = after = None
+            if a is not None and a.kind == "l":
+                before = os.fsencode(a.data)
+            elif a is not None and a.data:
+                before = points.bytes_of(p, a.data, readers)
+            if b is not None and b.kind == "l":
+                after = os.fsencode(b.data)
+            elif b is not None:
+                after = read_regular(p, name, points.config.max_file_size)[0]
         except (OSError, ToolError) as e:
             text.append("# not shown: %s\n" % (getattr(e, "message", None) or e.strerror or e))
             before = after = b""
-        if a is not None and a[0] == "f" and not a[2]:
+        if a is not None and a.kind == "f" and not a.data:
             text.append("# not shown: checkpoint %d did not cover it\n" % target.number)
         elif b"\0" in (before or b"")[:8192] + (after or b"")[:8192]:
             text.append("Binary files %s and %s differ\n"
@@ -12743,7 +12750,7 @@ def checkpoint_diff(points, target, now, offset, cap):
 
 def git_mode(entry):
     """The mode git gives a checkpoint entry: a link, an executable or a plain file."""
-    return "120000" if entry[0] == "l" else "100755" if entry[1] & 0o111 else "100644"
+    return "120000" if entry.kind == "l" else "100755" if entry.mode & 0o111 else "100644"
 
 
 @tool("rewind", REWIND_DESC, obj({
