@@ -1742,6 +1742,9 @@ def prctl(option, value):
         return False  # no libc prctl here: the caller says what it lacks
 
 
+M_ARENA_MAX = -8                        # mallopt(3)'s parameter number in glibc
+
+
 def give_back_memory(main_thread, wait_s=10.0):
     """Once `main_thread` is done with the script (its parse tree freed), hand the C
     library's free pages back to the system: glibc's malloc_trim(0). Elsewhere (musl,
@@ -1752,14 +1755,20 @@ def give_back_memory(main_thread, wait_s=10.0):
     trim_memory()
 
 
-def trim_memory():
+def trim_memory(arenas=None):
     """Hand the C library's free pages back to the system (glibc's malloc_trim(0)), after
-    start-up or a walk that made and dropped many objects; elsewhere nothing is done."""
+    start-up or a walk that made and dropped many objects; elsewhere nothing is done.
+    With `arenas`, before any thread starts: at most that many malloc arenas (glibc gives
+    each thread that allocates one of its own, whose pages stay resident; Python's own
+    allocator serves small objects, so the server's threads hardly contend for one)."""
     try:
         _, libc = _libc()
-        libc.malloc_trim(0)
+        if arenas:
+            libc.mallopt(M_ARENA_MAX, arenas)
+        else:
+            libc.malloc_trim(0)
     except (OSError, AttributeError, ImportError):
-        log("debug", "no malloc_trim here: memory freed stays with the allocator")
+        log("debug", "no malloc_trim or mallopt here: memory freed stays with the allocator")
 
 
 def importable(name):
@@ -15749,6 +15758,7 @@ def main(argv=None, environ=None, after_the_script=False):
         return 2
     if config.check:
         return check_main(config, policy, sandbox)
+    trim_memory(arenas=1)
     seal_memory()           # the variables kept from commands stay out of /proc/<pid>/environ too
     scrub_environ_block()   # ... and out of a child's, between its fork and its exec
     stopper = Stopper()

@@ -11392,6 +11392,33 @@ def stdio_session(test, argv, steps, env=None, preexec=None):
     return texts, err, code
 
 
+def glibc_version():
+    """'glibc 2.x' where the C library is glibc, else ''."""
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (AttributeError, ValueError, OSError):
+        return ""
+
+
+class TestMemory(unittest.TestCase):
+    @NEEDS_CTYPES
+    @unittest.skipUnless("glibc" in glibc_version(), "malloc arenas and malloc_stats are glibc's")
+    def test_the_server_keeps_one_malloc_arena_for_its_threads(self):
+        """Issue 66: each thread that allocates would get a glibc arena of its own, whose
+        pages stay resident; start-up asks for one (malloc_stats counts them on stderr)."""
+        script = ("import sys, threading, ctypes\nsys.path.insert(0, %r)\nimport boris\n"
+                  "if sys.argv[1] == 'one':\n    boris.trim_memory(arenas=1)\n"
+                  "ts = [threading.Thread(target=lambda: [bytearray(3000) for _ in range(2000)])"
+                  " for _ in range(4)]\n[t.start() for t in ts]\n[t.join() for t in ts]\n"
+                  "ctypes.CDLL(None).malloc_stats()\n" % HERE)
+        counts = []
+        for how in ("many", "one"):
+            err = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True).stderr
+            counts.append(len(re.findall(r"^Arena \d+:", err, re.M)))
+        self.assertEqual(counts[1], 1, counts)
+        self.assertGreater(counts[0], 1, counts)
+
+
 class TestWhereItIsCopied(unittest.TestCase):
     """SPEC 4c: the places operators copy boris.py into. Each feature works there or answers one
     coded error naming what is missing, never -32603; --check says what the place gives."""
