@@ -3263,7 +3263,8 @@ SEARCH_SLICES = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_ge
                            else os.cpu_count() or 1, 4))
 # search helpers kept warm for the next search (or one for each slice)
 SEARCH_IDLE_HELPERS = 2
-SLICE_FANOUT = 4                           # a directory with fewer subdirectories passes them on whole
+# a directory with fewer subdirectories passes them on whole
+SLICE_FANOUT = 4
 # a helper past its job's deadline by this much ends itself
 DEADLINE_GRACE_S = 2.0
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
@@ -3714,11 +3715,13 @@ class WalkCache:
     refresh() before each job takes what changed since."""
 
     def __init__(self, watch=False):
-        self.files = OrderedDict()                 # (base, source) -> (stat key, IgnoreFile or None)
+        # (base, source) -> (stat key, IgnoreFile or None)
+        self.files = OrderedDict()
         self.listings = OrderedDict()              # visit key -> Visit
         self.held = 0                              # entries the listings hold
         self.watches = Watches() if watch else None
-        self.results = OrderedDict()               # a glob job -> (generation, outer ignore stack, its batches, ...)
+        # a glob job -> (generation, outer ignore stack, its batches, ...)
+        self.results = OrderedDict()
 
     def refresh(self):
         """Take the changes the watches saw since the last job."""
@@ -3754,7 +3757,8 @@ class WalkCache:
                 return None
             if watched:
                 w.clean[real] = at
-        if not same_objects(seen.outer, ign) or not same_objects(seen.inner, inner_of(seen.names)):
+        if (not same_objects(seen.outer, ign)
+                or not same_objects(seen.inner, inner_of(seen.names))):
             return None
         self.listings.move_to_end(key)
         return seen
@@ -3778,7 +3782,8 @@ class WalkCache:
         if old is not None:
             self.held -= len(old.found) + len(old.subdirs) + 1
         if watched:
-            self.watches.clean[key[0]] = (st.st_mtime_ns, st.st_ctime_ns)     # (key[0]: the directory)
+            # (key[0]: the directory)
+            self.watches.clean[key[0]] = (st.st_mtime_ns, st.st_ctime_ns)
         self.listings[key] = visit
         self.held += len(visit.found) + len(visit.subdirs) + 1
         while self.held > LISTING_CACHE_ENTRIES and self.listings:
@@ -3786,13 +3791,15 @@ class WalkCache:
             self.held -= len(dropped.found) + len(dropped.subdirs) + 1
 
     def read(self, base, source):
-        """The rules of `source` for directory `base` (read_ignore's), from the cache when unchanged."""
+        """The rules of `source` for directory `base` (read_ignore's), from the cache when
+        unchanged."""
         try:
             st = os.stat(source)
         except OSError:
             self.files.pop((base, source), None)
             return None  # no such file (or unreadable): no rules from it
-        key, seen = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns), self.files.get((base, source))
+        key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        seen = self.files.get((base, source))
         if seen is not None and seen[0] == key:
             self.files.move_to_end((base, source))
             return seen[1]
@@ -3851,29 +3858,46 @@ class Walker:
 
     def __init__(self, root, policy, follow_links, cache=None):
         self.root, self.policy, self.follow_links = root, policy, follow_links
-        self.cache = cache or WalkCache()          # a warm helper's: what it walked before, kept while unchanged
-        self.name_ok, self.name_key = None, ""     # only(): a file name filter, and what it stands for
-        self.ordered = False                       # True: each directory's entries by name (a stable page order)
-        self.want_dirs = False                     # True: directories are found too
+        # a warm helper's: what it walked before, kept while unchanged
+        self.cache = cache or WalkCache()
+        # only(): a file name filter, and what it stands for
+        self.name_ok, self.name_key = None, ""
+        # True: each directory's entries by name (a stable page order)
+        self.ordered = False
+        # True: directories are found too
+        self.want_dirs = False
         self.max_depth = None
         self.seen = set()
-        self.link_heap = []                        # (path, n, (path, real, ignore stack, depth)):
-        self.links_queued = 0                      # entered by path once the real tree is done
-        self.ignores = True                        # False: .gitignore rules are not applied (grep's no_ignore)
+        # (path, n, (path, real, ignore stack, depth)): entered by path once the real tree is done
+        self.link_heap = []
+        self.links_queued = 0
+        # False: .gitignore rules are not applied (grep's no_ignore)
+        self.ignores = True
         self.use_ignore = False
-        self.recalled = 0                          # directories answered from the cache
-        self.visited = None                        # a list: the directories visited are added to it
-        self.links_seen = None                     # a list: ((link() arguments), its entries) of each link met
-        self.tick = None                           # called after each directory listed
-        self.raw_links = False                     # True: a symlink is found as itself, is_dir None (checkpoints)
-        self.watch_first = False                   # True: directories are watched from the first walk, not the
-        #                                            second (checkpoints walk the same tree again and again)
-        self.remember = True                       # False: visits are not kept in the cache (checkpoints keep theirs)
-        self.prune = lambda real: False            # a directory this is true of is found, not entered
-        self.repos = None                          # a set: the directories below the root met holding a .git
-        #                                            (whose ignore rules start over there)
-        self.slice = None                          # (i, n): deal() keeps slice i of n
-        self.shared = set()                        # directories every slice visits (deal())
+        # directories answered from the cache
+        self.recalled = 0
+        # a list: the directories visited are added to it
+        self.visited = None
+        # a list: ((link() arguments), its entries) of each link met
+        self.links_seen = None
+        # called after each directory listed
+        self.tick = None
+        # True: a symlink is found as itself, is_dir None (checkpoints)
+        self.raw_links = False
+        # True: directories are watched from the first walk, not the second (checkpoints walk
+        # the same tree again and again)
+        self.watch_first = False
+        # False: visits are not kept in the cache (checkpoints keep theirs)
+        self.remember = True
+        # a directory this is true of is found, not entered
+        self.prune = lambda real: False
+        # a set: the directories below the root met holding a .git (whose ignore rules start
+        # over there)
+        self.repos = None
+        # (i, n): deal() keeps slice i of n
+        self.slice = None
+        # directories every slice visits (deal())
+        self.shared = set()
 
     def __iter__(self):
         return self.walk([self.start()])
@@ -3971,16 +3995,18 @@ class Walker:
             self.visited.append(real)
         key = None
         if self.name_key is not None and self.remember:
-            key = (real, path, depth, self.use_ignore, self.follow_links, self.want_dirs, self.name_key,
-                   self.max_depth, self.policy.key)
+            key = (real, path, depth, self.use_ignore, self.follow_links, self.want_dirs,
+                   self.name_key, self.max_depth, self.policy.key)
             known = self.recall(key, ign, ino)
             if known is not None:
                 return known
         fd, entries, st = self.scan(real, ino)
         if fd is None:
             return [], []
-        watched = (self.watch_first or key is not None and self.recalled) and self.cache.watch_listed(real, fd, st)
-        try:                                    # (the fd stays open: DT_UNKNOWN entries lstat through it)
+        watched = ((self.watch_first or key is not None and self.recalled)
+                   and self.cache.watch_listed(real, fd, st))
+        # (the fd stays open: DT_UNKNOWN entries lstat through it)
+        try:
             names = frozenset(e.name for e in entries if e.name in (".git", ".gitignore"))
             inner = self.rules(path, names, ign)
             found, subdirs, links = self.sort_out(entries, path, real, inner, depth)
@@ -3988,12 +4014,14 @@ class Walker:
             os.close(fd)
         if key is not None and links is not None:
             kept = found
-            for begin, link, end in reversed(links):                # kept: a link as (shown, at, name)
+            # kept: a link as (shown, at, name)
+            for begin, link, end in reversed(links):
                 kept = kept[:begin] + [link] + kept[end:]
             visit = Visit(st, tuple(ign), names, tuple(inner), kept, subdirs, bool(links))
             self.cache.remember(key, visit, watched)
         elif watched and links is not None and time.time() - st.st_mtime >= LISTING_RACY_S:
-            self.cache.watches.clean[real] = (st.st_mtime_ns, st.st_ctime_ns)     # (as remember() marks it)
+            # (as remember() marks it)
+            self.cache.watches.clean[real] = (st.st_mtime_ns, st.st_ctime_ns)
         return found, subdirs
 
     def sort_out(self, entries, path, real, ign, depth):
@@ -4002,11 +4030,14 @@ class Walker:
         when an entry went away while it was looked at (the visit is not kept then)."""
         found, subdirs, links, settled = [], [], [], True
         name_ok, want_dirs, deeper = self.name_ok, self.want_dirs, self.deeper(depth)
-        files_hidden, dirs_hidden = self.ignored_here(entries, path, ign) if self.use_ignore and ign else ((), ())
-        policed = not self.policy.clears_below(real)          # (else no entry needs the policy's check)
+        files_hidden, dirs_hidden = (self.ignored_here(entries, path, ign)
+                                     if self.use_ignore and ign else ((), ()))
+        # (else no entry needs the policy's check)
+        policed = not self.policy.clears_below(real)
         is_denied = self.policy.is_denied
         prefix, rprefix = child_prefix(path), child_prefix(real)
-        same = prefix == rprefix                              # (one string for both: half the memory)
+        # (one string for both: half the memory)
+        same = prefix == rprefix
         for e in entries:
             name = e.name
             if name in SKIP_DIRS:
@@ -4043,17 +4074,21 @@ class Walker:
         return found, subdirs, links if settled else None
 
     def recall(self, key, ign, ino):
-        """visit()'s answer from the cache, when it remembers the directory unchanged; else None."""
+        """visit()'s answer from the cache, when it remembers the directory unchanged; else
+        None."""
         real, path, depth = key[:3]
-        known = self.cache.listing(key, real, ino, ign, lambda names: self.rules(path, names, ign))
+        known = self.cache.listing(key, real, ino, ign,
+                                   lambda names: self.rules(path, names, ign))
         if known is None:
             return None
         self.recalled += 1
         if self.follow_links:
             self.seen.add((known.st.st_dev, known.st.st_ino))
         found = known.found
-        if known.links:                                  # (a link's target is looked at every time)
-            found = [one for e in found for one in (self.link(*e, known.inner, depth) if len(e) == 3 else (e,))]
+        # (a link's target is looked at every time)
+        if known.links:
+            found = [one for e in found
+                     for one in (self.link(*e, known.inner, depth) if len(e) == 3 else (e,))]
         return list(found), list(known.subdirs)
 
     def ignored_here(self, entries, path, ign):
@@ -4068,7 +4103,7 @@ class Walker:
                 elif e.is_dir(follow_symlinks=False):
                     dirs.append(e.name)
             except OSError:
-                continue                                      # gone since listed: visit() skips it too
+                continue  # gone since listed: visit() skips it too
         if self.name_ok is not None:
             files = list(filter(self.name_ok, files))
         return ignored_among(ign, path, files, False), ignored_among(ign, path, dirs, True)
@@ -4076,7 +4111,8 @@ class Walker:
     def hidden(self, ign, path, real, name, is_dir):
         """Whether an ignore rule (of the stack `ign`, when the walk uses them) or the path
         policy hides this entry."""
-        return bool(self.use_ignore and ign and ignored(ign, path, name, is_dir)) or self.policy.is_denied(real)
+        return (bool(self.use_ignore and ign and ignored(ign, path, name, is_dir))
+                or self.policy.is_denied(real))
 
     def link(self, path, at, name, ign, depth):
         """A symlink's entries for visit() (resolve_link()), added to links_seen when kept."""
@@ -4092,12 +4128,13 @@ class Walker:
             target = canonical(at)
             st = os.stat(target)
         except OSError:
-            return ()                                            # broken or looping links are skipped
+            return ()  # broken or looping links are skipped
         is_dir = stat.S_ISDIR(st.st_mode)
         if self.hidden(ign, path, target, name, is_dir):
             return ()
-        if is_dir and self.slice is not None and (target.startswith(child_prefix(self.root))
-                                                  or self.slice[0] and path[:-len(name) - 1] in self.shared):
+        if is_dir and self.slice is not None and (
+                target.startswith(child_prefix(self.root))
+                or self.slice[0] and path[:-len(name) - 1] in self.shared):
             return ()     # a slice of the tree walks it as itself, or slice 0 follows the link
         if is_dir and self.follow_links:
             if self.deeper(depth):
@@ -4106,7 +4143,7 @@ class Walker:
                 heapq.heappush(self.link_heap, (path, self.links_queued, entry))
             return ()
         if is_dir:
-            return ()                               # a directory link not followed is not listed either
+            return ()  # a directory link not followed is not listed either
         if stat.S_ISREG(st.st_mode) and (self.name_ok is None or self.name_ok(name)):
             return ((path, target, False, st.st_ino),)
         return ()
