@@ -7145,8 +7145,9 @@ def pdf_failure(e):
 # glob such as *a*a*a*a*b) run in this process would freeze ping, cancel and every
 # other session. Every search therefore runs as a job in a search helper process
 # (its own process group): this process only waits on a pipe, reads result batches as
-# they come, and kills the group on cancel or at SEARCH_TIMEOUT_S, keeping what had arrived. Idle helpers are kept for the next
-# search (SEARCH_IDLE_HELPERS) and exit when this process's end of the pipe closes.
+# they come, and kills the group on cancel or at SEARCH_TIMEOUT_S, keeping what had arrived.
+# Idle helpers are kept for the next search (SEARCH_IDLE_HELPERS) and exit when this process's
+# end of the pipe closes.
 #
 # The search wire protocol: every message is one JSON object on one line.
 #
@@ -7185,7 +7186,8 @@ def mtime(path):
 
 def policy_spec(policy):
     """What a helper needs to rebuild `policy`."""
-    return {"allow": policy.allow, "deny": policy.deny_raw, "workdir": policy.workdir, "folds": policy.folds}
+    return {"allow": policy.allow, "deny": policy.deny_raw, "workdir": policy.workdir,
+            "folds": policy.folds}
 
 
 def name_filter(include, type_name):
@@ -7214,13 +7216,15 @@ class GrepWork:
 
     def __init__(self, job, cache=None):
         self.job, self.roots, self.cache = job, job["roots"], cache
-        self.cuts = [len(child_prefix(r[0])) for r in self.roots]      # a root's path/ prefix, cut off a path
+        # a root's path/ prefix, cut off a path
+        self.cuts = [len(child_prefix(r[0])) for r in self.roots]
         self.policy = PathPolicy(**job["policy"])
         self.keep = name_filter(job.get("include"), job.get("type"))
         self.spec = job["spec"]
         self.matcher = Matcher(self.spec["pattern"], self.spec["regex"], self.spec["ignore_case"],
                                self.spec["multiline"])
-        self.mode, self.before, self.after = self.spec["mode"], self.spec["before"], self.spec["after"]
+        self.mode = self.spec["mode"]
+        self.before, self.after = self.spec["before"], self.spec["after"]
         self.max_records = self.spec.get("max_records") or OUTPUT_MAX_CHARS // 2
         self.buf = bytearray(GREP_BUFFER)               # (grown for a long line: reads on more)
 
@@ -7257,8 +7261,8 @@ class GrepWork:
             return
         buf, needle, cut = self.buf, matcher.literal, self.cuts[k] if self.roots[k][1] else None
         size, sniff, folded, keep = len(buf), GREP_BINARY_SNIFF, matcher.folded, cut and keep
-        open_, fstat, readv, close, flags, regular = os.open, os.fstat, os.readv, os.close, os.O_RDONLY | O_FILE, \
-            stat.S_ISREG
+        open_, fstat, readv, close = os.open, os.fstat, os.readv, os.close
+        flags, regular = os.O_RDONLY | O_FILE, stat.S_ISREG
         for path, real, is_dir, ino in walked:
             if keep and not keep(path[cut:], path[path.rfind("/") + 1:]):
                 continue                            # (a file root is searched whatever its name)
@@ -7282,7 +7286,8 @@ class GrepWork:
                     items += r
             elif (buf[:n].lower() if folded else buf).find(needle, 0, n) >= 0 \
                     and buf.find(b"\x00", 0, min(n, sniff)) < 0:
-                items.append(GrepHit(real, None if cut is None else path[cut:], st.st_mtime_ns, True, k))
+                items.append(GrepHit(real, None if cut is None else path[cut:], st.st_mtime_ns,
+                                     True, k))
 
     def file_result(self, path, ino):
         """One file's result: None (binary, unreadable, not a regular file, no longer the
@@ -7379,7 +7384,8 @@ class GrepWork:
             end = buf.rfind(b"\n", 0, filled) + 1
             if end == 0 or whole:
                 if len(buf) < GREP_CHUNK_MAX:
-                    buf.extend(bytes(len(buf)))          # a very long line, or a whole file: grow and read on
+                    # a very long line, or a whole file: grow and read on
+                    buf.extend(bytes(len(buf)))
                     filled += os.readv(fd, [memoryview(buf)[filled:]])
                     continue
                 end = end or filled
@@ -7400,7 +7406,8 @@ class GlobWork:
         self.job, self.cache = job, cache
         self.policy = PathPolicy(**job["policy"])
         start, rest, self.base_only, kind = job["start"], job["rest"], job["base_only"], job["kind"]
-        self.rest = rest                                # what name_ok tests, for the walk cache's key
+        # what name_ok tests, for the walk cache's key
+        self.rest = rest
         self.roots = [(start, True, None)]
         self.rx, self.lead = compile_glob(rest), job["lead"]
         self.cut = len(start) + 1 if start != "/" else 1
@@ -7415,13 +7422,15 @@ class GlobWork:
         self.watches = cache.watches if cache is not None else None
         self.visited = [] if self.watches is not None else None
         self.links_seen = [] if self.watches is not None else None
-        self.linked = []                                # (path, mtime) of matches found through a link
-        self.unkept = 0                                 # 1: a match no watch vouches for (one is enough)
+        # (path, mtime) of matches found through a link
+        self.linked = []
+        # 1: a match no watch vouches for (one is enough)
+        self.unkept = 0
 
     def walker(self, k):
-        """A Walker of the static start directory that lists links and does not enter them, names filtered
-        in the walk when it can be. Its visits are kept for the next glob only in a warm helper's
-        cache (with watches)."""
+        """A Walker of the static start directory that lists links and does not enter them,
+        names filtered in the walk when it can be. Its visits are kept for the next glob only in
+        a warm helper's cache (with watches)."""
         walker = Walker(self.roots[0][0], self.policy, False, self.cache)
         if self.name_ok is not None:
             walker.only(self.name_ok, self.rest if self.watches is not None else None)
@@ -7456,7 +7465,8 @@ class GlobWork:
         if self.unkept or not all(map(self.watches.clean.__contains__, self.visited)):
             self.cache.results.pop(self.key, None)
             return
-        self.cache.results[self.key] = (self.since, self.outer, batches, self.links_seen, self.linked)
+        self.cache.results[self.key] = (self.since, self.outer, batches, self.links_seen,
+                                        self.linked)
         while len(self.cache.results) > GLOB_RESULTS_KEPT:
             self.cache.results.popitem(last=False)
 
@@ -7465,8 +7475,10 @@ class GlobWork:
         path but the stat: a big glob is mostly this loop). Notes the first match no watch
         vouches for (keep(); the rest are not looked at): in a directory not watched, or
         with other hard links (a change through one elsewhere raises no event here)."""
-        lead, cut, rx, base_only, want_dir, stat_of = self.lead, self.cut, self.rx, self.base_only, self.want_dir, os.stat
-        filtered = self.name_ok is not None                 # the walker has matched the names already
+        lead, cut, rx = self.lead, self.cut, self.rx
+        base_only, want_dir, stat_of = self.base_only, self.want_dir, os.stat
+        # the walker has matched the names already
+        filtered = self.name_ok is not None
         watches = self.watches
         for path, real, is_dir, ino in walked:
             if not filtered and (is_dir != want_dir or not rx.match(
@@ -7482,8 +7494,10 @@ class GlobWork:
                     self.linked.append((path, when))        # (recall() reads its mtime again)
                 elif watches is not None and not self.unkept and (
                         is_dir or st.st_nlink != 1 or not watches.file_watched(path)):
-                    self.unkept = 1                         # (a change through another hard link: no event here)
-            items += (path[lead:], when)                # the full path would double what the pipe carries
+                    # (a change through another hard link: no event here)
+                    self.unkept = 1
+            # the full path would double what the pipe carries
+            items += (path[lead:], when)
 
 
 SEARCH_WORK = {"grep": GrepWork, "glob": GlobWork}
@@ -7547,7 +7561,8 @@ def search_job(job, emit, cache=None):
     out = Batches(emit, keep=globbing)
     dealt = job.get("slice")                    # [i, n]: slice i of n (HelperPool.run)
     for k, (real, is_dir, ino) in enumerate(work.roots):
-        walked = [(real, real, False, ino)] if not (dealt and dealt[0]) else []     # (a file: slice 0's)
+        # (a file: slice 0's)
+        walked = [(real, real, False, ino)] if not (dealt and dealt[0]) else []
         if is_dir:
             walked = work.walker(k)
             walked.tick, walked.slice = out.flush_due, dealt
@@ -7599,7 +7614,8 @@ def helper_search():
             end = {"end": "error", "code": e.code, "message": e.message}
         except Exception as e:
             import traceback
-            sys.stderr.write("boris: search helper %d: the job failed:\n%s" % (os.getpid(), traceback.format_exc()))
+            sys.stderr.write("boris: search helper %d: the job failed:\n%s"
+                             % (os.getpid(), traceback.format_exc()))
             sys.stderr.flush()
             end = {"end": "error", "code": IO_ERROR, "message": "the search failed: %r" % e}
         finally:
@@ -7633,12 +7649,15 @@ class HelperPool:
 
     def __init__(self, idle_max=SEARCH_IDLE_HELPERS, avoid=()):
         self.idle_max = idle_max
-        self.avoid = list(avoid)               # roots sandboxed commands may write: no helper code there
+        # roots sandboxed commands may write: no helper code there
+        self.avoid = list(avoid)
         self.lock = threading.Lock()
         self.idle, self.busy = [], set()
         self.closed = False
-        self.requests = None                   # spawn requests to the pool's own thread
-        self.primed = []                       # the boxes of helpers started ahead (prime()), not taken yet
+        # spawn requests to the pool's own thread
+        self.requests = None
+        # the boxes of helpers started ahead (prime()), not taken yet
+        self.primed = []
 
     def run(self, job, cancelled, deadline_s=None):
         """(items, None) of a job run in a helper, or in SEARCH_SLICES of them, each with a
@@ -7651,7 +7670,8 @@ class HelperPool:
         items, procs = [], {}                  # stdout -> (helper, LineBuffer) of those not done
         try:
             for i in range(n):
-                proc = self.start(dict(job, deadline_s=deadline_s, slice=[i, n] if n > 1 else None), i)
+                proc = self.start(dict(job, deadline_s=deadline_s,
+                                       slice=[i, n] if n > 1 else None), i)
                 procs[proc.stdout.fileno()] = proc, LineBuffer()
             while procs:
                 if cancelled.is_set():
@@ -7663,8 +7683,9 @@ class HelperPool:
                     proc, reader = procs[fd]
                     chunk = os.read(fd, 1 << 20)
                     if not chunk:
-                        raise ToolError(IO_ERROR, "the search helper process ended unexpectedly (its error,"
-                                                  " if any, is in the server's log); try again")
+                        raise ToolError(IO_ERROR,
+                                        "the search helper process ended unexpectedly (its error,"
+                                        " if any, is in the server's log); try again")
                     for line in reader.feed(chunk):
                         msg = json.loads(line.decode("utf-8"))
                         if "items" in msg:
@@ -7699,8 +7720,9 @@ class HelperPool:
             except OSError as e:
                 error = e
                 self.discard(proc)
-        raise ToolError(IO_ERROR, "no search helper process could be started (%s), so the search was not run;"
-                                    " check that %s can start and that the temp directory is writable"
+        raise ToolError(IO_ERROR,
+                        "no search helper process could be started (%s), so the search was not run;"
+                        " check that %s can start and that the temp directory is writable"
                         % (getattr(error, "strerror", None) or error, sys.executable))
 
     def take(self, slot=0):
@@ -7709,7 +7731,8 @@ class HelperPool:
         with self.lock:
             if self.closed:
                 raise OSError(errno.ESHUTDOWN, "the server is shutting down")
-            idle = next((p for p in self.idle if p.slot == slot), self.idle[-1] if self.idle else None)
+            idle = next((p for p in self.idle if p.slot == slot),
+                        self.idle[-1] if self.idle else None)
             if idle is not None and idle.poll() is None:
                 self.idle.remove(idle)
                 self.busy.add(idle)
@@ -7721,7 +7744,7 @@ class HelperPool:
             else:
                 self.idle.remove(idle)
         if idle is not None:
-            kill_group(idle)                      # it died while idle: reaped, pipes closed; try again
+            kill_group(idle)  # it died while idle: reaped, pipes closed; try again
             return self.take(slot)
         try:
             proc = self.collect(box)
@@ -7758,7 +7781,7 @@ class HelperPool:
             self.requests = queue.SimpleQueue()
             threading.Thread(target=self._spawner, args=(self.requests, self.avoid), daemon=True,
                              name="boris-helper-spawner").start()
-            atexit.register(self.close)           # idle helpers go with the process, whoever runs it
+            atexit.register(self.close)  # idle helpers go with the process, whoever runs it
         box = queue.SimpleQueue()
         self.requests.put(box)
         return box
@@ -7779,14 +7802,15 @@ class HelperPool:
                 argv, cwd = helper_command("search", avoid)
                 box.put(spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               start_new_session=True))
-            except Exception as e:                    # any failure is an answer: no caller waits for ever
+            except Exception as e:  # any failure is an answer: no caller waits for ever
                 box.put(e if isinstance(e, OSError) else OSError(repr(e)))
 
     def release(self, proc):
         """A helper that finished its job: kept warm, or closed."""
         with self.lock:
             self.busy.discard(proc)
-            keep = not self.closed and len(self.idle) < max(self.idle_max, SEARCH_SLICES) and proc.poll() is None
+            keep = (not self.closed and len(self.idle) < max(self.idle_max, SEARCH_SLICES)
+                    and proc.poll() is None)
             if keep:
                 self.idle.append(proc)
         if not keep:
@@ -14001,8 +14025,9 @@ def find_paths(session, ctx, pattern, shown, kind):
     check_glob_args(pattern, kind)
     if pattern.endswith("/") and pattern.strip("/"):
         if kind == "file":
-            raise ToolError(GLOB_INVALID_PATTERN, "pattern %r ends with '/', which matches directories only, but"
-                            " type is 'file'; drop the '/' or the type" % shorten(pattern))
+            raise ToolError(GLOB_INVALID_PATTERN, "pattern %r ends with '/', which matches"
+                            " directories only, but type is 'file'; drop the '/' or the type"
+                            % shorten(pattern))
         pattern, kind = pattern.rstrip("/"), "directory"
     kind = kind or "file"
     real = resolve_checked(session, ctx, shown)
@@ -14019,11 +14044,12 @@ def find_paths(session, ctx, pattern, shown, kind):
         return [], None
     if not os.path.isdir(start) or ctx.policy.is_denied(start):
         return [], None
-    job = {"op": "glob", "policy": policy_spec(ctx.policy), "start": start, "rest": rest, "base_only": base_only,
-           "kind": kind, "lead": len(real) + 1 if real != "/" else 1}
+    job = {"op": "glob", "policy": policy_spec(ctx.policy), "start": start, "rest": rest,
+           "base_only": base_only, "kind": kind, "lead": len(real) + 1 if real != "/" else 1}
     found, why = ctx.helpers.run(job, ctx.cancelled)
     if kind == "directory" and rest == "**" and prefix:
-        found = [os.path.normpath(prefix), mtime(start)] + found     # '**' is zero or more directories
+        # '**' is zero or more directories
+        found = [os.path.normpath(prefix), mtime(start)] + found
     return found, why
 
 
