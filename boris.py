@@ -3272,7 +3272,8 @@ SEARCH_SLICES = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_ge
                            else os.cpu_count() or 1, 4))
 # search helpers kept warm for the next search (or one for each slice)
 SEARCH_IDLE_HELPERS = 2
-SLICE_FANOUT = 4                           # a directory with fewer subdirectories passes them on whole
+# a directory with fewer subdirectories passes them on whole
+SLICE_FANOUT = 4
 # a helper past its job's deadline by this much ends itself
 DEADLINE_GRACE_S = 2.0
 GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chunks of it
@@ -3723,11 +3724,13 @@ class WalkCache:
     refresh() before each job takes what changed since."""
 
     def __init__(self, watch=False):
-        self.files = OrderedDict()                 # (base, source) -> (stat key, IgnoreFile or None)
+        # (base, source) -> (stat key, IgnoreFile or None)
+        self.files = OrderedDict()
         self.listings = OrderedDict()              # visit key -> Visit
         self.held = 0                              # entries the listings hold
         self.watches = Watches() if watch else None
-        self.results = OrderedDict()               # a glob job -> (generation, outer ignore stack, its batches, ...)
+        # a glob job -> (generation, outer ignore stack, its batches, ...)
+        self.results = OrderedDict()
 
     def refresh(self):
         """Take the changes the watches saw since the last job."""
@@ -3763,7 +3766,8 @@ class WalkCache:
                 return None
             if watched:
                 w.clean[real] = at
-        if not same_objects(seen.outer, ign) or not same_objects(seen.inner, inner_of(seen.names)):
+        if (not same_objects(seen.outer, ign)
+                or not same_objects(seen.inner, inner_of(seen.names))):
             return None
         self.listings.move_to_end(key)
         return seen
@@ -3787,7 +3791,8 @@ class WalkCache:
         if old is not None:
             self.held -= len(old.found) + len(old.subdirs) + 1
         if watched:
-            self.watches.clean[key[0]] = (st.st_mtime_ns, st.st_ctime_ns)     # (key[0]: the directory)
+            # (key[0]: the directory)
+            self.watches.clean[key[0]] = (st.st_mtime_ns, st.st_ctime_ns)
         self.listings[key] = visit
         self.held += len(visit.found) + len(visit.subdirs) + 1
         while self.held > LISTING_CACHE_ENTRIES and self.listings:
@@ -3795,13 +3800,15 @@ class WalkCache:
             self.held -= len(dropped.found) + len(dropped.subdirs) + 1
 
     def read(self, base, source):
-        """The rules of `source` for directory `base` (read_ignore's), from the cache when unchanged."""
+        """The rules of `source` for directory `base` (read_ignore's), from the cache when
+        unchanged."""
         try:
             st = os.stat(source)
         except OSError:
             self.files.pop((base, source), None)
             return None  # no such file (or unreadable): no rules from it
-        key, seen = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns), self.files.get((base, source))
+        key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        seen = self.files.get((base, source))
         if seen is not None and seen[0] == key:
             self.files.move_to_end((base, source))
             return seen[1]
@@ -3860,29 +3867,46 @@ class Walker:
 
     def __init__(self, root, policy, follow_links, cache=None):
         self.root, self.policy, self.follow_links = root, policy, follow_links
-        self.cache = cache or WalkCache()          # a warm helper's: what it walked before, kept while unchanged
-        self.name_ok, self.name_key = None, ""     # only(): a file name filter, and what it stands for
-        self.ordered = False                       # True: each directory's entries by name (a stable page order)
-        self.want_dirs = False                     # True: directories are found too
+        # a warm helper's: what it walked before, kept while unchanged
+        self.cache = cache or WalkCache()
+        # only(): a file name filter, and what it stands for
+        self.name_ok, self.name_key = None, ""
+        # True: each directory's entries by name (a stable page order)
+        self.ordered = False
+        # True: directories are found too
+        self.want_dirs = False
         self.max_depth = None
         self.seen = set()
-        self.link_heap = []                        # (path, n, (path, real, ignore stack, depth)):
-        self.links_queued = 0                      # entered by path once the real tree is done
-        self.ignores = True                        # False: .gitignore rules are not applied (grep's no_ignore)
+        # (path, n, (path, real, ignore stack, depth)): entered by path once the real tree is done
+        self.link_heap = []
+        self.links_queued = 0
+        # False: .gitignore rules are not applied (grep's no_ignore)
+        self.ignores = True
         self.use_ignore = False
-        self.recalled = 0                          # directories answered from the cache
-        self.visited = None                        # a list: the directories visited are added to it
-        self.links_seen = None                     # a list: ((link() arguments), its entries) of each link met
-        self.tick = None                           # called after each directory listed
-        self.raw_links = False                     # True: a symlink is found as itself, is_dir None (checkpoints)
-        self.watch_first = False                   # True: directories are watched from the first walk, not the
-        #                                            second (checkpoints walk the same tree again and again)
-        self.remember = True                       # False: visits are not kept in the cache (checkpoints keep theirs)
-        self.prune = lambda real: False            # a directory this is true of is found, not entered
-        self.repos = None                          # a set: the directories below the root met holding a .git
-        #                                            (whose ignore rules start over there)
-        self.slice = None                          # (i, n): deal() keeps slice i of n
-        self.shared = set()                        # directories every slice visits (deal())
+        # directories answered from the cache
+        self.recalled = 0
+        # a list: the directories visited are added to it
+        self.visited = None
+        # a list: ((link() arguments), its entries) of each link met
+        self.links_seen = None
+        # called after each directory listed
+        self.tick = None
+        # True: a symlink is found as itself, is_dir None (checkpoints)
+        self.raw_links = False
+        # True: directories are watched from the first walk, not the second (checkpoints walk
+        # the same tree again and again)
+        self.watch_first = False
+        # False: visits are not kept in the cache (checkpoints keep theirs)
+        self.remember = True
+        # a directory this is true of is found, not entered
+        self.prune = lambda real: False
+        # a set: the directories below the root met holding a .git (whose ignore rules start
+        # over there)
+        self.repos = None
+        # (i, n): deal() keeps slice i of n
+        self.slice = None
+        # directories every slice visits (deal())
+        self.shared = set()
 
     def __iter__(self):
         return self.walk([self.start()])
@@ -3980,16 +4004,18 @@ class Walker:
             self.visited.append(real)
         key = None
         if self.name_key is not None and self.remember:
-            key = (real, path, depth, self.use_ignore, self.follow_links, self.want_dirs, self.name_key,
-                   self.max_depth, self.policy.key)
+            key = (real, path, depth, self.use_ignore, self.follow_links, self.want_dirs,
+                   self.name_key, self.max_depth, self.policy.key)
             known = self.recall(key, ign, ino)
             if known is not None:
                 return known
         fd, entries, st = self.scan(real, ino)
         if fd is None:
             return [], []
-        watched = (self.watch_first or key is not None and self.recalled) and self.cache.watch_listed(real, fd, st)
-        try:                                    # (the fd stays open: DT_UNKNOWN entries lstat through it)
+        watched = ((self.watch_first or key is not None and self.recalled)
+                   and self.cache.watch_listed(real, fd, st))
+        # (the fd stays open: DT_UNKNOWN entries lstat through it)
+        try:
             names = frozenset(e.name for e in entries if e.name in (".git", ".gitignore"))
             inner = self.rules(path, names, ign)
             found, subdirs, links = self.sort_out(entries, path, real, inner, depth)
@@ -3997,12 +4023,14 @@ class Walker:
             os.close(fd)
         if key is not None and links is not None:
             kept = found
-            for begin, link, end in reversed(links):                # kept: a link as (shown, at, name)
+            # kept: a link as (shown, at, name)
+            for begin, link, end in reversed(links):
                 kept = kept[:begin] + [link] + kept[end:]
             visit = Visit(st, tuple(ign), names, tuple(inner), kept, subdirs, bool(links))
             self.cache.remember(key, visit, watched)
         elif watched and links is not None and time.time() - st.st_mtime >= LISTING_RACY_S:
-            self.cache.watches.clean[real] = (st.st_mtime_ns, st.st_ctime_ns)     # (as remember() marks it)
+            # (as remember() marks it)
+            self.cache.watches.clean[real] = (st.st_mtime_ns, st.st_ctime_ns)
         return found, subdirs
 
     def sort_out(self, entries, path, real, ign, depth):
@@ -4011,11 +4039,14 @@ class Walker:
         when an entry went away while it was looked at (the visit is not kept then)."""
         found, subdirs, links, settled = [], [], [], True
         name_ok, want_dirs, deeper = self.name_ok, self.want_dirs, self.deeper(depth)
-        files_hidden, dirs_hidden = self.ignored_here(entries, path, ign) if self.use_ignore and ign else ((), ())
-        policed = not self.policy.clears_below(real)          # (else no entry needs the policy's check)
+        files_hidden, dirs_hidden = (self.ignored_here(entries, path, ign)
+                                     if self.use_ignore and ign else ((), ()))
+        # (else no entry needs the policy's check)
+        policed = not self.policy.clears_below(real)
         is_denied = self.policy.is_denied
         prefix, rprefix = child_prefix(path), child_prefix(real)
-        same = prefix == rprefix                              # (one string for both: half the memory)
+        # (one string for both: half the memory)
+        same = prefix == rprefix
         for e in entries:
             name = e.name
             if name in SKIP_DIRS:
@@ -4052,17 +4083,21 @@ class Walker:
         return found, subdirs, links if settled else None
 
     def recall(self, key, ign, ino):
-        """visit()'s answer from the cache, when it remembers the directory unchanged; else None."""
+        """visit()'s answer from the cache, when it remembers the directory unchanged; else
+        None."""
         real, path, depth = key[:3]
-        known = self.cache.listing(key, real, ino, ign, lambda names: self.rules(path, names, ign))
+        known = self.cache.listing(key, real, ino, ign,
+                                   lambda names: self.rules(path, names, ign))
         if known is None:
             return None
         self.recalled += 1
         if self.follow_links:
             self.seen.add((known.st.st_dev, known.st.st_ino))
         found = known.found
-        if known.links:                                  # (a link's target is looked at every time)
-            found = [one for e in found for one in (self.link(*e, known.inner, depth) if len(e) == 3 else (e,))]
+        # (a link's target is looked at every time)
+        if known.links:
+            found = [one for e in found
+                     for one in (self.link(*e, known.inner, depth) if len(e) == 3 else (e,))]
         return list(found), list(known.subdirs)
 
     def ignored_here(self, entries, path, ign):
@@ -4077,7 +4112,7 @@ class Walker:
                 elif e.is_dir(follow_symlinks=False):
                     dirs.append(e.name)
             except OSError:
-                continue                                      # gone since listed: visit() skips it too
+                continue  # gone since listed: visit() skips it too
         if self.name_ok is not None:
             files = list(filter(self.name_ok, files))
         return ignored_among(ign, path, files, False), ignored_among(ign, path, dirs, True)
@@ -4085,7 +4120,8 @@ class Walker:
     def hidden(self, ign, path, real, name, is_dir):
         """Whether an ignore rule (of the stack `ign`, when the walk uses them) or the path
         policy hides this entry."""
-        return bool(self.use_ignore and ign and ignored(ign, path, name, is_dir)) or self.policy.is_denied(real)
+        return (bool(self.use_ignore and ign and ignored(ign, path, name, is_dir))
+                or self.policy.is_denied(real))
 
     def link(self, path, at, name, ign, depth):
         """A symlink's entries for visit() (resolve_link()), added to links_seen when kept."""
@@ -4101,12 +4137,13 @@ class Walker:
             target = canonical(at)
             st = os.stat(target)
         except OSError:
-            return ()                                            # broken or looping links are skipped
+            return ()  # broken or looping links are skipped
         is_dir = stat.S_ISDIR(st.st_mode)
         if self.hidden(ign, path, target, name, is_dir):
             return ()
-        if is_dir and self.slice is not None and (target.startswith(child_prefix(self.root))
-                                                  or self.slice[0] and path[:-len(name) - 1] in self.shared):
+        if is_dir and self.slice is not None and (
+                target.startswith(child_prefix(self.root))
+                or self.slice[0] and path[:-len(name) - 1] in self.shared):
             return ()     # a slice of the tree walks it as itself, or slice 0 follows the link
         if is_dir and self.follow_links:
             if self.deeper(depth):
@@ -4115,7 +4152,7 @@ class Walker:
                 heapq.heappush(self.link_heap, (path, self.links_queued, entry))
             return ()
         if is_dir:
-            return ()                               # a directory link not followed is not listed either
+            return ()  # a directory link not followed is not listed either
         if stat.S_ISREG(st.st_mode) and (self.name_ok is None or self.name_ok(name)):
             return ((path, target, False, st.st_ino),)
         return ()
@@ -7117,8 +7154,9 @@ def pdf_failure(e):
 # glob such as *a*a*a*a*b) run in this process would freeze ping, cancel and every
 # other session. Every search therefore runs as a job in a search helper process
 # (its own process group): this process only waits on a pipe, reads result batches as
-# they come, and kills the group on cancel or at SEARCH_TIMEOUT_S, keeping what had arrived. Idle helpers are kept for the next
-# search (SEARCH_IDLE_HELPERS) and exit when this process's end of the pipe closes.
+# they come, and kills the group on cancel or at SEARCH_TIMEOUT_S, keeping what had arrived.
+# Idle helpers are kept for the next search (SEARCH_IDLE_HELPERS) and exit when this process's
+# end of the pipe closes.
 #
 # The search wire protocol: every message is one JSON object on one line.
 #
@@ -7157,7 +7195,8 @@ def mtime(path):
 
 def policy_spec(policy):
     """What a helper needs to rebuild `policy`."""
-    return {"allow": policy.allow, "deny": policy.deny_raw, "workdir": policy.workdir, "folds": policy.folds}
+    return {"allow": policy.allow, "deny": policy.deny_raw, "workdir": policy.workdir,
+            "folds": policy.folds}
 
 
 def name_filter(include, type_name):
@@ -7186,13 +7225,15 @@ class GrepWork:
 
     def __init__(self, job, cache=None):
         self.job, self.roots, self.cache = job, job["roots"], cache
-        self.cuts = [len(child_prefix(r[0])) for r in self.roots]      # a root's path/ prefix, cut off a path
+        # a root's path/ prefix, cut off a path
+        self.cuts = [len(child_prefix(r[0])) for r in self.roots]
         self.policy = PathPolicy(**job["policy"])
         self.keep = name_filter(job.get("include"), job.get("type"))
         self.spec = job["spec"]
         self.matcher = Matcher(self.spec["pattern"], self.spec["regex"], self.spec["ignore_case"],
                                self.spec["multiline"])
-        self.mode, self.before, self.after = self.spec["mode"], self.spec["before"], self.spec["after"]
+        self.mode = self.spec["mode"]
+        self.before, self.after = self.spec["before"], self.spec["after"]
         self.max_records = self.spec.get("max_records") or OUTPUT_MAX_CHARS // 2
         self.buf = bytearray(GREP_BUFFER)               # (grown for a long line: reads on more)
 
@@ -7229,8 +7270,8 @@ class GrepWork:
             return
         buf, needle, cut = self.buf, matcher.literal, self.cuts[k] if self.roots[k][1] else None
         size, sniff, folded, keep = len(buf), GREP_BINARY_SNIFF, matcher.folded, cut and keep
-        open_, fstat, readv, close, flags, regular = os.open, os.fstat, os.readv, os.close, os.O_RDONLY | O_FILE, \
-            stat.S_ISREG
+        open_, fstat, readv, close = os.open, os.fstat, os.readv, os.close
+        flags, regular = os.O_RDONLY | O_FILE, stat.S_ISREG
         for path, real, is_dir, ino in walked:
             if keep and not keep(path[cut:], path[path.rfind("/") + 1:]):
                 continue                            # (a file root is searched whatever its name)
@@ -7254,7 +7295,8 @@ class GrepWork:
                     items += r
             elif (buf[:n].lower() if folded else buf).find(needle, 0, n) >= 0 \
                     and buf.find(b"\x00", 0, min(n, sniff)) < 0:
-                items.append(GrepHit(real, None if cut is None else path[cut:], st.st_mtime_ns, True, k))
+                items.append(GrepHit(real, None if cut is None else path[cut:], st.st_mtime_ns,
+                                     True, k))
 
     def file_result(self, path, ino):
         """One file's result: None (binary, unreadable, not a regular file, no longer the
@@ -7351,7 +7393,8 @@ class GrepWork:
             end = buf.rfind(b"\n", 0, filled) + 1
             if end == 0 or whole:
                 if len(buf) < GREP_CHUNK_MAX:
-                    buf.extend(bytes(len(buf)))          # a very long line, or a whole file: grow and read on
+                    # a very long line, or a whole file: grow and read on
+                    buf.extend(bytes(len(buf)))
                     filled += os.readv(fd, [memoryview(buf)[filled:]])
                     continue
                 end = end or filled
@@ -7372,7 +7415,8 @@ class GlobWork:
         self.job, self.cache = job, cache
         self.policy = PathPolicy(**job["policy"])
         start, rest, self.base_only, kind = job["start"], job["rest"], job["base_only"], job["kind"]
-        self.rest = rest                                # what name_ok tests, for the walk cache's key
+        # what name_ok tests, for the walk cache's key
+        self.rest = rest
         self.roots = [(start, True, None)]
         self.rx, self.lead = compile_glob(rest), job["lead"]
         self.cut = len(start) + 1 if start != "/" else 1
@@ -7387,13 +7431,15 @@ class GlobWork:
         self.watches = cache.watches if cache is not None else None
         self.visited = [] if self.watches is not None else None
         self.links_seen = [] if self.watches is not None else None
-        self.linked = []                                # (path, mtime) of matches found through a link
-        self.unkept = 0                                 # 1: a match no watch vouches for (one is enough)
+        # (path, mtime) of matches found through a link
+        self.linked = []
+        # 1: a match no watch vouches for (one is enough)
+        self.unkept = 0
 
     def walker(self, k):
-        """A Walker of the static start directory that lists links and does not enter them, names filtered
-        in the walk when it can be. Its visits are kept for the next glob only in a warm helper's
-        cache (with watches)."""
+        """A Walker of the static start directory that lists links and does not enter them,
+        names filtered in the walk when it can be. Its visits are kept for the next glob only in
+        a warm helper's cache (with watches)."""
         walker = Walker(self.roots[0][0], self.policy, False, self.cache)
         if self.name_ok is not None:
             walker.only(self.name_ok, self.rest if self.watches is not None else None)
@@ -7428,7 +7474,8 @@ class GlobWork:
         if self.unkept or not all(map(self.watches.clean.__contains__, self.visited)):
             self.cache.results.pop(self.key, None)
             return
-        self.cache.results[self.key] = (self.since, self.outer, batches, self.links_seen, self.linked)
+        self.cache.results[self.key] = (self.since, self.outer, batches, self.links_seen,
+                                        self.linked)
         while len(self.cache.results) > GLOB_RESULTS_KEPT:
             self.cache.results.popitem(last=False)
 
@@ -7437,8 +7484,10 @@ class GlobWork:
         path but the stat: a big glob is mostly this loop). Notes the first match no watch
         vouches for (keep(); the rest are not looked at): in a directory not watched, or
         with other hard links (a change through one elsewhere raises no event here)."""
-        lead, cut, rx, base_only, want_dir, stat_of = self.lead, self.cut, self.rx, self.base_only, self.want_dir, os.stat
-        filtered = self.name_ok is not None                 # the walker has matched the names already
+        lead, cut, rx = self.lead, self.cut, self.rx
+        base_only, want_dir, stat_of = self.base_only, self.want_dir, os.stat
+        # the walker has matched the names already
+        filtered = self.name_ok is not None
         watches = self.watches
         for path, real, is_dir, ino in walked:
             if not filtered and (is_dir != want_dir or not rx.match(
@@ -7454,8 +7503,10 @@ class GlobWork:
                     self.linked.append((path, when))        # (recall() reads its mtime again)
                 elif watches is not None and not self.unkept and (
                         is_dir or st.st_nlink != 1 or not watches.file_watched(path)):
-                    self.unkept = 1                         # (a change through another hard link: no event here)
-            items += (path[lead:], when)                # the full path would double what the pipe carries
+                    # (a change through another hard link: no event here)
+                    self.unkept = 1
+            # the full path would double what the pipe carries
+            items += (path[lead:], when)
 
 
 SEARCH_WORK = {"grep": GrepWork, "glob": GlobWork}
@@ -7519,7 +7570,8 @@ def search_job(job, emit, cache=None):
     out = Batches(emit, keep=globbing)
     dealt = job.get("slice")                    # [i, n]: slice i of n (HelperPool.run)
     for k, (real, is_dir, ino) in enumerate(work.roots):
-        walked = [(real, real, False, ino)] if not (dealt and dealt[0]) else []     # (a file: slice 0's)
+        # (a file: slice 0's)
+        walked = [(real, real, False, ino)] if not (dealt and dealt[0]) else []
         if is_dir:
             walked = work.walker(k)
             walked.tick, walked.slice = out.flush_due, dealt
@@ -7571,7 +7623,8 @@ def helper_search():
             end = {"end": "error", "code": e.code, "message": e.message}
         except Exception as e:
             import traceback
-            sys.stderr.write("boris: search helper %d: the job failed:\n%s" % (os.getpid(), traceback.format_exc()))
+            sys.stderr.write("boris: search helper %d: the job failed:\n%s"
+                             % (os.getpid(), traceback.format_exc()))
             sys.stderr.flush()
             end = {"end": "error", "code": IO_ERROR, "message": "the search failed: %r" % e}
         finally:
@@ -7605,12 +7658,15 @@ class HelperPool:
 
     def __init__(self, idle_max=SEARCH_IDLE_HELPERS, avoid=()):
         self.idle_max = idle_max
-        self.avoid = list(avoid)               # roots sandboxed commands may write: no helper code there
+        # roots sandboxed commands may write: no helper code there
+        self.avoid = list(avoid)
         self.lock = threading.Lock()
         self.idle, self.busy = [], set()
         self.closed = False
-        self.requests = None                   # spawn requests to the pool's own thread
-        self.primed = []                       # the boxes of helpers started ahead (prime()), not taken yet
+        # spawn requests to the pool's own thread
+        self.requests = None
+        # the boxes of helpers started ahead (prime()), not taken yet
+        self.primed = []
 
     def run(self, job, cancelled, deadline_s=None):
         """(items, None) of a job run in a helper, or in SEARCH_SLICES of them, each with a
@@ -7623,7 +7679,8 @@ class HelperPool:
         items, procs = [], {}                  # stdout -> (helper, LineBuffer) of those not done
         try:
             for i in range(n):
-                proc = self.start(dict(job, deadline_s=deadline_s, slice=[i, n] if n > 1 else None), i)
+                proc = self.start(dict(job, deadline_s=deadline_s,
+                                       slice=[i, n] if n > 1 else None), i)
                 procs[proc.stdout.fileno()] = proc, LineBuffer()
             while procs:
                 if cancelled.is_set():
@@ -7635,8 +7692,9 @@ class HelperPool:
                     proc, reader = procs[fd]
                     chunk = os.read(fd, 1 << 20)
                     if not chunk:
-                        raise ToolError(IO_ERROR, "the search helper process ended unexpectedly (its error,"
-                                                  " if any, is in the server's log); try again")
+                        raise ToolError(IO_ERROR,
+                                        "the search helper process ended unexpectedly (its error,"
+                                        " if any, is in the server's log); try again")
                     for line in reader.feed(chunk):
                         msg = json.loads(line.decode("utf-8"))
                         if "items" in msg:
@@ -7671,8 +7729,9 @@ class HelperPool:
             except OSError as e:
                 error = e
                 self.discard(proc)
-        raise ToolError(IO_ERROR, "no search helper process could be started (%s), so the search was not run;"
-                                    " check that %s can start and that the temp directory is writable"
+        raise ToolError(IO_ERROR,
+                        "no search helper process could be started (%s), so the search was not run;"
+                        " check that %s can start and that the temp directory is writable"
                         % (getattr(error, "strerror", None) or error, sys.executable))
 
     def take(self, slot=0):
@@ -7681,7 +7740,8 @@ class HelperPool:
         with self.lock:
             if self.closed:
                 raise OSError(errno.ESHUTDOWN, "the server is shutting down")
-            idle = next((p for p in self.idle if p.slot == slot), self.idle[-1] if self.idle else None)
+            idle = next((p for p in self.idle if p.slot == slot),
+                        self.idle[-1] if self.idle else None)
             if idle is not None and idle.poll() is None:
                 self.idle.remove(idle)
                 self.busy.add(idle)
@@ -7693,7 +7753,7 @@ class HelperPool:
             else:
                 self.idle.remove(idle)
         if idle is not None:
-            kill_group(idle)                      # it died while idle: reaped, pipes closed; try again
+            kill_group(idle)  # it died while idle: reaped, pipes closed; try again
             return self.take(slot)
         try:
             proc = self.collect(box)
@@ -7730,7 +7790,7 @@ class HelperPool:
             self.requests = queue.SimpleQueue()
             threading.Thread(target=self._spawner, args=(self.requests, self.avoid), daemon=True,
                              name="boris-helper-spawner").start()
-            atexit.register(self.close)           # idle helpers go with the process, whoever runs it
+            atexit.register(self.close)  # idle helpers go with the process, whoever runs it
         box = queue.SimpleQueue()
         self.requests.put(box)
         return box
@@ -7751,14 +7811,15 @@ class HelperPool:
                 argv, cwd = helper_command("search", avoid)
                 box.put(spawn(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               start_new_session=True))
-            except Exception as e:                    # any failure is an answer: no caller waits for ever
+            except Exception as e:  # any failure is an answer: no caller waits for ever
                 box.put(e if isinstance(e, OSError) else OSError(repr(e)))
 
     def release(self, proc):
         """A helper that finished its job: kept warm, or closed."""
         with self.lock:
             self.busy.discard(proc)
-            keep = not self.closed and len(self.idle) < max(self.idle_max, SEARCH_SLICES) and proc.poll() is None
+            keep = (not self.closed and len(self.idle) < max(self.idle_max, SEARCH_SLICES)
+                    and proc.poll() is None)
             if keep:
                 self.idle.append(proc)
         if not keep:
@@ -13980,8 +14041,9 @@ def find_paths(session, ctx, pattern, shown, kind):
     check_glob_args(pattern, kind)
     if pattern.endswith("/") and pattern.strip("/"):
         if kind == "file":
-            raise ToolError(GLOB_INVALID_PATTERN, "pattern %r ends with '/', which matches directories only, but"
-                            " type is 'file'; drop the '/' or the type" % shorten(pattern))
+            raise ToolError(GLOB_INVALID_PATTERN, "pattern %r ends with '/', which matches"
+                            " directories only, but type is 'file'; drop the '/' or the type"
+                            % shorten(pattern))
         pattern, kind = pattern.rstrip("/"), "directory"
     kind = kind or "file"
     real = resolve_checked(session, ctx, shown)
@@ -13998,11 +14060,12 @@ def find_paths(session, ctx, pattern, shown, kind):
         return [], None
     if not os.path.isdir(start) or ctx.policy.is_denied(start):
         return [], None
-    job = {"op": "glob", "policy": policy_spec(ctx.policy), "start": start, "rest": rest, "base_only": base_only,
-           "kind": kind, "lead": len(real) + 1 if real != "/" else 1}
+    job = {"op": "glob", "policy": policy_spec(ctx.policy), "start": start, "rest": rest,
+           "base_only": base_only, "kind": kind, "lead": len(real) + 1 if real != "/" else 1}
     found, why = ctx.helpers.run(job, ctx.cancelled)
     if kind == "directory" and rest == "**" and prefix:
-        found = [os.path.normpath(prefix), mtime(start)] + found     # '**' is zero or more directories
+        # '**' is zero or more directories
+        found = [os.path.normpath(prefix), mtime(start)] + found
     return found, why
 
 
