@@ -4176,7 +4176,8 @@ class Walker:
 # -- the grep engine -----------------------------------------------------------------
 
 REGEX_HINTS = ((r"\\p\{L\}|\\pL", r"[^\W\d_]"), (r"\\p\{N\}|\\pN|\\p\{Nd\}", r"\d"),
-               (r"\\P\{L\}", r"[\W\d_]"), (r"\\p\{", r"an explicit class such as [a-z] or [^\W\d_]"),
+               (r"\\P\{L\}", r"[\W\d_]"),
+               (r"\\p\{", r"an explicit class such as [a-z] or [^\W\d_]"),
                (r"\\x\{[0-9a-fA-F]+\}", r"\uXXXX (or \U0001XXXX)"), (r"\\z", r"\Z"),
                (r"\\[<>]", r"\b"), (r"\(\?<[a-zA-Z]", r"(?P<name>...)"), (r"\\h", r"[ \t]"))
 
