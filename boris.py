@@ -257,7 +257,9 @@ def plain_error(message, code=IO_ERROR):
 def lacking(e):
     """The ToolError for what this place lacks, where a tool did not word it itself: a module
     this Python was built without (ImportError), or a refusal by the system (OSError: a
-    read-only filesystem, a full disk)."""
+    read-only filesystem, a full disk) or a nesting deeper than Python's recursion limit."""
+    if isinstance(e, RecursionError):
+        return ToolError(INVALID_INPUT, "what was read nests too deeply for Python to parse (%s)" % e)
     if isinstance(e, ImportError):
         return ToolError(IO_ERROR, "this needs Python's %s module, which this Python was built without: run"
                          " boris.py with a Python that has it" % (e.name or str(e)).lstrip("_"))
@@ -13335,7 +13337,7 @@ def tool_notebook_edit(session, args, ctx):
         text = load_for_edit(session, ctx, real, shown)
         try:
             notebook = Notebook(text)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise ToolError(INVALID_INPUT, "%s is not a notebook that can be edited: %s"
                             % (shown, e))
         k = notebook.find(args, shown, mode)
@@ -14882,7 +14884,7 @@ class McpServer:
             except ToolError as e:
                 raise tool.argument_error(e)
             out = tool.handler(session, checked, ctx)
-        except (ImportError, OSError, ToolError) as e:
+        except (ImportError, OSError, RecursionError, ToolError) as e:
             error = e if isinstance(e, ToolError) else lacking(e)   # a lack: said, never a crash
             return {"content": [text_block(scrub(error.render()))], "isError": True}
         if isinstance(out, str):

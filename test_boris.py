@@ -6682,6 +6682,15 @@ class TestNotebooks(Base):
         self.assertTrue(text.startswith("(bad.ipynb is not a valid notebook ("), text)
         self.assertIn("     1\t{\"cells\": [ oops", text)
 
+    def test_a_notebook_nested_past_the_recursion_limit_is_refused_by_name(self):
+        deep = "[" * 100000 + "]" * 100000
+        self.write("deep.ipynb", '{"cells": [{"cell_type": "code", "source": "x", "outputs": %s}]}' % deep)
+        self.assertIn("deep.ipynb is not a valid notebook (maximum recursion depth", self.ok("view", path="deep.ipynb"))
+        r = self.result("notebook_edit", path="deep.ipynb", cell_number=0, new_source="y")
+        self.assertTrue(r["isError"], r)
+        self.assertIn("[INVALID_INPUT] deep.ipynb is not a notebook that can be edited: maximum recursion depth",
+                      r["content"][0]["text"])
+
     def edit(self, **args):
         self.ok("view", path="n.ipynb")
         return self.ok("notebook_edit", path="n.ipynb", **args)
@@ -11560,6 +11569,10 @@ class TestWhereItIsCopied(unittest.TestCase):
             r = boris.McpServer.run_tool(self.server.tools["view"], self.session, {"path": "a.py"}, ctx)
         self.assertEqual((r["isError"], r["content"][0]["text"][:45]),
                          (True, "[IO_ERROR] this needs Python's lzma module, w"))
+        with mock.patch.object(self.server.tools["view"], "handler", side_effect=RecursionError("too deep")):
+            r = boris.McpServer.run_tool(self.server.tools["view"], self.session, {"path": "a.py"}, ctx)
+        self.assertEqual((r["isError"], r["content"][0]["text"]),
+                         (True, "[INVALID_INPUT] what was read nests too deeply for Python to parse (too deep)."))
 
 
 class TestTheFilesMap(unittest.TestCase):
