@@ -259,7 +259,8 @@ def lacking(e):
     this Python was built without (ImportError), or a refusal by the system (OSError: a
     read-only filesystem, a full disk) or a nesting deeper than Python's recursion limit."""
     if isinstance(e, RecursionError):
-        return ToolError(INVALID_INPUT, "what was read nests too deeply for Python to parse (%s)" % e)
+        return ToolError(INVALID_INPUT,
+                         "what was read nests too deeply for Python to parse (%s)" % e)
     if isinstance(e, ImportError):
         return ToolError(IO_ERROR, "this needs Python's %s module, which this Python was built without: run"
                          " boris.py with a Python that has it" % (e.name or str(e)).lstrip("_"))
