@@ -14,32 +14,38 @@ the layers above it:
     Limits and constants     every number a user or a model can meet
     Errors                   the error codes, ToolError, the log
     Configuration            FLAGS (flag, env, default, kind, help), parse_config, --help
-    Paths                    PathPolicy: resolve, then check allow/deny (case as the volume folds it)
+    Paths                    PathPolicy: resolve, then check allow/deny (case as the
+                             volume folds it)
     Files                    the one opener, the one atomic writer, line reading, sniffing
-    Child processes          spawn, the reaper, killing a group; helper processes (this file run again)
-    Sandbox                  Landlock, seccomp, network namespaces, the launchers that confine commands,
-                             the egress proxy of a domain list
-    Search                   ignore rules, inotify watches and the walk cache, one walker, the grep and
-                             outline engines
+    Child processes          spawn, the reaper, killing a group; helper processes
+                             (this file run again)
+    Sandbox                  Landlock, seccomp, network namespaces, the launchers that confine
+                             commands, the egress proxy of a domain list
+    Search                   ignore rules, inotify watches and the walk cache, one walker, the grep
+                             and outline engines
     Documents                office documents and PDF as text, read in helpers
-    Helpers                  the searches run in helpers (where a deadline or a cancel can kill them),
-                             the helper pool
+    Helpers                  the searches run in helpers (where a deadline or a cancel can kill
+                             them), the helper pool
     Shell                    Capture, and the command runner: start_process, pump, Task
     Web                      fetch with vetted addresses, HTML to Markdown, coded fetch errors
     Session                  one client's cwd, viewed files, tasks (admitted here), undo history
     Checkpoints              the store, git's index, the session's checkpoints of the workspace
-    Tools: building blocks   the registry (@tool), schema helpers, CallContext, shared answer helpers
+    Tools: building blocks   the registry (@tool), schema helpers, CallContext, shared
+                             answer helpers
     Tools: images and notebooks  what such a file shows a model in view
     Tools: view              view of files, directories, images and notebooks
-    Tools: outline           a file's definitions with line ranges, or a directory's files' top-level ones
-    Tools: edits             the one matcher and the three-way merge (EditMerge), the one edit writer
-                             (write_edit), then str_replace, multi_edit, create_file, undo_edit,
-                             checkpoints and rewind, and the compat editor
+    Tools: outline           a file's definitions with line ranges, or a directory's files'
+                             top-level ones
+    Tools: edits             the one matcher and the three-way merge (EditMerge), the one edit
+                             writer (write_edit), then str_replace, multi_edit, create_file,
+                             undo_edit, checkpoints and rewind, and the compat editor
     Tools: apply_patch       Codex's patch format, read, planned, written all or none
     Tools: notebooks         notebook_edit
-    Tools: shell             bash (handed off to the background when it outlives --handoff) and the task tools
+    Tools: shell             bash (handed off to the background when it outlives --handoff) and
+                             the task tools
     Tools: search            grep, glob, search_text, search_files
-    Tools: workspace         read_file, write_file, list_directory, web_fetch (fixed Chinese answers)
+    Tools: workspace         read_file, write_file, list_directory, web_fetch
+                             (fixed Chinese answers)
     Protocol                 McpServer: JSON-RPC dispatch, argument checks, the worker pool
     Transports               stdio, and streamable HTTP (sessions, auth, CORS)
     main                     flags to config, policy and sandbox; serve; a helper process's main
@@ -71,7 +77,8 @@ __license__ = "MIT"
 
 import sys
 
-if __name__ == "__main__" and sys.path and not (sys.flags.isolated or getattr(sys.flags, "safe_path", False)):
+if __name__ == "__main__" and sys.path and not (sys.flags.isolated
+                                                 or getattr(sys.flags, "safe_path", False)):
     # sys.path[0] is this file's directory (or the cwd, for -m): often the workspace,
     # where a model can write json.py or difflib.py. Drop it before the first import,
     # so that every module, now and imported lazily later, comes from the standard library.
@@ -121,43 +128,57 @@ THIS_FILE = os.path.abspath(__file__) if globals().get("__file__") else None
 SERVER_NAME = "boris"
 # The first line of `instructions` says what the server is: Codex shows a deferred server to
 # its model by this line alone, and its tool search looks for tools in it.
-INSTRUCTIONS_FIRST_LINE = "boris: coding workspace - shell, view/edit files, grep/glob search, web fetch"
+INSTRUCTIONS_FIRST_LINE = ("boris: coding workspace - shell, view/edit files, grep/glob search,"
+                           " web fetch")
 PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 MODERN_VERSIONS = ("2026-07-28",)          # stateless revision: server/discover
-SUPPORTED_VERSIONS = MODERN_VERSIONS + PROTOCOL_VERSIONS   # the one list server/discover and every refusal give
+# the one list server/discover and every refusal give
+SUPPORTED_VERSIONS = MODERN_VERSIONS + PROTOCOL_VERSIONS
 META_VERSION_KEY = "io.modelcontextprotocol/protocolVersion"
 CLIENT_INFO_KEY = "io.modelcontextprotocol/clientInfo"
 CLIENT_CAPS_KEY = "io.modelcontextprotocol/clientCapabilities"
 SERVER_INFO_KEY = "io.modelcontextprotocol/serverInfo"
 LOG_LEVEL_KEY = "io.modelcontextprotocol/logLevel"
-REMOVED_METHODS = ("initialize", "ping", "logging/setLevel", "resources/subscribe", "resources/unsubscribe")  # in 2026
+# the methods the 2026 revision removed
+REMOVED_METHODS = ("initialize", "ping", "logging/setLevel", "resources/subscribe",
+                   "resources/unsubscribe")
 UNSUPPORTED_PROTOCOL_VERSION = -32022
 HEADER_MISMATCH = -32020
 
 VIEW_MAX_LINES = 2000                      # lines shown by view without a range
 VIEW_MAX_LINE_CHARS = 2000                 # longer lines are cut
 IMAGE_MAX_BYTES = 5 * 1024 * 1024          # the largest image a model API takes
-CLAUDE_INLINE_CHARS = 50000                # a tool result Claude Code keeps inline unless a tool says more
+CLAUDE_INLINE_CHARS = 50000                # a tool result Claude Code keeps
+                                           # inline unless a tool says more
 IMAGE_MAX_SIDE = 8000                      # pixels, either side
 SNIFF_BYTES = 8192                         # header read for binary/image sniffing
 LISTING_DEPTH = 2                          # view of a directory
 LISTING_MAX_ENTRIES = 1000
 SKIP_DIRS = frozenset((".git", "node_modules"))     # never listed by view nor walked by a search
 MISS_CONTEXT_LINES = 60                    # lines of the closest region a str_replace miss shows
-MISS_WINDOW_LINES = 60                     # the closest-match help locates old_str by this many lines
+MISS_WINDOW_LINES = 60                     # the closest-match help locates
+                                           # old_str by this many lines
 MISS_CANDIDATES = 20                       # ... scores this many candidate places
 MISS_SCAN_LINES = 50000                    # ... and compares at most this many lines one by one
 SNIPPET_CONTEXT = 4                        # lines around an edit in str_replace's answer
-UNDO_LEVELS = 20                           # undo_edit: the edits of one file a session can take back
-UNDO_MAX_BYTES = 64 * 1024 * 1024          # ... and the bytes all its undo levels may hold (oldest dropped)
+UNDO_LEVELS = 20                           # undo_edit: the edits of one
+                                           # file a session can take back
+UNDO_MAX_BYTES = 64 * 1024 * 1024          # ... and the bytes all its undo
+                                           # levels may hold (oldest dropped)
 CHECKPOINTS_KEPT = 100                     # checkpoints a session keeps (the oldest go first) ...
-CHECKPOINT_ENTRIES = 2000000               # ... and the entries all of them may list (~100 bytes each)
-CHECKPOINT_WALK_MAX = 1000000              # entries one checkpoint walks; past it the rest is not covered
-CHECKPOINT_BUDGET_AUTO = 2 << 30           # --checkpoint-budget auto: this, or a quarter of the store's free space
-CHECKPOINT_NAMES_SHOWN = 20                # paths named per kind of change in checkpoints and rewind
-CHECKPOINT_WAIT_S = 1.5                    # a call waits this long for a checkpoint; then it keeps what it has
-CHECKPOINT_FIRST_S = 1.0                   # the first checkpoint starts this long after the session (or sooner,
-                                           # at its first changing call): start-up and the first answers go first
+CHECKPOINT_ENTRIES = 2000000               # ... and the entries all of them
+                                           # may list (~100 bytes each)
+CHECKPOINT_WALK_MAX = 1000000              # entries one checkpoint walks;
+                                           # past it the rest is not covered
+CHECKPOINT_BUDGET_AUTO = 2 << 30           # --checkpoint-budget auto: this, or
+                                           # a quarter of the store's free space
+CHECKPOINT_NAMES_SHOWN = 20                # paths named per kind of change
+                                           # in checkpoints and rewind
+CHECKPOINT_WAIT_S = 1.5                    # a call waits this long for a
+                                           # checkpoint; then it keeps what it has
+CHECKPOINT_FIRST_S = 1.0                   # the first checkpoint starts this long after
+                                           # the session (or sooner, at its first changing
+                                           # call): start-up and the first answers go first
 PARSE_CHECK_BYTES = 1024 * 1024            # files up to this size are parsed after an edit
 MAX_PATH_CHARS = 4096
 MAX_PATTERN_CHARS = 8192                   # a regex, glob, include or wait_for from the model
@@ -165,8 +186,9 @@ MAX_INT_ARG = 2 ** 53 - 1                  # integers beyond this are not JSON-s
 MAX_BRACE_DEPTH = 16                       # {a,{b,c}} nesting in a glob
 MAX_SYMLINKS = 40                          # links followed in one path, as the kernel's ELOOP
 
-MIN_RESULT_CHARS = 4000                    # --max-result-chars range; the default is 40,000: Claude Code
-MAX_RESULT_CHARS = 1000000                 # spills results over 50,000 to a file, Gemini keeps 40,000
+MIN_RESULT_CHARS = 4000                    # --max-result-chars range; the default is 40,000:
+MAX_RESULT_CHARS = 1000000                 # Claude Code spills results over 50,000 to a file,
+                                           # Gemini keeps 40,000
 OUTPUT_MAX_CHARS = 30000                   # bash stdout/stderr, grep, glob output
 BASH_MAX_TIMEOUT_MS = 600000
 KILL_GRACE_S = 5.0                         # SIGTERM -> SIGKILL
@@ -175,8 +197,10 @@ PROGRESS_INTERVAL_S = 0.1                  # at most ~10 progress notifications 
 PROGRESS_LINE_CHARS = 200                  # a progress message shows the last line cut to this
 
 SEARCH_TIMEOUT_S = 60.0                    # a search is stopped here, its partial results kept
-DOC_MEMBER_BYTES = 64 << 20                # view of an office document: a part of it inflated past this is refused
-DOC_MAX_CELLS = 200000                     # ... and a spreadsheet's cells past this are left out, saying so
+DOC_MEMBER_BYTES = 64 << 20                # view of an office document: a part
+                                           # of it inflated past this is refused
+DOC_MAX_CELLS = 200000                     # ... and a spreadsheet's cells
+                                           # past this are left out, saying so
 WEB_MAX_CHARS = 5000
 WEB_MAX_BYTES = 5 * 1024 * 1024
 WEB_MAX_REDIRECTS = 5
@@ -188,8 +212,9 @@ HTTP_MAX_CONNECTIONS = 256                 # more at once get 503 (each holds a 
 HTTP_READ_TIMEOUT_S = 30.0                 # a request's headers and body must arrive within this
 STDIO_MAX_LINE = 64 * 1024 * 1024          # one stdio message at most
 MAX_WORKERS = 64                           # tool calls running at once; more wait in a queue
-SESSION_MAX_RUNNING = 16                   # ... of them one session's in each lane (shell commands, and the
-                                           # quick tools beside them); a lane's first call always starts
+SESSION_MAX_RUNNING = 16                   # ... of them one session's in each lane
+                                           # (shell commands, and the quick tools beside
+                                           # them); a lane's first call always starts
 
 ###############################################################################
 # Errors ######################################################################
@@ -217,11 +242,11 @@ BASH_START_FAILED = "BASH_START_FAILED"
 BASH_TASK_NOT_FOUND = "BASH_TASK_NOT_FOUND"
 BASH_TASK_LIMIT = "BASH_TASK_LIMIT"
 BASH_TASK_NOT_INTERACTIVE = "BASH_TASK_NOT_INTERACTIVE"
-ERROR_CODES = frozenset((INVALID_INPUT, ACCESS_DENIED, PATH_NOT_FOUND, IO_ERROR, FILE_TOO_LARGE, FILE_NOT_VIEWED,
-                         FILE_CHANGED, STR_REPLACE_NOT_FOUND, STR_REPLACE_AMBIGUOUS, GREP_INVALID_PATTERN,
-                         GREP_INVALID_TYPE, GREP_INVALID_OUTPUT_MODE, GLOB_INVALID_PATTERN, GLOB_INVALID_TYPE,
-                         BASH_EMPTY_COMMAND, BASH_START_FAILED, BASH_TASK_NOT_FOUND, BASH_TASK_LIMIT,
-                         BASH_TASK_NOT_INTERACTIVE))
+ERROR_CODES = frozenset((INVALID_INPUT, ACCESS_DENIED, PATH_NOT_FOUND, IO_ERROR, FILE_TOO_LARGE,
+                         FILE_NOT_VIEWED, FILE_CHANGED, STR_REPLACE_NOT_FOUND, STR_REPLACE_AMBIGUOUS,
+                         GREP_INVALID_PATTERN, GREP_INVALID_TYPE, GREP_INVALID_OUTPUT_MODE,
+                         GLOB_INVALID_PATTERN, GLOB_INVALID_TYPE, BASH_EMPTY_COMMAND, BASH_START_FAILED,
+                         BASH_TASK_NOT_FOUND, BASH_TASK_LIMIT, BASH_TASK_NOT_INTERACTIVE))
 
 
 class ToolError(Exception):
@@ -853,7 +878,8 @@ class PathPolicy:
             else:
                 self.deny_dirs.append(os.path.realpath(os.path.join(self.workdir, os.path.expanduser(d))))
         self.deny_raw = list(deny)
-        self.key = (self.workdir, tuple(self.allow), tuple(self.deny_raw), folds)    # what decides its verdicts
+        # what decides its verdicts
+        self.key = (self.workdir, tuple(self.allow), tuple(self.deny_raw), folds)
         self.restricted = bool(self.allow or self.deny_dirs or self.deny_globs or self.deny_names)
         self.folds = folds                  # None: probe each volume; True/False: as given
         self.fold_seen = {}                 # directory -> whether its volume folds case (bounded)
@@ -1610,7 +1636,8 @@ def clean_leftovers(dfd, directory, guards):
     directory that cannot be listed is not cleaned (nothing lost)."""
     try:
         st = os.fstat(dfd)
-        if not guards.first_visit((directory, st.st_dev, st.st_ino)):   # the path too: inodes are reused
+        # the path too: inodes are reused
+        if not guards.first_visit((directory, st.st_dev, st.st_ino)):
             return
         fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC, dir_fd=dfd)
         try:
@@ -1794,7 +1821,8 @@ def scrub_environ_block():
     try:
         with open("/proc/self/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-        start, end = int(fields[47]), int(fields[48])          # env_start, env_end (stat fields 50, 51)
+        # env_start, env_end (stat fields 50, 51)
+        start, end = int(fields[47]), int(fields[48])
         ctypes, _ = _libc()
         block = ctypes.string_at(start, end - start)
     except (OSError, IndexError, ValueError, ImportError):
@@ -2136,10 +2164,12 @@ SANDBOX_PROTECT_SCAN = 256                          # subdirectories of a worksp
 SECCOMP_ABIS = {
     "x86_64": (0xC000003E, dict(socket=41, socketpair=53, connect=42, sendto=44, sendmsg=46, sendmmsg=307,
                                 io_uring_setup=425, seccomp=317),
-               0x40000003, (102, 359, 360, 362, 369, 370, 345)),        # i386: socketcall, socket, ...
+               # i386: socketcall, socket, ...
+               0x40000003, (102, 359, 360, 362, 369, 370, 345)),
     "aarch64": (0xC00000B7, dict(socket=198, socketpair=199, connect=203, sendto=206, sendmsg=211, sendmmsg=269,
                                  io_uring_setup=425, seccomp=277),
-                0x40000028, (281, 288, 283, 290, 296, 374)),             # arm: socket, socketpair, ...
+                # arm: socket, socketpair, ...
+                0x40000028, (281, 288, 283, 290, 296, 374)),
 }
 MSG_FASTOPEN = 0x20000000                  # a send that connects a TCP socket, past connect(2) and Landlock
 SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = 434, 438                 # the same number on every Linux ABI
@@ -2180,7 +2210,8 @@ def net_filter_program(machine, supervised=False, inet=False):
     ld, jeq, jge, ret, and_ = 0x20, 0x15, 0x35, 0x06, 0x54
     allow, kill, notify = 0x7FFF0000, 0x80000000, 0x7FC00000
     refuse, nosys = 0x00050000 | errno.EACCES, 0x00050000 | errno.ENOSYS
-    arg = lambda k, high=0: 16 + 8 * k + 4 * high            # seccomp_data.args[k], low or high half
+    # seccomp_data.args[k], low or high half
+    arg = lambda k, high=0: 16 + 8 * k + 4 * high
     code = [(ld, 4), (jeq, arch, "native"), (jeq, compat_arch, "compat"), (ret, kill),
             ("compat",), (ld, 0)] + [(jeq, n, "refuse") for n in compat_calls] + [
         (jeq, 425, "nosys"), (ret, allow),
@@ -2188,12 +2219,15 @@ def net_filter_program(machine, supervised=False, inet=False):
         (jeq, nr["socket"], "socket"), (jeq, nr["socketpair"], "socket"), (jeq, nr["connect"], "connect"),
         (jeq, nr["sendto"], "sendto"), (jeq, nr["sendmsg"], "sendmsg"), (jeq, nr["sendmmsg"], "sendmmsg"),
         (jeq, nr["io_uring_setup"], "nosys"), (ret, allow),
-        ("socket",), (ld, arg(0)), (jeq, 1, "unix")] + [(jeq, 2, "inet")] * inet + [(ret, refuse),  # AF_UNIX
+        # AF_UNIX
+        ("socket",), (ld, arg(0)), (jeq, 1, "unix")] + [(jeq, 2, "inet")] * inet + [(ret, refuse),
         ("unix",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "allow"), (jeq, 5, "allow"), (ret, refuse),
-        ("inet",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "tcp"), (ret, refuse),      # AF_INET, SOCK_STREAM
+        # AF_INET, SOCK_STREAM
+        ("inet",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "tcp"), (ret, refuse),
         ("tcp",), (ld, arg(2)), (jeq, 0, "allow"), (jeq, 6, "allow"), (ret, refuse),  # IPPROTO_TCP
         ("sendto",), (ld, arg(3)), (and_, MSG_FASTOPEN), (jeq, 0, "addressed"), (ret, refuse),
-        ("addressed",), (ld, arg(4)), (jeq, 0, "low"), (ret, refuse),  # a destination address: refused
+        # a destination address: refused
+        ("addressed",), (ld, arg(4)), (jeq, 0, "low"), (ret, refuse),
         ("low",), (ld, arg(4, 1)), (jeq, 0, "allow"), (ret, refuse),
         ("sendmsg",), (ld, arg(2)), (and_, MSG_FASTOPEN), (jeq, 0, "allow"), (ret, refuse),
         ("sendmmsg",), (ld, arg(3)), (and_, MSG_FASTOPEN), (jeq, 0, "allow"), (ret, refuse),
@@ -2289,7 +2323,8 @@ class Landlock:
                     self.add(LL_RULE_PATH, struct.pack("<Qi", rights, fd), path)
                 finally:
                     os.close(fd)
-            if net and spec.get("proxy"):               # the proxy's port, the one TCP connect allowed
+            # the proxy's port, the one TCP connect allowed
+            if net and spec.get("proxy"):
                 self.add(LL_RULE_NET_PORT, struct.pack("<QQ", LL_NET_CONNECT_TCP, spec["proxy"]), "port")
         except BaseException:
             os.close(self.fd)
@@ -2336,13 +2371,16 @@ class NetSupervisor:
         if not (spec["abi"] >= 6 or spec["net"] == "netns"):
             apply_net_filter()
             return
-        fprog = net_fprog(True, bool(spec.get("proxy")))    # made before the fork: the child only installs it
+        # made before the fork: the child only installs it
+        fprog = net_fprog(True, bool(spec.get("proxy")))
         ours, theirs = socket.socketpair()
-        gc.disable()                                # a collection would copy the heap page by page (COW)
+        # a collection would copy the heap page by page (COW)
+        gc.disable()
         pid = os.fork()
         if pid == 0:
             ours.close()
-            landlock.restrict()                     # nested: the command may not signal its supervisor
+            # nested: the command may not signal its supervisor
+            landlock.restrict()
             listener = apply_net_filter(True, fprog)
             theirs.sendmsg([b"L"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [listener]))])
             os.close(listener)
@@ -2353,7 +2391,8 @@ class NetSupervisor:
             _, ancillary, _, _ = ours.recvmsg(1, socket.CMSG_SPACE(4))
             listener = array.array("i", ancillary[0][2][:4])[0]
         except (OSError, IndexError):
-            listener = None                         # the child failed to confine: it reports and exits
+            # the child failed to confine: it reports and exits
+            listener = None
         ours.close()
         cls(pid, listener, spec.get("proxy")).serve()
 
@@ -2382,7 +2421,8 @@ class NetSupervisor:
             except InterruptedError:
                 continue
             if listener is not None and ready.get(listener, 0) & (select.POLLHUP | select.POLLERR):
-                poller.unregister(listener)         # no filtered process is left: only the wait remains
+                # no filtered process is left: only the wait remains
+                poller.unregister(listener)
                 listener = None
             if listener is None or not ready.get(listener, 0) & select.POLLIN:
                 continue
@@ -2390,7 +2430,8 @@ class NetSupervisor:
             if libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_RECV), notif) != 0:
                 continue                            # the caller died meanwhile
             nid, pid = struct.unpack_from("<QI", notif.raw)
-            fd, addr, size = struct.unpack_from("<QQQ", notif.raw, 32)      # connect(fd, addr, addrlen)
+            # connect(fd, addr, addrlen)
+            fd, addr, size = struct.unpack_from("<QQQ", notif.raw, 32)
             error = self.connect(nid, pid, fd, addr, size)
             libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_SEND),
                        ctypes.create_string_buffer(struct.pack("<QqiI", nid, 0, -error, 0), 24))
@@ -2423,7 +2464,8 @@ class NetSupervisor:
         if family != 1 and not proxy:
             return errno.EACCES                     # not a Unix address, nor the proxy's
         if libc.ioctl(self.listener, ctypes.c_ulong(SECCOMP_NOTIF_ID_VALID), ctypes.byref(ctypes.c_uint64(nid))) != 0:
-            return errno.EACCES                     # the caller is gone: the pid may be another process now
+            # the caller is gone: the pid may be another process now
+            return errno.EACCES
         checked = None
         if proxy:
             sockaddr = sockaddr[:8] + b"\0" * 8    # 127.0.0.1:the proxy's port, as a sockaddr_in
@@ -2507,7 +2549,8 @@ def enter_namespaces(net, protect):
     if uid == 0:
         go, ready = os.pipe()
         mapper = os.fork()
-        if mapper == 0:                             # outside the namespace: only it may map every id
+        # outside the namespace: only it may map every id
+        if mapper == 0:
             os.close(ready)
             ok = os.read(go, 1) == b"u"
             try:
@@ -2642,7 +2685,8 @@ class Sandbox:
         refusals = r"Permission denied|Read-only file system|Operation not permitted|Device or resource busy"
         if not self.network:
             refusals += r"|Network is unreachable"
-        if self.domains and not self.network:                   # what clients say of the proxy's 403
+        # what clients say of the proxy's 403
+        if self.domains and not self.network:
             refusals += r"|403|[Tt]unnel|boris sandbox proxy"
         if not self.on or not re.search(refusals, text):
             return ""
@@ -2779,7 +2823,8 @@ def resolve_sandbox(config, policy, abi=None):
                           network, abi, "--sandbox %s" % mode, Protect.of(config, policy), domains)
         why = probe_sandbox(sandbox)
         if why and (sandbox.protect.wanted() or sandbox.net_mechanism() == "netns"):
-            why += userns_refusal()                     # the namespaces failed, most likely: without them?
+            # the namespaces failed, most likely: without them?
+            why += userns_refusal()
             if sandbox.net_mechanism() == "netns":
                 raise ConfigError("--sandbox-network off cannot be honoured: Landlock ABI %d has no TCP rules and"
                                   " a network namespace cannot be made here (%s); pass --sandbox-network on"
@@ -2894,7 +2939,8 @@ def helper_warm_launcher(fd, ahead=None):
     cwd. The end of the pipe without a line (the server stopped, or closed this
     spare) ends it; a spec other than the one it was confined for is refused."""
     _libc()
-    for name in ("array", "select", "socket"):          # NetSupervisor's, loaded ahead (socket: ~15 ms)
+    # NetSupervisor's, loaded ahead (socket: ~15 ms)
+    for name in ("array", "select", "socket"):
         __import__(name)
     if ahead is not None:
         confined(ahead)
@@ -2938,9 +2984,11 @@ class Launchers:
         """A Popen that becomes `argv`, confined, in `cwd` with `env` (stdin /dev/null)."""
         with self.lock:
             proc, self.spare = self.spare, None
-            ahead = self.sandbox.spec(None)             # (the protected paths looked up once per command)
+            # (the protected paths looked up once per command)
+            ahead = self.sandbox.spec(None)
             if proc is not None and (proc.poll() is not None or proc.ahead != ahead):
-                os.close(proc.control)                  # dead, or confined for settings changed since
+                # dead, or confined for settings changed since
+                os.close(proc.control)
                 discard_launcher(proc)
                 proc = None
             if proc is None:
