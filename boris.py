@@ -364,55 +364,73 @@ FLAGS = (
     ("transport", "BORIS_TRANSPORT", "stdio", "choice:stdio|http", "transport to serve"),
     ("host", "BORIS_HOST", "127.0.0.1", "str", "HTTP bind address"),
     ("port", "BORIS_PORT", "8080", "port", "HTTP port"),
-    ("workdir", "BORIS_WORKDIR", ".", "str", "starting cwd and the workspace root of read_file/write_file/list_directory"),
+    ("workdir", "BORIS_WORKDIR", ".", "str",
+     "starting cwd and the workspace root of read_file/write_file/list_directory"),
     ("timeout", "BORIS_TIMEOUT", "120", "seconds", "default bash timeout in seconds"),
     ("handoff", "BORIS_HANDOFF", "50", "seconds",
-     "a foreground bash command still running after this long becomes a background task: the call returns"
-     " its output so far and the task id (0 = never; clients give up on a call after ~60 s)"),
-    ("allow-dir", "BORIS_ALLOW_DIRS", "", "list", "directory the file tools may touch (repeatable; env comma-separated; none = all)"),
-    ("deny-dir", "BORIS_DENY_DIRS", "", "list", "directory or glob the file tools may not touch, e.g. '**/.env' (repeatable)"),
-    ("token", "BORIS_TOKEN", "", "str", "bearer token required by the HTTP transport (on the command line"
-     " other users see it in ps: prefer BORIS_TOKEN or --token-file)"),
-    ("token-file", "BORIS_TOKEN_FILE", "", "str", "read the HTTP bearer token from this file's first line"),
-    ("shell-env-keep", "BORIS_SHELL_ENV_KEEP", "", "list", "environment variables bash commands get although"
-     " they are boris's own (BORIS_*) or named like a secret (KEY, SECRET, TOKEN, PASSWORD, PASSWD, CREDENTIAL);"
-     " names or shell globs, '*' for all (repeatable)"),
-    ("shell-env-drop", "BORIS_SHELL_ENV_DROP", "", "list", "more environment variables bash commands do not get"
-     " (names or shell globs, repeatable)"),
-    ("generate-token", "BORIS_GENERATE_TOKEN", "false", "bool", "generate a bearer token and print it to stderr (HTTP)"),
-    ("disable-tools", "BORIS_DISABLE_TOOLS", "", "list", "tool names not to register (repeatable or comma-separated)"),
+     "a foreground bash command still running after this long becomes a background task: the"
+     " call returns its output so far and the task id (0 = never; clients give up on a call after"
+     " ~60 s)"),
+    ("allow-dir", "BORIS_ALLOW_DIRS", "", "list",
+     "directory the file tools may touch (repeatable; env comma-separated; none = all)"),
+    ("deny-dir", "BORIS_DENY_DIRS", "", "list",
+     "directory or glob the file tools may not touch, e.g. '**/.env' (repeatable)"),
+    ("token", "BORIS_TOKEN", "", "str",
+     "bearer token required by the HTTP transport (on the command line other users see it in ps:"
+     " prefer BORIS_TOKEN or --token-file)"),
+    ("token-file", "BORIS_TOKEN_FILE", "", "str",
+     "read the HTTP bearer token from this file's first line"),
+    ("shell-env-keep", "BORIS_SHELL_ENV_KEEP", "", "list",
+     "environment variables bash commands get although they are boris's own (BORIS_*) or named"
+     " like a secret (KEY, SECRET, TOKEN, PASSWORD, PASSWD, CREDENTIAL); names or shell globs,"
+     " '*' for all (repeatable)"),
+    ("shell-env-drop", "BORIS_SHELL_ENV_DROP", "", "list",
+     "more environment variables bash commands do not get (names or shell globs, repeatable)"),
+    ("generate-token", "BORIS_GENERATE_TOKEN", "false", "bool",
+     "generate a bearer token and print it to stderr (HTTP)"),
+    ("disable-tools", "BORIS_DISABLE_TOOLS", "", "list",
+     "tool names not to register (repeatable or comma-separated)"),
     ("always-load", "BORIS_ALWAYS_LOAD", "view,str_replace,str_replace_editor,bash,grep,glob", "list",
      "tools Claude Code loads from the first turn instead of deferring them to its tool search"
      " (anthropic/alwaysLoad in tools/list); 'none' for none"),
-    ("background-task-timeout", "BORIS_BACKGROUND_TASK_TIMEOUT", "0", "seconds", "kill background tasks running longer than this (0 = never)"),
-    ("max-file-size", "BORIS_MAX_FILE_SIZE", "10MB", "size", "largest file read or written (e.g. 512KB, 10MB, 1GB, bytes)"),
+    ("background-task-timeout", "BORIS_BACKGROUND_TASK_TIMEOUT", "0", "seconds",
+     "kill background tasks running longer than this (0 = never)"),
+    ("max-file-size", "BORIS_MAX_FILE_SIZE", "10MB", "size",
+     "largest file read or written (e.g. 512KB, 10MB, 1GB, bytes)"),
     ("checkpoint-budget", "BORIS_CHECKPOINT_BUDGET", "auto", "budget",
-     "bytes the workspace checkpoints (rewind) may keep in the server's private store (the temp directory, or"
-     " ~/.cache/boris where the temp directory is a tmpfs): a size, auto (2GB or a quarter of the store's free"
-     " space, the smaller) or off"),
-    ("require-view-before-edit", "BORIS_REQUIRE_VIEW_BEFORE_EDIT", "auto", "tristate", "edits need a prior view of the file: auto|true|false"),
-    ("anthropic-compat", "BORIS_ANTHROPIC_COMPAT", "false", "bool", "expose str_replace_editor and Claude Code's grep parameter names"),
+     "bytes the workspace checkpoints (rewind) may keep in the server's private store (the temp"
+     " directory, or ~/.cache/boris where the temp directory is a tmpfs): a size, auto (2GB or a"
+     " quarter of the store's free space, the smaller) or off"),
+    ("require-view-before-edit", "BORIS_REQUIRE_VIEW_BEFORE_EDIT", "auto", "tristate",
+     "edits need a prior view of the file: auto|true|false"),
+    ("anthropic-compat", "BORIS_ANTHROPIC_COMPAT", "false", "bool",
+     "expose str_replace_editor and Claude Code's grep parameter names"),
     ("log-level", "BORIS_LOG_LEVEL", "info", "choice:debug|info|warn|error", "stderr log level"),
     ("log-format", "BORIS_LOG_FORMAT", "text", "choice:text|json", "stderr log format"),
-    ("web-fetch-allow", "BORIS_WEB_FETCH_ALLOW", "", "list", "the only domains web_fetch may reach, e.g."
-     " docs.python.org or *.example.org (its subdomains); an IP address then never (repeatable; none = any)"),
+    ("web-fetch-allow", "BORIS_WEB_FETCH_ALLOW", "", "list",
+     "the only domains web_fetch may reach, e.g. docs.python.org or *.example.org (its"
+     " subdomains); an IP address then never (repeatable; none = any)"),
     ("web-fetch-block-private", "BORIS_WEB_FETCH_BLOCK_PRIVATE", "false", "bool",
      "web_fetch also refuses loopback and private addresses (link-local is always refused)"),
     ("max-result-chars", "BORIS_MAX_RESULT_CHARS", "40000", "chars",
-     "longest tool result in characters; a cut one says first and last how to read on (clients cut at 40-50k)"),
+     "longest tool result in characters; a cut one says first and last how to read on (clients"
+     " cut at 40-50k)"),
     ("svg", "BORIS_SVG", "auto", "choice:auto|image|text",
-     "SVG files as image content or as their source text; auto: text for Claude, Codex and Gemini clients"),
+     "SVG files as image content or as their source text; auto: text for Claude, Codex and"
+     " Gemini clients"),
     ("sandbox", "BORIS_SANDBOX", "auto", "choice:auto|off|workspace-write|read-only",
-     "confine bash with the kernel (Landlock): writes only under --allow-dir (or --workdir) and the temp"
-     " directory, or nowhere but temp; auto: workspace-write when --allow-dir is given and the kernel can"),
+     "confine bash with the kernel (Landlock): writes only under --allow-dir (or --workdir) and"
+     " the temp directory, or nowhere but temp; auto: workspace-write when --allow-dir is given"
+     " and the kernel can"),
     ("sandbox-network", "BORIS_SANDBOX_NETWORK", "", "list",
-     "whether sandboxed commands may use the network (TCP, UDP, Unix sockets outside the sandbox): on, off"
-     " (the default when sandboxed), or the only domains they may reach (e.g. pypi.org,*.pythonhosted.org),"
-     " through a loopback HTTP(S) proxy boris runs, which web_fetch then keeps to as well"),
+     "whether sandboxed commands may use the network (TCP, UDP, Unix sockets outside the"
+     " sandbox): on, off (the default when sandboxed), or the only domains they may reach (e.g."
+     " pypi.org,*.pythonhosted.org), through a loopback HTTP(S) proxy boris runs, which web_fetch"
+     " then keeps to as well"),
     ("sandbox-protect", "BORIS_SANDBOX_PROTECT", "", "list",
-     "paths sandboxed commands may read but never change although they are under a writable root: a name"
-     " (looked for at the top of each workspace root and of its subdirectories) or an absolute path,"
-     " added to the defaults; 'none' protects nothing (repeatable)"),
+     "paths sandboxed commands may read but never change although they are under a writable"
+     " root: a name (looked for at the top of each workspace root and of its subdirectories) or"
+     " an absolute path, added to the defaults; 'none' protects nothing (repeatable)"),
 )
 # What --help says a default does where the flag's own default value does not say it
 # (a test holds each to what the code does)
