@@ -284,11 +284,13 @@ def lacking(e):
     this Python was built without (ImportError), or a refusal by the system (OSError: a
     read-only filesystem, a full disk)."""
     if isinstance(e, ImportError):
-        return ToolError(IO_ERROR, "this needs Python's %s module, which this Python was built without: run"
-                         " boris.py with a Python that has it" % (e.name or str(e)).lstrip("_"))
+        return ToolError(IO_ERROR, "this needs Python's %s module, which this Python was built"
+                         " without: run boris.py with a Python that has it"
+                         % (e.name or str(e)).lstrip("_"))
     where = ": %s" % e.filename if e.filename else ""
     if e.errno == errno.EROFS:
-        return ToolError(IO_ERROR, "the filesystem is read-only%s; nothing can be changed there" % where)
+        return ToolError(IO_ERROR,
+                         "the filesystem is read-only%s; nothing can be changed there" % where)
     return ToolError(IO_ERROR, "the system refused (%s)%s" % (e.strerror or e, where))
 
 
@@ -435,7 +437,8 @@ FLAGS = (
 # What --help says a default does where the flag's own default value does not say it
 # (a test holds each to what the code does)
 HELP_DEFAULTS = {"allow-dir": "none: every directory", "deny-dir": "none",
-                 "sandbox-network": "off when sandboxed", "sandbox-protect": ".git, .hg, .svn, boris.py"}
+                 "sandbox-network": "off when sandboxed",
+                 "sandbox-protect": ".git, .hg, .svn, boris.py"}
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -448,7 +451,8 @@ class Config(argparse.Namespace):
 
 
 def parse_size(text):
-    """Bytes of a size such as 10MB, 512KB or 1G (units of 1024); ValueError saying what is expected."""
+    """Bytes of a size such as 10MB, 512KB or 1G (units
+    of 1024); ValueError saying what is expected."""
     m = re.match(r"^\s*(\d+)\s*([KMG]?)B?\s*$", text, re.IGNORECASE)
     if not m:
         raise ValueError("expected a size such as 10MB, 512KB, 1GB or a number of bytes")
@@ -456,7 +460,8 @@ def parse_size(text):
 
 
 def parse_budget(text):
-    """A budget's bytes: a size (0 is off), 'off' (0) or 'auto' (None: worked out where it is used)."""
+    """A budget's bytes: a size (0 is off), 'off' (0)
+    or 'auto' (None: worked out where it is used)."""
     word = text.strip().lower()
     if word in ("off", "auto"):
         return 0 if word == "off" else None
@@ -477,9 +482,11 @@ def in_range(value, low, high, expected):
 _PARSERS = {
     "str": lambda text: text,
     "port": lambda text: in_range(int(text), 1, 65535, "expected a port from 1 to 65535"),
-    "seconds": lambda text: in_range(float(text), 0, float("inf"), "expected a number of seconds >= 0"),
-    "chars": lambda text: in_range(int(text), MIN_RESULT_CHARS, MAX_RESULT_CHARS, "expected a number of"
-                                   " characters from %d to %d" % (MIN_RESULT_CHARS, MAX_RESULT_CHARS)),
+    "seconds": lambda text: in_range(float(text), 0, float("inf"),
+                                     "expected a number of seconds >= 0"),
+    "chars": lambda text: in_range(int(text), MIN_RESULT_CHARS, MAX_RESULT_CHARS,
+                                   "expected a number of characters from %d to %d"
+                                   % (MIN_RESULT_CHARS, MAX_RESULT_CHARS)),
     "size": lambda text: in_range(parse_size(text), 1, float("inf"), "expected a size above 0"),
     "budget": parse_budget,
 }
@@ -549,8 +556,9 @@ a container.""")
         flags.add_argument("--" + flag, action="append", nargs="?", metavar=metavar,
                            const="true" if kind == "bool" else None, help="%s [env %s, default: %s]"
                            % (text, env, HELP_DEFAULTS.get(flag, default or "none")))
-    flags.add_argument("--check", action="store_true", help="print what this place gives a server of these"
-                       " flags, each part tried (a write and a connect under the sandbox), and exit")
+    flags.add_argument("--check", action="store_true",
+                       help="print what this place gives a server of these flags, each part tried"
+                       " (a write and a connect under the sandbox), and exit")
     flags.add_argument("--version", "-v", action="version", version="boris " + __version__,
                        help="print the version and exit")
     flags.add_argument("--help", action="help", help="print this help and exit")
@@ -573,7 +581,8 @@ def host_of(value):
 
 def is_loopback(host):
     """localhost, ::1 or an IPv4 address in 127.0.0.0/8 (not a name that starts with 127.)."""
-    return host in LOCAL_HOSTS or re.match(r"^127(\.(25[0-5]|2[0-4]\d|1?\d?\d)){3}$", host) is not None
+    return (host in LOCAL_HOSTS
+            or re.match(r"^127(\.(25[0-5]|2[0-4]\d|1?\d?\d)){3}$", host) is not None)
 
 
 def host_allowed(host, allowed):
@@ -643,7 +652,8 @@ def parse_config(argv, environ):
 
 
 def token_from_file(path):
-    """The bearer token on the first line of --token-file `path` (ConfigError naming what is wrong)."""
+    """The bearer token on the first line of --token-file
+    `path` (ConfigError naming what is wrong)."""
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as f:
             token = f.readline().strip()
@@ -657,10 +667,13 @@ def token_from_file(path):
 def sandbox_domains(network):
     """The domains of --sandbox-network, checked and lower-cased (ConfigError for anything else)."""
     for domain in network:
-        if domain in ("on", "off") or not re.match(r"^(\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?$", domain) \
-                or re.match(r"^[\d.]+$", domain):                     # (an IPv4 address; IPv6 has colons)
-            raise ConfigError("invalid value %r for --sandbox-network: expected on, off, or domain names (like"
-                              " pypi.org or *.example.org; no IP addresses, no ports)" % domain)
+        if (domain in ("on", "off")
+                or not re.match(r"^(\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?$", domain)
+                # (an IPv4 address; IPv6 has colons)
+                or re.match(r"^[\d.]+$", domain)):
+            raise ConfigError("invalid value %r for --sandbox-network: expected on, off, or domain"
+                              " names (like pypi.org or *.example.org; no IP addresses, no ports)"
+                              % domain)
     return [d.lower().rstrip(".") for d in network]
 
 ###############################################################################
@@ -668,9 +681,10 @@ def sandbox_domains(network):
 ###############################################################################
 
 
-POSIX_CLASSES = {"alpha": "a-zA-Z", "digit": "0-9", "alnum": "a-zA-Z0-9", "upper": "A-Z", "lower": "a-z",
-                 "space": " \\t\\n\\r\\f\\v", "blank": " \\t", "xdigit": "0-9A-Fa-f", "word": "\\w",
-                 "punct": re.escape("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"), "cntrl": "\\x00-\\x1f\\x7f",
+POSIX_CLASSES = {"alpha": "a-zA-Z", "digit": "0-9", "alnum": "a-zA-Z0-9", "upper": "A-Z",
+                 "lower": "a-z", "space": " \\t\\n\\r\\f\\v", "blank": " \\t", "xdigit": "0-9A-Fa-f",
+                 "word": "\\w", "punct": re.escape("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"),
+                 "cntrl": "\\x00-\\x1f\\x7f",
                  "print": "\\x20-\\x7e", "graph": "\\x21-\\x7e"}
 
 
@@ -858,10 +872,11 @@ def canonical(path):
 def resolve_error(e, shown):
     """Why `shown` could not be resolved, as the ToolError a model can act on."""
     if e.errno == errno.ELOOP:
-        return ToolError(ACCESS_DENIED, "%s runs into a symlink loop (or a chain of over %d links) at %s;"
-                         " give a path without the loop" % (shown, MAX_SYMLINKS, e.filename))
+        return ToolError(ACCESS_DENIED, "%s runs into a symlink loop (or a chain of over %d links)"
+                         " at %s; give a path without the loop" % (shown, MAX_SYMLINKS, e.filename))
     if e.errno == errno.ENOTDIR:
-        return ToolError(INVALID_INPUT, "%s uses %s as a directory, but it is a file; check the path"
+        return ToolError(INVALID_INPUT,
+                         "%s uses %s as a directory, but it is a file; check the path"
                          % (shown, e.filename))
     if e.errno == errno.ENAMETOOLONG:
         return ToolError(INVALID_INPUT, "%s has a name over the file system's limit (255 bytes a name)" % shown)
@@ -882,7 +897,8 @@ class PathPolicy:
 
     @classmethod
     def of(cls, config):
-        """The policy of a Config's --allow-dir, --deny-dir and --workdir (main's, and the tests')."""
+        """The policy of a Config's --allow-dir, --deny-dir
+        and --workdir (main's, and the tests')."""
         return cls(config.allow_dir, config.deny_dir, config.workdir)
 
     def __init__(self, allow=(), deny=(), workdir="/", folds=None):
@@ -982,7 +998,8 @@ class PathPolicy:
         return any(is_within(real, a) for a in self.allow) or self.denial(real) is None
 
     def check(self, real, shown):
-        """`real` when it is in scope, else ACCESS_DENIED naming the path as the model gave it (`shown`)."""
+        """`real` when it is in scope, else ACCESS_DENIED
+        naming the path as the model gave it (`shown`)."""
         reason = self.denial(real) if self.restricted else None
         if reason:
             raise ToolError(ACCESS_DENIED, "%s %s; use a path inside the allowed scope" % (shown, reason))
@@ -1241,7 +1258,8 @@ def kind_of(mode):
 
 
 def not_regular(shown, mode, doing="read"):
-    """INVALID_INPUT for a path that is a device, fifo, socket or directory where a file is needed."""
+    """INVALID_INPUT for a path that is a device, fifo,
+    socket or directory where a file is needed."""
     return ToolError(INVALID_INPUT, "%s is %s, not a regular file; it is not %s" % (shown, kind_of(mode), doing))
 
 
@@ -1623,7 +1641,8 @@ def write_all(fd, data):
 
 
 def sync_dir(dfd):
-    """fsync a directory, so a rename in it survives a crash; where that cannot be done it is skipped."""
+    """fsync a directory, so a rename in it survives a
+    crash; where that cannot be done it is skipped."""
     try:
         fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC, dir_fd=dfd)
     except OSError:
@@ -1817,7 +1836,8 @@ def importable(name):
 
 
 def missing_modules():
-    """The optional modules boris uses that this Python was built without (looked for, not loaded)."""
+    """The optional modules boris uses that this Python
+    was built without (looked for, not loaded)."""
     from importlib.util import find_spec
     return [name.lstrip("_") for name in ("_ssl", "_ctypes", "zlib") if not find_spec(name)]
 
@@ -2781,7 +2801,8 @@ class Protect:
 
     @staticmethod
     def git_dirs(path):
-        """The directory a .git file names (gitdir: ...), and its common directory (a worktree's)."""
+        """The directory a .git file names (gitdir: ...),
+        and its common directory (a worktree's)."""
         try:
             with open(path, "rb") as f:
                 line = f.read(4096).split(b"\n", 1)[0].decode("utf-8", "surrogateescape")
@@ -2863,7 +2884,8 @@ def resolve_sandbox(config, policy, abi=None):
 
 
 def userns_refusal():
-    """Why this system refuses unprivileged user namespaces, where a switch says so: ' (...)', else ''."""
+    """Why this system refuses unprivileged user namespaces,
+    where a switch says so: ' (...)', else ''."""
     for switch, refuses, words in (
             ("kernel.apparmor_restrict_unprivileged_userns", "1", "AppArmor restricts them, as on Ubuntu 24.04;"
              " sysctl kernel.apparmor_restrict_unprivileged_userns=0 lifts it"),
@@ -3219,7 +3241,8 @@ class EgressProxy:
 
     @staticmethod
     def target(method, target):
-        """(host, port, origin-form path) of a request's target; (None, None, None) if it has none."""
+        """(host, port, origin-form path) of a request's
+        target; (None, None, None) if it has none."""
         import urllib.parse
         if method == "CONNECT":
             host, _, port = target.rpartition(":")
