@@ -243,10 +243,11 @@ BASH_TASK_NOT_FOUND = "BASH_TASK_NOT_FOUND"
 BASH_TASK_LIMIT = "BASH_TASK_LIMIT"
 BASH_TASK_NOT_INTERACTIVE = "BASH_TASK_NOT_INTERACTIVE"
 ERROR_CODES = frozenset((INVALID_INPUT, ACCESS_DENIED, PATH_NOT_FOUND, IO_ERROR, FILE_TOO_LARGE,
-                         FILE_NOT_VIEWED, FILE_CHANGED, STR_REPLACE_NOT_FOUND, STR_REPLACE_AMBIGUOUS,
-                         GREP_INVALID_PATTERN, GREP_INVALID_TYPE, GREP_INVALID_OUTPUT_MODE,
-                         GLOB_INVALID_PATTERN, GLOB_INVALID_TYPE, BASH_EMPTY_COMMAND, BASH_START_FAILED,
-                         BASH_TASK_NOT_FOUND, BASH_TASK_LIMIT, BASH_TASK_NOT_INTERACTIVE))
+                         FILE_NOT_VIEWED, FILE_CHANGED, STR_REPLACE_NOT_FOUND,
+                         STR_REPLACE_AMBIGUOUS, GREP_INVALID_PATTERN, GREP_INVALID_TYPE,
+                         GREP_INVALID_OUTPUT_MODE, GLOB_INVALID_PATTERN, GLOB_INVALID_TYPE,
+                         BASH_EMPTY_COMMAND, BASH_START_FAILED, BASH_TASK_NOT_FOUND,
+                         BASH_TASK_LIMIT, BASH_TASK_NOT_INTERACTIVE))
 
 
 class ToolError(Exception):
@@ -392,7 +393,8 @@ FLAGS = (
      "generate a bearer token and print it to stderr (HTTP)"),
     ("disable-tools", "BORIS_DISABLE_TOOLS", "", "list",
      "tool names not to register (repeatable or comma-separated)"),
-    ("always-load", "BORIS_ALWAYS_LOAD", "view,str_replace,str_replace_editor,bash,grep,glob", "list",
+    ("always-load", "BORIS_ALWAYS_LOAD", "view,str_replace,str_replace_editor,bash,grep,glob",
+     "list",
      "tools Claude Code loads from the first turn instead of deferring them to its tool search"
      " (anthropic/alwaysLoad in tools/list); 'none' for none"),
     ("background-task-timeout", "BORIS_BACKGROUND_TASK_TIMEOUT", "0", "seconds",
@@ -682,9 +684,9 @@ def sandbox_domains(network):
 
 
 POSIX_CLASSES = {"alpha": "a-zA-Z", "digit": "0-9", "alnum": "a-zA-Z0-9", "upper": "A-Z",
-                 "lower": "a-z", "space": " \\t\\n\\r\\f\\v", "blank": " \\t", "xdigit": "0-9A-Fa-f",
-                 "word": "\\w", "punct": re.escape("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"),
-                 "cntrl": "\\x00-\\x1f\\x7f",
+                 "lower": "a-z", "space": " \\t\\n\\r\\f\\v", "blank": " \\t",
+                 "xdigit": "0-9A-Fa-f", "word": "\\w",
+                 "punct": re.escape("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"), "cntrl": "\\x00-\\x1f\\x7f",
                  "print": "\\x20-\\x7e", "graph": "\\x21-\\x7e"}
 
 
@@ -879,7 +881,8 @@ def resolve_error(e, shown):
                          "%s uses %s as a directory, but it is a file; check the path"
                          % (shown, e.filename))
     if e.errno == errno.ENAMETOOLONG:
-        return ToolError(INVALID_INPUT, "%s has a name over the file system's limit (255 bytes a name)" % shown)
+        return ToolError(INVALID_INPUT,
+                         "%s has a name over the file system's limit (255 bytes a name)" % shown)
     if e.errno in (errno.EACCES, errno.EPERM):
         return ToolError(ACCESS_DENIED, "%s: the operating system denies looking up %s"
                          % (shown, e.filename or shown))
@@ -903,21 +906,24 @@ class PathPolicy:
 
     def __init__(self, allow=(), deny=(), workdir="/", folds=None):
         self.workdir = os.path.realpath(workdir)
-        self.allow = [os.path.realpath(os.path.join(self.workdir, os.path.expanduser(a))) for a in allow]
+        self.allow = [os.path.realpath(os.path.join(self.workdir, os.path.expanduser(a)))
+                      for a in allow]
         self.deny_dirs, self.deny_globs, self.deny_names = [], [], []
         for d in deny:
             if any(ch in d for ch in "*?[{"):
                 rx = compile_glob(d[1:] if d.startswith("/") else d)
                 (self.deny_globs if "/" in d else self.deny_names).append(rx)
             else:
-                self.deny_dirs.append(os.path.realpath(os.path.join(self.workdir, os.path.expanduser(d))))
+                self.deny_dirs.append(
+                    os.path.realpath(os.path.join(self.workdir, os.path.expanduser(d))))
         self.deny_raw = list(deny)
         # what decides its verdicts
         self.key = (self.workdir, tuple(self.allow), tuple(self.deny_raw), folds)
         self.restricted = bool(self.allow or self.deny_dirs or self.deny_globs or self.deny_names)
         self.folds = folds                  # None: probe each volume; True/False: as given
         self.fold_seen = {}                 # directory -> whether its volume folds case (bounded)
-        self.folded = None                  # (allow, deny dirs, deny globs, deny names) folded, made on first use
+        self.folded = None                  # (allow, deny dirs, deny globs, deny names)
+                                            # folded, made on first use
 
     @staticmethod
     def validate(path, name="path"):
@@ -933,8 +939,8 @@ class PathPolicy:
         try:
             path.encode("utf-8")
         except UnicodeEncodeError:
-            raise ToolError(INVALID_INPUT, "%s holds a lone surrogate character (%r), which names no file;"
-                            " send the path as valid UTF-8" % (name, path))
+            raise ToolError(INVALID_INPUT, "%s holds a lone surrogate character (%r), which names"
+                            " no file; send the path as valid UTF-8" % (name, path))
 
     def resolve(self, base, path, name="path"):
         """The canonical absolute form of `path`, relative paths taken from `base`."""
@@ -946,7 +952,8 @@ class PathPolicy:
 
     def denial(self, real):
         """Why `real` (canonical) is out of scope, or None when it is allowed."""
-        allow, deny_dirs, globs, names = self.allow, self.deny_dirs, self.deny_globs, self.deny_names
+        allow, deny_dirs = self.allow, self.deny_dirs
+        globs, names = self.deny_globs, self.deny_names
         shown = real
         if self.volume_folds(real):
             if self.folded is None:
@@ -961,8 +968,8 @@ class PathPolicy:
             if is_within(real, d):
                 return "is inside the denied directory %s" % self.deny_dirs[k]
         if (globs or names) and pattern_denies(real, globs, names):
-            return "matches a denied pattern (%s)%s" % (", ".join(self.deny_raw),
-                                                         "" if shown == real else " (this volume ignores case)")
+            return "matches a denied pattern (%s)%s" % (
+                ", ".join(self.deny_raw), "" if shown == real else " (this volume ignores case)")
         return None
 
     def volume_folds(self, real):
@@ -993,7 +1000,8 @@ class PathPolicy:
             return False
         if self.deny_dirs:
             inside = fold_name(real)
-            if any(is_within(inside, d) or is_within(d, inside) for d in map(fold_name, self.deny_dirs)):
+            if any(is_within(inside, d) or is_within(d, inside)
+                   for d in map(fold_name, self.deny_dirs)):
                 return False
         return any(is_within(real, a) for a in self.allow) or self.denial(real) is None
 
@@ -1002,7 +1010,8 @@ class PathPolicy:
         naming the path as the model gave it (`shown`)."""
         reason = self.denial(real) if self.restricted else None
         if reason:
-            raise ToolError(ACCESS_DENIED, "%s %s; use a path inside the allowed scope" % (shown, reason))
+            raise ToolError(ACCESS_DENIED,
+                            "%s %s; use a path inside the allowed scope" % (shown, reason))
         return real
 
     def confine(self, path):
@@ -1019,7 +1028,8 @@ class PathPolicy:
             real = None
         if real is None or not is_within(real, self.workdir) or self.is_denied(real):
             log("warn", "path escape attempt refused", path=path, resolved=real, root=self.workdir)
-            raise ToolError(ACCESS_DENIED, "%s resolves outside the workspace root %s" % (path, self.workdir),
+            raise ToolError(ACCESS_DENIED,
+                            "%s resolves outside the workspace root %s" % (path, self.workdir),
                             detail="escape")
         return real
 
@@ -1068,7 +1078,8 @@ def image_header_ok(head, mime):
         if len(head) < 33 or head[12:16] != b"IHDR" or struct.unpack(">I", head[8:12])[0] != 13:
             return False
         width, height = struct.unpack(">II", head[16:24])
-        return width > 0 and height > 0 and struct.unpack(">I", head[29:33])[0] == crc32(head[12:29])
+        return (width > 0 and height > 0
+                and struct.unpack(">I", head[29:33])[0] == crc32(head[12:29]))
     if mime == "image/jpeg":
         return len(head) > 3 and head[3] in range(0xC0, 0xFF)
     if mime == "image/gif":
@@ -1091,7 +1102,8 @@ def display_line(raw, more_chars=0):
     characters of a very long line that were read past and not kept."""
     text = raw.decode("utf-8", "replace").rstrip("\n")
     if more_chars:
-        return "%s... [truncated, %d chars total]" % (text[:VIEW_MAX_LINE_CHARS], len(text) + more_chars)
+        return "%s... [truncated, %d chars total]" % (text[:VIEW_MAX_LINE_CHARS],
+                                                      len(text) + more_chars)
     return clip_line(text)
 
 
@@ -1107,7 +1119,8 @@ def crc32(data, value=0):
     return binascii.crc32(data, value)
 
 
-NOT_FILE_CODECS = frozenset(("undefined", "punycode", "idna", "raw-unicode-escape", "unicode-escape"))
+NOT_FILE_CODECS = frozenset(("undefined", "punycode", "idna", "raw-unicode-escape",
+                             "unicode-escape"))
 
 
 def text_codec(name):
@@ -1230,20 +1243,24 @@ class FileTooLarge(Exception):
 def io_error(e, shown):
     """An OSError as the ToolError a model can act on."""
     if e.errno == errno.ENOENT:
-        return ToolError(PATH_NOT_FOUND, "%s does not exist; check the path (view a directory to list it)" % shown)
+        return ToolError(PATH_NOT_FOUND,
+                         "%s does not exist; check the path (view a directory to list it)" % shown)
     if e.errno in (errno.ELOOP, errno.ENOTDIR):
         # The path was resolved without links a moment ago: one was swapped in since.
-        return ToolError(ACCESS_DENIED, "%s changed while it was being opened (a directory or file on the"
-                         " way was replaced, e.g. by a symlink); nothing was read or written" % shown,
+        return ToolError(ACCESS_DENIED, "%s changed while it was being opened (a directory or file"
+                         " on the way was replaced, e.g. by a symlink); nothing was read or written"
+                         % shown,
                          detail="swapped")
     if e.errno in (errno.EACCES, errno.EPERM):
         return ToolError(ACCESS_DENIED, "%s: permission denied by the operating system" % shown)
     if e.errno == errno.EISDIR:
         return ToolError(INVALID_INPUT, "%s is a directory, not a file" % shown)
     if e.errno == errno.ENAMETOOLONG:
-        return ToolError(INVALID_INPUT, "%s has a name over the file system's limit (255 bytes a name)" % shown)
+        return ToolError(INVALID_INPUT,
+                         "%s has a name over the file system's limit (255 bytes a name)" % shown)
     if e.errno == errno.EAGAIN:
-        return ToolError(IO_ERROR, "%s has no data ready (a file that blocks readers); it is not read" % shown)
+        return ToolError(IO_ERROR, "%s has no data ready (a file that blocks readers); it is not read"
+                         % shown)
     return ToolError(IO_ERROR, "%s: %s" % (shown, e.strerror or e))
 
 
@@ -1260,7 +1277,8 @@ def kind_of(mode):
 def not_regular(shown, mode, doing="read"):
     """INVALID_INPUT for a path that is a device, fifo,
     socket or directory where a file is needed."""
-    return ToolError(INVALID_INPUT, "%s is %s, not a regular file; it is not %s" % (shown, kind_of(mode), doing))
+    return ToolError(INVALID_INPUT, "%s is %s, not a regular file; it is not %s"
+                     % (shown, kind_of(mode), doing))
 
 
 # -- opening what was checked ---------------------------------------------------
