@@ -1314,7 +1314,8 @@ def open_dir(real, create=False, flags=O_DIR_STEP, made=None):
                         made.append("/" + "/".join(parts[:k + 1]))
                 except FileExistsError:
                     pass                # made meanwhile by someone else: used as it is
-                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=fd)
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC,
+                              dir_fd=fd)
                 try:
                     os.fchmod(nfd, 0o755)
                 except OSError:
@@ -1357,7 +1358,8 @@ def open_same(path, ino=None, dev=None):
         st = os.fstat(fd)
     except OSError:
         st = None
-    if st is None or not stat.S_ISREG(st.st_mode) or ino not in (None, st.st_ino) or dev not in (None, st.st_dev):
+    if (st is None or not stat.S_ISREG(st.st_mode)
+            or ino not in (None, st.st_ino) or dev not in (None, st.st_dev)):
         os.close(fd)
         return None
     return fd
@@ -1368,8 +1370,8 @@ def open_checked(job):
     a binary file object; ToolError when another file stands there now."""
     fd = open_same(job["path"], job["file"][1], job["file"][0])
     if fd is None:
-        raise ToolError(IO_ERROR, "it changed while it was being read (removed, or another file stands at its"
-                        " path now); try again")
+        raise ToolError(IO_ERROR, "it changed while it was being read (removed, or another file"
+                        " stands at its path now); try again")
     return os.fdopen(fd, "rb")
 
 
@@ -1412,14 +1414,16 @@ def ready(waited, timeout=None, write=False):
         fd = f if isinstance(f, int) else f.fileno()
         by_fd[fd] = f
         poller.register(fd, select.POLLOUT if write else select.POLLIN)
-    return [by_fd[fd] for fd, _ in poller.poll(None if timeout is None else max(0.0, timeout) * 1000)]
+    return [by_fd[fd]
+            for fd, _ in poller.poll(None if timeout is None else max(0.0, timeout) * 1000)]
 
 
 def too_large(shown, size, limit, more=False):
-    """FILE_TOO_LARGE naming the file, its size (or 'over' a size, when reading stopped there) and the
-    limit."""
+    """FILE_TOO_LARGE naming the file, its size (or 'over' a size, when reading stopped there)
+    and the limit."""
     return ToolError(FILE_TOO_LARGE, "%s is %s%s; the limit is %s (--max-file-size)"
-                     % (shown, "over " if more else "", human_size(size), human_size(limit)), detail=limit)
+                     % (shown, "over " if more else "", human_size(size), human_size(limit)),
+                     detail=limit)
 
 
 def read_regular(real, shown, limit):
@@ -1490,8 +1494,9 @@ def changed_since(seen, real, limit):
         if data is not None and digest_of(data) == seen.digest:
             return None
     when = time.time() - st.st_mtime
-    return "%s bytes then, %s bytes now; modified %s" % (
-        seen.size, st.st_size, "%.0f s ago" % when if when < 600 else time.strftime("%H:%M:%S", time.localtime(st.st_mtime)))
+    modified = ("%.0f s ago" % when if when < 600
+                else time.strftime("%H:%M:%S", time.localtime(st.st_mtime)))
+    return "%s bytes then, %s bytes now; modified %s" % (seen.size, st.st_size, modified)
 
 
 # -- the one writer ---------------------------------------------------------------
@@ -1572,7 +1577,8 @@ def atomic_write(real, data, guards, new_mode=0o644):
                 replace_file(dfd, base, data, st, new_mode)
                 atomic = True
             except OSError as e:
-                if st is None or e.errno not in (errno.EACCES, errno.EPERM, errno.EBUSY, errno.EXDEV, errno.EROFS):
+                if st is None or e.errno not in (errno.EACCES, errno.EPERM, errno.EBUSY,
+                                                 errno.EXDEV, errno.EROFS):
                     raise
                 rewrite_in_place(dfd, base, data, st)
                 atomic = False
@@ -1624,7 +1630,8 @@ def replace_file(dfd, base, data, st, new_mode):
         os.fsync(fd)
         if tmp is None:
             tmp = temp_name(base)
-            os.link("/proc/self/fd/%d" % fd, tmp, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=True)
+            os.link("/proc/self/fd/%d" % fd, tmp,
+                    src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=True)
         os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
         tmp = None
     finally:
@@ -1759,7 +1766,8 @@ SECRET_NAMES = ("KEY", "SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL")
 # All a helper process (this file run again, with -E) needs of the server's environment:
 # where programs, home and the temp directory are, the locale, and where a Python built
 # with a shared library finds it
-HELPER_ENV = ("PATH", "HOME", "TMPDIR", "TEMP", "TMP", "LANG", "TZ", "LD_LIBRARY_PATH", "DYLD_LIBRARY_PATH")
+HELPER_ENV = ("PATH", "HOME", "TMPDIR", "TEMP", "TMP", "LANG", "TZ",
+              "LD_LIBRARY_PATH", "DYLD_LIBRARY_PATH")
 
 
 def child_environ(environ=None, keep=(), drop=(), only=None):
@@ -2095,8 +2103,10 @@ def temp_dir():
         found = os.path.realpath(tempfile.gettempdir())
     except OSError:
         return None
-    usual = [os.environ.get(k) for k in ("TMPDIR", "TEMP", "TMP")] + ["/tmp", "/var/tmp", "/usr/tmp"]
-    if found == os.path.realpath(os.getcwd()) and found not in [os.path.realpath(u) for u in usual if u]:
+    usual = ([os.environ.get(k) for k in ("TMPDIR", "TEMP", "TMP")]
+             + ["/tmp", "/var/tmp", "/usr/tmp"])
+    if (found == os.path.realpath(os.getcwd())
+            and found not in [os.path.realpath(u) for u in usual if u]):
         return None
     return found
 
@@ -2170,8 +2180,8 @@ def helper_command(kind, avoid=()):
     private = pycache_prefix(avoid)
     name = helper_link(private, real) if private else None
     if name:
-        return ([sys.executable, "-E", "-S", "-X", "utf8", "-X", "pycache_prefix=" + private, "-m", name,
-                 "--helper", kind, parent], private)
+        return ([sys.executable, "-E", "-S", "-X", "utf8", "-X", "pycache_prefix=" + private,
+                 "-m", name, "--helper", kind, parent], private)
     return [sys.executable, "-I", "-S", "-X", "utf8", real, "--helper", kind, parent], "/"
 
 
