@@ -686,8 +686,8 @@ def sandbox_domains(network):
 POSIX_CLASSES = {"alpha": "a-zA-Z", "digit": "0-9", "alnum": "a-zA-Z0-9", "upper": "A-Z",
                  "lower": "a-z", "space": " \\t\\n\\r\\f\\v", "blank": " \\t",
                  "xdigit": "0-9A-Fa-f", "word": "\\w",
-                 "punct": re.escape("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"), "cntrl": "\\x00-\\x1f\\x7f",
-                 "print": "\\x20-\\x7e", "graph": "\\x21-\\x7e"}
+                 "punct": re.escape("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"),
+                 "cntrl": "\\x00-\\x1f\\x7f", "print": "\\x20-\\x7e", "graph": "\\x21-\\x7e"}
 
 
 def glob_class(pattern, i):
@@ -1259,8 +1259,8 @@ def io_error(e, shown):
         return ToolError(INVALID_INPUT,
                          "%s has a name over the file system's limit (255 bytes a name)" % shown)
     if e.errno == errno.EAGAIN:
-        return ToolError(IO_ERROR, "%s has no data ready (a file that blocks readers); it is not read"
-                         % shown)
+        return ToolError(IO_ERROR, "%s has no data ready (a file that blocks readers);"
+                         " it is not read" % shown)
     return ToolError(IO_ERROR, "%s: %s" % (shown, e.strerror or e))
 
 
@@ -2221,28 +2221,33 @@ LL_SCOPE_ABSTRACT_UNIX, LL_SCOPE_SIGNAL = 1 << 0, 1 << 1
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWNS = 0x10000000, 0x40000000, 0x00020000
 MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_SLAVE, MS_RELATIME = 1, 32, 4096, 16384, 1 << 19, 1 << 21
-MS_LOCKED_FLAGS = 2 | 4 | 8 | 1024 | 2048           # nosuid, nodev, noexec, noatime, nodiratime: kept on remount
-SANDBOX_PROTECT = (".git", ".hg", ".svn")           # kept read-only at the top of workspace roots and one level down
-SANDBOX_PROTECT_SCAN = 256                          # subdirectories of a workspace root looked into for them
+MS_LOCKED_FLAGS = 2 | 4 | 8 | 1024 | 2048  # nosuid, nodev, noexec, noatime,
+                                           # nodiratime: kept on remount
+SANDBOX_PROTECT = (".git", ".hg", ".svn")  # kept read-only at the top of
+                                           # workspace roots and one level down
+SANDBOX_PROTECT_SCAN = 256                 # subdirectories of a workspace root looked into for them
 # net_filter's system call numbers: for the machine's own ABI (socket and socketpair
 # are looked at, connect and an addressed or Fast Open send refused) and for the 32-bit
 # ABI it also runs (everything socket-like refused). The audit arch tags the seccomp data.
 SECCOMP_ABIS = {
-    "x86_64": (0xC000003E, dict(socket=41, socketpair=53, connect=42, sendto=44, sendmsg=46, sendmmsg=307,
-                                io_uring_setup=425, seccomp=317),
+    "x86_64": (0xC000003E, dict(socket=41, socketpair=53, connect=42, sendto=44, sendmsg=46,
+                                sendmmsg=307, io_uring_setup=425, seccomp=317),
                # i386: socketcall, socket, ...
                0x40000003, (102, 359, 360, 362, 369, 370, 345)),
-    "aarch64": (0xC00000B7, dict(socket=198, socketpair=199, connect=203, sendto=206, sendmsg=211, sendmmsg=269,
-                                 io_uring_setup=425, seccomp=277),
+    "aarch64": (0xC00000B7, dict(socket=198, socketpair=199, connect=203, sendto=206, sendmsg=211,
+                                 sendmmsg=269, io_uring_setup=425, seccomp=277),
                 # arm: socket, socketpair, ...
                 0x40000028, (281, 288, 283, 290, 296, 374)),
 }
-MSG_FASTOPEN = 0x20000000                  # a send that connects a TCP socket, past connect(2) and Landlock
+MSG_FASTOPEN = 0x20000000                  # a send that connects a TCP socket,
+                                           # past connect(2) and Landlock
 SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = 434, 438                 # the same number on every Linux ABI
 SECCOMP_NOTIF_RECV, SECCOMP_NOTIF_SEND, SECCOMP_NOTIF_ID_VALID = 0xC0502100, 0xC0182101, 0x40082102
-SANDBOX_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx")
+SANDBOX_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty",
+                   "/dev/ptmx")
 SANDBOX_DEVICE_DIRS = ("/dev/pts", "/dev/shm")
-SANDBOX_EXIT = 126                         # the launcher could not confine: the command does not run
+SANDBOX_EXIT = 126                         # the launcher could not confine:
+                                           # the command does not run
 PROBE_S = 10                               # probe_sandbox's launcher must have answered by then
 
 
@@ -2282,8 +2287,9 @@ def net_filter_program(machine, supervised=False, inet=False):
             ("compat",), (ld, 0)] + [(jeq, n, "refuse") for n in compat_calls] + [
         (jeq, 425, "nosys"), (ret, allow),
         ("native",), (ld, 0), (jge, 0x40000000, "kill"),            # x32 numbers on x86_64
-        (jeq, nr["socket"], "socket"), (jeq, nr["socketpair"], "socket"), (jeq, nr["connect"], "connect"),
-        (jeq, nr["sendto"], "sendto"), (jeq, nr["sendmsg"], "sendmsg"), (jeq, nr["sendmmsg"], "sendmmsg"),
+        (jeq, nr["socket"], "socket"), (jeq, nr["socketpair"], "socket"),
+        (jeq, nr["connect"], "connect"), (jeq, nr["sendto"], "sendto"),
+        (jeq, nr["sendmsg"], "sendmsg"), (jeq, nr["sendmmsg"], "sendmmsg"),
         (jeq, nr["io_uring_setup"], "nosys"), (ret, allow),
         # AF_UNIX
         ("socket",), (ld, arg(0)), (jeq, 1, "unix")] + [(jeq, 2, "inet")] * inet + [(ret, refuse),
@@ -2298,7 +2304,8 @@ def net_filter_program(machine, supervised=False, inet=False):
         ("sendmsg",), (ld, arg(2)), (and_, MSG_FASTOPEN), (jeq, 0, "allow"), (ret, refuse),
         ("sendmmsg",), (ld, arg(3)), (and_, MSG_FASTOPEN), (jeq, 0, "allow"), (ret, refuse),
         ("connect",), (ret, notify if supervised else refuse),
-        ("allow",), (ret, allow), ("refuse",), (ret, refuse), ("nosys",), (ret, nosys), ("kill",), (ret, kill)]
+        ("allow",), (ret, allow), ("refuse",), (ret, refuse),
+        ("nosys",), (ret, nosys), ("kill",), (ret, kill)]
     labels, at = {}, 0
     for op in code:
         if len(op) == 1:
@@ -2325,7 +2332,8 @@ def net_filter_available():
         return False
     try:
         ctypes, libc = _libc()
-        r = libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.c_void_p(0), 0, 0)
+        r = libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.c_void_p(0),
+                       0, 0)
     except (OSError, AttributeError, ImportError):
         return False  # no prctl here: no seccomp
     return r < 0 and ctypes.get_errno() in (errno.EFAULT, errno.EACCES)
@@ -2341,7 +2349,8 @@ def apply_net_filter(supervised=False, fprog=None):
     if supervised:                              # seccomp(SET_MODE_FILTER, FLAG_NEW_LISTENER, prog)
         fd = libc.syscall(SECCOMP_ABIS[os.uname().machine][1]["seccomp"], 1, 8, fprog[0])
         if fd < 0:
-            raise OSError(ctypes.get_errno(), "seccomp listener: %s" % os.strerror(ctypes.get_errno()))
+            raise OSError(ctypes.get_errno(),
+                          "seccomp listener: %s" % os.strerror(ctypes.get_errno()))
         return fd
     if libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), fprog[0], 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "seccomp filter: %s" % os.strerror(ctypes.get_errno()))
@@ -2355,7 +2364,8 @@ def net_fprog(supervised, inet=False):
     if program is None:
         raise OSError(errno.ENOSYS, "no seccomp system call table for %s" % os.uname().machine)
     buf = ctypes.create_string_buffer(program, len(program))
-    return ctypes.create_string_buffer(struct.pack("@HP", len(program) // 8, ctypes.addressof(buf))), buf
+    return ctypes.create_string_buffer(struct.pack("@HP", len(program) // 8,
+                                                   ctypes.addressof(buf))), buf
 
 
 class Landlock:
@@ -2374,13 +2384,16 @@ class Landlock:
         scoped = LL_SCOPE_SIGNAL | (LL_SCOPE_ABSTRACT_UNIX if spec["net"] else 0) if abi >= 6 else 0
         attr = struct.pack("<QQQ", write, net, scoped)[:8 if abi < 4 else 16 if abi < 6 else 24]
         buf = ctypes.create_string_buffer(attr, len(attr))
-        self.fd = libc.syscall(LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
+        self.fd = libc.syscall(LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)),
+                               ctypes.c_uint32(0))
         if self.fd < 0:
-            raise OSError(ctypes.get_errno(), "landlock_create_ruleset: %s" % os.strerror(ctypes.get_errno()))
+            raise OSError(ctypes.get_errno(),
+                          "landlock_create_ruleset: %s" % os.strerror(ctypes.get_errno()))
         try:
             file_rights = LL_WRITE_FILE | (LL_TRUNCATE if abi >= 3 else 0)
-            for path, rights in ([(p, write) for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)] +
-                                 [(p, file_rights) for p in SANDBOX_DEVICES]):
+            for path, rights in ([(p, write)
+                                  for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)]
+                                 + [(p, file_rights) for p in SANDBOX_DEVICES]):
                 try:
                     fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC)
                 except OSError:
@@ -2391,7 +2404,8 @@ class Landlock:
                     os.close(fd)
             # the proxy's port, the one TCP connect allowed
             if net and spec.get("proxy"):
-                self.add(LL_RULE_NET_PORT, struct.pack("<QQ", LL_NET_CONNECT_TCP, spec["proxy"]), "port")
+                self.add(LL_RULE_NET_PORT, struct.pack("<QQ", LL_NET_CONNECT_TCP, spec["proxy"]),
+                         "port")
         except BaseException:
             os.close(self.fd)
             raise
@@ -2401,7 +2415,8 @@ class Landlock:
         ctypes, libc = self.ctypes, self.libc
         rule = ctypes.create_string_buffer(attr, len(attr))
         if libc.syscall(LANDLOCK_ADD_RULE, self.fd, kind, rule, ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(), "landlock_add_rule %s: %s" % (what, os.strerror(ctypes.get_errno())))
+            raise OSError(ctypes.get_errno(),
+                          "landlock_add_rule %s: %s" % (what, os.strerror(ctypes.get_errno())))
 
     def restrict(self):
         """Enter a (further) Landlock domain of the rules, no_new_privs set first."""
@@ -2409,7 +2424,8 @@ class Landlock:
         if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         if libc.syscall(LANDLOCK_RESTRICT_SELF, self.fd, ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(), "landlock_restrict_self: %s" % os.strerror(ctypes.get_errno()))
+            raise OSError(ctypes.get_errno(),
+                          "landlock_restrict_self: %s" % os.strerror(ctypes.get_errno()))
 
     def close(self):
         """Close the ruleset (the domains entered stay)."""
@@ -2448,7 +2464,8 @@ class NetSupervisor:
             # nested: the command may not signal its supervisor
             landlock.restrict()
             listener = apply_net_filter(True, fprog)
-            theirs.sendmsg([b"L"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [listener]))])
+            theirs.sendmsg([b"L"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                     array.array("i", [listener]))])
             os.close(listener)
             theirs.close()
             return
@@ -2512,8 +2529,9 @@ class NetSupervisor:
         address is read once from the caller's memory and everything after uses that
         copy: an abstract address is connected as it is (Landlock or the namespace keeps
         foreign ones out), and so is the proxy's (127.0.0.1 at its port, with a domain
-        list; any other IP address is refused); a path is opened (O_PATH, from the caller's cwd) and connected
-        through that descriptor, so the socket checked is the socket reached, and only
+        list; any other IP address is refused); a path is opened (O_PATH, from the
+        caller's cwd) and connected through that descriptor, so the socket checked is the
+        socket reached, and only
         when a process of the command (its session) is listening on it."""
         ctypes, libc = self.ctypes, self.libc
         if not 3 <= size <= 110:
@@ -2525,11 +2543,12 @@ class NetSupervisor:
         except (OSError, OverflowError, ValueError):
             return errno.EACCES                     # unreadable: refused
         family = struct.unpack_from("<H", sockaddr)[0] if len(sockaddr) == size else None
-        proxy = family == 2 and self.proxy and size >= 8 and sockaddr[2:8] == struct.pack(">H", self.proxy) + \
-            b"\x7f\0\0\1"
+        proxy = (family == 2 and self.proxy and size >= 8
+                 and sockaddr[2:8] == struct.pack(">H", self.proxy) + b"\x7f\0\0\1")
         if family != 1 and not proxy:
             return errno.EACCES                     # not a Unix address, nor the proxy's
-        if libc.ioctl(self.listener, ctypes.c_ulong(SECCOMP_NOTIF_ID_VALID), ctypes.byref(ctypes.c_uint64(nid))) != 0:
+        if libc.ioctl(self.listener, ctypes.c_ulong(SECCOMP_NOTIF_ID_VALID),
+                      ctypes.byref(ctypes.c_uint64(nid))) != 0:
             # the caller is gone: the pid may be another process now
             return errno.EACCES
         checked = None
