@@ -317,7 +317,7 @@ def human_size(n):
     """1536 -> '1.5 KB'; the form used in every size message."""
     for unit in ("bytes", "KB", "MB", "GB", "TB"):
         if n < 1024 or unit == "TB":
-            return ("%d %s" % (n, unit)) if unit == "bytes" else ("%.1f %s" % (n, unit))
+            return "%d %s" % (n, unit) if unit == "bytes" else "%.1f %s" % (n, unit)
         n /= 1024.0
 
 
@@ -2641,7 +2641,8 @@ def enter_namespaces(net, protect):
             try:
                 for name in ("uid_map", "gid_map"):       # every id this namespace has, as itself
                     with open("/proc/self/" + name) as f:
-                        ids = "".join("%s %s %s\n" % (l.split()[0], l.split()[0], l.split()[2]) for l in f if l.strip())
+                        ids = "".join("%s %s %s\n" % (l.split()[0], l.split()[0], l.split()[2])
+                                      for l in f if l.strip())
                     with open("/proc/%d/%s" % (os.getppid(), name), "w") as f:
                         f.write(ids)
             except (OSError, IndexError):
@@ -2657,8 +2658,9 @@ def enter_namespaces(net, protect):
         if not failed and status != 0:
             raise OSError(errno.EPERM, "the user namespace's id map could not be written")
     if failed:
-        raise OSError(failed, "unshare(CLONE_NEWUSER%s%s): %s" % ("|CLONE_NEWNET" if net else "",
-                                                                "|CLONE_NEWNS" if protect else "", os.strerror(failed)))
+        raise OSError(failed, "unshare(CLONE_NEWUSER%s%s): %s"
+                      % ("|CLONE_NEWNET" if net else "", "|CLONE_NEWNS" if protect else "",
+                         os.strerror(failed)))
     if mapper is None:
         # A non-dumpable process's /proc/self files are root's: dumpable for the map
         # writes alone (as runc does), sealed again before anything runs.
@@ -2678,14 +2680,18 @@ def mount_read_only(paths):
     """In this process's new mount namespace (its mounts no longer shared back): bind-mount
     each of `paths` on itself read-only, keeping the flags a user namespace may not drop."""
     ctypes, libc = _libc()
-    mount = lambda source, target, flags: libc.mount(source, os.fsencode(target), None, ctypes.c_ulong(flags), None)
+    mount = lambda source, target, flags: libc.mount(source, os.fsencode(target), None,
+                                                     ctypes.c_ulong(flags), None)
     if mount(None, "/", MS_REC | MS_SLAVE) != 0:
-        raise OSError(ctypes.get_errno(), "mount(/, MS_REC|MS_SLAVE): %s" % os.strerror(ctypes.get_errno()))
+        raise OSError(ctypes.get_errno(),
+                      "mount(/, MS_REC|MS_SLAVE): %s" % os.strerror(ctypes.get_errno()))
     for path in paths:
         kept = os.statvfs(path).f_flag
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | (kept & MS_LOCKED_FLAGS) | (MS_RELATIME if kept & 4096 else 0)
+        flags = (MS_REMOUNT | MS_BIND | MS_RDONLY | (kept & MS_LOCKED_FLAGS)
+                 | (MS_RELATIME if kept & 4096 else 0))
         if mount(os.fsencode(path), path, MS_BIND) != 0 or mount(None, path, flags) != 0:
-            raise OSError(ctypes.get_errno(), "a read-only mount of %s: %s" % (path, os.strerror(ctypes.get_errno())))
+            raise OSError(ctypes.get_errno(),
+                          "a read-only mount of %s: %s" % (path, os.strerror(ctypes.get_errno())))
 
 
 # -- the sandbox and its launchers ------------------------------------------------
@@ -2694,14 +2700,18 @@ class Sandbox:
     the directories they may write beneath, whether they may use the network, and
     the kernel features that do it. off() confines nothing."""
 
-    def __init__(self, mode="off", writable=(), network=True, abi=0, why="", protect=None, domains=()):
+    def __init__(self, mode="off", writable=(), network=True, abi=0, why="", protect=None,
+                 domains=()):
         self.mode, self.writable, self.network, self.abi = mode, list(writable), network, abi
         self.why = why                                  # how the mode was chosen, for the log
         self.protect = protect or Protect()
         self.domains = list(domains)                    # with the network off: the proxy's domains
-        self.proxy_port = None                          # the proxy's loopback port, once the server runs it
-        self.launchers = Launchers(self)                # (a spare one starts with the first command)
-        self.trials = {}                                # what probe_sandbox's launcher tried, and got
+        self.proxy_port = None                          # the proxy's loopback port,
+                                                        # once the server runs it
+        self.launchers = Launchers(self)                # (a spare one starts
+                                                        # with the first command)
+        self.trials = {}                                # what probe_sandbox's
+                                                        # launcher tried, and got
 
     def close(self):
         """Stop the warm launchers."""
@@ -2711,8 +2721,10 @@ class Sandbox:
     def writable_roots(mode, policy):
         """Where commands may write: the allowed directories (or the workspace) and the temp
         directory; only the temp directory when read-only. Nested ones go."""
-        roots = ([] if mode == "read-only" else (list(policy.allow) or [policy.workdir])) + [temp_dir()]
-        return sorted({r for r in roots if r and not any(r != o and is_within(r, o) for o in roots if o)})
+        roots = ([] if mode == "read-only"
+                 else list(policy.allow) or [policy.workdir]) + [temp_dir()]
+        return sorted({r for r in roots
+                       if r and not any(r != o and is_within(r, o) for o in roots if o)})
 
     @classmethod
     def off(cls, why="--sandbox off"):
@@ -2753,7 +2765,8 @@ class Sandbox:
             return "network on"
         if self.domains:
             return "network only to %s (through boris's proxy%s)" % (
-                ", ".join(self.domains), " on 127.0.0.1:%d" % self.proxy_port if self.proxy_port else "")
+                ", ".join(self.domains),
+                " on 127.0.0.1:%d" % self.proxy_port if self.proxy_port else "")
         return "network off"
 
     def describe(self):
@@ -2767,7 +2780,8 @@ class Sandbox:
     def hint(self, text):
         """The line a failed sandboxed command's result ends with, when its output
         shows a refused write or connect; else ''."""
-        refusals = r"Permission denied|Read-only file system|Operation not permitted|Device or resource busy"
+        refusals = (r"Permission denied|Read-only file system|Operation not permitted"
+                    r"|Device or resource busy")
         if not self.network:
             refusals += r"|Network is unreachable"
         # what clients say of the proxy's 403
@@ -2778,13 +2792,15 @@ class Sandbox:
         protected = self.protect.paths(self.writable)
         network = "" if self.network else " and may not use the network"
         if self.domains and not self.network:
-            network = " and reach only %s, through boris's proxy (HTTP_PROXY, HTTPS_PROXY)" % ", ".join(self.domains)
-        return ("[sandbox %s: commands may write only under %s%s%s; the server's --allow-dir adds directories,%s"
-                " --sandbox off lifts it]" % (self.mode, ", ".join(self.writable),
-                                              ", never to %s (--sandbox-protect)" % ", ".join(protected)
-                                              if protected else "", network,
-                                              "" if self.network else " --sandbox-network on allows the network"
-                                              " (or lists domains),"))
+            network = (" and reach only %s, through boris's proxy (HTTP_PROXY, HTTPS_PROXY)"
+                       % ", ".join(self.domains))
+        return ("[sandbox %s: commands may write only under %s%s%s; the server's --allow-dir adds"
+                " directories,%s --sandbox off lifts it]"
+                % (self.mode, ", ".join(self.writable),
+                   ", never to %s (--sandbox-protect)" % ", ".join(protected) if protected else "",
+                   network,
+                   "" if self.network else " --sandbox-network on allows the network"
+                   " (or lists domains),"))
 
 
 class Protect:
@@ -2794,7 +2810,8 @@ class Protect:
     `enforced` is False where no user namespace can be made (describe says so)."""
 
     def __init__(self, roots=(), names=(), files=(), enforced=True):
-        self.roots, self.names, self.files, self.enforced = list(roots), list(names), list(files), enforced
+        self.roots, self.names, self.files = list(roots), list(names), list(files)
+        self.enforced = enforced
         self.why = ""                                   # why not enforced: what the probe met
 
     @classmethod
@@ -2812,7 +2829,8 @@ class Protect:
             elif os.path.isabs(os.path.expanduser(value)):
                 files.append(os.path.realpath(os.path.expanduser(value)))
             else:
-                raise ConfigError("--sandbox-protect %r is neither a name (like .git) nor an absolute path" % value)
+                raise ConfigError("--sandbox-protect %r is neither a name (like .git) nor an"
+                                  " absolute path" % value)
         return cls(list(policy.allow) or [policy.workdir], names, files)
 
     def wanted(self):
@@ -2844,7 +2862,8 @@ class Protect:
                     found.add(os.path.realpath(path))
                     if name == ".git" and os.path.isfile(path):
                         found.update(self.git_dirs(path))
-        return sorted(p for p in found if os.path.lexists(p) and any(is_within(p, w) for w in writable))
+        return sorted(p for p in found
+                      if os.path.lexists(p) and any(is_within(p, w) for w in writable))
 
     @staticmethod
     def git_dirs(path):
@@ -2861,7 +2880,8 @@ class Protect:
         dirs = [gitdir]
         try:
             with open(os.path.join(gitdir, "commondir"), "rb") as f:
-                dirs.append(os.path.realpath(os.path.join(gitdir, os.fsdecode(f.read(4096).strip()))))
+                dirs.append(os.path.realpath(os.path.join(gitdir,
+                                                          os.fsdecode(f.read(4096).strip()))))
         except OSError:
             pass  # not a worktree: no common directory
         return dirs
@@ -2871,7 +2891,8 @@ class Protect:
         if not self.enforced:
             return "protected paths NOT enforced (no user namespaces here: .git stays writable)"
         shown = self.names + [os.path.basename(f) for f in self.files]
-        return "read-only inside them: %s" % (", ".join(shown) if shown else "nothing (--sandbox-protect none)")
+        return "read-only inside them: %s" % (", ".join(shown) if shown
+                                              else "nothing (--sandbox-protect none)")
 
 
 def resolve_sandbox(config, policy, abi=None):
@@ -2888,36 +2909,42 @@ def resolve_sandbox(config, policy, abi=None):
     domains = config.sandbox_network if isinstance(config.sandbox_network, list) else []
     why = None                                          # why the kernel cannot give it
     if not abi:
-        why = ("Landlock is not to be had: this kernel lacks it (Linux 5.13+ with landlock among its LSMs), or a"
-               " seccomp profile (a container's) refuses it")
+        why = ("Landlock is not to be had: this kernel lacks it (Linux 5.13+ with landlock among its"
+               " LSMs), or a seccomp profile (a container's) refuses it")
         if not sys.platform.startswith("linux"):
-            why = "the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is not done yet)" \
-                % sys.platform
+            why = ("the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is not"
+                   " done yet)" % sys.platform)
         elif not importable("ctypes"):
-            why = "the sandbox (Landlock) needs Python's ctypes module, which this Python was built without"
+            why = ("the sandbox (Landlock) needs Python's ctypes module, which this Python was built"
+                   " without")
         refusal = "--sandbox %s cannot be honoured: %s" % (mode, why)
     elif domains and abi < 6:
-        why = ("a domain list needs Landlock ABI 6 (Linux 6.7+: TCP rules and scoped sockets, for the proxy's one"
-               " port); this kernel has ABI %d" % abi)
-        refusal = "--sandbox-network %s cannot be honoured: %s; pass on or off" % (",".join(domains), why)
+        why = ("a domain list needs Landlock ABI 6 (Linux 6.7+: TCP rules and scoped sockets, for the"
+               " proxy's one port); this kernel has ABI %d" % abi)
+        refusal = ("--sandbox-network %s cannot be honoured: %s; pass on or off"
+                   % (",".join(domains), why))
     elif not network and not net_filter_available():
-        why = ("seccomp filters are not available on this kernel or machine (%s), so Unix sockets and UDP could"
-               " not be cut" % os.uname().machine)
-        refusal = "--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on" % (mode, why)
+        why = ("seccomp filters are not available on this kernel or machine (%s), so Unix sockets and"
+               " UDP could not be cut" % os.uname().machine)
+        refusal = ("--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on"
+                   % (mode, why))
     if why is None:
-        sandbox = Sandbox("workspace-write" if mode == "auto" else mode, Sandbox.writable_roots(mode, policy),
-                          network, abi, "--sandbox %s" % mode, Protect.of(config, policy), domains)
+        sandbox = Sandbox("workspace-write" if mode == "auto" else mode,
+                          Sandbox.writable_roots(mode, policy), network, abi, "--sandbox %s" % mode,
+                          Protect.of(config, policy), domains)
         why = probe_sandbox(sandbox)
         if why and (sandbox.protect.wanted() or sandbox.net_mechanism() == "netns"):
             # the namespaces failed, most likely: without them?
             why += userns_refusal()
             if sandbox.net_mechanism() == "netns":
-                raise ConfigError("--sandbox-network off cannot be honoured: Landlock ABI %d has no TCP rules and"
-                                  " a network namespace cannot be made here (%s); pass --sandbox-network on"
-                                  % (abi, why))
+                raise ConfigError(
+                    "--sandbox-network off cannot be honoured: Landlock ABI %d has no TCP rules and a"
+                    " network namespace cannot be made here (%s); pass --sandbox-network on"
+                    % (abi, why))
             if config.sandbox_protect:
-                raise ConfigError("--sandbox-protect cannot be honoured: its read-only mounts need a user"
-                                  " namespace, which cannot be made here (%s); pass --sandbox-protect none" % why)
+                raise ConfigError(
+                    "--sandbox-protect cannot be honoured: its read-only mounts need a user namespace,"
+                    " which cannot be made here (%s); pass --sandbox-protect none" % why)
             sandbox.protect.enforced, sandbox.protect.why = False, why
             log("warn", "sandbox: %s: %s" % (sandbox.protect.describe(), why))
             why = probe_sandbox(sandbox)
