@@ -2909,23 +2909,23 @@ def resolve_sandbox(config, policy, abi=None):
     domains = config.sandbox_network if isinstance(config.sandbox_network, list) else []
     why = None                                          # why the kernel cannot give it
     if not abi:
-        why = ("Landlock is not to be had: this kernel lacks it (Linux 5.13+ with landlock among its"
-               " LSMs), or a seccomp profile (a container's) refuses it")
+        why = ("Landlock is not to be had: this kernel lacks it (Linux 5.13+ with landlock among"
+               " its LSMs), or a seccomp profile (a container's) refuses it")
         if not sys.platform.startswith("linux"):
-            why = ("the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is not"
-                   " done yet)" % sys.platform)
+            why = ("the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is"
+                   " not done yet)" % sys.platform)
         elif not importable("ctypes"):
-            why = ("the sandbox (Landlock) needs Python's ctypes module, which this Python was built"
-                   " without")
+            why = ("the sandbox (Landlock) needs Python's ctypes module, which this Python was"
+                   " built without")
         refusal = "--sandbox %s cannot be honoured: %s" % (mode, why)
     elif domains and abi < 6:
-        why = ("a domain list needs Landlock ABI 6 (Linux 6.7+: TCP rules and scoped sockets, for the"
-               " proxy's one port); this kernel has ABI %d" % abi)
+        why = ("a domain list needs Landlock ABI 6 (Linux 6.7+: TCP rules and scoped sockets, for"
+               " the proxy's one port); this kernel has ABI %d" % abi)
         refusal = ("--sandbox-network %s cannot be honoured: %s; pass on or off"
                    % (",".join(domains), why))
     elif not network and not net_filter_available():
-        why = ("seccomp filters are not available on this kernel or machine (%s), so Unix sockets and"
-               " UDP could not be cut" % os.uname().machine)
+        why = ("seccomp filters are not available on this kernel or machine (%s), so Unix sockets"
+               " and UDP could not be cut" % os.uname().machine)
         refusal = ("--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on"
                    % (mode, why))
     if why is None:
@@ -2961,7 +2961,8 @@ def userns_refusal():
     """Why this system refuses unprivileged user namespaces,
     where a switch says so: ' (...)', else ''."""
     for switch, refuses, words in (
-            ("kernel.apparmor_restrict_unprivileged_userns", "1", "AppArmor restricts them, as on Ubuntu 24.04;"
+            ("kernel.apparmor_restrict_unprivileged_userns", "1",
+             "AppArmor restricts them, as on Ubuntu 24.04;"
              " sysctl kernel.apparmor_restrict_unprivileged_userns=0 lifts it"),
             ("user.max_user_namespaces", "0", "user.max_user_namespaces is 0"),
             ("kernel.unprivileged_userns_clone", "0", "kernel.unprivileged_userns_clone is 0")):
@@ -2996,7 +2997,8 @@ def probe_sandbox(sandbox):
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         argv, private = helper_command("probe", avoid=sandbox.writable)
-        done = subprocess.run(argv + [json.dumps(spec), str(listener.getsockname()[1])], cwd=private,
+        done = subprocess.run(argv + [json.dumps(spec), str(listener.getsockname()[1])],
+                              cwd=private,
                               stdin=subprocess.DEVNULL, capture_output=True, timeout=PROBE_S,
                               env=child_environ(only=HELPER_ENV))
     except (OSError, subprocess.SubprocessError) as e:
@@ -3012,7 +3014,8 @@ def probe_sandbox(sandbox):
         return re.sub(r"^boris: |; the command was not run$", "", said.splitlines()[-1] if said else
                       "the probe ended with exit code %d" % done.returncode)
     sandbox.trials = trials
-    allowed = {"a write inside": True, "a write outside": False, "a write to a protected .git": not spec["protect"],
+    allowed = {"a write inside": True, "a write outside": False,
+               "a write to a protected .git": not spec["protect"],
                "a loopback connect": sandbox.network}
     wrong = ["%s: %s" % (k, v) for k, v in sorted(trials.items()) if (v == "done") != allowed[k]]
     return "it did not hold (%s)" % "; ".join(wrong) if wrong else None
@@ -3026,7 +3029,8 @@ def helper_probe(spec, port):
     tries = [("a loopback connect", socket.create_connection, (("127.0.0.1", int(port)),))]
     if spec["cwd"] != "/":
         tries += [(name, open, (os.path.join(spec["cwd"], where, "x"), "x")) for name, where in (
-            ("a write inside", "in"), ("a write outside", "out"), ("a write to a protected .git", "in/.git"))]
+            ("a write inside", "in"), ("a write outside", "out"),
+            ("a write to a protected .git", "in/.git"))]
     trials = {}
     for name, act, arg in tries:
         try:
@@ -3138,8 +3142,9 @@ class Launchers:
         try:
             launcher, private = helper_command("sandbox", avoid=self.sandbox.writable)
             ahead = ahead or self.sandbox.spec(None)    # confined now, ahead of its command
-            proc = spawn(launcher + ["@%d" % r, ahead], cwd=private, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, start_new_session=True, close_fds=True, pass_fds=(r,))
+            proc = spawn(launcher + ["@%d" % r, ahead], cwd=private, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                         close_fds=True, pass_fds=(r,))
         except BaseException:
             os.close(w)
             raise
@@ -3199,7 +3204,8 @@ def confined(spec):
             if spec["net"]:
                 NetSupervisor.confine(spec, landlock)
             landlock.close()
-    except Exception as e:                      # whatever failed, the command must not run unconfined
+    except Exception as e:
+        # whatever failed, the command must not run unconfined
         refuse_to_run(e)
     return spec
 
@@ -3225,8 +3231,9 @@ class EgressProxy:
     A name not listed, an IP address, or a name matched by a *. pattern that resolves to
     an address that is not global (DNS rebinding: `internal`) is answered 403 with the
     reason and logged; nothing else is connected. A name listed exactly may resolve to
-    any address: the user named that host (localhost for a local package mirror, say). `hosts` maps names to addresses taken as they are
-    (the tests' resolver: loopback only). close() stops it and every tunnel."""
+    any address: the user named that host (localhost for a local package mirror, say).
+    `hosts` maps names to addresses taken as they are (the tests' resolver: loopback only).
+    close() stops it and every tunnel."""
 
     def __init__(self, domains, hosts=None):
         import socket
