@@ -2926,8 +2926,9 @@ def resolve_sandbox(config, policy, abi=None):
     elif not network and not net_filter_available():
         why = ("seccomp filters are not available on this kernel or machine (%s), so Unix sockets"
                " and UDP could not be cut" % os.uname().machine)
-        refusal = ("--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on"
-                   % (mode, why))
+        refusal = (
+            "--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on"
+            % (mode, why))
     if why is None:
         sandbox = Sandbox("workspace-write" if mode == "auto" else mode,
                           Sandbox.writable_roots(mode, policy), network, abi, "--sandbox %s" % mode,
@@ -2938,13 +2939,13 @@ def resolve_sandbox(config, policy, abi=None):
             why += userns_refusal()
             if sandbox.net_mechanism() == "netns":
                 raise ConfigError(
-                    "--sandbox-network off cannot be honoured: Landlock ABI %d has no TCP rules and a"
-                    " network namespace cannot be made here (%s); pass --sandbox-network on"
+                    "--sandbox-network off cannot be honoured: Landlock ABI %d has no TCP rules"
+                    " and a network namespace cannot be made here (%s); pass --sandbox-network on"
                     % (abi, why))
             if config.sandbox_protect:
                 raise ConfigError(
-                    "--sandbox-protect cannot be honoured: its read-only mounts need a user namespace,"
-                    " which cannot be made here (%s); pass --sandbox-protect none" % why)
+                    "--sandbox-protect cannot be honoured: its read-only mounts need a user"
+                    " namespace, which cannot be made here (%s); pass --sandbox-protect none" % why)
             sandbox.protect.enforced, sandbox.protect.why = False, why
             log("warn", "sandbox: %s: %s" % (sandbox.protect.describe(), why))
             why = probe_sandbox(sandbox)
@@ -3074,7 +3075,8 @@ def helper_warm_launcher(fd, ahead=None):
         if ahead is not None and job["spec"] != json.dumps(dict(json.loads(ahead), cwd=cwd)):
             raise ValueError("a spec other than the one this launcher was confined for")
     except (ValueError, KeyError, TypeError) as e:
-        sys.stderr.write("boris: the sandbox launcher got no usable command (%s); nothing was run\n" % e)
+        sys.stderr.write("boris: the sandbox launcher got no usable command (%s); nothing was run\n"
+                         % e)
         os._exit(SANDBOX_EXIT)
     if ahead is None:
         return helper_sandbox(job["spec"], job["argv"])
@@ -3112,7 +3114,8 @@ class Launchers:
             if proc is None:
                 proc = self.spawn(ahead)
             try:
-                msg = json.dumps({"spec": json.dumps(dict(json.loads(ahead), cwd=cwd)), "argv": argv, "env": env})
+                msg = json.dumps({"spec": json.dumps(dict(json.loads(ahead), cwd=cwd)),
+                                  "argv": argv, "env": env})
                 os.write(proc.control, msg.encode("utf-8", "surrogateescape") + b"\n")
             except OSError:
                 discard_launcher(proc)
@@ -3219,10 +3222,13 @@ def refuse_to_run(e):
 
 # -- the egress proxy -------------------------------------------------------------
 # EgressProxy is the one door of sandboxed commands to the domains --sandbox-network lists.
-PROXY_CONNECTIONS = 64                     # the proxy's connections at once; one more is answered 503
+PROXY_CONNECTIONS = 64                     # the proxy's connections at
+                                           # once; one more is answered 503
 PROXY_HEAD_BYTES = 65536                   # a request head longer than this is refused (431)
-PROXY_IDLE_S = 300.0                       # a tunnel with no byte either way for this long is closed
-PROXY_CONNECT_S = 20.0                     # reading a request head, and connecting upstream, at most
+PROXY_IDLE_S = 300.0                       # a tunnel with no byte either
+                                           # way for this long is closed
+PROXY_CONNECT_S = 20.0                     # reading a request head, and
+                                           # connecting upstream, at most
 
 
 class EgressProxy:
@@ -3259,10 +3265,12 @@ class EgressProxy:
                 if not full:
                     self.open.add(conn)
             if full:
-                self.answer(conn, 503, "the proxy has %d connections open already" % PROXY_CONNECTIONS)
+                self.answer(conn, 503,
+                            "the proxy has %d connections open already" % PROXY_CONNECTIONS)
                 conn.close()
                 continue
-            threading.Thread(target=self.serve, args=(conn,), daemon=True, name="boris-proxy-conn").start()
+            threading.Thread(target=self.serve, args=(conn,), daemon=True,
+                             name="boris-proxy-conn").start()
 
     def serve(self, conn):
         """One client connection: its request head read, the target decided, then relayed."""
@@ -3286,11 +3294,14 @@ class EgressProxy:
             method, target, version = parts
             host, port, path = self.target(method, target)
             if host is None:
-                return self.answer(conn, 400, "%s %s is neither CONNECT host:port nor an http:// URL" % (method, target))
+                return self.answer(conn, 400,
+                                   "%s %s is neither CONNECT host:port nor an http:// URL"
+                                   % (method, target))
             addresses, why = self.decide(host)
             failed = None
             if why:
-                log("warn", "the sandbox proxy refused a connection", host=host, port=port, reason=why)
+                log("warn", "the sandbox proxy refused a connection",
+                    host=host, port=port, reason=why)
                 return self.answer(conn, 403, why)
             for address in addresses:
                 try:
@@ -3299,15 +3310,17 @@ class EgressProxy:
                 except OSError as e:
                     failed = e
             if upstream is None:
-                return self.answer(conn, 502, "%s:%d could not be reached (%s)" % (host, port, failed))
+                return self.answer(conn, 502,
+                                   "%s:%d could not be reached (%s)" % (host, port, failed))
             with self.lock:
                 self.open.add(upstream)
             if method == "CONNECT":
                 conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            else:                                   # the request goes on in origin form, without Proxy-* fields
+            else:
+                # the request goes on in origin form, without Proxy-* fields
                 kept = [l for l in lines[1:] if not l.lower().startswith("proxy-")]
-                upstream.sendall(("\r\n".join(["%s %s %s" % (method, path, version)] + kept) + "\r\n\r\n")
-                                 .encode("latin-1"))
+                upstream.sendall(("\r\n".join(["%s %s %s" % (method, path, version)] + kept)
+                                  + "\r\n\r\n").encode("latin-1"))
             if rest:
                 upstream.sendall(rest)
             self.relay(conn, upstream)
@@ -3328,7 +3341,9 @@ class EgressProxy:
         if method == "CONNECT":
             host, _, port = target.rpartition(":")
             host = host.strip("[]")
-            return (host, int(port), None) if host and port.isdigit() and 0 < int(port) < 65536 else (None,) * 3
+            if host and port.isdigit() and 0 < int(port) < 65536:
+                return host, int(port), None
+            return (None,) * 3
         parts = urllib.parse.urlsplit(target)
         if parts.scheme.lower() != "http" or not parts.hostname:
             return None, None, None
@@ -3339,8 +3354,8 @@ class EgressProxy:
         """(addresses to connect, None) when `host` may be reached, else (None, why)."""
         import socket
         if not host_allowed(host, self.domains):
-            return None, "%s is not among the domains sandboxed commands may reach (--sandbox-network %s)" % (
-                host, ",".join(self.domains))
+            return None, ("%s is not among the domains sandboxed commands may reach"
+                          " (--sandbox-network %s)" % (host, ",".join(self.domains)))
         name = host.lower().rstrip(".")
         if name in self.hosts:
             return [self.hosts[name]], None
@@ -3352,8 +3367,9 @@ class EgressProxy:
         for address in addresses if name not in self.domains else ():
             why = self.internal(address)
             if why:
-                return None, ("%s resolves to %s, %s: refused (DNS rebinding; only a name listed exactly, not by a"
-                              " *. pattern, may lead to one)" % (host, address, why))
+                return None, ("%s resolves to %s, %s: refused (DNS rebinding; only a name listed"
+                              " exactly, not by a *. pattern, may lead to one)"
+                              % (host, address, why))
         return addresses, None
 
     @staticmethod
@@ -3376,11 +3392,12 @@ class EgressProxy:
     def answer(conn, status, why):
         """Send an error response whose body says why, as boris's proxy."""
         body = ("boris sandbox proxy: %s\n" % why).encode("utf-8")
-        reason = {400: "Bad Request", 403: "Forbidden", 431: "Request Header Fields Too Large", 502: "Bad Gateway",
-                  503: "Service Unavailable"}[status]
+        reason = {400: "Bad Request", 403: "Forbidden", 431: "Request Header Fields Too Large",
+                  502: "Bad Gateway", 503: "Service Unavailable"}[status]
         try:
-            conn.sendall(b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
-                         b"Connection: close\r\n\r\n%s" % (status, reason.encode(), len(body), body))
+            conn.sendall(b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                         % (status, reason.encode(), len(body), body))
         except OSError:
             pass  # the client left first
 
