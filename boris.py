@@ -2634,8 +2634,8 @@ def enter_namespaces(net, protect):
     if uid == 0:
         go, ready = os.pipe()
         mapper = os.fork()
-        # outside the namespace: only it may map every id
         if mapper == 0:
+            # outside the namespace: only it may map every id
             os.close(ready)
             ok = os.read(go, 1) == b"u"
             try:
