@@ -14,32 +14,38 @@ the layers above it:
     Limits and constants     every number a user or a model can meet
     Errors                   the error codes, ToolError, the log
     Configuration            FLAGS (flag, env, default, kind, help), parse_config, --help
-    Paths                    PathPolicy: resolve, then check allow/deny (case as the volume folds it)
+    Paths                    PathPolicy: resolve, then check allow/deny (case as the
+                             volume folds it)
     Files                    the one opener, the one atomic writer, line reading, sniffing
-    Child processes          spawn, the reaper, killing a group; helper processes (this file run again)
-    Sandbox                  Landlock, seccomp, network namespaces, the launchers that confine commands,
-                             the egress proxy of a domain list
-    Search                   ignore rules, inotify watches and the walk cache, one walker, the grep and
-                             outline engines
+    Child processes          spawn, the reaper, killing a group; helper processes
+                             (this file run again)
+    Sandbox                  Landlock, seccomp, network namespaces, the launchers that confine
+                             commands, the egress proxy of a domain list
+    Search                   ignore rules, inotify watches and the walk cache, one walker, the grep
+                             and outline engines
     Documents                office documents and PDF as text, read in helpers
-    Helpers                  the searches run in helpers (where a deadline or a cancel can kill them),
-                             the helper pool
+    Helpers                  the searches run in helpers (where a deadline or a cancel can kill
+                             them), the helper pool
     Shell                    Capture, and the command runner: start_process, pump, Task
     Web                      fetch with vetted addresses, HTML to Markdown, coded fetch errors
     Session                  one client's cwd, viewed files, tasks (admitted here), undo history
     Checkpoints              the store, git's index, the session's checkpoints of the workspace
-    Tools: building blocks   the registry (@tool), schema helpers, CallContext, shared answer helpers
+    Tools: building blocks   the registry (@tool), schema helpers, CallContext, shared
+                             answer helpers
     Tools: images and notebooks  what such a file shows a model in view
     Tools: view              view of files, directories, images and notebooks
-    Tools: outline           a file's definitions with line ranges, or a directory's files' top-level ones
-    Tools: edits             the one matcher and the three-way merge (EditMerge), the one edit writer
-                             (write_edit), then str_replace, multi_edit, create_file, undo_edit,
-                             checkpoints and rewind, and the compat editor
+    Tools: outline           a file's definitions with line ranges, or a directory's files'
+                             top-level ones
+    Tools: edits             the one matcher and the three-way merge (EditMerge), the one edit
+                             writer (write_edit), then str_replace, multi_edit, create_file,
+                             undo_edit, checkpoints and rewind, and the compat editor
     Tools: apply_patch       Codex's patch format, read, planned, written all or none
     Tools: notebooks         notebook_edit
-    Tools: shell             bash (handed off to the background when it outlives --handoff) and the task tools
+    Tools: shell             bash (handed off to the background when it outlives --handoff) and
+                             the task tools
     Tools: search            grep, glob, search_text, search_files
-    Tools: workspace         read_file, write_file, list_directory, web_fetch (fixed Chinese answers)
+    Tools: workspace         read_file, write_file, list_directory, web_fetch
+                             (fixed Chinese answers)
     Protocol                 McpServer: JSON-RPC dispatch, argument checks, the worker pool
     Transports               stdio, and streamable HTTP (sessions, auth, CORS)
     main                     flags to config, policy and sandbox; serve; a helper process's main
@@ -71,7 +77,8 @@ __license__ = "MIT"
 
 import sys
 
-if __name__ == "__main__" and sys.path and not (sys.flags.isolated or getattr(sys.flags, "safe_path", False)):
+if __name__ == "__main__" and sys.path and not (sys.flags.isolated
+                                                 or getattr(sys.flags, "safe_path", False)):
     # sys.path[0] is this file's directory (or the cwd, for -m): often the workspace,
     # where a model can write json.py or difflib.py. Drop it before the first import,
     # so that every module, now and imported lazily later, comes from the standard library.
@@ -121,43 +128,57 @@ THIS_FILE = os.path.abspath(__file__) if globals().get("__file__") else None
 SERVER_NAME = "boris"
 # The first line of `instructions` says what the server is: Codex shows a deferred server to
 # its model by this line alone, and its tool search looks for tools in it.
-INSTRUCTIONS_FIRST_LINE = "boris: coding workspace - shell, view/edit files, grep/glob search, web fetch"
+INSTRUCTIONS_FIRST_LINE = ("boris: coding workspace - shell, view/edit files, grep/glob search,"
+                           " web fetch")
 PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 MODERN_VERSIONS = ("2026-07-28",)          # stateless revision: server/discover
-SUPPORTED_VERSIONS = MODERN_VERSIONS + PROTOCOL_VERSIONS   # the one list server/discover and every refusal give
+# the one list server/discover and every refusal give
+SUPPORTED_VERSIONS = MODERN_VERSIONS + PROTOCOL_VERSIONS
 META_VERSION_KEY = "io.modelcontextprotocol/protocolVersion"
 CLIENT_INFO_KEY = "io.modelcontextprotocol/clientInfo"
 CLIENT_CAPS_KEY = "io.modelcontextprotocol/clientCapabilities"
 SERVER_INFO_KEY = "io.modelcontextprotocol/serverInfo"
 LOG_LEVEL_KEY = "io.modelcontextprotocol/logLevel"
-REMOVED_METHODS = ("initialize", "ping", "logging/setLevel", "resources/subscribe", "resources/unsubscribe")  # in 2026
+# the methods the 2026 revision removed
+REMOVED_METHODS = ("initialize", "ping", "logging/setLevel", "resources/subscribe",
+                   "resources/unsubscribe")
 UNSUPPORTED_PROTOCOL_VERSION = -32022
 HEADER_MISMATCH = -32020
 
 VIEW_MAX_LINES = 2000                      # lines shown by view without a range
 VIEW_MAX_LINE_CHARS = 2000                 # longer lines are cut
 IMAGE_MAX_BYTES = 5 * 1024 * 1024          # the largest image a model API takes
-CLAUDE_INLINE_CHARS = 50000                # a tool result Claude Code keeps inline unless a tool says more
+CLAUDE_INLINE_CHARS = 50000                # a tool result Claude Code keeps
+                                           # inline unless a tool says more
 IMAGE_MAX_SIDE = 8000                      # pixels, either side
 SNIFF_BYTES = 8192                         # header read for binary/image sniffing
 LISTING_DEPTH = 2                          # view of a directory
 LISTING_MAX_ENTRIES = 1000
 SKIP_DIRS = frozenset((".git", "node_modules"))     # never listed by view nor walked by a search
 MISS_CONTEXT_LINES = 60                    # lines of the closest region a str_replace miss shows
-MISS_WINDOW_LINES = 60                     # the closest-match help locates old_str by this many lines
+MISS_WINDOW_LINES = 60                     # the closest-match help locates
+                                           # old_str by this many lines
 MISS_CANDIDATES = 20                       # ... scores this many candidate places
 MISS_SCAN_LINES = 50000                    # ... and compares at most this many lines one by one
 SNIPPET_CONTEXT = 4                        # lines around an edit in str_replace's answer
-UNDO_LEVELS = 20                           # undo_edit: the edits of one file a session can take back
-UNDO_MAX_BYTES = 64 * 1024 * 1024          # ... and the bytes all its undo levels may hold (oldest dropped)
+UNDO_LEVELS = 20                           # undo_edit: the edits of one
+                                           # file a session can take back
+UNDO_MAX_BYTES = 64 * 1024 * 1024          # ... and the bytes all its undo
+                                           # levels may hold (oldest dropped)
 CHECKPOINTS_KEPT = 100                     # checkpoints a session keeps (the oldest go first) ...
-CHECKPOINT_ENTRIES = 2000000               # ... and the entries all of them may list (~100 bytes each)
-CHECKPOINT_WALK_MAX = 1000000              # entries one checkpoint walks; past it the rest is not covered
-CHECKPOINT_BUDGET_AUTO = 2 << 30           # --checkpoint-budget auto: this, or a quarter of the store's free space
-CHECKPOINT_NAMES_SHOWN = 20                # paths named per kind of change in checkpoints and rewind
-CHECKPOINT_WAIT_S = 1.5                    # a call waits this long for a checkpoint; then it keeps what it has
-CHECKPOINT_FIRST_S = 1.0                   # the first checkpoint starts this long after the session (or sooner,
-                                           # at its first changing call): start-up and the first answers go first
+CHECKPOINT_ENTRIES = 2000000               # ... and the entries all of them
+                                           # may list (~100 bytes each)
+CHECKPOINT_WALK_MAX = 1000000              # entries one checkpoint walks;
+                                           # past it the rest is not covered
+CHECKPOINT_BUDGET_AUTO = 2 << 30           # --checkpoint-budget auto: this, or
+                                           # a quarter of the store's free space
+CHECKPOINT_NAMES_SHOWN = 20                # paths named per kind of change
+                                           # in checkpoints and rewind
+CHECKPOINT_WAIT_S = 1.5                    # a call waits this long for a
+                                           # checkpoint; then it keeps what it has
+CHECKPOINT_FIRST_S = 1.0                   # the first checkpoint starts this long after
+                                           # the session (or sooner, at its first changing
+                                           # call): start-up and the first answers go first
 PARSE_CHECK_BYTES = 1024 * 1024            # files up to this size are parsed after an edit
 MAX_PATH_CHARS = 4096
 MAX_PATTERN_CHARS = 8192                   # a regex, glob, include or wait_for from the model
@@ -165,8 +186,9 @@ MAX_INT_ARG = 2 ** 53 - 1                  # integers beyond this are not JSON-s
 MAX_BRACE_DEPTH = 16                       # {a,{b,c}} nesting in a glob
 MAX_SYMLINKS = 40                          # links followed in one path, as the kernel's ELOOP
 
-MIN_RESULT_CHARS = 4000                    # --max-result-chars range; the default is 40,000: Claude Code
-MAX_RESULT_CHARS = 1000000                 # spills results over 50,000 to a file, Gemini keeps 40,000
+MIN_RESULT_CHARS = 4000                    # --max-result-chars range; the default is 40,000:
+MAX_RESULT_CHARS = 1000000                 # Claude Code spills results over 50,000 to a file,
+                                           # Gemini keeps 40,000
 OUTPUT_MAX_CHARS = 30000                   # bash stdout/stderr, grep, glob output
 BASH_MAX_TIMEOUT_MS = 600000
 KILL_GRACE_S = 5.0                         # SIGTERM -> SIGKILL
@@ -175,8 +197,10 @@ PROGRESS_INTERVAL_S = 0.1                  # at most ~10 progress notifications 
 PROGRESS_LINE_CHARS = 200                  # a progress message shows the last line cut to this
 
 SEARCH_TIMEOUT_S = 60.0                    # a search is stopped here, its partial results kept
-DOC_MEMBER_BYTES = 64 << 20                # view of an office document: a part of it inflated past this is refused
-DOC_MAX_CELLS = 200000                     # ... and a spreadsheet's cells past this are left out, saying so
+DOC_MEMBER_BYTES = 64 << 20                # view of an office document: a part
+                                           # of it inflated past this is refused
+DOC_MAX_CELLS = 200000                     # ... and a spreadsheet's cells
+                                           # past this are left out, saying so
 WEB_MAX_CHARS = 5000
 WEB_MAX_BYTES = 5 * 1024 * 1024
 WEB_MAX_REDIRECTS = 5
@@ -188,8 +212,9 @@ HTTP_MAX_CONNECTIONS = 256                 # more at once get 503 (each holds a 
 HTTP_READ_TIMEOUT_S = 30.0                 # a request's headers and body must arrive within this
 STDIO_MAX_LINE = 64 * 1024 * 1024          # one stdio message at most
 MAX_WORKERS = 64                           # tool calls running at once; more wait in a queue
-SESSION_MAX_RUNNING = 16                   # ... of them one session's in each lane (shell commands, and the
-                                           # quick tools beside them); a lane's first call always starts
+SESSION_MAX_RUNNING = 16                   # ... of them one session's in each lane
+                                           # (shell commands, and the quick tools beside
+                                           # them); a lane's first call always starts
 
 ###############################################################################
 # Errors ######################################################################
@@ -217,11 +242,12 @@ BASH_START_FAILED = "BASH_START_FAILED"
 BASH_TASK_NOT_FOUND = "BASH_TASK_NOT_FOUND"
 BASH_TASK_LIMIT = "BASH_TASK_LIMIT"
 BASH_TASK_NOT_INTERACTIVE = "BASH_TASK_NOT_INTERACTIVE"
-ERROR_CODES = frozenset((INVALID_INPUT, ACCESS_DENIED, PATH_NOT_FOUND, IO_ERROR, FILE_TOO_LARGE, FILE_NOT_VIEWED,
-                         FILE_CHANGED, STR_REPLACE_NOT_FOUND, STR_REPLACE_AMBIGUOUS, GREP_INVALID_PATTERN,
-                         GREP_INVALID_TYPE, GREP_INVALID_OUTPUT_MODE, GLOB_INVALID_PATTERN, GLOB_INVALID_TYPE,
-                         BASH_EMPTY_COMMAND, BASH_START_FAILED, BASH_TASK_NOT_FOUND, BASH_TASK_LIMIT,
-                         BASH_TASK_NOT_INTERACTIVE))
+ERROR_CODES = frozenset((INVALID_INPUT, ACCESS_DENIED, PATH_NOT_FOUND, IO_ERROR, FILE_TOO_LARGE,
+                         FILE_NOT_VIEWED, FILE_CHANGED, STR_REPLACE_NOT_FOUND,
+                         STR_REPLACE_AMBIGUOUS, GREP_INVALID_PATTERN, GREP_INVALID_TYPE,
+                         GREP_INVALID_OUTPUT_MODE, GLOB_INVALID_PATTERN, GLOB_INVALID_TYPE,
+                         BASH_EMPTY_COMMAND, BASH_START_FAILED, BASH_TASK_NOT_FOUND,
+                         BASH_TASK_LIMIT, BASH_TASK_NOT_INTERACTIVE))
 
 
 class ToolError(Exception):
@@ -262,11 +288,13 @@ def lacking(e):
         return ToolError(INVALID_INPUT,
                          "what was read nests too deeply for Python to parse (%s)" % e)
     if isinstance(e, ImportError):
-        return ToolError(IO_ERROR, "this needs Python's %s module, which this Python was built without: run"
-                         " boris.py with a Python that has it" % (e.name or str(e)).lstrip("_"))
+        return ToolError(IO_ERROR, "this needs Python's %s module, which this Python was built"
+                         " without: run boris.py with a Python that has it"
+                         % (e.name or str(e)).lstrip("_"))
     where = ": %s" % e.filename if e.filename else ""
     if e.errno == errno.EROFS:
-        return ToolError(IO_ERROR, "the filesystem is read-only%s; nothing can be changed there" % where)
+        return ToolError(IO_ERROR,
+                         "the filesystem is read-only%s; nothing can be changed there" % where)
     return ToolError(IO_ERROR, "the system refused (%s)%s" % (e.strerror or e, where))
 
 
@@ -292,7 +320,7 @@ def human_size(n):
     """1536 -> '1.5 KB'; the form used in every size message."""
     for unit in ("bytes", "KB", "MB", "GB", "TB"):
         if n < 1024 or unit == "TB":
-            return ("%d %s" % (n, unit)) if unit == "bytes" else ("%.1f %s" % (n, unit))
+            return "%d %s" % (n, unit) if unit == "bytes" else "%.1f %s" % (n, unit)
         n /= 1024.0
 
 
@@ -342,60 +370,80 @@ FLAGS = (
     ("transport", "BORIS_TRANSPORT", "stdio", "choice:stdio|http", "transport to serve"),
     ("host", "BORIS_HOST", "127.0.0.1", "str", "HTTP bind address"),
     ("port", "BORIS_PORT", "8080", "port", "HTTP port"),
-    ("workdir", "BORIS_WORKDIR", ".", "str", "starting cwd and the workspace root of read_file/write_file/list_directory"),
+    ("workdir", "BORIS_WORKDIR", ".", "str",
+     "starting cwd and the workspace root of read_file/write_file/list_directory"),
     ("timeout", "BORIS_TIMEOUT", "120", "seconds", "default bash timeout in seconds"),
     ("handoff", "BORIS_HANDOFF", "50", "seconds",
-     "a foreground bash command still running after this long becomes a background task: the call returns"
-     " its output so far and the task id (0 = never; clients give up on a call after ~60 s)"),
-    ("allow-dir", "BORIS_ALLOW_DIRS", "", "list", "directory the file tools may touch (repeatable; env comma-separated; none = all)"),
-    ("deny-dir", "BORIS_DENY_DIRS", "", "list", "directory or glob the file tools may not touch, e.g. '**/.env' (repeatable)"),
-    ("token", "BORIS_TOKEN", "", "str", "bearer token required by the HTTP transport (on the command line"
-     " other users see it in ps: prefer BORIS_TOKEN or --token-file)"),
-    ("token-file", "BORIS_TOKEN_FILE", "", "str", "read the HTTP bearer token from this file's first line"),
-    ("shell-env-keep", "BORIS_SHELL_ENV_KEEP", "", "list", "environment variables bash commands get although"
-     " they are boris's own (BORIS_*) or named like a secret (KEY, SECRET, TOKEN, PASSWORD, PASSWD, CREDENTIAL);"
-     " names or shell globs, '*' for all (repeatable)"),
-    ("shell-env-drop", "BORIS_SHELL_ENV_DROP", "", "list", "more environment variables bash commands do not get"
-     " (names or shell globs, repeatable)"),
-    ("generate-token", "BORIS_GENERATE_TOKEN", "false", "bool", "generate a bearer token and print it to stderr (HTTP)"),
-    ("disable-tools", "BORIS_DISABLE_TOOLS", "", "list", "tool names not to register (repeatable or comma-separated)"),
-    ("always-load", "BORIS_ALWAYS_LOAD", "view,str_replace,str_replace_editor,bash,grep,glob", "list",
+     "a foreground bash command still running after this long becomes a background task: the"
+     " call returns its output so far and the task id (0 = never; clients give up on a call after"
+     " ~60 s)"),
+    ("allow-dir", "BORIS_ALLOW_DIRS", "", "list",
+     "directory the file tools may touch (repeatable; env comma-separated; none = all)"),
+    ("deny-dir", "BORIS_DENY_DIRS", "", "list",
+     "directory or glob the file tools may not touch, e.g. '**/.env' (repeatable)"),
+    ("token", "BORIS_TOKEN", "", "str",
+     "bearer token required by the HTTP transport (on the command line other users see it in ps:"
+     " prefer BORIS_TOKEN or --token-file)"),
+    ("token-file", "BORIS_TOKEN_FILE", "", "str",
+     "read the HTTP bearer token from this file's first line"),
+    ("shell-env-keep", "BORIS_SHELL_ENV_KEEP", "", "list",
+     "environment variables bash commands get although they are boris's own (BORIS_*) or named"
+     " like a secret (KEY, SECRET, TOKEN, PASSWORD, PASSWD, CREDENTIAL); names or shell globs,"
+     " '*' for all (repeatable)"),
+    ("shell-env-drop", "BORIS_SHELL_ENV_DROP", "", "list",
+     "more environment variables bash commands do not get (names or shell globs, repeatable)"),
+    ("generate-token", "BORIS_GENERATE_TOKEN", "false", "bool",
+     "generate a bearer token and print it to stderr (HTTP)"),
+    ("disable-tools", "BORIS_DISABLE_TOOLS", "", "list",
+     "tool names not to register (repeatable or comma-separated)"),
+    ("always-load", "BORIS_ALWAYS_LOAD", "view,str_replace,str_replace_editor,bash,grep,glob",
+     "list",
      "tools Claude Code loads from the first turn instead of deferring them to its tool search"
      " (anthropic/alwaysLoad in tools/list); 'none' for none"),
-    ("background-task-timeout", "BORIS_BACKGROUND_TASK_TIMEOUT", "0", "seconds", "kill background tasks running longer than this (0 = never)"),
-    ("max-file-size", "BORIS_MAX_FILE_SIZE", "10MB", "size", "largest file read or written (e.g. 512KB, 10MB, 1GB, bytes)"),
+    ("background-task-timeout", "BORIS_BACKGROUND_TASK_TIMEOUT", "0", "seconds",
+     "kill background tasks running longer than this (0 = never)"),
+    ("max-file-size", "BORIS_MAX_FILE_SIZE", "10MB", "size",
+     "largest file read or written (e.g. 512KB, 10MB, 1GB, bytes)"),
     ("checkpoint-budget", "BORIS_CHECKPOINT_BUDGET", "auto", "budget",
-     "bytes the workspace checkpoints (rewind) may keep in the server's private store (the temp directory, or"
-     " ~/.cache/boris where the temp directory is a tmpfs): a size, auto (2GB or a quarter of the store's free"
-     " space, the smaller) or off"),
-    ("require-view-before-edit", "BORIS_REQUIRE_VIEW_BEFORE_EDIT", "auto", "tristate", "edits need a prior view of the file: auto|true|false"),
-    ("anthropic-compat", "BORIS_ANTHROPIC_COMPAT", "false", "bool", "expose str_replace_editor and Claude Code's grep parameter names"),
+     "bytes the workspace checkpoints (rewind) may keep in the server's private store (the temp"
+     " directory, or ~/.cache/boris where the temp directory is a tmpfs): a size, auto (2GB or a"
+     " quarter of the store's free space, the smaller) or off"),
+    ("require-view-before-edit", "BORIS_REQUIRE_VIEW_BEFORE_EDIT", "auto", "tristate",
+     "edits need a prior view of the file: auto|true|false"),
+    ("anthropic-compat", "BORIS_ANTHROPIC_COMPAT", "false", "bool",
+     "expose str_replace_editor and Claude Code's grep parameter names"),
     ("log-level", "BORIS_LOG_LEVEL", "info", "choice:debug|info|warn|error", "stderr log level"),
     ("log-format", "BORIS_LOG_FORMAT", "text", "choice:text|json", "stderr log format"),
-    ("web-fetch-allow", "BORIS_WEB_FETCH_ALLOW", "", "list", "the only domains web_fetch may reach, e.g."
-     " docs.python.org or *.example.org (its subdomains); an IP address then never (repeatable; none = any)"),
+    ("web-fetch-allow", "BORIS_WEB_FETCH_ALLOW", "", "list",
+     "the only domains web_fetch may reach, e.g. docs.python.org or *.example.org (its"
+     " subdomains); an IP address then never (repeatable; none = any)"),
     ("web-fetch-block-private", "BORIS_WEB_FETCH_BLOCK_PRIVATE", "false", "bool",
      "web_fetch also refuses loopback and private addresses (link-local is always refused)"),
     ("max-result-chars", "BORIS_MAX_RESULT_CHARS", "40000", "chars",
-     "longest tool result in characters; a cut one says first and last how to read on (clients cut at 40-50k)"),
+     "longest tool result in characters; a cut one says first and last how to read on (clients"
+     " cut at 40-50k)"),
     ("svg", "BORIS_SVG", "auto", "choice:auto|image|text",
-     "SVG files as image content or as their source text; auto: text for Claude, Codex and Gemini clients"),
+     "SVG files as image content or as their source text; auto: text for Claude, Codex and"
+     " Gemini clients"),
     ("sandbox", "BORIS_SANDBOX", "auto", "choice:auto|off|workspace-write|read-only",
-     "confine bash with the kernel (Landlock): writes only under --allow-dir (or --workdir) and the temp"
-     " directory, or nowhere but temp; auto: workspace-write when --allow-dir is given and the kernel can"),
+     "confine bash with the kernel (Landlock): writes only under --allow-dir (or --workdir) and"
+     " the temp directory, or nowhere but temp; auto: workspace-write when --allow-dir is given"
+     " and the kernel can"),
     ("sandbox-network", "BORIS_SANDBOX_NETWORK", "", "list",
-     "whether sandboxed commands may use the network (TCP, UDP, Unix sockets outside the sandbox): on, off"
-     " (the default when sandboxed), or the only domains they may reach (e.g. pypi.org,*.pythonhosted.org),"
-     " through a loopback HTTP(S) proxy boris runs, which web_fetch then keeps to as well"),
+     "whether sandboxed commands may use the network (TCP, UDP, Unix sockets outside the"
+     " sandbox): on, off (the default when sandboxed), or the only domains they may reach (e.g."
+     " pypi.org,*.pythonhosted.org), through a loopback HTTP(S) proxy boris runs, which web_fetch"
+     " then keeps to as well"),
     ("sandbox-protect", "BORIS_SANDBOX_PROTECT", "", "list",
-     "paths sandboxed commands may read but never change although they are under a writable root: a name"
-     " (looked for at the top of each workspace root and of its subdirectories) or an absolute path,"
-     " added to the defaults; 'none' protects nothing (repeatable)"),
+     "paths sandboxed commands may read but never change although they are under a writable"
+     " root: a name (looked for at the top of each workspace root and of its subdirectories) or"
+     " an absolute path, added to the defaults; 'none' protects nothing (repeatable)"),
 )
 # What --help says a default does where the flag's own default value does not say it
 # (a test holds each to what the code does)
 HELP_DEFAULTS = {"allow-dir": "none: every directory", "deny-dir": "none",
-                 "sandbox-network": "off when sandboxed", "sandbox-protect": ".git, .hg, .svn, boris.py"}
+                 "sandbox-network": "off when sandboxed",
+                 "sandbox-protect": ".git, .hg, .svn, boris.py"}
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -408,7 +456,8 @@ class Config(argparse.Namespace):
 
 
 def parse_size(text):
-    """Bytes of a size such as 10MB, 512KB or 1G (units of 1024); ValueError saying what is expected."""
+    """Bytes of a size such as 10MB, 512KB or 1G (units
+    of 1024); ValueError saying what is expected."""
     m = re.match(r"^\s*(\d+)\s*([KMG]?)B?\s*$", text, re.IGNORECASE)
     if not m:
         raise ValueError("expected a size such as 10MB, 512KB, 1GB or a number of bytes")
@@ -416,7 +465,8 @@ def parse_size(text):
 
 
 def parse_budget(text):
-    """A budget's bytes: a size (0 is off), 'off' (0) or 'auto' (None: worked out where it is used)."""
+    """A budget's bytes: a size (0 is off), 'off' (0)
+    or 'auto' (None: worked out where it is used)."""
     word = text.strip().lower()
     if word in ("off", "auto"):
         return 0 if word == "off" else None
@@ -437,9 +487,11 @@ def in_range(value, low, high, expected):
 _PARSERS = {
     "str": lambda text: text,
     "port": lambda text: in_range(int(text), 1, 65535, "expected a port from 1 to 65535"),
-    "seconds": lambda text: in_range(float(text), 0, float("inf"), "expected a number of seconds >= 0"),
-    "chars": lambda text: in_range(int(text), MIN_RESULT_CHARS, MAX_RESULT_CHARS, "expected a number of"
-                                   " characters from %d to %d" % (MIN_RESULT_CHARS, MAX_RESULT_CHARS)),
+    "seconds": lambda text: in_range(float(text), 0, float("inf"),
+                                     "expected a number of seconds >= 0"),
+    "chars": lambda text: in_range(int(text), MIN_RESULT_CHARS, MAX_RESULT_CHARS,
+                                   "expected a number of characters from %d to %d"
+                                   % (MIN_RESULT_CHARS, MAX_RESULT_CHARS)),
     "size": lambda text: in_range(parse_size(text), 1, float("inf"), "expected a size above 0"),
     "budget": parse_budget,
 }
@@ -509,8 +561,9 @@ a container.""")
         flags.add_argument("--" + flag, action="append", nargs="?", metavar=metavar,
                            const="true" if kind == "bool" else None, help="%s [env %s, default: %s]"
                            % (text, env, HELP_DEFAULTS.get(flag, default or "none")))
-    flags.add_argument("--check", action="store_true", help="print what this place gives a server of these"
-                       " flags, each part tried (a write and a connect under the sandbox), and exit")
+    flags.add_argument("--check", action="store_true",
+                       help="print what this place gives a server of these flags, each part tried"
+                       " (a write and a connect under the sandbox), and exit")
     flags.add_argument("--version", "-v", action="version", version="boris " + __version__,
                        help="print the version and exit")
     flags.add_argument("--help", action="help", help="print this help and exit")
@@ -533,7 +586,8 @@ def host_of(value):
 
 def is_loopback(host):
     """localhost, ::1 or an IPv4 address in 127.0.0.0/8 (not a name that starts with 127.)."""
-    return host in LOCAL_HOSTS or re.match(r"^127(\.(25[0-5]|2[0-4]\d|1?\d?\d)){3}$", host) is not None
+    return (host in LOCAL_HOSTS
+            or re.match(r"^127(\.(25[0-5]|2[0-4]\d|1?\d?\d)){3}$", host) is not None)
 
 
 def host_allowed(host, allowed):
@@ -603,7 +657,8 @@ def parse_config(argv, environ):
 
 
 def token_from_file(path):
-    """The bearer token on the first line of --token-file `path` (ConfigError naming what is wrong)."""
+    """The bearer token on the first line of --token-file
+    `path` (ConfigError naming what is wrong)."""
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as f:
             token = f.readline().strip()
@@ -617,10 +672,13 @@ def token_from_file(path):
 def sandbox_domains(network):
     """The domains of --sandbox-network, checked and lower-cased (ConfigError for anything else)."""
     for domain in network:
-        if domain in ("on", "off") or not re.match(r"^(\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?$", domain) \
-                or re.match(r"^[\d.]+$", domain):                     # (an IPv4 address; IPv6 has colons)
-            raise ConfigError("invalid value %r for --sandbox-network: expected on, off, or domain names (like"
-                              " pypi.org or *.example.org; no IP addresses, no ports)" % domain)
+        if (domain in ("on", "off")
+                or not re.match(r"^(\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?$", domain)
+                # (an IPv4 address; IPv6 has colons)
+                or re.match(r"^[\d.]+$", domain)):
+            raise ConfigError("invalid value %r for --sandbox-network: expected on, off, or domain"
+                              " names (like pypi.org or *.example.org; no IP addresses, no ports)"
+                              % domain)
     return [d.lower().rstrip(".") for d in network]
 
 ###############################################################################
@@ -628,10 +686,11 @@ def sandbox_domains(network):
 ###############################################################################
 
 
-POSIX_CLASSES = {"alpha": "a-zA-Z", "digit": "0-9", "alnum": "a-zA-Z0-9", "upper": "A-Z", "lower": "a-z",
-                 "space": " \\t\\n\\r\\f\\v", "blank": " \\t", "xdigit": "0-9A-Fa-f", "word": "\\w",
-                 "punct": re.escape("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"), "cntrl": "\\x00-\\x1f\\x7f",
-                 "print": "\\x20-\\x7e", "graph": "\\x21-\\x7e"}
+POSIX_CLASSES = {"alpha": "a-zA-Z", "digit": "0-9", "alnum": "a-zA-Z0-9", "upper": "A-Z",
+                 "lower": "a-z", "space": " \\t\\n\\r\\f\\v", "blank": " \\t",
+                 "xdigit": "0-9A-Fa-f", "word": "\\w",
+                 "punct": re.escape("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"),
+                 "cntrl": "\\x00-\\x1f\\x7f", "print": "\\x20-\\x7e", "graph": "\\x21-\\x7e"}
 
 
 def glob_class(pattern, i):
@@ -818,13 +877,15 @@ def canonical(path):
 def resolve_error(e, shown):
     """Why `shown` could not be resolved, as the ToolError a model can act on."""
     if e.errno == errno.ELOOP:
-        return ToolError(ACCESS_DENIED, "%s runs into a symlink loop (or a chain of over %d links) at %s;"
-                         " give a path without the loop" % (shown, MAX_SYMLINKS, e.filename))
+        return ToolError(ACCESS_DENIED, "%s runs into a symlink loop (or a chain of over %d links)"
+                         " at %s; give a path without the loop" % (shown, MAX_SYMLINKS, e.filename))
     if e.errno == errno.ENOTDIR:
-        return ToolError(INVALID_INPUT, "%s uses %s as a directory, but it is a file; check the path"
+        return ToolError(INVALID_INPUT,
+                         "%s uses %s as a directory, but it is a file; check the path"
                          % (shown, e.filename))
     if e.errno == errno.ENAMETOOLONG:
-        return ToolError(INVALID_INPUT, "%s has a name over the file system's limit (255 bytes a name)" % shown)
+        return ToolError(INVALID_INPUT,
+                         "%s has a name over the file system's limit (255 bytes a name)" % shown)
     if e.errno in (errno.EACCES, errno.EPERM):
         return ToolError(ACCESS_DENIED, "%s: the operating system denies looking up %s"
                          % (shown, e.filename or shown))
@@ -842,25 +903,30 @@ class PathPolicy:
 
     @classmethod
     def of(cls, config):
-        """The policy of a Config's --allow-dir, --deny-dir and --workdir (main's, and the tests')."""
+        """The policy of a Config's --allow-dir, --deny-dir
+        and --workdir (main's, and the tests')."""
         return cls(config.allow_dir, config.deny_dir, config.workdir)
 
     def __init__(self, allow=(), deny=(), workdir="/", folds=None):
         self.workdir = os.path.realpath(workdir)
-        self.allow = [os.path.realpath(os.path.join(self.workdir, os.path.expanduser(a))) for a in allow]
+        self.allow = [os.path.realpath(os.path.join(self.workdir, os.path.expanduser(a)))
+                      for a in allow]
         self.deny_dirs, self.deny_globs, self.deny_names = [], [], []
         for d in deny:
             if any(ch in d for ch in "*?[{"):
                 rx = compile_glob(d[1:] if d.startswith("/") else d)
                 (self.deny_globs if "/" in d else self.deny_names).append(rx)
             else:
-                self.deny_dirs.append(os.path.realpath(os.path.join(self.workdir, os.path.expanduser(d))))
+                self.deny_dirs.append(
+                    os.path.realpath(os.path.join(self.workdir, os.path.expanduser(d))))
         self.deny_raw = list(deny)
-        self.key = (self.workdir, tuple(self.allow), tuple(self.deny_raw), folds)    # what decides its verdicts
+        # what decides its verdicts
+        self.key = (self.workdir, tuple(self.allow), tuple(self.deny_raw), folds)
         self.restricted = bool(self.allow or self.deny_dirs or self.deny_globs or self.deny_names)
         self.folds = folds                  # None: probe each volume; True/False: as given
         self.fold_seen = {}                 # directory -> whether its volume folds case (bounded)
-        self.folded = None                  # (allow, deny dirs, deny globs, deny names) folded, made on first use
+        self.folded = None                  # (allow, deny dirs, deny globs, deny names)
+                                            # folded, made on first use
 
     @staticmethod
     def validate(path, name="path"):
@@ -876,8 +942,8 @@ class PathPolicy:
         try:
             path.encode("utf-8")
         except UnicodeEncodeError:
-            raise ToolError(INVALID_INPUT, "%s holds a lone surrogate character (%r), which names no file;"
-                            " send the path as valid UTF-8" % (name, path))
+            raise ToolError(INVALID_INPUT, "%s holds a lone surrogate character (%r), which names"
+                            " no file; send the path as valid UTF-8" % (name, path))
 
     def resolve(self, base, path, name="path"):
         """The canonical absolute form of `path`, relative paths taken from `base`."""
@@ -889,7 +955,8 @@ class PathPolicy:
 
     def denial(self, real):
         """Why `real` (canonical) is out of scope, or None when it is allowed."""
-        allow, deny_dirs, globs, names = self.allow, self.deny_dirs, self.deny_globs, self.deny_names
+        allow, deny_dirs = self.allow, self.deny_dirs
+        globs, names = self.deny_globs, self.deny_names
         shown = real
         if self.volume_folds(real):
             if self.folded is None:
@@ -904,8 +971,8 @@ class PathPolicy:
             if is_within(real, d):
                 return "is inside the denied directory %s" % self.deny_dirs[k]
         if (globs or names) and pattern_denies(real, globs, names):
-            return "matches a denied pattern (%s)%s" % (", ".join(self.deny_raw),
-                                                         "" if shown == real else " (this volume ignores case)")
+            return "matches a denied pattern (%s)%s" % (
+                ", ".join(self.deny_raw), "" if shown == real else " (this volume ignores case)")
         return None
 
     def volume_folds(self, real):
@@ -936,15 +1003,18 @@ class PathPolicy:
             return False
         if self.deny_dirs:
             inside = fold_name(real)
-            if any(is_within(inside, d) or is_within(d, inside) for d in map(fold_name, self.deny_dirs)):
+            if any(is_within(inside, d) or is_within(d, inside)
+                   for d in map(fold_name, self.deny_dirs)):
                 return False
         return any(is_within(real, a) for a in self.allow) or self.denial(real) is None
 
     def check(self, real, shown):
-        """`real` when it is in scope, else ACCESS_DENIED naming the path as the model gave it (`shown`)."""
+        """`real` when it is in scope, else ACCESS_DENIED
+        naming the path as the model gave it (`shown`)."""
         reason = self.denial(real) if self.restricted else None
         if reason:
-            raise ToolError(ACCESS_DENIED, "%s %s; use a path inside the allowed scope" % (shown, reason))
+            raise ToolError(ACCESS_DENIED,
+                            "%s %s; use a path inside the allowed scope" % (shown, reason))
         return real
 
     def confine(self, path):
@@ -961,7 +1031,8 @@ class PathPolicy:
             real = None
         if real is None or not is_within(real, self.workdir) or self.is_denied(real):
             log("warn", "path escape attempt refused", path=path, resolved=real, root=self.workdir)
-            raise ToolError(ACCESS_DENIED, "%s resolves outside the workspace root %s" % (path, self.workdir),
+            raise ToolError(ACCESS_DENIED,
+                            "%s resolves outside the workspace root %s" % (path, self.workdir),
                             detail="escape")
         return real
 
@@ -1010,7 +1081,8 @@ def image_header_ok(head, mime):
         if len(head) < 33 or head[12:16] != b"IHDR" or struct.unpack(">I", head[8:12])[0] != 13:
             return False
         width, height = struct.unpack(">II", head[16:24])
-        return width > 0 and height > 0 and struct.unpack(">I", head[29:33])[0] == crc32(head[12:29])
+        return (width > 0 and height > 0
+                and struct.unpack(">I", head[29:33])[0] == crc32(head[12:29]))
     if mime == "image/jpeg":
         return len(head) > 3 and head[3] in range(0xC0, 0xFF)
     if mime == "image/gif":
@@ -1033,7 +1105,8 @@ def display_line(raw, more_chars=0):
     characters of a very long line that were read past and not kept."""
     text = raw.decode("utf-8", "replace").rstrip("\n")
     if more_chars:
-        return "%s... [truncated, %d chars total]" % (text[:VIEW_MAX_LINE_CHARS], len(text) + more_chars)
+        return "%s... [truncated, %d chars total]" % (text[:VIEW_MAX_LINE_CHARS],
+                                                      len(text) + more_chars)
     return clip_line(text)
 
 
@@ -1049,7 +1122,8 @@ def crc32(data, value=0):
     return binascii.crc32(data, value)
 
 
-NOT_FILE_CODECS = frozenset(("undefined", "punycode", "idna", "raw-unicode-escape", "unicode-escape"))
+NOT_FILE_CODECS = frozenset(("undefined", "punycode", "idna", "raw-unicode-escape",
+                             "unicode-escape"))
 
 
 def text_codec(name):
@@ -1172,20 +1246,24 @@ class FileTooLarge(Exception):
 def io_error(e, shown):
     """An OSError as the ToolError a model can act on."""
     if e.errno == errno.ENOENT:
-        return ToolError(PATH_NOT_FOUND, "%s does not exist; check the path (view a directory to list it)" % shown)
+        return ToolError(PATH_NOT_FOUND,
+                         "%s does not exist; check the path (view a directory to list it)" % shown)
     if e.errno in (errno.ELOOP, errno.ENOTDIR):
         # The path was resolved without links a moment ago: one was swapped in since.
-        return ToolError(ACCESS_DENIED, "%s changed while it was being opened (a directory or file on the"
-                         " way was replaced, e.g. by a symlink); nothing was read or written" % shown,
+        return ToolError(ACCESS_DENIED, "%s changed while it was being opened (a directory or file"
+                         " on the way was replaced, e.g. by a symlink); nothing was read or written"
+                         % shown,
                          detail="swapped")
     if e.errno in (errno.EACCES, errno.EPERM):
         return ToolError(ACCESS_DENIED, "%s: permission denied by the operating system" % shown)
     if e.errno == errno.EISDIR:
         return ToolError(INVALID_INPUT, "%s is a directory, not a file" % shown)
     if e.errno == errno.ENAMETOOLONG:
-        return ToolError(INVALID_INPUT, "%s has a name over the file system's limit (255 bytes a name)" % shown)
+        return ToolError(INVALID_INPUT,
+                         "%s has a name over the file system's limit (255 bytes a name)" % shown)
     if e.errno == errno.EAGAIN:
-        return ToolError(IO_ERROR, "%s has no data ready (a file that blocks readers); it is not read" % shown)
+        return ToolError(IO_ERROR, "%s has no data ready (a file that blocks readers);"
+                         " it is not read" % shown)
     return ToolError(IO_ERROR, "%s: %s" % (shown, e.strerror or e))
 
 
@@ -1200,8 +1278,10 @@ def kind_of(mode):
 
 
 def not_regular(shown, mode, doing="read"):
-    """INVALID_INPUT for a path that is a device, fifo, socket or directory where a file is needed."""
-    return ToolError(INVALID_INPUT, "%s is %s, not a regular file; it is not %s" % (shown, kind_of(mode), doing))
+    """INVALID_INPUT for a path that is a device, fifo,
+    socket or directory where a file is needed."""
+    return ToolError(INVALID_INPUT, "%s is %s, not a regular file; it is not %s"
+                     % (shown, kind_of(mode), doing))
 
 
 # -- opening what was checked ---------------------------------------------------
@@ -1237,7 +1317,8 @@ def open_dir(real, create=False, flags=O_DIR_STEP, made=None):
                         made.append("/" + "/".join(parts[:k + 1]))
                 except FileExistsError:
                     pass                # made meanwhile by someone else: used as it is
-                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=fd)
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC,
+                              dir_fd=fd)
                 try:
                     os.fchmod(nfd, 0o755)
                 except OSError:
@@ -1280,7 +1361,8 @@ def open_same(path, ino=None, dev=None):
         st = os.fstat(fd)
     except OSError:
         st = None
-    if st is None or not stat.S_ISREG(st.st_mode) or ino not in (None, st.st_ino) or dev not in (None, st.st_dev):
+    if (st is None or not stat.S_ISREG(st.st_mode)
+            or ino not in (None, st.st_ino) or dev not in (None, st.st_dev)):
         os.close(fd)
         return None
     return fd
@@ -1291,8 +1373,8 @@ def open_checked(job):
     a binary file object; ToolError when another file stands there now."""
     fd = open_same(job["path"], job["file"][1], job["file"][0])
     if fd is None:
-        raise ToolError(IO_ERROR, "it changed while it was being read (removed, or another file stands at its"
-                        " path now); try again")
+        raise ToolError(IO_ERROR, "it changed while it was being read (removed, or another file"
+                        " stands at its path now); try again")
     return os.fdopen(fd, "rb")
 
 
@@ -1335,14 +1417,16 @@ def ready(waited, timeout=None, write=False):
         fd = f if isinstance(f, int) else f.fileno()
         by_fd[fd] = f
         poller.register(fd, select.POLLOUT if write else select.POLLIN)
-    return [by_fd[fd] for fd, _ in poller.poll(None if timeout is None else max(0.0, timeout) * 1000)]
+    return [by_fd[fd]
+            for fd, _ in poller.poll(None if timeout is None else max(0.0, timeout) * 1000)]
 
 
 def too_large(shown, size, limit, more=False):
-    """FILE_TOO_LARGE naming the file, its size (or 'over' a size, when reading stopped there) and the
-    limit."""
+    """FILE_TOO_LARGE naming the file, its size (or 'over' a size, when reading stopped there)
+    and the limit."""
     return ToolError(FILE_TOO_LARGE, "%s is %s%s; the limit is %s (--max-file-size)"
-                     % (shown, "over " if more else "", human_size(size), human_size(limit)), detail=limit)
+                     % (shown, "over " if more else "", human_size(size), human_size(limit)),
+                     detail=limit)
 
 
 def read_regular(real, shown, limit):
@@ -1413,8 +1497,9 @@ def changed_since(seen, real, limit):
         if data is not None and digest_of(data) == seen.digest:
             return None
     when = time.time() - st.st_mtime
-    return "%s bytes then, %s bytes now; modified %s" % (
-        seen.size, st.st_size, "%.0f s ago" % when if when < 600 else time.strftime("%H:%M:%S", time.localtime(st.st_mtime)))
+    modified = ("%.0f s ago" % when if when < 600
+                else time.strftime("%H:%M:%S", time.localtime(st.st_mtime)))
+    return "%s bytes then, %s bytes now; modified %s" % (seen.size, st.st_size, modified)
 
 
 # -- the one writer ---------------------------------------------------------------
@@ -1495,7 +1580,8 @@ def atomic_write(real, data, guards, new_mode=0o644):
                 replace_file(dfd, base, data, st, new_mode)
                 atomic = True
             except OSError as e:
-                if st is None or e.errno not in (errno.EACCES, errno.EPERM, errno.EBUSY, errno.EXDEV, errno.EROFS):
+                if st is None or e.errno not in (errno.EACCES, errno.EPERM, errno.EBUSY,
+                                                 errno.EXDEV, errno.EROFS):
                     raise
                 rewrite_in_place(dfd, base, data, st)
                 atomic = False
@@ -1547,7 +1633,8 @@ def replace_file(dfd, base, data, st, new_mode):
         os.fsync(fd)
         if tmp is None:
             tmp = temp_name(base)
-            os.link("/proc/self/fd/%d" % fd, tmp, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=True)
+            os.link("/proc/self/fd/%d" % fd, tmp,
+                    src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=True)
         os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
         tmp = None
     finally:
@@ -1582,7 +1669,8 @@ def write_all(fd, data):
 
 
 def sync_dir(dfd):
-    """fsync a directory, so a rename in it survives a crash; where that cannot be done it is skipped."""
+    """fsync a directory, so a rename in it survives a
+    crash; where that cannot be done it is skipped."""
     try:
         fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC, dir_fd=dfd)
     except OSError:
@@ -1613,7 +1701,8 @@ def clean_leftovers(dfd, directory, guards):
     directory that cannot be listed is not cleaned (nothing lost)."""
     try:
         st = os.fstat(dfd)
-        if not guards.first_visit((directory, st.st_dev, st.st_ino)):   # the path too: inodes are reused
+        # the path too: inodes are reused
+        if not guards.first_visit((directory, st.st_dev, st.st_ino)):
             return
         fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC, dir_fd=dfd)
         try:
@@ -1680,7 +1769,8 @@ SECRET_NAMES = ("KEY", "SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL")
 # All a helper process (this file run again, with -E) needs of the server's environment:
 # where programs, home and the temp directory are, the locale, and where a Python built
 # with a shared library finds it
-HELPER_ENV = ("PATH", "HOME", "TMPDIR", "TEMP", "TMP", "LANG", "TZ", "LD_LIBRARY_PATH", "DYLD_LIBRARY_PATH")
+HELPER_ENV = ("PATH", "HOME", "TMPDIR", "TEMP", "TMP", "LANG", "TZ",
+              "LD_LIBRARY_PATH", "DYLD_LIBRARY_PATH")
 
 
 def child_environ(environ=None, keep=(), drop=(), only=None):
@@ -1784,7 +1874,8 @@ def importable(name):
 
 
 def missing_modules():
-    """The optional modules boris uses that this Python was built without (looked for, not loaded)."""
+    """The optional modules boris uses that this Python
+    was built without (looked for, not loaded)."""
     from importlib.util import find_spec
     return [name.lstrip("_") for name in ("_ssl", "_ctypes", "zlib") if not find_spec(name)]
 
@@ -1806,7 +1897,8 @@ def scrub_environ_block():
     try:
         with open("/proc/self/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-        start, end = int(fields[47]), int(fields[48])          # env_start, env_end (stat fields 50, 51)
+        # env_start, env_end (stat fields 50, 51)
+        start, end = int(fields[47]), int(fields[48])
         ctypes, _ = _libc()
         block = ctypes.string_at(start, end - start)
     except (OSError, IndexError, ValueError, ImportError):
@@ -2023,8 +2115,10 @@ def temp_dir():
         found = os.path.realpath(tempfile.gettempdir())
     except OSError:
         return None
-    usual = [os.environ.get(k) for k in ("TMPDIR", "TEMP", "TMP")] + ["/tmp", "/var/tmp", "/usr/tmp"]
-    if found == os.path.realpath(os.getcwd()) and found not in [os.path.realpath(u) for u in usual if u]:
+    usual = ([os.environ.get(k) for k in ("TMPDIR", "TEMP", "TMP")]
+             + ["/tmp", "/var/tmp", "/usr/tmp"])
+    if (found == os.path.realpath(os.getcwd())
+            and found not in [os.path.realpath(u) for u in usual if u]):
         return None
     return found
 
@@ -2098,8 +2192,8 @@ def helper_command(kind, avoid=()):
     private = pycache_prefix(avoid)
     name = helper_link(private, real) if private else None
     if name:
-        return ([sys.executable, "-E", "-S", "-X", "utf8", "-X", "pycache_prefix=" + private, "-m", name,
-                 "--helper", kind, parent], private)
+        return ([sys.executable, "-E", "-S", "-X", "utf8", "-X", "pycache_prefix=" + private,
+                 "-m", name, "--helper", kind, parent], private)
     return [sys.executable, "-I", "-S", "-X", "utf8", real, "--helper", kind, parent], "/"
 
 
@@ -2139,26 +2233,33 @@ LL_SCOPE_ABSTRACT_UNIX, LL_SCOPE_SIGNAL = 1 << 0, 1 << 1
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWNS = 0x10000000, 0x40000000, 0x00020000
 MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_SLAVE, MS_RELATIME = 1, 32, 4096, 16384, 1 << 19, 1 << 21
-MS_LOCKED_FLAGS = 2 | 4 | 8 | 1024 | 2048           # nosuid, nodev, noexec, noatime, nodiratime: kept on remount
-SANDBOX_PROTECT = (".git", ".hg", ".svn")           # kept read-only at the top of workspace roots and one level down
-SANDBOX_PROTECT_SCAN = 256                          # subdirectories of a workspace root looked into for them
+MS_LOCKED_FLAGS = 2 | 4 | 8 | 1024 | 2048  # nosuid, nodev, noexec, noatime,
+                                           # nodiratime: kept on remount
+SANDBOX_PROTECT = (".git", ".hg", ".svn")  # kept read-only at the top of
+                                           # workspace roots and one level down
+SANDBOX_PROTECT_SCAN = 256                 # subdirectories of a workspace root looked into for them
 # net_filter's system call numbers: for the machine's own ABI (socket and socketpair
 # are looked at, connect and an addressed or Fast Open send refused) and for the 32-bit
 # ABI it also runs (everything socket-like refused). The audit arch tags the seccomp data.
 SECCOMP_ABIS = {
-    "x86_64": (0xC000003E, dict(socket=41, socketpair=53, connect=42, sendto=44, sendmsg=46, sendmmsg=307,
-                                io_uring_setup=425, seccomp=317),
-               0x40000003, (102, 359, 360, 362, 369, 370, 345)),        # i386: socketcall, socket, ...
-    "aarch64": (0xC00000B7, dict(socket=198, socketpair=199, connect=203, sendto=206, sendmsg=211, sendmmsg=269,
-                                 io_uring_setup=425, seccomp=277),
-                0x40000028, (281, 288, 283, 290, 296, 374)),             # arm: socket, socketpair, ...
+    "x86_64": (0xC000003E, dict(socket=41, socketpair=53, connect=42, sendto=44, sendmsg=46,
+                                sendmmsg=307, io_uring_setup=425, seccomp=317),
+               # i386: socketcall, socket, ...
+               0x40000003, (102, 359, 360, 362, 369, 370, 345)),
+    "aarch64": (0xC00000B7, dict(socket=198, socketpair=199, connect=203, sendto=206, sendmsg=211,
+                                 sendmmsg=269, io_uring_setup=425, seccomp=277),
+                # arm: socket, socketpair, ...
+                0x40000028, (281, 288, 283, 290, 296, 374)),
 }
-MSG_FASTOPEN = 0x20000000                  # a send that connects a TCP socket, past connect(2) and Landlock
+MSG_FASTOPEN = 0x20000000                  # a send that connects a TCP socket,
+                                           # past connect(2) and Landlock
 SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = 434, 438                 # the same number on every Linux ABI
 SECCOMP_NOTIF_RECV, SECCOMP_NOTIF_SEND, SECCOMP_NOTIF_ID_VALID = 0xC0502100, 0xC0182101, 0x40082102
-SANDBOX_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx")
+SANDBOX_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty",
+                   "/dev/ptmx")
 SANDBOX_DEVICE_DIRS = ("/dev/pts", "/dev/shm")
-SANDBOX_EXIT = 126                         # the launcher could not confine: the command does not run
+SANDBOX_EXIT = 126                         # the launcher could not confine:
+                                           # the command does not run
 PROBE_S = 10                               # probe_sandbox's launcher must have answered by then
 
 
@@ -2192,25 +2293,31 @@ def net_filter_program(machine, supervised=False, inet=False):
     ld, jeq, jge, ret, and_ = 0x20, 0x15, 0x35, 0x06, 0x54
     allow, kill, notify = 0x7FFF0000, 0x80000000, 0x7FC00000
     refuse, nosys = 0x00050000 | errno.EACCES, 0x00050000 | errno.ENOSYS
-    arg = lambda k, high=0: 16 + 8 * k + 4 * high            # seccomp_data.args[k], low or high half
+    # seccomp_data.args[k], low or high half
+    arg = lambda k, high=0: 16 + 8 * k + 4 * high
     code = [(ld, 4), (jeq, arch, "native"), (jeq, compat_arch, "compat"), (ret, kill),
             ("compat",), (ld, 0)] + [(jeq, n, "refuse") for n in compat_calls] + [
         (jeq, 425, "nosys"), (ret, allow),
         ("native",), (ld, 0), (jge, 0x40000000, "kill"),            # x32 numbers on x86_64
-        (jeq, nr["socket"], "socket"), (jeq, nr["socketpair"], "socket"), (jeq, nr["connect"], "connect"),
-        (jeq, nr["sendto"], "sendto"), (jeq, nr["sendmsg"], "sendmsg"), (jeq, nr["sendmmsg"], "sendmmsg"),
+        (jeq, nr["socket"], "socket"), (jeq, nr["socketpair"], "socket"),
+        (jeq, nr["connect"], "connect"), (jeq, nr["sendto"], "sendto"),
+        (jeq, nr["sendmsg"], "sendmsg"), (jeq, nr["sendmmsg"], "sendmmsg"),
         (jeq, nr["io_uring_setup"], "nosys"), (ret, allow),
-        ("socket",), (ld, arg(0)), (jeq, 1, "unix")] + [(jeq, 2, "inet")] * inet + [(ret, refuse),  # AF_UNIX
+        # AF_UNIX
+        ("socket",), (ld, arg(0)), (jeq, 1, "unix")] + [(jeq, 2, "inet")] * inet + [(ret, refuse),
         ("unix",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "allow"), (jeq, 5, "allow"), (ret, refuse),
-        ("inet",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "tcp"), (ret, refuse),      # AF_INET, SOCK_STREAM
+        # AF_INET, SOCK_STREAM
+        ("inet",), (ld, arg(1)), (and_, 0xF), (jeq, 1, "tcp"), (ret, refuse),
         ("tcp",), (ld, arg(2)), (jeq, 0, "allow"), (jeq, 6, "allow"), (ret, refuse),  # IPPROTO_TCP
         ("sendto",), (ld, arg(3)), (and_, MSG_FASTOPEN), (jeq, 0, "addressed"), (ret, refuse),
-        ("addressed",), (ld, arg(4)), (jeq, 0, "low"), (ret, refuse),  # a destination address: refused
+        # a destination address: refused
+        ("addressed",), (ld, arg(4)), (jeq, 0, "low"), (ret, refuse),
         ("low",), (ld, arg(4, 1)), (jeq, 0, "allow"), (ret, refuse),
         ("sendmsg",), (ld, arg(2)), (and_, MSG_FASTOPEN), (jeq, 0, "allow"), (ret, refuse),
         ("sendmmsg",), (ld, arg(3)), (and_, MSG_FASTOPEN), (jeq, 0, "allow"), (ret, refuse),
         ("connect",), (ret, notify if supervised else refuse),
-        ("allow",), (ret, allow), ("refuse",), (ret, refuse), ("nosys",), (ret, nosys), ("kill",), (ret, kill)]
+        ("allow",), (ret, allow), ("refuse",), (ret, refuse),
+        ("nosys",), (ret, nosys), ("kill",), (ret, kill)]
     labels, at = {}, 0
     for op in code:
         if len(op) == 1:
@@ -2237,7 +2344,8 @@ def net_filter_available():
         return False
     try:
         ctypes, libc = _libc()
-        r = libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.c_void_p(0), 0, 0)
+        r = libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.c_void_p(0),
+                       0, 0)
     except (OSError, AttributeError, ImportError):
         return False  # no prctl here: no seccomp
     return r < 0 and ctypes.get_errno() in (errno.EFAULT, errno.EACCES)
@@ -2253,7 +2361,8 @@ def apply_net_filter(supervised=False, fprog=None):
     if supervised:                              # seccomp(SET_MODE_FILTER, FLAG_NEW_LISTENER, prog)
         fd = libc.syscall(SECCOMP_ABIS[os.uname().machine][1]["seccomp"], 1, 8, fprog[0])
         if fd < 0:
-            raise OSError(ctypes.get_errno(), "seccomp listener: %s" % os.strerror(ctypes.get_errno()))
+            raise OSError(ctypes.get_errno(),
+                          "seccomp listener: %s" % os.strerror(ctypes.get_errno()))
         return fd
     if libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), fprog[0], 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "seccomp filter: %s" % os.strerror(ctypes.get_errno()))
@@ -2267,7 +2376,8 @@ def net_fprog(supervised, inet=False):
     if program is None:
         raise OSError(errno.ENOSYS, "no seccomp system call table for %s" % os.uname().machine)
     buf = ctypes.create_string_buffer(program, len(program))
-    return ctypes.create_string_buffer(struct.pack("@HP", len(program) // 8, ctypes.addressof(buf))), buf
+    return ctypes.create_string_buffer(struct.pack("@HP", len(program) // 8,
+                                                   ctypes.addressof(buf))), buf
 
 
 class Landlock:
@@ -2286,13 +2396,16 @@ class Landlock:
         scoped = LL_SCOPE_SIGNAL | (LL_SCOPE_ABSTRACT_UNIX if spec["net"] else 0) if abi >= 6 else 0
         attr = struct.pack("<QQQ", write, net, scoped)[:8 if abi < 4 else 16 if abi < 6 else 24]
         buf = ctypes.create_string_buffer(attr, len(attr))
-        self.fd = libc.syscall(LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
+        self.fd = libc.syscall(LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)),
+                               ctypes.c_uint32(0))
         if self.fd < 0:
-            raise OSError(ctypes.get_errno(), "landlock_create_ruleset: %s" % os.strerror(ctypes.get_errno()))
+            raise OSError(ctypes.get_errno(),
+                          "landlock_create_ruleset: %s" % os.strerror(ctypes.get_errno()))
         try:
             file_rights = LL_WRITE_FILE | (LL_TRUNCATE if abi >= 3 else 0)
-            for path, rights in ([(p, write) for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)] +
-                                 [(p, file_rights) for p in SANDBOX_DEVICES]):
+            for path, rights in ([(p, write)
+                                  for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)]
+                                 + [(p, file_rights) for p in SANDBOX_DEVICES]):
                 try:
                     fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC)
                 except OSError:
@@ -2301,8 +2414,10 @@ class Landlock:
                     self.add(LL_RULE_PATH, struct.pack("<Qi", rights, fd), path)
                 finally:
                     os.close(fd)
-            if net and spec.get("proxy"):               # the proxy's port, the one TCP connect allowed
-                self.add(LL_RULE_NET_PORT, struct.pack("<QQ", LL_NET_CONNECT_TCP, spec["proxy"]), "port")
+            # the proxy's port, the one TCP connect allowed
+            if net and spec.get("proxy"):
+                self.add(LL_RULE_NET_PORT, struct.pack("<QQ", LL_NET_CONNECT_TCP, spec["proxy"]),
+                         "port")
         except BaseException:
             os.close(self.fd)
             raise
@@ -2312,7 +2427,8 @@ class Landlock:
         ctypes, libc = self.ctypes, self.libc
         rule = ctypes.create_string_buffer(attr, len(attr))
         if libc.syscall(LANDLOCK_ADD_RULE, self.fd, kind, rule, ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(), "landlock_add_rule %s: %s" % (what, os.strerror(ctypes.get_errno())))
+            raise OSError(ctypes.get_errno(),
+                          "landlock_add_rule %s: %s" % (what, os.strerror(ctypes.get_errno())))
 
     def restrict(self):
         """Enter a (further) Landlock domain of the rules, no_new_privs set first."""
@@ -2320,7 +2436,8 @@ class Landlock:
         if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         if libc.syscall(LANDLOCK_RESTRICT_SELF, self.fd, ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(), "landlock_restrict_self: %s" % os.strerror(ctypes.get_errno()))
+            raise OSError(ctypes.get_errno(),
+                          "landlock_restrict_self: %s" % os.strerror(ctypes.get_errno()))
 
     def close(self):
         """Close the ruleset (the domains entered stay)."""
@@ -2348,15 +2465,19 @@ class NetSupervisor:
         if not (spec["abi"] >= 6 or spec["net"] == "netns"):
             apply_net_filter()
             return
-        fprog = net_fprog(True, bool(spec.get("proxy")))    # made before the fork: the child only installs it
+        # made before the fork: the child only installs it
+        fprog = net_fprog(True, bool(spec.get("proxy")))
         ours, theirs = socket.socketpair()
-        gc.disable()                                # a collection would copy the heap page by page (COW)
+        # a collection would copy the heap page by page (COW)
+        gc.disable()
         pid = os.fork()
         if pid == 0:
             ours.close()
-            landlock.restrict()                     # nested: the command may not signal its supervisor
+            # nested: the command may not signal its supervisor
+            landlock.restrict()
             listener = apply_net_filter(True, fprog)
-            theirs.sendmsg([b"L"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [listener]))])
+            theirs.sendmsg([b"L"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                     array.array("i", [listener]))])
             os.close(listener)
             theirs.close()
             return
@@ -2365,7 +2486,8 @@ class NetSupervisor:
             _, ancillary, _, _ = ours.recvmsg(1, socket.CMSG_SPACE(4))
             listener = array.array("i", ancillary[0][2][:4])[0]
         except (OSError, IndexError):
-            listener = None                         # the child failed to confine: it reports and exits
+            # the child failed to confine: it reports and exits
+            listener = None
         ours.close()
         cls(pid, listener, spec.get("proxy")).serve()
 
@@ -2394,7 +2516,8 @@ class NetSupervisor:
             except InterruptedError:
                 continue
             if listener is not None and ready.get(listener, 0) & (select.POLLHUP | select.POLLERR):
-                poller.unregister(listener)         # no filtered process is left: only the wait remains
+                # no filtered process is left: only the wait remains
+                poller.unregister(listener)
                 listener = None
             if listener is None or not ready.get(listener, 0) & select.POLLIN:
                 continue
@@ -2402,7 +2525,8 @@ class NetSupervisor:
             if libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_RECV), notif) != 0:
                 continue                            # the caller died meanwhile
             nid, pid = struct.unpack_from("<QI", notif.raw)
-            fd, addr, size = struct.unpack_from("<QQQ", notif.raw, 32)      # connect(fd, addr, addrlen)
+            # connect(fd, addr, addrlen)
+            fd, addr, size = struct.unpack_from("<QQQ", notif.raw, 32)
             error = self.connect(nid, pid, fd, addr, size)
             libc.ioctl(listener, ctypes.c_ulong(SECCOMP_NOTIF_SEND),
                        ctypes.create_string_buffer(struct.pack("<QqiI", nid, 0, -error, 0), 24))
@@ -2417,8 +2541,9 @@ class NetSupervisor:
         address is read once from the caller's memory and everything after uses that
         copy: an abstract address is connected as it is (Landlock or the namespace keeps
         foreign ones out), and so is the proxy's (127.0.0.1 at its port, with a domain
-        list; any other IP address is refused); a path is opened (O_PATH, from the caller's cwd) and connected
-        through that descriptor, so the socket checked is the socket reached, and only
+        list; any other IP address is refused); a path is opened (O_PATH, from the
+        caller's cwd) and connected through that descriptor, so the socket checked is the
+        socket reached, and only
         when a process of the command (its session) is listening on it."""
         ctypes, libc = self.ctypes, self.libc
         if not 3 <= size <= 110:
@@ -2430,12 +2555,14 @@ class NetSupervisor:
         except (OSError, OverflowError, ValueError):
             return errno.EACCES                     # unreadable: refused
         family = struct.unpack_from("<H", sockaddr)[0] if len(sockaddr) == size else None
-        proxy = family == 2 and self.proxy and size >= 8 and sockaddr[2:8] == struct.pack(">H", self.proxy) + \
-            b"\x7f\0\0\1"
+        proxy = (family == 2 and self.proxy and size >= 8
+                 and sockaddr[2:8] == struct.pack(">H", self.proxy) + b"\x7f\0\0\1")
         if family != 1 and not proxy:
             return errno.EACCES                     # not a Unix address, nor the proxy's
-        if libc.ioctl(self.listener, ctypes.c_ulong(SECCOMP_NOTIF_ID_VALID), ctypes.byref(ctypes.c_uint64(nid))) != 0:
-            return errno.EACCES                     # the caller is gone: the pid may be another process now
+        if libc.ioctl(self.listener, ctypes.c_ulong(SECCOMP_NOTIF_ID_VALID),
+                      ctypes.byref(ctypes.c_uint64(nid))) != 0:
+            # the caller is gone: the pid may be another process now
+            return errno.EACCES
         checked = None
         if proxy:
             sockaddr = sockaddr[:8] + b"\0" * 8    # 127.0.0.1:the proxy's port, as a sockaddr_in
@@ -2519,13 +2646,15 @@ def enter_namespaces(net, protect):
     if uid == 0:
         go, ready = os.pipe()
         mapper = os.fork()
-        if mapper == 0:                             # outside the namespace: only it may map every id
+        if mapper == 0:
+            # outside the namespace: only it may map every id
             os.close(ready)
             ok = os.read(go, 1) == b"u"
             try:
                 for name in ("uid_map", "gid_map"):       # every id this namespace has, as itself
                     with open("/proc/self/" + name) as f:
-                        ids = "".join("%s %s %s\n" % (l.split()[0], l.split()[0], l.split()[2]) for l in f if l.strip())
+                        ids = "".join("%s %s %s\n" % (l.split()[0], l.split()[0], l.split()[2])
+                                      for l in f if l.strip())
                     with open("/proc/%d/%s" % (os.getppid(), name), "w") as f:
                         f.write(ids)
             except (OSError, IndexError):
@@ -2541,8 +2670,9 @@ def enter_namespaces(net, protect):
         if not failed and status != 0:
             raise OSError(errno.EPERM, "the user namespace's id map could not be written")
     if failed:
-        raise OSError(failed, "unshare(CLONE_NEWUSER%s%s): %s" % ("|CLONE_NEWNET" if net else "",
-                                                                "|CLONE_NEWNS" if protect else "", os.strerror(failed)))
+        raise OSError(failed, "unshare(CLONE_NEWUSER%s%s): %s"
+                      % ("|CLONE_NEWNET" if net else "", "|CLONE_NEWNS" if protect else "",
+                         os.strerror(failed)))
     if mapper is None:
         # A non-dumpable process's /proc/self files are root's: dumpable for the map
         # writes alone (as runc does), sealed again before anything runs.
@@ -2562,14 +2692,18 @@ def mount_read_only(paths):
     """In this process's new mount namespace (its mounts no longer shared back): bind-mount
     each of `paths` on itself read-only, keeping the flags a user namespace may not drop."""
     ctypes, libc = _libc()
-    mount = lambda source, target, flags: libc.mount(source, os.fsencode(target), None, ctypes.c_ulong(flags), None)
+    mount = lambda source, target, flags: libc.mount(source, os.fsencode(target), None,
+                                                     ctypes.c_ulong(flags), None)
     if mount(None, "/", MS_REC | MS_SLAVE) != 0:
-        raise OSError(ctypes.get_errno(), "mount(/, MS_REC|MS_SLAVE): %s" % os.strerror(ctypes.get_errno()))
+        raise OSError(ctypes.get_errno(),
+                      "mount(/, MS_REC|MS_SLAVE): %s" % os.strerror(ctypes.get_errno()))
     for path in paths:
         kept = os.statvfs(path).f_flag
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | (kept & MS_LOCKED_FLAGS) | (MS_RELATIME if kept & 4096 else 0)
+        flags = (MS_REMOUNT | MS_BIND | MS_RDONLY | (kept & MS_LOCKED_FLAGS)
+                 | (MS_RELATIME if kept & 4096 else 0))
         if mount(os.fsencode(path), path, MS_BIND) != 0 or mount(None, path, flags) != 0:
-            raise OSError(ctypes.get_errno(), "a read-only mount of %s: %s" % (path, os.strerror(ctypes.get_errno())))
+            raise OSError(ctypes.get_errno(),
+                          "a read-only mount of %s: %s" % (path, os.strerror(ctypes.get_errno())))
 
 
 # -- the sandbox and its launchers ------------------------------------------------
@@ -2578,14 +2712,18 @@ class Sandbox:
     the directories they may write beneath, whether they may use the network, and
     the kernel features that do it. off() confines nothing."""
 
-    def __init__(self, mode="off", writable=(), network=True, abi=0, why="", protect=None, domains=()):
+    def __init__(self, mode="off", writable=(), network=True, abi=0, why="", protect=None,
+                 domains=()):
         self.mode, self.writable, self.network, self.abi = mode, list(writable), network, abi
         self.why = why                                  # how the mode was chosen, for the log
         self.protect = protect or Protect()
         self.domains = list(domains)                    # with the network off: the proxy's domains
-        self.proxy_port = None                          # the proxy's loopback port, once the server runs it
-        self.launchers = Launchers(self)                # (a spare one starts with the first command)
-        self.trials = {}                                # what probe_sandbox's launcher tried, and got
+        self.proxy_port = None                          # the proxy's loopback port,
+                                                        # once the server runs it
+        self.launchers = Launchers(self)                # (a spare one starts
+                                                        # with the first command)
+        self.trials = {}                                # what probe_sandbox's
+                                                        # launcher tried, and got
 
     def close(self):
         """Stop the warm launchers."""
@@ -2595,8 +2733,10 @@ class Sandbox:
     def writable_roots(mode, policy):
         """Where commands may write: the allowed directories (or the workspace) and the temp
         directory; only the temp directory when read-only. Nested ones go."""
-        roots = ([] if mode == "read-only" else (list(policy.allow) or [policy.workdir])) + [temp_dir()]
-        return sorted({r for r in roots if r and not any(r != o and is_within(r, o) for o in roots if o)})
+        roots = ([] if mode == "read-only"
+                 else list(policy.allow) or [policy.workdir]) + [temp_dir()]
+        return sorted({r for r in roots
+                       if r and not any(r != o and is_within(r, o) for o in roots if o)})
 
     @classmethod
     def off(cls, why="--sandbox off"):
@@ -2637,7 +2777,8 @@ class Sandbox:
             return "network on"
         if self.domains:
             return "network only to %s (through boris's proxy%s)" % (
-                ", ".join(self.domains), " on 127.0.0.1:%d" % self.proxy_port if self.proxy_port else "")
+                ", ".join(self.domains),
+                " on 127.0.0.1:%d" % self.proxy_port if self.proxy_port else "")
         return "network off"
 
     def describe(self):
@@ -2651,23 +2792,27 @@ class Sandbox:
     def hint(self, text):
         """The line a failed sandboxed command's result ends with, when its output
         shows a refused write or connect; else ''."""
-        refusals = r"Permission denied|Read-only file system|Operation not permitted|Device or resource busy"
+        refusals = (r"Permission denied|Read-only file system|Operation not permitted"
+                    r"|Device or resource busy")
         if not self.network:
             refusals += r"|Network is unreachable"
-        if self.domains and not self.network:                   # what clients say of the proxy's 403
+        # what clients say of the proxy's 403
+        if self.domains and not self.network:
             refusals += r"|403|[Tt]unnel|boris sandbox proxy"
         if not self.on or not re.search(refusals, text):
             return ""
         protected = self.protect.paths(self.writable)
         network = "" if self.network else " and may not use the network"
         if self.domains and not self.network:
-            network = " and reach only %s, through boris's proxy (HTTP_PROXY, HTTPS_PROXY)" % ", ".join(self.domains)
-        return ("[sandbox %s: commands may write only under %s%s%s; the server's --allow-dir adds directories,%s"
-                " --sandbox off lifts it]" % (self.mode, ", ".join(self.writable),
-                                              ", never to %s (--sandbox-protect)" % ", ".join(protected)
-                                              if protected else "", network,
-                                              "" if self.network else " --sandbox-network on allows the network"
-                                              " (or lists domains),"))
+            network = (" and reach only %s, through boris's proxy (HTTP_PROXY, HTTPS_PROXY)"
+                       % ", ".join(self.domains))
+        return ("[sandbox %s: commands may write only under %s%s%s; the server's --allow-dir adds"
+                " directories,%s --sandbox off lifts it]"
+                % (self.mode, ", ".join(self.writable),
+                   ", never to %s (--sandbox-protect)" % ", ".join(protected) if protected else "",
+                   network,
+                   "" if self.network else " --sandbox-network on allows the network"
+                   " (or lists domains),"))
 
 
 class Protect:
@@ -2677,7 +2822,8 @@ class Protect:
     `enforced` is False where no user namespace can be made (describe says so)."""
 
     def __init__(self, roots=(), names=(), files=(), enforced=True):
-        self.roots, self.names, self.files, self.enforced = list(roots), list(names), list(files), enforced
+        self.roots, self.names, self.files = list(roots), list(names), list(files)
+        self.enforced = enforced
         self.why = ""                                   # why not enforced: what the probe met
 
     @classmethod
@@ -2695,7 +2841,8 @@ class Protect:
             elif os.path.isabs(os.path.expanduser(value)):
                 files.append(os.path.realpath(os.path.expanduser(value)))
             else:
-                raise ConfigError("--sandbox-protect %r is neither a name (like .git) nor an absolute path" % value)
+                raise ConfigError("--sandbox-protect %r is neither a name (like .git) nor an"
+                                  " absolute path" % value)
         return cls(list(policy.allow) or [policy.workdir], names, files)
 
     def wanted(self):
@@ -2727,11 +2874,13 @@ class Protect:
                     found.add(os.path.realpath(path))
                     if name == ".git" and os.path.isfile(path):
                         found.update(self.git_dirs(path))
-        return sorted(p for p in found if os.path.lexists(p) and any(is_within(p, w) for w in writable))
+        return sorted(p for p in found
+                      if os.path.lexists(p) and any(is_within(p, w) for w in writable))
 
     @staticmethod
     def git_dirs(path):
-        """The directory a .git file names (gitdir: ...), and its common directory (a worktree's)."""
+        """The directory a .git file names (gitdir: ...),
+        and its common directory (a worktree's)."""
         try:
             with open(path, "rb") as f:
                 line = f.read(4096).split(b"\n", 1)[0].decode("utf-8", "surrogateescape")
@@ -2743,7 +2892,8 @@ class Protect:
         dirs = [gitdir]
         try:
             with open(os.path.join(gitdir, "commondir"), "rb") as f:
-                dirs.append(os.path.realpath(os.path.join(gitdir, os.fsdecode(f.read(4096).strip()))))
+                dirs.append(os.path.realpath(os.path.join(gitdir,
+                                                          os.fsdecode(f.read(4096).strip()))))
         except OSError:
             pass  # not a worktree: no common directory
         return dirs
@@ -2753,7 +2903,8 @@ class Protect:
         if not self.enforced:
             return "protected paths NOT enforced (no user namespaces here: .git stays writable)"
         shown = self.names + [os.path.basename(f) for f in self.files]
-        return "read-only inside them: %s" % (", ".join(shown) if shown else "nothing (--sandbox-protect none)")
+        return "read-only inside them: %s" % (", ".join(shown) if shown
+                                              else "nothing (--sandbox-protect none)")
 
 
 def resolve_sandbox(config, policy, abi=None):
@@ -2770,35 +2921,43 @@ def resolve_sandbox(config, policy, abi=None):
     domains = config.sandbox_network if isinstance(config.sandbox_network, list) else []
     why = None                                          # why the kernel cannot give it
     if not abi:
-        why = ("Landlock is not to be had: this kernel lacks it (Linux 5.13+ with landlock among its LSMs), or a"
-               " seccomp profile (a container's) refuses it")
+        why = ("Landlock is not to be had: this kernel lacks it (Linux 5.13+ with landlock among"
+               " its LSMs), or a seccomp profile (a container's) refuses it")
         if not sys.platform.startswith("linux"):
-            why = "the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is not done yet)" \
-                % sys.platform
+            why = ("the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is"
+                   " not done yet)" % sys.platform)
         elif not importable("ctypes"):
-            why = "the sandbox (Landlock) needs Python's ctypes module, which this Python was built without"
+            why = ("the sandbox (Landlock) needs Python's ctypes module, which this Python was"
+                   " built without")
         refusal = "--sandbox %s cannot be honoured: %s" % (mode, why)
     elif domains and abi < 6:
-        why = ("a domain list needs Landlock ABI 6 (Linux 6.7+: TCP rules and scoped sockets, for the proxy's one"
-               " port); this kernel has ABI %d" % abi)
-        refusal = "--sandbox-network %s cannot be honoured: %s; pass on or off" % (",".join(domains), why)
+        why = ("a domain list needs Landlock ABI 6 (Linux 6.7+: TCP rules and scoped sockets, for"
+               " the proxy's one port); this kernel has ABI %d" % abi)
+        refusal = ("--sandbox-network %s cannot be honoured: %s; pass on or off"
+                   % (",".join(domains), why))
     elif not network and not net_filter_available():
-        why = ("seccomp filters are not available on this kernel or machine (%s), so Unix sockets and UDP could"
-               " not be cut" % os.uname().machine)
-        refusal = "--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on" % (mode, why)
+        why = ("seccomp filters are not available on this kernel or machine (%s), so Unix sockets"
+               " and UDP could not be cut" % os.uname().machine)
+        refusal = (
+            "--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on"
+            % (mode, why))
     if why is None:
-        sandbox = Sandbox("workspace-write" if mode == "auto" else mode, Sandbox.writable_roots(mode, policy),
-                          network, abi, "--sandbox %s" % mode, Protect.of(config, policy), domains)
+        sandbox = Sandbox("workspace-write" if mode == "auto" else mode,
+                          Sandbox.writable_roots(mode, policy), network, abi, "--sandbox %s" % mode,
+                          Protect.of(config, policy), domains)
         why = probe_sandbox(sandbox)
         if why and (sandbox.protect.wanted() or sandbox.net_mechanism() == "netns"):
-            why += userns_refusal()                     # the namespaces failed, most likely: without them?
+            # the namespaces failed, most likely: without them?
+            why += userns_refusal()
             if sandbox.net_mechanism() == "netns":
-                raise ConfigError("--sandbox-network off cannot be honoured: Landlock ABI %d has no TCP rules and"
-                                  " a network namespace cannot be made here (%s); pass --sandbox-network on"
-                                  % (abi, why))
+                raise ConfigError(
+                    "--sandbox-network off cannot be honoured: Landlock ABI %d has no TCP rules"
+                    " and a network namespace cannot be made here (%s); pass --sandbox-network on"
+                    % (abi, why))
             if config.sandbox_protect:
-                raise ConfigError("--sandbox-protect cannot be honoured: its read-only mounts need a user"
-                                  " namespace, which cannot be made here (%s); pass --sandbox-protect none" % why)
+                raise ConfigError(
+                    "--sandbox-protect cannot be honoured: its read-only mounts need a user"
+                    " namespace, which cannot be made here (%s); pass --sandbox-protect none" % why)
             sandbox.protect.enforced, sandbox.protect.why = False, why
             log("warn", "sandbox: %s: %s" % (sandbox.protect.describe(), why))
             why = probe_sandbox(sandbox)
@@ -2812,9 +2971,11 @@ def resolve_sandbox(config, policy, abi=None):
 
 
 def userns_refusal():
-    """Why this system refuses unprivileged user namespaces, where a switch says so: ' (...)', else ''."""
+    """Why this system refuses unprivileged user namespaces,
+    where a switch says so: ' (...)', else ''."""
     for switch, refuses, words in (
-            ("kernel.apparmor_restrict_unprivileged_userns", "1", "AppArmor restricts them, as on Ubuntu 24.04;"
+            ("kernel.apparmor_restrict_unprivileged_userns", "1",
+             "AppArmor restricts them, as on Ubuntu 24.04;"
              " sysctl kernel.apparmor_restrict_unprivileged_userns=0 lifts it"),
             ("user.max_user_namespaces", "0", "user.max_user_namespaces is 0"),
             ("kernel.unprivileged_userns_clone", "0", "kernel.unprivileged_userns_clone is 0")):
@@ -2849,7 +3010,8 @@ def probe_sandbox(sandbox):
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         argv, private = helper_command("probe", avoid=sandbox.writable)
-        done = subprocess.run(argv + [json.dumps(spec), str(listener.getsockname()[1])], cwd=private,
+        done = subprocess.run(argv + [json.dumps(spec), str(listener.getsockname()[1])],
+                              cwd=private,
                               stdin=subprocess.DEVNULL, capture_output=True, timeout=PROBE_S,
                               env=child_environ(only=HELPER_ENV))
     except (OSError, subprocess.SubprocessError) as e:
@@ -2865,7 +3027,8 @@ def probe_sandbox(sandbox):
         return re.sub(r"^boris: |; the command was not run$", "", said.splitlines()[-1] if said else
                       "the probe ended with exit code %d" % done.returncode)
     sandbox.trials = trials
-    allowed = {"a write inside": True, "a write outside": False, "a write to a protected .git": not spec["protect"],
+    allowed = {"a write inside": True, "a write outside": False,
+               "a write to a protected .git": not spec["protect"],
                "a loopback connect": sandbox.network}
     wrong = ["%s: %s" % (k, v) for k, v in sorted(trials.items()) if (v == "done") != allowed[k]]
     return "it did not hold (%s)" % "; ".join(wrong) if wrong else None
@@ -2879,7 +3042,8 @@ def helper_probe(spec, port):
     tries = [("a loopback connect", socket.create_connection, (("127.0.0.1", int(port)),))]
     if spec["cwd"] != "/":
         tries += [(name, open, (os.path.join(spec["cwd"], where, "x"), "x")) for name, where in (
-            ("a write inside", "in"), ("a write outside", "out"), ("a write to a protected .git", "in/.git"))]
+            ("a write inside", "in"), ("a write outside", "out"),
+            ("a write to a protected .git", "in/.git"))]
     trials = {}
     for name, act, arg in tries:
         try:
@@ -2906,7 +3070,8 @@ def helper_warm_launcher(fd, ahead=None):
     cwd. The end of the pipe without a line (the server stopped, or closed this
     spare) ends it; a spec other than the one it was confined for is refused."""
     _libc()
-    for name in ("array", "select", "socket"):          # NetSupervisor's, loaded ahead (socket: ~15 ms)
+    # NetSupervisor's, loaded ahead (socket: ~15 ms)
+    for name in ("array", "select", "socket"):
         __import__(name)
     if ahead is not None:
         confined(ahead)
@@ -2922,7 +3087,8 @@ def helper_warm_launcher(fd, ahead=None):
         if ahead is not None and job["spec"] != json.dumps(dict(json.loads(ahead), cwd=cwd)):
             raise ValueError("a spec other than the one this launcher was confined for")
     except (ValueError, KeyError, TypeError) as e:
-        sys.stderr.write("boris: the sandbox launcher got no usable command (%s); nothing was run\n" % e)
+        sys.stderr.write("boris: the sandbox launcher got no usable command (%s); nothing was run\n"
+                         % e)
         os._exit(SANDBOX_EXIT)
     if ahead is None:
         return helper_sandbox(job["spec"], job["argv"])
@@ -2950,15 +3116,18 @@ class Launchers:
         """A Popen that becomes `argv`, confined, in `cwd` with `env` (stdin /dev/null)."""
         with self.lock:
             proc, self.spare = self.spare, None
-            ahead = self.sandbox.spec(None)             # (the protected paths looked up once per command)
+            # (the protected paths looked up once per command)
+            ahead = self.sandbox.spec(None)
             if proc is not None and (proc.poll() is not None or proc.ahead != ahead):
-                os.close(proc.control)                  # dead, or confined for settings changed since
+                # dead, or confined for settings changed since
+                os.close(proc.control)
                 discard_launcher(proc)
                 proc = None
             if proc is None:
                 proc = self.spawn(ahead)
             try:
-                msg = json.dumps({"spec": json.dumps(dict(json.loads(ahead), cwd=cwd)), "argv": argv, "env": env})
+                msg = json.dumps({"spec": json.dumps(dict(json.loads(ahead), cwd=cwd)),
+                                  "argv": argv, "env": env})
                 os.write(proc.control, msg.encode("utf-8", "surrogateescape") + b"\n")
             except OSError:
                 discard_launcher(proc)
@@ -2988,8 +3157,9 @@ class Launchers:
         try:
             launcher, private = helper_command("sandbox", avoid=self.sandbox.writable)
             ahead = ahead or self.sandbox.spec(None)    # confined now, ahead of its command
-            proc = spawn(launcher + ["@%d" % r, ahead], cwd=private, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, start_new_session=True, close_fds=True, pass_fds=(r,))
+            proc = spawn(launcher + ["@%d" % r, ahead], cwd=private, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                         close_fds=True, pass_fds=(r,))
         except BaseException:
             os.close(w)
             raise
@@ -3049,7 +3219,8 @@ def confined(spec):
             if spec["net"]:
                 NetSupervisor.confine(spec, landlock)
             landlock.close()
-    except Exception as e:                      # whatever failed, the command must not run unconfined
+    except Exception as e:
+        # whatever failed, the command must not run unconfined
         refuse_to_run(e)
     return spec
 
@@ -3063,10 +3234,13 @@ def refuse_to_run(e):
 
 # -- the egress proxy -------------------------------------------------------------
 # EgressProxy is the one door of sandboxed commands to the domains --sandbox-network lists.
-PROXY_CONNECTIONS = 64                     # the proxy's connections at once; one more is answered 503
+PROXY_CONNECTIONS = 64                     # the proxy's connections at
+                                           # once; one more is answered 503
 PROXY_HEAD_BYTES = 65536                   # a request head longer than this is refused (431)
-PROXY_IDLE_S = 300.0                       # a tunnel with no byte either way for this long is closed
-PROXY_CONNECT_S = 20.0                     # reading a request head, and connecting upstream, at most
+PROXY_IDLE_S = 300.0                       # a tunnel with no byte either
+                                           # way for this long is closed
+PROXY_CONNECT_S = 20.0                     # reading a request head, and
+                                           # connecting upstream, at most
 
 
 class EgressProxy:
@@ -3075,8 +3249,9 @@ class EgressProxy:
     A name not listed, an IP address, or a name matched by a *. pattern that resolves to
     an address that is not global (DNS rebinding: `internal`) is answered 403 with the
     reason and logged; nothing else is connected. A name listed exactly may resolve to
-    any address: the user named that host (localhost for a local package mirror, say). `hosts` maps names to addresses taken as they are
-    (the tests' resolver: loopback only). close() stops it and every tunnel."""
+    any address: the user named that host (localhost for a local package mirror, say).
+    `hosts` maps names to addresses taken as they are (the tests' resolver: loopback only).
+    close() stops it and every tunnel."""
 
     def __init__(self, domains, hosts=None):
         import socket
@@ -3102,10 +3277,12 @@ class EgressProxy:
                 if not full:
                     self.open.add(conn)
             if full:
-                self.answer(conn, 503, "the proxy has %d connections open already" % PROXY_CONNECTIONS)
+                self.answer(conn, 503,
+                            "the proxy has %d connections open already" % PROXY_CONNECTIONS)
                 conn.close()
                 continue
-            threading.Thread(target=self.serve, args=(conn,), daemon=True, name="boris-proxy-conn").start()
+            threading.Thread(target=self.serve, args=(conn,), daemon=True,
+                             name="boris-proxy-conn").start()
 
     def serve(self, conn):
         """One client connection: its request head read, the target decided, then relayed."""
@@ -3129,11 +3306,14 @@ class EgressProxy:
             method, target, version = parts
             host, port, path = self.target(method, target)
             if host is None:
-                return self.answer(conn, 400, "%s %s is neither CONNECT host:port nor an http:// URL" % (method, target))
+                return self.answer(conn, 400,
+                                   "%s %s is neither CONNECT host:port nor an http:// URL"
+                                   % (method, target))
             addresses, why = self.decide(host)
             failed = None
             if why:
-                log("warn", "the sandbox proxy refused a connection", host=host, port=port, reason=why)
+                log("warn", "the sandbox proxy refused a connection",
+                    host=host, port=port, reason=why)
                 return self.answer(conn, 403, why)
             for address in addresses:
                 try:
@@ -3142,15 +3322,17 @@ class EgressProxy:
                 except OSError as e:
                     failed = e
             if upstream is None:
-                return self.answer(conn, 502, "%s:%d could not be reached (%s)" % (host, port, failed))
+                return self.answer(conn, 502,
+                                   "%s:%d could not be reached (%s)" % (host, port, failed))
             with self.lock:
                 self.open.add(upstream)
             if method == "CONNECT":
                 conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            else:                                   # the request goes on in origin form, without Proxy-* fields
+            else:
+                # the request goes on in origin form, without Proxy-* fields
                 kept = [l for l in lines[1:] if not l.lower().startswith("proxy-")]
-                upstream.sendall(("\r\n".join(["%s %s %s" % (method, path, version)] + kept) + "\r\n\r\n")
-                                 .encode("latin-1"))
+                upstream.sendall(("\r\n".join(["%s %s %s" % (method, path, version)] + kept)
+                                  + "\r\n\r\n").encode("latin-1"))
             if rest:
                 upstream.sendall(rest)
             self.relay(conn, upstream)
@@ -3165,12 +3347,15 @@ class EgressProxy:
 
     @staticmethod
     def target(method, target):
-        """(host, port, origin-form path) of a request's target; (None, None, None) if it has none."""
+        """(host, port, origin-form path) of a request's
+        target; (None, None, None) if it has none."""
         import urllib.parse
         if method == "CONNECT":
             host, _, port = target.rpartition(":")
             host = host.strip("[]")
-            return (host, int(port), None) if host and port.isdigit() and 0 < int(port) < 65536 else (None,) * 3
+            if host and port.isdigit() and 0 < int(port) < 65536:
+                return host, int(port), None
+            return (None,) * 3
         parts = urllib.parse.urlsplit(target)
         if parts.scheme.lower() != "http" or not parts.hostname:
             return None, None, None
@@ -3181,8 +3366,8 @@ class EgressProxy:
         """(addresses to connect, None) when `host` may be reached, else (None, why)."""
         import socket
         if not host_allowed(host, self.domains):
-            return None, "%s is not among the domains sandboxed commands may reach (--sandbox-network %s)" % (
-                host, ",".join(self.domains))
+            return None, ("%s is not among the domains sandboxed commands may reach"
+                          " (--sandbox-network %s)" % (host, ",".join(self.domains)))
         name = host.lower().rstrip(".")
         if name in self.hosts:
             return [self.hosts[name]], None
@@ -3194,8 +3379,9 @@ class EgressProxy:
         for address in addresses if name not in self.domains else ():
             why = self.internal(address)
             if why:
-                return None, ("%s resolves to %s, %s: refused (DNS rebinding; only a name listed exactly, not by a"
-                              " *. pattern, may lead to one)" % (host, address, why))
+                return None, ("%s resolves to %s, %s: refused (DNS rebinding; only a name listed"
+                              " exactly, not by a *. pattern, may lead to one)"
+                              % (host, address, why))
         return addresses, None
 
     @staticmethod
@@ -3218,11 +3404,12 @@ class EgressProxy:
     def answer(conn, status, why):
         """Send an error response whose body says why, as boris's proxy."""
         body = ("boris sandbox proxy: %s\n" % why).encode("utf-8")
-        reason = {400: "Bad Request", 403: "Forbidden", 431: "Request Header Fields Too Large", 502: "Bad Gateway",
-                  503: "Service Unavailable"}[status]
+        reason = {400: "Bad Request", 403: "Forbidden", 431: "Request Header Fields Too Large",
+                  502: "Bad Gateway", 503: "Service Unavailable"}[status]
         try:
-            conn.sendall(b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
-                         b"Connection: close\r\n\r\n%s" % (status, reason.encode(), len(body), body))
+            conn.sendall(b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                         % (status, reason.encode(), len(body), body))
         except OSError:
             pass  # the client left first
 
