@@ -11642,6 +11642,12 @@ class TestTheFilesMap(unittest.TestCase):
         starts = [number for number, _ in banners_of(lines)] + [len(lines) + 1]
         self.assertEqual([(a, b - a) for a, b in zip(starts, starts[1:]) if b - a > 650], [])
 
+    def test_every_line_fits_in_100_characters(self):
+        """Issue 65: a line a reader can hold, as in http/server.py and argparse.py."""
+        long = [(number, len(line)) for number, line in enumerate(self.source.splitlines(), 1)
+                if len(line) > 100]
+        self.assertEqual(long, [])
+
     def test_the_header_lists_every_section_in_order(self):
         header = self.source.split('"""', 2)[1]
         block = header.split("the layers above it:\n\n", 1)[1].split("\n\n", 1)[0]
