@@ -11515,8 +11515,11 @@ def paired_lines(olds, news):
     return left + [(k, m)] + right
 
 
+TextUnit = namedtuple("TextUnit", "canonical original solid")
+
+
 def text_units(core):
-    """[(canonical text, original text, solid)] of a line's text: each character is a
+    """[TextUnit] of a line's text: each character is a
     solid unit (typography folded: an ellipsis is three dots, the first carrying it),
     and each run of whitespace or of characters that fold to nothing a gap unit
     (canonical ' ' between two word characters, '' elsewhere), so that two texts the
@@ -11525,8 +11528,8 @@ def text_units(core):
     while k < len(core):
         folded = core[k].translate(PUNCT_ASCII)
         if folded and not folded.isspace():
-            units.append((folded[0], core[k], True))
-            units.extend((c, "", True) for c in folded[1:])
+            units.append(TextUnit(folded[0], core[k], True))
+            units.extend(TextUnit(c, "", True) for c in folded[1:])
             k += 1
             continue
         j = k
@@ -11536,20 +11539,20 @@ def text_units(core):
         run = core[k:j]
         after = core[j:j + 1].translate(PUNCT_ASCII)[:1]
         spaced = any(ch.translate(PUNCT_ASCII).isspace() for ch in run)
-        units.append((" " if spaced and units and is_word(units[-1][0])
-                      and after and is_word(after) else "", run, False))
+        units.append(TextUnit(" " if spaced and units and is_word(units[-1].canonical)
+                              and after and is_word(after) else "", run, False))
         k = j
     return units
 
 
 def original_text(units):
     """The original text of text_units' units."""
-    return "".join(u[1] for u in units)
+    return "".join(u.original for u in units)
 
 
 def solids(units):
     """The indexes of the solid units of text_units' list."""
-    return [k for k, u in enumerate(units) if u[2]]
+    return [k for k, u in enumerate(units) if u.solid]
 
 
 class EditMerge:
@@ -11757,11 +11760,11 @@ class EditMerge:
         import difflib
         wu, nu, fu = text_units(wc), text_units(nc), text_units(fc)
         ws, fs = solids(wu), solids(fu)
-        if [wu[k][0] for k in ws] != [fu[k][0] for k in fs]:
+        if [wu[k].canonical for k in ws] != [fu[k].canonical for k in fs]:
             raise self.refuse("the changed line %r does not line up with the file's %r" % (
                 shorten(wc, 60), shorten(fc, 60)))
         twin = dict(zip(ws, fs))                        # w's solid unit -> the file's
-        ops = difflib.SequenceMatcher(None, [u[1] for u in wu], [u[1] for u in nu],
+        ops = difflib.SequenceMatcher(None, [u.original for u in wu], [u.original for u in nu],
                                       autojunk=False).get_opcodes()
         same = set()
         for tag, i1, i2, _, _ in ops:
@@ -11782,17 +11785,18 @@ class EditMerge:
                 continue
             for k in range(i1, i2):
                 p, q = around(ws, k)
-                if wu[k][2]:
+                if wu[k].solid:
                     # (p None: k is the first)
                     gap = gaps.get((p, k)) if k - 1 == p and p in same else None
                     if gap:
                         # the file's gap where old_str has none: after the text put between
                         # the two, unless it goes with k
-                        ahead = p < i1 and not self.text_continues(out[-1], wu[p][1], wu[k][1])
+                        ahead = p < i1 and not self.text_continues(
+                            out[-1], wu[p].original, wu[k].original)
                         out.insert(len(out) - ahead, gap)
-                    out.append(fu[twin[k]][1])
+                    out.append(fu[twin[k]].original)
                 elif (p, q) not in gaps:                # at an end of the line
-                    out.append(wu[k][1])
+                    out.append(wu[k].original)
                 elif (p, q) not in done:
                     out.append(gaps[p, q])
                     done.add((p, q))
@@ -11855,7 +11859,7 @@ def spaced_otherwise(wu, gaps):
     """Whether the file spaces a line otherwise than old_str does: between two of old_str's
     solid units (`gaps`: {(p, q): the file's text between them}, indexes into its units wu)
     the file has whitespace where old_str has none, or none where old_str has some."""
-    return any(not gap.strip() and bool(gap) != any(not wu[k][2] for k in range(p + 1, q))
+    return any(not gap.strip() and bool(gap) != any(not wu[k].solid for k in range(p + 1, q))
                for (p, q), gap in gaps.items())
 
 
@@ -11867,7 +11871,7 @@ def split_after(line, head):
     lead = leading(line)
     units = text_units(line[len(lead):])
     last = solids(units)[len(solids(text_units(head.strip()))) - 1]
-    cut = len(lead) + sum(len(u[1]) for u in units[:last + 1])
+    cut = len(lead) + sum(len(u.original) for u in units[:last + 1])
     return line[:cut], line[cut:] + cr
 
 
