@@ -7175,6 +7175,11 @@ def pdf_failure(e):
 # namedtuples and sorting them by attribute costs a glob 15%. A match job's one item
 # is true or false.
 
+SearchRoot = namedtuple("SearchRoot", "real is_dir ino")
+SearchRoot.__doc__ = """Where a search starts (search_root's): the real path, whether it is a
+directory, and the inode a file root must still have (None for a directory). A job carries
+its roots as JSON arrays; GrepWork reads them back into SearchRoots."""
+
 GrepHit = namedtuple("GrepHit", "real rel mtime result root")
 GrepHit.__doc__ = """One file's grep result: its real path, its path relative to the
 root (None for a file root), mtime in ns (files_with_matches mode only, else 0),
@@ -7220,14 +7225,14 @@ def name_filter(include, type_name):
 
 # -- the grep and glob jobs -------------------------------------------------------
 class GrepWork:
-    """A grep or search_text job as each of its workers runs it: roots are (real,
-    is_dir, inode of a file root); take() turns what a walk found into the items to
-    send, [GrepHit], or None."""
+    """A grep or search_text job as each of its workers runs it: roots are SearchRoots;
+    take() turns what a walk found into the items to send, [GrepHit], or None."""
 
     def __init__(self, job, cache=None):
-        self.job, self.roots, self.cache = job, job["roots"], cache
+        self.job, self.cache = job, cache
+        self.roots = [SearchRoot(*r) for r in job["roots"]]
         # a root's path/ prefix, cut off a path
-        self.cuts = [len(child_prefix(r[0])) for r in self.roots]
+        self.cuts = [len(child_prefix(r.real)) for r in self.roots]
         self.policy = PathPolicy(**job["policy"])
         self.keep = name_filter(job.get("include"), job.get("type"))
         self.spec = job["spec"]
@@ -7240,13 +7245,13 @@ class GrepWork:
 
     def walker(self, k):
         """A Walker of root k that follows directory links (as grep -R does)."""
-        walker = Walker(self.roots[k][0], self.policy, True, self.cache)
+        walker = Walker(self.roots[k].real, self.policy, True, self.cache)
         walker.ignores = not self.job.get("no_ignore")
         return walker
 
     def take(self, k, path, real, is_dir, ino):
         """[GrepHit] for one walked file that passes include/type and matches, else None."""
-        root_is_dir, cut = self.roots[k][1], self.cuts[k]
+        root_is_dir, cut = self.roots[k].is_dir, self.cuts[k]
         if root_is_dir and self.keep is not None:
             rel = path[cut:]
             if not self.keep(rel, rel[rel.rfind("/") + 1:]):
@@ -7269,7 +7274,8 @@ class GrepWork:
                 if r is not None:
                     items += r
             return
-        buf, needle, cut = self.buf, matcher.literal, self.cuts[k] if self.roots[k][1] else None
+        buf, needle = self.buf, matcher.literal
+        cut = self.cuts[k] if self.roots[k].is_dir else None
         size, sniff, folded, keep = len(buf), GREP_BINARY_SNIFF, matcher.folded, cut and keep
         open_, fstat, readv, close = os.open, os.fstat, os.readv, os.close
         flags, regular = os.O_RDONLY | O_FILE, stat.S_ISREG
@@ -7418,7 +7424,7 @@ class GlobWork:
         start, rest, self.base_only, kind = job["start"], job["rest"], job["base_only"], job["kind"]
         # what name_ok tests, for the walk cache's key
         self.rest = rest
-        self.roots = [(start, True, None)]
+        self.roots = [SearchRoot(start, True, None)]
         self.rx, self.lead = compile_glob(rest), job["lead"]
         self.cut = len(start) + 1 if start != "/" else 1
         self.want_dir = kind == "directory"
@@ -7441,7 +7447,7 @@ class GlobWork:
         """A Walker of the static start directory that lists links and does not enter them,
         names filtered in the walk when it can be. Its visits are kept for the next glob only in
         a warm helper's cache (with watches)."""
-        walker = Walker(self.roots[0][0], self.policy, False, self.cache)
+        walker = Walker(self.roots[0].real, self.policy, False, self.cache)
         if self.name_ok is not None:
             walker.only(self.name_ok, self.rest if self.watches is not None else None)
         walker.want_dirs, walker.max_depth = self.want_dirs, self.depth
@@ -7455,7 +7461,7 @@ class GlobWork:
         if self.watches is None:
             return None
         self.key = json.dumps(dict(self.job, deadline_s=None), sort_keys=True)
-        self.since, self.outer = self.watches.generation, self.cache.outer(self.roots[0][0])
+        self.since, self.outer = self.watches.generation, self.cache.outer(self.roots[0].real)
         known = self.cache.results.get(self.key)
         if known is None or known[0] != self.since or not same_objects(known[1], self.outer):
             return None
@@ -10454,17 +10460,17 @@ def read_on(body, notice):
 
 
 def search_root(session, ctx, shown):
-    """Resolve and scope-check a search root: (real, is_dir, inode of a file root)."""
+    """Resolve and scope-check a search root: a SearchRoot."""
     real = resolve_checked(session, ctx, shown)
     try:
         st = os.stat(real)
     except OSError as e:
         raise io_error(e, shown)
     if stat.S_ISDIR(st.st_mode):
-        return real, True, None
+        return SearchRoot(real, True, None)
     fd, st = open_regular(real, shown, "searched")          # the inode the search must read
     os.close(fd)
-    return real, False, st.st_ino
+    return SearchRoot(real, False, st.st_ino)
 
 
 def search_cap(ctx):
@@ -11069,7 +11075,7 @@ def tool_outline(session, args, ctx):
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
     root = search_root(session, ctx, shown)
-    if not root[1] and Outline.language(root[0]) is None:
+    if not root.is_dir and Outline.language(root.real) is None:
         raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension: %s);"
                         " view or grep it instead" % (shown, OUTLINE_LANGUAGES))
     items, why = ctx.helpers.run({"op": "outline", "root": root, "policy": policy_spec(ctx.policy),
@@ -11077,7 +11083,7 @@ def tool_outline(session, args, ctx):
                                   "page": [offset, search_cap(ctx) - 400]},
                                  ctx.cancelled)
     items = [FileOutline(*item) for item in items]      # JSON arrays on the wire
-    if root[1]:
+    if root.is_dir:
         return directory_outline(shown, items, why, offset, search_cap(ctx))
     if not items:
         raise ToolError(IO_ERROR, "the outline of %s was %s before it was done" % (
@@ -13942,10 +13948,10 @@ def tool_grep(session, args, ctx):
     notice = partial_notice(why)
     if not items:
         more = (ignored_matches(ctx, root, shown, spec, args)
-                if root[1] and not no_ignore and not why else [])
+                if root.is_dir and not no_ignore and not why else [])
         return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)]
                          + notice + more)
-    hits = [GrepHit(*item)._replace(rel=item[1] if root[1] else shown) for item in items]
+    hits = [GrepHit(*item)._replace(rel=item[1] if root.is_dir else shown) for item in items]
     return grep_answer(hits, spec, args, notice, search_cap(ctx))
 
 
@@ -14118,7 +14124,7 @@ def tool_search_text(session, args, ctx):
     lines = []
     for hit in sorted((GrepHit(*item) for item in items), key=lambda h: (h.root, h.rel or "")):
         shown = shown_paths[hit.root]
-        label = os.path.join(shown, hit.rel) if roots[hit.root][1] else shown
+        label = os.path.join(shown, hit.rel) if roots[hit.root].is_dir else shown
         lines += format_records(label, hit.result, True, breaks=False)
     notice = partial_notice(why)
     if not lines:
