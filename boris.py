@@ -11197,16 +11197,18 @@ def line_key(line):
     return "".join(line.translate(PUNCT_ASCII).split())
 
 
-# (name, how lines compare, whether indentation must map as a slip does)
+# name: what the result says; norm: how lines compare (None: as they are); maps_indent:
+# whether indentation must map as a slip does
+MatchLevel = namedtuple("MatchLevel", "name norm maps_indent")
 MATCH_LEVELS = (
-    ("exactly", None, False),
-    ("ignoring trailing whitespace", str.rstrip, False),
-    ("ignoring indentation", str.strip, True),
-    ("ignoring whitespace at both ends of lines", str.strip, False),
-    ("ignoring typographic quotes, dashes and spaces",
-     lambda s: s.translate(PUNCT_ASCII).strip(), False),
-    ("ignoring whitespace inside lines", squeezed, False),
-    ("ignoring blank lines", squeezed, False),
+    MatchLevel("exactly", None, False),
+    MatchLevel("ignoring trailing whitespace", str.rstrip, False),
+    MatchLevel("ignoring indentation", str.strip, True),
+    MatchLevel("ignoring whitespace at both ends of lines", str.strip, False),
+    MatchLevel("ignoring typographic quotes, dashes and spaces",
+               lambda s: s.translate(PUNCT_ASCII).strip(), False),
+    MatchLevel("ignoring whitespace inside lines", squeezed, False),
+    MatchLevel("ignoring blank lines", squeezed, False),
 )
 BLANK_LEVEL = len(MATCH_LEVELS) - 1
 # exactly and trailing whitespace: unique at their own level is enough
@@ -11428,10 +11430,10 @@ def level_of(plain, want, i, j, partial=False):
         a, b = (a, b) if norm is None else (norm(a), norm(b))
         return a.startswith(b) if last and partial else a == b
     if len(region) == len(want):
-        for k, (_, norm, units) in enumerate(MATCH_LEVELS[:BLANK_LEVEL]):
+        for k, (_, norm, maps_indent) in enumerate(MATCH_LEVELS[:BLANK_LEVEL]):
             if all(same(norm, a, b, n == len(want) - 1)
                    for n, (a, b) in enumerate(zip(region, want))):
-                if not units or indent_map(want, region) is not None:
+                if not maps_indent or indent_map(want, region) is not None:
                     return k
     have = [squeezed(l) for l in region if l.strip()]
     wanted = [squeezed(w) for w in want if w.strip()]
@@ -11649,7 +11651,7 @@ class EditMerge:
     def refuse(self, why):
         return ToolError(STR_REPLACE_AMBIGUOUS, "%s was found %s, but the edit cannot be placed"
                          " with one right result: %s; nothing was written"
-                         % (self.what, MATCH_LEVELS[self.level][0], why))
+                         % (self.what, MATCH_LEVELS[self.level].name, why))
 
     def lines(self):
         """The region's lines after the edit (CR kept where the file has it)."""
@@ -11884,9 +11886,9 @@ def split_after(line, head):
 def relaxed_note(level, merge):
     """How a relaxed match was made, for the result: the level, and for a match made
     ignoring indentation how the file indents."""
-    name = MATCH_LEVELS[level][0]
+    name = MATCH_LEVELS[level].name
     leads = [b for b in (merge.mapping or {}).values() if b]
-    if not MATCH_LEVELS[level][2] or not leads:       # the level that maps indentation
+    if not MATCH_LEVELS[level].maps_indent or not leads:
         return name
     return name + ", " + ("the file indents with tabs" if any("\t" in b for b in leads) else
                           "the file's indentation differs from old_str's")
@@ -12375,7 +12377,7 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
         raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s),"
                         " and a relaxed match must be unique; copy old_str exactly from the file,"
                         " or add surrounding lines"
-                        % (len(places), shown, MATCH_LEVELS[level][0],
+                        % (len(places), shown, MATCH_LEVELS[level].name,
                            ", ".join(str(i + 1) for i, _ in places[:20])))
     new_lines = text_lines(new, ended=old.endswith("\n")) if new else []
     ops = difflib.SequenceMatcher(None, want, new_lines, autojunk=False).get_opcodes()
@@ -13096,7 +13098,7 @@ class PatchedText:
                                     as_sent=True, file_step=self.file_step()).lines()
                 except ToolError as e:
                     raise ToolError(e.code, "%s, %s: %s" % (self.shown, hunk.label(k), e.message))
-                self.notes.append("hunk %d matched %s" % (k, MATCH_LEVELS[level][0]))
+                self.notes.append("hunk %d matched %s" % (k, MATCH_LEVELS[level].name))
             edits.append((at, end, new))
             if end > at or hunk.headers:
                 # a bare addition (at the end) moves no later hunk's search
@@ -13135,7 +13137,7 @@ class PatchedText:
             raise ToolError(STR_REPLACE_AMBIGUOUS, "%s, %s matches %s at lines %s; add context"
                             " lines or an '@@ header' line (e.g. @@ def name) to pick one;"
                             " nothing was written"
-                            % (self.shown, label, MATCH_LEVELS[level][0],
+                            % (self.shown, label, MATCH_LEVELS[level].name,
                                ", ".join(str(i + 1) for i, _ in sorted(hits + elsewhere)[:20])))
         raise self.miss(old, cursor, label)
 
