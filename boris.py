@@ -11242,14 +11242,19 @@ def indent_map(want, region):
     return ahead if indent_units(ahead) else None
 
 
+# A unit of indentation: its width in columns, and how it is written (a tab, 2 spaces, ...)
+IndentUnit = namedtuple("IndentUnit", "columns text")
+
+
 def indent_units(mapping):
-    """(old_str's unit of indentation in columns, the file's unit as text) when every
-    step between the levels of `mapping` is a whole number of old_str's units and
-    the same number of the file's; (0, '') when one level gives no unit; else None."""
+    """IndentUnit(old_str's unit of indentation in columns, the file's unit as text) when
+    every step between the levels of `mapping` is a whole number of old_str's units and
+    the same number of the file's; IndentUnit(0, '') when one level gives no unit; else
+    None."""
     levels = sorted((len(a.expandtabs(4)), b) for a, b in mapping.items())
     steps = [(n2 - n1, f2, f1) for (n1, f1), (n2, f2) in zip(levels, levels[1:])]
     if not steps:
-        return 0, ""
+        return IndentUnit(0, "")
     unit, top, low = min(steps)
     if not unit:
         # two indentations as wide as each other: no unit
@@ -11269,15 +11274,15 @@ def indent_units(mapping):
             return None
     # as a ratio: two tabs for 8 columns are a tab for 4
     g = math.gcd(unit, len(step))
-    return unit // g, step[0] * (len(step) // g)
+    return IndentUnit(unit // g, step[0] * (len(step) // g))
 
 
 def indent_step(lines, counted=None):
-    """(columns, text) of the unit of indentation `lines` use most: the commonest step by
-    which a line is indented deeper than the line with text before it (only into the
-    lines whose indexes are `counted`, when given, a step between two of those counting
-    twice: how the model nests the lines it writes shows its unit best); None when no
-    line is, or when two widths are as common."""
+    """The IndentUnit `lines` use most: the commonest step by which a line is indented
+    deeper than the line with text before it (only into the lines whose indexes are
+    `counted`, when given, a step between two of those counting twice: how the model
+    nests the lines it writes shows its unit best); None when no line is, or when two
+    widths are as common."""
     steps, prev, last = Counter(), None, None
     for k, line in enumerate(lines):
         if line.strip():
@@ -11292,7 +11297,7 @@ def indent_step(lines, counted=None):
     if not top or (len(top) > 1 and top[0][1] == top[1][1] and len(top[0][0].expandtabs(4)) !=
                    len(top[1][0].expandtabs(4))):
         return None
-    return len(top[0][0].expandtabs(4)), top[0][0]
+    return IndentUnit(len(top[0][0].expandtabs(4)), top[0][0])
 
 
 def with_indent(line, mapping, units=None):
@@ -11306,11 +11311,12 @@ def with_indent(line, mapping, units=None):
         return ""
     have = leading(line)
     learnt = indent_units(mapping)
-    torn = bool(learnt and learnt[0] and units and (
-        learnt[1][:1] != units[1][:1] or learnt[0] * len(units[1]) != units[0] * len(learnt[1])))
+    torn = bool(learnt and learnt.columns and units and (
+        learnt.text[:1] != units.text[:1]
+        or learnt.columns * len(units.text) != units.columns * len(learnt.text)))
     # torn: the place and the file disagree
     units = learnt if learnt != (0, "") or not units else units
-    units = units or (0, "")
+    units = units or IndentUnit(0, "")
     best = max((k for k in mapping if have.startswith(k)), key=len, default=None)
     if torn and have not in mapping:
         return None
@@ -11328,8 +11334,8 @@ def shallower(line, have, mapping, units):
     if deeper is None:
         return None
     extra = deeper[len(have):]
-    cut = units[1] * (len(extra.expandtabs(4)) // units[0]) if units[0] and \
-        len(extra.expandtabs(4)) % units[0] == 0 else extra
+    cut = units.text * (len(extra.expandtabs(4)) // units.columns) if units.columns and \
+        len(extra.expandtabs(4)) % units.columns == 0 else extra
     return mapping[deeper][:-len(cut)] + line.lstrip() if mapping[deeper].endswith(cut) else None
 
 
@@ -11337,8 +11343,8 @@ def deeper_indent(extra, best, mapping, units):
     """The file's writing of `extra`, the indentation a line has past the known level
     `best`: in the file's units, or as tabs against spaces where one level shows how, or
     as it is where the mapping is a shift; None when it cannot be told."""
-    if extra and units[0] and len(extra.expandtabs(4)) % units[0] == 0:
-        extra = units[1] * (len(extra.expandtabs(4)) // units[0])
+    if extra and units.columns and len(extra.expandtabs(4)) % units.columns == 0:
+        extra = units.text * (len(extra.expandtabs(4)) // units.columns)
     elif (extra and best and len(set(best)) == len(set(mapping[best])) == 1
           != len(set(best + mapping[best])) and set(extra) == set(best)
           and len(extra) * len(mapping[best]) % len(best) == 0):
@@ -11578,8 +11584,8 @@ class EditMerge:
         written = set(j for tag, _, _, j1, j2 in ops if tag != "equal" for j in range(j1, j2))
         # the model's unit as the lines it wrote nest, and the file's
         mine = indent_step(new, written)
-        self.units = ((mine[0], file_step[1]) if mine and mine[0] in (2, 4, 8) and file_step
-                      else None)
+        self.units = (IndentUnit(mine.columns, file_step.text)
+                      if mine and mine.columns in (2, 4, 8) and file_step else None)
         # as_sent: an unmapped line at column 0 stays there
         self.cr, self.what, self.as_sent = cr, what, as_sent
         self.plain = [l[:-1] if l.endswith("\r") else l for l in region]
@@ -11611,8 +11617,8 @@ class EditMerge:
         # same unit: the model's indentation is the file's, and a new line's is too.
         same = sum(1 for a, b in texts if leading(a) == leading(b))
         self.as_is = same >= 2 and len(texts) - same <= 1 and (
-            self.units is None or self.units[0] == len(self.units[1].expandtabs(4)))
-        self.indent_chars = set(file_step[1] if file_step
+            self.units is None or self.units.columns == len(self.units.text.expandtabs(4)))
+        self.indent_chars = set(file_step.text if file_step
                                 else "".join(leading(f) for f in self.plain))
         # the line that is off is the slip, not a level to follow
         if self.as_is:
@@ -11708,7 +11714,7 @@ class EditMerge:
         """Whether new line j is placed by whole units under the one line whose indentation
         is off (then its own is not known)."""
         parent = self.parent(j)
-        unit = self.units[0] if self.units else 4
+        unit = self.units.columns if self.units else 4
         return parent in self.off and (len(leading(self.new[j]).expandtabs(4))
                                        - len(parent.expandtabs(4))) % unit == 0
 
