@@ -9123,22 +9123,23 @@ def store_place(roots):
     then never on a RAM-backed tmpfs when another is writable; then on the first root's
     filesystem (the cache directory is, where /tmp is a tmpfs); the temp directory before
     the cache directory. None when no place can be made."""
-    usable = []
+    try:
+        home = os.stat(roots[0]).st_dev if roots else None
+    except OSError:
+        home = None
+    best, best_rank = None, None
     for base in store_bases():
         try:
             os.makedirs(base, 0o700, exist_ok=True)
             st = os.stat(base)
         except OSError:
             continue
-        usable.append((base, any(is_within(base, root) for root in roots), st.st_dev,
-                       fs_type(base) in ("tmpfs", "ramfs")))
-    try:
-        home = os.stat(roots[0]).st_dev if roots else None
-    except OSError:
-        home = None
-    # (a stable sort: the temp directory first)
-    usable.sort(key=lambda u: (u[1], u[3], u[2] != home))
-    return usable[0][0] if usable else None
+        inside = any(is_within(base, root) for root in roots)
+        on_ram = fs_type(base) in ("tmpfs", "ramfs")
+        rank = (inside, on_ram, st.st_dev != home)
+        if best is None or rank < best_rank:            # on a tie the temp directory stays
+            best, best_rank = base, rank
+    return best
 
 
 def sweep_stores():
