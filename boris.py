@@ -7180,6 +7180,13 @@ SearchRoot.__doc__ = """Where a search starts (search_root's): the real path, wh
 directory, and the inode a file root must still have (None for a directory). A job carries
 its roots as JSON arrays; GrepWork reads them back into SearchRoots."""
 
+GrepSpec = namedtuple("GrepSpec", "pattern regex ignore_case multiline mode before after"
+                      " max_records stop_after", defaults=(None, None))
+GrepSpec.__doc__ = """A grep job's settings (grep_spec's dict, sent as JSON), read back by
+GrepWork: the pattern and how it matches, the output mode, context lines, how many records
+a file may give (None: OUTPUT_MAX_CHARS // 2) and, for a head_limit search, after how many
+records the search ends (None: it runs to the end)."""
+
 GrepHit = namedtuple("GrepHit", "real rel mtime result root")
 GrepHit.__doc__ = """One file's grep result: its real path, its path relative to the
 root (None for a file root), mtime in ns (files_with_matches mode only, else 0),
@@ -7235,12 +7242,10 @@ class GrepWork:
         self.cuts = [len(child_prefix(r.real)) for r in self.roots]
         self.policy = PathPolicy(**job["policy"])
         self.keep = name_filter(job.get("include"), job.get("type"))
-        self.spec = job["spec"]
-        self.matcher = Matcher(self.spec["pattern"], self.spec["regex"], self.spec["ignore_case"],
-                               self.spec["multiline"])
-        self.mode = self.spec["mode"]
-        self.before, self.after = self.spec["before"], self.spec["after"]
-        self.max_records = self.spec.get("max_records") or OUTPUT_MAX_CHARS // 2
+        self.spec = spec = GrepSpec(**job["spec"])
+        self.matcher = Matcher(spec.pattern, spec.regex, spec.ignore_case, spec.multiline)
+        self.mode, self.before, self.after = spec.mode, spec.before, spec.after
+        self.max_records = spec.max_records or OUTPUT_MAX_CHARS // 2
         self.buf = bytearray(GREP_BUFFER)               # (grown for a long line: reads on more)
 
     def walker(self, k):
@@ -7565,7 +7570,7 @@ def search_job(job, emit, cache=None):
         pdf_job(job, emit)
         return
     work = SEARCH_WORK[job["op"]](job, cache)
-    if job["op"] == "grep" and work.spec.get("stop_after"):
+    if job["op"] == "grep" and work.spec.stop_after:
         grep_until(work, emit)
         return
     globbing = job["op"] == "glob"
@@ -7589,9 +7594,9 @@ def search_job(job, emit, cache=None):
 
 
 def grep_until(work, emit):
-    """A grep that stops at spec['stop_after'] records: each file is searched as the
+    """A grep that stops at spec.stop_after records: each file is searched as the
     walk finds it, in walk order, and the walk ends with the search."""
-    left = work.spec["stop_after"]
+    left = work.spec.stop_after
     for k, (real, is_dir, ino) in enumerate(work.roots):
         for found in work.walker(k) if is_dir else [(real, real, False, ino)]:
             work.max_records = left
