@@ -7365,6 +7365,18 @@ def pdf_failure(e):
 # namedtuples and sorting them by attribute costs a glob 15%. A match job's one item
 # is true or false.
 
+SearchRoot = namedtuple("SearchRoot", "real is_dir ino")
+SearchRoot.__doc__ = """Where a search starts (search_root's): the real path, whether it is a
+directory, and the inode a file root must still have (None for a directory). A job carries
+its roots as JSON arrays; GrepWork reads them back into SearchRoots."""
+
+GrepSpec = namedtuple("GrepSpec", "pattern regex ignore_case multiline mode before after"
+                      " max_records stop_after", defaults=(None, None))
+GrepSpec.__doc__ = """A grep job's settings (grep_spec's dict, sent as JSON), read back by
+GrepWork: the pattern and how it matches, the output mode, context lines, how many records
+a file may give (None: OUTPUT_MAX_CHARS // 2) and, for a head_limit search, after how many
+records the search ends (None: it runs to the end)."""
+
 GrepHit = namedtuple("GrepHit", "real rel mtime result root")
 GrepHit.__doc__ = """One file's grep result: its real path, its path relative to the
 root (None for a file root), mtime in ns (files_with_matches mode only, else 0),
@@ -7410,33 +7422,31 @@ def name_filter(include, type_name):
 
 # -- the grep and glob jobs -------------------------------------------------------
 class GrepWork:
-    """A grep or search_text job as each of its workers runs it: roots are (real,
-    is_dir, inode of a file root); take() turns what a walk found into the items to
-    send, [GrepHit], or None."""
+    """A grep or search_text job as each of its workers runs it: roots are SearchRoots;
+    take() turns what a walk found into the items to send, [GrepHit], or None."""
 
     def __init__(self, job, cache=None):
-        self.job, self.roots, self.cache = job, job["roots"], cache
+        self.job, self.cache = job, cache
+        self.roots = [SearchRoot(*r) for r in job["roots"]]
         # a root's path/ prefix, cut off a path
-        self.cuts = [len(child_prefix(r[0])) for r in self.roots]
+        self.cuts = [len(child_prefix(r.real)) for r in self.roots]
         self.policy = PathPolicy(**job["policy"])
         self.keep = name_filter(job.get("include"), job.get("type"))
-        self.spec = job["spec"]
-        self.matcher = Matcher(self.spec["pattern"], self.spec["regex"], self.spec["ignore_case"],
-                               self.spec["multiline"])
-        self.mode = self.spec["mode"]
-        self.before, self.after = self.spec["before"], self.spec["after"]
-        self.max_records = self.spec.get("max_records") or OUTPUT_MAX_CHARS // 2
+        self.spec = spec = GrepSpec(**job["spec"])
+        self.matcher = Matcher(spec.pattern, spec.regex, spec.ignore_case, spec.multiline)
+        self.mode, self.before, self.after = spec.mode, spec.before, spec.after
+        self.max_records = spec.max_records or OUTPUT_MAX_CHARS // 2
         self.buf = bytearray(GREP_BUFFER)               # (grown for a long line: reads on more)
 
     def walker(self, k):
         """A Walker of root k that follows directory links (as grep -R does)."""
-        walker = Walker(self.roots[k][0], self.policy, True, self.cache)
+        walker = Walker(self.roots[k].real, self.policy, True, self.cache)
         walker.ignores = not self.job.get("no_ignore")
         return walker
 
     def take(self, k, path, real, is_dir, ino):
         """[GrepHit] for one walked file that passes include/type and matches, else None."""
-        root_is_dir, cut = self.roots[k][1], self.cuts[k]
+        root_is_dir, cut = self.roots[k].is_dir, self.cuts[k]
         if root_is_dir and self.keep is not None:
             rel = path[cut:]
             if not self.keep(rel, rel[rel.rfind("/") + 1:]):
@@ -7459,7 +7469,8 @@ class GrepWork:
                 if r is not None:
                     items += r
             return
-        buf, needle, cut = self.buf, matcher.literal, self.cuts[k] if self.roots[k][1] else None
+        buf, needle = self.buf, matcher.literal
+        cut = self.cuts[k] if self.roots[k].is_dir else None
         size, sniff, folded, keep = len(buf), GREP_BINARY_SNIFF, matcher.folded, cut and keep
         open_, fstat, readv, close = os.open, os.fstat, os.readv, os.close
         flags, regular = os.O_RDONLY | O_FILE, stat.S_ISREG
@@ -7608,7 +7619,7 @@ class GlobWork:
         start, rest, self.base_only, kind = job["start"], job["rest"], job["base_only"], job["kind"]
         # what name_ok tests, for the walk cache's key
         self.rest = rest
-        self.roots = [(start, True, None)]
+        self.roots = [SearchRoot(start, True, None)]
         self.rx, self.lead = compile_glob(rest), job["lead"]
         self.cut = len(start) + 1 if start != "/" else 1
         self.want_dir = kind == "directory"
@@ -7631,7 +7642,7 @@ class GlobWork:
         """A Walker of the static start directory that lists links and does not enter them,
         names filtered in the walk when it can be. Its visits are kept for the next glob only in
         a warm helper's cache (with watches)."""
-        walker = Walker(self.roots[0][0], self.policy, False, self.cache)
+        walker = Walker(self.roots[0].real, self.policy, False, self.cache)
         if self.name_ok is not None:
             walker.only(self.name_ok, self.rest if self.watches is not None else None)
         walker.want_dirs, walker.max_depth = self.want_dirs, self.depth
@@ -7645,7 +7656,7 @@ class GlobWork:
         if self.watches is None:
             return None
         self.key = json.dumps(dict(self.job, deadline_s=None), sort_keys=True)
-        self.since, self.outer = self.watches.generation, self.cache.outer(self.roots[0][0])
+        self.since, self.outer = self.watches.generation, self.cache.outer(self.roots[0].real)
         known = self.cache.results.get(self.key)
         if known is None or known[0] != self.since or not same_objects(known[1], self.outer):
             return None
@@ -7749,7 +7760,7 @@ def search_job(job, emit, cache=None):
         pdf_job(job, emit)
         return
     work = SEARCH_WORK[job["op"]](job, cache)
-    if job["op"] == "grep" and work.spec.get("stop_after"):
+    if job["op"] == "grep" and work.spec.stop_after:
         grep_until(work, emit)
         return
     globbing = job["op"] == "glob"
@@ -7773,9 +7784,9 @@ def search_job(job, emit, cache=None):
 
 
 def grep_until(work, emit):
-    """A grep that stops at spec['stop_after'] records: each file is searched as the
+    """A grep that stops at spec.stop_after records: each file is searched as the
     walk finds it, in walk order, and the walk ends with the search."""
-    left = work.spec["stop_after"]
+    left = work.spec.stop_after
     for k, (real, is_dir, ino) in enumerate(work.roots):
         for found in work.walker(k) if is_dir else [(real, real, False, ino)]:
             work.max_records = left
@@ -9307,22 +9318,23 @@ def store_place(roots):
     then never on a RAM-backed tmpfs when another is writable; then on the first root's
     filesystem (the cache directory is, where /tmp is a tmpfs); the temp directory before
     the cache directory. None when no place can be made."""
-    usable = []
+    try:
+        home = os.stat(roots[0]).st_dev if roots else None
+    except OSError:
+        home = None
+    best, best_rank = None, None
     for base in store_bases():
         try:
             os.makedirs(base, 0o700, exist_ok=True)
             st = os.stat(base)
         except OSError:
             continue
-        usable.append((base, any(is_within(base, root) for root in roots), st.st_dev,
-                       fs_type(base) in ("tmpfs", "ramfs")))
-    try:
-        home = os.stat(roots[0]).st_dev if roots else None
-    except OSError:
-        home = None
-    # (a stable sort: the temp directory first)
-    usable.sort(key=lambda u: (u[1], u[3], u[2] != home))
-    return usable[0][0] if usable else None
+        inside = any(is_within(base, root) for root in roots)
+        on_ram = fs_type(base) in ("tmpfs", "ramfs")
+        rank = (inside, on_ram, st.st_dev != home)
+        if best is None or rank < best_rank:            # on a tie the temp directory stays
+            best, best_rank = base, rank
+    return best
 
 
 def sweep_stores():
@@ -10644,17 +10656,17 @@ def read_on(body, notice):
 
 
 def search_root(session, ctx, shown):
-    """Resolve and scope-check a search root: (real, is_dir, inode of a file root)."""
+    """Resolve and scope-check a search root: a SearchRoot."""
     real = resolve_checked(session, ctx, shown)
     try:
         st = os.stat(real)
     except OSError as e:
         raise io_error(e, shown)
     if stat.S_ISDIR(st.st_mode):
-        return real, True, None
+        return SearchRoot(real, True, None)
     fd, st = open_regular(real, shown, "searched")          # the inode the search must read
     os.close(fd)
-    return real, False, st.st_ino
+    return SearchRoot(real, False, st.st_ino)
 
 
 def search_cap(ctx):
@@ -11259,7 +11271,7 @@ def tool_outline(session, args, ctx):
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
     root = search_root(session, ctx, shown)
-    if not root[1] and Outline.language(root[0]) is None:
+    if not root.is_dir and Outline.language(root.real) is None:
         raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension: %s);"
                         " view or grep it instead" % (shown, OUTLINE_LANGUAGES))
     items, why = ctx.helpers.run({"op": "outline", "root": root, "policy": policy_spec(ctx.policy),
@@ -11267,7 +11279,7 @@ def tool_outline(session, args, ctx):
                                   "page": [offset, search_cap(ctx) - 400]},
                                  ctx.cancelled)
     items = [FileOutline(*item) for item in items]      # JSON arrays on the wire
-    if root[1]:
+    if root.is_dir:
         return directory_outline(shown, items, why, offset, search_cap(ctx))
     if not items:
         raise ToolError(IO_ERROR, "the outline of %s was %s before it was done" % (
@@ -11381,16 +11393,18 @@ def line_key(line):
     return "".join(line.translate(PUNCT_ASCII).split())
 
 
-# (name, how lines compare, whether indentation must map as a slip does)
+# name: what the result says; norm: how lines compare (None: as they are); maps_indent:
+# whether indentation must map as a slip does
+MatchLevel = namedtuple("MatchLevel", "name norm maps_indent")
 MATCH_LEVELS = (
-    ("exactly", None, False),
-    ("ignoring trailing whitespace", str.rstrip, False),
-    ("ignoring indentation", str.strip, True),
-    ("ignoring whitespace at both ends of lines", str.strip, False),
-    ("ignoring typographic quotes, dashes and spaces",
-     lambda s: s.translate(PUNCT_ASCII).strip(), False),
-    ("ignoring whitespace inside lines", squeezed, False),
-    ("ignoring blank lines", squeezed, False),
+    MatchLevel("exactly", None, False),
+    MatchLevel("ignoring trailing whitespace", str.rstrip, False),
+    MatchLevel("ignoring indentation", str.strip, True),
+    MatchLevel("ignoring whitespace at both ends of lines", str.strip, False),
+    MatchLevel("ignoring typographic quotes, dashes and spaces",
+               lambda s: s.translate(PUNCT_ASCII).strip(), False),
+    MatchLevel("ignoring whitespace inside lines", squeezed, False),
+    MatchLevel("ignoring blank lines", squeezed, False),
 )
 BLANK_LEVEL = len(MATCH_LEVELS) - 1
 # exactly and trailing whitespace: unique at their own level is enough
@@ -11424,14 +11438,19 @@ def indent_map(want, region):
     return ahead if indent_units(ahead) else None
 
 
+# A unit of indentation: its width in columns, and how it is written (a tab, 2 spaces, ...)
+IndentUnit = namedtuple("IndentUnit", "columns text")
+
+
 def indent_units(mapping):
-    """(old_str's unit of indentation in columns, the file's unit as text) when every
-    step between the levels of `mapping` is a whole number of old_str's units and
-    the same number of the file's; (0, '') when one level gives no unit; else None."""
+    """IndentUnit(old_str's unit of indentation in columns, the file's unit as text) when
+    every step between the levels of `mapping` is a whole number of old_str's units and
+    the same number of the file's; IndentUnit(0, '') when one level gives no unit; else
+    None."""
     levels = sorted((len(a.expandtabs(4)), b) for a, b in mapping.items())
     steps = [(n2 - n1, f2, f1) for (n1, f1), (n2, f2) in zip(levels, levels[1:])]
     if not steps:
-        return 0, ""
+        return IndentUnit(0, "")
     unit, top, low = min(steps)
     if not unit:
         # two indentations as wide as each other: no unit
@@ -11451,15 +11470,15 @@ def indent_units(mapping):
             return None
     # as a ratio: two tabs for 8 columns are a tab for 4
     g = math.gcd(unit, len(step))
-    return unit // g, step[0] * (len(step) // g)
+    return IndentUnit(unit // g, step[0] * (len(step) // g))
 
 
 def indent_step(lines, counted=None):
-    """(columns, text) of the unit of indentation `lines` use most: the commonest step by
-    which a line is indented deeper than the line with text before it (only into the
-    lines whose indexes are `counted`, when given, a step between two of those counting
-    twice: how the model nests the lines it writes shows its unit best); None when no
-    line is, or when two widths are as common."""
+    """The IndentUnit `lines` use most: the commonest step by which a line is indented
+    deeper than the line with text before it (only into the lines whose indexes are
+    `counted`, when given, a step between two of those counting twice: how the model
+    nests the lines it writes shows its unit best); None when no line is, or when two
+    widths are as common."""
     steps, prev, last = Counter(), None, None
     for k, line in enumerate(lines):
         if line.strip():
@@ -11474,7 +11493,7 @@ def indent_step(lines, counted=None):
     if not top or (len(top) > 1 and top[0][1] == top[1][1] and len(top[0][0].expandtabs(4)) !=
                    len(top[1][0].expandtabs(4))):
         return None
-    return len(top[0][0].expandtabs(4)), top[0][0]
+    return IndentUnit(len(top[0][0].expandtabs(4)), top[0][0])
 
 
 def with_indent(line, mapping, units=None):
@@ -11488,11 +11507,12 @@ def with_indent(line, mapping, units=None):
         return ""
     have = leading(line)
     learnt = indent_units(mapping)
-    torn = bool(learnt and learnt[0] and units and (
-        learnt[1][:1] != units[1][:1] or learnt[0] * len(units[1]) != units[0] * len(learnt[1])))
+    torn = bool(learnt and learnt.columns and units and (
+        learnt.text[:1] != units.text[:1]
+        or learnt.columns * len(units.text) != units.columns * len(learnt.text)))
     # torn: the place and the file disagree
     units = learnt if learnt != (0, "") or not units else units
-    units = units or (0, "")
+    units = units or IndentUnit(0, "")
     best = max((k for k in mapping if have.startswith(k)), key=len, default=None)
     if torn and have not in mapping:
         return None
@@ -11510,8 +11530,8 @@ def shallower(line, have, mapping, units):
     if deeper is None:
         return None
     extra = deeper[len(have):]
-    cut = units[1] * (len(extra.expandtabs(4)) // units[0]) if units[0] and \
-        len(extra.expandtabs(4)) % units[0] == 0 else extra
+    cut = units.text * (len(extra.expandtabs(4)) // units.columns) if units.columns and \
+        len(extra.expandtabs(4)) % units.columns == 0 else extra
     return mapping[deeper][:-len(cut)] + line.lstrip() if mapping[deeper].endswith(cut) else None
 
 
@@ -11519,8 +11539,8 @@ def deeper_indent(extra, best, mapping, units):
     """The file's writing of `extra`, the indentation a line has past the known level
     `best`: in the file's units, or as tabs against spaces where one level shows how, or
     as it is where the mapping is a shift; None when it cannot be told."""
-    if extra and units[0] and len(extra.expandtabs(4)) % units[0] == 0:
-        extra = units[1] * (len(extra.expandtabs(4)) // units[0])
+    if extra and units.columns and len(extra.expandtabs(4)) % units.columns == 0:
+        extra = units.text * (len(extra.expandtabs(4)) // units.columns)
     elif (extra and best and len(set(best)) == len(set(mapping[best])) == 1
           != len(set(best + mapping[best])) and set(extra) == set(best)
           and len(extra) * len(mapping[best]) % len(best) == 0):
@@ -11612,10 +11632,10 @@ def level_of(plain, want, i, j, partial=False):
         a, b = (a, b) if norm is None else (norm(a), norm(b))
         return a.startswith(b) if last and partial else a == b
     if len(region) == len(want):
-        for k, (_, norm, units) in enumerate(MATCH_LEVELS[:BLANK_LEVEL]):
+        for k, (_, norm, maps_indent) in enumerate(MATCH_LEVELS[:BLANK_LEVEL]):
             if all(same(norm, a, b, n == len(want) - 1)
                    for n, (a, b) in enumerate(zip(region, want))):
-                if not units or indent_map(want, region) is not None:
+                if not maps_indent or indent_map(want, region) is not None:
                     return k
     have = [squeezed(l) for l in region if l.strip()]
     wanted = [squeezed(w) for w in want if w.strip()]
@@ -11705,8 +11725,11 @@ def paired_lines(olds, news):
     return left + [(k, m)] + right
 
 
+TextUnit = namedtuple("TextUnit", "canonical original solid")
+
+
 def text_units(core):
-    """[(canonical text, original text, solid)] of a line's text: each character is a
+    """[TextUnit] of a line's text: each character is a
     solid unit (typography folded: an ellipsis is three dots, the first carrying it),
     and each run of whitespace or of characters that fold to nothing a gap unit
     (canonical ' ' between two word characters, '' elsewhere), so that two texts the
@@ -11715,8 +11738,8 @@ def text_units(core):
     while k < len(core):
         folded = core[k].translate(PUNCT_ASCII)
         if folded and not folded.isspace():
-            units.append((folded[0], core[k], True))
-            units.extend((c, "", True) for c in folded[1:])
+            units.append(TextUnit(folded[0], core[k], True))
+            units.extend(TextUnit(c, "", True) for c in folded[1:])
             k += 1
             continue
         j = k
@@ -11726,20 +11749,20 @@ def text_units(core):
         run = core[k:j]
         after = core[j:j + 1].translate(PUNCT_ASCII)[:1]
         spaced = any(ch.translate(PUNCT_ASCII).isspace() for ch in run)
-        units.append((" " if spaced and units and is_word(units[-1][0])
-                      and after and is_word(after) else "", run, False))
+        units.append(TextUnit(" " if spaced and units and is_word(units[-1].canonical)
+                              and after and is_word(after) else "", run, False))
         k = j
     return units
 
 
 def original_text(units):
     """The original text of text_units' units."""
-    return "".join(u[1] for u in units)
+    return "".join(u.original for u in units)
 
 
 def solids(units):
     """The indexes of the solid units of text_units' list."""
-    return [k for k, u in enumerate(units) if u[2]]
+    return [k for k, u in enumerate(units) if u.solid]
 
 
 class EditMerge:
@@ -11757,8 +11780,8 @@ class EditMerge:
         written = set(j for tag, _, _, j1, j2 in ops if tag != "equal" for j in range(j1, j2))
         # the model's unit as the lines it wrote nest, and the file's
         mine = indent_step(new, written)
-        self.units = ((mine[0], file_step[1]) if mine and mine[0] in (2, 4, 8) and file_step
-                      else None)
+        self.units = (IndentUnit(mine.columns, file_step.text)
+                      if mine and mine.columns in (2, 4, 8) and file_step else None)
         # as_sent: an unmapped line at column 0 stays there
         self.cr, self.what, self.as_sent = cr, what, as_sent
         self.plain = [l[:-1] if l.endswith("\r") else l for l in region]
@@ -11790,8 +11813,8 @@ class EditMerge:
         # same unit: the model's indentation is the file's, and a new line's is too.
         same = sum(1 for a, b in texts if leading(a) == leading(b))
         self.as_is = same >= 2 and len(texts) - same <= 1 and (
-            self.units is None or self.units[0] == len(self.units[1].expandtabs(4)))
-        self.indent_chars = set(file_step[1] if file_step
+            self.units is None or self.units.columns == len(self.units.text.expandtabs(4)))
+        self.indent_chars = set(file_step.text if file_step
                                 else "".join(leading(f) for f in self.plain))
         # the line that is off is the slip, not a level to follow
         if self.as_is:
@@ -11830,7 +11853,7 @@ class EditMerge:
     def refuse(self, why):
         return ToolError(STR_REPLACE_AMBIGUOUS, "%s was found %s, but the edit cannot be placed"
                          " with one right result: %s; nothing was written"
-                         % (self.what, MATCH_LEVELS[self.level][0], why))
+                         % (self.what, MATCH_LEVELS[self.level].name, why))
 
     def lines(self):
         """The region's lines after the edit (CR kept where the file has it)."""
@@ -11887,7 +11910,7 @@ class EditMerge:
         """Whether new line j is placed by whole units under the one line whose indentation
         is off (then its own is not known)."""
         parent = self.parent(j)
-        unit = self.units[0] if self.units else 4
+        unit = self.units.columns if self.units else 4
         return parent in self.off and (len(leading(self.new[j]).expandtabs(4))
                                        - len(parent.expandtabs(4))) % unit == 0
 
@@ -11947,11 +11970,11 @@ class EditMerge:
         import difflib
         wu, nu, fu = text_units(wc), text_units(nc), text_units(fc)
         ws, fs = solids(wu), solids(fu)
-        if [wu[k][0] for k in ws] != [fu[k][0] for k in fs]:
+        if [wu[k].canonical for k in ws] != [fu[k].canonical for k in fs]:
             raise self.refuse("the changed line %r does not line up with the file's %r" % (
                 shorten(wc, 60), shorten(fc, 60)))
         twin = dict(zip(ws, fs))                        # w's solid unit -> the file's
-        ops = difflib.SequenceMatcher(None, [u[1] for u in wu], [u[1] for u in nu],
+        ops = difflib.SequenceMatcher(None, [u.original for u in wu], [u.original for u in nu],
                                       autojunk=False).get_opcodes()
         same = set()
         for tag, i1, i2, _, _ in ops:
@@ -11972,17 +11995,18 @@ class EditMerge:
                 continue
             for k in range(i1, i2):
                 p, q = around(ws, k)
-                if wu[k][2]:
+                if wu[k].solid:
                     # (p None: k is the first)
                     gap = gaps.get((p, k)) if k - 1 == p and p in same else None
                     if gap:
                         # the file's gap where old_str has none: after the text put between
                         # the two, unless it goes with k
-                        ahead = p < i1 and not self.text_continues(out[-1], wu[p][1], wu[k][1])
+                        ahead = p < i1 and not self.text_continues(
+                            out[-1], wu[p].original, wu[k].original)
                         out.insert(len(out) - ahead, gap)
-                    out.append(fu[twin[k]][1])
+                    out.append(fu[twin[k]].original)
                 elif (p, q) not in gaps:                # at an end of the line
-                    out.append(wu[k][1])
+                    out.append(wu[k].original)
                 elif (p, q) not in done:
                     out.append(gaps[p, q])
                     done.add((p, q))
@@ -12045,7 +12069,7 @@ def spaced_otherwise(wu, gaps):
     """Whether the file spaces a line otherwise than old_str does: between two of old_str's
     solid units (`gaps`: {(p, q): the file's text between them}, indexes into its units wu)
     the file has whitespace where old_str has none, or none where old_str has some."""
-    return any(not gap.strip() and bool(gap) != any(not wu[k][2] for k in range(p + 1, q))
+    return any(not gap.strip() and bool(gap) != any(not wu[k].solid for k in range(p + 1, q))
                for (p, q), gap in gaps.items())
 
 
@@ -12057,16 +12081,16 @@ def split_after(line, head):
     lead = leading(line)
     units = text_units(line[len(lead):])
     last = solids(units)[len(solids(text_units(head.strip()))) - 1]
-    cut = len(lead) + sum(len(u[1]) for u in units[:last + 1])
+    cut = len(lead) + sum(len(u.original) for u in units[:last + 1])
     return line[:cut], line[cut:] + cr
 
 
 def relaxed_note(level, merge):
     """How a relaxed match was made, for the result: the level, and for a match made
     ignoring indentation how the file indents."""
-    name = MATCH_LEVELS[level][0]
+    name = MATCH_LEVELS[level].name
     leads = [b for b in (merge.mapping or {}).values() if b]
-    if not MATCH_LEVELS[level][2] or not leads:       # the level that maps indentation
+    if not MATCH_LEVELS[level].maps_indent or not leads:
         return name
     return name + ", " + ("the file indents with tabs" if any("\t" in b for b in leads) else
                           "the file's indentation differs from old_str's")
@@ -12555,7 +12579,7 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
         raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s),"
                         " and a relaxed match must be unique; copy old_str exactly from the file,"
                         " or add surrounding lines"
-                        % (len(places), shown, MATCH_LEVELS[level][0],
+                        % (len(places), shown, MATCH_LEVELS[level].name,
                            ", ".join(str(i + 1) for i, _ in places[:20])))
     new_lines = text_lines(new, ended=old.endswith("\n")) if new else []
     ops = difflib.SequenceMatcher(None, want, new_lines, autojunk=False).get_opcodes()
@@ -13276,7 +13300,7 @@ class PatchedText:
                                     as_sent=True, file_step=self.file_step()).lines()
                 except ToolError as e:
                     raise ToolError(e.code, "%s, %s: %s" % (self.shown, hunk.label(k), e.message))
-                self.notes.append("hunk %d matched %s" % (k, MATCH_LEVELS[level][0]))
+                self.notes.append("hunk %d matched %s" % (k, MATCH_LEVELS[level].name))
             edits.append((at, end, new))
             if end > at or hunk.headers:
                 # a bare addition (at the end) moves no later hunk's search
@@ -13315,7 +13339,7 @@ class PatchedText:
             raise ToolError(STR_REPLACE_AMBIGUOUS, "%s, %s matches %s at lines %s; add context"
                             " lines or an '@@ header' line (e.g. @@ def name) to pick one;"
                             " nothing was written"
-                            % (self.shown, label, MATCH_LEVELS[level][0],
+                            % (self.shown, label, MATCH_LEVELS[level].name,
                                ", ".join(str(i + 1) for i, _ in sorted(hits + elsewhere)[:20])))
         raise self.miss(old, cursor, label)
 
@@ -14128,10 +14152,10 @@ def tool_grep(session, args, ctx):
     notice = partial_notice(why)
     if not items:
         more = (ignored_matches(ctx, root, shown, spec, args)
-                if root[1] and not no_ignore and not why else [])
+                if root.is_dir and not no_ignore and not why else [])
         return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)]
                          + notice + more)
-    hits = [GrepHit(*item)._replace(rel=item[1] if root[1] else shown) for item in items]
+    hits = [GrepHit(*item)._replace(rel=item[1] if root.is_dir else shown) for item in items]
     return grep_answer(hits, spec, args, notice, search_cap(ctx))
 
 
@@ -14304,7 +14328,7 @@ def tool_search_text(session, args, ctx):
     lines = []
     for hit in sorted((GrepHit(*item) for item in items), key=lambda h: (h.root, h.rel or "")):
         shown = shown_paths[hit.root]
-        label = os.path.join(shown, hit.rel) if roots[hit.root][1] else shown
+        label = os.path.join(shown, hit.rel) if roots[hit.root].is_dir else shown
         lines += format_records(label, hit.result, True, breaks=False)
     notice = partial_notice(why)
     if not lines:
