@@ -2855,8 +2855,8 @@ class TestHelperPool(SearchBase):
     def test_a_primed_helper_never_taken_dies_with_the_pool(self):
         pool = self.pool()
         pool.prime()
-        self.assertTrue(wait_until(lambda: helper_pids(os.getpid()), 10))
-        mine = [pid for pid in helper_pids(os.getpid()) if pid not in [p.pid for p in TEST_HELPERS.idle]]
+        theirs = [p.pid for p in TEST_HELPERS.idle]
+        mine = wait_until(lambda: [pid for pid in helper_pids(os.getpid()) if pid not in theirs], 10)
         pool.close()
         self.assertTrue(mine)
         self.assertTrue(wait_until(lambda: not any(alive(pid) for pid in mine), 5), mine)
@@ -9928,7 +9928,9 @@ class TestNothingFrozenOverStdio(StdioBase):
             worst = max(worst, time.monotonic() - t)
         self.assertLess(worst, 0.5)
         self.c.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 900}})
-        self.assertTrue(wait_until(lambda: not helper_pids(self.c.p.pid), 5), "the search still runs")
+        running = lambda: [pid for pid, (parent, state, cmd) in proc_table().items()
+                           if parent == self.c.p.pid and "--helper search" in cmd and state == "R"]
+        self.assertTrue(wait_until(lambda: not running(), 5), "the search still runs")    # (idle ones wait)
         self.assertEqual(self.c.request("ping")["result"], {})
         self.assertFalse(any(m and m.get("id") == 900 for m in self.c.lines))
 
