@@ -5147,6 +5147,67 @@ ODF = {k: "{urn:oasis:names:tc:opendocument:xmlns:%s:1.0}" % v for k, v in zip(
 XLSX_DATE_FORMATS = frozenset([*range(14, 23), *range(27, 37), 45, 46, 47, *range(50, 59)])
 
 
+class BoundedPart:
+    """A zip member read through a bound: more than DOC_MEMBER_BYTES inflated is an error
+    (whatever the member's header said), and a DTD in its first bytes is refused."""
+
+    def __init__(self, raw, name):
+        self.raw, self.name, self.read_so_far = raw, name, 0
+        head = raw.read(65536)
+        start = re.search(rb"<[A-Za-z_]", head)
+        if re.search(rb"<!DOCTYPE|<!ENTITY", head[:start.start()] if start else head, re.I) or \
+                (start is None and len(head) == 65536):
+            raise ToolError(INVALID_INPUT, "its part %s declares a DTD (entities), which these"
+                                           " formats never have: refused" % name)
+        self.head = head
+
+    def read(self, size=-1):
+        if self.head:
+            data, self.head = self.head, b""
+        else:
+            data = self.raw.read(65536 if size is None or size < 0 else min(size, 1 << 20))
+        self.read_so_far += len(data)
+        if self.read_so_far > DOC_MEMBER_BYTES:
+            raise ToolError(INVALID_INPUT, "its part %s inflates past %s: refused (a zip bomb?)" % (
+                self.name, human_size(DOC_MEMBER_BYTES)))
+        return data
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.raw.close()
+
+
+def excel_date(value, epoch):
+    """An Excel serial day number as an ISO date (and time, when it has one)."""
+    import datetime
+    try:
+        days = float(value)
+    except ValueError:
+        return value
+    if not -1e6 < days < 3e6:
+        return value
+    if epoch == 1900 and days < 61:
+        days += 1                           # Excel's 1900-02-29, which never was
+    base = datetime.datetime(1899, 12, 30) if epoch == 1900 else datetime.datetime(1904, 1, 1)
+    moment = base + datetime.timedelta(days=days)
+    moment = moment.replace(microsecond=0) + datetime.timedelta(
+        seconds=round(moment.microsecond / 1e6))
+    return moment.strftime("%Y-%m-%d" if moment.time() == datetime.time() else "%Y-%m-%d %H:%M:%S")
+
+
+def markdown_table(rows):
+    """Rows of cell text as a Markdown table, the first row its header; | and line breaks
+    in a cell escaped so that each row stays one line."""
+    width = max([len(r) for r in rows] + [1])
+    cell = lambda text: (text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "")
+                         .replace("\n", "<br>") or " ")
+    lines = ["| " + " | ".join(cell(c) for c in list(r) + [""] * (width - len(r))) + " |"
+             for r in rows] or ["|  |"]
+    return "\n".join([lines[0], "|" + "---|" * width] + lines[1:])
+
+
 class Document:
     """One office document, the file object `f` of `path`, rendered by markdown() (its kind by
     the path's extension)."""
@@ -5536,67 +5597,6 @@ class Document:
                 parts.append(self.odf_text(child))
             parts.append(child.tail or "")
         return "".join(parts)
-
-
-class BoundedPart:
-    """A zip member read through a bound: more than DOC_MEMBER_BYTES inflated is an error
-    (whatever the member's header said), and a DTD in its first bytes is refused."""
-
-    def __init__(self, raw, name):
-        self.raw, self.name, self.read_so_far = raw, name, 0
-        head = raw.read(65536)
-        start = re.search(rb"<[A-Za-z_]", head)
-        if re.search(rb"<!DOCTYPE|<!ENTITY", head[:start.start()] if start else head, re.I) or \
-                (start is None and len(head) == 65536):
-            raise ToolError(INVALID_INPUT, "its part %s declares a DTD (entities), which these"
-                                           " formats never have: refused" % name)
-        self.head = head
-
-    def read(self, size=-1):
-        if self.head:
-            data, self.head = self.head, b""
-        else:
-            data = self.raw.read(65536 if size is None or size < 0 else min(size, 1 << 20))
-        self.read_so_far += len(data)
-        if self.read_so_far > DOC_MEMBER_BYTES:
-            raise ToolError(INVALID_INPUT, "its part %s inflates past %s: refused (a zip bomb?)" % (
-                self.name, human_size(DOC_MEMBER_BYTES)))
-        return data
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.raw.close()
-
-
-def excel_date(value, epoch):
-    """An Excel serial day number as an ISO date (and time, when it has one)."""
-    import datetime
-    try:
-        days = float(value)
-    except ValueError:
-        return value
-    if not -1e6 < days < 3e6:
-        return value
-    if epoch == 1900 and days < 61:
-        days += 1                           # Excel's 1900-02-29, which never was
-    base = datetime.datetime(1899, 12, 30) if epoch == 1900 else datetime.datetime(1904, 1, 1)
-    moment = base + datetime.timedelta(days=days)
-    moment = moment.replace(microsecond=0) + datetime.timedelta(
-        seconds=round(moment.microsecond / 1e6))
-    return moment.strftime("%Y-%m-%d" if moment.time() == datetime.time() else "%Y-%m-%d %H:%M:%S")
-
-
-def markdown_table(rows):
-    """Rows of cell text as a Markdown table, the first row its header; | and line breaks
-    in a cell escaped so that each row stays one line."""
-    width = max([len(r) for r in rows] + [1])
-    cell = lambda text: (text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "")
-                         .replace("\n", "<br>") or " ")
-    lines = ["| " + " | ".join(cell(c) for c in list(r) + [""] * (width - len(r))) + " |"
-             for r in rows] or ["|  |"]
-    return "\n".join([lines[0], "|" + "---|" * width] + lines[1:])
 
 
 # -- PDF ------------------------------------------------------------------------------
