@@ -330,7 +330,7 @@ def plural(n, word):
 
 
 _LOG_LEVELS = {"debug": 10, "info": 20, "warn": 30, "error": 40}
-# One of the two module-level objects changed at run time (the other is _children):
+# A module-level object that changes at run time (the module docstring lists them all):
 # the process has one stderr, and main() sets how it is written to once, before serving.
 _log_state = {"level": 20, "format": "text"}
 _log_lock = threading.Lock()
@@ -364,8 +364,8 @@ def log(level, message, **fields):
 # Configuration ###############################################################
 ###############################################################################
 
-# (flag, env, default, kind, help). Kinds: str, choice:<a|b>, port, seconds, size,
-# bool, tristate, list. The table drives parsing, env fallback and --help alike.
+# (flag, env, default, kind, help). Kinds: str, choice:<a|b>, port, seconds, size, chars,
+# budget, bool, tristate, list. The table drives parsing, env fallback and --help alike.
 FLAGS = (
     ("transport", "BORIS_TRANSPORT", "stdio", "choice:stdio|http", "transport to serve"),
     ("host", "BORIS_HOST", "127.0.0.1", "str", "HTTP bind address"),
@@ -451,8 +451,9 @@ _FALSE = ("0", "false", "no", "off")
 
 class Config(argparse.Namespace):
     """Resolved settings, made by parse_config: one attribute per FLAGS row (dashes as
-    underscores), every value typed and `auto` already decided; sandbox_network is None
-    (the sandbox decides), True or False."""
+    underscores), every value typed. `auto` is decided here but for svg (per client, by
+    svg_as_text), sandbox (by resolve_sandbox) and checkpoint_budget (None: by the store);
+    sandbox_network is None (the sandbox decides), True, False or a list of domains."""
 
 
 def parse_size(text):
@@ -1759,7 +1760,7 @@ class Children:
         self.wanted = False             # main() wants it; a library user's process is left alone
 
 
-# One of the two module-level objects changed at run time (the other is _log_state):
+# A module-level object that changes at run time (the module docstring lists them all):
 # the children are the process's, whichever server or session started them.
 _children = Children()
 
@@ -2208,7 +2209,7 @@ def helper_command(kind, avoid=()):
 # Only write-like rights are handled: reads and exec stay as they were; writes are
 # allowed beneath the writable roots only. Network off: no TCP bind or connect
 # (Landlock ABI 4+), else a fresh network namespace (unprivileged user namespace);
-# and on every kernel a seccomp filter (net_filter) that leaves a command no socket
+# and on every kernel a seccomp filter (net_filter_program) that leaves a command no socket
 # but Unix stream sockets, which it can pair (socketpair) but never connect to
 # anything: UDP, raw and netlink sockets, pathname and abstract Unix sockets of the
 # host (docker.sock, ssh-agent, D-Bus), a datagram's address and io_uring are refused.
@@ -2238,9 +2239,9 @@ MS_LOCKED_FLAGS = 2 | 4 | 8 | 1024 | 2048  # nosuid, nodev, noexec, noatime,
 SANDBOX_PROTECT = (".git", ".hg", ".svn")  # kept read-only at the top of
                                            # workspace roots and one level down
 SANDBOX_PROTECT_SCAN = 256                 # subdirectories of a workspace root looked into for them
-# net_filter's system call numbers: for the machine's own ABI (socket and socketpair
-# are looked at, connect and an addressed or Fast Open send refused) and for the 32-bit
-# ABI it also runs (everything socket-like refused). The audit arch tags the seccomp data.
+# The network seccomp filter's system call numbers: for the machine's own ABI (socket and
+# socketpair are looked at, connect and an addressed or Fast Open send refused) and for the
+# 32-bit ABI it also runs (everything socket-like refused). The audit arch tags the seccomp data.
 SECCOMP_ABIS = {
     "x86_64": (0xC000003E, dict(socket=41, socketpair=53, connect=42, sendto=44, sendmsg=46,
                                 sendmmsg=307, io_uring_setup=425, seccomp=317),
@@ -2278,15 +2279,15 @@ def landlock_abi():
 
 # -- the kernel's parts: seccomp, Landlock, the network supervisor, namespaces ----
 def net_filter_program(machine, supervised=False, inet=False):
-    """The classic BPF program of net_filter for `machine` (os.uname().machine), as
-    the bytes of its sock_filter array; None for a machine it does not know. A
-    socket may be a Unix stream or seqpacket socket only (so no datagram can carry an
-    address); connect is refused (supervised: handed to NetSupervisor), and so are
-    sendto with an address, any send with MSG_FASTOPEN (sendto, sendmsg, sendmmsg: it
-    connects without connect(2), where neither the supervisor nor Landlock looks) and
-    io_uring (which would bypass the filter); a foreign ABI gets no socket call at all,
-    an unknown one is killed. inet: IPv4 TCP sockets may be made too (their connect is
-    the supervisor's to decide; no other protocol of SOCK_STREAM, such as SCTP)."""
+    """The classic BPF program of the network seccomp filter for `machine`
+    (os.uname().machine), as the bytes of its sock_filter array; None for a machine it
+    does not know. A socket may be a Unix stream or seqpacket socket only (so no datagram
+    can carry an address); connect is refused (supervised: handed to NetSupervisor), and
+    so are sendto with an address, any send with MSG_FASTOPEN (sendto, sendmsg, sendmmsg:
+    it connects without connect(2), where neither the supervisor nor Landlock looks) and
+    io_uring (which would bypass the filter); a foreign ABI gets no socket call at all, an
+    unknown one is killed. inet: IPv4 TCP sockets may be made too (their connect is the
+    supervisor's to decide; no other protocol of SOCK_STREAM, such as SCTP)."""
     if machine not in SECCOMP_ABIS:
         return None
     arch, nr, compat_arch, compat_calls = SECCOMP_ABIS[machine]
@@ -2337,8 +2338,8 @@ def net_filter_program(machine, supervised=False, inet=False):
 
 
 def net_filter_available():
-    """Whether this kernel and machine take net_filter: seccomp filters are built
-    in (a probe with no program answers EFAULT, not EINVAL) and the machine's system
+    """Whether this kernel and machine take the network seccomp filter: seccomp filters are
+    built in (a probe with no program answers EFAULT, not EINVAL) and the machine's system
     call numbers are known."""
     if not sys.platform.startswith("linux") or net_filter_program(os.uname().machine) is None:
         return False
@@ -2454,13 +2455,14 @@ class NetSupervisor:
 
     @classmethod
     def confine(cls, spec, landlock):
-        """Cut the network of this launcher's command with net_filter. Where abstract Unix
-        sockets are the sandbox's own (Landlock ABI 6 scopes them; a network namespace
-        has its own), the launcher forks: the child, confined once more by Landlock (so it
-        cannot signal its parent), installs the filter with a listener and becomes the
-        command; this process stays as its supervisor (serve), which lets the command connect
-        to abstract sockets of its own (Python's multiprocessing forkserver uses one) and
-        refuses every other connect. Elsewhere connect is refused outright."""
+        """Cut the network of this launcher's command with the network seccomp filter.
+        Where abstract Unix sockets are the sandbox's own (Landlock ABI 6 scopes them; a
+        network namespace has its own), the launcher forks: the child, confined once more
+        by Landlock (so it cannot signal its parent), installs the filter with a listener
+        and becomes the command; this process stays as its supervisor (serve), which lets
+        the command connect to abstract sockets of its own (Python's multiprocessing
+        forkserver uses one) and refuses every other connect. Elsewhere connect is refused
+        outright."""
         import socket
         if not (spec["abi"] >= 6 or spec["net"] == "netns"):
             apply_net_filter()
@@ -3449,9 +3451,10 @@ class EgressProxy:
 ###############################################################################
 # Search ######################################################################
 ###############################################################################
-# One walker (gitignore-aware, cycle-safe, scope-filtered), one glob compiler (in
-# Paths above), one grep engine. grep, glob, search_text and search_files are thin
-# front-ends over these.
+# Ignore rules (.gitignore and friends), inotify watches and the walk cache they keep
+# warm, one walker (gitignore-aware, cycle-safe, scope-filtered), one grep engine
+# (Matcher, LineRecords) and the outline engine; the glob compiler is in Paths above.
+# grep, glob, search_text, search_files and outline are thin front-ends over these.
 
 GREP_BINARY_SNIFF = 512                    # a NUL in a file's first bytes makes it binary
 SEARCH_BATCH = 1000                        # results a helper sends at a time
@@ -3770,7 +3773,7 @@ class Watches:
     makes no directory quiet any more. A hard link made from a directory not watched
     (outside the roots, or ignored) to a file inside raises no event, nor do changes
     through it. Where inotify is missing (not Linux, no ctypes, out of instances) nothing
-    is watched and walks stat as before."""
+    is watched, and every repeated walk stats its directories and files."""
 
     def __init__(self):
         self.fd, self.libc = None, None            # opened at the first watch
@@ -14365,9 +14368,9 @@ ESCAPE = "错误：路径越出工作区限制"
 
 
 def workspace_path(ctx, path):
-    """The workspace tools' one resolver (the requirement names it _assert_safe_path):
-    the canonical path inside the workspace root (and allow/deny), or their fixed
-    string for an escape and for a path that is not valid (NUL byte, too long)."""
+    """The workspace tools' one resolver: the canonical path inside the workspace root
+    (and allow/deny), or their fixed string for an escape and for a path that is not valid
+    (NUL byte, too long)."""
     try:
         return ctx.policy.confine(path)
     except ToolError as e:
@@ -14392,13 +14395,13 @@ def workspace_error(e, path, doing):
 
 def workspace_note(config, prefer):
     """What every workspace tool's description ends with: its paths, its errors, and the tool
-    to `prefer` for coding work (the workspace tools answer as requirement 004 writes)."""
+    to `prefer` for coding work."""
     return ("Paths: relative to the workspace root %s, never outside. Errors start with 错误."
             " For code, prefer %s." % (config.workdir, prefer))
 
 
 def workspace_argument_error(e):
-    """A refused path argument in the workspace tools' fixed words (seed 004)."""
+    """A refused path argument in the workspace tools' fixed Chinese words."""
     return plain_error("错误：路径无效: %s" % e.message, e.code) if e.detail == "path" else e
 
 
@@ -14592,11 +14595,12 @@ def tool_web_fetch(session, args, ctx):
 
 WORKER_IDLE_S = 30.0                       # an idle worker thread retires after this
 
-
+# The levels logging/setLevel may name (MCP's, after syslog)
+MCP_LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
 # Arguments clients add to every tool for themselves, dropped unseen (other unknown
 # arguments stay errors: they catch typos). Gemini CLI: wait_for_previous.
-MCP_LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
 INJECTED_ARGUMENTS = frozenset(("wait_for_previous",))
+
 
 def brief(value, most=80):
     """A value as JSON for an error message, at most `most` characters."""
