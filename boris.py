@@ -10019,7 +10019,7 @@ class Checkpoints:
                         return False
                     now = time.monotonic()
                     if now >= deadline and self.turn and self.walk_for >= target:
-                        # it hands its part soon (stop_why)
+                        # it hands its part soon (should_stop)
                         self.want_part = max(self.want_part, target)
                     elif (now >= deadline and self.turn
                           or now >= deadline + 2 * CHECKPOINT_PART_MIN_S
@@ -10161,7 +10161,7 @@ class Checkpoints:
         while len(self.list) > CHECKPOINTS_KEPT or held > CHECKPOINT_ENTRIES and len(self.list) > 1:
             held -= self.list.pop(0).size
 
-    def stop_why(self, background, cancelled, so_far, size, missed):
+    def should_stop(self, background, cancelled, so_far, size, missed):
         """Whether a walk stops here (closed or cancelled: nothing kept). First, a background
         walk gives way, and a waiter it answers that waited long enough is handed what was
         walked, once the walk has run CHECKPOINT_PART_MIN_S."""
@@ -10263,7 +10263,8 @@ class Checkpoints:
                     partial = ("the walk stopped at %d entries (narrow --allow-dir)"
                                % CHECKPOINT_WALK_MAX)
                     break
-                if not size % 256 and self.stop_why(background, cancelled, so_far, size, missed):
+                if not size % 256 and self.should_stop(background, cancelled, so_far, size,
+                                                        missed):
                     return None, visited, looked, unwatched   # closed or cancelled: nothing to keep
                 if store is not None and is_within(path, store):
                     # the store itself (where it lies in a root)
