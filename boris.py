@@ -9306,10 +9306,10 @@ def fs_type(path):
         with open("/proc/self/mountinfo", "rb") as f:
             for line in f.read().decode("utf-8", "surrogateescape").splitlines():
                 fields, _, rest = line.partition(" - ")
-                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)),
+                mount_point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)),
                                fields.split(" ")[4])
-                if is_within(path, point) and len(point) >= len(best) and rest:
-                    best, kind = point, rest.split(" ")[0]
+                if is_within(path, mount_point) and len(mount_point) >= len(best) and rest:
+                    best, kind = mount_point, rest.split(" ")[0]
     except (OSError, IndexError):
         return None
     return kind
@@ -9800,7 +9800,7 @@ class Listing:
 
     def __init__(self, path, old, quiet, repo, look):
         self.path, self.old, self.repo, self.look = path, old, repo, look
-        self.names, self.kids, self.lasting = [], [], True
+        self.names, self.children, self.all_reusable = [], [], True
         self.unread = quiet and old is not None
         self.before = self.known = None
         if not self.unread:
@@ -9816,11 +9816,11 @@ class Listing:
         if self.unread:
             self.names.append(name)
             return
-        entry, lasting = self.look(child_prefix(self.path) + name, self.before.get(name),
+        entry, reusable = self.look(child_prefix(self.path) + name, self.before.get(name),
                                    self.known)
         if entry is not None:
-            self.kids.append((name, entry))
-            self.lasting = self.lasting and lasting
+            self.children.append((name, entry))
+            self.all_reusable = self.all_reusable and reusable
 
     def packed(self):
         """(the children packed, or None when there are none; whether every one looked at can
@@ -9833,10 +9833,10 @@ class Listing:
             self.read()
             for name in self.names:
                 self.add(name)
-        if not self.kids:
-            return None, self.lasting
-        packed = pack_children(self.kids)
-        return (self.old if packed == self.old else packed), self.lasting
+        if not self.children:
+            return None, self.all_reusable
+        packed = pack_children(self.children)
+        return (self.old if packed == self.old else packed), self.all_reusable
 
 
 class Checkpoint:
@@ -9930,12 +9930,13 @@ class Checkpoints:
             repo = GitIndex.of(root)
             if repo is not None and all(r.top != repo.top for r in self.repos):
                 self.repos.append(repo)
-        # (watch events taken, ignore stacks above) of a scan all watched
-        self.steady = None
+        # (watch events taken, ignore stacks above the roots) when the last scan found all it
+        # walked watched and unchanged: the same mark again means nothing changed since
+        self.whole_mark = None
         self.linked = set()                       # (dev, inode) of files seen with other hard links
         # the ignore stacks above the roots when the last walk watched every directory it entered:
         # the next may leave quiet ones out
-        self.ruled = None
+        self.prune_stacks = None
         self.nested = set()                       # directories met holding a .git of their own
         self.closed = False
         self.stopped = threading.Event()          # set by close()
@@ -10121,42 +10122,43 @@ class Checkpoints:
         with self.cond:
             self.handed = False
         linked, w = len(self.linked), self.cache.watches
-        point = self.walk(background, cancelled)
-        if point is not None and len(self.linked) > linked and w is not None and w.quiet:
+        checkpoint = self.walk(background, cancelled)
+        if checkpoint is not None and len(self.linked) > linked and w is not None and w.quiet:
             w.quiet.clear()
-            self.steady = None
-            point = self.walk(background, cancelled)
-        if point is not None and point.size >= CHECKPOINT_TRIM_ENTRIES:
+            self.whole_mark = None
+            checkpoint = self.walk(background, cancelled)
+        if checkpoint is not None and checkpoint.size >= CHECKPOINT_TRIM_ENTRIES:
             # (a big walk leaves pages the server no longer uses)
             trim_memory()
         with self.cond:
             # handed over, but the walk ended first: none partial
             if self.part is not None:
                 self.part, self.handed = None, False
-            if point is None and self.list and self.list[-1].partial and self.steady is not None \
-                    and not self.stopped.is_set() and not cancelled.is_set():
+            if checkpoint is None and self.list and self.list[-1].partial \
+                    and self.whole_mark is not None and not self.stopped.is_set() \
+                    and not cancelled.is_set():
                 # no event since
-                point = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)
-            elif point is not None:
-                self.base = point
-            if point is not None and not (self.handed and background):
-                self.record(point)
+                checkpoint = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)
+            elif checkpoint is not None:
+                self.base = checkpoint
+            if checkpoint is not None and not (self.handed and background):
+                self.record(checkpoint)
             # (whole, or known unchanged): answered
-            if point is not None or self.steady is not None:
+            if checkpoint is not None or self.whole_mark is not None:
                 self.answered = max(self.answered, self.walk_for)
             if self.want_part <= self.walk_for:
                 self.want_part = 0
 
-    def record(self, point):
-        """Keep `point` as the newest checkpoint (the caller holds cond): as the latest, with
+    def record(self, checkpoint):
+        """Keep `checkpoint` as the newest checkpoint (the caller holds cond): as the latest, with
         fresher stats, when it holds the same state; the oldest go past the bounds."""
-        if self.list and not self.list[-1].partial and point.same_as(self.list[-1]):
+        if self.list and not self.list[-1].partial and checkpoint.same_as(self.list[-1]):
             # the same state: fresher stats, same checkpoint
-            self.list[-1].dirs = point.dirs
+            self.list[-1].dirs = checkpoint.dirs
             return
         self.count += 1
-        point.number = self.count
-        self.list.append(point)
+        checkpoint.number = self.count
+        self.list.append(checkpoint)
         held = sum(c.size for c in self.list)
         while len(self.list) > CHECKPOINTS_KEPT or held > CHECKPOINT_ENTRIES and len(self.list) > 1:
             held -= self.list.pop(0).size
@@ -10188,32 +10190,32 @@ class Checkpoints:
             return None                                      # closed meanwhile
         self.cache.refresh()
         w = self.cache.watches
-        steady = (w.generation,
-                  [self.cache.outer(root) for root in self.roots]) if w is not None else None
-        if self.list and self.steady is not None and steady[0] == self.steady[0] \
-                and all(map(same_objects, steady[1], self.steady[1])):
+        mark = (w.generation,
+                [self.cache.outer(root) for root in self.roots]) if w is not None else None
+        if self.list and self.whole_mark is not None and mark[0] == self.whole_mark[0] \
+                and all(map(same_objects, mark[1], self.whole_mark[1])):
             # no event since a scan that watched all of it
             return None
         for repo in self.repos:
             repo.refresh(self.give_way if background else None)
-        prune = self.ruled is not None and not self.base.partial and all(
-            map(same_objects, steady[1], self.ruled))
-        point, visited, looked, unwatched = self.walk_roots(background, cancelled, prune)
-        if point is None:
+        prune = self.prune_stacks is not None and not self.base.partial and all(
+            map(same_objects, mark[1], self.prune_stacks))
+        checkpoint, visited, looked, unwatched = self.walk_roots(background, cancelled, prune)
+        if checkpoint is None:
             return None                                      # closed or cancelled: nothing to keep
         if w is not None:
             # (quiet from now on: this walk is the base)
             w.quiet.update(looked)
-            self.ruled = (steady[1] if not point.partial and all(map(w.of.__contains__, visited))
-                          else None)
-        if not point.partial:
+            self.prune_stacks = (mark[1] if not checkpoint.partial
+                                 and all(map(w.of.__contains__, visited)) else None)
+        if not checkpoint.partial:
             for repo in self.repos:
                 # recorded now: the next walk reads the index again only once it changed
                 repo.dirs = {}
-        whole = w is not None and not point.partial and not unwatched and all(
+        whole = w is not None and not checkpoint.partial and not unwatched and all(
             map(w.clean.__contains__, visited))
-        self.steady = steady if whole else None
-        return point
+        self.whole_mark = mark if whole else None
+        return checkpoint
 
     def walk_roots(self, background, cancelled, prune):
         """walk()'s walk of the roots, leaving quiet directories out when `prune` (see walk()):
@@ -10231,13 +10233,13 @@ class Checkpoints:
         here = None
 
         def settle():
-            packed, lasting = here.packed()
+            packed, reusable = here.packed()
             if packed is not None:
                 dirs[here.path] = packed
-            if lasting is not None:                          # (None: kept unread, still quiet)
+            if reusable is not None:                         # (None: kept unread, still quiet)
                 quiet.discard(here.path)
                 # (its watch was set before the lstats)
-                if lasting and w is not None and here.path in w.of:
+                if reusable and w is not None and here.path in w.of:
                     looked.add(here.path)
                 else:
                     unwatched.append(here.path)
@@ -10245,8 +10247,8 @@ class Checkpoints:
         def so_far():
             """What was walked so far, the directory in progress included (a part handed over)."""
             part = dict(dirs)
-            if here is not None and here.kids:
-                part[here.path] = pack_children(here.kids)
+            if here is not None and here.children:
+                part[here.path] = pack_children(here.children)
             return part
         for root in self.roots:
             if partial:
@@ -10288,15 +10290,16 @@ class Checkpoints:
         """walk_roots()'s test of a directory it may leave out (quiet, nothing below it that
         is not, and no nested repository at, above or below it), and the set of those it
         left out."""
-        # (one not quiet, or a .git, at or below them)
-        hot, pruned = set(), set()
+        # the directories with one not quiet, or a .git, at or below them
+        must_enter, pruned = set(), set()
         for d in [d for d in self.cache.watches.of if d not in quiet] + list(self.nested):
-            while d not in hot:
-                hot.add(d)
+            while d not in must_enter:
+                must_enter.add(d)
                 d = d[:d.rfind("/")] or "/"
 
         def left_out(real):
-            if real in hot or real not in quiet or any(is_within(real, n) for n in self.nested):
+            if real in must_enter or real not in quiet \
+                    or any(is_within(real, n) for n in self.nested):
                 return False
             pruned.add(real)
             return True
@@ -10324,12 +10327,12 @@ class Checkpoints:
                 return None, False
         if not stat.S_ISREG(st.st_mode):
             return None, False
-        lasting = st.st_nlink == 1
-        if not lasting:
+        reusable = st.st_nlink == 1
+        if not reusable:
             # (scan(): a new one makes no directory quiet)
             self.linked.add((st.st_dev, st.st_ino))
         if old is not None and old.data is not None and old == Entry("f", mode, old.data, *key):
-            return old, lasting
+            return old, reusable
         digest, why = GitIndex.blob_of(known, path[path.rfind("/") + 1:], st), None
         if digest is None:
             digest, why = self.keep(path, st)
@@ -10338,8 +10341,8 @@ class Checkpoints:
         if time.time() - st.st_ctime < LISTING_RACY_S:
             # changed within a clock tick: read again next time
             key = (st.st_size, -1, st.st_ctime_ns, st.st_ino)
-            lasting = False
-        return Entry("f", mode, digest, *key), lasting and digest is not None
+            reusable = False
+        return Entry("f", mode, digest, *key), reusable and digest is not None
 
     def keep(self, path, st):
         """(digest of the file's bytes, kept in the store; or None and why it is not covered)."""
@@ -10369,9 +10372,9 @@ class Checkpoints:
 
     def find(self, number):
         """The checkpoint numbered `number`, or ToolError naming those kept."""
-        for point in self.list:
-            if point.number == number:
-                return point
+        for checkpoint in self.list:
+            if checkpoint.number == number:
+                return checkpoint
         raise ToolError(INVALID_INPUT, "no checkpoint %s; this session keeps %s" % (number, (
             "%d to %d" % (self.list[0].number, self.list[-1].number)) if self.list else "none yet"))
 
@@ -12225,13 +12228,13 @@ def keep_befores(session, changes):
     """An edit's changes for the undo history, each file's bytes before put in the session's
     checkpoint store (one store for checkpoints and undo_edit) where it has one with room;
     held in memory where not (checkpoints off, the budget spent)."""
-    points = session.checkpoints
-    if points is None or not points.open_store():
+    checkpoints = session.checkpoints
+    if checkpoints is None or not checkpoints.open_store():
         return changes
     kept = {}
     for real, (before, mode, after) in changes.items():
         if before:
-            digest, _ = points.put(before)
+            digest, _ = checkpoints.put(before)
             before = before if digest is None else StoredBytes(digest, len(before))
         kept[real] = (before, mode, after)
     return kept
@@ -12886,11 +12889,11 @@ def relative_to_root(roots, path):
 
 def session_checkpoints(session):
     """The session's Checkpoints, or ToolError when checkpoints are off."""
-    points = session.checkpoints
-    if points is None or not points.open_store():
-        raise ToolError(IO_ERROR, "checkpoints are off: %s" % (points.store.why if points else
-                                                                    "--checkpoint-budget off"))
-    return points
+    checkpoints = session.checkpoints
+    if checkpoints is None or not checkpoints.open_store():
+        raise ToolError(IO_ERROR, "checkpoints are off: %s" % (
+            checkpoints.store.why if checkpoints else "--checkpoint-budget off"))
+    return checkpoints
 
 
 def named(paths, root_of):
@@ -12925,37 +12928,39 @@ def running_note(session):
 def tool_checkpoints(session, args, ctx):
     """checkpoints: each checkpoint, newest first, with what changed after it; what is covered.
     With since: the diff from that checkpoint to now instead."""
-    points = session_checkpoints(session)
-    roots = points.roots
+    checkpoints = session_checkpoints(session)
+    roots = checkpoints.roots
     root_of = lambda p: relative_to_root(roots, p)
-    with points.held(ctx.cancelled):
-        latest = points.current(ctx.cancelled)
+    with checkpoints.held(ctx.cancelled):
+        latest = checkpoints.current(ctx.cancelled)
         if args.get("since") is not None:
             if latest is None:
                 raise ToolError(INVALID_INPUT, "cancelled while the workspace was being read")
-            return checkpoint_diff(points, points.find(args["since"]), latest,
+            return checkpoint_diff(checkpoints, checkpoints.find(args["since"]), latest,
                                    args.get("offset") or 0, ctx.config.max_result_chars - 400)
-        kept = list(points.list)
-        stored, budget, where = points.store.stored, points.store.budget, points.store.dir
+        kept = list(checkpoints.list)
+        store = checkpoints.store
+        stored, budget, where = store.stored, store.budget, store.dir
     lines = ["Checkpoints of %s (one before each call that can change files; rewind puts one back):"
              % ", ".join(roots)]
     for k in range(len(kept) - 1, -1, -1):
-        point = kept[k]
+        checkpoint = kept[k]
+        partial, followed = checkpoint.partial, checkpoint.followed
         changes = "" if k + 1 == len(kept) else "- changed after it: " + change_words(
-            entry_changes(point, kept[k + 1], point.partial), root_of)
+            entry_changes(checkpoint, kept[k + 1], partial), root_of)
         lines.append("#%d  %s  %s  %s%s" % (
-            point.number, time.strftime("%H:%M:%S", time.localtime(point.taken)),
-            "before " + ", ".join(point.followed) if point.followed else "(the state now)",
-            "(covers part: %s)  " % point.partial if point.partial and k + 1 < len(kept) else "",
+            checkpoint.number, time.strftime("%H:%M:%S", time.localtime(checkpoint.taken)),
+            "before " + ", ".join(followed) if followed else "(the state now)",
+            "(covers part: %s)  " % partial if partial and k + 1 < len(kept) else "",
             changes))
     if latest is not None:
         # (a directory at a time: no list of every entry at once)
         kinds, size = Counter(), 0
         for packed in latest.dirs.values():
-            for kind, _, digest, length, _, _, _ in unpack_children(packed).values():
+            for entry in unpack_children(packed).values():
                 # (a file not covered is not counted)
-                kinds[kind] += kind != "f" or digest is not None
-                size += length if kind == "f" else 0
+                kinds[entry.kind] += entry.kind != "f" or entry.data is not None
+                size += entry.size if entry.kind == "f" else 0
         lines.append("Covered now: %d files, %d directories, %d symlinks (%s); the store keeps %s"
                      " of a %s budget in %s."
                      % (kinds["f"], kinds["d"], kinds["l"], human_size(size), human_size(stored),
@@ -12969,7 +12974,7 @@ def tool_checkpoints(session, args, ctx):
     return "\n".join(lines) + running_note(session)
 
 
-def checkpoint_diff(points, target, now, offset, cap):
+def checkpoint_diff(checkpoints, target, now, offset, cap):
     """What changed from checkpoint `target` to `now` (the state just read) as git writes a
     diff: a header per file, mode lines, hunks of text, a line for a binary file or one the
     checkpoint did not cover; files past `cap` characters are left to a read-on notice."""
@@ -12984,7 +12989,7 @@ def checkpoint_diff(points, target, now, offset, cap):
 
     def file_diff(p):
         """One file's part: its header and mode lines, then its hunks or why they are not shown."""
-        name = relative_to_root(points.roots, p)
+        name = relative_to_root(checkpoints.roots, p)
         a, b = old.get(p), cur.get(p)
         a, b = (None if e is None or e.kind == "d" else e for e in (a, b))
         text = ["diff --git a/%s b/%s\n" % (name, name)]
@@ -12999,11 +13004,11 @@ def checkpoint_diff(points, target, now, offset, cap):
             if a is not None and a.kind == "l":
                 before = os.fsencode(a.data)
             elif a is not None and a.data:
-                before = points.bytes_of(p, a.data, readers)
+                before = checkpoints.bytes_of(p, a.data, readers)
             if b is not None and b.kind == "l":
                 after = os.fsencode(b.data)
             elif b is not None:
-                after = read_regular(p, name, points.config.max_file_size)[0]
+                after = read_regular(p, name, checkpoints.config.max_file_size)[0]
         except (OSError, ToolError) as e:
             text.append("# not shown: %s\n" % (getattr(e, "message", None) or e.strerror or e))
             before = after = b""
@@ -13052,23 +13057,23 @@ def git_mode(entry):
 def tool_rewind(session, args, ctx):
     """rewind: the workspace (or some paths of it) back to a checkpoint; the state before is a
     checkpoint."""
-    points = session_checkpoints(session)
+    checkpoints = session_checkpoints(session)
     within = [resolve_checked(session, ctx, p, "paths") for p in args.get("paths") or []]
 
-    root_of = lambda p: relative_to_root(points.roots, p)
+    root_of = lambda p: relative_to_root(checkpoints.roots, p)
     listed = lambda pairs: ", ".join("%s (%s)" % (root_of(p), w) for p, w in pairs)
-    with points.held(ctx.cancelled):
-        target = points.find(args["checkpoint"])
-        now = points.current(ctx.cancelled)
+    with checkpoints.held(ctx.cancelled):
+        target = checkpoints.find(args["checkpoint"])
+        now = checkpoints.current(ctx.cancelled)
         if now is None:
             raise ToolError(INVALID_INPUT, "cancelled, or the session ended, while the workspace"
                             " was being read; nothing was rewound")
         if args.get("dry_run"):
-            plan = points.rewind(target, now, within, ctx.files, dry=True)
+            plan = checkpoints.rewind(target, now, within, ctx.files, dry=True)
             return "Dry run: rewinding to checkpoint %d would change %s.%s" % (
                 target.number, listed(plan[0]) or "nothing",
                 "" if not plan[1] else " It could not: %s." % listed(plan[1]))
-        done, failed = points.rewind(target, now, within, ctx.files)
+        done, failed = checkpoints.rewind(target, now, within, ctx.files)
     words = {}
     for p, w in done:
         words.setdefault(w, []).append(p)
@@ -15037,10 +15042,10 @@ class McpServer:
                           self.client_name(meta, session), self.sandbox, self.files)
 
         def run():
-            points = self.checkpoints_of(session) if tool.changes else None
+            checkpoints = self.checkpoints_of(session) if tool.changes else None
             try:
-                note = (points.before(call_summary(name, args), cancelled)
-                        if points is not None else None)
+                note = (checkpoints.before(call_summary(name, args), cancelled)
+                        if checkpoints is not None else None)
                 # cancelled while it waited: it never ran, nobody reads this
                 if note is False:
                     result = {"content": [text_block("cancelled before it ran")], "isError": True}
@@ -15048,8 +15053,8 @@ class McpServer:
                     try:
                         result = self.run_tool(tool, session, args, ctx)
                     finally:
-                        if points is not None:
-                            points.after()
+                        if checkpoints is not None:
+                            checkpoints.after()
                     if note:
                         result["content"].append(text_block(note))
                 if modern is not None:
