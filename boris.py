@@ -1372,7 +1372,8 @@ def open_same(path, ino=None, dev=None):
 def open_checked(job):
     """open_same() of the file a helper's job names (its 'path' and 'file': device, inode), as
     a binary file object; ToolError when another file stands there now."""
-    fd = open_same(job["path"], job["file"][1], job["file"][0])
+    dev, ino = job["file"]
+    fd = open_same(job["path"], ino, dev)
     if fd is None:
         raise ToolError(IO_ERROR, "it changed while it was being read (removed, or another file"
                         " stands at its path now); try again")
@@ -9066,9 +9067,12 @@ class WebFetch:
 
 
 class Session:
-    """One client's state: cwd, sentinel nonce, viewed set, tasks, in-flight calls.
-    Everything mutable (viewed, tasks, inflight, foreground, cwd, closed) is read and
-    changed under `lock`; `client` and `last_seen` are single values a transport sets."""
+    """One client's state: cwd, sentinel nonce, viewed set, tasks, in-flight calls, undo
+    history, checkpoints. What changes (viewed, tasks, inflight, foreground, cwd, closed,
+    edits, ended) is changed under `lock`, and read under it too, but for running() (a copy
+    of tasks, taken whole under the GIL) and `ended` (one float, read by its checkpoints'
+    busy test); `checkpoints` is made once under `lock`, then only read; `client`,
+    `last_seen` and `log_level` are single values a transport or a call sets."""
 
     def __init__(self, config):
         self.config = config
@@ -9131,23 +9135,24 @@ class Session:
         it did not exist; a StoredBytes: in the checkpoint store), their mode, and the
         digest after (None: removed). At most UNDO_LEVELS a file and UNDO_MAX_BYTES in
         memory in all: the oldest go first."""
+        in_memory = lambda changes: sum(len(before) for before, _, _ in changes.values()
+                                        if isinstance(before, bytes))
         with self.lock:
             self.edits.append((tool, changes))
             for real in changes:
-                mine = [e for e in self.edits if real in e[1]]
-                if len(mine) > UNDO_LEVELS:
-                    self.edits.remove(mine[0])
-            held = sum(len(c[0]) for _, ch in self.edits for c in ch.values()
-                       if isinstance(c[0], bytes))
+                of_file = [(t, c) for t, c in self.edits if real in c]
+                if len(of_file) > UNDO_LEVELS:
+                    self.edits.remove(of_file[0])
+            held = sum(in_memory(c) for _, c in self.edits)
             while held > UNDO_MAX_BYTES and len(self.edits) > 1:
-                held -= sum(len(c[0]) for c in self.edits.pop(0)[1].values()
-                            if isinstance(c[0], bytes))
+                _, dropped = self.edits.pop(0)
+                held -= in_memory(dropped)
 
     def last_edit(self, real):
         """The latest edit of `real` still to be taken back, or None; and how many there are."""
         with self.lock:
-            mine = [e for e in self.edits if real in e[1]]
-        return (mine[-1] if mine else None), len(mine)
+            of_file = [(t, c) for t, c in self.edits if real in c]
+        return (of_file[-1] if of_file else None), len(of_file)
 
     def forget_edit(self, edit):
         """Drop an edit that was taken back."""
@@ -10424,7 +10429,7 @@ class Checkpoints:
                 try:
                     dfd = open_dir(p, flags=os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
                     try:
-                        os.fchmod(dfd, old[p][1])
+                        os.fchmod(dfd, old[p].mode)
                     finally:
                         os.close(dfd)
                 except OSError:
