@@ -3066,8 +3066,8 @@ def default_interrupts():
         signal.signal(sig, signal.SIG_DFL)
 
 
-def helper_warm_launcher(fd, ahead=None):
-    """A launcher started ahead: confined ahead as the JSON `ahead` says (the spec but
+def helper_warm_launcher(fd, early_spec=None):
+    """A launcher started ahead: confined ahead as the JSON `early_spec` says (the spec but
     its cwd: with the network off, the supervisor is forked now too), then waiting on
     pipe `fd` for one JSON line {spec, argv, env} to become that command in the spec's
     cwd. The end of the pipe without a line (the server stopped, or closed this
@@ -3076,8 +3076,8 @@ def helper_warm_launcher(fd, ahead=None):
     # NetSupervisor's, loaded ahead (socket: ~15 ms)
     for name in ("array", "select", "socket"):
         __import__(name)
-    if ahead is not None:
-        confined(ahead)
+    if early_spec is not None:
+        confined(early_spec)
     with os.fdopen(fd, "rb") as control:
         line = control.readline()
     if not line:
@@ -3087,13 +3087,14 @@ def helper_warm_launcher(fd, ahead=None):
         os.environ.clear()
         os.environ.update(job["env"])
         cwd = json.loads(job["spec"]).pop("cwd")
-        if ahead is not None and job["spec"] != json.dumps(dict(json.loads(ahead), cwd=cwd)):
+        if early_spec is not None \
+                and job["spec"] != json.dumps(dict(json.loads(early_spec), cwd=cwd)):
             raise ValueError("a spec other than the one this launcher was confined for")
     except (ValueError, KeyError, TypeError) as e:
         sys.stderr.write("boris: the sandbox launcher got no usable command (%s); nothing was run\n"
                          % e)
         os._exit(SANDBOX_EXIT)
-    if ahead is None:
+    if early_spec is None:
         return helper_sandbox(job["spec"], job["argv"])
     try:
         os.chdir(cwd)
@@ -3120,16 +3121,16 @@ class Launchers:
         with self.lock:
             proc, self.spare = self.spare, None
             # (the protected paths looked up once per command)
-            ahead = self.sandbox.spec(None)
-            if proc is not None and (proc.poll() is not None or proc.ahead != ahead):
+            early_spec = self.sandbox.spec(None)
+            if proc is not None and (proc.poll() is not None or proc.early_spec != early_spec):
                 # dead, or confined for settings changed since
                 os.close(proc.control)
                 discard_launcher(proc)
                 proc = None
             if proc is None:
-                proc = self.spawn(ahead)
+                proc = self.spawn(early_spec)
             try:
-                msg = json.dumps({"spec": json.dumps(dict(json.loads(ahead), cwd=cwd)),
+                msg = json.dumps({"spec": json.dumps(dict(json.loads(early_spec), cwd=cwd)),
                                   "argv": argv, "env": env})
                 os.write(proc.control, msg.encode("utf-8", "surrogateescape") + b"\n")
             except OSError:
@@ -3152,15 +3153,15 @@ class Launchers:
             except OSError:
                 self.spare = None  # none to be had now: the next command starts its own
 
-    def spawn(self, ahead=None):
+    def spawn(self, early_spec=None):
         """Start a sandbox launcher that waits on a pipe for the command to run, confined
-        ahead as `ahead` (the spec without a cwd; made now when not given)."""
+        ahead as `early_spec` (the spec without a cwd; made now when not given)."""
         import subprocess
         r, w = os.pipe()
         try:
             launcher, private = helper_command("sandbox", avoid=self.sandbox.writable)
-            ahead = ahead or self.sandbox.spec(None)    # confined now, ahead of its command
-            proc = spawn(launcher + ["@%d" % r, ahead], cwd=private, stdin=subprocess.DEVNULL,
+            early_spec = early_spec or self.sandbox.spec(None)  # confined now, ahead of its command
+            proc = spawn(launcher + ["@%d" % r, early_spec], cwd=private, stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                          close_fds=True, pass_fds=(r,))
         except BaseException:
@@ -3168,7 +3169,7 @@ class Launchers:
             raise
         finally:
             os.close(r)
-        proc.control, proc.ahead = w, ahead
+        proc.control, proc.early_spec = w, early_spec
         return proc
 
     def close(self):
@@ -11436,25 +11437,25 @@ def trailing(line):
 def indent_map(want, region):
     """old_str's indentation -> the file's, learnt from the lines matched, when it is
     one of the slips models make: levels shifted, tabs written as spaces, another
-    width of unit (2 spaces for 4), every level alike (indent_units); else None:
+    width of unit (2 spaces for 4), every level alike (indent_unit); else None:
     then the lines only look alike."""
-    ahead, back = {}, {}
+    to_file, to_old = {}, {}
     for w, f in zip(want, region):
         if w.strip() and f.strip():
             a, b = leading(w), leading(f)
-            if ahead.setdefault(a, b) != b or back.setdefault(b, a) != a:
+            if to_file.setdefault(a, b) != b or to_old.setdefault(b, a) != a:
                 return None
-    pairs = sorted((len(a.expandtabs(4)), len(b.expandtabs(4))) for a, b in ahead.items())
+    pairs = sorted((len(a.expandtabs(4)), len(b.expandtabs(4))) for a, b in to_file.items())
     if any(q[1] <= p[1] for p, q in zip(pairs, pairs[1:])):
         return None
-    return ahead if indent_units(ahead) else None
+    return to_file if indent_unit(to_file) else None
 
 
 # A unit of indentation: its width in columns, and how it is written (a tab, 2 spaces, ...)
 IndentUnit = namedtuple("IndentUnit", "columns text")
 
 
-def indent_units(mapping):
+def indent_unit(mapping):
     """IndentUnit(old_str's unit of indentation in columns, the file's unit as text) when
     every step between the levels of `mapping` is a whole number of old_str's units and
     the same number of the file's; IndentUnit(0, '') when one level gives no unit; else
@@ -11508,33 +11509,33 @@ def indent_step(lines, counted=None):
     return IndentUnit(len(top[0][0].expandtabs(4)), top[0][0])
 
 
-def with_indent(line, mapping, units=None):
+def with_indent(line, mapping, place_unit=None):
     """A new line with its indentation translated by `mapping`: the longest known
     prefix is mapped, and what lies deeper is turned from old_str's units of
-    indentation into the file's (4 spaces to a tab, or to 2 spaces) - learnt from the
-    levels of `mapping`, or where it has one level only from `units` (old_str's unit in
+    indentation into the file's (4 spaces to a tab, or to 2 spaces) - the unit learnt from
+    the levels of `mapping`, or where it has one level only `place_unit` (old_str's unit in
     columns, the file's as text); a line shallower than every known level loses as
     many of the file's units. None when the mapping cannot tell."""
     if not line.strip():
         return ""
     have = leading(line)
-    learnt = indent_units(mapping)
-    torn = bool(learnt and learnt.columns and units and (
-        learnt.text[:1] != units.text[:1]
-        or learnt.columns * len(units.text) != units.columns * len(learnt.text)))
+    level_unit = indent_unit(mapping)
+    torn = bool(level_unit and level_unit.columns and place_unit and (
+        level_unit.text[:1] != place_unit.text[:1]
+        or level_unit.columns * len(place_unit.text) != place_unit.columns * len(level_unit.text)))
     # torn: the place and the file disagree
-    units = learnt if learnt != (0, "") or not units else units
-    units = units or IndentUnit(0, "")
+    unit = (level_unit if level_unit != (0, "") or not place_unit else place_unit) \
+        or IndentUnit(0, "")
     best = max((k for k in mapping if have.startswith(k)), key=len, default=None)
     if torn and have not in mapping:
         return None
     if best is None:
-        return shallower(line, have, mapping, units)
-    extra = deeper_indent(have[len(best):], best, mapping, units)
+        return shallower(line, have, mapping, unit)
+    extra = deeper_indent(have[len(best):], best, mapping, unit)
     return None if extra is None else mapping[best] + extra + line[len(have):]
 
 
-def shallower(line, have, mapping, units):
+def shallower(line, have, mapping, unit):
     """with_indent() of a line shallower than every level `mapping` knows: the nearest
     deeper level's, less as many of the file's units as it lies above it (None when the
     file's indentation there does not end so)."""
@@ -11542,17 +11543,17 @@ def shallower(line, have, mapping, units):
     if deeper is None:
         return None
     extra = deeper[len(have):]
-    cut = units.text * (len(extra.expandtabs(4)) // units.columns) if units.columns and \
-        len(extra.expandtabs(4)) % units.columns == 0 else extra
+    cut = unit.text * (len(extra.expandtabs(4)) // unit.columns) if unit.columns and \
+        len(extra.expandtabs(4)) % unit.columns == 0 else extra
     return mapping[deeper][:-len(cut)] + line.lstrip() if mapping[deeper].endswith(cut) else None
 
 
-def deeper_indent(extra, best, mapping, units):
+def deeper_indent(extra, best, mapping, unit):
     """The file's writing of `extra`, the indentation a line has past the known level
     `best`: in the file's units, or as tabs against spaces where one level shows how, or
     as it is where the mapping is a shift; None when it cannot be told."""
-    if extra and units.columns and len(extra.expandtabs(4)) % units.columns == 0:
-        extra = units.text * (len(extra.expandtabs(4)) // units.columns)
+    if extra and unit.columns and len(extra.expandtabs(4)) % unit.columns == 0:
+        extra = unit.text * (len(extra.expandtabs(4)) // unit.columns)
     elif (extra and best and len(set(best)) == len(set(mapping[best])) == 1
           != len(set(best + mapping[best])) and set(extra) == set(best)
           and len(extra) * len(mapping[best]) % len(best) == 0):
@@ -11791,9 +11792,9 @@ class EditMerge:
         self.region, self.want, self.new, self.ops, self.level = region, want, new, ops, level
         written = set(j for tag, _, _, j1, j2 in ops if tag != "equal" for j in range(j1, j2))
         # the model's unit as the lines it wrote nest, and the file's
-        mine = indent_step(new, written)
-        self.units = (IndentUnit(mine.columns, file_step.text)
-                      if mine and mine.columns in (2, 4, 8) and file_step else None)
+        model_step = indent_step(new, written)
+        self.place_unit = (IndentUnit(model_step.columns, file_step.text) if model_step
+                           and model_step.columns in (2, 4, 8) and file_step else None)
         # as_sent: an unmapped line at column 0 stays there
         self.cr, self.what, self.as_sent = cr, what, as_sent
         self.plain = [l[:-1] if l.endswith("\r") else l for l in region]
@@ -11825,7 +11826,8 @@ class EditMerge:
         # same unit: the model's indentation is the file's, and a new line's is too.
         same = sum(1 for a, b in texts if leading(a) == leading(b))
         self.as_is = same >= 2 and len(texts) - same <= 1 and (
-            self.units is None or self.units.columns == len(self.units.text.expandtabs(4)))
+            self.place_unit is None
+            or self.place_unit.columns == len(self.place_unit.text.expandtabs(4)))
         self.indent_chars = set(file_step.text if file_step
                                 else "".join(leading(f) for f in self.plain))
         # the line that is off is the slip, not a level to follow
@@ -11871,27 +11873,27 @@ class EditMerge:
         """The region's lines after the edit (CR kept where the file has it)."""
         out, rp, align = [], 0, self.align
         for tag, i1, i2, j1, j2 in self.ops:
-            mine = [align[w] for w in range(i1, i2) if align[w] is not None]
-            ahead = next((r for r in align[i2:] if r is not None), len(self.region))
+            rows = [align[w] for w in range(i1, i2) if align[w] is not None]
+            next_row = next((r for r in align[i2:] if r is not None), len(self.region))
             if tag == "insert":
-                if rp < ahead:
+                if rp < next_row:
                     raise self.refuse(
                         "the file has %s at line %d of the match that %s lacks, just where the"
                         " new lines go; copy %s with the file's blank lines"
-                        % (plural(ahead - rp, "blank line"), rp + 1, self.what, self.what))
+                        % (plural(next_row - rp, "blank line"), rp + 1, self.what, self.what))
                 for j in range(j1, j2):
                     out.append(self.new_line(j))
                 continue
-            if not mine:                    # only blank lines the file does not have
+            if not rows:                    # only blank lines the file does not have
                 for j in range(j1, j2) if tag == "replace" else ():
                     out.append(self.new_line(j))
                 continue
             # blank lines old_str lacks, before the block: kept
-            out += self.region[rp:mine[0]]
+            out += self.region[rp:rows[0]]
             if tag == "equal":
-                out += self.region[mine[0]:mine[-1] + 1]
+                out += self.region[rows[0]:rows[-1] + 1]
             elif tag == "replace":
-                inside = [r for r in range(mine[0], mine[-1] + 1) if r not in mine]
+                inside = [r for r in range(rows[0], rows[-1] + 1) if r not in rows]
                 if inside:
                     raise self.refuse("the file has a blank line at line %d of the match, inside"
                                       " the lines the edit changes, that %s lacks"
@@ -11906,7 +11908,7 @@ class EditMerge:
                         w = olds[k]
                         out.append(self.merged_line(self.want[w], j1 + m, self.plain[align[w]]) +
                                    ("\r" if self.region[align[w]].endswith("\r") else ""))
-            rp = mine[-1] + 1
+            rp = rows[-1] + 1
         return out + self.region[rp:]
 
     def parent(self, j):
@@ -11922,7 +11924,7 @@ class EditMerge:
         """Whether new line j is placed by whole units under the one line whose indentation
         is off (then its own is not known)."""
         parent = self.parent(j)
-        unit = self.units.columns if self.units else 4
+        unit = self.place_unit.columns if self.place_unit else 4
         return parent in self.off and (len(leading(self.new[j]).expandtabs(4))
                                        - len(parent.expandtabs(4))) % unit == 0
 
@@ -11931,7 +11933,8 @@ class EditMerge:
         from the matched lines); a refusal where that mapping is not one."""
         if not line.strip():
             return ""
-        mapped = with_indent(line, self.mapping, self.units) if self.mapping is not None else None
+        mapped = (with_indent(line, self.mapping, self.place_unit)
+                  if self.mapping is not None else None)
         if mapped is not None:
             return mapped
         if leading(line) in self.known:
@@ -12013,9 +12016,9 @@ class EditMerge:
                     if gap:
                         # the file's gap where old_str has none: after the text put between
                         # the two, unless it goes with k
-                        ahead = p < i1 and not self.text_continues(
+                        before_last = p < i1 and not self.text_continues(
                             out[-1], wu[p].original, wu[k].original)
-                        out.insert(len(out) - ahead, gap)
+                        out.insert(len(out) - before_last, gap)
                     out.append(fu[twin[k]].original)
                 elif (p, q) not in gaps:                # at an end of the line
                     out.append(wu[k].original)
@@ -12048,8 +12051,8 @@ class EditMerge:
             wu, fu = text_units(wc), text_units(fc)
             ws, fs = solids(wu), solids(fu)
             for (p, q), (fp, fq) in zip(zip(ws, ws[1:]), zip(fs, fs[1:])):
-                gap, mine = original_text(fu[fp + 1:fq]), original_text(wu[p + 1:q])
-                if len(gap) > max(1, len(mine)) and gap.isspace():
+                file_gap, old_gap = original_text(fu[fp + 1:fq]), original_text(wu[p + 1:q])
+                if len(file_gap) > max(1, len(old_gap)) and file_gap.isspace():
                     token = original_text(fu[fq:]).split()[0]
                     cols.setdefault(token, []).append(len(lead) + len(original_text(fu[:fq])))
         return {t: c[0] for t, c in cols.items() if len(c) > 1 and len(set(c)) == 1}
