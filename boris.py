@@ -1937,9 +1937,9 @@ def child_pids():
 
 def orphans():
     """Children of ours that no Popen owns: re-parented orphans."""
-    kids = child_pids()
+    pids = child_pids()
     with _children.lock:
-        return kids - _children.live
+        return pids - _children.live
 
 
 def reap_orphans():
@@ -4806,10 +4806,10 @@ class Outline:
         stack = [(ast.parse(text), 0)]
         while stack:
             node, depth = stack.pop()
-            kids = [c for c in ast.iter_child_nodes(node)
-                    if isinstance(c, (ast.stmt, ast.excepthandler))
-                    or type(c).__name__ == "match_case"]
-            for child in reversed(kids):
+            statements = [c for c in ast.iter_child_nodes(node)
+                          if isinstance(c, (ast.stmt, ast.excepthandler))
+                          or type(c).__name__ == "match_case"]
+            for child in reversed(statements):
                 is_def = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
                 if is_def:
                     start = min([d.lineno for d in child.decorator_list] + [child.lineno])
@@ -8595,11 +8595,11 @@ class HtmlToMarkdown:
                 text = c if pre else re.sub(r"\s+", " ", c)
                 out.append(text.replace("[", "\\[").replace("]", "\\]") if in_link else text)
                 continue
-            tag, attrs, kids = c
+            tag, attrs, children = c
             if tag == "br":
                 out.append("\n")
             elif tag == "a":
-                text = self.inline(kids, in_link=True)
+                text = self.inline(children, in_link=True)
                 href = (attrs.get("href") or "").strip()
                 core = " ".join(text.split())
                 if core and href and not href.startswith(("#", "javascript:")):  # edge spaces kept
@@ -8617,9 +8617,9 @@ class HtmlToMarkdown:
                 elif alt:
                     out.append(alt)
             elif tag in ("td", "th"):
-                out.append(" %s |" % self.inline(kids).strip())
+                out.append(" %s |" % self.inline(children).strip())
             else:
-                out.append(self.inline(kids, pre))
+                out.append(self.inline(children, pre))
         return "".join(out)
 
     def blocks(self, nodes, item=False):
@@ -8646,9 +8646,9 @@ class HtmlToMarkdown:
 
     def block(self, node):
         """Markdown of one block node."""
-        tag, attrs, kids = node
+        tag, attrs, children = node
         if tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
-            text = " ".join(self.inline(kids).split())
+            text = " ".join(self.inline(children).split())
             return "%s %s" % ("#" * int(tag[1]), text) if text else ""
         if tag == "pre":
             code = html_text(node).strip("\n")
@@ -8657,9 +8657,9 @@ class HtmlToMarkdown:
             lines = "\n".join(line.rstrip() for line in code.split("\n"))
             return "%s\n%s\n%s" % (fence, lines, fence)
         if tag in ("ul", "ol"):
-            return self.list_block(tag, attrs, kids)
+            return self.list_block(tag, attrs, children)
         if tag == "blockquote":
-            body = self.blocks(kids)
+            body = self.blocks(children)
             return "\n".join("> " + line if line else ">" for line in body.split("\n"))
         if tag == "hr":
             return "* * *"
@@ -8667,9 +8667,9 @@ class HtmlToMarkdown:
             rows = ([" ".join(self.inline(cell[2]).split()) for cell in row]
                     for row in table_rows(node))
             return "\n".join("| %s |" % " | ".join(cells) for cells in rows)
-        return self.blocks(kids)
+        return self.blocks(children)
 
-    def list_block(self, tag, attrs, kids):
+    def list_block(self, tag, attrs, children):
         """A ul or ol: '- ' or numbered items (from `start`), an item's blocks indented under
         its marker, loose (blank lines between) when any item holds paragraphs."""
         items, number = [], 1
@@ -8679,7 +8679,7 @@ class HtmlToMarkdown:
             except ValueError:
                 pass                        # numbered from 1
         loose = False
-        for c in kids:
+        for c in children:
             marker = "- " if tag == "ul" else "%d. " % number
             if isinstance(c, str):
                 if c.strip():
