@@ -330,7 +330,7 @@ def plural(n, word):
 
 
 _LOG_LEVELS = {"debug": 10, "info": 20, "warn": 30, "error": 40}
-# One of the two module-level objects changed at run time (the other is _children):
+# A module-level object that changes at run time (the module docstring lists them all):
 # the process has one stderr, and main() sets how it is written to once, before serving.
 _log_state = {"level": 20, "format": "text"}
 _log_lock = threading.Lock()
@@ -364,8 +364,8 @@ def log(level, message, **fields):
 # Configuration ###############################################################
 ###############################################################################
 
-# (flag, env, default, kind, help). Kinds: str, choice:<a|b>, port, seconds, size,
-# bool, tristate, list. The table drives parsing, env fallback and --help alike.
+# (flag, env, default, kind, help). Kinds: str, choice:<a|b>, port, seconds, size, chars,
+# budget, bool, tristate, list. The table drives parsing, env fallback and --help alike.
 FLAGS = (
     ("transport", "BORIS_TRANSPORT", "stdio", "choice:stdio|http", "transport to serve"),
     ("host", "BORIS_HOST", "127.0.0.1", "str", "HTTP bind address"),
@@ -451,8 +451,9 @@ _FALSE = ("0", "false", "no", "off")
 
 class Config(argparse.Namespace):
     """Resolved settings, made by parse_config: one attribute per FLAGS row (dashes as
-    underscores), every value typed and `auto` already decided; sandbox_network is None
-    (the sandbox decides), True or False."""
+    underscores), every value typed. `auto` is decided here but for svg (per client, by
+    svg_as_text), sandbox (by resolve_sandbox) and checkpoint_budget (None: by the store);
+    sandbox_network is None (the sandbox decides), True, False or a list of domains."""
 
 
 def parse_size(text):
@@ -1371,7 +1372,8 @@ def open_same(path, ino=None, dev=None):
 def open_checked(job):
     """open_same() of the file a helper's job names (its 'path' and 'file': device, inode), as
     a binary file object; ToolError when another file stands there now."""
-    fd = open_same(job["path"], job["file"][1], job["file"][0])
+    dev, ino = job["file"]
+    fd = open_same(job["path"], ino, dev)
     if fd is None:
         raise ToolError(IO_ERROR, "it changed while it was being read (removed, or another file"
                         " stands at its path now); try again")
@@ -1759,7 +1761,7 @@ class Children:
         self.wanted = False             # main() wants it; a library user's process is left alone
 
 
-# One of the two module-level objects changed at run time (the other is _log_state):
+# A module-level object that changes at run time (the module docstring lists them all):
 # the children are the process's, whichever server or session started them.
 _children = Children()
 
@@ -1935,9 +1937,9 @@ def child_pids():
 
 def orphans():
     """Children of ours that no Popen owns: re-parented orphans."""
-    kids = child_pids()
+    pids = child_pids()
     with _children.lock:
-        return kids - _children.live
+        return pids - _children.live
 
 
 def reap_orphans():
@@ -2208,7 +2210,7 @@ def helper_command(kind, avoid=()):
 # Only write-like rights are handled: reads and exec stay as they were; writes are
 # allowed beneath the writable roots only. Network off: no TCP bind or connect
 # (Landlock ABI 4+), else a fresh network namespace (unprivileged user namespace);
-# and on every kernel a seccomp filter (net_filter) that leaves a command no socket
+# and on every kernel a seccomp filter (net_filter_program) that leaves a command no socket
 # but Unix stream sockets, which it can pair (socketpair) but never connect to
 # anything: UDP, raw and netlink sockets, pathname and abstract Unix sockets of the
 # host (docker.sock, ssh-agent, D-Bus), a datagram's address and io_uring are refused.
@@ -2238,9 +2240,9 @@ MS_LOCKED_FLAGS = 2 | 4 | 8 | 1024 | 2048  # nosuid, nodev, noexec, noatime,
 SANDBOX_PROTECT = (".git", ".hg", ".svn")  # kept read-only at the top of
                                            # workspace roots and one level down
 SANDBOX_PROTECT_SCAN = 256                 # subdirectories of a workspace root looked into for them
-# net_filter's system call numbers: for the machine's own ABI (socket and socketpair
-# are looked at, connect and an addressed or Fast Open send refused) and for the 32-bit
-# ABI it also runs (everything socket-like refused). The audit arch tags the seccomp data.
+# The network seccomp filter's system call numbers: for the machine's own ABI (socket and
+# socketpair are looked at, connect and an addressed or Fast Open send refused) and for the
+# 32-bit ABI it also runs (everything socket-like refused). The audit arch tags the seccomp data.
 SECCOMP_ABIS = {
     "x86_64": (0xC000003E, dict(socket=41, socketpair=53, connect=42, sendto=44, sendmsg=46,
                                 sendmmsg=307, io_uring_setup=425, seccomp=317),
@@ -2278,15 +2280,15 @@ def landlock_abi():
 
 # -- the kernel's parts: seccomp, Landlock, the network supervisor, namespaces ----
 def net_filter_program(machine, supervised=False, inet=False):
-    """The classic BPF program of net_filter for `machine` (os.uname().machine), as
-    the bytes of its sock_filter array; None for a machine it does not know. A
-    socket may be a Unix stream or seqpacket socket only (so no datagram can carry an
-    address); connect is refused (supervised: handed to NetSupervisor), and so are
-    sendto with an address, any send with MSG_FASTOPEN (sendto, sendmsg, sendmmsg: it
-    connects without connect(2), where neither the supervisor nor Landlock looks) and
-    io_uring (which would bypass the filter); a foreign ABI gets no socket call at all,
-    an unknown one is killed. inet: IPv4 TCP sockets may be made too (their connect is
-    the supervisor's to decide; no other protocol of SOCK_STREAM, such as SCTP)."""
+    """The classic BPF program of the network seccomp filter for `machine`
+    (os.uname().machine), as the bytes of its sock_filter array; None for a machine it
+    does not know. A socket may be a Unix stream or seqpacket socket only (so no datagram
+    can carry an address); connect is refused (supervised: handed to NetSupervisor), and
+    so are sendto with an address, any send with MSG_FASTOPEN (sendto, sendmsg, sendmmsg:
+    it connects without connect(2), where neither the supervisor nor Landlock looks) and
+    io_uring (which would bypass the filter); a foreign ABI gets no socket call at all, an
+    unknown one is killed. inet: IPv4 TCP sockets may be made too (their connect is the
+    supervisor's to decide; no other protocol of SOCK_STREAM, such as SCTP)."""
     if machine not in SECCOMP_ABIS:
         return None
     arch, nr, compat_arch, compat_calls = SECCOMP_ABIS[machine]
@@ -2337,8 +2339,8 @@ def net_filter_program(machine, supervised=False, inet=False):
 
 
 def net_filter_available():
-    """Whether this kernel and machine take net_filter: seccomp filters are built
-    in (a probe with no program answers EFAULT, not EINVAL) and the machine's system
+    """Whether this kernel and machine take the network seccomp filter: seccomp filters are
+    built in (a probe with no program answers EFAULT, not EINVAL) and the machine's system
     call numbers are known."""
     if not sys.platform.startswith("linux") or net_filter_program(os.uname().machine) is None:
         return False
@@ -2454,13 +2456,14 @@ class NetSupervisor:
 
     @classmethod
     def confine(cls, spec, landlock):
-        """Cut the network of this launcher's command with net_filter. Where abstract Unix
-        sockets are the sandbox's own (Landlock ABI 6 scopes them; a network namespace
-        has its own), the launcher forks: the child, confined once more by Landlock (so it
-        cannot signal its parent), installs the filter with a listener and becomes the
-        command; this process stays as its supervisor (serve), which lets the command connect
-        to abstract sockets of its own (Python's multiprocessing forkserver uses one) and
-        refuses every other connect. Elsewhere connect is refused outright."""
+        """Cut the network of this launcher's command with the network seccomp filter.
+        Where abstract Unix sockets are the sandbox's own (Landlock ABI 6 scopes them; a
+        network namespace has its own), the launcher forks: the child, confined once more
+        by Landlock (so it cannot signal its parent), installs the filter with a listener
+        and becomes the command; this process stays as its supervisor (serve), which lets
+        the command connect to abstract sockets of its own (Python's multiprocessing
+        forkserver uses one) and refuses every other connect. Elsewhere connect is refused
+        outright."""
         import socket
         if not (spec["abi"] >= 6 or spec["net"] == "netns"):
             apply_net_filter()
@@ -3063,8 +3066,8 @@ def default_interrupts():
         signal.signal(sig, signal.SIG_DFL)
 
 
-def helper_warm_launcher(fd, ahead=None):
-    """A launcher started ahead: confined ahead as the JSON `ahead` says (the spec but
+def helper_warm_launcher(fd, early_spec=None):
+    """A launcher started ahead: confined ahead as the JSON `early_spec` says (the spec but
     its cwd: with the network off, the supervisor is forked now too), then waiting on
     pipe `fd` for one JSON line {spec, argv, env} to become that command in the spec's
     cwd. The end of the pipe without a line (the server stopped, or closed this
@@ -3073,8 +3076,8 @@ def helper_warm_launcher(fd, ahead=None):
     # NetSupervisor's, loaded ahead (socket: ~15 ms)
     for name in ("array", "select", "socket"):
         __import__(name)
-    if ahead is not None:
-        confined(ahead)
+    if early_spec is not None:
+        confined(early_spec)
     with os.fdopen(fd, "rb") as control:
         line = control.readline()
     if not line:
@@ -3084,13 +3087,14 @@ def helper_warm_launcher(fd, ahead=None):
         os.environ.clear()
         os.environ.update(job["env"])
         cwd = json.loads(job["spec"]).pop("cwd")
-        if ahead is not None and job["spec"] != json.dumps(dict(json.loads(ahead), cwd=cwd)):
+        if early_spec is not None \
+                and job["spec"] != json.dumps(dict(json.loads(early_spec), cwd=cwd)):
             raise ValueError("a spec other than the one this launcher was confined for")
     except (ValueError, KeyError, TypeError) as e:
         sys.stderr.write("boris: the sandbox launcher got no usable command (%s); nothing was run\n"
                          % e)
         os._exit(SANDBOX_EXIT)
-    if ahead is None:
+    if early_spec is None:
         return helper_sandbox(job["spec"], job["argv"])
     try:
         os.chdir(cwd)
@@ -3117,16 +3121,16 @@ class Launchers:
         with self.lock:
             proc, self.spare = self.spare, None
             # (the protected paths looked up once per command)
-            ahead = self.sandbox.spec(None)
-            if proc is not None and (proc.poll() is not None or proc.ahead != ahead):
+            early_spec = self.sandbox.spec(None)
+            if proc is not None and (proc.poll() is not None or proc.early_spec != early_spec):
                 # dead, or confined for settings changed since
                 os.close(proc.control)
                 discard_launcher(proc)
                 proc = None
             if proc is None:
-                proc = self.spawn(ahead)
+                proc = self.spawn(early_spec)
             try:
-                msg = json.dumps({"spec": json.dumps(dict(json.loads(ahead), cwd=cwd)),
+                msg = json.dumps({"spec": json.dumps(dict(json.loads(early_spec), cwd=cwd)),
                                   "argv": argv, "env": env})
                 os.write(proc.control, msg.encode("utf-8", "surrogateescape") + b"\n")
             except OSError:
@@ -3149,15 +3153,15 @@ class Launchers:
             except OSError:
                 self.spare = None  # none to be had now: the next command starts its own
 
-    def spawn(self, ahead=None):
+    def spawn(self, early_spec=None):
         """Start a sandbox launcher that waits on a pipe for the command to run, confined
-        ahead as `ahead` (the spec without a cwd; made now when not given)."""
+        ahead as `early_spec` (the spec without a cwd; made now when not given)."""
         import subprocess
         r, w = os.pipe()
         try:
             launcher, private = helper_command("sandbox", avoid=self.sandbox.writable)
-            ahead = ahead or self.sandbox.spec(None)    # confined now, ahead of its command
-            proc = spawn(launcher + ["@%d" % r, ahead], cwd=private, stdin=subprocess.DEVNULL,
+            early_spec = early_spec or self.sandbox.spec(None)  # confined now, ahead of its command
+            proc = spawn(launcher + ["@%d" % r, early_spec], cwd=private, stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                          close_fds=True, pass_fds=(r,))
         except BaseException:
@@ -3165,7 +3169,7 @@ class Launchers:
             raise
         finally:
             os.close(r)
-        proc.control, proc.ahead = w, ahead
+        proc.control, proc.early_spec = w, early_spec
         return proc
 
     def close(self):
@@ -3449,9 +3453,10 @@ class EgressProxy:
 ###############################################################################
 # Search ######################################################################
 ###############################################################################
-# One walker (gitignore-aware, cycle-safe, scope-filtered), one glob compiler (in
-# Paths above), one grep engine. grep, glob, search_text and search_files are thin
-# front-ends over these.
+# Ignore rules (.gitignore and friends), inotify watches and the walk cache they keep
+# warm, one walker (gitignore-aware, cycle-safe, scope-filtered), one grep engine
+# (Matcher, LineRecords) and the outline engine; the glob compiler is in Paths above.
+# grep, glob, search_text, search_files and outline are thin front-ends over these.
 
 GREP_BINARY_SNIFF = 512                    # a NUL in a file's first bytes makes it binary
 SEARCH_BATCH = 1000                        # results a helper sends at a time
@@ -3770,7 +3775,7 @@ class Watches:
     makes no directory quiet any more. A hard link made from a directory not watched
     (outside the roots, or ignored) to a file inside raises no event, nor do changes
     through it. Where inotify is missing (not Linux, no ctypes, out of instances) nothing
-    is watched and walks stat as before."""
+    is watched, and every repeated walk stats its directories and files."""
 
     def __init__(self):
         self.fd, self.libc = None, None            # opened at the first watch
@@ -4801,10 +4806,10 @@ class Outline:
         stack = [(ast.parse(text), 0)]
         while stack:
             node, depth = stack.pop()
-            kids = [c for c in ast.iter_child_nodes(node)
-                    if isinstance(c, (ast.stmt, ast.excepthandler))
-                    or type(c).__name__ == "match_case"]
-            for child in reversed(kids):
+            statements = [c for c in ast.iter_child_nodes(node)
+                          if isinstance(c, (ast.stmt, ast.excepthandler))
+                          or type(c).__name__ == "match_case"]
+            for child in reversed(statements):
                 is_def = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
                 if is_def:
                     start = min([d.lineno for d in child.decorator_list] + [child.lineno])
@@ -8590,11 +8595,11 @@ class HtmlToMarkdown:
                 text = c if pre else re.sub(r"\s+", " ", c)
                 out.append(text.replace("[", "\\[").replace("]", "\\]") if in_link else text)
                 continue
-            tag, attrs, kids = c
+            tag, attrs, children = c
             if tag == "br":
                 out.append("\n")
             elif tag == "a":
-                text = self.inline(kids, in_link=True)
+                text = self.inline(children, in_link=True)
                 href = (attrs.get("href") or "").strip()
                 core = " ".join(text.split())
                 if core and href and not href.startswith(("#", "javascript:")):  # edge spaces kept
@@ -8612,9 +8617,9 @@ class HtmlToMarkdown:
                 elif alt:
                     out.append(alt)
             elif tag in ("td", "th"):
-                out.append(" %s |" % self.inline(kids).strip())
+                out.append(" %s |" % self.inline(children).strip())
             else:
-                out.append(self.inline(kids, pre))
+                out.append(self.inline(children, pre))
         return "".join(out)
 
     def blocks(self, nodes, item=False):
@@ -8641,9 +8646,9 @@ class HtmlToMarkdown:
 
     def block(self, node):
         """Markdown of one block node."""
-        tag, attrs, kids = node
+        tag, attrs, children = node
         if tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
-            text = " ".join(self.inline(kids).split())
+            text = " ".join(self.inline(children).split())
             return "%s %s" % ("#" * int(tag[1]), text) if text else ""
         if tag == "pre":
             code = html_text(node).strip("\n")
@@ -8652,9 +8657,9 @@ class HtmlToMarkdown:
             lines = "\n".join(line.rstrip() for line in code.split("\n"))
             return "%s\n%s\n%s" % (fence, lines, fence)
         if tag in ("ul", "ol"):
-            return self.list_block(tag, attrs, kids)
+            return self.list_block(tag, attrs, children)
         if tag == "blockquote":
-            body = self.blocks(kids)
+            body = self.blocks(children)
             return "\n".join("> " + line if line else ">" for line in body.split("\n"))
         if tag == "hr":
             return "* * *"
@@ -8662,9 +8667,9 @@ class HtmlToMarkdown:
             rows = ([" ".join(self.inline(cell[2]).split()) for cell in row]
                     for row in table_rows(node))
             return "\n".join("| %s |" % " | ".join(cells) for cells in rows)
-        return self.blocks(kids)
+        return self.blocks(children)
 
-    def list_block(self, tag, attrs, kids):
+    def list_block(self, tag, attrs, children):
         """A ul or ol: '- ' or numbered items (from `start`), an item's blocks indented under
         its marker, loose (blank lines between) when any item holds paragraphs."""
         items, number = [], 1
@@ -8674,7 +8679,7 @@ class HtmlToMarkdown:
             except ValueError:
                 pass                        # numbered from 1
         loose = False
-        for c in kids:
+        for c in children:
             marker = "- " if tag == "ul" else "%d. " % number
             if isinstance(c, str):
                 if c.strip():
@@ -9063,9 +9068,12 @@ class WebFetch:
 
 
 class Session:
-    """One client's state: cwd, sentinel nonce, viewed set, tasks, in-flight calls.
-    Everything mutable (viewed, tasks, inflight, foreground, cwd, closed) is read and
-    changed under `lock`; `client` and `last_seen` are single values a transport sets."""
+    """One client's state: cwd, sentinel nonce, viewed set, tasks, in-flight calls, undo
+    history, checkpoints. What changes (viewed, tasks, inflight, foreground, cwd, closed,
+    edits, ended) is changed under `lock`, and read under it too, but for running() (a copy
+    of tasks, taken whole under the GIL) and `ended` (one float, read by its checkpoints'
+    busy test); `checkpoints` is made once under `lock`, then only read; `client`,
+    `last_seen` and `log_level` are single values a transport or a call sets."""
 
     def __init__(self, config):
         self.config = config
@@ -9128,23 +9136,24 @@ class Session:
         it did not exist; a StoredBytes: in the checkpoint store), their mode, and the
         digest after (None: removed). At most UNDO_LEVELS a file and UNDO_MAX_BYTES in
         memory in all: the oldest go first."""
+        in_memory = lambda changes: sum(len(before) for before, _, _ in changes.values()
+                                        if isinstance(before, bytes))
         with self.lock:
             self.edits.append((tool, changes))
             for real in changes:
-                mine = [e for e in self.edits if real in e[1]]
-                if len(mine) > UNDO_LEVELS:
-                    self.edits.remove(mine[0])
-            held = sum(len(c[0]) for _, ch in self.edits for c in ch.values()
-                       if isinstance(c[0], bytes))
+                of_file = [(t, c) for t, c in self.edits if real in c]
+                if len(of_file) > UNDO_LEVELS:
+                    self.edits.remove(of_file[0])
+            held = sum(in_memory(c) for _, c in self.edits)
             while held > UNDO_MAX_BYTES and len(self.edits) > 1:
-                held -= sum(len(c[0]) for c in self.edits.pop(0)[1].values()
-                            if isinstance(c[0], bytes))
+                _, dropped = self.edits.pop(0)
+                held -= in_memory(dropped)
 
     def last_edit(self, real):
         """The latest edit of `real` still to be taken back, or None; and how many there are."""
         with self.lock:
-            mine = [e for e in self.edits if real in e[1]]
-        return (mine[-1] if mine else None), len(mine)
+            of_file = [(t, c) for t, c in self.edits if real in c]
+        return (of_file[-1] if of_file else None), len(of_file)
 
     def forget_edit(self, edit):
         """Drop an edit that was taken back."""
@@ -9303,10 +9312,10 @@ def fs_type(path):
         with open("/proc/self/mountinfo", "rb") as f:
             for line in f.read().decode("utf-8", "surrogateescape").splitlines():
                 fields, _, rest = line.partition(" - ")
-                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)),
+                mount_point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)),
                                fields.split(" ")[4])
-                if is_within(path, point) and len(point) >= len(best) and rest:
-                    best, kind = point, rest.split(" ")[0]
+                if is_within(path, mount_point) and len(mount_point) >= len(best) and rest:
+                    best, kind = mount_point, rest.split(" ")[0]
     except (OSError, IndexError):
         return None
     return kind
@@ -9797,7 +9806,7 @@ class Listing:
 
     def __init__(self, path, old, quiet, repo, look):
         self.path, self.old, self.repo, self.look = path, old, repo, look
-        self.names, self.kids, self.lasting = [], [], True
+        self.names, self.children, self.all_reusable = [], [], True
         self.unread = quiet and old is not None
         self.before = self.known = None
         if not self.unread:
@@ -9813,11 +9822,11 @@ class Listing:
         if self.unread:
             self.names.append(name)
             return
-        entry, lasting = self.look(child_prefix(self.path) + name, self.before.get(name),
+        entry, reusable = self.look(child_prefix(self.path) + name, self.before.get(name),
                                    self.known)
         if entry is not None:
-            self.kids.append((name, entry))
-            self.lasting = self.lasting and lasting
+            self.children.append((name, entry))
+            self.all_reusable = self.all_reusable and reusable
 
     def packed(self):
         """(the children packed, or None when there are none; whether every one looked at can
@@ -9830,10 +9839,10 @@ class Listing:
             self.read()
             for name in self.names:
                 self.add(name)
-        if not self.kids:
-            return None, self.lasting
-        packed = pack_children(self.kids)
-        return (self.old if packed == self.old else packed), self.lasting
+        if not self.children:
+            return None, self.all_reusable
+        packed = pack_children(self.children)
+        return (self.old if packed == self.old else packed), self.all_reusable
 
 
 class Checkpoint:
@@ -9927,12 +9936,13 @@ class Checkpoints:
             repo = GitIndex.of(root)
             if repo is not None and all(r.top != repo.top for r in self.repos):
                 self.repos.append(repo)
-        # (watch events taken, ignore stacks above) of a scan all watched
-        self.steady = None
+        # (watch events taken, ignore stacks above the roots) when the last scan found all it
+        # walked watched and unchanged: the same mark again means nothing changed since
+        self.whole_mark = None
         self.linked = set()                       # (dev, inode) of files seen with other hard links
         # the ignore stacks above the roots when the last walk watched every directory it entered:
         # the next may leave quiet ones out
-        self.ruled = None
+        self.prune_stacks = None
         self.nested = set()                       # directories met holding a .git of their own
         self.closed = False
         self.stopped = threading.Event()          # set by close()
@@ -10016,7 +10026,7 @@ class Checkpoints:
                         return False
                     now = time.monotonic()
                     if now >= deadline and self.turn and self.walk_for >= target:
-                        # it hands its part soon (stop_why)
+                        # it hands its part soon (should_stop)
                         self.want_part = max(self.want_part, target)
                     elif (now >= deadline and self.turn
                           or now >= deadline + 2 * CHECKPOINT_PART_MIN_S
@@ -10118,47 +10128,48 @@ class Checkpoints:
         with self.cond:
             self.handed = False
         linked, w = len(self.linked), self.cache.watches
-        point = self.walk(background, cancelled)
-        if point is not None and len(self.linked) > linked and w is not None and w.quiet:
+        checkpoint = self.walk(background, cancelled)
+        if checkpoint is not None and len(self.linked) > linked and w is not None and w.quiet:
             w.quiet.clear()
-            self.steady = None
-            point = self.walk(background, cancelled)
-        if point is not None and point.size >= CHECKPOINT_TRIM_ENTRIES:
+            self.whole_mark = None
+            checkpoint = self.walk(background, cancelled)
+        if checkpoint is not None and checkpoint.size >= CHECKPOINT_TRIM_ENTRIES:
             # (a big walk leaves pages the server no longer uses)
             trim_memory()
         with self.cond:
             # handed over, but the walk ended first: none partial
             if self.part is not None:
                 self.part, self.handed = None, False
-            if point is None and self.list and self.list[-1].partial and self.steady is not None \
-                    and not self.stopped.is_set() and not cancelled.is_set():
+            if checkpoint is None and self.list and self.list[-1].partial \
+                    and self.whole_mark is not None and not self.stopped.is_set() \
+                    and not cancelled.is_set():
                 # no event since
-                point = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)
-            elif point is not None:
-                self.base = point
-            if point is not None and not (self.handed and background):
-                self.record(point)
+                checkpoint = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)
+            elif checkpoint is not None:
+                self.base = checkpoint
+            if checkpoint is not None and not (self.handed and background):
+                self.record(checkpoint)
             # (whole, or known unchanged): answered
-            if point is not None or self.steady is not None:
+            if checkpoint is not None or self.whole_mark is not None:
                 self.answered = max(self.answered, self.walk_for)
             if self.want_part <= self.walk_for:
                 self.want_part = 0
 
-    def record(self, point):
-        """Keep `point` as the newest checkpoint (the caller holds cond): as the latest, with
+    def record(self, checkpoint):
+        """Keep `checkpoint` as the newest checkpoint (the caller holds cond): as the latest, with
         fresher stats, when it holds the same state; the oldest go past the bounds."""
-        if self.list and not self.list[-1].partial and point.same_as(self.list[-1]):
+        if self.list and not self.list[-1].partial and checkpoint.same_as(self.list[-1]):
             # the same state: fresher stats, same checkpoint
-            self.list[-1].dirs = point.dirs
+            self.list[-1].dirs = checkpoint.dirs
             return
         self.count += 1
-        point.number = self.count
-        self.list.append(point)
+        checkpoint.number = self.count
+        self.list.append(checkpoint)
         held = sum(c.size for c in self.list)
         while len(self.list) > CHECKPOINTS_KEPT or held > CHECKPOINT_ENTRIES and len(self.list) > 1:
             held -= self.list.pop(0).size
 
-    def stop_why(self, background, cancelled, so_far, size, missed):
+    def should_stop(self, background, cancelled, so_far, size, missed):
         """Whether a walk stops here (closed or cancelled: nothing kept). First, a background
         walk gives way, and a waiter it answers that waited long enough is handed what was
         walked, once the walk has run CHECKPOINT_PART_MIN_S."""
@@ -10185,32 +10196,32 @@ class Checkpoints:
             return None                                      # closed meanwhile
         self.cache.refresh()
         w = self.cache.watches
-        steady = (w.generation,
-                  [self.cache.outer(root) for root in self.roots]) if w is not None else None
-        if self.list and self.steady is not None and steady[0] == self.steady[0] \
-                and all(map(same_objects, steady[1], self.steady[1])):
+        mark = (w.generation,
+                [self.cache.outer(root) for root in self.roots]) if w is not None else None
+        if self.list and self.whole_mark is not None and mark[0] == self.whole_mark[0] \
+                and all(map(same_objects, mark[1], self.whole_mark[1])):
             # no event since a scan that watched all of it
             return None
         for repo in self.repos:
             repo.refresh(self.give_way if background else None)
-        prune = self.ruled is not None and not self.base.partial and all(
-            map(same_objects, steady[1], self.ruled))
-        point, visited, looked, unwatched = self.walk_roots(background, cancelled, prune)
-        if point is None:
+        prune = self.prune_stacks is not None and not self.base.partial and all(
+            map(same_objects, mark[1], self.prune_stacks))
+        checkpoint, visited, looked, unwatched = self.walk_roots(background, cancelled, prune)
+        if checkpoint is None:
             return None                                      # closed or cancelled: nothing to keep
         if w is not None:
             # (quiet from now on: this walk is the base)
             w.quiet.update(looked)
-            self.ruled = (steady[1] if not point.partial and all(map(w.of.__contains__, visited))
-                          else None)
-        if not point.partial:
+            self.prune_stacks = (mark[1] if not checkpoint.partial
+                                 and all(map(w.of.__contains__, visited)) else None)
+        if not checkpoint.partial:
             for repo in self.repos:
                 # recorded now: the next walk reads the index again only once it changed
                 repo.dirs = {}
-        whole = w is not None and not point.partial and not unwatched and all(
+        whole = w is not None and not checkpoint.partial and not unwatched and all(
             map(w.clean.__contains__, visited))
-        self.steady = steady if whole else None
-        return point
+        self.whole_mark = mark if whole else None
+        return checkpoint
 
     def walk_roots(self, background, cancelled, prune):
         """walk()'s walk of the roots, leaving quiet directories out when `prune` (see walk()):
@@ -10228,13 +10239,13 @@ class Checkpoints:
         here = None
 
         def settle():
-            packed, lasting = here.packed()
+            packed, reusable = here.packed()
             if packed is not None:
                 dirs[here.path] = packed
-            if lasting is not None:                          # (None: kept unread, still quiet)
+            if reusable is not None:                         # (None: kept unread, still quiet)
                 quiet.discard(here.path)
                 # (its watch was set before the lstats)
-                if lasting and w is not None and here.path in w.of:
+                if reusable and w is not None and here.path in w.of:
                     looked.add(here.path)
                 else:
                     unwatched.append(here.path)
@@ -10242,8 +10253,8 @@ class Checkpoints:
         def so_far():
             """What was walked so far, the directory in progress included (a part handed over)."""
             part = dict(dirs)
-            if here is not None and here.kids:
-                part[here.path] = pack_children(here.kids)
+            if here is not None and here.children:
+                part[here.path] = pack_children(here.children)
             return part
         for root in self.roots:
             if partial:
@@ -10260,7 +10271,8 @@ class Checkpoints:
                     partial = ("the walk stopped at %d entries (narrow --allow-dir)"
                                % CHECKPOINT_WALK_MAX)
                     break
-                if not size % 256 and self.stop_why(background, cancelled, so_far, size, missed):
+                if not size % 256 and self.should_stop(background, cancelled, so_far, size,
+                                                        missed):
                     return None, visited, looked, unwatched   # closed or cancelled: nothing to keep
                 if store is not None and is_within(path, store):
                     # the store itself (where it lies in a root)
@@ -10284,15 +10296,16 @@ class Checkpoints:
         """walk_roots()'s test of a directory it may leave out (quiet, nothing below it that
         is not, and no nested repository at, above or below it), and the set of those it
         left out."""
-        # (one not quiet, or a .git, at or below them)
-        hot, pruned = set(), set()
+        # the directories with one not quiet, or a .git, at or below them
+        must_enter, pruned = set(), set()
         for d in [d for d in self.cache.watches.of if d not in quiet] + list(self.nested):
-            while d not in hot:
-                hot.add(d)
+            while d not in must_enter:
+                must_enter.add(d)
                 d = d[:d.rfind("/")] or "/"
 
         def left_out(real):
-            if real in hot or real not in quiet or any(is_within(real, n) for n in self.nested):
+            if real in must_enter or real not in quiet \
+                    or any(is_within(real, n) for n in self.nested):
                 return False
             pruned.add(real)
             return True
@@ -10320,12 +10333,12 @@ class Checkpoints:
                 return None, False
         if not stat.S_ISREG(st.st_mode):
             return None, False
-        lasting = st.st_nlink == 1
-        if not lasting:
+        reusable = st.st_nlink == 1
+        if not reusable:
             # (scan(): a new one makes no directory quiet)
             self.linked.add((st.st_dev, st.st_ino))
         if old is not None and old.data is not None and old == Entry("f", mode, old.data, *key):
-            return old, lasting
+            return old, reusable
         digest, why = GitIndex.blob_of(known, path[path.rfind("/") + 1:], st), None
         if digest is None:
             digest, why = self.keep(path, st)
@@ -10334,8 +10347,8 @@ class Checkpoints:
         if time.time() - st.st_ctime < LISTING_RACY_S:
             # changed within a clock tick: read again next time
             key = (st.st_size, -1, st.st_ctime_ns, st.st_ino)
-            lasting = False
-        return Entry("f", mode, digest, *key), lasting and digest is not None
+            reusable = False
+        return Entry("f", mode, digest, *key), reusable and digest is not None
 
     def keep(self, path, st):
         """(digest of the file's bytes, kept in the store; or None and why it is not covered)."""
@@ -10365,9 +10378,9 @@ class Checkpoints:
 
     def find(self, number):
         """The checkpoint numbered `number`, or ToolError naming those kept."""
-        for point in self.list:
-            if point.number == number:
-                return point
+        for checkpoint in self.list:
+            if checkpoint.number == number:
+                return checkpoint
         raise ToolError(INVALID_INPUT, "no checkpoint %s; this session keeps %s" % (number, (
             "%d to %d" % (self.list[0].number, self.list[-1].number)) if self.list else "none yet"))
 
@@ -10417,7 +10430,7 @@ class Checkpoints:
                 try:
                     dfd = open_dir(p, flags=os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
                     try:
-                        os.fchmod(dfd, old[p][1])
+                        os.fchmod(dfd, old[p].mode)
                     finally:
                         os.close(dfd)
                 except OSError:
@@ -11424,25 +11437,25 @@ def trailing(line):
 def indent_map(want, region):
     """old_str's indentation -> the file's, learnt from the lines matched, when it is
     one of the slips models make: levels shifted, tabs written as spaces, another
-    width of unit (2 spaces for 4), every level alike (indent_units); else None:
+    width of unit (2 spaces for 4), every level alike (indent_unit); else None:
     then the lines only look alike."""
-    ahead, back = {}, {}
+    to_file, to_old = {}, {}
     for w, f in zip(want, region):
         if w.strip() and f.strip():
             a, b = leading(w), leading(f)
-            if ahead.setdefault(a, b) != b or back.setdefault(b, a) != a:
+            if to_file.setdefault(a, b) != b or to_old.setdefault(b, a) != a:
                 return None
-    pairs = sorted((len(a.expandtabs(4)), len(b.expandtabs(4))) for a, b in ahead.items())
+    pairs = sorted((len(a.expandtabs(4)), len(b.expandtabs(4))) for a, b in to_file.items())
     if any(q[1] <= p[1] for p, q in zip(pairs, pairs[1:])):
         return None
-    return ahead if indent_units(ahead) else None
+    return to_file if indent_unit(to_file) else None
 
 
 # A unit of indentation: its width in columns, and how it is written (a tab, 2 spaces, ...)
 IndentUnit = namedtuple("IndentUnit", "columns text")
 
 
-def indent_units(mapping):
+def indent_unit(mapping):
     """IndentUnit(old_str's unit of indentation in columns, the file's unit as text) when
     every step between the levels of `mapping` is a whole number of old_str's units and
     the same number of the file's; IndentUnit(0, '') when one level gives no unit; else
@@ -11496,33 +11509,33 @@ def indent_step(lines, counted=None):
     return IndentUnit(len(top[0][0].expandtabs(4)), top[0][0])
 
 
-def with_indent(line, mapping, units=None):
+def with_indent(line, mapping, place_unit=None):
     """A new line with its indentation translated by `mapping`: the longest known
     prefix is mapped, and what lies deeper is turned from old_str's units of
-    indentation into the file's (4 spaces to a tab, or to 2 spaces) - learnt from the
-    levels of `mapping`, or where it has one level only from `units` (old_str's unit in
+    indentation into the file's (4 spaces to a tab, or to 2 spaces) - the unit learnt from
+    the levels of `mapping`, or where it has one level only `place_unit` (old_str's unit in
     columns, the file's as text); a line shallower than every known level loses as
     many of the file's units. None when the mapping cannot tell."""
     if not line.strip():
         return ""
     have = leading(line)
-    learnt = indent_units(mapping)
-    torn = bool(learnt and learnt.columns and units and (
-        learnt.text[:1] != units.text[:1]
-        or learnt.columns * len(units.text) != units.columns * len(learnt.text)))
+    level_unit = indent_unit(mapping)
+    torn = bool(level_unit and level_unit.columns and place_unit and (
+        level_unit.text[:1] != place_unit.text[:1]
+        or level_unit.columns * len(place_unit.text) != place_unit.columns * len(level_unit.text)))
     # torn: the place and the file disagree
-    units = learnt if learnt != (0, "") or not units else units
-    units = units or IndentUnit(0, "")
+    unit = (level_unit if level_unit != (0, "") or not place_unit else place_unit) \
+        or IndentUnit(0, "")
     best = max((k for k in mapping if have.startswith(k)), key=len, default=None)
     if torn and have not in mapping:
         return None
     if best is None:
-        return shallower(line, have, mapping, units)
-    extra = deeper_indent(have[len(best):], best, mapping, units)
+        return shallower(line, have, mapping, unit)
+    extra = deeper_indent(have[len(best):], best, mapping, unit)
     return None if extra is None else mapping[best] + extra + line[len(have):]
 
 
-def shallower(line, have, mapping, units):
+def shallower(line, have, mapping, unit):
     """with_indent() of a line shallower than every level `mapping` knows: the nearest
     deeper level's, less as many of the file's units as it lies above it (None when the
     file's indentation there does not end so)."""
@@ -11530,17 +11543,17 @@ def shallower(line, have, mapping, units):
     if deeper is None:
         return None
     extra = deeper[len(have):]
-    cut = units.text * (len(extra.expandtabs(4)) // units.columns) if units.columns and \
-        len(extra.expandtabs(4)) % units.columns == 0 else extra
+    cut = unit.text * (len(extra.expandtabs(4)) // unit.columns) if unit.columns and \
+        len(extra.expandtabs(4)) % unit.columns == 0 else extra
     return mapping[deeper][:-len(cut)] + line.lstrip() if mapping[deeper].endswith(cut) else None
 
 
-def deeper_indent(extra, best, mapping, units):
+def deeper_indent(extra, best, mapping, unit):
     """The file's writing of `extra`, the indentation a line has past the known level
     `best`: in the file's units, or as tabs against spaces where one level shows how, or
     as it is where the mapping is a shift; None when it cannot be told."""
-    if extra and units.columns and len(extra.expandtabs(4)) % units.columns == 0:
-        extra = units.text * (len(extra.expandtabs(4)) // units.columns)
+    if extra and unit.columns and len(extra.expandtabs(4)) % unit.columns == 0:
+        extra = unit.text * (len(extra.expandtabs(4)) // unit.columns)
     elif (extra and best and len(set(best)) == len(set(mapping[best])) == 1
           != len(set(best + mapping[best])) and set(extra) == set(best)
           and len(extra) * len(mapping[best]) % len(best) == 0):
@@ -11779,9 +11792,9 @@ class EditMerge:
         self.region, self.want, self.new, self.ops, self.level = region, want, new, ops, level
         written = set(j for tag, _, _, j1, j2 in ops if tag != "equal" for j in range(j1, j2))
         # the model's unit as the lines it wrote nest, and the file's
-        mine = indent_step(new, written)
-        self.units = (IndentUnit(mine.columns, file_step.text)
-                      if mine and mine.columns in (2, 4, 8) and file_step else None)
+        model_step = indent_step(new, written)
+        self.place_unit = (IndentUnit(model_step.columns, file_step.text) if model_step
+                           and model_step.columns in (2, 4, 8) and file_step else None)
         # as_sent: an unmapped line at column 0 stays there
         self.cr, self.what, self.as_sent = cr, what, as_sent
         self.plain = [l[:-1] if l.endswith("\r") else l for l in region]
@@ -11813,7 +11826,8 @@ class EditMerge:
         # same unit: the model's indentation is the file's, and a new line's is too.
         same = sum(1 for a, b in texts if leading(a) == leading(b))
         self.as_is = same >= 2 and len(texts) - same <= 1 and (
-            self.units is None or self.units.columns == len(self.units.text.expandtabs(4)))
+            self.place_unit is None
+            or self.place_unit.columns == len(self.place_unit.text.expandtabs(4)))
         self.indent_chars = set(file_step.text if file_step
                                 else "".join(leading(f) for f in self.plain))
         # the line that is off is the slip, not a level to follow
@@ -11859,27 +11873,27 @@ class EditMerge:
         """The region's lines after the edit (CR kept where the file has it)."""
         out, rp, align = [], 0, self.align
         for tag, i1, i2, j1, j2 in self.ops:
-            mine = [align[w] for w in range(i1, i2) if align[w] is not None]
-            ahead = next((r for r in align[i2:] if r is not None), len(self.region))
+            rows = [align[w] for w in range(i1, i2) if align[w] is not None]
+            next_row = next((r for r in align[i2:] if r is not None), len(self.region))
             if tag == "insert":
-                if rp < ahead:
+                if rp < next_row:
                     raise self.refuse(
                         "the file has %s at line %d of the match that %s lacks, just where the"
                         " new lines go; copy %s with the file's blank lines"
-                        % (plural(ahead - rp, "blank line"), rp + 1, self.what, self.what))
+                        % (plural(next_row - rp, "blank line"), rp + 1, self.what, self.what))
                 for j in range(j1, j2):
                     out.append(self.new_line(j))
                 continue
-            if not mine:                    # only blank lines the file does not have
+            if not rows:                    # only blank lines the file does not have
                 for j in range(j1, j2) if tag == "replace" else ():
                     out.append(self.new_line(j))
                 continue
             # blank lines old_str lacks, before the block: kept
-            out += self.region[rp:mine[0]]
+            out += self.region[rp:rows[0]]
             if tag == "equal":
-                out += self.region[mine[0]:mine[-1] + 1]
+                out += self.region[rows[0]:rows[-1] + 1]
             elif tag == "replace":
-                inside = [r for r in range(mine[0], mine[-1] + 1) if r not in mine]
+                inside = [r for r in range(rows[0], rows[-1] + 1) if r not in rows]
                 if inside:
                     raise self.refuse("the file has a blank line at line %d of the match, inside"
                                       " the lines the edit changes, that %s lacks"
@@ -11894,7 +11908,7 @@ class EditMerge:
                         w = olds[k]
                         out.append(self.merged_line(self.want[w], j1 + m, self.plain[align[w]]) +
                                    ("\r" if self.region[align[w]].endswith("\r") else ""))
-            rp = mine[-1] + 1
+            rp = rows[-1] + 1
         return out + self.region[rp:]
 
     def parent(self, j):
@@ -11910,7 +11924,7 @@ class EditMerge:
         """Whether new line j is placed by whole units under the one line whose indentation
         is off (then its own is not known)."""
         parent = self.parent(j)
-        unit = self.units.columns if self.units else 4
+        unit = self.place_unit.columns if self.place_unit else 4
         return parent in self.off and (len(leading(self.new[j]).expandtabs(4))
                                        - len(parent.expandtabs(4))) % unit == 0
 
@@ -11919,7 +11933,8 @@ class EditMerge:
         from the matched lines); a refusal where that mapping is not one."""
         if not line.strip():
             return ""
-        mapped = with_indent(line, self.mapping, self.units) if self.mapping is not None else None
+        mapped = (with_indent(line, self.mapping, self.place_unit)
+                  if self.mapping is not None else None)
         if mapped is not None:
             return mapped
         if leading(line) in self.known:
@@ -12001,9 +12016,9 @@ class EditMerge:
                     if gap:
                         # the file's gap where old_str has none: after the text put between
                         # the two, unless it goes with k
-                        ahead = p < i1 and not self.text_continues(
+                        before_last = p < i1 and not self.text_continues(
                             out[-1], wu[p].original, wu[k].original)
-                        out.insert(len(out) - ahead, gap)
+                        out.insert(len(out) - before_last, gap)
                     out.append(fu[twin[k]].original)
                 elif (p, q) not in gaps:                # at an end of the line
                     out.append(wu[k].original)
@@ -12036,8 +12051,8 @@ class EditMerge:
             wu, fu = text_units(wc), text_units(fc)
             ws, fs = solids(wu), solids(fu)
             for (p, q), (fp, fq) in zip(zip(ws, ws[1:]), zip(fs, fs[1:])):
-                gap, mine = original_text(fu[fp + 1:fq]), original_text(wu[p + 1:q])
-                if len(gap) > max(1, len(mine)) and gap.isspace():
+                file_gap, old_gap = original_text(fu[fp + 1:fq]), original_text(wu[p + 1:q])
+                if len(file_gap) > max(1, len(old_gap)) and file_gap.isspace():
                     token = original_text(fu[fq:]).split()[0]
                     cols.setdefault(token, []).append(len(lead) + len(original_text(fu[:fq])))
         return {t: c[0] for t, c in cols.items() if len(c) > 1 and len(set(c)) == 1}
@@ -12221,13 +12236,13 @@ def keep_befores(session, changes):
     """An edit's changes for the undo history, each file's bytes before put in the session's
     checkpoint store (one store for checkpoints and undo_edit) where it has one with room;
     held in memory where not (checkpoints off, the budget spent)."""
-    points = session.checkpoints
-    if points is None or not points.open_store():
+    checkpoints = session.checkpoints
+    if checkpoints is None or not checkpoints.open_store():
         return changes
     kept = {}
     for real, (before, mode, after) in changes.items():
         if before:
-            digest, _ = points.put(before)
+            digest, _ = checkpoints.put(before)
             before = before if digest is None else StoredBytes(digest, len(before))
         kept[real] = (before, mode, after)
     return kept
@@ -12882,11 +12897,11 @@ def relative_to_root(roots, path):
 
 def session_checkpoints(session):
     """The session's Checkpoints, or ToolError when checkpoints are off."""
-    points = session.checkpoints
-    if points is None or not points.open_store():
-        raise ToolError(IO_ERROR, "checkpoints are off: %s" % (points.store.why if points else
-                                                                    "--checkpoint-budget off"))
-    return points
+    checkpoints = session.checkpoints
+    if checkpoints is None or not checkpoints.open_store():
+        raise ToolError(IO_ERROR, "checkpoints are off: %s" % (
+            checkpoints.store.why if checkpoints else "--checkpoint-budget off"))
+    return checkpoints
 
 
 def named(paths, root_of):
@@ -12921,37 +12936,39 @@ def running_note(session):
 def tool_checkpoints(session, args, ctx):
     """checkpoints: each checkpoint, newest first, with what changed after it; what is covered.
     With since: the diff from that checkpoint to now instead."""
-    points = session_checkpoints(session)
-    roots = points.roots
+    checkpoints = session_checkpoints(session)
+    roots = checkpoints.roots
     root_of = lambda p: relative_to_root(roots, p)
-    with points.held(ctx.cancelled):
-        latest = points.current(ctx.cancelled)
+    with checkpoints.held(ctx.cancelled):
+        latest = checkpoints.current(ctx.cancelled)
         if args.get("since") is not None:
             if latest is None:
                 raise ToolError(INVALID_INPUT, "cancelled while the workspace was being read")
-            return checkpoint_diff(points, points.find(args["since"]), latest,
+            return checkpoint_diff(checkpoints, checkpoints.find(args["since"]), latest,
                                    args.get("offset") or 0, ctx.config.max_result_chars - 400)
-        kept = list(points.list)
-        stored, budget, where = points.store.stored, points.store.budget, points.store.dir
+        kept = list(checkpoints.list)
+        store = checkpoints.store
+        stored, budget, where = store.stored, store.budget, store.dir
     lines = ["Checkpoints of %s (one before each call that can change files; rewind puts one back):"
              % ", ".join(roots)]
     for k in range(len(kept) - 1, -1, -1):
-        point = kept[k]
+        checkpoint = kept[k]
+        partial, followed = checkpoint.partial, checkpoint.followed
         changes = "" if k + 1 == len(kept) else "- changed after it: " + change_words(
-            entry_changes(point, kept[k + 1], point.partial), root_of)
+            entry_changes(checkpoint, kept[k + 1], partial), root_of)
         lines.append("#%d  %s  %s  %s%s" % (
-            point.number, time.strftime("%H:%M:%S", time.localtime(point.taken)),
-            "before " + ", ".join(point.followed) if point.followed else "(the state now)",
-            "(covers part: %s)  " % point.partial if point.partial and k + 1 < len(kept) else "",
+            checkpoint.number, time.strftime("%H:%M:%S", time.localtime(checkpoint.taken)),
+            "before " + ", ".join(followed) if followed else "(the state now)",
+            "(covers part: %s)  " % partial if partial and k + 1 < len(kept) else "",
             changes))
     if latest is not None:
         # (a directory at a time: no list of every entry at once)
         kinds, size = Counter(), 0
         for packed in latest.dirs.values():
-            for kind, _, digest, length, _, _, _ in unpack_children(packed).values():
+            for entry in unpack_children(packed).values():
                 # (a file not covered is not counted)
-                kinds[kind] += kind != "f" or digest is not None
-                size += length if kind == "f" else 0
+                kinds[entry.kind] += entry.kind != "f" or entry.data is not None
+                size += entry.size if entry.kind == "f" else 0
         lines.append("Covered now: %d files, %d directories, %d symlinks (%s); the store keeps %s"
                      " of a %s budget in %s."
                      % (kinds["f"], kinds["d"], kinds["l"], human_size(size), human_size(stored),
@@ -12965,7 +12982,7 @@ def tool_checkpoints(session, args, ctx):
     return "\n".join(lines) + running_note(session)
 
 
-def checkpoint_diff(points, target, now, offset, cap):
+def checkpoint_diff(checkpoints, target, now, offset, cap):
     """What changed from checkpoint `target` to `now` (the state just read) as git writes a
     diff: a header per file, mode lines, hunks of text, a line for a binary file or one the
     checkpoint did not cover; files past `cap` characters are left to a read-on notice."""
@@ -12980,7 +12997,7 @@ def checkpoint_diff(points, target, now, offset, cap):
 
     def file_diff(p):
         """One file's part: its header and mode lines, then its hunks or why they are not shown."""
-        name = relative_to_root(points.roots, p)
+        name = relative_to_root(checkpoints.roots, p)
         a, b = old.get(p), cur.get(p)
         a, b = (None if e is None or e.kind == "d" else e for e in (a, b))
         text = ["diff --git a/%s b/%s\n" % (name, name)]
@@ -12995,11 +13012,11 @@ def checkpoint_diff(points, target, now, offset, cap):
             if a is not None and a.kind == "l":
                 before = os.fsencode(a.data)
             elif a is not None and a.data:
-                before = points.bytes_of(p, a.data, readers)
+                before = checkpoints.bytes_of(p, a.data, readers)
             if b is not None and b.kind == "l":
                 after = os.fsencode(b.data)
             elif b is not None:
-                after = read_regular(p, name, points.config.max_file_size)[0]
+                after = read_regular(p, name, checkpoints.config.max_file_size)[0]
         except (OSError, ToolError) as e:
             text.append("# not shown: %s\n" % (getattr(e, "message", None) or e.strerror or e))
             before = after = b""
@@ -13048,23 +13065,23 @@ def git_mode(entry):
 def tool_rewind(session, args, ctx):
     """rewind: the workspace (or some paths of it) back to a checkpoint; the state before is a
     checkpoint."""
-    points = session_checkpoints(session)
+    checkpoints = session_checkpoints(session)
     within = [resolve_checked(session, ctx, p, "paths") for p in args.get("paths") or []]
 
-    root_of = lambda p: relative_to_root(points.roots, p)
+    root_of = lambda p: relative_to_root(checkpoints.roots, p)
     listed = lambda pairs: ", ".join("%s (%s)" % (root_of(p), w) for p, w in pairs)
-    with points.held(ctx.cancelled):
-        target = points.find(args["checkpoint"])
-        now = points.current(ctx.cancelled)
+    with checkpoints.held(ctx.cancelled):
+        target = checkpoints.find(args["checkpoint"])
+        now = checkpoints.current(ctx.cancelled)
         if now is None:
             raise ToolError(INVALID_INPUT, "cancelled, or the session ended, while the workspace"
                             " was being read; nothing was rewound")
         if args.get("dry_run"):
-            plan = points.rewind(target, now, within, ctx.files, dry=True)
+            plan = checkpoints.rewind(target, now, within, ctx.files, dry=True)
             return "Dry run: rewinding to checkpoint %d would change %s.%s" % (
                 target.number, listed(plan[0]) or "nothing",
                 "" if not plan[1] else " It could not: %s." % listed(plan[1]))
-        done, failed = points.rewind(target, now, within, ctx.files)
+        done, failed = checkpoints.rewind(target, now, within, ctx.files)
     words = {}
     for p, w in done:
         words.setdefault(w, []).append(p)
@@ -14365,9 +14382,9 @@ ESCAPE = "错误：路径越出工作区限制"
 
 
 def workspace_path(ctx, path):
-    """The workspace tools' one resolver (the requirement names it _assert_safe_path):
-    the canonical path inside the workspace root (and allow/deny), or their fixed
-    string for an escape and for a path that is not valid (NUL byte, too long)."""
+    """The workspace tools' one resolver: the canonical path inside the workspace root
+    (and allow/deny), or their fixed string for an escape and for a path that is not valid
+    (NUL byte, too long)."""
     try:
         return ctx.policy.confine(path)
     except ToolError as e:
@@ -14392,13 +14409,13 @@ def workspace_error(e, path, doing):
 
 def workspace_note(config, prefer):
     """What every workspace tool's description ends with: its paths, its errors, and the tool
-    to `prefer` for coding work (the workspace tools answer as requirement 004 writes)."""
+    to `prefer` for coding work."""
     return ("Paths: relative to the workspace root %s, never outside. Errors start with 错误."
             " For code, prefer %s." % (config.workdir, prefer))
 
 
 def workspace_argument_error(e):
-    """A refused path argument in the workspace tools' fixed words (seed 004)."""
+    """A refused path argument in the workspace tools' fixed Chinese words."""
     return plain_error("错误：路径无效: %s" % e.message, e.code) if e.detail == "path" else e
 
 
@@ -14592,11 +14609,12 @@ def tool_web_fetch(session, args, ctx):
 
 WORKER_IDLE_S = 30.0                       # an idle worker thread retires after this
 
-
+# The levels logging/setLevel may name (MCP's, after syslog)
+MCP_LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
 # Arguments clients add to every tool for themselves, dropped unseen (other unknown
 # arguments stay errors: they catch typos). Gemini CLI: wait_for_previous.
-MCP_LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
 INJECTED_ARGUMENTS = frozenset(("wait_for_previous",))
+
 
 def brief(value, most=80):
     """A value as JSON for an error message, at most `most` characters."""
@@ -15032,10 +15050,10 @@ class McpServer:
                           self.client_name(meta, session), self.sandbox, self.files)
 
         def run():
-            points = self.checkpoints_of(session) if tool.changes else None
+            checkpoints = self.checkpoints_of(session) if tool.changes else None
             try:
-                note = (points.before(call_summary(name, args), cancelled)
-                        if points is not None else None)
+                note = (checkpoints.before(call_summary(name, args), cancelled)
+                        if checkpoints is not None else None)
                 # cancelled while it waited: it never ran, nobody reads this
                 if note is False:
                     result = {"content": [text_block("cancelled before it ran")], "isError": True}
@@ -15043,8 +15061,8 @@ class McpServer:
                     try:
                         result = self.run_tool(tool, session, args, ctx)
                     finally:
-                        if points is not None:
-                            points.after()
+                        if checkpoints is not None:
+                            checkpoints.after()
                     if note:
                         result["content"].append(text_block(note))
                 if modern is not None:

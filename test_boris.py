@@ -4983,7 +4983,7 @@ class TestRewind(NoViewBase):
             points.after()
             self.assertTrue(wait_until(lambda: points.list and not points.scanner))
             points.close()
-        self.assertEqual(callers[:2], ["parse", "stop_why"])
+        self.assertEqual(callers[:2], ["parse", "should_stop"])
 
     @unittest.skipUnless(shutil.which("git"), "no git here")
     def test_a_nested_repository_is_entered_every_walk(self):
