@@ -9083,7 +9083,7 @@ class Session:
         self.log_level = None
         # undo_edit's history, oldest first: (tool, {real: (before, mode, after)})
         self.edits = []
-        self.checkpoints = None     # its Checkpoints of the workspace (the server makes them)
+        self.checkpoints = None     # its Checkpoints (the server makes them: initialized, a call)
 
     def add_task(self, task):
         """Make `task` one of the session's background tasks; '' when it is, else why
@@ -12881,11 +12881,11 @@ def relative_to_root(roots, path):
 
 
 def session_checkpoints(session):
-    """The session's Checkpoints, or ToolError when checkpoints are off."""
+    """The session's Checkpoints (the server made them before the call), or ToolError when
+    checkpoints are off."""
     points = session.checkpoints
-    if points is None or not points.open_store():
-        raise ToolError(IO_ERROR, "checkpoints are off: %s" % (points.store.why if points else
-                                                                    "--checkpoint-budget off"))
+    if not points.open_store():
+        raise ToolError(IO_ERROR, "checkpoints are off: " + points.store.why)
     return points
 
 
@@ -15032,10 +15032,11 @@ class McpServer:
                           self.client_name(meta, session), self.sandbox, self.files)
 
         def run():
-            points = self.checkpoints_of(session) if tool.changes else None
+            # made here too: a client may skip notifications/initialized, and checkpoints and
+            # rewind read them
+            points = self.checkpoints_of(session)
             try:
-                note = (points.before(call_summary(name, args), cancelled)
-                        if points is not None else None)
+                note = points.before(call_summary(name, args), cancelled) if tool.changes else None
                 # cancelled while it waited: it never ran, nobody reads this
                 if note is False:
                     result = {"content": [text_block("cancelled before it ran")], "isError": True}
@@ -15043,7 +15044,7 @@ class McpServer:
                     try:
                         result = self.run_tool(tool, session, args, ctx)
                     finally:
-                        if points is not None:
+                        if tool.changes:
                             points.after()
                     if note:
                         result["content"].append(text_block(note))

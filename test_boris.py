@@ -8958,6 +8958,13 @@ class TestProtocol(Base):
             msg["params"] = params
         return self.send(msg)[-1]
 
+    def test_checkpoints_answer_a_client_that_skipped_initialized(self):
+        """A client that never sends notifications/initialized (or a stateless 2026-07-28
+        request) still has checkpoints: the call makes them, as the notification would."""
+        r = self.req("tools/call", {"name": "checkpoints", "arguments": {}})["result"]
+        self.assertFalse(r["isError"], r)
+        self.assertNotIn("checkpoints are off", r["content"][0]["text"])
+
     def test_initialize_negotiates_version(self):
         for v in ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"):
             r = self.req("initialize", {"protocolVersion": v, "capabilities": {}})["result"]
