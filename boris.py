@@ -14403,8 +14403,8 @@ def workspace_argument_error(e):
 
 
 @tool("read_file", lambda config: "Read a text file from the workspace and return its content"
-      " (a long one up to 100,000 characters, with the offset to read on). "
-      + workspace_note(config, "view"), obj({
+      " (a long one up to {:,} characters, with the offset to read on). ".format(
+          config.max_result_chars - 300) + workspace_note(config, "view"), obj({
           "path": prop("string", "File path inside the workspace."),
           "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
           "offset": prop("integer", "First line to return, 1-based (default 1)."),

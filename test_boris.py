@@ -8354,6 +8354,14 @@ class TestWorkspaceTools(NoViewBase):
         self.real_stderr, sys.stderr = sys.stderr, self.stderr
         self.addCleanup(setattr, sys, "stderr", self.real_stderr)
 
+    def test_read_file_says_the_cap_it_keeps(self):
+        build(self, self.ws, ["--max-result-chars", "20000"])
+        self.assertIn("up to 19,700 characters", self.server.tools["read_file"].description)
+        with open(os.path.join(self.ws, "long.txt"), "w") as f:
+            f.write(("x" * 99 + "\n") * 1000)
+        body = self.ok("read_file", path="long.txt").split("\n")[1:-1]   # the notices off
+        self.assertTrue(19600 < len("\n".join(body)) + 1 <= 19700, len("\n".join(body)))
+
     def test_seed004_read_file(self):
         with open(os.path.join(self.ws, "data", "file.txt"), "w") as f:
             f.write("hello\nworld\n")
