@@ -195,6 +195,7 @@ KILL_GRACE_S = 5.0                         # SIGTERM -> SIGKILL
 MAX_BACKGROUND_TASKS = 10
 PROGRESS_INTERVAL_S = 0.1                  # at most ~10 progress notifications a second
 PROGRESS_LINE_CHARS = 200                  # a progress message shows the last line cut to this
+WAIT_FOR_LINE_CHARS = 1000                 # of each output line, what wait_for looks at
 
 SEARCH_TIMEOUT_S = 60.0                    # a search is stopped here, its partial results kept
 DOC_MEMBER_BYTES = 64 << 20                # view of an office document: a part
@@ -7837,14 +7838,14 @@ def helper_search():
 
 
 def match_job(job):
-    """[True] when a line (its first 1,000 characters) of job['text'] matches the
+    """[True] when a line (its first WAIT_FOR_LINE_CHARS) of job['text'] matches the
     regex job['pattern'], else [False]: a wait_for test, run where it can be killed."""
     try:
         rx = re.compile(job["pattern"], re.MULTILINE)
     except (re.error, RecursionError, OverflowError, ValueError) as e:
         raise ToolError(INVALID_INPUT, "wait_for %r is not a valid regular expression: %s"
                         % (shorten(job["pattern"]), e))
-    return [any(rx.search(line[:1000]) for line in job["text"].splitlines())]
+    return [any(rx.search(line[:WAIT_FOR_LINE_CHARS]) for line in job["text"].splitlines())]
 
 
 # -- the helper pool ---------------------------------------------------------------
@@ -11018,10 +11019,11 @@ class Notebook:
 VIEW_DESC = ("View, open or read a file's contents with line numbers (cat -n style), list a "
              "directory two levels deep, see an image (PNG, JPEG, GIF, WebP, SVG), read a PDF's "
              "text page by page, or read Word, Excel, PowerPoint and OpenDocument files (.docx "
-             ".xlsx .pptx .odt .ods .odp) as Markdown. Files over 2,000 lines show their first "
-             "2,000 lines unless view_range is given; lines over 2,000 characters are cut. A cut "
+             ".xlsx .pptx .odt .ods .odp) as Markdown. Files over {0:,} lines show their first "
+             "{0:,} lines unless view_range is given; lines over {1:,} characters are cut. A cut "
              "result starts and ends with a line giving the view_range that reads on. Binary files "
-             "are reported by size only. Viewing a file is required before editing it.")
+             "are reported by size only. Viewing a file is required before editing it.").format(
+                 VIEW_MAX_LINES, VIEW_MAX_LINE_CHARS)
 
 
 PAGES_PROP = prop("string", "For a PDF: the page or pages to read, \"3\" or \"3-5\" (default:"
@@ -13843,7 +13845,7 @@ def task_answer(task, session, ctx):
 
 
 def output_test(ctx, pattern, deadline):
-    """text -> whether a line of text (its first 1,000 characters) matches the
+    """text -> whether a line of text (its first WAIT_FOR_LINE_CHARS) matches the
     wait_for `pattern`. A literal is tested here with `in`; a regex only ever runs
     in a helper (ctx.helpers), bounded by `deadline` and cancel, and is checked
     there once now, so a malformed one is an error at once."""
@@ -13851,7 +13853,7 @@ def output_test(ctx, pattern, deadline):
     if not set(pattern) & _REGEX_META:
         if "\n" in pattern:       # a literal that spans lines is looked for across them
             return lambda text: pattern in terminal_text(text)
-        return lambda text: any(pattern in line[:1000] for line in text.splitlines())
+        return lambda text: any(pattern in line[:WAIT_FOR_LINE_CHARS] for line in text.splitlines())
 
     def matches(text):
         left = deadline - time.monotonic()
@@ -14561,16 +14563,16 @@ WEB_FETCH_WORDS = {
 
 
 @tool("web_fetch", "Fetch a web page by URL (http, https) and return its readable content: HTML"
-      " as light Markdown (no scripts or styles), JSON and plain text as they are; at most 5,000"
+      " as light Markdown (no scripts or styles), JSON and plain text as they are; at most {:,}"
       " characters, and a cut page ends with the start_index to read on. Errors start with 错误"
-      " (error).", obj({
+      " (error).".format(WEB_MAX_CHARS), obj({
           "url": prop("string", "The http:// or https:// URL."),
           "timeout": prop("integer", "Seconds the whole fetch may take (default 10, max 120)."),
           "start_index": prop("integer", "Character offset to read on from."),
       }, ["url"]), notes("Fetch web page", read_only=True, open_world=True),
       argument_error=workspace_argument_error, lane="shell", hint="fetch web page, docs")
 def tool_web_fetch(session, args, ctx):
-    """web_fetch: a page as light Markdown (or JSON or text), 5,000 characters at a time."""
+    """web_fetch: a page as light Markdown (or JSON or text), WEB_MAX_CHARS at a time."""
     url, timeout = args["url"], args.get("timeout", 10)
     if not 0 < timeout <= 120:
         raise plain_error("错误：timeout 必须在 1 到 120 秒之间: %s" % timeout)
