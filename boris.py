@@ -647,7 +647,8 @@ def parse_config(argv, environ):
     if not os.path.isdir(workdir):
         raise ConfigError("--workdir %r is not a directory" % config.workdir)
     config.workdir = os.path.realpath(workdir)
-    config.timeout = config.timeout or 120.0
+    if not config.timeout:          # (a second default here would hide a mistyped flag)
+        raise ConfigError("--timeout must be above 0 seconds: it is a command's time limit")
     network = config.sandbox_network
     if network in (["on"], ["off"], []):
         config.sandbox_network = {"on": True, "off": False}.get("".join(network))

@@ -342,6 +342,11 @@ class TestConfig(unittest.TestCase):
             with self.assertRaises(boris.ConfigError, msg=argv):
                 self.parse(argv)
 
+    def test_a_zero_timeout_is_refused_not_made_120(self):
+        for argv, env in ((["--timeout", "0"], {}), ([], {"BORIS_TIMEOUT": "0"})):
+            with self.assertRaisesRegex(boris.ConfigError, "^--timeout must be above 0", msg=env):
+                self.parse(argv, env)
+
     def test_bad_env_value_names_the_variable(self):
         with self.assertRaises(boris.ConfigError) as cm:
             self.parse([], {"BORIS_MAX_FILE_SIZE": "huge"})
