@@ -2353,24 +2353,6 @@ def net_filter_available():
     return r < 0 and ctypes.get_errno() in (errno.EFAULT, errno.EACCES)
 
 
-def apply_net_filter(supervised=False, fprog=None):
-    """Install net_filter on this process (no_new_privs is set already, by
-    Landlock.restrict): inherited by all it starts, never lifted. supervised: connect
-    calls go to a listener, whose descriptor is returned (else None). `fprog`: the
-    program as net_fprog made it, ahead."""
-    ctypes, libc = _libc()
-    fprog = fprog or net_fprog(supervised)
-    if supervised:                              # seccomp(SET_MODE_FILTER, FLAG_NEW_LISTENER, prog)
-        fd = libc.syscall(SECCOMP_ABIS[os.uname().machine][1]["seccomp"], 1, 8, fprog[0])
-        if fd < 0:
-            raise OSError(ctypes.get_errno(),
-                          "seccomp listener: %s" % os.strerror(ctypes.get_errno()))
-        return fd
-    if libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), fprog[0], 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "seccomp filter: %s" % os.strerror(ctypes.get_errno()))
-    return None
-
-
 def net_fprog(supervised, inet=False):
     """(struct sock_fprog, the program it points to) of net_filter, as ctypes buffers."""
     ctypes, _ = _libc()
@@ -2380,6 +2362,25 @@ def net_fprog(supervised, inet=False):
     buf = ctypes.create_string_buffer(program, len(program))
     return ctypes.create_string_buffer(struct.pack("@HP", len(program) // 8,
                                                    ctypes.addressof(buf))), buf
+
+
+def apply_net_filter(supervised=False, fprog=None):
+    """Install net_filter on this process, no_new_privs set first: inherited by all it
+    starts, never lifted. supervised: connect calls go to a listener, whose descriptor is
+    returned (else None). `fprog`: the program as net_fprog made it, ahead."""
+    ctypes, libc = _libc()
+    fprog = fprog or net_fprog(supervised)
+    # set again where Landlock.restrict set it (a no-op); where it failed, seccomp's EACCES says so
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    if supervised:                              # seccomp(SET_MODE_FILTER, FLAG_NEW_LISTENER, prog)
+        fd = libc.syscall(SECCOMP_ABIS[os.uname().machine][1]["seccomp"], 1, 8, fprog[0])
+        if fd < 0:
+            raise OSError(ctypes.get_errno(),
+                          "seccomp listener: %s" % os.strerror(ctypes.get_errno()))
+        return fd
+    if libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), fprog[0], 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "seccomp filter: %s" % os.strerror(ctypes.get_errno()))
+    return None
 
 
 class Landlock:

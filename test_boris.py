@@ -2212,6 +2212,15 @@ class TestSandboxConfiguration(unittest.TestCase):
         self.assertEqual(len(err.getvalue().strip().split("\n")), 1, err.getvalue())
         self.assertIn("Landlock", err.getvalue())
 
+    @unittest.skipUnless(boris.net_filter_available(), "no seccomp here")
+    def test_the_net_filter_sets_no_new_privs_itself(self):
+        """Without Landlock before it (as root, seccomp would take the filter without it)."""
+        out = subprocess.run([sys.executable, "-c", "import boris; boris.apply_net_filter();"
+                              " print(open('/proc/self/status').read())"], cwd=HERE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertRegex(out.stdout.decode(), r"NoNewPrivs:\s+1\n(.|\n)*Seccomp:\s+2\n")
+
     def test_no_seccomp_no_sandbox_with_the_network_off(self):
         """Issue 29: an explicit sandbox whose socket filter cannot be installed stops
         start-up with one line; auto says it fell back; network on needs no filter."""
