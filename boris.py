@@ -7954,7 +7954,7 @@ class HelperPool:
                 return idle
             if idle is None:                      # prime()'s, perhaps still booting, or a new one
                 primed = bool(self.primed)
-                box = self.primed.pop() if primed else self.request()
+                box = self.primed.pop() if primed else self.request_locked()
             else:
                 self.idle.remove(idle)
         if idle is not None:
@@ -7982,11 +7982,12 @@ class HelperPool:
         when a helper is there already or the pool is closed."""
         with self.lock:
             if not self.closed and not self.idle and not self.busy and not self.primed:
-                self.primed = [self.request() for _ in range(SEARCH_SLICES)]
+                self.primed = [self.request_locked() for _ in range(SEARCH_SLICES)]
 
-    def request(self):
+    def request_locked(self):
         """Ask the pool's thread (started on first use) for a new helper: the box it will be
-        put in (an OSError in it once the pool is closed). The caller holds the lock."""
+        put in (an OSError in it once the pool is closed). The caller holds the lock (the name
+        says so, as the standard library's _locked methods do)."""
         if self.closed:
             box = queue.SimpleQueue()
             box.put(OSError(errno.ESHUTDOWN, "the search helpers were stopped with their server"))
@@ -8002,7 +8003,7 @@ class HelperPool:
 
     @staticmethod
     def collect(box, timeout=None):
-        """The helper put in `box` (request()), or its OSError raised."""
+        """The helper put in `box` (request_locked()), or its OSError raised."""
         proc = box.get(timeout=timeout)
         if isinstance(proc, Exception):
             raise proc
@@ -9956,6 +9957,7 @@ class Checkpoints:
     def ask(self):
         """Ask the scanning thread (started when not running) for a checkpoint of the state as
         it is now; the number its walk answers. The caller holds cond."""
+        self.cond.notify_all()      # first: RuntimeError, nothing changed, where it is not held
         self.asked += 1
         if not self.scanner and not self.closed:
             self.scanner = True
@@ -9966,7 +9968,6 @@ class Checkpoints:
                 self.scanner = False
                 self.answered = self.asked
                 log("error", "no thread for a checkpoint", error=_traceback())
-        self.cond.notify_all()
         return self.asked
 
     def run(self):
@@ -10118,6 +10119,7 @@ class Checkpoints:
         only the base of the next walk); a background walk gives way to the session's other
         calls. A file newly seen with other hard links may be one whose changes through that
         link raise no event: then no directory is quiet any more and the walk is made again."""
+        assert self.turn
         with self.cond:
             self.handed = False
         linked, w = len(self.linked), self.cache.watches
@@ -10150,6 +10152,7 @@ class Checkpoints:
     def record(self, point):
         """Keep `point` as the newest checkpoint (the caller holds cond): as the latest, with
         fresher stats, when it holds the same state; the oldest go past the bounds."""
+        self.cond.notify_all()      # RuntimeError, nothing changed, where cond is not held
         if self.list and not self.list[-1].partial and point.same_as(self.list[-1]):
             # the same state: fresher stats, same checkpoint
             self.list[-1].dirs = point.dirs

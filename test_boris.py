@@ -9582,6 +9582,17 @@ class TestCheckpointWaits(NoViewBase):
         self.addCleanup(go.set)
         return go
 
+    def test_what_needs_cond_or_the_turn_refuses_a_caller_without_it(self):
+        points = self.server.checkpoints_of(self.session)
+        with self.assertRaises(RuntimeError):
+            points.ask()
+        with self.assertRaises(RuntimeError):
+            points.record(boris.Checkpoint(1, {}, 0, [], False))
+        self.assertEqual((points.asked, points.scanner, points.list), (0, False, []))  # untouched
+        with self.assertRaises(AssertionError):
+            points.scan()
+        self.assertEqual(take(points).number, 1)                    # with the turn: taken
+
     def test_a_cancel_ends_a_wait_for_a_checkpoint(self):
         for i in range(300):
             self.write("t/f%d.txt" % i, "x")
