@@ -9881,6 +9881,7 @@ def entry_changes(old, new, partial=False):
 
 # -- a session's checkpoints ------------------------------------------------------
 NOT_CANCELLED = threading.Event()      # never set: the `cancelled` of a call nobody can cancel
+CANCELLED_BEFORE = object()            # Checkpoints.before: the call was cancelled while it waited
 
 
 class Checkpoints:
@@ -9996,7 +9997,7 @@ class Checkpoints:
         before it (the first one, or the one the last call's end asked for): at most
         CHECKPOINT_WAIT_S, then with what its walk has so far (a partial checkpoint), and
         note the call on the latest checkpoint. None, or a line for the call's answer when
-        the checkpoint before it is partial; False when the call was cancelled first."""
+        the checkpoint before it is partial; CANCELLED_BEFORE when the call was cancelled first."""
         if not self.open_store():
             return None
         deadline, missing = time.monotonic() + CHECKPOINT_WAIT_S, None
@@ -10017,7 +10018,7 @@ class Checkpoints:
                     if self.answered >= target:
                         break
                     if cancelled.is_set():
-                        return False
+                        return CANCELLED_BEFORE
                     now = time.monotonic()
                     if now >= deadline and self.turn and self.walk_for >= target:
                         # it hands its part soon (stop_why)
@@ -15045,7 +15046,7 @@ class McpServer:
             try:
                 note = points.before(call_summary(name, args), cancelled) if tool.changes else None
                 # cancelled while it waited: it never ran, nobody reads this
-                if note is False:
+                if note is CANCELLED_BEFORE:
                     result = {"content": [text_block("cancelled before it ran")], "isError": True}
                 else:
                     try:

@@ -9607,9 +9607,9 @@ class TestCheckpointWaits(NoViewBase):
         self.assertTrue(wait_until(lambda: points.waiters == 1))
         cancelled.set()
         waiter.join(10)
-        self.assertEqual(answer, [False])                  # it ended, saying it was cancelled
-        go.set()
+        go.set()                          # first: tearDown waits for the walk
         scanning.join(10)
+        self.assertEqual(answer, [boris.CANCELLED_BEFORE])   # it ended, saying it was cancelled
         self.assertFalse(scanning.is_alive())
 
     def test_a_call_behind_an_older_walk_goes_on_uncovered_and_says_so(self):
