@@ -195,6 +195,7 @@ KILL_GRACE_S = 5.0                         # SIGTERM -> SIGKILL
 MAX_BACKGROUND_TASKS = 10
 PROGRESS_INTERVAL_S = 0.1                  # at most ~10 progress notifications a second
 PROGRESS_LINE_CHARS = 200                  # a progress message shows the last line cut to this
+WAIT_FOR_LINE_CHARS = 1000                 # of each output line, what wait_for looks at
 
 SEARCH_TIMEOUT_S = 60.0                    # a search is stopped here, its partial results kept
 DOC_MEMBER_BYTES = 64 << 20                # view of an office document: a part
@@ -647,7 +648,8 @@ def parse_config(argv, environ):
     if not os.path.isdir(workdir):
         raise ConfigError("--workdir %r is not a directory" % config.workdir)
     config.workdir = os.path.realpath(workdir)
-    config.timeout = config.timeout or 120.0
+    if not config.timeout:          # (a second default here would hide a mistyped flag)
+        raise ConfigError("--timeout must be above 0 seconds: it is a command's time limit")
     network = config.sandbox_network
     if network in (["on"], ["off"], []):
         config.sandbox_network = {"on": True, "off": False}.get("".join(network))
@@ -2353,13 +2355,27 @@ def net_filter_available():
     return r < 0 and ctypes.get_errno() in (errno.EFAULT, errno.EACCES)
 
 
+def net_fprog(supervised, inet=False):
+    """(struct sock_fprog, the program it points to) of the network seccomp filter
+    (net_filter_program), as ctypes buffers."""
+    ctypes, _ = _libc()
+    program = net_filter_program(os.uname().machine, supervised, inet)
+    if program is None:
+        raise OSError(errno.ENOSYS, "no seccomp system call table for %s" % os.uname().machine)
+    buf = ctypes.create_string_buffer(program, len(program))
+    return ctypes.create_string_buffer(struct.pack("@HP", len(program) // 8,
+                                                   ctypes.addressof(buf))), buf
+
+
 def apply_net_filter(supervised=False, fprog=None):
-    """Install net_filter on this process (no_new_privs is set already, by
-    Landlock.restrict): inherited by all it starts, never lifted. supervised: connect
-    calls go to a listener, whose descriptor is returned (else None). `fprog`: the
-    program as net_fprog made it, ahead."""
+    """Install the network seccomp filter on this process, no_new_privs set first: inherited
+    by all it starts, never lifted. supervised: connect calls go to a listener, whose
+    descriptor is returned (else None). `fprog`: the program as net_fprog made it ahead of
+    time (a launcher makes it before it forks)."""
     ctypes, libc = _libc()
     fprog = fprog or net_fprog(supervised)
+    # set again where Landlock.restrict set it (a no-op); where it failed, seccomp's EACCES says so
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     if supervised:                              # seccomp(SET_MODE_FILTER, FLAG_NEW_LISTENER, prog)
         fd = libc.syscall(SECCOMP_ABIS[os.uname().machine][1]["seccomp"], 1, 8, fprog[0])
         if fd < 0:
@@ -2369,17 +2385,6 @@ def apply_net_filter(supervised=False, fprog=None):
     if libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), fprog[0], 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "seccomp filter: %s" % os.strerror(ctypes.get_errno()))
     return None
-
-
-def net_fprog(supervised, inet=False):
-    """(struct sock_fprog, the program it points to) of net_filter, as ctypes buffers."""
-    ctypes, _ = _libc()
-    program = net_filter_program(os.uname().machine, supervised, inet)
-    if program is None:
-        raise OSError(errno.ENOSYS, "no seccomp system call table for %s" % os.uname().machine)
-    buf = ctypes.create_string_buffer(program, len(program))
-    return ctypes.create_string_buffer(struct.pack("@HP", len(program) // 8,
-                                                   ctypes.addressof(buf))), buf
 
 
 class Landlock:
@@ -7842,14 +7847,14 @@ def helper_search():
 
 
 def match_job(job):
-    """[True] when a line (its first 1,000 characters) of job['text'] matches the
+    """[True] when a line (its first WAIT_FOR_LINE_CHARS) of job['text'] matches the
     regex job['pattern'], else [False]: a wait_for test, run where it can be killed."""
     try:
         rx = re.compile(job["pattern"], re.MULTILINE)
     except (re.error, RecursionError, OverflowError, ValueError) as e:
         raise ToolError(INVALID_INPUT, "wait_for %r is not a valid regular expression: %s"
                         % (shorten(job["pattern"]), e))
-    return [any(rx.search(line[:1000]) for line in job["text"].splitlines())]
+    return [any(rx.search(line[:WAIT_FOR_LINE_CHARS]) for line in job["text"].splitlines())]
 
 
 # -- the helper pool ---------------------------------------------------------------
@@ -7956,7 +7961,7 @@ class HelperPool:
                 return idle
             if idle is None:                      # prime()'s, perhaps still booting, or a new one
                 primed = bool(self.primed)
-                box = self.primed.pop() if primed else self.request()
+                box = self.primed.pop() if primed else self.request_locked()
             else:
                 self.idle.remove(idle)
         if idle is not None:
@@ -7984,11 +7989,12 @@ class HelperPool:
         when a helper is there already or the pool is closed."""
         with self.lock:
             if not self.closed and not self.idle and not self.busy and not self.primed:
-                self.primed = [self.request() for _ in range(SEARCH_SLICES)]
+                self.primed = [self.request_locked() for _ in range(SEARCH_SLICES)]
 
-    def request(self):
+    def request_locked(self):
         """Ask the pool's thread (started on first use) for a new helper: the box it will be
-        put in (an OSError in it once the pool is closed). The caller holds the lock."""
+        put in (an OSError in it once the pool is closed). The caller holds the lock (the name
+        says so, as the standard library's _locked methods do)."""
         if self.closed:
             box = queue.SimpleQueue()
             box.put(OSError(errno.ESHUTDOWN, "the search helpers were stopped with their server"))
@@ -8004,7 +8010,7 @@ class HelperPool:
 
     @staticmethod
     def collect(box, timeout=None):
-        """The helper put in `box` (request()), or its OSError raised."""
+        """The helper put in `box` (request_locked()), or its OSError raised."""
         proc = box.get(timeout=timeout)
         if isinstance(proc, Exception):
             raise proc
@@ -9091,7 +9097,7 @@ class Session:
         self.log_level = None
         # undo_edit's history, oldest first: (tool, {real: (before, mode, after)})
         self.edits = []
-        self.checkpoints = None     # its Checkpoints of the workspace (the server makes them)
+        self.checkpoints = None     # its Checkpoints (McpServer.checkpoints_of, on any call)
 
     def add_task(self, task):
         """Make `task` one of the session's background tasks; '' when it is, else why
@@ -9886,6 +9892,7 @@ def entry_changes(old, new, partial=False):
 
 # -- a session's checkpoints ------------------------------------------------------
 NOT_CANCELLED = threading.Event()      # never set: the `cancelled` of a call nobody can cancel
+CANCELLED_BEFORE = object()            # Checkpoints.before: the call was cancelled while it waited
 
 
 class Checkpoints:
@@ -9963,6 +9970,7 @@ class Checkpoints:
     def ask(self):
         """Ask the scanning thread (started when not running) for a checkpoint of the state as
         it is now; the number its walk answers. The caller holds cond."""
+        self.cond.notify_all()      # first: RuntimeError, nothing changed, where it is not held
         self.asked += 1
         if not self.scanner and not self.closed:
             self.scanner = True
@@ -9973,7 +9981,6 @@ class Checkpoints:
                 self.scanner = False
                 self.answered = self.asked
                 log("error", "no thread for a checkpoint", error=_traceback())
-        self.cond.notify_all()
         return self.asked
 
     def run(self):
@@ -10002,7 +10009,7 @@ class Checkpoints:
         before it (the first one, or the one the last call's end asked for): at most
         CHECKPOINT_WAIT_S, then with what its walk has so far (a partial checkpoint), and
         note the call on the latest checkpoint. None, or a line for the call's answer when
-        the checkpoint before it is partial; False when the call was cancelled first."""
+        the checkpoint before it is partial; CANCELLED_BEFORE when the call was cancelled first."""
         if not self.open_store():
             return None
         deadline, missing = time.monotonic() + CHECKPOINT_WAIT_S, None
@@ -10023,7 +10030,7 @@ class Checkpoints:
                     if self.answered >= target:
                         break
                     if cancelled.is_set():
-                        return False
+                        return CANCELLED_BEFORE
                     now = time.monotonic()
                     if now >= deadline and self.turn and self.walk_for >= target:
                         # it hands its part soon (should_stop)
@@ -10125,6 +10132,7 @@ class Checkpoints:
         only the base of the next walk); a background walk gives way to the session's other
         calls. A file newly seen with other hard links may be one whose changes through that
         link raise no event: then no directory is quiet any more and the walk is made again."""
+        assert self.turn
         with self.cond:
             self.handed = False
         linked, w = len(self.linked), self.cache.watches
@@ -10158,6 +10166,7 @@ class Checkpoints:
     def record(self, checkpoint):
         """Keep `checkpoint` as the newest checkpoint (the caller holds cond): as the latest, with
         fresher stats, when it holds the same state; the oldest go past the bounds."""
+        self.cond.notify_all()      # RuntimeError, nothing changed, where cond is not held
         if self.list and not self.list[-1].partial and checkpoint.same_as(self.list[-1]):
             # the same state: fresher stats, same checkpoint
             self.list[-1].dirs = checkpoint.dirs
@@ -11031,10 +11040,11 @@ class Notebook:
 VIEW_DESC = ("View, open or read a file's contents with line numbers (cat -n style), list a "
              "directory two levels deep, see an image (PNG, JPEG, GIF, WebP, SVG), read a PDF's "
              "text page by page, or read Word, Excel, PowerPoint and OpenDocument files (.docx "
-             ".xlsx .pptx .odt .ods .odp) as Markdown. Files over 2,000 lines show their first "
-             "2,000 lines unless view_range is given; lines over 2,000 characters are cut. A cut "
+             ".xlsx .pptx .odt .ods .odp) as Markdown. Files over {0:,} lines show their first "
+             "{0:,} lines unless view_range is given; lines over {1:,} characters are cut. A cut "
              "result starts and ends with a line giving the view_range that reads on. Binary files "
-             "are reported by size only. Viewing a file is required before editing it.")
+             "are reported by size only. Viewing a file is required before editing it.").format(
+                 VIEW_MAX_LINES, VIEW_MAX_LINE_CHARS)
 
 
 PAGES_PROP = prop("string", "For a PDF: the page or pages to read, \"3\" or \"3-5\" (default:"
@@ -12896,11 +12906,11 @@ def relative_to_root(roots, path):
 
 
 def session_checkpoints(session):
-    """The session's Checkpoints, or ToolError when checkpoints are off."""
+    """The session's Checkpoints (the server made them before the call), or ToolError when
+    checkpoints are off."""
     checkpoints = session.checkpoints
-    if checkpoints is None or not checkpoints.open_store():
-        raise ToolError(IO_ERROR, "checkpoints are off: %s" % (
-            checkpoints.store.why if checkpoints else "--checkpoint-budget off"))
+    if not checkpoints.open_store():
+        raise ToolError(IO_ERROR, "checkpoints are off: " + checkpoints.store.why)
     return checkpoints
 
 
@@ -13860,7 +13870,7 @@ def task_answer(task, session, ctx):
 
 
 def output_test(ctx, pattern, deadline):
-    """text -> whether a line of text (its first 1,000 characters) matches the
+    """text -> whether a line of text (its first WAIT_FOR_LINE_CHARS) matches the
     wait_for `pattern`. A literal is tested here with `in`; a regex only ever runs
     in a helper (ctx.helpers), bounded by `deadline` and cancel, and is checked
     there once now, so a malformed one is an error at once."""
@@ -13868,7 +13878,7 @@ def output_test(ctx, pattern, deadline):
     if not set(pattern) & _REGEX_META:
         if "\n" in pattern:       # a literal that spans lines is looked for across them
             return lambda text: pattern in terminal_text(text)
-        return lambda text: any(pattern in line[:1000] for line in text.splitlines())
+        return lambda text: any(pattern in line[:WAIT_FOR_LINE_CHARS] for line in text.splitlines())
 
     def matches(text):
         left = deadline - time.monotonic()
@@ -14420,8 +14430,8 @@ def workspace_argument_error(e):
 
 
 @tool("read_file", lambda config: "Read a text file from the workspace and return its content"
-      " (a long one up to 100,000 characters, with the offset to read on). "
-      + workspace_note(config, "view"), obj({
+      " (a long one up to {:,} characters, with the offset to read on). ".format(
+          config.max_result_chars - 300) + workspace_note(config, "view"), obj({
           "path": prop("string", "File path inside the workspace."),
           "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
           "offset": prop("integer", "First line to return, 1-based (default 1)."),
@@ -14578,16 +14588,16 @@ WEB_FETCH_WORDS = {
 
 
 @tool("web_fetch", "Fetch a web page by URL (http, https) and return its readable content: HTML"
-      " as light Markdown (no scripts or styles), JSON and plain text as they are; at most 5,000"
+      " as light Markdown (no scripts or styles), JSON and plain text as they are; at most {:,}"
       " characters, and a cut page ends with the start_index to read on. Errors start with 错误"
-      " (error).", obj({
+      " (error).".format(WEB_MAX_CHARS), obj({
           "url": prop("string", "The http:// or https:// URL."),
           "timeout": prop("integer", "Seconds the whole fetch may take (default 10, max 120)."),
           "start_index": prop("integer", "Character offset to read on from."),
       }, ["url"]), notes("Fetch web page", read_only=True, open_world=True),
       argument_error=workspace_argument_error, lane="shell", hint="fetch web page, docs")
 def tool_web_fetch(session, args, ctx):
-    """web_fetch: a page as light Markdown (or JSON or text), 5,000 characters at a time."""
+    """web_fetch: a page as light Markdown (or JSON or text), WEB_MAX_CHARS at a time."""
     url, timeout = args["url"], args.get("timeout", 10)
     if not 0 < timeout <= 120:
         raise plain_error("错误：timeout 必须在 1 到 120 秒之间: %s" % timeout)
@@ -15050,18 +15060,20 @@ class McpServer:
                           self.client_name(meta, session), self.sandbox, self.files)
 
         def run():
-            checkpoints = self.checkpoints_of(session) if tool.changes else None
+            # made here too: a client may skip notifications/initialized, and checkpoints and
+            # rewind read them
+            checkpoints = self.checkpoints_of(session)
             try:
                 note = (checkpoints.before(call_summary(name, args), cancelled)
-                        if checkpoints is not None else None)
+                        if tool.changes else None)
                 # cancelled while it waited: it never ran, nobody reads this
-                if note is False:
+                if note is CANCELLED_BEFORE:
                     result = {"content": [text_block("cancelled before it ran")], "isError": True}
                 else:
                     try:
                         result = self.run_tool(tool, session, args, ctx)
                     finally:
-                        if checkpoints is not None:
+                        if tool.changes:
                             checkpoints.after()
                     if note:
                         result["content"].append(text_block(note))

@@ -342,6 +342,11 @@ class TestConfig(unittest.TestCase):
             with self.assertRaises(boris.ConfigError, msg=argv):
                 self.parse(argv)
 
+    def test_a_zero_timeout_is_refused_not_made_120(self):
+        for argv, env in ((["--timeout", "0"], {}), ([], {"BORIS_TIMEOUT": "0"})):
+            with self.assertRaisesRegex(boris.ConfigError, "^--timeout must be above 0", msg=env):
+                self.parse(argv, env)
+
     def test_bad_env_value_names_the_variable(self):
         with self.assertRaises(boris.ConfigError) as cm:
             self.parse([], {"BORIS_MAX_FILE_SIZE": "huge"})
@@ -2206,6 +2211,15 @@ class TestSandboxConfiguration(unittest.TestCase):
             self.assertEqual(boris.main(["--sandbox", "read-only", "--workdir", "/tmp"]), 2)
         self.assertEqual(len(err.getvalue().strip().split("\n")), 1, err.getvalue())
         self.assertIn("Landlock", err.getvalue())
+
+    @unittest.skipUnless(boris.net_filter_available(), "no seccomp here")
+    def test_the_net_filter_sets_no_new_privs_itself(self):
+        """Without Landlock before it (as root, seccomp would take the filter without it)."""
+        out = subprocess.run([sys.executable, "-c", "import boris; boris.apply_net_filter();"
+                              " print(open('/proc/self/status').read())"], cwd=HERE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertRegex(out.stdout.decode(), r"NoNewPrivs:\s+1\n(.|\n)*Seccomp:\s+2\n")
 
     def test_no_seccomp_no_sandbox_with_the_network_off(self):
         """Issue 29: an explicit sandbox whose socket filter cannot be installed stops
@@ -8354,6 +8368,14 @@ class TestWorkspaceTools(NoViewBase):
         self.real_stderr, sys.stderr = sys.stderr, self.stderr
         self.addCleanup(setattr, sys, "stderr", self.real_stderr)
 
+    def test_read_file_says_the_cap_it_keeps(self):
+        build(self, self.ws, ["--max-result-chars", "20000"])
+        self.assertIn("up to 19,700 characters", self.server.tools["read_file"].description)
+        with open(os.path.join(self.ws, "long.txt"), "w") as f:
+            f.write(("x" * 99 + "\n") * 1000)
+        body = self.ok("read_file", path="long.txt").split("\n")[1:-1]   # the notices off
+        self.assertTrue(19600 < len("\n".join(body)) + 1 <= 19700, len("\n".join(body)))
+
     def test_seed004_read_file(self):
         with open(os.path.join(self.ws, "data", "file.txt"), "w") as f:
             f.write("hello\nworld\n")
@@ -8958,6 +8980,13 @@ class TestProtocol(Base):
             msg["params"] = params
         return self.send(msg)[-1]
 
+    def test_checkpoints_answer_a_client_that_skipped_initialized(self):
+        """A client that never sends notifications/initialized (or a stateless 2026-07-28
+        request) still has checkpoints: the call makes them, as the notification would."""
+        r = self.req("tools/call", {"name": "checkpoints", "arguments": {}})["result"]
+        self.assertFalse(r["isError"], r)
+        self.assertNotIn("checkpoints are off", r["content"][0]["text"])
+
     def test_initialize_negotiates_version(self):
         for v in ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"):
             r = self.req("initialize", {"protocolVersion": v, "capabilities": {}})["result"]
@@ -9553,6 +9582,17 @@ class TestCheckpointWaits(NoViewBase):
         self.addCleanup(go.set)
         return go
 
+    def test_what_needs_cond_or_the_turn_refuses_a_caller_without_it(self):
+        points = self.server.checkpoints_of(self.session)
+        with self.assertRaises(RuntimeError):
+            points.ask()
+        with self.assertRaises(RuntimeError):
+            points.record(boris.Checkpoint(1, {}, 0, [], False))
+        self.assertEqual((points.asked, points.scanner, points.list), (0, False, []))  # untouched
+        with self.assertRaises(AssertionError):
+            points.scan()
+        self.assertEqual(take(points).number, 1)                    # with the turn: taken
+
     def test_a_cancel_ends_a_wait_for_a_checkpoint(self):
         for i in range(300):
             self.write("t/f%d.txt" % i, "x")
@@ -9567,9 +9607,9 @@ class TestCheckpointWaits(NoViewBase):
         self.assertTrue(wait_until(lambda: points.waiters == 1))
         cancelled.set()
         waiter.join(10)
-        self.assertEqual(answer, [False])                  # it ended, saying it was cancelled
-        go.set()
+        go.set()                          # first: tearDown waits for the walk
         scanning.join(10)
+        self.assertEqual(answer, [boris.CANCELLED_BEFORE])   # it ended, saying it was cancelled
         self.assertFalse(scanning.is_alive())
 
     def test_a_call_behind_an_older_walk_goes_on_uncovered_and_says_so(self):
