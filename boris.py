@@ -2715,6 +2715,187 @@ def mount_read_only(paths):
 
 
 # -- the sandbox and its launchers ------------------------------------------------
+class Protect:
+    """What stays read-only for sandboxed commands under their writable roots: `names`
+    looked for at the top of each workspace root (`roots`) and of its subdirectories,
+    absolute `files`; a .git file's gitdir (and that one's common directory) too.
+    `enforced` is False where no user namespace can be made (describe says so)."""
+
+    def __init__(self, roots=(), names=(), files=(), enforced=True):
+        self.roots, self.names, self.files = list(roots), list(names), list(files)
+        self.enforced = enforced
+        self.why = ""                                   # why not enforced: what the probe met
+
+    @classmethod
+    def of(cls, config, policy):
+        """The Protect that --sandbox-protect asks for: the defaults (SANDBOX_PROTECT and
+        this file) unless 'none' is among the values, and the names and paths given."""
+        given = [v for v in config.sandbox_protect if v]
+        names = [] if "none" in given else list(SANDBOX_PROTECT)
+        files = [] if "none" in given or not THIS_FILE else [os.path.realpath(THIS_FILE)]
+        for value in given:
+            if value == "none":
+                continue
+            if "/" not in value.rstrip("/"):
+                names.append(value.rstrip("/"))
+            elif os.path.isabs(os.path.expanduser(value)):
+                files.append(os.path.realpath(os.path.expanduser(value)))
+            else:
+                raise ConfigError("--sandbox-protect %r is neither a name (like .git) nor an"
+                                  " absolute path" % value)
+        return cls(list(policy.allow) or [policy.workdir], names, files)
+
+    def wanted(self):
+        """Whether commands are to have protected paths (each needs a user namespace)."""
+        return self.enforced and bool(self.names or self.files)
+
+    def paths(self, writable):
+        """The existing protected paths beneath the `writable` roots (others are read-only
+        already), real paths, sorted; [] when not enforced."""
+        if not self.enforced:
+            return []
+        found = set(self.files)
+        for root in self.roots:
+            tops = [root]
+            try:
+                with os.scandir(root) as it:
+                    for entry in it:
+                        if entry.is_dir(follow_symlinks=False) and entry.name not in self.names:
+                            tops.append(entry.path)
+                            if len(tops) > SANDBOX_PROTECT_SCAN:
+                                break
+            except OSError:
+                pass  # an unreadable root: only its top is looked at
+            for top in tops:
+                for name in self.names:
+                    path = os.path.join(top, name)
+                    if not os.path.lexists(path):
+                        continue
+                    found.add(os.path.realpath(path))
+                    if name == ".git" and os.path.isfile(path):
+                        found.update(self.git_dirs(path))
+        return sorted(p for p in found
+                      if os.path.lexists(p) and any(is_within(p, w) for w in writable))
+
+    @staticmethod
+    def git_dirs(path):
+        """The directory a .git file names (gitdir: ...),
+        and its common directory (a worktree's)."""
+        try:
+            with open(path, "rb") as f:
+                line = f.read(4096).split(b"\n", 1)[0].decode("utf-8", "surrogateescape")
+        except OSError:
+            return []
+        if not line.startswith("gitdir:"):
+            return []
+        gitdir = os.path.realpath(os.path.join(os.path.dirname(path), line[7:].strip()))
+        dirs = [gitdir]
+        try:
+            with open(os.path.join(gitdir, "commondir"), "rb") as f:
+                dirs.append(os.path.realpath(os.path.join(gitdir,
+                                                          os.fsdecode(f.read(4096).strip()))))
+        except OSError:
+            pass  # not a worktree: no common directory
+        return dirs
+
+    def describe(self):
+        """The protection in a few words, for the sandbox's line."""
+        if not self.enforced:
+            return "protected paths NOT enforced (no user namespaces here: .git stays writable)"
+        shown = self.names + [os.path.basename(f) for f in self.files]
+        return "read-only inside them: %s" % (", ".join(shown) if shown
+                                              else "nothing (--sandbox-protect none)")
+
+
+class Launchers:
+    """Sandbox launchers started ahead, so that a sandboxed command need not wait for
+    Python to start and load this file: one waits, loaded, on a pipe; a command takes
+    it and a new one starts behind it. Owned by the server's Sandbox; close() ends the
+    spare."""
+
+    def __init__(self, sandbox):
+        self.sandbox = sandbox
+        self.lock = threading.Lock()
+        self.spare = None
+        self.closed = False
+
+    def start(self, argv, cwd, env, marker):
+        """A Popen that becomes `argv`, confined, in `cwd` with `env` (stdin /dev/null)."""
+        with self.lock:
+            proc, self.spare = self.spare, None
+            # (the protected paths looked up once per command)
+            early_spec = self.sandbox.spec(None)
+            if proc is not None and (proc.poll() is not None or proc.early_spec != early_spec):
+                # dead, or confined for settings changed since
+                os.close(proc.control)
+                discard_launcher(proc)
+                proc = None
+            if proc is None:
+                proc = self.spawn(early_spec)
+            try:
+                msg = json.dumps({"spec": json.dumps(dict(json.loads(early_spec), cwd=cwd)),
+                                  "argv": argv, "env": env})
+                os.write(proc.control, msg.encode("utf-8", "surrogateescape") + b"\n")
+            except OSError:
+                discard_launcher(proc)
+                raise
+            finally:
+                os.close(proc.control)
+            proc.boris_call = marker
+        threading.Thread(target=self.refill, daemon=True, name="boris-launcher-refill").start()
+        return proc
+
+    def refill(self):
+        """Start the next spare, off the path of the command just started (a Python
+        starting beside it); none once closed, or when one is there already."""
+        with self.lock:
+            if self.closed or self.spare is not None:
+                return
+            try:
+                self.spare = self.spawn()
+            except OSError:
+                self.spare = None  # none to be had now: the next command starts its own
+
+    def spawn(self, early_spec=None):
+        """Start a sandbox launcher that waits on a pipe for the command to run, confined
+        ahead as `early_spec` (the spec without a cwd; made now when not given)."""
+        import subprocess
+        r, w = os.pipe()
+        try:
+            launcher, private = helper_command("sandbox", avoid=self.sandbox.writable)
+            early_spec = early_spec or self.sandbox.spec(None)  # confined now, ahead of its command
+            proc = spawn(launcher + ["@%d" % r, early_spec], cwd=private, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                         close_fds=True, pass_fds=(r,))
+        except BaseException:
+            os.close(w)
+            raise
+        finally:
+            os.close(r)
+        proc.control, proc.early_spec = w, early_spec
+        return proc
+
+    def close(self):
+        """Stop the spare launcher, if one is waiting, and start no more."""
+        with self.lock:
+            proc, self.spare, self.closed = self.spare, None, True
+        if proc is not None:
+            os.close(proc.control)                  # its end of input: it exits
+            discard_launcher(proc)
+
+
+def discard_launcher(proc):
+    """Kill and reap a launcher that runs no command, and close its pipes."""
+    try:
+        proc.kill()
+    except OSError:
+        pass  # already gone
+    proc.wait()
+    reaped(proc)
+    for f in (proc.stdout, proc.stderr):
+        f.close()
+
+
 class Sandbox:
     """How commands are confined: the mode ('off', 'workspace-write', 'read-only'),
     the directories they may write beneath, whether they may use the network, and
@@ -2821,98 +3002,6 @@ class Sandbox:
                    network,
                    "" if self.network else " --sandbox-network on allows the network"
                    " (or lists domains),"))
-
-
-class Protect:
-    """What stays read-only for sandboxed commands under their writable roots: `names`
-    looked for at the top of each workspace root (`roots`) and of its subdirectories,
-    absolute `files`; a .git file's gitdir (and that one's common directory) too.
-    `enforced` is False where no user namespace can be made (describe says so)."""
-
-    def __init__(self, roots=(), names=(), files=(), enforced=True):
-        self.roots, self.names, self.files = list(roots), list(names), list(files)
-        self.enforced = enforced
-        self.why = ""                                   # why not enforced: what the probe met
-
-    @classmethod
-    def of(cls, config, policy):
-        """The Protect that --sandbox-protect asks for: the defaults (SANDBOX_PROTECT and
-        this file) unless 'none' is among the values, and the names and paths given."""
-        given = [v for v in config.sandbox_protect if v]
-        names = [] if "none" in given else list(SANDBOX_PROTECT)
-        files = [] if "none" in given or not THIS_FILE else [os.path.realpath(THIS_FILE)]
-        for value in given:
-            if value == "none":
-                continue
-            if "/" not in value.rstrip("/"):
-                names.append(value.rstrip("/"))
-            elif os.path.isabs(os.path.expanduser(value)):
-                files.append(os.path.realpath(os.path.expanduser(value)))
-            else:
-                raise ConfigError("--sandbox-protect %r is neither a name (like .git) nor an"
-                                  " absolute path" % value)
-        return cls(list(policy.allow) or [policy.workdir], names, files)
-
-    def wanted(self):
-        """Whether commands are to have protected paths (each needs a user namespace)."""
-        return self.enforced and bool(self.names or self.files)
-
-    def paths(self, writable):
-        """The existing protected paths beneath the `writable` roots (others are read-only
-        already), real paths, sorted; [] when not enforced."""
-        if not self.enforced:
-            return []
-        found = set(self.files)
-        for root in self.roots:
-            tops = [root]
-            try:
-                with os.scandir(root) as it:
-                    for entry in it:
-                        if entry.is_dir(follow_symlinks=False) and entry.name not in self.names:
-                            tops.append(entry.path)
-                            if len(tops) > SANDBOX_PROTECT_SCAN:
-                                break
-            except OSError:
-                pass  # an unreadable root: only its top is looked at
-            for top in tops:
-                for name in self.names:
-                    path = os.path.join(top, name)
-                    if not os.path.lexists(path):
-                        continue
-                    found.add(os.path.realpath(path))
-                    if name == ".git" and os.path.isfile(path):
-                        found.update(self.git_dirs(path))
-        return sorted(p for p in found
-                      if os.path.lexists(p) and any(is_within(p, w) for w in writable))
-
-    @staticmethod
-    def git_dirs(path):
-        """The directory a .git file names (gitdir: ...),
-        and its common directory (a worktree's)."""
-        try:
-            with open(path, "rb") as f:
-                line = f.read(4096).split(b"\n", 1)[0].decode("utf-8", "surrogateescape")
-        except OSError:
-            return []
-        if not line.startswith("gitdir:"):
-            return []
-        gitdir = os.path.realpath(os.path.join(os.path.dirname(path), line[7:].strip()))
-        dirs = [gitdir]
-        try:
-            with open(os.path.join(gitdir, "commondir"), "rb") as f:
-                dirs.append(os.path.realpath(os.path.join(gitdir,
-                                                          os.fsdecode(f.read(4096).strip()))))
-        except OSError:
-            pass  # not a worktree: no common directory
-        return dirs
-
-    def describe(self):
-        """The protection in a few words, for the sandbox's line."""
-        if not self.enforced:
-            return "protected paths NOT enforced (no user namespaces here: .git stays writable)"
-        shown = self.names + [os.path.basename(f) for f in self.files]
-        return "read-only inside them: %s" % (", ".join(shown) if shown
-                                              else "nothing (--sandbox-protect none)")
 
 
 def resolve_sandbox(config, policy, abi=None):
@@ -3107,95 +3196,6 @@ def helper_warm_launcher(fd, early_spec=None):
         refuse_to_run(e)
     default_interrupts()
     os.execv(job["argv"][0], job["argv"])
-
-
-class Launchers:
-    """Sandbox launchers started ahead, so that a sandboxed command need not wait for
-    Python to start and load this file: one waits, loaded, on a pipe; a command takes
-    it and a new one starts behind it. Owned by the server's Sandbox; close() ends the
-    spare."""
-
-    def __init__(self, sandbox):
-        self.sandbox = sandbox
-        self.lock = threading.Lock()
-        self.spare = None
-        self.closed = False
-
-    def start(self, argv, cwd, env, marker):
-        """A Popen that becomes `argv`, confined, in `cwd` with `env` (stdin /dev/null)."""
-        with self.lock:
-            proc, self.spare = self.spare, None
-            # (the protected paths looked up once per command)
-            early_spec = self.sandbox.spec(None)
-            if proc is not None and (proc.poll() is not None or proc.early_spec != early_spec):
-                # dead, or confined for settings changed since
-                os.close(proc.control)
-                discard_launcher(proc)
-                proc = None
-            if proc is None:
-                proc = self.spawn(early_spec)
-            try:
-                msg = json.dumps({"spec": json.dumps(dict(json.loads(early_spec), cwd=cwd)),
-                                  "argv": argv, "env": env})
-                os.write(proc.control, msg.encode("utf-8", "surrogateescape") + b"\n")
-            except OSError:
-                discard_launcher(proc)
-                raise
-            finally:
-                os.close(proc.control)
-            proc.boris_call = marker
-        threading.Thread(target=self.refill, daemon=True, name="boris-launcher-refill").start()
-        return proc
-
-    def refill(self):
-        """Start the next spare, off the path of the command just started (a Python
-        starting beside it); none once closed, or when one is there already."""
-        with self.lock:
-            if self.closed or self.spare is not None:
-                return
-            try:
-                self.spare = self.spawn()
-            except OSError:
-                self.spare = None  # none to be had now: the next command starts its own
-
-    def spawn(self, early_spec=None):
-        """Start a sandbox launcher that waits on a pipe for the command to run, confined
-        ahead as `early_spec` (the spec without a cwd; made now when not given)."""
-        import subprocess
-        r, w = os.pipe()
-        try:
-            launcher, private = helper_command("sandbox", avoid=self.sandbox.writable)
-            early_spec = early_spec or self.sandbox.spec(None)  # confined now, ahead of its command
-            proc = spawn(launcher + ["@%d" % r, early_spec], cwd=private, stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                         close_fds=True, pass_fds=(r,))
-        except BaseException:
-            os.close(w)
-            raise
-        finally:
-            os.close(r)
-        proc.control, proc.early_spec = w, early_spec
-        return proc
-
-    def close(self):
-        """Stop the spare launcher, if one is waiting, and start no more."""
-        with self.lock:
-            proc, self.spare, self.closed = self.spare, None, True
-        if proc is not None:
-            os.close(proc.control)                  # its end of input: it exits
-            discard_launcher(proc)
-
-
-def discard_launcher(proc):
-    """Kill and reap a launcher that runs no command, and close its pipes."""
-    try:
-        proc.kill()
-    except OSError:
-        pass  # already gone
-    proc.wait()
-    reaped(proc)
-    for f in (proc.stdout, proc.stderr):
-        f.close()
 
 
 def helper_sandbox(spec, argv):
@@ -15392,152 +15392,6 @@ def serve_stdio(server, session, stopper, stdin_fd=0, stdout=None):
 # HttpTransport.bind mixes McpHttpServer into http.server's ThreadingHTTPServer and
 # McpRequestHandler into its BaseHTTPRequestHandler.
 
-class HttpTransport:
-    """Streamable HTTP on /mcp (POST, GET -> 405, DELETE) and GET /health.
-
-    Sessions are keyed by an unguessable Mcp-Session-Id; each owns its cwd, viewed set
-    and tasks. Requests of the stateless 2026-07-28 revision (protocol version in
-    _meta) need no session: their state belongs to their principal (the bearer token,
-    or the local user without one), whose task ids are random handles. Knows nothing
-    about tools."""
-
-    def __init__(self, server, config, token=None):
-        self.server, self.config, self.token = server, config, token
-        self.sessions = {}
-        self.lock = threading.Lock()
-        self.closing = 0                # sessions out of the table whose close has not finished
-        self.closed = threading.Condition(self.lock)
-        self.idle_s = HTTP_SESSION_IDLE_S
-        self.principals = {}            # who -> Session: the state of requests without a session
-        self.local_bind = is_loopback(host_of(config.host))
-        self.httpd = None
-        self.stopping = threading.Event()
-        self.slots = threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS)
-        # connection -> when it started waiting for a request's headers
-        self.idle = {}
-
-    # -- connections -----------------------------------------------------------
-    def waiting(self, conn, yes):
-        """Note whether `conn` is waiting for the headers of a request."""
-        with self.lock:
-            if yes:
-                self.idle[conn] = time.monotonic()
-            else:
-                self.idle.pop(conn, None)
-
-    def make_room(self):
-        """At the connection cap: end the connection that has waited longest for a
-        request (a half-open one, typically), so a new client is served, not refused.
-        True once a slot is free."""
-        with self.lock:
-            oldest = min(self.idle, key=self.idle.get) if self.idle else None
-            if oldest is not None:
-                del self.idle[oldest]
-        if oldest is not None:
-            try:
-                oldest.shutdown(2)
-            except OSError:
-                pass  # already closed
-        return self.slots.acquire(timeout=1.0)
-
-    # -- sessions ------------------------------------------------------------
-    def new_session(self):
-        """Make a session; its id (unguessable)."""
-        import secrets
-        sid = secrets.token_hex(32)
-        with self.lock:
-            self.sessions[sid] = Session(self.config)
-        return sid
-
-    def principal_session(self, who):
-        """The state of `who`'s requests that carry no session (2026-07-28 has none):
-        one per principal, made on first use and kept until the server stops."""
-        with self.lock:
-            session = self.principals.get(who)
-            if session is None:
-                session = self.principals[who] = Session(self.config)
-        return session
-
-    def get_session(self, sid):
-        """The session with id sid, or None."""
-        with self.lock:
-            return self.sessions.get(sid)
-
-    def end_session(self, sid):
-        """End session sid (its tasks killed); whether there was one. Until its close
-        has finished it counts as closing, so that a shutdown meanwhile waits for it."""
-        with self.lock:
-            session = self.sessions.pop(sid, None)
-            if session is None:
-                return False
-            self.closing += 1
-        try:
-            session.close()
-        finally:
-            with self.lock:
-                self.closing -= 1
-                self.closed.notify_all()
-        return True
-
-    def reap_idle(self):
-        """End sessions idle longer than the idle limit with nothing running."""
-        now = time.monotonic()
-        with self.lock:
-            stale = [sid for sid, s in self.sessions.items()
-                     if now - s.last_seen > self.idle_s and not s.busy()]
-        for sid in stale:
-            log("info", "closing idle HTTP session", session=sid[:8])
-            self.end_session(sid)
-
-    def _reaper(self):
-        while not self.stopping.wait(min(1.0, max(0.05, self.idle_s / 4))):
-            self.reap_idle()
-
-    def close_all(self):
-        """End every session (at shutdown)."""
-        with self.lock:
-            sids = list(self.sessions)
-        for sid in sids:
-            self.end_session(sid)
-        with self.lock:
-            principals = list(self.principals.values())
-            self.principals.clear()
-        for session in principals:
-            session.close()
-        with self.lock:                 # a DELETE or the idle reaper may still be closing one
-            self.closed.wait_for(lambda: not self.closing, KILL_GRACE_S + 5)
-
-    # -- serving -------------------------------------------------------------
-    def bind(self):
-        """Listen on the configured address (an McpHttpServer, whose handler is McpRequestHandler
-        with this transport); (host, port, ...) as bound."""
-        import socket
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
-        handler = type("Handler", (McpRequestHandler, BaseHTTPRequestHandler),
-                       {"transport": self, "timeout": HTTP_READ_TIMEOUT_S})
-        server = type("Server", (McpHttpServer, ThreadingHTTPServer),
-                      {"transport": self, "address_family": family})
-        self.httpd = server((self.config.host, self.config.port), handler)
-        threading.Thread(target=self._reaper, daemon=True).start()
-        return self.httpd.server_address
-
-    def serve(self):
-        """Serve until shutdown(), then end every session."""
-        try:
-            self.httpd.serve_forever(poll_interval=0.2)
-        finally:
-            self.stopping.set()
-            self.close_all()
-            self.httpd.server_close()
-
-    def shutdown(self):
-        """Stop serving (from another thread)."""
-        self.stopping.set()
-        if self.httpd is not None:
-            self.httpd.shutdown()
-
-
 class McpHttpServer:
     """The transport's side of http.server's ThreadingHTTPServer, mixed into it by
     HttpTransport.bind (which sets `transport` and `address_family` on the class):
@@ -15934,6 +15788,152 @@ class McpRequestHandler:
             self.reply(202)
             return
         self.answer(msg, session, sid)
+
+
+class HttpTransport:
+    """Streamable HTTP on /mcp (POST, GET -> 405, DELETE) and GET /health.
+
+    Sessions are keyed by an unguessable Mcp-Session-Id; each owns its cwd, viewed set
+    and tasks. Requests of the stateless 2026-07-28 revision (protocol version in
+    _meta) need no session: their state belongs to their principal (the bearer token,
+    or the local user without one), whose task ids are random handles. Knows nothing
+    about tools."""
+
+    def __init__(self, server, config, token=None):
+        self.server, self.config, self.token = server, config, token
+        self.sessions = {}
+        self.lock = threading.Lock()
+        self.closing = 0                # sessions out of the table whose close has not finished
+        self.closed = threading.Condition(self.lock)
+        self.idle_s = HTTP_SESSION_IDLE_S
+        self.principals = {}            # who -> Session: the state of requests without a session
+        self.local_bind = is_loopback(host_of(config.host))
+        self.httpd = None
+        self.stopping = threading.Event()
+        self.slots = threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS)
+        # connection -> when it started waiting for a request's headers
+        self.idle = {}
+
+    # -- connections -----------------------------------------------------------
+    def waiting(self, conn, yes):
+        """Note whether `conn` is waiting for the headers of a request."""
+        with self.lock:
+            if yes:
+                self.idle[conn] = time.monotonic()
+            else:
+                self.idle.pop(conn, None)
+
+    def make_room(self):
+        """At the connection cap: end the connection that has waited longest for a
+        request (a half-open one, typically), so a new client is served, not refused.
+        True once a slot is free."""
+        with self.lock:
+            oldest = min(self.idle, key=self.idle.get) if self.idle else None
+            if oldest is not None:
+                del self.idle[oldest]
+        if oldest is not None:
+            try:
+                oldest.shutdown(2)
+            except OSError:
+                pass  # already closed
+        return self.slots.acquire(timeout=1.0)
+
+    # -- sessions ------------------------------------------------------------
+    def new_session(self):
+        """Make a session; its id (unguessable)."""
+        import secrets
+        sid = secrets.token_hex(32)
+        with self.lock:
+            self.sessions[sid] = Session(self.config)
+        return sid
+
+    def principal_session(self, who):
+        """The state of `who`'s requests that carry no session (2026-07-28 has none):
+        one per principal, made on first use and kept until the server stops."""
+        with self.lock:
+            session = self.principals.get(who)
+            if session is None:
+                session = self.principals[who] = Session(self.config)
+        return session
+
+    def get_session(self, sid):
+        """The session with id sid, or None."""
+        with self.lock:
+            return self.sessions.get(sid)
+
+    def end_session(self, sid):
+        """End session sid (its tasks killed); whether there was one. Until its close
+        has finished it counts as closing, so that a shutdown meanwhile waits for it."""
+        with self.lock:
+            session = self.sessions.pop(sid, None)
+            if session is None:
+                return False
+            self.closing += 1
+        try:
+            session.close()
+        finally:
+            with self.lock:
+                self.closing -= 1
+                self.closed.notify_all()
+        return True
+
+    def reap_idle(self):
+        """End sessions idle longer than the idle limit with nothing running."""
+        now = time.monotonic()
+        with self.lock:
+            stale = [sid for sid, s in self.sessions.items()
+                     if now - s.last_seen > self.idle_s and not s.busy()]
+        for sid in stale:
+            log("info", "closing idle HTTP session", session=sid[:8])
+            self.end_session(sid)
+
+    def _reaper(self):
+        while not self.stopping.wait(min(1.0, max(0.05, self.idle_s / 4))):
+            self.reap_idle()
+
+    def close_all(self):
+        """End every session (at shutdown)."""
+        with self.lock:
+            sids = list(self.sessions)
+        for sid in sids:
+            self.end_session(sid)
+        with self.lock:
+            principals = list(self.principals.values())
+            self.principals.clear()
+        for session in principals:
+            session.close()
+        with self.lock:                 # a DELETE or the idle reaper may still be closing one
+            self.closed.wait_for(lambda: not self.closing, KILL_GRACE_S + 5)
+
+    # -- serving -------------------------------------------------------------
+    def bind(self):
+        """Listen on the configured address (an McpHttpServer, whose handler is McpRequestHandler
+        with this transport); (host, port, ...) as bound."""
+        import socket
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        handler = type("Handler", (McpRequestHandler, BaseHTTPRequestHandler),
+                       {"transport": self, "timeout": HTTP_READ_TIMEOUT_S})
+        server = type("Server", (McpHttpServer, ThreadingHTTPServer),
+                      {"transport": self, "address_family": family})
+        self.httpd = server((self.config.host, self.config.port), handler)
+        threading.Thread(target=self._reaper, daemon=True).start()
+        return self.httpd.server_address
+
+    def serve(self):
+        """Serve until shutdown(), then end every session."""
+        try:
+            self.httpd.serve_forever(poll_interval=0.2)
+        finally:
+            self.stopping.set()
+            self.close_all()
+            self.httpd.server_close()
+
+    def shutdown(self):
+        """Stop serving (from another thread)."""
+        self.stopping.set()
+        if self.httpd is not None:
+            self.httpd.shutdown()
 
 
 def serve_http(server, config, stop):
