@@ -205,6 +205,7 @@ DOC_MAX_CELLS = 200000                     # ... and a spreadsheet's cells
 WEB_MAX_CHARS = 5000
 WEB_MAX_BYTES = 5 * 1024 * 1024
 WEB_MAX_REDIRECTS = 5
+WEB_TIMEOUT_S, WEB_MAX_TIMEOUT_S = 10, 120  # web_fetch's timeout argument: default, most
 MAX_URL_CHARS = 8192
 
 HTTP_SESSION_IDLE_S = 600.0
@@ -1839,83 +1840,6 @@ def prctl(option, value):
         return False  # no libc prctl here: the caller says what it lacks
 
 
-M_ARENA_MAX = -8                        # mallopt(3)'s parameter number in glibc
-
-
-def give_back_memory(main_thread, wait_s=10.0):
-    """Once `main_thread` is done with the script (its parse tree freed), hand the C
-    library's free pages back to the system: glibc's malloc_trim(0). Elsewhere (musl,
-    macOS) nothing is to be had and nothing is done."""
-    deadline = time.monotonic() + wait_s
-    while main_thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    trim_memory()
-
-
-def trim_memory(arenas=None):
-    """Hand the C library's free pages back to the system (glibc's malloc_trim(0)), after
-    start-up or a walk that made and dropped many objects; elsewhere nothing is done.
-    With `arenas`, before any thread starts: at most that many malloc arenas (glibc gives
-    each thread that allocates one of its own, whose pages stay resident; Python's own
-    allocator serves small objects, so the server's threads hardly contend for one)."""
-    try:
-        _, libc = _libc()
-        if arenas:
-            libc.mallopt(M_ARENA_MAX, arenas)
-        else:
-            libc.malloc_trim(0)
-    except (OSError, AttributeError, ImportError):
-        log("debug", "no malloc_trim or mallopt here: memory freed stays with the allocator")
-
-
-def importable(name):
-    """Whether module `name` can be imported (ctypes can raise OSError too)."""
-    try:
-        __import__(name)
-        return True
-    except (ImportError, OSError):
-        return False
-
-
-def missing_modules():
-    """The optional modules boris uses that this Python
-    was built without (looked for, not loaded)."""
-    from importlib.util import find_spec
-    return [name.lstrip("_") for name in ("_ssl", "_ctypes", "zlib") if not find_spec(name)]
-
-
-def seal_memory():
-    """Keep this process's environment and memory from its commands (Linux): not dumpable,
-    its /proc/<pid>/environ and mem belong to root and a same-user ptrace is refused, so a
-    command cannot read the variables command_environ leaves out from its parent. A child
-    gets its own back at exec. Root's commands can read them still."""
-    return prctl(PR_SET_DUMPABLE, 0)
-
-
-def scrub_environ_block():
-    """Zero, in this process's memory, the variables child_environ keeps from every child
-    (BORIS_*, those named like a secret), where the kernel shows the environment a process
-    started with (/proc/<pid>/environ; Linux): a child between fork and exec is a copy of
-    this process and would show them. os.environ keeps its own copy. False where the block
-    cannot be found."""
-    try:
-        with open("/proc/self/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        # env_start, env_end (stat fields 50, 51)
-        start, end = int(fields[47]), int(fields[48])
-        ctypes, _ = _libc()
-        block = ctypes.string_at(start, end - start)
-    except (OSError, IndexError, ValueError, ImportError):
-        return False  # no /proc (or an old kernel): nothing to scrub here
-    at = 0
-    for entry in block.split(b"\0"):
-        name = entry.split(b"=", 1)[0].decode("utf-8", "replace")
-        if entry and not child_environ({name: ""}):
-            ctypes.memset(start + at, 0, len(entry))
-        at += len(entry) + 1
-    return True
-
-
 def set_subreaper():
     """Become a child subreaper (Linux); False where it is not to be had."""
     return prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -2042,6 +1966,90 @@ def kill_group(proc):
             f.close()
         except OSError:
             pass  # a pipe whose other end died: nothing lost
+
+
+# -- memory and environment ----------------------------------------------------
+
+M_ARENA_MAX = -8                        # mallopt(3)'s parameter number in glibc
+
+
+def give_back_memory(main_thread, wait_s=10.0):
+    """Once `main_thread` is done with the script (its parse tree freed), hand the C
+    library's free pages back to the system: glibc's malloc_trim(0). Elsewhere (musl,
+    macOS) nothing is to be had and nothing is done."""
+    deadline = time.monotonic() + wait_s
+    while main_thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    trim_memory()
+
+
+def trim_memory():
+    """Hand the C library's free pages back to the system (glibc's malloc_trim(0)), after
+    start-up or a walk that made and dropped many objects; elsewhere nothing is done."""
+    try:
+        _, libc = _libc()
+        libc.malloc_trim(0)
+    except (OSError, AttributeError, ImportError):
+        log("debug", "no malloc_trim here: memory freed stays with the allocator")
+
+
+def limit_malloc_arenas(n):
+    """At most `n` malloc arenas, asked before any thread starts: glibc gives each thread
+    that allocates one of its own, whose pages stay resident, while Python's own allocator
+    serves small objects, so the server's threads hardly contend for one."""
+    try:
+        _, libc = _libc()
+        libc.mallopt(M_ARENA_MAX, n)
+    except (OSError, AttributeError, ImportError):
+        log("debug", "no mallopt here: each thread may keep a malloc arena")
+
+
+def importable(name):
+    """Whether module `name` can be imported (ctypes can raise OSError too)."""
+    try:
+        __import__(name)
+        return True
+    except (ImportError, OSError):
+        return False
+
+
+def missing_modules():
+    """The optional modules boris uses that this Python
+    was built without (looked for, not loaded)."""
+    from importlib.util import find_spec
+    return [name.lstrip("_") for name in ("_ssl", "_ctypes", "zlib") if not find_spec(name)]
+
+
+def seal_memory():
+    """Keep this process's environment and memory from its commands (Linux): not dumpable,
+    its /proc/<pid>/environ and mem belong to root and a same-user ptrace is refused, so a
+    command cannot read the variables command_environ leaves out from its parent. A child
+    gets its own back at exec. Root's commands can read them still."""
+    return prctl(PR_SET_DUMPABLE, 0)
+
+
+def scrub_environ_block():
+    """Zero, in this process's memory, the variables child_environ keeps from every child
+    (BORIS_*, those named like a secret), where the kernel shows the environment a process
+    started with (/proc/<pid>/environ; Linux): a child between fork and exec is a copy of
+    this process and would show them. os.environ keeps its own copy. False where the block
+    cannot be found."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        # env_start, env_end (stat fields 50, 51)
+        start, end = int(fields[47]), int(fields[48])
+        ctypes, _ = _libc()
+        block = ctypes.string_at(start, end - start)
+    except (OSError, IndexError, ValueError, ImportError):
+        return False  # no /proc (or an old kernel): nothing to scrub here
+    at = 0
+    for entry in block.split(b"\0"):
+        name = entry.split(b"=", 1)[0].decode("utf-8", "replace")
+        if entry and not child_environ({name: ""}):
+            ctypes.memset(start + at, 0, len(entry))
+        at += len(entry) + 1
+    return True
 
 
 # -- helper processes -------------------------------------------------------------
@@ -7362,8 +7370,9 @@ def pdf_failure(e):
 # The search wire protocol: every message is one JSON object on one line.
 #
 #   from -> to                 message                              when
-#   server -> search helper    a job: {"op": "grep"|"glob"|"match",  one per search; grep_job_of,
-#                              ..., "deadline_s"}                    find_paths, wait_for
+#   server -> search helper    a job: {"op": "grep"|"glob"|"match"|  one per search; grep_job_of,
+#                              "outline"|"document"|"pdf", ...,      find_paths, output_test,
+#                              "deadline_s"}                         outline and view
 #   search helper -> server    {"items": [...]}                     as results come (Batches:
 #                                                                   SEARCH_BATCH items or 0.2 s)
 #   search helper -> server    {"end": "ok"} or {"end": "error",    the job's last line
@@ -7433,7 +7442,7 @@ def name_filter(include, type_name):
 # -- the grep and glob jobs -------------------------------------------------------
 class GrepWork:
     """A grep or search_text job as each of its workers runs it: roots are SearchRoots;
-    take() turns what a walk found into the items to send, [GrepHit], or None."""
+    file_hits() turns what a walk found into the items to send, [GrepHit], or None."""
 
     def __init__(self, job, cache=None):
         self.job, self.cache = job, cache
@@ -7454,7 +7463,7 @@ class GrepWork:
         walker.ignores = not self.job.get("no_ignore")
         return walker
 
-    def take(self, k, path, real, is_dir, ino):
+    def file_hits(self, k, path, real, is_dir, ino):
         """[GrepHit] for one walked file that passes include/type and matches, else None."""
         root_is_dir, cut = self.roots[k].is_dir, self.cuts[k]
         if root_is_dir and self.keep is not None:
@@ -7468,14 +7477,14 @@ class GrepWork:
         return [GrepHit(real, rel, mtime(real) if self.mode == "files_with_matches" else 0, r, k)]
 
     def gather(self, k, walked, items):
-        """Append to `items` what take() makes of each (path, real, is_dir, inode) walked.
-        `-l` of a literal, the search agents make most, runs as one loop with take()'s
+        """Append to `items` what file_hits() makes of each (path, real, is_dir, inode) walked.
+        `-l` of a literal, the search agents make most, runs as one loop with file_hits()'s
         steps inline; a file its first read does not settle (bigger than the buffer, or
-        with a byte-order mark) goes through take()."""
-        take, matcher, keep = self.take, self.matcher, self.keep
+        with a byte-order mark) goes through file_hits()."""
+        file_hits, matcher, keep = self.file_hits, self.matcher, self.keep
         if self.mode != "files_with_matches" or matcher.literal is None:
             for path, real, is_dir, ino in walked:
-                r = take(k, path, real, is_dir, ino)
+                r = file_hits(k, path, real, is_dir, ino)
                 if r is not None:
                     items += r
             return
@@ -7502,7 +7511,7 @@ class GrepWork:
             finally:
                 close(fd)
             if n >= size or n and buf[0] >= 0xef:
-                r = take(k, path, real, is_dir, ino)
+                r = file_hits(k, path, real, is_dir, ino)
                 if r is not None:
                     items += r
             elif (buf[:n].lower() if folded else buf).find(needle, 0, n) >= 0 \
@@ -7732,7 +7741,7 @@ class Batches:
         self.emit, self.items, self.sent = emit, [], time.monotonic()
         self.kept = [] if keep else None           # with keep: every batch emitted
 
-    def take(self, work, k, walked):
+    def add(self, work, k, walked):
         """Add what `work` makes of the entries walked."""
         work.gather(k, walked, self.items)
         self.flush_due()
@@ -7787,7 +7796,7 @@ def search_job(job, emit, cache=None):
         if is_dir:
             walked = work.walker(k)
             walked.tick, walked.slice = out.flush_due, dealt
-        out.take(work, k, walked)
+        out.add(work, k, walked)
     out.flush()
     if globbing:
         work.keep(out.kept)
@@ -7800,7 +7809,7 @@ def grep_until(work, emit):
     for k, (real, is_dir, ino) in enumerate(work.roots):
         for found in work.walker(k) if is_dir else [(real, real, False, ino)]:
             work.max_records = left
-            items = work.take(k, *found)
+            items = work.file_hits(k, *found)
             if items:
                 emit(items)
                 left -= len(items[0].result)
@@ -7930,7 +7939,7 @@ class HelperPool:
         error = None
         for _ in range(2):
             try:
-                proc = self.take(slot)
+                proc = self.checkout(slot)
             except OSError as e:
                 error = e
                 continue
@@ -7946,7 +7955,7 @@ class HelperPool:
                         " check that %s can start and that the temp directory is writable"
                         % (getattr(error, "strerror", None) or error, sys.executable))
 
-    def take(self, slot=0):
+    def checkout(self, slot=0):
         """An idle helper (the one that ran `slot` last, if there), or a new one (its own
         process group); marked busy."""
         with self.lock:
@@ -7966,13 +7975,13 @@ class HelperPool:
                 self.idle.remove(idle)
         if idle is not None:
             kill_group(idle)  # it died while idle: reaped, pipes closed; try again
-            return self.take(slot)
+            return self.checkout(slot)
         try:
             proc = self.collect(box)
         except OSError:
             if not primed:
                 raise
-            return self.take(slot)                # (prime()'s failed: this one starts its own)
+            return self.checkout(slot)                # (prime()'s failed: this one starts its own)
         proc.slot = slot
         with self.lock:
             self.busy.add(proc)
@@ -14388,7 +14397,7 @@ def tool_search_files(session, args, ctx):
 # starting with 错误 is an error. Paths are confined to the workspace root (--workdir)
 # by PathPolicy.confine.
 
-ESCAPE = "错误：路径越出工作区限制"
+OUTSIDE_WORKSPACE_ERROR = "错误：路径越出工作区限制"
 
 
 def workspace_path(ctx, path):
@@ -14399,7 +14408,7 @@ def workspace_path(ctx, path):
         return ctx.policy.confine(path)
     except ToolError as e:
         if e.code == ACCESS_DENIED:
-            raise plain_error(ESCAPE, ACCESS_DENIED)
+            raise plain_error(OUTSIDE_WORKSPACE_ERROR, ACCESS_DENIED)
         raise plain_error("错误：路径无效: %s" % e.message, INVALID_INPUT)
 
 
@@ -14411,7 +14420,7 @@ def workspace_error(e, path, doing):
         return plain_error("错误：文件不存在: %s" % path, e.code)
     if e.detail == "swapped":
         log("warn", "path escape attempt refused (swapped while opening)", path=path)
-        return plain_error(ESCAPE, e.code)
+        return plain_error(OUTSIDE_WORKSPACE_ERROR, e.code)
     if e.code == FILE_TOO_LARGE:
         return plain_error("错误：文件过大: %s（上限 %s）" % (path, human_size(e.detail)), e.code)
     return plain_error("错误：无法%s %s: %s" % (doing, path, e.message), e.code)
@@ -14429,9 +14438,13 @@ def workspace_argument_error(e):
     return plain_error("错误：路径无效: %s" % e.message, e.code) if e.detail == "path" else e
 
 
+READ_FILE_NOTICE_CHARS = 300       # of --max-result-chars: room for read_file's read-on line
+
+
 @tool("read_file", lambda config: "Read a text file from the workspace and return its content"
       " (a long one up to {:,} characters, with the offset to read on). ".format(
-          config.max_result_chars - 300) + workspace_note(config, "view"), obj({
+          config.max_result_chars - READ_FILE_NOTICE_CHARS) + workspace_note(config, "view"),
+      obj({
           "path": prop("string", "File path inside the workspace."),
           "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
           "offset": prop("integer", "First line to return, 1-based (default 1)."),
@@ -14459,7 +14472,7 @@ def tool_read_file(session, args, ctx):
         except UnicodeError:
             raise plain_error("错误：文件编码无法识别")
     return line_window(text, args.get("offset"), args.get("limit"),
-                       ctx.config.max_result_chars - 300)
+                       ctx.config.max_result_chars - READ_FILE_NOTICE_CHARS)
 
 
 def lines_within(lines, k, last, cap):
@@ -14592,15 +14605,17 @@ WEB_FETCH_WORDS = {
       " characters, and a cut page ends with the start_index to read on. Errors start with 错误"
       " (error).".format(WEB_MAX_CHARS), obj({
           "url": prop("string", "The http:// or https:// URL."),
-          "timeout": prop("integer", "Seconds the whole fetch may take (default 10, max 120)."),
+          "timeout": prop("integer", "Seconds the whole fetch may take (default %d, max %d)."
+                          % (WEB_TIMEOUT_S, WEB_MAX_TIMEOUT_S)),
           "start_index": prop("integer", "Character offset to read on from."),
       }, ["url"]), notes("Fetch web page", read_only=True, open_world=True),
       argument_error=workspace_argument_error, lane="shell", hint="fetch web page, docs")
 def tool_web_fetch(session, args, ctx):
     """web_fetch: a page as light Markdown (or JSON or text), WEB_MAX_CHARS at a time."""
-    url, timeout = args["url"], args.get("timeout", 10)
-    if not 0 < timeout <= 120:
-        raise plain_error("错误：timeout 必须在 1 到 120 秒之间: %s" % timeout)
+    url, timeout = args["url"], args.get("timeout", WEB_TIMEOUT_S)
+    if not 0 < timeout <= WEB_MAX_TIMEOUT_S:
+        raise plain_error("错误：timeout 必须在 1 到 %d 秒之间: %s" % (WEB_MAX_TIMEOUT_S, timeout),
+                          INVALID_INPUT)
     start = args.get("start_index") or 0
     if start < 0:
         raise plain_error("错误：start_index 不能为负数: %d" % start, INVALID_INPUT)
@@ -16016,7 +16031,8 @@ def check_main(config, policy, sandbox):
     checkpoints_on = config.checkpoint_budget != 0
     rows = [("boris.py", "%s, Python %s, uid %d"
              % (__version__, sys.version.split()[0], os.getuid())),
-            ("sandbox", sandbox.describe()[9:] + ("" if sandbox.on else "; why: " + sandbox.why)),
+            ("sandbox", sandbox.describe().partition(": ")[2]
+             + ("" if sandbox.on else "; why: " + sandbox.why)),
             ("  proven", "; ".join("%s: %s" % (k, v if v == "done" else "refused (%s)" % v)
                                    for k, v in sorted(trials.items()))
              or "nothing tried (it is off)"),
@@ -16066,7 +16082,7 @@ def main(argv=None, environ=None, after_the_script=False):
         return 2
     if config.check:
         return check_main(config, policy, sandbox)
-    trim_memory(arenas=1)
+    limit_malloc_arenas(1)
     seal_memory()           # the variables kept from commands stay out of /proc/<pid>/environ too
     scrub_environ_block()   # ... and out of a child's, between its fork and its exec
     stopper = Stopper()

@@ -2762,9 +2762,10 @@ class TestSearchSlices(SearchBase):
         job = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(self.path("t"), True, None)],
                                 boris.grep_spec("needle", "files_with_matches"))
         taken = []
-        real_take = pool.take
+        real_checkout = pool.checkout
         with mock.patch.object(boris, "SEARCH_SLICES", 3), \
-                mock.patch.object(pool, "take", lambda slot: taken.append((slot, real_take(slot))) or taken[-1][1]):
+                mock.patch.object(pool, "checkout",
+                                  lambda slot: taken.append((slot, real_checkout(slot))) or taken[-1][1]):
             runs = [pool.run(job, threading.Event()), None]
             first = {slot: proc.pid for slot, proc in taken}
             del taken[:]
@@ -7624,7 +7625,7 @@ class TestGrep(SearchBase):
                     items.append(x)
                     out.flush_due()                       # as the walker's tick does after each directory
         with mock.patch.object(boris, "SEARCH_BATCH", 2):
-            out.take(Work(), 0, ["a", "b", "c", "d", "e"])
+            out.add(Work(), 0, ["a", "b", "c", "d", "e"])
             out.flush()
         self.assertEqual(got, ["a", "b", "c", "d", "e"])
 
@@ -7672,7 +7673,7 @@ class TestGrep(SearchBase):
                     os.replace(self.path("other.txt"), walked[1][1])       # old one lives: never the same number)
                 fast = []
                 work.gather(0, iter(walked), fast)
-                slow = [hit for entry in walked for hit in (work.take(0, *entry) or ())]
+                slow = [hit for entry in walked for hit in (work.file_hits(0, *entry) or ())]
             self.assertEqual(sorted(fast), sorted(slow))
             self.assertGreater(len(fast), least)
             self.assertFalse(any(h.real in (walked[0][1], walked[1][1]) for h in fast))
@@ -11458,7 +11459,7 @@ class TestMemory(unittest.TestCase):
         """Issue 66: each thread that allocates would get a glibc arena of its own, whose
         pages stay resident; start-up asks for one (malloc_stats counts them on stderr)."""
         script = ("import sys, threading, ctypes\nsys.path.insert(0, %r)\nimport boris\n"
-                  "if sys.argv[1] == 'one':\n    boris.trim_memory(arenas=1)\n"
+                  "if sys.argv[1] == 'one':\n    boris.limit_malloc_arenas(1)\n"
                   "ts = [threading.Thread(target=lambda: [bytearray(3000) for _ in range(2000)])"
                   " for _ in range(4)]\n[t.start() for t in ts]\n[t.join() for t in ts]\n"
                   "ctypes.CDLL(None).malloc_stats()\n" % HERE)
