@@ -4390,6 +4390,22 @@ REGEX_HINTS = ((r"\\p\{L\}|\\pL", r"[^\W\d_]"), (r"\\p\{N\}|\\pN|\\p\{Nd\}", r"\
                (r"\\[<>]", r"\b"), (r"\(\?<[a-zA-Z]", r"(?P<name>...)"), (r"\\h", r"[ \t]"))
 
 
+def finder(buf):
+    """contains(n, needle): whether `needle` (bytes) occurs in buf[:n], by the C library's
+    memmem (several times bytearray.find's speed: it is most of a grep of big files), else
+    by bytearray.find. `buf` is pinned for memmem: it can never be resized."""
+    try:
+        ctypes, libc = _libc()
+        memmem = libc.memmem
+    except (OSError, AttributeError, ImportError):
+        return lambda n, needle: buf.find(needle, 0, n) >= 0
+    memmem.restype = ctypes.c_void_p
+    memmem.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)
+    pinned = (ctypes.c_char * len(buf)).from_buffer(buf)
+    at = ctypes.addressof(pinned)
+    return lambda n, needle, _pinned=pinned: memmem(at, n, needle, len(needle)) is not None
+
+
 class Matcher:
     """A compiled grep pattern: a literal (bytes.find: exact on UTF-8) where it can be,
     else a regex. The regex runs on bytes for pure-ASCII text and on decoded text
@@ -7456,6 +7472,9 @@ class GrepWork:
         self.mode, self.before, self.after = spec.mode, spec.before, spec.after
         self.max_records = spec.max_records or OUTPUT_MAX_CHARS // 2
         self.buf = bytearray(GREP_BUFFER)               # (grown for a long line: reads on more)
+        # gather()'s own buffer, pinned for its finder (file_hits() may grow self.buf)
+        self.fast = bytearray(GREP_BUFFER)
+        self.contains = finder(self.fast)
 
     def walker(self, k):
         """A Walker of root k that follows directory links (as grep -R does)."""
@@ -7488,7 +7507,7 @@ class GrepWork:
                 if r is not None:
                     items += r
             return
-        buf, needle = self.buf, matcher.literal
+        buf, contains, needle = self.fast, self.contains, matcher.literal
         cut = self.cuts[k] if self.roots[k].is_dir else None
         size, sniff, folded, keep = len(buf), GREP_BINARY_SNIFF, matcher.folded, cut and keep
         open_, fstat, readv, close = os.open, os.fstat, os.readv, os.close
@@ -7514,7 +7533,7 @@ class GrepWork:
                 r = file_hits(k, path, real, is_dir, ino)
                 if r is not None:
                     items += r
-            elif (buf[:n].lower() if folded else buf).find(needle, 0, n) >= 0 \
+            elif (buf[:n].lower().find(needle) >= 0 if folded else contains(n, needle)) \
                     and buf.find(b"\x00", 0, min(n, sniff)) < 0:
                 items.append(GrepHit(real, None if cut is None else path[cut:], st.st_mtime_ns,
                                      True, k))

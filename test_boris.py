@@ -7389,6 +7389,23 @@ class TestInteractiveTasks(NoViewBase):
 # ---------------------------------------------------------------------------
 
 
+class TestFinder(unittest.TestCase):
+    def test_memmem_finds_what_find_finds_within_n_only(self):
+        """Issue 66: grep -l of a literal tests each file's first read by the C library's
+        memmem; it answers as bytearray.find does, and never past the bytes read."""
+        rng = random.Random(66)
+        buf = bytearray(4096)
+        finders = [boris.finder(buf)]
+        with mock.patch.object(boris, "_libc", side_effect=ImportError("no ctypes")):
+            finders.append(boris.finder(buf))
+        three = bytes(b"ab\n"[i % 3] for i in range(256))          # random bytes as a, b and newlines
+        for _ in range(3000):
+            buf[:] = rng.getrandbits(4096 * 8).to_bytes(4096, "little").translate(three)
+            n, needle = rng.randrange(4097), bytes(rng.choice(b"ab") for _ in range(rng.randrange(1, 6)))
+            want = buf.find(needle, 0, n) >= 0
+            self.assertEqual([contains(n, needle) for contains in finders], [want, want], (n, needle))
+
+
 class TestGrep(SearchBase):
     def test_files_with_matches_default_newest_first(self):
         now = time.time()
