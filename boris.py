@@ -14441,7 +14441,8 @@ def workspace_error(e, path, doing):
         log("warn", "path escape attempt refused (swapped while opening)", path=path)
         return plain_error(OUTSIDE_WORKSPACE_ERROR, e.code)
     if e.code == FILE_TOO_LARGE:
-        return plain_error("错误：文件过大: %s（上限 %s）" % (path, human_size(e.detail)), e.code)
+        return plain_error("错误：文件过大: %s（上限 %s）"
+                           % (path, human_size(e.detail)), e.code)
     return plain_error("错误：无法%s %s: %s" % (doing, path, e.message), e.code)
 
 
@@ -14480,8 +14481,9 @@ def tool_read_file(session, args, ctx):
         raise workspace_error(e, path, "读取文件")
     codec = text_codec(encoding)
     if codec is None:
-        raise plain_error("错误：不支持的编码: %s（请用 utf-8、gbk、latin-1 等文本编码 / use a text encoding such as"
-                          " utf-8, gbk or latin-1）" % encoding[:100], INVALID_INPUT)
+        raise plain_error("错误：不支持的编码: %s（请用 utf-8、gbk、latin-1"
+                          " 等文本编码 / use a text encoding such as utf-8, gbk or latin-1）"
+                          % encoding[:100], INVALID_INPUT)
     session.mark_viewed(real, Seen(st, digest_of(data)) if st is not None else None)
     try:
         text = data.decode(codec)
@@ -14516,12 +14518,14 @@ def line_window(text, offset, limit, cap):
     lines = text.splitlines(True)
     first = max(1, offset or 1)
     if first > max(1, len(lines)):
-        raise plain_error("错误：offset %d 超出文件行数（%d 行）" % (first, len(lines)), INVALID_INPUT)
+        raise plain_error("错误：offset %d 超出文件行数（%d 行）" % (first, len(lines)),
+                          INVALID_INPUT)
     last = len(lines) if limit is None else min(len(lines), first - 1 + max(0, limit))
     body, k = lines_within(lines, first - 1, last, cap)
     if k < len(lines):
-        notice = ("[已显示第 %d-%d 行，共 %d 行；用 offset=%d 继续读取 / lines %d-%d of %d shown; read on with"
-                  " offset=%d]" % (first, k, len(lines), k + 1, first, k, len(lines), k + 1))
+        notice = ("[已显示第 %d-%d 行，共 %d 行；用 offset=%d 继续读取"
+                  " / lines %d-%d of %d shown; read on with offset=%d]"
+                  % (first, k, len(lines), k + 1, first, k, len(lines), k + 1))
         return read_on(body.rstrip("\n"), notice)
     return body
 
@@ -14540,7 +14544,8 @@ def tool_write_file(session, args, ctx):
     try:
         data = encode_text(content)
     except ToolError:
-        raise plain_error("错误：内容含有无效字符（不成对的代理字符）", INVALID_INPUT)
+        raise plain_error("错误：内容含有无效字符（不成对的代理字符）",
+                          INVALID_INPUT)
     if len(data) > ctx.config.max_file_size:
         raise plain_error("错误：内容过大（%s，上限 %s），未写入: %s" % (
             human_size(len(data)), human_size(ctx.config.max_file_size), path), FILE_TOO_LARGE)
@@ -14551,7 +14556,8 @@ def tool_write_file(session, args, ctx):
         change = (seen is not None and os.path.lexists(real)
                   and changed_since(seen, real, ctx.config.max_file_size))
         if change:
-            raise plain_error("错误：文件在上次读取后已被修改（%s）：请先用 read_file 重新读取 %s 再写入"
+            raise plain_error("错误：文件在上次读取后已被修改（%s）："
+                              "请先用 read_file 重新读取 %s 再写入"
                               % (change, path), FILE_CHANGED)
         try:
             existing_kind(real, path)                   # refuses FIFOs and devices
@@ -14588,8 +14594,8 @@ def tool_list_directory(session, args, ctx):
     if len(text) > cap:
         shown = text[:cap].count("\n")
         text = read_on("\n".join(lines[:shown]),
-                       "[共 %d 项，只列出前 %d 项；请用 glob 或列出子目录 / %d entries, the first %d"
-                       " shown; use glob or list a subdirectory]"
+                       "[共 %d 项，只列出前 %d 项；请用 glob 或列出子目录"
+                       " / %d entries, the first %d shown; use glob or list a subdirectory]"
                        % (len(lines), shown, len(lines), shown))
     return text
 
@@ -14609,13 +14615,16 @@ WEB_FETCH_WORDS = {
     "failed": "错误：请求失败（%(reason)s）: %(url)s",
     "scheme": "错误：只支持 http 和 https 网址: %(url)s",
     "url_long": _BAD_URL % "长度 %(length)d 超过 %(max)d 字符 / over %(max)d characters",
-    "url_space": _BAD_URL % ("第 %(at)d 个字符是空格或控制字符，请用百分号编码（如 %%20）/ a space or control character"
-                             " at %(at)d: percent-encode it, e.g. %%20"),
+    "url_space": _BAD_URL % ("第 %(at)d 个字符是空格或控制字符，"
+                             "请用百分号编码（如 %%20）"
+                             "/ a space or control character at %(at)d: percent-encode it,"
+                             " e.g. %%20"),
     "url_malformed": _BAD_URL % "%(reason)s",
     "url_no_host": _BAD_URL % "没有主机名 / no host name",
     "url_port_zero": _BAD_URL % "端口 0 无效 / port 0 is not a port",
     "url_idna": _BAD_URL % "主机名 %(host)s 无法编码 / the host name cannot be IDNA-encoded",
-    "not_allowed": "错误：%(host)s 不在允许访问的域名之中（--web-fetch-allow: %(allowed)s）: %(url)s",
+    "not_allowed": ("错误：%(host)s 不在允许访问的域名之中"
+                    "（--web-fetch-allow: %(allowed)s）: %(url)s"),
 }
 
 
@@ -14633,8 +14642,8 @@ def tool_web_fetch(session, args, ctx):
     """web_fetch: a page as light Markdown (or JSON or text), WEB_MAX_CHARS at a time."""
     url, timeout = args["url"], args.get("timeout", WEB_TIMEOUT_S)
     if not 0 < timeout <= WEB_MAX_TIMEOUT_S:
-        raise plain_error("错误：timeout 必须在 1 到 %d 秒之间: %s" % (WEB_MAX_TIMEOUT_S, timeout),
-                          INVALID_INPUT)
+        raise plain_error("错误：timeout 必须在 1 到 %d 秒之间: %s"
+                          % (WEB_MAX_TIMEOUT_S, timeout), INVALID_INPUT)
     start = args.get("start_index") or 0
     if start < 0:
         raise plain_error("错误：start_index 不能为负数: %d" % start, INVALID_INPUT)
