@@ -6700,11 +6700,11 @@ class TestNotebooks(Base):
     def test_a_notebook_nested_past_the_recursion_limit_is_refused_by_name(self):
         deep = "[" * 100000 + "]" * 100000
         self.write("deep.ipynb", '{"cells": [{"cell_type": "code", "source": "x", "outputs": %s}]}' % deep)
-        self.assertIn("deep.ipynb is not a valid notebook (maximum recursion depth", self.ok("view", path="deep.ipynb"))
+        # (the parse error's words are the Python's: 3.14's json says more than "recursion")
+        self.assertIn("deep.ipynb is not a valid notebook (", self.ok("view", path="deep.ipynb"))
         r = self.result("notebook_edit", path="deep.ipynb", cell_number=0, new_source="y")
         self.assertTrue(r["isError"], r)
-        self.assertIn("[INVALID_INPUT] deep.ipynb is not a notebook that can be edited: maximum recursion depth",
-                      r["content"][0]["text"])
+        self.assertIn("[INVALID_INPUT] deep.ipynb is not a notebook that can be edited: ", r["content"][0]["text"])
 
     def edit(self, **args):
         self.ok("view", path="n.ipynb")
