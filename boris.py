@@ -14754,7 +14754,7 @@ class WorkerPool:
     WORKER_IDLE_S."""
 
     def __init__(self, max_workers=MAX_WORKERS, per_session=SESSION_MAX_RUNNING):
-        self.ready = queue.Queue()
+        self.ready = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.idle = 0
         self.workers = 0
