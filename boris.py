@@ -192,6 +192,8 @@ MAX_RESULT_CHARS = 1000000                 # Claude Code spills results over 50,
 OUTPUT_MAX_CHARS = 30000                   # bash stdout/stderr, grep, glob output
 BASH_MAX_TIMEOUT_MS = 600000
 KILL_GRACE_S = 5.0                         # SIGTERM -> SIGKILL
+EOF_GRACE_S = 2.0                          # stdin closed, or the session: calls in flight
+                                           # get this long to end
 MAX_BACKGROUND_TASKS = 10
 PROGRESS_INTERVAL_S = 0.1                  # at most ~10 progress notifications a second
 PROGRESS_LINE_CHARS = 200                  # a progress message shows the last line cut to this
@@ -4173,8 +4175,7 @@ class Walker:
         try:
             st = os.fstat(fd)
             if ino is not None and st.st_ino != ino:
-                os.close(fd)
-                return None, [], None
+                raise OSError                   # another directory stands there now: not it
             if self.follow_links:
                 self.seen.add((st.st_dev, st.st_ino))
             with os.scandir(fd) as it:
@@ -9245,6 +9246,12 @@ class Session:
         with self.lock:
             return bool(self.inflight)
 
+    def settle(self):
+        """Give the calls in flight EOF_GRACE_S to end."""
+        deadline = time.monotonic() + EOF_GRACE_S
+        while self.busy() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     def is_inflight(self, rid):
         """Whether request rid is still running."""
         with self.lock:
@@ -9261,19 +9268,22 @@ class Session:
         return bool(events)
 
     def close(self):
-        """Cancel in-flight calls and kill every background task (TERM, grace, KILL)."""
+        """Cancel in-flight calls and kill every background task (TERM, grace, KILL); then give
+        the calls EOF_GRACE_S to end, and kill the commands still in the foreground (one a
+        call started as the session closed among them)."""
         with self.lock:
             self.closed = True
             events = [ev for evs in self.inflight.values() for ev in evs]
             tasks = list(self.tasks.values())
-            procs = list(self.foreground)
             self.tasks.clear()
         for ev in events:
             ev.set()
-        if tasks or procs:
-            kill_all(tasks)
-            for proc in procs:
-                stop_group(proc)
+        kill_all(tasks)
+        self.settle()
+        with self.lock:
+            procs = list(self.foreground)
+        for proc in procs:
+            stop_group(proc)
         if self.checkpoints is not None:
             self.checkpoints.close()
 
@@ -15269,7 +15279,6 @@ class McpServer:
 # Transports ##################################################################
 ###############################################################################
 
-EOF_GRACE_S = 2.0                          # stdin closed: let in-flight calls finish
 
 
 class Stopper:
@@ -15422,9 +15431,7 @@ def serve_stdio(server, session, stopper, stdin_fd=0, stdout=None):
     threading.Thread(target=reader, daemon=True).start()
     stopper.wait()
     if stopper.reason == "eof":
-        deadline = time.monotonic() + EOF_GRACE_S
-        while session.busy() and time.monotonic() < deadline and stopper.reason == "eof":
-            time.sleep(0.01)
+        session.settle()                # (answered before the session is closed)
     else:
         log("info", "shutting down", reason=stopper.reason)
     session.close()

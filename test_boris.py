@@ -10099,6 +10099,44 @@ class TestSignalsOverStdio(unittest.TestCase):
         self.assertNotIn(b"Traceback", err)
         self.assertTrue(wait_until(lambda: not procs_with(s), 10), "a task was orphaned")
 
+    def test_a_command_started_as_a_signal_closes_the_session_dies_before_the_end(self):
+        """Issue 66: a call in flight that starts its command just after a signal closed the
+        session (its worker lost the interpreter between the start and holding the command)
+        is waited for, and the command dies before serve_stdio returns: the rare sleep that
+        outlived test_shutdown_kills_background_and_foreground."""
+        tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-sig-"))
+        self.addCleanup(shutil.rmtree, tmp, True)
+        session = boris.Session(boris.parse_config(["--workdir", tmp], {}))
+        stopper, (r, w) = boris.Stopper(), os.pipe()
+        self.addCleanup(os.close, r)
+        started = []
+
+        def reap():
+            for proc in started:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+                boris.close_pipes(proc)
+        self.addCleanup(reap)
+
+        def late_call():
+            ev = session.begin(7)
+            wait_until(lambda: session.closed, 10)
+            proc = boris.start_process("sleep %s" % unique_sleep(), tmp)
+            session.hold_foreground(proc)
+            started.append(proc)
+            session.end(7, ev)
+        call = threading.Thread(target=late_call)
+        call.start()
+        serve = threading.Thread(target=boris.serve_stdio, args=(None, session, stopper, r, io.BytesIO()))
+        serve.start()
+        stopper.stop("SIGTERM")
+        serve.join(30)
+        call.join(10)
+        os.close(w)
+        self.assertFalse(serve.is_alive())
+        self.assertIsNotNone(started[0].poll(), "the command outlived the server")
+
     def test_signal_right_after_start_is_never_lost(self):
         tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-sig-"))
         self.addCleanup(shutil.rmtree, tmp, True)
