@@ -15280,7 +15280,6 @@ class McpServer:
 ###############################################################################
 
 
-
 class Stopper:
     """How the process is told to stop: by a signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT)
     or by a transport (stdin EOF). Signal handlers only note the reason and write a
