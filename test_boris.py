@@ -11002,6 +11002,13 @@ class TestHttpLimits(unittest.TestCase):
 
     def test_connections_over_the_cap_get_503_when_all_are_busy(self):
         port = self.start(HTTP_MAX_CONNECTIONS=2)
+        tr, headers_read, waiting = self.transport, [], self.transport.waiting
+
+        def note(conn, yes):
+            waiting(conn, yes)
+            if not yes:
+                headers_read.append(conn)
+        tr.waiting = note
         busy = []
         for _ in range(2):                                   # headers sent, body pending: busy, not idle
             s = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -11009,8 +11016,10 @@ class TestHttpLimits(unittest.TestCase):
                       b"Content-Length: 100\r\n\r\n{")
             busy.append(s)
         self.addCleanup(lambda: [s.close() for s in busy])
-        tr = self.transport                                  # both slots taken, neither waiting for headers
-        self.assertTrue(wait_until(lambda: tr.slots._value == 0 and not tr.idle, 10))
+        # both slots taken and both requests' headers read (a handler not yet at its headers looks
+        # like a connection waiting for them, which make_room may end: a 200 instead of the 503)
+        self.assertTrue(wait_until(lambda: tr.slots._value == 0 and len(set(headers_read)) == 2
+                                   and not tr.idle, 10))
         got = raw_exchange(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         self.assertTrue(got.startswith(b"HTTP/1.1 503"), got[:60])
         for s in busy:
