@@ -90,7 +90,6 @@ if sys.version_info < (3, 8):
     sys.exit(2)
 
 import argparse
-import array
 import atexit
 import codecs
 import contextlib
@@ -2495,14 +2494,14 @@ class NetSupervisor:
             landlock.restrict()
             listener = apply_net_filter(True, fprog)
             theirs.sendmsg([b"L"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                     array.array("i", [listener]))])
+                                     struct.pack("i", listener))])
             os.close(listener)
             theirs.close()
             return
         theirs.close()
         try:
             _, ancillary, _, _ = ours.recvmsg(1, socket.CMSG_SPACE(4))
-            listener = array.array("i", ancillary[0][2][:4])[0]
+            listener = struct.unpack("i", ancillary[0][2][:4])[0]
         except (OSError, IndexError):
             # the child failed to confine: it reports and exits
             listener = None
@@ -3178,7 +3177,7 @@ def helper_warm_launcher(fd, early_spec=None):
     spare) ends it; a spec other than the one it was confined for is refused."""
     _libc()
     # NetSupervisor's, loaded ahead (socket: ~15 ms)
-    for name in ("array", "select", "socket"):
+    for name in ("select", "socket"):
         __import__(name)
     if early_spec is not None:
         confined(early_spec)
