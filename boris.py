@@ -1925,6 +1925,25 @@ def kill_marked(marker):
     return killed
 
 
+def reap_all(grace=KILL_GRACE_S):
+    """At exit, after the sessions and helpers are closed: SIGKILL every child still
+    here and reap each, until none is left or `grace` seconds pass. A child's own
+    children come to us (the subreaper) as it dies, so each round kills anew. What
+    we left unreaped would be a zombie of a PID 1 that may never reap."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        for pid in child_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass  # gone meanwhile: reaped below
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                time.sleep(0.01)                   # a child killed but not yet dead
+        except ChildProcessError:
+            return
+
+
 def signal_group(proc, sig):
     """Send `sig` to a command's process group; one that is gone (or not ours) is skipped."""
     try:
@@ -16149,6 +16168,7 @@ def main(argv=None, environ=None, after_the_script=False):
             return 0
         finally:
             server.close()
+            reap_all()
     if not after_the_script or (3, 12, 0) <= sys.version_info[:3] < (3, 12, 2):
         # Python 3.12.0 and 3.12.1 refuse new threads and forks once the main thread is in
         # the interpreter's shutdown (gh-113964): there the server keeps the parse tree.

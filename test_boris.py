@@ -10034,6 +10034,79 @@ class TestProcessesLeftBehind(StdioBase):
                         "%d zombies" % zombie_children(self.c.p.pid))
 
 
+
+@NEEDS_LINUX
+@NEEDS_CTYPES
+@NEEDS_LANDLOCK
+class TestNothingOutlivesTheServer(unittest.TestCase):
+    """Issue 72: under a parent that never reaps (PID 1 of a container without an init; here
+    this test process, made a child subreaper), a server whose bash ran sandboxed leaves no
+    process behind, dead or alive, however it ends: stdin EOF, SIGTERM, SIGTERM over HTTP.
+    No user namespace is needed for this place: a subreaper is any process's to become."""
+
+    def setUp(self):
+        self.assertTrue(boris.set_subreaper())
+        self.addCleanup(boris.prctl, boris.PR_SET_CHILD_SUBREAPER, 0)
+        self.before = boris.child_pids()
+        self.addCleanup(self.kill_what_was_left)
+        self.tmp = os.path.realpath(tempfile.mkdtemp(prefix="boris-reap-"))
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.flags = ["--workdir", self.tmp, "--sandbox", "workspace-write"]
+
+    def left(self):
+        """Children of this process that the test did not start: what a server left to us."""
+        table = proc_table()
+        return [(pid,) + table.get(pid, ()) for pid in sorted(boris.child_pids() - self.before)]
+
+    def kill_what_was_left(self):
+        for entry in self.left():
+            os.kill(entry[0], signal.SIGKILL)
+            os.waitpid(entry[0], 0)
+
+    @staticmethod
+    def launcher_ready(server):
+        """Whether the spare sandbox launcher has forked (the command-to-be under its
+        supervisor): a server ending now has a grandchild to reap."""
+        table = proc_table()
+        launchers = [pid for pid, (parent, _, cmd) in table.items() if parent == server and "--helper sandbox" in cmd]
+        return any(parent in launchers for parent, _, _ in table.values())
+
+    def run_bash_then(self, server, end):
+        if LANDLOCK_ABI >= 6 or USERNS:          # (elsewhere a launcher never forks)
+            self.assertTrue(wait_until(lambda: self.launcher_ready(server.pid), 10))
+        end()
+        self.assertEqual(server.wait(20), 0)
+        self.assertEqual(self.left(), [])
+
+    def test_after_eof(self):
+        c = StdioClient(self.flags)
+        self.addCleanup(c.close)
+        c.initialize()
+        self.assertIn("hi", c.call("bash", {"command": "echo hi"})["content"][0]["text"])
+        self.run_bash_then(c.p, c.p.stdin.close)
+
+    def test_after_sigterm(self):
+        c = StdioClient(self.flags)
+        self.addCleanup(c.close)
+        c.initialize()
+        self.assertIn("hi", c.call("bash", {"command": "echo hi"})["content"][0]["text"])
+        self.run_bash_then(c.p, lambda: c.p.send_signal(signal.SIGTERM))
+
+    def test_after_http_shutdown(self):
+        port = free_port()
+        p = subprocess.Popen([sys.executable, BORIS, "--transport", "http", "--port", str(port)] + self.flags,
+                             stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(lambda: p.poll() is None and (p.kill(), p.wait()))
+        self.assertTrue(wait_until(lambda: TestHttpSubprocess._up(port), 10))
+        st, h, _ = http(port, "POST", body={"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                                            "params": {"protocolVersion": "2025-06-18"}})
+        self.assertEqual(st, 200)
+        _, _, r = http(port, "POST", body={"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+            "name": "bash", "arguments": {"command": "echo hi"}}}, headers={"Mcp-Session-Id": h["mcp-session-id"]})
+        self.assertIn("hi", r["result"]["content"][0]["text"])
+        self.run_bash_then(p, lambda: p.send_signal(signal.SIGTERM))
+
+
 class TestSignalsOverStdio(unittest.TestCase):
     def spawn(self, tmp):
         p = subprocess.Popen([sys.executable, BORIS, "--workdir", tmp], stdin=subprocess.PIPE,
