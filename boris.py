@@ -286,7 +286,9 @@ def plain_error(message, code=IO_ERROR):
 def lacking(e):
     """The ToolError for what this place lacks, where a tool did not word it itself: a module
     this Python was built without (ImportError), or a refusal by the system (OSError: a
-    read-only filesystem, a full disk) or a nesting deeper than Python's recursion limit."""
+    read-only filesystem, a full disk) or a nesting deeper than Python's recursion limit.
+    Its traceback goes to the log at debug: the model's answer never shows it."""
+    log("debug", "a tool met an error it did not word", error=_traceback())
     if isinstance(e, RecursionError):
         return ToolError(INVALID_INPUT,
                          "what was read nests too deeply for Python to parse (%s)" % e)

@@ -513,6 +513,29 @@ class TestErrorVocabulary(unittest.TestCase):
         self.assertTrue(named)
         self.assertLessEqual(named, set(boris.ERROR_CODES))
 
+    def test_an_unexpected_oserror_keeps_its_traceback_in_the_debug_log(self):
+        """Issue 72: the model reads `[IO_ERROR] the system refused (...)` as before; with
+        --log-level debug the log holds the traceback, down to the function that raised."""
+        ws = os.path.realpath(tempfile.mkdtemp(prefix="boris-oserror-"))
+        self.addCleanup(shutil.rmtree, ws, True)
+        build(self, ws)
+
+        def handler_that_meets_einval(session, args, ctx):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        answers, logs = [], []
+        for level in (40, 10):
+            with mock.patch.object(self.server.tools["view"], "handler", handler_that_meets_einval), \
+                    mock.patch.dict(boris._log_state, level=level), mock.patch.object(sys, "stderr", io.StringIO()):
+                answers.append(boris.McpServer.run_tool(self.server.tools["view"], self.session, {"path": "a"},
+                                                        boris.CallContext(self.cfg, self.policy)))
+                logs.append(sys.stderr.getvalue())
+        self.assertEqual(answers[0], {"content": [{"type": "text", "text": "[IO_ERROR] the system refused"
+                                                   " (Invalid argument)."}], "isError": True})
+        self.assertEqual(answers[1], answers[0])
+        self.assertEqual(logs[0], "")
+        self.assertIn("Traceback (most recent call last)", logs[1])
+        self.assertIn("in handler_that_meets_einval", logs[1])
+
 
 # ---------------------------------------------------------------------------
 # Paths: the one resolver, scope, hostile paths
