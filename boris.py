@@ -1976,14 +1976,15 @@ def kill_leftovers(proc):
 
 
 def kill_group(proc):
-    """Kill a helper with every process it started, reap it and close its pipes."""
+    """Kill a helper (or a spare sandbox launcher) with every process it started, reap
+    it and close its pipes."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
         pass  # already gone
     proc.wait()
     reaped(proc)
-    for f in (proc.stdin, proc.stdout):
+    for f in filter(None, (proc.stdin, proc.stdout, proc.stderr)):
         try:
             f.close()
         except OSError:
@@ -2858,7 +2859,7 @@ class Launchers:
             if proc is not None and (proc.poll() is not None or proc.early_spec != early_spec):
                 # dead, or confined for settings changed since
                 os.close(proc.control)
-                discard_launcher(proc)
+                kill_group(proc)
                 proc = None
             if proc is None:
                 proc = self.spawn(early_spec)
@@ -2867,7 +2868,7 @@ class Launchers:
                                   "argv": argv, "env": env})
                 os.write(proc.control, msg.encode("utf-8", "surrogateescape") + b"\n")
             except OSError:
-                discard_launcher(proc)
+                kill_group(proc)
                 raise
             finally:
                 os.close(proc.control)
@@ -2911,19 +2912,7 @@ class Launchers:
             proc, self.spare, self.closed = self.spare, None, True
         if proc is not None:
             os.close(proc.control)                  # its end of input: it exits
-            discard_launcher(proc)
-
-
-def discard_launcher(proc):
-    """Kill and reap a launcher that runs no command, and close its pipes."""
-    try:
-        proc.kill()
-    except OSError:
-        pass  # already gone
-    proc.wait()
-    reaped(proc)
-    for f in (proc.stdout, proc.stderr):
-        f.close()
+            kill_group(proc)
 
 
 class Sandbox:
