@@ -1908,23 +1908,18 @@ def kill_marked(marker):
     anywhere) whose environment carries BORIS_CALL=marker. Only scans /proc when
     some orphan exists, so a clean command costs one read of our children."""
     if not _children.reaping or not orphans():
-        return 0
+        return
     needle = ("BORIS_CALL=%s\0" % marker).encode()
-    killed = 0
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
             with open("/proc/%s/environ" % name, "rb") as f:
-                if needle not in f.read():
-                    continue
-            os.kill(int(name), signal.SIGKILL)
-            killed += 1
+                if needle in f.read():
+                    os.kill(int(name), signal.SIGKILL)
         except (OSError, ValueError):
             continue  # gone meanwhile, or not ours to read: nothing to kill
-    if killed:
-        reap_orphans()
-    return killed
+    reap_orphans()
 
 
 def reap_all(grace=KILL_GRACE_S):
@@ -3171,15 +3166,21 @@ def helper_probe(spec, port):
     return 0
 
 
-def default_interrupts():
-    """SIGINT and SIGQUIT back to their defaults before a launcher execs a command: a
-    server started with them ignored (a script's background job) must not hand that
-    on, or Ctrl-C on a command's terminal never reaches it (a shell cannot undo it)."""
+def become(cwd, argv):
+    """A confined launcher's last step: into `cwd`, SIGINT and SIGQUIT back to their
+    defaults (a server started with them ignored, a script's background job, must not
+    hand that on, or Ctrl-C on a command's terminal never reaches it: a shell cannot
+    undo it), then exec `argv`."""
+    try:
+        os.chdir(cwd)
+    except OSError as e:
+        refuse_to_run(e)
     for sig in (signal.SIGINT, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
+    os.execv(argv[0], argv)
 
 
-def helper_warm_launcher(fd, early_spec=None):
+def helper_warm_launcher(fd, early_spec):
     """A launcher started ahead: confined ahead as the JSON `early_spec` says (the spec but
     its cwd: with the network off, the supervisor is forked now too), then waiting on
     pipe `fd` for one JSON line {spec, argv, env} to become that command in the spec's
@@ -3189,8 +3190,7 @@ def helper_warm_launcher(fd, early_spec=None):
     # NetSupervisor's, loaded ahead (socket: ~15 ms)
     for name in ("select", "socket"):
         __import__(name)
-    if early_spec is not None:
-        confined(early_spec)
+    confined(early_spec)
     with os.fdopen(fd, "rb") as control:
         line = control.readline()
     if not line:
@@ -3200,32 +3200,18 @@ def helper_warm_launcher(fd, early_spec=None):
         os.environ.clear()
         os.environ.update(job["env"])
         cwd = json.loads(job["spec"]).pop("cwd")
-        if early_spec is not None \
-                and job["spec"] != json.dumps(dict(json.loads(early_spec), cwd=cwd)):
+        if job["spec"] != json.dumps(dict(json.loads(early_spec), cwd=cwd)):
             raise ValueError("a spec other than the one this launcher was confined for")
     except (ValueError, KeyError, TypeError) as e:
         sys.stderr.write("boris: the sandbox launcher got no usable command (%s); nothing was run\n"
                          % e)
         os._exit(SANDBOX_EXIT)
-    if early_spec is None:
-        return helper_sandbox(job["spec"], job["argv"])
-    try:
-        os.chdir(cwd)
-    except OSError as e:
-        refuse_to_run(e)
-    default_interrupts()
-    os.execv(job["argv"][0], job["argv"])
+    become(cwd, job["argv"])
 
 
 def helper_sandbox(spec, argv):
-    """The launcher: confine this process as `spec` says, then exec `argv`."""
-    spec = confined(spec)
-    try:
-        os.chdir(spec["cwd"])
-    except OSError as e:
-        refuse_to_run(e)
-    default_interrupts()
-    os.execv(argv[0], argv)
+    """The launcher: confine this process as `spec` says, then become `argv`."""
+    become(confined(spec)["cwd"], argv)
 
 
 def confined(spec):
@@ -16038,8 +16024,8 @@ def helper_main(args):
     kind = args[0] if args else ""
     parent = args[1] if len(args) > 1 else None
     seal_memory()                       # a helper (a launcher too) holds the server's environment
-    if kind == "sandbox" and len(args) in (3, 4) and args[2].startswith("@"):
-        return helper_warm_launcher(int(args[2][1:]), args[3] if len(args) == 4 else None)
+    if kind == "sandbox" and len(args) == 4 and args[2].startswith("@"):
+        return helper_warm_launcher(int(args[2][1:]), args[3])
     if kind == "sandbox" and len(args) > 3:
         return helper_sandbox(args[2], args[3:])
     if kind == "probe" and len(args) == 4:
