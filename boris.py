@@ -1750,7 +1750,8 @@ def clean_leftovers(dfd, directory, guards):
 # Linux boris is a child subreaper: what a command leaves running (`cmd &`, setsid,
 # double-forked daemons) is re-parented to boris instead of init, and is killed
 # when its call ends (found by the BORIS_CALL marker every command's environment
-# carries). As PID 1 or subreaper, orphans are reaped by a background thread.
+# carries). As PID 1 or subreaper, orphans are reaped by a background thread; at
+# exit every child left, orphan or not, is killed and reaped (reap_all).
 
 REAP_INTERVAL_S = 0.5                      # orphans re-parented to boris are reaped this often
 
