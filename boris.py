@@ -10638,19 +10638,26 @@ class Tool:
     disabling takes it along. `description` and `schema` may be functions of the
     Config; made() gives the listed tool. `changes`: it can change files (its destructive
     hint), so the session checkpoints the workspace before it. @tool's keywords set the
-    fields after the first four; the rest keep the defaults below."""
+    FIELDS (a misspelt one is a TypeError at import); the rest keep the defaults below."""
+    FIELDS = frozenset(("handler", "modes", "codes", "lane", "goes_with", "hint",
+                        "argument_error"))
     # lane: "shell" (commands, waits), "quick", or a function of the arguments
-    modes, codes, lane, goes_with, hint = BOTH, {}, "quick", (), ""
+    handler, modes, codes, lane, goes_with, hint = None, BOTH, {}, "quick", (), ""
 
     def __init__(self, name, description, schema, annotations, **fields):
+        unknown = set(fields) - self.FIELDS
+        if unknown:
+            raise TypeError("tool %r: no field %s" % (name, ", ".join(sorted(unknown))))
         self.name, self.description = name, description
         self.schema, self.annotations = schema, annotations
-        self.handler = None
         self.__dict__.update(fields)
         if isinstance(self.goes_with, str):
             self.goes_with = (self.goes_with,)
-        # it can change files: checkpointed before
-        self.changes = bool(annotations.get("destructiveHint"))
+
+    @property
+    def changes(self):
+        """Whether it can change files (checkpointed before it)."""
+        return bool(self.annotations.get("destructiveHint"))
 
     @staticmethod
     def argument_error(e):

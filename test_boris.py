@@ -8790,6 +8790,18 @@ class TestEveryStringIsCheckedAtTheSchema(NoViewBase):
 
 
 class TestSchemasTellTheTruth(Base):
+    def test_a_misspelt_field_of_tool_is_refused_at_import(self):
+        """Issue 74: @tool takes Tool's named fields; any other keyword (lnae for lane) is a
+        TypeError when the file loads, not a field that does nothing."""
+        with mock.patch.object(boris, "TOOLS", []):
+            def handler(session, args, ctx):
+                return ""
+            with self.assertRaisesRegex(TypeError, r"tool 'x': no field lnae"):
+                boris.tool("x", "X.", boris.obj({}), {}, lnae="shell")(handler)
+            boris.tool("x", "X.", boris.obj({}), {}, lane="shell", hint="x")(handler)
+            self.assertEqual([(t.name, t.lane, t.hint, t.handler) for t in boris.TOOLS],
+                             [("x", "shell", "x", handler)])
+
     def test_required_arguments_have_no_defaults_and_enums_are_listed(self):
         for tool in self.server.tools.values():
             for name in tool.schema["required"]:
