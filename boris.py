@@ -1814,12 +1814,13 @@ def clean_leftovers(dfd, directory, guards):
 ###############################################################################
 # Child processes #############################################################
 ###############################################################################
-# Every process boris starts goes through spawn(), which records its pid until its
-# Popen has collected the exit status, so the orphan reaper never steals one. On
-# Linux boris is a child subreaper: what a command leaves running (`cmd &`, setsid,
-# double-forked daemons) is re-parented to boris instead of init, and is killed
-# when its call ends (found by the BORIS_CALL marker every command's environment
-# carries). As PID 1 or subreaper, orphans are reaped by a background thread.
+# The rule: whatever process boris starts, it starts through spawn() (directly or through
+# a runner built on it), which records its pid until its Popen has collected the exit
+# status, so the orphan reaper never steals one. On Linux boris is a child subreaper:
+# what a command leaves running (`cmd &`, setsid, double-forked daemons) is re-parented
+# to boris instead of init, and is killed when its call ends (found by the BORIS_CALL
+# marker every command's environment carries). As PID 1 or subreaper, orphans are
+# reaped by a background thread.
 
 REAP_INTERVAL_S = 0.5                      # orphans re-parented to boris are reaped this often
 
@@ -13655,8 +13656,8 @@ def tool_apply_patch(session, args, ctx):
 ###############################################################################
 # Tools: notebooks ############################################################
 ###############################################################################
-# view renders a notebook (Notebook, in Tools: documents): per cell a header, its
-# numbered source and its outputs (text bounded, errors short, PNG/JPEG as images).
+# view renders a notebook (Notebook, in Tools: images and notebooks): per cell a header,
+# its numbered source and its outputs (text bounded, errors short, PNG/JPEG as images).
 # notebook_edit rewrites the bytes of one cell only - every other byte of the file (other cells,
 # key order, indentation, nbformat) stays as it was - from the cells' spans found with raw_decode.
 
@@ -14499,9 +14500,9 @@ def tool_search_files(session, args, ctx):
 ###############################################################################
 # Tools: workspace (fixed Chinese answers) ####################################
 ###############################################################################
-# These answer in fixed Chinese strings (README says where they come from); an answer
-# starting with 错误 is an error. Paths are confined to the workspace root (--workdir)
-# by PathPolicy.confine.
+# These answer in fixed Chinese strings (the module header's History says where they
+# come from); an answer starting with 错误 is an error. Paths are confined to the
+# workspace root (--workdir) by PathPolicy.confine.
 
 OUTSIDE_WORKSPACE_ERROR = "错误：路径越出工作区限制"
 
@@ -14548,15 +14549,21 @@ def workspace_argument_error(e):
 READ_FILE_NOTICE_CHARS = 300       # of --max-result-chars: room for read_file's read-on line
 
 
-@tool("read_file", lambda config: "Read a text file from the workspace and return its content"
-      " (a long one up to {:,} characters, with the offset to read on). ".format(
-          config.max_result_chars - READ_FILE_NOTICE_CHARS) + workspace_note(config, "view"),
-      obj({
-          "path": prop("string", "File path inside the workspace."),
-          "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
-          "offset": prop("integer", "First line to return, 1-based (default 1)."),
-          "limit": prop("integer", "How many lines to return (default: the rest)."),
-      }, ["path"]), notes("Read file", read_only=True, idempotent=True),
+def read_file_description(config):
+    """read_file's description: how long an answer gets (--max-result-chars, less room for
+    the read-on notice) and where its paths go."""
+    longest = config.max_result_chars - READ_FILE_NOTICE_CHARS
+    return ("Read a text file from the workspace and return its content (a long one up to {:,}"
+            " characters, with the offset to read on). ".format(longest)
+            + workspace_note(config, "view"))
+
+
+@tool("read_file", read_file_description, obj({
+    "path": prop("string", "File path inside the workspace."),
+    "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
+    "offset": prop("integer", "First line to return, 1-based (default 1)."),
+    "limit": prop("integer", "How many lines to return (default: the rest)."),
+}, ["path"]), notes("Read file", read_only=True, idempotent=True),
       argument_error=workspace_argument_error, hint="read file")
 def tool_read_file(session, args, ctx):
     """read_file: a workspace file's text (from an offset, a limit of lines), in its encoding."""
