@@ -10667,10 +10667,10 @@ class Tool:
 
     def made(self, config):
         """This tool as `config` lists it: description and schema worked out."""
-        return Tool(**dict(vars(self),
-                           description=self.description(config) if callable(self.description)
-                           else self.description,
-                           schema=self.schema(config) if callable(self.schema) else self.schema))
+        def worked_out(field):
+            return field(config) if callable(field) else field
+        return Tool(**dict(vars(self), description=worked_out(self.description),
+                           schema=worked_out(self.schema)))
 
     def listing(self, config):
         """The tool as tools/list shows it, with Claude Code's hints in _meta: load it from the
@@ -10705,11 +10705,7 @@ def build_tools(config):
 def tool_names():
     """Every name a tool can be registered under, with or without --anthropic-compat,
     in listing order: the names --disable-tools accepts."""
-    names = []
-    for t in TOOLS:
-        if t.name not in names:
-            names.append(t.name)
-    return names
+    return list(dict.fromkeys(t.name for t in TOOLS))
 
 
 def disabled_tools(config):
