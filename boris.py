@@ -33,8 +33,8 @@ the layers above it:
                              history
     Checkpoints              the store, git's index, the session's checkpoints of the
                              workspace
-    Tools: building blocks   the registry (@tool), schema helpers, CallContext, shared
-                             answer helpers
+    Tools: building blocks   the registry (@tool), schema builders, CallContext, the
+                             pieces answers share
     Tools: images and notebooks  what such a file shows a model in view
     Tools: view              view of files, directories, images and notebooks
     Tools: outline           a file's definitions with line ranges, or a directory's
