@@ -19,43 +19,114 @@ the layers above it:
     Files                    the one opener, the one atomic writer, line reading, sniffing
     Child processes          spawn, the reaper, killing a group; helper processes
                              (this file run again)
-    Sandbox                  Landlock, seccomp, network namespaces, the launchers that confine
-                             commands, the egress proxy of a domain list
-    Search                   ignore rules, inotify watches and the walk cache, one walker, the grep
-                             and outline engines
+    Sandbox                  Landlock, seccomp, network namespaces, the launchers that
+                             confine commands, the egress proxy of a domain list
+    Search                   ignore rules, inotify watches and the walk cache, one walker,
+                             the grep and outline engines
     Documents                office documents and PDF as text, read in helpers
-    Helpers                  the searches run in helpers (where a deadline or a cancel can kill
-                             them), the helper pool
+    Helpers                  the searches run in helpers (where a deadline or a cancel can
+                             kill them), the helper pool
     Shell                    Capture, and the command runner: start_process, pump, Task
-    Web                      fetch with vetted addresses, HTML to Markdown, coded fetch errors
-    Session                  one client's cwd, viewed files, tasks (admitted here), undo history
-    Checkpoints              the store, git's index, the session's checkpoints of the workspace
-    Tools: building blocks   the registry (@tool), schema helpers, CallContext, shared
-                             answer helpers
+    Web                      fetch with vetted addresses, HTML to Markdown, coded fetch
+                             errors
+    Session                  one client's cwd, viewed files, tasks (admitted here), undo
+                             history
+    Checkpoints              the store, git's index, the session's checkpoints of the
+                             workspace
+    Tools: building blocks   the registry (@tool), schema builders, CallContext, the
+                             pieces answers share
     Tools: images and notebooks  what such a file shows a model in view
     Tools: view              view of files, directories, images and notebooks
-    Tools: outline           a file's definitions with line ranges, or a directory's files'
-                             top-level ones
-    Tools: edits             the one matcher and the three-way merge (EditMerge), the one edit
-                             writer (write_edit), then str_replace, multi_edit, create_file,
-                             undo_edit, checkpoints and rewind, and the compat editor
+    Tools: outline           a file's definitions with line ranges, or a directory's
+                             files' top-level ones
+    Tools: edits             the one matcher and the three-way merge (EditMerge), the one
+                             edit writer (write_edit), then str_replace, multi_edit,
+                             create_file, undo_edit, checkpoints and rewind, and the
+                             compat editor
     Tools: apply_patch       Codex's patch format, read, planned, written all or none
     Tools: notebooks         notebook_edit
-    Tools: shell             bash (handed off to the background when it outlives --handoff) and
-                             the task tools
+    Tools: shell             bash (handed off to the background when it outlives
+                             --handoff) and the task tools
     Tools: search            grep, glob, search_text, search_files
     Tools: workspace         read_file, write_file, list_directory, web_fetch
                              (fixed Chinese answers)
-    Protocol                 McpServer: JSON-RPC dispatch, argument checks, the worker pool
+    Protocol                 McpServer: JSON-RPC dispatch, argument checks, the worker
+                             pool
     Transports               stdio, and streamable HTTP (sessions, auth, CORS)
-    main                     flags to config, policy and sandbox; serve; a helper process's main
+    main                     flags to config, policy and sandbox; serve; a helper
+                             process's main
 
 A test (TestTheFilesMap) keeps it so: no name is used above the section or
-sub-banner that defines it, and this list names the sections there are.
+sub-banner that defines it, and this list names the sections there are. Beyond that
+order, one of each: one resolver (Paths), one opener and one writer (Files: a helper
+gets the checked descriptor, not a path), one way to start a process (Child processes),
+one walker (Search), one matcher and one edit writer (Tools: edits), one error path
+(ToolError). Tools return their answers and never print; transports never open files.
 
 A tool's description, schema and handler stand together in its section, registered by
 @tool where they are defined: adding a tool touches one section. Heavy standard-library
 modules that only some calls need are imported inside the functions that use them.
+
+The tools, in listing order. Each one's handler is tool_<name>, next to its @tool
+(description and schema); the engine is what the handler leaves the work to, the job
+the helper job it runs (Helpers: an "op"), the tests the class that drives it most
+(TestTheFilesMap checks every tool is here and every name below exists):
+
+    tool                engine                              job       tests
+    view                numbered, list_tree, image_result,  document, TestView
+                        Notebook, document_view, pdf_view   pdf
+    outline             Outline, directory_outline          outline   TestOutline
+    str_replace         replace_text, write_edit            -         TestStrReplace
+    multi_edit          replace_text, write_edit            -         TestMultiEdit
+    create_file         write_edit                          -         TestCreateFile
+    undo_edit           write_edit, bytes_before            -         TestUndoEdit
+    checkpoints         Checkpoints, checkpoint_diff        -         TestRewind
+    rewind              Checkpoints.rewind                  -         TestRewind
+    str_replace_editor  tool_view and the edit tools        -         TestCompatEditor
+    apply_patch         PatchReader, PatchPlan, write_edit  -         TestApplyPatch
+    notebook_edit       Notebook, write_edit                -         TestNotebooks
+    bash                start_command, Task                 -         TestBash
+    task_output         await_task, OutputWatch             match     TestBackgroundTasks
+    task_input          Task.write                          -         TestInteractiveTasks
+    task_stop           kill_all                            -         TestBackgroundTasks
+    grep                GrepWork, grep_answer               grep      TestGrep
+    glob                find_paths                          glob      TestGlob
+    search_text         GrepWork, format_records            grep      TestSearchText
+    search_files        find_paths                          glob      TestSearchFiles
+    read_file           read_regular, line_window           -         TestWorkspaceTools
+    write_file          write_edit                          -         TestWorkspaceTools
+    list_directory      list_entries                        -         TestWorkspaceTools
+    web_fetch           WebFetch, HtmlToMarkdown            -         TestWebFetch
+
+Under --anthropic-compat, grep is tool_grep under Claude Code's parameter names
+(renamed()), and str_replace_editor stands for view and the edit tools.
+
+House words, one meaning each:
+    helper          this file run again as a child process, for a job that may have
+                    to be killed (a search, a document read); Helpers holds the pool
+    lane            a session's queue in the worker pool: "shell" (commands, and
+                    calls that wait) or "quick" (the rest): no quick call waits
+                    behind a command
+    slice, dealt    a directory search is dealt out in slices, one per helper
+                    (SEARCH_SLICES); each walks only its slice of the tree
+                    (Walker.deal)
+    the turn        the checkpoint store's one walk at a time: the scanning
+                    thread's, or that of a call that holds it (checkpoints, rewind)
+    read-on notice  the line that ends a cut answer, giving the offset (or
+                    start_index) to call again with to read on
+    a lack          what this place does not have: a module this Python was built
+                    without, or a refusal by the system; lacking() words it as a
+                    coded answer, never a crash
+    plain error     a ToolError rendered verbatim, without [CODE] (the workspace tools)
+
+History. boris.py re-implements boris, an MCP server written in Go ("the Go original",
+"the original boris"): where a comment says "as the original boris", this file keeps that
+server's behaviour (grep's `--` between groups, the order of the instructions' lines).
+The workspace tools (read_file, write_file, list_directory, web_fetch) answer a separate
+requirement written in Chinese (seed 004 of the requirements boris is built from): its
+scenarios fix each answer, such as 错误：路径越出工作区限制 (a path outside
+the workspace), so these tools answer in those strings byte for byte, and an answer
+starting with 错误 ("error") is an error.
 
 Constants follow one rule: a number a user or a model can meet (a limit, a size, a
 timeout, in an answer, a message or a flag) is at the top, under Limits; one that only
@@ -1745,13 +1816,14 @@ def clean_leftovers(dfd, directory, guards):
 ###############################################################################
 # Child processes #############################################################
 ###############################################################################
-# Every process boris starts goes through spawn(), which records its pid until its
-# Popen has collected the exit status, so the orphan reaper never steals one. On
-# Linux boris is a child subreaper: what a command leaves running (`cmd &`, setsid,
-# double-forked daemons) is re-parented to boris instead of init, and is killed
-# when its call ends (found by the BORIS_CALL marker every command's environment
-# carries). As PID 1 or subreaper, orphans are reaped by a background thread; at
-# exit every child left, orphan or not, is killed and reaped (reap_all).
+# The rule: whatever process boris starts, it starts through spawn() (directly or through
+# a runner built on it), which records its pid until its Popen has collected the exit
+# status, so the orphan reaper never steals one. On Linux boris is a child subreaper:
+# what a command leaves running (`cmd &`, setsid, double-forked daemons) is re-parented
+# to boris instead of init, and is killed when its call ends (found by the BORIS_CALL
+# marker every command's environment carries). As PID 1 or subreaper, orphans are
+# reaped by a background thread; at exit every child left, orphan or not, is killed
+# and reaped (reap_all).
 
 REAP_INTERVAL_S = 0.5                      # orphans re-parented to boris are reaped this often
 
@@ -9503,7 +9575,7 @@ class Store:
 
     def put(self, data):
         """(digest of `data`, kept in the store; or None and why not). Any thread may put: a
-        scan, or an edit keeping the bytes undo_edit restores (keep_befores)."""
+        scan, or an edit keeping the bytes undo_edit restores (keep_files_before)."""
         import hashlib
         digest = hashlib.blake2b(data, digest_size=20).hexdigest()
         with self.lock:
@@ -10564,19 +10636,26 @@ class Tool:
     disabling takes it along. `description` and `schema` may be functions of the
     Config; made() gives the listed tool. `changes`: it can change files (its destructive
     hint), so the session checkpoints the workspace before it. @tool's keywords set the
-    fields after the first four; the rest keep the defaults below."""
+    FIELDS (a misspelt one is a TypeError at import); the rest keep the defaults below."""
+    FIELDS = frozenset(("handler", "modes", "codes", "lane", "goes_with", "hint",
+                        "argument_error"))
     # lane: "shell" (commands, waits), "quick", or a function of the arguments
-    modes, codes, lane, goes_with, hint = BOTH, {}, "quick", (), ""
+    handler, modes, codes, lane, goes_with, hint = None, BOTH, {}, "quick", (), ""
 
     def __init__(self, name, description, schema, annotations, **fields):
+        unknown = set(fields) - self.FIELDS
+        if unknown:
+            raise TypeError("tool %r: no field %s" % (name, ", ".join(sorted(unknown))))
         self.name, self.description = name, description
         self.schema, self.annotations = schema, annotations
-        self.handler = None
         self.__dict__.update(fields)
         if isinstance(self.goes_with, str):
             self.goes_with = (self.goes_with,)
-        # it can change files: checkpointed before
-        self.changes = bool(annotations.get("destructiveHint"))
+
+    @property
+    def changes(self):
+        """Whether it can change files (checkpointed before it)."""
+        return bool(self.annotations.get("destructiveHint"))
 
     @staticmethod
     def argument_error(e):
@@ -10585,10 +10664,10 @@ class Tool:
 
     def made(self, config):
         """This tool as `config` lists it: description and schema worked out."""
-        return Tool(**dict(vars(self),
-                           description=self.description(config) if callable(self.description)
-                           else self.description,
-                           schema=self.schema(config) if callable(self.schema) else self.schema))
+        def worked_out(field):
+            return field(config) if callable(field) else field
+        return Tool(**dict(vars(self), description=worked_out(self.description),
+                           schema=worked_out(self.schema)))
 
     def listing(self, config):
         """The tool as tools/list shows it, with Claude Code's hints in _meta: load it from the
@@ -10623,11 +10702,7 @@ def build_tools(config):
 def tool_names():
     """Every name a tool can be registered under, with or without --anthropic-compat,
     in listing order: the names --disable-tools accepts."""
-    names = []
-    for t in TOOLS:
-        if t.name not in names:
-            names.append(t.name)
-    return names
+    return list(dict.fromkeys(t.name for t in TOOLS))
 
 
 def disabled_tools(config):
@@ -11817,7 +11892,7 @@ def original_text(units):
     return "".join(u.original for u in units)
 
 
-def solids(units):
+def solid_indexes(units):
     """The indexes of the solid units of text_units' list."""
     return [k for k, u in enumerate(units) if u.solid]
 
@@ -12028,7 +12103,7 @@ class EditMerge:
         the characters the model did not change, whitespace included, are the file's."""
         import difflib
         wu, nu, fu = text_units(wc), text_units(nc), text_units(fc)
-        ws, fs = solids(wu), solids(fu)
+        ws, fs = solid_indexes(wu), solid_indexes(fu)
         if [wu[k].canonical for k in ws] != [fu[k].canonical for k in fs]:
             raise self.refuse("the changed line %r does not line up with the file's %r" % (
                 shorten(wc, 60), shorten(fc, 60)))
@@ -12053,7 +12128,7 @@ class EditMerge:
                 out.append(put)
                 continue
             for k in range(i1, i2):
-                p, q = around(ws, k)
+                p, q = neighbours(ws, k)
                 if wu[k].solid:
                     # (p None: k is the first)
                     gap = gaps.get((p, k)) if k - 1 == p and p in same else None
@@ -12093,7 +12168,7 @@ class EditMerge:
             if wc == fc or squeezed(wc) != squeezed(fc):
                 continue
             wu, fu = text_units(wc), text_units(fc)
-            ws, fs = solids(wu), solids(fu)
+            ws, fs = solid_indexes(wu), solid_indexes(fu)
             for (p, q), (fp, fq) in zip(zip(ws, ws[1:]), zip(fs, fs[1:])):
                 file_gap, old_gap = original_text(fu[fp + 1:fq]), original_text(wu[p + 1:q])
                 if len(file_gap) > max(1, len(old_gap)) and file_gap.isspace():
@@ -12118,7 +12193,7 @@ class EditMerge:
         return out
 
 
-def around(ws, k):
+def neighbours(ws, k):
     """(the last of the sorted indexes ws below k, the first above it); None where there is none."""
     lo, hi = bisect_left(ws, k), bisect_right(ws, k)
     return ws[lo - 1] if lo else None, ws[hi] if hi < len(ws) else None
@@ -12139,7 +12214,7 @@ def split_after(line, head):
     line = line[:len(line) - len(cr)]
     lead = leading(line)
     units = text_units(line[len(lead):])
-    last = solids(units)[len(solids(text_units(head.strip()))) - 1]
+    last = solid_indexes(units)[len(solid_indexes(text_units(head.strip()))) - 1]
     cut = len(lead) + sum(len(u.original) for u in units[:last + 1])
     return line[:cut], line[cut:] + cr
 
@@ -12222,7 +12297,7 @@ def write_edit(session, ctx, tool, changes, dry_run=False):
             raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s"
                             " (--max-file-size); nothing was written"
                             % (shown, human_size(len(data)), human_size(limit)))
-    known = befores(changes, limit)
+    known = files_before(changes, limit)
     todo = [(real, shown, data, known[real][0] if known[real] else None, new_mode)
             for real, shown, data, _, new_mode in changes]
     if dry_run:
@@ -12245,17 +12320,17 @@ def write_edit(session, ctx, tool, changes, dry_run=False):
     except (OSError, ToolError) as e:
         why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
         raise ToolError(IO_ERROR, "writing %s failed (%s); %s"
-                        % (shown, why, put_back(done, known, ctx)))
+                        % (shown, why, roll_back(done, known, ctx)))
     kept = {real: known[real] + (digest_of(data) if data is not None else None,)
                 for real, _, data, _, _ in todo if known[real] is not None}
     if kept and tool != "undo_edit":
-        session.remember_edit(tool, keep_befores(session, kept))
+        session.remember_edit(tool, keep_files_before(session, kept))
     return "".join(notes) + "".join(parse_warning(real, before, data)
                                     for real, _, data, before, _ in todo
                                     if data is not None and known[real] is not None)
 
 
-def befores(changes, limit):
+def files_before(changes, limit):
     """What is there before an edit's changes, by real path: (bytes, mode), (None, None)
     for no file, or None for a file over the limit or not a regular file (it gets no undo
     level); an IO_ERROR naming the file when one cannot be read."""
@@ -12276,7 +12351,7 @@ StoredBytes.__doc__ = ("A file's bytes before an edit, kept in the session's che
                        " under `digest`.")
 
 
-def keep_befores(session, changes):
+def keep_files_before(session, changes):
     """An edit's changes for the undo history, each file's bytes before put in the session's
     checkpoint store (one store for checkpoints and undo_edit) where it has one with room;
     held in memory where not (checkpoints off, the budget spent)."""
@@ -12293,8 +12368,8 @@ def keep_befores(session, changes):
 
 
 def bytes_before(session, before):
-    """The bytes an undo history entry holds (keep_befores), read back from the store if kept
-    there."""
+    """The bytes an undo history entry holds (keep_files_before), read back from the store
+    if kept there."""
     if not isinstance(before, StoredBytes):
         return before
     try:
@@ -12304,7 +12379,7 @@ def bytes_before(session, before):
                         " nothing was undone" % (e.strerror or e))
 
 
-def put_back(done, known, ctx):
+def roll_back(done, known, ctx):
     """Undo the writes `done` [(real, bytes before or None, top directory made)] of an edit
     that failed half-way, in reverse; a sentence saying how that went."""
     failed = []
@@ -12642,7 +12717,7 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
                            ", ".join(str(i + 1) for i, _ in places[:20])))
     new_lines = text_lines(new, ended=old.endswith("\n")) if new else []
     ops = difflib.SequenceMatcher(None, want, new_lines, autojunk=False).get_opcodes()
-    hits = apart(hits)                          # replace_all: no two places overlap
+    hits = non_overlapping(hits)                # replace_all: no two places overlap
     merge = None
     for i, j in reversed(hits):
         region, rest = lines[i:j], ""
@@ -12667,7 +12742,7 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
     return "\n".join(lines), len(hits), offset, relaxed_note(level, merge)
 
 
-def apart(spans):
+def non_overlapping(spans):
     """The (start, end) spans, in order, each left out that overlaps the one kept before it."""
     kept = []
     for span in spans:
@@ -12948,7 +13023,7 @@ def session_checkpoints(session):
     return checkpoints
 
 
-def named(paths, root_of):
+def paths_shown(paths, root_of):
     """Up to CHECKPOINT_NAMES_SHOWN paths, shown relative to their root, and how many more."""
     shown = [root_of(p) for p in paths[:CHECKPOINT_NAMES_SHOWN]]
     more = len(paths) - len(shown)
@@ -12957,7 +13032,7 @@ def named(paths, root_of):
 
 def change_words(diff, root_of):
     """added/modified/deleted lists in words: 'nothing' when all are empty."""
-    parts = ["%d %s: %s" % (len(paths), word, named(paths, root_of))
+    parts = ["%d %s: %s" % (len(paths), word, paths_shown(paths, root_of))
              for word, paths in zip(("added", "modified", "deleted"), diff) if paths]
     return "; ".join(parts) or "nothing"
 
@@ -13132,8 +13207,8 @@ def tool_rewind(session, args, ctx):
     text = "Rewound %s to checkpoint %d (%s): %s." % (
         ", ".join(root_of(p) for p in within) or "the workspace", target.number,
         time.strftime("%H:%M:%S", time.localtime(target.taken)),
-        "; ".join("%d %s: %s" % (len(ps), w, named(ps, root_of)) for w, ps in sorted(words.items()))
-        or "nothing differed")
+        "; ".join("%d %s: %s" % (len(ps), w, paths_shown(ps, root_of))
+                  for w, ps in sorted(words.items())) or "nothing differed")
     if failed:
         text += "\nNot restored: %s." % listed(failed[:CHECKPOINT_NAMES_SHOWN])
     if now.number != target.number:
@@ -13574,8 +13649,8 @@ def tool_apply_patch(session, args, ctx):
 ###############################################################################
 # Tools: notebooks ############################################################
 ###############################################################################
-# view renders a notebook (Notebook, in Tools: documents): per cell a header, its
-# numbered source and its outputs (text bounded, errors short, PNG/JPEG as images).
+# view renders a notebook (Notebook, in Tools: images and notebooks): per cell a header,
+# its numbered source and its outputs (text bounded, errors short, PNG/JPEG as images).
 # notebook_edit rewrites the bytes of one cell only - every other byte of the file (other cells,
 # key order, indentation, nbformat) stays as it was - from the cells' spans found with raw_decode.
 
@@ -14418,9 +14493,9 @@ def tool_search_files(session, args, ctx):
 ###############################################################################
 # Tools: workspace (fixed Chinese answers) ####################################
 ###############################################################################
-# These answer in fixed Chinese strings (README says where they come from); an answer
-# starting with 错误 is an error. Paths are confined to the workspace root (--workdir)
-# by PathPolicy.confine.
+# These answer in fixed Chinese strings (the module header's History says where they
+# come from); an answer starting with 错误 is an error. Paths are confined to the
+# workspace root (--workdir) by PathPolicy.confine.
 
 OUTSIDE_WORKSPACE_ERROR = "错误：路径越出工作区限制"
 
@@ -14467,15 +14542,21 @@ def workspace_argument_error(e):
 READ_FILE_NOTICE_CHARS = 300       # of --max-result-chars: room for read_file's read-on line
 
 
-@tool("read_file", lambda config: "Read a text file from the workspace and return its content"
-      " (a long one up to {:,} characters, with the offset to read on). ".format(
-          config.max_result_chars - READ_FILE_NOTICE_CHARS) + workspace_note(config, "view"),
-      obj({
-          "path": prop("string", "File path inside the workspace."),
-          "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
-          "offset": prop("integer", "First line to return, 1-based (default 1)."),
-          "limit": prop("integer", "How many lines to return (default: the rest)."),
-      }, ["path"]), notes("Read file", read_only=True, idempotent=True),
+def read_file_description(config):
+    """read_file's description: how long an answer gets (--max-result-chars, less room for
+    the read-on notice) and where its paths go."""
+    longest = config.max_result_chars - READ_FILE_NOTICE_CHARS
+    return ("Read a text file from the workspace and return its content (a long one up to {:,}"
+            " characters, with the offset to read on). ".format(longest)
+            + workspace_note(config, "view"))
+
+
+@tool("read_file", read_file_description, obj({
+    "path": prop("string", "File path inside the workspace."),
+    "encoding": prop("string", "Text encoding (default utf-8; falls back to latin-1)."),
+    "offset": prop("integer", "First line to return, 1-based (default 1)."),
+    "limit": prop("integer", "How many lines to return (default: the rest)."),
+}, ["path"]), notes("Read file", read_only=True, idempotent=True),
       argument_error=workspace_argument_error, hint="read file")
 def tool_read_file(session, args, ctx):
     """read_file: a workspace file's text (from an offset, a limit of lines), in its encoding."""

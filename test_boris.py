@@ -8813,6 +8813,18 @@ class TestEveryStringIsCheckedAtTheSchema(NoViewBase):
 
 
 class TestSchemasTellTheTruth(Base):
+    def test_a_misspelt_field_of_tool_is_refused_at_import(self):
+        """Issue 74: @tool takes Tool's named fields; any other keyword (lnae for lane) is a
+        TypeError when the file loads, not a field that does nothing."""
+        with mock.patch.object(boris, "TOOLS", []):
+            def handler(session, args, ctx):
+                return ""
+            with self.assertRaisesRegex(TypeError, r"tool 'x': no field lnae"):
+                boris.tool("x", "X.", boris.obj({}), {}, lnae="shell")(handler)
+            boris.tool("x", "X.", boris.obj({}), {}, lane="shell", hint="x")(handler)
+            self.assertEqual([(t.name, t.lane, t.hint, t.handler) for t in boris.TOOLS],
+                             [("x", "shell", "x", handler)])
+
     def test_required_arguments_have_no_defaults_and_enums_are_listed(self):
         for tool in self.server.tools.values():
             for name in tool.schema["required"]:
@@ -11858,7 +11870,51 @@ class TestTheFilesMap(unittest.TestCase):
         listed = [re.split(r"\s{2,}", line.strip())[0] for line in block.splitlines() if re.match(r"^    \S", line)]
         sections = [title.split(" (")[0] for _, title in banners_of(self.source.splitlines())
                     if "#####\n# %s " % title in self.source]
-        self.assertEqual(sections, listed)
+        self.assertEqual(sections, listed, "the header's list of sections is not the file's:"
+                         " add each new section to it, in file order")
+
+    def map_rows(self):
+        """The header's map of the tools: {tool: (engine, job, tests)}, each column's text,
+        placed as the header line places its titles (a row may run on below it)."""
+        header = self.source.split('"""', 2)[1]
+        lines = header[header.index("\n    tool ") + 1:].split("\n\n", 1)[0].splitlines()
+        cuts = [lines[0].index(title) for title in ("engine", "job", "tests")]
+        rows = {}
+        for line in lines[1:]:
+            cells = [line[a:b].strip() for a, b in zip([0] + cuts, cuts + [None])]
+            if cells[0]:
+                name = cells[0]
+                rows[name] = ["", "", ""]
+            for k, cell in enumerate(cells[1:]):
+                rows[name][k] += " " + cell
+        return rows
+
+    def test_the_header_maps_every_tool_to_what_exists(self):
+        """Issue 74: the header maps each tool to its handler, engine, helper job and test
+        class; a tool added, or a name renamed, without the map failing here says which."""
+        rows = self.map_rows()
+        registered = set(t.name for t in boris.TOOLS)
+        self.assertEqual(sorted(registered - set(rows)), [],
+                         "tools the header's map leaves out: add a row for each")
+        self.assertEqual(sorted(set(rows) - registered), [], "rows of the map no tool has")
+        self.assertEqual(sorted(n for n in registered if not any(
+            t.handler is getattr(boris, "tool_" + n, None) for t in boris.TOOLS if t.name == n)),
+            [], "tools with no handler tool_<name>, as the map says each has")
+        missing = []
+        for name, (engine, jobs, tests) in sorted(rows.items()):
+            for item in engine.split(","):
+                words = item.split()        # one name, or words around names with a _
+                for word in words if len(words) == 1 else [w for w in words if "_" in w]:
+                    try:
+                        functools.reduce(getattr, word.split("."), boris)
+                    except AttributeError:
+                        missing.append((name, "engine", word))
+            missing += [(name, "job", job) for job in re.findall(r"\w+", jobs)
+                        if '"op": "%s"' % job not in self.source]
+            missing += [(name, "tests", test) for test in re.findall(r"\w+", tests)
+                        if not isinstance(globals().get(test), type)]
+        self.assertEqual(missing, [], "names in the header's map of the tools that are not"
+                         " there: a job is an op some call sends, tests a class here")
 
 
 # ---------------------------------------------------------------------------
