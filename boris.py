@@ -11563,8 +11563,6 @@ def with_indent(line, mapping, place_unit=None):
     the levels of `mapping`, or where it has one level only `place_unit` (old_str's unit in
     columns, the file's as text); a line shallower than every known level loses as
     many of the file's units. None when the mapping cannot tell."""
-    if not line.strip():
-        return ""
     have = leading(line)
     level_unit = indent_unit(mapping)
     torn = bool(level_unit and level_unit.columns and place_unit and (
@@ -11831,7 +11829,7 @@ class EditMerge:
     them (new), with the opcodes of want -> new. Lines the edit leaves keep the file's
     bytes; a changed line is merged character by character (what the model did not
     change inside it keeps the file's characters); new lines come in with the file's
-    indentation and line ending and no trailing whitespace they were not sent with.
+    indentation and line ending and the trailing whitespace they were sent with.
     Where the difference has no single right place, lines() raises a refusal."""
 
     def __init__(self, region, want, new, ops, level, cr="", what="old_str", as_sent=False,
@@ -11850,7 +11848,6 @@ class EditMerge:
         self.mapping = indent_map([a for a, _ in pairs], [b for _, b in pairs])
         self.read_indentation(pairs, file_step)
         self.columns = self.aligned_columns(pairs) if level >= BLANK_LEVEL - 1 else {}
-        self.tail = self.file_tail()
         # Typography old_str has where the file's line has none was the copy's slip: the text
         # the model writes takes the file's characters (as it takes the file's indentation).
         self.typography = {c: v for c, v in PUNCT_ASCII.items()
@@ -11881,15 +11878,6 @@ class EditMerge:
         if self.as_is:
             self.known = {a: b for a, b in self.known.items() if a == b}
         self.off = set(leading(a) for a, b in texts if leading(a) != leading(b))
-
-    def file_tail(self):
-        """The trailing whitespace new lines get: the file's, where it is a convention here
-        (markdown's hard breaks, a file padded throughout: most lines of the place, two at
-        least, end in it) and old_str sent none; else none."""
-        ends = Counter(trailing(f) for f in self.plain if f.strip())
-        tail, n = max(ends.items(), key=lambda e: e[1]) if ends else ("", 0)
-        return tail if tail and n >= 2 and 2 * n > sum(ends.values()) and \
-            not any(trailing(w) for w in self.want if w.strip()) else ""
 
     def aligned(self):
         """For each line of want, the index of the region line it stands for (None: a
@@ -11977,9 +11965,11 @@ class EditMerge:
 
     def indent(self, line, j=None):
         """A new line with the file's indentation (with_indent through the mapping learnt
-        from the matched lines); a refusal where that mapping is not one."""
-        if not line.strip():
-            return ""
+        from the matched lines); as it is where old_str had the file's own indentation (a
+        strict level) or has none to map (whitespace only); a refusal where that mapping is
+        not one."""
+        if not line.strip() or self.level < STRICT_LEVELS:
+            return line
         mapped = (with_indent(line, self.mapping, self.place_unit)
                   if self.mapping is not None else None)
         if mapped is not None:
@@ -11997,24 +11987,19 @@ class EditMerge:
     def new_line(self, j):
         """New line j, one the edit adds: the file's indentation and line
         ending, its own text (with the file's column alignment where the match had to
-        ignore inner whitespace), and trailing whitespace only as sent or as the file's
-        convention."""
-        line = self.aligned_line(self.typed(self.indent(self.new[j], j)))
-        if self.tail and line.strip() and line == line.rstrip():
-            line += self.tail
-        return line + self.cr
+        ignore inner whitespace) and its own trailing whitespace."""
+        return self.aligned_line(self.typed(self.indent(self.new[j], j))) + self.cr
 
     def merged_line(self, w, j, f):
-        """The file's line f (old_str's w) changed as w became new line j: indentation and
-        trailing whitespace the model did not change stay the file's; inside the line,
-        the characters the model did not change stay the file's."""
+        """The file's line f (old_str's w) changed as w became new line j: indentation the
+        model did not change stays the file's, and so do the characters it did not change
+        inside the line; its trailing whitespace is the model's, as for a new line."""
         n = self.new[j]
         if not n.strip():
-            return f if n == w else ""
+            return f if n == w else n
         lead = leading(f) if leading(n) == leading(w) else leading(self.indent(n, j))
-        tail = trailing(f) if trailing(n) == trailing(w) else trailing(n)
         wc, nc, fc = w.strip(), n.strip(), f.strip()
-        return lead + (fc if nc == wc else self.merged_text(wc, nc, fc)) + tail
+        return lead + (fc if nc == wc else self.merged_text(wc, nc, fc)) + trailing(n)
 
     def typed(self, text):
         """Text the model writes, with the file's characters for the typography its copy
