@@ -9506,7 +9506,7 @@ class Store:
 
     def put(self, data):
         """(digest of `data`, kept in the store; or None and why not). Any thread may put: a
-        scan, or an edit keeping the bytes undo_edit restores (keep_befores)."""
+        scan, or an edit keeping the bytes undo_edit restores (keep_for_undo)."""
         import hashlib
         digest = hashlib.blake2b(data, digest_size=20).hexdigest()
         with self.lock:
@@ -12194,68 +12194,93 @@ def encode_text(text, name="content"):
 UNKNOWN = object()      # an edit's 'before' that the writer reads itself
 DRY_RUN_PROP = prop("boolean", "Only show the diff it would write.")
 
+# One file of an edit, as write_edit takes it: `data` the bytes to write (None: remove the
+# file), `before` what is there now (bytes, None for no file, UNKNOWN: write_edit reads it),
+# `mode` the permission bits of a file the edit makes (None: 0o644).
+FileEdit = namedtuple("FileEdit", "real shown data before mode", defaults=(UNKNOWN, None))
+# What a file held before an edit: its bytes and permission bits (both None: no file).
+Before = namedtuple("Before", "data mode")
+# One file of an edit undo_edit can take back: the bytes before (None: no file; StoredBytes:
+# in the checkpoint store), their mode, and the digest written (None: removed).
+UndoEntry = namedtuple("UndoEntry", "before mode after")
+
 
 def write_edit(session, ctx, tool, changes, dry_run=False):
-    """Write one edit through the one writer, all of it or none. `changes` are
-    [(real, shown, bytes to write or None to remove, what is there now: bytes, None for
-    no file, or UNKNOWN to read here, mode for a new file)]. In one place: the size
-    limit (FILE_TOO_LARGE, nothing written), the atomic writes (a failure puts back the
-    files written before it), the viewed mark, the undo level (none for a file over
-    the limit, none for undo_edit itself) and the parse warning. Returns the note for the
-    answer (where a file had to be rewritten in place, what no longer parses); with
-    dry_run, the unified diff it would write instead, and nothing is written or kept."""
+    """Write one edit ([FileEdit]) through the one writer, all of it or none. In one
+    place: the size limit (FILE_TOO_LARGE, nothing written), the atomic writes (a failure
+    puts back the files written before it), the viewed mark, the undo level (none for a
+    file over the limit, none for undo_edit itself) and the parse warning. Returns the
+    note for the answer (where a file had to be rewritten in place, what no longer
+    parses); with dry_run, the unified diff it would write instead, and nothing is
+    written or kept."""
     limit = ctx.config.max_file_size
-    for real, shown, data, _, _ in changes:
-        if data is not None and len(data) > limit:
+    for change in changes:
+        if change.data is not None and len(change.data) > limit:
             raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s"
                             " (--max-file-size); nothing was written"
-                            % (shown, human_size(len(data)), human_size(limit)))
-    known = befores(changes, limit)
-    todo = [(real, shown, data, known[real][0] if known[real] else None, new_mode)
-            for real, shown, data, _, new_mode in changes]
+                            % (change.shown, human_size(len(change.data)), human_size(limit)))
+    known = files_before(changes, limit)
+    todo = [c._replace(before=known[c.real].data if known[c.real] else None) for c in changes]
     if dry_run:
         return edit_diff(todo, ctx.config.max_result_chars)
+    note = write_files(session, ctx, todo, known)
+    # files over the limit (known None) get no undo level and no parse check
+    undone = [c for c in todo if known[c.real] is not None]
+    undo = {c.real: UndoEntry(c.before, known[c.real].mode,
+                              digest_of(c.data) if c.data is not None else None) for c in undone}
+    if undo and tool != "undo_edit":
+        session.remember_edit(tool, keep_for_undo(session, undo))
+    return note + "".join(parse_warning(c.real, c.before, c.data)
+                          for c in undone if c.data is not None)
+
+
+def write_files(session, ctx, todo, known):
+    """Write an edit's files ([FileEdit], removals last), each marked viewed as written;
+    the notes of files rewritten in place. A failure puts back the files written before
+    it, and says so in an IO_ERROR."""
     done, notes = [], []
     try:
-        # removals last
-        for real, shown, data, before, new_mode in sorted(todo, key=lambda c: c[2] is None):
-            top, d = None, os.path.dirname(real)
-            while before is None and not os.path.lexists(d):
-                top, d = d, os.path.dirname(d)           # the directories writing it makes
-            if data is None:
-                remove_file(real)
-            elif not atomic_write(real, data, ctx.files, new_mode or 0o644):
+        for change in sorted(todo, key=lambda c: c.data is None):
+            top = directories_made(change.real) if change.before is None else None
+            if change.data is None:
+                remove_file(change.real)
+            elif not atomic_write(change.real, change.data, ctx.files, change.mode or 0o644):
                 notes.append(" (%s rewritten in place: its directory refuses new files or"
-                             " renames)" % shown)
-            done.append((real, before, top))
-            if data is not None:
-                session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
+                             " renames)" % change.shown)
+            done.append((change, top))
+            if change.data is not None:
+                session.mark_viewed(change.real,
+                                    Seen(os.stat(change.real), digest_of(change.data)))
     except (OSError, ToolError) as e:
         why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
         raise ToolError(IO_ERROR, "writing %s failed (%s); %s"
-                        % (shown, why, put_back(done, known, ctx)))
-    kept = {real: known[real] + (digest_of(data) if data is not None else None,)
-                for real, _, data, _, _ in todo if known[real] is not None}
-    if kept and tool != "undo_edit":
-        session.remember_edit(tool, keep_befores(session, kept))
-    return "".join(notes) + "".join(parse_warning(real, before, data)
-                                    for real, _, data, before, _ in todo
-                                    if data is not None and known[real] is not None)
+                        % (change.shown, why, put_back(done, known, ctx)))
+    return "".join(notes)
 
 
-def befores(changes, limit):
-    """What is there before an edit's changes, by real path: (bytes, mode), (None, None)
-    for no file, or None for a file over the limit or not a regular file (it gets no undo
+def directories_made(real):
+    """The topmost directory that writing a file at `real` makes (None: its directory is
+    there)."""
+    top, d = None, os.path.dirname(real)
+    while not os.path.lexists(d):
+        top, d = d, os.path.dirname(d)
+    return top
+
+
+def files_before(changes, limit):
+    """What is there before an edit's changes, by real path: a Before (both None for no
+    file), or None for a file over the limit or not a regular file (it gets no undo
     level); an IO_ERROR naming the file when one cannot be read."""
     known = {}
-    for real, shown, _, before, _ in changes:
+    for change in changes:
         try:
-            known[real] = file_bytes(real, limit) if before is UNKNOWN else \
-                (before, stat.S_IMODE(os.stat(real).st_mode) if before is not None else None)
+            known[change.real] = file_bytes(change.real, limit) if change.before is UNKNOWN \
+                else Before(change.before, None if change.before is None
+                            else stat.S_IMODE(os.stat(change.real).st_mode))
         except ToolError:
-            known[real] = None
+            known[change.real] = None
         except OSError as e:
-            raise io_error(e, shown)
+            raise io_error(e, change.shown)
     return known
 
 
@@ -12264,25 +12289,26 @@ StoredBytes.__doc__ = ("A file's bytes before an edit, kept in the session's che
                        " under `digest`.")
 
 
-def keep_befores(session, changes):
-    """An edit's changes for the undo history, each file's bytes before put in the session's
-    checkpoint store (one store for checkpoints and undo_edit) where it has one with room;
-    held in memory where not (checkpoints off, the budget spent)."""
+def keep_for_undo(session, undo):
+    """An edit's {real: UndoEntry} for the undo history, each file's bytes before put in the
+    session's checkpoint store (one store for checkpoints and undo_edit) where it has one
+    with room; held in memory where not (checkpoints off, the budget spent)."""
     checkpoints = session.checkpoints
     if checkpoints is None or not checkpoints.open_store():
-        return changes
+        return undo
     kept = {}
-    for real, (before, mode, after) in changes.items():
-        if before:
-            digest, _ = checkpoints.put(before)
-            before = before if digest is None else StoredBytes(digest, len(before))
-        kept[real] = (before, mode, after)
+    for real, entry in undo.items():
+        if entry.before:
+            digest, _ = checkpoints.put(entry.before)
+            if digest is not None:
+                entry = entry._replace(before=StoredBytes(digest, len(entry.before)))
+        kept[real] = entry
     return kept
 
 
 def bytes_before(session, before):
-    """The bytes an undo history entry holds (keep_befores), read back from the store if kept
-    there."""
+    """The bytes an undo history entry holds (keep_for_undo), read back from the store if
+    kept there."""
     if not isinstance(before, StoredBytes):
         return before
     try:
@@ -12293,19 +12319,20 @@ def bytes_before(session, before):
 
 
 def put_back(done, known, ctx):
-    """Undo the writes `done` [(real, bytes before or None, top directory made)] of an edit
-    that failed half-way, in reverse; a sentence saying how that went."""
+    """Undo the writes `done` [(FileEdit, top directory made)] of an edit that failed
+    half-way, in reverse; a sentence saying how that went."""
     failed = []
-    for real, before, top in reversed(done):
+    for change, top in reversed(done):
         try:
-            if before is None:
-                remove_file(real)
+            if change.before is None:
+                remove_file(change.real)
                 for d, _, _ in sorted(os.walk(top) if top else (), reverse=True):
                     os.rmdir(d)                             # the empty directories the write made
             else:
-                atomic_write(real, before, ctx.files, (known[real] or (None, 0o644))[1] or 0o644)
+                atomic_write(change.real, change.before, ctx.files,
+                             known[change.real].mode or 0o644)
         except OSError:
-            failed.append(real)
+            failed.append(change.real)
     if failed:
         return "the files written before it could not all be restored: %s" % ", ".join(failed)
     return "the %s written before it were restored, so nothing changed" % plural(len(done), "file")
@@ -12326,7 +12353,7 @@ def unified_diff(before, after, shown):
 def edit_diff(todo, cap):
     """The answer of a dry run: the unified diff of each file's change, with the file's
     line numbers, cut to fit `cap`."""
-    text = "".join(unified_diff(before, data, shown) for real, shown, data, before, _ in todo)
+    text = "".join(unified_diff(c.before, c.data, c.shown) for c in todo)
     text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     if not text:
         return "Dry run: the edit would change nothing; nothing was written."
@@ -12338,14 +12365,15 @@ def edit_diff(todo, cap):
 
 
 def file_bytes(real, limit):
-    """(content, permission bits) of the regular file at `real` (the one opener: a FIFO
-    or device put there is refused, never read), or (None, None) when nothing is there."""
+    """The Before of the regular file at `real`: its bytes and permission bits (the one
+    opener: a FIFO or device put there is refused, never read), both None when nothing is
+    there."""
     try:
         os.lstat(real)
     except (FileNotFoundError, NotADirectoryError):
-        return None, None
+        return Before(None, None)
     data, st = read_regular(real, real, limit)
-    return data, stat.S_IMODE(st.st_mode)
+    return Before(data, stat.S_IMODE(st.st_mode))
 
 
 def parse_warning(real, before, after):
@@ -12715,8 +12743,8 @@ def tool_str_replace(session, args, ctx):
         text = load_for_edit(session, ctx, real, shown)
         updated, count, pos, how = replace_text(text, args, shown, ctx.cancelled)
         note = write_edit(session, ctx, "str_replace",
-                          [(real, shown, encode_text(updated, "new_str"), encode_text(text), None)],
-                          args.get("dry_run"))
+                          [FileEdit(real, shown, encode_text(updated, "new_str"),
+                                    encode_text(text))], args.get("dry_run"))
     if args.get("dry_run"):
         return note + ("\n(old_str matched %s)" % how if how else "")
     line = updated.count("\n", 0, pos)
@@ -12761,8 +12789,8 @@ def tool_multi_edit(session, args, ctx):
                                 " all or none)" % (k, len(edits), e.message.rstrip(".")))
             replaced += count
         note = write_edit(session, ctx, "multi_edit",
-                          [(real, shown, encode_text(text, "new_str"), encode_text(before), None)],
-                          args.get("dry_run"))
+                          [FileEdit(real, shown, encode_text(text, "new_str"),
+                                    encode_text(before))], args.get("dry_run"))
     if args.get("dry_run"):
         return note + ("\n(%s)" % "; ".join(matched) if matched else "")
     line = text.count("\n", 0, pos)
@@ -12809,7 +12837,7 @@ def tool_create_file(session, args, ctx, content_key="content"):
         if existed:
             require_viewed(session, ctx, real, shown)
             check_unchanged(session, ctx, real, shown)
-        note = write_edit(session, ctx, "create_file", [(real, shown, data, UNKNOWN, None)],
+        note = write_edit(session, ctx, "create_file", [FileEdit(real, shown, data)],
                           args.get("dry_run"))
     if args.get("dry_run"):
         return note
@@ -12846,8 +12874,8 @@ def tool_insert(session, args, ctx):
         text = load_for_edit(session, ctx, real, shown)
         updated, new_lines = inserted(text, at, text_in)
         note = write_edit(session, ctx, "insert",
-                          [(real, shown, encode_text(updated, "insert_text"),
-                            encode_text(text), None)], args.get("dry_run"))
+                          [FileEdit(real, shown, encode_text(updated, "insert_text"),
+                                    encode_text(text))], args.get("dry_run"))
     if args.get("dry_run"):
         return note
     return "Inserted %s after line %d of %s:\n%s" % (
@@ -12880,20 +12908,21 @@ def tool_undo_edit(session, args, ctx):
         for path in sorted(changes):
             locks.enter_context(ctx.files.lock(path))
         back = []
-        for path, (before, mode, after) in sorted(changes.items()):
-            now = file_bytes(path, ctx.config.max_file_size)[0]
-            if (now is None) != (after is None) or (now is not None and digest_of(now) != after):
+        for path, entry in sorted(changes.items()):
+            now = file_bytes(path, ctx.config.max_file_size).data
+            if (now is None) != (entry.after is None) or (
+                    now is not None and digest_of(now) != entry.after):
                 raise ToolError(FILE_CHANGED, "%s changed since this session's %s of it (by"
                                 " something else), so undo_edit would lose that; nothing was"
                                 " undone. View it and edit it instead" % (path, tool_name))
-            back.append((path, path, bytes_before(session, before), now, mode))
+            back.append(FileEdit(path, path, bytes_before(session, entry.before), now, entry.mode))
         note = write_edit(session, ctx, "undo_edit", back, args.get("dry_run"))
         if args.get("dry_run"):
             return note
         session.forget_edit(edit)
-    what = ", ".join("%s (%s)" % (p, "removed" if b is None else "%d bytes" % (
-                         b.size if isinstance(b, StoredBytes) else len(b)))
-                     for p, (b, _, _) in sorted(changes.items()))
+    what = ", ".join("%s (%s)" % (p, "removed" if e.before is None else "%d bytes" % (
+                         e.before.size if isinstance(e.before, StoredBytes) else len(e.before)))
+                     for p, e in sorted(changes.items()))
     left = "%s for %s." % (plural(levels - 1, "more undo level"), shown) if levels > 1 else \
         "Nothing more to undo for %s." % shown
     return "Undid the %s: restored %s. %s%s" % (tool_name, what, left, note)
@@ -13523,8 +13552,8 @@ class PatchPlan:
             data, before = self.now[real], self.before.get(real)
             if data is None and before is None:
                 continue
-            out.append((real, self.shown[real], data, before[0] if before else None,
-                        self.modes.get(real, 0o644) if before is None else None))
+            out.append(FileEdit(real, self.shown[real], data, before[0] if before else None,
+                                self.modes.get(real, 0o644) if before is None else None))
         return out
 
 
@@ -13604,8 +13633,8 @@ def tool_notebook_edit(session, args, ctx):
         k = notebook.find(args, shown, mode)
         updated = notebook.edited(k, mode, args)
         note = write_edit(session, ctx, "notebook_edit",
-                          [(real, shown, encode_text(updated, "new_source"),
-                            encode_text(text), None)], args.get("dry_run"))
+                          [FileEdit(real, shown, encode_text(updated, "new_source"),
+                                    encode_text(text))], args.get("dry_run"))
     if args.get("dry_run"):
         return note
     done = {"replace": "Replaced cell %d", "insert": "Inserted a cell as cell %d",
@@ -14555,7 +14584,7 @@ def tool_write_file(session, args, ctx):
                               % (change, path), FILE_CHANGED)
         try:
             existing_kind(real, path)                   # refuses FIFOs and devices
-            write_edit(session, ctx, "write_file", [(real, path, data, UNKNOWN, None)])
+            write_edit(session, ctx, "write_file", [FileEdit(real, path, data)])
         except ToolError as e:
             raise workspace_error(e, path, "写入")
     return "成功：已写入 %s" % path

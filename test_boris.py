@@ -5193,7 +5193,7 @@ class TestRewind(NoViewBase):
         points = self.server.checkpoints_of(self.session)
         self.ok("str_replace", path=self.path("u.py"), old_str="a = 1", new_str="a = 2")
         (tool, changes), = self.session.edits
-        kept = changes[self.path("u.py")][0]
+        kept = changes[self.path("u.py")].before
         self.assertIsInstance(kept, boris.StoredBytes)
         self.assertEqual(points.blob(kept.digest), before)
         self.assertEqual(list(points.store.index), [kept.digest])
@@ -5207,7 +5207,7 @@ class TestRewind(NoViewBase):
         self.session.edits[:] = []
         self.ok("str_replace", path=self.path("u.py"), old_str="b = ", new_str="c = ")
         (tool, changes), = self.session.edits
-        self.assertEqual(changes[self.path("u.py")][0], edited)     # in memory: no store to keep it
+        self.assertEqual(changes[self.path("u.py")].before, edited)     # in memory: no store to keep it
         self.ok("undo_edit", path="u.py")
         self.assertEqual(self.read("u.py"), edited)
 
