@@ -11649,9 +11649,7 @@ class LineIndex:
         nb, keys, m, out = self.nonblank, self.keys, len(words), []
         if partial and tail:
             return []
-        firsts = self.at.get(words[0], ()) if m > 1 or not partial else \
-            [p for p, i in enumerate(nb) if keys[i].startswith(words[0])]
-        for p in firsts:
+        for p in self.firsts(words, partial):
             i = nb[p]
             if i < start or not self.run_at(p, words, partial):
                 continue
@@ -11660,6 +11658,13 @@ class LineIndex:
                 continue
             out.append((a, b))
         return out
+
+    def firsts(self, words, partial):
+        """Where among the non-blank lines a run with the keys `words` may start: the lines
+        with its first key (with `partial` and one key, the lines that start with it)."""
+        if len(words) > 1 or not partial:
+            return self.at.get(words[0], ())
+        return [p for p, i in enumerate(self.nonblank) if self.keys[i].startswith(words[0])]
 
     def widened(self, i, j, start, lead, tail):
         """The run plain[i:j] with up to `lead` blank lines before it (not before `start`)
@@ -11909,42 +11914,45 @@ class EditMerge:
         out, rp, align = [], 0, self.align
         for tag, i1, i2, j1, j2 in self.ops:
             rows = [align[w] for w in range(i1, i2) if align[w] is not None]
-            next_row = next((r for r in align[i2:] if r is not None), len(self.region))
             if tag == "insert":
+                next_row = next((r for r in align[i2:] if r is not None), len(self.region))
                 if rp < next_row:
                     raise self.refuse(
                         "the file has %s at line %d of the match that %s lacks, just where the"
                         " new lines go; copy %s with the file's blank lines"
                         % (plural(next_row - rp, "blank line"), rp + 1, self.what, self.what))
-                for j in range(j1, j2):
-                    out.append(self.new_line(j))
-                continue
-            if not rows:                    # only blank lines the file does not have
-                for j in range(j1, j2) if tag == "replace" else ():
-                    out.append(self.new_line(j))
-                continue
-            # blank lines old_str lacks, before the block: kept
-            out += self.region[rp:rows[0]]
-            if tag == "equal":
-                out += self.region[rows[0]:rows[-1] + 1]
-            elif tag == "replace":
-                inside = [r for r in range(rows[0], rows[-1] + 1) if r not in rows]
-                if inside:
-                    raise self.refuse("the file has a blank line at line %d of the match, inside"
-                                      " the lines the edit changes, that %s lacks"
-                                      % (inside[0] + 1, self.what))
-                olds = [w for w in range(i1, i2) if align[w] is not None]
-                for k, m in paired_lines([self.want[w] for w in olds], self.new[j1:j2]):
-                    if m is None:
-                        continue
-                    if k is None:
-                        out.append(self.new_line(j1 + m))
-                    else:
-                        w = olds[k]
-                        out.append(self.merged_line(self.want[w], j1 + m, self.plain[align[w]]) +
-                                   ("\r" if self.region[align[w]].endswith("\r") else ""))
-            rp = rows[-1] + 1
+                out += [self.new_line(j) for j in range(j1, j2)]
+            elif not rows:                  # only blank lines the file does not have
+                out += [self.new_line(j) for j in range(j1, j2)] if tag == "replace" else []
+            else:
+                # blank lines old_str lacks, before the block: kept
+                out += self.region[rp:rows[0]]
+                if tag == "equal":
+                    out += self.region[rows[0]:rows[-1] + 1]
+                elif tag == "replace":
+                    out += self.replaced(rows, range(i1, i2), j1, j2)
+                rp = rows[-1] + 1
         return out + self.region[rp:]
+
+    def replaced(self, rows, olds, j1, j2):
+        """The lines new[j1:j2] that replace old_str's lines `olds` (at the region's `rows`):
+        each made from an old line merged into the file's line, the others new lines; a
+        refusal where the file has a blank line among those rows that old_str lacks."""
+        inside = [r for r in range(rows[0], rows[-1] + 1) if r not in rows]
+        if inside:
+            raise self.refuse("the file has a blank line at line %d of the match, inside"
+                              " the lines the edit changes, that %s lacks"
+                              % (inside[0] + 1, self.what))
+        olds = [w for w in olds if self.align[w] is not None]
+        out = []
+        for k, m in paired_lines([self.want[w] for w in olds], self.new[j1:j2]):
+            if k is None and m is not None:
+                out.append(self.new_line(j1 + m))
+            elif m is not None:
+                row = self.align[olds[k]]
+                out.append(self.merged_line(self.want[olds[k]], j1 + m, self.plain[row]) +
+                           ("\r" if self.region[row].endswith("\r") else ""))
+        return out
 
     def parent(self, j):
         """The indentation of the line new line j nests under: the nearest line with text
@@ -12032,13 +12040,7 @@ class EditMerge:
         out, done = [], set()
         for tag, i1, i2, j1, j2 in ops:
             if tag != "equal":
-                put = self.typed(original_text(nu[j1:j2]))
-                if spacing and any(not is_word(ch) and not ch.isspace() for ch in put):
-                    raise self.refuse(
-                        "the file spaces the line %r otherwise than %s (%r), and the change puts"
-                        " punctuation into it; copy the line as the file has it"
-                        % (shorten(fc, 60), self.what, shorten(wc, 60)))
-                out.append(put)
+                out.append(self.put_text(nu[j1:j2], spacing, wc, fc))
                 continue
             for k in range(i1, i2):
                 p, q = around(ws, k)
@@ -12058,6 +12060,17 @@ class EditMerge:
                     out.append(gaps[p, q])
                     done.add((p, q))
         return "".join(out)
+
+    def put_text(self, units, spacing, wc, fc):
+        """The text the model put into a changed line (text_units' `units` of new_str),
+        typed; a refusal where it brings punctuation into a line the file spaces otherwise
+        than old_str (`spacing`)."""
+        put = self.typed(original_text(units))
+        if spacing and any(not is_word(ch) and not ch.isspace() for ch in put):
+            raise self.refuse("the file spaces the line %r otherwise than %s (%r), and the change"
+                              " puts punctuation into it; copy the line as the file has it"
+                              % (shorten(fc, 60), self.what, shorten(wc, 60)))
+        return put
 
     def text_continues(self, put, left, right):
         """Whether text put between two units that the file spaces apart (old_str does not)
@@ -12635,27 +12648,10 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
     same answer as replace_text."""
     import difflib
     old, new = edit["old_str"], edit.get("new_str") or ""
-    replace_all = bool(edit.get("replace_all"))
     lines = text.split("\n")
     plain = [l[:-1] if l.endswith("\r") else l for l in lines]
     want = text_lines(old)
-    index = LineIndex(plain)
-    level, hits, elsewhere = find_lines(index, want)
-    partial = not hits and not old.endswith("\n")
-    # old_str may end inside a line, as an exact match may
-    if partial:
-        level, hits, elsewhere = find_lines(index, want, partial=True)
-    if not hits:
-        raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and"
-                        " copy the text exactly, whitespace and indentation included.%s"
-                        % (shown, closest_region(text, old, cancelled)))
-    if len(hits) + len(elsewhere) > 1 and not replace_all:
-        places = sorted(hits + elsewhere)
-        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s),"
-                        " and a relaxed match must be unique; copy old_str exactly from the file,"
-                        " or add surrounding lines"
-                        % (len(places), shown, MATCH_LEVELS[level].name,
-                           ", ".join(str(i + 1) for i, _ in places[:20])))
+    level, hits, partial = relaxed_places(LineIndex(plain), want, text, edit, shown, cancelled)
     new_lines = text_lines(new, ended=old.endswith("\n")) if new else []
     ops = difflib.SequenceMatcher(None, want, new_lines, autojunk=False).get_opcodes()
     hits = apart(hits)                          # replace_all: no two places overlap
@@ -12681,6 +12677,30 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
     # where the first change starts: each line before it, and its "\n"
     offset = sum(len(line) + 1 for line in lines[:hits[0][0]])
     return "\n".join(lines), len(hits), offset, relaxed_note(level, merge)
+
+
+def relaxed_places(index, want, text, edit, shown, cancelled):
+    """(level, places, partial) of an edit's old_str lines `want` in the file (a
+    LineIndex): found by find_lines as whole lines or, where nowhere, with its last line
+    ending inside the file's (partial), as an exact match may. Refused: not found (with
+    the closest region), or more than one place without replace_all."""
+    old = edit["old_str"]
+    level, hits, elsewhere = find_lines(index, want)
+    partial = not hits and not old.endswith("\n")
+    if partial:
+        level, hits, elsewhere = find_lines(index, want, partial=True)
+    if not hits:
+        raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and"
+                        " copy the text exactly, whitespace and indentation included.%s"
+                        % (shown, closest_region(text, old, cancelled)))
+    if len(hits) + len(elsewhere) > 1 and not edit.get("replace_all"):
+        places = sorted(hits + elsewhere)
+        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s),"
+                        " and a relaxed match must be unique; copy old_str exactly from the file,"
+                        " or add surrounding lines"
+                        % (len(places), shown, MATCH_LEVELS[level].name,
+                           ", ".join(str(i + 1) for i, _ in places[:20])))
+    return level, hits, partial
 
 
 def apart(spans):
@@ -13059,37 +13079,20 @@ def checkpoint_diff(checkpoints, target, now, offset, cap):
     def file_diff(p):
         """One file's part: its header and mode lines, then its hunks or why they are not shown."""
         name = relative_to_root(checkpoints.roots, p)
-        a, b = old.get(p), cur.get(p)
-        a, b = (None if e is None or e.kind == "d" else e for e in (a, b))
-        text = ["diff --git a/%s b/%s\n" % (name, name)]
-        if a is None:
-            text.append("new file mode %s\n" % git_mode(b))
-        elif b is None:
-            text.append("deleted file mode %s\n" % git_mode(a))
-        elif git_mode(a) != git_mode(b):
-            text.append("old mode %s\nnew mode %s\n" % (git_mode(a), git_mode(b)))
+        a, b = (None if e is None or e.kind == "d" else e for e in (old.get(p), cur.get(p)))
+        text = git_header(name, a, b)
         try:
-            before = after = None
-            if a is not None and a.kind == "l":
-                before = os.fsencode(a.data)
-            elif a is not None and a.data:
-                before = checkpoints.bytes_of(p, a.data, readers)
-            if b is not None and b.kind == "l":
-                after = os.fsencode(b.data)
-            elif b is not None:
-                after = read_regular(p, name, checkpoints.config.max_file_size)[0]
+            # (a file the checkpoint did not cover has no bytes then)
+            before = entry_bytes(a, lambda: checkpoints.bytes_of(p, a.data, readers)
+                                 if a.data else None)
+            after = entry_bytes(b, lambda: read_regular(p, name,
+                                                        checkpoints.config.max_file_size)[0])
         except (OSError, ToolError) as e:
-            text.append("# not shown: %s\n" % (getattr(e, "message", None) or e.strerror or e))
+            text += "# not shown: %s\n" % (getattr(e, "message", None) or e.strerror or e)
             before = after = b""
-        if a is not None and a.kind == "f" and not a.data:
-            text.append("# not shown: checkpoint %d did not cover it\n" % target.number)
-        elif b"\0" in (before or b"")[:8192] + (after or b"")[:8192]:
-            text.append("Binary files %s and %s differ\n"
-                        % ("a/" + name if before is not None else "/dev/null",
-                           "b/" + name if after is not None else "/dev/null"))
-        else:
-            text.append(unified_diff(before, after, name))
-        return "".join(text).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        uncovered = a is not None and a.kind == "f" and not a.data
+        text += git_body(name, before, after, target.number if uncovered else None)
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     try:
         for p in paths[offset:]:
             block = file_diff(p)
@@ -13109,6 +13112,39 @@ def checkpoint_diff(checkpoints, target, now, offset, cap):
         body += "[files %d-%d of %d shown; read on with offset=%d]\n" % (
             offset + 1, end, len(paths), end)
     return head + body
+
+
+def git_header(name, a, b):
+    """A file's 'diff --git' line and its mode lines as git writes them (a, b: its entries
+    at the checkpoint and now, None where it is not a file or link)."""
+    text = "diff --git a/%s b/%s\n" % (name, name)
+    if a is None:
+        return text + "new file mode %s\n" % git_mode(b)
+    if b is None:
+        return text + "deleted file mode %s\n" % git_mode(a)
+    if git_mode(a) != git_mode(b):
+        return text + "old mode %s\nnew mode %s\n" % (git_mode(a), git_mode(b))
+    return text
+
+
+def entry_bytes(entry, read):
+    """The bytes a diff compares for a checkpoint entry: None for no file, a link's target,
+    or what read() gives for a file."""
+    if entry is None:
+        return None
+    return os.fsencode(entry.data) if entry.kind == "l" else read()
+
+
+def git_body(name, before, after, uncovered=None):
+    """A file's hunks after its header, or why they are not shown: the checkpoint numbered
+    `uncovered` did not cover it, or it is binary."""
+    if uncovered is not None:
+        return "# not shown: checkpoint %d did not cover it\n" % uncovered
+    if b"\0" in (before or b"")[:8192] + (after or b"")[:8192]:
+        old = "a/" + name if before is not None else "/dev/null"
+        new = "b/" + name if after is not None else "/dev/null"
+        return "Binary files %s and %s differ\n" % (old, new)
+    return unified_diff(before, after, name)
 
 
 def git_mode(entry):
@@ -13403,9 +13439,7 @@ class PatchedText:
         else:
             level, hits, elsewhere = find_lines(self.index, old, cursor, hunk.eof)
         if len(hits) == 1 and not elsewhere:
-            lead = next((k for k, (kind, text) in enumerate(hunk.lines)
-                         if kind != " " or text.strip()), 0)
-            if hunk.headers and lead and hunk.lines[lead][0] == "+" and hits[0][0] == cursor:
+            if hunk.headers and hits[0][0] == cursor and self.adds_after_blanks(hunk):
                 raise ToolError(
                     STR_REPLACE_AMBIGUOUS, "%s, %s: only blank lines stand between its @@ header"
                     " and the lines it adds, so whether they go before or after those blank lines"
@@ -13420,6 +13454,13 @@ class PatchedText:
                             % (self.shown, label, MATCH_LEVELS[level].name,
                                ", ".join(str(i + 1) for i, _ in sorted(hits + elsewhere)[:20])))
         raise self.miss(old, cursor, label)
+
+    @staticmethod
+    def adds_after_blanks(hunk):
+        """Whether the hunk opens with blank context lines followed by a line it adds."""
+        lead = next((k for k, (kind, text) in enumerate(hunk.lines)
+                     if kind != " " or text.strip()), 0)
+        return bool(lead) and hunk.lines[lead][0] == "+"
 
     def after_headers(self, hunk, label):
         """Where a hunk's old lines are looked for: after its @@ header lines, each found
@@ -13557,13 +13598,14 @@ class PatchPlan:
         return out
 
 
-PATCH_DESC = ("Edit, add, delete and move files with one patch in the apply_patch format: '*** "
-              "Begin Patch', then per file '*** Add File: path' (every line starting with +), '*** "
-              "Delete File: path' or '*** Update File: path' (optionally '*** Move to: new/path') "
-              "followed by hunks: '@@' (or '@@ def name' to say where), lines ' ' context, '-' "
-              "removed, '+' added, three context lines around each change; then '*** End Patch'. "
-              "Context is found as str_replace finds old_str (slips forgiven where one place "
-              "fits). All files change or none does; no prior view is needed.")
+PATCH_DESC = ("Edit, add, delete and move files with one patch in the apply_patch format: "
+              "'*** Begin Patch', then per file '*** Add File: path' (every line starting "
+              "with +), '*** Delete File: path' or '*** Update File: path' (optionally "
+              "'*** Move to: new/path') followed by hunks: '@@' (or '@@ def name' to say "
+              "where), lines ' ' context, '-' removed, '+' added, three context lines around "
+              "each change; then '*** End Patch'. Context is found as str_replace finds "
+              "old_str (slips forgiven where one place fits). All files change or none does; "
+              "no prior view is needed.")
 
 
 @tool("apply_patch", PATCH_DESC, obj({
