@@ -12238,13 +12238,14 @@ def write_edit(session, ctx, tool, changes, dry_run=False):
         return edit_diff(todo, ctx.config.max_result_chars)
     note = write_files(session, ctx, todo, known)
     # files over the limit (known None) get no undo level and no parse check
-    undone = [c for c in todo if known[c.real] is not None]
+    undoable = [c for c in todo if known[c.real] is not None]
     undo = {c.real: UndoEntry(c.before, known[c.real].mode,
-                              digest_of(c.data) if c.data is not None else None) for c in undone}
+                              digest_of(c.data) if c.data is not None else None)
+            for c in undoable}
     if undo and tool != "undo_edit":
         session.remember_edit(tool, keep_for_undo(session, undo))
     return note + "".join(parse_warning(c.real, c.before, c.data)
-                          for c in undone if c.data is not None)
+                          for c in undoable if c.data is not None)
 
 
 def write_files(session, ctx, todo, known):
