@@ -5460,7 +5460,8 @@ class TestLinesAsWritten(NoViewBase):
             if case is None:
                 continue
             text, old, new, want = case
-            edit = {"old_str": "".join(l + "\n" for l in old), "new_str": "".join(l + "\n" for l in new)}
+            edit = {"old_str": "".join(l + "\n" for l in old),
+                    "new_str": "".join(l + "\n" for l in new)}
             calls = {
                 "apply_patch": lambda: self.call("apply_patch", input=SlipCampaign.patch(
                     "f.txt", old, new)),
@@ -5923,7 +5924,7 @@ class SlipCampaign(object):
             expected = None
         else:
             done = self.edited(run, kind, at, salt, unit)
-            if slip == "trailing-every-line":           # the lines the model wrote: as it wrote them
+            if slip == "trailing-every-line":           # the model's lines: as it wrote them
                 done = [l if l in run else l.rstrip() for l in done]
             if slip == "typography-in-the-copy":            # new_str carries the copy's typography too
                 new = [l if l in view else l + "  # it\u2019s new" for l in new]
