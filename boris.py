@@ -9575,7 +9575,7 @@ class Store:
 
     def put(self, data):
         """(digest of `data`, kept in the store; or None and why not). Any thread may put: a
-        scan, or an edit keeping the bytes undo_edit restores (keep_files_before)."""
+        scan, or an edit keeping the bytes undo_edit restores (keep_for_undo)."""
         import hashlib
         digest = hashlib.blake2b(data, digest_size=20).hexdigest()
         with self.lock:
@@ -11635,8 +11635,6 @@ def with_indent(line, mapping, place_unit=None):
     the levels of `mapping`, or where it has one level only `place_unit` (old_str's unit in
     columns, the file's as text); a line shallower than every known level loses as
     many of the file's units. None when the mapping cannot tell."""
-    if not line.strip():
-        return ""
     have = leading(line)
     level_unit = indent_unit(mapping)
     torn = bool(level_unit and level_unit.columns and place_unit and (
@@ -11723,9 +11721,7 @@ class LineIndex:
         nb, keys, m, out = self.nonblank, self.keys, len(words), []
         if partial and tail:
             return []
-        firsts = self.at.get(words[0], ()) if m > 1 or not partial else \
-            [p for p, i in enumerate(nb) if keys[i].startswith(words[0])]
-        for p in firsts:
+        for p in self.firsts(words, partial):
             i = nb[p]
             if i < start or not self.run_at(p, words, partial):
                 continue
@@ -11734,6 +11730,13 @@ class LineIndex:
                 continue
             out.append((a, b))
         return out
+
+    def firsts(self, words, partial):
+        """Where among the non-blank lines a run with the keys `words` may start: the lines
+        with its first key (with `partial` and one key, the lines that start with it)."""
+        if len(words) > 1 or not partial:
+            return self.at.get(words[0], ())
+        return [p for p, i in enumerate(self.nonblank) if self.keys[i].startswith(words[0])]
 
     def widened(self, i, j, start, lead, tail):
         """The run plain[i:j] with up to `lead` blank lines before it (not before `start`)
@@ -11903,7 +11906,7 @@ class EditMerge:
     them (new), with the opcodes of want -> new. Lines the edit leaves keep the file's
     bytes; a changed line is merged character by character (what the model did not
     change inside it keeps the file's characters); new lines come in with the file's
-    indentation and line ending and no trailing whitespace they were not sent with.
+    indentation and line ending and the trailing whitespace they were sent with.
     Where the difference has no single right place, lines() raises a refusal."""
 
     def __init__(self, region, want, new, ops, level, cr="", what="old_str", as_sent=False,
@@ -11922,7 +11925,6 @@ class EditMerge:
         self.mapping = indent_map([a for a, _ in pairs], [b for _, b in pairs])
         self.read_indentation(pairs, file_step)
         self.columns = self.aligned_columns(pairs) if level >= BLANK_LEVEL - 1 else {}
-        self.tail = self.file_tail()
         # Typography old_str has where the file's line has none was the copy's slip: the text
         # the model writes takes the file's characters (as it takes the file's indentation).
         self.typography = {c: v for c, v in PUNCT_ASCII.items()
@@ -11954,15 +11956,6 @@ class EditMerge:
             self.known = {a: b for a, b in self.known.items() if a == b}
         self.off = set(leading(a) for a, b in texts if leading(a) != leading(b))
 
-    def file_tail(self):
-        """The trailing whitespace new lines get: the file's, where it is a convention here
-        (markdown's hard breaks, a file padded throughout: most lines of the place, two at
-        least, end in it) and old_str sent none; else none."""
-        ends = Counter(trailing(f) for f in self.plain if f.strip())
-        tail, n = max(ends.items(), key=lambda e: e[1]) if ends else ("", 0)
-        return tail if tail and n >= 2 and 2 * n > sum(ends.values()) and \
-            not any(trailing(w) for w in self.want if w.strip()) else ""
-
     def aligned(self):
         """For each line of want, the index of the region line it stands for (None: a
         blank line the file does not have there); region lines no want line stands for
@@ -11993,42 +11986,45 @@ class EditMerge:
         out, rp, align = [], 0, self.align
         for tag, i1, i2, j1, j2 in self.ops:
             rows = [align[w] for w in range(i1, i2) if align[w] is not None]
-            next_row = next((r for r in align[i2:] if r is not None), len(self.region))
             if tag == "insert":
+                next_row = next((r for r in align[i2:] if r is not None), len(self.region))
                 if rp < next_row:
                     raise self.refuse(
                         "the file has %s at line %d of the match that %s lacks, just where the"
                         " new lines go; copy %s with the file's blank lines"
                         % (plural(next_row - rp, "blank line"), rp + 1, self.what, self.what))
-                for j in range(j1, j2):
-                    out.append(self.new_line(j))
-                continue
-            if not rows:                    # only blank lines the file does not have
-                for j in range(j1, j2) if tag == "replace" else ():
-                    out.append(self.new_line(j))
-                continue
-            # blank lines old_str lacks, before the block: kept
-            out += self.region[rp:rows[0]]
-            if tag == "equal":
-                out += self.region[rows[0]:rows[-1] + 1]
-            elif tag == "replace":
-                inside = [r for r in range(rows[0], rows[-1] + 1) if r not in rows]
-                if inside:
-                    raise self.refuse("the file has a blank line at line %d of the match, inside"
-                                      " the lines the edit changes, that %s lacks"
-                                      % (inside[0] + 1, self.what))
-                olds = [w for w in range(i1, i2) if align[w] is not None]
-                for k, m in paired_lines([self.want[w] for w in olds], self.new[j1:j2]):
-                    if m is None:
-                        continue
-                    if k is None:
-                        out.append(self.new_line(j1 + m))
-                    else:
-                        w = olds[k]
-                        out.append(self.merged_line(self.want[w], j1 + m, self.plain[align[w]]) +
-                                   ("\r" if self.region[align[w]].endswith("\r") else ""))
-            rp = rows[-1] + 1
+                out += [self.new_line(j) for j in range(j1, j2)]
+            elif not rows:                  # only blank lines the file does not have
+                out += [self.new_line(j) for j in range(j1, j2)] if tag == "replace" else []
+            else:
+                # blank lines old_str lacks, before the block: kept
+                out += self.region[rp:rows[0]]
+                if tag == "equal":
+                    out += self.region[rows[0]:rows[-1] + 1]
+                elif tag == "replace":
+                    out += self.replaced(rows, range(i1, i2), j1, j2)
+                rp = rows[-1] + 1
         return out + self.region[rp:]
+
+    def replaced(self, rows, olds, j1, j2):
+        """The lines new[j1:j2] that replace old_str's lines `olds` (at the region's `rows`):
+        each made from an old line merged into the file's line, the others new lines; a
+        refusal where the file has a blank line among those rows that old_str lacks."""
+        inside = [r for r in range(rows[0], rows[-1] + 1) if r not in rows]
+        if inside:
+            raise self.refuse("the file has a blank line at line %d of the match, inside"
+                              " the lines the edit changes, that %s lacks"
+                              % (inside[0] + 1, self.what))
+        olds = [w for w in olds if self.align[w] is not None]
+        out = []
+        for k, m in paired_lines([self.want[w] for w in olds], self.new[j1:j2]):
+            if k is None and m is not None:
+                out.append(self.new_line(j1 + m))
+            elif m is not None:
+                row = self.align[olds[k]]
+                out.append(self.merged_line(self.want[olds[k]], j1 + m, self.plain[row]) +
+                           ("\r" if self.region[row].endswith("\r") else ""))
+        return out
 
     def parent(self, j):
         """The indentation of the line new line j nests under: the nearest line with text
@@ -12049,9 +12045,11 @@ class EditMerge:
 
     def indent(self, line, j=None):
         """A new line with the file's indentation (with_indent through the mapping learnt
-        from the matched lines); a refusal where that mapping is not one."""
-        if not line.strip():
-            return ""
+        from the matched lines); as it is where old_str had the file's own indentation (a
+        strict level) or has none to map (whitespace only); a refusal where that mapping is
+        not one."""
+        if not line.strip() or self.level < STRICT_LEVELS:
+            return line
         mapped = (with_indent(line, self.mapping, self.place_unit)
                   if self.mapping is not None else None)
         if mapped is not None:
@@ -12069,24 +12067,19 @@ class EditMerge:
     def new_line(self, j):
         """New line j, one the edit adds: the file's indentation and line
         ending, its own text (with the file's column alignment where the match had to
-        ignore inner whitespace), and trailing whitespace only as sent or as the file's
-        convention."""
-        line = self.aligned_line(self.typed(self.indent(self.new[j], j)))
-        if self.tail and line.strip() and line == line.rstrip():
-            line += self.tail
-        return line + self.cr
+        ignore inner whitespace) and its own trailing whitespace."""
+        return self.aligned_line(self.typed(self.indent(self.new[j], j))) + self.cr
 
     def merged_line(self, w, j, f):
-        """The file's line f (old_str's w) changed as w became new line j: indentation and
-        trailing whitespace the model did not change stay the file's; inside the line,
-        the characters the model did not change stay the file's."""
+        """The file's line f (old_str's w) changed as w became new line j: indentation the
+        model did not change stays the file's, and so do the characters it did not change
+        inside the line; its trailing whitespace is the model's, as for a new line."""
         n = self.new[j]
         if not n.strip():
-            return f if n == w else ""
+            return f if n == w else n
         lead = leading(f) if leading(n) == leading(w) else leading(self.indent(n, j))
-        tail = trailing(f) if trailing(n) == trailing(w) else trailing(n)
         wc, nc, fc = w.strip(), n.strip(), f.strip()
-        return lead + (fc if nc == wc else self.merged_text(wc, nc, fc)) + tail
+        return lead + (fc if nc == wc else self.merged_text(wc, nc, fc)) + trailing(n)
 
     def typed(self, text):
         """Text the model writes, with the file's characters for the typography its copy
@@ -12119,13 +12112,7 @@ class EditMerge:
         out, done = [], set()
         for tag, i1, i2, j1, j2 in ops:
             if tag != "equal":
-                put = self.typed(original_text(nu[j1:j2]))
-                if spacing and any(not is_word(ch) and not ch.isspace() for ch in put):
-                    raise self.refuse(
-                        "the file spaces the line %r otherwise than %s (%r), and the change puts"
-                        " punctuation into it; copy the line as the file has it"
-                        % (shorten(fc, 60), self.what, shorten(wc, 60)))
-                out.append(put)
+                out.append(self.put_text(nu[j1:j2], spacing, wc, fc))
                 continue
             for k in range(i1, i2):
                 p, q = neighbours(ws, k)
@@ -12145,6 +12132,17 @@ class EditMerge:
                     out.append(gaps[p, q])
                     done.add((p, q))
         return "".join(out)
+
+    def put_text(self, units, spacing, wc, fc):
+        """The text the model put into a changed line (text_units' `units` of new_str),
+        typed; a refusal where it brings punctuation into a line the file spaces otherwise
+        than old_str (`spacing`)."""
+        put = self.typed(original_text(units))
+        if spacing and any(not is_word(ch) and not ch.isspace() for ch in put):
+            raise self.refuse("the file spaces the line %r otherwise than %s (%r), and the change"
+                              " puts punctuation into it; copy the line as the file has it"
+                              % (shorten(fc, 60), self.what, shorten(wc, 60)))
+        return put
 
     def text_continues(self, put, left, right):
         """Whether text put between two units that the file spaces apart (old_str does not)
@@ -12281,68 +12279,94 @@ def encode_text(text, name="content"):
 UNKNOWN = object()      # an edit's 'before' that the writer reads itself
 DRY_RUN_PROP = prop("boolean", "Only show the diff it would write.")
 
+# One file of an edit, as write_edit takes it: `data` the bytes to write (None: remove the
+# file), `before` what is there now (bytes, None for no file, UNKNOWN: write_edit reads it),
+# `mode` the permission bits of a file the edit makes (None: 0o644).
+FileEdit = namedtuple("FileEdit", "real shown data before mode", defaults=(UNKNOWN, None))
+# What a file held before an edit: its bytes and permission bits (both None: no file).
+Before = namedtuple("Before", "data mode")
+# One file of an edit undo_edit can take back: the bytes before (None: no file; StoredBytes:
+# in the checkpoint store), their mode, and the digest written (None: removed).
+UndoEntry = namedtuple("UndoEntry", "before mode after")
+
 
 def write_edit(session, ctx, tool, changes, dry_run=False):
-    """Write one edit through the one writer, all of it or none. `changes` are
-    [(real, shown, bytes to write or None to remove, what is there now: bytes, None for
-    no file, or UNKNOWN to read here, mode for a new file)]. In one place: the size
-    limit (FILE_TOO_LARGE, nothing written), the atomic writes (a failure puts back the
-    files written before it), the viewed mark, the undo level (none for a file over
-    the limit, none for undo_edit itself) and the parse warning. Returns the note for the
-    answer (where a file had to be rewritten in place, what no longer parses); with
-    dry_run, the unified diff it would write instead, and nothing is written or kept."""
+    """Write one edit ([FileEdit]) through the one writer, all of it or none. In one
+    place: the size limit (FILE_TOO_LARGE, nothing written), the atomic writes (a failure
+    puts back the files written before it), the viewed mark, the undo level (none for a
+    file over the limit, none for undo_edit itself) and the parse warning. Returns the
+    note for the answer (where a file had to be rewritten in place, what no longer
+    parses); with dry_run, the unified diff it would write instead, and nothing is
+    written or kept."""
     limit = ctx.config.max_file_size
-    for real, shown, data, _, _ in changes:
-        if data is not None and len(data) > limit:
+    for change in changes:
+        if change.data is not None and len(change.data) > limit:
             raise ToolError(FILE_TOO_LARGE, "the new content of %s is %s; the limit is %s"
                             " (--max-file-size); nothing was written"
-                            % (shown, human_size(len(data)), human_size(limit)))
+                            % (change.shown, human_size(len(change.data)), human_size(limit)))
     known = files_before(changes, limit)
-    todo = [(real, shown, data, known[real][0] if known[real] else None, new_mode)
-            for real, shown, data, _, new_mode in changes]
+    todo = [c._replace(before=known[c.real].data if known[c.real] else None) for c in changes]
     if dry_run:
         return edit_diff(todo, ctx.config.max_result_chars)
+    note = write_files(session, ctx, todo, known)
+    # files over the limit (known None) get no undo level and no parse check
+    undoable = [c for c in todo if known[c.real] is not None]
+    undo = {c.real: UndoEntry(c.before, known[c.real].mode,
+                              digest_of(c.data) if c.data is not None else None)
+            for c in undoable}
+    if undo and tool != "undo_edit":
+        session.remember_edit(tool, keep_for_undo(session, undo))
+    return note + "".join(parse_warning(c.real, c.before, c.data)
+                          for c in undoable if c.data is not None)
+
+
+def write_files(session, ctx, todo, known):
+    """Write an edit's files ([FileEdit], removals last), each marked viewed as written;
+    the notes of files rewritten in place. A failure puts back the files written before
+    it, and says so in an IO_ERROR."""
     done, notes = [], []
     try:
-        # removals last
-        for real, shown, data, before, new_mode in sorted(todo, key=lambda c: c[2] is None):
-            top, d = None, os.path.dirname(real)
-            while before is None and not os.path.lexists(d):
-                top, d = d, os.path.dirname(d)           # the directories writing it makes
-            if data is None:
-                remove_file(real)
-            elif not atomic_write(real, data, ctx.files, new_mode or 0o644):
+        for change in sorted(todo, key=lambda c: c.data is None):
+            top = directories_made(change.real) if change.before is None else None
+            if change.data is None:
+                remove_file(change.real)
+            elif not atomic_write(change.real, change.data, ctx.files, change.mode or 0o644):
                 notes.append(" (%s rewritten in place: its directory refuses new files or"
-                             " renames)" % shown)
-            done.append((real, before, top))
-            if data is not None:
-                session.mark_viewed(real, Seen(os.stat(real), digest_of(data)))
+                             " renames)" % change.shown)
+            done.append((change, top))
+            if change.data is not None:
+                session.mark_viewed(change.real,
+                                    Seen(os.stat(change.real), digest_of(change.data)))
     except (OSError, ToolError) as e:
         why = e.message if isinstance(e, ToolError) else (e.strerror or str(e))
         raise ToolError(IO_ERROR, "writing %s failed (%s); %s"
-                        % (shown, why, roll_back(done, known, ctx)))
-    kept = {real: known[real] + (digest_of(data) if data is not None else None,)
-                for real, _, data, _, _ in todo if known[real] is not None}
-    if kept and tool != "undo_edit":
-        session.remember_edit(tool, keep_files_before(session, kept))
-    return "".join(notes) + "".join(parse_warning(real, before, data)
-                                    for real, _, data, before, _ in todo
-                                    if data is not None and known[real] is not None)
+                        % (change.shown, why, roll_back(done, known, ctx)))
+    return "".join(notes)
+
+
+def directories_made(real):
+    """The topmost directory that writing a file at `real` makes (None: its directory is
+    there)."""
+    top, d = None, os.path.dirname(real)
+    while not os.path.lexists(d):
+        top, d = d, os.path.dirname(d)
+    return top
 
 
 def files_before(changes, limit):
-    """What is there before an edit's changes, by real path: (bytes, mode), (None, None)
-    for no file, or None for a file over the limit or not a regular file (it gets no undo
+    """What is there before an edit's changes, by real path: a Before (both None for no
+    file), or None for a file over the limit or not a regular file (it gets no undo
     level); an IO_ERROR naming the file when one cannot be read."""
     known = {}
-    for real, shown, _, before, _ in changes:
+    for change in changes:
         try:
-            known[real] = file_bytes(real, limit) if before is UNKNOWN else \
-                (before, stat.S_IMODE(os.stat(real).st_mode) if before is not None else None)
+            known[change.real] = file_bytes(change.real, limit) if change.before is UNKNOWN \
+                else Before(change.before, None if change.before is None
+                            else stat.S_IMODE(os.stat(change.real).st_mode))
         except ToolError:
-            known[real] = None
+            known[change.real] = None
         except OSError as e:
-            raise io_error(e, shown)
+            raise io_error(e, change.shown)
     return known
 
 
@@ -12351,25 +12375,26 @@ StoredBytes.__doc__ = ("A file's bytes before an edit, kept in the session's che
                        " under `digest`.")
 
 
-def keep_files_before(session, changes):
-    """An edit's changes for the undo history, each file's bytes before put in the session's
-    checkpoint store (one store for checkpoints and undo_edit) where it has one with room;
-    held in memory where not (checkpoints off, the budget spent)."""
+def keep_for_undo(session, undo):
+    """An edit's {real: UndoEntry} for the undo history, each file's bytes before put in the
+    session's checkpoint store (one store for checkpoints and undo_edit) where it has one
+    with room; held in memory where not (checkpoints off, the budget spent)."""
     checkpoints = session.checkpoints
     if checkpoints is None or not checkpoints.open_store():
-        return changes
+        return undo
     kept = {}
-    for real, (before, mode, after) in changes.items():
-        if before:
-            digest, _ = checkpoints.put(before)
-            before = before if digest is None else StoredBytes(digest, len(before))
-        kept[real] = (before, mode, after)
+    for real, entry in undo.items():
+        if entry.before:
+            digest, _ = checkpoints.put(entry.before)
+            if digest is not None:
+                entry = entry._replace(before=StoredBytes(digest, len(entry.before)))
+        kept[real] = entry
     return kept
 
 
 def bytes_before(session, before):
-    """The bytes an undo history entry holds (keep_files_before), read back from the store
-    if kept there."""
+    """The bytes an undo history entry holds (keep_for_undo), read back from the store if
+    kept there."""
     if not isinstance(before, StoredBytes):
         return before
     try:
@@ -12380,19 +12405,20 @@ def bytes_before(session, before):
 
 
 def roll_back(done, known, ctx):
-    """Undo the writes `done` [(real, bytes before or None, top directory made)] of an edit
-    that failed half-way, in reverse; a sentence saying how that went."""
+    """Undo the writes `done` [(FileEdit, top directory made)] of an edit that failed
+    half-way, in reverse; a sentence saying how that went."""
     failed = []
-    for real, before, top in reversed(done):
+    for change, top in reversed(done):
         try:
-            if before is None:
-                remove_file(real)
+            if change.before is None:
+                remove_file(change.real)
                 for d, _, _ in sorted(os.walk(top) if top else (), reverse=True):
                     os.rmdir(d)                             # the empty directories the write made
             else:
-                atomic_write(real, before, ctx.files, (known[real] or (None, 0o644))[1] or 0o644)
+                atomic_write(change.real, change.before, ctx.files,
+                             known[change.real].mode or 0o644)
         except OSError:
-            failed.append(real)
+            failed.append(change.real)
     if failed:
         return "the files written before it could not all be restored: %s" % ", ".join(failed)
     return "the %s written before it were restored, so nothing changed" % plural(len(done), "file")
@@ -12413,7 +12439,7 @@ def unified_diff(before, after, shown):
 def edit_diff(todo, cap):
     """The answer of a dry run: the unified diff of each file's change, with the file's
     line numbers, cut to fit `cap`."""
-    text = "".join(unified_diff(before, data, shown) for real, shown, data, before, _ in todo)
+    text = "".join(unified_diff(c.before, c.data, c.shown) for c in todo)
     text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     if not text:
         return "Dry run: the edit would change nothing; nothing was written."
@@ -12425,14 +12451,15 @@ def edit_diff(todo, cap):
 
 
 def file_bytes(real, limit):
-    """(content, permission bits) of the regular file at `real` (the one opener: a FIFO
-    or device put there is refused, never read), or (None, None) when nothing is there."""
+    """The Before of the regular file at `real`: its bytes and permission bits (the one
+    opener: a FIFO or device put there is refused, never read), both None when nothing is
+    there."""
     try:
         os.lstat(real)
     except (FileNotFoundError, NotADirectoryError):
-        return None, None
+        return Before(None, None)
     data, st = read_regular(real, real, limit)
-    return data, stat.S_IMODE(st.st_mode)
+    return Before(data, stat.S_IMODE(st.st_mode))
 
 
 def parse_warning(real, before, after):
@@ -12694,27 +12721,10 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
     same answer as replace_text."""
     import difflib
     old, new = edit["old_str"], edit.get("new_str") or ""
-    replace_all = bool(edit.get("replace_all"))
     lines = text.split("\n")
     plain = [l[:-1] if l.endswith("\r") else l for l in lines]
     want = text_lines(old)
-    index = LineIndex(plain)
-    level, hits, elsewhere = find_lines(index, want)
-    partial = not hits and not old.endswith("\n")
-    # old_str may end inside a line, as an exact match may
-    if partial:
-        level, hits, elsewhere = find_lines(index, want, partial=True)
-    if not hits:
-        raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and"
-                        " copy the text exactly, whitespace and indentation included.%s"
-                        % (shown, closest_region(text, old, cancelled)))
-    if len(hits) + len(elsewhere) > 1 and not replace_all:
-        places = sorted(hits + elsewhere)
-        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s),"
-                        " and a relaxed match must be unique; copy old_str exactly from the file,"
-                        " or add surrounding lines"
-                        % (len(places), shown, MATCH_LEVELS[level].name,
-                           ", ".join(str(i + 1) for i, _ in places[:20])))
+    level, hits, partial = relaxed_places(LineIndex(plain), want, text, edit, shown, cancelled)
     new_lines = text_lines(new, ended=old.endswith("\n")) if new else []
     ops = difflib.SequenceMatcher(None, want, new_lines, autojunk=False).get_opcodes()
     hits = non_overlapping(hits)                # replace_all: no two places overlap
@@ -12740,6 +12750,30 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
     # where the first change starts: each line before it, and its "\n"
     offset = sum(len(line) + 1 for line in lines[:hits[0][0]])
     return "\n".join(lines), len(hits), offset, relaxed_note(level, merge)
+
+
+def relaxed_places(index, want, text, edit, shown, cancelled):
+    """(level, places, partial) of an edit's old_str lines `want` in the file (a
+    LineIndex): found by find_lines as whole lines or, where nowhere, with its last line
+    ending inside the file's (partial), as an exact match may. Refused: not found (with
+    the closest region), or more than one place without replace_all."""
+    old = edit["old_str"]
+    level, hits, elsewhere = find_lines(index, want)
+    partial = not hits and not old.endswith("\n")
+    if partial:
+        level, hits, elsewhere = find_lines(index, want, partial=True)
+    if not hits:
+        raise ToolError(STR_REPLACE_NOT_FOUND, "old_str was not found in %s; view the file and"
+                        " copy the text exactly, whitespace and indentation included.%s"
+                        % (shown, closest_region(text, old, cancelled)))
+    if len(hits) + len(elsewhere) > 1 and not edit.get("replace_all"):
+        places = sorted(hits + elsewhere)
+        raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str matches %d places in %s %s (at lines %s),"
+                        " and a relaxed match must be unique; copy old_str exactly from the file,"
+                        " or add surrounding lines"
+                        % (len(places), shown, MATCH_LEVELS[level].name,
+                           ", ".join(str(i + 1) for i, _ in places[:20])))
+    return level, hits, partial
 
 
 def non_overlapping(spans):
@@ -12802,8 +12836,8 @@ def tool_str_replace(session, args, ctx):
         text = load_for_edit(session, ctx, real, shown)
         updated, count, pos, how = replace_text(text, args, shown, ctx.cancelled)
         note = write_edit(session, ctx, "str_replace",
-                          [(real, shown, encode_text(updated, "new_str"), encode_text(text), None)],
-                          args.get("dry_run"))
+                          [FileEdit(real, shown, encode_text(updated, "new_str"),
+                                    encode_text(text))], args.get("dry_run"))
     if args.get("dry_run"):
         return note + ("\n(old_str matched %s)" % how if how else "")
     line = updated.count("\n", 0, pos)
@@ -12848,8 +12882,8 @@ def tool_multi_edit(session, args, ctx):
                                 " all or none)" % (k, len(edits), e.message.rstrip(".")))
             replaced += count
         note = write_edit(session, ctx, "multi_edit",
-                          [(real, shown, encode_text(text, "new_str"), encode_text(before), None)],
-                          args.get("dry_run"))
+                          [FileEdit(real, shown, encode_text(text, "new_str"),
+                                    encode_text(before))], args.get("dry_run"))
     if args.get("dry_run"):
         return note + ("\n(%s)" % "; ".join(matched) if matched else "")
     line = text.count("\n", 0, pos)
@@ -12896,7 +12930,7 @@ def tool_create_file(session, args, ctx, content_key="content"):
         if existed:
             require_viewed(session, ctx, real, shown)
             check_unchanged(session, ctx, real, shown)
-        note = write_edit(session, ctx, "create_file", [(real, shown, data, UNKNOWN, None)],
+        note = write_edit(session, ctx, "create_file", [FileEdit(real, shown, data)],
                           args.get("dry_run"))
     if args.get("dry_run"):
         return note
@@ -12933,8 +12967,8 @@ def tool_insert(session, args, ctx):
         text = load_for_edit(session, ctx, real, shown)
         updated, new_lines = inserted(text, at, text_in)
         note = write_edit(session, ctx, "insert",
-                          [(real, shown, encode_text(updated, "insert_text"),
-                            encode_text(text), None)], args.get("dry_run"))
+                          [FileEdit(real, shown, encode_text(updated, "insert_text"),
+                                    encode_text(text))], args.get("dry_run"))
     if args.get("dry_run"):
         return note
     return "Inserted %s after line %d of %s:\n%s" % (
@@ -12967,20 +13001,21 @@ def tool_undo_edit(session, args, ctx):
         for path in sorted(changes):
             locks.enter_context(ctx.files.lock(path))
         back = []
-        for path, (before, mode, after) in sorted(changes.items()):
-            now = file_bytes(path, ctx.config.max_file_size)[0]
-            if (now is None) != (after is None) or (now is not None and digest_of(now) != after):
+        for path, entry in sorted(changes.items()):
+            now = file_bytes(path, ctx.config.max_file_size).data
+            if (now is None) != (entry.after is None) or (
+                    now is not None and digest_of(now) != entry.after):
                 raise ToolError(FILE_CHANGED, "%s changed since this session's %s of it (by"
                                 " something else), so undo_edit would lose that; nothing was"
                                 " undone. View it and edit it instead" % (path, tool_name))
-            back.append((path, path, bytes_before(session, before), now, mode))
+            back.append(FileEdit(path, path, bytes_before(session, entry.before), now, entry.mode))
         note = write_edit(session, ctx, "undo_edit", back, args.get("dry_run"))
         if args.get("dry_run"):
             return note
         session.forget_edit(edit)
-    what = ", ".join("%s (%s)" % (p, "removed" if b is None else "%d bytes" % (
-                         b.size if isinstance(b, StoredBytes) else len(b)))
-                     for p, (b, _, _) in sorted(changes.items()))
+    what = ", ".join("%s (%s)" % (p, "removed" if e.before is None else "%d bytes" % (
+                         e.before.size if isinstance(e.before, StoredBytes) else len(e.before)))
+                     for p, e in sorted(changes.items()))
     left = "%s for %s." % (plural(levels - 1, "more undo level"), shown) if levels > 1 else \
         "Nothing more to undo for %s." % shown
     return "Undid the %s: restored %s. %s%s" % (tool_name, what, left, note)
@@ -13117,37 +13152,20 @@ def checkpoint_diff(checkpoints, target, now, offset, cap):
     def file_diff(p):
         """One file's part: its header and mode lines, then its hunks or why they are not shown."""
         name = relative_to_root(checkpoints.roots, p)
-        a, b = old.get(p), cur.get(p)
-        a, b = (None if e is None or e.kind == "d" else e for e in (a, b))
-        text = ["diff --git a/%s b/%s\n" % (name, name)]
-        if a is None:
-            text.append("new file mode %s\n" % git_mode(b))
-        elif b is None:
-            text.append("deleted file mode %s\n" % git_mode(a))
-        elif git_mode(a) != git_mode(b):
-            text.append("old mode %s\nnew mode %s\n" % (git_mode(a), git_mode(b)))
+        a, b = (None if e is None or e.kind == "d" else e for e in (old.get(p), cur.get(p)))
+        text = git_header(name, a, b)
         try:
-            before = after = None
-            if a is not None and a.kind == "l":
-                before = os.fsencode(a.data)
-            elif a is not None and a.data:
-                before = checkpoints.bytes_of(p, a.data, readers)
-            if b is not None and b.kind == "l":
-                after = os.fsencode(b.data)
-            elif b is not None:
-                after = read_regular(p, name, checkpoints.config.max_file_size)[0]
+            # (a file the checkpoint did not cover has no bytes then)
+            before = entry_bytes(a, lambda: checkpoints.bytes_of(p, a.data, readers)
+                                 if a.data else None)
+            after = entry_bytes(b, lambda: read_regular(p, name,
+                                                        checkpoints.config.max_file_size)[0])
         except (OSError, ToolError) as e:
-            text.append("# not shown: %s\n" % (getattr(e, "message", None) or e.strerror or e))
+            text += "# not shown: %s\n" % (getattr(e, "message", None) or e.strerror or e)
             before = after = b""
-        if a is not None and a.kind == "f" and not a.data:
-            text.append("# not shown: checkpoint %d did not cover it\n" % target.number)
-        elif b"\0" in (before or b"")[:8192] + (after or b"")[:8192]:
-            text.append("Binary files %s and %s differ\n"
-                        % ("a/" + name if before is not None else "/dev/null",
-                           "b/" + name if after is not None else "/dev/null"))
-        else:
-            text.append(unified_diff(before, after, name))
-        return "".join(text).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        uncovered = a is not None and a.kind == "f" and not a.data
+        text += git_body(name, before, after, target.number if uncovered else None)
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     try:
         for p in paths[offset:]:
             block = file_diff(p)
@@ -13167,6 +13185,39 @@ def checkpoint_diff(checkpoints, target, now, offset, cap):
         body += "[files %d-%d of %d shown; read on with offset=%d]\n" % (
             offset + 1, end, len(paths), end)
     return head + body
+
+
+def git_header(name, a, b):
+    """A file's 'diff --git' line and its mode lines as git writes them (a, b: its entries
+    at the checkpoint and now, None where it is not a file or link)."""
+    text = "diff --git a/%s b/%s\n" % (name, name)
+    if a is None:
+        return text + "new file mode %s\n" % git_mode(b)
+    if b is None:
+        return text + "deleted file mode %s\n" % git_mode(a)
+    if git_mode(a) != git_mode(b):
+        return text + "old mode %s\nnew mode %s\n" % (git_mode(a), git_mode(b))
+    return text
+
+
+def entry_bytes(entry, read):
+    """The bytes a diff compares for a checkpoint entry: None for no file, a link's target,
+    or what read() gives for a file."""
+    if entry is None:
+        return None
+    return os.fsencode(entry.data) if entry.kind == "l" else read()
+
+
+def git_body(name, before, after, uncovered=None):
+    """A file's hunks after its header, or why they are not shown: the checkpoint numbered
+    `uncovered` did not cover it, or it is binary."""
+    if uncovered is not None:
+        return "# not shown: checkpoint %d did not cover it\n" % uncovered
+    if b"\0" in (before or b"")[:8192] + (after or b"")[:8192]:
+        old = "a/" + name if before is not None else "/dev/null"
+        new = "b/" + name if after is not None else "/dev/null"
+        return "Binary files %s and %s differ\n" % (old, new)
+    return unified_diff(before, after, name)
 
 
 def git_mode(entry):
@@ -13461,9 +13512,7 @@ class PatchedText:
         else:
             level, hits, elsewhere = find_lines(self.index, old, cursor, hunk.eof)
         if len(hits) == 1 and not elsewhere:
-            lead = next((k for k, (kind, text) in enumerate(hunk.lines)
-                         if kind != " " or text.strip()), 0)
-            if hunk.headers and lead and hunk.lines[lead][0] == "+" and hits[0][0] == cursor:
+            if hunk.headers and hits[0][0] == cursor and self.adds_after_blanks(hunk):
                 raise ToolError(
                     STR_REPLACE_AMBIGUOUS, "%s, %s: only blank lines stand between its @@ header"
                     " and the lines it adds, so whether they go before or after those blank lines"
@@ -13478,6 +13527,13 @@ class PatchedText:
                             % (self.shown, label, MATCH_LEVELS[level].name,
                                ", ".join(str(i + 1) for i, _ in sorted(hits + elsewhere)[:20])))
         raise self.miss(old, cursor, label)
+
+    @staticmethod
+    def adds_after_blanks(hunk):
+        """Whether the hunk opens with blank context lines followed by a line it adds."""
+        lead = next((k for k, (kind, text) in enumerate(hunk.lines)
+                     if kind != " " or text.strip()), 0)
+        return bool(lead) and hunk.lines[lead][0] == "+"
 
     def after_headers(self, hunk, label):
         """Where a hunk's old lines are looked for: after its @@ header lines, each found
@@ -13610,18 +13666,19 @@ class PatchPlan:
             data, before = self.now[real], self.before.get(real)
             if data is None and before is None:
                 continue
-            out.append((real, self.shown[real], data, before[0] if before else None,
-                        self.modes.get(real, 0o644) if before is None else None))
+            out.append(FileEdit(real, self.shown[real], data, before[0] if before else None,
+                                self.modes.get(real, 0o644) if before is None else None))
         return out
 
 
-PATCH_DESC = ("Edit, add, delete and move files with one patch in the apply_patch format: '*** "
-              "Begin Patch', then per file '*** Add File: path' (every line starting with +), '*** "
-              "Delete File: path' or '*** Update File: path' (optionally '*** Move to: new/path') "
-              "followed by hunks: '@@' (or '@@ def name' to say where), lines ' ' context, '-' "
-              "removed, '+' added, three context lines around each change; then '*** End Patch'. "
-              "Context is found as str_replace finds old_str (slips forgiven where one place "
-              "fits). All files change or none does; no prior view is needed.")
+PATCH_DESC = ("Edit, add, delete and move files with one patch in the apply_patch format: "
+              "'*** Begin Patch', then per file '*** Add File: path' (every line starting "
+              "with +), '*** Delete File: path' or '*** Update File: path' (optionally "
+              "'*** Move to: new/path') followed by hunks: '@@' (or '@@ def name' to say "
+              "where), lines ' ' context, '-' removed, '+' added, three context lines around "
+              "each change; then '*** End Patch'. Context is found as str_replace finds "
+              "old_str (slips forgiven where one place fits). All files change or none does; "
+              "no prior view is needed.")
 
 
 @tool("apply_patch", PATCH_DESC, obj({
@@ -13691,8 +13748,8 @@ def tool_notebook_edit(session, args, ctx):
         k = notebook.find(args, shown, mode)
         updated = notebook.edited(k, mode, args)
         note = write_edit(session, ctx, "notebook_edit",
-                          [(real, shown, encode_text(updated, "new_source"),
-                            encode_text(text), None)], args.get("dry_run"))
+                          [FileEdit(real, shown, encode_text(updated, "new_source"),
+                                    encode_text(text))], args.get("dry_run"))
     if args.get("dry_run"):
         return note
     done = {"replace": "Replaced cell %d", "insert": "Inserted a cell as cell %d",
@@ -14648,7 +14705,7 @@ def tool_write_file(session, args, ctx):
                               % (change, path), FILE_CHANGED)
         try:
             existing_kind(real, path)                   # refuses FIFOs and devices
-            write_edit(session, ctx, "write_file", [(real, path, data, UNKNOWN, None)])
+            write_edit(session, ctx, "write_file", [FileEdit(real, path, data)])
         except ToolError as e:
             raise workspace_error(e, path, "写入")
     return "成功：已写入 %s" % path

@@ -4680,10 +4680,10 @@ class TestOneMatcher(NoViewBase):
         cases = [
             ("crlf.txt", b"a\r\nb\r\nc\r\n", "a\nb", "a\nB", b"a\r\nB\r\nc\r\n", "with CRLF line endings"),
             ("trail.md", b"- one  \n- two  \n", "- one\n- two", "- one\n- two\n- three",
-             b"- one  \n- two  \n- three  \n", "ignoring trailing whitespace"),      # every line padded: the file's way
+             b"- one  \n- two  \n- three\n", "ignoring trailing whitespace"),      # as written, padded file or not
             ("stray.py", b"a = 1  \nb = 2\n", "a = 1\nb = 2", "a = 1\nc = 3\nb = 2",
              b"a = 1  \nc = 3\nb = 2\n", "ignoring trailing whitespace"),           # one padded line: not copied
-            ("ends.py", b"    foo   \n   bar\t\n", "foo\nbar", "foo\nbaz", b"    foo   \n   baz\t\n", "both ends"),
+            ("ends.py", b"    foo   \n   bar\t\n", "foo\nbar", "foo\nbaz", b"    foo   \n   baz\n", "both ends"),
             ("blank.py", b"def f():\n    a = 1\n\n    return a\n", "def f():\n    a = 1\n    return a",
              "def f():\n    a = 2\n    return a", b"def f():\n    a = 2\n\n    return a\n", "ignoring blank lines"),
             ("extra.py", b"x = 1\ny = 2\n", "x = 1\n\ny = 2", "x = 1\n\ny = 3", b"x = 1\ny = 3\n",
@@ -5216,7 +5216,7 @@ class TestRewind(NoViewBase):
         points = self.server.checkpoints_of(self.session)
         self.ok("str_replace", path=self.path("u.py"), old_str="a = 1", new_str="a = 2")
         (tool, changes), = self.session.edits
-        kept = changes[self.path("u.py")][0]
+        kept = changes[self.path("u.py")].before
         self.assertIsInstance(kept, boris.StoredBytes)
         self.assertEqual(points.blob(kept.digest), before)
         self.assertEqual(list(points.store.index), [kept.digest])
@@ -5230,7 +5230,7 @@ class TestRewind(NoViewBase):
         self.session.edits[:] = []
         self.ok("str_replace", path=self.path("u.py"), old_str="b = ", new_str="c = ")
         (tool, changes), = self.session.edits
-        self.assertEqual(changes[self.path("u.py")][0], edited)     # in memory: no store to keep it
+        self.assertEqual(changes[self.path("u.py")].before, edited)     # in memory: no store to keep it
         self.ok("undo_edit", path="u.py")
         self.assertEqual(self.read("u.py"), edited)
 
@@ -5430,6 +5430,74 @@ class TestRewind(NoViewBase):
             done, failed = points.rewind(point, points.current(), [], TEST_FILES)
         self.assertEqual([p for p, _ in failed], [point.missed[0][0]])     # the one not covered, said
         self.assertEqual(len(done), 1)
+
+
+class TestLinesAsWritten(NoViewBase):
+    """Issue 72: matching may ignore trailing whitespace, but a line the model adds or
+    changes is written as it wrote it: never with the file's trailing whitespace, and where
+    its copy had the file's indentation (a strict level) not re-indented either; a line of
+    whitespace only stays as sent. Generated files (tabs and spaces mixed, trailing
+    whitespace here and there, CRLF too) and edits whose copy has trailing whitespace
+    elsewhere, through str_replace, multi_edit, str_replace_editor and apply_patch. What
+    each must become is worked out apart: the lines the edit leaves as the file has them,
+    the model's lines as sent - what Codex's binary writes for the same patch."""
+    WS = ("", "", " ", "  ", "\t")
+    INDENTS = ("", "    ", "\t", "        ")
+
+    def case(self, rng):
+        """(file text, old lines, new lines, expected text); None to draw again."""
+        nl, padded = rng.choice(["\n", "\n", "\r\n"]), rng.choice([0.2, 0.9])
+        lines = [rng.choice(self.INDENTS) + "v%d = f(%d)" % (k, rng.randrange(99)) +
+                 (rng.choice(self.WS[2:]) if rng.random() < padded else "")
+                 if rng.random() > 0.15 else rng.choice(self.WS) for k in range(12)]
+        s = rng.randrange(0, 9)
+        e = s + rng.randint(2, 3)
+        if not lines[s].strip() or not lines[e - 1].strip():
+            return None                         # (old_str starts and ends with a line of text)
+        old, new, done = [], [], lines[:s]
+        for k in range(s, e):
+            line, r = lines[k], rng.random()
+            # the copy: trailing whitespace the file has dropped, or some it lacks added
+            copy = line.rstrip() + rng.choice(self.WS) if line.strip() else ""
+            if r < 0.3:                                 # a line added before it
+                add = rng.choice(self.INDENTS) + "added_%d()" % k + rng.choice(self.WS)
+                new.append(add if rng.random() < 0.8 else rng.choice(["  ", "\t"]))
+                done.append(new[-1])
+            old.append(copy)
+            if r > 0.7 and line.strip():                 # changed (or removed)
+                if r > 0.85:
+                    new.append(line.rstrip().replace("f(", "g(") + rng.choice(self.WS))
+                    done.append(new[-1])
+            else:
+                new.append(copy)
+                done.append(line)
+        if old == new:
+            return None
+        return (nl.join(lines) + nl, old, new, nl.join(done + lines[e:]) + nl)
+
+    def test_new_lines_keep_the_models_whitespace_at_every_tool(self):
+        rng, checked = random.Random(72), Counter()
+        editor = next(t for t in boris.TOOLS if t.name == "str_replace_editor")
+        while checked["apply_patch"] < 100:
+            case = self.case(rng)
+            if case is None:
+                continue
+            text, old, new, want = case
+            edit = {"old_str": "".join(l + "\n" for l in old),
+                    "new_str": "".join(l + "\n" for l in new)}
+            calls = {
+                "apply_patch": lambda: self.call("apply_patch", input=SlipCampaign.patch(
+                    "f.txt", old, new)),
+                "str_replace": lambda: self.call("str_replace", path="f.txt", **edit),
+                "multi_edit": lambda: self.call("multi_edit", path="f.txt", edits=[edit]),
+                "str_replace_editor": lambda: boris.McpServer.run_tool(
+                    editor, self.session, dict(edit, command="str_replace", path="f.txt"),
+                    ctx_of(self.cfg, self.policy))["content"][0]["text"]}
+            for tool, call in calls.items():
+                self.write("f.txt", text.encode())
+                call()
+                self.assertEqual(self.read("f.txt").decode(), want, (tool, text, old, new))
+                checked[tool] += 1
 
 
 class TestUndoEdit(NoViewBase):
@@ -5675,8 +5743,8 @@ class SlipCampaign(object):
     (EDITS) of what it sees, sent as str_replace, apply_patch or multi_edit. What each
     must become is worked out here, apart from the matcher: the same edit made to the
     file as it is, in the file's conventions (its indentation unit and line ending; the
-    lines and characters the edit does not change as the file has them; no trailing
-    whitespace on a new line unless the file pads every line), or None where the edit
+    lines and characters the edit does not change as the file has them; a line the model
+    writes with its own trailing whitespace, never the file's), or None where the edit
     has no single right place or its text is stale: then it must be refused."""
     SLIPS = ("exact", "indentation", "tabs", "two-space-unit", "trailing-one-line", "trailing-every-line",
              "crlf", "quotes-unchanged-line", "quotes-changed-line", "dashes", "blank-line-missing",
@@ -5879,8 +5947,8 @@ class SlipCampaign(object):
             expected = None
         else:
             done = self.edited(run, kind, at, salt, unit)
-            if slip == "trailing-every-line":
-                done = [l + "  " if l.strip() and not l.endswith("  ") else l for l in done]
+            if slip == "trailing-every-line":           # the model's lines: as it wrote them
+                done = [l if l in run else l.rstrip() for l in done]
             if slip == "typography-in-the-copy":            # new_str carries the copy's typography too
                 new = [l if l in view else l + "  # it\u2019s new" for l in new]
                 done = [l if l in run else l + "  # it's new" for l in done]
