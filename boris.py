@@ -7415,7 +7415,8 @@ records the search ends (None: it runs to the end)."""
 GrepHit = namedtuple("GrepHit", "real rel mtime result root")
 GrepHit.__doc__ = """One file's grep result: its real path, its path relative to the
 root (None for a file root), mtime in ns (files_with_matches mode only, else 0),
-result (GrepWork.file_result's: True, a count or records) and the index of its root."""
+result (GrepWork.file_result's: True, a count, records, or why the file could not be
+read) and the index of its root."""
 
 
 def glob_pairs(flat):
@@ -7496,20 +7497,21 @@ class GrepWork:
         return [GrepHit(real, rel, mtime(real) if self.mode == "files_with_matches" else 0, r, k)]
 
     def gather(self, k, walked, items):
-        """Append to `items` what file_hits() makes of each (path, real, is_dir, inode) walked.
-        `-l` of a literal, the search agents make most, runs as one loop with file_hits()'s
-        steps inline; a file its first read does not settle (bigger than the buffer, or
-        with a byte-order mark) goes through file_hits()."""
-        file_hits, matcher, keep = self.file_hits, self.matcher, self.keep
-        if self.mode != "files_with_matches" or matcher.literal is None:
-            for path, real, is_dir, ino in walked:
-                r = file_hits(k, path, real, is_dir, ino)
-                if r is not None:
-                    items += r
-            return
+        """Append to `items` what file_hits() makes of each (path, real, is_dir, inode) walked
+        (`-l` of a literal, the search agents make most, through listed())."""
+        if self.mode == "files_with_matches" and self.matcher.literal is not None:
+            return self.listed(k, walked, items)
+        for found in walked:
+            items += self.file_hits(k, *found) or ()
+
+    def listed(self, k, walked, items):
+        """gather() of `-l` for a literal: one loop with file_hits()'s steps inline. A file
+        its first read does not settle (bigger than the buffer, with a byte-order mark, or
+        a read that failed: file_hits() says why) goes through file_hits()."""
+        matcher, file_hits = self.matcher, self.file_hits
         buf, contains, needle = self.fast, self.contains, matcher.literal
         cut = self.cuts[k] if self.roots[k].is_dir else None
-        size, sniff, folded, keep = len(buf), GREP_BINARY_SNIFF, matcher.folded, cut and keep
+        size, sniff, folded, keep = len(buf), GREP_BINARY_SNIFF, matcher.folded, cut and self.keep
         open_, fstat, readv, close = os.open, os.fstat, os.readv, os.close
         flags, regular = os.O_RDONLY | O_FILE, stat.S_ISREG
         for path, real, is_dir, ino in walked:
@@ -7517,38 +7519,39 @@ class GrepWork:
                 continue                            # (a file root is searched whatever its name)
             try:
                 fd = open_(real, flags)
+                try:
+                    st = fstat(fd)
+                    if not regular(st.st_mode) or ino is not None and st.st_ino != ino:
+                        continue
+                    n = readv(fd, [buf])
+                finally:
+                    close(fd)
             except OSError:
-                continue                                # gone or unreadable since listed: skipped
-            try:
-                st = fstat(fd)
-                if not regular(st.st_mode) or ino is not None and st.st_ino != ino:
-                    continue
-                n = readv(fd, [buf])
-            except OSError as exc:
-                log("debug", "grep: read failed, file skipped", path=real, error=str(exc))
-                continue
-            finally:
-                close(fd)
+                n = size
             if n >= size or n and buf[0] >= 0xef:
-                r = file_hits(k, path, real, is_dir, ino)
-                if r is not None:
-                    items += r
+                items += file_hits(k, path, real, is_dir, ino) or ()
             elif (buf[:n].lower().find(needle) >= 0 if folded else contains(n, needle)) \
                     and buf.find(b"\x00", 0, min(n, sniff)) < 0:
                 items.append(GrepHit(real, None if cut is None else path[cut:], st.st_mtime_ns,
                                      True, k))
 
     def file_result(self, path, ino):
-        """One file's result: None (binary, unreadable, not a regular file, no longer the
-        inode `ino` the walk listed, or no match), True (files mode), a count (count mode)
-        or a list of records (content mode). Steps: open it if it is still the file the
-        walk listed, read the first piece (binary: None at once; most files are this one
-        piece, else read_chunks' pieces), run the matcher over the pieces (count or records)."""
-        fd = open_same(path, ino)              # (grep skips a file that is gone or another one now)
-        if fd is None:
-            return None
+        """One file's result: None (binary, gone, not a regular file, no longer the inode
+        `ino` the walk listed, or no match), True (files mode), a count (count mode), a list
+        of records (content mode), or why it could not be read (a str: the answer counts
+        those). Steps: open it if it is still the file the walk listed, read the first piece
+        (binary: None at once; most files are this one piece, else read_chunks' pieces), run
+        the matcher over the pieces (count or records)."""
         try:
-            buf, content = self.buf, self.mode == "content"
+            fd = os.open(path, os.O_RDONLY | O_FILE)
+        except FileNotFoundError:
+            return None                                     # gone since the walk listed it
+        except OSError as e:
+            return e.strerror
+        try:
+            st, buf, content = os.fstat(fd), self.buf, self.mode == "content"
+            if not stat.S_ISREG(st.st_mode) or ino not in (None, st.st_ino):
+                return None                                 # another file now
             n = os.readv(fd, [buf])
             if n >= len(buf) or n and buf[0] >= 0xfe:                  # (0xff, 0xfe: a UTF-16 BOM?)
                 whole = content and bool(self.before or self.after or self.matcher.multiline)
@@ -7558,9 +7561,8 @@ class GrepWork:
             else:
                 pieces = ((buf, n, 1),)
             return self.records(pieces) if content else self.count(pieces)
-        except OSError as exc:
-            log("debug", "grep: read failed, file skipped", path=path, error=str(exc))
-            return None
+        except OSError as e:
+            return e.strerror
         finally:
             os.close(fd)
 
@@ -7831,7 +7833,7 @@ def grep_until(work, emit):
             items = work.file_hits(k, *found)
             if items:
                 emit(items)
-                left -= len(items[0].result)
+                left -= len(items[0].result) if isinstance(items[0].result, list) else 0
                 if left <= 0:
                     return
 
@@ -14213,14 +14215,14 @@ def tool_grep(session, args, ctx):
     spec = grep_tool_spec(args, pattern, mode)
     no_ignore = args.get("no_ignore")
     items, why = ctx.helpers.run(grep_job_of(ctx, [root], spec, args, no_ignore), ctx.cancelled)
-    notice = partial_notice(why)
-    if not items:
+    hits, unread = grep_hits(items)
+    if not hits:
         more = (ignored_matches(ctx, root, shown, spec, args)
                 if root.is_dir and not no_ignore and not why else [])
         return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)]
-                         + notice + more)
-    hits = [GrepHit(*item)._replace(rel=item[1] if root.is_dir else shown) for item in items]
-    return grep_answer(hits, spec, args, notice, search_cap(ctx))
+                         + partial_notice(why) + more + unread)
+    hits = [h if root.is_dir else h._replace(rel=shown) for h in hits]
+    return grep_answer(hits, spec, args, partial_notice(why) + unread, search_cap(ctx))
 
 
 tool("grep", GREP_DESC, compat_grep_schema, notes("Search file contents", read_only=True),
@@ -14235,12 +14237,25 @@ def ignored_matches(ctx, root, shown, spec, args):
     none when they hold none either."""
     listing = dict(spec, mode="files_with_matches")
     items, _ = ctx.helpers.run(grep_job_of(ctx, [root], listing, args, True), ctx.cancelled)
-    if not items:
+    hits = grep_hits(items)[0]
+    if not hits:
         return []
     return ["(%s that .gitignore ignores under %s hold%s matches, e.g. %s: pass no_ignore: true"
             " to search them; .git, node_modules and binary files are never searched.)" % (
-                plural(len(items), "file"), shown, "s" if len(items) == 1 else "",
-                GrepHit(*items[0]).rel)]
+                plural(len(hits), "file"), shown, "s" if len(hits) == 1 else "", hits[0].rel)]
+
+
+def grep_hits(items):
+    """(GrepHits, the line that ends the answer when some files could not be read: how
+    many, and why) of a grep job's items."""
+    hits = [GrepHit(*item) for item in items]
+    unread = Counter(h.result for h in hits if isinstance(h.result, str))
+    if not unread:
+        return hits, []
+    whys = [why if len(unread) == 1 else "%d %s" % (n, why) for why, n in unread.most_common()]
+    return ([h for h in hits if not isinstance(h.result, str)],
+            ["[skipped %s that could not be read: %s]"
+             % (plural(sum(unread.values()), "file"), ", ".join(whys))])
 
 
 def grep_tool_spec(args, pattern, mode):
@@ -14389,12 +14404,13 @@ def tool_search_text(session, args, ctx):
     shown_paths = args.get("paths") or ["."]
     roots = [search_root(session, ctx, shown) for shown in shown_paths]
     items, why = ctx.helpers.run(grep_job_of(ctx, roots, spec), ctx.cancelled)
+    hits, unread = grep_hits(items)
     lines = []
-    for hit in sorted((GrepHit(*item) for item in items), key=lambda h: (h.root, h.rel or "")):
+    for hit in sorted(hits, key=lambda h: (h.root, h.rel or "")):
         shown = shown_paths[hit.root]
         label = os.path.join(shown, hit.rel) if roots[hit.root].is_dir else shown
         lines += format_records(label, hit.result, True, breaks=False)
-    notice = partial_notice(why)
+    notice = partial_notice(why) + unread
     if not lines:
         return "\n".join(["No matches found for %r in %s" % (query, ", ".join(shown_paths))]
                          + notice)

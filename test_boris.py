@@ -7887,6 +7887,72 @@ class TestGrepScope(SearchBase):
         self.fails("search_text", "ACCESS_DENIED", query="x", paths=["private"])
 
 
+ROOT_READS_ALL = "root reads every file: TestGrepSkippedAsNobody runs this class as nobody"
+
+
+@unittest.skipIf(os.geteuid() == 0, ROOT_READS_ALL)
+class TestGrepSkippedFiles(SearchBase):
+    """A grep that could not read files ends its answer with a line saying how many and
+    why, in every mode, through each of its engine's paths; only where some were."""
+    SKIPPED = "[skipped 2 files that could not be read: Permission denied]"
+
+    def setUp(self):
+        SearchBase.setUp(self)
+        self.write("src/locked.py", "TODO locked\n", mode=0)
+        self.write("docs/locked.md", "TODO locked\n", mode=0)
+
+    def answers(self, pattern):
+        """The last lines of grep in each mode (a literal and a regex pattern go different
+        ways), with and without head_limit, and of search_text."""
+        calls = [dict(output_mode=mode) for mode in boris.GREP_MODES]
+        calls += [dict(output_mode="content", head_limit=50), dict(pattern="\\b" + pattern)]
+        outs = [self.ok("grep", **dict(dict(pattern=pattern), **c)) for c in calls]
+        outs.append(self.ok("search_text", query=pattern))
+        return [out.split("\n")[-1] for out in outs]
+
+    def test_each_mode_ends_with_how_many_files_were_skipped_and_why(self):
+        self.assertEqual(self.answers("TODO"), [self.SKIPPED] * 6)
+
+    def test_a_search_that_finds_nothing_says_so_too(self):
+        self.assertEqual(self.answers("nowhere to be found"), [self.SKIPPED] * 6)
+        self.assertIn("No matches found", self.ok("grep", pattern="nowhere"))
+
+    def test_no_line_when_every_file_was_read(self):
+        for rel in ("src/locked.py", "docs/locked.md"):
+            os.chmod(self.path(rel), 0o644)
+        self.assertNotIn("skipped", "\n".join(self.answers("TODO")))
+        self.assertIn("src/locked.py:1:TODO locked",
+                      self.ok("grep", pattern="TODO", output_mode="content"))
+
+
+class TestGrepSkippedAsNobody(unittest.TestCase):
+    def test_the_skipped_files_class_passes_as_a_normal_user(self):
+        """Where the suite is root, TestGrepSkippedFiles runs as nobody (uid 65534)."""
+        if os.geteuid() != 0:
+            self.skipTest("not root: TestGrepSkippedFiles runs as this user")
+        home = tempfile.mkdtemp(prefix="boris-test-")
+        self.addCleanup(shutil.rmtree, home, ignore_errors=True)
+        os.chown(home, 65534, 65534)
+
+        def as_nobody():
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+        for python in (sys.executable, "/usr/bin/python3"):
+            try:
+                p = subprocess.run([python, "-W", "error::ResourceWarning", os.path.join(HERE, "test_boris.py"),
+                                    "-k", "TestGrepSkippedFiles"], cwd=home, capture_output=True, text=True,
+                                   env={"PATH": "/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8"},
+                                   preexec_fn=as_nobody, timeout=300)
+            except PermissionError:
+                continue                            # (a Python under /root is not nobody's)
+            if "Ran " not in p.stderr:
+                self.skipTest("nobody cannot run the suite here: %s" % p.stderr[-300:])
+            self.assertRegex(p.stderr, r"Ran 3 tests in .*\s+OK\s*$", p.stderr)
+            return
+        self.skipTest("no Python that nobody may run")
+
+
 def watches_here():
     """Whether this machine gives a helper inotify watches on the temp directory's filesystem."""
     w = boris.Watches()
