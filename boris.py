@@ -14060,6 +14060,7 @@ def tool_task_stop(session, args, ctx):
 ###############################################################################
 
 GREP_MODES = ("files_with_matches", "content", "count")
+GREP_HEAD_LIMIT = 0             # grep's page when a call gives no head_limit (0: every result)
 
 
 def grep_spec(pattern, mode, regex=True, ignore_case=False, multiline=False):
@@ -14115,10 +14116,11 @@ def cap_lines(lines, what, notice=(), limit=OUTPUT_MAX_CHARS, instead=None):
     return "\n".join(kept + list(notice))
 
 
-def paged(items, args):
-    """items[offset:offset + head_limit]; past the end, a line that says so."""
+def paged(items, args, head_limit=None):
+    """items[offset:offset + head_limit] (the call's, else `head_limit`; 0 or None: to the
+    end); past the end, a line that says so."""
     offset = args.get("offset") or 0
-    limit = args.get("head_limit")
+    limit = args.get("head_limit", head_limit)
     if offset < 0 or (limit is not None and limit < 0):
         raise ToolError(INVALID_INPUT, "offset and head_limit must be 0 or more")
     if offset and offset >= len(items):
@@ -14260,7 +14262,10 @@ def grep_hits(items):
 
 def grep_tool_spec(args, pattern, mode):
     """The grep tool's job spec: context lines (content mode), how many records a file
-    may give, and where a head_limit content search stops."""
+    may give (what one page can show), and whether the search stops early: a content
+    search whose call gives a head_limit ends once it has that many lines, in the order
+    the walk finds them (one helper, no sort by path). A page of GREP_HEAD_LIMIT is cut
+    from the whole search, sorted, as a page of offset alone is."""
     ctx_n = args.get("context") or 0
     before = args.get("context_before", ctx_n) if mode == "content" else 0
     after = args.get("context_after", ctx_n) if mode == "content" else 0
@@ -14270,7 +14275,7 @@ def grep_tool_spec(args, pattern, mode):
                      bool(args.get("multiline")))
     spec.update(before=before, after=after)
     spec["max_records"] = ((args.get("offset") or 0)
-                           + (args.get("head_limit") or OUTPUT_MAX_CHARS // 2))
+                           + (args.get("head_limit", GREP_HEAD_LIMIT) or OUTPUT_MAX_CHARS // 2))
     if mode == "content" and args.get("head_limit"):
         spec["stop_after"] = spec["max_records"]       # the search ends once that many lines are in
     return spec
@@ -14279,17 +14284,17 @@ def grep_tool_spec(args, pattern, mode):
 def grep_answer(hits, spec, args, notice, cap):
     """The grep tool's text for its hits, in its output mode, paged and capped."""
     mode = spec["mode"]
-    if mode == "files_with_matches":
-        return cap_lines(paged(newest_first((h.rel, h.mtime) for h in hits), args),
-                         "files", notice, cap)
-    if not spec.get("stop_after"):
-        # a head_limit search keeps the order it found
+    if mode != "files_with_matches" and not spec.get("stop_after"):
+        # (a search that stopped early keeps the order it found)
         hits.sort(key=attrgetter("rel"))
-    if mode == "count":
-        return cap_lines(paged(["%s:%d" % (h.rel, h.result) for h in hits], args),
-                         "files", notice, cap)
-    return cap_lines(paged(grep_lines(hits, args.get("line_numbers", True)), args),
-                     "lines", notice, cap)
+    if mode == "files_with_matches":
+        lines = newest_first((h.rel, h.mtime) for h in hits)
+    elif mode == "count":
+        lines = ["%s:%d" % (h.rel, h.result) for h in hits]
+    else:
+        lines = grep_lines(hits, args.get("line_numbers", True))
+    return cap_lines(paged(lines, args, GREP_HEAD_LIMIT), "lines" if mode == "content"
+                     else "files", notice, cap)
 
 
 def grep_lines(hits, numbers):

@@ -7421,6 +7421,23 @@ class TestGrep(SearchBase):
         for gone in ("bin/blob.bin", ".git/config", "node_modules/pkg/index.js"):
             self.assertNotIn(gone, out)
 
+    def test_a_default_head_limit_pages_the_sorted_search_and_does_not_stop_early(self):
+        """Only a head_limit the call gives stops a content search early, in walk order (z.txt,
+        at the top, first); a default one cuts its page from the whole search, sorted."""
+        self.write("z.txt", "TODO top\n")
+        whole = {mode: self.ok("grep", pattern="TODO", output_mode=mode).split("\n")
+                 for mode in boris.GREP_MODES}
+        self.assertEqual(self.ok("grep", pattern="TODO", output_mode="content", head_limit=2),
+                         "z.txt:1:TODO top\n--")
+        with mock.patch.object(boris, "GREP_HEAD_LIMIT", 3):
+            for mode in boris.GREP_MODES:
+                self.assertEqual(self.ok("grep", pattern="TODO", output_mode=mode).split("\n"),
+                                 whole[mode][:3])
+                self.assertEqual(self.ok("grep", pattern="TODO", output_mode=mode, offset=2)
+                                 .split("\n"), whole[mode][2:5])
+            self.assertEqual(self.ok("grep", pattern="TODO", output_mode="content", head_limit=0)
+                             .split("\n"), whole["content"])
+
     def test_content_mode_format(self):
         out = self.ok("grep", pattern="TODO", output_mode="content", path="src")
         self.assertIn("app.py:4:# TODO: fix", out.split("\n"))
