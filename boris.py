@@ -14117,8 +14117,9 @@ def cap_lines(lines, what, notice=(), limit=OUTPUT_MAX_CHARS, instead=None):
 
 
 def paged(items, args, head_limit=None):
-    """items[offset:offset + head_limit] (the call's, else `head_limit`; 0 or None: to the
-    end); past the end, a line that says so."""
+    """items[offset:offset + head_limit]: the call's head_limit, else `head_limit`, whose
+    cut page ends with a line that says how to page on (0 or None: to the end); past the
+    end, a line that says so."""
     offset = args.get("offset") or 0
     limit = args.get("head_limit", head_limit)
     if offset < 0 or (limit is not None and limit < 0):
@@ -14126,7 +14127,10 @@ def paged(items, args, head_limit=None):
     if offset and offset >= len(items):
         return ["No more results: offset %d is past the end (%d in total)." % (offset, len(items))]
     rest = items[offset:]
-    return rest[:limit] if limit else rest
+    if not limit or len(rest) <= limit or "head_limit" in args:
+        return rest[:limit] if limit else rest
+    return rest[:limit] + ["[%d more not shown; page on with offset=%d]"
+                           % (len(rest) - limit, offset + limit)]
 
 
 def newest_first(found):

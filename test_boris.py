@@ -7431,10 +7431,12 @@ class TestGrep(SearchBase):
                          "z.txt:1:TODO top\n--")
         with mock.patch.object(boris, "GREP_HEAD_LIMIT", 3):
             for mode in boris.GREP_MODES:
+                more = len(whole[mode]) - 3
                 self.assertEqual(self.ok("grep", pattern="TODO", output_mode=mode).split("\n"),
-                                 whole[mode][:3])
+                                 whole[mode][:3] + ["[%d more not shown; page on with offset=3]" % more])
                 self.assertEqual(self.ok("grep", pattern="TODO", output_mode=mode, offset=2)
-                                 .split("\n"), whole[mode][2:5])
+                                 .split("\n"), whole[mode][2:5]
+                                 + ["[%d more not shown; page on with offset=5]" % (more - 2)][:more > 2])
             self.assertEqual(self.ok("grep", pattern="TODO", output_mode="content", head_limit=0)
                              .split("\n"), whole["content"])
 
@@ -7528,7 +7530,7 @@ class TestGrep(SearchBase):
 
     def test_output_cap(self):
         self.write("big.txt", "needle %s\n" % ("x" * 100) * 2000)
-        out = self.ok("grep", pattern="needle", path="big.txt", output_mode="content")
+        out = self.ok("grep", pattern="needle", path="big.txt", output_mode="content", head_limit=0)
         self.assertLessEqual(len(out), boris.OUTPUT_MAX_CHARS + 300)
         self.assertIn("[output truncated at 30000 characters", out)
 
@@ -9021,7 +9023,8 @@ class TestResultsFitTheClients(NoViewBase):
                 return text
             self.assert_fits(run("view", path="big.txt"), cap, ["view_range"])
             self.assert_fits(run("read_file", path="big.txt"), cap, ["offset="])
-            self.assert_fits(run("grep", pattern="hit", path="many", output_mode="content"), cap, ["offset="])
+            self.assert_fits(run("grep", pattern="hit", path="many", output_mode="content", head_limit=0), cap,
+                             ["offset="])
             self.assert_fits(run("glob", pattern="**/*.txt"), cap, ["offset="])
             self.assert_fits(run("bash", command="cat big.txt"), cap, ["tail, head or grep"])
             self.assert_fits(run("bash", command="cat big.txt; cat big.txt >&2"), cap, ["tail, head or grep"])
