@@ -4742,10 +4742,20 @@ def triple_end(raw, delim, pos):
         pos = k + 1
 
 
+OutlineEntry = namedtuple("OutlineEntry", "first last depth signature")
+OutlineEntry.__doc__ = """One definition of an outline: its first and last lines (from 1; a
+definition's decorators are in), its depth (0: top level) and its signature as shown."""
+
 FileOutline = namedtuple("FileOutline", "rel lang entries note lines refused")
 FileOutline.__doc__ = """One file's outline, as a helper sends it (a JSON array): its path relative
-to the root (None for a file root), language, entries ([first, last, depth, signature]),
-a note, its line count, and the error code when it was not read (else None)."""
+to the root (None for a file root), language, entries ([OutlineEntry]), a note, its line
+count, and the error code when it was not read (else None)."""
+
+
+def file_outline(item):
+    """A FileOutline from a helper's JSON array, its entries OutlineEntries again."""
+    one = FileOutline(*item)
+    return one._replace(entries=[OutlineEntry(*e) for e in one.entries])
 
 
 def outline_block(one):
@@ -4760,8 +4770,8 @@ def outline_rows(entries, lines):
     """A line per definition: its range (right-aligned for a file of `lines` lines), then its
     signature indented by its depth."""
     width = 2 * len(str(max(lines, 1))) + 1
-    return ["%s  %s%s" % (("%d-%d" % (a, b)).rjust(width), "  " * depth, text)
-            for a, b, depth, text in entries]
+    return ["%s  %s%s" % (("%d-%d" % (e.first, e.last)).rjust(width), "  " * e.depth,
+                          e.signature) for e in entries]
 
 
 class OpenDefinition:
@@ -4778,10 +4788,9 @@ class OpenDefinition:
 
 class Outline:
     """One file's outline, made by the constructor from its text and language:
-    `entries` [(first line, last line, depth, signature)] in order, and `note`, how it
-    was read when not by the language's own parser (a Python file that does not parse
-    falls back to the patterns). While the patterns run, `stack` holds the definitions
-    still open and `depth` the brace depth."""
+    `entries` [OutlineEntry] in order, and `note`, how it was read when not by the
+    language's own parser (a Python file that does not parse falls back to the patterns).
+    While it is made, `stack` holds the definitions still open and `depth` the brace depth."""
 
     def __init__(self, text, lang):
         self.lines, self.lang, self.note = text.split("\n"), lang, ""
@@ -4804,7 +4813,7 @@ class Outline:
             self.keys(text)
         else:
             self.patterns()
-        self.entries = [tuple(e) for e in self.entries if e is not None]
+        self.entries = [e for e in self.entries if e is not None]      # (end() drops some)
 
     @staticmethod
     def language(name):
@@ -4842,8 +4851,8 @@ class Outline:
                 is_def = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
                 if is_def:
                     start = min([d.lineno for d in child.decorator_list] + [child.lineno])
-                    self.entries.append((start, child.end_lineno, depth,
-                                         self.signature(child.lineno - 1)))
+                    self.entries.append(OutlineEntry(start, child.end_lineno, depth,
+                                                     self.signature(child.lineno - 1)))
                 stack.append((child, depth + 1 if is_def else depth))
         self.entries.sort(key=lambda e: (e[0], e[2]))
 
@@ -4854,18 +4863,13 @@ class Outline:
         last line of code before it, and strings (triple-quoted ones over lines, and lines
         continued with a backslash), brackets and comments are skipped as the tokenizer does.
         It agrees with ast on every file of CPython's library (1,779 files)."""
-        stack, in_string, depth, joined, last, decorator = [], None, 0, False, -1, None
+        in_string, depth, joined, last, self.decorator = None, 0, False, -1, None
         is_def, token = re.compile(_PY_DEF), re.compile(_PY_TOKEN)
         singles = {q: re.compile(rx) for q, rx in _PY_SINGLE.items()}
         for i, raw in enumerate(self.lines):
             pos = 0
             if in_string is not None:
-                last = i
-                if len(in_string) == 3:
-                    pos = triple_end(raw, in_string, 0)
-                else:
-                    m = singles[in_string].match(raw)
-                    pos = m.end() if m else (-1 if raw.endswith("\\") else len(raw))
+                last, pos = i, self.string_end(raw, in_string, singles)
                 if pos < 0:
                     continue
                 in_string = None
@@ -4873,26 +4877,48 @@ class Outline:
                 text = raw.strip()
                 if not text or text[0] == "#":
                     continue
-                indent = len(raw) - len(raw.lstrip())
-                while stack and indent <= stack[-1][1]:
-                    self.entries[stack.pop()[0]][1] = last + 1
-                if text[0] == "@":
-                    decorator = decorator or (i, indent)
-                elif is_def.match(text):
-                    start = decorator[0] if decorator is not None and decorator[1] == indent else i
-                    self.entries.append([start + 1, i + 1, len(stack), self.signature(i)])
-                    stack.append((len(self.entries) - 1, indent))
-                    decorator = None
-                else:
-                    decorator = None
+                self.python_statement(i, raw, text, last, is_def)
             elif not raw.strip():
                 continue
             last = i
             in_string, depth = self.python_tokens(raw, pos, depth, token, singles)
             joined = in_string is None and raw.endswith("\\") and not raw.endswith("\\\\")
-        while stack:
-            self.entries[stack.pop()[0]][1] = last + 1
-        self.entries.sort(key=lambda e: (e[0], e[2]))
+        self.close_to(-1, last)
+        self.entries.sort(key=lambda e: (e.first, e.depth))
+
+    @staticmethod
+    def string_end(raw, quote, singles):
+        """Where the string left open by the line before, by `quote`, ends in the line `raw`
+        (-1: not on it)."""
+        if len(quote) == 3:
+            return triple_end(raw, quote, 0)
+        m = singles[quote].match(raw)
+        return m.end() if m else (-1 if raw.endswith("\\") else len(raw))
+
+    def python_statement(self, i, raw, text, last, is_def):
+        """A logical line that starts at line i (from 0), `text` stripped: it closes the
+        definitions indented as deep or deeper at `last`, the line of code before it, and a
+        def or class opens one here (from its decorators, if they are just above)."""
+        indent, stack = len(raw) - len(raw.lstrip()), self.stack
+        while stack and indent <= stack[-1].depth:
+            self.close(stack.pop().entry, last)
+        decorator, self.decorator = self.decorator, None
+        if text[0] == "@":
+            self.decorator = decorator or (i, indent)
+        elif is_def.match(text):
+            start = decorator[0] if decorator is not None and decorator[1] == indent else i
+            self.entries.append(OutlineEntry(start + 1, i + 1, len(self.stack), self.signature(i)))
+            self.stack.append(OpenDefinition(len(self.entries) - 1, indent, "def", i))
+
+    def close_to(self, indent, last):
+        """Close the open definitions indented `indent` or deeper (-1: all) at line `last`
+        (from 0)."""
+        while self.stack and indent <= self.stack[-1].depth:
+            self.close(self.stack.pop().entry, last)
+
+    def close(self, k, last):
+        """Entry k ends at line `last` (from 0)."""
+        self.entries[k] = self.entries[k]._replace(last=last + 1)
 
     @staticmethod
     def python_tokens(raw, pos, depth, token, singles):
@@ -4950,7 +4976,7 @@ class Outline:
             start -= 1
         if kind == "body" and i and re.match(r"^[A-Za-z_][\w \t\*]*$", lines[i - 1]):
             start, sig = i - 1, lines[i - 1].strip() + " " + sig
-        self.entries.append([start + 1, i + 1, len(self.stack), sig])
+        self.entries.append(OutlineEntry(start + 1, i + 1, len(self.stack), sig))
         self.stack.append(OpenDefinition(len(self.entries) - 1, self.depth, kind, i))
 
     def count(self, i, code):
@@ -4987,7 +5013,7 @@ class Outline:
         if open_entry.kind == "body" and not open_entry.opened:
             self.entries[k] = None
         else:
-            self.entries[k][1] = (open_entry.last if i is None else i) + 1
+            self.close(k, open_entry.last if i is None else i)
 
     def kind(self, rules, head):
         """The kind of definition `head` starts ('class', 'def', 'body'), or None; a
@@ -5000,7 +5026,9 @@ class Outline:
 
     def indented(self, rules):
         """The patterns of indented languages: a definition runs to its last line indented
-        deeper than itself (Ruby: to its `end`)."""
+        deeper than itself (Ruby: to its `end`), the last line of code before the next
+        line indented as little or less."""
+        last = -1
         for i, raw in enumerate(self.lines):
             head = raw[:OUTLINE_LINE_CHARS]
             text = head.strip()
@@ -5011,8 +5039,7 @@ class Outline:
             while self.stack and indent <= self.stack[-1].depth and not ended:
                 top = self.stack.pop()
                 ended = self.lang == "ruby" and indent == top.depth and re.match(r"end\b", text)
-                if ended:
-                    self.entries[top.entry][1] = i + 1          # its `end` belongs to it
+                self.close(top.entry, i if ended else last)     # (its `end` belongs to it)
             if ended:
                 continue
             kind = self.kind(rules, head)
@@ -5020,10 +5047,11 @@ class Outline:
                 start = i
                 while start and self.lines[start - 1].strip().startswith("@"):
                     start -= 1                          # decorators belong to the definition
-                self.entries.append([start + 1, i + 1, len(self.stack), self.signature(i)])
+                self.entries.append(OutlineEntry(start + 1, i + 1, len(self.stack),
+                                                 self.signature(i)))
                 self.stack.append(OpenDefinition(len(self.entries) - 1, indent, kind, i))
-            for top in self.stack:
-                self.entries[top.entry][1] = i + 1
+            last = i
+        self.close_to(-1, last)
 
     def code_of(self, line, in_block):
         """A line's code for counting braces: strings, character literals and comments
@@ -5056,18 +5084,17 @@ class Outline:
     def headings(self):
         """Markdown's headings (# style, outside fenced code), each to the line before the
         next heading of its level or above."""
-        lines, fenced, out = self.lines, False, []
-        for i, line in enumerate(lines):
+        fenced, found = False, []                       # (line from 0, level)
+        for i, line in enumerate(self.lines):
             if line.lstrip().startswith(("```", "~~~")):
                 fenced = not fenced
             m = None if fenced else re.match(r"^(#{1,6})\s+(\S.*)$", line[:OUTLINE_LINE_CHARS])
             if m:
-                out.append([i + 1, len(lines), len(m.group(1)), self.signature(i)])
-        for k, e in enumerate(out):
-            nxt = next((f[0] for f in out[k + 1:] if f[2] <= e[2]), None)
-            e[1] = nxt - 1 if nxt else self.line_count
-        top = min((e[2] for e in out), default=1)
-        self.entries = [(a, b, level - top, text) for a, b, level, text in out]
+                found.append((i, len(m.group(1))))
+        top = min((level for _, level in found), default=1)
+        for k, (i, level) in enumerate(found):
+            nxt = next((j for j, up in found[k + 1:] if up <= level), self.line_count)
+            self.entries.append(OutlineEntry(i + 1, nxt, level - top, self.signature(i)))
 
     def keys(self, text):
         """The keys of a JSON, YAML or TOML file's top-level object (TOML's tables too),
@@ -5077,25 +5104,38 @@ class Outline:
             first = next((len(l) - len(l.lstrip()) for l in lines[1:] if l.strip().startswith('"')),
                          None)
             if first is None or len(lines) < 3:         # one line: the keys, all on it
-                try:
-                    keys = list(json.loads(text)) if text.lstrip().startswith("{") else []
-                except ValueError:
-                    keys = []
-                self.entries = [(1, 1, 0, '"%s"' % k) for k in keys[:1000]]
+                self.entries = self.json_keys(text)
                 return
             rx = re.compile(r'^\s{%d}"((?:[^"\\]|\\.)*)"\s*:' % first)
         else:
             rx = re.compile(r"^([A-Za-z_\"'][^:#]*?):(?:\s|$)" if lang == "yaml" else
                             r"^(\[\[?[^\]]+\]\]?|[A-Za-z0-9_\"'][\w.\"' -]*?)\s*(?:=|$)")
-        out = [[i + 1, 0, 0, self.signature(i)] for i, line in enumerate(lines)
-               if line.strip() and rx.match(line[:OUTLINE_LINE_CHARS])]
-        for k, e in enumerate(out):
-            end = out[k + 1][0] - 1 if k + 1 < len(out) else len(lines)
-            while end > e[0] and (not lines[end - 1].strip() or lang == "json" and k + 1 == len(out)
-                                  and lines[end - 1].strip() == "}"):
-                end -= 1
-            e[1] = end
-        self.entries = out
+        starts = [i for i, line in enumerate(lines)
+                  if line.strip() and rx.match(line[:OUTLINE_LINE_CHARS])]
+        for k, i in enumerate(starts):
+            last = starts[k + 1] if k + 1 < len(starts) else len(lines)
+            closing = lang == "json" and k + 1 == len(starts)
+            self.entries.append(OutlineEntry(i + 1, self.key_end(i + 1, last, closing), 0,
+                                             self.signature(i)))
+
+    def key_end(self, first, last, closing):
+        """The last line (from 1) of a key at line `first` whose next key is after line
+        `last`: blank lines before the next left out, and with `closing` (the last key of a
+        JSON object) its closing brace too."""
+        lines = self.lines
+        while first < last and (not lines[last - 1].strip()
+                                or closing and lines[last - 1].strip() == "}"):
+            last -= 1
+        return last
+
+    @staticmethod
+    def json_keys(text):
+        """The entries of a JSON object on one line: its keys, all on line 1."""
+        try:
+            keys = list(json.loads(text)) if text.lstrip().startswith("{") else []
+        except ValueError:
+            keys = []
+        return [OutlineEntry(1, 1, 0, '"%s"' % k) for k in keys[:1000]]
 
     # -- in a helper -----------------------------------------------------------------
     @classmethod
@@ -5149,7 +5189,7 @@ class Outline:
             return FileOutline(rel, lang, [], "binary: not read", 0, INVALID_INPUT)
         text = data.decode("utf-8", "replace").replace("\r\n", "\n")
         outline = cls(text, lang)
-        entries = [e for e in outline.entries if e[2] == 0] if top else outline.entries
+        entries = [e for e in outline.entries if e.depth == 0] if top else outline.entries
         return FileOutline(rel, lang, entries, outline.note, outline.line_count, None)
 
 
@@ -11340,7 +11380,7 @@ def tool_outline(session, args, ctx):
                                   "max_size": ctx.config.max_file_size,
                                   "page": [offset, search_cap(ctx) - 400]},
                                  ctx.cancelled)
-    items = [FileOutline(*item) for item in items]      # JSON arrays on the wire
+    items = [file_outline(item) for item in items]
     if root.is_dir:
         return directory_outline(shown, items, why, offset, search_cap(ctx))
     if not items:
@@ -11356,7 +11396,7 @@ def tool_outline(session, args, ctx):
                        % len(one.entries))
     if not cut:
         parts.append("Read a definition with view and view_range [first, last]%s." % (
-            ", e.g. view_range [%d, %d]" % tuple(one.entries[0][:2]) if one.entries else
+            ", e.g. view_range [%d, %d]" % one.entries[0][:2] if one.entries else
             " (no definitions were found)"))
     return read_on("\n".join(parts), cut)
 
