@@ -4409,7 +4409,10 @@ def finder(buf):
 class Matcher:
     """A compiled grep pattern: a literal (bytes.find: exact on UTF-8) where it can be,
     else a regex. The regex runs on bytes for pure-ASCII text and on decoded text
-    otherwise, so '.' and classes mean characters, not bytes."""
+    otherwise, so '.' and classes mean characters, not bytes. spans(hay, end, first_only)
+    gives the (start, end) offsets of matching regions in hay[:end] (the first only, with
+    first_only); in line mode at most one per line, each within a single line. Nothing
+    matches at `end`: the text after a final newline is no line."""
 
     def __init__(self, pattern, regex=True, ignore_case=False, multiline=False):
         self.multiline = multiline
@@ -4423,6 +4426,7 @@ class Matcher:
             self.folded = ignore_case
         else:
             self.compile(pattern, regex, ignore_case, multiline)
+        self.spans = self.regex_spans if self.literal is None else self.literal_spans
 
     def compile(self, pattern, regex, ignore_case, multiline):
         """The regexes: rx_text on decoded text, and rx on bytes for pure-ASCII text
@@ -4454,18 +4458,10 @@ class Matcher:
         """Whether this chunk must be searched as decoded text."""
         return self.literal is None and (self.rx is None or not buf[:end].isascii())
 
-    def spans(self, hay, end, first_only=False, pos=0):
-        """(start, end) offsets of matching regions in hay[pos:end]; in line mode at
-        most one per line, each within a single line. Nothing matches at `end`: the
-        text after a final newline is no line."""
-        if self.literal is not None:
-            return self.literal_spans(hay, end, first_only, pos)
-        return self.regex_spans(hay, end, first_only, pos)
-
-    def literal_spans(self, hay, end, first_only, pos):
+    def literal_spans(self, hay, end, first_only):
         """spans() of a literal: bytes.find, then on from the next line."""
         nl = b"\n" if isinstance(hay, (bytes, bytearray)) else "\n"
-        out = []
+        out, pos = [], 0
         needle, size = self.literal, len(self.literal)
         if self.folded:
             hay = hay[:end].lower()                   # same offsets: only ASCII letters change
@@ -4481,11 +4477,11 @@ class Matcher:
                 return out
             pos = j + 1
 
-    def regex_spans(self, hay, end, first_only, pos):
+    def regex_spans(self, hay, end, first_only):
         """spans() of a regex: on the bytes or the text, a match that spans lines in
         line mode retried within its first line."""
         nl, rx = ("\n", self.rx_text) if isinstance(hay, str) else (b"\n", self.rx)
-        out = []
+        out, pos = [], 0
         phantom = hay[end - 1:end] in ("\n", b"\n", "", b"")       # nothing after a final newline
         while pos < end:
             m = rx.search(hay, pos, end)
@@ -4573,18 +4569,16 @@ class LineRecords:
         """The records of one piece (haystack up to `end`, starting at line
         `first_line`) for its match spans."""
         nl = b"\n" if not isinstance(hay, str) else "\n"
-        # line number -> (start, stop); -> is a match line
-        starts, want = {}, {}
+        lines = {}                          # line number -> (start, stop, is a match line)
         for k, ls, le in self.matched_lines(hay, nl, end, first_line, spans):
-            starts[k], want[k] = (ls, le), True
+            lines[k] = ls, le, True
             kb = k
             for _ in range(self.before):            # context above, up to the piece's start
                 if ls == 0:
                     break
                 pb = hay.rfind(nl, 0, ls - 1) + 1
                 kb -= 1
-                starts.setdefault(kb, (pb, ls - 1))
-                want.setdefault(kb, False)
+                lines.setdefault(kb, (pb, ls - 1, False))
                 ls = pb
             ka = k
             for _ in range(self.after):             # context below, up to its end
@@ -4593,15 +4587,14 @@ class LineRecords:
                 na = hay.find(nl, le + 1, end)
                 na = end if na < 0 else na
                 ka += 1
-                starts.setdefault(ka, (le + 1, na))
-                want.setdefault(ka, False)
+                lines.setdefault(ka, (le + 1, na, False))
                 le = na
         out, prev = [], self.last
-        for k in sorted(want):
+        for k in sorted(lines):
             if prev is not None and k > prev + 1:
                 out.append(None)
-            ls, le = starts[k]
-            out.append((k, want[k], self.line_text(hay, ls, le)))
+            ls, le, is_match = lines[k]
+            out.append((k, is_match, self.line_text(hay, ls, le)))
             prev = k
         self.last = prev
         return out
@@ -7525,15 +7518,12 @@ class GrepWork:
 
     def file_hits(self, k, path, real, is_dir, ino):
         """[GrepHit] for one walked file that passes include/type and matches, else None."""
-        root_is_dir, cut = self.roots[k].is_dir, self.cuts[k]
-        if root_is_dir and self.keep is not None:
-            rel = path[cut:]
-            if not self.keep(rel, rel[rel.rfind("/") + 1:]):
-                return None
+        rel = path[self.cuts[k]:] if self.roots[k].is_dir else None
+        if rel is not None and self.keep and not self.keep(rel, path[path.rfind("/") + 1:]):
+            return None
         r = self.file_result(real, ino)
         if r is None:
             return None
-        rel = path[cut:] if root_is_dir else None
         return [GrepHit(real, rel, mtime(real) if self.mode == "files_with_matches" else 0, r, k)]
 
     def gather(self, k, walked, items):
@@ -7610,8 +7600,7 @@ class GrepWork:
         """A piece (haystack, end, first line) as the matcher reads it: decoded when the
         pattern needs text, without the UTF-8 BOM that is not part of line 1."""
         hay, end, first = piece
-        matcher = self.matcher
-        if matcher.needs_text(hay, end):
+        if self.matcher.needs_text(hay, end):
             hay = hay[:end].decode("utf-8", "surrogateescape")
             end = len(hay)
         if first == 1 and hay[:1] in ("\ufeff", b"\xef"):
@@ -7628,7 +7617,7 @@ class GrepWork:
             if piece is None:
                 return None                             # binary, found past the first piece
             hay, end, first = self.text_piece(piece)
-            spans = matcher.spans(hay, end, first_only=files_only)
+            spans = matcher.spans(hay, end, files_only)
             if spans and files_only:
                 return True
             if spans and matcher.multiline:
@@ -7644,7 +7633,7 @@ class GrepWork:
             if piece is None:
                 return None
             hay, end, first = self.text_piece(piece)
-            spans = self.matcher.spans(hay, end, first_only=False)
+            spans = self.matcher.spans(hay, end, False)
             if spans:
                 records += made.add(hay, end, first, spans)
             if len(records) >= max_records:
@@ -7802,11 +7791,6 @@ class Batches:
         self.emit, self.items, self.sent = emit, [], time.monotonic()
         self.kept = [] if keep else None           # with keep: every batch emitted
 
-    def add(self, work, k, walked):
-        """Add what `work` makes of the entries walked."""
-        work.gather(k, walked, self.items)
-        self.flush_due()
-
     def flush_due(self):
         """Flush at SEARCH_BATCH items, or when 0.2 s passed since the last flush."""
         if len(self.items) >= SEARCH_BATCH or time.monotonic() - self.sent > 0.2:
@@ -7827,23 +7811,16 @@ def search_job(job, emit, cache=None):
     """Run a search job, handing results to emit() as they come: a grep or glob walks
     its roots (flushing its batches after each directory), an outline, document or pdf
     job reads its files, and a 'match' job tests a wait_for pattern."""
-    if job["op"] == "match":
-        emit(match_job(job))
-        return
-    if job["op"] == "outline":
-        Outline.job(job, emit, cache)
-        return
-    if job["op"] == "document":
-        Document.job(job, emit)
-        return
-    if job["op"] == "pdf":
-        pdf_job(job, emit)
-        return
-    work = SEARCH_WORK[job["op"]](job, cache)
-    if job["op"] == "grep" and work.spec.stop_after:
-        grep_until(work, emit)
-        return
-    globbing = job["op"] == "glob"
+    op = job["op"]
+    if op == "outline":
+        return Outline.job(job, emit, cache)
+    reader = {"match": match_job, "document": Document.job, "pdf": pdf_job}.get(op)
+    if reader is not None:
+        return reader(job, emit)
+    work = SEARCH_WORK[op](job, cache)
+    if op == "grep" and work.spec.stop_after:
+        return grep_until(work, emit)
+    globbing = op == "glob"
     recalled = work.recall() if globbing else None
     if recalled is not None:
         for batch in recalled:
@@ -7857,7 +7834,8 @@ def search_job(job, emit, cache=None):
         if is_dir:
             walked = work.walker(k)
             walked.tick, walked.slice = out.flush_due, dealt
-        out.add(work, k, walked)
+        work.gather(k, walked, out.items)
+        out.flush_due()
     out.flush()
     if globbing:
         work.keep(out.kept)
@@ -7916,15 +7894,15 @@ def helper_search():
         out.flush()
 
 
-def match_job(job):
-    """[True] when a line (its first WAIT_FOR_LINE_CHARS) of job['text'] matches the
+def match_job(job, emit):
+    """Emit [True] when a line (its first WAIT_FOR_LINE_CHARS) of job['text'] matches the
     regex job['pattern'], else [False]: a wait_for test, run where it can be killed."""
     try:
         rx = re.compile(job["pattern"], re.MULTILINE)
     except (re.error, RecursionError, OverflowError, ValueError) as e:
         raise ToolError(INVALID_INPUT, "wait_for %r is not a valid regular expression: %s"
                         % (shorten(job["pattern"]), e))
-    return [any(rx.search(line[:WAIT_FOR_LINE_CHARS]) for line in job["text"].splitlines())]
+    emit([any(rx.search(line[:WAIT_FOR_LINE_CHARS]) for line in job["text"].splitlines())])
 
 
 # -- the helper pool ---------------------------------------------------------------
@@ -14168,7 +14146,7 @@ def paged(items, args, head_limit=None):
         return ["No more results: offset %d is past the end (%d in total)." % (offset, len(items))]
     rest = items[offset:]
     if not limit or len(rest) <= limit or "head_limit" in args:
-        return rest[:limit] if limit else rest
+        return rest[:limit or None]
     return rest[:limit] + ["[%d more not shown; page on with offset=%d]"
                            % (len(rest) - limit, offset + limit)]
 
@@ -14298,10 +14276,9 @@ def grep_hits(items):
     unread = Counter(h.result for h in hits if isinstance(h.result, str))
     if not unread:
         return hits, []
-    whys = [why if len(unread) == 1 else "%d %s" % (n, why) for why, n in unread.most_common()]
     return ([h for h in hits if not isinstance(h.result, str)],
             ["[skipped %s that could not be read: %s]"
-             % (plural(sum(unread.values()), "file"), ", ".join(whys))])
+             % (plural(sum(unread.values()), "file"), ", ".join(unread))])
 
 
 def grep_tool_spec(args, pattern, mode):

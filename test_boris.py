@@ -7661,7 +7661,7 @@ class TestGrep(SearchBase):
                     items.append(x)
                     out.flush_due()                       # as the walker's tick does after each directory
         with mock.patch.object(boris, "SEARCH_BATCH", 2):
-            out.add(Work(), 0, ["a", "b", "c", "d", "e"])
+            Work().gather(0, ["a", "b", "c", "d", "e"], out.items)      # as search_job() does
             out.flush()
         self.assertEqual(got, ["a", "b", "c", "d", "e"])
 
