@@ -4478,7 +4478,10 @@ def finder(buf):
 class Matcher:
     """A compiled grep pattern: a literal (bytes.find: exact on UTF-8) where it can be,
     else a regex. The regex runs on bytes for pure-ASCII text and on decoded text
-    otherwise, so '.' and classes mean characters, not bytes."""
+    otherwise, so '.' and classes mean characters, not bytes. spans(hay, end, first_only)
+    gives the (start, end) offsets of matching regions in hay[:end] (the first only, with
+    first_only); in line mode at most one per line, each within a single line. Nothing
+    matches at `end`: the text after a final newline is no line."""
 
     def __init__(self, pattern, regex=True, ignore_case=False, multiline=False):
         self.multiline = multiline
@@ -4492,6 +4495,7 @@ class Matcher:
             self.folded = ignore_case
         else:
             self.compile(pattern, regex, ignore_case, multiline)
+        self.spans = self.regex_spans if self.literal is None else self.literal_spans
 
     def compile(self, pattern, regex, ignore_case, multiline):
         """The regexes: rx_text on decoded text, and rx on bytes for pure-ASCII text
@@ -4523,18 +4527,10 @@ class Matcher:
         """Whether this chunk must be searched as decoded text."""
         return self.literal is None and (self.rx is None or not buf[:end].isascii())
 
-    def spans(self, hay, end, first_only=False, pos=0):
-        """(start, end) offsets of matching regions in hay[pos:end]; in line mode at
-        most one per line, each within a single line. Nothing matches at `end`: the
-        text after a final newline is no line."""
-        if self.literal is not None:
-            return self.literal_spans(hay, end, first_only, pos)
-        return self.regex_spans(hay, end, first_only, pos)
-
-    def literal_spans(self, hay, end, first_only, pos):
+    def literal_spans(self, hay, end, first_only):
         """spans() of a literal: bytes.find, then on from the next line."""
         nl = b"\n" if isinstance(hay, (bytes, bytearray)) else "\n"
-        out = []
+        out, pos = [], 0
         needle, size = self.literal, len(self.literal)
         if self.folded:
             hay = hay[:end].lower()                   # same offsets: only ASCII letters change
@@ -4550,11 +4546,11 @@ class Matcher:
                 return out
             pos = j + 1
 
-    def regex_spans(self, hay, end, first_only, pos):
+    def regex_spans(self, hay, end, first_only):
         """spans() of a regex: on the bytes or the text, a match that spans lines in
         line mode retried within its first line."""
         nl, rx = ("\n", self.rx_text) if isinstance(hay, str) else (b"\n", self.rx)
-        out = []
+        out, pos = [], 0
         phantom = hay[end - 1:end] in ("\n", b"\n", "", b"")       # nothing after a final newline
         while pos < end:
             m = rx.search(hay, pos, end)
@@ -4642,18 +4638,16 @@ class LineRecords:
         """The records of one piece (haystack up to `end`, starting at line
         `first_line`) for its match spans."""
         nl = b"\n" if not isinstance(hay, str) else "\n"
-        # line number -> (start, stop); -> is a match line
-        starts, want = {}, {}
+        lines = {}                          # line number -> (start, stop, is a match line)
         for k, ls, le in self.matched_lines(hay, nl, end, first_line, spans):
-            starts[k], want[k] = (ls, le), True
+            lines[k] = ls, le, True
             kb = k
             for _ in range(self.before):            # context above, up to the piece's start
                 if ls == 0:
                     break
                 pb = hay.rfind(nl, 0, ls - 1) + 1
                 kb -= 1
-                starts.setdefault(kb, (pb, ls - 1))
-                want.setdefault(kb, False)
+                lines.setdefault(kb, (pb, ls - 1, False))
                 ls = pb
             ka = k
             for _ in range(self.after):             # context below, up to its end
@@ -4662,15 +4656,14 @@ class LineRecords:
                 na = hay.find(nl, le + 1, end)
                 na = end if na < 0 else na
                 ka += 1
-                starts.setdefault(ka, (le + 1, na))
-                want.setdefault(ka, False)
+                lines.setdefault(ka, (le + 1, na, False))
                 le = na
         out, prev = [], self.last
-        for k in sorted(want):
+        for k in sorted(lines):
             if prev is not None and k > prev + 1:
                 out.append(None)
-            ls, le = starts[k]
-            out.append((k, want[k], self.line_text(hay, ls, le)))
+            ls, le, is_match = lines[k]
+            out.append((k, is_match, self.line_text(hay, ls, le)))
             prev = k
         self.last = prev
         return out
@@ -4811,10 +4804,20 @@ def triple_end(raw, delim, pos):
         pos = k + 1
 
 
+OutlineEntry = namedtuple("OutlineEntry", "first last depth signature")
+OutlineEntry.__doc__ = """One definition of an outline: its first and last lines (from 1; a
+definition's decorators are in), its depth (0: top level) and its signature as shown."""
+
 FileOutline = namedtuple("FileOutline", "rel lang entries note lines refused")
 FileOutline.__doc__ = """One file's outline, as a helper sends it (a JSON array): its path relative
-to the root (None for a file root), language, entries ([first, last, depth, signature]),
-a note, its line count, and the error code when it was not read (else None)."""
+to the root (None for a file root), language, entries ([OutlineEntry]), a note, its line
+count, and the error code when it was not read (else None)."""
+
+
+def file_outline(item):
+    """A FileOutline from a helper's JSON array, its entries OutlineEntries again."""
+    one = FileOutline(*item)
+    return one._replace(entries=[OutlineEntry(*e) for e in one.entries])
 
 
 def outline_block(one):
@@ -4829,8 +4832,8 @@ def outline_rows(entries, lines):
     """A line per definition: its range (right-aligned for a file of `lines` lines), then its
     signature indented by its depth."""
     width = 2 * len(str(max(lines, 1))) + 1
-    return ["%s  %s%s" % (("%d-%d" % (a, b)).rjust(width), "  " * depth, text)
-            for a, b, depth, text in entries]
+    return ["%s  %s%s" % (("%d-%d" % (e.first, e.last)).rjust(width), "  " * e.depth,
+                          e.signature) for e in entries]
 
 
 class OpenDefinition:
@@ -4847,10 +4850,9 @@ class OpenDefinition:
 
 class Outline:
     """One file's outline, made by the constructor from its text and language:
-    `entries` [(first line, last line, depth, signature)] in order, and `note`, how it
-    was read when not by the language's own parser (a Python file that does not parse
-    falls back to the patterns). While the patterns run, `stack` holds the definitions
-    still open and `depth` the brace depth."""
+    `entries` [OutlineEntry] in order, and `note`, how it was read when not by the
+    language's own parser (a Python file that does not parse falls back to the patterns).
+    While it is made, `stack` holds the definitions still open and `depth` the brace depth."""
 
     def __init__(self, text, lang):
         self.lines, self.lang, self.note = text.split("\n"), lang, ""
@@ -4873,7 +4875,7 @@ class Outline:
             self.keys(text)
         else:
             self.patterns()
-        self.entries = [tuple(e) for e in self.entries if e is not None]
+        self.entries = [e for e in self.entries if e is not None]      # (end() drops some)
 
     @staticmethod
     def language(name):
@@ -4911,8 +4913,8 @@ class Outline:
                 is_def = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
                 if is_def:
                     start = min([d.lineno for d in child.decorator_list] + [child.lineno])
-                    self.entries.append((start, child.end_lineno, depth,
-                                         self.signature(child.lineno - 1)))
+                    self.entries.append(OutlineEntry(start, child.end_lineno, depth,
+                                                     self.signature(child.lineno - 1)))
                 stack.append((child, depth + 1 if is_def else depth))
         self.entries.sort(key=lambda e: (e[0], e[2]))
 
@@ -4923,18 +4925,13 @@ class Outline:
         last line of code before it, and strings (triple-quoted ones over lines, and lines
         continued with a backslash), brackets and comments are skipped as the tokenizer does.
         It agrees with ast on every file of CPython's library (1,779 files)."""
-        stack, in_string, depth, joined, last, decorator = [], None, 0, False, -1, None
+        in_string, depth, joined, last, self.decorator = None, 0, False, -1, None
         is_def, token = re.compile(_PY_DEF), re.compile(_PY_TOKEN)
         singles = {q: re.compile(rx) for q, rx in _PY_SINGLE.items()}
         for i, raw in enumerate(self.lines):
             pos = 0
             if in_string is not None:
-                last = i
-                if len(in_string) == 3:
-                    pos = triple_end(raw, in_string, 0)
-                else:
-                    m = singles[in_string].match(raw)
-                    pos = m.end() if m else (-1 if raw.endswith("\\") else len(raw))
+                last, pos = i, self.string_end(raw, in_string, singles)
                 if pos < 0:
                     continue
                 in_string = None
@@ -4942,26 +4939,48 @@ class Outline:
                 text = raw.strip()
                 if not text or text[0] == "#":
                     continue
-                indent = len(raw) - len(raw.lstrip())
-                while stack and indent <= stack[-1][1]:
-                    self.entries[stack.pop()[0]][1] = last + 1
-                if text[0] == "@":
-                    decorator = decorator or (i, indent)
-                elif is_def.match(text):
-                    start = decorator[0] if decorator is not None and decorator[1] == indent else i
-                    self.entries.append([start + 1, i + 1, len(stack), self.signature(i)])
-                    stack.append((len(self.entries) - 1, indent))
-                    decorator = None
-                else:
-                    decorator = None
+                self.python_statement(i, raw, text, last, is_def)
             elif not raw.strip():
                 continue
             last = i
             in_string, depth = self.python_tokens(raw, pos, depth, token, singles)
             joined = in_string is None and raw.endswith("\\") and not raw.endswith("\\\\")
-        while stack:
-            self.entries[stack.pop()[0]][1] = last + 1
-        self.entries.sort(key=lambda e: (e[0], e[2]))
+        self.close_to(-1, last)
+        self.entries.sort(key=lambda e: (e.first, e.depth))
+
+    @staticmethod
+    def string_end(raw, quote, singles):
+        """Where the string left open by the line before, by `quote`, ends in the line `raw`
+        (-1: not on it)."""
+        if len(quote) == 3:
+            return triple_end(raw, quote, 0)
+        m = singles[quote].match(raw)
+        return m.end() if m else (-1 if raw.endswith("\\") else len(raw))
+
+    def python_statement(self, i, raw, text, last, is_def):
+        """A logical line that starts at line i (from 0), `text` stripped: it closes the
+        definitions indented as deep or deeper at `last`, the line of code before it, and a
+        def or class opens one here (from its decorators, if they are just above)."""
+        indent, stack = len(raw) - len(raw.lstrip()), self.stack
+        while stack and indent <= stack[-1].depth:
+            self.close(stack.pop().entry, last)
+        decorator, self.decorator = self.decorator, None
+        if text[0] == "@":
+            self.decorator = decorator or (i, indent)
+        elif is_def.match(text):
+            start = decorator[0] if decorator is not None and decorator[1] == indent else i
+            self.entries.append(OutlineEntry(start + 1, i + 1, len(self.stack), self.signature(i)))
+            self.stack.append(OpenDefinition(len(self.entries) - 1, indent, "def", i))
+
+    def close_to(self, indent, last):
+        """Close the open definitions indented `indent` or deeper (-1: all) at line `last`
+        (from 0)."""
+        while self.stack and indent <= self.stack[-1].depth:
+            self.close(self.stack.pop().entry, last)
+
+    def close(self, k, last):
+        """Entry k ends at line `last` (from 0)."""
+        self.entries[k] = self.entries[k]._replace(last=last + 1)
 
     @staticmethod
     def python_tokens(raw, pos, depth, token, singles):
@@ -5019,7 +5038,7 @@ class Outline:
             start -= 1
         if kind == "body" and i and re.match(r"^[A-Za-z_][\w \t\*]*$", lines[i - 1]):
             start, sig = i - 1, lines[i - 1].strip() + " " + sig
-        self.entries.append([start + 1, i + 1, len(self.stack), sig])
+        self.entries.append(OutlineEntry(start + 1, i + 1, len(self.stack), sig))
         self.stack.append(OpenDefinition(len(self.entries) - 1, self.depth, kind, i))
 
     def count(self, i, code):
@@ -5056,7 +5075,7 @@ class Outline:
         if open_entry.kind == "body" and not open_entry.opened:
             self.entries[k] = None
         else:
-            self.entries[k][1] = (open_entry.last if i is None else i) + 1
+            self.close(k, open_entry.last if i is None else i)
 
     def kind(self, rules, head):
         """The kind of definition `head` starts ('class', 'def', 'body'), or None; a
@@ -5069,7 +5088,9 @@ class Outline:
 
     def indented(self, rules):
         """The patterns of indented languages: a definition runs to its last line indented
-        deeper than itself (Ruby: to its `end`)."""
+        deeper than itself (Ruby: to its `end`), the last line of code before the next
+        line indented as little or less."""
+        last = -1
         for i, raw in enumerate(self.lines):
             head = raw[:OUTLINE_LINE_CHARS]
             text = head.strip()
@@ -5080,8 +5101,7 @@ class Outline:
             while self.stack and indent <= self.stack[-1].depth and not ended:
                 top = self.stack.pop()
                 ended = self.lang == "ruby" and indent == top.depth and re.match(r"end\b", text)
-                if ended:
-                    self.entries[top.entry][1] = i + 1          # its `end` belongs to it
+                self.close(top.entry, i if ended else last)     # (its `end` belongs to it)
             if ended:
                 continue
             kind = self.kind(rules, head)
@@ -5089,10 +5109,11 @@ class Outline:
                 start = i
                 while start and self.lines[start - 1].strip().startswith("@"):
                     start -= 1                          # decorators belong to the definition
-                self.entries.append([start + 1, i + 1, len(self.stack), self.signature(i)])
+                self.entries.append(OutlineEntry(start + 1, i + 1, len(self.stack),
+                                                 self.signature(i)))
                 self.stack.append(OpenDefinition(len(self.entries) - 1, indent, kind, i))
-            for top in self.stack:
-                self.entries[top.entry][1] = i + 1
+            last = i
+        self.close_to(-1, last)
 
     def code_of(self, line, in_block):
         """A line's code for counting braces: strings, character literals and comments
@@ -5125,18 +5146,17 @@ class Outline:
     def headings(self):
         """Markdown's headings (# style, outside fenced code), each to the line before the
         next heading of its level or above."""
-        lines, fenced, out = self.lines, False, []
-        for i, line in enumerate(lines):
+        fenced, found = False, []                       # (line from 0, level)
+        for i, line in enumerate(self.lines):
             if line.lstrip().startswith(("```", "~~~")):
                 fenced = not fenced
             m = None if fenced else re.match(r"^(#{1,6})\s+(\S.*)$", line[:OUTLINE_LINE_CHARS])
             if m:
-                out.append([i + 1, len(lines), len(m.group(1)), self.signature(i)])
-        for k, e in enumerate(out):
-            nxt = next((f[0] for f in out[k + 1:] if f[2] <= e[2]), None)
-            e[1] = nxt - 1 if nxt else self.line_count
-        top = min((e[2] for e in out), default=1)
-        self.entries = [(a, b, level - top, text) for a, b, level, text in out]
+                found.append((i, len(m.group(1))))
+        top = min((level for _, level in found), default=1)
+        for k, (i, level) in enumerate(found):
+            nxt = next((j for j, up in found[k + 1:] if up <= level), self.line_count)
+            self.entries.append(OutlineEntry(i + 1, nxt, level - top, self.signature(i)))
 
     def keys(self, text):
         """The keys of a JSON, YAML or TOML file's top-level object (TOML's tables too),
@@ -5146,25 +5166,38 @@ class Outline:
             first = next((len(l) - len(l.lstrip()) for l in lines[1:] if l.strip().startswith('"')),
                          None)
             if first is None or len(lines) < 3:         # one line: the keys, all on it
-                try:
-                    keys = list(json.loads(text)) if text.lstrip().startswith("{") else []
-                except ValueError:
-                    keys = []
-                self.entries = [(1, 1, 0, '"%s"' % k) for k in keys[:1000]]
+                self.entries = self.json_keys(text)
                 return
             rx = re.compile(r'^\s{%d}"((?:[^"\\]|\\.)*)"\s*:' % first)
         else:
             rx = re.compile(r"^([A-Za-z_\"'][^:#]*?):(?:\s|$)" if lang == "yaml" else
                             r"^(\[\[?[^\]]+\]\]?|[A-Za-z0-9_\"'][\w.\"' -]*?)\s*(?:=|$)")
-        out = [[i + 1, 0, 0, self.signature(i)] for i, line in enumerate(lines)
-               if line.strip() and rx.match(line[:OUTLINE_LINE_CHARS])]
-        for k, e in enumerate(out):
-            end = out[k + 1][0] - 1 if k + 1 < len(out) else len(lines)
-            while end > e[0] and (not lines[end - 1].strip() or lang == "json" and k + 1 == len(out)
-                                  and lines[end - 1].strip() == "}"):
-                end -= 1
-            e[1] = end
-        self.entries = out
+        starts = [i for i, line in enumerate(lines)
+                  if line.strip() and rx.match(line[:OUTLINE_LINE_CHARS])]
+        for k, i in enumerate(starts):
+            last = starts[k + 1] if k + 1 < len(starts) else len(lines)
+            closing = lang == "json" and k + 1 == len(starts)
+            self.entries.append(OutlineEntry(i + 1, self.key_end(i + 1, last, closing), 0,
+                                             self.signature(i)))
+
+    def key_end(self, first, last, closing):
+        """The last line (from 1) of a key at line `first` whose next key is after line
+        `last`: blank lines before the next left out, and with `closing` (the last key of a
+        JSON object) its closing brace too."""
+        lines = self.lines
+        while first < last and (not lines[last - 1].strip()
+                                or closing and lines[last - 1].strip() == "}"):
+            last -= 1
+        return last
+
+    @staticmethod
+    def json_keys(text):
+        """The entries of a JSON object on one line: its keys, all on line 1."""
+        try:
+            keys = list(json.loads(text)) if text.lstrip().startswith("{") else []
+        except ValueError:
+            keys = []
+        return [OutlineEntry(1, 1, 0, '"%s"' % k) for k in keys[:1000]]
 
     # -- in a helper -----------------------------------------------------------------
     @classmethod
@@ -5218,7 +5251,7 @@ class Outline:
             return FileOutline(rel, lang, [], "binary: not read", 0, INVALID_INPUT)
         text = data.decode("utf-8", "replace").replace("\r\n", "\n")
         outline = cls(text, lang)
-        entries = [e for e in outline.entries if e[2] == 0] if top else outline.entries
+        entries = [e for e in outline.entries if e.depth == 0] if top else outline.entries
         return FileOutline(rel, lang, entries, outline.note, outline.line_count, None)
 
 
@@ -7484,7 +7517,8 @@ records the search ends (None: it runs to the end)."""
 GrepHit = namedtuple("GrepHit", "real rel mtime result root")
 GrepHit.__doc__ = """One file's grep result: its real path, its path relative to the
 root (None for a file root), mtime in ns (files_with_matches mode only, else 0),
-result (GrepWork.file_result's: True, a count or records) and the index of its root."""
+result (GrepWork.file_result's: True, a count, records, or why the file could not be
+read) and the index of its root."""
 
 
 def glob_pairs(flat):
@@ -7553,32 +7587,30 @@ class GrepWork:
 
     def file_hits(self, k, path, real, is_dir, ino):
         """[GrepHit] for one walked file that passes include/type and matches, else None."""
-        root_is_dir, cut = self.roots[k].is_dir, self.cuts[k]
-        if root_is_dir and self.keep is not None:
-            rel = path[cut:]
-            if not self.keep(rel, rel[rel.rfind("/") + 1:]):
-                return None
+        rel = path[self.cuts[k]:] if self.roots[k].is_dir else None
+        if rel is not None and self.keep and not self.keep(rel, path[path.rfind("/") + 1:]):
+            return None
         r = self.file_result(real, ino)
         if r is None:
             return None
-        rel = path[cut:] if root_is_dir else None
         return [GrepHit(real, rel, mtime(real) if self.mode == "files_with_matches" else 0, r, k)]
 
     def gather(self, k, walked, items):
-        """Append to `items` what file_hits() makes of each (path, real, is_dir, inode) walked.
-        `-l` of a literal, the search agents make most, runs as one loop with file_hits()'s
-        steps inline; a file its first read does not settle (bigger than the buffer, or
-        with a byte-order mark) goes through file_hits()."""
-        file_hits, matcher, keep = self.file_hits, self.matcher, self.keep
-        if self.mode != "files_with_matches" or matcher.literal is None:
-            for path, real, is_dir, ino in walked:
-                r = file_hits(k, path, real, is_dir, ino)
-                if r is not None:
-                    items += r
-            return
+        """Append to `items` what file_hits() makes of each (path, real, is_dir, inode) walked
+        (`-l` of a literal, the search agents make most, through listed())."""
+        if self.mode == "files_with_matches" and self.matcher.literal is not None:
+            return self.listed(k, walked, items)
+        for found in walked:
+            items += self.file_hits(k, *found) or ()
+
+    def listed(self, k, walked, items):
+        """gather() of `-l` for a literal: one loop with file_hits()'s steps inline. A file
+        its first read does not settle (bigger than the buffer, with a byte-order mark, or
+        a read that failed: file_hits() says why) goes through file_hits()."""
+        matcher, file_hits = self.matcher, self.file_hits
         buf, contains, needle = self.fast, self.contains, matcher.literal
         cut = self.cuts[k] if self.roots[k].is_dir else None
-        size, sniff, folded, keep = len(buf), GREP_BINARY_SNIFF, matcher.folded, cut and keep
+        size, sniff, folded, keep = len(buf), GREP_BINARY_SNIFF, matcher.folded, cut and self.keep
         open_, fstat, readv, close = os.open, os.fstat, os.readv, os.close
         flags, regular = os.O_RDONLY | O_FILE, stat.S_ISREG
         for path, real, is_dir, ino in walked:
@@ -7586,38 +7618,39 @@ class GrepWork:
                 continue                            # (a file root is searched whatever its name)
             try:
                 fd = open_(real, flags)
+                try:
+                    st = fstat(fd)
+                    if not regular(st.st_mode) or ino is not None and st.st_ino != ino:
+                        continue
+                    n = readv(fd, [buf])
+                finally:
+                    close(fd)
             except OSError:
-                continue                                # gone or unreadable since listed: skipped
-            try:
-                st = fstat(fd)
-                if not regular(st.st_mode) or ino is not None and st.st_ino != ino:
-                    continue
-                n = readv(fd, [buf])
-            except OSError as exc:
-                log("debug", "grep: read failed, file skipped", path=real, error=str(exc))
-                continue
-            finally:
-                close(fd)
+                n = size
             if n >= size or n and buf[0] >= 0xef:
-                r = file_hits(k, path, real, is_dir, ino)
-                if r is not None:
-                    items += r
+                items += file_hits(k, path, real, is_dir, ino) or ()
             elif (buf[:n].lower().find(needle) >= 0 if folded else contains(n, needle)) \
                     and buf.find(b"\x00", 0, min(n, sniff)) < 0:
                 items.append(GrepHit(real, None if cut is None else path[cut:], st.st_mtime_ns,
                                      True, k))
 
     def file_result(self, path, ino):
-        """One file's result: None (binary, unreadable, not a regular file, no longer the
-        inode `ino` the walk listed, or no match), True (files mode), a count (count mode)
-        or a list of records (content mode). Steps: open it if it is still the file the
-        walk listed, read the first piece (binary: None at once; most files are this one
-        piece, else read_chunks' pieces), run the matcher over the pieces (count or records)."""
-        fd = open_same(path, ino)              # (grep skips a file that is gone or another one now)
-        if fd is None:
-            return None
+        """One file's result: None (binary, gone, not a regular file, no longer the inode
+        `ino` the walk listed, or no match), True (files mode), a count (count mode), a list
+        of records (content mode), or why it could not be read (a str: the answer counts
+        those). Steps: open it if it is still the file the walk listed, read the first piece
+        (binary: None at once; most files are this one piece, else read_chunks' pieces), run
+        the matcher over the pieces (count or records)."""
         try:
-            buf, content = self.buf, self.mode == "content"
+            fd = os.open(path, os.O_RDONLY | O_FILE)
+        except FileNotFoundError:
+            return None                                     # gone since the walk listed it
+        except OSError as e:
+            return e.strerror
+        try:
+            st, buf, content = os.fstat(fd), self.buf, self.mode == "content"
+            if not stat.S_ISREG(st.st_mode) or ino not in (None, st.st_ino):
+                return None                                 # another file now
             n = os.readv(fd, [buf])
             if n >= len(buf) or n and buf[0] >= 0xfe:                  # (0xff, 0xfe: a UTF-16 BOM?)
                 whole = content and bool(self.before or self.after or self.matcher.multiline)
@@ -7627,9 +7660,8 @@ class GrepWork:
             else:
                 pieces = ((buf, n, 1),)
             return self.records(pieces) if content else self.count(pieces)
-        except OSError as exc:
-            log("debug", "grep: read failed, file skipped", path=path, error=str(exc))
-            return None
+        except OSError as e:
+            return e.strerror
         finally:
             os.close(fd)
 
@@ -7637,8 +7669,7 @@ class GrepWork:
         """A piece (haystack, end, first line) as the matcher reads it: decoded when the
         pattern needs text, without the UTF-8 BOM that is not part of line 1."""
         hay, end, first = piece
-        matcher = self.matcher
-        if matcher.needs_text(hay, end):
+        if self.matcher.needs_text(hay, end):
             hay = hay[:end].decode("utf-8", "surrogateescape")
             end = len(hay)
         if first == 1 and hay[:1] in ("\ufeff", b"\xef"):
@@ -7655,7 +7686,7 @@ class GrepWork:
             if piece is None:
                 return None                             # binary, found past the first piece
             hay, end, first = self.text_piece(piece)
-            spans = matcher.spans(hay, end, first_only=files_only)
+            spans = matcher.spans(hay, end, files_only)
             if spans and files_only:
                 return True
             if spans and matcher.multiline:
@@ -7671,7 +7702,7 @@ class GrepWork:
             if piece is None:
                 return None
             hay, end, first = self.text_piece(piece)
-            spans = self.matcher.spans(hay, end, first_only=False)
+            spans = self.matcher.spans(hay, end, False)
             if spans:
                 records += made.add(hay, end, first, spans)
             if len(records) >= max_records:
@@ -7829,11 +7860,6 @@ class Batches:
         self.emit, self.items, self.sent = emit, [], time.monotonic()
         self.kept = [] if keep else None           # with keep: every batch emitted
 
-    def add(self, work, k, walked):
-        """Add what `work` makes of the entries walked."""
-        work.gather(k, walked, self.items)
-        self.flush_due()
-
     def flush_due(self):
         """Flush at SEARCH_BATCH items, or when 0.2 s passed since the last flush."""
         if len(self.items) >= SEARCH_BATCH or time.monotonic() - self.sent > 0.2:
@@ -7854,23 +7880,16 @@ def search_job(job, emit, cache=None):
     """Run a search job, handing results to emit() as they come: a grep or glob walks
     its roots (flushing its batches after each directory), an outline, document or pdf
     job reads its files, and a 'match' job tests a wait_for pattern."""
-    if job["op"] == "match":
-        emit(match_job(job))
-        return
-    if job["op"] == "outline":
-        Outline.job(job, emit, cache)
-        return
-    if job["op"] == "document":
-        Document.job(job, emit)
-        return
-    if job["op"] == "pdf":
-        pdf_job(job, emit)
-        return
-    work = SEARCH_WORK[job["op"]](job, cache)
-    if job["op"] == "grep" and work.spec.stop_after:
-        grep_until(work, emit)
-        return
-    globbing = job["op"] == "glob"
+    op = job["op"]
+    if op == "outline":
+        return Outline.job(job, emit, cache)
+    reader = {"match": match_job, "document": Document.job, "pdf": pdf_job}.get(op)
+    if reader is not None:
+        return reader(job, emit)
+    work = SEARCH_WORK[op](job, cache)
+    if op == "grep" and work.spec.stop_after:
+        return grep_until(work, emit)
+    globbing = op == "glob"
     recalled = work.recall() if globbing else None
     if recalled is not None:
         for batch in recalled:
@@ -7884,7 +7903,8 @@ def search_job(job, emit, cache=None):
         if is_dir:
             walked = work.walker(k)
             walked.tick, walked.slice = out.flush_due, dealt
-        out.add(work, k, walked)
+        work.gather(k, walked, out.items)
+        out.flush_due()
     out.flush()
     if globbing:
         work.keep(out.kept)
@@ -7900,7 +7920,7 @@ def grep_until(work, emit):
             items = work.file_hits(k, *found)
             if items:
                 emit(items)
-                left -= len(items[0].result)
+                left -= len(items[0].result) if isinstance(items[0].result, list) else 0
                 if left <= 0:
                     return
 
@@ -7943,15 +7963,15 @@ def helper_search():
         out.flush()
 
 
-def match_job(job):
-    """[True] when a line (its first WAIT_FOR_LINE_CHARS) of job['text'] matches the
+def match_job(job, emit):
+    """Emit [True] when a line (its first WAIT_FOR_LINE_CHARS) of job['text'] matches the
     regex job['pattern'], else [False]: a wait_for test, run where it can be killed."""
     try:
         rx = re.compile(job["pattern"], re.MULTILINE)
     except (re.error, RecursionError, OverflowError, ValueError) as e:
         raise ToolError(INVALID_INPUT, "wait_for %r is not a valid regular expression: %s"
                         % (shorten(job["pattern"]), e))
-    return [any(rx.search(line[:WAIT_FOR_LINE_CHARS]) for line in job["text"].splitlines())]
+    emit([any(rx.search(line[:WAIT_FOR_LINE_CHARS]) for line in job["text"].splitlines())])
 
 
 # -- the helper pool ---------------------------------------------------------------
@@ -11410,7 +11430,7 @@ def tool_outline(session, args, ctx):
                                   "max_size": ctx.config.max_file_size,
                                   "page": [offset, search_cap(ctx) - 400]},
                                  ctx.cancelled)
-    items = [FileOutline(*item) for item in items]      # JSON arrays on the wire
+    items = [file_outline(item) for item in items]
     if root.is_dir:
         return directory_outline(shown, items, why, offset, search_cap(ctx))
     if not items:
@@ -11426,7 +11446,7 @@ def tool_outline(session, args, ctx):
                        % len(one.entries))
     if not cut:
         parts.append("Read a definition with view and view_range [first, last]%s." % (
-            ", e.g. view_range [%d, %d]" % tuple(one.entries[0][:2]) if one.entries else
+            ", e.g. view_range [%d, %d]" % one.entries[0][:2] if one.entries else
             " (no definitions were found)"))
     return read_on("\n".join(parts), cut)
 
@@ -14187,6 +14207,7 @@ def tool_task_stop(session, args, ctx):
 ###############################################################################
 
 GREP_MODES = ("files_with_matches", "content", "count")
+GREP_HEAD_LIMIT = 0             # grep's page when a call gives no head_limit (0: every result)
 
 
 def grep_spec(pattern, mode, regex=True, ignore_case=False, multiline=False):
@@ -14242,16 +14263,21 @@ def cap_lines(lines, what, notice=(), limit=OUTPUT_MAX_CHARS, instead=None):
     return "\n".join(kept + list(notice))
 
 
-def paged(items, args):
-    """items[offset:offset + head_limit]; past the end, a line that says so."""
+def paged(items, args, head_limit=None):
+    """items[offset:offset + head_limit]: the call's head_limit, else `head_limit`, whose
+    cut page ends with a line that says how to page on (0 or None: to the end); past the
+    end, a line that says so."""
     offset = args.get("offset") or 0
-    limit = args.get("head_limit")
+    limit = args.get("head_limit", head_limit)
     if offset < 0 or (limit is not None and limit < 0):
         raise ToolError(INVALID_INPUT, "offset and head_limit must be 0 or more")
     if offset and offset >= len(items):
         return ["No more results: offset %d is past the end (%d in total)." % (offset, len(items))]
     rest = items[offset:]
-    return rest[:limit] if limit else rest
+    if not limit or len(rest) <= limit or "head_limit" in args:
+        return rest[:limit or None]
+    return rest[:limit] + ["[%d more not shown; page on with offset=%d]"
+                           % (len(rest) - limit, offset + limit)]
 
 
 def newest_first(found):
@@ -14342,14 +14368,14 @@ def tool_grep(session, args, ctx):
     spec = grep_tool_spec(args, pattern, mode)
     no_ignore = args.get("no_ignore")
     items, why = ctx.helpers.run(grep_job_of(ctx, [root], spec, args, no_ignore), ctx.cancelled)
-    notice = partial_notice(why)
-    if not items:
+    hits, unread = grep_hits(items)
+    if not hits:
         more = (ignored_matches(ctx, root, shown, spec, args)
                 if root.is_dir and not no_ignore and not why else [])
         return "\n".join(["No matches found for pattern %r in %s" % (shorten(pattern), shown)]
-                         + notice + more)
-    hits = [GrepHit(*item)._replace(rel=item[1] if root.is_dir else shown) for item in items]
-    return grep_answer(hits, spec, args, notice, search_cap(ctx))
+                         + partial_notice(why) + more + unread)
+    hits = [h if root.is_dir else h._replace(rel=shown) for h in hits]
+    return grep_answer(hits, spec, args, partial_notice(why) + unread, search_cap(ctx))
 
 
 tool("grep", GREP_DESC, compat_grep_schema, notes("Search file contents", read_only=True),
@@ -14364,17 +14390,32 @@ def ignored_matches(ctx, root, shown, spec, args):
     none when they hold none either."""
     listing = dict(spec, mode="files_with_matches")
     items, _ = ctx.helpers.run(grep_job_of(ctx, [root], listing, args, True), ctx.cancelled)
-    if not items:
+    hits = grep_hits(items)[0]
+    if not hits:
         return []
     return ["(%s that .gitignore ignores under %s hold%s matches, e.g. %s: pass no_ignore: true"
             " to search them; .git, node_modules and binary files are never searched.)" % (
-                plural(len(items), "file"), shown, "s" if len(items) == 1 else "",
-                GrepHit(*items[0]).rel)]
+                plural(len(hits), "file"), shown, "s" if len(hits) == 1 else "", hits[0].rel)]
+
+
+def grep_hits(items):
+    """(GrepHits, the line that ends the answer when some files could not be read: how
+    many, and why) of a grep job's items."""
+    hits = [GrepHit(*item) for item in items]
+    unread = Counter(h.result for h in hits if isinstance(h.result, str))
+    if not unread:
+        return hits, []
+    return ([h for h in hits if not isinstance(h.result, str)],
+            ["[skipped %s that could not be read: %s]"
+             % (plural(sum(unread.values()), "file"), ", ".join(unread))])
 
 
 def grep_tool_spec(args, pattern, mode):
     """The grep tool's job spec: context lines (content mode), how many records a file
-    may give, and where a head_limit content search stops."""
+    may give (what one page can show), and whether the search stops early: a content
+    search whose call gives a head_limit ends once it has that many lines, in the order
+    the walk finds them (one helper, no sort by path). A page of GREP_HEAD_LIMIT is cut
+    from the whole search, sorted, as a page of offset alone is."""
     ctx_n = args.get("context") or 0
     before = args.get("context_before", ctx_n) if mode == "content" else 0
     after = args.get("context_after", ctx_n) if mode == "content" else 0
@@ -14384,7 +14425,7 @@ def grep_tool_spec(args, pattern, mode):
                      bool(args.get("multiline")))
     spec.update(before=before, after=after)
     spec["max_records"] = ((args.get("offset") or 0)
-                           + (args.get("head_limit") or OUTPUT_MAX_CHARS // 2))
+                           + (args.get("head_limit", GREP_HEAD_LIMIT) or OUTPUT_MAX_CHARS // 2))
     if mode == "content" and args.get("head_limit"):
         spec["stop_after"] = spec["max_records"]       # the search ends once that many lines are in
     return spec
@@ -14393,17 +14434,17 @@ def grep_tool_spec(args, pattern, mode):
 def grep_answer(hits, spec, args, notice, cap):
     """The grep tool's text for its hits, in its output mode, paged and capped."""
     mode = spec["mode"]
-    if mode == "files_with_matches":
-        return cap_lines(paged(newest_first((h.rel, h.mtime) for h in hits), args),
-                         "files", notice, cap)
-    if not spec.get("stop_after"):
-        # a head_limit search keeps the order it found
+    if mode != "files_with_matches" and not spec.get("stop_after"):
+        # (a search that stopped early keeps the order it found)
         hits.sort(key=attrgetter("rel"))
-    if mode == "count":
-        return cap_lines(paged(["%s:%d" % (h.rel, h.result) for h in hits], args),
-                         "files", notice, cap)
-    return cap_lines(paged(grep_lines(hits, args.get("line_numbers", True)), args),
-                     "lines", notice, cap)
+    if mode == "files_with_matches":
+        lines = newest_first((h.rel, h.mtime) for h in hits)
+    elif mode == "count":
+        lines = ["%s:%d" % (h.rel, h.result) for h in hits]
+    else:
+        lines = grep_lines(hits, args.get("line_numbers", True))
+    return cap_lines(paged(lines, args, GREP_HEAD_LIMIT), "lines" if mode == "content"
+                     else "files", notice, cap)
 
 
 def grep_lines(hits, numbers):
@@ -14518,12 +14559,13 @@ def tool_search_text(session, args, ctx):
     shown_paths = args.get("paths") or ["."]
     roots = [search_root(session, ctx, shown) for shown in shown_paths]
     items, why = ctx.helpers.run(grep_job_of(ctx, roots, spec), ctx.cancelled)
+    hits, unread = grep_hits(items)
     lines = []
-    for hit in sorted((GrepHit(*item) for item in items), key=lambda h: (h.root, h.rel or "")):
+    for hit in sorted(hits, key=lambda h: (h.root, h.rel or "")):
         shown = shown_paths[hit.root]
         label = os.path.join(shown, hit.rel) if roots[hit.root].is_dir else shown
         lines += format_records(label, hit.result, True, breaks=False)
-    notice = partial_notice(why)
+    notice = partial_notice(why) + unread
     if not lines:
         return "\n".join(["No matches found for %r in %s" % (query, ", ".join(shown_paths))]
                          + notice)

@@ -7512,6 +7512,25 @@ class TestGrep(SearchBase):
         for gone in ("bin/blob.bin", ".git/config", "node_modules/pkg/index.js"):
             self.assertNotIn(gone, out)
 
+    def test_a_default_head_limit_pages_the_sorted_search_and_does_not_stop_early(self):
+        """Only a head_limit the call gives stops a content search early, in walk order (z.txt,
+        at the top, first); a default one cuts its page from the whole search, sorted."""
+        self.write("z.txt", "TODO top\n")
+        whole = {mode: self.ok("grep", pattern="TODO", output_mode=mode).split("\n")
+                 for mode in boris.GREP_MODES}
+        self.assertEqual(self.ok("grep", pattern="TODO", output_mode="content", head_limit=2),
+                         "z.txt:1:TODO top\n--")
+        with mock.patch.object(boris, "GREP_HEAD_LIMIT", 3):
+            for mode in boris.GREP_MODES:
+                more = len(whole[mode]) - 3
+                self.assertEqual(self.ok("grep", pattern="TODO", output_mode=mode).split("\n"),
+                                 whole[mode][:3] + ["[%d more not shown; page on with offset=3]" % more])
+                self.assertEqual(self.ok("grep", pattern="TODO", output_mode=mode, offset=2)
+                                 .split("\n"), whole[mode][2:5]
+                                 + ["[%d more not shown; page on with offset=5]" % (more - 2)][:more > 2])
+            self.assertEqual(self.ok("grep", pattern="TODO", output_mode="content", head_limit=0)
+                             .split("\n"), whole["content"])
+
     def test_content_mode_format(self):
         out = self.ok("grep", pattern="TODO", output_mode="content", path="src")
         self.assertIn("app.py:4:# TODO: fix", out.split("\n"))
@@ -7602,7 +7621,7 @@ class TestGrep(SearchBase):
 
     def test_output_cap(self):
         self.write("big.txt", "needle %s\n" % ("x" * 100) * 2000)
-        out = self.ok("grep", pattern="needle", path="big.txt", output_mode="content")
+        out = self.ok("grep", pattern="needle", path="big.txt", output_mode="content", head_limit=0)
         self.assertLessEqual(len(out), boris.OUTPUT_MAX_CHARS + 300)
         self.assertIn("[output truncated at 30000 characters", out)
 
@@ -7733,7 +7752,7 @@ class TestGrep(SearchBase):
                     items.append(x)
                     out.flush_due()                       # as the walker's tick does after each directory
         with mock.patch.object(boris, "SEARCH_BATCH", 2):
-            out.add(Work(), 0, ["a", "b", "c", "d", "e"])
+            Work().gather(0, ["a", "b", "c", "d", "e"], out.items)      # as search_job() does
             out.flush()
         self.assertEqual(got, ["a", "b", "c", "d", "e"])
 
@@ -7976,6 +7995,72 @@ class TestGrepScope(SearchBase):
         self.write("private/p.txt", "x\n")
         self.fails("grep", "ACCESS_DENIED", pattern="x", path="private")
         self.fails("search_text", "ACCESS_DENIED", query="x", paths=["private"])
+
+
+ROOT_READS_ALL = "root reads every file: TestGrepSkippedAsNobody runs this class as nobody"
+
+
+@unittest.skipIf(os.geteuid() == 0, ROOT_READS_ALL)
+class TestGrepSkippedFiles(SearchBase):
+    """A grep that could not read files ends its answer with a line saying how many and
+    why, in every mode, through each of its engine's paths; only where some were."""
+    SKIPPED = "[skipped 2 files that could not be read: Permission denied]"
+
+    def setUp(self):
+        SearchBase.setUp(self)
+        self.write("src/locked.py", "TODO locked\n", mode=0)
+        self.write("docs/locked.md", "TODO locked\n", mode=0)
+
+    def answers(self, pattern):
+        """The last lines of grep in each mode (a literal and a regex pattern go different
+        ways), with and without head_limit, and of search_text."""
+        calls = [dict(output_mode=mode) for mode in boris.GREP_MODES]
+        calls += [dict(output_mode="content", head_limit=50), dict(pattern="\\b" + pattern)]
+        outs = [self.ok("grep", **dict(dict(pattern=pattern), **c)) for c in calls]
+        outs.append(self.ok("search_text", query=pattern))
+        return [out.split("\n")[-1] for out in outs]
+
+    def test_each_mode_ends_with_how_many_files_were_skipped_and_why(self):
+        self.assertEqual(self.answers("TODO"), [self.SKIPPED] * 6)
+
+    def test_a_search_that_finds_nothing_says_so_too(self):
+        self.assertEqual(self.answers("nowhere to be found"), [self.SKIPPED] * 6)
+        self.assertIn("No matches found", self.ok("grep", pattern="nowhere"))
+
+    def test_no_line_when_every_file_was_read(self):
+        for rel in ("src/locked.py", "docs/locked.md"):
+            os.chmod(self.path(rel), 0o644)
+        self.assertNotIn("skipped", "\n".join(self.answers("TODO")))
+        self.assertIn("src/locked.py:1:TODO locked",
+                      self.ok("grep", pattern="TODO", output_mode="content"))
+
+
+class TestGrepSkippedAsNobody(unittest.TestCase):
+    def test_the_skipped_files_class_passes_as_a_normal_user(self):
+        """Where the suite is root, TestGrepSkippedFiles runs as nobody (uid 65534)."""
+        if os.geteuid() != 0:
+            self.skipTest("not root: TestGrepSkippedFiles runs as this user")
+        home = tempfile.mkdtemp(prefix="boris-test-")
+        self.addCleanup(shutil.rmtree, home, ignore_errors=True)
+        os.chown(home, 65534, 65534)
+
+        def as_nobody():
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+        for python in (sys.executable, "/usr/bin/python3"):
+            try:
+                p = subprocess.run([python, "-W", "error::ResourceWarning", os.path.join(HERE, "test_boris.py"),
+                                    "-k", "TestGrepSkippedFiles"], cwd=home, capture_output=True, text=True,
+                                   env={"PATH": "/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8"},
+                                   preexec_fn=as_nobody, timeout=300)
+            except PermissionError:
+                continue                            # (a Python under /root is not nobody's)
+            if "Ran " not in p.stderr:
+                self.skipTest("nobody cannot run the suite here: %s" % p.stderr[-300:])
+            self.assertRegex(p.stderr, r"Ran 3 tests in .*\s+OK\s*$", p.stderr)
+            return
+        self.skipTest("no Python that nobody may run")
 
 
 def watches_here():
@@ -9041,7 +9126,8 @@ class TestResultsFitTheClients(NoViewBase):
                 return text
             self.assert_fits(run("view", path="big.txt"), cap, ["view_range"])
             self.assert_fits(run("read_file", path="big.txt"), cap, ["offset="])
-            self.assert_fits(run("grep", pattern="hit", path="many", output_mode="content"), cap, ["offset="])
+            self.assert_fits(run("grep", pattern="hit", path="many", output_mode="content", head_limit=0), cap,
+                             ["offset="])
             self.assert_fits(run("glob", pattern="**/*.txt"), cap, ["offset="])
             self.assert_fits(run("bash", command="cat big.txt"), cap, ["tail, head or grep"])
             self.assert_fits(run("bash", command="cat big.txt; cat big.txt >&2"), cap, ["tail, head or grep"])
