@@ -8549,20 +8549,16 @@ def kill_all(tasks):
 # (source, code, message) counts, not positions (inserted lines shift every line below),
 # waiting --lsp-wait seconds at most; what comes later goes with the next edit's answer.
 
-# language: ({extension: languageId}, its usual servers, the first found on PATH wins)
+# language: "its extensions|its usual servers|..." (the first on PATH wins); clangd's
+# background index would land in the workspace (.cache/clangd)
 LSP_LANGUAGES = {
-    "python": ({"py": "python", "pyi": "python"},
-               ("pyright-langserver --stdio", "basedpyright-langserver --stdio", "pylsp")),
-    "typescript": ({"ts": "typescript", "tsx": "typescriptreact", "js": "javascript",
-                    "jsx": "javascriptreact", "mjs": "javascript", "cjs": "javascript"},
-                   ("typescript-language-server --stdio",)),
-    # (its background index would land in the workspace: .cache/clangd)
-    "c": ({"c": "c", "h": "c", "cc": "cpp", "cpp": "cpp", "cxx": "cpp", "hpp": "cpp"},
-          ("clangd --background-index=false",)),
-    "go": ({"go": "go"}, ("gopls",)),
-    "rust": ({"rs": "rust"}, ("rust-analyzer",)),
-    "shell": ({"sh": "shellscript", "bash": "shellscript"}, ("bash-language-server start",)),
-}
+    "python": "py pyi|pyright-langserver --stdio|basedpyright-langserver --stdio|pylsp",
+    "typescript": "ts tsx js jsx mjs cjs|typescript-language-server --stdio",
+    "c": "c h cc cpp cxx hpp|clangd --background-index=false",
+    "go": "go|gopls", "rust": "rs|rust-analyzer", "shell": "sh bash|bash-language-server start"}
+# extension: its languageId, where that is not its language's name
+LSP_IDS = {"tsx": "typescriptreact", "js": "javascript", "jsx": "javascriptreact",
+           "mjs": "javascript", "cjs": "javascript", "sh": "shellscript", "bash": "shellscript"}
 LSP_IDLE_S = 1800                          # a server unused this long is stopped
 LSP_MAX_RSS = 2 << 30                      # a server whose process group holds more is stopped
 LSP_MAX_MESSAGE = 64 << 20                 # a longer message from a server is garbage
@@ -8624,7 +8620,8 @@ class LangServer:
         self.docs, self.reports, self.pulls, self.owed = {}, {}, {}, {}
         self.serial, self.ids, self.proc, self.closed = 0, 0, None, False
         self.ready, self.held = False, []       # messages held until initialize is answered
-        self.lives, self.used, self.pull, self.name = 2, time.monotonic(), False, argv[0]
+        self.lives, self.used, self.pull = 2, time.monotonic(), False
+        self.name = os.path.basename(argv[0])
         threading.Thread(target=self.run, daemon=True, name="boris-lsp").start()
 
     def run(self):
@@ -8653,19 +8650,17 @@ class LangServer:
         for target, arg in ((lsp_drain, proc.stderr), (lsp_write, (proc.stdin, out))):
             threading.Thread(target=target, args=(arg,), daemon=True, name="boris-lsp").start()
         self.write({"id": 0, "method": "initialize", "params": {
-            "processId": os.getpid(), "rootUri": lsp_uri(self.root),
-            "workspaceFolders": [{"uri": lsp_uri(self.root), "name": "root"}],
-            "capabilities": {"workspace": {"configuration": True, "workspaceFolders": True},
-                             "window": {"workDoneProgress": True}, "textDocument": {
-                                 "publishDiagnostics": {"versionSupport": True},
-                                 "diagnostic": {}, "definition": {}, "references": {}}}}})
+            "processId": os.getpid(), "rootUri": lsp_uri(self.root), "capabilities": {
+                "workspace": {"configuration": True}, "window": {"workDoneProgress": True},
+                "textDocument": {"publishDiagnostics": {"versionSupport": True},
+                                 "diagnostic": {}}}}})
         try:
             while True:
                 msg = lsp_read(proc.stdout)
                 if msg is None:
                     return describe_exit(proc) if proc.poll() is not None else "its output ended"
                 self.take(msg)
-        except (ValueError, TypeError, AttributeError, KeyError, OSError) as e:
+        except Exception as e:              # whatever it sent, boris goes on
             return "it spoke garbage: %s" % shorten(str(e), 80)
         finally:
             out.put(None)
@@ -8704,11 +8699,8 @@ class LangServer:
             if method == "textDocument/publishDiagnostics":
                 self.report(params["uri"], params.get("version"), params["diagnostics"])
             elif rid == 0 and not self.ready:
-                caps = (msg.get("result") or {}).get("capabilities") or {}
-                self.pull, self.ready = "diagnosticProvider" in caps, True
-                info = (msg.get("result") or {}).get("serverInfo") or {}
-                self.name = " ".join(filter(None, (info.get("name"), info.get("version")))) \
-                    or self.name
+                self.pull = "diagnosticProvider" in msg["result"]["capabilities"]
+                self.ready = True
                 self.write({"method": "initialized", "params": {}})
                 for held in self.held:
                     self.write(held)
@@ -8766,10 +8758,6 @@ class LangServer:
             if proc is not None:
                 self.write({"method": "exit"})
         if proc is not None:
-            try:
-                proc.wait(0.2)
-            except Exception:
-                pass                                # not gone by itself: killed below
             signal_group(proc, signal.SIGKILL)
 
 
@@ -8841,7 +8829,8 @@ class LangServers:
         import shutil
         if lang not in self.found:
             found = None
-            for line in ([self.named[lang]] if lang in self.named else LSP_LANGUAGES[lang][1]):
+            for line in ([self.named[lang]] if lang in self.named
+                         else LSP_LANGUAGES[lang].split("|")[1:]):
                 argv = shlex.split(line)
                 path = shutil.which(argv[0]) if argv else None
                 if path and not self.off:
@@ -8853,7 +8842,7 @@ class LangServers:
     def server(self, real):
         """(the server for file `real`, its languageId), started when new; None without one."""
         ext = os.path.splitext(real)[1][1:].lower()
-        lang = next((k for k, v in LSP_LANGUAGES.items() if ext in v[0]), None)
+        lang = next((k for k, v in LSP_LANGUAGES.items() if ext in v.split("|")[0].split()), None)
         root = next((r for r in self.roots if is_within(real, r)), None)
         if lang is None or root is None or self.off or not self.command(lang):
             return None
@@ -8867,7 +8856,7 @@ class LangServers:
                 environ = dict(command_environ(self.config), PYTHONDONTWRITEBYTECODE="1")
                 s = self.servers[lang, root] = LangServer(self.command(lang), root, self.sandbox,
                                                           environ)
-        return s, LSP_LANGUAGES[lang][0][ext]
+        return s, LSP_IDS.get(ext, lang)
 
     def warm(self, real, limit):
         """Tell the server of file `real` (a view or outline of it): it starts when new."""
@@ -16469,6 +16458,10 @@ def check_main(config, policy, sandbox):
         ctx = CallContext(config, policy, helpers=server.helpers, sandbox=sandbox)
         glob = McpServer.run_tool(server.tools["glob"], session,
                                   {"pattern": "*", "path": roots[0]}, ctx)
+        servers = ["%s: %s (%s)" % (lang, " ".join(argv), (run_program(
+            argv[:1] + ["--version"], "/", 10)[1].decode("utf-8", "replace").strip().splitlines()
+            or ["its version unknown"])[0]) for lang, argv in (
+                (lang, server.lsp.command(lang)) for lang in LSP_LANGUAGES) if argv]
     finally:
         session.close()
         server.close()
@@ -16494,6 +16487,8 @@ def check_main(config, policy, sandbox):
             ("git", shutil.which("git")
              or "not found: checkpoints keep every file's bytes themselves"),
             ("shell", SHELL),
+            ("lsp", "; ".join(servers) or ("off" if "off" in config.lsp else
+                                            "none found on PATH (--lsp names one)")),
             ("ssl", "yes" if importable("ssl") else "no: web_fetch cannot fetch https"),
             ("ctypes", "yes" if importable("ctypes") else "no: no sandbox, no inotify; commands may"
              " read the server's environment, and daemons they leave run on")]

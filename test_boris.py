@@ -7408,6 +7408,15 @@ while True:
 '''
 
 
+def fake_language_server(where):
+    """FAKE_LSP as the program `fake-langserver` in directory `where`."""
+    path = os.path.join(where, "fake-langserver")
+    with open(path, "w") as f:
+        f.write("#!%s\n%s" % (sys.executable, FAKE_LSP))
+    os.chmod(path, 0o755)
+    return path
+
+
 class LspBase(unittest.TestCase):
     """A workspace with a.py, a server whose language server for Python is FAKE_LSP in
     `mode`; tool calls made as the server makes them (its LangServers in the context)."""
@@ -7417,14 +7426,12 @@ class LspBase(unittest.TestCase):
         self.root = os.path.realpath(tempfile.mkdtemp(prefix="boris-lsp-"))
         self.addCleanup(shutil.rmtree, self.root, True)
         self.log = os.path.join(self.root, ".fake.log")
-        self.script = os.path.join(self.root, ".fake.py")
-        with open(self.script, "w") as f:
-            f.write(FAKE_LSP)
+        self.script = fake_language_server(self.root)
         self.a = os.path.join(self.root, "a.py")
         with open(self.a, "w") as f:
             f.write("x = 1\nundefined_name\n" + "pass\n" * 20)
-        build(self, self.root, self.flags() + ["--lsp-wait", self.wait, "--lsp", "python=%s %s %s %s" % (
-            sys.executable, self.script, self.mode, self.log)])
+        build(self, self.root, self.flags() + ["--lsp-wait", self.wait, "--lsp", "python=%s %s %s" % (
+            self.script, self.mode, self.log)])
 
     def flags(self):
         return []
@@ -7462,10 +7469,10 @@ class TestLanguageServerVerdict(LspBase):
     def test_new_problem_named_old_one_not_fixed_one_counted(self):
         self.warm()
         text = self.edit("x = 1\n", "x = other_name\n")
-        self.assertIn('[fake 9.1 on a.py: 1 new problem]\n  1:5 error [fake c1] "other_name" is not defined', text)
+        self.assertIn('[fake-langserver on a.py: 1 new problem]\n  1:5 error [fake c1] "other_name" is not defined', text)
         self.assertNotIn("undefined_name", text.split("[fake")[1])     # there before: not repeated
         text = self.edit("undefined_name\n", "pass\n")
-        self.assertIn("[fake 9.1 on a.py: 1 fixed]", text)
+        self.assertIn("[fake-langserver on a.py: 1 fixed]", text)
         self.assertNotIn("fake", self.edit("x = other_name\n", "x = other_name\n# c\n"))  # nothing new: nothing said
 
     def test_versions_framing_and_the_servers_requests(self):
@@ -7513,10 +7520,10 @@ class TestLanguageServerLate(LspBase):
     def test_a_late_verdict_comes_with_the_next_edit(self):
         s = self.warm()
         text = self.edit("x = 1\n", "x = other_name\n")
-        self.assertIn("[fake 9.1 on a.py: not known yet after 0.2 s; said with the next edit's answer]", text)
+        self.assertIn("[fake-langserver on a.py: not known yet after 0.2 s; said with the next edit's answer]", text)
         uri = boris.lsp_uri(self.a)
         self.assertTrue(wait_until(lambda: s.reports[uri][0] > s.docs[uri][2], 30))
-        self.assertIn("[fake 9.1 on a.py (the edit before): 1 new problem]\n  1:5 error",
+        self.assertIn("[fake-langserver on a.py (the edit before): 1 new problem]\n  1:5 error",
                       self.edit("x = other_name\n", "x = other_name  \n"))
 
 
@@ -7526,7 +7533,7 @@ class TestLanguageServerMisbehaving(LspBase):
     wait = "0.5"
 
     def run_mode(self, mode):
-        self.server.lsp.named["python"] = "%s %s %s %s" % (sys.executable, self.script, mode, self.log)
+        self.server.lsp.named["python"] = "%s %s %s" % (self.script, mode, self.log)
         self.server.lsp.found.clear()
         self.call("view", path="a.py")
         for i in range(3):
@@ -7535,8 +7542,11 @@ class TestLanguageServerMisbehaving(LspBase):
         return next(iter(self.server.lsp.servers.values()))
 
     def test_crash_restarted_once(self):
-        s = self.run_mode("crash")
-        self.assertTrue(wait_until(lambda: s.proc is None and s.lives == 0, 30))
+        s, i = self.run_mode("crash"), 4
+        while not (s.proc is None and s.lives == 0) and i < 100:      # each life crashes at a change
+            self.edit("x = %d\n" % i, "x = %d\n" % (i + 1))
+            i += 1
+        self.assertTrue(wait_until(lambda: s.closed, 30))
         self.assertEqual(len([m for m in self.told() if "start" in m]), 2)
 
     def test_hang_garbage_flood(self):
@@ -7560,6 +7570,47 @@ class TestLanguageServerMisbehaving(LspBase):
         self.assertEqual(s.lives, 0)
 
 
+@NEEDS_LANDLOCK
+class TestLanguageServerSandboxed(unittest.TestCase):
+    """Under --allow-dir (workspace-write, network off) a language server runs confined as
+    commands are: it cannot write outside the workspace nor connect to loopback."""
+
+    def test_confined(self):
+        ws, outside = (os.path.realpath(tempfile.mkdtemp(prefix="boris-lsp-", dir="/var/tmp")) for _ in range(2))
+        for d in (ws, outside):
+            self.addCleanup(shutil.rmtree, d, True)
+        listener = socket.socket()
+        self.addCleanup(listener.close)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        with open(os.path.join(ws, "a.py"), "w") as f:
+            f.write("x = 1\n")
+        self.log = os.path.join(ws, "log")
+        build(self, ws, ["--allow-dir", ws, "--lsp", "python=%s write %s %s %d" % (
+            fake_language_server(ws), self.log, os.path.join(outside, "x"), listener.getsockname()[1])])
+        self.assertTrue(self.server.sandbox.on)
+        self.server.lsp.warm(os.path.join(ws, "a.py"), 1000)
+        self.assertTrue(wait_until(lambda: len(LspBase.told(self)) >= 3, 30), LspBase.told(self))
+        tried = dict(kv for m in LspBase.told(self)[1:3] for kv in m.items())
+        self.assertNotIn("done", tried.values(), tried)
+        self.assertEqual(os.listdir(outside), [])
+
+
+class TestLanguageServerCheck(unittest.TestCase):
+    def test_check_names_the_servers(self):
+        out = io.StringIO()
+        root = os.path.realpath(tempfile.mkdtemp(prefix="boris-lsp-"))
+        self.addCleanup(shutil.rmtree, root, True)
+        cfg = boris.parse_config(["--workdir", root, "--check", "--lsp", "python=%s x" % fake_language_server(root)], {})
+        with mock.patch.object(sys, "stdout", out):
+            boris.check_main(cfg, boris.PathPolicy.of(cfg), boris.Sandbox.off())
+        self.assertIn("lsp             python: %s x (its version unknown)" % fake_language_server(root), out.getvalue())
+        cfg = boris.parse_config(["--workdir", root, "--check", "--lsp", "off"], {})
+        with mock.patch.object(sys, "stdout", out):
+            boris.check_main(cfg, boris.PathPolicy.of(cfg), boris.Sandbox.off())
+        self.assertIn("lsp             off\n", out.getvalue())
+
+
 class TestLanguageServerOverStdio(unittest.TestCase):
     """No server left after EOF (exit 0) nor after kill -9 of boris; nothing to wait for and
     nothing said where no server is found."""
@@ -7567,13 +7618,11 @@ class TestLanguageServerOverStdio(unittest.TestCase):
     def serve(self, mode, *flags):
         root = os.path.realpath(tempfile.mkdtemp(prefix="boris-lsp-"))
         self.addCleanup(shutil.rmtree, root, True)
-        with open(os.path.join(root, "fake.py"), "w") as f:
-            f.write(FAKE_LSP)
         with open(os.path.join(root, "a.py"), "w") as f:
             f.write("x = 1\n")
         self.log = os.path.join(root, "log")
-        c = StdioClient(["--workdir", root, "--lsp-wait", "0.5", "--lsp", "python=%s %s %s %s" % (
-            sys.executable, os.path.join(root, "fake.py"), mode, self.log)] + list(flags))
+        c = StdioClient(["--workdir", root, "--lsp-wait", "0.5", "--lsp", "python=%s %s %s" % (
+            fake_language_server(root), mode, self.log)] + list(flags))
         self.addCleanup(c.close)
         c.initialize()
         c.call("view", {"path": "a.py"})
