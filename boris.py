@@ -3243,9 +3243,13 @@ def confined(spec):
     less confined than asked."""
     try:
         spec = json.loads(spec)
-        if spec.get("tied") and prctl(PR_SET_PDEATHSIG, signal.SIGKILL) \
-                and os.getppid() != spec["tied"]:
-            os._exit(0)                         # the server died before the tie was made
+        if spec.get("tied") and os.fork():
+            # this launcher stays, to kill the program's whole group (a language server's
+            # own children too) when boris dies, however it dies
+            signal.signal(signal.SIGHUP, lambda *_: os.killpg(0, signal.SIGKILL))
+            if prctl(PR_SET_PDEATHSIG, signal.SIGHUP) and os.getppid() != spec["tied"]:
+                os.killpg(0, signal.SIGKILL)
+            os._exit(os.wait()[1] >> 8)
         if spec.get("ctty"):                    # a session leader (start_new_session) takes its tty
             import fcntl
             import termios

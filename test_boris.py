@@ -7348,6 +7348,10 @@ def publish(uri, version, text):
 log.write(json.dumps({"start": os.getpid(), "pdeathsig": open("/proc/self/status").read().count("SigCgt")}) + "\n")
 log.flush()
 if mode == "hang":
+    import subprocess
+    kid = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
+    log.write(json.dumps({"child": kid.pid}) + "\n")
+    log.flush()
     signal.pause()
 if mode == "write":
     for what, act in (("write", lambda: open(sys.argv[3], "w").close()),
@@ -7641,9 +7645,12 @@ class TestLanguageServerOverStdio(unittest.TestCase):
 
     def test_kill_9_of_boris_takes_the_server(self):
         c, pid = self.serve("hang")
+        self.assertTrue(wait_until(lambda: len(LspBase.told(self)) == 2, 30))
+        kid = LspBase.told(self)[1]["child"]                      # the server's own child goes too
         c.p.kill()
         c.p.wait()
-        self.assertTrue(wait_until(lambda: proc_table().get(pid, (0, "Z"))[1] == "Z", 10), proc_table().get(pid))
+        for p in (pid, kid):
+            self.assertTrue(wait_until(lambda: proc_table().get(p, (0, "Z"))[1] == "Z", 10), proc_table().get(p))
 
     def test_no_server_no_wait_no_words(self):
         c, _ = self.serve("push", "--lsp", "off")
