@@ -451,6 +451,7 @@ FLAGS = (
 # What --help says a default does where the flag's own default value does not say it
 # (a test holds each to what the code does)
 HELP_DEFAULTS = {"allow-dir": "none: every directory", "deny-dir": "none",
+                 "lsp": "the usual servers on PATH",
                  "sandbox-network": "off when sandboxed",
                  "sandbox-protect": ".git, .hg, .svn, boris.py"}
 
