@@ -17,8 +17,8 @@ the layers above it:
     Paths                    PathPolicy: resolve, then check allow/deny (case as the
                              volume folds it)
     Files                    the one opener, the one atomic writer, line reading, sniffing
-    Child processes          spawn, the reaper, killing a group; helper processes
-                             (this file run again)
+    Child processes          spawn, the reaper, killing a group, run_program (a program run
+                             to its end); helper processes (this file run again)
     Sandbox                  Landlock, seccomp, network namespaces, the launchers that confine
                              commands, the egress proxy of a domain list
     Search                   ignore rules, inotify watches and the walk cache, one walker, the grep
@@ -27,6 +27,7 @@ the layers above it:
     Helpers                  the searches run in helpers (where a deadline or a cancel can kill
                              them), the helper pool
     Shell                    Capture, and the command runner: start_process, pump, Task
+    Language servers         the verdict after an edit: LangServer, LangServers, lsp_words
     Web                      fetch with vetted addresses, HTML to Markdown, coded fetch errors
     Session                  one client's cwd, viewed files, tasks (admitted here), undo history
     Checkpoints              the store, git's index, the session's checkpoints of the workspace
@@ -1758,6 +1759,7 @@ def clean_leftovers(dfd, directory, guards):
 # carries). As PID 1 or subreaper, orphans are reaped by a background thread.
 
 REAP_INTERVAL_S = 0.5                      # orphans re-parented to boris are reaped this often
+RUN_OUTPUT_BYTES = 1 << 20                 # run_program keeps the last this much of a stream
 
 
 class Children:
@@ -1977,16 +1979,26 @@ def kill_group(proc):
 
 
 def run_program(argv, cwd, timeout, environ=None):
-    """The one way a tool runs a program to its end: started by start_process (its own
-    process group, the sandbox's launcher where asked, a given environment: the helpers'
-    by default, never the server's whole one), pumped into Captures (the output cap), its
-    group killed at `timeout` and reaped (pump). (exit code, or None when it did not end
-    by itself; its stdout's first bytes; its stderr's last)."""
-    task = Task(0, argv, start_process(argv, cwd, environ=environ or child_environ(
-        only=HELPER_ENV)))
-    why = pump(task, time.monotonic() + timeout, None)
-    return (task.proc.returncode if why == "exited" else None, bytes(task.out.cap.head),
-            bytes(task.err.cap.tail))
+    """The one way a tool runs a program to its end: spawned in its own process group with
+    a given environment (the helpers' by default, never the server's whole one), its output
+    cut to its last RUN_OUTPUT_BYTES a stream, its group killed once it ends or at `timeout`,
+    and reaped. (exit code, stdout, stderr); (None, b"", b"") when it did not end in time."""
+    import subprocess
+    proc = spawn(argv, cwd=cwd, env=environ or child_environ(only=HELPER_ENV),
+                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        out, err, code = b"", b"", None         # (what it said is lost with it)
+    finally:
+        signal_group(proc, signal.SIGKILL)
+        proc.wait()
+        reaped(proc)
+        proc.stdout.close()
+        proc.stderr.close()
+    return code, out[-RUN_OUTPUT_BYTES:], err[-RUN_OUTPUT_BYTES:]
 
 
 # -- memory and environment ----------------------------------------------------
@@ -8572,8 +8584,8 @@ LSP_SHOWN = 5                              # new problems an answer names at mos
 
 def lsp_uri(real):
     """The file: URI of a real path."""
-    import urllib.parse
-    return "file://" + urllib.parse.quote(real)
+    import pathlib
+    return pathlib.Path(real).as_uri()
 
 
 def lsp_read(f):
@@ -8607,11 +8619,10 @@ def group_rss(pgid):
         try:
             with open("/proc/%s/stat" % name, "rb") as f:
                 fields = f.read().rpartition(b")")[2].split()
-            if int(fields[2]) == pgid:
-                total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+            total += int(fields[21]) * (int(fields[2]) == pgid)
         except (OSError, ValueError, IndexError):
             continue                        # not a process, or gone meanwhile
-    return total
+    return total * os.sysconf("SC_PAGE_SIZE")
 
 
 class LangServer:
@@ -8656,14 +8667,13 @@ class LangServer:
             threading.Thread(target=target, args=(arg,), daemon=True, name="boris-lsp").start()
         self.write({"id": 0, "method": "initialize", "params": {
             "processId": os.getpid(), "rootUri": lsp_uri(self.root), "capabilities": {
-                "workspace": {"configuration": True}, "window": {"workDoneProgress": True},
                 "textDocument": {"publishDiagnostics": {"versionSupport": True},
                                  "diagnostic": {}}}}})
         try:
             while True:
                 msg = lsp_read(proc.stdout)
                 if msg is None:
-                    return describe_exit(proc) if proc.poll() is not None else "its output ended"
+                    return "its output ended"
                 self.take(msg)
         except Exception as e:              # whatever it sent, boris goes on
             return "it spoke garbage: %s" % shorten(str(e), 80)
@@ -8792,16 +8802,17 @@ def lsp_words(name, shown, before, after):
 
     def severity(d):
         return d.get("severity") or 1
-    after = sorted((d for d in after if severity(d) <= 2 and 1 not in (d.get("tags") or ())),
-                   key=severity)
+    def kept(ds):
+        return sorted((d for d in ds if severity(d) <= 2 and 1 not in (d.get("tags") or ())),
+                      key=severity)
+    after, before = kept(after), kept(before)
     new = Counter(map(key, after)) - Counter(map(key, before))
     fresh = []
     for d in after:
         if new[key(d)] > 0:
             new[key(d)] -= 1
             fresh.append(d)
-    gone = sum((Counter(key(d) for d in before if severity(d) == 1)
-                - Counter(map(key, after))).values())
+    gone = sum((Counter(map(key, before)) - Counter(map(key, after))).values())
     lines = ["  %d:%d %s [%s%s] %s" % (
         d["range"]["start"]["line"] + 1, d["range"]["start"]["character"] + 1,
         "error" if severity(d) == 1 else "warning", d.get("source") or name,
@@ -8849,7 +8860,7 @@ class LangServers:
         ext = os.path.splitext(real)[1][1:].lower()
         lang = next((k for k, v in LSP_LANGUAGES.items() if ext in v.split("|")[0].split()), None)
         root = next((r for r in self.roots if is_within(real, r)), None)
-        if lang is None or root is None or self.off or not self.command(lang):
+        if lang is None or root is None or not self.command(lang):
             return None
         with self.lock:
             for key, s in list(self.servers.items()):
@@ -8863,17 +8874,15 @@ class LangServers:
                                                           environ)
         return s, LSP_IDS.get(ext, lang)
 
-    def warm(self, real, limit):
+    def warm(self, real):
         """Tell the server of file `real` (a view or outline of it): it starts when new."""
-        found = self.server(real)
-        if not found:
-            return
+        found, limit = self.server(real), self.config.max_file_size
         try:
             with open(real, "rb") as f:
-                text = f.read(limit + 1).decode("utf-8", "replace")
+                text = f.read(limit + 1).decode("utf-8", "replace") if found else ""
         except OSError:
             return                                   # the tool says what is wrong with it
-        if len(text) <= limit:
+        if found and len(text) <= limit:
             found[0].diagnostics(lsp_uri(real), found[1], text, 0)
 
     def verdicts(self, todo):
@@ -11519,7 +11528,7 @@ def tool_view(session, args, ctx):
         return list_tree(real, ctx.policy, shown)
     limit, note = ctx.config.max_file_size, ""
     if ctx.lsp:
-        ctx.lsp.warm(real, limit)
+        ctx.lsp.warm(real)
     with os.fdopen(fd, "rb") as fh:
         if st.st_size > limit:
             raise ToolError(FILE_TOO_LARGE, "%s is %s; the limit is %s (--max-file-size). Use grep"
@@ -11739,7 +11748,7 @@ def tool_outline(session, args, ctx):
         raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension: %s);"
                         " view or grep it instead" % (shown, OUTLINE_LANGUAGES))
     if ctx.lsp and not root.is_dir:
-        ctx.lsp.warm(root.real, ctx.config.max_file_size)
+        ctx.lsp.warm(root.real)
     items, why = ctx.helpers.run({"op": "outline", "root": root, "policy": policy_spec(ctx.policy),
                                   "max_size": ctx.config.max_file_size,
                                   "page": [offset, search_cap(ctx) - 400]},
