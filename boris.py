@@ -17,8 +17,8 @@ the layers above it:
     Paths                    PathPolicy: resolve, then check allow/deny (case as the
                              volume folds it)
     Files                    the one opener, the one atomic writer, line reading, sniffing
-    Child processes          spawn, the reaper, killing a group; helper processes
-                             (this file run again)
+    Child processes          spawn, the reaper, killing a group, run_program (a program
+                             run to its end); helper processes (this file run again)
     Sandbox                  Landlock, seccomp, network namespaces, the launchers that
                              confine commands, the egress proxy of a domain list
     Search                   ignore rules, inotify watches and the walk cache, one walker,
@@ -27,6 +27,7 @@ the layers above it:
     Helpers                  the searches run in helpers (where a deadline or a cancel can
                              kill them), the helper pool
     Shell                    Capture, and the command runner: start_process, pump, Task
+    Language servers         the verdict after an edit: LangServer, LangServers, lsp_words
     Web                      fetch with vetted addresses, HTML to Markdown, coded fetch
                              errors
     Session                  one client's cwd, viewed files, tasks (admitted here), undo
@@ -501,6 +502,12 @@ FLAGS = (
     ("svg", "BORIS_SVG", "auto", "choice:auto|image|text",
      "SVG files as image content or as their source text; auto: text for Claude, Codex and"
      " Gemini clients"),
+    ("lsp", "BORIS_LSP", "", "list",
+     "the language server of a language, LANGUAGE=COMMAND (python, typescript, c, go, rust,"
+     " shell), e.g. 'python=pylsp'; 'off' for none; a language not named gets the first of its"
+     " usual servers on PATH (repeatable)"),
+    ("lsp-wait", "BORIS_LSP_WAIT", "1.5", "seconds",
+     "how long an edit waits for its language server's verdict before it answers"),
     ("sandbox", "BORIS_SANDBOX", "auto", "choice:auto|off|workspace-write|read-only",
      "confine bash with the kernel (Landlock): writes only under --allow-dir (or --workdir) and"
      " the temp directory, or nowhere but temp; auto: workspace-write when --allow-dir is given"
@@ -518,6 +525,7 @@ FLAGS = (
 # What --help says a default does where the flag's own default value does not say it
 # (a test holds each to what the code does)
 HELP_DEFAULTS = {"allow-dir": "none: every directory", "deny-dir": "none",
+                 "lsp": "the usual servers on PATH",
                  "sandbox-network": "off when sandboxed",
                  "sandbox-protect": ".git, .hg, .svn, boris.py"}
 
@@ -1826,6 +1834,7 @@ def clean_leftovers(dfd, directory, guards):
 # and reaped (reap_all).
 
 REAP_INTERVAL_S = 0.5                      # orphans re-parented to boris are reaped this often
+RUN_OUTPUT_BYTES = 1 << 20                 # run_program keeps the last this much of a stream
 
 
 class Children:
@@ -2057,6 +2066,29 @@ def kill_group(proc):
             f.close()
         except OSError:
             pass  # a pipe whose other end died: nothing lost
+
+
+def run_program(argv, cwd, timeout, environ=None):
+    """The one way a tool runs a program to its end: spawned in its own process group with
+    a given environment (the helpers' by default, never the server's whole one), its output
+    cut to its last RUN_OUTPUT_BYTES a stream, its group killed once it ends or at `timeout`,
+    and reaped. (exit code, stdout, stderr); (None, b"", b"") when it did not end in time."""
+    import subprocess
+    proc = spawn(argv, cwd=cwd, env=environ or child_environ(only=HELPER_ENV),
+                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        out, err, code = b"", b"", None         # (what it said is lost with it)
+    finally:
+        signal_group(proc, signal.SIGKILL)
+        proc.wait()
+        reaped(proc)
+        proc.stdout.close()
+        proc.stderr.close()
+    return code, out[-RUN_OUTPUT_BYTES:], err[-RUN_OUTPUT_BYTES:]
 
 
 # -- memory and environment ----------------------------------------------------
@@ -3030,12 +3062,14 @@ class Sandbox:
             return None
         return "landlock" if self.abi >= 4 else "netns"
 
-    def spec(self, cwd, ctty=False):
+    def spec(self, cwd, ctty=False, tied=False):
         """What the launcher needs, as JSON: it starts in its private directory and
         moves to the command's `cwd` once confined; `ctty`: make stdin (a terminal)
-        the controlling terminal, so Ctrl-C reaches the command."""
+        the controlling terminal, so Ctrl-C reaches the command; `tied`: it dies with
+        this process's thread that starts it."""
         return json.dumps({"mode": self.mode, "writable": self.writable, "abi": self.abi,
                            "net": self.net_mechanism(), "cwd": cwd, "ctty": ctty,
+                           "tied": os.getpid() if tied else None,
                            "protect": self.protect.paths(self.writable) if self.on else [],
                            "proxy": self.proxy_port if self.on and not self.network else None})
 
@@ -3180,7 +3214,6 @@ def probe_sandbox(sandbox):
     go as the sandbox says. Without a temp directory only the confinement is tried."""
     import shutil
     import socket
-    import subprocess
     import tempfile
     spec, scratch, base = json.loads(sandbox.spec("/")), None, temp_dir()
     listener = socket.socket()
@@ -3194,22 +3227,20 @@ def probe_sandbox(sandbox):
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         argv, private = helper_command("probe", avoid=sandbox.writable)
-        done = subprocess.run(argv + [json.dumps(spec), str(listener.getsockname()[1])],
-                              cwd=private,
-                              stdin=subprocess.DEVNULL, capture_output=True, timeout=PROBE_S,
-                              env=child_environ(only=HELPER_ENV))
-    except (OSError, subprocess.SubprocessError) as e:
+        code, out, err = run_program(argv + [json.dumps(spec), str(listener.getsockname()[1])],
+                                     private, PROBE_S)
+    except OSError as e:
         return "the probe could not run (%s)" % e
     finally:
         listener.close()
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
-    said = done.stderr.decode("utf-8", "replace").strip()
+    said = err.decode("utf-8", "replace").strip()
     try:
-        trials = json.loads(done.stdout.decode("utf-8", "replace"))
+        trials = json.loads(out.decode("utf-8", "replace"))
     except ValueError:
         return re.sub(r"^boris: |; the command was not run$", "", said.splitlines()[-1] if said else
-                      "the probe ended with exit code %d" % done.returncode)
+                      "the probe ended with exit code %s" % code)
     sandbox.trials = trials
     allowed = {"a write inside": True, "a write outside": False,
                "a write to a protected .git": not spec["protect"],
@@ -3294,6 +3325,13 @@ def confined(spec):
     less confined than asked."""
     try:
         spec = json.loads(spec)
+        if spec.get("tied") and os.fork():
+            # this launcher stays, to kill the program's whole group (a language server's
+            # own children too) when boris dies, however it dies
+            signal.signal(signal.SIGHUP, lambda *_: os.killpg(0, signal.SIGKILL))
+            if prctl(PR_SET_PDEATHSIG, signal.SIGHUP) and os.getppid() != spec["tied"]:
+                os.killpg(0, signal.SIGKILL)
+            os._exit(os.wait()[1] >> 8)
         if spec.get("ctty"):                    # a session leader (start_new_session) takes its tty
             import fcntl
             import termios
@@ -8277,12 +8315,14 @@ def command_environ(config, environ=None):
 TTY_COLUMNS, TTY_ROWS = 80, 24             # the terminal of a tty task
 
 
-def start_process(script, cwd, sandbox=None, stdin="null", environ=None):
-    """Popen of `script` under the shell, in its own process group; through the
-    launcher when `sandbox` is on or the command gets a terminal. stdin: 'null'
+def start_process(script, cwd, sandbox=None, stdin="null", environ=None, tied=False):
+    """Popen of `script` under the shell (or of an argv list as it is: a program), in
+    its own process group; through the launcher when `sandbox` is on or the command
+    gets a terminal. stdin: 'null'
     (/dev/null: a prompt fails fast), 'pipe' (kept open for task_input) or 'tty' (a
     pseudo-terminal of TTY_COLUMNS x TTY_ROWS, TERM=dumb, stdout and stderr merged on
-    it; proc.stdout reads its master, proc.stderr is None)."""
+    it; proc.stdout reads its master, proc.stderr is None). `tied`: through the launcher,
+    which has the kernel kill it when this thread ends (a language server)."""
     import subprocess
     sandbox = sandbox or Sandbox.off()
     env = dict(os.environ if environ is None else environ)
@@ -8292,12 +8332,12 @@ def start_process(script, cwd, sandbox=None, stdin="null", environ=None):
     # this command's alone
     env["BORIS_CALL"] = marker = "%d-%s" % (os.getpid(), os.urandom(6).hex())
     env.update(sandbox.proxy_environ())
-    argv = [SHELL, "-c", script]
+    argv = script if isinstance(script, list) else [SHELL, "-c", script]
     if sandbox.on and stdin == "null":
         return sandbox.launchers.start(argv, cwd, env, marker)
-    if sandbox.on or stdin == "tty":
+    if sandbox.on or stdin == "tty" or tied:
         launcher, private = helper_command("sandbox", avoid=sandbox.writable)
-        argv, cwd = launcher + [sandbox.spec(cwd, ctty=stdin == "tty")] + argv, private
+        argv, cwd = launcher + [sandbox.spec(cwd, stdin == "tty", tied)] + argv, private
     if stdin != "tty":
         proc = spawn(argv, cwd=cwd, env=env,
                      stdin=subprocess.PIPE if stdin == "pipe" else subprocess.DEVNULL,
@@ -8599,6 +8639,375 @@ def kill_all(tasks):
         t.stop.set()
     for t in tasks:
         t.done.wait(KILL_GRACE_S + 2)
+
+###############################################################################
+# Language servers ############################################################
+###############################################################################
+# The verdict after an edit. A language server found on PATH by its usual name (or named
+# by --lsp) starts, one per language and workspace root and shared by the sessions, when
+# a file of its language is first viewed or outlined. It runs as a command does
+# (start_process: its own process group, the sandbox, no secrets in its environment),
+# through the launcher, which ties it to boris's death (PR_SET_PDEATHSIG). A thread per
+# server starts it (the kernel ties it to that thread) and reads it: it answers the
+# server's requests (unanswered, pyright never publishes), keeps each document's latest
+# diagnostics, drops a report for an older version than the latest change, and restarts a
+# server that ended once. An edit compares the file's diagnostics before and after by
+# (source, code, message) counts, not positions (inserted lines shift every line below),
+# waiting --lsp-wait seconds at most; what comes later goes with the next edit's answer.
+
+# language: "its extensions|its usual servers|..." (the first on PATH wins); clangd's
+# background index would land in the workspace (.cache/clangd)
+LSP_LANGUAGES = {
+    "python": "py pyi|pyright-langserver --stdio|basedpyright-langserver --stdio|pylsp",
+    "typescript": "ts tsx js jsx mjs cjs|typescript-language-server --stdio",
+    "c": "c h cc cpp cxx hpp|clangd --background-index=false",
+    "go": "go|gopls", "rust": "rs|rust-analyzer", "shell": "sh bash|bash-language-server start"}
+# extension: its languageId, where that is not its language's name
+LSP_IDS = {"tsx": "typescriptreact", "js": "javascript", "jsx": "javascriptreact",
+           "mjs": "javascript", "cjs": "javascript", "sh": "shellscript", "bash": "shellscript"}
+LSP_IDLE_S = 1800                          # a server unused this long is stopped
+LSP_MAX_RSS = 2 << 30                      # a server whose process group holds more is stopped
+LSP_MAX_MESSAGE = 64 << 20                 # a longer message from a server is garbage
+LSP_SHOWN = 5                              # new problems an answer names at most
+
+
+def lsp_uri(real):
+    """The file: URI of a real path."""
+    import pathlib
+    return pathlib.Path(real).as_uri()
+
+
+def lsp_read(f):
+    """The next message on a server's stdout (a dict); None at its end; ValueError for
+    anything else (garbage)."""
+    length = None
+    while True:
+        line = f.readline(1024)
+        if not line:
+            return None
+        if not line.strip():
+            break
+        name, colon, value = line.partition(b":")
+        if not colon or not line.endswith(b"\n"):
+            raise ValueError("a header line that is none: %r" % line[:40])
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    if length is None or not 0 < length <= LSP_MAX_MESSAGE:
+        raise ValueError("a message without a usable Content-Length")
+    body = f.read(length)
+    msg = json.loads(body) if len(body) == length else None
+    if msg is not None and not isinstance(msg, dict):
+        raise ValueError("a message that is no JSON object")
+    return msg
+
+
+def group_rss(pgid):
+    """Bytes resident in process group `pgid` (0 where /proc cannot tell)."""
+    total = 0
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        try:
+            with open("/proc/%s/stat" % name, "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+            total += int(fields[21]) * (int(fields[2]) == pgid)
+        except (OSError, ValueError, IndexError):
+            continue                        # not a process, or gone meanwhile
+    return total * os.sysconf("SC_PAGE_SIZE")
+
+
+class LangServer:
+    """One language server for a language and a root: its process (started, restarted once,
+    read by its own thread), the documents it was told of ({uri: [version, text, the serial
+    of the last change]}) and the diagnostics it last gave for each ({uri: (serial, list)})."""
+
+    def __init__(self, argv, root, sandbox, environ):
+        self.argv, self.root, self.sandbox, self.environ = argv, root, sandbox, environ
+        self.cond = threading.Condition()
+        self.docs, self.reports, self.pulls, self.owed = {}, {}, {}, {}
+        self.serial, self.ids, self.proc, self.closed = 0, 0, None, False
+        self.ready, self.held = False, []       # messages held until initialize is answered
+        self.lives, self.used, self.pull = 2, time.monotonic(), False
+        self.name = os.path.basename(argv[0])
+        threading.Thread(target=self.run, daemon=True, name="boris-lsp").start()
+
+    def run(self):
+        """Start the server, read it to its end, start it once more after a crash."""
+        while self.lives and not self.closed:
+            self.lives -= 1
+            why = self.serve()
+            if not self.closed:
+                log("warn" if not self.lives else "info", "language server %s ended (%s)%s"
+                    % (self.name, why, "; restarted" if self.lives else "; given up"))
+        with self.cond:
+            self.closed = True                      # what waits for it waits no more
+            self.cond.notify_all()
+
+    def serve(self):
+        """One life of the server: start it, say initialize, take its messages until its end
+        or garbage; then its group is killed and reaped. Why it ended, in words."""
+        try:
+            proc = start_process(self.argv, self.root, self.sandbox, "pipe", self.environ, True)
+        except OSError as e:
+            self.lives = 0
+            return "it could not start: %s" % (e.strerror or e)
+        out = queue.Queue()
+        with self.cond:
+            self.proc, self.out = proc, out
+        for target, arg in ((lsp_drain, proc.stderr), (lsp_write, (proc.stdin, out))):
+            threading.Thread(target=target, args=(arg,), daemon=True, name="boris-lsp").start()
+        self.write({"id": 0, "method": "initialize", "params": {
+            "processId": os.getpid(), "rootUri": lsp_uri(self.root), "capabilities": {
+                "textDocument": {"publishDiagnostics": {"versionSupport": True},
+                                 "diagnostic": {}}}}})
+        try:
+            while True:
+                msg = lsp_read(proc.stdout)
+                if msg is None:
+                    return "its output ended"
+                self.take(msg)
+        except Exception as e:              # whatever it sent, boris goes on
+            return "it spoke garbage: %s" % shorten(str(e), 80)
+        finally:
+            out.put(None)
+            signal_group(proc, signal.SIGKILL)
+            proc.wait()
+            kill_leftovers(proc)
+            close_pipes(proc)
+            with self.cond:
+                self.proc, self.ready, self.held = None, False, []
+                self.docs.clear()
+                self.reports.clear()
+
+    def write(self, msg):
+        """Queue a message for the server (its writer thread sends it: a server that reads
+        nothing stalls no one)."""
+        body = json.dumps(dict(msg, jsonrpc="2.0")).encode("utf-8", "surrogateescape")
+        self.out.put(b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    def send(self, msg):
+        """Write, or hold until the server has answered initialize (call with cond held)."""
+        if self.ready:
+            self.write(msg)
+        else:
+            self.held.append(msg)
+
+    def take(self, msg):
+        """One message from the server: its request answered (null, or a null per
+        configuration item), a document's diagnostics kept, a response kept."""
+        method, rid, params = msg.get("method"), msg.get("id"), msg.get("params") or {}
+        if method is not None and rid is not None:
+            self.write({"id": rid, "result": [None] * len(params["items"])
+                        if method == "workspace/configuration" else None})
+            return
+        with self.cond:
+            self.serial += 1
+            if method == "textDocument/publishDiagnostics":
+                self.report(params["uri"], params.get("version"), params["diagnostics"])
+            elif rid == 0 and not self.ready:
+                self.pull = "diagnosticProvider" in msg["result"]["capabilities"]
+                self.ready = True
+                self.write({"method": "initialized", "params": {}})
+                for held in self.held:
+                    self.write(held)
+                for uri, doc in self.docs.items():
+                    self.ask(uri, doc[0])
+            elif rid in self.pulls:
+                uri, version = self.pulls.pop(rid)
+                items = (msg.get("result") or {}).get("items")
+                if items is not None:
+                    self.report(uri, version, items)
+            self.cond.notify_all()
+
+    def ask(self, uri, version):
+        """Pull a document's diagnostics, where the server offers that, once a version."""
+        if self.pull and (uri, version) not in self.pulls.values():
+            self.ids += 1
+            self.pulls[self.ids] = (uri, version)
+            self.send({"id": self.ids, "method": "textDocument/diagnostic",
+                       "params": {"textDocument": {"uri": uri}}})
+
+    def report(self, uri, version, diagnostics):
+        """Keep a document's diagnostics unless they are for an older version than its latest."""
+        doc = self.docs.get(uri)
+        if doc is not None and (version is None or version >= doc[0]):
+            self.reports[uri] = (self.serial, list(diagnostics)[:1000])
+
+    def diagnostics(self, uri, lang_id, text, deadline):
+        """The server's diagnostics for the document `uri` holding `text` (sent as didOpen or
+        didChange when it is not what the server has), waited for until `deadline`; None
+        when no fresh report came by then."""
+        with self.cond:
+            self.used, doc = time.monotonic(), self.docs.get(uri)
+            if doc is None:
+                self.docs[uri] = doc = [1, text, self.serial]
+                self.send({"method": "textDocument/didOpen", "params": {"textDocument": {
+                    "uri": uri, "languageId": lang_id, "version": 1, "text": text}}})
+            elif doc[1] != text:
+                doc[0], doc[1], doc[2] = doc[0] + 1, text, self.serial
+                self.send({"method": "textDocument/didChange", "params": {
+                    "textDocument": {"uri": uri, "version": doc[0]},
+                    "contentChanges": [{"text": text}]}})
+
+            def fresh():
+                return self.reports.get(uri, (-1,))[0] > doc[2] or self.closed
+            if not fresh():
+                self.ask(uri, doc[0])
+            self.cond.wait_for(fresh, max(0, deadline - time.monotonic()))
+            return self.reports[uri][1] if self.reports.get(uri, (-1,))[0] > doc[2] else None
+
+    def close(self):
+        """Stop the server: `exit` (no params: TypeScript 7's server ignores a null), then its
+        whole process group."""
+        with self.cond:
+            self.closed, proc = True, self.proc
+            if proc is not None:
+                self.write({"method": "exit"})
+        if proc is not None:
+            signal_group(proc, signal.SIGKILL)
+
+
+def lsp_drain(f):
+    """Read a server's stderr to its end: unread, it would fill and stall the server."""
+    while f.read1(65536):
+        pass
+
+
+def lsp_write(args):
+    """Send a server its queued messages until None (its end), or its stdin breaks."""
+    f, out = args
+    try:
+        for data in iter(out.get, None):
+            f.write(data)
+            f.flush()
+    except (OSError, ValueError):
+        pass                                        # the server is gone: its reader says why
+
+
+def lsp_words(name, shown, before, after):
+    """The lines an answer gets from a file's diagnostics before and after a change: the
+    problems new by (source, code, message) counts, errors first, warnings only while few,
+    hints and "unnecessary" tags never, at most LSP_SHOWN; and how many errors went."""
+    def key(d):
+        return d.get("source"), str(d.get("code")), d.get("message")
+
+    def severity(d):
+        return d.get("severity") or 1
+    def kept(ds):
+        return sorted((d for d in ds if severity(d) <= 2 and 1 not in (d.get("tags") or ())),
+                      key=severity)
+    after, before = kept(after), kept(before)
+    new = Counter(map(key, after)) - Counter(map(key, before))
+    fresh = []
+    for d in after:
+        if new[key(d)] > 0:
+            new[key(d)] -= 1
+            fresh.append(d)
+    gone = sum((Counter(map(key, before)) - Counter(map(key, after))).values())
+    lines = ["  %d:%d %s [%s%s] %s" % (
+        d["range"]["start"]["line"] + 1, d["range"]["start"]["character"] + 1,
+        "error" if severity(d) == 1 else "warning", d.get("source") or name,
+        " %s" % d["code"] if d.get("code") is not None else "",
+        shorten(" ".join(str(d.get("message")).split()), 300)) for d in fresh[:LSP_SHOWN]]
+    if len(fresh) > LSP_SHOWN:
+        lines.append("  ... and %d more" % (len(fresh) - LSP_SHOWN))
+    if not fresh and not gone:
+        return ""
+    return "\n[%s on %s: %s%s]%s" % (
+        name, shown, plural(len(fresh), "new problem") if fresh else "",
+        ("; " if fresh else "") + "%d fixed" % gone if gone else "", "".join(
+            "\n" + line for line in lines))
+
+
+class LangServers:
+    """The language servers of one McpServer, by (language, root), started on first use;
+    nothing at start-up."""
+
+    def __init__(self, config, policy, sandbox):
+        self.config, self.sandbox = config, sandbox
+        self.roots = policy.allow or [policy.workdir]
+        self.named = dict(item.partition("=")[::2] for item in config.lsp if "=" in item)
+        self.off = "off" in config.lsp
+        self.found, self.servers, self.lock = {}, {}, threading.Lock()
+
+    def command(self, lang):
+        """The argv of the server for `lang` (--lsp, else the first usual one on PATH), or None."""
+        import shlex
+        import shutil
+        if lang not in self.found:
+            found = None
+            for line in ([self.named[lang]] if lang in self.named
+                         else LSP_LANGUAGES[lang].split("|")[1:]):
+                argv = shlex.split(line)
+                path = shutil.which(argv[0]) if argv else None
+                if path and not self.off:
+                    found = [path] + argv[1:]
+                    break
+            self.found[lang] = found
+        return self.found[lang]
+
+    def server(self, real):
+        """(the server for file `real`, its languageId), started when new; None without one."""
+        ext = os.path.splitext(real)[1][1:].lower()
+        lang = next((k for k, v in LSP_LANGUAGES.items() if ext in v.split("|")[0].split()), None)
+        root = next((r for r in self.roots if is_within(real, r)), None)
+        if lang is None or root is None or not self.command(lang):
+            return None
+        with self.lock:
+            for key, s in list(self.servers.items()):
+                if time.monotonic() - s.used > LSP_IDLE_S:
+                    s.close()
+                    del self.servers[key]
+            s = self.servers.get((lang, root))
+            if s is None:
+                environ = dict(command_environ(self.config), PYTHONDONTWRITEBYTECODE="1")
+                s = self.servers[lang, root] = LangServer(self.command(lang), root, self.sandbox,
+                                                          environ)
+        return s, LSP_IDS.get(ext, lang)
+
+    def warm(self, real):
+        """Tell the server of file `real` (a view or outline of it): it starts when new."""
+        found, limit = self.server(real), self.config.max_file_size
+        try:
+            with open(real, "rb") as f:
+                text = f.read(limit + 1).decode("utf-8", "replace") if found else ""
+        except OSError:
+            return                                   # the tool says what is wrong with it
+        if found and len(text) <= limit:
+            found[0].diagnostics(lsp_uri(real), found[1], text, 0)
+
+    def verdicts(self, todo):
+        """What an edit's answer ends with: for each file it wrote, the problems it brought
+        in (and fixed) by its server, waited for --lsp-wait seconds in all."""
+        deadline, said = time.monotonic() + self.config.lsp_wait, []
+        for real, shown, data, before, _ in todo:            # FileEdit records
+            found = data is not None and self.server(real)
+            if not found:
+                continue
+            s, uri = found[0], lsp_uri(real)
+            if s.proc is not None and group_rss(s.proc.pid) > LSP_MAX_RSS:
+                signal_group(s.proc, signal.SIGKILL)     # over the bound: restarted once
+            base = [] if before is None else s.diagnostics(
+                uri, found[1], before.decode("utf-8", "replace"), deadline)
+            owed = s.owed.pop(uri, None)
+            if owed is not None and base is not None:       # the edit before's, come late
+                said.append(lsp_words(s.name, shown + " (the edit before)", owed, base))
+            base = owed if base is None else base
+            after = s.diagnostics(uri, found[1], data.decode("utf-8", "replace"), deadline)
+            if after is None:
+                if base is not None:
+                    s.owed[uri] = base
+                said.append("\n[%s on %s: not known yet after %g s; said with the next edit's"
+                            " answer]" % (s.name, shown, self.config.lsp_wait))
+            elif base is not None:
+                said.append(lsp_words(s.name, shown, base, after))
+        return "".join(said)
+
+    def close(self):
+        """Stop every server."""
+        with self.lock:
+            for s in self.servers.values():
+                s.close()
+            self.servers.clear()
+
 
 ###############################################################################
 # Web #########################################################################
@@ -9775,15 +10184,16 @@ class GitIndex:
         """Whether git changes bytes between this work tree and its blobs (then nothing is
         taken from the index): core.autocrlf, or an attribute that converts in a tracked
         .gitattributes, the repository's info/attributes or the user's attributes file."""
-        import subprocess
         try:
-            out = subprocess.run(
+            code, out, _ = run_program(
                 [self.git, "--git-dir", self.gitdir, "config", "--get-regexp",
                  r"^(core\.autocrlf|core\.attributesfile|extensions\.objectformat|filter\..*)$"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                env=child_environ(only=HELPER_ENV), timeout=10).stdout.decode("utf-8", "replace")
-        except (OSError, subprocess.SubprocessError):
+                "/", 10)
+        except OSError:
             return True
+        if code not in (0, 1):                        # 1: none of them set
+            return True
+        out = out.decode("utf-8", "replace")
         settings = dict(line.partition(" ")[::2] for line in out.lower().splitlines())
         if (settings.get("core.autocrlf", "false") != "false"
                 or settings.get("extensions.objectformat", "sha1") != "sha1"):
@@ -10773,8 +11183,9 @@ class CallContext:
     server's HelperPool, where searches and wait_for matches run, and its FileGuards."""
 
     def __init__(self, config, policy, cancelled=None, progress=None, helpers=None, client="",
-                 sandbox=None, files=None):
+                 sandbox=None, files=None, lsp=None):
         self.config = config
+        self.lsp = lsp                          # the server's LangServers (None: no verdicts)
         self.files = files or FileGuards()      # edit locks: the server's, shared by its sessions
         self.policy = policy
         self.helpers = helpers
@@ -11208,6 +11619,8 @@ def tool_view(session, args, ctx):
                             "view_range applies to files, and %s is a directory" % shown)
         return list_tree(real, ctx.policy, shown)
     limit, note = ctx.config.max_file_size, ""
+    if ctx.lsp:
+        ctx.lsp.warm(real)
     with os.fdopen(fd, "rb") as fh:
         if st.st_size > limit:
             raise ToolError(FILE_TOO_LARGE, "%s is %s; the limit is %s (--max-file-size). Use grep"
@@ -11426,6 +11839,8 @@ def tool_outline(session, args, ctx):
     if not root.is_dir and Outline.language(root.real) is None:
         raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension: %s);"
                         " view or grep it instead" % (shown, OUTLINE_LANGUAGES))
+    if ctx.lsp and not root.is_dir:
+        ctx.lsp.warm(root.real)
     items, why = ctx.helpers.run({"op": "outline", "root": root, "policy": policy_spec(ctx.policy),
                                   "max_size": ctx.config.max_file_size,
                                   "page": [offset, search_cap(ctx) - 400]},
@@ -12337,7 +12752,8 @@ def write_edit(session, ctx, tool, changes, dry_run=False):
     if undo and tool != "undo_edit":
         session.remember_edit(tool, keep_for_undo(session, undo))
     return note + "".join(parse_warning(c.real, c.before, c.data)
-                          for c in undoable if c.data is not None)
+                          for c in undoable if c.data is not None) + (
+        ctx.lsp.verdicts(todo) if ctx.lsp else "")
 
 
 def write_files(session, ctx, todo, known):
@@ -15112,6 +15528,7 @@ class McpServer:
             self.proxy = EgressProxy(self.sandbox.domains)
             self.sandbox.proxy_port = self.proxy.port
         self.helpers = HelperPool(avoid=self.sandbox.writable)
+        self.lsp = LangServers(config, policy, self.sandbox)
         self.files = FileGuards()
         # every session's checkpoints keep bytes here
         self.store = Store(config, policy.allow or [policy.workdir])
@@ -15122,6 +15539,7 @@ class McpServer:
         """Kill every helper process this server started (sessions close their own), remove
         the checkpoint store."""
         self.helpers.close()
+        self.lsp.close()
         self.store.close()
         self.sandbox.close()
         if self.proxy is not None:
@@ -15286,7 +15704,7 @@ class McpServer:
         progress = (self.progress_sender(token, emit)
                     if isinstance(token, (str, int)) and echoable(token) else None)
         ctx = CallContext(self.config, self.policy, cancelled, progress, self.helpers,
-                          self.client_name(meta, session), self.sandbox, self.files)
+                          self.client_name(meta, session), self.sandbox, self.files, self.lsp)
 
         def run():
             # made here too: a client may skip notifications/initialized, and checkpoints and
@@ -16231,6 +16649,10 @@ def check_main(config, policy, sandbox):
         ctx = CallContext(config, policy, helpers=server.helpers, sandbox=sandbox)
         glob = McpServer.run_tool(server.tools["glob"], session,
                                   {"pattern": "*", "path": roots[0]}, ctx)
+        servers = ["%s: %s (%s)" % (lang, " ".join(argv), (run_program(
+            argv[:1] + ["--version"], "/", 10)[1].decode("utf-8", "replace").strip().splitlines()
+            or ["its version unknown"])[0]) for lang, argv in (
+                (lang, server.lsp.command(lang)) for lang in LSP_LANGUAGES) if argv]
     finally:
         session.close()
         server.close()
@@ -16256,6 +16678,8 @@ def check_main(config, policy, sandbox):
             ("git", shutil.which("git")
              or "not found: checkpoints keep every file's bytes themselves"),
             ("shell", SHELL),
+            ("lsp", "; ".join(servers) or ("off" if "off" in config.lsp else
+                                            "none found on PATH (--lsp names one)")),
             ("ssl", "yes" if importable("ssl") else "no: web_fetch cannot fetch https"),
             ("ctypes", "yes" if importable("ctypes") else "no: no sandbox, no inotify; commands may"
              " read the server's environment, and daemons they leave run on")]

