@@ -608,6 +608,34 @@ def host_allowed(host, allowed):
     return any(host == a or a.startswith("*.") and fnmatch.fnmatchcase(host, a) for a in allowed)
 
 
+def unknown_argument(arg):
+    """The ConfigError for an argument no flag takes: a flag's near miss is named."""
+    if not arg.startswith("--"):
+        return ConfigError("unexpected argument %r (flags start with --; see --help)" % arg)
+    import difflib
+    name = arg[2:].partition("=")[0]
+    near = difflib.get_close_matches(name, [row[0] for row in FLAGS], 1, 0.6)
+    return ConfigError("unknown flag --%s (%ssee --help for the list)" % (
+        name, "did you mean --%s? " % near[0] if near else ""))
+
+
+def set_flag(config, row, environ):
+    """Set one FLAGS row's typed value on config: the flag given, else its environment
+    variable, else the default (ConfigError naming where a bad value came from)."""
+    flag, env, default, kind, _ = row
+    name = flag.replace("-", "_")
+    given = getattr(config, name)
+    if given and None in given:
+        raise ConfigError("flag --%s needs a value" % flag)
+    from_env = not given and environ.get(env)
+    raws = given or ([environ[env]] if from_env else [default] if default else [])
+    try:
+        setattr(config, name, flag_value(kind, raws))
+    except ValueError as e:
+        raise ConfigError("invalid value %r for --%s: %s%s" % (
+            raws[-1], flag, e, " (from environment variable %s)" % env if from_env else ""))
+
+
 def parse_config(argv, environ):
     """Build a Config from argv and environ; raise ConfigError on any bad value.
 
@@ -616,25 +644,9 @@ def parse_config(argv, environ):
     raise SystemExit(0) after printing (to stdout: the protocol has not started)."""
     config, unknown = flag_parser().parse_known_args(argv, Config())
     if unknown:
-        import difflib
-        arg = unknown[0]
-        name = arg[2:].partition("=")[0]
-        near = difflib.get_close_matches(name, [row[0] for row in FLAGS], 1, 0.6)
-        raise ConfigError("unknown flag --%s (%ssee --help for the list)" % (
-            name, "did you mean --%s? " % near[0] if near else "") if arg.startswith("--") else
-            "unexpected argument %r (flags start with --; see --help)" % arg)
-    for flag, env, default, kind, _ in FLAGS:
-        name = flag.replace("-", "_")
-        given = getattr(config, name)
-        if given and None in given:
-            raise ConfigError("flag --%s needs a value" % flag)
-        from_env = not given and environ.get(env)
-        raws = given or ([environ[env]] if from_env else [default] if default else [])
-        try:
-            setattr(config, name, flag_value(kind, raws))
-        except ValueError as e:
-            raise ConfigError("invalid value %r for --%s: %s%s" % (
-                raws[-1], flag, e, " (from environment variable %s)" % env if from_env else ""))
+        raise unknown_argument(unknown[0])
+    for row in FLAGS:
+        set_flag(config, row, environ)
     if config.token_file:
         if config.token:
             raise ConfigError("--token and --token-file exclude each other: give one of them")
