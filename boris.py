@@ -9900,6 +9900,12 @@ class Listing:
         return (self.old if packed == self.old else packed), self.all_reusable
 
 
+# What a walk hands a waiter that waited CHECKPOINT_WAIT_S: the walk so far (the ask it answers)
+WalkPart = namedtuple("WalkPart", "ask dirs size missed")
+# The state a walk's skips are judged by: watch events taken, ignore stacks above the roots
+WalkMark = namedtuple("WalkMark", "generation stacks")
+
+
 class Checkpoint:
     """One state of the workspace: `dirs` {directory: its children, packed (pack_children)}
     (a file over --max-file-size or past the budget has digest None: not covered), how many
@@ -9975,8 +9981,7 @@ class Checkpoints:
         self.scanner = False                      # the scanning thread runs
         # a waiter for this ask waited CHECKPOINT_WAIT_S: hand it a part
         self.want_part = 0
-        # that part: (the ask it answers, dirs, size, missed) so far, handed over
-        self.part = None
+        self.part = None                          # that part (a WalkPart), handed over
         self.handed = False                       # the walk in progress handed a part over
         # the ask the walk in progress answers, and when it began
         self.walk_for, self.walk_began = 0, 0.0
@@ -9992,8 +9997,8 @@ class Checkpoints:
             repo = GitIndex.of(root)
             if repo is not None and all(r.top != repo.top for r in self.repos):
                 self.repos.append(repo)
-        # (watch events taken, ignore stacks above the roots) when the last scan found all it
-        # walked watched and unchanged: the same mark again means nothing changed since
+        # the WalkMark when the last scan found all it walked watched and unchanged: the same
+        # mark again means nothing changed since
         self.whole_mark = None
         self.linked = set()                       # (dev, inode) of files seen with other hard links
         # the ignore stacks above the roots when the last walk watched every directory it entered:
@@ -10069,10 +10074,9 @@ class Checkpoints:
             try:
                 while not self.closed:
                     # what the walk had: a checkpoint
-                    if self.part is not None and self.part[0] >= target:
-                        _, dirs, size, missed = self.part
-                        self.part = None
-                        self.record(Checkpoint(self.count + 1, dirs, size, missed,
+                    if self.part is not None and self.part.ask >= target:
+                        part, self.part = self.part, None
+                        self.record(Checkpoint(self.count + 1, part.dirs, part.size, part.missed,
                                                "the rest was not walked within %g s (the next"
                                                " checkpoint covers it)" % CHECKPOINT_WAIT_S))
                         break
@@ -10236,7 +10240,8 @@ class Checkpoints:
         with self.cond:
             if 0 < self.want_part <= self.walk_for and self.part is None and not self.handed \
                     and size and time.monotonic() - self.walk_began >= CHECKPOINT_PART_MIN_S:
-                self.part, self.handed = (self.walk_for, so_far(), size, list(missed)), True
+                self.part = WalkPart(self.walk_for, so_far(), size, list(missed))
+                self.handed = True
                 self.want_part = 0
                 self.cond.notify_all()
         return self.stopped.is_set() or cancelled.is_set()
@@ -10254,23 +10259,24 @@ class Checkpoints:
             return None                                      # closed meanwhile
         self.cache.refresh()
         w = self.cache.watches
-        mark = (w.generation,
-                [self.cache.outer(root) for root in self.roots]) if w is not None else None
-        if self.list and self.whole_mark is not None and mark[0] == self.whole_mark[0] \
-                and all(map(same_objects, mark[1], self.whole_mark[1])):
+        mark = None if w is None else WalkMark(w.generation,
+                                               [self.cache.outer(root) for root in self.roots])
+        last = self.whole_mark
+        if self.list and last is not None and mark.generation == last.generation and all(
+                map(same_objects, mark.stacks, last.stacks)):
             # no event since a scan that watched all of it
             return None
         for repo in self.repos:
             repo.refresh(self.give_way if background else None)
         prune = self.prune_stacks is not None and not self.base.partial and all(
-            map(same_objects, mark[1], self.prune_stacks))
+            map(same_objects, mark.stacks, self.prune_stacks))
         checkpoint, visited, looked, unwatched = self.walk_roots(background, cancelled, prune)
         if checkpoint is None:
             return None                                      # closed or cancelled: nothing to keep
         if w is not None:
             # (quiet from now on: this walk is the base)
             w.quiet.update(looked)
-            self.prune_stacks = (mark[1] if not checkpoint.partial
+            self.prune_stacks = (mark.stacks if not checkpoint.partial
                                  and all(map(w.of.__contains__, visited)) else None)
         if not checkpoint.partial:
             for repo in self.repos:
