@@ -6052,51 +6052,67 @@ def pdf_mul(a, b):
             a[4] * b[0] + a[5] * b[2] + b[4], a[4] * b[1] + a[5] * b[3] + b[5]]
 
 
+# A string drawn on a page: where it starts and ends in page space, its size there, and
+# whether its font writes down a column
+PdfRun = namedtuple("PdfRun", "x y end_x end_y size text vertical")
+
+
+def pdf_spaced(last, run):
+    """Whether `run` follows the run `last` on its line with a space between (a gap along
+    last's direction of more than a tenth of their size); None when it starts a new line."""
+    dx, dy = last.end_x - last.x, last.end_y - last.y
+    length = (dx * dx + dy * dy) ** 0.5
+    if length < 1e-6:
+        dx, dy, length = (0.0, -1.0, 1.0) if run.vertical else (1.0, 0.0, 1.0)
+    ux, uy = dx / length, dy / length
+    gx, gy = run.x - last.end_x, run.y - last.end_y
+    along, across = gx * ux + gy * uy, abs(gy * ux - gx * uy)
+    h = max(run.size, last.size)
+    if across < 0.6 * h and -0.6 * h < along < 40 * h:
+        return along > 0.1 * h
+    return None
+
+
 def pdf_lines(runs):
-    """Runs (x, y, end x, end y, size, text, vertical) as lines of text: a run goes on the
-    line before it when it goes on along that line's direction (a gap of more than a
-    tenth of its size is a space), else it starts a new line. Lines are then put in
+    """PdfRuns as lines of text: a run goes on the line before it when it goes on along that
+    line's direction (pdf_spaced), else it starts a new line. Lines are then put in
     reading order (pdf_reading_order); a right-to-left line whose runs run left to right
     is turned to read (pdf_bidi)."""
     lines, line, last, back, box = [], [], None, 0, None
-    for x, y, ex, ey, size, text, vertical in runs:
+    for run in runs:
+        x, y, ex, ey, size, text, vertical = run
         # a space drawn alone starts no line; with a width, it is one
         if text.isspace():
             if line and not line[-1][-1:].isspace() and abs(ex - x) + abs(ey - y) > 0.01 * size:
                 line.append(" ")
             continue
-        if last is not None:
-            lx, ly, lex, ley, lsize = last
-            dx, dy = lex - lx, ley - ly
-            length = (dx * dx + dy * dy) ** 0.5
-            if length < 1e-6:
-                dx, dy, length = (0.0, -1.0, 1.0) if vertical else (1.0, 0.0, 1.0)
-            ux, uy = dx / length, dy / length
-            gx, gy = x - lex, y - ley
-            along, across = gx * ux + gy * uy, abs(gy * ux - gx * uy)
-            h = max(size, lsize)
-            if across < 0.6 * h and -0.6 * h < along < 40 * h:
-                if along > 0.1 * h and not line[-1][-1:].isspace() and not text[:1].isspace():
-
-                    line.append(" ")
-            else:
-                lines.append(("".join(line), back, box))
-                line, back, box = [], 0, None
+        spaced = pdf_spaced(last, run) if last is not None else False
+        if spaced is None:
+            lines.append(("".join(line), back, box))
+            line, back, box = [], 0, None
+        elif spaced and not line[-1][-1:].isspace() and not text[:1].isspace():
+            line.append(" ")
         line.append(text)
         if ex < x and abs(ex - x) > abs(ey - y):
             # drawn right to left: already in reading order
             back += len(text)
         x0, x1 = (x - 0.5 * size, x + 0.5 * size) if vertical else (min(x, ex), max(x, ex))
-        run = (x0, x1, min(y, ey) - 0.2 * size, max(y, ey) + 0.8 * size)
-        box = run if box is None else (min(box[0], run[0]), max(box[1], run[1]),
-                                       min(box[2], run[2]), max(box[3], run[3]))
-        last = (x, y, ex, ey, size)
+        span = (x0, x1, min(y, ey) - 0.2 * size, max(y, ey) + 0.8 * size)
+        box = span if box is None else (min(box[0], span[0]), max(box[1], span[1]),
+                                        min(box[2], span[2]), max(box[3], span[3]))
+        last = run
     if line:
         lines.append(("".join(line), back, box))
-    lines = [lines[i] for i in pdf_reading_order([b for _, _, b in lines])]
-    text = "\n".join(pdf_bidi(" ".join(l.split())) if 2 * back < len(l) else " ".join(l.split())
-                     for l, back, _ in lines).strip("\n")
+    order = pdf_reading_order([b for _, _, b in lines])
+    text = "\n".join(pdf_line(*lines[i][:2]) for i in order).strip("\n")
     return text.translate(PDF_LIGATURES)
+
+
+def pdf_line(text, back):
+    """A line's text, spaces collapsed; read by pdf_bidi unless `back` (the characters drawn
+    right to left) is half of it or more."""
+    line = " ".join(text.split())
+    return pdf_bidi(line) if 2 * back < len(text) else line
 
 
 def pdf_reading_order(boxes):
@@ -7193,8 +7209,8 @@ class Pdf(PdfParser):
                 size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", self.entry(annot, "DA", bytes) or b"")
                 size = float(size.group(1)) if size and float(size.group(1)) > 0 else 12.0
                 for k, line in enumerate(pdf_text_string(value).splitlines()):
-                    runs.append((x, y - k * size, x + 0.5 * size * len(line), y - k * size, size,
-                                 line, False))
+                    runs.append(PdfRun(x, y - k * size, x + 0.5 * size * len(line),
+                                       y - k * size, size, line, False))
             elif isinstance(normal, PdfStream):
                 self.run(b"/ap Do", {"XObject": {"ap": normal}}, [1, 0, 0, 1, x, y], runs, 0, set())
 
@@ -7307,9 +7323,10 @@ class Pdf(PdfParser):
                 m1 = pdf_mul(st.tm, ctm)
                 scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
                 if text:
-                    st.runs.append((x0, y0, m1[4] + (rise * m1[2] if not font.vertical else 0),
-                                    m1[5] + (rise * m1[3] if not font.vertical else 0),
-                                    abs(scale) or 1.0, text, font.vertical))
+                    st.runs.append(PdfRun(
+                        x0, y0, m1[4] + (rise * m1[2] if not font.vertical else 0),
+                        m1[5] + (rise * m1[3] if not font.vertical else 0),
+                        abs(scale) or 1.0, text, font.vertical))
             elif isinstance(item, (int, float)):
                 shift = -item / 1000.0 * size * th
                 if font.vertical:                           # a positive number moves down
