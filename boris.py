@@ -11135,12 +11135,8 @@ def tool_view(session, args, ctx):
     notebook that is not valid JSON is shown as text after a note."""
     shown, vr = args["path"], args.get("view_range")
     real = resolve_checked(session, ctx, shown)
-    if vr is not None and vr[0] < 1:
-        raise ToolError(INVALID_INPUT,
-                        "view_range start %d is below 1; lines are numbered from 1" % vr[0])
-    if vr is not None and vr[1] != -1 and vr[1] < vr[0]:
-        raise ToolError(INVALID_INPUT, "view_range [%d, %d] ends before it starts;"
-                        " give start <= end, or end = -1 for the end of the file" % tuple(vr))
+    if vr is not None:
+        check_view_range(vr)
     try:
         fd, st = open_regular(real, shown)
     except ToolError as e:
@@ -11193,6 +11189,17 @@ def tool_view(session, args, ctx):
             raise io_error(e, shown)
     session.mark_viewed(real, seen)
     return text
+
+
+def check_view_range(vr):
+    """ToolError unless view_range [start, end] starts at 1 or later and ends at or after
+    its start (or at -1: the end of the file)."""
+    if vr[0] < 1:
+        raise ToolError(INVALID_INPUT,
+                        "view_range start %d is below 1; lines are numbered from 1" % vr[0])
+    if vr[1] != -1 and vr[1] < vr[0]:
+        raise ToolError(INVALID_INPUT, "view_range [%d, %d] ends before it starts;"
+                        " give start <= end, or end = -1 for the end of the file" % tuple(vr))
 
 
 def document_view(ctx, real, st, shown, vr):
