@@ -13816,17 +13816,22 @@ def tool_bash(session, args, ctx):
     kept = task.follow(session, ctx.cancelled, handoff)
     if kept is None:
         return handed_off(task, ctx, timeout_ms, progress)
+    return ended_answer(session, task, ctx, timeout_ms, kept and (
+        "(not handed off to the background at %g s: %s; it ran in the foreground)"
+        % (handoff, kept)))
+
+
+def ended_answer(session, task, ctx, timeout_ms, kept):
+    """The answer of a command that ended in the foreground: how it ended, its output, and
+    the line `kept` saying why it was not handed off, if any. Its cd moves the session."""
     out, err = task.take()
-    head = [ending_line(task.why, timeout_ms, out, err), describe_exit(proc)]
-    if kept:
-        head.append("(not handed off to the background at %g s: %s; it ran in the foreground)"
-                    % (handoff, kept))
+    head = [ending_line(task.why, timeout_ms, out, err), describe_exit(task.proc), kept]
     if task.cwd and task.cwd != session.get_cwd() and os.path.isdir(task.cwd):
         session.set_cwd(task.cwd)
         head.append("cwd: %s" % task.cwd)
     head = [line for line in head if line]
     body, notice = render_output(out, err, output_budget(ctx))
-    hint = ctx.sandbox.hint(body) if proc.returncode else ""
+    hint = ctx.sandbox.hint(body) if task.proc.returncode else ""
     return read_on("\n".join(head) + "\n" + body + ("\n" + hint if hint else ""), notice)
 
 
