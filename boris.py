@@ -14755,15 +14755,7 @@ def check_value(name, spec, value, codes=None):
         raise ToolError(INVALID_INPUT, "argument %r must be %s %s, got %s; send it as JSON %s" % (
             name, "an" if kind[0] in "aeiou" else "a", kind, brief(value), kind))
     if kind == "string":
-        if "\x00" in value:
-            raise ToolError(INVALID_INPUT, "argument %r contains a NUL character (\\u0000), which"
-                            " no path, command or file text may hold" % name, detail=name)
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ToolError(INVALID_INPUT, "argument %r holds a lone surrogate (%s at character"
-                            " %d), which is not Unicode text; send valid UTF-8"
-                            % (name, json.dumps(value[e.start]), e.start), detail=name)
+        check_text(name, value)
     elif kind == "integer" and abs(value) > MAX_INT_ARG:
         raise ToolError(INVALID_INPUT, "argument %r is %s, out of range (at most %d either side)"
                         % (name, brief(value), MAX_INT_ARG))
@@ -14779,6 +14771,19 @@ def check_value(name, spec, value, codes=None):
         check_value("%s[%d]" % (name, k), spec.get("items", {}), item)
     if kind == "object" and "properties" in spec:
         check_fields(name + ".", spec, value)
+
+
+def check_text(name, value):
+    """ToolError unless the string argument `name` is text: no NUL, no lone surrogate."""
+    if "\x00" in value:
+        raise ToolError(INVALID_INPUT, "argument %r contains a NUL character (\\u0000), which"
+                        " no path, command or file text may hold" % name, detail=name)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ToolError(INVALID_INPUT, "argument %r holds a lone surrogate (%s at character"
+                        " %d), which is not Unicode text; send valid UTF-8"
+                        % (name, json.dumps(value[e.start]), e.start), detail=name)
 
 
 def check_fields(prefix, schema, args, codes=None):
