@@ -16100,7 +16100,7 @@ def check_main(config, policy, sandbox):
     helpers by a glob), printed; the exit code."""
     import shutil
     server = McpServer(config, policy, sandbox)
-    roots, trials = policy.allow or [policy.workdir], sandbox.trials
+    roots = policy.allow or [policy.workdir]
     session = Session(config)
     try:
         ctx = CallContext(config, policy, helpers=server.helpers, sandbox=sandbox)
@@ -16109,20 +16109,10 @@ def check_main(config, policy, sandbox):
     finally:
         session.close()
         server.close()
-    userns = "yes" if trials.get("a write to a protected .git", "done") != "done" else "not tried"
-    if sandbox.on and not sandbox.protect.enforced:
-        userns = "no: " + sandbox.protect.why
     store, inotify = store_place(roots), Watches().open()
     checkpoints_on = config.checkpoint_budget != 0
     rows = [("boris.py", "%s, Python %s, uid %d"
-             % (__version__, sys.version.split()[0], os.getuid())),
-            ("sandbox", sandbox.describe().partition(": ")[2]
-             + ("" if sandbox.on else "; why: " + sandbox.why)),
-            ("  proven", "; ".join("%s: %s" % (k, v if v == "done" else "refused (%s)" % v)
-                                   for k, v in sorted(trials.items()))
-             or "nothing tried (it is off)"),
-            ("  kernel", "Landlock ABI %d; seccomp filters %s; user namespaces %s" % (
-                landlock_abi(), "yes" if net_filter_available() else "no", userns)),
+             % (__version__, sys.version.split()[0], os.getuid()))] + sandbox_rows(sandbox) + [
             ("checkpoints", "a private store in %s" % store if store and checkpoints_on else
              "off: " + (NO_STORE if checkpoints_on else "--checkpoint-budget off")),
             ("search helpers", glob["content"][0]["text"] if glob["isError"]
@@ -16138,6 +16128,22 @@ def check_main(config, policy, sandbox):
         os.close(inotify)
     sys.stdout.write("".join("%-15s %s\n" % row for row in rows))
     return 0
+
+
+def sandbox_rows(sandbox):
+    """--check's rows of the sandbox: what it is, what its trials proved, what the kernel
+    gives it."""
+    trials = sandbox.trials
+    userns = "yes" if trials.get("a write to a protected .git", "done") != "done" else "not tried"
+    if sandbox.on and not sandbox.protect.enforced:
+        userns = "no: " + sandbox.protect.why
+    return [("sandbox", sandbox.describe().partition(": ")[2]
+             + ("" if sandbox.on else "; why: " + sandbox.why)),
+            ("  proven", "; ".join("%s: %s" % (k, v if v == "done" else "refused (%s)" % v)
+                                   for k, v in sorted(trials.items()))
+             or "nothing tried (it is off)"),
+            ("  kernel", "Landlock ABI %d; seccomp filters %s; user namespaces %s" % (
+                landlock_abi(), "yes" if net_filter_available() else "no", userns))]
 
 
 def main(argv=None, environ=None, after_the_script=False):
