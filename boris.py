@@ -3037,28 +3037,7 @@ def resolve_sandbox(config, policy, abi=None):
     abi = landlock_abi() if abi is None else abi
     network = config.sandbox_network is True            # None: the sandbox decides, and it says off
     domains = config.sandbox_network if isinstance(config.sandbox_network, list) else []
-    why = None                                          # why the kernel cannot give it
-    if not abi:
-        why = ("Landlock is not to be had: this kernel lacks it (Linux 5.13+ with landlock among"
-               " its LSMs), or a seccomp profile (a container's) refuses it")
-        if not sys.platform.startswith("linux"):
-            why = ("the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is"
-                   " not done yet)" % sys.platform)
-        elif not importable("ctypes"):
-            why = ("the sandbox (Landlock) needs Python's ctypes module, which this Python was"
-                   " built without")
-        refusal = "--sandbox %s cannot be honoured: %s" % (mode, why)
-    elif domains and abi < 6:
-        why = ("a domain list needs Landlock ABI 6 (Linux 6.7+: TCP rules and scoped sockets, for"
-               " the proxy's one port); this kernel has ABI %d" % abi)
-        refusal = ("--sandbox-network %s cannot be honoured: %s; pass on or off"
-                   % (",".join(domains), why))
-    elif not network and not net_filter_available():
-        why = ("seccomp filters are not available on this kernel or machine (%s), so Unix sockets"
-               " and UDP could not be cut" % os.uname().machine)
-        refusal = (
-            "--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on"
-            % (mode, why))
+    why, refusal = kernel_refusal(mode, abi, network, domains)
     if why is None:
         sandbox = Sandbox("workspace-write" if mode == "auto" else mode,
                           Sandbox.writable_roots(mode, policy), network, abi, "--sandbox %s" % mode,
@@ -3086,6 +3065,33 @@ def resolve_sandbox(config, policy, abi=None):
         log("warn", "sandbox off: %s; bash commands can write anywhere this user can" % why)
         return Sandbox.off("--sandbox auto: " + why)
     raise ConfigError(refusal)
+
+
+def kernel_refusal(mode, abi, network, domains):
+    """(why this kernel cannot give the sandbox asked for, the line refusing it), or
+    (None, None) when nothing it lacks is known before a probe."""
+    if not abi:
+        why = ("Landlock is not to be had: this kernel lacks it (Linux 5.13+ with landlock among"
+               " its LSMs), or a seccomp profile (a container's) refuses it")
+        if not sys.platform.startswith("linux"):
+            why = ("the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is"
+                   " not done yet)" % sys.platform)
+        elif not importable("ctypes"):
+            why = ("the sandbox (Landlock) needs Python's ctypes module, which this Python was"
+                   " built without")
+        return why, "--sandbox %s cannot be honoured: %s" % (mode, why)
+    if domains and abi < 6:
+        why = ("a domain list needs Landlock ABI 6 (Linux 6.7+: TCP rules and scoped sockets, for"
+               " the proxy's one port); this kernel has ABI %d" % abi)
+        return why, ("--sandbox-network %s cannot be honoured: %s; pass on or off"
+                     % (",".join(domains), why))
+    if not network and not net_filter_available():
+        why = ("seccomp filters are not available on this kernel or machine (%s), so Unix sockets"
+               " and UDP could not be cut" % os.uname().machine)
+        return why, (
+            "--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on"
+            % (mode, why))
+    return None, None
 
 
 def userns_refusal():
