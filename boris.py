@@ -2671,25 +2671,7 @@ def enter_namespaces(net, protect):
     container's root maps its range), so root may still write files of other owners."""
     ctypes, libc = _libc()
     uid, gid = os.geteuid(), os.getegid()
-    mapper = None
-    if uid == 0:
-        go, ready = os.pipe()
-        mapper = os.fork()
-        if mapper == 0:
-            # outside the namespace: only it may map every id
-            os.close(ready)
-            ok = os.read(go, 1) == b"u"
-            try:
-                for name in ("uid_map", "gid_map"):       # every id this namespace has, as itself
-                    with open("/proc/self/" + name) as f:
-                        ids = "".join("%s %s %s\n" % (l.split()[0], l.split()[0], l.split()[2])
-                                      for l in f if l.strip())
-                    with open("/proc/%d/%s" % (os.getppid(), name), "w") as f:
-                        f.write(ids)
-            except (OSError, IndexError):
-                ok = False
-            os._exit(0 if ok else 1)
-        os.close(go)
+    mapper, ready = fork_id_mapper() if uid == 0 else (None, None)
     flags = CLONE_NEWUSER | (CLONE_NEWNET if net else 0) | (CLONE_NEWNS if protect else 0)
     failed = libc.unshare(flags) != 0 and ctypes.get_errno()
     if mapper is not None:
@@ -2715,6 +2697,29 @@ def enter_namespaces(net, protect):
             seal_memory()
     if protect:
         mount_read_only(protect)
+
+
+def fork_id_mapper():
+    """For root: (the pid of a child left outside the namespace about to be made, which
+    alone may map every id into it, the pipe to tell it b"u" once the namespace is there).
+    The child maps every id this namespace has as itself, and exits 0 when it did."""
+    go, ready = os.pipe()
+    mapper = os.fork()
+    if mapper == 0:
+        os.close(ready)
+        ok = os.read(go, 1) == b"u"
+        try:
+            for name in ("uid_map", "gid_map"):
+                with open("/proc/self/" + name) as f:
+                    ids = "".join("%s %s %s\n" % (l.split()[0], l.split()[0], l.split()[2])
+                                  for l in f if l.strip())
+                with open("/proc/%d/%s" % (os.getppid(), name), "w") as f:
+                    f.write(ids)
+        except (OSError, IndexError):
+            ok = False
+        os._exit(0 if ok else 1)
+    os.close(go)
+    return mapper, ready
 
 
 def mount_read_only(paths):
