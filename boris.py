@@ -2600,9 +2600,21 @@ class NetSupervisor:
             if checked is None:
                 return errno.EACCES                 # a socket of the host (or none): refused
             sockaddr = struct.pack("<H", 1) + b"/proc/self/fd/%d\0" % checked
-        pidfd = libc.syscall(SYS_PIDFD_OPEN, pid, 0)
         try:
-            theirs = libc.syscall(SYS_PIDFD_GETFD, pidfd, ctypes.c_int(fd), 0) if pidfd >= 0 else -1
+            return self.connect_theirs(pid, fd, sockaddr)
+        finally:
+            if checked is not None:
+                os.close(checked)
+
+    def connect_theirs(self, pid, fd, sockaddr):
+        """Connect the socket `fd` of process `pid` (a copy of it, taken with pidfd_getfd) to
+        `sockaddr`: 0 once done, else the errno."""
+        ctypes, libc = self.ctypes, self.libc
+        pidfd = libc.syscall(SYS_PIDFD_OPEN, pid, 0)
+        if pidfd < 0:
+            return ctypes.get_errno() or errno.EBADF
+        try:
+            theirs = libc.syscall(SYS_PIDFD_GETFD, pidfd, ctypes.c_int(fd), 0)
             if theirs < 0:
                 return ctypes.get_errno() or errno.EBADF
             try:
@@ -2611,9 +2623,7 @@ class NetSupervisor:
             finally:
                 os.close(theirs)
         finally:
-            for f in (pidfd, checked):
-                if f is not None and f >= 0:
-                    os.close(f)
+            os.close(pidfd)
 
     @staticmethod
     def socket_file(pid, path):
