@@ -5808,19 +5808,7 @@ def pdf_glyph(name):
     """The text of a glyph name (Adobe's names, uniXXXX, uXXXXX, ligatures as a_b);
     None if unknown."""
     if not PDF_NAMES:
-        import unicodedata
-        words = PDF_GLYPHS.split()
-        PDF_NAMES.update((words[i], chr(int(words[i + 1], 16))) for i in range(0, len(words), 2))
-        for c in map(chr, [*range(0xc0, 0x250), *range(0x391, 0x3ca)]):
-            m = re.match(r"(LATIN|GREEK) (CAPITAL|SMALL) LETTER (\w+)(?: WITH (.+))?$",
-                         unicodedata.name(c, ""))
-            accent = PDF_ACCENTS.get(m.group(4) or "") if m else None
-            if accent is not None and (m.group(1) == "GREEK" or len(m.group(3)) == 1):
-                base = m.group(3).lower()
-                base = base.capitalize() if m.group(2) == "CAPITAL" else base
-                PDF_NAMES.setdefault(base + accent, c)
-        for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz":
-            PDF_NAMES[c] = c
+        fill_pdf_names()
     known = PDF_NAMES.get(name)
     if known is not None:
         return known
@@ -5836,6 +5824,24 @@ def pdf_glyph(name):
         return pdf_glyph(base)
     parts = [pdf_glyph(p) for p in name.split("_")] if "_" in name else [None]
     return None if None in parts else "".join(parts)
+
+
+def fill_pdf_names():
+    """Fill PDF_NAMES: PDF_GLYPHS' names, the accented Latin and Greek letters by the
+    names Unicode gives them (Aacute, ccedilla), and the letters themselves."""
+    import unicodedata
+    words = PDF_GLYPHS.split()
+    PDF_NAMES.update((words[i], chr(int(words[i + 1], 16))) for i in range(0, len(words), 2))
+    for c in map(chr, [*range(0xc0, 0x250), *range(0x391, 0x3ca)]):
+        m = re.match(r"(LATIN|GREEK) (CAPITAL|SMALL) LETTER (\w+)(?: WITH (.+))?$",
+                     unicodedata.name(c, ""))
+        accent = PDF_ACCENTS.get(m.group(4) or "") if m else None
+        if accent is not None and (m.group(1) == "GREEK" or len(m.group(3)) == 1):
+            base = m.group(3).lower()
+            base = base.capitalize() if m.group(2) == "CAPITAL" else base
+            PDF_NAMES.setdefault(base + accent, c)
+    for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz":
+        PDF_NAMES[c] = c
 
 
 def pdf_sfnt(data):
