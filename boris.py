@@ -8592,6 +8592,10 @@ HTML_IMPLIED_ENDS = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd"), "dd": ("dt"
 
 
 # -- HTML to Markdown -------------------------------------------------------------
+# An element of the page as HtmlToMarkdown reads it (its text children are str)
+HtmlNode = namedtuple("HtmlNode", "tag attrs children")
+
+
 class HtmlToMarkdown:
     """A page's visible content as Markdown a model reads as the page means it: headings
     '#', lists '- ' and '1. ' (numbered from `start`) with an item's blocks indented under
@@ -8601,14 +8605,14 @@ class HtmlToMarkdown:
     space folded.
 
     html_to_markdown mixes this class into html.parser's HTMLParser (imported there: start-up
-    never pays), whose handlers below build the page as nested [tag, attrs, children] (text as
-    str), end tags implied as browsers imply them for li, p, dt, dd, tr, td, th and option;
+    never pays), whose handlers below build the page as a tree of HtmlNodes, end tags
+    implied as browsers imply them for li, p, dt, dd, tr, td, th and option;
     markdown() then renders that tree."""
 
     def __init__(self, base_url):
         super().__init__()                      # (character references converted)
         self.base_url = base_url
-        self.root = ["#root", {}, []]
+        self.root = HtmlNode("#root", {}, [])
         self.stack, self.title, self.skip, self.in_title = [self.root], [], 0, False
 
     # -- the page as a tree ------------------------------------------------------
@@ -8622,16 +8626,16 @@ class HtmlToMarkdown:
         closes = HTML_IMPLIED_ENDS.get(tag, ())
         if tag in HTML_BLOCK_TAGS and tag not in ("p", "li"):
             closes += ("p",)                             # a block ends an open paragraph
-        while self.stack[-1][0] in closes:
+        while self.stack[-1].tag in closes:
             self.stack.pop()
-        node = [tag, dict(attrs), []]
-        self.stack[-1][2].append(node)
+        node = HtmlNode(tag, dict(attrs), [])
+        self.stack[-1].children.append(node)
         if tag not in HTML_VOID and len(self.stack) < HTML_DEPTH:
             self.stack.append(node)
 
     def handle_startendtag(self, tag, attrs):
         self.handle_starttag(tag, attrs)
-        if self.stack[-1][0] == tag:        # (void elements and #root never stand on the stack)
+        if self.stack[-1].tag == tag:       # (void elements and #root never stand on the stack)
             self.stack.pop()
 
     def handle_endtag(self, tag):
@@ -8642,7 +8646,7 @@ class HtmlToMarkdown:
             self.skip -= tag in HTML_SKIP
             return
         for k in range(len(self.stack) - 1, 0, -1):
-            if self.stack[k][0] == tag:
+            if self.stack[k].tag == tag:
                 del self.stack[k:]
                 return
 
@@ -8650,7 +8654,7 @@ class HtmlToMarkdown:
         if self.in_title:
             self.title.append(data)
         elif not self.skip:
-            self.stack[-1][2].append(data)
+            self.stack[-1].children.append(data)
 
     # -- the tree as Markdown ----------------------------------------------------
     def markdown(self, markup):
@@ -8662,7 +8666,7 @@ class HtmlToMarkdown:
         except Exception:                    # html.parser is lenient; never let a page crash a call
             pass
         try:
-            body = self.blocks(self.root[2])
+            body = self.blocks(self.root.children)
         except RecursionError:
             body = " ".join(html_text(self.root).split())
         body = re.sub(r"\n{3,}", "\n\n", body).strip()
@@ -8717,7 +8721,7 @@ class HtmlToMarkdown:
         paragraphs; blocks are separated by blank lines, except (in a list item) a list
         right after the item's own text, which follows it on the next line."""
         parts = []
-        runs = groupby(nodes, lambda c: isinstance(c, str) or c[0] not in HTML_BLOCK_TAGS)
+        runs = groupby(nodes, lambda c: isinstance(c, str) or c.tag not in HTML_BLOCK_TAGS)
         for is_inline, run in runs:                # inline content, or blocks
             if is_inline:
                 text = "\n".join(line.strip() for line in self.inline(run).split("\n")).strip()
@@ -8727,7 +8731,7 @@ class HtmlToMarkdown:
             for c in run:
                 md = self.block(c)
                 if md.strip():
-                    parts.append((c[0], md))
+                    parts.append((c.tag, md))
         out = ""
         for k, (kind, md) in enumerate(parts):
             tight = item and k and kind in ("ul", "ol") and parts[k - 1][0] == "text"
@@ -8754,7 +8758,7 @@ class HtmlToMarkdown:
         if tag == "hr":
             return "* * *"
         if tag == "table":
-            rows = ([" ".join(self.inline(cell[2]).split()) for cell in row]
+            rows = ([" ".join(self.inline(cell.children).split()) for cell in row]
                     for row in table_rows(node))
             return "\n".join("| %s |" % " | ".join(cells) for cells in rows)
         return self.blocks(children)
@@ -8775,16 +8779,16 @@ class HtmlToMarkdown:
                 if c.strip():
                     items.append((marker, c.strip()))
                 continue
-            if c[0] != "li":
-                md = self.block(c) if c[0] in HTML_BLOCK_TAGS else self.inline([c]).strip()
-                if md and c[0] in ("ul", "ol") and items and items[-1][0]:
+            if c.tag != "li":
+                md = self.block(c) if c.tag in HTML_BLOCK_TAGS else self.inline([c]).strip()
+                if md and c.tag in ("ul", "ol") and items and items[-1][0]:
                     # a list put straight in a list: the item before holds it
                     items[-1] = (items[-1][0], items[-1][1] + "\n" + md)
                 elif md:
                     items.append(("", md))
                 continue
             number += tag == "ol"
-            body = self.blocks(c[2], item=True)
+            body = self.blocks(c.children, item=True)
             loose = loose or "\n\n" in body
             items.append((marker, body))
         lines = []
@@ -8799,7 +8803,7 @@ class HtmlToMarkdown:
 
 def html_text(node):
     """The text of `node` and all below it, as it stands."""
-    return "".join(c if isinstance(c, str) else html_text(c) for c in node[2])
+    return "".join(c if isinstance(c, str) else html_text(c) for c in node.children)
 
 
 def markdown_code(code):
@@ -8828,13 +8832,13 @@ def markdown_escaped(text):
 def table_rows(node):
     """The rows of a table node (in thead, tbody or tfoot too), each a list of its cells."""
     rows = []
-    for c in node[2]:
+    for c in node.children:
         if isinstance(c, str):
             continue
-        if c[0] == "tr":
-            rows.append([cell for cell in c[2]
-                         if not isinstance(cell, str) and cell[0] in ("td", "th")])
-        elif c[0] in ("thead", "tbody", "tfoot"):
+        if c.tag == "tr":
+            rows.append([cell for cell in c.children
+                         if not isinstance(cell, str) and cell.tag in ("td", "th")])
+        elif c.tag in ("thead", "tbody", "tfoot"):
             rows += table_rows(c)
     return rows
 
