@@ -8693,28 +8693,37 @@ class HtmlToMarkdown:
             if tag == "br":
                 out.append("\n")
             elif tag == "a":
-                text = self.inline(children, in_link=True)
-                href = (attrs.get("href") or "").strip()
-                core = " ".join(text.split())
-                if core and href and not href.startswith(("#", "javascript:")):  # edge spaces kept
-                    text = "%s[%s](%s)%s" % (" " * text[:1].isspace(), core, self.destination(href),
-                                             " " * text[-1:].isspace())
-                out.append(text)
+                out.append(self.link(attrs, children))
             elif tag in ("code", "kbd", "samp", "tt") and not pre:
                 out.append(markdown_code(html_text(c)))
             elif tag == "img":
-                alt = " ".join((attrs.get("alt") or "").split())
-                alt = alt.replace("[", "\\[").replace("]", "\\]")
-                src = (attrs.get("src") or "").strip()
-                if src and not src.startswith("data:"):
-                    out.append("![%s](%s)" % (alt, self.destination(src)))
-                elif alt:
-                    out.append(alt)
+                out.append(self.image(attrs))
             elif tag in ("td", "th"):
                 out.append(" %s |" % self.inline(children).strip())
             else:
                 out.append(self.inline(children, pre))
         return "".join(out)
+
+    def link(self, attrs, children):
+        """An a element: [its text](its absolute href), the spaces at its edges kept outside;
+        its text alone without an href, or with one to this page or to script."""
+        text = self.inline(children, in_link=True)
+        href = (attrs.get("href") or "").strip()
+        core = " ".join(text.split())
+        if core and href and not href.startswith(("#", "javascript:")):
+            text = "%s[%s](%s)%s" % (" " * text[:1].isspace(), core, self.destination(href),
+                                     " " * text[-1:].isspace())
+        return text
+
+    def image(self, attrs):
+        """An img element: ![its alt text](its absolute src), its alt text alone without a src
+        (or with a data: one)."""
+        alt = " ".join((attrs.get("alt") or "").split())
+        alt = alt.replace("[", "\\[").replace("]", "\\]")
+        src = (attrs.get("src") or "").strip()
+        if src and not src.startswith("data:"):
+            return "![%s](%s)" % (alt, self.destination(src))
+        return alt
 
     def blocks(self, nodes, item=False):
         """Markdown of a sequence of block and inline nodes: runs of inline content become
