@@ -8800,14 +8800,15 @@ class HtmlToMarkdown:
             body = self.blocks(c.children, item=True)
             loose = loose or "\n\n" in body
             items.append((marker, body))
-        lines = []
-        for marker, body in items:
-            pad = " " * len(marker)
-            text = "\n".join((pad + line if line.strip() else "") if k else marker + line
-                             for k, line in enumerate(body.split("\n")))
-            lines.append(text.rstrip())
-        return ("\n\n" if loose else "\n").join(lines)
+        return ("\n\n" if loose else "\n").join(list_item(*item) for item in items)
 
+
+
+def list_item(marker, body):
+    """A list item's Markdown: its body after its marker, the lines below indented under it."""
+    pad = " " * len(marker)
+    return "\n".join((pad + line if line.strip() else "") if k else marker + line
+                     for k, line in enumerate(body.split("\n"))).rstrip()
 
 
 def html_text(node):
