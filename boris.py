@@ -10131,14 +10131,7 @@ class Checkpoints:
             self.cond.notify_all()                # a walk giving way goes on
             try:
                 while not self.closed:
-                    # what the walk had: a checkpoint
-                    if self.part is not None and self.part.ask >= target:
-                        part, self.part = self.part, None
-                        self.record(Checkpoint(self.count + 1, part.dirs, part.size, part.missed,
-                                               "the rest was not walked within %g s (the next"
-                                               " checkpoint covers it)" % CHECKPOINT_WAIT_S))
-                        break
-                    if self.answered >= target:
+                    if self.record_part(target) or self.answered >= target:
                         break
                     if cancelled.is_set():
                         return CANCELLED_BEFORE
@@ -10146,15 +10139,12 @@ class Checkpoints:
                     if now >= deadline and self.turn and self.walk_for >= target:
                         # it hands its part soon (should_stop)
                         self.want_part = max(self.want_part, target)
-                    elif (now >= deadline and self.turn
-                          or now >= deadline + 2 * CHECKPOINT_PART_MIN_S
-                          or (self.turn and self.walk_for < target
-                              and now - self.walk_began >= CHECKPOINT_WAIT_S)):
+                    elif self.waited_in_vain(target, now, deadline):
                         missing = ("No checkpoint was taken before this call: a walk of the"
                                    " workspace that began before the last call ended takes longer"
                                    " than %g s (a first one, on a large tree); the checkpoints"
                                    " after it cover this call's changes" % CHECKPOINT_WAIT_S)
-                        break                     # (an older walk, or a rewind, has the turn)
+                        break
                     self.cond.wait(CHECKPOINT_YIELD_S)
                 latest = self.list[-1] if self.list else None
                 if latest is not None:
@@ -10169,6 +10159,28 @@ class Checkpoints:
             return ("(The checkpoint before this call covers part of the workspace: %s; checkpoints"
                     " lists what it covers.)" % latest.partial)
         return None
+
+    def record_part(self, target):
+        """Keep what a walk handed over, when it answers the ask `target`, as a partial
+        checkpoint (the caller holds cond): whether it did."""
+        part = self.part
+        if part is None or part.ask < target:
+            return False
+        self.part = None
+        self.record(Checkpoint(self.count + 1, part.dirs, part.size, part.missed,
+                               "the rest was not walked within %g s (the next checkpoint"
+                               " covers it)" % CHECKPOINT_WAIT_S))
+        return True
+
+    def waited_in_vain(self, target, now, deadline):
+        """Whether a caller waiting for the walk that answers the ask `target` stops without
+        a checkpoint (it holds cond, and no part is coming): at its deadline while another
+        walk, or a rewind, has the turn; well past it in any case; or once a walk not for it
+        has run CHECKPOINT_WAIT_S."""
+        return (now >= deadline and self.turn
+                or now >= deadline + 2 * CHECKPOINT_PART_MIN_S
+                or (self.turn and self.walk_for < target
+                    and now - self.walk_began >= CHECKPOINT_WAIT_S))
 
     def after(self):
         """A call that can change files ended: checkpoint in the background."""
