@@ -9518,6 +9518,10 @@ def sweep_stores():
     return thread
 
 
+# Where the store keeps one blob: the number of its pack file, its offset and size there
+StoredBlob = namedtuple("StoredBlob", "pack offset size")
+
+
 class Store:
     """The server's one content-addressed store of file bytes, shared by the checkpoints of
     every session and by undo_edit: a private 0700 directory made at first use where
@@ -9529,7 +9533,7 @@ class Store:
     def __init__(self, config, roots):
         self.config, self.roots = config, list(roots)
         self.lock = threading.Lock()              # guards every field below
-        # digest -> (pack number, offset, size); the bytes held
+        # digest -> StoredBlob; the bytes held
         self.index, self.stored = {}, 0
         # the pack written to (a descriptor), how many, its size
         self.pack, self.packs, self.packed = None, 0, 0
@@ -9595,7 +9599,7 @@ class Store:
             except OSError as e:
                 self.shut_pack()                  # (a pack written in part is not written to again)
                 return None, "not stored (%s)" % (e.strerror or e)
-            self.index[digest] = (self.packs, self.packed, len(data))
+            self.index[digest] = StoredBlob(self.packs, self.packed, len(data))
             self.packed += len(data)
             self.stored += len(data)
         return digest, None
@@ -9614,12 +9618,12 @@ class Store:
         if where is None or at is None:
             raise OSError(errno.ENOENT, "the checkpoint store was removed with its server"
                           if where is None else "the checkpoint store holds no bytes %s" % digest)
-        fd = os.open(os.path.join(where, "pack%d" % at[0]), os.O_RDONLY | O_CLOEXEC)
+        fd = os.open(os.path.join(where, "pack%d" % at.pack), os.O_RDONLY | O_CLOEXEC)
         try:
-            data = os.pread(fd, at[2], at[1])
+            data = os.pread(fd, at.size, at.offset)
         finally:
             os.close(fd)
-        if len(data) != at[2]:
+        if len(data) != at.size:
             raise OSError(errno.EIO, "the checkpoint store lost bytes of %s" % digest)
         return data
 
