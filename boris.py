@@ -7329,37 +7329,42 @@ class Pdf(PdfParser):
         if st.font is None or not operands:
             return
         items = operands[-1] if op == b"TJ" else [operands[-1]]
-        font, size, tc, tw, th, rise, ctm = st.font, st.size, st.tc, st.tw, st.th, st.rise, st.ctm
+        font, size, th = st.font, st.size, st.th
         for item in items if isinstance(items, list) else [items]:
             tm = st.tm
             if isinstance(item, bytes):
-                text, width, codes, spaces, missing = font.decode(item)
-                self.unmapped += missing
-                spacing = -tc if font.vertical else tc * th
-                if spacing > 0.15 * abs(size * font.em) and len(text) > 1:
-                    text = " ".join(text)                   # letter-spaced: each one a word apart
-                m0 = pdf_mul(tm, ctm)
-                if font.vertical:                           # down a column: w1 x size + Tc + Tw
-                    advance = font.down * codes * size - tc * codes - tw * spaces
-                    x0, y0 = m0[4], m0[5]
-                    st.tm = tm[:4] + [tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
-                else:
-                    advance = (width * size + tc * codes + tw * spaces) * th
-                    x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
-                    st.tm = tm[:4] + [tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
-                m1 = pdf_mul(st.tm, ctm)
-                scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
-                if text:
-                    st.runs.append(PdfRun(
-                        x0, y0, m1[4] + (rise * m1[2] if not font.vertical else 0),
-                        m1[5] + (rise * m1[3] if not font.vertical else 0),
-                        abs(scale) or 1.0, text, font.vertical))
+                self.draw(st, item)
             elif isinstance(item, (int, float)):
                 shift = -item / 1000.0 * size * th
                 if font.vertical:                           # a positive number moves down
                     st.tm = tm[:4] + [tm[4] + shift * tm[2] / th, tm[5] + shift * tm[3] / th]
                 else:
                     st.tm = tm[:4] + [tm[4] + shift * tm[0], tm[5] + shift * tm[1]]
+
+    def draw(self, st, string):
+        """One string of a text-showing operator: its text as a PdfRun in page space, the
+        pen moved past it."""
+        font, size, tc, tw, th, rise, tm = st.font, st.size, st.tc, st.tw, st.th, st.rise, st.tm
+        text, width, codes, spaces, missing = font.decode(string)
+        self.unmapped += missing
+        spacing = -tc if font.vertical else tc * th
+        if spacing > 0.15 * abs(size * font.em) and len(text) > 1:
+            text = " ".join(text)                   # letter-spaced: each one a word apart
+        m0 = pdf_mul(tm, st.ctm)
+        if font.vertical:                           # down a column: w1 x size + Tc + Tw
+            advance = font.down * codes * size - tc * codes - tw * spaces
+            x0, y0 = m0[4], m0[5]
+            st.tm = tm[:4] + [tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
+        else:
+            advance = (width * size + tc * codes + tw * spaces) * th
+            x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
+            st.tm = tm[:4] + [tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
+        m1 = pdf_mul(st.tm, st.ctm)
+        scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
+        if text:
+            st.runs.append(PdfRun(x0, y0, m1[4] + (rise * m1[2] if not font.vertical else 0),
+                                  m1[5] + (rise * m1[3] if not font.vertical else 0),
+                                  abs(scale) or 1.0, text, font.vertical))
 
     def form(self, st, name):
         """Do: a form XObject's content run inside the page (12 deep at most,
