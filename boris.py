@@ -5419,16 +5419,7 @@ class Document:
                 else:
                     out.append(text)
             elif el.tag == W + "tbl":
-                rows = []
-                for row in el.iter(W + "tr"):
-                    rows.append([])
-                    for cell in row.findall(W + "tc"):
-                        span = cell.find(W + "tcPr/" + W + "gridSpan")
-                        rows[-1].append(" ".join(self.docx_text(p).strip()
-                                                 for p in cell.iter(W + "p")).strip())
-                        rows[-1] += [""] * (min(int(span.get(W + "val", "1")), 64) - 1
-                                            if span is not None else 0)
-                out.append(markdown_table(rows))
+                out.append(self.docx_table(el))
             elif el.tag in (W + "sdt", W + "sdtContent", W + "customXml", W + "ins"):
                 out += self.docx_blocks(el, styles)
         joined, prev = [], False                    # list items stay together
@@ -5440,6 +5431,19 @@ class Document:
                 joined.append(block)
             prev = item
         return joined
+
+    def docx_table(self, table):
+        """A table as Markdown: a cell spanning columns is followed by empty ones."""
+        W, rows = OOXML_W, []
+        for row in table.iter(W + "tr"):
+            rows.append([])
+            for cell in row.findall(W + "tc"):
+                span = cell.find(W + "tcPr/" + W + "gridSpan")
+                rows[-1].append(" ".join(self.docx_text(p).strip()
+                                         for p in cell.iter(W + "p")).strip())
+                rows[-1] += [""] * (min(int(span.get(W + "val", "1")), 64) - 1
+                                    if span is not None else 0)
+        return markdown_table(rows)
 
     def docx_text(self, p):
         """A paragraph's text: runs, tabs, breaks, footnote marks ([^n]); deleted text left out."""
