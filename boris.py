@@ -6217,6 +6217,14 @@ def pdf_bidi(line):
 PDF_LIGATURES = dict(zip(range(0xfb00, 0xfb07), "ff fi fl ffi ffl st st".split()))    # U+FB00 on
 
 
+def pdf_standard_widths(base):
+    """{code: width} of the standard font the name `base` says (Times; Helvetica, or Arial
+    drawn like it); {} for any other."""
+    metrics = PDF_METRICS.get("Times" if "Times" in base else
+                              "Helvetica" if "Helvetica" in base or "Arial" in base else "", "")
+    return {32 + k: int(v) / 1000.0 for k, v in enumerate(metrics.split())}
+
+
 class PdfFont:
     """How a font's codes become text (decode()) and how far each moves the pen."""
 
@@ -6362,10 +6370,8 @@ class PdfFont:
             self.default = missing * self.scale
         elif "Courier" in base:
             self.default = 0.6
-        metrics = PDF_METRICS.get("Times" if "Times" in base else
-                                  "Helvetica" if "Helvetica" in base or "Arial" in base else "")
-        if metrics and not self.widths:
-            self.widths = {32 + k: int(v) / 1000.0 for k, v in enumerate(metrics.split())}
+        if not self.widths:
+            self.widths = pdf_standard_widths(base)
         return base, descriptor
 
     @staticmethod
