@@ -6225,6 +6225,16 @@ def pdf_standard_widths(base):
     return {32 + k: int(v) / 1000.0 for k, v in enumerate(metrics.split())}
 
 
+def pdf_numbered_glyph(name, code):
+    """The text of `code` where its glyph name only numbers it, as a224 or G41 do (decimal or
+    hex): its cp1252 character; None for any other name."""
+    m = re.match(r"[A-Za-z]{1,3}([0-9A-Fa-f]{2,3})$", name)
+    if m and (m.group(1).isdigit() and int(m.group(1)) == code
+              or int(m.group(1), 16) == code) and code >= 32:
+        return bytes([code]).decode("cp1252", "ignore") or None
+    return None
+
+
 class PdfFont:
     """How a font's codes become text (decode()) and how far each moves the pen."""
 
@@ -6331,12 +6341,8 @@ class PdfFont:
                 code = item
             elif isinstance(item, str) and 0 <= code < 256:
                 text = pdf_glyph(item)
-                # a name like a224 or G41 at its own code: that code
                 if text is None:
-                    m = re.match(r"[A-Za-z]{1,3}([0-9A-Fa-f]{2,3})$", item)
-                    if m and (m.group(1).isdigit() and int(m.group(1)) == code
-                              or int(m.group(1), 16) == code) and code >= 32:
-                        text = bytes([code]).decode("cp1252", "ignore") or None
+                    text = pdf_numbered_glyph(item, code)
                 if text is not None or code not in table:  # else unknown: the base encoding's stays
                     table[code] = text
                 code += 1
