@@ -6162,15 +6162,7 @@ def pdf_reading_order(boxes):
         if len(group) < 2:
             out.extend(group)
             continue
-        best = None
-
-        for axis, least in ((2, 0.5 * unit), (0, 1.0 * unit)):      # (y0, y1) bands, then (x0, x1)
-            spans = sorted((boxes[i][axis], boxes[i][axis + 1]) for i in group)
-            reach = spans[0][1]
-            for lo, hi in spans[1:]:
-                if lo - reach >= least and (best is None or lo - reach > best[0]):
-                    best = (lo - reach, axis, (reach + lo) / 2.0)
-                reach = max(reach, hi)
+        best = pdf_widest_gap(boxes, group, unit)
         # one column (a span every line crosses):
         if best is None:
             # its lines top first
@@ -6185,6 +6177,21 @@ def pdf_reading_order(boxes):
         first, then = (high, low) if axis == 2 else (low, high)
         stack += [then, first]
     return out
+
+
+def pdf_widest_gap(boxes, group, unit):
+    """(width, axis, middle) of the widest band with no line of `group` in it: across the
+    page (axis 2: y0, y1) at least half a line (`unit`) high, or down it (axis 0: x0, x1) at
+    least a line high wide; of equal ones the first found; None where there is none."""
+    best = None
+    for axis, least in ((2, 0.5 * unit), (0, 1.0 * unit)):
+        spans = sorted((boxes[i][axis], boxes[i][axis + 1]) for i in group)
+        reach = spans[0][1]
+        for lo, hi in spans[1:]:
+            if lo - reach >= least and (best is None or lo - reach > best[0]):
+                best = (lo - reach, axis, (reach + lo) / 2.0)
+            reach = max(reach, hi)
+    return best
 
 
 PDF_RTL = re.compile("[\u0590-\u08ff\ufb1d-\ufdff\ufe70-\ufefc]")
