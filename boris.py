@@ -9129,11 +9129,11 @@ class WebFetch:
         except (socket.gaierror, UnicodeError):
             raise fetch_error("unresolved", host=host, url=self.url)
         for info in infos:
-            why = address_refusal(info[4][0], self.block_private)
+            address = info[4][0]
+            why = address_refusal(address, self.block_private)
             if why:
-                log("warn", "web_fetch refused an address", host=host, address=info[4][0],
-                    reason=why)
-                raise fetch_error("refused", host=host, address=info[4][0], why=why, url=self.url)
+                log("warn", "web_fetch refused an address", host=host, address=address, reason=why)
+                raise fetch_error("refused", host=host, address=address, why=why, url=self.url)
         return infos
 
     def error(self, e, fired, timed_out):
