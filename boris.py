@@ -10398,8 +10398,7 @@ class Checkpoints:
         quiet = w.quiet if w is not None else set()
         prev, dirs, missed, partial, size = self.base.dirs, {}, [], False, 0
         left_out, pruned = self.pruner(quiet) if prune else (None, set())
-        store = self.store.dir if self.store.dir and any(is_within(self.store.dir, r)
-                                                         for r in self.roots) else None
+        store = self.store_in_roots()
         look = lambda path, old, known: self.entry(path, old, missed, known)
         # the Listing of the directory the walk is in
         here = None
@@ -10426,10 +10425,7 @@ class Checkpoints:
             if partial:
                 break
             repo = next((r for r in self.repos if is_within(root, r.top)), None)
-            walker = Walker(root, self.walk_policy, False, self.cache)
-            walker.want_dirs, walker.raw_links, walker.visited = True, True, visited
-            walker.watch_first, walker.remember = True, False
-            walker.prune, walker.repos = left_out or walker.prune, self.nested
+            walker = self.walker(root, left_out, visited)
             here = None
             # (a directory's children come together)
             for path, _, _, _ in walker:
@@ -10457,6 +10453,22 @@ class Checkpoints:
         dirs.update(kept)
         size += sum(child_names(packed).count(b"\0") + 1 for packed in kept.values())
         return Checkpoint(self.count + 1, dirs, size, missed, partial), visited, looked, unwatched
+
+    def store_in_roots(self):
+        """The store's directory where it lies in a root (a walk leaves it out), else None."""
+        where = self.store.dir
+        return where if where and any(is_within(where, r) for r in self.roots) else None
+
+    def walker(self, root, left_out, visited):
+        """walk_roots()'s Walker of `root`: directories and symlinks found as themselves,
+        watched from the first walk, its visits not kept in the cache; the directories it
+        visits added to `visited`, those `left_out` says (if given) found but not entered,
+        the repositories it meets below the root added to self.nested."""
+        walker = Walker(root, self.walk_policy, False, self.cache)
+        walker.want_dirs, walker.raw_links, walker.visited = True, True, visited
+        walker.watch_first, walker.remember = True, False
+        walker.prune, walker.repos = left_out or walker.prune, self.nested
+        return walker
 
     def pruner(self, quiet):
         """walk_roots()'s test of a directory it may leave out (quiet, nothing below it that
