@@ -689,6 +689,34 @@ def host_allowed(host, allowed):
     return any(host == a or a.startswith("*.") and fnmatch.fnmatchcase(host, a) for a in allowed)
 
 
+def unknown_argument(arg):
+    """The ConfigError for an argument no flag takes: a flag's near miss is named."""
+    if not arg.startswith("--"):
+        return ConfigError("unexpected argument %r (flags start with --; see --help)" % arg)
+    import difflib
+    name = arg[2:].partition("=")[0]
+    near = difflib.get_close_matches(name, [row[0] for row in FLAGS], 1, 0.6)
+    return ConfigError("unknown flag --%s (%ssee --help for the list)" % (
+        name, "did you mean --%s? " % near[0] if near else ""))
+
+
+def set_flag(config, row, environ):
+    """Set one FLAGS row's typed value on config: the flag given, else its environment
+    variable, else the default (ConfigError naming where a bad value came from)."""
+    flag, env, default, kind, _ = row
+    name = flag.replace("-", "_")
+    given = getattr(config, name)
+    if given and None in given:
+        raise ConfigError("flag --%s needs a value" % flag)
+    from_env = not given and environ.get(env)
+    raws = given or ([environ[env]] if from_env else [default] if default else [])
+    try:
+        setattr(config, name, flag_value(kind, raws))
+    except ValueError as e:
+        raise ConfigError("invalid value %r for --%s: %s%s" % (
+            raws[-1], flag, e, " (from environment variable %s)" % env if from_env else ""))
+
+
 def parse_config(argv, environ):
     """Build a Config from argv and environ; raise ConfigError on any bad value.
 
@@ -697,25 +725,9 @@ def parse_config(argv, environ):
     raise SystemExit(0) after printing (to stdout: the protocol has not started)."""
     config, unknown = flag_parser().parse_known_args(argv, Config())
     if unknown:
-        import difflib
-        arg = unknown[0]
-        name = arg[2:].partition("=")[0]
-        near = difflib.get_close_matches(name, [row[0] for row in FLAGS], 1, 0.6)
-        raise ConfigError("unknown flag --%s (%ssee --help for the list)" % (
-            name, "did you mean --%s? " % near[0] if near else "") if arg.startswith("--") else
-            "unexpected argument %r (flags start with --; see --help)" % arg)
-    for flag, env, default, kind, _ in FLAGS:
-        name = flag.replace("-", "_")
-        given = getattr(config, name)
-        if given and None in given:
-            raise ConfigError("flag --%s needs a value" % flag)
-        from_env = not given and environ.get(env)
-        raws = given or ([environ[env]] if from_env else [default] if default else [])
-        try:
-            setattr(config, name, flag_value(kind, raws))
-        except ValueError as e:
-            raise ConfigError("invalid value %r for --%s: %s%s" % (
-                raws[-1], flag, e, " (from environment variable %s)" % env if from_env else ""))
+        raise unknown_argument(unknown[0])
+    for row in FLAGS:
+        set_flag(config, row, environ)
     if config.token_file:
         if config.token:
             raise ConfigError("--token and --token-file exclude each other: give one of them")
@@ -2710,9 +2722,21 @@ class NetSupervisor:
             if checked is None:
                 return errno.EACCES                 # a socket of the host (or none): refused
             sockaddr = struct.pack("<H", 1) + b"/proc/self/fd/%d\0" % checked
-        pidfd = libc.syscall(SYS_PIDFD_OPEN, pid, 0)
         try:
-            theirs = libc.syscall(SYS_PIDFD_GETFD, pidfd, ctypes.c_int(fd), 0) if pidfd >= 0 else -1
+            return self.connect_theirs(pid, fd, sockaddr)
+        finally:
+            if checked is not None:
+                os.close(checked)
+
+    def connect_theirs(self, pid, fd, sockaddr):
+        """Connect the socket `fd` of process `pid` (a copy of it, taken with pidfd_getfd) to
+        `sockaddr`: 0 once done, else the errno."""
+        ctypes, libc = self.ctypes, self.libc
+        pidfd = libc.syscall(SYS_PIDFD_OPEN, pid, 0)
+        if pidfd < 0:
+            return ctypes.get_errno() or errno.EBADF
+        try:
+            theirs = libc.syscall(SYS_PIDFD_GETFD, pidfd, ctypes.c_int(fd), 0)
             if theirs < 0:
                 return ctypes.get_errno() or errno.EBADF
             try:
@@ -2721,9 +2745,7 @@ class NetSupervisor:
             finally:
                 os.close(theirs)
         finally:
-            for f in (pidfd, checked):
-                if f is not None and f >= 0:
-                    os.close(f)
+            os.close(pidfd)
 
     @staticmethod
     def socket_file(pid, path):
@@ -2781,25 +2803,7 @@ def enter_namespaces(net, protect):
     container's root maps its range), so root may still write files of other owners."""
     ctypes, libc = _libc()
     uid, gid = os.geteuid(), os.getegid()
-    mapper = None
-    if uid == 0:
-        go, ready = os.pipe()
-        mapper = os.fork()
-        if mapper == 0:
-            # outside the namespace: only it may map every id
-            os.close(ready)
-            ok = os.read(go, 1) == b"u"
-            try:
-                for name in ("uid_map", "gid_map"):       # every id this namespace has, as itself
-                    with open("/proc/self/" + name) as f:
-                        ids = "".join("%s %s %s\n" % (l.split()[0], l.split()[0], l.split()[2])
-                                      for l in f if l.strip())
-                    with open("/proc/%d/%s" % (os.getppid(), name), "w") as f:
-                        f.write(ids)
-            except (OSError, IndexError):
-                ok = False
-            os._exit(0 if ok else 1)
-        os.close(go)
+    mapper, ready = fork_id_mapper() if uid == 0 else (None, None)
     flags = CLONE_NEWUSER | (CLONE_NEWNET if net else 0) | (CLONE_NEWNS if protect else 0)
     failed = libc.unshare(flags) != 0 and ctypes.get_errno()
     if mapper is not None:
@@ -2825,6 +2829,29 @@ def enter_namespaces(net, protect):
             seal_memory()
     if protect:
         mount_read_only(protect)
+
+
+def fork_id_mapper():
+    """For root: (the pid of a child left outside the namespace about to be made, which
+    alone may map every id into it, the pipe to tell it b"u" once the namespace is there).
+    The child maps every id this namespace has as itself, and exits 0 when it did."""
+    go, ready = os.pipe()
+    mapper = os.fork()
+    if mapper == 0:
+        os.close(ready)
+        ok = os.read(go, 1) == b"u"
+        try:
+            for name in ("uid_map", "gid_map"):
+                with open("/proc/self/" + name) as f:
+                    ids = "".join("%s %s %s\n" % (l.split()[0], l.split()[0], l.split()[2])
+                                  for l in f if l.strip())
+                with open("/proc/%d/%s" % (os.getppid(), name), "w") as f:
+                    f.write(ids)
+        except (OSError, IndexError):
+            ok = False
+        os._exit(0 if ok else 1)
+    os.close(go)
+    return mapper, ready
 
 
 def mount_read_only(paths):
@@ -3137,28 +3164,7 @@ def resolve_sandbox(config, policy, abi=None):
     abi = landlock_abi() if abi is None else abi
     network = config.sandbox_network is True            # None: the sandbox decides, and it says off
     domains = config.sandbox_network if isinstance(config.sandbox_network, list) else []
-    why = None                                          # why the kernel cannot give it
-    if not abi:
-        why = ("Landlock is not to be had: this kernel lacks it (Linux 5.13+ with landlock among"
-               " its LSMs), or a seccomp profile (a container's) refuses it")
-        if not sys.platform.startswith("linux"):
-            why = ("the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is"
-                   " not done yet)" % sys.platform)
-        elif not importable("ctypes"):
-            why = ("the sandbox (Landlock) needs Python's ctypes module, which this Python was"
-                   " built without")
-        refusal = "--sandbox %s cannot be honoured: %s" % (mode, why)
-    elif domains and abi < 6:
-        why = ("a domain list needs Landlock ABI 6 (Linux 6.7+: TCP rules and scoped sockets, for"
-               " the proxy's one port); this kernel has ABI %d" % abi)
-        refusal = ("--sandbox-network %s cannot be honoured: %s; pass on or off"
-                   % (",".join(domains), why))
-    elif not network and not net_filter_available():
-        why = ("seccomp filters are not available on this kernel or machine (%s), so Unix sockets"
-               " and UDP could not be cut" % os.uname().machine)
-        refusal = (
-            "--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on"
-            % (mode, why))
+    why, refusal = kernel_refusal(mode, abi, network, domains)
     if why is None:
         sandbox = Sandbox("workspace-write" if mode == "auto" else mode,
                           Sandbox.writable_roots(mode, policy), network, abi, "--sandbox %s" % mode,
@@ -3186,6 +3192,33 @@ def resolve_sandbox(config, policy, abi=None):
         log("warn", "sandbox off: %s; bash commands can write anywhere this user can" % why)
         return Sandbox.off("--sandbox auto: " + why)
     raise ConfigError(refusal)
+
+
+def kernel_refusal(mode, abi, network, domains):
+    """(why this kernel cannot give the sandbox asked for, the line refusing it), or
+    (None, None) when nothing it lacks is known before a probe."""
+    if not abi:
+        why = ("Landlock is not to be had: this kernel lacks it (Linux 5.13+ with landlock among"
+               " its LSMs), or a seccomp profile (a container's) refuses it")
+        if not sys.platform.startswith("linux"):
+            why = ("the sandbox needs Linux Landlock; %s is not supported (macOS sandbox-exec is"
+                   " not done yet)" % sys.platform)
+        elif not importable("ctypes"):
+            why = ("the sandbox (Landlock) needs Python's ctypes module, which this Python was"
+                   " built without")
+        return why, "--sandbox %s cannot be honoured: %s" % (mode, why)
+    if domains and abi < 6:
+        why = ("a domain list needs Landlock ABI 6 (Linux 6.7+: TCP rules and scoped sockets, for"
+               " the proxy's one port); this kernel has ABI %d" % abi)
+        return why, ("--sandbox-network %s cannot be honoured: %s; pass on or off"
+                     % (",".join(domains), why))
+    if not network and not net_filter_available():
+        why = ("seccomp filters are not available on this kernel or machine (%s), so Unix sockets"
+               " and UDP could not be cut" % os.uname().machine)
+        return why, (
+            "--sandbox %s with the network off cannot be honoured: %s; pass --sandbox-network on"
+            % (mode, why))
+    return None, None
 
 
 def userns_refusal():
@@ -5526,16 +5559,7 @@ class Document:
                 else:
                     out.append(text)
             elif el.tag == W + "tbl":
-                rows = []
-                for row in el.iter(W + "tr"):
-                    rows.append([])
-                    for cell in row.findall(W + "tc"):
-                        span = cell.find(W + "tcPr/" + W + "gridSpan")
-                        rows[-1].append(" ".join(self.docx_text(p).strip()
-                                                 for p in cell.iter(W + "p")).strip())
-                        rows[-1] += [""] * (min(int(span.get(W + "val", "1")), 64) - 1
-                                            if span is not None else 0)
-                out.append(markdown_table(rows))
+                out.append(self.docx_table(el))
             elif el.tag in (W + "sdt", W + "sdtContent", W + "customXml", W + "ins"):
                 out += self.docx_blocks(el, styles)
         joined, prev = [], False                    # list items stay together
@@ -5547,6 +5571,19 @@ class Document:
                 joined.append(block)
             prev = item
         return joined
+
+    def docx_table(self, table):
+        """A table as Markdown: a cell spanning columns is followed by empty ones."""
+        W, rows = OOXML_W, []
+        for row in table.iter(W + "tr"):
+            rows.append([])
+            for cell in row.findall(W + "tc"):
+                span = cell.find(W + "tcPr/" + W + "gridSpan")
+                rows[-1].append(" ".join(self.docx_text(p).strip()
+                                         for p in cell.iter(W + "p")).strip())
+                rows[-1] += [""] * (min(int(span.get(W + "val", "1")), 64) - 1
+                                    if span is not None else 0)
+        return markdown_table(rows)
 
     def docx_text(self, p):
         """A paragraph's text: runs, tabs, breaks, footnote marks ([^n]); deleted text left out."""
@@ -5915,19 +5952,7 @@ def pdf_glyph(name):
     """The text of a glyph name (Adobe's names, uniXXXX, uXXXXX, ligatures as a_b);
     None if unknown."""
     if not PDF_NAMES:
-        import unicodedata
-        words = PDF_GLYPHS.split()
-        PDF_NAMES.update((words[i], chr(int(words[i + 1], 16))) for i in range(0, len(words), 2))
-        for c in map(chr, [*range(0xc0, 0x250), *range(0x391, 0x3ca)]):
-            m = re.match(r"(LATIN|GREEK) (CAPITAL|SMALL) LETTER (\w+)(?: WITH (.+))?$",
-                         unicodedata.name(c, ""))
-            accent = PDF_ACCENTS.get(m.group(4) or "") if m else None
-            if accent is not None and (m.group(1) == "GREEK" or len(m.group(3)) == 1):
-                base = m.group(3).lower()
-                base = base.capitalize() if m.group(2) == "CAPITAL" else base
-                PDF_NAMES.setdefault(base + accent, c)
-        for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz":
-            PDF_NAMES[c] = c
+        fill_pdf_names()
     known = PDF_NAMES.get(name)
     if known is not None:
         return known
@@ -5943,6 +5968,24 @@ def pdf_glyph(name):
         return pdf_glyph(base)
     parts = [pdf_glyph(p) for p in name.split("_")] if "_" in name else [None]
     return None if None in parts else "".join(parts)
+
+
+def fill_pdf_names():
+    """Fill PDF_NAMES: PDF_GLYPHS' names, the accented Latin and Greek letters by the
+    names Unicode gives them (Aacute, ccedilla), and the letters themselves."""
+    import unicodedata
+    words = PDF_GLYPHS.split()
+    PDF_NAMES.update((words[i], chr(int(words[i + 1], 16))) for i in range(0, len(words), 2))
+    for c in map(chr, [*range(0xc0, 0x250), *range(0x391, 0x3ca)]):
+        m = re.match(r"(LATIN|GREEK) (CAPITAL|SMALL) LETTER (\w+)(?: WITH (.+))?$",
+                     unicodedata.name(c, ""))
+        accent = PDF_ACCENTS.get(m.group(4) or "") if m else None
+        if accent is not None and (m.group(1) == "GREEK" or len(m.group(3)) == 1):
+            base = m.group(3).lower()
+            base = base.capitalize() if m.group(2) == "CAPITAL" else base
+            PDF_NAMES.setdefault(base + accent, c)
+    for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz":
+        PDF_NAMES[c] = c
 
 
 def pdf_sfnt(data):
@@ -6180,51 +6223,67 @@ def pdf_mul(a, b):
             a[4] * b[0] + a[5] * b[2] + b[4], a[4] * b[1] + a[5] * b[3] + b[5]]
 
 
+# A string drawn on a page: where it starts and ends in page space, its size there, and
+# whether its font writes down a column
+PdfRun = namedtuple("PdfRun", "x y end_x end_y size text vertical")
+
+
+def pdf_spaced(last, run):
+    """Whether `run` follows the run `last` on its line with a space between (a gap along
+    last's direction of more than a tenth of their size); None when it starts a new line."""
+    dx, dy = last.end_x - last.x, last.end_y - last.y
+    length = (dx * dx + dy * dy) ** 0.5
+    if length < 1e-6:
+        dx, dy, length = (0.0, -1.0, 1.0) if run.vertical else (1.0, 0.0, 1.0)
+    ux, uy = dx / length, dy / length
+    gx, gy = run.x - last.end_x, run.y - last.end_y
+    along, across = gx * ux + gy * uy, abs(gy * ux - gx * uy)
+    h = max(run.size, last.size)
+    if across < 0.6 * h and -0.6 * h < along < 40 * h:
+        return along > 0.1 * h
+    return None
+
+
 def pdf_lines(runs):
-    """Runs (x, y, end x, end y, size, text, vertical) as lines of text: a run goes on the
-    line before it when it goes on along that line's direction (a gap of more than a
-    tenth of its size is a space), else it starts a new line. Lines are then put in
+    """PdfRuns as lines of text: a run goes on the line before it when it goes on along that
+    line's direction (pdf_spaced), else it starts a new line. Lines are then put in
     reading order (pdf_reading_order); a right-to-left line whose runs run left to right
     is turned to read (pdf_bidi)."""
     lines, line, last, back, box = [], [], None, 0, None
-    for x, y, ex, ey, size, text, vertical in runs:
+    for run in runs:
+        x, y, ex, ey, size, text, vertical = run
         # a space drawn alone starts no line; with a width, it is one
         if text.isspace():
             if line and not line[-1][-1:].isspace() and abs(ex - x) + abs(ey - y) > 0.01 * size:
                 line.append(" ")
             continue
-        if last is not None:
-            lx, ly, lex, ley, lsize = last
-            dx, dy = lex - lx, ley - ly
-            length = (dx * dx + dy * dy) ** 0.5
-            if length < 1e-6:
-                dx, dy, length = (0.0, -1.0, 1.0) if vertical else (1.0, 0.0, 1.0)
-            ux, uy = dx / length, dy / length
-            gx, gy = x - lex, y - ley
-            along, across = gx * ux + gy * uy, abs(gy * ux - gx * uy)
-            h = max(size, lsize)
-            if across < 0.6 * h and -0.6 * h < along < 40 * h:
-                if along > 0.1 * h and not line[-1][-1:].isspace() and not text[:1].isspace():
-
-                    line.append(" ")
-            else:
-                lines.append(("".join(line), back, box))
-                line, back, box = [], 0, None
+        spaced = pdf_spaced(last, run) if last is not None else False
+        if spaced is None:
+            lines.append(("".join(line), back, box))
+            line, back, box = [], 0, None
+        elif spaced and not line[-1][-1:].isspace() and not text[:1].isspace():
+            line.append(" ")
         line.append(text)
         if ex < x and abs(ex - x) > abs(ey - y):
             # drawn right to left: already in reading order
             back += len(text)
         x0, x1 = (x - 0.5 * size, x + 0.5 * size) if vertical else (min(x, ex), max(x, ex))
-        run = (x0, x1, min(y, ey) - 0.2 * size, max(y, ey) + 0.8 * size)
-        box = run if box is None else (min(box[0], run[0]), max(box[1], run[1]),
-                                       min(box[2], run[2]), max(box[3], run[3]))
-        last = (x, y, ex, ey, size)
+        span = (x0, x1, min(y, ey) - 0.2 * size, max(y, ey) + 0.8 * size)
+        box = span if box is None else (min(box[0], span[0]), max(box[1], span[1]),
+                                        min(box[2], span[2]), max(box[3], span[3]))
+        last = run
     if line:
         lines.append(("".join(line), back, box))
-    lines = [lines[i] for i in pdf_reading_order([b for _, _, b in lines])]
-    text = "\n".join(pdf_bidi(" ".join(l.split())) if 2 * back < len(l) else " ".join(l.split())
-                     for l, back, _ in lines).strip("\n")
+    order = pdf_reading_order([b for _, _, b in lines])
+    text = "\n".join(pdf_line(*lines[i][:2]) for i in order).strip("\n")
     return text.translate(PDF_LIGATURES)
+
+
+def pdf_line(text, back):
+    """A line's text, spaces collapsed; read by pdf_bidi unless `back` (the characters drawn
+    right to left) is half of it or more."""
+    line = " ".join(text.split())
+    return pdf_bidi(line) if 2 * back < len(text) else line
 
 
 def pdf_reading_order(boxes):
@@ -6243,15 +6302,7 @@ def pdf_reading_order(boxes):
         if len(group) < 2:
             out.extend(group)
             continue
-        best = None
-
-        for axis, least in ((2, 0.5 * unit), (0, 1.0 * unit)):      # (y0, y1) bands, then (x0, x1)
-            spans = sorted((boxes[i][axis], boxes[i][axis + 1]) for i in group)
-            reach = spans[0][1]
-            for lo, hi in spans[1:]:
-                if lo - reach >= least and (best is None or lo - reach > best[0]):
-                    best = (lo - reach, axis, (reach + lo) / 2.0)
-                reach = max(reach, hi)
+        best = pdf_widest_gap(boxes, group, unit)
         # one column (a span every line crosses):
         if best is None:
             # its lines top first
@@ -6266,6 +6317,21 @@ def pdf_reading_order(boxes):
         first, then = (high, low) if axis == 2 else (low, high)
         stack += [then, first]
     return out
+
+
+def pdf_widest_gap(boxes, group, unit):
+    """(width, axis, middle) of the widest band with no line of `group` in it: across the
+    page (axis 2: y0, y1) at least half a line (`unit`) high, or down it (axis 0: x0, x1) at
+    least a line high wide; of equal ones the first found; None where there is none."""
+    best = None
+    for axis, least in ((2, 0.5 * unit), (0, 1.0 * unit)):
+        spans = sorted((boxes[i][axis], boxes[i][axis + 1]) for i in group)
+        reach = spans[0][1]
+        for lo, hi in spans[1:]:
+            if lo - reach >= least and (best is None or lo - reach > best[0]):
+                best = (lo - reach, axis, (reach + lo) / 2.0)
+            reach = max(reach, hi)
+    return best
 
 
 PDF_RTL = re.compile("[\u0590-\u08ff\ufb1d-\ufdff\ufe70-\ufefc]")
@@ -6296,6 +6362,24 @@ def pdf_bidi(line):
 
 
 PDF_LIGATURES = dict(zip(range(0xfb00, 0xfb07), "ff fi fl ffi ffl st st".split()))    # U+FB00 on
+
+
+def pdf_standard_widths(base):
+    """{code: width} of the standard font the name `base` says (Times; Helvetica, or Arial
+    drawn like it); {} for any other."""
+    metrics = PDF_METRICS.get("Times" if "Times" in base else
+                              "Helvetica" if "Helvetica" in base or "Arial" in base else "", "")
+    return {32 + k: int(v) / 1000.0 for k, v in enumerate(metrics.split())}
+
+
+def pdf_numbered_glyph(name, code):
+    """The text of `code` where its glyph name only numbers it, as a224 or G41 do (decimal or
+    hex): its cp1252 character; None for any other name."""
+    m = re.match(r"[A-Za-z]{1,3}([0-9A-Fa-f]{2,3})$", name)
+    if m and (m.group(1).isdigit() and int(m.group(1)) == code
+              or int(m.group(1), 16) == code) and code >= 32:
+        return bytes([code]).decode("cp1252", "ignore") or None
+    return None
 
 
 class PdfFont:
@@ -6404,12 +6488,8 @@ class PdfFont:
                 code = item
             elif isinstance(item, str) and 0 <= code < 256:
                 text = pdf_glyph(item)
-                # a name like a224 or G41 at its own code: that code
                 if text is None:
-                    m = re.match(r"[A-Za-z]{1,3}([0-9A-Fa-f]{2,3})$", item)
-                    if m and (m.group(1).isdigit() and int(m.group(1)) == code
-                              or int(m.group(1), 16) == code) and code >= 32:
-                        text = bytes([code]).decode("cp1252", "ignore") or None
+                    text = pdf_numbered_glyph(item, code)
                 if text is not None or code not in table:  # else unknown: the base encoding's stays
                     table[code] = text
                 code += 1
@@ -6443,10 +6523,8 @@ class PdfFont:
             self.default = missing * self.scale
         elif "Courier" in base:
             self.default = 0.6
-        metrics = PDF_METRICS.get("Times" if "Times" in base else
-                                  "Helvetica" if "Helvetica" in base or "Arial" in base else "")
-        if metrics and not self.widths:
-            self.widths = {32 + k: int(v) / 1000.0 for k, v in enumerate(metrics.split())}
+        if not self.widths:
+            self.widths = pdf_standard_widths(base)
         return base, descriptor
 
     @staticmethod
@@ -7321,8 +7399,8 @@ class Pdf(PdfParser):
                 size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", self.entry(annot, "DA", bytes) or b"")
                 size = float(size.group(1)) if size and float(size.group(1)) > 0 else 12.0
                 for k, line in enumerate(pdf_text_string(value).splitlines()):
-                    runs.append((x, y - k * size, x + 0.5 * size * len(line), y - k * size, size,
-                                 line, False))
+                    runs.append(PdfRun(x, y - k * size, x + 0.5 * size * len(line),
+                                       y - k * size, size, line, False))
             elif isinstance(normal, PdfStream):
                 self.run(b"/ap Do", {"XObject": {"ap": normal}}, [1, 0, 0, 1, x, y], runs, 0, set())
 
@@ -7414,36 +7492,42 @@ class Pdf(PdfParser):
         if st.font is None or not operands:
             return
         items = operands[-1] if op == b"TJ" else [operands[-1]]
-        font, size, tc, tw, th, rise, ctm = st.font, st.size, st.tc, st.tw, st.th, st.rise, st.ctm
+        font, size, th = st.font, st.size, st.th
         for item in items if isinstance(items, list) else [items]:
             tm = st.tm
             if isinstance(item, bytes):
-                text, width, codes, spaces, missing = font.decode(item)
-                self.unmapped += missing
-                spacing = -tc if font.vertical else tc * th
-                if spacing > 0.15 * abs(size * font.em) and len(text) > 1:
-                    text = " ".join(text)                   # letter-spaced: each one a word apart
-                m0 = pdf_mul(tm, ctm)
-                if font.vertical:                           # down a column: w1 x size + Tc + Tw
-                    advance = font.down * codes * size - tc * codes - tw * spaces
-                    x0, y0 = m0[4], m0[5]
-                    st.tm = tm[:4] + [tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
-                else:
-                    advance = (width * size + tc * codes + tw * spaces) * th
-                    x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
-                    st.tm = tm[:4] + [tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
-                m1 = pdf_mul(st.tm, ctm)
-                scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
-                if text:
-                    st.runs.append((x0, y0, m1[4] + (rise * m1[2] if not font.vertical else 0),
-                                    m1[5] + (rise * m1[3] if not font.vertical else 0),
-                                    abs(scale) or 1.0, text, font.vertical))
+                self.draw(st, item)
             elif isinstance(item, (int, float)):
                 shift = -item / 1000.0 * size * th
                 if font.vertical:                           # a positive number moves down
                     st.tm = tm[:4] + [tm[4] + shift * tm[2] / th, tm[5] + shift * tm[3] / th]
                 else:
                     st.tm = tm[:4] + [tm[4] + shift * tm[0], tm[5] + shift * tm[1]]
+
+    def draw(self, st, string):
+        """One string of a text-showing operator: its text as a PdfRun in page space, the
+        pen moved past it."""
+        font, size, tc, tw, th, rise, tm = st.font, st.size, st.tc, st.tw, st.th, st.rise, st.tm
+        text, width, codes, spaces, missing = font.decode(string)
+        self.unmapped += missing
+        spacing = -tc if font.vertical else tc * th
+        if spacing > 0.15 * abs(size * font.em) and len(text) > 1:
+            text = " ".join(text)                   # letter-spaced: each one a word apart
+        m0 = pdf_mul(tm, st.ctm)
+        if font.vertical:                           # down a column: w1 x size + Tc + Tw
+            advance = font.down * codes * size - tc * codes - tw * spaces
+            x0, y0 = m0[4], m0[5]
+            st.tm = tm[:4] + [tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
+        else:
+            advance = (width * size + tc * codes + tw * spaces) * th
+            x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
+            st.tm = tm[:4] + [tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
+        m1 = pdf_mul(st.tm, st.ctm)
+        scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
+        if text:
+            st.runs.append(PdfRun(x0, y0, m1[4] + (rise * m1[2] if not font.vertical else 0),
+                                  m1[5] + (rise * m1[3] if not font.vertical else 0),
+                                  abs(scale) or 1.0, text, font.vertical))
 
     def form(self, st, name):
         """Do: a form XObject's content run inside the page (12 deep at most,
@@ -9034,6 +9118,10 @@ HTML_IMPLIED_ENDS = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd"), "dd": ("dt"
 
 
 # -- HTML to Markdown -------------------------------------------------------------
+# An element of the page as HtmlToMarkdown reads it (its text children are str)
+HtmlNode = namedtuple("HtmlNode", "tag attrs children")
+
+
 class HtmlToMarkdown:
     """A page's visible content as Markdown a model reads as the page means it: headings
     '#', lists '- ' and '1. ' (numbered from `start`) with an item's blocks indented under
@@ -9043,14 +9131,14 @@ class HtmlToMarkdown:
     space folded.
 
     html_to_markdown mixes this class into html.parser's HTMLParser (imported there: start-up
-    never pays), whose handlers below build the page as nested [tag, attrs, children] (text as
-    str), end tags implied as browsers imply them for li, p, dt, dd, tr, td, th and option;
+    never pays), whose handlers below build the page as a tree of HtmlNodes, end tags
+    implied as browsers imply them for li, p, dt, dd, tr, td, th and option;
     markdown() then renders that tree."""
 
     def __init__(self, base_url):
         super().__init__()                      # (character references converted)
         self.base_url = base_url
-        self.root = ["#root", {}, []]
+        self.root = HtmlNode("#root", {}, [])
         self.stack, self.title, self.skip, self.in_title = [self.root], [], 0, False
 
     # -- the page as a tree ------------------------------------------------------
@@ -9064,16 +9152,16 @@ class HtmlToMarkdown:
         closes = HTML_IMPLIED_ENDS.get(tag, ())
         if tag in HTML_BLOCK_TAGS and tag not in ("p", "li"):
             closes += ("p",)                             # a block ends an open paragraph
-        while self.stack[-1][0] in closes:
+        while self.stack[-1].tag in closes:
             self.stack.pop()
-        node = [tag, dict(attrs), []]
-        self.stack[-1][2].append(node)
+        node = HtmlNode(tag, dict(attrs), [])
+        self.stack[-1].children.append(node)
         if tag not in HTML_VOID and len(self.stack) < HTML_DEPTH:
             self.stack.append(node)
 
     def handle_startendtag(self, tag, attrs):
         self.handle_starttag(tag, attrs)
-        if self.stack[-1][0] == tag:        # (void elements and #root never stand on the stack)
+        if self.stack[-1].tag == tag:       # (void elements and #root never stand on the stack)
             self.stack.pop()
 
     def handle_endtag(self, tag):
@@ -9084,7 +9172,7 @@ class HtmlToMarkdown:
             self.skip -= tag in HTML_SKIP
             return
         for k in range(len(self.stack) - 1, 0, -1):
-            if self.stack[k][0] == tag:
+            if self.stack[k].tag == tag:
                 del self.stack[k:]
                 return
 
@@ -9092,7 +9180,7 @@ class HtmlToMarkdown:
         if self.in_title:
             self.title.append(data)
         elif not self.skip:
-            self.stack[-1][2].append(data)
+            self.stack[-1].children.append(data)
 
     # -- the tree as Markdown ----------------------------------------------------
     def markdown(self, markup):
@@ -9104,7 +9192,7 @@ class HtmlToMarkdown:
         except Exception:                    # html.parser is lenient; never let a page crash a call
             pass
         try:
-            body = self.blocks(self.root[2])
+            body = self.blocks(self.root.children)
         except RecursionError:
             body = " ".join(html_text(self.root).split())
         body = re.sub(r"\n{3,}", "\n\n", body).strip()
@@ -9131,35 +9219,44 @@ class HtmlToMarkdown:
             if tag == "br":
                 out.append("\n")
             elif tag == "a":
-                text = self.inline(children, in_link=True)
-                href = (attrs.get("href") or "").strip()
-                core = " ".join(text.split())
-                if core and href and not href.startswith(("#", "javascript:")):  # edge spaces kept
-                    text = "%s[%s](%s)%s" % (" " * text[:1].isspace(), core, self.destination(href),
-                                             " " * text[-1:].isspace())
-                out.append(text)
+                out.append(self.link(attrs, children))
             elif tag in ("code", "kbd", "samp", "tt") and not pre:
                 out.append(markdown_code(html_text(c)))
             elif tag == "img":
-                alt = " ".join((attrs.get("alt") or "").split())
-                alt = alt.replace("[", "\\[").replace("]", "\\]")
-                src = (attrs.get("src") or "").strip()
-                if src and not src.startswith("data:"):
-                    out.append("![%s](%s)" % (alt, self.destination(src)))
-                elif alt:
-                    out.append(alt)
+                out.append(self.image(attrs))
             elif tag in ("td", "th"):
                 out.append(" %s |" % self.inline(children).strip())
             else:
                 out.append(self.inline(children, pre))
         return "".join(out)
 
+    def link(self, attrs, children):
+        """An a element: [its text](its absolute href), the spaces at its edges kept outside;
+        its text alone without an href, or with one to this page or to script."""
+        text = self.inline(children, in_link=True)
+        href = (attrs.get("href") or "").strip()
+        core = " ".join(text.split())
+        if core and href and not href.startswith(("#", "javascript:")):
+            text = "%s[%s](%s)%s" % (" " * text[:1].isspace(), core, self.destination(href),
+                                     " " * text[-1:].isspace())
+        return text
+
+    def image(self, attrs):
+        """An img element: ![its alt text](its absolute src), its alt text alone without a src
+        (or with a data: one)."""
+        alt = " ".join((attrs.get("alt") or "").split())
+        alt = alt.replace("[", "\\[").replace("]", "\\]")
+        src = (attrs.get("src") or "").strip()
+        if src and not src.startswith("data:"):
+            return "![%s](%s)" % (alt, self.destination(src))
+        return alt
+
     def blocks(self, nodes, item=False):
         """Markdown of a sequence of block and inline nodes: runs of inline content become
         paragraphs; blocks are separated by blank lines, except (in a list item) a list
         right after the item's own text, which follows it on the next line."""
         parts = []
-        runs = groupby(nodes, lambda c: isinstance(c, str) or c[0] not in HTML_BLOCK_TAGS)
+        runs = groupby(nodes, lambda c: isinstance(c, str) or c.tag not in HTML_BLOCK_TAGS)
         for is_inline, run in runs:                # inline content, or blocks
             if is_inline:
                 text = "\n".join(line.strip() for line in self.inline(run).split("\n")).strip()
@@ -9169,7 +9266,7 @@ class HtmlToMarkdown:
             for c in run:
                 md = self.block(c)
                 if md.strip():
-                    parts.append((c[0], md))
+                    parts.append((c.tag, md))
         out = ""
         for k, (kind, md) in enumerate(parts):
             tight = item and k and kind in ("ul", "ol") and parts[k - 1][0] == "text"
@@ -9196,7 +9293,7 @@ class HtmlToMarkdown:
         if tag == "hr":
             return "* * *"
         if tag == "table":
-            rows = ([" ".join(self.inline(cell[2]).split()) for cell in row]
+            rows = ([" ".join(self.inline(cell.children).split()) for cell in row]
                     for row in table_rows(node))
             return "\n".join("| %s |" % " | ".join(cells) for cells in rows)
         return self.blocks(children)
@@ -9217,31 +9314,32 @@ class HtmlToMarkdown:
                 if c.strip():
                     items.append((marker, c.strip()))
                 continue
-            if c[0] != "li":
-                md = self.block(c) if c[0] in HTML_BLOCK_TAGS else self.inline([c]).strip()
-                if md and c[0] in ("ul", "ol") and items and items[-1][0]:
+            if c.tag != "li":
+                md = self.block(c) if c.tag in HTML_BLOCK_TAGS else self.inline([c]).strip()
+                if md and c.tag in ("ul", "ol") and items and items[-1][0]:
                     # a list put straight in a list: the item before holds it
                     items[-1] = (items[-1][0], items[-1][1] + "\n" + md)
                 elif md:
                     items.append(("", md))
                 continue
             number += tag == "ol"
-            body = self.blocks(c[2], item=True)
+            body = self.blocks(c.children, item=True)
             loose = loose or "\n\n" in body
             items.append((marker, body))
-        lines = []
-        for marker, body in items:
-            pad = " " * len(marker)
-            text = "\n".join((pad + line if line.strip() else "") if k else marker + line
-                             for k, line in enumerate(body.split("\n")))
-            lines.append(text.rstrip())
-        return ("\n\n" if loose else "\n").join(lines)
+        return ("\n\n" if loose else "\n").join(list_item(*item) for item in items)
 
+
+
+def list_item(marker, body):
+    """A list item's Markdown: its body after its marker, the lines below indented under it."""
+    pad = " " * len(marker)
+    return "\n".join((pad + line if line.strip() else "") if k else marker + line
+                     for k, line in enumerate(body.split("\n"))).rstrip()
 
 
 def html_text(node):
     """The text of `node` and all below it, as it stands."""
-    return "".join(c if isinstance(c, str) else html_text(c) for c in node[2])
+    return "".join(c if isinstance(c, str) else html_text(c) for c in node.children)
 
 
 def markdown_code(code):
@@ -9270,13 +9368,13 @@ def markdown_escaped(text):
 def table_rows(node):
     """The rows of a table node (in thead, tbody or tfoot too), each a list of its cells."""
     rows = []
-    for c in node[2]:
+    for c in node.children:
         if isinstance(c, str):
             continue
-        if c[0] == "tr":
-            rows.append([cell for cell in c[2]
-                         if not isinstance(cell, str) and cell[0] in ("td", "th")])
-        elif c[0] in ("thead", "tbody", "tfoot"):
+        if c.tag == "tr":
+            rows.append([cell for cell in c.children
+                         if not isinstance(cell, str) and cell.tag in ("td", "th")])
+        elif c.tag in ("thead", "tbody", "tfoot"):
             rows += table_rows(c)
     return rows
 
@@ -9529,11 +9627,11 @@ class WebFetch:
         except (socket.gaierror, UnicodeError):
             raise fetch_error("unresolved", host=host, url=self.url)
         for info in infos:
-            why = address_refusal(info[4][0], self.block_private)
+            address = info[4][0]
+            why = address_refusal(address, self.block_private)
             if why:
-                log("warn", "web_fetch refused an address", host=host, address=info[4][0],
-                    reason=why)
-                raise fetch_error("refused", host=host, address=info[4][0], why=why, url=self.url)
+                log("warn", "web_fetch refused an address", host=host, address=address, reason=why)
+                raise fetch_error("refused", host=host, address=address, why=why, url=self.url)
         return infos
 
     def error(self, e, fired, timed_out):
@@ -9946,6 +10044,10 @@ def sweep_stores():
     return thread
 
 
+# Where the store keeps one blob: the number of its pack file, its offset and size there
+StoredBlob = namedtuple("StoredBlob", "pack offset size")
+
+
 class Store:
     """The server's one content-addressed store of file bytes, shared by the checkpoints of
     every session and by undo_edit: a private 0700 directory made at first use where
@@ -9957,7 +10059,7 @@ class Store:
     def __init__(self, config, roots):
         self.config, self.roots = config, list(roots)
         self.lock = threading.Lock()              # guards every field below
-        # digest -> (pack number, offset, size); the bytes held
+        # digest -> StoredBlob; the bytes held
         self.index, self.stored = {}, 0
         # the pack written to (a descriptor), how many, its size
         self.pack, self.packs, self.packed = None, 0, 0
@@ -10023,7 +10125,7 @@ class Store:
             except OSError as e:
                 self.shut_pack()                  # (a pack written in part is not written to again)
                 return None, "not stored (%s)" % (e.strerror or e)
-            self.index[digest] = (self.packs, self.packed, len(data))
+            self.index[digest] = StoredBlob(self.packs, self.packed, len(data))
             self.packed += len(data)
             self.stored += len(data)
         return digest, None
@@ -10042,12 +10144,12 @@ class Store:
         if where is None or at is None:
             raise OSError(errno.ENOENT, "the checkpoint store was removed with its server"
                           if where is None else "the checkpoint store holds no bytes %s" % digest)
-        fd = os.open(os.path.join(where, "pack%d" % at[0]), os.O_RDONLY | O_CLOEXEC)
+        fd = os.open(os.path.join(where, "pack%d" % at.pack), os.O_RDONLY | O_CLOEXEC)
         try:
-            data = os.pread(fd, at[2], at[1])
+            data = os.pread(fd, at.size, at.offset)
         finally:
             os.close(fd)
-        if len(data) != at[2]:
+        if len(data) != at.size:
             raise OSError(errno.EIO, "the checkpoint store lost bytes of %s" % digest)
         return data
 
@@ -10387,6 +10489,12 @@ class Listing:
         return (self.old if packed == self.old else packed), self.all_reusable
 
 
+# What a walk hands a waiter that waited CHECKPOINT_WAIT_S: the walk so far (the ask it answers)
+WalkPart = namedtuple("WalkPart", "ask dirs size missed")
+# The state a walk's skips are judged by: watch events taken, ignore stacks above the roots
+WalkMark = namedtuple("WalkMark", "generation stacks")
+
+
 class Checkpoint:
     """One state of the workspace: `dirs` {directory: its children, packed (pack_children)}
     (a file over --max-file-size or past the budget has digest None: not covered), how many
@@ -10462,8 +10570,7 @@ class Checkpoints:
         self.scanner = False                      # the scanning thread runs
         # a waiter for this ask waited CHECKPOINT_WAIT_S: hand it a part
         self.want_part = 0
-        # that part: (the ask it answers, dirs, size, missed) so far, handed over
-        self.part = None
+        self.part = None                          # that part (a WalkPart), handed over
         self.handed = False                       # the walk in progress handed a part over
         # the ask the walk in progress answers, and when it began
         self.walk_for, self.walk_began = 0, 0.0
@@ -10479,8 +10586,8 @@ class Checkpoints:
             repo = GitIndex.of(root)
             if repo is not None and all(r.top != repo.top for r in self.repos):
                 self.repos.append(repo)
-        # (watch events taken, ignore stacks above the roots) when the last scan found all it
-        # walked watched and unchanged: the same mark again means nothing changed since
+        # the WalkMark when the last scan found all it walked watched and unchanged: the same
+        # mark again means nothing changed since
         self.whole_mark = None
         self.linked = set()                       # (dev, inode) of files seen with other hard links
         # the ignore stacks above the roots when the last walk watched every directory it entered:
@@ -10555,15 +10662,7 @@ class Checkpoints:
             self.cond.notify_all()                # a walk giving way goes on
             try:
                 while not self.closed:
-                    # what the walk had: a checkpoint
-                    if self.part is not None and self.part[0] >= target:
-                        _, dirs, size, missed = self.part
-                        self.part = None
-                        self.record(Checkpoint(self.count + 1, dirs, size, missed,
-                                               "the rest was not walked within %g s (the next"
-                                               " checkpoint covers it)" % CHECKPOINT_WAIT_S))
-                        break
-                    if self.answered >= target:
+                    if self.record_part(target) or self.answered >= target:
                         break
                     if cancelled.is_set():
                         return CANCELLED_BEFORE
@@ -10571,15 +10670,12 @@ class Checkpoints:
                     if now >= deadline and self.turn and self.walk_for >= target:
                         # it hands its part soon (should_stop)
                         self.want_part = max(self.want_part, target)
-                    elif (now >= deadline and self.turn
-                          or now >= deadline + 2 * CHECKPOINT_PART_MIN_S
-                          or (self.turn and self.walk_for < target
-                              and now - self.walk_began >= CHECKPOINT_WAIT_S)):
+                    elif self.waited_in_vain(target, now, deadline):
                         missing = ("No checkpoint was taken before this call: a walk of the"
                                    " workspace that began before the last call ended takes longer"
                                    " than %g s (a first one, on a large tree); the checkpoints"
                                    " after it cover this call's changes" % CHECKPOINT_WAIT_S)
-                        break                     # (an older walk, or a rewind, has the turn)
+                        break
                     self.cond.wait(CHECKPOINT_YIELD_S)
                 latest = self.list[-1] if self.list else None
                 if latest is not None:
@@ -10594,6 +10690,28 @@ class Checkpoints:
             return ("(The checkpoint before this call covers part of the workspace: %s; checkpoints"
                     " lists what it covers.)" % latest.partial)
         return None
+
+    def record_part(self, target):
+        """Keep what a walk handed over, when it answers the ask `target`, as a partial
+        checkpoint (the caller holds cond): whether it did."""
+        part = self.part
+        if part is None or part.ask < target:
+            return False
+        self.part = None
+        self.record(Checkpoint(self.count + 1, part.dirs, part.size, part.missed,
+                               "the rest was not walked within %g s (the next checkpoint"
+                               " covers it)" % CHECKPOINT_WAIT_S))
+        return True
+
+    def waited_in_vain(self, target, now, deadline):
+        """Whether a caller waiting for the walk that answers the ask `target` stops without
+        a checkpoint (it holds cond, and no part is coming): at its deadline while another
+        walk, or a rewind, has the turn; well past it in any case; or once a walk not for it
+        has run CHECKPOINT_WAIT_S."""
+        return (now >= deadline and self.turn
+                or now >= deadline + 2 * CHECKPOINT_PART_MIN_S
+                or (self.turn and self.walk_for < target
+                    and now - self.walk_began >= CHECKPOINT_WAIT_S))
 
     def after(self):
         """A call that can change files ended: checkpoint in the background."""
@@ -10723,7 +10841,8 @@ class Checkpoints:
         with self.cond:
             if 0 < self.want_part <= self.walk_for and self.part is None and not self.handed \
                     and size and time.monotonic() - self.walk_began >= CHECKPOINT_PART_MIN_S:
-                self.part, self.handed = (self.walk_for, so_far(), size, list(missed)), True
+                self.part = WalkPart(self.walk_for, so_far(), size, list(missed))
+                self.handed = True
                 self.want_part = 0
                 self.cond.notify_all()
         return self.stopped.is_set() or cancelled.is_set()
@@ -10741,23 +10860,24 @@ class Checkpoints:
             return None                                      # closed meanwhile
         self.cache.refresh()
         w = self.cache.watches
-        mark = (w.generation,
-                [self.cache.outer(root) for root in self.roots]) if w is not None else None
-        if self.list and self.whole_mark is not None and mark[0] == self.whole_mark[0] \
-                and all(map(same_objects, mark[1], self.whole_mark[1])):
+        mark = None if w is None else WalkMark(w.generation,
+                                               [self.cache.outer(root) for root in self.roots])
+        last = self.whole_mark
+        if self.list and last is not None and mark.generation == last.generation and all(
+                map(same_objects, mark.stacks, last.stacks)):
             # no event since a scan that watched all of it
             return None
         for repo in self.repos:
             repo.refresh(self.give_way if background else None)
         prune = self.prune_stacks is not None and not self.base.partial and all(
-            map(same_objects, mark[1], self.prune_stacks))
+            map(same_objects, mark.stacks, self.prune_stacks))
         checkpoint, visited, looked, unwatched = self.walk_roots(background, cancelled, prune)
         if checkpoint is None:
             return None                                      # closed or cancelled: nothing to keep
         if w is not None:
             # (quiet from now on: this walk is the base)
             w.quiet.update(looked)
-            self.prune_stacks = (mark[1] if not checkpoint.partial
+            self.prune_stacks = (mark.stacks if not checkpoint.partial
                                  and all(map(w.of.__contains__, visited)) else None)
         if not checkpoint.partial:
             for repo in self.repos:
@@ -10777,8 +10897,7 @@ class Checkpoints:
         quiet = w.quiet if w is not None else set()
         prev, dirs, missed, partial, size = self.base.dirs, {}, [], False, 0
         left_out, pruned = self.pruner(quiet) if prune else (None, set())
-        store = self.store.dir if self.store.dir and any(is_within(self.store.dir, r)
-                                                         for r in self.roots) else None
+        store = self.store_in_roots()
         look = lambda path, old, known: self.entry(path, old, missed, known)
         # the Listing of the directory the walk is in
         here = None
@@ -10805,10 +10924,7 @@ class Checkpoints:
             if partial:
                 break
             repo = next((r for r in self.repos if is_within(root, r.top)), None)
-            walker = Walker(root, self.walk_policy, False, self.cache)
-            walker.want_dirs, walker.raw_links, walker.visited = True, True, visited
-            walker.watch_first, walker.remember = True, False
-            walker.prune, walker.repos = left_out or walker.prune, self.nested
+            walker = self.walker(root, left_out, visited)
             here = None
             # (a directory's children come together)
             for path, _, _, _ in walker:
@@ -10836,6 +10952,22 @@ class Checkpoints:
         dirs.update(kept)
         size += sum(child_names(packed).count(b"\0") + 1 for packed in kept.values())
         return Checkpoint(self.count + 1, dirs, size, missed, partial), visited, looked, unwatched
+
+    def store_in_roots(self):
+        """The store's directory where it lies in a root (a walk leaves it out), else None."""
+        where = self.store.dir
+        return where if where and any(is_within(where, r) for r in self.roots) else None
+
+    def walker(self, root, left_out, visited):
+        """walk_roots()'s Walker of `root`: directories and symlinks found as themselves,
+        watched from the first walk, its visits not kept in the cache; the directories it
+        visits added to `visited`, those `left_out` says (if given) found but not entered,
+        the repositories it meets below the root added to self.nested."""
+        walker = Walker(root, self.walk_policy, False, self.cache)
+        walker.want_dirs, walker.raw_links, walker.visited = True, True, visited
+        walker.watch_first, walker.remember = True, False
+        walker.prune, walker.repos = left_out or walker.prune, self.nested
+        return walker
 
     def pruner(self, quiet):
         """walk_roots()'s test of a directory it may leave out (quiet, nothing below it that
@@ -11603,12 +11735,8 @@ def tool_view(session, args, ctx):
     notebook that is not valid JSON is shown as text after a note."""
     shown, vr = args["path"], args.get("view_range")
     real = resolve_checked(session, ctx, shown)
-    if vr is not None and vr[0] < 1:
-        raise ToolError(INVALID_INPUT,
-                        "view_range start %d is below 1; lines are numbered from 1" % vr[0])
-    if vr is not None and vr[1] != -1 and vr[1] < vr[0]:
-        raise ToolError(INVALID_INPUT, "view_range [%d, %d] ends before it starts;"
-                        " give start <= end, or end = -1 for the end of the file" % tuple(vr))
+    if vr is not None:
+        check_view_range(vr)
     try:
         fd, st = open_regular(real, shown)
     except ToolError as e:
@@ -11663,6 +11791,17 @@ def tool_view(session, args, ctx):
             raise io_error(e, shown)
     session.mark_viewed(real, seen)
     return text
+
+
+def check_view_range(vr):
+    """ToolError unless view_range [start, end] starts at 1 or later and ends at or after
+    its start (or at -1: the end of the file)."""
+    if vr[0] < 1:
+        raise ToolError(INVALID_INPUT,
+                        "view_range start %d is below 1; lines are numbered from 1" % vr[0])
+    if vr[1] != -1 and vr[1] < vr[0]:
+        raise ToolError(INVALID_INPUT, "view_range [%d, %d] ends before it starts;"
+                        " give start <= end, or end = -1 for the end of the file" % tuple(vr))
 
 
 def document_view(ctx, real, st, shown, vr):
@@ -14339,17 +14478,22 @@ def tool_bash(session, args, ctx):
     kept = task.follow(session, ctx.cancelled, handoff)
     if kept is None:
         return handed_off(task, ctx, timeout_ms, progress)
+    return ended_answer(session, task, ctx, timeout_ms, kept and (
+        "(not handed off to the background at %g s: %s; it ran in the foreground)"
+        % (handoff, kept)))
+
+
+def ended_answer(session, task, ctx, timeout_ms, kept):
+    """The answer of a command that ended in the foreground: how it ended, its output, and
+    the line `kept` saying why it was not handed off, if any. Its cd moves the session."""
     out, err = task.take()
-    head = [ending_line(task.why, timeout_ms, out, err), describe_exit(proc)]
-    if kept:
-        head.append("(not handed off to the background at %g s: %s; it ran in the foreground)"
-                    % (handoff, kept))
+    head = [ending_line(task.why, timeout_ms, out, err), describe_exit(task.proc), kept]
     if task.cwd and task.cwd != session.get_cwd() and os.path.isdir(task.cwd):
         session.set_cwd(task.cwd)
         head.append("cwd: %s" % task.cwd)
     head = [line for line in head if line]
     body, notice = render_output(out, err, output_budget(ctx))
-    hint = ctx.sandbox.hint(body) if proc.returncode else ""
+    hint = ctx.sandbox.hint(body) if task.proc.returncode else ""
     return read_on("\n".join(head) + "\n" + body + ("\n" + hint if hint else ""), notice)
 
 
@@ -15301,15 +15445,7 @@ def check_value(name, spec, value, codes=None):
         raise ToolError(INVALID_INPUT, "argument %r must be %s %s, got %s; send it as JSON %s" % (
             name, "an" if kind[0] in "aeiou" else "a", kind, brief(value), kind))
     if kind == "string":
-        if "\x00" in value:
-            raise ToolError(INVALID_INPUT, "argument %r contains a NUL character (\\u0000), which"
-                            " no path, command or file text may hold" % name, detail=name)
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ToolError(INVALID_INPUT, "argument %r holds a lone surrogate (%s at character"
-                            " %d), which is not Unicode text; send valid UTF-8"
-                            % (name, json.dumps(value[e.start]), e.start), detail=name)
+        check_text(name, value)
     elif kind == "integer" and abs(value) > MAX_INT_ARG:
         raise ToolError(INVALID_INPUT, "argument %r is %s, out of range (at most %d either side)"
                         % (name, brief(value), MAX_INT_ARG))
@@ -15325,6 +15461,19 @@ def check_value(name, spec, value, codes=None):
         check_value("%s[%d]" % (name, k), spec.get("items", {}), item)
     if kind == "object" and "properties" in spec:
         check_fields(name + ".", spec, value)
+
+
+def check_text(name, value):
+    """ToolError unless the string argument `name` is text: no NUL, no lone surrogate."""
+    if "\x00" in value:
+        raise ToolError(INVALID_INPUT, "argument %r contains a NUL character (\\u0000), which"
+                        " no path, command or file text may hold" % name, detail=name)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ToolError(INVALID_INPUT, "argument %r holds a lone surrogate (%s at character"
+                        " %d), which is not Unicode text; send valid UTF-8"
+                        % (name, json.dumps(value[e.start]), e.start), detail=name)
 
 
 def check_fields(prefix, schema, args, codes=None):
@@ -16643,7 +16792,7 @@ def check_main(config, policy, sandbox):
     helpers by a glob), printed; the exit code."""
     import shutil
     server = McpServer(config, policy, sandbox)
-    roots, trials = policy.allow or [policy.workdir], sandbox.trials
+    roots = policy.allow or [policy.workdir]
     session = Session(config)
     try:
         ctx = CallContext(config, policy, helpers=server.helpers, sandbox=sandbox)
@@ -16656,20 +16805,10 @@ def check_main(config, policy, sandbox):
     finally:
         session.close()
         server.close()
-    userns = "yes" if trials.get("a write to a protected .git", "done") != "done" else "not tried"
-    if sandbox.on and not sandbox.protect.enforced:
-        userns = "no: " + sandbox.protect.why
     store, inotify = store_place(roots), Watches().open()
     checkpoints_on = config.checkpoint_budget != 0
     rows = [("boris.py", "%s, Python %s, uid %d"
-             % (__version__, sys.version.split()[0], os.getuid())),
-            ("sandbox", sandbox.describe().partition(": ")[2]
-             + ("" if sandbox.on else "; why: " + sandbox.why)),
-            ("  proven", "; ".join("%s: %s" % (k, v if v == "done" else "refused (%s)" % v)
-                                   for k, v in sorted(trials.items()))
-             or "nothing tried (it is off)"),
-            ("  kernel", "Landlock ABI %d; seccomp filters %s; user namespaces %s" % (
-                landlock_abi(), "yes" if net_filter_available() else "no", userns)),
+             % (__version__, sys.version.split()[0], os.getuid()))] + sandbox_rows(sandbox) + [
             ("checkpoints", "a private store in %s" % store if store and checkpoints_on else
              "off: " + (NO_STORE if checkpoints_on else "--checkpoint-budget off")),
             ("search helpers", glob["content"][0]["text"] if glob["isError"]
@@ -16687,6 +16826,22 @@ def check_main(config, policy, sandbox):
         os.close(inotify)
     sys.stdout.write("".join("%-15s %s\n" % row for row in rows))
     return 0
+
+
+def sandbox_rows(sandbox):
+    """--check's rows of the sandbox: what it is, what its trials proved, what the kernel
+    gives it."""
+    trials = sandbox.trials
+    userns = "yes" if trials.get("a write to a protected .git", "done") != "done" else "not tried"
+    if sandbox.on and not sandbox.protect.enforced:
+        userns = "no: " + sandbox.protect.why
+    return [("sandbox", sandbox.describe().partition(": ")[2]
+             + ("" if sandbox.on else "; why: " + sandbox.why)),
+            ("  proven", "; ".join("%s: %s" % (k, v if v == "done" else "refused (%s)" % v)
+                                   for k, v in sorted(trials.items()))
+             or "nothing tried (it is off)"),
+            ("  kernel", "Landlock ABI %d; seccomp filters %s; user namespaces %s" % (
+                landlock_abi(), "yes" if net_filter_available() else "no", userns))]
 
 
 def main(argv=None, environ=None, after_the_script=False):
