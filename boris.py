@@ -2080,26 +2080,32 @@ def kill_group(proc):
             pass  # a pipe whose other end died: nothing lost
 
 
-def run_program(argv, cwd, timeout, environ=None):
+def run_program(argv, cwd, timeout, sandbox=None, cancelled=None, environ=None):
     """The one way a tool runs a program to its end: spawned in its own process group with
-    a given environment (the helpers' by default, never the server's whole one), its output
-    cut to its last RUN_OUTPUT_BYTES a stream, its group killed once it ends or at `timeout`,
-    and reaped. (exit code, stdout, stderr); (None, b"", b"") when it did not end in time."""
+    a given environment (the helpers' by default, never the server's whole one), confined
+    as commands are when `sandbox` is on (it may run project code: git's filters, a build),
+    its output cut to its last RUN_OUTPUT_BYTES a stream, its group killed once it ends, at
+    `timeout` or once `cancelled()` is true, and reaped. (exit code, stdout, stderr);
+    (None, b"", b"") when it did not end in time or was cancelled."""
     import subprocess
+    if sandbox is not None and sandbox.on:
+        argv, cwd = sandbox.launched(argv, cwd)
     proc = spawn(argv, cwd=cwd, env=environ or child_environ(only=HELPER_ENV),
                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                  start_new_session=True)
+    deadline = time.monotonic() + timeout
     try:
-        out, err = proc.communicate(timeout=timeout)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        out, err, code = b"", b"", None         # (what it said is lost with it)
+        while True:
+            try:
+                out, err = proc.communicate(timeout=min(REAP_INTERVAL_S, timeout))
+                code = proc.returncode
+                break
+            except subprocess.TimeoutExpired:       # (what it said is lost with it)
+                if time.monotonic() >= deadline or (cancelled is not None and cancelled()):
+                    out, err, code = b"", b"", None
+                    break
     finally:
-        signal_group(proc, signal.SIGKILL)
-        proc.wait()
-        reaped(proc)
-        proc.stdout.close()
-        proc.stderr.close()
+        kill_group(proc)
     return code, out[-RUN_OUTPUT_BYTES:], err[-RUN_OUTPUT_BYTES:]
 
 
@@ -3099,6 +3105,12 @@ class Sandbox:
                            "tied": os.getpid() if tied else None,
                            "protect": self.protect.paths(self.writable) if self.on else [],
                            "proxy": self.proxy_port if self.on and not self.network else None})
+
+    def launched(self, argv, cwd, ctty=False, tied=False):
+        """(argv, cwd) that run `argv` in `cwd` through a launcher confined by this
+        sandbox (the launcher starts in its private directory; spec says the rest)."""
+        launcher, private = helper_command("sandbox", avoid=self.writable)
+        return launcher + [self.spec(cwd, ctty, tied)] + argv, private
 
     def proxy_environ(self):
         """The variables that send a command's HTTP and HTTPS through the proxy ({} without one)."""
@@ -8420,8 +8432,7 @@ def start_process(script, cwd, sandbox=None, stdin="null", environ=None, tied=Fa
     if sandbox.on and stdin == "null":
         return sandbox.launchers.start(argv, cwd, env, marker)
     if sandbox.on or stdin == "tty" or tied:
-        launcher, private = helper_command("sandbox", avoid=sandbox.writable)
-        argv, cwd = launcher + [sandbox.spec(cwd, stdin == "tty", tied)] + argv, private
+        argv, cwd = sandbox.launched(argv, cwd, stdin == "tty", tied)
     if stdin != "tty":
         proc = spawn(argv, cwd=cwd, env=env,
                      stdin=subprocess.PIPE if stdin == "pipe" else subprocess.DEVNULL,
@@ -9049,14 +9060,13 @@ class LangServers:
 
     def warm(self, real):
         """Tell the server of file `real` (a view or outline of it): it starts when new."""
-        found, limit = self.server(real), self.config.max_file_size
+        found = self.server(real)
         try:
-            with open(real, "rb") as f:
-                text = f.read(limit + 1).decode("utf-8", "replace") if found else ""
-        except OSError:
-            return                                   # the tool says what is wrong with it
-        if found and len(text) <= limit:
-            found[0].diagnostics(lsp_uri(real), found[1], text, 0)
+            data = found and read_regular(real, real, self.config.max_file_size)[0]
+        except (OSError, ToolError):
+            return                      # the tool says what is wrong with it (too large, a FIFO)
+        if found:
+            found[0].diagnostics(lsp_uri(real), found[1], data.decode("utf-8", "replace"), 0)
 
     def verdicts(self, todo):
         """What an edit's answer ends with: for each file it wrote, the problems it brought

@@ -7388,6 +7388,22 @@ class TestRunProgram(unittest.TestCase):
         self.assertEqual(boris.run_program(["/bin/sh", "-c", "echo out; echo err >&2; exit 3"], "/", 30),
                          (3, b"out\n", b"err\n"))
 
+    def test_a_cancel_ends_it_with_its_group(self):
+        marker, asked = unique_sleep(), []
+        code = boris.run_program(["/bin/sh", "-c", "sleep %s; echo late" % marker], "/", 30,
+                                 cancelled=lambda: asked.append(1) or True)
+        self.assertEqual((code, asked[:1], procs_with(marker)), ((None, b"", b""), [1], []))
+
+    @NEEDS_LANDLOCK
+    def test_with_a_sandbox_it_runs_confined(self):
+        ws, outside = (os.path.realpath(tempfile.mkdtemp(prefix="boris-runner-")) for _ in range(2))
+        for d in (ws, outside):
+            self.addCleanup(shutil.rmtree, d, True)
+        sandbox = boris.Sandbox("workspace-write", [ws], False, LANDLOCK_ABI, "", boris.Protect())
+        script = "echo in > %s/a; echo out > %s/b; echo done" % (ws, outside)
+        code, out, err = boris.run_program(["/bin/sh", "-c", script], ws, 60, sandbox)
+        self.assertEqual((out, os.listdir(ws), os.listdir(outside)), (b"done\n", ["a"], []), err)
+
     def test_the_probe_and_git_config_start_through_it(self):
         seen = []
         real = boris.run_program
@@ -7570,6 +7586,15 @@ class TestLanguageServerVerdict(LspBase):
         text = self.edit("undefined_name\n", "pass\n")
         self.assertIn("[fake-langserver on a.py: 1 fixed]", text)
         self.assertNotIn("fake", self.edit("x = other_name\n", "x = other_name\n# c\n"))  # nothing new: nothing said
+
+    def test_warming_reads_through_the_one_opener(self):
+        fifo = os.path.join(self.root, "b.py")
+        os.mkfifo(fifo)                   # (a FIFO swapped in after view's own open)
+        warming = threading.Thread(target=self.server.lsp.warm, args=(fifo,), daemon=True)
+        warming.start()
+        warming.join(30)
+        self.assertFalse(warming.is_alive())       # refused, not read: no writer would come
+        self.assertNotIn("b.py", json.dumps(self.told()))
 
     def test_versions_framing_and_the_servers_requests(self):
         self.warm()
