@@ -3859,10 +3859,13 @@ def as_bytes(text):
 def read_ignore(base, source):
     """The rules of the ignore file `source` for directory `base`, or None if it has none."""
     try:
-        with open(source, "r", encoding="utf-8", errors="replace") as f:
-            rules = IgnoreFile(base, f.readlines(), source)
+        # (a FIFO or a device put there, or linked to, would block the walk or never end)
+        with open(os.open(source, os.O_RDONLY | os.O_NONBLOCK | O_CLOEXEC), "r",
+                  encoding="utf-8", errors="replace") as f:
+            regular = stat.S_ISREG(os.fstat(f.fileno()).st_mode)
+            rules = IgnoreFile(base, f.readlines() if regular else [], source)
     except OSError:
-        return None  # unreadable .gitignore: no rules from it (git, too, skips it)
+        return None  # unreadable: no rules from it (git, too, skips it)
     return rules if rules.rules else None
 
 

@@ -7970,6 +7970,14 @@ class TestGrep(SearchBase):
             self.assertEqual(self.ok("grep", pattern="TODO", output_mode="content", head_limit=0)
                              .split("\n"), whole["content"])
 
+    def test_an_ignore_file_that_is_no_regular_file_is_not_read(self):
+        """A FIFO named .gitignore (or .ignore) has no writer: reading it would block the
+        walk until the deadline. It gives no rules, as git gives none from it."""
+        self.write("pipes/a.txt", "TODO in pipes\n")
+        for name in (".gitignore", ".ignore"):
+            os.mkfifo(self.path("pipes/" + name))
+        self.assertEqual(self.ok("grep", pattern="TODO in pipes"), "pipes/a.txt")
+
     def test_content_mode_format(self):
         out = self.ok("grep", pattern="TODO", output_mode="content", path="src")
         self.assertIn("app.py:4:# TODO: fix", out.split("\n"))
