@@ -12028,33 +12028,29 @@ def tool_outline(session, args, ctx):
     one = items[0]
     if one.refused:
         raise ToolError(one.refused, "%s: %s" % (shown, one.note))
-    symbol = args.get("symbol")
-    if symbol:
+    symbol, places = args.get("symbol"), None
+    if symbol:                  # its entries, and where it is defined and used by the server
         word = re.compile(r"(?<!\w)%s(?!\w)" % re.escape(symbol))
         one = one._replace(entries=[e for e in one.entries if word.search(e.signature)])
         places = ctx.lsp and ctx.lsp.places(root.real, word,
                                             next((e.first for e in one.entries), 1))
-        if places is not None:
-            import linecache
-            cwd = session.get_cwd()
-            parts = ["%s: %s, by the language server" % (symbol, plural(len(places), "place"))]
-            cut = outline_page(parts, ["%s %s:%d: %s" % (
-                kind, os.path.relpath(path, cwd) if is_within(path, cwd) else path, n,
-                "" if ctx.policy.is_denied(path) else shorten(linecache.getline(path, n).strip()))
-                for kind, path, n in places], offset, search_cap(ctx),
-                "[cut at place {0}; read on with offset={0}]")
-            linecache.clearcache()
-            return read_on("\n".join(parts), cut)
+    rows, cwd = outline_rows(one.entries, one.lines), session.get_cwd()
+    if places is not None:
+        import linecache
+        rows = ["%s %s:%d: %s" % (
+            kind, os.path.relpath(path, cwd) if is_within(path, cwd) else path, n,
+            "" if ctx.policy.is_denied(path) else shorten(linecache.getline(path, n).strip()))
+            for kind, path, n in places]
+        linecache.clearcache()
     parts = ["%s: %s, %d lines, %d definitions%s" % (
         shown, one.lang, one.lines, len(one.entries), " (%s)" % one.note if one.note else "")]
-    cut = outline_page(parts, outline_rows(one.entries, one.lines), offset, search_cap(ctx),
-                       "[outline cut at definition {0} of %d; read on with offset={0}]"
-                       % len(one.entries))
+    cut = outline_page(parts, rows, offset, search_cap(ctx),
+                       "[outline cut at entry {0} of %d; read on with offset={0}]" % len(rows))
     if not cut:
         parts.append("Read a definition with view and view_range [first, last]%s." % (
             ", e.g. view_range [%d, %d]" % one.entries[0][:2] if one.entries else
             " (no definitions were found)"))
-    if symbol:
+    if symbol and places is None:
         parts.append("[no language server's answer: grep %s as a whole word]" % symbol)
     return read_on("\n".join(parts), cut)
 
