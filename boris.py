@@ -2465,22 +2465,15 @@ def net_filter_program(machine, supervised=False, inet=False):
         ("connect",), (ret, notify if supervised else refuse),
         ("allow",), (ret, allow), ("refuse",), (ret, refuse),
         ("nosys",), (ret, nosys), ("kill",), (ret, kill)]
-    labels, at = {}, 0
+    labels, ops = {}, []
     for op in code:
         if len(op) == 1:
-            labels[op[0]] = at
+            labels[op[0]] = len(ops)
         else:
-            at += 1
-    out, at = [], 0
-    for op in code:
-        if len(op) == 1:
-            continue
-        at += 1
-        if len(op) == 3:                         # jump to the label when equal (or >=), else on
-            out.append(struct.pack("<HBBI", op[0], labels[op[2]] - at, 0, op[1]))
-        else:
-            out.append(struct.pack("<HBBI", op[0], 0, 0, op[1]))
-    return b"".join(out)
+            ops.append(op)
+    # a jump goes to its label when equal (or >=), else on
+    return b"".join(struct.pack("<HBBI", op[0], labels[op[2]] - at if len(op) == 3 else 0, 0,
+                                op[1]) for at, op in enumerate(ops, 1))
 
 
 def net_filter_available():
@@ -12835,6 +12828,20 @@ def load_for_edit(session, ctx, real, shown):
     return data.decode("utf-8", "surrogateescape")
 
 
+def edit_text(session, args, ctx, tool, key, change):
+    """The text edits' one path: under the file's lock, its text (load_for_edit) made over by
+    change(text) -> (updated text, facts...) and written as `tool` (dry_run: the diff;
+    `key` names the argument whose text cannot be written). Returns (real, change's, note)."""
+    shown = args["path"]
+    real = resolve_checked(session, ctx, shown)
+    with ctx.files.lock(real):
+        text = load_for_edit(session, ctx, real, shown)
+        made = change(text)
+        note = write_edit(session, ctx, tool, [FileEdit(real, shown, encode_text(made[0], key),
+                                                        encode_text(text))], args.get("dry_run"))
+    return real, made, note
+
+
 def to_crlf(s):
     """`s` with every line ending CRLF."""
     return s.replace("\r\n", "\n").replace("\n", "\r\n")
@@ -13405,14 +13412,10 @@ STR_REPLACE_DESC = ("Edit a file - the edit tool for most edits: replace text (o
 def tool_str_replace(session, args, ctx):
     """str_replace: replace old_str (unique, or every one with replace_all) in a file viewed and
     unchanged since."""
-    shown, new = args["path"], args.get("new_str") or ""
-    real = resolve_checked(session, ctx, shown)
-    with ctx.files.lock(real):
-        text = load_for_edit(session, ctx, real, shown)
-        updated, count, pos, how = replace_text(text, args, shown, ctx.cancelled)
-        note = write_edit(session, ctx, "str_replace",
-                          [FileEdit(real, shown, encode_text(updated, "new_str"),
-                                    encode_text(text))], args.get("dry_run"))
+    new = args.get("new_str") or ""
+    real, (updated, count, pos, how), note = edit_text(
+        session, args, ctx, "str_replace", "new_str",
+        lambda text: replace_text(text, args, args["path"], ctx.cancelled))
     if args.get("dry_run"):
         return note + ("\n(old_str matched %s)" % how if how else "")
     line = updated.count("\n", 0, pos)
@@ -13442,11 +13445,10 @@ MULTI_EDIT_DESC = ("Make several changes to one file in one call: each {old_str,
 def tool_multi_edit(session, args, ctx):
     """Several str_replace edits of one file: each applies to the result of the one
     before; all of them or none are written, in one atomic write."""
-    shown, edits = args["path"], args["edits"]
-    real = resolve_checked(session, ctx, shown)
-    with ctx.files.lock(real):
-        text = before = load_for_edit(session, ctx, real, shown)
-        replaced, pos, matched = 0, 0, []
+    shown, edits, matched = args["path"], args["edits"], []
+
+    def change(text):
+        replaced, pos = 0, 0
         for k, edit in enumerate(edits, 1):
             try:
                 text, count, pos, how = replace_text(text, edit, shown, ctx.cancelled)
@@ -13456,9 +13458,9 @@ def tool_multi_edit(session, args, ctx):
                 raise ToolError(e.code, "edit %d of %d: %s\nNothing was written (the edits apply"
                                 " all or none)" % (k, len(edits), e.message.rstrip(".")))
             replaced += count
-        note = write_edit(session, ctx, "multi_edit",
-                          [FileEdit(real, shown, encode_text(text, "new_str"),
-                                    encode_text(before))], args.get("dry_run"))
+        return text, replaced, pos
+    real, (text, replaced, pos), note = edit_text(session, args, ctx, "multi_edit", "new_str",
+                                                  change)
     if args.get("dry_run"):
         return note + ("\n(%s)" % "; ".join(matched) if matched else "")
     line = text.count("\n", 0, pos)
@@ -13532,18 +13534,12 @@ def inserted(text, at, text_in):
 
 def tool_insert(session, args, ctx):
     """insert: add lines after line insert_line (0: at the top) of a file."""
-    shown = args["path"]
     text_in = args.get("insert_text", args.get("new_str"))
     if text_in is None or args.get("insert_line") is None:
         raise ToolError(INVALID_INPUT, "insert needs insert_line and insert_text (or new_str)")
-    real = resolve_checked(session, ctx, shown)
     at = args["insert_line"]
-    with ctx.files.lock(real):
-        text = load_for_edit(session, ctx, real, shown)
-        updated, new_lines = inserted(text, at, text_in)
-        note = write_edit(session, ctx, "insert",
-                          [FileEdit(real, shown, encode_text(updated, "insert_text"),
-                                    encode_text(text))], args.get("dry_run"))
+    real, (updated, new_lines), note = edit_text(session, args, ctx, "insert", "insert_text",
+                                                 lambda text: inserted(text, at, text_in))
     if args.get("dry_run"):
         return note
     return "Inserted %s after line %d of %s:\n%s" % (
