@@ -2080,15 +2080,14 @@ def kill_group(proc):
             pass  # a pipe whose other end died: nothing lost
 
 
-def run_program(argv, cwd, timeout, environ=None):
+def run_program(argv, cwd, timeout):
     """The one way a tool runs a program to its end: spawned in its own process group with
-    a given environment (the helpers' by default, never the server's whole one), its output
+    the helpers' environment (never the server's whole one), its output
     cut to its last RUN_OUTPUT_BYTES a stream, its group killed once it ends or at `timeout`,
     and reaped. (exit code, stdout, stderr); (None, b"", b"") when it did not end in time."""
     import subprocess
-    proc = spawn(argv, cwd=cwd, env=environ or child_environ(only=HELPER_ENV),
-                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                 start_new_session=True)
+    proc = spawn(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
         code = proc.returncode
@@ -8382,11 +8381,11 @@ class Capture:
 # (a command read by a thread of its own: a background task, or a foreground command
 # that may be handed off). Output reaches a result through render_output.
 
-def command_environ(config, environ=None):
+def command_environ(config):
     """The environment bash commands get: the server's, less its own variables and those
     named like a secret unless --shell-env-keep names them, less what --shell-env-drop
     names (child_environ)."""
-    return child_environ(environ, config.shell_env_keep, config.shell_env_drop)
+    return child_environ(None, config.shell_env_keep, config.shell_env_drop)
 
 
 TTY_COLUMNS, TTY_ROWS = 80, 24             # the terminal of a tty task
@@ -16840,20 +16839,19 @@ def sandbox_rows(sandbox):
                 landlock_abi(), "yes" if net_filter_available() else "no", userns))]
 
 
-def main(argv=None, environ=None, after_the_script=False):
+def main(argv=None, after_the_script=False):
     """Run the server (or a helper, with --helper): parse the flags, resolve the sandbox, serve
     stdio or HTTP until stopped; the exit code. With after_the_script (run as a script) it serves
     from a thread of its own once start-up is done and returns None (serve_after_the_script)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--helper"]:
         return helper_main(argv[1:])
-    environ = os.environ if environ is None else environ
     if sys.getfilesystemencoding().lower().replace("-", "") != "utf8" and __name__ == "__main__":
         # An ASCII locale (LC_ALL=C) would make every non-ASCII path or command fail:
         # run again in Python's UTF-8 mode, before anything is read.
         os.execv(sys.executable, [sys.executable, "-X", "utf8", THIS_FILE] + argv)
     try:
-        config = parse_config(argv, environ)
+        config = parse_config(argv, os.environ)
         disabled_tools(config)                    # an unknown --disable-tools name stops start-up
         try:
             policy = PathPolicy.of(config)
