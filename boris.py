@@ -11278,9 +11278,7 @@ def disabled_tools(config):
 
 def prop(kind, description, **extra):
     """A JSON Schema property of type `kind`."""
-    d = {"type": kind, "description": description}
-    d.update(extra)
-    return d
+    return dict({"type": kind, "description": description}, **extra)
 
 
 def obj(properties, required=()):
@@ -12827,16 +12825,17 @@ def load_for_edit(session, ctx, real, shown):
     return data.decode("utf-8", "surrogateescape")
 
 
-def edit_text(session, args, ctx, tool, key, change):
+def edit_text(session, args, ctx, tool, change):
     """The text edits' one path: under the file's lock, its text (load_for_edit) made over by
-    change(text) -> (updated text, facts...) and written as `tool` (dry_run: the diff;
-    `key` names the argument whose text cannot be written). Returns (real, change's, note)."""
+    change(text) -> (updated text, facts...) and written as `tool` (dry_run: the diff).
+    Returns (real, change's, note). (The text always encodes: the file's undecodable bytes
+    come back through surrogateescape, and no argument holds a lone surrogate.)"""
     shown = args["path"]
     real = resolve_checked(session, ctx, shown)
     with ctx.files.lock(real):
         text = load_for_edit(session, ctx, real, shown)
         made = change(text)
-        note = write_edit(session, ctx, tool, [FileEdit(real, shown, encode_text(made[0], key),
+        note = write_edit(session, ctx, tool, [FileEdit(real, shown, encode_text(made[0]),
                                                         encode_text(text))], args.get("dry_run"))
     return real, made, note
 
@@ -13413,7 +13412,7 @@ def tool_str_replace(session, args, ctx):
     unchanged since."""
     new = args.get("new_str") or ""
     real, (updated, count, pos, how), note = edit_text(
-        session, args, ctx, "str_replace", "new_str",
+        session, args, ctx, "str_replace",
         lambda text: replace_text(text, args, args["path"], ctx.cancelled))
     if args.get("dry_run"):
         return note + ("\n(old_str matched %s)" % how if how else "")
@@ -13458,8 +13457,7 @@ def tool_multi_edit(session, args, ctx):
                                 " all or none)" % (k, len(edits), e.message.rstrip(".")))
             replaced += count
         return text, replaced, pos
-    real, (text, replaced, pos), note = edit_text(session, args, ctx, "multi_edit", "new_str",
-                                                  change)
+    real, (text, replaced, pos), note = edit_text(session, args, ctx, "multi_edit", change)
     if args.get("dry_run"):
         return note + ("\n(%s)" % "; ".join(matched) if matched else "")
     line = text.count("\n", 0, pos)
@@ -13537,7 +13535,7 @@ def tool_insert(session, args, ctx):
     if text_in is None or args.get("insert_line") is None:
         raise ToolError(INVALID_INPUT, "insert needs insert_line and insert_text (or new_str)")
     at = args["insert_line"]
-    real, (updated, new_lines), note = edit_text(session, args, ctx, "insert", "insert_text",
+    real, (updated, new_lines), note = edit_text(session, args, ctx, "insert",
                                                  lambda text: inserted(text, at, text_in))
     if args.get("dry_run"):
         return note
