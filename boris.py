@@ -424,9 +424,8 @@ def log(level, message, **fields):
     if _LOG_LEVELS[level] < _log_state["level"]:
         return
     if _log_state["format"] == "json":
-        rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "level": level.upper(), "msg": message}
-        rec.update(fields)
-        line = json.dumps(rec, default=str)
+        line = json.dumps(dict({"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                "level": level.upper(), "msg": message}, **fields), default=str)
     else:
         extra = "".join(" %s=%s" % (k, json.dumps(v, default=str)) for k, v in fields.items())
         line = "%s %s boris: %s%s" % (time.strftime("%H:%M:%S"), level.upper(), message, extra)
