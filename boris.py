@@ -16022,7 +16022,7 @@ class Stopper:
     the main thread is doing, and a repeated one during shutdown changes nothing.
     The main thread owns shutdown: it waits here, then cleans up."""
 
-    SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
     def __init__(self):
         self.reason = None
@@ -16046,10 +16046,8 @@ class Stopper:
         """Route the shutdown signals here (main thread only). The wakeup fd matters: a
         signal may land on any thread, and only the C handler runs there; it writes
         to the pipe, which wakes the main thread to run the Python handler."""
-        for name in self.SIGNALS:
-            sig = getattr(signal, name, None)
-            if sig is not None:
-                signal.signal(sig, lambda signum, frame: self.stop(signal.Signals(signum).name))
+        for sig in self.SIGNALS:
+            signal.signal(sig, lambda signum, frame: self.stop(signal.Signals(signum).name))
         signal.set_wakeup_fd(self.w, warn_on_full_buffer=False)
 
     def wait(self, timeout=None):
@@ -16067,9 +16065,8 @@ class Stopper:
         """The wakeup pipe's bytes: a shutdown signal's number stops the server here, even
         when the main thread (where its Python handler runs) is not running Python code."""
         for number in bytearray(data):
-            for name in self.SIGNALS:
-                if getattr(signal, name, None) == number:
-                    self.stop(name)
+            if number in self.SIGNALS:
+                self.stop(signal.Signals(number).name)
 
 
 def _no_constant(name):
