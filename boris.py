@@ -3097,7 +3097,7 @@ class Sandbox:
             return {}
         url = "http://127.0.0.1:%d" % self.proxy_port
         names = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
-        return dict([(n, url) for n in names] + [("NO_PROXY", ""), ("no_proxy", "")])
+        return dict(dict.fromkeys(names, url), NO_PROXY="", no_proxy="")
 
     def network_words(self):
         """What the network is for commands, in a few words."""
