@@ -424,9 +424,8 @@ def log(level, message, **fields):
     if _LOG_LEVELS[level] < _log_state["level"]:
         return
     if _log_state["format"] == "json":
-        rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "level": level.upper(), "msg": message}
-        rec.update(fields)
-        line = json.dumps(rec, default=str)
+        line = json.dumps(dict({"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                "level": level.upper(), "msg": message}, **fields), default=str)
     else:
         extra = "".join(" %s=%s" % (k, json.dumps(v, default=str)) for k, v in fields.items())
         line = "%s %s boris: %s%s" % (time.strftime("%H:%M:%S"), level.upper(), message, extra)
@@ -2080,9 +2079,9 @@ def kill_group(proc):
             pass  # a pipe whose other end died: nothing lost
 
 
-def run_program(argv, cwd, timeout, sandbox=None, cancelled=None, environ=None):
+def run_program(argv, cwd, timeout, sandbox=None, cancelled=None):
     """The one way a tool runs a program to its end: spawned in its own process group with
-    a given environment (the helpers' by default, never the server's whole one), confined
+    the helpers' environment (never the server's whole one), confined
     as commands are when `sandbox` is on (it may run project code: git's filters, a build),
     its output cut to its last RUN_OUTPUT_BYTES a stream, its group killed once it ends, at
     `timeout` or once `cancelled()` is true, and reaped. (exit code, stdout, stderr);
@@ -2090,9 +2089,8 @@ def run_program(argv, cwd, timeout, sandbox=None, cancelled=None, environ=None):
     import subprocess
     if sandbox is not None and sandbox.on:
         argv, cwd = sandbox.launched(argv, cwd)
-    proc = spawn(argv, cwd=cwd, env=environ or child_environ(only=HELPER_ENV),
-                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                 start_new_session=True)
+    proc = spawn(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -2471,22 +2469,15 @@ def net_filter_program(machine, supervised=False, inet=False):
         ("connect",), (ret, notify if supervised else refuse),
         ("allow",), (ret, allow), ("refuse",), (ret, refuse),
         ("nosys",), (ret, nosys), ("kill",), (ret, kill)]
-    labels, at = {}, 0
+    labels, ops = {}, []
     for op in code:
         if len(op) == 1:
-            labels[op[0]] = at
+            labels[op[0]] = len(ops)
         else:
-            at += 1
-    out, at = [], 0
-    for op in code:
-        if len(op) == 1:
-            continue
-        at += 1
-        if len(op) == 3:                         # jump to the label when equal (or >=), else on
-            out.append(struct.pack("<HBBI", op[0], labels[op[2]] - at, 0, op[1]))
-        else:
-            out.append(struct.pack("<HBBI", op[0], 0, 0, op[1]))
-    return b"".join(out)
+            ops.append(op)
+    # a jump goes to its label when equal (or >=), else on
+    return b"".join(struct.pack("<HBBI", op[0], labels[op[2]] - at if len(op) == 3 else 0, 0,
+                                op[1]) for at, op in enumerate(ops, 1))
 
 
 def net_filter_available():
@@ -3118,7 +3109,7 @@ class Sandbox:
             return {}
         url = "http://127.0.0.1:%d" % self.proxy_port
         names = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
-        return dict([(n, url) for n in names] + [("NO_PROXY", ""), ("no_proxy", "")])
+        return dict(dict.fromkeys(names, url), NO_PROXY="", no_proxy="")
 
     def network_words(self):
         """What the network is for commands, in a few words."""
@@ -8404,11 +8395,11 @@ class Capture:
 # (a command read by a thread of its own: a background task, or a foreground command
 # that may be handed off). Output reaches a result through render_output.
 
-def command_environ(config, environ=None):
+def command_environ(config):
     """The environment bash commands get: the server's, less its own variables and those
     named like a secret unless --shell-env-keep names them, less what --shell-env-drop
     names (child_environ)."""
-    return child_environ(environ, config.shell_env_keep, config.shell_env_drop)
+    return child_environ(None, config.shell_env_keep, config.shell_env_drop)
 
 
 TTY_COLUMNS, TTY_ROWS = 80, 24             # the terminal of a tty task
@@ -11334,9 +11325,7 @@ def disabled_tools(config):
 
 def prop(kind, description, **extra):
     """A JSON Schema property of type `kind`."""
-    d = {"type": kind, "description": description}
-    d.update(extra)
-    return d
+    return dict({"type": kind, "description": description}, **extra)
 
 
 def obj(properties, required=()):
@@ -12900,6 +12889,21 @@ def load_for_edit(session, ctx, real, shown):
     return data.decode("utf-8", "surrogateescape")
 
 
+def edit_text(session, args, ctx, tool, change):
+    """The text edits' one path: under the file's lock, its text (load_for_edit) made over by
+    change(text) -> (updated text, facts...) and written as `tool` (dry_run: the diff).
+    Returns (real, change's, note). (The text always encodes: the file's undecodable bytes
+    come back through surrogateescape, and no argument holds a lone surrogate.)"""
+    shown = args["path"]
+    real = resolve_checked(session, ctx, shown)
+    with ctx.files.lock(real):
+        text = load_for_edit(session, ctx, real, shown)
+        made = change(text)
+        note = write_edit(session, ctx, tool, [FileEdit(real, shown, encode_text(made[0]),
+                                                        encode_text(text))], args.get("dry_run"))
+    return real, made, note
+
+
 def to_crlf(s):
     """`s` with every line ending CRLF."""
     return s.replace("\r\n", "\n").replace("\n", "\r\n")
@@ -13470,14 +13474,10 @@ STR_REPLACE_DESC = ("Edit a file - the edit tool for most edits: replace text (o
 def tool_str_replace(session, args, ctx):
     """str_replace: replace old_str (unique, or every one with replace_all) in a file viewed and
     unchanged since."""
-    shown, new = args["path"], args.get("new_str") or ""
-    real = resolve_checked(session, ctx, shown)
-    with ctx.files.lock(real):
-        text = load_for_edit(session, ctx, real, shown)
-        updated, count, pos, how = replace_text(text, args, shown, ctx.cancelled)
-        note = write_edit(session, ctx, "str_replace",
-                          [FileEdit(real, shown, encode_text(updated, "new_str"),
-                                    encode_text(text))], args.get("dry_run"))
+    new = args.get("new_str") or ""
+    real, (updated, count, pos, how), note = edit_text(
+        session, args, ctx, "str_replace",
+        lambda text: replace_text(text, args, args["path"], ctx.cancelled))
     if args.get("dry_run"):
         return note + ("\n(old_str matched %s)" % how if how else "")
     line = updated.count("\n", 0, pos)
@@ -13507,11 +13507,10 @@ MULTI_EDIT_DESC = ("Make several changes to one file in one call: each {old_str,
 def tool_multi_edit(session, args, ctx):
     """Several str_replace edits of one file: each applies to the result of the one
     before; all of them or none are written, in one atomic write."""
-    shown, edits = args["path"], args["edits"]
-    real = resolve_checked(session, ctx, shown)
-    with ctx.files.lock(real):
-        text = before = load_for_edit(session, ctx, real, shown)
-        replaced, pos, matched = 0, 0, []
+    shown, edits, matched = args["path"], args["edits"], []
+
+    def change(text):
+        replaced, pos = 0, 0
         for k, edit in enumerate(edits, 1):
             try:
                 text, count, pos, how = replace_text(text, edit, shown, ctx.cancelled)
@@ -13521,9 +13520,8 @@ def tool_multi_edit(session, args, ctx):
                 raise ToolError(e.code, "edit %d of %d: %s\nNothing was written (the edits apply"
                                 " all or none)" % (k, len(edits), e.message.rstrip(".")))
             replaced += count
-        note = write_edit(session, ctx, "multi_edit",
-                          [FileEdit(real, shown, encode_text(text, "new_str"),
-                                    encode_text(before))], args.get("dry_run"))
+        return text, replaced, pos
+    real, (text, replaced, pos), note = edit_text(session, args, ctx, "multi_edit", change)
     if args.get("dry_run"):
         return note + ("\n(%s)" % "; ".join(matched) if matched else "")
     line = text.count("\n", 0, pos)
@@ -13597,18 +13595,12 @@ def inserted(text, at, text_in):
 
 def tool_insert(session, args, ctx):
     """insert: add lines after line insert_line (0: at the top) of a file."""
-    shown = args["path"]
     text_in = args.get("insert_text", args.get("new_str"))
     if text_in is None or args.get("insert_line") is None:
         raise ToolError(INVALID_INPUT, "insert needs insert_line and insert_text (or new_str)")
-    real = resolve_checked(session, ctx, shown)
     at = args["insert_line"]
-    with ctx.files.lock(real):
-        text = load_for_edit(session, ctx, real, shown)
-        updated, new_lines = inserted(text, at, text_in)
-        note = write_edit(session, ctx, "insert",
-                          [FileEdit(real, shown, encode_text(updated, "insert_text"),
-                                    encode_text(text))], args.get("dry_run"))
+    real, (updated, new_lines), note = edit_text(session, args, ctx, "insert",
+                                                 lambda text: inserted(text, at, text_in))
     if args.get("dry_run"):
         return note
     return "Inserted %s after line %d of %s:\n%s" % (
@@ -16095,7 +16087,7 @@ class Stopper:
     the main thread is doing, and a repeated one during shutdown changes nothing.
     The main thread owns shutdown: it waits here, then cleans up."""
 
-    SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
     def __init__(self):
         self.reason = None
@@ -16119,10 +16111,8 @@ class Stopper:
         """Route the shutdown signals here (main thread only). The wakeup fd matters: a
         signal may land on any thread, and only the C handler runs there; it writes
         to the pipe, which wakes the main thread to run the Python handler."""
-        for name in self.SIGNALS:
-            sig = getattr(signal, name, None)
-            if sig is not None:
-                signal.signal(sig, lambda signum, frame: self.stop(signal.Signals(signum).name))
+        for sig in self.SIGNALS:
+            signal.signal(sig, lambda signum, frame: self.stop(signal.Signals(signum).name))
         signal.set_wakeup_fd(self.w, warn_on_full_buffer=False)
 
     def wait(self, timeout=None):
@@ -16140,9 +16130,8 @@ class Stopper:
         """The wakeup pipe's bytes: a shutdown signal's number stops the server here, even
         when the main thread (where its Python handler runs) is not running Python code."""
         for number in bytearray(data):
-            for name in self.SIGNALS:
-                if getattr(signal, name, None) == number:
-                    self.stop(name)
+            if number in self.SIGNALS:
+                self.stop(signal.Signals(number).name)
 
 
 def _no_constant(name):
@@ -16909,20 +16898,19 @@ def sandbox_rows(sandbox):
                 landlock_abi(), "yes" if net_filter_available() else "no", userns))]
 
 
-def main(argv=None, environ=None, after_the_script=False):
+def main(argv=None, after_the_script=False):
     """Run the server (or a helper, with --helper): parse the flags, resolve the sandbox, serve
     stdio or HTTP until stopped; the exit code. With after_the_script (run as a script) it serves
     from a thread of its own once start-up is done and returns None (serve_after_the_script)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--helper"]:
         return helper_main(argv[1:])
-    environ = os.environ if environ is None else environ
     if sys.getfilesystemencoding().lower().replace("-", "") != "utf8" and __name__ == "__main__":
         # An ASCII locale (LC_ALL=C) would make every non-ASCII path or command fail:
         # run again in Python's UTF-8 mode, before anything is read.
         os.execv(sys.executable, [sys.executable, "-X", "utf8", THIS_FILE] + argv)
     try:
-        config = parse_config(argv, environ)
+        config = parse_config(argv, os.environ)
         disabled_tools(config)                    # an unknown --disable-tools name stops start-up
         try:
             policy = PathPolicy.of(config)
