@@ -1444,15 +1444,34 @@ NEEDS_LANDLOCK = unittest.skipUnless(LANDLOCK_ABI >= 1, "no Landlock here (%s): 
     if boris.importable("ctypes") else "this Python has no ctypes to call it through"))
 
 
+def outside_temp(test, prefix):
+    """A new directory, removed after `test`, where the sandbox lets no command write: not
+    under the temp directory or its device directories (/dev/shm). Where no such place is
+    writable (a read-only root with a tmpfs /tmp) the test is skipped, naming what is missing."""
+    temp, tried = os.path.realpath(tempfile.gettempdir()), []
+    for place in ("/var/tmp", os.path.expanduser("~")):
+        place = os.path.realpath(place)
+        if boris.is_within(place, temp) or place in tried:
+            continue
+        tried.append(place)
+        try:
+            made = os.path.realpath(tempfile.mkdtemp(prefix=prefix, dir=place))
+        except OSError:
+            continue
+        test.addCleanup(shutil.rmtree, made, True)
+        return made
+    test.skipTest("no writable directory outside the temp directory %s here (tried %s): the test needs one"
+                  " the sandbox does not let commands write in" % (temp, ", ".join(tried) or "nothing"))
+
+
 class SandboxBase(unittest.TestCase):
-    """A workspace and an outside tree under /var/tmp (the temp directory is writable
-    in the sandbox); a server whose bash runs sandboxed."""
+    """A workspace and an outside tree outside the temp directory (writable in the
+    sandbox); a server whose bash runs sandboxed."""
     mode = "workspace-write"
     network = "off"
 
     def setUp(self):
-        self.base = os.path.realpath(tempfile.mkdtemp(prefix="boris-sandbox-", dir="/var/tmp"))
-        self.addCleanup(shutil.rmtree, self.base, True)
+        self.base = outside_temp(self, "boris-sandbox-")
         self.ws, self.out = os.path.join(self.base, "ws"), os.path.join(self.base, "outside")
         os.makedirs(self.ws)
         os.makedirs(os.path.join(self.out, "dir"))
@@ -1978,7 +1997,7 @@ def userns_works():
     """Whether the sandbox's probe can make a user namespace here and hold a read-only mount in it."""
     if LANDLOCK_ABI < 1:
         return False
-    d = tempfile.mkdtemp(prefix="boris-userns-", dir="/var/tmp")
+    d = tempfile.mkdtemp(prefix="boris-userns-")
     try:
         os.mkdir(os.path.join(d, ".git"))
         sandbox = boris.Sandbox("workspace-write", [d], True, LANDLOCK_ABI, "", boris.Protect([d], [".git"]))
@@ -2168,8 +2187,7 @@ class TestSandboxOverStdio(unittest.TestCase):
     def test_commands_cannot_signal_the_server(self):
         if LANDLOCK_ABI < 6:
             self.skipTest("Landlock ABI %d cannot scope signals (needs 6)" % LANDLOCK_ABI)
-        base = os.path.realpath(tempfile.mkdtemp(prefix="boris-sandbox-", dir="/var/tmp"))
-        self.addCleanup(shutil.rmtree, base, True)
+        base = outside_temp(self, "boris-sandbox-")
         c = StdioClient(["--workdir", base, "--allow-dir", base])
         self.addCleanup(c.close)
         c.initialize()
@@ -2188,8 +2206,7 @@ class TestSandboxOverStdio(unittest.TestCase):
         self.assertIsNone(c.p.poll())
 
     def test_sandboxed_round_trip_works_over_the_wire(self):
-        base = os.path.realpath(tempfile.mkdtemp(prefix="boris-sandbox-", dir="/var/tmp"))
-        self.addCleanup(shutil.rmtree, base, True)
+        base = outside_temp(self, "boris-sandbox-")
         c = StdioClient(["--workdir", base, "--allow-dir", base, "--sandbox", "workspace-write"])
         self.addCleanup(c.close)
         inst = c.initialize()["result"]["instructions"]
@@ -2313,7 +2330,7 @@ class TestSandboxCampaign(SandboxBase):
         o = self.out
         targets = [o + "/g%d.txt", o + "/dir/g%d", "out-link/g%d", "out-link/dir/g%d", "../outside/g%d",
                    "./../outside/dir/../g%d", o + "/keep.txt", o + "/dir", "%s/../outside/g%%d" % self.ws,
-                   "/var/tmp/boris-sandbox-escape-%d"] + [home + "/boris-escape-%d" for home in self.home()]
+                   os.path.dirname(self.base) + "/boris-sandbox-escape-%d"] + [home + "/boris-escape-%d" for home in self.home()]
         shell = ["echo x > {t}", "echo x >> {t}", "printf x | tee {t}", ": > {t}", "truncate -s 1 {t}", "touch {t}",
                  "mkdir -p {t}/sub", "cp mine.txt {t}", "ln -s mine.txt {t}", "ln mine.txt {t}", "mv mine2.txt {t}",
                  "rm -rf {t}", "dd if=/dev/zero of={t} bs=1 count=1", "install -m 644 mine.txt {t}",
@@ -2368,7 +2385,7 @@ class TestSandboxCampaign(SandboxBase):
         self.assertGreater(len(landed), 10, "the attempts do not write even without a sandbox")
         for kind in ("python", "perl") if have_perl else ("python",):
             self.assertTrue(any(a[0] == kind for a in attempts[:120]))
-        for d, prefix in [("/var/tmp", "boris-sandbox-escape")] + [(home, "boris-escape") for home in self.home()]:
+        for d, prefix in [(os.path.dirname(self.base), "boris-sandbox-escape")] + [(home, "boris-escape") for home in self.home()]:
             for name in os.listdir(d):
                 if name.startswith(prefix):
                     p = os.path.join(d, name)
@@ -2383,7 +2400,7 @@ class TestSandboxCampaign(SandboxBase):
             self.assertIn("batch-done", self.bash(self.script(attempts[k:k + 60]), timeout=120000))
             self.assertEqual(self.outside(), before, "a write landed outside in batch %d" % k)
         self.assertGreaterEqual(full, 1000)
-        escaped = [n for n in os.listdir("/var/tmp") if n.startswith("boris-sandbox-escape")] + \
+        escaped = [n for n in os.listdir(os.path.dirname(self.base)) if n.startswith("boris-sandbox-escape")] + \
             [n for home in self.home() for n in os.listdir(home) if n.startswith("boris-escape")]
         self.assertEqual(escaped, [])
 
@@ -11540,7 +11557,7 @@ class TestWhereItIsCopied(unittest.TestCase):
     coded error naming what is missing, never -32603; --check says what the place gives."""
 
     def setUp(self):
-        self.ws = os.path.realpath(tempfile.mkdtemp(prefix="boris-place-", dir="/var/tmp"))
+        self.ws = os.path.realpath(tempfile.mkdtemp(prefix="boris-place-"))
         self.addCleanup(shutil.rmtree, self.ws, True)
         os.mkdir(os.path.join(self.ws, ".git"))
         with open(os.path.join(self.ws, "a.py"), "w") as f:
