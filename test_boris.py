@@ -11812,12 +11812,13 @@ def lanes():
     return out
 
 
-def outside_state():
+def outside_state(temp):
     """What the suite must leave as it found it: the files at /etc's top (/etc/hostname
-    among them: type, mode, size, mtime) and the names at the temp directory's top (the
-    helpers' bytecode directory may come, nothing else may come or go)."""
+    among them: type, mode, size, mtime) and the names in `temp`, the temp directory the
+    lanes are given (the helpers' bytecode directory may come, nothing else may stay).
+    Only the suite's own places are watched: what others make in /tmp meanwhile is theirs."""
     state = {}
-    for top in ("/etc", tempfile.gettempdir()):
+    for top in ("/etc", temp):
         try:
             names = os.listdir(top)
         except OSError:
@@ -11842,9 +11843,9 @@ def sweep_killed_servers_stores():
         sweeping.join(30)
 
 
-def outside_changes(before):
+def outside_changes(before, temp):
     """The paths outside the suite's own trees that it made, changed or removed."""
-    after = outside_state()
+    after = outside_state(temp)
     return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
 
 
@@ -11856,11 +11857,14 @@ def run_lanes(argv):
     flags = [a for a in argv if a.startswith("-")]
     base = [sys.executable] + ["-W" + w for w in sys.warnoptions] + ["-m", "unittest"] + flags
     waiting_log = tempfile.TemporaryFile()
-    sweep_killed_servers_stores()                 # left before the suite started: not its doing when they go
-    outside = outside_state()
+    # The lanes' own temp directory: all the suite and its servers make there is theirs, so
+    # other processes' entries in /tmp (a shared machine) are not taken for the suite's.
+    temp = tempfile.tempdir = os.path.realpath(tempfile.mkdtemp(prefix="boris-suite-"))
+    env = dict(os.environ, TMPDIR=temp)
+    outside = outside_state(temp)
     computing, waiting = lanes()
-    second = subprocess.Popen(base + waiting, cwd=HERE, stdout=waiting_log, stderr=subprocess.STDOUT)
-    first = subprocess.Popen(base + computing, cwd=HERE, stderr=subprocess.PIPE)
+    second = subprocess.Popen(base + waiting, cwd=HERE, stdout=waiting_log, stderr=subprocess.STDOUT, env=env)
+    first = subprocess.Popen(base + computing, cwd=HERE, stderr=subprocess.PIPE, env=env)
     closing = re.compile(r"^(Ran \d+ tests? in .*|OK|OK \(.*\)|FAILED \(.*\))$")    # (a lane's own summary:
     lines = []                                                                         # one is printed, the total)
     for raw in iter(first.stderr.readline, b""):                 # the computing lane, as it runs
@@ -11880,10 +11884,11 @@ def run_lanes(argv):
     deadline = time.monotonic() + 30              # (a server a test ended may still be on its way out)
     while True:
         sweep_killed_servers_stores()             # with -9 (on purpose, by the tests): not the suite's leftovers
-        changed = outside_changes(outside)
+        changed = outside_changes(outside, temp)
         if not changed or time.monotonic() > deadline:
             break
         time.sleep(0.5)
+    shutil.rmtree(temp, ignore_errors=True)
     if changed:
         sys.stderr.write("\nERROR: the suite changed what lies outside the trees it made: %s\n" % ", ".join(changed[:20]))
         counts["errors"] += 1
@@ -11907,6 +11912,22 @@ def run_lanes(argv):
                                                         "unexpected successes") if counts[k])
     sys.stderr.write(("FAILED" if failed else "OK") + (" (%s)" % shown if shown else "") + "\n")
     return 1 if failed else 0
+
+
+class TestTheSuitesOwnCheck(unittest.TestCase):
+    def test_what_others_make_in_the_temp_directory_is_not_the_suites(self):
+        """Issue 72: the check after a run watches the lanes' own temp directory, so an entry
+        a neighbour makes in /tmp meanwhile is not taken for the suite's; one left in the
+        lanes' directory is (but the helpers' bytecode directory)."""
+        temp = os.path.realpath(tempfile.mkdtemp(prefix="boris-suite-"))
+        self.addCleanup(shutil.rmtree, temp, True)
+        before = outside_state(temp)
+        neighbour = tempfile.mkdtemp(prefix="neighbour-")             # beside it: another process's
+        self.addCleanup(os.rmdir, neighbour)
+        self.assertEqual(outside_changes(before, temp), [])
+        for name in ("boris-sandbox-left", "boris-pycache-0"):
+            os.mkdir(os.path.join(temp, name))
+        self.assertEqual(outside_changes(before, temp), [os.path.join(temp, "boris-sandbox-left")])
 
 
 if __name__ == "__main__":
