@@ -2880,8 +2880,11 @@ class TestHelperPool(SearchBase):
         real_spawn = boris.spawn
         with mock.patch.object(boris, "spawn", lambda *a, **k: forked_by.append(threading.current_thread().name)
                                or real_spawn(*a, **k)):
-            threading.Thread(target=self.run_job, args=(pool,)).start()      # a short-lived caller
-            self.assertTrue(wait_until(lambda: forked_by and pool.idle, 10))
+            caller = threading.Thread(target=self.run_job, args=(pool,))      # a short-lived caller
+            caller.start()
+            caller.join(60)           # (its whole search: the pool's close must not cut it short)
+        self.assertFalse(caller.is_alive())
+        self.assertTrue(pool.idle)
         self.assertEqual(set(forked_by), {"boris-helper-spawner"})
 
     def test_a_primed_helper_takes_the_first_search_and_no_other_starts(self):
