@@ -9699,14 +9699,15 @@ class TestCheckpointWaits(NoViewBase):
         def entry(p, *a):                                  # (the walk goes on once the waiter asked for its part)
             seen[0] += 1
             if seen[0] == 300:
-                wait_until(lambda: points.want_part and time.monotonic() - points.walk_began > 0.06, 10)
+                wait_until(lambda: points.want_part and time.monotonic() - points.walk_began > 0.06, 30)
             if seen[0] == 520:                             # (handed at 512: the waiter takes it before the end)
-                wait_until(lambda: points.handed and points.part is None, 10)
+                wait_until(lambda: points.handed and points.part is None, 30)
             return real(p, *a)
         with mock.patch.object(boris, "CHECKPOINT_WAIT_S", 0), mock.patch.object(boris, "CHECKPOINT_PART_MIN_S", 0.05), \
                 mock.patch.object(boris.Checkpoints, "entry", entry):
             note = points.before("bash x")
-            self.assertTrue(wait_until(lambda: not points.scanner, 10))    # the walk finished in the background
+            # the walk finished in the background (the deadline outlasts both waits above: a loaded machine)
+            self.assertTrue(wait_until(lambda: not points.scanner, 90))
         self.assertIn("covers part of the workspace", note)
         self.assertTrue(points.list[-1].partial)
         self.assertLess(points.list[-1].size, 602)
