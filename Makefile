@@ -31,7 +31,8 @@ test-darwin:
 	rm -rf $(DARWIN) && $(PYTHON) -m venv --without-pip $(DARWIN)
 	echo "import os, sys; [delattr(os, n) for n in ('O_TMPFILE', 'sched_getaffinity', 'pidfd_open'," \
 	  "'memfd_create', 'eventfd', 'copy_file_range', 'splice') if hasattr(os, n)];" \
-	  "import sysconfig, urllib.request; sysconfig.get_config_vars(); sys.platform = 'darwin'" > $$($(DARWIN)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/darwin.pth
+	  "import sysconfig, urllib.request; sysconfig.get_config_vars(); sys.platform = 'darwin'" \
+	  > $$($(DARWIN)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/darwin.pth
 	$(DARWIN)/bin/python -W error::ResourceWarning test_boris.py -v
 
 run:

@@ -2342,11 +2342,15 @@ class TestSandboxCampaign(SandboxBase):
         home = os.path.realpath(os.path.expanduser("~"))
         return [] if any(boris.is_within(home, w) for w in self.server.sandbox.writable) else [home]
 
+    def beside(self):
+        """The writable place outside the temp directory the trees were made in (outside_temp)."""
+        return os.path.dirname(self.base)
+
     def attempts(self, rng):
         o = self.out
         targets = [o + "/g%d.txt", o + "/dir/g%d", "out-link/g%d", "out-link/dir/g%d", "../outside/g%d",
                    "./../outside/dir/../g%d", o + "/keep.txt", o + "/dir", "%s/../outside/g%%d" % self.ws,
-                   os.path.dirname(self.base) + "/boris-sandbox-escape-%d"] + [home + "/boris-escape-%d" for home in self.home()]
+                   self.beside() + "/boris-sandbox-escape-%d"] + [home + "/boris-escape-%d" for home in self.home()]
         shell = ["echo x > {t}", "echo x >> {t}", "printf x | tee {t}", ": > {t}", "truncate -s 1 {t}", "touch {t}",
                  "mkdir -p {t}/sub", "cp mine.txt {t}", "ln -s mine.txt {t}", "ln mine.txt {t}", "mv mine2.txt {t}",
                  "rm -rf {t}", "dd if=/dev/zero of={t} bs=1 count=1", "install -m 644 mine.txt {t}",
@@ -2401,7 +2405,7 @@ class TestSandboxCampaign(SandboxBase):
         self.assertGreater(len(landed), 10, "the attempts do not write even without a sandbox")
         for kind in ("python", "perl") if have_perl else ("python",):
             self.assertTrue(any(a[0] == kind for a in attempts[:120]))
-        for d, prefix in [(os.path.dirname(self.base), "boris-sandbox-escape")] + [(home, "boris-escape") for home in self.home()]:
+        for d, prefix in [(self.beside(), "boris-sandbox-escape")] + [(home, "boris-escape") for home in self.home()]:
             for name in os.listdir(d):
                 if name.startswith(prefix):
                     p = os.path.join(d, name)
@@ -2416,7 +2420,7 @@ class TestSandboxCampaign(SandboxBase):
             self.assertIn("batch-done", self.bash(self.script(attempts[k:k + 60]), timeout=120000))
             self.assertEqual(self.outside(), before, "a write landed outside in batch %d" % k)
         self.assertGreaterEqual(full, 1000)
-        escaped = [n for n in os.listdir(os.path.dirname(self.base)) if n.startswith("boris-sandbox-escape")] + \
+        escaped = [n for n in os.listdir(self.beside()) if n.startswith("boris-sandbox-escape")] + \
             [n for home in self.home() for n in os.listdir(home) if n.startswith("boris-escape")]
         self.assertEqual(escaped, [])
 
