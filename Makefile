@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: test test-all run lint
+.PHONY: test test-all test-darwin run lint
 
 test:
 	$(PYTHON) -W error::ResourceWarning test_boris.py -v
@@ -22,6 +22,18 @@ test-all:
 	done; rm -f "$$log"; \
 	if [ $$found = 0 ]; then $(PYTHON) -W error::ResourceWarning test_boris.py || exit 1; fi; \
 	if [ -n "$$bad" ]; then echo "FAILED on:$$bad"; exit 1; fi
+
+# The suite macOS-shaped on Linux: a throwaway venv whose .pth, run by every Python it starts
+# (not the helpers: -S), removes Linux-only calls from os and sets sys.platform to "darwin"
+# (after loading what the standard library would then look for: _scproxy, sysconfig's data).
+DARWIN ?= /tmp/boris-darwin-venv
+test-darwin:
+	rm -rf $(DARWIN) && $(PYTHON) -m venv --without-pip $(DARWIN)
+	echo "import os, sys; [delattr(os, n) for n in ('O_TMPFILE', 'sched_getaffinity', 'pidfd_open'," \
+	  "'memfd_create', 'eventfd', 'copy_file_range', 'splice') if hasattr(os, n)];" \
+	  "import sysconfig, urllib.request; sysconfig.get_config_vars(); sys.platform = 'darwin'" \
+	  > $$($(DARWIN)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/darwin.pth
+	$(DARWIN)/bin/python -W error::ResourceWarning test_boris.py -v
 
 run:
 	$(PYTHON) boris.py

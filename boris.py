@@ -1709,8 +1709,9 @@ def remove_file(real):
 def replace_file(dfd, base, data, st, new_mode):
     """Write `data` to a new temp file in directory dfd, give it the old file's owner and mode (or
     `new_mode`), fsync, and rename it over `base`; the temp file goes on any failure. The temp
-    file is an unnamed O_TMPFILE where the file system has it, else a named one created
-    exclusively."""
+    file is an unnamed O_TMPFILE where the file system has it, so a kill -9 leaves nothing,
+    else (macOS) a named one created exclusively, which a kill leaves beside the file until
+    a later run's first write into that directory (clean_leftovers) finds its writer dead."""
     fd = tmp = None
     if hasattr(os, "O_TMPFILE"):
         try:
@@ -1795,8 +1796,9 @@ def temp_name(base):
 
 def clean_leftovers(dfd, directory, guards):
     """Remove temp files a killed boris left in this directory (once per directory
-    per run): those of a process that is gone, or of an earlier run with our PID. A
-    directory that cannot be listed is not cleaned (nothing lost)."""
+    per run): those of a process that is gone, or of an earlier run with our PID. One
+    whose PID now names another live process stays until that one ends. A directory
+    that cannot be listed is not cleaned (nothing lost)."""
     try:
         st = os.fstat(dfd)
         # the path too: inodes are reused

@@ -1156,7 +1156,7 @@ class TestAtomicWriteUnderKill(unittest.TestCase):
         self.addCleanup(shutil.rmtree, tmp, True)
         target = os.path.join(tmp, "data.txt")
         size = 3 << 20
-        contents = {b"a" * size, b"b" * size}
+        contents, killed = {b"a" * size, b"b" * size}, []
         for round_no in range(campaign_size("BORIS_KILL_CAMPAIGN", 2, 8)):
             c = StdioClient(["--workdir", tmp, "--require-view-before-edit", "false",
                              "--max-file-size", "64MB"])
@@ -1172,7 +1172,8 @@ class TestAtomicWriteUnderKill(unittest.TestCase):
             if os.path.exists(target):
                 with open(target, "rb") as f:
                     self.assertIn(f.read(), contents, "torn file after kill in round %d" % round_no)
-            self.assertEqual([n for n in os.listdir(tmp) if n != "data.txt"], [])
+            killed.append(str(c.p.pid))
+            self.assert_only_temp_files_of(killed, tmp, contents)
             if round_no % 2:      # str_replace under kill too
                 c = StdioClient(["--workdir", tmp, "--require-view-before-edit", "false",
                                  "--max-file-size", "64MB"])
@@ -1188,7 +1189,23 @@ class TestAtomicWriteUnderKill(unittest.TestCase):
                 c.close()
                 with open(target, "rb") as f:
                     self.assertIn(f.read(), contents)
-                self.assertEqual(os.listdir(tmp), ["data.txt"])
+                killed.append(str(c.p.pid))
+                self.assert_only_temp_files_of(killed, tmp, contents)
+        c = StdioClient(["--workdir", tmp, "--require-view-before-edit", "false"])   # the next write
+        self.addCleanup(c.close)
+        c.initialize()
+        self.assertFalse(c.call("create_file", {"path": "data.txt", "content": "c"})["isError"])
+        self.assertEqual(os.listdir(tmp), ["data.txt"])
+
+    def assert_only_temp_files_of(self, killed, tmp, contents):
+        """Beside the file, at most temp files of killed writers (the next write removes
+        them). With O_TMPFILE one is named only once whole and synced, just before its
+        rename, so a kill leaves a whole one if any; elsewhere (macOS) it may be torn."""
+        for name in os.listdir(tmp):
+            if name != "data.txt":
+                self.assertIn(re.match(boris._TEMP_NAME, name, re.DOTALL).group(1), killed, name)
+                with open(os.path.join(tmp, name), "rb") as f:
+                    self.assertTrue(f.read() in contents or not hasattr(os, "O_TMPFILE"), name)
 
 
 class TestLineEndingsAndModes(NoViewBase):
@@ -1469,15 +1486,34 @@ NEEDS_LANDLOCK = unittest.skipUnless(LANDLOCK_ABI >= 1, "no Landlock here (%s): 
     if boris.importable("ctypes") else "this Python has no ctypes to call it through"))
 
 
+def outside_temp(test, prefix):
+    """A new directory, removed after `test`, where the sandbox lets no command write: not
+    under the temp directory or its device directories (/dev/shm). Where no such place is
+    writable (a read-only root with a tmpfs /tmp) the test is skipped, naming what is missing."""
+    temp, tried = os.path.realpath(tempfile.gettempdir()), []
+    for place in ("/var/tmp", os.path.expanduser("~")):
+        place = os.path.realpath(place)
+        if boris.is_within(place, temp) or place in tried:
+            continue
+        tried.append(place)
+        try:
+            made = os.path.realpath(tempfile.mkdtemp(prefix=prefix, dir=place))
+        except OSError:
+            continue
+        test.addCleanup(shutil.rmtree, made, True)
+        return made
+    test.skipTest("no writable directory outside the temp directory %s here (tried %s): the test needs one"
+                  " the sandbox does not let commands write in" % (temp, ", ".join(tried) or "nothing"))
+
+
 class SandboxBase(unittest.TestCase):
-    """A workspace and an outside tree under /var/tmp (the temp directory is writable
-    in the sandbox); a server whose bash runs sandboxed."""
+    """A workspace and an outside tree outside the temp directory (writable in the
+    sandbox); a server whose bash runs sandboxed."""
     mode = "workspace-write"
     network = "off"
 
     def setUp(self):
-        self.base = os.path.realpath(tempfile.mkdtemp(prefix="boris-sandbox-", dir="/var/tmp"))
-        self.addCleanup(shutil.rmtree, self.base, True)
+        self.base = outside_temp(self, "boris-sandbox-")
         self.ws, self.out = os.path.join(self.base, "ws"), os.path.join(self.base, "outside")
         os.makedirs(self.ws)
         os.makedirs(os.path.join(self.out, "dir"))
@@ -2003,7 +2039,7 @@ def userns_works():
     """Whether the sandbox's probe can make a user namespace here and hold a read-only mount in it."""
     if LANDLOCK_ABI < 1:
         return False
-    d = tempfile.mkdtemp(prefix="boris-userns-", dir="/var/tmp")
+    d = tempfile.mkdtemp(prefix="boris-userns-")
     try:
         os.mkdir(os.path.join(d, ".git"))
         sandbox = boris.Sandbox("workspace-write", [d], True, LANDLOCK_ABI, "", boris.Protect([d], [".git"]))
@@ -2193,8 +2229,7 @@ class TestSandboxOverStdio(unittest.TestCase):
     def test_commands_cannot_signal_the_server(self):
         if LANDLOCK_ABI < 6:
             self.skipTest("Landlock ABI %d cannot scope signals (needs 6)" % LANDLOCK_ABI)
-        base = os.path.realpath(tempfile.mkdtemp(prefix="boris-sandbox-", dir="/var/tmp"))
-        self.addCleanup(shutil.rmtree, base, True)
+        base = outside_temp(self, "boris-sandbox-")
         c = StdioClient(["--workdir", base, "--allow-dir", base])
         self.addCleanup(c.close)
         c.initialize()
@@ -2213,8 +2248,7 @@ class TestSandboxOverStdio(unittest.TestCase):
         self.assertIsNone(c.p.poll())
 
     def test_sandboxed_round_trip_works_over_the_wire(self):
-        base = os.path.realpath(tempfile.mkdtemp(prefix="boris-sandbox-", dir="/var/tmp"))
-        self.addCleanup(shutil.rmtree, base, True)
+        base = outside_temp(self, "boris-sandbox-")
         c = StdioClient(["--workdir", base, "--allow-dir", base, "--sandbox", "workspace-write"])
         self.addCleanup(c.close)
         inst = c.initialize()["result"]["instructions"]
@@ -2334,11 +2368,15 @@ class TestSandboxCampaign(SandboxBase):
         home = os.path.realpath(os.path.expanduser("~"))
         return [] if any(boris.is_within(home, w) for w in self.server.sandbox.writable) else [home]
 
+    def beside(self):
+        """The writable place outside the temp directory the trees were made in (outside_temp)."""
+        return os.path.dirname(self.base)
+
     def attempts(self, rng):
         o = self.out
         targets = [o + "/g%d.txt", o + "/dir/g%d", "out-link/g%d", "out-link/dir/g%d", "../outside/g%d",
                    "./../outside/dir/../g%d", o + "/keep.txt", o + "/dir", "%s/../outside/g%%d" % self.ws,
-                   "/var/tmp/boris-sandbox-escape-%d"] + [home + "/boris-escape-%d" for home in self.home()]
+                   self.beside() + "/boris-sandbox-escape-%d"] + [home + "/boris-escape-%d" for home in self.home()]
         shell = ["echo x > {t}", "echo x >> {t}", "printf x | tee {t}", ": > {t}", "truncate -s 1 {t}", "touch {t}",
                  "mkdir -p {t}/sub", "cp mine.txt {t}", "ln -s mine.txt {t}", "ln mine.txt {t}", "mv mine2.txt {t}",
                  "rm -rf {t}", "dd if=/dev/zero of={t} bs=1 count=1", "install -m 644 mine.txt {t}",
@@ -2393,7 +2431,7 @@ class TestSandboxCampaign(SandboxBase):
         self.assertGreater(len(landed), 10, "the attempts do not write even without a sandbox")
         for kind in ("python", "perl") if have_perl else ("python",):
             self.assertTrue(any(a[0] == kind for a in attempts[:120]))
-        for d, prefix in [("/var/tmp", "boris-sandbox-escape")] + [(home, "boris-escape") for home in self.home()]:
+        for d, prefix in [(self.beside(), "boris-sandbox-escape")] + [(home, "boris-escape") for home in self.home()]:
             for name in os.listdir(d):
                 if name.startswith(prefix):
                     p = os.path.join(d, name)
@@ -2408,7 +2446,7 @@ class TestSandboxCampaign(SandboxBase):
             self.assertIn("batch-done", self.bash(self.script(attempts[k:k + 60]), timeout=120000))
             self.assertEqual(self.outside(), before, "a write landed outside in batch %d" % k)
         self.assertGreaterEqual(full, 1000)
-        escaped = [n for n in os.listdir("/var/tmp") if n.startswith("boris-sandbox-escape")] + \
+        escaped = [n for n in os.listdir(self.beside()) if n.startswith("boris-sandbox-escape")] + \
             [n for home in self.home() for n in os.listdir(home) if n.startswith("boris-escape")]
         self.assertEqual(escaped, [])
 
@@ -2872,8 +2910,11 @@ class TestHelperPool(SearchBase):
         real_spawn = boris.spawn
         with mock.patch.object(boris, "spawn", lambda *a, **k: forked_by.append(threading.current_thread().name)
                                or real_spawn(*a, **k)):
-            threading.Thread(target=self.run_job, args=(pool,)).start()      # a short-lived caller
-            self.assertTrue(wait_until(lambda: forked_by and pool.idle, 10))
+            caller = threading.Thread(target=self.run_job, args=(pool,))      # a short-lived caller
+            caller.start()
+            caller.join(60)           # (its whole search: the pool's close must not cut it short)
+        self.assertFalse(caller.is_alive())
+        self.assertTrue(pool.idle)
         self.assertEqual(set(forked_by), {"boris-helper-spawner"})
 
     def test_a_primed_helper_takes_the_first_search_and_no_other_starts(self):
@@ -10096,7 +10137,7 @@ class StdioClient(object):
     def send(self, msg):
         self.send_raw((json.dumps(msg) + "\n").encode())
 
-    def wait_for(self, pred, timeout=20):
+    def wait_for(self, pred, timeout=60):
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
@@ -10108,7 +10149,7 @@ class StdioClient(object):
                     raise AssertionError("no matching message; got %r" % self.lines[-5:])
                 self.cond.wait(left)
 
-    def request(self, method, params=None, timeout=20):
+    def request(self, method, params=None, timeout=60):
         self.next_id += 1
         rid = self.next_id
         self.send({"jsonrpc": "2.0", "id": rid, "method": method, "params": params or {}})
@@ -10120,7 +10161,7 @@ class StdioClient(object):
         self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
         return r
 
-    def call(self, name, args, timeout=20):
+    def call(self, name, args, timeout=60):
         return self.request("tools/call", {"name": name, "arguments": args}, timeout)["result"]
 
     def close(self):
@@ -10385,14 +10426,15 @@ class TestCheckpointWaits(NoViewBase):
         def entry(p, *a):                                  # (the walk goes on once the waiter asked for its part)
             seen[0] += 1
             if seen[0] == 300:
-                wait_until(lambda: points.want_part and time.monotonic() - points.walk_began > 0.06, 10)
+                wait_until(lambda: points.want_part and time.monotonic() - points.walk_began > 0.06, 30)
             if seen[0] == 520:                             # (handed at 512: the waiter takes it before the end)
-                wait_until(lambda: points.handed and points.part is None, 10)
+                wait_until(lambda: points.handed and points.part is None, 30)
             return real(p, *a)
         with mock.patch.object(boris, "CHECKPOINT_WAIT_S", 0), mock.patch.object(boris, "CHECKPOINT_PART_MIN_S", 0.05), \
                 mock.patch.object(boris.Checkpoints, "entry", entry):
             note = points.before("bash x")
-            self.assertTrue(wait_until(lambda: not points.scanner, 10))    # the walk finished in the background
+            # the walk finished in the background (the deadline outlasts both waits above: a loaded machine)
+            self.assertTrue(wait_until(lambda: not points.scanner, 90))
         self.assertIn("covers part of the workspace", note)
         self.assertTrue(points.list[-1].partial)
         self.assertLess(points.list[-1].size, 602)
@@ -11209,13 +11251,15 @@ class TestEnvironments(unittest.TestCase):
                 f.write("hit\n")
         env = dict(os.environ)
         env.pop("PYTHONDONTWRITEBYTECODE", None)
-        p = subprocess.Popen([sys.executable, os.path.join(tmp, "boris.py"), "--workdir", os.path.join(tmp, "w")],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        msgs = [{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}},
-                {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "grep",
-                                                                              "arguments": {"pattern": "hit"}}}]
-        out, _ = p.communicate(b"".join(json.dumps(m).encode() + b"\n" for m in msgs), timeout=30)
-        self.assertIn("f1.txt", out.decode())
+        # The answer is awaited before EOF: a helper compiling on a loaded machine can outlast
+        # the grace EOF gives the calls in flight.
+        c = StdioClient.__new__(StdioClient)
+        c.adopt(subprocess.Popen([sys.executable, os.path.join(tmp, "boris.py"), "--workdir", os.path.join(tmp, "w")],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env))
+        self.addCleanup(c.close)
+        c.initialize()
+        self.assertIn("f1.txt", c.call("grep", {"pattern": "hit"}, timeout=120)["content"][0]["text"])
+        self.assertEqual(c.close(), 0)
         self.assertFalse(os.path.exists(os.path.join(tmp, "__pycache__")))
 
 
@@ -12335,7 +12379,7 @@ class TestWhereItIsCopied(unittest.TestCase):
     coded error naming what is missing, never -32603; --check says what the place gives."""
 
     def setUp(self):
-        self.ws = os.path.realpath(tempfile.mkdtemp(prefix="boris-place-", dir="/var/tmp"))
+        self.ws = os.path.realpath(tempfile.mkdtemp(prefix="boris-place-"))
         self.addCleanup(shutil.rmtree, self.ws, True)
         os.mkdir(os.path.join(self.ws, ".git"))
         with open(os.path.join(self.ws, "a.py"), "w") as f:
@@ -12380,7 +12424,8 @@ class TestWhereItIsCopied(unittest.TestCase):
         self.assertEqual(code, 0, err)
         self.assertEqual((rows["ssl"], rows["ctypes"]), ("no: web_fetch cannot fetch https", "no: no sandbox,"
                          " no inotify; commands may read the server's environment, and daemons they leave run on"))
-        self.assertIn("needs Python's ctypes module", rows["sandbox"])
+        lacking = "needs Python's ctypes module" if LINUX else "%s is not supported" % sys.platform
+        self.assertIn(lacking, rows["sandbox"])                      # (what the platform lacks first)
         texts, err, code = stdio_session(self, ["--workdir", self.ws, "--allow-dir", self.ws], [
             ("web_fetch", {"url": "https://127.0.0.1:9/"}), ("view", {"path": "a.py"}),
             ("str_replace", {"path": "a.py", "old_str": "return 1", "new_str": "return 2"}),
@@ -12390,7 +12435,7 @@ class TestWhereItIsCopied(unittest.TestCase):
         self.assertIn("return 2", texts[3])
         self.assertEqual(texts[4], "a.py")
         self.assertIn("#1", texts[5])
-        self.assertIn("needs Python's ctypes module", err)             # said once, at start-up
+        self.assertIn(lacking, err)                                    # said once, at start-up
         self.assertEqual(code, 0)
 
     def test_no_temp_directory_turns_checkpoints_off_once_and_the_rest_works(self):
@@ -12634,12 +12679,13 @@ def lanes():
     return out
 
 
-def outside_state():
+def outside_state(temp):
     """What the suite must leave as it found it: the files at /etc's top (/etc/hostname
-    among them: type, mode, size, mtime) and the names at the temp directory's top (the
-    helpers' bytecode directory may come, nothing else may come or go)."""
+    among them: type, mode, size, mtime) and the names in `temp`, the temp directory the
+    lanes are given (the helpers' bytecode directory may come, nothing else may stay).
+    Only the suite's own places are watched: what others make in /tmp meanwhile is theirs."""
     state = {}
-    for top in ("/etc", tempfile.gettempdir()):
+    for top in ("/etc", temp):
         try:
             names = os.listdir(top)
         except OSError:
@@ -12664,9 +12710,9 @@ def sweep_killed_servers_stores():
         sweeping.join(30)
 
 
-def outside_changes(before):
+def outside_changes(before, temp):
     """The paths outside the suite's own trees that it made, changed or removed."""
-    after = outside_state()
+    after = outside_state(temp)
     return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
 
 
@@ -12678,11 +12724,14 @@ def run_lanes(argv):
     flags = [a for a in argv if a.startswith("-")]
     base = [sys.executable] + ["-W" + w for w in sys.warnoptions] + ["-m", "unittest"] + flags
     waiting_log = tempfile.TemporaryFile()
-    sweep_killed_servers_stores()                 # left before the suite started: not its doing when they go
-    outside = outside_state()
+    # The lanes' own temp directory: all the suite and its servers make there is theirs, so
+    # other processes' entries in /tmp (a shared machine) are not taken for the suite's.
+    temp = tempfile.tempdir = os.path.realpath(tempfile.mkdtemp(prefix="boris-suite-"))
+    env = dict(os.environ, TMPDIR=temp)
+    outside = outside_state(temp)
     computing, waiting = lanes()
-    second = subprocess.Popen(base + waiting, cwd=HERE, stdout=waiting_log, stderr=subprocess.STDOUT)
-    first = subprocess.Popen(base + computing, cwd=HERE, stderr=subprocess.PIPE)
+    second = subprocess.Popen(base + waiting, cwd=HERE, stdout=waiting_log, stderr=subprocess.STDOUT, env=env)
+    first = subprocess.Popen(base + computing, cwd=HERE, stderr=subprocess.PIPE, env=env)
     closing = re.compile(r"^(Ran \d+ tests? in .*|OK|OK \(.*\)|FAILED \(.*\))$")    # (a lane's own summary:
     lines = []                                                                         # one is printed, the total)
     for raw in iter(first.stderr.readline, b""):                 # the computing lane, as it runs
@@ -12702,10 +12751,11 @@ def run_lanes(argv):
     deadline = time.monotonic() + 30              # (a server a test ended may still be on its way out)
     while True:
         sweep_killed_servers_stores()             # with -9 (on purpose, by the tests): not the suite's leftovers
-        changed = outside_changes(outside)
+        changed = outside_changes(outside, temp)
         if not changed or time.monotonic() > deadline:
             break
         time.sleep(0.5)
+    shutil.rmtree(temp, ignore_errors=True)
     if changed:
         sys.stderr.write("\nERROR: the suite changed what lies outside the trees it made: %s\n" % ", ".join(changed[:20]))
         counts["errors"] += 1
@@ -12729,6 +12779,22 @@ def run_lanes(argv):
                                                         "unexpected successes") if counts[k])
     sys.stderr.write(("FAILED" if failed else "OK") + (" (%s)" % shown if shown else "") + "\n")
     return 1 if failed else 0
+
+
+class TestTheSuitesOwnCheck(unittest.TestCase):
+    def test_what_others_make_in_the_temp_directory_is_not_the_suites(self):
+        """Issue 72: the check after a run watches the lanes' own temp directory, so an entry
+        a neighbour makes in /tmp meanwhile is not taken for the suite's; one left in the
+        lanes' directory is (but the helpers' bytecode directory)."""
+        temp = os.path.realpath(tempfile.mkdtemp(prefix="boris-suite-"))
+        self.addCleanup(shutil.rmtree, temp, True)
+        before = outside_state(temp)
+        neighbour = tempfile.mkdtemp(prefix="neighbour-")             # beside it: another process's
+        self.addCleanup(os.rmdir, neighbour)
+        self.assertEqual(outside_changes(before, temp), [])
+        for name in ("boris-sandbox-left", "boris-pycache-0"):
+            os.mkdir(os.path.join(temp, name))
+        self.assertEqual(outside_changes(before, temp), [os.path.join(temp, "boris-sandbox-left")])
 
 
 if __name__ == "__main__":
