@@ -7795,10 +7795,9 @@ class TestLanguageServerSandboxed(unittest.TestCase):
     """Under --allow-dir (workspace-write, network off) a language server runs confined as
     commands are: it cannot write outside the workspace nor connect to loopback."""
 
+    @NEEDS_LANDLOCK
     def test_confined(self):
-        ws, outside = (os.path.realpath(tempfile.mkdtemp(prefix="boris-lsp-", dir="/var/tmp")) for _ in range(2))
-        for d in (ws, outside):
-            self.addCleanup(shutil.rmtree, d, True)
+        ws, outside = (outside_temp(self, "boris-lsp-") for _ in range(2))
         listener = socket.socket()
         self.addCleanup(listener.close)
         listener.bind(("127.0.0.1", 0))
