@@ -9027,7 +9027,7 @@ class LangServers:
     def __init__(self, config, policy, sandbox):
         self.config, self.sandbox = config, sandbox
         self.roots = policy.allow or [policy.workdir]
-        self.named = dict(item.partition("=")[::2] for item in config.lsp if "=" in item)
+        self.given = dict(item.partition("=")[::2] for item in config.lsp if "=" in item)
         self.off = "off" in config.lsp
         self.found, self.servers, self.lock = {}, {}, threading.Lock()
 
@@ -9037,7 +9037,7 @@ class LangServers:
         import shutil
         if lang not in self.found:
             found = None
-            for line in ([self.named[lang]] if lang in self.named
+            for line in ([self.given[lang]] if lang in self.given
                          else LSP_LANGUAGES[lang].split("|")[1:]):
                 argv = shlex.split(line)
                 path = shutil.which(argv[0]) if argv else None

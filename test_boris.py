@@ -7753,7 +7753,7 @@ class TestLanguageServerMisbehaving(LspBase):
     wait = "0.5"
 
     def run_mode(self, mode):
-        self.server.lsp.named["python"] = "%s %s %s" % (self.script, mode, self.log)
+        self.server.lsp.given["python"] = "%s %s %s" % (self.script, mode, self.log)
         self.server.lsp.found.clear()
         self.call("view", path="a.py")
         for i in range(3):
