@@ -10018,6 +10018,8 @@ def store_place(roots):
             st = os.stat(base)
         except OSError:
             continue
+        if not os.access(base, os.W_OK | os.X_OK):
+            continue                    # (one that is there on a read-only root: no store)
         inside = any(is_within(base, root) for root in roots)
         on_ram = fs_type(base) in ("tmpfs", "ramfs")
         rank = (inside, on_ram, st.st_dev != home)

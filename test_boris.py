@@ -5406,7 +5406,8 @@ class TestRewind(NoViewBase):
 
     def test_the_store_goes_beside_the_workspace_never_on_a_tmpfs_when_it_can(self):
         """Issue 59: the temp directory, unless it is a RAM-backed tmpfs and the cache
-        directory is not; never inside the workspace; the mount table tells a tmpfs."""
+        directory is not; never inside the workspace; the mount table tells a tmpfs. Issue 72:
+        never a cache directory that is there but cannot be written (a read-only root)."""
         cache_env = {"XDG_CACHE_HOME": self.path("cache")}
         with mock.patch.dict(os.environ, cache_env), mock.patch.object(tempfile, "tempdir", self.root):
             base_temp, base_cache = boris.store_bases()
@@ -5414,6 +5415,8 @@ class TestRewind(NoViewBase):
             with mock.patch.object(boris, "fs_type", lambda p: "tmpfs" if p == base_temp else "ext4"):
                 self.assertEqual(boris.store_place(["/nowhere-near"]), base_cache)
                 self.assertEqual(boris.store_place([self.root, "/nowhere-near"]), base_cache)   # inside: last
+                with mock.patch.object(os, "access", lambda p, mode: p != base_cache):
+                    self.assertEqual(boris.store_place(["/nowhere-near"]), base_temp)   # read-only
             self.assertEqual(boris.store_place(["/"]), base_temp)       # (a workspace of /: nowhere else)
         if LINUX:
             self.assertEqual(boris.fs_type("/proc/self"), "proc")
