@@ -15674,18 +15674,13 @@ def finite(value):
     return value
 
 
-def valid_id(rid):
-    """A JSON-RPC request id this server answers to: a string of valid Unicode or an
-    integer (not a bool, a float, null, a list or an object)."""
-    return isinstance(rid, (str, int)) and echoable(rid)
-
-
-def echoable(value):
-    """Whether a request id or progress token may be sent back as it came: a string
-    that is Unicode text, or a number (bool is not one)."""
+def valid_id(value):
+    """A JSON-RPC request id this server answers to, or a progress token it sends back as
+    it came: a string of valid Unicode or an integer (not a bool, a float, null, a list
+    or an object)."""
     if isinstance(value, str):
         return not re.search(_SURROGATES, value)    # a lone surrogate cannot go into JSON
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 _SURROGATES = "[\ud800-\udfff]"
@@ -15909,8 +15904,7 @@ class McpServer:
         cancelled = session.begin(rid)
         meta = object_at(params, "_meta")
         token = meta.get("progressToken")
-        progress = (self.progress_sender(token, emit)
-                    if isinstance(token, (str, int)) and echoable(token) else None)
+        progress = self.progress_sender(token, emit) if valid_id(token) else None
         ctx = CallContext(self.config, self.policy, cancelled, progress, self.helpers,
                           self.client_name(meta, session), self.sandbox, self.files, self.lsp)
 
@@ -16002,7 +15996,7 @@ class McpServer:
         """Who is calling: the name in the request's _meta clientInfo (2026-07-28 clients such
         as Claude Code send it there, never in initialize), else initialize's."""
         info = object_at(meta, CLIENT_INFO_KEY)
-        if isinstance(info.get("name"), str) and echoable(info["name"]):
+        if isinstance(info.get("name"), str) and valid_id(info["name"]):
             return info["name"]
         return session.client
 
@@ -16105,10 +16099,6 @@ class Stopper:
         except OSError:                  # pipe full: a wakeup is already pending
             pass
 
-    def is_set(self):
-        """Whether a stop was asked for."""
-        return self.reason is not None
-
     def install(self):
         """Route the shutdown signals here (main thread only). The wakeup fd matters: a
         signal may land on any thread, and only the C handler runs there; it writes
@@ -16117,16 +16107,11 @@ class Stopper:
             signal.signal(sig, lambda signum, frame: self.stop(signal.Signals(signum).name))
         signal.set_wakeup_fd(self.w, warn_on_full_buffer=False)
 
-    def wait(self, timeout=None):
-        """Block until stopped (True) or `timeout` seconds pass (False)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def wait(self):
+        """Block until stopped."""
         while self.reason is None:
-            left = 1.0 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                return False
-            if ready([self.r], min(left, 1.0)):
+            if ready([self.r], 1.0):
                 self.note(os.read(self.r, 512))
-        return True
 
     def note(self, data):
         """The wakeup pipe's bytes: a shutdown signal's number stops the server here, even
@@ -16355,24 +16340,22 @@ class McpRequestHandler:
             self.wfile.write(data)
 
     def refuse(self, code, body, headers=()):
-        """Reply `code` and close the connection; False (for `return self.refuse(...)`)."""
+        """Reply `code` and close the connection (None, for `return self.refuse(...)`)."""
         self.reply(code, body, headers, close=True)
-        return False
 
     def body_length(self):
         """The Content-Length, within HTTP_MAX_BODY; None once a refusal is sent."""
         raw_length = self.headers.get("Content-Length", "").strip()
         if not raw_length:
-            return self.refuse(411, {"error": "Content-Length required"}) or None
+            return self.refuse(411, {"error": "Content-Length required"})
         if not raw_length.isdigit():
-            return self.refuse(400,
-                               {"error": "invalid Content-Length %r" % raw_length[:40]}) or None
+            return self.refuse(400, {"error": "invalid Content-Length %r" % raw_length[:40]})
         if int(raw_length) > HTTP_MAX_BODY:
-            return self.refuse(413, {"error": "body over %d bytes" % HTTP_MAX_BODY}) or None
+            return self.refuse(413, {"error": "body over %d bytes" % HTTP_MAX_BODY})
         return int(raw_length)
 
     def origin_ok(self):
-        """Whether the request's Origin (if any) is a loopback one; False once the 403 is sent."""
+        """Whether the request's Origin (if any) is a loopback one; None once the 403 is sent."""
         origin = self.headers.get("Origin")
         if origin is not None and not is_loopback(host_of(origin)):
             return self.refuse(403, {"error": "forbidden",
@@ -16380,7 +16363,7 @@ class McpRequestHandler:
         return True
 
     def guarded(self):
-        """Path, Origin, Host and bearer checks; False once a refusal is sent."""
+        """Path, Origin, Host and bearer checks: True, or None once a refusal is sent."""
         # OAuth discovery: none here, say so at once
         if self.path.startswith("/.well-known/"):
             return self.refuse(404, {"error": "not found",
@@ -16409,18 +16392,16 @@ class McpRequestHandler:
         none is required."""
         import hmac
         token = self.transport.token
-        if not token:
-            return True
         auth = self.headers.get("Authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        return bool(given) and hmac.compare_digest(given.encode("utf-8", "replace"), token.encode())
+        return not token or hmac.compare_digest(given.encode("utf-8", "replace"), token.encode())
 
     def read_body(self):
         """The POST body as a one-element list holding the parsed JSON value (which may
         itself be null), or None once a refusal is sent."""
         ctype = self.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
         if ctype != "application/json":
-            return self.refuse(415, {"error": "Content-Type must be application/json"}) or None
+            return self.refuse(415, {"error": "Content-Type must be application/json"})
         length = self.body_length()
         if length is None:
             return None
@@ -16593,12 +16574,12 @@ class McpRequestHandler:
         """A browser's CORS preflight of /mcp or /health: 204 with what may be sent, before
         authentication (a preflight carries no credentials); a foreign Origin gets 403."""
         if self.path.split("?", 1)[0].rstrip("/") not in ("/mcp", "/health"):
-            return self.refuse(404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
-        if not self.origin_ok():
-            return False
-        self.reply(204, None, [("Access-Control-Allow-Methods", self.CORS_METHODS),
-                               ("Access-Control-Allow-Headers", self.CORS_HEADERS),
-                               ("Access-Control-Max-Age", "600"), ("Allow", self.CORS_METHODS)])
+            self.refuse(404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
+        elif self.origin_ok():
+            self.reply(204, None, [("Access-Control-Allow-Methods", self.CORS_METHODS),
+                                   ("Access-Control-Allow-Headers", self.CORS_HEADERS),
+                                   ("Access-Control-Max-Age", "600"),
+                                   ("Allow", self.CORS_METHODS)])
 
     def do_DELETE(self):
         """DELETE /mcp ends the session the Mcp-Session-Id header names."""
