@@ -10554,10 +10554,6 @@ class Checkpoint:
         return {child_prefix(d) + name: e for d, packed in self.dirs.items()
                     for name, e in unpack_children(packed).items()}
 
-    def same_as(self, other):
-        """Whether two checkpoints hold the same workspace (kinds, modes, bytes, link targets)."""
-        return not any(entry_changes(self, other))
-
 
 def entry_changes(old, new, partial=False):
     """(added, modified, deleted) paths between two Checkpoints, each sorted; none added when
@@ -10773,10 +10769,11 @@ class Checkpoints:
                     return
                 self.cond.wait(CHECKPOINT_YIELD_S)
 
-    def acquire(self, cancelled=NOT_CANCELLED):
-        """Wait for the turn at the store (the walk in progress ends first: a walk waited for
-        does not give way): True once this caller has it; False when the checkpoints closed or
-        `cancelled` was set first."""
+    @contextlib.contextmanager
+    def held(self, cancelled=NOT_CANCELLED):
+        """The turn at the store for a block, once the walk in progress ends (a walk waited
+        for does not give way); ToolError when the checkpoints closed or `cancelled` was set
+        first."""
         with self.cond:
             self.waiters += 1
             self.cond.notify_all()
@@ -10784,36 +10781,24 @@ class Checkpoints:
                 while self.turn and not self.closed and not cancelled.is_set():
                     self.cond.wait(CHECKPOINT_YIELD_S)
                 if self.closed or cancelled.is_set():
-                    return False
+                    raise ToolError(INVALID_INPUT, "cancelled, or the session ended, while a"
+                                    " checkpoint was being taken")
                 self.turn = True
-                return True
             finally:
                 self.waiters -= 1
                 self.cond.notify_all()
-
-    def release(self):
-        """Give the turn at the store back."""
-        with self.cond:
-            self.turn = False
-            self.cond.notify_all()
-
-    @contextlib.contextmanager
-    def held(self, cancelled=NOT_CANCELLED):
-        """The turn at the store for a block (acquire, then release); ToolError when the
-        call was cancelled or the session ended first."""
-        if not self.acquire(cancelled):
-            raise ToolError(INVALID_INPUT,
-                            "cancelled, or the session ended, while a checkpoint was being taken")
         try:
             yield self
         finally:
-            self.release()
+            with self.cond:
+                self.turn = False
+                self.cond.notify_all()
 
     def current(self, cancelled=NOT_CANCELLED):
         """Checkpoint now, for a caller that holds the turn (a rewind keeps it, so that no walk
         comes between the state it reads and what it writes): the latest Checkpoint, whole;
         None when off, closed or cancelled."""
-        if self.closed or not self.open_store():
+        if not self.open_store():
             return None
         with self.cond:
             self.walk_for, self.walk_began = self.asked, time.monotonic()
@@ -10862,8 +10847,9 @@ class Checkpoints:
         """Keep `checkpoint` as the newest checkpoint (the caller holds cond): as the latest, with
         fresher stats, when it holds the same state; the oldest go past the bounds."""
         self.cond.notify_all()      # RuntimeError, nothing changed, where cond is not held
-        if self.list and not self.list[-1].partial and checkpoint.same_as(self.list[-1]):
-            # the same state: fresher stats, same checkpoint
+        if self.list and not self.list[-1].partial \
+                and not any(entry_changes(checkpoint, self.list[-1])):
+            # the same state (kinds, modes, bytes, link targets): fresher stats, same checkpoint
             self.list[-1].dirs = checkpoint.dirs
             return
         self.count += 1
