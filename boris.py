@@ -2429,6 +2429,13 @@ def landlock_abi():
     return max(0, abi)
 
 
+def errno_error(what):
+    """The OSError of the C call `what` that just failed through ctypes (its errno)."""
+    import ctypes
+    code = ctypes.get_errno()
+    return OSError(code, "%s: %s" % (what, os.strerror(code)))
+
+
 # -- the kernel's parts: seccomp, Landlock, the network supervisor, namespaces ----
 def net_filter_program(machine, supervised=False, inet=False):
     """The classic BPF program of the network seccomp filter for `machine`
@@ -2521,11 +2528,10 @@ def apply_net_filter(supervised=False, fprog=None):
     if supervised:                              # seccomp(SET_MODE_FILTER, FLAG_NEW_LISTENER, prog)
         fd = libc.syscall(SECCOMP_ABIS[os.uname().machine][1]["seccomp"], 1, 8, fprog[0])
         if fd < 0:
-            raise OSError(ctypes.get_errno(),
-                          "seccomp listener: %s" % os.strerror(ctypes.get_errno()))
+            raise errno_error("seccomp listener")
         return fd
     if libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), fprog[0], 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "seccomp filter: %s" % os.strerror(ctypes.get_errno()))
+        raise errno_error("seccomp filter")
     return None
 
 
@@ -2548,8 +2554,7 @@ class Landlock:
         self.fd = libc.syscall(LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)),
                                ctypes.c_uint32(0))
         if self.fd < 0:
-            raise OSError(ctypes.get_errno(),
-                          "landlock_create_ruleset: %s" % os.strerror(ctypes.get_errno()))
+            raise errno_error("landlock_create_ruleset")
         try:
             file_rights = LL_WRITE_FILE | (LL_TRUNCATE if abi >= 3 else 0)
             for path, rights in ([(p, write)
@@ -2576,8 +2581,7 @@ class Landlock:
         ctypes, libc = self.ctypes, self.libc
         rule = ctypes.create_string_buffer(attr, len(attr))
         if libc.syscall(LANDLOCK_ADD_RULE, self.fd, kind, rule, ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(),
-                          "landlock_add_rule %s: %s" % (what, os.strerror(ctypes.get_errno())))
+            raise errno_error("landlock_add_rule " + what)
 
     def restrict(self):
         """Enter a (further) Landlock domain of the rules, no_new_privs set first."""
@@ -2585,8 +2589,7 @@ class Landlock:
         if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         if libc.syscall(LANDLOCK_RESTRICT_SELF, self.fd, ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(),
-                          "landlock_restrict_self: %s" % os.strerror(ctypes.get_errno()))
+            raise errno_error("landlock_restrict_self")
 
     def close(self):
         """Close the ruleset (the domains entered stay)."""
@@ -2860,15 +2863,13 @@ def mount_read_only(paths):
     mount = lambda source, target, flags: libc.mount(source, os.fsencode(target), None,
                                                      ctypes.c_ulong(flags), None)
     if mount(None, "/", MS_REC | MS_SLAVE) != 0:
-        raise OSError(ctypes.get_errno(),
-                      "mount(/, MS_REC|MS_SLAVE): %s" % os.strerror(ctypes.get_errno()))
+        raise errno_error("mount(/, MS_REC|MS_SLAVE)")
     for path in paths:
         kept = os.statvfs(path).f_flag
         flags = (MS_REMOUNT | MS_BIND | MS_RDONLY | (kept & MS_LOCKED_FLAGS)
                  | (MS_RELATIME if kept & 4096 else 0))
         if mount(os.fsencode(path), path, MS_BIND) != 0 or mount(None, path, flags) != 0:
-            raise OSError(ctypes.get_errno(),
-                          "a read-only mount of %s: %s" % (path, os.strerror(ctypes.get_errno())))
+            raise errno_error("a read-only mount of " + path)
 
 
 # -- the sandbox and its launchers ------------------------------------------------
@@ -10039,47 +10040,41 @@ def sweep_stores():
 
     def sweep():
         for top in store_bases():
-            sweep_in(top)
+            try:
+                names = [n for n in os.listdir(top) if n.startswith(CHECKPOINT_PREFIX)]
+            except OSError:
+                continue
+            for name in names:
+                sweep_one(os.path.join(top, name))
 
-    def sweep_in(top):
+    def sweep_one(store):
         try:
-            names = [n for n in os.listdir(top) if n.startswith(CHECKPOINT_PREFIX)]
+            st = os.lstat(store)
         except OSError:
             return
-        for name in names:
-            store = os.path.join(top, name)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return
+        fd = None
+        # (killed while hold_store made its lock: lock.new)
+        for lock in ("lock", "lock.new"):
             try:
-                st = os.lstat(store)
+                fd = os.open(os.path.join(store, lock), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
+                break
             except OSError:
                 continue
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-                continue
-            fd = None
-            # (killed while hold_store made its lock: lock.new)
-            for lock in ("lock", "lock.new"):
-                try:
-                    fd = os.open(os.path.join(store, lock), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
-                    break
-                except OSError:
-                    continue
+        try:
             if (fd is None or lock == "lock.new") and time.time() - st.st_mtime < STORE_MAKING_S:
-                if fd is not None:
-                    os.close(fd)
-                # being made right now (lock.new is locked next)
-                continue
-            try:
-                if fd is not None:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+                return                                 # being made (lock.new is locked next)
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(store, ignore_errors=True)
+            log("info", "removed a checkpoint store left by a server that was killed",
+                store=store)
+        except OSError:
+            pass                                       # a live server's
+        finally:
+            if fd is not None:
                 os.close(fd)
-                continue                               # a live server's
-            try:
-                shutil.rmtree(store, ignore_errors=True)
-                log("info", "removed a checkpoint store left by a server that was killed",
-                    store=store)
-            finally:
-                if fd is not None:
-                    os.close(fd)
     thread = threading.Thread(target=sweep, daemon=True, name="boris-sweep")
     thread.start()
     return thread
@@ -15745,9 +15740,9 @@ class McpServer:
             if refusal is not None:
                 emit(refusal)
             return
-        method, rid, has_id = msg["method"], msg.get("id"), "id" in msg
+        method, rid = msg["method"], msg.get("id")
         params = msg.get("params") or {}             # envelope_check let only an object or null by
-        if not has_id:
+        if "id" not in msg:
             self.notification(method, params, session)
             return
         modern, refusal = self.requested_version(msg)
@@ -15756,11 +15751,10 @@ class McpServer:
         elif method == "tools/call":
             self.call_tool(rid, params, session, emit, modern)
         else:
-            self.call_method(msg, session, emit, modern)
+            self.call_method(rid, method, params, session, emit, modern)
 
-    def call_method(self, msg, session, emit, modern):
+    def call_method(self, rid, method, params, session, emit, modern):
         """A request other than tools/call: its handler's result, or the JSON-RPC error."""
-        rid, method, params = msg["id"], msg["method"], msg.get("params") or {}
         handler = self.METHODS.get(method)
         if handler is None:
             emit(error_response(rid, -32601, "Method not found: %s" % method))
@@ -16028,12 +16022,12 @@ class McpServer:
         (-32601: unknown, or one it removed, answered 404 over HTTP)."""
         rid, method, params = msg.get("id"), msg.get("method"), msg.get("params") or {}
         meta = object_at(params, "_meta")
+        invalid = lambda why: (400, error_response(rid, -32602, "Invalid params: " + why))
         if META_VERSION_KEY not in meta:
             if method != "server/discover":
                 return None, None
-            return None, (400, error_response(rid, -32602, "Invalid params: server/discover"
-                                              " carries _meta with %s and %s"
-                                              % (META_VERSION_KEY, CLIENT_CAPS_KEY)))
+            return None, invalid("server/discover carries _meta with %s and %s"
+                                 % (META_VERSION_KEY, CLIENT_CAPS_KEY))
         modern = meta[META_VERSION_KEY]
         if modern not in MODERN_VERSIONS:
             return None, (400, error_response(
@@ -16041,20 +16035,16 @@ class McpServer:
                     "supported": list(SUPPORTED_VERSIONS),
                     "requested": modern[:100] if isinstance(modern, str) else brief(modern)}))
         if not isinstance(meta.get(CLIENT_CAPS_KEY), dict):
-            return modern, (400, error_response(rid, -32602,
-                                                "Invalid params: _meta lacks %s (an object)"
-                                                % CLIENT_CAPS_KEY))
+            return modern, invalid("_meta lacks %s (an object)" % CLIENT_CAPS_KEY)
         if LOG_LEVEL_KEY in meta and meta[LOG_LEVEL_KEY] not in MCP_LOG_LEVELS:
-            return modern, (400, error_response(
-                rid, -32602, "Invalid params: %s must be one of %s, not %s"
-                % (LOG_LEVEL_KEY, ", ".join(MCP_LOG_LEVELS), brief(meta[LOG_LEVEL_KEY]))))
+            return modern, invalid("%s must be one of %s, not %s" % (
+                LOG_LEVEL_KEY, ", ".join(MCP_LOG_LEVELS), brief(meta[LOG_LEVEL_KEY])))
         if method in REMOVED_METHODS or method != "tools/call" and method not in self.METHODS:
             return modern, (404, error_response(rid, -32601, "Method not found: %s (protocol %s)"
                                                 % (method, modern)))
         if method == "tools/list" and params.get("cursor") is not None:
-            return modern, (400, error_response(rid, -32602, "Invalid params: cursor %s was never"
-                                                " given (tools/list has one page)"
-                                                % brief(params["cursor"])))
+            return modern, invalid("cursor %s was never given (tools/list has one page)"
+                                   % brief(params["cursor"]))
         return modern, None
 
 ###############################################################################
