@@ -3053,8 +3053,8 @@ class Sandbox:
         self.why = why                                  # how the mode was chosen, for the log
         self.protect = protect or Protect()
         self.domains = list(domains)                    # with the network off: the proxy's domains
-        self.proxy_port = None                          # the proxy's loopback port,
-                                                        # once the server runs it
+        self.proxy_port = None                          # the proxy's loopback port, once the
+                                                        # server runs it (on, the network off)
         self.launchers = Launchers(self)                # (a spare one starts
                                                         # with the first command)
         self.trials = {}                                # what probe_sandbox's
@@ -3098,7 +3098,7 @@ class Sandbox:
                            "net": self.net_mechanism(), "cwd": cwd, "ctty": ctty,
                            "tied": os.getpid() if tied else None,
                            "protect": self.protect.paths(self.writable) if self.on else [],
-                           "proxy": self.proxy_port if self.on and not self.network else None})
+                           "proxy": self.proxy_port})
 
     def launched(self, argv, cwd, ctty=False, tied=False):
         """(argv, cwd) that run `argv` in `cwd` through a launcher confined by this
@@ -3108,7 +3108,7 @@ class Sandbox:
 
     def proxy_environ(self):
         """The variables that send a command's HTTP and HTTPS through the proxy ({} without one)."""
-        if not self.on or self.network or not self.proxy_port:
+        if not self.proxy_port:
             return {}
         url = "http://127.0.0.1:%d" % self.proxy_port
         names = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
@@ -16086,15 +16086,12 @@ class Stopper:
     def wait(self):
         """Block until stopped."""
         while self.reason is None:
+            # a shutdown signal's number in the wakeup pipe stops the server here, even when
+            # the main thread (where its Python handler runs) is not running Python code
             if ready([self.r], 1.0):
-                self.note(os.read(self.r, 512))
-
-    def note(self, data):
-        """The wakeup pipe's bytes: a shutdown signal's number stops the server here, even
-        when the main thread (where its Python handler runs) is not running Python code."""
-        for number in bytearray(data):
-            if number in self.SIGNALS:
-                self.stop(signal.Signals(number).name)
+                for number in bytearray(os.read(self.r, 512)):
+                    if number in self.SIGNALS:
+                        self.stop(signal.Signals(number).name)
 
 
 def _no_constant(name):
@@ -16368,9 +16365,13 @@ class McpRequestHandler:
         none is required."""
         import hmac
         token = self.transport.token
+        return not token or hmac.compare_digest(self.bearer(), token.encode())
+
+    def bearer(self):
+        """The token the Authorization header carries, as bytes (b"" for none)."""
         auth = self.headers.get("Authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        return not token or hmac.compare_digest(given.encode("utf-8", "replace"), token.encode())
+        return given.encode("utf-8", "replace")
 
     def read_body(self):
         """The POST body as a one-element list holding the parsed JSON value (which may
@@ -16461,9 +16462,7 @@ class McpRequestHandler:
         if not self.transport.token:
             return "local user"
         import hashlib
-        auth = self.headers.get("Authorization", "")
-        secret = auth[7:].strip().encode("utf-8", "replace")
-        return "token " + hashlib.sha256(secret).hexdigest()[:16]
+        return "token " + hashlib.sha256(self.bearer()).hexdigest()[:16]
 
     def client_gone(self):
         """Whether the client closed its end (checked without blocking)."""
