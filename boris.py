@@ -2414,6 +2414,7 @@ SANDBOX_DEVICE_DIRS = ("/dev/pts", "/dev/shm")
 SANDBOX_EXIT = 126                         # the launcher could not confine:
                                            # the command does not run
 PROBE_S = 10                               # probe_sandbox's launcher must have answered by then
+O_PATH = getattr(os, "O_PATH", os.O_RDONLY)    # (Linux has it; the sandbox is Linux's)
 
 
 def landlock_abi():
@@ -2561,7 +2562,7 @@ class Landlock:
                                   for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)]
                                  + [(p, file_rights) for p in SANDBOX_DEVICES]):
                 try:
-                    fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC)
+                    fd = os.open(path, O_PATH | O_CLOEXEC)
                 except OSError:
                     continue                    # (a device or directory this system lacks)
                 try:
@@ -2756,11 +2757,11 @@ class NetSupervisor:
         Listening sockets come from /proc/net/unix (path and socket inode); a socket's
         holders from /proc/PID/fd of the session's processes."""
         try:
-            cwd = os.open("/proc/%d/cwd" % pid, getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY)
+            cwd = os.open("/proc/%d/cwd" % pid, O_PATH | os.O_DIRECTORY)
         except OSError:
             return None                             # the caller is gone: refused
         try:
-            fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC, dir_fd=cwd)
+            fd = os.open(path, O_PATH | O_CLOEXEC, dir_fd=cwd)
         except OSError:
             return None
         finally:
@@ -10393,8 +10394,7 @@ class CatFile:
         if len(head) != 3 or head[1] != b"blob":
             raise OSError(errno.ENOENT, "its blob %s is gone from the git repository (a git gc"
                           " after history was rewritten?)" % sha)
-        data = self.proc.stdout.read(int(head[2]) + 1)
-        return data[:-1]
+        return self.proc.stdout.read(int(head[2]) + 1)[:-1]        # (the blob, then a newline)
 
     def close(self):
         for f in (self.proc.stdin, self.proc.stdout):
