@@ -3138,18 +3138,17 @@ class Sandbox:
         shows a refused write or connect; else ''."""
         refusals = (r"Permission denied|Read-only file system|Operation not permitted"
                     r"|Device or resource busy")
+        network = ""
         if not self.network:
             refusals += r"|Network is unreachable"
-        # what clients say of the proxy's 403
+            network = " and may not use the network"
         if self.domains and not self.network:
-            refusals += r"|403|[Tt]unnel|boris sandbox proxy"
+            refusals += r"|403|[Tt]unnel|boris sandbox proxy"    # what clients say of its 403
+            network = (" and reach only %s, through boris's proxy (HTTP_PROXY, HTTPS_PROXY)"
+                       % ", ".join(self.domains))
         if not self.on or not re.search(refusals, text):
             return ""
         protected = self.protect.paths(self.writable)
-        network = "" if self.network else " and may not use the network"
-        if self.domains and not self.network:
-            network = (" and reach only %s, through boris's proxy (HTTP_PROXY, HTTPS_PROXY)"
-                       % ", ".join(self.domains))
         return ("[sandbox %s: commands may write only under %s%s%s; the server's --allow-dir adds"
                 " directories,%s --sandbox off lifts it]"
                 % (self.mode, ", ".join(self.writable),
@@ -3568,9 +3567,9 @@ class EgressProxy:
     @staticmethod
     def answer(conn, status, why):
         """Send an error response whose body says why, as boris's proxy."""
+        import http
         body = ("boris sandbox proxy: %s\n" % why).encode("utf-8")
-        reason = {400: "Bad Request", 403: "Forbidden", 431: "Request Header Fields Too Large",
-                  502: "Bad Gateway", 503: "Service Unavailable"}[status]
+        reason = http.HTTPStatus(status).phrase
         try:
             conn.sendall(b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\n"
                          b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
