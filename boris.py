@@ -10918,7 +10918,9 @@ class Checkpoints:
         quiet = w.quiet if w is not None else set()
         prev, dirs, missed, partial, size = self.base.dirs, {}, [], False, 0
         left_out, pruned = self.pruner(quiet) if prune else (None, set())
-        store = self.store_in_roots()
+        # the store's directory where it lies in a root (the walk leaves it out)
+        store = self.store.dir
+        store = store if store and any(is_within(store, r) for r in self.roots) else None
         look = lambda path, old, known: self.entry(path, old, missed, known)
         # the Listing of the directory the walk is in
         here = None
@@ -10973,11 +10975,6 @@ class Checkpoints:
         dirs.update(kept)
         size += sum(child_names(packed).count(b"\0") + 1 for packed in kept.values())
         return Checkpoint(self.count + 1, dirs, size, missed, partial), visited, looked, unwatched
-
-    def store_in_roots(self):
-        """The store's directory where it lies in a root (a walk leaves it out), else None."""
-        where = self.store.dir
-        return where if where and any(is_within(where, r) for r in self.roots) else None
 
     def walker(self, root, left_out, visited):
         """walk_roots()'s Walker of `root`: directories and symlinks found as themselves,
@@ -16252,6 +16249,7 @@ class McpRequestHandler:
 
     transport = None            # the HttpTransport: bind sets it on the class, with the timeout
     GONE = object()                            # next_out(): the client went away
+    NOT_MCP = {"error": "not found", "detail": "the MCP endpoint is /mcp"}
     CORS_METHODS = "GET, POST, DELETE, OPTIONS"
     CORS_HEADERS = ("Authorization, Content-Type, Accept, Mcp-Session-Id, Mcp-Protocol-Version,"
                     " Last-Event-ID")
@@ -16343,7 +16341,7 @@ class McpRequestHandler:
                                                " bearer token (Authorization: Bearer <token>, see"
                                                " --token)"})
         if self.path.split("?", 1)[0].rstrip("/") != "/mcp":
-            return self.refuse(404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
+            return self.refuse(404, self.NOT_MCP)
         if not self.origin_ok():
             return False
         if (self.transport.local_bind
@@ -16548,7 +16546,7 @@ class McpRequestHandler:
         """A browser's CORS preflight of /mcp or /health: 204 with what may be sent, before
         authentication (a preflight carries no credentials); a foreign Origin gets 403."""
         if self.path.split("?", 1)[0].rstrip("/") not in ("/mcp", "/health"):
-            self.refuse(404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
+            self.refuse(404, self.NOT_MCP)
         elif self.origin_ok():
             self.reply(204, None, [("Access-Control-Allow-Methods", self.CORS_METHODS),
                                    ("Access-Control-Allow-Headers", self.CORS_HEADERS),
@@ -16632,8 +16630,7 @@ class HttpTransport:
         True once a slot is free."""
         with self.lock:
             oldest = min(self.idle, key=self.idle.get) if self.idle else None
-            if oldest is not None:
-                del self.idle[oldest]
+            self.idle.pop(oldest, None)
         if oldest is not None:
             try:
                 oldest.shutdown(2)
