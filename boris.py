@@ -2414,6 +2414,7 @@ SANDBOX_DEVICE_DIRS = ("/dev/pts", "/dev/shm")
 SANDBOX_EXIT = 126                         # the launcher could not confine:
                                            # the command does not run
 PROBE_S = 10                               # probe_sandbox's launcher must have answered by then
+O_PATH = getattr(os, "O_PATH", os.O_RDONLY)    # (Linux has it; the sandbox is Linux's)
 
 
 def landlock_abi():
@@ -2427,6 +2428,13 @@ def landlock_abi():
     except (OSError, AttributeError, ImportError):
         return 0  # no Landlock syscall here: ABI 0, and the caller says so
     return max(0, abi)
+
+
+def errno_error(what):
+    """The OSError of the C call `what` that just failed through ctypes (its errno)."""
+    import ctypes
+    code = ctypes.get_errno()
+    return OSError(code, "%s: %s" % (what, os.strerror(code)))
 
 
 # -- the kernel's parts: seccomp, Landlock, the network supervisor, namespaces ----
@@ -2521,11 +2529,10 @@ def apply_net_filter(supervised=False, fprog=None):
     if supervised:                              # seccomp(SET_MODE_FILTER, FLAG_NEW_LISTENER, prog)
         fd = libc.syscall(SECCOMP_ABIS[os.uname().machine][1]["seccomp"], 1, 8, fprog[0])
         if fd < 0:
-            raise OSError(ctypes.get_errno(),
-                          "seccomp listener: %s" % os.strerror(ctypes.get_errno()))
+            raise errno_error("seccomp listener")
         return fd
     if libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), fprog[0], 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "seccomp filter: %s" % os.strerror(ctypes.get_errno()))
+        raise errno_error("seccomp filter")
     return None
 
 
@@ -2548,15 +2555,14 @@ class Landlock:
         self.fd = libc.syscall(LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)),
                                ctypes.c_uint32(0))
         if self.fd < 0:
-            raise OSError(ctypes.get_errno(),
-                          "landlock_create_ruleset: %s" % os.strerror(ctypes.get_errno()))
+            raise errno_error("landlock_create_ruleset")
         try:
             file_rights = LL_WRITE_FILE | (LL_TRUNCATE if abi >= 3 else 0)
             for path, rights in ([(p, write)
                                   for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)]
                                  + [(p, file_rights) for p in SANDBOX_DEVICES]):
                 try:
-                    fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC)
+                    fd = os.open(path, O_PATH | O_CLOEXEC)
                 except OSError:
                     continue                    # (a device or directory this system lacks)
                 try:
@@ -2576,8 +2582,7 @@ class Landlock:
         ctypes, libc = self.ctypes, self.libc
         rule = ctypes.create_string_buffer(attr, len(attr))
         if libc.syscall(LANDLOCK_ADD_RULE, self.fd, kind, rule, ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(),
-                          "landlock_add_rule %s: %s" % (what, os.strerror(ctypes.get_errno())))
+            raise errno_error("landlock_add_rule " + what)
 
     def restrict(self):
         """Enter a (further) Landlock domain of the rules, no_new_privs set first."""
@@ -2585,8 +2590,7 @@ class Landlock:
         if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         if libc.syscall(LANDLOCK_RESTRICT_SELF, self.fd, ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(),
-                          "landlock_restrict_self: %s" % os.strerror(ctypes.get_errno()))
+            raise errno_error("landlock_restrict_self")
 
     def close(self):
         """Close the ruleset (the domains entered stay)."""
@@ -2753,11 +2757,11 @@ class NetSupervisor:
         Listening sockets come from /proc/net/unix (path and socket inode); a socket's
         holders from /proc/PID/fd of the session's processes."""
         try:
-            cwd = os.open("/proc/%d/cwd" % pid, getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY)
+            cwd = os.open("/proc/%d/cwd" % pid, O_PATH | os.O_DIRECTORY)
         except OSError:
             return None                             # the caller is gone: refused
         try:
-            fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_CLOEXEC, dir_fd=cwd)
+            fd = os.open(path, O_PATH | O_CLOEXEC, dir_fd=cwd)
         except OSError:
             return None
         finally:
@@ -2860,15 +2864,13 @@ def mount_read_only(paths):
     mount = lambda source, target, flags: libc.mount(source, os.fsencode(target), None,
                                                      ctypes.c_ulong(flags), None)
     if mount(None, "/", MS_REC | MS_SLAVE) != 0:
-        raise OSError(ctypes.get_errno(),
-                      "mount(/, MS_REC|MS_SLAVE): %s" % os.strerror(ctypes.get_errno()))
+        raise errno_error("mount(/, MS_REC|MS_SLAVE)")
     for path in paths:
         kept = os.statvfs(path).f_flag
         flags = (MS_REMOUNT | MS_BIND | MS_RDONLY | (kept & MS_LOCKED_FLAGS)
                  | (MS_RELATIME if kept & 4096 else 0))
         if mount(os.fsencode(path), path, MS_BIND) != 0 or mount(None, path, flags) != 0:
-            raise OSError(ctypes.get_errno(),
-                          "a read-only mount of %s: %s" % (path, os.strerror(ctypes.get_errno())))
+            raise errno_error("a read-only mount of " + path)
 
 
 # -- the sandbox and its launchers ------------------------------------------------
@@ -3052,8 +3054,8 @@ class Sandbox:
         self.why = why                                  # how the mode was chosen, for the log
         self.protect = protect or Protect()
         self.domains = list(domains)                    # with the network off: the proxy's domains
-        self.proxy_port = None                          # the proxy's loopback port,
-                                                        # once the server runs it
+        self.proxy_port = None                          # the proxy's loopback port, once the
+                                                        # server runs it (on, the network off)
         self.launchers = Launchers(self)                # (a spare one starts
                                                         # with the first command)
         self.trials = {}                                # what probe_sandbox's
@@ -3097,7 +3099,7 @@ class Sandbox:
                            "net": self.net_mechanism(), "cwd": cwd, "ctty": ctty,
                            "tied": os.getpid() if tied else None,
                            "protect": self.protect.paths(self.writable) if self.on else [],
-                           "proxy": self.proxy_port if self.on and not self.network else None})
+                           "proxy": self.proxy_port})
 
     def launched(self, argv, cwd, ctty=False, tied=False):
         """(argv, cwd) that run `argv` in `cwd` through a launcher confined by this
@@ -3107,7 +3109,7 @@ class Sandbox:
 
     def proxy_environ(self):
         """The variables that send a command's HTTP and HTTPS through the proxy ({} without one)."""
-        if not self.on or self.network or not self.proxy_port:
+        if not self.proxy_port:
             return {}
         url = "http://127.0.0.1:%d" % self.proxy_port
         names = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
@@ -3136,18 +3138,17 @@ class Sandbox:
         shows a refused write or connect; else ''."""
         refusals = (r"Permission denied|Read-only file system|Operation not permitted"
                     r"|Device or resource busy")
+        network = ""
         if not self.network:
             refusals += r"|Network is unreachable"
-        # what clients say of the proxy's 403
+            network = " and may not use the network"
         if self.domains and not self.network:
-            refusals += r"|403|[Tt]unnel|boris sandbox proxy"
+            refusals += r"|403|[Tt]unnel|boris sandbox proxy"    # what clients say of its 403
+            network = (" and reach only %s, through boris's proxy (HTTP_PROXY, HTTPS_PROXY)"
+                       % ", ".join(self.domains))
         if not self.on or not re.search(refusals, text):
             return ""
         protected = self.protect.paths(self.writable)
-        network = "" if self.network else " and may not use the network"
-        if self.domains and not self.network:
-            network = (" and reach only %s, through boris's proxy (HTTP_PROXY, HTTPS_PROXY)"
-                       % ", ".join(self.domains))
         return ("[sandbox %s: commands may write only under %s%s%s; the server's --allow-dir adds"
                 " directories,%s --sandbox off lifts it]"
                 % (self.mode, ", ".join(self.writable),
@@ -3566,9 +3567,9 @@ class EgressProxy:
     @staticmethod
     def answer(conn, status, why):
         """Send an error response whose body says why, as boris's proxy."""
+        import http
         body = ("boris sandbox proxy: %s\n" % why).encode("utf-8")
-        reason = {400: "Bad Request", 403: "Forbidden", 431: "Request Header Fields Too Large",
-                  502: "Bad Gateway", 503: "Service Unavailable"}[status]
+        reason = http.HTTPStatus(status).phrase
         try:
             conn.sendall(b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\n"
                          b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
@@ -10041,47 +10042,41 @@ def sweep_stores():
 
     def sweep():
         for top in store_bases():
-            sweep_in(top)
+            try:
+                names = [n for n in os.listdir(top) if n.startswith(CHECKPOINT_PREFIX)]
+            except OSError:
+                continue
+            for name in names:
+                sweep_one(os.path.join(top, name))
 
-    def sweep_in(top):
+    def sweep_one(store):
         try:
-            names = [n for n in os.listdir(top) if n.startswith(CHECKPOINT_PREFIX)]
+            st = os.lstat(store)
         except OSError:
             return
-        for name in names:
-            store = os.path.join(top, name)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return
+        fd = None
+        # (killed while hold_store made its lock: lock.new)
+        for lock in ("lock", "lock.new"):
             try:
-                st = os.lstat(store)
+                fd = os.open(os.path.join(store, lock), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
+                break
             except OSError:
                 continue
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-                continue
-            fd = None
-            # (killed while hold_store made its lock: lock.new)
-            for lock in ("lock", "lock.new"):
-                try:
-                    fd = os.open(os.path.join(store, lock), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
-                    break
-                except OSError:
-                    continue
+        try:
             if (fd is None or lock == "lock.new") and time.time() - st.st_mtime < STORE_MAKING_S:
-                if fd is not None:
-                    os.close(fd)
-                # being made right now (lock.new is locked next)
-                continue
-            try:
-                if fd is not None:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+                return                                 # being made (lock.new is locked next)
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(store, ignore_errors=True)
+            log("info", "removed a checkpoint store left by a server that was killed",
+                store=store)
+        except OSError:
+            pass                                       # a live server's
+        finally:
+            if fd is not None:
                 os.close(fd)
-                continue                               # a live server's
-            try:
-                shutil.rmtree(store, ignore_errors=True)
-                log("info", "removed a checkpoint store left by a server that was killed",
-                    store=store)
-            finally:
-                if fd is not None:
-                    os.close(fd)
     thread = threading.Thread(target=sweep, daemon=True, name="boris-sweep")
     thread.start()
     return thread
@@ -10400,8 +10395,7 @@ class CatFile:
         if len(head) != 3 or head[1] != b"blob":
             raise OSError(errno.ENOENT, "its blob %s is gone from the git repository (a git gc"
                           " after history was rewritten?)" % sha)
-        data = self.proc.stdout.read(int(head[2]) + 1)
-        return data[:-1]
+        return self.proc.stdout.read(int(head[2]) + 1)[:-1]        # (the blob, then a newline)
 
     def close(self):
         for f in (self.proc.stdin, self.proc.stdout):
@@ -10555,10 +10549,6 @@ class Checkpoint:
         """{path: entry} of every entry (unpack_children), for a rewind or a diff."""
         return {child_prefix(d) + name: e for d, packed in self.dirs.items()
                     for name, e in unpack_children(packed).items()}
-
-    def same_as(self, other):
-        """Whether two checkpoints hold the same workspace (kinds, modes, bytes, link targets)."""
-        return not any(entry_changes(self, other))
 
 
 def entry_changes(old, new, partial=False):
@@ -10775,10 +10765,11 @@ class Checkpoints:
                     return
                 self.cond.wait(CHECKPOINT_YIELD_S)
 
-    def acquire(self, cancelled=NOT_CANCELLED):
-        """Wait for the turn at the store (the walk in progress ends first: a walk waited for
-        does not give way): True once this caller has it; False when the checkpoints closed or
-        `cancelled` was set first."""
+    @contextlib.contextmanager
+    def held(self, cancelled=NOT_CANCELLED):
+        """The turn at the store for a block, once the walk in progress ends (a walk waited
+        for does not give way); ToolError when the checkpoints closed or `cancelled` was set
+        first."""
         with self.cond:
             self.waiters += 1
             self.cond.notify_all()
@@ -10786,36 +10777,24 @@ class Checkpoints:
                 while self.turn and not self.closed and not cancelled.is_set():
                     self.cond.wait(CHECKPOINT_YIELD_S)
                 if self.closed or cancelled.is_set():
-                    return False
+                    raise ToolError(INVALID_INPUT, "cancelled, or the session ended, while a"
+                                    " checkpoint was being taken")
                 self.turn = True
-                return True
             finally:
                 self.waiters -= 1
                 self.cond.notify_all()
-
-    def release(self):
-        """Give the turn at the store back."""
-        with self.cond:
-            self.turn = False
-            self.cond.notify_all()
-
-    @contextlib.contextmanager
-    def held(self, cancelled=NOT_CANCELLED):
-        """The turn at the store for a block (acquire, then release); ToolError when the
-        call was cancelled or the session ended first."""
-        if not self.acquire(cancelled):
-            raise ToolError(INVALID_INPUT,
-                            "cancelled, or the session ended, while a checkpoint was being taken")
         try:
             yield self
         finally:
-            self.release()
+            with self.cond:
+                self.turn = False
+                self.cond.notify_all()
 
     def current(self, cancelled=NOT_CANCELLED):
         """Checkpoint now, for a caller that holds the turn (a rewind keeps it, so that no walk
         comes between the state it reads and what it writes): the latest Checkpoint, whole;
         None when off, closed or cancelled."""
-        if self.closed or not self.open_store():
+        if not self.open_store():
             return None
         with self.cond:
             self.walk_for, self.walk_began = self.asked, time.monotonic()
@@ -10864,8 +10843,9 @@ class Checkpoints:
         """Keep `checkpoint` as the newest checkpoint (the caller holds cond): as the latest, with
         fresher stats, when it holds the same state; the oldest go past the bounds."""
         self.cond.notify_all()      # RuntimeError, nothing changed, where cond is not held
-        if self.list and not self.list[-1].partial and checkpoint.same_as(self.list[-1]):
-            # the same state: fresher stats, same checkpoint
+        if self.list and not self.list[-1].partial \
+                and not any(entry_changes(checkpoint, self.list[-1])):
+            # the same state (kinds, modes, bytes, link targets): fresher stats, same checkpoint
             self.list[-1].dirs = checkpoint.dirs
             return
         self.count += 1
@@ -10940,7 +10920,9 @@ class Checkpoints:
         quiet = w.quiet if w is not None else set()
         prev, dirs, missed, partial, size = self.base.dirs, {}, [], False, 0
         left_out, pruned = self.pruner(quiet) if prune else (None, set())
-        store = self.store_in_roots()
+        # the store's directory where it lies in a root (the walk leaves it out)
+        store = self.store.dir
+        store = store if store and any(is_within(store, r) for r in self.roots) else None
         look = lambda path, old, known: self.entry(path, old, missed, known)
         # the Listing of the directory the walk is in
         here = None
@@ -10995,11 +10977,6 @@ class Checkpoints:
         dirs.update(kept)
         size += sum(child_names(packed).count(b"\0") + 1 for packed in kept.values())
         return Checkpoint(self.count + 1, dirs, size, missed, partial), visited, looked, unwatched
-
-    def store_in_roots(self):
-        """The store's directory where it lies in a root (a walk leaves it out), else None."""
-        where = self.store.dir
-        return where if where and any(is_within(where, r) for r in self.roots) else None
 
     def walker(self, root, left_out, visited):
         """walk_roots()'s Walker of `root`: directories and symlinks found as themselves,
@@ -15676,18 +15653,13 @@ def finite(value):
     return value
 
 
-def valid_id(rid):
-    """A JSON-RPC request id this server answers to: a string of valid Unicode or an
-    integer (not a bool, a float, null, a list or an object)."""
-    return isinstance(rid, (str, int)) and echoable(rid)
-
-
-def echoable(value):
-    """Whether a request id or progress token may be sent back as it came: a string
-    that is Unicode text, or a number (bool is not one)."""
+def valid_id(value):
+    """A JSON-RPC request id this server answers to, or a progress token it sends back as
+    it came: a string of valid Unicode or an integer (not a bool, a float, null, a list
+    or an object)."""
     if isinstance(value, str):
         return not re.search(_SURROGATES, value)    # a lone surrogate cannot go into JSON
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 _SURROGATES = "[\ud800-\udfff]"
@@ -15766,9 +15738,9 @@ class McpServer:
             if refusal is not None:
                 emit(refusal)
             return
-        method, rid, has_id = msg["method"], msg.get("id"), "id" in msg
+        method, rid = msg["method"], msg.get("id")
         params = msg.get("params") or {}             # envelope_check let only an object or null by
-        if not has_id:
+        if "id" not in msg:
             self.notification(method, params, session)
             return
         modern, refusal = self.requested_version(msg)
@@ -15777,11 +15749,10 @@ class McpServer:
         elif method == "tools/call":
             self.call_tool(rid, params, session, emit, modern)
         else:
-            self.call_method(msg, session, emit, modern)
+            self.call_method(rid, method, params, session, emit, modern)
 
-    def call_method(self, msg, session, emit, modern):
+    def call_method(self, rid, method, params, session, emit, modern):
         """A request other than tools/call: its handler's result, or the JSON-RPC error."""
-        rid, method, params = msg["id"], msg["method"], msg.get("params") or {}
         handler = self.METHODS.get(method)
         if handler is None:
             emit(error_response(rid, -32601, "Method not found: %s" % method))
@@ -15911,8 +15882,7 @@ class McpServer:
         cancelled = session.begin(rid)
         meta = object_at(params, "_meta")
         token = meta.get("progressToken")
-        progress = (self.progress_sender(token, emit)
-                    if isinstance(token, (str, int)) and echoable(token) else None)
+        progress = self.progress_sender(token, emit) if valid_id(token) else None
         ctx = CallContext(self.config, self.policy, cancelled, progress, self.helpers,
                           self.client_name(meta, session), self.sandbox, self.files, self.lsp)
 
@@ -16004,7 +15974,7 @@ class McpServer:
         """Who is calling: the name in the request's _meta clientInfo (2026-07-28 clients such
         as Claude Code send it there, never in initialize), else initialize's."""
         info = object_at(meta, CLIENT_INFO_KEY)
-        if isinstance(info.get("name"), str) and echoable(info["name"]):
+        if isinstance(info.get("name"), str) and valid_id(info["name"]):
             return info["name"]
         return session.client
 
@@ -16050,12 +16020,12 @@ class McpServer:
         (-32601: unknown, or one it removed, answered 404 over HTTP)."""
         rid, method, params = msg.get("id"), msg.get("method"), msg.get("params") or {}
         meta = object_at(params, "_meta")
+        invalid = lambda why: (400, error_response(rid, -32602, "Invalid params: " + why))
         if META_VERSION_KEY not in meta:
             if method != "server/discover":
                 return None, None
-            return None, (400, error_response(rid, -32602, "Invalid params: server/discover"
-                                              " carries _meta with %s and %s"
-                                              % (META_VERSION_KEY, CLIENT_CAPS_KEY)))
+            return None, invalid("server/discover carries _meta with %s and %s"
+                                 % (META_VERSION_KEY, CLIENT_CAPS_KEY))
         modern = meta[META_VERSION_KEY]
         if modern not in MODERN_VERSIONS:
             return None, (400, error_response(
@@ -16063,20 +16033,16 @@ class McpServer:
                     "supported": list(SUPPORTED_VERSIONS),
                     "requested": modern[:100] if isinstance(modern, str) else brief(modern)}))
         if not isinstance(meta.get(CLIENT_CAPS_KEY), dict):
-            return modern, (400, error_response(rid, -32602,
-                                                "Invalid params: _meta lacks %s (an object)"
-                                                % CLIENT_CAPS_KEY))
+            return modern, invalid("_meta lacks %s (an object)" % CLIENT_CAPS_KEY)
         if LOG_LEVEL_KEY in meta and meta[LOG_LEVEL_KEY] not in MCP_LOG_LEVELS:
-            return modern, (400, error_response(
-                rid, -32602, "Invalid params: %s must be one of %s, not %s"
-                % (LOG_LEVEL_KEY, ", ".join(MCP_LOG_LEVELS), brief(meta[LOG_LEVEL_KEY]))))
+            return modern, invalid("%s must be one of %s, not %s" % (
+                LOG_LEVEL_KEY, ", ".join(MCP_LOG_LEVELS), brief(meta[LOG_LEVEL_KEY])))
         if method in REMOVED_METHODS or method != "tools/call" and method not in self.METHODS:
             return modern, (404, error_response(rid, -32601, "Method not found: %s (protocol %s)"
                                                 % (method, modern)))
         if method == "tools/list" and params.get("cursor") is not None:
-            return modern, (400, error_response(rid, -32602, "Invalid params: cursor %s was never"
-                                                " given (tools/list has one page)"
-                                                % brief(params["cursor"])))
+            return modern, invalid("cursor %s was never given (tools/list has one page)"
+                                   % brief(params["cursor"]))
         return modern, None
 
 ###############################################################################
@@ -16107,10 +16073,6 @@ class Stopper:
         except OSError:                  # pipe full: a wakeup is already pending
             pass
 
-    def is_set(self):
-        """Whether a stop was asked for."""
-        return self.reason is not None
-
     def install(self):
         """Route the shutdown signals here (main thread only). The wakeup fd matters: a
         signal may land on any thread, and only the C handler runs there; it writes
@@ -16119,23 +16081,15 @@ class Stopper:
             signal.signal(sig, lambda signum, frame: self.stop(signal.Signals(signum).name))
         signal.set_wakeup_fd(self.w, warn_on_full_buffer=False)
 
-    def wait(self, timeout=None):
-        """Block until stopped (True) or `timeout` seconds pass (False)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def wait(self):
+        """Block until stopped."""
         while self.reason is None:
-            left = 1.0 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                return False
-            if ready([self.r], min(left, 1.0)):
-                self.note(os.read(self.r, 512))
-        return True
-
-    def note(self, data):
-        """The wakeup pipe's bytes: a shutdown signal's number stops the server here, even
-        when the main thread (where its Python handler runs) is not running Python code."""
-        for number in bytearray(data):
-            if number in self.SIGNALS:
-                self.stop(signal.Signals(number).name)
+            # a shutdown signal's number in the wakeup pipe stops the server here, even when
+            # the main thread (where its Python handler runs) is not running Python code
+            if ready([self.r], 1.0):
+                for number in bytearray(os.read(self.r, 512)):
+                    if number in self.SIGNALS:
+                        self.stop(signal.Signals(number).name)
 
 
 def _no_constant(name):
@@ -16297,6 +16251,7 @@ class McpRequestHandler:
 
     transport = None            # the HttpTransport: bind sets it on the class, with the timeout
     GONE = object()                            # next_out(): the client went away
+    NOT_MCP = {"error": "not found", "detail": "the MCP endpoint is /mcp"}
     CORS_METHODS = "GET, POST, DELETE, OPTIONS"
     CORS_HEADERS = ("Authorization, Content-Type, Accept, Mcp-Session-Id, Mcp-Protocol-Version,"
                     " Last-Event-ID")
@@ -16357,24 +16312,22 @@ class McpRequestHandler:
             self.wfile.write(data)
 
     def refuse(self, code, body, headers=()):
-        """Reply `code` and close the connection; False (for `return self.refuse(...)`)."""
+        """Reply `code` and close the connection (None, for `return self.refuse(...)`)."""
         self.reply(code, body, headers, close=True)
-        return False
 
     def body_length(self):
         """The Content-Length, within HTTP_MAX_BODY; None once a refusal is sent."""
         raw_length = self.headers.get("Content-Length", "").strip()
         if not raw_length:
-            return self.refuse(411, {"error": "Content-Length required"}) or None
+            return self.refuse(411, {"error": "Content-Length required"})
         if not raw_length.isdigit():
-            return self.refuse(400,
-                               {"error": "invalid Content-Length %r" % raw_length[:40]}) or None
+            return self.refuse(400, {"error": "invalid Content-Length %r" % raw_length[:40]})
         if int(raw_length) > HTTP_MAX_BODY:
-            return self.refuse(413, {"error": "body over %d bytes" % HTTP_MAX_BODY}) or None
+            return self.refuse(413, {"error": "body over %d bytes" % HTTP_MAX_BODY})
         return int(raw_length)
 
     def origin_ok(self):
-        """Whether the request's Origin (if any) is a loopback one; False once the 403 is sent."""
+        """Whether the request's Origin (if any) is a loopback one; None once the 403 is sent."""
         origin = self.headers.get("Origin")
         if origin is not None and not is_loopback(host_of(origin)):
             return self.refuse(403, {"error": "forbidden",
@@ -16382,7 +16335,7 @@ class McpRequestHandler:
         return True
 
     def guarded(self):
-        """Path, Origin, Host and bearer checks; False once a refusal is sent."""
+        """Path, Origin, Host and bearer checks: True, or None once a refusal is sent."""
         # OAuth discovery: none here, say so at once
         if self.path.startswith("/.well-known/"):
             return self.refuse(404, {"error": "not found",
@@ -16390,7 +16343,7 @@ class McpRequestHandler:
                                                " bearer token (Authorization: Bearer <token>, see"
                                                " --token)"})
         if self.path.split("?", 1)[0].rstrip("/") != "/mcp":
-            return self.refuse(404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
+            return self.refuse(404, self.NOT_MCP)
         if not self.origin_ok():
             return False
         if (self.transport.local_bind
@@ -16411,18 +16364,20 @@ class McpRequestHandler:
         none is required."""
         import hmac
         token = self.transport.token
-        if not token:
-            return True
+        return not token or hmac.compare_digest(self.bearer(), token.encode())
+
+    def bearer(self):
+        """The token the Authorization header carries, as bytes (b"" for none)."""
         auth = self.headers.get("Authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        return bool(given) and hmac.compare_digest(given.encode("utf-8", "replace"), token.encode())
+        return given.encode("utf-8", "replace")
 
     def read_body(self):
         """The POST body as a one-element list holding the parsed JSON value (which may
         itself be null), or None once a refusal is sent."""
         ctype = self.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
         if ctype != "application/json":
-            return self.refuse(415, {"error": "Content-Type must be application/json"}) or None
+            return self.refuse(415, {"error": "Content-Type must be application/json"})
         length = self.body_length()
         if length is None:
             return None
@@ -16506,9 +16461,7 @@ class McpRequestHandler:
         if not self.transport.token:
             return "local user"
         import hashlib
-        auth = self.headers.get("Authorization", "")
-        secret = auth[7:].strip().encode("utf-8", "replace")
-        return "token " + hashlib.sha256(secret).hexdigest()[:16]
+        return "token " + hashlib.sha256(self.bearer()).hexdigest()[:16]
 
     def client_gone(self):
         """Whether the client closed its end (checked without blocking)."""
@@ -16595,12 +16548,12 @@ class McpRequestHandler:
         """A browser's CORS preflight of /mcp or /health: 204 with what may be sent, before
         authentication (a preflight carries no credentials); a foreign Origin gets 403."""
         if self.path.split("?", 1)[0].rstrip("/") not in ("/mcp", "/health"):
-            return self.refuse(404, {"error": "not found", "detail": "the MCP endpoint is /mcp"})
-        if not self.origin_ok():
-            return False
-        self.reply(204, None, [("Access-Control-Allow-Methods", self.CORS_METHODS),
-                               ("Access-Control-Allow-Headers", self.CORS_HEADERS),
-                               ("Access-Control-Max-Age", "600"), ("Allow", self.CORS_METHODS)])
+            self.refuse(404, self.NOT_MCP)
+        elif self.origin_ok():
+            self.reply(204, None, [("Access-Control-Allow-Methods", self.CORS_METHODS),
+                                   ("Access-Control-Allow-Headers", self.CORS_HEADERS),
+                                   ("Access-Control-Max-Age", "600"),
+                                   ("Allow", self.CORS_METHODS)])
 
     def do_DELETE(self):
         """DELETE /mcp ends the session the Mcp-Session-Id header names."""
@@ -16679,8 +16632,7 @@ class HttpTransport:
         True once a slot is free."""
         with self.lock:
             oldest = min(self.idle, key=self.idle.get) if self.idle else None
-            if oldest is not None:
-                del self.idle[oldest]
+            self.idle.pop(oldest, None)
         if oldest is not None:
             try:
                 oldest.shutdown(2)
