@@ -488,7 +488,7 @@ class TestConfig(unittest.TestCase):
         self.assertIsNone(cfg.sandbox_network)                      # (resolve_sandbox: None is off, said so)
         self.assertEqual((shown["allow-dir"], cfg.allow_dir, boris.PathPolicy.of(cfg).allow),
                          ("none: every directory", [], []))
-        self.assertEqual((shown["lsp"], cfg.lsp, boris.LangServers(cfg, boris.PathPolicy.of(cfg), None).named),
+        self.assertEqual((shown["lsp"], cfg.lsp, boris.LangServers(cfg, boris.PathPolicy.of(cfg), None).given),
                          ("the usual servers on PATH", [], {}))
 
 
