@@ -9476,10 +9476,6 @@ class FetchWatch:
         """Seconds left of the whole fetch (at least 0.01)."""
         return max(0.01, self.deadline - time.monotonic())
 
-    def close(self):
-        """End the watch: the fetch is over."""
-        self.done.set()
-
 
 # What can go wrong, by kind: (code, message). A fetch_error carries its kind and
 # facts as its detail, so a tool can word it its own way (web_fetch: fixed Chinese).
@@ -9535,9 +9531,8 @@ class WebFetch:
             text = body.decode(text_codec(charset or "utf-8") or "utf-8", "replace")
         except (UnicodeError, ValueError):
             text = body.decode("utf-8", "replace")
-        is_html = ctype in ("text/html", "application/xhtml+xml") or (
-            not ctype and text.lstrip()[:1] == "<")
-        if is_html:
+        if ctype in ("text/html", "application/xhtml+xml") or (
+                not ctype and text.lstrip()[:1] == "<"):
             text = html_to_markdown(text, url)
         elif not (ctype.startswith("text/")
                   or ctype in ("application/json", "application/xml", "application/javascript")
@@ -9592,7 +9587,7 @@ class WebFetch:
                 e.close()                   # an error response holds its socket until closed
             raise self.error(e, watch.fired.is_set(), timed_out)
         finally:
-            watch.close()
+            watch.done.set()                    # the fetch is over: end the watch
             for sock in watch.sockets:
                 sock.close()
 
@@ -9713,8 +9708,7 @@ class WebFetch:
             raise fetch_error("url_space", at=bad.start() + 1, url=shown)
         try:
             parts = urllib.parse.urlsplit(url)
-            port = parts.port
-            host = parts.hostname
+            port, host = parts.port, parts.hostname
         except ValueError as e:
             raise fetch_error("url_malformed", reason=e, url=shown)
         if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
