@@ -12404,30 +12404,18 @@ def find_lines(index, want, start=0, eof=False, partial=False):
 # -- the three-way merge ----------------------------------------------------------
 def hunk_ops(lines):
     """(old lines, new lines, difflib-style opcodes) of a patch hunk's (kind, text) lines:
-    context lines are 'equal', each run of '-' and '+' lines between them one change."""
-    old, new, ops, run = [], [], [], None
-    for kind, text in lines + [(" ", None)]:
-        if kind == " ":
-            if run:
-                removes, adds = run[0] < run[1], run[2] < run[3]
-                tag = "replace" if removes and adds else "delete" if removes else "insert"
-                ops.append((tag,) + tuple(run))
-                run = None
-            if text is None:
-                break
-            start = ops.pop()[1::2] if ops and ops[-1][0] == "equal" else (len(old), len(new))
-            ops.append(("equal", start[0], len(old) + 1, start[1], len(new) + 1))
-            old.append(text)
-            new.append(text)
-            continue
-        if run is None:
-            run = [len(old), len(old), len(new), len(new)]
-        if kind == "-":
-            old.append(text)
-            run[1] = len(old)
-        else:
-            new.append(text)
-            run[3] = len(new)
+    each run of context lines is 'equal', each run of '-' and '+' lines between them one
+    change."""
+    old, new, ops = [], [], []
+    for context, run in groupby(lines, key=lambda line: line[0] == " "):
+        run = list(run)
+        i, j = len(old), len(new)
+        old += [text for kind, text in run if kind != "+"]
+        new += [text for kind, text in run if kind != "-"]
+        removes, adds = len(old) > i, len(new) > j
+        tag = "equal" if context else "replace" if removes and adds else \
+            "delete" if removes else "insert"
+        ops.append((tag, i, len(old), j, len(new)))
     return old, new, ops
 
 
@@ -12475,14 +12463,13 @@ def text_units(core):
     units, k = [], 0
     while k < len(core):
         folded = core[k].translate(PUNCT_ASCII)
-        if folded and not folded.isspace():
+        if folded.strip():
             units.append(TextUnit(folded[0], core[k], True))
             units.extend(TextUnit(c, "", True) for c in folded[1:])
             k += 1
             continue
         j = k
-        while j < len(core) and (not core[j].translate(PUNCT_ASCII)
-                                 or core[j].translate(PUNCT_ASCII).isspace()):
+        while j < len(core) and not core[j].translate(PUNCT_ASCII).strip():
             j += 1
         run = core[k:j]
         after = core[j:j + 1].translate(PUNCT_ASCII)[:1]
@@ -13139,8 +13126,9 @@ def check_unchanged(session, ctx, real, shown):
 
 
 def snippet(text, first_line, span):
-    """The numbered lines around an edit (SNIPPET_CONTEXT either side), as its answer shows them."""
-    lines = text.split("\n")
+    """The numbered lines around an edit (SNIPPET_CONTEXT either side), as its answer shows them
+    (CRLF shown as LF)."""
+    lines = text.replace("\r\n", "\n").split("\n")
     lo = max(0, first_line - SNIPPET_CONTEXT)
     hi = min(len(lines), first_line + span + SNIPPET_CONTEXT + 1)
     return number_lines([clip_line(l) for l in lines[lo:hi]], lo + 1)
@@ -13193,7 +13181,7 @@ def closest_region(text, old, cancelled=NOT_CANCELLED, what="old_str"):
     for start in candidate_starts(lines, want, cancelled):
         if cancelled.is_set():
             return ""
-        s = max(0, min(start, len(lines) - n)) if len(lines) >= n else 0
+        s = max(0, min(start, len(lines) - n))
         total = 0.0                 # line by line: equal but for surrounding whitespace counts 0.95
         for a, b in zip(lines[s:s + n], want):
             if a == b:
@@ -13203,8 +13191,8 @@ def closest_region(text, old, cancelled=NOT_CANCELLED, what="old_str"):
             else:
                 total += difflib.SequenceMatcher(None, a[:200], b[:200],
                                                  autojunk=False).quick_ratio()
-        if total / max(n, 1) > best:
-            best, at = total / max(n, 1), s
+        if total / n > best:
+            best, at = total / n, s
     if at is None or best < 0.5:
         return ""
     return region_report(lines[at:at + n], want, at, best, what)
@@ -13449,16 +13437,15 @@ STR_REPLACE_DESC = ("Edit a file - the edit tool for most edits: replace text (o
 def tool_str_replace(session, args, ctx):
     """str_replace: replace old_str (unique, or every one with replace_all) in a file viewed and
     unchanged since."""
-    new = args.get("new_str") or ""
     real, (updated, count, pos, how), note = edit_text(
         session, args, ctx, "str_replace",
         lambda text: replace_text(text, args, args["path"], ctx.cancelled))
     if args.get("dry_run"):
         return note + ("\n(old_str matched %s)" % how if how else "")
-    line = updated.count("\n", 0, pos)
+    added = (args.get("new_str") or "").count("\n")
+    around = snippet(updated, updated.count("\n", 0, pos), added)
     return "Replaced %s in %s%s:\n%s%s" % (plural(count, "occurrence"), real,
-                                                     " (matched %s)" % how if how else "", snippet(
-        updated.replace("\r\n", "\n"), line, new.replace("\r\n", "\n").count("\n")), note)
+                                         " (matched %s)" % how if how else "", around, note)
 
 
 MULTI_EDIT_DESC = ("Make several changes to one file in one call: each {old_str, new_str, "
@@ -13500,11 +13487,11 @@ def tool_multi_edit(session, args, ctx):
     if args.get("dry_run"):
         return note + ("\n(%s)" % "; ".join(matched) if matched else "")
     line = text.count("\n", 0, pos)
-    added = (edits[-1].get("new_str") or "").replace("\r\n", "\n").count("\n")
+    added = (edits[-1].get("new_str") or "").count("\n")
     return "Applied %s (%s) to %s%s; around the last one:\n%s" % (
         plural(len(edits), "edit"), plural(replaced, "replacement"), real,
         " (%s)" % "; ".join(matched) if matched else "",
-        snippet(text.replace("\r\n", "\n"), line, added)) + note
+        snippet(text, line, added)) + note
 
 
 def existing_kind(real, shown):
@@ -13580,7 +13567,7 @@ def tool_insert(session, args, ctx):
         return note
     return "Inserted %s after line %d of %s:\n%s" % (
         plural(len(new_lines), "line"), at, real,
-        snippet(updated.replace("\r\n", "\n"), at, len(new_lines) - 1)) + note
+        snippet(updated, at, len(new_lines) - 1)) + note
 
 
 UNDO_DESC = ("Undo: take back this session's last change to a path, made by any tool that writes "
@@ -13594,7 +13581,6 @@ UNDO_DESC = ("Undo: take back this session's last change to a path, made by any 
 def tool_undo_edit(session, args, ctx):
     """undo_edit: restore a file (and the others an apply_patch changed with it) as
     it was before this session's last edit of it, if nothing else changed it since."""
-    from contextlib import ExitStack
     shown = args["path"]
     real = resolve_checked(session, ctx, shown)
     edit, levels = session.last_edit(real)
@@ -13604,14 +13590,13 @@ def tool_undo_edit(session, args, ctx):
     tool_name, changes = edit
     for path in changes:
         ctx.policy.check(path, path)
-    with ExitStack() as locks:
+    with contextlib.ExitStack() as locks:
         for path in sorted(changes):
             locks.enter_context(ctx.files.lock(path))
         back = []
         for path, entry in sorted(changes.items()):
             now = file_bytes(path, ctx.config.max_file_size).data
-            if (now is None) != (entry.after is None) or (
-                    now is not None and digest_of(now) != entry.after):
+            if (None if now is None else digest_of(now)) != entry.after:
                 raise ToolError(FILE_CHANGED, "%s changed since this session's %s of it (by"
                                 " something else), so undo_edit would lose that; nothing was"
                                 " undone. View it and edit it instead" % (path, tool_name))
@@ -13620,9 +13605,8 @@ def tool_undo_edit(session, args, ctx):
         if args.get("dry_run"):
             return note
         session.forget_edit(edit)
-    what = ", ".join("%s (%s)" % (p, "removed" if e.before is None else "%d bytes" % (
-                         e.before.size if isinstance(e.before, StoredBytes) else len(e.before)))
-                     for p, e in sorted(changes.items()))
+    what = ", ".join("%s (%s)" % (c.real, "removed" if c.data is None else
+                                  "%d bytes" % len(c.data)) for c in back)
     left = "%s for %s." % (plural(levels - 1, "more undo level"), shown) if levels > 1 else \
         "Nothing more to undo for %s." % shown
     return "Undid the %s: restored %s. %s%s" % (tool_name, what, left, note)
@@ -13912,7 +13896,7 @@ def tool_str_replace_editor(session, args, ctx):
     if cmd == "create":
         return tool_create_file(session, args, ctx, content_key="file_text")
     if cmd == "undo_edit":
-        return tool_undo_edit(session, {"path": args["path"], "dry_run": args.get("dry_run")}, ctx)
+        return tool_undo_edit(session, args, ctx)
     return tool_insert(session, args, ctx)
 
 
@@ -14079,6 +14063,8 @@ class PatchedText:
         if self.final:
             self.lines.pop()
         self.index = LineIndex(self.lines)
+        # the file's unit of indentation, for hunks merged at a relaxed level
+        self.step = indent_step(self.lines)
         self.cursor = 0
         self.notes = []
 
@@ -14091,7 +14077,7 @@ class PatchedText:
             if level:
                 try:
                     new = EditMerge(lines[at:end], old, new, ops, level, what="the hunk",
-                                    as_sent=True, file_step=self.file_step()).lines()
+                                    as_sent=True, file_step=self.step).lines()
                 except ToolError as e:
                     raise ToolError(e.code, "%s, %s: %s" % (self.shown, hunk.label(k), e.message))
                 self.notes.append("hunk %d matched %s" % (k, MATCH_LEVELS[level].name))
@@ -14175,12 +14161,6 @@ class PatchedText:
                          % (self.shown, label, what, self.searched_from(cursor),
                             closest_region("\n".join(self.lines), "\n".join(old), what="the hunk")))
 
-    def file_step(self):
-        """The file's unit of indentation (indent_step), worked out once."""
-        if not hasattr(self, "step"):
-            self.step = indent_step(self.lines)
-        return self.step
-
     @staticmethod
     def searched_from(cursor):
         """The words a miss adds when the search for a hunk started past earlier hunks."""
@@ -14198,25 +14178,27 @@ class PatchPlan:
 
     def __init__(self, session, ctx, ops):
         self.session, self.ctx = session, ctx
-        self.summary, self.order, self.matched = [], [], []
+        self.matched = []
         lines = {"A": [], "M": [], "D": []}
-        # real -> bytes as the sections so far leave it (None: no file)
+        # real -> bytes as the sections so far leave it (None: no file), in the order first met
         self.now = {}
         # real -> (bytes, stat) on disk before the patch, or None
         self.before = {}
+        # real -> the permission bits of a file the patch makes
         self.shown, self.modes = {}, {}
         for op in ops:
             shown, move = op.path, op.move
             real = resolve_checked(session, ctx, shown)
             if op.kind == "add":
                 self.current(real, shown, "*** Add File", overwrite=True)
-                self.put(real, encode_text("\n".join(op.body) + "\n" if op.body else "", "input"),
-                         0o644)
+                body = "\n".join(op.body) + "\n" if op.body else ""
+                self.now[real] = encode_text(body, "input")
+                self.modes[real] = 0o644
                 lines["A"].append(shown)
                 continue
             text = self.current(real, shown, "*** %s File" % op.kind.title())
             if op.kind == "delete":
-                self.put(real, None)
+                self.now[real] = None
                 lines["D"].append(shown)
                 continue
             patched = PatchedText(text.decode("utf-8", "surrogateescape"), shown)
@@ -14224,14 +14206,13 @@ class PatchPlan:
             self.matched += ["%s: %s" % (move or shown, n) for n in patched.notes]
             if move:
                 target = resolve_checked(session, ctx, move, "*** Move to")
-                st = self.before[real][1] if self.before.get(real) else None
+                st = self.before[real][1] if self.before[real] else None
                 self.current(target, move, "*** Move to", overwrite=True)
-                self.put(target, data, stat.S_IMODE(st.st_mode) if st else 0o644)
-                self.put(real, None)
-                lines["M"].append(move)
+                self.modes[target] = stat.S_IMODE(st.st_mode) if st else 0o644
+                self.now[target], self.now[real] = data, None
             else:
-                self.put(real, data)
-                lines["M"].append(shown)
+                self.now[real] = data
+            lines["M"].append(move or shown)
         self.summary = ["%s %s" % (kind, shown) for kind in "AMD" for shown in lines[kind]]
 
     def current(self, real, shown, section, overwrite=False):
@@ -14241,7 +14222,6 @@ class PatchPlan:
         has seen unchanged (create_file's rule: FILE_NOT_VIEWED, FILE_CHANGED)."""
         session, ctx = self.session, self.ctx
         if real not in self.now:
-            self.order.append(real)
             self.shown[real] = shown
             exists = existing_kind(real, shown) is not None
             if not exists and not overwrite:
@@ -14258,19 +14238,13 @@ class PatchPlan:
                             " removed it); nothing was written" % (section, shown))
         return self.now[real]
 
-    def put(self, real, data, mode=None):
-        """Note what `real` holds after a section."""
-        self.now[real] = data
-        if mode is not None:
-            self.modes[real] = mode
-
     @property
     def writes(self):
         """The changes that take every touched file to its final state, as write_edit takes
         them (a file made and removed again in one patch is left alone)."""
         out = []
-        for real in self.order:
-            data, before = self.now[real], self.before.get(real)
+        for real, data in self.now.items():
+            before = self.before[real]
             if data is None and before is None:
                 continue
             out.append(FileEdit(real, self.shown[real], data, before[0] if before else None,
@@ -14295,11 +14269,10 @@ PATCH_DESC = ("Edit, add, delete and move files with one patch in the apply_patc
 def tool_apply_patch(session, args, ctx):
     """Codex's apply_patch: parse; resolve and scope-check every path; then, under every
     file's edit lock (taken in one order), plan every file (existence, hunks) and write."""
-    from contextlib import ExitStack
     ops = PatchReader(args["input"]).read()
     reals = set(resolve_checked(session, ctx, op.path) for op in ops)
     reals.update(resolve_checked(session, ctx, op.move, "*** Move to") for op in ops if op.move)
-    with ExitStack() as locks:
+    with contextlib.ExitStack() as locks:
         for real in sorted(reals):
             locks.enter_context(ctx.files.lock(real))
         plan = PatchPlan(session, ctx, ops)
