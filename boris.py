@@ -12108,6 +12108,11 @@ def text_lines(s, ended=True):
     return lines
 
 
+def split_cr(line):
+    """(a line of text split at LF without its CR, that CR or '')."""
+    return (line[:-1], "\r") if line.endswith("\r") else (line, "")
+
+
 def is_word(ch):
     """Whether `ch` is a character of a word (a run of whitespace between two of them
     is one space to the matcher, never nothing)."""
@@ -12310,7 +12315,7 @@ class LineIndex:
         for p, i in enumerate(self.nonblank):
             self.at.setdefault(self.keys[i], []).append(p)
 
-    def spans(self, want, start=0, eof=False, partial=False):
+    def spans(self, want, start, eof, partial):
         """(i, j): the runs plain[i:j] whose non-blank lines have want's keys (blank lines
         of want at its ends taken from the file's blank lines around the run, as far as
         they go), at or after `start` (at the end, for eof), overlapping ones too (each
@@ -12361,7 +12366,7 @@ class LineIndex:
         return last.startswith(words[-1]) if partial else last == words[-1]
 
 
-def level_of(plain, want, i, j, partial=False):
+def level_of(plain, want, i, j, partial):
     """The first level (an index of MATCH_LEVELS) at which want stands at plain[i:j], or
     None; with `partial` want's last line may be the start of the file's line."""
     region = plain[i:j]
@@ -12509,7 +12514,7 @@ class EditMerge:
                            and model_step.columns in (2, 4, 8) and file_step else None)
         # as_sent: an unmapped line at column 0 stays there
         self.cr, self.what, self.as_sent = cr, what, as_sent
-        self.plain = [l[:-1] if l.endswith("\r") else l for l in region]
+        self.plain = [split_cr(l)[0] for l in region]
         self.align = self.aligned()
         pairs = [(want[w], self.plain[r]) for w, r in enumerate(self.align) if r is not None]
         self.mapping = indent_map([a for a, _ in pairs], [b for _, b in pairs])
@@ -12613,7 +12618,7 @@ class EditMerge:
             elif m is not None:
                 row = self.align[olds[k]]
                 out.append(self.merged_line(self.want[olds[k]], j1 + m, self.plain[row]) +
-                           ("\r" if self.region[row].endswith("\r") else ""))
+                           split_cr(self.region[row])[1])
         return out
 
     def parent(self, j):
@@ -12633,11 +12638,12 @@ class EditMerge:
         return parent in self.off and (len(leading(self.new[j]).expandtabs(4))
                                        - len(parent.expandtabs(4))) % unit == 0
 
-    def indent(self, line, j=None):
-        """A new line with the file's indentation (with_indent through the mapping learnt
+    def indent(self, j):
+        """New line j with the file's indentation (with_indent through the mapping learnt
         from the matched lines); as it is where old_str had the file's own indentation (a
         strict level) or has none to map (whitespace only); a refusal where that mapping is
         not one."""
+        line = self.new[j]
         if not line.strip() or self.level < STRICT_LEVELS:
             return line
         mapped = (with_indent(line, self.mapping, self.place_unit)
@@ -12646,8 +12652,8 @@ class EditMerge:
             return mapped
         if leading(line) in self.known:
             return self.known[leading(line)] + line.lstrip()
-        if (self.as_is and set(leading(line)) <= self.indent_chars and j is not None and
-                not self.under_off(j)) or (self.as_sent and not leading(line)):
+        if (self.as_is and set(leading(line)) <= self.indent_chars and not self.under_off(j)) \
+                or (self.as_sent and not leading(line)):
             # a patch's line at column 0 stays there, as Codex writes it
             return line
         raise self.refuse(
@@ -12658,7 +12664,7 @@ class EditMerge:
         """New line j, one the edit adds: the file's indentation and line
         ending, its own text (with the file's column alignment where the match had to
         ignore inner whitespace) and its own trailing whitespace."""
-        return self.aligned_line(self.typed(self.indent(self.new[j], j))) + self.cr
+        return self.aligned_line(self.typed(self.indent(j))) + self.cr
 
     def merged_line(self, w, j, f):
         """The file's line f (old_str's w) changed as w became new line j: indentation the
@@ -12667,7 +12673,7 @@ class EditMerge:
         n = self.new[j]
         if not n.strip():
             return f if n == w else n
-        lead = leading(f) if leading(n) == leading(w) else leading(self.indent(n, j))
+        lead = leading(f) if leading(n) == leading(w) else leading(self.indent(j))
         wc, nc, fc = w.strip(), n.strip(), f.strip()
         return lead + (fc if nc == wc else self.merged_text(wc, nc, fc)) + trailing(n)
 
@@ -12798,8 +12804,7 @@ def spaced_otherwise(wu, gaps):
 def split_after(line, head):
     """(the start of the file's `line` that stands for `head`, the rest of it): `head` is
     the start of the line as the matcher sees it (CR kept on the rest)."""
-    cr = "\r" if line.endswith("\r") else ""
-    line = line[:len(line) - len(cr)]
+    line, cr = split_cr(line)
     lead = leading(line)
     units = text_units(line[len(lead):])
     last = solid_indexes(units)[len(solid_indexes(text_units(head.strip()))) - 1]
@@ -13291,7 +13296,7 @@ def check_old_new(old, new):
 
 # -- the edit tools ----------------------------------------------------------------
 
-def replace_text(text, edit, shown, cancelled=NOT_CANCELLED):
+def replace_text(text, edit, shown, cancelled):
     """(updated text, count, offset of the first change, how it matched or '') of an
     edit ({old_str, new_str, replace_all}, as str_replace and each of multi_edit's take
     it) through the one matcher. Refused: old_str empty or equal to new_str, not found
@@ -13329,7 +13334,7 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
     import difflib
     old, new = edit["old_str"], edit.get("new_str") or ""
     lines = text.split("\n")
-    plain = [l[:-1] if l.endswith("\r") else l for l in lines]
+    plain = [split_cr(l)[0] for l in lines]
     want = text_lines(old)
     level, hits, partial = relaxed_places(LineIndex(plain), want, text, edit, shown, cancelled)
     new_lines = text_lines(new, ended=old.endswith("\n")) if new else []
@@ -13348,11 +13353,11 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
             if not put:
                 raise merge.refuse("old_str ends inside line %d, and the edit removes everything"
                                    " before the rest of that line" % j)
-            cr = "\r" if put[-1].endswith("\r") else ""
-            put[-1] = put[-1][:len(put[-1]) - len(cr)] + rest + cr
+            body, cr = split_cr(put[-1])
+            put[-1] = body + rest + cr
         if j == len(lines) and not lines[-1].endswith("\r"):
             # (a last line: no CR)
-            put[-1:] = [line[:-1] if line.endswith("\r") else line for line in put[-1:]]
+            put[-1:] = [split_cr(line)[0] for line in put[-1:]]
         lines[i:j] = put
     # where the first change starts: each line before it, and its "\n"
     offset = sum(len(line) + 1 for line in lines[:hits[0][0]])
@@ -13656,11 +13661,10 @@ def paths_shown(paths, root_of):
     return ", ".join(shown) + (" and %d more" % more if more > 0 else "")
 
 
-def change_words(diff, root_of):
-    """added/modified/deleted lists in words: 'nothing' when all are empty."""
-    parts = ["%d %s: %s" % (len(paths), word, paths_shown(paths, root_of))
-             for word, paths in zip(("added", "modified", "deleted"), diff) if paths]
-    return "; ".join(parts) or "nothing"
+def change_words(groups, root_of):
+    """[(word, paths)] in words, '2 added: a, b; 1 deleted: c' ('' when every list is empty)."""
+    return "; ".join("%d %s: %s" % (len(paths), word, paths_shown(paths, root_of))
+                     for word, paths in groups if paths)
 
 
 def running_note(session):
@@ -13697,10 +13701,12 @@ def tool_checkpoints(session, args, ctx):
     lines = ["Checkpoints of %s (one before each call that can change files; rewind puts one back):"
              % ", ".join(roots)]
     for k in range(len(kept) - 1, -1, -1):
-        checkpoint = kept[k]
+        checkpoint, changes = kept[k], ""
         partial, followed = checkpoint.partial, checkpoint.followed
-        changes = "" if k + 1 == len(kept) else "- changed after it: " + change_words(
-            entry_changes(checkpoint, kept[k + 1], partial), root_of)
+        if k + 1 < len(kept):
+            diff = entry_changes(checkpoint, kept[k + 1], partial)
+            changes = "- changed after it: " + (
+                change_words(zip(("added", "modified", "deleted"), diff), root_of) or "nothing")
         lines.append("#%d  %s  %s  %s%s" % (
             checkpoint.number, time.strftime("%H:%M:%S", time.localtime(checkpoint.taken)),
             "before " + ", ".join(followed) if followed else "(the state now)",
@@ -13849,8 +13855,7 @@ def tool_rewind(session, args, ctx):
     text = "Rewound %s to checkpoint %d (%s): %s." % (
         ", ".join(root_of(p) for p in within) or "the workspace", target.number,
         time.strftime("%H:%M:%S", time.localtime(target.taken)),
-        "; ".join("%d %s: %s" % (len(ps), w, paths_shown(ps, root_of))
-                  for w, ps in sorted(words.items())) or "nothing differed")
+        change_words(sorted(words.items()), root_of) or "nothing differed")
     if failed:
         text += "\nNot restored: %s." % listed(failed[:CHECKPOINT_NAMES_SHOWN])
     if now.number != target.number:
