@@ -12133,11 +12133,11 @@ def line_key(line):
     return "".join(line.translate(PUNCT_ASCII).split())
 
 
-# name: what the result says; norm: how lines compare (None: as they are); maps_indent:
+# name: what the result says; norm: how lines compare (str: as they are); maps_indent:
 # whether indentation must map as a slip does
 MatchLevel = namedtuple("MatchLevel", "name norm maps_indent")
 MATCH_LEVELS = (
-    MatchLevel("exactly", None, False),
+    MatchLevel("exactly", str, False),
     MatchLevel("ignoring trailing whitespace", str.rstrip, False),
     MatchLevel("ignoring indentation", str.strip, True),
     MatchLevel("ignoring whitespace at both ends of lines", str.strip, False),
@@ -12371,19 +12371,15 @@ def level_of(plain, want, i, j, partial):
     None; with `partial` want's last line may be the start of the file's line."""
     region = plain[i:j]
 
-    def same(norm, a, b, last):
-        a, b = (a, b) if norm is None else (norm(a), norm(b))
-        return a.startswith(b) if last and partial else a == b
-    if len(region) == len(want):
-        for k, (_, norm, maps_indent) in enumerate(MATCH_LEVELS[:BLANK_LEVEL]):
-            if all(same(norm, a, b, n == len(want) - 1)
-                   for n, (a, b) in enumerate(zip(region, want))):
-                if not maps_indent or indent_map(want, region) is not None:
-                    return k
-    have = [squeezed(l) for l in region if l.strip()]
-    wanted = [squeezed(w) for w in want if w.strip()]
-    if len(have) == len(wanted) and all(same(None, a, b, n == len(have) - 1)
-                                        for n, (a, b) in enumerate(zip(have, wanted))):
+    def same(norm, have, wanted):
+        """Whether the lines `have` are `wanted` line by line as `norm` sees them."""
+        return len(have) == len(wanted) and all(
+            norm(a).startswith(norm(b)) if partial and n == len(have) - 1 else norm(a) == norm(b)
+            for n, (a, b) in enumerate(zip(have, wanted)))
+    for k, (_, norm, maps_indent) in enumerate(MATCH_LEVELS[:BLANK_LEVEL]):
+        if same(norm, region, want) and (not maps_indent or indent_map(want, region) is not None):
+            return k
+    if same(squeezed, [l for l in region if l.strip()], [w for w in want if w.strip()]):
         return BLANK_LEVEL
     return None
 
@@ -13654,17 +13650,22 @@ def session_checkpoints(session):
     return checkpoints
 
 
-def paths_shown(paths, root_of):
+def paths_shown(paths, roots):
     """Up to CHECKPOINT_NAMES_SHOWN paths, shown relative to their root, and how many more."""
-    shown = [root_of(p) for p in paths[:CHECKPOINT_NAMES_SHOWN]]
+    shown = [relative_to_root(roots, p) for p in paths[:CHECKPOINT_NAMES_SHOWN]]
     more = len(paths) - len(shown)
     return ", ".join(shown) + (" and %d more" % more if more > 0 else "")
 
 
-def change_words(groups, root_of):
+def change_words(groups, roots):
     """[(word, paths)] in words, '2 added: a, b; 1 deleted: c' ('' when every list is empty)."""
-    return "; ".join("%d %s: %s" % (len(paths), word, paths_shown(paths, root_of))
+    return "; ".join("%d %s: %s" % (len(paths), word, paths_shown(paths, roots))
                      for word, paths in groups if paths)
+
+
+def paths_listed(pairs, roots):
+    """[(path, why)] in words, 'a (why), b (why)', each path relative to its root."""
+    return ", ".join("%s (%s)" % (relative_to_root(roots, p), why) for p, why in pairs)
 
 
 def running_note(session):
@@ -13687,7 +13688,6 @@ def tool_checkpoints(session, args, ctx):
     With since: the diff from that checkpoint to now instead."""
     checkpoints = session_checkpoints(session)
     roots = checkpoints.roots
-    root_of = lambda p: relative_to_root(roots, p)
     with checkpoints.held(ctx.cancelled):
         latest = checkpoints.current(ctx.cancelled)
         if args.get("since") is not None:
@@ -13706,7 +13706,7 @@ def tool_checkpoints(session, args, ctx):
         if k + 1 < len(kept):
             diff = entry_changes(checkpoint, kept[k + 1], partial)
             changes = "- changed after it: " + (
-                change_words(zip(("added", "modified", "deleted"), diff), root_of) or "nothing")
+                change_words(zip(("added", "modified", "deleted"), diff), roots) or "nothing")
         lines.append("#%d  %s  %s  %s%s" % (
             checkpoint.number, time.strftime("%H:%M:%S", time.localtime(checkpoint.taken)),
             "before " + ", ".join(followed) if followed else "(the state now)",
@@ -13725,8 +13725,8 @@ def tool_checkpoints(session, args, ctx):
                      % (kinds["f"], kinds["d"], kinds["l"], human_size(size), human_size(stored),
                         human_size(budget), where))
         if latest.missed:
-            lines.append("Not covered: %s." % ", ".join("%s (%s)" % (root_of(p), why) for p, why in
-                                                         latest.missed[:CHECKPOINT_NAMES_SHOWN]))
+            lines.append("Not covered: %s."
+                         % paths_listed(latest.missed[:CHECKPOINT_NAMES_SHOWN], roots))
         if latest.partial:
             lines.append("Not covered: %s." % latest.partial)
     lines.append("Never covered: files ignored by .gitignore, .git and node_modules.")
@@ -13834,9 +13834,7 @@ def tool_rewind(session, args, ctx):
     checkpoint."""
     checkpoints = session_checkpoints(session)
     within = [resolve_checked(session, ctx, p, "paths") for p in args.get("paths") or []]
-
-    root_of = lambda p: relative_to_root(checkpoints.roots, p)
-    listed = lambda pairs: ", ".join("%s (%s)" % (root_of(p), w) for p, w in pairs)
+    roots = checkpoints.roots
     with checkpoints.held(ctx.cancelled):
         target = checkpoints.find(args["checkpoint"])
         now = checkpoints.current(ctx.cancelled)
@@ -13846,18 +13844,18 @@ def tool_rewind(session, args, ctx):
         if args.get("dry_run"):
             plan = checkpoints.rewind(target, now, within, ctx.files, dry=True)
             return "Dry run: rewinding to checkpoint %d would change %s.%s" % (
-                target.number, listed(plan[0]) or "nothing",
-                "" if not plan[1] else " It could not: %s." % listed(plan[1]))
+                target.number, paths_listed(plan[0], roots) or "nothing",
+                "" if not plan[1] else " It could not: %s." % paths_listed(plan[1], roots))
         done, failed = checkpoints.rewind(target, now, within, ctx.files)
     words = {}
     for p, w in done:
         words.setdefault(w, []).append(p)
     text = "Rewound %s to checkpoint %d (%s): %s." % (
-        ", ".join(root_of(p) for p in within) or "the workspace", target.number,
+        ", ".join(relative_to_root(roots, p) for p in within) or "the workspace", target.number,
         time.strftime("%H:%M:%S", time.localtime(target.taken)),
-        change_words(sorted(words.items()), root_of) or "nothing differed")
+        change_words(sorted(words.items()), roots) or "nothing differed")
     if failed:
-        text += "\nNot restored: %s." % listed(failed[:CHECKPOINT_NAMES_SHOWN])
+        text += "\nNot restored: %s." % paths_listed(failed[:CHECKPOINT_NAMES_SHOWN], roots)
     if now.number != target.number:
         text += ("\nTo undo this rewind: rewind to checkpoint %d (the state just before it)."
                  % now.number)
@@ -13889,20 +13887,13 @@ EDITOR_DESC = ("View, create and edit files. command=view shows a file with line
 def tool_str_replace_editor(session, args, ctx):
     """Anthropic's text-editor tool: one name, the same handlers underneath."""
     cmd = args["command"]
-    need = {"view": (), "str_replace": ("old_str",), "create": ("file_text",),
-            "insert": ("insert_line",), "undo_edit": ()}[cmd]
-    for key in need:
-        if args.get(key) is None:
-            raise ToolError(INVALID_INPUT, "command %r needs the argument %r" % (cmd, key))
-    if cmd == "view":
-        return tool_view(session, args, ctx)
-    if cmd == "str_replace":
-        return tool_str_replace(session, args, ctx)
-    if cmd == "create":
-        return tool_create_file(session, args, ctx, content_key="file_text")
-    if cmd == "undo_edit":
-        return tool_undo_edit(session, args, ctx)
-    return tool_insert(session, args, ctx)
+    handler, need = {
+        "view": (tool_view, None), "str_replace": (tool_str_replace, "old_str"),
+        "create": (functools.partial(tool_create_file, content_key="file_text"), "file_text"),
+        "insert": (tool_insert, "insert_line"), "undo_edit": (tool_undo_edit, None)}[cmd]
+    if need and args.get(need) is None:
+        raise ToolError(INVALID_INPUT, "command %r needs the argument %r" % (cmd, need))
+    return handler(session, args, ctx)
 
 
 ###############################################################################
@@ -14140,7 +14131,6 @@ class PatchedText:
         lines, cursor = self.lines, self.cursor
         for h in hunk.headers:
             for _, norm, _ in MATCH_LEVELS[:BLANK_LEVEL]:
-                norm = norm or (lambda s: s)
                 hits = [j for j in range(cursor, len(lines)) if norm(lines[j]) == norm(h)]
                 if hits:
                     cursor = hits[0] + 1
