@@ -12536,8 +12536,8 @@ class EditMerge:
         self.known = {a: bs.pop() for a, bs in images.items() if len(bs) == 1}
         # Two lines or more with the file's very indentation, one line off at most and the
         # same unit: the model's indentation is the file's, and a new line's is too.
-        same = sum(1 for a, b in texts if leading(a) == leading(b))
-        self.as_is = same >= 2 and len(texts) - same <= 1 and (
+        off = [leading(a) for a, b in texts if leading(a) != leading(b)]
+        self.as_is = len(texts) - len(off) >= 2 and len(off) <= 1 and (
             self.place_unit is None
             or self.place_unit.columns == len(self.place_unit.text.expandtabs(4)))
         self.indent_chars = set(file_step.text if file_step
@@ -12545,7 +12545,7 @@ class EditMerge:
         # the line that is off is the slip, not a level to follow
         if self.as_is:
             self.known = {a: b for a, b in self.known.items() if a == b}
-        self.off = set(leading(a) for a, b in texts if leading(a) != leading(b))
+        self.off = set(off)
 
     def aligned(self):
         """For each line of want, the index of the region line it stands for (None: a
@@ -13262,10 +13262,10 @@ def candidate_starts(lines, want, cancelled):
     # Not a single line in common: the places whose line is closest (ratio >= 0.6, the
     # quick upper bounds first) to want's first non-blank line, among the first
     # MISS_SCAN_LINES lines, each cut to 200 characters.
-    import difflib
-    first = next((k for k, w in enumerate(want) if w.strip()), None)
-    if first is None:
+    if not keys:
         return []
+    import difflib
+    first = min(keys.values())
     matcher = difflib.SequenceMatcher(autojunk=False)
     matcher.set_seq2(want[first].strip()[:200])
     close = []
@@ -14036,13 +14036,6 @@ class PatchReader:
                                    " '+' (added)")
 
 
-def find_run(lines, want, start):
-    """Indexes >= start where `want` (a run of lines) stands in `lines` as it is."""
-    n = len(want)
-    return [i for i in range(start, len(lines) - n + 1)
-            if lines[i] == want[0] and lines[i:i + n] == want]
-
-
 class PatchedText:
     """One file's text under a patch's hunks, applied in order: each hunk's old lines are
     found by the one matcher at or after where the hunk before ended, past its '@@
@@ -14096,8 +14089,9 @@ class PatchedText:
             at = cursor if hunk.headers and not hunk.eof else len(lines)
             return at, at, 0
         if not any(l.strip() for l in old):                # blank lines only: as they are
-            level, hits, elsewhere = 0, [(i, i + len(old)) for i in find_run(lines, old, cursor)
-                                         if not hunk.eof or i + len(old) == len(lines)], []
+            n, level, elsewhere = len(old), 0, []
+            hits = [(i, i + n) for i in range(cursor, len(lines) - n + 1)
+                    if lines[i:i + n] == old and (not hunk.eof or i + n == len(lines))]
         else:
             level, hits, elsewhere = find_lines(self.index, old, cursor, hunk.eof)
         if len(hits) == 1 and not elsewhere:
