@@ -12426,8 +12426,6 @@ def paired_lines(olds, news):
     else by the most similar pairs; a line with no partner is None on its side."""
     import difflib
     unpaired = [(k, None) for k in range(len(olds))] + [(None, m) for m in range(len(news))]
-    if not olds or not news:
-        return unpaired
 
     def ratio(a, b):
         matcher = difflib.SequenceMatcher(None, a.strip()[:300], b.strip()[:300], autojunk=False)
@@ -13212,15 +13210,14 @@ def region_report(region, want, at, best, what):
     for k, (f, w) in enumerate(zip(region, want)):
         if f == w or f.strip() != w.strip():
             continue
-        says = []
+        says = []                       # (one of the two below at least: the lines differ)
         if leading(f) != leading(w):
             says.append("the file indents with %s, %s with %s"
                         % (indents(leading(f)), what, indents(leading(w))))
         if trailing(f) != trailing(w):
             says.append("the file has %s, %s %d"
                         % (plural(len(trailing(f)), "trailing space"), what, len(trailing(w))))
-        if says:
-            ws.append("line %d: %s" % (at + k + 1, "; ".join(says)))
+        ws.append("line %d: %s" % (at + k + 1, "; ".join(says)))
     hint = ""
     if [l.strip() for l in region] == [w.strip() for w in want]:
         hint = (" They differ only in indentation or trailing spaces: copy the whitespace from"
@@ -13743,8 +13740,7 @@ def checkpoint_diff(checkpoints, target, now, offset, cap):
                    and old.get(p, ())[:3] != cur.get(p, ())[:3])
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
-    # end: the files shown end before this one
-    readers, parts, size, end = {}, [], 0, offset
+    readers, parts, size = {}, [], 0
 
     def file_diff(p):
         """One file's part: its header and mode lines, then its hunks or why they are not shown."""
@@ -13769,7 +13765,7 @@ def checkpoint_diff(checkpoints, target, now, offset, cap):
             if parts and size + len(block) > cap:
                 break
             parts.append(block)
-            size, end = size + len(block), end + 1
+            size += len(block)
     finally:
         for reader in readers.values():
             reader.close()
@@ -13778,6 +13774,7 @@ def checkpoint_diff(checkpoints, target, now, offset, cap):
     head = "Changes since checkpoint %d (%s; `git apply -R` takes them back):\n" % (
         target.number, plural(len(paths), "file"))
     body = "".join(parts)
+    end = offset + len(parts)                   # the files shown end before this one
     if end < len(paths):
         body += "[files %d-%d of %d shown; read on with offset=%d]\n" % (
             offset + 1, end, len(paths), end)
@@ -14006,7 +14003,7 @@ class PatchReader:
         for hunk in hunks:
             while hunk.lines[-1:] == [(" ", "")] and any(k != " " for k, _ in hunk.lines):
                 hunk.lines.pop()
-        if not hunks or not any(h.lines for h in hunks):
+        if not any(h.lines for h in hunks):
             raise self.bad(self.i - 1, "the update of %s has no hunk" % path)
         return PatchOp("update", path, move=move, hunks=hunks)
 
