@@ -12245,9 +12245,9 @@ def with_indent(line, mapping, place_unit=None):
     many of the file's units. None when the mapping cannot tell."""
     have = leading(line)
     level_unit = indent_unit(mapping)
-    torn = bool(level_unit and level_unit.columns and place_unit and (
+    torn = level_unit and level_unit.columns and place_unit and (
         level_unit.text[:1] != place_unit.text[:1]
-        or level_unit.columns * len(place_unit.text) != place_unit.columns * len(level_unit.text)))
+        or level_unit.columns * len(place_unit.text) != place_unit.columns * len(level_unit.text))
     # torn: the place and the file disagree
     unit = (level_unit if level_unit != (0, "") or not place_unit else place_unit) \
         or IndentUnit(0, "")
@@ -12296,9 +12296,7 @@ def is_shift(mapping):
     alike on both sides)."""
     moves = set()
     for a, b in mapping.items():
-        same = 0
-        while same < min(len(a), len(b)) and a[len(a) - 1 - same] == b[len(b) - 1 - same]:
-            same += 1
+        same = len(os.path.commonprefix([a[::-1], b[::-1]]))      # the common end
         moves.add((a[:len(a) - same], b[:len(b) - same]))
     return len(moves) <= 1 and all(not drop or not add for drop, add in moves)
 
@@ -12321,11 +12319,11 @@ class LineIndex:
         they go), at or after `start` (at the end, for eof), overlapping ones too (each
         is a place). With `partial`, want's last line may be the start of the file's line."""
         wkeys = [line_key(w) for w in want]
-        words = [k for k in wkeys if k]
-        if not words:
+        texts = [k for k, key in enumerate(wkeys) if key]         # want's lines with text
+        if not texts:
             return []
-        lead = next(k for k, key in enumerate(wkeys) if key)
-        tail = len(wkeys) - 1 - max(k for k, key in enumerate(wkeys) if key)
+        words = [wkeys[k] for k in texts]
+        lead, tail = texts[0], len(wkeys) - 1 - texts[-1]
         nb, keys, m, out = self.nonblank, self.keys, len(words), []
         if partial and tail:
             return []
@@ -12558,7 +12556,7 @@ class EditMerge:
         for (w0, r0), (w1, r1) in zip(anchors, anchors[1:]):
             if 0 <= w1 < len(self.want):
                 align[w1] = r1
-            ws, rs = list(range(w0 + 1, w1)), list(range(r0 + 1, r1))
+            ws, rs = range(w0 + 1, w1), range(r0 + 1, r1)
             if w0 < 0:                      # before the first line with text: pair from the end
                 ws, rs = ws[::-1], rs[::-1]
             for w, r in zip(ws, rs):
@@ -13295,7 +13293,7 @@ def replace_text(text, edit, shown, cancelled):
     it) through the one matcher. Refused: old_str empty or equal to new_str, not found
     (with the closest region), or more than one place at the level that matched."""
     old, new = edit["old_str"], edit.get("new_str") or ""
-    replace_all = bool(edit.get("replace_all"))
+    replace_all = edit.get("replace_all")
     check_old_new(old, new)
     count = text.count(old)
     how = ""
