@@ -13304,7 +13304,8 @@ def replace_text(text, edit, shown, cancelled):
         # old_str lost its first line's indentation, new_str has it: give it back
         pos = text.find(old)
         whole = text[text.rfind("\n", 0, pos) + 1:pos] + old
-        count = text.count(whole) if text.count(whole) == count else 0
+        if text.count(whole) != count:
+            count = 0                           # another place is indented otherwise
         old = whole
     if count == 1 and not replace_all and text.find(old, text.find(old) + 1) >= 0:
         # a second place overlapping the first ('x\nx' in 'x\nx\nx') is a place too
@@ -13909,10 +13910,6 @@ class Hunk:
         self.lines = []
         self.eof = False
 
-    def old(self):
-        """The lines the hunk expects in the file (context and removed)."""
-        return [t for k, t in self.lines if k != "+"]
-
     def label(self, k):
         """How messages name hunk k: its number and its @@ headers."""
         return "hunk %d%s" % (k, " (@@ %s)" % " @@ ".join(self.headers) if self.headers else "")
@@ -14078,7 +14075,7 @@ class PatchedText:
         the file, the hunk and its header or first line that was not found, or every
         place an ambiguous hunk matches."""
         lines, cursor = self.lines, self.after_headers(hunk, label)
-        old = hunk.old()
+        old = [text for kind, text in hunk.lines if kind != "+"]        # context and removed
         # only additions: after the headers, or at the end
         if not old:
             at = cursor if hunk.headers and not hunk.eof else len(lines)
