@@ -12772,7 +12772,7 @@ class EditMerge:
         out = lead + parts[0]
         for k in range(1, len(parts) - 1, 2):
             gap, word = parts[k], parts[k + 1]
-            col = self.columns.get(word.split()[0] if word.split() else "")
+            col = self.columns.get(word)
             if col is not None and len(out) + len(gap) < col:
                 gap = " " * (col - len(out))
             out += gap + word
