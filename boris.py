@@ -12192,9 +12192,6 @@ def indent_unit(mapping):
     if not steps:
         return IndentUnit(0, "")
     unit, top, low = min(steps)
-    if not unit:
-        # two indentations as wide as each other: no unit
-        return None
     step = top[len(low):] if top.startswith(low) else ""
     if not step or step != step[0] * len(step):
         return None
@@ -12203,7 +12200,8 @@ def indent_unit(mapping):
         # spaces that align under tabs: not the file's unit
         return None
     if unit not in (2, 4, 8):
-        # no unit a model writes: one line is off, not the unit
+        # no unit a model writes (0: two indentations as wide as each other): one line is
+        # off, not the unit
         return None
     for dn, f2, f1 in steps:
         if dn % unit or not f2.startswith(f1) or f2[len(f1):] != step * (dn // unit):
@@ -14037,7 +14035,7 @@ class PatchedText:
     stays CRLF). `notes` gets a line for each hunk found at a relaxed level."""
 
     def __init__(self, text, shown):
-        self.text, self.shown = text, shown
+        self.shown = shown
         self.nl = "\r\n" if "\r\n" in text else "\n"
         self.final = text.endswith(self.nl) or text == ""
         self.lines = text.split(self.nl)
@@ -14068,7 +14066,7 @@ class PatchedText:
                 self.cursor = end
         for at, end, new in sorted(edits, key=lambda e: e[0], reverse=True):
             lines[at:end] = new
-        return self.nl.join(lines) + (self.nl if lines and (self.final or not self.text) else "")
+        return self.nl.join(lines) + (self.nl if lines and self.final else "")
 
     def locate(self, hunk, label):
         """(start, end, level) of the lines `hunk`'s old lines stand for; ToolError naming
