@@ -13908,6 +13908,10 @@ class Hunk:
         self.lines = []
         self.eof = False
 
+    def old(self):
+        """The lines the hunk expects in the file (context and removed)."""
+        return [t for k, t in self.lines if k != "+"]
+
     def label(self, k):
         """How messages name hunk k: its number and its @@ headers."""
         return "hunk %d%s" % (k, " (@@ %s)" % " @@ ".join(self.headers) if self.headers else "")
@@ -14073,7 +14077,7 @@ class PatchedText:
         the file, the hunk and its header or first line that was not found, or every
         place an ambiguous hunk matches."""
         lines, cursor = self.lines, self.after_headers(hunk, label)
-        old = [text for kind, text in hunk.lines if kind != "+"]        # context and removed
+        old = hunk.old()
         # only additions: after the headers, or at the end
         if not old:
             at = cursor if hunk.headers and not hunk.eof else len(lines)
