@@ -12603,9 +12603,11 @@ class EditMerge:
         olds = [w for w in olds if self.align[w] is not None]
         out = []
         for k, m in paired_lines([self.want[w] for w in olds], self.new[j1:j2]):
-            if k is None and m is not None:
+            if m is None:
+                continue                    # an old line the edit removes
+            if k is None:
                 out.append(self.new_line(j1 + m))
-            elif m is not None:
+            else:
                 row = self.align[olds[k]]
                 out.append(self.merged_line(self.want[olds[k]], j1 + m, self.plain[row]) +
                            split_cr(self.region[row])[1])
