@@ -317,12 +317,8 @@ BASH_START_FAILED = "BASH_START_FAILED"
 BASH_TASK_NOT_FOUND = "BASH_TASK_NOT_FOUND"
 BASH_TASK_LIMIT = "BASH_TASK_LIMIT"
 BASH_TASK_NOT_INTERACTIVE = "BASH_TASK_NOT_INTERACTIVE"
-ERROR_CODES = frozenset((INVALID_INPUT, ACCESS_DENIED, PATH_NOT_FOUND, IO_ERROR, FILE_TOO_LARGE,
-                         FILE_NOT_VIEWED, FILE_CHANGED, STR_REPLACE_NOT_FOUND,
-                         STR_REPLACE_AMBIGUOUS, GREP_INVALID_PATTERN, GREP_INVALID_TYPE,
-                         GREP_INVALID_OUTPUT_MODE, GLOB_INVALID_PATTERN, GLOB_INVALID_TYPE,
-                         BASH_EMPTY_COMMAND, BASH_START_FAILED, BASH_TASK_NOT_FOUND,
-                         BASH_TASK_LIMIT, BASH_TASK_NOT_INTERACTIVE))
+# the codes: the module's globals named as they are spelt (the constants above)
+ERROR_CODES = frozenset(value for name, value in list(globals().items()) if name == value)
 
 
 class ToolError(Exception):
@@ -927,9 +923,7 @@ def child_prefix(path):
 
 def is_within(path, root):
     """Component-wise containment of canonical paths: /ws2 is not inside /ws."""
-    if root == "/":
-        return path.startswith("/")
-    return path == root or path.startswith(root + "/")
+    return path == root or path.startswith(child_prefix(root))
 
 
 def canonical(path):
@@ -1444,36 +1438,23 @@ def open_file(real, flags=os.O_RDONLY):
         os.close(dfd)
 
 
-def open_same(path, ino=None, dev=None):
-    """A read-only descriptor of `path` if it is still the regular file with inode `ino`
-    and device `dev` (each when given) that was checked or listed before, opened as open_file
-    opens its last step (no link followed, no FIFO waited on); None when it is gone,
-    unreadable or another file now. How a helper opens a file the server checked: by
-    name, then made sure it is that very file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | O_FILE)
-    except OSError:
-        return None                                 # gone or unreadable since: not read
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        st = None
-    if (st is None or not stat.S_ISREG(st.st_mode)
-            or ino not in (None, st.st_ino) or dev not in (None, st.st_dev)):
-        os.close(fd)
-        return None
-    return fd
-
-
 def open_checked(job):
-    """open_same() of the file a helper's job names (its 'path' and 'file': device, inode), as
-    a binary file object; ToolError when another file stands there now."""
-    dev, ino = job["file"]
-    fd = open_same(job["path"], ino, dev)
-    if fd is None:
-        raise ToolError(IO_ERROR, "it changed while it was being read (removed, or another file"
-                        " stands at its path now); try again")
-    return os.fdopen(fd, "rb")
+    """A binary file object of the file a helper's job names (its 'path' and 'file': device,
+    inode), opened as open_file opens its last step (no link followed, no FIFO waited on),
+    then made sure it is still that very regular file, the one the server checked;
+    ToolError when it is gone, unreadable or another file stands there now."""
+    fd = None
+    try:
+        fd = os.open(job["path"], os.O_RDONLY | O_FILE)
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and [st.st_dev, st.st_ino] == list(job["file"]):
+            return os.fdopen(fd, "rb")
+    except OSError:
+        pass                                        # gone or unreadable since: not read
+    if fd is not None:
+        os.close(fd)
+    raise ToolError(IO_ERROR, "it changed while it was being read (removed, or another file"
+                    " stands at its path now); try again")
 
 
 def open_regular(real, shown, doing="read"):
@@ -8111,13 +8092,12 @@ class HelperPool:
     """The one owner of a server's search helpers, busy or idle: it starts them (from
     a thread of its own, since PR_SET_PDEATHSIG fires when the thread that forked a
     child ends, and worker threads retire), hands each job to one, keeps up to
-    `idle_max` warm for the next job, kills a busy one's whole process group on
-    cancel or at the deadline, and kills them all on close(). A helper that cannot
-    be started is an IO_ERROR: a search never falls back to this process, where
-    neither cancel nor the deadline could stop it."""
+    SEARCH_IDLE_HELPERS (or one a slice) warm for the next job, kills a busy one's whole
+    process group on cancel or at the deadline, and kills them all on close(). A helper
+    that cannot be started is an IO_ERROR: a search never falls back to this process,
+    where neither cancel nor the deadline could stop it."""
 
-    def __init__(self, idle_max=SEARCH_IDLE_HELPERS, avoid=()):
-        self.idle_max = idle_max
+    def __init__(self, avoid=()):
         # roots sandboxed commands may write: no helper code there
         self.avoid = list(avoid)
         self.lock = threading.Lock()
@@ -8279,7 +8259,7 @@ class HelperPool:
         """A helper that finished its job: kept warm, or closed."""
         with self.lock:
             self.busy.discard(proc)
-            keep = (not self.closed and len(self.idle) < max(self.idle_max, SEARCH_SLICES)
+            keep = (not self.closed and len(self.idle) < max(SEARCH_IDLE_HELPERS, SEARCH_SLICES)
                     and proc.poll() is None)
             if keep:
                 self.idle.append(proc)
@@ -8370,7 +8350,7 @@ class Capture:
             del self.head[self.total:]
         return cwd
 
-    def render(self, label, limit=OUTPUT_MAX_CHARS):
+    def render(self, label, limit):
         """(text, notice): all of it and None, or its first two thirds and its last
         third of `limit` characters with the length left out between, and the notice
         that says so."""
@@ -8537,7 +8517,7 @@ class PumpClock:
 
     def end_reason(self, now):
         """`stopped` when asked to stop, `timeout` past the deadline, else `exited`."""
-        if self.stop is not None and self.stop.is_set():
+        if self.stop.is_set():
             return "stopped"
         if self.deadline is not None and now >= self.deadline:
             return "timeout"
@@ -8610,12 +8590,9 @@ def stream_limits(out_chars, err_chars, total):
     a, b = min(out_chars, OUTPUT_MAX_CHARS), min(err_chars, OUTPUT_MAX_CHARS)
     if a + b <= total:
         return a, b
-    half = total // 2
-    if a <= half:
-        return a, total - a
-    if b <= half:
-        return total - b, b
-    return half, total - half
+    # half each, or a short one whole and the rest to the other
+    a = min(a, max(total // 2, total - b))
+    return a, total - a
 
 
 class Unread:
@@ -14585,7 +14562,6 @@ def start_task(session, command, ctx, args):
         raise task_refused(why, "no background task was started")
     proc = start_command(session, command, ctx.sandbox, stdin)
     task = Task(new_task_id(), command, proc, stdin)
-    task_id = task.id
     timeout = ctx.config.background_task_timeout
     task.limit = "the background task timeout (%g s)" % timeout
     task.start(task.started + timeout if timeout else None)
@@ -14595,8 +14571,8 @@ def start_task(session, command, ctx, args):
         raise task_refused(why, "the task was started and stopped again")
     return ("Started background task %s (pid %d%s). Read its output with task_output(task_id=%r)%s;"
             " its cd does not move this session." % (
-                task_id, proc.pid,
-                {"pipe": ", interactive", "tty": ", on a terminal"}.get(stdin, ""), task_id,
+                task.id, proc.pid,
+                {"pipe": ", interactive", "tty": ", on a terminal"}.get(stdin, ""), task.id,
                 "; give it input with task_input" if stdin != "null" else ""))
 
 
@@ -14725,8 +14701,6 @@ class OutputWatch:
 
     def answered(self, task):
         """Whether the output now holds what is awaited."""
-        if self.matches is None and not self.settle:
-            return False
         recent = task.out.recent() + "\n" + task.err.recent()
         changed, self.seen = recent != self.seen, recent
         if self.matches is not None and changed and self.matches(recent):
@@ -14789,8 +14763,7 @@ TASK_STOP_DESC = ("Stop (kill) a background bash task: SIGTERM to its whole grou
 def tool_task_stop(session, args, ctx):
     """task_stop: kill a task's process group and answer with its last output."""
     task = find_task(session, args["task_id"])
-    if not task.done.is_set():
-        kill_all([task])
+    kill_all([task])
     return task_answer(task, session, ctx)
 
 
