@@ -1021,20 +1021,14 @@ class PathPolicy:
 
     @staticmethod
     def validate(path, name="path"):
-        """A path argument as given: a non-empty string without NUL, within MAX_PATH_CHARS; else
-        INVALID_INPUT naming `name`."""
-        if not isinstance(path, str) or not path:
+        """A path argument as given: not empty, within MAX_PATH_CHARS; else INVALID_INPUT
+        naming `name`. (A NUL or a lone surrogate never gets this far: the schema check
+        refuses them in every string argument.)"""
+        if not path:
             raise ToolError(INVALID_INPUT, "%s must be a non-empty string" % name)
-        if "\x00" in path:
-            raise ToolError(INVALID_INPUT, "%s contains a NUL byte; pass a plain file path" % name)
         if len(path) > MAX_PATH_CHARS:
             raise ToolError(INVALID_INPUT, "%s is %d characters long; the limit is %d"
                             % (name, len(path), MAX_PATH_CHARS))
-        try:
-            path.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ToolError(INVALID_INPUT, "%s holds a lone surrogate character (%r), which names"
-                            " no file; send the path as valid UTF-8" % (name, path))
 
     def resolve(self, base, path, name="path"):
         """The canonical absolute form of `path`, relative paths taken from `base`."""
@@ -7866,16 +7860,15 @@ class GlobWork:
     def __init__(self, job, cache=None):
         self.job, self.cache = job, cache
         self.policy = PathPolicy(**job["policy"])
-        start, rest, self.base_only, kind = job["start"], job["rest"], job["base_only"], job["kind"]
+        start, rest, self.base_only = job["start"], job["rest"], job["base_only"]
         # what name_ok tests, for the walk cache's key
         self.rest = rest
         self.roots = [SearchRoot(start, True, None)]
         self.rx, self.lead = compile_glob(rest), job["lead"]
-        self.cut = len(start) + 1 if start != "/" else 1
-        self.want_dir = kind == "directory"
-        self.want_dirs = kind != "file"
+        self.cut = len(child_prefix(start))
+        self.want_dir = job["kind"] == "directory"          # (else "file")
         self.name_ok = None
-        if self.base_only and kind == "file":          # C-level tests: called once per file walked
+        if self.base_only and not self.want_dir:          # C-level tests: called once per file walked
             from operator import methodcaller
             simple = re.match(r"^\*(\.[\w.+-]+)$", rest)      # '*.c': a suffix test, no regex
             self.name_ok = methodcaller("endswith", simple.group(1)) if simple else self.rx.match
@@ -7895,7 +7888,7 @@ class GlobWork:
         walker = Walker(self.roots[0].real, self.policy, False, self.cache)
         if self.name_ok is not None:
             walker.only(self.name_ok, self.rest if self.watches is not None else None)
-        walker.want_dirs, walker.max_depth = self.want_dirs, self.depth
+        walker.want_dirs, walker.max_depth = self.want_dir, self.depth
         walker.visited, walker.links_seen = self.visited, self.links_seen
         return walker
 
@@ -8063,9 +8056,8 @@ def helper_search():
             e = e if isinstance(e, ToolError) else lacking(e)
             end = {"end": "error", "code": e.code, "message": e.message}
         except Exception as e:
-            import traceback
             sys.stderr.write("boris: search helper %d: the job failed:\n%s"
-                             % (os.getpid(), traceback.format_exc()))
+                             % (os.getpid(), _traceback()))
             sys.stderr.flush()
             end = {"end": "error", "code": IO_ERROR, "message": "the search failed: %r" % e}
         finally:
@@ -9842,11 +9834,10 @@ class Session:
     def end(self, rid, ev):
         """Forget a finished request's cancel event."""
         with self.lock:
-            events = self.inflight.get(rid, [])
-            if ev in events:
-                events.remove(ev)
+            events = self.inflight[rid]
+            events.remove(ev)
             if not events:
-                self.inflight.pop(rid, None)
+                del self.inflight[rid]
             self.ended = time.monotonic()
 
     def busy(self):
@@ -11765,7 +11756,7 @@ def tool_view(session, args, ctx):
                 try:
                     whole = image_result(ctx, shown, data, mime) if kind == "image" else \
                         Notebook(data.decode("utf-8", "replace")).render(ctx, shown, vr)
-                    session.mark_viewed(real, Seen(st, digest_of(data)))
+                    session.mark_viewed(real, Seen(st, digest_of(data)) if st is not None else None)
                     return whole
                 except (ValueError, RecursionError) as e:
                     note = "(%s is not a valid notebook (%s); shown as text)\n" % (
@@ -11828,8 +11819,7 @@ def pdf_view(ctx, real, st, shown, vr, pages):
     line saying what it is, then each page
     after a marker. Without `pages`, the pages that fit in a result, and which to ask
     for next; view_range numbers the lines of what is rendered."""
-    m = re.match(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?$", "1" if pages is None else pages) \
-        if isinstance(pages, str) or pages is None else None
+    m = re.match(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?$", "1" if pages is None else pages)
     first, last = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
     if first < 1 or last < first:
         raise ToolError(INVALID_INPUT, "pages %r is not a page or a range of them; give \"3\" or"
@@ -15035,16 +15025,14 @@ def glob_plan(pattern):
     return "/".join(static), rest, "/" not in pattern    # 'src/*.c': direct children of src only
 
 
-def check_glob_args(pattern, kind):
-    """A glob's pattern (not empty, a valid path) and type, or the GLOB_* error."""
+def check_glob_pattern(pattern):
+    """A glob's pattern (not empty, a valid path), or GLOB_INVALID_PATTERN."""
     if not pattern.strip():
         raise ToolError(GLOB_INVALID_PATTERN, "pattern is empty; give a glob such as **/*.py")
     try:
         PathPolicy.validate(pattern, "pattern")
     except ToolError as e:
         raise ToolError(GLOB_INVALID_PATTERN, e.message)
-    if kind not in (None, "file", "directory"):
-        raise ToolError(GLOB_INVALID_TYPE, "type %r is not 'file' or 'directory'" % kind)
 
 
 def find_paths(session, ctx, pattern, shown, kind):
@@ -15052,7 +15040,7 @@ def find_paths(session, ctx, pattern, shown, kind):
     under `shown` matching `pattern`; the walk and the matching run in a helper. `kind`:
     'file' (None: files, unless the pattern ends with '/', which means directories) or
     'directory'; with directories, 'dir/**' lists dir itself too (zero or more levels)."""
-    check_glob_args(pattern, kind)
+    check_glob_pattern(pattern)
     if pattern.endswith("/") and pattern.strip("/"):
         if kind == "file":
             raise ToolError(GLOB_INVALID_PATTERN, "pattern %r ends with '/', which matches"
@@ -15292,11 +15280,7 @@ def tool_write_file(session, args, ctx):
     """write_file: write a workspace file whole, its directories made."""
     path, content = args["path"], args["content"]
     real = workspace_path(ctx, path)
-    try:
-        data = encode_text(content)
-    except ToolError:
-        raise plain_error("错误：内容含有无效字符（不成对的代理字符）",
-                          INVALID_INPUT)
+    data = encode_text(content)            # (the schema check refused lone surrogates)
     if len(data) > ctx.config.max_file_size:
         raise plain_error("错误：内容过大（%s，上限 %s），未写入: %s" % (
             human_size(len(data)), human_size(ctx.config.max_file_size), path), FILE_TOO_LARGE)
