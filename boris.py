@@ -8620,18 +8620,18 @@ class Task:
     is, for its status; `marker` is the cwd sentinel a foreground command's output
     ends with, which take() removes (the cwd it names kept as `cwd`)."""
 
-    def __init__(self, task_id, command, proc, stdin="null"):
-        self.id, self.command, self.proc = task_id, command, proc
-        self.stdin = stdin
+    def __init__(self, command, proc, limit, stdin="null"):
+        # its id: a handle only whoever was given it can use
+        self.id = "task_%s" % os.urandom(8).hex()
+        self.command, self.proc, self.limit, self.stdin = command, proc, limit, stdin
         self.input_lock = threading.Lock()
         self.out, self.err = Unread(), Unread()
         self.started = time.monotonic()
         self.stop = threading.Event()
         self.done = threading.Event()
-        self.why = None
-        self.limit, self.marker, self.cwd = "its timeout", None, None
+        self.why = self.marker = self.cwd = None
 
-    def start(self, deadline=None, on_output=None):
+    def start(self, deadline, on_output=None):
         """Read the command until it ends, its group killed at `deadline` (monotonic) or on stop."""
         def run():
             try:
@@ -14460,8 +14460,7 @@ def tool_bash(session, args, ctx):
     if timeout_ms > BASH_MAX_TIMEOUT_MS:
         said = ("(timeout %d ms is over the most a command may run, %d ms,"
                 " which is its timeout)\n" % (timeout_ms, BASH_MAX_TIMEOUT_MS))
-        answer = tool_bash(session, dict(args, timeout=BASH_MAX_TIMEOUT_MS), ctx)
-        return said + answer if isinstance(answer, str) else [text_block(said)] + answer
+        return said + tool_bash(session, dict(args, timeout=BASH_MAX_TIMEOUT_MS), ctx)
     if any(args.get(k) for k in ("tty", "interactive", "run_in_background")):
         return start_task(session, command, ctx, args)
     handoff = yield_ms / 1000.0 if yield_ms is not None else ctx.config.handoff or None
@@ -14469,8 +14468,8 @@ def tool_bash(session, args, ctx):
     script = ("%s\n__boris_status=$?\nprintf '\\n%%s%%s\\n' '%s' \"$PWD\"\n"
               "exit $__boris_status\n" % (command, marker.decode()))
     proc = start_command(session, script, ctx.sandbox)
-    task = Task(new_task_id(), command, proc)
-    task.marker, task.limit = marker, "its timeout (%d ms)" % timeout_ms
+    task = Task(command, proc, "its timeout (%d ms)" % timeout_ms)
+    task.marker = marker
     progress = ProgressLines(ctx, marker) if ctx.wants_progress else None
     session.hold_foreground(proc)
     task.start(task.started + timeout_ms / 1000.0, progress)
@@ -14528,11 +14527,6 @@ def looks_like_prompt(out, err):
     return False
 
 
-def new_task_id():
-    """A task's id: a handle only whoever was given it can use."""
-    return "task_%s" % os.urandom(8).hex()
-
-
 def task_refused(why, what):
     """The error of a background task the session cannot take now (add_task's `why`)."""
     if why.startswith("the session"):
@@ -14551,9 +14545,8 @@ def start_task(session, command, ctx, args):
     if why:
         raise task_refused(why, "no background task was started")
     proc = start_command(session, command, ctx.sandbox, stdin)
-    task = Task(new_task_id(), command, proc, stdin)
     timeout = ctx.config.background_task_timeout
-    task.limit = "the background task timeout (%g s)" % timeout
+    task = Task(command, proc, "the background task timeout (%g s)" % timeout, stdin)
     task.start(task.started + timeout if timeout else None)
     why = session.add_task(task)
     if why:                                    # it changed while the task started: never orphaned
