@@ -1217,7 +1217,7 @@ def text_codec(name):
     rot13) and label codecs that are not file encodings (idna, punycode, undefined)."""
     try:
         info = codecs.lookup(name)
-    except (LookupError, ValueError, TypeError, UnicodeError):
+    except (LookupError, ValueError, TypeError):
         return None  # not a codec name Python knows: the caller says which encodings work
     if not getattr(info, "_is_text_encoding", True) or info.name in NOT_FILE_CODECS:
         return None
@@ -1564,11 +1564,10 @@ def changed_since(seen, real, limit):
         return None
     if seen.digest is not None and st.st_size <= limit:
         try:
-            data, _ = read_regular(real, real, limit)
+            if digest_of(read_regular(real, real, limit)[0]) == seen.digest:
+                return None
         except ToolError:
-            data = None
-        if data is not None and digest_of(data) == seen.digest:
-            return None
+            pass                # it cannot be read now: that is a change too
     when = time.time() - st.st_mtime
     modified = ("%.0f s ago" % when if when < 600
                 else time.strftime("%H:%M:%S", time.localtime(st.st_mtime)))
@@ -11756,7 +11755,7 @@ def tool_view(session, args, ctx):
                 try:
                     whole = image_result(ctx, shown, data, mime) if kind == "image" else \
                         Notebook(data.decode("utf-8", "replace")).render(ctx, shown, vr)
-                    session.mark_viewed(real, Seen(st, digest_of(data)) if st is not None else None)
+                    session.mark_viewed(real, Seen(st, digest_of(data)))
                     return whole
                 except (ValueError, RecursionError) as e:
                     note = "(%s is not a valid notebook (%s); shown as text)\n" % (
@@ -15219,7 +15218,7 @@ def tool_read_file(session, args, ctx):
     session.mark_viewed(real, Seen(st, digest_of(data)) if st is not None else None)
     try:
         text = data.decode(codec)
-    except (UnicodeError, ValueError):
+    except ValueError:                  # (UnicodeError among them)
         try:
             text = data.decode("latin-1")
         except UnicodeError:
@@ -16816,8 +16815,7 @@ def main(argv=None, after_the_script=False):
             policy = PathPolicy.of(config)
         except ValueError as e:
             raise ConfigError("invalid --deny-dir pattern: %s" % e)
-        _log_state["level"] = _LOG_LEVELS[config.log_level]
-        _log_state["format"] = config.log_format
+        _log_state.update(level=_LOG_LEVELS[config.log_level], format=config.log_format)
         sandbox = resolve_sandbox(config, policy)
     except ConfigError as e:
         sys.stderr.write("boris: error: %s\n" % e)
