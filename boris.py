@@ -8337,8 +8337,7 @@ class Capture:
         self.chars -= len(bytes(self.tail[m.start():]).decode("utf-8", "replace"))
         self.total -= cut
         del self.tail[m.start():]
-        if len(self.head) > self.total:
-            del self.head[self.total:]
+        del self.head[self.total:]
         return cwd
 
     def render(self, label, limit):
@@ -11192,8 +11191,6 @@ class Tool:
         self.name, self.description = name, description
         self.schema, self.annotations = schema, annotations
         self.__dict__.update(fields)
-        if isinstance(self.goes_with, str):
-            self.goes_with = (self.goes_with,)
 
     @property
     def changes(self):
@@ -11373,7 +11370,7 @@ CLIENT_IMAGE_TYPES = {"claude": WEB_IMAGE_TYPES, "codex": WEB_IMAGE_TYPES,
 def client_image_types(client):
     """The image types the model behind `client` (a clientInfo name) takes, or None
     when it is not a client known to refuse some."""
-    name = (client or "").lower()
+    name = client.lower()
     return next((types for prefix, types in CLIENT_IMAGE_TYPES.items() if name.startswith(prefix)),
                 None)
 
@@ -14639,7 +14636,7 @@ TASK_DESC = ("Read the output of a background bash task or process: its status f
     "wait_ms": prop("integer", "Wait up to this many milliseconds for the task to finish"
                                " (default 0, or up to 600000 with wait_for)."),
     "wait_for": prop("string", "Return as soon as new output matches this regular expression."),
-}), notes("Read background task output", read_only=True), lane=waiting_lane, goes_with="bash",
+}), notes("Read background task output", read_only=True), lane=waiting_lane, goes_with=("bash",),
       hint="background task output")
 def tool_task_output(session, args, ctx):
     """task_output: a task's new output (waiting as asked), or the list of tasks without an id."""
@@ -14709,7 +14706,7 @@ TASK_INPUT_DESC = ("Type into an interactive background task (bash with interact
                                " goes quiet, at most 2000)."),
     "close_stdin": prop("boolean", "Close the task's input after writing (end of file)."),
 }, ["task_id"]), notes("Send input to a background task", destructive=True),
-      lane=waiting_lane, goes_with="bash", hint="type into a task")
+      lane=waiting_lane, goes_with=("bash",), hint="type into a task")
 def tool_task_input(session, args, ctx):
     """Write to an interactive task's stdin, then answer like task_output."""
     task = find_task(session, args["task_id"])
@@ -14740,7 +14737,7 @@ TASK_STOP_DESC = ("Stop (kill) a background bash task: SIGTERM to its whole grou
 
 @tool("task_stop", TASK_STOP_DESC, obj({
     "task_id": prop("string", "The task_id bash returned."),
-}, ["task_id"]), notes("Stop a background task", destructive=True), goes_with="bash",
+}, ["task_id"]), notes("Stop a background task", destructive=True), goes_with=("bash",),
       hint="kill a background task")
 def tool_task_stop(session, args, ctx):
     """task_stop: kill a task's process group and answer with its last output."""
