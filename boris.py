@@ -1362,7 +1362,7 @@ def kind_of(mode):
     return "not a regular file"
 
 
-def not_regular(shown, mode, doing="read"):
+def not_regular(shown, mode, doing):
     """INVALID_INPUT for a path that is a device, fifo,
     socket or directory where a file is needed."""
     return ToolError(INVALID_INPUT, "%s is %s, not a regular file; it is not %s"
@@ -14485,10 +14485,9 @@ def ended_answer(session, task, ctx, timeout_ms, kept):
     if task.cwd and task.cwd != session.get_cwd() and os.path.isdir(task.cwd):
         session.set_cwd(task.cwd)
         head.append("cwd: %s" % task.cwd)
-    head = [line for line in head if line]
-    body, notice = render_output(out, err, output_budget(ctx))
+    body, notice = render_output(out, err, output_budget(ctx))          # (never empty)
     hint = ctx.sandbox.hint(body) if task.proc.returncode else ""
-    return read_on("\n".join(head) + "\n" + body + ("\n" + hint if hint else ""), notice)
+    return read_on("\n".join(line for line in head + [body, hint] if line), notice)
 
 
 def handed_off(task, ctx, timeout_ms, progress):
