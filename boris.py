@@ -7867,7 +7867,7 @@ class GlobWork:
         self.cut = len(child_prefix(start))
         self.want_dir = job["kind"] == "directory"          # (else "file")
         self.name_ok = None
-        if self.base_only and not self.want_dir:          # C-level tests: called once per file walked
+        if self.base_only and not self.want_dir:     # C-level tests: called once per file walked
             from operator import methodcaller
             simple = re.match(r"^\*(\.[\w.+-]+)$", rest)      # '*.c': a suffix test, no regex
             self.name_ok = methodcaller("endswith", simple.group(1)) if simple else self.rx.match
