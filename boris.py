@@ -1013,7 +1013,7 @@ class PathPolicy:
         self.deny_raw = list(deny)
         # what decides its verdicts
         self.key = (self.workdir, tuple(self.allow), tuple(self.deny_raw), folds)
-        self.restricted = bool(self.allow or self.deny_dirs or self.deny_globs or self.deny_names)
+        self.restricted = bool(self.allow or self.deny_raw)
         self.folds = folds                  # None: probe each volume; True/False: as given
         self.fold_seen = {}                 # directory -> whether its volume folds case (bounded)
         self.folded = None                  # (allow, deny dirs, deny globs, deny names)
@@ -1532,8 +1532,7 @@ def list_entries(real):
                 except OSError:
                     is_dir = False
                 out.append((e.name, is_dir, link))
-        out.sort()
-        return out
+        return sorted(out)
     finally:
         os.close(fd)
 
