@@ -16810,7 +16810,8 @@ def main(argv=None, after_the_script=False):
             policy = PathPolicy.of(config)
         except ValueError as e:
             raise ConfigError("invalid --deny-dir pattern: %s" % e)
-        _log_state.update(level=_LOG_LEVELS[config.log_level], format=config.log_format)
+        _log_state["level"] = _LOG_LEVELS[config.log_level]
+        _log_state["format"] = config.log_format
         sandbox = resolve_sandbox(config, policy)
     except ConfigError as e:
         sys.stderr.write("boris: error: %s\n" % e)
