@@ -317,12 +317,8 @@ BASH_START_FAILED = "BASH_START_FAILED"
 BASH_TASK_NOT_FOUND = "BASH_TASK_NOT_FOUND"
 BASH_TASK_LIMIT = "BASH_TASK_LIMIT"
 BASH_TASK_NOT_INTERACTIVE = "BASH_TASK_NOT_INTERACTIVE"
-ERROR_CODES = frozenset((INVALID_INPUT, ACCESS_DENIED, PATH_NOT_FOUND, IO_ERROR, FILE_TOO_LARGE,
-                         FILE_NOT_VIEWED, FILE_CHANGED, STR_REPLACE_NOT_FOUND,
-                         STR_REPLACE_AMBIGUOUS, GREP_INVALID_PATTERN, GREP_INVALID_TYPE,
-                         GREP_INVALID_OUTPUT_MODE, GLOB_INVALID_PATTERN, GLOB_INVALID_TYPE,
-                         BASH_EMPTY_COMMAND, BASH_START_FAILED, BASH_TASK_NOT_FOUND,
-                         BASH_TASK_LIMIT, BASH_TASK_NOT_INTERACTIVE))
+# the codes: the module's globals named as they are spelt (the constants above)
+ERROR_CODES = frozenset(value for name, value in list(globals().items()) if name == value)
 
 
 class ToolError(Exception):
@@ -927,9 +923,7 @@ def child_prefix(path):
 
 def is_within(path, root):
     """Component-wise containment of canonical paths: /ws2 is not inside /ws."""
-    if root == "/":
-        return path.startswith("/")
-    return path == root or path.startswith(root + "/")
+    return path == root or path.startswith(child_prefix(root))
 
 
 def canonical(path):
@@ -1019,7 +1013,7 @@ class PathPolicy:
         self.deny_raw = list(deny)
         # what decides its verdicts
         self.key = (self.workdir, tuple(self.allow), tuple(self.deny_raw), folds)
-        self.restricted = bool(self.allow or self.deny_dirs or self.deny_globs or self.deny_names)
+        self.restricted = bool(self.allow or self.deny_raw)
         self.folds = folds                  # None: probe each volume; True/False: as given
         self.fold_seen = {}                 # directory -> whether its volume folds case (bounded)
         self.folded = None                  # (allow, deny dirs, deny globs, deny names)
@@ -1027,20 +1021,14 @@ class PathPolicy:
 
     @staticmethod
     def validate(path, name="path"):
-        """A path argument as given: a non-empty string without NUL, within MAX_PATH_CHARS; else
-        INVALID_INPUT naming `name`."""
-        if not isinstance(path, str) or not path:
+        """A path argument as given: not empty, within MAX_PATH_CHARS; else INVALID_INPUT
+        naming `name`. (A NUL or a lone surrogate never gets this far: the schema check
+        refuses them in every string argument.)"""
+        if not path:
             raise ToolError(INVALID_INPUT, "%s must be a non-empty string" % name)
-        if "\x00" in path:
-            raise ToolError(INVALID_INPUT, "%s contains a NUL byte; pass a plain file path" % name)
         if len(path) > MAX_PATH_CHARS:
             raise ToolError(INVALID_INPUT, "%s is %d characters long; the limit is %d"
                             % (name, len(path), MAX_PATH_CHARS))
-        try:
-            path.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ToolError(INVALID_INPUT, "%s holds a lone surrogate character (%r), which names"
-                            " no file; send the path as valid UTF-8" % (name, path))
 
     def resolve(self, base, path, name="path"):
         """The canonical absolute form of `path`, relative paths taken from `base`."""
@@ -1229,7 +1217,7 @@ def text_codec(name):
     rot13) and label codecs that are not file encodings (idna, punycode, undefined)."""
     try:
         info = codecs.lookup(name)
-    except (LookupError, ValueError, TypeError, UnicodeError):
+    except (LookupError, ValueError, TypeError):
         return None  # not a codec name Python knows: the caller says which encodings work
     if not getattr(info, "_is_text_encoding", True) or info.name in NOT_FILE_CODECS:
         return None
@@ -1374,7 +1362,7 @@ def kind_of(mode):
     return "not a regular file"
 
 
-def not_regular(shown, mode, doing="read"):
+def not_regular(shown, mode, doing):
     """INVALID_INPUT for a path that is a device, fifo,
     socket or directory where a file is needed."""
     return ToolError(INVALID_INPUT, "%s is %s, not a regular file; it is not %s"
@@ -1444,36 +1432,23 @@ def open_file(real, flags=os.O_RDONLY):
         os.close(dfd)
 
 
-def open_same(path, ino=None, dev=None):
-    """A read-only descriptor of `path` if it is still the regular file with inode `ino`
-    and device `dev` (each when given) that was checked or listed before, opened as open_file
-    opens its last step (no link followed, no FIFO waited on); None when it is gone,
-    unreadable or another file now. How a helper opens a file the server checked: by
-    name, then made sure it is that very file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | O_FILE)
-    except OSError:
-        return None                                 # gone or unreadable since: not read
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        st = None
-    if (st is None or not stat.S_ISREG(st.st_mode)
-            or ino not in (None, st.st_ino) or dev not in (None, st.st_dev)):
-        os.close(fd)
-        return None
-    return fd
-
-
 def open_checked(job):
-    """open_same() of the file a helper's job names (its 'path' and 'file': device, inode), as
-    a binary file object; ToolError when another file stands there now."""
-    dev, ino = job["file"]
-    fd = open_same(job["path"], ino, dev)
-    if fd is None:
-        raise ToolError(IO_ERROR, "it changed while it was being read (removed, or another file"
-                        " stands at its path now); try again")
-    return os.fdopen(fd, "rb")
+    """A binary file object of the file a helper's job names (its 'path' and 'file': device,
+    inode), opened as open_file opens its last step (no link followed, no FIFO waited on),
+    then made sure it is still that very regular file, the one the server checked;
+    ToolError when it is gone, unreadable or another file stands there now."""
+    fd = None
+    try:
+        fd = os.open(job["path"], os.O_RDONLY | O_FILE)
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and [st.st_dev, st.st_ino] == list(job["file"]):
+            return os.fdopen(fd, "rb")
+    except OSError:
+        pass                                        # gone or unreadable since: not read
+    if fd is not None:
+        os.close(fd)
+    raise ToolError(IO_ERROR, "it changed while it was being read (removed, or another file"
+                    " stands at its path now); try again")
 
 
 def open_regular(real, shown, doing="read"):
@@ -1557,8 +1532,7 @@ def list_entries(real):
                 except OSError:
                     is_dir = False
                 out.append((e.name, is_dir, link))
-        out.sort()
-        return out
+        return sorted(out)
     finally:
         os.close(fd)
 
@@ -1589,11 +1563,10 @@ def changed_since(seen, real, limit):
         return None
     if seen.digest is not None and st.st_size <= limit:
         try:
-            data, _ = read_regular(real, real, limit)
+            if digest_of(read_regular(real, real, limit)[0]) == seen.digest:
+                return None
         except ToolError:
-            data = None
-        if data is not None and digest_of(data) == seen.digest:
-            return None
+            pass                # it cannot be read now: that is a change too
     when = time.time() - st.st_mtime
     modified = ("%.0f s ago" % when if when < 600
                 else time.strftime("%H:%M:%S", time.localtime(st.st_mtime)))
@@ -7885,16 +7858,15 @@ class GlobWork:
     def __init__(self, job, cache=None):
         self.job, self.cache = job, cache
         self.policy = PathPolicy(**job["policy"])
-        start, rest, self.base_only, kind = job["start"], job["rest"], job["base_only"], job["kind"]
+        start, rest, self.base_only = job["start"], job["rest"], job["base_only"]
         # what name_ok tests, for the walk cache's key
         self.rest = rest
         self.roots = [SearchRoot(start, True, None)]
         self.rx, self.lead = compile_glob(rest), job["lead"]
-        self.cut = len(start) + 1 if start != "/" else 1
-        self.want_dir = kind == "directory"
-        self.want_dirs = kind != "file"
+        self.cut = len(child_prefix(start))
+        self.want_dir = job["kind"] == "directory"          # (else "file")
         self.name_ok = None
-        if self.base_only and kind == "file":          # C-level tests: called once per file walked
+        if self.base_only and not self.want_dir:     # C-level tests: called once per file walked
             from operator import methodcaller
             simple = re.match(r"^\*(\.[\w.+-]+)$", rest)      # '*.c': a suffix test, no regex
             self.name_ok = methodcaller("endswith", simple.group(1)) if simple else self.rx.match
@@ -7914,7 +7886,7 @@ class GlobWork:
         walker = Walker(self.roots[0].real, self.policy, False, self.cache)
         if self.name_ok is not None:
             walker.only(self.name_ok, self.rest if self.watches is not None else None)
-        walker.want_dirs, walker.max_depth = self.want_dirs, self.depth
+        walker.want_dirs, walker.max_depth = self.want_dir, self.depth
         walker.visited, walker.links_seen = self.visited, self.links_seen
         return walker
 
@@ -8082,9 +8054,8 @@ def helper_search():
             e = e if isinstance(e, ToolError) else lacking(e)
             end = {"end": "error", "code": e.code, "message": e.message}
         except Exception as e:
-            import traceback
             sys.stderr.write("boris: search helper %d: the job failed:\n%s"
-                             % (os.getpid(), traceback.format_exc()))
+                             % (os.getpid(), _traceback()))
             sys.stderr.flush()
             end = {"end": "error", "code": IO_ERROR, "message": "the search failed: %r" % e}
         finally:
@@ -8111,13 +8082,12 @@ class HelperPool:
     """The one owner of a server's search helpers, busy or idle: it starts them (from
     a thread of its own, since PR_SET_PDEATHSIG fires when the thread that forked a
     child ends, and worker threads retire), hands each job to one, keeps up to
-    `idle_max` warm for the next job, kills a busy one's whole process group on
-    cancel or at the deadline, and kills them all on close(). A helper that cannot
-    be started is an IO_ERROR: a search never falls back to this process, where
-    neither cancel nor the deadline could stop it."""
+    SEARCH_IDLE_HELPERS (or one a slice) warm for the next job, kills a busy one's whole
+    process group on cancel or at the deadline, and kills them all on close(). A helper
+    that cannot be started is an IO_ERROR: a search never falls back to this process,
+    where neither cancel nor the deadline could stop it."""
 
-    def __init__(self, idle_max=SEARCH_IDLE_HELPERS, avoid=()):
-        self.idle_max = idle_max
+    def __init__(self, avoid=()):
         # roots sandboxed commands may write: no helper code there
         self.avoid = list(avoid)
         self.lock = threading.Lock()
@@ -8279,7 +8249,7 @@ class HelperPool:
         """A helper that finished its job: kept warm, or closed."""
         with self.lock:
             self.busy.discard(proc)
-            keep = (not self.closed and len(self.idle) < max(self.idle_max, SEARCH_SLICES)
+            keep = (not self.closed and len(self.idle) < max(SEARCH_IDLE_HELPERS, SEARCH_SLICES)
                     and proc.poll() is None)
             if keep:
                 self.idle.append(proc)
@@ -8366,11 +8336,10 @@ class Capture:
         self.chars -= len(bytes(self.tail[m.start():]).decode("utf-8", "replace"))
         self.total -= cut
         del self.tail[m.start():]
-        if len(self.head) > self.total:
-            del self.head[self.total:]
+        del self.head[self.total:]
         return cwd
 
-    def render(self, label, limit=OUTPUT_MAX_CHARS):
+    def render(self, label, limit):
         """(text, notice): all of it and None, or its first two thirds and its last
         third of `limit` characters with the length left out between, and the notice
         that says so."""
@@ -8537,7 +8506,7 @@ class PumpClock:
 
     def end_reason(self, now):
         """`stopped` when asked to stop, `timeout` past the deadline, else `exited`."""
-        if self.stop is not None and self.stop.is_set():
+        if self.stop.is_set():
             return "stopped"
         if self.deadline is not None and now >= self.deadline:
             return "timeout"
@@ -8610,12 +8579,9 @@ def stream_limits(out_chars, err_chars, total):
     a, b = min(out_chars, OUTPUT_MAX_CHARS), min(err_chars, OUTPUT_MAX_CHARS)
     if a + b <= total:
         return a, b
-    half = total // 2
-    if a <= half:
-        return a, total - a
-    if b <= half:
-        return total - b, b
-    return half, total - half
+    # half each, or a short one whole and the rest to the other
+    a = min(a, max(total // 2, total - b))
+    return a, total - a
 
 
 class Unread:
@@ -8651,18 +8617,18 @@ class Task:
     is, for its status; `marker` is the cwd sentinel a foreground command's output
     ends with, which take() removes (the cwd it names kept as `cwd`)."""
 
-    def __init__(self, task_id, command, proc, stdin="null"):
-        self.id, self.command, self.proc = task_id, command, proc
-        self.stdin = stdin
+    def __init__(self, command, proc, limit, stdin="null"):
+        # its id: a handle only whoever was given it can use
+        self.id = "task_%s" % os.urandom(8).hex()
+        self.command, self.proc, self.limit, self.stdin = command, proc, limit, stdin
         self.input_lock = threading.Lock()
         self.out, self.err = Unread(), Unread()
         self.started = time.monotonic()
         self.stop = threading.Event()
         self.done = threading.Event()
-        self.why = None
-        self.limit, self.marker, self.cwd = "its timeout", None, None
+        self.why = self.marker = self.cwd = None
 
-    def start(self, deadline=None, on_output=None):
+    def start(self, deadline, on_output=None):
         """Read the command until it ends, its group killed at `deadline` (monotonic) or on stop."""
         def run():
             try:
@@ -9865,11 +9831,10 @@ class Session:
     def end(self, rid, ev):
         """Forget a finished request's cancel event."""
         with self.lock:
-            events = self.inflight.get(rid, [])
-            if ev in events:
-                events.remove(ev)
+            events = self.inflight[rid]
+            events.remove(ev)
             if not events:
-                self.inflight.pop(rid, None)
+                del self.inflight[rid]
             self.ended = time.monotonic()
 
     def busy(self):
@@ -11225,8 +11190,6 @@ class Tool:
         self.name, self.description = name, description
         self.schema, self.annotations = schema, annotations
         self.__dict__.update(fields)
-        if isinstance(self.goes_with, str):
-            self.goes_with = (self.goes_with,)
 
     @property
     def changes(self):
@@ -11406,7 +11369,7 @@ CLIENT_IMAGE_TYPES = {"claude": WEB_IMAGE_TYPES, "codex": WEB_IMAGE_TYPES,
 def client_image_types(client):
     """The image types the model behind `client` (a clientInfo name) takes, or None
     when it is not a client known to refuse some."""
-    name = (client or "").lower()
+    name = client.lower()
     return next((types for prefix, types in CLIENT_IMAGE_TYPES.items() if name.startswith(prefix)),
                 None)
 
@@ -11851,8 +11814,7 @@ def pdf_view(ctx, real, st, shown, vr, pages):
     line saying what it is, then each page
     after a marker. Without `pages`, the pages that fit in a result, and which to ask
     for next; view_range numbers the lines of what is rendered."""
-    m = re.match(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?$", "1" if pages is None else pages) \
-        if isinstance(pages, str) or pages is None else None
+    m = re.match(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?$", "1" if pages is None else pages)
     first, last = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
     if first < 1 or last < first:
         raise ToolError(INVALID_INPUT, "pages %r is not a page or a range of them; give \"3\" or"
@@ -14451,8 +14413,7 @@ def tool_bash(session, args, ctx):
     if timeout_ms > BASH_MAX_TIMEOUT_MS:
         said = ("(timeout %d ms is over the most a command may run, %d ms,"
                 " which is its timeout)\n" % (timeout_ms, BASH_MAX_TIMEOUT_MS))
-        answer = tool_bash(session, dict(args, timeout=BASH_MAX_TIMEOUT_MS), ctx)
-        return said + answer if isinstance(answer, str) else [text_block(said)] + answer
+        return said + tool_bash(session, dict(args, timeout=BASH_MAX_TIMEOUT_MS), ctx)
     if any(args.get(k) for k in ("tty", "interactive", "run_in_background")):
         return start_task(session, command, ctx, args)
     handoff = yield_ms / 1000.0 if yield_ms is not None else ctx.config.handoff or None
@@ -14460,8 +14421,8 @@ def tool_bash(session, args, ctx):
     script = ("%s\n__boris_status=$?\nprintf '\\n%%s%%s\\n' '%s' \"$PWD\"\n"
               "exit $__boris_status\n" % (command, marker.decode()))
     proc = start_command(session, script, ctx.sandbox)
-    task = Task(new_task_id(), command, proc)
-    task.marker, task.limit = marker, "its timeout (%d ms)" % timeout_ms
+    task = Task(command, proc, "its timeout (%d ms)" % timeout_ms)
+    task.marker = marker
     progress = ProgressLines(ctx, marker) if ctx.wants_progress else None
     session.hold_foreground(proc)
     task.start(task.started + timeout_ms / 1000.0, progress)
@@ -14481,10 +14442,9 @@ def ended_answer(session, task, ctx, timeout_ms, kept):
     if task.cwd and task.cwd != session.get_cwd() and os.path.isdir(task.cwd):
         session.set_cwd(task.cwd)
         head.append("cwd: %s" % task.cwd)
-    head = [line for line in head if line]
-    body, notice = render_output(out, err, output_budget(ctx))
+    body, notice = render_output(out, err, output_budget(ctx))          # (never empty)
     hint = ctx.sandbox.hint(body) if task.proc.returncode else ""
-    return read_on("\n".join(head) + "\n" + body + ("\n" + hint if hint else ""), notice)
+    return read_on("\n".join(line for line in head + [body, hint] if line), notice)
 
 
 def handed_off(task, ctx, timeout_ms, progress):
@@ -14519,11 +14479,6 @@ def looks_like_prompt(out, err):
     return False
 
 
-def new_task_id():
-    """A task's id: a handle only whoever was given it can use."""
-    return "task_%s" % os.urandom(8).hex()
-
-
 def task_refused(why, what):
     """The error of a background task the session cannot take now (add_task's `why`)."""
     if why.startswith("the session"):
@@ -14542,10 +14497,8 @@ def start_task(session, command, ctx, args):
     if why:
         raise task_refused(why, "no background task was started")
     proc = start_command(session, command, ctx.sandbox, stdin)
-    task = Task(new_task_id(), command, proc, stdin)
-    task_id = task.id
     timeout = ctx.config.background_task_timeout
-    task.limit = "the background task timeout (%g s)" % timeout
+    task = Task(command, proc, "the background task timeout (%g s)" % timeout, stdin)
     task.start(task.started + timeout if timeout else None)
     why = session.add_task(task)
     if why:                                    # it changed while the task started: never orphaned
@@ -14553,8 +14506,8 @@ def start_task(session, command, ctx, args):
         raise task_refused(why, "the task was started and stopped again")
     return ("Started background task %s (pid %d%s). Read its output with task_output(task_id=%r)%s;"
             " its cd does not move this session." % (
-                task_id, proc.pid,
-                {"pipe": ", interactive", "tty": ", on a terminal"}.get(stdin, ""), task_id,
+                task.id, proc.pid,
+                {"pipe": ", interactive", "tty": ", on a terminal"}.get(stdin, ""), task.id,
                 "; give it input with task_input" if stdin != "null" else ""))
 
 
@@ -14639,7 +14592,7 @@ TASK_DESC = ("Read the output of a background bash task or process: its status f
     "wait_ms": prop("integer", "Wait up to this many milliseconds for the task to finish"
                                " (default 0, or up to 600000 with wait_for)."),
     "wait_for": prop("string", "Return as soon as new output matches this regular expression."),
-}), notes("Read background task output", read_only=True), lane=waiting_lane, goes_with="bash",
+}), notes("Read background task output", read_only=True), lane=waiting_lane, goes_with=("bash",),
       hint="background task output")
 def tool_task_output(session, args, ctx):
     """task_output: a task's new output (waiting as asked), or the list of tasks without an id."""
@@ -14683,8 +14636,6 @@ class OutputWatch:
 
     def answered(self, task):
         """Whether the output now holds what is awaited."""
-        if self.matches is None and not self.settle:
-            return False
         recent = task.out.recent() + "\n" + task.err.recent()
         changed, self.seen = recent != self.seen, recent
         if self.matches is not None and changed and self.matches(recent):
@@ -14711,7 +14662,7 @@ TASK_INPUT_DESC = ("Type into an interactive background task (bash with interact
                                " goes quiet, at most 2000)."),
     "close_stdin": prop("boolean", "Close the task's input after writing (end of file)."),
 }, ["task_id"]), notes("Send input to a background task", destructive=True),
-      lane=waiting_lane, goes_with="bash", hint="type into a task")
+      lane=waiting_lane, goes_with=("bash",), hint="type into a task")
 def tool_task_input(session, args, ctx):
     """Write to an interactive task's stdin, then answer like task_output."""
     task = find_task(session, args["task_id"])
@@ -14742,13 +14693,12 @@ TASK_STOP_DESC = ("Stop (kill) a background bash task: SIGTERM to its whole grou
 
 @tool("task_stop", TASK_STOP_DESC, obj({
     "task_id": prop("string", "The task_id bash returned."),
-}, ["task_id"]), notes("Stop a background task", destructive=True), goes_with="bash",
+}, ["task_id"]), notes("Stop a background task", destructive=True), goes_with=("bash",),
       hint="kill a background task")
 def tool_task_stop(session, args, ctx):
     """task_stop: kill a task's process group and answer with its last output."""
     task = find_task(session, args["task_id"])
-    if not task.done.is_set():
-        kill_all([task])
+    kill_all([task])
     return task_answer(task, session, ctx)
 
 
@@ -15020,16 +14970,14 @@ def glob_plan(pattern):
     return "/".join(static), rest, "/" not in pattern    # 'src/*.c': direct children of src only
 
 
-def check_glob_args(pattern, kind):
-    """A glob's pattern (not empty, a valid path) and type, or the GLOB_* error."""
+def check_glob_pattern(pattern):
+    """A glob's pattern (not empty, a valid path), or GLOB_INVALID_PATTERN."""
     if not pattern.strip():
         raise ToolError(GLOB_INVALID_PATTERN, "pattern is empty; give a glob such as **/*.py")
     try:
         PathPolicy.validate(pattern, "pattern")
     except ToolError as e:
         raise ToolError(GLOB_INVALID_PATTERN, e.message)
-    if kind not in (None, "file", "directory"):
-        raise ToolError(GLOB_INVALID_TYPE, "type %r is not 'file' or 'directory'" % kind)
 
 
 def find_paths(session, ctx, pattern, shown, kind):
@@ -15037,7 +14985,7 @@ def find_paths(session, ctx, pattern, shown, kind):
     under `shown` matching `pattern`; the walk and the matching run in a helper. `kind`:
     'file' (None: files, unless the pattern ends with '/', which means directories) or
     'directory'; with directories, 'dir/**' lists dir itself too (zero or more levels)."""
-    check_glob_args(pattern, kind)
+    check_glob_pattern(pattern)
     if pattern.endswith("/") and pattern.strip("/"):
         if kind == "file":
             raise ToolError(GLOB_INVALID_PATTERN, "pattern %r ends with '/', which matches"
@@ -15223,7 +15171,7 @@ def tool_read_file(session, args, ctx):
     session.mark_viewed(real, Seen(st, digest_of(data)) if st is not None else None)
     try:
         text = data.decode(codec)
-    except (UnicodeError, ValueError):
+    except ValueError:                  # (UnicodeError among them)
         try:
             text = data.decode("latin-1")
         except UnicodeError:
@@ -15277,11 +15225,7 @@ def tool_write_file(session, args, ctx):
     """write_file: write a workspace file whole, its directories made."""
     path, content = args["path"], args["content"]
     real = workspace_path(ctx, path)
-    try:
-        data = encode_text(content)
-    except ToolError:
-        raise plain_error("错误：内容含有无效字符（不成对的代理字符）",
-                          INVALID_INPUT)
+    data = encode_text(content)            # (the schema check refused lone surrogates)
     if len(data) > ctx.config.max_file_size:
         raise plain_error("错误：内容过大（%s，上限 %s），未写入: %s" % (
             human_size(len(data)), human_size(ctx.config.max_file_size), path), FILE_TOO_LARGE)
