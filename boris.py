@@ -8799,19 +8799,28 @@ def group_rss(pgid):
 
 class LangServer:
     """One language server for a language and a root: its process (started, restarted once,
-    read by its own thread), the documents it was told of ({uri: [version, text]}) and the
-    diagnostics it gave for each since its last change ({uri: list})."""
+    read by its own thread), and of its current life the queue of what it is to be told, the
+    documents it was told of ({uri: [version, text]}) and the diagnostics it gave for each
+    since its last change ({uri: list})."""
 
-    def __init__(self, argv, lang, root, sandbox, environ):
-        self.argv, self.lang, self.root = argv, lang, root
-        self.sandbox, self.environ = sandbox, environ
+    def __init__(self, argv, lang, root, owner):
+        self.argv, self.lang, self.root, self.owner = argv, lang, root, owner   # its LangServers
         self.cond = threading.Condition()
-        self.docs, self.reports, self.owed, self.answers = {}, {}, {}, {}
-        self.ids, self.proc, self.closed = 0, None, False
-        self.ready, self.held = False, []       # messages held until initialize is answered
+        self.owed, self.answers, self.ids, self.proc, self.closed = {}, {}, 0, None, False
         self.lives, self.used, self.pull = 2, time.monotonic(), False
         self.name = os.path.basename(argv[0])
+        self.next_life()
         threading.Thread(target=self.run, daemon=True, name="boris-lsp").start()
+
+    def next_life(self):
+        """A new life's queue, initialize and initialized first (its writer sends the rest
+        once initialize is answered: what is said before waits there), no documents."""
+        self.out, self.ready, self.docs, self.reports = queue.Queue(), threading.Event(), {}, {}
+        self.write({"id": 0, "method": "initialize", "params": {
+            "processId": os.getpid(), "rootUri": lsp_uri(self.root), "capabilities": {
+                "textDocument": {"publishDiagnostics": {"versionSupport": True},
+                                 "diagnostic": {}}}}})
+        self.write({"method": "initialized", "params": {}})
 
     def run(self):
         """Start the server, read it to its end, start it once more after a crash."""
@@ -8829,19 +8838,15 @@ class LangServer:
         """One life of the server: start it, say initialize, take its messages until its end
         or garbage; then its group is killed and reaped. Why it ended, in words."""
         try:
-            proc = start_process(self.argv, self.root, self.sandbox, "pipe", self.environ, True)
+            proc = start_process(self.argv, self.root, self.owner.sandbox, "pipe", dict(
+                command_environ(self.owner.config), PYTHONDONTWRITEBYTECODE="1"), True)
         except OSError as e:
             self.lives = 0
             return "it could not start: %s" % (e.strerror or e)
-        out = queue.Queue()
         with self.cond:
-            self.proc, self.out = proc, out
-        for target, arg in ((lsp_drain, proc.stderr), (lsp_write, (proc.stdin, out))):
+            self.proc, out, ready = proc, self.out, self.ready
+        for target, arg in ((lsp_drain, proc.stderr), (lsp_write, (proc.stdin, out, ready))):
             threading.Thread(target=target, args=(arg,), daemon=True, name="boris-lsp").start()
-        self.write({"id": 0, "method": "initialize", "params": {
-            "processId": os.getpid(), "rootUri": lsp_uri(self.root), "capabilities": {
-                "textDocument": {"publishDiagnostics": {"versionSupport": True},
-                                 "diagnostic": {}}}}})
         try:
             while True:
                 msg = lsp_read(proc.stdout)
@@ -8852,25 +8857,18 @@ class LangServer:
             return "it spoke garbage: %s" % shorten(str(e), 80)
         finally:
             out.put(None)
+            ready.set()                             # its writer waits no more
             kill_group(proc)
             kill_marked(proc.boris_call)
             with self.cond:
-                self.proc, self.ready, self.held = None, False, []
-                self.docs.clear()
-                self.reports.clear()
+                self.proc = None
+                self.next_life()
 
     def write(self, msg):
         """Queue a message for the server (its writer thread sends it: a server that reads
         nothing stalls no one)."""
         body = json.dumps(dict(msg, jsonrpc="2.0")).encode("utf-8", "surrogateescape")
         self.out.put(b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-
-    def send(self, msg):
-        """Write, or hold until the server has answered initialize (call with cond held)."""
-        if self.ready:
-            self.write(msg)
-        else:
-            self.held.append(msg)
 
     def take(self, msg):
         """One message from the server: its request answered (null, or a null per
@@ -8883,12 +8881,9 @@ class LangServer:
         with self.cond:
             if method == "textDocument/publishDiagnostics":
                 self.report(params["uri"], params.get("version"), params["diagnostics"])
-            elif rid == 0 and not self.ready:
+            elif rid == 0:
                 self.pull = "diagnosticProvider" in msg["result"]["capabilities"]
-                self.ready = True
-                self.write({"method": "initialized", "params": {}})
-                for held in self.held:
-                    self.write(held)
+                self.ready.set()
             elif rid in self.answers:
                 self.answers[rid] = msg.get("result") or []
             self.cond.notify_all()
@@ -8899,15 +8894,18 @@ class LangServer:
         with self.cond:
             self.ids += 1
             rid, self.answers[self.ids] = self.ids, None
-            self.send({"id": rid, "method": method, "params": params})
+            self.write({"id": rid, "method": method, "params": params})
             self.cond.wait_for(lambda: self.answers[rid] is not None or self.closed, wait)
             return self.answers.pop(rid)
 
     def report(self, uri, version, diagnostics):
-        """Keep a document's diagnostics unless they are for an older version than its latest."""
+        """Keep a document's errors and warnings (errors first; not those tagged
+        "unnecessary"), unless they are for an older version than its latest."""
         doc = self.docs.get(uri)
         if doc is not None and (version is None or version >= doc[0]):
-            self.reports[uri] = list(diagnostics)[:1000]
+            kept = [d for d in diagnostics
+                    if lsp_severity(d) <= 2 and 1 not in (d.get("tags") or ())]
+            self.reports[uri] = sorted(kept, key=lsp_severity)[:1000]
 
     def diagnostics(self, real, text, deadline):
         """The server's diagnostics for file `real` holding `text` (sent as didOpen or
@@ -8918,13 +8916,13 @@ class LangServer:
             self.used, doc = time.monotonic(), self.docs.get(uri)
             if doc is None:
                 self.docs[uri] = doc = [1, text]
-                self.send({"method": "textDocument/didOpen", "params": {"textDocument": {
+                self.write({"method": "textDocument/didOpen", "params": {"textDocument": {
                     "uri": uri, "version": 1, "text": text, "languageId": LSP_IDS.get(
                         os.path.splitext(real)[1][1:].lower(), self.lang)}}})
             elif doc[1] != text:
                 doc[0], doc[1] = doc[0] + 1, text
                 self.reports.pop(uri, None)
-                self.send({"method": "textDocument/didChange", "params": {
+                self.write({"method": "textDocument/didChange", "params": {
                     "textDocument": {"uri": uri, "version": doc[0]},
                     "contentChanges": [{"text": text}]}})
             version = doc[0]
@@ -8952,32 +8950,32 @@ def lsp_drain(f):
 
 
 def lsp_write(args):
-    """Send a server its queued messages until None (its end), or its stdin breaks."""
-    f, out = args
+    """Send a server its queued messages until None (its end), or its stdin breaks; after
+    the first (initialize), nothing until `ready` is set (it is answered)."""
+    f, out, ready = args
     try:
         for data in iter(out.get, None):
             f.write(data)
             f.flush()
+            ready.wait()
     except (OSError, ValueError):
         pass                                        # the server is gone: its reader says why
 
 
+def lsp_severity(diagnostic):
+    """1 (error), 2 (warning), 3 (information) or 4 (hint); an error where it is not said."""
+    return diagnostic.get("severity") or 1
+
+
 def lsp_words(name, shown, before, after):
-    """The lines an answer gets from a file's diagnostics before and after a change: the
-    problems new by (source, code, message) counts, errors first, warnings only while few,
-    hints and "unnecessary" tags never, at most LSP_SHOWN (the count says how many more);
-    and how many went."""
+    """The lines an answer gets from a file's kept diagnostics (LangServer.report) before
+    and after a change: the problems new by (source, code, message) counts, errors first,
+    warnings only while few, at most LSP_SHOWN (the count says how many more); and how
+    many went."""
     def key(d):
         return d.get("source"), str(d.get("code")), d.get("message")
-
-    def severity(d):
-        return d.get("severity") or 1
-
-    def kept(ds):
-        return sorted((d for d in ds if severity(d) <= 2 and 1 not in (d.get("tags") or ())),
-                      key=severity)
-    old, fresh = Counter(map(key, kept(before))), []
-    for d in reversed(kept(after)):         # of equal ones, the last are taken for the old
+    old, fresh = Counter(map(key, before)), []
+    for d in reversed(after):               # of equal ones, the last are taken for the old
         if old[key(d)] > 0:
             old[key(d)] -= 1
         else:
@@ -8990,7 +8988,7 @@ def lsp_words(name, shown, before, after):
         counts.append("%d fixed" % gone)
     lines = ["[%s on %s: %s]" % (name, shown, "; ".join(counts))] + ["  %d:%d %s [%s%s] %s" % (
         d["range"]["start"]["line"] + 1, d["range"]["start"]["character"] + 1,
-        "error" if severity(d) == 1 else "warning", d.get("source") or name,
+        "error" if lsp_severity(d) == 1 else "warning", d.get("source") or name,
         " %s" % d["code"] if d.get("code") is not None else "",
         shorten(" ".join(str(d.get("message")).split()), 300)) for d in fresh[:LSP_SHOWN]]
     return "".join("\n" + line for line in lines)
@@ -9032,8 +9030,7 @@ class LangServers:
                     s.close()
                     del self.servers[key]
             if (lang, root) not in self.servers:
-                environ = dict(command_environ(self.config), PYTHONDONTWRITEBYTECODE="1")
-                self.servers[lang, root] = LangServer(argv, lang, root, self.sandbox, environ)
+                self.servers[lang, root] = LangServer(argv, lang, root, self)
             return self.servers[lang, root]
 
     def warm(self, real):

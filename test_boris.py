@@ -7725,7 +7725,7 @@ class TestLanguageServerPull(LspBase):
     def test_pull_where_only_that_is_offered(self):
         self.call("view", path="a.py")                    # (pulled from the first edit on)
         s = next(iter(self.server.lsp.servers.values()))
-        self.assertTrue(wait_until(lambda: s.ready, 30), self.told())
+        self.assertTrue(wait_until(s.ready.is_set, 30), self.told())
         self.assertIn("1 new problem", self.edit("x = 1\n", "x = other_name\n"))
         self.assertIn("textDocument/diagnostic", [m.get("method") for m in self.told()])
 
