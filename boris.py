@@ -8769,7 +8769,7 @@ def lsp_uri(real):
 def lsp_read(f):
     """The next message on a server's stdout; None at its end; ValueError for one without a
     usable Content-Length or that is no JSON (garbage: its reader takes any error so)."""
-    length = None
+    length = 0
     while True:
         line = f.readline(1024)
         if not line:
@@ -8779,7 +8779,7 @@ def lsp_read(f):
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length":
             length = int(value)
-    if not 0 < (length or 0) <= LSP_MAX_MESSAGE:
+    if not 0 < length <= LSP_MAX_MESSAGE:
         raise ValueError("a message without a usable Content-Length")
     return json.loads(f.read(length))
 
@@ -8842,17 +8842,15 @@ class LangServer:
                 command_environ(self.owner.config), PYTHONDONTWRITEBYTECODE="1"), True)
         except OSError as e:
             self.lives = 0
-            return "it could not start: %s" % (e.strerror or e)
+            return "it could not start: %s" % e
         with self.cond:
             self.proc, out, ready = proc, self.out, self.ready
         for target, arg in ((lsp_drain, proc.stderr), (lsp_write, (proc.stdin, out, ready))):
             threading.Thread(target=target, args=(arg,), daemon=True, name="boris-lsp").start()
         try:
-            while True:
-                msg = lsp_read(proc.stdout)
-                if msg is None:
-                    return "its output ended"
+            for msg in iter(lambda: lsp_read(proc.stdout), None):
                 self.take(msg)
+            return "its output ended"
         except Exception as e:              # whatever it sent, boris goes on
             return "it spoke garbage: %s" % shorten(str(e), 80)
         finally:
@@ -8873,7 +8871,7 @@ class LangServer:
     def take(self, msg):
         """One message from the server: its request answered (null, or a null per
         configuration item), a document's diagnostics kept, a response kept."""
-        method, rid, params = msg.get("method"), msg.get("id"), msg.get("params") or {}
+        method, rid, params = msg.get("method"), msg.get("id"), msg.get("params")
         if method is not None and rid is not None:
             self.write({"id": rid, "result": [None] * len(params["items"])
                         if method == "workspace/configuration" else None})
@@ -8981,15 +8979,14 @@ def lsp_words(name, shown, before, after):
         else:
             fresh.insert(0, d)
     gone = sum(old.values())
-    if not fresh and not gone:
-        return ""
     counts = [plural(len(fresh), "new problem")] if fresh else []
     if gone:
         counts.append("%d fixed" % gone)
-    lines = ["[%s on %s: %s]" % (name, shown, "; ".join(counts))] + ["  %d:%d %s [%s%s] %s" % (
+    if not counts:
+        return ""
+    lines = ["[%s on %s: %s]" % (name, shown, "; ".join(counts))] + ["  %d:%d %s [%s] %s" % (
         d["range"]["start"]["line"] + 1, d["range"]["start"]["character"] + 1,
         "error" if lsp_severity(d) == 1 else "warning", d.get("source") or name,
-        " %s" % d["code"] if d.get("code") is not None else "",
         shorten(" ".join(str(d.get("message")).split()), 300)) for d in fresh[:LSP_SHOWN]]
     return "".join("\n" + line for line in lines)
 
@@ -9085,10 +9082,9 @@ class LangServers:
             base = owed if base is None else base
             after = s.diagnostics(real, data.decode("utf-8", "replace"), deadline)
             if after is None:
-                if base is not None:
-                    s.owed[real] = base
-                said.append("\n[%s on %s: not known yet after %g s; said with the next edit's"
-                            " answer]" % (s.name, shown, self.config.lsp_wait))
+                s.owed[real] = base                 # (None: nothing to compare with later)
+                said.append("\n[%s on %s: not known yet; said with the next edit's answer]"
+                            % (s.name, shown))
             elif base is not None:
                 said.append(lsp_words(s.name, shown, base, after))
         return "".join(said)
@@ -16765,10 +16761,10 @@ def check_main(config, policy, sandbox):
         ctx = CallContext(config, policy, helpers=server.helpers, sandbox=sandbox)
         glob = McpServer.run_tool(server.tools["glob"], session,
                                   {"pattern": "*", "path": roots[0]}, ctx)
-        servers = ["%s: %s (%s)" % (lang, " ".join(argv), (run_program(
-            argv[:1] + ["--version"], "/", 10)[1].decode("utf-8", "replace").strip().splitlines()
-            or ["its version unknown"])[0]) for lang, argv in (
-                (lang, server.lsp.command(lang)) for lang in LSP_LANGUAGES) if argv]
+        servers = ["%s: %s (%s)" % (lang, " ".join(argv), run_program(
+            argv[:1] + ["--version"], "/", 10)[1].decode("utf-8", "replace").strip().partition(
+                "\n")[0] or "its version unknown")
+            for lang in LSP_LANGUAGES for argv in [server.lsp.command(lang)] if argv]
     finally:
         session.close()
         server.close()
