@@ -8845,8 +8845,8 @@ class LangServer:
             return "it could not start: %s" % e
         with self.cond:
             self.proc, out, ready = proc, self.out, self.ready
-        for target, arg in ((lsp_drain, proc.stderr), (lsp_write, (proc.stdin, out, ready))):
-            threading.Thread(target=target, args=(arg,), daemon=True, name="boris-lsp").start()
+        for target, args in ((lsp_drain, (proc.stderr,)), (lsp_write, (proc.stdin, out, ready))):
+            threading.Thread(target=target, args=args, daemon=True, name="boris-lsp").start()
         try:
             for msg in iter(lambda: lsp_read(proc.stdout), None):
                 self.take(msg)
@@ -8947,10 +8947,9 @@ def lsp_drain(f):
         pass
 
 
-def lsp_write(args):
+def lsp_write(f, out, ready):
     """Send a server its queued messages until None (its end), or its stdin breaks; after
     the first (initialize), nothing until `ready` is set (it is answered)."""
-    f, out, ready = args
     try:
         for data in iter(out.get, None):
             f.write(data)
