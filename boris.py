@@ -2062,24 +2062,21 @@ def run_program(argv, cwd, timeout, sandbox=None, cancelled=None):
     `timeout` or once `cancelled()` is true, and reaped. (exit code, stdout, stderr);
     (None, b"", b"") when it did not end in time or was cancelled."""
     import subprocess
-    if sandbox is not None and sandbox.on:
+    if sandbox and sandbox.on:
         argv, cwd = sandbox.launched(argv, cwd)
     proc = spawn(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                  stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + timeout
     try:
-        while True:
+        while time.monotonic() < deadline and not (cancelled and cancelled()):
             try:
-                out, err = proc.communicate(timeout=min(REAP_INTERVAL_S, timeout))
-                code = proc.returncode
-                break
-            except subprocess.TimeoutExpired:       # (what it said is lost with it)
-                if time.monotonic() >= deadline or (cancelled is not None and cancelled()):
-                    out, err, code = b"", b"", None
-                    break
+                out, err = proc.communicate(timeout=REAP_INTERVAL_S)
+                return proc.returncode, out[-RUN_OUTPUT_BYTES:], err[-RUN_OUTPUT_BYTES:]
+            except subprocess.TimeoutExpired:
+                pass                                # (what it said so far is lost with it)
+        return None, b"", b""
     finally:
         kill_group(proc)
-    return code, out[-RUN_OUTPUT_BYTES:], err[-RUN_OUTPUT_BYTES:]
 
 
 # -- memory and environment ----------------------------------------------------
@@ -8736,27 +8733,21 @@ def lsp_uri(real):
 
 
 def lsp_read(f):
-    """The next message on a server's stdout (a dict); None at its end; ValueError for
-    anything else (garbage)."""
-    length = None
+    """The next message on a server's stdout; None at its end; ValueError for one without a
+    usable Content-Length or that is no JSON (garbage: its reader takes any error so)."""
+    length = 0
     while True:
         line = f.readline(1024)
         if not line:
             return None
         if not line.strip():
             break
-        name, colon, value = line.partition(b":")
-        if not colon or not line.endswith(b"\n"):
-            raise ValueError("a header line that is none: %r" % line[:40])
+        name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length":
             length = int(value)
-    if length is None or not 0 < length <= LSP_MAX_MESSAGE:
+    if not 0 < length <= LSP_MAX_MESSAGE:
         raise ValueError("a message without a usable Content-Length")
-    body = f.read(length)
-    msg = json.loads(body) if len(body) == length else None
-    if msg is not None and not isinstance(msg, dict):
-        raise ValueError("a message that is no JSON object")
-    return msg
+    return json.loads(f.read(length))
 
 
 def group_rss(pgid):
@@ -8774,18 +8765,28 @@ def group_rss(pgid):
 
 class LangServer:
     """One language server for a language and a root: its process (started, restarted once,
-    read by its own thread), the documents it was told of ({uri: [version, text, the serial
-    of the last change]}) and the diagnostics it last gave for each ({uri: (serial, list)})."""
+    read by its own thread), and of its current life the queue of what it is to be told, the
+    documents it was told of ({uri: [version, text]}) and the diagnostics it gave for each
+    since its last change ({uri: list})."""
 
-    def __init__(self, argv, root, sandbox, environ):
-        self.argv, self.root, self.sandbox, self.environ = argv, root, sandbox, environ
+    def __init__(self, argv, lang, root, owner):
+        self.argv, self.lang, self.root, self.owner = argv, lang, root, owner   # its LangServers
         self.cond = threading.Condition()
-        self.docs, self.reports, self.pulls, self.owed, self.answers = {}, {}, {}, {}, {}
-        self.serial, self.ids, self.proc, self.closed = 0, 0, None, False
-        self.ready, self.held = False, []       # messages held until initialize is answered
+        self.owed, self.answers, self.ids, self.proc, self.closed = {}, {}, 0, None, False
         self.lives, self.used, self.pull = 2, time.monotonic(), False
         self.name = os.path.basename(argv[0])
+        self.next_life()
         threading.Thread(target=self.run, daemon=True, name="boris-lsp").start()
+
+    def next_life(self):
+        """A new life's queue, initialize and initialized first (its writer sends the rest
+        once initialize is answered: what is said before waits there), no documents."""
+        self.out, self.ready, self.docs, self.reports = queue.Queue(), threading.Event(), {}, {}
+        self.write({"id": 0, "method": "initialize", "params": {
+            "processId": os.getpid(), "rootUri": lsp_uri(self.root), "capabilities": {
+                "textDocument": {"publishDiagnostics": {"versionSupport": True},
+                                 "diagnostic": {}}}}})
+        self.write({"method": "initialized", "params": {}})
 
     def run(self):
         """Start the server, read it to its end, start it once more after a crash."""
@@ -8793,8 +8794,8 @@ class LangServer:
             self.lives -= 1
             why = self.serve()
             if not self.closed:
-                log("warn" if not self.lives else "info", "language server %s ended (%s)%s"
-                    % (self.name, why, "; restarted" if self.lives else "; given up"))
+                log("warn", "language server %s ended (%s); %s"
+                    % (self.name, why, "restarted" if self.lives else "given up"))
         with self.cond:
             self.closed = True                      # what waits for it waits no more
             self.cond.notify_all()
@@ -8803,37 +8804,29 @@ class LangServer:
         """One life of the server: start it, say initialize, take its messages until its end
         or garbage; then its group is killed and reaped. Why it ended, in words."""
         try:
-            proc = start_process(self.argv, self.root, self.sandbox, "pipe", self.environ, True)
+            proc = start_process(self.argv, self.root, self.owner.sandbox, "pipe", dict(
+                command_environ(self.owner.config), PYTHONDONTWRITEBYTECODE="1"), True)
         except OSError as e:
             self.lives = 0
-            return "it could not start: %s" % (e.strerror or e)
-        out = queue.Queue()
+            return "it could not start: %s" % e
         with self.cond:
-            self.proc, self.out = proc, out
-        for target, arg in ((lsp_drain, proc.stderr), (lsp_write, (proc.stdin, out))):
-            threading.Thread(target=target, args=(arg,), daemon=True, name="boris-lsp").start()
-        self.write({"id": 0, "method": "initialize", "params": {
-            "processId": os.getpid(), "rootUri": lsp_uri(self.root), "capabilities": {
-                "textDocument": {"publishDiagnostics": {"versionSupport": True},
-                                 "diagnostic": {}}}}})
+            self.proc, out, ready = proc, self.out, self.ready
+        for target, args in ((lsp_drain, (proc.stderr,)), (lsp_write, (proc.stdin, out, ready))):
+            threading.Thread(target=target, args=args, daemon=True, name="boris-lsp").start()
         try:
-            while True:
-                msg = lsp_read(proc.stdout)
-                if msg is None:
-                    return "its output ended"
+            for msg in iter(lambda: lsp_read(proc.stdout), None):
                 self.take(msg)
+            return "its output ended"
         except Exception as e:              # whatever it sent, boris goes on
             return "it spoke garbage: %s" % shorten(str(e), 80)
         finally:
             out.put(None)
-            signal_group(proc, signal.SIGKILL)
-            proc.wait()
-            kill_leftovers(proc)
-            close_pipes(proc)
+            ready.set()                             # its writer waits no more
+            kill_group(proc)
+            kill_marked(proc.boris_call)
             with self.cond:
-                self.proc, self.ready, self.held = None, False, []
-                self.docs.clear()
-                self.reports.clear()
+                self.proc = None
+                self.next_life()
 
     def write(self, msg):
         """Queue a message for the server (its writer thread sends it: a server that reads
@@ -8841,49 +8834,23 @@ class LangServer:
         body = json.dumps(dict(msg, jsonrpc="2.0")).encode("utf-8", "surrogateescape")
         self.out.put(b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
 
-    def send(self, msg):
-        """Write, or hold until the server has answered initialize (call with cond held)."""
-        if self.ready:
-            self.write(msg)
-        else:
-            self.held.append(msg)
-
     def take(self, msg):
         """One message from the server: its request answered (null, or a null per
         configuration item), a document's diagnostics kept, a response kept."""
-        method, rid, params = msg.get("method"), msg.get("id"), msg.get("params") or {}
+        method, rid, params = msg.get("method"), msg.get("id"), msg.get("params")
         if method is not None and rid is not None:
             self.write({"id": rid, "result": [None] * len(params["items"])
                         if method == "workspace/configuration" else None})
             return
         with self.cond:
-            self.serial += 1
             if method == "textDocument/publishDiagnostics":
                 self.report(params["uri"], params.get("version"), params["diagnostics"])
-            elif rid == 0 and not self.ready:
+            elif rid == 0:
                 self.pull = "diagnosticProvider" in msg["result"]["capabilities"]
-                self.ready = True
-                self.write({"method": "initialized", "params": {}})
-                for held in self.held:
-                    self.write(held)
-                for uri, doc in self.docs.items():
-                    self.ask(uri, doc[0])
-            elif rid in self.pulls:
-                uri, version = self.pulls.pop(rid)
-                items = (msg.get("result") or {}).get("items")
-                if items is not None:
-                    self.report(uri, version, items)
+                self.ready.set()
             elif rid in self.answers:
                 self.answers[rid] = msg.get("result") or []
             self.cond.notify_all()
-
-    def ask(self, uri, version):
-        """Pull a document's diagnostics, where the server offers that, once a version."""
-        if self.pull and (uri, version) not in self.pulls.values():
-            self.ids += 1
-            self.pulls[self.ids] = (uri, version)
-            self.send({"id": self.ids, "method": "textDocument/diagnostic",
-                       "params": {"textDocument": {"uri": uri}}})
 
     def request(self, method, params, wait):
         """The server's answer to a request ([] for null or an error), None when it gave
@@ -8891,48 +8858,53 @@ class LangServer:
         with self.cond:
             self.ids += 1
             rid, self.answers[self.ids] = self.ids, None
-            self.send({"id": rid, "method": method, "params": params})
+            self.write({"id": rid, "method": method, "params": params})
             self.cond.wait_for(lambda: self.answers[rid] is not None or self.closed, wait)
             return self.answers.pop(rid)
 
     def report(self, uri, version, diagnostics):
-        """Keep a document's diagnostics unless they are for an older version than its latest."""
+        """Keep a document's errors and warnings (errors first; not those tagged
+        "unnecessary"), unless they are for an older version than its latest."""
         doc = self.docs.get(uri)
         if doc is not None and (version is None or version >= doc[0]):
-            self.reports[uri] = (self.serial, list(diagnostics)[:1000])
+            kept = [d for d in diagnostics
+                    if lsp_severity(d) <= 2 and 1 not in (d.get("tags") or ())]
+            self.reports[uri] = sorted(kept, key=lsp_severity)[:1000]
 
-    def diagnostics(self, uri, lang_id, text, deadline):
-        """The server's diagnostics for the document `uri` holding `text` (sent as didOpen or
-        didChange when it is not what the server has), waited for until `deadline`; None
-        when no fresh report came by then."""
+    def diagnostics(self, real, text, deadline):
+        """The server's diagnostics for file `real` holding `text` (sent as didOpen or
+        didChange when it is not what the server has; pulled where the server offers that),
+        waited for until `deadline`; None when none came since the change by then."""
+        uri = lsp_uri(real)
         with self.cond:
             self.used, doc = time.monotonic(), self.docs.get(uri)
             if doc is None:
-                self.docs[uri] = doc = [1, text, self.serial]
-                self.send({"method": "textDocument/didOpen", "params": {"textDocument": {
-                    "uri": uri, "languageId": lang_id, "version": 1, "text": text}}})
+                self.docs[uri] = doc = [1, text]
+                self.write({"method": "textDocument/didOpen", "params": {"textDocument": {
+                    "uri": uri, "version": 1, "text": text, "languageId": LSP_IDS.get(
+                        os.path.splitext(real)[1][1:].lower(), self.lang)}}})
             elif doc[1] != text:
-                doc[0], doc[1], doc[2] = doc[0] + 1, text, self.serial
-                self.send({"method": "textDocument/didChange", "params": {
+                doc[0], doc[1] = doc[0] + 1, text
+                self.reports.pop(uri, None)
+                self.write({"method": "textDocument/didChange", "params": {
                     "textDocument": {"uri": uri, "version": doc[0]},
                     "contentChanges": [{"text": text}]}})
-
-            def fresh():
-                return self.reports.get(uri, (-1,))[0] > doc[2] or self.closed
-            if not fresh():
-                self.ask(uri, doc[0])
-            self.cond.wait_for(fresh, max(0, deadline - time.monotonic()))
-            return self.reports[uri][1] if self.reports.get(uri, (-1,))[0] > doc[2] else None
+            version = doc[0]
+            if self.pull and uri not in self.reports:
+                got = self.request("textDocument/diagnostic", {"textDocument": {"uri": uri}},
+                                   deadline - time.monotonic())
+                if got and "items" in got:
+                    self.report(uri, version, got["items"])
+            self.cond.wait_for(lambda: uri in self.reports or self.closed,
+                               deadline - time.monotonic())
+            return self.reports.get(uri)
 
     def close(self):
-        """Stop the server: `exit` (no params: TypeScript 7's server ignores a null), then its
-        whole process group."""
+        """Stop the server: its whole process group (its reader then reaps it)."""
         with self.cond:
-            self.closed, proc = True, self.proc
-            if proc is not None:
-                self.write({"method": "exit"})
-        if proc is not None:
-            signal_group(proc, signal.SIGKILL)
+            self.closed = True
+            if self.proc is not None:
+                signal_group(self.proc, signal.SIGKILL)
 
 
 def lsp_drain(f):
@@ -8941,50 +8913,47 @@ def lsp_drain(f):
         pass
 
 
-def lsp_write(args):
-    """Send a server its queued messages until None (its end), or its stdin breaks."""
-    f, out = args
+def lsp_write(f, out, ready):
+    """Send a server its queued messages until None (its end), or its stdin breaks; after
+    the first (initialize), nothing until `ready` is set (it is answered)."""
     try:
         for data in iter(out.get, None):
             f.write(data)
             f.flush()
+            ready.wait()
     except (OSError, ValueError):
         pass                                        # the server is gone: its reader says why
 
 
+def lsp_severity(diagnostic):
+    """1 (error), 2 (warning), 3 (information) or 4 (hint); an error where it is not said."""
+    return diagnostic.get("severity") or 1
+
+
 def lsp_words(name, shown, before, after):
-    """The lines an answer gets from a file's diagnostics before and after a change: the
-    problems new by (source, code, message) counts, errors first, warnings only while few,
-    hints and "unnecessary" tags never, at most LSP_SHOWN; and how many errors went."""
+    """The lines an answer gets from a file's kept diagnostics (LangServer.report) before
+    and after a change: the problems new by (source, code, message) counts, errors first,
+    warnings only while few, at most LSP_SHOWN (the count says how many more); and how
+    many went."""
     def key(d):
         return d.get("source"), str(d.get("code")), d.get("message")
-
-    def severity(d):
-        return d.get("severity") or 1
-    def kept(ds):
-        return sorted((d for d in ds if severity(d) <= 2 and 1 not in (d.get("tags") or ())),
-                      key=severity)
-    after, before = kept(after), kept(before)
-    new = Counter(map(key, after)) - Counter(map(key, before))
-    fresh = []
-    for d in after:
-        if new[key(d)] > 0:
-            new[key(d)] -= 1
-            fresh.append(d)
-    gone = sum((Counter(map(key, before)) - Counter(map(key, after))).values())
-    lines = ["  %d:%d %s [%s%s] %s" % (
-        d["range"]["start"]["line"] + 1, d["range"]["start"]["character"] + 1,
-        "error" if severity(d) == 1 else "warning", d.get("source") or name,
-        " %s" % d["code"] if d.get("code") is not None else "",
-        shorten(" ".join(str(d.get("message")).split()), 300)) for d in fresh[:LSP_SHOWN]]
-    if len(fresh) > LSP_SHOWN:
-        lines.append("  ... and %d more" % (len(fresh) - LSP_SHOWN))
-    if not fresh and not gone:
+    old, fresh = Counter(map(key, before)), []
+    for d in reversed(after):               # of equal ones, the last are taken for the old
+        if old[key(d)] > 0:
+            old[key(d)] -= 1
+        else:
+            fresh.insert(0, d)
+    gone = sum(old.values())
+    counts = [plural(len(fresh), "new problem")] if fresh else []
+    if gone:
+        counts.append("%d fixed" % gone)
+    if not counts:
         return ""
-    return "\n[%s on %s: %s%s]%s" % (
-        name, shown, plural(len(fresh), "new problem") if fresh else "",
-        ("; " if fresh else "") + "%d fixed" % gone if gone else "", "".join(
-            "\n" + line for line in lines))
+    lines = ["[%s on %s: %s]" % (name, shown, "; ".join(counts))] + ["  %d:%d %s [%s] %s" % (
+        d["range"]["start"]["line"] + 1, d["range"]["start"]["character"] + 1,
+        "error" if lsp_severity(d) == 1 else "warning", d.get("source") or name,
+        shorten(" ".join(str(d.get("message")).split()), 300)) for d in fresh[:LSP_SHOWN]]
+    return "".join("\n" + line for line in lines)
 
 
 class LangServers:
@@ -8994,56 +8963,49 @@ class LangServers:
     def __init__(self, config, policy, sandbox):
         self.config, self.sandbox = config, sandbox
         self.roots = policy.allow or [policy.workdir]
-        self.given = dict(item.partition("=")[::2] for item in config.lsp if "=" in item)
-        self.off = "off" in config.lsp
-        self.found, self.servers, self.lock = {}, {}, threading.Lock()
+        self.given = dict.fromkeys(LSP_LANGUAGES, "") if "off" in config.lsp else dict(
+            item.partition("=")[::2] for item in config.lsp)
+        self.servers, self.lock = {}, threading.Lock()
 
     def command(self, lang):
         """The argv of the server for `lang` (--lsp, else the first usual one on PATH), or None."""
         import shlex
         import shutil
-        if lang not in self.found:
-            found = None
-            for line in ([self.given[lang]] if lang in self.given
-                         else LSP_LANGUAGES[lang].split("|")[1:]):
-                argv = shlex.split(line)
-                path = shutil.which(argv[0]) if argv else None
-                if path and not self.off:
-                    found = [path] + argv[1:]
-                    break
-            self.found[lang] = found
-        return self.found[lang]
+        for line in self.given.get(lang, LSP_LANGUAGES[lang].partition("|")[2]).split("|"):
+            argv = shlex.split(line)
+            path = argv and shutil.which(argv[0])
+            if path:
+                return [path] + argv[1:]
+        return None
 
     def server(self, real):
-        """(the server for file `real`, its languageId), started when new; None without one."""
+        """The server for file `real`, started when new; None without one."""
         ext = os.path.splitext(real)[1][1:].lower()
         lang = next((k for k, v in LSP_LANGUAGES.items() if ext in v.split("|")[0].split()), None)
         root = next((r for r in self.roots if is_within(real, r)), None)
-        if lang is None or root is None or not self.command(lang):
+        argv = lang and root and self.command(lang)
+        if not argv:
             return None
         with self.lock:
             for key, s in list(self.servers.items()):
                 if time.monotonic() - s.used > LSP_IDLE_S:
                     s.close()
                     del self.servers[key]
-            s = self.servers.get((lang, root))
-            if s is None:
-                environ = dict(command_environ(self.config), PYTHONDONTWRITEBYTECODE="1")
-                s = self.servers[lang, root] = LangServer(self.command(lang), root, self.sandbox,
-                                                          environ)
-        return s, LSP_IDS.get(ext, lang)
+            if (lang, root) not in self.servers:
+                self.servers[lang, root] = LangServer(argv, lang, root, self)
+            return self.servers[lang, root]
 
     def warm(self, real):
-        """Tell the server of file `real` (a view or outline of it): it starts when new.
-        The text it was told (None without a server)."""
-        found = self.server(real)
+        """Tell the server of file `real` (a view or outline of it) its text: it starts when
+        new. That text; None without a server or where the file cannot be read."""
+        s = self.server(real)
         try:
-            text = found and read_regular(real, real, self.config.max_file_size)[0]
+            text = s and read_regular(real, real, self.config.max_file_size)[0].decode(
+                "utf-8", "replace")
         except (OSError, ToolError):
-            return ""                   # the tool says what is wrong with it (too large, a FIFO)
-        if found:
-            text = text.decode("utf-8", "replace")
-            found[0].diagnostics(lsp_uri(real), found[1], text, 0)
+            return None                 # the tool says what is wrong with it (too large, a FIFO)
+        if s:
+            s.diagnostics(real, text, 0)
         return text
 
     def places(self, real, word, line):
@@ -9056,7 +9018,7 @@ class LangServers:
         if n is None:
             return None
         for kind in ("definition", "references"):
-            got = self.server(real)[0].request("textDocument/" + kind, {
+            got = self.server(real).request("textDocument/" + kind, {
                 "textDocument": {"uri": lsp_uri(real)}, "context": {"includeDeclaration": False},
                 "position": {"line": n, "character": word.search(lines[n]).start()}},
                 self.config.lsp_wait)
@@ -9071,24 +9033,23 @@ class LangServers:
         in (and fixed) by its server, waited for --lsp-wait seconds in all."""
         deadline, said = time.monotonic() + self.config.lsp_wait, []
         for real, shown, data, before, _ in todo:            # FileEdit records
-            found = data is not None and self.server(real)
-            if not found:
+            s = data is not None and self.server(real)
+            if not s:
                 continue
-            s, uri = found[0], lsp_uri(real)
-            if s.proc is not None and group_rss(s.proc.pid) > LSP_MAX_RSS:
-                signal_group(s.proc, signal.SIGKILL)     # over the bound: restarted once
+            proc = s.proc
+            if proc is not None and group_rss(proc.pid) > LSP_MAX_RSS:
+                signal_group(proc, signal.SIGKILL)     # over the bound: restarted once
             base = [] if before is None else s.diagnostics(
-                uri, found[1], before.decode("utf-8", "replace"), deadline)
-            owed = s.owed.pop(uri, None)
+                real, before.decode("utf-8", "replace"), deadline)
+            owed = s.owed.pop(real, None)
             if owed is not None and base is not None:       # the edit before's, come late
                 said.append(lsp_words(s.name, shown + " (the edit before)", owed, base))
             base = owed if base is None else base
-            after = s.diagnostics(uri, found[1], data.decode("utf-8", "replace"), deadline)
+            after = s.diagnostics(real, data.decode("utf-8", "replace"), deadline)
             if after is None:
-                if base is not None:
-                    s.owed[uri] = base
-                said.append("\n[%s on %s: not known yet after %g s; said with the next edit's"
-                            " answer]" % (s.name, shown, self.config.lsp_wait))
+                s.owed[real] = base                 # (None: nothing to compare with later)
+                said.append("\n[%s on %s: not known yet; said with the next edit's answer]"
+                            % (s.name, shown))
             elif base is not None:
                 said.append(lsp_words(s.name, shown, base, after))
         return "".join(said)
@@ -11976,13 +11937,10 @@ def tool_outline(session, args, ctx):
         places = ctx.lsp and ctx.lsp.places(root.real, word,
                                             next((e.first for e in one.entries), 1))
     rows, cwd = outline_rows(one.entries, one.lines), session.get_cwd()
-    if places is not None:
-        import linecache
-        rows = ["%s %s:%d: %s" % (
-            kind, os.path.relpath(path, cwd) if is_within(path, cwd) else path, n,
-            "" if ctx.policy.is_denied(path) else shorten(linecache.getline(path, n).strip()))
-            for kind, path, n in places]
-        linecache.clearcache()
+    if places is not None:      # (a line used twice is one row)
+        rows = list(dict.fromkeys("%s %s:%d" % (
+            kind, os.path.relpath(path, cwd) if is_within(path, cwd) else path, n)
+            for kind, path, n in places))
     parts = ["%s: %s, %d lines, %d definitions%s" % (
         shown, one.lang, one.lines, len(one.entries), " (%s)" % one.note if one.note else "")]
     cut = outline_page(parts, rows, offset, search_cap(ctx),
@@ -16704,10 +16662,10 @@ def check_main(config, policy, sandbox):
         ctx = CallContext(config, policy, helpers=server.helpers, sandbox=sandbox)
         glob = McpServer.run_tool(server.tools["glob"], session,
                                   {"pattern": "*", "path": roots[0]}, ctx)
-        servers = ["%s: %s (%s)" % (lang, " ".join(argv), (run_program(
-            argv[:1] + ["--version"], "/", 10)[1].decode("utf-8", "replace").strip().splitlines()
-            or ["its version unknown"])[0]) for lang, argv in (
-                (lang, server.lsp.command(lang)) for lang in LSP_LANGUAGES) if argv]
+        servers = ["%s: %s (%s)" % (lang, " ".join(argv), run_program(
+            argv[:1] + ["--version"], "/", 10)[1].decode("utf-8", "replace").strip().partition(
+                "\n")[0] or "its version unknown")
+            for lang in LSP_LANGUAGES for argv in [server.lsp.command(lang)] if argv]
     finally:
         session.close()
         server.close()

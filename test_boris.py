@@ -7637,7 +7637,7 @@ class TestLanguageServerVerdict(LspBase):
     def test_new_problem_named_old_one_not_fixed_one_counted(self):
         self.warm()
         text = self.edit("x = 1\n", "x = other_name\n")
-        self.assertIn('[fake-langserver on a.py: 1 new problem]\n  1:5 error [fake c1] "other_name" is not defined', text)
+        self.assertIn('[fake-langserver on a.py: 1 new problem]\n  1:5 error [fake] "other_name" is not defined', text)
         self.assertNotIn("undefined_name", text.split("[fake")[1])     # there before: not repeated
         text = self.edit("undefined_name\n", "pass\n")
         self.assertIn("[fake-langserver on a.py: 1 fixed]", text)
@@ -7671,7 +7671,6 @@ class TestLanguageServerVerdict(LspBase):
         self.assertIn("8 new problems", text)                     # the hint is not one
         self.assertEqual(len(re.findall(r"\n  \d+:\d+ error", text)), boris.LSP_SHOWN)
         self.assertNotIn("warning", text)
-        self.assertIn("... and 3 more", text)                      # 7 errors and the warning
 
     def test_every_edit_tool_gets_the_verdict(self):
         self.warm()
@@ -7696,21 +7695,13 @@ class TestLanguageServerPlaces(LspBase):
 
     def test_definition_and_references_by_the_server(self):
         text = self.call("outline", path="sub/m.py", symbol="helper")
-        lines = text.split("\n")
-        self.assertEqual(lines[:3], ["sub/m.py: python, 8 lines, 1 definitions", "definition sub/m.py:6: def helper(n):",
-                                     "references sub/m.py:1: # helper, helpers and the like"])
-        self.assertEqual(lines[4:], ["Read a definition with view and view_range [first, last], e.g. view_range [6, 7]."])
-        self.assertTrue(lines[3].startswith("references sub/m.py:8: y = helper(1)  # xxx"), lines[3])
-        self.assertLess(len(lines[3]), 250)                             # a long line shortened
-        with open(os.path.join(self.root, "sub", "m.py"), "r+") as f:
-            f.write("# helper was here")
-        with mock.patch.object(self.policy, "is_denied", lambda real: real.endswith("m.py")):
-            self.assertIn("\nreferences sub/m.py:1: \n", self.call("outline", path="sub/m.py", symbol="helper"))
-        self.assertIn("\nreferences sub/m.py:1: # helper was here", self.call("outline", path="sub/m.py", symbol="helper"))
+        self.assertEqual(text.split("\n"), ["sub/m.py: python, 8 lines, 1 definitions", "definition sub/m.py:6",
+                                            "references sub/m.py:1", "references sub/m.py:8",
+                                            "Read a definition with view and view_range [first, last], e.g. view_range [6, 7]."])
         self.session.cwd = os.path.join(self.root, "sub")
-        self.assertIn("\ndefinition m.py:6: def helper(n):", self.call("outline", path="m.py", symbol="helper"))
+        self.assertIn("\ndefinition m.py:6\n", self.call("outline", path="m.py", symbol="helper"))
         self.assertEqual(self.call("outline", path="m.py", symbol="K").split("\n")[:2],
-                         ["m.py: python, 8 lines, 1 definitions", "definition m.py:2: class K:"])
+                         ["m.py: python, 8 lines, 1 definitions", "definition m.py:2"])
 
     def test_bounded_with_a_read_on_notice(self):
         with open(self.a, "w") as f:
@@ -7721,11 +7712,10 @@ class TestLanguageServerPlaces(LspBase):
         self.assertTrue(notice, text[:200])
         self.assertLessEqual(len(text), 4000)
         more = self.call("outline", path="a.py", symbol="f", offset=int(notice.group(1)))
-        self.assertIn("]\na.py: python, 3002 lines, 1 definitions\nreferences a.py:%d: f()\n" % (int(notice.group(1)) + 2), more)
+        self.assertIn("]\na.py: python, 3002 lines, 1 definitions\nreferences a.py:%d\n" % (int(notice.group(1)) + 2), more)
 
     def test_no_server_the_outline_entries_and_grep(self):
-        self.server.lsp.off = True
-        self.server.lsp.found.clear()
+        self.server.lsp.given = dict.fromkeys(boris.LSP_LANGUAGES, "")      # as --lsp off
         text = self.call("outline", path="sub/m.py", symbol="helper")
         self.assertIn("1 definitions\n6-7  def helper(n):\n", text)
         self.assertNotIn("class K", text)
@@ -7736,7 +7726,9 @@ class TestLanguageServerPull(LspBase):
     mode = "pull"
 
     def test_pull_where_only_that_is_offered(self):
-        self.warm()
+        self.call("view", path="a.py")                    # (pulled from the first edit on)
+        s = next(iter(self.server.lsp.servers.values()))
+        self.assertTrue(wait_until(s.ready.is_set, 30), self.told())
         self.assertIn("1 new problem", self.edit("x = 1\n", "x = other_name\n"))
         self.assertIn("textDocument/diagnostic", [m.get("method") for m in self.told()])
 
@@ -7747,9 +7739,9 @@ class TestLanguageServerLate(LspBase):
     def test_a_late_verdict_comes_with_the_next_edit(self):
         s = self.warm()
         text = self.edit("x = 1\n", "x = other_name\n")
-        self.assertIn("[fake-langserver on a.py: not known yet after 0.2 s; said with the next edit's answer]", text)
+        self.assertIn("[fake-langserver on a.py: not known yet; said with the next edit's answer]", text)
         uri = boris.lsp_uri(self.a)
-        self.assertTrue(wait_until(lambda: s.reports[uri][0] > s.docs[uri][2], 30))
+        self.assertTrue(wait_until(lambda: uri in s.reports, 30))
         self.assertIn("[fake-langserver on a.py (the edit before): 1 new problem]\n  1:5 error",
                       self.edit("x = other_name\n", "x = other_name  \n"))
 
@@ -7761,7 +7753,6 @@ class TestLanguageServerMisbehaving(LspBase):
 
     def run_mode(self, mode):
         self.server.lsp.given["python"] = "%s %s %s" % (self.script, mode, self.log)
-        self.server.lsp.found.clear()
         self.call("view", path="a.py")
         for i in range(3):
             text = self.edit("x = %d\n" % (i + 1), "x = %d\n" % (i + 2))
@@ -7877,22 +7868,22 @@ class TestRealLanguageServers(unittest.TestCase):
     def test_pyright_places(self):
         text = self.places("pyright-langserver", "a.py", "# helper: a helper\n\ndef helper(n):\n    return n\n\n\n"
                            "y = helper(1) + helper(2)\n", "helper")
-        self.assertEqual(text.split("\n")[1:4], ["definition a.py:3: def helper(n):", "references a.py:7: y = helper(1) + helper(2)",
-                                                 "references a.py:7: y = helper(1) + helper(2)"])
+        self.assertEqual(text.split("\n")[1:4], ["definition a.py:3", "references a.py:7",      # a line used twice: one row
+                                                 "Read a definition with view and view_range [first, last], e.g. view_range [3, 4]."])
 
     def test_clangd_places(self):
         text = self.places("clangd", "a.c", "/* helper */\nstatic int helper(int n)\n{\n    return n;\n}\n\n"
                            "int main(void)\n{\n    return helper(1);\n}\n", "helper")
-        self.assertEqual(text.split("\n")[1:3], ["definition a.c:2: static int helper(int n)", "references a.c:9: return helper(1);"])
+        self.assertEqual(text.split("\n")[1:3], ["definition a.c:2", "references a.c:9"])
 
     def test_pyright(self):
         text = self.verdict("pyright-langserver", "a.py", "x = 1\n" + "\n" * 30 + "old_far\n", "x = 1\n", "x = 1\ny = new_name\n")
-        self.assertRegex(text, r'^pyright-langserver on a.py: 1 new problem\]\n  2:5 error \[Pyright reportUndefinedVariable\] "new_name" is not defined$')
+        self.assertRegex(text, r'^pyright-langserver on a.py: 1 new problem\]\n  2:5 error \[Pyright\] "new_name" is not defined$')
 
     def test_clangd(self):
         text = self.verdict("clangd", "a.c", "int x;\n" + "\n" * 30 + "int g(void) { return old_far; }\n", "int x;\n",
                             "int x;\nint y(void) { return new_name; }\n")
-        self.assertIn("clangd on a.c: 1 new problem]\n  2:22 error [clang undeclared_var_use] Use of undeclared identifier 'new_name'", text)
+        self.assertIn("clangd on a.c: 1 new problem]\n  2:22 error [clang] Use of undeclared identifier 'new_name'", text)
 
 
 class TestLanguageServerOverStdio(unittest.TestCase):
