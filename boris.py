@@ -5597,17 +5597,15 @@ class Document:
     def docx_text(self, p):
         """A paragraph's text: runs, tabs, breaks, footnote marks ([^n]); deleted text left out."""
         W, parts = OOXML_W, []
+        marks = {W + "tab": "\t", W + "br": "\n", W + "cr": "\n"}
         for el in p.iter():
-            tag = el.tag
-            if tag == W + "t" and el.text:
-                parts.append(el.text)
-            elif tag == W + "tab":
-                parts.append("\t")
-            elif tag in (W + "br", W + "cr"):
-                parts.append("\n")
-            elif tag == W + "footnoteReference":
+            if el.tag == W + "t":
+                parts.append(el.text or "")
+            elif el.tag == W + "footnoteReference":
                 self.notes.append(el.get(W + "id"))
                 parts.append("[^%d]" % len(self.notes))
+            else:
+                parts.append(marks.get(el.tag, ""))
         return "".join(parts)
 
     # -- Excel -----------------------------------------------------------------------
@@ -5800,20 +5798,21 @@ class Document:
         """The text of a paragraph: spans, spaces (text:s), tabs, line breaks, links;
         a footnote becomes [^n], its body noted for the end."""
         T, parts = ODF["text"], [el.text or ""]
+        # (a note's citation and an annotation: left out)
+        marks = {T + "tab": "\t", T + "line-break": "\n", T + "note-citation": "",
+                 ODF["office"] + "annotation": ""}
         for child in el:
             tag = child.tag
             if tag == T + "s":
                 parts.append(" " * min(1000, int(child.get(T + "c", "1") or 1)))
-            elif tag == T + "tab":
-                parts.append("\t")
-            elif tag == T + "line-break":
-                parts.append("\n")
+            elif tag in marks:
+                parts.append(marks[tag])
             elif tag == T + "note":
                 body = child.find(T + "note-body")
                 self.notes.append(" ".join(self.odf_text(p).strip() for p in body.iter(T + "p"))
                                   if body is not None else "")
                 parts.append("[^%d]" % len(self.notes))
-            elif tag not in (T + "note-citation", ODF["office"] + "annotation"):
+            else:
                 parts.append(self.odf_text(child))
             parts.append(child.tail or "")
         return "".join(parts)
@@ -7250,22 +7249,19 @@ class Pdf(PdfParser):
         filters, params = self.entry(d, "Filter"), self.entry(d, "DecodeParms")
         filters = filters if isinstance(filters, list) else [filters] if filters else []
         params = params if isinstance(params, list) else [params] * len(filters)
+        lzw = lambda data: pdf_lzw(data, PDF_INFLATED_MAX - self.inflated)
+        hex_digits = lambda data: pdf_hex(data.split(b">")[0])      # (to the '>' ending them)
+        undo = {"FlateDecode": self.inflate, "Fl": self.inflate, "LZWDecode": lzw, "LZW": lzw,
+                "ASCII85Decode": pdf_ascii85, "A85": pdf_ascii85, "ASCIIHexDecode": hex_digits,
+                "AHx": hex_digits, "RunLengthDecode": pdf_run_length, "RL": pdf_run_length}
         for f, p in zip(filters, params + [None] * len(filters)):
-            f, p = self.get(f), self.get(p)
-            if f in ("FlateDecode", "Fl"):
-                data = self.inflate(data)
-            elif f in ("LZWDecode", "LZW"):
-                data = pdf_lzw(data, PDF_INFLATED_MAX - self.inflated)
-            elif f in ("ASCII85Decode", "A85"):
-                data = pdf_ascii85(data)
-            elif f in ("ASCIIHexDecode", "AHx"):
-                data = pdf_hex(data.split(b">")[0])
-            elif f in ("RunLengthDecode", "RL"):
-                data = pdf_run_length(data)
-            elif f == "Crypt":
+            f, p = str(self.get(f)), self.get(p)         # (str: a damaged one may be a list)
+            if f == "Crypt":
                 continue
-            else:
+            if f not in undo:
+
                 raise PdfError("a stream in %s (an image, not text)" % f)
+            data = undo[f](data)
             if isinstance(p, dict) and isinstance(p.get("Predictor"), int) and p["Predictor"] > 1:
                 data = pdf_predictor(data, p)
             self.inflated += len(data)
@@ -9344,11 +9340,10 @@ class HtmlToMarkdown:
         """A ul or ol: '- ' or numbered items (from `start`), an item's blocks indented under
         its marker, loose (blank lines between) when any item holds paragraphs."""
         items, number = [], 1
-        if tag == "ol":
-            try:
-                number = int(attrs.get("start") or 1)
-            except ValueError:
-                pass                        # numbered from 1
+        try:
+            number = int(attrs.get("start") or 1)      # (a ul's is never shown)
+        except ValueError:
+            pass                            # numbered from 1
         loose = False
         for c in children:
             marker = "- " if tag == "ul" else "%d. " % number
@@ -9366,7 +9361,7 @@ class HtmlToMarkdown:
                 continue
             number += tag == "ol"
             body = self.blocks(c.children, item=True)
-            loose = loose or "\n\n" in body
+            loose |= "\n\n" in body
             items.append((marker, body))
         return ("\n\n" if loose else "\n").join(list_item(*item) for item in items)
 
@@ -10958,11 +10953,12 @@ class Checkpoints:
                     # the store itself (where it lies in a root)
                     continue
                 cut = path.rfind("/")
-                if here is None or path[:cut or 1] != here.path:
+                d = path[:cut or 1]
+                if here is None or d != here.path:
                     if here is not None:
                         settle()
-                    d = path[:cut or 1]
                     here = Listing(d, prev.get(d), d in quiet, repo, look)
+
                 here.add(path[cut + 1:])
                 size += 1
             if here is not None:
