@@ -5487,9 +5487,9 @@ class Document:
         `what` ("a Word document") only with it: then an error saying it is not."""
         import xml.etree.ElementTree as ET
         part = self.stream(name)
-        if part is None and what:
-            raise ToolError(INVALID_INPUT, "no %s: not %s" % (name, what))
         if part is None:
+            if what:
+                raise ToolError(INVALID_INPUT, "no %s: not %s" % (name, what))
             return None
         with part:
             try:
@@ -5553,16 +5553,13 @@ class Document:
                 text = self.docx_text(el).strip()
                 if not text:
                     continue
-                props = el.find(W + "pPr")
-                if props is None:
-                    props = el.makeelement(W + "pPr", {})    # none: an empty one, finding nothing
-                found = props.find(W + "pStyle")
+                found = el.find(W + "pPr/" + W + "pStyle")
                 style = styles.get(found.get(W + "val"), "") if found is not None else ""
-                level = re.match(r"heading (\d)", style)
-                depth = props.find(W + "numPr/" + W + "ilvl")
-                if style == "title" or level:
-                    out.append("#" * (int(level.group(1)) if level else 1) + " " + text)
-                elif props.find(W + "numPr") is not None or style.startswith("list"):
+                level = re.match(r"heading (\d)|title\Z", style)       # (a title: level 1)
+                depth = el.find(W + "pPr/" + W + "numPr/" + W + "ilvl")
+                if level:
+                    out.append("#" * int(level.group(1) or 1) + " " + text)
+                elif el.find(W + "pPr/" + W + "numPr") is not None or style.startswith("list"):
                     level = int(depth.get(W + "val", 0) if depth is not None else 0)
                     out.append("  " * level + "- " + text)
                 else:
@@ -5666,8 +5663,8 @@ class Document:
             if col < 16384:
                 values[col] = value
                 self.cells += 1
-        width = max(values) + 1 if values else 0
-        return [values.get(i, "") for i in range(width)]
+        return [values.get(i, "") for i in range(max(values, default=-1) + 1)]
+
 
     @staticmethod
     def xlsx_text(si):
@@ -10496,7 +10493,7 @@ class Listing:
                                    self.known)
         if entry is not None:
             self.children.append((name, entry))
-            self.all_reusable = self.all_reusable and reusable
+            self.all_reusable &= reusable
 
     def packed(self):
         """(the children packed, or None when there are none; whether every one looked at can
@@ -10546,7 +10543,7 @@ def entry_changes(old, new, partial=False):
     added, modified, deleted = [], [], []
     for d in set(old.dirs) | set(new.dirs):
         a, b = old.dirs.get(d), new.dirs.get(d)
-        if a is b or a == b:
+        if a == b:
             continue
         a, b = unpack_children(a or b"\0" * 4), unpack_children(b or b"\0" * 4)
         prefix = child_prefix(d)
@@ -16382,10 +16379,12 @@ class McpRequestHandler:
             return None
 
     def pick_session(self, msg):
-        """(session, new id or None); (None, None) after a refusal was sent."""
+        """(session, new id or None) of a message whose id, if any, is valid (do_POST);
+        (None, None) after a refusal was sent."""
         t = self.transport
         meta = object_at(object_at(msg, "params"), "_meta")
-        rid = msg.get("id") if valid_id(msg.get("id")) else None
+        rid = msg.get("id")
+
         header = self.headers.get("MCP-Protocol-Version")
         if META_VERSION_KEY not in meta and header and header not in SUPPORTED_VERSIONS:
             self.reply(400, error_response(rid, -32600, "Unsupported protocol version: the"
@@ -16428,13 +16427,15 @@ class McpRequestHandler:
                    ("Mcp-Method", "method", msg.get("method")), ("Mcp-Name", "tool name", name))
         for header, what, body in mirrors:
             value = self.headers.get(header)
-            # (HTTP's optional whitespace)
-            value = value.strip(" \t") if value is not None else None
-            if value is not None and value.startswith("=?base64?") and value.endswith("?="):
-                try:
-                    value = base64.b64decode(value[9:-2], validate=True).decode("utf-8")
-                except (ValueError, UnicodeError):
-                    pass                                  # (compared, and quoted, as it came)
+            if value is not None:
+                value = value.strip(" \t")                # (HTTP's optional whitespace)
+                if value.startswith("=?base64?") and value.endswith("?="):
+                    try:
+                        value = base64.b64decode(value[9:-2], validate=True).decode("utf-8")
+                    except (ValueError, UnicodeError):
+                        pass                              # (compared, and quoted, as it came)
+
+
             if body is None or value == body or header == "MCP-Protocol-Version" and value is None:
                 continue
             if header != "MCP-Protocol-Version" and not isinstance(meta.get(META_VERSION_KEY), str):
