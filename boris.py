@@ -6415,8 +6415,8 @@ class PdfFont:
 
     def composite_font(self, pdf, d, cmap):
         """A Type0 font's codes (by its encoding CMap and descendant CID font) and widths."""
+        # (read through pdf.entry alone: what is no dictionary reads as an empty one)
         kid = pdf.get((pdf.entry(d, "DescendantFonts", list) or [{}])[0])
-        kid = kid if isinstance(kid, dict) else {}
         name, cmap = self.cid_encoding(pdf, d, cmap)
         self.cid_widths(pdf, kid)
         self.spans = self.spans or PDF_TWO_BYTES
@@ -6827,7 +6827,7 @@ class PdfCrypt:
         v, r = pdf.entry(d, "V") or 0, pdf.entry(d, "R") or 0
         o, u = pdf.entry(d, "O") or b"", pdf.entry(d, "U") or b""
         cf = pdf.entry(d, "CF", dict) if v >= 4 else None      # (version 4 and up: crypt filters)
-        stmf = pdf.entry(d, "StmF") if cf is not None else None
+        stmf = pdf.entry(d, "StmF")                             # (it counts only beside CF)
         method = pdf.entry(pdf.entry(cf, stmf or "StdCF"), "CFM")
         self.aes = method in ("AESV2", "AESV3")
         self.identity = cf is not None and (stmf == "Identity" or method == "None")
@@ -6902,8 +6902,9 @@ class PdfCrypt:
             if len(data) < 32:
                 return b""
             out = pdf_aes_cbc(key, data[:16], data[16:])
-            pad = out[-1] if out else 0
+            pad = sum(out[-1:])                                 # (its last byte; 0 for none)
             return out[:-pad] if 0 < pad <= 16 else out
+
         return pdf_rc4(key, data)
 
     def decrypt(self, value, ref, depth=0):
@@ -7067,8 +7068,8 @@ class Pdf(PdfParser):
         if s is None or not isinstance(value, dict):
             return value
         start, length = s.end(), self.get(value.get("Length"))
-        end = start + length if isinstance(length, int) and length >= 0 else -1
-        if end < 0 or end > len(data) or \
+        end = start + length if isinstance(length, int) else -1
+        if not start <= end <= len(data) or \
                 not re.match(rb"[\x00\t\n\x0c\r ]*endstream", data[end:end + 32]):
             # the first endstream (else the end of the file), less the line break before it
             end = re.compile(rb"(?:\r\n|[\r\n])?(?:endstream|\Z)").search(data, start).start()
@@ -7081,7 +7082,7 @@ class Pdf(PdfParser):
         if m is None:
             raise PdfError("no startxref with an offset")
         pos, seen = int(m.group(1)), set()
-        while pos is not None and pos not in seen and len(seen) < 1000:
+        while isinstance(pos, int) and pos not in seen and len(seen) < 1000:
             seen.add(pos)
             m = re.compile(rb"[\x00\t\n\x0c\r ]*xref").match(self.data, pos)
             if m is not None:
@@ -7094,7 +7095,8 @@ class Pdf(PdfParser):
                     raise PdfError("startxref points at no xref")
                 trailer = self.xref_stream(stream)
             self.trailer = dict(trailer, **self.trailer)         # (the newest section's keys win)
-            pos = trailer.get("Prev") if isinstance(trailer.get("Prev"), int) else None
+            pos = trailer.get("Prev")
+
 
     def xref_table(self, pos):
         """One 'xref' table (the newest entry of a number
@@ -7346,8 +7348,8 @@ class Pdf(PdfParser):
         """The PdfFont of a font dictionary (kept by reference)."""
         key = ref if isinstance(ref, PdfRef) else id(ref)
         if key not in self.fonts:
-            d = self.get(ref)
-            self.fonts[key] = PdfFont(self, d if isinstance(d, dict) else {})
+            self.fonts[key] = PdfFont(self, self.get(ref))
+
         return self.fonts[key]
 
     def page_text(self, page, resources):
@@ -7509,7 +7511,8 @@ class Pdf(PdfParser):
     def draw(self, st, string):
         """One string of a text-showing operator: its text as a PdfRun in page space, the
         pen moved past it."""
-        font, size, tc, tw, th, rise, tm = st.font, st.size, st.tc, st.tw, st.th, st.rise, st.tm
+        font, size, tc, tw, th, tm = st.font, st.size, st.tc, st.tw, st.th, st.tm
+        rise = 0 if font.vertical else st.rise              # (down a column: none)
         text, width, codes, spaces, missing = font.decode(string)
         self.unmapped += missing
         spacing = -tc if font.vertical else tc * th
@@ -7518,18 +7521,16 @@ class Pdf(PdfParser):
         m0 = pdf_mul(tm, st.ctm)
         if font.vertical:                           # down a column: w1 x size + Tc + Tw
             advance = font.down * codes * size - tc * codes - tw * spaces
-            x0, y0 = m0[4], m0[5]
             st.tm = tm[:4] + [tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
         else:
             advance = (width * size + tc * codes + tw * spaces) * th
-            x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
             st.tm = tm[:4] + [tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
         m1 = pdf_mul(st.tm, st.ctm)
         scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
         if text:
-            st.runs.append(PdfRun(x0, y0, m1[4] + (rise * m1[2] if not font.vertical else 0),
-                                  m1[5] + (rise * m1[3] if not font.vertical else 0),
-                                  abs(scale) or 1.0, text, font.vertical))
+            st.runs.append(PdfRun(m0[4] + rise * m0[2], m0[5] + rise * m0[3], m1[4] + rise * m1[2],
+                                  m1[5] + rise * m1[3], abs(scale) or 1.0, text, font.vertical))
+
 
     def form(self, st, name):
         """Do: a form XObject's content run inside the page (12 deep at most,
