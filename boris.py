@@ -6464,12 +6464,15 @@ class PdfFont:
         i = 0
         while i + 1 < len(w) and len(self.widths) < PDF_CMAP_MAX:
             first, nxt = get(w[i]), get(w[i + 1])
-            if isinstance(nxt, list) and isinstance(first, int):
+            if not isinstance(first, int):
+                break
+            if isinstance(nxt, list):
                 for k, v in enumerate(nxt):
                     if isinstance(get(v), PDF_NUMBER):
                         self.widths[first + k] = get(v) / 1000.0
                 i += 2
-            elif i + 2 < len(w) and isinstance(first, int) and isinstance(nxt, int):
+            elif i + 2 < len(w) and isinstance(nxt, int):
+
                 v = get(w[i + 2])
                 if isinstance(v, PDF_NUMBER) and nxt - first < PDF_CMAP_MAX:
                     for c in range(first, nxt + 1):
@@ -6522,7 +6525,7 @@ class PdfFont:
         if subtype == "Type3" and drawn:
             self.em = 2 * drawn[len(drawn) // 2]
         base = str(pdf.entry(d, "BaseFont") or "")
-        descriptor = pdf.entry(d, "FontDescriptor", dict) or {}
+        descriptor = pdf.entry(d, "FontDescriptor", dict)        # (None: read as an empty one)
         missing = pdf.entry(descriptor, "MissingWidth", PDF_NUMBER)
         if missing is not None and missing > 0:
             self.default = missing * self.scale
@@ -7477,8 +7480,8 @@ class Pdf(PdfParser):
             st.ctm = pdf_mul([float(x) for x in operands[-6:]], st.ctm)
         elif op == b"q" and len(stack) < 1000:
             stack.append(st.saved())
-        elif op == b"Q" and stack:
-            st.restore(stack.pop())
+        elif op == b"Q":
+            st.restore(stack.pop())                  # (none saved: IndexError, run() skips it)
 
         elif op in PDF_TEXT_PARAMETERS:
             setattr(st, PDF_TEXT_PARAMETERS[op],
@@ -7493,9 +7496,10 @@ class Pdf(PdfParser):
             if op == b'"' and len(operands) >= 3:
                 st.tw, st.tc = operands[-3], operands[-2]
             st.move(0, -st.tl)
-        if st.font is None or not operands:
+        if st.font is None:
             return
-        items = operands[-1] if op == b"TJ" else [operands[-1]]
+        items = operands[-1] if op == b"TJ" else [operands[-1]]     # (none: run() skips it)
+
         font, size, th = st.font, st.size, st.th
         for item in items if isinstance(items, list) else [items]:
             tm = st.tm
@@ -9147,10 +9151,11 @@ HTML_DEPTH = 200
 # rendered as blocks of their own
 HTML_BLOCK_TAGS = HTML_BLOCKS | frozenset(("ul", "ol", "li", "pre", "table", "blockquote", "hr",
                                            "h1", "h2", "h3", "h4", "h5", "h6"))
-# a start tag -> the open ones it ends
-HTML_IMPLIED_ENDS = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd"), "dd": ("dt", "dd"),
+# a start tag -> the open ones it ends (a block but li: an open paragraph too)
+HTML_IMPLIED_ENDS = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd", "p"), "dd": ("dt", "dd", "p"),
                      "tr": ("tr", "td", "th"), "td": ("td", "th"), "th": ("td", "th"),
                      "option": ("option",)}
+HTML_IMPLIED_ENDS = dict({tag: ("p",) for tag in HTML_BLOCK_TAGS}, **HTML_IMPLIED_ENDS)
 
 
 # -- HTML to Markdown -------------------------------------------------------------
@@ -9186,8 +9191,6 @@ class HtmlToMarkdown:
             self.skip += tag in HTML_SKIP and tag not in HTML_VOID
             return
         closes = HTML_IMPLIED_ENDS.get(tag, ())
-        if tag in HTML_BLOCK_TAGS and tag not in ("p", "li"):
-            closes += ("p",)                             # a block ends an open paragraph
         while self.stack[-1].tag in closes:
             self.stack.pop()
         node = HtmlNode(tag, dict(attrs), [])
@@ -9303,10 +9306,11 @@ class HtmlToMarkdown:
                 md = self.block(c)
                 if md.strip():
                     parts.append((c.tag, md))
-        out = ""
-        for k, (kind, md) in enumerate(parts):
-            tight = item and k and kind in ("ul", "ol") and parts[k - 1][0] == "text"
-            out += ("\n" if tight else "\n\n" if k else "") + md
+        out, before = "", None
+        for kind, md in parts:
+            tight = item and kind in ("ul", "ol") and before == "text"
+            out += ("\n" if tight else "\n\n" if out else "") + md
+            before = kind
         return out
 
     def block(self, node):
@@ -9351,12 +9355,15 @@ class HtmlToMarkdown:
                 continue
             if c.tag != "li":
                 md = self.block(c) if c.tag in HTML_BLOCK_TAGS else self.inline([c]).strip()
-                if md and c.tag in ("ul", "ol") and items and items[-1][0]:
+                if not md:
+                    continue
+                if c.tag in ("ul", "ol") and items and items[-1][0]:
                     # a list put straight in a list: the item before holds it
                     items[-1] = (items[-1][0], items[-1][1] + "\n" + md)
-                elif md:
+                else:
                     items.append(("", md))
                 continue
+
             number += tag == "ol"
             body = self.blocks(c.children, item=True)
             loose |= "\n\n" in body
@@ -10811,13 +10818,13 @@ class Checkpoints:
             # handed over, but the walk ended first: none partial
             if self.part is not None:
                 self.part, self.handed = None, False
-            if checkpoint is None and self.list and self.list[-1].partial \
-                    and self.whole_mark is not None and not self.stopped.is_set() \
-                    and not cancelled.is_set():
+            if checkpoint is not None:
+                self.base = checkpoint
+            elif self.list and self.list[-1].partial and self.whole_mark is not None \
+                    and not self.stopped.is_set() and not cancelled.is_set():
                 # no event since
                 checkpoint = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)
-            elif checkpoint is not None:
-                self.base = checkpoint
+
             if checkpoint is not None and not (self.handed and background):
                 self.record(checkpoint)
             # (whole, or known unchanged): answered
@@ -16022,7 +16029,8 @@ class McpServer:
                     "requested": modern[:100] if isinstance(modern, str) else brief(modern)}))
         if not isinstance(meta.get(CLIENT_CAPS_KEY), dict):
             return modern, invalid("_meta lacks %s (an object)" % CLIENT_CAPS_KEY)
-        if LOG_LEVEL_KEY in meta and meta[LOG_LEVEL_KEY] not in MCP_LOG_LEVELS:
+        if meta.get(LOG_LEVEL_KEY, "info") not in MCP_LOG_LEVELS:       # (none: as good as one)
+
             return modern, invalid("%s must be one of %s, not %s" % (
                 LOG_LEVEL_KEY, ", ".join(MCP_LOG_LEVELS), brief(meta[LOG_LEVEL_KEY])))
         if method in REMOVED_METHODS or method != "tools/call" and method not in self.METHODS:
