@@ -2557,7 +2557,8 @@ class Landlock:
         if self.fd < 0:
             raise errno_error("landlock_create_ruleset")
         try:
-            file_rights = LL_WRITE_FILE | (LL_TRUNCATE if abi >= 3 else 0)
+            file_rights = write & (LL_WRITE_FILE | LL_TRUNCATE)     # (truncate: from ABI 3)
+
             for path, rights in ([(p, write)
                                   for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)]
                                  + [(p, file_rights) for p in SANDBOX_DEVICES]):
@@ -10911,7 +10912,7 @@ class Checkpoints:
         looked at whole while watched; those looked at otherwise)."""
         visited, looked, unwatched = [], set(), []
         w = self.cache.watches
-        quiet = w.quiet if w is not None else set()
+        quiet, watched = (w.quiet, w.of) if w is not None else (set(), {})
         prev, dirs, missed, partial, size = self.base.dirs, {}, [], False, 0
         left_out, pruned = self.pruner(quiet) if prune else (None, set())
         # the store's directory where it lies in a root (the walk leaves it out)
@@ -10928,7 +10929,7 @@ class Checkpoints:
             if reusable is not None:                         # (None: kept unread, still quiet)
                 quiet.discard(here.path)
                 # (its watch was set before the lstats)
-                if reusable and w is not None and here.path in w.of:
+                if reusable and here.path in watched:
                     looked.add(here.path)
                 else:
                     unwatched.append(here.path)
@@ -10942,7 +10943,7 @@ class Checkpoints:
         for root in self.roots:
             if partial:
                 break
-            repo = next((r for r in self.repos if is_within(root, r.top)), None)
+            repo = self.repo_of(root)
             walker = self.walker(root, left_out, visited)
             here = None
             # (a directory's children come together)
@@ -11158,14 +11159,19 @@ class Checkpoints:
         the git repository holding `path` (through one CatFile a repository per rewind)."""
         if not digest.startswith("g"):
             return self.blob(digest)
-        repo = next((r for r in self.repos if is_within(path, r.top)), None)
+        repo = self.repo_of(path)
         if repo is None:
             raise OSError(errno.ENOENT, "its git repository is gone")
         if repo not in readers:
             readers[repo] = CatFile(repo)
         return readers[repo].read(digest[1:])
 
+    def repo_of(self, path):
+        """The GitIndex of the repository holding `path`, or None."""
+        return next((r for r in self.repos if is_within(path, r.top)), None)
+
     def put_back(self, dfd, base, now, want, data):
+
         """step()'s change, relative to directory `dfd`: '' when done, else why not (OSError
         when the system refused)."""
         if want is None:
