@@ -6270,7 +6270,7 @@ def pdf_lines(runs):
         elif spaced and not line[-1][-1:].isspace() and not text[:1].isspace():
             line.append(" ")
         line.append(text)
-        if ex < x and abs(ex - x) > abs(ey - y):
+        if x - ex > abs(ey - y):
             # drawn right to left: already in reading order
             back += len(text)
         x0, x1 = (x - 0.5 * size, x + 0.5 * size) if vertical else (min(x, ex), max(x, ex))
@@ -6298,8 +6298,9 @@ def pdf_reading_order(boxes):
     first), the widest such gap first - and again in each part; lines no gap divides keep
     the order they were drawn in, unless they make one column (then top first). A page of
     very many lines keeps its drawing order."""
-    if len(boxes) < 2 or len(boxes) > 3000:
+    if not 2 <= len(boxes) <= 3000:
         return list(range(len(boxes)))
+
     unit = max(sorted(b[3] - b[2] for b in boxes)[len(boxes) // 2], 1.0)    # a median line's height
     out, stack = [], [list(range(len(boxes)))]
     while stack:
@@ -6598,7 +6599,7 @@ class PdfFont:
                          chr(s[i]) if 32 <= s[i] < 127 and not uni or s[i] == 32 else "")
                  for i in range(len(s))]
         width = sum(widths.get(b, default) for b in s)
-        missing = sum(1 for i, t in enumerate(parts) if not t and (s[i] >= 32 or self.low))
+        missing = sum(not t and (s[i] >= 32 or self.low) for i, t in enumerate(parts))
         # (a glyph with no text, a width of its own: parts words)
         return ("".join(t or (" " if widths.get(s[i], 0) > 0 else "") for i, t in enumerate(parts)),
                 width, len(s), s.count(32), missing)
@@ -6622,7 +6623,7 @@ class PdfFont:
                 if len(c) == size and all(lo[k] <= c[k] <= hi[k] for k in range(size)):
                     n = size
                     break
-            n = n or (2 if len(s) - i >= 2 else 1)
+            n = n or min(2, len(s) - i)
             c = s[i:i + n]
             i += n
             t, w = uni.get(c), widths.get(int.from_bytes(c, "big"), default)
@@ -10466,7 +10467,7 @@ def rewind_plan(old, cur, within, partial):
     above = {p for p, e in old.items() if e.kind == "d" and any(is_within(w, p) for w in within)}
 
     def wanted(p):
-        return not within or p in above or any(p == w or is_within(p, w) for w in within)
+        return not within or p in above or any(is_within(p, w) for w in within)
     drop = [p for p, e in cur.items()
             if wanted(p) and (p not in old and not partial and p not in above
                               or p in old and old[p].kind != e.kind)]
@@ -10705,19 +10706,21 @@ class Checkpoints:
                                    " after it cover this call's changes" % CHECKPOINT_WAIT_S)
                         break
                     self.cond.wait(CHECKPOINT_YIELD_S)
-                latest = self.list[-1] if self.list else None
-                if latest is not None:
+                partial = False
+                for latest in self.list[-1:]:              # (the latest, when there is one)
                     latest.followed = (latest.followed
                                        + [call + (" (not covered)" if missing else "")])[-5:]
+                    partial = latest.partial
             finally:
                 self.waiters -= 1
                 self.cond.notify_all()
         if missing:
             return "(%s.)" % missing
-        if latest is not None and latest.partial:
+        if partial:
             return ("(The checkpoint before this call covers part of the workspace: %s; checkpoints"
-                    " lists what it covers.)" % latest.partial)
+                    " lists what it covers.)" % partial)
         return None
+
 
     def record_part(self, target):
         """Keep what a walk handed over, when it answers the ask `target`, as a partial
