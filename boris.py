@@ -5414,7 +5414,15 @@ def excel_date(value, epoch):
     return moment.strftime("%Y-%m-%d" if moment.time() == datetime.time() else "%Y-%m-%d %H:%M:%S")
 
 
+def without_empty_tail(items):
+    """`items` (a list, changed in place) less the empty ones at its end."""
+    while items and not items[-1]:
+        items.pop()
+    return items
+
+
 def markdown_table(rows):
+
     """Rows of cell text as a Markdown table, the first row its header; | and line breaks
     in a cell escaped so that each row stays one line."""
     width = max([len(r) for r in rows] + [1])
@@ -5782,15 +5790,12 @@ class Document:
                 repeat = int(cell.get(TB + "number-columns-repeated", "1") or 1)
                 cells += [text] * (min(repeat, 1024) if text else min(repeat, 16384 - len(cells)))
                 self.cells += 1
-            while cells and not cells[-1]:
-                cells.pop()
+            cells = without_empty_tail(cells)
             repeat = int(row.get(TB + "number-rows-repeated", "1") or 1)
             rows += [cells] * (min(repeat, 1000) if cells else min(repeat, 1))
             if self.cells > DOC_MAX_CELLS:
                 break
-        while rows and not rows[-1]:
-            rows.pop()
-        return rows
+        return without_empty_tail(rows)
 
     def odf_text(self, el):
         """The text of a paragraph: spans, spaces (text:s), tabs, line breaks, links;
@@ -9297,7 +9302,8 @@ class HtmlToMarkdown:
         paragraphs; blocks are separated by blank lines, except (in a list item) a list
         right after the item's own text, which follows it on the next line."""
         parts = []
-        runs = groupby(nodes, lambda c: isinstance(c, str) or c.tag not in HTML_BLOCK_TAGS)
+        # (text has no tag: inline)
+        runs = groupby(nodes, lambda c: getattr(c, "tag", None) not in HTML_BLOCK_TAGS)
         for is_inline, run in runs:                # inline content, or blocks
             if is_inline:
                 text = "\n".join(line.strip() for line in self.inline(run).split("\n")).strip()
@@ -9413,14 +9419,13 @@ def table_rows(node):
     """The rows of a table node (in thead, tbody or tfoot too), each a list of its cells."""
     rows = []
     for c in node.children:
-        if isinstance(c, str):
-            continue
-        if c.tag == "tr":
-            rows.append([cell for cell in c.children
-                         if not isinstance(cell, str) and cell.tag in ("td", "th")])
-        elif c.tag in ("thead", "tbody", "tfoot"):
+        tag = getattr(c, "tag", None)                   # (text has none)
+        if tag == "tr":
+            rows.append([cell for cell in c.children if getattr(cell, "tag", None) in ("td", "th")])
+        elif tag in ("thead", "tbody", "tfoot"):
             rows += table_rows(c)
     return rows
+
 
 
 def html_to_markdown(markup, base_url=""):
