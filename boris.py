@@ -3143,10 +3143,11 @@ class Sandbox:
         if not self.network:
             refusals += r"|Network is unreachable"
             network = " and may not use the network"
-        if self.domains and not self.network:
-            refusals += r"|403|[Tt]unnel|boris sandbox proxy"    # what clients say of its 403
-            network = (" and reach only %s, through boris's proxy (HTTP_PROXY, HTTPS_PROXY)"
-                       % ", ".join(self.domains))
+            if self.domains:
+                refusals += r"|403|[Tt]unnel|boris sandbox proxy"  # what clients say of its 403
+                network = (" and reach only %s, through boris's proxy (HTTP_PROXY, HTTPS_PROXY)"
+                           % ", ".join(self.domains))
+
         if not self.on or not re.search(refusals, text):
             return ""
         protected = self.protect.paths(self.writable)
@@ -3504,11 +3505,11 @@ class EgressProxy:
         except (OSError, ValueError, UnicodeError):
             pass  # the client or the server went away: the connection just ends
         finally:
-            for sock in (conn, upstream):
-                if sock is not None:
-                    with self.lock:
-                        self.open.discard(sock)
-                    sock.close()
+            for sock in filter(None, (conn, upstream)):           # (no upstream: None)
+                with self.lock:
+                    self.open.discard(sock)
+                sock.close()
+
 
     @staticmethod
     def target(method, target):
@@ -10292,11 +10293,12 @@ class GitIndex:
             if pause and not k % 4096:
                 pause()
             cs, cn, ms, mn, _, ino, mode, _, _, size, sha, flags = unpack(data, pos)
-            at = pos + 62
-            extended = flags & 0x4000 and version >= 3
-            # skip-worktree, intent-to-add
-            skip = extended and struct.unpack_from(">H", data, at)[0] & 0x6000
-            at += 2 if extended else 0
+            at, skip = pos + 62, 0
+            if flags & 0x4000 and version >= 3:
+                # extended flags: skip-worktree, intent-to-add
+                skip = struct.unpack_from(">H", data, at)[0] & 0x6000
+                at += 2
+
             # the name: how much of the last to drop, then more
             if version == 4:
                 c = data[at]
