@@ -6701,7 +6701,7 @@ class PdfCMap(dict):
             if not (isinstance(lo, bytes) and isinstance(hi, bytes) and len(lo) == len(hi) and lo):
                 continue
             a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
-            if b < a or b - a > PDF_CMAP_MAX - len(self):
+            if b - a > PDF_CMAP_MAX - len(self):              # (b < a: an empty range)
                 continue
             for k in range(b - a + 1):
                 src = (a + k).to_bytes(len(lo), "big")
@@ -16515,12 +16515,13 @@ class McpRequestHandler:
                 return
             # out is None: the call was cancelled
             final = out is None or (out.get("id") == rid and ("result" in out or "error" in out))
-            if not streaming and final:
-                self.reply(204 if out is None else 200, out, headers)
-                return
             if not streaming:
+                if final:
+                    self.reply(204 if out is None else 200, out, headers)
+                    return
                 self.start_stream(headers)
                 streaming = True
+
             if not self.send_event(out, session, rid) or final:
                 return
 
