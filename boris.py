@@ -9536,7 +9536,8 @@ class WebFetch:
         ctype, charset, body = self.get()
         url = self.url
         try:
-            text = body.decode(text_codec(charset or "utf-8") or "utf-8", "replace")
+            text = body.decode(text_codec(charset) or "utf-8", "replace")  # (no charset: UTF-8)
+
         except (UnicodeError, ValueError):
             text = body.decode("utf-8", "replace")
         if ctype in ("text/html", "application/xhtml+xml") or (
