@@ -5739,18 +5739,16 @@ class Document:
         if self.kind == ".odp":
             for n, page in enumerate(doc.iter(ODF["draw"] + "page"), 1):
                 notes = page.find(ODF["pres"] + "notes")
-                out.append(self.slide(n, self.odf_blocks(page, skip=notes),
+                out.append(self.slide(n, self.odf_blocks(page),
                                       self.odf_blocks(notes) if notes is not None else []))
             return "\n\n".join(out)
         return self.with_notes(self.odf_blocks(doc), self.notes)
 
-    def odf_blocks(self, parent, depth=0, skip=None):
+    def odf_blocks(self, parent, depth=0):
         """Markdown blocks of headings, paragraphs, lists and tables below `parent` (frames
-        and sections entered; `skip`: an element left out, a slide's notes)."""
+        and sections entered; tracked changes and a slide's notes, said apart, left out)."""
         T, out = ODF["text"], []
         for el in parent:
-            if el is skip:
-                continue
             if el.tag == T + "h":
                 level = min(6, int(el.get(T + "outline-level", "1") or 1))
                 out.append("#" * level + " " + self.odf_text(el).strip())
@@ -5765,9 +5763,10 @@ class Document:
                 out.append("\n".join(items))
             elif el.tag == ODF["table"] + "table":
                 out.append(markdown_table(self.odf_rows(el)))
-            elif el.tag != T + "tracked-changes":
-                out += self.odf_blocks(el, depth, skip)
+            elif el.tag not in (T + "tracked-changes", ODF["pres"] + "notes"):
+                out += self.odf_blocks(el, depth)
         return out
+
 
     def odf_rows(self, table, values=False):
         """A table's rows of cell text (repeated rows and columns spelled out, within bounds;
