@@ -2558,7 +2558,6 @@ class Landlock:
             raise errno_error("landlock_create_ruleset")
         try:
             file_rights = write & (LL_WRITE_FILE | LL_TRUNCATE)     # (truncate: from ABI 3)
-
             for path, rights in ([(p, write)
                                   for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)]
                                  + [(p, file_rights) for p in SANDBOX_DEVICES]):
@@ -3147,7 +3146,6 @@ class Sandbox:
                 refusals += r"|403|[Tt]unnel|boris sandbox proxy"  # what clients say of its 403
                 network = (" and reach only %s, through boris's proxy (HTTP_PROXY, HTTPS_PROXY)"
                            % ", ".join(self.domains))
-
         if not self.on or not re.search(refusals, text):
             return ""
         protected = self.protect.paths(self.writable)
@@ -3509,7 +3507,6 @@ class EgressProxy:
                 with self.lock:
                     self.open.discard(sock)
                 sock.close()
-
 
     @staticmethod
     def target(method, target):
@@ -5423,7 +5420,6 @@ def without_empty_tail(items):
 
 
 def markdown_table(rows):
-
     """Rows of cell text as a Markdown table, the first row its header; | and line breaks
     in a cell escaped so that each row stays one line."""
     width = max([len(r) for r in rows] + [1])
@@ -5675,7 +5671,6 @@ class Document:
                 self.cells += 1
         return [values.get(i, "") for i in range(max(values, default=-1) + 1)]
 
-
     @staticmethod
     def xlsx_text(si):
         """A shared or inline string: its text, then its runs' (phonetic guides, rPh, left out)."""
@@ -5766,7 +5761,6 @@ class Document:
             elif el.tag not in (T + "tracked-changes", ODF["pres"] + "notes"):
                 out += self.odf_blocks(el, depth)
         return out
-
 
     def odf_rows(self, table, values=False):
         """A table's rows of cell text (repeated rows and columns spelled out, within bounds;
@@ -6305,7 +6299,6 @@ def pdf_reading_order(boxes):
     very many lines keeps its drawing order."""
     if not 2 <= len(boxes) <= 3000:
         return list(range(len(boxes)))
-
     unit = max(sorted(b[3] - b[2] for b in boxes)[len(boxes) // 2], 1.0)    # a median line's height
     out, stack = [], [list(range(len(boxes)))]
     while stack:
@@ -6479,7 +6472,6 @@ class PdfFont:
                         self.widths[first + k] = get(v) / 1000.0
                 i += 2
             elif i + 2 < len(w) and isinstance(nxt, int):
-
                 v = get(w[i + 2])
                 if isinstance(v, PDF_NUMBER) and nxt - first < PDF_CMAP_MAX:
                     for c in range(first, nxt + 1):
@@ -6914,7 +6906,6 @@ class PdfCrypt:
             out = pdf_aes_cbc(key, data[:16], data[16:])
             pad = sum(out[-1:])                                 # (its last byte; 0 for none)
             return out[:-pad] if 0 < pad <= 16 else out
-
         return pdf_rc4(key, data)
 
     def decrypt(self, value, ref, depth=0):
@@ -7107,7 +7098,6 @@ class Pdf(PdfParser):
             self.trailer = dict(trailer, **self.trailer)         # (the newest section's keys win)
             pos = trailer.get("Prev")
 
-
     def xref_table(self, pos):
         """One 'xref' table (the newest entry of a number
         wins: later sections were read first); its trailer."""
@@ -7268,7 +7258,6 @@ class Pdf(PdfParser):
             if f == "Crypt":
                 continue
             if f not in undo:
-
                 raise PdfError("a stream in %s (an image, not text)" % f)
             data = undo[f](data)
             if isinstance(p, dict) and isinstance(p.get("Predictor"), int) and p["Predictor"] > 1:
@@ -7359,7 +7348,6 @@ class Pdf(PdfParser):
         key = ref if isinstance(ref, PdfRef) else id(ref)
         if key not in self.fonts:
             self.fonts[key] = PdfFont(self, self.get(ref))
-
         return self.fonts[key]
 
     def page_text(self, page, resources):
@@ -7506,7 +7494,6 @@ class Pdf(PdfParser):
         if st.font is None:
             return
         items = operands[-1] if op == b"TJ" else [operands[-1]]     # (none: run() skips it)
-
         font, size, th = st.font, st.size, st.th
         for item in items if isinstance(items, list) else [items]:
             tm = st.tm
@@ -7541,7 +7528,6 @@ class Pdf(PdfParser):
         if text:
             st.runs.append(PdfRun(m0[4] + rise * m0[2], m0[5] + rise * m0[3], m1[4] + rise * m1[2],
                                   m1[5] + rise * m1[3], abs(scale) or 1.0, text, font.vertical))
-
 
     def form(self, st, name):
         """Do: a form XObject's content run inside the page (12 deep at most,
@@ -9371,7 +9357,6 @@ class HtmlToMarkdown:
                 else:
                     items.append(("", md))
                 continue
-
             number += tag == "ol"
             body = self.blocks(c.children, item=True)
             loose |= "\n\n" in body
@@ -9425,7 +9410,6 @@ def table_rows(node):
         elif tag in ("thead", "tbody", "tfoot"):
             rows += table_rows(c)
     return rows
-
 
 
 def html_to_markdown(markup, base_url=""):
@@ -9536,7 +9520,6 @@ class WebFetch:
         url = self.url
         try:
             text = body.decode(text_codec(charset) or "utf-8", "replace")  # (no charset: UTF-8)
-
         except (UnicodeError, ValueError):
             text = body.decode("utf-8", "replace")
         if ctype in ("text/html", "application/xhtml+xml") or (
@@ -10298,7 +10281,6 @@ class GitIndex:
                 # extended flags: skip-worktree, intent-to-add
                 skip = struct.unpack_from(">H", data, at)[0] & 0x6000
                 at += 2
-
             # the name: how much of the last to drop, then more
             if version == 4:
                 c = data[at]
@@ -10728,7 +10710,6 @@ class Checkpoints:
                     " lists what it covers.)" % partial)
         return None
 
-
     def record_part(self, target):
         """Keep what a walk handed over, when it answers the ask `target`, as a partial
         checkpoint (the caller holds cond): whether it did."""
@@ -10835,7 +10816,6 @@ class Checkpoints:
                     and not self.stopped.is_set() and not cancelled.is_set():
                 # no event since
                 checkpoint = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)
-
             if checkpoint is not None and not (self.handed and background):
                 self.record(checkpoint)
             # (whole, or known unchanged): answered
@@ -10974,7 +10954,6 @@ class Checkpoints:
                     if here is not None:
                         settle()
                     here = Listing(d, prev.get(d), d in quiet, repo, look)
-
                 here.add(path[cut + 1:])
                 size += 1
             if here is not None:
@@ -11181,7 +11160,6 @@ class Checkpoints:
         return next((r for r in self.repos if is_within(path, r.top)), None)
 
     def put_back(self, dfd, base, now, want, data):
-
         """step()'s change, relative to directory `dfd`: '' when done, else why not (OSError
         when the system refused)."""
         if want is None:
@@ -16046,7 +16024,6 @@ class McpServer:
         if not isinstance(meta.get(CLIENT_CAPS_KEY), dict):
             return modern, invalid("_meta lacks %s (an object)" % CLIENT_CAPS_KEY)
         if meta.get(LOG_LEVEL_KEY, "info") not in MCP_LOG_LEVELS:       # (none: as good as one)
-
             return modern, invalid("%s must be one of %s, not %s" % (
                 LOG_LEVEL_KEY, ", ".join(MCP_LOG_LEVELS), brief(meta[LOG_LEVEL_KEY])))
         if method in REMOVED_METHODS or method != "tools/call" and method not in self.METHODS:
@@ -16409,7 +16386,6 @@ class McpRequestHandler:
         t = self.transport
         meta = object_at(object_at(msg, "params"), "_meta")
         rid = msg.get("id")
-
         header = self.headers.get("MCP-Protocol-Version")
         if META_VERSION_KEY not in meta and header and header not in SUPPORTED_VERSIONS:
             self.reply(400, error_response(rid, -32600, "Unsupported protocol version: the"
@@ -16459,8 +16435,6 @@ class McpRequestHandler:
                         value = base64.b64decode(value[9:-2], validate=True).decode("utf-8")
                     except (ValueError, UnicodeError):
                         pass                              # (compared, and quoted, as it came)
-
-
             if body is None or value == body or header == "MCP-Protocol-Version" and value is None:
                 continue
             if header != "MCP-Protocol-Version" and not isinstance(meta.get(META_VERSION_KEY), str):
@@ -16521,7 +16495,6 @@ class McpRequestHandler:
                     return
                 self.start_stream(headers)
                 streaming = True
-
             if not self.send_event(out, session, rid) or final:
                 return
 
