@@ -7476,7 +7476,7 @@ class Pdf(PdfParser):
         elif op == b"q" and len(stack) < 1000:
             stack.append(st.saved())
         elif op == b"Q":
-            st.restore(stack.pop())                  # (none saved: IndexError, run() skips it)
+            st.restore(stack.pop())                  # (none saved: IndexError, skipped by run())
 
         elif op in PDF_TEXT_PARAMETERS:
             setattr(st, PDF_TEXT_PARAMETERS[op],
@@ -7493,7 +7493,7 @@ class Pdf(PdfParser):
             st.move(0, -st.tl)
         if st.font is None:
             return
-        items = operands[-1] if op == b"TJ" else [operands[-1]]     # (none: run() skips it)
+        items = operands[-1] if op == b"TJ" else [operands[-1]]     # (none: IndexError, skipped)
         font, size, th = st.font, st.size, st.th
         for item in items if isinstance(items, list) else [items]:
             tm = st.tm
@@ -9337,7 +9337,7 @@ class HtmlToMarkdown:
         its marker, loose (blank lines between) when any item holds paragraphs."""
         items, number = [], 1
         try:
-            number = int(attrs.get("start") or 1)      # (a ul's is never shown)
+            number = int(attrs.get("start") or 1)      # (a ul's number is never shown)
         except ValueError:
             pass                            # numbered from 1
         loose = False
@@ -10812,11 +10812,12 @@ class Checkpoints:
                 self.part, self.handed = None, False
             if checkpoint is not None:
                 self.base = checkpoint
+                if not (self.handed and background):
+                    self.record(checkpoint)
             elif self.list and self.list[-1].partial and self.whole_mark is not None \
                     and not self.stopped.is_set() and not cancelled.is_set():
-                # no event since
+                # no event since (no walk ran to hand a part): the base is whole
                 checkpoint = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)
-            if checkpoint is not None and not (self.handed and background):
                 self.record(checkpoint)
             # (whole, or known unchanged): answered
             if checkpoint is not None or self.whole_mark is not None:
@@ -10913,6 +10914,8 @@ class Checkpoints:
         here = None
 
         def settle():
+            if here is None:
+                return                                       # (no directory met yet)
             packed, reusable = here.packed()
             if packed is not None:
                 dirs[here.path] = packed
@@ -10951,13 +10954,11 @@ class Checkpoints:
                 cut = path.rfind("/")
                 d = path[:cut or 1]
                 if here is None or d != here.path:
-                    if here is not None:
-                        settle()
+                    settle()
                     here = Listing(d, prev.get(d), d in quiet, repo, look)
                 here.add(path[cut + 1:])
                 size += 1
-            if here is not None:
-                settle()
+            settle()
         kept = below_any(prev, pruned)                       # what the directories left out held
         dirs.update(kept)
         size += sum(child_names(packed).count(b"\0") + 1 for packed in kept.values())
@@ -16023,7 +16024,7 @@ class McpServer:
                     "requested": modern[:100] if isinstance(modern, str) else brief(modern)}))
         if not isinstance(meta.get(CLIENT_CAPS_KEY), dict):
             return modern, invalid("_meta lacks %s (an object)" % CLIENT_CAPS_KEY)
-        if meta.get(LOG_LEVEL_KEY, "info") not in MCP_LOG_LEVELS:       # (none: as good as one)
+        if meta.get(LOG_LEVEL_KEY, "info") not in MCP_LOG_LEVELS:       # (none given: fine)
             return modern, invalid("%s must be one of %s, not %s" % (
                 LOG_LEVEL_KEY, ", ".join(MCP_LOG_LEVELS), brief(meta[LOG_LEVEL_KEY])))
         if method in REMOVED_METHODS or method != "tools/call" and method not in self.METHODS:
