@@ -10886,15 +10886,17 @@ class Checkpoints:
         if w is not None:
             # (quiet from now on: this walk is the base)
             w.quiet.update(looked)
-            self.prune_stacks = (mark.stacks if not checkpoint.partial
-                                 and all(map(w.of.__contains__, visited)) else None)
+        # what lets the next walk skip (quiet directories, or all): a whole walk, watched
+        self.prune_stacks = self.whole_mark = None
         if not checkpoint.partial:
             for repo in self.repos:
                 # recorded now: the next walk reads the index again only once it changed
                 repo.dirs = {}
-        whole = w is not None and not checkpoint.partial and not unwatched and all(
-            map(w.clean.__contains__, visited))
-        self.whole_mark = mark if whole else None
+            if w is not None:
+                if all(map(w.of.__contains__, visited)):
+                    self.prune_stacks = mark.stacks
+                if not unwatched and all(map(w.clean.__contains__, visited)):
+                    self.whole_mark = mark
         return checkpoint
 
     def walk_roots(self, background, cancelled, prune):
