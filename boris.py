@@ -2527,7 +2527,7 @@ class Landlock:
         if self.fd < 0:
             raise errno_error("landlock_create_ruleset")
         try:
-            file_rights = LL_WRITE_FILE | (LL_TRUNCATE if abi >= 3 else 0)
+            file_rights = write & (LL_WRITE_FILE | LL_TRUNCATE)     # (truncate: from ABI 3)
             for path, rights in ([(p, write)
                                   for p in spec["writable"] + list(SANDBOX_DEVICE_DIRS)]
                                  + [(p, file_rights) for p in SANDBOX_DEVICES]):
@@ -3112,10 +3112,10 @@ class Sandbox:
         if not self.network:
             refusals += r"|Network is unreachable"
             network = " and may not use the network"
-        if self.domains and not self.network:
-            refusals += r"|403|[Tt]unnel|boris sandbox proxy"    # what clients say of its 403
-            network = (" and reach only %s, through boris's proxy (HTTP_PROXY, HTTPS_PROXY)"
-                       % ", ".join(self.domains))
+            if self.domains:
+                refusals += r"|403|[Tt]unnel|boris sandbox proxy"  # what clients say of its 403
+                network = (" and reach only %s, through boris's proxy (HTTP_PROXY, HTTPS_PROXY)"
+                           % ", ".join(self.domains))
         if not self.on or not re.search(refusals, text):
             return ""
         protected = self.protect.paths(self.writable)
@@ -3473,11 +3473,10 @@ class EgressProxy:
         except (OSError, ValueError, UnicodeError):
             pass  # the client or the server went away: the connection just ends
         finally:
-            for sock in (conn, upstream):
-                if sock is not None:
-                    with self.lock:
-                        self.open.discard(sock)
-                    sock.close()
+            for sock in filter(None, (conn, upstream)):           # (no upstream: None)
+                with self.lock:
+                    self.open.discard(sock)
+                sock.close()
 
     @staticmethod
     def target(method, target):
@@ -5383,6 +5382,13 @@ def excel_date(value, epoch):
     return moment.strftime("%Y-%m-%d" if moment.time() == datetime.time() else "%Y-%m-%d %H:%M:%S")
 
 
+def without_empty_tail(items):
+    """`items` (a list, changed in place) less the empty ones at its end."""
+    while items and not items[-1]:
+        items.pop()
+    return items
+
+
 def markdown_table(rows):
     """Rows of cell text as a Markdown table, the first row its header; | and line breaks
     in a cell escaped so that each row stays one line."""
@@ -5457,9 +5463,9 @@ class Document:
         `what` ("a Word document") only with it: then an error saying it is not."""
         import xml.etree.ElementTree as ET
         part = self.stream(name)
-        if part is None and what:
-            raise ToolError(INVALID_INPUT, "no %s: not %s" % (name, what))
         if part is None:
+            if what:
+                raise ToolError(INVALID_INPUT, "no %s: not %s" % (name, what))
             return None
         with part:
             try:
@@ -5523,16 +5529,13 @@ class Document:
                 text = self.docx_text(el).strip()
                 if not text:
                     continue
-                props = el.find(W + "pPr")
-                if props is None:
-                    props = el.makeelement(W + "pPr", {})    # none: an empty one, finding nothing
-                found = props.find(W + "pStyle")
+                found = el.find(W + "pPr/" + W + "pStyle")
                 style = styles.get(found.get(W + "val"), "") if found is not None else ""
-                level = re.match(r"heading (\d)", style)
-                depth = props.find(W + "numPr/" + W + "ilvl")
-                if style == "title" or level:
-                    out.append("#" * (int(level.group(1)) if level else 1) + " " + text)
-                elif props.find(W + "numPr") is not None or style.startswith("list"):
+                level = re.match(r"heading (\d)|title\Z", style)       # (a title: level 1)
+                depth = el.find(W + "pPr/" + W + "numPr/" + W + "ilvl")
+                if level:
+                    out.append("#" * int(level.group(1) or 1) + " " + text)
+                elif el.find(W + "pPr/" + W + "numPr") is not None or style.startswith("list"):
                     level = int(depth.get(W + "val", 0) if depth is not None else 0)
                     out.append("  " * level + "- " + text)
                 else:
@@ -5567,17 +5570,15 @@ class Document:
     def docx_text(self, p):
         """A paragraph's text: runs, tabs, breaks, footnote marks ([^n]); deleted text left out."""
         W, parts = OOXML_W, []
+        marks = {W + "tab": "\t", W + "br": "\n", W + "cr": "\n"}
         for el in p.iter():
-            tag = el.tag
-            if tag == W + "t" and el.text:
-                parts.append(el.text)
-            elif tag == W + "tab":
-                parts.append("\t")
-            elif tag in (W + "br", W + "cr"):
-                parts.append("\n")
-            elif tag == W + "footnoteReference":
+            if el.tag == W + "t":
+                parts.append(el.text or "")
+            elif el.tag == W + "footnoteReference":
                 self.notes.append(el.get(W + "id"))
                 parts.append("[^%d]" % len(self.notes))
+            else:
+                parts.append(marks.get(el.tag, ""))
         return "".join(parts)
 
     # -- Excel -----------------------------------------------------------------------
@@ -5638,8 +5639,7 @@ class Document:
             if col < 16384:
                 values[col] = value
                 self.cells += 1
-        width = max(values) + 1 if values else 0
-        return [values.get(i, "") for i in range(width)]
+        return [values.get(i, "") for i in range(max(values, default=-1) + 1)]
 
     @staticmethod
     def xlsx_text(si):
@@ -5704,18 +5704,16 @@ class Document:
         if self.kind == ".odp":
             for n, page in enumerate(doc.iter(ODF["draw"] + "page"), 1):
                 notes = page.find(ODF["pres"] + "notes")
-                out.append(self.slide(n, self.odf_blocks(page, skip=notes),
+                out.append(self.slide(n, self.odf_blocks(page),
                                       self.odf_blocks(notes) if notes is not None else []))
             return "\n\n".join(out)
         return self.with_notes(self.odf_blocks(doc), self.notes)
 
-    def odf_blocks(self, parent, depth=0, skip=None):
+    def odf_blocks(self, parent, depth=0):
         """Markdown blocks of headings, paragraphs, lists and tables below `parent` (frames
-        and sections entered; `skip`: an element left out, a slide's notes)."""
+        and sections entered; tracked changes and a slide's notes, said apart, left out)."""
         T, out = ODF["text"], []
         for el in parent:
-            if el is skip:
-                continue
             if el.tag == T + "h":
                 level = min(6, int(el.get(T + "outline-level", "1") or 1))
                 out.append("#" * level + " " + self.odf_text(el).strip())
@@ -5730,8 +5728,8 @@ class Document:
                 out.append("\n".join(items))
             elif el.tag == ODF["table"] + "table":
                 out.append(markdown_table(self.odf_rows(el)))
-            elif el.tag != T + "tracked-changes":
-                out += self.odf_blocks(el, depth, skip)
+            elif el.tag not in (T + "tracked-changes", ODF["pres"] + "notes"):
+                out += self.odf_blocks(el, depth)
         return out
 
     def odf_rows(self, table, values=False):
@@ -5756,34 +5754,32 @@ class Document:
                 repeat = int(cell.get(TB + "number-columns-repeated", "1") or 1)
                 cells += [text] * (min(repeat, 1024) if text else min(repeat, 16384 - len(cells)))
                 self.cells += 1
-            while cells and not cells[-1]:
-                cells.pop()
+            cells = without_empty_tail(cells)
             repeat = int(row.get(TB + "number-rows-repeated", "1") or 1)
             rows += [cells] * (min(repeat, 1000) if cells else min(repeat, 1))
             if self.cells > DOC_MAX_CELLS:
                 break
-        while rows and not rows[-1]:
-            rows.pop()
-        return rows
+        return without_empty_tail(rows)
 
     def odf_text(self, el):
         """The text of a paragraph: spans, spaces (text:s), tabs, line breaks, links;
         a footnote becomes [^n], its body noted for the end."""
         T, parts = ODF["text"], [el.text or ""]
+        # (a note's citation and an annotation: left out)
+        marks = {T + "tab": "\t", T + "line-break": "\n", T + "note-citation": "",
+                 ODF["office"] + "annotation": ""}
         for child in el:
             tag = child.tag
             if tag == T + "s":
                 parts.append(" " * min(1000, int(child.get(T + "c", "1") or 1)))
-            elif tag == T + "tab":
-                parts.append("\t")
-            elif tag == T + "line-break":
-                parts.append("\n")
+            elif tag in marks:
+                parts.append(marks[tag])
             elif tag == T + "note":
                 body = child.find(T + "note-body")
                 self.notes.append(" ".join(self.odf_text(p).strip() for p in body.iter(T + "p"))
                                   if body is not None else "")
                 parts.append("[^%d]" % len(self.notes))
-            elif tag not in (T + "note-citation", ODF["office"] + "annotation"):
+            else:
                 parts.append(self.odf_text(child))
             parts.append(child.tail or "")
         return "".join(parts)
@@ -6243,7 +6239,7 @@ def pdf_lines(runs):
         elif spaced and not line[-1][-1:].isspace() and not text[:1].isspace():
             line.append(" ")
         line.append(text)
-        if ex < x and abs(ex - x) > abs(ey - y):
+        if x - ex > abs(ey - y):
             # drawn right to left: already in reading order
             back += len(text)
         x0, x1 = (x - 0.5 * size, x + 0.5 * size) if vertical else (min(x, ex), max(x, ex))
@@ -6271,7 +6267,7 @@ def pdf_reading_order(boxes):
     first), the widest such gap first - and again in each part; lines no gap divides keep
     the order they were drawn in, unless they make one column (then top first). A page of
     very many lines keeps its drawing order."""
-    if len(boxes) < 2 or len(boxes) > 3000:
+    if not 2 <= len(boxes) <= 3000:
         return list(range(len(boxes)))
     unit = max(sorted(b[3] - b[2] for b in boxes)[len(boxes) // 2], 1.0)    # a median line's height
     out, stack = [], [list(range(len(boxes)))]
@@ -6389,8 +6385,8 @@ class PdfFont:
 
     def composite_font(self, pdf, d, cmap):
         """A Type0 font's codes (by its encoding CMap and descendant CID font) and widths."""
+        # (read through pdf.entry alone: what is no dictionary reads as an empty one)
         kid = pdf.get((pdf.entry(d, "DescendantFonts", list) or [{}])[0])
-        kid = kid if isinstance(kid, dict) else {}
         name, cmap = self.cid_encoding(pdf, d, cmap)
         self.cid_widths(pdf, kid)
         self.spans = self.spans or PDF_TWO_BYTES
@@ -6438,12 +6434,14 @@ class PdfFont:
         i = 0
         while i + 1 < len(w) and len(self.widths) < PDF_CMAP_MAX:
             first, nxt = get(w[i]), get(w[i + 1])
-            if isinstance(nxt, list) and isinstance(first, int):
+            if not isinstance(first, int):
+                break
+            if isinstance(nxt, list):
                 for k, v in enumerate(nxt):
                     if isinstance(get(v), PDF_NUMBER):
                         self.widths[first + k] = get(v) / 1000.0
                 i += 2
-            elif i + 2 < len(w) and isinstance(first, int) and isinstance(nxt, int):
+            elif i + 2 < len(w) and isinstance(nxt, int):
                 v = get(w[i + 2])
                 if isinstance(v, PDF_NUMBER) and nxt - first < PDF_CMAP_MAX:
                     for c in range(first, nxt + 1):
@@ -6496,7 +6494,7 @@ class PdfFont:
         if subtype == "Type3" and drawn:
             self.em = 2 * drawn[len(drawn) // 2]
         base = str(pdf.entry(d, "BaseFont") or "")
-        descriptor = pdf.entry(d, "FontDescriptor", dict) or {}
+        descriptor = pdf.entry(d, "FontDescriptor", dict)        # (None: read as an empty one)
         missing = pdf.entry(descriptor, "MissingWidth", PDF_NUMBER)
         if missing is not None and missing > 0:
             self.default = missing * self.scale
@@ -6568,7 +6566,7 @@ class PdfFont:
                          chr(s[i]) if 32 <= s[i] < 127 and not uni or s[i] == 32 else "")
                  for i in range(len(s))]
         width = sum(widths.get(b, default) for b in s)
-        missing = sum(1 for i, t in enumerate(parts) if not t and (s[i] >= 32 or self.low))
+        missing = sum(not t and (s[i] >= 32 or self.low) for i, t in enumerate(parts))
         # (a glyph with no text, a width of its own: parts words)
         return ("".join(t or (" " if widths.get(s[i], 0) > 0 else "") for i, t in enumerate(parts)),
                 width, len(s), s.count(32), missing)
@@ -6592,7 +6590,7 @@ class PdfFont:
                 if len(c) == size and all(lo[k] <= c[k] <= hi[k] for k in range(size)):
                     n = size
                     break
-            n = n or (2 if len(s) - i >= 2 else 1)
+            n = n or min(2, len(s) - i)
             c = s[i:i + n]
             i += n
             t, w = uni.get(c), widths.get(int.from_bytes(c, "big"), default)
@@ -6664,7 +6662,7 @@ class PdfCMap(dict):
             if not (isinstance(lo, bytes) and isinstance(hi, bytes) and len(lo) == len(hi) and lo):
                 continue
             a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
-            if b < a or b - a > PDF_CMAP_MAX - len(self):
+            if b - a > PDF_CMAP_MAX - len(self):              # (b < a: an empty range)
                 continue
             for k in range(b - a + 1):
                 src = (a + k).to_bytes(len(lo), "big")
@@ -6801,7 +6799,7 @@ class PdfCrypt:
         v, r = pdf.entry(d, "V") or 0, pdf.entry(d, "R") or 0
         o, u = pdf.entry(d, "O") or b"", pdf.entry(d, "U") or b""
         cf = pdf.entry(d, "CF", dict) if v >= 4 else None      # (version 4 and up: crypt filters)
-        stmf = pdf.entry(d, "StmF") if cf is not None else None
+        stmf = pdf.entry(d, "StmF")                             # (it counts only beside CF)
         method = pdf.entry(pdf.entry(cf, stmf or "StdCF"), "CFM")
         self.aes = method in ("AESV2", "AESV3")
         self.identity = cf is not None and (stmf == "Identity" or method == "None")
@@ -6876,7 +6874,7 @@ class PdfCrypt:
             if len(data) < 32:
                 return b""
             out = pdf_aes_cbc(key, data[:16], data[16:])
-            pad = out[-1] if out else 0
+            pad = sum(out[-1:])                                 # (its last byte; 0 for none)
             return out[:-pad] if 0 < pad <= 16 else out
         return pdf_rc4(key, data)
 
@@ -7041,8 +7039,8 @@ class Pdf(PdfParser):
         if s is None or not isinstance(value, dict):
             return value
         start, length = s.end(), self.get(value.get("Length"))
-        end = start + length if isinstance(length, int) and length >= 0 else -1
-        if end < 0 or end > len(data) or \
+        end = start + length if isinstance(length, int) else -1
+        if not start <= end <= len(data) or \
                 not re.match(rb"[\x00\t\n\x0c\r ]*endstream", data[end:end + 32]):
             # the first endstream (else the end of the file), less the line break before it
             end = re.compile(rb"(?:\r\n|[\r\n])?(?:endstream|\Z)").search(data, start).start()
@@ -7055,7 +7053,7 @@ class Pdf(PdfParser):
         if m is None:
             raise PdfError("no startxref with an offset")
         pos, seen = int(m.group(1)), set()
-        while pos is not None and pos not in seen and len(seen) < 1000:
+        while isinstance(pos, int) and pos not in seen and len(seen) < 1000:
             seen.add(pos)
             m = re.compile(rb"[\x00\t\n\x0c\r ]*xref").match(self.data, pos)
             if m is not None:
@@ -7068,7 +7066,7 @@ class Pdf(PdfParser):
                     raise PdfError("startxref points at no xref")
                 trailer = self.xref_stream(stream)
             self.trailer = dict(trailer, **self.trailer)         # (the newest section's keys win)
-            pos = trailer.get("Prev") if isinstance(trailer.get("Prev"), int) else None
+            pos = trailer.get("Prev")
 
     def xref_table(self, pos):
         """One 'xref' table (the newest entry of a number
@@ -7220,22 +7218,18 @@ class Pdf(PdfParser):
         filters, params = self.entry(d, "Filter"), self.entry(d, "DecodeParms")
         filters = filters if isinstance(filters, list) else [filters] if filters else []
         params = params if isinstance(params, list) else [params] * len(filters)
+        lzw = lambda data: pdf_lzw(data, PDF_INFLATED_MAX - self.inflated)
+        hex_digits = lambda data: pdf_hex(data.split(b">")[0])      # (to the '>' ending them)
+        undo = {"FlateDecode": self.inflate, "Fl": self.inflate, "LZWDecode": lzw, "LZW": lzw,
+                "ASCII85Decode": pdf_ascii85, "A85": pdf_ascii85, "ASCIIHexDecode": hex_digits,
+                "AHx": hex_digits, "RunLengthDecode": pdf_run_length, "RL": pdf_run_length}
         for f, p in zip(filters, params + [None] * len(filters)):
-            f, p = self.get(f), self.get(p)
-            if f in ("FlateDecode", "Fl"):
-                data = self.inflate(data)
-            elif f in ("LZWDecode", "LZW"):
-                data = pdf_lzw(data, PDF_INFLATED_MAX - self.inflated)
-            elif f in ("ASCII85Decode", "A85"):
-                data = pdf_ascii85(data)
-            elif f in ("ASCIIHexDecode", "AHx"):
-                data = pdf_hex(data.split(b">")[0])
-            elif f in ("RunLengthDecode", "RL"):
-                data = pdf_run_length(data)
-            elif f == "Crypt":
+            f, p = str(self.get(f)), self.get(p)         # (str: a damaged one may be a list)
+            if f == "Crypt":
                 continue
-            else:
+            if f not in undo:
                 raise PdfError("a stream in %s (an image, not text)" % f)
+            data = undo[f](data)
             if isinstance(p, dict) and isinstance(p.get("Predictor"), int) and p["Predictor"] > 1:
                 data = pdf_predictor(data, p)
             self.inflated += len(data)
@@ -7323,8 +7317,7 @@ class Pdf(PdfParser):
         """The PdfFont of a font dictionary (kept by reference)."""
         key = ref if isinstance(ref, PdfRef) else id(ref)
         if key not in self.fonts:
-            d = self.get(ref)
-            self.fonts[key] = PdfFont(self, d if isinstance(d, dict) else {})
+            self.fonts[key] = PdfFont(self, self.get(ref))
         return self.fonts[key]
 
     def page_text(self, page, resources):
@@ -7452,8 +7445,8 @@ class Pdf(PdfParser):
             st.ctm = pdf_mul([float(x) for x in operands[-6:]], st.ctm)
         elif op == b"q" and len(stack) < 1000:
             stack.append(st.saved())
-        elif op == b"Q" and stack:
-            st.restore(stack.pop())
+        elif op == b"Q":
+            st.restore(stack.pop())                  # (none saved: IndexError, skipped by run())
 
         elif op in PDF_TEXT_PARAMETERS:
             setattr(st, PDF_TEXT_PARAMETERS[op],
@@ -7468,9 +7461,9 @@ class Pdf(PdfParser):
             if op == b'"' and len(operands) >= 3:
                 st.tw, st.tc = operands[-3], operands[-2]
             st.move(0, -st.tl)
-        if st.font is None or not operands:
+        if st.font is None:
             return
-        items = operands[-1] if op == b"TJ" else [operands[-1]]
+        items = operands[-1] if op == b"TJ" else [operands[-1]]     # (none: IndexError, skipped)
         font, size, th = st.font, st.size, st.th
         for item in items if isinstance(items, list) else [items]:
             tm = st.tm
@@ -7486,7 +7479,8 @@ class Pdf(PdfParser):
     def draw(self, st, string):
         """One string of a text-showing operator: its text as a PdfRun in page space, the
         pen moved past it."""
-        font, size, tc, tw, th, rise, tm = st.font, st.size, st.tc, st.tw, st.th, st.rise, st.tm
+        font, size, tc, tw, th, tm = st.font, st.size, st.tc, st.tw, st.th, st.tm
+        rise = 0 if font.vertical else st.rise              # (down a column: none)
         text, width, codes, spaces, missing = font.decode(string)
         self.unmapped += missing
         spacing = -tc if font.vertical else tc * th
@@ -7495,18 +7489,15 @@ class Pdf(PdfParser):
         m0 = pdf_mul(tm, st.ctm)
         if font.vertical:                           # down a column: w1 x size + Tc + Tw
             advance = font.down * codes * size - tc * codes - tw * spaces
-            x0, y0 = m0[4], m0[5]
             st.tm = tm[:4] + [tm[4] - advance * tm[2], tm[5] - advance * tm[3]]
         else:
             advance = (width * size + tc * codes + tw * spaces) * th
-            x0, y0 = m0[4] + rise * m0[2], m0[5] + rise * m0[3]
             st.tm = tm[:4] + [tm[4] + advance * tm[0], tm[5] + advance * tm[1]]
         m1 = pdf_mul(st.tm, st.ctm)
         scale = size * font.em * (abs(m0[2] * m0[2] + m0[3] * m0[3]) ** 0.5 or 1)
         if text:
-            st.runs.append(PdfRun(x0, y0, m1[4] + (rise * m1[2] if not font.vertical else 0),
-                                  m1[5] + (rise * m1[3] if not font.vertical else 0),
-                                  abs(scale) or 1.0, text, font.vertical))
+            st.runs.append(PdfRun(m0[4] + rise * m0[2], m0[5] + rise * m0[3], m1[4] + rise * m1[2],
+                                  m1[5] + rise * m1[3], abs(scale) or 1.0, text, font.vertical))
 
     def form(self, st, name):
         """Do: a form XObject's content run inside the page (12 deep at most,
@@ -9080,10 +9071,11 @@ HTML_DEPTH = 200
 # rendered as blocks of their own
 HTML_BLOCK_TAGS = HTML_BLOCKS | frozenset(("ul", "ol", "li", "pre", "table", "blockquote", "hr",
                                            "h1", "h2", "h3", "h4", "h5", "h6"))
-# a start tag -> the open ones it ends
-HTML_IMPLIED_ENDS = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd"), "dd": ("dt", "dd"),
+# a start tag -> the open ones it ends (a block but li: an open paragraph too)
+HTML_IMPLIED_ENDS = {"li": ("li",), "p": ("p",), "dt": ("dt", "dd", "p"), "dd": ("dt", "dd", "p"),
                      "tr": ("tr", "td", "th"), "td": ("td", "th"), "th": ("td", "th"),
                      "option": ("option",)}
+HTML_IMPLIED_ENDS = dict({tag: ("p",) for tag in HTML_BLOCK_TAGS}, **HTML_IMPLIED_ENDS)
 
 
 # -- HTML to Markdown -------------------------------------------------------------
@@ -9119,8 +9111,6 @@ class HtmlToMarkdown:
             self.skip += tag in HTML_SKIP and tag not in HTML_VOID
             return
         closes = HTML_IMPLIED_ENDS.get(tag, ())
-        if tag in HTML_BLOCK_TAGS and tag not in ("p", "li"):
-            closes += ("p",)                             # a block ends an open paragraph
         while self.stack[-1].tag in closes:
             self.stack.pop()
         node = HtmlNode(tag, dict(attrs), [])
@@ -9225,7 +9215,8 @@ class HtmlToMarkdown:
         paragraphs; blocks are separated by blank lines, except (in a list item) a list
         right after the item's own text, which follows it on the next line."""
         parts = []
-        runs = groupby(nodes, lambda c: isinstance(c, str) or c.tag not in HTML_BLOCK_TAGS)
+        # (text has no tag: inline)
+        runs = groupby(nodes, lambda c: getattr(c, "tag", None) not in HTML_BLOCK_TAGS)
         for is_inline, run in runs:                # inline content, or blocks
             if is_inline:
                 text = "\n".join(line.strip() for line in self.inline(run).split("\n")).strip()
@@ -9236,10 +9227,11 @@ class HtmlToMarkdown:
                 md = self.block(c)
                 if md.strip():
                     parts.append((c.tag, md))
-        out = ""
-        for k, (kind, md) in enumerate(parts):
-            tight = item and k and kind in ("ul", "ol") and parts[k - 1][0] == "text"
-            out += ("\n" if tight else "\n\n" if k else "") + md
+        out, before = "", None
+        for kind, md in parts:
+            tight = item and kind in ("ul", "ol") and before == "text"
+            out += ("\n" if tight else "\n\n" if out else "") + md
+            before = kind
         return out
 
     def block(self, node):
@@ -9271,11 +9263,10 @@ class HtmlToMarkdown:
         """A ul or ol: '- ' or numbered items (from `start`), an item's blocks indented under
         its marker, loose (blank lines between) when any item holds paragraphs."""
         items, number = [], 1
-        if tag == "ol":
-            try:
-                number = int(attrs.get("start") or 1)
-            except ValueError:
-                pass                        # numbered from 1
+        try:
+            number = int(attrs.get("start") or 1)      # (a ul's number is never shown)
+        except ValueError:
+            pass                            # numbered from 1
         loose = False
         for c in children:
             marker = "- " if tag == "ul" else "%d. " % number
@@ -9285,15 +9276,17 @@ class HtmlToMarkdown:
                 continue
             if c.tag != "li":
                 md = self.block(c) if c.tag in HTML_BLOCK_TAGS else self.inline([c]).strip()
-                if md and c.tag in ("ul", "ol") and items and items[-1][0]:
+                if not md:
+                    continue
+                if c.tag in ("ul", "ol") and items and items[-1][0]:
                     # a list put straight in a list: the item before holds it
                     items[-1] = (items[-1][0], items[-1][1] + "\n" + md)
-                elif md:
+                else:
                     items.append(("", md))
                 continue
             number += tag == "ol"
             body = self.blocks(c.children, item=True)
-            loose = loose or "\n\n" in body
+            loose |= "\n\n" in body
             items.append((marker, body))
         return ("\n\n" if loose else "\n").join(list_item(*item) for item in items)
 
@@ -9338,12 +9331,10 @@ def table_rows(node):
     """The rows of a table node (in thead, tbody or tfoot too), each a list of its cells."""
     rows = []
     for c in node.children:
-        if isinstance(c, str):
-            continue
-        if c.tag == "tr":
-            rows.append([cell for cell in c.children
-                         if not isinstance(cell, str) and cell.tag in ("td", "th")])
-        elif c.tag in ("thead", "tbody", "tfoot"):
+        tag = getattr(c, "tag", None)                   # (text has none)
+        if tag == "tr":
+            rows.append([cell for cell in c.children if getattr(cell, "tag", None) in ("td", "th")])
+        elif tag in ("thead", "tbody", "tfoot"):
             rows += table_rows(c)
     return rows
 
@@ -9455,7 +9446,7 @@ class WebFetch:
         ctype, charset, body = self.get()
         url = self.url
         try:
-            text = body.decode(text_codec(charset or "utf-8") or "utf-8", "replace")
+            text = body.decode(text_codec(charset) or "utf-8", "replace")  # (no charset: UTF-8)
         except (UnicodeError, ValueError):
             text = body.decode("utf-8", "replace")
         if ctype in ("text/html", "application/xhtml+xml") or (
@@ -10211,11 +10202,11 @@ class GitIndex:
             if pause and not k % 4096:
                 pause()
             cs, cn, ms, mn, _, ino, mode, _, _, size, sha, flags = unpack(data, pos)
-            at = pos + 62
-            extended = flags & 0x4000 and version >= 3
-            # skip-worktree, intent-to-add
-            skip = extended and struct.unpack_from(">H", data, at)[0] & 0x6000
-            at += 2 if extended else 0
+            at, skip = pos + 62, 0
+            if flags & 0x4000 and version >= 3:
+                # extended flags: skip-worktree, intent-to-add
+                skip = struct.unpack_from(">H", data, at)[0] & 0x6000
+                at += 2
             # the name: how much of the last to drop, then more
             if version == 4:
                 c = data[at]
@@ -10391,7 +10382,7 @@ def rewind_plan(old, cur, within, partial):
     above = {p for p, e in old.items() if e.kind == "d" and any(is_within(w, p) for w in within)}
 
     def wanted(p):
-        return not within or p in above or any(p == w or is_within(p, w) for w in within)
+        return not within or p in above or any(is_within(p, w) for w in within)
     drop = [p for p, e in cur.items()
             if wanted(p) and (p not in old and not partial and p not in above
                               or p in old and old[p].kind != e.kind)]
@@ -10427,7 +10418,7 @@ class Listing:
                                    self.known)
         if entry is not None:
             self.children.append((name, entry))
-            self.all_reusable = self.all_reusable and reusable
+            self.all_reusable &= reusable
 
     def packed(self):
         """(the children packed, or None when there are none; whether every one looked at can
@@ -10477,7 +10468,7 @@ def entry_changes(old, new, partial=False):
     added, modified, deleted = [], [], []
     for d in set(old.dirs) | set(new.dirs):
         a, b = old.dirs.get(d), new.dirs.get(d)
-        if a is b or a == b:
+        if a == b:
             continue
         a, b = unpack_children(a or b"\0" * 4), unpack_children(b or b"\0" * 4)
         prefix = child_prefix(d)
@@ -10630,18 +10621,19 @@ class Checkpoints:
                                    " after it cover this call's changes" % CHECKPOINT_WAIT_S)
                         break
                     self.cond.wait(CHECKPOINT_YIELD_S)
-                latest = self.list[-1] if self.list else None
-                if latest is not None:
+                partial = False
+                for latest in self.list[-1:]:              # (the latest, when there is one)
                     latest.followed = (latest.followed
                                        + [call + (" (not covered)" if missing else "")])[-5:]
+                    partial = latest.partial
             finally:
                 self.waiters -= 1
                 self.cond.notify_all()
         if missing:
             return "(%s.)" % missing
-        if latest is not None and latest.partial:
+        if partial:
             return ("(The checkpoint before this call covers part of the workspace: %s; checkpoints"
-                    " lists what it covers.)" % latest.partial)
+                    " lists what it covers.)" % partial)
         return None
 
     def record_part(self, target):
@@ -10744,14 +10736,14 @@ class Checkpoints:
             # handed over, but the walk ended first: none partial
             if self.part is not None:
                 self.part, self.handed = None, False
-            if checkpoint is None and self.list and self.list[-1].partial \
-                    and self.whole_mark is not None and not self.stopped.is_set() \
-                    and not cancelled.is_set():
-                # no event since
-                checkpoint = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)
-            elif checkpoint is not None:
+            if checkpoint is not None:
                 self.base = checkpoint
-            if checkpoint is not None and not (self.handed and background):
+                if not (self.handed and background):
+                    self.record(checkpoint)
+            elif self.list and self.list[-1].partial and self.whole_mark is not None \
+                    and not self.stopped.is_set() and not cancelled.is_set():
+                # no event since (no walk ran to hand a part): the base is whole
+                checkpoint = Checkpoint(self.count + 1, self.base.dirs, self.base.size, [], False)
                 self.record(checkpoint)
             # (whole, or known unchanged): answered
             if checkpoint is not None or self.whole_mark is not None:
@@ -10820,15 +10812,17 @@ class Checkpoints:
         if w is not None:
             # (quiet from now on: this walk is the base)
             w.quiet.update(looked)
-            self.prune_stacks = (mark.stacks if not checkpoint.partial
-                                 and all(map(w.of.__contains__, visited)) else None)
+        # what lets the next walk skip (quiet directories, or all): a whole walk, watched
+        self.prune_stacks = self.whole_mark = None
         if not checkpoint.partial:
             for repo in self.repos:
                 # recorded now: the next walk reads the index again only once it changed
                 repo.dirs = {}
-        whole = w is not None and not checkpoint.partial and not unwatched and all(
-            map(w.clean.__contains__, visited))
-        self.whole_mark = mark if whole else None
+            if w is not None:
+                if all(map(w.of.__contains__, visited)):
+                    self.prune_stacks = mark.stacks
+                if not unwatched and all(map(w.clean.__contains__, visited)):
+                    self.whole_mark = mark
         return checkpoint
 
     def walk_roots(self, background, cancelled, prune):
@@ -10837,7 +10831,7 @@ class Checkpoints:
         looked at whole while watched; those looked at otherwise)."""
         visited, looked, unwatched = [], set(), []
         w = self.cache.watches
-        quiet = w.quiet if w is not None else set()
+        quiet, watched = (w.quiet, w.of) if w is not None else (set(), {})
         prev, dirs, missed, partial, size = self.base.dirs, {}, [], False, 0
         left_out, pruned = self.pruner(quiet) if prune else (None, set())
         # the store's directory where it lies in a root (the walk leaves it out)
@@ -10848,13 +10842,15 @@ class Checkpoints:
         here = None
 
         def settle():
+            if here is None:
+                return                                       # (no directory met yet)
             packed, reusable = here.packed()
             if packed is not None:
                 dirs[here.path] = packed
             if reusable is not None:                         # (None: kept unread, still quiet)
                 quiet.discard(here.path)
                 # (its watch was set before the lstats)
-                if reusable and w is not None and here.path in w.of:
+                if reusable and here.path in watched:
                     looked.add(here.path)
                 else:
                     unwatched.append(here.path)
@@ -10868,7 +10864,7 @@ class Checkpoints:
         for root in self.roots:
             if partial:
                 break
-            repo = next((r for r in self.repos if is_within(root, r.top)), None)
+            repo = self.repo_of(root)
             walker = self.walker(root, left_out, visited)
             here = None
             # (a directory's children come together)
@@ -10884,15 +10880,13 @@ class Checkpoints:
                     # the store itself (where it lies in a root)
                     continue
                 cut = path.rfind("/")
-                if here is None or path[:cut or 1] != here.path:
-                    if here is not None:
-                        settle()
-                    d = path[:cut or 1]
+                d = path[:cut or 1]
+                if here is None or d != here.path:
+                    settle()
                     here = Listing(d, prev.get(d), d in quiet, repo, look)
                 here.add(path[cut + 1:])
                 size += 1
-            if here is not None:
-                settle()
+            settle()
         kept = below_any(prev, pruned)                       # what the directories left out held
         dirs.update(kept)
         size += sum(child_names(packed).count(b"\0") + 1 for packed in kept.values())
@@ -11083,12 +11077,16 @@ class Checkpoints:
         the git repository holding `path` (through one CatFile a repository per rewind)."""
         if not digest.startswith("g"):
             return self.blob(digest)
-        repo = next((r for r in self.repos if is_within(path, r.top)), None)
+        repo = self.repo_of(path)
         if repo is None:
             raise OSError(errno.ENOENT, "its git repository is gone")
         if repo not in readers:
             readers[repo] = CatFile(repo)
         return readers[repo].read(digest[1:])
+
+    def repo_of(self, path):
+        """The GitIndex of the repository holding `path`, or None."""
+        return next((r for r in self.repos if is_within(path, r.top)), None)
 
     def put_back(self, dfd, base, now, want, data):
         """step()'s change, relative to directory `dfd`: '' when done, else why not (OSError
@@ -15888,7 +15886,7 @@ class McpServer:
                     "requested": modern[:100] if isinstance(modern, str) else brief(modern)}))
         if not isinstance(meta.get(CLIENT_CAPS_KEY), dict):
             return modern, invalid("_meta lacks %s (an object)" % CLIENT_CAPS_KEY)
-        if LOG_LEVEL_KEY in meta and meta[LOG_LEVEL_KEY] not in MCP_LOG_LEVELS:
+        if meta.get(LOG_LEVEL_KEY, "info") not in MCP_LOG_LEVELS:       # (none given: fine)
             return modern, invalid("%s must be one of %s, not %s" % (
                 LOG_LEVEL_KEY, ", ".join(MCP_LOG_LEVELS), brief(meta[LOG_LEVEL_KEY])))
         if method in REMOVED_METHODS or method != "tools/call" and method not in self.METHODS:
@@ -16246,10 +16244,11 @@ class McpRequestHandler:
             return None
 
     def pick_session(self, msg):
-        """(session, new id or None); (None, None) after a refusal was sent."""
+        """(session, new id or None) of a message whose id, if any, is valid (do_POST);
+        (None, None) after a refusal was sent."""
         t = self.transport
         meta = object_at(object_at(msg, "params"), "_meta")
-        rid = msg.get("id") if valid_id(msg.get("id")) else None
+        rid = msg.get("id")
         header = self.headers.get("MCP-Protocol-Version")
         if META_VERSION_KEY not in meta and header and header not in SUPPORTED_VERSIONS:
             self.reply(400, error_response(rid, -32600, "Unsupported protocol version: the"
@@ -16292,13 +16291,13 @@ class McpRequestHandler:
                    ("Mcp-Method", "method", msg.get("method")), ("Mcp-Name", "tool name", name))
         for header, what, body in mirrors:
             value = self.headers.get(header)
-            # (HTTP's optional whitespace)
-            value = value.strip(" \t") if value is not None else None
-            if value is not None and value.startswith("=?base64?") and value.endswith("?="):
-                try:
-                    value = base64.b64decode(value[9:-2], validate=True).decode("utf-8")
-                except (ValueError, UnicodeError):
-                    pass                                  # (compared, and quoted, as it came)
+            if value is not None:
+                value = value.strip(" \t")                # (HTTP's optional whitespace)
+                if value.startswith("=?base64?") and value.endswith("?="):
+                    try:
+                        value = base64.b64decode(value[9:-2], validate=True).decode("utf-8")
+                    except (ValueError, UnicodeError):
+                        pass                              # (compared, and quoted, as it came)
             if body is None or value == body or header == "MCP-Protocol-Version" and value is None:
                 continue
             if header != "MCP-Protocol-Version" and not isinstance(meta.get(META_VERSION_KEY), str):
@@ -16353,10 +16352,10 @@ class McpRequestHandler:
                 return
             # out is None: the call was cancelled
             final = out is None or (out.get("id") == rid and ("result" in out or "error" in out))
-            if not streaming and final:
-                self.reply(204 if out is None else 200, out, headers)
-                return
             if not streaming:
+                if final:
+                    self.reply(204 if out is None else 200, out, headers)
+                    return
                 self.start_stream(headers)
                 streaming = True
             if not self.send_event(out, session, rid) or final:

@@ -3788,6 +3788,23 @@ class TestDocuments(NoViewBase):
             self.assertIn("\t" + line + "\n", text + "\n")
         self.assertLess(len(text), 2000)
 
+    def test_an_opendocument_presentation_says_each_slides_notes_apart(self):
+        """A slide's notes (presentation:notes, wherever the page holds them) come after its
+        text, never in it."""
+        notes = ('<presentation:notes><draw:frame><draw:text-box><text:p>%s</text:p></draw:text-box>'
+                 '</draw:frame></presentation:notes>')
+        frame = '<draw:frame><draw:text-box>%s</draw:text-box></draw:frame>'
+        office_file(self.path("d.odp"), {"content.xml": (
+            '<office:document-content %s><office:body><office:presentation><draw:page>%s%s</draw:page>'
+            '<draw:page>%s%s</draw:page></office:presentation></office:body></office:document-content>'
+            % (ODF_NS, frame % '<text:h text:outline-level="1">Plan</text:h><text:list><text:list-item>'
+                              '<text:p>first</text:p></text:list-item></text:list>', notes % "Say why",
+               notes % "Early note", frame % "<text:p>Second</text:p>"))})
+        text = self.ok("view", path="d.odp")
+        rendered = "\n".join(l.split("\t", 1)[1] if "\t" in l else l for l in text.split("\n")[1:])
+        self.assertEqual(rendered, "## Slide 1\n# Plan\n- first\n\nNotes: Say why\n\n"
+                                   "## Slide 2\nSecond\n\nNotes: Early note")
+
     def test_hostile_documents_are_clear_errors_soon(self):
         import zipfile
         bomb = self.path("bomb.docx")
