@@ -7285,7 +7285,7 @@ class Pdf(PdfParser):
     def pages(self):
         """[(the page dictionary, its resources)], in order, through the page tree (cycles and
         depth bounded; a tree that leads nowhere: the objects of /Type /Page, in file order)."""
-        root = self.entry(self.trailer, "Root") or {}
+        root = self.entry(self.trailer, "Root", dict) or {}
         out, seen = [], set()
 
         def walk(node, resources, depth):
@@ -7355,11 +7355,11 @@ class Pdf(PdfParser):
         for annot in annots[:1000]:
             # a form field's value, a note: as drawn
             annot = self.get(annot)
-            if not isinstance(annot, dict) or (self.entry(annot, "F") or 0) & 2:
+            if not isinstance(annot, dict) or (self.entry(annot, "F", int) or 0) & 2:
                 continue
             normal = self.entry(self.entry(annot, "AP"), "N")
             if isinstance(normal, dict):
-                normal = self.entry(normal, self.entry(annot, "AS"))
+                normal = self.entry(normal, self.entry(annot, "AS", str))
             rect = self.entry(annot, "Rect")
             try:                                              # the lower left corner
                 x, y = (min(float(self.get(rect[i])), float(self.get(rect[i + 2]))) for i in (0, 1))

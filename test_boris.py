@@ -4074,7 +4074,11 @@ class TestPdf(NoViewBase):
         data = make_pdf([content], fonts=fonts, extra=extra)
         data = data.replace(b"/Resources << /Font", b"/Annots [<< /Type /Annot /Subtype /Widget /FT /Tx /Rect [72 500 172 520]"
                             b" /DA (/Helv 10 Tf 0 g) /V (typed in) >> << /Type /Annot /Subtype /FreeText"
-                            b" /Rect [72 400 172 420] /Contents (a note) >>] /Resources << /Font")
+                            b" /Rect [72 400 172 420] /Contents (a note) >> << /Subtype /FreeText /F 2"
+                            b" /Rect [72 380 172 400] /Contents (a hidden note) >> << /Subtype /FreeText"
+                            b" /F 2.0 /AP << /N << >> >> /AS [1] /Rect [72 360 172 380]"
+                            b" /Contents (flags not a number) >>]"
+                            b" /Resources << /Font")
         self.put("m.pdf", data)
         text = self.ok("view", path="m.pdf")
         self.assertIn("\tABCDEF\n", text)
@@ -4086,6 +4090,8 @@ class TestPdf(NoViewBase):
         self.assertIn("\t[not shown: 1 character whose font carries no map to text]", text)
         self.assertIn("\ttyped in\n", text)
         self.assertIn("\ta note\n", text)
+        self.assertNotIn("hidden", text)                                    # /F 2: hidden
+        self.assertIn("\tflags not a number\n", text)     # flags and state of the wrong type: not read
         self.assertEqual(boris.pdf_bidi("\u05dd\u05d5\u05dc\u05e9 2024 abc"), "2024 abc \u05e9\u05dc\u05d5\u05dd")
         post = struct.pack(">I28xH3H", 0x20000, 3, 0, 36, 258) + b"\x07uni0141"     # no cmap: the glyph names
         named = struct.pack(">IHHHH", 0x10000, 1, 16, 0, 0) + struct.pack(">4sIII", b"post", 0, 28, len(post)) + post
