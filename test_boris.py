@@ -8399,6 +8399,35 @@ class TestGrep(SearchBase):
             self.assertTrue(found)
             self.assertEqual(bool(cache.listings), kept, (job["op"], watch))
 
+    def test_a_warm_helper_keeps_one_small_listing_a_directory(self):
+        """Issue 72: a glob and a grep of a tree, each twice, leave one listing of each directory
+        in the cache, both searches' answers chosen from it, in a few dozen bytes a file (a
+        visit for each search, of a tuple of paths a file, took four hundred)."""
+        import tracemalloc
+        for i in range(3000):
+            self.write("big/d%d/some_module_%d.py" % (i % 6, i), "def f():\n")
+        age(self.path("big"))
+        root = self.path("big")
+        glob = glob_job(self, "big", "**/*.py")
+        grep = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(root, True, None)],
+                                 boris.grep_spec("def", "files_with_matches"))
+        cache, counts = boris.WalkCache(watch=True), []
+        self.addCleanup(cache.close)
+        tracemalloc.start()
+        try:
+            for job in (glob, grep, glob, grep):
+                items = []
+                cache.refresh()
+                boris.search_job(job, items.extend, cache)
+                counts.append(len(items))
+            del items
+            held = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        self.assertEqual(counts, [6000, 3000, 6000, 3000])
+        self.assertEqual(len(cache.listings), 7)
+        self.assertLess(held / 3000, 150)
+
     def test_a_cut_search_keeps_its_partial_notice(self):
         lines = ["line %05d" % i for i in range(10000)]
         text = boris.cap_lines(lines, "lines", ["[search stopped after 60 s: partial]"])
