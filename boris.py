@@ -3752,33 +3752,16 @@ class IgnoreFile:
             out.append((neg,) + tuple(tests))
         return out
 
-    def verdict(self, rel, name, is_dir):
-        """True (ignored), False (re-included by '!') or None (no rule matched)."""
-        if not rel.isascii():
-            rel, name = as_bytes(rel), as_bytes(name)
-        for neg, for_dir, for_file in self.runs:
-            names, suffixes, paths, by_name, by_path = for_dir if is_dir else for_file
-            if name in names or suffixes and name.endswith(suffixes) \
-                    or paths and name in paths.get(rel[:len(rel) - len(name)], ()) \
-                    or by_name is not None and by_name.match(name) \
-                    or by_path and any(rx.match(rel)
-                                       for rx in at_depth(by_path, rel.count("/") + 1)):
-                return not neg
-        return None
-
     def sift(self, pre, names, is_dir, hidden):
-        """verdict() for many entries of one directory at once: `names` (all directories or
-        all files) whose paths relative to self.base are pre + name; adds those ignored to
-        `hidden` and returns those no rule here decides. Sets do what they can in C."""
-        if not (pre.isascii() and "".join(names).isascii()):
-            left = []
-            for name in names:
-                v = self.verdict(pre + name, name, is_dir)
-                if v is None:
-                    left.append(name)
-                elif v:
-                    hidden.add(name)
-            return left
+        """The rules' verdict on entries of one directory at once, the last rule that matches
+        deciding: `names` (all directories or all files) whose paths relative to self.base
+        are pre + name; adds those ignored to `hidden` and returns those no rule here
+        decides. Sets do what they can in C. Names not ASCII are tested as git sees them
+        (as_bytes)."""
+        back = None
+        if not (pre + "".join(names)).isascii():
+            back = {as_bytes(name): name for name in names}
+            pre, names = as_bytes(pre), back
         left = set(names)
         for neg, for_dir, for_file in self.runs:
             literal, suffixes, paths, by_name, by_path = for_dir if is_dir else for_file
@@ -3794,10 +3777,10 @@ class IgnoreFile:
             if hit:
                 left -= hit
                 if not neg:
-                    hidden |= hit
+                    hidden.update(hit if back is None else map(back.get, hit))
                 if not left:
                     break
-        return left
+        return left if back is None else [back[name] for name in left]
 
 
 def at_depth(by_path, n):
@@ -3881,19 +3864,10 @@ def same_objects(a, b):
     return len(a) == len(b) and all(map(is_, a, b))
 
 
-def ignored(stack, path, name, is_dir):
-    """The verdict of an ignore stack on a path: the innermost file with a matching rule decides;
-    False when none matches."""
-    for rules in reversed(stack):
-        v = rules.verdict(path[len(child_prefix(rules.base)):], name, is_dir)
-        if v is not None:
-            return v
-    return False
-
-
 def ignored_among(stack, path, names, is_dir):
     """The set of `names` (entries of the directory `path`, all directories or all files)
-    that an ignore stack hides: ignored() of each, decided a level at a time for all."""
+    that an ignore stack hides: the innermost file with a matching rule decides, a level
+    at a time for all."""
     hidden, left, inside = set(), names, child_prefix(path)
     for rules in reversed(stack):
         if not left:
@@ -4484,8 +4458,9 @@ class Walker:
     def hidden(self, ign, path, real, name, is_dir):
         """Whether an ignore rule (of the stack `ign`, when the walk uses them) or the path
         policy hides this entry."""
-        return (bool(self.use_ignore and ign and ignored(ign, path, name, is_dir))
-                or self.policy.is_denied(real))
+        return bool(self.use_ignore and ign and ignored_among(
+            ign, path[:len(path) - len(name) - 1] or "/", [name], is_dir)) \
+            or self.policy.is_denied(real)
 
     def link(self, path, at, name, ign, depth):
         """A symlink's entries for visit() (resolve_link()), added to links_seen when kept."""
