@@ -185,7 +185,7 @@ import queue
 from bisect import bisect_left, bisect_right
 from collections import Counter, OrderedDict, defaultdict, deque, namedtuple
 from array import array
-from itertools import chain, compress, groupby, repeat
+from itertools import compress, groupby, repeat
 from operator import attrgetter, is_, itemgetter, methodcaller
 
 # This file's path, read once: CPython takes __file__ out of a script's globals when its top
@@ -3729,8 +3729,7 @@ class IgnoreFile:
                 for pat, dir_only, anchored in members:
                     if dir_only and not for_dir:
                         continue
-                    literal = not any(ch in pat for ch in "*?[\\")
-                    if literal:
+                    if not any(ch in pat for ch in "*?[\\"):            # a literal
                         (paths if anchored else names).add(pat)
                     elif not anchored and pat[0] == "*" and not any(ch in pat[1:]
                                                                     for ch in "*?[\\"):
@@ -3746,9 +3745,9 @@ class IgnoreFile:
                 for pat in by_path:
                     deep.setdefault(None if "**" in pat or "[" in pat else pat.count("/") + 1,
                                     []).append(pat)
-                deep = {n: one_regex(pats) for n, pats in deep.items()}
                 tests.append((frozenset(names), tuple(suffixes), within, one_regex(by_name),
-                              {n: rx for n, rx in deep.items() if rx is not None}))
+                              {n: rx for n, pats in deep.items() for rx in [one_regex(pats)]
+                               if rx is not None}))
             out.append((neg,) + tuple(tests))
         return out
 
@@ -4339,8 +4338,12 @@ class Walker:
         if self.remember:
             # (every walk's own choice is made of it: one listing, glob's and grep's)
             key = (real, path, self.use_ignore, self.ordered, self.policy.key)
-            known = self.recall(key, ign, ino)
+            known = self.cache.listing(key, real, ino, ign,
+                                       lambda names: self.rules(path, names, ign), self.name_key)
             if known is not None:
+                self.recalled += 1
+                if self.follow_links:
+                    self.seen.add((known.dev, known.ino))
                 return self.expand(known, path, real, depth)
         fd, entries, st = self.scan(real, ino)
         if fd is None:
@@ -4443,17 +4446,6 @@ class Walker:
             elif not self.hidden(inner, shown, at, name, False):
                 found.append((shown, at, None, ino))
         return found, subdirs
-
-    def recall(self, key, ign, ino):
-        """The Visit the cache remembers of a directory unchanged; else None."""
-        real, path = key[:2]
-        known = self.cache.listing(key, real, ino, ign,
-                                   lambda names: self.rules(path, names, ign), self.name_key)
-        if known is not None:
-            self.recalled += 1
-            if self.follow_links:
-                self.seen.add((known.dev, known.ino))
-        return known
 
     def hidden(self, ign, path, real, name, is_dir):
         """Whether an ignore rule (of the stack `ign`, when the walk uses them) or the path
@@ -7868,8 +7860,6 @@ class GlobWork:
         self.job, self.cache = job, cache
         self.policy = PathPolicy(**job["policy"])
         start, rest, self.base_only, kind = job["start"], job["rest"], job["base_only"], job["kind"]
-        # what name_ok tests, for the walk cache
-        self.rest = rest
         self.roots = [SearchRoot(start, True, None)]
         self.rx, self.lead = compile_glob(rest), job["lead"]
         self.cut = len(start) + 1 if start != "/" else 1
@@ -7893,7 +7883,8 @@ class GlobWork:
         names filtered in the walk when it can be. Its visits are kept for the next glob only in
         a warm helper's cache (with watches)."""
         walker = Walker(self.roots[0].real, self.policy, False, self.cache)
-        walker.only(self.name_ok, self.rest).remember = self.watches is not None
+        # (name_key: what name_ok tests)
+        walker.only(self.name_ok, self.job["rest"]).remember = self.watches is not None
         walker.want_dirs, walker.max_depth = self.want_dirs, self.depth
         walker.visited, walker.links_seen = self.visited, self.links_seen
         return walker
@@ -7915,7 +7906,10 @@ class GlobWork:
                 or any(mtime(path) != when for path, when in linked):
             return None
         self.cache.results.move_to_end(self.key)
-        return [list(chain.from_iterable(zip(rels.split("\0"), whens))) for rels, whens in batches]
+        flat = [[0] * (2 * len(whens)) for _, whens in batches]
+        for one, (rels, whens) in zip(flat, batches):
+            one[0::2], one[1::2] = rels.split("\0"), whens
+        return flat
 
     def keep(self, batches):
         """Keep what this job gave for recall() when all of it is watched: every directory it
