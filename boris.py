@@ -184,8 +184,9 @@ import time
 import queue
 from bisect import bisect_left, bisect_right
 from collections import Counter, OrderedDict, defaultdict, deque, namedtuple
-from itertools import groupby
-from operator import attrgetter, is_, itemgetter
+from array import array
+from itertools import compress, groupby, repeat
+from operator import attrgetter, is_, itemgetter, methodcaller
 
 # This file's path, read once: CPython takes __file__ out of a script's globals when its top
 # level ends, and the server serves on after that (serve_after_the_script). None when the
@@ -3604,9 +3605,9 @@ GREP_BUFFER = 1 << 20                  # reused read buffer; big files go in chu
 GREP_CHUNK_MAX = 16 << 20              # a single line longer than this is cut
 # ignore files a helper keeps compiled (unchanged ones are not re-read)
 IGNORE_CACHE_FILES = 4096
-# entries of directory visits a helper keeps (~100 MB at most: an LRU smaller than a walk it repeats
-# misses every time)
-LISTING_CACHE_ENTRIES = 400000
+# entries of directory listings a helper keeps (a name, a kind and an inode each: an LRU
+# smaller than a walk it repeats misses every time)
+LISTING_CACHE_ENTRIES = 1000000
 # glob answers a helper keeps while nothing they came from changes
 GLOB_RESULTS_KEPT = 8
 LISTING_RACY_S = 1.0                   # a directory changed this recently is walked again next time
@@ -3697,8 +3698,7 @@ class IgnoreFile:
                 for pat, dir_only, anchored in members:
                     if dir_only and not for_dir:
                         continue
-                    literal = not any(ch in pat for ch in "*?[\\")
-                    if literal:
+                    if not any(ch in pat for ch in "*?[\\"):            # a literal
                         (paths if anchored else names).add(pat)
                     elif not anchored and pat[0] == "*" and not any(ch in pat[1:]
                                                                     for ch in "*?[\\"):
@@ -3714,39 +3714,22 @@ class IgnoreFile:
                 for pat in by_path:
                     deep.setdefault(None if "**" in pat or "[" in pat else pat.count("/") + 1,
                                     []).append(pat)
-                deep = {n: one_regex(pats) for n, pats in deep.items()}
                 tests.append((frozenset(names), tuple(suffixes), within, one_regex(by_name),
-                              {n: rx for n, rx in deep.items() if rx is not None}))
+                              {n: rx for n, pats in deep.items() for rx in [one_regex(pats)]
+                               if rx is not None}))
             out.append((neg,) + tuple(tests))
         return out
 
-    def verdict(self, rel, name, is_dir):
-        """True (ignored), False (re-included by '!') or None (no rule matched)."""
-        if not rel.isascii():
-            rel, name = as_bytes(rel), as_bytes(name)
-        for neg, for_dir, for_file in self.runs:
-            names, suffixes, paths, by_name, by_path = for_dir if is_dir else for_file
-            if name in names or suffixes and name.endswith(suffixes) \
-                    or paths and name in paths.get(rel[:len(rel) - len(name)], ()) \
-                    or by_name is not None and by_name.match(name) \
-                    or by_path and any(rx.match(rel)
-                                       for rx in at_depth(by_path, rel.count("/") + 1)):
-                return not neg
-        return None
-
     def sift(self, pre, names, is_dir, hidden):
-        """verdict() for many entries of one directory at once: `names` (all directories or
-        all files) whose paths relative to self.base are pre + name; adds those ignored to
-        `hidden` and returns those no rule here decides. Sets do what they can in C."""
-        if not (pre.isascii() and "".join(names).isascii()):
-            left = []
-            for name in names:
-                v = self.verdict(pre + name, name, is_dir)
-                if v is None:
-                    left.append(name)
-                elif v:
-                    hidden.add(name)
-            return left
+        """The rules' verdict on entries of one directory at once, the last rule that matches
+        deciding: `names` (all directories or all files) whose paths relative to self.base
+        are pre + name; adds those ignored to `hidden` and returns those no rule here
+        decides. Sets do what they can in C. Names not ASCII are tested as git sees them
+        (as_bytes)."""
+        back = None
+        if not (pre + "".join(names)).isascii():
+            back = {as_bytes(name): name for name in names}
+            pre, names = as_bytes(pre), back
         left = set(names)
         for neg, for_dir, for_file in self.runs:
             literal, suffixes, paths, by_name, by_path = for_dir if is_dir else for_file
@@ -3754,7 +3737,7 @@ class IgnoreFile:
             if paths:
                 hit |= left & paths.get(pre, frozenset())
             if suffixes:
-                hit.update([name for name in left if name.endswith(suffixes)])
+                hit.update(filter(methodcaller("endswith", suffixes), left))
             if by_name is not None:
                 hit.update(filter(by_name.match, left))
             for rx in at_depth(by_path, pre.count("/") + 1) if by_path else ():
@@ -3762,10 +3745,10 @@ class IgnoreFile:
             if hit:
                 left -= hit
                 if not neg:
-                    hidden |= hit
+                    hidden.update(hit if back is None else map(back.get, hit))
                 if not left:
                     break
-        return left
+        return left if back is None else [back[name] for name in left]
 
 
 def at_depth(by_path, n):
@@ -3849,19 +3832,10 @@ def same_objects(a, b):
     return len(a) == len(b) and all(map(is_, a, b))
 
 
-def ignored(stack, path, name, is_dir):
-    """The verdict of an ignore stack on a path: the innermost file with a matching rule decides;
-    False when none matches."""
-    for rules in reversed(stack):
-        v = rules.verdict(path[len(child_prefix(rules.base)):], name, is_dir)
-        if v is not None:
-            return v
-    return False
-
-
 def ignored_among(stack, path, names, is_dir):
     """The set of `names` (entries of the directory `path`, all directories or all files)
-    that an ignore stack hides: ignored() of each, decided a level at a time for all."""
+    that an ignore stack hides: the innermost file with a matching rule decides, a level
+    at a time for all."""
     hidden, left, inside = set(), names, child_prefix(path)
     for rules in reversed(stack):
         if not left:
@@ -4034,11 +4008,16 @@ class Watches:
         return (path[:path.rfind("/")] or "/") in self.of
 
 
-Visit = namedtuple("Visit", "st outer names inner found subdirs links")
-Visit.__doc__ = """A directory's visit as a WalkCache keeps it: its stat, the ignore stacks
-outside and inside it, the names of .git and .gitignore it holds (what the inner stack
-came from), what it found (a symlink as (shown, at, name): its target is looked at each
-time), its subdirectories' pending entries, and whether it holds any symlink."""
+Visit = namedtuple("Visit", "dev ino mtime ctime outer names inner only listed kinds inos")
+Visit.__doc__ = """A directory's listing as a WalkCache keeps it, one for every walk of it
+(Walker.expand() picks what each finds): its device, inode, mtime and ctime in ns, the
+ignore stacks outside and inside it, the names of .git and .gitignore it holds (what the
+inner stack came from), the name_key of the walk that listed only the files its name_ok
+passes (None: all), and the entries the ignore rules and the policy let through, in a few
+bytes each where tuples of paths took two hundred: their names joined by NULs (which no
+name holds), a kind each (FILE, DIR, or a LINK, whose target is looked at each time),
+their inodes."""
+FILE, DIR, LINK = "f", "d", "l"
 
 
 class WalkCache:
@@ -4070,25 +4049,25 @@ class WalkCache:
             self.watches.close()
             self.watches = None
 
-    def listing(self, key, real, ino, ign, inner_of):
-        """The Visit remembered under `key` when it still holds: the directory is the same inode
-        (the one its parent listed), with the same mtime and ctime, under the same ignore
-        stack `ign`, and its own ignore rules (inner_of(names of .git and .gitignore it
-        holds)) are the ones it had; else None.
+    def listing(self, key, real, ino, ign, inner_of, name_key):
+        """The Visit remembered under `key` when it still holds: it lists all files or those
+        of the walk's `name_key`, the directory is the same inode (the one its parent
+        listed), with the same mtime and ctime, under the same ignore stack `ign`, and its
+        own ignore rules (inner_of(names of .git and .gitignore it holds)) are the ones it
+        had; else None.
         A directory watched and clean since is not looked at; one not yet watched is,
         after its watch is set."""
         seen = self.listings.get(key)
-        if seen is None:
+        if seen is None or seen.only not in (None, name_key):
             return None
-        st = seen.st
-        w, at = self.watches, (st.st_mtime_ns, st.st_ctime_ns)
-        if not (w is not None and ino == st.st_ino and w.clean.get(real) == at):
-            watched = w is not None and w.watch(real, st.st_dev)
+        w, at = self.watches, (seen.mtime, seen.ctime)
+        if not (w is not None and ino == seen.ino and w.clean.get(real) == at):
+            watched = w is not None and w.watch(real, seen.dev)
             try:
                 now = os.lstat(real)
             except OSError:
                 return None
-            if (now.st_ino, now.st_mtime_ns, now.st_ctime_ns) != (st.st_ino,) + at \
+            if (now.st_ino, now.st_mtime_ns, now.st_ctime_ns) != (seen.ino,) + at \
                     or ino is not None and now.st_ino != ino:
                 return None
             if watched:
@@ -4111,20 +4090,19 @@ class WalkCache:
         """Keep a Visit (see listing()), unless the directory changed too lately to tell a
         change in the same clock tick from none (LISTING_RACY_S); `watched`: its watch was
         set before it was listed, or is known to cover the listing (watch_listed)."""
-        st = visit.st
-        if time.time() - st.st_mtime < LISTING_RACY_S:
+        if time.time() - visit.mtime / 1e9 < LISTING_RACY_S:
             return
         old = self.listings.pop(key, None)
         if old is not None:
-            self.held -= len(old.found) + len(old.subdirs) + 1
+            self.held -= len(old.kinds) + 1
         if watched:
             # (key[0]: the directory)
-            self.watches.clean[key[0]] = (st.st_mtime_ns, st.st_ctime_ns)
+            self.watches.clean[key[0]] = (visit.mtime, visit.ctime)
         self.listings[key] = visit
-        self.held += len(visit.found) + len(visit.subdirs) + 1
+        self.held += len(visit.kinds) + 1
         while self.held > LISTING_CACHE_ENTRIES and self.listings:
             _, dropped = self.listings.popitem(last=False)
-            self.held -= len(dropped.found) + len(dropped.subdirs) + 1
+            self.held -= len(dropped.kinds) + 1
 
     def read(self, base, source):
         """The rules of `source` for directory `base` (read_ignore's), from the cache when
@@ -4197,7 +4175,7 @@ class Walker:
         # a warm helper's: what it walked before, kept while unchanged
         self.cache = cache or WalkCache()
         # only(): a file name filter, and what it stands for
-        self.name_ok, self.name_key = None, ""
+        self.name_ok, self.name_key = None, None
         # True: each directory's entries by name (a stable page order)
         self.ordered = False
         # True: directories are found too
@@ -4223,7 +4201,7 @@ class Walker:
         # True: directories are watched from the first walk, not the second (checkpoints walk
         # the same tree again and again)
         self.watch_first = False
-        # False: visits are not kept in the cache (checkpoints keep theirs)
+        # False: listings are not kept in the cache (checkpoints keep theirs)
         self.remember = True
         # a directory this is true of is found, not entered
         self.prune = lambda real: False
@@ -4239,8 +4217,8 @@ class Walker:
         return self.walk([self.start()])
 
     def only(self, name_ok, name_key):
-        """Find only the files whose name passes name_ok; name_key says what it tests in the
-        cache's keys (None: this walk's visits are not kept)."""
+        """Find only the files whose name passes name_ok; name_key says what it tests (a
+        listing of only those serves the walks with the same key)."""
         self.name_ok, self.name_key = name_ok, name_key
         return self
 
@@ -4317,24 +4295,25 @@ class Walker:
         if ".gitignore" in names:
             rules = self.cache.of_dir(path)
             if rules:
-                return ign + [rules]
+                return [*ign, rules]
         return ign
 
     def visit(self, path, real, ign, depth, ino):
-        """What one directory holds: (found, subdirs). found: (path, real, is_dir, inode)
-        of the files that pass name_ok, the ignore rules and the policy, of directories
-        when want_dirs, and of what symlinks name (link()); subdirs: the pending entries
-        of directories to walk (within max_depth). Sockets, fifos and devices never.
-        A directory the cache remembers unchanged is answered from it (WalkCache.listing)."""
+        """What one directory holds: (found, subdirs) as expand() makes them of its listing,
+        from the cache when it remembers the directory unchanged (WalkCache.listing)."""
         if self.visited is not None:
             self.visited.append(real)
         key = None
-        if self.name_key is not None and self.remember:
-            key = (real, path, depth, self.use_ignore, self.follow_links, self.want_dirs,
-                   self.name_key, self.max_depth, self.policy.key)
-            known = self.recall(key, ign, ino)
+        if self.remember:
+            # (every walk's own choice is made of it: one listing, glob's and grep's)
+            key = (real, path, self.use_ignore, self.ordered, self.policy.key)
+            known = self.cache.listing(key, real, ino, ign,
+                                       lambda names: self.rules(path, names, ign), self.name_key)
             if known is not None:
-                return known
+                self.recalled += 1
+                if self.follow_links:
+                    self.seen.add((known.dev, known.ino))
+                return self.expand(known, path, real, depth)
         fd, entries, st = self.scan(real, ino)
         if fd is None:
             return [], []
@@ -4342,112 +4321,107 @@ class Walker:
                    and self.cache.watch_listed(real, fd, st))
         # (the fd stays open: DT_UNKNOWN entries lstat through it)
         try:
-            names = frozenset(e.name for e in entries if e.name in (".git", ".gitignore"))
+            names = tuple(e.name for e in entries if e.name in (".git", ".gitignore"))
             inner = self.rules(path, names, ign)
-            found, subdirs, links = self.sort_out(entries, path, real, inner, depth)
+            listing, settled = self.sort_out(entries, path, real, inner)
         finally:
             os.close(fd)
-        if key is not None and links is not None:
-            kept = found
-            # kept: a link as (shown, at, name)
-            for begin, link, end in reversed(links):
-                kept = kept[:begin] + [link] + kept[end:]
-            visit = Visit(st, tuple(ign), names, tuple(inner), kept, subdirs, bool(links))
+        visit = Visit(st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, tuple(ign), names,
+                      tuple(inner), self.name_ok and self.name_key, *listing)
+        if key is not None and settled:
             self.cache.remember(key, visit, watched)
-        elif watched and links is not None and time.time() - st.st_mtime >= LISTING_RACY_S:
+        elif watched and settled and time.time() - st.st_mtime >= LISTING_RACY_S:
             # (as remember() marks it)
             self.cache.watches.clean[real] = (st.st_mtime_ns, st.st_ctime_ns)
-        return found, subdirs
+        return self.expand(visit, path, real, depth)
 
-    def sort_out(self, entries, path, real, ign, depth):
-        """(found, subdirs, links) of a directory's entries, as visit() says; links: where
-        in `found` each symlink's entries stand, [(begin, (shown, at, name), end)], or None
-        when an entry went away while it was looked at (the visit is not kept then)."""
-        found, subdirs, links, settled = [], [], [], True
-        name_ok, want_dirs, deeper = self.name_ok, self.want_dirs, self.deeper(depth)
-        files_hidden, dirs_hidden = (self.ignored_here(entries, path, ign)
-                                     if self.use_ignore and ign else ((), ()))
-        # (else no entry needs the policy's check)
-        policed = not self.policy.clears_below(real)
-        is_denied = self.policy.is_denied
+    def sort_out(self, entries, path, real, ign):
+        """((names joined, kinds, inodes), settled) of a directory's files (those name_ok
+        passes), directories and symlinks that the ignore stack `ign` (decided for all at
+        once: ignored_among) and the policy let through; sockets, fifos and devices never.
+        settled: no entry went away while it was looked at (else the listing is not kept)."""
+        kept, kinds, settled, name_ok = [], [], True, self.name_ok
+        for e in entries:
+            try:
+                if e.is_file(follow_symlinks=False):          # most entries: test files first
+                    if name_ok is not None and not name_ok(e.name):
+                        continue
+                    kinds.append(FILE)
+                elif e.is_dir(follow_symlinks=False):
+                    kinds.append(DIR)
+                elif e.is_symlink():                          # (judged by its target: link())
+                    kinds.append(LINK)
+                else:
+                    continue                                  # a socket, fifo or device
+                kept.append(e)
+            except OSError:
+                settled = False                               # gone since listed: skipped
+        names = [e.name for e in kept]
+        hidden = set(SKIP_DIRS)
+        if self.use_ignore and ign:
+            for kind in (FILE, DIR):
+                hidden |= ignored_among(ign, path, list(compress(names, map(kind.__eq__, kinds))),
+                                        kind == DIR)
+        if not self.policy.clears_below(real):     # (else no entry needs the policy's check)
+            rprefix = child_prefix(real)
+            hidden.update(name for name, kind in zip(names, kinds)
+                          if kind != LINK and self.policy.is_denied(rprefix + name))
+        ok = [name not in hidden for name in names]
+        return ("\0".join(compress(names, ok)), "".join(compress(kinds, ok)),
+                array("Q", [e.inode() for e in compress(kept, ok)])), settled
+
+    def expand(self, visit, path, real, depth):
+        """(found, subdirs) of a directory's listing for this walk. found: (path, real,
+        is_dir, inode) of the files that pass name_ok, of directories when want_dirs, of
+        what symlinks name (link(); themselves with raw_links), in the listing's order;
+        subdirs: the pending entries of directories to walk (within max_depth, not pruned).
+        Most listings are of files and directories only, their paths made in C (map, zip,
+        compress): a repeated walk is mostly this."""
+        names = visit.listed.split("\0") if visit.listed else []
+        kinds, inos, inner, name_ok = visit.kinds, visit.inos, visit.inner, self.name_ok
         prefix, rprefix = child_prefix(path), child_prefix(real)
         # (one string for both: half the memory)
         same = prefix == rprefix
-        for e in entries:
-            name = e.name
-            if name in SKIP_DIRS:
-                continue
-            try:
-                if e.is_file(follow_symlinks=False):          # most entries: test files first
-                    if name_ok is not None and not name_ok(name) or name in files_hidden:
-                        continue
-                    shown = prefix + name
-                    at = shown if same else rprefix + name
-                    if not (policed and is_denied(at)):
-                        found.append((shown, at, False, e.inode()))
-                    continue
+        subdirs = []
+        if DIR in kinds and self.deeper(depth):
+            is_dir = list(map(DIR.__eq__, kinds))
+            for name, ino in zip(compress(names, is_dir), compress(inos, is_dir)):
                 shown = prefix + name
                 at = shown if same else rprefix + name
-                if e.is_dir(follow_symlinks=False):
-                    if name in dirs_hidden or policed and is_denied(at):
-                        continue
-                    if want_dirs:
-                        found.append((shown, at, True, e.inode()))
-                    if deeper and not self.prune(at):
-                        subdirs.append((shown, at, ign, depth + 1, e.inode()))
-                elif not e.is_symlink():
-                    continue                                  # a socket, fifo or device
-                elif self.raw_links:
-                    if not self.hidden(ign, shown, at, name, False):
-                        found.append((shown, at, None, e.inode()))
-                else:
-                    begin = len(found)
-                    found += self.link(shown, at, name, ign, depth)
-                    links.append((begin, (shown, at, name), len(found)))
-            except OSError:
-                settled = False                               # gone since listed: skipped
-        return found, subdirs, links if settled else None
-
-    def recall(self, key, ign, ino):
-        """visit()'s answer from the cache, when it remembers the directory unchanged; else
-        None."""
-        real, path, depth = key[:3]
-        known = self.cache.listing(key, real, ino, ign,
-                                   lambda names: self.rules(path, names, ign))
-        if known is None:
-            return None
-        self.recalled += 1
-        if self.follow_links:
-            self.seen.add((known.st.st_dev, known.st.st_ino))
-        found = known.found
-        # (a link's target is looked at every time)
-        if known.links:
-            found = [one for e in found
-                     for one in (self.link(*e, known.inner, depth) if len(e) == 3 else (e,))]
-        return list(found), list(known.subdirs)
-
-    def ignored_here(self, entries, path, ign):
-        """(names of files, names of directories) among a directory's entries that the
-        ignore stack `ign` hides, decided for all at once (ignored_among); files only
-        among those whose name passes name_ok (the others are not looked at)."""
-        files, dirs = [], []
-        for e in entries:
-            try:
-                if e.is_file(follow_symlinks=False):
-                    files.append(e.name)
-                elif e.is_dir(follow_symlinks=False):
-                    dirs.append(e.name)
-            except OSError:
-                continue  # gone since listed: visit() skips it too
-        if self.name_ok is not None:
-            files = list(filter(self.name_ok, files))
-        return ignored_among(ign, path, files, False), ignored_among(ign, path, dirs, True)
+                if not self.prune(at):
+                    subdirs.append((shown, at, inner, depth + 1, ino))
+        if LINK not in kinds and not self.want_dirs:
+            if DIR in kinds:
+                is_file = list(map(FILE.__eq__, kinds))
+                names, inos = list(compress(names, is_file)), compress(inos, is_file)
+            if name_ok is not None and visit.only is None:
+                ok = list(map(name_ok, names))
+                names, inos = list(compress(names, ok)), compress(inos, ok)
+            shown = list(map(prefix.__add__, names))
+            return list(zip(shown, shown if same else map(rprefix.__add__, names), repeat(False),
+                            inos)), subdirs
+        found = []
+        for name, kind, ino in zip(names, kinds, inos):
+            shown = prefix + name
+            at = shown if same else rprefix + name
+            if kind == FILE:
+                if name_ok is None or name_ok(name):
+                    found.append((shown, at, False, ino))
+            elif kind == DIR:
+                if self.want_dirs:
+                    found.append((shown, at, True, ino))
+            elif not self.raw_links:
+                found += self.link(shown, at, name, inner, depth)
+            elif not self.hidden(inner, shown, at, name, False):
+                found.append((shown, at, None, ino))
+        return found, subdirs
 
     def hidden(self, ign, path, real, name, is_dir):
         """Whether an ignore rule (of the stack `ign`, when the walk uses them) or the path
         policy hides this entry."""
-        return (bool(self.use_ignore and ign and ignored(ign, path, name, is_dir))
-                or self.policy.is_denied(real))
+        return bool(self.use_ignore and ign and ignored_among(
+            ign, path[:len(path) - len(name) - 1] or "/", [name], is_dir)) \
+            or self.policy.is_denied(real)
 
     def link(self, path, at, name, ign, depth):
         """A symlink's entries for visit() (resolve_link()), added to links_seen when kept."""
@@ -7847,15 +7821,12 @@ class GlobWork:
         self.job, self.cache = job, cache
         self.policy = PathPolicy(**job["policy"])
         start, rest, self.base_only = job["start"], job["rest"], job["base_only"]
-        # what name_ok tests, for the walk cache's key
-        self.rest = rest
         self.roots = [SearchRoot(start, True, None)]
         self.rx, self.lead = compile_glob(rest), job["lead"]
         self.cut = len(child_prefix(start))
         self.want_dir = job["kind"] == "directory"          # (else "file")
         self.name_ok = None
         if self.base_only and not self.want_dir:     # C-level tests: called once per file walked
-            from operator import methodcaller
             simple = re.match(r"^\*(\.[\w.+-]+)$", rest)      # '*.c': a suffix test, no regex
             self.name_ok = methodcaller("endswith", simple.group(1)) if simple else self.rx.match
         self.depth = None if self.base_only or "**" in rest else rest.count("/") + 1
@@ -7872,8 +7843,8 @@ class GlobWork:
         names filtered in the walk when it can be. Its visits are kept for the next glob only in
         a warm helper's cache (with watches)."""
         walker = Walker(self.roots[0].real, self.policy, False, self.cache)
-        if self.name_ok is not None:
-            walker.only(self.name_ok, self.rest if self.watches is not None else None)
+        # (name_key: what name_ok tests)
+        walker.only(self.name_ok, self.job["rest"]).remember = self.watches is not None
         walker.want_dirs, walker.max_depth = self.want_dir, self.depth
         walker.visited, walker.links_seen = self.visited, self.links_seen
         return walker
@@ -7895,7 +7866,10 @@ class GlobWork:
                 or any(mtime(path) != when for path, when in linked):
             return None
         self.cache.results.move_to_end(self.key)
-        return batches
+        flat = [[0] * (2 * len(whens)) for _, whens in batches]
+        for one, (rels, whens) in zip(flat, batches):
+            one[0::2], one[1::2] = rels.split("\0"), whens
+        return flat
 
     def keep(self, batches):
         """Keep what this job gave for recall() when all of it is watched: every directory it
@@ -7949,7 +7923,9 @@ class Batches:
 
     def __init__(self, emit, keep=False):
         self.emit, self.items, self.sent = emit, [], time.monotonic()
-        self.kept = [] if keep else None           # with keep: every batch emitted
+        # with keep: every glob batch emitted, as its paths joined by NULs and their mtimes (a
+        # third of the memory of the list)
+        self.kept = [] if keep else None
 
     def flush_due(self):
         """Flush at SEARCH_BATCH items, or when 0.2 s passed since the last flush."""
@@ -7962,7 +7938,7 @@ class Batches:
             batch = self.items[:]
             del self.items[:]
             if self.kept is not None:
-                self.kept.append(batch)
+                self.kept.append(("\0".join(batch[0::2]), array("q", batch[1::2])))
             self.emit(batch)
         self.sent = time.monotonic()
 

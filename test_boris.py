@@ -2604,7 +2604,7 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
     def test_a_directory_decided_at_once_as_entry_by_entry(self):
         """The walker decides a directory's entries together (ignored_among: sets of literal
         names and paths, suffix tuples, path globs only at their depth); a symlink's entry
-        is decided alone (ignored). 3,000 generated cases (stacks of 1-3 ignore files,
+        is decided alone. 3,000 generated cases (stacks of 1-3 ignore files,
         names of every kind, non-ASCII among them): both give the same verdict."""
         rng = random.Random(44)
         names = self.NAMES + ["t.tmp", "x.md", "q", "deep.c", "\u00e9b", "b"]
@@ -2622,7 +2622,7 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
             here = sorted(set(rng.sample(names, rng.randint(1, 12))))
             is_dir = rng.random() < 0.5
             bulk = boris.ignored_among(stack, path, here, is_dir)
-            alone = set(n for n in here if boris.ignored(stack, path + "/" + n, n, is_dir))
+            alone = set(n for n in here if boris.ignored_among(stack, path, [n], is_dir))
             if bulk != alone:
                 differ.append((path, here, is_dir, sorted(bulk ^ alone)))
         self.assertEqual(differ[:3], [])
@@ -2646,7 +2646,7 @@ class TestIgnoreTreesAgreeWithGit(unittest.TestCase):
             names = sorted(set("".join(rng.choice("ab._1*") for _ in range(rng.randint(1, 6))) for _ in range(8)))
             bulk = boris.ignored_among([rules], "/ws/d", names, rng.random() < 0.5)
             want = set(n for n in names if rx.match(n) and not (back and rx_back.match(n)))
-            alone = set(n for n in names if rules.verdict("d/" + n, n, False))
+            alone = set(n for n in names if boris.ignored_among([rules], "/ws/d", [n], False))
             if bulk != want or alone != want:
                 differ.append((pat, names, sorted(bulk), sorted(want)))
             decided += bool(want)
@@ -8415,6 +8415,35 @@ class TestGrep(SearchBase):
                 work.gather(0, work.walker(0), found)
             self.assertTrue(found)
             self.assertEqual(bool(cache.listings), kept, (job["op"], watch))
+
+    def test_a_warm_helper_keeps_one_small_listing_a_directory(self):
+        """Issue 72: a glob and a grep of a tree, each twice, leave one listing of each directory
+        in the cache, both searches' answers chosen from it, in a few dozen bytes a file (a
+        visit for each search, of a tuple of paths a file, took four hundred)."""
+        import tracemalloc
+        for i in range(3000):
+            self.write("big/d%d/some_module_%d.py" % (i % 6, i), "def f():\n")
+        age(self.path("big"))
+        root = self.path("big")
+        glob = glob_job(self, "big", "**/*.py")
+        grep = boris.grep_job_of(ctx_of(self.cfg, self.policy), [(root, True, None)],
+                                 boris.grep_spec("def", "files_with_matches"))
+        cache, counts = boris.WalkCache(watch=True), []
+        self.addCleanup(cache.close)
+        tracemalloc.start()
+        try:
+            for job in (glob, grep, glob, grep):
+                items = []
+                cache.refresh()
+                boris.search_job(job, items.extend, cache)
+                counts.append(len(items))
+            del items
+            held = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        self.assertEqual(counts, [6000, 3000, 6000, 3000])
+        self.assertEqual(len(cache.listings), 7)
+        self.assertLess(held / 3000, 150)
 
     def test_a_cut_search_keeps_its_partial_notice(self):
         lines = ["line %05d" % i for i in range(10000)]
