@@ -1045,10 +1045,9 @@ class PathPolicy:
         shown = real
         if self.volume_folds(real):
             if self.folded is None:
-                flags = re.IGNORECASE
-                self.folded = ([fold_name(a) for a in allow], [fold_name(d) for d in deny_dirs],
-                               [re.compile(rx.pattern, rx.flags | flags) for rx in globs],
-                               [re.compile(rx.pattern, rx.flags | flags) for rx in names])
+                ignore_case = lambda rx: re.compile(rx.pattern, rx.flags | re.IGNORECASE)
+                self.folded = (list(map(fold_name, allow)), list(map(fold_name, deny_dirs)),
+                               list(map(ignore_case, globs)), list(map(ignore_case, names)))
             (allow, deny_dirs, globs, names), real = self.folded, fold_name(real)
         if allow and not any(is_within(real, a) for a in allow):
             return "is outside the allowed directories (%s)" % ", ".join(self.allow)
@@ -1086,11 +1085,10 @@ class PathPolicy:
             return True
         if self.deny_globs or self.deny_names:
             return False
-        if self.deny_dirs:
-            inside = fold_name(real)
-            if any(is_within(inside, d) or is_within(d, inside)
-                   for d in map(fold_name, self.deny_dirs)):
-                return False
+        inside = fold_name(real)
+        if any(is_within(inside, d) or is_within(d, inside)
+               for d in map(fold_name, self.deny_dirs)):
+            return False
         return any(is_within(real, a) for a in self.allow) or self.denial(real) is None
 
     def check(self, real, shown):
@@ -10383,9 +10381,8 @@ def rewind_plan(old, cur, within, partial):
 
     def wanted(p):
         return not within or p in above or any(is_within(p, w) for w in within)
-    drop = [p for p, e in cur.items()
-            if wanted(p) and (p not in old and not partial and p not in above
-                              or p in old and old[p].kind != e.kind)]
+    drop = [p for p, e in cur.items() if wanted(p) and (
+        p not in old and not partial or p in old and old[p].kind != e.kind)]
     put = [p for p, e in old.items() if wanted(p) and (p not in cur or cur[p][:3] != e[:3])]
     return drop, put
 
@@ -11022,18 +11019,18 @@ class Checkpoints:
         drop, put = rewind_plan(old, cur, within, target.partial)
         # GitIndex -> its CatFile, for the blobs written back
         readers = {}
+        step = (lambda *_: "") if dry else self.step          # (a dry run changes nothing)
         try:
             done, failed = [], []
             for p in sorted(drop, key=lambda p: (-p.count("/"), p)):
-                why = "" if dry else self.step(p, cur[p], None, files, readers)
+                why = step(p, cur[p], None, files, readers)
                 (failed if why else done).append((p, why or "removed"))
             for p in sorted(put, key=lambda p: (p.count("/"), p)):
                 e = old[p]
                 if e.kind == "f" and e.data is None:
                     failed.append((p, "not covered by checkpoint %d" % target.number))
                     continue
-                why = "" if dry else self.step(p, cur.get(p) if p not in drop else None,
-                                               e, files, readers)
+                why = step(p, cur.get(p) if p not in drop else None, e, files, readers)
                 (failed if why else done).append(
                     (p, why or ("brought back" if p not in cur else "restored")))
             for p in sorted((p for p in put if old[p].kind == "d" and not dry),
@@ -11593,9 +11590,9 @@ class Notebook:
             inner = re.search(r"\n([ \t]*)\"", text[start:end])
             base, unit = ("", None) if inner is None or base.strip() else (
                 base, max(1, len(inner.group(1)) - len(base)))
-        newline = "" if unit is None else "\n" + base
+        newline, colon = ("", ":") if unit is None else ("\n" + base, ": ")
         body = json.dumps(self.new_cell(k, mode, args), indent=unit, ensure_ascii=False,
-                          separators=(",", ":" if unit is None else ": "))
+                          separators=(",", colon))
         body = body.replace("\n", "\n" + base)
         if mode == "replace":
             start, end = spans[k]
@@ -11832,9 +11829,9 @@ def numbered(reader, vr, shown, cap):
         lines.append(line)
         if n == end:
             break
-    if vr is None:
-        return number_lines(lines, 1) if lines else "(%s is empty)" % shown
     if not lines:
+        if vr is None:
+            return "(%s is empty)" % shown
         raise ToolError(INVALID_INPUT, "view_range start %d exceeds the file's %d lines; give a"
                         " start between 1 and %d" % (start, n, max(n, 1)))
     return number_lines(lines, start)
@@ -11910,16 +11907,17 @@ def tool_outline(session, args, ctx):
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
     root = search_root(session, ctx, shown)
-    if not root.is_dir and Outline.language(root.real) is None:
-        raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension: %s);"
-                        " view or grep it instead" % (shown, OUTLINE_LANGUAGES))
-    if ctx.lsp and not root.is_dir:
-        ctx.lsp.warm(root.real)
+    if not root.is_dir:
+        if Outline.language(root.real) is None:
+            raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension:"
+                            " %s); view or grep it instead" % (shown, OUTLINE_LANGUAGES))
+        if ctx.lsp:
+            ctx.lsp.warm(root.real)
     items, why = ctx.helpers.run({"op": "outline", "root": root, "policy": policy_spec(ctx.policy),
                                   "max_size": ctx.config.max_file_size,
                                   "page": [offset, search_cap(ctx) - 400]},
                                  ctx.cancelled)
-    items = [file_outline(item) for item in items]
+    items = list(map(file_outline, items))
     if root.is_dir:
         return directory_outline(shown, items, why, offset, search_cap(ctx))
     if not items:
@@ -16632,19 +16630,18 @@ def helper_main(args):
     """Entry point of `boris.py --helper KIND [PARENT_PID [...]]`: serve stdin, exit 0
     (2 for no such kind). The sandbox launcher takes SPEC and the command after the
     parent, and becomes the command."""
-    kind = args[0] if args else ""
-    parent = args[1] if len(args) > 1 else None
+    kind, parent = (list(args) + ["", ""])[:2]      # (those missing: "")
     seal_memory()                       # a helper (a launcher too) holds the server's environment
-    if kind == "sandbox" and len(args) == 4 and args[2].startswith("@"):
-        return helper_warm_launcher(int(args[2][1:]), args[3])
     if kind == "sandbox" and len(args) > 3:
+        if len(args) == 4 and args[2].startswith("@"):
+            return helper_warm_launcher(int(args[2][1:]), args[3])
         return helper_sandbox(args[2], args[3:])
     if kind == "probe" and len(args) == 4:
         return helper_probe(args[2], args[3])
     if kind != "search":
         sys.stderr.write("boris: error: unknown helper kind %r\n" % kind)
         return 2
-    guard_helper(int(parent) if parent and parent.isdigit() else None)
+    guard_helper(int(parent) if parent.isdigit() else None)
     helper_search()
     return 0
 
