@@ -524,8 +524,9 @@ HELP_DEFAULTS = {"allow-dir": "none: every directory", "deny-dir": "none",
                  "sandbox-network": "off when sandboxed",
                  "sandbox-protect": ".git, .hg, .svn, boris.py"}
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+# The words a bool flag takes (a tristate's `auto` is true in this release)
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+               "0": False, "false": False, "no": False, "off": False}
 
 
 class Config(argparse.Namespace):
@@ -556,6 +557,14 @@ def parse_budget(text):
         raise ValueError("expected a size such as 512MB or 2GB, auto or off")
 
 
+def word_value(text, words, expected):
+    """words[text lower-cased], else ValueError(expected)."""
+    try:
+        return words[text.lower()]
+    except KeyError:
+        raise ValueError(expected)
+
+
 def in_range(value, low, high, expected):
     """value if low <= value <= high (NaN is not), else ValueError(expected)."""
     if not low <= value <= high:
@@ -574,31 +583,25 @@ _PARSERS = {
                                    % (MIN_RESULT_CHARS, MAX_RESULT_CHARS)),
     "size": lambda text: in_range(parse_size(text), 1, float("inf"), "expected a size above 0"),
     "budget": parse_budget,
+    "bool": lambda text: word_value(text, _BOOL_WORDS, "expected true or false"),
+    "tristate": lambda text: word_value(text, dict(_BOOL_WORDS, auto=True),
+                                        "expected true or false or auto"),
 }
 
 
 def flag_value(kind, raws):
     """A flag's typed value from the raw strings given for it: a list flag joins them all
-    (comma-separated too); any other takes the last one: a `choice:a|b` lower-cased, a bool
-    or tristate (`auto` is true in this release), else through _PARSERS. ValueError saying
-    what is expected."""
+    (comma-separated too); any other takes the last one: a `choice:a|b` lower-cased, else
+    through _PARSERS. ValueError saying what is expected."""
     if kind == "list":
         return [p.strip() for raw in raws for p in raw.split(",") if p.strip()]
     if not raws:
         return ""
     text = raws[-1].strip()
-    low = text.lower()
     if kind.startswith("choice:"):
         choices = kind[7:].split("|")
-        if low not in choices:
-            raise ValueError("expected one of " + ", ".join(choices))
-        return low
-    if kind in ("bool", "tristate"):
-        if kind == "tristate" and low == "auto" or low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise ValueError("expected true or false" + (" or auto" if kind == "tristate" else ""))
+        return word_value(text, dict(zip(choices, choices)),
+                          "expected one of " + ", ".join(choices))
     return _PARSERS[kind](text)
 
 
