@@ -968,22 +968,24 @@ def canonical(path):
     return done or "/"
 
 
+# errno -> (code, message) of a path that cannot be resolved: {0} is the path as given,
+# {1} where its lookup failed, {2} the system's words
+RESOLVE_ERRORS = {
+    errno.ELOOP: (ACCESS_DENIED, "{0} runs into a symlink loop (or a chain of over %d"
+                  " links) at {1}; give a path without the loop" % MAX_SYMLINKS),
+    errno.ENOTDIR: (INVALID_INPUT,
+                    "{0} uses {1} as a directory, but it is a file; check the path"),
+    errno.ENAMETOOLONG: (INVALID_INPUT,
+                         "{0} has a name over the file system's limit (255 bytes a name)"),
+    errno.EACCES: (ACCESS_DENIED, "{0}: the operating system denies looking up {1}"),
+}
+RESOLVE_ERRORS[errno.EPERM] = RESOLVE_ERRORS[errno.EACCES]
+
+
 def resolve_error(e, shown):
     """Why `shown` could not be resolved, as the ToolError a model can act on."""
-    if e.errno == errno.ELOOP:
-        return ToolError(ACCESS_DENIED, "%s runs into a symlink loop (or a chain of over %d links)"
-                         " at %s; give a path without the loop" % (shown, MAX_SYMLINKS, e.filename))
-    if e.errno == errno.ENOTDIR:
-        return ToolError(INVALID_INPUT,
-                         "%s uses %s as a directory, but it is a file; check the path"
-                         % (shown, e.filename))
-    if e.errno == errno.ENAMETOOLONG:
-        return ToolError(INVALID_INPUT,
-                         "%s has a name over the file system's limit (255 bytes a name)" % shown)
-    if e.errno in (errno.EACCES, errno.EPERM):
-        return ToolError(ACCESS_DENIED, "%s: the operating system denies looking up %s"
-                         % (shown, e.filename or shown))
-    return ToolError(IO_ERROR, "%s cannot be resolved: %s" % (shown, e.strerror or e))
+    code, why = RESOLVE_ERRORS.get(e.errno, (IO_ERROR, "{0} cannot be resolved: {2}"))
+    return ToolError(code, why.format(shown, e.filename or shown, e.strerror or e))
 
 
 class PathPolicy:
@@ -1007,7 +1009,7 @@ class PathPolicy:
                       for a in allow]
         self.deny_dirs, self.deny_globs, self.deny_names = [], [], []
         for d in deny:
-            if any(ch in d for ch in "*?[{"):
+            if re.search(r"[*?[{]", d):
                 rx = compile_glob(d[1:] if d.startswith("/") else d)
                 (self.deny_globs if "/" in d else self.deny_names).append(rx)
             else:
@@ -1049,7 +1051,8 @@ class PathPolicy:
         if self.volume_folds(real):
             if self.folded is None:
                 ignore_case = lambda rx: re.compile(rx.pattern, rx.flags | re.IGNORECASE)
-                self.folded = (list(map(fold_name, allow)), list(map(fold_name, deny_dirs)),
+                self.folded = (list(map(fold_name, allow)),
+                               list(map(fold_name, deny_dirs)),
                                list(map(ignore_case, globs)), list(map(ignore_case, names)))
             (allow, deny_dirs, globs, names), real = self.folded, fold_name(real)
         if allow and not any(is_within(real, a) for a in allow):
@@ -10165,7 +10168,7 @@ class GitIndex:
             top = os.path.dirname(top)
         return None
 
-    def refresh(self, pause=None):
+    def refresh(self, pause):
         """Read the index again when it changed (or forget it when it cannot be trusted);
         pause() is called every 4,096 entries (a background walk gives way there)."""
         try:
@@ -10190,7 +10193,7 @@ class GitIndex:
                 top=self.top, error=str(e))
 
     @staticmethod
-    def parse(data, written, pause=None):
+    def parse(data, written, pause):
         """{directory: its files, as self.dirs keeps them} of an index's stage-0 regular files
         that are not racy (changed before `written`, the index's own mtime as (seconds,
         nanoseconds))."""
@@ -10200,7 +10203,7 @@ class GitIndex:
         entries, pos, name = defaultdict(bytearray), 12, b""
         unpack = struct.Struct(">10I20sH").unpack_from
         for k in range(count):
-            if pause and not k % 4096:
+            if not k % 4096:
                 pause()
             cs, cn, ms, mn, _, ino, mode, _, _, size, sha, flags = unpack(data, pos)
             at, skip = pos + 62, 0
@@ -10803,7 +10806,7 @@ class Checkpoints:
             # no event since a scan that watched all of it
             return None
         for repo in self.repos:
-            repo.refresh(self.give_way if background else None)
+            repo.refresh(self.give_way if background else (lambda: None))
         prune = self.prune_stacks is not None and not self.base.partial and all(
             map(same_objects, mark.stacks, self.prune_stacks))
         checkpoint, visited, looked, unwatched = self.walk_roots(background, cancelled, prune)
@@ -11022,7 +11025,7 @@ class Checkpoints:
         drop, put = rewind_plan(old, cur, within, target.partial)
         # GitIndex -> its CatFile, for the blobs written back
         readers = {}
-        step = (lambda *_: "") if dry else self.step          # (a dry run changes nothing)
+        step = (lambda *_: "") if dry else self.step      # (a dry run changes nothing)
         try:
             done, failed = [], []
             for p in sorted(drop, key=lambda p: (-p.count("/"), p)):
@@ -11912,8 +11915,9 @@ def tool_outline(session, args, ctx):
     root = search_root(session, ctx, shown)
     if not root.is_dir:
         if Outline.language(root.real) is None:
-            raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension:"
-                            " %s); view or grep it instead" % (shown, OUTLINE_LANGUAGES))
+            raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its"
+                            " extension: %s); view or grep it instead"
+                            % (shown, OUTLINE_LANGUAGES))
         if ctx.lsp:
             ctx.lsp.warm(root.real)
     items, why = ctx.helpers.run({"op": "outline", "root": root, "policy": policy_spec(ctx.policy),
