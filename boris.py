@@ -977,9 +977,9 @@ RESOLVE_ERRORS = {
                     "{0} uses {1} as a directory, but it is a file; check the path"),
     errno.ENAMETOOLONG: (INVALID_INPUT,
                          "{0} has a name over the file system's limit (255 bytes a name)"),
-    errno.EACCES: (ACCESS_DENIED, "{0}: the operating system denies looking up {1}"),
+    **dict.fromkeys((errno.EACCES, errno.EPERM),
+                    (ACCESS_DENIED, "{0}: the operating system denies looking up {1}")),
 }
-RESOLVE_ERRORS[errno.EPERM] = RESOLVE_ERRORS[errno.EACCES]
 
 
 def resolve_error(e, shown):
