@@ -525,8 +525,9 @@ HELP_DEFAULTS = {"allow-dir": "none: every directory", "deny-dir": "none",
                  "sandbox-network": "off when sandboxed",
                  "sandbox-protect": ".git, .hg, .svn, boris.py"}
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+# The words a bool flag takes (a tristate's `auto` is true in this release)
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+               "0": False, "false": False, "no": False, "off": False}
 
 
 class Config(argparse.Namespace):
@@ -557,6 +558,14 @@ def parse_budget(text):
         raise ValueError("expected a size such as 512MB or 2GB, auto or off")
 
 
+def word_value(text, words, expected):
+    """words[text lower-cased], else ValueError(expected)."""
+    try:
+        return words[text.lower()]
+    except KeyError:
+        raise ValueError(expected)
+
+
 def in_range(value, low, high, expected):
     """value if low <= value <= high (NaN is not), else ValueError(expected)."""
     if not low <= value <= high:
@@ -575,31 +584,25 @@ _PARSERS = {
                                    % (MIN_RESULT_CHARS, MAX_RESULT_CHARS)),
     "size": lambda text: in_range(parse_size(text), 1, float("inf"), "expected a size above 0"),
     "budget": parse_budget,
+    "bool": lambda text: word_value(text, _BOOL_WORDS, "expected true or false"),
+    "tristate": lambda text: word_value(text, dict(_BOOL_WORDS, auto=True),
+                                        "expected true or false or auto"),
 }
 
 
 def flag_value(kind, raws):
     """A flag's typed value from the raw strings given for it: a list flag joins them all
-    (comma-separated too); any other takes the last one: a `choice:a|b` lower-cased, a bool
-    or tristate (`auto` is true in this release), else through _PARSERS. ValueError saying
-    what is expected."""
+    (comma-separated too); any other takes the last one: a `choice:a|b` lower-cased, else
+    through _PARSERS. ValueError saying what is expected."""
     if kind == "list":
         return [p.strip() for raw in raws for p in raw.split(",") if p.strip()]
     if not raws:
         return ""
     text = raws[-1].strip()
-    low = text.lower()
     if kind.startswith("choice:"):
         choices = kind[7:].split("|")
-        if low not in choices:
-            raise ValueError("expected one of " + ", ".join(choices))
-        return low
-    if kind in ("bool", "tristate"):
-        if kind == "tristate" and low == "auto" or low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise ValueError("expected true or false" + (" or auto" if kind == "tristate" else ""))
+        return word_value(text, dict(zip(choices, choices)),
+                          "expected one of " + ", ".join(choices))
     return _PARSERS[kind](text)
 
 
@@ -966,22 +969,24 @@ def canonical(path):
     return done or "/"
 
 
+# errno -> (code, message) of a path that cannot be resolved: {0} is the path as given,
+# {1} where its lookup failed, {2} the system's words
+RESOLVE_ERRORS = {
+    errno.ELOOP: (ACCESS_DENIED, "{0} runs into a symlink loop (or a chain of over %d"
+                  " links) at {1}; give a path without the loop" % MAX_SYMLINKS),
+    errno.ENOTDIR: (INVALID_INPUT,
+                    "{0} uses {1} as a directory, but it is a file; check the path"),
+    errno.ENAMETOOLONG: (INVALID_INPUT,
+                         "{0} has a name over the file system's limit (255 bytes a name)"),
+    **dict.fromkeys((errno.EACCES, errno.EPERM),
+                    (ACCESS_DENIED, "{0}: the operating system denies looking up {1}")),
+}
+
+
 def resolve_error(e, shown):
     """Why `shown` could not be resolved, as the ToolError a model can act on."""
-    if e.errno == errno.ELOOP:
-        return ToolError(ACCESS_DENIED, "%s runs into a symlink loop (or a chain of over %d links)"
-                         " at %s; give a path without the loop" % (shown, MAX_SYMLINKS, e.filename))
-    if e.errno == errno.ENOTDIR:
-        return ToolError(INVALID_INPUT,
-                         "%s uses %s as a directory, but it is a file; check the path"
-                         % (shown, e.filename))
-    if e.errno == errno.ENAMETOOLONG:
-        return ToolError(INVALID_INPUT,
-                         "%s has a name over the file system's limit (255 bytes a name)" % shown)
-    if e.errno in (errno.EACCES, errno.EPERM):
-        return ToolError(ACCESS_DENIED, "%s: the operating system denies looking up %s"
-                         % (shown, e.filename or shown))
-    return ToolError(IO_ERROR, "%s cannot be resolved: %s" % (shown, e.strerror or e))
+    code, why = RESOLVE_ERRORS.get(e.errno, (IO_ERROR, "{0} cannot be resolved: {2}"))
+    return ToolError(code, why.format(shown, e.filename or shown, e.strerror or e))
 
 
 class PathPolicy:
@@ -1005,7 +1010,7 @@ class PathPolicy:
                       for a in allow]
         self.deny_dirs, self.deny_globs, self.deny_names = [], [], []
         for d in deny:
-            if any(ch in d for ch in "*?[{"):
+            if re.search(r"[*?[{]", d):
                 rx = compile_glob(d[1:] if d.startswith("/") else d)
                 (self.deny_globs if "/" in d else self.deny_names).append(rx)
             else:
@@ -1046,10 +1051,10 @@ class PathPolicy:
         shown = real
         if self.volume_folds(real):
             if self.folded is None:
-                flags = re.IGNORECASE
-                self.folded = ([fold_name(a) for a in allow], [fold_name(d) for d in deny_dirs],
-                               [re.compile(rx.pattern, rx.flags | flags) for rx in globs],
-                               [re.compile(rx.pattern, rx.flags | flags) for rx in names])
+                ignore_case = lambda rx: re.compile(rx.pattern, rx.flags | re.IGNORECASE)
+                self.folded = (list(map(fold_name, allow)),
+                               list(map(fold_name, deny_dirs)),
+                               list(map(ignore_case, globs)), list(map(ignore_case, names)))
             (allow, deny_dirs, globs, names), real = self.folded, fold_name(real)
         if allow and not any(is_within(real, a) for a in allow):
             return "is outside the allowed directories (%s)" % ", ".join(self.allow)
@@ -1087,11 +1092,10 @@ class PathPolicy:
             return True
         if self.deny_globs or self.deny_names:
             return False
-        if self.deny_dirs:
-            inside = fold_name(real)
-            if any(is_within(inside, d) or is_within(d, inside)
-                   for d in map(fold_name, self.deny_dirs)):
-                return False
+        inside = fold_name(real)
+        if any(is_within(inside, d) or is_within(d, inside)
+               for d in map(fold_name, self.deny_dirs)):
+            return False
         return any(is_within(real, a) for a in self.allow) or self.denial(real) is None
 
     def check(self, real, shown):
@@ -10140,7 +10144,7 @@ class GitIndex:
             top = os.path.dirname(top)
         return None
 
-    def refresh(self, pause=None):
+    def refresh(self, pause):
         """Read the index again when it changed (or forget it when it cannot be trusted);
         pause() is called every 4,096 entries (a background walk gives way there)."""
         try:
@@ -10165,7 +10169,7 @@ class GitIndex:
                 top=self.top, error=str(e))
 
     @staticmethod
-    def parse(data, written, pause=None):
+    def parse(data, written, pause):
         """{directory: its files, as self.dirs keeps them} of an index's stage-0 regular files
         that are not racy (changed before `written`, the index's own mtime as (seconds,
         nanoseconds))."""
@@ -10175,7 +10179,7 @@ class GitIndex:
         entries, pos, name = defaultdict(bytearray), 12, b""
         unpack = struct.Struct(">10I20sH").unpack_from
         for k in range(count):
-            if pause and not k % 4096:
+            if not k % 4096:
                 pause()
             cs, cn, ms, mn, _, ino, mode, _, _, size, sha, flags = unpack(data, pos)
             at, skip = pos + 62, 0
@@ -10359,9 +10363,8 @@ def rewind_plan(old, cur, within, partial):
 
     def wanted(p):
         return not within or p in above or any(is_within(p, w) for w in within)
-    drop = [p for p, e in cur.items()
-            if wanted(p) and (p not in old and not partial and p not in above
-                              or p in old and old[p].kind != e.kind)]
+    drop = [p for p, e in cur.items() if wanted(p) and (
+        p not in old and not partial or p in old and old[p].kind != e.kind)]
     put = [p for p, e in old.items() if wanted(p) and (p not in cur or cur[p][:3] != e[:3])]
     return drop, put
 
@@ -10779,7 +10782,7 @@ class Checkpoints:
             # no event since a scan that watched all of it
             return None
         for repo in self.repos:
-            repo.refresh(self.give_way if background else None)
+            repo.refresh(self.give_way if background else (lambda: None))
         prune = self.prune_stacks is not None and not self.base.partial and all(
             map(same_objects, mark.stacks, self.prune_stacks))
         checkpoint, visited, looked, unwatched = self.walk_roots(background, cancelled, prune)
@@ -10998,18 +11001,18 @@ class Checkpoints:
         drop, put = rewind_plan(old, cur, within, target.partial)
         # GitIndex -> its CatFile, for the blobs written back
         readers = {}
+        step = (lambda *_: "") if dry else self.step      # (a dry run changes nothing)
         try:
             done, failed = [], []
             for p in sorted(drop, key=lambda p: (-p.count("/"), p)):
-                why = "" if dry else self.step(p, cur[p], None, files, readers)
+                why = step(p, cur[p], None, files, readers)
                 (failed if why else done).append((p, why or "removed"))
             for p in sorted(put, key=lambda p: (p.count("/"), p)):
                 e = old[p]
                 if e.kind == "f" and e.data is None:
                     failed.append((p, "not covered by checkpoint %d" % target.number))
                     continue
-                why = "" if dry else self.step(p, cur.get(p) if p not in drop else None,
-                                               e, files, readers)
+                why = step(p, cur.get(p) if p not in drop else None, e, files, readers)
                 (failed if why else done).append(
                     (p, why or ("brought back" if p not in cur else "restored")))
             for p in sorted((p for p in put if old[p].kind == "d" and not dry),
@@ -11569,9 +11572,9 @@ class Notebook:
             inner = re.search(r"\n([ \t]*)\"", text[start:end])
             base, unit = ("", None) if inner is None or base.strip() else (
                 base, max(1, len(inner.group(1)) - len(base)))
-        newline = "" if unit is None else "\n" + base
+        newline, colon = ("", ":") if unit is None else ("\n" + base, ": ")
         body = json.dumps(self.new_cell(k, mode, args), indent=unit, ensure_ascii=False,
-                          separators=(",", ":" if unit is None else ": "))
+                          separators=(",", colon))
         body = body.replace("\n", "\n" + base)
         if mode == "replace":
             start, end = spans[k]
@@ -11808,9 +11811,9 @@ def numbered(reader, vr, shown, cap):
         lines.append(line)
         if n == end:
             break
-    if vr is None:
-        return number_lines(lines, 1) if lines else "(%s is empty)" % shown
     if not lines:
+        if vr is None:
+            return "(%s is empty)" % shown
         raise ToolError(INVALID_INPUT, "view_range start %d exceeds the file's %d lines; give a"
                         " start between 1 and %d" % (start, n, max(n, 1)))
     return number_lines(lines, start)
@@ -11886,16 +11889,18 @@ def tool_outline(session, args, ctx):
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
     root = search_root(session, ctx, shown)
-    if not root.is_dir and Outline.language(root.real) is None:
-        raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its extension: %s);"
-                        " view or grep it instead" % (shown, OUTLINE_LANGUAGES))
-    if ctx.lsp and not root.is_dir:
-        ctx.lsp.warm(root.real)
+    if not root.is_dir:
+        if Outline.language(root.real) is None:
+            raise ToolError(INVALID_INPUT, "%s is in no language outline knows (by its"
+                            " extension: %s); view or grep it instead"
+                            % (shown, OUTLINE_LANGUAGES))
+        if ctx.lsp:
+            ctx.lsp.warm(root.real)
     items, why = ctx.helpers.run({"op": "outline", "root": root, "policy": policy_spec(ctx.policy),
                                   "max_size": ctx.config.max_file_size,
                                   "page": [offset, search_cap(ctx) - 400]},
                                  ctx.cancelled)
-    items = [file_outline(item) for item in items]
+    items = list(map(file_outline, items))
     if root.is_dir:
         return directory_outline(shown, items, why, offset, search_cap(ctx))
     if not items:
@@ -16608,19 +16613,18 @@ def helper_main(args):
     """Entry point of `boris.py --helper KIND [PARENT_PID [...]]`: serve stdin, exit 0
     (2 for no such kind). The sandbox launcher takes SPEC and the command after the
     parent, and becomes the command."""
-    kind = args[0] if args else ""
-    parent = args[1] if len(args) > 1 else None
+    kind, parent = (list(args) + ["", ""])[:2]      # (those missing: "")
     seal_memory()                       # a helper (a launcher too) holds the server's environment
-    if kind == "sandbox" and len(args) == 4 and args[2].startswith("@"):
-        return helper_warm_launcher(int(args[2][1:]), args[3])
     if kind == "sandbox" and len(args) > 3:
+        if len(args) == 4 and args[2].startswith("@"):
+            return helper_warm_launcher(int(args[2][1:]), args[3])
         return helper_sandbox(args[2], args[3:])
     if kind == "probe" and len(args) == 4:
         return helper_probe(args[2], args[3])
     if kind != "search":
         sys.stderr.write("boris: error: unknown helper kind %r\n" % kind)
         return 2
-    guard_helper(int(parent) if parent and parent.isdigit() else None)
+    guard_helper(int(parent) if parent.isdigit() else None)
     helper_search()
     return 0
 
