@@ -3685,39 +3685,31 @@ class IgnoreFile:
         they match ({n: regex}; None for any number): most rules are literals, checked
         without a regex, and a path glob is tried only at its depth. A rule git would not
         match either (a malformed pattern) is dropped."""
-        runs = []
-        for pat, neg, dir_only, anchored in rules:
-            if not runs or runs[-1][0] != neg:
-                runs.append((neg, []))
-            runs[-1][1].append((pat, dir_only, anchored))
-        out = []
+        magic, out = set("*?[\\"), []
+        runs = [(neg, list(run)) for neg, run in groupby(rules, itemgetter(1))]
         for neg, members in reversed(runs):
             tests = []
             for for_dir in (True, False):
-                names, suffixes, paths, by_name, by_path = set(), set(), set(), [], []
-                for pat, dir_only, anchored in members:
+                # literal paths by the directory they name a child of; path globs by how
+                # many components they match (None: any)
+                names, suffixes, within, by_name, deep = set(), set(), {}, [], {}
+                for pat, _, dir_only, anchored in members:
                     if dir_only and not for_dir:
                         continue
-                    literal = not any(ch in pat for ch in "*?[\\")
-                    if literal:
-                        (paths if anchored else names).add(pat)
-                    elif not anchored and pat[0] == "*" and not any(ch in pat[1:]
-                                                                    for ch in "*?[\\"):
+                    if anchored and magic.isdisjoint(pat):
+                        head, _, tail = pat.rpartition("/")
+                        within.setdefault(head + "/" if head else "", set()).add(tail)
+                    elif anchored:
+                        deep.setdefault(None if "**" in pat or "[" in pat
+                                        else pat.count("/") + 1, []).append(pat)
+                    elif magic.isdisjoint(pat):
+                        names.add(pat)
+                    elif pat[0] == "*" and magic.isdisjoint(pat[1:]):
                         suffixes.add(pat[1:])
                     else:
-                        (by_path if anchored else by_name).append(pat)
-                within = {}                  # literal paths by the directory they name a child of
-                for pat in paths:
-                    head, _, tail = pat.rpartition("/")
-                    within.setdefault(head + "/" if head else "", set()).add(tail)
-                # path globs by how many components they match (None: any)
-                deep = {}
-                for pat in by_path:
-                    deep.setdefault(None if "**" in pat or "[" in pat else pat.count("/") + 1,
-                                    []).append(pat)
-                deep = {n: one_regex(pats) for n, pats in deep.items()}
+                        by_name.append(pat)
                 tests.append((frozenset(names), tuple(suffixes), within, one_regex(by_name),
-                              {n: rx for n, rx in deep.items() if rx is not None}))
+                              {n: one_regex(pats) for n, pats in deep.items()}))
             out.append((neg,) + tuple(tests))
         return out
 
@@ -3727,11 +3719,9 @@ class IgnoreFile:
             rel, name = as_bytes(rel), as_bytes(name)
         for neg, for_dir, for_file in self.runs:
             names, suffixes, paths, by_name, by_path = for_dir if is_dir else for_file
-            if name in names or suffixes and name.endswith(suffixes) \
-                    or paths and name in paths.get(rel[:len(rel) - len(name)], ()) \
-                    or by_name is not None and by_name.match(name) \
-                    or by_path and any(rx.match(rel)
-                                       for rx in at_depth(by_path, rel.count("/") + 1)):
+            if name in names or name.endswith(suffixes) or by_name.match(name) \
+                    or name in paths.get(rel[:len(rel) - len(name)], ()) \
+                    or any(rx.match(rel) for rx in at_depth(by_path, rel.count("/") + 1)):
                 return not neg
         return None
 
@@ -3751,21 +3741,17 @@ class IgnoreFile:
         left = set(names)
         for neg, for_dir, for_file in self.runs:
             literal, suffixes, paths, by_name, by_path = for_dir if is_dir else for_file
-            hit = left & literal
-            if paths:
-                hit |= left & paths.get(pre, frozenset())
+            hit = left & literal | left.intersection(paths.get(pre, ()))
             if suffixes:
                 hit.update([name for name in left if name.endswith(suffixes)])
-            if by_name is not None:
-                hit.update(filter(by_name.match, left))
-            for rx in at_depth(by_path, pre.count("/") + 1) if by_path else ():
+            hit.update(filter(by_name.match, left))
+            for rx in at_depth(by_path, pre.count("/") + 1):
                 hit.update([name for name in left if rx.match(pre + name)])
-            if hit:
-                left -= hit
-                if not neg:
-                    hidden |= hit
-                if not left:
-                    break
+            left -= hit
+            if not neg:
+                hidden |= hit
+            if not left:
+                break
         return left
 
 
@@ -3776,7 +3762,7 @@ def at_depth(by_path, n):
 
 def one_regex(patterns):
     """One compiled regex matching what any of the git globs `patterns` matches (each
-    whole), or None for none; a pattern git would not match (malformed) is left out."""
+    whole; nothing for none); a pattern git would not match (malformed) is left out."""
     sources = []
     for pat in patterns:
         try:
@@ -3784,8 +3770,7 @@ def one_regex(patterns):
         except ValueError:
             continue                         # git ignores a malformed pattern too
     try:
-        return re.compile("|".join("(?:%s)" % src for src in sources),
-                          re.DOTALL) if sources else None
+        return re.compile("|".join(map("(?:{})".format, sources)) or "(?!)", re.DOTALL)
     except (re.error, RecursionError, OverflowError):
         pass                                 # one of them does not compile: find it, keep the rest
     kept = []
@@ -3795,7 +3780,7 @@ def one_regex(patterns):
             kept.append(src)
         except (re.error, RecursionError, OverflowError):
             continue
-    return re.compile("|".join("(?:%s)" % src for src in kept), re.DOTALL) if kept else None
+    return re.compile("|".join(map("(?:{})".format, kept)) or "(?!)", re.DOTALL)
 
 
 def ignore_pattern(raw):
