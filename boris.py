@@ -4520,8 +4520,7 @@ class Matcher:
 
     def __init__(self, pattern, regex=True, ignore_case=False, multiline=False):
         self.multiline = multiline
-        if regex and not (set(pattern) & _REGEX_META):
-            regex = False
+        regex = regex and not _REGEX_META.isdisjoint(pattern)  # no metacharacter: a literal
         self.literal = self.rx = self.rx_text = None
         self.folded = False
         if not regex and (not ignore_case or pattern.isascii()):
@@ -4536,8 +4535,8 @@ class Matcher:
         """The regexes: rx_text on decoded text, and rx on bytes for pure-ASCII text
         where the pattern means the same there."""
         src = self.python_regex(pattern) if regex else re.escape(pattern)
-        if regex and not multiline:
-            # '.*TODO.*' matches the lines 'TODO' does
+        if not multiline:
+            # '.*TODO.*' matches the lines 'TODO' does (an escaped literal has no '.*')
             src = self.drop_dot_stars(src)
         flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0) | (
             re.DOTALL if multiline else 0)
@@ -4639,11 +4638,7 @@ class Matcher:
     def drop_dot_stars(src):
         """A line-mode regex without a leading or trailing '.*' (or '.*?'): in line mode
         they change no line's verdict, but make a long line quadratic to search."""
-        core = src
-        while core.startswith(".*"):
-            core = core[3:] if core.startswith(".*?") else core[2:]
-        while core.endswith(".*") and not core.endswith("\\.*"):
-            core = core[:-2]
+        core = re.sub(r"(?:(?<!\\)\.\*)+\Z", "", re.sub(r"\A(?:\.\*\??)+", "", src))
         return core if core and "|" not in src else src
 
     @staticmethod
@@ -4910,7 +4905,7 @@ class Outline:
             self.keys(text)
         else:
             self.patterns()
-        self.entries = [e for e in self.entries if e is not None]      # (end() drops some)
+        self.entries = list(filter(None, self.entries))               # (end() drops some)
 
     @staticmethod
     def language(name):
@@ -4923,11 +4918,11 @@ class Outline:
         OUTLINE_SIGNATURE_CHARS."""
         lines = self.lines
         text, j = lines[k].strip(), k
-        while (text.count("(") > text.count(")") and j + 1 < len(lines) and j < k + 8
+        while (text.count("(") > text.count(")") and j < min(len(lines) - 1, k + 8)
                and lines[j + 1].strip()):
             j += 1
             text += " " + lines[j].strip()
-        if j > k and text.count("(") > text.count(")"):
+        if text.count("(") > text.count(")"):
             text = lines[k].strip()             # no closing parenthesis near: the line alone
         elif j > k:
             text = re.sub(r"\(\s+", "(", re.sub(r",?\s+\)", ")", text))
@@ -5055,15 +5050,14 @@ class Outline:
             while self.stack and not self.stack[-1].opened and self.stack[-1].parens <= 0 and not \
                     code.lstrip().startswith("{"):
                 # a declaration without a body ends before this line
-                self.end(self.stack.pop(), None)
+                self.end(self.stack.pop(), i)
             kind = None if was_in_block and not code.strip() else self.kind(
                 rules, raw[:OUTLINE_LINE_CHARS])
             if kind:
                 self.add(i, kind)
             self.count(i, code)
         while self.stack:                               # open at the end of the file
-            entry = self.stack.pop()
-            self.end(entry, len(self.lines) - 1 if entry.opened else None)
+            self.end(self.stack.pop(), len(self.lines) - 1)
 
     def add(self, i, kind):
         """A definition found on line i (from 0): decorators, annotations and attributes
@@ -5078,14 +5072,9 @@ class Outline:
 
     def count(self, i, code):
         """Line i's braces and parentheses: the definitions they open, and those they close."""
-        peak, opens, closes = self.depth, code.count("{"), code.count("}")
-        if opens and closes:
-            for ch in code:
-                if ch in "{}":
-                    self.depth += 1 if ch == "{" else -1
-                    peak = max(peak, self.depth)
-        else:
-            self.depth += opens - closes
+        peak = self.depth
+        for ch in re.findall("[{}]", code):
+            self.depth += 1 if ch == "{" else -1
             peak = max(peak, self.depth)
         self.depth = max(self.depth, 0)
         for entry in self.stack:
@@ -5094,23 +5083,25 @@ class Outline:
                 entry.last = i
         while self.stack:
             top = self.stack[-1]
-            base, opened, parens = top.depth, top.opened, top.parens
-            if not opened and peak > base:
-                top.opened = opened = True
-            if opened and self.depth <= base or (not opened and parens <= 0
-                                                 and code.rstrip().endswith(";")):
-                self.end(self.stack.pop(), i)   # its closing brace, or the ';' of a declaration
+            top.opened = top.opened or peak > top.depth
+            if top.opened:
+                ended = self.depth <= top.depth                 # its closing brace
             else:
+                ended = top.parens <= 0 and code.rstrip().endswith(";")  # its ";"
+            if not ended:
                 break
+            self.end(self.stack.pop(), i)
 
     def end(self, open_entry, i):
-        """Close a definition at line i (from 0; None: where its text ended); one that
-        needs a body (a C function) and never opened one is dropped."""
+        """Close a definition at line i (from 0) if its body opened, else where its text
+        ended; one that needs a body (a C function) and never opened one is dropped."""
         k = open_entry.entry
-        if open_entry.kind == "body" and not open_entry.opened:
+        if open_entry.opened:
+            self.close(k, i)
+        elif open_entry.kind == "body":
             self.entries[k] = None
         else:
-            self.close(k, open_entry.last if i is None else i)
+            self.close(k, open_entry.last)
 
     def kind(self, rules, head):
         """The kind of definition `head` starts ('class', 'def', 'body'), or None; a
@@ -5129,11 +5120,11 @@ class Outline:
         for i, raw in enumerate(self.lines):
             head = raw[:OUTLINE_LINE_CHARS]
             text = head.strip()
-            if not text or text.startswith("#"):
+            if text[:1] in ("", "#"):
                 continue
             indent = len(head) - len(head.lstrip())
             ended = False
-            while self.stack and indent <= self.stack[-1].depth and not ended:
+            while self.stack and indent <= self.stack[-1].depth:     # (depths only grow)
                 top = self.stack.pop()
                 ended = self.lang == "ruby" and indent == top.depth and re.match(r"end\b", text)
                 self.close(top.entry, i if ended else last)     # (its `end` belongs to it)
@@ -5207,11 +5198,9 @@ class Outline:
         else:
             rx = re.compile(r"^([A-Za-z_\"'][^:#]*?):(?:\s|$)" if lang == "yaml" else
                             r"^(\[\[?[^\]]+\]\]?|[A-Za-z0-9_\"'][\w.\"' -]*?)\s*(?:=|$)")
-        starts = [i for i, line in enumerate(lines)
-                  if line.strip() and rx.match(line[:OUTLINE_LINE_CHARS])]
-        for k, i in enumerate(starts):
-            last = starts[k + 1] if k + 1 < len(starts) else len(lines)
-            closing = lang == "json" and k + 1 == len(starts)
+        starts = [i for i, line in enumerate(lines) if rx.match(line[:OUTLINE_LINE_CHARS])]
+        for i, last in zip(starts, starts[1:] + [len(lines)]):
+            closing = lang == "json" and last == len(lines)
             self.entries.append(OutlineEntry(i + 1, self.key_end(i + 1, last, closing), 0,
                                              self.signature(i)))
 
