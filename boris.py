@@ -3792,7 +3792,7 @@ def ignore_pattern(raw):
     while line.endswith(" ") and not line.endswith("\\ "):
         line = line[:-1]
     neg = line.startswith("!")
-    if neg or line.startswith(("\\!", "\\#")):
+    if line.startswith(("!", "\\!", "\\#")):
         line = line[1:]
     dir_only = line.endswith("/")
     if dir_only:
@@ -4597,18 +4597,16 @@ class Matcher:
                 if s is None:
                     continue
             out.append((s, e))
-            pos = None if first_only else self.after_match(hay, nl, s, e, end)
-            if pos is None:
-                return out
+            pos = end if first_only else self.after_match(hay, nl, s, e, end)
         return out
 
     def after_match(self, hay, nl, s, e, end):
         """Where the search goes on after a match at s..e: at its end (multiline), or
-        at the next line (line mode: one match a line); None past the last line."""
+        at the next line (line mode: one match a line); `end` past the last line."""
         if self.multiline:
             return e if e > s else e + 1
         j = hay.find(nl, e, end)
-        return None if j < 0 else j + 1
+        return end if j < 0 else j + 1
 
     @staticmethod
     def python_regex(pattern):
@@ -4718,13 +4716,13 @@ class LineRecords:
             line_no += hay.count(nl, cursor, s)
             cursor = s
             pos = hay.rfind(nl, 0, s) + 1
-            last = e - 1 if e > s else s
+            last = max(e - 1, s)
             k = line_no
             while True:
                 le = hay.find(nl, pos, end)
                 le = end if le < 0 else le
                 matched.append((k, pos, le))
-                if le >= last or le >= end:
+                if le >= last:
                     break
                 pos, k = le + 1, k + 1
         return matched
