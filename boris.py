@@ -3677,8 +3677,8 @@ class IgnoreFile:
     @staticmethod
     def combined(rules):
         """The rules as few tests: each run of consecutive rules that all ignore (or all
-        re-include) becomes, last run first, (negated, the tests of a directory, those
-        of a file: dir-only rules test directories only). Within a run any match gives
+        re-include) becomes, last run first, (negated, (the tests of a file, those of a
+        directory)), indexed by is_dir: dir-only rules test directories only. Within a run any match gives
         the same verdict, so a test is a set of literal names, a tuple of suffixes
         ('*.o'), the literal paths (as {'dir/': names}), one regex of the rest by name
         (alternatives tried in C) and those by path, one for each number of components
@@ -3689,7 +3689,7 @@ class IgnoreFile:
         runs = [(neg, list(run)) for neg, run in groupby(rules, itemgetter(1))]
         for neg, members in reversed(runs):
             tests = []
-            for for_dir in (True, False):
+            for for_dir in (False, True):
                 # literal paths by the directory they name a child of; path globs by how
                 # many components they match (None: any)
                 names, suffixes, within, by_name, deep = set(), set(), {}, [], {}
@@ -3710,15 +3710,15 @@ class IgnoreFile:
                         by_name.append(pat)
                 tests.append((frozenset(names), tuple(suffixes), within, one_regex(by_name),
                               {n: one_regex(pats) for n, pats in deep.items()}))
-            out.append((neg,) + tuple(tests))
+            out.append((neg, tests))
         return out
 
     def verdict(self, rel, name, is_dir):
         """True (ignored), False (re-included by '!') or None (no rule matched)."""
         if not rel.isascii():
             rel, name = as_bytes(rel), as_bytes(name)
-        for neg, for_dir, for_file in self.runs:
-            names, suffixes, paths, by_name, by_path = for_dir if is_dir else for_file
+        for neg, tests in self.runs:
+            names, suffixes, paths, by_name, by_path = tests[is_dir]
             if name in names or name.endswith(suffixes) or by_name.match(name) \
                     or name in paths.get(rel[:len(rel) - len(name)], ()) \
                     or any(rx.match(rel) for rx in at_depth(by_path, rel.count("/") + 1)):
@@ -3739,8 +3739,8 @@ class IgnoreFile:
                     hidden.add(name)
             return left
         left = set(names)
-        for neg, for_dir, for_file in self.runs:
-            literal, suffixes, paths, by_name, by_path = for_dir if is_dir else for_file
+        for neg, tests in self.runs:
+            literal, suffixes, paths, by_name, by_path = tests[is_dir]
             hit = left & literal | left.intersection(paths.get(pre, ()))
             if suffixes:
                 hit.update([name for name in left if name.endswith(suffixes)])
@@ -4526,10 +4526,10 @@ class Matcher:
         if not regex and (not ignore_case or pattern.isascii()):
             self.literal = (pattern.lower() if ignore_case else pattern).encode("utf-8")
             # -i on ASCII: bytes.lower() and find, no regex
-            self.folded = ignore_case
+            self.folded, self.spans = ignore_case, self.literal_spans
         else:
             self.compile(pattern, regex, ignore_case, multiline)
-        self.spans = self.regex_spans if self.literal is None else self.literal_spans
+            self.spans = self.regex_spans
 
     def compile(self, pattern, regex, ignore_case, multiline):
         """The regexes: rx_text on decoded text, and rx on bytes for pure-ASCII text
