@@ -3719,9 +3719,9 @@ class IgnoreFile:
             rel, name = as_bytes(rel), as_bytes(name)
         for neg, tests in self.runs:
             names, suffixes, paths, by_name, by_path = tests[is_dir]
-            if name in names or name.endswith(suffixes) or by_name.match(name) \
-                    or name in paths.get(rel[:len(rel) - len(name)], ()) \
-                    or any(rx.match(rel) for rx in at_depth(by_path, rel.count("/") + 1)):
+            if (name in names or name.endswith(suffixes) or by_name.match(name)
+                    or name in paths.get(rel[:len(rel) - len(name)], ())
+                    or any(rx.match(rel) for rx in at_depth(by_path, rel.count("/") + 1))):
                 return not neg
         return None
 
@@ -3750,8 +3750,6 @@ class IgnoreFile:
             left -= hit
             if not neg:
                 hidden |= hit
-            if not left:
-                break
         return left
 
 
@@ -4965,7 +4963,7 @@ class Outline:
                 in_string = None
             elif depth == 0 and not joined:
                 text = raw.strip()
-                if not text or text[0] == "#":
+                if text[:1] in ("", "#"):
                     continue
                 self.python_statement(i, raw, text, last, is_def)
             elif not raw.strip():
@@ -4989,9 +4987,8 @@ class Outline:
         """A logical line that starts at line i (from 0), `text` stripped: it closes the
         definitions indented as deep or deeper at `last`, the line of code before it, and a
         def or class opens one here (from its decorators, if they are just above)."""
-        indent, stack = len(raw) - len(raw.lstrip()), self.stack
-        while stack and indent <= stack[-1].depth:
-            self.close(stack.pop().entry, last)
+        indent = len(raw) - len(raw.lstrip())
+        self.close_to(indent, last)
         decorator, self.decorator = self.decorator, None
         if text[0] == "@":
             self.decorator = decorator or (i, indent)
