@@ -4809,7 +4809,8 @@ OUTLINE_RULES["typescript"] = OUTLINE_RULES["javascript"]
 
 
 _CODE_MARKS = r"[\"'`/]"                   # (compiled when a file is outlined: start-up never pays)
-_CODE_TOKENS = r"\"(?:[^\"\\]|\\.)*\"?|'(?:[^'\\]|\\.)*'?|`[^`]*`?|//|/\*"
+# a string, a comment's start, or the line's end
+_CODE_TOKENS = r"\"(?:[^\"\\]|\\.)*\"?|'(?:[^'\\]|\\.)*'?|`[^`]*`?|//|/\*|\Z"
 
 
 # Outline.python_lines' patterns (compiled when a file is outlined: start-up never pays)
@@ -5152,15 +5153,10 @@ class Outline:
                 in_block, i = False, j + 2
                 continue
             m = self.tokens.search(line, i)
-            if m is None:
-                out.append(line[i:])
-                break
             out.append(line[i:m.start()])
             if m.group(0) == "//":
                 break
-            if m.group(0) == "/*":
-                in_block = True
-            i = m.end()
+            in_block, i = m.group(0) == "/*", m.end()
         return "".join(out), in_block
 
     # -- headings and keys ---------------------------------------------------------
