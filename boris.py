@@ -4560,8 +4560,8 @@ class Matcher:
         return self.literal is None and (self.rx is None or not buf[:end].isascii())
 
     def literal_spans(self, hay, end, first_only):
-        """spans() of a literal: bytes.find, then on from the next line."""
-        nl = b"\n" if isinstance(hay, (bytes, bytearray)) else "\n"
+        """spans() of a literal (bytes, so a bytes haystack): bytes.find, then on from the
+        next line."""
         out, pos = [], 0
         needle, size = self.literal, len(self.literal)
         if self.folded:
@@ -4573,7 +4573,7 @@ class Matcher:
             out.append((i, i + size))
             if first_only:
                 return out
-            j = hay.find(nl, i + size, end)
+            j = hay.find(b"\n", i + size, end)
             if j < 0:
                 return out
             pos = j + 1
@@ -5187,8 +5187,9 @@ class Outline:
                 return
             rx = re.compile(r'^\s{%d}"((?:[^"\\]|\\.)*)"\s*:' % first)
         else:
-            rx = re.compile(r"^([A-Za-z_\"'][^:#]*?):(?:\s|$)" if lang == "yaml" else
-                            r"^(\[\[?[^\]]+\]\]?|[A-Za-z0-9_\"'][\w.\"' -]*?)\s*(?:=|$)")
+            rx = re.compile({
+                "yaml": r"^([A-Za-z_\"'][^:#]*?):(?:\s|$)",
+                "toml": r"^(\[\[?[^\]]+\]\]?|[A-Za-z0-9_\"'][\w.\"' -]*?)\s*(?:=|$)"}[lang])
         starts = [i for i, line in enumerate(lines) if rx.match(line[:OUTLINE_LINE_CHARS])]
         for i, last in zip(starts, starts[1:] + [len(lines)]):
             closing = lang == "json" and last == len(lines)
