@@ -3678,13 +3678,13 @@ class IgnoreFile:
     def combined(rules):
         """The rules as few tests: each run of consecutive rules that all ignore (or all
         re-include) becomes, last run first, (negated, (the tests of a file, those of a
-        directory)), indexed by is_dir: dir-only rules test directories only. Within a run any match gives
-        the same verdict, so a test is a set of literal names, a tuple of suffixes
-        ('*.o'), the literal paths (as {'dir/': names}), one regex of the rest by name
-        (alternatives tried in C) and those by path, one for each number of components
-        they match ({n: regex}; None for any number): most rules are literals, checked
-        without a regex, and a path glob is tried only at its depth. A rule git would not
-        match either (a malformed pattern) is dropped."""
+        directory)), indexed by is_dir: dir-only rules test directories only. Within a
+        run any match gives the same verdict, so a test is a set of literal names, a
+        tuple of suffixes ('*.o'), the literal paths (as {'dir/': names}), one regex of
+        the rest by name (alternatives tried in C) and those by path, one for each
+        number of components they match ({n: regex}; None for any number): most rules
+        are literals, checked without a regex, and a path glob is tried only at its
+        depth. A rule git would not match either (a malformed pattern) is dropped."""
         magic, out = set("*?[\\"), []
         runs = [(neg, list(run)) for neg, run in groupby(rules, itemgetter(1))]
         for neg, members in reversed(runs):
