@@ -3681,47 +3681,40 @@ class IgnoreFile:
     @staticmethod
     def combined(rules):
         """The rules as few tests: each run of consecutive rules that all ignore (or all
-        re-include) becomes, last run first, (negated, the tests of a directory, those
-        of a file: dir-only rules test directories only). Within a run any match gives
-        the same verdict, so a test is a set of literal names, a tuple of suffixes
-        ('*.o'), the literal paths (as {'dir/': names}), one regex of the rest by name
-        (alternatives tried in C) and those by path, one for each number of components
-        they match ({n: regex}; None for any number): most rules are literals, checked
-        without a regex, and a path glob is tried only at its depth. A rule git would not
-        match either (a malformed pattern) is dropped."""
-        runs = []
-        for pat, neg, dir_only, anchored in rules:
-            if not runs or runs[-1][0] != neg:
-                runs.append((neg, []))
-            runs[-1][1].append((pat, dir_only, anchored))
-        out = []
+        re-include) becomes, last run first, (negated, (the tests of a file, those of a
+        directory)), indexed by is_dir: dir-only rules test directories only. Within a
+        run any match gives the same verdict, so a test is a set of literal names, a
+        tuple of suffixes ('*.o'), the literal paths (as {'dir/': names}), one regex of
+        the rest by name (alternatives tried in C) and those by path, one for each
+        number of components they match ({n: regex}; None for any number): most rules
+        are literals, checked without a regex, and a path glob is tried only at its
+        depth. A rule git would not match either (a malformed pattern) is dropped."""
+        magic, out = set("*?[\\"), []
+        runs = [(neg, list(run)) for neg, run in groupby(rules, itemgetter(1))]
         for neg, members in reversed(runs):
             tests = []
-            for for_dir in (True, False):
-                names, suffixes, paths, by_name, by_path = set(), set(), set(), [], []
-                for pat, dir_only, anchored in members:
+            for for_dir in (False, True):
+                # literal paths by the directory they name a child of; path globs by how
+                # many components they match (None: any)
+                names, suffixes, within, by_name, deep = set(), set(), {}, [], {}
+                for pat, _, dir_only, anchored in members:
                     if dir_only and not for_dir:
                         continue
-                    if not any(ch in pat for ch in "*?[\\"):            # a literal
-                        (paths if anchored else names).add(pat)
-                    elif not anchored and pat[0] == "*" and not any(ch in pat[1:]
-                                                                    for ch in "*?[\\"):
+                    if anchored and magic.isdisjoint(pat):
+                        head, _, tail = pat.rpartition("/")
+                        within.setdefault(head + "/" if head else "", set()).add(tail)
+                    elif anchored:
+                        deep.setdefault(None if "**" in pat or "[" in pat
+                                        else pat.count("/") + 1, []).append(pat)
+                    elif magic.isdisjoint(pat):
+                        names.add(pat)
+                    elif pat[0] == "*" and magic.isdisjoint(pat[1:]):
                         suffixes.add(pat[1:])
                     else:
-                        (by_path if anchored else by_name).append(pat)
-                within = {}                  # literal paths by the directory they name a child of
-                for pat in paths:
-                    head, _, tail = pat.rpartition("/")
-                    within.setdefault(head + "/" if head else "", set()).add(tail)
-                # path globs by how many components they match (None: any)
-                deep = {}
-                for pat in by_path:
-                    deep.setdefault(None if "**" in pat or "[" in pat else pat.count("/") + 1,
-                                    []).append(pat)
+                        by_name.append(pat)
                 tests.append((frozenset(names), tuple(suffixes), within, one_regex(by_name),
-                              {n: rx for n, pats in deep.items() for rx in [one_regex(pats)]
-                               if rx is not None}))
-            out.append((neg,) + tuple(tests))
+                              {n: one_regex(pats) for n, pats in deep.items()}))
+            out.append((neg, tests))
         return out
 
     def sift(self, pre, names, is_dir, hidden):
@@ -3735,23 +3728,17 @@ class IgnoreFile:
             back = {as_bytes(name): name for name in names}
             pre, names = as_bytes(pre), back
         left = set(names)
-        for neg, for_dir, for_file in self.runs:
-            literal, suffixes, paths, by_name, by_path = for_dir if is_dir else for_file
-            hit = left & literal
-            if paths:
-                hit |= left & paths.get(pre, frozenset())
+        for neg, tests in self.runs:
+            literal, suffixes, paths, by_name, by_path = tests[is_dir]
+            hit = left & literal | left.intersection(paths.get(pre, ()))
             if suffixes:
                 hit.update(filter(methodcaller("endswith", suffixes), left))
-            if by_name is not None:
-                hit.update(filter(by_name.match, left))
-            for rx in at_depth(by_path, pre.count("/") + 1) if by_path else ():
+            hit.update(filter(by_name.match, left))
+            for rx in at_depth(by_path, pre.count("/") + 1):
                 hit.update([name for name in left if rx.match(pre + name)])
-            if hit:
-                left -= hit
-                if not neg:
-                    hidden.update(hit if back is None else map(back.get, hit))
-                if not left:
-                    break
+            left -= hit
+            if not neg:
+                hidden.update(hit if back is None else map(back.get, hit))
         return left if back is None else [back[name] for name in left]
 
 
@@ -3762,7 +3749,7 @@ def at_depth(by_path, n):
 
 def one_regex(patterns):
     """One compiled regex matching what any of the git globs `patterns` matches (each
-    whole), or None for none; a pattern git would not match (malformed) is left out."""
+    whole; nothing for none); a pattern git would not match (malformed) is left out."""
     sources = []
     for pat in patterns:
         try:
@@ -3770,8 +3757,7 @@ def one_regex(patterns):
         except ValueError:
             continue                         # git ignores a malformed pattern too
     try:
-        return re.compile("|".join("(?:%s)" % src for src in sources),
-                          re.DOTALL) if sources else None
+        return re.compile("|".join(map("(?:{})".format, sources)) or "(?!)", re.DOTALL)
     except (re.error, RecursionError, OverflowError):
         pass                                 # one of them does not compile: find it, keep the rest
     kept = []
@@ -3781,7 +3767,7 @@ def one_regex(patterns):
             kept.append(src)
         except (re.error, RecursionError, OverflowError):
             continue
-    return re.compile("|".join("(?:%s)" % src for src in kept), re.DOTALL) if kept else None
+    return re.compile("|".join(map("(?:{})".format, kept)) or "(?!)", re.DOTALL)
 
 
 def ignore_pattern(raw):
@@ -3793,7 +3779,7 @@ def ignore_pattern(raw):
     while line.endswith(" ") and not line.endswith("\\ "):
         line = line[:-1]
     neg = line.startswith("!")
-    if neg or line.startswith(("\\!", "\\#")):
+    if line.startswith(("!", "\\!", "\\#")):
         line = line[1:]
     dir_only = line.endswith("/")
     if dir_only:
@@ -4512,24 +4498,23 @@ class Matcher:
 
     def __init__(self, pattern, regex=True, ignore_case=False, multiline=False):
         self.multiline = multiline
-        if regex and not (set(pattern) & _REGEX_META):
-            regex = False
+        regex = regex and not _REGEX_META.isdisjoint(pattern)  # no metacharacter: a literal
         self.literal = self.rx = self.rx_text = None
         self.folded = False
         if not regex and (not ignore_case or pattern.isascii()):
             self.literal = (pattern.lower() if ignore_case else pattern).encode("utf-8")
             # -i on ASCII: bytes.lower() and find, no regex
-            self.folded = ignore_case
+            self.folded, self.spans = ignore_case, self.literal_spans
         else:
             self.compile(pattern, regex, ignore_case, multiline)
-        self.spans = self.regex_spans if self.literal is None else self.literal_spans
+            self.spans = self.regex_spans
 
     def compile(self, pattern, regex, ignore_case, multiline):
         """The regexes: rx_text on decoded text, and rx on bytes for pure-ASCII text
         where the pattern means the same there."""
         src = self.python_regex(pattern) if regex else re.escape(pattern)
-        if regex and not multiline:
-            # '.*TODO.*' matches the lines 'TODO' does
+        if not multiline:
+            # '.*TODO.*' matches the lines 'TODO' does (an escaped literal has no '.*')
             src = self.drop_dot_stars(src)
         flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0) | (
             re.DOTALL if multiline else 0)
@@ -4555,8 +4540,8 @@ class Matcher:
         return self.literal is None and (self.rx is None or not buf[:end].isascii())
 
     def literal_spans(self, hay, end, first_only):
-        """spans() of a literal: bytes.find, then on from the next line."""
-        nl = b"\n" if isinstance(hay, (bytes, bytearray)) else "\n"
+        """spans() of a literal (bytes, so a bytes haystack): bytes.find, then on from the
+        next line."""
         out, pos = [], 0
         needle, size = self.literal, len(self.literal)
         if self.folded:
@@ -4568,7 +4553,7 @@ class Matcher:
             out.append((i, i + size))
             if first_only:
                 return out
-            j = hay.find(nl, i + size, end)
+            j = hay.find(b"\n", i + size, end)
             if j < 0:
                 return out
             pos = j + 1
@@ -4590,18 +4575,16 @@ class Matcher:
                 if s is None:
                     continue
             out.append((s, e))
-            pos = None if first_only else self.after_match(hay, nl, s, e, end)
-            if pos is None:
-                return out
+            pos = end if first_only else self.after_match(hay, nl, s, e, end)
         return out
 
     def after_match(self, hay, nl, s, e, end):
         """Where the search goes on after a match at s..e: at its end (multiline), or
-        at the next line (line mode: one match a line); None past the last line."""
+        at the next line (line mode: one match a line); `end` past the last line."""
         if self.multiline:
             return e if e > s else e + 1
         j = hay.find(nl, e, end)
-        return None if j < 0 else j + 1
+        return end if j < 0 else j + 1
 
     @staticmethod
     def python_regex(pattern):
@@ -4631,11 +4614,7 @@ class Matcher:
     def drop_dot_stars(src):
         """A line-mode regex without a leading or trailing '.*' (or '.*?'): in line mode
         they change no line's verdict, but make a long line quadratic to search."""
-        core = src
-        while core.startswith(".*"):
-            core = core[3:] if core.startswith(".*?") else core[2:]
-        while core.endswith(".*") and not core.endswith("\\.*"):
-            core = core[:-2]
+        core = re.sub(r"(?:(?<!\\)\.\*)+\Z", "", re.sub(r"\A(?:\.\*\??)+", "", src))
         return core if core and "|" not in src else src
 
     @staticmethod
@@ -4715,13 +4694,13 @@ class LineRecords:
             line_no += hay.count(nl, cursor, s)
             cursor = s
             pos = hay.rfind(nl, 0, s) + 1
-            last = e - 1 if e > s else s
+            last = max(e - 1, s)
             k = line_no
             while True:
                 le = hay.find(nl, pos, end)
                 le = end if le < 0 else le
                 matched.append((k, pos, le))
-                if le >= last or le >= end:
+                if le >= last:
                     break
                 pos, k = le + 1, k + 1
         return matched
@@ -4810,7 +4789,8 @@ OUTLINE_RULES["typescript"] = OUTLINE_RULES["javascript"]
 
 
 _CODE_MARKS = r"[\"'`/]"                   # (compiled when a file is outlined: start-up never pays)
-_CODE_TOKENS = r"\"(?:[^\"\\]|\\.)*\"?|'(?:[^'\\]|\\.)*'?|`[^`]*`?|//|/\*"
+# a string, a comment's start, or the line's end
+_CODE_TOKENS = r"\"(?:[^\"\\]|\\.)*\"?|'(?:[^'\\]|\\.)*'?|`[^`]*`?|//|/\*|\Z"
 
 
 # Outline.python_lines' patterns (compiled when a file is outlined: start-up never pays)
@@ -4902,7 +4882,7 @@ class Outline:
             self.keys(text)
         else:
             self.patterns()
-        self.entries = [e for e in self.entries if e is not None]      # (end() drops some)
+        self.entries = list(filter(None, self.entries))               # (end() drops some)
 
     @staticmethod
     def language(name):
@@ -4915,11 +4895,11 @@ class Outline:
         OUTLINE_SIGNATURE_CHARS."""
         lines = self.lines
         text, j = lines[k].strip(), k
-        while (text.count("(") > text.count(")") and j + 1 < len(lines) and j < k + 8
+        while (text.count("(") > text.count(")") and j < min(len(lines) - 1, k + 8)
                and lines[j + 1].strip()):
             j += 1
             text += " " + lines[j].strip()
-        if j > k and text.count("(") > text.count(")"):
+        if text.count("(") > text.count(")"):
             text = lines[k].strip()             # no closing parenthesis near: the line alone
         elif j > k:
             text = re.sub(r"\(\s+", "(", re.sub(r",?\s+\)", ")", text))
@@ -4964,7 +4944,7 @@ class Outline:
                 in_string = None
             elif depth == 0 and not joined:
                 text = raw.strip()
-                if not text or text[0] == "#":
+                if text[:1] in ("", "#"):
                     continue
                 self.python_statement(i, raw, text, last, is_def)
             elif not raw.strip():
@@ -4988,9 +4968,8 @@ class Outline:
         """A logical line that starts at line i (from 0), `text` stripped: it closes the
         definitions indented as deep or deeper at `last`, the line of code before it, and a
         def or class opens one here (from its decorators, if they are just above)."""
-        indent, stack = len(raw) - len(raw.lstrip()), self.stack
-        while stack and indent <= stack[-1].depth:
-            self.close(stack.pop().entry, last)
+        indent = len(raw) - len(raw.lstrip())
+        self.close_to(indent, last)
         decorator, self.decorator = self.decorator, None
         if text[0] == "@":
             self.decorator = decorator or (i, indent)
@@ -5047,15 +5026,14 @@ class Outline:
             while self.stack and not self.stack[-1].opened and self.stack[-1].parens <= 0 and not \
                     code.lstrip().startswith("{"):
                 # a declaration without a body ends before this line
-                self.end(self.stack.pop(), None)
+                self.end(self.stack.pop(), i)
             kind = None if was_in_block and not code.strip() else self.kind(
                 rules, raw[:OUTLINE_LINE_CHARS])
             if kind:
                 self.add(i, kind)
             self.count(i, code)
         while self.stack:                               # open at the end of the file
-            entry = self.stack.pop()
-            self.end(entry, len(self.lines) - 1 if entry.opened else None)
+            self.end(self.stack.pop(), len(self.lines) - 1)
 
     def add(self, i, kind):
         """A definition found on line i (from 0): decorators, annotations and attributes
@@ -5070,14 +5048,9 @@ class Outline:
 
     def count(self, i, code):
         """Line i's braces and parentheses: the definitions they open, and those they close."""
-        peak, opens, closes = self.depth, code.count("{"), code.count("}")
-        if opens and closes:
-            for ch in code:
-                if ch in "{}":
-                    self.depth += 1 if ch == "{" else -1
-                    peak = max(peak, self.depth)
-        else:
-            self.depth += opens - closes
+        peak = self.depth
+        for ch in re.findall("[{}]", code):
+            self.depth += 1 if ch == "{" else -1
             peak = max(peak, self.depth)
         self.depth = max(self.depth, 0)
         for entry in self.stack:
@@ -5086,23 +5059,25 @@ class Outline:
                 entry.last = i
         while self.stack:
             top = self.stack[-1]
-            base, opened, parens = top.depth, top.opened, top.parens
-            if not opened and peak > base:
-                top.opened = opened = True
-            if opened and self.depth <= base or (not opened and parens <= 0
-                                                 and code.rstrip().endswith(";")):
-                self.end(self.stack.pop(), i)   # its closing brace, or the ';' of a declaration
+            top.opened = top.opened or peak > top.depth
+            if top.opened:
+                ended = self.depth <= top.depth                 # its closing brace
             else:
+                ended = top.parens <= 0 and code.rstrip().endswith(";")  # its ";"
+            if not ended:
                 break
+            self.end(self.stack.pop(), i)
 
     def end(self, open_entry, i):
-        """Close a definition at line i (from 0; None: where its text ended); one that
-        needs a body (a C function) and never opened one is dropped."""
+        """Close a definition at line i (from 0) if its body opened, else where its text
+        ended; one that needs a body (a C function) and never opened one is dropped."""
         k = open_entry.entry
-        if open_entry.kind == "body" and not open_entry.opened:
+        if open_entry.opened:
+            self.close(k, i)
+        elif open_entry.kind == "body":
             self.entries[k] = None
         else:
-            self.close(k, open_entry.last if i is None else i)
+            self.close(k, open_entry.last)
 
     def kind(self, rules, head):
         """The kind of definition `head` starts ('class', 'def', 'body'), or None; a
@@ -5121,11 +5096,11 @@ class Outline:
         for i, raw in enumerate(self.lines):
             head = raw[:OUTLINE_LINE_CHARS]
             text = head.strip()
-            if not text or text.startswith("#"):
+            if text[:1] in ("", "#"):
                 continue
             indent = len(head) - len(head.lstrip())
             ended = False
-            while self.stack and indent <= self.stack[-1].depth and not ended:
+            while self.stack and indent <= self.stack[-1].depth:     # (depths only grow)
                 top = self.stack.pop()
                 ended = self.lang == "ruby" and indent == top.depth and re.match(r"end\b", text)
                 self.close(top.entry, i if ended else last)     # (its `end` belongs to it)
@@ -5158,15 +5133,10 @@ class Outline:
                 in_block, i = False, j + 2
                 continue
             m = self.tokens.search(line, i)
-            if m is None:
-                out.append(line[i:])
-                break
             out.append(line[i:m.start()])
             if m.group(0) == "//":
                 break
-            if m.group(0) == "/*":
-                in_block = True
-            i = m.end()
+            in_block, i = m.group(0) == "/*", m.end()
         return "".join(out), in_block
 
     # -- headings and keys ---------------------------------------------------------
@@ -5197,13 +5167,12 @@ class Outline:
                 return
             rx = re.compile(r'^\s{%d}"((?:[^"\\]|\\.)*)"\s*:' % first)
         else:
-            rx = re.compile(r"^([A-Za-z_\"'][^:#]*?):(?:\s|$)" if lang == "yaml" else
-                            r"^(\[\[?[^\]]+\]\]?|[A-Za-z0-9_\"'][\w.\"' -]*?)\s*(?:=|$)")
-        starts = [i for i, line in enumerate(lines)
-                  if line.strip() and rx.match(line[:OUTLINE_LINE_CHARS])]
-        for k, i in enumerate(starts):
-            last = starts[k + 1] if k + 1 < len(starts) else len(lines)
-            closing = lang == "json" and k + 1 == len(starts)
+            rx = re.compile({
+                "yaml": r"^([A-Za-z_\"'][^:#]*?):(?:\s|$)",
+                "toml": r"^(\[\[?[^\]]+\]\]?|[A-Za-z0-9_\"'][\w.\"' -]*?)\s*(?:=|$)"}[lang])
+        starts = [i for i, line in enumerate(lines) if rx.match(line[:OUTLINE_LINE_CHARS])]
+        for i, last in zip(starts, starts[1:] + [len(lines)]):
+            closing = lang == "json" and last == len(lines)
             self.entries.append(OutlineEntry(i + 1, self.key_end(i + 1, last, closing), 0,
                                              self.signature(i)))
 
