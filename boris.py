@@ -6770,17 +6770,17 @@ def pdf_predictor(data, p):
             for i in range(start + bpp, min(start + row, len(out))):
                 out[i] = (out[i] + out[i - bpp]) & 255
         return bytes(out)
-    out, prev = bytearray(), bytearray(row)
+    out, prev = bytearray(), bytes(bpp) + bytearray(row)   # bpp zeros left of a row: its a, c
     for start in range(0, len(data), row + 1):
-        kind, line = data[start], bytearray(data[start + 1:start + 1 + row])
-        line += bytes(row - len(line))
-        for i in range(row) if 1 <= kind <= 4 else ():      # Sub, Up, Average, Paeth (0: None)
-            a, b, c = line[i - bpp] if i >= bpp else 0, prev[i], prev[i - bpp] if i >= bpp else 0
-            if kind == 4:
-                pa, pb, pc = abs(b - c), abs(a - c), abs(a + b - 2 * c)
-                a = a if pa <= pb and pa <= pc else b if pb <= pc else c
-            line[i] = (line[i] + (a if kind in (1, 4) else b if kind == 2 else (a + b) // 2)) & 255
-        out += line
+        kind, line = data[start], bytearray(bpp) + data[start + 1:start + 1 + row]
+        line += bytes(len(prev) - len(line))
+        for i in range(bpp, len(line)) if 1 <= kind <= 4 else ():   # Sub, Up, Average, Paeth
+            a, b, c = line[i - bpp], prev[i], prev[i - bpp]          # left, up, up left
+            # Paeth: of a, b, c (first on a tie) the nearest to a + b - c
+            paeth = min((abs(b - c), a), (abs(a - c), b), (abs(a + b - 2 * c), c),
+                        key=lambda pair: pair[0])[1] if kind == 4 else 0
+            line[i] = (line[i] + (a, b, (a + b) // 2, paeth)[kind - 1]) & 255
+        out += line[bpp:]
         prev = line
     return bytes(out)
 
