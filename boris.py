@@ -6970,19 +6970,42 @@ def pdf_aes_cbc(key, iv, data, encrypt=False):
 # -- PDF: the document and its pages ----------------------------------------------
 # (Tz: percent)
 PDF_TEXT_PARAMETERS = {b"Tc": "tc", b"Tw": "tw", b"Tz": "th", b"TL": "tl", b"Ts": "rise"}
+# What each operator of a content stream does, given the state (a PdfText), the operator
+# and its operands; one with operands it cannot take raises, and Pdf.run skips it
+PDF_OPERATORS = {
+    **dict.fromkeys((b"Tj", b"'", b'"', b"TJ"), lambda st, op, o: st.pdf.show(op, o, st)),
+    **dict.fromkeys(PDF_TEXT_PARAMETERS, lambda st, op, o: setattr(
+        st, PDF_TEXT_PARAMETERS[op], float(o[-1]) / (100.0 if op == b"Tz" else 1.0))),
+    b"Td": lambda st, op, o: st.move(o[-2], o[-1]),
+    b"TD": lambda st, op, o: st.move(o[-2], o[-1], leading=-o[-1]),
+    b"T*": lambda st, op, o: st.move(0, -st.tl),
+    b"Tm": lambda st, op, o: st.begin([float(x) for x in o[-6:]]),
+    b"BT": lambda st, op, o: st.begin([1, 0, 0, 1, 0, 0]),
+    b"Tf": lambda st, op, o: st.pdf.font(st, o[-2], o[-1]),
+    b"cm": lambda st, op, o: setattr(st, "ctm", pdf_mul([float(x) for x in o[-6:]],
+                                                       st.ctm)),
+    b"q": lambda st, op, o: st.stack.append(st.saved()) if len(st.stack) < 1000 else None,
+    b"Q": lambda st, op, o: st.restore(st.stack.pop()),
+    b"Do": lambda st, op, o: st.pdf.form(st, o[-1])}
+
+
+def pdf_other_operator(st, op, operands):
+    """Any other operator of a content stream: nothing that text needs."""
 
 
 class PdfText:
     """What Pdf.run keeps while it reads a content stream: the graphics state it needs (the
     transformation `ctm`, the font and its size, character and word spacing tc and tw,
-    horizontal scale th, leading tl, rise, the text and line matrices tm and lm) and what
-    the stream was run with (resources, where runs go, how deep in forms, which forms; and
-    the resources' fonts and xobjects, which run() sets)."""
+    horizontal scale th, leading tl, rise, the text and line matrices tm and lm; the states
+    q saved, `stack`) and what the stream was run with (the Pdf, resources, where runs go,
+    how deep in forms, which forms; and the resources' fonts and xobjects, which run() sets)."""
 
-    def __init__(self, ctm, resources, runs, depth, forms):
+    def __init__(self, pdf, ctm, resources, runs, depth, forms):
+        self.pdf = pdf
         self.restore((ctm, None, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0))
         self.tm = self.lm = [1, 0, 0, 1, 0, 0]
         self.resources, self.runs, self.depth, self.forms = resources, runs, depth, forms
+        self.stack = []
 
     def saved(self):
         """What q saves and Q restores."""
@@ -6991,8 +7014,14 @@ class PdfText:
     def restore(self, saved):
         self.ctm, self.font, self.size, self.tc, self.tw, self.th, self.tl, self.rise = saved
 
-    def move(self, tx, ty):
-        """The next line, (tx, ty) from this line's start (Td, T*, ' and ")."""
+    def begin(self, matrix):
+        """BT and Tm: the text and the line matrix both `matrix`."""
+        self.tm = self.lm = matrix
+
+    def move(self, tx, ty, leading=None):
+        """The next line, (tx, ty) from this line's start (Td, T*, ' and "; TD sets the
+        `leading` too)."""
+        self.tl = self.tl if leading is None else leading
         lm = self.lm
         self.lm = self.tm = lm[:4] + [lm[4] + tx * lm[0] + ty * lm[2],
                                       lm[5] + tx * lm[1] + ty * lm[3]]
@@ -7313,12 +7342,15 @@ class Pdf(PdfParser):
         return " ".join(pdf_text_string(title).split())
 
     # -- text
-    def font(self, ref):
-        """The PdfFont of a font dictionary (kept by reference)."""
+    def font(self, st, name, size):
+        """Tf: the state's font size, and its font, the PdfFont of resource `name` (kept by
+        reference; None when there is none)."""
+        st.size = float(size)
+        ref = st.fonts.get(name) if isinstance(name, str) else None
         key = ref if isinstance(ref, PdfRef) else id(ref)
         if key not in self.fonts:
-            self.fonts[key] = PdfFont(self, self.get(ref))
-        return self.fonts[key]
+            self.fonts[key] = PdfFont(self, self.get(ref)) if ref is not None else None
+        st.font = self.fonts[key]
 
     def page_text(self, page, resources):
         """The text of one page, its lines in reading order (pdf_lines), and a last line that
@@ -7379,11 +7411,11 @@ class Pdf(PdfParser):
     def run(self, data, resources, ctm, runs, depth, forms):
         """Interpret a content stream: each string shown becomes a run (x, y, end x, end y,
         size, text) in page space; form XObjects are run inside it."""
-        st = PdfText(ctm, resources, runs, depth, forms)
+        st = PdfText(self, ctm, resources, runs, depth, forms)
         st.fonts = self.entry(resources, "Font", dict) or {}
         st.xobjects = self.entry(resources, "XObject", dict) or {}
 
-        stack, operands = [], []
+        operands = []
         pos, end = 0, len(data)
         match = PDF_TOKEN.match
         sub = PdfParser(data)
@@ -7415,44 +7447,11 @@ class Pdf(PdfParser):
                 stop = end_image.search(data, at.end()) if at else None
                 pos = stop.end() if stop else end
             try:
-                self.operate(op, operands, st, stack)
+                PDF_OPERATORS.get(op, pdf_other_operator)(st, op, operands)
             except (IndexError, TypeError, ValueError, ZeroDivisionError, OverflowError):
                 # an operator with operands it cannot take
                 pass
             operands = []
-
-    def operate(self, op, operands, st, stack):
-        """One operator of a content stream, on the state `st` (and `stack`, the states q saved)."""
-        if op in (b"Tj", b"'", b'"', b"TJ"):
-            self.show(op, operands, st)
-        elif op in (b"Td", b"TD"):
-
-            tx, ty = operands[-2], operands[-1]
-            if op == b"TD":
-                st.tl = -ty
-            st.move(tx, ty)
-        elif op == b"Tm":
-            st.lm = st.tm = [float(x) for x in operands[-6:]]
-        elif op == b"T*":
-            st.move(0, -st.tl)
-        elif op == b"Tf":
-            name, st.size = operands[-2], float(operands[-1])
-            ref = st.fonts.get(name) if isinstance(name, str) else None
-            st.font = self.font(ref) if ref is not None else None
-        elif op == b"BT":
-            st.tm = st.lm = [1, 0, 0, 1, 0, 0]
-        elif op == b"cm":
-            st.ctm = pdf_mul([float(x) for x in operands[-6:]], st.ctm)
-        elif op == b"q" and len(stack) < 1000:
-            stack.append(st.saved())
-        elif op == b"Q":
-            st.restore(stack.pop())                  # (none saved: IndexError, skipped by run())
-
-        elif op in PDF_TEXT_PARAMETERS:
-            setattr(st, PDF_TEXT_PARAMETERS[op],
-                    float(operands[-1]) / (100.0 if op == b"Tz" else 1.0))
-        elif op == b"Do":
-            self.form(st, operands[-1])
 
     def show(self, op, operands, st):
         """A text-showing operator (Tj, TJ, ' and "): its strings as runs in page space (and
