@@ -6424,13 +6424,13 @@ class PdfFont:
 
     def cid_widths(self, pdf, kid):
         """A CID font's widths: DW, DW2 and the W array ([first [w ...]] and [first last w])."""
-        get, dw = pdf.get, pdf.entry(kid, "DW", PDF_NUMBER)
-        self.default = (dw if dw is not None else 1000) / 1000.0
-        dw2 = pdf.entry(kid, "DW2", list)
-        if dw2 and len(dw2) == 2 and isinstance(get(dw2[1]), PDF_NUMBER):
+        get = pdf.get
+        self.default = pdf.entry(kid, "DW", PDF_NUMBER, 1000) / 1000.0
+        dw2 = pdf.entry(kid, "DW2", list, [])
+        if len(dw2) == 2 and isinstance(get(dw2[1]), PDF_NUMBER):
             # a glyph's advance down a column (w1 is negative)
             self.down = -get(dw2[1]) / 1000.0
-        w = pdf.entry(kid, "W", list) or []
+        w = pdf.entry(kid, "W", list, [])
         i = 0
         while i + 1 < len(w) and len(self.widths) < PDF_CMAP_MAX:
             first, nxt = get(w[i]), get(w[i + 1])
@@ -6455,7 +6455,7 @@ class PdfFont:
         and widths."""
         base, descriptor = self.simple_widths(pdf, d, subtype)
         enc = pdf.entry(d, "Encoding")
-        differences = pdf.entry(enc, "Differences", list) or []
+        differences = pdf.entry(enc, "Differences", list, [])
         name = str(enc) if isinstance(enc, str) else pdf.entry(enc, "BaseEncoding")
         table = self.base_encoding(pdf, name, subtype, base, descriptor)
         code = 0
@@ -6495,8 +6495,8 @@ class PdfFont:
             self.em = 2 * drawn[len(drawn) // 2]
         base = str(pdf.entry(d, "BaseFont") or "")
         descriptor = pdf.entry(d, "FontDescriptor", dict)        # (None: read as an empty one)
-        missing = pdf.entry(descriptor, "MissingWidth", PDF_NUMBER)
-        if missing is not None and missing > 0:
+        missing = pdf.entry(descriptor, "MissingWidth", PDF_NUMBER, 0)
+        if missing > 0:
             self.default = missing * self.scale
         elif "Courier" in base:
             self.default = 0.6
@@ -7199,11 +7199,11 @@ class Pdf(PdfParser):
         head = [int(x) for x in data[:first].split()[:2 * n]]
         return head[0::2], [first + o for o in head[1::2]], data
 
-    def entry(self, d, key, kind=object):
-        """Dictionary `d`'s value at `key`, resolved, when it is a `kind`; else None (None too
-        when `d` is no dictionary)."""
+    def entry(self, d, key, kind=object, default=None):
+        """Dictionary `d`'s value at `key`, resolved, when it is a `kind`; else `default`
+        (that too when `d` is no dictionary)."""
         value = self.get(d.get(key)) if isinstance(d, dict) else None
-        return value if isinstance(value, kind) else None
+        return value if isinstance(value, kind) else default
 
     def get(self, value, depth=0):
         """`value` with a reference resolved (None if it leads nowhere)."""
@@ -7314,7 +7314,7 @@ class Pdf(PdfParser):
     def pages(self):
         """[(the page dictionary, its resources)], in order, through the page tree (cycles and
         depth bounded; a tree that leads nowhere: the objects of /Type /Page, in file order)."""
-        root = self.entry(self.trailer, "Root", dict) or {}
+        root = self.entry(self.trailer, "Root", dict, {})
         out, seen = [], set()
 
         def walk(node, resources, depth):
@@ -7381,13 +7381,13 @@ class Pdf(PdfParser):
     def annotations(self, page, runs):
         """A page's annotations as drawn (their appearance streams), and a form field's text
         value where it has no appearance or the form asks for new ones, into `runs`."""
-        annots = self.entry(page, "Annots", list) or []
+        annots = self.entry(page, "Annots", list, [])
         acroform = self.entry(self.entry(self.trailer, "Root"), "AcroForm")
         regenerate = self.entry(acroform, "NeedAppearances") is True
         for annot in annots[:1000]:
             # a form field's value, a note: as drawn
             annot = self.get(annot)
-            if not isinstance(annot, dict) or (self.entry(annot, "F", int) or 0) & 2:
+            if not isinstance(annot, dict) or self.entry(annot, "F", int, 0) & 2:
                 continue
             normal = self.entry(self.entry(annot, "AP"), "N")
             if isinstance(normal, dict):
@@ -7400,7 +7400,7 @@ class Pdf(PdfParser):
             kind, value = self.field_value(annot, normal)
             if kind in ("Tx", "Ch") and isinstance(value, bytes) and (
                     regenerate or not isinstance(normal, PdfStream)):
-                size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", self.entry(annot, "DA", bytes) or b"")
+                size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", self.entry(annot, "DA", bytes, b""))
                 size = float(size.group(1)) if size and float(size.group(1)) > 0 else 12.0
                 for k, line in enumerate(pdf_text_string(value).splitlines()):
                     runs.append(PdfRun(x, y - k * size, x + 0.5 * size * len(line),
@@ -7412,8 +7412,8 @@ class Pdf(PdfParser):
         """Interpret a content stream: each string shown becomes a run (x, y, end x, end y,
         size, text) in page space; form XObjects are run inside it."""
         st = PdfText(self, ctm, resources, runs, depth, forms)
-        st.fonts = self.entry(resources, "Font", dict) or {}
-        st.xobjects = self.entry(resources, "XObject", dict) or {}
+        st.fonts = self.entry(resources, "Font", dict, {})
+        st.xobjects = self.entry(resources, "XObject", dict, {})
 
         operands = []
         pos, end = 0, len(data)
