@@ -6633,7 +6633,7 @@ class PdfCMap(dict):
             elif word == b"endcodespacerange":
                 self.spans += [(len(lo), lo, hi) for lo, hi in pairs
                                if isinstance(lo, bytes) and isinstance(hi, bytes)
-                               and len(lo) == len(hi) and 0 < len(lo) <= 4]
+                               and 0 < len(lo) == len(hi) <= 4]
             elif word == b"endbfchar":
                 self.update((src, pdf_unicode(dst)) for src, dst in pairs if isinstance(src, bytes))
             elif word == b"endbfrange":
@@ -6659,7 +6659,7 @@ class PdfCMap(dict):
         """A bfrange's codes: lo hi, then a first destination or a list of them."""
         for j in range(0, len(tokens) - 2, 3):
             lo, hi, dst = tokens[j:j + 3]
-            if not (isinstance(lo, bytes) and isinstance(hi, bytes) and len(lo) == len(hi) and lo):
+            if not (isinstance(lo, bytes) and isinstance(hi, bytes) and 0 < len(lo) == len(hi)):
                 continue
             a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
             if b - a > PDF_CMAP_MAX - len(self):              # (b < a: an empty range)
@@ -7223,8 +7223,7 @@ class Pdf(PdfParser):
                     if key not in self.cache:
                         self.cache[key] = self.object_stream(stream)
                     numbers, offsets, data = self.cache[key]
-                    if index < len(offsets):
-                        found, _ = PdfParser(data).obj(offsets[index])
+                    found, _ = PdfParser(data).obj(offsets[index])      # (none: IndexError)
             elif number in self.offsets:
                 try:
                     found = self.indirect(self.offsets[number], number)
