@@ -6343,7 +6343,7 @@ def pdf_standard_widths(base):
     """{code: width} of the standard font the name `base` says (Times; Helvetica, or Arial
     drawn like it); {} for any other."""
     metrics = PDF_METRICS.get("Times" if "Times" in base else
-                              "Helvetica" if "Helvetica" in base or "Arial" in base else "", "")
+                              "Helvetica" if re.search("Helvetica|Arial", base) else "", "")
     return {32 + k: int(v) / 1000.0 for k, v in enumerate(metrics.split())}
 
 
@@ -6484,8 +6484,8 @@ class PdfFont:
         matrix = pdf.entry(d, "FontMatrix", list) if subtype == "Type3" else None
         if matrix and isinstance(pdf.get(matrix[0]), PDF_NUMBER):
             self.scale = pdf.get(matrix[0])
-        first, widths = pdf.entry(d, "FirstChar", int), pdf.entry(d, "Widths", list)
-        for k, v in enumerate(widths[:256] if first is not None and widths else []):
+        first, widths = pdf.entry(d, "FirstChar", int), pdf.entry(d, "Widths", list, [])
+        for k, v in enumerate(widths[:256] if first is not None else []):
             v = pdf.get(v)
             if isinstance(v, PDF_NUMBER):
                 self.widths[first + k] = v * self.scale
@@ -6525,7 +6525,7 @@ class PdfFont:
                 if builtin:
                     return builtin
         return pdf_encoding("WinAnsiEncoding" if subtype == "TrueType" else "StandardEncoding") \
-            if "Symbol" not in base and "Dingbat" not in base else {}
+            if not re.search("Symbol|Dingbat", base) else {}
 
     @staticmethod
     def embedded(pdf, kid):
@@ -6584,21 +6584,19 @@ class PdfFont:
         uni, widths, default, spans = self.uni, self.widths, self.default, self.spans
         parts, width, i, missing = [], 0.0, 0, 0
         while i < len(s):
-            n = 0
+            n = min(2, len(s) - i)                      # (in no range: two bytes)
             for size, lo, hi in spans:
                 c = s[i:i + size]
                 if len(c) == size and all(lo[k] <= c[k] <= hi[k] for k in range(size)):
                     n = size
                     break
-            n = n or min(2, len(s) - i)
             c = s[i:i + n]
             i += n
             t, w = uni.get(c), widths.get(int.from_bytes(c, "big"), default)
             if t is None and n == 1:
                 # a one-byte code, ToUnicode's keys two bytes
                 t = uni.get(b"\x00" + c)
-            if t is None:
-                missing += 1
+            missing += t is None
             # (a glyph with no text still parts words)
             parts.append(t or (" " if w > 0 else ""))
             width += w
