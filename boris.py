@@ -7505,8 +7505,8 @@ class Pdf(PdfParser):
             matrix = form.dict.get("Matrix")
             matrix = [float(x) for x in matrix] if isinstance(matrix, list) and len(matrix) == 6 \
                 else [1, 0, 0, 1, 0, 0]
-            inner = self.get(form.dict.get("Resources"))
-            self.run(self.body(form) or b"", inner if isinstance(inner, dict) else st.resources,
+            inner = self.entry(form.dict, "Resources", dict, st.resources)
+            self.run(self.body(form) or b"", inner,
                      pdf_mul(matrix, st.ctm), st.runs, st.depth + 1, st.forms | {ref})
 
 def pdf_job(job, emit):
