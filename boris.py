@@ -6128,9 +6128,8 @@ class PdfParser:
             ref = PDF_REF.match(data, end)
             return (PdfRef((int(text), int(ref.group(1)))), ref.end()) if ref else (int(text), end)
         if kind == "name":
-            raw = m.group(kind)
-            if b"#" in raw:
-                raw = re.sub(rb"#([0-9A-Fa-f]{2})", lambda h: bytes([int(h.group(1), 16)]), raw)
+            raw = re.sub(rb"#([0-9A-Fa-f]{2})", lambda h: bytes([int(h.group(1), 16)]),
+                         m.group(kind))                         # (#xx: a byte in hex)
             return PdfName(raw.decode("latin-1")), end
         if kind == "open":
             if depth > PDF_DEPTH_MAX:
@@ -6147,9 +6146,8 @@ class PdfParser:
                 return self.container(what == b"<<", end, depth)
             # '{' of a PostScript function: not text
             return None, end
-        if kind == "word":
-            return {b"true": True, b"false": False}.get(m.group(kind)), end
-        return None, end                                       # a stray closing bracket
+        # a word (true, false, null...), or a stray closing bracket (no word: None)
+        return {b"true": True, b"false": False}.get(m.group("word")), end
 
     def container(self, is_dict, pos, depth):
         """(an array, or a dictionary when `is_dict`, the offset after it) from just after
