@@ -5938,9 +5938,9 @@ def pdf_glyph(name):
     m = re.match(r"u([0-9A-F]{4,6})$", name)
     if m and int(m.group(1), 16) <= 0x10ffff:
         return chr(int(m.group(1), 16))
-    base = name.split(".")[0]
-    if base != name and base:
-        return pdf_glyph(base)
+    base = re.match(r"([^.]+)\.", name)                 # a variant (a.sc, one.oldstyle): its base
+    if base:
+        return pdf_glyph(base.group(1))
     parts = [pdf_glyph(p) for p in name.split("_")] if "_" in name else [None]
     return None if None in parts else "".join(parts)
 
