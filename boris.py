@@ -7395,8 +7395,10 @@ class Pdf(PdfParser):
             kind, value = self.field_value(annot, normal)
             if kind in ("Tx", "Ch") and isinstance(value, bytes) and (
                     regenerate or not isinstance(normal, PdfStream)):
-                size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", self.entry(annot, "DA", bytes, b""))
-                size = float(size.group(1)) if size and float(size.group(1)) > 0 else 12.0
+                # the size DA gives ('/Helv 9 Tf'); none, or 0 (fit to the box): 12
+                size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf",
+                                 self.entry(annot, "DA", bytes, b"") + b" 12 Tf")
+                size = float(size.group(1)) or 12.0
                 for k, line in enumerate(pdf_text_string(value).splitlines()):
                     runs.append(PdfRun(x, y - k * size, x + 0.5 * size * len(line),
                                        y - k * size, size, line, False))
