@@ -7480,7 +7480,7 @@ class Pdf(PdfParser):
         text, width, codes, spaces, missing = font.decode(string)
         self.unmapped += missing
         spacing = -tc if font.vertical else tc * th
-        if spacing > 0.15 * abs(size * font.em) and len(text) > 1:
+        if spacing > 0.15 * abs(size * font.em):
             text = " ".join(text)                   # letter-spaced: each one a word apart
         m0 = pdf_mul(tm, st.ctm)
         if font.vertical:                           # down a column: w1 x size + Tc + Tw
