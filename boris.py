@@ -6271,12 +6271,8 @@ def pdf_reading_order(boxes):
     out, stack = [], [list(range(len(boxes)))]
     while stack:
         group = stack.pop()
-        # (a line alone: no cut to look for)
-        if len(group) < 2:
-            out.extend(group)
-            continue
         best = pdf_widest_gap(boxes, group, unit)
-        # one column (a span every line crosses):
+        # one column (a span every line crosses; a line alone is one):
         if best is None:
             # its lines top first
             if max(boxes[i][0] for i in group) < min(boxes[i][1] for i in group):
