@@ -7263,12 +7263,11 @@ class Pdf(PdfParser):
         import zlib
         room = PDF_INFLATED_MAX - self.inflated
         best = b""
-        # (raw deflate after the header: no checksum to fail)
-        for wbits in (15, -15):
+        # (then raw deflate after the 2-byte header: no checksum to fail)
+        for wbits, start in ((15, 0), (-15, 2)):
             z, out, size = zlib.decompressobj(wbits), [], 0
-            data = data if wbits > 0 else data[2:]
             # (in pieces: a damaged end keeps what came before)
-            for at in range(0, len(data), 1 << 16):
+            for at in range(start, len(data), 1 << 16):
                 try:
                     piece = z.decompress(data[at:at + (1 << 16)], room + 1 - size)
                 except zlib.error:
