@@ -5885,9 +5885,9 @@ def pdf_glyph(name):
     m = re.match(r"u([0-9A-F]{4,6})$", name)
     if m and int(m.group(1), 16) <= 0x10ffff:
         return chr(int(m.group(1), 16))
-    base = name.split(".")[0]
-    if base != name and base:
-        return pdf_glyph(base)
+    base = re.match(r"([^.]+)\.", name)                 # a variant (a.sc, one.oldstyle): its base
+    if base:
+        return pdf_glyph(base.group(1))
     parts = [pdf_glyph(p) for p in name.split("_")] if "_" in name else [None]
     return None if None in parts else "".join(parts)
 
@@ -6075,9 +6075,8 @@ class PdfParser:
             ref = PDF_REF.match(data, end)
             return (PdfRef((int(text), int(ref.group(1)))), ref.end()) if ref else (int(text), end)
         if kind == "name":
-            raw = m.group(kind)
-            if b"#" in raw:
-                raw = re.sub(rb"#([0-9A-Fa-f]{2})", lambda h: bytes([int(h.group(1), 16)]), raw)
+            raw = re.sub(rb"#([0-9A-Fa-f]{2})", lambda h: bytes([int(h.group(1), 16)]),
+                         m.group(kind))                         # (#xx: a byte in hex)
             return PdfName(raw.decode("latin-1")), end
         if kind == "open":
             if depth > PDF_DEPTH_MAX:
@@ -6094,9 +6093,8 @@ class PdfParser:
                 return self.container(what == b"<<", end, depth)
             # '{' of a PostScript function: not text
             return None, end
-        if kind == "word":
-            return {b"true": True, b"false": False}.get(m.group(kind)), end
-        return None, end                                       # a stray closing bracket
+        # a word (true, false, null...), or a stray closing bracket (no word: None)
+        return {b"true": True, b"false": False}.get(m.group("word")), end
 
     def container(self, is_dict, pos, depth):
         """(an array, or a dictionary when `is_dict`, the offset after it) from just after
@@ -6220,12 +6218,8 @@ def pdf_reading_order(boxes):
     out, stack = [], [list(range(len(boxes)))]
     while stack:
         group = stack.pop()
-        # (a line alone: no cut to look for)
-        if len(group) < 2:
-            out.extend(group)
-            continue
         best = pdf_widest_gap(boxes, group, unit)
-        # one column (a span every line crosses):
+        # one column (a span every line crosses; a line alone is one):
         if best is None:
             # its lines top first
             if max(boxes[i][0] for i in group) < min(boxes[i][1] for i in group):
@@ -6290,7 +6284,7 @@ def pdf_standard_widths(base):
     """{code: width} of the standard font the name `base` says (Times; Helvetica, or Arial
     drawn like it); {} for any other."""
     metrics = PDF_METRICS.get("Times" if "Times" in base else
-                              "Helvetica" if "Helvetica" in base or "Arial" in base else "", "")
+                              "Helvetica" if re.search("Helvetica|Arial", base) else "", "")
     return {32 + k: int(v) / 1000.0 for k, v in enumerate(metrics.split())}
 
 
@@ -6371,13 +6365,13 @@ class PdfFont:
 
     def cid_widths(self, pdf, kid):
         """A CID font's widths: DW, DW2 and the W array ([first [w ...]] and [first last w])."""
-        get, dw = pdf.get, pdf.entry(kid, "DW", PDF_NUMBER)
-        self.default = (dw if dw is not None else 1000) / 1000.0
-        dw2 = pdf.entry(kid, "DW2", list)
-        if dw2 and len(dw2) == 2 and isinstance(get(dw2[1]), PDF_NUMBER):
+        get = pdf.get
+        self.default = pdf.entry(kid, "DW", PDF_NUMBER, 1000) / 1000.0
+        dw2 = pdf.entry(kid, "DW2", list, [])
+        if len(dw2) == 2 and isinstance(get(dw2[1]), PDF_NUMBER):
             # a glyph's advance down a column (w1 is negative)
             self.down = -get(dw2[1]) / 1000.0
-        w = pdf.entry(kid, "W", list) or []
+        w = pdf.entry(kid, "W", list, [])
         i = 0
         while i + 1 < len(w) and len(self.widths) < PDF_CMAP_MAX:
             first, nxt = get(w[i]), get(w[i + 1])
@@ -6402,7 +6396,7 @@ class PdfFont:
         and widths."""
         base, descriptor = self.simple_widths(pdf, d, subtype)
         enc = pdf.entry(d, "Encoding")
-        differences = pdf.entry(enc, "Differences", list) or []
+        differences = pdf.entry(enc, "Differences", list, [])
         name = str(enc) if isinstance(enc, str) else pdf.entry(enc, "BaseEncoding")
         table = self.base_encoding(pdf, name, subtype, base, descriptor)
         code = 0
@@ -6431,8 +6425,8 @@ class PdfFont:
         matrix = pdf.entry(d, "FontMatrix", list) if subtype == "Type3" else None
         if matrix and isinstance(pdf.get(matrix[0]), PDF_NUMBER):
             self.scale = pdf.get(matrix[0])
-        first, widths = pdf.entry(d, "FirstChar", int), pdf.entry(d, "Widths", list)
-        for k, v in enumerate(widths[:256] if first is not None and widths else []):
+        first, widths = pdf.entry(d, "FirstChar", int), pdf.entry(d, "Widths", list, [])
+        for k, v in enumerate(widths[:256] if first is not None else []):
             v = pdf.get(v)
             if isinstance(v, PDF_NUMBER):
                 self.widths[first + k] = v * self.scale
@@ -6442,8 +6436,8 @@ class PdfFont:
             self.em = 2 * drawn[len(drawn) // 2]
         base = str(pdf.entry(d, "BaseFont") or "")
         descriptor = pdf.entry(d, "FontDescriptor", dict)        # (None: read as an empty one)
-        missing = pdf.entry(descriptor, "MissingWidth", PDF_NUMBER)
-        if missing is not None and missing > 0:
+        missing = pdf.entry(descriptor, "MissingWidth", PDF_NUMBER, 0)
+        if missing > 0:
             self.default = missing * self.scale
         elif "Courier" in base:
             self.default = 0.6
@@ -6472,7 +6466,7 @@ class PdfFont:
                 if builtin:
                     return builtin
         return pdf_encoding("WinAnsiEncoding" if subtype == "TrueType" else "StandardEncoding") \
-            if "Symbol" not in base and "Dingbat" not in base else {}
+            if not re.search("Symbol|Dingbat", base) else {}
 
     @staticmethod
     def embedded(pdf, kid):
@@ -6531,21 +6525,19 @@ class PdfFont:
         uni, widths, default, spans = self.uni, self.widths, self.default, self.spans
         parts, width, i, missing = [], 0.0, 0, 0
         while i < len(s):
-            n = 0
+            n = min(2, len(s) - i)                      # (in no range: two bytes)
             for size, lo, hi in spans:
                 c = s[i:i + size]
                 if len(c) == size and all(lo[k] <= c[k] <= hi[k] for k in range(size)):
                     n = size
                     break
-            n = n or min(2, len(s) - i)
             c = s[i:i + n]
             i += n
             t, w = uni.get(c), widths.get(int.from_bytes(c, "big"), default)
             if t is None and n == 1:
                 # a one-byte code, ToUnicode's keys two bytes
                 t = uni.get(b"\x00" + c)
-            if t is None:
-                missing += 1
+            missing += t is None
             # (a glyph with no text still parts words)
             parts.append(t or (" " if w > 0 else ""))
             width += w
@@ -6580,7 +6572,7 @@ class PdfCMap(dict):
             elif word == b"endcodespacerange":
                 self.spans += [(len(lo), lo, hi) for lo, hi in pairs
                                if isinstance(lo, bytes) and isinstance(hi, bytes)
-                               and len(lo) == len(hi) and 0 < len(lo) <= 4]
+                               and 0 < len(lo) == len(hi) <= 4]
             elif word == b"endbfchar":
                 self.update((src, pdf_unicode(dst)) for src, dst in pairs if isinstance(src, bytes))
             elif word == b"endbfrange":
@@ -6606,7 +6598,7 @@ class PdfCMap(dict):
         """A bfrange's codes: lo hi, then a first destination or a list of them."""
         for j in range(0, len(tokens) - 2, 3):
             lo, hi, dst = tokens[j:j + 3]
-            if not (isinstance(lo, bytes) and isinstance(hi, bytes) and len(lo) == len(hi) and lo):
+            if not (isinstance(lo, bytes) and isinstance(hi, bytes) and 0 < len(lo) == len(hi)):
                 continue
             a, b = int.from_bytes(lo, "big"), int.from_bytes(hi, "big")
             if b - a > PDF_CMAP_MAX - len(self):              # (b < a: an empty range)
@@ -6717,17 +6709,17 @@ def pdf_predictor(data, p):
             for i in range(start + bpp, min(start + row, len(out))):
                 out[i] = (out[i] + out[i - bpp]) & 255
         return bytes(out)
-    out, prev = bytearray(), bytearray(row)
+    out, prev = bytearray(), bytes(bpp) + bytearray(row)   # bpp zeros left of a row: its a, c
     for start in range(0, len(data), row + 1):
-        kind, line = data[start], bytearray(data[start + 1:start + 1 + row])
-        line += bytes(row - len(line))
-        for i in range(row) if 1 <= kind <= 4 else ():      # Sub, Up, Average, Paeth (0: None)
-            a, b, c = line[i - bpp] if i >= bpp else 0, prev[i], prev[i - bpp] if i >= bpp else 0
-            if kind == 4:
-                pa, pb, pc = abs(b - c), abs(a - c), abs(a + b - 2 * c)
-                a = a if pa <= pb and pa <= pc else b if pb <= pc else c
-            line[i] = (line[i] + (a if kind in (1, 4) else b if kind == 2 else (a + b) // 2)) & 255
-        out += line
+        kind, line = data[start], bytearray(bpp) + data[start + 1:start + 1 + row]
+        line += bytes(len(prev) - len(line))
+        for i in range(bpp, len(line)) if 1 <= kind <= 4 else ():   # Sub, Up, Average, Paeth
+            a, b, c = line[i - bpp], prev[i], prev[i - bpp]          # left, up, up left
+            # Paeth: of a, b, c (first on a tie) the nearest to a + b - c
+            paeth = min((abs(b - c), a), (abs(a - c), b), (abs(a + b - 2 * c), c),
+                        key=lambda pair: pair[0])[1] if kind == 4 else 0
+            line[i] = (line[i] + (a, b, (a + b) // 2, paeth)[kind - 1]) & 255
+        out += line[bpp:]
         prev = line
     return bytes(out)
 
@@ -6917,19 +6909,42 @@ def pdf_aes_cbc(key, iv, data, encrypt=False):
 # -- PDF: the document and its pages ----------------------------------------------
 # (Tz: percent)
 PDF_TEXT_PARAMETERS = {b"Tc": "tc", b"Tw": "tw", b"Tz": "th", b"TL": "tl", b"Ts": "rise"}
+# What each operator of a content stream does, given the state (a PdfText), the operator
+# and its operands; one with operands it cannot take raises, and Pdf.run skips it
+PDF_OPERATORS = {
+    **dict.fromkeys((b"Tj", b"'", b'"', b"TJ"), lambda st, op, o: st.pdf.show(op, o, st)),
+    **dict.fromkeys(PDF_TEXT_PARAMETERS, lambda st, op, o: setattr(
+        st, PDF_TEXT_PARAMETERS[op], float(o[-1]) / (100.0 if op == b"Tz" else 1.0))),
+    b"Td": lambda st, op, o: st.move(o[-2], o[-1]),
+    b"TD": lambda st, op, o: st.move(o[-2], o[-1], leading=-o[-1]),
+    b"T*": lambda st, op, o: st.move(0, -st.tl),
+    b"Tm": lambda st, op, o: st.begin([float(x) for x in o[-6:]]),
+    b"BT": lambda st, op, o: st.begin([1, 0, 0, 1, 0, 0]),
+    b"Tf": lambda st, op, o: st.pdf.font(st, o[-2], o[-1]),
+    b"cm": lambda st, op, o: setattr(st, "ctm", pdf_mul([float(x) for x in o[-6:]],
+                                                       st.ctm)),
+    b"q": lambda st, op, o: st.stack.append(st.saved()) if len(st.stack) < 1000 else None,
+    b"Q": lambda st, op, o: st.restore(st.stack.pop()),
+    b"Do": lambda st, op, o: st.pdf.form(st, o[-1])}
+
+
+def pdf_other_operator(st, op, operands):
+    """Any other operator of a content stream: nothing that text needs."""
 
 
 class PdfText:
     """What Pdf.run keeps while it reads a content stream: the graphics state it needs (the
     transformation `ctm`, the font and its size, character and word spacing tc and tw,
-    horizontal scale th, leading tl, rise, the text and line matrices tm and lm) and what
-    the stream was run with (resources, where runs go, how deep in forms, which forms; and
-    the resources' fonts and xobjects, which run() sets)."""
+    horizontal scale th, leading tl, rise, the text and line matrices tm and lm; the states
+    q saved, `stack`) and what the stream was run with (the Pdf, resources, where runs go,
+    how deep in forms, which forms; and the resources' fonts and xobjects, which run() sets)."""
 
-    def __init__(self, ctm, resources, runs, depth, forms):
+    def __init__(self, pdf, ctm, resources, runs, depth, forms):
+        self.pdf = pdf
         self.restore((ctm, None, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0))
         self.tm = self.lm = [1, 0, 0, 1, 0, 0]
         self.resources, self.runs, self.depth, self.forms = resources, runs, depth, forms
+        self.stack = []
 
     def saved(self):
         """What q saves and Q restores."""
@@ -6938,8 +6953,14 @@ class PdfText:
     def restore(self, saved):
         self.ctm, self.font, self.size, self.tc, self.tw, self.th, self.tl, self.rise = saved
 
-    def move(self, tx, ty):
-        """The next line, (tx, ty) from this line's start (Td, T*, ' and ")."""
+    def begin(self, matrix):
+        """BT and Tm: the text and the line matrix both `matrix`."""
+        self.tm = self.lm = matrix
+
+    def move(self, tx, ty, leading=None):
+        """The next line, (tx, ty) from this line's start (Td, T*, ' and "; TD sets the
+        `leading` too)."""
+        self.tl = self.tl if leading is None else leading
         lm = self.lm
         self.lm = self.tm = lm[:4] + [lm[4] + tx * lm[0] + ty * lm[2],
                                       lm[5] + tx * lm[1] + ty * lm[3]]
@@ -7117,11 +7138,11 @@ class Pdf(PdfParser):
         head = [int(x) for x in data[:first].split()[:2 * n]]
         return head[0::2], [first + o for o in head[1::2]], data
 
-    def entry(self, d, key, kind=object):
-        """Dictionary `d`'s value at `key`, resolved, when it is a `kind`; else None (None too
-        when `d` is no dictionary)."""
+    def entry(self, d, key, kind=object, default=None):
+        """Dictionary `d`'s value at `key`, resolved, when it is a `kind`; else `default`
+        (that too when `d` is no dictionary)."""
         value = self.get(d.get(key)) if isinstance(d, dict) else None
-        return value if isinstance(value, kind) else None
+        return value if isinstance(value, kind) else default
 
     def get(self, value, depth=0):
         """`value` with a reference resolved (None if it leads nowhere)."""
@@ -7141,8 +7162,7 @@ class Pdf(PdfParser):
                     if key not in self.cache:
                         self.cache[key] = self.object_stream(stream)
                     numbers, offsets, data = self.cache[key]
-                    if index < len(offsets):
-                        found, _ = PdfParser(data).obj(offsets[index])
+                    found, _ = PdfParser(data).obj(offsets[index])      # (none: IndexError)
             elif number in self.offsets:
                 try:
                     found = self.indirect(self.offsets[number], number)
@@ -7190,12 +7210,11 @@ class Pdf(PdfParser):
         import zlib
         room = PDF_INFLATED_MAX - self.inflated
         best = b""
-        # (raw deflate after the header: no checksum to fail)
-        for wbits in (15, -15):
+        # (then raw deflate after the 2-byte header: no checksum to fail)
+        for wbits, start in ((15, 0), (-15, 2)):
             z, out, size = zlib.decompressobj(wbits), [], 0
-            data = data if wbits > 0 else data[2:]
             # (in pieces: a damaged end keeps what came before)
-            for at in range(0, len(data), 1 << 16):
+            for at in range(start, len(data), 1 << 16):
                 try:
                     piece = z.decompress(data[at:at + (1 << 16)], room + 1 - size)
                 except zlib.error:
@@ -7232,7 +7251,7 @@ class Pdf(PdfParser):
     def pages(self):
         """[(the page dictionary, its resources)], in order, through the page tree (cycles and
         depth bounded; a tree that leads nowhere: the objects of /Type /Page, in file order)."""
-        root = self.entry(self.trailer, "Root", dict) or {}
+        root = self.entry(self.trailer, "Root", dict, {})
         out, seen = [], set()
 
         def walk(node, resources, depth):
@@ -7260,12 +7279,15 @@ class Pdf(PdfParser):
         return " ".join(pdf_text_string(title).split())
 
     # -- text
-    def font(self, ref):
-        """The PdfFont of a font dictionary (kept by reference)."""
+    def font(self, st, name, size):
+        """Tf: the state's font size, and its font, the PdfFont of resource `name` (kept by
+        reference; None when there is none)."""
+        st.size = float(size)
+        ref = st.fonts.get(name) if isinstance(name, str) else None
         key = ref if isinstance(ref, PdfRef) else id(ref)
         if key not in self.fonts:
-            self.fonts[key] = PdfFont(self, self.get(ref))
-        return self.fonts[key]
+            self.fonts[key] = PdfFont(self, self.get(ref)) if ref is not None else None
+        st.font = self.fonts[key]
 
     def page_text(self, page, resources):
         """The text of one page, its lines in reading order (pdf_lines), and a last line that
@@ -7296,13 +7318,13 @@ class Pdf(PdfParser):
     def annotations(self, page, runs):
         """A page's annotations as drawn (their appearance streams), and a form field's text
         value where it has no appearance or the form asks for new ones, into `runs`."""
-        annots = self.entry(page, "Annots", list) or []
+        annots = self.entry(page, "Annots", list, [])
         acroform = self.entry(self.entry(self.trailer, "Root"), "AcroForm")
         regenerate = self.entry(acroform, "NeedAppearances") is True
         for annot in annots[:1000]:
             # a form field's value, a note: as drawn
             annot = self.get(annot)
-            if not isinstance(annot, dict) or (self.entry(annot, "F", int) or 0) & 2:
+            if not isinstance(annot, dict) or self.entry(annot, "F", int, 0) & 2:
                 continue
             normal = self.entry(self.entry(annot, "AP"), "N")
             if isinstance(normal, dict):
@@ -7315,8 +7337,10 @@ class Pdf(PdfParser):
             kind, value = self.field_value(annot, normal)
             if kind in ("Tx", "Ch") and isinstance(value, bytes) and (
                     regenerate or not isinstance(normal, PdfStream)):
-                size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf", self.entry(annot, "DA", bytes) or b"")
-                size = float(size.group(1)) if size and float(size.group(1)) > 0 else 12.0
+                # the size DA gives ('/Helv 9 Tf'); none, or 0 (fit to the box): 12
+                size = re.search(rb"(\d+\.?\d*|\.\d+)\s+Tf",
+                                 self.entry(annot, "DA", bytes, b"") + b" 12 Tf")
+                size = float(size.group(1)) or 12.0
                 for k, line in enumerate(pdf_text_string(value).splitlines()):
                     runs.append(PdfRun(x, y - k * size, x + 0.5 * size * len(line),
                                        y - k * size, size, line, False))
@@ -7326,11 +7350,11 @@ class Pdf(PdfParser):
     def run(self, data, resources, ctm, runs, depth, forms):
         """Interpret a content stream: each string shown becomes a run (x, y, end x, end y,
         size, text) in page space; form XObjects are run inside it."""
-        st = PdfText(ctm, resources, runs, depth, forms)
-        st.fonts = self.entry(resources, "Font", dict) or {}
-        st.xobjects = self.entry(resources, "XObject", dict) or {}
+        st = PdfText(self, ctm, resources, runs, depth, forms)
+        st.fonts = self.entry(resources, "Font", dict, {})
+        st.xobjects = self.entry(resources, "XObject", dict, {})
 
-        stack, operands = [], []
+        operands = []
         pos, end = 0, len(data)
         match = PDF_TOKEN.match
         sub = PdfParser(data)
@@ -7362,44 +7386,11 @@ class Pdf(PdfParser):
                 stop = end_image.search(data, at.end()) if at else None
                 pos = stop.end() if stop else end
             try:
-                self.operate(op, operands, st, stack)
+                PDF_OPERATORS.get(op, pdf_other_operator)(st, op, operands)
             except (IndexError, TypeError, ValueError, ZeroDivisionError, OverflowError):
                 # an operator with operands it cannot take
                 pass
             operands = []
-
-    def operate(self, op, operands, st, stack):
-        """One operator of a content stream, on the state `st` (and `stack`, the states q saved)."""
-        if op in (b"Tj", b"'", b'"', b"TJ"):
-            self.show(op, operands, st)
-        elif op in (b"Td", b"TD"):
-
-            tx, ty = operands[-2], operands[-1]
-            if op == b"TD":
-                st.tl = -ty
-            st.move(tx, ty)
-        elif op == b"Tm":
-            st.lm = st.tm = [float(x) for x in operands[-6:]]
-        elif op == b"T*":
-            st.move(0, -st.tl)
-        elif op == b"Tf":
-            name, st.size = operands[-2], float(operands[-1])
-            ref = st.fonts.get(name) if isinstance(name, str) else None
-            st.font = self.font(ref) if ref is not None else None
-        elif op == b"BT":
-            st.tm = st.lm = [1, 0, 0, 1, 0, 0]
-        elif op == b"cm":
-            st.ctm = pdf_mul([float(x) for x in operands[-6:]], st.ctm)
-        elif op == b"q" and len(stack) < 1000:
-            stack.append(st.saved())
-        elif op == b"Q":
-            st.restore(stack.pop())                  # (none saved: IndexError, skipped by run())
-
-        elif op in PDF_TEXT_PARAMETERS:
-            setattr(st, PDF_TEXT_PARAMETERS[op],
-                    float(operands[-1]) / (100.0 if op == b"Tz" else 1.0))
-        elif op == b"Do":
-            self.form(st, operands[-1])
 
     def show(self, op, operands, st):
         """A text-showing operator (Tj, TJ, ' and "): its strings as runs in page space (and
@@ -7431,7 +7422,7 @@ class Pdf(PdfParser):
         text, width, codes, spaces, missing = font.decode(string)
         self.unmapped += missing
         spacing = -tc if font.vertical else tc * th
-        if spacing > 0.15 * abs(size * font.em) and len(text) > 1:
+        if spacing > 0.15 * abs(size * font.em):
             text = " ".join(text)                   # letter-spaced: each one a word apart
         m0 = pdf_mul(tm, st.ctm)
         if font.vertical:                           # down a column: w1 x size + Tc + Tw
@@ -7456,8 +7447,8 @@ class Pdf(PdfParser):
             matrix = form.dict.get("Matrix")
             matrix = [float(x) for x in matrix] if isinstance(matrix, list) and len(matrix) == 6 \
                 else [1, 0, 0, 1, 0, 0]
-            inner = self.get(form.dict.get("Resources"))
-            self.run(self.body(form) or b"", inner if isinstance(inner, dict) else st.resources,
+            inner = self.entry(form.dict, "Resources", dict, st.resources)
+            self.run(self.body(form) or b"", inner,
                      pdf_mul(matrix, st.ctm), st.runs, st.depth + 1, st.forms | {ref})
 
 def pdf_job(job, emit):

@@ -4192,6 +4192,25 @@ class TestPdf(NoViewBase):
 
     @NEEDS_CTYPES
     @unittest.skipUnless(boris.importable("ssl"), "this Python has no ssl module: AES is its OpenSSL's")
+    def test_png_and_tiff_predictors_undo_each_filter(self):
+        """Issue 74 (pdf_predictor read with padded rows): each PNG filter of a row of three
+        8-bit colours (None, Sub, Up, Average, Paeth, and a cut last row) and TIFF's, by hand."""
+        rows = bytes([0, 10, 20, 30, 40, 50, 60, 1, 5, 5, 5, 5, 5, 5, 2, 1, 2, 3, 4, 5, 6,
+                      3, 9, 9, 9, 9, 9, 9, 4, 200, 7, 100, 3, 250, 1, 4, 30])
+        self.assertEqual(boris.pdf_predictor(rows, {"Predictor": 12, "Colors": 3, "Columns": 2}),
+                         bytes([10, 20, 30, 40, 50, 60, 5, 5, 5, 10, 10, 10, 6, 7, 8, 14, 15, 16,
+                                12, 12, 13, 22, 22, 23, 212, 19, 113, 215, 16, 114, 242, 19, 113,
+                                242, 16, 114]))
+        # Paeth's tie between up (30) and up left (50), both 10 from a + b - c: up
+        self.assertEqual(boris.pdf_predictor(bytes([0, 50, 30, 4, 10, 1]), {"Predictor": 14,
+                                                                           "Columns": 2}),
+                         bytes([50, 30, 60, 31]))
+        self.assertEqual(boris.pdf_predictor(bytes(range(1, 8)), {"Predictor": 2, "Colors": 2,
+                                                                  "Columns": 3}),
+                         bytes([1, 2, 4, 6, 9, 12, 7]))
+        self.assertEqual(boris.pdf_predictor(b"\x01\x02", {"Predictor": 2, "BitsPerComponent": 4}),
+                         b"\x01\x02")                     # (TIFF below 8 bits: left as it is)
+
     def test_aes_gives_fips_197s_vectors(self):
         block = bytes.fromhex("00112233445566778899aabbccddeeff")                              # FIPS-197 C.1, C.3
         for key, sealed in ((bytes(range(16)), "69c4e0d86a7b0430d8cdb78070b4c55a"),
