@@ -5458,7 +5458,7 @@ class Document:
         styles = {}
         for style in self.each("word/styles.xml", W + "style"):
             name = style.find(W + "name")
-            styles[style.get(W + "styleId")] = (name.get(W + "val") if name is not None
+            styles[style.get(W + "styleId")] = (name.get(W + "val", "") if name is not None
                                                 else "").lower()
         notes = {note.get(W + "id"): " ".join(self.docx_text(p) for p in note.iter(W + "p")).strip()
                  for note in self.each("word/footnotes.xml", W + "footnote")
@@ -7985,7 +7985,9 @@ def helper_search():
             sys.stderr.write("boris: search helper %d: the job failed:\n%s"
                              % (os.getpid(), _traceback()))
             sys.stderr.flush()
-            end = {"end": "error", "code": IO_ERROR, "message": "the search failed: %r" % e}
+            end = {"end": "error", "code": IO_ERROR,
+                   "message": "the helper's job failed (%r), a bug in boris, logged with its "
+                              "traceback" % e}
         finally:
             if alarms:
                 signal.setitimer(signal.ITIMER_REAL, 0)

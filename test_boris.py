@@ -2877,7 +2877,8 @@ class TestHelperPool(SearchBase):
                 os.close(saved)
             err.seek(0)
             logged = err.read().decode()
-        self.assertIn("the search failed", e.exception.message)
+        self.assertIn("the helper's job failed (KeyError('no-such-op')), a bug in boris, logged",
+                      e.exception.message)
         self.assertIn("Traceback", logged)
         self.assertIn("KeyError: 'no-such-op'", logged)
 
@@ -3728,6 +3729,10 @@ class TestDocuments(NoViewBase):
         rendered = "\n".join(l.split("\t", 1)[1] if "\t" in l else l for l in text.split("\n")[1:])
         self.assertEqual(rendered, "# Report\n\n# Scope\n\n- First point\n- Second point\n\nPlain with a\ttab[^1]\n\n"
                                    "| Name | Value |\n|---|---|\n| a\\|b | 2 |\n\n[^1]: The note.")
+        parts = docx_parts(w_p("Styled", "H1"))          # a style's name without its value: no style
+        parts["word/styles.xml"] = parts["word/styles.xml"].replace('<w:name w:val="heading 1"/>', "<w:name/>")
+        office_file(self.path("nameless.docx"), parts)
+        self.assertIn("     1\tStyled", self.ok("view", path="nameless.docx"))
 
     def test_a_workbook_has_each_sheet_as_a_table_with_values(self):
         styles = ('<numFmts><numFmt numFmtId="164" formatCode="yyyy-mm-dd"/></numFmts>'
