@@ -12023,7 +12023,7 @@ def text_lines(s, ended=True):
     """s split into lines (CRLF as LF); when `ended`, a final newline ends the last line
     rather than starting an empty one."""
     lines = s.replace("\r\n", "\n").split("\n")
-    if ended and len(lines) > 1 and lines[-1] == "":
+    if ended and s.endswith("\n"):
         lines.pop()
     return lines
 
@@ -12043,8 +12043,9 @@ def squeezed(line):
     """A line as the inner-whitespace level sees it: typography folded, its ends stripped,
     a run of whitespace between two word characters one space, any other run gone."""
     s = line.translate(PUNCT_ASCII).strip()
-    return WHITESPACE_RUN.sub(lambda m: " " if m.start() and m.end() < len(s)
-                              and is_word(s[m.start() - 1]) and is_word(s[m.end()]) else "", s)
+    # (stripped: every run has a character on either side)
+    return WHITESPACE_RUN.sub(lambda m: " " if is_word(s[m.start() - 1]) and is_word(s[m.end()])
+                              else "", s)
 
 
 def line_key(line):
@@ -12086,12 +12087,12 @@ def indent_map(want, region):
     one of the slips models make: levels shifted, tabs written as spaces, another
     width of unit (2 spaces for 4), every level alike (indent_unit); else None:
     then the lines only look alike."""
-    to_file, to_old = {}, {}
+    to_file = {}
     for w, f in zip(want, region):
-        if w.strip() and f.strip():
-            a, b = leading(w), leading(f)
-            if to_file.setdefault(a, b) != b or to_old.setdefault(b, a) != a:
-                return None
+        a, b = leading(w), leading(f)
+        if w.strip() and f.strip() and to_file.setdefault(a, b) != b:
+            return None
+    # deeper in old_str, deeper in the file (so no two of old_str's map onto one of the file's)
     pairs = sorted((len(a.expandtabs(4)), len(b.expandtabs(4))) for a, b in to_file.items())
     if any(q[1] <= p[1] for p, q in zip(pairs, pairs[1:])):
         return None
@@ -12112,8 +12113,8 @@ def indent_unit(mapping):
     if not steps:
         return IndentUnit(0, "")
     unit, top, low = min(steps)
-    step = top[len(low):] if top.startswith(low) else ""
-    if not step or step != step[0] * len(step):
+    step = top[len(low):]           # (when top does not start with low, the loop below refuses)
+    if len(set(step)) != 1:
         return None
     base = next((f for _, f in levels if f), "")
     if base[:1] != step[0]:
@@ -12124,7 +12125,7 @@ def indent_unit(mapping):
         # off, not the unit
         return None
     for dn, f2, f1 in steps:
-        if dn % unit or not f2.startswith(f1) or f2[len(f1):] != step * (dn // unit):
+        if dn % unit or f2 != f1 + step * (dn // unit):
             return None
     # as a ratio: two tabs for 8 columns are a tab for 4
     g = math.gcd(unit, len(step))
@@ -12162,13 +12163,12 @@ def with_indent(line, mapping, place_unit=None):
     columns, the file's as text); a line shallower than every known level loses as
     many of the file's units. None when the mapping cannot tell."""
     have = leading(line)
-    level_unit = indent_unit(mapping)
-    torn = level_unit and level_unit.columns and place_unit and (
+    level_unit = indent_unit(mapping)           # (indent_map's mappings all have one)
+    torn = level_unit.columns and place_unit and (
         level_unit.text[:1] != place_unit.text[:1]
         or level_unit.columns * len(place_unit.text) != place_unit.columns * len(level_unit.text))
     # torn: the place and the file disagree
-    unit = (level_unit if level_unit != (0, "") or not place_unit else place_unit) \
-        or IndentUnit(0, "")
+    unit = level_unit if level_unit.columns or not place_unit else place_unit
     best = max((k for k in mapping if have.startswith(k)), key=len, default=None)
     if torn and have not in mapping:
         return None
@@ -12195,14 +12195,15 @@ def deeper_indent(extra, best, mapping, unit):
     """The file's writing of `extra`, the indentation a line has past the known level
     `best`: in the file's units, or as tabs against spaces where one level shows how, or
     as it is where the mapping is a shift; None when it cannot be told."""
-    if extra and unit.columns and len(extra.expandtabs(4)) % unit.columns == 0:
+    if not extra:
+        return extra
+    if unit.columns and len(extra.expandtabs(4)) % unit.columns == 0:
         extra = unit.text * (len(extra.expandtabs(4)) // unit.columns)
-    elif (extra and best and len(set(best)) == len(set(mapping[best])) == 1
-          != len(set(best + mapping[best])) and set(extra) == set(best)
-          and len(extra) * len(mapping[best]) % len(best) == 0):
+    elif (len(set(best)) == len(set(mapping[best])) == 1 != len(set(best + mapping[best]))
+          and set(extra) == set(best) and len(extra) * len(mapping[best]) % len(best) == 0):
         # one level known, tabs against spaces: as many of the file's as that level shows
         extra = mapping[best][0] * (len(extra) * len(mapping[best]) // len(best))
-    elif extra and not is_shift(mapping):
+    elif not is_shift(mapping):
         # part of a unit the file writes otherwise: not known
         return None
     return extra
@@ -12237,11 +12238,11 @@ class LineIndex:
         they go), at or after `start` (at the end, for eof), overlapping ones too (each
         is a place). With `partial`, want's last line may be the start of the file's line."""
         wkeys = [line_key(w) for w in want]
-        texts = [k for k, key in enumerate(wkeys) if key]         # want's lines with text
-        if not texts:
+        words = list(filter(None, wkeys))                         # want's lines with text
+        if not words:
             return []
-        words = [wkeys[k] for k in texts]
-        lead, tail = texts[0], len(wkeys) - 1 - texts[-1]
+        # the blank lines before the first and after the last
+        lead, tail = wkeys.index(words[0]), wkeys[::-1].index(words[-1])
         nb, keys, m, out = self.nonblank, self.keys, len(words), []
         if partial and tail:
             return []
@@ -12295,7 +12296,7 @@ def level_of(plain, want, i, j, partial):
     for k, (_, norm, maps_indent) in enumerate(MATCH_LEVELS[:BLANK_LEVEL]):
         if same(norm, region, want) and (not maps_indent or indent_map(want, region) is not None):
             return k
-    if same(squeezed, [l for l in region if l.strip()], [w for w in want if w.strip()]):
+    if same(squeezed, list(filter(str.strip, region)), list(filter(str.strip, want))):
         return BLANK_LEVEL
     return None
 
@@ -12303,19 +12304,19 @@ def level_of(plain, want, i, j, partial):
 def find_lines(index, want, start=0, eof=False, partial=False):
     """(level, [(i, j)] there, [(i, j)] elsewhere) of the first level at which the lines
     `want` stand in the file (a LineIndex) at or after `start` (at the end, for eof):
-    the places found there and, past the strict levels, the other places the most
-    relaxed level sees (a place is unique only when nothing else looks like it);
-    (None, [], []) when nowhere."""
-    found = []
+    the places found there, in order, and past the strict levels the other places the
+    most relaxed level sees, in no order (a place is unique only when nothing else looks
+    like it); (None, [], []) when nowhere."""
+    found = {}                                  # level: [(i, j)] found at it
     for i, j in index.spans(want, start, eof, partial):
         level = level_of(index.plain, want, i, j, partial)
         if level is not None:
-            found.append((level, (i, j)))
+            found.setdefault(level, []).append((i, j))
     if not found:
         return None, [], []
-    level = min(k for k, _ in found)
-    return (level, [span for k, span in found if k == level],
-            [span for k, span in found if k != level] if level >= STRICT_LEVELS else [])
+    level = min(found)
+    there = found.pop(level)
+    return level, there, sum(found.values(), []) if level >= STRICT_LEVELS else []
 
 
 # -- the three-way merge ----------------------------------------------------------
