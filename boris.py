@@ -12338,17 +12338,17 @@ def hunk_ops(lines):
 
 
 def paired_lines(olds, news):
-    """[(k, m)]: which old line (index into olds) each changed new line (into news) was
-    made from, in order: line by line when there are as many and each pair is alike,
-    else by the most similar pairs; a line with no partner is None on its side."""
+    """For each changed new line (of news), the old line (index into olds) it was made
+    from, or None: line by line when there are as many and each pair is alike, else by
+    the most similar pairs, in order."""
     import difflib
-    unpaired = [(k, None) for k in range(len(olds))] + [(None, m) for m in range(len(news))]
+    unpaired = [None] * len(news)
 
     def ratio(a, b):
         matcher = difflib.SequenceMatcher(None, a.strip()[:300], b.strip()[:300], autojunk=False)
         return matcher.ratio() if matcher.quick_ratio() >= 0.5 else 0.0
     if len(olds) == len(news) and all(ratio(a, b) >= 0.5 for a, b in zip(olds, news)):
-        return [(k, k) for k in range(len(olds))]
+        return list(range(len(olds)))
     if len(olds) * len(news) > 400:
         return unpaired
     # difflib's own cutoff for lines that were changed, not replaced
@@ -12361,10 +12361,8 @@ def paired_lines(olds, news):
     if at is None:
         return unpaired
     k, m = at
-    left = paired_lines(olds[:k], news[:m])
-    right = [(a if a is None else a + k + 1, b if b is None else b + m + 1)
-             for a, b in paired_lines(olds[k + 1:], news[m + 1:])]
-    return left + [(k, m)] + right
+    right = [a if a is None else a + k + 1 for a in paired_lines(olds[k + 1:], news[m + 1:])]
+    return paired_lines(olds[:k], news[:m]) + [k] + right
 
 
 TextUnit = namedtuple("TextUnit", "canonical original solid")
@@ -12391,7 +12389,7 @@ def text_units(core):
         after = core[j:j + 1].translate(PUNCT_ASCII)[:1]
         spaced = any(ch.translate(PUNCT_ASCII).isspace() for ch in run)
         units.append(TextUnit(" " if spaced and units and is_word(units[-1].canonical)
-                              and after and is_word(after) else "", run, False))
+                              and is_word(after) else "", run, False))
         k = j
     return units
 
@@ -12428,7 +12426,7 @@ class EditMerge:
         self.plain = [split_cr(l)[0] for l in region]
         self.align = self.aligned()
         pairs = [(want[w], self.plain[r]) for w, r in enumerate(self.align) if r is not None]
-        self.mapping = indent_map([a for a, _ in pairs], [b for _, b in pairs])
+        self.mapping = indent_map(*zip(*pairs))
         self.read_indentation(pairs, file_step)
         self.columns = self.aligned_columns(pairs) if level >= BLANK_LEVEL - 1 else {}
         # Typography old_str has where the file's line has none was the copy's slip: the text
@@ -12456,7 +12454,7 @@ class EditMerge:
             self.place_unit is None
             or self.place_unit.columns == len(self.place_unit.text.expandtabs(4)))
         self.indent_chars = set(file_step.text if file_step
-                                else "".join(leading(f) for f in self.plain))
+                                else "".join(map(leading, self.plain)))
         # the line that is off is the slip, not a level to follow
         if self.as_is:
             self.known = {a: b for a, b in self.known.items() if a == b}
@@ -12491,41 +12489,39 @@ class EditMerge:
         """The region's lines after the edit (CR kept where the file has it)."""
         out, rp, align = [], 0, self.align
         for tag, i1, i2, j1, j2 in self.ops:
-            rows = [align[w] for w in range(i1, i2) if align[w] is not None]
-            if tag == "insert":
+            olds = [w for w in range(i1, i2) if align[w] is not None]
+            rows = [align[w] for w in olds]
+            if not rows:        # an insert, or only blank lines the file does not have
                 next_row = next((r for r in align[i2:] if r is not None), len(self.region))
-                if rp < next_row:
+                if tag == "insert" and rp < next_row:
                     raise self.refuse(
                         "the file has %s at line %d of the match that %s lacks, just where the"
                         " new lines go; copy %s with the file's blank lines"
                         % (plural(next_row - rp, "blank line"), rp + 1, self.what, self.what))
-                out += [self.new_line(j) for j in range(j1, j2)]
-            elif not rows:                  # only blank lines the file does not have
-                out += [self.new_line(j) for j in range(j1, j2)] if tag == "replace" else []
+                if tag != "equal":
+                    out += [self.new_line(j) for j in range(j1, j2)]
             else:
                 # blank lines old_str lacks, before the block: kept
                 out += self.region[rp:rows[0]]
                 if tag == "equal":
                     out += self.region[rows[0]:rows[-1] + 1]
                 elif tag == "replace":
-                    out += self.replaced(rows, range(i1, i2), j1, j2)
+                    out += self.replaced(rows, olds, j1, j2)
                 rp = rows[-1] + 1
         return out + self.region[rp:]
 
     def replaced(self, rows, olds, j1, j2):
-        """The lines new[j1:j2] that replace old_str's lines `olds` (at the region's `rows`):
-        each made from an old line merged into the file's line, the others new lines; a
-        refusal where the file has a blank line among those rows that old_str lacks."""
-        inside = [r for r in range(rows[0], rows[-1] + 1) if r not in rows]
+        """The lines new[j1:j2] that replace old_str's lines `olds` (those the file has, at
+        the region's `rows`): each made from an old line merged into the file's line, the
+        others new lines; a refusal where the file has a blank line among those rows that
+        old_str lacks."""
+        inside = set(range(rows[0], rows[-1])).difference(rows)
         if inside:
             raise self.refuse("the file has a blank line at line %d of the match, inside"
                               " the lines the edit changes, that %s lacks"
-                              % (inside[0] + 1, self.what))
-        olds = [w for w in olds if self.align[w] is not None]
+                              % (min(inside) + 1, self.what))
         out = []
-        for k, m in paired_lines([self.want[w] for w in olds], self.new[j1:j2]):
-            if m is None:
-                continue                    # an old line the edit removes
+        for m, k in enumerate(paired_lines([self.want[w] for w in olds], self.new[j1:j2])):
             if k is None:
                 out.append(self.new_line(j1 + m))
             else:
@@ -12606,23 +12602,21 @@ class EditMerge:
         import difflib
         wu, nu, fu = text_units(wc), text_units(nc), text_units(fc)
         ws, fs = solid_indexes(wu), solid_indexes(fu)
-        if [wu[k].canonical for k in ws] != [fu[k].canonical for k in fs]:
+        if line_key(wc) != line_key(fc):               # (the solid units' canonical text)
             raise self.refuse("the changed line %r does not line up with the file's %r" % (
                 shorten(wc, 60), shorten(fc, 60)))
         twin = dict(zip(ws, fs))                        # w's solid unit -> the file's
         ops = difflib.SequenceMatcher(None, [u.original for u in wu], [u.original for u in nu],
                                       autojunk=False).get_opcodes()
-        same = set()
-        for tag, i1, i2, _, _ in ops:
-            same.update(range(i1, i2) if tag == "equal" else ())
         # the file's text between each two solid units of w that follow one another
         gaps = {(p, q): original_text(fu[twin[p] + 1:twin[q]]) for p, q in zip(ws, ws[1:])}
         spacing = spaced_otherwise(wu, gaps)
-        out, done = [], set()
+        out, same = [], set()                           # same: w's units the model left
         for tag, i1, i2, j1, j2 in ops:
             if tag != "equal":
                 out.append(self.put_text(nu[j1:j2], spacing, wc, fc))
                 continue
+            same.update(range(i1, i2))
             for k in range(i1, i2):
                 p, q = neighbours(ws, k)
                 if wu[k].solid:
@@ -12637,9 +12631,8 @@ class EditMerge:
                     out.append(fu[twin[k]].original)
                 elif (p, q) not in gaps:                # at an end of the line
                     out.append(wu[k].original)
-                elif (p, q) not in done:
+                else:                                   # (the one gap unit between p and q)
                     out.append(gaps[p, q])
-                    done.add((p, q))
         return "".join(out)
 
     def put_text(self, units, spacing, wc, fc):
@@ -12672,7 +12665,7 @@ class EditMerge:
         cols = {}
         for w, f in pairs:
             lead, fc, wc = leading(f), f.strip(), w.strip()
-            if wc == fc or squeezed(wc) != squeezed(fc):
+            if squeezed(wc) != squeezed(fc):
                 continue
             wu, fu = text_units(wc), text_units(fc)
             ws, fs = solid_indexes(wu), solid_indexes(fu)
@@ -12681,7 +12674,7 @@ class EditMerge:
                 if len(file_gap) > max(1, len(old_gap)) and file_gap.isspace():
                     token = original_text(fu[fq:]).split()[0]
                     cols.setdefault(token, []).append(len(lead) + len(original_text(fu[:fq])))
-        return {t: c[0] for t, c in cols.items() if len(c) > 1 and len(set(c)) == 1}
+        return {t: c[0] for t, c in cols.items() if len(set(c)) == 1 < len(c)}
 
     def aligned_line(self, line):
         """A new line whose tokens that the file aligns in a column stand in that column
@@ -12729,10 +12722,10 @@ def relaxed_note(level, merge):
     """How a relaxed match was made, for the result: the level, and for a match made
     ignoring indentation how the file indents."""
     name = MATCH_LEVELS[level].name
-    leads = [b for b in (merge.mapping or {}).values() if b]
+    leads = "".join((merge.mapping or {}).values())        # the file's indentations there
     if not MATCH_LEVELS[level].maps_indent or not leads:
         return name
-    return name + ", " + ("the file indents with tabs" if any("\t" in b for b in leads) else
+    return name + ", " + ("the file indents with tabs" if "\t" in leads else
                           "the file's indentation differs from old_str's")
 
 
