@@ -12044,8 +12044,8 @@ def squeezed(line):
     a run of whitespace between two word characters one space, any other run gone."""
     s = line.translate(PUNCT_ASCII).strip()
     # (stripped: every run has a character on either side)
-    return WHITESPACE_RUN.sub(lambda m: " " if is_word(s[m.start() - 1]) and is_word(s[m.end()])
-                              else "", s)
+    return WHITESPACE_RUN.sub(
+        lambda m: " " if is_word(s[m.start() - 1]) and is_word(s[m.end()]) else "", s)
 
 
 def line_key(line):
@@ -12092,7 +12092,7 @@ def indent_map(want, region):
         a, b = leading(w), leading(f)
         if w.strip() and f.strip() and to_file.setdefault(a, b) != b:
             return None
-    # deeper in old_str, deeper in the file (so no two of old_str's map onto one of the file's)
+    # deeper in old_str, deeper in the file (so no two map onto one of the file's)
     pairs = sorted((len(a.expandtabs(4)), len(b.expandtabs(4))) for a, b in to_file.items())
     if any(q[1] <= p[1] for p, q in zip(pairs, pairs[1:])):
         return None
@@ -12113,7 +12113,7 @@ def indent_unit(mapping):
     if not steps:
         return IndentUnit(0, "")
     unit, top, low = min(steps)
-    step = top[len(low):]           # (when top does not start with low, the loop below refuses)
+    step = top[len(low):]           # (where top does not start with low, the loop refuses)
     if len(set(step)) != 1:
         return None
     base = next((f for _, f in levels if f), "")
@@ -12138,15 +12138,17 @@ def indent_step(lines, counted=None):
     `counted`, when given, a step between two of those counting twice: how the model
     nests the lines it writes shows its unit best); None when no line is, or when two
     widths are as common."""
+    if counted is None:
+        # every line: every step weighs 2, which ranks the steps as weighing 1 does
+        counted = range(len(lines))
     steps, prev, last = Counter(), None, None
     for k, line in enumerate(lines):
         if line.strip():
             lead = leading(line)
-            if prev is not None and len(lead) > len(prev) and lead.startswith(prev) and \
-                    (counted is None or k in counted):
+            if prev is not None and lead.startswith(prev) and k in counted:
                 step = lead[len(prev):]
-                if step == step[0] * len(step):
-                    steps[step] += 2 if counted and last in counted else 1
+                if len(set(step)) == 1:             # one character repeated: deeper
+                    steps[step] += 2 if last in counted else 1
             prev, last = lead, k
     top = steps.most_common(2)
     if not top or (len(top) > 1 and top[0][1] == top[1][1] and len(top[0][0].expandtabs(4)) !=
@@ -12200,7 +12202,8 @@ def deeper_indent(extra, best, mapping, unit):
     if unit.columns and len(extra.expandtabs(4)) % unit.columns == 0:
         extra = unit.text * (len(extra.expandtabs(4)) // unit.columns)
     elif (len(set(best)) == len(set(mapping[best])) == 1 != len(set(best + mapping[best]))
-          and set(extra) == set(best) and len(extra) * len(mapping[best]) % len(best) == 0):
+          and set(extra) == set(best)
+          and len(extra) * len(mapping[best]) % len(best) == 0):
         # one level known, tabs against spaces: as many of the file's as that level shows
         extra = mapping[best][0] * (len(extra) * len(mapping[best]) // len(best))
     elif not is_shift(mapping):
@@ -12361,8 +12364,9 @@ def paired_lines(olds, news):
     if at is None:
         return unpaired
     k, m = at
-    right = [a if a is None else a + k + 1 for a in paired_lines(olds[k + 1:], news[m + 1:])]
-    return paired_lines(olds[:k], news[:m]) + [k] + right
+    left = paired_lines(olds[:k], news[:m])
+    right = paired_lines(olds[k + 1:], news[m + 1:])
+    return left + [k] + [a if a is None else a + k + 1 for a in right]
 
 
 TextUnit = namedtuple("TextUnit", "canonical original solid")
@@ -12521,7 +12525,8 @@ class EditMerge:
                               " the lines the edit changes, that %s lacks"
                               % (min(inside) + 1, self.what))
         out = []
-        for m, k in enumerate(paired_lines([self.want[w] for w in olds], self.new[j1:j2])):
+        partners = paired_lines([self.want[w] for w in olds], self.new[j1:j2])
+        for m, k in enumerate(partners):
             if k is None:
                 out.append(self.new_line(j1 + m))
             else:
@@ -12631,7 +12636,7 @@ class EditMerge:
                     out.append(fu[twin[k]].original)
                 elif (p, q) not in gaps:                # at an end of the line
                     out.append(wu[k].original)
-                else:                                   # (the one gap unit between p and q)
+                else:                                   # the one gap unit between p, q
                     out.append(gaps[p, q])
         return "".join(out)
 
@@ -13104,7 +13109,7 @@ def closest_region(text, old, cancelled=NOT_CANCELLED, what="old_str"):
                                                  autojunk=False).quick_ratio()
         if total / n > best:
             best, at = total / n, s
-    if at is None or best < 0.5:
+    if best < 0.5:                              # (also when no place was scored)
         return ""
     return region_report(lines[at:at + n], want, at, best, what)
 
@@ -13131,7 +13136,7 @@ def region_report(region, want, at, best, what):
                         % (plural(len(trailing(f)), "trailing space"), what, len(trailing(w))))
         ws.append("line %d: %s" % (at + k + 1, "; ".join(says)))
     hint = ""
-    if [l.strip() for l in region] == [w.strip() for w in want]:
+    if list(map(str.strip, region)) == list(map(str.strip, want)):
         hint = (" They differ only in indentation or trailing spaces: copy the whitespace from"
                 " the lines below.")
     shown = number_lines([clip_line(l)[:200] for l in region[:MISS_CONTEXT_LINES]], at + 1)
@@ -13211,7 +13216,8 @@ def replace_text(text, edit, shown, cancelled):
     check_old_new(old, new)
     count = text.count(old)
     how = ""
-    if count == 0 and "\n" in old and "\r\n" not in old and "\r\n" in text:
+    if count == 0 and "\r\n" not in old and "\r\n" in text:
+        # (an old_str without LF stays as it is, and not found)
         old, how = to_crlf(old), "with CRLF line endings"
         count = text.count(old)
     if count and new[:1] in " \t" and old[:1] not in " \t\n" and at_line_text(text, old):
@@ -13221,13 +13227,12 @@ def replace_text(text, edit, shown, cancelled):
         if text.count(whole) != count:
             count = 0                           # another place is indented otherwise
         old = whole
-    if count == 1 and not replace_all and text.find(old, text.find(old) + 1) >= 0:
-        # a second place overlapping the first ('x\nx' in 'x\nx\nx') is a place too
-        count = 2
-    if count > 1 and not replace_all:
+    if count and not replace_all and text.find(old, text.find(old) + 1) >= 0:
+        # a second place, also one overlapping the first ('x\nx' in 'x\nx\nx')
         raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str occurs %d times in %s (at lines %s) and"
                         " must be unique; add surrounding lines to old_str to pick one, or set"
-                        " replace_all to true" % (count, shown, match_lines(text, old)))
+                        " replace_all to true"
+                        % (max(count, 2), shown, match_lines(text, old)))
     if count:
         return replaced(text, old, new), count, text.find(old), how
     return replace_lines(text, edit, shown, cancelled)
@@ -13240,7 +13245,7 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
     import difflib
     old, new = edit["old_str"], edit.get("new_str") or ""
     lines = text.split("\n")
-    plain = [split_cr(l)[0] for l in lines]
+    plain = text_lines(text, ended=False)           # the lines without CR
     want = text_lines(old)
     level, hits, partial = relaxed_places(LineIndex(plain), want, text, edit, shown, cancelled)
     new_lines = text_lines(new, ended=old.endswith("\n")) if new else []
@@ -13647,10 +13652,11 @@ def checkpoint_diff(checkpoints, target, now, offset, cap):
     """What changed from checkpoint `target` to `now` (the state just read) as git writes a
     diff: a header per file, mode lines, hunks of text, a line for a binary file or one the
     checkpoint did not cover; files past `cap` characters are left to a read-on notice."""
-    old, cur = target.flat(), now.flat()
+    # the files and links at the checkpoint and now
+    old, cur = ({p: e for p, e in c.flat().items() if e.kind != "d"}
+                for c in (target, now))
     paths = sorted(p for p in set(old) | set(cur)
-                   if any(e is not None and e.kind != "d" for e in (old.get(p), cur.get(p)))
-                   and old.get(p, ())[:3] != cur.get(p, ())[:3])
+                   if old.get(p, ())[:3] != cur.get(p, ())[:3])
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
     readers, parts, size = {}, [], 0
@@ -13658,7 +13664,7 @@ def checkpoint_diff(checkpoints, target, now, offset, cap):
     def file_diff(p):
         """One file's part: its header and mode lines, then its hunks or why they are not shown."""
         name = relative_to_root(checkpoints.roots, p)
-        a, b = (None if e is None or e.kind == "d" else e for e in (old.get(p), cur.get(p)))
+        a, b = old.get(p), cur.get(p)
         text = git_header(name, a, b)
         try:
             # (a file the checkpoint did not cover has no bytes then)
@@ -13846,10 +13852,10 @@ class PatchReader:
         them dropped), or INVALID_INPUT saying which is missing."""
         lines = text.replace("\r\n", "\n").strip().split("\n")
         heredoc = re.match(r"^\s*(?:apply_patch\s*)?<<-?\s*(['\"]?)(\w+)\1\s*$", lines[0])
-        if heredoc and len(lines) > 1 and lines[-1].strip() == heredoc.group(2):
+        if heredoc and len(lines) > 2 and lines[-1].strip() == heredoc.group(2):
             # the patch wrapped as a heredoc, as some models send it
             lines = lines[1:-1]
-        if not lines or lines[0].strip() != "*** Begin Patch":
+        if lines[0].strip() != "*** Begin Patch":
             raise ToolError(INVALID_INPUT, "a patch starts with the line '*** Begin Patch' (and"
                             " ends with '*** End Patch')")
         if lines[-1].strip() != "*** End Patch":
@@ -13998,10 +14004,11 @@ class PatchedText:
         if not old:
             at = cursor if hunk.headers and not hunk.eof else len(lines)
             return at, at, 0
-        if not any(l.strip() for l in old):                # blank lines only: as they are
+        if not any(map(str.strip, old)):                # blank lines only: as they are
             n, level, elsewhere = len(old), 0, []
-            hits = [(i, i + n) for i in range(cursor, len(lines) - n + 1)
-                    if lines[i:i + n] == old and (not hunk.eof or i + n == len(lines))]
+            first = max(cursor, len(lines) - n) if hunk.eof else cursor
+            hits = [(i, i + n) for i in range(first, len(lines) - n + 1)
+                    if lines[i:i + n] == old]
         else:
             level, hits, elsewhere = find_lines(self.index, old, cursor, hunk.eof)
         if len(hits) == 1 and not elsewhere:
@@ -14049,7 +14056,7 @@ class PatchedText:
         """The ToolError of a hunk that is nowhere: its first line that is not found after
         the ones before it, and the closest region of the file."""
         got = 0
-        while got < len(old) and (not any(l.strip() for l in old[:got + 1]) or
+        while got < len(old) and (not any(map(str.strip, old[:got + 1])) or
                                   find_lines(self.index, old[:got + 1], cursor)[1]):
             got += 1
         after = " after the %s before it" % plural(got, "line") if got else ""
@@ -14105,9 +14112,9 @@ class PatchPlan:
             self.matched += ["%s: %s" % (move or shown, n) for n in patched.notes]
             if move:
                 target = resolve_checked(session, ctx, move, "*** Move to")
-                st = self.before[real][1] if self.before[real] else None
                 self.current(target, move, "*** Move to", overwrite=True)
-                self.modes[target] = stat.S_IMODE(st.st_mode) if st else 0o644
+                before = self.before[real]      # (None: added earlier in the patch)
+                self.modes[target] = stat.S_IMODE(before[1].st_mode) if before else 0o644
                 self.now[target], self.now[real] = data, None
             else:
                 self.now[real] = data
@@ -14126,12 +14133,13 @@ class PatchPlan:
             if not exists and not overwrite:
                 raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist; nothing was written"
                                 % (section, shown))
-            if exists and overwrite:
-                require_viewed(session, ctx, real, shown)
-                check_unchanged(session, ctx, real, shown)
-            self.before[real] = (read_regular(real, shown, ctx.config.max_file_size)
-                                 if exists else None)
-            self.now[real] = self.before[real][0] if self.before[real] else None
+            self.before[real] = self.now[real] = None
+            if exists:
+                if overwrite:
+                    require_viewed(session, ctx, real, shown)
+                    check_unchanged(session, ctx, real, shown)
+                self.before[real] = read_regular(real, shown, ctx.config.max_file_size)
+                self.now[real] = self.before[real][0]
         if self.now[real] is None and not overwrite:
             raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist (an earlier section of the patch"
                             " removed it); nothing was written" % (section, shown))
