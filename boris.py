@@ -12468,14 +12468,14 @@ class EditMerge:
         """For each line of want, the index of the region line it stands for (None: a
         blank line the file does not have there); region lines no want line stands for
         are blank lines old_str lacks."""
-        if len(self.want) == len(self.plain) and self.level < BLANK_LEVEL:
+        if self.level < BLANK_LEVEL:            # line for line (as level_of compared them)
             return list(range(len(self.want)))
         anchors = [(-1, -1)] + list(zip([k for k, w in enumerate(self.want) if w.strip()],
                                         [k for k, f in enumerate(self.plain) if f.strip()])) + \
             [(len(self.want), len(self.plain))]
         align = [None] * len(self.want)
         for (w0, r0), (w1, r1) in zip(anchors, anchors[1:]):
-            if 0 <= w1 < len(self.want):
+            if w1 < len(self.want):
                 align[w1] = r1
             ws, rs = range(w0 + 1, w1), range(r0 + 1, r1)
             if w0 < 0:                      # before the first line with text: pair from the end
@@ -13620,13 +13620,12 @@ def tool_checkpoints(session, args, ctx):
         partial, followed = checkpoint.partial, checkpoint.followed
         if k + 1 < len(kept):
             diff = entry_changes(checkpoint, kept[k + 1], partial)
-            changes = "- changed after it: " + (
-                change_words(zip(("added", "modified", "deleted"), diff), roots) or "nothing")
-        lines.append("#%d  %s  %s  %s%s" % (
+            words = change_words(zip(("added", "modified", "deleted"), diff), roots)
+            changes = "%s- changed after it: %s" % (
+                "(covers part: %s)  " % partial if partial else "", words or "nothing")
+        lines.append("#%d  %s  %s  %s" % (
             checkpoint.number, time.strftime("%H:%M:%S", time.localtime(checkpoint.taken)),
-            "before " + ", ".join(followed) if followed else "(the state now)",
-            "(covers part: %s)  " % partial if partial and k + 1 < len(kept) else "",
-            changes))
+            "before " + ", ".join(followed) if followed else "(the state now)", changes))
     if latest is not None:
         # (a directory at a time: no list of every entry at once)
         kinds, size = Counter(), 0
@@ -13935,8 +13934,6 @@ class PatchReader:
 
     def hunk_line(self, line, hunks):
         """Take one line of an Update section into `hunks`."""
-        if line == "" and hunks and hunks[-1].eof:
-            return                                      # a blank line after *** End of File
         if line.lstrip().startswith("@@"):
             self.header_line(line.strip()[2:].strip(), hunks)
         elif line.strip() == "*** End of File":
@@ -13945,6 +13942,8 @@ class PatchReader:
             hunks[-1].eof = True
         elif line[:1] in (" ", "-", "+", ""):
             if not hunks or hunks[-1].eof:
+                if hunks and not line:
+                    return                              # a blank line after *** End of File
                 hunks.append(Hunk())
             hunks[-1].lines.append((line[:1] or " ", line[1:]))
         else:
@@ -14011,7 +14010,7 @@ class PatchedText:
                     if lines[i:i + n] == old]
         else:
             level, hits, elsewhere = find_lines(self.index, old, cursor, hunk.eof)
-        if len(hits) == 1 and not elsewhere:
+        if len(hits + elsewhere) == 1:
             if hunk.headers and hits[0][0] == cursor and self.adds_after_blanks(hunk):
                 raise ToolError(
                     STR_REPLACE_AMBIGUOUS, "%s, %s: only blank lines stand between its @@ header"
@@ -14109,7 +14108,8 @@ class PatchPlan:
                 continue
             patched = PatchedText(text.decode("utf-8", "surrogateescape"), shown)
             data = encode_text(patched.apply(op.hunks), "input")
-            self.matched += ["%s: %s" % (move or shown, n) for n in patched.notes]
+            name = move or shown                    # as the summary names it
+            self.matched += ["%s: %s" % (name, n) for n in patched.notes]
             if move:
                 target = resolve_checked(session, ctx, move, "*** Move to")
                 self.current(target, move, "*** Move to", overwrite=True)
@@ -14118,7 +14118,7 @@ class PatchPlan:
                 self.now[target], self.now[real] = data, None
             else:
                 self.now[real] = data
-            lines["M"].append(move or shown)
+            lines["M"].append(name)
         self.summary = ["%s %s" % (kind, shown) for kind in "AMD" for shown in lines[kind]]
 
     def current(self, real, shown, section, overwrite=False):
