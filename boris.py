@@ -12229,7 +12229,7 @@ class LineIndex:
 
     def __init__(self, plain):
         self.plain = plain
-        self.keys = [line_key(l) for l in plain]
+        self.keys = list(map(line_key, plain))
         self.nonblank = [i for i, k in enumerate(self.keys) if k]
         self.at = {}
         for p, i in enumerate(self.nonblank):
@@ -12240,7 +12240,7 @@ class LineIndex:
         of want at its ends taken from the file's blank lines around the run, as far as
         they go), at or after `start` (at the end, for eof), overlapping ones too (each
         is a place). With `partial`, want's last line may be the start of the file's line."""
-        wkeys = [line_key(w) for w in want]
+        wkeys = list(map(line_key, want))
         words = list(filter(None, wkeys))                         # want's lines with text
         if not words:
             return []
@@ -12444,17 +12444,17 @@ class EditMerge:
         line, file line) `pairs`: `known` (each of old_str's indentations that maps to one of
         the file's), `as_is` (the model wrote the file's own), `indent_chars`, and `off` (the
         indentations that differ)."""
-        # the pairs that say something of indentation: both lines have text
-        texts = [(a, b) for a, b in pairs if a.strip() and b.strip()]
+        # the indentations of the pairs that say something of it: both lines have text
+        leads = [(leading(a), leading(b)) for a, b in pairs if a.strip() and b.strip()]
         images = {}
-        for a, b in texts:
-            images.setdefault(leading(a), set()).add(leading(b))
+        for a, b in leads:
+            images.setdefault(a, set()).add(b)
         # left out: an indentation that maps onto more than one of the file's
         self.known = {a: bs.pop() for a, bs in images.items() if len(bs) == 1}
         # Two lines or more with the file's very indentation, one line off at most and the
         # same unit: the model's indentation is the file's, and a new line's is too.
-        off = [leading(a) for a, b in texts if leading(a) != leading(b)]
-        self.as_is = len(texts) - len(off) >= 2 and len(off) <= 1 and (
+        off = [a for a, b in leads if a != b]
+        self.as_is = len(leads) - len(off) >= 2 and len(off) <= 1 and (
             self.place_unit is None
             or self.place_unit.columns == len(self.place_unit.text.expandtabs(4)))
         self.indent_chars = set(file_step.text if file_step
@@ -12468,7 +12468,7 @@ class EditMerge:
         """For each line of want, the index of the region line it stands for (None: a
         blank line the file does not have there); region lines no want line stands for
         are blank lines old_str lacks."""
-        if self.level < BLANK_LEVEL:            # line for line (as level_of compared them)
+        if self.level < BLANK_LEVEL:            # line for line, as level_of compared
             return list(range(len(self.want)))
         anchors = [(-1, -1)] + list(zip([k for k, w in enumerate(self.want) if w.strip()],
                                         [k for k, f in enumerate(self.plain) if f.strip()])) + \
@@ -12623,21 +12623,19 @@ class EditMerge:
                 continue
             same.update(range(i1, i2))
             for k in range(i1, i2):
-                p, q = neighbours(ws, k)
                 if wu[k].solid:
-                    # (p None: k is the first)
-                    gap = gaps.get((p, k)) if k - 1 == p and p in same else None
-                    if gap:
+                    gap = gaps.get((k - 1, k))          # (only where k - 1 is solid too)
+                    if gap and k - 1 in same:
                         # the file's gap where old_str has none: after the text put between
                         # the two, unless it goes with k
-                        before_last = p < i1 and not self.text_continues(
-                            out[-1], wu[p].original, wu[k].original)
+                        before_last = k - 1 < i1 and not self.text_continues(
+                            out[-1], wu[k - 1].original, wu[k].original)
                         out.insert(len(out) - before_last, gap)
                     out.append(fu[twin[k]].original)
-                elif (p, q) not in gaps:                # at an end of the line
-                    out.append(wu[k].original)
-                else:                                   # the one gap unit between p, q
-                    out.append(gaps[p, q])
+                else:
+                    # the file's text between the solid units around this gap; at an end
+                    # of the line, the gap as it is
+                    out.append(gaps.get(neighbours(ws, k), wu[k].original))
         return "".join(out)
 
     def put_text(self, units, spacing, wc, fc):
