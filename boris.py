@@ -12391,7 +12391,8 @@ def text_units(core):
             j += 1
         run = core[k:j]
         after = core[j:j + 1].translate(PUNCT_ASCII)[:1]
-        spaced = any(ch.translate(PUNCT_ASCII).isspace() for ch in run)
+        # spaced: not only characters that fold to nothing
+        spaced = run.translate(PUNCT_ASCII) != ""
         units.append(TextUnit(" " if spaced and units and is_word(units[-1].canonical)
                               and is_word(after) else "", run, False))
         k = j
@@ -12449,8 +12450,6 @@ class EditMerge:
         images = {}
         for a, b in leads:
             images.setdefault(a, set()).add(b)
-        # left out: an indentation that maps onto more than one of the file's
-        self.known = {a: bs.pop() for a, bs in images.items() if len(bs) == 1}
         # Two lines or more with the file's very indentation, one line off at most and the
         # same unit: the model's indentation is the file's, and a new line's is too.
         off = [a for a, b in leads if a != b]
@@ -12459,9 +12458,11 @@ class EditMerge:
             or self.place_unit.columns == len(self.place_unit.text.expandtabs(4)))
         self.indent_chars = set(file_step.text if file_step
                                 else "".join(map(leading, self.plain)))
-        # the line that is off is the slip, not a level to follow
-        if self.as_is:
-            self.known = {a: b for a, b in self.known.items() if a == b}
+        # left out: an indentation that maps onto more than one of the file's, and with
+        # as_is one that maps onto another (the line that is off is the slip, not a level
+        # to follow)
+        self.known = {a: bs.pop() for a, bs in images.items()
+                      if len(bs) == 1 and (a in bs or not self.as_is)}
         self.off = set(off)
 
     def aligned(self):
@@ -12503,7 +12504,7 @@ class EditMerge:
                         " new lines go; copy %s with the file's blank lines"
                         % (plural(next_row - rp, "blank line"), rp + 1, self.what, self.what))
                 if tag != "equal":
-                    out += [self.new_line(j) for j in range(j1, j2)]
+                    out += map(self.new_line, range(j1, j2))
             else:
                 # blank lines old_str lacks, before the block: kept
                 out += self.region[rp:rows[0]]
@@ -14038,15 +14039,15 @@ class PatchedText:
         naming the header not found."""
         lines, cursor = self.lines, self.cursor
         for h in hunk.headers:
-            for _, norm, _ in MATCH_LEVELS[:BLANK_LEVEL]:
-                hits = [j for j in range(cursor, len(lines)) if norm(lines[j]) == norm(h)]
-                if hits:
-                    cursor = hits[0] + 1
-                    break
-            else:
+            # the first line that is the header at the first level where one is
+            at = next((j for _, norm, _ in MATCH_LEVELS[:BLANK_LEVEL]
+                       for j in range(cursor, len(lines)) if norm(lines[j]) == norm(h)),
+                      None)
+            if at is None:
                 raise ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: its header line %r was not found%s;"
                                 " nothing was written"
                                 % (self.shown, label, shorten(h, 120), self.searched_from(cursor)))
+            cursor = at + 1
         return cursor
 
     def miss(self, old, cursor, label):
