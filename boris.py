@@ -12436,8 +12436,8 @@ class EditMerge:
         self.columns = self.aligned_columns(pairs) if level >= BLANK_LEVEL - 1 else {}
         # Typography old_str has where the file's line has none was the copy's slip: the text
         # the model writes takes the file's characters (as it takes the file's indentation).
-        self.typography = {c: v for c, v in PUNCT_ASCII.items()
-                           if any(chr(c) in a and chr(c) not in b for a, b in pairs)}
+        self.typography = {ord(c): PUNCT_ASCII[ord(c)] for a, b in pairs
+                           for c in set(a) - set(b) if ord(c) in PUNCT_ASCII}
         self.own = set("".join(self.plain))
 
     def read_indentation(self, pairs, file_step):
@@ -12848,7 +12848,7 @@ def write_files(session, ctx, todo, known):
     done, notes = [], []
     try:
         for change in sorted(todo, key=lambda c: c.data is None):
-            top = directories_made(change.real) if change.before is None else None
+            top = directories_made(change.real)     # (None for a file that was there)
             if change.data is None:
                 remove_file(change.real)
             elif not atomic_write(change.real, change.data, ctx.files, change.mode or 0o644):
