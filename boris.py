@@ -12116,9 +12116,9 @@ def indent_unit(mapping):
     step = top[len(low):]           # (where top does not start with low, the loop refuses)
     if len(set(step)) != 1:
         return None
-    base = next((f for _, f in levels if f), "")
-    if base[:1] != step[0]:
-        # spaces that align under tabs: not the file's unit
+    if "".join(f for _, f in levels)[:1] != step[0]:
+        # the file's shallowest indentation starts otherwise: spaces that align under
+        # tabs, not the file's unit
         return None
     if unit not in (2, 4, 8):
         # no unit a model writes (0: two indentations as wide as each other): one line is
