@@ -12644,7 +12644,8 @@ class EditMerge:
         typed; a refusal where it brings punctuation into a line the file spaces otherwise
         than old_str (`spacing`)."""
         put = self.typed(original_text(units))
-        if spacing and any(not is_word(ch) and not ch.isspace() for ch in put):
+        # punctuation: neither a word's character (\w is is_word) nor whitespace
+        if spacing and re.search(r"[^\w\s]", put):
             raise self.refuse("the file spaces the line %r otherwise than %s (%r), and the change"
                               " puts punctuation into it; copy the line as the file has it"
                               % (shorten(fc, 60), self.what, shorten(wc, 60)))
