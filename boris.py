@@ -11964,7 +11964,7 @@ def text_lines(s, ended=True):
     """s split into lines (CRLF as LF); when `ended`, a final newline ends the last line
     rather than starting an empty one."""
     lines = s.replace("\r\n", "\n").split("\n")
-    if ended and len(lines) > 1 and lines[-1] == "":
+    if ended and s.endswith("\n"):
         lines.pop()
     return lines
 
@@ -11984,8 +11984,9 @@ def squeezed(line):
     """A line as the inner-whitespace level sees it: typography folded, its ends stripped,
     a run of whitespace between two word characters one space, any other run gone."""
     s = line.translate(PUNCT_ASCII).strip()
-    return WHITESPACE_RUN.sub(lambda m: " " if m.start() and m.end() < len(s)
-                              and is_word(s[m.start() - 1]) and is_word(s[m.end()]) else "", s)
+    # (stripped: every run has a character on either side)
+    return WHITESPACE_RUN.sub(
+        lambda m: " " if is_word(s[m.start() - 1]) and is_word(s[m.end()]) else "", s)
 
 
 def line_key(line):
@@ -12027,12 +12028,12 @@ def indent_map(want, region):
     one of the slips models make: levels shifted, tabs written as spaces, another
     width of unit (2 spaces for 4), every level alike (indent_unit); else None:
     then the lines only look alike."""
-    to_file, to_old = {}, {}
+    to_file = {}
     for w, f in zip(want, region):
-        if w.strip() and f.strip():
-            a, b = leading(w), leading(f)
-            if to_file.setdefault(a, b) != b or to_old.setdefault(b, a) != a:
-                return None
+        a, b = leading(w), leading(f)
+        if w.strip() and f.strip() and to_file.setdefault(a, b) != b:
+            return None
+    # deeper in old_str, deeper in the file (so no two map onto one of the file's)
     pairs = sorted((len(a.expandtabs(4)), len(b.expandtabs(4))) for a, b in to_file.items())
     if any(q[1] <= p[1] for p, q in zip(pairs, pairs[1:])):
         return None
@@ -12053,19 +12054,19 @@ def indent_unit(mapping):
     if not steps:
         return IndentUnit(0, "")
     unit, top, low = min(steps)
-    step = top[len(low):] if top.startswith(low) else ""
-    if not step or step != step[0] * len(step):
+    step = top[len(low):]           # (where top does not start with low, the loop refuses)
+    if len(set(step)) != 1:
         return None
-    base = next((f for _, f in levels if f), "")
-    if base[:1] != step[0]:
-        # spaces that align under tabs: not the file's unit
+    if "".join(f for _, f in levels)[:1] != step[0]:
+        # the file's shallowest indentation starts otherwise: spaces that align under
+        # tabs, not the file's unit
         return None
     if unit not in (2, 4, 8):
         # no unit a model writes (0: two indentations as wide as each other): one line is
         # off, not the unit
         return None
     for dn, f2, f1 in steps:
-        if dn % unit or not f2.startswith(f1) or f2[len(f1):] != step * (dn // unit):
+        if dn % unit or f2 != f1 + step * (dn // unit):
             return None
     # as a ratio: two tabs for 8 columns are a tab for 4
     g = math.gcd(unit, len(step))
@@ -12078,15 +12079,17 @@ def indent_step(lines, counted=None):
     `counted`, when given, a step between two of those counting twice: how the model
     nests the lines it writes shows its unit best); None when no line is, or when two
     widths are as common."""
+    if counted is None:
+        # every line: every step weighs 2, which ranks the steps as weighing 1 does
+        counted = range(len(lines))
     steps, prev, last = Counter(), None, None
     for k, line in enumerate(lines):
         if line.strip():
             lead = leading(line)
-            if prev is not None and len(lead) > len(prev) and lead.startswith(prev) and \
-                    (counted is None or k in counted):
+            if prev is not None and lead.startswith(prev) and k in counted:
                 step = lead[len(prev):]
-                if step == step[0] * len(step):
-                    steps[step] += 2 if counted and last in counted else 1
+                if len(set(step)) == 1:             # one character repeated: deeper
+                    steps[step] += 2 if last in counted else 1
             prev, last = lead, k
     top = steps.most_common(2)
     if not top or (len(top) > 1 and top[0][1] == top[1][1] and len(top[0][0].expandtabs(4)) !=
@@ -12103,13 +12106,12 @@ def with_indent(line, mapping, place_unit=None):
     columns, the file's as text); a line shallower than every known level loses as
     many of the file's units. None when the mapping cannot tell."""
     have = leading(line)
-    level_unit = indent_unit(mapping)
-    torn = level_unit and level_unit.columns and place_unit and (
+    level_unit = indent_unit(mapping)           # (indent_map's mappings all have one)
+    torn = level_unit.columns and place_unit and (
         level_unit.text[:1] != place_unit.text[:1]
         or level_unit.columns * len(place_unit.text) != place_unit.columns * len(level_unit.text))
     # torn: the place and the file disagree
-    unit = (level_unit if level_unit != (0, "") or not place_unit else place_unit) \
-        or IndentUnit(0, "")
+    unit = level_unit if level_unit.columns or not place_unit else place_unit
     best = max((k for k in mapping if have.startswith(k)), key=len, default=None)
     if torn and have not in mapping:
         return None
@@ -12136,14 +12138,16 @@ def deeper_indent(extra, best, mapping, unit):
     """The file's writing of `extra`, the indentation a line has past the known level
     `best`: in the file's units, or as tabs against spaces where one level shows how, or
     as it is where the mapping is a shift; None when it cannot be told."""
-    if extra and unit.columns and len(extra.expandtabs(4)) % unit.columns == 0:
+    if not extra:
+        return extra
+    if unit.columns and len(extra.expandtabs(4)) % unit.columns == 0:
         extra = unit.text * (len(extra.expandtabs(4)) // unit.columns)
-    elif (extra and best and len(set(best)) == len(set(mapping[best])) == 1
-          != len(set(best + mapping[best])) and set(extra) == set(best)
+    elif (len(set(best)) == len(set(mapping[best])) == 1 != len(set(best + mapping[best]))
+          and set(extra) == set(best)
           and len(extra) * len(mapping[best]) % len(best) == 0):
         # one level known, tabs against spaces: as many of the file's as that level shows
         extra = mapping[best][0] * (len(extra) * len(mapping[best]) // len(best))
-    elif extra and not is_shift(mapping):
+    elif not is_shift(mapping):
         # part of a unit the file writes otherwise: not known
         return None
     return extra
@@ -12166,7 +12170,7 @@ class LineIndex:
 
     def __init__(self, plain):
         self.plain = plain
-        self.keys = [line_key(l) for l in plain]
+        self.keys = list(map(line_key, plain))
         self.nonblank = [i for i, k in enumerate(self.keys) if k]
         self.at = {}
         for p, i in enumerate(self.nonblank):
@@ -12177,12 +12181,12 @@ class LineIndex:
         of want at its ends taken from the file's blank lines around the run, as far as
         they go), at or after `start` (at the end, for eof), overlapping ones too (each
         is a place). With `partial`, want's last line may be the start of the file's line."""
-        wkeys = [line_key(w) for w in want]
-        texts = [k for k, key in enumerate(wkeys) if key]         # want's lines with text
-        if not texts:
+        wkeys = list(map(line_key, want))
+        words = list(filter(None, wkeys))                         # want's lines with text
+        if not words:
             return []
-        words = [wkeys[k] for k in texts]
-        lead, tail = texts[0], len(wkeys) - 1 - texts[-1]
+        # the blank lines before the first and after the last
+        lead, tail = wkeys.index(words[0]), wkeys[::-1].index(words[-1])
         nb, keys, m, out = self.nonblank, self.keys, len(words), []
         if partial and tail:
             return []
@@ -12236,7 +12240,7 @@ def level_of(plain, want, i, j, partial):
     for k, (_, norm, maps_indent) in enumerate(MATCH_LEVELS[:BLANK_LEVEL]):
         if same(norm, region, want) and (not maps_indent or indent_map(want, region) is not None):
             return k
-    if same(squeezed, [l for l in region if l.strip()], [w for w in want if w.strip()]):
+    if same(squeezed, list(filter(str.strip, region)), list(filter(str.strip, want))):
         return BLANK_LEVEL
     return None
 
@@ -12244,19 +12248,19 @@ def level_of(plain, want, i, j, partial):
 def find_lines(index, want, start=0, eof=False, partial=False):
     """(level, [(i, j)] there, [(i, j)] elsewhere) of the first level at which the lines
     `want` stand in the file (a LineIndex) at or after `start` (at the end, for eof):
-    the places found there and, past the strict levels, the other places the most
-    relaxed level sees (a place is unique only when nothing else looks like it);
-    (None, [], []) when nowhere."""
-    found = []
+    the places found there, in order, and past the strict levels the other places the
+    most relaxed level sees, in no order (a place is unique only when nothing else looks
+    like it); (None, [], []) when nowhere."""
+    found = {}                                  # level: [(i, j)] found at it
     for i, j in index.spans(want, start, eof, partial):
         level = level_of(index.plain, want, i, j, partial)
         if level is not None:
-            found.append((level, (i, j)))
+            found.setdefault(level, []).append((i, j))
     if not found:
         return None, [], []
-    level = min(k for k, _ in found)
-    return (level, [span for k, span in found if k == level],
-            [span for k, span in found if k != level] if level >= STRICT_LEVELS else [])
+    level = min(found)
+    there = found.pop(level)
+    return level, there, sum(found.values(), []) if level >= STRICT_LEVELS else []
 
 
 # -- the three-way merge ----------------------------------------------------------
@@ -12278,17 +12282,17 @@ def hunk_ops(lines):
 
 
 def paired_lines(olds, news):
-    """[(k, m)]: which old line (index into olds) each changed new line (into news) was
-    made from, in order: line by line when there are as many and each pair is alike,
-    else by the most similar pairs; a line with no partner is None on its side."""
+    """For each changed new line (of news), the old line (index into olds) it was made
+    from, or None: line by line when there are as many and each pair is alike, else by
+    the most similar pairs, in order."""
     import difflib
-    unpaired = [(k, None) for k in range(len(olds))] + [(None, m) for m in range(len(news))]
+    unpaired = [None] * len(news)
 
     def ratio(a, b):
         matcher = difflib.SequenceMatcher(None, a.strip()[:300], b.strip()[:300], autojunk=False)
         return matcher.ratio() if matcher.quick_ratio() >= 0.5 else 0.0
     if len(olds) == len(news) and all(ratio(a, b) >= 0.5 for a, b in zip(olds, news)):
-        return [(k, k) for k in range(len(olds))]
+        return list(range(len(olds)))
     if len(olds) * len(news) > 400:
         return unpaired
     # difflib's own cutoff for lines that were changed, not replaced
@@ -12302,9 +12306,8 @@ def paired_lines(olds, news):
         return unpaired
     k, m = at
     left = paired_lines(olds[:k], news[:m])
-    right = [(a if a is None else a + k + 1, b if b is None else b + m + 1)
-             for a, b in paired_lines(olds[k + 1:], news[m + 1:])]
-    return left + [(k, m)] + right
+    right = paired_lines(olds[k + 1:], news[m + 1:])
+    return left + [k] + [a if a is None else a + k + 1 for a in right]
 
 
 TextUnit = namedtuple("TextUnit", "canonical original solid")
@@ -12329,9 +12332,10 @@ def text_units(core):
             j += 1
         run = core[k:j]
         after = core[j:j + 1].translate(PUNCT_ASCII)[:1]
-        spaced = any(ch.translate(PUNCT_ASCII).isspace() for ch in run)
+        # spaced: not only characters that fold to nothing
+        spaced = run.translate(PUNCT_ASCII) != ""
         units.append(TextUnit(" " if spaced and units and is_word(units[-1].canonical)
-                              and after and is_word(after) else "", run, False))
+                              and is_word(after) else "", run, False))
         k = j
     return units
 
@@ -12368,13 +12372,13 @@ class EditMerge:
         self.plain = [split_cr(l)[0] for l in region]
         self.align = self.aligned()
         pairs = [(want[w], self.plain[r]) for w, r in enumerate(self.align) if r is not None]
-        self.mapping = indent_map([a for a, _ in pairs], [b for _, b in pairs])
+        self.mapping = indent_map(*zip(*pairs))
         self.read_indentation(pairs, file_step)
         self.columns = self.aligned_columns(pairs) if level >= BLANK_LEVEL - 1 else {}
         # Typography old_str has where the file's line has none was the copy's slip: the text
         # the model writes takes the file's characters (as it takes the file's indentation).
-        self.typography = {c: v for c, v in PUNCT_ASCII.items()
-                           if any(chr(c) in a and chr(c) not in b for a, b in pairs)}
+        self.typography = {ord(c): PUNCT_ASCII[ord(c)] for a, b in pairs
+                           for c in set(a) - set(b) if ord(c) in PUNCT_ASCII}
         self.own = set("".join(self.plain))
 
     def read_indentation(self, pairs, file_step):
@@ -12382,38 +12386,38 @@ class EditMerge:
         line, file line) `pairs`: `known` (each of old_str's indentations that maps to one of
         the file's), `as_is` (the model wrote the file's own), `indent_chars`, and `off` (the
         indentations that differ)."""
-        # the pairs that say something of indentation: both lines have text
-        texts = [(a, b) for a, b in pairs if a.strip() and b.strip()]
+        # the indentations of the pairs that say something of it: both lines have text
+        leads = [(leading(a), leading(b)) for a, b in pairs if a.strip() and b.strip()]
         images = {}
-        for a, b in texts:
-            images.setdefault(leading(a), set()).add(leading(b))
-        # left out: an indentation that maps onto more than one of the file's
-        self.known = {a: bs.pop() for a, bs in images.items() if len(bs) == 1}
+        for a, b in leads:
+            images.setdefault(a, set()).add(b)
         # Two lines or more with the file's very indentation, one line off at most and the
         # same unit: the model's indentation is the file's, and a new line's is too.
-        off = [leading(a) for a, b in texts if leading(a) != leading(b)]
-        self.as_is = len(texts) - len(off) >= 2 and len(off) <= 1 and (
+        off = [a for a, b in leads if a != b]
+        self.as_is = len(leads) - len(off) >= 2 and len(off) <= 1 and (
             self.place_unit is None
             or self.place_unit.columns == len(self.place_unit.text.expandtabs(4)))
         self.indent_chars = set(file_step.text if file_step
-                                else "".join(leading(f) for f in self.plain))
-        # the line that is off is the slip, not a level to follow
-        if self.as_is:
-            self.known = {a: b for a, b in self.known.items() if a == b}
+                                else "".join(map(leading, self.plain)))
+        # left out: an indentation that maps onto more than one of the file's, and with
+        # as_is one that maps onto another (the line that is off is the slip, not a level
+        # to follow)
+        self.known = {a: bs.pop() for a, bs in images.items()
+                      if len(bs) == 1 and (a in bs or not self.as_is)}
         self.off = set(off)
 
     def aligned(self):
         """For each line of want, the index of the region line it stands for (None: a
         blank line the file does not have there); region lines no want line stands for
         are blank lines old_str lacks."""
-        if len(self.want) == len(self.plain) and self.level < BLANK_LEVEL:
+        if self.level < BLANK_LEVEL:            # line for line, as level_of compared
             return list(range(len(self.want)))
         anchors = [(-1, -1)] + list(zip([k for k, w in enumerate(self.want) if w.strip()],
                                         [k for k, f in enumerate(self.plain) if f.strip()])) + \
             [(len(self.want), len(self.plain))]
         align = [None] * len(self.want)
         for (w0, r0), (w1, r1) in zip(anchors, anchors[1:]):
-            if 0 <= w1 < len(self.want):
+            if w1 < len(self.want):
                 align[w1] = r1
             ws, rs = range(w0 + 1, w1), range(r0 + 1, r1)
             if w0 < 0:                      # before the first line with text: pair from the end
@@ -12431,41 +12435,40 @@ class EditMerge:
         """The region's lines after the edit (CR kept where the file has it)."""
         out, rp, align = [], 0, self.align
         for tag, i1, i2, j1, j2 in self.ops:
-            rows = [align[w] for w in range(i1, i2) if align[w] is not None]
-            if tag == "insert":
+            olds = [w for w in range(i1, i2) if align[w] is not None]
+            rows = [align[w] for w in olds]
+            if not rows:        # an insert, or only blank lines the file does not have
                 next_row = next((r for r in align[i2:] if r is not None), len(self.region))
-                if rp < next_row:
+                if tag == "insert" and rp < next_row:
                     raise self.refuse(
                         "the file has %s at line %d of the match that %s lacks, just where the"
                         " new lines go; copy %s with the file's blank lines"
                         % (plural(next_row - rp, "blank line"), rp + 1, self.what, self.what))
-                out += [self.new_line(j) for j in range(j1, j2)]
-            elif not rows:                  # only blank lines the file does not have
-                out += [self.new_line(j) for j in range(j1, j2)] if tag == "replace" else []
+                if tag != "equal":
+                    out += map(self.new_line, range(j1, j2))
             else:
                 # blank lines old_str lacks, before the block: kept
                 out += self.region[rp:rows[0]]
                 if tag == "equal":
                     out += self.region[rows[0]:rows[-1] + 1]
                 elif tag == "replace":
-                    out += self.replaced(rows, range(i1, i2), j1, j2)
+                    out += self.replaced(rows, olds, j1, j2)
                 rp = rows[-1] + 1
         return out + self.region[rp:]
 
     def replaced(self, rows, olds, j1, j2):
-        """The lines new[j1:j2] that replace old_str's lines `olds` (at the region's `rows`):
-        each made from an old line merged into the file's line, the others new lines; a
-        refusal where the file has a blank line among those rows that old_str lacks."""
-        inside = [r for r in range(rows[0], rows[-1] + 1) if r not in rows]
+        """The lines new[j1:j2] that replace old_str's lines `olds` (those the file has, at
+        the region's `rows`): each made from an old line merged into the file's line, the
+        others new lines; a refusal where the file has a blank line among those rows that
+        old_str lacks."""
+        inside = set(range(rows[0], rows[-1])).difference(rows)
         if inside:
             raise self.refuse("the file has a blank line at line %d of the match, inside"
                               " the lines the edit changes, that %s lacks"
-                              % (inside[0] + 1, self.what))
-        olds = [w for w in olds if self.align[w] is not None]
+                              % (min(inside) + 1, self.what))
         out = []
-        for k, m in paired_lines([self.want[w] for w in olds], self.new[j1:j2]):
-            if m is None:
-                continue                    # an old line the edit removes
+        partners = paired_lines([self.want[w] for w in olds], self.new[j1:j2])
+        for m, k in enumerate(partners):
             if k is None:
                 out.append(self.new_line(j1 + m))
             else:
@@ -12546,40 +12549,35 @@ class EditMerge:
         import difflib
         wu, nu, fu = text_units(wc), text_units(nc), text_units(fc)
         ws, fs = solid_indexes(wu), solid_indexes(fu)
-        if [wu[k].canonical for k in ws] != [fu[k].canonical for k in fs]:
+        if line_key(wc) != line_key(fc):               # (the solid units' canonical text)
             raise self.refuse("the changed line %r does not line up with the file's %r" % (
                 shorten(wc, 60), shorten(fc, 60)))
         twin = dict(zip(ws, fs))                        # w's solid unit -> the file's
         ops = difflib.SequenceMatcher(None, [u.original for u in wu], [u.original for u in nu],
                                       autojunk=False).get_opcodes()
-        same = set()
-        for tag, i1, i2, _, _ in ops:
-            same.update(range(i1, i2) if tag == "equal" else ())
         # the file's text between each two solid units of w that follow one another
         gaps = {(p, q): original_text(fu[twin[p] + 1:twin[q]]) for p, q in zip(ws, ws[1:])}
         spacing = spaced_otherwise(wu, gaps)
-        out, done = [], set()
+        out, same = [], set()                           # same: w's units the model left
         for tag, i1, i2, j1, j2 in ops:
             if tag != "equal":
                 out.append(self.put_text(nu[j1:j2], spacing, wc, fc))
                 continue
+            same.update(range(i1, i2))
             for k in range(i1, i2):
-                p, q = neighbours(ws, k)
                 if wu[k].solid:
-                    # (p None: k is the first)
-                    gap = gaps.get((p, k)) if k - 1 == p and p in same else None
-                    if gap:
+                    gap = gaps.get((k - 1, k))          # (only where k - 1 is solid too)
+                    if gap and k - 1 in same:
                         # the file's gap where old_str has none: after the text put between
                         # the two, unless it goes with k
-                        before_last = p < i1 and not self.text_continues(
-                            out[-1], wu[p].original, wu[k].original)
+                        before_last = k - 1 < i1 and not self.text_continues(
+                            out[-1], wu[k - 1].original, wu[k].original)
                         out.insert(len(out) - before_last, gap)
                     out.append(fu[twin[k]].original)
-                elif (p, q) not in gaps:                # at an end of the line
-                    out.append(wu[k].original)
-                elif (p, q) not in done:
-                    out.append(gaps[p, q])
-                    done.add((p, q))
+                else:
+                    # the file's text between the solid units around this gap; at an end
+                    # of the line, the gap as it is
+                    out.append(gaps.get(neighbours(ws, k), wu[k].original))
         return "".join(out)
 
     def put_text(self, units, spacing, wc, fc):
@@ -12587,7 +12585,8 @@ class EditMerge:
         typed; a refusal where it brings punctuation into a line the file spaces otherwise
         than old_str (`spacing`)."""
         put = self.typed(original_text(units))
-        if spacing and any(not is_word(ch) and not ch.isspace() for ch in put):
+        # punctuation: neither a word's character (\w is is_word) nor whitespace
+        if spacing and re.search(r"[^\w\s]", put):
             raise self.refuse("the file spaces the line %r otherwise than %s (%r), and the change"
                               " puts punctuation into it; copy the line as the file has it"
                               % (shorten(fc, 60), self.what, shorten(wc, 60)))
@@ -12612,7 +12611,7 @@ class EditMerge:
         cols = {}
         for w, f in pairs:
             lead, fc, wc = leading(f), f.strip(), w.strip()
-            if wc == fc or squeezed(wc) != squeezed(fc):
+            if squeezed(wc) != squeezed(fc):
                 continue
             wu, fu = text_units(wc), text_units(fc)
             ws, fs = solid_indexes(wu), solid_indexes(fu)
@@ -12621,7 +12620,7 @@ class EditMerge:
                 if len(file_gap) > max(1, len(old_gap)) and file_gap.isspace():
                     token = original_text(fu[fq:]).split()[0]
                     cols.setdefault(token, []).append(len(lead) + len(original_text(fu[:fq])))
-        return {t: c[0] for t, c in cols.items() if len(c) > 1 and len(set(c)) == 1}
+        return {t: c[0] for t, c in cols.items() if len(set(c)) == 1 < len(c)}
 
     def aligned_line(self, line):
         """A new line whose tokens that the file aligns in a column stand in that column
@@ -12669,10 +12668,10 @@ def relaxed_note(level, merge):
     """How a relaxed match was made, for the result: the level, and for a match made
     ignoring indentation how the file indents."""
     name = MATCH_LEVELS[level].name
-    leads = [b for b in (merge.mapping or {}).values() if b]
+    leads = "".join((merge.mapping or {}).values())        # the file's indentations there
     if not MATCH_LEVELS[level].maps_indent or not leads:
         return name
-    return name + ", " + ("the file indents with tabs" if any("\t" in b for b in leads) else
+    return name + ", " + ("the file indents with tabs" if "\t" in leads else
                           "the file's indentation differs from old_str's")
 
 
@@ -12791,7 +12790,7 @@ def write_files(session, ctx, todo, known):
     done, notes = [], []
     try:
         for change in sorted(todo, key=lambda c: c.data is None):
-            top = directories_made(change.real) if change.before is None else None
+            top = directories_made(change.real)     # (None for a file that was there)
             if change.data is None:
                 remove_file(change.real)
             elif not atomic_write(change.real, change.data, ctx.files, change.mode or 0o644):
@@ -13051,7 +13050,7 @@ def closest_region(text, old, cancelled=NOT_CANCELLED, what="old_str"):
                                                  autojunk=False).quick_ratio()
         if total / n > best:
             best, at = total / n, s
-    if at is None or best < 0.5:
+    if best < 0.5:                              # (also when no place was scored)
         return ""
     return region_report(lines[at:at + n], want, at, best, what)
 
@@ -13078,7 +13077,7 @@ def region_report(region, want, at, best, what):
                         % (plural(len(trailing(f)), "trailing space"), what, len(trailing(w))))
         ws.append("line %d: %s" % (at + k + 1, "; ".join(says)))
     hint = ""
-    if [l.strip() for l in region] == [w.strip() for w in want]:
+    if list(map(str.strip, region)) == list(map(str.strip, want)):
         hint = (" They differ only in indentation or trailing spaces: copy the whitespace from"
                 " the lines below.")
     shown = number_lines([clip_line(l)[:200] for l in region[:MISS_CONTEXT_LINES]], at + 1)
@@ -13158,7 +13157,8 @@ def replace_text(text, edit, shown, cancelled):
     check_old_new(old, new)
     count = text.count(old)
     how = ""
-    if count == 0 and "\n" in old and "\r\n" not in old and "\r\n" in text:
+    if count == 0 and "\r\n" not in old and "\r\n" in text:
+        # (an old_str without LF stays as it is, and not found)
         old, how = to_crlf(old), "with CRLF line endings"
         count = text.count(old)
     if count and new[:1] in " \t" and old[:1] not in " \t\n" and at_line_text(text, old):
@@ -13168,13 +13168,12 @@ def replace_text(text, edit, shown, cancelled):
         if text.count(whole) != count:
             count = 0                           # another place is indented otherwise
         old = whole
-    if count == 1 and not replace_all and text.find(old, text.find(old) + 1) >= 0:
-        # a second place overlapping the first ('x\nx' in 'x\nx\nx') is a place too
-        count = 2
-    if count > 1 and not replace_all:
+    if count and not replace_all and text.find(old, text.find(old) + 1) >= 0:
+        # a second place, also one overlapping the first ('x\nx' in 'x\nx\nx')
         raise ToolError(STR_REPLACE_AMBIGUOUS, "old_str occurs %d times in %s (at lines %s) and"
                         " must be unique; add surrounding lines to old_str to pick one, or set"
-                        " replace_all to true" % (count, shown, match_lines(text, old)))
+                        " replace_all to true"
+                        % (max(count, 2), shown, match_lines(text, old)))
     if count:
         return replaced(text, old, new), count, text.find(old), how
     return replace_lines(text, edit, shown, cancelled)
@@ -13187,7 +13186,7 @@ def replace_lines(text, edit, shown, cancelled=NOT_CANCELLED):
     import difflib
     old, new = edit["old_str"], edit.get("new_str") or ""
     lines = text.split("\n")
-    plain = [split_cr(l)[0] for l in lines]
+    plain = text_lines(text, ended=False)           # the lines without CR
     want = text_lines(old)
     level, hits, partial = relaxed_places(LineIndex(plain), want, text, edit, shown, cancelled)
     new_lines = text_lines(new, ended=old.endswith("\n")) if new else []
@@ -13562,13 +13561,12 @@ def tool_checkpoints(session, args, ctx):
         partial, followed = checkpoint.partial, checkpoint.followed
         if k + 1 < len(kept):
             diff = entry_changes(checkpoint, kept[k + 1], partial)
-            changes = "- changed after it: " + (
-                change_words(zip(("added", "modified", "deleted"), diff), roots) or "nothing")
-        lines.append("#%d  %s  %s  %s%s" % (
+            words = change_words(zip(("added", "modified", "deleted"), diff), roots)
+            changes = "%s- changed after it: %s" % (
+                "(covers part: %s)  " % partial if partial else "", words or "nothing")
+        lines.append("#%d  %s  %s  %s" % (
             checkpoint.number, time.strftime("%H:%M:%S", time.localtime(checkpoint.taken)),
-            "before " + ", ".join(followed) if followed else "(the state now)",
-            "(covers part: %s)  " % partial if partial and k + 1 < len(kept) else "",
-            changes))
+            "before " + ", ".join(followed) if followed else "(the state now)", changes))
     if latest is not None:
         # (a directory at a time: no list of every entry at once)
         kinds, size = Counter(), 0
@@ -13594,10 +13592,11 @@ def checkpoint_diff(checkpoints, target, now, offset, cap):
     """What changed from checkpoint `target` to `now` (the state just read) as git writes a
     diff: a header per file, mode lines, hunks of text, a line for a binary file or one the
     checkpoint did not cover; files past `cap` characters are left to a read-on notice."""
-    old, cur = target.flat(), now.flat()
+    # the files and links at the checkpoint and now
+    old, cur = ({p: e for p, e in c.flat().items() if e.kind != "d"}
+                for c in (target, now))
     paths = sorted(p for p in set(old) | set(cur)
-                   if any(e is not None and e.kind != "d" for e in (old.get(p), cur.get(p)))
-                   and old.get(p, ())[:3] != cur.get(p, ())[:3])
+                   if old.get(p, ())[:3] != cur.get(p, ())[:3])
     if offset < 0:
         raise ToolError(INVALID_INPUT, "offset %d must be 0 or more" % offset)
     readers, parts, size = {}, [], 0
@@ -13605,7 +13604,7 @@ def checkpoint_diff(checkpoints, target, now, offset, cap):
     def file_diff(p):
         """One file's part: its header and mode lines, then its hunks or why they are not shown."""
         name = relative_to_root(checkpoints.roots, p)
-        a, b = (None if e is None or e.kind == "d" else e for e in (old.get(p), cur.get(p)))
+        a, b = old.get(p), cur.get(p)
         text = git_header(name, a, b)
         try:
             # (a file the checkpoint did not cover has no bytes then)
@@ -13793,10 +13792,10 @@ class PatchReader:
         them dropped), or INVALID_INPUT saying which is missing."""
         lines = text.replace("\r\n", "\n").strip().split("\n")
         heredoc = re.match(r"^\s*(?:apply_patch\s*)?<<-?\s*(['\"]?)(\w+)\1\s*$", lines[0])
-        if heredoc and len(lines) > 1 and lines[-1].strip() == heredoc.group(2):
+        if heredoc and len(lines) > 2 and lines[-1].strip() == heredoc.group(2):
             # the patch wrapped as a heredoc, as some models send it
             lines = lines[1:-1]
-        if not lines or lines[0].strip() != "*** Begin Patch":
+        if lines[0].strip() != "*** Begin Patch":
             raise ToolError(INVALID_INPUT, "a patch starts with the line '*** Begin Patch' (and"
                             " ends with '*** End Patch')")
         if lines[-1].strip() != "*** End Patch":
@@ -13876,8 +13875,6 @@ class PatchReader:
 
     def hunk_line(self, line, hunks):
         """Take one line of an Update section into `hunks`."""
-        if line == "" and hunks and hunks[-1].eof:
-            return                                      # a blank line after *** End of File
         if line.lstrip().startswith("@@"):
             self.header_line(line.strip()[2:].strip(), hunks)
         elif line.strip() == "*** End of File":
@@ -13886,6 +13883,8 @@ class PatchReader:
             hunks[-1].eof = True
         elif line[:1] in (" ", "-", "+", ""):
             if not hunks or hunks[-1].eof:
+                if hunks and not line:
+                    return                              # a blank line after *** End of File
                 hunks.append(Hunk())
             hunks[-1].lines.append((line[:1] or " ", line[1:]))
         else:
@@ -13945,13 +13944,14 @@ class PatchedText:
         if not old:
             at = cursor if hunk.headers and not hunk.eof else len(lines)
             return at, at, 0
-        if not any(l.strip() for l in old):                # blank lines only: as they are
+        if not any(map(str.strip, old)):                # blank lines only: as they are
             n, level, elsewhere = len(old), 0, []
-            hits = [(i, i + n) for i in range(cursor, len(lines) - n + 1)
-                    if lines[i:i + n] == old and (not hunk.eof or i + n == len(lines))]
+            first = max(cursor, len(lines) - n) if hunk.eof else cursor
+            hits = [(i, i + n) for i in range(first, len(lines) - n + 1)
+                    if lines[i:i + n] == old]
         else:
             level, hits, elsewhere = find_lines(self.index, old, cursor, hunk.eof)
-        if len(hits) == 1 and not elsewhere:
+        if len(hits + elsewhere) == 1:
             if hunk.headers and hits[0][0] == cursor and self.adds_after_blanks(hunk):
                 raise ToolError(
                     STR_REPLACE_AMBIGUOUS, "%s, %s: only blank lines stand between its @@ header"
@@ -13981,22 +13981,22 @@ class PatchedText:
         naming the header not found."""
         lines, cursor = self.lines, self.cursor
         for h in hunk.headers:
-            for _, norm, _ in MATCH_LEVELS[:BLANK_LEVEL]:
-                hits = [j for j in range(cursor, len(lines)) if norm(lines[j]) == norm(h)]
-                if hits:
-                    cursor = hits[0] + 1
-                    break
-            else:
+            # the first line that is the header at the first level where one is
+            at = next((j for _, norm, _ in MATCH_LEVELS[:BLANK_LEVEL]
+                       for j in range(cursor, len(lines)) if norm(lines[j]) == norm(h)),
+                      None)
+            if at is None:
                 raise ToolError(STR_REPLACE_NOT_FOUND, "%s, %s: its header line %r was not found%s;"
                                 " nothing was written"
                                 % (self.shown, label, shorten(h, 120), self.searched_from(cursor)))
+            cursor = at + 1
         return cursor
 
     def miss(self, old, cursor, label):
         """The ToolError of a hunk that is nowhere: its first line that is not found after
         the ones before it, and the closest region of the file."""
         got = 0
-        while got < len(old) and (not any(l.strip() for l in old[:got + 1]) or
+        while got < len(old) and (not any(map(str.strip, old[:got + 1])) or
                                   find_lines(self.index, old[:got + 1], cursor)[1]):
             got += 1
         after = " after the %s before it" % plural(got, "line") if got else ""
@@ -14049,16 +14049,17 @@ class PatchPlan:
                 continue
             patched = PatchedText(text.decode("utf-8", "surrogateescape"), shown)
             data = encode_text(patched.apply(op.hunks), "input")
-            self.matched += ["%s: %s" % (move or shown, n) for n in patched.notes]
+            name = move or shown                    # as the summary names it
+            self.matched += ["%s: %s" % (name, n) for n in patched.notes]
             if move:
                 target = resolve_checked(session, ctx, move, "*** Move to")
-                st = self.before[real][1] if self.before[real] else None
                 self.current(target, move, "*** Move to", overwrite=True)
-                self.modes[target] = stat.S_IMODE(st.st_mode) if st else 0o644
+                before = self.before[real]      # (None: added earlier in the patch)
+                self.modes[target] = stat.S_IMODE(before[1].st_mode) if before else 0o644
                 self.now[target], self.now[real] = data, None
             else:
                 self.now[real] = data
-            lines["M"].append(move or shown)
+            lines["M"].append(name)
         self.summary = ["%s %s" % (kind, shown) for kind in "AMD" for shown in lines[kind]]
 
     def current(self, real, shown, section, overwrite=False):
@@ -14073,12 +14074,13 @@ class PatchPlan:
             if not exists and not overwrite:
                 raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist; nothing was written"
                                 % (section, shown))
-            if exists and overwrite:
-                require_viewed(session, ctx, real, shown)
-                check_unchanged(session, ctx, real, shown)
-            self.before[real] = (read_regular(real, shown, ctx.config.max_file_size)
-                                 if exists else None)
-            self.now[real] = self.before[real][0] if self.before[real] else None
+            self.before[real] = self.now[real] = None
+            if exists:
+                if overwrite:
+                    require_viewed(session, ctx, real, shown)
+                    check_unchanged(session, ctx, real, shown)
+                self.before[real] = read_regular(real, shown, ctx.config.max_file_size)
+                self.now[real] = self.before[real][0]
         if self.now[real] is None and not overwrite:
             raise ToolError(PATH_NOT_FOUND, "%s: %s does not exist (an earlier section of the patch"
                             " removed it); nothing was written" % (section, shown))
