@@ -16589,6 +16589,7 @@ def helper_main(args):
         sys.stderr.write("boris: error: unknown helper kind %r\n" % kind)
         return 2
     guard_helper(int(parent) if parent.isdigit() else None)
+    trim_memory()                       # (a helper that compiled this file: the compiler's pages)
     helper_search()
     return 0
 

@@ -2864,6 +2864,22 @@ class TestHelperPool(SearchBase):
         self.assertEqual(e.exception.code, "IO_ERROR")
         self.assertIn("no search helper process could be started", e.exception.message)
 
+    def test_a_helper_that_compiled_this_file_gives_the_compilers_memory_back(self):
+        """Started before the file's bytecode is cached, a helper compiles it; the pages the
+        compiler freed go back to the system before it serves (several times a warm one's
+        size if they stayed)."""
+        try:
+            boris._libc()[1].malloc_trim
+        except (OSError, AttributeError, ImportError):
+            self.skipTest("no malloc_trim in this C library: freed memory stays with it")
+        pool, fresh = self.pool(), tempfile.mkdtemp()          # no bytecode cached there
+        self.addCleanup(shutil.rmtree, fresh, True)
+        with mock.patch.object(boris, "pycache_prefix", lambda avoid=(): fresh):
+            self.assertEqual(len(self.run_job(pool)[0]), 1)
+        with open("/proc/%d/status" % pool.idle[0].pid) as f:
+            rss_kb = int([line for line in f if line.startswith("VmRSS")][0].split()[1])
+        self.assertLess(rss_kb, 40 << 10)
+
     def test_a_helper_traceback_reaches_the_server_stderr(self):
         pool = self.pool()
         with tempfile.TemporaryFile() as err:
