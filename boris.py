@@ -1437,6 +1437,17 @@ def open_file(real, flags=os.O_RDONLY):
         os.close(dfd)
 
 
+def read_plain(path, limit=-1):
+    """At most `limit` bytes of the regular file at `path`, links followed as git follows
+    them; OSError for anything else: a FIFO or a device put there is never waited on.
+    The reader of the files git keeps beside a work tree (.git, commondir, index,
+    attributes)."""
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_CLOEXEC), "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return f.read(limit)
+
+
 def open_checked(job):
     """A binary file object of the file a helper's job names (its 'path' and 'file': device,
     inode), opened as open_file opens its last step (no link followed, no FIFO waited on),
@@ -2916,8 +2927,7 @@ class Protect:
         """The directory a .git file names (gitdir: ...),
         and its common directory (a worktree's)."""
         try:
-            with open(path, "rb") as f:
-                line = f.read(4096).split(b"\n", 1)[0].decode("utf-8", "surrogateescape")
+            line = read_plain(path, 4096).split(b"\n", 1)[0].decode("utf-8", "surrogateescape")
         except OSError:
             return []
         if not line.startswith("gitdir:"):
@@ -2925,9 +2935,8 @@ class Protect:
         gitdir = os.path.realpath(os.path.join(os.path.dirname(path), line[7:].strip()))
         dirs = [gitdir]
         try:
-            with open(os.path.join(gitdir, "commondir"), "rb") as f:
-                dirs.append(os.path.realpath(os.path.join(gitdir,
-                                                          os.fsdecode(f.read(4096).strip()))))
+            common = read_plain(os.path.join(gitdir, "commondir"), 4096).strip()
+            dirs.append(os.path.realpath(os.path.join(gitdir, os.fsdecode(common))))
         except OSError:
             pass  # not a worktree: no common directory
         return dirs
@@ -10094,8 +10103,7 @@ class GitIndex:
             # a worktree's or submodule's: "gitdir: <path>"
             if os.path.isfile(dotgit):
                 try:
-                    with open(dotgit, "rb") as f:
-                        line = f.read(4096).decode("utf-8", "surrogateescape").strip()
+                    line = read_plain(dotgit, 4096).decode("utf-8", "surrogateescape").strip()
                 except OSError:
                     return None
                 if not line.startswith("gitdir: "):
@@ -10119,8 +10127,7 @@ class GitIndex:
             return
         self.stamp, self.dirs = stamp, {}
         try:
-            with open(os.path.join(self.gitdir, "index"), "rb") as f:
-                data = f.read()
+            data = read_plain(os.path.join(self.gitdir, "index"))
             dirs = self.parse(data, divmod(st.st_mtime_ns, 10 ** 9), pause)
             del data
             if self.converts(dirs):
@@ -10199,8 +10206,7 @@ class GitIndex:
             or os.path.join(os.environ.get("XDG_CONFIG_HOME") or "~/.config", "git", "attributes"))]
         for path in files:
             try:
-                with open(path, "rb") as f:
-                    text = f.read(1 << 20)
+                text = read_plain(path, 1 << 20)
             except OSError:
                 continue                                      # none there: nothing converts
             if any(GIT_FILTERING.search(line.split(None, 1)[1]) for line in text.splitlines()

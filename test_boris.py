@@ -4960,6 +4960,38 @@ class TestRewind(NoViewBase):
     def points(self):
         return boris.Checkpoints([self.root], self.policy, self.cfg)
 
+    def test_a_fifo_where_git_keeps_a_file_is_not_waited_on(self):
+        """A FIFO put at .gitattributes, .git/info/attributes or a worktree's .git file is
+        read by no one (git neither): the checkpoint is taken (a FIFO opened to read
+        would block the walk for good)."""
+        self.write("a.txt", "one\n")
+        self.write(".gitattributes", "*.md diff\n")
+        self.git("git init -q .", "git add -A && git -c user.email=a@b -c user.name=n commit -qm one")
+        for rel in (".gitattributes", ".git/info/attributes"):
+            if os.path.exists(self.path(rel)):
+                os.unlink(self.path(rel))
+            os.mkfifo(self.path(rel))
+        os.utime(self.path(".git/index"), (time.time() + 5,) * 2)       # the index read again
+        points = self.points()
+        self.addCleanup(points.close)
+        taken = []
+        worker = threading.Thread(target=lambda: taken.append(take(points)), daemon=True)
+        worker.start()
+        worker.join(30)
+        if worker.is_alive():              # a writer comes and goes, the FIFOs go: it ends
+            fifos = [self.path(rel) for rel in (".gitattributes", ".git/info/attributes")]
+            writers = [os.open(path, os.O_RDWR) for path in fifos]
+            for path in fifos:
+                os.unlink(path)
+            for fd in writers:
+                os.close(fd)
+            worker.join(30)
+            self.fail("the checkpoint waited on a FIFO")
+        self.assertIn("a.txt", boris.unpack_children(next(iter(taken[0].dirs.values()))))
+        self.assertEqual(boris.read_plain(self.path("a.txt")), b"one\n")
+        with self.assertRaises(OSError):
+            boris.read_plain(self.path(".gitattributes"))
+
     def random_change(self, rng):
         """One change of the kind a shell makes, at a random path of the workspace."""
         depth = rng.randint(1, 3)
