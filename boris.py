@@ -272,6 +272,7 @@ PROGRESS_LINE_CHARS = 200                  # a progress message shows the last l
 WAIT_FOR_LINE_CHARS = 1000                 # of each output line, what wait_for looks at
 
 SEARCH_TIMEOUT_S = 60.0                    # a search is stopped here, its partial results kept
+GREP_HEAD_LIMIT = 0                        # grep's page when a call gives no head_limit (0: all)
 DOC_MEMBER_BYTES = 64 << 20                # view of an office document: a part
                                            # of it inflated past this is refused
 DOC_MAX_CELLS = 200000                     # ... and a spreadsheet's cells
@@ -14614,7 +14615,6 @@ def tool_task_stop(session, args, ctx):
 ###############################################################################
 
 GREP_MODES = ("files_with_matches", "content", "count")
-GREP_HEAD_LIMIT = 0             # grep's page when a call gives no head_limit (0: every result)
 
 
 def grep_spec(pattern, mode, regex=True, ignore_case=False, multiline=False):
